@@ -1,0 +1,120 @@
+//! Filesystem helpers: the supported-filesystem check and small durable-write
+//! primitives (fsync of files and directories, recursive removal).
+
+use std::fs;
+use std::io;
+use std::path::{Path, PathBuf};
+
+use nix::sys::statfs::{statfs, FsType, BTRFS_SUPER_MAGIC, EXT4_SUPER_MAGIC, XFS_SUPER_MAGIC};
+
+/// Filesystems a store root may live on (ARCHITECTURE.md §2 "Store"): local ext4,
+/// xfs or btrfs. SQLite's locking and overlayfs upper/work rules are only sound there.
+const SUPPORTED: &[(FsType, &str)] = &[
+    (EXT4_SUPER_MAGIC, "ext4"),
+    (XFS_SUPER_MAGIC, "xfs"),
+    (BTRFS_SUPER_MAGIC, "btrfs"),
+];
+
+/// Well-known names for filesystems we refuse, so the error says what was found.
+fn fs_name(t: FsType) -> String {
+    // Magic numbers from linux/magic.h.
+    let known: &[(i64, &str)] = &[
+        (0x0102_1994, "tmpfs"),
+        (0x794c_7630, "overlayfs"),
+        (0x6969, "nfs"),
+        (0xff53_4d42, "cifs"),
+        (0xfe53_4d42, "smb2"),
+        (0x6573_5546, "fuse"),
+        (0x9fa0, "proc"),
+        (0x6265_6572, "sysfs"),
+        (0x2fc1_2fc1, "zfs"),
+        (0x0102_1997, "9p"),
+        (0x5846_5342, "xfs"),
+        (0xef53, "ext4"),
+        (0x9123_683e, "btrfs"),
+    ];
+    #[allow(clippy::unnecessary_cast)]
+    let raw = t.0 as i64;
+    known
+        .iter()
+        .find(|(m, _)| *m == raw)
+        .map(|(_, n)| (*n).to_string())
+        .unwrap_or_else(|| format!("filesystem magic {raw:#x}"))
+}
+
+/// Result of [`check_supported_fs`]: `Err(name)` names the unsupported filesystem.
+pub(crate) fn check_supported_fs(path: &Path) -> io::Result<Result<&'static str, String>> {
+    // The root may not exist yet: check the nearest existing ancestor, and create
+    // nothing before the check passes.
+    let mut probe: PathBuf = path.to_path_buf();
+    loop {
+        match statfs(&probe) {
+            Ok(st) => {
+                let t = st.filesystem_type();
+                return Ok(SUPPORTED
+                    .iter()
+                    .find(|(m, _)| *m == t)
+                    .map(|(_, n)| *n)
+                    .ok_or_else(|| fs_name(t)));
+            }
+            Err(nix::errno::Errno::ENOENT) => match probe.parent() {
+                Some(p) if !p.as_os_str().is_empty() => probe = p.to_path_buf(),
+                _ => return Err(io::Error::from(io::ErrorKind::NotFound)),
+            },
+            Err(e) => return Err(io::Error::from(e)),
+        }
+    }
+}
+
+/// fsync a directory so that renames and creations inside it are durable.
+pub fn fsync_dir(path: &Path) -> io::Result<()> {
+    fs::File::open(path)?.sync_all()
+}
+
+/// Remove a directory tree if it exists; missing is not an error.
+///
+/// overlayfs leaves `work/work` with mode 000; root removes it regardless.
+pub fn remove_tree(path: &Path) -> io::Result<()> {
+    match fs::symlink_metadata(path) {
+        Ok(m) if m.is_dir() => fs::remove_dir_all(path),
+        Ok(_) => fs::remove_file(path),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e),
+    }
+}
+
+/// Create a directory with an explicit mode, whatever the process umask is
+/// (containerd's snapshotter testsuite checks that an active snapshot's root is 0755).
+pub fn mkdir_mode(path: &Path, mode: u32) -> io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    fs::create_dir(path)?;
+    fs::set_permissions(path, fs::Permissions::from_mode(mode))
+}
+
+/// Real allocated bytes and inode count of a tree, without following symlinks;
+/// hardlinked inodes are counted once. Shape: `(bytes, inodes)`.
+pub fn disk_usage(path: &Path) -> io::Result<(i64, i64)> {
+    use std::collections::HashSet;
+    use std::os::unix::fs::MetadataExt;
+    let mut seen = HashSet::new();
+    let mut bytes = 0i64;
+    let mut inodes = 0i64;
+    let mut stack = vec![path.to_path_buf()];
+    while let Some(p) = stack.pop() {
+        let m = match fs::symlink_metadata(&p) {
+            Ok(m) => m,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(e),
+        };
+        if seen.insert((m.dev(), m.ino())) {
+            inodes += 1;
+            bytes += (m.blocks() as i64) * 512;
+        }
+        if m.is_dir() {
+            for e in fs::read_dir(&p)? {
+                stack.push(e?.path());
+            }
+        }
+    }
+    Ok((bytes, inodes))
+}

@@ -1,0 +1,265 @@
+//! Plain data types of the model (ARCHITECTURE.md §2).
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+/// Row id of a layer; its directory is `<root>/l/<id>` (see [`crate::Store::layer_path`]).
+pub type LayerId = i64;
+/// Row id of a session.
+pub type SessionId = i64;
+/// Row id of an immutable manifest.
+pub type ManifestId = i64;
+
+/// containerd's snapshot kinds (containerd `snapshots/snapshotter.go` `Kind`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SnapshotKind {
+    /// Read-only snapshot of a parent (`View`).
+    View,
+    /// Writable snapshot (`Prepare`).
+    Active,
+    /// Immutable snapshot (`Commit`).
+    Committed,
+}
+
+impl SnapshotKind {
+    /// Lowercase name, as stored.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::View => "view",
+            Self::Active => "active",
+            Self::Committed => "committed",
+        }
+    }
+    pub(crate) fn parse(s: &str) -> Self {
+        match s {
+            "view" => Self::View,
+            "active" => Self::Active,
+            _ => Self::Committed,
+        }
+    }
+}
+
+/// What containerd sees of a snapshot (`Stat`/`List`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SnapshotInfo {
+    /// containerd's backend key (`<namespace>/<seq>/<key>`) or committed name.
+    pub key: String,
+    pub kind: SnapshotKind,
+    /// Parent's key, empty for none.
+    pub parent: String,
+    pub labels: BTreeMap<String, String>,
+    /// Nanoseconds since the Unix epoch.
+    pub created_ns: i64,
+    /// Nanoseconds since the Unix epoch.
+    pub updated_ns: i64,
+}
+
+/// How a snapshot is mounted; the adapter turns it into containerd `Mount`s.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum MountSpec {
+    /// A bind mount of one directory (`rbind`, `rw` or `ro`).
+    Bind { source: PathBuf, writable: bool },
+    /// An overlay mount. `lowers` newest first; `upper` = `(upperdir, workdir)`
+    /// for writable mounts. Every mount carries `index=off,redirect_dir=off,metacopy=off`.
+    Overlay {
+        lowers: Vec<PathBuf>,
+        upper: Option<(PathBuf, PathBuf)>,
+    },
+}
+
+impl MountSpec {
+    /// The overlay options, in containerd's order (`snapshots/overlay/overlay.go`).
+    pub fn overlay_options(&self) -> Vec<String> {
+        match self {
+            Self::Bind { writable, .. } => {
+                vec![if *writable { "rw" } else { "ro" }.to_string(), "rbind".to_string()]
+            }
+            Self::Overlay { lowers, upper } => {
+                let mut o = vec![
+                    "index=off".to_string(),
+                    "redirect_dir=off".to_string(),
+                    "metacopy=off".to_string(),
+                ];
+                if let Some((u, w)) = upper {
+                    o.push(format!("workdir={}", w.display()));
+                    o.push(format!("upperdir={}", u.display()));
+                }
+                let l: Vec<String> = lowers.iter().map(|p| p.display().to_string()).collect();
+                o.push(format!("lowerdir={}", l.join(":")));
+                o
+            }
+        }
+    }
+}
+
+/// A session's lifecycle state (CLI `session ls`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum SessionState {
+    /// Mounted or mountable; writes not yet published.
+    Active,
+    /// Last run published (or had nothing to publish); upper is fresh and empty.
+    Published,
+    /// Last run was rejected by the gate; upper and lease kept for inspection.
+    Conflict,
+    /// Last run's writes were dropped on purpose (or committed as a containerd snapshot).
+    Discarded,
+}
+
+impl SessionState {
+    /// Lowercase name, as printed by the CLI.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Active => "active",
+            Self::Published => "published",
+            Self::Conflict => "conflict",
+            Self::Discarded => "discarded",
+        }
+    }
+    pub(crate) fn parse(s: &str) -> Self {
+        match s {
+            "published" => Self::Published,
+            "conflict" => Self::Conflict,
+            "discarded" => Self::Discarded,
+            _ => Self::Active,
+        }
+    }
+}
+
+/// The kinds of publish outcome (ARCHITECTURE.md §2 "Outcome").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum OutcomeKind {
+    /// A new layer was prepended to the branch.
+    Committed,
+    /// The session changed nothing; no layer was made.
+    NoChange,
+    /// The whole changeset was rejected; nothing was published.
+    Conflict,
+    /// The writes were dropped without publishing.
+    Discarded,
+    /// Publishing failed for a reason other than a conflict; nothing was published.
+    Failed,
+}
+
+impl OutcomeKind {
+    /// Kebab-case name, as printed by the CLI.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Committed => "committed",
+            Self::NoChange => "no-change",
+            Self::Conflict => "conflict",
+            Self::Discarded => "discarded",
+            Self::Failed => "failed",
+        }
+    }
+}
+
+/// One path the gate refused, with why. `path` is display-escaped (see [`escape_path`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConflictRecord {
+    pub path: String,
+    pub reason: String,
+}
+
+/// The recorded result of one publish attempt of a session.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Outcome {
+    pub kind: OutcomeKind,
+    /// The published layer, for `Committed`.
+    pub layer: Option<LayerId>,
+    /// Per-path reasons, for `Conflict`.
+    #[serde(default)]
+    pub conflicts: Vec<ConflictRecord>,
+    /// Human-readable detail (failure cause, counts).
+    #[serde(default)]
+    pub message: Option<String>,
+    /// Nanoseconds since the Unix epoch.
+    pub at_ns: i64,
+}
+
+/// A session as listed by `layerstack session ls`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionInfo {
+    pub id: SessionId,
+    /// The container rootfs snapshot key.
+    pub key: String,
+    pub namespace: String,
+    pub container: String,
+    pub stack: String,
+    pub branch: String,
+    pub state: SessionState,
+    pub outcome: Option<Outcome>,
+    /// The manifest currently leased, if any (none right after a publish).
+    pub lease_manifest: Option<ManifestId>,
+    /// How many times this session has been (re)mounted after a publish.
+    pub runs: i64,
+    /// containerd removed the snapshot; the row stays as history.
+    pub released: bool,
+    pub upper: PathBuf,
+    pub work: PathBuf,
+}
+
+/// One entry of `layerstack log`: a published layer on a branch, newest first.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LogEntry {
+    pub layer: LayerId,
+    pub manifest: ManifestId,
+    pub session: Option<SessionId>,
+    pub namespace: Option<String>,
+    pub container: Option<String>,
+    /// Number of paths the layer changed.
+    pub paths: i64,
+    pub created_ns: i64,
+}
+
+/// Everything the publisher needs to capture and gate one session, read in one
+/// read transaction (see [`crate::Store::publish_context`]).
+#[derive(Debug, Clone)]
+pub struct PublishContext {
+    pub session: SessionInfo,
+    /// The lease's lower directories, newest first (what the session saw).
+    pub lease_lowers: Vec<PathBuf>,
+    /// The lease's manifest.
+    pub lease_manifest: ManifestId,
+}
+
+/// What the gate compares against: the head manifest and the serialized path
+/// changes of every layer on it that the lease does not have.
+#[derive(Debug, Clone)]
+pub struct HeadDelta {
+    pub head: ManifestId,
+    /// `(path, serialized change)` of layers published since the lease, newest layer first.
+    pub changes: Vec<(Vec<u8>, String)>,
+    /// Layers on head but not in the lease, newest first.
+    pub new_layers: Vec<LayerId>,
+}
+
+/// Escape a byte path for display: valid UTF-8 stays as is; other bytes become `\xNN`.
+/// Lossless for display, never used to write a name back.
+pub fn escape_path(p: &[u8]) -> String {
+    let mut out = String::with_capacity(p.len() + 1);
+    out.push('/');
+    let mut rest = p;
+    while !rest.is_empty() {
+        match std::str::from_utf8(rest) {
+            Ok(s) => {
+                out.push_str(s);
+                break;
+            }
+            Err(e) => {
+                let (good, bad) = rest.split_at(e.valid_up_to());
+                out.push_str(std::str::from_utf8(good).unwrap_or_default());
+                let n = e.error_len().unwrap_or(bad.len());
+                for b in &bad[..n] {
+                    out.push_str(&format!("\\x{b:02x}"));
+                }
+                rest = &bad[n..];
+            }
+        }
+    }
+    out
+}

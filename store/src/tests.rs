@@ -1,0 +1,316 @@
+#![allow(clippy::unwrap_used)]
+
+use super::*;
+use std::collections::BTreeMap;
+
+fn tmp() -> tempfile::TempDir {
+    // /var/tmp is on the root filesystem (ext4 here); /tmp may be tmpfs elsewhere.
+    tempfile::Builder::new().prefix("ls-store-").tempdir_in("/var/tmp").unwrap()
+}
+
+fn open(dir: &Path) -> Store {
+    Store::open(&dir.join("root"), &StoreOptions::default()).unwrap()
+}
+
+fn labels(kv: &[(&str, &str)]) -> BTreeMap<String, String> {
+    kv.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+}
+
+/// Unpack a two-layer image the way containerd's unpacker does.
+fn unpack(store: &Store, ns: &str) -> String {
+    let l1 = format!("{ns}/1/sha256:aaa");
+    let l2 = format!("{ns}/3/sha256:bbb");
+    store
+        .prepare(&format!("{ns}/2/extract-1 sha256:aaa"), "", labels(&[(SNAPSHOT_REF_LABEL, "sha256:aaa")]), false)
+        .unwrap();
+    store.commit(&l1, &format!("{ns}/2/extract-1 sha256:aaa"), BTreeMap::new()).unwrap();
+    let (_, spec) = store
+        .prepare(&format!("{ns}/4/extract-2 sha256:bbb"), &l1, labels(&[(SNAPSHOT_REF_LABEL, "sha256:bbb")]), false)
+        .unwrap();
+    match spec {
+        MountSpec::Overlay { lowers, upper: Some(_) } => assert_eq!(lowers.len(), 1),
+        other => panic!("extraction on a parent must be an overlay with an upper: {other:?}"),
+    }
+    store.commit(&l2, &format!("{ns}/4/extract-2 sha256:bbb"), BTreeMap::new()).unwrap();
+    l2
+}
+
+#[test]
+fn unpack_then_session_mounts_image_layers_newest_first() {
+    let d = tmp();
+    let s = open(d.path());
+    let top = unpack(&s, "default");
+    let (_, spec) = s.prepare("default/5/c1", &top, BTreeMap::new(), false).unwrap();
+    let MountSpec::Overlay { lowers, upper: Some((u, _)) } = spec else { panic!("session must be an overlay") };
+    assert_eq!(lowers, vec![s.layer_path(2), s.layer_path(1)]);
+    let sess = s.find_session("default", "c1").unwrap().unwrap();
+    assert_eq!(u, sess.upper);
+    assert_eq!(sess.stack, "sha256:bbb");
+    assert_eq!(sess.branch, "main");
+    assert_eq!(sess.state, SessionState::Active);
+    // Published layers are never listed; everything containerd created is.
+    let keys: Vec<String> = s.list().unwrap().into_iter().map(|i| i.key).collect();
+    assert_eq!(keys, vec!["default/1/sha256:aaa", "default/3/sha256:bbb", "default/5/c1"]);
+}
+
+#[test]
+fn already_exists_and_not_found_follow_errdefs() {
+    let d = tmp();
+    let s = open(d.path());
+    let top = unpack(&s, "ns");
+    assert!(matches!(s.prepare("ns/5/c", &top, BTreeMap::new(), false), Ok(_)));
+    assert!(matches!(s.prepare("ns/5/c", &top, BTreeMap::new(), false), Err(SnapshotError::AlreadyExists(_))));
+    assert!(matches!(s.prepare("ns/6/d", "ns/9/nope", BTreeMap::new(), false), Err(SnapshotError::NotFound(_))));
+    assert!(matches!(s.stat("nope"), Err(SnapshotError::NotFound(_))));
+    // Re-committing an existing name.
+    s.prepare("ns/7/x", "", BTreeMap::new(), false).unwrap();
+    assert!(matches!(s.commit(&top, "ns/7/x", BTreeMap::new()), Err(SnapshotError::AlreadyExists(_))));
+    // A parent with children cannot be removed.
+    assert!(matches!(s.remove(&top), Err(SnapshotError::FailedPrecondition(_))));
+}
+
+#[test]
+fn publish_prepends_layer_and_next_session_sees_it() {
+    let d = tmp();
+    let s = open(d.path());
+    let top = unpack(&s, "default");
+    s.prepare("default/5/c1", &top, BTreeMap::new(), false).unwrap();
+    let sess = s.find_session("default", "c1").unwrap().unwrap();
+    std::fs::write(sess.upper.join("a.txt"), b"hello").unwrap();
+    let ctx = s.publish_context(sess.id).unwrap();
+    let delta = s.head_delta(sess.id, ctx.lease_manifest).unwrap();
+    assert!(delta.changes.is_empty());
+    let p = s
+        .commit_publish(sess.id, delta.head, &[(b"a.txt".to_vec(), "{}".to_string())], None)
+        .unwrap();
+    assert_eq!(std::fs::read(s.layer_path(p.layer).join("a.txt")).unwrap(), b"hello");
+    let after = s.session(sess.id).unwrap();
+    assert_eq!(after.state, SessionState::Published);
+    assert_eq!(after.outcome.as_ref().unwrap().kind, OutcomeKind::Committed);
+    assert_eq!(after.lease_manifest, None);
+    assert_eq!(std::fs::read_dir(&after.upper).unwrap().count(), 0, "upper must be fresh and empty");
+
+    // A new session leases the new head: the published layer sits above the image.
+    let (_, spec) = s.prepare("default/6/c2", &top, BTreeMap::new(), false).unwrap();
+    let MountSpec::Overlay { lowers, .. } = spec else { panic!() };
+    assert_eq!(lowers, vec![s.layer_path(p.layer), s.layer_path(2), s.layer_path(1)]);
+    // Remounting the first session starts a new run on the new head.
+    let MountSpec::Overlay { lowers, .. } = s.mounts("default/5/c1").unwrap() else { panic!() };
+    assert_eq!(lowers[0], s.layer_path(p.layer));
+    let again = s.session(sess.id).unwrap();
+    assert_eq!((again.state, again.outcome, again.runs), (SessionState::Active, None, 1));
+
+    let log = s.log("sha256:bbb", "main").unwrap();
+    assert_eq!(log.len(), 1);
+    assert_eq!(log[0].layer, p.layer);
+    assert_eq!(log[0].container.as_deref(), Some("c1"));
+    assert_eq!(log[0].paths, 1);
+}
+
+#[test]
+fn head_delta_lists_changes_published_since_the_lease() {
+    let d = tmp();
+    let s = open(d.path());
+    let top = unpack(&s, "default");
+    s.prepare("default/5/a", &top, BTreeMap::new(), false).unwrap();
+    s.prepare("default/6/b", &top, BTreeMap::new(), false).unwrap();
+    let a = s.find_session("default", "a").unwrap().unwrap();
+    let b = s.find_session("default", "b").unwrap().unwrap();
+    let ctx_a = s.publish_context(a.id).unwrap();
+    let ctx_b = s.publish_context(b.id).unwrap();
+    let head = s.head_delta(a.id, ctx_a.lease_manifest).unwrap().head;
+    s.commit_publish(a.id, head, &[(b"etc/x".to_vec(), "X".into())], None).unwrap();
+    let delta = s.head_delta(b.id, ctx_b.lease_manifest).unwrap();
+    assert_eq!(delta.changes, vec![(b"etc/x".to_vec(), "X".to_string())]);
+    assert_eq!(delta.new_layers.len(), 1);
+    // Committing against a stale head is refused and keeps the upper.
+    std::fs::write(b.upper.join("f"), b"1").unwrap();
+    let err = s.commit_publish(b.id, ctx_b.lease_manifest, &[], None).unwrap_err();
+    assert!(matches!(err, PublishError::HeadMoved { .. }), "{err}");
+    assert!(b.upper.join("f").exists());
+}
+
+#[test]
+fn conflict_keeps_upper_and_lease_even_after_remove() {
+    let d = tmp();
+    let s = open(d.path());
+    let top = unpack(&s, "default");
+    s.prepare("default/5/c", &top, BTreeMap::new(), false).unwrap();
+    let c = s.find_session("default", "c").unwrap().unwrap();
+    std::fs::write(c.upper.join("mine"), b"1").unwrap();
+    s.record_outcome(
+        c.id,
+        Outcome {
+            kind: OutcomeKind::Conflict,
+            layer: None,
+            conflicts: vec![ConflictRecord { path: "/mine".into(), reason: "changed on both sides".into() }],
+            message: None,
+            at_ns: 1,
+        },
+    )
+    .unwrap();
+    let after = s.session(c.id).unwrap();
+    assert_eq!(after.state, SessionState::Conflict);
+    assert!(after.lease_manifest.is_some());
+    s.remove("default/5/c").unwrap();
+    assert!(c.upper.join("mine").exists(), "a conflicted upper is kept for inspection");
+    drop(s);
+    // ... and survives the startup sweep.
+    let s = open(d.path());
+    assert!(c.upper.join("mine").exists());
+    assert!(s.session(c.id).unwrap().released);
+}
+
+#[test]
+fn branch_label_forks_main_and_invalid_names_are_refused() {
+    let d = tmp();
+    let s = open(d.path());
+    let top = unpack(&s, "default");
+    s.prepare("default/5/m", &top, BTreeMap::new(), false).unwrap();
+    let m = s.find_session("default", "m").unwrap().unwrap();
+    let head = s.head_delta(m.id, s.publish_context(m.id).unwrap().lease_manifest).unwrap().head;
+    std::fs::write(m.upper.join("f"), b"1").unwrap();
+    let p = s.commit_publish(m.id, head, &[], None).unwrap();
+    let (_, spec) = s
+        .prepare("default/6/x", &top, labels(&[(BRANCH_LABEL, "exp/1")]), false)
+        .unwrap();
+    let MountSpec::Overlay { lowers, .. } = spec else { panic!() };
+    assert_eq!(lowers[0], s.layer_path(p.layer), "a new branch forks main's head");
+    assert_eq!(s.find_session("default", "x").unwrap().unwrap().branch, "exp/1");
+    let err = s.prepare("default/7/y", &top, labels(&[(BRANCH_LABEL, "bad name")]), false).unwrap_err();
+    assert!(matches!(err, SnapshotError::InvalidArgument(ref m) if m.contains("invalid branch name")), "{err}");
+}
+
+#[test]
+fn sweep_removes_dirs_without_rows_and_keeps_the_rest() {
+    let d = tmp();
+    let s = open(d.path());
+    let top = unpack(&s, "default");
+    s.prepare("default/5/c", &top, BTreeMap::new(), false).unwrap();
+    let root = s.root().to_path_buf();
+    std::fs::create_dir(root.join("l/999")).unwrap();
+    std::fs::create_dir(root.join("staging/half")).unwrap();
+    drop(s);
+    let s = open(d.path());
+    assert!(!root.join("l/999").exists());
+    assert!(!root.join("staging/half").exists());
+    assert!(s.layer_path(1).exists() && s.layer_path(2).exists());
+    assert!(s.find_session("default", "c").unwrap().unwrap().upper.exists());
+}
+
+#[test]
+fn remove_session_releases_it_and_deletes_its_dirs() {
+    let d = tmp();
+    let s = open(d.path());
+    let top = unpack(&s, "default");
+    s.prepare("default/5/c", &top, BTreeMap::new(), false).unwrap();
+    let c = s.find_session("default", "c").unwrap().unwrap();
+    s.remove("default/5/c").unwrap();
+    assert!(!s.session_path(c.id).exists());
+    let after = s.session(c.id).unwrap();
+    assert!(after.released);
+    assert_eq!(after.lease_manifest, None);
+    // Now the image layers can go, in containerd's GC order.
+    s.remove(&top).unwrap();
+    s.remove("default/1/sha256:aaa").unwrap();
+    assert!(!s.layer_path(1).exists() && !s.layer_path(2).exists());
+    assert!(s.list().unwrap().is_empty());
+}
+
+#[test]
+fn committing_a_session_freezes_what_it_saw() {
+    let d = tmp();
+    let s = open(d.path());
+    let top = unpack(&s, "moby");
+    // Docker's init layer: Prepare(<id>-init-key, chainID), Commit(<id>-init), Prepare(<id>, <id>-init).
+    s.prepare("moby/5/c-init-key", &top, BTreeMap::new(), false).unwrap();
+    let init = s.find_session("moby", "c-init-key").unwrap().unwrap();
+    std::fs::write(init.upper.join("hosts"), b"x").unwrap();
+    s.commit("moby/6/c-init", "moby/5/c-init-key", BTreeMap::new()).unwrap();
+    let (_, spec) = s.prepare("moby/7/c", "moby/6/c-init", BTreeMap::new(), false).unwrap();
+    let MountSpec::Overlay { lowers, .. } = spec else { panic!() };
+    assert_eq!(lowers.len(), 3);
+    assert_eq!(lowers[0], init.upper, "per-container committed layer sits on top");
+    let c = s.find_session("moby", "c").unwrap().unwrap();
+    assert_eq!(c.stack, "sha256:bbb");
+    // A view of the committed init snapshot shows its upper above the image.
+    let (_, spec) = s.prepare("moby/8/v", "moby/6/c-init", BTreeMap::new(), true).unwrap();
+    assert_eq!(
+        spec,
+        MountSpec::Overlay { lowers: vec![init.upper.clone(), s.layer_path(2), s.layer_path(1)], upper: None }
+    );
+}
+
+#[test]
+fn labels_update_by_fieldpath() {
+    let d = tmp();
+    let s = open(d.path());
+    s.prepare("n/1/k", "", labels(&[("a", "1"), ("b", "2")]), false).unwrap();
+    let info = s
+        .update_labels("n/1/k", labels(&[("a", "9")]), &["labels.a".into(), "labels.b".into()])
+        .unwrap();
+    assert_eq!(info.labels, labels(&[("a", "9")]));
+    let err = s.update_labels("n/1/k", BTreeMap::new(), &["kind".into()]).unwrap_err();
+    assert!(matches!(err, SnapshotError::InvalidArgument(_)));
+}
+
+#[test]
+fn other_format_version_is_refused() {
+    let d = tmp();
+    drop(open(d.path()));
+    let db = rusqlite::Connection::open(d.path().join("root/store.db")).unwrap();
+    db.execute("UPDATE meta SET value = '99' WHERE key = 'format_version'", []).unwrap();
+    drop(db);
+    let err = Store::open(&d.path().join("root"), &StoreOptions::default()).err().unwrap();
+    assert!(matches!(err, OpenError::Version { found: 99, .. }), "{err}");
+}
+
+#[test]
+fn tmpfs_root_is_refused_before_anything_is_written() {
+    // /dev/shm is a tmpfs on Linux hosts; a root mount is not needed.
+    let shm = Path::new("/dev/shm");
+    let is_tmpfs = nix::sys::statfs::statfs(shm)
+        .map(|s| s.filesystem_type() == nix::sys::statfs::TMPFS_MAGIC)
+        .unwrap_or(false);
+    if !is_tmpfs {
+        assert!(std::env::var("CI").as_deref() != Ok("true"), "CI needs /dev/shm on tmpfs for this test");
+        eprintln!("skipping: /dev/shm is not tmpfs here");
+        return;
+    }
+    let root = shm.join(format!("layerstack-test-{}", std::process::id()));
+    let err = Store::open(&root, &StoreOptions::default()).err().unwrap();
+    assert!(matches!(err, OpenError::Unsupported { ref fs, .. } if fs == "tmpfs"), "{err}");
+    assert!(err.to_string().contains("unsupported"));
+    assert!(!root.exists(), "nothing may be written on refusal");
+}
+
+#[test]
+fn escape_path_is_lossless_for_display() {
+    assert_eq!(escape_path(b"etc/issue"), "/etc/issue");
+    assert_eq!(escape_path(b"a/\xffb"), "/a/\\xffb");
+}
+
+#[test]
+fn concurrent_store_instances_serialize_session_creation() {
+    let d = tmp();
+    let s = open(d.path());
+    let top = unpack(&s, "default");
+    drop(s);
+    // Separate connections, like separate processes.
+    let handles: Vec<_> = (0..8)
+        .map(|i| {
+            let root = d.path().join("root");
+            let top = top.clone();
+            std::thread::spawn(move || {
+                let s = Store::open(&root, &StoreOptions::default()).unwrap();
+                s.prepare(&format!("default/{}/c{i}", 10 + i), &top, BTreeMap::new(), false).unwrap();
+            })
+        })
+        .collect();
+    for h in handles {
+        h.join().unwrap();
+    }
+    let s = open(d.path());
+    assert_eq!(s.sessions().unwrap().len(), 8);
+    assert_eq!(s.stacks().unwrap()["sha256:bbb"].len(), 1, "one stack, one main branch");
+}
