@@ -126,6 +126,26 @@ pub fn split_key(key: &str) -> Option<(&str, &str)> {
     Some((ns, name))
 }
 
+/// `sha256:` followed by 64 lowercase hex digits (a chainID).
+fn is_digest(s: &str) -> bool {
+    s.strip_prefix("sha256:")
+        .is_some_and(|h| h.len() == 64 && h.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)))
+}
+
+/// Whether an active snapshot is an image-layer extraction. containerd's pull
+/// unpacker labels it with [`SNAPSHOT_REF_LABEL`]; the client-side unpack of
+/// `ctr images import`/`ctr run` (containerd `rootfs/apply.go`) does not, but
+/// always uses the key `extract-<nonce> <chainID>`.
+pub fn is_extraction(key: &str, labels: &BTreeMap<String, String>) -> bool {
+    if labels.contains_key(SNAPSHOT_REF_LABEL) {
+        return true;
+    }
+    let name = split_key(key).map(|(_, n)| n).unwrap_or(key);
+    name.strip_prefix("extract-")
+        .and_then(|rest| rest.rsplit_once(' '))
+        .is_some_and(|(_, chain)| is_digest(chain))
+}
+
 /// Validate a branch name: 1–128 bytes of `[A-Za-z0-9._/-]`, not starting with `-` or `/`.
 pub fn validate_branch(name: &str) -> Result<(), String> {
     let ok = !name.is_empty()
@@ -563,7 +583,7 @@ impl Store {
         let parent_opt = (!parent.is_empty()).then(|| parent.to_string());
         let now = now_ns();
         let labels_json = serde_json::to_string(&labels).unwrap_or_else(|_| "{}".into());
-        let is_extract = labels.contains_key(SNAPSHOT_REF_LABEL);
+        let is_extract = is_extraction(key, &labels);
 
         if view {
             let lowers = match &parent_opt {
@@ -824,7 +844,7 @@ impl Store {
             }
             None => {
                 let id = row.layer_id.ok_or_else(|| SnapshotError::Internal(format!("{key} has no layer")))?;
-                let image = row.labels.contains_key(SNAPSHOT_REF_LABEL);
+                let image = is_extraction(key, &row.labels) || split_key(name).is_some_and(|(_, n)| is_digest(n));
                 tx.execute(
                     "UPDATE layers SET kind = ?2 WHERE id = ?1",
                     params![id, if image { "base" } else { "committed" }],

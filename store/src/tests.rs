@@ -285,6 +285,24 @@ fn tmpfs_root_is_refused_before_anything_is_written() {
 }
 
 #[test]
+fn client_side_unpack_without_ref_label_is_an_image_layer() {
+    // `ctr images import` unpacks with keys `extract-<nonce> <chainID>` and no labels.
+    let d = tmp();
+    let s = open(d.path());
+    let chain = format!("sha256:{}", "ab".repeat(32));
+    let ex = format!("default/1/extract-12-x {chain}");
+    s.prepare(&ex, "", BTreeMap::new(), false).unwrap();
+    let top = format!("default/2/{chain}");
+    s.commit(&top, &ex, BTreeMap::new()).unwrap();
+    let ex2 = format!("default/3/extract-13-y sha256:{}", "cd".repeat(32));
+    s.prepare(&ex2, &top, BTreeMap::new(), false).unwrap();
+    assert!(s.sessions().unwrap().is_empty(), "an extraction is never a session");
+    s.prepare("default/4/c", &top, BTreeMap::new(), false).unwrap();
+    assert_eq!(s.find_session("default", "c").unwrap().unwrap().stack, chain);
+    assert!(!is_extraction("default/5/extract-1 notadigest", &BTreeMap::new()));
+}
+
+#[test]
 fn escape_path_is_lossless_for_display() {
     assert_eq!(escape_path(b"etc/issue"), "/etc/issue");
     assert_eq!(escape_path(b"a/\xffb"), "/a/\\xffb");

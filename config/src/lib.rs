@@ -1,0 +1,113 @@
+//! Typed LayerStack configuration (`/etc/layerstack/config.toml`) and the
+//! shipped configuration snippets for containerd.
+//!
+//! Only binaries read configuration; libraries take plain values.
+//!
+//! ```
+//! let c = layerstack_config::Config::from_toml("root = \"/srv/ls\"").unwrap();
+//! assert_eq!(c.root.to_str(), Some("/srv/ls"));
+//! assert_eq!(c.default_branch, "main");
+//! ```
+
+#![forbid(unsafe_code)]
+
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+
+/// The commented default configuration, as shipped (`config/snippets/layerstack.toml`).
+pub const DEFAULT_TOML: &str = include_str!("../snippets/layerstack.toml");
+/// The containerd `config.toml` snippet that registers the proxy snapshotter.
+pub const CONTAINERD_SNIPPET: &str = include_str!("../snippets/containerd-proxy-plugin.toml");
+
+/// Durability profile (ARCHITECTURE.md §8).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Durability {
+    /// SQLite WAL, `synchronous=OFF`.
+    #[default]
+    Disposable,
+    /// SQLite WAL, `synchronous=FULL`.
+    Durable,
+}
+
+/// LayerStack daemon configuration. Every field has a default; command-line
+/// flags override the file.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    /// Store root; must be on local ext4, xfs or btrfs.
+    pub root: PathBuf,
+    /// Unix socket serving containerd's Snapshots API.
+    pub address: PathBuf,
+    /// Unix socket serving LayerStack's admin API.
+    pub admin_address: PathBuf,
+    /// containerd's gRPC socket (event stream, image resolution).
+    pub containerd_address: PathBuf,
+    /// Branch a session leases when its snapshot labels name none.
+    pub default_branch: String,
+    /// Store durability profile.
+    pub durability: Durability,
+    /// Publish a session when containerd reports its task deleted (`/tasks/delete`).
+    pub publish_on_task_delete: bool,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Self {
+            root: PathBuf::from("/var/lib/layerstack"),
+            address: PathBuf::from("/run/layerstack/snapshotter.sock"),
+            admin_address: PathBuf::from("/run/layerstack/admin.sock"),
+            containerd_address: PathBuf::from("/run/containerd/containerd.sock"),
+            default_branch: "main".to_string(),
+            durability: Durability::Disposable,
+            publish_on_task_delete: true,
+        }
+    }
+}
+
+/// Why a configuration could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config file {0}")]
+    Read(PathBuf, #[source] std::io::Error),
+    #[error("invalid config{}", .0.as_ref().map(|p| format!(" in {}", p.display())).unwrap_or_default())]
+    Parse(Option<PathBuf>, #[source] toml::de::Error),
+}
+
+impl Config {
+    /// Parse a TOML document. Unknown keys are an error (a typo must not be ignored).
+    pub fn from_toml(s: &str) -> Result<Self, ConfigError> {
+        toml::from_str(s).map_err(|e| ConfigError::Parse(None, e))
+    }
+
+    /// Read and parse a TOML file.
+    pub fn load(path: &Path) -> Result<Self, ConfigError> {
+        let s = std::fs::read_to_string(path).map_err(|e| ConfigError::Read(path.to_path_buf(), e))?;
+        toml::from_str(&s).map_err(|e| ConfigError::Parse(Some(path.to_path_buf()), e))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn shipped_default_parses_to_the_defaults() {
+        assert_eq!(Config::from_toml(DEFAULT_TOML).unwrap(), Config::default());
+    }
+
+    #[test]
+    fn unknown_keys_are_refused_with_their_name() {
+        let e = Config::from_toml("roots = \"/x\"").unwrap_err();
+        let chain = format!("{e}: {}", std::error::Error::source(&e).unwrap());
+        assert!(chain.contains("roots"), "{chain}");
+    }
+
+    #[test]
+    fn containerd_snippet_names_the_default_socket() {
+        assert!(CONTAINERD_SNIPPET.contains("[proxy_plugins.layerstack]"));
+        assert!(CONTAINERD_SNIPPET.contains(Config::default().address.to_str().unwrap()));
+    }
+}

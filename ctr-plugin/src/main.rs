@@ -1,0 +1,219 @@
+//! `layerstack`: the LayerStack operator CLI. Talks to the daemon's admin socket.
+//!
+//! Exit codes: 0 success; 1 error (message on stderr); 2 usage; 3 the session
+//! ended in conflict (`wait`, `publish`).
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand};
+use layerstack_api as api;
+use serde_json::json;
+
+#[derive(Debug, Parser)]
+#[command(name = "layerstack", version, about = "LayerStack operator CLI")]
+struct Cli {
+    /// Admin API socket of containerd-layerstack-grpc.
+    #[arg(long, env = "LAYERSTACK_ADMIN_ADDRESS", default_value = api::DEFAULT_ADMIN_ADDRESS, global = true)]
+    admin_address: PathBuf,
+    /// containerd namespace of the containers and images named.
+    #[arg(long, short = 'n', env = "CONTAINERD_NAMESPACE", default_value = "default", global = true)]
+    namespace: String,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Sessions: one per container rootfs on the layerstack snapshotter.
+    Session {
+        #[command(subcommand)]
+        cmd: SessionCmd,
+    },
+    /// Wait until a container's session has an outcome; print it. Exits 3 on conflict.
+    Wait {
+        container: String,
+        /// Give up after this many seconds (0: wait forever).
+        #[arg(long, default_value_t = 0)]
+        timeout: u32,
+        #[arg(long)]
+        json: bool,
+    },
+    /// Capture and publish a stopped container's writes now.
+    Publish {
+        container: String,
+        #[arg(long)]
+        json: bool,
+    },
+    /// A branch's published layers, newest first: IMAGE[@BRANCH].
+    Log {
+        image: String,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum SessionCmd {
+    /// List sessions.
+    Ls {
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+fn session_json(s: &api::Session) -> serde_json::Value {
+    json!({
+        "id": s.id,
+        "namespace": s.namespace,
+        "container": s.container,
+        "key": s.key,
+        "stack": s.stack,
+        "branch": s.branch,
+        "state": s.state,
+        "outcome": if s.outcome.is_empty() { serde_json::Value::Null } else { json!(s.outcome) },
+        "conflict_paths": s.conflicts.iter().map(|c| c.path.clone()).collect::<Vec<_>>(),
+        "conflicts": s.conflicts.iter().map(|c| json!({"path": c.path, "reason": c.reason})).collect::<Vec<_>>(),
+        "layer": if s.layer == 0 { serde_json::Value::Null } else { json!(s.layer) },
+        "message": s.message,
+        "released": s.released,
+        "runs": s.runs,
+    })
+}
+
+fn print_outcome(s: &api::Session, as_json: bool) -> ExitCode {
+    if as_json {
+        println!("{}", session_json(s));
+    } else {
+        println!("{}", if s.outcome.is_empty() { "none" } else { &s.outcome });
+        if s.layer != 0 {
+            println!("layer {}", s.layer);
+        }
+        for c in &s.conflicts {
+            println!("conflict {}: {}", c.path, c.reason);
+        }
+        if !s.message.is_empty() {
+            println!("{}", s.message);
+        }
+    }
+    match s.outcome.as_str() {
+        "conflict" => ExitCode::from(3),
+        "failed" => ExitCode::from(1),
+        _ => ExitCode::SUCCESS,
+    }
+}
+
+fn short(stack: &str) -> &str {
+    let s = stack.strip_prefix("sha256:").unwrap_or(stack);
+    &s[..s.len().min(12)]
+}
+
+async fn run(cli: Cli) -> Result<ExitCode> {
+    let mut c = api::connect(cli.admin_address.clone()).await.with_context(|| {
+        format!(
+            "cannot reach the LayerStack daemon at {} (is containerd-layerstack-grpc running? set --admin-address or LAYERSTACK_ADMIN_ADDRESS)",
+            cli.admin_address.display()
+        )
+    })?;
+    let ns = cli.namespace;
+    match cli.cmd {
+        Cmd::Session { cmd: SessionCmd::Ls { json } } => {
+            let r = c.list_sessions(api::ListSessionsRequest {}).await?.into_inner();
+            if json {
+                let v: Vec<_> = r.sessions.iter().map(session_json).collect();
+                println!("{}", serde_json::Value::Array(v));
+            } else {
+                println!(
+                    "{:<6} {:<12} {:<24} {:<14} {:<12} {:<10} {:<10} CONFLICTS",
+                    "ID", "NAMESPACE", "CONTAINER", "STACK", "BRANCH", "STATE", "OUTCOME"
+                );
+                for s in &r.sessions {
+                    let conflicts: Vec<&str> = s.conflicts.iter().map(|c| c.path.as_str()).collect();
+                    println!(
+                        "{:<6} {:<12} {:<24} {:<14} {:<12} {:<10} {:<10} {}",
+                        s.id,
+                        s.namespace,
+                        s.container,
+                        short(&s.stack),
+                        s.branch,
+                        s.state,
+                        if s.outcome.is_empty() { "-" } else { &s.outcome },
+                        conflicts.join(",")
+                    );
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Wait { container, timeout, json } => {
+            let r = c
+                .wait(api::WaitRequest {
+                    namespace: ns,
+                    container,
+                    timeout_ms: timeout.saturating_mul(1000),
+                })
+                .await?
+                .into_inner();
+            Ok(print_outcome(&r, json))
+        }
+        Cmd::Publish { container, json } => {
+            let r = c
+                .publish(api::PublishRequest { namespace: ns, container })
+                .await?
+                .into_inner();
+            Ok(print_outcome(&r, json))
+        }
+        Cmd::Log { image, json } => {
+            // IMAGE[@BRANCH]; a digest reference (name@sha256:...) keeps its '@'.
+            let (image, branch) = match image.rsplit_once('@') {
+                Some((i, b)) if !b.contains(':') => (i.to_string(), b.to_string()),
+                _ => (image, String::new()),
+            };
+            let r = c
+                .log(api::LogRequest {
+                    namespace: ns,
+                    image,
+                    branch,
+                })
+                .await?
+                .into_inner();
+            if json {
+                let v = json!({
+                    "stack": r.stack,
+                    "branch": r.branch,
+                    "layers": r.entries.iter().map(|e| json!({
+                        "layer": e.layer, "manifest": e.manifest,
+                        "session": if e.session == 0 { serde_json::Value::Null } else { json!(e.session) },
+                        "namespace": e.namespace, "container": e.container,
+                        "paths": e.paths, "created_ns": e.created_ns,
+                    })).collect::<Vec<_>>(),
+                });
+                println!("{v}");
+            } else {
+                println!("stack {} branch {}", r.stack, r.branch);
+                for e in &r.entries {
+                    println!(
+                        "layer {:<6} session {:<6} {}/{} ({} paths)",
+                        e.layer, e.session, e.namespace, e.container, e.paths
+                    );
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+#[tokio::main(flavor = "current_thread")]
+async fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match run(cli).await {
+        Ok(code) => code,
+        Err(e) => {
+            match e.downcast_ref::<tonic::Status>() {
+                Some(st) => eprintln!("layerstack: {}", st.message()),
+                None => eprintln!("layerstack: {e:#}"),
+            }
+            ExitCode::from(1)
+        }
+    }
+}

@@ -1,0 +1,198 @@
+//! LayerStack's own admin API (`api/proto/admin.proto`), served on the admin socket.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use layerstack_api as api;
+use layerstack_store::{SessionInfo, StoreError};
+use tonic::{Request, Response, Status};
+
+use crate::publish::{PublishFailure, Publisher};
+use crate::service::error_chain;
+
+/// The admin service.
+pub struct AdminService {
+    publisher: Arc<Publisher>,
+    containerd_address: PathBuf,
+    default_branch: String,
+}
+
+impl AdminService {
+    pub fn new(publisher: Arc<Publisher>, containerd_address: PathBuf, default_branch: String) -> Self {
+        Self {
+            publisher,
+            containerd_address,
+            default_branch,
+        }
+    }
+}
+
+/// Session as sent on the wire.
+pub fn to_api(s: SessionInfo) -> api::Session {
+    let (outcome, conflicts, layer, message) = match s.outcome {
+        Some(o) => (
+            o.kind.as_str().to_string(),
+            o.conflicts
+                .into_iter()
+                .map(|c| api::ConflictPath {
+                    path: c.path,
+                    reason: c.reason,
+                })
+                .collect(),
+            o.layer.unwrap_or(0),
+            o.message.unwrap_or_default(),
+        ),
+        None => (String::new(), vec![], 0, String::new()),
+    };
+    api::Session {
+        id: s.id,
+        namespace: s.namespace,
+        container: s.container,
+        key: s.key,
+        stack: s.stack,
+        branch: s.branch,
+        state: s.state.as_str().to_string(),
+        outcome,
+        conflicts,
+        layer,
+        message,
+        released: s.released,
+        runs: s.runs,
+    }
+}
+
+fn store_status(e: StoreError) -> Status {
+    let msg = error_chain(&e);
+    match e {
+        StoreError::SessionNotFound(_) | StoreError::BranchNotFound { .. } => Status::not_found(msg),
+        StoreError::NoLease(_) => Status::failed_precondition(msg),
+        _ => Status::internal(msg),
+    }
+}
+
+fn publish_status(e: PublishFailure) -> Status {
+    let msg = error_chain(&e);
+    match e {
+        PublishFailure::NoSession { .. } => Status::not_found(msg),
+        PublishFailure::Mounted(..) => Status::failed_precondition(msg),
+        PublishFailure::Store(e) => store_status(e),
+        PublishFailure::Join(_) => Status::internal(msg),
+    }
+}
+
+fn require(field: &str, v: &str) -> Result<(), Status> {
+    if v.is_empty() {
+        return Err(Status::invalid_argument(format!("{field} is required")));
+    }
+    Ok(())
+}
+
+#[tonic::async_trait]
+impl api::Admin for AdminService {
+    async fn list_sessions(
+        &self,
+        _req: Request<api::ListSessionsRequest>,
+    ) -> Result<Response<api::ListSessionsResponse>, Status> {
+        let store = self.publisher.store().clone();
+        let sessions = tokio::task::spawn_blocking(move || store.sessions())
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?
+            .map_err(store_status)?;
+        Ok(Response::new(api::ListSessionsResponse {
+            sessions: sessions.into_iter().map(to_api).collect(),
+        }))
+    }
+
+    async fn wait(&self, req: Request<api::WaitRequest>) -> Result<Response<api::Session>, Status> {
+        let r = req.into_inner();
+        require("container", &r.container)?;
+        let deadline = (r.timeout_ms > 0).then(|| tokio::time::Instant::now() + Duration::from_millis(r.timeout_ms.into()));
+        loop {
+            // Arm the notification before looking, so an outcome recorded in
+            // between is not missed.
+            let notified = self.publisher.outcomes.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            let s = self.publisher.find(&r.namespace, &r.container).await.map_err(publish_status)?;
+            if s.outcome.is_some() {
+                return Ok(Response::new(to_api(s)));
+            }
+            let poll = tokio::time::sleep(Duration::from_millis(500));
+            match deadline {
+                Some(d) => {
+                    if tokio::time::Instant::now() >= d {
+                        return Err(Status::deadline_exceeded(format!(
+                            "container {:?} (session {}) has no outcome after {} ms; its task may still be running",
+                            r.container, s.id, r.timeout_ms
+                        )));
+                    }
+                    tokio::select! {
+                        _ = &mut notified => {}
+                        _ = poll => {}
+                        _ = tokio::time::sleep_until(d) => {}
+                    }
+                }
+                None => {
+                    tokio::select! {
+                        _ = &mut notified => {}
+                        _ = poll => {}
+                    }
+                }
+            }
+        }
+    }
+
+    async fn publish(&self, req: Request<api::PublishRequest>) -> Result<Response<api::Session>, Status> {
+        let r = req.into_inner();
+        require("container", &r.container)?;
+        let s = self.publisher.find(&r.namespace, &r.container).await.map_err(publish_status)?;
+        let out = self.publisher.publish(s.id, "admin publish").await.map_err(publish_status)?;
+        Ok(Response::new(to_api(out)))
+    }
+
+    async fn log(&self, req: Request<api::LogRequest>) -> Result<Response<api::LogResponse>, Status> {
+        let r = req.into_inner();
+        require("image", &r.image)?;
+        let branch = if r.branch.is_empty() { self.default_branch.clone() } else { r.branch };
+        let stack = crate::containerd::resolve_stack(&self.containerd_address, &r.namespace, &r.image)
+            .await
+            .map_err(|e| {
+                let m = error_chain(&e);
+                match e {
+                    crate::containerd::ContainerdError::ImageNotFound { .. } => Status::not_found(m),
+                    crate::containerd::ContainerdError::Connect(..) => Status::unavailable(m),
+                    _ => Status::internal(m),
+                }
+            })?;
+        let store = self.publisher.store().clone();
+        let (st, br) = (stack.clone(), branch.clone());
+        let entries = tokio::task::spawn_blocking(move || store.log(&st, &br))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?
+            .map_err(|e| match e {
+                StoreError::BranchNotFound { .. } => Status::not_found(format!(
+                    "{}: no container of image {:?} has run on the layerstack snapshotter with branch {branch:?} yet",
+                    error_chain(&e),
+                    r.image
+                )),
+                other => store_status(other),
+            })?;
+        Ok(Response::new(api::LogResponse {
+            stack,
+            branch,
+            entries: entries
+                .into_iter()
+                .map(|e| api::LogEntry {
+                    layer: e.layer,
+                    manifest: e.manifest,
+                    session: e.session.unwrap_or(0),
+                    namespace: e.namespace.unwrap_or_default(),
+                    container: e.container.unwrap_or_default(),
+                    paths: e.paths,
+                    created_ns: e.created_ns,
+                })
+                .collect(),
+        }))
+    }
+}

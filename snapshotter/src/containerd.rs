@@ -1,0 +1,264 @@
+//! The daemon's view of containerd: the task-delete event stream that triggers
+//! publishing, start-up reconciliation, and image → stack resolution.
+//!
+//! containerd may come up after us (the daemon starts `Before=containerd.service`),
+//! so everything here retries with backoff and never blocks snapshot serving.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use containerd_client::services::v1::{
+    events_client::EventsClient, images_client::ImagesClient, tasks_client::TasksClient, GetImageRequest,
+    GetRequest, ReadContentRequest, SubscribeRequest,
+};
+use containerd_client::services::v1::content_client::ContentClient;
+use containerd_client::tonic::transport::Channel;
+use containerd_client::tonic::{Code, Request};
+use layerstack_store::SessionState;
+use prost::Message;
+use sha2::{Digest, Sha256};
+use tracing::{debug, info, warn};
+
+use crate::publish::Publisher;
+
+const NS_HEADER: &str = "containerd-namespace";
+
+fn with_ns<T>(ns: &str, msg: T) -> Request<T> {
+    let mut r = Request::new(msg);
+    if let Ok(v) = ns.parse() {
+        r.metadata_mut().insert(NS_HEADER, v);
+    }
+    r
+}
+
+/// Errors talking to containerd.
+#[derive(Debug, thiserror::Error)]
+pub enum ContainerdError {
+    #[error("cannot connect to containerd at {0}")]
+    Connect(PathBuf, #[source] containerd_client::tonic::transport::Error),
+    #[error("containerd {0}")]
+    Rpc(String, #[source] containerd_client::tonic::Status),
+    #[error("image {image:?} not found in containerd namespace {namespace:?}")]
+    ImageNotFound { namespace: String, image: String },
+    #[error("image {0}: {1}")]
+    BadImage(String, String),
+}
+
+/// Connect to containerd's gRPC socket.
+pub async fn connect(path: &std::path::Path) -> Result<Channel, ContainerdError> {
+    containerd_client::connect(path)
+        .await
+        .map_err(|e| ContainerdError::Connect(path.to_path_buf(), e))
+}
+
+/// Watch containerd's `/tasks/delete` events forever and publish the session of
+/// each deleted init task; reconcile on every (re)connect so a missed event is
+/// not a lost publish. The event path is asynchronous by nature.
+pub async fn watch_events(address: PathBuf, publisher: Arc<Publisher>) {
+    let mut backoff = Duration::from_millis(200);
+    loop {
+        match connect(&address).await {
+            Ok(ch) => {
+                backoff = Duration::from_millis(200);
+                let mut events = EventsClient::new(ch.clone());
+                let req = SubscribeRequest {
+                    filters: vec![r#"topic=="/tasks/delete""#.to_string()],
+                };
+                match events.subscribe(req).await {
+                    Ok(stream) => {
+                        info!(address = %address.display(), "subscribed to containerd task events");
+                        // Subscribe first, then reconcile: nothing falls in between.
+                        reconcile(&ch, &publisher).await;
+                        let mut stream = stream.into_inner();
+                        loop {
+                            match stream.message().await {
+                                Ok(Some(env)) => handle_envelope(env, &publisher).await,
+                                Ok(None) => {
+                                    warn!("containerd event stream ended; reconnecting");
+                                    break;
+                                }
+                                Err(e) => {
+                                    warn!(error = %e, "containerd event stream failed; reconnecting");
+                                    break;
+                                }
+                            }
+                        }
+                    }
+                    Err(e) => warn!(error = %e, "cannot subscribe to containerd events"),
+                }
+            }
+            Err(e) => debug!(error = %e, "containerd not reachable yet"),
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(5));
+    }
+}
+
+async fn handle_envelope(env: containerd_client::types::Envelope, publisher: &Arc<Publisher>) {
+    let Some(any) = env.event else { return };
+    let Ok(ev) = containerd_client::events::TaskDelete::decode(any.value.as_slice()) else {
+        warn!(topic = %env.topic, "undecodable task event");
+        return;
+    };
+    // Exec processes have their own id; only the init process's delete means the
+    // rootfs was unmounted.
+    if !ev.id.is_empty() && ev.id != ev.container_id {
+        return;
+    }
+    let ns = env.namespace.clone();
+    let publisher = publisher.clone();
+    tokio::spawn(async move {
+        match publisher.find(&ns, &ev.container_id).await {
+            Ok(s) => {
+                if let Err(e) = publisher.publish(s.id, "task deleted").await {
+                    warn!(session.id = s.id, error = %crate::service::error_chain(&e), "publish on task delete failed");
+                }
+            }
+            Err(e) => debug!(namespace = %ns, container = %ev.container_id, error = %e, "task deleted without a session"),
+        }
+    });
+}
+
+/// Publish sessions whose task is gone but that were never published (the daemon
+/// was down when their task was deleted). Sessions with an empty upper are left
+/// alone: they may belong to a container being created right now.
+async fn reconcile(ch: &Channel, publisher: &Arc<Publisher>) {
+    let store = publisher.store().clone();
+    let Ok(Ok(sessions)) = tokio::task::spawn_blocking(move || store.sessions()).await else {
+        warn!("reconcile: cannot list sessions");
+        return;
+    };
+    let mut tasks = TasksClient::new(ch.clone());
+    for s in sessions {
+        if s.released || s.state != SessionState::Active || s.outcome.is_some() || s.lease_manifest.is_none() {
+            continue;
+        }
+        let empty = std::fs::read_dir(&s.upper).map(|mut d| d.next().is_none()).unwrap_or(true);
+        if empty || crate::publish::upper_is_mounted(&s.upper) {
+            continue;
+        }
+        let req = with_ns(
+            &s.namespace,
+            GetRequest {
+                container_id: s.container.clone(),
+                exec_id: String::new(),
+            },
+        );
+        match tasks.get(req).await {
+            Err(st) if st.code() == Code::NotFound => {
+                info!(session.id = s.id, container = %s.container, "reconcile: task gone, publishing");
+                if let Err(e) = publisher.publish(s.id, "reconcile").await {
+                    warn!(session.id = s.id, error = %e, "reconcile publish failed");
+                }
+            }
+            Err(st) => warn!(session.id = s.id, error = %st, "reconcile: cannot query task"),
+            Ok(_) => {}
+        }
+    }
+}
+
+async fn read_blob(content: &mut ContentClient<Channel>, ns: &str, digest: &str) -> Result<Vec<u8>, ContainerdError> {
+    let req = with_ns(
+        ns,
+        ReadContentRequest {
+            digest: digest.to_string(),
+            offset: 0,
+            size: 0,
+        },
+    );
+    let mut stream = content
+        .read(req)
+        .await
+        .map_err(|e| ContainerdError::Rpc(format!("read blob {digest}"), e))?
+        .into_inner();
+    let mut out = Vec::new();
+    while let Some(chunk) = stream
+        .message()
+        .await
+        .map_err(|e| ContainerdError::Rpc(format!("read blob {digest}"), e))?
+    {
+        out.extend_from_slice(&chunk.data);
+    }
+    Ok(out)
+}
+
+/// Resolve an image reference to its top layer chainID (the LayerStack stack id),
+/// following an index to the linux/amd64 manifest (OCI image-spec `config.md`
+/// "Layer ChainID").
+pub async fn resolve_stack(address: &std::path::Path, namespace: &str, image: &str) -> Result<String, ContainerdError> {
+    let ch = connect(address).await?;
+    let mut images = ImagesClient::new(ch.clone());
+    let mut content = ContentClient::new(ch);
+    let img = match images
+        .get(with_ns(namespace, GetImageRequest { name: image.to_string() }))
+        .await
+    {
+        Ok(r) => r.into_inner().image,
+        Err(st) if st.code() == Code::NotFound => None,
+        Err(st) => return Err(ContainerdError::Rpc(format!("get image {image}"), st)),
+    };
+    let target = img
+        .and_then(|i| i.target)
+        .ok_or_else(|| ContainerdError::ImageNotFound {
+            namespace: namespace.to_string(),
+            image: image.to_string(),
+        })?;
+    let bad = |m: &str| ContainerdError::BadImage(image.to_string(), m.to_string());
+    let mut digest = target.digest;
+    let mut doc: serde_json::Value;
+    loop {
+        let blob = read_blob(&mut content, namespace, &digest).await?;
+        doc = serde_json::from_slice(&blob).map_err(|e| bad(&format!("manifest {digest} is not JSON: {e}")))?;
+        let Some(manifests) = doc.get("manifests").and_then(|m| m.as_array()) else { break };
+        let pick = manifests
+            .iter()
+            .find(|m| {
+                let p = &m["platform"];
+                p["os"] == "linux" && p["architecture"] == std::env::consts::ARCH.replace("x86_64", "amd64")
+            })
+            .or_else(|| manifests.first())
+            .ok_or_else(|| bad("index lists no manifests"))?;
+        digest = pick["digest"].as_str().ok_or_else(|| bad("index entry without digest"))?.to_string();
+    }
+    let config = doc["config"]["digest"]
+        .as_str()
+        .ok_or_else(|| bad("manifest has no config digest"))?
+        .to_string();
+    let cfg: serde_json::Value = serde_json::from_slice(&read_blob(&mut content, namespace, &config).await?)
+        .map_err(|e| bad(&format!("config is not JSON: {e}")))?;
+    let diff_ids: Vec<String> = cfg["rootfs"]["diff_ids"]
+        .as_array()
+        .ok_or_else(|| bad("config has no rootfs.diff_ids"))?
+        .iter()
+        .filter_map(|d| d.as_str().map(str::to_string))
+        .collect();
+    chain_id(&diff_ids).ok_or_else(|| bad("image has no layers"))
+}
+
+/// ChainID(L0) = DiffID(L0); ChainID(Ln) = sha256(ChainID(Ln-1) + " " + DiffID(Ln)).
+pub fn chain_id(diff_ids: &[String]) -> Option<String> {
+    let mut it = diff_ids.iter();
+    let mut chain = it.next()?.clone();
+    for d in it {
+        let h = Sha256::digest(format!("{chain} {d}").as_bytes());
+        chain = format!("sha256:{}", h.iter().map(|b| format!("{b:02x}")).collect::<String>());
+    }
+    Some(chain)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chain_id_follows_the_image_spec() {
+        // Two layers: sha256("sha256:a sha256:b").
+        let a = "sha256:a".to_string();
+        let b = "sha256:b".to_string();
+        assert_eq!(chain_id(std::slice::from_ref(&a)), Some(a.clone()));
+        let expect = format!("sha256:{:x}", Sha256::digest(b"sha256:a sha256:b"));
+        assert_eq!(chain_id(&[a, b]), Some(expect));
+        assert_eq!(chain_id(&[]), None);
+    }
+}

@@ -1,0 +1,148 @@
+//! `containerd-layerstack-grpc`: the LayerStack daemon. Serves containerd's
+//! Snapshots API as a proxy plugin and LayerStack's admin API, each on its own
+//! unix socket, and publishes sessions when containerd deletes their task.
+
+mod admin;
+mod containerd;
+mod publish;
+mod service;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use clap::Parser;
+use layerstack_config::{Config, Durability};
+use layerstack_store::{Store, StoreOptions};
+use tokio_stream::wrappers::UnixListenerStream;
+use tracing::{error, info};
+
+/// LayerStack daemon: containerd proxy snapshotter + admin API.
+#[derive(Debug, Parser)]
+#[command(name = "containerd-layerstack-grpc", version)]
+struct Args {
+    /// Config file (TOML); flags override its values.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Store root (local ext4, xfs or btrfs) [default: /var/lib/layerstack].
+    #[arg(long, value_name = "DIR")]
+    root: Option<PathBuf>,
+    /// Snapshots API socket [default: /run/layerstack/snapshotter.sock].
+    #[arg(long, value_name = "SOCKET")]
+    address: Option<PathBuf>,
+    /// Admin API socket [default: /run/layerstack/admin.sock].
+    #[arg(long, value_name = "SOCKET")]
+    admin_address: Option<PathBuf>,
+    /// containerd's socket [default: /run/containerd/containerd.sock].
+    #[arg(long, value_name = "SOCKET")]
+    containerd_address: Option<PathBuf>,
+    /// Print the containerd config snippet for this daemon and exit.
+    #[arg(long)]
+    print_containerd_config: bool,
+}
+
+fn bind(path: &Path) -> Result<tokio::net::UnixListener> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create socket directory {}", dir.display()))?;
+    }
+    match std::fs::remove_file(path) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e).with_context(|| format!("cannot remove stale socket {}", path.display())),
+    }
+    tokio::net::UnixListener::bind(path).with_context(|| format!("cannot listen on {}", path.display()))
+}
+
+#[tokio::main]
+async fn main() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    if let Err(e) = run(Args::parse()).await {
+        error!("{e:#}");
+        eprintln!("containerd-layerstack-grpc: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+async fn run(args: Args) -> Result<()> {
+    let mut cfg = match &args.config {
+        Some(p) => Config::load(p)?,
+        None => Config::default(),
+    };
+    if let Some(v) = args.root {
+        cfg.root = v;
+    }
+    if let Some(v) = args.address {
+        cfg.address = v;
+    }
+    if let Some(v) = args.admin_address {
+        cfg.admin_address = v;
+    }
+    if let Some(v) = args.containerd_address {
+        cfg.containerd_address = v;
+    }
+    if args.print_containerd_config {
+        print!(
+            "{}",
+            layerstack_config::CONTAINERD_SNIPPET.replace("/run/layerstack/snapshotter.sock", &cfg.address.display().to_string())
+        );
+        return Ok(());
+    }
+
+    let opts = StoreOptions {
+        durability: match cfg.durability {
+            Durability::Disposable => layerstack_store::Durability::Disposable,
+            Durability::Durable => layerstack_store::Durability::Durable,
+        },
+        default_branch: cfg.default_branch.clone(),
+    };
+    let store = Arc::new(Store::open(&cfg.root, &opts)?);
+    info!(root = %cfg.root.display(), "store open");
+    let publisher = Arc::new(publish::Publisher::new(store.clone()));
+
+    let snap_listener = bind(&cfg.address)?;
+    let admin_listener = bind(&cfg.admin_address)?;
+    let snapshots = containerd_snapshots::server(Arc::new(service::LayerStackSnapshotter::new(
+        store.clone(),
+        publisher.clone(),
+    )));
+    let admin = layerstack_api::AdminServer::new(admin::AdminService::new(
+        publisher.clone(),
+        cfg.containerd_address.clone(),
+        cfg.default_branch.clone(),
+    ));
+    info!(address = %cfg.address.display(), admin = %cfg.admin_address.display(), "serving");
+
+    if cfg.publish_on_task_delete {
+        tokio::spawn(containerd::watch_events(cfg.containerd_address.clone(), publisher.clone()));
+    }
+
+    let shutdown = async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("SIGTERM handler");
+        tokio::select! {
+            _ = term.recv() => {}
+            _ = tokio::signal::ctrl_c() => {}
+        }
+        info!("shutting down");
+    };
+    let snap_srv = containerd_snapshots::tonic::transport::Server::builder()
+        .add_service(snapshots)
+        .serve_with_incoming(UnixListenerStream::new(snap_listener));
+    let admin_srv = tonic::transport::Server::builder()
+        .add_service(admin)
+        .serve_with_incoming(UnixListenerStream::new(admin_listener));
+    tokio::select! {
+        r = snap_srv => r.context("snapshots server")?,
+        r = admin_srv => r.context("admin server")?,
+        _ = shutdown => {}
+    }
+    let _ = std::fs::remove_file(&cfg.address);
+    let _ = std::fs::remove_file(&cfg.admin_address);
+    Ok(())
+}
