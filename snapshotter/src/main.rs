@@ -50,7 +50,12 @@ fn bind(path: &Path) -> Result<tokio::net::UnixListener> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
         Err(e) => return Err(e).with_context(|| format!("cannot remove stale socket {}", path.display())),
     }
-    tokio::net::UnixListener::bind(path).with_context(|| format!("cannot listen on {}", path.display()))
+    let l = tokio::net::UnixListener::bind(path).with_context(|| format!("cannot listen on {}", path.display()))?;
+    // Only root (and the socket's group) may talk to the daemon, whatever the umask.
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
+        .with_context(|| format!("cannot set mode of {}", path.display()))?;
+    Ok(l)
 }
 
 #[tokio::main]
