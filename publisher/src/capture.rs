@@ -1,0 +1,994 @@
+//! Capture: turn a quiescent overlay upperdir into a [`Changeset`] (ARCHITECTURE §6 step 4).
+//!
+//! The upper is walked with fd-relative, no-follow system calls only: every
+//! directory is opened with `openat(O_DIRECTORY|O_NOFOLLOW)` relative to its
+//! parent's descriptor, every entry is examined with `fstatat(AT_SYMLINK_NOFOLLOW)`,
+//! regular files are opened with `O_NOFOLLOW`, symlinks are read with `readlinkat`,
+//! and fifos, devices and sockets are never opened. One descriptor is held per
+//! directory level while walking.
+//!
+//! Upper-format rules come from the kernel (Documentation/filesystems/overlayfs.rst):
+//! a 0:0 character device is a whiteout, a directory with the xattr
+//! `trusted.overlay.opaque` = `y` is opaque. Uppers written with `redirect_dir=on` or
+//! `metacopy=on` are refused ([`CaptureError::Unsupported`]): LayerStack mounts
+//! sessions with `index=off,redirect_dir=off,metacopy=off` (ARCHITECTURE §5).
+
+use std::collections::BTreeMap;
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::path::{Path, PathBuf};
+
+use nix::dir::Dir;
+use nix::fcntl::{AtFlags, OFlag};
+use nix::sys::stat::{FileStat, Mode};
+use serde::{Deserialize, Serialize};
+use xattr::FileExt;
+
+use crate::view::{is_whiteout, join_rel, opaque_value, Cursor, Entry, FileKind, LayerView};
+use crate::view::{TRUSTED_OPAQUE, USER_OPAQUE};
+
+/// One captured change at one path, relative to the session's lease (the lower view).
+///
+/// Modes are permission bits including setuid, setgid and sticky (`st_mode & 0o7777`);
+/// digests are BLAKE3-256 of the file content.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum Change {
+    /// A regular file that is new or differs from the lease (content or metadata).
+    Write {
+        /// Permission bits.
+        mode: u32,
+        /// Owner user id.
+        uid: u32,
+        /// Owner group id.
+        gid: u32,
+        /// Content length in bytes.
+        size: u64,
+        /// BLAKE3 of the content.
+        digest: [u8; 32],
+    },
+    /// A symlink; `target` is the verbatim `readlink` bytes, never resolved.
+    Symlink {
+        /// Target bytes as stored.
+        target: Vec<u8>,
+        /// Owner user id.
+        uid: u32,
+        /// Owner group id.
+        gid: u32,
+    },
+    /// A directory that the lease does not have as a directory (new, or replacing a
+    /// non-directory), or an opaque directory (`opaque`: older layers' content of this
+    /// directory is hidden, e.g. after `rm -rf d; mkdir d`).
+    Mkdir {
+        /// Permission bits.
+        mode: u32,
+        /// Owner user id.
+        uid: u32,
+        /// Owner group id.
+        gid: u32,
+        /// The upper directory carries the opaque xattr with value `y`.
+        opaque: bool,
+    },
+    /// A whiteout (0:0 character device): the path is deleted. Reported even when the
+    /// lease has nothing there, because the published layer would still hide the path.
+    Delete,
+    /// A directory present in the lease as a directory, not opaque, whose mode, uid or
+    /// gid changed. Its content is not replaced; changes below it are separate entries.
+    Meta {
+        /// Permission bits.
+        mode: u32,
+        /// Owner user id.
+        uid: u32,
+        /// Owner group id.
+        gid: u32,
+    },
+    /// A fifo, character device (not 0:0) or block device; never opened.
+    Special {
+        /// [`FileKind::Fifo`], [`FileKind::CharDev`] or [`FileKind::BlockDev`].
+        kind: FileKind,
+        /// Permission bits.
+        mode: u32,
+        /// Owner user id.
+        uid: u32,
+        /// Owner group id.
+        gid: u32,
+        /// Device number (`st_rdev`, 0 for a fifo).
+        rdev: u64,
+    },
+}
+
+impl Change {
+    /// The file type at the path after the change; `None` for [`Change::Delete`].
+    #[must_use]
+    pub fn file_kind(&self) -> Option<FileKind> {
+        match self {
+            Change::Write { .. } => Some(FileKind::Regular),
+            Change::Symlink { .. } => Some(FileKind::Symlink),
+            Change::Mkdir { .. } | Change::Meta { .. } => Some(FileKind::Dir),
+            Change::Delete => None,
+            Change::Special { kind, .. } => Some(*kind),
+        }
+    }
+}
+
+/// Everything a capture found in one upper. Paths are relative byte strings
+/// (no leading `/`, `/`-separated, exactly the bytes of the file names).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Changeset {
+    /// The changes to publish, by path.
+    pub entries: BTreeMap<Vec<u8>, Change>,
+    /// Paths the upper holds whose state equals the lease's: copy-up parent
+    /// directories (as [`Change::Meta`] with the lease's own mode/uid/gid) and
+    /// content-identical copy-ups of files, symlinks and special files (copy-up noise,
+    /// e.g. after `touch` or `chown` to the same owner). They are not changes, but
+    /// they are in the upper, so a layer built from the upper as is carries the
+    /// lease's version of them: the gate checks them against the head so that
+    /// publishing never silently reverts a newer head change.
+    pub unchanged: BTreeMap<Vec<u8>, Change>,
+    /// Paths not captured, with the reason (sockets), sorted by path.
+    /// [`seal_layer`](crate::seal_layer) removes them from the layer.
+    pub skipped: Vec<(Vec<u8>, String)>,
+}
+
+impl Changeset {
+    /// True when there is nothing to publish (`entries` is empty; `unchanged` and
+    /// `skipped` do not count).
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.entries.is_empty()
+    }
+
+    /// The changed paths, in bytewise order.
+    pub fn paths(&self) -> impl Iterator<Item = &[u8]> + '_ {
+        self.entries.keys().map(Vec::as_slice)
+    }
+}
+
+/// Knobs for [`capture_with`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CaptureOptions {
+    /// The upper was written by an overlay mounted with `userxattr` (rootless): also
+    /// accept `user.overlay.opaque` = `y`, and refuse `user.overlay.redirect` /
+    /// `user.overlay.metacopy` too. Pair it with [`LayerView::with_userxattr`].
+    pub userxattr: bool,
+}
+
+/// Why [`capture`] failed. Paths are relative to the upper unless stated.
+#[derive(Debug, thiserror::Error)]
+pub enum CaptureError {
+    /// The upper directory itself could not be opened (absolute path; a symlink is refused).
+    #[error("cannot open upper directory {}", .path.display())]
+    OpenUpper {
+        /// The upper directory.
+        path: PathBuf,
+        /// The `open(2)` error.
+        #[source]
+        source: io::Error,
+    },
+    /// Reading an entry of the upper failed.
+    #[error("cannot read {} in the upper", .path.display())]
+    Upper {
+        /// Relative path of the entry.
+        path: PathBuf,
+        /// The system call error.
+        #[source]
+        source: io::Error,
+    },
+    /// Resolving or reading a path in the lower view failed.
+    #[error("cannot read {} in the lower layers", .path.display())]
+    Lower {
+        /// Relative path.
+        path: PathBuf,
+        /// The system call error.
+        #[source]
+        source: io::Error,
+    },
+    /// The upper uses an overlay feature that capture does not interpret.
+    #[error("{} carries overlay xattr {xattr}: uppers from redirect_dir or metacopy mounts are not supported", .path.display())]
+    Unsupported {
+        /// Relative path of the entry.
+        path: PathBuf,
+        /// The xattr found, e.g. `trusted.overlay.redirect`.
+        xattr: &'static str,
+    },
+}
+
+/// Captures `upper` against `lower` with default [`CaptureOptions`].
+///
+/// See [`capture_with`].
+///
+/// # Errors
+/// As [`capture_with`].
+pub fn capture(upper: &Path, lower: &LayerView) -> Result<Changeset, CaptureError> {
+    capture_with(upper, lower, &CaptureOptions::default())
+}
+
+/// Walks the quiescent (unmounted) overlay upperdir `upper` and classifies every
+/// entry against `lower`, the lease's view (the session's lowerdirs, newest first).
+///
+/// * regular file → [`Change::Write`], unless the lease has a regular file there with
+///   the same size, mode, uid, gid and BLAKE3 digest (copy-up noise → `unchanged`);
+/// * symlink → [`Change::Symlink`], unless identical target, uid and gid in the lease;
+/// * 0:0 character device → [`Change::Delete`];
+/// * directory → [`Change::Mkdir`] when the lease has no directory there or the upper
+///   directory is opaque; [`Change::Meta`] when mode/uid/gid differ from the lease's
+///   directory; otherwise a copy-up parent (`unchanged`). Always walked into;
+///   below a new or opaque directory nothing of the lease is visible, so every
+///   entry there is a change;
+/// * fifo, character or block device → [`Change::Special`], unless identical in the lease;
+/// * socket → `skipped`.
+///
+/// Directory timestamps are never compared (mtime-only changes are noise).
+/// The upper's root directory itself is not captured.
+///
+/// # Errors
+/// [`CaptureError`]: the upper cannot be opened or read, a lower path cannot be
+/// resolved, or the upper uses redirect/metacopy xattrs.
+pub fn capture_with(
+    upper: &Path,
+    lower: &LayerView,
+    options: &CaptureOptions,
+) -> Result<Changeset, CaptureError> {
+    let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+    let root = Dir::open(upper, flags, Mode::empty()).map_err(|e| CaptureError::OpenUpper {
+        path: upper.to_path_buf(),
+        source: e.into(),
+    })?;
+    let mut walker = Walker {
+        lower,
+        options,
+        out: Changeset::default(),
+    };
+    walker.walk(DirFd(root), &[], Some(lower.root()))?;
+    walker.out.skipped.sort();
+    tracing::debug!(
+        upper = %upper.display(),
+        entries = walker.out.entries.len(),
+        unchanged = walker.out.unchanged.len(),
+        skipped = walker.out.skipped.len(),
+        "captured upper"
+    );
+    Ok(walker.out)
+}
+
+/// Redirected directories (`redirect_dir=on`): content lives elsewhere in the lowers.
+const REDIRECT: [&str; 2] = ["trusted.overlay.redirect", "user.overlay.redirect"];
+/// Metadata-only copy-ups (`metacopy=on`): the data is still in a lower file.
+const METACOPY: [&str; 2] = ["trusted.overlay.metacopy", "user.overlay.metacopy"];
+
+/// An open directory; implements [`FileExt`] so xattrs are read with `fgetxattr(2)`.
+struct DirFd(Dir);
+
+impl AsRawFd for DirFd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0.as_raw_fd()
+    }
+}
+
+impl FileExt for DirFd {}
+
+/// An owned descriptor of a regular file, closed on drop (nix 0.29's `openat`
+/// returns a raw descriptor; this keeps the crate free of `unsafe`).
+struct FileFd(RawFd);
+
+impl Drop for FileFd {
+    fn drop(&mut self) {
+        let _ = nix::unistd::close(self.0);
+    }
+}
+
+impl AsRawFd for FileFd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0
+    }
+}
+
+impl FileExt for FileFd {}
+
+impl io::Read for FileFd {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        nix::unistd::read(self.0, buf).map_err(io::Error::from)
+    }
+}
+
+struct Walker<'a> {
+    lower: &'a LayerView,
+    options: &'a CaptureOptions,
+    out: Changeset,
+}
+
+fn rel_path(rel: &[u8]) -> PathBuf {
+    PathBuf::from(std::ffi::OsString::from_vec(rel.to_vec()))
+}
+
+fn upper_err(rel: &[u8]) -> impl FnOnce(io::Error) -> CaptureError + '_ {
+    move |source| CaptureError::Upper {
+        path: rel_path(rel),
+        source,
+    }
+}
+
+fn lower_err(rel: &[u8]) -> impl FnOnce(io::Error) -> CaptureError + '_ {
+    move |source| CaptureError::Lower {
+        path: rel_path(rel),
+        source,
+    }
+}
+
+impl Walker<'_> {
+    /// Walks the upper directory `dir` at `rel`; `lower` is the lease's merged
+    /// directory at the same path, `None` when nothing of the lease shows through.
+    fn walk(
+        &mut self,
+        mut dir: DirFd,
+        rel: &[u8],
+        lower: Option<Cursor>,
+    ) -> Result<(), CaptureError> {
+        let mut names = Vec::new();
+        for dent in dir.0.iter() {
+            let dent = dent.map_err(|e| upper_err(rel)(e.into()))?;
+            let name = dent.file_name().to_bytes();
+            if name != b"." && name != b".." {
+                names.push(name.to_vec());
+            }
+        }
+        names.sort();
+        for name in names {
+            let child = join_rel(rel, &name);
+            let st = nix::sys::stat::fstatat(
+                Some(dir.as_raw_fd()),
+                name.as_slice(),
+                AtFlags::AT_SYMLINK_NOFOLLOW,
+            )
+            .map_err(|e| upper_err(&child)(e.into()))?;
+            let (lower_entry, lower_dir) = match &lower {
+                Some(cursor) => {
+                    let step = self.lower.step(cursor, &name).map_err(lower_err(&child))?;
+                    (step.entry, step.dir)
+                }
+                None => (None, None),
+            };
+            self.entry(&dir, &name, child, &st, lower_entry, lower_dir)?;
+        }
+        Ok(())
+    }
+
+    fn entry(
+        &mut self,
+        dir: &DirFd,
+        name: &[u8],
+        rel: Vec<u8>,
+        st: &FileStat,
+        lower: Option<Entry>,
+        lower_dir: Option<Cursor>,
+    ) -> Result<(), CaptureError> {
+        let (mode, uid, gid) = (st.st_mode & 0o7777, st.st_uid, st.st_gid);
+        let rdev = st.st_rdev;
+        if is_whiteout(st.st_mode, rdev) {
+            self.out.entries.insert(rel, Change::Delete);
+            return Ok(());
+        }
+        let Some(kind) = FileKind::from_mode(st.st_mode) else {
+            self.out.skipped.push((rel, "unknown file type".into()));
+            return Ok(());
+        };
+        let same_meta =
+            |e: &Entry| e.kind == kind && e.mode == mode && e.uid == uid && e.gid == gid;
+        match kind {
+            FileKind::Dir => {
+                let flags =
+                    OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
+                let sub = Dir::openat(Some(dir.as_raw_fd()), name, flags, Mode::empty())
+                    .map(DirFd)
+                    .map_err(|e| upper_err(&rel)(e.into()))?;
+                self.refuse(&sub, &rel, REDIRECT)?;
+                let opaque = self.is_opaque(&sub, &rel)?;
+                let lease_dir = lower.filter(|e| e.kind == FileKind::Dir);
+                let change = match lease_dir {
+                    Some(e) if !opaque && same_meta(&e) => {
+                        let parent = Change::Meta { mode, uid, gid };
+                        self.out.unchanged.insert(rel.clone(), parent);
+                        return self.walk(sub, &rel, lower_dir);
+                    }
+                    Some(_) if !opaque => Change::Meta { mode, uid, gid },
+                    _ => Change::Mkdir {
+                        mode,
+                        uid,
+                        gid,
+                        opaque,
+                    },
+                };
+                let below = if opaque { None } else { lower_dir };
+                self.out.entries.insert(rel.clone(), change);
+                self.walk(sub, &rel, below)
+            }
+            FileKind::Regular => {
+                let flags =
+                    OFlag::O_RDONLY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC | OFlag::O_NOCTTY;
+                let fd = nix::fcntl::openat(Some(dir.as_raw_fd()), name, flags, Mode::empty())
+                    .map(FileFd)
+                    .map_err(|e| upper_err(&rel)(e.into()))?;
+                self.refuse(&fd, &rel, METACOPY)?;
+                let size = u64::try_from(st.st_size).unwrap_or(0);
+                let digest = hash(fd).map_err(upper_err(&rel))?;
+                let noise = match lower {
+                    Some(e) if same_meta(&e) && e.size == size => {
+                        let path = self.lower.host_path(e.layer_index, &rel);
+                        hash_path(&path).map_err(lower_err(&rel))? == digest
+                    }
+                    _ => false,
+                };
+                let change = Change::Write {
+                    mode,
+                    uid,
+                    gid,
+                    size,
+                    digest,
+                };
+                self.record(rel, change, noise);
+                Ok(())
+            }
+            FileKind::Symlink => {
+                let target = nix::fcntl::readlinkat(Some(dir.as_raw_fd()), name)
+                    .map_err(|e| upper_err(&rel)(e.into()))?
+                    .into_vec();
+                let noise = match lower {
+                    Some(e) if e.kind == kind && e.uid == uid && e.gid == gid => {
+                        let path = self.lower.host_path(e.layer_index, &rel);
+                        let lower_target = std::fs::read_link(&path).map_err(lower_err(&rel))?;
+                        lower_target.as_os_str().as_bytes() == target.as_slice()
+                    }
+                    _ => false,
+                };
+                self.record(rel, Change::Symlink { target, uid, gid }, noise);
+                Ok(())
+            }
+            FileKind::Fifo | FileKind::CharDev | FileKind::BlockDev => {
+                let noise = matches!(lower, Some(e) if same_meta(&e) && e.rdev == rdev);
+                let change = Change::Special {
+                    kind,
+                    mode,
+                    uid,
+                    gid,
+                    rdev,
+                };
+                self.record(rel, change, noise);
+                Ok(())
+            }
+            FileKind::Socket => {
+                self.out.skipped.push((rel, "socket".into()));
+                Ok(())
+            }
+        }
+    }
+
+    fn record(&mut self, rel: Vec<u8>, change: Change, noise: bool) {
+        if noise {
+            self.out.unchanged.insert(rel, change);
+        } else {
+            self.out.entries.insert(rel, change);
+        }
+    }
+
+    fn is_opaque(&self, dir: &DirFd, rel: &[u8]) -> Result<bool, CaptureError> {
+        if opaque_value(dir.get_xattr(TRUSTED_OPAQUE)).map_err(upper_err(rel))? {
+            return Ok(true);
+        }
+        if self.options.userxattr {
+            return opaque_value(dir.get_xattr(USER_OPAQUE)).map_err(upper_err(rel));
+        }
+        Ok(false)
+    }
+
+    /// Fails when `fd` carries the trusted xattr of `names` (or the user one too
+    /// with `userxattr`).
+    fn refuse(
+        &self,
+        fd: &impl FileExt,
+        rel: &[u8],
+        names: [&'static str; 2],
+    ) -> Result<(), CaptureError> {
+        let checked = if self.options.userxattr {
+            &names[..]
+        } else {
+            &names[..1]
+        };
+        for &xattr in checked {
+            let present = match fd.get_xattr(xattr) {
+                Ok(v) => v.is_some(),
+                Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => false,
+                Err(e) => return Err(upper_err(rel)(e)),
+            };
+            if present {
+                return Err(CaptureError::Unsupported {
+                    path: rel_path(rel),
+                    xattr,
+                });
+            }
+        }
+        Ok(())
+    }
+}
+
+/// BLAKE3 of everything readable from `reader`.
+fn hash(mut reader: impl io::Read) -> io::Result<[u8; 32]> {
+    let mut hasher = blake3::Hasher::new();
+    hasher.update_reader(&mut reader)?;
+    Ok(*hasher.finalize().as_bytes())
+}
+
+/// BLAKE3 of a lower-layer file, opened with `O_NOFOLLOW` (the view already
+/// established that it is a regular file under real directories).
+fn hash_path(path: &Path) -> io::Result<[u8; 32]> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NOCTTY)
+        .open(path)?;
+    hash(file)
+}
+
+/// The BLAKE3 digest of a byte string (symlink targets, special-file identities).
+pub(crate) fn digest_bytes(bytes: &[u8]) -> [u8; 32] {
+    *blake3::hash(bytes).as_bytes()
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::testutil::*;
+
+    struct Fixture {
+        _t: tempfile::TempDir,
+        lower: PathBuf,
+        upper: PathBuf,
+    }
+
+    fn fixture() -> Fixture {
+        let t = tmp();
+        let (lower, upper) = (t.path().join("lower"), t.path().join("upper"));
+        std::fs::create_dir(&lower).unwrap();
+        std::fs::create_dir(&upper).unwrap();
+        Fixture {
+            _t: t,
+            lower,
+            upper,
+        }
+    }
+
+    impl Fixture {
+        fn capture(&self) -> Changeset {
+            capture(&self.upper, &LayerView::new(vec![self.lower.clone()])).unwrap()
+        }
+    }
+
+    fn digest(b: &[u8]) -> [u8; 32] {
+        *blake3::hash(b).as_bytes()
+    }
+
+    fn keys(m: &BTreeMap<Vec<u8>, Change>) -> Vec<String> {
+        m.keys()
+            .map(|k| String::from_utf8_lossy(k).into_owned())
+            .collect()
+    }
+
+    fn uid() -> u32 {
+        nix::unistd::geteuid().as_raw()
+    }
+
+    fn gid() -> u32 {
+        nix::unistd::getegid().as_raw()
+    }
+
+    #[test]
+    fn new_and_modified_files_are_writes() {
+        let f = fixture();
+        write(&f.lower, "mod", b"old", 0o644);
+        write(&f.lower, "keep", b"k", 0o644);
+        write(&f.upper, "mod", b"new content", 0o644);
+        write(&f.upper, "new", b"fresh", 0o600);
+        let c = f.capture();
+        assert_eq!(keys(&c.entries), ["mod", "new"]);
+        let (u, g) = (uid(), gid());
+        assert_eq!(
+            c.entries[&b"mod".to_vec()],
+            Change::Write {
+                mode: 0o644,
+                uid: u,
+                gid: g,
+                size: 11,
+                digest: digest(b"new content")
+            }
+        );
+        assert_eq!(
+            c.entries[&b"new".to_vec()],
+            Change::Write {
+                mode: 0o600,
+                uid: u,
+                gid: g,
+                size: 5,
+                digest: digest(b"fresh")
+            }
+        );
+        assert!(c.unchanged.is_empty() && c.skipped.is_empty());
+        assert!(!c.is_empty());
+        assert_eq!(c.paths().collect::<Vec<_>>(), [&b"mod"[..], b"new"]);
+    }
+
+    #[test]
+    fn copy_up_noise_is_dropped() {
+        let f = fixture();
+        write(&f.lower, "d/same", b"identical", 0o644);
+        write(&f.lower, "d/samesize", b"aaaa", 0o644);
+        write(&f.lower, "d/chmod", b"c", 0o644);
+        // Same content and metadata (e.g. after `touch`): noise.
+        write(&f.upper, "d/same", b"identical", 0o644);
+        // Same size, other bytes: a real write.
+        write(&f.upper, "d/samesize", b"bbbb", 0o644);
+        // Same content, other mode: a real write.
+        write(&f.upper, "d/chmod", b"c", 0o755);
+        std::fs::set_permissions(
+            f.lower.join("d"),
+            std::os::unix::fs::PermissionsExt::from_mode(0o755),
+        )
+        .unwrap();
+        std::fs::set_permissions(
+            f.upper.join("d"),
+            std::os::unix::fs::PermissionsExt::from_mode(0o755),
+        )
+        .unwrap();
+        let c = f.capture();
+        assert_eq!(keys(&c.entries), ["d/chmod", "d/samesize"]);
+        assert_eq!(
+            keys(&c.unchanged),
+            ["d", "d/same"],
+            "copy-up parent and identical file"
+        );
+        assert_eq!(
+            c.unchanged[&b"d".to_vec()],
+            Change::Meta {
+                mode: 0o755,
+                uid: uid(),
+                gid: gid()
+            }
+        );
+    }
+
+    #[test]
+    fn only_noise_is_an_empty_changeset() {
+        let f = fixture();
+        write(&f.lower, "a", b"x", 0o644);
+        write(&f.upper, "a", b"x", 0o644);
+        let c = f.capture();
+        assert!(c.is_empty());
+        assert_eq!(keys(&c.unchanged), ["a"]);
+    }
+
+    #[test]
+    fn whiteout_is_a_delete() {
+        if !have_root("whiteout_is_a_delete") {
+            return;
+        }
+        let f = fixture();
+        write(&f.lower, "gone", b"x", 0o644);
+        write(&f.lower, "dir/child", b"x", 0o644);
+        whiteout(&f.upper, "gone");
+        whiteout(&f.upper, "dir");
+        whiteout(&f.upper, "never_in_lower");
+        let c = f.capture();
+        assert_eq!(keys(&c.entries), ["dir", "gone", "never_in_lower"]);
+        assert!(c.entries.values().all(|ch| *ch == Change::Delete));
+        assert_eq!(c.entries[&b"dir".to_vec()].file_kind(), None);
+    }
+
+    #[test]
+    fn char_device_that_is_not_a_whiteout_is_special() {
+        if !have_root("char_device_that_is_not_a_whiteout_is_special") {
+            return;
+        }
+        let f = fixture();
+        let path = f.upper.join("null");
+        let dev = nix::sys::stat::makedev(1, 3);
+        nix::sys::stat::mknod(
+            &path,
+            nix::sys::stat::SFlag::S_IFCHR,
+            Mode::from_bits_truncate(0o666),
+            dev,
+        )
+        .unwrap();
+        std::fs::set_permissions(&path, std::os::unix::fs::PermissionsExt::from_mode(0o666))
+            .unwrap();
+        let c = f.capture();
+        assert_eq!(
+            c.entries[&b"null".to_vec()],
+            Change::Special {
+                kind: FileKind::CharDev,
+                mode: 0o666,
+                uid: 0,
+                gid: 0,
+                rdev: dev
+            }
+        );
+    }
+
+    fn opaque_dir(userxattr: bool) {
+        let f = fixture();
+        write(&f.lower, "o/f", b"same", 0o644);
+        write(&f.lower, "o/old", b"x", 0o644);
+        mkdir(&f.lower, "o", 0o755);
+        write(&f.upper, "o/f", b"same", 0o644);
+        mkdir(&f.upper, "o", 0o755);
+        let name = if userxattr {
+            USER_OPAQUE
+        } else {
+            TRUSTED_OPAQUE
+        };
+        xattr::set(f.upper.join("o"), name, b"y").unwrap();
+        let lower = LayerView::new(vec![f.lower.clone()]).with_userxattr(userxattr);
+        let c = capture_with(&f.upper, &lower, &CaptureOptions { userxattr }).unwrap();
+        assert_eq!(
+            c.entries[&b"o".to_vec()],
+            Change::Mkdir {
+                mode: 0o755,
+                uid: uid(),
+                gid: gid(),
+                opaque: true
+            }
+        );
+        // Below an opaque directory nothing of the lease shows: o/f is a change.
+        assert!(matches!(c.entries[&b"o/f".to_vec()], Change::Write { .. }));
+        assert_eq!(keys(&c.entries), ["o", "o/f"]);
+        assert!(c.unchanged.is_empty());
+        if userxattr {
+            // Without the option the user xattr means nothing: o is a copy-up parent.
+            let c = capture(&f.upper, &LayerView::new(vec![f.lower.clone()])).unwrap();
+            assert_eq!(keys(&c.entries), Vec::<String>::new());
+            assert_eq!(keys(&c.unchanged), ["o", "o/f"]);
+        }
+    }
+
+    #[test]
+    fn opaque_dir_trusted_xattr() {
+        if have_root("opaque_dir_trusted_xattr") {
+            opaque_dir(false);
+        }
+    }
+
+    #[test]
+    fn opaque_dir_user_xattr() {
+        opaque_dir(true);
+    }
+
+    #[test]
+    fn opaque_value_must_be_exactly_y() {
+        let f = fixture();
+        mkdir(&f.lower, "o", 0o755);
+        mkdir(&f.upper, "o", 0o755);
+        xattr::set(f.upper.join("o"), USER_OPAQUE, b"yes").unwrap();
+        let lower = LayerView::new(vec![f.lower.clone()]).with_userxattr(true);
+        let c = capture_with(&f.upper, &lower, &CaptureOptions { userxattr: true }).unwrap();
+        assert!(c.entries.is_empty());
+        assert_eq!(keys(&c.unchanged), ["o"]);
+    }
+
+    #[test]
+    fn symlinks_are_verbatim_and_never_followed() {
+        let f = fixture();
+        symlink(&f.upper, "dangling", b"no/such/thing");
+        symlink(&f.upper, "abs", b"/etc/passwd");
+        symlink(&f.upper, "escape", b"/etc");
+        symlink(&f.upper, "bytes", b"caf\xe9");
+        symlink(&f.lower, "same", b"t");
+        symlink(&f.upper, "same", b"t");
+        symlink(&f.lower, "retarget", b"old");
+        symlink(&f.upper, "retarget", b"new");
+        let c = f.capture();
+        let link = |t: &[u8]| Change::Symlink {
+            target: t.to_vec(),
+            uid: uid(),
+            gid: gid(),
+        };
+        assert_eq!(
+            keys(&c.entries),
+            ["abs", "bytes", "dangling", "escape", "retarget"]
+        );
+        assert_eq!(c.entries[&b"dangling".to_vec()], link(b"no/such/thing"));
+        assert_eq!(c.entries[&b"abs".to_vec()], link(b"/etc/passwd"));
+        assert_eq!(c.entries[&b"escape".to_vec()], link(b"/etc"));
+        assert_eq!(c.entries[&b"bytes".to_vec()], link(b"caf\xe9"));
+        assert_eq!(c.entries[&b"retarget".to_vec()], link(b"new"));
+        assert_eq!(keys(&c.unchanged), ["same"]);
+    }
+
+    #[test]
+    fn directories_new_meta_and_copy_up_parents() {
+        let f = fixture();
+        mkdir(&f.lower, "chmodded", 0o755);
+        mkdir(&f.lower, "parent", 0o755);
+        write(&f.lower, "was_file", b"x", 0o644);
+        mkdir(&f.upper, "chmodded", 0o700);
+        write(&f.upper, "parent/new", b"n", 0o644);
+        mkdir(&f.upper, "parent", 0o755);
+        write(&f.upper, "fresh/x", b"x", 0o644);
+        mkdir(&f.upper, "fresh", 0o750);
+        mkdir(&f.upper, "was_file", 0o755);
+        let c = f.capture();
+        let (u, g) = (uid(), gid());
+        assert_eq!(
+            keys(&c.entries),
+            ["chmodded", "fresh", "fresh/x", "parent/new", "was_file"]
+        );
+        assert_eq!(
+            c.entries[&b"chmodded".to_vec()],
+            Change::Meta {
+                mode: 0o700,
+                uid: u,
+                gid: g
+            }
+        );
+        assert_eq!(
+            c.entries[&b"fresh".to_vec()],
+            Change::Mkdir {
+                mode: 0o750,
+                uid: u,
+                gid: g,
+                opaque: false
+            }
+        );
+        assert_eq!(
+            c.entries[&b"was_file".to_vec()],
+            Change::Mkdir {
+                mode: 0o755,
+                uid: u,
+                gid: g,
+                opaque: false
+            }
+        );
+        assert_eq!(keys(&c.unchanged), ["parent"]);
+    }
+
+    #[test]
+    fn directory_owner_change_is_meta() {
+        if !have_root("directory_owner_change_is_meta") {
+            return;
+        }
+        let f = fixture();
+        mkdir(&f.lower, "d", 0o755);
+        mkdir(&f.upper, "d", 0o755);
+        std::os::unix::fs::lchown(f.upper.join("d"), Some(1000), Some(1001)).unwrap();
+        write(&f.lower, "file", b"x", 0o644);
+        write(&f.upper, "file", b"x", 0o644);
+        std::os::unix::fs::lchown(f.upper.join("file"), Some(7), None).unwrap();
+        let c = f.capture();
+        assert_eq!(
+            c.entries[&b"d".to_vec()],
+            Change::Meta {
+                mode: 0o755,
+                uid: 1000,
+                gid: 1001
+            }
+        );
+        assert!(
+            matches!(c.entries[&b"file".to_vec()], Change::Write { uid: 7, .. }),
+            "chown-only is a write"
+        );
+    }
+
+    #[test]
+    fn fifo_is_special_and_never_opened() {
+        let f = fixture();
+        fifo(&f.upper, "pipe", 0o640);
+        fifo(&f.lower, "same", 0o600);
+        fifo(&f.upper, "same", 0o600);
+        // Opening a fifo without a writer would block: finishing proves it was not opened.
+        let c = f.capture();
+        assert_eq!(keys(&c.entries), ["pipe"]);
+        assert_eq!(
+            c.entries[&b"pipe".to_vec()],
+            Change::Special {
+                kind: FileKind::Fifo,
+                mode: 0o640,
+                uid: uid(),
+                gid: gid(),
+                rdev: 0
+            }
+        );
+        assert_eq!(keys(&c.unchanged), ["same"]);
+    }
+
+    #[test]
+    fn sockets_are_skipped() {
+        let f = fixture();
+        socket(&f.upper, "run/app.sock");
+        write(&f.upper, "run/pid", b"1", 0o644);
+        let c = f.capture();
+        assert_eq!(keys(&c.entries), ["run", "run/pid"]);
+        assert_eq!(
+            c.skipped,
+            vec![(b"run/app.sock".to_vec(), "socket".to_string())]
+        );
+    }
+
+    #[test]
+    fn non_utf8_names_are_byte_exact() {
+        let f = fixture();
+        write_bytes(&f.upper, b"d\xff/caf\xe9", b"x", 0o644);
+        write_bytes(&f.lower, b"lat\xedn1", b"y", 0o644);
+        write_bytes(&f.upper, b"lat\xedn1", b"y", 0o644);
+        let c = f.capture();
+        assert_eq!(
+            c.entries.keys().cloned().collect::<Vec<_>>(),
+            vec![b"d\xff".to_vec(), b"d\xff/caf\xe9".to_vec()]
+        );
+        assert_eq!(
+            c.unchanged.keys().cloned().collect::<Vec<_>>(),
+            vec![b"lat\xedn1".to_vec()]
+        );
+    }
+
+    #[test]
+    fn lower_stack_is_respected() {
+        let t = tmp();
+        let (l0, l1, up) = (
+            t.path().join("l0"),
+            t.path().join("l1"),
+            t.path().join("up"),
+        );
+        write(&l1, "f", b"base", 0o644);
+        write(&l0, "f", b"published", 0o644);
+        write(&up, "f", b"published", 0o644);
+        let c = capture(&up, &LayerView::new(vec![l0.clone(), l1.clone()])).unwrap();
+        assert!(c.entries.is_empty(), "identical to the newest layer");
+        let c = capture(&up, &LayerView::new(vec![l1])).unwrap();
+        assert_eq!(
+            keys(&c.entries),
+            ["f"],
+            "differs from the older layer alone"
+        );
+    }
+
+    #[test]
+    fn redirect_and_metacopy_are_refused() {
+        let f = fixture();
+        write(&f.upper, "d/f", b"x", 0o644);
+        xattr::set(f.upper.join("d/f"), "user.overlay.metacopy", b"").unwrap();
+        let lower = LayerView::new(vec![f.lower.clone()]).with_userxattr(true);
+        let err = capture_with(&f.upper, &lower, &CaptureOptions { userxattr: true }).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                CaptureError::Unsupported {
+                    xattr: "user.overlay.metacopy",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+        assert_eq!(err.to_string(), "d/f carries overlay xattr user.overlay.metacopy: uppers from redirect_dir or metacopy mounts are not supported");
+        xattr::remove(f.upper.join("d/f"), "user.overlay.metacopy").unwrap();
+        xattr::set(f.upper.join("d"), "user.overlay.redirect", b"/x").unwrap();
+        let err = capture_with(&f.upper, &lower, &CaptureOptions { userxattr: true }).unwrap_err();
+        assert!(
+            matches!(
+                err,
+                CaptureError::Unsupported {
+                    xattr: "user.overlay.redirect",
+                    ..
+                }
+            ),
+            "{err}"
+        );
+    }
+
+    #[test]
+    fn upper_must_be_a_real_directory() {
+        let f = fixture();
+        let link = f.lower.parent().unwrap().join("upper-link");
+        std::os::unix::fs::symlink(&f.upper, &link).unwrap();
+        let err = capture(&link, &LayerView::new(vec![])).unwrap_err();
+        assert!(matches!(err, CaptureError::OpenUpper { .. }), "{err}");
+        let err = capture(&f.lower.join("missing"), &LayerView::new(vec![])).unwrap_err();
+        assert!(matches!(err, CaptureError::OpenUpper { .. }), "{err}");
+    }
+}
