@@ -43,6 +43,9 @@ enum Cmd {
     /// Capture and publish a stopped container's writes now.
     Publish {
         container: String,
+        /// Drop the writes instead of publishing them.
+        #[arg(long)]
+        discard: bool,
         #[arg(long)]
         json: bool,
     },
@@ -156,9 +159,15 @@ async fn run(cli: Cli) -> Result<ExitCode> {
                 .into_inner();
             Ok(print_outcome(&r, json))
         }
-        Cmd::Publish { container, json } => {
+        Cmd::Publish { container, discard, json } => {
+            let policy = if discard { api::PublishPolicy::Discard } else { api::PublishPolicy::Publish };
             let r = c
-                .publish(api::PublishRequest { namespace: ns, container })
+                .publish(api::PublishRequest {
+                    namespace: ns,
+                    container,
+                    policy: policy as i32,
+                    reason: if discard { "layerstack publish --discard".into() } else { "layerstack publish".into() },
+                })
                 .await?
                 .into_inner();
             Ok(print_outcome(&r, json))

@@ -147,7 +147,13 @@ impl api::Admin for AdminService {
         let r = req.into_inner();
         require("container", &r.container)?;
         let s = self.publisher.find(&r.namespace, &r.container).await.map_err(publish_status)?;
-        let out = self.publisher.publish(s.id, "admin publish").await.map_err(publish_status)?;
+        let why = if r.reason.is_empty() { "admin publish".to_string() } else { r.reason.clone() };
+        let out = match api::PublishPolicy::from_i32(r.policy) {
+            Some(api::PublishPolicy::Publish) => self.publisher.publish(s.id, &why).await,
+            Some(api::PublishPolicy::Discard) => self.publisher.discard(s.id, &why).await,
+            None => return Err(Status::invalid_argument(format!("unknown publish policy {}", r.policy))),
+        }
+        .map_err(publish_status)?;
         Ok(Response::new(to_api(out)))
     }
 

@@ -144,6 +144,30 @@ impl Publisher {
         result
     }
 
+    /// Drop the current run's writes without publishing: outcome `discarded`, a
+    /// fresh upper, no lease. A run that already has an outcome is left alone.
+    pub async fn discard(&self, session: SessionId, why: &str) -> Result<SessionInfo, PublishFailure> {
+        let _g = self.lock_session(session).await;
+        let current = self.blocking(move |s| s.session(session)).await?;
+        if current.outcome.is_some() || current.lease_manifest.is_none() || current.released {
+            return Ok(current);
+        }
+        if upper_is_mounted(&current.upper) {
+            return Err(PublishFailure::Mounted(session, current.upper.display().to_string()));
+        }
+        let rec = Outcome {
+            kind: OutcomeKind::Discarded,
+            layer: None,
+            conflicts: vec![],
+            message: Some(format!("writes dropped: {why}")),
+            at_ns: now_ns(),
+        };
+        self.blocking(move |s| s.record_outcome(session, rec)).await?;
+        info!(session.id = session, outcome = "discarded", why, "discarded");
+        self.outcomes.notify_waiters();
+        self.blocking(move |s| s.session(session)).await
+    }
+
     async fn run(&self, session: SessionId, why: &str) -> Result<(), RunError> {
         let ctx = {
             let store = self.store.clone();
