@@ -1,0 +1,1512 @@
+//! Test harness for LayerStack's integration tests: a private containerd, our
+//! snapshotter daemon, the `layerstack` CLI, and fixture images.
+//!
+//! Everything a [`TestEnv`] starts lives under one temp dir below
+//! `$LAYERSTACK_TEST_TMP` (default `/var/tmp`, which must be a local ext4, xfs
+//! or btrfs, not tmpfs): containerd's root, state and sockets, the daemon's
+//! store and sockets, logs. Teardown kills only processes this harness started
+//! (by pid) or whose command line names that temp dir (shims and their
+//! children), unmounts whatever is still mounted below the temp dir, and
+//! removes it. It never touches another containerd. A temp dir left behind by
+//! a test process that was killed outright is swept by the next [`TestEnv`].
+//!
+//! The harness needs root, `containerd`, `ctr`, `runc` and
+//! `containerd-shim-runc-v2` (see [`require_root_and_containerd`]).
+
+use std::collections::BTreeSet;
+use std::fs::{self, File, OpenOptions};
+use std::io::Read;
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixStream;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::sync::{Mutex, OnceLock};
+use std::thread;
+use std::time::{Duration, Instant};
+
+use anyhow::{anyhow, bail, Context, Result};
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
+/// Snapshotter name under which containerd sees our daemon.
+pub const SNAPSHOTTER: &str = "layerstack";
+/// Snapshot label that selects a session's branch.
+pub const BRANCH_LABEL: &str = "containerd.io/snapshot/layerstack.branch";
+/// Name of the Debian fixture image after import.
+pub const DEBIAN_IMAGE: &str = "docker.io/layerstack/debian:bookworm";
+/// Name of the busybox fixture image after import.
+pub const BUSYBOX_IMAGE: &str = "docker.io/layerstack/busybox:test";
+/// The daemon binary.
+pub const DAEMON_BIN: &str = "containerd-layerstack-grpc";
+/// The operator CLI binary.
+pub const CLI_BIN: &str = "layerstack";
+
+/// Default timeout for one `ctr` / `layerstack` invocation.
+pub const CMD_TIMEOUT: Duration = Duration::from_secs(180);
+const TMP_PREFIX: &str = "lst-";
+const LOG_TAIL_LINES: usize = 80;
+
+// ---------------------------------------------------------------------------
+// Environment checks and paths
+// ---------------------------------------------------------------------------
+
+fn in_ci() -> bool {
+    std::env::var("CI")
+        .map(|v| v == "true" || v == "1")
+        .unwrap_or(false)
+}
+
+/// Finds `name` on `$PATH`.
+pub fn which(name: &str) -> Option<PathBuf> {
+    let path = std::env::var_os("PATH")?;
+    std::env::split_paths(&path)
+        .map(|dir| dir.join(name))
+        .find(|p| {
+            p.metadata()
+                .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+                .unwrap_or(false)
+        })
+}
+
+/// True when this process can run the integration tests: root, and
+/// containerd, ctr, runc and containerd-shim-runc-v2 on `$PATH`. Otherwise,
+/// with `CI=true` it panics with the reason (CI must never skip silently),
+/// else it prints the reason to stderr and returns false (skip).
+pub fn require_root_and_containerd() -> bool {
+    let mut missing = Vec::new();
+    if !nix::unistd::geteuid().is_root() {
+        missing.push("root (euid 0)".to_string());
+    }
+    for bin in ["containerd", "ctr", "runc", "containerd-shim-runc-v2"] {
+        if which(bin).is_none() {
+            missing.push(format!("`{bin}` on PATH"));
+        }
+    }
+    if missing.is_empty() {
+        return true;
+    }
+    let msg = format!(
+        "integration tests need {}; run scripts/install-deps.sh as root",
+        missing.join(", ")
+    );
+    if in_ci() {
+        panic!("CI=true and {msg}");
+    }
+    eprintln!("SKIPPED: {msg}");
+    false
+}
+
+/// Directory below which test temp dirs are created: `$LAYERSTACK_TEST_TMP`,
+/// default `/var/tmp` (on disk; `/tmp` may be tmpfs, which the store refuses).
+pub fn tmp_base() -> PathBuf {
+    std::env::var_os("LAYERSTACK_TEST_TMP")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/var/tmp"))
+}
+
+/// Cache for fixture images: `$LAYERSTACK_TEST_CACHE`, default
+/// `/var/cache/layerstack-test` (the same default the fixture scripts use).
+pub fn cache_dir() -> PathBuf {
+    std::env::var_os("LAYERSTACK_TEST_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from("/var/cache/layerstack-test"))
+}
+
+/// `integration/fixtures`.
+pub fn fixtures_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("fixtures")
+}
+
+/// Candidate directories for our binaries, most specific first:
+/// `$LAYERSTACK_BIN_DIR`; the profile dir this test binary was built into
+/// (`<target>/debug` from `<target>/debug/deps/<test>`); `$CARGO_TARGET_DIR/debug`
+/// (at run time, then at build time); `<workspace>/target/debug`.
+pub fn bin_dir_candidates() -> Vec<PathBuf> {
+    let mut dirs = Vec::new();
+    if let Some(d) = std::env::var_os("LAYERSTACK_BIN_DIR") {
+        dirs.push(PathBuf::from(d));
+    }
+    if let Ok(exe) = std::env::current_exe() {
+        if let Some(profile) = exe.parent().and_then(Path::parent) {
+            dirs.push(profile.to_path_buf());
+        }
+    }
+    if let Some(d) = std::env::var_os("CARGO_TARGET_DIR") {
+        dirs.push(PathBuf::from(d).join("debug"));
+    }
+    if let Some(d) = option_env!("CARGO_TARGET_DIR") {
+        dirs.push(PathBuf::from(d).join("debug"));
+    }
+    dirs.push(Path::new(env!("CARGO_MANIFEST_DIR")).join("../target/debug"));
+    dirs
+}
+
+/// Path of one of our binaries (see [`bin_dir_candidates`]). With
+/// `$LAYERSTACK_BIN_DIR` set, only that directory is used.
+pub fn bin_path(name: &str) -> Result<PathBuf> {
+    let dirs = match std::env::var_os("LAYERSTACK_BIN_DIR") {
+        Some(d) => vec![PathBuf::from(d)],
+        None => bin_dir_candidates(),
+    };
+    for d in &dirs {
+        let p = d.join(name);
+        if p.is_file() {
+            return Ok(p);
+        }
+    }
+    bail!(
+        "binary `{name}` not found in {:?}; build it first (`cargo build --workspace --bins`) \
+         or set LAYERSTACK_BIN_DIR",
+        dirs
+    )
+}
+
+// ---------------------------------------------------------------------------
+// Running commands
+// ---------------------------------------------------------------------------
+
+/// Runs `cmd` to completion with stdin closed, capturing stdout and stderr.
+/// Kills it (SIGKILL) and returns an error after `timeout`.
+pub fn run_with_timeout(cmd: &mut Command, timeout: Duration) -> Result<Output> {
+    let desc = format!("{cmd:?}");
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .with_context(|| format!("spawning {desc}"))?;
+    let mut out_pipe = child.stdout.take().context("stdout pipe")?;
+    let mut err_pipe = child.stderr.take().context("stderr pipe")?;
+    let out_t = thread::spawn(move || {
+        let mut v = Vec::new();
+        let _ = out_pipe.read_to_end(&mut v);
+        v
+    });
+    let err_t = thread::spawn(move || {
+        let mut v = Vec::new();
+        let _ = err_pipe.read_to_end(&mut v);
+        v
+    });
+    let status = match wait_timeout(&mut child, timeout)? {
+        Some(st) => st,
+        None => {
+            let _ = child.kill();
+            let _ = child.wait();
+            let out = out_t.join().unwrap_or_default();
+            let err = err_t.join().unwrap_or_default();
+            bail!(
+                "timed out after {timeout:?}: {desc}\nstdout: {}\nstderr: {}",
+                String::from_utf8_lossy(&out),
+                String::from_utf8_lossy(&err)
+            );
+        }
+    };
+    Ok(Output {
+        status,
+        stdout: out_t.join().unwrap_or_default(),
+        stderr: err_t.join().unwrap_or_default(),
+    })
+}
+
+/// Polls `child` until it exits or `timeout` passes (then `None`).
+pub fn wait_timeout(child: &mut Child, timeout: Duration) -> Result<Option<ExitStatus>> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if let Some(st) = child.try_wait()? {
+            return Ok(Some(st));
+        }
+        if Instant::now() >= deadline {
+            return Ok(None);
+        }
+        thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Human-readable summary of an [`Output`] for assertion messages.
+pub fn describe(out: &Output) -> String {
+    format!(
+        "{}\n--- stdout ---\n{}--- stderr ---\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// stdout as a String.
+pub fn stdout(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn ensure_success(what: &str, out: Output) -> Result<Output> {
+    if out.status.success() {
+        Ok(out)
+    } else {
+        bail!("{what} failed: {}", describe(&out))
+    }
+}
+
+/// Last `n` lines of a file ("" if unreadable).
+pub fn tail_file(path: &Path, n: usize) -> String {
+    let Ok(bytes) = fs::read(path) else {
+        return String::new();
+    };
+    let text = String::from_utf8_lossy(&bytes);
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(n)..].join("\n")
+}
+
+fn wait_for_socket(path: &Path, child: &mut Child, log: &Path, what: &str) -> Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        if UnixStream::connect(path).is_ok() {
+            return Ok(());
+        }
+        if let Some(st) = child.try_wait()? {
+            bail!(
+                "{what} exited ({st}) before {} accepted connections; last log lines:\n{}",
+                path.display(),
+                tail_file(log, LOG_TAIL_LINES)
+            );
+        }
+        if Instant::now() >= deadline {
+            bail!(
+                "{what}: {} not ready after 30s; last log lines:\n{}",
+                path.display(),
+                tail_file(log, LOG_TAIL_LINES)
+            );
+        }
+        thread::sleep(Duration::from_millis(50));
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Processes and mounts
+// ---------------------------------------------------------------------------
+
+/// (pid, ppid, cmdline with NULs as spaces) for every process.
+fn processes() -> Vec<(i32, i32, String)> {
+    let mut v = Vec::new();
+    let Ok(rd) = fs::read_dir("/proc") else {
+        return v;
+    };
+    for e in rd.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+            continue;
+        };
+        let Ok(stat) = fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // "pid (comm) state ppid ..." — comm may contain spaces and ')'.
+        let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else {
+            continue;
+        };
+        let ppid = rest
+            .split_whitespace()
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0);
+        let cmdline = fs::read(format!("/proc/{pid}/cmdline"))
+            .map(|b| String::from_utf8_lossy(&b).replace('\0', " "))
+            .unwrap_or_default();
+        v.push((pid, ppid, cmdline));
+    }
+    v
+}
+
+fn pid_alive(pid: i32) -> bool {
+    // A zombie still has /proc/<pid>; treat it as dead.
+    match fs::read_to_string(format!("/proc/{pid}/stat")) {
+        Ok(s) => !s
+            .rfind(')')
+            .map(|i| s[i + 1..].trim_start().starts_with('Z'))
+            .unwrap_or(false),
+        Err(_) => false,
+    }
+}
+
+/// Kills (SIGKILL) every process whose command line contains `needle`, and all
+/// their descendants. Returns the victims as "pid cmdline".
+pub fn kill_processes_mentioning(needle: &str) -> Vec<String> {
+    kill_process_trees(|cmd| cmd.contains(needle))
+}
+
+/// Kills (SIGKILL) every process whose command line satisfies `select`, and
+/// all their descendants (container processes under a shim). Never this
+/// process. Returns the victims as "pid cmdline".
+pub fn kill_process_trees(select: impl Fn(&str) -> bool) -> Vec<String> {
+    let me = std::process::id() as i32;
+    let procs = processes();
+    let mut victims: BTreeSet<i32> = procs
+        .iter()
+        .filter(|(pid, _, cmd)| *pid != me && select(cmd))
+        .map(|(pid, _, _)| *pid)
+        .collect();
+    loop {
+        let before = victims.len();
+        for (pid, ppid, _) in &procs {
+            if *pid != me && victims.contains(ppid) {
+                victims.insert(*pid);
+            }
+        }
+        if victims.len() == before {
+            break;
+        }
+    }
+    let mut killed = Vec::new();
+    for (pid, _, cmd) in procs.iter().filter(|(pid, _, _)| victims.contains(pid)) {
+        let _ = kill(Pid::from_raw(*pid), Signal::SIGKILL);
+        killed.push(format!("{pid} {}", cmd.trim()));
+    }
+    killed
+}
+
+/// SIGTERM, wait up to `grace`, then SIGKILL; reaps the child.
+fn terminate(child: &mut Child, grace: Duration) {
+    if let Ok(Some(_)) = child.try_wait() {
+        return;
+    }
+    let _ = kill(Pid::from_raw(child.id() as i32), Signal::SIGTERM);
+    if let Ok(Some(_)) = wait_timeout(child, grace) {
+        return;
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+}
+
+fn unescape_mountinfo(s: &str) -> String {
+    // Octal escapes: \040 space, \011 tab, \012 newline, \134 backslash.
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'\\' && i + 3 < b.len() {
+            let oct = &b[i + 1..i + 4];
+            if oct.iter().all(|c| (b'0'..=b'7').contains(c)) {
+                let v = oct
+                    .iter()
+                    .fold(0u32, |acc, c| acc * 8 + u32::from(c - b'0'));
+                if let Ok(v) = u8::try_from(v) {
+                    out.push(v);
+                    i += 4;
+                    continue;
+                }
+            }
+        }
+        out.push(b[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// One line of /proc/self/mountinfo.
+#[derive(Debug, Clone)]
+pub struct MountInfo {
+    /// Where it is mounted.
+    pub mount_point: PathBuf,
+    /// Filesystem type (`overlay`, `tmpfs`, …).
+    pub fs_type: String,
+    /// Mount source.
+    pub source: String,
+    /// Superblock options (`lowerdir=…,upperdir=…` for overlay).
+    pub super_options: String,
+}
+
+impl MountInfo {
+    /// Value of one superblock option (`lowerdir`, `upperdir`, …).
+    pub fn option(&self, key: &str) -> Option<String> {
+        split_mount_options(&self.super_options)
+            .into_iter()
+            .find_map(|o| o.strip_prefix(&format!("{key}=")).map(str::to_string))
+    }
+
+    /// Overlay lower directories, top first (empty if not an overlay).
+    pub fn lowerdirs(&self) -> Vec<String> {
+        self.option("lowerdir")
+            .map(|v| split_unescaped(&v, ':'))
+            .unwrap_or_default()
+    }
+}
+
+fn split_unescaped(s: &str, sep: char) -> Vec<String> {
+    let mut parts = Vec::new();
+    let mut cur = String::new();
+    let mut escaped = false;
+    for c in s.chars() {
+        if escaped {
+            cur.push(c);
+            escaped = false;
+        } else if c == '\\' {
+            escaped = true;
+        } else if c == sep {
+            parts.push(std::mem::take(&mut cur));
+        } else {
+            cur.push(c);
+        }
+    }
+    parts.push(cur);
+    parts.into_iter().filter(|p| !p.is_empty()).collect()
+}
+
+fn split_mount_options(s: &str) -> Vec<&str> {
+    s.split(',').collect()
+}
+
+/// Parses /proc/self/mountinfo.
+pub fn mounts() -> Vec<MountInfo> {
+    let Ok(text) = fs::read_to_string("/proc/self/mountinfo") else {
+        return Vec::new();
+    };
+    text.lines()
+        .filter_map(|line| {
+            let (pre, post) = line.split_once(" - ")?;
+            let pre: Vec<&str> = pre.split(' ').collect();
+            let post: Vec<&str> = post.splitn(3, ' ').collect();
+            Some(MountInfo {
+                mount_point: PathBuf::from(unescape_mountinfo(pre.get(4)?)),
+                fs_type: post.first()?.to_string(),
+                source: unescape_mountinfo(post.get(1).unwrap_or(&"")),
+                super_options: unescape_mountinfo(post.get(2).unwrap_or(&"")),
+            })
+        })
+        .collect()
+}
+
+/// Mounts at or below `dir`, deepest first.
+pub fn mounts_under(dir: &Path) -> Vec<PathBuf> {
+    let mut v: Vec<PathBuf> = mounts()
+        .into_iter()
+        .map(|m| m.mount_point)
+        .filter(|p| p.starts_with(dir))
+        .collect();
+    v.sort_by_key(|p| std::cmp::Reverse(p.components().count()));
+    v.dedup();
+    v
+}
+
+/// Lazily unmounts everything at or below `dir` (repeatedly, for stacked
+/// mounts). Returns mount points that are still there afterwards.
+pub fn unmount_all_under(dir: &Path) -> Vec<PathBuf> {
+    for _ in 0..8 {
+        let ms = mounts_under(dir);
+        if ms.is_empty() {
+            return ms;
+        }
+        for m in ms {
+            if let Err(e) = nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH) {
+                eprintln!("layerstack-integration: umount {}: {e}", m.display());
+            }
+        }
+    }
+    mounts_under(dir)
+}
+
+/// Removes `dir` after making sure nothing is mounted below it (a remaining
+/// mount means the tree is left in place and reported).
+fn remove_tree(dir: &Path) {
+    let left = unmount_all_under(dir);
+    if !left.is_empty() {
+        eprintln!(
+            "layerstack-integration: not removing {}: still mounted: {left:?}",
+            dir.display()
+        );
+        return;
+    }
+    if let Err(e) = fs::remove_dir_all(dir) {
+        if e.kind() != std::io::ErrorKind::NotFound {
+            eprintln!("layerstack-integration: removing {}: {e}", dir.display());
+        }
+    }
+}
+
+/// The overlay mounted as a container's rootfs (containerd runtime v2 mounts
+/// it at `<state>/io.containerd.runtime.v2.task/<ns>/<id>/rootfs`), if mounted.
+pub fn rootfs_mount(state_dir: &Path, ns: &str, id: &str) -> Option<MountInfo> {
+    let target = state_dir
+        .join("io.containerd.runtime.v2.task")
+        .join(ns)
+        .join(id)
+        .join("rootfs");
+    mounts().into_iter().rev().find(|m| m.mount_point == target)
+}
+
+// ---------------------------------------------------------------------------
+// Stale temp dirs from killed test processes
+// ---------------------------------------------------------------------------
+
+/// Cleans up temp dirs under [`tmp_base`] left by test processes that no
+/// longer run (killed by SIGKILL, say): kills processes naming the dir,
+/// unmounts, removes. Dirs of live processes are left alone.
+pub fn sweep_stale() {
+    let Ok(rd) = fs::read_dir(tmp_base()) else {
+        return;
+    };
+    for e in rd.flatten() {
+        let name = e.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if !name.starts_with(TMP_PREFIX) {
+            continue;
+        }
+        let dir = e.path();
+        let owner = fs::read_to_string(dir.join("owner.pid"))
+            .ok()
+            .and_then(|s| s.trim().parse::<i32>().ok());
+        match owner {
+            Some(pid) if pid_alive(pid) => continue,
+            // Being created right now, or not ours: leave it.
+            None => continue,
+            Some(_) => {}
+        }
+        eprintln!("layerstack-integration: sweeping stale {}", dir.display());
+        let needle = dir.to_string_lossy().into_owned();
+        kill_processes_mentioning(&needle);
+        thread::sleep(Duration::from_millis(200));
+        remove_tree(&dir);
+    }
+}
+
+/// A fresh temp dir `<tmp_base>/lst-XXXXXX` with an `owner.pid` file.
+pub fn make_temp_dir() -> Result<PathBuf> {
+    let base = tmp_base();
+    fs::create_dir_all(&base).with_context(|| format!("creating {}", base.display()))?;
+    let dir = tempfile::Builder::new()
+        .prefix(TMP_PREFIX)
+        .tempdir_in(&base)
+        .with_context(|| format!("temp dir in {}", base.display()))?
+        .keep();
+    fs::set_permissions(&dir, fs::Permissions::from_mode(0o755))?;
+    fs::write(dir.join("owner.pid"), std::process::id().to_string())?;
+    Ok(dir)
+}
+
+// ---------------------------------------------------------------------------
+// Fixture images
+// ---------------------------------------------------------------------------
+
+fn build_fixture(script: &str, out_name: &str) -> Result<PathBuf> {
+    let cache = cache_dir();
+    fs::create_dir_all(&cache).with_context(|| format!("creating {}", cache.display()))?;
+    let out = cache.join(out_name);
+    let script_path = fixtures_dir().join(script);
+    let start = Instant::now();
+    let output = run_with_timeout(
+        Command::new("bash")
+            .arg(&script_path)
+            .arg(&out)
+            .env("LAYERSTACK_TEST_CACHE", &cache),
+        Duration::from_secs(1200),
+    )?;
+    let output = ensure_success(&format!("{}", script_path.display()), output)?;
+    eprintln!(
+        "layerstack-integration: fixture {out_name} ready in {:.1}s: {}",
+        start.elapsed().as_secs_f64(),
+        String::from_utf8_lossy(&output.stderr).trim()
+    );
+    Ok(out)
+}
+
+fn fixture_once(
+    cell: &'static OnceLock<Result<PathBuf, String>>,
+    script: &str,
+    out: &str,
+) -> Result<PathBuf> {
+    cell.get_or_init(|| build_fixture(script, out).map_err(|e| format!("{e:#}")))
+        .clone()
+        .map_err(|e| anyhow!(e))
+}
+
+/// OCI archive of [`BUSYBOX_IMAGE`], built once per process (cached on disk).
+pub fn busybox_image_tar() -> Result<PathBuf> {
+    static CELL: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    fixture_once(&CELL, "make_busybox_image.sh", "busybox-image.tar")
+}
+
+/// OCI archive of [`DEBIAN_IMAGE`], built once per process (cached on disk;
+/// the first build runs debootstrap and takes a minute or more).
+pub fn debian_image_tar() -> Result<PathBuf> {
+    static CELL: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    fixture_once(&CELL, "make_debian_image.sh", "debian-image.tar")
+}
+
+// ---------------------------------------------------------------------------
+// containerd
+// ---------------------------------------------------------------------------
+
+/// A private containerd: own root, state, sockets and config, below its own
+/// directory. Stopped (and its shims, containers and mounts cleaned up) on drop.
+pub struct Containerd {
+    dir: PathBuf,
+    owns_dir: bool,
+    child: Option<Child>,
+    socket: PathBuf,
+    layerstack_socket: PathBuf,
+    log: PathBuf,
+    imported: Mutex<BTreeSet<(String, String, String)>>,
+}
+
+impl Containerd {
+    /// Starts containerd in a new temp dir (removed on drop), with the
+    /// `layerstack` proxy snapshotter pointing at `layerstack_socket`
+    /// (containerd dials it lazily, so the daemon may start later).
+    pub fn start(layerstack_socket: &Path) -> Result<Containerd> {
+        let dir = make_temp_dir()?;
+        let mut c = Self::start_in(&dir, layerstack_socket);
+        match &mut c {
+            Ok(c) => c.owns_dir = true,
+            Err(_) => remove_tree(&dir),
+        }
+        c
+    }
+
+    /// Starts containerd with everything below `dir` (kept on drop).
+    pub fn start_in(dir: &Path, layerstack_socket: &Path) -> Result<Containerd> {
+        let dir = dir.to_path_buf();
+        fs::create_dir_all(&dir)?;
+        let socket = dir.join("containerd.sock");
+        if socket.as_os_str().len() >= 100 {
+            bail!(
+                "socket path too long for a unix socket: {}",
+                socket.display()
+            );
+        }
+        let root = dir.join("root");
+        let state = dir.join("state");
+        let log = dir.join("containerd.log");
+        let config = dir.join("containerd.toml");
+        let toml_str = |p: &Path| format!("{:?}", p.to_string_lossy());
+        let text = format!(
+            r#"version = 2
+root = {root}
+state = {state}
+disabled_plugins = ["io.containerd.grpc.v1.cri"]
+
+[grpc]
+  address = {sock}
+
+[ttrpc]
+  address = {ttrpc}
+
+[debug]
+  level = "debug"
+
+[proxy_plugins.{name}]
+  type = "snapshot"
+  address = {ls}
+"#,
+            root = toml_str(&root),
+            state = toml_str(&state),
+            sock = toml_str(&socket),
+            ttrpc = toml_str(&dir.join("containerd.sock.ttrpc")),
+            name = SNAPSHOTTER,
+            ls = toml_str(layerstack_socket),
+        );
+        fs::write(&config, text)?;
+        let logf = File::create(&log)?;
+        let child = Command::new("containerd")
+            .arg("--config")
+            .arg(&config)
+            .arg("--log-level")
+            .arg("debug")
+            .envs(containerd_env(layerstack_socket))
+            .stdin(Stdio::null())
+            .stdout(logf.try_clone()?)
+            .stderr(logf)
+            .spawn()
+            .context("spawning containerd (apt-get install containerd)")?;
+        fs::write(dir.join("containerd.pid"), child.id().to_string())?;
+        let mut c = Containerd {
+            dir,
+            owns_dir: false,
+            child: Some(child),
+            socket,
+            layerstack_socket: layerstack_socket.to_path_buf(),
+            log,
+            imported: Mutex::new(BTreeSet::new()),
+        };
+        c.wait_ready()?;
+        Ok(c)
+    }
+
+    fn wait_ready(&mut self) -> Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let child = self.child.as_mut().context("containerd not running")?;
+            if let Some(st) = child.try_wait()? {
+                bail!(
+                    "containerd exited ({st}) during startup; last log lines:\n{}",
+                    tail_file(&self.log, LOG_TAIL_LINES)
+                );
+            }
+            if self.socket.exists() {
+                let out = run_with_timeout(
+                    Command::new("ctr")
+                        .arg("--address")
+                        .arg(&self.socket)
+                        .arg("version"),
+                    Duration::from_secs(10),
+                );
+                if matches!(&out, Ok(o) if o.status.success()) {
+                    return Ok(());
+                }
+            }
+            if Instant::now() >= deadline {
+                bail!(
+                    "containerd not answering on {} after 30s; last log lines:\n{}",
+                    self.socket.display(),
+                    tail_file(&self.log, LOG_TAIL_LINES)
+                );
+            }
+            thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// containerd's directory (root, state, sockets, log).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+    /// containerd's gRPC socket.
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+    /// Where containerd expects the layerstack snapshotter.
+    pub fn layerstack_socket(&self) -> &Path {
+        &self.layerstack_socket
+    }
+    /// containerd's state dir (container rootfs mounts live below it).
+    pub fn state_dir(&self) -> PathBuf {
+        self.dir.join("state")
+    }
+    /// containerd's debug log.
+    pub fn log_path(&self) -> &Path {
+        &self.log
+    }
+    /// runc state root for containers started through [`Containerd::ctr`],
+    /// private to this containerd.
+    pub fn runc_root(&self) -> PathBuf {
+        self.dir.join("runc")
+    }
+    /// containerd's pid.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    fn ctr_command(&self, ns: &str, args: &[&str]) -> Command {
+        let mut cmd = Command::new("ctr");
+        cmd.arg("--address")
+            .arg(&self.socket)
+            .arg("--namespace")
+            .arg(ns);
+        // Containers get a runc root below our dir, so a namespace/id can never
+        // collide with another containerd's runc state in /run/containerd/runc.
+        let runc_root = self.runc_root();
+        let mut injected = false;
+        for (i, a) in args.iter().enumerate() {
+            cmd.arg(a);
+            let creates = (i == 0 && *a == "run")
+                || (i == 1
+                    && *a == "create"
+                    && matches!(args[0], "c" | "container" | "containers"));
+            if creates && !injected {
+                cmd.arg("--runc-root").arg(&runc_root);
+                injected = true;
+            }
+        }
+        cmd
+    }
+
+    /// Runs `ctr --address SOCK --namespace NS ARGS…` (timeout
+    /// [`CMD_TIMEOUT`]). For `run` and `containers create`, `--runc-root` is
+    /// added right after the subcommand. Does not check the exit status.
+    pub fn ctr(&self, ns: &str, args: &[&str]) -> Result<Output> {
+        self.ctr_timeout(ns, args, CMD_TIMEOUT)
+    }
+
+    /// [`Containerd::ctr`] with an explicit timeout.
+    pub fn ctr_timeout(&self, ns: &str, args: &[&str], timeout: Duration) -> Result<Output> {
+        run_with_timeout(&mut self.ctr_command(ns, args), timeout)
+    }
+
+    /// [`Containerd::ctr`], failing on a non-zero exit.
+    pub fn ctr_ok(&self, ns: &str, args: &[&str]) -> Result<Output> {
+        ensure_success(
+            &format!("ctr -n {ns} {}", args.join(" ")),
+            self.ctr(ns, args)?,
+        )
+    }
+
+    /// Spawns `ctr` without waiting (stdout/stderr piped), e.g. a blocking
+    /// `ctr run` that must overlap another one. Collect with
+    /// [`Child::wait_with_output`].
+    pub fn ctr_spawn(&self, ns: &str, args: &[&str]) -> Result<Child> {
+        self.ctr_command(ns, args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("spawning ctr")
+    }
+
+    /// Imports an OCI archive into `ns` and unpacks it for `snapshotter`.
+    /// Idempotent per (ns, tar, snapshotter) within this containerd. Returns
+    /// the image names `ctr images ls -q` shows afterwards.
+    pub fn import_image(&self, ns: &str, tar: &Path, snapshotter: &str) -> Result<Vec<String>> {
+        let key = (
+            ns.to_string(),
+            tar.to_string_lossy().into_owned(),
+            snapshotter.to_string(),
+        );
+        let mut done = self.imported.lock().unwrap_or_else(|e| e.into_inner());
+        if !done.contains(&key) {
+            let tar_s = tar.to_string_lossy();
+            let start = Instant::now();
+            self.ctr_ok(
+                ns,
+                &["images", "import", "--snapshotter", snapshotter, &tar_s],
+            )?;
+            eprintln!(
+                "layerstack-integration: imported {} into {ns} ({snapshotter}) in {:.1}s",
+                tar.display(),
+                start.elapsed().as_secs_f64()
+            );
+            done.insert(key);
+        }
+        drop(done);
+        let out = self.ctr_ok(ns, &["images", "ls", "-q"])?;
+        Ok(stdout(&out).lines().map(str::to_string).collect())
+    }
+
+    /// The overlay mounted as container `id`'s rootfs, if mounted now.
+    pub fn rootfs_mount(&self, ns: &str, id: &str) -> Option<MountInfo> {
+        rootfs_mount(&self.state_dir(), ns, id)
+    }
+
+    /// Number of overlay lowerdirs of container `id`'s mounted rootfs.
+    pub fn rootfs_lowerdir_count(&self, ns: &str, id: &str) -> Option<usize> {
+        self.rootfs_mount(ns, id).map(|m| m.lowerdirs().len())
+    }
+
+    /// Prints the last lines of containerd's log to stderr.
+    pub fn dump_log(&self) {
+        eprintln!(
+            "===== containerd log (last {LOG_TAIL_LINES} lines) {} =====\n{}\n===== end containerd log =====",
+            self.log.display(),
+            tail_file(&self.log, LOG_TAIL_LINES)
+        );
+    }
+
+    /// Best effort: kill and delete every task this containerd knows, so the
+    /// shims clean up their mounts while containerd is still there.
+    fn kill_all_tasks(&self) {
+        let t = Duration::from_secs(20);
+        let Ok(nss) = self.ctr_timeout("default", &["namespaces", "ls", "-q"], t) else {
+            return;
+        };
+        for ns in stdout(&nss)
+            .lines()
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+        {
+            let Ok(tasks) = self.ctr_timeout(ns, &["tasks", "ls", "-q"], t) else {
+                continue;
+            };
+            for id in stdout(&tasks)
+                .lines()
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+            {
+                let _ = self.ctr_timeout(
+                    ns,
+                    &["tasks", "kill", "--all", "--signal", "SIGKILL", id],
+                    t,
+                );
+                let _ = self.ctr_timeout(ns, &["tasks", "delete", "--force", id], t);
+            }
+        }
+    }
+
+    /// Stops containerd and cleans up after it. Idempotent.
+    pub fn stop(&mut self) {
+        let Some(mut child) = self.child.take() else {
+            return;
+        };
+        if let Ok(None) = child.try_wait() {
+            self.kill_all_tasks();
+        }
+        terminate(&mut child, Duration::from_secs(10));
+        // Shims outlive containerd; their cmdline names our socket
+        // (`-address <sock>`). Kill them and their children (the container
+        // processes). Our daemon also names the socket: not a shim, left alone.
+        let sock = self.socket.to_string_lossy().into_owned();
+        let killed =
+            kill_process_trees(|cmd| cmd.contains("containerd-shim") && cmd.contains(&sock));
+        if !killed.is_empty() {
+            eprintln!("layerstack-integration: killed leftover shim processes {killed:?}");
+            thread::sleep(Duration::from_millis(200));
+        }
+        let left = unmount_all_under(&self.dir);
+        if !left.is_empty() {
+            eprintln!("layerstack-integration: still mounted after teardown: {left:?}");
+        }
+    }
+}
+
+impl Drop for Containerd {
+    fn drop(&mut self) {
+        if thread::panicking() && self.child.is_some() {
+            self.dump_log();
+        }
+        self.stop();
+        if self.owns_dir {
+            remove_tree(&self.dir);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// Our daemon
+// ---------------------------------------------------------------------------
+
+/// `containerd-layerstack-grpc`, serving the snapshot socket containerd was
+/// configured with and an admin socket beside it.
+pub struct Daemon {
+    child: Option<Child>,
+    root: PathBuf,
+    socket: PathBuf,
+    admin_socket: PathBuf,
+    log: PathBuf,
+}
+
+impl Daemon {
+    /// Admin socket path used for a given snapshot socket: same directory,
+    /// `admin.sock`.
+    pub fn admin_socket_for(snapshot_socket: &Path) -> PathBuf {
+        snapshot_socket
+            .parent()
+            .unwrap_or_else(|| Path::new("/"))
+            .join("admin.sock")
+    }
+
+    /// Starts the daemon with store root `root` (must be on ext4/xfs/btrfs),
+    /// serving `containerd.layerstack_socket()` and an admin socket beside it,
+    /// logging to `<root's parent>/daemon.log`. Waits until both sockets accept
+    /// connections.
+    pub fn start(containerd: &Containerd, root: &Path) -> Result<Daemon> {
+        Self::start_at(containerd.layerstack_socket(), containerd.socket(), root)
+    }
+
+    /// Like [`Daemon::start`], before containerd exists: serve `socket` and talk to
+    /// containerd at `containerd_socket` once it appears (the production order,
+    /// `Before=containerd.service`).
+    pub fn start_at(socket: &Path, containerd_socket: &Path, root: &Path) -> Result<Daemon> {
+        let socket = socket.to_path_buf();
+        let admin_socket = Self::admin_socket_for(&socket);
+        for s in [&socket, &admin_socket] {
+            if s.as_os_str().len() >= 100 {
+                bail!("socket path too long for a unix socket: {}", s.display());
+            }
+            if let Some(p) = s.parent() {
+                fs::create_dir_all(p)?;
+            }
+            let _ = fs::remove_file(s);
+        }
+        fs::create_dir_all(root)?;
+        let log = root
+            .parent()
+            .unwrap_or_else(|| Path::new("/var/tmp"))
+            .join("daemon.log");
+        let bin = bin_path(DAEMON_BIN)?;
+        let logf = OpenOptions::new().create(true).append(true).open(&log)?;
+        let mut child = Command::new(&bin)
+            .arg("--root")
+            .arg(root)
+            .arg("--address")
+            .arg(&socket)
+            .arg("--admin-address")
+            .arg(&admin_socket)
+            .arg("--containerd-address")
+            .arg(containerd_socket)
+            .env(
+                "RUST_LOG",
+                std::env::var("RUST_LOG").unwrap_or_else(|_| "debug".into()),
+            )
+            .env("RUST_BACKTRACE", "1")
+            .stdin(Stdio::null())
+            .stdout(logf.try_clone()?)
+            .stderr(logf)
+            .spawn()
+            .with_context(|| format!("spawning {}", bin.display()))?;
+        let ready = wait_for_socket(&socket, &mut child, &log, DAEMON_BIN)
+            .and_then(|()| wait_for_socket(&admin_socket, &mut child, &log, DAEMON_BIN));
+        if let Err(e) = ready {
+            terminate(&mut child, Duration::from_secs(5));
+            return Err(e);
+        }
+        if let Some(p) = root.parent() {
+            let _ = fs::write(p.join("daemon.pid"), child.id().to_string());
+        }
+        Ok(Daemon {
+            child: Some(child),
+            root: root.to_path_buf(),
+            socket,
+            admin_socket,
+            log,
+        })
+    }
+
+    /// Store root.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+    /// Snapshot API socket.
+    pub fn socket(&self) -> &Path {
+        &self.socket
+    }
+    /// Admin API socket.
+    pub fn admin_socket(&self) -> &Path {
+        &self.admin_socket
+    }
+    /// Daemon log (stdout + stderr).
+    pub fn log_path(&self) -> &Path {
+        &self.log
+    }
+    /// The daemon's pid while running.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+    /// Whether the daemon process is still running.
+    pub fn is_running(&mut self) -> bool {
+        matches!(self.child.as_mut().map(Child::try_wait), Some(Ok(None)))
+    }
+
+    /// Runs `layerstack --admin-address ADMIN ARGS…` (timeout [`CMD_TIMEOUT`]).
+    /// Does not check the exit status.
+    pub fn layerstack(&self, args: &[&str]) -> Result<Output> {
+        let bin = bin_path(CLI_BIN)?;
+        run_with_timeout(
+            Command::new(bin)
+                .arg("--admin-address")
+                .arg(&self.admin_socket)
+                .args(args),
+            CMD_TIMEOUT,
+        )
+    }
+
+    /// Prints the last lines of the daemon log to stderr.
+    pub fn dump_log(&self) {
+        eprintln!(
+            "===== {DAEMON_BIN} log (last {LOG_TAIL_LINES} lines) {} =====\n{}\n===== end daemon log =====",
+            self.log.display(),
+            tail_file(&self.log, LOG_TAIL_LINES)
+        );
+    }
+
+    /// SIGTERM, then SIGKILL after 10 s. Idempotent.
+    pub fn stop(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            terminate(&mut child, Duration::from_secs(10));
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        if thread::panicking() && self.child.is_some() {
+            self.dump_log();
+        }
+        self.stop();
+    }
+}
+
+// ---------------------------------------------------------------------------
+// TestEnv: one temp dir, one containerd, (optionally) one daemon
+// ---------------------------------------------------------------------------
+
+/// One temp dir with our daemon (started first) and a private containerd:
+///
+/// ```text
+/// <tmp>/lst-XXXXXX/
+///   owner.pid               test process (for the stale sweep)
+///   c/                      containerd: root/, state/, runc/, containerd.sock, containerd.log
+///   ls/snap.sock            daemon snapshot socket (containerd's proxy plugin address)
+///   ls/admin.sock           daemon admin socket
+///   daemon.log
+///   store/                  daemon store root
+///   scratch/                for tests (e.g. a tmpfs mount)
+/// ```
+pub struct TestEnv {
+    dir: PathBuf,
+    daemon: Mutex<Option<Daemon>>,
+    containerd: Option<Containerd>,
+    failed: std::sync::atomic::AtomicBool,
+}
+
+impl TestEnv {
+    /// The daemon, then containerd (the daemon must be serving before containerd dials it).
+    pub fn new() -> Result<TestEnv> {
+        sweep_stale();
+        let dir = make_temp_dir()?;
+        let snap = dir.join("ls").join("snap.sock");
+        fs::create_dir_all(dir.join("ls"))?;
+        fs::create_dir_all(dir.join("scratch"))?;
+        // The daemon first, as systemd orders them: containerd 1.6 dials the proxy
+        // socket at startup, and a failed first dial leaves it in gRPC backoff.
+        let daemon = match Daemon::start_at(&snap, &dir.join("c").join("containerd.sock"), &dir.join("store")) {
+            Ok(d) => d,
+            Err(e) => {
+                remove_tree(&dir);
+                return Err(e);
+            }
+        };
+        let containerd = match Containerd::start_in(&dir.join("c"), &snap) {
+            Ok(c) => c,
+            Err(e) => {
+                remove_tree(&dir);
+                return Err(e);
+            }
+        };
+        Ok(TestEnv {
+            dir,
+            daemon: Mutex::new(Some(daemon)),
+            containerd: Some(containerd),
+            failed: std::sync::atomic::AtomicBool::new(false),
+        })
+    }
+
+    /// Containerd and the daemon.
+    pub fn with_daemon() -> Result<TestEnv> {
+        let env = Self::new()?;
+        env.start_daemon()?;
+        Ok(env)
+    }
+
+    /// Starts the daemon if it is not running yet (idempotent, thread-safe).
+    pub fn start_daemon(&self) -> Result<()> {
+        let mut d = self.daemon.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(daemon) = d.as_mut() {
+            if daemon.is_running() {
+                return Ok(());
+            }
+            daemon.dump_log();
+            bail!("{DAEMON_BIN} died; see its log above");
+        }
+        let daemon = Daemon::start(self.containerd(), &self.store_root())?;
+        *d = Some(daemon);
+        drop(d);
+        self.wait_snapshotter_reachable()
+    }
+
+    /// Waits until containerd reaches the daemon through its proxy plugin.
+    /// containerd 1.6 dials the proxy socket at startup, before the daemon
+    /// exists; the failed dial leaves the connection in gRPC backoff, and RPCs
+    /// fail with `unavailable … dial unix …: timeout` until it reconnects.
+    pub fn wait_snapshotter_reachable(&self) -> Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let out = self.containerd().ctr_timeout(
+                "default",
+                &["snapshots", "--snapshotter", SNAPSHOTTER, "ls"],
+                Duration::from_secs(20),
+            )?;
+            if out.status.success() {
+                return Ok(());
+            }
+            if Instant::now() >= deadline {
+                self.dump_logs();
+                bail!(
+                    "containerd cannot reach the {SNAPSHOTTER} snapshotter after 30s: {}",
+                    describe(&out)
+                );
+            }
+            thread::sleep(Duration::from_millis(250));
+        }
+    }
+
+    /// The env's top temp dir.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+    /// A directory tests may use freely.
+    pub fn scratch(&self) -> PathBuf {
+        self.dir.join("scratch")
+    }
+    /// The daemon's store root.
+    pub fn store_root(&self) -> PathBuf {
+        self.dir.join("store")
+    }
+    /// The daemon's admin socket.
+    pub fn admin_socket(&self) -> PathBuf {
+        Daemon::admin_socket_for(self.containerd().layerstack_socket())
+    }
+    /// The private containerd.
+    pub fn containerd(&self) -> &Containerd {
+        self.containerd
+            .as_ref()
+            .expect("containerd present until drop")
+    }
+
+    /// See [`Containerd::ctr`].
+    pub fn ctr(&self, ns: &str, args: &[&str]) -> Result<Output> {
+        self.containerd().ctr(ns, args)
+    }
+    /// See [`Containerd::ctr_ok`].
+    pub fn ctr_ok(&self, ns: &str, args: &[&str]) -> Result<Output> {
+        self.containerd().ctr_ok(ns, args)
+    }
+    /// See [`Containerd::ctr_spawn`].
+    pub fn ctr_spawn(&self, ns: &str, args: &[&str]) -> Result<Child> {
+        self.containerd().ctr_spawn(ns, args)
+    }
+    /// See [`Containerd::import_image`].
+    pub fn import_image(&self, ns: &str, tar: &Path, snapshotter: &str) -> Result<Vec<String>> {
+        self.containerd().import_image(ns, tar, snapshotter)
+    }
+
+    /// Runs `layerstack --admin-address ADMIN ARGS…` (does not check the exit
+    /// status). Works whether or not the daemon was started by this env.
+    pub fn layerstack(&self, args: &[&str]) -> Result<Output> {
+        let bin = bin_path(CLI_BIN)?;
+        run_with_timeout(
+            Command::new(bin)
+                .arg("--admin-address")
+                .arg(self.admin_socket())
+                .args(args),
+            CMD_TIMEOUT,
+        )
+    }
+
+    /// Path of the daemon log.
+    pub fn daemon_log(&self) -> PathBuf {
+        self.dir.join("daemon.log")
+    }
+
+    /// Marks the env as having seen a failure (logs are dumped at teardown),
+    /// and dumps the logs now.
+    pub fn mark_failed(&self) {
+        self.failed.store(true, std::sync::atomic::Ordering::SeqCst);
+        self.dump_logs();
+    }
+
+    /// Prints the last lines of containerd's and the daemon's logs.
+    pub fn dump_logs(&self) {
+        if let Some(c) = &self.containerd {
+            c.dump_log();
+        }
+        let log = self.daemon_log();
+        if log.exists() {
+            eprintln!(
+                "===== {DAEMON_BIN} log (last {LOG_TAIL_LINES} lines) {} =====\n{}\n===== end daemon log =====",
+                log.display(),
+                tail_file(&log, LOG_TAIL_LINES)
+            );
+        }
+    }
+
+    /// A guard for one test: if the test panics while the guard lives, the
+    /// logs are dumped and the env is marked failed.
+    pub fn guard(&self) -> FailureGuard<'_> {
+        FailureGuard { env: self }
+    }
+
+    /// Stops everything and removes the temp dir. Idempotent; also run by Drop.
+    pub fn teardown(&mut self) {
+        if let Some(c) = self.containerd.as_mut() {
+            // Tasks first (while containerd and the daemon still answer).
+            c.stop();
+        }
+        if let Some(mut daemon) = self.daemon.lock().unwrap_or_else(|e| e.into_inner()).take() {
+            daemon.stop();
+        }
+        // Both are stopped now, so their Drops neither dump logs nor wait.
+        self.containerd.take();
+        // Anything else still naming our dir (a daemon child, a stray ctr).
+        let needle = self.dir.to_string_lossy().into_owned();
+        let killed = kill_processes_mentioning(&needle);
+        if !killed.is_empty() {
+            eprintln!("layerstack-integration: killed leftover processes {killed:?}");
+            thread::sleep(Duration::from_millis(200));
+        }
+        if std::env::var_os("LAYERSTACK_TEST_KEEP").is_some() {
+            unmount_all_under(&self.dir);
+            eprintln!(
+                "layerstack-integration: LAYERSTACK_TEST_KEEP set, keeping {}",
+                self.dir.display()
+            );
+        } else {
+            remove_tree(&self.dir);
+        }
+    }
+}
+
+impl Drop for TestEnv {
+    fn drop(&mut self) {
+        if thread::panicking() {
+            self.dump_logs();
+        }
+        if self.failed.load(std::sync::atomic::Ordering::SeqCst) {
+            eprintln!(
+                "layerstack-integration: a test failed; set LAYERSTACK_TEST_KEEP=1 to keep {}",
+                self.dir.display()
+            );
+        }
+        self.teardown();
+    }
+}
+
+/// See [`TestEnv::guard`].
+pub struct FailureGuard<'a> {
+    env: &'a TestEnv,
+}
+
+impl Drop for FailureGuard<'_> {
+    fn drop(&mut self) {
+        if thread::panicking() {
+            self.env.mark_failed();
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------
+// A process-wide shared env with guaranteed teardown
+// ---------------------------------------------------------------------------
+
+static SHARED: OnceLock<Mutex<Option<TestEnv>>> = OnceLock::new();
+static SHARED_INIT: Mutex<()> = Mutex::new(());
+static SHARED_ERR: OnceLock<String> = OnceLock::new();
+
+extern "C" fn shared_teardown() {
+    if let Some(m) = SHARED.get() {
+        let env = m.lock().unwrap_or_else(|e| e.into_inner()).take();
+        drop(env);
+    }
+}
+
+/// Runs `f` with the process-wide [`TestEnv`] (created on first use; torn
+/// down at process exit through an `atexit` hook). Calls are serialized: one
+/// test uses the env at a time. A panic inside `f` dumps the logs and is
+/// re-raised.
+pub fn with_shared_env<R>(f: impl FnOnce(&TestEnv) -> R) -> R {
+    {
+        let _init = SHARED_INIT.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(e) = SHARED_ERR.get() {
+            panic!("shared test env failed to start earlier: {e}");
+        }
+        if SHARED.get().is_none() {
+            match TestEnv::new() {
+                Ok(env) => {
+                    let _ = SHARED.set(Mutex::new(Some(env)));
+                    // SAFETY: registering a plain `extern "C" fn()` with no
+                    // captured state; libc calls it once at process exit.
+                    let rc = unsafe { libc::atexit(shared_teardown) };
+                    assert_eq!(rc, 0, "atexit registration failed");
+                }
+                Err(e) => {
+                    let msg = format!("{e:#}");
+                    let _ = SHARED_ERR.set(msg.clone());
+                    panic!("starting the shared test env: {msg}");
+                }
+            }
+        }
+    }
+    let cell = SHARED.get().expect("initialized above");
+    let guard = cell.lock().unwrap_or_else(|e| e.into_inner());
+    let env = guard.as_ref().expect("shared env torn down already");
+    let _fail = env.guard();
+    f(env)
+}
+
+/// True if `s` contains `needle`, ignoring ASCII case.
+pub fn contains_ci(s: &str, needle: &str) -> bool {
+    s.to_ascii_lowercase()
+        .contains(&needle.to_ascii_lowercase())
+}
+
+/// Whether `path` is an empty directory.
+pub fn dir_is_empty(path: &Path) -> Result<bool> {
+    Ok(fs::read_dir(path)?.next().is_none())
+}
+
+// ---------------------------------------------------------------------------
+// Runtime shim support (tests/shim.rs)
+// ---------------------------------------------------------------------------
+
+/// The runtime shim binary.
+pub const SHIM_BIN: &str = "containerd-shim-layerstack-v1";
+/// The runtime name containerd maps to [`SHIM_BIN`].
+pub const SHIM_RUNTIME: &str = "io.containerd.layerstack.v1";
+
+/// Extra environment of every containerd the harness starts (shims inherit
+/// containerd's environment): `PATH` with the directory of our built
+/// [`SHIM_BIN`] first, so `--runtime io.containerd.layerstack.v1` finds it (when
+/// it is built), and `LAYERSTACK_ADMIN_ADDRESS` = the daemon's admin socket beside
+/// `layerstack_socket`, where the shim asks for publishes.
+pub fn containerd_env(layerstack_socket: &Path) -> Vec<(std::ffi::OsString, std::ffi::OsString)> {
+    let mut env = vec![(
+        "LAYERSTACK_ADMIN_ADDRESS".into(),
+        Daemon::admin_socket_for(layerstack_socket).into_os_string(),
+    )];
+    if let Ok(shim) = bin_path(SHIM_BIN) {
+        if let Some(dir) = shim.parent() {
+            let mut dirs = vec![dir.to_path_buf()];
+            if let Some(p) = std::env::var_os("PATH") {
+                dirs.extend(std::env::split_paths(&p));
+            }
+            if let Ok(path) = std::env::join_paths(dirs) {
+                env.push(("PATH".into(), path));
+            }
+        }
+    }
+    env
+}
+
+impl Containerd {
+    /// Restarts containerd in place: SIGTERM (SIGKILL after 10 s) to containerd
+    /// only — shims and containers keep running, as in a `systemctl restart
+    /// containerd` — then starts it again with the same config and environment,
+    /// and waits until it answers.
+    pub fn restart(&mut self) -> Result<()> {
+        if let Some(mut child) = self.child.take() {
+            terminate(&mut child, Duration::from_secs(10));
+        }
+        let logf = OpenOptions::new().create(true).append(true).open(&self.log)?;
+        let child = Command::new("containerd")
+            .arg("--config")
+            .arg(self.dir.join("containerd.toml"))
+            .arg("--log-level")
+            .arg("debug")
+            .envs(containerd_env(&self.layerstack_socket))
+            .stdin(Stdio::null())
+            .stdout(logf.try_clone()?)
+            .stderr(logf)
+            .spawn()
+            .context("restarting containerd")?;
+        fs::write(self.dir.join("containerd.pid"), child.id().to_string())?;
+        self.child = Some(child);
+        self.wait_ready()
+    }
+}
+
+impl TestEnv {
+    /// [`Containerd::restart`], then waits until containerd reaches the daemon.
+    pub fn restart_containerd(&mut self) -> Result<()> {
+        self.containerd.as_mut().context("containerd stopped")?.restart()?;
+        if self.daemon.lock().unwrap_or_else(|e| e.into_inner()).is_some() {
+            self.wait_snapshotter_reachable()?;
+        }
+        Ok(())
+    }
+}
+
+/// [`with_shared_env`] with mutable access (e.g. to restart containerd). A panic
+/// inside `f` dumps the logs and is re-raised.
+pub fn with_shared_env_mut<R>(f: impl FnOnce(&mut TestEnv) -> R) -> R {
+    with_shared_env(|_| ());
+    let cell = SHARED.get().expect("initialized by with_shared_env");
+    let mut guard = cell.lock().unwrap_or_else(|e| e.into_inner());
+    let env = guard.as_mut().expect("shared env torn down already");
+    match std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&mut *env))) {
+        Ok(r) => r,
+        Err(p) => {
+            env.mark_failed();
+            std::panic::resume_unwind(p)
+        }
+    }
+}

@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Install what LayerStack's build and tests need on Debian bookworm:
+#   containerd, runc       a real containerd 1.6 + runc for the integration tests
+#   protobuf-compiler      protoc, for the containerd API crates
+#   debootstrap            builds the Debian test image
+#   busybox-static         builds the busybox test image
+#   python3                packs the test images into OCI archives
+# Only missing packages are installed (apt-get update only then). Needs root
+# when something is missing. Rust (cargo) is not installed here: it must exist.
+set -euo pipefail
+
+PACKAGES=(containerd runc protobuf-compiler debootstrap busybox-static python3 ca-certificates)
+
+log() { printf 'install-deps: %s\n' "$*" >&2; }
+
+installed() {
+    [[ "$(dpkg-query -W -f='${db:Status-Status}' "$1" 2>/dev/null || true)" == installed ]]
+}
+
+command -v dpkg-query >/dev/null || { log "error: not a Debian system (no dpkg-query)"; exit 1; }
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+    installed "$p" || missing+=("$p")
+done
+
+if ((${#missing[@]})); then
+    if [[ "$(id -u)" != 0 ]]; then
+        log "error: missing packages ${missing[*]}; run this script as root"
+        exit 1
+    fi
+    log "installing ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -q
+    apt-get install -y -q --no-install-recommends "${missing[@]}"
+else
+    log "all packages present: ${PACKAGES[*]}"
+fi
+
+for bin in containerd ctr runc containerd-shim-runc-v2 protoc debootstrap busybox python3; do
+    command -v "$bin" >/dev/null || { log "error: $bin not on PATH after install"; exit 1; }
+done
+
+if ! command -v cargo >/dev/null; then
+    if [[ -x "$HOME/.cargo/bin/cargo" ]]; then
+        log "error: cargo is in $HOME/.cargo/bin but not on PATH; run: . \"\$HOME/.cargo/env\""
+    else
+        log "error: cargo not found; install a Rust toolchain (>= 1.80) first"
+    fi
+    exit 1
+fi
+log "$(cargo --version), $(containerd --version | cut -d' ' -f1,3)"

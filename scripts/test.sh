@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Build and test the whole workspace, integration tests included (they start a
+# private containerd + our daemon and need root; with CI=true they refuse to
+# skip). Exits non-zero on any failure. The full log is kept in
+# target/test-logs/; a summary is printed at the end.
+set -euo pipefail
+
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+ROOT="$PWD"
+
+if ! command -v cargo >/dev/null && [[ -f "$HOME/.cargo/env" ]]; then
+    # shellcheck disable=SC1091
+    . "$HOME/.cargo/env"
+fi
+
+./scripts/install-deps.sh
+
+LOG_DIR="${CARGO_TARGET_DIR:-$ROOT/target}/test-logs"
+mkdir -p "$LOG_DIR"
+LOG="$LOG_DIR/test-$(date +%Y%m%d-%H%M%S).log"
+echo "test.sh: full log in $LOG"
+
+start=$SECONDS
+set +e
+(
+    set -e
+    echo "== cargo build --workspace --bins"
+    cargo build --workspace --bins
+    echo "== cargo test --workspace"
+    cargo test --workspace --no-fail-fast
+) 2>&1 | tee "$LOG"
+status=${PIPESTATUS[0]}
+set -e
+
+echo
+echo "================ summary ($((SECONDS - start))s) ================"
+grep -E '^\s+Running |^test result:|^error(\[|:)|^\s+--> |^    [A-Za-z0-9_:]+$|FAILED|panicked at' "$LOG" \
+    | grep -v ' \.\.\. ok$' | tail -n 80 || true
+if ((status != 0)); then
+    echo "test.sh: FAILED (exit $status); full log: $LOG"
+    exit "$status"
+fi
+echo "test.sh: all passed"
