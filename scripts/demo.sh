@@ -29,8 +29,8 @@ work=$(mktemp -d /var/tmp/layerstack-demo.XXXXXX)
 ctd_pid="" daemon_pid=""
 cleanup() {
   set +e
-  [[ -n "$ctd_pid" ]] && ctr --address "$work/c.sock" -n demo tasks ls -q 2>/dev/null |
-    xargs -r -n1 ctr --address "$work/c.sock" -n demo tasks kill -s KILL 2>/dev/null
+  [[ -n "$ctd_pid" ]] && command ctr --address "$work/c.sock" -n layerstack-demo tasks ls -q 2>/dev/null |
+    xargs -r -n1 command ctr --address "$work/c.sock" -n layerstack-demo tasks kill -s KILL 2>/dev/null
   [[ -n "$daemon_pid" ]] && kill "$daemon_pid" 2>/dev/null
   [[ -n "$ctd_pid" ]] && kill "$ctd_pid" 2>/dev/null
   sleep 1
@@ -57,20 +57,34 @@ disabled_plugins = ["io.containerd.grpc.v1.cri"]
     type = "snapshot"
     address = "$work/snap.sock"
 EOF
-echo "==> starting a private containerd and containerd-layerstack-grpc under $work"
-containerd --config "$work/ctd/config.toml" >"$work/containerd.log" 2>&1 &
-ctd_pid=$!
+echo "==> starting containerd-layerstack-grpc and a private containerd under $work"
+# The daemon first (as systemd orders them): containerd 1.6 dials the proxy
+# socket at startup and backs off if it is not there yet.
 "$bin/containerd-layerstack-grpc" --root "$work/store" --address "$work/snap.sock" \
   --admin-address "$work/admin.sock" --containerd-address "$work/c.sock" >"$work/daemon.log" 2>&1 &
 daemon_pid=$!
+for _ in $(seq 100); do [[ -S "$work/snap.sock" && -S "$work/admin.sock" ]] && break; sleep 0.1; done
+containerd --config "$work/ctd/config.toml" >"$work/containerd.log" 2>&1 &
+ctd_pid=$!
 for _ in $(seq 100); do
-  [[ -S "$work/admin.sock" ]] && ctr --address "$work/c.sock" version >/dev/null 2>&1 && break
+  command ctr --address "$work/c.sock" snapshots --snapshotter layerstack ls >/dev/null 2>&1 && break
   sleep 0.1
 done
 
-ctr() { command ctr --address "$work/c.sock" -n demo "$@"; }
-ls_() { "$bin/layerstack" --admin-address "$work/admin.sock" -n demo "$@"; }
-run() { ctr run --snapshotter layerstack "$@"; }
+ns=layerstack-demo
+ctr() { command ctr --address "$work/c.sock" -n "$ns" "$@"; }
+ls_() { "$bin/layerstack" --admin-address "$work/admin.sock" -n "$ns" "$@"; }
+# --runc-root: runc's default state dir is shared with any other containerd.
+run() { ctr run --runc-root "$work/runc" --snapshotter layerstack "$@"; }
+# ctr 1.6 has no `tasks wait`: poll until the task stopped, then delete it
+# (deleting the task is what publishes its session).
+finish() {
+  for _ in $(seq 300); do
+    ctr tasks ls | awk -v id="$1" '$1 == id {print $3}' | grep -q STOPPED && break
+    sleep 0.1
+  done
+  ctr tasks rm "$1" >/dev/null
+}
 
 echo "==> building and importing the $image_kind test image"
 tar="$work/image.tar"
@@ -91,8 +105,7 @@ ls_ wait reader --timeout 60 >/dev/null
 say "2. two containers from the same head, at the same time, edit different files: both land"
 run -d "$img" left sh -c 'sleep 1; echo left > /root/left.txt' >/dev/null
 run -d "$img" right sh -c 'sleep 1; echo right > /root/right.txt' >/dev/null
-ctr tasks wait left >/dev/null || true; ctr tasks wait right >/dev/null || true
-ctr tasks rm left >/dev/null; ctr tasks rm right >/dev/null
+finish left; finish right
 ls_ wait left --timeout 60 | head -1
 ls_ wait right --timeout 60 | head -1
 run --rm "$img" both sh -c 'cat /root/left.txt /root/right.txt'
@@ -101,9 +114,9 @@ ls_ wait both --timeout 60 >/dev/null
 say "3. two containers edit the same file: the first to finish commits, the second is rejected whole"
 run -d "$img" first sh -c 'sleep 1; echo first > /root/notes.txt' >/dev/null
 run -d "$img" second sh -c 'sleep 2; echo second > /root/notes.txt; echo extra > /root/second-only.txt' >/dev/null
-ctr tasks wait first >/dev/null || true; ctr tasks rm first >/dev/null
+finish first
 ls_ wait first --timeout 60 | head -1
-ctr tasks wait second >/dev/null || true; ctr tasks rm second >/dev/null
+finish second
 ls_ wait second --timeout 60 || echo "   (layerstack wait exits 3 on conflict)"
 run --rm "$img" check sh -c 'cat /root/notes.txt; ls /root/second-only.txt 2>&1 || true'
 ls_ wait check --timeout 60 >/dev/null
