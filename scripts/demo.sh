@@ -106,8 +106,8 @@ say "2. two containers from the same head, at the same time, edit different file
 run -d "$img" left sh -c 'sleep 1; echo left > /root/left.txt' >/dev/null
 run -d "$img" right sh -c 'sleep 1; echo right > /root/right.txt' >/dev/null
 finish left; finish right
-ls_ wait left --timeout 60 | head -1
-ls_ wait right --timeout 60 | head -1
+ls_ wait left --timeout 60 | sed -n 1p
+ls_ wait right --timeout 60 | sed -n 1p
 run --rm "$img" both sh -c 'cat /root/left.txt /root/right.txt'
 ls_ wait both --timeout 60 >/dev/null
 
@@ -115,7 +115,7 @@ say "3. two containers edit the same file: the first to finish commits, the seco
 run -d "$img" first sh -c 'sleep 1; echo first > /root/notes.txt' >/dev/null
 run -d "$img" second sh -c 'sleep 2; echo second > /root/notes.txt; echo extra > /root/second-only.txt' >/dev/null
 finish first
-ls_ wait first --timeout 60 | head -1
+ls_ wait first --timeout 60 | sed -n 1p
 finish second
 ls_ wait second --timeout 60 || echo "   (layerstack wait exits 3 on conflict)"
 run --rm "$img" check sh -c 'cat /root/notes.txt; ls /root/second-only.txt 2>&1 || true'
