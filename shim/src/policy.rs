@@ -1,0 +1,129 @@
+//! Publish policy from a container's labels (`nerdctl run --label …`,
+//! `ctr run --label …`), read through containerd's Containers API.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::str::FromStr;
+
+/// Container label choosing what happens to the session's writes on exit.
+pub const PUBLISH_LABEL: &str = "layerstack.publish";
+/// Container label naming the target branch (used when the snapshot label
+/// `containerd.io/snapshot/layerstack.branch` is absent).
+pub const BRANCH_LABEL: &str = "layerstack.branch";
+
+/// Value of [`PUBLISH_LABEL`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Policy {
+    /// Publish whenever the task exits, whatever its status (default).
+    #[default]
+    OnExit,
+    /// Publish only on exit status 0; otherwise discard the writes.
+    OnSuccess,
+    /// Never publish: discard the writes.
+    Never,
+}
+
+impl Policy {
+    /// The label value.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::OnExit => "on-exit",
+            Self::OnSuccess => "on-success",
+            Self::Never => "never",
+        }
+    }
+}
+
+impl fmt::Display for Policy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A [`PUBLISH_LABEL`] value that is none of `on-exit`, `on-success`, `never`.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("label {PUBLISH_LABEL}={0:?} is not one of on-exit, on-success, never")]
+pub struct UnknownPolicy(pub String);
+
+impl FromStr for Policy {
+    type Err = UnknownPolicy;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s.trim() {
+            "" | "on-exit" => Ok(Self::OnExit),
+            "on-success" => Ok(Self::OnSuccess),
+            "never" => Ok(Self::Never),
+            other => Err(UnknownPolicy(other.to_string())),
+        }
+    }
+}
+
+/// The policy named by `labels` (default [`Policy::OnExit`]).
+pub fn policy_from_labels(labels: &HashMap<String, String>) -> Result<Policy, UnknownPolicy> {
+    labels.get(PUBLISH_LABEL).map_or(Ok(Policy::OnExit), |v| v.parse())
+}
+
+/// The branch named by `labels`, if any (empty values are ignored).
+pub fn branch_from_labels(labels: &HashMap<String, String>) -> Option<&str> {
+    labels.get(BRANCH_LABEL).map(|s| s.trim()).filter(|s| !s.is_empty())
+}
+
+/// What to ask the daemon for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Decision {
+    /// Capture, gate, commit or reject.
+    Publish,
+    /// Drop the writes (outcome `discarded`).
+    Discard,
+}
+
+/// The decision for a task that exited with `exit_status`, and the reason sent to
+/// the daemon (it ends up in the session's outcome message).
+pub fn decide(policy: Policy, exit_status: u32) -> (Decision, String) {
+    match policy {
+        Policy::OnExit => (Decision::Publish, format!("shim: task exited with status {exit_status}")),
+        Policy::OnSuccess if exit_status == 0 => {
+            (Decision::Publish, format!("shim: task exited with status 0 ({PUBLISH_LABEL}=on-success)"))
+        }
+        Policy::OnSuccess => (
+            Decision::Discard,
+            format!("exit status {exit_status} with {PUBLISH_LABEL}=on-success"),
+        ),
+        Policy::Never => (Decision::Discard, format!("{PUBLISH_LABEL}=never")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn labels(kv: &[(&str, &str)]) -> HashMap<String, String> {
+        kv.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn policy_defaults_to_on_exit() {
+        assert_eq!(policy_from_labels(&labels(&[])), Ok(Policy::OnExit));
+        assert_eq!(policy_from_labels(&labels(&[(PUBLISH_LABEL, "")])), Ok(Policy::OnExit));
+        assert_eq!(policy_from_labels(&labels(&[(PUBLISH_LABEL, "never")])), Ok(Policy::Never));
+        assert_eq!(
+            policy_from_labels(&labels(&[(PUBLISH_LABEL, "always")])),
+            Err(UnknownPolicy("always".into()))
+        );
+    }
+
+    #[test]
+    fn decisions_follow_the_issue_table() {
+        assert_eq!(decide(Policy::OnExit, 137).0, Decision::Publish);
+        assert_eq!(decide(Policy::OnSuccess, 0).0, Decision::Publish);
+        assert_eq!(decide(Policy::OnSuccess, 3).0, Decision::Discard);
+        assert_eq!(decide(Policy::Never, 0).0, Decision::Discard);
+        assert!(decide(Policy::OnSuccess, 3).1.contains("exit status 3"));
+    }
+
+    #[test]
+    fn branch_label_is_trimmed_and_optional() {
+        assert_eq!(branch_from_labels(&labels(&[(BRANCH_LABEL, " exp ")])), Some("exp"));
+        assert_eq!(branch_from_labels(&labels(&[(BRANCH_LABEL, "")])), None);
+        assert_eq!(branch_from_labels(&labels(&[])), None);
+    }
+}
