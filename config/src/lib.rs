@@ -50,6 +50,37 @@ pub struct Config {
     pub durability: Durability,
     /// Publish a session when containerd reports its task deleted (`/tasks/delete`).
     pub publish_on_task_delete: bool,
+    /// Container paths that are never published (and never validated by the gate):
+    /// absolute glob patterns, `*` stays within one component, `**` spans any
+    /// number; a path is excluded when it or an ancestor matches.
+    /// Default: `/tmp/**`, `/var/cache/**`, `/run/**`.
+    pub exclude: Vec<String>,
+    /// Limits of the gate's three-way text merge.
+    pub merge: MergeConfig,
+}
+
+/// Limits of the gate's three-way text merge (`[merge]`). A file over a limit is
+/// not merged: the path conflicts with the limit in its reason, never hangs.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MergeConfig {
+    /// Largest version of a file (base, session or head) that is merged, in bytes.
+    /// Default 8 MiB (8388608).
+    pub max_file_bytes: u64,
+    /// Most lines a version may have to be merged. Default 200000.
+    pub max_lines: u64,
+    /// Longest time one file's merge may take, in milliseconds. Default 2000.
+    pub timeout_ms: u64,
+}
+
+impl Default for MergeConfig {
+    fn default() -> Self {
+        Self {
+            max_file_bytes: 8 * 1024 * 1024,
+            max_lines: 200_000,
+            timeout_ms: 2000,
+        }
+    }
 }
 
 impl Default for Config {
@@ -62,6 +93,10 @@ impl Default for Config {
             default_branch: "main".to_string(),
             durability: Durability::Disposable,
             publish_on_task_delete: true,
+            exclude: ["/tmp/**", "/var/cache/**", "/run/**"]
+                .map(String::from)
+                .to_vec(),
+            merge: MergeConfig::default(),
         }
     }
 }
@@ -103,6 +138,26 @@ mod tests {
         let e = Config::from_toml("roots = \"/x\"").unwrap_err();
         let chain = format!("{e}: {}", std::error::Error::source(&e).unwrap());
         assert!(chain.contains("roots"), "{chain}");
+    }
+
+    #[test]
+    fn exclude_and_merge_limits_parse() {
+        let c = Config::from_toml(
+            "exclude = [\"/scratch/**\"]\n[merge]\nmax_file_bytes = 1024\ntimeout_ms = 5\n",
+        )
+        .unwrap();
+        assert_eq!(c.exclude, vec!["/scratch/**".to_string()]);
+        assert_eq!(c.merge.max_file_bytes, 1024);
+        assert_eq!(c.merge.max_lines, 200_000, "unset keys keep their default");
+        assert_eq!(c.merge.timeout_ms, 5);
+        assert!(
+            Config::from_toml("[merge]\nmax_bytes = 1\n").is_err(),
+            "typo refused"
+        );
+        assert_eq!(
+            Config::from_toml("exclude = []").unwrap().exclude,
+            Vec::<String>::new()
+        );
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! `layerstack`: the LayerStack operator CLI. Talks to the daemon's admin socket.
 //!
 //! Exit codes: 0 success; 1 error (message on stderr); 2 usage; 3 the session
-//! ended in conflict (`wait`, `publish`).
+//! ended in conflict (`wait`, `publish`), or would (`publish --dry-run`).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -44,8 +44,12 @@ enum Cmd {
     Publish {
         container: String,
         /// Drop the writes instead of publishing them.
-        #[arg(long)]
+        #[arg(long, conflicts_with = "dry_run")]
         discard: bool,
+        /// Only show what the gate would do (per path: clean, merged, conflict,
+        /// excluded); change nothing. Exits 3 if it would conflict.
+        #[arg(long)]
+        dry_run: bool,
         #[arg(long)]
         json: bool,
     },
@@ -78,6 +82,8 @@ fn session_json(s: &api::Session) -> serde_json::Value {
         "outcome": if s.outcome.is_empty() { serde_json::Value::Null } else { json!(s.outcome) },
         "conflict_paths": s.conflicts.iter().map(|c| c.path.clone()).collect::<Vec<_>>(),
         "conflicts": s.conflicts.iter().map(|c| json!({"path": c.path, "reason": c.reason})).collect::<Vec<_>>(),
+        "paths": s.paths.iter().map(|p| json!({"path": p.path, "status": p.status, "reason": p.reason})).collect::<Vec<_>>(),
+        "dry_run": s.dry_run,
         "layer": if s.layer == 0 { serde_json::Value::Null } else { json!(s.layer) },
         "message": s.message,
         "released": s.released,
@@ -93,8 +99,13 @@ fn print_outcome(s: &api::Session, as_json: bool) -> ExitCode {
         if s.layer != 0 {
             println!("layer {}", s.layer);
         }
-        for c in &s.conflicts {
-            println!("conflict {}: {}", c.path, c.reason);
+        if s.paths.is_empty() {
+            for c in &s.conflicts {
+                println!("conflict {}: {}", c.path, c.reason);
+            }
+        }
+        for p in &s.paths {
+            println!("{} {}: {}", p.status, p.path, p.reason);
         }
         if !s.message.is_empty() {
             println!("{}", s.message);
@@ -159,17 +170,24 @@ async fn run(cli: Cli) -> Result<ExitCode> {
                 .into_inner();
             Ok(print_outcome(&r, json))
         }
-        Cmd::Publish { container, discard, json } => {
+        Cmd::Publish {
+            container,
+            discard,
+            dry_run,
+            json,
+        } => {
             let policy = if discard { api::PublishPolicy::Discard } else { api::PublishPolicy::Publish };
-            let r = c
-                .publish(api::PublishRequest {
-                    namespace: ns,
-                    container,
-                    policy: policy as i32,
-                    reason: if discard { "layerstack publish --discard".into() } else { "layerstack publish".into() },
-                })
-                .await?
-                .into_inner();
+            let req = api::PublishRequest {
+                namespace: ns,
+                container,
+                policy: policy as i32,
+                reason: if discard { "layerstack publish --discard".into() } else { "layerstack publish".into() },
+            };
+            let r = if dry_run {
+                c.publish_dry_run(req).await?.into_inner()
+            } else {
+                c.publish(req).await?.into_inner()
+            };
             Ok(print_outcome(&r, json))
         }
         Cmd::Log { image, json } => {

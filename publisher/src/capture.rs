@@ -5,26 +5,39 @@
 //! parent's descriptor, every entry is examined with `fstatat(AT_SYMLINK_NOFOLLOW)`,
 //! regular files are opened with `O_NOFOLLOW`, symlinks are read with `readlinkat`,
 //! and fifos, devices and sockets are never opened. One descriptor is held per
-//! directory level while walking.
+//! directory level while walking, so paths longer than `PATH_MAX` work; the lower
+//! layers are read the same way when a path is long (see `fsx`).
 //!
 //! Upper-format rules come from the kernel (Documentation/filesystems/overlayfs.rst):
-//! a 0:0 character device is a whiteout, a directory with the xattr
-//! `trusted.overlay.opaque` = `y` is opaque. Uppers written with `redirect_dir=on` or
-//! `metacopy=on` are refused ([`CaptureError::Unsupported`]): LayerStack mounts
-//! sessions with `index=off,redirect_dir=off,metacopy=off` (ARCHITECTURE §5).
+//! a 0:0 character device is a whiteout (the kernel links all whiteouts of a mount
+//! to one shared inode, so a whiteout's `st_nlink` may be large — it is never taken
+//! for a hardlink), a directory with the xattr `trusted.overlay.opaque` = `y` is
+//! opaque (`x` is not: since Linux 6.7 it marks a directory holding xattr
+//! whiteouts, which LayerStack's mounts never create). Uppers written with
+//! `redirect_dir=on` or `metacopy=on` are refused ([`CaptureError::Unsupported`]):
+//! LayerStack mounts sessions with `index=off,redirect_dir=off,metacopy=off`
+//! (ARCHITECTURE §5).
+//!
+//! Extended attributes are part of a file's metadata: a file whose content, mode
+//! and owner equal the lease's but whose xattrs differ (`setfattr`, or the kernel
+//! dropping `security.capability` on `chown`) is a change. Overlay-private xattrs
+//! (`trusted.overlay.*`, or `user.overlay.*` under `userxattr`) are not compared;
+//! escaped ones (`*.overlay.overlay.*`, a nested overlay's data, Linux 6.7+) and
+//! `overlay.*` names in the other namespace are ordinary data.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::io;
 use std::os::fd::{AsRawFd, RawFd};
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::{Path, PathBuf};
 
-use nix::dir::Dir;
 use nix::fcntl::{AtFlags, OFlag};
 use nix::sys::stat::{FileStat, Mode};
 use serde::{Deserialize, Serialize};
 use xattr::FileExt;
 
+use crate::fsx::{self, DirFd};
+use crate::policy::ExcludePolicy;
 use crate::view::{is_whiteout, join_rel, opaque_value, Cursor, Entry, FileKind, LayerView};
 use crate::view::{TRUSTED_OPAQUE, USER_OPAQUE};
 
@@ -72,8 +85,9 @@ pub enum Change {
     /// A whiteout (0:0 character device): the path is deleted. Reported even when the
     /// lease has nothing there, because the published layer would still hide the path.
     Delete,
-    /// A directory present in the lease as a directory, not opaque, whose mode, uid or
-    /// gid changed. Its content is not replaced; changes below it are separate entries.
+    /// A directory present in the lease as a directory, not opaque, whose mode, uid,
+    /// gid or xattrs changed. Its content is not replaced; changes below it are
+    /// separate entries.
     Meta {
         /// Permission bits.
         mode: u32,
@@ -111,6 +125,30 @@ impl Change {
     }
 }
 
+/// Filesystem edits that make an upper match its [`Changeset`] after policy was
+/// applied: they are computed by capture and carried out by
+/// [`prepare_upper`](crate::prepare_upper) (never by capture itself, so a dry run
+/// leaves the upper untouched).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UpperEdits {
+    /// Excluded paths to remove from the upper (whole subtrees), with the pattern.
+    pub remove: Vec<(Vec<u8>, String)>,
+    /// Opaque directories to turn into plain directories (their opaque xattr is
+    /// removed) because they were expanded into per-path deletions.
+    pub unopaque: Vec<Vec<u8>>,
+    /// Whiteouts to create: per-path deletions of an expanded opaque directory, and
+    /// lease files that a socket replaced (the socket itself is removed).
+    pub whiteouts: Vec<Vec<u8>>,
+}
+
+impl UpperEdits {
+    /// True when there is nothing to do.
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.remove.is_empty() && self.unopaque.is_empty() && self.whiteouts.is_empty()
+    }
+}
+
 /// Everything a capture found in one upper. Paths are relative byte strings
 /// (no leading `/`, `/`-separated, exactly the bytes of the file names).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -128,11 +166,27 @@ pub struct Changeset {
     /// Paths not captured, with the reason (sockets), sorted by path.
     /// [`seal_layer`](crate::seal_layer) removes them from the layer.
     pub skipped: Vec<(Vec<u8>, String)>,
+    /// Paths left out by the [`ExcludePolicy`] (the topmost excluded path of each
+    /// excluded subtree), with the pattern that matched, sorted by path.
+    #[serde(default)]
+    pub excluded: Vec<(Vec<u8>, String)>,
+    /// BLAKE3 digest of the non-private xattrs (see the module docs) of every path in
+    /// `entries` or `unchanged` that has any.
+    #[serde(default)]
+    pub xattrs: BTreeMap<Vec<u8>, [u8; 32]>,
+    /// Regular files of the upper with more than one link: path → inode number.
+    /// Paths with the same inode are one hardlinked file.
+    #[serde(default)]
+    pub hardlinks: BTreeMap<Vec<u8>, u64>,
+    /// Edits the upper needs so that a layer renamed from it publishes exactly
+    /// this changeset.
+    #[serde(default)]
+    pub edits: UpperEdits,
 }
 
 impl Changeset {
-    /// True when there is nothing to publish (`entries` is empty; `unchanged` and
-    /// `skipped` do not count).
+    /// True when there is nothing to publish (`entries` is empty; `unchanged`,
+    /// `skipped` and `excluded` do not count).
     #[must_use]
     pub fn is_empty(&self) -> bool {
         self.entries.is_empty()
@@ -142,15 +196,30 @@ impl Changeset {
     pub fn paths(&self) -> impl Iterator<Item = &[u8]> + '_ {
         self.entries.keys().map(Vec::as_slice)
     }
+
+    /// Digest of the non-private xattrs at `path`, `None` when it has none.
+    #[must_use]
+    pub fn xattrs_of(&self, path: &[u8]) -> Option<[u8; 32]> {
+        self.xattrs.get(path).copied()
+    }
 }
 
 /// Knobs for [`capture_with`].
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default)]
 pub struct CaptureOptions {
     /// The upper was written by an overlay mounted with `userxattr` (rootless): also
     /// accept `user.overlay.opaque` = `y`, and refuse `user.overlay.redirect` /
     /// `user.overlay.metacopy` too. Pair it with [`LayerView::with_userxattr`].
+    /// It also decides which xattr namespace is overlay-private.
     pub userxattr: bool,
+    /// Paths never published ([`Changeset::excluded`]).
+    pub exclude: ExcludePolicy,
+    /// Opaque upper directories to expand: instead of hiding the lease's whole
+    /// directory, they become plain directories with one deletion per lease path
+    /// the session does not have (ARCHITECTURE §7, "opaque dir in capture"). An
+    /// opaque directory is also expanded when the policy might exclude something
+    /// below it, so excluded lease paths stay visible.
+    pub expand_opaque: BTreeSet<Vec<u8>>,
 }
 
 /// Why [`capture`] failed. Paths are relative to the upper unless stated.
@@ -207,16 +276,22 @@ pub fn capture(upper: &Path, lower: &LayerView) -> Result<Changeset, CaptureErro
 /// entry against `lower`, the lease's view (the session's lowerdirs, newest first).
 ///
 /// * regular file → [`Change::Write`], unless the lease has a regular file there with
-///   the same size, mode, uid, gid and BLAKE3 digest (copy-up noise → `unchanged`);
-/// * symlink → [`Change::Symlink`], unless identical target, uid and gid in the lease;
+///   the same size, mode, uid, gid, xattrs, mtime and BLAKE3 digest (copy-up noise →
+///   `unchanged`: the kernel's copy-up keeps the mtime, so a file opened for writing
+///   but unchanged, or renamed away and back, is noise, while `touch` is a change);
+/// * symlink → [`Change::Symlink`], unless identical target, uid, gid and xattrs in
+///   the lease;
 /// * 0:0 character device → [`Change::Delete`];
 /// * directory → [`Change::Mkdir`] when the lease has no directory there or the upper
-///   directory is opaque; [`Change::Meta`] when mode/uid/gid differ from the lease's
-///   directory; otherwise a copy-up parent (`unchanged`). Always walked into;
-///   below a new or opaque directory nothing of the lease is visible, so every
-///   entry there is a change;
+///   directory is opaque (and not expanded); [`Change::Meta`] when mode/uid/gid/xattrs
+///   differ from the lease's directory; otherwise a copy-up parent (`unchanged`).
+///   Always walked into; below a new or opaque directory nothing of the lease is
+///   visible, so every entry there is a change;
 /// * fifo, character or block device → [`Change::Special`], unless identical in the lease;
-/// * socket → `skipped`.
+/// * socket → `skipped`; if it hides a lease path, that path is deleted
+///   ([`Change::Delete`] plus a whiteout in [`UpperEdits::whiteouts`]);
+/// * a path the policy excludes → `excluded` (and [`UpperEdits::remove`]); nothing
+///   below it is looked at.
 ///
 /// Directory timestamps are never compared (mtime-only changes are noise).
 /// The upper's root directory itself is not captured.
@@ -229,23 +304,27 @@ pub fn capture_with(
     lower: &LayerView,
     options: &CaptureOptions,
 ) -> Result<Changeset, CaptureError> {
-    let flags = OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
-    let root = Dir::open(upper, flags, Mode::empty()).map_err(|e| CaptureError::OpenUpper {
+    let root = fsx::open_dir(upper).map_err(|source| CaptureError::OpenUpper {
         path: upper.to_path_buf(),
-        source: e.into(),
+        source,
     })?;
     let mut walker = Walker {
         lower,
         options,
         out: Changeset::default(),
     };
-    walker.walk(DirFd(root), &[], Some(lower.root()))?;
+    walker.walk(root, &[], Some(lower.root()), false)?;
     walker.out.skipped.sort();
+    walker.out.excluded.sort();
+    walker.out.edits.remove.sort();
+    walker.out.edits.whiteouts.sort();
+    walker.out.edits.unopaque.sort();
     tracing::debug!(
         upper = %upper.display(),
         entries = walker.out.entries.len(),
         unchanged = walker.out.unchanged.len(),
         skipped = walker.out.skipped.len(),
+        excluded = walker.out.excluded.len(),
         "captured upper"
     );
     Ok(walker.out)
@@ -256,16 +335,44 @@ const REDIRECT: [&str; 2] = ["trusted.overlay.redirect", "user.overlay.redirect"
 /// Metadata-only copy-ups (`metacopy=on`): the data is still in a lower file.
 const METACOPY: [&str; 2] = ["trusted.overlay.metacopy", "user.overlay.metacopy"];
 
-/// An open directory; implements [`FileExt`] so xattrs are read with `fgetxattr(2)`.
-struct DirFd(Dir);
-
-impl AsRawFd for DirFd {
-    fn as_raw_fd(&self) -> RawFd {
-        self.0.as_raw_fd()
+/// True for an xattr name that belongs to the overlay mount itself (its private
+/// namespace: `trusted.overlay.` or, with `userxattr`, `user.overlay.`), other than
+/// an escaped name (`<ns>.overlay.overlay.*`, which is data).
+pub(crate) fn is_overlay_private(name: &[u8], userxattr: bool) -> bool {
+    let ns: &[u8] = if userxattr {
+        b"user.overlay."
+    } else {
+        b"trusted.overlay."
+    };
+    match name.strip_prefix(ns) {
+        Some(rest) => !rest.starts_with(b"overlay."),
+        None => false,
     }
 }
 
-impl FileExt for DirFd {}
+/// Digest of a sorted xattr list without overlay-private names; `None` when empty.
+pub(crate) fn xattr_digest(list: &[(Vec<u8>, Vec<u8>)], userxattr: bool) -> Option<[u8; 32]> {
+    let kept: Vec<(Vec<u8>, Vec<u8>)> = list
+        .iter()
+        .filter(|(n, _)| !is_overlay_private(n, userxattr))
+        .cloned()
+        .collect();
+    list_digest(&kept)
+}
+
+/// Digest of a sorted xattr list as is; `None` when empty.
+pub(crate) fn list_digest(list: &[(Vec<u8>, Vec<u8>)]) -> Option<[u8; 32]> {
+    let mut h = blake3::Hasher::new();
+    let mut any = false;
+    for (name, value) in list {
+        any = true;
+        h.update(&(name.len() as u64).to_le_bytes());
+        h.update(name);
+        h.update(&(value.len() as u64).to_le_bytes());
+        h.update(value);
+    }
+    any.then(|| *h.finalize().as_bytes())
+}
 
 /// An owned descriptor of a regular file, closed on drop (nix 0.29's `openat`
 /// returns a raw descriptor; this keeps the crate free of `unsafe`).
@@ -289,6 +396,26 @@ impl io::Read for FileFd {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         nix::unistd::read(self.0, buf).map_err(io::Error::from)
     }
+}
+
+/// Every xattr readable through `fd`, sorted by name.
+fn fd_xattrs(fd: &impl FileExt) -> io::Result<Vec<(Vec<u8>, Vec<u8>)>> {
+    let names = match fd.list_xattr() {
+        Ok(n) => n,
+        Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => return Ok(Vec::new()),
+        Err(e) => return Err(e),
+    };
+    let mut out = Vec::new();
+    for name in names {
+        match fd.get_xattr(&name) {
+            Ok(Some(v)) => out.push((name.as_bytes().to_vec(), v)),
+            Ok(None) => {}
+            Err(e) if e.raw_os_error() == Some(libc::ENODATA) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    out.sort();
+    Ok(out)
 }
 
 struct Walker<'a> {
@@ -318,11 +445,14 @@ fn lower_err(rel: &[u8]) -> impl FnOnce(io::Error) -> CaptureError + '_ {
 impl Walker<'_> {
     /// Walks the upper directory `dir` at `rel`; `lower` is the lease's merged
     /// directory at the same path, `None` when nothing of the lease shows through.
+    /// `expand`: `dir` replaces the lease's directory as an expanded opaque
+    /// directory, so every lease name it lacks is deleted explicitly.
     fn walk(
         &mut self,
         mut dir: DirFd,
         rel: &[u8],
         lower: Option<Cursor>,
+        expand: bool,
     ) -> Result<(), CaptureError> {
         let mut names = Vec::new();
         for dent in dir.0.iter() {
@@ -333,8 +463,14 @@ impl Walker<'_> {
             }
         }
         names.sort();
-        for name in names {
-            let child = join_rel(rel, &name);
+        for name in &names {
+            let child = join_rel(rel, name);
+            if let Some(pattern) = self.options.exclude.excluded_by(&child) {
+                let pattern = pattern.to_string();
+                self.out.excluded.push((child.clone(), pattern.clone()));
+                self.out.edits.remove.push((child, pattern));
+                continue;
+            }
             let st = nix::sys::stat::fstatat(
                 Some(dir.as_raw_fd()),
                 name.as_slice(),
@@ -343,16 +479,41 @@ impl Walker<'_> {
             .map_err(|e| upper_err(&child)(e.into()))?;
             let (lower_entry, lower_dir) = match &lower {
                 Some(cursor) => {
-                    let step = self.lower.step(cursor, &name).map_err(lower_err(&child))?;
+                    let step = self.lower.step(cursor, name).map_err(lower_err(&child))?;
                     (step.entry, step.dir)
                 }
                 None => (None, None),
             };
-            self.entry(&dir, &name, child, &st, lower_entry, lower_dir)?;
+            self.entry(&dir, name, child, &st, lower_entry, lower_dir, expand)?;
+        }
+        if expand {
+            if let Some(cursor) = &lower {
+                let upper_names: BTreeSet<&Vec<u8>> = names.iter().collect();
+                for name in self.lower.names(cursor).map_err(lower_err(rel))? {
+                    if upper_names.contains(&name) {
+                        continue;
+                    }
+                    let child = join_rel(rel, &name);
+                    if self.options.exclude.is_excluded(&child) {
+                        // Excluded lease paths stay visible: no whiteout.
+                        continue;
+                    }
+                    self.out.entries.insert(child.clone(), Change::Delete);
+                    self.out.edits.whiteouts.push(child);
+                }
+            }
         }
         Ok(())
     }
 
+    /// The non-private xattrs digest of the lower entry `e` at `rel`.
+    fn lower_xattrs(&self, e: &Entry, rel: &[u8]) -> Result<Option<[u8; 32]>, CaptureError> {
+        let at = fsx::at(self.lower.layer(e.layer_index), rel).map_err(lower_err(rel))?;
+        let list = fsx::xattrs_of(at.path()).map_err(lower_err(rel))?;
+        Ok(xattr_digest(&list, self.options.userxattr))
+    }
+
+    #[allow(clippy::too_many_arguments)]
     fn entry(
         &mut self,
         dir: &DirFd,
@@ -361,9 +522,11 @@ impl Walker<'_> {
         st: &FileStat,
         lower: Option<Entry>,
         lower_dir: Option<Cursor>,
+        expand: bool,
     ) -> Result<(), CaptureError> {
         let (mode, uid, gid) = (st.st_mode & 0o7777, st.st_uid, st.st_gid);
         let rdev = st.st_rdev;
+        let userxattr = self.options.userxattr;
         if is_whiteout(st.st_mode, rdev) {
             self.out.entries.insert(rel, Change::Delete);
             return Ok(());
@@ -376,21 +539,41 @@ impl Walker<'_> {
             |e: &Entry| e.kind == kind && e.mode == mode && e.uid == uid && e.gid == gid;
         match kind {
             FileKind::Dir => {
-                let flags =
-                    OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW | OFlag::O_CLOEXEC;
-                let sub = Dir::openat(Some(dir.as_raw_fd()), name, flags, Mode::empty())
-                    .map(DirFd)
-                    .map_err(|e| upper_err(&rel)(e.into()))?;
+                let sub = fsx::open_dir_at(dir, name).map_err(upper_err(&rel))?;
                 self.refuse(&sub, &rel, REDIRECT)?;
-                let opaque = self.is_opaque(&sub, &rel)?;
+                let xattrs = xattr_digest(
+                    &strip_opaque(fd_xattrs(&sub).map_err(upper_err(&rel))?),
+                    userxattr,
+                );
+                let opaque_xattr = self.is_opaque(&sub, &rel)?;
                 let lease_dir = lower.filter(|e| e.kind == FileKind::Dir);
+                // An opaque directory is expanded (made plain, with explicit
+                // deletions) when asked to, when its parent is being expanded, or
+                // when the policy may exclude something below it.
+                let expand_here = opaque_xattr
+                    && (expand
+                        || self.options.expand_opaque.contains(&rel)
+                        || self.options.exclude.may_match_below(&rel));
+                let opaque = opaque_xattr && !expand_here;
+                if expand_here {
+                    self.out.edits.unopaque.push(rel.clone());
+                }
+                if let Some(x) = xattrs {
+                    self.out.xattrs.insert(rel.clone(), x);
+                }
+                // Below an expanded directory, the lease's content must be deleted
+                // name by name: that holds for every directory under it too.
+                let expand_below = (expand || expand_here) && lease_dir.is_some();
                 let change = match lease_dir {
-                    Some(e) if !opaque && same_meta(&e) => {
-                        let parent = Change::Meta { mode, uid, gid };
-                        self.out.unchanged.insert(rel.clone(), parent);
-                        return self.walk(sub, &rel, lower_dir);
+                    Some(e) if !opaque => {
+                        let same = same_meta(&e) && self.lower_dir_xattrs(&e, &rel)? == xattrs;
+                        if same {
+                            let parent = Change::Meta { mode, uid, gid };
+                            self.out.unchanged.insert(rel.clone(), parent);
+                            return self.walk(sub, &rel, lower_dir, expand_below);
+                        }
+                        Change::Meta { mode, uid, gid }
                     }
-                    Some(_) if !opaque => Change::Meta { mode, uid, gid },
                     _ => Change::Mkdir {
                         mode,
                         uid,
@@ -400,7 +583,7 @@ impl Walker<'_> {
                 };
                 let below = if opaque { None } else { lower_dir };
                 self.out.entries.insert(rel.clone(), change);
-                self.walk(sub, &rel, below)
+                self.walk(sub, &rel, below, expand_below)
             }
             FileKind::Regular => {
                 let flags =
@@ -409,12 +592,21 @@ impl Walker<'_> {
                     .map(FileFd)
                     .map_err(|e| upper_err(&rel)(e.into()))?;
                 self.refuse(&fd, &rel, METACOPY)?;
+                let xattrs = xattr_digest(&fd_xattrs(&fd).map_err(upper_err(&rel))?, userxattr);
+                if st.st_nlink > 1 {
+                    self.out.hardlinks.insert(rel.clone(), st.st_ino);
+                }
                 let size = u64::try_from(st.st_size).unwrap_or(0);
                 let digest = hash(fd).map_err(upper_err(&rel))?;
+                // The kernel's copy-up keeps the lower file's mtime, so an mtime
+                // that differs is the session's doing (`touch`): a change.
+                let mtime = (st.st_mtime, st.st_mtime_nsec);
                 let noise = match lower {
-                    Some(e) if same_meta(&e) && e.size == size => {
-                        let path = self.lower.host_path(e.layer_index, &rel);
-                        hash_path(&path).map_err(lower_err(&rel))? == digest
+                    Some(e) if same_meta(&e) && e.size == size && e.mtime == mtime => {
+                        let layer = self.lower.layer(e.layer_index);
+                        let f = fsx::open_read(layer, &rel).map_err(lower_err(&rel))?;
+                        hash(f).map_err(lower_err(&rel))? == digest
+                            && self.lower_xattrs(&e, &rel)? == xattrs
                     }
                     _ => false,
                 };
@@ -425,26 +617,35 @@ impl Walker<'_> {
                     size,
                     digest,
                 };
-                self.record(rel, change, noise);
+                self.record(rel, change, noise, xattrs);
                 Ok(())
             }
             FileKind::Symlink => {
                 let target = nix::fcntl::readlinkat(Some(dir.as_raw_fd()), name)
                     .map_err(|e| upper_err(&rel)(e.into()))?
                     .into_vec();
+                let list = fsx::xattrs_of(&fsx::proc_path(dir, name)).map_err(upper_err(&rel))?;
+                let xattrs = xattr_digest(&list, userxattr);
                 let noise = match lower {
                     Some(e) if e.kind == kind && e.uid == uid && e.gid == gid => {
-                        let path = self.lower.host_path(e.layer_index, &rel);
-                        let lower_target = std::fs::read_link(&path).map_err(lower_err(&rel))?;
-                        lower_target.as_os_str().as_bytes() == target.as_slice()
+                        let layer = self.lower.layer(e.layer_index);
+                        let lower_target = fsx::read_link(layer, &rel).map_err(lower_err(&rel))?;
+                        lower_target == target && self.lower_xattrs(&e, &rel)? == xattrs
                     }
                     _ => false,
                 };
-                self.record(rel, Change::Symlink { target, uid, gid }, noise);
+                self.record(rel, Change::Symlink { target, uid, gid }, noise, xattrs);
                 Ok(())
             }
             FileKind::Fifo | FileKind::CharDev | FileKind::BlockDev => {
-                let noise = matches!(lower, Some(e) if same_meta(&e) && e.rdev == rdev);
+                let list = fsx::xattrs_of(&fsx::proc_path(dir, name)).map_err(upper_err(&rel))?;
+                let xattrs = xattr_digest(&list, userxattr);
+                let noise = match lower {
+                    Some(e) if same_meta(&e) && e.rdev == rdev => {
+                        self.lower_xattrs(&e, &rel)? == xattrs
+                    }
+                    _ => false,
+                };
                 let change = Change::Special {
                     kind,
                     mode,
@@ -452,17 +653,33 @@ impl Walker<'_> {
                     gid,
                     rdev,
                 };
-                self.record(rel, change, noise);
+                self.record(rel, change, noise, xattrs);
                 Ok(())
             }
             FileKind::Socket => {
+                if lower.is_some() {
+                    // The socket hides a lease path: publishing it as a deletion keeps
+                    // the session's view (the socket itself is never published).
+                    self.out.entries.insert(rel.clone(), Change::Delete);
+                    self.out.edits.whiteouts.push(rel.clone());
+                }
                 self.out.skipped.push((rel, "socket".into()));
                 Ok(())
             }
         }
     }
 
-    fn record(&mut self, rel: Vec<u8>, change: Change, noise: bool) {
+    /// The xattr digest of a lease directory, without its opaque marker.
+    fn lower_dir_xattrs(&self, e: &Entry, rel: &[u8]) -> Result<Option<[u8; 32]>, CaptureError> {
+        let at = fsx::at(self.lower.layer(e.layer_index), rel).map_err(lower_err(rel))?;
+        let list = fsx::xattrs_of(at.path()).map_err(lower_err(rel))?;
+        Ok(xattr_digest(&strip_opaque(list), self.options.userxattr))
+    }
+
+    fn record(&mut self, rel: Vec<u8>, change: Change, noise: bool, xattrs: Option<[u8; 32]>) {
+        if let Some(x) = xattrs {
+            self.out.xattrs.insert(rel.clone(), x);
+        }
         if noise {
             self.out.unchanged.insert(rel, change);
         } else {
@@ -510,22 +727,18 @@ impl Walker<'_> {
     }
 }
 
+/// Drops the opaque markers from a directory's xattr list (opacity is compared on
+/// its own).
+fn strip_opaque(mut list: Vec<(Vec<u8>, Vec<u8>)>) -> Vec<(Vec<u8>, Vec<u8>)> {
+    list.retain(|(n, _)| n != TRUSTED_OPAQUE.as_bytes() && n != USER_OPAQUE.as_bytes());
+    list
+}
+
 /// BLAKE3 of everything readable from `reader`.
-fn hash(mut reader: impl io::Read) -> io::Result<[u8; 32]> {
+pub(crate) fn hash(mut reader: impl io::Read) -> io::Result<[u8; 32]> {
     let mut hasher = blake3::Hasher::new();
     hasher.update_reader(&mut reader)?;
     Ok(*hasher.finalize().as_bytes())
-}
-
-/// BLAKE3 of a lower-layer file, opened with `O_NOFOLLOW` (the view already
-/// established that it is a regular file under real directories).
-fn hash_path(path: &Path) -> io::Result<[u8; 32]> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let file = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NOCTTY)
-        .open(path)?;
-    hash(file)
 }
 
 /// The BLAKE3 digest of a byte string (symlink targets, special-file identities).
@@ -624,6 +837,7 @@ mod tests {
         write(&f.lower, "d/chmod", b"c", 0o644);
         // Same content and metadata (e.g. after `touch`): noise.
         write(&f.upper, "d/same", b"identical", 0o644);
+        copy_mtime(&f.lower, &f.upper, b"d/same");
         // Same size, other bytes: a real write.
         write(&f.upper, "d/samesize", b"bbbb", 0o644);
         // Same content, other mode: a real write.
@@ -660,6 +874,7 @@ mod tests {
         let f = fixture();
         write(&f.lower, "a", b"x", 0o644);
         write(&f.upper, "a", b"x", 0o644);
+        copy_mtime(&f.lower, &f.upper, b"a");
         let c = f.capture();
         assert!(c.is_empty());
         assert_eq!(keys(&c.unchanged), ["a"]);
@@ -718,6 +933,7 @@ mod tests {
         write(&f.lower, "o/old", b"x", 0o644);
         mkdir(&f.lower, "o", 0o755);
         write(&f.upper, "o/f", b"same", 0o644);
+        copy_mtime(&f.lower, &f.upper, b"o/f");
         mkdir(&f.upper, "o", 0o755);
         let name = if userxattr {
             USER_OPAQUE
@@ -726,7 +942,15 @@ mod tests {
         };
         xattr::set(f.upper.join("o"), name, b"y").unwrap();
         let lower = LayerView::new(vec![f.lower.clone()]).with_userxattr(userxattr);
-        let c = capture_with(&f.upper, &lower, &CaptureOptions { userxattr }).unwrap();
+        let c = capture_with(
+            &f.upper,
+            &lower,
+            &CaptureOptions {
+                userxattr,
+                ..CaptureOptions::default()
+            },
+        )
+        .unwrap();
         assert_eq!(
             c.entries[&b"o".to_vec()],
             Change::Mkdir {
@@ -767,7 +991,15 @@ mod tests {
         mkdir(&f.upper, "o", 0o755);
         xattr::set(f.upper.join("o"), USER_OPAQUE, b"yes").unwrap();
         let lower = LayerView::new(vec![f.lower.clone()]).with_userxattr(true);
-        let c = capture_with(&f.upper, &lower, &CaptureOptions { userxattr: true }).unwrap();
+        let c = capture_with(
+            &f.upper,
+            &lower,
+            &CaptureOptions {
+                userxattr: true,
+                ..CaptureOptions::default()
+            },
+        )
+        .unwrap();
         assert!(c.entries.is_empty());
         assert_eq!(keys(&c.unchanged), ["o"]);
     }
@@ -916,6 +1148,7 @@ mod tests {
         write_bytes(&f.upper, b"d\xff/caf\xe9", b"x", 0o644);
         write_bytes(&f.lower, b"lat\xedn1", b"y", 0o644);
         write_bytes(&f.upper, b"lat\xedn1", b"y", 0o644);
+        copy_mtime(&f.lower, &f.upper, b"lat\xedn1");
         let c = f.capture();
         assert_eq!(
             c.entries.keys().cloned().collect::<Vec<_>>(),
@@ -938,6 +1171,7 @@ mod tests {
         write(&l1, "f", b"base", 0o644);
         write(&l0, "f", b"published", 0o644);
         write(&up, "f", b"published", 0o644);
+        copy_mtime(&l0, &up, b"f");
         let c = capture(&up, &LayerView::new(vec![l0.clone(), l1.clone()])).unwrap();
         assert!(c.entries.is_empty(), "identical to the newest layer");
         let c = capture(&up, &LayerView::new(vec![l1])).unwrap();
@@ -954,7 +1188,15 @@ mod tests {
         write(&f.upper, "d/f", b"x", 0o644);
         xattr::set(f.upper.join("d/f"), "user.overlay.metacopy", b"").unwrap();
         let lower = LayerView::new(vec![f.lower.clone()]).with_userxattr(true);
-        let err = capture_with(&f.upper, &lower, &CaptureOptions { userxattr: true }).unwrap_err();
+        let err = capture_with(
+            &f.upper,
+            &lower,
+            &CaptureOptions {
+                userxattr: true,
+                ..CaptureOptions::default()
+            },
+        )
+        .unwrap_err();
         assert!(
             matches!(
                 err,
@@ -968,7 +1210,15 @@ mod tests {
         assert_eq!(err.to_string(), "d/f carries overlay xattr user.overlay.metacopy: uppers from redirect_dir or metacopy mounts are not supported");
         xattr::remove(f.upper.join("d/f"), "user.overlay.metacopy").unwrap();
         xattr::set(f.upper.join("d"), "user.overlay.redirect", b"/x").unwrap();
-        let err = capture_with(&f.upper, &lower, &CaptureOptions { userxattr: true }).unwrap_err();
+        let err = capture_with(
+            &f.upper,
+            &lower,
+            &CaptureOptions {
+                userxattr: true,
+                ..CaptureOptions::default()
+            },
+        )
+        .unwrap_err();
         assert!(
             matches!(
                 err,

@@ -1,43 +1,58 @@
-//! The publication gate, v1: path-level decisions (ARCHITECTURE §7, without the
-//! three-way text merge and without the field-by-field metadata merge).
+//! The publication gate (ARCHITECTURE §7; design record `docs/merge-rules.md`).
 //!
 //! A captured [`Changeset`] is compared with everything published on the branch
-//! head since the session's lease. The whole changeset is accepted or rejected.
-//! Every same-path decision goes through [`resolve_path`], the function a merge step
-//! will extend.
+//! head since the session's lease ([`HeadChange`]s, newest layer first). The result
+//! is a [`GatePlan`]: one [`PathReport`] per path (clean, merged, conflict,
+//! excluded) and the [`Action`]s that turn the upper into the layer to publish.
+//! Any conflict rejects the whole changeset; a plan is applied ([`apply_plan`]) only
+//! when it has none. Planning reads files but never changes anything, so it is also
+//! the dry run.
 //!
-//! Rules, per path:
-//! * untouched on the head → clean;
-//! * same final state on both sides (same type, content digest or symlink target,
-//!   mode, uid, gid) → clean. Directories compare by mode/uid/gid and opacity only,
-//!   so a directory created on both sides ([`Change::Mkdir`], not opaque) is clean
-//!   unless its metadata differs; timestamps never count;
-//! * changed on both sides otherwise → conflict.
+//! Same-path rules (both the session and the head changed path `P`):
+//! * same final state (type, content, mode, owner, xattrs; directories: mode,
+//!   owner, xattrs, opacity) → clean;
+//! * otherwise, when both sides leave the same type, **field by field** against the
+//!   lease's state (the base): content, mode, uid, gid, xattrs each take the side
+//!   that changed it; a field both sides changed differently conflicts, except
+//!   regular-file content, which is three-way merged ([`merge_text`]: binary gate,
+//!   size and time limits, git diff3 semantics);
+//! * a deletion or a type change on one side against anything else on the other
+//!   → conflict (unless the other side's final state equals the base);
+//! * copy-up noise ([`Changeset::unchanged`]) never conflicts on its own: when the
+//!   head changed such a path, the noise is dropped from the upper (a directory
+//!   gets the head's metadata instead) so the head's version stays visible;
+//! * a regular file hardlinked inside the upper is never merged or dropped (that
+//!   would break the link) → conflict.
 //!
 //! Hierarchy rules, between a directory `D` and paths strictly below it:
 //! * one side deleted `D`, replaced it with a non-directory, or made it opaque, and
 //!   the other side changed something below `D` → conflict on that path. A deletion
 //!   below `D` agrees with the removal of `D` and does not conflict.
-//! * v1 treats a captured opaque directory like a removal: any head change below it
-//!   conflicts. The finer §7 rule (expand the opaque directory into deletions of what
-//!   the lease base had there, never wiping what the head added) is a later issue.
+//! * A captured opaque directory with head changes below it must first be expanded
+//!   ([`opaque_dirs_to_expand`], then capture again with
+//!   [`CaptureOptions::expand_opaque`](crate::CaptureOptions)): it becomes one deletion
+//!   per path of the **lease's** view, so files the head added survive and head
+//!   edits of lease files the session removed conflict as delete-vs-edit.
+//! * Copy-up noise below a directory the head removed is dropped with its topmost
+//!   copy-up parent when nothing but noise and deletions is below it.
 //!
-//! Copy-up paths ([`Changeset::unchanged`]) are in the upper and so in a layer built
-//! from it: a head change at such a path conflicts unless the head's final state
-//! equals the lease's (publishing would revert it), and a head removal of a directory
-//! above such a path conflicts (publishing would bring the path back).
-//!
-//! Cost: `O((n + m) log(n + m) + k)` for `n` captured paths, `m` head changes and
-//! `k` reported conflicts: descendants are found with `BTreeMap` range queries
-//! (all paths below `D` sort between `D/` and `D0`, since `'0'` follows `'/'`).
+//! Cost: `O((n + m) log(n + m) + k)` path work for `n` captured paths, `m` head
+//! changes and `k` reports, plus file reads only for paths changed on both sides.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
+use std::ffi::OsString;
+use std::io;
 use std::ops::Bound;
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use crate::capture::{digest_bytes, Change, Changeset};
-use crate::view::FileKind;
+use crate::capture::{digest_bytes, is_overlay_private, list_digest, Change, Changeset};
+use crate::fsx;
+use crate::merge::{merge_text, MergeLimits, TextMerge};
+use crate::view::{FileKind, LayerView, TRUSTED_OPAQUE, USER_OPAQUE};
 
 /// The kind of one change published on the head, as recorded in a layer's path index.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -84,7 +99,9 @@ impl HeadChangeKind {
 /// of the target bytes ([`HeadChangeKind::Symlink`]), or of the file type and device
 /// number ([`HeadChangeKind::Special`]); `None` otherwise. `mode` (permission bits
 /// incl. setuid/setgid/sticky), `uid` and `gid` are `None` for deletions and `mode`
-/// is `None` for symlinks.
+/// is `None` for symlinks. `xattrs` is the digest of the non-private xattrs, `None`
+/// when there are none (index entries written before xattrs were recorded read as
+/// `None` too).
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct HeadChange {
     /// Relative path, bytes (same form as [`Changeset::entries`] keys).
@@ -99,73 +116,82 @@ pub struct HeadChange {
     pub uid: Option<u32>,
     /// Owner group id.
     pub gid: Option<u32>,
+    /// Digest of the non-private xattrs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub xattrs: Option<[u8; 32]>,
 }
 
 impl HeadChange {
-    /// The index record of `change` at `path`.
+    /// The index record of `change` at `path`, without xattrs.
     #[must_use]
     pub fn from_change(path: &[u8], change: &Change) -> HeadChange {
-        let (kind, digest, mode, uid, gid) = parts(change);
+        let s = State::of_change(change, None);
         HeadChange {
             path: path.to_vec(),
-            kind,
-            digest,
-            mode,
-            uid,
-            gid,
+            kind: head_kind(change),
+            digest: s.content,
+            mode: s.mode,
+            uid: s.uid,
+            gid: s.gid,
+            xattrs: None,
+        }
+    }
+
+    /// The same record with the xattrs digest `xattrs`.
+    #[must_use]
+    pub fn with_xattrs(mut self, xattrs: Option<[u8; 32]>) -> HeadChange {
+        self.xattrs = xattrs;
+        self
+    }
+
+    fn state(&self) -> State {
+        use HeadChangeKind as K;
+        let kind = match self.kind {
+            K::Delete => None,
+            K::Write => Some(FileKind::Regular),
+            K::Symlink => Some(FileKind::Symlink),
+            K::Mkdir | K::Opaque | K::Meta => Some(FileKind::Dir),
+            // The exact special kind is folded into the digest.
+            K::Special => Some(FileKind::Fifo),
+        };
+        State {
+            kind: kind.map(|k| {
+                if self.kind == K::Special {
+                    Kind::Special
+                } else {
+                    Kind::Plain(k)
+                }
+            }),
+            content: self.digest,
+            mode: self.mode,
+            uid: self.uid,
+            gid: self.gid,
+            xattrs: self.xattrs,
+            opaque: self.kind == K::Opaque,
         }
     }
 }
 
-type Parts = (
-    HeadChangeKind,
-    Option<[u8; 32]>,
-    Option<u32>,
-    Option<u32>,
-    Option<u32>,
-);
+impl Changeset {
+    /// The path-index record of the captured change at `path` (with xattrs).
+    #[must_use]
+    pub fn head_change(&self, path: &[u8]) -> Option<HeadChange> {
+        self.entries
+            .get(path)
+            .map(|c| HeadChange::from_change(path, c).with_xattrs(self.xattrs_of(path)))
+    }
+}
 
-fn parts(change: &Change) -> Parts {
+fn head_kind(change: &Change) -> HeadChangeKind {
     use HeadChangeKind as K;
     match change {
-        Change::Write {
-            mode,
-            uid,
-            gid,
-            digest,
-            ..
-        } => (K::Write, Some(*digest), Some(*mode), Some(*uid), Some(*gid)),
-        Change::Symlink { target, uid, gid } => (
-            K::Symlink,
-            Some(digest_bytes(target)),
-            None,
-            Some(*uid),
-            Some(*gid),
-        ),
-        Change::Mkdir {
-            mode,
-            uid,
-            gid,
-            opaque,
-        } => {
-            let kind = if *opaque { K::Opaque } else { K::Mkdir };
-            (kind, None, Some(*mode), Some(*uid), Some(*gid))
-        }
-        Change::Delete => (K::Delete, None, None, None, None),
-        Change::Meta { mode, uid, gid } => (K::Meta, None, Some(*mode), Some(*uid), Some(*gid)),
-        Change::Special {
-            kind,
-            mode,
-            uid,
-            gid,
-            rdev,
-        } => (
-            K::Special,
-            Some(special_digest(*kind, *rdev)),
-            Some(*mode),
-            Some(*uid),
-            Some(*gid),
-        ),
+        Change::Write { .. } => K::Write,
+        Change::Symlink { .. } => K::Symlink,
+        Change::Mkdir { opaque: true, .. } => K::Opaque,
+        Change::Mkdir { .. } => K::Mkdir,
+        Change::Delete => K::Delete,
+        Change::Meta { .. } => K::Meta,
+        Change::Special { .. } => K::Special,
     }
 }
 
@@ -183,120 +209,465 @@ fn special_digest(kind: FileKind, rdev: u64) -> [u8; 32] {
     digest_bytes(&bytes)
 }
 
-/// The final state a change leaves at its path, for "same on both sides" checks.
-#[derive(Debug, PartialEq, Eq)]
-enum Final {
-    Absent,
-    /// Regular file, symlink or special file: type + content identity + metadata.
-    NonDir(
-        HeadChangeKind,
-        Option<[u8; 32]>,
-        Option<u32>,
-        Option<u32>,
-        Option<u32>,
-    ),
-    /// Directory: opacity + metadata (content is judged path by path).
-    Dir {
-        opaque: bool,
-        mode: Option<u32>,
-        uid: Option<u32>,
-        gid: Option<u32>,
-    },
+/// Type at a path for the gate: specials compare by their digest only.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Plain(FileKind),
+    Special,
 }
 
-fn final_state(p: Parts) -> Final {
-    use HeadChangeKind as K;
-    let (kind, digest, mode, uid, gid) = p;
-    match kind {
-        K::Delete => Final::Absent,
-        K::Mkdir | K::Meta => Final::Dir {
-            opaque: false,
-            mode,
-            uid,
-            gid,
-        },
-        K::Opaque => Final::Dir {
-            opaque: true,
-            mode,
-            uid,
-            gid,
-        },
-        K::Write | K::Symlink | K::Special => Final::NonDir(kind, digest, mode, uid, gid),
+impl Kind {
+    fn of(k: FileKind) -> Kind {
+        match k {
+            FileKind::Fifo | FileKind::CharDev | FileKind::BlockDev | FileKind::Socket => {
+                Kind::Special
+            }
+            other => Kind::Plain(other),
+        }
+    }
+
+    fn describe(self) -> &'static str {
+        match self {
+            Kind::Plain(FileKind::Regular) => "a file",
+            Kind::Plain(FileKind::Dir) => "a directory",
+            Kind::Plain(FileKind::Symlink) => "a symlink",
+            _ => "a special file",
+        }
     }
 }
 
-/// The decision for one path changed on both sides.
+/// The state a side leaves at one path, field by field.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum PathResolution {
-    /// Both sides leave the same final state: publish the captured change as is.
-    Clean,
-    /// The sides disagree.
-    Conflict {
-        /// Human-readable explanation, lowercase.
-        reason: String,
-    },
+struct State {
+    /// `None`: absent.
+    kind: Option<Kind>,
+    content: Option<[u8; 32]>,
+    mode: Option<u32>,
+    uid: Option<u32>,
+    gid: Option<u32>,
+    xattrs: Option<[u8; 32]>,
+    opaque: bool,
 }
 
-/// Decides one path that both the capture and the head changed: clean when both
-/// leave the same final state (see the module docs), conflict otherwise.
-///
-/// `Change::Mkdir { opaque: false }` and `Change::Meta` both leave "a directory with
-/// this mode/uid/gid" and so agree with each other when their metadata is equal.
-#[must_use]
-pub fn resolve_path(captured: &Change, head: &HeadChange) -> PathResolution {
-    let mine = parts(captured);
-    let theirs = (head.kind, head.digest, head.mode, head.uid, head.gid);
-    let (a, b) = (final_state(mine), final_state(theirs));
-    if a == b {
-        return PathResolution::Clean;
-    }
-    let reason = match (&a, &b) {
-        (Final::NonDir(ka, da, ..), Final::NonDir(kb, db, ..)) if ka == kb && da == db => {
-            "both sides wrote the same content with different mode or owner".to_string()
-        }
-        (Final::NonDir(ka, ..), Final::NonDir(kb, ..)) if ka == kb => {
-            "both sides wrote different content".to_string()
-        }
-        (Final::Dir { opaque: oa, .. }, Final::Dir { opaque: ob, .. }) if oa == ob => {
-            "both sides set different directory mode or owner".to_string()
-        }
-        _ => format!(
-            "changed on both sides: session {}, head {}",
-            mine.0.describe(),
-            head.kind.describe()
-        ),
+impl State {
+    const ABSENT: State = State {
+        kind: None,
+        content: None,
+        mode: None,
+        uid: None,
+        gid: None,
+        xattrs: None,
+        opaque: false,
     };
-    PathResolution::Conflict { reason }
+
+    fn of_change(change: &Change, xattrs: Option<[u8; 32]>) -> State {
+        let plain = |k| Some(Kind::Plain(k));
+        match change {
+            Change::Write {
+                mode,
+                uid,
+                gid,
+                digest,
+                ..
+            } => State {
+                kind: plain(FileKind::Regular),
+                content: Some(*digest),
+                mode: Some(*mode),
+                uid: Some(*uid),
+                gid: Some(*gid),
+                xattrs,
+                opaque: false,
+            },
+            Change::Symlink { target, uid, gid } => State {
+                kind: plain(FileKind::Symlink),
+                content: Some(digest_bytes(target)),
+                mode: None,
+                uid: Some(*uid),
+                gid: Some(*gid),
+                xattrs,
+                opaque: false,
+            },
+            Change::Mkdir {
+                mode,
+                uid,
+                gid,
+                opaque,
+            } => State {
+                kind: plain(FileKind::Dir),
+                content: None,
+                mode: Some(*mode),
+                uid: Some(*uid),
+                gid: Some(*gid),
+                xattrs,
+                opaque: *opaque,
+            },
+            Change::Meta { mode, uid, gid } => State {
+                kind: plain(FileKind::Dir),
+                content: None,
+                mode: Some(*mode),
+                uid: Some(*uid),
+                gid: Some(*gid),
+                xattrs,
+                opaque: false,
+            },
+            Change::Delete => State::ABSENT,
+            Change::Special {
+                kind,
+                mode,
+                uid,
+                gid,
+                rdev,
+            } => State {
+                kind: Some(Kind::Special),
+                content: Some(special_digest(*kind, *rdev)),
+                mode: Some(*mode),
+                uid: Some(*uid),
+                gid: Some(*gid),
+                xattrs,
+                opaque: false,
+            },
+        }
+    }
+
+    fn describe(&self) -> &'static str {
+        match self.kind {
+            None => "deleted",
+            Some(k) => k.describe(),
+        }
+    }
 }
 
-/// One rejected path.
+/// Which version of a path a [`GateFiles`] reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Side {
+    /// The lease's view (the common ancestor).
+    Base,
+    /// The session's upper.
+    Ours,
+    /// The branch head's view.
+    Theirs,
+}
+
+/// What [`GateFiles::stat`] reports about one path of one side.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ConflictPath {
+pub struct FileState {
+    /// File type.
+    pub kind: FileKind,
+    /// Permission bits (`st_mode & 0o7777`).
+    pub mode: u32,
+    /// Owner user id.
+    pub uid: u32,
+    /// Owner group id.
+    pub gid: u32,
+    /// `st_size` in bytes.
+    pub size: u64,
+    /// `st_rdev`.
+    pub rdev: u64,
+    /// Non-private xattrs, sorted by name (opaque markers excluded).
+    pub xattrs: Vec<(Vec<u8>, Vec<u8>)>,
+}
+
+/// Read access to the three versions of the tree the gate compares. Only paths
+/// changed on both sides are ever read.
+pub trait GateFiles {
+    /// Type and metadata of `path` on `side`; `None` when nothing is there.
+    ///
+    /// # Errors
+    /// Any read error.
+    fn stat(&self, side: Side, path: &[u8]) -> io::Result<Option<FileState>>;
+    /// Content of a regular file, or target of a symlink.
+    ///
+    /// # Errors
+    /// Any read error.
+    fn read(&self, side: Side, path: &[u8]) -> io::Result<Vec<u8>>;
+    /// BLAKE3 of [`read`](Self::read) (streamed where the implementation can).
+    ///
+    /// # Errors
+    /// Any read error.
+    fn digest(&self, side: Side, path: &[u8]) -> io::Result<[u8; 32]> {
+        Ok(digest_bytes(&self.read(side, path)?))
+    }
+}
+
+/// [`GateFiles`] over real directories: the lease's and the head's layer views and
+/// the session's upper. Every access is no-follow and works for long paths.
+#[derive(Debug, Clone)]
+pub struct FsFiles {
+    /// The lease's view.
+    pub lease: LayerView,
+    /// The branch head's view (same per-container and image layers as the lease,
+    /// the head manifest's published layers).
+    pub head: LayerView,
+    /// The session's upper directory.
+    pub upper: PathBuf,
+    /// The session was mounted with `userxattr`.
+    pub userxattr: bool,
+}
+
+impl FsFiles {
+    /// The layer directory holding `path` on `side`, `None` when absent.
+    fn locate(&self, side: Side, path: &[u8]) -> io::Result<Option<(PathBuf, std::fs::Metadata)>> {
+        let base = match side {
+            Side::Ours => self.upper.clone(),
+            Side::Base | Side::Theirs => {
+                let view = if side == Side::Base {
+                    &self.lease
+                } else {
+                    &self.head
+                };
+                match view.lookup(path)? {
+                    Some(e) => view.layer(e.layer_index).to_path_buf(),
+                    None => return Ok(None),
+                }
+            }
+        };
+        match fsx::lstat(&base, path) {
+            Ok(md) => Ok(Some((base, md))),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+impl GateFiles for FsFiles {
+    fn stat(&self, side: Side, path: &[u8]) -> io::Result<Option<FileState>> {
+        let Some((base, md)) = self.locate(side, path)? else {
+            return Ok(None);
+        };
+        if crate::view::is_whiteout(md.mode(), md.rdev()) {
+            return Ok(None);
+        }
+        let Some(kind) = FileKind::from_mode(md.mode()) else {
+            return Ok(None);
+        };
+        let at = fsx::at(&base, path)?;
+        let mut xattrs = fsx::xattrs_of(at.path())?;
+        xattrs.retain(|(n, _)| {
+            !is_overlay_private(n, self.userxattr)
+                && n != TRUSTED_OPAQUE.as_bytes()
+                && n != USER_OPAQUE.as_bytes()
+        });
+        Ok(Some(FileState {
+            kind,
+            mode: md.mode() & 0o7777,
+            uid: md.uid(),
+            gid: md.gid(),
+            size: md.size(),
+            rdev: md.rdev(),
+            xattrs,
+        }))
+    }
+
+    fn read(&self, side: Side, path: &[u8]) -> io::Result<Vec<u8>> {
+        let Some((base, md)) = self.locate(side, path)? else {
+            return Err(io::Error::from(io::ErrorKind::NotFound));
+        };
+        if md.file_type().is_symlink() {
+            fsx::read_link(&base, path)
+        } else {
+            fsx::read_file(&base, path)
+        }
+    }
+
+    fn digest(&self, side: Side, path: &[u8]) -> io::Result<[u8; 32]> {
+        let Some((base, md)) = self.locate(side, path)? else {
+            return Err(io::Error::from(io::ErrorKind::NotFound));
+        };
+        if md.file_type().is_symlink() {
+            Ok(digest_bytes(&fsx::read_link(&base, path)?))
+        } else {
+            crate::capture::hash(fsx::open_read(&base, path)?)
+        }
+    }
+}
+
+/// The gate's verdict on one path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PathStatus {
+    /// Published as captured (or, for copy-up noise, dropped in favour of the head).
+    Clean,
+    /// Published as a three-way (content) or field-by-field (metadata) merge.
+    Merged,
+    /// Rejected; the whole changeset is rejected with it.
+    Conflict,
+    /// Left out by policy (or a socket, never published).
+    Excluded,
+}
+
+impl PathStatus {
+    /// Lowercase name.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PathStatus::Clean => "clean",
+            PathStatus::Merged => "merged",
+            PathStatus::Conflict => "conflict",
+            PathStatus::Excluded => "excluded",
+        }
+    }
+}
+
+/// The gate's verdict on one path, with why.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PathReport {
     /// Relative path, bytes.
     pub path: Vec<u8>,
+    /// The verdict.
+    pub status: PathStatus,
     /// Why, lowercase.
     pub reason: String,
 }
 
-/// The gate's verdict on a whole changeset.
+/// Extended attributes as `(name, value)` pairs, sorted by name.
+pub type XattrList = Vec<(Vec<u8>, Vec<u8>)>;
+
+/// Metadata the gate sets on an upper entry.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum GateDecision {
-    /// No path conflicts: the changeset may be published.
-    Clean,
-    /// At least one path conflicts: the whole changeset is rejected.
-    Conflict {
-        /// Every conflicting path once, sorted bytewise.
-        paths: Vec<ConflictPath>,
+pub struct Meta {
+    /// Permission bits incl. setuid/setgid/sticky (ignored for symlinks).
+    pub mode: u32,
+    /// Owner user id.
+    pub uid: u32,
+    /// Owner group id.
+    pub gid: u32,
+    /// The complete set of non-private xattrs, sorted by name.
+    pub xattrs: Vec<(Vec<u8>, Vec<u8>)>,
+}
+
+/// One edit of the upper that [`apply_plan`] carries out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Action {
+    /// Replace a regular file's content and metadata (a new inode: temp file,
+    /// `fsync`, `rename` over the old one).
+    WriteFile {
+        /// Relative path.
+        path: Vec<u8>,
+        /// The merged content.
+        content: Vec<u8>,
+        /// The merged metadata.
+        meta: Meta,
+    },
+    /// Set the metadata of an upper entry in place (a directory or a file whose
+    /// content stays).
+    SetMeta {
+        /// Relative path.
+        path: Vec<u8>,
+        /// The merged metadata.
+        meta: Meta,
+    },
+    /// Remove copy-up noise (a whole subtree for a directory), so the head's
+    /// version shows through.
+    Remove {
+        /// Relative path.
+        path: Vec<u8>,
     },
 }
 
-/// Runs the v1 gate on `captured` against `head_changes`: the changes of all
-/// layers published on the branch head since the session's lease, **newest layer
-/// first** (the manifest order). A path may appear several times; its first
-/// occurrence is the head's final state for the same-path rule, and every
-/// occurrence counts for the hierarchy rules. Rules: see the module docs.
+/// The outcome of planning a publish.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GatePlan {
+    /// One report per captured, excluded or skipped path (copy-up noise only when
+    /// the gate acted on it), sorted by path.
+    pub reports: Vec<PathReport>,
+    /// Edits of the upper (only meaningful without conflicts).
+    pub actions: Vec<Action>,
+    /// The path index of the layer the upper becomes once the actions are applied.
+    pub index: Vec<HeadChange>,
+}
+
+impl GatePlan {
+    /// The conflicting paths.
+    pub fn conflicts(&self) -> impl Iterator<Item = &PathReport> + '_ {
+        self.reports
+            .iter()
+            .filter(|r| r.status == PathStatus::Conflict)
+    }
+
+    /// True when at least one path conflicts (the changeset is rejected).
+    #[must_use]
+    pub fn is_conflict(&self) -> bool {
+        self.conflicts().next().is_some()
+    }
+
+    /// True when at least one path was merged.
+    #[must_use]
+    pub fn is_merged(&self) -> bool {
+        self.reports.iter().any(|r| r.status == PathStatus::Merged)
+    }
+}
+
+/// Why planning failed (a conflict is a plan, not an error).
+#[derive(Debug, thiserror::Error)]
+pub enum GateError {
+    /// Reading one of the three versions of a path failed.
+    #[error("cannot read the {side:?} version of {}", .path.display())]
+    Read {
+        /// Which version.
+        side: Side,
+        /// Relative path.
+        path: PathBuf,
+        /// The error.
+        #[source]
+        source: io::Error,
+    },
+    /// The captured changeset still holds an opaque directory with head changes
+    /// below it: capture again with these directories in
+    /// [`CaptureOptions::expand_opaque`](crate::CaptureOptions).
+    #[error("{} opaque director(ies) must be expanded first", .0.len())]
+    NeedsExpansion(BTreeSet<Vec<u8>>),
+}
+
+fn rel_path(rel: &[u8]) -> PathBuf {
+    PathBuf::from(OsString::from_vec(rel.to_vec()))
+}
+
+/// The captured opaque directories that the head changed (other than by deleting
+/// them) or changed something below: they must be expanded (captured again with
+/// [`CaptureOptions::expand_opaque`](crate::CaptureOptions)) before [`plan_gate`], so
+/// that they are judged as per-path deletions of the lease's content plus a plain
+/// directory whose metadata merges field by field.
 #[must_use]
-pub fn check_gate(captured: &Changeset, head_changes: &[HeadChange]) -> GateDecision {
+pub fn opaque_dirs_to_expand(
+    captured: &Changeset,
+    head_changes: &[HeadChange],
+) -> BTreeSet<Vec<u8>> {
+    let mut head: BTreeMap<&[u8], HeadChangeKind> = BTreeMap::new();
+    for h in head_changes {
+        head.entry(h.path.as_slice()).or_insert(h.kind);
+    }
+    captured
+        .entries
+        .iter()
+        .filter(|(_, c)| matches!(c, Change::Mkdir { opaque: true, .. }))
+        .filter(|(d, _)| {
+            let at = head
+                .get(d.as_slice())
+                .is_some_and(|k| *k != HeadChangeKind::Delete);
+            at || below(&head, d).next().is_some()
+        })
+        .map(|(d, _)| d.clone())
+        .collect()
+}
+
+/// Plans the publish of `captured` against `head_changes` (the changes of all
+/// layers published on the branch head since the lease, **newest layer first**;
+/// a path may appear several times, its first occurrence is the head's final state
+/// and every occurrence counts for the hierarchy rules). Rules: see the module docs.
+///
+/// # Errors
+/// [`GateError::NeedsExpansion`] when an opaque directory must be expanded first
+/// (see [`opaque_dirs_to_expand`]); [`GateError::Read`] when a file cannot be read.
+pub fn plan_gate(
+    captured: &Changeset,
+    head_changes: &[HeadChange],
+    files: &dyn GateFiles,
+    limits: &MergeLimits,
+) -> Result<GatePlan, GateError> {
+    let expand = opaque_dirs_to_expand(captured, head_changes);
+    if !expand.is_empty() {
+        return Err(GateError::NeedsExpansion(expand));
+    }
     let mut head: BTreeMap<&[u8], &HeadChange> = BTreeMap::new();
     // Directories the head removed, replaced or made opaque (any occurrence).
     let mut head_hiding: BTreeMap<&[u8], HeadChangeKind> = BTreeMap::new();
@@ -306,30 +677,44 @@ pub fn check_gate(captured: &Changeset, head_changes: &[HeadChange]) -> GateDeci
             head_hiding.entry(h.path.as_slice()).or_insert(h.kind);
         }
     }
-    let mut conflicts: BTreeMap<Vec<u8>, String> = BTreeMap::new();
-    let mut add = |path: &[u8], reason: String| {
-        conflicts.entry(path.to_vec()).or_insert(reason);
+    let mut p = Planner {
+        captured,
+        files,
+        limits,
+        reports: BTreeMap::new(),
+        actions: Vec::new(),
+        index: BTreeMap::new(),
+        removed: BTreeSet::new(),
     };
+
+    for (path, why) in &captured.excluded {
+        p.report(
+            path,
+            PathStatus::Excluded,
+            format!("excluded by policy pattern {why:?}"),
+        );
+    }
+    for (path, why) in &captured.skipped {
+        p.report(
+            path,
+            PathStatus::Excluded,
+            format!("{why}: never published"),
+        );
+    }
 
     // Same path on both sides.
     for (path, change) in &captured.entries {
-        if let Some(h) = head.get(path.as_slice()) {
-            if let PathResolution::Conflict { reason } = resolve_path(change, h) {
-                add(path, reason);
+        match head.get(path.as_slice()) {
+            None => {
+                p.report(path, PathStatus::Clean, "untouched on head".into());
+                p.index_entry(path);
             }
+            Some(h) => p.same_path(path, change, h, false)?,
         }
     }
     for (path, change) in &captured.unchanged {
         if let Some(h) = head.get(path.as_slice()) {
-            if let PathResolution::Conflict { .. } = resolve_path(change, h) {
-                add(
-                    path,
-                    format!(
-                        "head {} here, and the captured layer holds an unchanged copy-up of the lease's version that would revert it",
-                        h.kind.describe()
-                    ),
-                );
-            }
+            p.same_path(path, change, h, true)?;
         }
     }
 
@@ -343,7 +728,7 @@ pub fn check_gate(captured: &Changeset, head_changes: &[HeadChange]) -> GateDeci
         };
         for (path, h) in below(&head, dir) {
             if h.kind != HeadChangeKind::Delete {
-                add(
+                p.conflict(
                     path,
                     format!(
                         "session {verb} ancestor {}, head {} here",
@@ -356,11 +741,34 @@ pub fn check_gate(captured: &Changeset, head_changes: &[HeadChange]) -> GateDeci
     }
 
     // The head removed, replaced or made opaque a directory; the session has something below.
+    let mut lease_had: BTreeMap<Vec<u8>, bool> = BTreeMap::new();
     for (dir, kind) in &head_hiding {
         let what = kind.describe();
         for (path, change) in below(&captured.entries, dir) {
-            if *change != Change::Delete {
-                add(
+            if *kind == HeadChangeKind::Opaque
+                && head.get(*dir).map(|h| h.kind) == Some(HeadChangeKind::Opaque)
+            {
+                // The head replaced the directory: it removed what the lease had
+                // there, nothing else. A path the session added below it, under a
+                // name the lease did not have, survives.
+                let top = top_below(dir, path);
+                let had = match lease_had.get(top) {
+                    Some(&v) => v,
+                    None => {
+                        let v = files
+                            .stat(Side::Base, top)
+                            .map_err(Planner::read_err(Side::Base, top))?
+                            .is_some();
+                        lease_had.insert(top.to_vec(), v);
+                        v
+                    }
+                };
+                if !had {
+                    continue;
+                }
+            }
+            if *change != Change::Delete && !p.is_removed(path) {
+                p.conflict(
                     path,
                     format!(
                         "head {what} ancestor {}, session changed this path",
@@ -370,26 +778,658 @@ pub fn check_gate(captured: &Changeset, head_changes: &[HeadChange]) -> GateDeci
             }
         }
         for (path, _) in below(&captured.unchanged, dir) {
-            add(
-                path,
-                format!(
-                    "head {what} ancestor {}, and the captured layer holds an unchanged copy-up here that would bring it back",
-                    show(dir)
-                ),
-            );
+            if p.is_removed(path) {
+                continue;
+            }
+            let real = below(&captured.entries, path).any(|(_, c)| *c != Change::Delete);
+            if real {
+                p.conflict(
+                    path,
+                    format!(
+                        "head {what} ancestor {}, and the upper holds a copy-up here that would bring it back",
+                        show(dir)
+                    ),
+                );
+            } else {
+                // Copy-up noise the head removed: drop it (with its subtree).
+                p.actions.push(Action::Remove {
+                    path: path.to_vec(),
+                });
+                p.removed.insert(path.to_vec());
+                p.report(
+                    path,
+                    PathStatus::Clean,
+                    format!(
+                        "unchanged copy-up dropped; head {what} ancestor {}",
+                        show(dir)
+                    ),
+                );
+            }
         }
     }
 
-    if conflicts.is_empty() {
-        GateDecision::Clean
+    // Nothing of a dropped subtree is published.
+    let index = p
+        .index
+        .iter()
+        .filter(|(path, _)| !p.is_removed(path))
+        .map(|(_, h)| h.clone())
+        .collect();
+    Ok(GatePlan {
+        reports: p.reports.into_values().collect(),
+        actions: p.actions,
+        index,
+    })
+}
+
+struct Planner<'a> {
+    captured: &'a Changeset,
+    files: &'a dyn GateFiles,
+    limits: &'a MergeLimits,
+    reports: BTreeMap<Vec<u8>, PathReport>,
+    actions: Vec<Action>,
+    index: BTreeMap<Vec<u8>, HeadChange>,
+    /// Upper paths dropped (with their subtree).
+    removed: BTreeSet<Vec<u8>>,
+}
+
+/// Three-way choice of one field: `Ok` with the result, `Err` when both sides
+/// changed it differently.
+fn pick<T: PartialEq + Copy>(base: Option<T>, ours: T, theirs: T) -> Result<T, ()> {
+    if ours == theirs {
+        Ok(ours)
+    } else if base == Some(ours) {
+        Ok(theirs)
+    } else if base == Some(theirs) {
+        Ok(ours)
     } else {
-        GateDecision::Conflict {
-            paths: conflicts
-                .into_iter()
-                .map(|(path, reason)| ConflictPath { path, reason })
-                .collect(),
+        Err(())
+    }
+}
+
+impl Planner<'_> {
+    fn report(&mut self, path: &[u8], status: PathStatus, reason: String) {
+        // A conflict always wins over an earlier verdict on the same path.
+        match self.reports.get(path) {
+            Some(r) if r.status == PathStatus::Conflict => {}
+            Some(_) if status != PathStatus::Conflict => {}
+            _ => {
+                self.reports.insert(
+                    path.to_vec(),
+                    PathReport {
+                        path: path.to_vec(),
+                        status,
+                        reason,
+                    },
+                );
+            }
         }
     }
+
+    fn conflict(&mut self, path: &[u8], reason: String) {
+        self.report(path, PathStatus::Conflict, reason);
+    }
+
+    fn index_entry(&mut self, path: &[u8]) {
+        if let Some(h) = self.captured.head_change(path) {
+            self.index.insert(path.to_vec(), h);
+        }
+    }
+
+    fn is_removed(&self, path: &[u8]) -> bool {
+        self.removed
+            .iter()
+            .any(|r| r.as_slice() == path || strictly_below(r, path))
+    }
+
+    fn read_err(side: Side, path: &[u8]) -> impl FnOnce(io::Error) -> GateError + '_ {
+        move |source| GateError::Read {
+            side,
+            path: rel_path(path),
+            source,
+        }
+    }
+
+    fn base_state(&self, path: &[u8]) -> Result<(State, Option<FileState>), GateError> {
+        let Some(fs) = self
+            .files
+            .stat(Side::Base, path)
+            .map_err(Self::read_err(Side::Base, path))?
+        else {
+            return Ok((State::ABSENT, None));
+        };
+        let kind = Kind::of(fs.kind);
+        let content = match fs.kind {
+            FileKind::Regular | FileKind::Symlink => Some(
+                self.files
+                    .digest(Side::Base, path)
+                    .map_err(Self::read_err(Side::Base, path))?,
+            ),
+            FileKind::Dir => None,
+            k => Some(special_digest(k, fs.rdev)),
+        };
+        let state = State {
+            kind: Some(kind),
+            content,
+            mode: (fs.kind != FileKind::Symlink).then_some(fs.mode),
+            uid: Some(fs.uid),
+            gid: Some(fs.gid),
+            xattrs: list_digest(&fs.xattrs),
+            opaque: false,
+        };
+        Ok((state, Some(fs)))
+    }
+
+    /// Decides one path that both the capture (`noise`: an unchanged copy-up) and
+    /// the head changed.
+    fn same_path(
+        &mut self,
+        path: &[u8],
+        change: &Change,
+        h: &HeadChange,
+        noise: bool,
+    ) -> Result<(), GateError> {
+        let ours = State::of_change(change, self.captured.xattrs_of(path));
+        let theirs = h.state();
+        if ours == theirs {
+            if !noise {
+                self.report(path, PathStatus::Clean, "same change on both sides".into());
+                self.index_entry(path);
+            }
+            return Ok(());
+        }
+        let hardlinked = self.captured.hardlinks.contains_key(path);
+        let (base, base_fs) = self.base_state(path)?;
+        if noise {
+            return self.noise(path, &ours, &theirs, h, hardlinked);
+        }
+        if theirs == base {
+            // The head changed the path and changed it back.
+            self.report(
+                path,
+                PathStatus::Clean,
+                "head's change here was reverted on head".into(),
+            );
+            self.index_entry(path);
+            return Ok(());
+        }
+        if ours.kind.is_none() || theirs.kind.is_none() || ours.kind != theirs.kind {
+            let reason = if ours.kind.is_none() || theirs.kind.is_none() {
+                format!(
+                    "delete vs edit: session left {}, head {}",
+                    ours.describe(),
+                    h.kind.describe()
+                )
+            } else {
+                format!(
+                    "type change: session left {}, head left {}",
+                    ours.describe(),
+                    theirs.describe()
+                )
+            };
+            self.conflict(path, reason);
+            return Ok(());
+        }
+        let expanded = self
+            .captured
+            .edits
+            .unopaque
+            .iter()
+            .any(|d| d.as_slice() == path);
+        if ours.opaque != theirs.opaque && !expanded {
+            self.conflict(
+                path,
+                "directory replaced on one side and changed on the other".into(),
+            );
+            return Ok(());
+        }
+        // Same type on both sides: field by field against the base.
+        let same_kind_base = base.kind == ours.kind;
+        let b = |f: fn(&State) -> Option<u32>| if same_kind_base { f(&base) } else { None };
+        let mut clashes = Vec::new();
+        let mut field =
+            |name: &str, base: Option<u32>, o: Option<u32>, t: Option<u32>| -> Option<u32> {
+                match (o, t) {
+                    (Some(o), Some(t)) => match pick(base, o, t) {
+                        Ok(v) => Some(v),
+                        Err(()) => {
+                            clashes.push(name.to_string());
+                            Some(o)
+                        }
+                    },
+                    _ => o.or(t),
+                }
+            };
+        let mode = field("mode", b(|s| s.mode), ours.mode, theirs.mode);
+        let uid = field("owner uid", b(|s| s.uid), ours.uid, theirs.uid);
+        let gid = field("owner gid", b(|s| s.gid), ours.gid, theirs.gid);
+        let base_x = if same_kind_base {
+            Some(base.xattrs)
+        } else {
+            None
+        };
+        let xattrs = match pick(base_x, ours.xattrs, theirs.xattrs) {
+            Ok(v) => v,
+            Err(()) => {
+                clashes.push("xattrs".into());
+                ours.xattrs
+            }
+        };
+        if !clashes.is_empty() {
+            self.conflict(
+                path,
+                format!("both sides changed {} differently", clashes.join(", ")),
+            );
+            return Ok(());
+        }
+        // Content.
+        let base_content = if same_kind_base {
+            Some(base.content)
+        } else {
+            None
+        };
+        let mut merged_bytes: Option<Vec<u8>> = None;
+        let content = match pick(base_content, ours.content, theirs.content) {
+            Ok(c) => c,
+            Err(()) => {
+                let regular = ours.kind == Some(Kind::Plain(FileKind::Regular));
+                if !regular {
+                    self.conflict(
+                        path,
+                        format!(
+                            "both sides changed {} differently",
+                            ours.describe().trim_start_matches("a ")
+                        ),
+                    );
+                    return Ok(());
+                }
+                if !same_kind_base {
+                    self.conflict(path, "created on both sides with different content".into());
+                    return Ok(());
+                }
+                if hardlinked {
+                    self.conflict(
+                        path,
+                        "hardlinked file changed on both sides: merging would break the link"
+                            .into(),
+                    );
+                    return Ok(());
+                }
+                match self.merge_content(path, base_fs.as_ref())? {
+                    TextMerge::Clean(bytes) => {
+                        let d = digest_bytes(&bytes);
+                        merged_bytes = Some(bytes);
+                        Some(d)
+                    }
+                    TextMerge::Conflict(reason) => {
+                        self.conflict(path, reason);
+                        return Ok(());
+                    }
+                }
+            }
+        };
+        let result = State {
+            kind: ours.kind,
+            content,
+            mode,
+            uid,
+            gid,
+            xattrs,
+            opaque: ours.opaque,
+        };
+        if result == ours {
+            self.report(
+                path,
+                PathStatus::Clean,
+                "head's change here is already in the session's version".into(),
+            );
+            self.index_entry(path);
+            return Ok(());
+        }
+        let meta = self.meta_for(path, &result, &ours, &theirs, base_fs.as_ref())?;
+        let what = if merged_bytes.is_some() {
+            "three-way merged text".to_string()
+        } else if result.content != ours.content {
+            "content from head, metadata from session".to_string()
+        } else {
+            "metadata merged field by field".to_string()
+        };
+        let kind = ours.kind;
+        if merged_bytes.is_none() && result.content != ours.content {
+            // Head's content with merged metadata.
+            if hardlinked {
+                self.conflict(
+                    path,
+                    "hardlinked file: taking head's content would break the link".into(),
+                );
+                return Ok(());
+            }
+            if kind != Some(Kind::Plain(FileKind::Regular)) {
+                self.conflict(path, "both sides changed this entry".into());
+                return Ok(());
+            }
+            merged_bytes = Some(
+                self.files
+                    .read(Side::Theirs, path)
+                    .map_err(Self::read_err(Side::Theirs, path))?,
+            );
+        }
+        match merged_bytes {
+            Some(content) => self.actions.push(Action::WriteFile {
+                path: path.to_vec(),
+                content,
+                meta: meta.clone(),
+            }),
+            None => {
+                if hardlinked {
+                    self.conflict(
+                        path,
+                        "hardlinked file: changing its metadata here would change every link"
+                            .into(),
+                    );
+                    return Ok(());
+                }
+                self.actions.push(Action::SetMeta {
+                    path: path.to_vec(),
+                    meta: meta.clone(),
+                })
+            }
+        }
+        self.report(path, PathStatus::Merged, what);
+        // Index record of the merged state.
+        let mut hc = self.captured.head_change(path).unwrap_or_else(|| h.clone());
+        hc.digest = if kind == Some(Kind::Plain(FileKind::Dir)) {
+            None
+        } else {
+            result.content
+        };
+        hc.mode = result.mode;
+        hc.uid = result.uid;
+        hc.gid = result.gid;
+        hc.xattrs = result.xattrs;
+        self.index.insert(path.to_vec(), hc);
+        Ok(())
+    }
+
+    /// Copy-up noise at a path the head changed: the head's version wins.
+    fn noise(
+        &mut self,
+        path: &[u8],
+        ours: &State,
+        theirs: &State,
+        h: &HeadChange,
+        hardlinked: bool,
+    ) -> Result<(), GateError> {
+        let is_dir = ours.kind == Some(Kind::Plain(FileKind::Dir));
+        if is_dir && theirs.kind == ours.kind {
+            // A copy-up parent: keep the directory (things below need it) with the
+            // head's metadata. (Below a directory the head replaced, the hierarchy
+            // rules judge what is in it.)
+            let meta = self.meta_for(path, theirs, ours, theirs, None)?;
+            self.actions.push(Action::SetMeta {
+                path: path.to_vec(),
+                meta,
+            });
+            self.report(
+                path,
+                PathStatus::Clean,
+                format!("copy-up parent; head's {} kept", h.kind.describe()),
+            );
+            return Ok(());
+        }
+        if hardlinked {
+            self.conflict(
+                path,
+                format!(
+                    "head {} here, and the upper holds a hardlinked copy-up of the lease's version",
+                    h.kind.describe()
+                ),
+            );
+            return Ok(());
+        }
+        if is_dir {
+            // Head removed or replaced the directory: drop the copy-up parent with
+            // its subtree, if nothing below it is a real change.
+            let real = below(&self.captured.entries, path).any(|(_, c)| *c != Change::Delete);
+            if real {
+                self.conflict(
+                    path,
+                    format!(
+                        "head {} here, and the session changed paths below it",
+                        h.kind.describe()
+                    ),
+                );
+                return Ok(());
+            }
+        }
+        self.actions.push(Action::Remove {
+            path: path.to_vec(),
+        });
+        self.removed.insert(path.to_vec());
+        self.report(
+            path,
+            PathStatus::Clean,
+            format!(
+                "unchanged copy-up dropped; head's {} kept",
+                h.kind.describe()
+            ),
+        );
+        Ok(())
+    }
+
+    /// The concrete metadata of `result`: xattrs are taken from whichever side
+    /// has the chosen digest.
+    fn meta_for(
+        &self,
+        path: &[u8],
+        result: &State,
+        ours: &State,
+        theirs: &State,
+        base: Option<&FileState>,
+    ) -> Result<Meta, GateError> {
+        let xattrs = if result.xattrs.is_none() {
+            Vec::new()
+        } else if result.xattrs == ours.xattrs {
+            self.stat_xattrs(Side::Ours, path)?
+        } else if result.xattrs == theirs.xattrs {
+            self.stat_xattrs(Side::Theirs, path)?
+        } else {
+            base.map(|b| b.xattrs.clone()).unwrap_or_default()
+        };
+        Ok(Meta {
+            mode: result.mode.unwrap_or(0),
+            uid: result.uid.unwrap_or(0),
+            gid: result.gid.unwrap_or(0),
+            xattrs,
+        })
+    }
+
+    fn stat_xattrs(&self, side: Side, path: &[u8]) -> Result<XattrList, GateError> {
+        Ok(self
+            .files
+            .stat(side, path)
+            .map_err(Self::read_err(side, path))?
+            .map(|s| s.xattrs)
+            .unwrap_or_default())
+    }
+
+    fn merge_content(&self, path: &[u8], base: Option<&FileState>) -> Result<TextMerge, GateError> {
+        let limit = self.limits.max_bytes;
+        let ours_fs = self
+            .files
+            .stat(Side::Ours, path)
+            .map_err(Self::read_err(Side::Ours, path))?;
+        let theirs_fs = self
+            .files
+            .stat(Side::Theirs, path)
+            .map_err(Self::read_err(Side::Theirs, path))?;
+        for (side, fs) in [
+            ("base", base),
+            ("session", ours_fs.as_ref()),
+            ("head", theirs_fs.as_ref()),
+        ] {
+            if let Some(fs) = fs {
+                if fs.size > limit {
+                    return Ok(TextMerge::Conflict(format!(
+                        "not merged: the {side} version is {} bytes, over the merge limit of {limit} bytes",
+                        fs.size
+                    )));
+                }
+            }
+        }
+        let b = self
+            .files
+            .read(Side::Base, path)
+            .map_err(Self::read_err(Side::Base, path))?;
+        let o = self
+            .files
+            .read(Side::Ours, path)
+            .map_err(Self::read_err(Side::Ours, path))?;
+        let t = self
+            .files
+            .read(Side::Theirs, path)
+            .map_err(Self::read_err(Side::Theirs, path))?;
+        Ok(merge_text(&b, &o, &t, self.limits))
+    }
+}
+
+/// Why [`apply_plan`] failed.
+#[derive(Debug, thiserror::Error)]
+#[error("cannot {what} {}", .path.display())]
+pub struct ApplyError {
+    /// What was being done.
+    pub what: &'static str,
+    /// Relative path.
+    pub path: PathBuf,
+    /// The error.
+    #[source]
+    pub source: io::Error,
+}
+
+/// Carries out the plan's [`Action`]s on the quiescent upper `upper`, then syncs
+/// its filesystem (`syncfs`). Refuses (does nothing) for a plan with conflicts.
+///
+/// A merged file is written as a new inode next to the old one (`.lsm-<hash>`),
+/// given the merged owner, mode and xattrs (in that order: `chown` clears setuid),
+/// `fsync`ed and renamed over the old name, so a crash leaves either version, never
+/// a torn file. Everything is reached through descriptors, no-follow.
+///
+/// # Errors
+/// [`ApplyError`] with the first failing path; earlier actions stay applied.
+pub fn apply_plan(upper: &Path, plan: &GatePlan) -> Result<(), ApplyError> {
+    if plan.is_conflict() || plan.actions.is_empty() {
+        return Ok(());
+    }
+    for action in &plan.actions {
+        match action {
+            Action::WriteFile {
+                path,
+                content,
+                meta,
+            } => write_file(upper, path, content, meta)?,
+            Action::SetMeta { path, meta } => {
+                let at = fsx::at(upper, path).map_err(apply_err("open", path))?;
+                set_meta(at.path(), meta).map_err(apply_err("set metadata of", path))?;
+            }
+            Action::Remove { path } => {
+                crate::layer::remove_tree_at(upper, path).map_err(apply_err("remove", path))?;
+            }
+        }
+    }
+    crate::layer::sync(upper).map_err(|e| ApplyError {
+        what: "sync",
+        path: upper.to_path_buf(),
+        source: io::Error::other(e.to_string()),
+    })?;
+    Ok(())
+}
+
+fn apply_err<'p>(what: &'static str, path: &'p [u8]) -> impl FnOnce(io::Error) -> ApplyError + 'p {
+    move |source| ApplyError {
+        what,
+        path: rel_path(path),
+        source,
+    }
+}
+
+fn write_file(upper: &Path, path: &[u8], content: &[u8], meta: &Meta) -> Result<(), ApplyError> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+    let (parent, name) = fsx::split_parent(path);
+    let dir = fsx::walk_dir(upper, parent).map_err(apply_err("open the parent of", path))?;
+    let tmp_name = format!(".lsm-{}", &hex(&digest_bytes(name))[..16]);
+    let tmp = fsx::proc_path(&dir, tmp_name.as_bytes());
+    let _ = std::fs::remove_file(&tmp);
+    let mut f = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(&tmp)
+        .map_err(apply_err("create the merged file for", path))?;
+    let result = (|| -> io::Result<()> {
+        f.write_all(content)?;
+        std::os::unix::fs::fchown(&f, Some(meta.uid), Some(meta.gid))?;
+        f.set_permissions(std::fs::Permissions::from_mode(meta.mode))?;
+        for (n, v) in &meta.xattrs {
+            xattr::FileExt::set_xattr(&f, std::ffi::OsStr::from_bytes(n), v)?;
+        }
+        f.sync_all()?;
+        std::fs::rename(&tmp, fsx::proc_path(&dir, name))
+    })();
+    if let Err(e) = result {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(apply_err("write the merged file", path)(e));
+    }
+    Ok(())
+}
+
+/// Sets owner, mode (not for symlinks) and exactly `meta.xattrs` (leaving
+/// overlay-private and opaque xattrs alone) on the entry at the short path `p`.
+fn set_meta(p: &Path, meta: &Meta) -> io::Result<()> {
+    let md = std::fs::symlink_metadata(p)?;
+    std::os::unix::fs::lchown(p, Some(meta.uid), Some(meta.gid))?;
+    if !md.file_type().is_symlink() {
+        std::fs::set_permissions(p, std::fs::Permissions::from_mode(meta.mode))?;
+    }
+    let current = fsx::xattrs_of(p)?;
+    let wanted: BTreeMap<&[u8], &[u8]> = meta
+        .xattrs
+        .iter()
+        .map(|(n, v)| (n.as_slice(), v.as_slice()))
+        .collect();
+    for (n, _) in &current {
+        let keep = wanted.contains_key(n.as_slice())
+            || n == TRUSTED_OPAQUE.as_bytes()
+            || n == USER_OPAQUE.as_bytes()
+            || is_overlay_private(n, false)
+            || is_overlay_private(n, true);
+        if !keep {
+            xattr::remove(p, std::ffi::OsStr::from_bytes(n))?;
+        }
+    }
+    for (n, v) in &wanted {
+        xattr::set(p, std::ffi::OsStr::from_bytes(n), v)?;
+    }
+    Ok(())
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// The ancestor of `path` (or `path` itself) one component below `dir`.
+fn top_below<'p>(dir: &[u8], path: &'p [u8]) -> &'p [u8] {
+    let start = dir.len() + 1;
+    match path[start..].iter().position(|&b| b == b'/') {
+        Some(i) => &path[..start + i],
+        None => path,
+    }
+}
+
+/// True when `path` is strictly below `dir`.
+fn strictly_below(dir: &[u8], path: &[u8]) -> bool {
+    path.len() > dir.len() && path.starts_with(dir) && path[dir.len()] == b'/'
 }
 
 /// Entries of `map` strictly below directory `dir`: keys in `[dir + "/", dir + "0")`.

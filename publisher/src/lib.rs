@@ -6,37 +6,52 @@
 //! * [`capture`] walks a quiescent upperdir without following anything and returns
 //!   a [`Changeset`]: writes, symlinks, directories, deletions, metadata changes and
 //!   special files relative to the lease, with copy-up noise separated out.
-//! * [`check_gate`] compares a changeset with the changes published on the branch
-//!   head since the lease ([`HeadChange`]) and accepts or rejects it as a whole.
-//! * [`seal_layer`] strips overlay-private xattrs from the upper and syncs it, so it
-//!   can be renamed into the store as an immutable layer.
+//! * [`ExcludePolicy`] (globs of paths never published) and [`prepare_upper`]
+//!   apply publish policy to the upper.
+//! * [`plan_gate`] compares a changeset with the changes published on the branch
+//!   head since the lease ([`HeadChange`]): per path clean, merged (three-way text
+//!   merge, [`merge_text`], or field-by-field metadata), conflict or excluded, and
+//!   the edits ([`Action`]) that make the upper the layer to publish. Any conflict
+//!   rejects the whole changeset. Planning changes nothing (it is the dry run);
+//!   [`apply_plan`] carries the edits out.
+//! * [`seal_layer_with`] strips overlay-private xattrs from the upper and syncs it, so
+//!   it can be renamed into the store as an immutable layer.
 //!
 //! Paths are relative byte strings (`Vec<u8>`, `/`-separated, no leading `/`),
-//! never converted through UTF-8.
+//! never converted through UTF-8. Every file access is fd-relative or no-follow,
+//! and works for paths longer than `PATH_MAX`.
 //!
 //! ```no_run
 //! use std::path::PathBuf;
-//! use layerstack_publisher::{capture, check_gate, seal_layer, GateDecision, HeadChange, LayerView};
+//! use layerstack_publisher::*;
 //!
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! // The session's lease: its lowerdirs, newest first.
-//! let lease = LayerView::new(vec![PathBuf::from("/var/lib/layerstack/l/2"), PathBuf::from("/var/lib/layerstack/l/1")]);
-//! // After the rootfs is unmounted:
+//! // The session's lease and the branch head: lowerdirs, newest first.
+//! let lease = LayerView::new(vec![PathBuf::from("/var/lib/layerstack/l/1")]);
+//! let head = LayerView::new(vec![PathBuf::from("/var/lib/layerstack/l/2"), PathBuf::from("/var/lib/layerstack/l/1")]);
 //! let upper = PathBuf::from("/var/lib/layerstack/s/7/upper");
-//! let changeset = capture(&upper, &lease)?;
-//! // The path index of every layer published on the head since the lease, newest first.
-//! let head: Vec<HeadChange> = Vec::new();
-//! match check_gate(&changeset, &head) {
-//!     GateDecision::Clean => {
-//!         seal_layer(&upper)?;
-//!         // rename the upper into l/<n>, prepend it to the manifest, and store
-//!         // `HeadChange::from_change` of every entry as the new layer's path index.
-//!     }
-//!     GateDecision::Conflict { paths } => {
-//!         for c in paths {
-//!             eprintln!("{}: {}", String::from_utf8_lossy(&c.path), c.reason);
-//!         }
-//!     }
+//! let mut options = CaptureOptions { exclude: ExcludePolicy::new(["/tmp/**"])?, ..Default::default() };
+//! // After the rootfs is unmounted (outside the gate's lock):
+//! let mut changeset = capture_with(&upper, &lease, &options)?;
+//! prepare_upper(&upper, &changeset, false)?;
+//! seal_layer(&upper)?;
+//! // Inside the gate's lock: the path index of every layer published since the lease.
+//! let head_changes: Vec<HeadChange> = Vec::new();
+//! let expand = opaque_dirs_to_expand(&changeset, &head_changes);
+//! if !expand.is_empty() {
+//!     options.expand_opaque = expand;
+//!     changeset = capture_with(&upper, &lease, &options)?;
+//!     prepare_upper(&upper, &changeset, false)?;
+//! }
+//! let files = FsFiles { lease, head, upper: upper.clone(), userxattr: false };
+//! let plan = plan_gate(&changeset, &head_changes, &files, &MergeLimits::default())?;
+//! for r in &plan.reports {
+//!     println!("{} {}: {}", r.status.as_str(), String::from_utf8_lossy(&r.path), r.reason);
+//! }
+//! if !plan.is_conflict() {
+//!     apply_plan(&upper, &plan)?;
+//!     // rename the upper into l/<n>, prepend it to the manifest, and store
+//!     // `plan.index` as the new layer's path index.
 //! }
 //! # Ok(())
 //! # }
@@ -45,16 +60,24 @@
 #![warn(missing_docs)]
 
 mod capture;
+mod fsx;
 mod gate;
 mod layer;
+mod merge;
+mod policy;
 #[cfg(test)]
 mod testutil;
 mod view;
 
-pub use capture::{capture, capture_with, CaptureError, CaptureOptions, Change, Changeset};
-pub use gate::{
-    check_gate, resolve_path, ConflictPath, GateDecision, HeadChange, HeadChangeKind,
-    PathResolution,
+pub use capture::{
+    capture, capture_with, CaptureError, CaptureOptions, Change, Changeset, UpperEdits,
 };
-pub use layer::{seal_layer, SealError};
+pub use gate::{
+    apply_plan, opaque_dirs_to_expand, plan_gate, Action, ApplyError, FileState, FsFiles,
+    GateError, GateFiles, GatePlan, HeadChange, HeadChangeKind, Meta, PathReport, PathStatus, Side,
+    XattrList,
+};
+pub use layer::{prepare_upper, seal_layer, seal_layer_with, SealError};
+pub use merge::{is_binary, merge_text, MergeLimits, TextMerge, BINARY_SNIFF_BYTES};
+pub use policy::{ExcludePolicy, PolicyError};
 pub use view::{Entry, FileKind, LayerView};

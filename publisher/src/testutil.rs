@@ -83,3 +83,16 @@ pub fn socket(base: &Path, rel: &str) {
 pub fn names(list: &[&str]) -> Vec<Vec<u8>> {
     list.iter().map(|s| s.as_bytes().to_vec()).collect()
 }
+
+/// Gives `to_base/rel` the mtime of `from_base/rel` (as the kernel's copy-up does).
+pub fn copy_mtime(from_base: &Path, to_base: &Path, rel: &[u8]) {
+    let m = std::fs::symlink_metadata(p(from_base, rel))
+        .unwrap()
+        .modified()
+        .unwrap();
+    let f = std::fs::File::options()
+        .write(true)
+        .open(p(to_base, rel))
+        .unwrap();
+    f.set_modified(m).unwrap();
+}

@@ -19,7 +19,6 @@
 //! An opaque value other than `y` counts as not opaque.
 
 use std::collections::BTreeMap;
-use std::ffi::OsStr;
 use std::io;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
@@ -87,6 +86,8 @@ pub struct Entry {
     pub size: u64,
     /// `st_rdev` (device number of a device node, 0 otherwise).
     pub rdev: u64,
+    /// Modification time: seconds and nanoseconds since the Unix epoch.
+    pub mtime: (i64, i64),
     /// Index into [`LayerView::layers`] of the layer the entry comes from
     /// (for a merged directory: the newest layer holding it, whose attributes win).
     pub layer_index: usize,
@@ -101,6 +102,7 @@ impl Entry {
             gid: md.gid(),
             size: md.size(),
             rdev: md.rdev(),
+            mtime: (md.mtime(), md.mtime_nsec()),
             layer_index,
         })
     }
@@ -215,12 +217,17 @@ impl LayerView {
                 (None, None) => return Err(io::Error::from(io::ErrorKind::NotFound)),
             }
         }
+        self.names(&cursor)
+    }
+
+    /// The visible names of the merged directory `cursor` (see [`list_dir`](Self::list_dir)).
+    pub(crate) fn names(&self, cursor: &Cursor) -> io::Result<Vec<Vec<u8>>> {
         // The newest layer holding a name decides: a whiteout hides it, anything
         // else shows it (overlayfs readdir, fs/overlayfs/readdir.c).
         let mut seen: BTreeMap<Vec<u8>, bool> = BTreeMap::new();
         for &i in &cursor.run {
-            let dir = self.host_path(i, &cursor.rel);
-            for dent in std::fs::read_dir(&dir)? {
+            let dir = crate::fsx::at(&self.layers[i], &cursor.rel)?;
+            for dent in std::fs::read_dir(dir.path())? {
                 let dent = dent?;
                 let name = dent.file_name().as_bytes().to_vec();
                 if seen.contains_key(&name) {
@@ -256,12 +263,23 @@ impl LayerView {
         Ok(None)
     }
 
-    /// The host path of `rel` inside layer `index`.
-    pub(crate) fn host_path(&self, index: usize, rel: &[u8]) -> PathBuf {
-        if rel.is_empty() {
-            self.layers[index].clone()
-        } else {
-            self.layers[index].join(OsStr::from_bytes(rel))
+    /// The directory of layer `index`.
+    pub(crate) fn layer(&self, index: usize) -> &Path {
+        &self.layers[index]
+    }
+
+    /// The content of the regular file visible at `rel` (`O_NOFOLLOW`; reached
+    /// through descriptors when the path is long). `Ok(None)` when nothing or
+    /// something other than a regular file is visible there.
+    ///
+    /// # Errors
+    /// As [`lookup`](Self::lookup), and any error reading the file.
+    pub fn read_regular(&self, rel: &[u8]) -> io::Result<Option<Vec<u8>>> {
+        match self.lookup(rel)? {
+            Some(e) if e.kind == FileKind::Regular => {
+                crate::fsx::read_file(&self.layers[e.layer_index], rel).map(Some)
+            }
+            _ => Ok(None),
         }
     }
 
@@ -272,8 +290,13 @@ impl LayerView {
         let mut found: Option<Entry> = None;
         let mut run = Vec::new();
         for &i in &dir.run {
-            let path = self.host_path(i, &rel);
-            let md = match std::fs::symlink_metadata(&path) {
+            let at = match crate::fsx::at(&self.layers[i], &rel) {
+                Ok(at) => at,
+                Err(e) if absent(&e) => continue,
+                Err(e) => return Err(e),
+            };
+            let path = at.path();
+            let md = match std::fs::symlink_metadata(path) {
                 Ok(md) => md,
                 Err(e) if absent(&e) => continue,
                 Err(e) => return Err(e),
@@ -295,7 +318,7 @@ impl LayerView {
                 found = Entry::from_metadata(&md, i);
             }
             run.push(i);
-            if is_opaque_path(&path, self.userxattr)? {
+            if is_opaque_path(path, self.userxattr)? {
                 break;
             }
         }
@@ -307,9 +330,11 @@ impl LayerView {
     }
 }
 
-/// `ENOENT` or `ENOTDIR`: the name is simply not in that layer.
+/// `ENOENT` or `ENOTDIR` (or `ELOOP` from a descriptor walk meeting a symlink):
+/// the name is simply not in that layer.
 fn absent(e: &io::Error) -> bool {
-    e.kind() == io::ErrorKind::NotFound || e.raw_os_error() == Some(libc::ENOTDIR)
+    e.kind() == io::ErrorKind::NotFound
+        || matches!(e.raw_os_error(), Some(libc::ENOTDIR) | Some(libc::ELOOP))
 }
 
 /// True when the directory at `path` carries the opaque xattr with value `y`

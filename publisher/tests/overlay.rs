@@ -10,8 +10,8 @@ use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use layerstack_publisher::{
-    capture, check_gate, seal_layer, Change, Changeset, FileKind, GateDecision, HeadChange,
-    LayerView,
+    capture, plan_gate, seal_layer, Action, Change, Changeset, FileKind, FsFiles, HeadChange,
+    LayerView, MergeLimits,
 };
 use nix::mount::{mount, umount2, MntFlags, MsFlags};
 use nix::sys::stat::{makedev, mknod, Mode, SFlag};
@@ -248,15 +248,26 @@ fn capture_of_a_real_overlay_upper() {
         vec![(b"app.sock".to_vec(), "socket".to_string())]
     );
 
-    // Nothing changed on the head since the lease: clean. A head that rewrote the
-    // copied-up file conflicts on exactly that path.
-    assert_eq!(check_gate(&c, &[]), GateDecision::Clean);
-    let head = [HeadChange::from_change(b"touched.txt", &w644(b"other"))];
-    let GateDecision::Conflict { paths } = check_gate(&c, &head) else {
-        panic!("expected conflict")
+    // Nothing changed on the head since the lease: clean, nothing to do. A head
+    // that rewrote the copied-up file wins over that noise: it is dropped.
+    let files = FsFiles {
+        lease: lease.clone(),
+        head: lease.clone(),
+        upper: u.clone(),
+        userxattr: false,
     };
-    assert_eq!(paths.len(), 1);
-    assert_eq!(paths[0].path, b"touched.txt");
+    let plan = plan_gate(&c, &[], &files, &MergeLimits::default()).unwrap();
+    assert!(!plan.is_conflict() && plan.actions.is_empty());
+    assert_eq!(plan.index.len(), c.entries.len());
+    let head = [HeadChange::from_change(b"touched.txt", &w644(b"other"))];
+    let plan = plan_gate(&c, &head, &files, &MergeLimits::default()).unwrap();
+    assert!(!plan.is_conflict(), "{:?}", plan.reports);
+    assert_eq!(
+        plan.actions,
+        vec![Action::Remove {
+            path: b"touched.txt".to_vec()
+        }]
+    );
 
     // Seal: private xattrs go, opaque markers stay, the socket goes.
     seal_layer(&u).unwrap();

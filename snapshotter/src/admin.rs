@@ -30,7 +30,7 @@ impl AdminService {
 
 /// Session as sent on the wire.
 pub fn to_api(s: SessionInfo) -> api::Session {
-    let (outcome, conflicts, layer, message) = match s.outcome {
+    let (outcome, conflicts, layer, message, paths) = match s.outcome {
         Some(o) => (
             o.kind.as_str().to_string(),
             o.conflicts
@@ -42,8 +42,9 @@ pub fn to_api(s: SessionInfo) -> api::Session {
                 .collect(),
             o.layer.unwrap_or(0),
             o.message.unwrap_or_default(),
+            o.paths.into_iter().map(path_verdict).collect(),
         ),
-        None => (String::new(), vec![], 0, String::new()),
+        None => (String::new(), vec![], 0, String::new(), vec![]),
     };
     api::Session {
         id: s.id,
@@ -59,7 +60,38 @@ pub fn to_api(s: SessionInfo) -> api::Session {
         message,
         released: s.released,
         runs: s.runs,
+        paths,
+        dry_run: false,
     }
+}
+
+fn path_verdict(p: layerstack_store::PathRecord) -> api::PathVerdict {
+    api::PathVerdict {
+        path: p.path,
+        status: p.status,
+        reason: p.reason,
+    }
+}
+
+/// The answer to a dry-run publish: the session as it is, with `outcome`,
+/// `conflicts`, `paths` and `message` saying what a publish would do.
+fn dry_run_to_api(d: crate::publish::DryRun) -> api::Session {
+    let mut out = to_api(d.session);
+    out.dry_run = true;
+    out.layer = 0;
+    out.outcome = d.kind.map(|k| k.as_str().to_string()).unwrap_or_default();
+    out.conflicts = d
+        .paths
+        .iter()
+        .filter(|p| p.status == "conflict")
+        .map(|p| api::ConflictPath {
+            path: p.path.clone(),
+            reason: p.reason.clone(),
+        })
+        .collect();
+    out.paths = d.paths.into_iter().map(path_verdict).collect();
+    out.message = d.message;
+    out
 }
 
 fn store_status(e: StoreError) -> Status {
@@ -77,7 +109,7 @@ fn publish_status(e: PublishFailure) -> Status {
         PublishFailure::NoSession { .. } => Status::not_found(msg),
         PublishFailure::Mounted(..) => Status::failed_precondition(msg),
         PublishFailure::Store(e) => store_status(e),
-        PublishFailure::Join(_) => Status::internal(msg),
+        PublishFailure::Join(_) | PublishFailure::DryRun(_) => Status::internal(msg),
     }
 }
 
@@ -100,7 +132,13 @@ impl api::Admin for AdminService {
             .map_err(|e| Status::internal(e.to_string()))?
             .map_err(store_status)?;
         Ok(Response::new(api::ListSessionsResponse {
-            sessions: sessions.into_iter().map(to_api).collect(),
+            sessions: sessions
+                .into_iter()
+                .map(|s| api::Session {
+                    paths: vec![],
+                    ..to_api(s)
+                })
+                .collect(),
         }))
     }
 
@@ -157,6 +195,17 @@ impl api::Admin for AdminService {
         Ok(Response::new(to_api(out)))
     }
 
+    async fn publish_dry_run(&self, req: Request<api::PublishRequest>) -> Result<Response<api::Session>, Status> {
+        let r = req.into_inner();
+        require("container", &r.container)?;
+        if api::PublishPolicy::from_i32(r.policy) != Some(api::PublishPolicy::Publish) {
+            return Err(Status::invalid_argument("a dry run needs policy PUBLISH"));
+        }
+        let s = self.publisher.find(&r.namespace, &r.container).await.map_err(publish_status)?;
+        let d = self.publisher.dry_run(s.id).await.map_err(publish_status)?;
+        Ok(Response::new(dry_run_to_api(d)))
+    }
+
     async fn log(&self, req: Request<api::LogRequest>) -> Result<Response<api::LogResponse>, Status> {
         let r = req.into_inner();
         require("image", &r.image)?;
@@ -199,6 +248,53 @@ impl api::Admin for AdminService {
                     created_ns: e.created_ns,
                 })
                 .collect(),
+        }))
+    }
+
+    async fn set_branch(&self, req: Request<api::SetBranchRequest>) -> Result<Response<api::SetBranchResponse>, Status> {
+        let r = req.into_inner();
+        require("container", &r.container)?;
+        require("branch", &r.branch)?;
+        let s = self.publisher.find(&r.namespace, &r.container).await.map_err(publish_status)?;
+        // Ordered against a publish of the same session.
+        let _g = self.publisher.lock_session(s.id).await;
+        if crate::publish::upper_is_mounted(&s.upper) {
+            return Err(Status::failed_precondition(format!(
+                "session {} is mounted (upperdir {}): its branch cannot change",
+                s.id,
+                s.upper.display()
+            )));
+        }
+        let store = self.publisher.store().clone();
+        let (id, branch) = (s.id, r.branch.clone());
+        let (info, spec, changed) = tokio::task::spawn_blocking(move || store.rebranch_session(id, &branch))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?
+            .map_err(|e| match &e {
+                StoreError::Snapshot(inner) => match **inner {
+                    layerstack_store::SnapshotError::InvalidArgument(_) => Status::invalid_argument(error_chain(&e)),
+                    layerstack_store::SnapshotError::FailedPrecondition(_) => Status::failed_precondition(error_chain(&e)),
+                    _ => store_status(e),
+                },
+                _ => store_status(e),
+            })?;
+        let options = spec.overlay_options();
+        let mount = match spec {
+            layerstack_store::MountSpec::Bind { source, .. } => api::Mount {
+                r#type: "bind".into(),
+                source: source.display().to_string(),
+                options,
+            },
+            layerstack_store::MountSpec::Overlay { .. } => api::Mount {
+                r#type: "overlay".into(),
+                source: "overlay".into(),
+                options,
+            },
+        };
+        Ok(Response::new(api::SetBranchResponse {
+            session: Some(to_api(info)),
+            changed,
+            mounts: vec![mount],
         }))
     }
 }

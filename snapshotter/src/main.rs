@@ -108,7 +108,17 @@ async fn run(args: Args) -> Result<()> {
     };
     let store = Arc::new(Store::open(&cfg.root, &opts)?);
     info!(root = %cfg.root.display(), "store open");
-    let publisher = Arc::new(publish::Publisher::new(store.clone()));
+    let exclude = layerstack_publisher::ExcludePolicy::new(&cfg.exclude).context("config key `exclude`")?;
+    let policy = publish::PublishPolicy {
+        exclude,
+        merge: layerstack_publisher::MergeLimits {
+            max_bytes: cfg.merge.max_file_bytes,
+            max_lines: usize::try_from(cfg.merge.max_lines).unwrap_or(usize::MAX),
+            timeout: std::time::Duration::from_millis(cfg.merge.timeout_ms),
+        },
+        userxattr: false,
+    };
+    let publisher = Arc::new(publish::Publisher::new(store.clone()).with_policy(policy));
 
     let snap_listener = bind(&cfg.address)?;
     let admin_listener = bind(&cfg.admin_address)?;

@@ -12,7 +12,10 @@ use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use layerstack_publisher as publisher;
-use layerstack_store::{escape_path, ConflictRecord, Outcome, OutcomeKind, SessionId, SessionInfo, Store, StoreError};
+use layerstack_store::{
+    escape_path, ConflictRecord, Outcome, OutcomeKind, PathRecord, SessionId, SessionInfo, Store,
+    StoreError,
+};
 use tokio::sync::{Mutex, Notify, OwnedMutexGuard};
 use tracing::{info, warn};
 
@@ -20,18 +23,24 @@ use tracing::{info, warn};
 #[derive(Debug, thiserror::Error)]
 pub enum PublishFailure {
     #[error("no session for container {container:?} in namespace {namespace:?}: was it created with --snapshotter layerstack?")]
-    NoSession { namespace: String, container: String },
+    NoSession {
+        namespace: String,
+        container: String,
+    },
     #[error("session {0}'s rootfs is still mounted (upperdir {1}); stop the container's task before publishing")]
     Mounted(SessionId, String),
     #[error("store")]
     Store(#[from] StoreError),
     #[error("publish task failed: {0}")]
     Join(String),
+    #[error("dry run failed: {0}")]
+    DryRun(String),
 }
 
 /// Serializes publishes and wakes `Wait` callers.
 pub struct Publisher {
     store: Arc<Store>,
+    policy: PublishPolicy,
     gate: Mutex<()>,
     sessions: Mutex<HashMap<SessionId, Arc<Mutex<()>>>>,
     /// Notified after every recorded outcome.
@@ -52,21 +61,25 @@ pub fn upper_is_mounted(upper: &Path) -> bool {
         return false;
     };
     let needle = format!("upperdir={}", upper.display());
-    info.lines().any(|l| {
-        l.split(',')
-            .flat_map(|f| f.split(' '))
-            .any(|f| f == needle)
-    })
+    info.lines()
+        .any(|l| l.split(',').flat_map(|f| f.split(' ')).any(|f| f == needle))
 }
 
 impl Publisher {
     pub fn new(store: Arc<Store>) -> Self {
         Self {
             store,
+            policy: PublishPolicy::default(),
             gate: Mutex::new(()),
             sessions: Mutex::new(HashMap::new()),
             outcomes: Notify::new(),
         }
+    }
+
+    /// Use `policy` (exclusions, merge limits) for every publish.
+    pub fn with_policy(mut self, policy: PublishPolicy) -> Self {
+        self.policy = policy;
+        self
     }
 
     /// The store this publisher writes to.
@@ -78,7 +91,9 @@ impl Publisher {
     pub async fn lock_session(&self, id: SessionId) -> OwnedMutexGuard<()> {
         let m = {
             let mut map = self.sessions.lock().await;
-            map.entry(id).or_insert_with(|| Arc::new(Mutex::new(()))).clone()
+            map.entry(id)
+                .or_insert_with(|| Arc::new(Mutex::new(())))
+                .clone()
         };
         m.lock_owned().await
     }
@@ -95,7 +110,11 @@ impl Publisher {
     }
 
     /// Find the session of `(namespace, container)`.
-    pub async fn find(&self, namespace: &str, container: &str) -> Result<SessionInfo, PublishFailure> {
+    pub async fn find(
+        &self,
+        namespace: &str,
+        container: &str,
+    ) -> Result<SessionInfo, PublishFailure> {
         let (ns, c) = (namespace.to_string(), container.to_string());
         self.blocking(move |s| s.find_session(&ns, &c))
             .await?
@@ -106,7 +125,11 @@ impl Publisher {
     }
 
     /// Publish `session` (taking its lock). Returns the session with its outcome.
-    pub async fn publish(&self, session: SessionId, why: &str) -> Result<SessionInfo, PublishFailure> {
+    pub async fn publish(
+        &self,
+        session: SessionId,
+        why: &str,
+    ) -> Result<SessionInfo, PublishFailure> {
         let _g = self.lock_session(session).await;
         self.publish_locked(session, why).await
     }
@@ -114,13 +137,20 @@ impl Publisher {
     /// Publish with the session lock already held by the caller. A session whose
     /// current run already has an outcome, or that holds no lease, is returned
     /// unchanged: nothing is ever published twice.
-    pub async fn publish_locked(&self, session: SessionId, why: &str) -> Result<SessionInfo, PublishFailure> {
+    pub async fn publish_locked(
+        &self,
+        session: SessionId,
+        why: &str,
+    ) -> Result<SessionInfo, PublishFailure> {
         let current = self.blocking(move |s| s.session(session)).await?;
         if current.outcome.is_some() || current.lease_manifest.is_none() || current.released {
             return Ok(current);
         }
         if upper_is_mounted(&current.upper) {
-            return Err(PublishFailure::Mounted(session, current.upper.display().to_string()));
+            return Err(PublishFailure::Mounted(
+                session,
+                current.upper.display().to_string(),
+            ));
         }
         let outcome = self.run(session, why).await;
         let result = match outcome {
@@ -133,10 +163,12 @@ impl Publisher {
                     kind: OutcomeKind::Failed,
                     layer: None,
                     conflicts: vec![],
+                    paths: vec![],
                     message: Some(msg),
                     at_ns: now_ns(),
                 };
-                self.blocking(move |s| s.record_outcome(session, rec)).await?;
+                self.blocking(move |s| s.record_outcome(session, rec))
+                    .await?;
                 self.blocking(move |s| s.session(session)).await
             }
         };
@@ -146,26 +178,111 @@ impl Publisher {
 
     /// Drop the current run's writes without publishing: outcome `discarded`, a
     /// fresh upper, no lease. A run that already has an outcome is left alone.
-    pub async fn discard(&self, session: SessionId, why: &str) -> Result<SessionInfo, PublishFailure> {
+    pub async fn discard(
+        &self,
+        session: SessionId,
+        why: &str,
+    ) -> Result<SessionInfo, PublishFailure> {
         let _g = self.lock_session(session).await;
         let current = self.blocking(move |s| s.session(session)).await?;
         if current.outcome.is_some() || current.lease_manifest.is_none() || current.released {
             return Ok(current);
         }
         if upper_is_mounted(&current.upper) {
-            return Err(PublishFailure::Mounted(session, current.upper.display().to_string()));
+            return Err(PublishFailure::Mounted(
+                session,
+                current.upper.display().to_string(),
+            ));
         }
         let rec = Outcome {
             kind: OutcomeKind::Discarded,
             layer: None,
             conflicts: vec![],
+            paths: vec![],
             message: Some(format!("writes dropped: {why}")),
             at_ns: now_ns(),
         };
-        self.blocking(move |s| s.record_outcome(session, rec)).await?;
-        info!(session.id = session, outcome = "discarded", why, "discarded");
+        self.blocking(move |s| s.record_outcome(session, rec))
+            .await?;
+        info!(
+            session.id = session,
+            outcome = "discarded",
+            why,
+            "discarded"
+        );
         self.outcomes.notify_waiters();
         self.blocking(move |s| s.session(session)).await
+    }
+
+    /// What publishing `session` now would do, without changing anything: the
+    /// upper is captured and gated against the current branch head, nothing is
+    /// written (no policy edits, no merges, no layer, no outcome). Takes the
+    /// session lock; the rootfs must be unmounted.
+    pub async fn dry_run(&self, session: SessionId) -> Result<DryRun, PublishFailure> {
+        let _g = self.lock_session(session).await;
+        let current = self.blocking(move |s| s.session(session)).await?;
+        if current.outcome.is_some() || current.lease_manifest.is_none() || current.released {
+            return Ok(DryRun {
+                session: current,
+                kind: None,
+                paths: vec![],
+                message: "the session's current run already has an outcome (or holds no lease): nothing to publish".into(),
+            });
+        }
+        if upper_is_mounted(&current.upper) {
+            return Err(PublishFailure::Mounted(
+                session,
+                current.upper.display().to_string(),
+            ));
+        }
+        let policy = self.policy.clone();
+        let store = self.store.clone();
+        let result = tokio::task::spawn_blocking(
+            move || -> Result<(OutcomeKind, Vec<PathRecord>, String), RunError> {
+                let ctx = store.publish_context(session)?;
+                let upper = ctx.session.upper.clone();
+                let view = publisher::LayerView::new(ctx.lease_lowers.clone())
+                    .with_userxattr(policy.userxattr);
+                let mut options = policy.capture_options();
+                let mut cs = publisher::capture_with(&upper, &view, &options)?;
+                if cs.is_empty() {
+                    let paths = records(&plan_without_head(&cs));
+                    return Ok((
+                        OutcomeKind::NoChange,
+                        paths,
+                        "the session changed nothing publishable".into(),
+                    ));
+                }
+                let delta = store.head_delta(session, ctx.lease_manifest)?;
+                let head = parse_head(&delta.changes)?;
+                let expand = publisher::opaque_dirs_to_expand(&cs, &head);
+                if !expand.is_empty() {
+                    options.expand_opaque = expand;
+                    cs = publisher::capture_with(&upper, &view, &options)?;
+                }
+                let files = publisher::FsFiles {
+                    lease: view,
+                    head: publisher::LayerView::new(store.head_lowers(session, delta.head)?)
+                        .with_userxattr(policy.userxattr),
+                    upper,
+                    userxattr: policy.userxattr,
+                };
+                let plan = publisher::plan_gate(&cs, &head, &files, &policy.merge)?;
+                let kind = decision(&plan);
+                Ok((kind, records(&plan), summary(&plan, kind)))
+            },
+        )
+        .await
+        .map_err(|e| PublishFailure::Join(e.to_string()))?;
+        match result {
+            Ok((kind, paths, message)) => Ok(DryRun {
+                session: current,
+                kind: Some(kind),
+                paths,
+                message: format!("dry run, nothing was changed: {message}"),
+            }),
+            Err(e) => Err(PublishFailure::DryRun(crate::service::error_chain(&e))),
+        }
     }
 
     async fn run(&self, session: SessionId, why: &str) -> Result<(), RunError> {
@@ -174,16 +291,21 @@ impl Publisher {
             tokio::task::spawn_blocking(move || store.publish_context(session)).await??
         };
         let upper = ctx.session.upper.clone();
-        // Capture and seal outside the gate: they only read the lease and the
-        // quiescent upper.
+        let policy = self.policy.clone();
+        // Capture, policy edits and sealing run outside the gate: they only read
+        // the lease and the quiescent upper.
         let changeset = {
             let lowers = ctx.lease_lowers.clone();
             let upper = upper.clone();
+            let policy = policy.clone();
             tokio::task::spawn_blocking(move || -> Result<publisher::Changeset, RunError> {
-                let view = publisher::LayerView::new(lowers);
-                let cs = publisher::capture(&upper, &view)?;
+                let view = publisher::LayerView::new(lowers).with_userxattr(policy.userxattr);
+                let cs = publisher::capture_with(&upper, &view, &policy.capture_options())?;
+                if !cs.edits.is_empty() {
+                    publisher::prepare_upper(&upper, &cs, policy.userxattr)?;
+                }
                 if !cs.is_empty() {
-                    publisher::seal_layer(&upper)?;
+                    publisher::seal_layer_with(&upper, policy.userxattr)?;
                 }
                 Ok(cs)
             })
@@ -193,74 +315,206 @@ impl Publisher {
             warn!(session.id = session, path = %escape_path(p), reason = %why, "not captured");
         }
         if changeset.is_empty() {
+            let plan = plan_without_head(&changeset);
             let rec = Outcome {
                 kind: OutcomeKind::NoChange,
                 layer: None,
                 conflicts: vec![],
-                message: Some("the session changed nothing".into()),
+                paths: records(&plan),
+                message: Some(if changeset.excluded.is_empty() {
+                    "the session changed nothing".into()
+                } else {
+                    format!(
+                        "the session changed nothing publishable ({} path(s) excluded by policy)",
+                        changeset.excluded.len()
+                    )
+                }),
                 at_ns: now_ns(),
             };
             let store = self.store.clone();
             tokio::task::spawn_blocking(move || store.record_outcome(session, rec)).await??;
-            info!(session.id = session, outcome = "no-change", why, "published");
+            info!(
+                session.id = session,
+                outcome = "no-change",
+                why,
+                "published"
+            );
             return Ok(());
         }
-        let records: Vec<(Vec<u8>, String)> = changeset
-            .entries
-            .iter()
-            .map(|(p, c)| {
-                let hc = publisher::HeadChange::from_change(p, c);
-                (p.clone(), serde_json::to_string(&hc).unwrap_or_default())
-            })
-            .collect();
-        let count = records.len();
 
-        // The serialized step: check head → gate → prepend.
+        // The serialized step: check head → (expand) → gate/merge → apply → prepend.
         let _gate = self.gate.lock().await;
         let store = self.store.clone();
         let lease = ctx.lease_manifest;
+        let lowers = ctx.lease_lowers.clone();
         tokio::task::spawn_blocking(move || -> Result<(), RunError> {
             let delta = store.head_delta(session, lease)?;
-            let mut head = Vec::with_capacity(delta.changes.len());
-            for (p, c) in &delta.changes {
-                let hc: publisher::HeadChange = serde_json::from_str(c)
-                    .map_err(|e| RunError::Index(escape_path(p), e.to_string()))?;
-                head.push(hc);
+            let head = parse_head(&delta.changes)?;
+            let view = publisher::LayerView::new(lowers).with_userxattr(policy.userxattr);
+            let mut changeset = changeset;
+            let expand = publisher::opaque_dirs_to_expand(&changeset, &head);
+            if !expand.is_empty() {
+                // Opaque directories with head changes below: publish them as
+                // per-path deletions of the lease's content instead.
+                let mut options = policy.capture_options();
+                options.expand_opaque = expand;
+                changeset = publisher::capture_with(&upper, &view, &options)?;
+                publisher::prepare_upper(&upper, &changeset, policy.userxattr)?;
+                publisher::seal_layer_with(&upper, policy.userxattr)?;
             }
-            match publisher::check_gate(&changeset, &head) {
-                publisher::GateDecision::Clean => {
-                    let msg = format!("{count} path(s)");
-                    let p = store.commit_publish(session, delta.head, &records, Some(msg))?;
-                    info!(session.id = session, layer.id = p.layer, manifest = p.manifest, outcome = "committed", "published");
-                }
-                publisher::GateDecision::Conflict { paths } => {
-                    let conflicts: Vec<ConflictRecord> = paths
-                        .iter()
-                        .map(|c| ConflictRecord {
-                            path: escape_path(&c.path),
-                            reason: c.reason.clone(),
-                        })
-                        .collect();
-                    info!(session.id = session, outcome = "conflict", paths = conflicts.len(), "rejected");
-                    store.record_outcome(
-                        session,
-                        Outcome {
-                            kind: OutcomeKind::Conflict,
-                            layer: None,
-                            message: Some(format!(
-                                "{} path(s) changed on branch head since the lease; nothing of this session was published; its upper is kept",
-                                conflicts.len()
-                            )),
-                            conflicts,
-                            at_ns: now_ns(),
-                        },
-                    )?;
-                }
+            let files = publisher::FsFiles {
+                lease: view,
+                head: publisher::LayerView::new(store.head_lowers(session, delta.head)?).with_userxattr(policy.userxattr),
+                upper: upper.clone(),
+                userxattr: policy.userxattr,
+            };
+            let plan = publisher::plan_gate(&changeset, &head, &files, &policy.merge)?;
+            let kind = decision(&plan);
+            let paths = records(&plan);
+            if plan.is_conflict() {
+                let conflicts: Vec<ConflictRecord> = plan
+                    .conflicts()
+                    .map(|c| ConflictRecord {
+                        path: escape_path(&c.path),
+                        reason: c.reason.clone(),
+                    })
+                    .collect();
+                info!(session.id = session, outcome = "conflict", paths = conflicts.len(), "rejected");
+                store.record_outcome(
+                    session,
+                    Outcome {
+                        kind: OutcomeKind::Conflict,
+                        layer: None,
+                        message: Some(format!(
+                            "{} path(s) conflict with changes on the branch head since the lease; nothing of this session was published; its upper is kept",
+                            conflicts.len()
+                        )),
+                        conflicts,
+                        paths,
+                        at_ns: now_ns(),
+                    },
+                )?;
+                return Ok(());
             }
+            publisher::apply_plan(&upper, &plan)?;
+            let index: Vec<(Vec<u8>, String)> = plan
+                .index
+                .iter()
+                .map(|hc| (hc.path.clone(), serde_json::to_string(hc).unwrap_or_default()))
+                .collect();
+            let p = store.commit_publish_outcome(session, delta.head, &index, kind, Some(summary(&plan, kind)), paths)?;
+            info!(session.id = session, layer.id = p.layer, manifest = p.manifest, outcome = kind.as_str(), "published");
             Ok(())
         })
         .await??;
         Ok(())
+    }
+}
+
+/// Publish settings the daemon reads from its configuration.
+#[derive(Debug, Clone, Default)]
+pub struct PublishPolicy {
+    /// Paths never published.
+    pub exclude: publisher::ExcludePolicy,
+    /// Limits of the three-way text merge.
+    pub merge: publisher::MergeLimits,
+    /// Sessions are mounted with `userxattr` (rootless).
+    pub userxattr: bool,
+}
+
+impl PublishPolicy {
+    fn capture_options(&self) -> publisher::CaptureOptions {
+        publisher::CaptureOptions {
+            userxattr: self.userxattr,
+            exclude: self.exclude.clone(),
+            ..Default::default()
+        }
+    }
+}
+
+/// What a publish would do ([`Publisher::dry_run`]).
+#[derive(Debug, Clone)]
+pub struct DryRun {
+    /// The session as it is (unchanged).
+    pub session: SessionInfo,
+    /// The outcome a publish would have now; `None` when there is nothing to publish.
+    pub kind: Option<OutcomeKind>,
+    /// The gate's verdict per path.
+    pub paths: Vec<PathRecord>,
+    /// Summary.
+    pub message: String,
+}
+
+fn parse_head(changes: &[(Vec<u8>, String)]) -> Result<Vec<publisher::HeadChange>, RunError> {
+    changes
+        .iter()
+        .map(|(p, c)| {
+            serde_json::from_str(c).map_err(|e| RunError::Index(escape_path(p), e.to_string()))
+        })
+        .collect()
+}
+
+/// The reports of a changeset that never reaches the gate (nothing to publish):
+/// only its excluded and skipped paths.
+fn plan_without_head(cs: &publisher::Changeset) -> publisher::GatePlan {
+    let mut reports: Vec<publisher::PathReport> = cs
+        .excluded
+        .iter()
+        .map(|(p, pat)| publisher::PathReport {
+            path: p.clone(),
+            status: publisher::PathStatus::Excluded,
+            reason: format!("excluded by policy pattern {pat:?}"),
+        })
+        .chain(cs.skipped.iter().map(|(p, why)| publisher::PathReport {
+            path: p.clone(),
+            status: publisher::PathStatus::Excluded,
+            reason: format!("{why}: never published"),
+        }))
+        .collect();
+    reports.sort_by(|a, b| a.path.cmp(&b.path));
+    publisher::GatePlan {
+        reports,
+        ..Default::default()
+    }
+}
+
+fn decision(plan: &publisher::GatePlan) -> OutcomeKind {
+    if plan.is_conflict() {
+        OutcomeKind::Conflict
+    } else if plan.is_merged() {
+        OutcomeKind::Merged
+    } else {
+        OutcomeKind::Committed
+    }
+}
+
+fn records(plan: &publisher::GatePlan) -> Vec<PathRecord> {
+    plan.reports
+        .iter()
+        .map(|r| PathRecord {
+            path: escape_path(&r.path),
+            status: r.status.as_str().to_string(),
+            reason: r.reason.clone(),
+        })
+        .collect()
+}
+
+fn summary(plan: &publisher::GatePlan, kind: OutcomeKind) -> String {
+    let count = |st| plan.reports.iter().filter(|r| r.status == st).count();
+    let (clean, merged, conflict, excluded) = (
+        count(publisher::PathStatus::Clean),
+        count(publisher::PathStatus::Merged),
+        count(publisher::PathStatus::Conflict),
+        count(publisher::PathStatus::Excluded),
+    );
+    match kind {
+        OutcomeKind::Conflict => format!(
+            "{conflict} path(s) conflict; {clean} clean, {merged} merged, {excluded} excluded"
+        ),
+        _ => format!(
+            "{} path(s): {clean} clean, {merged} merged, {excluded} excluded",
+            clean + merged
+        ),
     }
 }
 
@@ -276,6 +530,179 @@ enum RunError {
     Seal(#[from] publisher::SealError),
     #[error("corrupt path index entry for {0}: {1}")]
     Index(String, String),
+    #[error(transparent)]
+    Gate(#[from] publisher::GateError),
+    #[error(transparent)]
+    Apply(#[from] publisher::ApplyError),
     #[error("publish task failed")]
     Join(#[from] tokio::task::JoinError),
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use layerstack_store::{MountSpec, StoreOptions, SNAPSHOT_REF_LABEL};
+    use std::collections::BTreeMap;
+    use std::os::unix::fs::PermissionsExt;
+
+    const BASE: &[u8] =
+        b"# app\r\nkey1 = 1\r\nkey2 = 2\nkey3 = 3\nkey4 = 4\nkey5 = 5\nkey6 = 6\nlast = 7";
+
+    fn write(dir: &Path, rel: &str, content: &[u8]) {
+        let p = dir.join(rel);
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        for d in p.ancestors().skip(1).take(rel.matches('/').count()) {
+            std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755)).unwrap();
+        }
+        std::fs::write(&p, content).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).unwrap();
+    }
+
+    /// A store with a one-layer image holding etc/app.conf and three sessions on it.
+    fn setup(dir: &Path) -> (Arc<Store>, Vec<SessionInfo>) {
+        let store = Store::open(&dir.join("root"), &StoreOptions::default()).unwrap();
+        let labels = BTreeMap::from([(SNAPSHOT_REF_LABEL.to_string(), "sha256:aaa".to_string())]);
+        let (_, spec) = store
+            .prepare("ns/1/extract-1 sha256:aaa", "", labels, false)
+            .unwrap();
+        let dir = match spec {
+            MountSpec::Bind { source, .. } => source,
+            MountSpec::Overlay {
+                upper: Some((u, _)),
+                ..
+            } => u,
+            other => panic!("{other:?}"),
+        };
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+        write(&dir, "etc/app.conf", BASE);
+        write(&dir, "tmp/.keep", b"");
+        store
+            .commit(
+                "ns/2/sha256:aaa",
+                "ns/1/extract-1 sha256:aaa",
+                BTreeMap::new(),
+            )
+            .unwrap();
+        let mut sessions = Vec::new();
+        for (i, c) in ["a", "b", "c"].iter().enumerate() {
+            store
+                .prepare(
+                    &format!("ns/{}/{c}", 3 + i),
+                    "ns/2/sha256:aaa",
+                    BTreeMap::new(),
+                    false,
+                )
+                .unwrap();
+            let s = store.find_session("ns", c).unwrap().unwrap();
+            std::fs::set_permissions(&s.upper, std::fs::Permissions::from_mode(0o755)).unwrap();
+            sessions.push(s);
+        }
+        (Arc::new(store), sessions)
+    }
+
+    fn edit(line: &str, to: &str) -> Vec<u8> {
+        String::from_utf8(BASE.to_vec())
+            .unwrap()
+            .replace(line, to)
+            .into_bytes()
+    }
+
+    #[tokio::test]
+    async fn merge_dry_run_and_conflict_end_to_end() {
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("skipping: needs root (the store's sweep and chown)");
+            return;
+        }
+        let t = tempfile::Builder::new()
+            .prefix("ls-publish-")
+            .tempdir_in("/var/tmp")
+            .unwrap();
+        let (store, s) = setup(t.path());
+        // a: line 2; b: line 6 (separate hunk); c: line 3 (adjacent to a's): conflict.
+        write(&s[0].upper, "etc/app.conf", &edit("key2 = 2", "key2 = A"));
+        write(&s[1].upper, "etc/app.conf", &edit("key6 = 6", "key6 = B"));
+        write(&s[1].upper, "tmp/scratch", b"excluded");
+        write(&s[2].upper, "etc/app.conf", &edit("key3 = 3", "key3 = C"));
+        let policy = PublishPolicy {
+            exclude: publisher::ExcludePolicy::new(["/tmp/**"]).unwrap(),
+            ..Default::default()
+        };
+        let p = Publisher::new(store.clone()).with_policy(policy);
+
+        let a = p.publish(s[0].id, "test").await.unwrap();
+        assert_eq!(a.outcome.as_ref().unwrap().kind, OutcomeKind::Committed);
+
+        // Dry run of b: says merged, changes nothing.
+        let before = std::fs::read(s[1].upper.join("etc/app.conf")).unwrap();
+        let d = p.dry_run(s[1].id).await.unwrap();
+        assert_eq!(d.kind, Some(OutcomeKind::Merged), "{d:?}");
+        let st: Vec<(&str, &str)> = d
+            .paths
+            .iter()
+            .map(|r| (r.path.as_str(), r.status.as_str()))
+            .collect();
+        assert_eq!(
+            st,
+            [("/etc/app.conf", "merged"), ("/tmp/scratch", "excluded")]
+        );
+        assert!(
+            d.message.starts_with("dry run, nothing was changed"),
+            "{}",
+            d.message
+        );
+        assert_eq!(
+            std::fs::read(s[1].upper.join("etc/app.conf")).unwrap(),
+            before
+        );
+        assert!(
+            s[1].upper.join("tmp/scratch").exists(),
+            "a dry run applies no policy edits"
+        );
+        assert!(
+            store.session(s[1].id).unwrap().outcome.is_none(),
+            "no outcome recorded"
+        );
+
+        let b = p.publish(s[1].id, "test").await.unwrap();
+        let out = b.outcome.unwrap();
+        assert_eq!(out.kind, OutcomeKind::Merged, "{out:?}");
+        let layer = store.layer_path(out.layer.unwrap());
+        let merged = edit("key2 = 2", "key2 = A");
+        let merged = String::from_utf8(merged)
+            .unwrap()
+            .replace("key6 = 6", "key6 = B")
+            .into_bytes();
+        assert_eq!(
+            std::fs::read(layer.join("etc/app.conf")).unwrap(),
+            merged,
+            "byte-exact: CRLF lines and no final newline"
+        );
+        assert!(
+            !layer.join("tmp/scratch").exists(),
+            "excluded path not published"
+        );
+        let md = std::fs::metadata(layer.join("etc/app.conf")).unwrap();
+        assert_eq!(md.permissions().mode() & 0o7777, 0o644);
+        assert!(out
+            .paths
+            .iter()
+            .any(|r| r.path == "/tmp/scratch" && r.status == "excluded"));
+
+        let c = p.publish(s[2].id, "test").await.unwrap();
+        let out = c.outcome.unwrap();
+        assert_eq!(out.kind, OutcomeKind::Conflict);
+        assert_eq!(out.conflicts.len(), 1);
+        assert_eq!(out.conflicts[0].path, "/etc/app.conf");
+        assert!(
+            out.conflicts[0].reason.contains("adjacent"),
+            "{}",
+            out.conflicts[0].reason
+        );
+        assert_eq!(
+            std::fs::read(s[2].upper.join("etc/app.conf")).unwrap(),
+            edit("key3 = 3", "key3 = C"),
+            "a rejected upper is kept as it was"
+        );
+    }
 }

@@ -834,6 +834,7 @@ impl Store {
                     kind: OutcomeKind::Discarded,
                     layer: None,
                     conflicts: vec![],
+                    paths: vec![],
                     message: Some(format!("committed by containerd as snapshot {name}; not published")),
                     at_ns: now,
                 };
@@ -1183,6 +1184,19 @@ impl Store {
         })
     }
 
+    /// The lower directories, newest first, of the branch head manifest `head` as
+    /// `session` would mount them: the session's per-container committed layers,
+    /// the head's published layers, then the image layers (the same composition as
+    /// its lease). The gate reads the head's version of a path through them.
+    pub fn head_lowers(&self, session: SessionId, head: ManifestId) -> Result<Vec<PathBuf>, StoreError> {
+        let conn = self.conn();
+        let s = get_sess(&conn, session)?;
+        let mut lowers = s.above.clone();
+        lowers.extend(manifest_layers(&conn, head)?);
+        lowers.extend(committed_chain(&conn, &s.base_key).map_err(StoreError::from_snapshot)?);
+        self.layer_dirs(&conn, &lowers)
+    }
+
     /// Commit a clean publish: the session's (sealed, quiescent) upper becomes
     /// layer `l/<n>` by rename — no data copy — and is prepended to the branch in
     /// one transaction together with its path index, the outcome and the lease
@@ -1197,6 +1211,20 @@ impl Store {
         expected_head: ManifestId,
         changes: &[(Vec<u8>, String)],
         message: Option<String>,
+    ) -> Result<Published, PublishError> {
+        self.commit_publish_outcome(session, expected_head, changes, OutcomeKind::Committed, message, Vec::new())
+    }
+
+    /// [`Store::commit_publish`] recording outcome `kind` (`Committed` or `Merged`)
+    /// with the gate's per-path verdicts `paths`.
+    pub fn commit_publish_outcome(
+        &self,
+        session: SessionId,
+        expected_head: ManifestId,
+        changes: &[(Vec<u8>, String)],
+        kind: OutcomeKind,
+        message: Option<String>,
+        paths: Vec<PathRecord>,
     ) -> Result<Published, PublishError> {
         let mut conn = self.conn();
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
@@ -1246,9 +1274,10 @@ impl Store {
             )?;
             Self::release_lease(&tx, s.lease_id)?;
             let outcome = Outcome {
-                kind: OutcomeKind::Committed,
+                kind,
                 layer: Some(layer),
                 conflicts: vec![],
+                paths: paths.clone(),
                 message: message.clone(),
                 at_ns: now,
             };
@@ -1282,7 +1311,7 @@ impl Store {
     /// keep both for inspection.
     pub fn record_outcome(&self, session: SessionId, outcome: Outcome) -> Result<(), StoreError> {
         let (state, reset) = match outcome.kind {
-            OutcomeKind::NoChange | OutcomeKind::Committed => (SessionState::Published, true),
+            OutcomeKind::NoChange | OutcomeKind::Committed | OutcomeKind::Merged => (SessionState::Published, true),
             OutcomeKind::Discarded => (SessionState::Discarded, true),
             OutcomeKind::Conflict => (SessionState::Conflict, false),
             OutcomeKind::Failed => (SessionState::Active, false),
@@ -1410,6 +1439,67 @@ impl Store {
         })?;
         let layers = manifest_layers(&conn, head)?;
         self.layer_dirs(&conn, &layers)
+    }
+
+    /// Re-points a session whose current run has not been mounted yet to `branch`
+    /// (the container label `layerstack.branch`, read by the runtime shim before the
+    /// rootfs is mounted; ARCHITECTURE.md §6 step 1): the lease moves to that branch's
+    /// head, and a new branch forks the default branch. Returns the session, its
+    /// rootfs mount spec now, and whether anything changed: a session already on
+    /// `branch`, or whose snapshot carries [`BRANCH_LABEL`] (the snapshot label wins),
+    /// is left as it is. The caller checks that the upper is not mounted.
+    ///
+    /// Errors: `SessionNotFound`; `Snapshot(InvalidArgument)` (branch name);
+    /// `Snapshot(FailedPrecondition)` when the run already has an outcome, holds no
+    /// lease, was released by containerd, or its upper is not empty.
+    pub fn rebranch_session(&self, session: SessionId, branch: &str) -> Result<(SessionInfo, MountSpec, bool), StoreError> {
+        let precondition = |m: String| StoreError::from_snapshot(SnapshotError::FailedPrecondition(m));
+        validate_branch(branch).map_err(|m| StoreError::from_snapshot(SnapshotError::InvalidArgument(m)))?;
+        let upper = self.upper_path(session);
+        let upper_empty = match std::fs::read_dir(&upper) {
+            Ok(mut d) => d.next().is_none(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => true,
+            Err(e) => return Err(StoreError::Io(upper, e)),
+        };
+        let mut conn = self.conn();
+        let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+        let s = get_sess(&tx, session)?;
+        let snap_labels = get_snap(&tx, &s.key)?.map(|r| r.labels).unwrap_or_default();
+        let pinned = snap_labels.contains_key(BRANCH_LABEL);
+        let mut changed = false;
+        if s.branch != branch && !pinned {
+            let lease = match (s.outcome.is_some(), s.released, s.lease_id) {
+                (false, false, Some(l)) => l,
+                _ => {
+                    return Err(precondition(format!(
+                        "session {session} has no run in progress (outcome recorded, snapshot removed, or no lease): its branch cannot change"
+                    )))
+                }
+            };
+            if !upper_empty {
+                return Err(precondition(format!(
+                    "session {session} has written to its upper already: its branch cannot change"
+                )));
+            }
+            let head = self.ensure_stack_branch(&tx, &s.stack, branch).map_err(StoreError::from_snapshot)?;
+            Self::release_lease(&tx, Some(lease))?;
+            let new_lease = Self::new_lease(&tx, head, session)?;
+            tx.execute(
+                "UPDATE sessions SET branch = ?2, lease_id = ?3, updated_ns = ?4 WHERE id = ?1",
+                params![session, branch, new_lease, now_ns()],
+            )?;
+            changed = true;
+        }
+        let s = get_sess(&tx, session)?;
+        let lease = s.lease_id.ok_or(StoreError::NoLease(session))?;
+        let lowers = self.session_lowers(&tx, &s, lease).map_err(StoreError::from_snapshot)?;
+        let spec = self.session_spec(&tx, session, &lowers).map_err(StoreError::from_snapshot)?;
+        let info = self.session_info(&tx, s)?;
+        tx.commit()?;
+        if changed {
+            info!(session.id = session, branch, manifest = ?info.lease_manifest, "session re-pointed to branch");
+        }
+        Ok((info, spec, changed))
     }
 }
 

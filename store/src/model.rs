@@ -135,6 +135,10 @@ impl SessionState {
 pub enum OutcomeKind {
     /// A new layer was prepended to the branch.
     Committed,
+    /// A new layer was prepended to the branch, and at least one of its paths was
+    /// three-way merged (content) or merged field by field (metadata) with changes
+    /// published since the session's lease.
+    Merged,
     /// The session changed nothing; no layer was made.
     NoChange,
     /// The whole changeset was rejected; nothing was published.
@@ -150,6 +154,7 @@ impl OutcomeKind {
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Committed => "committed",
+            Self::Merged => "merged",
             Self::NoChange => "no-change",
             Self::Conflict => "conflict",
             Self::Discarded => "discarded",
@@ -165,15 +170,28 @@ pub struct ConflictRecord {
     pub reason: String,
 }
 
+/// The gate's verdict on one path of a publish. `path` is display-escaped (see
+/// [`escape_path`]); `status` is `clean`, `merged`, `conflict` or `excluded`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PathRecord {
+    pub path: String,
+    pub status: String,
+    pub reason: String,
+}
+
 /// The recorded result of one publish attempt of a session.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Outcome {
     pub kind: OutcomeKind,
-    /// The published layer, for `Committed`.
+    /// The published layer, for `Committed` and `Merged`.
     pub layer: Option<LayerId>,
     /// Per-path reasons, for `Conflict`.
     #[serde(default)]
     pub conflicts: Vec<ConflictRecord>,
+    /// The gate's verdict on every path (clean, merged, conflict, excluded), sorted
+    /// by path; empty for outcomes that did not reach the gate.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub paths: Vec<PathRecord>,
     /// Human-readable detail (failure cause, counts).
     #[serde(default)]
     pub message: Option<String>,

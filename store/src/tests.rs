@@ -144,6 +144,7 @@ fn conflict_keeps_upper_and_lease_even_after_remove() {
             kind: OutcomeKind::Conflict,
             layer: None,
             conflicts: vec![ConflictRecord { path: "/mine".into(), reason: "changed on both sides".into() }],
+            paths: vec![],
             message: None,
             at_ns: 1,
         },

@@ -1,446 +1,1313 @@
+//! Gate tests on in-memory trees: one test per row of ARCHITECTURE.md §7, the
+//! hierarchy rules, and a reference-model property test.
+//!
+//! A [`Case`] holds three whole trees — base (the lease's view), ours (what the
+//! session saw at the end) and theirs (the branch head) — and derives from them what
+//! the real code paths get: the captured [`Changeset`] (as capture builds it from an
+//! upper: changed paths, copy-up parents, touched files as noise, opaque
+//! directories for deleted-and-recreated ones, expansion on request) and the head's
+//! path index. The plan is applied to an in-memory upper, and the upper is overlaid
+//! on the head tree as overlayfs would: that is the published result.
 #![allow(clippy::unwrap_used)]
 
-use std::collections::BTreeSet;
+use std::collections::{BTreeMap, BTreeSet};
 
 use proptest::prelude::*;
 
 use super::*;
 
-fn write(d: u8) -> Change {
-    Change::Write {
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum N {
+    F { c: Vec<u8>, mode: u32, uid: u32 },
+    D { mode: u32 },
+    L(Vec<u8>),
+}
+
+type Tree = BTreeMap<Vec<u8>, N>;
+
+fn f(c: &str) -> N {
+    N::F {
+        c: c.as_bytes().to_vec(),
         mode: 0o644,
         uid: 0,
-        gid: 0,
-        size: 1,
-        digest: [d; 32],
     }
 }
 
-fn mkdir(mode: u32, opaque: bool) -> Change {
-    Change::Mkdir {
+fn fm(c: &str, mode: u32) -> N {
+    N::F {
+        c: c.as_bytes().to_vec(),
         mode,
         uid: 0,
-        gid: 0,
-        opaque,
     }
 }
 
-fn meta(mode: u32) -> Change {
-    Change::Meta {
-        mode,
-        uid: 0,
-        gid: 0,
-    }
+fn d(mode: u32) -> N {
+    N::D { mode }
 }
 
-fn head(path: &str, change: &Change) -> HeadChange {
-    HeadChange::from_change(path.as_bytes(), change)
-}
-
-fn cs(entries: &[(&str, Change)]) -> Changeset {
-    Changeset {
-        entries: entries
-            .iter()
-            .map(|(p, c)| (p.as_bytes().to_vec(), c.clone()))
-            .collect(),
-        ..Changeset::default()
-    }
-}
-
-fn conflict_paths(d: &GateDecision) -> Vec<String> {
-    match d {
-        GateDecision::Clean => vec![],
-        GateDecision::Conflict { paths } => paths
-            .iter()
-            .map(|c| String::from_utf8(c.path.clone()).unwrap())
-            .collect(),
-    }
-}
-
-fn gate(captured: &Changeset, head: &[HeadChange]) -> Vec<String> {
-    conflict_paths(&check_gate(captured, head))
-}
-
-#[test]
-fn untouched_on_head_is_clean() {
-    let c = cs(&[
-        ("a", write(1)),
-        ("d", mkdir(0o755, false)),
-        ("x", Change::Delete),
-    ]);
-    assert_eq!(
-        check_gate(&c, &[head("b", &write(2)), head("dd", &Change::Delete)]),
-        GateDecision::Clean
-    );
-    assert_eq!(check_gate(&c, &[]), GateDecision::Clean);
-}
-
-#[test]
-fn same_final_state_on_both_sides_is_clean() {
-    let link = Change::Symlink {
-        target: b"/t".to_vec(),
-        uid: 0,
-        gid: 0,
-    };
-    let fifo = Change::Special {
-        kind: FileKind::Fifo,
-        mode: 0o600,
-        uid: 0,
-        gid: 0,
-        rdev: 0,
-    };
-    let c = cs(&[
-        ("f", write(1)),
-        ("l", link.clone()),
-        ("p", fifo.clone()),
-        ("gone", Change::Delete),
-        ("m", meta(0o700)),
-    ]);
-    let h = [
-        head("f", &write(1)),
-        head("l", &link),
-        head("p", &fifo),
-        head("gone", &Change::Delete),
-        head("m", &meta(0o700)),
-    ];
-    assert_eq!(check_gate(&c, &h), GateDecision::Clean);
-}
-
-#[test]
-fn different_content_or_metadata_conflicts() {
-    let c = cs(&[("f", write(1))]);
-    assert_eq!(gate(&c, &[head("f", &write(2))]), ["f"]);
-    let other_mode = Change::Write {
-        mode: 0o755,
-        uid: 0,
-        gid: 0,
-        size: 1,
-        digest: [1; 32],
-    };
-    let d = check_gate(&c, &[head("f", &other_mode)]);
-    let GateDecision::Conflict { paths } = d else {
-        panic!("expected conflict")
-    };
-    assert!(
-        paths[0].reason.contains("mode or owner"),
-        "{}",
-        paths[0].reason
-    );
-
-    let l1 = Change::Symlink {
-        target: b"a".to_vec(),
-        uid: 0,
-        gid: 0,
-    };
-    let l2 = Change::Symlink {
-        target: b"b".to_vec(),
-        uid: 0,
-        gid: 0,
-    };
-    assert_eq!(gate(&cs(&[("l", l1)]), &[head("l", &l2)]), ["l"]);
-
-    let chr = |rdev| Change::Special {
-        kind: FileKind::CharDev,
-        mode: 0o600,
-        uid: 0,
-        gid: 0,
-        rdev,
-    };
-    let fifo = Change::Special {
-        kind: FileKind::Fifo,
-        mode: 0o600,
-        uid: 0,
-        gid: 0,
-        rdev: 0,
-    };
-    assert_eq!(
-        gate(&cs(&[("n", chr(0x0103))]), &[head("n", &chr(0x0105))]),
-        ["n"]
-    );
-    assert_eq!(gate(&cs(&[("n", fifo)]), &[head("n", &chr(0))]), ["n"]);
-}
-
-#[test]
-fn kind_changes_conflict() {
-    let pairs = [
-        (Change::Delete, write(1)),
-        (write(1), Change::Delete),
-        (write(1), mkdir(0o755, false)),
-        (mkdir(0o755, false), mkdir(0o755, true)),
-        (meta(0o755), Change::Delete),
-        (
-            Change::Symlink {
-                target: b"x".to_vec(),
-                uid: 0,
-                gid: 0,
-            },
-            write(1),
-        ),
-    ];
-    for (mine, theirs) in pairs {
-        assert_eq!(
-            gate(&cs(&[("p", mine.clone())]), &[head("p", &theirs)]),
-            ["p"],
-            "{mine:?} vs {theirs:?}"
-        );
-    }
-}
-
-#[test]
-fn directory_created_on_both_sides() {
-    let c = cs(&[("d", mkdir(0o755, false)), ("d/mine", write(1))]);
-    let h = [head("d", &mkdir(0o755, false)), head("d/theirs", &write(2))];
-    assert_eq!(check_gate(&c, &h), GateDecision::Clean);
-    let h = [head("d", &mkdir(0o700, false))];
-    assert_eq!(gate(&c, &h), ["d"]);
-    // Mkdir on one side and Meta on the other both leave the same directory.
-    assert_eq!(
-        check_gate(&c, &[head("d", &meta(0o755))]),
-        GateDecision::Clean
-    );
-}
-
-#[test]
-fn session_removed_directory_conflicts_with_head_changes_below() {
-    let h = [
-        head("d/x", &write(2)),
-        head("d/sub/y", &mkdir(0o755, false)),
-        head("d/old", &Change::Delete),
-    ];
-    for (what, change) in [
-        ("delete", Change::Delete),
-        ("file", write(1)),
-        ("opaque", mkdir(0o755, true)),
-    ] {
-        let c = cs(&[("d", change)]);
-        // A deletion below agrees with the removal: d/old is not reported.
-        assert_eq!(gate(&c, &h), ["d/sub/y", "d/x"], "{what}");
-    }
-    // A plain new directory or a metadata change hides nothing.
-    assert_eq!(
-        check_gate(&cs(&[("d", meta(0o700))]), &h),
-        GateDecision::Clean
-    );
-}
-
-#[test]
-fn head_removed_directory_conflicts_with_session_changes_below() {
-    let c = cs(&[
-        ("d/x", write(1)),
-        ("d/sub", mkdir(0o755, false)),
-        ("d/old", Change::Delete),
-    ]);
-    for (what, change) in [
-        ("delete", Change::Delete),
-        ("file", write(9)),
-        ("opaque", mkdir(0o755, true)),
-        (
-            "symlink",
-            Change::Symlink {
-                target: b"elsewhere".to_vec(),
-                uid: 0,
-                gid: 0,
-            },
-        ),
-    ] {
-        assert_eq!(gate(&c, &[head("d", &change)]), ["d/sub", "d/x"], "{what}");
-    }
-}
-
-#[test]
-fn sibling_prefixes_are_not_descendants() {
-    // "a-b", "a0", "ab/c" sort around "a/" but are not below "a".
-    let c = cs(&[("a", Change::Delete)]);
-    let h = [
-        head("a-b", &write(1)),
-        head("a0", &write(1)),
-        head("ab/c", &write(1)),
-        head("a.x/y", &write(1)),
-    ];
-    assert_eq!(check_gate(&c, &h), GateDecision::Clean);
-    let c = cs(&[("a-b", write(1)), ("a0", write(1)), ("ab/c", write(1))]);
-    assert_eq!(
-        check_gate(&c, &[head("a", &Change::Delete)]),
-        GateDecision::Clean
-    );
-}
-
-#[test]
-fn unchanged_copy_up_must_not_revert_head() {
-    let mut c = cs(&[("d/new", write(1))]);
-    c.unchanged.insert(b"d".to_vec(), meta(0o755));
-    c.unchanged.insert(b"d/touched".to_vec(), write(5));
-    // Untouched on head: clean.
-    assert_eq!(check_gate(&c, &[head("e", &write(3))]), GateDecision::Clean);
-    // Head rewrote the touched file: the layer's copy would revert it.
-    assert_eq!(gate(&c, &[head("d/touched", &write(6))]), ["d/touched"]);
-    // Head wrote the same content the lease had: nothing reverts.
-    assert_eq!(
-        check_gate(&c, &[head("d/touched", &write(5))]),
-        GateDecision::Clean
-    );
-    // Head changed the copy-up parent's mode: the layer's copy would revert it.
-    assert_eq!(gate(&c, &[head("d", &meta(0o700))]), ["d"]);
-    // Head deleted the parent: the layer would bring back d, d/new and d/touched.
-    assert_eq!(
-        gate(&c, &[head("d", &Change::Delete)]),
-        ["d", "d/new", "d/touched"]
-    );
-}
-
-#[test]
-fn newest_head_occurrence_is_the_final_state() {
-    let c = cs(&[("f", write(1))]);
-    // Newest first: the head ends at content 1, as the session does.
-    assert_eq!(
-        check_gate(&c, &[head("f", &write(1)), head("f", &write(2))]),
-        GateDecision::Clean
-    );
-    assert_eq!(
-        gate(&c, &[head("f", &write(2)), head("f", &write(1))]),
-        ["f"]
-    );
-    // An older removal of the parent still counts even though the head re-created it.
-    let c = cs(&[("d/lease_file", write(1))]);
-    let h = [head("d", &mkdir(0o755, false)), head("d", &Change::Delete)];
-    assert_eq!(gate(&c, &h), ["d/lease_file"]);
-}
-
-#[test]
-fn whole_changeset_is_rejected_with_exactly_the_conflicting_paths() {
-    let c = cs(&[("a", write(1)), ("b", write(1)), ("c", write(1))]);
-    let d = check_gate(&c, &[head("b", &write(2))]);
-    let GateDecision::Conflict { paths } = d else {
-        panic!("expected conflict")
-    };
-    assert_eq!(paths.len(), 1);
-    assert_eq!(paths[0].path, b"b");
-    assert_eq!(paths[0].reason, "both sides wrote different content");
-}
-
-#[test]
-fn head_change_round_trips_through_serde() {
-    let changes = [
-        write(7),
-        Change::Symlink {
-            target: b"\xff/t".to_vec(),
-            uid: 1,
-            gid: 2,
-        },
-        mkdir(0o1777, true),
-        Change::Delete,
-        meta(0o700),
-        Change::Special {
-            kind: FileKind::BlockDev,
-            mode: 0o660,
-            uid: 0,
-            gid: 6,
-            rdev: 0x0801,
-        },
-    ];
-    for change in &changes {
-        let h = HeadChange::from_change(b"p\xe9", change);
-        let back: HeadChange = serde_json::from_str(&serde_json::to_string(&h).unwrap()).unwrap();
-        assert_eq!(back, h);
-        assert_eq!(resolve_path(change, &back), PathResolution::Clean);
-        let c2: Change = serde_json::from_str(&serde_json::to_string(change).unwrap()).unwrap();
-        assert_eq!(&c2, change);
-    }
-    assert_eq!(
-        HeadChange::from_change(b"x", &mkdir(0o755, true)).kind,
-        HeadChangeKind::Opaque
-    );
-    assert_eq!(
-        HeadChange::from_change(b"x", &mkdir(0o755, false)).kind,
-        HeadChangeKind::Mkdir
-    );
-}
-
-// ---- reference model: the same rules, pairwise, O(n*m) ----
-
-fn strictly_below(dir: &[u8], path: &[u8]) -> bool {
-    path.len() > dir.len() && path.starts_with(dir) && path[dir.len()] == b'/'
-}
-
-fn naive(captured: &Changeset, heads: &[HeadChange]) -> BTreeSet<Vec<u8>> {
-    let mut out = BTreeSet::new();
-    let final_of = |p: &[u8]| heads.iter().find(|h| h.path == p);
-    let carried = captured.entries.iter().chain(captured.unchanged.iter());
-    for (p, c) in carried {
-        if let Some(h) = final_of(p) {
-            if resolve_path(c, h) != PathResolution::Clean {
-                out.insert(p.clone());
-            }
-        }
-    }
-    for (d, c) in &captured.entries {
-        if matches!(c, Change::Mkdir { opaque: false, .. } | Change::Meta { .. }) {
-            continue;
-        }
-        for h in heads {
-            let newest = final_of(&h.path).unwrap();
-            if strictly_below(d, &h.path) && newest.kind != HeadChangeKind::Delete {
-                out.insert(h.path.clone());
-            }
-        }
-    }
-    for h in heads
+fn tree(entries: &[(&str, N)]) -> Tree {
+    entries
         .iter()
-        .filter(|h| !matches!(h.kind, HeadChangeKind::Mkdir | HeadChangeKind::Meta))
-    {
-        for (p, c) in &captured.entries {
-            if strictly_below(&h.path, p) && *c != Change::Delete {
-                out.insert(p.clone());
-            }
-        }
-        for p in captured.unchanged.keys() {
-            if strictly_below(&h.path, p) {
-                out.insert(p.clone());
-            }
+        .map(|(p, n)| (p.as_bytes().to_vec(), n.clone()))
+        .collect()
+}
+
+fn ancestors(p: &[u8]) -> Vec<&[u8]> {
+    let mut out = Vec::new();
+    for (i, b) in p.iter().enumerate() {
+        if *b == b'/' {
+            out.push(&p[..i]);
         }
     }
     out
 }
 
-fn arb_path() -> impl Strategy<Value = Vec<u8>> {
-    let comp = prop::sample::select(vec!["a", "b", "a-", "a0", "a.b"]);
-    prop::collection::vec(comp, 1..4).prop_map(|c| c.join("/").into_bytes())
+fn change_of(n: &N, opaque: bool) -> Change {
+    match n {
+        N::F { c, mode, uid } => Change::Write {
+            mode: *mode,
+            uid: *uid,
+            gid: 0,
+            size: c.len() as u64,
+            digest: digest_bytes(c),
+        },
+        N::D { mode } => Change::Mkdir {
+            mode: *mode,
+            uid: 0,
+            gid: 0,
+            opaque,
+        },
+        N::L(t) => Change::Symlink {
+            target: t.clone(),
+            uid: 0,
+            gid: 0,
+        },
+    }
 }
 
-fn arb_change() -> impl Strategy<Value = Change> {
+/// What capture makes of a session that turned `base` into `side`: `recreated`
+/// directories were deleted and made again (opaque), `touched` files were copied
+/// up unchanged, `expand` directories are expanded.
+fn capture_model(
+    base: &Tree,
+    side: &Tree,
+    recreated: &BTreeSet<Vec<u8>>,
+    touched: &BTreeSet<Vec<u8>>,
+    expand: &BTreeSet<Vec<u8>>,
+) -> Changeset {
+    let mut cs = Changeset::default();
+    let keys: BTreeSet<&Vec<u8>> = base.keys().chain(side.keys()).collect();
+    for p in keys {
+        let anc = ancestors(p);
+        if anc.iter().any(|a| !side.contains_key(*a)) {
+            continue; // a whiteout above covers it
+        }
+        let hidden = anc
+            .iter()
+            .any(|a| recreated.contains(*a) && !expand.contains(*a));
+        let b = if hidden { None } else { base.get(p) };
+        match (b, side.get(p)) {
+            (None, None) => {}
+            (Some(_), None) => {
+                cs.entries.insert(p.clone(), Change::Delete);
+            }
+            (b, Some(o)) => {
+                let is_recreated = recreated.contains(p);
+                if is_recreated && expand.contains(p) {
+                    cs.edits.unopaque.push(p.clone());
+                }
+                match o {
+                    N::D { .. } if is_recreated && !expand.contains(p) => {
+                        cs.entries.insert(p.clone(), change_of(o, true));
+                    }
+                    N::D { mode } => match b {
+                        Some(N::D { mode: bm }) if bm == mode => {
+                            if is_recreated {
+                                cs.unchanged.insert(
+                                    p.clone(),
+                                    Change::Meta {
+                                        mode: *mode,
+                                        uid: 0,
+                                        gid: 0,
+                                    },
+                                );
+                            }
+                        }
+                        Some(N::D { .. }) => {
+                            cs.entries.insert(
+                                p.clone(),
+                                Change::Meta {
+                                    mode: *mode,
+                                    uid: 0,
+                                    gid: 0,
+                                },
+                            );
+                        }
+                        other => {
+                            cs.entries.insert(p.clone(), change_of(o, other.is_some()));
+                        }
+                    },
+                    _ => {
+                        if b == Some(o) {
+                            if touched.contains(p) {
+                                cs.unchanged.insert(p.clone(), change_of(o, false));
+                            }
+                        } else {
+                            cs.entries.insert(p.clone(), change_of(o, false));
+                        }
+                    }
+                }
+            }
+        }
+    }
+    // Whiteouts of an expanded directory's lease content.
+    for p in expand {
+        for (q, _) in base.range::<Vec<u8>, _>(p.clone()..) {
+            if !strictly_below(p, q) {
+                if q.as_slice() > p.as_slice() && !q.starts_with(p) {
+                    break;
+                }
+                continue;
+            }
+            if !side.contains_key(q)
+                && side.contains_key(&q[..q.iter().rposition(|&b| b == b'/').unwrap()])
+            {
+                cs.entries.insert(q.clone(), Change::Delete);
+                cs.edits.whiteouts.push(q.clone());
+            }
+        }
+    }
+    // Copy-up parents.
+    let upper: Vec<Vec<u8>> = cs
+        .entries
+        .keys()
+        .chain(cs.unchanged.keys())
+        .cloned()
+        .collect();
+    for p in upper {
+        for a in ancestors(&p) {
+            if cs.entries.contains_key(a) || cs.unchanged.contains_key(a) {
+                continue;
+            }
+            if let Some(N::D { mode }) = side.get(a) {
+                cs.unchanged.insert(
+                    a.to_vec(),
+                    Change::Meta {
+                        mode: *mode,
+                        uid: 0,
+                        gid: 0,
+                    },
+                );
+            }
+        }
+    }
+    cs
+}
+
+/// The in-memory upper after the plan, plus the three trees for reads.
+struct Mem<'a> {
+    base: &'a Tree,
+    ours: &'a Tree,
+    theirs: &'a Tree,
+}
+
+impl GateFiles for Mem<'_> {
+    fn stat(&self, side: Side, path: &[u8]) -> io::Result<Option<FileState>> {
+        let t = match side {
+            Side::Base => self.base,
+            Side::Ours => self.ours,
+            Side::Theirs => self.theirs,
+        };
+        Ok(t.get(path).map(|n| {
+            let (kind, mode, uid, size) = match n {
+                N::F { c, mode, uid } => (FileKind::Regular, *mode, *uid, c.len() as u64),
+                N::D { mode } => (FileKind::Dir, *mode, 0, 0),
+                N::L(t) => (FileKind::Symlink, 0o777, 0, t.len() as u64),
+            };
+            FileState {
+                kind,
+                mode,
+                uid,
+                gid: 0,
+                size,
+                rdev: 0,
+                xattrs: vec![],
+            }
+        }))
+    }
+
+    fn read(&self, side: Side, path: &[u8]) -> io::Result<Vec<u8>> {
+        let t = match side {
+            Side::Base => self.base,
+            Side::Ours => self.ours,
+            Side::Theirs => self.theirs,
+        };
+        match t.get(path) {
+            Some(N::F { c, .. }) | Some(N::L(c)) => Ok(c.clone()),
+            _ => Err(io::Error::from(io::ErrorKind::NotFound)),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default)]
+struct Case {
+    base: Tree,
+    ours: Tree,
+    theirs: Tree,
+    recreated: BTreeSet<Vec<u8>>,
+    touched: BTreeSet<Vec<u8>>,
+    head_recreated: BTreeSet<Vec<u8>>,
+}
+
+struct Run {
+    plan: GatePlan,
+    /// The branch head after the publish (`None` on conflict).
+    result: Option<Tree>,
+}
+
+impl Run {
+    fn status(&self, p: &str) -> PathStatus {
+        self.plan
+            .reports
+            .iter()
+            .find(|r| r.path == p.as_bytes())
+            .unwrap_or_else(|| panic!("no report for {p}: {:#?}", self.plan.reports))
+            .status
+    }
+
+    fn reason(&self, p: &str) -> String {
+        self.plan
+            .reports
+            .iter()
+            .find(|r| r.path == p.as_bytes())
+            .unwrap()
+            .reason
+            .clone()
+    }
+
+    fn conflicts(&self) -> Vec<String> {
+        self.plan
+            .conflicts()
+            .map(|r| String::from_utf8(r.path.clone()).unwrap())
+            .collect()
+    }
+
+    fn result(&self) -> &Tree {
+        self.result
+            .as_ref()
+            .unwrap_or_else(|| panic!("conflict: {:#?}", self.plan.reports))
+    }
+}
+
+fn head_changes(c: &Case) -> Vec<HeadChange> {
+    let hc = capture_model(
+        &c.base,
+        &c.theirs,
+        &c.head_recreated,
+        &BTreeSet::new(),
+        &BTreeSet::new(),
+    );
+    hc.entries
+        .iter()
+        .map(|(p, ch)| HeadChange::from_change(p, ch))
+        .collect()
+}
+
+fn run(c: &Case) -> Run {
+    run_limits(c, &MergeLimits::default())
+}
+
+fn run_limits(c: &Case, limits: &MergeLimits) -> Run {
+    let head = head_changes(c);
+    let none = BTreeSet::new();
+    let mut cs = capture_model(&c.base, &c.ours, &c.recreated, &c.touched, &none);
+    let err = plan_gate(
+        &cs,
+        &head,
+        &Mem {
+            base: &c.base,
+            ours: &c.ours,
+            theirs: &c.theirs,
+        },
+        limits,
+    );
+    if let Err(GateError::NeedsExpansion(expand)) = err {
+        assert_eq!(expand, opaque_dirs_to_expand(&cs, &head));
+        cs = capture_model(&c.base, &c.ours, &c.recreated, &c.touched, &expand);
+    }
+    let files = Mem {
+        base: &c.base,
+        ours: &c.ours,
+        theirs: &c.theirs,
+    };
+    let plan = plan_gate(&cs, &head, &files, limits).unwrap();
+    let result = (!plan.is_conflict()).then(|| overlay(c, &cs, &plan));
+    Run { plan, result }
+}
+
+/// Applies the plan to the upper and lays the upper over the head's tree.
+fn overlay(c: &Case, cs: &Changeset, plan: &GatePlan) -> Tree {
+    // The upper: every captured path with the session's state.
+    let mut upper: BTreeMap<Vec<u8>, Option<(N, bool)>> = BTreeMap::new();
+    for (p, ch) in cs.entries.iter().chain(cs.unchanged.iter()) {
+        let v = match ch {
+            Change::Delete => None,
+            Change::Mkdir { opaque, .. } => Some((c.ours[p].clone(), *opaque)),
+            _ => Some((c.ours[p].clone(), false)),
+        };
+        upper.insert(p.clone(), v);
+    }
+    for a in &plan.actions {
+        match a {
+            Action::WriteFile {
+                path,
+                content,
+                meta,
+            } => {
+                upper.insert(
+                    path.clone(),
+                    Some((
+                        N::F {
+                            c: content.clone(),
+                            mode: meta.mode,
+                            uid: meta.uid,
+                        },
+                        false,
+                    )),
+                );
+            }
+            Action::SetMeta { path, meta } => {
+                if let Some(Some((n, _))) = upper.get_mut(path) {
+                    match n {
+                        N::F { mode, uid, .. } => {
+                            *mode = meta.mode;
+                            *uid = meta.uid;
+                        }
+                        N::D { mode } => *mode = meta.mode,
+                        N::L(_) => {}
+                    }
+                }
+            }
+            Action::Remove { path } => {
+                upper.retain(|q, _| q != path && !strictly_below(path, q));
+            }
+        }
+    }
+    let mut r = c.theirs.clone();
+    for (p, v) in upper {
+        match v {
+            None => r.retain(|q, _| *q != p && !strictly_below(&p, q)),
+            Some((n, opaque)) => {
+                let is_dir = matches!(n, N::D { .. });
+                let was_dir = matches!(r.get(&p), Some(N::D { .. }));
+                if !is_dir || opaque || !was_dir {
+                    r.retain(|q, _| !strictly_below(&p, q));
+                }
+                r.insert(p, n);
+            }
+        }
+    }
+    r
+}
+
+fn set(paths: &[&str]) -> BTreeSet<Vec<u8>> {
+    paths.iter().map(|p| p.as_bytes().to_vec()).collect()
+}
+
+const TEXT: &str = "1\n2\n3\n4\n5\n6\n";
+
+// ---- ARCHITECTURE.md §7, row by row ----
+
+#[test]
+fn row_untouched_on_head_is_clean() {
+    let base = tree(&[("etc", d(0o755)), ("etc/a", f("a")), ("etc/b", f("b"))]);
+    let mut ours = base.clone();
+    ours.insert(b"etc/a".to_vec(), f("A"));
+    ours.insert(b"etc/new".to_vec(), f("n"));
+    let mut theirs = base.clone();
+    theirs.insert(b"etc/b".to_vec(), f("B"));
+    let r = run(&Case {
+        base,
+        ours,
+        theirs,
+        ..Case::default()
+    });
+    assert_eq!(r.status("etc/a"), PathStatus::Clean);
+    assert_eq!(r.reason("etc/a"), "untouched on head");
+    assert_eq!(r.status("etc/new"), PathStatus::Clean);
+    let want = tree(&[
+        ("etc", d(0o755)),
+        ("etc/a", f("A")),
+        ("etc/b", f("B")),
+        ("etc/new", f("n")),
+    ]);
+    assert_eq!(r.result(), &want);
+    assert!(!r.plan.is_merged());
+    assert_eq!(
+        r.plan.index.len(),
+        2,
+        "only the session's changes are indexed"
+    );
+}
+
+#[test]
+fn row_same_final_state_is_clean_without_duplicate() {
+    let base = tree(&[("a", f("old")), ("gone", f("x")), ("d", d(0o755))]);
+    let mut both = base.clone();
+    both.insert(b"a".to_vec(), f("same"));
+    both.remove(b"gone".as_slice());
+    both.insert(b"d".to_vec(), d(0o700));
+    both.insert(b"l".to_vec(), N::L(b"/t".to_vec()));
+    let r = run(&Case {
+        base,
+        ours: both.clone(),
+        theirs: both.clone(),
+        ..Case::default()
+    });
+    for p in ["a", "gone", "d", "l"] {
+        assert_eq!(r.status(p), PathStatus::Clean, "{p}");
+        assert_eq!(r.reason(p), "same change on both sides");
+    }
+    assert!(r.plan.actions.is_empty());
+    assert_eq!(r.result(), &both);
+}
+
+#[test]
+fn row_text_hunks_separated_by_an_unchanged_line_merge() {
+    let base = tree(&[("f", f(TEXT))]);
+    let ours = tree(&[("f", f("1\nTWO\n3\n4\n5\n6\n"))]);
+    let theirs = tree(&[("f", f("1\n2\n3\nFOUR\n5\n6\n"))]);
+    let r = run(&Case {
+        base,
+        ours,
+        theirs,
+        ..Case::default()
+    });
+    assert_eq!(r.status("f"), PathStatus::Merged);
+    assert_eq!(r.reason("f"), "three-way merged text");
+    assert_eq!(r.result()[&b"f".to_vec()], f("1\nTWO\n3\nFOUR\n5\n6\n"));
+    assert!(r.plan.is_merged());
+    let idx = &r.plan.index[0];
+    assert_eq!(
+        idx.digest,
+        Some(digest_bytes(b"1\nTWO\n3\nFOUR\n5\n6\n")),
+        "index holds the merged content"
+    );
+}
+
+#[test]
+fn row_text_overlapping_or_adjacent_hunks_conflict() {
+    let base = tree(&[("f", f(TEXT))]);
+    for theirs_text in ["1\n2\nTHREE\n4\n5\n6\n", "1\nzwei\n3\n4\n5\n6\n"] {
+        let r = run(&Case {
+            base: base.clone(),
+            ours: tree(&[("f", f("1\nTWO\n3\n4\n5\n6\n"))]),
+            theirs: tree(&[("f", f(theirs_text))]),
+            ..Case::default()
+        });
+        assert_eq!(r.conflicts(), ["f"]);
+        assert!(
+            r.reason("f").contains("same or adjacent lines"),
+            "{}",
+            r.reason("f")
+        );
+        assert!(
+            r.plan
+                .actions
+                .iter()
+                .all(|a| !matches!(a, Action::WriteFile { .. })),
+            "markers are never written"
+        );
+    }
+}
+
+#[test]
+fn row_delete_vs_edit_type_change_vs_edit_binary_vs_binary_conflict() {
+    let base = tree(&[("f", f(TEXT)), ("bin", f("a\0b\nc\n"))]);
+    // delete vs edit, both ways
+    let mut edited = base.clone();
+    edited.insert(b"f".to_vec(), f("1\n2\n3\n4\n5\nSIX\n"));
+    let mut deleted = base.clone();
+    deleted.remove(b"f".as_slice());
+    let r = run(&Case {
+        base: base.clone(),
+        ours: deleted.clone(),
+        theirs: edited.clone(),
+        ..Case::default()
+    });
+    assert_eq!(r.conflicts(), ["f"]);
+    assert!(
+        r.reason("f").starts_with("delete vs edit"),
+        "{}",
+        r.reason("f")
+    );
+    let r = run(&Case {
+        base: base.clone(),
+        ours: edited.clone(),
+        theirs: deleted,
+        ..Case::default()
+    });
+    assert_eq!(r.conflicts(), ["f"]);
+    // type change vs edit
+    let mut linked = base.clone();
+    linked.insert(b"f".to_vec(), N::L(b"elsewhere".to_vec()));
+    let r = run(&Case {
+        base: base.clone(),
+        ours: linked,
+        theirs: edited,
+        ..Case::default()
+    });
+    assert_eq!(r.conflicts(), ["f"]);
+    assert!(
+        r.reason("f").starts_with("type change"),
+        "{}",
+        r.reason("f")
+    );
+    // binary vs binary
+    let mut ob = base.clone();
+    ob.insert(b"bin".to_vec(), f("A\0b\nc\n"));
+    let mut tb = base.clone();
+    tb.insert(b"bin".to_vec(), f("a\0b\nC\n"));
+    let r = run(&Case {
+        base: base.clone(),
+        ours: ob.clone(),
+        theirs: tb,
+        ..Case::default()
+    });
+    assert_eq!(r.conflicts(), ["bin"]);
+    assert_eq!(r.reason("bin"), "binary file changed on both sides");
+    // binary: one side unchanged → the other; identical → once
+    let r = run(&Case {
+        base: base.clone(),
+        ours: ob.clone(),
+        theirs: base.clone(),
+        ..Case::default()
+    });
+    assert_eq!(r.result()[&b"bin".to_vec()], f("A\0b\nc\n"));
+    let r = run(&Case {
+        base,
+        ours: ob.clone(),
+        theirs: ob,
+        ..Case::default()
+    });
+    assert_eq!(r.status("bin"), PathStatus::Clean);
+}
+
+#[test]
+fn row_metadata_on_one_side_content_on_the_other_merge_field_by_field() {
+    let base = tree(&[
+        ("f", fm(TEXT, 0o644)),
+        ("g", fm(TEXT, 0o644)),
+        ("dir", d(0o755)),
+    ]);
+    let mut ours = base.clone();
+    ours.insert(b"f".to_vec(), fm(TEXT, 0o755)); // chmod
+    ours.insert(b"g".to_vec(), fm("1\n2\n3\n4\n5\nsix\n", 0o644)); // content
+    ours.insert(b"dir".to_vec(), d(0o700));
+    let mut theirs = base.clone();
+    theirs.insert(b"f".to_vec(), fm("ONE\n2\n3\n4\n5\n6\n", 0o644)); // content
+    theirs.insert(
+        b"g".to_vec(),
+        N::F {
+            c: TEXT.as_bytes().to_vec(),
+            mode: 0o600,
+            uid: 7,
+        },
+    ); // chmod + chown
+    theirs.insert(b"dir".to_vec(), d(0o700));
+    let r = run(&Case {
+        base,
+        ours,
+        theirs,
+        ..Case::default()
+    });
+    assert_eq!(r.status("f"), PathStatus::Merged);
+    assert_eq!(r.reason("f"), "content from head, metadata from session");
+    assert_eq!(r.status("g"), PathStatus::Merged);
+    assert_eq!(r.reason("g"), "metadata merged field by field");
+    let res = r.result();
+    assert_eq!(res[&b"f".to_vec()], fm("ONE\n2\n3\n4\n5\n6\n", 0o755));
+    assert_eq!(
+        res[&b"g".to_vec()],
+        N::F {
+            c: b"1\n2\n3\n4\n5\nsix\n".to_vec(),
+            mode: 0o600,
+            uid: 7
+        }
+    );
+    assert_eq!(r.status("dir"), PathStatus::Clean);
+    // The same field changed differently on both sides conflicts.
+    let base = tree(&[("f", fm(TEXT, 0o644))]);
+    let r = run(&Case {
+        base,
+        ours: tree(&[("f", fm(TEXT, 0o755))]),
+        theirs: tree(&[("f", fm(TEXT, 0o600))]),
+        ..Case::default()
+    });
+    assert_eq!(r.conflicts(), ["f"]);
+    assert_eq!(r.reason("f"), "both sides changed mode differently");
+    // Directory metadata: mode from one side, nothing else on the other.
+    let base = tree(&[("d", d(0o755)), ("d/x", f("x"))]);
+    let mut ours = base.clone();
+    ours.insert(b"d/x".to_vec(), f("X"));
+    let mut theirs = base.clone();
+    theirs.insert(b"d".to_vec(), d(0o700));
+    let r = run(&Case {
+        base,
+        ours,
+        theirs,
+        ..Case::default()
+    });
+    assert_eq!(
+        r.status("d"),
+        PathStatus::Clean,
+        "copy-up parent takes head's metadata"
+    );
+    assert_eq!(r.result()[&b"d".to_vec()], d(0o700));
+    assert_eq!(r.result()[&b"d/x".to_vec()], f("X"));
+}
+
+#[test]
+fn row_opaque_dir_expands_to_lease_deletions_and_keeps_head_additions() {
+    // Session: rm -rf d; mkdir d; echo > d/mine. Head meanwhile added d/theirs.
+    let base = tree(&[
+        ("d", d(0o755)),
+        ("d/old", f("o")),
+        ("d/sub", d(0o755)),
+        ("d/sub/deep", f("s")),
+    ]);
+    let ours = tree(&[("d", d(0o755)), ("d/mine", f("m"))]);
+    let mut theirs = base.clone();
+    theirs.insert(b"d/theirs".to_vec(), f("t"));
+    let r = run(&Case {
+        base: base.clone(),
+        ours: ours.clone(),
+        theirs,
+        recreated: set(&["d"]),
+        ..Case::default()
+    });
+    assert_eq!(r.status("d/old"), PathStatus::Clean);
+    assert_eq!(r.status("d/sub"), PathStatus::Clean);
+    let want = tree(&[("d", d(0o755)), ("d/mine", f("m")), ("d/theirs", f("t"))]);
+    assert_eq!(
+        r.result(),
+        &want,
+        "head's addition survives, lease content is gone"
+    );
+    // Head edited a lease file the session's opaque dir removed: delete vs edit.
+    let mut theirs = base.clone();
+    theirs.insert(b"d/sub/deep".to_vec(), f("S"));
+    let r = run(&Case {
+        base: base.clone(),
+        ours: ours.clone(),
+        theirs,
+        recreated: set(&["d"]),
+        ..Case::default()
+    });
+    assert_eq!(r.conflicts(), ["d/sub/deep"]);
+    // No head change below: stays opaque (nothing to expand).
+    let r = run(&Case {
+        base: base.clone(),
+        ours,
+        theirs: base.clone(),
+        recreated: set(&["d"]),
+        ..Case::default()
+    });
+    assert!(r
+        .plan
+        .index
+        .iter()
+        .any(|h| h.path == b"d" && h.kind == HeadChangeKind::Opaque));
+    assert_eq!(r.result(), &tree(&[("d", d(0o755)), ("d/mine", f("m"))]));
+}
+
+#[test]
+fn row_excluded_paths_are_reported_and_not_validated() {
+    let mut cs = Changeset::default();
+    cs.excluded.push((b"tmp/x".to_vec(), "/tmp/**".into()));
+    cs.skipped.push((b"run/s.sock".to_vec(), "socket".into()));
+    cs.entries.insert(b"a".to_vec(), change_of(&f("a"), false));
+    // The head changed tmp/x too: not a conflict, it is not validated.
+    let head = [HeadChange::from_change(
+        b"tmp/x",
+        &change_of(&f("y"), false),
+    )];
+    let empty = Tree::new();
+    let files = Mem {
+        base: &empty,
+        ours: &empty,
+        theirs: &empty,
+    };
+    let plan = plan_gate(&cs, &head, &files, &MergeLimits::default()).unwrap();
+    assert!(!plan.is_conflict());
+    let st: Vec<(String, PathStatus)> = plan
+        .reports
+        .iter()
+        .map(|r| (String::from_utf8(r.path.clone()).unwrap(), r.status))
+        .collect();
+    assert_eq!(
+        st,
+        [
+            ("a".to_string(), PathStatus::Clean),
+            ("run/s.sock".to_string(), PathStatus::Excluded),
+            ("tmp/x".to_string(), PathStatus::Excluded)
+        ]
+    );
+    assert!(plan.reports[2].reason.contains("/tmp/**"));
+    assert_eq!(plan.index.len(), 1);
+}
+
+// ---- more gate behaviour ----
+
+#[test]
+fn identical_hunks_apply_once_and_crlf_survives() {
+    let base = tree(&[("f", f("a\r\nb\r\nc\r\nd\r\ne"))]);
+    let ours = tree(&[("f", f("A\r\nb\r\nc\r\nd\r\ne"))]);
+    let theirs = tree(&[("f", f("A\r\nb\r\nc\r\nd\r\nE"))]);
+    let r = run(&Case {
+        base,
+        ours,
+        theirs,
+        ..Case::default()
+    });
+    assert_eq!(r.result()[&b"f".to_vec()], f("A\r\nb\r\nc\r\nd\r\nE"));
+}
+
+#[test]
+fn merge_caps_are_conflicts_with_the_reason() {
+    let base = tree(&[("f", f(TEXT))]);
+    let ours = tree(&[("f", f("1\nTWO\n3\n4\n5\n6\n"))]);
+    let theirs = tree(&[("f", f("1\n2\n3\nFOUR\n5\n6\n"))]);
+    let limits = MergeLimits {
+        max_bytes: 4,
+        ..MergeLimits::default()
+    };
+    let r = run_limits(
+        &Case {
+            base,
+            ours,
+            theirs,
+            ..Case::default()
+        },
+        &limits,
+    );
+    assert_eq!(r.conflicts(), ["f"]);
+    assert!(
+        r.reason("f").contains("over the merge limit of 4 bytes"),
+        "{}",
+        r.reason("f")
+    );
+}
+
+#[test]
+fn created_on_both_sides_differently_conflicts() {
+    let base = Tree::new();
+    let r = run(&Case {
+        base,
+        ours: tree(&[("n", f("1\n2\n"))]),
+        theirs: tree(&[("n", f("1\n3\n"))]),
+        ..Case::default()
+    });
+    assert_eq!(r.conflicts(), ["n"]);
+    assert_eq!(
+        r.reason("n"),
+        "created on both sides with different content"
+    );
+}
+
+#[test]
+fn copy_up_noise_never_conflicts_and_never_reverts_the_head() {
+    // Session touched f (copy-up, same content) and wrote g; head rewrote f.
+    let base = tree(&[("d", d(0o755)), ("d/f", f("old")), ("g", f("g"))]);
+    let mut ours = base.clone();
+    ours.insert(b"g".to_vec(), f("G"));
+    let mut theirs = base.clone();
+    theirs.insert(b"d/f".to_vec(), f("new"));
+    let r = run(&Case {
+        base: base.clone(),
+        ours: ours.clone(),
+        theirs: theirs.clone(),
+        touched: set(&["d/f"]),
+        ..Case::default()
+    });
+    assert_eq!(r.status("d/f"), PathStatus::Clean);
+    assert!(r.reason("d/f").contains("copy-up dropped"));
+    assert_eq!(r.result()[&b"d/f".to_vec()], f("new"));
+    assert!(r.plan.actions.contains(&Action::Remove {
+        path: b"d/f".to_vec()
+    }));
+    // Head deleted the directory holding only noise: the noise goes with it.
+    let mut theirs = base.clone();
+    theirs.retain(|p, _| !p.starts_with(b"d"));
+    let r = run(&Case {
+        base,
+        ours,
+        theirs,
+        touched: set(&["d/f"]),
+        ..Case::default()
+    });
+    assert!(!r.plan.is_conflict(), "{:#?}", r.plan.reports);
+    assert!(!r.result().contains_key(b"d".as_slice()));
+}
+
+#[test]
+fn hardlinked_files_are_never_merged() {
+    let base = tree(&[("f", f(TEXT))]);
+    let ours = tree(&[("f", f("1\nTWO\n3\n4\n5\n6\n"))]);
+    let theirs = tree(&[("f", f("1\n2\n3\nFOUR\n5\n6\n"))]);
+    let c = Case {
+        base,
+        ours,
+        theirs,
+        ..Case::default()
+    };
+    let head = head_changes(&c);
+    let mut cs = capture_model(
+        &c.base,
+        &c.ours,
+        &BTreeSet::new(),
+        &BTreeSet::new(),
+        &BTreeSet::new(),
+    );
+    cs.hardlinks.insert(b"f".to_vec(), 42);
+    let files = Mem {
+        base: &c.base,
+        ours: &c.ours,
+        theirs: &c.theirs,
+    };
+    let plan = plan_gate(&cs, &head, &files, &MergeLimits::default()).unwrap();
+    assert!(plan.is_conflict());
+    assert!(plan.reports[0].reason.contains("hardlinked"));
+}
+
+#[test]
+fn session_removed_directory_conflicts_with_head_changes_below() {
+    let base = tree(&[("d", d(0o755)), ("d/x", f("x")), ("d/old", f("o"))]);
+    let ours = Tree::new();
+    let mut theirs = base.clone();
+    theirs.insert(b"d/x".to_vec(), f("X"));
+    theirs.remove(b"d/old".as_slice());
+    theirs.insert(b"d/sub".to_vec(), d(0o755));
+    let r = run(&Case {
+        base,
+        ours,
+        theirs,
+        ..Case::default()
+    });
+    // A deletion below agrees with the removal: d/old is not reported.
+    assert_eq!(r.conflicts(), ["d/sub", "d/x"]);
+}
+
+#[test]
+fn head_removed_directory_conflicts_with_session_changes_below() {
+    let base = tree(&[("d", d(0o755)), ("d/x", f("x")), ("d/old", f("o"))]);
+    let mut ours = base.clone();
+    ours.insert(b"d/x".to_vec(), f("X"));
+    ours.insert(b"d/sub".to_vec(), d(0o755));
+    ours.remove(b"d/old".as_slice());
+    let r = run(&Case {
+        base,
+        ours,
+        theirs: Tree::new(),
+        ..Case::default()
+    });
+    assert_eq!(r.conflicts(), ["d", "d/sub", "d/x"]);
+}
+
+#[test]
+fn head_replaced_directory_keeps_session_additions_of_new_names() {
+    // Head: rm -rf d; mkdir d; d/t. Session: added d/new (not in the lease), edited d/x.
+    let base = tree(&[("d", d(0o755)), ("d/x", f("x"))]);
+    let theirs = tree(&[("d", d(0o755)), ("d/t", f("t"))]);
+    let mut ours = base.clone();
+    ours.insert(b"d/new".to_vec(), f("n"));
+    let c = Case {
+        base: base.clone(),
+        ours: ours.clone(),
+        theirs: theirs.clone(),
+        head_recreated: set(&["d"]),
+        ..Case::default()
+    };
+    let r = run(&c);
+    assert!(!r.plan.is_conflict(), "{:#?}", r.plan.reports);
+    assert_eq!(
+        r.result(),
+        &tree(&[("d", d(0o755)), ("d/new", f("n")), ("d/t", f("t"))])
+    );
+    ours.insert(b"d/x".to_vec(), f("X"));
+    let r = run(&Case { ours, ..c });
+    assert_eq!(r.conflicts(), ["d/x"]);
+}
+
+#[test]
+fn sibling_prefixes_are_not_descendants() {
+    let base = tree(&[
+        ("a", d(0o755)),
+        ("a-b", f("1")),
+        ("a0", f("1")),
+        ("a.x", d(0o755)),
+        ("a.x/y", f("1")),
+    ]);
+    let mut ours = base.clone();
+    ours.remove(b"a".as_slice());
+    let mut theirs = base.clone();
+    for p in ["a-b", "a0", "a.x/y"] {
+        theirs.insert(p.as_bytes().to_vec(), f("2"));
+    }
+    let r = run(&Case {
+        base,
+        ours,
+        theirs,
+        ..Case::default()
+    });
+    assert!(!r.plan.is_conflict());
+}
+
+#[test]
+fn newest_head_occurrence_is_the_final_state() {
+    let w = |c: &str| change_of(&f(c), false);
+    let mut cs = Changeset::default();
+    cs.entries.insert(b"f".to_vec(), w("1"));
+    let base = tree(&[("f", f("0"))]);
+    let files = Mem {
+        base: &base,
+        ours: &base,
+        theirs: &base,
+    };
+    let lim = MergeLimits::default();
+    // Newest first: the head ends at content 1, as the session does.
+    let head = [
+        HeadChange::from_change(b"f", &w("1")),
+        HeadChange::from_change(b"f", &w("2")),
+    ];
+    assert!(!plan_gate(&cs, &head, &files, &lim).unwrap().is_conflict());
+    // An older removal of the parent still counts although the head re-created it.
+    let mut cs = Changeset::default();
+    cs.entries.insert(b"d/lease_file".to_vec(), w("1"));
+    let head = [
+        HeadChange::from_change(
+            b"d",
+            &Change::Mkdir {
+                mode: 0o755,
+                uid: 0,
+                gid: 0,
+                opaque: false,
+            },
+        ),
+        HeadChange::from_change(b"d", &Change::Delete),
+    ];
+    let plan = plan_gate(&cs, &head, &files, &lim).unwrap();
+    assert_eq!(
+        plan.conflicts().map(|r| r.path.clone()).collect::<Vec<_>>(),
+        [b"d/lease_file".to_vec()]
+    );
+}
+
+#[test]
+fn head_change_round_trips_through_serde_and_reads_old_records() {
+    let h =
+        HeadChange::from_change(b"p\xe9", &change_of(&f("x"), false)).with_xattrs(Some([3; 32]));
+    let back: HeadChange = serde_json::from_str(&serde_json::to_string(&h).unwrap()).unwrap();
+    assert_eq!(back, h);
+    // A record written before xattrs were indexed.
+    let old = r#"{"path":[97],"kind":"Meta","digest":null,"mode":493,"uid":0,"gid":0}"#;
+    let back: HeadChange = serde_json::from_str(old).unwrap();
+    assert_eq!(back.xattrs, None);
+    assert_eq!(back.kind, HeadChangeKind::Meta);
+}
+
+// ---- reference model ----
+//
+// Trees over a small universe: text files a, b (six distinct lines), directory d
+// with files d/x, d/y. Each side applies a few random operations. The model
+// computes the expected head after publishing, path by path, from the three trees
+// alone; the real gate (capture model + plan + apply + overlay) must agree on
+// conflict-or-not and, without conflict, on the whole resulting tree.
+
+#[derive(Debug, Clone)]
+enum Op {
+    Edit(usize, usize, u8),
+    Chmod(usize, u32),
+    Delete(usize),
+    Create(usize),
+    Touch(usize),
+    DeleteDir,
+    ChmodDir(u32),
+}
+
+const FILES: [&str; 4] = ["a", "b", "d/x", "d/y"];
+
+fn lines(tag: &str) -> Vec<String> {
+    (1..=6).map(|i| format!("{tag}{i}")).collect()
+}
+
+fn text(ls: &[String]) -> Vec<u8> {
+    ls.iter()
+        .map(|l| format!("{l}\n"))
+        .collect::<String>()
+        .into_bytes()
+}
+
+fn file_lines(n: &N) -> Vec<String> {
+    let N::F { c, .. } = n else { panic!() };
+    String::from_utf8(c.clone())
+        .unwrap()
+        .lines()
+        .map(String::from)
+        .collect()
+}
+
+struct SideState {
+    tree: Tree,
+    recreated: BTreeSet<Vec<u8>>,
+    touched: BTreeSet<Vec<u8>>,
+}
+
+fn apply_ops(base: &Tree, ops: &[Op], who: &str, allow_recreate: bool) -> SideState {
+    let mut t = base.clone();
+    let mut recreated = BTreeSet::new();
+    let mut touched = BTreeSet::new();
+    for op in ops {
+        match op {
+            Op::Edit(fi, li, v) => {
+                let p = FILES[*fi].as_bytes().to_vec();
+                if let Some(n @ N::F { .. }) = t.get(&p).cloned() {
+                    let mut ls = file_lines(&n);
+                    ls[*li] = format!("{}{v}", if *v < 2 { "s" } else { who });
+                    let N::F { mode, uid, .. } = n else {
+                        unreachable!()
+                    };
+                    t.insert(
+                        p,
+                        N::F {
+                            c: text(&ls),
+                            mode,
+                            uid,
+                        },
+                    );
+                }
+            }
+            Op::Chmod(fi, m) => {
+                if let Some(N::F { mode, .. }) = t.get_mut(FILES[*fi].as_bytes()) {
+                    *mode = *m;
+                }
+            }
+            Op::Delete(fi) => {
+                t.remove(FILES[*fi].as_bytes());
+            }
+            Op::Touch(fi) => {
+                if t.get(FILES[*fi].as_bytes()) == base.get(FILES[*fi].as_bytes())
+                    && t.contains_key(FILES[*fi].as_bytes())
+                {
+                    touched.insert(FILES[*fi].as_bytes().to_vec());
+                }
+            }
+            Op::Create(fi) => {
+                let p = FILES[*fi];
+                if t.contains_key(p.as_bytes()) {
+                    continue;
+                }
+                if p.starts_with("d/") && !t.contains_key(b"d".as_slice()) {
+                    if !allow_recreate {
+                        continue;
+                    }
+                    t.insert(b"d".to_vec(), d(0o755));
+                    recreated.insert(b"d".to_vec());
+                }
+                t.insert(
+                    p.as_bytes().to_vec(),
+                    N::F {
+                        c: text(&lines(&format!("{who}new"))),
+                        mode: 0o644,
+                        uid: 0,
+                    },
+                );
+            }
+            Op::DeleteDir => {
+                t.retain(|p, _| !(p == b"d" || p.starts_with(b"d/")));
+                recreated.remove(b"d".as_slice());
+                touched.retain(|p| !p.starts_with(b"d/"));
+            }
+            Op::ChmodDir(m) => {
+                if let Some(N::D { mode }) = t.get_mut(b"d".as_slice()) {
+                    *mode = *m;
+                }
+            }
+        }
+    }
+    // A touched file that was changed afterwards is a plain change.
+    touched.retain(|p| t.get(p) == base.get(p) && t.contains_key(p));
+    SideState {
+        tree: t,
+        recreated,
+        touched,
+    }
+}
+
+/// diff3 on six-line files changed only by line replacement.
+fn model_text(b: &[String], o: &[String], t: &[String]) -> Option<Vec<String>> {
+    let n = b.len();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < n {
+        let changed = |j: usize| o[j] != b[j] || t[j] != b[j];
+        if !changed(i) {
+            out.push(b[i].clone());
+            i += 1;
+            continue;
+        }
+        let start = i;
+        while i < n && changed(i) {
+            i += 1;
+        }
+        let (or, tr, br) = (&o[start..i], &t[start..i], &b[start..i]);
+        if or == tr || tr == br {
+            out.extend_from_slice(or);
+        } else if or == br {
+            out.extend_from_slice(tr);
+        } else {
+            return None;
+        }
+    }
+    Some(out)
+}
+
+fn pick3<T: PartialEq + Clone>(b: &T, o: &T, t: &T) -> Option<T> {
+    if o == t || t == b {
+        Some(o.clone())
+    } else if o == b {
+        Some(t.clone())
+    } else {
+        None
+    }
+}
+
+/// The expected head after the publish, or `None` for a conflict.
+fn model(base: &Tree, ours: &Tree, theirs: &Tree) -> Option<Tree> {
+    let dk = b"d".as_slice();
+    let changed_below = |side: &Tree, deletions_count: bool| {
+        side.get(dk) != base.get(dk) && side.contains_key(dk)
+            || FILES[2..].iter().any(|p| {
+                let (s, b) = (side.get(p.as_bytes()), base.get(p.as_bytes()));
+                s != b && (deletions_count || s.is_some())
+            })
+    };
+    // A side that removed d conflicts with any non-deleting change at or below d.
+    if base.contains_key(dk) && !ours.contains_key(dk) && changed_below(theirs, false) {
+        return None;
+    }
+    if base.contains_key(dk) && !theirs.contains_key(dk) && changed_below(ours, false) {
+        return None;
+    }
+    let mut out = Tree::new();
+    let keys: BTreeSet<&Vec<u8>> = base
+        .keys()
+        .chain(ours.keys())
+        .chain(theirs.keys())
+        .collect();
+    for k in keys {
+        let (b, o, t) = (base.get(k), ours.get(k), theirs.get(k));
+        let v = if o == t || t == b {
+            o.cloned()
+        } else if o == b {
+            t.cloned()
+        } else {
+            match (b, o, t) {
+                (Some(N::D { mode: bm }), Some(N::D { mode: om }), Some(N::D { mode: tm })) => {
+                    Some(d(pick3(bm, om, tm)?))
+                }
+                (
+                    Some(bn @ N::F { mode: bm, .. }),
+                    Some(on @ N::F { mode: om, .. }),
+                    Some(tn @ N::F { mode: tm, .. }),
+                ) => {
+                    let mode = pick3(bm, om, tm)?;
+                    let ls = model_text(&file_lines(bn), &file_lines(on), &file_lines(tn))?;
+                    Some(N::F {
+                        c: text(&ls),
+                        mode,
+                        uid: 0,
+                    })
+                }
+                _ => return None,
+            }
+        };
+        if let Some(v) = v {
+            out.insert(k.clone(), v);
+        }
+    }
+    Some(out)
+}
+
+fn arb_op() -> impl Strategy<Value = Op> {
+    let fi = 0usize..4;
     prop_oneof![
-        (0u8..2).prop_map(write),
-        Just(Change::Delete),
-        (prop::sample::select(vec![0o755u32, 0o700]), any::<bool>()).prop_map(|(m, o)| mkdir(m, o)),
-        prop::sample::select(vec![0o755u32, 0o700]).prop_map(meta),
-        prop::sample::select(vec![&b"x"[..], b"y"]).prop_map(|t| Change::Symlink {
-            target: t.to_vec(),
-            uid: 0,
-            gid: 0
-        }),
+        4 => (fi.clone(), 0usize..6, 0u8..4).prop_map(|(f, l, v)| Op::Edit(f, l, v)),
+        1 => (fi.clone(), prop::sample::select(vec![0o644u32, 0o600])).prop_map(|(f, m)| Op::Chmod(f, m)),
+        1 => fi.clone().prop_map(Op::Delete),
+        1 => fi.clone().prop_map(Op::Create),
+        1 => fi.prop_map(Op::Touch),
+        1 => Just(Op::DeleteDir),
+        1 => prop::sample::select(vec![0o755u32, 0o700]).prop_map(Op::ChmodDir),
     ]
 }
 
+fn arb_base() -> impl Strategy<Value = Tree> {
+    (
+        prop::collection::vec(any::<bool>(), 4),
+        prop::sample::select(vec![0o755u32, 0o700]),
+    )
+        .prop_map(|(present, dm)| {
+            let mut t = Tree::new();
+            t.insert(b"d".to_vec(), d(dm));
+            for (i, p) in FILES.iter().enumerate() {
+                if present[i] {
+                    let tag = p.replace('/', "");
+                    t.insert(
+                        p.as_bytes().to_vec(),
+                        N::F {
+                            c: text(&lines(&tag)),
+                            mode: 0o644,
+                            uid: 0,
+                        },
+                    );
+                }
+            }
+            t
+        })
+}
+
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 3000, ..ProptestConfig::default() })]
 
     #[test]
-    fn range_queries_match_the_pairwise_model(
-        entries in prop::collection::btree_map(arb_path(), arb_change(), 0..8),
-        unchanged in prop::collection::btree_map(arb_path(), (0u8..2).prop_map(write), 0..4),
-        heads in prop::collection::vec((arb_path(), arb_change()), 0..8),
+    fn gate_matches_the_reference_model(
+        base in arb_base(),
+        ours_ops in prop::collection::vec(arb_op(), 0..5),
+        theirs_ops in prop::collection::vec(arb_op(), 0..5),
     ) {
-        let mut captured = Changeset { entries, ..Changeset::default() };
-        captured.unchanged = unchanged.into_iter().filter(|(p, _)| !captured.entries.contains_key(p)).collect();
-        let heads: Vec<HeadChange> = heads.iter().map(|(p, c)| HeadChange::from_change(p, c)).collect();
-        let got: BTreeSet<Vec<u8>> = match check_gate(&captured, &heads) {
-            GateDecision::Clean => BTreeSet::new(),
-            GateDecision::Conflict { paths } => {
-                prop_assert!(!paths.is_empty());
-                prop_assert!(paths.windows(2).all(|w| w[0].path < w[1].path), "sorted, unique");
-                paths.into_iter().map(|c| c.path).collect()
-            }
+        let o = apply_ops(&base, &ours_ops, "o", true);
+        let t = apply_ops(&base, &theirs_ops, "t", false);
+        let case = Case {
+            base: base.clone(),
+            ours: o.tree.clone(),
+            theirs: t.tree.clone(),
+            recreated: o.recreated,
+            touched: o.touched,
+            head_recreated: BTreeSet::new(),
         };
-        prop_assert_eq!(got, naive(&captured, &heads));
+        let r = run(&case);
+        let want = model(&base, &o.tree, &t.tree);
+        if std::env::var_os("GATE_MODEL_STATS").is_some() {
+            let kind = if r.plan.is_conflict() { "conflict" } else if r.plan.is_merged() { "merged" } else { "clean" };
+            eprintln!("MODEL {kind} actions={}", r.plan.actions.len());
+        }
+        match (&r.result, &want) {
+            (None, None) => {}
+            (Some(got), Some(want)) => prop_assert_eq!(got, want),
+            _ => prop_assert!(false, "gate {:?} vs model {:?}\nreports {:#?}", r.result, want, r.plan.reports),
+        }
+        // Reports are sorted, unique, and name every captured change.
+        prop_assert!(r.plan.reports.windows(2).all(|w| w[0].path < w[1].path));
     }
 }

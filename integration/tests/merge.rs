@@ -1,0 +1,288 @@
+//! The three-way merge gate against a real containerd 1.6 + runc and the Debian
+//! image (issue 4): three concurrent containers edit the same config file — two
+//! in separate hunks, one overlapping — two publish (the first commits, the
+//! second merges), the third is rejected whole, and the merged file is byte-exact
+//! (CRLF lines and a missing final newline included). A fourth session, made
+//! with `ctr snapshots prepare` on the same old lease and edited through its own
+//! mount, shows `layerstack publish --dry-run` reporting a merge without
+//! changing anything.
+//!
+//! This test binary has its own private containerd and daemon; it works on the
+//! default branch. Without root or containerd it skips (or panics under `CI=true`).
+
+use std::path::Path;
+use std::process::Output;
+use std::thread;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context, Result};
+use layerstack_integration::{
+    debian_image_tar, describe, require_root_and_containerd, stdout, with_shared_env, TestEnv,
+    DEBIAN_IMAGE, SNAPSHOTTER,
+};
+
+const NS: &str = "lst-merge";
+const CONF: &str = "/etc/layerstack-merge.conf";
+/// Mixed line endings and no final newline: both must survive the merge.
+const BASE: &str = "# layerstack merge test\nkey1 = one\r\nkey2 = two\r\nkey3 = three\nkey4 = four\nkey5 = five\nkey6 = six\nkey7 = seven\nkey8 = eight\nlast = end";
+
+fn run_test(f: impl FnOnce(&TestEnv) -> Result<()>) {
+    if !require_root_and_containerd() {
+        return;
+    }
+    with_shared_env(|env| {
+        let r = (|| {
+            let tar = debian_image_tar()?;
+            env.start_daemon()
+                .context("starting the layerstack daemon")?;
+            let names = env.import_image(NS, &tar, SNAPSHOTTER)?;
+            ensure!(
+                names.iter().any(|n| n == DEBIAN_IMAGE),
+                "image names after import: {names:?}"
+            );
+            f(env)
+        })();
+        if let Err(e) = r {
+            panic!("{e:#}");
+        }
+    });
+}
+
+fn ctr_run(env: &TestEnv, id: &str, detach: bool, script: &str) -> Result<Output> {
+    let mut args = vec!["run", "--snapshotter", SNAPSHOTTER];
+    if detach {
+        args.push("-d");
+    } else {
+        args.push("--rm");
+    }
+    args.extend([DEBIAN_IMAGE, id, "sh", "-c", script]);
+    let out = env.ctr(NS, &args)?;
+    ensure!(out.status.success(), "ctr run {id}: {}", describe(&out));
+    Ok(out)
+}
+
+fn wait_task_stopped(env: &TestEnv, id: &str, timeout: Duration) -> Result<()> {
+    let deadline = Instant::now() + timeout;
+    loop {
+        let text = stdout(&env.ctr_ok(NS, &["tasks", "ls"])?);
+        let status = text
+            .lines()
+            .skip(1)
+            .map(|l| l.split_whitespace().collect::<Vec<_>>())
+            .find(|f| f.first() == Some(&id))
+            .and_then(|f| f.get(2).map(|s| s.to_string()));
+        match status.as_deref() {
+            Some("STOPPED") => return Ok(()),
+            None => bail!("no task {id} in `ctr tasks ls`:\n{text}"),
+            Some(_) if Instant::now() >= deadline => {
+                bail!("task {id} still running after {timeout:?}")
+            }
+            Some(_) => thread::sleep(Duration::from_millis(100)),
+        }
+    }
+}
+
+/// Waits for the detached task to stop and deletes it (the publish trigger).
+fn finish(env: &TestEnv, id: &str) -> Result<()> {
+    wait_task_stopped(env, id, Duration::from_secs(60))?;
+    let out = env.ctr(NS, &["tasks", "delete", id])?;
+    ensure!(
+        out.status.success(),
+        "ctr tasks delete {id}: {}",
+        describe(&out)
+    );
+    Ok(())
+}
+
+/// `layerstack wait ID --json`: the session as JSON.
+fn wait_json(env: &TestEnv, id: &str) -> Result<serde_json::Value> {
+    let out = env.layerstack(&["wait", id, "--timeout", "60", "--namespace", NS, "--json"])?;
+    serde_json::from_slice(&out.stdout)
+        .with_context(|| format!("layerstack wait {id}: {}", describe(&out)))
+}
+
+fn paths_with(v: &serde_json::Value, status: &str) -> Vec<String> {
+    v["paths"]
+        .as_array()
+        .map(|a| {
+            a.iter()
+                .filter(|p| p["status"] == status)
+                .filter_map(|p| p["path"].as_str().map(String::from))
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+fn sed(key: &str, from: &str, to: &str) -> String {
+    format!("sleep 2; sed -i 's/^{key} = {from}/{key} = {to}/' {CONF}")
+}
+
+/// Mounts the active snapshot `key` (made by `ctr snapshots prepare --mounts`)
+/// at `target` with the mounts the snapshotter returned.
+fn mount_snapshot(mounts_json: &[u8], target: &Path) -> Result<()> {
+    let v: serde_json::Value =
+        serde_json::from_slice(mounts_json).context("parsing snapshot mounts")?;
+    let m = v
+        .as_array()
+        .and_then(|a| a.first())
+        .context("no mount returned")?;
+    ensure!(m["Type"] == "overlay", "expected an overlay mount: {m}");
+    let opts: Vec<&str> = m["Options"]
+        .as_array()
+        .context("mount options")?
+        .iter()
+        .filter_map(|o| o.as_str())
+        .collect();
+    std::fs::create_dir_all(target)?;
+    nix::mount::mount(
+        Some("overlay"),
+        target,
+        Some("overlay"),
+        nix::mount::MsFlags::empty(),
+        Some(opts.join(",").as_str()),
+    )
+    .with_context(|| format!("mounting the snapshot at {}", target.display()))?;
+    Ok(())
+}
+
+#[test]
+fn three_concurrent_edits_two_publish_one_is_rejected_byte_exact() {
+    run_test(|env| {
+        // The base version of the config file, committed to the branch.
+        let out = ctr_run(
+            env,
+            "m-setup",
+            false,
+            &format!("printf '%s' '{BASE}' > {CONF}"),
+        )?;
+        drop(out);
+        let setup = wait_json(env, "m-setup")?;
+        ensure!(setup["outcome"] == "committed", "setup: {setup:#}");
+
+        // Three containers and one raw snapshot lease the same head.
+        ctr_run(env, "m-a", true, &sed("key2", "two", "A"))?; // line 3 (CRLF)
+        ctr_run(env, "m-b", true, &sed("key7", "seven", "B"))?; // line 8, separate hunk
+        ctr_run(env, "m-c", true, &sed("key2", "two", "C"))?; // overlaps m-a
+        let snaps = stdout(&env.ctr_ok(NS, &["snapshots", "--snapshotter", SNAPSHOTTER, "ls"])?);
+        let parent = snaps
+            .lines()
+            .map(|l| l.split_whitespace().collect::<Vec<_>>())
+            .find(|f| f.first() == Some(&"m-a"))
+            .and_then(|f| f.get(1).map(|s| s.to_string()))
+            .with_context(|| format!("no snapshot m-a in:\n{snaps}"))?;
+        let prep = env.ctr_ok(
+            NS,
+            &[
+                "snapshots",
+                "--snapshotter",
+                SNAPSHOTTER,
+                "prepare",
+                "--mounts",
+                "m-dry",
+                &parent,
+            ],
+        )?;
+
+        // Publish in a fixed order: a commits, b merges, c conflicts.
+        finish(env, "m-a")?;
+        let a = wait_json(env, "m-a")?;
+        ensure!(a["outcome"] == "committed", "m-a: {a:#}");
+        finish(env, "m-b")?;
+        let b = wait_json(env, "m-b")?;
+        ensure!(b["outcome"] == "merged", "m-b: {b:#}");
+        ensure!(paths_with(&b, "merged") == [CONF], "m-b paths: {b:#}");
+        finish(env, "m-c")?;
+        let out = env.layerstack(&[
+            "wait",
+            "m-c",
+            "--timeout",
+            "60",
+            "--namespace",
+            NS,
+            "--json",
+        ])?;
+        ensure!(
+            out.status.code() == Some(3),
+            "wait on a conflict exits 3: {}",
+            describe(&out)
+        );
+        let c: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        ensure!(c["outcome"] == "conflict", "m-c: {c:#}");
+        ensure!(c["state"] == "conflict", "m-c: {c:#}");
+        ensure!(paths_with(&c, "conflict") == [CONF], "m-c paths: {c:#}");
+        let reason = c["conflicts"][0]["reason"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        ensure!(
+            reason.contains("same or adjacent lines"),
+            "m-c reason: {reason}"
+        );
+        for id in ["m-a", "m-b", "m-c"] {
+            env.ctr_ok(NS, &["containers", "delete", id])?;
+        }
+
+        // The branch head now holds both merged edits, byte for byte.
+        let expected = BASE
+            .replace("key2 = two", "key2 = A")
+            .replace("key7 = seven", "key7 = B");
+        let out = ctr_run(env, "m-check", false, &format!("cat {CONF}"))?;
+        ensure!(
+            out.stdout == expected.as_bytes(),
+            "merged file:\n{:?}\nexpected:\n{expected:?}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        wait_json(env, "m-check")?;
+
+        // The raw snapshot on the old lease: edit a third hunk through its mount,
+        // then ask for a dry run.
+        let target = env.scratch().join("m-dry");
+        mount_snapshot(&prep.stdout, &target)?;
+        let file = target.join(CONF.trim_start_matches('/'));
+        let edit = (|| -> Result<()> {
+            let text = std::fs::read(&file)?;
+            ensure!(
+                text == BASE.as_bytes(),
+                "the old lease shows the base version"
+            );
+            std::fs::write(&file, BASE.replace("key5 = five", "key5 = D"))?;
+            Ok(())
+        })();
+        nix::mount::umount(&target).context("unmounting the snapshot")?;
+        edit?;
+        let out = env.layerstack(&["publish", "--dry-run", "m-dry", "--namespace", NS])?;
+        let text = stdout(&out);
+        ensure!(
+            out.status.success(),
+            "publish --dry-run: {}",
+            describe(&out)
+        );
+        ensure!(text.lines().next() == Some("merged"), "dry run: {text}");
+        ensure!(
+            text.contains(&format!("merged {CONF}: three-way merged text")),
+            "dry run: {text}"
+        );
+        ensure!(
+            text.contains("dry run, nothing was changed"),
+            "dry run: {text}"
+        );
+        // Nothing changed: the session has no outcome, and publishing for real merges.
+        let out = env.layerstack(&["publish", "m-dry", "--namespace", NS, "--json"])?;
+        let d: serde_json::Value =
+            serde_json::from_slice(&out.stdout).with_context(|| describe(&out))?;
+        ensure!(d["outcome"] == "merged", "m-dry: {d:#}");
+        let expected = expected.replace("key5 = five", "key5 = D");
+        let out = ctr_run(env, "m-check2", false, &format!("cat {CONF}"))?;
+        ensure!(
+            out.stdout == expected.as_bytes(),
+            "after the third merge: {:?}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        wait_json(env, "m-check2")?;
+        env.ctr_ok(
+            NS,
+            &["snapshots", "--snapshotter", SNAPSHOTTER, "rm", "m-dry"],
+        )?;
+        Ok(())
+    });
+}

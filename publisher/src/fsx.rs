@@ -1,0 +1,239 @@
+//! Path access that works for paths longer than `PATH_MAX`, without following
+//! anything on the way.
+//!
+//! A relative path below a base directory is reached in one of two ways:
+//! * short enough (below [`SHORT_PATH`] bytes in total): the plain joined path;
+//! * otherwise: every directory component is opened with
+//!   `openat(O_DIRECTORY|O_NOFOLLOW)` relative to the previous one, and the entry
+//!   is then named as `/proc/self/fd/<parent fd>/<name>` — a short path whose
+//!   last component is resolved by the `l*` system calls without following it.
+//!
+//! Either way the caller gets an [`At`]: a short path valid while the `At` lives,
+//! usable with `lstat`, `readlink`, `l*xattr`, `open(O_NOFOLLOW)`, `unlink`,
+//! `rename` and `read_dir`. A symlink in a directory position is never followed:
+//! the walk fails with `ELOOP`/`ENOTDIR` instead (the kernel's `PATH_MAX` is 4096
+//! bytes, include/uapi/linux/limits.h).
+
+use std::ffi::OsStr;
+use std::io;
+use std::os::fd::{AsRawFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+
+use nix::dir::Dir;
+use nix::fcntl::OFlag;
+use nix::sys::stat::Mode;
+
+/// Paths at least this long (in bytes) are reached through descriptors.
+pub(crate) const SHORT_PATH: usize = 3072;
+
+/// An open directory; implements [`xattr::FileExt`] (`fgetxattr(2)` and friends).
+pub(crate) struct DirFd(pub(crate) Dir);
+
+impl AsRawFd for DirFd {
+    fn as_raw_fd(&self) -> RawFd {
+        self.0.as_raw_fd()
+    }
+}
+
+impl xattr::FileExt for DirFd {}
+
+const DIR_FLAGS: OFlag = OFlag::O_RDONLY
+    .union(OFlag::O_DIRECTORY)
+    .union(OFlag::O_NOFOLLOW)
+    .union(OFlag::O_CLOEXEC);
+
+/// Opens the directory `path` itself (a symlink is refused with `ELOOP`).
+pub(crate) fn open_dir(path: &Path) -> io::Result<DirFd> {
+    Dir::open(path, DIR_FLAGS, Mode::empty())
+        .map(DirFd)
+        .map_err(io::Error::from)
+}
+
+/// Opens the directory `name` inside `dir` (a symlink is refused).
+pub(crate) fn open_dir_at(dir: &impl AsRawFd, name: &[u8]) -> io::Result<DirFd> {
+    Dir::openat(Some(dir.as_raw_fd()), name, DIR_FLAGS, Mode::empty())
+        .map(DirFd)
+        .map_err(io::Error::from)
+}
+
+/// Opens `rel` below `base` component by component (`rel` may be empty: `base`).
+pub(crate) fn walk_dir(base: &Path, rel: &[u8]) -> io::Result<DirFd> {
+    let mut dir = open_dir(base)?;
+    if rel.is_empty() {
+        return Ok(dir);
+    }
+    for comp in rel.split(|&b| b == b'/') {
+        dir = open_dir_at(&dir, comp)?;
+    }
+    Ok(dir)
+}
+
+/// `/proc/self/fd/<fd>/<name>`: names `name` in the open directory `dir` with a
+/// short path (the magic link is followed, `name` itself is not by `l*` calls).
+/// An empty `name` gives `/proc/self/fd/<fd>/.`, the directory itself (without the
+/// `.`, `l*` calls would act on the magic link).
+pub(crate) fn proc_path(dir: &impl AsRawFd, name: &[u8]) -> PathBuf {
+    let mut p = PathBuf::from(format!("/proc/self/fd/{}", dir.as_raw_fd()));
+    if name.is_empty() {
+        p.push(".");
+    } else {
+        p.push(OsStr::from_bytes(name));
+    }
+    p
+}
+
+/// `(parent, name)` of a relative path; the parent of a single component is `""`.
+pub(crate) fn split_parent(rel: &[u8]) -> (&[u8], &[u8]) {
+    match rel.iter().rposition(|&b| b == b'/') {
+        Some(i) => (&rel[..i], &rel[i + 1..]),
+        None => (&[], rel),
+    }
+}
+
+/// A short path to `rel` below a base directory; see the module docs. Keeps the
+/// parent directory open (when needed) for as long as it lives.
+pub(crate) struct At {
+    _parent: Option<DirFd>,
+    path: PathBuf,
+}
+
+impl At {
+    /// The short path.
+    pub(crate) fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// Reaches `rel` (relative byte path, may be empty) below `base`.
+///
+/// # Errors
+/// Opening a directory component failed (`ENOENT`, `ENOTDIR`, `ELOOP`, …); only
+/// possible for long paths — short ones report such errors on use.
+pub(crate) fn at(base: &Path, rel: &[u8]) -> io::Result<At> {
+    if rel.is_empty() {
+        return Ok(At {
+            _parent: None,
+            path: base.to_path_buf(),
+        });
+    }
+    if base.as_os_str().len() + 1 + rel.len() < SHORT_PATH {
+        return Ok(At {
+            _parent: None,
+            path: base.join(OsStr::from_bytes(rel)),
+        });
+    }
+    let (parent, name) = split_parent(rel);
+    let dir = walk_dir(base, parent)?;
+    let path = proc_path(&dir, name);
+    Ok(At {
+        _parent: Some(dir),
+        path,
+    })
+}
+
+/// `lstat` of `rel` below `base`.
+pub(crate) fn lstat(base: &Path, rel: &[u8]) -> io::Result<std::fs::Metadata> {
+    std::fs::symlink_metadata(at(base, rel)?.path())
+}
+
+/// Opens the regular file `rel` below `base` read-only, never following a symlink
+/// and never becoming a controlling terminal.
+pub(crate) fn open_read(base: &Path, rel: &[u8]) -> io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    let a = at(base, rel)?;
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_NOCTTY)
+        .open(a.path())
+}
+
+/// The whole content of the regular file `rel` below `base`.
+pub(crate) fn read_file(base: &Path, rel: &[u8]) -> io::Result<Vec<u8>> {
+    use std::io::Read;
+    let mut f = open_read(base, rel)?;
+    let mut v = Vec::new();
+    f.read_to_end(&mut v)?;
+    Ok(v)
+}
+
+/// The target of the symlink `rel` below `base`, verbatim.
+pub(crate) fn read_link(base: &Path, rel: &[u8]) -> io::Result<Vec<u8>> {
+    let t = std::fs::read_link(at(base, rel)?.path())?;
+    Ok(t.into_os_string().into_encoded_bytes())
+}
+
+/// Every xattr of the entry at `path` (not following a symlink), sorted by name;
+/// an `EOPNOTSUPP` filesystem has none.
+pub(crate) fn xattrs_of(path: &Path) -> io::Result<Vec<(Vec<u8>, Vec<u8>)>> {
+    let names = match xattr::list(path) {
+        Ok(n) => n,
+        Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => return Ok(Vec::new()),
+        Err(e) => return Err(e),
+    };
+    let mut out = Vec::new();
+    for name in names {
+        match xattr::get(path, &name) {
+            Ok(Some(v)) => out.push((name.as_bytes().to_vec(), v)),
+            Ok(None) => {}
+            Err(e) if e.raw_os_error() == Some(libc::ENODATA) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use crate::testutil::*;
+
+    #[test]
+    fn long_paths_are_reached_through_descriptors() {
+        let t = tmp();
+        let base = t.path().join("b");
+        std::fs::create_dir(&base).unwrap();
+        // 40 components of 200 bytes: ~8 KiB, twice PATH_MAX.
+        let comp = "d".repeat(200);
+        let mut rel = Vec::new();
+        let mut dir = open_dir(&base).unwrap();
+        for _ in 0..40 {
+            nix::sys::stat::mkdirat(
+                Some(dir.as_raw_fd()),
+                comp.as_str(),
+                Mode::from_bits_truncate(0o755),
+            )
+            .unwrap();
+            dir = open_dir_at(&dir, comp.as_bytes()).unwrap();
+            if !rel.is_empty() {
+                rel.push(b'/');
+            }
+            rel.extend_from_slice(comp.as_bytes());
+        }
+        std::fs::write(proc_path(&dir, b"f"), b"deep").unwrap();
+        let mut file = rel.clone();
+        file.extend_from_slice(b"/f");
+        assert!(base.as_os_str().len() + file.len() > 4096);
+        assert_eq!(read_file(&base, &file).unwrap(), b"deep");
+        assert!(lstat(&base, &file).unwrap().is_file());
+        assert!(lstat(&base, &rel).unwrap().is_dir());
+        assert_eq!(
+            lstat(&base, b"nope/x").unwrap_err().kind(),
+            io::ErrorKind::NotFound
+        );
+        assert_eq!(split_parent(b"a/b/c"), (&b"a/b"[..], &b"c"[..]));
+        assert_eq!(split_parent(b"c"), (&b""[..], &b"c"[..]));
+    }
+
+    #[test]
+    fn symlinks_in_directory_position_are_not_followed() {
+        let t = tmp();
+        let base = t.path().join("b");
+        write(&base, "real/f", b"x", 0o644);
+        std::os::unix::fs::symlink("real", base.join("link")).unwrap();
+        assert!(walk_dir(&base, b"link").is_err());
+        assert!(walk_dir(&base, b"real").is_ok());
+    }
+}
