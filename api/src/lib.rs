@@ -1,5 +1,6 @@
-//! LayerStack's admin API: generated gRPC types (`proto/admin.proto`) and a
-//! unix-socket client connector.
+//! LayerStack's admin API: generated gRPC types (`proto/admin.proto`), a
+//! unix-socket client connector, and the container-label publish policy shared by
+//! the daemon and the shim.
 //!
 //! ```no_run
 //! # async fn f() -> Result<(), Box<dyn std::error::Error>> {
@@ -10,6 +11,8 @@
 //! ```
 
 #![allow(clippy::unwrap_used)]
+
+pub mod policy;
 
 /// Generated code of package `layerstack.admin.v1`.
 pub mod v1 {

@@ -11,6 +11,21 @@ use clap::{Parser, Subcommand};
 use layerstack_api as api;
 use serde_json::json;
 
+/// `println!` that ends the process quietly when stdout is closed (`| head`), like
+/// any Unix filter (exit 141 = SIGPIPE), instead of panicking.
+macro_rules! out {
+    ($($t:tt)*) => {{
+        use std::io::Write as _;
+        if let Err(e) = writeln!(std::io::stdout(), $($t)*) {
+            if e.kind() == std::io::ErrorKind::BrokenPipe {
+                std::process::exit(141);
+            }
+            eprintln!("layerstack: cannot write to stdout: {e}");
+            std::process::exit(1);
+        }
+    }};
+}
+
 #[derive(Debug, Parser)]
 #[command(name = "layerstack", version, about = "LayerStack operator CLI")]
 struct Cli {
@@ -26,6 +41,11 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Cmd {
+    /// Daemon status: store root, containerd connection.
+    Status {
+        #[arg(long)]
+        json: bool,
+    },
     /// Sessions: one per container rootfs on the layerstack snapshotter.
     Session {
         #[command(subcommand)]
@@ -93,22 +113,22 @@ fn session_json(s: &api::Session) -> serde_json::Value {
 
 fn print_outcome(s: &api::Session, as_json: bool) -> ExitCode {
     if as_json {
-        println!("{}", session_json(s));
+        out!("{}", session_json(s));
     } else {
-        println!("{}", if s.outcome.is_empty() { "none" } else { &s.outcome });
+        out!("{}", if s.outcome.is_empty() { "none" } else { &s.outcome });
         if s.layer != 0 {
-            println!("layer {}", s.layer);
+            out!("layer {}", s.layer);
         }
         if s.paths.is_empty() {
             for c in &s.conflicts {
-                println!("conflict {}: {}", c.path, c.reason);
+                out!("conflict {}: {}", c.path, c.reason);
             }
         }
         for p in &s.paths {
-            println!("{} {}: {}", p.status, p.path, p.reason);
+            out!("{} {}: {}", p.status, p.path, p.reason);
         }
         if !s.message.is_empty() {
-            println!("{}", s.message);
+            out!("{}", s.message);
         }
     }
     match s.outcome.as_str() {
@@ -132,19 +152,44 @@ async fn run(cli: Cli) -> Result<ExitCode> {
     })?;
     let ns = cli.namespace;
     match cli.cmd {
+        Cmd::Status { json } => {
+            let r = c.status(api::StatusRequest {}).await?.into_inner();
+            if json {
+                out!(
+                    "{}",
+                    json!({
+                        "version": r.version,
+                        "root": r.root,
+                        "containerd_address": r.containerd_address,
+                        "events_subscribed": r.events_subscribed,
+                        "default_branch": r.default_branch,
+                    })
+                );
+            } else {
+                out!("version             {}", r.version);
+                out!("store root          {}", r.root);
+                out!("containerd          {}", r.containerd_address);
+                out!(
+                    "task events         {}",
+                    if r.events_subscribed { "subscribed" } else { "not subscribed (containerd unreachable?)" }
+                );
+                out!("default branch      {}", r.default_branch);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
         Cmd::Session { cmd: SessionCmd::Ls { json } } => {
             let r = c.list_sessions(api::ListSessionsRequest {}).await?.into_inner();
             if json {
                 let v: Vec<_> = r.sessions.iter().map(session_json).collect();
-                println!("{}", serde_json::Value::Array(v));
+                out!("{}", serde_json::Value::Array(v));
             } else {
-                println!(
+                out!(
                     "{:<6} {:<12} {:<24} {:<14} {:<12} {:<10} {:<10} CONFLICTS",
                     "ID", "NAMESPACE", "CONTAINER", "STACK", "BRANCH", "STATE", "OUTCOME"
                 );
                 for s in &r.sessions {
                     let conflicts: Vec<&str> = s.conflicts.iter().map(|c| c.path.as_str()).collect();
-                    println!(
+                    out!(
                         "{:<6} {:<12} {:<24} {:<14} {:<12} {:<10} {:<10} {}",
                         s.id,
                         s.namespace,
@@ -215,11 +260,11 @@ async fn run(cli: Cli) -> Result<ExitCode> {
                         "paths": e.paths, "created_ns": e.created_ns,
                     })).collect::<Vec<_>>(),
                 });
-                println!("{v}");
+                out!("{v}");
             } else {
-                println!("stack {} branch {}", r.stack, r.branch);
+                out!("stack {} branch {}", r.stack, r.branch);
                 for e in &r.entries {
-                    println!(
+                    out!(
                         "layer {:<6} session {:<6} {}/{} ({} paths)",
                         e.layer, e.session, e.namespace, e.container, e.paths
                     );

@@ -1163,12 +1163,36 @@ impl TestEnv {
                 return Err(e);
             }
         };
-        Ok(TestEnv {
+        let env = TestEnv {
             dir,
             daemon: Mutex::new(Some(daemon)),
             containerd: Some(containerd),
             failed: std::sync::atomic::AtomicBool::new(false),
-        })
+        };
+        env.wait_events_subscribed()?;
+        Ok(env)
+    }
+
+    /// Waits until the daemon is subscribed to containerd's task events
+    /// (`layerstack status`), so a task deleted from now on publishes through the
+    /// event path rather than through the later reconcile.
+    pub fn wait_events_subscribed(&self) -> Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            let out = self.layerstack(&["status", "--json"])?;
+            if out.status.success() {
+                let v: serde_json::Value = serde_json::from_slice(&out.stdout)
+                    .with_context(|| format!("layerstack status --json: {}", String::from_utf8_lossy(&out.stdout)))?;
+                if v["events_subscribed"] == serde_json::Value::Bool(true) {
+                    return Ok(());
+                }
+            }
+            if Instant::now() >= deadline {
+                self.dump_logs();
+                bail!("the daemon did not subscribe to containerd's events within 30s");
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
     }
 
     /// Containerd and the daemon.

@@ -731,3 +731,41 @@ fn check_tmpfs_refused(env: &TestEnv, bin: &Path, dir: &Path) -> Result<()> {
     );
     Ok(())
 }
+
+/// Without the shim, the daemon's task-delete path honours the container's
+/// `layerstack.publish` label while the container record exists.
+#[test]
+fn event_path_honours_publish_label() {
+    run_layerstack_test(|env| {
+        let br = "lbl-policy";
+        let cases = [
+            ("never", "exit 0", "discarded", false),
+            ("on-success", "exit 3", "discarded", false),
+            ("on-success", "exit 0", "committed", true),
+        ];
+        for (policy, exit, want, visible) in cases {
+            let id = unique("lbl");
+            let file = format!("/root/{id}.txt");
+            let mut args: Vec<String> = vec!["run".into(), "--snapshotter".into(), SNAPSHOTTER.into()];
+            args.extend(["--snapshotter-label".to_string(), branch_label(br)]);
+            args.extend(["--label".to_string(), format!("layerstack.publish={policy}"), "-d".to_string()]);
+            args.extend([DEBIAN_IMAGE, &id, "sh", "-c", &format!("echo x > {file}; {exit}")].map(String::from));
+            let out = env.ctr(NS, &strs(&args))?;
+            ensure!(out.status.success(), "ctr run -d {id}: {}", describe(&out));
+            wait_task_stopped(env, NS, &id, Duration::from_secs(60))?;
+            let out = env.ctr(NS, &["tasks", "delete", &id])?;
+            ensure!(out.status.success(), "ctr tasks delete {id}: {}", describe(&out));
+            let (got, _) = ls_wait(env, &id)?;
+            ensure!(got == want, "{policy} with {exit}: outcome {got}, want {want}");
+            remove_container(env, &id)?;
+            let probe = unique("lbl-probe");
+            let seen = run_sh(env, &probe, Some(br), true, &format!("test -e {file} && echo yes || echo no"))?;
+            ls_wait_ok(env, &probe)?;
+            ensure!(
+                seen.trim() == if visible { "yes" } else { "no" },
+                "{policy} with {exit}: next container sees {file}: {seen:?}"
+            );
+        }
+        Ok(())
+    });
+}

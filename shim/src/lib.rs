@@ -35,7 +35,8 @@ pub mod daemon;
 pub mod events;
 pub mod inner;
 pub mod logging;
-pub mod policy;
+/// Publish policy labels, shared with the daemon (it lives in `layerstack-api`).
+pub use layerstack_api::policy;
 pub mod proxy;
 pub mod service;
 pub mod state;

@@ -19,6 +19,18 @@ pub struct AdminService {
 }
 
 impl AdminService {
+    fn status_response(&self) -> api::StatusResponse {
+        api::StatusResponse {
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            root: self.publisher.store().root().display().to_string(),
+            containerd_address: self.containerd_address.display().to_string(),
+            events_subscribed: self.publisher.events_subscribed.load(std::sync::atomic::Ordering::SeqCst),
+            default_branch: self.default_branch.clone(),
+        }
+    }
+}
+
+impl AdminService {
     pub fn new(publisher: Arc<Publisher>, containerd_address: PathBuf, default_branch: String) -> Self {
         Self {
             publisher,
@@ -122,6 +134,10 @@ fn require(field: &str, v: &str) -> Result<(), Status> {
 
 #[tonic::async_trait]
 impl api::Admin for AdminService {
+    async fn status(&self, _req: Request<api::StatusRequest>) -> Result<Response<api::StatusResponse>, Status> {
+        Ok(Response::new(self.status_response()))
+    }
+
     async fn list_sessions(
         &self,
         _req: Request<api::ListSessionsRequest>,

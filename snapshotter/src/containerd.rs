@@ -5,14 +5,18 @@
 //! so everything here retries with backoff and never blocks snapshot serving.
 
 use std::path::PathBuf;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 use containerd_client::services::v1::{
     events_client::EventsClient, images_client::ImagesClient, tasks_client::TasksClient, GetImageRequest,
-    GetRequest, ReadContentRequest, SubscribeRequest,
+    GetRequest, PublishRequest, ReadContentRequest, SubscribeRequest,
 };
 use containerd_client::services::v1::content_client::ContentClient;
+use containerd_client::services::v1::containers_client::ContainersClient;
+use containerd_client::services::v1::GetContainerRequest;
+use layerstack_api::policy;
 use containerd_client::tonic::transport::Channel;
 use containerd_client::tonic::{Code, Request};
 use layerstack_store::SessionState;
@@ -63,22 +67,45 @@ pub async fn watch_events(address: PathBuf, publisher: Arc<Publisher>) {
                 backoff = Duration::from_millis(200);
                 let mut events = EventsClient::new(ch.clone());
                 let req = SubscribeRequest {
-                    filters: vec![r#"topic=="/tasks/delete""#.to_string()],
+                    filters: vec![
+                        r#"topic=="/tasks/delete""#.to_string(),
+                        format!(r#"topic=="{SYNC_TOPIC}""#),
+                    ],
                 };
-                match events.subscribe(req).await {
+                let sub = events.subscribe(req);
+                tokio::pin!(sub);
+                // containerd sends a subscription's response headers only with its
+                // first event, so the call does not return on an idle host. Publish
+                // sync events until it does: the first one to arrive proves the
+                // subscription is registered, and the reconcile below cannot miss
+                // a task delete.
+                let subscribed = loop {
+                    tokio::select! {
+                        r = &mut sub => break r,
+                        _ = tokio::time::sleep(Duration::from_millis(100)) => {
+                            if let Err(e) = publish_sync(&ch).await {
+                                debug!(error = %e, "cannot publish a sync event yet");
+                            }
+                        }
+                    }
+                };
+                match subscribed {
                     Ok(stream) => {
                         info!(address = %address.display(), "subscribed to containerd task events");
                         // Subscribe first, then reconcile: nothing falls in between.
                         reconcile(&ch, &publisher).await;
+                        publisher.events_subscribed.store(true, Ordering::SeqCst);
                         let mut stream = stream.into_inner();
                         loop {
                             match stream.message().await {
-                                Ok(Some(env)) => handle_envelope(env, &publisher).await,
+                                Ok(Some(env)) => handle_envelope(env, &ch, &publisher).await,
                                 Ok(None) => {
+                                    publisher.events_subscribed.store(false, Ordering::SeqCst);
                                     warn!("containerd event stream ended; reconnecting");
                                     break;
                                 }
                                 Err(e) => {
+                                    publisher.events_subscribed.store(false, Ordering::SeqCst);
                                     warn!(error = %e, "containerd event stream failed; reconnecting");
                                     break;
                                 }
@@ -91,11 +118,32 @@ pub async fn watch_events(address: PathBuf, publisher: Arc<Publisher>) {
             Err(e) => debug!(error = %e, "containerd not reachable yet"),
         }
         tokio::time::sleep(backoff).await;
-        backoff = (backoff * 2).min(Duration::from_secs(5));
+        backoff = (backoff * 2).min(Duration::from_secs(1));
     }
 }
 
-async fn handle_envelope(env: containerd_client::types::Envelope, publisher: &Arc<Publisher>) {
+/// Topic of the events the daemon publishes to itself to learn that its
+/// subscription is live (see [`watch_events`]).
+const SYNC_TOPIC: &str = "/layerstack/sync";
+
+async fn publish_sync(ch: &Channel) -> Result<(), containerd_client::tonic::Status> {
+    let event = containerd_client::to_any(&containerd_client::events::TaskDelete::default());
+    EventsClient::new(ch.clone())
+        .publish(with_ns(
+            "layerstack",
+            PublishRequest {
+                topic: SYNC_TOPIC.to_string(),
+                event: Some(event),
+            },
+        ))
+        .await
+        .map(|_| ())
+}
+
+async fn handle_envelope(env: containerd_client::types::Envelope, ch: &Channel, publisher: &Arc<Publisher>) {
+    if env.topic != "/tasks/delete" {
+        return;
+    }
     let Some(any) = env.event else { return };
     let Ok(ev) = containerd_client::events::TaskDelete::decode(any.value.as_slice()) else {
         warn!(topic = %env.topic, "undecodable task event");
@@ -108,16 +156,52 @@ async fn handle_envelope(env: containerd_client::types::Envelope, publisher: &Ar
     }
     let ns = env.namespace.clone();
     let publisher = publisher.clone();
+    let ch = ch.clone();
     tokio::spawn(async move {
-        match publisher.find(&ns, &ev.container_id).await {
-            Ok(s) => {
-                if let Err(e) = publisher.publish(s.id, "task deleted").await {
-                    warn!(session.id = s.id, error = %crate::service::error_chain(&e), "publish on task delete failed");
-                }
+        let s = match publisher.find(&ns, &ev.container_id).await {
+            Ok(s) => s,
+            Err(e) => {
+                debug!(namespace = %ns, container = %ev.container_id, error = %e, "task deleted without a session");
+                return;
             }
-            Err(e) => debug!(namespace = %ns, container = %ev.container_id, error = %e, "task deleted without a session"),
+        };
+        if s.outcome.is_some() || s.lease_manifest.is_none() {
+            return;
+        }
+        // The container's own publish policy (`layerstack.publish` label), when
+        // its record is still there; `ctr run --rm` may have deleted it already,
+        // and then the default (on-exit) applies.
+        let (decision, reason) = match container_labels(&ch, &ns, &ev.container_id).await {
+            Some(labels) => match policy::policy_from_labels(&labels) {
+                Ok(p) => policy::decide(p, ev.exit_status),
+                Err(e) => {
+                    warn!(session.id = s.id, error = %e, "publishing with the default policy on-exit");
+                    policy::decide(policy::Policy::OnExit, ev.exit_status)
+                }
+            },
+            None => policy::decide(policy::Policy::OnExit, ev.exit_status),
+        };
+        let why = format!("task deleted: {reason}");
+        let r = match decision {
+            policy::Decision::Publish => publisher.publish(s.id, &why).await,
+            policy::Decision::Discard => publisher.discard(s.id, &why).await,
+        };
+        if let Err(e) = r {
+            warn!(session.id = s.id, error = %crate::service::error_chain(&e), "publish on task delete failed");
         }
     });
+}
+
+/// A container's labels through containerd's Containers API; `None` if it is gone.
+async fn container_labels(ch: &Channel, ns: &str, id: &str) -> Option<std::collections::HashMap<String, String>> {
+    let mut c = ContainersClient::new(ch.clone());
+    match c.get(with_ns(ns, GetContainerRequest { id: id.to_string() })).await {
+        Ok(r) => r.into_inner().container.map(|c| c.labels),
+        Err(st) => {
+            debug!(namespace = %ns, container = %id, error = %st, "container record not readable");
+            None
+        }
+    }
 }
 
 /// Publish sessions whose task is gone but that were never published (the daemon
@@ -147,8 +231,26 @@ async fn reconcile(ch: &Channel, publisher: &Arc<Publisher>) {
         );
         match tasks.get(req).await {
             Err(st) if st.code() == Code::NotFound => {
-                info!(session.id = s.id, container = %s.container, "reconcile: task gone, publishing");
-                if let Err(e) = publisher.publish(s.id, "reconcile").await {
+                // The exit status died with the task: `on-success` cannot be
+                // shown to hold, so it publishes nothing (as for a failed exit).
+                let policy = match container_labels(ch, &s.namespace, &s.container).await {
+                    Some(labels) => policy::policy_from_labels(&labels).unwrap_or_else(|e| {
+                        warn!(session.id = s.id, error = %e, "using the default policy on-exit");
+                        policy::Policy::OnExit
+                    }),
+                    None => policy::Policy::OnExit,
+                };
+                info!(session.id = s.id, container = %s.container, policy = %policy, "reconcile: task gone");
+                let r = match policy {
+                    policy::Policy::OnExit => publisher.publish(s.id, "reconcile: task gone").await,
+                    policy::Policy::OnSuccess => {
+                        publisher
+                            .discard(s.id, "reconcile: task gone, exit status unknown, policy on-success")
+                            .await
+                    }
+                    policy::Policy::Never => publisher.discard(s.id, "reconcile: policy never").await,
+                };
+                if let Err(e) = r {
                     warn!(session.id = s.id, error = %e, "reconcile publish failed");
                 }
             }

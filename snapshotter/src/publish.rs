@@ -45,6 +45,8 @@ pub struct Publisher {
     sessions: Mutex<HashMap<SessionId, Arc<Mutex<()>>>>,
     /// Notified after every recorded outcome.
     pub outcomes: Notify,
+    /// Subscribed to containerd's task events (set by the event watcher).
+    pub events_subscribed: std::sync::atomic::AtomicBool,
 }
 
 fn now_ns() -> i64 {
@@ -73,6 +75,7 @@ impl Publisher {
             gate: Mutex::new(()),
             sessions: Mutex::new(HashMap::new()),
             outcomes: Notify::new(),
+            events_subscribed: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
@@ -125,13 +128,23 @@ impl Publisher {
     }
 
     /// Publish `session` (taking its lock). Returns the session with its outcome.
+    ///
+    /// The publish runs as its own task: a caller that goes away (an admin RPC
+    /// whose client hit its deadline, the shim's 5 s cleanup budget) never leaves
+    /// a publish half done between capture and commit.
     pub async fn publish(
-        &self,
+        self: &Arc<Self>,
         session: SessionId,
         why: &str,
     ) -> Result<SessionInfo, PublishFailure> {
-        let _g = self.lock_session(session).await;
-        self.publish_locked(session, why).await
+        let me = self.clone();
+        let why = why.to_string();
+        tokio::spawn(async move {
+            let _g = me.lock_session(session).await;
+            me.publish_locked(session, &why).await
+        })
+        .await
+        .map_err(|e| PublishFailure::Join(e.to_string()))?
     }
 
     /// Publish with the session lock already held by the caller. A session whose
@@ -628,7 +641,7 @@ mod tests {
             exclude: publisher::ExcludePolicy::new(["/tmp/**"]).unwrap(),
             ..Default::default()
         };
-        let p = Publisher::new(store.clone()).with_policy(policy);
+        let p = Arc::new(Publisher::new(store.clone()).with_policy(policy));
 
         let a = p.publish(s[0].id, "test").await.unwrap();
         assert_eq!(a.outcome.as_ref().unwrap().kind, OutcomeKind::Committed);
