@@ -20,6 +20,11 @@ if [[ $(id -u) -ne 0 ]]; then
   exit 1
 fi
 
+if ! command -v cargo >/dev/null && [[ -f "$HOME/.cargo/env" ]]; then
+  # sudo's PATH hides ~/.cargo/bin
+  # shellcheck disable=SC1091
+  . "$HOME/.cargo/env"
+fi
 ./scripts/install-deps.sh
 echo "==> building LayerStack"
 cargo build --workspace --bins --quiet
@@ -102,7 +107,13 @@ say "   the next container reads it:"
 run --rm "$img" reader cat /root/notes.txt
 ls_ wait reader --timeout 60 >/dev/null
 
-say "2. two containers from the same head, at the same time, edit different files: both land"
+say "2. a container deletes /etc/issue and replaces /etc/apt (rm -rf, mkdir): the next one sees exactly that"
+run --rm "$img" deleter sh -c 'rm /etc/issue; rm -rf /etc/apt && mkdir /etc/apt && echo new > /etc/apt/only-this'
+ls_ wait deleter --timeout 60 | sed -n 1p
+run --rm "$img" looker sh -c 'ls /etc/issue 2>&1; ls /etc/apt'
+ls_ wait looker --timeout 60 >/dev/null
+
+say "3. two containers from the same head, at the same time, edit different files: both land"
 run -d "$img" left sh -c 'sleep 1; echo left > /root/left.txt' >/dev/null
 run -d "$img" right sh -c 'sleep 1; echo right > /root/right.txt' >/dev/null
 finish left; finish right
@@ -111,7 +122,7 @@ ls_ wait right --timeout 60 | sed -n 1p
 run --rm "$img" both sh -c 'cat /root/left.txt /root/right.txt'
 ls_ wait both --timeout 60 >/dev/null
 
-say "3. two containers edit the same file: the first to finish commits, the second is rejected whole"
+say "4. two containers edit the same file: the first to finish commits, the second is rejected whole"
 run -d "$img" first sh -c 'sleep 1; echo first > /root/notes.txt' >/dev/null
 run -d "$img" second sh -c 'sleep 2; echo second > /root/notes.txt; echo extra > /root/second-only.txt' >/dev/null
 finish first
@@ -120,6 +131,22 @@ finish second
 ls_ wait second --timeout 60 || echo "   (layerstack wait exits 3 on conflict)"
 run --rm "$img" check sh -c 'cat /root/notes.txt; ls /root/second-only.txt 2>&1 || true'
 ls_ wait check --timeout 60 >/dev/null
+
+say "5. while two sessions run, a marker written in one is never visible in the other"
+run -d "$img" iso-a sh -c 'echo a > /root/marker-a; sleep 1; { test -e /root/marker-b && echo "iso-a SAW marker-b" || echo "iso-a did not see marker-b"; } > /root/iso-a.txt' >/dev/null
+run -d "$img" iso-b sh -c 'echo b > /root/marker-b; sleep 1; { test -e /root/marker-a && echo "iso-b SAW marker-a" || echo "iso-b did not see marker-a"; } > /root/iso-b.txt' >/dev/null
+finish iso-a; finish iso-b
+ls_ wait iso-a --timeout 60 >/dev/null; ls_ wait iso-b --timeout 60 >/dev/null
+run --rm "$img" iso-check cat /root/iso-a.txt /root/iso-b.txt
+ls_ wait iso-check --timeout 60 >/dev/null
+
+say "6. a store root on tmpfs is refused before anything is written"
+mkdir -p "$work/tmpfs"
+mount -t tmpfs tmpfs "$work/tmpfs"
+"$bin/containerd-layerstack-grpc" --root "$work/tmpfs/store" --address "$work/t.sock" \
+  --admin-address "$work/t-admin.sock" 2>&1 | sed 's/^/   /' || true
+echo "   files written on the tmpfs: $(find "$work/tmpfs" -mindepth 1 | wc -l)"
+umount "$work/tmpfs"
 
 say "sessions:"
 ls_ session ls

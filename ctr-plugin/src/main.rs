@@ -138,9 +138,33 @@ fn print_outcome(s: &api::Session, as_json: bool) -> ExitCode {
     }
 }
 
+/// Columns padded to their widest cell, two spaces apart; the last is not padded.
+fn print_table<const N: usize>(rows: &[[String; N]]) {
+    let mut width = [0usize; N];
+    for r in rows {
+        for (w, cell) in width.iter_mut().zip(r) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    for r in rows {
+        let mut line = String::new();
+        for (i, cell) in r.iter().enumerate() {
+            if i + 1 == N {
+                line.push_str(cell);
+            } else {
+                line.push_str(&format!("{cell:<w$}  ", w = width[i]));
+            }
+        }
+        out!("{}", line.trim_end());
+    }
+}
+
+/// A stack id (`<namespace>/<chainID>`) shortened for tables: the chainID's first
+/// 12 hex digits (the namespace has its own column).
 fn short(stack: &str) -> &str {
-    let s = stack.strip_prefix("sha256:").unwrap_or(stack);
-    &s[..s.len().min(12)]
+    let chain = stack.rsplit('/').next().unwrap_or(stack);
+    let s = chain.strip_prefix("sha256:").unwrap_or(chain);
+    s.get(..12).unwrap_or(s)
 }
 
 async fn run(cli: Cli) -> Result<ExitCode> {
@@ -183,24 +207,22 @@ async fn run(cli: Cli) -> Result<ExitCode> {
                 let v: Vec<_> = r.sessions.iter().map(session_json).collect();
                 out!("{}", serde_json::Value::Array(v));
             } else {
-                out!(
-                    "{:<6} {:<12} {:<24} {:<14} {:<12} {:<10} {:<10} CONFLICTS",
-                    "ID", "NAMESPACE", "CONTAINER", "STACK", "BRANCH", "STATE", "OUTCOME"
-                );
+                let mut rows = vec![["ID", "NAMESPACE", "CONTAINER", "STACK", "BRANCH", "STATE", "OUTCOME", "CONFLICTS"]
+                    .map(String::from)];
                 for s in &r.sessions {
                     let conflicts: Vec<&str> = s.conflicts.iter().map(|c| c.path.as_str()).collect();
-                    out!(
-                        "{:<6} {:<12} {:<24} {:<14} {:<12} {:<10} {:<10} {}",
-                        s.id,
-                        s.namespace,
-                        s.container,
-                        short(&s.stack),
-                        s.branch,
-                        s.state,
-                        if s.outcome.is_empty() { "-" } else { &s.outcome },
-                        conflicts.join(",")
-                    );
+                    rows.push([
+                        s.id.to_string(),
+                        s.namespace.clone(),
+                        s.container.clone(),
+                        short(&s.stack).to_string(),
+                        s.branch.clone(),
+                        s.state.clone(),
+                        if s.outcome.is_empty() { "-".into() } else { s.outcome.clone() },
+                        conflicts.join(","),
+                    ]);
                 }
+                print_table(&rows);
             }
             Ok(ExitCode::SUCCESS)
         }
@@ -282,6 +304,10 @@ async fn main() -> ExitCode {
         Ok(code) => code,
         Err(e) => {
             match e.downcast_ref::<tonic::Status>() {
+                Some(st) if st.message().is_empty() => eprintln!(
+                    "layerstack: the daemon answered {:?} without a message (is --admin-address the admin socket, not the snapshots socket?)",
+                    st.code()
+                ),
                 Some(st) => eprintln!("layerstack: {}", st.message()),
                 None => eprintln!("layerstack: {e:#}"),
             }

@@ -226,7 +226,7 @@ impl api::Admin for AdminService {
         let r = req.into_inner();
         require("image", &r.image)?;
         let branch = if r.branch.is_empty() { self.default_branch.clone() } else { r.branch };
-        let stack = crate::containerd::resolve_stack(&self.containerd_address, &r.namespace, &r.image)
+        let chain = crate::containerd::resolve_stack(&self.containerd_address, &r.namespace, &r.image)
             .await
             .map_err(|e| {
                 let m = error_chain(&e);
@@ -236,6 +236,7 @@ impl api::Admin for AdminService {
                     _ => Status::internal(m),
                 }
             })?;
+        let stack = layerstack_store::stack_id(&r.namespace, &chain);
         let store = self.publisher.store().clone();
         let (st, br) = (stack.clone(), branch.clone());
         let entries = tokio::task::spawn_blocking(move || store.log(&st, &br))

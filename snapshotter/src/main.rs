@@ -58,6 +58,23 @@ fn bind(path: &Path) -> Result<tokio::net::UnixListener> {
     Ok(l)
 }
 
+/// Refuse configurations that would only fail later, naming what to change.
+fn validate(cfg: &mut Config) -> Result<()> {
+    layerstack_store::validate_branch(&cfg.default_branch)
+        .map_err(|e| anyhow::anyhow!("default_branch: {e}"))?;
+    if cfg.address == cfg.admin_address {
+        anyhow::bail!(
+            "the snapshots socket and the admin socket are both {}: give --address and --admin-address different paths",
+            cfg.address.display()
+        );
+    }
+    if cfg.root.is_relative() {
+        let cwd = std::env::current_dir().context("cannot resolve the relative --root")?;
+        cfg.root = cwd.join(&cfg.root);
+    }
+    Ok(())
+}
+
 #[tokio::main]
 async fn main() {
     tracing_subscriber::fmt()
@@ -68,8 +85,8 @@ async fn main() {
         .with_writer(std::io::stderr)
         .init();
     if let Err(e) = run(Args::parse()).await {
+        // One line on stderr (the tracing log also goes to stderr).
         error!("{e:#}");
-        eprintln!("containerd-layerstack-grpc: {e:#}");
         std::process::exit(1);
     }
 }
@@ -99,6 +116,7 @@ async fn run(args: Args) -> Result<()> {
         return Ok(());
     }
 
+    validate(&mut cfg)?;
     let opts = StoreOptions {
         durability: match cfg.durability {
             Durability::Disposable => layerstack_store::Durability::Disposable,

@@ -56,6 +56,15 @@ fn now_ns() -> i64 {
         .unwrap_or(0)
 }
 
+/// Whether the session's current run is over: it has an outcome that must not be
+/// repeated (committed, merged, no-change, discarded). A failed or conflicting run
+/// can be published again (gated anew against the head) or discarded.
+fn run_finished(s: &SessionInfo) -> bool {
+    s.outcome
+        .as_ref()
+        .is_some_and(|o| !matches!(o.kind, OutcomeKind::Failed | OutcomeKind::Conflict))
+}
+
 /// Whether an overlay with this upperdir is mounted in our mount namespace
 /// (`/proc/self/mountinfo` super options, `upperdir=` field).
 pub fn upper_is_mounted(upper: &Path) -> bool {
@@ -156,7 +165,7 @@ impl Publisher {
         why: &str,
     ) -> Result<SessionInfo, PublishFailure> {
         let current = self.blocking(move |s| s.session(session)).await?;
-        if current.outcome.is_some() || current.lease_manifest.is_none() || current.released {
+        if run_finished(&current) || current.lease_manifest.is_none() || current.released {
             return Ok(current);
         }
         if upper_is_mounted(&current.upper) {
@@ -198,7 +207,10 @@ impl Publisher {
     ) -> Result<SessionInfo, PublishFailure> {
         let _g = self.lock_session(session).await;
         let current = self.blocking(move |s| s.session(session)).await?;
-        if current.outcome.is_some() || current.lease_manifest.is_none() || current.released {
+        // A conflicted upper is kept after containerd removed the snapshot; this
+        // is how it is dropped.
+        let kept_conflict = current.released && current.state == layerstack_store::SessionState::Conflict;
+        if !kept_conflict && (run_finished(&current) || current.lease_manifest.is_none() || current.released) {
             return Ok(current);
         }
         if upper_is_mounted(&current.upper) {

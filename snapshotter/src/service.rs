@@ -24,6 +24,18 @@ impl LayerStackSnapshotter {
         Self { store, publisher }
     }
 
+    /// The live session whose container rootfs snapshot is `key`, if any.
+    async fn session_of(&self, key: &str) -> Result<Option<layerstack_store::SessionInfo>, Status> {
+        let Some((ns, name)) = split_key(key) else { return Ok(None) };
+        let (ns, name, key) = (ns.to_string(), name.to_string(), key.to_string());
+        let store = self.store.clone();
+        let found = tokio::task::spawn_blocking(move || store.find_session(&ns, &name))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?
+            .map_err(|e| Status::internal(error_chain(&e)))?;
+        Ok(found.filter(|s| s.key == key && !s.released))
+    }
+
     async fn blocking<T, F>(&self, f: F) -> Result<T, Status>
     where
         T: Send + 'static,
@@ -126,6 +138,13 @@ impl Snapshotter for LayerStackSnapshotter {
 
     async fn mounts(&self, key: String) -> Result<Vec<Mount>, Status> {
         debug!(snapshot.key = %key, "mounts");
+        // A session's Mounts starts a new run (fresh upper, new lease after a
+        // publish): it waits behind a publish of the previous run, so the new run
+        // never mounts an upper that is being captured or renamed into a layer.
+        let _guard = match self.session_of(&key).await? {
+            Some(sess) => Some(self.publisher.lock_session(sess.id).await),
+            None => None,
+        };
         self.blocking(move |s| s.mounts(&key)).await.map(to_mounts)
     }
 
@@ -154,24 +173,23 @@ impl Snapshotter for LayerStackSnapshotter {
         // Remove comes from containerd's GC, possibly while the task-delete
         // publish of this session still runs (`ctr run --rm`): wait behind it, and
         // publish first if nothing did (a missed event must not lose writes).
-        if let Some((ns, name)) = split_key(&key) {
-            let session = {
-                let (ns, name) = (ns.to_string(), name.to_string());
-                let store = self.store.clone();
-                tokio::task::spawn_blocking(move || store.find_session(&ns, &name))
-                    .await
-                    .map_err(|e| Status::internal(e.to_string()))?
-                    .map_err(|e| Status::internal(error_chain(&e)))?
-            };
-            if let Some(sess) = session.filter(|s| s.key == key && !s.released) {
-                let guard = self.publisher.lock_session(sess.id).await;
-                if let Err(e) = self.publisher.publish_locked(sess.id, "snapshot remove").await {
-                    warn!(session.id = sess.id, error = %e, "publish before remove did not complete");
-                }
-                let r = self.blocking(move |s| s.remove(&key)).await;
-                drop(guard);
-                return r;
+        if let Some(sess) = self.session_of(&key).await? {
+            let guard = self.publisher.lock_session(sess.id).await;
+            if crate::publish::upper_is_mounted(&sess.upper) {
+                // `ctr snapshots rm` on a running container: containerd only drops
+                // its record; its GC retries the Remove after the task is gone.
+                return Err(Status::failed_precondition(format!(
+                    "snapshot {key} is mounted (session {}, upper {}): remove it after its task is deleted",
+                    sess.id,
+                    sess.upper.display()
+                )));
             }
+            if let Err(e) = self.publisher.publish_locked(sess.id, "snapshot remove").await {
+                warn!(session.id = sess.id, error = %e, "publish before remove did not complete");
+            }
+            let r = self.blocking(move |s| s.remove(&key)).await;
+            drop(guard);
+            return r;
         }
         self.blocking(move |s| s.remove(&key)).await
     }

@@ -89,6 +89,8 @@ pub struct SweepReport {
     pub removed: Vec<PathBuf>,
     /// Rows whose directory is missing (reported, not repaired).
     pub missing: Vec<PathBuf>,
+    /// Published layers whose directory was moved into place after a crash.
+    pub rolled_forward: Vec<PathBuf>,
 }
 
 /// Result of a committed publish.
@@ -124,6 +126,18 @@ pub fn split_key(key: &str) -> Option<(&str, &str)> {
         return None;
     }
     Some((ns, name))
+}
+
+/// The stack id of image `chain_id` (its top layer chainID) in containerd
+/// namespace `namespace`: `<namespace>/<chainID>`. A containerd namespace is a
+/// tenancy boundary (`default`, `moby`, `k8s.io`), so each has its own history of
+/// the same image.
+pub fn stack_id(namespace: &str, chain_id: &str) -> String {
+    if namespace.is_empty() {
+        chain_id.to_string()
+    } else {
+        format!("{namespace}/{chain_id}")
+    }
 }
 
 /// `sha256:` followed by 64 lowercase hex digits (a chainID).
@@ -617,7 +631,7 @@ impl Store {
             let (ns, container) = split_key(key).unwrap_or(("", key));
             let branch = labels.get(BRANCH_LABEL).cloned().unwrap_or_else(|| self.default_branch.clone());
             validate_branch(&branch).map_err(SnapshotError::InvalidArgument)?;
-            let stack = stack_id_of(&base);
+            let stack = stack_id(ns, &stack_id_of(&base));
             let head = self.ensure_stack_branch(&tx, &stack, &branch)?;
             tx.execute(
                 "INSERT INTO sessions(key, namespace, container, stack, branch, base_key, above, state, created_ns, updated_ns) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, 'active', ?8, ?8)",
@@ -742,7 +756,7 @@ impl Store {
                     tx.execute("UPDATE sessions SET lease_id = ?2 WHERE id = ?1", params![sid, lease])?;
                     s.lease_id = Some(lease);
                 }
-                if s.state != SessionState::Active {
+                if s.state != SessionState::Active || s.outcome.is_some() {
                     tx.execute(
                         "UPDATE sessions SET state = 'active', outcome = NULL, runs = runs + 1, updated_ns = ?2 WHERE id = ?1",
                         params![sid, now_ns()],
@@ -1018,6 +1032,28 @@ impl Store {
         let mut conn = self.conn();
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
         let mut report = SweepReport::default();
+        // Roll forward publishes that committed but crashed before their upper
+        // was renamed into the layer directory (see `commit_publish_outcome`).
+        {
+            let mut stmt = tx.prepare("SELECT id, path, session_id FROM layers WHERE kind = 'published'")?;
+            let rows = stmt.query_map([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?, r.get::<_, Option<i64>>(2)?)))?;
+            for r in rows {
+                let (id, path, session) = r?;
+                let dst = self.root.join(&path);
+                let Some(sid) = session else { continue };
+                let upper = self.upper_path(sid);
+                if dst.exists() || !upper.exists() {
+                    continue;
+                }
+                std::fs::rename(&upper, &dst).map_err(|e| StoreError::Io(upper.clone(), e))?;
+                fs::fsync_dir(&self.root.join("l")).map_err(|e| StoreError::Io(dst.clone(), e))?;
+                warn!(layer.id = id, session.id = sid, "rolled forward a publish interrupted by a crash");
+                report.rolled_forward.push(dst);
+                if let Err(e) = self.make_session_dirs(sid) {
+                    warn!(session.id = sid, error = %e, "cannot recreate the session's upper");
+                }
+            }
+        }
         let mut layer_paths: HashSet<String> = HashSet::new();
         let mut active_works: HashSet<String> = HashSet::new();
         {
@@ -1244,62 +1280,56 @@ impl Store {
         let layer = self.insert_layer(&tx, "published", Some(&s.stack), Some(session))?;
         let upper = self.upper_path(session);
         let dst = self.layer_path(layer);
-        std::fs::rename(&upper, &dst).map_err(|e| PublishError::Io(upper.clone(), e))?;
-        let undo = |e: PublishError| {
-            if let Err(re) = std::fs::rename(&dst, &upper) {
-                warn!(error = %re, "could not move the layer back to the session upper");
+        {
+            let mut ins = tx.prepare_cached("INSERT INTO layer_changes(layer_id, path, change) VALUES (?1, ?2, ?3)")?;
+            for (p, c) in changes {
+                ins.execute(params![layer, p, c])?;
             }
-            e
-        };
-        let result = (|| -> Result<ManifestId, PublishError> {
-            fs::fsync_dir(&self.root.join("l")).map_err(|e| PublishError::Io(dst.clone(), e))?;
-            fs::fsync_dir(&self.session_path(session)).map_err(|e| PublishError::Io(upper.clone(), e))?;
-            {
-                let mut ins = tx.prepare_cached("INSERT INTO layer_changes(layer_id, path, change) VALUES (?1, ?2, ?3)")?;
-                for (p, c) in changes {
-                    ins.execute(params![layer, p, c])?;
-                }
-            }
-            let mut layers = vec![layer];
-            layers.extend(manifest_layers(&tx, head)?);
-            let now = now_ns();
-            tx.execute(
-                "INSERT INTO manifests(stack, layers, parent, layer_id, created_ns) VALUES (?1, ?2, ?3, ?4, ?5)",
-                params![s.stack, serde_json::to_string(&layers).unwrap_or_default(), head, layer, now],
-            )?;
-            let manifest = tx.last_insert_rowid();
-            tx.execute(
-                "UPDATE branches SET manifest_id = ?3, updated_ns = ?4 WHERE stack = ?1 AND name = ?2",
-                params![s.stack, s.branch, manifest, now],
-            )?;
-            Self::release_lease(&tx, s.lease_id)?;
-            let outcome = Outcome {
-                kind,
-                layer: Some(layer),
-                conflicts: vec![],
-                paths: paths.clone(),
-                message: message.clone(),
-                at_ns: now,
-            };
-            let oj = serde_json::to_string(&outcome).unwrap_or_default();
-            tx.execute(
-                "UPDATE sessions SET state = 'published', outcome = ?2, lease_id = NULL, updated_ns = ?3 WHERE id = ?1",
-                params![session, oj, now],
-            )?;
-            tx.execute(
-                "INSERT INTO publishes(session_id, outcome, layer_id, manifest_before, manifest_after, at_ns) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
-                params![session, oj, layer, head, manifest, now],
-            )?;
-            Ok(manifest)
-        })();
-        let manifest = match result {
-            Ok(m) => m,
-            Err(e) => return Err(undo(e)),
-        };
-        if let Err(e) = tx.commit() {
-            return Err(undo(e.into()));
         }
+        let mut layers = vec![layer];
+        layers.extend(manifest_layers(&tx, head)?);
+        let now = now_ns();
+        tx.execute(
+            "INSERT INTO manifests(stack, layers, parent, layer_id, created_ns) VALUES (?1, ?2, ?3, ?4, ?5)",
+            params![s.stack, serde_json::to_string(&layers).unwrap_or_default(), head, layer, now],
+        )?;
+        let manifest = tx.last_insert_rowid();
+        tx.execute(
+            "UPDATE branches SET manifest_id = ?3, updated_ns = ?4 WHERE stack = ?1 AND name = ?2",
+            params![s.stack, s.branch, manifest, now],
+        )?;
+        Self::release_lease(&tx, s.lease_id)?;
+        let outcome = Outcome {
+            kind,
+            layer: Some(layer),
+            conflicts: vec![],
+            paths,
+            message,
+            at_ns: now,
+        };
+        let oj = serde_json::to_string(&outcome).unwrap_or_default();
+        tx.execute(
+            "UPDATE sessions SET state = 'published', outcome = ?2, lease_id = NULL, updated_ns = ?3 WHERE id = ?1",
+            params![session, oj, now],
+        )?;
+        tx.execute(
+            "INSERT INTO publishes(session_id, outcome, layer_id, manifest_before, manifest_after, at_ns) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+            params![session, oj, layer, head, manifest, now],
+        )?;
+        tx.commit()?;
+        // The row is committed first and the (sealed, fsynced) upper is renamed into
+        // place while this connection is still held, so no other store call sees the
+        // row without its directory. A crash in between is rolled forward by the
+        // sweep (the upper is still at s/<id>/upper): a committed publish never
+        // loses the session's data, and no directory without a row is ever needed.
+        let moved = std::fs::rename(&upper, &dst)
+            .and_then(|()| fs::fsync_dir(&self.root.join("l")))
+            .and_then(|()| fs::fsync_dir(&self.session_path(session)));
         drop(conn);
+        if let Err(e) = moved {
+            tracing::error!(session.id = session, layer.id = layer, error = %e, "published layer committed but not moved into place; restart the daemon to roll it forward");
+            return Err(PublishError::Io(upper, e));
+        }
         self.reset_session_dirs(session, false);
         info!(session.id = session, layer.id = layer, stack = %s.stack, branch = %s.branch, manifest, outcome = "committed", "published");
         Ok(Published { layer, manifest })
@@ -1338,7 +1368,14 @@ impl Store {
         )?;
         tx.commit()?;
         drop(conn);
-        if reset {
+        if reset && s.released {
+            // containerd removed the snapshot already (a kept conflict upper being
+            // dropped): nothing will mount this session again.
+            let dir = self.session_path(session);
+            if let Err(e) = fs::remove_tree(&dir) {
+                warn!(path = %dir.display(), error = %e, "failed to remove session directory; the sweep will retry");
+            }
+        } else if reset {
             self.reset_session_dirs(session, true);
         }
         info!(session.id = session, outcome = outcome.kind.as_str(), "outcome recorded");

@@ -256,27 +256,28 @@ pub struct HeadDelta {
     pub new_layers: Vec<LayerId>,
 }
 
-/// Escape a byte path for display: valid UTF-8 stays as is; other bytes become `\xNN`.
-/// Lossless for display, never used to write a name back.
+/// Escape a byte path for display, with a leading `/`: printable UTF-8 stays as
+/// is; a backslash becomes `\\`; control characters and bytes that are not UTF-8
+/// become `\xNN`. Unambiguous (an escaped name never reads as another name),
+/// never used to write a name back.
 pub fn escape_path(p: &[u8]) -> String {
     let mut out = String::with_capacity(p.len() + 1);
     out.push('/');
-    let mut rest = p;
-    while !rest.is_empty() {
-        match std::str::from_utf8(rest) {
-            Ok(s) => {
-                out.push_str(s);
-                break;
-            }
-            Err(e) => {
-                let (good, bad) = rest.split_at(e.valid_up_to());
-                out.push_str(std::str::from_utf8(good).unwrap_or_default());
-                let n = e.error_len().unwrap_or(bad.len());
-                for b in &bad[..n] {
-                    out.push_str(&format!("\\x{b:02x}"));
+    for chunk in p.utf8_chunks() {
+        for c in chunk.valid().chars() {
+            match c {
+                '\\' => out.push_str("\\\\"),
+                c if c.is_control() => {
+                    let mut buf = [0u8; 4];
+                    for b in c.encode_utf8(&mut buf).bytes() {
+                        out.push_str(&format!("\\x{b:02x}"));
+                    }
                 }
-                rest = &bad[n..];
+                c => out.push(c),
             }
+        }
+        for b in chunk.invalid() {
+            out.push_str(&format!("\\x{b:02x}"));
         }
     }
     out

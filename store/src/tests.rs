@@ -45,7 +45,7 @@ fn unpack_then_session_mounts_image_layers_newest_first() {
     assert_eq!(lowers, vec![s.layer_path(2), s.layer_path(1)]);
     let sess = s.find_session("default", "c1").unwrap().unwrap();
     assert_eq!(u, sess.upper);
-    assert_eq!(sess.stack, "sha256:bbb");
+    assert_eq!(sess.stack, "default/sha256:bbb");
     assert_eq!(sess.branch, "main");
     assert_eq!(sess.state, SessionState::Active);
     // Published layers are never listed; everything containerd created is.
@@ -100,7 +100,7 @@ fn publish_prepends_layer_and_next_session_sees_it() {
     let again = s.session(sess.id).unwrap();
     assert_eq!((again.state, again.outcome, again.runs), (SessionState::Active, None, 1));
 
-    let log = s.log("sha256:bbb", "main").unwrap();
+    let log = s.log("default/sha256:bbb", "main").unwrap();
     assert_eq!(log.len(), 1);
     assert_eq!(log[0].layer, p.layer);
     assert_eq!(log[0].container.as_deref(), Some("c1"));
@@ -233,7 +233,7 @@ fn committing_a_session_freezes_what_it_saw() {
     assert_eq!(lowers.len(), 3);
     assert_eq!(lowers[0], init.upper, "per-container committed layer sits on top");
     let c = s.find_session("moby", "c").unwrap().unwrap();
-    assert_eq!(c.stack, "sha256:bbb");
+    assert_eq!(c.stack, "moby/sha256:bbb");
     // A view of the committed init snapshot shows its upper above the image.
     let (_, spec) = s.prepare("moby/8/v", "moby/6/c-init", BTreeMap::new(), true).unwrap();
     assert_eq!(
@@ -299,7 +299,7 @@ fn client_side_unpack_without_ref_label_is_an_image_layer() {
     s.prepare(&ex2, &top, BTreeMap::new(), false).unwrap();
     assert!(s.sessions().unwrap().is_empty(), "an extraction is never a session");
     s.prepare("default/4/c", &top, BTreeMap::new(), false).unwrap();
-    assert_eq!(s.find_session("default", "c").unwrap().unwrap().stack, chain);
+    assert_eq!(s.find_session("default", "c").unwrap().unwrap().stack, format!("default/{chain}"));
     assert!(!is_extraction("default/5/extract-1 notadigest", &BTreeMap::new()));
 }
 
@@ -307,6 +307,8 @@ fn client_side_unpack_without_ref_label_is_an_image_layer() {
 fn escape_path_is_lossless_for_display() {
     assert_eq!(escape_path(b"etc/issue"), "/etc/issue");
     assert_eq!(escape_path(b"a/\xffb"), "/a/\\xffb");
+    assert_eq!(escape_path(b"a\nb"), "/a\\x0ab");
+    assert_eq!(escape_path(b"a\\xffb"), "/a\\\\xffb", "a literal backslash never reads as an escape");
 }
 
 #[test]
@@ -331,5 +333,27 @@ fn concurrent_store_instances_serialize_session_creation() {
     }
     let s = open(d.path());
     assert_eq!(s.sessions().unwrap().len(), 8);
-    assert_eq!(s.stacks().unwrap()["sha256:bbb"].len(), 1, "one stack, one main branch");
+    assert_eq!(s.stacks().unwrap()["default/sha256:bbb"].len(), 1, "one stack, one main branch");
+}
+
+#[test]
+fn publish_interrupted_after_commit_is_rolled_forward() {
+    let d = tmp();
+    let s = open(d.path());
+    let top = unpack(&s, "default");
+    s.prepare("default/5/c", &top, BTreeMap::new(), false).unwrap();
+    let c = s.find_session("default", "c").unwrap().unwrap();
+    std::fs::write(c.upper.join("data"), b"precious").unwrap();
+    let ctx = s.publish_context(c.id).unwrap();
+    let head = s.head_delta(c.id, ctx.lease_manifest).unwrap().head;
+    let p = s.commit_publish(c.id, head, &[(b"data".to_vec(), "{}".into())], None).unwrap();
+    drop(s);
+    // Simulate a crash between the commit and the rename of the upper.
+    std::fs::remove_dir_all(&c.upper).unwrap();
+    let layer = d.path().join("root/l").join(p.layer.to_string());
+    std::fs::rename(&layer, &c.upper).unwrap();
+    let s = open(d.path());
+    assert_eq!(std::fs::read(s.layer_path(p.layer).join("data")).unwrap(), b"precious");
+    assert!(c.upper.exists(), "the session gets a fresh upper");
+    assert_eq!(std::fs::read_dir(&c.upper).unwrap().count(), 0);
 }
