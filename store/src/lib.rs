@@ -729,7 +729,7 @@ impl Store {
     fn session_spec(&self, tx: &Connection, sid: SessionId, lowers: &[LayerId]) -> Result<MountSpec, SnapshotError> {
         if lowers.len() > MAX_LOWERS {
             return Err(SnapshotError::FailedPrecondition(format!(
-                "session {sid} would mount {} lower layers; overlayfs allows {MAX_LOWERS}: squash the branch",
+                "a container on this branch would mount {} lower layers (published history plus image layers); overlayfs allows {MAX_LOWERS} (OVL_MAX_STACK); squashing history is not implemented yet: run new containers on another branch (label {BRANCH_LABEL}) or image",
                 lowers.len()
             )));
         }
