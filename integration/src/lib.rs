@@ -1534,3 +1534,93 @@ pub fn with_shared_env_mut<R>(f: impl FnOnce(&mut TestEnv) -> R) -> R {
         }
     }
 }
+
+// ---------------------------------------------------------------------------
+// Killing and restarting the daemon (tests/containerd.rs)
+// ---------------------------------------------------------------------------
+
+impl TestEnv {
+    /// The pid of the daemon this env started, while it runs.
+    pub fn daemon_pid(&self) -> Option<u32> {
+        let mut d = self.daemon.lock().unwrap_or_else(|e| e.into_inner());
+        let daemon = d.as_mut()?;
+        if daemon.is_running() {
+            daemon.pid()
+        } else {
+            None
+        }
+    }
+
+    /// SIGKILLs the daemon (no shutdown of any kind, as in a crash or an OOM
+    /// kill) and reaps it. Its sockets and store stay as they are. Errors if no
+    /// daemon runs. Restart it with [`TestEnv::restart_daemon`].
+    pub fn kill_daemon(&self) -> Result<u32> {
+        let mut d = self.daemon.lock().unwrap_or_else(|e| e.into_inner());
+        let daemon = d.as_mut().context("no daemon was started")?;
+        let child = daemon.child.as_mut().context("the daemon is stopped already")?;
+        if child.try_wait()?.is_some() {
+            bail!("the daemon had exited already");
+        }
+        let pid = child.id();
+        kill(Pid::from_raw(pid as i32), Signal::SIGKILL).context("SIGKILL to the daemon")?;
+        child.wait().context("reaping the daemon")?;
+        daemon.child = None;
+        Ok(pid)
+    }
+
+    /// Starts a new daemon on the same store root, sockets and log after
+    /// [`TestEnv::kill_daemon`] (or a crash), and waits until containerd reaches
+    /// it and it is subscribed to containerd's task events.
+    pub fn restart_daemon(&self) -> Result<()> {
+        {
+            let mut d = self.daemon.lock().unwrap_or_else(|e| e.into_inner());
+            if let Some(daemon) = d.as_mut() {
+                if daemon.is_running() {
+                    bail!("restart_daemon: the daemon is still running (pid {:?})", daemon.pid());
+                }
+            }
+            // Dropping a stopped Daemon does nothing more.
+            d.take();
+        }
+        self.start_daemon()?;
+        self.wait_events_subscribed()?;
+        self.wait_snapshotter_backend_reachable()
+    }
+
+    /// Waits until containerd's proxy connection to the daemon carries RPCs
+    /// again. containerd 1.6's `snapshots ls` ([`TestEnv::wait_snapshotter_reachable`])
+    /// is answered from containerd's own metadata and never reaches the proxy, so
+    /// after the daemon restarts that probe passes while containerd's gRPC channel
+    /// is still in reconnect backoff (up to 3 s) and fails fast with `connection
+    /// refused`. `ctr snapshots usage` calls the snapshotter's `Usage` for every
+    /// snapshot of a namespace; this polls it in every namespace until it succeeds
+    /// in all of them (vacuous if no namespace has a layerstack snapshot).
+    pub fn wait_snapshotter_backend_reachable(&self) -> Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let t = Duration::from_secs(20);
+        loop {
+            let nss = self.containerd().ctr_timeout("default", &["namespaces", "ls", "-q"], t)?;
+            let nss = ensure_success("ctr namespaces ls", nss)?;
+            let mut failure = None;
+            for ns in stdout(&nss).lines().map(str::trim).filter(|s| !s.is_empty()) {
+                let out = self.containerd().ctr_timeout(
+                    ns,
+                    &["snapshots", "--snapshotter", SNAPSHOTTER, "usage"],
+                    t,
+                )?;
+                if !out.status.success() {
+                    failure = Some(format!("ctr -n {ns} snapshots usage: {}", describe(&out)));
+                    break;
+                }
+            }
+            let Some(failure) = failure else {
+                return Ok(());
+            };
+            if Instant::now() >= deadline {
+                self.dump_logs();
+                bail!("containerd cannot reach the {SNAPSHOTTER} snapshotter after 30s: {failure}");
+            }
+            thread::sleep(Duration::from_millis(100));
+        }
+    }
+}
