@@ -26,6 +26,20 @@ pub use v1::*;
 use std::path::PathBuf;
 use tonic::transport::{Channel, Endpoint, Uri};
 
+/// Render an error with its source chain, "outer: inner: root cause", for
+/// messages that leave the process (gRPC status messages, log lines). Errors in
+/// this workspace do not repeat their source in their own message.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        src = c.source();
+    }
+    s
+}
+
 /// Default admin socket path (ARCHITECTURE.md §3).
 pub const DEFAULT_ADMIN_ADDRESS: &str = "/run/layerstack/admin.sock";
 

@@ -44,14 +44,4 @@ pub mod state;
 /// Runtime name containerd maps to this binary (`containerd-shim-<name>-<version>`).
 pub const RUNTIME_NAME: &str = "io.containerd.layerstack.v1";
 
-/// "outer: inner: root cause", for log lines.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(c) = src {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        src = c.source();
-    }
-    s
-}
+pub use layerstack_api::error_chain;

@@ -62,17 +62,7 @@ pub fn to_status(e: SnapshotError) -> Status {
     }
 }
 
-/// "outer: inner: root cause", for messages that leave the process.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(c) = src {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        src = c.source();
-    }
-    s
-}
+pub use layerstack_api::error_chain;
 
 fn to_time(ns: i64) -> SystemTime {
     UNIX_EPOCH + Duration::from_nanos(ns.max(0) as u64)
