@@ -58,7 +58,7 @@ fn already_exists_and_not_found_follow_errdefs() {
     let d = tmp();
     let s = open(d.path());
     let top = unpack(&s, "ns");
-    assert!(matches!(s.prepare("ns/5/c", &top, BTreeMap::new(), false), Ok(_)));
+    assert!(s.prepare("ns/5/c", &top, BTreeMap::new(), false).is_ok());
     assert!(matches!(s.prepare("ns/5/c", &top, BTreeMap::new(), false), Err(SnapshotError::AlreadyExists(_))));
     assert!(matches!(s.prepare("ns/6/d", "ns/9/nope", BTreeMap::new(), false), Err(SnapshotError::NotFound(_))));
     assert!(matches!(s.stat("nope"), Err(SnapshotError::NotFound(_))));
