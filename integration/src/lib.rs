@@ -28,6 +28,9 @@ use anyhow::{anyhow, bail, Context, Result};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
+pub mod scenario;
+pub use scenario::*;
+
 /// Snapshotter name under which containerd sees our daemon.
 pub const SNAPSHOTTER: &str = "layerstack";
 /// Snapshot label that selects a session's branch.

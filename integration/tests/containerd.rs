@@ -11,210 +11,73 @@
 
 use std::path::Path;
 use std::process::Output;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{ensure, Context, Result};
 use layerstack_integration::{
-    bin_path, busybox_image_tar, contains_ci, debian_image_tar, describe,
-    require_root_and_containerd, run_with_timeout, stdout, with_shared_env, TestEnv, BRANCH_LABEL,
+    bin_path, busybox_image_tar, contains_ci, debian_image_tar, delete_task, describe, finish_detached, first_word,
+    import_checked, json_strs, kill_task, ls_publish, ls_wait, ls_wait_ok, publish_policy_label, remove_container,
+    run_layerstack_scenario, run_scenario, run_sh, run_with_timeout, session, session_of, session_upper,
+    sessions, start_daemon_and_import, start_detached, stdout, unique, wait_task_stopped, CtrRun, TestEnv,
     BUSYBOX_IMAGE, CLI_BIN, DAEMON_BIN, DEBIAN_IMAGE, SNAPSHOTTER,
 };
 
 /// Namespace for the overlayfs (containerd builtin) tests.
 const NS_OVL: &str = "lst-overlayfs";
+/// containerd's builtin snapshotter.
+const OVERLAYFS: &str = "overlayfs";
 /// Namespace for the layerstack scenarios.
 const NS: &str = "lst";
-
-fn run_test(f: impl FnOnce(&TestEnv) -> Result<()>) {
-    if !require_root_and_containerd() {
-        return;
-    }
-    with_shared_env(|env| {
-        if let Err(e) = f(env) {
-            panic!("{e:#}");
-        }
-    });
-}
-
-/// Like `run_test`, with the daemon running and the Debian image imported
-/// into `NS` for the layerstack snapshotter.
-fn run_layerstack_test(f: impl FnOnce(&TestEnv) -> Result<()>) {
-    run_test(|env| {
-        let tar = debian_image_tar()?;
-        env.start_daemon()
-            .context("starting the layerstack daemon")?;
-        let names = env.import_image(NS, &tar, SNAPSHOTTER)?;
-        ensure!(
-            names.iter().any(|n| n == DEBIAN_IMAGE),
-            "image names after import: {names:?}"
-        );
-        f(env)
-    });
-}
 
 // ---------------------------------------------------------------------------
 // helpers
 // ---------------------------------------------------------------------------
 
-fn branch_label(branch: &str) -> String {
-    format!("{BRANCH_LABEL}={branch}")
+/// A fresh `--rm` container `PREFIX-N` in `ns` on `branch` runs `sh -c
+/// script`, which must exit 0, and its session must end (`layerstack wait`
+/// succeeds). Returns its stdout.
+fn read_back(env: &TestEnv, ns: &str, prefix: &str, branch: Option<&str>, script: &str) -> Result<String> {
+    let id = unique(prefix);
+    let text = run_sh(env, ns, &id, branch, true, script)?;
+    ls_wait_ok(env, ns, &id)?;
+    Ok(text)
 }
 
-/// Blocking `ctr run` of `sh -c script` on the Debian image with the
-/// layerstack snapshotter, on `branch` (None: default branch). Fails on a
-/// non-zero exit; returns stdout.
-fn run_sh(env: &TestEnv, id: &str, branch: Option<&str>, rm: bool, script: &str) -> Result<String> {
-    run_sh_in(env, NS, id, branch, rm, script)
-}
-
-/// [`run_sh`] in namespace `ns`.
-fn run_sh_in(env: &TestEnv, ns: &str, id: &str, branch: Option<&str>, rm: bool, script: &str) -> Result<String> {
-    let args = run_args(id, branch, rm, false, script);
-    let out = env.ctr(ns, &strs(&args))?;
-    ensure!(out.status.success(), "ctr -n {ns} run {id}: {}", describe(&out));
-    Ok(stdout(&out))
-}
-
-/// `ctr run` arguments for `sh -c script` on the Debian image.
-fn run_args(id: &str, branch: Option<&str>, rm: bool, detach: bool, script: &str) -> Vec<String> {
-    let mut args: Vec<String> = vec!["run".into(), "--snapshotter".into(), SNAPSHOTTER.into()];
-    if let Some(b) = branch {
-        args.push("--snapshotter-label".into());
-        args.push(branch_label(b));
-    }
-    if rm {
-        args.push("--rm".into());
-    }
-    if detach {
-        args.push("-d".into());
-    }
-    args.extend([DEBIAN_IMAGE, id, "sh", "-c", script].map(String::from));
-    args
-}
-
-fn strs(v: &[String]) -> Vec<&str> {
-    v.iter().map(String::as_str).collect()
-}
-
-/// `ctr run -d`: starts the container and returns once it runs.
-fn start_detached(env: &TestEnv, id: &str, branch: Option<&str>, script: &str) -> Result<()> {
-    let args = run_args(id, branch, false, true, script);
-    let out = env.ctr(NS, &strs(&args))?;
-    ensure!(out.status.success(), "ctr run -d {id}: {}", describe(&out));
-    Ok(())
-}
-
-/// Waits for a detached task to stop, then deletes the task (checking its
-/// exit status), which makes containerd emit /tasks/delete: the publish
-/// trigger. ctr 1.6 has no `tasks wait`, so this polls `tasks ls`.
-fn finish_detached(env: &TestEnv, id: &str) -> Result<()> {
-    wait_task_stopped(env, NS, id, Duration::from_secs(60))?;
-    let out = env.ctr(NS, &["tasks", "delete", id])?;
+/// The race of scenario 4 on branch `br`: `PREFIX-setup` commits `base` to
+/// /root/shared.txt; `PREFIX-a` (writes `A` there) and `PREFIX-b` (runs
+/// `b_script`) then start detached from that head. a's task is deleted first
+/// and a must commit; then b's. Returns (a, b, b's outcome word, b's `layerstack
+/// wait` output).
+fn race_on_shared_file(
+    env: &TestEnv,
+    br: &str,
+    prefix: &str,
+    b_script: &str,
+) -> Result<(String, String, String, Output)> {
+    let setup = unique(&format!("{prefix}-setup"));
+    run_sh(env, NS, &setup, Some(br), true, "echo base > /root/shared.txt")?;
     ensure!(
-        out.status.success(),
-        "ctr task delete {id}: {}",
-        describe(&out)
+        ls_wait_ok(env, NS, &setup)? == "committed",
+        "setup not committed"
     );
-    Ok(())
+
+    let a = unique(&format!("{prefix}-a"));
+    let b = unique(&format!("{prefix}-b"));
+    start_detached(env, NS, &a, Some(br), "echo A > /root/shared.txt")?;
+    start_detached(env, NS, &b, Some(br), b_script)?;
+    finish_detached(env, NS, &a)?;
+    let wa = ls_wait_ok(env, NS, &a)?;
+    ensure!(wa == "committed", "first finisher {a}: {wa}");
+
+    finish_detached(env, NS, &b)?;
+    let (wb, out) = ls_wait(env, NS, &b)?;
+    Ok((a, b, wb, out))
 }
 
-/// Polls `ctr tasks ls` until task `id` is STOPPED.
-fn wait_task_stopped(env: &TestEnv, ns: &str, id: &str, timeout: Duration) -> Result<()> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        let out = env.ctr_ok(ns, &["tasks", "ls"])?;
-        let text = stdout(&out);
-        // TASK  PID  STATUS
-        let status = text
-            .lines()
-            .skip(1)
-            .map(|l| l.split_whitespace().collect::<Vec<_>>())
-            .find(|f| f.first() == Some(&id))
-            .and_then(|f| f.get(2).map(|s| s.to_string()));
-        match status.as_deref() {
-            Some("STOPPED") => return Ok(()),
-            None => bail!("no task {id} in `ctr tasks ls`:\n{text}"),
-            Some(_) if Instant::now() >= deadline => {
-                bail!("task {id} still running after {timeout:?}:\n{text}")
-            }
-            Some(_) => thread::sleep(Duration::from_millis(100)),
-        }
-    }
-}
-
-/// `layerstack wait ID --timeout 60 --namespace NS` → (outcome word, output).
-fn ls_wait(env: &TestEnv, id: &str) -> Result<(String, Output)> {
-    ls_wait_in(env, NS, id)
-}
-
-/// [`ls_wait`] in namespace `ns`.
-fn ls_wait_in(env: &TestEnv, ns: &str, id: &str) -> Result<(String, Output)> {
-    let out = env.layerstack(&["wait", id, "--timeout", "60", "--namespace", ns])?;
-    let word = stdout(&out).lines().next().unwrap_or("").trim().to_string();
-    Ok((word, out))
-}
-
-/// `layerstack wait` that must succeed; returns the outcome word.
-fn ls_wait_ok(env: &TestEnv, id: &str) -> Result<String> {
-    ls_wait_ok_in(env, NS, id)
-}
-
-/// [`ls_wait_ok`] in namespace `ns`.
-fn ls_wait_ok_in(env: &TestEnv, ns: &str, id: &str) -> Result<String> {
-    let (word, out) = ls_wait_in(env, ns, id)?;
-    ensure!(
-        out.status.success(),
-        "layerstack wait -n {ns} {id}: {}",
-        describe(&out)
-    );
-    Ok(word)
-}
-
-fn remove_container(env: &TestEnv, id: &str) -> Result<()> {
-    env.ctr_ok(NS, &["containers", "delete", id])?;
-    Ok(())
-}
-
-/// `layerstack session ls --json`.
-fn sessions(env: &TestEnv) -> Result<Vec<serde_json::Value>> {
-    sessions_in(env, NS)
-}
-
-/// [`sessions`] with `--namespace ns`.
-fn sessions_in(env: &TestEnv, ns: &str) -> Result<Vec<serde_json::Value>> {
-    let out = env.layerstack(&["session", "ls", "--json", "--namespace", ns])?;
-    ensure!(
-        out.status.success(),
-        "layerstack session ls --json: {}",
-        describe(&out)
-    );
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout)
-        .with_context(|| format!("parsing session ls --json output: {}", stdout(&out)))?;
-    match v {
-        serde_json::Value::Array(a) => Ok(a),
-        other => bail!("session ls --json is not an array: {other}"),
-    }
-}
-
-fn session_of<'a>(all: &'a [serde_json::Value], container: &str) -> Result<&'a serde_json::Value> {
-    session_of_in(all, NS, container)
-}
-
-/// [`session_of`] in namespace `ns`.
-fn session_of_in<'a>(all: &'a [serde_json::Value], ns: &str, container: &str) -> Result<&'a serde_json::Value> {
-    all.iter()
-        .rev()
-        .find(|s| s["namespace"] == ns && s["container"] == container)
-        .with_context(|| format!("no session for container {container} in {all:#?}"))
-}
-
-/// A container id not used before in this process (containerd is private to
-/// the process, so that is enough).
-fn unique(prefix: &str) -> String {
-    static N: AtomicUsize = AtomicUsize::new(0);
-    format!("{prefix}-{}", N.fetch_add(1, Ordering::SeqCst))
+/// The trimmed non-empty lines of `text`.
+fn non_empty_lines(text: &str) -> Vec<&str> {
+    text.lines().map(str::trim).filter(|l| !l.is_empty()).collect()
 }
 
 /// Relative paths of everything below `dir`.
@@ -241,43 +104,52 @@ fn list_tree(dir: &Path) -> Vec<String> {
 // containerd's builtin overlayfs snapshotter: the harness and images work
 // ---------------------------------------------------------------------------
 
+/// Imports `tar` into `NS_OVL` for containerd's overlayfs snapshotter (timed);
+/// `image` must be among the names.
+fn overlayfs_import(env: &TestEnv, tar: &Path, image: &str) -> Result<()> {
+    let start = Instant::now();
+    import_checked(env, NS_OVL, tar, OVERLAYFS, image)?;
+    eprintln!("{image} import: {:.2}s", start.elapsed().as_secs_f64());
+    Ok(())
+}
+
+/// `ctr run --rm` of `sh -c script` on `image` with overlayfs, as `PREFIX-N`:
+/// it must exit 0, print `first` as its first line and `issue` (from the
+/// image's /etc/issue). Returns its stdout.
+fn overlayfs_run_sh(
+    env: &TestEnv,
+    image: &str,
+    prefix: &str,
+    script: &str,
+    first: &str,
+    issue: &str,
+) -> Result<String> {
+    let id = unique(prefix);
+    let text = CtrRun::sh(NS_OVL, &id, script)
+        .image(image)
+        .snapshotter(OVERLAYFS)
+        .rm(true)
+        .stdout_ok(env)?;
+    ensure!(
+        text.lines().next() == Some(first),
+        "unexpected output: {text}"
+    );
+    ensure!(text.contains(issue), "no /etc/issue: {text}");
+    Ok(text)
+}
+
 #[test]
 fn overlayfs_busybox_import_and_run() {
-    run_test(|env| {
-        let tar = busybox_image_tar()?;
-        let start = Instant::now();
-        let names = env.import_image(NS_OVL, &tar, "overlayfs")?;
-        eprintln!("busybox import: {:.2}s", start.elapsed().as_secs_f64());
-        ensure!(
-            names.iter().any(|n| n == BUSYBOX_IMAGE),
-            "image names: {names:?}"
-        );
-
-        let id = unique("ovl-bb");
-        let out = env.ctr(
-            NS_OVL,
-            &[
-                "run",
-                "--rm",
-                "--snapshotter",
-                "overlayfs",
-                BUSYBOX_IMAGE,
-                &id,
-                "sh",
-                "-c",
-                "echo hi; cat /etc/issue; test -d /root && test -d /tmp && echo dirs-ok",
-            ],
+    run_scenario(|env| {
+        overlayfs_import(env, &busybox_image_tar()?, BUSYBOX_IMAGE)?;
+        let text = overlayfs_run_sh(
+            env,
+            BUSYBOX_IMAGE,
+            "ovl-bb",
+            "echo hi; cat /etc/issue; test -d /root && test -d /tmp && echo dirs-ok",
+            "hi",
+            "LayerStack busybox test image",
         )?;
-        ensure!(out.status.success(), "ctr run: {}", describe(&out));
-        let text = stdout(&out);
-        ensure!(
-            text.lines().next() == Some("hi"),
-            "unexpected output: {text}"
-        );
-        ensure!(
-            text.contains("LayerStack busybox test image"),
-            "no /etc/issue: {text}"
-        );
         ensure!(text.contains("dirs-ok"), "missing dirs: {text}");
 
         // Note: never run the image's default Cmd (/bin/sh) this way: ctr 1.6
@@ -288,32 +160,15 @@ fn overlayfs_busybox_import_and_run() {
 
 #[test]
 fn overlayfs_debian_import_and_run() {
-    run_test(|env| {
-        let tar = debian_image_tar()?;
-        let start = Instant::now();
-        let names = env.import_image(NS_OVL, &tar, "overlayfs")?;
-        eprintln!("debian import: {:.2}s", start.elapsed().as_secs_f64());
-        ensure!(
-            names.iter().any(|n| n == DEBIAN_IMAGE),
-            "image names: {names:?}"
-        );
+    run_scenario(|env| {
+        overlayfs_import(env, &debian_image_tar()?, DEBIAN_IMAGE)?;
 
         // A detached container, to see the mounted overlay's lowerdirs.
         let id = unique("ovl-deb");
-        let out = env.ctr(
-            NS_OVL,
-            &[
-                "run",
-                "-d",
-                "--snapshotter",
-                "overlayfs",
-                DEBIAN_IMAGE,
-                &id,
-                "sleep",
-                "30",
-            ],
-        )?;
-        ensure!(out.status.success(), "ctr run -d: {}", describe(&out));
+        CtrRun::new(NS_OVL, &id, &["sleep", "30"])
+            .snapshotter(OVERLAYFS)
+            .detached()
+            .ok(env)?;
         let mount = env.containerd().rootfs_mount(NS_OVL, &id);
         let lowers = mount.as_ref().map(|m| m.lowerdirs().len());
         // runc must not write into the upper of a container that writes
@@ -342,32 +197,15 @@ fn overlayfs_debian_import_and_run() {
             "rootfs still mounted after task delete"
         );
 
-        let id = unique("ovl-deb-rm");
-        let out = env.ctr(
-            NS_OVL,
-            &[
-                "run",
-                "--rm",
-                "--snapshotter",
-                "overlayfs",
-                DEBIAN_IMAGE,
-                &id,
-                "sh",
-                "-c",
-                ". /etc/os-release; echo $VERSION_CODENAME; cat /etc/issue; \
-                 rm /etc/issue; test -e /etc/issue || echo deleted; dpkg -s bash | head -n 2",
-            ],
+        let text = overlayfs_run_sh(
+            env,
+            DEBIAN_IMAGE,
+            "ovl-deb-rm",
+            ". /etc/os-release; echo $VERSION_CODENAME; cat /etc/issue; \
+             rm /etc/issue; test -e /etc/issue || echo deleted; dpkg -s bash | head -n 2",
+            "bookworm",
+            "Debian GNU/Linux 12",
         )?;
-        ensure!(out.status.success(), "ctr run: {}", describe(&out));
-        let text = stdout(&out);
-        ensure!(
-            text.lines().next() == Some("bookworm"),
-            "unexpected output: {text}"
-        );
-        ensure!(
-            text.contains("Debian GNU/Linux 12"),
-            "no /etc/issue: {text}"
-        );
         ensure!(
             text.contains("deleted") && text.contains("Package: bash"),
             "unexpected: {text}"
@@ -382,33 +220,14 @@ fn overlayfs_debian_import_and_run() {
 
 #[test]
 fn layerstack_busybox_smoke() {
-    run_test(|env| {
-        let tar = busybox_image_tar()?;
-        env.start_daemon()
-            .context("starting the layerstack daemon")?;
-        let names = env.import_image(NS, &tar, SNAPSHOTTER)?;
-        ensure!(
-            names.iter().any(|n| n == BUSYBOX_IMAGE),
-            "image names: {names:?}"
-        );
+    run_scenario(|env| {
+        start_daemon_and_import(env, NS, &busybox_image_tar()?, BUSYBOX_IMAGE)?;
         let id = unique("bb-smoke");
-        let label = branch_label("smoke-busybox");
-        let out = env.ctr(
-            NS,
-            &[
-                "run",
-                "--rm",
-                "--snapshotter",
-                SNAPSHOTTER,
-                "--snapshotter-label",
-                &label,
-                BUSYBOX_IMAGE,
-                &id,
-                "echo",
-                "hi",
-            ],
-        )?;
-        ensure!(out.status.success(), "ctr run: {}", describe(&out));
+        let out = CtrRun::new(NS, &id, &["echo", "hi"])
+            .image(BUSYBOX_IMAGE)
+            .branch(Some("smoke-busybox"))
+            .rm(true)
+            .ok(env)?;
         ensure!(
             stdout(&out).trim() == "hi",
             "unexpected output: {}",
@@ -416,7 +235,7 @@ fn layerstack_busybox_smoke() {
         );
         // Nothing was written: runc must leave no trace in the upper (the
         // image has every mount point the default spec needs).
-        let word = ls_wait_ok(env, &id)?;
+        let word = ls_wait_ok(env, NS, &id)?;
         ensure!(word == "no-change", "outcome of `echo hi`: {word}");
         Ok(())
     });
@@ -425,28 +244,22 @@ fn layerstack_busybox_smoke() {
 /// Scenario 1: A write is visible to the next container (default branch `main`).
 #[test]
 fn scenario1_write_then_read_on_main() {
-    run_layerstack_test(|env| {
+    run_layerstack_scenario(NS, |env| {
         let w = unique("s1-write");
         let content = format!("hello from {w}");
-        run_sh(
-            env,
-            &w,
-            None,
-            true,
-            &format!("echo '{content}' > /root/a.txt"),
-        )?;
-        let word = ls_wait_ok(env, &w)?;
+        run_sh(env, NS, &w, None, true, &format!("echo '{content}' > /root/a.txt"))?;
+        let word = ls_wait_ok(env, NS, &w)?;
         ensure!(word == "committed", "outcome of {w}: {word}");
 
         let r = unique("s1-read");
-        let text = run_sh(env, &r, None, false, "cat /root/a.txt")?;
+        let text = run_sh(env, NS, &r, None, false, "cat /root/a.txt")?;
         ensure!(
             text.trim() == content,
             "next container read {text:?}, want {content:?}"
         );
-        let word = ls_wait_ok(env, &r)?;
+        let word = ls_wait_ok(env, NS, &r)?;
         ensure!(word == "no-change", "read-only container outcome: {word}");
-        remove_container(env, &r)?;
+        remove_container(env, NS, &r)?;
         Ok(())
     });
 }
@@ -454,88 +267,45 @@ fn scenario1_write_then_read_on_main() {
 /// Scenario 2: Deletes and directory replacement publish as such.
 #[test]
 fn scenario2_delete_and_replace_dir() {
-    run_layerstack_test(|env| {
+    run_layerstack_scenario(NS, |env| {
         let br = "s2-delete";
         let a = unique("s2-rm");
-        run_sh(
-            env,
-            &a,
-            Some(br),
-            true,
-            "test -e /etc/issue && rm /etc/issue",
-        )?;
-        ensure!(ls_wait_ok(env, &a)? == "committed", "delete not committed");
+        run_sh(env, NS, &a, Some(br), true, "test -e /etc/issue && rm /etc/issue")?;
+        ensure!(ls_wait_ok(env, NS, &a)? == "committed", "delete not committed");
 
-        let b = unique("s2-check");
-        let text = run_sh(
-            env,
-            &b,
-            Some(br),
-            true,
-            "test -e /etc/issue && echo PRESENT || echo GONE",
-        )?;
+        let text = read_back(env, NS, "s2-check", Some(br), "test -e /etc/issue && echo PRESENT || echo GONE")?;
         ensure!(text.trim() == "GONE", "/etc/issue after delete: {text}");
-        ls_wait_ok(env, &b)?;
 
         // Replace /etc/skel (.bashrc, .profile, .bash_logout in the image).
         let c = unique("s2-replace");
-        let old = run_sh(
-            env,
-            &c,
-            Some(br),
-            false,
-            "ls -A /etc/skel; rm -rf /etc/skel && mkdir /etc/skel && echo new > /etc/skel/f",
-        )?;
-        let old_entries: Vec<&str> = old
-            .lines()
-            .map(str::trim)
-            .filter(|l| !l.is_empty())
-            .collect();
+        let script = "ls -A /etc/skel; rm -rf /etc/skel && mkdir /etc/skel && echo new > /etc/skel/f";
+        let old = run_sh(env, NS, &c, Some(br), false, script)?;
+        let old_entries = non_empty_lines(&old);
         ensure!(
             old_entries.contains(&".bashrc"),
             "expected /etc/skel/.bashrc in the image: {old_entries:?}"
         );
         ensure!(
-            ls_wait_ok(env, &c)? == "committed",
+            ls_wait_ok(env, NS, &c)? == "committed",
             "dir replacement not committed"
         );
-        remove_container(env, &c)?;
+        remove_container(env, NS, &c)?;
 
-        let d = unique("s2-check-dir");
-        let text = run_sh(
-            env,
-            &d,
-            Some(br),
-            true,
-            "ls -A /etc/skel; echo ---; cat /etc/skel/f",
-        )?;
+        let text = read_back(env, NS, "s2-check-dir", Some(br), "ls -A /etc/skel; echo ---; cat /etc/skel/f")?;
         let (listing, content) = text.split_once("---").context("no separator")?;
-        let now: Vec<&str> = listing
-            .lines()
-            .map(str::trim)
-            .filter(|l| !l.is_empty())
-            .collect();
+        let now = non_empty_lines(listing);
         ensure!(
             now == ["f"],
             "/etc/skel after replacement: {now:?} (old: {old_entries:?})"
         );
         ensure!(content.trim() == "new", "/etc/skel/f: {content:?}");
-        ls_wait_ok(env, &d)?;
 
         // main is untouched.
-        let e = unique("s2-main");
-        let text = run_sh(
-            env,
-            &e,
-            None,
-            true,
-            "test -e /etc/issue && echo PRESENT; ls -A /etc/skel",
-        )?;
+        let text = read_back(env, NS, "s2-main", None, "test -e /etc/issue && echo PRESENT; ls -A /etc/skel")?;
         ensure!(
             text.contains("PRESENT") && text.contains(".bashrc"),
             "main changed: {text}"
         );
-        ls_wait_ok(env, &e)?;
         Ok(())
     });
 }
@@ -544,27 +314,25 @@ fn scenario2_delete_and_replace_dir() {
 /// both commit, and a third container sees both.
 #[test]
 fn scenario3_concurrent_disjoint_edits() {
-    run_layerstack_test(|env| {
+    run_layerstack_scenario(NS, |env| {
         let br = "s3-disjoint";
         let a = unique("s3-a");
         let b = unique("s3-b");
-        start_detached(env, &a, Some(br), "sleep 2; echo from-a > /root/f1")?;
-        start_detached(env, &b, Some(br), "sleep 2; echo from-b > /root/f2")?;
-        finish_detached(env, &a)?;
-        finish_detached(env, &b)?;
-        let wa = ls_wait_ok(env, &a)?;
-        let wb = ls_wait_ok(env, &b)?;
+        start_detached(env, NS, &a, Some(br), "sleep 2; echo from-a > /root/f1")?;
+        start_detached(env, NS, &b, Some(br), "sleep 2; echo from-b > /root/f2")?;
+        finish_detached(env, NS, &a)?;
+        finish_detached(env, NS, &b)?;
+        let wa = ls_wait_ok(env, NS, &a)?;
+        let wb = ls_wait_ok(env, NS, &b)?;
         ensure!(
             wa == "committed" && wb == "committed",
             "outcomes: {a}={wa} {b}={wb}"
         );
-        remove_container(env, &a)?;
-        remove_container(env, &b)?;
+        remove_container(env, NS, &a)?;
+        remove_container(env, NS, &b)?;
 
-        let c = unique("s3-c");
-        let text = run_sh(env, &c, Some(br), true, "cat /root/f1 /root/f2")?;
+        let text = read_back(env, NS, "s3-c", Some(br), "cat /root/f1 /root/f2")?;
         ensure!(text == "from-a\nfrom-b\n", "third container sees: {text:?}");
-        ls_wait_ok(env, &c)?;
         Ok(())
     });
 }
@@ -573,30 +341,14 @@ fn scenario3_concurrent_disjoint_edits() {
 /// commits, the second is a conflict and none of its changes are published.
 #[test]
 fn scenario4_conflict_publishes_nothing() {
-    run_layerstack_test(|env| {
+    run_layerstack_scenario(NS, |env| {
         let br = "s4-conflict";
-        let setup = unique("s4-setup");
-        run_sh(env, &setup, Some(br), true, "echo base > /root/shared.txt")?;
-        ensure!(
-            ls_wait_ok(env, &setup)? == "committed",
-            "setup not committed"
-        );
-
-        let a = unique("s4-a");
-        let b = unique("s4-b");
-        start_detached(env, &a, Some(br), "echo A > /root/shared.txt")?;
-        start_detached(
+        let (a, b, wb, out) = race_on_shared_file(
             env,
-            &b,
-            Some(br),
+            br,
+            "s4",
             "echo B > /root/shared.txt; echo unique > /root/only-b.txt; sleep 3",
         )?;
-        finish_detached(env, &a)?;
-        let wa = ls_wait_ok(env, &a)?;
-        ensure!(wa == "committed", "first finisher {a}: {wa}");
-
-        finish_detached(env, &b)?;
-        let (wb, out) = ls_wait(env, &b)?;
         ensure!(
             !out.status.success(),
             "layerstack wait {b} must fail on conflict: {}",
@@ -604,15 +356,10 @@ fn scenario4_conflict_publishes_nothing() {
         );
         ensure!(wb == "conflict", "second finisher {b}: {}", describe(&out));
 
-        let all = sessions(env)?;
-        let s = session_of(&all, &b)?;
+        let all = sessions(env, NS)?;
+        let s = session_of(&all, NS, &b)?;
         ensure!(s["state"] == "conflict", "session state: {s:#}");
-        let paths: Vec<&str> = s["conflict_paths"]
-            .as_array()
-            .context("conflict_paths not an array")?
-            .iter()
-            .filter_map(|p| p.as_str())
-            .collect();
+        let paths = json_strs(&s["conflict_paths"], "conflict_paths")?;
         ensure!(
             paths
                 .iter()
@@ -623,21 +370,14 @@ fn scenario4_conflict_publishes_nothing() {
             !paths.iter().any(|p| p.ends_with("only-b.txt")),
             "only-b.txt is not a conflict: {paths:?}"
         );
-        let sa = session_of(&all, &a)?;
+        let sa = session_of(&all, NS, &a)?;
         ensure!(sa["state"] == "published", "first session state: {sa:#}");
-        remove_container(env, &a)?;
-        remove_container(env, &b)?;
+        remove_container(env, NS, &a)?;
+        remove_container(env, NS, &b)?;
 
-        let c = unique("s4-check");
-        let text = run_sh(
-            env,
-            &c,
-            Some(br),
-            true,
-            "cat /root/shared.txt; test -e /root/only-b.txt && echo LEAKED || echo ABSENT",
-        )?;
+        let script = "cat /root/shared.txt; test -e /root/only-b.txt && echo LEAKED || echo ABSENT";
+        let text = read_back(env, NS, "s4-check", Some(br), script)?;
         ensure!(text == "A\nABSENT\n", "after conflict: {text:?}");
-        ls_wait_ok(env, &c)?;
         Ok(())
     });
 }
@@ -645,7 +385,7 @@ fn scenario4_conflict_publishes_nothing() {
 /// Scenario 5: Running sessions are isolated from each other.
 #[test]
 fn scenario5_sessions_isolated_while_running() {
-    run_layerstack_test(|env| {
+    run_layerstack_scenario(NS, |env| {
         let br = "s5-isolation";
         let a = unique("s5-a");
         let b = unique("s5-b");
@@ -658,10 +398,8 @@ fn scenario5_sessions_isolated_while_running() {
             )
         };
         let (sa, sb) = (script("a", "b"), script("b", "a"));
-        let args_a = run_args(&a, Some(br), true, false, &sa);
-        let args_b = run_args(&b, Some(br), true, false, &sb);
-        let ca = env.ctr_spawn(NS, &strs(&args_a))?;
-        let cb = env.ctr_spawn(NS, &strs(&args_b))?;
+        let ca = CtrRun::sh(NS, &a, &sa).branch(Some(br)).rm(true).spawn(env)?;
+        let cb = CtrRun::sh(NS, &b, &sb).branch(Some(br)).rm(true).spawn(env)?;
         let (oa, ob) = thread::scope(|s| {
             let ta = s.spawn(move || ca.wait_with_output());
             let tb = s.spawn(move || cb.wait_with_output());
@@ -681,17 +419,15 @@ fn scenario5_sessions_isolated_while_running() {
             "{b} saw a's marker: {}",
             describe(&ob)
         );
-        let wa = ls_wait_ok(env, &a)?;
-        let wb = ls_wait_ok(env, &b)?;
+        let wa = ls_wait_ok(env, NS, &a)?;
+        let wb = ls_wait_ok(env, NS, &b)?;
         ensure!(
             wa == "committed" && wb == "committed",
             "outcomes: {wa} {wb}"
         );
 
-        let c = unique("s5-check");
-        let text = run_sh(env, &c, Some(br), true, "cat /root/marker-a /root/marker-b")?;
+        let text = read_back(env, NS, "s5-check", Some(br), "cat /root/marker-a /root/marker-b")?;
         ensure!(text == "a\nb\n", "after both: {text:?}");
-        ls_wait_ok(env, &c)?;
         Ok(())
     });
 }
@@ -699,7 +435,7 @@ fn scenario5_sessions_isolated_while_running() {
 /// Scenario 6: A store root on tmpfs is refused before anything is written.
 #[test]
 fn scenario6_tmpfs_root_refused() {
-    run_test(|env| {
+    run_scenario(|env| {
         let bin = bin_path(DAEMON_BIN)?;
         let dir = env.scratch().join("tmpfs-root");
         std::fs::create_dir_all(&dir)?;
@@ -761,7 +497,7 @@ fn check_tmpfs_refused(env: &TestEnv, bin: &Path, dir: &Path) -> Result<()> {
 /// `layerstack.publish` label while the container record exists.
 #[test]
 fn event_path_honours_publish_label() {
-    run_layerstack_test(|env| {
+    run_layerstack_scenario(NS, |env| {
         let br = "lbl-policy";
         let cases = [
             ("never", "exit 0", "discarded", false),
@@ -771,21 +507,16 @@ fn event_path_honours_publish_label() {
         for (policy, exit, want, visible) in cases {
             let id = unique("lbl");
             let file = format!("/root/{id}.txt");
-            let mut args: Vec<String> = vec!["run".into(), "--snapshotter".into(), SNAPSHOTTER.into()];
-            args.extend(["--snapshotter-label".to_string(), branch_label(br)]);
-            args.extend(["--label".to_string(), format!("layerstack.publish={policy}"), "-d".to_string()]);
-            args.extend([DEBIAN_IMAGE, &id, "sh", "-c", &format!("echo x > {file}; {exit}")].map(String::from));
-            let out = env.ctr(NS, &strs(&args))?;
-            ensure!(out.status.success(), "ctr run -d {id}: {}", describe(&out));
-            wait_task_stopped(env, NS, &id, Duration::from_secs(60))?;
-            let out = env.ctr(NS, &["tasks", "delete", &id])?;
-            ensure!(out.status.success(), "ctr tasks delete {id}: {}", describe(&out));
-            let (got, _) = ls_wait(env, &id)?;
+            CtrRun::sh(NS, &id, &format!("echo x > {file}; {exit}"))
+                .branch(Some(br))
+                .label(publish_policy_label(policy))
+                .detached()
+                .ok(env)?;
+            finish_detached(env, NS, &id)?;
+            let (got, _) = ls_wait(env, NS, &id)?;
             ensure!(got == want, "{policy} with {exit}: outcome {got}, want {want}");
-            remove_container(env, &id)?;
-            let probe = unique("lbl-probe");
-            let seen = run_sh(env, &probe, Some(br), true, &format!("test -e {file} && echo yes || echo no"))?;
-            ls_wait_ok(env, &probe)?;
+            remove_container(env, NS, &id)?;
+            let seen = read_back(env, NS, "lbl-probe", Some(br), &format!("test -e {file} && echo yes || echo no"))?;
             ensure!(
                 seen.trim() == if visible { "yes" } else { "no" },
                 "{policy} with {exit}: next container sees {file}: {seen:?}"
@@ -829,6 +560,17 @@ fn ls_log_layers(env: &TestEnv, ns: &str, branch: &str) -> Result<Vec<serde_json
         .as_array()
         .cloned()
         .with_context(|| format!("layerstack log --json has no `layers` array: {v}"))
+}
+
+/// `out`, of a command about the unknown `name`, must fail and name it on stderr.
+fn ensure_fails_naming(out: &Output, what: &str, name: &str) -> Result<()> {
+    ensure!(!out.status.success(), "{what} succeeded: {}", describe(out));
+    ensure!(
+        contains_ci(&String::from_utf8_lossy(&out.stderr), name),
+        "{what} must name it: {}",
+        describe(out)
+    );
+    Ok(())
 }
 
 /// Layer directories `<store>/l/<n>` in which `rel` exists (not following a
@@ -876,7 +618,7 @@ fn runs_of(s: &serde_json::Value) -> Result<i64> {
 /// each run publishes its own layer.
 #[test]
 fn restart_sees_published_writes_and_gets_fresh_upper() {
-    run_layerstack_test(|env| {
+    run_layerstack_scenario(NS, |env| {
         let br = "restart-fresh";
         let id = unique("rs");
         let script = "if [ ! -e /root/marker ]; then \
@@ -885,7 +627,7 @@ fn restart_sees_published_writes_and_gets_fresh_upper() {
                         echo one > /root/marker; echo first-run; \
                       else touch /root/second; echo second-run; fi";
         // `ctr run` without --rm: ctr deletes the task on exit, keeps the container.
-        let first = run_sh(env, &id, Some(br), false, script)?;
+        let first = run_sh(env, NS, &id, Some(br), false, script)?;
         ensure!(first.trim() == "first-run", "first run printed {first:?}");
         // No wait: the first run's publish is in flight (5000 files) while the
         // second run's task is created.
@@ -905,25 +647,20 @@ fn restart_sees_published_writes_and_gets_fresh_upper() {
             "the second run did not see /root/marker from the first run: {}",
             describe(&second)
         );
-        let first_word = stdout(&first_wait_out).lines().next().unwrap_or("").trim().to_string();
+        let first_outcome = first_word(&first_wait_out);
         ensure!(
-            first_wait_out.status.success() && first_word == "committed",
+            first_wait_out.status.success() && first_outcome == "committed",
             "layerstack wait for the first run: {}",
             describe(&first_wait_out)
         );
-        let word = ls_wait_ok(env, &id)?;
+        let word = ls_wait_ok(env, NS, &id)?;
         ensure!(word == "committed", "outcome of the second run: {word}");
 
         let c = unique("rs-check");
-        let text = run_sh(
-            env,
-            &c,
-            Some(br),
-            true,
-            "cat /root/marker; test -e /root/second && echo SECOND; ls /root/many | wc -l",
-        )?;
+        let script = "cat /root/marker; test -e /root/second && echo SECOND; ls /root/many | wc -l";
+        let text = run_sh(env, NS, &c, Some(br), true, script)?;
         ensure!(text == "one\nSECOND\n5000\n", "third container sees: {text:?}");
-        ls_wait_ok(env, &c)?;
+        ls_wait_ok(env, NS, &c)?;
 
         // Each run published its own layer.
         let store = env.store_root();
@@ -962,14 +699,14 @@ fn restart_sees_published_writes_and_gets_fresh_upper() {
             with_marker[0].0
         );
 
-        let all = sessions(env)?;
-        let runs = runs_of(session_of(&all, &id)?)?;
-        let single = runs_of(session_of(&all, &c)?)?;
+        let all = sessions(env, NS)?;
+        let runs = runs_of(session_of(&all, NS, &id)?)?;
+        let single = runs_of(session_of(&all, NS, &c)?)?;
         ensure!(
             runs == single + 1,
             "session of {id} ran twice: runs = {runs}; a session that ran once has runs = {single}"
         );
-        remove_container(env, &id)?;
+        remove_container(env, NS, &id)?;
         Ok(())
     });
 }
@@ -979,12 +716,12 @@ fn restart_sees_published_writes_and_gets_fresh_upper() {
 /// on the same store reconciles: both sessions are published.
 #[test]
 fn daemon_killed_while_tasks_run_then_reconciled() {
-    run_layerstack_test(|env| {
+    run_layerstack_scenario(NS, |env| {
         let br = "daemon-kill";
         let a = unique("dk-a");
         let b = unique("dk-b");
-        start_detached(env, &a, Some(br), "sleep 2; echo from-a > /root/dk-a.txt")?;
-        start_detached(env, &b, Some(br), "sleep 2; echo from-b > /root/dk-b.txt")?;
+        start_detached(env, NS, &a, Some(br), "sleep 2; echo from-a > /root/dk-a.txt")?;
+        start_detached(env, NS, &b, Some(br), "sleep 2; echo from-b > /root/dk-b.txt")?;
         let pid = env.kill_daemon()?;
         eprintln!("killed {DAEMON_BIN} (pid {pid}) while {a} and {b} run");
         // While it is down: both tasks stop and are deleted. Restart the daemon
@@ -994,12 +731,7 @@ fn daemon_killed_while_tasks_run_then_reconciled() {
                 wait_task_stopped(env, NS, id, Duration::from_secs(60))?;
             }
             for id in [&a, &b] {
-                let out = env.ctr(NS, &["tasks", "delete", id])?;
-                ensure!(
-                    out.status.success(),
-                    "ctr tasks delete {id} with the snapshotter down: {}",
-                    describe(&out)
-                );
+                delete_task(env, NS, id).context("with the snapshotter down")?;
             }
             Ok(())
         })();
@@ -1008,19 +740,17 @@ fn daemon_killed_while_tasks_run_then_reconciled() {
         restarted.context("restarting the daemon")?;
 
         for id in [&a, &b] {
-            let (word, out) = ls_wait(env, id)?;
+            let (word, out) = ls_wait(env, NS, id)?;
             ensure!(
                 out.status.success() && word == "committed",
                 "after the restart, layerstack wait {id}: {}",
                 describe(&out)
             );
         }
-        remove_container(env, &a)?;
-        remove_container(env, &b)?;
-        let c = unique("dk-check");
-        let text = run_sh(env, &c, Some(br), true, "cat /root/dk-a.txt /root/dk-b.txt")?;
+        remove_container(env, NS, &a)?;
+        remove_container(env, NS, &b)?;
+        let text = read_back(env, NS, "dk-check", Some(br), "cat /root/dk-a.txt /root/dk-b.txt")?;
         ensure!(text == "from-a\nfrom-b\n", "after reconcile a new container sees {text:?}");
-        ls_wait_ok(env, &c)?;
         Ok(())
     });
 }
@@ -1031,16 +761,12 @@ fn daemon_killed_while_tasks_run_then_reconciled() {
 /// container's writes are published when its task is deleted.
 #[test]
 fn remove_of_a_running_containers_snapshot_is_refused() {
-    run_layerstack_test(|env| {
+    run_layerstack_scenario(NS, |env| {
         let br = "rm-running";
         let id = unique("rmrun");
         let file = format!("root/{id}.txt");
-        start_detached(env, &id, Some(br), &format!("echo kept > /{file}; sleep 600"))?;
-        let all = sessions(env)?;
-        let sid = session_of(&all, &id)?["id"]
-            .as_i64()
-            .context("session id")?;
-        let upper = env.store_root().join("s").join(sid.to_string()).join("upper");
+        start_detached(env, NS, &id, Some(br), &format!("echo kept > /{file}; sleep 600"))?;
+        let upper = session_upper(env, &session(env, NS, &id)?)?;
         wait_path(&upper.join(&file), Duration::from_secs(30))?;
 
         let out = env.ctr(NS, &["snapshots", "--snapshotter", SNAPSHOTTER, "rm", &id])?;
@@ -1079,10 +805,9 @@ fn remove_of_a_running_containers_snapshot_is_refused() {
             upper.join(&file).display()
         );
 
-        let out = env.ctr(NS, &["tasks", "kill", "--signal", "SIGKILL", &id])?;
-        ensure!(out.status.success(), "ctr tasks kill {id}: {}", describe(&out));
-        finish_detached(env, &id)?;
-        let (word, out) = ls_wait(env, &id)?;
+        kill_task(env, NS, &id)?;
+        finish_detached(env, NS, &id)?;
+        let (word, out) = ls_wait(env, NS, &id)?;
         ensure!(
             out.status.success() && word == "committed",
             "the write of {id} was lost: layerstack wait: {}",
@@ -1091,10 +816,8 @@ fn remove_of_a_running_containers_snapshot_is_refused() {
         let out = env.ctr(NS, &["containers", "delete", &id])?;
         eprintln!("ctr containers delete {id} (snapshot record gone): {}", describe(&out));
 
-        let c = unique("rmrun-check");
-        let text = run_sh(env, &c, Some(br), true, &format!("cat /{file}"))?;
+        let text = read_back(env, NS, "rmrun-check", Some(br), &format!("cat /{file}"))?;
         ensure!(text == "kept\n", "a new container sees {text:?}");
-        ls_wait_ok(env, &c)?;
         Ok(())
     });
 }
@@ -1104,7 +827,7 @@ fn remove_of_a_running_containers_snapshot_is_refused() {
 /// and containers fail clearly.
 #[test]
 fn publish_and_log_cli() {
-    run_layerstack_test(|env| {
+    run_layerstack_scenario(NS, |env| {
         let br = "cli-log";
         // What `cli-log` inherits when it forks `main` (nothing if `main` has no
         // head yet).
@@ -1117,10 +840,10 @@ fn publish_and_log_cli() {
         };
 
         let id = unique("cli");
-        start_detached(env, &id, Some(br), "echo cli > /root/cli.txt")?;
+        start_detached(env, NS, &id, Some(br), "echo cli > /root/cli.txt")?;
         wait_task_stopped(env, NS, &id, Duration::from_secs(60))?;
         // Stopped, not deleted: runc-v2 unmounts the rootfs on task delete only.
-        let out = env.layerstack(&["publish", &id, "--namespace", NS])?;
+        let out = ls_publish(env, NS, &id, &[])?;
         ensure!(
             out.status.code() == Some(1),
             "layerstack publish of a mounted container must exit 1: {}",
@@ -1132,9 +855,8 @@ fn publish_and_log_cli() {
             "layerstack publish of a mounted container must say \"still mounted\": {}",
             describe(&out)
         );
-        let out = env.ctr(NS, &["tasks", "delete", &id])?;
-        ensure!(out.status.success(), "ctr tasks delete {id}: {}", describe(&out));
-        let word = ls_wait_ok(env, &id)?;
+        delete_task(env, NS, &id)?;
+        let word = ls_wait_ok(env, NS, &id)?;
         ensure!(word == "committed", "outcome of {id} after the refused publish: {word}");
 
         let layers = ls_log_layers(env, NS, br)?;
@@ -1158,20 +880,10 @@ fn publish_and_log_cli() {
         );
 
         let out = ls_log(env, NS, "no-such-branch")?;
-        ensure!(!out.status.success(), "log of an unknown branch succeeded: {}", describe(&out));
-        ensure!(
-            contains_ci(&String::from_utf8_lossy(&out.stderr), "no-such-branch"),
-            "log of an unknown branch must name it: {}",
-            describe(&out)
-        );
+        ensure_fails_naming(&out, "log of an unknown branch", "no-such-branch")?;
         let out = env.layerstack(&["wait", "no-such-container", "--timeout", "5", "--namespace", NS])?;
-        ensure!(!out.status.success(), "wait for an unknown container succeeded: {}", describe(&out));
-        ensure!(
-            contains_ci(&String::from_utf8_lossy(&out.stderr), "no-such-container"),
-            "wait for an unknown container must name it: {}",
-            describe(&out)
-        );
-        remove_container(env, &id)?;
+        ensure_fails_naming(&out, "wait for an unknown container", "no-such-container")?;
+        remove_container(env, NS, &id)?;
         Ok(())
     });
 }
@@ -1181,41 +893,29 @@ fn publish_and_log_cli() {
 /// winner's version) and commits.
 #[test]
 fn conflicted_session_can_be_discarded_and_restarted() {
-    run_layerstack_test(|env| {
+    run_layerstack_scenario(NS, |env| {
         let br = "discard-restart";
-        let setup = unique("dr-setup");
-        run_sh(env, &setup, Some(br), true, "echo base > /root/shared.txt")?;
-        ensure!(ls_wait_ok(env, &setup)? == "committed", "setup not committed");
-
-        let a = unique("dr-a");
-        let b = unique("dr-b");
-        start_detached(env, &a, Some(br), "echo A > /root/shared.txt")?;
-        // First run (sees base): conflicting edit. A later run (sees anything
-        // else): records what it saw.
-        start_detached(
+        // b's first run (sees base): conflicting edit. A later run (sees
+        // anything else): records what it saw.
+        let (a, b, wb, out) = race_on_shared_file(
             env,
-            &b,
-            Some(br),
+            br,
+            "dr",
             "v=$(cat /root/shared.txt); \
              if [ \"$v\" = base ]; then \
                echo B > /root/shared.txt; echo unique > /root/only-b.txt; sleep 3; \
              else echo \"saw:$v\"; echo \"$v\" > /root/b-rerun.txt; fi",
         )?;
-        finish_detached(env, &a)?;
-        ensure!(ls_wait_ok(env, &a)? == "committed", "first finisher {a} not committed");
-        finish_detached(env, &b)?;
-        let (wb, out) = ls_wait(env, &b)?;
         ensure!(wb == "conflict", "second finisher {b}: {}", describe(&out));
 
-        let out = env.layerstack(&["publish", "--discard", &b, "--namespace", NS])?;
-        let word = stdout(&out).lines().next().unwrap_or("").trim().to_string();
+        let out = ls_publish(env, NS, &b, &["--discard"])?;
+        let word = first_word(&out);
         ensure!(
             out.status.success() && word == "discarded",
             "layerstack publish --discard {b}: {}",
             describe(&out)
         );
-        let all = sessions(env)?;
-        let s = session_of(&all, &b)?;
+        let s = session(env, NS, &b)?;
         ensure!(s["state"] == "discarded", "session after discard: {s:#}");
 
         let out = env.ctr(NS, &["tasks", "start", &b])?;
@@ -1225,22 +925,15 @@ fn conflicted_session_can_be_discarded_and_restarted() {
             "the rerun of {b} must start on a fresh upper over the head (A): {}",
             describe(&out)
         );
-        let word = ls_wait_ok(env, &b)?;
+        let word = ls_wait_ok(env, NS, &b)?;
         ensure!(word == "committed", "outcome of {b}'s rerun: {word}");
-        remove_container(env, &a)?;
-        remove_container(env, &b)?;
+        remove_container(env, NS, &a)?;
+        remove_container(env, NS, &b)?;
 
-        let c = unique("dr-check");
-        let text = run_sh(
-            env,
-            &c,
-            Some(br),
-            true,
-            "cat /root/shared.txt /root/b-rerun.txt; \
-             test -e /root/only-b.txt && echo LEAKED || echo ABSENT",
-        )?;
+        let script = "cat /root/shared.txt /root/b-rerun.txt; \
+                      test -e /root/only-b.txt && echo LEAKED || echo ABSENT";
+        let text = read_back(env, NS, "dr-check", Some(br), script)?;
         ensure!(text == "A\nA\nABSENT\n", "after discard and rerun: {text:?}");
-        ls_wait_ok(env, &c)?;
         Ok(())
     });
 }
@@ -1249,37 +942,22 @@ fn conflicted_session_can_be_discarded_and_restarted() {
 /// write published on `main` in one is not seen on `main` in the other.
 #[test]
 fn namespaces_do_not_share_history() {
-    run_layerstack_test(|env| {
+    run_layerstack_scenario(NS, |env| {
         let (ns_a, ns_b) = ("lst-ns-a", "lst-ns-b");
         let tar = debian_image_tar()?;
         for ns in [ns_a, ns_b] {
-            let names = env.import_image(ns, &tar, SNAPSHOTTER)?;
-            ensure!(
-                names.iter().any(|n| n == DEBIAN_IMAGE),
-                "image names in {ns}: {names:?}"
-            );
+            import_checked(env, ns, &tar, SNAPSHOTTER, DEBIAN_IMAGE)?;
         }
         let w = unique("ns-a-write");
-        run_sh_in(env, ns_a, &w, None, true, "echo from-a > /root/ns-a.txt")?;
-        let word = ls_wait_ok_in(env, ns_a, &w)?;
+        run_sh(env, ns_a, &w, None, true, "echo from-a > /root/ns-a.txt")?;
+        let word = ls_wait_ok(env, ns_a, &w)?;
         ensure!(word == "committed", "outcome of {w} in {ns_a}: {word}");
 
-        let ra = unique("ns-a-read");
-        let text = run_sh_in(env, ns_a, &ra, None, true, "cat /root/ns-a.txt")?;
+        let text = read_back(env, ns_a, "ns-a-read", None, "cat /root/ns-a.txt")?;
         ensure!(text == "from-a\n", "{ns_a} does not see its own write: {text:?}");
-        ls_wait_ok_in(env, ns_a, &ra)?;
 
-        let rb = unique("ns-b-read");
-        let text = run_sh_in(
-            env,
-            ns_b,
-            &rb,
-            None,
-            true,
-            "test -e /root/ns-a.txt && echo LEAKED || echo ABSENT",
-        )?;
+        let text = read_back(env, ns_b, "ns-b-read", None, "test -e /root/ns-a.txt && echo LEAKED || echo ABSENT")?;
         ensure!(text == "ABSENT\n", "{ns_b} sees {ns_a}'s write: {text:?}");
-        ls_wait_ok_in(env, ns_b, &rb)?;
 
         let layers = ls_log_layers(env, ns_b, "main")?;
         ensure!(

@@ -11,14 +11,11 @@
 //! default branch. Without root or containerd it skips (or panics under `CI=true`).
 
 use std::path::Path;
-use std::process::Output;
-use std::thread;
-use std::time::{Duration, Instant};
 
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{ensure, Context, Result};
 use layerstack_integration::{
-    debian_image_tar, describe, require_root_and_containerd, stdout, with_shared_env, TestEnv,
-    DEBIAN_IMAGE, SNAPSHOTTER,
+    describe, finish_detached, json_strs, layerstack_wait, ls_publish, ls_wait_json, remove_container,
+    run_layerstack_scenario, run_sh, start_detached, stdout, CtrRun, TestEnv, SNAPSHOTTER,
 };
 
 const NS: &str = "lst-merge";
@@ -26,79 +23,12 @@ const CONF: &str = "/etc/layerstack-merge.conf";
 /// Mixed line endings and no final newline: both must survive the merge.
 const BASE: &str = "# layerstack merge test\nkey1 = one\r\nkey2 = two\r\nkey3 = three\nkey4 = four\nkey5 = five\nkey6 = six\nkey7 = seven\nkey8 = eight\nlast = end";
 
-fn run_test(f: impl FnOnce(&TestEnv) -> Result<()>) {
-    if !require_root_and_containerd() {
-        return;
-    }
-    with_shared_env(|env| {
-        let r = (|| {
-            let tar = debian_image_tar()?;
-            env.start_daemon()
-                .context("starting the layerstack daemon")?;
-            let names = env.import_image(NS, &tar, SNAPSHOTTER)?;
-            ensure!(
-                names.iter().any(|n| n == DEBIAN_IMAGE),
-                "image names after import: {names:?}"
-            );
-            f(env)
-        })();
-        if let Err(e) = r {
-            panic!("{e:#}");
-        }
-    });
-}
-
-fn ctr_run(env: &TestEnv, id: &str, detach: bool, script: &str) -> Result<Output> {
-    let mut args = vec!["run", "--snapshotter", SNAPSHOTTER];
-    if detach {
-        args.push("-d");
-    } else {
-        args.push("--rm");
-    }
-    args.extend([DEBIAN_IMAGE, id, "sh", "-c", script]);
-    let out = env.ctr(NS, &args)?;
-    ensure!(out.status.success(), "ctr run {id}: {}", describe(&out));
-    Ok(out)
-}
-
-fn wait_task_stopped(env: &TestEnv, id: &str, timeout: Duration) -> Result<()> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        let text = stdout(&env.ctr_ok(NS, &["tasks", "ls"])?);
-        let status = text
-            .lines()
-            .skip(1)
-            .map(|l| l.split_whitespace().collect::<Vec<_>>())
-            .find(|f| f.first() == Some(&id))
-            .and_then(|f| f.get(2).map(|s| s.to_string()));
-        match status.as_deref() {
-            Some("STOPPED") => return Ok(()),
-            None => bail!("no task {id} in `ctr tasks ls`:\n{text}"),
-            Some(_) if Instant::now() >= deadline => {
-                bail!("task {id} still running after {timeout:?}")
-            }
-            Some(_) => thread::sleep(Duration::from_millis(100)),
-        }
-    }
-}
-
-/// Waits for the detached task to stop and deletes it (the publish trigger).
-fn finish(env: &TestEnv, id: &str) -> Result<()> {
-    wait_task_stopped(env, id, Duration::from_secs(60))?;
-    let out = env.ctr(NS, &["tasks", "delete", id])?;
-    ensure!(
-        out.status.success(),
-        "ctr tasks delete {id}: {}",
-        describe(&out)
-    );
-    Ok(())
-}
-
-/// `layerstack wait ID --json`: the session as JSON.
-fn wait_json(env: &TestEnv, id: &str) -> Result<serde_json::Value> {
-    let out = env.layerstack(&["wait", id, "--timeout", "60", "--namespace", NS, "--json"])?;
-    serde_json::from_slice(&out.stdout)
-        .with_context(|| format!("layerstack wait {id}: {}", describe(&out)))
+/// What a new `--rm` container `id` on the branch reads from [`CONF`], byte for
+/// byte; its own session must end too (`layerstack wait --json` answers).
+fn conf_on_branch(env: &TestEnv, id: &str) -> Result<Vec<u8>> {
+    let out = CtrRun::sh(NS, id, &format!("cat {CONF}")).rm(true).ok(env)?;
+    ls_wait_json(env, NS, id)?;
+    Ok(out.stdout)
 }
 
 fn paths_with(v: &serde_json::Value, status: &str) -> Vec<String> {
@@ -127,12 +57,7 @@ fn mount_snapshot(mounts_json: &[u8], target: &Path) -> Result<()> {
         .and_then(|a| a.first())
         .context("no mount returned")?;
     ensure!(m["Type"] == "overlay", "expected an overlay mount: {m}");
-    let opts: Vec<&str> = m["Options"]
-        .as_array()
-        .context("mount options")?
-        .iter()
-        .filter_map(|o| o.as_str())
-        .collect();
+    let opts = json_strs(&m["Options"], "mount options")?;
     std::fs::create_dir_all(target)?;
     nix::mount::mount(
         Some("overlay"),
@@ -147,22 +72,16 @@ fn mount_snapshot(mounts_json: &[u8], target: &Path) -> Result<()> {
 
 #[test]
 fn three_concurrent_edits_two_publish_one_is_rejected_byte_exact() {
-    run_test(|env| {
+    run_layerstack_scenario(NS, |env| {
         // The base version of the config file, committed to the branch.
-        let out = ctr_run(
-            env,
-            "m-setup",
-            false,
-            &format!("printf '%s' '{BASE}' > {CONF}"),
-        )?;
-        drop(out);
-        let setup = wait_json(env, "m-setup")?;
+        run_sh(env, NS, "m-setup", None, true, &format!("printf '%s' '{BASE}' > {CONF}"))?;
+        let setup = ls_wait_json(env, NS, "m-setup")?;
         ensure!(setup["outcome"] == "committed", "setup: {setup:#}");
 
         // Three containers and one raw snapshot lease the same head.
-        ctr_run(env, "m-a", true, &sed("key2", "two", "A"))?; // line 3 (CRLF)
-        ctr_run(env, "m-b", true, &sed("key7", "seven", "B"))?; // line 8, separate hunk
-        ctr_run(env, "m-c", true, &sed("key2", "two", "C"))?; // overlaps m-a
+        start_detached(env, NS, "m-a", None, &sed("key2", "two", "A"))?; // line 3 (CRLF)
+        start_detached(env, NS, "m-b", None, &sed("key7", "seven", "B"))?; // line 8, separate hunk
+        start_detached(env, NS, "m-c", None, &sed("key2", "two", "C"))?; // overlaps m-a
         let snaps = stdout(&env.ctr_ok(NS, &["snapshots", "--snapshotter", SNAPSHOTTER, "ls"])?);
         let parent = snaps
             .lines()
@@ -184,23 +103,15 @@ fn three_concurrent_edits_two_publish_one_is_rejected_byte_exact() {
         )?;
 
         // Publish in a fixed order: a commits, b merges, c conflicts.
-        finish(env, "m-a")?;
-        let a = wait_json(env, "m-a")?;
+        finish_detached(env, NS, "m-a")?;
+        let a = ls_wait_json(env, NS, "m-a")?;
         ensure!(a["outcome"] == "committed", "m-a: {a:#}");
-        finish(env, "m-b")?;
-        let b = wait_json(env, "m-b")?;
+        finish_detached(env, NS, "m-b")?;
+        let b = ls_wait_json(env, NS, "m-b")?;
         ensure!(b["outcome"] == "merged", "m-b: {b:#}");
         ensure!(paths_with(&b, "merged") == [CONF], "m-b paths: {b:#}");
-        finish(env, "m-c")?;
-        let out = env.layerstack(&[
-            "wait",
-            "m-c",
-            "--timeout",
-            "60",
-            "--namespace",
-            NS,
-            "--json",
-        ])?;
+        finish_detached(env, NS, "m-c")?;
+        let out = layerstack_wait(env, NS, "m-c", &["--json"])?;
         ensure!(
             out.status.code() == Some(3),
             "wait on a conflict exits 3: {}",
@@ -219,20 +130,19 @@ fn three_concurrent_edits_two_publish_one_is_rejected_byte_exact() {
             "m-c reason: {reason}"
         );
         for id in ["m-a", "m-b", "m-c"] {
-            env.ctr_ok(NS, &["containers", "delete", id])?;
+            remove_container(env, NS, id)?;
         }
 
         // The branch head now holds both merged edits, byte for byte.
         let expected = BASE
             .replace("key2 = two", "key2 = A")
             .replace("key7 = seven", "key7 = B");
-        let out = ctr_run(env, "m-check", false, &format!("cat {CONF}"))?;
+        let got = conf_on_branch(env, "m-check")?;
         ensure!(
-            out.stdout == expected.as_bytes(),
+            got == expected.as_bytes(),
             "merged file:\n{:?}\nexpected:\n{expected:?}",
-            String::from_utf8_lossy(&out.stdout)
+            String::from_utf8_lossy(&got)
         );
-        wait_json(env, "m-check")?;
 
         // The raw snapshot on the old lease: edit a third hunk through its mount,
         // then ask for a dry run.
@@ -250,7 +160,7 @@ fn three_concurrent_edits_two_publish_one_is_rejected_byte_exact() {
         })();
         nix::mount::umount(&target).context("unmounting the snapshot")?;
         edit?;
-        let out = env.layerstack(&["publish", "--dry-run", "m-dry", "--namespace", NS])?;
+        let out = ls_publish(env, NS, "m-dry", &["--dry-run"])?;
         let text = stdout(&out);
         ensure!(
             out.status.success(),
@@ -267,18 +177,17 @@ fn three_concurrent_edits_two_publish_one_is_rejected_byte_exact() {
             "dry run: {text}"
         );
         // Nothing changed: the session has no outcome, and publishing for real merges.
-        let out = env.layerstack(&["publish", "m-dry", "--namespace", NS, "--json"])?;
+        let out = ls_publish(env, NS, "m-dry", &["--json"])?;
         let d: serde_json::Value =
             serde_json::from_slice(&out.stdout).with_context(|| describe(&out))?;
         ensure!(d["outcome"] == "merged", "m-dry: {d:#}");
         let expected = expected.replace("key5 = five", "key5 = D");
-        let out = ctr_run(env, "m-check2", false, &format!("cat {CONF}"))?;
+        let got = conf_on_branch(env, "m-check2")?;
         ensure!(
-            out.stdout == expected.as_bytes(),
+            got == expected.as_bytes(),
             "after the third merge: {:?}",
-            String::from_utf8_lossy(&out.stdout)
+            String::from_utf8_lossy(&got)
         );
-        wait_json(env, "m-check2")?;
         env.ctr_ok(
             NS,
             &["snapshots", "--snapshotter", SNAPSHOTTER, "rm", "m-dry"],

@@ -14,16 +14,18 @@
 //!
 //! Without root or containerd the tests skip (or fail under `CI=true`).
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Output;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::thread;
 use std::time::{Duration, Instant};
 
-use anyhow::{bail, ensure, Context, Result};
+use anyhow::{ensure, Context, Result};
 use layerstack_integration::{
-    bin_path, debian_image_tar, describe, require_root_and_containerd, run_with_timeout, stdout, with_shared_env,
-    with_shared_env_mut, TestEnv, DEBIAN_IMAGE, SHIM_BIN, SHIM_RUNTIME, SNAPSHOTTER,
+    bin_path, container_branch_label, delete_task, describe, dir_is_empty, kill_task, layerstack_wait,
+    prepare_layerstack, publish_policy_label, remove_container, require_root_and_containerd, run_scenario,
+    run_scenario_mut, run_with_timeout, session_upper, snapshot_branch_label, stdout,
+    unique_across_processes as unique, wait_task_running, wait_task_stopped_or_gone, CtrRun, TestEnv, SHIM_BIN,
+    SHIM_RUNTIME,
 };
 
 /// Namespace of every container here (runc keeps the state of containers run
@@ -33,123 +35,33 @@ const NS: &str = "lst-shim";
 
 fn prepare(env: &TestEnv) -> Result<()> {
     bin_path(SHIM_BIN).context("the shim binary must be built")?;
-    let tar = debian_image_tar()?;
-    env.start_daemon().context("starting the layerstack daemon")?;
-    let names = env.import_image(NS, &tar, SNAPSHOTTER)?;
-    ensure!(names.iter().any(|n| n == DEBIAN_IMAGE), "image names after import: {names:?}");
-    Ok(())
+    prepare_layerstack(env, NS)
 }
 
 fn run_shim_test(f: impl FnOnce(&TestEnv) -> Result<()>) {
-    if !require_root_and_containerd() {
-        return;
-    }
-    with_shared_env(|env| {
-        if let Err(e) = prepare(env).and_then(|()| f(env)) {
-            panic!("{e:#}");
-        }
-    });
+    run_scenario(|env| prepare(env).and_then(|()| f(env)));
 }
 
 fn run_shim_test_mut(f: impl FnOnce(&mut TestEnv) -> Result<()>) {
-    if !require_root_and_containerd() {
-        return;
-    }
-    with_shared_env_mut(|env| {
-        if let Err(e) = prepare(env).and_then(|()| f(env)) {
-            panic!("{e:#}");
-        }
-    });
+    run_scenario_mut(|env| prepare(env).and_then(|()| f(env)));
 }
 
 // ---------------------------------------------------------------------------
 // helpers
 // ---------------------------------------------------------------------------
 
-/// A container id not used before (the pid keeps runc state of concurrent test
-/// processes apart).
-fn unique(prefix: &str) -> String {
-    static N: AtomicUsize = AtomicUsize::new(0);
-    format!("{prefix}-{}-{}", std::process::id(), N.fetch_add(1, Ordering::SeqCst))
-}
-
-fn branch_label(branch: &str) -> String {
-    format!("layerstack.branch={branch}")
-}
-
-struct Run<'a> {
-    id: &'a str,
-    runtime: &'a str,
-    labels: Vec<String>,
-    extra: Vec<String>,
-    rm: bool,
-    detach: bool,
-    cmd: Vec<String>,
-}
-
-impl<'a> Run<'a> {
-    fn sh(id: &'a str, branch: &str, script: &str) -> Self {
-        Run {
-            id,
-            runtime: SHIM_RUNTIME,
-            labels: vec![branch_label(branch)],
-            extra: vec![],
-            rm: true,
-            detach: false,
-            cmd: vec!["sh".into(), "-c".into(), script.into()],
-        }
-    }
-    fn label(mut self, l: &str) -> Self {
-        self.labels.push(l.to_string());
-        self
-    }
-    fn detached(mut self) -> Self {
-        self.rm = false;
-        self.detach = true;
-        self
-    }
-    fn args(&self) -> Vec<String> {
-        let mut a: Vec<String> = vec!["run".into(), "--runtime".into(), self.runtime.into()];
-        a.extend(["--snapshotter".into(), SNAPSHOTTER.into()]);
-        if self.rm {
-            a.push("--rm".into());
-        }
-        if self.detach {
-            a.push("-d".into());
-        }
-        for l in &self.labels {
-            a.extend(["--label".into(), l.clone()]);
-        }
-        a.extend(self.extra.iter().cloned());
-        a.extend([DEBIAN_IMAGE.to_string(), self.id.to_string()]);
-        a.extend(self.cmd.iter().cloned());
-        a
-    }
-    fn run(&self, env: &TestEnv) -> Result<Output> {
-        let args = self.args();
-        env.ctr(NS, &args.iter().map(String::as_str).collect::<Vec<_>>())
-    }
-    /// Runs and requires exit status 0; returns stdout.
-    fn ok(&self, env: &TestEnv) -> Result<String> {
-        let out = self.run(env)?;
-        ensure!(out.status.success(), "ctr run {}: {}", self.id, describe(&out));
-        Ok(stdout(&out))
-    }
+/// `ctr run --rm --runtime io.containerd.layerstack.v1` of `sh -c script` in
+/// container `id`, on `branch` (chosen through the container label).
+fn shim_run(id: &str, branch: &str, script: &str) -> CtrRun {
+    CtrRun::sh(NS, id, script)
+        .runtime(SHIM_RUNTIME)
+        .rm(true)
+        .label(container_branch_label(branch))
 }
 
 /// `layerstack session ls --json`: the newest session of `container`.
 fn session(env: &TestEnv, container: &str) -> Result<serde_json::Value> {
-    let out = env.layerstack(&["session", "ls", "--json", "--namespace", NS])?;
-    ensure!(out.status.success(), "layerstack session ls --json: {}", describe(&out));
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout)
-        .with_context(|| format!("parsing session ls --json output: {}", stdout(&out)))?;
-    v.as_array()
-        .context("session ls --json is not an array")?
-        .iter()
-        .rev()
-        .find(|s| s["namespace"] == NS && s["container"] == container)
-        .cloned()
-        .with_context(|| format!("no session for container {container}: {v:#}"))
+    layerstack_integration::session(env, NS, container)
 }
 
 /// The session's outcome right now ("" if none yet). No waiting: the shim
@@ -158,40 +70,38 @@ fn outcome(env: &TestEnv, container: &str) -> Result<String> {
     Ok(session(env, container)?["outcome"].as_str().unwrap_or("").to_string())
 }
 
-/// Polls `ctr tasks ls` until task `id` is STOPPED (or gone: `Ok(false)`).
-fn wait_stopped(env: &TestEnv, id: &str, timeout: Duration) -> Result<bool> {
-    let deadline = Instant::now() + timeout;
-    loop {
-        let text = stdout(&env.ctr_ok(NS, &["tasks", "ls"])?);
-        let status = text
-            .lines()
-            .skip(1)
-            .map(|l| l.split_whitespace().collect::<Vec<_>>())
-            .find(|f| f.first() == Some(&id))
-            .and_then(|f| f.get(2).map(|s| s.to_string()));
-        match status.as_deref() {
-            Some("STOPPED") => return Ok(true),
-            None => return Ok(false),
-            Some(_) if Instant::now() >= deadline => bail!("task {id} still running after {timeout:?}:\n{text}"),
-            Some(_) => thread::sleep(Duration::from_millis(100)),
-        }
-    }
+/// Polls `ctr tasks ls` until task `id` is RUNNING (60 s at most).
+fn wait_running(env: &TestEnv, id: &str) -> Result<()> {
+    wait_task_running(env, NS, id, Duration::from_secs(60))
 }
 
-/// Polls `ctr tasks ls` until task `id` is RUNNING.
-fn wait_running(env: &TestEnv, id: &str) -> Result<()> {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let text = stdout(&env.ctr_ok(NS, &["tasks", "ls"])?);
-        if text.lines().any(|l| {
-            let f: Vec<&str> = l.split_whitespace().collect();
-            f.first() == Some(&id) && f.get(2) == Some(&"RUNNING")
-        }) {
-            return Ok(());
-        }
-        ensure!(Instant::now() < deadline, "task {id} not running:\n{text}");
-        thread::sleep(Duration::from_millis(100));
-    }
+/// [`shim_run`] detached; returns once the task runs.
+fn start_running(env: &TestEnv, id: &str, branch: &str, script: &str) -> Result<()> {
+    shim_run(id, branch, script).detached().ok(env)?;
+    wait_running(env, id)
+}
+
+/// SIGKILLs task `id` and waits until it is STOPPED (it must not vanish).
+fn kill_and_wait_stopped(env: &TestEnv, id: &str) -> Result<()> {
+    kill_task(env, NS, id)?;
+    ensure!(
+        wait_task_stopped_or_gone(env, NS, id, Duration::from_secs(30))?,
+        "task {id} vanished"
+    );
+    Ok(())
+}
+
+/// Deletes the stopped task `id`: the shim publishes before `ctr` returns, so
+/// the session must be committed right after. Then deletes the container.
+/// `context` goes into the error messages.
+fn delete_task_committed(env: &TestEnv, id: &str, context: &str) -> Result<()> {
+    delete_task(env, NS, id).context(context.to_string())?;
+    ensure!(
+        outcome(env, id)? == "committed",
+        "{context}: not committed after task delete: {:#}",
+        session(env, id)?
+    );
+    remove_container(env, NS, id)
 }
 
 /// Processes whose command line names a containerd shim, container `id` and
@@ -220,21 +130,20 @@ fn shim_processes(env: &TestEnv, id: &str) -> Vec<String> {
     out
 }
 
-/// Directory of a session's upper in the daemon's store (`<root>/s/<id>/upper`,
-/// ARCHITECTURE.md §8).
-fn upper_dir(env: &TestEnv, session: &serde_json::Value) -> Result<PathBuf> {
-    let id = session["id"].as_i64().context("session id")?;
-    Ok(env.store_root().join("s").join(id.to_string()).join("upper"))
-}
-
-fn is_empty_dir(p: &Path) -> bool {
-    std::fs::read_dir(p).map(|mut d| d.next().is_none()).unwrap_or(true)
-}
-
 fn cleanup_container(env: &TestEnv, id: &str) {
     let _ = env.ctr(NS, &["tasks", "kill", "--signal", "SIGKILL", id]);
     let _ = env.ctr(NS, &["tasks", "delete", "--force", id]);
     let _ = env.ctr(NS, &["containers", "delete", id]);
+}
+
+/// Runs `f`; if it fails, removes container `id` whatever its state, so later
+/// tests start clean.
+fn cleaning_up_on_error<T>(env: &TestEnv, id: &str, f: impl FnOnce() -> Result<T>) -> Result<T> {
+    let r = f();
+    if r.is_err() {
+        cleanup_container(env, id);
+    }
+    r
 }
 
 // ---------------------------------------------------------------------------
@@ -253,14 +162,14 @@ fn shim1_twenty_sequential_runs_read_their_writes() {
         for i in 1..=20usize {
             let id = unique("s1");
             let script = format!("n=$(cat /root/log.txt 2>/dev/null | wc -l); echo $n; echo line-{i} >> /root/log.txt");
-            let text = Run::sh(&id, branch, &script).ok(env)?;
+            let text = shim_run(&id, branch, &script).stdout_ok(env)?;
             let seen: usize = text.trim().parse().with_context(|| format!("run {i} printed {text:?}"))?;
             ensure!(seen == i - 1, "run {i} ({id}) saw {seen} earlier lines, want {}", i - 1);
             ids.push(id);
         }
         eprintln!("shim: 20 sequential append runs in {:.2}s", started.elapsed().as_secs_f64());
         let id = unique("s1-read");
-        let text = Run::sh(&id, branch, "cat /root/log.txt").ok(env)?;
+        let text = shim_run(&id, branch, "cat /root/log.txt").stdout_ok(env)?;
         let want: Vec<String> = (1..=20).map(|i| format!("line-{i}")).collect();
         ensure!(text.lines().collect::<Vec<_>>() == want, "final read: {text:?}");
         for id in &ids {
@@ -270,7 +179,7 @@ fn shim1_twenty_sequential_runs_read_their_writes() {
         }
         // main never saw any of it.
         let id = unique("s1-main");
-        let text = Run::sh(&id, "main", "test -e /root/log.txt && echo LEAKED || echo CLEAN").ok(env)?;
+        let text = shim_run(&id, "main", "test -e /root/log.txt && echo LEAKED || echo CLEAN").stdout_ok(env)?;
         ensure!(text.trim() == "CLEAN", "main sees the branch's writes: {text}");
         Ok(())
     });
@@ -288,83 +197,75 @@ fn shim2_exit_codes_and_publish_policies() {
         let branch = "shim-policy";
         // Exit 0 and 3 with the default policy (on-exit): both publish.
         let a = unique("s2-exit0");
-        let out = Run::sh(&a, branch, "echo zero > /root/exit0.txt; exit 0").run(env)?;
+        let out = shim_run(&a, branch, "echo zero > /root/exit0.txt; exit 0").output(env)?;
         ensure!(out.status.code() == Some(0), "exit 0: {}", describe(&out));
         ensure!(outcome(env, &a)? == "committed", "{a}: {:#}", session(env, &a)?);
 
         let b = unique("s2-exit3");
-        let out = Run::sh(&b, branch, "echo three > /root/exit3.txt; exit 3").run(env)?;
+        let out = shim_run(&b, branch, "echo three > /root/exit3.txt; exit 3").output(env)?;
         ensure!(out.status.code() == Some(3), "exit 3 must reach ctr: {}", describe(&out));
         ensure!(outcome(env, &b)? == "committed", "on-exit publishes exit 3: {:#}", session(env, &b)?);
 
         // Killed: 137.
         let c = unique("s2-kill");
-        let run = Run::sh(&c, branch, "echo killed > /root/killed.txt; sleep 600");
-        let args = run.args();
-        let child = env.ctr_spawn(NS, &args.iter().map(String::as_str).collect::<Vec<_>>())?;
-        let killed = (|| -> Result<Output> {
+        let child = shim_run(&c, branch, "echo killed > /root/killed.txt; sleep 600").spawn(env)?;
+        let out = cleaning_up_on_error(env, &c, || -> Result<Output> {
             wait_running(env, &c)?;
             // The write happens first thing; give sh a moment to get there.
             thread::sleep(Duration::from_millis(300));
-            env.ctr_ok(NS, &["tasks", "kill", "--signal", "SIGKILL", &c])?;
+            kill_task(env, NS, &c)?;
             Ok(child.wait_with_output()?)
-        })();
-        let out = match killed {
-            Ok(o) => o,
-            Err(e) => {
-                cleanup_container(env, &c);
-                return Err(e);
-            }
-        };
+        })?;
         ensure!(out.status.code() == Some(137), "SIGKILL must reach ctr as 137: {}", describe(&out));
         ensure!(outcome(env, &c)? == "committed", "on-exit publishes a killed task: {:#}", session(env, &c)?);
 
         // on-success with exit 3: nothing published.
         let d = unique("s2-onsuccess-fail");
-        let out = Run::sh(&d, branch, "echo no > /root/onsuccess-fail.txt; exit 3")
-            .label("layerstack.publish=on-success")
-            .run(env)?;
+        let out = shim_run(&d, branch, "echo no > /root/onsuccess-fail.txt; exit 3")
+            .label(publish_policy_label("on-success"))
+            .output(env)?;
         ensure!(out.status.code() == Some(3), "exit 3: {}", describe(&out));
         let s = session(env, &d)?;
         ensure!(s["outcome"] == "discarded", "on-success + exit 3: {s:#}");
 
         // on-success with exit 0: published.
         let e = unique("s2-onsuccess-ok");
-        let out = Run::sh(&e, branch, "echo yes > /root/onsuccess-ok.txt")
-            .label("layerstack.publish=on-success")
-            .run(env)?;
+        let out = shim_run(&e, branch, "echo yes > /root/onsuccess-ok.txt")
+            .label(publish_policy_label("on-success"))
+            .output(env)?;
         ensure!(out.status.success(), "{}", describe(&out));
         ensure!(outcome(env, &e)? == "committed", "on-success + exit 0: {:#}", session(env, &e)?);
 
         // never: nothing published, upper discarded. Not --rm, so the session's
         // directory is still there to look at.
         let f = unique("s2-never");
-        let mut run = Run::sh(&f, branch, "echo never > /root/never.txt; exit 0").label("layerstack.publish=never");
-        run.rm = false;
-        let out = run.run(env)?;
+        let out = shim_run(&f, branch, "echo never > /root/never.txt; exit 0")
+            .label(publish_policy_label("never"))
+            .rm(false)
+            .output(env)?;
         ensure!(out.status.success(), "{}", describe(&out));
         let s = session(env, &f)?;
         ensure!(s["outcome"] == "discarded", "never: {s:#}");
-        let upper = upper_dir(env, &s)?;
-        ensure!(is_empty_dir(&upper), "never: upper {} still holds {:?}", upper.display(), std::fs::read_dir(&upper).map(|d| d.flatten().map(|e| e.file_name()).collect::<Vec<_>>()));
-        env.ctr_ok(NS, &["containers", "delete", &f])?;
+        let upper = session_upper(env, &s)?;
+        ensure!(dir_is_empty(&upper).unwrap_or(true), "never: upper {} still holds {:?}", upper.display(), std::fs::read_dir(&upper).map(|d| d.flatten().map(|e| e.file_name()).collect::<Vec<_>>()));
+        remove_container(env, NS, &f)?;
 
         // Invalid policy: the task is refused at create.
         let g = unique("s2-bad-policy");
-        let out = Run::sh(&g, branch, "true").label("layerstack.publish=sometimes").run(env)?;
+        let out = shim_run(&g, branch, "true").label(publish_policy_label("sometimes")).output(env)?;
         ensure!(!out.status.success(), "an unknown policy must be refused: {}", describe(&out));
         ensure!(String::from_utf8_lossy(&out.stderr).contains("layerstack.publish"), "refusal names the label: {}", describe(&out));
         cleanup_container(env, &g);
 
         // What the branch shows now.
         let h = unique("s2-check");
-        let text = Run::sh(
+        let text = shim_run(
             &h,
             branch,
             "for f in exit0 exit3 killed onsuccess-fail onsuccess-ok never; do \
                if [ -e /root/$f.txt ]; then echo $f:yes; else echo $f:no; fi; done",
         )
-        .ok(env)?;
+        .stdout_ok(env)?;
         let want = "exit0:yes\nexit3:yes\nkilled:yes\nonsuccess-fail:no\nonsuccess-ok:yes\nnever:no\n";
         ensure!(text == want, "branch content: {text:?}, want {want:?}");
         Ok(())
@@ -382,9 +283,8 @@ fn shim3_exec_tty_then_kill_and_delete_publishes() {
     run_shim_test(|env| {
         let branch = "shim-exec";
         let id = unique("s3");
-        let r = (|| -> Result<()> {
-            Run::sh(&id, branch, "sleep 600").detached().ok(env)?;
-            wait_running(env, &id)?;
+        cleaning_up_on_error(env, &id, || {
+            start_running(env, &id, branch, "sleep 600")?;
             // ctr needs a terminal for -t: run it under script(1).
             let ctr = format!(
                 "ctr --address {} --namespace {NS} tasks exec -t --exec-id e1 {id} sh -c 'tty; echo from-exec > /root/exec.txt'",
@@ -401,24 +301,16 @@ fn shim3_exec_tty_then_kill_and_delete_publishes() {
             let out = env.ctr(NS, &["tasks", "exec", "--exec-id", "e2", &id, "cat", "/root/exec.txt"])?;
             ensure!(out.status.success() && stdout(&out).trim() == "from-exec", "exec: {}", describe(&out));
 
-            env.ctr_ok(NS, &["tasks", "kill", "--signal", "SIGKILL", &id])?;
-            ensure!(wait_stopped(env, &id, Duration::from_secs(30))?, "task {id} vanished");
+            kill_and_wait_stopped(env, &id)?;
             let s = session(env, &id)?;
             ensure!(s["outcome"].is_null(), "published before the task was deleted: {s:#}");
-            let out = env.ctr(NS, &["tasks", "delete", &id])?;
-            ensure!(out.status.success(), "task delete: {}", describe(&out));
-            ensure!(outcome(env, &id)? == "committed", "after task delete: {:#}", session(env, &id)?);
-            env.ctr_ok(NS, &["containers", "delete", &id])?;
+            delete_task_committed(env, &id, "after exec")?;
 
             let check = unique("s3-check");
-            let text = Run::sh(&check, branch, "cat /root/exec.txt").ok(env)?;
+            let text = shim_run(&check, branch, "cat /root/exec.txt").stdout_ok(env)?;
             ensure!(text.trim() == "from-exec", "next container sees {text:?}");
             Ok(())
-        })();
-        if r.is_err() {
-            cleanup_container(env, &id);
-        }
-        r
+        })
     });
 }
 
@@ -433,9 +325,8 @@ fn shim4_sigkill_of_the_proxy_cleans_up() {
     run_shim_test(|env| {
         let branch = "shim-sigkill";
         let id = unique("s4");
-        let r = (|| -> Result<()> {
-            Run::sh(&id, branch, "echo before-kill > /root/k9.txt; sleep 600").detached().ok(env)?;
-            wait_running(env, &id)?;
+        cleaning_up_on_error(env, &id, || {
+            start_running(env, &id, branch, "echo before-kill > /root/k9.txt; sleep 600")?;
             thread::sleep(Duration::from_millis(300));
             let procs = shim_processes(env, &id);
             let proxy: Vec<&String> = procs.iter().filter(|p| p.contains(SHIM_BIN)).collect();
@@ -465,20 +356,16 @@ fn shim4_sigkill_of_the_proxy_cleans_up() {
 
             // The task is gone or stopped; both deletes work.
             let _ = env.ctr(NS, &["tasks", "delete", &id]);
-            env.ctr_ok(NS, &["containers", "delete", &id])?;
+            remove_container(env, NS, &id)?;
             ensure!(shim_processes(env, &id).is_empty(), "shim processes left: {:#?}", shim_processes(env, &id));
             let runc_state = Path::new("/run/containerd/runc").join(NS).join(&id);
             ensure!(!runc_state.exists(), "runc state left at {}", runc_state.display());
             let check = unique("s4-check");
-            let text = Run::sh(&check, branch, "cat /root/k9.txt 2>/dev/null || echo ABSENT").ok(env)?;
+            let text = shim_run(&check, branch, "cat /root/k9.txt 2>/dev/null || echo ABSENT").stdout_ok(env)?;
             let want = if state == "published" { "before-kill" } else { "ABSENT" };
             ensure!(text.trim() == want, "after a {state} session the branch shows {text:?}");
             Ok(())
-        })();
-        if r.is_err() {
-            cleanup_container(env, &id);
-        }
-        r
+        })
     });
 }
 
@@ -493,11 +380,10 @@ fn shim5_containerd_restart_keeps_exec_and_publish() {
     run_shim_test_mut(|env| {
         let branch = "shim-restart";
         let id = unique("s5");
-        Run::sh(&id, branch, "echo before > /root/restart.txt; sleep 600").detached().ok(env)?;
-        wait_running(env, &id)?;
+        start_running(env, &id, branch, "echo before > /root/restart.txt; sleep 600")?;
         let before = shim_processes(env, &id);
         env.restart_containerd()?;
-        let r = (|| -> Result<()> {
+        cleaning_up_on_error(env, &id, || {
             ensure!(shim_processes(env, &id) == before, "shims changed across the restart: {before:#?}");
             wait_running(env, &id)?;
             let out = env.ctr(
@@ -506,14 +392,10 @@ fn shim5_containerd_restart_keeps_exec_and_publish() {
             )?;
             ensure!(out.status.success(), "exec after restart: {}", describe(&out));
             ensure!(stdout(&out) == "before\nafter\n", "exec output: {}", describe(&out));
-            env.ctr_ok(NS, &["tasks", "kill", "--signal", "SIGKILL", &id])?;
-            ensure!(wait_stopped(env, &id, Duration::from_secs(30))?, "task {id} vanished");
-            let out = env.ctr(NS, &["tasks", "delete", &id])?;
-            ensure!(out.status.success(), "task delete after restart: {}", describe(&out));
-            ensure!(outcome(env, &id)? == "committed", "after restart: {:#}", session(env, &id)?);
-            env.ctr_ok(NS, &["containers", "delete", &id])?;
+            kill_and_wait_stopped(env, &id)?;
+            delete_task_committed(env, &id, "after the containerd restart")?;
             let check = unique("s5-check");
-            let text = Run::sh(&check, branch, "cat /root/restart.txt").ok(env)?;
+            let text = shim_run(&check, branch, "cat /root/restart.txt").stdout_ok(env)?;
             ensure!(text == "before\nafter\n", "next container sees {text:?}");
             // The shims of the deleted task are gone.
             let deadline = Instant::now() + Duration::from_secs(20);
@@ -522,11 +404,7 @@ fn shim5_containerd_restart_keeps_exec_and_publish() {
                 thread::sleep(Duration::from_millis(100));
             }
             Ok(())
-        })();
-        if r.is_err() {
-            cleanup_container(env, &id);
-        }
-        r
+        })
     });
 }
 
@@ -545,9 +423,7 @@ fn shim6_timing_against_runc_v2() {
             let mut v = Vec::new();
             for _ in 0..N {
                 let id = unique("s6");
-                let mut run = Run::sh(&id, "shim-timing", "true");
-                run.runtime = runtime;
-                run.cmd = vec!["true".into()];
+                let run = shim_run(&id, "shim-timing", "true").runtime(runtime).cmd(&["true"]);
                 let t = Instant::now();
                 run.ok(env)?;
                 v.push(t.elapsed().as_secs_f64() * 1000.0);
@@ -594,9 +470,9 @@ fn shim_runtime_config_file() {
             ),
         )?;
         let id = unique("s7");
-        let mut run = Run::sh(&id, "shim-config", "echo cfg > /root/cfg.txt");
-        run.extra = vec!["--runtime-config-path".into(), cfg.to_string_lossy().into_owned()];
-        run.ok(env)?;
+        shim_run(&id, "shim-config", "echo cfg > /root/cfg.txt")
+            .extra(&["--runtime-config-path", &cfg.to_string_lossy()])
+            .ok(env)?;
         ensure!(outcome(env, &id)? == "committed", "{:#}", session(env, &id)?);
         ensure!(runc_root.join(NS).is_dir(), "runc did not use the configured root {}", runc_root.display());
         Ok(())
@@ -643,21 +519,22 @@ fn shim_publish_failure_keeps_exit_status() {
         let bad = env.scratch().join("no-such-admin.sock");
         std::fs::write(&cfg, format!("admin_address = {:?}\n", bad.to_string_lossy()))?;
         let id = unique("s8");
-        let mut run = Run::sh(&id, "unused", "echo x > /root/nodaemon.txt; exit 5");
         // The branch comes from the snapshot label here (the container label would
         // need the daemon at create).
-        run.labels.clear();
-        run.extra = vec![
-            "--runtime-config-path".into(),
-            cfg.to_string_lossy().into_owned(),
-            "--snapshotter-label".into(),
-            "containerd.io/snapshot/layerstack.branch=shim-nodaemon".into(),
-        ];
-        let out = run.run(env)?;
+        let out = CtrRun::sh(NS, &id, "echo x > /root/nodaemon.txt; exit 5")
+            .runtime(SHIM_RUNTIME)
+            .rm(true)
+            .extra(&[
+                "--runtime-config-path",
+                &cfg.to_string_lossy(),
+                "--snapshotter-label",
+                &snapshot_branch_label("shim-nodaemon"),
+            ])
+            .output(env)?;
         ensure!(out.status.code() == Some(5), "exit status lost: {}", describe(&out));
         let info = env.ctr(NS, &["containers", "info", &id])?;
         ensure!(!info.status.success(), "container {id} left behind after --rm");
-        let w = env.layerstack(&["wait", &id, "--timeout", "60", "--namespace", NS])?;
+        let w = layerstack_wait(env, NS, &id, &[])?;
         ensure!(
             stdout(&w).lines().next() == Some("committed"),
             "the daemon's fallback did not publish: {}",
