@@ -111,24 +111,41 @@ fn session_json(s: &api::Session) -> serde_json::Value {
     })
 }
 
+/// The text form of an outcome (or a dry run's would-be outcome): its kind first,
+/// or what stands for its absence — never a debug value.
+fn outcome_lines(s: &api::Session) -> Vec<String> {
+    let mut lines = Vec::new();
+    lines.push(
+        match (s.outcome.as_str(), s.dry_run) {
+            ("", true) => "nothing to publish",
+            ("", false) => "no outcome",
+            (kind, _) => kind,
+        }
+        .to_string(),
+    );
+    if s.layer != 0 {
+        lines.push(format!("layer {}", s.layer));
+    }
+    if s.paths.is_empty() {
+        for c in &s.conflicts {
+            lines.push(format!("conflict {}: {}", c.path, c.reason));
+        }
+    }
+    for p in &s.paths {
+        lines.push(format!("{} {}: {}", p.status, p.path, p.reason));
+    }
+    if !s.message.is_empty() {
+        lines.push(s.message.clone());
+    }
+    lines
+}
+
 fn print_outcome(s: &api::Session, as_json: bool) -> ExitCode {
     if as_json {
         out!("{}", session_json(s));
     } else {
-        out!("{}", if s.outcome.is_empty() { "none" } else { &s.outcome });
-        if s.layer != 0 {
-            out!("layer {}", s.layer);
-        }
-        if s.paths.is_empty() {
-            for c in &s.conflicts {
-                out!("conflict {}: {}", c.path, c.reason);
-            }
-        }
-        for p in &s.paths {
-            out!("{} {}: {}", p.status, p.path, p.reason);
-        }
-        if !s.message.is_empty() {
-            out!("{}", s.message);
+        for l in outcome_lines(s) {
+            out!("{l}");
         }
     }
     match s.outcome.as_str() {
@@ -313,5 +330,32 @@ async fn main() -> ExitCode {
             }
             ExitCode::from(1)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dry_run_with_nothing_to_publish_prints_no_debug_value() {
+        let s = api::Session {
+            dry_run: true,
+            message: "nothing to publish: the session's current run already ended with outcome committed".into(),
+            ..Default::default()
+        };
+        let lines = outcome_lines(&s);
+        assert_eq!(lines[0], "nothing to publish");
+        assert!(lines.iter().all(|l| l != "none" && !l.contains("None")), "{lines:?}");
+        let v = session_json(&s);
+        assert!(v["outcome"].is_null());
+        let s = api::Session::default();
+        assert_eq!(outcome_lines(&s), ["no outcome"]);
+        let s = api::Session {
+            outcome: "merged".into(),
+            dry_run: true,
+            ..Default::default()
+        };
+        assert_eq!(outcome_lines(&s)[0], "merged");
     }
 }

@@ -11,9 +11,10 @@
 //! Upper-format rules come from the kernel (Documentation/filesystems/overlayfs.rst):
 //! a 0:0 character device is a whiteout (the kernel links all whiteouts of a mount
 //! to one shared inode, so a whiteout's `st_nlink` may be large — it is never taken
-//! for a hardlink), a directory with the xattr `trusted.overlay.opaque` = `y` is
-//! opaque (`x` is not: since Linux 6.7 it marks a directory holding xattr
-//! whiteouts, which LayerStack's mounts never create). Uppers written with
+//! for a hardlink), a directory with the xattr `trusted.overlay.opaque` = `y`
+//! (`user.overlay.opaque` under `userxattr`: the kernel reads only the mount's own
+//! namespace) is opaque (`x` is not: since Linux 6.7 it marks a directory holding
+//! xattr whiteouts, which LayerStack's mounts never create). Uppers written with
 //! `redirect_dir=on` or `metacopy=on` are refused ([`CaptureError::Unsupported`]):
 //! LayerStack mounts sessions with `index=off,redirect_dir=off,metacopy=off`
 //! (ARCHITECTURE §5).
@@ -21,9 +22,16 @@
 //! Extended attributes are part of a file's metadata: a file whose content, mode
 //! and owner equal the lease's but whose xattrs differ (`setfattr`, or the kernel
 //! dropping `security.capability` on `chown`) is a change. Overlay-private xattrs
-//! (`trusted.overlay.*`, or `user.overlay.*` under `userxattr`) are not compared;
-//! escaped ones (`*.overlay.overlay.*`, a nested overlay's data, Linux 6.7+) and
-//! `overlay.*` names in the other namespace are ordinary data.
+//! of the mount's namespace (`trusted.overlay.*`, or `user.overlay.*` under
+//! `userxattr`; its opaque marker is compared on its own, as opacity) are not
+//! compared; escaped ones (`*.overlay.overlay.*`, a nested overlay's data, Linux
+//! 6.7+) and `overlay.*` names of the other namespace (e.g. `user.overlay.opaque`
+//! on a session mounted without `userxattr`) are ordinary data.
+//!
+//! The upper's root directory is the container's `/`; it is not a path of the
+//! changeset. Its mode and owner are never published: a change of them is
+//! reported in [`Changeset::skipped`] (path `""`) and [`UpperEdits::root`] resets
+//! them to the lease's before the upper becomes a layer.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::io;
@@ -38,8 +46,8 @@ use xattr::FileExt;
 
 use crate::fsx::{self, DirFd};
 use crate::policy::ExcludePolicy;
-use crate::view::{is_whiteout, join_rel, opaque_value, Cursor, Entry, FileKind, LayerView};
-use crate::view::{TRUSTED_OPAQUE, USER_OPAQUE};
+use crate::view::{is_whiteout, join_rel, opaque_name, opaque_value};
+use crate::view::{Cursor, Entry, FileKind, LayerView};
 
 /// One captured change at one path, relative to the session's lease (the lower view).
 ///
@@ -139,13 +147,32 @@ pub struct UpperEdits {
     /// Whiteouts to create: per-path deletions of an expanded opaque directory, and
     /// lease files that a socket replaced (the socket itself is removed).
     pub whiteouts: Vec<Vec<u8>>,
+    /// The upper's root directory (the container's `/`) has another mode or owner
+    /// than the lease's root: set it back to the lease's, so a published layer never
+    /// changes `/` for later containers.
+    #[serde(default)]
+    pub root: Option<RootMeta>,
+}
+
+/// Mode and owner of a layer's root directory ([`UpperEdits::root`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RootMeta {
+    /// Permission bits.
+    pub mode: u32,
+    /// Owner user id.
+    pub uid: u32,
+    /// Owner group id.
+    pub gid: u32,
 }
 
 impl UpperEdits {
     /// True when there is nothing to do.
     #[must_use]
     pub fn is_empty(&self) -> bool {
-        self.remove.is_empty() && self.unopaque.is_empty() && self.whiteouts.is_empty()
+        self.remove.is_empty()
+            && self.unopaque.is_empty()
+            && self.whiteouts.is_empty()
+            && self.root.is_none()
     }
 }
 
@@ -163,8 +190,9 @@ pub struct Changeset {
     /// lease's version of them: the gate checks them against the head so that
     /// publishing never silently reverts a newer head change.
     pub unchanged: BTreeMap<Vec<u8>, Change>,
-    /// Paths not captured, with the reason (sockets), sorted by path.
-    /// [`seal_layer`](crate::seal_layer) removes them from the layer.
+    /// Paths not captured, with the reason, sorted by path: sockets
+    /// ([`seal_layer`](crate::seal_layer) removes them from the layer) and, as path
+    /// `""`, a mode or owner change of the root directory ([`UpperEdits::root`]).
     pub skipped: Vec<(Vec<u8>, String)>,
     /// Paths left out by the [`ExcludePolicy`] (the topmost excluded path of each
     /// excluded subtree), with the pattern that matched, sorted by path.
@@ -174,8 +202,9 @@ pub struct Changeset {
     /// `entries` or `unchanged` that has any.
     #[serde(default)]
     pub xattrs: BTreeMap<Vec<u8>, [u8; 32]>,
-    /// Regular files of the upper with more than one link: path → inode number.
-    /// Paths with the same inode are one hardlinked file.
+    /// Regular files of the upper linked at more than one captured path: path →
+    /// inode number. Paths with the same inode are one hardlinked file. Links at
+    /// excluded paths do not count (they are removed before publishing).
     #[serde(default)]
     pub hardlinks: BTreeMap<Vec<u8>, u64>,
     /// Edits the upper needs so that a layer renamed from it publishes exactly
@@ -197,6 +226,22 @@ impl Changeset {
         self.entries.keys().map(Vec::as_slice)
     }
 
+    /// Adds the `excluded` and `skipped` reports of `earlier`, a capture of the same
+    /// upper before [`prepare_upper`](crate::prepare_upper) and
+    /// [`seal_layer`](crate::seal_layer) removed those paths (and reset the root
+    /// directory): a capture again (an opaque directory expanded) no longer sees
+    /// them, but the outcome must still report them. Paths already reported keep
+    /// this capture's reason.
+    pub fn keep_reports_of(&mut self, earlier: &Changeset) {
+        fn merge(now: &mut Vec<(Vec<u8>, String)>, before: &[(Vec<u8>, String)]) {
+            let mut all: BTreeMap<Vec<u8>, String> = before.iter().cloned().collect();
+            all.extend(now.drain(..));
+            *now = all.into_iter().collect();
+        }
+        merge(&mut self.excluded, &earlier.excluded);
+        merge(&mut self.skipped, &earlier.skipped);
+    }
+
     /// Digest of the non-private xattrs at `path`, `None` when it has none.
     #[must_use]
     pub fn xattrs_of(&self, path: &[u8]) -> Option<[u8; 32]> {
@@ -207,10 +252,11 @@ impl Changeset {
 /// Knobs for [`capture_with`].
 #[derive(Debug, Clone, Default)]
 pub struct CaptureOptions {
-    /// The upper was written by an overlay mounted with `userxattr` (rootless): also
-    /// accept `user.overlay.opaque` = `y`, and refuse `user.overlay.redirect` /
-    /// `user.overlay.metacopy` too. Pair it with [`LayerView::with_userxattr`].
-    /// It also decides which xattr namespace is overlay-private.
+    /// The upper was written by an overlay mounted with `userxattr` (rootless):
+    /// `user.overlay.opaque` = `y` (not `trusted.`) marks an opaque directory, and
+    /// `user.overlay.redirect` / `user.overlay.metacopy` are refused too. Pair it
+    /// with [`LayerView::with_userxattr`]. It also decides which xattr namespace is
+    /// overlay-private (the other one is data).
     pub userxattr: bool,
     /// Paths never published ([`Changeset::excluded`]).
     pub exclude: ExcludePolicy,
@@ -294,7 +340,9 @@ pub fn capture(upper: &Path, lower: &LayerView) -> Result<Changeset, CaptureErro
 ///   below it is looked at.
 ///
 /// Directory timestamps are never compared (mtime-only changes are noise).
-/// The upper's root directory itself is not captured.
+/// The upper's root directory itself is not captured: a mode or owner that
+/// differs from the lease's root is reported in `skipped` (path `""`) and reset by
+/// [`prepare_upper`](crate::prepare_upper) ([`UpperEdits::root`]).
 ///
 /// # Errors
 /// [`CaptureError`]: the upper cannot be opened or read, a lower path cannot be
@@ -313,7 +361,15 @@ pub fn capture_with(
         options,
         out: Changeset::default(),
     };
+    walker.root_meta(&root)?;
     walker.walk(root, &[], Some(lower.root()), false)?;
+    // A file linked elsewhere only at excluded paths (removed before publishing)
+    // is not hardlinked in the layer.
+    let mut names: BTreeMap<u64, usize> = BTreeMap::new();
+    for ino in walker.out.hardlinks.values() {
+        *names.entry(*ino).or_default() += 1;
+    }
+    walker.out.hardlinks.retain(|_, ino| names[ino] > 1);
     walker.out.skipped.sort();
     walker.out.excluded.sort();
     walker.out.edits.remove.sort();
@@ -443,6 +499,32 @@ fn lower_err(rel: &[u8]) -> impl FnOnce(io::Error) -> CaptureError + '_ {
 }
 
 impl Walker<'_> {
+    /// Compares the upper's root directory with the lease's root: a different mode
+    /// or owner is not published (see [`UpperEdits::root`]).
+    fn root_meta(&mut self, root: &DirFd) -> Result<(), CaptureError> {
+        let Some(lease) = self.lower.lookup(b"").map_err(lower_err(b""))? else {
+            return Ok(());
+        };
+        let st = nix::sys::stat::fstat(root.as_raw_fd()).map_err(|e| upper_err(b"")(e.into()))?;
+        let (mode, uid, gid) = (st.st_mode & 0o7777, st.st_uid, st.st_gid);
+        if (mode, uid, gid) == (lease.mode, lease.uid, lease.gid) {
+            return Ok(());
+        }
+        self.out.skipped.push((
+            Vec::new(),
+            format!(
+                "root directory mode/owner {mode:04o} {uid}:{gid} differs from the lease's {:04o} {}:{}",
+                lease.mode, lease.uid, lease.gid
+            ),
+        ));
+        self.out.edits.root = Some(RootMeta {
+            mode: lease.mode,
+            uid: lease.uid,
+            gid: lease.gid,
+        });
+        Ok(())
+    }
+
     /// Walks the upper directory `dir` at `rel`; `lower` is the lease's merged
     /// directory at the same path, `None` when nothing of the lease shows through.
     /// `expand`: `dir` replaces the lease's directory as an expanded opaque
@@ -542,7 +624,7 @@ impl Walker<'_> {
                 let sub = fsx::open_dir_at(dir, name).map_err(upper_err(&rel))?;
                 self.refuse(&sub, &rel, REDIRECT)?;
                 let xattrs = xattr_digest(
-                    &strip_opaque(fd_xattrs(&sub).map_err(upper_err(&rel))?),
+                    &strip_opaque(fd_xattrs(&sub).map_err(upper_err(&rel))?, userxattr),
                     userxattr,
                 );
                 let opaque_xattr = self.is_opaque(&sub, &rel)?;
@@ -673,7 +755,8 @@ impl Walker<'_> {
     fn lower_dir_xattrs(&self, e: &Entry, rel: &[u8]) -> Result<Option<[u8; 32]>, CaptureError> {
         let at = fsx::at(self.lower.layer(e.layer_index), rel).map_err(lower_err(rel))?;
         let list = fsx::xattrs_of(at.path()).map_err(lower_err(rel))?;
-        Ok(xattr_digest(&strip_opaque(list), self.options.userxattr))
+        let userxattr = self.options.userxattr;
+        Ok(xattr_digest(&strip_opaque(list, userxattr), userxattr))
     }
 
     fn record(&mut self, rel: Vec<u8>, change: Change, noise: bool, xattrs: Option<[u8; 32]>) {
@@ -687,14 +770,9 @@ impl Walker<'_> {
         }
     }
 
+    /// The directory carries the opaque marker of the mount's namespace, `y`.
     fn is_opaque(&self, dir: &DirFd, rel: &[u8]) -> Result<bool, CaptureError> {
-        if opaque_value(dir.get_xattr(TRUSTED_OPAQUE)).map_err(upper_err(rel))? {
-            return Ok(true);
-        }
-        if self.options.userxattr {
-            return opaque_value(dir.get_xattr(USER_OPAQUE)).map_err(upper_err(rel));
-        }
-        Ok(false)
+        opaque_value(dir.get_xattr(opaque_name(self.options.userxattr))).map_err(upper_err(rel))
     }
 
     /// Fails when `fd` carries the trusted xattr of `names` (or the user one too
@@ -727,10 +805,11 @@ impl Walker<'_> {
     }
 }
 
-/// Drops the opaque markers from a directory's xattr list (opacity is compared on
-/// its own).
-fn strip_opaque(mut list: Vec<(Vec<u8>, Vec<u8>)>) -> Vec<(Vec<u8>, Vec<u8>)> {
-    list.retain(|(n, _)| n != TRUSTED_OPAQUE.as_bytes() && n != USER_OPAQUE.as_bytes());
+/// Drops the opaque marker of the mount's namespace from a directory's xattr list
+/// (opacity is compared on its own); the other namespace's is data and stays.
+fn strip_opaque(mut list: Vec<(Vec<u8>, Vec<u8>)>, userxattr: bool) -> Vec<(Vec<u8>, Vec<u8>)> {
+    let opaque = opaque_name(userxattr).as_bytes();
+    list.retain(|(n, _)| n != opaque);
     list
 }
 
@@ -751,6 +830,7 @@ pub(crate) fn digest_bytes(bytes: &[u8]) -> [u8; 32] {
 mod tests {
     use super::*;
     use crate::testutil::*;
+    use crate::view::{TRUSTED_OPAQUE, USER_OPAQUE};
 
     struct Fixture {
         _t: tempfile::TempDir,
@@ -965,10 +1045,20 @@ mod tests {
         assert_eq!(keys(&c.entries), ["o", "o/f"]);
         assert!(c.unchanged.is_empty());
         if userxattr {
-            // Without the option the user xattr means nothing: o is a copy-up parent.
+            // Without the option user.overlay.opaque is not the mount's marker but
+            // ordinary data: o is not opaque, and its xattrs changed (a Meta).
             let c = capture(&f.upper, &LayerView::new(vec![f.lower.clone()])).unwrap();
-            assert_eq!(keys(&c.entries), Vec::<String>::new());
-            assert_eq!(keys(&c.unchanged), ["o", "o/f"]);
+            assert_eq!(keys(&c.entries), ["o"]);
+            assert_eq!(
+                c.entries[&b"o".to_vec()],
+                Change::Meta {
+                    mode: 0o755,
+                    uid: uid(),
+                    gid: gid()
+                }
+            );
+            assert!(c.xattrs.contains_key(b"o".as_slice()));
+            assert_eq!(keys(&c.unchanged), ["o/f"]);
         }
     }
 
@@ -1229,6 +1319,83 @@ mod tests {
             ),
             "{err}"
         );
+    }
+
+    #[test]
+    fn links_at_excluded_paths_do_not_count() {
+        let f = fixture();
+        write(&f.lower, "etc/conf", b"x", 0o644);
+        write(&f.upper, "etc/conf", b"edited", 0o644);
+        std::fs::create_dir_all(f.upper.join("tmp")).unwrap();
+        std::fs::hard_link(f.upper.join("etc/conf"), f.upper.join("tmp/backup")).unwrap();
+        let lower = LayerView::new(vec![f.lower.clone()]);
+        let options = CaptureOptions {
+            exclude: ExcludePolicy::new(["/tmp/**"]).unwrap(),
+            ..CaptureOptions::default()
+        };
+        let c = capture_with(&f.upper, &lower, &options).unwrap();
+        assert_eq!(keys(&c.entries), ["etc/conf", "tmp"]);
+        assert!(
+            c.hardlinks.is_empty(),
+            "the other name is excluded (removed before publishing): {:?}",
+            c.hardlinks
+        );
+        // Without the exclusion both names are one hardlinked file.
+        let c = f.capture();
+        assert_eq!(c.hardlinks.len(), 2);
+        // Another published name keeps the link, whatever is excluded.
+        std::fs::hard_link(f.upper.join("etc/conf"), f.upper.join("etc/conf2")).unwrap();
+        let c = capture_with(&f.upper, &lower, &options).unwrap();
+        assert_eq!(
+            c.hardlinks.keys().cloned().collect::<Vec<_>>(),
+            names(&["etc/conf", "etc/conf2"])
+        );
+    }
+
+    #[test]
+    fn root_directory_metadata_is_reported_and_reset_never_published() {
+        let f = fixture();
+        use std::os::unix::fs::PermissionsExt;
+        std::fs::set_permissions(&f.lower, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::set_permissions(&f.upper, std::fs::Permissions::from_mode(0o700)).unwrap();
+        write(&f.upper, "new", b"n", 0o644);
+        let c = f.capture();
+        assert_eq!(keys(&c.entries), ["new"], "the root is not a path");
+        assert_eq!(c.skipped.len(), 1);
+        assert_eq!(c.skipped[0].0, b"");
+        assert!(
+            c.skipped[0].1.contains("root directory mode/owner 0700"),
+            "{}",
+            c.skipped[0].1
+        );
+        let root = RootMeta {
+            mode: 0o755,
+            uid: uid(),
+            gid: gid(),
+        };
+        assert_eq!(c.edits.root, Some(root));
+        assert!(!c.edits.is_empty());
+        crate::layer::prepare_upper(&f.upper, &c, false).unwrap();
+        let md = std::fs::metadata(&f.upper).unwrap();
+        assert_eq!(md.permissions().mode() & 0o7777, 0o755);
+        // Once reset, nothing is left to report.
+        let c = f.capture();
+        assert!(c.skipped.is_empty() && c.edits.root.is_none());
+        // A capture again keeps the first pass's reports.
+        let mut again = f.capture();
+        let mut first = Changeset::default();
+        first.skipped.push((Vec::new(), "root".into()));
+        first.excluded.push((b"tmp/x".to_vec(), "/tmp/**".into()));
+        again.skipped.push((b"s.sock".to_vec(), "socket".into()));
+        again.keep_reports_of(&first);
+        assert_eq!(
+            again.skipped,
+            [
+                (Vec::new(), "root".to_string()),
+                (b"s.sock".to_vec(), "socket".to_string())
+            ]
+        );
+        assert_eq!(again.excluded, first.excluded);
     }
 
     #[test]

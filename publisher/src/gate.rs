@@ -22,7 +22,8 @@
 //!   head changed such a path, the noise is dropped from the upper (a directory
 //!   gets the head's metadata instead) so the head's version stays visible;
 //! * a regular file hardlinked inside the upper is never merged or dropped (that
-//!   would break the link) → conflict.
+//!   would break the link) → conflict. Only links among published paths count:
+//!   capture leaves out links whose other names are excluded.
 //!
 //! Hierarchy rules, between a directory `D` and paths strictly below it:
 //! * one side deleted `D`, replaced it with a non-directory, or made it opaque, and
@@ -36,13 +37,22 @@
 //! * Copy-up noise below a directory the head removed is dropped with its topmost
 //!   copy-up parent when nothing but noise and deletions is below it.
 //!
+//! Text merges run last, after every other rule: in a real publish
+//! ([`PlanMode::Publish`]) none is started once any path conflicts (the changeset is
+//! rejected anyway; the paths left are reported as conflicts "not evaluated"), and
+//! all merges of one plan share one time budget, [`MergeLimits::timeout`]
+//! ([`MergeBudget`]). A dry run ([`PlanMode::DryRun`]) attempts every merge, within
+//! the same budget.
+//!
 //! Cost: `O((n + m) log(n + m) + k)` path work for `n` captured paths, `m` head
-//! changes and `k` reports, plus file reads only for paths changed on both sides.
+//! changes and `k` reports, plus file reads only for paths changed on both sides,
+//! plus at most `MergeLimits::timeout` of waiting for merges.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsString;
 use std::io;
 use std::ops::Bound;
+use std::os::fd::AsRawFd;
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -51,8 +61,8 @@ use serde::{Deserialize, Serialize};
 
 use crate::capture::{digest_bytes, is_overlay_private, list_digest, Change, Changeset};
 use crate::fsx;
-use crate::merge::{merge_text, MergeLimits, TextMerge};
-use crate::view::{FileKind, LayerView, TRUSTED_OPAQUE, USER_OPAQUE};
+use crate::merge::{merge_text_within, MergeBudget, MergeLimits, TextMerge};
+use crate::view::{opaque_name, FileKind, LayerView};
 
 /// The kind of one change published on the head, as recorded in a layer's path index.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
@@ -363,7 +373,8 @@ pub struct FileState {
     pub size: u64,
     /// `st_rdev`.
     pub rdev: u64,
-    /// Non-private xattrs, sorted by name (opaque markers excluded).
+    /// Non-private xattrs, sorted by name (without the opaque marker of the
+    /// mount's namespace; the other namespace's `overlay.*` names are data).
     pub xattrs: Vec<(Vec<u8>, Vec<u8>)>,
 }
 
@@ -386,6 +397,11 @@ pub trait GateFiles {
     /// Any read error.
     fn digest(&self, side: Side, path: &[u8]) -> io::Result<[u8; 32]> {
         Ok(digest_bytes(&self.read(side, path)?))
+    }
+    /// The session was mounted with `userxattr`: `user.overlay.*` rather than
+    /// `trusted.overlay.*` is the overlay's private namespace. Default `false`.
+    fn userxattr(&self) -> bool {
+        false
     }
 }
 
@@ -442,11 +458,8 @@ impl GateFiles for FsFiles {
         };
         let at = fsx::at(&base, path)?;
         let mut xattrs = fsx::xattrs_of(at.path())?;
-        xattrs.retain(|(n, _)| {
-            !is_overlay_private(n, self.userxattr)
-                && n != TRUSTED_OPAQUE.as_bytes()
-                && n != USER_OPAQUE.as_bytes()
-        });
+        let opaque = opaque_name(self.userxattr).as_bytes();
+        xattrs.retain(|(n, _)| !is_overlay_private(n, self.userxattr) && n != opaque);
         Ok(Some(FileState {
             kind,
             mode: md.mode() & 0o7777,
@@ -478,6 +491,10 @@ impl GateFiles for FsFiles {
         } else {
             crate::capture::hash(fsx::open_read(&base, path)?)
         }
+    }
+
+    fn userxattr(&self) -> bool {
+        self.userxattr
     }
 }
 
@@ -574,6 +591,21 @@ pub struct GatePlan {
     pub actions: Vec<Action>,
     /// The path index of the layer the upper becomes once the actions are applied.
     pub index: Vec<HeadChange>,
+    /// The session was mounted with `userxattr` ([`GateFiles::userxattr`]): which
+    /// overlay xattr namespace [`apply_plan`] leaves alone.
+    pub userxattr: bool,
+}
+
+/// How [`plan_gate_with`] treats text merges.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum PlanMode {
+    /// A real publish: once any path conflicts, no further merge is started (the
+    /// changeset is rejected anyway); the paths still needing one are reported as
+    /// conflicts, "not evaluated".
+    #[default]
+    Publish,
+    /// A dry run: every merge is attempted, within the same total time budget.
+    DryRun,
 }
 
 impl GatePlan {
@@ -654,6 +686,7 @@ pub fn opaque_dirs_to_expand(
 /// layers published on the branch head since the lease, **newest layer first**;
 /// a path may appear several times, its first occurrence is the head's final state
 /// and every occurrence counts for the hierarchy rules). Rules: see the module docs.
+/// A real publish: [`plan_gate_with`] in [`PlanMode::Publish`].
 ///
 /// # Errors
 /// [`GateError::NeedsExpansion`] when an opaque directory must be expanded first
@@ -663,6 +696,22 @@ pub fn plan_gate(
     head_changes: &[HeadChange],
     files: &dyn GateFiles,
     limits: &MergeLimits,
+) -> Result<GatePlan, GateError> {
+    plan_gate_with(captured, head_changes, files, limits, PlanMode::Publish)
+}
+
+/// [`plan_gate`] in `mode`: a real publish stops merging at the first conflict, a
+/// dry run attempts every merge; both within one time budget of `limits.timeout`
+/// for all merges together.
+///
+/// # Errors
+/// As [`plan_gate`].
+pub fn plan_gate_with(
+    captured: &Changeset,
+    head_changes: &[HeadChange],
+    files: &dyn GateFiles,
+    limits: &MergeLimits,
+    mode: PlanMode,
 ) -> Result<GatePlan, GateError> {
     let expand = opaque_dirs_to_expand(captured, head_changes);
     if !expand.is_empty() {
@@ -681,6 +730,9 @@ pub fn plan_gate(
         captured,
         files,
         limits,
+        mode,
+        budget: MergeBudget::new(limits.timeout),
+        pending: Vec::new(),
         reports: BTreeMap::new(),
         actions: Vec::new(),
         index: BTreeMap::new(),
@@ -706,7 +758,12 @@ pub fn plan_gate(
     for (path, change) in &captured.entries {
         match head.get(path.as_slice()) {
             None => {
-                p.report(path, PathStatus::Clean, "untouched on head".into());
+                let reason = if *change == Change::Delete {
+                    "deleted; untouched on head"
+                } else {
+                    "untouched on head"
+                };
+                p.report(path, PathStatus::Clean, reason.into());
                 p.index_entry(path);
             }
             Some(h) => p.same_path(path, change, h, false)?,
@@ -808,6 +865,9 @@ pub fn plan_gate(
         }
     }
 
+    // Text merges, last: the expensive part.
+    p.run_merges()?;
+
     // Nothing of a dropped subtree is published.
     let index = p
         .index
@@ -819,6 +879,7 @@ pub fn plan_gate(
         reports: p.reports.into_values().collect(),
         actions: p.actions,
         index,
+        userxattr: files.userxattr(),
     })
 }
 
@@ -826,11 +887,36 @@ struct Planner<'a> {
     captured: &'a Changeset,
     files: &'a dyn GateFiles,
     limits: &'a MergeLimits,
+    mode: PlanMode,
+    /// Time left for all text merges of this plan.
+    budget: MergeBudget,
+    /// Paths whose content needs a three-way text merge, in path order; run last.
+    pending: Vec<PendingMerge>,
     reports: BTreeMap<Vec<u8>, PathReport>,
     actions: Vec<Action>,
     index: BTreeMap<Vec<u8>, HeadChange>,
     /// Upper paths dropped (with their subtree).
     removed: BTreeSet<Vec<u8>>,
+}
+
+/// The metadata fields of a same-type path, already merged field by field.
+#[derive(Debug, Clone, Copy)]
+struct Fields {
+    mode: Option<u32>,
+    uid: Option<u32>,
+    gid: Option<u32>,
+    xattrs: Option<[u8; 32]>,
+}
+
+/// A path whose regular-file content both sides changed: decided by a text merge
+/// once every other rule has run.
+struct PendingMerge {
+    path: Vec<u8>,
+    head: HeadChange,
+    ours: State,
+    theirs: State,
+    base: Option<FileState>,
+    fields: Fields,
 }
 
 /// Three-way choice of one field: `Ok` with the result, `Err` when both sides
@@ -1022,13 +1108,18 @@ impl Planner<'_> {
             );
             return Ok(());
         }
+        let fields = Fields {
+            mode,
+            uid,
+            gid,
+            xattrs,
+        };
         // Content.
         let base_content = if same_kind_base {
             Some(base.content)
         } else {
             None
         };
-        let mut merged_bytes: Option<Vec<u8>> = None;
         let content = match pick(base_content, ours.content, theirs.content) {
             Ok(c) => c,
             Err(()) => {
@@ -1055,29 +1146,108 @@ impl Planner<'_> {
                     );
                     return Ok(());
                 }
-                match self.merge_content(path, base_fs.as_ref())? {
-                    TextMerge::Clean(bytes) => {
-                        let d = digest_bytes(&bytes);
-                        merged_bytes = Some(bytes);
-                        Some(d)
-                    }
-                    TextMerge::Conflict(reason) => {
-                        self.conflict(path, reason);
-                        return Ok(());
-                    }
-                }
+                // Merged last (run_merges), after every cheaper rule.
+                self.pending.push(PendingMerge {
+                    path: path.to_vec(),
+                    head: h.clone(),
+                    ours,
+                    theirs,
+                    base: base_fs,
+                    fields,
+                });
+                return Ok(());
             }
         };
+        self.finish(
+            path,
+            h,
+            &ours,
+            &theirs,
+            base_fs.as_ref(),
+            fields,
+            content,
+            None,
+        )
+    }
+
+    /// The first conflicting path so far, in path order.
+    fn first_conflict(&self) -> Option<Vec<u8>> {
+        self.reports
+            .values()
+            .find(|r| r.status == PathStatus::Conflict)
+            .map(|r| r.path.clone())
+    }
+
+    /// Runs the pending text merges in path order, within the plan's budget. In a
+    /// real publish, none is started once any path conflicts.
+    fn run_merges(&mut self) -> Result<(), GateError> {
+        for m in std::mem::take(&mut self.pending) {
+            if self
+                .reports
+                .get(&m.path)
+                .is_some_and(|r| r.status == PathStatus::Conflict)
+            {
+                // Already rejected by a hierarchy rule.
+                continue;
+            }
+            if self.mode == PlanMode::Publish {
+                if let Some(first) = self.first_conflict() {
+                    self.conflict(
+                        &m.path,
+                        format!(
+                            "not evaluated: both sides changed this file, and the changeset is already rejected (conflict at {}); a publish stops merging at the first conflict",
+                            show(&first)
+                        ),
+                    );
+                    continue;
+                }
+            }
+            match self.merge_content(&m.path, m.base.as_ref())? {
+                TextMerge::Clean(bytes) => {
+                    let d = digest_bytes(&bytes);
+                    self.finish(
+                        &m.path,
+                        &m.head,
+                        &m.ours,
+                        &m.theirs,
+                        m.base.as_ref(),
+                        m.fields,
+                        Some(d),
+                        Some(bytes),
+                    )?;
+                }
+                TextMerge::Conflict(reason) => self.conflict(&m.path, reason),
+            }
+        }
+        Ok(())
+    }
+
+    /// Records the decision for a same-type path whose fields are merged:
+    /// `content` is the chosen content digest, `merged_bytes` the text merge's
+    /// output when there was one.
+    #[allow(clippy::too_many_arguments)]
+    fn finish(
+        &mut self,
+        path: &[u8],
+        h: &HeadChange,
+        ours: &State,
+        theirs: &State,
+        base_fs: Option<&FileState>,
+        fields: Fields,
+        content: Option<[u8; 32]>,
+        mut merged_bytes: Option<Vec<u8>>,
+    ) -> Result<(), GateError> {
+        let hardlinked = self.captured.hardlinks.contains_key(path);
         let result = State {
             kind: ours.kind,
             content,
-            mode,
-            uid,
-            gid,
-            xattrs,
+            mode: fields.mode,
+            uid: fields.uid,
+            gid: fields.gid,
+            xattrs: fields.xattrs,
             opaque: ours.opaque,
         };
-        if result == ours {
+        if result == *ours {
             self.report(
                 path,
                 PathStatus::Clean,
@@ -1086,7 +1256,7 @@ impl Planner<'_> {
             self.index_entry(path);
             return Ok(());
         }
-        let meta = self.meta_for(path, &result, &ours, &theirs, base_fs.as_ref())?;
+        let meta = self.meta_for(path, &result, ours, theirs, base_fs)?;
         let what = if merged_bytes.is_some() {
             "three-way merged text".to_string()
         } else if result.content != ours.content {
@@ -1253,7 +1423,11 @@ impl Planner<'_> {
             .unwrap_or_default())
     }
 
-    fn merge_content(&self, path: &[u8], base: Option<&FileState>) -> Result<TextMerge, GateError> {
+    fn merge_content(
+        &mut self,
+        path: &[u8],
+        base: Option<&FileState>,
+    ) -> Result<TextMerge, GateError> {
         let limit = self.limits.max_bytes;
         let ours_fs = self
             .files
@@ -1289,7 +1463,7 @@ impl Planner<'_> {
             .files
             .read(Side::Theirs, path)
             .map_err(Self::read_err(Side::Theirs, path))?;
-        Ok(merge_text(&b, &o, &t, self.limits))
+        Ok(merge_text_within(&b, &o, &t, self.limits, &mut self.budget))
     }
 }
 
@@ -1309,16 +1483,44 @@ pub struct ApplyError {
 /// Carries out the plan's [`Action`]s on the quiescent upper `upper`, then syncs
 /// its filesystem (`syncfs`). Refuses (does nothing) for a plan with conflicts.
 ///
-/// A merged file is written as a new inode next to the old one (`.lsm-<hash>`),
-/// given the merged owner, mode and xattrs (in that order: `chown` clears setuid),
-/// `fsync`ed and renamed over the old name, so a crash leaves either version, never
-/// a torn file. Everything is reached through descriptors, no-follow.
+/// A merged file is written as a new inode in `scratch` — a directory on the same
+/// filesystem as the upper that is never captured or published (the daemon passes
+/// the store's `staging/`, which its sweep empties) — unnamed (`O_TMPFILE`; a
+/// unique `O_EXCL` name where unsupported), given the merged owner, mode and xattrs
+/// (in that order: `chown` clears setuid), `fsync`ed, linked into `scratch` under a
+/// unique name and renamed over the old name. No name in the upper is ever used for
+/// a temporary file, so no user file can be clobbered, and a crash leaves either
+/// version in the upper (and at most a stray file in `scratch`), never a torn or
+/// extra file. Everything in the upper is reached through descriptors, no-follow.
 ///
 /// # Errors
-/// [`ApplyError`] with the first failing path; earlier actions stay applied.
-pub fn apply_plan(upper: &Path, plan: &GatePlan) -> Result<(), ApplyError> {
+/// [`ApplyError`] with the first failing path (also when `scratch` is on another
+/// filesystem); earlier actions stay applied.
+pub fn apply_plan(upper: &Path, plan: &GatePlan, scratch: &Path) -> Result<(), ApplyError> {
     if plan.is_conflict() || plan.actions.is_empty() {
         return Ok(());
+    }
+    let needs_scratch = plan
+        .actions
+        .iter()
+        .any(|a| matches!(a, Action::WriteFile { .. }));
+    if needs_scratch {
+        let dev = |p: &Path, what| {
+            std::fs::symlink_metadata(p)
+                .map(|m| m.dev())
+                .map_err(|source| ApplyError {
+                    what,
+                    path: p.to_path_buf(),
+                    source,
+                })
+        };
+        if dev(upper, "stat the upper")? != dev(scratch, "stat the scratch directory")? {
+            return Err(ApplyError {
+                what: "use as scratch directory (it must be on the upper's filesystem)",
+                path: scratch.to_path_buf(),
+                source: io::Error::from_raw_os_error(libc::EXDEV),
+            });
+        }
     }
     for action in &plan.actions {
         match action {
@@ -1326,10 +1528,11 @@ pub fn apply_plan(upper: &Path, plan: &GatePlan) -> Result<(), ApplyError> {
                 path,
                 content,
                 meta,
-            } => write_file(upper, path, content, meta)?,
+            } => write_file(upper, path, content, meta, scratch)?,
             Action::SetMeta { path, meta } => {
                 let at = fsx::at(upper, path).map_err(apply_err("open", path))?;
-                set_meta(at.path(), meta).map_err(apply_err("set metadata of", path))?;
+                set_meta(at.path(), meta, plan.userxattr)
+                    .map_err(apply_err("set metadata of", path))?;
             }
             Action::Remove { path } => {
                 crate::layer::remove_tree_at(upper, path).map_err(apply_err("remove", path))?;
@@ -1352,41 +1555,130 @@ fn apply_err<'p>(what: &'static str, path: &'p [u8]) -> impl FnOnce(io::Error) -
     }
 }
 
-fn write_file(upper: &Path, path: &[u8], content: &[u8], meta: &Meta) -> Result<(), ApplyError> {
+/// A fresh name in `scratch` (nothing is created).
+fn scratch_name(scratch: &Path) -> PathBuf {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static SEQ: AtomicU64 = AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos())
+        .unwrap_or(0);
+    let n = SEQ.fetch_add(1, Ordering::Relaxed);
+    scratch.join(format!("merge-{}-{nanos}-{n}", std::process::id()))
+}
+
+/// A new, empty file (mode 0600) for a merged version, in `scratch`: unnamed
+/// (`O_TMPFILE`, so a crash before it is placed leaves nothing at all) where the
+/// filesystem supports it, else under a unique name (`O_EXCL`).
+enum ScratchFile {
+    Unnamed(std::fs::File),
+    Named(PathBuf, std::fs::File),
+}
+
+impl ScratchFile {
+    fn create(scratch: &Path) -> io::Result<ScratchFile> {
+        use std::os::unix::fs::OpenOptionsExt;
+        let unnamed = std::fs::OpenOptions::new()
+            .write(true)
+            .mode(0o600)
+            .custom_flags(libc::O_TMPFILE | libc::O_CLOEXEC)
+            .open(scratch);
+        match unnamed {
+            Ok(f) => return Ok(ScratchFile::Unnamed(f)),
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::EOPNOTSUPP) | Some(libc::EISDIR) | Some(libc::EINVAL)
+                ) => {}
+            Err(e) => return Err(e),
+        }
+        loop {
+            let tmp = scratch_name(scratch);
+            match std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+                .open(&tmp)
+            {
+                Ok(f) => return Ok(ScratchFile::Named(tmp, f)),
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    fn file(&self) -> &std::fs::File {
+        match self {
+            ScratchFile::Unnamed(f) | ScratchFile::Named(_, f) => f,
+        }
+    }
+
+    /// Gives the file a name in `scratch` (an unnamed one is linked in only now,
+    /// just before it is renamed away).
+    fn name(&self, scratch: &Path) -> io::Result<PathBuf> {
+        match self {
+            ScratchFile::Named(p, _) => Ok(p.clone()),
+            ScratchFile::Unnamed(f) => loop {
+                let tmp = scratch_name(scratch);
+                let fd = PathBuf::from(format!("/proc/self/fd/{}", f.as_raw_fd()));
+                match nix::unistd::linkat(
+                    None,
+                    fd.as_path(),
+                    None,
+                    tmp.as_path(),
+                    nix::fcntl::AtFlags::AT_SYMLINK_FOLLOW,
+                ) {
+                    Ok(()) => return Ok(tmp),
+                    Err(nix::errno::Errno::EEXIST) => continue,
+                    Err(e) => return Err(e.into()),
+                }
+            },
+        }
+    }
+}
+
+fn write_file(
+    upper: &Path,
+    path: &[u8],
+    content: &[u8],
+    meta: &Meta,
+    scratch: &Path,
+) -> Result<(), ApplyError> {
     use std::io::Write;
-    use std::os::unix::fs::OpenOptionsExt;
     let (parent, name) = fsx::split_parent(path);
     let dir = fsx::walk_dir(upper, parent).map_err(apply_err("open the parent of", path))?;
-    let tmp_name = format!(".lsm-{}", &hex(&digest_bytes(name))[..16]);
-    let tmp = fsx::proc_path(&dir, tmp_name.as_bytes());
-    let _ = std::fs::remove_file(&tmp);
-    let mut f = std::fs::OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
-        .open(&tmp)
-        .map_err(apply_err("create the merged file for", path))?;
+    let sf = ScratchFile::create(scratch).map_err(apply_err("create the merged file for", path))?;
+    let mut named: Option<PathBuf> = None;
     let result = (|| -> io::Result<()> {
+        let mut f = sf.file();
         f.write_all(content)?;
-        std::os::unix::fs::fchown(&f, Some(meta.uid), Some(meta.gid))?;
+        std::os::unix::fs::fchown(f, Some(meta.uid), Some(meta.gid))?;
         f.set_permissions(std::fs::Permissions::from_mode(meta.mode))?;
         for (n, v) in &meta.xattrs {
-            xattr::FileExt::set_xattr(&f, std::ffi::OsStr::from_bytes(n), v)?;
+            xattr::FileExt::set_xattr(f, std::ffi::OsStr::from_bytes(n), v)?;
         }
         f.sync_all()?;
-        std::fs::rename(&tmp, fsx::proc_path(&dir, name))
+        let tmp = named.insert(sf.name(scratch)?);
+        std::fs::rename(tmp, fsx::proc_path(&dir, name))
     })();
+    if let ScratchFile::Named(p, _) = &sf {
+        named.get_or_insert_with(|| p.clone());
+    }
     if let Err(e) = result {
-        let _ = std::fs::remove_file(&tmp);
+        if let Some(tmp) = named {
+            let _ = std::fs::remove_file(tmp);
+        }
         return Err(apply_err("write the merged file", path)(e));
     }
     Ok(())
 }
 
-/// Sets owner, mode (not for symlinks) and exactly `meta.xattrs` (leaving
-/// overlay-private and opaque xattrs alone) on the entry at the short path `p`.
-fn set_meta(p: &Path, meta: &Meta) -> io::Result<()> {
+/// Sets owner, mode (not for symlinks) and exactly `meta.xattrs` on the entry at
+/// the short path `p`, leaving the overlay's own xattrs (private and opaque, of the
+/// mount's namespace: `user.overlay.*` with `userxattr`, else `trusted.overlay.*`)
+/// alone.
+fn set_meta(p: &Path, meta: &Meta, userxattr: bool) -> io::Result<()> {
     let md = std::fs::symlink_metadata(p)?;
     std::os::unix::fs::lchown(p, Some(meta.uid), Some(meta.gid))?;
     if !md.file_type().is_symlink() {
@@ -1398,12 +1690,10 @@ fn set_meta(p: &Path, meta: &Meta) -> io::Result<()> {
         .iter()
         .map(|(n, v)| (n.as_slice(), v.as_slice()))
         .collect();
+    let opaque = opaque_name(userxattr).as_bytes();
     for (n, _) in &current {
-        let keep = wanted.contains_key(n.as_slice())
-            || n == TRUSTED_OPAQUE.as_bytes()
-            || n == USER_OPAQUE.as_bytes()
-            || is_overlay_private(n, false)
-            || is_overlay_private(n, true);
+        let keep =
+            wanted.contains_key(n.as_slice()) || n == opaque || is_overlay_private(n, userxattr);
         if !keep {
             xattr::remove(p, std::ffi::OsStr::from_bytes(n))?;
         }
@@ -1412,10 +1702,6 @@ fn set_meta(p: &Path, meta: &Meta) -> io::Result<()> {
         xattr::set(p, std::ffi::OsStr::from_bytes(n), v)?;
     }
     Ok(())
-}
-
-fn hex(b: &[u8]) -> String {
-    b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
 /// The ancestor of `path` (or `path` itself) one component below `dir`.

@@ -16,7 +16,7 @@ use nix::unistd::UnlinkatFlags;
 
 use crate::capture::{is_overlay_private, Changeset};
 use crate::fsx::{self, DirFd};
-use crate::view::{TRUSTED_OPAQUE, USER_OPAQUE};
+use crate::view::{opaque_name, TRUSTED_OPAQUE, USER_OPAQUE};
 
 /// Why [`seal_layer`] or [`prepare_upper`] failed. Paths are absolute (under the
 /// sealed directory) or, for long paths, relative to it.
@@ -261,8 +261,11 @@ fn strip_xattrs(path: &Path, shown: &Path, userxattr: bool) -> Result<(), SealEr
 /// 1. removes every excluded path (whole subtrees);
 /// 2. removes sockets that hide a lease path and puts a whiteout there, and
 ///    creates the per-path whiteouts of expanded opaque directories;
-/// 3. removes the opaque xattr (`trusted.overlay.opaque`, and `user.overlay.opaque`
-///    with `userxattr`) of expanded directories.
+/// 3. removes the opaque xattr of the mount's namespace (`trusted.overlay.opaque`,
+///    or `user.overlay.opaque` with `userxattr`) of expanded directories;
+/// 4. sets the upper root's mode and owner back to the lease root's
+///    ([`UpperEdits::root`](crate::UpperEdits)): the root directory's metadata is
+///    never published.
 ///
 /// Idempotent. Everything is reached through descriptors without following
 /// symlinks. Not durable by itself: [`seal_layer_with`] syncs afterwards.
@@ -311,21 +314,28 @@ pub fn prepare_upper(
     for rel in &edits.unopaque {
         let dir = fsx::walk_dir(upper, rel).map_err(err("open", rel))?;
         let path = fsx::proc_path(&dir, b"");
-        let mut names = vec![TRUSTED_OPAQUE];
-        if userxattr {
-            names.push(USER_OPAQUE);
+        match xattr::remove(&path, opaque_name(userxattr)) {
+            Ok(()) => {}
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::ENODATA) | Some(libc::EOPNOTSUPP)
+                ) => {}
+            Err(e) => return Err(err("remove the opaque xattr of", rel)(e)),
         }
-        for n in names {
-            match xattr::remove(&path, n) {
-                Ok(()) => {}
-                Err(e)
-                    if matches!(
-                        e.raw_os_error(),
-                        Some(libc::ENODATA) | Some(libc::EOPNOTSUPP)
-                    ) => {}
-                Err(e) => return Err(err("remove the opaque xattr of", rel)(e)),
-            }
-        }
+    }
+    if let Some(root) = edits.root {
+        let dir = fsx::open_dir(upper).map_err(err("open", b""))?;
+        let fd = dir.as_raw_fd();
+        nix::unistd::fchown(
+            fd,
+            Some(nix::unistd::Uid::from_raw(root.uid)),
+            Some(nix::unistd::Gid::from_raw(root.gid)),
+        )
+        .map_err(|e| err("set the owner of the root directory", b"")(e.into()))?;
+        // After chown, which may clear setgid.
+        nix::sys::stat::fchmod(fd, Mode::from_bits_truncate(root.mode))
+            .map_err(|e| err("set the mode of the root directory", b"")(e.into()))?;
     }
     Ok(())
 }

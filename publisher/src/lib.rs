@@ -12,8 +12,10 @@
 //!   head since the lease ([`HeadChange`]): per path clean, merged (three-way text
 //!   merge, [`merge_text`], or field-by-field metadata), conflict or excluded, and
 //!   the edits ([`Action`]) that make the upper the layer to publish. Any conflict
-//!   rejects the whole changeset. Planning changes nothing (it is the dry run);
-//!   [`apply_plan`] carries the edits out.
+//!   rejects the whole changeset. Planning changes nothing (it is the dry run,
+//!   [`PlanMode::DryRun`]); [`apply_plan`] carries the edits out. All text merges
+//!   of one plan share one time budget ([`MergeLimits::timeout`]), and a real
+//!   publish starts none once a path conflicts.
 //! * [`seal_layer_with`] strips overlay-private xattrs from the upper and syncs it, so
 //!   it can be renamed into the store as an immutable layer.
 //!
@@ -30,6 +32,8 @@
 //! let lease = LayerView::new(vec![PathBuf::from("/var/lib/layerstack/l/1")]);
 //! let head = LayerView::new(vec![PathBuf::from("/var/lib/layerstack/l/2"), PathBuf::from("/var/lib/layerstack/l/1")]);
 //! let upper = PathBuf::from("/var/lib/layerstack/s/7/upper");
+//! // Same filesystem as the upper, never captured: merged files are written here.
+//! let scratch = PathBuf::from("/var/lib/layerstack/staging");
 //! let mut options = CaptureOptions { exclude: ExcludePolicy::new(["/tmp/**"])?, ..Default::default() };
 //! // After the rootfs is unmounted (outside the gate's lock):
 //! let mut changeset = capture_with(&upper, &lease, &options)?;
@@ -40,7 +44,9 @@
 //! let expand = opaque_dirs_to_expand(&changeset, &head_changes);
 //! if !expand.is_empty() {
 //!     options.expand_opaque = expand;
-//!     changeset = capture_with(&upper, &lease, &options)?;
+//!     let first = std::mem::replace(&mut changeset, capture_with(&upper, &lease, &options)?);
+//!     // The first pass already removed excluded paths and sockets: keep its reports.
+//!     changeset.keep_reports_of(&first);
 //!     prepare_upper(&upper, &changeset, false)?;
 //! }
 //! let files = FsFiles { lease, head, upper: upper.clone(), userxattr: false };
@@ -49,7 +55,7 @@
 //!     println!("{} {}: {}", r.status.as_str(), String::from_utf8_lossy(&r.path), r.reason);
 //! }
 //! if !plan.is_conflict() {
-//!     apply_plan(&upper, &plan)?;
+//!     apply_plan(&upper, &plan, &scratch)?;
 //!     // rename the upper into l/<n>, prepend it to the manifest, and store
 //!     // `plan.index` as the new layer's path index.
 //! }
@@ -70,14 +76,17 @@ mod testutil;
 mod view;
 
 pub use capture::{
-    capture, capture_with, CaptureError, CaptureOptions, Change, Changeset, UpperEdits,
+    capture, capture_with, CaptureError, CaptureOptions, Change, Changeset, RootMeta, UpperEdits,
 };
 pub use gate::{
-    apply_plan, opaque_dirs_to_expand, plan_gate, Action, ApplyError, FileState, FsFiles,
-    GateError, GateFiles, GatePlan, HeadChange, HeadChangeKind, Meta, PathReport, PathStatus, Side,
-    XattrList,
+    apply_plan, opaque_dirs_to_expand, plan_gate, plan_gate_with, Action, ApplyError, FileState,
+    FsFiles, GateError, GateFiles, GatePlan, HeadChange, HeadChangeKind, Meta, PathReport,
+    PathStatus, PlanMode, Side, XattrList,
 };
 pub use layer::{prepare_upper, seal_layer, seal_layer_with, SealError};
-pub use merge::{is_binary, merge_text, MergeLimits, TextMerge, BINARY_SNIFF_BYTES};
+pub use merge::{
+    is_binary, merge_text, merge_text_within, MergeBudget, MergeLimits, TextMerge,
+    BINARY_SNIFF_BYTES, DEFAULT_MAX_BYTES, DEFAULT_MAX_LINES, DEFAULT_TIMEOUT,
+};
 pub use policy::{ExcludePolicy, PolicyError};
 pub use view::{Entry, FileKind, LayerView};

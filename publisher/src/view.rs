@@ -11,8 +11,9 @@
 //!   everything below that name;
 //! * a directory merges with the same directory in older layers, until an older
 //!   layer holds a whiteout or a non-directory there, or until a directory carrying
-//!   the xattr `trusted.overlay.opaque` = `y` (or `user.overlay.opaque` = `y` with
-//!   [`LayerView::with_userxattr`]), which ends the merge below itself.
+//!   the xattr `trusted.overlay.opaque` = `y` (with [`LayerView::with_userxattr`]:
+//!   `user.overlay.opaque` = `y` instead, as the kernel reads only the mount's own
+//!   namespace), which ends the merge below itself.
 //!
 //! Not handled, because nothing in LayerStack produces them: redirects, metacopy
 //! and xattr-based whiteouts (`overlay.whiteout`, opaque value `x`, Linux 6.7+).
@@ -30,6 +31,16 @@ use serde::{Deserialize, Serialize};
 pub(crate) const TRUSTED_OPAQUE: &str = "trusted.overlay.opaque";
 /// The xattr that marks an opaque directory on a `userxattr` (rootless) overlay mount.
 pub(crate) const USER_OPAQUE: &str = "user.overlay.opaque";
+
+/// The opaque xattr of a mount's namespace: [`USER_OPAQUE`] with `userxattr`, else
+/// [`TRUSTED_OPAQUE`]. The other one is ordinary data there.
+pub(crate) fn opaque_name(userxattr: bool) -> &'static str {
+    if userxattr {
+        USER_OPAQUE
+    } else {
+        TRUSTED_OPAQUE
+    }
+}
 
 /// The type of a file, from the `S_IFMT` bits of `st_mode` (inode(7)).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
@@ -152,8 +163,10 @@ impl LayerView {
         }
     }
 
-    /// Also treat `user.overlay.opaque` = `y` as opaque (layers written by an overlay
-    /// mounted with `userxattr`, i.e. rootless). `trusted.overlay.opaque` always counts.
+    /// Read the layers as an overlay mounted with `userxattr` (rootless) does:
+    /// `user.overlay.opaque` = `y` marks an opaque directory and
+    /// `trusted.overlay.opaque` is ordinary data (the kernel reads only the mount's
+    /// own namespace).
     #[must_use]
     pub fn with_userxattr(mut self, userxattr: bool) -> LayerView {
         self.userxattr = userxattr;
@@ -337,13 +350,11 @@ fn absent(e: &io::Error) -> bool {
         || matches!(e.raw_os_error(), Some(libc::ENOTDIR) | Some(libc::ELOOP))
 }
 
-/// True when the directory at `path` carries the opaque xattr with value `y`
-/// (read with `lgetxattr(2)`, never following a symlink).
+/// True when the directory at `path` carries the opaque xattr of the mount's
+/// namespace ([`opaque_name`]) with value `y` (read with `lgetxattr(2)`, never
+/// following a symlink).
 pub(crate) fn is_opaque_path(path: &Path, userxattr: bool) -> io::Result<bool> {
-    if opaque_value(xattr::get(path, TRUSTED_OPAQUE))? {
-        return Ok(true);
-    }
-    Ok(userxattr && opaque_value(xattr::get(path, USER_OPAQUE))?)
+    opaque_value(xattr::get(path, opaque_name(userxattr)))
 }
 
 /// Interprets the result of reading an opaque xattr: `y` is opaque; absent, any
@@ -497,6 +508,9 @@ mod tests {
         assert_eq!(v.lookup(b"o/old").unwrap(), None);
         assert_eq!(v.list_dir(b"o").unwrap(), names(&["fresh"]));
         assert!(v.lookup(b"p/old").unwrap().is_some());
+        // A userxattr mount reads only user.overlay.*: the trusted marker is data.
+        let v = v.with_userxattr(true);
+        assert!(v.lookup(b"o/old").unwrap().is_some());
     }
 
     #[test]

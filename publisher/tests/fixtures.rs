@@ -19,7 +19,8 @@ use std::process::Command;
 
 use layerstack_publisher::{
     apply_plan, capture_with, plan_gate, prepare_upper, seal_layer, CaptureOptions, Change,
-    Changeset, ExcludePolicy, FileKind, FsFiles, LayerView, MergeLimits,
+    Changeset, ExcludePolicy, FileKind, FsFiles, GateFiles, HeadChange, LayerView, MergeLimits,
+    PathStatus, RootMeta, Side,
 };
 use nix::mount::{mount, umount2, MntFlags, MsFlags};
 
@@ -151,8 +152,34 @@ impl Fx {
         };
         let plan = plan_gate(cs, &[], &files, &MergeLimits::default()).unwrap();
         assert!(!plan.is_conflict(), "{:?}", plan.reports);
-        apply_plan(&self.u, &plan).unwrap();
+        apply_plan(&self.u, &plan, &self.scratch()).unwrap();
         std::fs::rename(&self.u, &self.layer).unwrap();
+    }
+
+    /// A layer published on the branch head since the lease: `files` (mode 0644,
+    /// directories 0755) over the lower. Returns the head's view and path index.
+    fn head_layer(&self, files: &[(&str, &[u8])]) -> (LayerView, Vec<HeadChange>) {
+        let h = self._t.path().join("H");
+        std::fs::create_dir(&h).unwrap();
+        std::fs::set_permissions(&h, std::fs::Permissions::from_mode(0o755)).unwrap();
+        for (rel, content) in files {
+            let p = h.join(rel);
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::set_permissions(p.parent().unwrap(), std::fs::Permissions::from_mode(0o755))
+                .unwrap();
+            std::fs::write(&p, content).unwrap();
+            std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).unwrap();
+        }
+        let cs = capture_with(&h, &self.lease(), &CaptureOptions::default()).unwrap();
+        let head = cs.paths().filter_map(|p| cs.head_change(p)).collect();
+        (LayerView::new(vec![h, self.l.clone()]), head)
+    }
+
+    /// A scratch directory on the upper's filesystem (the store's `staging/`).
+    fn scratch(&self) -> PathBuf {
+        let s = self._t.path().join("staging");
+        std::fs::create_dir_all(&s).unwrap();
+        s
     }
 
     /// The published branch head as the kernel shows it: layer over lower.
@@ -238,6 +265,8 @@ fn opaque_dirs_and_overlay_xattr_namespaces() {
         }
         xattr::set(&f, "user.overlay.foreign", b"2").unwrap();
         xattr::set(&f, "user.keep", b"3").unwrap();
+        // The other namespace's opaque marker: data here, not opacity.
+        xattr::set(m.join("uo"), "user.overlay.opaque", b"y").unwrap();
     });
     let raw: Vec<String> = xattr::list(fx.u.join("d/new"))
         .unwrap()
@@ -251,11 +280,28 @@ fn opaque_dirs_and_overlay_xattr_namespaces() {
         Some(&b"y"[..])
     );
     let c = fx.capture();
-    assert_eq!(keys(&c.entries), ["d", "d/new"]);
+    assert_eq!(keys(&c.entries), ["d", "d/new", "uo"]);
     assert!(matches!(
         c.entries[b"d".as_slice()],
         Change::Mkdir { opaque: true, .. }
     ));
+    assert!(
+        matches!(c.entries[b"uo".as_slice()], Change::Meta { .. }),
+        "user.overlay.opaque on a trusted mount is an xattr change"
+    );
+    assert!(c.xattrs.contains_key(b"uo".as_slice()));
+    let files = FsFiles {
+        lease: fx.lease(),
+        head: fx.lease(),
+        upper: fx.u.clone(),
+        userxattr: false,
+    };
+    let st = files.stat(Side::Ours, b"uo").unwrap().unwrap();
+    assert_eq!(
+        st.xattrs,
+        vec![(b"user.overlay.opaque".to_vec(), b"y".to_vec())],
+        "the gate sees it as data too"
+    );
     assert!(
         c.xattrs.contains_key(b"d/new".as_slice()),
         "user and escaped xattrs are data"
@@ -292,6 +338,14 @@ fn opaque_dirs_and_overlay_xattr_namespaces() {
         std::fs::read(v.join("e/z")).unwrap(),
         b"z\n",
         "opaque=x hides nothing"
+    );
+    assert_eq!(std::fs::read(v.join("uo/w")).unwrap(), b"w\n", "not opaque");
+    assert_eq!(
+        xattr::get(v.join("uo"), "user.overlay.opaque")
+            .unwrap()
+            .as_deref(),
+        Some(&b"y"[..]),
+        "published as data"
     );
 }
 
@@ -745,4 +799,121 @@ fn excluded_paths_and_their_whiteouts_are_not_published() {
     assert!(lstat(&v.join("d/x")).is_none());
     assert_eq!(std::fs::read(v.join("d/new")).unwrap(), b"new\n");
     assert_eq!(std::fs::read(v.join("keep")).unwrap(), b"k");
+}
+
+#[test]
+fn root_directory_metadata_is_never_published() {
+    if !have_root("root_directory_metadata_is_never_published") {
+        return;
+    }
+    let fx = Fx::new("root_meta");
+    fx.mutate(|_| {});
+    let md = lstat(&fx.u).unwrap();
+    assert_eq!(
+        (md.mode() & 0o7777, md.uid(), md.gid()),
+        (0o700, 1000, 1000)
+    );
+    let c = fx.capture();
+    assert_eq!(keys(&c.entries), ["g"]);
+    assert_eq!(c.skipped.len(), 1, "{:?}", c.skipped);
+    assert_eq!(c.skipped[0].0, b"");
+    assert!(
+        c.skipped[0].1.contains("0700 1000:1000") && c.skipped[0].1.contains("0755 0:0"),
+        "{}",
+        c.skipped[0].1
+    );
+    assert_eq!(
+        c.edits.root,
+        Some(RootMeta {
+            mode: 0o755,
+            uid: 0,
+            gid: 0
+        })
+    );
+    // The outcome says so.
+    let files = FsFiles {
+        lease: fx.lease(),
+        head: fx.lease(),
+        upper: fx.u.clone(),
+        userxattr: false,
+    };
+    let plan = plan_gate(&c, &[], &files, &MergeLimits::default()).unwrap();
+    let root = plan.reports.iter().find(|r| r.path.is_empty()).unwrap();
+    assert_eq!(root.status, PathStatus::Excluded);
+    assert!(root.reason.ends_with("never published"), "{}", root.reason);
+    fx.publish(&c);
+    let md = lstat(&fx.layer).unwrap();
+    assert_eq!(
+        (md.mode() & 0o7777, md.uid(), md.gid()),
+        (0o755, 0, 0),
+        "the layer's root is the lease's"
+    );
+    let (v, _m) = fx.published();
+    let md = lstat(&v).unwrap();
+    assert_eq!((md.mode() & 0o7777, md.uid(), md.gid()), (0o755, 0, 0));
+    assert_eq!(std::fs::read(v.join("g")).unwrap(), b"new\n");
+}
+
+#[test]
+fn excluded_links_do_not_block_a_merge_and_merges_use_no_upper_name() {
+    if !have_root("excluded_links_do_not_block_a_merge_and_merges_use_no_upper_name") {
+        return;
+    }
+    let fx = Fx::new("merge");
+    // The name an older writer used for its temporary file of etc/conf.
+    let hex: String = blake3::hash(b"conf").as_bytes()[..8]
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect();
+    let old_tmp = format!(".lsm-{hex}");
+    fx.mutate(|m| std::fs::write(m.join("etc").join(&old_tmp), b"user data\n").unwrap());
+    assert_eq!(lstat(&fx.u.join("etc/conf")).unwrap().nlink(), 2);
+    let options = CaptureOptions {
+        exclude: ExcludePolicy::new(["/tmp/**"]).unwrap(),
+        ..Default::default()
+    };
+    let c = capture_with(&fx.u, &fx.lease(), &options).unwrap();
+    assert_eq!(
+        c.excluded,
+        vec![(b"tmp/backup".to_vec(), "/tmp/**".to_string())]
+    );
+    assert!(c.hardlinks.is_empty(), "{:?}", c.hardlinks);
+    let (head, head_changes) = fx.head_layer(&[("etc/conf", b"1\n2\n3\n4\n5\nSIX\n")]);
+    prepare_upper(&fx.u, &c, false).unwrap();
+    seal_layer(&fx.u).unwrap();
+    let files = FsFiles {
+        lease: fx.lease(),
+        head,
+        upper: fx.u.clone(),
+        userxattr: false,
+    };
+    let plan = plan_gate(&c, &head_changes, &files, &MergeLimits::default()).unwrap();
+    assert!(!plan.is_conflict(), "{:#?}", plan.reports);
+    let conf = plan.reports.iter().find(|r| r.path == b"etc/conf").unwrap();
+    assert_eq!(conf.status, PathStatus::Merged);
+    let scratch = fx.scratch();
+    apply_plan(&fx.u, &plan, &scratch).unwrap();
+    assert_eq!(
+        std::fs::read(fx.u.join("etc/conf")).unwrap(),
+        b"1\nTWO\n3\n4\n5\nSIX\n"
+    );
+    assert_eq!(
+        std::fs::read(fx.u.join("etc").join(&old_tmp)).unwrap(),
+        b"user data\n",
+        "a user file is never taken for a temporary one"
+    );
+    let mut names: Vec<_> = std::fs::read_dir(fx.u.join("etc"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    assert_eq!(names, [old_tmp.clone(), "conf".to_string()]);
+    assert_eq!(
+        std::fs::read_dir(&scratch).unwrap().count(),
+        0,
+        "nothing left in scratch"
+    );
+    // A scratch directory on another filesystem is refused before anything is written.
+    let err = apply_plan(&fx.u, &plan, Path::new("/dev/shm")).unwrap_err();
+    assert!(err.to_string().contains("scratch"), "{err}");
 }

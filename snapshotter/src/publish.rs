@@ -242,16 +242,25 @@ impl Publisher {
     /// What publishing `session` now would do, without changing anything: the
     /// upper is captured and gated against the current branch head, nothing is
     /// written (no policy edits, no merges, no layer, no outcome). Takes the
-    /// session lock; the rootfs must be unmounted.
+    /// session lock; the rootfs must be unmounted. The same runs as
+    /// [`publish_locked`](Self::publish_locked) would publish: a run that ended in
+    /// `conflict` or `failed` is gated anew.
     pub async fn dry_run(&self, session: SessionId) -> Result<DryRun, PublishFailure> {
         let _g = self.lock_session(session).await;
         let current = self.blocking(move |s| s.session(session)).await?;
-        if current.outcome.is_some() || current.lease_manifest.is_none() || current.released {
+        if run_finished(&current) || current.lease_manifest.is_none() || current.released {
+            let message = match &current.outcome {
+                Some(o) if run_finished(&current) => format!(
+                    "nothing to publish: the session's current run already ended with outcome {}",
+                    o.kind.as_str()
+                ),
+                _ => "nothing to publish: the session holds no lease (its next run has not started)".into(),
+            };
             return Ok(DryRun {
                 session: current,
                 kind: None,
                 paths: vec![],
-                message: "the session's current run already has an outcome (or holds no lease): nothing to publish".into(),
+                message,
             });
         }
         if upper_is_mounted(&current.upper) {
@@ -283,7 +292,8 @@ impl Publisher {
                 let expand = publisher::opaque_dirs_to_expand(&cs, &head);
                 if !expand.is_empty() {
                     options.expand_opaque = expand;
-                    cs = publisher::capture_with(&upper, &view, &options)?;
+                    let first = std::mem::replace(&mut cs, publisher::capture_with(&upper, &view, &options)?);
+                    cs.keep_reports_of(&first);
                 }
                 let files = publisher::FsFiles {
                     lease: view,
@@ -292,7 +302,7 @@ impl Publisher {
                     upper,
                     userxattr: policy.userxattr,
                 };
-                let plan = publisher::plan_gate(&cs, &head, &files, &policy.merge)?;
+                let plan = publisher::plan_gate_with(&cs, &head, &files, &policy.merge, publisher::PlanMode::DryRun)?;
                 let kind = decision(&plan);
                 Ok((kind, records(&plan), summary(&plan, kind)))
             },
@@ -383,7 +393,10 @@ impl Publisher {
                 // per-path deletions of the lease's content instead.
                 let mut options = policy.capture_options();
                 options.expand_opaque = expand;
-                changeset = publisher::capture_with(&upper, &view, &options)?;
+                let first = std::mem::replace(&mut changeset, publisher::capture_with(&upper, &view, &options)?);
+                // The first pass removed excluded paths and sockets (and reset the
+                // root directory): the outcome still reports them.
+                changeset.keep_reports_of(&first);
                 publisher::prepare_upper(&upper, &changeset, policy.userxattr)?;
                 publisher::seal_layer_with(&upper, policy.userxattr)?;
             }
@@ -405,14 +418,20 @@ impl Publisher {
                     })
                     .collect();
                 info!(session.id = session, outcome = "conflict", paths = conflicts.len(), "rejected");
+                let not_evaluated = conflicts.iter().filter(|c| c.reason.starts_with("not evaluated")).count();
+                let more = if not_evaluated > 0 {
+                    format!(" ({not_evaluated} more path(s) changed on both sides were not evaluated: merging stops at the first conflict)")
+                } else {
+                    String::new()
+                };
                 store.record_outcome(
                     session,
                     Outcome {
                         kind: OutcomeKind::Conflict,
                         layer: None,
                         message: Some(format!(
-                            "{} path(s) conflict with changes on the branch head since the lease; nothing of this session was published; its upper is kept",
-                            conflicts.len()
+                            "{} path(s) conflict with changes on the branch head since the lease{more}; nothing of this session was published; its upper is kept",
+                            conflicts.len() - not_evaluated
                         )),
                         conflicts,
                         paths,
@@ -421,7 +440,9 @@ impl Publisher {
                 )?;
                 return Ok(());
             }
-            publisher::apply_plan(&upper, &plan)?;
+            // Merged files are written in the store's staging directory (same
+            // filesystem, never captured, emptied by the sweep) and renamed in.
+            publisher::apply_plan(&upper, &plan, &store.staging_path())?;
             let index: Vec<(Vec<u8>, String)> = plan
                 .index
                 .iter()
@@ -532,7 +553,15 @@ fn summary(plan: &publisher::GatePlan, kind: OutcomeKind) -> String {
         count(publisher::PathStatus::Conflict),
         count(publisher::PathStatus::Excluded),
     );
+    let not_evaluated = plan
+        .conflicts()
+        .filter(|r| r.reason.starts_with("not evaluated"))
+        .count();
     match kind {
+        OutcomeKind::Conflict if not_evaluated > 0 => format!(
+            "{} path(s) conflict, {not_evaluated} more not evaluated (merging stops at the first conflict); {clean} clean, {merged} merged, {excluded} excluded",
+            conflict - not_evaluated
+        ),
         OutcomeKind::Conflict => format!(
             "{conflict} path(s) conflict; {clean} clean, {merged} merged, {excluded} excluded"
         ),
@@ -729,5 +758,106 @@ mod tests {
             edit("key3 = 3", "key3 = C"),
             "a rejected upper is kept as it was"
         );
+
+        // A conflicting run can be published again, so it can be dry-run again.
+        let d = p.dry_run(s[2].id).await.unwrap();
+        assert_eq!(d.kind, Some(OutcomeKind::Conflict), "{d:?}");
+        assert!(d
+            .paths
+            .iter()
+            .any(|r| r.path == "/etc/app.conf" && r.status == "conflict"));
+        // A finished run cannot: it says why, and reports no outcome kind.
+        let d = p.dry_run(s[0].id).await.unwrap();
+        assert_eq!(d.kind, None);
+        assert!(d.message.starts_with("nothing to publish"), "{}", d.message);
+    }
+
+    #[test]
+    fn config_merge_defaults_are_the_publisher_defaults() {
+        let c = layerstack_config::MergeConfig::default();
+        let d = publisher::MergeLimits::default();
+        assert_eq!(c.max_file_bytes, d.max_bytes);
+        assert_eq!(usize::try_from(c.max_lines).unwrap(), d.max_lines);
+        assert_eq!(u128::from(c.timeout_ms), d.timeout.as_millis());
+    }
+
+    #[tokio::test]
+    async fn opaque_expansion_keeps_excluded_and_skipped_reports() {
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("skipping: needs root (trusted.overlay.opaque, the store's sweep)");
+            return;
+        }
+        let t = tempfile::Builder::new()
+            .prefix("ls-publish-")
+            .tempdir_in("/var/tmp")
+            .unwrap();
+        let (store, s) = setup(t.path());
+        let policy = PublishPolicy {
+            exclude: publisher::ExcludePolicy::new(["/tmp/**"]).unwrap(),
+            ..Default::default()
+        };
+        let p = Arc::new(Publisher::new(store.clone()).with_policy(policy));
+        // The head adds etc/new.
+        write(&s[0].upper, "etc/new", b"from head\n");
+        let a = p.publish(s[0].id, "test").await.unwrap();
+        assert_eq!(a.outcome.as_ref().unwrap().kind, OutcomeKind::Committed);
+        // b, through its real overlay mount: `rm -rf /etc; mkdir /etc` (the kernel
+        // makes it opaque), an excluded file and a socket.
+        let spec = store.mounts("ns/4/b").unwrap();
+        let m = t.path().join("mnt");
+        std::fs::create_dir(&m).unwrap();
+        nix::mount::mount(
+            Some("overlay"),
+            &m,
+            Some("overlay"),
+            nix::mount::MsFlags::empty(),
+            Some(spec.overlay_options().join(",").as_str()),
+        )
+        .unwrap();
+        let ops = || -> std::io::Result<()> {
+            std::fs::remove_dir_all(m.join("etc"))?;
+            std::fs::create_dir(m.join("etc"))?;
+            std::fs::set_permissions(m.join("etc"), std::fs::Permissions::from_mode(0o755))?;
+            std::fs::write(m.join("etc/mine"), b"mine\n")?;
+            std::fs::write(m.join("tmp/scratch"), b"excluded")?;
+            drop(std::os::unix::net::UnixListener::bind(m.join("app.sock"))?);
+            Ok(())
+        };
+        let done = ops();
+        nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH).unwrap();
+        done.unwrap();
+        let want = |paths: &[PathRecord]| {
+            let got: Vec<(&str, &str)> = paths
+                .iter()
+                .map(|r| (r.path.as_str(), r.status.as_str()))
+                .collect();
+            assert_eq!(
+                got,
+                [
+                    ("/app.sock", "excluded"),
+                    ("/etc/app.conf", "clean"),
+                    ("/etc/mine", "clean"),
+                    ("/tmp/scratch", "excluded"),
+                ],
+                "{paths:#?}"
+            );
+        };
+        let d = p.dry_run(s[1].id).await.unwrap();
+        assert_eq!(d.kind, Some(OutcomeKind::Committed), "{d:?}");
+        want(&d.paths);
+        let b = p.publish(s[1].id, "test").await.unwrap();
+        let out = b.outcome.unwrap();
+        assert_eq!(out.kind, OutcomeKind::Committed, "{out:?}");
+        want(&out.paths);
+        let deleted = out.paths.iter().find(|r| r.path == "/etc/app.conf").unwrap();
+        assert_eq!(deleted.reason, "deleted; untouched on head");
+        let layer = store.layer_path(out.layer.unwrap());
+        assert!(!layer.join("tmp/scratch").exists());
+        assert!(!layer.join("app.sock").exists());
+        assert_eq!(std::fs::read(layer.join("etc/mine")).unwrap(), b"mine\n");
+        // The expanded directory is plain: the head's etc/new shows through it.
+        let a_layer = store.layer_path(a.outcome.as_ref().unwrap().layer.unwrap());
+        let view = publisher::LayerView::new(vec![layer, a_layer]);
+        assert!(view.lookup(b"etc/new").unwrap().is_some());
     }
 }

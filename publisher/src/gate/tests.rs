@@ -11,6 +11,7 @@
 #![allow(clippy::unwrap_used)]
 
 use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
 
 use proptest::prelude::*;
 
@@ -1014,6 +1015,177 @@ fn head_change_round_trips_through_serde_and_reads_old_records() {
     let back: HeadChange = serde_json::from_str(old).unwrap();
     assert_eq!(back.xattrs, None);
     assert_eq!(back.kind, HeadChangeKind::Meta);
+}
+
+// ---- merge budget, stop at the first conflict, reasons ----
+
+/// [`Mem`] that records every content read.
+struct Counting<'a> {
+    inner: Mem<'a>,
+    reads: std::cell::RefCell<Vec<(Side, Vec<u8>)>>,
+}
+
+impl GateFiles for Counting<'_> {
+    fn stat(&self, side: Side, path: &[u8]) -> io::Result<Option<FileState>> {
+        self.inner.stat(side, path)
+    }
+
+    fn read(&self, side: Side, path: &[u8]) -> io::Result<Vec<u8>> {
+        self.reads.borrow_mut().push((side, path.to_vec()));
+        self.inner.read(side, path)
+    }
+}
+
+/// Plans `c` (no expansion needed) in `mode` with `limits`, counting reads.
+fn plan_counting(
+    c: &Case,
+    limits: &MergeLimits,
+    mode: PlanMode,
+) -> (GatePlan, Vec<(Side, Vec<u8>)>) {
+    let head = head_changes(c);
+    let none = BTreeSet::new();
+    let cs = capture_model(&c.base, &c.ours, &none, &none, &none);
+    let files = Counting {
+        inner: Mem {
+            base: &c.base,
+            ours: &c.ours,
+            theirs: &c.theirs,
+        },
+        reads: Default::default(),
+    };
+    let plan = plan_gate_with(&cs, &head, &files, limits, mode).unwrap();
+    (plan, files.reads.into_inner())
+}
+
+fn report<'p>(plan: &'p GatePlan, p: &str) -> &'p PathReport {
+    plan.reports
+        .iter()
+        .find(|r| r.path == p.as_bytes())
+        .unwrap_or_else(|| panic!("no report for {p}: {:#?}", plan.reports))
+}
+
+#[test]
+fn a_publish_stops_merging_at_the_first_conflict_a_dry_run_does_not() {
+    // a: adjacent hunks (conflict); b: separate hunks (would merge).
+    let base = tree(&[("a", f(TEXT)), ("b", f(TEXT))]);
+    let ours = tree(&[
+        ("a", f("1\nTWO\n3\n4\n5\n6\n")),
+        ("b", f("1\nTWO\n3\n4\n5\n6\n")),
+    ]);
+    let theirs = tree(&[
+        ("a", f("1\n2\nTHREE\n4\n5\n6\n")),
+        ("b", f("1\n2\n3\nFOUR\n5\n6\n")),
+    ]);
+    let c = Case {
+        base,
+        ours,
+        theirs,
+        ..Case::default()
+    };
+    let limits = MergeLimits::default();
+    let (plan, reads) = plan_counting(&c, &limits, PlanMode::Publish);
+    assert!(report(&plan, "a").reason.contains("same or adjacent"));
+    let b = report(&plan, "b");
+    assert_eq!(b.status, PathStatus::Conflict);
+    assert!(
+        b.reason.starts_with("not evaluated:") && b.reason.contains("conflict at 'a'"),
+        "{}",
+        b.reason
+    );
+    assert!(
+        !reads.contains(&(Side::Ours, b"b".to_vec())),
+        "b was never merged: {reads:?}"
+    );
+    assert!(plan.actions.is_empty());
+    // A merge never runs when any other rule already rejected the changeset.
+    let mut c2 = c.clone();
+    c2.ours.remove(b"a".as_slice());
+    let (plan, reads) = plan_counting(&c2, &limits, PlanMode::Publish);
+    assert!(report(&plan, "a").reason.starts_with("delete vs edit"));
+    assert!(report(&plan, "b").reason.starts_with("not evaluated:"));
+    assert!(!reads.contains(&(Side::Ours, b"b".to_vec())));
+    // The dry run evaluates every path.
+    let (plan, _) = plan_counting(&c, &limits, PlanMode::DryRun);
+    assert_eq!(report(&plan, "a").status, PathStatus::Conflict);
+    assert_eq!(report(&plan, "b").status, PathStatus::Merged);
+    // plan_gate is the real publish.
+    let r = run(&c);
+    assert!(r.reason("b").starts_with("not evaluated:"));
+}
+
+/// Unrelated texts: Myers' worst case.
+fn unrelated(tag: &str, n: usize) -> N {
+    f(&(0..n).map(|i| format!("{tag}{i}\n")).collect::<String>())
+}
+
+#[test]
+fn the_merge_timeout_is_one_budget_for_the_whole_plan() {
+    // Four files whose merges each take ~0.6 s in a debug build. With a per-file
+    // timeout a plan would wait 4 × 300 ms; with one budget, about 300 ms.
+    let names = ["f1", "f2", "f3", "f4"];
+    let side = |tag: &str| -> Tree {
+        names
+            .iter()
+            .map(|n| {
+                (
+                    n.as_bytes().to_vec(),
+                    unrelated(&format!("{tag}{n}-"), 1500),
+                )
+            })
+            .collect()
+    };
+    let c = Case {
+        base: side("b"),
+        ours: side("o"),
+        theirs: side("t"),
+        ..Case::default()
+    };
+    let limits = MergeLimits {
+        timeout: Duration::from_millis(300),
+        ..MergeLimits::default()
+    };
+    let start = std::time::Instant::now();
+    let (plan, _) = plan_counting(&c, &limits, PlanMode::DryRun);
+    let took = start.elapsed();
+    assert!(took < Duration::from_millis(900), "{took:?}");
+    let reasons: Vec<&str> = names
+        .iter()
+        .map(|n| report(&plan, n).reason.as_str())
+        .collect();
+    assert!(names
+        .iter()
+        .all(|n| report(&plan, n).status == PathStatus::Conflict));
+    eprintln!("plan took {took:?}: {reasons:#?}");
+    let timed_out = reasons.iter().filter(|r| r.contains("took longer")).count();
+    assert!(timed_out <= 1, "{reasons:#?}");
+    if timed_out == 1 {
+        // Every merge after the one that used the budget up was never started.
+        let after = reasons
+            .iter()
+            .skip_while(|r| !r.contains("took longer"))
+            .skip(1);
+        assert!(
+            after
+                .clone()
+                .all(|r| r.contains("budget of 300 ms for this publish is used up")),
+            "{reasons:#?}"
+        );
+    }
+}
+
+#[test]
+fn a_deletion_is_reported_as_one() {
+    let base = tree(&[("a", f("a")), ("b", f("b"))]);
+    let ours = tree(&[("b", f("B"))]);
+    let r = run(&Case {
+        base: base.clone(),
+        ours,
+        theirs: base,
+        ..Case::default()
+    });
+    assert_eq!(r.status("a"), PathStatus::Clean);
+    assert_eq!(r.reason("a"), "deleted; untouched on head");
+    assert_eq!(r.reason("b"), "untouched on head");
 }
 
 // ---- reference model ----
