@@ -266,6 +266,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
                 container,
                 policy: policy as i32,
                 reason: if discard { "layerstack publish --discard".into() } else { "layerstack publish".into() },
+                ..Default::default()
             };
             let r = if dry_run {
                 c.publish_dry_run(req).await?.into_inner()

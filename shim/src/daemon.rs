@@ -70,6 +70,7 @@ pub async fn publish(
     namespace: &str,
     id: &str,
     policy: api::PublishPolicy,
+    exit_status: Option<u32>,
     reason: &str,
     timeout: Duration,
 ) -> Result<Option<api::Session>, DaemonError> {
@@ -80,6 +81,8 @@ pub async fn publish(
             container: id.to_string(),
             policy: policy as i32,
             reason: reason.to_string(),
+            has_exit_status: exit_status.is_some(),
+            exit_status: exit_status.unwrap_or_default(),
         };
         match c.publish(req).await {
             Ok(r) => Ok(Some(r.into_inner())),
@@ -90,6 +93,34 @@ pub async fn publish(
     tokio::time::timeout(timeout, fut)
         .await
         .map_err(|_| DaemonError::Timeout("layerstack publish".into(), timeout))?
+}
+
+/// `SetPolicy`: record the container's exit policy (label `layerstack.publish`)
+/// on its session, so the daemon's own fallbacks apply it too.
+/// `Ok(None)`: the daemon has no session for the container.
+pub async fn set_policy(
+    admin_path: &Path,
+    namespace: &str,
+    id: &str,
+    policy: &str,
+    timeout: Duration,
+) -> Result<Option<api::Session>, DaemonError> {
+    let fut = async {
+        let mut c = admin(admin_path, timeout).await?;
+        let req = api::SetPolicyRequest {
+            namespace: namespace.to_string(),
+            container: id.to_string(),
+            policy: policy.to_string(),
+        };
+        match c.set_policy(req).await {
+            Ok(r) => Ok(Some(r.into_inner())),
+            Err(st) if st.code() == tonic::Code::NotFound => Ok(None),
+            Err(st) => Err(DaemonError::Admin("set policy", st)),
+        }
+    };
+    tokio::time::timeout(timeout, fut)
+        .await
+        .map_err(|_| DaemonError::Timeout("layerstack set-policy".into(), timeout))?
 }
 
 /// `SetBranch`: re-point the container's not-yet-mounted session to `branch`.

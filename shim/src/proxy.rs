@@ -129,6 +129,30 @@ impl Proxy {
         daemon::container_labels(&self.containerd, &self.namespace, &self.id, LABELS_TIMEOUT).await
     }
 
+    /// Records the container's exit policy on its session in the daemon, so the
+    /// daemon's own fallbacks (task-delete event, reconcile, snapshot Remove, the
+    /// `delete` action after a SIGKILL) apply it even when this proxy cannot. A
+    /// policy other than on-exit that cannot be recorded fails the create: it
+    /// must never be lost to a fallback that publishes.
+    async fn record_policy(&self, p: Policy) -> ttrpc::Result<()> {
+        let admin = &self.state.admin_address;
+        match daemon::set_policy(admin, &self.namespace, &self.id, p.as_str(), SET_BRANCH_TIMEOUT).await {
+            Ok(_) => Ok(()),
+            Err(e) if p == Policy::OnExit => {
+                warn!("cannot record policy {p} in the daemon: {}", crate::error_chain(&e));
+                Ok(())
+            }
+            Err(e) => Err(status(
+                Code::FAILED_PRECONDITION,
+                format!(
+                    "container label {}={p}: cannot record it with the layerstack daemon: {}",
+                    policy::PUBLISH_LABEL,
+                    crate::error_chain(&e)
+                ),
+            )),
+        }
+    }
+
     /// Applies `layerstack.branch` (if set) before the rootfs is mounted.
     async fn apply_branch(&self, branch: &str, req: &mut CreateTaskRequest) -> ttrpc::Result<()> {
         let admin = &self.state.admin_address;
@@ -176,20 +200,51 @@ impl Proxy {
     /// The init process's publish step: read the labels, decide, ask the daemon,
     /// log the outcome. Never fails: the task's exit status is what matters here.
     async fn publish_step(&self, exit_status: u32) {
+        // The labels read at create decide (they were validated, and recorded in
+        // the daemon); a label changed later does not (it could fail open).
         let cached = self.init.lock().await.labels.clone();
-        let labels = match self.labels().await {
-            Ok(Some(l)) => l,
-            Ok(None) => cached.unwrap_or_default(),
-            Err(e) => {
-                warn!("cannot read the container's labels ({}); using those read at create", crate::error_chain(&e));
-                cached.unwrap_or_default()
-            }
+        let labels = match cached {
+            Some(l) => l,
+            None => match self.labels().await {
+                Ok(l) => l.unwrap_or_default(),
+                Err(e) => {
+                    warn!("cannot read the container's labels ({}); the daemon applies the recorded policy", crate::error_chain(&e));
+                    publish_auto(&self.state, &self.namespace, &self.id, exit_status).await;
+                    return;
+                }
+            },
         };
         let policy = policy::policy_from_labels(&labels).unwrap_or_else(|e| {
             warn!("{e}; using on-exit");
             Policy::OnExit
         });
         publish_now(&self.state, &self.namespace, &self.id, policy, exit_status).await;
+    }
+}
+
+/// Ask the daemon to end the run by the policy recorded on the session
+/// (`SetPolicy` at create; on-exit if none) and `exit_status`: the path for when
+/// this process no longer knows the container's labels.
+pub(crate) async fn publish_auto(state: &BundleState, namespace: &str, id: &str, exit_status: u32) {
+    let timeout = Duration::from_millis(state.publish_timeout_ms.max(1));
+    publish_auto_with_timeout(state, namespace, id, exit_status, timeout).await
+}
+
+pub(crate) async fn publish_auto_with_timeout(
+    state: &BundleState,
+    namespace: &str,
+    id: &str,
+    exit_status: u32,
+    timeout: Duration,
+) {
+    let reason = format!("exit status {exit_status}, by the recorded policy");
+    match daemon::publish(&state.admin_address, namespace, id, api::PublishPolicy::Auto, Some(exit_status), &reason, timeout).await {
+        Ok(Some(s)) => info!("layerstack end of run ({reason}): {}", daemon::describe_session(&s)),
+        Ok(None) => debug!("no layerstack session for {namespace}/{id}: nothing to publish"),
+        Err(e) => error!(
+            "layerstack publish of {namespace}/{id} failed ({}); the exit status is returned anyway and the session stays unpublished",
+            crate::error_chain(&e)
+        ),
     }
 }
 
@@ -213,7 +268,7 @@ pub(crate) async fn publish_with_timeout(
         Decision::Discard => api::PublishPolicy::Discard,
     };
     let started = std::time::Instant::now();
-    match daemon::publish(&state.admin_address, namespace, id, p, &reason, timeout).await {
+    match daemon::publish(&state.admin_address, namespace, id, p, Some(exit_status), &reason, timeout).await {
         Ok(Some(s)) => info!(
             "layerstack {} ({policy}, exit status {exit_status}) in {} ms: {}",
             if decision == Decision::Publish { "publish" } else { "discard" },
@@ -244,7 +299,10 @@ impl Task for Proxy {
             }
         };
         if let Some(l) = &labels {
-            policy::policy_from_labels(l).map_err(|e| status(Code::INVALID_ARGUMENT, e))?;
+            let p = policy::policy_from_labels(l).map_err(|e| status(Code::INVALID_ARGUMENT, e))?;
+            if l.contains_key(policy::PUBLISH_LABEL) {
+                self.record_policy(p).await?;
+            }
         }
         // Runtime options: ours never reach runc-v2.
         let opts = match req.options.take() {

@@ -23,7 +23,6 @@ use tokio::sync::Mutex;
 use crate::config::{self, RuntimeOptions};
 use crate::events::{EventGate, Upstream};
 use crate::inner::{self, InnerArgs};
-use crate::policy::{self, Policy};
 use crate::proxy::{self, Proxy};
 use crate::state::{self, BundleState};
 
@@ -292,17 +291,11 @@ impl Shim for ProxyShim {
             if st.created && !st.published {
                 let exit_status = st.exit_status.or(resp.as_ref().map(|r| r.exit_status)).unwrap_or(137);
                 let left = DELETE_BUDGET.saturating_sub(started.elapsed());
-                let containerd = PathBuf::from(&self.address);
-                let labels = crate::daemon::container_labels(&containerd, &self.namespace, &self.id, left.min(Duration::from_secs(1)))
-                    .await
-                    .ok()
-                    .flatten()
-                    .unwrap_or_default();
-                let pol = policy::policy_from_labels(&labels).unwrap_or(Policy::OnExit);
-                let left = DELETE_BUDGET.saturating_sub(started.elapsed());
                 if left > Duration::from_millis(200) {
-                    info!("the proxy of {} is gone; publishing its session here ({pol}, exit status {exit_status})", self.id);
-                    proxy::publish_with_timeout(st, &self.namespace, &self.id, pol, exit_status, left).await;
+                    // `ctr run --rm` may have deleted the container record: the
+                    // daemon applies the policy recorded at create.
+                    info!("the proxy of {} is gone; ending its run here (exit status {exit_status}, recorded policy)", self.id);
+                    proxy::publish_auto_with_timeout(st, &self.namespace, &self.id, exit_status, left).await;
                 } else {
                     error!("no time left to publish {}; the daemon's /tasks/delete handler will", self.id);
                 }
@@ -378,6 +371,23 @@ impl Shim for ProxyShim {
         }
         *self.upstream.lock().await = Some(upstream);
         *self.state.lock().await = Some(st.clone());
+        if let (Some(pid), false) = (st.inner_pid, st.inner_grouped) {
+            // If the inner shim dies (killed, crashed), nobody supervises the
+            // container and every forwarded RPC fails: stop serving, so containerd
+            // sees this shim gone and runs our `delete` action, which has runc-v2
+            // kill and delete the container and ends the session's run.
+            let exit = self.exit.clone();
+            let id = self.id.clone();
+            tokio::spawn(async move {
+                while inner::alive(pid) {
+                    tokio::time::sleep(Duration::from_millis(250)).await;
+                }
+                // A normal Shutdown also ends the inner shim: let it finish first.
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                error!("inner shim {pid} of {id} is gone; this proxy exits so containerd cleans up the task");
+                exit.signal();
+            });
+        }
         info!(
             "proxy for {}/{} serving; inner shim {} (pid {:?}), admin socket {}",
             self.namespace,

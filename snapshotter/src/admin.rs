@@ -134,6 +134,22 @@ fn require(field: &str, v: &str) -> Result<(), Status> {
 
 #[tonic::async_trait]
 impl api::Admin for AdminService {
+    async fn set_policy(&self, req: Request<api::SetPolicyRequest>) -> Result<Response<api::Session>, Status> {
+        let r = req.into_inner();
+        require("container", &r.container)?;
+        let p: layerstack_api::policy::Policy = r.policy.parse().map_err(|e| {
+            Status::invalid_argument(format!("{}", layerstack_api::error_chain(&e)))
+        })?;
+        let s = self.publisher.find(&r.namespace, &r.container).await.map_err(publish_status)?;
+        let _g = self.publisher.lock_session(s.id).await;
+        let store = self.publisher.store().clone();
+        let out = tokio::task::spawn_blocking(move || store.set_session_policy(s.id, p.as_str()))
+            .await
+            .map_err(|e| Status::internal(e.to_string()))?
+            .map_err(store_status)?;
+        Ok(Response::new(to_api(out)))
+    }
+
     async fn status(&self, _req: Request<api::StatusRequest>) -> Result<Response<api::StatusResponse>, Status> {
         Ok(Response::new(self.status_response()))
     }
@@ -205,6 +221,10 @@ impl api::Admin for AdminService {
         let out = match api::PublishPolicy::from_i32(r.policy) {
             Some(api::PublishPolicy::Publish) => self.publisher.publish(s.id, &why).await,
             Some(api::PublishPolicy::Discard) => self.publisher.discard(s.id, &why).await,
+            Some(api::PublishPolicy::Auto) => {
+                let exit = r.has_exit_status.then_some(r.exit_status);
+                self.publisher.finish(s.id, None, exit, &why).await
+            }
             None => return Err(Status::invalid_argument(format!("unknown publish policy {}", r.policy))),
         }
         .map_err(publish_status)?;

@@ -171,25 +171,28 @@ async fn handle_envelope(env: containerd_client::types::Envelope, ch: &Channel, 
         // The container's own publish policy (`layerstack.publish` label), when
         // its record is still there; `ctr run --rm` may have deleted it already,
         // and then the default (on-exit) applies.
-        let (decision, reason) = match container_labels(&ch, &ns, &ev.container_id).await {
-            Some(labels) => match policy::policy_from_labels(&labels) {
-                Ok(p) => policy::decide(p, ev.exit_status),
-                Err(e) => {
-                    warn!(session.id = s.id, error = %e, "publishing with the default policy on-exit");
-                    policy::decide(policy::Policy::OnExit, ev.exit_status)
-                }
-            },
-            None => policy::decide(policy::Policy::OnExit, ev.exit_status),
-        };
-        let why = format!("task deleted: {reason}");
-        let r = match decision {
-            policy::Decision::Publish => publisher.publish(s.id, &why).await,
-            policy::Decision::Discard => publisher.discard(s.id, &why).await,
-        };
+        // The session's recorded policy (from the runtime shim) wins; else the
+        // container's label while its record exists (`ctr run --rm` may have
+        // deleted it already); else on-exit.
+        let label = label_policy(&ch, &ns, &ev.container_id, s.id).await;
+        let r = publisher.finish(s.id, label, Some(ev.exit_status), "task deleted").await;
         if let Err(e) = r {
             warn!(session.id = s.id, error = %crate::service::error_chain(&e), "publish on task delete failed");
         }
     });
+}
+
+/// The policy named by a container's `layerstack.publish` label, if its record
+/// is readable and the label valid (an invalid value is logged and ignored).
+async fn label_policy(ch: &Channel, ns: &str, id: &str, session: i64) -> Option<policy::Policy> {
+    let labels = container_labels(ch, ns, id).await?;
+    match policy::policy_from_labels(&labels) {
+        Ok(p) => Some(p),
+        Err(e) => {
+            warn!(session.id = session, error = %e, "ignoring the invalid label");
+            None
+        }
+    }
 }
 
 /// A container's labels through containerd's Containers API; `None` if it is gone.
@@ -233,23 +236,11 @@ async fn reconcile(ch: &Channel, publisher: &Arc<Publisher>) {
             Err(st) if st.code() == Code::NotFound => {
                 // The exit status died with the task: `on-success` cannot be
                 // shown to hold, so it publishes nothing (as for a failed exit).
-                let policy = match container_labels(ch, &s.namespace, &s.container).await {
-                    Some(labels) => policy::policy_from_labels(&labels).unwrap_or_else(|e| {
-                        warn!(session.id = s.id, error = %e, "using the default policy on-exit");
-                        policy::Policy::OnExit
-                    }),
-                    None => policy::Policy::OnExit,
-                };
-                info!(session.id = s.id, container = %s.container, policy = %policy, "reconcile: task gone");
-                let r = match policy {
-                    policy::Policy::OnExit => publisher.publish(s.id, "reconcile: task gone").await,
-                    policy::Policy::OnSuccess => {
-                        publisher
-                            .discard(s.id, "reconcile: task gone, exit status unknown, policy on-success")
-                            .await
-                    }
-                    policy::Policy::Never => publisher.discard(s.id, "reconcile: policy never").await,
-                };
+                // The exit status died with the task: `on-success` cannot be
+                // shown to hold, so it publishes nothing.
+                let label = label_policy(ch, &s.namespace, &s.container, s.id).await;
+                info!(session.id = s.id, container = %s.container, "reconcile: task gone");
+                let r = publisher.finish(s.id, label, None, "reconcile: task gone").await;
                 if let Err(e) = r {
                     warn!(session.id = s.id, error = %e, "reconcile publish failed");
                 }

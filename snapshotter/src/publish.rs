@@ -11,6 +11,7 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{SystemTime, UNIX_EPOCH};
 
+use layerstack_api::policy;
 use layerstack_publisher as publisher;
 use layerstack_store::{
     escape_path, ConflictRecord, Outcome, OutcomeKind, PathRecord, SessionId, SessionInfo, Store,
@@ -54,6 +55,66 @@ fn now_ns() -> i64 {
         .duration_since(UNIX_EPOCH)
         .map(|d| d.as_nanos() as i64)
         .unwrap_or(0)
+}
+
+/// What ends a run: the session's recorded exit policy (`SetPolicy`, from the
+/// runtime shim), else the container label's (`label`, when the container record
+/// was readable), else `on-exit`, applied to the init process's exit status.
+/// `on-success` without an exit status discards: success cannot be shown.
+pub fn exit_decision(
+    session: &SessionInfo,
+    label: Option<policy::Policy>,
+    exit_status: Option<u32>,
+) -> (policy::Decision, String) {
+    let recorded = session.policy.as_deref().and_then(|p| p.parse::<policy::Policy>().ok());
+    let p = recorded.or(label).unwrap_or_default();
+    match exit_status {
+        Some(code) => policy::decide(p, code),
+        None if p == policy::Policy::OnSuccess => (
+            policy::Decision::Discard,
+            "policy on-success and the exit status is unknown".to_string(),
+        ),
+        None => policy::decide(p, 0),
+    }
+}
+
+impl Publisher {
+    /// End the run of `session` per [`exit_decision`] (session lock held by the
+    /// caller): publish or discard.
+    pub async fn finish_locked(
+        &self,
+        session: &SessionInfo,
+        label: Option<policy::Policy>,
+        exit_status: Option<u32>,
+        why: &str,
+    ) -> Result<SessionInfo, PublishFailure> {
+        let (decision, reason) = exit_decision(session, label, exit_status);
+        let why = format!("{why}: {reason}");
+        match decision {
+            policy::Decision::Publish => self.publish_locked(session.id, &why).await,
+            policy::Decision::Discard => self.discard_locked(session.id, &why).await,
+        }
+    }
+
+    /// [`Publisher::finish_locked`], taking the session lock, as its own task (see
+    /// [`Publisher::publish`]).
+    pub async fn finish(
+        self: &Arc<Self>,
+        session: SessionId,
+        label: Option<policy::Policy>,
+        exit_status: Option<u32>,
+        why: &str,
+    ) -> Result<SessionInfo, PublishFailure> {
+        let me = self.clone();
+        let why = why.to_string();
+        tokio::spawn(async move {
+            let _g = me.lock_session(session).await;
+            let current = me.blocking(move |s| s.session(session)).await?;
+            me.finish_locked(&current, label, exit_status, &why).await
+        })
+        .await
+        .map_err(|e| PublishFailure::Join(e.to_string()))?
+    }
 }
 
 /// Whether the session's current run is over: it has an outcome that must not be
@@ -206,6 +267,15 @@ impl Publisher {
         why: &str,
     ) -> Result<SessionInfo, PublishFailure> {
         let _g = self.lock_session(session).await;
+        self.discard_locked(session, why).await
+    }
+
+    /// [`Publisher::discard`] with the session lock already held by the caller.
+    pub async fn discard_locked(
+        &self,
+        session: SessionId,
+        why: &str,
+    ) -> Result<SessionInfo, PublishFailure> {
         let current = self.blocking(move |s| s.session(session)).await?;
         // A conflicted upper is kept after containerd removed the snapshot; this
         // is how it is dropped.

@@ -174,7 +174,7 @@ impl Snapshotter for LayerStackSnapshotter {
                     sess.upper.display()
                 )));
             }
-            if let Err(e) = self.publisher.publish_locked(sess.id, "snapshot remove").await {
+            if let Err(e) = self.publisher.finish_locked(&sess, None, None, "snapshot remove").await {
                 warn!(session.id = sess.id, error = %e, "publish before remove did not complete");
             }
             let r = self.blocking(move |s| s.remove(&key)).await;

@@ -249,10 +249,11 @@ struct SessRow {
     outcome: Option<Outcome>,
     runs: i64,
     released: bool,
+    policy: Option<String>,
 }
 
 const SESS_COLS: &str =
-    "id, key, namespace, container, stack, branch, base_key, above, lease_id, state, outcome, runs, released";
+    "id, key, namespace, container, stack, branch, base_key, above, lease_id, state, outcome, runs, released, policy";
 
 fn sess_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SessRow> {
     let above: String = r.get(7)?;
@@ -271,6 +272,7 @@ fn sess_from_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SessRow> {
         outcome: outcome.and_then(|o| serde_json::from_str(&o).ok()),
         runs: r.get(11)?,
         released: r.get::<_, i64>(12)? != 0,
+        policy: r.get(13)?,
     })
 }
 
@@ -1139,7 +1141,24 @@ impl Store {
             lease_manifest,
             runs: s.runs,
             released: s.released,
+            policy: s.policy,
         })
+    }
+
+    /// Record the exit policy of `session` (the container label
+    /// `layerstack.publish`: `on-exit`, `on-success`, `never`; validated by the
+    /// caller). Error: `SessionNotFound`.
+    pub fn set_session_policy(&self, session: SessionId, policy: &str) -> Result<SessionInfo, StoreError> {
+        let conn = self.conn();
+        let n = conn.execute(
+            "UPDATE sessions SET policy = ?2, updated_ns = ?3 WHERE id = ?1",
+            params![session, policy, now_ns()],
+        )?;
+        if n == 0 {
+            return Err(StoreError::SessionNotFound(session));
+        }
+        let s = get_sess(&conn, session)?;
+        self.session_info(&conn, s)
     }
 
     /// All sessions, oldest first.

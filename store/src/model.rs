@@ -217,6 +217,9 @@ pub struct SessionInfo {
     pub runs: i64,
     /// containerd removed the snapshot; the row stays as history.
     pub released: bool,
+    /// The container's exit policy (label `layerstack.publish`) recorded by the
+    /// runtime shim; `None`: not recorded (on-exit unless the label says otherwise).
+    pub policy: Option<String>,
     pub upper: PathBuf,
     pub work: PathBuf,
 }

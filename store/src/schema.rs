@@ -2,7 +2,7 @@
 
 /// The on-disk format this build reads and writes. A store of any other version
 /// is refused at open (ARCHITECTURE.md §2: never migrated silently).
-pub const FORMAT_VERSION: i64 = 1;
+pub const FORMAT_VERSION: i64 = 2;
 
 pub(crate) const SCHEMA: &str = r#"
 CREATE TABLE meta (
@@ -88,6 +88,7 @@ CREATE TABLE sessions (
     state       TEXT NOT NULL,
     outcome     TEXT,
     runs        INTEGER NOT NULL DEFAULT 0,
+    policy      TEXT,
     released    INTEGER NOT NULL DEFAULT 0,
     created_ns  INTEGER NOT NULL,
     updated_ns  INTEGER NOT NULL
