@@ -28,13 +28,18 @@ set +e
     cargo build --workspace --bins
     echo "== cargo test --workspace"
     cargo test --workspace --no-fail-fast
+    # A figure to read, not a threshold: the runtime shim's cost per container
+    # against io.containerd.runc.v2 (cargo hides a passing test's output).
+    echo "== timing (runtime shim vs runc-v2)"
+    cargo test -q -p layerstack-integration --test shim shim6_timing_against_runc_v2 -- --nocapture 2>&1 \
+        | grep -A3 '^timing:' || echo "timing: not measured"
 ) 2>&1 | tee "$LOG"
 status=${PIPESTATUS[0]}
 set -e
 
 echo
 echo "================ summary ($((SECONDS - start))s) ================"
-grep -E '^\s+Running |^test result:|^error(\[|:)|^\s+--> |^    [A-Za-z0-9_:]+$|FAILED|panicked at' "$LOG" \
+grep -E '^\s+Running |^test result:|^error(\[|:)|^\s+--> |^    [A-Za-z0-9_:]+$|FAILED|panicked at|^timing' "$LOG" \
     | grep -v ' \.\.\. ok$' | tail -n 80 || true
 if ((status != 0)); then
     echo "test.sh: FAILED (exit $status); full log: $LOG"
