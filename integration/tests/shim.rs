@@ -23,7 +23,7 @@ use anyhow::{ensure, Context, Result};
 use layerstack_integration::{
     bin_path, container_branch_label, delete_task, describe, dir_is_empty, kill_task, layerstack_wait,
     prepare_layerstack, publish_policy_label, remove_container, require_root_and_containerd, run_scenario,
-    run_scenario_mut, run_with_timeout, session_upper, snapshot_branch_label, stdout,
+    run_scenario_mut, run_with_timeout, session_upper, snapshot_branch_label, stdout, task_status, wait_task_stopped,
     unique_across_processes as unique, wait_task_running, wait_task_stopped_or_gone, CtrRun, TestEnv, SHIM_BIN,
     SHIM_RUNTIME,
 };
@@ -544,5 +544,243 @@ fn shim_publish_failure_keeps_exit_status() {
         ensure!(s["branch"] == "shim-nodaemon", "snapshot label branch: {s:#}");
         ensure!(shim_processes(env, &id).is_empty(), "shims left: {:#?}", shim_processes(env, &id));
         Ok(())
+    });
+}
+
+// ---------------------------------------------------------------------------
+// The recorded exit policy on the paths without the shim's own publish, and the
+// death of the inner shim
+// ---------------------------------------------------------------------------
+
+/// Waits (at most `timeout`) for the spawned `ctr` to exit and collects its
+/// output; kills it and fails if it is still running then.
+fn wait_ctr(mut child: std::process::Child, timeout: Duration, what: &str) -> Result<Output> {
+    match layerstack_integration::wait_timeout(&mut child, timeout)? {
+        Some(_) => Ok(child.wait_with_output()?),
+        None => {
+            let _ = child.kill();
+            let out = child.wait_with_output()?;
+            anyhow::bail!("{what} still running after {timeout:?}: {}", describe(&out))
+        }
+    }
+}
+
+/// The pid of the one shim process of container `id` whose command line
+/// contains `needle` (the proxy: [`SHIM_BIN`]; the inner shim:
+/// `containerd-shim-runc-v2`).
+fn the_shim_pid(env: &TestEnv, id: &str, needle: &str) -> Result<i32> {
+    let procs = shim_processes(env, id);
+    let found: Vec<&String> = procs.iter().filter(|p| p.contains(needle)).collect();
+    ensure!(found.len() == 1, "expected one {needle} process for {id}: {procs:#?}");
+    Ok(found[0].split_whitespace().next().context("pid")?.parse()?)
+}
+
+fn sigkill(pid: i32) -> Result<()> {
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL)?;
+    Ok(())
+}
+
+/// Live (not zombie) processes whose command line is exactly `argv`: "pid cmdline".
+fn processes_with_argv(argv: &[&str]) -> Vec<String> {
+    let mut out = Vec::new();
+    let Ok(rd) = std::fs::read_dir("/proc") else { return out };
+    for e in rd.flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
+        let Ok(raw) = std::fs::read(format!("/proc/{pid}/cmdline")) else { continue };
+        let a: Vec<String> = raw
+            .split(|b| *b == 0)
+            .filter(|a| !a.is_empty())
+            .map(|a| String::from_utf8_lossy(a).into_owned())
+            .collect();
+        let zombie = std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .map(|s| s.rfind(')').map(|i| s[i + 1..].trim_start().starts_with('Z')).unwrap_or(false))
+            .unwrap_or(true);
+        if !zombie && a.len() == argv.len() && a.iter().zip(argv).all(|(x, y)| x == y) {
+            out.push(format!("{pid} {}", a.join(" ")));
+        }
+    }
+    out
+}
+
+/// The PID column of task `id` in `ctr tasks ls`.
+fn task_pid(env: &TestEnv, id: &str) -> Result<i32> {
+    let text = stdout(&env.ctr_ok(NS, &["tasks", "ls"])?);
+    let line = text
+        .lines()
+        .skip(1)
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .find(|f| f.first() == Some(&id))
+        .with_context(|| format!("no task {id}:\n{text}"))?;
+    Ok(line.get(1).context("pid column")?.parse()?)
+}
+
+/// `layerstack wait <id> --timeout 60` → its outcome word, which must be `want`.
+fn wait_outcome(env: &TestEnv, id: &str, want: &str) -> Result<()> {
+    let t = Instant::now();
+    let w = layerstack_wait(env, NS, id, &[])?;
+    let word = stdout(&w).lines().next().unwrap_or("").trim().to_string();
+    eprintln!("shim: layerstack wait {id} → {word:?} in {:.2}s", t.elapsed().as_secs_f64());
+    ensure!(word == want, "layerstack wait {id}: want {want}: {}; session {:#}", describe(&w), session(env, id)?);
+    Ok(())
+}
+
+/// The proxy is SIGKILLed under a `layerstack.publish=never` container: the
+/// shim's `delete` action (PublishPolicy AUTO) applies the recorded `never`, so
+/// nothing reaches the branch.
+#[test]
+fn shim_sigkill_with_policy_never_discards() {
+    run_shim_test(|env| {
+        let branch = "shim-sigkill-never";
+        let id = unique("s9");
+        let child = shim_run(&id, branch, &format!("echo secret > /root/{id}.txt; sleep 30"))
+            .label(publish_policy_label("never"))
+            .spawn(env)?;
+        cleaning_up_on_error(env, &id, || {
+            wait_running(env, &id)?;
+            thread::sleep(Duration::from_millis(300));
+            let pid = the_shim_pid(env, &id, SHIM_BIN)?;
+            let t = Instant::now();
+            sigkill(pid)?;
+            let out = wait_ctr(child, Duration::from_secs(60), "ctr run after SIGKILL of the proxy")?;
+            eprintln!(
+                "shim: ctr run returned {:.2}s after SIGKILL of the proxy: {}",
+                t.elapsed().as_secs_f64(),
+                describe(&out)
+            );
+            wait_outcome(env, &id, "discarded")?;
+            let _ = env.ctr(NS, &["tasks", "delete", &id]);
+            let _ = env.ctr(NS, &["containers", "delete", &id]);
+            let check = unique("s9-check");
+            let text = shim_run(&check, branch, &format!("cat /root/{id}.txt 2>/dev/null || echo ABSENT")).stdout_ok(env)?;
+            ensure!(text.trim() == "ABSENT", "never + SIGKILL of the proxy: the branch shows {text:?}");
+            Ok(())
+        })
+    });
+}
+
+/// The daemon is down when the task is deleted: the shim's publish fails, the
+/// exit status still reaches `ctr`, and after the restart reconcile applies the
+/// recorded `never`.
+#[test]
+fn shim_daemon_down_at_delete_keeps_policy_never() {
+    run_shim_test(|env| {
+        let branch = "shim-daemon-down-never";
+        let id = unique("s10");
+        shim_run(&id, branch, &format!("echo secret > /root/{id}.txt; sleep 3; exit 7"))
+            .label(publish_policy_label("never"))
+            .detached()
+            .ok(env)?;
+        let r = (|| -> Result<()> {
+            env.kill_daemon()?;
+            wait_task_stopped(env, NS, &id, Duration::from_secs(60))?;
+            let t = Instant::now();
+            let out = env.ctr(NS, &["tasks", "delete", &id])?;
+            let took = t.elapsed();
+            eprintln!("shim: ctr tasks delete with the daemon down took {:.2}s: {}", took.as_secs_f64(), describe(&out));
+            // ctr 1.6 `tasks delete` exits 0 and warns with the task's exit code.
+            ensure!(
+                out.status.success() && String::from_utf8_lossy(&out.stderr).contains("non-zero exit code 7"),
+                "exit status lost with the daemon down: {}",
+                describe(&out)
+            );
+            let (status, text) = task_status(env, NS, &id)?;
+            ensure!(status.is_none(), "task still listed after delete:\n{text}");
+            Ok(())
+        })();
+        // The daemon must come back whatever happened, for the other tests.
+        let t = Instant::now();
+        let restarted = env.restart_daemon();
+        eprintln!("shim: daemon restarted in {:.2}s", t.elapsed().as_secs_f64());
+        cleaning_up_on_error(env, &id, || {
+            r?;
+            restarted?;
+            wait_outcome(env, &id, "discarded")?;
+            remove_container(env, NS, &id)?;
+            let check = unique("s10-check");
+            let text = shim_run(&check, branch, &format!("cat /root/{id}.txt 2>/dev/null || echo ABSENT")).stdout_ok(env)?;
+            ensure!(text.trim() == "ABSENT", "never + daemon down at delete: the branch shows {text:?}");
+            Ok(())
+        })
+    });
+}
+
+/// The inner containerd-shim-runc-v2 dies under a running container: the proxy
+/// exits, containerd runs the shim's `delete` action, which kills and deletes the
+/// container and ends the run (on-exit: committed).
+#[test]
+fn shim_inner_shim_death_cleans_up() {
+    run_shim_test(|env| {
+        let branch = "shim-inner-death";
+        let id = unique("s11");
+        // A sleep argument no other test uses, to find the container's process.
+        let nap = "60.0417";
+        start_running(env, &id, branch, &format!("echo inner > /root/{id}.txt; sleep {nap}"))?;
+        cleaning_up_on_error(env, &id, || {
+            thread::sleep(Duration::from_millis(300));
+            let init = task_pid(env, &id)?;
+            ensure!(!processes_with_argv(&["sleep", nap]).is_empty(), "no `sleep {nap}` in the container");
+            let inner = the_shim_pid(env, &id, "containerd-shim-runc-v2")?;
+            let t = Instant::now();
+            sigkill(inner)?;
+
+            // Within ~15 s: the task is gone or STOPPED.
+            let deadline = t + Duration::from_secs(15);
+            let status = loop {
+                let (status, text) = task_status(env, NS, &id)?;
+                match status.as_deref() {
+                    None | Some("STOPPED") => break status,
+                    _ if Instant::now() >= deadline => {
+                        anyhow::bail!(
+                            "15s after SIGKILL of the inner shim: task {id} {status:?}\n{text}\nshims {:#?}\nsleep {:#?}",
+                            shim_processes(env, &id),
+                            processes_with_argv(&["sleep", nap])
+                        )
+                    }
+                    _ => thread::sleep(Duration::from_millis(100)),
+                }
+            };
+            eprintln!(
+                "shim: task {id} {} {:.2}s after SIGKILL of the inner shim",
+                status.as_deref().unwrap_or("gone"),
+                t.elapsed().as_secs_f64()
+            );
+            if status.is_some() {
+                let out = env.ctr(NS, &["tasks", "delete", &id])?;
+                if !out.status.success() {
+                    eprintln!("shim: ctr tasks delete failed: {}", describe(&out));
+                    let out = env.ctr(NS, &["tasks", "rm", "-f", &id])?;
+                    ensure!(out.status.success(), "ctr tasks rm -f: {}", describe(&out));
+                }
+                let (status, text) = task_status(env, NS, &id)?;
+                ensure!(status.is_none(), "task still listed after delete:\n{text}");
+            }
+
+            // No process of the container, no shim for it.
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                let sleeps = processes_with_argv(&["sleep", nap]);
+                let init_alive = std::fs::read_to_string(format!("/proc/{init}/stat"))
+                    .map(|s| s.rfind(')').map(|i| !s[i + 1..].trim_start().starts_with('Z')).unwrap_or(true))
+                    .unwrap_or(false);
+                let shims = shim_processes(env, &id);
+                if sleeps.is_empty() && !init_alive && shims.is_empty() {
+                    break;
+                }
+                ensure!(
+                    Instant::now() < deadline,
+                    "after the task is gone: container processes {sleeps:#?} (init {init} alive: {init_alive}), shims {shims:#?}"
+                );
+                thread::sleep(Duration::from_millis(100));
+            }
+            let mounted = env.containerd().rootfs_mount(NS, &id).is_some();
+            ensure!(!mounted, "rootfs of {id} still mounted");
+
+            wait_outcome(env, &id, "committed")?;
+            remove_container(env, NS, &id)?;
+            let check = unique("s11-check");
+            let text = shim_run(&check, branch, &format!("cat /root/{id}.txt 2>/dev/null || echo ABSENT")).stdout_ok(env)?;
+            ensure!(text.trim() == "inner", "after the inner shim died the branch shows {text:?}");
+            Ok(())
+        })
     });
 }
