@@ -398,6 +398,18 @@ pub trait GateFiles {
     fn digest(&self, side: Side, path: &[u8]) -> io::Result<[u8; 32]> {
         Ok(digest_bytes(&self.read(side, path)?))
     }
+    /// A directory below which the regular file `path` of `side` can be opened
+    /// (no-follow) at [`apply_plan`] time, so that its content is streamed into
+    /// the upper ([`Action::CopyFile`]) rather than read into memory. `None` (the
+    /// default) when the implementation has no such directory: the gate then reads
+    /// the file ([`read`](Self::read)) into an [`Action::WriteFile`].
+    ///
+    /// # Errors
+    /// Any read error.
+    fn source(&self, side: Side, path: &[u8]) -> io::Result<Option<PathBuf>> {
+        let _ = (side, path);
+        Ok(None)
+    }
     /// The session was mounted with `userxattr`: `user.overlay.*` rather than
     /// `trusted.overlay.*` is the overlay's private namespace. Default `false`.
     fn userxattr(&self) -> bool {
@@ -493,6 +505,15 @@ impl GateFiles for FsFiles {
         }
     }
 
+    /// The layer directory (or the upper) holding `path`: layers are immutable,
+    /// so the file is still the same when the plan is applied.
+    fn source(&self, side: Side, path: &[u8]) -> io::Result<Option<PathBuf>> {
+        Ok(self
+            .locate(side, path)?
+            .filter(|(_, md)| md.file_type().is_file())
+            .map(|(base, _)| base))
+    }
+
     fn userxattr(&self) -> bool {
         self.userxattr
     }
@@ -562,6 +583,19 @@ pub enum Action {
         path: Vec<u8>,
         /// The merged content.
         content: Vec<u8>,
+        /// The merged metadata.
+        meta: Meta,
+    },
+    /// Replace a regular file's content with another version's, **streamed** from
+    /// `from`/`path` (never read into memory: no size limit applies), and its
+    /// metadata; a new inode as for [`WriteFile`](Action::WriteFile). Holes of a
+    /// sparse source stay holes where the filesystem reports them.
+    CopyFile {
+        /// Relative path, in the upper and below `from`.
+        path: Vec<u8>,
+        /// The directory holding the version to copy (a head layer, from
+        /// [`GateFiles::source`]).
+        from: PathBuf,
         /// The merged metadata.
         meta: Meta,
     },
@@ -1265,6 +1299,7 @@ impl Planner<'_> {
             "metadata merged field by field".to_string()
         };
         let kind = ours.kind;
+        let mut copy_from: Option<PathBuf> = None;
         if merged_bytes.is_none() && result.content != ours.content {
             // Head's content with merged metadata.
             if hardlinked {
@@ -1278,19 +1313,32 @@ impl Planner<'_> {
                 self.conflict(path, "both sides changed this entry".into());
                 return Ok(());
             }
-            merged_bytes = Some(
-                self.files
-                    .read(Side::Theirs, path)
-                    .map_err(Self::read_err(Side::Theirs, path))?,
-            );
+            // Streamed at apply time where the files have a directory (no size
+            // limit, nothing held in memory); read only as a fallback.
+            copy_from = self
+                .files
+                .source(Side::Theirs, path)
+                .map_err(Self::read_err(Side::Theirs, path))?;
+            if copy_from.is_none() {
+                merged_bytes = Some(
+                    self.files
+                        .read(Side::Theirs, path)
+                        .map_err(Self::read_err(Side::Theirs, path))?,
+                );
+            }
         }
-        match merged_bytes {
-            Some(content) => self.actions.push(Action::WriteFile {
+        match (merged_bytes, copy_from) {
+            (Some(content), _) => self.actions.push(Action::WriteFile {
                 path: path.to_vec(),
                 content,
                 meta: meta.clone(),
             }),
-            None => {
+            (None, Some(from)) => self.actions.push(Action::CopyFile {
+                path: path.to_vec(),
+                from,
+                meta: meta.clone(),
+            }),
+            (None, None) => {
                 if hardlinked {
                     self.conflict(
                         path,
@@ -1492,6 +1540,9 @@ pub struct ApplyError {
 /// a temporary file, so no user file can be clobbered, and a crash leaves either
 /// version in the upper (and at most a stray file in `scratch`), never a torn or
 /// extra file. Everything in the upper is reached through descriptors, no-follow.
+/// The head's version of a file ([`Action::CopyFile`]: head's content, merged
+/// metadata) is copied the same way, streamed from its (immutable) layer, never
+/// held in memory, holes kept where the filesystem reports them.
 ///
 /// # Errors
 /// [`ApplyError`] with the first failing path (also when `scratch` is on another
@@ -1503,7 +1554,7 @@ pub fn apply_plan(upper: &Path, plan: &GatePlan, scratch: &Path) -> Result<(), A
     let needs_scratch = plan
         .actions
         .iter()
-        .any(|a| matches!(a, Action::WriteFile { .. }));
+        .any(|a| matches!(a, Action::WriteFile { .. } | Action::CopyFile { .. }));
     if needs_scratch {
         let dev = |p: &Path, what| {
             std::fs::symlink_metadata(p)
@@ -1528,7 +1579,10 @@ pub fn apply_plan(upper: &Path, plan: &GatePlan, scratch: &Path) -> Result<(), A
                 path,
                 content,
                 meta,
-            } => write_file(upper, path, content, meta, scratch)?,
+            } => write_file(upper, path, Content::Bytes(content), meta, scratch)?,
+            Action::CopyFile { path, from, meta } => {
+                write_file(upper, path, Content::CopyOf(from), meta, scratch)?;
+            }
             Action::SetMeta { path, meta } => {
                 let at = fsx::at(upper, path).map_err(apply_err("open", path))?;
                 set_meta(at.path(), meta, plan.userxattr)
@@ -1638,21 +1692,102 @@ impl ScratchFile {
     }
 }
 
+/// The content [`write_file`] gives the new inode.
+#[derive(Clone, Copy)]
+enum Content<'a> {
+    /// These bytes.
+    Bytes(&'a [u8]),
+    /// The regular file at the same relative path below this directory, streamed.
+    CopyOf(&'a Path),
+}
+
+/// [`Content`] ready to be written.
+enum Opened<'a> {
+    Bytes(&'a [u8]),
+    File(std::fs::File),
+}
+
+/// Copies the regular file `src` into the empty file `dst` without holding it in
+/// memory (`std::io::copy`: `copy_file_range` where the kernel can, so a reflink
+/// or an in-kernel copy). Only the data extents are copied when the filesystem
+/// reports them (`SEEK_DATA`/`SEEK_HOLE`), so holes of a sparse file stay holes;
+/// the length is set last. A source that changes length while copied is an error.
+fn copy_content(src: &std::fs::File, dst: &std::fs::File) -> io::Result<()> {
+    use nix::unistd::{lseek, Whence};
+    use std::io::{Read, Seek, SeekFrom};
+    let md = src.metadata()?;
+    if !md.file_type().is_file() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "the version to copy is not a regular file",
+        ));
+    }
+    let len = md.len();
+    let short = || io::Error::new(io::ErrorKind::UnexpectedEof, "the file shrank while copied");
+    let mut pos: u64 = 0;
+    while pos < len {
+        let at = i64::try_from(pos).map_err(io::Error::other)?;
+        let data = match lseek(src.as_raw_fd(), at, Whence::SeekData) {
+            Ok(d) => u64::try_from(d).map_err(io::Error::other)?,
+            // No data after `pos`: the rest is a hole.
+            Err(nix::errno::Errno::ENXIO) => break,
+            // Holes not reported: copy everything that is left.
+            Err(nix::errno::Errno::EINVAL | nix::errno::Errno::EOPNOTSUPP) => pos,
+            Err(e) => return Err(e.into()),
+        };
+        let end = match lseek(
+            src.as_raw_fd(),
+            i64::try_from(data).map_err(io::Error::other)?,
+            Whence::SeekHole,
+        ) {
+            Ok(h) => u64::try_from(h).map_err(io::Error::other)?.min(len),
+            Err(nix::errno::Errno::EINVAL | nix::errno::Errno::EOPNOTSUPP) => len,
+            Err(e) => return Err(e.into()),
+        };
+        if end <= data {
+            break;
+        }
+        let (mut r, mut w) = (src, dst);
+        r.seek(SeekFrom::Start(data))?;
+        w.seek(SeekFrom::Start(data))?;
+        let n = io::copy(&mut r.take(end - data), &mut w)?;
+        if n != end - data {
+            return Err(short());
+        }
+        pos = end;
+    }
+    dst.set_len(len)?;
+    if src.metadata()?.len() != len {
+        return Err(short());
+    }
+    Ok(())
+}
+
 fn write_file(
     upper: &Path,
     path: &[u8],
-    content: &[u8],
+    content: Content<'_>,
     meta: &Meta,
     scratch: &Path,
 ) -> Result<(), ApplyError> {
     use std::io::Write;
+    // The source is opened first: nothing is created when it cannot be read.
+    let src = match content {
+        Content::Bytes(bytes) => Opened::Bytes(bytes),
+        Content::CopyOf(from) => Opened::File(
+            fsx::open_read(from, path).map_err(apply_err("open the version to copy of", path))?,
+        ),
+    };
     let (parent, name) = fsx::split_parent(path);
     let dir = fsx::walk_dir(upper, parent).map_err(apply_err("open the parent of", path))?;
     let sf = ScratchFile::create(scratch).map_err(apply_err("create the merged file for", path))?;
     let mut named: Option<PathBuf> = None;
     let result = (|| -> io::Result<()> {
         let mut f = sf.file();
-        f.write_all(content)?;
+        match &src {
+            Opened::Bytes(bytes) => f.write_all(bytes)?,
+            Opened::File(src) => copy_content(src, f)?,
+        }
         std::os::unix::fs::fchown(f, Some(meta.uid), Some(meta.gid))?;
         f.set_permissions(std::fs::Permissions::from_mode(meta.mode))?;
         for (n, v) in &meta.xattrs {
