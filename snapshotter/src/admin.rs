@@ -138,7 +138,7 @@ impl api::Admin for AdminService {
         let r = req.into_inner();
         require("container", &r.container)?;
         let p: layerstack_api::policy::Policy = r.policy.parse().map_err(|e| {
-            Status::invalid_argument(format!("{}", layerstack_api::error_chain(&e)))
+            Status::invalid_argument(layerstack_api::error_chain(&e))
         })?;
         let s = self.publisher.find(&r.namespace, &r.container).await.map_err(publish_status)?;
         let _g = self.publisher.lock_session(s.id).await;
