@@ -24,16 +24,8 @@ use layerstack_publisher::{
 };
 use nix::mount::{mount, umount2, MntFlags, MsFlags};
 
-fn have_root(test: &str) -> bool {
-    if nix::unistd::geteuid().is_root() {
-        return true;
-    }
-    if std::env::var("CI").as_deref() == Ok("true") {
-        panic!("{test} needs root (overlay mount, mknod, trusted.* xattrs) and CI=true: run the suite as root");
-    }
-    eprintln!("skipping {test}: needs root");
-    false
-}
+mod common;
+use common::have_root;
 
 struct Fx {
     _t: tempfile::TempDir,

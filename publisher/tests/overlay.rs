@@ -18,16 +18,8 @@ use nix::sys::stat::{makedev, mknod, Mode, SFlag};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 
-fn have_root(test: &str) -> bool {
-    if nix::unistd::geteuid().is_root() {
-        return true;
-    }
-    if std::env::var("CI").as_deref() == Ok("true") {
-        panic!("{test} needs root (overlay mount, mknod, trusted.* xattrs) and CI=true: run the suite as root");
-    }
-    eprintln!("skipping {test}: needs root");
-    false
-}
+mod common;
+use common::have_root;
 
 fn tmp() -> tempfile::TempDir {
     tempfile::Builder::new()

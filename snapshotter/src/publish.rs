@@ -670,6 +670,17 @@ mod tests {
     use std::collections::BTreeMap;
     use std::os::unix::fs::PermissionsExt;
 
+    /// Root is needed (chown, trusted.* xattrs, the store's sweep). Without it the
+    /// test skips, except under `CI=true`, where it fails.
+    fn have_root(test: &str) -> bool {
+        if nix::unistd::geteuid().is_root() {
+            return true;
+        }
+        assert!(std::env::var("CI").as_deref() != Ok("true"), "{test} needs root under CI=true");
+        eprintln!("skipping {test}: needs root");
+        false
+    }
+
     const BASE: &[u8] =
         b"# app\r\nkey1 = 1\r\nkey2 = 2\nkey3 = 3\nkey4 = 4\nkey5 = 5\nkey6 = 6\nlast = 7";
 
@@ -734,8 +745,7 @@ mod tests {
 
     #[tokio::test]
     async fn merge_dry_run_and_conflict_end_to_end() {
-        if !nix::unistd::geteuid().is_root() {
-            eprintln!("skipping: needs root (the store's sweep and chown)");
+        if !have_root("merge_dry_run_and_conflict_end_to_end") {
             return;
         }
         let t = tempfile::Builder::new()
@@ -853,8 +863,7 @@ mod tests {
 
     #[tokio::test]
     async fn opaque_expansion_keeps_excluded_and_skipped_reports() {
-        if !nix::unistd::geteuid().is_root() {
-            eprintln!("skipping: needs root (trusted.overlay.opaque, the store's sweep)");
+        if !have_root("opaque_expansion_keeps_excluded_and_skipped_reports") {
             return;
         }
         let t = tempfile::Builder::new()
