@@ -46,7 +46,9 @@ pub const DEFAULT_ADMIN_ADDRESS: &str = "/run/layerstack/admin.sock";
 /// Connect to the admin API on the unix socket `path`.
 ///
 /// Errors: the transport error when the socket does not exist or refuses.
-pub async fn connect(path: impl Into<PathBuf>) -> Result<AdminClient<Channel>, tonic::transport::Error> {
+pub async fn connect(
+    path: impl Into<PathBuf>,
+) -> Result<AdminClient<Channel>, tonic::transport::Error> {
     let path: PathBuf = path.into();
     // The URI is a placeholder: the connector below dials the socket.
     let ch = Endpoint::try_from("http://[::]:50051")?

@@ -59,12 +59,17 @@ impl FromStr for Policy {
 
 /// The policy named by `labels` (default [`Policy::OnExit`]).
 pub fn policy_from_labels(labels: &HashMap<String, String>) -> Result<Policy, UnknownPolicy> {
-    labels.get(PUBLISH_LABEL).map_or(Ok(Policy::OnExit), |v| v.parse())
+    labels
+        .get(PUBLISH_LABEL)
+        .map_or(Ok(Policy::OnExit), |v| v.parse())
 }
 
 /// The branch named by `labels`, if any (empty values are ignored).
 pub fn branch_from_labels(labels: &HashMap<String, String>) -> Option<&str> {
-    labels.get(BRANCH_LABEL).map(|s| s.trim()).filter(|s| !s.is_empty())
+    labels
+        .get(BRANCH_LABEL)
+        .map(|s| s.trim())
+        .filter(|s| !s.is_empty())
 }
 
 /// What to ask the daemon for.
@@ -80,10 +85,14 @@ pub enum Decision {
 /// the daemon (it ends up in the session's outcome message).
 pub fn decide(policy: Policy, exit_status: u32) -> (Decision, String) {
     match policy {
-        Policy::OnExit => (Decision::Publish, format!("shim: task exited with status {exit_status}")),
-        Policy::OnSuccess if exit_status == 0 => {
-            (Decision::Publish, format!("shim: task exited with status 0 ({PUBLISH_LABEL}=on-success)"))
-        }
+        Policy::OnExit => (
+            Decision::Publish,
+            format!("shim: task exited with status {exit_status}"),
+        ),
+        Policy::OnSuccess if exit_status == 0 => (
+            Decision::Publish,
+            format!("shim: task exited with status 0 ({PUBLISH_LABEL}=on-success)"),
+        ),
         Policy::OnSuccess => (
             Decision::Discard,
             format!("exit status {exit_status} with {PUBLISH_LABEL}=on-success"),
@@ -97,14 +106,22 @@ mod tests {
     use super::*;
 
     fn labels(kv: &[(&str, &str)]) -> HashMap<String, String> {
-        kv.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+        kv.iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect()
     }
 
     #[test]
     fn policy_defaults_to_on_exit() {
         assert_eq!(policy_from_labels(&labels(&[])), Ok(Policy::OnExit));
-        assert_eq!(policy_from_labels(&labels(&[(PUBLISH_LABEL, "")])), Ok(Policy::OnExit));
-        assert_eq!(policy_from_labels(&labels(&[(PUBLISH_LABEL, "never")])), Ok(Policy::Never));
+        assert_eq!(
+            policy_from_labels(&labels(&[(PUBLISH_LABEL, "")])),
+            Ok(Policy::OnExit)
+        );
+        assert_eq!(
+            policy_from_labels(&labels(&[(PUBLISH_LABEL, "never")])),
+            Ok(Policy::Never)
+        );
         assert_eq!(
             policy_from_labels(&labels(&[(PUBLISH_LABEL, "always")])),
             Err(UnknownPolicy("always".into()))
@@ -122,7 +139,10 @@ mod tests {
 
     #[test]
     fn branch_label_is_trimmed_and_optional() {
-        assert_eq!(branch_from_labels(&labels(&[(BRANCH_LABEL, " exp ")])), Some("exp"));
+        assert_eq!(
+            branch_from_labels(&labels(&[(BRANCH_LABEL, " exp ")])),
+            Some("exp")
+        );
         assert_eq!(branch_from_labels(&labels(&[(BRANCH_LABEL, "")])), None);
         assert_eq!(branch_from_labels(&labels(&[])), None);
     }

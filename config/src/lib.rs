@@ -122,7 +122,8 @@ impl Config {
 
     /// Read and parse a TOML file.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
-        let s = std::fs::read_to_string(path).map_err(|e| ConfigError::Read(path.to_path_buf(), e))?;
+        let s =
+            std::fs::read_to_string(path).map_err(|e| ConfigError::Read(path.to_path_buf(), e))?;
         toml::from_str(&s).map_err(|e| ConfigError::Parse(Some(path.to_path_buf()), e))
     }
 }

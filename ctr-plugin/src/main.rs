@@ -33,7 +33,13 @@ struct Cli {
     #[arg(long, env = "LAYERSTACK_ADMIN_ADDRESS", default_value = api::DEFAULT_ADMIN_ADDRESS, global = true)]
     admin_address: PathBuf,
     /// containerd namespace of the containers and images named.
-    #[arg(long, short = 'n', env = "CONTAINERD_NAMESPACE", default_value = "default", global = true)]
+    #[arg(
+        long,
+        short = 'n',
+        env = "CONTAINERD_NAMESPACE",
+        default_value = "default",
+        global = true
+    )]
     namespace: String,
     #[command(subcommand)]
     cmd: Cmd,
@@ -212,22 +218,41 @@ async fn run(cli: Cli) -> Result<ExitCode> {
                 out!("containerd          {}", r.containerd_address);
                 out!(
                     "task events         {}",
-                    if r.events_subscribed { "subscribed" } else { "not subscribed (containerd unreachable?)" }
+                    if r.events_subscribed {
+                        "subscribed"
+                    } else {
+                        "not subscribed (containerd unreachable?)"
+                    }
                 );
                 out!("default branch      {}", r.default_branch);
             }
             Ok(ExitCode::SUCCESS)
         }
-        Cmd::Session { cmd: SessionCmd::Ls { json } } => {
-            let r = c.list_sessions(api::ListSessionsRequest {}).await?.into_inner();
+        Cmd::Session {
+            cmd: SessionCmd::Ls { json },
+        } => {
+            let r = c
+                .list_sessions(api::ListSessionsRequest {})
+                .await?
+                .into_inner();
             if json {
                 let v: Vec<_> = r.sessions.iter().map(session_json).collect();
                 out!("{}", serde_json::Value::Array(v));
             } else {
-                let mut rows = vec![["ID", "NAMESPACE", "CONTAINER", "STACK", "BRANCH", "STATE", "OUTCOME", "CONFLICTS"]
-                    .map(String::from)];
+                let mut rows = vec![[
+                    "ID",
+                    "NAMESPACE",
+                    "CONTAINER",
+                    "STACK",
+                    "BRANCH",
+                    "STATE",
+                    "OUTCOME",
+                    "CONFLICTS",
+                ]
+                .map(String::from)];
                 for s in &r.sessions {
-                    let conflicts: Vec<&str> = s.conflicts.iter().map(|c| c.path.as_str()).collect();
+                    let conflicts: Vec<&str> =
+                        s.conflicts.iter().map(|c| c.path.as_str()).collect();
                     rows.push([
                         s.id.to_string(),
                         s.namespace.clone(),
@@ -235,7 +260,11 @@ async fn run(cli: Cli) -> Result<ExitCode> {
                         short(&s.stack).to_string(),
                         s.branch.clone(),
                         s.state.clone(),
-                        if s.outcome.is_empty() { "-".into() } else { s.outcome.clone() },
+                        if s.outcome.is_empty() {
+                            "-".into()
+                        } else {
+                            s.outcome.clone()
+                        },
                         conflicts.join(","),
                     ]);
                 }
@@ -243,7 +272,11 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             }
             Ok(ExitCode::SUCCESS)
         }
-        Cmd::Wait { container, timeout, json } => {
+        Cmd::Wait {
+            container,
+            timeout,
+            json,
+        } => {
             let r = c
                 .wait(api::WaitRequest {
                     namespace: ns,
@@ -260,12 +293,20 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             dry_run,
             json,
         } => {
-            let policy = if discard { api::PublishPolicy::Discard } else { api::PublishPolicy::Publish };
+            let policy = if discard {
+                api::PublishPolicy::Discard
+            } else {
+                api::PublishPolicy::Publish
+            };
             let req = api::PublishRequest {
                 namespace: ns,
                 container,
                 policy: policy as i32,
-                reason: if discard { "layerstack publish --discard".into() } else { "layerstack publish".into() },
+                reason: if discard {
+                    "layerstack publish --discard".into()
+                } else {
+                    "layerstack publish".into()
+                },
                 ..Default::default()
             };
             let r = if dry_run {
@@ -306,7 +347,11 @@ async fn run(cli: Cli) -> Result<ExitCode> {
                 for e in &r.entries {
                     out!(
                         "layer {:<6} session {:<6} {}/{} ({} paths)",
-                        e.layer, e.session, e.namespace, e.container, e.paths
+                        e.layer,
+                        e.session,
+                        e.namespace,
+                        e.container,
+                        e.paths
                     );
                 }
             }
@@ -342,12 +387,17 @@ mod tests {
     fn a_dry_run_with_nothing_to_publish_prints_no_debug_value() {
         let s = api::Session {
             dry_run: true,
-            message: "nothing to publish: the session's current run already ended with outcome committed".into(),
+            message:
+                "nothing to publish: the session's current run already ended with outcome committed"
+                    .into(),
             ..Default::default()
         };
         let lines = outcome_lines(&s);
         assert_eq!(lines[0], "nothing to publish");
-        assert!(lines.iter().all(|l| l != "none" && !l.contains("None")), "{lines:?}");
+        assert!(
+            lines.iter().all(|l| l != "none" && !l.contains("None")),
+            "{lines:?}"
+        );
         let v = session_json(&s);
         assert!(v["outcome"].is_null());
         let s = api::Session::default();

@@ -1152,7 +1152,11 @@ impl TestEnv {
         fs::create_dir_all(dir.join("scratch"))?;
         // The daemon first, as systemd orders them: containerd 1.6 dials the proxy
         // socket at startup, and a failed first dial leaves it in gRPC backoff.
-        let daemon = match Daemon::start_at(&snap, &dir.join("c").join("containerd.sock"), &dir.join("store")) {
+        let daemon = match Daemon::start_at(
+            &snap,
+            &dir.join("c").join("containerd.sock"),
+            &dir.join("store"),
+        ) {
             Ok(d) => d,
             Err(e) => {
                 remove_tree(&dir);
@@ -1184,8 +1188,13 @@ impl TestEnv {
         loop {
             let out = self.layerstack(&["status", "--json"])?;
             if out.status.success() {
-                let v: serde_json::Value = serde_json::from_slice(&out.stdout)
-                    .with_context(|| format!("layerstack status --json: {}", String::from_utf8_lossy(&out.stdout)))?;
+                let v: serde_json::Value =
+                    serde_json::from_slice(&out.stdout).with_context(|| {
+                        format!(
+                            "layerstack status --json: {}",
+                            String::from_utf8_lossy(&out.stdout)
+                        )
+                    })?;
                 if v["events_subscribed"] == serde_json::Value::Bool(true) {
                     return Ok(());
                 }
@@ -1493,7 +1502,10 @@ impl Containerd {
         if let Some(mut child) = self.child.take() {
             terminate(&mut child, Duration::from_secs(10));
         }
-        let logf = OpenOptions::new().create(true).append(true).open(&self.log)?;
+        let logf = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)?;
         let child = Command::new("containerd")
             .arg("--config")
             .arg(self.dir.join("containerd.toml"))
@@ -1514,8 +1526,16 @@ impl Containerd {
 impl TestEnv {
     /// [`Containerd::restart`], then waits until containerd reaches the daemon.
     pub fn restart_containerd(&mut self) -> Result<()> {
-        self.containerd.as_mut().context("containerd stopped")?.restart()?;
-        if self.daemon.lock().unwrap_or_else(|e| e.into_inner()).is_some() {
+        self.containerd
+            .as_mut()
+            .context("containerd stopped")?
+            .restart()?;
+        if self
+            .daemon
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .is_some()
+        {
             self.wait_snapshotter_reachable()?;
         }
         Ok(())
@@ -1560,7 +1580,10 @@ impl TestEnv {
     pub fn kill_daemon(&self) -> Result<u32> {
         let mut d = self.daemon.lock().unwrap_or_else(|e| e.into_inner());
         let daemon = d.as_mut().context("no daemon was started")?;
-        let child = daemon.child.as_mut().context("the daemon is stopped already")?;
+        let child = daemon
+            .child
+            .as_mut()
+            .context("the daemon is stopped already")?;
         if child.try_wait()?.is_some() {
             bail!("the daemon had exited already");
         }
@@ -1579,7 +1602,10 @@ impl TestEnv {
             let mut d = self.daemon.lock().unwrap_or_else(|e| e.into_inner());
             if let Some(daemon) = d.as_mut() {
                 if daemon.is_running() {
-                    bail!("restart_daemon: the daemon is still running (pid {:?})", daemon.pid());
+                    bail!(
+                        "restart_daemon: the daemon is still running (pid {:?})",
+                        daemon.pid()
+                    );
                 }
             }
             // Dropping a stopped Daemon does nothing more.
@@ -1602,10 +1628,16 @@ impl TestEnv {
         let deadline = Instant::now() + Duration::from_secs(30);
         let t = Duration::from_secs(20);
         loop {
-            let nss = self.containerd().ctr_timeout("default", &["namespaces", "ls", "-q"], t)?;
+            let nss = self
+                .containerd()
+                .ctr_timeout("default", &["namespaces", "ls", "-q"], t)?;
             let nss = ensure_success("ctr namespaces ls", nss)?;
             let mut failure = None;
-            for ns in stdout(&nss).lines().map(str::trim).filter(|s| !s.is_empty()) {
+            for ns in stdout(&nss)
+                .lines()
+                .map(str::trim)
+                .filter(|s| !s.is_empty())
+            {
                 let out = self.containerd().ctr_timeout(
                     ns,
                     &["snapshots", "--snapshotter", SNAPSHOTTER, "usage"],

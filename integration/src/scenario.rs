@@ -15,8 +15,8 @@ use anyhow::{bail, ensure, Context, Result};
 use serde_json::Value;
 
 use crate::{
-    debian_image_tar, describe, require_root_and_containerd, stdout, with_shared_env, with_shared_env_mut, TestEnv,
-    BRANCH_LABEL, DEBIAN_IMAGE, SNAPSHOTTER,
+    debian_image_tar, describe, require_root_and_containerd, stdout, with_shared_env,
+    with_shared_env_mut, TestEnv, BRANCH_LABEL, DEBIAN_IMAGE, SNAPSHOTTER,
 };
 
 // ---------------------------------------------------------------------------
@@ -59,7 +59,13 @@ pub fn run_layerstack_scenario(ns: &str, f: impl FnOnce(&TestEnv) -> Result<()>)
 
 /// Imports the OCI archive `tar` into `ns` for `snapshotter`; `image` must be
 /// among the image names afterwards.
-pub fn import_checked(env: &TestEnv, ns: &str, tar: &Path, snapshotter: &str, image: &str) -> Result<()> {
+pub fn import_checked(
+    env: &TestEnv,
+    ns: &str,
+    tar: &Path,
+    snapshotter: &str,
+    image: &str,
+) -> Result<()> {
     let names = env.import_image(ns, tar, snapshotter)?;
     ensure!(
         names.iter().any(|n| n == image),
@@ -98,7 +104,11 @@ pub fn unique(prefix: &str) -> String {
 /// private dir (runc keeps the state of containers of the runtime shim under
 /// `/run/containerd/runc/<namespace>`).
 pub fn unique_across_processes(prefix: &str) -> String {
-    format!("{prefix}-{}-{}", std::process::id(), UNIQUE.fetch_add(1, Ordering::SeqCst))
+    format!(
+        "{prefix}-{}-{}",
+        std::process::id(),
+        UNIQUE.fetch_add(1, Ordering::SeqCst)
+    )
 }
 
 /// Snapshot label (`ctr run --snapshotter-label`) that puts a container's
@@ -180,7 +190,8 @@ impl CtrRun {
     /// The session's branch through the snapshot label (None: the default
     /// branch).
     pub fn branch(mut self, branch: Option<&str>) -> Self {
-        self.snapshot_labels.extend(branch.map(snapshot_branch_label));
+        self.snapshot_labels
+            .extend(branch.map(snapshot_branch_label));
         self
     }
     /// `--rm` or not.
@@ -238,7 +249,10 @@ impl CtrRun {
     /// Runs `ctr` (exit status not checked).
     pub fn output(&self, env: &TestEnv) -> Result<Output> {
         let args = self.ctr_args();
-        env.ctr(&self.ns, &args.iter().map(String::as_str).collect::<Vec<_>>())
+        env.ctr(
+            &self.ns,
+            &args.iter().map(String::as_str).collect::<Vec<_>>(),
+        )
     }
 
     /// Runs `ctr`, which must exit 0.
@@ -263,20 +277,42 @@ impl CtrRun {
     /// Spawns `ctr` without waiting for it (see [`TestEnv::ctr_spawn`]).
     pub fn spawn(&self, env: &TestEnv) -> Result<Child> {
         let args = self.ctr_args();
-        env.ctr_spawn(&self.ns, &args.iter().map(String::as_str).collect::<Vec<_>>())
+        env.ctr_spawn(
+            &self.ns,
+            &args.iter().map(String::as_str).collect::<Vec<_>>(),
+        )
     }
 }
 
 /// Blocking `ctr run` of `sh -c script` on the Debian image with the layerstack
 /// snapshotter, on `branch` (None: the default branch). Fails on a non-zero
 /// exit; returns stdout.
-pub fn run_sh(env: &TestEnv, ns: &str, id: &str, branch: Option<&str>, rm: bool, script: &str) -> Result<String> {
-    CtrRun::sh(ns, id, script).branch(branch).rm(rm).stdout_ok(env)
+pub fn run_sh(
+    env: &TestEnv,
+    ns: &str,
+    id: &str,
+    branch: Option<&str>,
+    rm: bool,
+    script: &str,
+) -> Result<String> {
+    CtrRun::sh(ns, id, script)
+        .branch(branch)
+        .rm(rm)
+        .stdout_ok(env)
 }
 
 /// `ctr run -d` of `sh -c script` (as [`run_sh`]): returns once the task runs.
-pub fn start_detached(env: &TestEnv, ns: &str, id: &str, branch: Option<&str>, script: &str) -> Result<()> {
-    CtrRun::sh(ns, id, script).branch(branch).detached().ok(env)?;
+pub fn start_detached(
+    env: &TestEnv,
+    ns: &str,
+    id: &str,
+    branch: Option<&str>,
+    script: &str,
+) -> Result<()> {
+    CtrRun::sh(ns, id, script)
+        .branch(branch)
+        .detached()
+        .ok(env)?;
     Ok(())
 }
 
@@ -300,7 +336,12 @@ pub fn task_status(env: &TestEnv, ns: &str, id: &str) -> Result<(Option<String>,
 
 /// Polls `ctr tasks ls` until task `id` is STOPPED (`Ok(None)`) or not listed
 /// (`Ok(Some(listing))`); fails once it still runs after `timeout`.
-fn poll_task_stopped(env: &TestEnv, ns: &str, id: &str, timeout: Duration) -> Result<Option<String>> {
+fn poll_task_stopped(
+    env: &TestEnv,
+    ns: &str,
+    id: &str,
+    timeout: Duration,
+) -> Result<Option<String>> {
     let deadline = Instant::now() + timeout;
     loop {
         let (status, text) = task_status(env, ns, id)?;
@@ -326,7 +367,12 @@ pub fn wait_task_stopped(env: &TestEnv, ns: &str, id: &str, timeout: Duration) -
 
 /// Polls `ctr tasks ls` until task `id` is STOPPED (`Ok(true)`) or gone
 /// (`Ok(false)`); fails if it still runs after `timeout`.
-pub fn wait_task_stopped_or_gone(env: &TestEnv, ns: &str, id: &str, timeout: Duration) -> Result<bool> {
+pub fn wait_task_stopped_or_gone(
+    env: &TestEnv,
+    ns: &str,
+    id: &str,
+    timeout: Duration,
+) -> Result<bool> {
     Ok(poll_task_stopped(env, ns, id, timeout)?.is_none())
 }
 
@@ -412,7 +458,8 @@ pub fn ls_wait_ok(env: &TestEnv, ns: &str, id: &str) -> Result<String> {
 /// `layerstack wait … --json`: the session as JSON (exit status not checked).
 pub fn ls_wait_json(env: &TestEnv, ns: &str, id: &str) -> Result<Value> {
     let out = layerstack_wait(env, ns, id, &["--json"])?;
-    serde_json::from_slice(&out.stdout).with_context(|| format!("layerstack wait {id}: {}", describe(&out)))
+    serde_json::from_slice(&out.stdout)
+        .with_context(|| format!("layerstack wait {id}: {}", describe(&out)))
 }
 
 /// `layerstack publish FLAGS… ID --namespace NS` (exit status not checked).
@@ -466,5 +513,9 @@ pub fn json_strs<'a>(v: &'a Value, what: &str) -> Result<Vec<&'a str>> {
 /// ARCHITECTURE.md §8).
 pub fn session_upper(env: &TestEnv, session: &Value) -> Result<PathBuf> {
     let id = session["id"].as_i64().context("session id")?;
-    Ok(env.store_root().join("s").join(id.to_string()).join("upper"))
+    Ok(env
+        .store_root()
+        .join("s")
+        .join(id.to_string())
+        .join("upper"))
 }

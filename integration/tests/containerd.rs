@@ -16,10 +16,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
 use layerstack_integration::{
-    bin_path, busybox_image_tar, contains_ci, debian_image_tar, delete_task, describe, finish_detached, first_word,
-    import_checked, json_strs, kill_task, ls_publish, ls_wait, ls_wait_ok, publish_policy_label, remove_container,
-    run_layerstack_scenario, run_scenario, run_sh, run_with_timeout, session, session_of, session_upper,
-    sessions, start_daemon_and_import, start_detached, stdout, unique, wait_task_stopped, CtrRun, TestEnv,
+    bin_path, busybox_image_tar, contains_ci, debian_image_tar, delete_task, describe,
+    finish_detached, first_word, import_checked, json_strs, kill_task, ls_publish, ls_wait,
+    ls_wait_ok, publish_policy_label, remove_container, run_layerstack_scenario, run_scenario,
+    run_sh, run_with_timeout, session, session_of, session_upper, sessions,
+    start_daemon_and_import, start_detached, stdout, unique, wait_task_stopped, CtrRun, TestEnv,
     BUSYBOX_IMAGE, CLI_BIN, DAEMON_BIN, DEBIAN_IMAGE, SNAPSHOTTER,
 };
 
@@ -37,7 +38,13 @@ const NS: &str = "lst";
 /// A fresh `--rm` container `PREFIX-N` in `ns` on `branch` runs `sh -c
 /// script`, which must exit 0, and its session must end (`layerstack wait`
 /// succeeds). Returns its stdout.
-fn read_back(env: &TestEnv, ns: &str, prefix: &str, branch: Option<&str>, script: &str) -> Result<String> {
+fn read_back(
+    env: &TestEnv,
+    ns: &str,
+    prefix: &str,
+    branch: Option<&str>,
+    script: &str,
+) -> Result<String> {
     let id = unique(prefix);
     let text = run_sh(env, ns, &id, branch, true, script)?;
     ls_wait_ok(env, ns, &id)?;
@@ -56,7 +63,14 @@ fn race_on_shared_file(
     b_script: &str,
 ) -> Result<(String, String, String, Output)> {
     let setup = unique(&format!("{prefix}-setup"));
-    run_sh(env, NS, &setup, Some(br), true, "echo base > /root/shared.txt")?;
+    run_sh(
+        env,
+        NS,
+        &setup,
+        Some(br),
+        true,
+        "echo base > /root/shared.txt",
+    )?;
     ensure!(
         ls_wait_ok(env, NS, &setup)? == "committed",
         "setup not committed"
@@ -77,7 +91,10 @@ fn race_on_shared_file(
 
 /// The trimmed non-empty lines of `text`.
 fn non_empty_lines(text: &str) -> Vec<&str> {
-    text.lines().map(str::trim).filter(|l| !l.is_empty()).collect()
+    text.lines()
+        .map(str::trim)
+        .filter(|l| !l.is_empty())
+        .collect()
 }
 
 /// Relative paths of everything below `dir`.
@@ -247,7 +264,14 @@ fn scenario1_write_then_read_on_main() {
     run_layerstack_scenario(NS, |env| {
         let w = unique("s1-write");
         let content = format!("hello from {w}");
-        run_sh(env, NS, &w, None, true, &format!("echo '{content}' > /root/a.txt"))?;
+        run_sh(
+            env,
+            NS,
+            &w,
+            None,
+            true,
+            &format!("echo '{content}' > /root/a.txt"),
+        )?;
         let word = ls_wait_ok(env, NS, &w)?;
         ensure!(word == "committed", "outcome of {w}: {word}");
 
@@ -270,15 +294,32 @@ fn scenario2_delete_and_replace_dir() {
     run_layerstack_scenario(NS, |env| {
         let br = "s2-delete";
         let a = unique("s2-rm");
-        run_sh(env, NS, &a, Some(br), true, "test -e /etc/issue && rm /etc/issue")?;
-        ensure!(ls_wait_ok(env, NS, &a)? == "committed", "delete not committed");
+        run_sh(
+            env,
+            NS,
+            &a,
+            Some(br),
+            true,
+            "test -e /etc/issue && rm /etc/issue",
+        )?;
+        ensure!(
+            ls_wait_ok(env, NS, &a)? == "committed",
+            "delete not committed"
+        );
 
-        let text = read_back(env, NS, "s2-check", Some(br), "test -e /etc/issue && echo PRESENT || echo GONE")?;
+        let text = read_back(
+            env,
+            NS,
+            "s2-check",
+            Some(br),
+            "test -e /etc/issue && echo PRESENT || echo GONE",
+        )?;
         ensure!(text.trim() == "GONE", "/etc/issue after delete: {text}");
 
         // Replace /etc/skel (.bashrc, .profile, .bash_logout in the image).
         let c = unique("s2-replace");
-        let script = "ls -A /etc/skel; rm -rf /etc/skel && mkdir /etc/skel && echo new > /etc/skel/f";
+        let script =
+            "ls -A /etc/skel; rm -rf /etc/skel && mkdir /etc/skel && echo new > /etc/skel/f";
         let old = run_sh(env, NS, &c, Some(br), false, script)?;
         let old_entries = non_empty_lines(&old);
         ensure!(
@@ -291,7 +332,13 @@ fn scenario2_delete_and_replace_dir() {
         );
         remove_container(env, NS, &c)?;
 
-        let text = read_back(env, NS, "s2-check-dir", Some(br), "ls -A /etc/skel; echo ---; cat /etc/skel/f")?;
+        let text = read_back(
+            env,
+            NS,
+            "s2-check-dir",
+            Some(br),
+            "ls -A /etc/skel; echo ---; cat /etc/skel/f",
+        )?;
         let (listing, content) = text.split_once("---").context("no separator")?;
         let now = non_empty_lines(listing);
         ensure!(
@@ -301,7 +348,13 @@ fn scenario2_delete_and_replace_dir() {
         ensure!(content.trim() == "new", "/etc/skel/f: {content:?}");
 
         // main is untouched.
-        let text = read_back(env, NS, "s2-main", None, "test -e /etc/issue && echo PRESENT; ls -A /etc/skel")?;
+        let text = read_back(
+            env,
+            NS,
+            "s2-main",
+            None,
+            "test -e /etc/issue && echo PRESENT; ls -A /etc/skel",
+        )?;
         ensure!(
             text.contains("PRESENT") && text.contains(".bashrc"),
             "main changed: {text}"
@@ -398,8 +451,14 @@ fn scenario5_sessions_isolated_while_running() {
             )
         };
         let (sa, sb) = (script("a", "b"), script("b", "a"));
-        let ca = CtrRun::sh(NS, &a, &sa).branch(Some(br)).rm(true).spawn(env)?;
-        let cb = CtrRun::sh(NS, &b, &sb).branch(Some(br)).rm(true).spawn(env)?;
+        let ca = CtrRun::sh(NS, &a, &sa)
+            .branch(Some(br))
+            .rm(true)
+            .spawn(env)?;
+        let cb = CtrRun::sh(NS, &b, &sb)
+            .branch(Some(br))
+            .rm(true)
+            .spawn(env)?;
         let (oa, ob) = thread::scope(|s| {
             let ta = s.spawn(move || ca.wait_with_output());
             let tb = s.spawn(move || cb.wait_with_output());
@@ -426,7 +485,13 @@ fn scenario5_sessions_isolated_while_running() {
             "outcomes: {wa} {wb}"
         );
 
-        let text = read_back(env, NS, "s5-check", Some(br), "cat /root/marker-a /root/marker-b")?;
+        let text = read_back(
+            env,
+            NS,
+            "s5-check",
+            Some(br),
+            "cat /root/marker-a /root/marker-b",
+        )?;
         ensure!(text == "a\nb\n", "after both: {text:?}");
         Ok(())
     });
@@ -514,9 +579,18 @@ fn event_path_honours_publish_label() {
                 .ok(env)?;
             finish_detached(env, NS, &id)?;
             let (got, _) = ls_wait(env, NS, &id)?;
-            ensure!(got == want, "{policy} with {exit}: outcome {got}, want {want}");
+            ensure!(
+                got == want,
+                "{policy} with {exit}: outcome {got}, want {want}"
+            );
             remove_container(env, NS, &id)?;
-            let seen = read_back(env, NS, "lbl-probe", Some(br), &format!("test -e {file} && echo yes || echo no"))?;
+            let seen = read_back(
+                env,
+                NS,
+                "lbl-probe",
+                Some(br),
+                &format!("test -e {file} && echo yes || echo no"),
+            )?;
             ensure!(
                 seen.trim() == if visible { "yes" } else { "no" },
                 "{policy} with {exit}: next container sees {file}: {seen:?}"
@@ -536,7 +610,14 @@ fn spawn_ls_wait(env: &TestEnv, ns: &str, id: &str, timeout_s: u32) -> Result<st
     std::process::Command::new(bin_path(CLI_BIN)?)
         .arg("--admin-address")
         .arg(env.admin_socket())
-        .args(["wait", id, "--timeout", &timeout_s.to_string(), "--namespace", ns])
+        .args([
+            "wait",
+            id,
+            "--timeout",
+            &timeout_s.to_string(),
+            "--namespace",
+            ns,
+        ])
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
@@ -553,7 +634,11 @@ fn ls_log(env: &TestEnv, ns: &str, branch: &str) -> Result<Output> {
 /// The `layers` array of a successful `layerstack log --json`.
 fn ls_log_layers(env: &TestEnv, ns: &str, branch: &str) -> Result<Vec<serde_json::Value>> {
     let out = ls_log(env, ns, branch)?;
-    ensure!(out.status.success(), "layerstack log @{branch}: {}", describe(&out));
+    ensure!(
+        out.status.success(),
+        "layerstack log @{branch}: {}",
+        describe(&out)
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout)
         .with_context(|| format!("parsing layerstack log --json: {}", stdout(&out)))?;
     v["layers"]
@@ -608,7 +693,9 @@ fn wait_path(path: &Path, timeout: Duration) -> Result<()> {
 
 /// The session's `runs` from `session ls --json`.
 fn runs_of(s: &serde_json::Value) -> Result<i64> {
-    s["runs"].as_i64().with_context(|| format!("session has no numeric `runs`: {s:#}"))
+    s["runs"]
+        .as_i64()
+        .with_context(|| format!("session has no numeric `runs`: {s:#}"))
 }
 
 /// A container created without `--rm` runs again through `ctr tasks start` right
@@ -641,7 +728,11 @@ fn restart_sees_published_writes_and_gets_fresh_upper() {
             first_wait.wait_with_output()?
         };
         let second = second?;
-        ensure!(second.status.success(), "ctr tasks start {id}: {}", describe(&second));
+        ensure!(
+            second.status.success(),
+            "ctr tasks start {id}: {}",
+            describe(&second)
+        );
         ensure!(
             stdout(&second).trim() == "second-run",
             "the second run did not see /root/marker from the first run: {}",
@@ -659,7 +750,10 @@ fn restart_sees_published_writes_and_gets_fresh_upper() {
         let c = unique("rs-check");
         let script = "cat /root/marker; test -e /root/second && echo SECOND; ls /root/many | wc -l";
         let text = run_sh(env, NS, &c, Some(br), true, script)?;
-        ensure!(text == "one\nSECOND\n5000\n", "third container sees: {text:?}");
+        ensure!(
+            text == "one\nSECOND\n5000\n",
+            "third container sees: {text:?}"
+        );
         ls_wait_ok(env, NS, &c)?;
 
         // Each run published its own layer.
@@ -684,7 +778,10 @@ fn restart_sees_published_writes_and_gets_fresh_upper() {
         let many = std::fs::read_dir(with_marker[0].1.join("root/many"))
             .map(|rd| rd.count())
             .unwrap_or(0);
-        ensure!(many == 5000, "the first run's layer holds {many} of 5000 files under root/many");
+        ensure!(
+            many == 5000,
+            "the first run's layer holds {many} of 5000 files under root/many"
+        );
 
         let layers = ls_log_layers(env, NS, br)?;
         let ours: Vec<i64> = layers
@@ -720,8 +817,20 @@ fn daemon_killed_while_tasks_run_then_reconciled() {
         let br = "daemon-kill";
         let a = unique("dk-a");
         let b = unique("dk-b");
-        start_detached(env, NS, &a, Some(br), "sleep 2; echo from-a > /root/dk-a.txt")?;
-        start_detached(env, NS, &b, Some(br), "sleep 2; echo from-b > /root/dk-b.txt")?;
+        start_detached(
+            env,
+            NS,
+            &a,
+            Some(br),
+            "sleep 2; echo from-a > /root/dk-a.txt",
+        )?;
+        start_detached(
+            env,
+            NS,
+            &b,
+            Some(br),
+            "sleep 2; echo from-b > /root/dk-b.txt",
+        )?;
         let pid = env.kill_daemon()?;
         eprintln!("killed {DAEMON_BIN} (pid {pid}) while {a} and {b} run");
         // While it is down: both tasks stop and are deleted. Restart the daemon
@@ -749,8 +858,17 @@ fn daemon_killed_while_tasks_run_then_reconciled() {
         }
         remove_container(env, NS, &a)?;
         remove_container(env, NS, &b)?;
-        let text = read_back(env, NS, "dk-check", Some(br), "cat /root/dk-a.txt /root/dk-b.txt")?;
-        ensure!(text == "from-a\nfrom-b\n", "after reconcile a new container sees {text:?}");
+        let text = read_back(
+            env,
+            NS,
+            "dk-check",
+            Some(br),
+            "cat /root/dk-a.txt /root/dk-b.txt",
+        )?;
+        ensure!(
+            text == "from-a\nfrom-b\n",
+            "after reconcile a new container sees {text:?}"
+        );
         Ok(())
     });
 }
@@ -765,13 +883,23 @@ fn remove_of_a_running_containers_snapshot_is_refused() {
         let br = "rm-running";
         let id = unique("rmrun");
         let file = format!("root/{id}.txt");
-        start_detached(env, NS, &id, Some(br), &format!("echo kept > /{file}; sleep 600"))?;
+        start_detached(
+            env,
+            NS,
+            &id,
+            Some(br),
+            &format!("echo kept > /{file}; sleep 600"),
+        )?;
         let upper = session_upper(env, &session(env, NS, &id)?)?;
         wait_path(&upper.join(&file), Duration::from_secs(30))?;
 
         let out = env.ctr(NS, &["snapshots", "--snapshotter", SNAPSHOTTER, "rm", &id])?;
         eprintln!("ctr snapshots rm {id} while running: {}", describe(&out));
-        ensure!(out.status.success(), "ctr snapshots rm {id}: {}", describe(&out));
+        ensure!(
+            out.status.success(),
+            "ctr snapshots rm {id}: {}",
+            describe(&out)
+        );
         // Force a synchronous GC: it Removes the now unreferenced snapshot from
         // the daemon while the container still runs on it.
         let lease = format!("gc-{id}");
@@ -781,7 +909,11 @@ fn remove_of_a_running_containers_snapshot_is_refused() {
             &["leases", "delete", "--sync", &lease],
             Duration::from_secs(60),
         )?;
-        ensure!(out.status.success(), "ctr leases delete --sync: {}", describe(&out));
+        ensure!(
+            out.status.success(),
+            "ctr leases delete --sync: {}",
+            describe(&out)
+        );
         let log = std::fs::read_to_string(env.containerd().log_path()).unwrap_or_default();
         let about_ours: Vec<&str> = log
             .lines()
@@ -814,7 +946,10 @@ fn remove_of_a_running_containers_snapshot_is_refused() {
             describe(&out)
         );
         let out = env.ctr(NS, &["containers", "delete", &id])?;
-        eprintln!("ctr containers delete {id} (snapshot record gone): {}", describe(&out));
+        eprintln!(
+            "ctr containers delete {id} (snapshot record gone): {}",
+            describe(&out)
+        );
 
         let text = read_back(env, NS, "rmrun-check", Some(br), &format!("cat /{file}"))?;
         ensure!(text == "kept\n", "a new container sees {text:?}");
@@ -857,10 +992,15 @@ fn publish_and_log_cli() {
         );
         delete_task(env, NS, &id)?;
         let word = ls_wait_ok(env, NS, &id)?;
-        ensure!(word == "committed", "outcome of {id} after the refused publish: {word}");
+        ensure!(
+            word == "committed",
+            "outcome of {id} after the refused publish: {word}"
+        );
 
         let layers = ls_log_layers(env, NS, br)?;
-        let first = layers.first().with_context(|| format!("layerstack log @{br} is empty"))?;
+        let first = layers
+            .first()
+            .with_context(|| format!("layerstack log @{br} is empty"))?;
         ensure!(
             first["container"] == id.as_str() && first["namespace"] == NS,
             "newest layer of {br} is not {id}'s: {layers:#?}"
@@ -870,10 +1010,17 @@ fn publish_and_log_cli() {
             "{id}'s layer has no paths: {first:#}"
         );
         ensure!(
-            layers.iter().filter(|l| l["container"] == id.as_str()).count() == 1,
+            layers
+                .iter()
+                .filter(|l| l["container"] == id.as_str())
+                .count()
+                == 1,
             "{id} appears more than once: {layers:#?}"
         );
-        let rest: Vec<i64> = layers[1..].iter().filter_map(|l| l["layer"].as_i64()).collect();
+        let rest: Vec<i64> = layers[1..]
+            .iter()
+            .filter_map(|l| l["layer"].as_i64())
+            .collect();
         ensure!(
             rest == main_before,
             "below {id}'s layer, {br} must show main's layers at the fork {main_before:?}: {layers:#?}"
@@ -881,7 +1028,14 @@ fn publish_and_log_cli() {
 
         let out = ls_log(env, NS, "no-such-branch")?;
         ensure_fails_naming(&out, "log of an unknown branch", "no-such-branch")?;
-        let out = env.layerstack(&["wait", "no-such-container", "--timeout", "5", "--namespace", NS])?;
+        let out = env.layerstack(&[
+            "wait",
+            "no-such-container",
+            "--timeout",
+            "5",
+            "--namespace",
+            NS,
+        ])?;
         ensure_fails_naming(&out, "wait for an unknown container", "no-such-container")?;
         remove_container(env, NS, &id)?;
         Ok(())
@@ -919,7 +1073,11 @@ fn conflicted_session_can_be_discarded_and_restarted() {
         ensure!(s["state"] == "discarded", "session after discard: {s:#}");
 
         let out = env.ctr(NS, &["tasks", "start", &b])?;
-        ensure!(out.status.success(), "ctr tasks start {b}: {}", describe(&out));
+        ensure!(
+            out.status.success(),
+            "ctr tasks start {b}: {}",
+            describe(&out)
+        );
         ensure!(
             stdout(&out).trim() == "saw:A",
             "the rerun of {b} must start on a fresh upper over the head (A): {}",
@@ -933,7 +1091,10 @@ fn conflicted_session_can_be_discarded_and_restarted() {
         let script = "cat /root/shared.txt /root/b-rerun.txt; \
                       test -e /root/only-b.txt && echo LEAKED || echo ABSENT";
         let text = read_back(env, NS, "dr-check", Some(br), script)?;
-        ensure!(text == "A\nA\nABSENT\n", "after discard and rerun: {text:?}");
+        ensure!(
+            text == "A\nA\nABSENT\n",
+            "after discard and rerun: {text:?}"
+        );
         Ok(())
     });
 }
@@ -954,9 +1115,18 @@ fn namespaces_do_not_share_history() {
         ensure!(word == "committed", "outcome of {w} in {ns_a}: {word}");
 
         let text = read_back(env, ns_a, "ns-a-read", None, "cat /root/ns-a.txt")?;
-        ensure!(text == "from-a\n", "{ns_a} does not see its own write: {text:?}");
+        ensure!(
+            text == "from-a\n",
+            "{ns_a} does not see its own write: {text:?}"
+        );
 
-        let text = read_back(env, ns_b, "ns-b-read", None, "test -e /root/ns-a.txt && echo LEAKED || echo ABSENT")?;
+        let text = read_back(
+            env,
+            ns_b,
+            "ns-b-read",
+            None,
+            "test -e /root/ns-a.txt && echo LEAKED || echo ABSENT",
+        )?;
         ensure!(text == "ABSENT\n", "{ns_b} sees {ns_a}'s write: {text:?}");
 
         let layers = ls_log_layers(env, ns_b, "main")?;

@@ -14,8 +14,9 @@ use std::path::Path;
 
 use anyhow::{ensure, Context, Result};
 use layerstack_integration::{
-    describe, finish_detached, json_strs, layerstack_wait, ls_publish, ls_wait_json, remove_container,
-    run_layerstack_scenario, run_sh, start_detached, stdout, CtrRun, TestEnv, SNAPSHOTTER,
+    describe, finish_detached, json_strs, layerstack_wait, ls_publish, ls_wait_json,
+    remove_container, run_layerstack_scenario, run_sh, start_detached, stdout, CtrRun, TestEnv,
+    SNAPSHOTTER,
 };
 
 const NS: &str = "lst-merge";
@@ -26,7 +27,9 @@ const BASE: &str = "# layerstack merge test\nkey1 = one\r\nkey2 = two\r\nkey3 = 
 /// What a new `--rm` container `id` on the branch reads from [`CONF`], byte for
 /// byte; its own session must end too (`layerstack wait --json` answers).
 fn conf_on_branch(env: &TestEnv, id: &str) -> Result<Vec<u8>> {
-    let out = CtrRun::sh(NS, id, &format!("cat {CONF}")).rm(true).ok(env)?;
+    let out = CtrRun::sh(NS, id, &format!("cat {CONF}"))
+        .rm(true)
+        .ok(env)?;
     ls_wait_json(env, NS, id)?;
     Ok(out.stdout)
 }
@@ -74,7 +77,14 @@ fn mount_snapshot(mounts_json: &[u8], target: &Path) -> Result<()> {
 fn three_concurrent_edits_two_publish_one_is_rejected_byte_exact() {
     run_layerstack_scenario(NS, |env| {
         // The base version of the config file, committed to the branch.
-        run_sh(env, NS, "m-setup", None, true, &format!("printf '%s' '{BASE}' > {CONF}"))?;
+        run_sh(
+            env,
+            NS,
+            "m-setup",
+            None,
+            true,
+            &format!("printf '%s' '{BASE}' > {CONF}"),
+        )?;
         let setup = ls_wait_json(env, NS, "m-setup")?;
         ensure!(setup["outcome"] == "committed", "setup: {setup:#}");
 

@@ -21,10 +21,11 @@ use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
 use layerstack_integration::{
-    bin_path, container_branch_label, delete_task, describe, dir_is_empty, kill_task, layerstack_wait,
-    prepare_layerstack, publish_policy_label, remove_container, require_root_and_containerd, run_scenario,
-    run_scenario_mut, run_with_timeout, session_upper, snapshot_branch_label, stdout, task_status, wait_task_stopped,
-    unique_across_processes as unique, wait_task_running, wait_task_stopped_or_gone, CtrRun, TestEnv, SHIM_BIN,
+    bin_path, container_branch_label, delete_task, describe, dir_is_empty, kill_task,
+    layerstack_wait, prepare_layerstack, publish_policy_label, remove_container,
+    require_root_and_containerd, run_scenario, run_scenario_mut, run_with_timeout, session_upper,
+    snapshot_branch_label, stdout, task_status, unique_across_processes as unique,
+    wait_task_running, wait_task_stopped, wait_task_stopped_or_gone, CtrRun, TestEnv, SHIM_BIN,
     SHIM_RUNTIME,
 };
 
@@ -67,7 +68,10 @@ fn session(env: &TestEnv, container: &str) -> Result<serde_json::Value> {
 /// The session's outcome right now ("" if none yet). No waiting: the shim
 /// returns only after the outcome exists.
 fn outcome(env: &TestEnv, container: &str) -> Result<String> {
-    Ok(session(env, container)?["outcome"].as_str().unwrap_or("").to_string())
+    Ok(session(env, container)?["outcome"]
+        .as_str()
+        .unwrap_or("")
+        .to_string())
 }
 
 /// Polls `ctr tasks ls` until task `id` is RUNNING (60 s at most).
@@ -109,19 +113,32 @@ fn delete_task_committed(env: &TestEnv, id: &str, context: &str) -> Result<()> {
 fn shim_processes(env: &TestEnv, id: &str) -> Vec<String> {
     let sock = env.containerd().socket().to_string_lossy().into_owned();
     let mut out = Vec::new();
-    let Ok(rd) = std::fs::read_dir("/proc") else { return out };
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return out;
+    };
     for e in rd.flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
-        let Ok(raw) = std::fs::read(format!("/proc/{pid}/cmdline")) else { continue };
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+            continue;
+        };
+        let Ok(raw) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+            continue;
+        };
         let argv: Vec<String> = raw
             .split(|b| *b == 0)
             .filter(|a| !a.is_empty())
             .map(|a| String::from_utf8_lossy(a).into_owned())
             .collect();
         let zombie = std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .map(|s| s.rfind(')').map(|i| s[i + 1..].trim_start().starts_with('Z')).unwrap_or(false))
+            .map(|s| {
+                s.rfind(')')
+                    .map(|i| s[i + 1..].trim_start().starts_with('Z'))
+                    .unwrap_or(false)
+            })
             .unwrap_or(true);
-        let is_shim = argv.first().map(|a| a.contains("containerd-shim")).unwrap_or(false);
+        let is_shim = argv
+            .first()
+            .map(|a| a.contains("containerd-shim"))
+            .unwrap_or(false);
         let names_id = argv.windows(2).any(|w| w[0] == "-id" && w[1] == id);
         if !zombie && is_shim && names_id && argv.iter().any(|a| a == &sock) {
             out.push(format!("{pid} {}", argv.join(" ")));
@@ -163,24 +180,48 @@ fn shim1_twenty_sequential_runs_read_their_writes() {
             let id = unique("s1");
             let script = format!("n=$(cat /root/log.txt 2>/dev/null | wc -l); echo $n; echo line-{i} >> /root/log.txt");
             let text = shim_run(&id, branch, &script).stdout_ok(env)?;
-            let seen: usize = text.trim().parse().with_context(|| format!("run {i} printed {text:?}"))?;
-            ensure!(seen == i - 1, "run {i} ({id}) saw {seen} earlier lines, want {}", i - 1);
+            let seen: usize = text
+                .trim()
+                .parse()
+                .with_context(|| format!("run {i} printed {text:?}"))?;
+            ensure!(
+                seen == i - 1,
+                "run {i} ({id}) saw {seen} earlier lines, want {}",
+                i - 1
+            );
             ids.push(id);
         }
-        eprintln!("shim: 20 sequential append runs in {:.2}s", started.elapsed().as_secs_f64());
+        eprintln!(
+            "shim: 20 sequential append runs in {:.2}s",
+            started.elapsed().as_secs_f64()
+        );
         let id = unique("s1-read");
         let text = shim_run(&id, branch, "cat /root/log.txt").stdout_ok(env)?;
         let want: Vec<String> = (1..=20).map(|i| format!("line-{i}")).collect();
-        ensure!(text.lines().collect::<Vec<_>>() == want, "final read: {text:?}");
+        ensure!(
+            text.lines().collect::<Vec<_>>() == want,
+            "final read: {text:?}"
+        );
         for id in &ids {
             let s = session(env, id)?;
             ensure!(s["outcome"] == "committed", "session of {id}: {s:#}");
-            ensure!(s["branch"] == branch, "container label did not choose the branch: {s:#}");
+            ensure!(
+                s["branch"] == branch,
+                "container label did not choose the branch: {s:#}"
+            );
         }
         // main never saw any of it.
         let id = unique("s1-main");
-        let text = shim_run(&id, "main", "test -e /root/log.txt && echo LEAKED || echo CLEAN").stdout_ok(env)?;
-        ensure!(text.trim() == "CLEAN", "main sees the branch's writes: {text}");
+        let text = shim_run(
+            &id,
+            "main",
+            "test -e /root/log.txt && echo LEAKED || echo CLEAN",
+        )
+        .stdout_ok(env)?;
+        ensure!(
+            text.trim() == "CLEAN",
+            "main sees the branch's writes: {text}"
+        );
         Ok(())
     });
 }
@@ -199,12 +240,24 @@ fn shim2_exit_codes_and_publish_policies() {
         let a = unique("s2-exit0");
         let out = shim_run(&a, branch, "echo zero > /root/exit0.txt; exit 0").output(env)?;
         ensure!(out.status.code() == Some(0), "exit 0: {}", describe(&out));
-        ensure!(outcome(env, &a)? == "committed", "{a}: {:#}", session(env, &a)?);
+        ensure!(
+            outcome(env, &a)? == "committed",
+            "{a}: {:#}",
+            session(env, &a)?
+        );
 
         let b = unique("s2-exit3");
         let out = shim_run(&b, branch, "echo three > /root/exit3.txt; exit 3").output(env)?;
-        ensure!(out.status.code() == Some(3), "exit 3 must reach ctr: {}", describe(&out));
-        ensure!(outcome(env, &b)? == "committed", "on-exit publishes exit 3: {:#}", session(env, &b)?);
+        ensure!(
+            out.status.code() == Some(3),
+            "exit 3 must reach ctr: {}",
+            describe(&out)
+        );
+        ensure!(
+            outcome(env, &b)? == "committed",
+            "on-exit publishes exit 3: {:#}",
+            session(env, &b)?
+        );
 
         // Killed: 137.
         let c = unique("s2-kill");
@@ -216,8 +269,16 @@ fn shim2_exit_codes_and_publish_policies() {
             kill_task(env, NS, &c)?;
             Ok(child.wait_with_output()?)
         })?;
-        ensure!(out.status.code() == Some(137), "SIGKILL must reach ctr as 137: {}", describe(&out));
-        ensure!(outcome(env, &c)? == "committed", "on-exit publishes a killed task: {:#}", session(env, &c)?);
+        ensure!(
+            out.status.code() == Some(137),
+            "SIGKILL must reach ctr as 137: {}",
+            describe(&out)
+        );
+        ensure!(
+            outcome(env, &c)? == "committed",
+            "on-exit publishes a killed task: {:#}",
+            session(env, &c)?
+        );
 
         // on-success with exit 3: nothing published.
         let d = unique("s2-onsuccess-fail");
@@ -234,7 +295,11 @@ fn shim2_exit_codes_and_publish_policies() {
             .label(publish_policy_label("on-success"))
             .output(env)?;
         ensure!(out.status.success(), "{}", describe(&out));
-        ensure!(outcome(env, &e)? == "committed", "on-success + exit 0: {:#}", session(env, &e)?);
+        ensure!(
+            outcome(env, &e)? == "committed",
+            "on-success + exit 0: {:#}",
+            session(env, &e)?
+        );
 
         // never: nothing published, upper discarded. Not --rm, so the session's
         // directory is still there to look at.
@@ -247,14 +312,30 @@ fn shim2_exit_codes_and_publish_policies() {
         let s = session(env, &f)?;
         ensure!(s["outcome"] == "discarded", "never: {s:#}");
         let upper = session_upper(env, &s)?;
-        ensure!(dir_is_empty(&upper).unwrap_or(true), "never: upper {} still holds {:?}", upper.display(), std::fs::read_dir(&upper).map(|d| d.flatten().map(|e| e.file_name()).collect::<Vec<_>>()));
+        ensure!(
+            dir_is_empty(&upper).unwrap_or(true),
+            "never: upper {} still holds {:?}",
+            upper.display(),
+            std::fs::read_dir(&upper)
+                .map(|d| d.flatten().map(|e| e.file_name()).collect::<Vec<_>>())
+        );
         remove_container(env, NS, &f)?;
 
         // Invalid policy: the task is refused at create.
         let g = unique("s2-bad-policy");
-        let out = shim_run(&g, branch, "true").label(publish_policy_label("sometimes")).output(env)?;
-        ensure!(!out.status.success(), "an unknown policy must be refused: {}", describe(&out));
-        ensure!(String::from_utf8_lossy(&out.stderr).contains("layerstack.publish"), "refusal names the label: {}", describe(&out));
+        let out = shim_run(&g, branch, "true")
+            .label(publish_policy_label("sometimes"))
+            .output(env)?;
+        ensure!(
+            !out.status.success(),
+            "an unknown policy must be refused: {}",
+            describe(&out)
+        );
+        ensure!(
+            String::from_utf8_lossy(&out.stderr).contains("layerstack.publish"),
+            "refusal names the label: {}",
+            describe(&out)
+        );
         cleanup_container(env, &g);
 
         // What the branch shows now.
@@ -266,7 +347,8 @@ fn shim2_exit_codes_and_publish_policies() {
                if [ -e /root/$f.txt ]; then echo $f:yes; else echo $f:no; fi; done",
         )
         .stdout_ok(env)?;
-        let want = "exit0:yes\nexit3:yes\nkilled:yes\nonsuccess-fail:no\nonsuccess-ok:yes\nnever:no\n";
+        let want =
+            "exit0:yes\nexit3:yes\nkilled:yes\nonsuccess-fail:no\nonsuccess-ok:yes\nnever:no\n";
         ensure!(text == want, "branch content: {text:?}, want {want:?}");
         Ok(())
     });
@@ -298,12 +380,30 @@ fn shim3_exec_tty_then_kill_and_delete_publishes() {
             ensure!(out.status.success(), "exec -t: {}", describe(&out));
             ensure!(text.contains("/dev/pts/"), "exec -t has no tty: {text:?}");
             // Plain exec too.
-            let out = env.ctr(NS, &["tasks", "exec", "--exec-id", "e2", &id, "cat", "/root/exec.txt"])?;
-            ensure!(out.status.success() && stdout(&out).trim() == "from-exec", "exec: {}", describe(&out));
+            let out = env.ctr(
+                NS,
+                &[
+                    "tasks",
+                    "exec",
+                    "--exec-id",
+                    "e2",
+                    &id,
+                    "cat",
+                    "/root/exec.txt",
+                ],
+            )?;
+            ensure!(
+                out.status.success() && stdout(&out).trim() == "from-exec",
+                "exec: {}",
+                describe(&out)
+            );
 
             kill_and_wait_stopped(env, &id)?;
             let s = session(env, &id)?;
-            ensure!(s["outcome"].is_null(), "published before the task was deleted: {s:#}");
+            ensure!(
+                s["outcome"].is_null(),
+                "published before the task was deleted: {s:#}"
+            );
             delete_task_committed(env, &id, "after exec")?;
 
             let check = unique("s3-check");
@@ -326,14 +426,28 @@ fn shim4_sigkill_of_the_proxy_cleans_up() {
         let branch = "shim-sigkill";
         let id = unique("s4");
         cleaning_up_on_error(env, &id, || {
-            start_running(env, &id, branch, "echo before-kill > /root/k9.txt; sleep 600")?;
+            start_running(
+                env,
+                &id,
+                branch,
+                "echo before-kill > /root/k9.txt; sleep 600",
+            )?;
             thread::sleep(Duration::from_millis(300));
             let procs = shim_processes(env, &id);
             let proxy: Vec<&String> = procs.iter().filter(|p| p.contains(SHIM_BIN)).collect();
-            let inner: Vec<&String> = procs.iter().filter(|p| p.contains("containerd-shim-runc-v2")).collect();
-            ensure!(proxy.len() == 1 && inner.len() == 1, "expected one proxy and one runc-v2 shim: {procs:#?}");
+            let inner: Vec<&String> = procs
+                .iter()
+                .filter(|p| p.contains("containerd-shim-runc-v2"))
+                .collect();
+            ensure!(
+                proxy.len() == 1 && inner.len() == 1,
+                "expected one proxy and one runc-v2 shim: {procs:#?}"
+            );
             let pid: i32 = proxy[0].split_whitespace().next().context("pid")?.parse()?;
-            nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL)?;
+            nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(pid),
+                nix::sys::signal::Signal::SIGKILL,
+            )?;
 
             // containerd notices, runs our `delete`, which stops runc-v2 and publishes.
             let deadline = Instant::now() + Duration::from_secs(60);
@@ -351,19 +465,45 @@ fn shim4_sigkill_of_the_proxy_cleans_up() {
                 thread::sleep(Duration::from_millis(200));
             };
             let state = s["state"].as_str().unwrap_or("");
-            ensure!(state == "published" || state == "discarded", "session after SIGKILL: {s:#}");
-            eprintln!("shim: after SIGKILL of the proxy the session ended {state} ({})", s["outcome"]);
+            ensure!(
+                state == "published" || state == "discarded",
+                "session after SIGKILL: {s:#}"
+            );
+            eprintln!(
+                "shim: after SIGKILL of the proxy the session ended {state} ({})",
+                s["outcome"]
+            );
 
             // The task is gone or stopped; both deletes work.
             let _ = env.ctr(NS, &["tasks", "delete", &id]);
             remove_container(env, NS, &id)?;
-            ensure!(shim_processes(env, &id).is_empty(), "shim processes left: {:#?}", shim_processes(env, &id));
+            ensure!(
+                shim_processes(env, &id).is_empty(),
+                "shim processes left: {:#?}",
+                shim_processes(env, &id)
+            );
             let runc_state = Path::new("/run/containerd/runc").join(NS).join(&id);
-            ensure!(!runc_state.exists(), "runc state left at {}", runc_state.display());
+            ensure!(
+                !runc_state.exists(),
+                "runc state left at {}",
+                runc_state.display()
+            );
             let check = unique("s4-check");
-            let text = shim_run(&check, branch, "cat /root/k9.txt 2>/dev/null || echo ABSENT").stdout_ok(env)?;
-            let want = if state == "published" { "before-kill" } else { "ABSENT" };
-            ensure!(text.trim() == want, "after a {state} session the branch shows {text:?}");
+            let text = shim_run(
+                &check,
+                branch,
+                "cat /root/k9.txt 2>/dev/null || echo ABSENT",
+            )
+            .stdout_ok(env)?;
+            let want = if state == "published" {
+                "before-kill"
+            } else {
+                "ABSENT"
+            };
+            ensure!(
+                text.trim() == want,
+                "after a {state} session the branch shows {text:?}"
+            );
             Ok(())
         })
     });
@@ -380,18 +520,43 @@ fn shim5_containerd_restart_keeps_exec_and_publish() {
     run_shim_test_mut(|env| {
         let branch = "shim-restart";
         let id = unique("s5");
-        start_running(env, &id, branch, "echo before > /root/restart.txt; sleep 600")?;
+        start_running(
+            env,
+            &id,
+            branch,
+            "echo before > /root/restart.txt; sleep 600",
+        )?;
         let before = shim_processes(env, &id);
         env.restart_containerd()?;
         cleaning_up_on_error(env, &id, || {
-            ensure!(shim_processes(env, &id) == before, "shims changed across the restart: {before:#?}");
+            ensure!(
+                shim_processes(env, &id) == before,
+                "shims changed across the restart: {before:#?}"
+            );
             wait_running(env, &id)?;
             let out = env.ctr(
                 NS,
-                &["tasks", "exec", "--exec-id", "after", &id, "sh", "-c", "echo after >> /root/restart.txt; cat /root/restart.txt"],
+                &[
+                    "tasks",
+                    "exec",
+                    "--exec-id",
+                    "after",
+                    &id,
+                    "sh",
+                    "-c",
+                    "echo after >> /root/restart.txt; cat /root/restart.txt",
+                ],
             )?;
-            ensure!(out.status.success(), "exec after restart: {}", describe(&out));
-            ensure!(stdout(&out) == "before\nafter\n", "exec output: {}", describe(&out));
+            ensure!(
+                out.status.success(),
+                "exec after restart: {}",
+                describe(&out)
+            );
+            ensure!(
+                stdout(&out) == "before\nafter\n",
+                "exec output: {}",
+                describe(&out)
+            );
             kill_and_wait_stopped(env, &id)?;
             delete_task_committed(env, &id, "after the containerd restart")?;
             let check = unique("s5-check");
@@ -400,7 +565,11 @@ fn shim5_containerd_restart_keeps_exec_and_publish() {
             // The shims of the deleted task are gone.
             let deadline = Instant::now() + Duration::from_secs(20);
             while !shim_processes(env, &id).is_empty() {
-                ensure!(Instant::now() < deadline, "shims left: {:#?}", shim_processes(env, &id));
+                ensure!(
+                    Instant::now() < deadline,
+                    "shims left: {:#?}",
+                    shim_processes(env, &id)
+                );
                 thread::sleep(Duration::from_millis(100));
             }
             Ok(())
@@ -423,7 +592,9 @@ fn shim6_timing_against_runc_v2() {
             let mut v = Vec::new();
             for _ in 0..N {
                 let id = unique("s6");
-                let run = shim_run(&id, "shim-timing", "true").runtime(runtime).cmd(&["true"]);
+                let run = shim_run(&id, "shim-timing", "true")
+                    .runtime(runtime)
+                    .cmd(&["true"]);
                 let t = Instant::now();
                 run.ok(env)?;
                 v.push(t.elapsed().as_secs_f64() * 1000.0);
@@ -473,8 +644,16 @@ fn shim_runtime_config_file() {
         shim_run(&id, "shim-config", "echo cfg > /root/cfg.txt")
             .extra(&["--runtime-config-path", &cfg.to_string_lossy()])
             .ok(env)?;
-        ensure!(outcome(env, &id)? == "committed", "{:#}", session(env, &id)?);
-        ensure!(runc_root.join(NS).is_dir(), "runc did not use the configured root {}", runc_root.display());
+        ensure!(
+            outcome(env, &id)? == "committed",
+            "{:#}",
+            session(env, &id)?
+        );
+        ensure!(
+            runc_root.join(NS).is_dir(),
+            "runc did not use the configured root {}",
+            runc_root.display()
+        );
         Ok(())
     });
 }
@@ -503,9 +682,17 @@ fn shim_delete_action_is_idempotent() {
         )
         .expect("running delete");
         assert!(out.status.success(), "delete failed: {}", describe(&out));
-        assert!(!out.stdout.is_empty(), "delete printed no reply: {}", describe(&out));
+        assert!(
+            !out.stdout.is_empty(),
+            "delete printed no reply: {}",
+            describe(&out)
+        );
         // Field 2 (exit_status) = 137, varint: 0x10 0x89 0x01.
-        assert!(out.stdout.windows(3).any(|w| w == [0x10, 0x89, 0x01]), "reply: {:?}", out.stdout);
+        assert!(
+            out.stdout.windows(3).any(|w| w == [0x10, 0x89, 0x01]),
+            "reply: {:?}",
+            out.stdout
+        );
     }
 }
 
@@ -517,7 +704,10 @@ fn shim_publish_failure_keeps_exit_status() {
     run_shim_test(|env| {
         let cfg = env.scratch().join("shim-bad-admin.toml");
         let bad = env.scratch().join("no-such-admin.sock");
-        std::fs::write(&cfg, format!("admin_address = {:?}\n", bad.to_string_lossy()))?;
+        std::fs::write(
+            &cfg,
+            format!("admin_address = {:?}\n", bad.to_string_lossy()),
+        )?;
         let id = unique("s8");
         // The branch comes from the snapshot label here (the container label would
         // need the daemon at create).
@@ -531,9 +721,16 @@ fn shim_publish_failure_keeps_exit_status() {
                 &snapshot_branch_label("shim-nodaemon"),
             ])
             .output(env)?;
-        ensure!(out.status.code() == Some(5), "exit status lost: {}", describe(&out));
+        ensure!(
+            out.status.code() == Some(5),
+            "exit status lost: {}",
+            describe(&out)
+        );
         let info = env.ctr(NS, &["containers", "info", &id])?;
-        ensure!(!info.status.success(), "container {id} left behind after --rm");
+        ensure!(
+            !info.status.success(),
+            "container {id} left behind after --rm"
+        );
         let w = layerstack_wait(env, NS, &id, &[])?;
         ensure!(
             stdout(&w).lines().next() == Some("committed"),
@@ -541,8 +738,15 @@ fn shim_publish_failure_keeps_exit_status() {
             describe(&w)
         );
         let s = session(env, &id)?;
-        ensure!(s["branch"] == "shim-nodaemon", "snapshot label branch: {s:#}");
-        ensure!(shim_processes(env, &id).is_empty(), "shims left: {:#?}", shim_processes(env, &id));
+        ensure!(
+            s["branch"] == "shim-nodaemon",
+            "snapshot label branch: {s:#}"
+        );
+        ensure!(
+            shim_processes(env, &id).is_empty(),
+            "shims left: {:#?}",
+            shim_processes(env, &id)
+        );
         Ok(())
     });
 }
@@ -571,29 +775,45 @@ fn wait_ctr(mut child: std::process::Child, timeout: Duration, what: &str) -> Re
 fn the_shim_pid(env: &TestEnv, id: &str, needle: &str) -> Result<i32> {
     let procs = shim_processes(env, id);
     let found: Vec<&String> = procs.iter().filter(|p| p.contains(needle)).collect();
-    ensure!(found.len() == 1, "expected one {needle} process for {id}: {procs:#?}");
+    ensure!(
+        found.len() == 1,
+        "expected one {needle} process for {id}: {procs:#?}"
+    );
     Ok(found[0].split_whitespace().next().context("pid")?.parse()?)
 }
 
 fn sigkill(pid: i32) -> Result<()> {
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL)?;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )?;
     Ok(())
 }
 
 /// Live (not zombie) processes whose command line is exactly `argv`: "pid cmdline".
 fn processes_with_argv(argv: &[&str]) -> Vec<String> {
     let mut out = Vec::new();
-    let Ok(rd) = std::fs::read_dir("/proc") else { return out };
+    let Ok(rd) = std::fs::read_dir("/proc") else {
+        return out;
+    };
     for e in rd.flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else { continue };
-        let Ok(raw) = std::fs::read(format!("/proc/{pid}/cmdline")) else { continue };
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+            continue;
+        };
+        let Ok(raw) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
+            continue;
+        };
         let a: Vec<String> = raw
             .split(|b| *b == 0)
             .filter(|a| !a.is_empty())
             .map(|a| String::from_utf8_lossy(a).into_owned())
             .collect();
         let zombie = std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .map(|s| s.rfind(')').map(|i| s[i + 1..].trim_start().starts_with('Z')).unwrap_or(false))
+            .map(|s| {
+                s.rfind(')')
+                    .map(|i| s[i + 1..].trim_start().starts_with('Z'))
+                    .unwrap_or(false)
+            })
             .unwrap_or(true);
         if !zombie && a.len() == argv.len() && a.iter().zip(argv).all(|(x, y)| x == y) {
             out.push(format!("{pid} {}", a.join(" ")));
@@ -619,8 +839,16 @@ fn wait_outcome(env: &TestEnv, id: &str, want: &str) -> Result<()> {
     let t = Instant::now();
     let w = layerstack_wait(env, NS, id, &[])?;
     let word = stdout(&w).lines().next().unwrap_or("").trim().to_string();
-    eprintln!("shim: layerstack wait {id} → {word:?} in {:.2}s", t.elapsed().as_secs_f64());
-    ensure!(word == want, "layerstack wait {id}: want {want}: {}; session {:#}", describe(&w), session(env, id)?);
+    eprintln!(
+        "shim: layerstack wait {id} → {word:?} in {:.2}s",
+        t.elapsed().as_secs_f64()
+    );
+    ensure!(
+        word == want,
+        "layerstack wait {id}: want {want}: {}; session {:#}",
+        describe(&w),
+        session(env, id)?
+    );
     Ok(())
 }
 
@@ -632,16 +860,24 @@ fn shim_sigkill_with_policy_never_discards() {
     run_shim_test(|env| {
         let branch = "shim-sigkill-never";
         let id = unique("s9");
-        let child = shim_run(&id, branch, &format!("echo secret > /root/{id}.txt; sleep 30"))
-            .label(publish_policy_label("never"))
-            .spawn(env)?;
+        let child = shim_run(
+            &id,
+            branch,
+            &format!("echo secret > /root/{id}.txt; sleep 30"),
+        )
+        .label(publish_policy_label("never"))
+        .spawn(env)?;
         cleaning_up_on_error(env, &id, || {
             wait_running(env, &id)?;
             thread::sleep(Duration::from_millis(300));
             let pid = the_shim_pid(env, &id, SHIM_BIN)?;
             let t = Instant::now();
             sigkill(pid)?;
-            let out = wait_ctr(child, Duration::from_secs(60), "ctr run after SIGKILL of the proxy")?;
+            let out = wait_ctr(
+                child,
+                Duration::from_secs(60),
+                "ctr run after SIGKILL of the proxy",
+            )?;
             eprintln!(
                 "shim: ctr run returned {:.2}s after SIGKILL of the proxy: {}",
                 t.elapsed().as_secs_f64(),
@@ -651,8 +887,16 @@ fn shim_sigkill_with_policy_never_discards() {
             let _ = env.ctr(NS, &["tasks", "delete", &id]);
             let _ = env.ctr(NS, &["containers", "delete", &id]);
             let check = unique("s9-check");
-            let text = shim_run(&check, branch, &format!("cat /root/{id}.txt 2>/dev/null || echo ABSENT")).stdout_ok(env)?;
-            ensure!(text.trim() == "ABSENT", "never + SIGKILL of the proxy: the branch shows {text:?}");
+            let text = shim_run(
+                &check,
+                branch,
+                &format!("cat /root/{id}.txt 2>/dev/null || echo ABSENT"),
+            )
+            .stdout_ok(env)?;
+            ensure!(
+                text.trim() == "ABSENT",
+                "never + SIGKILL of the proxy: the branch shows {text:?}"
+            );
             Ok(())
         })
     });
@@ -666,20 +910,29 @@ fn shim_daemon_down_at_delete_keeps_policy_never() {
     run_shim_test(|env| {
         let branch = "shim-daemon-down-never";
         let id = unique("s10");
-        shim_run(&id, branch, &format!("echo secret > /root/{id}.txt; sleep 3; exit 7"))
-            .label(publish_policy_label("never"))
-            .detached()
-            .ok(env)?;
+        shim_run(
+            &id,
+            branch,
+            &format!("echo secret > /root/{id}.txt; sleep 3; exit 7"),
+        )
+        .label(publish_policy_label("never"))
+        .detached()
+        .ok(env)?;
         let r = (|| -> Result<()> {
             env.kill_daemon()?;
             wait_task_stopped(env, NS, &id, Duration::from_secs(60))?;
             let t = Instant::now();
             let out = env.ctr(NS, &["tasks", "delete", &id])?;
             let took = t.elapsed();
-            eprintln!("shim: ctr tasks delete with the daemon down took {:.2}s: {}", took.as_secs_f64(), describe(&out));
+            eprintln!(
+                "shim: ctr tasks delete with the daemon down took {:.2}s: {}",
+                took.as_secs_f64(),
+                describe(&out)
+            );
             // ctr 1.6 `tasks delete` exits 0 and warns with the task's exit code.
             ensure!(
-                out.status.success() && String::from_utf8_lossy(&out.stderr).contains("non-zero exit code 7"),
+                out.status.success()
+                    && String::from_utf8_lossy(&out.stderr).contains("non-zero exit code 7"),
                 "exit status lost with the daemon down: {}",
                 describe(&out)
             );
@@ -690,15 +943,26 @@ fn shim_daemon_down_at_delete_keeps_policy_never() {
         // The daemon must come back whatever happened, for the other tests.
         let t = Instant::now();
         let restarted = env.restart_daemon();
-        eprintln!("shim: daemon restarted in {:.2}s", t.elapsed().as_secs_f64());
+        eprintln!(
+            "shim: daemon restarted in {:.2}s",
+            t.elapsed().as_secs_f64()
+        );
         cleaning_up_on_error(env, &id, || {
             r?;
             restarted?;
             wait_outcome(env, &id, "discarded")?;
             remove_container(env, NS, &id)?;
             let check = unique("s10-check");
-            let text = shim_run(&check, branch, &format!("cat /root/{id}.txt 2>/dev/null || echo ABSENT")).stdout_ok(env)?;
-            ensure!(text.trim() == "ABSENT", "never + daemon down at delete: the branch shows {text:?}");
+            let text = shim_run(
+                &check,
+                branch,
+                &format!("cat /root/{id}.txt 2>/dev/null || echo ABSENT"),
+            )
+            .stdout_ok(env)?;
+            ensure!(
+                text.trim() == "ABSENT",
+                "never + daemon down at delete: the branch shows {text:?}"
+            );
             Ok(())
         })
     });
@@ -714,11 +978,19 @@ fn shim_inner_shim_death_cleans_up() {
         let id = unique("s11");
         // A sleep argument no other test uses, to find the container's process.
         let nap = "60.0417";
-        start_running(env, &id, branch, &format!("echo inner > /root/{id}.txt; sleep {nap}"))?;
+        start_running(
+            env,
+            &id,
+            branch,
+            &format!("echo inner > /root/{id}.txt; sleep {nap}"),
+        )?;
         cleaning_up_on_error(env, &id, || {
             thread::sleep(Duration::from_millis(300));
             let init = task_pid(env, &id)?;
-            ensure!(!processes_with_argv(&["sleep", nap]).is_empty(), "no `sleep {nap}` in the container");
+            ensure!(
+                !processes_with_argv(&["sleep", nap]).is_empty(),
+                "no `sleep {nap}` in the container"
+            );
             let inner = the_shim_pid(env, &id, "containerd-shim-runc-v2")?;
             let t = Instant::now();
             sigkill(inner)?;
@@ -760,7 +1032,11 @@ fn shim_inner_shim_death_cleans_up() {
             loop {
                 let sleeps = processes_with_argv(&["sleep", nap]);
                 let init_alive = std::fs::read_to_string(format!("/proc/{init}/stat"))
-                    .map(|s| s.rfind(')').map(|i| !s[i + 1..].trim_start().starts_with('Z')).unwrap_or(true))
+                    .map(|s| {
+                        s.rfind(')')
+                            .map(|i| !s[i + 1..].trim_start().starts_with('Z'))
+                            .unwrap_or(true)
+                    })
                     .unwrap_or(false);
                 let shims = shim_processes(env, &id);
                 if sleeps.is_empty() && !init_alive && shims.is_empty() {
@@ -778,8 +1054,16 @@ fn shim_inner_shim_death_cleans_up() {
             wait_outcome(env, &id, "committed")?;
             remove_container(env, NS, &id)?;
             let check = unique("s11-check");
-            let text = shim_run(&check, branch, &format!("cat /root/{id}.txt 2>/dev/null || echo ABSENT")).stdout_ok(env)?;
-            ensure!(text.trim() == "inner", "after the inner shim died the branch shows {text:?}");
+            let text = shim_run(
+                &check,
+                branch,
+                &format!("cat /root/{id}.txt 2>/dev/null || echo ABSENT"),
+            )
+            .stdout_ok(env)?;
+            ensure!(
+                text.trim() == "inner",
+                "after the inner shim died the branch shows {text:?}"
+            );
             Ok(())
         })
     });

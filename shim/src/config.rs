@@ -110,7 +110,12 @@ impl RuntimeOptions {
 
     /// Decode an `Any`.
     pub fn from_any(any: Any) -> Result<Self, ConfigError> {
-        let name = any.type_url.rsplit('/').next().unwrap_or_default().to_string();
+        let name = any
+            .type_url
+            .rsplit('/')
+            .next()
+            .unwrap_or_default()
+            .to_string();
         if any.type_url.is_empty() {
             return Ok(Self::None);
         }
@@ -131,10 +136,13 @@ impl RuntimeOptions {
     /// The shim config these options carry (`Config` only).
     pub fn file_config(&self) -> Result<Option<FileConfig>, ConfigError> {
         match self {
-            Self::Config { body, .. } if !body.trim().is_empty() => parse_toml(body, None).map(Some),
+            Self::Config { body, .. } if !body.trim().is_empty() => {
+                parse_toml(body, None).map(Some)
+            }
             Self::Config { path, .. } if !path.is_empty() => {
                 let p = PathBuf::from(path);
-                let text = std::fs::read_to_string(&p).map_err(|e| ConfigError::Read(p.clone(), e))?;
+                let text =
+                    std::fs::read_to_string(&p).map_err(|e| ConfigError::Read(p.clone(), e))?;
                 parse_toml(&text, Some(p)).map(Some)
             }
             _ => Ok(None),
@@ -175,7 +183,10 @@ pub fn is_systemd_cgroups_path(p: &str) -> bool {
 pub fn bundle_cgroups_path(bundle: &Path) -> Option<String> {
     let data = std::fs::read(bundle.join("config.json")).ok()?;
     let v: serde_json::Value = serde_json::from_slice(&data).ok()?;
-    v.get("linux")?.get("cgroupsPath")?.as_str().map(str::to_string)
+    v.get("linux")?
+        .get("cgroupsPath")?
+        .as_str()
+        .map(str::to_string)
 }
 
 /// runc options for a container that came without any: `systemd_cgroup` for a
@@ -228,7 +239,11 @@ fn find_on_path(name: &str, path: Option<&str>) -> Option<PathBuf> {
     use std::os::unix::fs::PermissionsExt;
     std::env::split_paths(path?)
         .map(|d| d.join(name))
-        .find(|p| p.metadata().map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0).unwrap_or(false))
+        .find(|p| {
+            p.metadata()
+                .map(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+                .unwrap_or(false)
+        })
 }
 
 #[cfg(test)]
@@ -252,7 +267,11 @@ mod tests {
     fn runtime_options_carry_our_config() {
         let dir = tempfile::tempdir().unwrap();
         let f = dir.path().join("shim.toml");
-        std::fs::write(&f, "admin_address = \"/x/admin.sock\"\nrunc_root = \"/x/runc\"\n").unwrap();
+        std::fs::write(
+            &f,
+            "admin_address = \"/x/admin.sock\"\nrunc_root = \"/x/runc\"\n",
+        )
+        .unwrap();
         let any = runtime_options_any(f.to_str().unwrap(), "");
         let bytes = any.write_to_bytes().unwrap();
         let o = RuntimeOptions::from_any_bytes(&bytes).unwrap();
@@ -262,13 +281,19 @@ mod tests {
         // Our options never reach runc-v2; runc options with the root do.
         let inner = o.for_inner(cfg.runc_root.as_deref()).unwrap();
         assert_eq!(inner.type_url, RUNC_OPTIONS_TYPE);
-        assert_eq!(RuncOptions::parse_from_bytes(&inner.value).unwrap().root, "/x/runc");
+        assert_eq!(
+            RuncOptions::parse_from_bytes(&inner.value).unwrap().root,
+            "/x/runc"
+        );
     }
 
     #[test]
     fn inline_body_and_unknown_keys() {
         let o = RuntimeOptions::from_any(runtime_options_any("", "publish_timeout_s = 7")).unwrap();
-        assert_eq!(resolve(o.file_config().unwrap(), |_| None).publish_timeout, Duration::from_secs(7));
+        assert_eq!(
+            resolve(o.file_config().unwrap(), |_| None).publish_timeout,
+            Duration::from_secs(7)
+        );
         let bad = RuntimeOptions::from_any(runtime_options_any("", "admin = 1")).unwrap();
         assert!(bad.file_config().is_err(), "a typo must not be ignored");
     }
@@ -280,16 +305,25 @@ mod tests {
         assert!(!is_systemd_cgroups_path("/a:b:c"));
         assert!(!is_systemd_cgroups_path("a:b"));
         let o = RuntimeOptions::None.for_inner_with(None, true).unwrap();
-        assert!(RuncOptions::parse_from_bytes(&o.value).unwrap().systemd_cgroup);
+        assert!(
+            RuncOptions::parse_from_bytes(&o.value)
+                .unwrap()
+                .systemd_cgroup
+        );
         assert_eq!(RuntimeOptions::None.for_inner_with(None, false), None);
     }
 
     #[test]
     fn env_then_default() {
-        let cfg = resolve(None, |k| (k == ADMIN_ENV).then(|| "/e/admin.sock".to_string()));
+        let cfg = resolve(None, |k| {
+            (k == ADMIN_ENV).then(|| "/e/admin.sock".to_string())
+        });
         assert_eq!(cfg.admin_address, PathBuf::from("/e/admin.sock"));
         let cfg = resolve(None, |_| None);
-        assert_eq!(cfg.admin_address, PathBuf::from(layerstack_api::DEFAULT_ADMIN_ADDRESS));
+        assert_eq!(
+            cfg.admin_address,
+            PathBuf::from(layerstack_api::DEFAULT_ADMIN_ADDRESS)
+        );
         assert_eq!(cfg.publish_timeout, DEFAULT_PUBLISH_TIMEOUT);
         assert!(cfg.runc_root.is_none());
     }
@@ -312,6 +346,9 @@ mod tests {
         .unwrap();
         assert_eq!(other, RuntimeOptions::Other("example.v1.Other".into()));
         assert_eq!(other.for_inner(None), None);
-        assert_eq!(RuntimeOptions::from_any_bytes(&[]).unwrap(), RuntimeOptions::None);
+        assert_eq!(
+            RuntimeOptions::from_any_bytes(&[]).unwrap(),
+            RuntimeOptions::None
+        );
     }
 }

@@ -17,7 +17,10 @@ const NS_HEADER: &str = "containerd-namespace";
 #[derive(Debug, thiserror::Error)]
 pub enum DaemonError {
     #[error("cannot connect to containerd at {0}")]
-    ContainerdConnect(PathBuf, #[source] containerd_client::tonic::transport::Error),
+    ContainerdConnect(
+        PathBuf,
+        #[source] containerd_client::tonic::transport::Error,
+    ),
     #[error("containerd: get container {0}")]
     Containerd(String, #[source] containerd_client::tonic::Status),
     #[error("cannot connect to the layerstack daemon's admin socket {0}")]
@@ -40,7 +43,8 @@ pub async fn container_labels(
         let ch = containerd_client::connect(containerd)
             .await
             .map_err(|e| DaemonError::ContainerdConnect(containerd.to_path_buf(), e))?;
-        let mut req = containerd_client::tonic::Request::new(GetContainerRequest { id: id.to_string() });
+        let mut req =
+            containerd_client::tonic::Request::new(GetContainerRequest { id: id.to_string() });
         if let Ok(v) = namespace.parse() {
             req.metadata_mut().insert(NS_HEADER, v);
         }
@@ -50,12 +54,15 @@ pub async fn container_labels(
             Err(st) => Err(DaemonError::Containerd(id.to_string(), st)),
         }
     };
-    tokio::time::timeout(timeout, fut)
-        .await
-        .map_err(|_| DaemonError::Timeout(format!("containerd at {}", containerd.display()), timeout))?
+    tokio::time::timeout(timeout, fut).await.map_err(|_| {
+        DaemonError::Timeout(format!("containerd at {}", containerd.display()), timeout)
+    })?
 }
 
-async fn admin(path: &Path, timeout: Duration) -> Result<api::AdminClient<tonic::transport::Channel>, DaemonError> {
+async fn admin(
+    path: &Path,
+    timeout: Duration,
+) -> Result<api::AdminClient<tonic::transport::Channel>, DaemonError> {
     tokio::time::timeout(timeout, api::connect(path))
         .await
         .map_err(|_| DaemonError::Timeout(format!("admin socket {}", path.display()), timeout))?
@@ -152,7 +159,10 @@ pub async fn set_branch(
 
 /// One line for the log: "outcome (state) layer N: message".
 pub fn describe_session(s: &api::Session) -> String {
-    let mut out = format!("session {} branch {:?}: outcome {:?}, state {}", s.id, s.branch, s.outcome, s.state);
+    let mut out = format!(
+        "session {} branch {:?}: outcome {:?}, state {}",
+        s.id, s.branch, s.outcome, s.state
+    );
     if s.layer != 0 {
         out.push_str(&format!(", layer {}", s.layer));
     }

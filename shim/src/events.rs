@@ -14,6 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use containerd_shim_protos::api::Empty;
 use containerd_shim_protos::events::task::TaskDelete;
 use containerd_shim_protos::protobuf::Message as _;
 use containerd_shim_protos::shim::events::ForwardRequest;
@@ -21,7 +22,6 @@ use containerd_shim_protos::shim_async::{Client, Events, EventsClient};
 use containerd_shim_protos::topics::TASK_DELETE_EVENT_TOPIC;
 use containerd_shim_protos::ttrpc::r#async::TtrpcContext;
 use containerd_shim_protos::ttrpc::{self, context};
-use containerd_shim_protos::api::Empty;
 use log::{debug, warn};
 use tokio::sync::{mpsc, watch, Notify};
 
@@ -39,7 +39,11 @@ pub struct Upstream {
 impl Upstream {
     /// Starts the forwarding task for containerd's ttrpc `address`.
     pub fn new(address: &str) -> Arc<Self> {
-        let addr = if address.contains("://") { address.to_string() } else { format!("unix://{address}") };
+        let addr = if address.contains("://") {
+            address.to_string()
+        } else {
+            format!("unix://{address}")
+        };
         let (tx, mut rx) = mpsc::unbounded_channel::<ForwardRequest>();
         let pending = Arc::new(AtomicUsize::new(0));
         let idle = Arc::new(Notify::new());
@@ -57,7 +61,10 @@ impl Upstream {
                         }
                     }
                     if let Some(c) = &client {
-                        match c.forward(context::with_duration(Duration::from_secs(5)), &req).await {
+                        match c
+                            .forward(context::with_duration(Duration::from_secs(5)), &req)
+                            .await
+                        {
                             Ok(_) => break,
                             Err(e) => {
                                 debug!("events: forward {} failed: {e}", req.envelope.topic);
@@ -66,7 +73,10 @@ impl Upstream {
                         }
                     }
                     if tokio::time::Instant::now() >= deadline {
-                        warn!("events: dropping {} after {RETRY_FOR:?} of retries", req.envelope.topic);
+                        warn!(
+                            "events: dropping {} after {RETRY_FOR:?} of retries",
+                            req.envelope.topic
+                        );
                         break;
                     }
                     tokio::time::sleep(backoff).await;
@@ -144,7 +154,9 @@ impl EventGate {
         if env.topic != TASK_DELETE_EVENT_TOPIC {
             return false;
         }
-        let Some(any) = env.event.as_ref() else { return false };
+        let Some(any) = env.event.as_ref() else {
+            return false;
+        };
         match TaskDelete::parse_from_bytes(&any.value) {
             Ok(ev) => ev.container_id == self.id && (ev.id.is_empty() || ev.id == self.id),
             Err(_) => false,
@@ -162,7 +174,10 @@ impl Events for EventGate {
             let limit = self.hold_limit;
             up.reserve();
             tokio::spawn(async move {
-                if tokio::time::timeout(limit, rx.wait_for(|v| *v)).await.is_err() {
+                if tokio::time::timeout(limit, rx.wait_for(|v| *v))
+                    .await
+                    .is_err()
+                {
                     warn!("events: releasing the held /tasks/delete after {limit:?}");
                 }
                 up.send_reserved(req);

@@ -66,11 +66,23 @@ impl InnerArgs {
     }
 }
 
-async fn run(mut cmd: Command, stdin: Option<&[u8]>, timeout: Duration, bin: &Path, action: &'static str) -> Result<std::process::Output, InnerError> {
-    cmd.stdin(if stdin.is_some() { Stdio::piped() } else { Stdio::null() })
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-    let mut child = cmd.spawn().map_err(|e| InnerError::Spawn(bin.to_path_buf(), e))?;
+async fn run(
+    mut cmd: Command,
+    stdin: Option<&[u8]>,
+    timeout: Duration,
+    bin: &Path,
+    action: &'static str,
+) -> Result<std::process::Output, InnerError> {
+    cmd.stdin(if stdin.is_some() {
+        Stdio::piped()
+    } else {
+        Stdio::null()
+    })
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    let mut child = cmd
+        .spawn()
+        .map_err(|e| InnerError::Spawn(bin.to_path_buf(), e))?;
     if let (Some(data), Some(mut pipe)) = (stdin, child.stdin.take()) {
         // The inner `start` reads all of stdin (runtime options) before replying.
         let _ = pipe.write_all(data).await;
@@ -86,10 +98,25 @@ async fn run(mut cmd: Command, stdin: Option<&[u8]>, timeout: Duration, bin: &Pa
 /// Runs `containerd-shim-runc-v2 … start` in `bundle` with runtime options
 /// `options` (a serialized `Any`) on stdin, and `TTRPC_ADDRESS=events_address`
 /// so its events come to the proxy. Returns the inner shim's ttrpc address.
-pub async fn start(args: &InnerArgs, bundle: &Path, options: Option<&[u8]>, events_address: &str) -> Result<String, InnerError> {
+pub async fn start(
+    args: &InnerArgs,
+    bundle: &Path,
+    options: Option<&[u8]>,
+    events_address: &str,
+) -> Result<String, InnerError> {
     let mut cmd = args.command(bundle);
-    cmd.arg("start").env("TTRPC_ADDRESS", events_address.trim_start_matches("unix://"));
-    let out = run(cmd, Some(options.unwrap_or_default()), Duration::from_secs(60), &args.bin, "start").await?;
+    cmd.arg("start").env(
+        "TTRPC_ADDRESS",
+        events_address.trim_start_matches("unix://"),
+    );
+    let out = run(
+        cmd,
+        Some(options.unwrap_or_default()),
+        Duration::from_secs(60),
+        &args.bin,
+        "start",
+    )
+    .await?;
     let text = String::from_utf8_lossy(&out.stdout).trim().to_string();
     if !out.status.success() {
         return Err(InnerError::Failed {
@@ -107,7 +134,11 @@ pub async fn start(args: &InnerArgs, bundle: &Path, options: Option<&[u8]>, even
 
 /// Runs `containerd-shim-runc-v2 … -bundle B delete`: `runc delete --force`, unmount
 /// the rootfs, exit status 137. Idempotent. Returns its `DeleteResponse` and stderr.
-pub async fn delete_action(args: &InnerArgs, bundle: &Path, timeout: Duration) -> Result<(DeleteResponse, String), InnerError> {
+pub async fn delete_action(
+    args: &InnerArgs,
+    bundle: &Path,
+    timeout: Duration,
+) -> Result<(DeleteResponse, String), InnerError> {
     let mut cmd = args.command(bundle);
     cmd.arg("-bundle").arg(bundle).arg("delete");
     let out = run(cmd, None, timeout, &args.bin, "delete").await?;
@@ -120,7 +151,8 @@ pub async fn delete_action(args: &InnerArgs, bundle: &Path, timeout: Duration) -
             stderr,
         });
     }
-    let resp = DeleteResponse::parse_from_bytes(&out.stdout).map_err(|e| InnerError::BadDeleteResponse(args.bin.clone(), e))?;
+    let resp = DeleteResponse::parse_from_bytes(&out.stdout)
+        .map_err(|e| InnerError::BadDeleteResponse(args.bin.clone(), e))?;
     Ok((resp, stderr))
 }
 
@@ -131,13 +163,19 @@ pub fn socket_path(address: &str) -> &str {
 
 /// Connects a Task client to `address` (`unix://…`).
 pub async fn connect(address: &str, timeout: Duration) -> Result<TaskClient, InnerError> {
-    let addr = if address.contains("://") { address.to_string() } else { format!("unix://{address}") };
+    let addr = if address.contains("://") {
+        address.to_string()
+    } else {
+        format!("unix://{address}")
+    };
     match tokio::time::timeout(timeout, Client::connect(&addr)).await {
         Ok(Ok(c)) => Ok(TaskClient::new(c)),
         Ok(Err(e)) => Err(InnerError::Connect(address.to_string(), e)),
         Err(_) => Err(InnerError::Connect(
             address.to_string(),
-            containerd_shim_protos::ttrpc::Error::Others(format!("no connection within {timeout:?}")),
+            containerd_shim_protos::ttrpc::Error::Others(format!(
+                "no connection within {timeout:?}"
+            )),
         )),
     }
 }
@@ -156,15 +194,34 @@ fn cmdline(pid: i32) -> Option<Vec<String>> {
 /// `address`): argv `<…/containerd-shim-runc-v2> -namespace NS -id ID -address A
 /// [-debug]`, no action word. Guards against pid reuse before a kill.
 pub fn is_inner_server(pid: i32, bin: &Path, namespace: &str, id: &str, address: &str) -> bool {
-    let Some(argv) = cmdline(pid) else { return false };
-    let Some(exe) = argv.first() else { return false };
-    let name = bin.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default();
-    if Path::new(exe).file_name().map(|n| n.to_string_lossy().into_owned()) != Some(name) {
+    let Some(argv) = cmdline(pid) else {
+        return false;
+    };
+    let Some(exe) = argv.first() else {
+        return false;
+    };
+    let name = bin
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    if Path::new(exe)
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        != Some(name)
+    {
         return false;
     }
-    let flag = |f: &str| argv.iter().position(|a| a == f).and_then(|i| argv.get(i + 1)).map(String::as_str);
+    let flag = |f: &str| {
+        argv.iter()
+            .position(|a| a == f)
+            .and_then(|i| argv.get(i + 1))
+            .map(String::as_str)
+    };
     let has_action = argv.iter().any(|a| a == "start" || a == "delete");
-    !has_action && flag("-namespace") == Some(namespace) && flag("-id") == Some(id) && flag("-address") == Some(address)
+    !has_action
+        && flag("-namespace") == Some(namespace)
+        && flag("-id") == Some(id)
+        && flag("-address") == Some(address)
 }
 
 /// Finds the inner shim server process for (`namespace`, `id`) by scanning /proc
@@ -193,7 +250,10 @@ mod tests {
 
     #[test]
     fn socket_paths() {
-        assert_eq!(socket_path("unix:///run/containerd/s/ab"), "/run/containerd/s/ab");
+        assert_eq!(
+            socket_path("unix:///run/containerd/s/ab"),
+            "/run/containerd/s/ab"
+        );
         assert_eq!(socket_path("/x"), "/x");
     }
 
@@ -201,6 +261,12 @@ mod tests {
     fn this_process_is_no_inner_shim() {
         let me = std::process::id() as i32;
         assert!(alive(me));
-        assert!(!is_inner_server(me, Path::new("/usr/bin/containerd-shim-runc-v2"), "ns", "id", "/a"));
+        assert!(!is_inner_server(
+            me,
+            Path::new("/usr/bin/containerd-shim-runc-v2"),
+            "ns",
+            "id",
+            "/a"
+        ));
     }
 }

@@ -24,7 +24,9 @@ pub struct LineLogger {
 }
 
 fn ours(target: &str) -> bool {
-    target.starts_with("layerstack_shim") || target.starts_with("containerd_shim") || target.starts_with("containerd_shim_layerstack")
+    target.starts_with("layerstack_shim")
+        || target.starts_with("containerd_shim")
+        || target.starts_with("containerd_shim_layerstack")
 }
 
 /// `YYYY-MM-DDTHH:MM:SS.nnnnnnnnnZ` (UTC) without a date library.
@@ -55,7 +57,11 @@ fn rfc3339_now() -> String {
 
 impl log::Log for LineLogger {
     fn enabled(&self, m: &log::Metadata<'_>) -> bool {
-        let limit = if ours(m.target()) { self.level } else { log::LevelFilter::Warn };
+        let limit = if ours(m.target()) {
+            self.level
+        } else {
+            log::LevelFilter::Warn
+        };
         m.level() <= limit
     }
 
@@ -70,8 +76,17 @@ impl log::Log for LineLogger {
             log::Level::Debug => "debug",
             log::Level::Trace => "trace",
         };
-        let msg = r.args().to_string().replace('\\', "\\\\").replace('"', "\\\"").replace('\n', " ");
-        let line = format!("time=\"{}\" level={level} msg=\"{msg}\"{}\n", rfc3339_now(), self.fields);
+        let msg = r
+            .args()
+            .to_string()
+            .replace('\\', "\\\\")
+            .replace('"', "\\\"")
+            .replace('\n', " ");
+        let line = format!(
+            "time=\"{}\" level={level} msg=\"{msg}\"{}\n",
+            rfc3339_now(),
+            self.fields
+        );
         if let Ok(mut o) = self.out.lock() {
             let _ = o.write_all(line.as_bytes());
             let _ = o.flush();
@@ -86,7 +101,11 @@ impl log::Log for LineLogger {
 }
 
 fn install(out: Box<dyn Write + Send>, debug: bool, fields: String) {
-    let level = if debug { log::LevelFilter::Debug } else { log::LevelFilter::Info };
+    let level = if debug {
+        log::LevelFilter::Debug
+    } else {
+        log::LevelFilter::Info
+    };
     let logger = LineLogger {
         out: Mutex::new(out),
         level,
@@ -98,7 +117,10 @@ fn install(out: Box<dyn Write + Send>, debug: bool, fields: String) {
 }
 
 fn fields(namespace: &str, id: &str, action: &str) -> String {
-    format!(" runtime={} namespace={namespace} id={id}{action}", crate::RUNTIME_NAME)
+    format!(
+        " runtime={} namespace={namespace} id={id}{action}",
+        crate::RUNTIME_NAME
+    )
 }
 
 /// Opens `<bundle>/log` for writing without blocking (fails if no reader).
@@ -139,6 +161,9 @@ mod tests {
     fn timestamps_look_like_rfc3339() {
         let t = super::rfc3339_now();
         assert_eq!(t.len(), "2026-11-29T17:28:40.981494000Z".len(), "{t}");
-        assert!(t.starts_with("20") && t.ends_with('Z') && &t[10..11] == "T", "{t}");
+        assert!(
+            t.starts_with("20") && t.ends_with('Z') && &t[10..11] == "T",
+            "{t}"
+        );
     }
 }

@@ -19,5 +19,6 @@ async fn main() {
         no_setup_logger: true,
         ..Default::default()
     };
-    containerd_shim::asynchronous::run::<ProxyShim>(layerstack_shim::RUNTIME_NAME, Some(config)).await;
+    containerd_shim::asynchronous::run::<ProxyShim>(layerstack_shim::RUNTIME_NAME, Some(config))
+        .await;
 }

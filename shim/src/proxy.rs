@@ -98,7 +98,10 @@ impl Proxy {
             return Ok(c.clone());
         }
         if self.state.inner_address.is_empty() {
-            return Err(status(Code::FAILED_PRECONDITION, "no inner shim recorded in the bundle"));
+            return Err(status(
+                Code::FAILED_PRECONDITION,
+                "no inner shim recorded in the bundle",
+            ));
         }
         let client = inner::connect(&self.state.inner_address, Duration::from_secs(10))
             .await
@@ -136,10 +139,21 @@ impl Proxy {
     /// must never be lost to a fallback that publishes.
     async fn record_policy(&self, p: Policy) -> ttrpc::Result<()> {
         let admin = &self.state.admin_address;
-        match daemon::set_policy(admin, &self.namespace, &self.id, p.as_str(), SET_BRANCH_TIMEOUT).await {
+        match daemon::set_policy(
+            admin,
+            &self.namespace,
+            &self.id,
+            p.as_str(),
+            SET_BRANCH_TIMEOUT,
+        )
+        .await
+        {
             Ok(_) => Ok(()),
             Err(e) if p == Policy::OnExit => {
-                warn!("cannot record policy {p} in the daemon: {}", crate::error_chain(&e));
+                warn!(
+                    "cannot record policy {p} in the daemon: {}",
+                    crate::error_chain(&e)
+                );
                 Ok(())
             }
             Err(e) => Err(status(
@@ -156,9 +170,14 @@ impl Proxy {
     /// Applies `layerstack.branch` (if set) before the rootfs is mounted.
     async fn apply_branch(&self, branch: &str, req: &mut CreateTaskRequest) -> ttrpc::Result<()> {
         let admin = &self.state.admin_address;
-        match daemon::set_branch(admin, &self.namespace, &self.id, branch, SET_BRANCH_TIMEOUT).await {
+        match daemon::set_branch(admin, &self.namespace, &self.id, branch, SET_BRANCH_TIMEOUT).await
+        {
             Ok(Some(resp)) => {
-                let on = resp.session.as_ref().map(|s| s.branch.clone()).unwrap_or_default();
+                let on = resp
+                    .session
+                    .as_ref()
+                    .map(|s| s.branch.clone())
+                    .unwrap_or_default();
                 if resp.changed {
                     let template = req.rootfs.first().cloned().unwrap_or_default();
                     req.rootfs = resp
@@ -172,7 +191,10 @@ impl Proxy {
                             out
                         })
                         .collect();
-                    info!("container label {}={branch}: session re-pointed to branch {on:?}", policy::BRANCH_LABEL);
+                    info!(
+                        "container label {}={branch}: session re-pointed to branch {on:?}",
+                        policy::BRANCH_LABEL
+                    );
                 } else if on != branch {
                     warn!(
                         "container label {}={branch} ignored: the snapshot label containerd.io/snapshot/{} chose branch {on:?}",
@@ -183,7 +205,11 @@ impl Proxy {
                 Ok(())
             }
             Ok(None) => {
-                debug!("no layerstack session for {}: label {} ignored", self.id, policy::BRANCH_LABEL);
+                debug!(
+                    "no layerstack session for {}: label {} ignored",
+                    self.id,
+                    policy::BRANCH_LABEL
+                );
                 Ok(())
             }
             Err(e) => Err(status(
@@ -250,8 +276,22 @@ pub(crate) async fn publish_auto_with_timeout(
 
 /// Ask the daemon to publish or discard, per `policy` and `exit_status`, waiting
 /// at most the configured publish timeout. Logs the outcome or the failure.
-pub(crate) async fn publish_now(state: &BundleState, namespace: &str, id: &str, policy: Policy, exit_status: u32) {
-    publish_with_timeout(state, namespace, id, policy, exit_status, Duration::from_millis(state.publish_timeout_ms.max(1))).await
+pub(crate) async fn publish_now(
+    state: &BundleState,
+    namespace: &str,
+    id: &str,
+    policy: Policy,
+    exit_status: u32,
+) {
+    publish_with_timeout(
+        state,
+        namespace,
+        id,
+        policy,
+        exit_status,
+        Duration::from_millis(state.publish_timeout_ms.max(1)),
+    )
+    .await
 }
 
 pub(crate) async fn publish_with_timeout(
@@ -290,11 +330,18 @@ impl Task for Proxy {
         self.call(|c| async move { c.state(cx, &req).await }).await
     }
 
-    async fn create(&self, ctx: &TtrpcContext, mut req: CreateTaskRequest) -> ttrpc::Result<CreateTaskResponse> {
+    async fn create(
+        &self,
+        ctx: &TtrpcContext,
+        mut req: CreateTaskRequest,
+    ) -> ttrpc::Result<CreateTaskResponse> {
         let labels = match self.labels().await {
             Ok(l) => l,
             Err(e) => {
-                warn!("cannot read the container's labels at create: {}", crate::error_chain(&e));
+                warn!(
+                    "cannot read the container's labels at create: {}",
+                    crate::error_chain(&e)
+                );
                 None
             }
         };
@@ -306,18 +353,29 @@ impl Task for Proxy {
         }
         // Runtime options: ours never reach runc-v2.
         let opts = match req.options.take() {
-            Some(any) => RuntimeOptions::from_any(any).map_err(|e| status(Code::INVALID_ARGUMENT, crate::error_chain(&e)))?,
+            Some(any) => RuntimeOptions::from_any(any)
+                .map_err(|e| status(Code::INVALID_ARGUMENT, crate::error_chain(&e)))?,
             None => RuntimeOptions::None,
         };
         if let RuntimeOptions::Other(t) = &opts {
-            warn!("runtime options of type {t} are not understood by {}; dropped", crate::config::INNER_SHIM_NAME);
+            warn!(
+                "runtime options of type {t} are not understood by {}; dropped",
+                crate::config::INNER_SHIM_NAME
+            );
         }
-        let bundle = if req.bundle.is_empty() { self.bundle.clone() } else { PathBuf::from(&req.bundle) };
-        let systemd = crate::config::bundle_cgroups_path(&bundle).is_some_and(|p| crate::config::is_systemd_cgroups_path(&p));
+        let bundle = if req.bundle.is_empty() {
+            self.bundle.clone()
+        } else {
+            PathBuf::from(&req.bundle)
+        };
+        let systemd = crate::config::bundle_cgroups_path(&bundle)
+            .is_some_and(|p| crate::config::is_systemd_cgroups_path(&p));
         if systemd && !matches!(opts, RuntimeOptions::Runc(_)) {
             info!("cgroupsPath is in systemd form and no runc options came along: using runc's systemd cgroup driver");
         }
-        req.options = MessageField::from_option(opts.for_inner_with(self.state.runc_root.as_deref(), systemd));
+        req.options = MessageField::from_option(
+            opts.for_inner_with(self.state.runc_root.as_deref(), systemd),
+        );
         let has_rootfs = !req.rootfs.is_empty();
         if let Some(branch) = labels.as_ref().and_then(policy::branch_from_labels) {
             if has_rootfs {
@@ -337,7 +395,10 @@ impl Task for Proxy {
         let r = self.call(|c| async move { c.create(cx, &req).await }).await;
         if r.is_ok() {
             if let Err(e) = state::mark_created(&self.bundle) {
-                warn!("cannot record the create in {}: {e}", state::state_path(&self.bundle).display());
+                warn!(
+                    "cannot record the create in {}: {e}",
+                    state::state_path(&self.bundle).display()
+                );
             }
             let mut init = self.init.lock().await;
             init.created = true;
@@ -352,7 +413,11 @@ impl Task for Proxy {
         self.call(|c| async move { c.start(cx, &req).await }).await
     }
 
-    async fn delete(&self, ctx: &TtrpcContext, req: DeleteRequest) -> ttrpc::Result<DeleteResponse> {
+    async fn delete(
+        &self,
+        ctx: &TtrpcContext,
+        req: DeleteRequest,
+    ) -> ttrpc::Result<DeleteResponse> {
         let is_init = req.exec_id.is_empty();
         let cx = fwd(ctx);
         let r = self.call(|c| async move { c.delete(cx, &req).await }).await;
@@ -364,22 +429,36 @@ impl Task for Proxy {
                 // The inner shim has run `runc delete` and unmounted the rootfs.
                 let status = resp.exit_status;
                 if let Err(e) = state::update(&self.bundle, |s| s.exit_status = Some(status)) {
-                    warn!("cannot record the exit status in {}: {e}", state::state_path(&self.bundle).display());
+                    warn!(
+                        "cannot record the exit status in {}: {e}",
+                        state::state_path(&self.bundle).display()
+                    );
                 }
                 let has_rootfs = self.init.lock().await.has_rootfs;
                 if has_rootfs {
                     self.publish_step(resp.exit_status).await;
                 }
                 if let Err(e) = state::mark_published(&self.bundle) {
-                    warn!("cannot record the publish in {}: {e}", state::state_path(&self.bundle).display());
+                    warn!(
+                        "cannot record the publish in {}: {e}",
+                        state::state_path(&self.bundle).display()
+                    );
                 }
                 self.init.lock().await.deleted = true;
                 self.gate.release();
             }
             Err(ttrpc::Error::RpcStatus(st)) if st.code() == Code::NOT_FOUND => {
-                debug!("inner delete of {}: {}; nothing to publish", self.id, st.message())
+                debug!(
+                    "inner delete of {}: {}; nothing to publish",
+                    self.id,
+                    st.message()
+                )
             }
-            Err(ttrpc::Error::RpcStatus(st)) => warn!("inner delete of {} failed: {}; not publishing", self.id, st.message()),
+            Err(ttrpc::Error::RpcStatus(st)) => warn!(
+                "inner delete of {} failed: {}; not publishing",
+                self.id,
+                st.message()
+            ),
             Err(e) => warn!("inner delete of {} failed: {e}; not publishing", self.id),
         }
         r
@@ -400,9 +479,14 @@ impl Task for Proxy {
         self.call(|c| async move { c.resume(cx, &req).await }).await
     }
 
-    async fn checkpoint(&self, ctx: &TtrpcContext, req: CheckpointTaskRequest) -> ttrpc::Result<Empty> {
+    async fn checkpoint(
+        &self,
+        ctx: &TtrpcContext,
+        req: CheckpointTaskRequest,
+    ) -> ttrpc::Result<Empty> {
         let cx = fwd(ctx);
-        self.call(|c| async move { c.checkpoint(cx, &req).await }).await
+        self.call(|c| async move { c.checkpoint(cx, &req).await })
+            .await
     }
 
     async fn kill(&self, ctx: &TtrpcContext, req: KillRequest) -> ttrpc::Result<Empty> {
@@ -417,12 +501,14 @@ impl Task for Proxy {
 
     async fn resize_pty(&self, ctx: &TtrpcContext, req: ResizePtyRequest) -> ttrpc::Result<Empty> {
         let cx = fwd(ctx);
-        self.call(|c| async move { c.resize_pty(cx, &req).await }).await
+        self.call(|c| async move { c.resize_pty(cx, &req).await })
+            .await
     }
 
     async fn close_io(&self, ctx: &TtrpcContext, req: CloseIORequest) -> ttrpc::Result<Empty> {
         let cx = fwd(ctx);
-        self.call(|c| async move { c.close_io(cx, &req).await }).await
+        self.call(|c| async move { c.close_io(cx, &req).await })
+            .await
     }
 
     async fn update(&self, ctx: &TtrpcContext, req: UpdateTaskRequest) -> ttrpc::Result<Empty> {
@@ -440,9 +526,15 @@ impl Task for Proxy {
         self.call(|c| async move { c.stats(cx, &req).await }).await
     }
 
-    async fn connect(&self, ctx: &TtrpcContext, req: ConnectRequest) -> ttrpc::Result<ConnectResponse> {
+    async fn connect(
+        &self,
+        ctx: &TtrpcContext,
+        req: ConnectRequest,
+    ) -> ttrpc::Result<ConnectResponse> {
         let cx = fwd(ctx);
-        let mut r = self.call(|c| async move { c.connect(cx, &req).await }).await?;
+        let mut r = self
+            .call(|c| async move { c.connect(cx, &req).await })
+            .await?;
         // To containerd, the shim is the proxy.
         r.shim_pid = std::process::id();
         Ok(r)
@@ -455,7 +547,10 @@ impl Task for Proxy {
         };
         // runc-v2 exits only when it serves no container any more.
         let cx = fwd(ctx);
-        if let Err(e) = self.call(|c| async move { c.shutdown(cx, &req).await }).await {
+        if let Err(e) = self
+            .call(|c| async move { c.shutdown(cx, &req).await })
+            .await
+        {
             debug!("inner shutdown: {e}");
         }
         if done {

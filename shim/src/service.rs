@@ -107,7 +107,8 @@ impl ProxyShim {
         // Only root (containerd, runc-v2) may inject events.
         {
             use std::os::unix::fs::PermissionsExt;
-            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(other)?;
+            std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
+                .map_err(other)?;
         }
         let mut server = server.register_service(create_events(gate));
         server.start().await.map_err(Error::Ttrpc)?;
@@ -131,12 +132,18 @@ impl ProxyShim {
                 }
                 let mut w = WaitRequest::new();
                 w.id = self.id.clone();
-                if let Err(e) = c.wait(context::with_duration(Duration::from_secs(2)), &w).await {
+                if let Err(e) = c
+                    .wait(context::with_duration(Duration::from_secs(2)), &w)
+                    .await
+                {
                     debug!("inner wait: {e}");
                 }
                 let mut d = DeleteRequest::new();
                 d.id = self.id.clone();
-                match c.delete(context::with_duration(Duration::from_secs(2)), &d).await {
+                match c
+                    .delete(context::with_duration(Duration::from_secs(2)), &d)
+                    .await
+                {
                     Ok(r) => resp = Some(r),
                     Err(e) => debug!("inner delete: {e}"),
                 }
@@ -152,9 +159,20 @@ impl ProxyShim {
                 while inner::alive(pid) && Instant::now() < until {
                     tokio::time::sleep(Duration::from_millis(20)).await;
                 }
-                if inner::alive(pid) && inner::is_inner_server(pid, &st.inner_shim, &self.namespace, &self.id, &self.address) {
+                if inner::alive(pid)
+                    && inner::is_inner_server(
+                        pid,
+                        &st.inner_shim,
+                        &self.namespace,
+                        &self.id,
+                        &self.address,
+                    )
+                {
                     warn!("inner shim {pid} still runs after shutdown; killing it");
-                    let _ = nix::sys::signal::kill(nix::unistd::Pid::from_raw(pid), nix::sys::signal::Signal::SIGKILL);
+                    let _ = nix::sys::signal::kill(
+                        nix::unistd::Pid::from_raw(pid),
+                        nix::sys::signal::Signal::SIGKILL,
+                    );
                 }
             }
             if !listening(&st.inner_address) {
@@ -191,7 +209,9 @@ impl Shim for ProxyShim {
         let mut raw = Vec::new();
         std::io::Read::read_to_end(&mut std::io::stdin(), &mut raw).map_err(other)?;
         let ropts = RuntimeOptions::from_any_bytes(&raw).map_err(other)?;
-        let cfg = config::resolve(ropts.file_config().map_err(other)?, |k| std::env::var(k).ok());
+        let cfg = config::resolve(ropts.file_config().map_err(other)?, |k| {
+            std::env::var(k).ok()
+        });
 
         let me = std::env::current_exe().and_then(|p| p.canonicalize()).ok();
         if me.is_some() && std::fs::canonicalize(&cfg.inner_shim).ok() == me {
@@ -202,7 +222,11 @@ impl Shim for ProxyShim {
             )));
         }
         let grouping = format!("layerstack/{}", opts.id);
-        let events_address = socket_address(&opts.address, &opts.namespace, &format!("layerstack-events/{}", opts.id));
+        let events_address = socket_address(
+            &opts.address,
+            &opts.namespace,
+            &format!("layerstack-events/{}", opts.id),
+        );
         let args = InnerArgs {
             bin: cfg.inner_shim.clone(),
             namespace: opts.namespace.clone(),
@@ -217,7 +241,8 @@ impl Shim for ProxyShim {
         let inner_address = inner::start(&args, &bundle, inner_opts.as_deref(), &events_address)
             .await
             .map_err(other)?;
-        let inner_grouped = inner_address != socket_address(&opts.address, &opts.namespace, &opts.id);
+        let inner_grouped =
+            inner_address != socket_address(&opts.address, &opts.namespace, &opts.id);
         let inner_pid = if inner_grouped {
             None
         } else {
@@ -276,7 +301,9 @@ impl Shim for ProxyShim {
             .filter(|p| !p.as_os_str().is_empty())
             .unwrap_or_else(|| config::resolve(None, |k| std::env::var(k).ok()).inner_shim);
         if bundle.is_dir() {
-            let left = DELETE_BUDGET.saturating_sub(started.elapsed()).min(Duration::from_secs(3));
+            let left = DELETE_BUDGET
+                .saturating_sub(started.elapsed())
+                .min(Duration::from_secs(3));
             match inner::delete_action(&self.inner_args(bin), &bundle, left).await {
                 Ok((r, stderr)) => {
                     if !stderr.is_empty() {
@@ -289,15 +316,28 @@ impl Shim for ProxyShim {
         }
         if let Some(st) = &st {
             if st.created && !st.published {
-                let exit_status = st.exit_status.or(resp.as_ref().map(|r| r.exit_status)).unwrap_or(137);
+                let exit_status = st
+                    .exit_status
+                    .or(resp.as_ref().map(|r| r.exit_status))
+                    .unwrap_or(137);
                 let left = DELETE_BUDGET.saturating_sub(started.elapsed());
                 if left > Duration::from_millis(200) {
                     // `ctr run --rm` may have deleted the container record: the
                     // daemon applies the policy recorded at create.
                     info!("the proxy of {} is gone; ending its run here (exit status {exit_status}, recorded policy)", self.id);
-                    proxy::publish_auto_with_timeout(st, &self.namespace, &self.id, exit_status, left).await;
+                    proxy::publish_auto_with_timeout(
+                        st,
+                        &self.namespace,
+                        &self.id,
+                        exit_status,
+                        left,
+                    )
+                    .await;
                 } else {
-                    error!("no time left to publish {}; the daemon's /tasks/delete handler will", self.id);
+                    error!(
+                        "no time left to publish {}; the daemon's /tasks/delete handler will",
+                        self.id
+                    );
                 }
                 if let Err(e) = state::mark_published(&bundle) {
                     debug!("cannot record the publish: {e}");
@@ -351,7 +391,11 @@ impl Shim for ProxyShim {
         let st = match state::load(&bundle) {
             Ok(Some(s)) => s,
             Ok(None) => {
-                error!("no {} in {}: the proxy cannot reach its inner shim", state::STATE_FILE, bundle.display());
+                error!(
+                    "no {} in {}: the proxy cannot reach its inner shim",
+                    state::STATE_FILE,
+                    bundle.display()
+                );
                 BundleState::default()
             }
             Err(e) => {

@@ -79,7 +79,8 @@ pub fn write_atomic(bundle: &Path, name: &str, data: &[u8]) -> std::io::Result<(
 
 /// Writes the state atomically.
 pub fn save(bundle: &Path, state: &BundleState) -> std::io::Result<()> {
-    let data = serde_json::to_vec_pretty(state).map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
+    let data = serde_json::to_vec_pretty(state)
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidData, e))?;
     write_atomic(bundle, STATE_FILE, &data)
 }
 

@@ -24,14 +24,21 @@ impl AdminService {
             version: env!("CARGO_PKG_VERSION").to_string(),
             root: self.publisher.store().root().display().to_string(),
             containerd_address: self.containerd_address.display().to_string(),
-            events_subscribed: self.publisher.events_subscribed.load(std::sync::atomic::Ordering::SeqCst),
+            events_subscribed: self
+                .publisher
+                .events_subscribed
+                .load(std::sync::atomic::Ordering::SeqCst),
             default_branch: self.default_branch.clone(),
         }
     }
 }
 
 impl AdminService {
-    pub fn new(publisher: Arc<Publisher>, containerd_address: PathBuf, default_branch: String) -> Self {
+    pub fn new(
+        publisher: Arc<Publisher>,
+        containerd_address: PathBuf,
+        default_branch: String,
+    ) -> Self {
         Self {
             publisher,
             containerd_address,
@@ -109,7 +116,9 @@ fn dry_run_to_api(d: crate::publish::DryRun) -> api::Session {
 fn store_status(e: StoreError) -> Status {
     let msg = error_chain(&e);
     match e {
-        StoreError::SessionNotFound(_) | StoreError::BranchNotFound { .. } => Status::not_found(msg),
+        StoreError::SessionNotFound(_) | StoreError::BranchNotFound { .. } => {
+            Status::not_found(msg)
+        }
         StoreError::NoLease(_) => Status::failed_precondition(msg),
         _ => Status::internal(msg),
     }
@@ -134,13 +143,21 @@ fn require(field: &str, v: &str) -> Result<(), Status> {
 
 #[tonic::async_trait]
 impl api::Admin for AdminService {
-    async fn set_policy(&self, req: Request<api::SetPolicyRequest>) -> Result<Response<api::Session>, Status> {
+    async fn set_policy(
+        &self,
+        req: Request<api::SetPolicyRequest>,
+    ) -> Result<Response<api::Session>, Status> {
         let r = req.into_inner();
         require("container", &r.container)?;
-        let p: layerstack_api::policy::Policy = r.policy.parse().map_err(|e| {
-            Status::invalid_argument(layerstack_api::error_chain(&e))
-        })?;
-        let s = self.publisher.find(&r.namespace, &r.container).await.map_err(publish_status)?;
+        let p: layerstack_api::policy::Policy = r
+            .policy
+            .parse()
+            .map_err(|e| Status::invalid_argument(layerstack_api::error_chain(&e)))?;
+        let s = self
+            .publisher
+            .find(&r.namespace, &r.container)
+            .await
+            .map_err(publish_status)?;
         let _g = self.publisher.lock_session(s.id).await;
         let store = self.publisher.store().clone();
         let out = tokio::task::spawn_blocking(move || store.set_session_policy(s.id, p.as_str()))
@@ -150,7 +167,10 @@ impl api::Admin for AdminService {
         Ok(Response::new(to_api(out)))
     }
 
-    async fn status(&self, _req: Request<api::StatusRequest>) -> Result<Response<api::StatusResponse>, Status> {
+    async fn status(
+        &self,
+        _req: Request<api::StatusRequest>,
+    ) -> Result<Response<api::StatusResponse>, Status> {
         Ok(Response::new(self.status_response()))
     }
 
@@ -177,14 +197,19 @@ impl api::Admin for AdminService {
     async fn wait(&self, req: Request<api::WaitRequest>) -> Result<Response<api::Session>, Status> {
         let r = req.into_inner();
         require("container", &r.container)?;
-        let deadline = (r.timeout_ms > 0).then(|| tokio::time::Instant::now() + Duration::from_millis(r.timeout_ms.into()));
+        let deadline = (r.timeout_ms > 0)
+            .then(|| tokio::time::Instant::now() + Duration::from_millis(r.timeout_ms.into()));
         loop {
             // Arm the notification before looking, so an outcome recorded in
             // between is not missed.
             let notified = self.publisher.outcomes.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            let s = self.publisher.find(&r.namespace, &r.container).await.map_err(publish_status)?;
+            let s = self
+                .publisher
+                .find(&r.namespace, &r.container)
+                .await
+                .map_err(publish_status)?;
             if s.outcome.is_some() {
                 return Ok(Response::new(to_api(s)));
             }
@@ -213,11 +238,22 @@ impl api::Admin for AdminService {
         }
     }
 
-    async fn publish(&self, req: Request<api::PublishRequest>) -> Result<Response<api::Session>, Status> {
+    async fn publish(
+        &self,
+        req: Request<api::PublishRequest>,
+    ) -> Result<Response<api::Session>, Status> {
         let r = req.into_inner();
         require("container", &r.container)?;
-        let s = self.publisher.find(&r.namespace, &r.container).await.map_err(publish_status)?;
-        let why = if r.reason.is_empty() { "admin publish".to_string() } else { r.reason.clone() };
+        let s = self
+            .publisher
+            .find(&r.namespace, &r.container)
+            .await
+            .map_err(publish_status)?;
+        let why = if r.reason.is_empty() {
+            "admin publish".to_string()
+        } else {
+            r.reason.clone()
+        };
         let out = match api::PublishPolicy::from_i32(r.policy) {
             Some(api::PublishPolicy::Publish) => self.publisher.publish(s.id, &why).await,
             Some(api::PublishPolicy::Discard) => self.publisher.discard(s.id, &why).await,
@@ -225,37 +261,59 @@ impl api::Admin for AdminService {
                 let exit = r.has_exit_status.then_some(r.exit_status);
                 self.publisher.finish(s.id, None, exit, &why).await
             }
-            None => return Err(Status::invalid_argument(format!("unknown publish policy {}", r.policy))),
+            None => {
+                return Err(Status::invalid_argument(format!(
+                    "unknown publish policy {}",
+                    r.policy
+                )))
+            }
         }
         .map_err(publish_status)?;
         Ok(Response::new(to_api(out)))
     }
 
-    async fn publish_dry_run(&self, req: Request<api::PublishRequest>) -> Result<Response<api::Session>, Status> {
+    async fn publish_dry_run(
+        &self,
+        req: Request<api::PublishRequest>,
+    ) -> Result<Response<api::Session>, Status> {
         let r = req.into_inner();
         require("container", &r.container)?;
         if api::PublishPolicy::from_i32(r.policy) != Some(api::PublishPolicy::Publish) {
             return Err(Status::invalid_argument("a dry run needs policy PUBLISH"));
         }
-        let s = self.publisher.find(&r.namespace, &r.container).await.map_err(publish_status)?;
+        let s = self
+            .publisher
+            .find(&r.namespace, &r.container)
+            .await
+            .map_err(publish_status)?;
         let d = self.publisher.dry_run(s.id).await.map_err(publish_status)?;
         Ok(Response::new(dry_run_to_api(d)))
     }
 
-    async fn log(&self, req: Request<api::LogRequest>) -> Result<Response<api::LogResponse>, Status> {
+    async fn log(
+        &self,
+        req: Request<api::LogRequest>,
+    ) -> Result<Response<api::LogResponse>, Status> {
         let r = req.into_inner();
         require("image", &r.image)?;
-        let branch = if r.branch.is_empty() { self.default_branch.clone() } else { r.branch };
-        let chain = crate::containerd::resolve_stack(&self.containerd_address, &r.namespace, &r.image)
-            .await
-            .map_err(|e| {
-                let m = error_chain(&e);
-                match e {
-                    crate::containerd::ContainerdError::ImageNotFound { .. } => Status::not_found(m),
-                    crate::containerd::ContainerdError::Connect(..) => Status::unavailable(m),
-                    _ => Status::internal(m),
-                }
-            })?;
+        let branch = if r.branch.is_empty() {
+            self.default_branch.clone()
+        } else {
+            r.branch
+        };
+        let chain =
+            crate::containerd::resolve_stack(&self.containerd_address, &r.namespace, &r.image)
+                .await
+                .map_err(|e| {
+                    let m = error_chain(&e);
+                    match e {
+                        crate::containerd::ContainerdError::ImageNotFound { .. } => {
+                            Status::not_found(m)
+                        }
+                        crate::containerd::ContainerdError::Connect(..) => Status::unavailable(m),
+                        _ => Status::internal(m),
+                    }
+                })?;
         let stack = layerstack_store::stack_id(&r.namespace, &chain);
         let store = self.publisher.store().clone();
         let (st, br) = (stack.clone(), branch.clone());
@@ -288,11 +346,18 @@ impl api::Admin for AdminService {
         }))
     }
 
-    async fn set_branch(&self, req: Request<api::SetBranchRequest>) -> Result<Response<api::SetBranchResponse>, Status> {
+    async fn set_branch(
+        &self,
+        req: Request<api::SetBranchRequest>,
+    ) -> Result<Response<api::SetBranchResponse>, Status> {
         let r = req.into_inner();
         require("container", &r.container)?;
         require("branch", &r.branch)?;
-        let s = self.publisher.find(&r.namespace, &r.container).await.map_err(publish_status)?;
+        let s = self
+            .publisher
+            .find(&r.namespace, &r.container)
+            .await
+            .map_err(publish_status)?;
         // Ordered against a publish of the same session.
         let _g = self.publisher.lock_session(s.id).await;
         if crate::publish::upper_is_mounted(&s.upper) {
@@ -304,17 +369,22 @@ impl api::Admin for AdminService {
         }
         let store = self.publisher.store().clone();
         let (id, branch) = (s.id, r.branch.clone());
-        let (info, spec, changed) = tokio::task::spawn_blocking(move || store.rebranch_session(id, &branch))
-            .await
-            .map_err(|e| Status::internal(e.to_string()))?
-            .map_err(|e| match &e {
-                StoreError::Snapshot(inner) => match **inner {
-                    layerstack_store::SnapshotError::InvalidArgument(_) => Status::invalid_argument(error_chain(&e)),
-                    layerstack_store::SnapshotError::FailedPrecondition(_) => Status::failed_precondition(error_chain(&e)),
+        let (info, spec, changed) =
+            tokio::task::spawn_blocking(move || store.rebranch_session(id, &branch))
+                .await
+                .map_err(|e| Status::internal(e.to_string()))?
+                .map_err(|e| match &e {
+                    StoreError::Snapshot(inner) => match **inner {
+                        layerstack_store::SnapshotError::InvalidArgument(_) => {
+                            Status::invalid_argument(error_chain(&e))
+                        }
+                        layerstack_store::SnapshotError::FailedPrecondition(_) => {
+                            Status::failed_precondition(error_chain(&e))
+                        }
+                        _ => store_status(e),
+                    },
                     _ => store_status(e),
-                },
-                _ => store_status(e),
-            })?;
+                })?;
         let options = spec.overlay_options();
         let mount = match spec {
             layerstack_store::MountSpec::Bind { source, .. } => api::Mount {

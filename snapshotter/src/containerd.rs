@@ -9,16 +9,16 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
-use containerd_client::services::v1::{
-    events_client::EventsClient, images_client::ImagesClient, tasks_client::TasksClient, GetImageRequest,
-    GetRequest, PublishRequest, ReadContentRequest, SubscribeRequest,
-};
-use containerd_client::services::v1::content_client::ContentClient;
 use containerd_client::services::v1::containers_client::ContainersClient;
+use containerd_client::services::v1::content_client::ContentClient;
 use containerd_client::services::v1::GetContainerRequest;
-use layerstack_api::policy;
+use containerd_client::services::v1::{
+    events_client::EventsClient, images_client::ImagesClient, tasks_client::TasksClient,
+    GetImageRequest, GetRequest, PublishRequest, ReadContentRequest, SubscribeRequest,
+};
 use containerd_client::tonic::transport::Channel;
 use containerd_client::tonic::{Code, Request};
+use layerstack_api::policy;
 use layerstack_store::SessionState;
 use prost::Message;
 use sha2::{Digest, Sha256};
@@ -40,7 +40,10 @@ fn with_ns<T>(ns: &str, msg: T) -> Request<T> {
 #[derive(Debug, thiserror::Error)]
 pub enum ContainerdError {
     #[error("cannot connect to containerd at {0}")]
-    Connect(PathBuf, #[source] containerd_client::tonic::transport::Error),
+    Connect(
+        PathBuf,
+        #[source] containerd_client::tonic::transport::Error,
+    ),
     #[error("containerd {0}")]
     Rpc(String, #[source] containerd_client::tonic::Status),
     #[error("image {image:?} not found in containerd namespace {namespace:?}")]
@@ -140,7 +143,11 @@ async fn publish_sync(ch: &Channel) -> Result<(), containerd_client::tonic::Stat
         .map(|_| ())
 }
 
-async fn handle_envelope(env: containerd_client::types::Envelope, ch: &Channel, publisher: &Arc<Publisher>) {
+async fn handle_envelope(
+    env: containerd_client::types::Envelope,
+    ch: &Channel,
+    publisher: &Arc<Publisher>,
+) {
     if env.topic != "/tasks/delete" {
         return;
     }
@@ -175,7 +182,9 @@ async fn handle_envelope(env: containerd_client::types::Envelope, ch: &Channel, 
         // container's label while its record exists (`ctr run --rm` may have
         // deleted it already); else on-exit.
         let label = label_policy(&ch, &ns, &ev.container_id, s.id).await;
-        let r = publisher.finish(s.id, label, Some(ev.exit_status), "task deleted").await;
+        let r = publisher
+            .finish(s.id, label, Some(ev.exit_status), "task deleted")
+            .await;
         if let Err(e) = r {
             warn!(session.id = s.id, error = %crate::service::error_chain(&e), "publish on task delete failed");
         }
@@ -196,9 +205,16 @@ async fn label_policy(ch: &Channel, ns: &str, id: &str, session: i64) -> Option<
 }
 
 /// A container's labels through containerd's Containers API; `None` if it is gone.
-async fn container_labels(ch: &Channel, ns: &str, id: &str) -> Option<std::collections::HashMap<String, String>> {
+async fn container_labels(
+    ch: &Channel,
+    ns: &str,
+    id: &str,
+) -> Option<std::collections::HashMap<String, String>> {
     let mut c = ContainersClient::new(ch.clone());
-    match c.get(with_ns(ns, GetContainerRequest { id: id.to_string() })).await {
+    match c
+        .get(with_ns(ns, GetContainerRequest { id: id.to_string() }))
+        .await
+    {
         Ok(r) => r.into_inner().container.map(|c| c.labels),
         Err(st) => {
             debug!(namespace = %ns, container = %id, error = %st, "container record not readable");
@@ -218,10 +234,16 @@ async fn reconcile(ch: &Channel, publisher: &Arc<Publisher>) {
     };
     let mut tasks = TasksClient::new(ch.clone());
     for s in sessions {
-        if s.released || s.state != SessionState::Active || s.outcome.is_some() || s.lease_manifest.is_none() {
+        if s.released
+            || s.state != SessionState::Active
+            || s.outcome.is_some()
+            || s.lease_manifest.is_none()
+        {
             continue;
         }
-        let empty = std::fs::read_dir(&s.upper).map(|mut d| d.next().is_none()).unwrap_or(true);
+        let empty = std::fs::read_dir(&s.upper)
+            .map(|mut d| d.next().is_none())
+            .unwrap_or(true);
         if empty || crate::publish::upper_is_mounted(&s.upper) {
             continue;
         }
@@ -240,7 +262,9 @@ async fn reconcile(ch: &Channel, publisher: &Arc<Publisher>) {
                 // shown to hold, so it publishes nothing.
                 let label = label_policy(ch, &s.namespace, &s.container, s.id).await;
                 info!(session.id = s.id, container = %s.container, "reconcile: task gone");
-                let r = publisher.finish(s.id, label, None, "reconcile: task gone").await;
+                let r = publisher
+                    .finish(s.id, label, None, "reconcile: task gone")
+                    .await;
                 if let Err(e) = r {
                     warn!(session.id = s.id, error = %e, "reconcile publish failed");
                 }
@@ -251,7 +275,11 @@ async fn reconcile(ch: &Channel, publisher: &Arc<Publisher>) {
     }
 }
 
-async fn read_blob(content: &mut ContentClient<Channel>, ns: &str, digest: &str) -> Result<Vec<u8>, ContainerdError> {
+async fn read_blob(
+    content: &mut ContentClient<Channel>,
+    ns: &str,
+    digest: &str,
+) -> Result<Vec<u8>, ContainerdError> {
     let req = with_ns(
         ns,
         ReadContentRequest {
@@ -279,12 +307,21 @@ async fn read_blob(content: &mut ContentClient<Channel>, ns: &str, digest: &str)
 /// Resolve an image reference to its top layer chainID (the LayerStack stack id),
 /// following an index to the linux/amd64 manifest (OCI image-spec `config.md`
 /// "Layer ChainID").
-pub async fn resolve_stack(address: &std::path::Path, namespace: &str, image: &str) -> Result<String, ContainerdError> {
+pub async fn resolve_stack(
+    address: &std::path::Path,
+    namespace: &str,
+    image: &str,
+) -> Result<String, ContainerdError> {
     let ch = connect(address).await?;
     let mut images = ImagesClient::new(ch.clone());
     let mut content = ContentClient::new(ch);
     let img = match images
-        .get(with_ns(namespace, GetImageRequest { name: image.to_string() }))
+        .get(with_ns(
+            namespace,
+            GetImageRequest {
+                name: image.to_string(),
+            },
+        ))
         .await
     {
         Ok(r) => r.into_inner().image,
@@ -302,24 +339,32 @@ pub async fn resolve_stack(address: &std::path::Path, namespace: &str, image: &s
     let mut doc: serde_json::Value;
     loop {
         let blob = read_blob(&mut content, namespace, &digest).await?;
-        doc = serde_json::from_slice(&blob).map_err(|e| bad(&format!("manifest {digest} is not JSON: {e}")))?;
-        let Some(manifests) = doc.get("manifests").and_then(|m| m.as_array()) else { break };
+        doc = serde_json::from_slice(&blob)
+            .map_err(|e| bad(&format!("manifest {digest} is not JSON: {e}")))?;
+        let Some(manifests) = doc.get("manifests").and_then(|m| m.as_array()) else {
+            break;
+        };
         let pick = manifests
             .iter()
             .find(|m| {
                 let p = &m["platform"];
-                p["os"] == "linux" && p["architecture"] == std::env::consts::ARCH.replace("x86_64", "amd64")
+                p["os"] == "linux"
+                    && p["architecture"] == std::env::consts::ARCH.replace("x86_64", "amd64")
             })
             .or_else(|| manifests.first())
             .ok_or_else(|| bad("index lists no manifests"))?;
-        digest = pick["digest"].as_str().ok_or_else(|| bad("index entry without digest"))?.to_string();
+        digest = pick["digest"]
+            .as_str()
+            .ok_or_else(|| bad("index entry without digest"))?
+            .to_string();
     }
     let config = doc["config"]["digest"]
         .as_str()
         .ok_or_else(|| bad("manifest has no config digest"))?
         .to_string();
-    let cfg: serde_json::Value = serde_json::from_slice(&read_blob(&mut content, namespace, &config).await?)
-        .map_err(|e| bad(&format!("config is not JSON: {e}")))?;
+    let cfg: serde_json::Value =
+        serde_json::from_slice(&read_blob(&mut content, namespace, &config).await?)
+            .map_err(|e| bad(&format!("config is not JSON: {e}")))?;
     let diff_ids: Vec<String> = cfg["rootfs"]["diff_ids"]
         .as_array()
         .ok_or_else(|| bad("config has no rootfs.diff_ids"))?
@@ -335,7 +380,10 @@ pub fn chain_id(diff_ids: &[String]) -> Option<String> {
     let mut chain = it.next()?.clone();
     for d in it {
         let h = Sha256::digest(format!("{chain} {d}").as_bytes());
-        chain = format!("sha256:{}", h.iter().map(|b| format!("{b:02x}")).collect::<String>());
+        chain = format!(
+            "sha256:{}",
+            h.iter().map(|b| format!("{b:02x}")).collect::<String>()
+        );
     }
     Some(chain)
 }

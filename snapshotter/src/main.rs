@@ -47,14 +47,18 @@ struct Args {
 
 fn bind(path: &Path) -> Result<tokio::net::UnixListener> {
     if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir).with_context(|| format!("cannot create socket directory {}", dir.display()))?;
+        std::fs::create_dir_all(dir)
+            .with_context(|| format!("cannot create socket directory {}", dir.display()))?;
     }
     match std::fs::remove_file(path) {
         Ok(()) => {}
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => return Err(e).with_context(|| format!("cannot remove stale socket {}", path.display())),
+        Err(e) => {
+            return Err(e).with_context(|| format!("cannot remove stale socket {}", path.display()))
+        }
     }
-    let l = tokio::net::UnixListener::bind(path).with_context(|| format!("cannot listen on {}", path.display()))?;
+    let l = tokio::net::UnixListener::bind(path)
+        .with_context(|| format!("cannot listen on {}", path.display()))?;
     // Only root (and the socket's group) may talk to the daemon, whatever the umask.
     use std::os::unix::fs::PermissionsExt;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
@@ -115,7 +119,10 @@ async fn run(args: Args) -> Result<()> {
     if args.print_containerd_config {
         print!(
             "{}",
-            layerstack_config::CONTAINERD_SNIPPET.replace("/run/layerstack/snapshotter.sock", &cfg.address.display().to_string())
+            layerstack_config::CONTAINERD_SNIPPET.replace(
+                "/run/layerstack/snapshotter.sock",
+                &cfg.address.display().to_string()
+            )
         );
         return Ok(());
     }
@@ -130,7 +137,8 @@ async fn run(args: Args) -> Result<()> {
     };
     let store = Arc::new(Store::open(&cfg.root, &opts)?);
     info!(root = %cfg.root.display(), "store open");
-    let exclude = layerstack_publisher::ExcludePolicy::new(&cfg.exclude).context("config key `exclude`")?;
+    let exclude =
+        layerstack_publisher::ExcludePolicy::new(&cfg.exclude).context("config key `exclude`")?;
     let policy = publish::PublishPolicy {
         exclude,
         merge: layerstack_publisher::MergeLimits {
@@ -156,7 +164,10 @@ async fn run(args: Args) -> Result<()> {
     info!(address = %cfg.address.display(), admin = %cfg.admin_address.display(), "serving");
 
     if cfg.publish_on_task_delete {
-        tokio::spawn(containerd::watch_events(cfg.containerd_address.clone(), publisher.clone()));
+        tokio::spawn(containerd::watch_events(
+            cfg.containerd_address.clone(),
+            publisher.clone(),
+        ));
     }
 
     let shutdown = async {

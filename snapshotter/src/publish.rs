@@ -66,7 +66,10 @@ pub fn exit_decision(
     label: Option<policy::Policy>,
     exit_status: Option<u32>,
 ) -> (policy::Decision, String) {
-    let recorded = session.policy.as_deref().and_then(|p| p.parse::<policy::Policy>().ok());
+    let recorded = session
+        .policy
+        .as_deref()
+        .and_then(|p| p.parse::<policy::Policy>().ok());
     let p = recorded.or(label).unwrap_or_default();
     match exit_status {
         Some(code) => policy::decide(p, code),
@@ -279,8 +282,11 @@ impl Publisher {
         let current = self.blocking(move |s| s.session(session)).await?;
         // A conflicted upper is kept after containerd removed the snapshot; this
         // is how it is dropped.
-        let kept_conflict = current.released && current.state == layerstack_store::SessionState::Conflict;
-        if !kept_conflict && (run_finished(&current) || current.lease_manifest.is_none() || current.released) {
+        let kept_conflict =
+            current.released && current.state == layerstack_store::SessionState::Conflict;
+        if !kept_conflict
+            && (run_finished(&current) || current.lease_manifest.is_none() || current.released)
+        {
             return Ok(current);
         }
         if upper_is_mounted(&current.upper) {
@@ -324,7 +330,10 @@ impl Publisher {
                     "nothing to publish: the session's current run already ended with outcome {}",
                     o.kind.as_str()
                 ),
-                _ => "nothing to publish: the session holds no lease (its next run has not started)".into(),
+                _ => {
+                    "nothing to publish: the session holds no lease (its next run has not started)"
+                        .into()
+                }
             };
             return Ok(DryRun {
                 session: current,
@@ -362,7 +371,10 @@ impl Publisher {
                 let expand = publisher::opaque_dirs_to_expand(&cs, &head);
                 if !expand.is_empty() {
                     options.expand_opaque = expand;
-                    let first = std::mem::replace(&mut cs, publisher::capture_with(&upper, &view, &options)?);
+                    let first = std::mem::replace(
+                        &mut cs,
+                        publisher::capture_with(&upper, &view, &options)?,
+                    );
                     cs.keep_reports_of(&first);
                 }
                 let files = publisher::FsFiles {
@@ -372,7 +384,13 @@ impl Publisher {
                     upper,
                     userxattr: policy.userxattr,
                 };
-                let plan = publisher::plan_gate_with(&cs, &head, &files, &policy.merge, publisher::PlanMode::DryRun)?;
+                let plan = publisher::plan_gate_with(
+                    &cs,
+                    &head,
+                    &files,
+                    &policy.merge,
+                    publisher::PlanMode::DryRun,
+                )?;
                 let kind = decision(&plan);
                 Ok((kind, records(&plan), summary(&plan, kind)))
             },
@@ -676,7 +694,10 @@ mod tests {
         if nix::unistd::geteuid().is_root() {
             return true;
         }
-        assert!(std::env::var("CI").as_deref() != Ok("true"), "{test} needs root under CI=true");
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "{test} needs root under CI=true"
+        );
         eprintln!("skipping {test}: needs root");
         false
     }
@@ -928,7 +949,11 @@ mod tests {
         let out = b.outcome.unwrap();
         assert_eq!(out.kind, OutcomeKind::Committed, "{out:?}");
         want(&out.paths);
-        let deleted = out.paths.iter().find(|r| r.path == "/etc/app.conf").unwrap();
+        let deleted = out
+            .paths
+            .iter()
+            .find(|r| r.path == "/etc/app.conf")
+            .unwrap();
         assert_eq!(deleted.reason, "deleted; untouched on head");
         let layer = store.layer_path(out.layer.unwrap());
         assert!(!layer.join("tmp/scratch").exists());

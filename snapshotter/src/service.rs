@@ -26,7 +26,9 @@ impl LayerStackSnapshotter {
 
     /// The live session whose container rootfs snapshot is `key`, if any.
     async fn session_of(&self, key: &str) -> Result<Option<layerstack_store::SessionInfo>, Status> {
-        let Some((ns, name)) = split_key(key) else { return Ok(None) };
+        let Some((ns, name)) = split_key(key) else {
+            return Ok(None);
+        };
         let (ns, name, key) = (ns.to_string(), name.to_string(), key.to_string());
         let store = self.store.clone();
         let found = tokio::task::spawn_blocking(move || store.find_session(&ns, &name))
@@ -118,7 +120,9 @@ impl Snapshotter for LayerStackSnapshotter {
         let key = info.name.clone();
         let labels = to_btree(info.labels);
         let paths = fieldpaths.unwrap_or_default();
-        self.blocking(move |s| s.update_labels(&key, labels, &paths)).await.map(to_info)
+        self.blocking(move |s| s.update_labels(&key, labels, &paths))
+            .await
+            .map(to_info)
     }
 
     async fn usage(&self, key: String) -> Result<Usage, Status> {
@@ -138,21 +142,40 @@ impl Snapshotter for LayerStackSnapshotter {
         self.blocking(move |s| s.mounts(&key)).await.map(to_mounts)
     }
 
-    async fn prepare(&self, key: String, parent: String, labels: HashMap<String, String>) -> Result<Vec<Mount>, Status> {
+    async fn prepare(
+        &self,
+        key: String,
+        parent: String,
+        labels: HashMap<String, String>,
+    ) -> Result<Vec<Mount>, Status> {
         debug!(snapshot.key = %key, parent = %parent, ?labels, "prepare");
         let labels = to_btree(labels);
-        let (_, spec) = self.blocking(move |s| s.prepare(&key, &parent, labels, false)).await?;
+        let (_, spec) = self
+            .blocking(move |s| s.prepare(&key, &parent, labels, false))
+            .await?;
         Ok(to_mounts(spec))
     }
 
-    async fn view(&self, key: String, parent: String, labels: HashMap<String, String>) -> Result<Vec<Mount>, Status> {
+    async fn view(
+        &self,
+        key: String,
+        parent: String,
+        labels: HashMap<String, String>,
+    ) -> Result<Vec<Mount>, Status> {
         debug!(snapshot.key = %key, parent = %parent, "view");
         let labels = to_btree(labels);
-        let (_, spec) = self.blocking(move |s| s.prepare(&key, &parent, labels, true)).await?;
+        let (_, spec) = self
+            .blocking(move |s| s.prepare(&key, &parent, labels, true))
+            .await?;
         Ok(to_mounts(spec))
     }
 
-    async fn commit(&self, name: String, key: String, labels: HashMap<String, String>) -> Result<(), Status> {
+    async fn commit(
+        &self,
+        name: String,
+        key: String,
+        labels: HashMap<String, String>,
+    ) -> Result<(), Status> {
         debug!(snapshot.key = %key, name = %name, "commit");
         let labels = to_btree(labels);
         self.blocking(move |s| s.commit(&name, &key, labels)).await
@@ -174,7 +197,11 @@ impl Snapshotter for LayerStackSnapshotter {
                     sess.upper.display()
                 )));
             }
-            if let Err(e) = self.publisher.finish_locked(&sess, None, None, "snapshot remove").await {
+            if let Err(e) = self
+                .publisher
+                .finish_locked(&sess, None, None, "snapshot remove")
+                .await
+            {
                 warn!(session.id = sess.id, error = %e, "publish before remove did not complete");
             }
             let r = self.blocking(move |s| s.remove(&key)).await;
@@ -196,7 +223,11 @@ impl Snapshotter for LayerStackSnapshotter {
         Ok(())
     }
 
-    async fn list(&self, _snapshotter: String, filters: Vec<String>) -> Result<Self::InfoStream, Status> {
+    async fn list(
+        &self,
+        _snapshotter: String,
+        filters: Vec<String>,
+    ) -> Result<Self::InfoStream, Status> {
         // containerd re-checks filters itself on the one filtered call it makes
         // (remote-snapshot AlreadyExists path); GC passes none. Only the
         // `parent==` and `labels."k"==v` forms are honoured here.
@@ -241,7 +272,11 @@ mod tests {
             key: "default/3/sha256:b".into(),
             kind: SnapshotKind::Committed,
             parent: "default/1/sha256:a".into(),
-            labels: [("containerd.io/snapshot.ref".to_string(), "sha256:b".to_string())].into(),
+            labels: [(
+                "containerd.io/snapshot.ref".to_string(),
+                "sha256:b".to_string(),
+            )]
+            .into(),
             created_ns: 0,
             updated_ns: 0,
         }

@@ -32,7 +32,10 @@ impl Drop for Daemon {
         if std::thread::panicking() {
             if let Ok(log) = std::fs::read_to_string(self.dir.path().join("daemon.log")) {
                 let lines: Vec<&str> = log.lines().collect();
-                eprintln!("--- daemon log (tail) ---\n{}", lines[lines.len().saturating_sub(60)..].join("\n"));
+                eprintln!(
+                    "--- daemon log (tail) ---\n{}",
+                    lines[lines.len().saturating_sub(60)..].join("\n")
+                );
             }
         }
     }
@@ -46,7 +49,10 @@ impl Daemon {
 
 async fn start() -> (Daemon, SnapshotsClient<Channel>) {
     // Short path: 128 lowerdirs must fit one mount page without containerd's compaction.
-    let dir = tempfile::Builder::new().prefix("lsc").tempdir_in("/var/tmp").unwrap();
+    let dir = tempfile::Builder::new()
+        .prefix("lsc")
+        .tempdir_in("/var/tmp")
+        .unwrap();
     let log = std::fs::File::create(dir.path().join("daemon.log")).unwrap();
     let sock = dir.path().join("s.sock");
     // umask 0: the daemon must set every mode explicitly (containerd's testsuite
@@ -87,7 +93,10 @@ fn need_root(test: &str) -> bool {
     if is_root() {
         return true;
     }
-    assert!(std::env::var("CI").as_deref() != Ok("true"), "{test} needs root under CI=true");
+    assert!(
+        std::env::var("CI").as_deref() != Ok("true"),
+        "{test} needs root under CI=true"
+    );
     eprintln!("skipping {test}: needs root");
     false
 }
@@ -132,7 +141,14 @@ fn mount_all(mounts: &[Mount], target: &Path) {
     assert_eq!(mounts.len(), 1);
     let m = &mounts[0];
     if m.r#type == "bind" {
-        mount(Some(Path::new(&m.source)), target, None::<&str>, MsFlags::MS_BIND, None::<&str>).unwrap();
+        mount(
+            Some(Path::new(&m.source)),
+            target,
+            None::<&str>,
+            MsFlags::MS_BIND,
+            None::<&str>,
+        )
+        .unwrap();
         if m.options.iter().any(|o| o == "ro") {
             mount(
                 None::<&str>,
@@ -145,8 +161,19 @@ fn mount_all(mounts: &[Mount], target: &Path) {
         }
     } else {
         let data = m.options.join(",");
-        assert!(data.len() < 4096, "mount data must fit one page: {} bytes", data.len());
-        mount(Some("overlay"), target, Some("overlay"), MsFlags::empty(), Some(data.as_str())).unwrap();
+        assert!(
+            data.len() < 4096,
+            "mount data must fit one page: {} bytes",
+            data.len()
+        );
+        mount(
+            Some("overlay"),
+            target,
+            Some("overlay"),
+            MsFlags::empty(),
+            Some(data.as_str()),
+        )
+        .unwrap();
     }
 }
 
@@ -165,8 +192,16 @@ async fn arbitrary_keys_chains_and_stat() {
     let info = stat(&mut c, "child").await.unwrap();
     assert_eq!(info.parent, "committed /with spaces");
     assert_eq!(info.kind, 2, "Active");
-    assert_eq!(stat(&mut c, "committed /with spaces").await.unwrap().kind, 3, "Committed");
-    assert_eq!(stat(&mut c, "/tmp/../etc/passwd").await.unwrap_err(), Code::NotFound, "committed key is gone");
+    assert_eq!(
+        stat(&mut c, "committed /with spaces").await.unwrap().kind,
+        3,
+        "Committed"
+    );
+    assert_eq!(
+        stat(&mut c, "/tmp/../etc/passwd").await.unwrap_err(),
+        Code::NotFound,
+        "committed key is gone"
+    );
     // Timestamps keep nanoseconds (not all zero).
     let t = info.created_at.unwrap();
     assert!(t.seconds > 0);
@@ -245,14 +280,21 @@ async fn remove_ordering_walk_usage_and_labels() {
         .await
         .unwrap();
     }
-    assert!(!d.root().join("l/1").exists(), "layer directory removed with its snapshot");
+    assert!(
+        !d.root().join("l/1").exists(),
+        "layer directory removed with its snapshot"
+    );
 }
 
 #[tokio::test]
 async fn active_root_is_0755_whatever_the_umask() {
     let (d, mut c) = start().await;
     prepare(&mut c, "k", "").await;
-    let mode = std::fs::metadata(d.root().join("l/1")).unwrap().permissions().mode() & 0o7777;
+    let mode = std::fs::metadata(d.root().join("l/1"))
+        .unwrap()
+        .permissions()
+        .mode()
+        & 0o7777;
     assert_eq!(mode, 0o755);
 }
 
@@ -288,15 +330,31 @@ async fn view_is_read_only_and_deep_chain_mounts() {
         .into_inner()
         .mounts;
     mount_all(&mounts, &mnt);
-    let seen = (0..128).filter(|i| mnt.join(format!("f{i}")).exists()).count();
+    let seen = (0..128)
+        .filter(|i| mnt.join(format!("f{i}")).exists())
+        .count();
     let write = std::fs::write(mnt.join("new"), b"x");
     // The kernel really mounted 128 lowers (mountinfo shows them all).
     let info = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
-    let line = info.lines().find(|l| l.contains(mnt.to_str().unwrap())).unwrap().to_string();
+    let line = info
+        .lines()
+        .find(|l| l.contains(mnt.to_str().unwrap()))
+        .unwrap()
+        .to_string();
     umount(&mnt);
     assert_eq!(seen, 128);
-    assert_eq!(write.unwrap_err().raw_os_error(), Some(libc_erofs()), "a view is read-only");
-    let lowers = line.split("lowerdir=").nth(1).unwrap().split(',').next().unwrap();
+    assert_eq!(
+        write.unwrap_err().raw_os_error(),
+        Some(libc_erofs()),
+        "a view is read-only"
+    );
+    let lowers = line
+        .split("lowerdir=")
+        .nth(1)
+        .unwrap()
+        .split(',')
+        .next()
+        .unwrap();
     assert_eq!(lowers.split(':').count(), 128, "{line}");
 }
 

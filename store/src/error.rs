@@ -13,7 +13,11 @@ pub enum OpenError {
     Unsupported { root: PathBuf, fs: String },
     /// The store was written by another format version (`-1`: not a LayerStack store).
     #[error("store at {root} has format version {found}, this build reads version {expected}: start a fresh store root (stores are never migrated silently)")]
-    Version { root: PathBuf, found: i64, expected: i64 },
+    Version {
+        root: PathBuf,
+        found: i64,
+        expected: i64,
+    },
     #[error("store i/o on {0}")]
     Io(PathBuf, #[source] std::io::Error),
     #[error("store database")]
@@ -66,7 +70,9 @@ impl From<StoreError> for SnapshotError {
 pub enum StoreError {
     #[error("session {0} not found")]
     SessionNotFound(SessionId),
-    #[error("session {0} holds no lease (nothing mounted since its last publish): nothing to publish")]
+    #[error(
+        "session {0} holds no lease (nothing mounted since its last publish): nothing to publish"
+    )]
     NoLease(SessionId),
     #[error("layer {0} not found")]
     LayerNotFound(LayerId),
@@ -94,7 +100,10 @@ impl StoreError {
 pub enum PublishError {
     /// The branch moved between gating and committing; gate again.
     #[error("branch head moved from manifest {expected} to {found} while publishing")]
-    HeadMoved { expected: ManifestId, found: ManifestId },
+    HeadMoved {
+        expected: ManifestId,
+        found: ManifestId,
+    },
     #[error("i/o on {0}")]
     Io(PathBuf, #[source] std::io::Error),
     #[error("store database")]

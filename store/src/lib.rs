@@ -142,8 +142,11 @@ pub fn stack_id(namespace: &str, chain_id: &str) -> String {
 
 /// `sha256:` followed by 64 lowercase hex digits (a chainID).
 fn is_digest(s: &str) -> bool {
-    s.strip_prefix("sha256:")
-        .is_some_and(|h| h.len() == 64 && h.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)))
+    s.strip_prefix("sha256:").is_some_and(|h| {
+        h.len() == 64
+            && h.bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    })
 }
 
 /// Whether an active snapshot is an image-layer extraction. containerd's pull
@@ -287,12 +290,18 @@ fn get_sess(tx: &Connection, id: SessionId) -> Result<SessRow, StoreError> {
 }
 
 fn manifest_layers(tx: &Connection, id: ManifestId) -> rusqlite::Result<Vec<LayerId>> {
-    let s: String = tx.query_row("SELECT layers FROM manifests WHERE id = ?1", [id], |r| r.get(0))?;
+    let s: String = tx.query_row("SELECT layers FROM manifests WHERE id = ?1", [id], |r| {
+        r.get(0)
+    })?;
     Ok(serde_json::from_str(&s).unwrap_or_default())
 }
 
 fn lease_manifest(tx: &Connection, lease: i64) -> rusqlite::Result<ManifestId> {
-    tx.query_row("SELECT manifest_id FROM leases WHERE id = ?1", [lease], |r| r.get(0))
+    tx.query_row(
+        "SELECT manifest_id FROM leases WHERE id = ?1",
+        [lease],
+        |r| r.get(0),
+    )
 }
 
 fn branch_head(tx: &Connection, stack: &str, branch: &str) -> rusqlite::Result<Option<ManifestId>> {
@@ -330,7 +339,10 @@ fn committed_chain(tx: &Connection, key: &str) -> Result<Vec<LayerId>, SnapshotE
 /// For a rootfs `Prepare` on `parent`: the nearest image-layer ancestor and the
 /// per-container committed layers above it (Docker's `-init` layer), newest first.
 /// `None` when no ancestor is an image layer (then the snapshot is a plain active one).
-fn find_base(tx: &Connection, parent: &str) -> Result<Option<(SnapRow, Vec<LayerId>)>, SnapshotError> {
+fn find_base(
+    tx: &Connection,
+    parent: &str,
+) -> Result<Option<(SnapRow, Vec<LayerId>)>, SnapshotError> {
     let mut above = Vec::new();
     let mut next = Some(parent.to_string());
     while let Some(k) = next {
@@ -389,7 +401,8 @@ impl Store {
         // Layer dirs must be traversable by the container's users through overlay.
         {
             use std::os::unix::fs::PermissionsExt;
-            std::fs::set_permissions(root.join("l"), std::fs::Permissions::from_mode(0o711)).map_err(io)?;
+            std::fs::set_permissions(root.join("l"), std::fs::Permissions::from_mode(0o711))
+                .map_err(io)?;
         }
         let db = root.join("store.db");
         let mut conn = Connection::open(&db)?;
@@ -410,7 +423,11 @@ impl Store {
             )?;
             if has_meta {
                 let v: Option<String> = tx
-                    .query_row("SELECT value FROM meta WHERE key='format_version'", [], |r| r.get(0))
+                    .query_row(
+                        "SELECT value FROM meta WHERE key='format_version'",
+                        [],
+                        |r| r.get(0),
+                    )
                     .optional()?;
                 let v = v.and_then(|v| v.parse::<i64>().ok()).unwrap_or(-1);
                 if v != FORMAT_VERSION {
@@ -421,8 +438,11 @@ impl Store {
                     });
                 }
             } else {
-                let tables: i64 =
-                    tx.query_row("SELECT count(*) FROM sqlite_master WHERE type='table'", [], |r| r.get(0))?;
+                let tables: i64 = tx.query_row(
+                    "SELECT count(*) FROM sqlite_master WHERE type='table'",
+                    [],
+                    |r| r.get(0),
+                )?;
                 if tables > 0 {
                     return Err(OpenError::Version {
                         root: root.to_path_buf(),
@@ -512,7 +532,12 @@ impl Store {
 
     /// Lower layers of a session's current lease, newest first:
     /// per-container committed layers, then the leased published layers, then the image.
-    fn session_lowers(&self, tx: &Connection, s: &SessRow, lease: i64) -> Result<Vec<LayerId>, SnapshotError> {
+    fn session_lowers(
+        &self,
+        tx: &Connection,
+        s: &SessRow,
+        lease: i64,
+    ) -> Result<Vec<LayerId>, SnapshotError> {
         let manifest = lease_manifest(tx, lease)?;
         let mut lowers = s.above.clone();
         lowers.extend(manifest_layers(tx, manifest)?);
@@ -520,7 +545,12 @@ impl Store {
         Ok(lowers)
     }
 
-    fn ensure_stack_branch(&self, tx: &Transaction<'_>, stack: &str, branch: &str) -> Result<ManifestId, SnapshotError> {
+    fn ensure_stack_branch(
+        &self,
+        tx: &Transaction<'_>,
+        stack: &str,
+        branch: &str,
+    ) -> Result<ManifestId, SnapshotError> {
         let now = now_ns();
         tx.execute(
             "INSERT OR IGNORE INTO stacks(id, created_ns) VALUES (?1, ?2)",
@@ -556,7 +586,11 @@ impl Store {
         Ok(m)
     }
 
-    fn new_lease(tx: &Transaction<'_>, manifest: ManifestId, session: SessionId) -> rusqlite::Result<i64> {
+    fn new_lease(
+        tx: &Transaction<'_>,
+        manifest: ManifestId,
+        session: SessionId,
+    ) -> rusqlite::Result<i64> {
         tx.execute(
             "INSERT INTO leases(manifest_id, session_id, created_ns) VALUES (?1, ?2, ?3)",
             params![manifest, session, now_ns()],
@@ -589,7 +623,9 @@ impl Store {
         view: bool,
     ) -> Result<(SnapshotInfo, MountSpec), SnapshotError> {
         if key.is_empty() {
-            return Err(SnapshotError::InvalidArgument("snapshot key is empty".into()));
+            return Err(SnapshotError::InvalidArgument(
+                "snapshot key is empty".into(),
+            ));
         }
         let mut conn = self.conn();
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
@@ -620,7 +656,9 @@ impl Store {
                 params![key, parent_opt, labels_json, now, layer_id, serde_json::to_string(&lowers).unwrap_or_default()],
             )?;
             let dirs = self.layer_dirs(&tx, &lowers)?;
-            let info = get_snap(&tx, key)?.ok_or_else(|| SnapshotError::NotFound(key.into()))?.info();
+            let info = get_snap(&tx, key)?
+                .ok_or_else(|| SnapshotError::NotFound(key.into()))?
+                .info();
             tx.commit()?;
             return Ok((info, Self::view_spec(dirs)));
         }
@@ -631,7 +669,10 @@ impl Store {
         };
         if let Some((base, above)) = base {
             let (ns, container) = split_key(key).unwrap_or(("", key));
-            let branch = labels.get(BRANCH_LABEL).cloned().unwrap_or_else(|| self.default_branch.clone());
+            let branch = labels
+                .get(BRANCH_LABEL)
+                .cloned()
+                .unwrap_or_else(|| self.default_branch.clone());
             validate_branch(&branch).map_err(SnapshotError::InvalidArgument)?;
             let stack = stack_id(ns, &stack_id_of(&base));
             let head = self.ensure_stack_branch(&tx, &stack, &branch)?;
@@ -641,7 +682,10 @@ impl Store {
             )?;
             let sid = tx.last_insert_rowid();
             let lease = Self::new_lease(&tx, head, sid)?;
-            tx.execute("UPDATE sessions SET lease_id = ?2 WHERE id = ?1", params![sid, lease])?;
+            tx.execute(
+                "UPDATE sessions SET lease_id = ?2 WHERE id = ?1",
+                params![sid, lease],
+            )?;
             tx.execute(
                 "INSERT INTO snapshots(key, kind, parent, labels, created_ns, updated_ns, session_id) VALUES (?1, 'active', ?2, ?3, ?4, ?4, ?5)",
                 params![key, parent_opt, labels_json, now, sid],
@@ -650,7 +694,9 @@ impl Store {
             let s = get_sess(&tx, sid)?;
             let lowers = self.session_lowers(&tx, &s, lease)?;
             let spec = self.session_spec(&tx, sid, &lowers)?;
-            let info = get_snap(&tx, key)?.ok_or_else(|| SnapshotError::NotFound(key.into()))?.info();
+            let info = get_snap(&tx, key)?
+                .ok_or_else(|| SnapshotError::NotFound(key.into()))?
+                .info();
             tx.commit()?;
             info!(snapshot.key = key, session.id = sid, stack = %stack, branch = %branch, manifest = head, "session created");
             return Ok((info, spec));
@@ -673,13 +719,25 @@ impl Store {
             params![key, parent_opt, labels_json, now, id],
         )?;
         let dirs = self.layer_dirs(&tx, &lowers)?;
-        let info = get_snap(&tx, key)?.ok_or_else(|| SnapshotError::NotFound(key.into()))?.info();
+        let info = get_snap(&tx, key)?
+            .ok_or_else(|| SnapshotError::NotFound(key.into()))?
+            .info();
         tx.commit()?;
-        debug!(snapshot.key = key, layer.id = id, "active snapshot prepared");
+        debug!(
+            snapshot.key = key,
+            layer.id = id,
+            "active snapshot prepared"
+        );
         Ok((info, Self::active_spec(dir, work, dirs)))
     }
 
-    fn insert_layer(&self, tx: &Transaction<'_>, kind: &str, stack: Option<&str>, session: Option<SessionId>) -> rusqlite::Result<LayerId> {
+    fn insert_layer(
+        &self,
+        tx: &Transaction<'_>,
+        kind: &str,
+        stack: Option<&str>,
+        session: Option<SessionId>,
+    ) -> rusqlite::Result<LayerId> {
         // AUTOINCREMENT: ids are never reused, so a leftover directory can never
         // be mistaken for a new layer's.
         let next: i64 = tx.query_row(
@@ -696,7 +754,11 @@ impl Store {
 
     fn make_session_dirs(&self, sid: SessionId) -> Result<(), SnapshotError> {
         let s = self.session_path(sid);
-        for (p, mode) in [(s.clone(), 0o700), (s.join("upper"), 0o755), (s.join("work"), 0o700)] {
+        for (p, mode) in [
+            (s.clone(), 0o700),
+            (s.join("upper"), 0o755),
+            (s.join("work"), 0o700),
+        ] {
             match fs::mkdir_mode(&p, mode) {
                 Ok(()) => {}
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
@@ -713,13 +775,19 @@ impl Store {
                 writable: false,
             }
         } else {
-            MountSpec::Overlay { lowers: dirs, upper: None }
+            MountSpec::Overlay {
+                lowers: dirs,
+                upper: None,
+            }
         }
     }
 
     fn active_spec(dir: PathBuf, work: PathBuf, lowers: Vec<PathBuf>) -> MountSpec {
         if lowers.is_empty() {
-            MountSpec::Bind { source: dir, writable: true }
+            MountSpec::Bind {
+                source: dir,
+                writable: true,
+            }
         } else {
             MountSpec::Overlay {
                 lowers,
@@ -728,7 +796,12 @@ impl Store {
         }
     }
 
-    fn session_spec(&self, tx: &Connection, sid: SessionId, lowers: &[LayerId]) -> Result<MountSpec, SnapshotError> {
+    fn session_spec(
+        &self,
+        tx: &Connection,
+        sid: SessionId,
+        lowers: &[LayerId],
+    ) -> Result<MountSpec, SnapshotError> {
         if lowers.len() > MAX_LOWERS {
             return Err(SnapshotError::FailedPrecondition(format!(
                 "a container on this branch would mount {} lower layers (published history plus image layers); overlayfs allows {MAX_LOWERS} (OVL_MAX_STACK); squashing history is not implemented yet: run new containers on another branch (label {BRANCH_LABEL}) or image",
@@ -752,10 +825,14 @@ impl Store {
             (SnapshotKind::Active, Some(sid)) => {
                 let mut s = get_sess(&tx, sid)?;
                 if s.lease_id.is_none() {
-                    let head = branch_head(&tx, &s.stack, &s.branch)?
-                        .ok_or_else(|| SnapshotError::Internal(format!("branch {} vanished", s.branch)))?;
+                    let head = branch_head(&tx, &s.stack, &s.branch)?.ok_or_else(|| {
+                        SnapshotError::Internal(format!("branch {} vanished", s.branch))
+                    })?;
                     let lease = Self::new_lease(&tx, head, sid)?;
-                    tx.execute("UPDATE sessions SET lease_id = ?2 WHERE id = ?1", params![sid, lease])?;
+                    tx.execute(
+                        "UPDATE sessions SET lease_id = ?2 WHERE id = ?1",
+                        params![sid, lease],
+                    )?;
                     s.lease_id = Some(lease);
                 }
                 if s.state != SessionState::Active || s.outcome.is_some() {
@@ -770,7 +847,9 @@ impl Store {
                 self.session_spec(&tx, sid, &lowers)?
             }
             (SnapshotKind::Active, None) => {
-                let id = row.layer_id.ok_or_else(|| SnapshotError::Internal(format!("{key} has no layer")))?;
+                let id = row
+                    .layer_id
+                    .ok_or_else(|| SnapshotError::Internal(format!("{key} has no layer")))?;
                 let lowers = match &row.parent {
                     Some(p) => committed_chain(&tx, p)?,
                     None => Vec::new(),
@@ -798,7 +877,12 @@ impl Store {
     /// session freezes what it saw (its lease's layers plus its upper) and ends the
     /// session without publishing. Errors: `NotFound`, `AlreadyExists` (name),
     /// `FailedPrecondition` (key not active).
-    pub fn commit(&self, name: &str, key: &str, labels: BTreeMap<String, String>) -> Result<(), SnapshotError> {
+    pub fn commit(
+        &self,
+        name: &str,
+        key: &str,
+        labels: BTreeMap<String, String>,
+    ) -> Result<(), SnapshotError> {
         // Usage is measured outside the transaction (it walks the tree).
         let pre = {
             let conn = self.conn();
@@ -806,7 +890,9 @@ impl Store {
         };
         let row = pre.ok_or_else(|| SnapshotError::NotFound(key.to_string()))?;
         if row.kind != SnapshotKind::Active {
-            return Err(SnapshotError::FailedPrecondition(format!("{key} is not an active snapshot")));
+            return Err(SnapshotError::FailedPrecondition(format!(
+                "{key} is not an active snapshot"
+            )));
         }
         let dir = match (row.session_id, row.layer_id) {
             (Some(sid), _) => self.upper_path(sid),
@@ -830,14 +916,19 @@ impl Store {
             Some(sid) => {
                 let s = get_sess(&tx, sid)?;
                 let lease = s.lease_id.ok_or_else(|| {
-                    SnapshotError::FailedPrecondition(format!("session {sid} holds no lease; mount it first"))
+                    SnapshotError::FailedPrecondition(format!(
+                        "session {sid} holds no lease; mount it first"
+                    ))
                 })?;
                 let lowers = self.session_lowers(&tx, &s, lease)?;
                 let layer = {
                     let next = self.insert_layer(&tx, "committed", Some(&s.stack), Some(sid))?;
                     // The upper stays where it is: re-point the row at it.
                     let rel = format!("s/{sid}/upper");
-                    tx.execute("UPDATE layers SET path = ?2 WHERE id = ?1", params![next, rel])?;
+                    tx.execute(
+                        "UPDATE layers SET path = ?2 WHERE id = ?1",
+                        params![next, rel],
+                    )?;
                     next
                 };
                 let mut frozen = vec![layer];
@@ -851,7 +942,9 @@ impl Store {
                     layer: None,
                     conflicts: vec![],
                     paths: vec![],
-                    message: Some(format!("committed by containerd as snapshot {name}; not published")),
+                    message: Some(format!(
+                        "committed by containerd as snapshot {name}; not published"
+                    )),
                     at_ns: now,
                 };
                 tx.execute(
@@ -860,8 +953,11 @@ impl Store {
                 )?;
             }
             None => {
-                let id = row.layer_id.ok_or_else(|| SnapshotError::Internal(format!("{key} has no layer")))?;
-                let image = is_extraction(key, &row.labels) || split_key(name).is_some_and(|(_, n)| is_digest(n));
+                let id = row
+                    .layer_id
+                    .ok_or_else(|| SnapshotError::Internal(format!("{key} has no layer")))?;
+                let image = is_extraction(key, &row.labels)
+                    || split_key(name).is_some_and(|(_, n)| is_digest(n));
                 tx.execute(
                     "UPDATE layers SET kind = ?2 WHERE id = ?1",
                     params![id, if image { "base" } else { "committed" }],
@@ -892,7 +988,11 @@ impl Store {
         let mut conn = self.conn();
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
         let row = get_snap(&tx, key)?.ok_or_else(|| SnapshotError::NotFound(key.to_string()))?;
-        let children: i64 = tx.query_row("SELECT count(*) FROM snapshots WHERE parent = ?1", [key], |r| r.get(0))?;
+        let children: i64 = tx.query_row(
+            "SELECT count(*) FROM snapshots WHERE parent = ?1",
+            [key],
+            |r| r.get(0),
+        )?;
         if children > 0 {
             return Err(SnapshotError::FailedPrecondition(format!(
                 "cannot remove snapshot {key}: {children} snapshot(s) use it as parent"
@@ -985,9 +1085,15 @@ impl Store {
         }
         tx.execute(
             "UPDATE snapshots SET labels = ?2, updated_ns = ?3 WHERE key = ?1",
-            params![key, serde_json::to_string(&new).unwrap_or_default(), now_ns()],
+            params![
+                key,
+                serde_json::to_string(&new).unwrap_or_default(),
+                now_ns()
+            ],
         )?;
-        let info = get_snap(&tx, key)?.ok_or_else(|| SnapshotError::NotFound(key.into()))?.info();
+        let info = get_snap(&tx, key)?
+            .ok_or_else(|| SnapshotError::NotFound(key.into()))?
+            .info();
         tx.commit()?;
         Ok(info)
     }
@@ -1037,8 +1143,15 @@ impl Store {
         // Roll forward publishes that committed but crashed before their upper
         // was renamed into the layer directory (see `commit_publish_outcome`).
         {
-            let mut stmt = tx.prepare("SELECT id, path, session_id FROM layers WHERE kind = 'published'")?;
-            let rows = stmt.query_map([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?, r.get::<_, Option<i64>>(2)?)))?;
+            let mut stmt =
+                tx.prepare("SELECT id, path, session_id FROM layers WHERE kind = 'published'")?;
+            let rows = stmt.query_map([], |r| {
+                Ok((
+                    r.get::<_, i64>(0)?,
+                    r.get::<_, String>(1)?,
+                    r.get::<_, Option<i64>>(2)?,
+                ))
+            })?;
             for r in rows {
                 let (id, path, session) = r?;
                 let dst = self.root.join(&path);
@@ -1049,7 +1162,11 @@ impl Store {
                 }
                 std::fs::rename(&upper, &dst).map_err(|e| StoreError::Io(upper.clone(), e))?;
                 fs::fsync_dir(&self.root.join("l")).map_err(|e| StoreError::Io(dst.clone(), e))?;
-                warn!(layer.id = id, session.id = sid, "rolled forward a publish interrupted by a crash");
+                warn!(
+                    layer.id = id,
+                    session.id = sid,
+                    "rolled forward a publish interrupted by a crash"
+                );
                 report.rolled_forward.push(dst);
                 if let Err(e) = self.make_session_dirs(sid) {
                     warn!(session.id = sid, error = %e, "cannot recreate the session's upper");
@@ -1060,7 +1177,13 @@ impl Store {
         let mut active_works: HashSet<String> = HashSet::new();
         {
             let mut stmt = tx.prepare("SELECT id, path, kind FROM layers")?;
-            let rows = stmt.query_map([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?, r.get::<_, String>(2)?)))?;
+            let rows = stmt.query_map([], |r| {
+                Ok((
+                    r.get::<_, i64>(0)?,
+                    r.get::<_, String>(1)?,
+                    r.get::<_, String>(2)?,
+                ))
+            })?;
             for r in rows {
                 let (id, path, kind) = r?;
                 if kind == "active" {
@@ -1072,7 +1195,13 @@ impl Store {
         let mut sessions: HashSet<String> = HashSet::new();
         {
             let mut stmt = tx.prepare("SELECT id, released, state FROM sessions")?;
-            let rows = stmt.query_map([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?, r.get::<_, String>(2)?)))?;
+            let rows = stmt.query_map([], |r| {
+                Ok((
+                    r.get::<_, i64>(0)?,
+                    r.get::<_, i64>(1)?,
+                    r.get::<_, String>(2)?,
+                ))
+            })?;
             for r in rows {
                 let (id, released, state) = r?;
                 if released == 0 || state == "conflict" {
@@ -1088,7 +1217,10 @@ impl Store {
                 }
             }
         }
-        let scan = |sub: &str, keep: &dyn Fn(&str) -> bool, report: &mut SweepReport| -> Result<(), StoreError> {
+        let scan = |sub: &str,
+                    keep: &dyn Fn(&str) -> bool,
+                    report: &mut SweepReport|
+         -> Result<(), StoreError> {
             let dir = self.root.join(sub);
             let rd = match std::fs::read_dir(&dir) {
                 Ok(rd) => rd,
@@ -1106,7 +1238,11 @@ impl Store {
             }
             Ok(())
         };
-        scan("l", &|n| layer_paths.contains(&format!("l/{n}")), &mut report)?;
+        scan(
+            "l",
+            &|n| layer_paths.contains(&format!("l/{n}")),
+            &mut report,
+        )?;
         scan("w", &|n| active_works.contains(n), &mut report)?;
         scan("s", &|n| sessions.contains(n), &mut report)?;
         scan("staging", &|_| false, &mut report)?;
@@ -1148,7 +1284,11 @@ impl Store {
     /// Record the exit policy of `session` (the container label
     /// `layerstack.publish`: `on-exit`, `on-success`, `never`; validated by the
     /// caller). Error: `SessionNotFound`.
-    pub fn set_session_policy(&self, session: SessionId, policy: &str) -> Result<SessionInfo, StoreError> {
+    pub fn set_session_policy(
+        &self,
+        session: SessionId,
+        policy: &str,
+    ) -> Result<SessionInfo, StoreError> {
         let conn = self.conn();
         let n = conn.execute(
             "UPDATE sessions SET policy = ?2, updated_ns = ?3 WHERE id = ?1",
@@ -1165,8 +1305,12 @@ impl Store {
     pub fn sessions(&self) -> Result<Vec<SessionInfo>, StoreError> {
         let conn = self.conn();
         let mut stmt = conn.prepare(&format!("SELECT {SESS_COLS} FROM sessions ORDER BY id"))?;
-        let rows: Vec<SessRow> = stmt.query_map([], sess_from_row)?.collect::<Result<_, _>>()?;
-        rows.into_iter().map(|s| self.session_info(&conn, s)).collect()
+        let rows: Vec<SessRow> = stmt
+            .query_map([], sess_from_row)?
+            .collect::<Result<_, _>>()?;
+        rows.into_iter()
+            .map(|s| self.session_info(&conn, s))
+            .collect()
     }
 
     /// One session by id. Error: `SessionNotFound`.
@@ -1178,7 +1322,11 @@ impl Store {
 
     /// The newest session of a container (`namespace`, `container` id = the
     /// rootfs snapshot key's name part), preferring one containerd has not removed.
-    pub fn find_session(&self, namespace: &str, container: &str) -> Result<Option<SessionInfo>, StoreError> {
+    pub fn find_session(
+        &self,
+        namespace: &str,
+        container: &str,
+    ) -> Result<Option<SessionInfo>, StoreError> {
         let conn = self.conn();
         let s = conn
             .query_row(
@@ -1201,7 +1349,9 @@ impl Store {
         let conn = self.conn();
         let s = get_sess(&conn, session)?;
         let lease = s.lease_id.ok_or(StoreError::NoLease(session))?;
-        let lowers = self.session_lowers(&conn, &s, lease).map_err(StoreError::from_snapshot)?;
+        let lowers = self
+            .session_lowers(&conn, &s, lease)
+            .map_err(StoreError::from_snapshot)?;
         let lease_lowers = self.layer_dirs(&conn, &lowers)?;
         let lease_manifest = lease_manifest(&conn, lease)?;
         let info = self.session_info(&conn, s)?;
@@ -1214,20 +1364,34 @@ impl Store {
 
     /// The branch head of `session` and every path change published on it since
     /// the session's lease (read from the per-layer path index).
-    pub fn head_delta(&self, session: SessionId, lease_manifest: ManifestId) -> Result<HeadDelta, StoreError> {
+    pub fn head_delta(
+        &self,
+        session: SessionId,
+        lease_manifest: ManifestId,
+    ) -> Result<HeadDelta, StoreError> {
         let conn = self.conn();
         let s = get_sess(&conn, session)?;
-        let head = branch_head(&conn, &s.stack, &s.branch)?.ok_or_else(|| StoreError::BranchNotFound {
-            stack: s.stack.clone(),
-            branch: s.branch.clone(),
-        })?;
+        let head =
+            branch_head(&conn, &s.stack, &s.branch)?.ok_or_else(|| StoreError::BranchNotFound {
+                stack: s.stack.clone(),
+                branch: s.branch.clone(),
+            })?;
         let head_layers = manifest_layers(&conn, head)?;
-        let leased: HashSet<LayerId> = manifest_layers(&conn, lease_manifest)?.into_iter().collect();
-        let new_layers: Vec<LayerId> = head_layers.into_iter().filter(|l| !leased.contains(l)).collect();
+        let leased: HashSet<LayerId> = manifest_layers(&conn, lease_manifest)?
+            .into_iter()
+            .collect();
+        let new_layers: Vec<LayerId> = head_layers
+            .into_iter()
+            .filter(|l| !leased.contains(l))
+            .collect();
         let mut changes = Vec::new();
-        let mut stmt = conn.prepare_cached("SELECT path, change FROM layer_changes WHERE layer_id = ?1 ORDER BY path")?;
+        let mut stmt = conn.prepare_cached(
+            "SELECT path, change FROM layer_changes WHERE layer_id = ?1 ORDER BY path",
+        )?;
         for l in &new_layers {
-            let rows = stmt.query_map([l], |r| Ok((r.get::<_, Vec<u8>>(0)?, r.get::<_, String>(1)?)))?;
+            let rows = stmt.query_map([l], |r| {
+                Ok((r.get::<_, Vec<u8>>(0)?, r.get::<_, String>(1)?))
+            })?;
             for r in rows {
                 changes.push(r?);
             }
@@ -1243,7 +1407,11 @@ impl Store {
     /// `session` would mount them: the session's per-container committed layers,
     /// the head's published layers, then the image layers (the same composition as
     /// its lease). The gate reads the head's version of a path through them.
-    pub fn head_lowers(&self, session: SessionId, head: ManifestId) -> Result<Vec<PathBuf>, StoreError> {
+    pub fn head_lowers(
+        &self,
+        session: SessionId,
+        head: ManifestId,
+    ) -> Result<Vec<PathBuf>, StoreError> {
         let conn = self.conn();
         let s = get_sess(&conn, session)?;
         let mut lowers = s.above.clone();
@@ -1267,7 +1435,14 @@ impl Store {
         changes: &[(Vec<u8>, String)],
         message: Option<String>,
     ) -> Result<Published, PublishError> {
-        self.commit_publish_outcome(session, expected_head, changes, OutcomeKind::Committed, message, Vec::new())
+        self.commit_publish_outcome(
+            session,
+            expected_head,
+            changes,
+            OutcomeKind::Committed,
+            message,
+            Vec::new(),
+        )
     }
 
     /// [`Store::commit_publish`] recording outcome `kind` (`Committed` or `Merged`)
@@ -1300,7 +1475,9 @@ impl Store {
         let upper = self.upper_path(session);
         let dst = self.layer_path(layer);
         {
-            let mut ins = tx.prepare_cached("INSERT INTO layer_changes(layer_id, path, change) VALUES (?1, ?2, ?3)")?;
+            let mut ins = tx.prepare_cached(
+                "INSERT INTO layer_changes(layer_id, path, change) VALUES (?1, ?2, ?3)",
+            )?;
             for (p, c) in changes {
                 ins.execute(params![layer, p, c])?;
             }
@@ -1360,7 +1537,9 @@ impl Store {
     /// keep both for inspection.
     pub fn record_outcome(&self, session: SessionId, outcome: Outcome) -> Result<(), StoreError> {
         let (state, reset) = match outcome.kind {
-            OutcomeKind::NoChange | OutcomeKind::Committed | OutcomeKind::Merged => (SessionState::Published, true),
+            OutcomeKind::NoChange | OutcomeKind::Committed | OutcomeKind::Merged => {
+                (SessionState::Published, true)
+            }
             OutcomeKind::Discarded => (SessionState::Discarded, true),
             OutcomeKind::Conflict => (SessionState::Conflict, false),
             OutcomeKind::Failed => (SessionState::Active, false),
@@ -1397,7 +1576,11 @@ impl Store {
         } else if reset {
             self.reset_session_dirs(session, true);
         }
-        info!(session.id = session, outcome = outcome.kind.as_str(), "outcome recorded");
+        info!(
+            session.id = session,
+            outcome = outcome.kind.as_str(),
+            "outcome recorded"
+        );
         Ok(())
     }
 
@@ -1414,7 +1597,9 @@ impl Store {
             if !d.exists() {
                 continue;
             }
-            let tmp = self.staging_path().join(format!("reset-{session}-{i}-{}", now_ns()));
+            let tmp = self
+                .staging_path()
+                .join(format!("reset-{session}-{i}-{}", now_ns()));
             let target = match std::fs::rename(&d, &tmp) {
                 Ok(()) => tmp,
                 Err(_) => d,
@@ -1431,8 +1616,15 @@ impl Store {
     /// Stacks known to the store, with their branches: `stack -> [(branch, head)]`.
     pub fn stacks(&self) -> Result<BTreeMap<String, Vec<(String, ManifestId)>>, StoreError> {
         let conn = self.conn();
-        let mut stmt = conn.prepare("SELECT stack, name, manifest_id FROM branches ORDER BY stack, name")?;
-        let rows = stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?, r.get::<_, i64>(2)?)))?;
+        let mut stmt =
+            conn.prepare("SELECT stack, name, manifest_id FROM branches ORDER BY stack, name")?;
+        let rows = stmt.query_map([], |r| {
+            Ok((
+                r.get::<_, String>(0)?,
+                r.get::<_, String>(1)?,
+                r.get::<_, i64>(2)?,
+            ))
+        })?;
         let mut out: BTreeMap<String, Vec<(String, ManifestId)>> = BTreeMap::new();
         for r in rows {
             let (s, b, m) = r?;
@@ -1445,15 +1637,19 @@ impl Store {
     /// that made each. Error: `BranchNotFound`.
     pub fn log(&self, stack: &str, branch: &str) -> Result<Vec<LogEntry>, StoreError> {
         let conn = self.conn();
-        let head = branch_head(&conn, stack, branch)?.ok_or_else(|| StoreError::BranchNotFound {
-            stack: stack.to_string(),
-            branch: branch.to_string(),
-        })?;
+        let head =
+            branch_head(&conn, stack, branch)?.ok_or_else(|| StoreError::BranchNotFound {
+                stack: stack.to_string(),
+                branch: branch.to_string(),
+            })?;
         let mut out = Vec::new();
         let mut next = Some(head);
         let sessions: HashMap<SessionId, (String, String)> = {
-            let mut stmt = conn.prepare("SELECT id, namespace, container FROM sessions WHERE stack = ?1")?;
-            let rows = stmt.query_map([stack], |r| Ok((r.get::<_, i64>(0)?, (r.get(1)?, r.get(2)?))))?;
+            let mut stmt =
+                conn.prepare("SELECT id, namespace, container FROM sessions WHERE stack = ?1")?;
+            let rows = stmt.query_map([stack], |r| {
+                Ok((r.get::<_, i64>(0)?, (r.get(1)?, r.get(2)?)))
+            })?;
             rows.collect::<Result<_, _>>()?
         };
         while let Some(m) = next {
@@ -1464,11 +1660,18 @@ impl Store {
             )?;
             if let Some(layer) = layer {
                 let session: Option<i64> = conn
-                    .query_row("SELECT session_id FROM layers WHERE id = ?1", [layer], |r| r.get(0))
+                    .query_row(
+                        "SELECT session_id FROM layers WHERE id = ?1",
+                        [layer],
+                        |r| r.get(0),
+                    )
                     .optional()?
                     .flatten();
-                let paths: i64 =
-                    conn.query_row("SELECT count(*) FROM layer_changes WHERE layer_id = ?1", [layer], |r| r.get(0))?;
+                let paths: i64 = conn.query_row(
+                    "SELECT count(*) FROM layer_changes WHERE layer_id = ?1",
+                    [layer],
+                    |r| r.get(0),
+                )?;
                 let who = session.and_then(|s| sessions.get(&s).cloned());
                 out.push(LogEntry {
                     layer,
@@ -1489,10 +1692,11 @@ impl Store {
     /// `stack` would read above its image (the branch head's published layers).
     pub fn branch_layers(&self, stack: &str, branch: &str) -> Result<Vec<PathBuf>, StoreError> {
         let conn = self.conn();
-        let head = branch_head(&conn, stack, branch)?.ok_or_else(|| StoreError::BranchNotFound {
-            stack: stack.to_string(),
-            branch: branch.to_string(),
-        })?;
+        let head =
+            branch_head(&conn, stack, branch)?.ok_or_else(|| StoreError::BranchNotFound {
+                stack: stack.to_string(),
+                branch: branch.to_string(),
+            })?;
         let layers = manifest_layers(&conn, head)?;
         self.layer_dirs(&conn, &layers)
     }
@@ -1508,9 +1712,15 @@ impl Store {
     /// Errors: `SessionNotFound`; `Snapshot(InvalidArgument)` (branch name);
     /// `Snapshot(FailedPrecondition)` when the run already has an outcome, holds no
     /// lease, was released by containerd, or its upper is not empty.
-    pub fn rebranch_session(&self, session: SessionId, branch: &str) -> Result<(SessionInfo, MountSpec, bool), StoreError> {
-        let precondition = |m: String| StoreError::from_snapshot(SnapshotError::FailedPrecondition(m));
-        validate_branch(branch).map_err(|m| StoreError::from_snapshot(SnapshotError::InvalidArgument(m)))?;
+    pub fn rebranch_session(
+        &self,
+        session: SessionId,
+        branch: &str,
+    ) -> Result<(SessionInfo, MountSpec, bool), StoreError> {
+        let precondition =
+            |m: String| StoreError::from_snapshot(SnapshotError::FailedPrecondition(m));
+        validate_branch(branch)
+            .map_err(|m| StoreError::from_snapshot(SnapshotError::InvalidArgument(m)))?;
         let upper = self.upper_path(session);
         let upper_empty = match std::fs::read_dir(&upper) {
             Ok(mut d) => d.next().is_none(),
@@ -1537,7 +1747,9 @@ impl Store {
                     "session {session} has written to its upper already: its branch cannot change"
                 )));
             }
-            let head = self.ensure_stack_branch(&tx, &s.stack, branch).map_err(StoreError::from_snapshot)?;
+            let head = self
+                .ensure_stack_branch(&tx, &s.stack, branch)
+                .map_err(StoreError::from_snapshot)?;
             Self::release_lease(&tx, Some(lease))?;
             let new_lease = Self::new_lease(&tx, head, session)?;
             tx.execute(
@@ -1548,8 +1760,12 @@ impl Store {
         }
         let s = get_sess(&tx, session)?;
         let lease = s.lease_id.ok_or(StoreError::NoLease(session))?;
-        let lowers = self.session_lowers(&tx, &s, lease).map_err(StoreError::from_snapshot)?;
-        let spec = self.session_spec(&tx, session, &lowers).map_err(StoreError::from_snapshot)?;
+        let lowers = self
+            .session_lowers(&tx, &s, lease)
+            .map_err(StoreError::from_snapshot)?;
+        let spec = self
+            .session_spec(&tx, session, &lowers)
+            .map_err(StoreError::from_snapshot)?;
         let info = self.session_info(&tx, s)?;
         tx.commit()?;
         if changed {

@@ -75,7 +75,10 @@ impl MountSpec {
     pub fn overlay_options(&self) -> Vec<String> {
         match self {
             Self::Bind { writable, .. } => {
-                vec![if *writable { "rw" } else { "ro" }.to_string(), "rbind".to_string()]
+                vec![
+                    if *writable { "rw" } else { "ro" }.to_string(),
+                    "rbind".to_string(),
+                ]
             }
             Self::Overlay { lowers, upper } => {
                 let mut o = vec![
