@@ -29,7 +29,7 @@
 //! on a session mounted without `userxattr`) are ordinary data.
 //!
 //! The upper's root directory is the container's `/`; it is not a path of the
-//! changeset. Its mode and owner are never published: a change of them is
+//! changeset. Its mode, owner and xattrs are never published: a change of them is
 //! reported in [`Changeset::skipped`] (path `""`) and [`UpperEdits::root`] resets
 //! them to the lease's before the upper becomes a layer.
 
@@ -147,15 +147,15 @@ pub struct UpperEdits {
     /// Whiteouts to create: per-path deletions of an expanded opaque directory, and
     /// lease files that a socket replaced (the socket itself is removed).
     pub whiteouts: Vec<Vec<u8>>,
-    /// The upper's root directory (the container's `/`) has another mode or owner
-    /// than the lease's root: set it back to the lease's, so a published layer never
-    /// changes `/` for later containers.
+    /// The upper's root directory (the container's `/`) has another mode, owner or
+    /// set of xattrs than the lease's root: set it back to the lease's, so a
+    /// published layer never changes `/` for later containers.
     #[serde(default)]
     pub root: Option<RootMeta>,
 }
 
-/// Mode and owner of a layer's root directory ([`UpperEdits::root`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+/// Metadata of a layer's root directory ([`UpperEdits::root`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RootMeta {
     /// Permission bits.
     pub mode: u32,
@@ -163,6 +163,10 @@ pub struct RootMeta {
     pub uid: u32,
     /// Owner group id.
     pub gid: u32,
+    /// The xattrs, sorted by name, without overlay-private names and the opaque
+    /// marker of the mount's namespace (those are left as they are).
+    #[serde(default)]
+    pub xattrs: Vec<(Vec<u8>, Vec<u8>)>,
 }
 
 impl UpperEdits {
@@ -499,28 +503,61 @@ fn lower_err(rel: &[u8]) -> impl FnOnce(io::Error) -> CaptureError + '_ {
 }
 
 impl Walker<'_> {
-    /// Compares the upper's root directory with the lease's root: a different mode
-    /// or owner is not published (see [`UpperEdits::root`]).
+    /// Compares the upper's root directory with the lease's root: a different mode,
+    /// owner or set of xattrs is not published (see [`UpperEdits::root`]).
     fn root_meta(&mut self, root: &DirFd) -> Result<(), CaptureError> {
         let Some(lease) = self.lower.lookup(b"").map_err(lower_err(b""))? else {
             return Ok(());
         };
+        let userxattr = self.options.userxattr;
+        let data = |list: Vec<(Vec<u8>, Vec<u8>)>| -> Vec<(Vec<u8>, Vec<u8>)> {
+            strip_opaque(list, userxattr)
+                .into_iter()
+                .filter(|(n, _)| !is_overlay_private(n, userxattr))
+                .collect()
+        };
         let st = nix::sys::stat::fstat(root.as_raw_fd()).map_err(|e| upper_err(b"")(e.into()))?;
         let (mode, uid, gid) = (st.st_mode & 0o7777, st.st_uid, st.st_gid);
-        if (mode, uid, gid) == (lease.mode, lease.uid, lease.gid) {
+        let upper_x = data(fd_xattrs(root).map_err(upper_err(b""))?);
+        let at = fsx::at(self.lower.layer(lease.layer_index), b"").map_err(lower_err(b""))?;
+        let lease_x = data(fsx::xattrs_of(at.path()).map_err(lower_err(b""))?);
+        let same_meta = (mode, uid, gid) == (lease.mode, lease.uid, lease.gid);
+        if same_meta && upper_x == lease_x {
             return Ok(());
         }
-        self.out.skipped.push((
-            Vec::new(),
-            format!(
-                "root directory mode/owner {mode:04o} {uid}:{gid} differs from the lease's {:04o} {}:{}",
+        let mut why = Vec::new();
+        if !same_meta {
+            why.push(format!(
+                "mode/owner {mode:04o} {uid}:{gid} differs from the lease's {:04o} {}:{}",
                 lease.mode, lease.uid, lease.gid
-            ),
-        ));
+            ));
+        }
+        if upper_x != lease_x {
+            let names = |l: &[(Vec<u8>, Vec<u8>)]| -> BTreeMap<Vec<u8>, Vec<u8>> {
+                l.iter().cloned().collect()
+            };
+            let (u, l) = (names(&upper_x), names(&lease_x));
+            let changed: Vec<String> = u
+                .keys()
+                .chain(l.keys())
+                .collect::<BTreeSet<_>>()
+                .into_iter()
+                .filter(|n| u.get(*n) != l.get(*n))
+                .map(|n| String::from_utf8_lossy(n).into_owned())
+                .collect();
+            why.push(format!(
+                "xattrs {} differ from the lease's",
+                changed.join(", ")
+            ));
+        }
+        self.out
+            .skipped
+            .push((Vec::new(), format!("root directory {}", why.join("; "))));
         self.out.edits.root = Some(RootMeta {
             mode: lease.mode,
             uid: lease.uid,
             gid: lease.gid,
+            xattrs: lease_x,
         });
         Ok(())
     }
@@ -1353,6 +1390,51 @@ mod tests {
     }
 
     #[test]
+    fn root_directory_xattrs_are_reported_and_reset_never_published() {
+        let f = fixture();
+        xattr::set(&f.lower, "user.kept", b"lease").unwrap();
+        xattr::set(&f.lower, "user.dropped", b"1").unwrap();
+        xattr::set(&f.upper, "user.kept", b"session").unwrap();
+        xattr::set(&f.upper, "user.added", b"2").unwrap();
+        // An overlay-private name on the upper root (as the kernel may leave) is
+        // neither compared nor touched.
+        let private = if nix::unistd::geteuid().is_root() {
+            xattr::set(&f.upper, "trusted.overlay.impure", b"y").unwrap();
+            true
+        } else {
+            false
+        };
+        let c = f.capture();
+        assert!(c.entries.is_empty(), "{:?}", c.entries);
+        assert_eq!(c.skipped.len(), 1);
+        assert_eq!(
+            c.skipped[0].1,
+            "root directory xattrs user.added, user.dropped, user.kept differ from the lease's"
+        );
+        let root = c.edits.root.clone().unwrap();
+        assert_eq!(
+            root.xattrs,
+            [
+                (b"user.dropped".to_vec(), b"1".to_vec()),
+                (b"user.kept".to_vec(), b"lease".to_vec())
+            ]
+        );
+        crate::layer::prepare_upper(&f.upper, &c, false).unwrap();
+        let mut got: Vec<(Vec<u8>, Vec<u8>)> = crate::fsx::xattrs_of(&f.upper).unwrap();
+        if private {
+            assert!(got.contains(&(b"trusted.overlay.impure".to_vec(), b"y".to_vec())));
+            got.retain(|(n, _)| !n.starts_with(b"trusted."));
+        }
+        assert_eq!(got, root.xattrs);
+        let c = f.capture();
+        assert!(
+            c.skipped.is_empty() && c.edits.root.is_none(),
+            "{:?}",
+            c.skipped
+        );
+    }
+
+    #[test]
     fn root_directory_metadata_is_reported_and_reset_never_published() {
         let f = fixture();
         use std::os::unix::fs::PermissionsExt;
@@ -1372,6 +1454,7 @@ mod tests {
             mode: 0o755,
             uid: uid(),
             gid: gid(),
+            xattrs: Vec::new(),
         };
         assert_eq!(c.edits.root, Some(root));
         assert!(!c.edits.is_empty());

@@ -599,6 +599,17 @@ pub enum Action {
         /// The merged metadata.
         meta: Meta,
     },
+    /// Replace a symlink by one with `target` (the head's) and the merged metadata
+    /// (a new inode: created in the scratch directory, owner and xattrs set, then
+    /// renamed over the old one). Never followed.
+    WriteSymlink {
+        /// Relative path.
+        path: Vec<u8>,
+        /// The link target, bytes as `readlink(2)` returns them.
+        target: Vec<u8>,
+        /// The merged metadata (`mode` is ignored: a symlink has none).
+        meta: Meta,
+    },
     /// Set the metadata of an upper entry in place (a directory or a file whose
     /// content stays).
     SetMeta {
@@ -716,10 +727,60 @@ pub fn opaque_dirs_to_expand(
         .collect()
 }
 
+/// Flattens the path indexes of the layers published on the head since a lease,
+/// **newest layer first**, into the list [`plan_gate`] takes.
+///
+/// Entries of an older layer below a path that a newer layer hid are
+/// dropped: a newer layer that deleted a directory, replaced it by a
+/// non-directory, or replaced it by an opaque directory (`rm -rf d; mkdir d`)
+/// removed everything older below it, as overlayfs' lookup stops at its
+/// whiteout or opaque marker (kernel `Documentation/filesystems/overlayfs.rst`,
+/// "whiteouts and opaque directories"). Such an older change is not part of the
+/// head's final state, so it must neither be taken as the head's version of the
+/// path nor count as a head change below a directory. The hiding entry itself,
+/// and any occurrence of a path that the newer layers did not hide, are kept in
+/// order: the first occurrence of a path is its final state, every occurrence
+/// counts for the directory rules.
+#[must_use]
+pub fn flatten_head_layers<I>(layers: I) -> Vec<HeadChange>
+where
+    I: IntoIterator<Item = Vec<HeadChange>>,
+{
+    let mut out = Vec::new();
+    // Paths hidden by a layer newer than the one being read.
+    let mut hidden: BTreeSet<Vec<u8>> = BTreeSet::new();
+    for layer in layers {
+        let kept: Vec<HeadChange> = layer
+            .into_iter()
+            .filter(|h| !is_below_any(&hidden, &h.path))
+            .collect();
+        for h in &kept {
+            if h.kind.hides_below() {
+                hidden.insert(h.path.clone());
+            }
+        }
+        out.extend(kept);
+    }
+    out
+}
+
+/// True when `path` is strictly below one of `dirs`.
+fn is_below_any(dirs: &BTreeSet<Vec<u8>>, path: &[u8]) -> bool {
+    let mut end = path.len();
+    while let Some(slash) = path[..end].iter().rposition(|&b| b == b'/') {
+        if dirs.contains(&path[..slash]) {
+            return true;
+        }
+        end = slash;
+    }
+    false
+}
+
 /// Plans the publish of `captured` against `head_changes` (the changes of all
-/// layers published on the branch head since the lease, **newest layer first**;
-/// a path may appear several times, its first occurrence is the head's final state
-/// and every occurrence counts for the hierarchy rules). Rules: see the module docs.
+/// layers published on the branch head since the lease, **newest layer first**,
+/// as [`flatten_head_layers`] returns them; a path may appear several times, its
+/// first occurrence is the head's final state and every occurrence counts for the
+/// hierarchy rules). Rules: see the module docs.
 /// A real publish: [`plan_gate_with`] in [`PlanMode::Publish`].
 ///
 /// # Errors
@@ -1309,8 +1370,31 @@ impl Planner<'_> {
                 );
                 return Ok(());
             }
+            if kind == Some(Kind::Plain(FileKind::Symlink)) {
+                // The head's target with the merged owner and xattrs.
+                let target = self
+                    .files
+                    .read(Side::Theirs, path)
+                    .map_err(Self::read_err(Side::Theirs, path))?;
+                self.actions.push(Action::WriteSymlink {
+                    path: path.to_vec(),
+                    target,
+                    meta: meta.clone(),
+                });
+                self.report(
+                    path,
+                    PathStatus::Merged,
+                    "target from head, metadata from session".into(),
+                );
+                self.index_merged(path, h, kind, &result);
+                return Ok(());
+            }
             if kind != Some(Kind::Plain(FileKind::Regular)) {
-                self.conflict(path, "both sides changed this entry".into());
+                self.conflict(
+                    path,
+                    "special file: head changed its type or device number, the session its metadata"
+                        .into(),
+                );
                 return Ok(());
             }
             // Streamed at apply time where the files have a directory (no size
@@ -1354,7 +1438,12 @@ impl Planner<'_> {
             }
         }
         self.report(path, PathStatus::Merged, what);
-        // Index record of the merged state.
+        self.index_merged(path, h, kind, &result);
+        Ok(())
+    }
+
+    /// Index record of the merged state `result` at `path`.
+    fn index_merged(&mut self, path: &[u8], h: &HeadChange, kind: Option<Kind>, result: &State) {
         let mut hc = self.captured.head_change(path).unwrap_or_else(|| h.clone());
         hc.digest = if kind == Some(Kind::Plain(FileKind::Dir)) {
             None
@@ -1366,7 +1455,6 @@ impl Planner<'_> {
         hc.gid = result.gid;
         hc.xattrs = result.xattrs;
         self.index.insert(path.to_vec(), hc);
-        Ok(())
     }
 
     /// Copy-up noise at a path the head changed: the head's version wins.
@@ -1551,10 +1639,12 @@ pub fn apply_plan(upper: &Path, plan: &GatePlan, scratch: &Path) -> Result<(), A
     if plan.is_conflict() || plan.actions.is_empty() {
         return Ok(());
     }
-    let needs_scratch = plan
-        .actions
-        .iter()
-        .any(|a| matches!(a, Action::WriteFile { .. } | Action::CopyFile { .. }));
+    let needs_scratch = plan.actions.iter().any(|a| {
+        matches!(
+            a,
+            Action::WriteFile { .. } | Action::CopyFile { .. } | Action::WriteSymlink { .. }
+        )
+    });
     if needs_scratch {
         let dev = |p: &Path, what| {
             std::fs::symlink_metadata(p)
@@ -1582,6 +1672,9 @@ pub fn apply_plan(upper: &Path, plan: &GatePlan, scratch: &Path) -> Result<(), A
             } => write_file(upper, path, Content::Bytes(content), meta, scratch)?,
             Action::CopyFile { path, from, meta } => {
                 write_file(upper, path, Content::CopyOf(from), meta, scratch)?;
+            }
+            Action::WriteSymlink { path, target, meta } => {
+                write_symlink(upper, path, target, meta, scratch, plan.userxattr)?;
             }
             Action::SetMeta { path, meta } => {
                 let at = fsx::at(upper, path).map_err(apply_err("open", path))?;
@@ -1813,7 +1906,39 @@ fn write_file(
 /// the short path `p`, leaving the overlay's own xattrs (private and opaque, of the
 /// mount's namespace: `user.overlay.*` with `userxattr`, else `trusted.overlay.*`)
 /// alone.
-fn set_meta(p: &Path, meta: &Meta, userxattr: bool) -> io::Result<()> {
+/// [`Action::WriteSymlink`]: a new symlink under a unique name in `scratch`, its
+/// owner and xattrs set, renamed over `path` in the upper (never followed).
+fn write_symlink(
+    upper: &Path,
+    path: &[u8],
+    target: &[u8],
+    meta: &Meta,
+    scratch: &Path,
+    userxattr: bool,
+) -> Result<(), ApplyError> {
+    let (parent, name) = fsx::split_parent(path);
+    let dir = fsx::walk_dir(upper, parent).map_err(apply_err("open the parent of", path))?;
+    let tmp = loop {
+        let tmp = scratch_name(scratch);
+        match std::os::unix::fs::symlink(std::ffi::OsStr::from_bytes(target), &tmp) {
+            Ok(()) => break tmp,
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => continue,
+            Err(e) => return Err(apply_err("create the merged symlink for", path)(e)),
+        }
+    };
+    let placed = set_meta(&tmp, meta, userxattr)
+        .and_then(|()| std::fs::rename(&tmp, fsx::proc_path(&dir, name)));
+    if let Err(e) = placed {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(apply_err("write the merged symlink", path)(e));
+    }
+    Ok(())
+}
+
+/// Sets owner, then mode (not for a symlink), then exactly `meta.xattrs` as the
+/// non-private xattrs of the entry at `p` (not followed); overlay-private names and
+/// the opaque marker of the mount's namespace stay.
+pub(crate) fn set_meta(p: &Path, meta: &Meta, userxattr: bool) -> io::Result<()> {
     let md = std::fs::symlink_metadata(p)?;
     std::os::unix::fs::lchown(p, Some(meta.uid), Some(meta.gid))?;
     if !md.file_type().is_symlink() {

@@ -263,7 +263,7 @@ fn strip_xattrs(path: &Path, shown: &Path, userxattr: bool) -> Result<(), SealEr
 ///    creates the per-path whiteouts of expanded opaque directories;
 /// 3. removes the opaque xattr of the mount's namespace (`trusted.overlay.opaque`,
 ///    or `user.overlay.opaque` with `userxattr`) of expanded directories;
-/// 4. sets the upper root's mode and owner back to the lease root's
+/// 4. sets the upper root's mode, owner and xattrs back to the lease root's
 ///    ([`UpperEdits::root`](crate::UpperEdits)): the root directory's metadata is
 ///    never published.
 ///
@@ -324,18 +324,18 @@ pub fn prepare_upper(
             Err(e) => return Err(err("remove the opaque xattr of", rel)(e)),
         }
     }
-    if let Some(root) = edits.root {
+    if let Some(root) = &edits.root {
+        // Owner before mode (chown may clear setgid); the opaque marker and
+        // overlay-private xattrs are left alone.
+        let meta = crate::gate::Meta {
+            mode: root.mode,
+            uid: root.uid,
+            gid: root.gid,
+            xattrs: root.xattrs.clone(),
+        };
         let dir = fsx::open_dir(upper).map_err(err("open", b""))?;
-        let fd = dir.as_raw_fd();
-        nix::unistd::fchown(
-            fd,
-            Some(nix::unistd::Uid::from_raw(root.uid)),
-            Some(nix::unistd::Gid::from_raw(root.gid)),
-        )
-        .map_err(|e| err("set the owner of the root directory", b"")(e.into()))?;
-        // After chown, which may clear setgid.
-        nix::sys::stat::fchmod(fd, Mode::from_bits_truncate(root.mode))
-            .map_err(|e| err("set the mode of the root directory", b"")(e.into()))?;
+        crate::gate::set_meta(&fsx::proc_path(&dir, b""), &meta, userxattr)
+            .map_err(err("reset the metadata of the root directory", b""))?;
     }
     Ok(())
 }

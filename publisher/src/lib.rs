@@ -79,9 +79,9 @@ pub use capture::{
     capture, capture_with, CaptureError, CaptureOptions, Change, Changeset, RootMeta, UpperEdits,
 };
 pub use gate::{
-    apply_plan, opaque_dirs_to_expand, plan_gate, plan_gate_with, Action, ApplyError, FileState,
-    FsFiles, GateError, GateFiles, GatePlan, HeadChange, HeadChangeKind, Meta, PathReport,
-    PathStatus, PlanMode, Side, XattrList,
+    apply_plan, flatten_head_layers, opaque_dirs_to_expand, plan_gate, plan_gate_with, Action,
+    ApplyError, FileState, FsFiles, GateError, GateFiles, GatePlan, HeadChange, HeadChangeKind,
+    Meta, PathReport, PathStatus, PlanMode, Side, XattrList,
 };
 pub use layer::{prepare_upper, seal_layer, seal_layer_with, SealError};
 pub use merge::{

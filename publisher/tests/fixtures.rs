@@ -799,7 +799,14 @@ fn root_directory_metadata_is_never_published() {
         return;
     }
     let fx = Fx::new("root_meta");
-    fx.mutate(|_| {});
+    xattr::set(&fx.l, "user.image", b"1").unwrap();
+    // `setfattr -n user.note -v hi /` in the container. The merged root shows the
+    // upper root's xattrs only (overlayfs: the root is always an upper directory),
+    // so the upper differs from the lease's root in both names.
+    fx.mutate(|m| {
+        assert_eq!(xattr::get(m, "user.image").unwrap(), None);
+        xattr::set(m, "user.note", b"hi").unwrap();
+    });
     let md = lstat(&fx.u).unwrap();
     assert_eq!(
         (md.mode() & 0o7777, md.uid(), md.gid()),
@@ -810,7 +817,11 @@ fn root_directory_metadata_is_never_published() {
     assert_eq!(c.skipped.len(), 1, "{:?}", c.skipped);
     assert_eq!(c.skipped[0].0, b"");
     assert!(
-        c.skipped[0].1.contains("0700 1000:1000") && c.skipped[0].1.contains("0755 0:0"),
+        c.skipped[0].1.contains("0700 1000:1000")
+            && c.skipped[0].1.contains("0755 0:0")
+            && c.skipped[0]
+                .1
+                .contains("xattrs user.image, user.note differ"),
         "{}",
         c.skipped[0].1
     );
@@ -819,7 +830,8 @@ fn root_directory_metadata_is_never_published() {
         Some(RootMeta {
             mode: 0o755,
             uid: 0,
-            gid: 0
+            gid: 0,
+            xattrs: vec![(b"user.image".to_vec(), b"1".to_vec())],
         })
     );
     // The outcome says so.
@@ -839,6 +851,18 @@ fn root_directory_metadata_is_never_published() {
         (md.mode() & 0o7777, md.uid(), md.gid()),
         (0o755, 0, 0),
         "the layer's root is the lease's"
+    );
+    assert_eq!(
+        xattr::list(&fx.layer)
+            .unwrap()
+            .filter(|n| n.as_bytes().starts_with(b"user."))
+            .collect::<Vec<_>>(),
+        ["user.image"],
+        "the layer's root xattrs are the lease's"
+    );
+    assert_eq!(
+        xattr::get(&fx.layer, "user.image").unwrap().as_deref(),
+        Some(&b"1"[..])
     );
     let (v, _m) = fx.published();
     let md = lstat(&v).unwrap();

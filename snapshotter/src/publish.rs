@@ -367,7 +367,7 @@ impl Publisher {
                     ));
                 }
                 let delta = store.head_delta(session, ctx.lease_manifest)?;
-                let head = parse_head(&delta.changes)?;
+                let head = parse_head(&delta.layers)?;
                 let expand = publisher::opaque_dirs_to_expand(&cs, &head);
                 if !expand.is_empty() {
                     options.expand_opaque = expand;
@@ -472,7 +472,7 @@ impl Publisher {
         let lowers = ctx.lease_lowers.clone();
         tokio::task::spawn_blocking(move || -> Result<(), RunError> {
             let delta = store.head_delta(session, lease)?;
-            let head = parse_head(&delta.changes)?;
+            let head = parse_head(&delta.layers)?;
             let view = publisher::LayerView::new(lowers).with_userxattr(policy.userxattr);
             let mut changeset = changeset;
             let expand = publisher::opaque_dirs_to_expand(&changeset, &head);
@@ -579,13 +579,24 @@ pub struct DryRun {
     pub message: String,
 }
 
-fn parse_head(changes: &[(Vec<u8>, String)]) -> Result<Vec<publisher::HeadChange>, RunError> {
-    changes
+/// The head's path index in the form the gate takes (see
+/// [`publisher::flatten_head_layers`]), from the store's per-layer index.
+fn parse_head(
+    layers: &[layerstack_store::LayerIndex],
+) -> Result<Vec<publisher::HeadChange>, RunError> {
+    let parsed = layers
         .iter()
-        .map(|(p, c)| {
-            serde_json::from_str(c).map_err(|e| RunError::Index(escape_path(p), e.to_string()))
+        .map(|(_, changes)| {
+            changes
+                .iter()
+                .map(|(p, c)| {
+                    serde_json::from_str(c)
+                        .map_err(|e| RunError::Index(escape_path(p), e.to_string()))
+                })
+                .collect::<Result<Vec<publisher::HeadChange>, RunError>>()
         })
-        .collect()
+        .collect::<Result<Vec<_>, RunError>>()?;
+    Ok(publisher::flatten_head_layers(parsed))
 }
 
 /// The reports of a changeset that never reaches the gate (nothing to publish):

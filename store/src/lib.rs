@@ -1362,8 +1362,8 @@ impl Store {
         })
     }
 
-    /// The branch head of `session` and every path change published on it since
-    /// the session's lease (read from the per-layer path index).
+    /// The branch head of `session` and the path index of every layer published on
+    /// it since the session's lease, newest layer first.
     pub fn head_delta(
         &self,
         session: SessionId,
@@ -1384,7 +1384,7 @@ impl Store {
             .into_iter()
             .filter(|l| !leased.contains(l))
             .collect();
-        let mut changes = Vec::new();
+        let mut layers = Vec::with_capacity(new_layers.len());
         let mut stmt = conn.prepare_cached(
             "SELECT path, change FROM layer_changes WHERE layer_id = ?1 ORDER BY path",
         )?;
@@ -1392,13 +1392,11 @@ impl Store {
             let rows = stmt.query_map([l], |r| {
                 Ok((r.get::<_, Vec<u8>>(0)?, r.get::<_, String>(1)?))
             })?;
-            for r in rows {
-                changes.push(r?);
-            }
+            layers.push((*l, rows.collect::<Result<Vec<_>, _>>()?));
         }
         Ok(HeadDelta {
             head,
-            changes,
+            layers,
             new_layers,
         })
     }

@@ -251,13 +251,20 @@ pub struct PublishContext {
     pub lease_manifest: ManifestId,
 }
 
+/// One layer's path index: the layer and its `(path, serialized change)` rows in
+/// byte order of path.
+pub type LayerIndex = (LayerId, Vec<(Vec<u8>, String)>);
+
 /// What the gate compares against: the head manifest and the serialized path
 /// changes of every layer on it that the lease does not have.
 #[derive(Debug, Clone)]
 pub struct HeadDelta {
     pub head: ManifestId,
-    /// `(path, serialized change)` of layers published since the lease, newest layer first.
-    pub changes: Vec<(Vec<u8>, String)>,
+    /// The path index of each layer published since the lease, newest layer first:
+    /// `(layer, [(path, serialized change)])`, paths in byte order within a layer.
+    /// Layer boundaries matter: a newer layer that deleted or replaced a directory
+    /// hides an older layer's changes below it.
+    pub layers: Vec<LayerIndex>,
     /// Layers on head but not in the lease, newest first.
     pub new_layers: Vec<LayerId>,
 }

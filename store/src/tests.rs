@@ -137,7 +137,7 @@ fn publish_prepends_layer_and_next_session_sees_it() {
     std::fs::write(sess.upper.join("a.txt"), b"hello").unwrap();
     let ctx = s.publish_context(sess.id).unwrap();
     let delta = s.head_delta(sess.id, ctx.lease_manifest).unwrap();
-    assert!(delta.changes.is_empty());
+    assert!(delta.layers.is_empty());
     let p = s
         .commit_publish(
             sess.id,
@@ -206,8 +206,43 @@ fn head_delta_lists_changes_published_since_the_lease() {
     s.commit_publish(a.id, head, &[(b"etc/x".to_vec(), "X".into())], None)
         .unwrap();
     let delta = s.head_delta(b.id, ctx_b.lease_manifest).unwrap();
-    assert_eq!(delta.changes, vec![(b"etc/x".to_vec(), "X".to_string())]);
     assert_eq!(delta.new_layers.len(), 1);
+    let first = delta.new_layers[0];
+    assert_eq!(
+        delta.layers,
+        vec![(first, vec![(b"etc/x".to_vec(), "X".to_string())])]
+    );
+    // A second publish: its layer comes first, each layer keeps its own paths.
+    s.prepare("default/7/c", &top, BTreeMap::new(), false)
+        .unwrap();
+    let c = s.find_session("default", "c").unwrap().unwrap();
+    let ctx_c = s.publish_context(c.id).unwrap();
+    s.commit_publish(
+        c.id,
+        ctx_c.lease_manifest,
+        &[
+            (b"etc/y".to_vec(), "Y".into()),
+            (b"etc/x".to_vec(), "X2".into()),
+        ],
+        None,
+    )
+    .unwrap();
+    let delta = s.head_delta(b.id, ctx_b.lease_manifest).unwrap();
+    assert_eq!(delta.new_layers.len(), 2);
+    assert_eq!(
+        delta.layers[1],
+        (first, vec![(b"etc/x".to_vec(), "X".to_string())])
+    );
+    assert_eq!(
+        delta.layers[0],
+        (
+            delta.new_layers[0],
+            vec![
+                (b"etc/x".to_vec(), "X2".to_string()),
+                (b"etc/y".to_vec(), "Y".to_string())
+            ]
+        )
+    );
     // Committing against a stale head is refused and keeps the upper.
     std::fs::write(b.upper.join("f"), b"1").unwrap();
     let err = s

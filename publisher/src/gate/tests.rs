@@ -403,7 +403,7 @@ fn head_changes(c: &Case) -> Vec<HeadChange> {
         );
         prev = t;
     }
-    per_layer.into_iter().rev().flatten().collect()
+    flatten_head_layers(per_layer.into_iter().rev())
 }
 
 fn run(c: &Case) -> Run {
@@ -481,6 +481,23 @@ fn overlay(c: &Case, cs: &Changeset, plan: &GatePlan) -> Tree {
                         N::F {
                             c: content.clone(),
                             mode: meta.mode,
+                            uid: meta.uid,
+                            x: meta.xattrs.iter().cloned().collect(),
+                        },
+                        false,
+                    )),
+                );
+            }
+            Action::WriteSymlink { path, target, meta } => {
+                let Some(N::L { t, .. }) = c.theirs.get(path) else {
+                    panic!("symlink action for a head path that is not a symlink: {path:?}");
+                };
+                assert_eq!(t, target, "the target must be the head's");
+                upper.insert(
+                    path.clone(),
+                    Some((
+                        N::L {
+                            t: target.clone(),
                             uid: meta.uid,
                             x: meta.xattrs.iter().cloned().collect(),
                         },
@@ -1462,33 +1479,29 @@ fn head_content_with_session_metadata_is_streamed_not_read() {
     assert!(reads.contains(&(Side::Theirs, b"f".to_vec())));
 }
 
-// ---- known gate bugs found by the reference model (pinned, not fixed) ----
-
-/// KNOWN BUG. The head index is flattened (newest layer first, no layer
-/// boundaries), so a path below `d` changed in an older head layer keeps that
-/// change as its "final state" even when a newer layer deleted or replaced `d`
-/// without listing the path: the path is gone on the head, yet the gate sees a
-/// written file. Result: spurious conflicts. Minimal case: base `d/x`; session
-/// `rm d/x`; head layer 1 `chown 1 d/x`, layer 2 `rm -rf d; mkdir d` (or
-/// `rm -rf d`). Expected: clean (both removed `d/x`). This test pins today's
-/// behaviour; flip it when the index carries layer boundaries.
+/// Found by the reference model: a path below `d` that an older head layer
+/// changed is gone when a newer layer deleted `d` or replaced it (`rm -rf d;
+/// mkdir d`) without listing the path; the older change must not count as the
+/// head's final state ([`flatten_head_layers`]). Base `d/x`; session `rm d/x`;
+/// head layer 1 `chown 1 d/x`, layer 2 `rm -rf d` (or `rm -rf d; mkdir d`): both
+/// removed `d/x`, clean. The same history with a session that *edited* `d/x`
+/// conflicts on the head's removal of `d`, not on the stale chown.
 #[test]
-fn known_bug_head_change_below_a_directory_a_newer_layer_hid() {
+fn head_change_below_a_directory_a_newer_layer_hid_is_gone() {
     let base = tree(&[("d", d(0o755)), ("d/x", f(TEXT))]);
-    let ours = tree(&[("d", d(0o755))]);
     let mut layer1 = base.clone();
     if let Some(n) = layer1.get_mut(b"d/x".as_slice()) {
         *n.owner_and_xattrs().0 = 1;
     }
     for (replaced, layer2) in [(true, tree(&[("d", d(0o755))])), (false, Tree::new())] {
-        let r = run(&Case {
+        let case = |ours: Tree| Case {
             base: base.clone(),
-            ours: ours.clone(),
+            ours,
             theirs: layer2.clone(),
             head_layers: vec![
                 (layer1.clone(), BTreeSet::new()),
                 (
-                    layer2,
+                    layer2.clone(),
                     if replaced {
                         set(&["d"])
                     } else {
@@ -1497,23 +1510,82 @@ fn known_bug_head_change_below_a_directory_a_newer_layer_hid() {
                 ),
             ],
             ..Case::default()
-        });
-        assert_eq!(r.conflicts(), ["d/x"], "replaced: {replaced}");
+        };
+        let r = run(&case(tree(&[("d", d(0o755))])));
+        assert_eq!(r.result(), &layer2, "replaced: {replaced}");
+        assert_eq!(r.conflicts(), Vec::<String>::new(), "replaced: {replaced}");
+
+        let r = run(&case(tree(&[("d", d(0o755)), ("d/x", f("edited\n"))])));
         assert!(
-            r.reason("d/x").starts_with("delete vs edit"),
-            "{}",
-            r.reason("d/x")
+            r.conflicts().contains(&"d/x".to_string()),
+            "replaced: {replaced}"
+        );
+        let why = r.reason("d/x");
+        assert!(
+            why.starts_with("head ") && why.contains("ancestor 'd'"),
+            "{why}"
         );
     }
 }
 
-/// KNOWN LIMIT (docs say field by field for any same type): a symlink the head
-/// retargeted while the session changed only its owner (or xattrs) conflicts,
-/// "both sides changed this entry": there is no action that writes a symlink with
-/// the head's target and merged metadata. Expected by the rules: `s -> t1` owned
-/// by uid 1. Pinned; flip it when symlinks merge.
 #[test]
-fn known_limit_symlink_retargeted_on_head_and_chowned_in_session() {
+fn flatten_head_layers_drops_what_a_newer_layer_hid() {
+    let ch = |p: &str, kind: HeadChangeKind| HeadChange {
+        path: p.as_bytes().to_vec(),
+        kind,
+        digest: None,
+        mode: None,
+        uid: None,
+        gid: None,
+        xattrs: None,
+    };
+    use HeadChangeKind as K;
+    let newest = vec![
+        ch("a", K::Delete),
+        ch("b", K::Opaque),
+        ch("b/new", K::Write),
+        ch("c", K::Write),
+    ];
+    let older = vec![
+        ch("a", K::Meta),
+        ch("a/x", K::Write),
+        ch("a/y/z", K::Delete),
+        ch("ab", K::Write),
+        ch("b/new", K::Write),
+        ch("b/old", K::Write),
+        ch("c/x", K::Write),
+        ch("d/x", K::Write),
+    ];
+    let oldest = vec![
+        ch("ab/q", K::Write),
+        ch("d", K::Meta),
+        ch("d/x", K::Symlink),
+    ];
+    let got: Vec<(String, K)> = flatten_head_layers([newest, older, oldest])
+        .into_iter()
+        .map(|h| (String::from_utf8(h.path).unwrap(), h.kind))
+        .collect();
+    let want: Vec<(String, K)> = [
+        ("a", K::Delete),
+        ("b", K::Opaque),
+        ("b/new", K::Write),
+        ("c", K::Write),
+        ("a", K::Meta),
+        ("ab", K::Write),
+        ("d/x", K::Write),
+        ("d", K::Meta),
+        ("d/x", K::Symlink),
+    ]
+    .into_iter()
+    .map(|(p, k)| (p.to_string(), k))
+    .collect();
+    assert_eq!(got, want);
+}
+
+/// A symlink the head retargeted while the session changed only its owner:
+/// field by field, `s -> t1` owned by uid 1 (a new symlink, [`Action::WriteSymlink`]).
+#[test]
+fn symlink_retargeted_on_head_and_chowned_in_session_merges() {
     let base = tree(&[("s", l("t0"))]);
     let mut ours = base.clone();
     if let Some(n) = ours.get_mut(b"s".as_slice()) {
@@ -1525,8 +1597,13 @@ fn known_limit_symlink_retargeted_on_head_and_chowned_in_session() {
         theirs: tree(&[("s", l("t1"))]),
         ..Case::default()
     });
-    assert_eq!(r.conflicts(), ["s"]);
-    assert_eq!(r.reason("s"), "both sides changed this entry");
+    assert_eq!(r.reason("s"), "target from head, metadata from session");
+    let mut want = tree(&[("s", l("t1"))]);
+    if let Some(n) = want.get_mut(b"s".as_slice()) {
+        *n.owner_and_xattrs().0 = 1;
+    }
+    assert_eq!(r.result(), &want);
+    assert!(r.plan.is_merged());
 }
 
 // ---- reference model ----
@@ -1785,37 +1862,6 @@ fn head_dir(base: &Tree, layers: &[(Tree, BTreeSet<Vec<u8>>)]) -> HeadDir {
 }
 
 /// The expected head after the publish, or `None` for a conflict.
-/// KNOWN GATE BUG (reported, not fixed; see
-/// `known_bug_head_change_below_a_directory_a_newer_layer_hid`): a path below d
-/// that an older head layer changed and a newer layer deleted by deleting or
-/// replacing d (without listing the path) still counts as the head's final state
-/// of that path, because the flattened head index has no layer boundaries. The
-/// property test leaves these head histories out.
-fn stale_below_hidden_d(base: &Tree, layers: &[(Tree, BTreeSet<Vec<u8>>)]) -> bool {
-    let dk = b"d".as_slice();
-    let mut prev = base;
-    let mut changed_below: BTreeSet<&[u8]> = BTreeSet::new();
-    for (t, recreated) in layers {
-        let replaced = recreated.contains(dk) && t.contains_key(dk);
-        let deleted = prev.contains_key(dk) && !t.contains_key(dk);
-        if (replaced || deleted)
-            && changed_below
-                .iter()
-                .any(|p| !(replaced && t.contains_key(*p)))
-        {
-            return true;
-        }
-        for p in FILES.iter().filter(|p| p.starts_with("d/")) {
-            let p = p.as_bytes();
-            if prev.get(p) != t.get(p) || (replaced && t.contains_key(p)) {
-                changed_below.insert(p);
-            }
-        }
-        prev = t;
-    }
-    false
-}
-
 /// `ours_replaced_d`: the session ran `rm -rf d; mkdir d`.
 fn model(
     base: &Tree,
@@ -1894,14 +1940,6 @@ fn model(
                 }
                 (N::L { t: bt, .. }, N::L { t: ot, .. }, N::L { t: tt, .. }) => {
                     let target = pick3(bt, ot, tt)?;
-                    if target != *ot {
-                        // KNOWN GATE LIMIT (reported, not fixed): a symlink the head
-                        // retargeted while the session changed its owner or xattrs
-                        // conflicts ("both sides changed this entry"): the gate has no
-                        // action that writes a symlink with the head's target and
-                        // merged metadata.
-                        return None;
-                    }
                     Some(N::L { t: target, uid, x })
                 }
                 _ => return None,
@@ -1975,7 +2013,6 @@ proptest! {
     ) {
         let o = apply_ops(&base, &ours_ops, "o", false);
         let t = apply_ops(&base, &theirs_ops, "t", true);
-        prop_assume!(!stale_below_hidden_d(&base, &t.layers));
         let case = Case {
             base: base.clone(),
             ours: o.tree.clone(),
@@ -2000,4 +2037,70 @@ proptest! {
         // Reports are sorted, unique, and name every captured change.
         prop_assert!(r.plan.reports.windows(2).all(|w| w[0].path < w[1].path));
     }
+}
+
+/// On real directories: the head retargeted a symlink, the session chowned it and
+/// gave it a `trusted.*` xattr. The upper ends with a new symlink to the head's
+/// target with the session's owner and xattr; the head's target was never followed.
+#[test]
+fn symlink_merge_is_applied_on_real_files() {
+    if !crate::testutil::have_root("symlink_merge_is_applied_on_real_files") {
+        return;
+    }
+    let t = crate::testutil::tmp();
+    let dir = |n: &str| {
+        let p = t.path().join(n);
+        std::fs::create_dir(&p).unwrap();
+        p
+    };
+    let (lease, head, upper, scratch) = (dir("lease"), dir("head"), dir("upper"), dir("scratch"));
+    crate::testutil::symlink(&lease, "s", b"t0");
+    crate::testutil::symlink(&upper, "s", b"t0");
+    std::os::unix::fs::lchown(upper.join("s"), Some(1), Some(2)).unwrap();
+    xattr::set(upper.join("s"), "trusted.layerstack-test", b"v").unwrap();
+    // A head target that exists, to catch a write through the link.
+    crate::testutil::symlink(&head, "s", b"victim");
+    crate::testutil::write(&upper, "victim", b"untouched", 0o644);
+
+    let view = LayerView::new(vec![lease.clone()]);
+    let cs = crate::capture_with(&upper, &view, &crate::CaptureOptions::default()).unwrap();
+    let head_cs = crate::capture_with(&head, &view, &crate::CaptureOptions::default()).unwrap();
+    let head_changes = vec![head_cs.head_change(b"s").unwrap()];
+    let files = FsFiles {
+        lease: view,
+        head: LayerView::new(vec![head.clone(), lease.clone()]),
+        upper: upper.clone(),
+        userxattr: false,
+    };
+    let plan = plan_gate(&cs, &head_changes, &files, &MergeLimits::default()).unwrap();
+    assert!(plan.is_merged(), "{:#?}", plan.reports);
+    assert!(
+        matches!(&plan.actions[..], [Action::WriteSymlink { target, .. }] if target == b"victim"),
+        "{:?}",
+        plan.actions
+    );
+    apply_plan(&upper, &plan, &scratch).unwrap();
+    let s = upper.join("s");
+    assert_eq!(std::fs::read_link(&s).unwrap(), Path::new("victim"));
+    let md = std::fs::symlink_metadata(&s).unwrap();
+    assert_eq!((md.uid(), md.gid()), (1, 2));
+    assert_eq!(
+        xattr::get(&s, "trusted.layerstack-test")
+            .unwrap()
+            .as_deref(),
+        Some(&b"v"[..])
+    );
+    assert_eq!(std::fs::read(upper.join("victim")).unwrap(), b"untouched");
+    assert_eq!(
+        std::fs::read_dir(&scratch).unwrap().count(),
+        0,
+        "scratch left clean"
+    );
+    // The layer's index records the merged state.
+    let idx = plan.index.iter().find(|h| h.path == b"s").unwrap();
+    assert_eq!(
+        (idx.kind, idx.uid, idx.gid),
+        (HeadChangeKind::Symlink, Some(1), Some(2))
+    );
+    assert_eq!(idx.digest, head_changes[0].digest);
 }
