@@ -89,8 +89,11 @@ enum Cmd {
 
 #[derive(Debug, Subcommand)]
 enum SessionCmd {
-    /// List sessions.
+    /// List the sessions of the namespace (`-n`), or of all namespaces (`-A`).
     Ls {
+        /// Sessions of every namespace, not only `-n`'s.
+        #[arg(long, short = 'A')]
+        all_namespaces: bool,
         #[arg(long)]
         json: bool,
     },
@@ -229,12 +232,19 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Cmd::Session {
-            cmd: SessionCmd::Ls { json },
+            cmd:
+                SessionCmd::Ls {
+                    all_namespaces,
+                    json,
+                },
         } => {
-            let r = c
+            let mut r = c
                 .list_sessions(api::ListSessionsRequest {})
                 .await?
                 .into_inner();
+            if !all_namespaces {
+                r.sessions.retain(|s| s.namespace == ns);
+            }
             if json {
                 let v: Vec<_> = r.sessions.iter().map(session_json).collect();
                 out!("{}", serde_json::Value::Array(v));

@@ -1134,6 +1134,22 @@ fn namespaces_do_not_share_history() {
             !layers.iter().any(|l| l["namespace"] == ns_a),
             "layerstack log -n {ns_b} @main lists {ns_a}'s layers: {layers:#?}"
         );
+
+        // `session ls` lists `-n`'s sessions only; `-A` lists every namespace's.
+        let listed = sessions(env, ns_b)?;
+        ensure!(
+            !listed.is_empty() && listed.iter().all(|s| s["namespace"] == ns_b),
+            "layerstack session ls -n {ns_b}: {listed:#?}"
+        );
+        let out = env.layerstack(&["session", "ls", "--json", "-A"])?;
+        ensure!(out.status.success(), "session ls -A: {}", describe(&out));
+        let all: Vec<serde_json::Value> = serde_json::from_slice(&out.stdout)?;
+        for ns in [ns_a, ns_b] {
+            ensure!(
+                all.iter().any(|s| s["namespace"] == ns),
+                "layerstack session ls -A lacks {ns}: {all:#?}"
+            );
+        }
         Ok(())
     });
 }
