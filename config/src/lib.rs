@@ -61,28 +61,43 @@ pub struct Config {
 
 /// Limits of the gate's three-way text merge (`[merge]`). A file over a limit is
 /// not merged: the path conflicts with the limit in its reason, never hangs.
-/// (Same defaults as `layerstack_publisher::MergeLimits`; docs/merge-rules.md.)
+/// (Same defaults as `layerstack_publisher::MergeOptions`; docs/merge-rules.md.)
 #[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct MergeConfig {
     /// Largest version of a file (base, session or head) that is merged, in bytes.
     /// Default 1 MiB (1048576).
     pub max_file_bytes: u64,
-    /// Most lines a version may have to be merged. Default 4000: the worst case
-    /// (unrelated versions; the diff is quadratic) takes about 4 s in a debug
-    /// build, 0.2 s in a release build.
+    /// Most lines a version may have to be merged. Default 10000 (the worst case
+    /// takes about 1.5 s in a debug build, 0.08 s in release; docs/merge-rules.md,
+    /// "Limits").
     pub max_lines: u64,
     /// Time budget, in milliseconds, for all merges of one publish together (not
     /// per file): the gate lock is held at most this long for merging. Default 2000.
     pub timeout_ms: u64,
+    /// The line diff under the merge: `histogram` (default; what `git merge`
+    /// uses) or `myers` (what `git merge-file` uses).
+    pub diff_algorithm: DiffAlgorithm,
+}
+
+/// `[merge] diff_algorithm`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum DiffAlgorithm {
+    /// Histogram diff, as `git merge` (merge-ort).
+    #[default]
+    Histogram,
+    /// Myers diff, as `git merge-file`.
+    Myers,
 }
 
 impl Default for MergeConfig {
     fn default() -> Self {
         Self {
             max_file_bytes: 1024 * 1024,
-            max_lines: 4_000,
+            max_lines: 10_000,
             timeout_ms: 2000,
+            diff_algorithm: DiffAlgorithm::Histogram,
         }
     }
 }
@@ -153,8 +168,17 @@ mod tests {
         .unwrap();
         assert_eq!(c.exclude, vec!["/scratch/**".to_string()]);
         assert_eq!(c.merge.max_file_bytes, 1024);
-        assert_eq!(c.merge.max_lines, 4_000, "unset keys keep their default");
+        assert_eq!(c.merge.max_lines, 10_000, "unset keys keep their default");
         assert_eq!(c.merge.timeout_ms, 5);
+        assert_eq!(c.merge.diff_algorithm, DiffAlgorithm::Histogram);
+        let c = Config::from_toml("[merge]\ndiff_algorithm = \"myers\"\n").unwrap();
+        assert_eq!(c.merge.diff_algorithm, DiffAlgorithm::Myers);
+        let e = Config::from_toml("[merge]\ndiff_algorithm = \"patience\"\n").unwrap_err();
+        let chain = format!("{e}: {}", std::error::Error::source(&e).unwrap());
+        assert!(
+            chain.contains("histogram") && chain.contains("myers"),
+            "{chain}"
+        );
         assert!(
             Config::from_toml("[merge]\nmax_bytes = 1\n").is_err(),
             "typo refused"

@@ -40,13 +40,13 @@
 //! Text merges run last, after every other rule: in a real publish
 //! ([`PlanMode::Publish`]) none is started once any path conflicts (the changeset is
 //! rejected anyway; the paths left are reported as conflicts "not evaluated"), and
-//! all merges of one plan share one time budget, [`MergeLimits::timeout`]
+//! all merges of one plan share one time budget, [`MergeOptions::timeout`]
 //! ([`MergeBudget`]). A dry run ([`PlanMode::DryRun`]) attempts every merge, within
 //! the same budget.
 //!
 //! Cost: `O((n + m) log(n + m) + k)` path work for `n` captured paths, `m` head
 //! changes and `k` reports, plus file reads only for paths changed on both sides,
-//! plus at most `MergeLimits::timeout` of waiting for merges.
+//! plus at most `MergeOptions::timeout` of waiting for merges.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::ffi::OsString;
@@ -61,7 +61,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::capture::{digest_bytes, is_overlay_private, list_digest, Change, Changeset};
 use crate::fsx;
-use crate::merge::{merge_text_within, MergeBudget, MergeLimits, TextMerge};
+use crate::merge::{merge_text_within, MergeBudget, MergeOptions, TextMerge};
 use crate::view::{opaque_name, FileKind, LayerView};
 
 /// The kind of one change published on the head, as recorded in a layer's path index.
@@ -790,7 +790,7 @@ pub fn plan_gate(
     captured: &Changeset,
     head_changes: &[HeadChange],
     files: &dyn GateFiles,
-    limits: &MergeLimits,
+    limits: &MergeOptions,
 ) -> Result<GatePlan, GateError> {
     plan_gate_with(captured, head_changes, files, limits, PlanMode::Publish)
 }
@@ -805,7 +805,7 @@ pub fn plan_gate_with(
     captured: &Changeset,
     head_changes: &[HeadChange],
     files: &dyn GateFiles,
-    limits: &MergeLimits,
+    limits: &MergeOptions,
     mode: PlanMode,
 ) -> Result<GatePlan, GateError> {
     let expand = opaque_dirs_to_expand(captured, head_changes);
@@ -981,7 +981,7 @@ pub fn plan_gate_with(
 struct Planner<'a> {
     captured: &'a Changeset,
     files: &'a dyn GateFiles,
-    limits: &'a MergeLimits,
+    limits: &'a MergeOptions,
     mode: PlanMode,
     /// Time left for all text merges of this plan.
     budget: MergeBudget,

@@ -14,7 +14,7 @@
 //!   the edits ([`Action`]) that make the upper the layer to publish. Any conflict
 //!   rejects the whole changeset. Planning changes nothing (it is the dry run,
 //!   [`PlanMode::DryRun`]); [`apply_plan`] carries the edits out. All text merges
-//!   of one plan share one time budget ([`MergeLimits::timeout`]), and a real
+//!   of one plan share one time budget ([`MergeOptions::timeout`]), and a real
 //!   publish starts none once a path conflicts.
 //! * [`seal_layer_with`] strips overlay-private xattrs from the upper and syncs it, so
 //!   it can be renamed into the store as an immutable layer.
@@ -50,7 +50,7 @@
 //!     prepare_upper(&upper, &changeset, false)?;
 //! }
 //! let files = FsFiles { lease, head, upper: upper.clone(), userxattr: false };
-//! let plan = plan_gate(&changeset, &head_changes, &files, &MergeLimits::default())?;
+//! let plan = plan_gate(&changeset, &head_changes, &files, &MergeOptions::default())?;
 //! for r in &plan.reports {
 //!     println!("{} {}: {}", r.status.as_str(), String::from_utf8_lossy(&r.path), r.reason);
 //! }
@@ -85,7 +85,7 @@ pub use gate::{
 };
 pub use layer::{prepare_upper, seal_layer, seal_layer_with, SealError};
 pub use merge::{
-    is_binary, merge_text, merge_text_within, MergeBudget, MergeLimits, TextMerge,
+    is_binary, merge_text, merge_text_within, DiffAlgorithm, MergeBudget, MergeOptions, TextMerge,
     BINARY_SNIFF_BYTES, DEFAULT_MAX_BYTES, DEFAULT_MAX_LINES, DEFAULT_TIMEOUT,
 };
 pub use policy::{ExcludePolicy, PolicyError};

@@ -19,7 +19,7 @@ use std::process::Command;
 
 use layerstack_publisher::{
     apply_plan, capture_with, plan_gate, prepare_upper, seal_layer, CaptureOptions, Change,
-    Changeset, ExcludePolicy, FileKind, FsFiles, GateFiles, HeadChange, LayerView, MergeLimits,
+    Changeset, ExcludePolicy, FileKind, FsFiles, GateFiles, HeadChange, LayerView, MergeOptions,
     PathStatus, RootMeta, Side,
 };
 use nix::mount::{mount, umount2, MntFlags, MsFlags};
@@ -142,7 +142,7 @@ impl Fx {
             upper: self.u.clone(),
             userxattr: false,
         };
-        let plan = plan_gate(cs, &[], &files, &MergeLimits::default()).unwrap();
+        let plan = plan_gate(cs, &[], &files, &MergeOptions::default()).unwrap();
         assert!(!plan.is_conflict(), "{:?}", plan.reports);
         apply_plan(&self.u, &plan, &self.scratch()).unwrap();
         std::fs::rename(&self.u, &self.layer).unwrap();
@@ -841,7 +841,7 @@ fn root_directory_metadata_is_never_published() {
         upper: fx.u.clone(),
         userxattr: false,
     };
-    let plan = plan_gate(&c, &[], &files, &MergeLimits::default()).unwrap();
+    let plan = plan_gate(&c, &[], &files, &MergeOptions::default()).unwrap();
     let root = plan.reports.iter().find(|r| r.path.is_empty()).unwrap();
     assert_eq!(root.status, PathStatus::Excluded);
     assert!(root.reason.ends_with("never published"), "{}", root.reason);
@@ -903,7 +903,7 @@ fn excluded_links_do_not_block_a_merge_and_merges_use_no_upper_name() {
         upper: fx.u.clone(),
         userxattr: false,
     };
-    let plan = plan_gate(&c, &head_changes, &files, &MergeLimits::default()).unwrap();
+    let plan = plan_gate(&c, &head_changes, &files, &MergeOptions::default()).unwrap();
     assert!(!plan.is_conflict(), "{:#?}", plan.reports);
     let conf = plan.reports.iter().find(|r| r.path == b"etc/conf").unwrap();
     assert_eq!(conf.status, PathStatus::Merged);

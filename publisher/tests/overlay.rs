@@ -11,7 +11,7 @@ use std::path::{Path, PathBuf};
 
 use layerstack_publisher::{
     capture, plan_gate, seal_layer, Action, Change, Changeset, FileKind, FsFiles, HeadChange,
-    LayerView, MergeLimits,
+    LayerView, MergeOptions,
 };
 use nix::mount::{mount, umount2, MntFlags, MsFlags};
 use nix::sys::stat::{makedev, mknod, Mode, SFlag};
@@ -248,11 +248,11 @@ fn capture_of_a_real_overlay_upper() {
         upper: u.clone(),
         userxattr: false,
     };
-    let plan = plan_gate(&c, &[], &files, &MergeLimits::default()).unwrap();
+    let plan = plan_gate(&c, &[], &files, &MergeOptions::default()).unwrap();
     assert!(!plan.is_conflict() && plan.actions.is_empty());
     assert_eq!(plan.index.len(), c.entries.len());
     let head = [HeadChange::from_change(b"touched.txt", &w644(b"other"))];
-    let plan = plan_gate(&c, &head, &files, &MergeLimits::default()).unwrap();
+    let plan = plan_gate(&c, &head, &files, &MergeOptions::default()).unwrap();
     assert!(!plan.is_conflict(), "{:?}", plan.reports);
     assert_eq!(
         plan.actions,

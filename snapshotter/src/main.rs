@@ -141,10 +141,18 @@ async fn run(args: Args) -> Result<()> {
         layerstack_publisher::ExcludePolicy::new(&cfg.exclude).context("config key `exclude`")?;
     let policy = publish::PublishPolicy {
         exclude,
-        merge: layerstack_publisher::MergeLimits {
+        merge: layerstack_publisher::MergeOptions {
             max_bytes: cfg.merge.max_file_bytes,
             max_lines: usize::try_from(cfg.merge.max_lines).unwrap_or(usize::MAX),
             timeout: std::time::Duration::from_millis(cfg.merge.timeout_ms),
+            diff_algorithm: match cfg.merge.diff_algorithm {
+                layerstack_config::DiffAlgorithm::Histogram => {
+                    layerstack_publisher::DiffAlgorithm::Histogram
+                }
+                layerstack_config::DiffAlgorithm::Myers => {
+                    layerstack_publisher::DiffAlgorithm::Myers
+                }
+            },
         },
         userxattr: false,
     };

@@ -551,7 +551,7 @@ pub struct PublishPolicy {
     /// Paths never published.
     pub exclude: publisher::ExcludePolicy,
     /// Limits of the three-way text merge.
-    pub merge: publisher::MergeLimits,
+    pub merge: publisher::MergeOptions,
     /// Sessions are mounted with `userxattr` (rootless).
     pub userxattr: bool,
 }
@@ -887,7 +887,7 @@ mod tests {
     #[test]
     fn config_merge_defaults_are_the_publisher_defaults() {
         let c = layerstack_config::MergeConfig::default();
-        let d = publisher::MergeLimits::default();
+        let d = publisher::MergeOptions::default();
         assert_eq!(c.max_file_bytes, d.max_bytes);
         assert_eq!(usize::try_from(c.max_lines).unwrap(), d.max_lines);
         assert_eq!(u128::from(c.timeout_ms), d.timeout.as_millis());

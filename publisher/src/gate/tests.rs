@@ -407,10 +407,10 @@ fn head_changes(c: &Case) -> Vec<HeadChange> {
 }
 
 fn run(c: &Case) -> Run {
-    run_limits(c, &MergeLimits::default())
+    run_limits(c, &MergeOptions::default())
 }
 
-fn run_limits(c: &Case, limits: &MergeLimits) -> Run {
+fn run_limits(c: &Case, limits: &MergeOptions) -> Run {
     let head = head_changes(c);
     let none = BTreeSet::new();
     let mut cs = capture_model(&c.base, &c.ours, &c.recreated, &c.touched, &none);
@@ -868,7 +868,7 @@ fn row_excluded_paths_are_reported_and_not_validated() {
         ours: &empty,
         theirs: &empty,
     };
-    let plan = plan_gate(&cs, &head, &files, &MergeLimits::default()).unwrap();
+    let plan = plan_gate(&cs, &head, &files, &MergeOptions::default()).unwrap();
     assert!(!plan.is_conflict());
     let st: Vec<(String, PathStatus)> = plan
         .reports
@@ -908,9 +908,9 @@ fn merge_caps_are_conflicts_with_the_reason() {
     let base = tree(&[("f", f(TEXT))]);
     let ours = tree(&[("f", f("1\nTWO\n3\n4\n5\n6\n"))]);
     let theirs = tree(&[("f", f("1\n2\n3\nFOUR\n5\n6\n"))]);
-    let limits = MergeLimits {
+    let limits = MergeOptions {
         max_bytes: 4,
-        ..MergeLimits::default()
+        ..MergeOptions::default()
     };
     let r = run_limits(
         &Case {
@@ -1005,7 +1005,7 @@ fn hardlinked_files_are_never_merged() {
         ours: &c.ours,
         theirs: &c.theirs,
     };
-    let plan = plan_gate(&cs, &head, &files, &MergeLimits::default()).unwrap();
+    let plan = plan_gate(&cs, &head, &files, &MergeOptions::default()).unwrap();
     assert!(plan.is_conflict());
     assert!(plan.reports[0].reason.contains("hardlinked"));
 }
@@ -1104,7 +1104,7 @@ fn newest_head_occurrence_is_the_final_state() {
         ours: &base,
         theirs: &base,
     };
-    let lim = MergeLimits::default();
+    let lim = MergeOptions::default();
     // Newest first: the head ends at content 1, as the session does.
     let head = [
         HeadChange::from_change(b"f", &w("1")),
@@ -1168,7 +1168,7 @@ impl GateFiles for Counting<'_> {
 /// Plans `c` (no expansion needed) in `mode` with `limits`, counting reads.
 fn plan_counting(
     c: &Case,
-    limits: &MergeLimits,
+    limits: &MergeOptions,
     mode: PlanMode,
 ) -> (GatePlan, Vec<(Side, Vec<u8>)>) {
     let head = head_changes(c);
@@ -1211,7 +1211,7 @@ fn a_publish_stops_merging_at_the_first_conflict_a_dry_run_does_not() {
         theirs,
         ..Case::default()
     };
-    let limits = MergeLimits::default();
+    let limits = MergeOptions::default();
     let (plan, reads) = plan_counting(&c, &limits, PlanMode::Publish);
     assert!(report(&plan, "a").reason.contains("same or adjacent"));
     let b = report(&plan, "b");
@@ -1269,9 +1269,9 @@ fn the_merge_timeout_is_one_budget_for_the_whole_plan() {
         theirs: side("t"),
         ..Case::default()
     };
-    let limits = MergeLimits {
+    let limits = MergeOptions {
         timeout: Duration::from_millis(300),
-        ..MergeLimits::default()
+        ..MergeOptions::default()
     };
     let start = std::time::Instant::now();
     let (plan, _) = plan_counting(&c, &limits, PlanMode::DryRun);
@@ -1354,7 +1354,7 @@ fn head_content_with_session_metadata_is_streamed_not_read() {
         p
     };
     let (lease, head, upper, scratch) = (dir("lease"), dir("head"), dir("upper"), dir("scratch"));
-    let limits = MergeLimits::default();
+    let limits = MergeOptions::default();
     let size = 2 * limits.max_bytes + 12_345; // over the merge byte cap
                                               // Lease: a big file, mode 0644.
     let base: Vec<u8> = (0..size).map(|i| (i % 251) as u8).collect();
@@ -2072,7 +2072,7 @@ fn symlink_merge_is_applied_on_real_files() {
         upper: upper.clone(),
         userxattr: false,
     };
-    let plan = plan_gate(&cs, &head_changes, &files, &MergeLimits::default()).unwrap();
+    let plan = plan_gate(&cs, &head_changes, &files, &MergeOptions::default()).unwrap();
     assert!(plan.is_merged(), "{:#?}", plan.reports);
     assert!(
         matches!(&plan.actions[..], [Action::WriteSymlink { target, .. }] if target == b"victim"),
