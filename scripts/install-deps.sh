@@ -5,11 +5,12 @@
 #   debootstrap            builds the Debian test image
 #   busybox-static         builds the busybox test image
 #   python3                packs the test images into OCI archives
+#   git                    the text-merge tests compare with git's own merge
 # Only missing packages are installed (apt-get update only then). Needs root
 # when something is missing. Rust (cargo) is not installed here: it must exist.
 set -euo pipefail
 
-PACKAGES=(containerd runc protobuf-compiler debootstrap busybox-static python3 ca-certificates)
+PACKAGES=(containerd runc protobuf-compiler debootstrap busybox-static python3 git ca-certificates)
 
 log() { printf 'install-deps: %s\n' "$*" >&2; }
 
@@ -37,7 +38,7 @@ else
     log "all packages present: ${PACKAGES[*]}"
 fi
 
-for bin in containerd ctr runc containerd-shim-runc-v2 protoc debootstrap busybox python3; do
+for bin in containerd ctr runc containerd-shim-runc-v2 protoc debootstrap busybox python3 git; do
     command -v "$bin" >/dev/null || { log "error: $bin not on PATH after install"; exit 1; }
 done
 
