@@ -46,7 +46,7 @@ if ! command -v cargo >/dev/null; then
     if [[ -x "$HOME/.cargo/bin/cargo" ]]; then
         log "error: cargo is in $HOME/.cargo/bin but not on PATH; run: . \"\$HOME/.cargo/env\""
     else
-        log "error: cargo not found; install a Rust toolchain (>= 1.80) first"
+        log "error: cargo not found; install a Rust toolchain (>= 1.88) first"
     fi
     exit 1
 fi
