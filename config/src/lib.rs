@@ -75,8 +75,8 @@ pub struct MergeConfig {
     /// Time budget, in milliseconds, for all merges of one publish together (not
     /// per file): the gate lock is held at most this long for merging. Default 2000.
     pub timeout_ms: u64,
-    /// The line diff under the merge: `histogram` (default; what `git merge`
-    /// uses) or `myers` (what `git merge-file` uses).
+    /// The line diff under the merge: `myers` (default; what `git merge-file`
+    /// uses) or `histogram` (what `git merge` uses; docs/merge-rules.md).
     pub diff_algorithm: DiffAlgorithm,
 }
 
@@ -84,11 +84,11 @@ pub struct MergeConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]
 pub enum DiffAlgorithm {
-    /// Histogram diff, as `git merge` (merge-ort).
-    #[default]
-    Histogram,
     /// Myers diff, as `git merge-file`.
+    #[default]
     Myers,
+    /// Histogram diff, as `git merge` (merge-ort).
+    Histogram,
 }
 
 impl Default for MergeConfig {
@@ -97,7 +97,7 @@ impl Default for MergeConfig {
             max_file_bytes: 1024 * 1024,
             max_lines: 10_000,
             timeout_ms: 2000,
-            diff_algorithm: DiffAlgorithm::Histogram,
+            diff_algorithm: DiffAlgorithm::Myers,
         }
     }
 }
@@ -170,9 +170,9 @@ mod tests {
         assert_eq!(c.merge.max_file_bytes, 1024);
         assert_eq!(c.merge.max_lines, 10_000, "unset keys keep their default");
         assert_eq!(c.merge.timeout_ms, 5);
-        assert_eq!(c.merge.diff_algorithm, DiffAlgorithm::Histogram);
-        let c = Config::from_toml("[merge]\ndiff_algorithm = \"myers\"\n").unwrap();
         assert_eq!(c.merge.diff_algorithm, DiffAlgorithm::Myers);
+        let c = Config::from_toml("[merge]\ndiff_algorithm = \"histogram\"\n").unwrap();
+        assert_eq!(c.merge.diff_algorithm, DiffAlgorithm::Histogram);
         let e = Config::from_toml("[merge]\ndiff_algorithm = \"patience\"\n").unwrap_err();
         let chain = format!("{e}: {}", std::error::Error::source(&e).unwrap());
         assert!(

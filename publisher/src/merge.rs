@@ -2,9 +2,9 @@
 //! (ARCHITECTURE §7; design record `docs/merge-rules.md`).
 //!
 //! The merge is git's own algorithm: gitoxide's port of xdiff's `xdl_merge`
-//! (`gix_merge::blob::builtin_driver::text`) over an imara-diff line diff,
-//! histogram by default as in `git merge` (merge-ort), or Myers as in `git
-//! merge-file` ([`DiffAlgorithm`]). Lines end after each `\n` and keep their
+//! (`gix_merge::blob::builtin_driver::text`) over an imara-diff line diff: Myers
+//! by default, as `git merge-file`, or histogram, as `git merge` (merge-ort)
+//! ([`DiffAlgorithm`]). Lines end after each `\n` and keep their
 //! terminator, as in xdiff, so a CRLF line is a different line from its LF twin and
 //! a last line without a newline is a different line from the same text with one.
 //! The merged bytes are assembled from input lines only: line endings and a
@@ -15,11 +15,13 @@
 //!   different insertions at the same place, conflict;
 //! * identical changes on both sides apply once.
 //!
-//! Measured against git 2.47 (`git merge-file -p --diff-algorithm=…`) on random
-//! texts, including texts made mostly of repeated lines (blank lines, braces):
-//! see the property tests and docs/merge-rules.md for the agreement rates and the
-//! one known source of difference (imara-diff's indent heuristic slides ambiguous
-//! hunks, which git's merges do not do).
+//! Measured against git 2.47 on random texts, including texts made mostly of
+//! repeated lines (blank lines, braces): with Myers, whenever both merge the bytes
+//! are git merge-file's; the verdict differs in about 0.1% of the repeated-line
+//! texts (imara-diff's indent heuristic slides an ambiguous hunk, git's merges do
+//! not). With histogram, imara-diff's histogram also anchors differently from
+//! git's on repeated lines, so rarely both merge with different bytes. See the
+//! property tests and docs/merge-rules.md.
 //!
 //! A conflict is only reported, never rendered: conflict markers are never written
 //! anywhere.
@@ -39,15 +41,17 @@
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-/// The line diff under the three-way merge (git's `diff.algorithm` for merges).
+/// The line diff under the three-way merge.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
 pub enum DiffAlgorithm {
-    /// Histogram diff: what `git merge`, `rebase` and `cherry-pick` use (merge-ort).
-    /// The default.
+    /// Myers diff, what `git merge-file` uses. The default: whenever a merge is
+    /// clean, its bytes are git merge-file's (measured; docs/merge-rules.md).
     #[default]
-    Histogram,
-    /// Myers diff: what `git merge-file` uses by default.
     Myers,
+    /// Histogram diff, what `git merge`, `rebase` and `cherry-pick` use
+    /// (merge-ort). imara-diff's histogram anchors repeated lines differently from
+    /// git's in rare cases, so a clean merge can differ from `git merge`'s.
+    Histogram,
 }
 
 impl DiffAlgorithm {
@@ -80,7 +84,7 @@ pub struct MergeOptions {
     /// Time budget of **all** merges of one publish together (not per file): the
     /// gate waits at most this long in total. Default 2 s.
     pub timeout: Duration,
-    /// The line diff. Default [`DiffAlgorithm::Histogram`], as `git merge`.
+    /// The line diff. Default [`DiffAlgorithm::Myers`], as `git merge-file`.
     pub diff_algorithm: DiffAlgorithm,
 }
 
@@ -592,9 +596,9 @@ mod tests {
         }
     }
 
-    /// [`git_merge_with`] with the default algorithm (histogram, as `git merge`).
+    /// [`git_merge_with`] with the default algorithm.
     fn git_merge(base: &[u8], ours: &[u8], theirs: &[u8]) -> (bool, Vec<u8>) {
-        git_merge_with(base, ours, theirs, DiffAlgorithm::Histogram)
+        git_merge_with(base, ours, theirs, DiffAlgorithm::default())
     }
 
     fn side(base: &[String], edits: &[(usize, u8, bool)], tag: &str) -> Vec<u8> {
@@ -706,13 +710,13 @@ mod tests {
         }
 
         /// Against git on texts made mostly of repeated lines (blank lines, `{`,
-        /// `}`, `a`), the case where line diffs are ambiguous. Whenever both merge
-        /// cleanly, the results have the same lines the same number of times, and
-        /// the distinct lines in the same order; only where a repeated line sits
-        /// among its copies may differ (rarely, with histogram). The verdicts may
-        /// differ in rare cases too (imara-diff's indent heuristic slides an
-        /// ambiguous hunk by a line, git's merges do not), e.g.
-        /// [`diverges_from_git_on_an_ambiguous_hunk`]. Rates in
+        /// `}`, `a`), where line diffs are ambiguous. Myers (the default): whenever
+        /// both merge cleanly, the bytes are git merge-file's. The verdicts may
+        /// differ in rare cases (imara-diff's indent heuristic slides an ambiguous
+        /// hunk by a line, git's merges do not), e.g.
+        /// [`diverges_from_git_on_an_ambiguous_hunk`]. Histogram is only measured
+        /// (`MERGE_GIT_STATS=1`; it is known to differ rarely in the bytes too, see
+        /// [`histogram_can_differ_from_git_when_both_merge`]). Rates in
         /// docs/merge-rules.md, measured with `MERGE_GIT_CASES=20000
         /// MERGE_GIT_STATS=1`.
         #[test]
@@ -730,41 +734,29 @@ mod tests {
             let base_b = base.concat().into_bytes();
             let o = side_repeated(&base, &ours_edits, "o");
             let t = side_repeated(&base, &theirs_edits, "t");
-            for algorithm in [DiffAlgorithm::Histogram, DiffAlgorithm::Myers] {
+            let stats = std::env::var_os("MERGE_GIT_STATS").is_some();
+            for algorithm in [DiffAlgorithm::Myers, DiffAlgorithm::Histogram] {
+                if algorithm == DiffAlgorithm::Histogram && !stats {
+                    continue;
+                }
                 let (git_clean, git_out) = git_merge_with(&base_b, &o, &t, algorithm);
                 let options = MergeOptions { diff_algorithm: algorithm, ..MergeOptions::default() };
                 let ours = merge_text(&base_b, &o, &t, &options);
-                if std::env::var_os("MERGE_GIT_STATS").is_some() {
+                if stats {
                     let we_clean = matches!(ours, TextMerge::Clean(_));
-                    eprintln!("GITREP {} git_clean={git_clean} we_clean={we_clean}", algorithm.as_str());
+                    let same = matches!(&ours, TextMerge::Clean(b) if git_clean && *b == git_out);
+                    eprintln!("GITREP {} git_clean={git_clean} we_clean={we_clean} same_bytes={same}", algorithm.as_str());
+                    continue;
                 }
                 if let (TextMerge::Clean(ours_out), true) = (&ours, git_clean) {
-                    let lines = |t: &[u8]| -> Vec<Vec<u8>> {
-                        t.split_inclusive(|&b| b == b'\n').map(<[u8]>::to_vec).collect()
-                    };
-                    let distinct = |t: &[u8]| -> Vec<Vec<u8>> {
-                        lines(t).into_iter().filter(|l| !REPEATED.iter().any(|r| r.as_bytes() == l.as_slice())).collect()
-                    };
-                    let counted = |t: &[u8]| -> std::collections::BTreeMap<Vec<u8>, usize> {
-                        let mut m = std::collections::BTreeMap::new();
-                        for l in lines(t) {
-                            *m.entry(l).or_insert(0) += 1;
-                        }
-                        m
-                    };
-                    if std::env::var_os("MERGE_GIT_STATS").is_some() {
-                        eprintln!("GITBOTH {} same_bytes={}", algorithm.as_str(), *ours_out == git_out);
-                    }
-                    let why = format!(
-                        "{algorithm:?}: base {:?} ours {:?} theirs {:?}: we {:?}, git {:?}",
+                    proptest::prop_assert_eq!(
+                        String::from_utf8_lossy(ours_out),
+                        String::from_utf8_lossy(&git_out),
+                        "base {:?} ours {:?} theirs {:?}",
                         String::from_utf8_lossy(&base_b),
                         String::from_utf8_lossy(&o),
-                        String::from_utf8_lossy(&t),
-                        String::from_utf8_lossy(ours_out),
-                        String::from_utf8_lossy(&git_out)
+                        String::from_utf8_lossy(&t)
                     );
-                    proptest::prop_assert!(counted(ours_out) == counted(&git_out), "line counts differ: {}", why);
-                    proptest::prop_assert!(distinct(ours_out) == distinct(&git_out), "distinct lines differ: {}", why);
                 }
             }
         }
@@ -854,6 +846,47 @@ mod tests {
                 assert_eq!(out, git_result);
             }
         }
+    }
+
+    /// Histogram's known byte difference: imara-diff trims the common start and
+    /// end before its histogram diff, git's histogram does not, so on this text the
+    /// two anchor on different braces. The session moved `line 0` below a `}`, the
+    /// head deleted a `}`. The text is ambiguous: git's Myers merge keeps two
+    /// braces, git's histogram merge three. Ours with Myers (the default) gives
+    /// git merge-file's bytes; ours with histogram gives Myers' two braces, not
+    /// `git merge`'s three.
+    #[test]
+    fn histogram_can_differ_from_git_when_both_merge() {
+        let (base, ours, theirs) = (
+            &b"line 0\n}\n}\n}\nline 4\n"[..],
+            &b"}\nline 0\n}\n}\nline 4\n"[..],
+            &b"line 0\n}\n}\nline 4\n"[..],
+        );
+        let two = b"}\nline 0\n}\nline 4\n".to_vec();
+        let three = b"}\nline 0\n}\n}\nline 4\n".to_vec();
+        assert_eq!(
+            git_merge_with(base, ours, theirs, DiffAlgorithm::Myers),
+            (true, two.clone()),
+            "git changed: update docs/merge-rules.md"
+        );
+        assert_eq!(
+            git_merge_with(base, ours, theirs, DiffAlgorithm::Histogram),
+            (true, three),
+            "git changed: update docs/merge-rules.md"
+        );
+        assert_eq!(
+            merge_text(base, ours, theirs, &MergeOptions::default()),
+            TextMerge::Clean(two.clone())
+        );
+        let histogram = MergeOptions {
+            diff_algorithm: DiffAlgorithm::Histogram,
+            ..MergeOptions::default()
+        };
+        assert_eq!(
+            merge_text(base, ours, theirs, &histogram),
+            TextMerge::Clean(two),
+            "histogram agrees with git now: update docs/merge-rules.md"
+        );
     }
 
     /// Two unrelated texts of `n` lines each.
