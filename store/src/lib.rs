@@ -38,7 +38,9 @@ use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{SystemTime, UNIX_EPOCH};
 
-use rusqlite::{params, Connection, OptionalExtension, Transaction, TransactionBehavior};
+use rusqlite::{
+    params, Connection, OpenFlags, OptionalExtension, Transaction, TransactionBehavior,
+};
 use tracing::{debug, info, warn};
 
 pub use error::{OpenError, PublishError, SnapshotError, StoreError};
@@ -102,10 +104,47 @@ pub struct Published {
 
 /// The LayerStack store. Thread-safe; methods are synchronous (call them from a
 /// blocking thread in async code).
+///
+/// Writes go through one connection, one at a time. Pure reads (`stat`, `list`,
+/// `usage`, `sessions`, `session`, `find_session`, `stacks`, `log`) use read-only
+/// connections beside it, each in its own read transaction: SQLite's WAL lets them
+/// read the last committed state while a write is in progress, so they never wait
+/// for the writer (ARCHITECTURE.md §9, "reads never wait").
 pub struct Store {
     root: PathBuf,
     conn: Mutex<Connection>,
+    readers: Readers,
     default_branch: String,
+}
+
+/// Idle read-only connections to `store.db`, opened on demand; at most
+/// [`Readers::MAX_IDLE`] are kept between reads.
+struct Readers {
+    db: PathBuf,
+    idle: Mutex<Vec<Connection>>,
+}
+
+impl Readers {
+    const MAX_IDLE: usize = 4;
+
+    fn take(&self) -> rusqlite::Result<Connection> {
+        if let Some(c) = self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop() {
+            return Ok(c);
+        }
+        let c = Connection::open_with_flags(
+            &self.db,
+            OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+        )?;
+        c.busy_timeout(std::time::Duration::from_secs(10))?;
+        Ok(c)
+    }
+
+    fn give_back(&self, c: Connection) {
+        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        if idle.len() < Self::MAX_IDLE {
+            idle.push(c);
+        }
+    }
 }
 
 fn now_ns() -> i64 {
@@ -462,6 +501,10 @@ impl Store {
         let store = Store {
             root: root.to_path_buf(),
             conn: Mutex::new(conn),
+            readers: Readers {
+                db,
+                idle: Mutex::new(Vec::new()),
+            },
             default_branch: opts.default_branch.clone(),
         };
         let report = store.sweep().map_err(OpenError::Store)?;
@@ -515,6 +558,22 @@ impl Store {
 
     fn conn(&self) -> MutexGuard<'_, Connection> {
         self.conn.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs `f` in a read transaction on a read-only connection (one consistent
+    /// snapshot of the last committed state; never waits for the writer).
+    fn read<T, E>(&self, f: impl FnOnce(&Connection) -> Result<T, E>) -> Result<T, E>
+    where
+        E: From<rusqlite::Error>,
+    {
+        let mut c = self.readers.take()?;
+        let result = {
+            let tx = c.transaction()?;
+            // Dropped without commit: a read transaction ends by rolling back.
+            f(&tx)
+        };
+        self.readers.give_back(c);
+        result
     }
 
     fn layer_dirs(&self, tx: &Connection, ids: &[LayerId]) -> Result<Vec<PathBuf>, StoreError> {
@@ -1049,10 +1108,11 @@ impl Store {
 
     /// containerd `Stat`. Error: `NotFound`.
     pub fn stat(&self, key: &str) -> Result<SnapshotInfo, SnapshotError> {
-        let conn = self.conn();
-        Ok(get_snap(&conn, key)?
-            .ok_or_else(|| SnapshotError::NotFound(key.to_string()))?
-            .info())
+        self.read(|conn| {
+            Ok(get_snap(conn, key)?
+                .ok_or_else(|| SnapshotError::NotFound(key.to_string()))?
+                .info())
+        })
     }
 
     /// containerd `Update`: only labels change. `fieldpaths` empty replaces all
@@ -1100,23 +1160,24 @@ impl Store {
 
     /// containerd `List`/`Walk`: every snapshot containerd created, nothing else.
     pub fn list(&self) -> Result<Vec<SnapshotInfo>, SnapshotError> {
-        let conn = self.conn();
-        let mut stmt = conn.prepare(&format!("SELECT {SNAP_COLS} FROM snapshots ORDER BY key"))?;
-        let rows = stmt.query_map([], snap_from_row)?;
-        let mut out = Vec::new();
-        for r in rows {
-            out.push(r?.info());
-        }
-        Ok(out)
+        self.read(|conn| {
+            let mut stmt =
+                conn.prepare(&format!("SELECT {SNAP_COLS} FROM snapshots ORDER BY key"))?;
+            let rows = stmt.query_map([], snap_from_row)?;
+            let mut out = Vec::new();
+            for r in rows {
+                out.push(r?.info());
+            }
+            Ok(out)
+        })
     }
 
     /// containerd `Usage`: `(bytes, inodes)` of the snapshot's own directory; real
     /// allocated bytes. Active snapshots are measured now; committed ones at commit.
     pub fn usage(&self, key: &str) -> Result<(i64, i64), SnapshotError> {
-        let row = {
-            let conn = self.conn();
-            get_snap(&conn, key)?.ok_or_else(|| SnapshotError::NotFound(key.to_string()))?
-        };
+        let row = self.read(|conn| {
+            get_snap(conn, key)?.ok_or_else(|| SnapshotError::NotFound(key.to_string()))
+        })?;
         match (row.kind, row.size, row.inodes) {
             (SnapshotKind::Committed, Some(s), Some(i)) => Ok((s, i)),
             (SnapshotKind::View, _, _) => Ok((0, 0)),
@@ -1303,21 +1364,24 @@ impl Store {
 
     /// All sessions, oldest first.
     pub fn sessions(&self) -> Result<Vec<SessionInfo>, StoreError> {
-        let conn = self.conn();
-        let mut stmt = conn.prepare(&format!("SELECT {SESS_COLS} FROM sessions ORDER BY id"))?;
-        let rows: Vec<SessRow> = stmt
-            .query_map([], sess_from_row)?
-            .collect::<Result<_, _>>()?;
-        rows.into_iter()
-            .map(|s| self.session_info(&conn, s))
-            .collect()
+        self.read(|conn| {
+            let mut stmt =
+                conn.prepare(&format!("SELECT {SESS_COLS} FROM sessions ORDER BY id"))?;
+            let rows: Vec<SessRow> = stmt
+                .query_map([], sess_from_row)?
+                .collect::<Result<_, _>>()?;
+            rows.into_iter()
+                .map(|s| self.session_info(conn, s))
+                .collect()
+        })
     }
 
     /// One session by id. Error: `SessionNotFound`.
     pub fn session(&self, id: SessionId) -> Result<SessionInfo, StoreError> {
-        let conn = self.conn();
-        let s = get_sess(&conn, id)?;
-        self.session_info(&conn, s)
+        self.read(|conn| {
+            let s = get_sess(conn, id)?;
+            self.session_info(conn, s)
+        })
     }
 
     /// The newest session of a container (`namespace`, `container` id = the
@@ -1327,20 +1391,21 @@ impl Store {
         namespace: &str,
         container: &str,
     ) -> Result<Option<SessionInfo>, StoreError> {
-        let conn = self.conn();
-        let s = conn
-            .query_row(
-                &format!(
-                    "SELECT {SESS_COLS} FROM sessions WHERE namespace = ?1 AND container = ?2 ORDER BY released ASC, id DESC LIMIT 1"
-                ),
-                params![namespace, container],
-                sess_from_row,
-            )
-            .optional()?;
-        match s {
-            Some(s) => Ok(Some(self.session_info(&conn, s)?)),
-            None => Ok(None),
-        }
+        self.read(|conn| {
+            let s = conn
+                .query_row(
+                    &format!(
+                        "SELECT {SESS_COLS} FROM sessions WHERE namespace = ?1 AND container = ?2 ORDER BY released ASC, id DESC LIMIT 1"
+                    ),
+                    params![namespace, container],
+                    sess_from_row,
+                )
+                .optional()?;
+            match s {
+                Some(s) => Ok(Some(self.session_info(conn, s)?)),
+                None => Ok(None),
+            }
+        })
     }
 
     /// What a publish of `session` reads: its upper and the lease's lower dirs.
@@ -1613,77 +1678,79 @@ impl Store {
 
     /// Stacks known to the store, with their branches: `stack -> [(branch, head)]`.
     pub fn stacks(&self) -> Result<BTreeMap<String, Vec<(String, ManifestId)>>, StoreError> {
-        let conn = self.conn();
-        let mut stmt =
-            conn.prepare("SELECT stack, name, manifest_id FROM branches ORDER BY stack, name")?;
-        let rows = stmt.query_map([], |r| {
-            Ok((
-                r.get::<_, String>(0)?,
-                r.get::<_, String>(1)?,
-                r.get::<_, i64>(2)?,
-            ))
-        })?;
-        let mut out: BTreeMap<String, Vec<(String, ManifestId)>> = BTreeMap::new();
-        for r in rows {
-            let (s, b, m) = r?;
-            out.entry(s).or_default().push((b, m));
-        }
-        Ok(out)
+        self.read(|conn| {
+            let mut stmt =
+                conn.prepare("SELECT stack, name, manifest_id FROM branches ORDER BY stack, name")?;
+            let rows = stmt.query_map([], |r| {
+                Ok((
+                    r.get::<_, String>(0)?,
+                    r.get::<_, String>(1)?,
+                    r.get::<_, i64>(2)?,
+                ))
+            })?;
+            let mut out: BTreeMap<String, Vec<(String, ManifestId)>> = BTreeMap::new();
+            for r in rows {
+                let (s, b, m) = r?;
+                out.entry(s).or_default().push((b, m));
+            }
+            Ok(out)
+        })
     }
 
     /// The published layers of `branch` on `stack`, newest first, with the session
     /// that made each. Error: `BranchNotFound`.
     pub fn log(&self, stack: &str, branch: &str) -> Result<Vec<LogEntry>, StoreError> {
-        let conn = self.conn();
-        let head =
-            branch_head(&conn, stack, branch)?.ok_or_else(|| StoreError::BranchNotFound {
-                stack: stack.to_string(),
-                branch: branch.to_string(),
-            })?;
-        let mut out = Vec::new();
-        let mut next = Some(head);
-        let sessions: HashMap<SessionId, (String, String)> = {
-            let mut stmt =
-                conn.prepare("SELECT id, namespace, container FROM sessions WHERE stack = ?1")?;
-            let rows = stmt.query_map([stack], |r| {
-                Ok((r.get::<_, i64>(0)?, (r.get(1)?, r.get(2)?)))
-            })?;
-            rows.collect::<Result<_, _>>()?
-        };
-        while let Some(m) = next {
-            let (parent, layer, created): (Option<i64>, Option<i64>, i64) = conn.query_row(
-                "SELECT parent, layer_id, created_ns FROM manifests WHERE id = ?1",
-                [m],
-                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
-            )?;
-            if let Some(layer) = layer {
-                let session: Option<i64> = conn
-                    .query_row(
-                        "SELECT session_id FROM layers WHERE id = ?1",
+        self.read(|conn| {
+            let head =
+                branch_head(conn, stack, branch)?.ok_or_else(|| StoreError::BranchNotFound {
+                    stack: stack.to_string(),
+                    branch: branch.to_string(),
+                })?;
+            let mut out = Vec::new();
+            let mut next = Some(head);
+            let sessions: HashMap<SessionId, (String, String)> = {
+                let mut stmt =
+                    conn.prepare("SELECT id, namespace, container FROM sessions WHERE stack = ?1")?;
+                let rows = stmt.query_map([stack], |r| {
+                    Ok((r.get::<_, i64>(0)?, (r.get(1)?, r.get(2)?)))
+                })?;
+                rows.collect::<Result<_, _>>()?
+            };
+            while let Some(m) = next {
+                let (parent, layer, created): (Option<i64>, Option<i64>, i64) = conn.query_row(
+                    "SELECT parent, layer_id, created_ns FROM manifests WHERE id = ?1",
+                    [m],
+                    |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+                )?;
+                if let Some(layer) = layer {
+                    let session: Option<i64> = conn
+                        .query_row(
+                            "SELECT session_id FROM layers WHERE id = ?1",
+                            [layer],
+                            |r| r.get(0),
+                        )
+                        .optional()?
+                        .flatten();
+                    let paths: i64 = conn.query_row(
+                        "SELECT count(*) FROM layer_changes WHERE layer_id = ?1",
                         [layer],
                         |r| r.get(0),
-                    )
-                    .optional()?
-                    .flatten();
-                let paths: i64 = conn.query_row(
-                    "SELECT count(*) FROM layer_changes WHERE layer_id = ?1",
-                    [layer],
-                    |r| r.get(0),
-                )?;
-                let who = session.and_then(|s| sessions.get(&s).cloned());
-                out.push(LogEntry {
-                    layer,
-                    manifest: m,
-                    session,
-                    namespace: who.as_ref().map(|w| w.0.clone()),
-                    container: who.map(|w| w.1),
-                    paths,
-                    created_ns: created,
-                });
+                    )?;
+                    let who = session.and_then(|s| sessions.get(&s).cloned());
+                    out.push(LogEntry {
+                        layer,
+                        manifest: m,
+                        session,
+                        namespace: who.as_ref().map(|w| w.0.clone()),
+                        container: who.map(|w| w.1),
+                        paths,
+                        created_ns: created,
+                    });
+                }
+                next = parent;
             }
-            next = parent;
-        }
-        Ok(out)
+            Ok(out)
+        })
     }
 
     /// The lower directories, newest first, that a new session on `branch` of

@@ -584,3 +584,63 @@ fn publish_interrupted_after_commit_is_rolled_forward() {
     assert!(c.upper.exists(), "the session gets a fresh upper");
     assert_eq!(std::fs::read_dir(&c.upper).unwrap().count(), 0);
 }
+
+/// ARCHITECTURE §9 "reads never wait": while the writer connection is held (as
+/// during a commit or a publish), containerd's reads and the admin listings still
+/// answer, from the last committed state — including a write in an open, not yet
+/// committed transaction, which they must not see.
+#[test]
+fn reads_do_not_wait_for_the_writer() {
+    let d = tmp();
+    let s = open(d.path());
+    let top = unpack(&s, "default");
+    s.prepare("default/5/c1", &top, BTreeMap::new(), false)
+        .unwrap();
+    let sess = s.find_session("default", "c1").unwrap().unwrap();
+
+    let writer = s.conn();
+    writer
+        .execute_batch(&format!(
+            "BEGIN IMMEDIATE; UPDATE snapshots SET labels = '{{\"uncommitted\":\"1\"}}' WHERE key = '{top}';"
+        ))
+        .unwrap();
+    let (done_tx, done_rx) = std::sync::mpsc::channel();
+    std::thread::scope(|scope| {
+        scope.spawn(|| {
+            let r = (|| -> Result<(), String> {
+                let info = s.stat(&top).map_err(|e| e.to_string())?;
+                if info.labels.contains_key("uncommitted") {
+                    return Err("stat saw an uncommitted write".into());
+                }
+                let n = s.list().map_err(|e| e.to_string())?.len();
+                let sessions = s.sessions().map_err(|e| e.to_string())?;
+                let one = s.session(sess.id).map_err(|e| e.to_string())?;
+                let found = s.find_session("default", "c1").map_err(|e| e.to_string())?;
+                let stacks = s.stacks().map_err(|e| e.to_string())?;
+                let usage = s.usage(&top).map_err(|e| e.to_string())?;
+                if n < 3
+                    || sessions.len() != 1
+                    || one.id != sess.id
+                    || found.is_none()
+                    || stacks.is_empty()
+                    || usage.1 < 0
+                {
+                    return Err(format!(
+                        "unexpected answers: {n} snapshots, {} sessions",
+                        sessions.len()
+                    ));
+                }
+                Ok(())
+            })();
+            let _ = done_tx.send(r);
+        });
+        let answer = done_rx.recv_timeout(std::time::Duration::from_secs(5));
+        // Let the reader finish in any case before asserting (scope joins it).
+        writer.execute_batch("ROLLBACK").unwrap();
+        drop(writer);
+        match answer {
+            Ok(r) => r.unwrap(),
+            Err(_) => panic!("reads waited for the writer connection"),
+        }
+    });
+}
