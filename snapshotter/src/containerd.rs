@@ -258,8 +258,6 @@ async fn reconcile(ch: &Channel, publisher: &Arc<Publisher>) {
             Err(st) if st.code() == Code::NotFound => {
                 // The exit status died with the task: `on-success` cannot be
                 // shown to hold, so it publishes nothing (as for a failed exit).
-                // The exit status died with the task: `on-success` cannot be
-                // shown to hold, so it publishes nothing.
                 let label = label_policy(ch, &s.namespace, &s.container, s.id).await;
                 info!(session.id = s.id, container = %s.container, "reconcile: task gone");
                 let r = publisher
