@@ -897,12 +897,18 @@ pub fn plan_gate_with(
     for (dir, kind) in &head_hiding {
         let what = kind.describe();
         for (path, change) in below(&captured.entries, dir) {
-            if *kind == HeadChangeKind::Opaque
-                && head.get(*dir).map(|h| h.kind) == Some(HeadChangeKind::Opaque)
-            {
-                // The head replaced the directory: it removed what the lease had
-                // there, nothing else. A path the session added below it, under a
-                // name the lease did not have, survives.
+            let dir_now = head.get(*dir).is_some_and(|h| {
+                matches!(
+                    h.kind,
+                    HeadChangeKind::Opaque | HeadChangeKind::Mkdir | HeadChangeKind::Meta
+                )
+            });
+            if dir_now {
+                // The head replaced the directory (`rm -rf d; mkdir d` in one layer,
+                // or a deletion or type change followed by a new directory in a
+                // later one, whatever metadata changes came after): it removed what
+                // the lease had there, nothing else. A path the session added below
+                // it, under a name the lease did not have, survives.
                 let top = top_below(dir, path);
                 let had = match lease_had.get(top) {
                     Some(&v) => v,

@@ -91,6 +91,48 @@ pub fn mkdir_mode(path: &Path, mode: u32) -> io::Result<()> {
     fs::set_permissions(path, fs::Permissions::from_mode(mode))
 }
 
+/// Gives an empty session upper the mode, owner and xattrs of `top`, the root of
+/// its topmost lower layer. In overlayfs the merged root is always the upper's
+/// directory, so its metadata is what a container sees as `/`; without this every
+/// container's `/` would be 0755 root:root without xattrs whatever the image says
+/// (containerd's overlayfs snapshotter copies the parent's mode and owner to a new
+/// upper the same way: `snapshots/overlay/overlay.go`, `createSnapshot`). An upper
+/// that holds anything (a container ran in it) is left alone. Overlay-private
+/// xattrs (`trusted.overlay.*`, `user.overlay.*`) are not copied.
+pub(crate) fn init_upper_root(upper: &Path, top: &Path) -> io::Result<()> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    if fs::read_dir(upper)?.next().is_some() {
+        return Ok(());
+    }
+    let md = fs::symlink_metadata(top)?;
+    std::os::unix::fs::lchown(upper, Some(md.uid()), Some(md.gid()))?;
+    // After chown, which may clear setgid.
+    fs::set_permissions(upper, fs::Permissions::from_mode(md.mode() & 0o7777))?;
+    let private = |n: &std::ffi::OsStr| {
+        let n = n.as_encoded_bytes();
+        n.starts_with(b"trusted.overlay.") || n.starts_with(b"user.overlay.")
+    };
+    let listed = |p: &Path| -> io::Result<Vec<std::ffi::OsString>> {
+        match xattr::list(p) {
+            Ok(names) => Ok(names.filter(|n| !private(n)).collect()),
+            Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => Ok(Vec::new()),
+            Err(e) => Err(e),
+        }
+    };
+    let wanted = listed(top)?;
+    for n in listed(upper)? {
+        if !wanted.contains(&n) {
+            xattr::remove(upper, &n)?;
+        }
+    }
+    for n in &wanted {
+        if let Some(v) = xattr::get(top, n)? {
+            xattr::set(upper, n, &v)?;
+        }
+    }
+    Ok(())
+}
+
 /// Real allocated bytes and inode count of a tree, without following symlinks;
 /// hardlinked inodes are counted once. Shape: `(bytes, inodes)`.
 pub fn disk_usage(path: &Path) -> io::Result<(i64, i64)> {

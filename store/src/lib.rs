@@ -867,9 +867,14 @@ impl Store {
                 lowers.len()
             )));
         }
+        let dirs = self.layer_dirs(tx, lowers)?;
+        let upper = self.upper_path(sid);
+        if let Some(top) = dirs.first() {
+            fs::init_upper_root(&upper, top).map_err(|e| SnapshotError::io(&upper, e))?;
+        }
         Ok(MountSpec::Overlay {
-            lowers: self.layer_dirs(tx, lowers)?,
-            upper: Some((self.upper_path(sid), self.session_work_path(sid))),
+            lowers: dirs,
+            upper: Some((upper, self.session_work_path(sid))),
         })
     }
 

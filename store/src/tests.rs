@@ -644,3 +644,42 @@ fn reads_do_not_wait_for_the_writer() {
         }
     });
 }
+
+/// The container's `/` is the upper's root directory (overlayfs): a fresh upper
+/// takes the mode, owner and xattrs of the image's root, as containerd's overlayfs
+/// snapshotter does for mode and owner; an upper a container already wrote to is
+/// left as it is.
+#[test]
+fn a_fresh_upper_takes_the_metadata_of_the_lease_root() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let d = tmp();
+    let s = open(d.path());
+    let top = unpack(&s, "default");
+    let image_root = s.layer_path(2);
+    std::fs::set_permissions(&image_root, std::fs::Permissions::from_mode(0o750)).unwrap();
+    let root_user = nix::unistd::geteuid().is_root();
+    if root_user {
+        std::os::unix::fs::lchown(&image_root, Some(1), Some(2)).unwrap();
+    }
+    xattr::set(&image_root, "user.image", b"1").unwrap();
+
+    s.prepare("default/5/c1", &top, BTreeMap::new(), false)
+        .unwrap();
+    let sess = s.find_session("default", "c1").unwrap().unwrap();
+    let md = std::fs::metadata(&sess.upper).unwrap();
+    assert_eq!(md.mode() & 0o7777, 0o750);
+    if root_user {
+        assert_eq!((md.uid(), md.gid()), (1, 2));
+    }
+    assert_eq!(
+        xattr::get(&sess.upper, "user.image").unwrap().as_deref(),
+        Some(&b"1"[..])
+    );
+
+    // A container ran and changed `/`: a remount keeps what it did.
+    std::fs::write(sess.upper.join("f"), b"x").unwrap();
+    std::fs::set_permissions(&sess.upper, std::fs::Permissions::from_mode(0o700)).unwrap();
+    s.mounts("default/5/c1").unwrap();
+    let md = std::fs::metadata(&sess.upper).unwrap();
+    assert_eq!(md.mode() & 0o7777, 0o700);
+}

@@ -1111,9 +1111,18 @@ fn newest_head_occurrence_is_the_final_state() {
         HeadChange::from_change(b"f", &w("2")),
     ];
     assert!(!plan_gate(&cs, &head, &files, &lim).unwrap().is_conflict());
-    // An older removal of the parent still counts although the head re-created it.
+    // An older removal of the parent still counts although the head re-created it:
+    // the lease's file is gone on the head (edit vs delete); a name the lease did
+    // not have survives, as when `rm -rf d; mkdir d` happens in one layer.
+    let base = tree(&[("d", d(0o755)), ("d/lease_file", f("0"))]);
+    let files = Mem {
+        base: &base,
+        ours: &base,
+        theirs: &base,
+    };
     let mut cs = Changeset::default();
     cs.entries.insert(b"d/lease_file".to_vec(), w("1"));
+    cs.entries.insert(b"d/new_file".to_vec(), w("1"));
     let head = [
         HeadChange::from_change(
             b"d",
@@ -1528,6 +1537,46 @@ fn head_change_below_a_directory_a_newer_layer_hid_is_gone() {
     }
 }
 
+/// The head replaced `d` across layers — `rm -rf d; mkdir d` then `chmod 700 d`,
+/// or `rm -rf d` then `mkdir d` — as it would in one layer: a name the session
+/// added below `d` that the lease did not have survives; a lease file the session
+/// edited conflicts (the head removed it).
+#[test]
+fn head_directory_replaced_across_layers_keeps_the_sessions_new_names() {
+    let base = tree(&[("d", d(0o755)), ("d/x", f(TEXT))]);
+    let ours_new = tree(&[("d", d(0o755)), ("d/x", f(TEXT)), ("d/new", f("n\n"))]);
+    let ours_edit = tree(&[("d", d(0o755)), ("d/x", f("edited\n"))]);
+    let replaced = tree(&[("d", d(0o755))]);
+    let chmodded = tree(&[("d", d(0o700))]);
+    let histories: [Vec<(Tree, BTreeSet<Vec<u8>>)>; 2] = [
+        vec![
+            (replaced.clone(), set(&["d"])),
+            (chmodded.clone(), BTreeSet::new()),
+        ],
+        vec![
+            (Tree::new(), BTreeSet::new()),
+            (replaced.clone(), BTreeSet::new()),
+        ],
+    ];
+    for layers in histories {
+        let theirs = layers.last().unwrap().0.clone();
+        let case = |ours: &Tree| Case {
+            base: base.clone(),
+            ours: ours.clone(),
+            theirs: theirs.clone(),
+            head_layers: layers.clone(),
+            ..Case::default()
+        };
+        let r = run(&case(&ours_new));
+        assert_eq!(r.conflicts(), Vec::<String>::new(), "{:#?}", r.plan.reports);
+        let mut want = theirs.clone();
+        want.insert(b"d/new".to_vec(), f("n\n"));
+        assert_eq!(r.result(), &want);
+        let r = run(&case(&ours_edit));
+        assert_eq!(r.conflicts(), ["d/x"]);
+    }
+}
+
 #[test]
 fn flatten_head_layers_drops_what_a_newer_layer_hid() {
     let ch = |p: &str, kind: HeadChangeKind| HeadChange {
@@ -1890,11 +1939,13 @@ fn model(
         return None;
     }
     // The head removed or replaced d: session changes below d other than deletions
-    // conflict, except, when the head's last change of d replaced it, at names the
-    // lease did not have there (they survive).
+    // conflict, except, when d is a directory again on the head (replaced, in one
+    // layer or across layers), at names the lease did not have there (they
+    // survive).
+    let d_is_dir_on_head = matches!(theirs.get(dk), Some(N::D { .. }));
     if base.contains_key(dk)
         && hd.hidden
-        && below_d().any(|p| edited(ours, p) && (base.contains_key(p) || !hd.replaced_last))
+        && below_d().any(|p| edited(ours, p) && (base.contains_key(p) || !d_is_dir_on_head))
     {
         return None;
     }
