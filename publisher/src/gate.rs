@@ -1593,6 +1593,10 @@ impl Planner<'_> {
                 }
             }
         }
+        if self.budget.is_used_up() {
+            // Nothing more is merged in this publish: do not even read the files.
+            return Ok(self.budget.used_up());
+        }
         let b = self
             .files
             .read(Side::Base, path)

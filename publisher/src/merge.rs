@@ -149,6 +149,14 @@ impl MergeBudget {
     pub fn is_used_up(&self) -> bool {
         self.remaining().is_zero()
     }
+
+    /// The conflict of a merge not started because the budget is used up.
+    pub(crate) fn used_up(&self) -> TextMerge {
+        TextMerge::Conflict(format!(
+            "not merged: the merge time budget of {} ms for this publish is used up",
+            self.total.as_millis()
+        ))
+    }
 }
 
 /// How many leading bytes the binary test looks at (git's `FIRST_FEW_BYTES`, 8000,
@@ -493,10 +501,7 @@ pub fn merge_text_within(
     }
     let remaining = budget.remaining();
     if remaining.is_zero() {
-        return TextMerge::Conflict(format!(
-            "not merged: the merge time budget of {} ms for this publish is used up",
-            budget.total.as_millis()
-        ));
+        return budget.used_up();
     }
     let (tx, rx) = mpsc::channel();
     let (b, o, t) = (base.to_vec(), ours.to_vec(), theirs.to_vec());
