@@ -1074,6 +1074,8 @@ mod tests {
     /// session's edit landed in the pasted copy; git and we change the original.
     #[test]
     fn an_edit_next_to_a_pasted_copy_lands_where_git_puts_it() {
+        // The default is the algorithm whose clean merges are git's bytes.
+        assert_eq!(MergeOptions::default().diff_algorithm, DiffAlgorithm::Myers);
         let base = b"{\n    a;\n}\n\n\n    x\n";
         let ours = b"{\n    a;\nX\n\n\n    x\n";
         let theirs = b"{\n    a;\n}\n\n{\n    a;\n}\n\n\n    x\n";
