@@ -98,7 +98,10 @@ pub fn mkdir_mode(path: &Path, mode: u32) -> io::Result<()> {
 /// (containerd's overlayfs snapshotter copies the parent's mode and owner to a new
 /// upper the same way: `snapshots/overlay/overlay.go`, `createSnapshot`). An upper
 /// that holds anything (a container ran in it) is left alone. Overlay-private
-/// xattrs (`trusted.overlay.*`, `user.overlay.*`) are not copied.
+/// xattrs (`trusted.overlay.*`, `user.overlay.*`) are not copied; an xattr this
+/// process may not set (e.g. a `security.*` name the LSM refuses) is skipped with
+/// a warning rather than failing the mount — capture then reports `/` as
+/// differing, and the publish resets it.
 pub(crate) fn init_upper_root(upper: &Path, top: &Path) -> io::Result<()> {
     use std::os::unix::fs::{MetadataExt, PermissionsExt};
     if fs::read_dir(upper)?.next().is_some() {
@@ -120,14 +123,23 @@ pub(crate) fn init_upper_root(upper: &Path, top: &Path) -> io::Result<()> {
         }
     };
     let wanted = listed(top)?;
+    let skip = |what: &str, n: &std::ffi::OsStr, e: io::Error| -> io::Result<()> {
+        match e.raw_os_error() {
+            Some(libc::EPERM | libc::EACCES | libc::EOPNOTSUPP) => {
+                tracing::warn!(upper = %upper.display(), xattr = ?n, error = %e, "cannot {what} an xattr of a new upper's root; left as is");
+                Ok(())
+            }
+            _ => Err(e),
+        }
+    };
     for n in listed(upper)? {
         if !wanted.contains(&n) {
-            xattr::remove(upper, &n)?;
+            xattr::remove(upper, &n).or_else(|e| skip("remove", &n, e))?;
         }
     }
     for n in &wanted {
         if let Some(v) = xattr::get(top, n)? {
-            xattr::set(upper, n, &v)?;
+            xattr::set(upper, n, &v).or_else(|e| skip("set", n, e))?;
         }
     }
     Ok(())
