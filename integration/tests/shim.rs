@@ -108,10 +108,8 @@ fn delete_task_committed(env: &TestEnv, id: &str, context: &str) -> Result<()> {
     remove_container(env, NS, id)
 }
 
-/// Processes whose command line names a containerd shim, container `id` and
-/// this env's containerd socket: "pid cmdline".
-fn shim_processes(env: &TestEnv, id: &str) -> Vec<String> {
-    let sock = env.containerd().socket().to_string_lossy().into_owned();
+/// Live (not zombie) processes: `(pid, argv)`.
+fn live_processes() -> Vec<(i32, Vec<String>)> {
     let mut out = Vec::new();
     let Ok(rd) = std::fs::read_dir("/proc") else {
         return out;
@@ -135,16 +133,26 @@ fn shim_processes(env: &TestEnv, id: &str) -> Vec<String> {
                     .unwrap_or(false)
             })
             .unwrap_or(true);
-        let is_shim = argv
-            .first()
-            .map(|a| a.contains("containerd-shim"))
-            .unwrap_or(false);
-        let names_id = argv.windows(2).any(|w| w[0] == "-id" && w[1] == id);
-        if !zombie && is_shim && names_id && argv.iter().any(|a| a == &sock) {
-            out.push(format!("{pid} {}", argv.join(" ")));
+        if !zombie {
+            out.push((pid, argv));
         }
     }
     out
+}
+
+/// Processes whose command line names a containerd shim, container `id` and
+/// this env's containerd socket: "pid cmdline".
+fn shim_processes(env: &TestEnv, id: &str) -> Vec<String> {
+    let sock = env.containerd().socket().to_string_lossy().into_owned();
+    live_processes()
+        .into_iter()
+        .filter(|(_, argv)| {
+            argv.first().is_some_and(|a| a.contains("containerd-shim"))
+                && argv.windows(2).any(|w| w[0] == "-id" && w[1] == id)
+                && argv.iter().any(|a| a == &sock)
+        })
+        .map(|(pid, argv)| format!("{pid} {}", argv.join(" ")))
+        .collect()
 }
 
 fn cleanup_container(env: &TestEnv, id: &str) {
@@ -792,34 +800,11 @@ fn sigkill(pid: i32) -> Result<()> {
 
 /// Live (not zombie) processes whose command line is exactly `argv`: "pid cmdline".
 fn processes_with_argv(argv: &[&str]) -> Vec<String> {
-    let mut out = Vec::new();
-    let Ok(rd) = std::fs::read_dir("/proc") else {
-        return out;
-    };
-    for e in rd.flatten() {
-        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
-            continue;
-        };
-        let Ok(raw) = std::fs::read(format!("/proc/{pid}/cmdline")) else {
-            continue;
-        };
-        let a: Vec<String> = raw
-            .split(|b| *b == 0)
-            .filter(|a| !a.is_empty())
-            .map(|a| String::from_utf8_lossy(a).into_owned())
-            .collect();
-        let zombie = std::fs::read_to_string(format!("/proc/{pid}/stat"))
-            .map(|s| {
-                s.rfind(')')
-                    .map(|i| s[i + 1..].trim_start().starts_with('Z'))
-                    .unwrap_or(false)
-            })
-            .unwrap_or(true);
-        if !zombie && a.len() == argv.len() && a.iter().zip(argv).all(|(x, y)| x == y) {
-            out.push(format!("{pid} {}", a.join(" ")));
-        }
-    }
-    out
+    live_processes()
+        .into_iter()
+        .filter(|(_, a)| a.len() == argv.len() && a.iter().zip(argv).all(|(x, y)| x == y))
+        .map(|(pid, a)| format!("{pid} {}", a.join(" ")))
+        .collect()
 }
 
 /// The PID column of task `id` in `ctr tasks ls`.
