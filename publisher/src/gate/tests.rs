@@ -438,6 +438,16 @@ fn run_limits(c: &Case, limits: &MergeOptions) -> Run {
     Run { plan, result }
 }
 
+/// A regular file with `content` and the metadata `meta`.
+fn file_with(content: &[u8], meta: &Meta) -> N {
+    N::F {
+        c: content.to_vec(),
+        mode: meta.mode,
+        uid: meta.uid,
+        x: meta.xattrs.iter().cloned().collect(),
+    }
+}
+
 /// Applies the plan to the upper and lays the upper over the head's tree.
 fn overlay(c: &Case, cs: &Changeset, plan: &GatePlan) -> Tree {
     // The upper: every captured path with the session's state.
@@ -457,36 +467,14 @@ fn overlay(c: &Case, cs: &Changeset, plan: &GatePlan) -> Tree {
                 content,
                 meta,
             } => {
-                upper.insert(
-                    path.clone(),
-                    Some((
-                        N::F {
-                            c: content.clone(),
-                            mode: meta.mode,
-                            uid: meta.uid,
-                            x: meta.xattrs.iter().cloned().collect(),
-                        },
-                        false,
-                    )),
-                );
+                upper.insert(path.clone(), Some((file_with(content, meta), false)));
             }
             Action::CopyFile { path, from, meta } => {
                 assert_eq!(from, Path::new(MEM_HEAD));
                 let Some(N::F { c: content, .. }) = c.theirs.get(path) else {
                     panic!("copy of a head path that is not a file: {path:?}");
                 };
-                upper.insert(
-                    path.clone(),
-                    Some((
-                        N::F {
-                            c: content.clone(),
-                            mode: meta.mode,
-                            uid: meta.uid,
-                            x: meta.xattrs.iter().cloned().collect(),
-                        },
-                        false,
-                    )),
-                );
+                upper.insert(path.clone(), Some((file_with(content, meta), false)));
             }
             Action::WriteSymlink { path, target, meta } => {
                 let Some(N::L { t, .. }) = c.theirs.get(path) else {
