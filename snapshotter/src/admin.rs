@@ -19,6 +19,15 @@ pub struct AdminService {
 }
 
 impl AdminService {
+    /// The newest session of `container` in `namespace` (`container` required).
+    async fn session_of(&self, namespace: &str, container: &str) -> Result<SessionInfo, Status> {
+        require("container", container)?;
+        self.publisher
+            .find(namespace, container)
+            .await
+            .map_err(publish_status)
+    }
+
     fn status_response(&self) -> api::StatusResponse {
         api::StatusResponse {
             version: env!("CARGO_PKG_VERSION").to_string(),
@@ -148,16 +157,11 @@ impl api::Admin for AdminService {
         req: Request<api::SetPolicyRequest>,
     ) -> Result<Response<api::Session>, Status> {
         let r = req.into_inner();
-        require("container", &r.container)?;
         let p: layerstack_api::policy::Policy = r
             .policy
             .parse()
             .map_err(|e| Status::invalid_argument(layerstack_api::error_chain(&e)))?;
-        let s = self
-            .publisher
-            .find(&r.namespace, &r.container)
-            .await
-            .map_err(publish_status)?;
+        let s = self.session_of(&r.namespace, &r.container).await?;
         let _g = self.publisher.lock_session(s.id).await;
         let store = self.publisher.store().clone();
         let out = tokio::task::spawn_blocking(move || store.set_session_policy(s.id, p.as_str()))
@@ -196,7 +200,6 @@ impl api::Admin for AdminService {
 
     async fn wait(&self, req: Request<api::WaitRequest>) -> Result<Response<api::Session>, Status> {
         let r = req.into_inner();
-        require("container", &r.container)?;
         let deadline = (r.timeout_ms > 0)
             .then(|| tokio::time::Instant::now() + Duration::from_millis(r.timeout_ms.into()));
         loop {
@@ -205,11 +208,7 @@ impl api::Admin for AdminService {
             let notified = self.publisher.outcomes.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            let s = self
-                .publisher
-                .find(&r.namespace, &r.container)
-                .await
-                .map_err(publish_status)?;
+            let s = self.session_of(&r.namespace, &r.container).await?;
             if s.outcome.is_some() {
                 return Ok(Response::new(to_api(s)));
             }
@@ -243,12 +242,7 @@ impl api::Admin for AdminService {
         req: Request<api::PublishRequest>,
     ) -> Result<Response<api::Session>, Status> {
         let r = req.into_inner();
-        require("container", &r.container)?;
-        let s = self
-            .publisher
-            .find(&r.namespace, &r.container)
-            .await
-            .map_err(publish_status)?;
+        let s = self.session_of(&r.namespace, &r.container).await?;
         let why = if r.reason.is_empty() {
             "admin publish".to_string()
         } else {
@@ -277,15 +271,10 @@ impl api::Admin for AdminService {
         req: Request<api::PublishRequest>,
     ) -> Result<Response<api::Session>, Status> {
         let r = req.into_inner();
-        require("container", &r.container)?;
         if api::PublishPolicy::from_i32(r.policy) != Some(api::PublishPolicy::Publish) {
             return Err(Status::invalid_argument("a dry run needs policy PUBLISH"));
         }
-        let s = self
-            .publisher
-            .find(&r.namespace, &r.container)
-            .await
-            .map_err(publish_status)?;
+        let s = self.session_of(&r.namespace, &r.container).await?;
         let d = self.publisher.dry_run(s.id).await.map_err(publish_status)?;
         Ok(Response::new(dry_run_to_api(d)))
     }
@@ -351,13 +340,8 @@ impl api::Admin for AdminService {
         req: Request<api::SetBranchRequest>,
     ) -> Result<Response<api::SetBranchResponse>, Status> {
         let r = req.into_inner();
-        require("container", &r.container)?;
         require("branch", &r.branch)?;
-        let s = self
-            .publisher
-            .find(&r.namespace, &r.container)
-            .await
-            .map_err(publish_status)?;
+        let s = self.session_of(&r.namespace, &r.container).await?;
         // Ordered against a publish of the same session.
         let _g = self.publisher.lock_session(s.id).await;
         if crate::publish::upper_is_mounted(&s.upper) {
