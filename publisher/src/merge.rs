@@ -212,14 +212,12 @@ enum Take {
     Conflict,
 }
 
-/// A region of the merge: base lines `[b, b + b_len)` correspond to ours'
-/// `[o, o + o_len)` and theirs' `[t, t + t_len)`; `take` says whose lines the
+/// A region of the merge: ours' lines `[o, o + o_len)` correspond to theirs'
+/// `[t, t + t_len)` (the same stretch of the base); `take` says whose lines the
 /// result has there.
 #[derive(Debug, Clone, Copy)]
 struct Region {
     take: Take,
-    b: i64,
-    b_len: i64,
     o: i64,
     o_len: i64,
     t: i64,
@@ -235,7 +233,6 @@ fn push_region(regions: &mut Vec<Region>, r: Region) {
             if r.take != m.take {
                 m.take = Take::Conflict;
             }
-            m.b_len = r.b + r.b_len - m.b;
             m.o_len = r.o + r.o_len - m.o;
             m.t_len = r.t + r.t_len - m.t;
             return;
@@ -295,8 +292,6 @@ fn merge3(
                 &mut regions,
                 Region {
                     take: Take::Ours,
-                    b: x.base.start,
-                    b_len: x.base.end - x.base.start,
                     o: x.side.start,
                     o_len: x.side.end - x.side.start,
                     t,
@@ -312,8 +307,6 @@ fn merge3(
                 &mut regions,
                 Region {
                     take: Take::Theirs,
-                    b: y.base.start,
-                    b_len: y.base.end - y.base.start,
                     o,
                     o_len: y.base.end - y.base.start,
                     t: y.side.start,
@@ -324,7 +317,6 @@ fn merge3(
             continue;
         }
         let same = x.base == y.base
-            && x.side.end - x.side.start == y.side.end - y.side.start
             && tokens_of(&ours_tokens, &x.side) == tokens_of(theirs_tokens, &y.side);
         if !same {
             // One conflict from the lower start to the higher end of both.
@@ -338,8 +330,6 @@ fn merge3(
                 &mut regions,
                 Region {
                     take: Take::Conflict,
-                    b: start,
-                    b_len: end - start,
                     o,
                     o_len: o_end - o,
                     t,
@@ -361,8 +351,6 @@ fn merge3(
             &mut regions,
             Region {
                 take: Take::Ours,
-                b: x.base.start,
-                b_len: x.base.end - x.base.start,
                 o: x.side.start,
                 o_len: x.side.end - x.side.start,
                 t: x.base.start + theirs_len - base_len,
@@ -375,8 +363,6 @@ fn merge3(
             &mut regions,
             Region {
                 take: Take::Theirs,
-                b: y.base.start,
-                b_len: y.base.end - y.base.start,
                 o: y.base.start + ours_len - base_len,
                 o_len: y.base.end - y.base.start,
                 t: y.side.start,
@@ -385,14 +371,12 @@ fn merge3(
         );
     }
 
-    let ours_lines: Vec<&[u8]> = byte_lines(ours).collect();
-    let theirs_lines: Vec<&[u8]> = byte_lines(theirs).collect();
-    let lines = |v: &[&[u8]], from: i64, n: i64| -> Vec<u8> {
-        let (from, n) = (
-            usize::try_from(from).unwrap_or(0),
-            usize::try_from(n).unwrap_or(0),
-        );
-        v[from..from + n].concat()
+    // The lines of `tokens[from..from + n]`, as interned (terminators included).
+    let interner = &input.interner;
+    let lines = |tokens: &[gix_imara_diff::Token], from: i64, n: i64, out: &mut Vec<u8>| {
+        for &t in tokens_of(tokens, &(from..from + n)) {
+            out.extend_from_slice(interner[t]);
+        }
     };
     let mut out = Vec::with_capacity(ours.len().max(theirs.len()));
     let mut at = 0;
@@ -409,15 +393,15 @@ fn merge3(
             }
             t => t,
         };
-        out.extend(lines(&ours_lines, at, r.o - at));
+        lines(&ours_tokens, at, r.o - at, &mut out);
         match take {
-            Take::Ours => out.extend(lines(&ours_lines, r.o, r.o_len)),
-            Take::Theirs => out.extend(lines(&theirs_lines, r.t, r.t_len)),
+            Take::Ours => lines(&ours_tokens, r.o, r.o_len, &mut out),
+            Take::Theirs => lines(theirs_tokens, r.t, r.t_len, &mut out),
             Take::Conflict => return Err(()),
         }
         at = r.o + r.o_len;
     }
-    out.extend(lines(&ours_lines, at, ours_len - at));
+    lines(&ours_tokens, at, ours_len - at, &mut out);
     Ok(out)
 }
 
@@ -830,47 +814,17 @@ mod tests {
         git_merge_with(base, ours, theirs, DiffAlgorithm::default())
     }
 
-    fn side(base: &[String], edits: &[(usize, u8, bool)], tag: &str) -> Vec<u8> {
+    /// Applies `(index, op, new line)` edits to `base`, one per index, from the
+    /// end so indices stay valid: 0 replaces the line, 1 deletes it, 2 inserts the
+    /// new line after it.
+    fn apply_edits(base: &[String], mut edits: Vec<(usize, u8, String)>) -> Vec<u8> {
         let mut lines: Vec<String> = base.to_vec();
-        // Apply from the end so indices stay valid: 0 replace, 1 delete, 2 insert after.
-        let mut edits = edits.to_vec();
         edits.sort();
         edits.dedup_by_key(|e| e.0);
-        for (i, op, shared) in edits.into_iter().rev() {
+        for (i, op, new) in edits.into_iter().rev() {
             if i >= lines.len() {
                 continue;
             }
-            let tag = if shared { "s" } else { tag };
-            match op {
-                0 => lines[i] = format!("{tag}{i}"),
-                1 => {
-                    lines.remove(i);
-                }
-                _ => lines.insert(i + 1, format!("{tag}+{i}")),
-            }
-        }
-        lines.concat().into_bytes()
-    }
-
-    /// Lines repeated on purpose, as in real files: blank lines and braces.
-    const REPEATED: [&str; 4] = ["\n", "}\n", "{\n", "a\n"];
-
-    /// A side built from `base` by `edits` `(index, op, pick)`: 0 replace, 1
-    /// delete, 2 insert after; the new line is a repeated one (`pick` < 4) or a
-    /// line unique to the side.
-    fn side_repeated(base: &[String], edits: &[(usize, u8, usize)], tag: &str) -> Vec<u8> {
-        let mut lines: Vec<String> = base.to_vec();
-        let mut edits = edits.to_vec();
-        edits.sort();
-        edits.dedup_by_key(|e| e.0);
-        for (i, op, pick) in edits.into_iter().rev() {
-            if i >= lines.len() {
-                continue;
-            }
-            let new = match REPEATED.get(pick) {
-                Some(l) => (*l).to_string(),
-                None => format!("{tag}{i}\n"),
-            };
             match op {
                 0 => lines[i] = new,
                 1 => {
@@ -880,6 +834,81 @@ mod tests {
             }
         }
         lines.concat().into_bytes()
+    }
+
+    /// A side built from `base` by `edits` `(index, op, shared)`: a new line is
+    /// tagged with the side, or `s` when `shared` (so both sides can make the
+    /// same change).
+    fn side(base: &[String], edits: &[(usize, u8, bool)], tag: &str) -> Vec<u8> {
+        let edits = edits
+            .iter()
+            .map(|&(i, op, shared)| {
+                let tag = if shared { "s" } else { tag };
+                let new = if op == 0 {
+                    format!("{tag}{i}")
+                } else {
+                    format!("{tag}+{i}")
+                };
+                (i, op, new)
+            })
+            .collect();
+        apply_edits(base, edits)
+    }
+
+    /// Lines repeated on purpose, as in real files: blank lines and braces.
+    const REPEATED: [&str; 4] = ["\n", "}\n", "{\n", "a\n"];
+
+    /// A side built from `base` by `edits` `(index, op, pick)`; the new line is a
+    /// repeated one (`pick` < 4) or a line unique to the side.
+    fn side_repeated(base: &[String], edits: &[(usize, u8, usize)], tag: &str) -> Vec<u8> {
+        let edits = edits
+            .iter()
+            .map(|&(i, op, pick)| {
+                let new = REPEATED
+                    .get(pick)
+                    .map_or_else(|| format!("{tag}{i}\n"), |l| (*l).to_string());
+                (i, op, new)
+            })
+            .collect();
+        apply_edits(base, edits)
+    }
+
+    /// The property every git comparison asserts: `merge_text` with `algorithm`
+    /// has git's verdict and, when clean, git's bytes.
+    fn same_as_git(
+        base: &[u8],
+        ours: &[u8],
+        theirs: &[u8],
+        algorithm: DiffAlgorithm,
+    ) -> Result<(), proptest::test_runner::TestCaseError> {
+        let (git_clean, git_out) = git_merge_with(base, ours, theirs, algorithm);
+        let options = MergeOptions {
+            diff_algorithm: algorithm,
+            ..MergeOptions::default()
+        };
+        let why = || {
+            format!(
+                "{algorithm:?}: base {:?} ours {:?} theirs {:?}",
+                String::from_utf8_lossy(base),
+                String::from_utf8_lossy(ours),
+                String::from_utf8_lossy(theirs)
+            )
+        };
+        match merge_text(base, ours, theirs, &options) {
+            TextMerge::Clean(out) => {
+                proptest::prop_assert!(git_clean, "we merged, git conflicted: {}", why());
+                proptest::prop_assert_eq!(
+                    String::from_utf8_lossy(&out),
+                    String::from_utf8_lossy(&git_out),
+                    "{}",
+                    why()
+                );
+            }
+            TextMerge::Conflict(r) => {
+                proptest::prop_assert!(!git_clean, "git merged, we: {}: {}", r, why());
+            }
+        }
+        Ok(())
     }
 
     /// Cases per git property test: 300, or `MERGE_GIT_CASES`.
@@ -926,15 +955,7 @@ mod tests {
             let o = side(&fix(base.clone()), &ours_edits, "o");
             let t = side(&fix(base.clone()), &theirs_edits, "t");
             for algorithm in [DiffAlgorithm::Histogram, DiffAlgorithm::Myers] {
-                let (git_clean, git_out) = git_merge_with(&base_b, &o, &t, algorithm);
-                let options = MergeOptions { diff_algorithm: algorithm, ..MergeOptions::default() };
-                match merge_text(&base_b, &o, &t, &options) {
-                    TextMerge::Clean(ours_out) => {
-                        proptest::prop_assert!(git_clean, "{algorithm:?}: we merged, git conflicted: {:?}", String::from_utf8_lossy(&ours_out));
-                        proptest::prop_assert_eq!(String::from_utf8_lossy(&ours_out), String::from_utf8_lossy(&git_out));
-                    }
-                    TextMerge::Conflict(r) => proptest::prop_assert!(!git_clean, "{algorithm:?}: git merged {:?}, we: {}", String::from_utf8_lossy(&git_out), r),
-                }
+                same_as_git(&base_b, &o, &t, algorithm)?;
             }
         }
 
@@ -959,35 +980,18 @@ mod tests {
             let base_b = base.concat().into_bytes();
             let o = side_repeated(&base, &ours_edits, "o");
             let t = side_repeated(&base, &theirs_edits, "t");
-            let stats = std::env::var_os("MERGE_GIT_STATS").is_some();
-            for algorithm in [DiffAlgorithm::Myers, DiffAlgorithm::Histogram] {
-                if algorithm == DiffAlgorithm::Histogram && !stats {
-                    continue;
-                }
-                let (git_clean, git_out) = git_merge_with(&base_b, &o, &t, algorithm);
-                let options = MergeOptions { diff_algorithm: algorithm, ..MergeOptions::default() };
-                let ours = merge_text(&base_b, &o, &t, &options);
-                if stats {
+            if std::env::var_os("MERGE_GIT_STATS").is_some() {
+                for algorithm in [DiffAlgorithm::Myers, DiffAlgorithm::Histogram] {
+                    let (git_clean, git_out) = git_merge_with(&base_b, &o, &t, algorithm);
+                    let options = MergeOptions { diff_algorithm: algorithm, ..MergeOptions::default() };
+                    let ours = merge_text(&base_b, &o, &t, &options);
                     let we_clean = matches!(ours, TextMerge::Clean(_));
                     let same = matches!(&ours, TextMerge::Clean(b) if git_clean && *b == git_out);
                     eprintln!("GITREP {} git_clean={git_clean} we_clean={we_clean} same_bytes={same}", algorithm.as_str());
-                    continue;
                 }
-                match &ours {
-                    TextMerge::Clean(ours_out) => {
-                        proptest::prop_assert!(git_clean, "we merged, git conflicted: base {:?} ours {:?} theirs {:?}", String::from_utf8_lossy(&base_b), String::from_utf8_lossy(&o), String::from_utf8_lossy(&t));
-                        proptest::prop_assert_eq!(
-                            String::from_utf8_lossy(ours_out),
-                            String::from_utf8_lossy(&git_out),
-                            "base {:?} ours {:?} theirs {:?}",
-                            String::from_utf8_lossy(&base_b),
-                            String::from_utf8_lossy(&o),
-                            String::from_utf8_lossy(&t)
-                        );
-                    }
-                    TextMerge::Conflict(r) => proptest::prop_assert!(!git_clean, "git merged, we: {}: base {:?} ours {:?} theirs {:?}", r, String::from_utf8_lossy(&base_b), String::from_utf8_lossy(&o), String::from_utf8_lossy(&t)),
-                }
+                return Ok(());
             }
+            same_as_git(&base_b, &o, &t, DiffAlgorithm::Myers)?;
         }
     }
 
@@ -1057,15 +1061,7 @@ mod tests {
             let base_b = base.concat().into_bytes();
             let o = side_blocks(&base, &ours_edits, "o");
             let t = side_blocks(&base, &theirs_edits, "t");
-            let (git_clean, git_out) = git_merge_with(&base_b, &o, &t, DiffAlgorithm::Myers);
-            let why = || format!("base {:?} ours {:?} theirs {:?}", String::from_utf8_lossy(&base_b), String::from_utf8_lossy(&o), String::from_utf8_lossy(&t));
-            match merge_text(&base_b, &o, &t, &MergeOptions::default()) {
-                TextMerge::Clean(ours_out) => {
-                    proptest::prop_assert!(git_clean, "we merged, git conflicted: {}", why());
-                    proptest::prop_assert_eq!(String::from_utf8_lossy(&ours_out), String::from_utf8_lossy(&git_out), "{}", why());
-                }
-                TextMerge::Conflict(r) => proptest::prop_assert!(!git_clean, "git merged, we: {}: {}", r, why()),
-            }
+            same_as_git(&base_b, &o, &t, DiffAlgorithm::Myers)?;
         }
     }
 
