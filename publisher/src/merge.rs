@@ -1212,23 +1212,26 @@ mod tests {
         );
     }
 
-    /// Two unrelated texts of `n` lines each.
-    fn unrelated(n: usize) -> (String, String, String) {
-        let mk = |p: &str| (0..n).map(|i| format!("{p}{i}\n")).collect();
-        (mk("b"), mk("o"), mk("t"))
+    /// Three versions whose merge takes about 0.5 s in a debug build.
+    fn slow_merge() -> (Vec<u8>, Vec<u8>, Vec<u8>) {
+        use crate::testutil::scrambled;
+        (
+            scrambled(1, 4_000, 8),
+            scrambled(2, 4_000, 8),
+            scrambled(3, 4_000, 8),
+        )
     }
 
-    /// A merge that does not answer within the budget conflicts at once. (Merges
-    /// of inputs within the caps take milliseconds, so a budget of 1 ns is what
-    /// cannot be met.)
+    /// A merge that does not answer within the budget conflicts at once (a budget
+    /// of 1 ns for a merge of scrambled texts).
     #[test]
     fn time_cap_returns_instead_of_hanging() {
-        let (base, ours, theirs) = unrelated(2_000);
+        let (base, ours, theirs) = slow_merge();
         let limits = MergeOptions {
             timeout: Duration::from_nanos(1),
             ..MergeOptions::default()
         };
-        let r = merge_text(base.as_bytes(), ours.as_bytes(), theirs.as_bytes(), &limits);
+        let r = merge_text(&base, &ours, &theirs, &limits);
         let TextMerge::Conflict(reason) = r else {
             panic!("merged")
         };
@@ -1242,19 +1245,13 @@ mod tests {
     /// it up, the next one is not even started.
     #[test]
     fn budget_is_shared_and_a_used_up_budget_starts_nothing() {
-        let (base, ours, theirs) = unrelated(2_000);
+        let (base, ours, theirs) = slow_merge();
         let limits = MergeOptions {
             timeout: Duration::from_nanos(1),
             ..MergeOptions::default()
         };
         let mut budget = MergeBudget::new(limits.timeout);
-        let first = merge_text_within(
-            base.as_bytes(),
-            ours.as_bytes(),
-            theirs.as_bytes(),
-            &limits,
-            &mut budget,
-        );
+        let first = merge_text_within(&base, &ours, &theirs, &limits, &mut budget);
         assert!(matches!(first, TextMerge::Conflict(_)));
         assert!(budget.is_used_up());
         let second = merge_text_within(
@@ -1322,21 +1319,11 @@ mod tests {
             let (b, o, t) = (mk("b"), mk("o"), mk("t"));
             assert!(b.len() as u64 <= limits.max_bytes);
             // Also: random lines over a small alphabet (many matches, no structure).
-            let mut seed = 0x9E37_79B9_7F4A_7C15_u64;
-            let mut rnd = |p: &str| -> Vec<u8> {
-                (0..n)
-                    .map(|_| {
-                        seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
-                        format!(
-                            "{p}{:0w$}\n",
-                            (seed >> 33) % 16,
-                            w = width.saturating_sub(2)
-                        )
-                    })
-                    .collect::<String>()
-                    .into_bytes()
-            };
-            let (rb, ro, rt) = (rnd(""), rnd(""), rnd(""));
+            let (rb, ro, rt) = (
+                crate::testutil::scrambled(1, n, width),
+                crate::testutil::scrambled(2, n, width),
+                crate::testutil::scrambled(3, n, width),
+            );
             for algorithm in [DiffAlgorithm::Histogram, DiffAlgorithm::Myers] {
                 let start = std::time::Instant::now();
                 let _ = merge3(&rb, &ro, &rt, algorithm);

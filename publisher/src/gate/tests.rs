@@ -1243,13 +1243,13 @@ fn a_publish_stops_merging_at_the_first_conflict_a_dry_run_does_not() {
 /// that need a merge as over budget without even reading them.
 #[test]
 fn a_used_up_budget_reads_no_more_files() {
-    // a: a merge of 2,000 lines, which cannot finish within the budget of 1 ns.
+    // a: a merge of scrambled texts, which cannot finish within the budget of 1 ns.
     let mut base = tree(&[("b", f(TEXT))]);
     let mut ours = tree(&[("b", f("1\nTWO\n3\n4\n5\n6\n"))]);
     let mut theirs = tree(&[("b", f("1\n2\n3\nFOUR\n5\n6\n"))]);
-    base.insert(b"a".to_vec(), unrelated("b", 2_000));
-    ours.insert(b"a".to_vec(), unrelated("o", 2_000));
-    theirs.insert(b"a".to_vec(), unrelated("t", 2_000));
+    base.insert(b"a".to_vec(), scrambled_file(1));
+    ours.insert(b"a".to_vec(), scrambled_file(2));
+    theirs.insert(b"a".to_vec(), scrambled_file(3));
     let c = Case {
         base,
         ours,
@@ -1284,33 +1284,30 @@ fn a_used_up_budget_reads_no_more_files() {
     );
 }
 
-/// Unrelated texts: Myers' worst case.
-fn unrelated(tag: &str, n: usize) -> N {
-    f(&(0..n).map(|i| format!("{tag}{i}\n")).collect::<String>())
+/// A text file whose merge with two others of other `seed`s takes about 0.5 s
+/// in a debug build ([`crate::testutil::scrambled`]).
+fn scrambled_file(seed: u64) -> N {
+    f(&String::from_utf8(crate::testutil::scrambled(seed, 4_000, 8)).unwrap())
 }
 
 #[test]
 fn the_merge_timeout_is_one_budget_for_the_whole_plan() {
-    // Four files that need a merge of 1,500 lines each (milliseconds each). With a
-    // budget no merge can meet (1 ns), the first merge times out and uses the
-    // budget up, and the three others are never started: one budget for the plan,
-    // not one per file.
+    // Four files that each need a merge of scrambled texts. With a budget no
+    // merge can meet (1 ns), the first merge times out and uses the budget up,
+    // and the three others are never started: one budget for the plan, not one
+    // per file.
     let names = ["f1", "f2", "f3", "f4"];
-    let side = |tag: &str| -> Tree {
+    let side = |seed: u64| -> Tree {
         names
             .iter()
-            .map(|n| {
-                (
-                    n.as_bytes().to_vec(),
-                    unrelated(&format!("{tag}{n}-"), 1500),
-                )
-            })
+            .enumerate()
+            .map(|(k, n)| (n.as_bytes().to_vec(), scrambled_file(seed * 10 + k as u64)))
             .collect()
     };
     let c = Case {
-        base: side("b"),
-        ours: side("o"),
-        theirs: side("t"),
+        base: side(1),
+        ours: side(2),
+        theirs: side(3),
         ..Case::default()
     };
     let limits = MergeOptions {
