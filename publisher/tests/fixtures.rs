@@ -22,10 +22,9 @@ use layerstack_publisher::{
     Changeset, ExcludePolicy, FileKind, FsFiles, GateFiles, HeadChange, LayerView, MergeOptions,
     PathStatus, RootMeta, Side,
 };
-use nix::mount::{mount, umount2, MntFlags, MsFlags};
 
 mod common;
-use common::have_root;
+use common::{have_root, Overlay};
 
 struct Fx {
     _t: tempfile::TempDir,
@@ -56,27 +55,6 @@ fn run_script(name: &str, phase: &str, dir: &Path) {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
-}
-
-fn overlay_mount(target: &Path, data: &str) {
-    std::fs::create_dir_all(target).unwrap();
-    mount(
-        Some("overlay"),
-        target,
-        Some("overlay"),
-        MsFlags::empty(),
-        Some(data),
-    )
-    .unwrap_or_else(|e| panic!("mount -t overlay -o {data}: {e}"));
-}
-
-/// Unmounts on drop (lazily, in case a failing test left it busy).
-struct Mounted(PathBuf);
-
-impl Drop for Mounted {
-    fn drop(&mut self) {
-        let _ = umount2(&self.0, MntFlags::MNT_DETACH);
-    }
 }
 
 impl Fx {
@@ -115,12 +93,10 @@ impl Fx {
             self.u.display(),
             self.w.display()
         );
-        overlay_mount(&self.m, &data);
-        let guard = Mounted(self.m.clone());
+        let overlay = Overlay::mount(&self.m, &data);
         run_script(self.name, "mutate", &self.m);
         extra(&self.m);
-        umount2(&self.m, MntFlags::empty()).unwrap();
-        std::mem::forget(guard);
+        overlay.unmount();
     }
 
     fn lease(&self) -> LayerView {
@@ -175,13 +151,13 @@ impl Fx {
     }
 
     /// The published branch head as the kernel shows it: layer over lower.
-    fn published(&self) -> (PathBuf, Mounted) {
+    fn published(&self) -> (PathBuf, Overlay) {
         let v = self._t.path().join("v");
-        overlay_mount(
+        let overlay = Overlay::mount(
             &v,
             &format!("lowerdir={}:{}", self.layer.display(), self.l.display()),
         );
-        (v.clone(), Mounted(v))
+        (v, overlay)
     }
 }
 

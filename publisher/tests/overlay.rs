@@ -13,48 +13,18 @@ use layerstack_publisher::{
     capture, plan_gate, seal_layer, Action, Change, Changeset, FileKind, FsFiles, HeadChange,
     LayerView, MergeOptions,
 };
-use nix::mount::{mount, umount2, MntFlags, MsFlags};
 use nix::sys::stat::{makedev, mknod, Mode, SFlag};
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
 
 mod common;
-use common::have_root;
+use common::{have_root, Overlay};
 
 fn tmp() -> tempfile::TempDir {
     tempfile::Builder::new()
         .prefix("layerstack-pub-")
         .tempdir_in("/var/tmp")
         .unwrap()
-}
-
-/// An overlay mount, unmounted on drop (lazily if a test left it busy).
-struct Overlay(PathBuf);
-
-impl Overlay {
-    fn mount(target: &Path, data: &str) -> Overlay {
-        std::fs::create_dir_all(target).unwrap();
-        mount(
-            Some("overlay"),
-            target,
-            Some("overlay"),
-            MsFlags::empty(),
-            Some(data),
-        )
-        .unwrap_or_else(|e| panic!("mount -t overlay -o {data}: {e}"));
-        Overlay(target.to_path_buf())
-    }
-
-    fn unmount(self) {
-        umount2(&self.0, MntFlags::empty()).unwrap();
-        std::mem::forget(self);
-    }
-}
-
-impl Drop for Overlay {
-    fn drop(&mut self) {
-        let _ = umount2(&self.0, MntFlags::MNT_DETACH);
-    }
 }
 
 fn put(base: &Path, rel: &str, content: &[u8], mode: u32) {
