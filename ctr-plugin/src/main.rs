@@ -117,6 +117,12 @@ fn session_json(s: &api::Session) -> serde_json::Value {
         "message": s.message,
         "released": s.released,
         "runs": s.runs,
+        "timings": s.timings.as_ref().map(|t| json!({
+            "capture_us": t.capture_us,
+            "gate_wait_us": t.gate_wait_us,
+            "gate_hold_us": t.gate_hold_us,
+            "total_us": t.total_us,
+        })),
     })
 }
 

@@ -58,6 +58,16 @@ impl AdminService {
 
 /// Session as sent on the wire.
 pub fn to_api(s: SessionInfo) -> api::Session {
+    let timings = s
+        .outcome
+        .as_ref()
+        .and_then(|o| o.timings)
+        .map(|t| api::PublishTimings {
+            capture_us: t.capture_us,
+            gate_wait_us: t.gate_wait_us,
+            gate_hold_us: t.gate_hold_us,
+            total_us: t.total_us,
+        });
     let (outcome, conflicts, layer, message, paths) = match s.outcome {
         Some(o) => (
             o.kind.as_str().to_string(),
@@ -90,6 +100,7 @@ pub fn to_api(s: SessionInfo) -> api::Session {
         runs: s.runs,
         paths,
         dry_run: false,
+        timings,
     }
 }
 

@@ -252,6 +252,7 @@ impl Publisher {
                     paths: vec![],
                     message: Some(msg),
                     at_ns: now_ns(),
+                    timings: None,
                 };
                 self.blocking(move |s| s.record_outcome(session, rec))
                     .await?;
@@ -302,6 +303,7 @@ impl Publisher {
             paths: vec![],
             message: Some(format!("writes dropped: {why}")),
             at_ns: now_ns(),
+            timings: None,
         };
         self.blocking(move |s| s.record_outcome(session, rec))
             .await?;
@@ -409,6 +411,7 @@ impl Publisher {
     }
 
     async fn run(&self, session: SessionId, why: &str) -> Result<(), RunError> {
+        let started = std::time::Instant::now();
         let ctx = {
             let store = self.store.clone();
             tokio::task::spawn_blocking(move || store.publish_context(session)).await??
@@ -434,6 +437,7 @@ impl Publisher {
             })
             .await??
         };
+        let captured = started.elapsed();
         for (p, why) in &changeset.skipped {
             warn!(session.id = session, path = %escape_path(p), reason = %why, "not captured");
         }
@@ -453,6 +457,7 @@ impl Publisher {
                     )
                 }),
                 at_ns: now_ns(),
+                timings: None,
             };
             let store = self.store.clone();
             tokio::task::spawn_blocking(move || store.record_outcome(session, rec)).await??;
@@ -466,7 +471,10 @@ impl Publisher {
         }
 
         // The serialized step: check head → (expand) → gate/merge → apply → prepend.
+        let waiting = std::time::Instant::now();
         let _gate = self.gate.lock().await;
+        let gate_wait = waiting.elapsed();
+        let holding = std::time::Instant::now();
         let store = self.store.clone();
         let lease = ctx.lease_manifest;
         let lowers = ctx.lease_lowers.clone();
@@ -524,6 +532,7 @@ impl Publisher {
                         conflicts,
                         paths,
                         at_ns: now_ns(),
+                        timings: None,
                     },
                 )?;
                 return Ok(());
@@ -536,7 +545,15 @@ impl Publisher {
                 .iter()
                 .map(|hc| (hc.path.clone(), serde_json::to_string(hc).unwrap_or_default()))
                 .collect();
-            let p = store.commit_publish_outcome(session, delta.head, &index, kind, Some(summary(&plan, kind)), paths)?;
+            let micros = |d: std::time::Duration| u64::try_from(d.as_micros()).unwrap_or(u64::MAX);
+            // Measured up to the commit transaction (which is part of the hold).
+            let timings = layerstack_store::PublishTimings {
+                capture_us: micros(captured),
+                gate_wait_us: micros(gate_wait),
+                gate_hold_us: micros(holding.elapsed()),
+                total_us: micros(started.elapsed()),
+            };
+            let p = store.commit_publish_outcome(session, delta.head, &index, kind, Some(summary(&plan, kind)), paths, Some(timings))?;
             info!(session.id = session, layer.id = p.layer, manifest = p.manifest, outcome = kind.as_str(), "published");
             Ok(())
         })

@@ -1010,6 +1010,7 @@ impl Store {
                         "committed by containerd as snapshot {name}; not published"
                     )),
                     at_ns: now,
+                    timings: None,
                 };
                 tx.execute(
                     "UPDATE sessions SET state = 'discarded', outcome = ?2, released = 1, updated_ns = ?3 WHERE id = ?1",
@@ -1510,6 +1511,7 @@ impl Store {
             OutcomeKind::Committed,
             message,
             Vec::new(),
+            None,
         )
     }
 
@@ -1523,6 +1525,7 @@ impl Store {
         kind: OutcomeKind,
         message: Option<String>,
         paths: Vec<PathRecord>,
+        timings: Option<PublishTimings>,
     ) -> Result<Published, PublishError> {
         let mut conn = self.conn();
         let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
@@ -1570,6 +1573,7 @@ impl Store {
             paths,
             message,
             at_ns: now,
+            timings,
         };
         let oj = serde_json::to_string(&outcome).unwrap_or_default();
         tx.execute(

@@ -200,6 +200,22 @@ pub struct Outcome {
     pub message: Option<String>,
     /// Nanoseconds since the Unix epoch.
     pub at_ns: i64,
+    /// Where the publish spent its time (absent for outcomes that did not publish).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timings: Option<PublishTimings>,
+}
+
+/// Where one publish spent its time, in microseconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PublishTimings {
+    /// Capture, policy edits and sealing of the upper (outside the gate).
+    pub capture_us: u64,
+    /// Waiting for the branch's gate.
+    pub gate_wait_us: u64,
+    /// Holding the gate: head check, planning/merging, applying, commit.
+    pub gate_hold_us: u64,
+    /// Whole publish, from its start to the recorded outcome.
+    pub total_us: u64,
 }
 
 /// A session as listed by `layerstack session ls`.

@@ -273,6 +273,7 @@ fn conflict_keeps_upper_and_lease_even_after_remove() {
             paths: vec![],
             message: None,
             at_ns: 1,
+            timings: None,
         },
     )
     .unwrap();
