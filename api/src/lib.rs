@@ -1,18 +1,20 @@
 //! LayerStack's admin API: generated gRPC types (`proto/admin.proto`), a
-//! unix-socket client connector, and the container-label publish policy shared by
-//! the daemon and the shim.
+//! unix-socket client connector, the conversions from the engine's types to the
+//! wire, and the one mapping of error kinds to gRPC codes.
 //!
 //! ```no_run
 //! # async fn f() -> Result<(), Box<dyn std::error::Error>> {
 //! let mut c = layerstack_api::connect("/run/layerstack/admin.sock").await?;
-//! let r = c.list_sessions(layerstack_api::ListSessionsRequest {}).await?;
+//! let r = c.list_sessions(layerstack_api::ListSessionsRequest::default()).await?;
 //! println!("{} sessions", r.into_inner().sessions.len());
 //! # Ok(()) }
 //! ```
 
 #![allow(clippy::unwrap_used)]
 
-pub mod policy;
+/// Exit policy labels (`layerstack.publish`, `layerstack.branch`), shared by the
+/// daemon and the shim; defined by the engine.
+pub use layerstack_engine::policy;
 
 /// Generated code of package `layerstack.admin.v1`.
 pub mod v1 {
@@ -24,24 +26,20 @@ pub use v1::admin_server::{Admin, AdminServer};
 pub use v1::*;
 
 use std::path::PathBuf;
+
+use layerstack_engine::store::{
+    escape_path, ErrorKind, MountSpec, Owner, PathCounts as StorePathCounts, PathRecord,
+    PathStatus, SessionInfo,
+};
 use tonic::transport::{Channel, Endpoint, Uri};
 
-/// Render an error with its source chain, "outer: inner: root cause", for
-/// messages that leave the process (gRPC status messages, log lines). Errors in
-/// this workspace do not repeat their source in their own message.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(c) = src {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        src = c.source();
-    }
-    s
-}
+pub use layerstack_engine::error_chain;
 
 /// Default admin socket path (ARCHITECTURE.md §3).
 pub const DEFAULT_ADMIN_ADDRESS: &str = "/run/layerstack/admin.sock";
+
+/// At most this many conflicts are inlined in a [`Session`].
+pub const INLINE_CONFLICTS: usize = 100;
 
 /// Connect to the admin API on the unix socket `path`.
 ///
@@ -58,4 +56,140 @@ pub async fn connect(
         }))
         .await?;
     Ok(AdminClient::new(ch))
+}
+
+/// The gRPC status of an error of kind `kind` (containerd `errdefs/grpc.go`):
+/// the one place error kinds meet wire codes. `message` is the error with its
+/// source chain ([`error_chain`]).
+pub fn status(kind: ErrorKind, message: String) -> tonic::Status {
+    use tonic::Code;
+    let code = match kind {
+        ErrorKind::NotFound => Code::NotFound,
+        ErrorKind::AlreadyExists => Code::AlreadyExists,
+        ErrorKind::FailedPrecondition => Code::FailedPrecondition,
+        ErrorKind::InvalidArgument => Code::InvalidArgument,
+        ErrorKind::Conflict => Code::Aborted,
+        ErrorKind::Unavailable => Code::Unavailable,
+        ErrorKind::Busy => Code::ResourceExhausted,
+        ErrorKind::Unsupported => Code::Unimplemented,
+        ErrorKind::Corrupt => Code::DataLoss,
+        ErrorKind::Internal => Code::Unknown,
+    };
+    tonic::Status::new(code, message)
+}
+
+/// [`status`] of an engine error.
+pub fn engine_status(e: &layerstack_engine::EngineError) -> tonic::Status {
+    status(e.kind(), error_chain(e))
+}
+
+/// [`status`] of a store error.
+pub fn store_status(e: &layerstack_engine::store::StoreError) -> tonic::Status {
+    status(e.kind(), error_chain(e))
+}
+
+/// The wire form of a path verdict.
+pub fn path_verdict(p: &PathRecord) -> PathVerdict {
+    PathVerdict {
+        path: escape_path(&p.path),
+        status: p.status.as_str().to_string(),
+        reason: p.reason.clone(),
+        raw_path: p.path.clone(),
+    }
+}
+
+/// The wire form of verdict counts.
+pub fn path_counts(c: &StorePathCounts) -> PathCounts {
+    PathCounts {
+        clean: c.clean,
+        merged: c.merged,
+        conflict: c.conflict,
+        excluded: c.excluded,
+    }
+}
+
+/// The wire form of a session; `conflicts` are the first conflicting paths of its
+/// outcome (the caller reads at most [`INLINE_CONFLICTS`] + 1 to know whether
+/// there are more).
+pub fn session(s: &SessionInfo, conflicts: &[PathRecord]) -> Session {
+    let (namespace, container) = match &s.owner {
+        Owner::Container { namespace, id } => (namespace.clone(), id.clone()),
+        Owner::Sandbox { .. } => (String::new(), String::new()),
+    };
+    let o = s.outcome.as_ref();
+    Session {
+        id: s.id,
+        namespace,
+        container,
+        key: s.key.clone().unwrap_or_default(),
+        stack: s.stack.clone(),
+        branch: s.branch.clone(),
+        state: s.state.as_str().to_string(),
+        outcome: o.map(|o| o.kind.as_str().to_string()).unwrap_or_default(),
+        conflicts: conflicts
+            .iter()
+            .filter(|p| p.status == PathStatus::Conflict)
+            .take(INLINE_CONFLICTS)
+            .map(|p| ConflictPath {
+                path: escape_path(&p.path),
+                reason: p.reason.clone(),
+            })
+            .collect(),
+        conflicts_truncated: conflicts
+            .iter()
+            .filter(|p| p.status == PathStatus::Conflict)
+            .count()
+            > INLINE_CONFLICTS,
+        layer: o.and_then(|o| o.layer).unwrap_or(0),
+        message: o.and_then(|o| o.message.clone()).unwrap_or_default(),
+        released: s.released,
+        run: s.run,
+        paths: vec![],
+        dry_run: false,
+        timings: o.and_then(|o| o.timings).map(|t| PublishTimings {
+            capture_us: t.capture_us,
+            gate_wait_us: t.gate_wait_us,
+            gate_hold_us: t.gate_hold_us,
+            total_us: t.total_us,
+        }),
+        owner_kind: match s.owner {
+            Owner::Container { .. } => "container",
+            Owner::Sandbox { .. } => "sandbox",
+        }
+        .to_string(),
+        owner: s.owner.display(),
+        outcome_id: o.map(|o| o.id).unwrap_or(0),
+        counts: o.map(|o| path_counts(&o.counts)),
+        policy: s.policy.clone().unwrap_or_default(),
+    }
+}
+
+/// The wire form of a mount spec (containerd's `Mount`, without target).
+pub fn mounts(spec: &MountSpec) -> Vec<Mount> {
+    let options = spec.overlay_options();
+    match spec {
+        MountSpec::Bind { source, .. } => vec![Mount {
+            r#type: "bind".into(),
+            source: source.display().to_string(),
+            options,
+        }],
+        MountSpec::Overlay { .. } => vec![Mount {
+            r#type: "overlay".into(),
+            source: "overlay".into(),
+            options,
+        }],
+    }
+}
+
+/// The status named `s` in a request ("" = any).
+///
+/// # Errors
+/// The message for an `InvalidArgument`, naming the accepted values.
+pub fn parse_status(s: &str) -> Result<Option<PathStatus>, String> {
+    if s.is_empty() {
+        return Ok(None);
+    }
+    PathStatus::parse(s).map(Some).ok_or_else(|| {
+        format!("unknown path status {s:?}: use clean, merged, conflict or excluded")
+    })
 }

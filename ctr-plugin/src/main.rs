@@ -49,6 +49,7 @@ struct Cli {
 enum Cmd {
     /// Daemon status: store root, containerd connection.
     Status {
+        /// Print the status as one JSON object.
         #[arg(long)]
         json: bool,
     },
@@ -57,18 +58,35 @@ enum Cmd {
         #[command(subcommand)]
         cmd: SessionCmd,
     },
-    /// Wait until a container's session has an outcome; print it. Exits 3 on conflict.
+    /// Wait until a session has an outcome; print it. Exits 3 on conflict.
     Wait {
-        container: String,
+        /// The container whose session to wait for (`-n` namespace).
+        #[arg(required_unless_present = "session")]
+        container: Option<String>,
+        /// The session id instead of a container (any owner kind).
+        #[arg(long, conflicts_with = "container")]
+        session: Option<i64>,
         /// Give up after this many seconds (0: wait forever).
         #[arg(long, default_value_t = 0)]
         timeout: u32,
+        /// List every path's verdict (fetched page by page), not only the summary.
+        #[arg(long)]
+        paths: bool,
+        /// Print the outcome as one JSON object.
         #[arg(long)]
         json: bool,
     },
     /// Capture and publish a stopped container's writes now.
     Publish {
-        container: String,
+        /// The container whose session to publish (`-n` namespace).
+        #[arg(required_unless_present = "session")]
+        container: Option<String>,
+        /// The session id instead of a container (any owner kind).
+        #[arg(long, conflicts_with = "container")]
+        session: Option<i64>,
+        /// List every path's verdict (fetched page by page), not only the summary.
+        #[arg(long)]
+        paths: bool,
         /// Drop the writes instead of publishing them.
         #[arg(long, conflicts_with = "dry_run")]
         discard: bool,
@@ -76,12 +94,14 @@ enum Cmd {
         /// excluded); change nothing. Exits 3 if it would conflict.
         #[arg(long)]
         dry_run: bool,
+        /// Print the outcome as one JSON object.
         #[arg(long)]
         json: bool,
     },
-    /// A branch's published layers, newest first: IMAGE[@BRANCH].
+    /// A branch's layers, newest first: IMAGE[@BRANCH].
     Log {
         image: String,
+        /// Print the log as one JSON object.
         #[arg(long)]
         json: bool,
     },
@@ -94,14 +114,24 @@ enum SessionCmd {
         /// Sessions of every namespace, not only `-n`'s.
         #[arg(long, short = 'A')]
         all_namespaces: bool,
+        /// Print the sessions as one JSON array.
         #[arg(long)]
         json: bool,
     },
 }
 
-fn session_json(s: &api::Session) -> serde_json::Value {
-    json!({
+fn verdict_json(p: &api::PathVerdict) -> serde_json::Value {
+    json!({"path": p.path, "status": p.status, "reason": p.reason})
+}
+
+/// A session (or a dry run's answer) as JSON; `paths`: every path's verdict, when
+/// they were fetched (`--paths`).
+fn session_json(s: &api::Session, paths: Option<&[api::PathVerdict]>) -> serde_json::Value {
+    let counts = s.counts.clone().unwrap_or_default();
+    let mut v = json!({
         "id": s.id,
+        "owner_kind": s.owner_kind,
+        "owner": s.owner,
         "namespace": s.namespace,
         "container": s.container,
         "key": s.key,
@@ -109,26 +139,33 @@ fn session_json(s: &api::Session) -> serde_json::Value {
         "branch": s.branch,
         "state": s.state,
         "outcome": if s.outcome.is_empty() { serde_json::Value::Null } else { json!(s.outcome) },
+        "outcome_id": if s.outcome_id == 0 { serde_json::Value::Null } else { json!(s.outcome_id) },
+        "counts": {"clean": counts.clean, "merged": counts.merged, "conflict": counts.conflict, "excluded": counts.excluded},
         "conflict_paths": s.conflicts.iter().map(|c| c.path.clone()).collect::<Vec<_>>(),
         "conflicts": s.conflicts.iter().map(|c| json!({"path": c.path, "reason": c.reason})).collect::<Vec<_>>(),
-        "paths": s.paths.iter().map(|p| json!({"path": p.path, "status": p.status, "reason": p.reason})).collect::<Vec<_>>(),
+        "conflicts_truncated": s.conflicts_truncated,
         "dry_run": s.dry_run,
         "layer": if s.layer == 0 { serde_json::Value::Null } else { json!(s.layer) },
         "message": s.message,
         "released": s.released,
-        "runs": s.runs,
+        "run": s.run,
+        "policy": if s.policy.is_empty() { serde_json::Value::Null } else { json!(s.policy) },
         "timings": s.timings.as_ref().map(|t| json!({
             "capture_us": t.capture_us,
             "gate_wait_us": t.gate_wait_us,
             "gate_hold_us": t.gate_hold_us,
             "total_us": t.total_us,
         })),
-    })
+    });
+    if let Some(paths) = paths {
+        v["paths"] = paths.iter().map(verdict_json).collect();
+    }
+    v
 }
 
 /// The text form of an outcome (or a dry run's would-be outcome): its kind first,
 /// or what stands for its absence — never a debug value.
-fn outcome_lines(s: &api::Session) -> Vec<String> {
+fn outcome_lines(s: &api::Session, paths: Option<&[api::PathVerdict]>) -> Vec<String> {
     let mut lines = Vec::new();
     lines.push(
         match (s.outcome.as_str(), s.dry_run) {
@@ -141,13 +178,33 @@ fn outcome_lines(s: &api::Session) -> Vec<String> {
     if s.layer != 0 {
         lines.push(format!("layer {}", s.layer));
     }
-    if s.paths.is_empty() {
-        for c in &s.conflicts {
-            lines.push(format!("conflict {}: {}", c.path, c.reason));
+    match paths {
+        Some(paths) => {
+            for p in paths {
+                lines.push(format!("{} {}: {}", p.status, p.path, p.reason));
+            }
         }
-    }
-    for p in &s.paths {
-        lines.push(format!("{} {}: {}", p.status, p.path, p.reason));
+        None => {
+            if let Some(c) = &s.counts {
+                if c.clean + c.merged + c.conflict + c.excluded > 0 {
+                    lines.push(format!(
+                        "paths: {} clean, {} merged, {} conflict, {} excluded (--paths lists them)",
+                        c.clean, c.merged, c.conflict, c.excluded
+                    ));
+                }
+            }
+            for c in &s.conflicts {
+                lines.push(format!("conflict {}: {}", c.path, c.reason));
+            }
+            if s.conflicts_truncated {
+                let shown = s.conflicts.len() as u64;
+                let total = s.counts.as_ref().map(|c| c.conflict).unwrap_or(shown);
+                lines.push(format!(
+                    "... {} more conflicting path(s): --paths lists them all",
+                    total.saturating_sub(shown)
+                ));
+            }
+        }
     }
     if !s.message.is_empty() {
         lines.push(s.message.clone());
@@ -155,18 +212,46 @@ fn outcome_lines(s: &api::Session) -> Vec<String> {
     lines
 }
 
-fn print_outcome(s: &api::Session, as_json: bool) -> ExitCode {
+fn print_outcome(s: &api::Session, paths: Option<&[api::PathVerdict]>, as_json: bool) -> ExitCode {
     if as_json {
-        out!("{}", session_json(s));
+        out!("{}", session_json(s, paths));
     } else {
-        for l in outcome_lines(s) {
+        for l in outcome_lines(s, paths) {
             out!("{l}");
         }
     }
     match s.outcome.as_str() {
         "conflict" => ExitCode::from(3),
-        "failed" => ExitCode::from(1),
+        "failed" | "busy" | "unsupported" | "unknown" => ExitCode::from(1),
         _ => ExitCode::SUCCESS,
+    }
+}
+
+/// Every path verdict of outcome `id`, page by page.
+async fn outcome_paths(
+    c: &mut api::AdminClient<tonic::transport::Channel>,
+    id: i64,
+) -> Result<Vec<api::PathVerdict>> {
+    let mut out = Vec::new();
+    if id == 0 {
+        return Ok(out);
+    }
+    let mut token = String::new();
+    loop {
+        let r = c
+            .list_outcome_paths(api::ListOutcomePathsRequest {
+                outcome_id: id,
+                status: String::new(),
+                page_size: 10_000,
+                page_token: token,
+            })
+            .await?
+            .into_inner();
+        out.extend(r.paths);
+        if r.next_page_token.is_empty() {
+            return Ok(out);
+        }
+        token = r.next_page_token;
     }
 }
 
@@ -219,6 +304,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
                         "containerd_address": r.containerd_address,
                         "events_subscribed": r.events_subscribed,
                         "default_branch": r.default_branch,
+                        "pid": r.pid,
                     })
                 );
             } else {
@@ -234,6 +320,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
                     }
                 );
                 out!("default branch      {}", r.default_branch);
+                out!("daemon pid          {}", r.pid);
             }
             Ok(ExitCode::SUCCESS)
         }
@@ -244,44 +331,51 @@ async fn run(cli: Cli) -> Result<ExitCode> {
                     json,
                 },
         } => {
-            let mut r = c
-                .list_sessions(api::ListSessionsRequest {})
-                .await?
-                .into_inner();
-            if !all_namespaces {
-                r.sessions.retain(|s| s.namespace == ns);
+            let mut sessions = Vec::new();
+            let mut token = String::new();
+            loop {
+                let r = c
+                    .list_sessions(api::ListSessionsRequest {
+                        namespace: ns.clone(),
+                        all_namespaces,
+                        page_size: 0,
+                        page_token: token,
+                    })
+                    .await?
+                    .into_inner();
+                sessions.extend(r.sessions);
+                if r.next_page_token.is_empty() {
+                    break;
+                }
+                token = r.next_page_token;
             }
             if json {
-                let v: Vec<_> = r.sessions.iter().map(session_json).collect();
+                let v: Vec<_> = sessions.iter().map(|s| session_json(s, None)).collect();
                 out!("{}", serde_json::Value::Array(v));
             } else {
                 let mut rows = vec![[
-                    "ID",
-                    "NAMESPACE",
-                    "CONTAINER",
-                    "STACK",
-                    "BRANCH",
-                    "STATE",
-                    "OUTCOME",
-                    "CONFLICTS",
+                    "ID", "OWNER", "STACK", "BRANCH", "RUN", "STATE", "OUTCOME", "PATHS",
                 ]
                 .map(String::from)];
-                for s in &r.sessions {
-                    let conflicts: Vec<&str> =
-                        s.conflicts.iter().map(|c| c.path.as_str()).collect();
+                for s in &sessions {
+                    let c = s.counts.clone().unwrap_or_default();
                     rows.push([
                         s.id.to_string(),
-                        s.namespace.clone(),
-                        s.container.clone(),
+                        s.owner.clone(),
                         short(&s.stack).to_string(),
                         s.branch.clone(),
+                        s.run.to_string(),
                         s.state.clone(),
                         if s.outcome.is_empty() {
                             "-".into()
                         } else {
                             s.outcome.clone()
                         },
-                        conflicts.join(","),
+                        if s.outcome.is_empty() {
+                            "-".into()
+                        } else {
+                            format!("{}c {}m {}x {}e", c.clean, c.merged, c.conflict, c.excluded)
+                        },
                     ]);
                 }
                 print_table(&rows);
@@ -290,21 +384,31 @@ async fn run(cli: Cli) -> Result<ExitCode> {
         }
         Cmd::Wait {
             container,
+            session,
             timeout,
+            paths,
             json,
         } => {
             let r = c
                 .wait(api::WaitRequest {
                     namespace: ns,
-                    container,
+                    container: container.unwrap_or_default(),
                     timeout_ms: timeout.saturating_mul(1000),
+                    session_id: session.unwrap_or(0),
                 })
                 .await?
                 .into_inner();
-            Ok(print_outcome(&r, json))
+            let all = if paths {
+                Some(outcome_paths(&mut c, r.outcome_id).await?)
+            } else {
+                None
+            };
+            Ok(print_outcome(&r, all.as_deref(), json))
         }
         Cmd::Publish {
             container,
+            session,
+            paths,
             discard,
             dry_run,
             json,
@@ -316,7 +420,8 @@ async fn run(cli: Cli) -> Result<ExitCode> {
             };
             let req = api::PublishRequest {
                 namespace: ns,
-                container,
+                container: container.unwrap_or_default(),
+                session_id: session.unwrap_or(0),
                 policy: policy as i32,
                 reason: if discard {
                     "layerstack publish --discard".into()
@@ -325,12 +430,28 @@ async fn run(cli: Cli) -> Result<ExitCode> {
                 },
                 ..Default::default()
             };
-            let r = if dry_run {
-                c.publish_dry_run(req).await?.into_inner()
+            if dry_run {
+                let mut stream = c.publish_dry_run(req).await?.into_inner();
+                let mut head = None;
+                let mut all = Vec::new();
+                while let Some(reply) = stream.message().await? {
+                    if let Some(s) = reply.session {
+                        head = Some(s);
+                    }
+                    if paths {
+                        all.extend(reply.paths);
+                    }
+                }
+                let head = head.context("the daemon's dry run sent no summary")?;
+                return Ok(print_outcome(&head, paths.then_some(all.as_slice()), json));
+            }
+            let r = c.publish(req).await?.into_inner();
+            let all = if paths {
+                Some(outcome_paths(&mut c, r.outcome_id).await?)
             } else {
-                c.publish(req).await?.into_inner()
+                None
             };
-            Ok(print_outcome(&r, json))
+            Ok(print_outcome(&r, all.as_deref(), json))
         }
         Cmd::Log { image, json } => {
             // IMAGE[@BRANCH]; a digest reference (name@sha256:...) keeps its '@'.
@@ -354,6 +475,7 @@ async fn run(cli: Cli) -> Result<ExitCode> {
                         "layer": e.layer, "manifest": e.manifest,
                         "session": if e.session == 0 { serde_json::Value::Null } else { json!(e.session) },
                         "namespace": e.namespace, "container": e.container,
+                        "owner": e.owner, "kind": e.kind,
                         "paths": e.paths, "created_ns": e.created_ns,
                     })).collect::<Vec<_>>(),
                 });
@@ -362,11 +484,11 @@ async fn run(cli: Cli) -> Result<ExitCode> {
                 out!("stack {} branch {}", r.stack, r.branch);
                 for e in &r.entries {
                     out!(
-                        "layer {:<6} session {:<6} {}/{} ({} paths)",
+                        "layer {:<6} {:<9} session {:<6} {} ({} paths)",
                         e.layer,
+                        e.kind,
                         e.session,
-                        e.namespace,
-                        e.container,
+                        if e.owner.is_empty() { "-" } else { &e.owner },
                         e.paths
                     );
                 }
@@ -408,21 +530,54 @@ mod tests {
                     .into(),
             ..Default::default()
         };
-        let lines = outcome_lines(&s);
+        let lines = outcome_lines(&s, None);
         assert_eq!(lines[0], "nothing to publish");
         assert!(
             lines.iter().all(|l| l != "none" && !l.contains("None")),
             "{lines:?}"
         );
-        let v = session_json(&s);
+        let v = session_json(&s, None);
         assert!(v["outcome"].is_null());
+        assert!(v.get("paths").is_none(), "paths only with --paths");
         let s = api::Session::default();
-        assert_eq!(outcome_lines(&s), ["no outcome"]);
+        assert_eq!(outcome_lines(&s, None), ["no outcome"]);
         let s = api::Session {
             outcome: "merged".into(),
             dry_run: true,
             ..Default::default()
         };
-        assert_eq!(outcome_lines(&s)[0], "merged");
+        assert_eq!(outcome_lines(&s, None)[0], "merged");
+    }
+
+    #[test]
+    fn many_conflicts_are_summarised_not_printed_whole() {
+        let s = api::Session {
+            outcome: "conflict".into(),
+            counts: Some(api::PathCounts {
+                clean: 5,
+                conflict: 150,
+                ..Default::default()
+            }),
+            conflicts: (0..100)
+                .map(|i| api::ConflictPath {
+                    path: format!("/f{i}"),
+                    reason: "changed on both sides".into(),
+                })
+                .collect(),
+            conflicts_truncated: true,
+            ..Default::default()
+        };
+        let lines = outcome_lines(&s, None);
+        assert!(
+            lines.iter().any(|l| l.contains("50 more conflicting")),
+            "{lines:?}"
+        );
+        assert!(
+            lines.iter().any(|l| l.starts_with("paths: 5 clean")),
+            "{lines:?}"
+        );
+        let v = session_json(&s, Some(&[]));
+        assert_eq!(v["paths"], json!([]));
+        assert_eq!(v["counts"]["conflict"], 150);
     }
 }

@@ -455,9 +455,10 @@ pub fn ls_wait_ok(env: &TestEnv, ns: &str, id: &str) -> Result<String> {
     Ok(word)
 }
 
-/// `layerstack wait … --json`: the session as JSON (exit status not checked).
+/// `layerstack wait … --json --paths`: the session as JSON, with every path's
+/// verdict (exit status not checked).
 pub fn ls_wait_json(env: &TestEnv, ns: &str, id: &str) -> Result<Value> {
-    let out = layerstack_wait(env, ns, id, &["--json"])?;
+    let out = layerstack_wait(env, ns, id, &["--json", "--paths"])?;
     serde_json::from_slice(&out.stdout)
         .with_context(|| format!("layerstack wait {id}: {}", describe(&out)))
 }

@@ -691,11 +691,11 @@ fn wait_path(path: &Path, timeout: Duration) -> Result<()> {
     Ok(())
 }
 
-/// The session's `runs` from `session ls --json`.
+/// The session's current `run` from `session ls --json`.
 fn runs_of(s: &serde_json::Value) -> Result<i64> {
-    s["runs"]
+    s["run"]
         .as_i64()
-        .with_context(|| format!("session has no numeric `runs`: {s:#}"))
+        .with_context(|| format!("session has no numeric `run`: {s:#}"))
 }
 
 /// A container created without `--rm` runs again through `ctr tasks start` right

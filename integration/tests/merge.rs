@@ -121,7 +121,7 @@ fn three_concurrent_edits_two_publish_one_is_rejected_byte_exact() {
         ensure!(b["outcome"] == "merged", "m-b: {b:#}");
         ensure!(paths_with(&b, "merged") == [CONF], "m-b paths: {b:#}");
         finish_detached(env, NS, "m-c")?;
-        let out = layerstack_wait(env, NS, "m-c", &["--json"])?;
+        let out = layerstack_wait(env, NS, "m-c", &["--json", "--paths"])?;
         ensure!(
             out.status.code() == Some(3),
             "wait on a conflict exits 3: {}",
@@ -170,7 +170,7 @@ fn three_concurrent_edits_two_publish_one_is_rejected_byte_exact() {
         })();
         nix::mount::umount(&target).context("unmounting the snapshot")?;
         edit?;
-        let out = ls_publish(env, NS, "m-dry", &["--dry-run"])?;
+        let out = ls_publish(env, NS, "m-dry", &["--dry-run", "--paths"])?;
         let text = stdout(&out);
         ensure!(
             out.status.success(),

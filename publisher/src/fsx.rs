@@ -1,18 +1,24 @@
-//! Path access that works for paths longer than `PATH_MAX`, without following
-//! anything on the way.
+//! Path access beneath a base directory that never follows a symlink and works
+//! for paths longer than `PATH_MAX`.
 //!
-//! A relative path below a base directory is reached in one of two ways:
-//! * short enough (below [`SHORT_PATH`] bytes in total): the plain joined path;
-//! * otherwise: every directory component is opened with
-//!   `openat(O_DIRECTORY|O_NOFOLLOW)` relative to the previous one, and the entry
-//!   is then named as `/proc/self/fd/<parent fd>/<name>` — a short path whose
-//!   last component is resolved by the `l*` system calls without following it.
+//! A relative path below a base directory (an upper or a layer, whose content a
+//! container controls) is reached like this:
+//! * a single component: the joined path (the base is the daemon's own
+//!   directory; the `l*` system calls and `O_NOFOLLOW` do not follow the last
+//!   component);
+//! * otherwise: the parent directory is opened with `openat2(2)` and
+//!   `RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS` (Linux ≥ 5.6;
+//!   before that, component by component with `openat(O_DIRECTORY|O_NOFOLLOW)`),
+//!   and the entry is named as `/proc/self/fd/<parent fd>/<name>` — a short path
+//!   whose last component the `l*` system calls resolve without following it.
 //!
 //! Either way the caller gets an [`At`]: a short path valid while the `At` lives,
 //! usable with `lstat`, `readlink`, `l*xattr`, `open(O_NOFOLLOW)`, `unlink`,
 //! `rename` and `read_dir`. A symlink in a directory position is never followed:
-//! the walk fails with `ELOOP`/`ENOTDIR` instead (the kernel's `PATH_MAX` is 4096
-//! bytes, include/uapi/linux/limits.h).
+//! reaching through it fails with `ELOOP`/`ENOTDIR` instead, so a directory
+//! swapped for a symlink to `/` between two steps of the daemon cannot steer a
+//! read, chmod, chown, xattr write or delete to a host path (ARCHITECTURE.md §8).
+//! (The kernel's `PATH_MAX` is 4096 bytes, include/uapi/linux/limits.h.)
 
 use std::ffi::OsStr;
 use std::io;
@@ -55,6 +61,29 @@ pub(crate) fn open_dir_at(dir: &impl AsRawFd, name: &[u8]) -> io::Result<DirFd> 
     Dir::openat(Some(dir.as_raw_fd()), name, DIR_FLAGS, Mode::empty())
         .map(DirFd)
         .map_err(io::Error::from)
+}
+
+/// Opens the directory `rel` below `base` without leaving `base` and without
+/// following any symlink (see the module docs). `rel` may be empty: `base`.
+pub(crate) fn open_beneath(base: &Path, rel: &[u8]) -> io::Result<DirFd> {
+    use nix::fcntl::{openat2, OpenHow, ResolveFlag};
+    let root = open_dir(base)?;
+    if rel.is_empty() {
+        return Ok(root);
+    }
+    let how = OpenHow::new().flags(DIR_FLAGS).resolve(
+        ResolveFlag::RESOLVE_BENEATH
+            | ResolveFlag::RESOLVE_NO_SYMLINKS
+            | ResolveFlag::RESOLVE_NO_MAGICLINKS,
+    );
+    match openat2(root.as_raw_fd(), rel, how) {
+        Ok(fd) => Dir::from_fd(fd).map(DirFd).map_err(io::Error::from),
+        // No openat2 (kernel < 5.6, or a seccomp filter that hides it).
+        Err(nix::errno::Errno::ENOSYS | nix::errno::Errno::EPERM) => walk_dir(base, rel),
+        // A path longer than PATH_MAX: one component at a time.
+        Err(nix::errno::Errno::ENAMETOOLONG) => walk_dir(base, rel),
+        Err(e) => Err(e.into()),
+    }
 }
 
 /// Opens `rel` below `base` component by component (`rel` may be empty: `base`).
@@ -105,11 +134,12 @@ impl At {
     }
 }
 
-/// Reaches `rel` (relative byte path, may be empty) below `base`.
+/// Reaches `rel` (relative byte path, may be empty) below `base`; see the
+/// module docs.
 ///
 /// # Errors
-/// Opening a directory component failed (`ENOENT`, `ENOTDIR`, `ELOOP`, …); only
-/// possible for long paths — short ones report such errors on use.
+/// Opening the parent directory failed (`ENOENT`, `ENOTDIR`, `ELOOP` for a
+/// symlink or a path leaving `base`, …).
 pub(crate) fn at(base: &Path, rel: &[u8]) -> io::Result<At> {
     if rel.is_empty() {
         return Ok(At {
@@ -117,14 +147,14 @@ pub(crate) fn at(base: &Path, rel: &[u8]) -> io::Result<At> {
             path: base.to_path_buf(),
         });
     }
-    if base.as_os_str().len() + 1 + rel.len() < SHORT_PATH {
+    let (parent, name) = split_parent(rel);
+    if parent.is_empty() {
         return Ok(At {
             _parent: None,
-            path: base.join(OsStr::from_bytes(rel)),
+            path: base.join(OsStr::from_bytes(name)),
         });
     }
-    let (parent, name) = split_parent(rel);
-    let dir = walk_dir(base, parent)?;
+    let dir = open_beneath(base, parent)?;
     let path = proc_path(&dir, name);
     Ok(At {
         _parent: Some(dir),
@@ -235,5 +265,20 @@ mod tests {
         std::os::unix::fs::symlink("real", base.join("link")).unwrap();
         assert!(walk_dir(&base, b"link").is_err());
         assert!(walk_dir(&base, b"real").is_ok());
+        // Short paths too: nothing below a symlinked directory is reached.
+        write(&base, "real/sub/g", b"y", 0o644);
+        assert!(open_beneath(&base, b"link/sub").is_err());
+        assert!(lstat(&base, b"link/f").is_err());
+        assert!(read_file(&base, b"link/f").is_err());
+        assert_eq!(read_file(&base, b"real/f").unwrap(), b"x");
+        std::os::unix::fs::symlink("/", base.join("root")).unwrap();
+        assert!(
+            lstat(&base, b"root/etc").is_err(),
+            "a symlink to / is not followed"
+        );
+        assert!(
+            open_beneath(&base, b"real/../..").is_err(),
+            "never leaves the base"
+        );
     }
 }

@@ -127,13 +127,32 @@ pub fn seal_layer(dir: &Path) -> Result<(), SealError> {
 /// # Errors
 /// [`SealError`] with the failing path; the tree may then be partially stripped.
 pub fn seal_layer_with(dir: &Path, userxattr: bool) -> Result<(), SealError> {
+    seal(dir, userxattr, true)
+}
+
+/// [`seal_layer_with`] without the final `syncfs(2)`: for a store whose
+/// durability profile does not promise to survive an OS crash (ARCHITECTURE.md
+/// §8, *Disposable*). The upper is renamed into the store, never copied, so a
+/// crash of the daemon alone loses nothing either way; what is skipped is only
+/// the flush to disk, which on a busy filesystem costs every concurrent publish
+/// a wait for all dirty data.
+///
+/// # Errors
+/// As [`seal_layer_with`], without [`SealError::Sync`].
+pub fn seal_layer_unsynced(dir: &Path, userxattr: bool) -> Result<(), SealError> {
+    seal(dir, userxattr, false)
+}
+
+fn seal(dir: &Path, userxattr: bool, durable: bool) -> Result<(), SealError> {
     let root = fsx::open_dir(dir).map_err(|source| SealError::Read {
         path: dir.to_path_buf(),
         source,
     })?;
     strip_xattrs(dir, dir, userxattr)?;
     strip_tree(&root, dir, &mut Vec::new(), userxattr)?;
-    sync(dir)?;
+    if durable {
+        sync(dir)?;
+    }
     tracing::debug!(layer = %dir.display(), "sealed layer");
     Ok(())
 }

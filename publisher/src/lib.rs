@@ -83,7 +83,7 @@ pub use gate::{
     ApplyError, FileState, FsFiles, GateError, GateFiles, GatePlan, HeadChange, HeadChangeKind,
     Meta, PathReport, PathStatus, PlanMode, Side, XattrList,
 };
-pub use layer::{prepare_upper, seal_layer, seal_layer_with, SealError};
+pub use layer::{prepare_upper, seal_layer, seal_layer_unsynced, seal_layer_with, SealError};
 pub use merge::{
     is_binary, merge_text, merge_text_within, DiffAlgorithm, MergeBudget, MergeOptions, TextMerge,
     BINARY_SNIFF_BYTES, DEFAULT_MAX_BYTES, DEFAULT_MAX_LINES, DEFAULT_TIMEOUT,

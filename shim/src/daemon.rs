@@ -90,6 +90,7 @@ pub async fn publish(
             reason: reason.to_string(),
             has_exit_status: exit_status.is_some(),
             exit_status: exit_status.unwrap_or_default(),
+            ..Default::default()
         };
         match c.publish(req).await {
             Ok(r) => Ok(Some(r.into_inner())),

@@ -1,157 +1,31 @@
-//! LayerStack's own admin API (`api/proto/admin.proto`), served on the admin socket.
+//! LayerStack's own admin API (`api/proto/admin.proto`), served on the admin
+//! socket: thin calls into the engine.
 
 use std::path::PathBuf;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
 use layerstack_api as api;
-use layerstack_store::{SessionInfo, StoreError};
+use layerstack_engine::store::{PathRecord, PathStatus, SessionInfo};
+use layerstack_engine::{Engine, EngineError};
 use tonic::{Request, Response, Status};
 
-use crate::publish::{PublishFailure, Publisher};
-use crate::service::error_chain;
+/// Verdicts per streamed dry-run reply, and the default page size.
+const BATCH: usize = 1000;
+/// The largest page a client may ask for.
+const MAX_PAGE: usize = 10_000;
 
 /// The admin service.
 pub struct AdminService {
-    publisher: Arc<Publisher>,
+    engine: Arc<Engine>,
     containerd_address: PathBuf,
-    default_branch: String,
+    events_subscribed: Arc<AtomicBool>,
 }
 
-impl AdminService {
-    /// The newest session of `container` in `namespace` (`container` required).
-    async fn session_of(&self, namespace: &str, container: &str) -> Result<SessionInfo, Status> {
-        require("container", container)?;
-        self.publisher
-            .find(namespace, container)
-            .await
-            .map_err(publish_status)
-    }
-
-    fn status_response(&self) -> api::StatusResponse {
-        api::StatusResponse {
-            version: env!("CARGO_PKG_VERSION").to_string(),
-            root: self.publisher.store().root().display().to_string(),
-            containerd_address: self.containerd_address.display().to_string(),
-            events_subscribed: self
-                .publisher
-                .events_subscribed
-                .load(std::sync::atomic::Ordering::SeqCst),
-            default_branch: self.default_branch.clone(),
-        }
-    }
-}
-
-impl AdminService {
-    pub fn new(
-        publisher: Arc<Publisher>,
-        containerd_address: PathBuf,
-        default_branch: String,
-    ) -> Self {
-        Self {
-            publisher,
-            containerd_address,
-            default_branch,
-        }
-    }
-}
-
-/// Session as sent on the wire.
-pub fn to_api(s: SessionInfo) -> api::Session {
-    let timings = s
-        .outcome
-        .as_ref()
-        .and_then(|o| o.timings)
-        .map(|t| api::PublishTimings {
-            capture_us: t.capture_us,
-            gate_wait_us: t.gate_wait_us,
-            gate_hold_us: t.gate_hold_us,
-            total_us: t.total_us,
-        });
-    let (outcome, conflicts, layer, message, paths) = match s.outcome {
-        Some(o) => (
-            o.kind.as_str().to_string(),
-            o.conflicts
-                .into_iter()
-                .map(|c| api::ConflictPath {
-                    path: c.path,
-                    reason: c.reason,
-                })
-                .collect(),
-            o.layer.unwrap_or(0),
-            o.message.unwrap_or_default(),
-            o.paths.into_iter().map(path_verdict).collect(),
-        ),
-        None => (String::new(), vec![], 0, String::new(), vec![]),
-    };
-    api::Session {
-        id: s.id,
-        namespace: s.namespace,
-        container: s.container,
-        key: s.key,
-        stack: s.stack,
-        branch: s.branch,
-        state: s.state.as_str().to_string(),
-        outcome,
-        conflicts,
-        layer,
-        message,
-        released: s.released,
-        runs: s.runs,
-        paths,
-        dry_run: false,
-        timings,
-    }
-}
-
-fn path_verdict(p: layerstack_store::PathRecord) -> api::PathVerdict {
-    api::PathVerdict {
-        path: p.path,
-        status: p.status,
-        reason: p.reason,
-    }
-}
-
-/// The answer to a dry-run publish: the session as it is, with `outcome`,
-/// `conflicts`, `paths` and `message` saying what a publish would do.
-fn dry_run_to_api(d: crate::publish::DryRun) -> api::Session {
-    let mut out = to_api(d.session);
-    out.dry_run = true;
-    out.layer = 0;
-    out.outcome = d.kind.map(|k| k.as_str().to_string()).unwrap_or_default();
-    out.conflicts = d
-        .paths
-        .iter()
-        .filter(|p| p.status == "conflict")
-        .map(|p| api::ConflictPath {
-            path: p.path.clone(),
-            reason: p.reason.clone(),
-        })
-        .collect();
-    out.paths = d.paths.into_iter().map(path_verdict).collect();
-    out.message = d.message;
-    out
-}
-
-fn store_status(e: StoreError) -> Status {
-    let msg = error_chain(&e);
-    match e {
-        StoreError::SessionNotFound(_) | StoreError::BranchNotFound { .. } => {
-            Status::not_found(msg)
-        }
-        StoreError::NoLease(_) => Status::failed_precondition(msg),
-        _ => Status::internal(msg),
-    }
-}
-
-fn publish_status(e: PublishFailure) -> Status {
-    let msg = error_chain(&e);
-    match e {
-        PublishFailure::NoSession { .. } => Status::not_found(msg),
-        PublishFailure::Mounted(..) => Status::failed_precondition(msg),
-        PublishFailure::Store(e) => store_status(e),
-        PublishFailure::Join(_) | PublishFailure::DryRun(_) => Status::internal(msg),
-    }
+fn engine_status(e: EngineError) -> Status {
+    api::engine_status(&e)
 }
 
 fn require(field: &str, v: &str) -> Result<(), Status> {
@@ -161,90 +35,170 @@ fn require(field: &str, v: &str) -> Result<(), Status> {
     Ok(())
 }
 
+impl AdminService {
+    pub fn new(
+        engine: Arc<Engine>,
+        containerd_address: PathBuf,
+        events_subscribed: Arc<AtomicBool>,
+    ) -> Self {
+        Self {
+            engine,
+            containerd_address,
+            events_subscribed,
+        }
+    }
+
+    /// The session a request names: `session_id`, else the newest session of
+    /// container `container` in `namespace`.
+    async fn resolve(
+        &self,
+        id: i64,
+        namespace: &str,
+        container: &str,
+    ) -> Result<SessionInfo, Status> {
+        if id != 0 {
+            return self.engine.session(id).await.map_err(engine_status);
+        }
+        require("container (or session_id)", container)?;
+        self.engine
+            .find(namespace, container)
+            .await
+            .map_err(engine_status)
+    }
+
+    /// The wire form of `s`, with the first conflicts of its outcome inlined.
+    async fn to_api(&self, s: SessionInfo) -> Result<api::Session, Status> {
+        let conflicts = match s.outcome.as_ref() {
+            Some(o) if o.counts.conflict > 0 => {
+                let id = o.id;
+                self.engine
+                    .blocking_store(move |st| {
+                        st.outcome_paths(
+                            id,
+                            None,
+                            api::INLINE_CONFLICTS + 1,
+                            Some(PathStatus::Conflict),
+                        )
+                    })
+                    .await
+                    .map_err(engine_status)?
+            }
+            _ => Vec::new(),
+        };
+        Ok(api::session(&s, &conflicts))
+    }
+}
+
+type DryRunStream = Pin<Box<dyn futures::Stream<Item = Result<api::DryRunReply, Status>> + Send>>;
+
 #[tonic::async_trait]
 impl api::Admin for AdminService {
+    type PublishDryRunStream = DryRunStream;
+
     async fn set_policy(
         &self,
         req: Request<api::SetPolicyRequest>,
     ) -> Result<Response<api::Session>, Status> {
         let r = req.into_inner();
-        let p: layerstack_api::policy::Policy = r
+        let p: api::policy::Policy = r
             .policy
             .parse()
-            .map_err(|e| Status::invalid_argument(layerstack_api::error_chain(&e)))?;
-        let s = self.session_of(&r.namespace, &r.container).await?;
-        let _g = self.publisher.lock_session(s.id).await;
-        let store = self.publisher.store().clone();
-        let out = tokio::task::spawn_blocking(move || store.set_session_policy(s.id, p.as_str()))
+            .map_err(|e| Status::invalid_argument(api::error_chain(&e)))?;
+        let s = self.resolve(0, &r.namespace, &r.container).await?;
+        let _g = self.engine.lock_session(s.id).await;
+        let id = s.id;
+        let out = self
+            .engine
+            .blocking_store(move |st| st.set_session_policy(id, p.as_str()))
             .await
-            .map_err(|e| Status::internal(e.to_string()))?
-            .map_err(store_status)?;
-        Ok(Response::new(to_api(out)))
+            .map_err(engine_status)?;
+        Ok(Response::new(self.to_api(out).await?))
     }
 
     async fn status(
         &self,
         _req: Request<api::StatusRequest>,
     ) -> Result<Response<api::StatusResponse>, Status> {
-        Ok(Response::new(self.status_response()))
+        Ok(Response::new(api::StatusResponse {
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            root: self.engine.store().root().display().to_string(),
+            containerd_address: self.containerd_address.display().to_string(),
+            events_subscribed: self.events_subscribed.load(Ordering::SeqCst),
+            default_branch: self.engine.store().default_branch().to_string(),
+            pid: u64::from(std::process::id()),
+        }))
     }
 
     async fn list_sessions(
         &self,
-        _req: Request<api::ListSessionsRequest>,
+        req: Request<api::ListSessionsRequest>,
     ) -> Result<Response<api::ListSessionsResponse>, Status> {
-        let store = self.publisher.store().clone();
-        let sessions = tokio::task::spawn_blocking(move || store.sessions())
+        let r = req.into_inner();
+        let after: i64 = if r.page_token.is_empty() {
+            0
+        } else {
+            r.page_token.parse().map_err(|_| {
+                Status::invalid_argument(format!(
+                    "bad page_token {:?}: pass the next_page_token of the previous page",
+                    r.page_token
+                ))
+            })?
+        };
+        let size = match r.page_size as usize {
+            0 => BATCH,
+            n => n.min(MAX_PAGE),
+        };
+        let sessions = self
+            .engine
+            .blocking_store(|st| st.sessions())
             .await
-            .map_err(|e| Status::internal(e.to_string()))?
-            .map_err(store_status)?;
+            .map_err(engine_status)?;
+        let mut page: Vec<SessionInfo> = sessions
+            .into_iter()
+            .filter(|s| s.id > after)
+            // Sandbox sessions (Mode B) have no namespace: always listed.
+            .filter(|s| {
+                r.all_namespaces
+                    || s.owner.namespace() == r.namespace
+                    || matches!(s.owner, layerstack_engine::store::Owner::Sandbox { .. })
+            })
+            .take(size + 1)
+            .collect();
+        let next_page_token = if page.len() > size {
+            page.truncate(size);
+            page.last().map(|s| s.id.to_string()).unwrap_or_default()
+        } else {
+            String::new()
+        };
+        let mut out = Vec::with_capacity(page.len());
+        for s in page {
+            out.push(self.to_api(s).await?);
+        }
         Ok(Response::new(api::ListSessionsResponse {
-            sessions: sessions
-                .into_iter()
-                .map(|s| api::Session {
-                    paths: vec![],
-                    ..to_api(s)
-                })
-                .collect(),
+            sessions: out,
+            next_page_token,
         }))
     }
 
     async fn wait(&self, req: Request<api::WaitRequest>) -> Result<Response<api::Session>, Status> {
         let r = req.into_inner();
-        let deadline = (r.timeout_ms > 0)
-            .then(|| tokio::time::Instant::now() + Duration::from_millis(r.timeout_ms.into()));
-        loop {
-            // Arm the notification before looking, so an outcome recorded in
-            // between is not missed.
-            let notified = self.publisher.outcomes.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            let s = self.session_of(&r.namespace, &r.container).await?;
-            if s.outcome.is_some() {
-                return Ok(Response::new(to_api(s)));
-            }
-            let poll = tokio::time::sleep(Duration::from_millis(500));
-            match deadline {
-                Some(d) => {
-                    if tokio::time::Instant::now() >= d {
-                        return Err(Status::deadline_exceeded(format!(
-                            "container {:?} (session {}) has no outcome after {} ms; its task may still be running",
-                            r.container, s.id, r.timeout_ms
-                        )));
-                    }
-                    tokio::select! {
-                        _ = &mut notified => {}
-                        _ = poll => {}
-                        _ = tokio::time::sleep_until(d) => {}
-                    }
-                }
-                None => {
-                    tokio::select! {
-                        _ = &mut notified => {}
-                        _ = poll => {}
-                    }
-                }
-            }
+        let s = self
+            .resolve(r.session_id, &r.namespace, &r.container)
+            .await?;
+        let timeout = (r.timeout_ms > 0).then(|| Duration::from_millis(r.timeout_ms.into()));
+        match self
+            .engine
+            .wait(s.id, timeout)
+            .await
+            .map_err(engine_status)?
+        {
+            Some(s) => Ok(Response::new(self.to_api(s).await?)),
+            None => Err(Status::deadline_exceeded(format!(
+                "session {} ({}) has no outcome after {} ms; its task may still be running",
+                s.id,
+                s.owner.display(),
+                r.timeout_ms
+            ))),
         }
     }
 
@@ -253,41 +207,111 @@ impl api::Admin for AdminService {
         req: Request<api::PublishRequest>,
     ) -> Result<Response<api::Session>, Status> {
         let r = req.into_inner();
-        let s = self.session_of(&r.namespace, &r.container).await?;
+        let s = self
+            .resolve(r.session_id, &r.namespace, &r.container)
+            .await?;
         let why = if r.reason.is_empty() {
             "admin publish".to_string()
         } else {
             r.reason.clone()
         };
         let out = match api::PublishPolicy::from_i32(r.policy) {
-            Some(api::PublishPolicy::Publish) => self.publisher.publish(s.id, &why).await,
-            Some(api::PublishPolicy::Discard) => self.publisher.discard(s.id, &why).await,
+            Some(api::PublishPolicy::Publish) => self.engine.publish(s.id, &why).await,
+            Some(api::PublishPolicy::Discard) => self.engine.discard(s.id, &why).await,
             Some(api::PublishPolicy::Auto) => {
                 let exit = r.has_exit_status.then_some(r.exit_status);
-                self.publisher.finish(s.id, None, exit, &why).await
+                self.engine.finish(s.id, None, exit, &why).await
             }
             None => {
                 return Err(Status::invalid_argument(format!(
-                    "unknown publish policy {}",
+                    "unknown publish policy {}: use PUBLISH, DISCARD or AUTO",
                     r.policy
                 )))
             }
         }
-        .map_err(publish_status)?;
-        Ok(Response::new(to_api(out)))
+        .map_err(engine_status)?;
+        Ok(Response::new(self.to_api(out).await?))
     }
 
     async fn publish_dry_run(
         &self,
         req: Request<api::PublishRequest>,
-    ) -> Result<Response<api::Session>, Status> {
+    ) -> Result<Response<Self::PublishDryRunStream>, Status> {
         let r = req.into_inner();
         if api::PublishPolicy::from_i32(r.policy) != Some(api::PublishPolicy::Publish) {
             return Err(Status::invalid_argument("a dry run needs policy PUBLISH"));
         }
-        let s = self.session_of(&r.namespace, &r.container).await?;
-        let d = self.publisher.dry_run(s.id).await.map_err(publish_status)?;
-        Ok(Response::new(dry_run_to_api(d)))
+        let s = self
+            .resolve(r.session_id, &r.namespace, &r.container)
+            .await?;
+        let d = self.engine.dry_run(s.id).await.map_err(engine_status)?;
+        let mut head = api::session(&d.session, &d.paths);
+        head.dry_run = true;
+        head.layer = 0;
+        head.outcome_id = 0;
+        head.timings = None;
+        head.outcome = d.kind.map(|k| k.as_str().to_string()).unwrap_or_default();
+        head.counts = Some(api::path_counts(&d.counts));
+        head.message = d.message;
+        let mut replies = vec![Ok(api::DryRunReply {
+            session: Some(head),
+            paths: vec![],
+        })];
+        for chunk in d.paths.chunks(BATCH) {
+            replies.push(Ok(api::DryRunReply {
+                session: None,
+                paths: chunk.iter().map(api::path_verdict).collect(),
+            }));
+        }
+        Ok(Response::new(Box::pin(futures::stream::iter(replies))))
+    }
+
+    async fn list_outcome_paths(
+        &self,
+        req: Request<api::ListOutcomePathsRequest>,
+    ) -> Result<Response<api::ListOutcomePathsResponse>, Status> {
+        let r = req.into_inner();
+        if r.outcome_id == 0 {
+            return Err(Status::invalid_argument(
+                "outcome_id is required (Session.outcome_id)",
+            ));
+        }
+        let status = api::parse_status(&r.status).map_err(Status::invalid_argument)?;
+        let size = match r.page_size as usize {
+            0 => BATCH,
+            n => n.min(MAX_PAGE),
+        };
+        let after = if r.page_token.is_empty() {
+            None
+        } else {
+            Some(hex_decode(&r.page_token).ok_or_else(|| {
+                Status::invalid_argument(format!(
+                    "bad page_token {:?}: pass the next_page_token of the previous page",
+                    r.page_token
+                ))
+            })?)
+        };
+        let id = r.outcome_id;
+        let paths: Vec<PathRecord> = self
+            .engine
+            .blocking_store(move |st| {
+                st.outcome(id)?;
+                st.outcome_paths(id, after.as_deref(), size, status)
+            })
+            .await
+            .map_err(engine_status)?;
+        let next_page_token = if paths.len() == size {
+            paths
+                .last()
+                .map(|p| hex_encode(&p.path))
+                .unwrap_or_default()
+        } else {
+            String::new()
+        };
+        Ok(Response::new(api::ListOutcomePathsResponse {
+            paths: paths.iter().map(api::path_verdict).collect(),
+            next_page_token,
+        }))
     }
 
     async fn log(
@@ -297,7 +321,7 @@ impl api::Admin for AdminService {
         let r = req.into_inner();
         require("image", &r.image)?;
         let branch = if r.branch.is_empty() {
-            self.default_branch.clone()
+            self.engine.store().default_branch().to_string()
         } else {
             r.branch
         };
@@ -305,7 +329,7 @@ impl api::Admin for AdminService {
             crate::containerd::resolve_stack(&self.containerd_address, &r.namespace, &r.image)
                 .await
                 .map_err(|e| {
-                    let m = error_chain(&e);
+                    let m = api::error_chain(&e);
                     match e {
                         crate::containerd::ContainerdError::ImageNotFound { .. } => {
                             Status::not_found(m)
@@ -314,33 +338,45 @@ impl api::Admin for AdminService {
                         _ => Status::internal(m),
                     }
                 })?;
-        let stack = layerstack_store::stack_id(&r.namespace, &chain);
-        let store = self.publisher.store().clone();
+        let stack = layerstack_engine::store::stack_id(&r.namespace, &chain);
         let (st, br) = (stack.clone(), branch.clone());
-        let entries = tokio::task::spawn_blocking(move || store.log(&st, &br))
+        let entries = self
+            .engine
+            .blocking_store(move |s| s.log(&st, &br))
             .await
-            .map_err(|e| Status::internal(e.to_string()))?
             .map_err(|e| match e {
-                StoreError::BranchNotFound { .. } => Status::not_found(format!(
-                    "{}: no container of image {:?} has run on the layerstack snapshotter with branch {branch:?} yet",
-                    error_chain(&e),
-                    r.image
-                )),
-                other => store_status(other),
+                EngineError::Store(layerstack_engine::store::StoreError::BranchNotFound { .. }) => {
+                    Status::not_found(format!(
+                        "{}: no container of image {:?} has run on the layerstack snapshotter with branch {branch:?} yet",
+                        api::error_chain(&e),
+                        r.image
+                    ))
+                }
+                other => engine_status(other),
             })?;
         Ok(Response::new(api::LogResponse {
             stack,
             branch,
             entries: entries
                 .into_iter()
-                .map(|e| api::LogEntry {
-                    layer: e.layer,
-                    manifest: e.manifest,
-                    session: e.session.unwrap_or(0),
-                    namespace: e.namespace.unwrap_or_default(),
-                    container: e.container.unwrap_or_default(),
-                    paths: e.paths,
-                    created_ns: e.created_ns,
+                .map(|e| {
+                    let (namespace, container) = match &e.owner {
+                        Some(layerstack_engine::store::Owner::Container { namespace, id }) => {
+                            (namespace.clone(), id.clone())
+                        }
+                        _ => (String::new(), String::new()),
+                    };
+                    api::LogEntry {
+                        layer: e.layer,
+                        manifest: e.manifest,
+                        session: e.session.unwrap_or(0),
+                        namespace,
+                        container,
+                        paths: e.paths,
+                        created_ns: e.created_ns,
+                        kind: e.kind.as_str().to_string(),
+                        owner: e.owner.as_ref().map(|o| o.display()).unwrap_or_default(),
+                    }
                 })
                 .collect(),
         }))
@@ -352,51 +388,62 @@ impl api::Admin for AdminService {
     ) -> Result<Response<api::SetBranchResponse>, Status> {
         let r = req.into_inner();
         require("branch", &r.branch)?;
-        let s = self.session_of(&r.namespace, &r.container).await?;
+        let s = self.resolve(0, &r.namespace, &r.container).await?;
         // Ordered against a publish of the same session.
-        let _g = self.publisher.lock_session(s.id).await;
-        if crate::publish::upper_is_mounted(&s.upper) {
+        let _g = self.engine.lock_session(s.id).await;
+        if self
+            .engine
+            .upper_mounted(&s.upper)
+            .await
+            .map_err(engine_status)?
+        {
             return Err(Status::failed_precondition(format!(
                 "session {} is mounted (upperdir {}): its branch cannot change",
                 s.id,
                 s.upper.display()
             )));
         }
-        let store = self.publisher.store().clone();
         let (id, branch) = (s.id, r.branch.clone());
-        let (info, spec, changed) =
-            tokio::task::spawn_blocking(move || store.rebranch_session(id, &branch))
-                .await
-                .map_err(|e| Status::internal(e.to_string()))?
-                .map_err(|e| match &e {
-                    StoreError::Snapshot(inner) => match **inner {
-                        layerstack_store::SnapshotError::InvalidArgument(_) => {
-                            Status::invalid_argument(error_chain(&e))
-                        }
-                        layerstack_store::SnapshotError::FailedPrecondition(_) => {
-                            Status::failed_precondition(error_chain(&e))
-                        }
-                        _ => store_status(e),
-                    },
-                    _ => store_status(e),
-                })?;
-        let options = spec.overlay_options();
-        let mount = match spec {
-            layerstack_store::MountSpec::Bind { source, .. } => api::Mount {
-                r#type: "bind".into(),
-                source: source.display().to_string(),
-                options,
-            },
-            layerstack_store::MountSpec::Overlay { .. } => api::Mount {
-                r#type: "overlay".into(),
-                source: "overlay".into(),
-                options,
-            },
-        };
+        let (info, spec, changed) = self
+            .engine
+            .blocking_store(move |st| {
+                let pinned = st.snapshot_branch_label(id)?.is_some();
+                st.rebranch_session(id, &branch, pinned)
+            })
+            .await
+            .map_err(engine_status)?;
         Ok(Response::new(api::SetBranchResponse {
-            session: Some(to_api(info)),
+            session: Some(self.to_api(info).await?),
             changed,
-            mounts: vec![mount],
+            mounts: api::mounts(&spec),
         }))
+    }
+}
+
+/// Lowercase hex of `b` (page tokens carry raw path bytes).
+fn hex_encode(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn hex_decode(s: &str) -> Option<Vec<u8>> {
+    if !s.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn page_tokens_round_trip_any_bytes() {
+        let p = b"a/\xff\x00b".to_vec();
+        assert_eq!(hex_decode(&hex_encode(&p)), Some(p));
+        assert_eq!(hex_decode("zz"), None);
+        assert_eq!(hex_decode("abc"), None);
     }
 }

@@ -5,7 +5,7 @@
 //! so everything here retries with backoff and never blocks snapshot serving.
 
 use std::path::PathBuf;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -19,12 +19,11 @@ use containerd_client::services::v1::{
 use containerd_client::tonic::transport::Channel;
 use containerd_client::tonic::{Code, Request};
 use layerstack_api::policy;
-use layerstack_store::SessionState;
+use layerstack_engine::store::SessionState;
+use layerstack_engine::{error_chain, Engine};
 use prost::Message;
 use sha2::{Digest, Sha256};
 use tracing::{debug, info, warn};
-
-use crate::publish::Publisher;
 
 const NS_HEADER: &str = "containerd-namespace";
 
@@ -62,7 +61,7 @@ pub async fn connect(path: &std::path::Path) -> Result<Channel, ContainerdError>
 /// Watch containerd's `/tasks/delete` events forever and publish the session of
 /// each deleted init task; reconcile on every (re)connect so a missed event is
 /// not a lost publish. The event path is asynchronous by nature.
-pub async fn watch_events(address: PathBuf, publisher: Arc<Publisher>) {
+pub async fn watch_events(address: PathBuf, engine: Arc<Engine>, subscribed_flag: Arc<AtomicBool>) {
     let mut backoff = Duration::from_millis(200);
     loop {
         match connect(&address).await {
@@ -96,19 +95,19 @@ pub async fn watch_events(address: PathBuf, publisher: Arc<Publisher>) {
                     Ok(stream) => {
                         info!(address = %address.display(), "subscribed to containerd task events");
                         // Subscribe first, then reconcile: nothing falls in between.
-                        reconcile(&ch, &publisher).await;
-                        publisher.events_subscribed.store(true, Ordering::SeqCst);
+                        reconcile(&ch, &engine).await;
+                        subscribed_flag.store(true, Ordering::SeqCst);
                         let mut stream = stream.into_inner();
                         loop {
                             match stream.message().await {
-                                Ok(Some(env)) => handle_envelope(env, &ch, &publisher).await,
+                                Ok(Some(env)) => handle_envelope(env, &ch, &engine).await,
                                 Ok(None) => {
-                                    publisher.events_subscribed.store(false, Ordering::SeqCst);
+                                    subscribed_flag.store(false, Ordering::SeqCst);
                                     warn!("containerd event stream ended; reconnecting");
                                     break;
                                 }
                                 Err(e) => {
-                                    publisher.events_subscribed.store(false, Ordering::SeqCst);
+                                    subscribed_flag.store(false, Ordering::SeqCst);
                                     warn!(error = %e, "containerd event stream failed; reconnecting");
                                     break;
                                 }
@@ -146,7 +145,7 @@ async fn publish_sync(ch: &Channel) -> Result<(), containerd_client::tonic::Stat
 async fn handle_envelope(
     env: containerd_client::types::Envelope,
     ch: &Channel,
-    publisher: &Arc<Publisher>,
+    engine: &Arc<Engine>,
 ) {
     if env.topic != "/tasks/delete" {
         return;
@@ -162,10 +161,10 @@ async fn handle_envelope(
         return;
     }
     let ns = env.namespace.clone();
-    let publisher = publisher.clone();
+    let engine = engine.clone();
     let ch = ch.clone();
     tokio::spawn(async move {
-        let s = match publisher.find(&ns, &ev.container_id).await {
+        let s = match engine.find(&ns, &ev.container_id).await {
             Ok(s) => s,
             Err(e) => {
                 debug!(namespace = %ns, container = %ev.container_id, error = %e, "task deleted without a session");
@@ -182,26 +181,30 @@ async fn handle_envelope(
         // container's label while its record exists (`ctr run --rm` may have
         // deleted it already); else on-exit.
         let label = label_policy(&ch, &ns, &ev.container_id, s.id).await;
-        let r = publisher
+        let r = engine
             .finish(s.id, label, Some(ev.exit_status), "task deleted")
             .await;
         if let Err(e) = r {
-            warn!(session.id = s.id, error = %crate::service::error_chain(&e), "publish on task delete failed");
+            warn!(session.id = s.id, error = %error_chain(&e), "publish on task delete failed");
         }
     });
 }
 
 /// The policy named by a container's `layerstack.publish` label, if its record
-/// is readable and the label valid (an invalid value is logged and ignored).
-async fn label_policy(ch: &Channel, ns: &str, id: &str, session: i64) -> Option<policy::Policy> {
+/// is readable: an invalid value is returned as such, and such a run is never
+/// published (the engine ends it `failed`, upper kept).
+async fn label_policy(
+    ch: &Channel,
+    ns: &str,
+    id: &str,
+    session: i64,
+) -> Option<Result<policy::Policy, policy::UnknownPolicy>> {
     let labels = container_labels(ch, ns, id).await?;
-    match policy::policy_from_labels(&labels) {
-        Ok(p) => Some(p),
-        Err(e) => {
-            warn!(session.id = session, error = %e, "ignoring the invalid label");
-            None
-        }
+    let p = policy::policy_from_labels(&labels);
+    if let Err(e) = &p {
+        warn!(session.id = session, error = %e, "invalid exit policy label: the run will not be published");
     }
+    Some(p)
 }
 
 /// A container's labels through containerd's Containers API; `None` if it is gone.
@@ -226,14 +229,16 @@ async fn container_labels(
 /// Publish sessions whose task is gone but that were never published (the daemon
 /// was down when their task was deleted). Sessions with an empty upper are left
 /// alone: they may belong to a container being created right now.
-async fn reconcile(ch: &Channel, publisher: &Arc<Publisher>) {
-    let store = publisher.store().clone();
-    let Ok(Ok(sessions)) = tokio::task::spawn_blocking(move || store.sessions()).await else {
+async fn reconcile(ch: &Channel, engine: &Arc<Engine>) {
+    let Ok(sessions) = engine.blocking_store(|s| s.sessions()).await else {
         warn!("reconcile: cannot list sessions");
         return;
     };
     let mut tasks = TasksClient::new(ch.clone());
     for s in sessions {
+        let layerstack_engine::store::Owner::Container { namespace, id } = s.owner.clone() else {
+            continue;
+        };
         if s.released
             || s.state != SessionState::Active
             || s.outcome.is_some()
@@ -244,13 +249,13 @@ async fn reconcile(ch: &Channel, publisher: &Arc<Publisher>) {
         let empty = std::fs::read_dir(&s.upper)
             .map(|mut d| d.next().is_none())
             .unwrap_or(true);
-        if empty || crate::publish::upper_is_mounted(&s.upper) {
+        if empty || engine.upper_mounted(&s.upper).await.unwrap_or(true) {
             continue;
         }
         let req = with_ns(
-            &s.namespace,
+            &namespace,
             GetRequest {
-                container_id: s.container.clone(),
+                container_id: id.clone(),
                 exec_id: String::new(),
             },
         );
@@ -258,9 +263,9 @@ async fn reconcile(ch: &Channel, publisher: &Arc<Publisher>) {
             Err(st) if st.code() == Code::NotFound => {
                 // The exit status died with the task: `on-success` cannot be
                 // shown to hold, so it publishes nothing (as for a failed exit).
-                let label = label_policy(ch, &s.namespace, &s.container, s.id).await;
-                info!(session.id = s.id, container = %s.container, "reconcile: task gone");
-                let r = publisher
+                let label = label_policy(ch, &namespace, &id, s.id).await;
+                info!(session.id = s.id, container = %id, "reconcile: task gone");
+                let r = engine
                     .finish(s.id, label, None, "reconcile: task gone")
                     .await;
                 if let Err(e) = r {

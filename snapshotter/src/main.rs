@@ -1,6 +1,7 @@
 //! `containerd-layerstack-grpc`: the LayerStack daemon. Serves containerd's
 //! Snapshots API as a proxy plugin and LayerStack's admin API, each on its own
-//! unix socket, and publishes sessions when containerd deletes their task.
+//! unix socket, and publishes sessions when containerd deletes their task. The
+//! engine does the work; this binary only wires it (config, logging, sockets).
 
 // tonic::Status is the error type of every gRPC handler here (containerd-snapshots'
 // trait fixes it); boxing it would only move the allocation.
@@ -8,18 +9,31 @@
 
 mod admin;
 mod containerd;
-mod publish;
+mod filters;
 mod service;
+mod sockets;
 
-use std::path::{Path, PathBuf};
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 
 use anyhow::{Context, Result};
-use clap::Parser;
+use clap::{Parser, ValueEnum};
 use layerstack_config::{Config, Durability};
-use layerstack_store::{Store, StoreOptions};
+use layerstack_engine::store::{Store, StoreLock, StoreOptions};
+use layerstack_engine::{Engine, EngineSettings};
 use tokio_stream::wrappers::UnixListenerStream;
 use tracing::{error, info};
+
+/// Log line format.
+#[derive(Debug, Clone, Copy, ValueEnum)]
+enum LogFormat {
+    /// Human-readable lines (colour only on a terminal).
+    Text,
+    /// One JSON object per line.
+    Json,
+}
 
 /// LayerStack daemon: containerd proxy snapshotter + admin API.
 #[derive(Debug, Parser)]
@@ -43,32 +57,18 @@ struct Args {
     /// Print the containerd config snippet for this daemon and exit.
     #[arg(long)]
     print_containerd_config: bool,
-}
-
-fn bind(path: &Path) -> Result<tokio::net::UnixListener> {
-    if let Some(dir) = path.parent() {
-        std::fs::create_dir_all(dir)
-            .with_context(|| format!("cannot create socket directory {}", dir.display()))?;
-    }
-    match std::fs::remove_file(path) {
-        Ok(()) => {}
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-        Err(e) => {
-            return Err(e).with_context(|| format!("cannot remove stale socket {}", path.display()))
-        }
-    }
-    let l = tokio::net::UnixListener::bind(path)
-        .with_context(|| format!("cannot listen on {}", path.display()))?;
-    // Only root (and the socket's group) may talk to the daemon, whatever the umask.
-    use std::os::unix::fs::PermissionsExt;
-    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))
-        .with_context(|| format!("cannot set mode of {}", path.display()))?;
-    Ok(l)
+    /// Log filter: a level (error, warn, info, debug, trace) or a tracing
+    /// directive list such as `info,layerstack_engine=debug` [default: $RUST_LOG, else info].
+    #[arg(long, value_name = "FILTER")]
+    log_level: Option<String>,
+    /// Log line format.
+    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
+    log_format: LogFormat,
 }
 
 /// Refuse configurations that would only fail later, naming what to change.
 fn validate(cfg: &mut Config) -> Result<()> {
-    layerstack_store::validate_branch(&cfg.default_branch)
+    layerstack_engine::store::validate_branch(&cfg.default_branch)
         .map_err(|e| anyhow::anyhow!("default_branch: {e}"))?;
     if cfg.address == cfg.admin_address {
         anyhow::bail!(
@@ -83,16 +83,40 @@ fn validate(cfg: &mut Config) -> Result<()> {
     Ok(())
 }
 
+fn init_logging(level: Option<&str>, format: LogFormat) {
+    let filter = match level {
+        Some(l) => tracing_subscriber::EnvFilter::new(l),
+        None => tracing_subscriber::EnvFilter::try_from_default_env()
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+    };
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        // Colour codes only where a human reads them: never into files,
+        // journald or pipes.
+        .with_ansi(std::io::stderr().is_terminal());
+    match format {
+        LogFormat::Text => builder.init(),
+        LogFormat::Json => builder.json().flatten_event(true).init(),
+    }
+}
+
+/// Raise the open-file limit to its hard maximum: the mount census and deep
+/// fd-relative walks hold one descriptor per directory level.
+fn raise_nofile() {
+    use nix::sys::resource::{getrlimit, setrlimit, Resource};
+    if let Ok((soft, hard)) = getrlimit(Resource::RLIMIT_NOFILE) {
+        if soft < hard {
+            let _ = setrlimit(Resource::RLIMIT_NOFILE, hard, hard);
+        }
+    }
+}
+
 #[tokio::main]
 async fn main() {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env()
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
-    if let Err(e) = run(Args::parse()).await {
+    let args = Args::parse();
+    init_logging(args.log_level.as_deref(), args.log_format);
+    if let Err(e) = run(args).await {
         // One line on stderr (the tracing log also goes to stderr).
         error!("{e:#}");
         std::process::exit(1);
@@ -128,53 +152,66 @@ async fn run(args: Args) -> Result<()> {
     }
 
     validate(&mut cfg)?;
+    raise_nofile();
+    let exclude = layerstack_engine::publisher::ExcludePolicy::new(&cfg.exclude)
+        .context("config key `exclude`")?;
+    // Refuse to start before touching anything: another daemon on the root, a
+    // socket another process serves.
+    let lock = StoreLock::acquire(&cfg.root)?;
+    let snap_socket = sockets::Socket::bind(&cfg.address)?;
+    let admin_socket = sockets::Socket::bind(&cfg.admin_address)?;
     let opts = StoreOptions {
         durability: match cfg.durability {
-            Durability::Disposable => layerstack_store::Durability::Disposable,
-            Durability::Durable => layerstack_store::Durability::Durable,
+            Durability::Disposable => layerstack_engine::store::Durability::Disposable,
+            Durability::Durable => layerstack_engine::store::Durability::Durable,
         },
         default_branch: cfg.default_branch.clone(),
+        startup_sweep: true,
     };
     let store = Arc::new(Store::open(&cfg.root, &opts)?);
-    info!(root = %cfg.root.display(), "store open");
-    let exclude =
-        layerstack_publisher::ExcludePolicy::new(&cfg.exclude).context("config key `exclude`")?;
-    let policy = publish::PublishPolicy {
+    info!(root = %cfg.root.display(), lock = %lock.path().display(), "store open");
+    let settings = EngineSettings {
         exclude,
-        merge: layerstack_publisher::MergeOptions {
+        merge: layerstack_engine::publisher::MergeOptions {
             max_bytes: cfg.merge.max_file_bytes,
             max_lines: usize::try_from(cfg.merge.max_lines).unwrap_or(usize::MAX),
             timeout: std::time::Duration::from_millis(cfg.merge.timeout_ms),
             diff_algorithm: match cfg.merge.diff_algorithm {
                 layerstack_config::DiffAlgorithm::Histogram => {
-                    layerstack_publisher::DiffAlgorithm::Histogram
+                    layerstack_engine::publisher::DiffAlgorithm::Histogram
                 }
                 layerstack_config::DiffAlgorithm::Myers => {
-                    layerstack_publisher::DiffAlgorithm::Myers
+                    layerstack_engine::publisher::DiffAlgorithm::Myers
                 }
             },
         },
         userxattr: false,
     };
-    let publisher = Arc::new(publish::Publisher::new(store.clone()).with_policy(policy));
+    let engine = Engine::new(store, settings);
+    let recovered = engine.recover().await?;
+    if recovered > 0 {
+        info!(
+            sessions = recovered,
+            "finished releases interrupted by the last stop"
+        );
+    }
+    let subscribed = Arc::new(AtomicBool::new(false));
 
-    let snap_listener = bind(&cfg.address)?;
-    let admin_listener = bind(&cfg.admin_address)?;
     let snapshots = containerd_snapshots::server(Arc::new(service::LayerStackSnapshotter::new(
-        store.clone(),
-        publisher.clone(),
+        engine.clone(),
     )));
     let admin = layerstack_api::AdminServer::new(admin::AdminService::new(
-        publisher.clone(),
+        engine.clone(),
         cfg.containerd_address.clone(),
-        cfg.default_branch.clone(),
+        subscribed.clone(),
     ));
-    info!(address = %cfg.address.display(), admin = %cfg.admin_address.display(), "serving");
+    info!(address = %cfg.address.display(), admin = %cfg.admin_address.display(), pid = std::process::id(), "serving");
 
     if cfg.publish_on_task_delete {
         tokio::spawn(containerd::watch_events(
             cfg.containerd_address.clone(),
-            publisher.clone(),
+            engine.clone(),
+            subscribed,
         ));
     }
 
@@ -189,16 +226,30 @@ async fn run(args: Args) -> Result<()> {
     };
     let snap_srv = containerd_snapshots::tonic::transport::Server::builder()
         .add_service(snapshots)
-        .serve_with_incoming(UnixListenerStream::new(snap_listener));
+        .serve_with_incoming(UnixListenerStream::new(snap_socket.listener()?));
     let admin_srv = tonic::transport::Server::builder()
         .add_service(admin)
-        .serve_with_incoming(UnixListenerStream::new(admin_listener));
+        .serve_with_incoming(UnixListenerStream::new(admin_socket.listener()?));
     tokio::select! {
         r = snap_srv => r.context("snapshots server")?,
         r = admin_srv => r.context("admin server")?,
         _ = shutdown => {}
     }
-    let _ = std::fs::remove_file(&cfg.address);
-    let _ = std::fs::remove_file(&cfg.admin_address);
+    // The sockets are removed when they drop, and only if they are still ours.
+    drop(snap_socket);
+    drop(admin_socket);
+    drop(lock);
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn config_merge_defaults_are_the_publisher_defaults() {
+        let c = layerstack_config::MergeConfig::default();
+        let d = layerstack_engine::publisher::MergeOptions::default();
+        assert_eq!(c.max_file_bytes, d.max_bytes);
+        assert_eq!(usize::try_from(c.max_lines).ok(), Some(d.max_lines));
+        assert_eq!(u128::from(c.timeout_ms), d.timeout.as_millis());
+    }
 }

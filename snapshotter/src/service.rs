@@ -1,5 +1,13 @@
-//! containerd Snapshots API adapter: maps containerd's snapshot calls onto the
-//! LayerStack store (ARCHITECTURE.md §5).
+//! containerd Snapshots API adapter: containerd's snapshot calls in, store and
+//! engine calls out (ARCHITECTURE.md §5).
+//!
+//! `Prepare`, `Remove` and `Cleanup` never wait behind a publish: containerd's
+//! GC holds its metadata lock across a proxy `Remove` (upstream
+//! containerd#13798 wedged whole nodes that way). A `Remove` of a session only
+//! marks it released; the engine ends its run and removes its directories after
+//! any publish in flight. `Mounts` of a session (a restart) does wait behind a
+//! publish of the previous run, so a new run never mounts an upper that is being
+//! captured or renamed.
 
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -7,67 +15,40 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use containerd_snapshots::api::types::Mount;
 use containerd_snapshots::{Info, Kind, Snapshotter, Usage};
-use layerstack_store::{split_key, MountSpec, SnapshotError, SnapshotInfo, SnapshotKind, Store};
+use layerstack_engine::store::{
+    snapshots::Removed, MountSpec, SnapshotInfo, SnapshotKind, Store, StoreError, SweepMode,
+};
+use layerstack_engine::Engine;
 use tonic::Status;
-use tracing::{debug, warn};
+use tracing::debug;
 
-use crate::publish::Publisher;
+use crate::filters::Filters;
 
 /// The proxy snapshotter served to containerd.
 pub struct LayerStackSnapshotter {
-    store: Arc<Store>,
-    publisher: Arc<Publisher>,
+    engine: Arc<Engine>,
 }
 
 impl LayerStackSnapshotter {
-    pub fn new(store: Arc<Store>, publisher: Arc<Publisher>) -> Self {
-        Self { store, publisher }
-    }
-
-    /// The live session whose container rootfs snapshot is `key`, if any.
-    async fn session_of(&self, key: &str) -> Result<Option<layerstack_store::SessionInfo>, Status> {
-        let Some((ns, name)) = split_key(key) else {
-            return Ok(None);
-        };
-        let (ns, name, key) = (ns.to_string(), name.to_string(), key.to_string());
-        let store = self.store.clone();
-        let found = tokio::task::spawn_blocking(move || store.find_session(&ns, &name))
-            .await
-            .map_err(|e| Status::internal(e.to_string()))?
-            .map_err(|e| Status::internal(error_chain(&e)))?;
-        Ok(found.filter(|s| s.key == key && !s.released))
+    pub fn new(engine: Arc<Engine>) -> Self {
+        Self { engine }
     }
 
     async fn blocking<T, F>(&self, f: F) -> Result<T, Status>
     where
         T: Send + 'static,
-        F: FnOnce(&Store) -> Result<T, SnapshotError> + Send + 'static,
+        F: FnOnce(&Store) -> Result<T, StoreError> + Send + 'static,
     {
-        let store = self.store.clone();
+        let store = self.engine.store().clone();
         tokio::task::spawn_blocking(move || f(&store))
             .await
             .map_err(|e| Status::internal(format!("store task failed: {e}")))?
-            .map_err(to_status)
+            .map_err(|e| layerstack_api::store_status(&e))
     }
 }
-
-/// errdefs mapping (containerd `errdefs/grpc.go`): containerd's unpacker relies on
-/// AlreadyExists, GC on FailedPrecondition.
-pub fn to_status(e: SnapshotError) -> Status {
-    let msg = error_chain(&e);
-    match e {
-        SnapshotError::NotFound(_) => Status::not_found(msg),
-        SnapshotError::AlreadyExists(_) => Status::already_exists(msg),
-        SnapshotError::FailedPrecondition(_) => Status::failed_precondition(msg),
-        SnapshotError::InvalidArgument(_) => Status::invalid_argument(msg),
-        _ => Status::internal(msg),
-    }
-}
-
-pub use layerstack_api::error_chain;
 
 fn to_time(ns: i64) -> SystemTime {
-    UNIX_EPOCH + Duration::from_nanos(ns.max(0) as u64)
+    UNIX_EPOCH + Duration::from_nanos(u64::try_from(ns).unwrap_or(0))
 }
 
 fn to_info(i: SnapshotInfo) -> Info {
@@ -86,21 +67,15 @@ fn to_info(i: SnapshotInfo) -> Info {
 }
 
 fn to_mounts(spec: MountSpec) -> Vec<Mount> {
-    let options = spec.overlay_options();
-    match spec {
-        MountSpec::Bind { source, .. } => vec![Mount {
-            r#type: "bind".into(),
-            source: source.display().to_string(),
+    layerstack_api::mounts(&spec)
+        .into_iter()
+        .map(|m| Mount {
+            r#type: m.r#type,
+            source: m.source,
             target: String::new(),
-            options,
-        }],
-        MountSpec::Overlay { .. } => vec![Mount {
-            r#type: "overlay".into(),
-            source: "overlay".into(),
-            target: String::new(),
-            options,
-        }],
-    }
+            options: m.options,
+        })
+        .collect()
 }
 
 fn to_btree(labels: HashMap<String, String>) -> BTreeMap<String, String> {
@@ -132,11 +107,9 @@ impl Snapshotter for LayerStackSnapshotter {
 
     async fn mounts(&self, key: String) -> Result<Vec<Mount>, Status> {
         debug!(snapshot.key = %key, "mounts");
-        // A session's Mounts starts a new run (fresh upper, new lease after a
-        // publish): it waits behind a publish of the previous run, so the new run
-        // never mounts an upper that is being captured or renamed into a layer.
-        let _guard = match self.session_of(&key).await? {
-            Some(sess) => Some(self.publisher.lock_session(sess.id).await),
+        let k = key.clone();
+        let _guard = match self.blocking(move |s| s.snapshot_session(&k)).await? {
+            Some(sid) => Some(self.engine.lock_session(sid).await),
             None => None,
         };
         self.blocking(move |s| s.mounts(&key)).await.map(to_mounts)
@@ -183,40 +156,32 @@ impl Snapshotter for LayerStackSnapshotter {
 
     async fn remove(&self, key: String) -> Result<(), Status> {
         debug!(snapshot.key = %key, "remove");
-        // Remove comes from containerd's GC, possibly while the task-delete
-        // publish of this session still runs (`ctr run --rm`): wait behind it, and
-        // publish first if nothing did (a missed event must not lose writes).
-        if let Some(sess) = self.session_of(&key).await? {
-            let guard = self.publisher.lock_session(sess.id).await;
-            if crate::publish::upper_is_mounted(&sess.upper) {
-                // `ctr snapshots rm` on a running container: containerd only drops
-                // its record; its GC retries the Remove after the task is gone.
+        let k = key.clone();
+        if let Some(sid) = self.blocking(move |s| s.snapshot_session(&k)).await? {
+            // `ctr snapshots rm` of a running container: containerd only drops its
+            // record; its GC retries the Remove after the task is gone.
+            let upper = self.engine.store().upper_path(sid);
+            let mounted = self
+                .engine
+                .upper_mounted(&upper)
+                .await
+                .map_err(|e| layerstack_api::engine_status(&e))?;
+            if mounted {
                 return Err(Status::failed_precondition(format!(
-                    "snapshot {key} is mounted (session {}, upper {}): remove it after its task is deleted",
-                    sess.id,
-                    sess.upper.display()
+                    "snapshot {key} is mounted (session {sid}, upper {}): remove it after its task is deleted",
+                    upper.display()
                 )));
             }
-            if let Err(e) = self
-                .publisher
-                .finish_locked(&sess, None, None, "snapshot remove")
-                .await
-            {
-                warn!(session.id = sess.id, error = %e, "publish before remove did not complete");
-            }
-            let r = self.blocking(move |s| s.remove(&key)).await;
-            drop(guard);
-            return r;
         }
-        self.blocking(move |s| s.remove(&key)).await
+        match self.blocking(move |s| s.remove(&key)).await? {
+            Removed::Session(sid) => self.engine.session_released(sid),
+            Removed::Plain => {}
+        }
+        Ok(())
     }
 
     async fn clear(&self) -> Result<(), Status> {
-        let store = self.store.clone();
-        let report = tokio::task::spawn_blocking(move || store.sweep())
-            .await
-            .map_err(|e| Status::internal(e.to_string()))?
-            .map_err(|e| Status::internal(error_chain(&e)))?;
+        let report = self.blocking(|s| s.sweep_with(SweepMode::Cleanup)).await?;
         for p in report.removed {
             debug!(path = %p.display(), "cleanup removed directory without a row");
         }
@@ -228,68 +193,21 @@ impl Snapshotter for LayerStackSnapshotter {
         _snapshotter: String,
         filters: Vec<String>,
     ) -> Result<Self::InfoStream, Status> {
-        // containerd re-checks filters itself on the one filtered call it makes
-        // (remote-snapshot AlreadyExists path); GC passes none. Only the
-        // `parent==` and `labels."k"==v` forms are honoured here.
+        let filters =
+            Filters::parse(&filters).map_err(|e| Status::invalid_argument(e.to_string()))?;
         let all = self.blocking(|s| s.list()).await?;
         let items: Vec<Result<Info, Status>> = all
             .into_iter()
-            .filter(|i| filters.iter().all(|f| filter_matches(f, i)))
+            .filter(|i| filters.matches(i))
             .map(|i| Ok(to_info(i)))
             .collect();
         Ok(futures::stream::iter(items))
     }
 }
 
-/// A subset of containerd's filter grammar (`filters/parser.go`): comma-separated
-/// conjunctions of `field==value` over `name`, `parent`, `kind` and `labels."k"`.
-/// Unknown forms match (containerd filters again on its side).
-fn filter_matches(filter: &str, i: &SnapshotInfo) -> bool {
-    filter.split(',').all(|clause| {
-        let Some((field, value)) = clause.split_once("==") else {
-            return true;
-        };
-        let value = value.trim().trim_matches('"');
-        let field = field.trim();
-        match field {
-            "name" => i.key == value,
-            "parent" => i.parent == value,
-            "kind" => i.kind.as_str() == value,
-            f => match f.strip_prefix("labels.") {
-                Some(k) => i.labels.get(k.trim_matches('"')).map(String::as_str) == Some(value),
-                None => true,
-            },
-        }
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn info() -> SnapshotInfo {
-        SnapshotInfo {
-            key: "default/3/sha256:b".into(),
-            kind: SnapshotKind::Committed,
-            parent: "default/1/sha256:a".into(),
-            labels: [(
-                "containerd.io/snapshot.ref".to_string(),
-                "sha256:b".to_string(),
-            )]
-            .into(),
-            created_ns: 0,
-            updated_ns: 0,
-        }
-    }
-
-    #[test]
-    fn remote_snapshot_walk_filter_matches_label_and_parent() {
-        let f = r#"labels."containerd.io/snapshot.ref"==sha256:b,parent==default/1/sha256:a"#;
-        assert!(filter_matches(f, &info()));
-        let g = r#"labels."containerd.io/snapshot.ref"==sha256:c,parent==default/1/sha256:a"#;
-        assert!(!filter_matches(g, &info()));
-        assert!(!filter_matches("parent==x", &info()));
-    }
 
     #[test]
     fn overlay_mount_carries_fixed_options() {

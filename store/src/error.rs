@@ -1,9 +1,57 @@
-//! Error types, one per operation family. Kinds follow containerd's errdefs so the
-//! snapshotter adapter can map them to gRPC codes.
+//! The store's errors. Every error type carries an [`ErrorKind`] (containerd's
+//! errdefs, `errdefs/errors.go`), which front ends map to their wire codes in one
+//! place (the daemon's `errors` module maps them to gRPC).
 
 use std::path::{Path, PathBuf};
 
 use crate::{LayerId, ManifestId, SessionId};
+
+/// containerd's error classes (errdefs), plus the two LayerStack needs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ErrorKind {
+    /// `errdefs.ErrNotFound`.
+    NotFound,
+    /// `errdefs.ErrAlreadyExists`: containerd's unpacker relies on it from
+    /// Prepare and Commit.
+    AlreadyExists,
+    /// `errdefs.ErrFailedPrecondition`: containerd's GC retries a Remove that
+    /// fails with it.
+    FailedPrecondition,
+    /// `errdefs.ErrInvalidArgument`.
+    InvalidArgument,
+    /// `errdefs.ErrConflict` (gRPC `Aborted`): an optimistic check failed; try again.
+    Conflict,
+    /// `errdefs.ErrUnavailable`.
+    Unavailable,
+    /// `errdefs.ErrResourceExhausted`: a limit is reached and the caller asked not
+    /// to wait.
+    Busy,
+    /// `errdefs.ErrNotImplemented`: refused by design (a filesystem, a format).
+    Unsupported,
+    /// `errdefs.ErrDataLoss`: a stored row or directory is not what it must be.
+    Corrupt,
+    /// `errdefs.ErrUnknown`: anything else (i/o, database).
+    Internal,
+}
+
+impl ErrorKind {
+    /// Lowercase name, for logs and metrics labels.
+    #[must_use]
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::NotFound => "not-found",
+            Self::AlreadyExists => "already-exists",
+            Self::FailedPrecondition => "failed-precondition",
+            Self::InvalidArgument => "invalid-argument",
+            Self::Conflict => "conflict",
+            Self::Unavailable => "unavailable",
+            Self::Busy => "busy",
+            Self::Unsupported => "unsupported",
+            Self::Corrupt => "corrupt",
+            Self::Internal => "internal",
+        }
+    }
+}
 
 /// Why [`crate::Store::open`] refused or failed.
 #[derive(Debug, thiserror::Error)]
@@ -12,11 +60,18 @@ pub enum OpenError {
     #[error("store root {root} is on {fs}: unsupported; LayerStack needs a local ext4, xfs or btrfs filesystem (choose another --root)")]
     Unsupported { root: PathBuf, fs: String },
     /// The store was written by another format version (`-1`: not a LayerStack store).
-    #[error("store at {root} has format version {found}, this build reads version {expected}: start a fresh store root (stores are never migrated silently)")]
+    #[error("store at {root} has format version {found}, this build reads version {expected}: start a fresh store root (stores are never migrated silently; the old one can be removed with `rm -rf {root}` once nothing uses it)")]
     Version {
         root: PathBuf,
         found: i64,
         expected: i64,
+    },
+    /// Another process holds the store's lock.
+    #[error("store {root} is in use by another daemon (pid {pid}; lock file {lock}): stop it first, or give this one another --root")]
+    Locked {
+        root: PathBuf,
+        lock: PathBuf,
+        pid: String,
     },
     #[error("store i/o on {0}")]
     Io(PathBuf, #[source] std::io::Error),
@@ -26,88 +81,111 @@ pub enum OpenError {
     Store(#[source] StoreError),
 }
 
-/// Failures of containerd snapshot operations.
-#[derive(Debug, thiserror::Error)]
-pub enum SnapshotError {
-    /// errdefs.NotFound
-    #[error("snapshot {0} not found")]
-    NotFound(String),
-    /// errdefs.AlreadyExists — containerd's unpacker relies on it.
-    #[error("snapshot {0} already exists")]
-    AlreadyExists(String),
-    /// errdefs.FailedPrecondition
-    #[error("{0}")]
-    FailedPrecondition(String),
-    /// errdefs.InvalidArgument
-    #[error("{0}")]
-    InvalidArgument(String),
-    #[error("i/o on {0}")]
-    Io(PathBuf, #[source] std::io::Error),
-    #[error("store database")]
-    Db(#[from] rusqlite::Error),
-    #[error("internal: {0}")]
-    Internal(String),
-}
-
-impl SnapshotError {
-    pub(crate) fn io(p: &Path, e: std::io::Error) -> Self {
-        Self::Io(p.to_path_buf(), e)
-    }
-}
-
-impl From<StoreError> for SnapshotError {
-    fn from(e: StoreError) -> Self {
-        match e {
-            StoreError::Db(e) => Self::Db(e),
-            StoreError::Io(p, e) => Self::Io(p, e),
-            other => Self::Internal(other.to_string()),
+impl OpenError {
+    /// The errdefs class of this error.
+    #[must_use]
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Self::Unsupported { .. } | Self::Version { .. } => ErrorKind::Unsupported,
+            Self::Locked { .. } => ErrorKind::Unavailable,
+            Self::Io(..) | Self::Db(_) => ErrorKind::Internal,
+            Self::Store(e) => e.kind(),
         }
     }
 }
 
-/// Failures of session, branch and history queries.
+/// Failures of store operations: containerd's snapshot calls, sessions, history.
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
+    /// A containerd snapshot key or name that does not exist.
+    #[error("snapshot {0} not found")]
+    SnapshotNotFound(String),
+    /// A containerd snapshot key or name that is taken.
+    #[error("snapshot {0} already exists")]
+    SnapshotExists(String),
     #[error("session {0} not found")]
     SessionNotFound(SessionId),
-    #[error(
-        "session {0} holds no lease (nothing mounted since its last publish): nothing to publish"
-    )]
-    NoLease(SessionId),
-    #[error("layer {0} not found")]
-    LayerNotFound(LayerId),
+    #[error("stack {0} not found")]
+    StackNotFound(String),
     #[error("branch {branch:?} not found on stack {stack}")]
     BranchNotFound { stack: String, branch: String },
-    #[error("i/o on {0}")]
-    Io(PathBuf, #[source] std::io::Error),
-    #[error("store database")]
-    Db(#[from] rusqlite::Error),
-    #[error("snapshot")]
-    Snapshot(#[source] Box<SnapshotError>),
-}
-
-impl StoreError {
-    pub(crate) fn from_snapshot(e: SnapshotError) -> Self {
-        match e {
-            SnapshotError::Db(e) => Self::Db(e),
-            other => Self::Snapshot(Box::new(other)),
-        }
-    }
-}
-
-/// Failures of [`crate::Store::commit_publish`].
-#[derive(Debug, thiserror::Error)]
-pub enum PublishError {
-    /// The branch moved between gating and committing; gate again.
+    #[error("layer {0} not found")]
+    LayerNotFound(LayerId),
+    #[error(
+        "session {0} holds no lease (nothing mounted since its last outcome): nothing to publish"
+    )]
+    NoLease(SessionId),
+    /// The branch moved between planning and committing: plan again.
     #[error("branch head moved from manifest {expected} to {found} while publishing")]
     HeadMoved {
         expected: ManifestId,
         found: ManifestId,
     },
+    /// The operation cannot run in the current state; the message says what to do.
+    #[error("{0}")]
+    FailedPrecondition(String),
+    /// Bad input; the message names it and what is accepted.
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// A limit is reached.
+    #[error("{0}")]
+    Busy(String),
+    /// A row that does not parse, or a directory a row promises that is not there.
+    #[error("corrupt store: table {table}, {key}: {detail}; the row is left as it is (restore it or remove what uses it)")]
+    Corrupt {
+        table: &'static str,
+        key: String,
+        detail: String,
+    },
     #[error("i/o on {0}")]
     Io(PathBuf, #[source] std::io::Error),
     #[error("store database")]
     Db(#[from] rusqlite::Error),
-    #[error(transparent)]
-    Store(#[from] StoreError),
 }
+
+impl StoreError {
+    /// The errdefs class of this error.
+    #[must_use]
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Self::SnapshotNotFound(_)
+            | Self::SessionNotFound(_)
+            | Self::StackNotFound(_)
+            | Self::BranchNotFound { .. }
+            | Self::LayerNotFound(_) => ErrorKind::NotFound,
+            Self::SnapshotExists(_) => ErrorKind::AlreadyExists,
+            Self::NoLease(_) | Self::FailedPrecondition(_) => ErrorKind::FailedPrecondition,
+            Self::HeadMoved { .. } => ErrorKind::Conflict,
+            Self::InvalidArgument(_) => ErrorKind::InvalidArgument,
+            Self::Busy(_) => ErrorKind::Busy,
+            Self::Corrupt { .. } => ErrorKind::Corrupt,
+            Self::Io(..) => ErrorKind::Internal,
+            // SQLITE_BUSY past the busy timeout: another writer holds the database.
+            Self::Db(rusqlite::Error::SqliteFailure(e, _))
+                if e.code == rusqlite::ErrorCode::DatabaseBusy =>
+            {
+                ErrorKind::Unavailable
+            }
+            Self::Db(_) => ErrorKind::Internal,
+        }
+    }
+
+    pub(crate) fn io(p: &Path, e: std::io::Error) -> Self {
+        Self::Io(p.to_path_buf(), e)
+    }
+
+    pub(crate) fn corrupt(
+        table: &'static str,
+        key: impl std::fmt::Display,
+        detail: impl std::fmt::Display,
+    ) -> Self {
+        Self::Corrupt {
+            table,
+            key: key.to_string(),
+            detail: detail.to_string(),
+        }
+    }
+}
+
+/// Result of store operations.
+pub type Result<T, E = StoreError> = std::result::Result<T, E>;

@@ -147,28 +147,101 @@ pub(crate) fn init_upper_root(upper: &Path, top: &Path) -> io::Result<()> {
 
 /// Real allocated bytes and inode count of a tree, without following symlinks;
 /// hardlinked inodes are counted once. Shape: `(bytes, inodes)`.
+///
+/// The walk is fd-relative: every directory is opened with
+/// `openat(O_DIRECTORY|O_NOFOLLOW)` relative to its parent and every entry is
+/// `fstatat(AT_SYMLINK_NOFOLLOW)`-ed in it, so a container that swaps a
+/// directory of its (possibly still mounted) upper for a symlink during the walk
+/// can never steer it outside the tree (ARCHITECTURE.md §8). An entry that
+/// vanishes meanwhile is skipped.
 pub fn disk_usage(path: &Path) -> io::Result<(i64, i64)> {
     use std::collections::HashSet;
-    use std::os::unix::fs::MetadataExt;
+    use std::os::fd::AsRawFd;
+
+    use nix::dir::Dir;
+    use nix::fcntl::{AtFlags, OFlag};
+    use nix::sys::stat::{fstat, fstatat, Mode};
+
+    const DIR_FLAGS: OFlag = OFlag::O_RDONLY
+        .union(OFlag::O_DIRECTORY)
+        .union(OFlag::O_NOFOLLOW)
+        .union(OFlag::O_CLOEXEC);
+    let gone = |e: nix::errno::Errno| matches!(e, nix::errno::Errno::ENOENT);
     let mut seen = HashSet::new();
-    let mut bytes = 0i64;
-    let mut inodes = 0i64;
-    let mut stack = vec![path.to_path_buf()];
-    while let Some(p) = stack.pop() {
-        let m = match fs::symlink_metadata(&p) {
-            Ok(m) => m,
-            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
-            Err(e) => return Err(e),
-        };
-        if seen.insert((m.dev(), m.ino())) {
+    let (mut bytes, mut inodes) = (0i64, 0i64);
+    let mut count = |st: &nix::sys::stat::FileStat| {
+        #[allow(clippy::useless_conversion)]
+        if seen.insert((u64::from(st.st_dev), u64::from(st.st_ino))) {
             inodes += 1;
-            bytes += (m.blocks() as i64) * 512;
+            bytes += i64::from(st.st_blocks) * 512;
         }
-        if m.is_dir() {
-            for e in fs::read_dir(&p)? {
-                stack.push(e?.path());
+    };
+    let top = match Dir::open(path, DIR_FLAGS, Mode::empty()) {
+        Ok(d) => d,
+        Err(nix::errno::Errno::ENOTDIR | nix::errno::Errno::ELOOP) => {
+            let st = nix::sys::stat::lstat(path).map_err(io::Error::from)?;
+            count(&st);
+            return Ok((bytes, inodes));
+        }
+        Err(e) if gone(e) => return Ok((0, 0)),
+        Err(e) => return Err(e.into()),
+    };
+    count(&fstat(top.as_raw_fd()).map_err(io::Error::from)?);
+    let mut stack = vec![top];
+    while let Some(mut dir) = stack.pop() {
+        let fd = dir.as_raw_fd();
+        let mut subdirs = Vec::new();
+        for ent in dir.iter() {
+            let ent = ent.map_err(io::Error::from)?;
+            let name = ent.file_name();
+            if name.to_bytes() == b"." || name.to_bytes() == b".." {
+                continue;
+            }
+            let st = match fstatat(Some(fd), name, AtFlags::AT_SYMLINK_NOFOLLOW) {
+                Ok(st) => st,
+                Err(e) if gone(e) => continue,
+                Err(e) => return Err(e.into()),
+            };
+            count(&st);
+            if st.st_mode & libc::S_IFMT == libc::S_IFDIR {
+                subdirs.push(name.to_owned());
+            }
+        }
+        for name in subdirs {
+            match Dir::openat(Some(fd), name.as_c_str(), DIR_FLAGS, Mode::empty()) {
+                Ok(d) => stack.push(d),
+                // Swapped for something else, or gone, since the stat: not ours to follow.
+                Err(nix::errno::Errno::ENOTDIR | nix::errno::Errno::ELOOP) => {}
+                Err(e) if gone(e) => {}
+                Err(e) => return Err(e.into()),
             }
         }
     }
     Ok((bytes, inodes))
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn disk_usage_counts_hardlinks_once_and_never_follows_symlinks() {
+        let t = tempfile::tempdir().unwrap();
+        let root = t.path().join("tree");
+        fs::create_dir_all(root.join("a/b")).unwrap();
+        fs::write(root.join("a/b/f"), vec![1u8; 8192]).unwrap();
+        fs::hard_link(root.join("a/b/f"), root.join("a/g")).unwrap();
+        // A big file outside, reachable only through symlinks.
+        let outside = t.path().join("outside");
+        fs::create_dir(&outside).unwrap();
+        fs::write(outside.join("big"), vec![1u8; 1 << 20]).unwrap();
+        std::os::unix::fs::symlink(&outside, root.join("escape")).unwrap();
+        std::os::unix::fs::symlink("/", root.join("a/root")).unwrap();
+        let (bytes, inodes) = disk_usage(&root).unwrap();
+        // tree, a, a/b, f (=g), escape, a/root
+        assert_eq!(inodes, 6);
+        assert!(bytes < 1 << 20, "followed a symlink: {bytes} bytes");
+        assert!(bytes >= 8192, "{bytes}");
+    }
 }

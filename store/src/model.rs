@@ -33,13 +33,6 @@ impl SnapshotKind {
             Self::Committed => "committed",
         }
     }
-    pub(crate) fn parse(s: &str) -> Self {
-        match s {
-            "view" => Self::View,
-            "active" => Self::Active,
-            _ => Self::Committed,
-        }
-    }
 }
 
 /// What containerd sees of a snapshot (`Stat`/`List`).
@@ -113,7 +106,7 @@ pub enum SessionState {
 }
 
 impl SessionState {
-    /// Lowercase name, as printed by the CLI.
+    /// Lowercase name, as printed by the CLI and stored.
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Active => "active",
@@ -122,18 +115,21 @@ impl SessionState {
             Self::Discarded => "discarded",
         }
     }
-    pub(crate) fn parse(s: &str) -> Self {
-        match s {
+
+    /// The state named `s`; `None` for anything else.
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "active" => Self::Active,
             "published" => Self::Published,
             "conflict" => Self::Conflict,
             "discarded" => Self::Discarded,
-            _ => Self::Active,
-        }
+            _ => return None,
+        })
     }
 }
 
 /// The kinds of publish outcome (ARCHITECTURE.md §2 "Outcome").
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum OutcomeKind {
     /// A new layer was prepended to the branch.
@@ -150,10 +146,20 @@ pub enum OutcomeKind {
     Discarded,
     /// Publishing failed for a reason other than a conflict; nothing was published.
     Failed,
+    /// Refused because a limit was reached (the caller asked not to wait); nothing
+    /// was published, the upper is kept.
+    Busy,
+    /// Refused by design (e.g. an invalid exit policy); nothing was published, the
+    /// upper is kept.
+    Unsupported,
+    /// The daemon cannot tell whether the publish happened (it ended while one was
+    /// in flight); look before acting again (ARCHITECTURE §2: nothing is retried
+    /// silently).
+    Unknown,
 }
 
 impl OutcomeKind {
-    /// Kebab-case name, as printed by the CLI.
+    /// Kebab-case name, as printed by the CLI and stored.
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Committed => "committed",
@@ -162,102 +168,469 @@ impl OutcomeKind {
             Self::Conflict => "conflict",
             Self::Discarded => "discarded",
             Self::Failed => "failed",
+            Self::Busy => "busy",
+            Self::Unsupported => "unsupported",
+            Self::Unknown => "unknown",
         }
+    }
+
+    /// The kind named `s`; `None` for anything else.
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "committed" => Self::Committed,
+            "merged" => Self::Merged,
+            "no-change" => Self::NoChange,
+            "conflict" => Self::Conflict,
+            "discarded" => Self::Discarded,
+            "failed" => Self::Failed,
+            "busy" => Self::Busy,
+            "unsupported" => Self::Unsupported,
+            "unknown" => Self::Unknown,
+            _ => return None,
+        })
+    }
+
+    /// Whether a run that ended with this outcome may be published again (gated
+    /// anew) or discarded: the writes are still in the upper, nothing was published.
+    pub fn is_retryable(self) -> bool {
+        matches!(
+            self,
+            Self::Conflict | Self::Failed | Self::Busy | Self::Unsupported | Self::Unknown
+        )
+    }
+
+    /// Whether this outcome added a layer.
+    pub fn is_published(self) -> bool {
+        matches!(self, Self::Committed | Self::Merged)
     }
 }
 
-/// One path the gate refused, with why. `path` is display-escaped (see [`escape_path`]).
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ConflictRecord {
-    pub path: String,
-    pub reason: String,
+/// The gate's verdict on one path (ARCHITECTURE.md §7).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PathStatus {
+    /// Published as captured.
+    Clean,
+    /// Published as a three-way or field-by-field merge.
+    Merged,
+    /// Rejected; the whole changeset is rejected with it.
+    Conflict,
+    /// Left out by policy (or never publishable, like a socket).
+    Excluded,
 }
 
-/// The gate's verdict on one path of a publish. `path` is display-escaped (see
-/// [`escape_path`]); `status` is `clean`, `merged`, `conflict` or `excluded`.
+impl PathStatus {
+    /// Lowercase name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Clean => "clean",
+            Self::Merged => "merged",
+            Self::Conflict => "conflict",
+            Self::Excluded => "excluded",
+        }
+    }
+
+    /// The status named `s`.
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "clean" => Self::Clean,
+            "merged" => Self::Merged,
+            "conflict" => Self::Conflict,
+            "excluded" => Self::Excluded,
+            _ => return None,
+        })
+    }
+
+    pub(crate) fn code(self) -> i64 {
+        match self {
+            Self::Clean => 0,
+            Self::Merged => 1,
+            Self::Conflict => 2,
+            Self::Excluded => 3,
+        }
+    }
+
+    pub(crate) fn from_code(c: i64) -> Option<Self> {
+        Some(match c {
+            0 => Self::Clean,
+            1 => Self::Merged,
+            2 => Self::Conflict,
+            3 => Self::Excluded,
+            _ => return None,
+        })
+    }
+}
+
+/// The gate's verdict on one path of a publish, with why.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PathRecord {
-    pub path: String,
-    pub status: String,
+    /// Relative path, bytes (no leading `/`); display it with [`escape_path`].
+    pub path: Vec<u8>,
+    pub status: PathStatus,
+    /// Why, lowercase.
     pub reason: String,
 }
 
-/// The recorded result of one publish attempt of a session.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+/// How many paths of a publish got each verdict.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PathCounts {
+    pub clean: u64,
+    pub merged: u64,
+    pub conflict: u64,
+    pub excluded: u64,
+}
+
+impl PathCounts {
+    /// Counts of `paths`.
+    pub fn of(paths: &[PathRecord]) -> PathCounts {
+        let mut c = PathCounts::default();
+        for p in paths {
+            match p.status {
+                PathStatus::Clean => c.clean += 1,
+                PathStatus::Merged => c.merged += 1,
+                PathStatus::Conflict => c.conflict += 1,
+                PathStatus::Excluded => c.excluded += 1,
+            }
+        }
+        c
+    }
+
+    /// All paths.
+    pub fn total(&self) -> u64 {
+        self.clean + self.merged + self.conflict + self.excluded
+    }
+}
+
+/// Row id of a publish outcome (table `publishes`).
+pub type PublishId = i64;
+
+/// The recorded result of one run of a session (one publish, discard or failure).
+/// Per-path verdicts are not held here (a run may touch hundreds of thousands of
+/// paths): read them page by page with [`crate::Store::outcome_paths`].
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Outcome {
+    /// The outcome's row id (for [`crate::Store::outcome_paths`]).
+    pub id: PublishId,
     pub kind: OutcomeKind,
+    /// The run of the session it ended.
+    pub run: i64,
     /// The published layer, for `Committed` and `Merged`.
     pub layer: Option<LayerId>,
-    /// Per-path reasons, for `Conflict`.
-    #[serde(default)]
-    pub conflicts: Vec<ConflictRecord>,
-    /// The gate's verdict on every path (clean, merged, conflict, excluded), sorted
-    /// by path; empty for outcomes that did not reach the gate.
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub paths: Vec<PathRecord>,
     /// Human-readable detail (failure cause, counts).
-    #[serde(default)]
     pub message: Option<String>,
+    /// Verdict counts over the recorded paths.
+    pub counts: PathCounts,
     /// Nanoseconds since the Unix epoch.
     pub at_ns: i64,
-    /// Where the publish spent its time (absent for outcomes that did not publish).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    /// Where the publish spent its time (absent for outcomes that did not gate).
     pub timings: Option<PublishTimings>,
+}
+
+/// An outcome to record: [`Outcome`] before it has a row, with its paths.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutcomeRecord {
+    pub kind: OutcomeKind,
+    pub message: Option<String>,
+    /// Per-path verdicts, any order.
+    pub paths: Vec<PathRecord>,
+    pub timings: Option<PublishTimings>,
+}
+
+impl OutcomeRecord {
+    /// An outcome of `kind` with `message` and no paths.
+    pub fn new(kind: OutcomeKind, message: impl Into<String>) -> Self {
+        Self {
+            kind,
+            message: Some(message.into()),
+            paths: Vec::new(),
+            timings: None,
+        }
+    }
 }
 
 /// Where one publish spent its time, in microseconds.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PublishTimings {
-    /// Capture, policy edits and sealing of the upper (outside the gate).
+    /// Capture, policy edits, sealing and planning against the observed head
+    /// (outside the gate).
     pub capture_us: u64,
     /// Waiting for the branch's gate.
     pub gate_wait_us: u64,
-    /// Holding the gate: head check, planning/merging, applying, commit.
+    /// Holding the gate: head re-check, re-planning what changed meanwhile,
+    /// applying, commit.
     pub gate_hold_us: u64,
     /// Whole publish, from its start to the recorded outcome.
     pub total_us: u64,
+}
+
+/// Who a session belongs to (ARCHITECTURE.md §2 "Owner").
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Owner {
+    /// Mode A: a container, through containerd (`namespace` + container id).
+    Container { namespace: String, id: String },
+    /// Mode B: a sandbox session held by a `layerstack session run` holder;
+    /// `name` is its label (unique among live sandbox sessions is not required).
+    Sandbox { name: String },
+}
+
+impl Owner {
+    pub(crate) fn kind_str(&self) -> &'static str {
+        match self {
+            Self::Container { .. } => "container",
+            Self::Sandbox { .. } => "sandbox",
+        }
+    }
+
+    /// The owner's display form: `container:<ns>/<id>` or `sandbox:<name>`.
+    pub fn display(&self) -> String {
+        match self {
+            Self::Container { namespace, id } => format!("container:{namespace}/{id}"),
+            Self::Sandbox { name } => format!("sandbox:{name}"),
+        }
+    }
+
+    /// containerd namespace (empty for a sandbox session).
+    pub fn namespace(&self) -> &str {
+        match self {
+            Self::Container { namespace, .. } => namespace,
+            Self::Sandbox { .. } => "",
+        }
+    }
+
+    /// The container id or sandbox name.
+    pub fn name(&self) -> &str {
+        match self {
+            Self::Container { id, .. } => id,
+            Self::Sandbox { name } => name,
+        }
+    }
 }
 
 /// A session as listed by `layerstack session ls`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SessionInfo {
     pub id: SessionId,
-    /// The container rootfs snapshot key.
-    pub key: String,
-    pub namespace: String,
-    pub container: String,
+    pub owner: Owner,
+    /// The containerd snapshot key of a container session while containerd has it.
+    pub key: Option<String>,
     pub stack: String,
     pub branch: String,
     pub state: SessionState,
+    /// The outcome of the current run, once it has one.
     pub outcome: Option<Outcome>,
-    /// The manifest currently leased, if any (none right after a publish).
+    /// The manifest currently leased, if any (none right after an outcome that
+    /// ended the run; the next mount leases the head).
     pub lease_manifest: Option<ManifestId>,
-    /// How many times this session has been (re)mounted after a publish.
-    pub runs: i64,
-    /// containerd removed the snapshot; the row stays as history.
+    /// The current run, from 1.
+    pub run: i64,
+    /// The owner let go (containerd removed the snapshot, the sandbox closed);
+    /// the row stays as history.
     pub released: bool,
-    /// The container's exit policy (label `layerstack.publish`) recorded by the
-    /// runtime shim; `None`: not recorded (on-exit unless the label says otherwise).
+    /// Released while a publish ran: the directories go when it ends.
+    pub remove_pending: bool,
+    /// The exit policy recorded on the session (`on-exit`, `on-success`, `never`,
+    /// or an invalid value recorded as given); `None`: not recorded.
     pub policy: Option<String>,
+    pub idempotency_key: Option<String>,
     pub upper: PathBuf,
     pub work: PathBuf,
+    /// Nanoseconds since the Unix epoch.
+    pub created_ns: i64,
 }
 
-/// One entry of `layerstack log`: a published layer on a branch, newest first.
+impl SessionInfo {
+    /// Whether the current run's outcome ends it: recorded and not retryable.
+    pub fn run_finished(&self) -> bool {
+        self.outcome
+            .as_ref()
+            .is_some_and(|o| !o.kind.is_retryable())
+    }
+}
+
+/// One entry of `layerstack log`: a layer on a branch, newest first.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct LogEntry {
     pub layer: LayerId,
+    pub kind: LayerKind,
     pub manifest: ManifestId,
     pub session: Option<SessionId>,
-    pub namespace: Option<String>,
-    pub container: Option<String>,
+    /// Who published it (the session's owner), when known.
+    pub owner: Option<Owner>,
     /// Number of paths the layer changed.
     pub paths: i64,
     pub created_ns: i64,
 }
 
-/// Everything the publisher needs to capture and gate one session, read in one
-/// read transaction (see [`crate::Store::publish_context`]).
+/// Kinds of layer rows (ARCHITECTURE.md §2 "Layer").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LayerKind {
+    /// An upper containerd is writing.
+    Active,
+    /// A committed image layer (`B`).
+    Base,
+    /// A committed non-image snapshot.
+    Committed,
+    /// A publish's layer before its commit.
+    Pending,
+    /// A captured session (`L`).
+    Published,
+    /// A compaction of a run of layers (`S`).
+    Squashed,
+}
+
+impl LayerKind {
+    /// Lowercase name, as stored.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Active => "active",
+            Self::Base => "base",
+            Self::Committed => "committed",
+            Self::Pending => "pending",
+            Self::Published => "published",
+            Self::Squashed => "squashed",
+        }
+    }
+
+    /// The kind named `s`.
+    pub fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "active" => Self::Active,
+            "base" => Self::Base,
+            "committed" => Self::Committed,
+            "pending" => Self::Pending,
+            "published" => Self::Published,
+            "squashed" => Self::Squashed,
+            _ => return None,
+        })
+    }
+}
+
+/// What one published change was, as the path index records it (the store's copy
+/// of the publisher's `HeadChangeKind`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ChangeKind {
+    Write,
+    Symlink,
+    Mkdir,
+    Delete,
+    Opaque,
+    Meta,
+    Special,
+}
+
+impl ChangeKind {
+    pub(crate) fn code(self) -> i64 {
+        match self {
+            Self::Write => 0,
+            Self::Symlink => 1,
+            Self::Mkdir => 2,
+            Self::Delete => 3,
+            Self::Opaque => 4,
+            Self::Meta => 5,
+            Self::Special => 6,
+        }
+    }
+
+    pub(crate) fn from_code(c: i64) -> Option<Self> {
+        Some(match c {
+            0 => Self::Write,
+            1 => Self::Symlink,
+            2 => Self::Mkdir,
+            3 => Self::Delete,
+            4 => Self::Opaque,
+            5 => Self::Meta,
+            6 => Self::Special,
+            _ => return None,
+        })
+    }
+}
+
+/// One row of the path index: what a layer changed at one path. `digest` is the
+/// BLAKE3 of the content (files), target (symlinks) or type+device (specials);
+/// `xattrs` the BLAKE3 of the non-private xattrs; `None` where not applicable.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct IndexEntry {
+    /// Relative path, bytes, no leading `/`.
+    pub path: Vec<u8>,
+    pub kind: ChangeKind,
+    pub digest: Option<[u8; 32]>,
+    /// Permission bits incl. setuid/setgid/sticky.
+    pub mode: Option<u32>,
+    pub uid: Option<u32>,
+    pub gid: Option<u32>,
+    pub xattrs: Option<[u8; 32]>,
+}
+
+/// The paths a publish asks the index about: `exact` paths (what it captured and
+/// every directory above), and directories whose whole subtree matters (`below`:
+/// what it deleted, replaced or made opaque).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct PathQuery {
+    pub exact: std::collections::BTreeSet<Vec<u8>>,
+    pub below: std::collections::BTreeSet<Vec<u8>>,
+}
+
+/// The path index of the layers between two manifests, restricted to a
+/// [`PathQuery`]: one `(layer, entries sorted by path)` per layer that has any,
+/// newest layer first.
+pub type HeadChanges = Vec<(LayerId, Vec<IndexEntry>)>;
+
+/// A branch: a named pointer to a manifest.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BranchInfo {
+    pub stack: String,
+    pub name: String,
+    pub head: ManifestId,
+    /// Published layers on the head.
+    pub depth: i64,
+    pub updated_ns: i64,
+}
+
+/// A stack: the history on one base.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StackInfo {
+    /// `<namespace>/<chainID>`.
+    pub id: String,
+    /// The base image's top layer chainID.
+    pub base_digest: String,
+    /// The containerd namespace it belongs to.
+    pub namespace: String,
+    /// Base (image) layers, newest first.
+    pub base_layers: Vec<LayerId>,
+    pub branches: Vec<BranchInfo>,
+    pub created_ns: i64,
+}
+
+/// What a new session leases: a branch head (created from the default branch's
+/// head when missing), or an explicit manifest.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LeaseTarget {
+    Branch(String),
+    Manifest(ManifestId),
+}
+
+/// Holder kinds of a lease (table `leases`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum HolderKind {
+    Session,
+    Branch,
+    Node,
+    Export,
+}
+
+impl HolderKind {
+    pub(crate) fn as_str(self) -> &'static str {
+        match self {
+            Self::Session => "session",
+            Self::Branch => "branch",
+            Self::Node => "node",
+            Self::Export => "export",
+        }
+    }
+}
+
+/// Everything a publish of one session reads before capturing, in one read
+/// transaction ([`crate::Store::publish_context`]).
 #[derive(Debug, Clone)]
 pub struct PublishContext {
     pub session: SessionInfo,
@@ -267,22 +640,12 @@ pub struct PublishContext {
     pub lease_manifest: ManifestId,
 }
 
-/// One layer's path index: the layer and its `(path, serialized change)` rows in
-/// byte order of path.
-pub type LayerIndex = (LayerId, Vec<(Vec<u8>, String)>);
-
-/// What the gate compares against: the head manifest and the serialized path
-/// changes of every layer on it that the lease does not have.
+/// A branch head as a publish observes it: the manifest and the lower
+/// directories a session of that branch would mount on it, newest first.
 #[derive(Debug, Clone)]
-pub struct HeadDelta {
-    pub head: ManifestId,
-    /// The path index of each layer published since the lease, newest layer first:
-    /// `(layer, [(path, serialized change)])`, paths in byte order within a layer.
-    /// Layer boundaries matter: a newer layer that deleted or replaced a directory
-    /// hides an older layer's changes below it.
-    pub layers: Vec<LayerIndex>,
-    /// Layers on head but not in the lease, newest first.
-    pub new_layers: Vec<LayerId>,
+pub struct HeadView {
+    pub manifest: ManifestId,
+    pub lowers: Vec<PathBuf>,
 }
 
 /// Escape a byte path for display, with a leading `/`: printable UTF-8 stays as

@@ -1,40 +1,188 @@
 //! SQLite schema of a store (format version [`FORMAT_VERSION`]).
+//!
+//! Everything that is queried is a typed column: manifests are one row per
+//! position (`manifest_layers`), the path index one row per (path, layer) with the
+//! change's fields as columns (`layer_paths`), per-path verdicts of a publish one
+//! row each (`publish_paths`). The only JSON left is containerd's free-form
+//! snapshot labels, which are filtered in memory.
 
 /// The on-disk format this build reads and writes. A store of any other version
 /// is refused at open (ARCHITECTURE.md §2: never migrated silently).
-pub const FORMAT_VERSION: i64 = 2;
+///
+/// History: 1 and 2 kept manifests, path-index entries and outcomes as JSON text;
+/// 3 normalized them and separated the history model from containerd's snapshots.
+pub const FORMAT_VERSION: i64 = 3;
 
 pub(crate) const SCHEMA: &str = r#"
 CREATE TABLE meta (
     key   TEXT PRIMARY KEY,
     value TEXT NOT NULL
 );
--- Every directory under l/ (and committed session uppers under s/) has a row.
--- kind: 'active' (an upper containerd is writing, not yet committed), 'base'
--- (committed image layer), 'committed' (committed non-image snapshot),
--- 'published' (a captured session prepended to a branch).
+
+-- Every directory under l/ (and a committed session upper under s/) has a row.
+--   active     an upper containerd is writing (image extraction, plain snapshot)
+--   base       a committed image layer (unpacked by containerd)
+--   committed  a committed non-image snapshot (Docker's -init layer, ctr commit)
+--   pending    a publish's layer between planning and its commit (no directory
+--              under l/ yet: the session's upper is renamed there at commit)
+--   published  a captured session prepended to a branch
+--   squashed   a compaction of a run of layers
 CREATE TABLE layers (
     id          INTEGER PRIMARY KEY AUTOINCREMENT,
-    kind        TEXT NOT NULL,
+    kind        TEXT NOT NULL CHECK (kind IN ('active', 'base', 'committed', 'pending', 'published', 'squashed')),
     path        TEXT NOT NULL UNIQUE,
     stack       TEXT,
     session_id  INTEGER,
     created_ns  INTEGER NOT NULL
 );
--- Path index of published layers: what each layer changed, as the publisher's
--- serialized change record. The gate reads it for layers published since a lease.
-CREATE TABLE layer_changes (
-    layer_id INTEGER NOT NULL REFERENCES layers(id),
+
+-- The path index: what each published layer changed, one row per path. The gate
+-- reads it for the paths a publish touches (and the directories above them), in
+-- the layers published since the publish's lease.
+--   kind: 0 write, 1 symlink, 2 mkdir, 3 delete, 4 opaque, 5 meta, 6 special
+CREATE TABLE layer_paths (
     path     BLOB NOT NULL,
-    change   TEXT NOT NULL,
-    PRIMARY KEY (layer_id, path)
+    layer_id INTEGER NOT NULL REFERENCES layers(id),
+    kind     INTEGER NOT NULL CHECK (kind BETWEEN 0 AND 6),
+    digest   BLOB CHECK (digest IS NULL OR length(digest) = 32),
+    mode     INTEGER,
+    uid      INTEGER,
+    gid      INTEGER,
+    xattrs   BLOB CHECK (xattrs IS NULL OR length(xattrs) = 32),
+    PRIMARY KEY (path, layer_id)
 ) WITHOUT ROWID;
--- containerd's snapshots, exactly what containerd created (never published layers).
--- kind: 'active' | 'view' | 'committed'. `lowers` is a JSON array of layer ids,
--- newest first, frozen at creation for views and for committed sessions.
+CREATE INDEX layer_paths_layer ON layer_paths(layer_id);
+
+-- A stack: the history that grows on one base (ARCHITECTURE.md §2). Its base
+-- layers are recorded here, so history stays reachable after containerd removes
+-- the image's snapshots.
+CREATE TABLE stacks (
+    id          TEXT PRIMARY KEY,
+    base_digest TEXT NOT NULL,
+    namespace   TEXT NOT NULL,
+    created_ns  INTEGER NOT NULL
+);
+-- The base layers of a stack, newest (top) first.
+CREATE TABLE stack_layers (
+    stack    TEXT NOT NULL REFERENCES stacks(id),
+    pos      INTEGER NOT NULL,
+    layer_id INTEGER NOT NULL REFERENCES layers(id),
+    PRIMARY KEY (stack, pos)
+) WITHOUT ROWID;
+CREATE INDEX stack_layers_layer ON stack_layers(layer_id);
+
+-- Immutable manifests: the published layers a head shows, newest first, one row
+-- per position in manifest_layers. `layer_id` is the layer this manifest added on
+-- top of `parent` (NULL for a stack's empty root manifest); `depth` its length.
+CREATE TABLE manifests (
+    id         INTEGER PRIMARY KEY,
+    stack      TEXT NOT NULL REFERENCES stacks(id),
+    parent     INTEGER REFERENCES manifests(id),
+    layer_id   INTEGER REFERENCES layers(id),
+    depth      INTEGER NOT NULL,
+    created_ns INTEGER NOT NULL
+);
+CREATE TABLE manifest_layers (
+    manifest_id INTEGER NOT NULL REFERENCES manifests(id),
+    pos         INTEGER NOT NULL,
+    layer_id    INTEGER NOT NULL REFERENCES layers(id),
+    PRIMARY KEY (manifest_id, pos)
+) WITHOUT ROWID;
+CREATE INDEX manifest_layers_layer ON manifest_layers(layer_id);
+
+CREATE TABLE branches (
+    stack       TEXT NOT NULL REFERENCES stacks(id),
+    name        TEXT NOT NULL,
+    manifest_id INTEGER NOT NULL REFERENCES manifests(id),
+    created_ns  INTEGER NOT NULL,
+    updated_ns  INTEGER NOT NULL,
+    PRIMARY KEY (stack, name)
+);
+
+-- A pinned manifest. holder_kind says who holds it; holder names it (a session
+-- id, a branch name, a node id, an export id).
+CREATE TABLE leases (
+    id          INTEGER PRIMARY KEY,
+    manifest_id INTEGER NOT NULL REFERENCES manifests(id),
+    holder_kind TEXT NOT NULL CHECK (holder_kind IN ('session', 'branch', 'node', 'export')),
+    holder      TEXT NOT NULL,
+    created_ns  INTEGER NOT NULL,
+    released_ns INTEGER
+);
+CREATE INDEX leases_live ON leases(manifest_id) WHERE released_ns IS NULL;
+
+-- A session: one private upper on a lease. owner_kind 'container' (Mode A:
+-- namespace + container id) or 'sandbox' (Mode B: a holder process; owner is its
+-- name). `run` counts runs (a new run starts after every outcome). `released`:
+-- the owner let go (containerd removed the snapshot, the sandbox closed); the row
+-- stays as history. `remove_pending`: released while a publish was running; the
+-- directories go when it ends.
+CREATE TABLE sessions (
+    id              INTEGER PRIMARY KEY AUTOINCREMENT,
+    owner_kind      TEXT NOT NULL CHECK (owner_kind IN ('container', 'sandbox')),
+    namespace       TEXT NOT NULL,
+    owner           TEXT NOT NULL,
+    stack           TEXT NOT NULL REFERENCES stacks(id),
+    branch          TEXT NOT NULL,
+    lease_id        INTEGER REFERENCES leases(id),
+    state           TEXT NOT NULL CHECK (state IN ('active', 'published', 'conflict', 'discarded')),
+    run             INTEGER NOT NULL DEFAULT 1,
+    policy          TEXT,
+    last_publish    INTEGER,
+    released        INTEGER NOT NULL DEFAULT 0,
+    remove_pending  INTEGER NOT NULL DEFAULT 0,
+    idempotency_key TEXT UNIQUE,
+    created_ns      INTEGER NOT NULL,
+    updated_ns      INTEGER NOT NULL
+);
+CREATE INDEX sessions_owner ON sessions(owner_kind, namespace, owner);
+-- Private read-only layers a session sees above its lease, newest first
+-- (Docker's per-container -init layer).
+CREATE TABLE session_layers (
+    session_id INTEGER NOT NULL REFERENCES sessions(id),
+    pos        INTEGER NOT NULL,
+    layer_id   INTEGER NOT NULL REFERENCES layers(id),
+    PRIMARY KEY (session_id, pos)
+) WITHOUT ROWID;
+
+-- Outcomes, one row per ended run (or attempt). outcome: committed | merged |
+-- no-change | conflict | discarded | failed | busy | unsupported | unknown.
+CREATE TABLE publishes (
+    id              INTEGER PRIMARY KEY,
+    session_id      INTEGER NOT NULL REFERENCES sessions(id),
+    run             INTEGER NOT NULL,
+    outcome         TEXT NOT NULL,
+    layer_id        INTEGER,
+    manifest_before INTEGER,
+    manifest_after  INTEGER,
+    message         TEXT,
+    clean           INTEGER NOT NULL DEFAULT 0,
+    merged          INTEGER NOT NULL DEFAULT 0,
+    conflict        INTEGER NOT NULL DEFAULT 0,
+    excluded        INTEGER NOT NULL DEFAULT 0,
+    capture_us      INTEGER,
+    gate_wait_us    INTEGER,
+    gate_hold_us    INTEGER,
+    total_us        INTEGER,
+    at_ns           INTEGER NOT NULL
+);
+CREATE INDEX publishes_session ON publishes(session_id);
+-- The gate's verdict per path of a publish. status: 0 clean, 1 merged,
+-- 2 conflict, 3 excluded.
+CREATE TABLE publish_paths (
+    publish_id INTEGER NOT NULL REFERENCES publishes(id),
+    path       BLOB NOT NULL,
+    status     INTEGER NOT NULL CHECK (status BETWEEN 0 AND 3),
+    reason     TEXT NOT NULL,
+    PRIMARY KEY (publish_id, path)
+) WITHOUT ROWID;
+
+-- containerd's snapshots, exactly what containerd created (never published
+-- layers): the snapshots module. kind: 'active' | 'view' | 'committed'.
+-- A view's and a committed session's lowers are frozen in snapshot_lowers.
 CREATE TABLE snapshots (
     key         TEXT PRIMARY KEY,
-    kind        TEXT NOT NULL,
+    kind        TEXT NOT NULL CHECK (kind IN ('active', 'view', 'committed')),
     parent      TEXT,
     labels      TEXT NOT NULL,
     created_ns  INTEGER NOT NULL,
@@ -42,65 +190,18 @@ CREATE TABLE snapshots (
     layer_id    INTEGER,
     session_id  INTEGER,
     image_layer INTEGER NOT NULL DEFAULT 0,
-    lowers      TEXT,
+    frozen      INTEGER NOT NULL DEFAULT 0,
     size        INTEGER,
     inodes      INTEGER
 );
 CREATE INDEX snapshots_parent ON snapshots(parent);
-CREATE TABLE stacks (
-    id         TEXT PRIMARY KEY,
-    created_ns INTEGER NOT NULL
-);
--- Immutable manifests: the published layers a branch head shows, newest first.
--- `layer_id` is the layer this manifest added on top of `parent`.
-CREATE TABLE manifests (
-    id         INTEGER PRIMARY KEY,
-    stack      TEXT NOT NULL REFERENCES stacks(id),
-    layers     TEXT NOT NULL,
-    parent     INTEGER,
-    layer_id   INTEGER,
-    created_ns INTEGER NOT NULL
-);
-CREATE TABLE branches (
-    stack       TEXT NOT NULL REFERENCES stacks(id),
-    name        TEXT NOT NULL,
-    manifest_id INTEGER NOT NULL REFERENCES manifests(id),
-    updated_ns  INTEGER NOT NULL,
-    PRIMARY KEY (stack, name)
-);
-CREATE TABLE leases (
-    id          INTEGER PRIMARY KEY,
-    manifest_id INTEGER NOT NULL REFERENCES manifests(id),
-    session_id  INTEGER NOT NULL,
-    created_ns  INTEGER NOT NULL,
-    released_ns INTEGER
-);
-CREATE TABLE sessions (
-    id          INTEGER PRIMARY KEY AUTOINCREMENT,
-    key         TEXT NOT NULL,
-    namespace   TEXT NOT NULL,
-    container   TEXT NOT NULL,
-    stack       TEXT NOT NULL REFERENCES stacks(id),
-    branch      TEXT NOT NULL,
-    base_key    TEXT NOT NULL,
-    above       TEXT NOT NULL,
-    lease_id    INTEGER,
-    state       TEXT NOT NULL,
-    outcome     TEXT,
-    runs        INTEGER NOT NULL DEFAULT 0,
-    policy      TEXT,
-    released    INTEGER NOT NULL DEFAULT 0,
-    created_ns  INTEGER NOT NULL,
-    updated_ns  INTEGER NOT NULL
-);
-CREATE INDEX sessions_container ON sessions(namespace, container);
-CREATE TABLE publishes (
-    id              INTEGER PRIMARY KEY,
-    session_id      INTEGER NOT NULL,
-    outcome         TEXT NOT NULL,
-    layer_id        INTEGER,
-    manifest_before INTEGER,
-    manifest_after  INTEGER,
-    at_ns           INTEGER NOT NULL
-);
+CREATE INDEX snapshots_session ON snapshots(session_id);
+CREATE INDEX snapshots_layer ON snapshots(layer_id);
+CREATE TABLE snapshot_lowers (
+    key      TEXT NOT NULL,
+    pos      INTEGER NOT NULL,
+    layer_id INTEGER NOT NULL REFERENCES layers(id),
+    PRIMARY KEY (key, pos)
+) WITHOUT ROWID;
+CREATE INDEX snapshot_lowers_layer ON snapshot_lowers(layer_id);
 "#;

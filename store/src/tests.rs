@@ -3,6 +3,8 @@
 use super::*;
 use std::collections::BTreeMap;
 
+use crate::snapshots::Removed;
+
 fn tmp() -> tempfile::TempDir {
     // /var/tmp is on the root filesystem (ext4 here); /tmp may be tmpfs elsewhere.
     tempfile::Builder::new()
@@ -19,6 +21,57 @@ fn labels(kv: &[(&str, &str)]) -> BTreeMap<String, String> {
     kv.iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect()
+}
+
+/// A path-index row of a written file with content `n`.
+fn write_entry(path: &[u8], n: u8) -> IndexEntry {
+    IndexEntry {
+        path: path.to_vec(),
+        kind: ChangeKind::Write,
+        digest: Some([n; 32]),
+        mode: Some(0o644),
+        uid: Some(0),
+        gid: Some(0),
+        xattrs: None,
+    }
+}
+
+fn query(exact: &[&str], below: &[&str]) -> PathQuery {
+    PathQuery {
+        exact: exact.iter().map(|p| p.as_bytes().to_vec()).collect(),
+        below: below.iter().map(|p| p.as_bytes().to_vec()).collect(),
+    }
+}
+
+/// Publish session `sid` on its branch head now, with path index `index`.
+fn publish(s: &Store, sid: SessionId, index: &[IndexEntry]) -> Published {
+    let paths: Vec<PathRecord> = index
+        .iter()
+        .map(|e| PathRecord {
+            path: e.path.clone(),
+            status: PathStatus::Clean,
+            reason: "untouched on head".into(),
+        })
+        .collect();
+    let staged = s.stage_publish(sid, index, &paths).unwrap();
+    let head = s.head_view(sid).unwrap().manifest;
+    s.commit_publish(sid, staged, head, CommitRecord::default())
+        .unwrap()
+}
+
+/// Unpack an image of `chains` (bottom first) in `ns`; returns the top's key.
+fn unpack_chain(store: &Store, ns: &str, chains: &[&str]) -> String {
+    let mut parent = String::new();
+    for (i, c) in chains.iter().enumerate() {
+        let ex = format!("{ns}/{}/extract-{i} {c}", 100 + 2 * i);
+        store
+            .prepare(&ex, &parent, labels(&[(SNAPSHOT_REF_LABEL, c)]), false)
+            .unwrap();
+        let name = format!("{ns}/{}/{c}", 101 + 2 * i);
+        store.commit(&name, &ex, BTreeMap::new()).unwrap();
+        parent = name;
+    }
+    parent
 }
 
 /// Unpack a two-layer image the way containerd's unpacker does.
@@ -106,23 +159,26 @@ fn already_exists_and_not_found_follow_errdefs() {
     assert!(s.prepare("ns/5/c", &top, BTreeMap::new(), false).is_ok());
     assert!(matches!(
         s.prepare("ns/5/c", &top, BTreeMap::new(), false),
-        Err(SnapshotError::AlreadyExists(_))
+        Err(StoreError::SnapshotExists(_))
     ));
     assert!(matches!(
         s.prepare("ns/6/d", "ns/9/nope", BTreeMap::new(), false),
-        Err(SnapshotError::NotFound(_))
+        Err(StoreError::SnapshotNotFound(_))
     ));
-    assert!(matches!(s.stat("nope"), Err(SnapshotError::NotFound(_))));
+    assert!(matches!(
+        s.stat("nope"),
+        Err(StoreError::SnapshotNotFound(_))
+    ));
     // Re-committing an existing name.
     s.prepare("ns/7/x", "", BTreeMap::new(), false).unwrap();
     assert!(matches!(
         s.commit(&top, "ns/7/x", BTreeMap::new()),
-        Err(SnapshotError::AlreadyExists(_))
+        Err(StoreError::SnapshotExists(_))
     ));
     // A parent with children cannot be removed.
     assert!(matches!(
         s.remove(&top),
-        Err(SnapshotError::FailedPrecondition(_))
+        Err(StoreError::FailedPrecondition(_))
     ));
 }
 
@@ -135,17 +191,7 @@ fn publish_prepends_layer_and_next_session_sees_it() {
         .unwrap();
     let sess = s.find_session("default", "c1").unwrap().unwrap();
     std::fs::write(sess.upper.join("a.txt"), b"hello").unwrap();
-    let ctx = s.publish_context(sess.id).unwrap();
-    let delta = s.head_delta(sess.id, ctx.lease_manifest).unwrap();
-    assert!(delta.layers.is_empty());
-    let p = s
-        .commit_publish(
-            sess.id,
-            delta.head,
-            &[(b"a.txt".to_vec(), "{}".to_string())],
-            None,
-        )
-        .unwrap();
+    let p = publish(&s, sess.id, &[write_entry(b"a.txt", 1)]);
     assert_eq!(
         std::fs::read(s.layer_path(p.layer).join("a.txt")).unwrap(),
         b"hello"
@@ -178,78 +224,92 @@ fn publish_prepends_layer_and_next_session_sees_it() {
     assert_eq!(lowers[0], s.layer_path(p.layer));
     let again = s.session(sess.id).unwrap();
     assert_eq!(
-        (again.state, again.outcome, again.runs),
-        (SessionState::Active, None, 1)
+        (again.state, again.outcome, again.run),
+        (SessionState::Active, None, 2)
     );
 
     let log = s.log("default/sha256:bbb", "main").unwrap();
     assert_eq!(log.len(), 1);
     assert_eq!(log[0].layer, p.layer);
-    assert_eq!(log[0].container.as_deref(), Some("c1"));
+    assert_eq!(log[0].kind, LayerKind::Published);
+    assert_eq!(
+        log[0].owner,
+        Some(Owner::Container {
+            namespace: "default".into(),
+            id: "c1".into()
+        })
+    );
     assert_eq!(log[0].paths, 1);
 }
 
 #[test]
-fn head_delta_lists_changes_published_since_the_lease() {
+fn changes_between_lists_what_was_published_since_the_lease_at_the_asked_paths() {
     let d = tmp();
     let s = open(d.path());
     let top = unpack(&s, "default");
-    s.prepare("default/5/a", &top, BTreeMap::new(), false)
+    for (i, c) in ["a", "b", "c"].iter().enumerate() {
+        s.prepare(
+            &format!("default/{}/{c}", 5 + i),
+            &top,
+            BTreeMap::new(),
+            false,
+        )
         .unwrap();
-    s.prepare("default/6/b", &top, BTreeMap::new(), false)
-        .unwrap();
+    }
     let a = s.find_session("default", "a").unwrap().unwrap();
     let b = s.find_session("default", "b").unwrap().unwrap();
-    let ctx_a = s.publish_context(a.id).unwrap();
-    let ctx_b = s.publish_context(b.id).unwrap();
-    let head = s.head_delta(a.id, ctx_a.lease_manifest).unwrap().head;
-    s.commit_publish(a.id, head, &[(b"etc/x".to_vec(), "X".into())], None)
-        .unwrap();
-    let delta = s.head_delta(b.id, ctx_b.lease_manifest).unwrap();
-    assert_eq!(delta.new_layers.len(), 1);
-    let first = delta.new_layers[0];
-    assert_eq!(
-        delta.layers,
-        vec![(first, vec![(b"etc/x".to_vec(), "X".to_string())])]
-    );
-    // A second publish: its layer comes first, each layer keeps its own paths.
-    s.prepare("default/7/c", &top, BTreeMap::new(), false)
-        .unwrap();
     let c = s.find_session("default", "c").unwrap().unwrap();
-    let ctx_c = s.publish_context(c.id).unwrap();
-    s.commit_publish(
+    let lease_b = s.publish_context(b.id).unwrap().lease_manifest;
+    let first = publish(
+        &s,
+        a.id,
+        &[write_entry(b"etc/x", 1), write_entry(b"var/z", 9)],
+    );
+    let q = query(&["etc/x", "etc"], &[]);
+    let head = s.head_view(b.id).unwrap().manifest;
+    let got = s.changes_between(lease_b, head, &q).unwrap();
+    assert_eq!(
+        got,
+        vec![(first.layer, vec![write_entry(b"etc/x", 1)])],
+        "var/z was not asked"
+    );
+    // A second publish: its layer comes first, each layer keeps its own entries.
+    let second = publish(
+        &s,
         c.id,
-        ctx_c.lease_manifest,
-        &[
-            (b"etc/y".to_vec(), "Y".into()),
-            (b"etc/x".to_vec(), "X2".into()),
-        ],
-        None,
-    )
-    .unwrap();
-    let delta = s.head_delta(b.id, ctx_b.lease_manifest).unwrap();
-    assert_eq!(delta.new_layers.len(), 2);
-    assert_eq!(
-        delta.layers[1],
-        (first, vec![(b"etc/x".to_vec(), "X".to_string())])
+        &[write_entry(b"etc/x", 2), write_entry(b"etc/y/deep", 3)],
     );
+    let head = s.head_view(b.id).unwrap().manifest;
+    let got = s
+        .changes_between(lease_b, head, &query(&["etc/x"], &["etc"]))
+        .unwrap();
     assert_eq!(
-        delta.layers[0],
-        (
-            delta.new_layers[0],
-            vec![
-                (b"etc/x".to_vec(), "X2".to_string()),
-                (b"etc/y".to_vec(), "Y".to_string())
-            ]
-        )
+        got,
+        vec![
+            (
+                second.layer,
+                vec![write_entry(b"etc/x", 2), write_entry(b"etc/y/deep", 3)]
+            ),
+            (first.layer, vec![write_entry(b"etc/x", 1)]),
+        ]
     );
+    // Between the first head and now: only the second layer.
+    let got = s
+        .changes_between(first.manifest, head, &query(&["etc/x"], &[]))
+        .unwrap();
+    assert_eq!(got, vec![(second.layer, vec![write_entry(b"etc/x", 2)])]);
+    assert!(s.changes_between(head, head, &q).unwrap().is_empty());
     // Committing against a stale head is refused and keeps the upper.
     std::fs::write(b.upper.join("f"), b"1").unwrap();
+    let staged = s.stage_publish(b.id, &[], &[]).unwrap();
     let err = s
-        .commit_publish(b.id, ctx_b.lease_manifest, &[], None)
+        .commit_publish(b.id, staged, lease_b, CommitRecord::default())
         .unwrap_err();
-    assert!(matches!(err, PublishError::HeadMoved { .. }), "{err}");
+    assert!(matches!(err, StoreError::HeadMoved { .. }), "{err}");
+    assert_eq!(err.kind(), ErrorKind::Conflict);
     assert!(b.upper.join("f").exists());
+    s.abandon_staged(staged).unwrap();
+    assert_eq!(s.layer_index(staged.layer).unwrap(), vec![]);
 }
 
 #[test]
@@ -263,24 +323,24 @@ fn conflict_keeps_upper_and_lease_even_after_remove() {
     std::fs::write(c.upper.join("mine"), b"1").unwrap();
     s.record_outcome(
         c.id,
-        Outcome {
+        OutcomeRecord {
             kind: OutcomeKind::Conflict,
-            layer: None,
-            conflicts: vec![ConflictRecord {
-                path: "/mine".into(),
+            message: None,
+            paths: vec![PathRecord {
+                path: b"mine".to_vec(),
+                status: PathStatus::Conflict,
                 reason: "changed on both sides".into(),
             }],
-            paths: vec![],
-            message: None,
-            at_ns: 1,
             timings: None,
         },
+        None,
     )
     .unwrap();
     let after = s.session(c.id).unwrap();
     assert_eq!(after.state, SessionState::Conflict);
     assert!(after.lease_manifest.is_some());
-    s.remove("default/5/c").unwrap();
+    assert_eq!(s.remove("default/5/c").unwrap(), Removed::Session(c.id));
+    s.complete_release(c.id).unwrap();
     assert!(
         c.upper.join("mine").exists(),
         "a conflicted upper is kept for inspection"
@@ -300,12 +360,8 @@ fn branch_label_forks_main_and_invalid_names_are_refused() {
     s.prepare("default/5/m", &top, BTreeMap::new(), false)
         .unwrap();
     let m = s.find_session("default", "m").unwrap().unwrap();
-    let head = s
-        .head_delta(m.id, s.publish_context(m.id).unwrap().lease_manifest)
-        .unwrap()
-        .head;
     std::fs::write(m.upper.join("f"), b"1").unwrap();
-    let p = s.commit_publish(m.id, head, &[], None).unwrap();
+    let p = publish(&s, m.id, &[write_entry(b"f", 1)]);
     let (_, spec) = s
         .prepare(
             "default/6/x",
@@ -335,7 +391,7 @@ fn branch_label_forks_main_and_invalid_names_are_refused() {
         )
         .unwrap_err();
     assert!(
-        matches!(err, SnapshotError::InvalidArgument(ref m) if m.contains("invalid branch name")),
+        matches!(err, StoreError::InvalidArgument(ref m) if m.contains("invalid branch name")),
         "{err}"
     );
 }
@@ -371,16 +427,30 @@ fn remove_session_releases_it_and_deletes_its_dirs() {
     s.prepare("default/5/c", &top, BTreeMap::new(), false)
         .unwrap();
     let c = s.find_session("default", "c").unwrap().unwrap();
-    s.remove("default/5/c").unwrap();
+    assert_eq!(s.remove("default/5/c").unwrap(), Removed::Session(c.id));
+    // Remove never waits: the session is released, its directories wait for
+    // the engine to end its run.
+    assert!(s.session_path(c.id).exists());
+    assert_eq!(s.pending_releases().unwrap(), vec![c.id]);
+    s.complete_release(c.id).unwrap();
     assert!(!s.session_path(c.id).exists());
     let after = s.session(c.id).unwrap();
-    assert!(after.released);
+    assert!(after.released && !after.remove_pending);
     assert_eq!(after.lease_manifest, None);
-    // Now the image layers can go, in containerd's GC order.
+    // The image snapshots can go, in containerd's GC order; the layers stay:
+    // the stack recorded them as its base (history stays reachable).
     s.remove(&top).unwrap();
     s.remove("default/1/sha256:aaa").unwrap();
-    assert!(!s.layer_path(1).exists() && !s.layer_path(2).exists());
     assert!(s.list().unwrap().is_empty());
+    assert!(s.layer_path(1).exists() && s.layer_path(2).exists());
+    let stacks = s.stacks().unwrap();
+    assert_eq!(stacks[0].base_layers, vec![2, 1]);
+    // An image no session used is not history: its layers go with its snapshots.
+    let other = unpack_chain(&s, "default", &["sha256:ccc"]);
+    let dir = s.layer_path(3);
+    assert!(dir.exists());
+    s.remove(&other).unwrap();
+    assert!(!dir.exists());
 }
 
 #[test]
@@ -438,7 +508,7 @@ fn labels_update_by_fieldpath() {
     let err = s
         .update_labels("n/1/k", BTreeMap::new(), &["kind".into()])
         .unwrap_err();
-    assert!(matches!(err, SnapshotError::InvalidArgument(_)));
+    assert!(matches!(err, StoreError::InvalidArgument(_)));
 }
 
 #[test]
@@ -535,7 +605,11 @@ fn concurrent_store_instances_serialize_session_creation() {
             let root = d.path().join("root");
             let top = top.clone();
             std::thread::spawn(move || {
-                let s = Store::open(&root, &StoreOptions::default()).unwrap();
+                let opts = StoreOptions {
+                    startup_sweep: false,
+                    ..Default::default()
+                };
+                let s = Store::open(&root, &opts).unwrap();
                 s.prepare(
                     &format!("default/{}/c{i}", 10 + i),
                     &top,
@@ -551,11 +625,9 @@ fn concurrent_store_instances_serialize_session_creation() {
     }
     let s = open(d.path());
     assert_eq!(s.sessions().unwrap().len(), 8);
-    assert_eq!(
-        s.stacks().unwrap()["default/sha256:bbb"].len(),
-        1,
-        "one stack, one main branch"
-    );
+    let stacks = s.stacks().unwrap();
+    assert_eq!(stacks.len(), 1, "one stack");
+    assert_eq!(stacks[0].branches.len(), 1, "one main branch");
 }
 
 #[test]
@@ -567,11 +639,7 @@ fn publish_interrupted_after_commit_is_rolled_forward() {
         .unwrap();
     let c = s.find_session("default", "c").unwrap().unwrap();
     std::fs::write(c.upper.join("data"), b"precious").unwrap();
-    let ctx = s.publish_context(c.id).unwrap();
-    let head = s.head_delta(c.id, ctx.lease_manifest).unwrap().head;
-    let p = s
-        .commit_publish(c.id, head, &[(b"data".to_vec(), "{}".into())], None)
-        .unwrap();
+    let p = publish(&s, c.id, &[write_entry(b"data", 1)]);
     drop(s);
     // Simulate a crash between the commit and the rename of the upper.
     std::fs::remove_dir_all(&c.upper).unwrap();
@@ -599,7 +667,7 @@ fn reads_do_not_wait_for_the_writer() {
         .unwrap();
     let sess = s.find_session("default", "c1").unwrap().unwrap();
 
-    let writer = s.conn();
+    let writer = s.db.writer();
     writer
         .execute_batch(&format!(
             "BEGIN IMMEDIATE; UPDATE snapshots SET labels = '{{\"uncommitted\":\"1\"}}' WHERE key = '{top}';"
@@ -683,4 +751,264 @@ fn a_fresh_upper_takes_the_metadata_of_the_lease_root() {
     s.mounts("default/5/c1").unwrap();
     let md = std::fs::metadata(&sess.upper).unwrap();
     assert_eq!(md.mode() & 0o7777, 0o700);
+}
+
+#[test]
+fn a_corrupt_manifest_row_is_an_error_naming_it_and_nothing_is_rewritten() {
+    let d = tmp();
+    let s = open(d.path());
+    let top = unpack(&s, "default");
+    s.prepare("default/5/a", &top, BTreeMap::new(), false)
+        .unwrap();
+    let a = s.find_session("default", "a").unwrap().unwrap();
+    std::fs::write(a.upper.join("f"), b"1").unwrap();
+    let p = publish(&s, a.id, &[write_entry(b"f", 1)]);
+    // Damage the head manifest: its only position vanishes.
+    let db = rusqlite::Connection::open(d.path().join("root/store.db")).unwrap();
+    let saved: (i64, i64, i64) = db
+        .query_row(
+            "SELECT manifest_id, pos, layer_id FROM manifest_layers WHERE manifest_id = ?1",
+            [p.manifest],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+        )
+        .unwrap();
+    db.execute(
+        "DELETE FROM manifest_layers WHERE manifest_id = ?1",
+        [p.manifest],
+    )
+    .unwrap();
+    let err = s.branch_layers("default/sha256:bbb", "main").unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Corrupt);
+    let msg = err.to_string();
+    assert!(
+        msg.contains("manifest_layers") && msg.contains(&format!("manifest {}", p.manifest)),
+        "{msg}"
+    );
+    // A new session on the branch is refused, not given an empty history.
+    let err = s
+        .prepare("default/6/b", &top, BTreeMap::new(), false)
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::Corrupt, "{err}");
+    let n: i64 = db
+        .query_row(
+            "SELECT count(*) FROM manifest_layers WHERE manifest_id = ?1",
+            [p.manifest],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert_eq!(n, 0, "nothing rewrote the row");
+    // Repair the row: the branch is intact.
+    db.execute(
+        "INSERT INTO manifest_layers(manifest_id, pos, layer_id) VALUES (?1, ?2, ?3)",
+        saved_params(saved),
+    )
+    .unwrap();
+    assert_eq!(
+        s.branch_layers("default/sha256:bbb", "main").unwrap(),
+        vec![s.layer_path(p.layer)]
+    );
+    s.prepare("default/6/b", &top, BTreeMap::new(), false)
+        .unwrap();
+    // A session row with an unknown state is corrupt too, named by id.
+    db.pragma_update(None, "ignore_check_constraints", true)
+        .unwrap();
+    db.execute("UPDATE sessions SET state = 'weird' WHERE id = ?1", [a.id])
+        .unwrap();
+    let err = s.session(a.id).unwrap_err();
+    assert!(
+        matches!(err, StoreError::Corrupt { table: "sessions", ref key, .. } if *key == a.id.to_string()),
+        "{err}"
+    );
+}
+
+fn saved_params(s: (i64, i64, i64)) -> [i64; 3] {
+    [s.0, s.1, s.2]
+}
+
+#[test]
+fn outcome_paths_are_paged_in_path_order_whatever_their_number() {
+    let d = tmp();
+    let s = open(d.path());
+    let top = unpack(&s, "default");
+    s.prepare("default/5/a", &top, BTreeMap::new(), false)
+        .unwrap();
+    let a = s.find_session("default", "a").unwrap().unwrap();
+    let paths: Vec<PathRecord> = (0..20_000)
+        .map(|i| PathRecord {
+            path: format!("node_modules/p{i:05}/index.js").into_bytes(),
+            status: if i % 1000 == 7 {
+                PathStatus::Conflict
+            } else {
+                PathStatus::Clean
+            },
+            reason: "r".into(),
+        })
+        .collect();
+    let o = s
+        .record_outcome(
+            a.id,
+            OutcomeRecord {
+                kind: OutcomeKind::Conflict,
+                message: Some("m".into()),
+                paths: paths.clone(),
+                timings: None,
+            },
+            None,
+        )
+        .unwrap();
+    assert_eq!(o.counts.conflict, 20);
+    assert_eq!(o.counts.clean, 19_980);
+    let mut got = Vec::new();
+    let mut after: Option<Vec<u8>> = None;
+    loop {
+        let page = s.outcome_paths(o.id, after.as_deref(), 3000, None).unwrap();
+        if page.is_empty() {
+            break;
+        }
+        after = page.last().map(|p| p.path.clone());
+        got.extend(page);
+    }
+    assert_eq!(got, paths);
+    let conflicts = s
+        .outcome_paths(o.id, None, 100, Some(PathStatus::Conflict))
+        .unwrap();
+    assert_eq!(conflicts.len(), 20);
+    assert!(conflicts.iter().all(|p| p.status == PathStatus::Conflict));
+    // The session's summary carries counts, not paths.
+    let sess = s.session(a.id).unwrap();
+    assert_eq!(sess.outcome.unwrap().counts.total(), 20_000);
+}
+
+#[test]
+fn mode_b_sessions_have_a_sandbox_owner_and_idempotent_creation() {
+    let d = tmp();
+    let s = open(d.path());
+    let top = unpack(&s, "default");
+    s.prepare("default/5/a", &top, BTreeMap::new(), false)
+        .unwrap();
+    let stack = "default/sha256:bbb";
+    let owner = Owner::Sandbox {
+        name: "rollout-1".into(),
+    };
+    let (one, spec, created) = s
+        .create_session(
+            &owner,
+            stack,
+            &LeaseTarget::Branch("main".into()),
+            Some("k1"),
+        )
+        .unwrap();
+    assert!(created);
+    assert_eq!(one.owner, owner);
+    assert_eq!(one.key, None, "no containerd snapshot");
+    let MountSpec::Overlay {
+        lowers,
+        upper: Some((u, _)),
+    } = spec
+    else {
+        panic!("{spec:?}")
+    };
+    assert_eq!(lowers, vec![s.layer_path(2), s.layer_path(1)]);
+    assert_eq!(u, one.upper);
+    let (again, _, created) = s
+        .create_session(
+            &owner,
+            stack,
+            &LeaseTarget::Branch("main".into()),
+            Some("k1"),
+        )
+        .unwrap();
+    assert!(!created, "same key, same session");
+    assert_eq!(again.id, one.id);
+    let err = s
+        .create_session(
+            &owner,
+            "default/sha256:nope",
+            &LeaseTarget::Branch("main".into()),
+            None,
+        )
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::NotFound);
+    // Container and sandbox sessions side by side.
+    let kinds: Vec<bool> = s
+        .sessions()
+        .unwrap()
+        .iter()
+        .map(|x| matches!(x.owner, Owner::Sandbox { .. }))
+        .collect();
+    assert_eq!(kinds, vec![false, true]);
+}
+
+#[test]
+fn startup_drops_staged_publishes_that_never_committed() {
+    let d = tmp();
+    let s = open(d.path());
+    let top = unpack(&s, "default");
+    s.prepare("default/5/a", &top, BTreeMap::new(), false)
+        .unwrap();
+    let a = s.find_session("default", "a").unwrap().unwrap();
+    std::fs::write(a.upper.join("f"), b"1").unwrap();
+    let staged = s.stage_publish(a.id, &[write_entry(b"f", 1)], &[]).unwrap();
+    drop(s);
+    let s = open(d.path());
+    assert_eq!(s.layer_index(staged.layer).unwrap(), vec![]);
+    assert!(
+        s.outcome(staged.outcome).is_err(),
+        "the pending outcome is gone"
+    );
+    assert!(a.upper.join("f").exists(), "the upper is untouched");
+    assert!(s.session(a.id).unwrap().outcome.is_none());
+    // The run publishes normally afterwards.
+    let p = publish(&s, a.id, &[write_entry(b"f", 1)]);
+    assert!(s.layer_path(p.layer).join("f").exists());
+}
+
+#[test]
+fn sweep_on_cleanup_never_removes_what_is_in_flight() {
+    let d = tmp();
+    let s = open(d.path());
+    let staging = s.staging_path().join("merge-x");
+    std::fs::create_dir(&staging).unwrap();
+    let orphan = s.root().join("l/4242");
+    std::fs::create_dir(&orphan).unwrap();
+    let creating = s.root().join("l/4243");
+    std::fs::create_dir(&creating).unwrap();
+    let g = s.inflight().hold("l/4243");
+    let r = s.sweep_with(SweepMode::Cleanup).unwrap();
+    assert_eq!(r.removed, vec![orphan.clone()]);
+    assert!(staging.exists(), "staging belongs to operations in flight");
+    assert!(creating.exists());
+    drop(g);
+    s.sweep_with(SweepMode::Cleanup).unwrap();
+    assert!(!creating.exists());
+}
+
+#[test]
+fn a_publish_interrupted_before_its_commit_gets_its_upper_back() {
+    let d = tmp();
+    let s = open(d.path());
+    let top = unpack(&s, "default");
+    s.prepare("default/5/c", &top, BTreeMap::new(), false)
+        .unwrap();
+    let c = s.find_session("default", "c").unwrap().unwrap();
+    std::fs::write(c.upper.join("data"), b"precious").unwrap();
+    let staged = s
+        .stage_publish(c.id, &[write_entry(b"data", 1)], &[])
+        .unwrap();
+    let dir = s.layer_path(staged.layer);
+    drop(s);
+    // Crash after the rename inside the transaction, before it committed.
+    std::fs::rename(&c.upper, &dir).unwrap();
+    let s = open(d.path());
+    assert_eq!(std::fs::read(c.upper.join("data")).unwrap(), b"precious");
+    assert!(!dir.exists());
+    assert!(
+        s.session(c.id).unwrap().outcome.is_none(),
+        "the run is not over"
+    );
+    let p = publish(&s, c.id, &[write_entry(b"data", 1)]);
+    assert_eq!(
+        std::fs::read(s.layer_path(p.layer).join("data")).unwrap(),
+        b"precious"
+    );
 }

@@ -1,4 +1,4 @@
-//! Publish policy from a container's labels (`nerdctl run --label …`,
+//! Exit policy from a container's labels (`nerdctl run --label …`,
 //! `ctr run --label …`), read through containerd's Containers API.
 
 use std::collections::HashMap;

@@ -1,0 +1,98 @@
+//! The engine's errors. A gate conflict is an outcome, not an error.
+
+use std::path::PathBuf;
+
+use layerstack_publisher as publisher;
+use layerstack_store::{ErrorKind, SessionId, StoreError};
+
+/// Why an engine operation could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum EngineError {
+    /// No session for a container.
+    #[error("no session for container {container:?} in namespace {namespace:?}: was it created with --snapshotter layerstack?")]
+    NoSession {
+        namespace: String,
+        container: String,
+    },
+    /// The upper is an overlay upperdir somewhere: the session is not quiescent.
+    #[error("session {0}'s upper {1} is still mounted (in some mount namespace): stop its container or holder first")]
+    Mounted(SessionId, PathBuf),
+    /// The mount census failed.
+    #[error("cannot tell whether upper {0} is mounted")]
+    Census(PathBuf, #[source] std::io::Error),
+    #[error("store")]
+    Store(#[from] StoreError),
+    /// A limit is reached and the caller asked not to wait.
+    #[error("{0}")]
+    Busy(String),
+    /// Bad input; the message names it.
+    #[error("{0}")]
+    InvalidArgument(String),
+    /// Capturing, planning or applying failed (during a dry run; a real publish
+    /// records it as outcome `failed`).
+    #[error("publish step failed")]
+    Run(#[source] Box<RunError>),
+    #[error("engine task failed: {0}")]
+    Join(String),
+}
+
+impl EngineError {
+    /// The errdefs class of this error.
+    #[must_use]
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Self::NoSession { .. } => ErrorKind::NotFound,
+            Self::Mounted(..) => ErrorKind::FailedPrecondition,
+            Self::Store(e) => e.kind(),
+            Self::Busy(_) => ErrorKind::Busy,
+            Self::InvalidArgument(_) => ErrorKind::InvalidArgument,
+            Self::Run(e) => e.kind(),
+            Self::Census(..) | Self::Join(_) => ErrorKind::Internal,
+        }
+    }
+}
+
+/// A step of a publish that failed (recorded as outcome `failed`, upper kept).
+#[derive(Debug, thiserror::Error)]
+pub enum RunError {
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error(transparent)]
+    Capture(#[from] publisher::CaptureError),
+    #[error(transparent)]
+    Seal(#[from] publisher::SealError),
+    #[error(transparent)]
+    Gate(#[from] publisher::GateError),
+    #[error(transparent)]
+    Apply(#[from] publisher::ApplyError),
+    #[error("publish task failed")]
+    Join(#[from] tokio::task::JoinError),
+    #[cfg(any(test, feature = "failpoints"))]
+    #[error("failpoint {0}")]
+    Failpoint(&'static str),
+}
+
+impl RunError {
+    /// The errdefs class of this error.
+    #[must_use]
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            Self::Store(e) => e.kind(),
+            _ => ErrorKind::Internal,
+        }
+    }
+}
+
+/// "outer: inner: root cause" — an error with its source chain, for messages
+/// that leave the process (outcomes, gRPC statuses, log lines). Errors in this
+/// workspace do not repeat their source in their own message.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(c) = src {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        src = c.source();
+    }
+    s
+}

@@ -1,0 +1,310 @@
+//! LayerStack's engine: the one path every front end takes to create sessions,
+//! publish, dry-run, discard and end them (ARCHITECTURE.md §4). The containerd
+//! Snapshots adapter, the admin API, the event watcher, the runtime shim (through
+//! the admin API) and the Mode B runner are thin callers of an [`Engine`].
+//!
+//! It joins the store (history model, SQLite) and the publisher (capture, gate,
+//! merge) and adds what neither has alone:
+//!
+//! * **The publish protocol** ([`Engine::publish`]): capture, sealing and gate
+//!   planning run side by side, outside any lock, against the branch head they
+//!   observed; only the short step that re-checks the head, re-plans the paths
+//!   that changed on it meanwhile, applies and commits is serialized — per
+//!   (stack, branch), never per daemon. A publish asks the path index only about
+//!   its own paths, so its cost is O(its paths + what the head changed at them),
+//!   not O(everything published since its lease). The design record is
+//!   `docs/architecture.md`, "Publish protocol".
+//! * **Session locks** that order a publish, a discard, a mount and the end of a
+//!   session, pruned when unused; containerd's `Remove` never waits on one.
+//! * **Proof of quiescence** before a capture: the upper is no overlay's
+//!   upperdir in any mount namespace (a census of `/proc`).
+//! * **The outcome watch** ([`Engine::wait`], [`Engine::subscribe`]).
+//!
+//! No tonic, no TOML: front ends map [`EngineError::kind`] to their wire codes.
+//!
+//! ```no_run
+//! # async fn f() -> Result<(), Box<dyn std::error::Error>> {
+//! use std::sync::Arc;
+//! use layerstack_engine::{Engine, EngineSettings};
+//! use layerstack_store::{Store, StoreOptions};
+//! let store = Arc::new(Store::open("/var/lib/layerstack".as_ref(), &StoreOptions::default())?);
+//! let engine = Engine::new(store, EngineSettings::default());
+//! let s = engine.find("default", "c1").await?;
+//! let s = engine.publish(s.id, "operator").await?;
+//! println!("{:?}", s.outcome.map(|o| o.kind));
+//! # Ok(()) }
+//! ```
+
+mod census;
+mod error;
+mod index;
+mod locks;
+pub mod policy;
+mod publish;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use layerstack_store::{
+    LeaseTarget, MountSpec, OutcomeKind, Owner, SessionId, SessionInfo, Store, StoreError,
+};
+use tokio::sync::{broadcast, watch};
+use tracing::{info, warn};
+
+pub use census::scan_upperdirs;
+pub use error::{error_chain, EngineError, RunError};
+pub use layerstack_publisher as publisher;
+pub use layerstack_store as store;
+pub use locks::LockGuard;
+pub use publish::{exit_decision, DryRun};
+
+/// Publish settings the engine applies to every session.
+#[derive(Debug, Clone, Default)]
+pub struct EngineSettings {
+    /// Paths never published (globs; `/tmp/**` …).
+    pub exclude: publisher::ExcludePolicy,
+    /// Limits of the three-way text merge.
+    pub merge: publisher::MergeOptions,
+    /// Sessions are mounted with `userxattr` (rootless).
+    pub userxattr: bool,
+}
+
+impl EngineSettings {
+    pub(crate) fn capture_options(&self) -> publisher::CaptureOptions {
+        publisher::CaptureOptions {
+            userxattr: self.userxattr,
+            exclude: self.exclude.clone(),
+            ..Default::default()
+        }
+    }
+}
+
+/// One recorded outcome, as [`Engine::subscribe`] delivers it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OutcomeEvent {
+    pub session: SessionId,
+    pub kind: OutcomeKind,
+    /// Run of the session the outcome ended.
+    pub run: i64,
+}
+
+/// See the crate docs.
+pub struct Engine {
+    store: Arc<Store>,
+    settings: EngineSettings,
+    sessions: locks::LockMap<SessionId>,
+    gates: locks::LockMap<(String, String)>,
+    census: census::Census,
+    /// Bumped after every recorded outcome (wakes [`Engine::wait`]).
+    generation: watch::Sender<u64>,
+    events: broadcast::Sender<OutcomeEvent>,
+    #[cfg(any(test, feature = "failpoints"))]
+    pub(crate) failpoints: publish::Failpoints,
+}
+
+impl Engine {
+    /// An engine over `store`.
+    pub fn new(store: Arc<Store>, settings: EngineSettings) -> Arc<Engine> {
+        let (generation, _) = watch::channel(0);
+        let (events, _) = broadcast::channel(1024);
+        Arc::new(Engine {
+            store,
+            settings,
+            sessions: locks::LockMap::new(),
+            gates: locks::LockMap::new(),
+            census: census::Census::new(),
+            generation,
+            events,
+            #[cfg(any(test, feature = "failpoints"))]
+            failpoints: publish::Failpoints::default(),
+        })
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Arc<Store> {
+        &self.store
+    }
+
+    /// The settings.
+    pub fn settings(&self) -> &EngineSettings {
+        &self.settings
+    }
+
+    /// Outcomes as they are recorded. A slow receiver may miss some (the channel
+    /// keeps the last 1,024); [`Engine::wait`] never misses one.
+    pub fn subscribe(&self) -> broadcast::Receiver<OutcomeEvent> {
+        self.events.subscribe()
+    }
+
+    /// Number of session locks alive (held or waited for): unused ones are pruned.
+    pub fn live_session_locks(&self) -> usize {
+        self.sessions.len()
+    }
+
+    /// Takes the lock of session `id`: held across a publish, a discard, a mount
+    /// and the end of a session.
+    pub async fn lock_session(&self, id: SessionId) -> LockGuard<SessionId> {
+        self.sessions.lock(id).await
+    }
+
+    /// Whether a publish (or another locked step) of session `id` runs now.
+    pub fn session_busy(&self, id: SessionId) -> bool {
+        self.sessions.is_locked(&id)
+    }
+
+    /// Runs `f` on the store in a blocking thread.
+    pub async fn blocking_store<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Store) -> Result<T, StoreError> + Send + 'static,
+    ) -> Result<T, EngineError> {
+        self.blocking(f).await
+    }
+
+    pub(crate) async fn blocking<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Store) -> Result<T, StoreError> + Send + 'static,
+    ) -> Result<T, EngineError> {
+        let store = self.store.clone();
+        tokio::task::spawn_blocking(move || f(&store))
+            .await
+            .map_err(|e| EngineError::Join(e.to_string()))?
+            .map_err(EngineError::from)
+    }
+
+    pub(crate) fn notify(&self, session: &SessionInfo) {
+        self.generation.send_modify(|g| *g += 1);
+        if let Some(o) = &session.outcome {
+            let _ = self.events.send(OutcomeEvent {
+                session: session.id,
+                kind: o.kind,
+                run: session.run,
+            });
+        }
+    }
+
+    /// One session by id. Error: `SessionNotFound`.
+    pub async fn session(&self, id: SessionId) -> Result<SessionInfo, EngineError> {
+        self.blocking(move |s| s.session(id)).await
+    }
+
+    /// The newest session of container `container` in containerd namespace
+    /// `namespace`. Error: [`EngineError::NoSession`].
+    pub async fn find(&self, namespace: &str, container: &str) -> Result<SessionInfo, EngineError> {
+        let (ns, c) = (namespace.to_string(), container.to_string());
+        self.blocking(move |s| s.find_session(&ns, &c))
+            .await?
+            .ok_or_else(|| EngineError::NoSession {
+                namespace: namespace.to_string(),
+                container: container.to_string(),
+            })
+    }
+
+    /// Whether `upper` is an overlay upperdir in any mount namespace now.
+    pub async fn upper_mounted(&self, upper: &std::path::Path) -> Result<bool, EngineError> {
+        self.census
+            .is_mounted(upper)
+            .await
+            .map_err(|e| EngineError::Census(upper.to_path_buf(), e))
+    }
+
+    pub(crate) async fn ensure_quiescent(&self, s: &SessionInfo) -> Result<(), EngineError> {
+        if self.upper_mounted(&s.upper).await? {
+            return Err(EngineError::Mounted(s.id, s.upper.clone()));
+        }
+        Ok(())
+    }
+
+    /// Creates a session for `owner` on `stack`, leasing `target`; with
+    /// `idempotency_key`, the same key returns the first call's session. Returns
+    /// the session, its mount spec, and whether it was created now.
+    ///
+    /// Errors: `StackNotFound`, `InvalidArgument`, `FailedPrecondition`.
+    pub async fn create_session(
+        &self,
+        owner: Owner,
+        stack: &str,
+        target: LeaseTarget,
+        idempotency_key: Option<String>,
+    ) -> Result<(SessionInfo, MountSpec, bool), EngineError> {
+        let stack = stack.to_string();
+        self.blocking(move |s| {
+            s.create_session(&owner, &stack, &target, idempotency_key.as_deref())
+        })
+        .await
+    }
+
+    /// Waits until session `id`'s current run has an outcome, at most `timeout`
+    /// (`None`: forever). Returns the session; `Ok(None)` on timeout.
+    pub async fn wait(
+        &self,
+        id: SessionId,
+        timeout: Option<Duration>,
+    ) -> Result<Option<SessionInfo>, EngineError> {
+        let deadline = timeout.map(|t| tokio::time::Instant::now() + t);
+        let mut rx = self.generation.subscribe();
+        loop {
+            rx.borrow_and_update();
+            let s = self.session(id).await?;
+            if s.outcome.is_some() {
+                return Ok(Some(s));
+            }
+            let changed = rx.changed();
+            match deadline {
+                Some(d) => {
+                    if tokio::time::timeout_at(d, changed).await.is_err() {
+                        return Ok(None);
+                    }
+                }
+                None => {
+                    let _ = changed.await;
+                }
+            }
+        }
+    }
+
+    /// containerd removed session `id`'s snapshot (the store marked it released,
+    /// [`layerstack_store::snapshots::Removed::Session`]). Returns at once: a task
+    /// ends the run by its recorded policy when it still has unpublished writes
+    /// (a missed task-delete event must not lose them) — after any publish in
+    /// flight, never racing it — and then completes the release.
+    pub fn session_released(self: &Arc<Self>, id: SessionId) {
+        let me = self.clone();
+        tokio::spawn(async move {
+            if let Err(e) = me.end_released(id).await {
+                warn!(session.id = id, error = %error_chain(&e), "cannot finish a released session; retried at the next start");
+            }
+        });
+    }
+
+    async fn end_released(self: &Arc<Self>, id: SessionId) -> Result<(), EngineError> {
+        let _g = self.lock_session(id).await;
+        let s = self.session(id).await?;
+        if !s.released || !s.remove_pending {
+            return Ok(());
+        }
+        let unfinished = !s.run_finished() && s.outcome.is_none() && s.lease_manifest.is_some();
+        let empty = self.blocking(move |st| st.upper_is_empty(id)).await?;
+        if unfinished && !empty {
+            self.finish_locked(&s, None, None, "snapshot removed")
+                .await?;
+        }
+        self.blocking(move |st| st.complete_release(id)).await?;
+        info!(session.id = id, "session released");
+        Ok(())
+    }
+
+    /// At start: finishes sessions whose release was interrupted.
+    pub async fn recover(self: &Arc<Self>) -> Result<usize, EngineError> {
+        let pending = self.blocking(|s| s.pending_releases()).await?;
+        let n = pending.len();
+        for id in pending {
+            if let Err(e) = self.end_released(id).await {
+                warn!(session.id = id, error = %error_chain(&e), "cannot finish a released session");
+            }
+        }
+        Ok(n)
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,784 @@
+//! The publish protocol (ARCHITECTURE.md §6 steps 4–6, §9; design record in
+//! `docs/architecture.md`, "Publish protocol").
+//!
+//! ```text
+//! outside any lock (side by side)          under the branch's gate (one at a time)
+//! ───────────────────────────────          ───────────────────────────────────────
+//! census: upper unmounted everywhere       head now == head observed?
+//! capture the upper against the lease        no → index rows of the layers added
+//! policy edits, seal                              since, at this publish's paths:
+//! observe the head H                              none → the plan stands
+//! index rows at this publish's paths,             some → plan again against the
+//!   in layers of H the lease lacks                       new head (conflict → reject)
+//! plan (merges included) against H          apply the plan's edits to the upper
+//! conflict → reject (no gate needed)        commit: head CAS, prepend, move branch
+//! stage: pending layer + index + verdicts   rename the upper into l/<n>
+//! ```
+//!
+//! Why the plan can be made outside the gate: layers are immutable and a branch
+//! only moves by prepending (under its gate). The head at commit time is the
+//! observed head plus layers added on top; the gate's verdict on a path depends
+//! only on index rows at that path, its ancestors and (for what the session
+//! deleted or replaced) its subtree. If no added layer has a row there, the
+//! verdicts against the new head are the verdicts against the observed one, and
+//! the edits (merged files, metadata) stay right. Otherwise the gate plans again,
+//! against the real head, before anything is written.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use layerstack_publisher::{self as publisher, Changeset, HeadChange, LayerView};
+use layerstack_store::{
+    HeadView, OutcomeKind, OutcomeRecord, PathCounts, PathQuery, PathRecord, PathStatus,
+    PublishContext, PublishTimings, SessionId, SessionInfo, Staged, Store,
+};
+use tracing::{info, warn};
+
+use crate::error::{error_chain, EngineError, RunError};
+use crate::index::{head_changes, index_of, query_for, records};
+use crate::policy::{self, Decision, Policy};
+use crate::{Engine, EngineSettings};
+
+/// What a dry run found: the would-be outcome and every path's verdict.
+#[derive(Debug, Clone)]
+pub struct DryRun {
+    /// The session as it is (nothing was changed).
+    pub session: SessionInfo,
+    /// The would-be outcome; `None` when there is nothing to publish.
+    pub kind: Option<OutcomeKind>,
+    /// Every path's verdict, sorted by path.
+    pub paths: Vec<PathRecord>,
+    pub counts: PathCounts,
+    pub message: String,
+}
+
+/// A test hook, called with the session's upper.
+#[cfg(any(test, feature = "failpoints"))]
+pub(crate) type Hook = Box<dyn Fn(&std::path::Path) + Send + Sync>;
+
+/// Test hooks in the publish path.
+#[cfg(any(test, feature = "failpoints"))]
+#[derive(Default)]
+pub(crate) struct Failpoints {
+    /// Runs after the plan is made (outside the gate), before anything is staged.
+    pub(crate) after_plan: std::sync::Mutex<Option<Hook>>,
+    /// Runs under the gate, before the plan is applied.
+    pub(crate) before_apply: std::sync::Mutex<Option<Hook>>,
+}
+
+#[cfg(any(test, feature = "failpoints"))]
+impl Engine {
+    /// Sets a hook run after planning, with the upper's path (tests only).
+    pub fn failpoint_after_plan(&self, f: impl Fn(&std::path::Path) + Send + Sync + 'static) {
+        *self
+            .failpoints
+            .after_plan
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(Box::new(f));
+    }
+
+    /// Sets a hook run under the gate before applying, with the upper's path (tests only).
+    pub fn failpoint_before_apply(&self, f: impl Fn(&std::path::Path) + Send + Sync + 'static) {
+        *self
+            .failpoints
+            .before_apply
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(Box::new(f));
+    }
+}
+
+fn micros(d: Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
+/// What ends a run: the session's recorded exit policy (from the runtime shim),
+/// else the container label's (`label`, when the container record was readable),
+/// else `on-exit`, applied to the init process's exit status. `on-success`
+/// without an exit status discards: success cannot be shown.
+///
+/// # Errors
+/// The reason, when the recorded policy or the label is not a policy: such a run
+/// is never published (and never silently discarded either): it ends `failed`
+/// with the upper kept.
+pub fn exit_decision(
+    session: &SessionInfo,
+    label: Option<Result<Policy, policy::UnknownPolicy>>,
+    exit_status: Option<u32>,
+) -> Result<(Decision, String), String> {
+    let recorded = match session.policy.as_deref() {
+        Some(p) => Some(p.parse::<Policy>().map_err(|e| {
+            format!("{e} (recorded on the session); nothing was published, the upper is kept: fix the label and publish or discard it (layerstack publish [--discard])")
+        })?),
+        None => None,
+    };
+    let label = match (recorded, label) {
+        (Some(_), _) | (None, None) => None,
+        (None, Some(Ok(p))) => Some(p),
+        (None, Some(Err(e))) => {
+            return Err(format!(
+                "{e}; nothing was published, the upper is kept: fix the label and publish or discard it (layerstack publish [--discard])"
+            ))
+        }
+    };
+    let p = recorded.or(label).unwrap_or_default();
+    Ok(match exit_status {
+        Some(code) => policy::decide(p, code),
+        None if p == Policy::OnSuccess => (
+            Decision::Discard,
+            "policy on-success and the exit status is unknown".to_string(),
+        ),
+        None => policy::decide(p, 0),
+    })
+}
+
+/// The reports of a changeset that never reaches the gate (nothing to publish):
+/// only its excluded and skipped paths.
+fn plan_without_head(cs: &Changeset) -> publisher::GatePlan {
+    let mut reports: Vec<publisher::PathReport> = cs
+        .excluded
+        .iter()
+        .map(|(p, pat)| publisher::PathReport {
+            path: p.clone(),
+            status: publisher::PathStatus::Excluded,
+            reason: format!("excluded by policy pattern {pat:?}"),
+        })
+        .chain(cs.skipped.iter().map(|(p, why)| publisher::PathReport {
+            path: p.clone(),
+            status: publisher::PathStatus::Excluded,
+            reason: format!("{why}: never published"),
+        }))
+        .collect();
+    reports.sort_by(|a, b| a.path.cmp(&b.path));
+    publisher::GatePlan {
+        reports,
+        ..Default::default()
+    }
+}
+
+fn decision(plan: &publisher::GatePlan) -> OutcomeKind {
+    if plan.is_conflict() {
+        OutcomeKind::Conflict
+    } else if plan.is_merged() {
+        OutcomeKind::Merged
+    } else {
+        OutcomeKind::Committed
+    }
+}
+
+fn summary(paths: &[PathRecord], kind: OutcomeKind) -> String {
+    let c = PathCounts::of(paths);
+    let not_evaluated = paths
+        .iter()
+        .filter(|r| r.status == PathStatus::Conflict && r.reason.starts_with("not evaluated"))
+        .count() as u64;
+    let (clean, merged, excluded) = (c.clean, c.merged, c.excluded);
+    match kind {
+        OutcomeKind::Conflict if not_evaluated > 0 => format!(
+            "{} path(s) conflict with changes on the branch head since the lease, {not_evaluated} more changed on both sides were not evaluated (merging stops at the first conflict); {clean} clean, {merged} merged, {excluded} excluded; nothing of this session was published; its upper is kept",
+            c.conflict - not_evaluated
+        ),
+        OutcomeKind::Conflict => format!(
+            "{} path(s) conflict with changes on the branch head since the lease; {clean} clean, {merged} merged, {excluded} excluded; nothing of this session was published; its upper is kept",
+            c.conflict
+        ),
+        _ => format!(
+            "{} path(s): {clean} clean, {merged} merged, {excluded} excluded",
+            clean + merged
+        ),
+    }
+}
+
+/// A capture ready for the gate.
+struct GateInput {
+    cs: Changeset,
+    query: PathQuery,
+    head: Vec<HeadChange>,
+}
+
+/// The plan made outside the gate, and what it was made against.
+struct Ready {
+    ctx: PublishContext,
+    view: LayerView,
+    input: GateInput,
+    observed: HeadView,
+    plan: publisher::GatePlan,
+    staged: Staged,
+    capture: Duration,
+}
+
+enum Prepared {
+    /// An outcome was recorded already (no change, conflict).
+    Done,
+    Ready(Box<Ready>),
+}
+
+/// The index rows at `cs`'s paths in the layers manifest `head` has and
+/// manifest `lease` lacks,
+/// after expanding the opaque directories that need it (capturing again; with
+/// `edit`, the upper is edited and sealed again to match).
+fn gate_input(
+    store: &Store,
+    settings: &EngineSettings,
+    upper: &std::path::Path,
+    view: &LayerView,
+    mut cs: Changeset,
+    (lease, head): (i64, i64),
+    edit: bool,
+) -> Result<GateInput, RunError> {
+    let mut query = query_for(&cs);
+    let mut changes = head_changes(store.changes_between(lease, head, &query)?);
+    let expand = publisher::opaque_dirs_to_expand(&cs, &changes);
+    if !expand.is_empty() {
+        // Opaque directories with head changes below: publish them as per-path
+        // deletions of the lease's content instead.
+        let mut options = settings.capture_options();
+        options.expand_opaque = expand;
+        let first = std::mem::replace(&mut cs, publisher::capture_with(upper, view, &options)?);
+        // The first pass removed excluded paths and sockets (and reset the root
+        // directory): the outcome still reports them.
+        cs.keep_reports_of(&first);
+        if edit {
+            publisher::prepare_upper(upper, &cs, settings.userxattr)?;
+            seal(store, upper, settings.userxattr)?;
+        }
+        query = query_for(&cs);
+        changes = head_changes(store.changes_between(lease, head, &query)?);
+    }
+    Ok(GateInput {
+        cs,
+        query,
+        head: changes,
+    })
+}
+
+fn seal(store: &Store, upper: &std::path::Path, userxattr: bool) -> Result<(), RunError> {
+    match store.durability() {
+        layerstack_store::Durability::Durable => publisher::seal_layer_with(upper, userxattr)?,
+        layerstack_store::Durability::Disposable => {
+            publisher::seal_layer_unsynced(upper, userxattr)?
+        }
+    }
+    Ok(())
+}
+
+fn files(
+    settings: &EngineSettings,
+    view: &LayerView,
+    head: &HeadView,
+    upper: PathBuf,
+) -> publisher::FsFiles {
+    publisher::FsFiles {
+        lease: view.clone(),
+        head: LayerView::new(head.lowers.clone()).with_userxattr(settings.userxattr),
+        upper,
+        userxattr: settings.userxattr,
+    }
+}
+
+impl Engine {
+    /// Publishes session `id` (taking its lock) and returns it with its outcome.
+    /// A run that already has an outcome that ends it, or that holds no lease, is
+    /// returned unchanged: nothing is ever published twice.
+    ///
+    /// The publish runs as its own task: a caller that goes away (an RPC whose
+    /// client hit its deadline) never leaves it half done.
+    ///
+    /// Errors: `SessionNotFound`; [`EngineError::Mounted`] when the upper is
+    /// mounted anywhere. A failed step is not an error: it is recorded as outcome
+    /// `failed` with the upper kept.
+    pub async fn publish(
+        self: &Arc<Self>,
+        id: SessionId,
+        why: &str,
+    ) -> Result<SessionInfo, EngineError> {
+        let me = self.clone();
+        let why = why.to_string();
+        tokio::spawn(async move {
+            let _g = me.lock_session(id).await;
+            me.publish_locked(id, &why).await
+        })
+        .await
+        .map_err(|e| EngineError::Join(e.to_string()))?
+    }
+
+    /// [`Engine::publish`] with the session lock already held by the caller.
+    pub async fn publish_locked(
+        &self,
+        id: SessionId,
+        why: &str,
+    ) -> Result<SessionInfo, EngineError> {
+        let current = self.session(id).await?;
+        if current.run_finished() || current.lease_manifest.is_none() {
+            return Ok(current);
+        }
+        self.ensure_quiescent(&current).await?;
+        if let Err(e) = self.run(id, why).await {
+            // Record the failure so `wait` returns; upper and lease are kept.
+            let msg = error_chain(&e);
+            warn!(session.id = id, error = %msg, "publish failed");
+            let rec = OutcomeRecord::new(
+                OutcomeKind::Failed,
+                format!(
+                    "{msg}; nothing was published, the upper is kept: publish again or discard"
+                ),
+            );
+            self.blocking(move |s| s.record_outcome(id, rec, None))
+                .await?;
+        }
+        self.after_outcome(id).await
+    }
+
+    /// After an outcome: wakes watchers; a released session whose run ended
+    /// loses its directories.
+    pub(crate) async fn after_outcome(&self, id: SessionId) -> Result<SessionInfo, EngineError> {
+        let s = self.session(id).await?;
+        self.notify(&s);
+        if s.released && s.remove_pending && s.outcome.is_some() {
+            self.blocking(move |st| st.complete_release(id)).await?;
+            return self.session(id).await;
+        }
+        Ok(s)
+    }
+
+    /// Drops the current run's writes without publishing: outcome `discarded`, a
+    /// fresh upper, no lease. A run that already ended is left alone, except a
+    /// conflicting (or failed) run, whose kept upper this drops.
+    pub async fn discard(
+        self: &Arc<Self>,
+        id: SessionId,
+        why: &str,
+    ) -> Result<SessionInfo, EngineError> {
+        let _g = self.lock_session(id).await;
+        self.discard_locked(id, why).await
+    }
+
+    /// [`Engine::discard`] with the session lock already held by the caller.
+    pub async fn discard_locked(
+        &self,
+        id: SessionId,
+        why: &str,
+    ) -> Result<SessionInfo, EngineError> {
+        let current = self.session(id).await?;
+        if current.run_finished() || current.lease_manifest.is_none() {
+            return Ok(current);
+        }
+        self.ensure_quiescent(&current).await?;
+        let rec = OutcomeRecord::new(OutcomeKind::Discarded, format!("writes dropped: {why}"));
+        self.blocking(move |s| s.record_outcome(id, rec, None))
+            .await?;
+        info!(session.id = id, outcome = "discarded", why, "discarded");
+        self.after_outcome(id).await
+    }
+
+    /// Ends the run of `session` per [`exit_decision`] (session lock held by the
+    /// caller): publish, discard, or — for an invalid policy — outcome `failed`
+    /// with the upper kept.
+    pub async fn finish_locked(
+        &self,
+        session: &SessionInfo,
+        label: Option<Result<Policy, policy::UnknownPolicy>>,
+        exit_status: Option<u32>,
+        why: &str,
+    ) -> Result<SessionInfo, EngineError> {
+        match exit_decision(session, label, exit_status) {
+            Ok((Decision::Publish, reason)) => {
+                self.publish_locked(session.id, &format!("{why}: {reason}"))
+                    .await
+            }
+            Ok((Decision::Discard, reason)) => {
+                self.discard_locked(session.id, &format!("{why}: {reason}"))
+                    .await
+            }
+            Err(reason) => {
+                let id = session.id;
+                if session.run_finished() || session.lease_manifest.is_none() {
+                    return Ok(session.clone());
+                }
+                warn!(session.id = id, reason = %reason, "invalid exit policy: not published");
+                let rec = OutcomeRecord::new(OutcomeKind::Failed, reason);
+                self.blocking(move |s| s.record_outcome(id, rec, None))
+                    .await?;
+                self.after_outcome(id).await
+            }
+        }
+    }
+
+    /// [`Engine::finish_locked`], taking the session lock, as its own task.
+    pub async fn finish(
+        self: &Arc<Self>,
+        id: SessionId,
+        label: Option<Result<Policy, policy::UnknownPolicy>>,
+        exit_status: Option<u32>,
+        why: &str,
+    ) -> Result<SessionInfo, EngineError> {
+        let me = self.clone();
+        let why = why.to_string();
+        tokio::spawn(async move {
+            let _g = me.lock_session(id).await;
+            let current = me.session(id).await?;
+            me.finish_locked(&current, label, exit_status, &why).await
+        })
+        .await
+        .map_err(|e| EngineError::Join(e.to_string()))?
+    }
+
+    async fn run(&self, id: SessionId, why: &str) -> Result<(), RunError> {
+        let started = Instant::now();
+        let store = self.store.clone();
+        let settings = self.settings.clone();
+        #[cfg(any(test, feature = "failpoints"))]
+        let hook = self
+            .failpoints
+            .after_plan
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        let prepared = tokio::task::spawn_blocking(move || {
+            let r = prepare(&store, &settings, id, started);
+            #[cfg(any(test, feature = "failpoints"))]
+            if let (Some(h), Ok(Prepared::Ready(_))) = (&hook, &r) {
+                h(&store.upper_path(id));
+            }
+            r
+        })
+        .await??;
+        let ready = match prepared {
+            Prepared::Done => return Ok(()),
+            Prepared::Ready(r) => r,
+        };
+        // The serialized step.
+        let key = (
+            ready.ctx.session.stack.clone(),
+            ready.ctx.session.branch.clone(),
+        );
+        let waiting = Instant::now();
+        let _gate = self.gates.lock(key).await;
+        let gate_wait = waiting.elapsed();
+        let holding = Instant::now();
+        let store = self.store.clone();
+        let settings = self.settings.clone();
+        #[cfg(any(test, feature = "failpoints"))]
+        let hook = self
+            .failpoints
+            .before_apply
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        let why = why.to_string();
+        tokio::task::spawn_blocking(move || {
+            let staged = ready.staged;
+            #[cfg(any(test, feature = "failpoints"))]
+            let r = commit(
+                &store, &settings, id, *ready, started, gate_wait, holding, &why, hook,
+            );
+            #[cfg(not(any(test, feature = "failpoints")))]
+            let r = commit(
+                &store, &settings, id, *ready, started, gate_wait, holding, &why,
+            );
+            if let Err(e) = &r {
+                // Nothing was committed: drop the staged rows, keep the upper.
+                let msg = error_chain(e);
+                let rec = OutcomeRecord::new(
+                    OutcomeKind::Failed,
+                    format!(
+                        "{msg}; nothing was published, the upper is kept: publish again or discard"
+                    ),
+                );
+                warn!(session.id = id, error = %msg, "publish failed");
+                store.record_outcome(id, rec, Some(staged))?;
+            }
+            Ok::<(), RunError>(())
+        })
+        .await?
+    }
+
+    /// What publishing session `id` now would do, changing nothing: the upper is
+    /// captured and planned against the current branch head; no policy edit, no
+    /// merge written, no layer, no outcome. Takes the session lock; the upper must
+    /// be quiescent. The same runs a publish accepts (also a `conflict` or `failed`
+    /// run) are evaluated; every merge is attempted (within the same time budget).
+    ///
+    /// Errors: `SessionNotFound`, [`EngineError::Mounted`], [`EngineError::Run`].
+    pub async fn dry_run(&self, id: SessionId) -> Result<DryRun, EngineError> {
+        let _g = self.lock_session(id).await;
+        let current = self.session(id).await?;
+        if current.run_finished() || current.lease_manifest.is_none() {
+            let message = match &current.outcome {
+                Some(o) if current.run_finished() => format!(
+                    "nothing to publish: the session's current run already ended with outcome {}",
+                    o.kind.as_str()
+                ),
+                _ => {
+                    "nothing to publish: the session holds no lease (its next run has not started)"
+                        .into()
+                }
+            };
+            return Ok(DryRun {
+                session: current,
+                kind: None,
+                paths: vec![],
+                counts: PathCounts::default(),
+                message,
+            });
+        }
+        self.ensure_quiescent(&current).await?;
+        let store = self.store.clone();
+        let settings = self.settings.clone();
+        let (kind, paths, message) = tokio::task::spawn_blocking(
+            move || -> Result<(OutcomeKind, Vec<PathRecord>, String), RunError> {
+                let ctx = store.publish_context(id)?;
+                let upper = ctx.session.upper.clone();
+                let view =
+                    LayerView::new(ctx.lease_lowers.clone()).with_userxattr(settings.userxattr);
+                let cs = publisher::capture_with(&upper, &view, &settings.capture_options())?;
+                if cs.is_empty() {
+                    let paths = records(&plan_without_head(&cs));
+                    return Ok((
+                        OutcomeKind::NoChange,
+                        paths,
+                        "the session changed nothing publishable".into(),
+                    ));
+                }
+                let head = store.head_view(id)?;
+                let input = gate_input(
+                    &store,
+                    &settings,
+                    &upper,
+                    &view,
+                    cs,
+                    (ctx.lease_manifest, head.manifest),
+                    false,
+                )?;
+                let f = files(&settings, &view, &head, upper);
+                let plan = publisher::plan_gate_with(
+                    &input.cs,
+                    &input.head,
+                    &f,
+                    &settings.merge,
+                    publisher::PlanMode::DryRun,
+                )?;
+                let kind = decision(&plan);
+                let paths = records(&plan);
+                let message = summary(&paths, kind);
+                Ok((kind, paths, message))
+            },
+        )
+        .await
+        .map_err(|e| EngineError::Join(e.to_string()))?
+        .map_err(|e| EngineError::Run(Box::new(e)))?;
+        Ok(DryRun {
+            session: current,
+            kind: Some(kind),
+            counts: PathCounts::of(&paths),
+            paths,
+            message: format!("dry run, nothing was changed: {message}"),
+        })
+    }
+}
+
+/// Outside the gate: capture, seal, plan against the observed head, stage.
+fn prepare(
+    store: &Store,
+    settings: &EngineSettings,
+    id: SessionId,
+    started: Instant,
+) -> Result<Prepared, RunError> {
+    let ctx = store.publish_context(id)?;
+    let upper = ctx.session.upper.clone();
+    let view = LayerView::new(ctx.lease_lowers.clone()).with_userxattr(settings.userxattr);
+    let cs = publisher::capture_with(&upper, &view, &settings.capture_options())?;
+    if !cs.edits.is_empty() {
+        publisher::prepare_upper(&upper, &cs, settings.userxattr)?;
+    }
+    for (p, why) in &cs.skipped {
+        warn!(session.id = id, path = %layerstack_store::escape_path(p), reason = %why, "not captured");
+    }
+    if cs.is_empty() {
+        let paths = records(&plan_without_head(&cs));
+        let message = if cs.excluded.is_empty() {
+            "the session changed nothing".to_string()
+        } else {
+            format!(
+                "the session changed nothing publishable ({} path(s) excluded by policy)",
+                cs.excluded.len()
+            )
+        };
+        store.record_outcome(
+            id,
+            OutcomeRecord {
+                kind: OutcomeKind::NoChange,
+                message: Some(message),
+                paths,
+                timings: None,
+            },
+            None,
+        )?;
+        info!(session.id = id, outcome = "no-change", "published");
+        return Ok(Prepared::Done);
+    }
+    seal(store, &upper, settings.userxattr)?;
+    let observed = store.head_view(id)?;
+    let input = gate_input(
+        store,
+        settings,
+        &upper,
+        &view,
+        cs,
+        (ctx.lease_manifest, observed.manifest),
+        true,
+    )?;
+    let f = files(settings, &view, &observed, upper.clone());
+    let plan = publisher::plan_gate(&input.cs, &input.head, &f, &settings.merge)?;
+    let capture = started.elapsed();
+    if plan.is_conflict() {
+        let paths = records(&plan);
+        let message = summary(&paths, OutcomeKind::Conflict);
+        info!(
+            session.id = id,
+            outcome = "conflict",
+            paths = plan.conflicts().count(),
+            "rejected"
+        );
+        store.record_outcome(
+            id,
+            OutcomeRecord {
+                kind: OutcomeKind::Conflict,
+                message: Some(message),
+                paths,
+                timings: Some(PublishTimings {
+                    capture_us: micros(capture),
+                    total_us: micros(started.elapsed()),
+                    ..Default::default()
+                }),
+            },
+            None,
+        )?;
+        return Ok(Prepared::Done);
+    }
+    let staged = store.stage_publish(id, &index_of(&plan), &records(&plan))?;
+    Ok(Prepared::Ready(Box::new(Ready {
+        ctx,
+        view,
+        input,
+        observed,
+        plan,
+        staged,
+        capture,
+    })))
+}
+
+/// Under the gate: re-check the head, re-plan if it changed at our paths, apply,
+/// commit.
+#[allow(clippy::too_many_arguments)]
+fn commit(
+    store: &Store,
+    settings: &EngineSettings,
+    id: SessionId,
+    ready: Ready,
+    started: Instant,
+    gate_wait: Duration,
+    holding: Instant,
+    why: &str,
+    #[cfg(any(test, feature = "failpoints"))] hook: Option<Hook>,
+) -> Result<(), RunError> {
+    let Ready {
+        ctx,
+        view,
+        input,
+        observed,
+        mut plan,
+        staged,
+        capture,
+    } = ready;
+    let upper = ctx.session.upper.clone();
+    let current = store.head_view(id)?;
+    let mut replanned = None;
+    if current.manifest != observed.manifest {
+        let delta = store.changes_between(observed.manifest, current.manifest, &input.query)?;
+        if !delta.is_empty() {
+            let input = gate_input(
+                store,
+                settings,
+                &upper,
+                &view,
+                input.cs,
+                (ctx.lease_manifest, current.manifest),
+                true,
+            )?;
+            let f = files(settings, &view, &current, upper.clone());
+            plan = publisher::plan_gate(&input.cs, &input.head, &f, &settings.merge)?;
+            let paths = records(&plan);
+            if plan.is_conflict() {
+                let message = summary(&paths, OutcomeKind::Conflict);
+                info!(
+                    session.id = id,
+                    outcome = "conflict",
+                    paths = plan.conflicts().count(),
+                    "rejected"
+                );
+                store.record_outcome(
+                    id,
+                    OutcomeRecord {
+                        kind: OutcomeKind::Conflict,
+                        message: Some(message),
+                        paths,
+                        timings: Some(PublishTimings {
+                            capture_us: micros(capture),
+                            gate_wait_us: micros(gate_wait),
+                            gate_hold_us: micros(holding.elapsed()),
+                            total_us: micros(started.elapsed()),
+                        }),
+                    },
+                    Some(staged),
+                )?;
+                return Ok(());
+            }
+            replanned = Some((index_of(&plan), paths));
+        }
+    }
+    #[cfg(any(test, feature = "failpoints"))]
+    if let Some(h) = hook {
+        h(&upper);
+    }
+    // Merged files are written in the store's staging directory (same
+    // filesystem, never captured, emptied by the sweep) and renamed in.
+    publisher::apply_plan(&upper, &plan, &store.staging_path())?;
+    let kind = decision(&plan);
+    let paths_now = replanned
+        .as_ref()
+        .map(|(_, p)| p.clone())
+        .unwrap_or_else(|| records(&plan));
+    let timings = PublishTimings {
+        capture_us: micros(capture),
+        gate_wait_us: micros(gate_wait),
+        // Up to the commit; the commit transaction and rename are part of the hold too.
+        gate_hold_us: micros(holding.elapsed()),
+        total_us: micros(started.elapsed()),
+    };
+    let p = store.commit_publish(
+        id,
+        staged,
+        current.manifest,
+        layerstack_store::CommitRecord {
+            kind: Some(kind),
+            message: Some(summary(&paths_now, kind)),
+            timings: Some(timings),
+            replanned: replanned
+                .as_ref()
+                .map(|(i, r)| (i.as_slice(), r.as_slice())),
+        },
+    )?;
+    info!(
+        session.id = id,
+        layer.id = p.layer,
+        manifest = p.manifest,
+        outcome = kind.as_str(),
+        why,
+        gate_wait_us = timings.gate_wait_us,
+        gate_hold_us = micros(holding.elapsed()),
+        capture_us = timings.capture_us,
+        "publish committed"
+    );
+    Ok(())
+}

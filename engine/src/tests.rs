@@ -1,0 +1,642 @@
+#![allow(clippy::unwrap_used)]
+
+use super::*;
+use layerstack_store::{
+    MountSpec, OutcomeKind, PathStatus, SessionInfo, Store, StoreOptions, SNAPSHOT_REF_LABEL,
+};
+use std::collections::BTreeMap;
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+
+/// Root is needed (chown, trusted.* xattrs, the store's sweep). Without it the
+/// test skips, except under `CI=true`, where it fails.
+fn have_root(test: &str) -> bool {
+    if nix::unistd::geteuid().is_root() {
+        return true;
+    }
+    assert!(
+        std::env::var("CI").as_deref() != Ok("true"),
+        "{test} needs root under CI=true"
+    );
+    eprintln!("skipping {test}: needs root");
+    false
+}
+
+const BASE: &[u8] =
+    b"# app\r\nkey1 = 1\r\nkey2 = 2\nkey3 = 3\nkey4 = 4\nkey5 = 5\nkey6 = 6\nlast = 7";
+
+fn write(dir: &Path, rel: &str, content: &[u8]) {
+    let p = dir.join(rel);
+    std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+    for d in p.ancestors().skip(1).take(rel.matches('/').count()) {
+        std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    std::fs::write(&p, content).unwrap();
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).unwrap();
+}
+
+fn engine(store: &Arc<Store>) -> Arc<Engine> {
+    Engine::new(
+        store.clone(),
+        EngineSettings {
+            exclude: publisher::ExcludePolicy::new(["/tmp/**"]).unwrap(),
+            ..Default::default()
+        },
+    )
+}
+
+fn tmp() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("ls-engine-")
+        .tempdir_in("/var/tmp")
+        .unwrap()
+}
+
+/// A store with a one-layer image holding etc/app.conf and three sessions on it.
+fn setup(dir: &Path) -> (Arc<Store>, Vec<SessionInfo>) {
+    setup_n(dir, 3)
+}
+
+/// [`setup`] with `n` sessions (containers `s0`, `s1`, … after `a`, `b`, `c`).
+fn setup_n(dir: &Path, n: usize) -> (Arc<Store>, Vec<SessionInfo>) {
+    let store = Store::open(&dir.join("root"), &StoreOptions::default()).unwrap();
+    let labels = BTreeMap::from([(SNAPSHOT_REF_LABEL.to_string(), "sha256:aaa".to_string())]);
+    let (_, spec) = store
+        .prepare("ns/1/extract-1 sha256:aaa", "", labels, false)
+        .unwrap();
+    let dir = match spec {
+        MountSpec::Bind { source, .. } => source,
+        MountSpec::Overlay {
+            upper: Some((u, _)),
+            ..
+        } => u,
+        other => panic!("{other:?}"),
+    };
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    write(&dir, "etc/app.conf", BASE);
+    write(&dir, "tmp/.keep", b"");
+    store
+        .commit(
+            "ns/2/sha256:aaa",
+            "ns/1/extract-1 sha256:aaa",
+            BTreeMap::new(),
+        )
+        .unwrap();
+    let mut sessions = Vec::new();
+    let names: Vec<String> = ["a", "b", "c"]
+        .iter()
+        .map(|s| s.to_string())
+        .chain((0..).map(|i| format!("s{i}")))
+        .take(n)
+        .collect();
+    for (i, c) in names.iter().enumerate() {
+        store
+            .prepare(
+                &format!("ns/{}/{c}", 3 + i),
+                "ns/2/sha256:aaa",
+                BTreeMap::new(),
+                false,
+            )
+            .unwrap();
+        let s = store.find_session("ns", c).unwrap().unwrap();
+        std::fs::set_permissions(&s.upper, std::fs::Permissions::from_mode(0o755)).unwrap();
+        sessions.push(s);
+    }
+    (Arc::new(store), sessions)
+}
+
+fn edit(line: &str, to: &str) -> Vec<u8> {
+    String::from_utf8(BASE.to_vec())
+        .unwrap()
+        .replace(line, to)
+        .into_bytes()
+}
+
+#[tokio::test]
+async fn merge_dry_run_and_conflict_end_to_end() {
+    if !have_root("merge_dry_run_and_conflict_end_to_end") {
+        return;
+    }
+    let t = tmp();
+    let (store, s) = setup(t.path());
+    // a: line 2; b: line 6 (separate hunk); c: line 3 (adjacent to a's): conflict.
+    write(&s[0].upper, "etc/app.conf", &edit("key2 = 2", "key2 = A"));
+    write(&s[1].upper, "etc/app.conf", &edit("key6 = 6", "key6 = B"));
+    write(&s[1].upper, "tmp/scratch", b"excluded");
+    write(&s[2].upper, "etc/app.conf", &edit("key3 = 3", "key3 = C"));
+    let p = engine(&store);
+
+    let a = p.publish(s[0].id, "test").await.unwrap();
+    assert_eq!(a.outcome.as_ref().unwrap().kind, OutcomeKind::Committed);
+
+    // Dry run of b: says merged, changes nothing.
+    let before = std::fs::read(s[1].upper.join("etc/app.conf")).unwrap();
+    let d = p.dry_run(s[1].id).await.unwrap();
+    assert_eq!(d.kind, Some(OutcomeKind::Merged), "{d:?}");
+    let st: Vec<(&[u8], PathStatus)> = d
+        .paths
+        .iter()
+        .map(|r| (r.path.as_slice(), r.status))
+        .collect();
+    assert_eq!(
+        st,
+        [
+            (&b"etc/app.conf"[..], PathStatus::Merged),
+            (&b"tmp/scratch"[..], PathStatus::Excluded)
+        ]
+    );
+    assert!(
+        d.message.starts_with("dry run, nothing was changed"),
+        "{}",
+        d.message
+    );
+    assert_eq!(
+        std::fs::read(s[1].upper.join("etc/app.conf")).unwrap(),
+        before
+    );
+    assert!(
+        s[1].upper.join("tmp/scratch").exists(),
+        "a dry run applies no policy edits"
+    );
+    assert!(
+        store.session(s[1].id).unwrap().outcome.is_none(),
+        "no outcome recorded"
+    );
+
+    let b = p.publish(s[1].id, "test").await.unwrap();
+    let out = b.outcome.unwrap();
+    assert_eq!(out.kind, OutcomeKind::Merged, "{out:?}");
+    let recorded = store.outcome_paths(out.id, None, 100, None).unwrap();
+    let layer = store.layer_path(out.layer.unwrap());
+    let merged = edit("key2 = 2", "key2 = A");
+    let merged = String::from_utf8(merged)
+        .unwrap()
+        .replace("key6 = 6", "key6 = B")
+        .into_bytes();
+    assert_eq!(
+        std::fs::read(layer.join("etc/app.conf")).unwrap(),
+        merged,
+        "byte-exact: CRLF lines and no final newline"
+    );
+    assert!(
+        !layer.join("tmp/scratch").exists(),
+        "excluded path not published"
+    );
+    let md = std::fs::metadata(layer.join("etc/app.conf")).unwrap();
+    assert_eq!(md.permissions().mode() & 0o7777, 0o644);
+    assert!(recorded
+        .iter()
+        .any(|r| r.path == b"tmp/scratch" && r.status == PathStatus::Excluded));
+
+    let c = p.publish(s[2].id, "test").await.unwrap();
+    let out = c.outcome.unwrap();
+    assert_eq!(out.kind, OutcomeKind::Conflict);
+    let conflicts = store
+        .outcome_paths(out.id, None, 100, Some(PathStatus::Conflict))
+        .unwrap();
+    assert_eq!(conflicts.len(), 1);
+    assert_eq!(conflicts[0].path, b"etc/app.conf");
+    assert!(
+        conflicts[0].reason.contains("adjacent"),
+        "{}",
+        conflicts[0].reason
+    );
+    assert_eq!(
+        std::fs::read(s[2].upper.join("etc/app.conf")).unwrap(),
+        edit("key3 = 3", "key3 = C"),
+        "a rejected upper is kept as it was"
+    );
+
+    // A conflicting run can be published again, so it can be dry-run again.
+    let d = p.dry_run(s[2].id).await.unwrap();
+    assert_eq!(d.kind, Some(OutcomeKind::Conflict), "{d:?}");
+    assert!(d
+        .paths
+        .iter()
+        .any(|r| r.path == b"etc/app.conf" && r.status == PathStatus::Conflict));
+    // A finished run cannot: it says why, and reports no outcome kind.
+    let d = p.dry_run(s[0].id).await.unwrap();
+    assert_eq!(d.kind, None);
+    assert!(d.message.starts_with("nothing to publish"), "{}", d.message);
+}
+
+#[tokio::test]
+async fn opaque_expansion_keeps_excluded_and_skipped_reports() {
+    if !have_root("opaque_expansion_keeps_excluded_and_skipped_reports") {
+        return;
+    }
+    let t = tmp();
+    let (store, s) = setup(t.path());
+    let p = engine(&store);
+    // The head adds etc/new.
+    write(&s[0].upper, "etc/new", b"from head\n");
+    let a = p.publish(s[0].id, "test").await.unwrap();
+    assert_eq!(a.outcome.as_ref().unwrap().kind, OutcomeKind::Committed);
+    // b, through its real overlay mount: `rm -rf /etc; mkdir /etc` (the kernel
+    // makes it opaque), an excluded file and a socket.
+    let spec = store.mounts("ns/4/b").unwrap();
+    let m = t.path().join("mnt");
+    std::fs::create_dir(&m).unwrap();
+    nix::mount::mount(
+        Some("overlay"),
+        &m,
+        Some("overlay"),
+        nix::mount::MsFlags::empty(),
+        Some(spec.overlay_options().join(",").as_str()),
+    )
+    .unwrap();
+    let ops = || -> std::io::Result<()> {
+        std::fs::remove_dir_all(m.join("etc"))?;
+        std::fs::create_dir(m.join("etc"))?;
+        std::fs::set_permissions(m.join("etc"), std::fs::Permissions::from_mode(0o755))?;
+        std::fs::write(m.join("etc/mine"), b"mine\n")?;
+        std::fs::write(m.join("tmp/scratch"), b"excluded")?;
+        drop(std::os::unix::net::UnixListener::bind(m.join("app.sock"))?);
+        Ok(())
+    };
+    let done = ops();
+    nix::mount::umount2(&m, nix::mount::MntFlags::MNT_DETACH).unwrap();
+    done.unwrap();
+    let want = |paths: &[layerstack_store::PathRecord]| {
+        let got: Vec<(&[u8], PathStatus)> = paths
+            .iter()
+            .map(|r| (r.path.as_slice(), r.status))
+            .collect();
+        assert_eq!(
+            got,
+            [
+                (&b"app.sock"[..], PathStatus::Excluded),
+                (&b"etc/app.conf"[..], PathStatus::Clean),
+                (&b"etc/mine"[..], PathStatus::Clean),
+                (&b"tmp/scratch"[..], PathStatus::Excluded),
+            ],
+            "{paths:#?}"
+        );
+    };
+    let d = p.dry_run(s[1].id).await.unwrap();
+    assert_eq!(d.kind, Some(OutcomeKind::Committed), "{d:?}");
+    want(&d.paths);
+    let b = p.publish(s[1].id, "test").await.unwrap();
+    let out = b.outcome.unwrap();
+    assert_eq!(out.kind, OutcomeKind::Committed, "{out:?}");
+    let recorded = store.outcome_paths(out.id, None, 100, None).unwrap();
+    want(&recorded);
+    let deleted = recorded.iter().find(|r| r.path == b"etc/app.conf").unwrap();
+    assert_eq!(deleted.reason, "deleted; untouched on head");
+    let layer = store.layer_path(out.layer.unwrap());
+    assert!(!layer.join("tmp/scratch").exists());
+    assert!(!layer.join("app.sock").exists());
+    assert_eq!(std::fs::read(layer.join("etc/mine")).unwrap(), b"mine\n");
+    // The expanded directory is plain: the head's etc/new shows through it.
+    let a_layer = store.layer_path(a.outcome.as_ref().unwrap().layer.unwrap());
+    let view = publisher::LayerView::new(vec![layer, a_layer]);
+    assert!(view.lookup(b"etc/new").unwrap().is_some());
+}
+
+/// N sessions leased on one head, each changing its own files, published at
+/// once: all commit, the branch holds each exactly once, the path index is
+/// queried only at each publish's paths.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_disjoint_publishes_on_one_head_all_commit() {
+    if !have_root("concurrent_disjoint_publishes_on_one_head_all_commit") {
+        return;
+    }
+    let t = tmp();
+    let (store, s) = setup_n(t.path(), 24);
+    for (i, sess) in s.iter().enumerate() {
+        for f in 0..10 {
+            write(
+                &sess.upper,
+                &format!("work/s{i}/f{f}.txt"),
+                format!("{i}-{f}\n").as_bytes(),
+            );
+        }
+    }
+    let p = engine(&store);
+    let tasks: Vec<_> = s
+        .iter()
+        .map(|sess| {
+            let p = p.clone();
+            let id = sess.id;
+            tokio::spawn(async move { p.publish(id, "test").await.unwrap() })
+        })
+        .collect();
+    for t in tasks {
+        let out = t.await.unwrap().outcome.unwrap();
+        assert_eq!(out.kind, OutcomeKind::Committed, "{out:?}");
+        let timings = out.timings.unwrap();
+        assert!(timings.total_us >= timings.gate_hold_us);
+    }
+    let log = store.log("ns/sha256:aaa", "main").unwrap();
+    assert_eq!(log.len(), 24);
+    let head = store.branch_layers("ns/sha256:aaa", "main").unwrap();
+    let view = publisher::LayerView::new(head);
+    for i in 0..24 {
+        for f in 0..10 {
+            let got = view
+                .read_regular(format!("work/s{i}/f{f}.txt").as_bytes())
+                .unwrap();
+            assert_eq!(got.unwrap(), format!("{i}-{f}\n").as_bytes());
+        }
+    }
+    assert_eq!(p.live_session_locks(), 0, "session locks are pruned");
+}
+
+/// The head moves between planning (outside the gate) and the gate, at a path
+/// this publish touches: the gate plans again against the real head — a
+/// separate hunk merges, an overlapping one is rejected whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_head_that_moved_at_our_paths_is_planned_again_under_the_gate() {
+    if !have_root("a_head_that_moved_at_our_paths_is_planned_again_under_the_gate") {
+        return;
+    }
+    let t = tmp();
+    let (store, s) = setup(t.path());
+    write(&s[0].upper, "etc/app.conf", &edit("key2 = 2", "key2 = A"));
+    write(&s[1].upper, "etc/app.conf", &edit("key6 = 6", "key6 = B"));
+    write(&s[1].upper, "etc/other", b"b\n");
+    let p = engine(&store);
+    // b plans against the head without a's edit, then waits until a committed.
+    let (planned_tx, planned_rx) = std::sync::mpsc::channel::<()>();
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let go_rx = std::sync::Mutex::new(go_rx);
+    p.failpoint_after_plan(move |_| {
+        planned_tx.send(()).unwrap();
+        go_rx.lock().unwrap().recv().unwrap();
+    });
+    let b = {
+        let p = p.clone();
+        let id = s[1].id;
+        tokio::spawn(async move { p.publish(id, "b").await.unwrap() })
+    };
+    tokio::task::spawn_blocking(move || planned_rx.recv().unwrap())
+        .await
+        .unwrap();
+    let a = p.publish(s[0].id, "a").await.unwrap();
+    assert_eq!(a.outcome.unwrap().kind, OutcomeKind::Committed);
+    go_tx.send(()).unwrap();
+    let b = b.await.unwrap().outcome.unwrap();
+    assert_eq!(
+        b.kind,
+        OutcomeKind::Merged,
+        "re-planned against a's head: {b:?}"
+    );
+    let merged = String::from_utf8(edit("key2 = 2", "key2 = A"))
+        .unwrap()
+        .replace("key6 = 6", "key6 = B")
+        .into_bytes();
+    let head = publisher::LayerView::new(store.branch_layers("ns/sha256:aaa", "main").unwrap());
+    assert_eq!(head.read_regular(b"etc/app.conf").unwrap().unwrap(), merged);
+
+    // Now c (adjacent to a's edit) races the same way and is rejected whole.
+    write(&s[2].upper, "etc/app.conf", &edit("key3 = 3", "key3 = C"));
+    write(&s[2].upper, "etc/c-only", b"c\n");
+    let before = std::fs::read(s[2].upper.join("etc/app.conf")).unwrap();
+    let c = p.publish(s[2].id, "c").await.unwrap().outcome.unwrap();
+    assert_eq!(c.kind, OutcomeKind::Conflict);
+    assert_eq!(c.counts.conflict, 1);
+    assert_eq!(
+        std::fs::read(s[2].upper.join("etc/app.conf")).unwrap(),
+        before
+    );
+    let head = publisher::LayerView::new(store.branch_layers("ns/sha256:aaa", "main").unwrap());
+    assert!(
+        head.lookup(b"etc/c-only").unwrap().is_none(),
+        "nothing of c was published"
+    );
+}
+
+/// A hostile upper: symlinks to `/` at every level, and a directory swapped for
+/// a symlink to a host directory between planning and applying. Nothing outside
+/// the store is read or written; the publish fails and keeps the upper.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hostile_upper_never_steers_the_daemon_outside_the_store() {
+    if !have_root("a_hostile_upper_never_steers_the_daemon_outside_the_store") {
+        return;
+    }
+    let t = tmp();
+    let (store, s) = setup(t.path());
+    // Host sentinels the upper points at.
+    let host = t.path().join("host");
+    write(&host, "etc/app.conf", b"SENTINEL\n");
+    xattr::set(host.join("etc/app.conf"), "user.sentinel", b"1").unwrap();
+    let sentinel = || {
+        (
+            std::fs::read(host.join("etc/app.conf")).unwrap(),
+            std::fs::metadata(host.join("etc/app.conf"))
+                .unwrap()
+                .permissions()
+                .mode(),
+            xattr::list(host.join("etc/app.conf")).unwrap().count(),
+        )
+    };
+    let before = sentinel();
+    // Symlinks to / (and to the host dir) at every level of the upper.
+    let up = &s[1].upper;
+    std::os::unix::fs::symlink("/", up.join("root-link")).unwrap();
+    write(up, "a/b/c/file", b"x\n");
+    std::os::unix::fs::symlink("/", up.join("a/up")).unwrap();
+    std::os::unix::fs::symlink(&host, up.join("a/b/host")).unwrap();
+    std::os::unix::fs::symlink("../../../../..", up.join("a/b/c/dotdot")).unwrap();
+    // a: head edits etc/app.conf; b edits another hunk, so b's plan merges it.
+    write(&s[0].upper, "etc/app.conf", &edit("key2 = 2", "key2 = A"));
+    write(up, "etc/app.conf", &edit("key6 = 6", "key6 = B"));
+    let p = engine(&store);
+    assert_eq!(
+        p.publish(s[0].id, "a").await.unwrap().outcome.unwrap().kind,
+        OutcomeKind::Committed
+    );
+    // Under the gate, before applying: etc becomes a symlink to the host dir.
+    let hostetc = host.join("etc");
+    p.failpoint_before_apply(move |upper| {
+        std::fs::rename(upper.join("etc"), upper.join("etc.moved")).unwrap();
+        std::os::unix::fs::symlink(&hostetc, upper.join("etc")).unwrap();
+    });
+    let out = p.publish(s[1].id, "b").await.unwrap().outcome.unwrap();
+    assert_eq!(out.kind, OutcomeKind::Failed, "{out:?}");
+    assert_eq!(sentinel(), before, "the host file was not touched");
+    assert!(
+        std::fs::symlink_metadata(s[1].upper.join("etc"))
+            .unwrap()
+            .file_type()
+            .is_symlink(),
+        "upper kept as it was"
+    );
+    // Usage walks never follow either.
+    let (bytes, _) = layerstack_store::fs::disk_usage(&s[1].upper).unwrap();
+    assert!(bytes < 1 << 20, "{bytes}");
+    assert_eq!(sentinel(), before);
+}
+
+/// containerd's Remove of a session whose publish runs returns at once; the
+/// session's directories go after the publish, which loses nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn remove_during_a_publish_returns_at_once_and_completes_after_it() {
+    if !have_root("remove_during_a_publish_returns_at_once_and_completes_after_it") {
+        return;
+    }
+    let t = tmp();
+    let (store, s) = setup(t.path());
+    write(&s[0].upper, "data/precious", b"keep me\n");
+    let p = engine(&store);
+    let (planned_tx, planned_rx) = std::sync::mpsc::channel::<()>();
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let go_rx = std::sync::Mutex::new(go_rx);
+    p.failpoint_after_plan(move |_| {
+        planned_tx.send(()).unwrap();
+        go_rx.lock().unwrap().recv().unwrap();
+    });
+    let publishing = {
+        let p = p.clone();
+        let id = s[0].id;
+        tokio::spawn(async move { p.publish(id, "slow").await.unwrap() })
+    };
+    tokio::task::spawn_blocking(move || planned_rx.recv().unwrap())
+        .await
+        .unwrap();
+    // Remove and Cleanup while the publish is held mid-way.
+    let st = store.clone();
+    let removed = tokio::time::timeout(
+        std::time::Duration::from_secs(5),
+        tokio::task::spawn_blocking(move || {
+            let r = st.remove("ns/3/a").unwrap();
+            st.sweep_with(layerstack_store::SweepMode::Cleanup).unwrap();
+            r
+        }),
+    )
+    .await
+    .expect("remove and cleanup never wait for a publish")
+    .unwrap();
+    assert_eq!(
+        removed,
+        layerstack_store::snapshots::Removed::Session(s[0].id)
+    );
+    p.session_released(s[0].id);
+    assert!(
+        s[0].upper.join("data/precious").exists(),
+        "nothing deleted under the publish"
+    );
+    go_tx.send(()).unwrap();
+    let out = publishing.await.unwrap().outcome.unwrap();
+    assert_eq!(out.kind, OutcomeKind::Committed);
+    let layer = store.layer_path(out.layer.unwrap());
+    assert_eq!(
+        std::fs::read(layer.join("data/precious")).unwrap(),
+        b"keep me\n"
+    );
+    // The release completes after the publish.
+    for _ in 0..100 {
+        if !store.session_path(s[0].id).exists() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert!(!store.session_path(s[0].id).exists());
+    let after = store.session(s[0].id).unwrap();
+    assert!(after.released && !after.remove_pending);
+}
+
+/// A session removed by containerd with unpublished writes and no publish ever
+/// started (a missed task-delete event) is published by the release, not lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_released_session_with_writes_is_published_by_its_policy() {
+    if !have_root("a_released_session_with_writes_is_published_by_its_policy") {
+        return;
+    }
+    let t = tmp();
+    let (store, s) = setup(t.path());
+    write(&s[0].upper, "kept", b"1\n");
+    write(&s[1].upper, "dropped", b"1\n");
+    store.set_session_policy(s[1].id, "never").unwrap();
+    write(&s[2].upper, "refused", b"1\n");
+    store.set_session_policy(s[2].id, "sometimes").unwrap();
+    let p = engine(&store);
+    for (sess, key) in s.iter().zip(["ns/3/a", "ns/4/b", "ns/5/c"]) {
+        store.remove(key).unwrap();
+        p.session_released(sess.id);
+    }
+    for sess in &s {
+        p.wait(sess.id, Some(std::time::Duration::from_secs(10)))
+            .await
+            .unwrap()
+            .unwrap();
+    }
+    let kinds: Vec<OutcomeKind> = s
+        .iter()
+        .map(|x| store.session(x.id).unwrap().outcome.unwrap().kind)
+        .collect();
+    assert_eq!(
+        kinds,
+        [
+            OutcomeKind::Committed,
+            OutcomeKind::Discarded,
+            OutcomeKind::Failed
+        ]
+    );
+    let failed = store.session(s[2].id).unwrap().outcome.unwrap();
+    assert!(
+        failed.message.unwrap().contains("sometimes"),
+        "names the invalid policy"
+    );
+    assert!(
+        s[2].upper.join("refused").exists(),
+        "an invalid policy keeps the upper"
+    );
+    let head = publisher::LayerView::new(store.branch_layers("ns/sha256:aaa", "main").unwrap());
+    assert!(head.lookup(b"kept").unwrap().is_some());
+    assert!(head.lookup(b"dropped").unwrap().is_none());
+    assert!(head.lookup(b"refused").unwrap().is_none());
+}
+
+#[test]
+fn exit_decisions_follow_recorded_policy_then_label() {
+    let mut s = SessionInfo {
+        id: 1,
+        owner: layerstack_store::Owner::Sandbox { name: "x".into() },
+        key: None,
+        stack: String::new(),
+        branch: String::new(),
+        state: layerstack_store::SessionState::Active,
+        outcome: None,
+        lease_manifest: Some(1),
+        run: 1,
+        released: false,
+        remove_pending: false,
+        policy: None,
+        idempotency_key: None,
+        upper: "/u".into(),
+        work: "/w".into(),
+        created_ns: 0,
+    };
+    use crate::policy::{Decision, Policy};
+    assert_eq!(
+        exit_decision(&s, None, Some(3)).unwrap().0,
+        Decision::Publish
+    );
+    assert_eq!(
+        exit_decision(&s, Some(Ok(Policy::OnSuccess)), Some(3))
+            .unwrap()
+            .0,
+        Decision::Discard
+    );
+    assert_eq!(
+        exit_decision(&s, Some(Ok(Policy::OnSuccess)), None)
+            .unwrap()
+            .0,
+        Decision::Discard
+    );
+    let bad: Result<Policy, _> = "sometimes".parse();
+    let e = exit_decision(&s, Some(bad), Some(0)).unwrap_err();
+    assert!(
+        e.contains("sometimes") && e.contains("nothing was published"),
+        "{e}"
+    );
+    s.policy = Some("never".into());
+    assert_eq!(
+        exit_decision(&s, Some(Ok(Policy::OnExit)), Some(0))
+            .unwrap()
+            .0,
+        Decision::Discard,
+        "the recorded policy wins over the label"
+    );
+}

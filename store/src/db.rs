@@ -1,0 +1,178 @@
+//! Connections and transactions.
+//!
+//! One writer connection behind a mutex: every write is one `IMMEDIATE`
+//! transaction ([`Db::write`]), committed when the closure returns `Ok` and
+//! rolled back otherwise. Reads run on read-only connections from a small pool,
+//! each in one read transaction ([`Db::read`]): with WAL they see the last
+//! committed state and never wait for the writer.
+
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
+
+use rusqlite::{Connection, OpenFlags, OptionalExtension, Transaction, TransactionBehavior};
+use tracing::info;
+
+use crate::error::{OpenError, StoreError};
+use crate::schema::{FORMAT_VERSION, SCHEMA};
+use crate::Durability;
+
+/// How long a connection waits for SQLite's file lock (another store instance
+/// writing) before failing with `SQLITE_BUSY`.
+const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
+
+pub(crate) struct Db {
+    path: PathBuf,
+    writer: Mutex<Connection>,
+    idle: Mutex<Vec<Connection>>,
+}
+
+impl Db {
+    /// At most this many idle read connections are kept.
+    const MAX_IDLE: usize = 8;
+
+    /// Opens `<root>/store.db`, creating the schema in an empty database, and
+    /// refusing one of another format version before changing anything.
+    pub(crate) fn open(root: &Path, durability: Durability) -> Result<Db, OpenError> {
+        let path = root.join("store.db");
+        let mut conn = Connection::open(&path)?;
+        conn.busy_timeout(BUSY_TIMEOUT)?;
+        conn.pragma_update(None, "journal_mode", "WAL")?;
+        let sync = match durability {
+            Durability::Disposable => "OFF",
+            Durability::Durable => "FULL",
+        };
+        conn.pragma_update(None, "synchronous", sync)?;
+        conn.pragma_update(None, "foreign_keys", "ON")?;
+        {
+            let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+            let tables: i64 = tx.query_row(
+                "SELECT count(*) FROM sqlite_master WHERE type='table'",
+                [],
+                |r| r.get(0),
+            )?;
+            if tables == 0 {
+                tx.execute_batch(SCHEMA)?;
+                tx.execute(
+                    "INSERT INTO meta(key, value) VALUES ('format_version', ?1)",
+                    [FORMAT_VERSION.to_string()],
+                )?;
+                info!(root = %root.display(), version = FORMAT_VERSION, "created store");
+            } else {
+                let has_meta: bool = tx.query_row(
+                    "SELECT count(*) FROM sqlite_master WHERE type='table' AND name='meta'",
+                    [],
+                    |r| r.get::<_, i64>(0).map(|n| n > 0),
+                )?;
+                let v: Option<String> = if has_meta {
+                    tx.query_row(
+                        "SELECT value FROM meta WHERE key='format_version'",
+                        [],
+                        |r| r.get(0),
+                    )
+                    .optional()?
+                } else {
+                    None
+                };
+                let v = v.and_then(|v| v.parse::<i64>().ok()).unwrap_or(-1);
+                if v != FORMAT_VERSION {
+                    return Err(OpenError::Version {
+                        root: root.to_path_buf(),
+                        found: v,
+                        expected: FORMAT_VERSION,
+                    });
+                }
+            }
+            tx.commit()?;
+        }
+        Ok(Db {
+            path,
+            writer: Mutex::new(conn),
+            idle: Mutex::new(Vec::new()),
+        })
+    }
+
+    /// The writer connection, for the rare caller that must keep other writers
+    /// out across a transaction and the filesystem step after it (a publish's
+    /// rename into `l/`).
+    pub(crate) fn writer(&self) -> MutexGuard<'_, Connection> {
+        self.writer.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs `f` in one `IMMEDIATE` write transaction; commits on `Ok`.
+    pub(crate) fn write<T>(
+        &self,
+        f: impl FnOnce(&Transaction<'_>) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        let mut conn = self.writer();
+        write_on(&mut conn, f)
+    }
+
+    /// Runs `f` in a read transaction on a read-only connection (one consistent
+    /// snapshot of the last committed state; never waits for the writer).
+    pub(crate) fn read<T>(
+        &self,
+        f: impl FnOnce(&Connection) -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        let mut c = match self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop() {
+            Some(c) => c,
+            None => {
+                let c = Connection::open_with_flags(
+                    &self.path,
+                    OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+                )?;
+                c.busy_timeout(BUSY_TIMEOUT)?;
+                c
+            }
+        };
+        let result = {
+            let tx = c.transaction()?;
+            // Dropped without commit: a read transaction ends by rolling back.
+            f(&tx)
+        };
+        let mut idle = self.idle.lock().unwrap_or_else(|p| p.into_inner());
+        if idle.len() < Self::MAX_IDLE {
+            idle.push(c);
+        }
+        result
+    }
+}
+
+/// [`Db::write`] on a connection the caller already holds.
+pub(crate) fn write_on<T>(
+    conn: &mut Connection,
+    f: impl FnOnce(&Transaction<'_>) -> Result<T, StoreError>,
+) -> Result<T, StoreError> {
+    let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
+    let out = f(&tx)?;
+    tx.commit()?;
+    Ok(out)
+}
+
+/// A 32-byte digest column; anything else is a corrupt row.
+pub(crate) fn digest_col(
+    v: Option<Vec<u8>>,
+    table: &'static str,
+    key: &dyn Fn() -> String,
+) -> Result<Option<[u8; 32]>, StoreError> {
+    match v {
+        None => Ok(None),
+        Some(b) => <[u8; 32]>::try_from(b.as_slice())
+            .map(Some)
+            .map_err(|_| StoreError::corrupt(table, key(), format!("digest of {} bytes", b.len()))),
+    }
+}
+
+/// A non-negative integer column that must fit a `u32` (mode, uid, gid).
+pub(crate) fn u32_col(
+    v: Option<i64>,
+    table: &'static str,
+    key: &dyn Fn() -> String,
+) -> Result<Option<u32>, StoreError> {
+    match v {
+        None => Ok(None),
+        Some(n) => u32::try_from(n)
+            .map(Some)
+            .map_err(|_| StoreError::corrupt(table, key(), format!("value {n} out of range"))),
+    }
+}

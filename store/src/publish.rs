@@ -1,0 +1,532 @@
+//! Publishing a session and recording outcomes (ARCHITECTURE.md §6 steps 5–6, §8).
+//!
+//! A publish writes in two steps so that the serialized part stays short:
+//!
+//! 1. [`Store::stage_publish`], outside the gate: a `pending` layer row with the
+//!    layer's path index, and a `pending` outcome row with every path's verdict.
+//!    Nothing refers to them yet; the upper stays where it is.
+//! 2. [`Store::commit_publish`], under the branch's gate: one `IMMEDIATE`
+//!    transaction compares the branch head with the head the plan was made
+//!    against (`HeadMoved` otherwise), replaces the index and verdicts when the
+//!    gate re-planned, turns the layer `published`, prepends it to a new manifest,
+//!    moves the branch, releases the lease and points the session at its outcome;
+//!    last, inside the transaction, the sealed upper is renamed into `l/<id>` —
+//!    no data copy — and the transaction commits (a failed commit renames it
+//!    back).
+//!
+//! Crash story: before step 2 commits, the pending rows are garbage: the sweep
+//! at the next start deletes them, after moving an upper already renamed into
+//! `l/<id>` back to `s/<sid>/upper`; the run is published again. Once it
+//! commits, the layer directory is in place. So a publish never loses the
+//! session's data, and no reader — of this or any other store instance — ever
+//! sees a committed row whose directory is missing.
+
+use std::path::PathBuf;
+
+use rusqlite::{params, Connection, OptionalExtension, Transaction};
+use tracing::{info, warn};
+
+use crate::db::write_on;
+use crate::error::StoreError;
+use crate::leases::{lease_manifest, release_lease};
+use crate::paths::insert_index;
+use crate::sessions::get_sess;
+use crate::stacks::{branch_head, manifest_layers, prepend_manifest, set_branch};
+use crate::{
+    fs, now_ns, Durability, HeadView, IndexEntry, LayerId, LayerKind, ManifestId, Outcome,
+    OutcomeKind, OutcomeRecord, PathCounts, PathRecord, PathStatus, PublishContext, PublishId,
+    PublishTimings, SessionId, SessionState, Store,
+};
+
+/// A committed publish.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Published {
+    pub layer: LayerId,
+    pub manifest: ManifestId,
+    pub outcome: PublishId,
+}
+
+/// What a commit records besides the staged rows ([`Store::commit_publish`]).
+#[derive(Debug, Clone, Default)]
+pub struct CommitRecord<'a> {
+    /// `Committed` or `Merged`.
+    pub kind: Option<OutcomeKind>,
+    pub message: Option<String>,
+    pub timings: Option<PublishTimings>,
+    /// The index and verdicts the gate computed again because the head moved
+    /// (replacing the staged ones).
+    pub replanned: Option<(&'a [IndexEntry], &'a [PathRecord])>,
+}
+
+/// Rows written by [`Store::stage_publish`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Staged {
+    /// The pending layer (its directory is still the session's upper).
+    pub layer: LayerId,
+    /// The pending outcome row.
+    pub outcome: PublishId,
+}
+
+fn insert_paths(
+    tx: &Transaction<'_>,
+    pid: PublishId,
+    paths: &[PathRecord],
+) -> Result<(), StoreError> {
+    let mut ins = tx.prepare_cached(
+        "INSERT OR REPLACE INTO publish_paths(publish_id, path, status, reason) VALUES (?1, ?2, ?3, ?4)",
+    )?;
+    for p in paths {
+        ins.execute(params![pid, p.path, p.status.code(), p.reason])?;
+    }
+    Ok(())
+}
+
+fn micros(t: Option<PublishTimings>) -> [Option<i64>; 4] {
+    let c = |v: u64| Some(i64::try_from(v).unwrap_or(i64::MAX));
+    match t {
+        Some(t) => [
+            c(t.capture_us),
+            c(t.gate_wait_us),
+            c(t.gate_hold_us),
+            c(t.total_us),
+        ],
+        None => [None; 4],
+    }
+}
+
+/// Outcome row `pid`. Errors: `Corrupt` when it is missing or does not parse.
+pub(crate) fn read_outcome(conn: &Connection, pid: PublishId) -> Result<Outcome, StoreError> {
+    type Raw = (
+        i64,
+        String,
+        Option<i64>,
+        Option<String>,
+        [i64; 4],
+        [Option<i64>; 4],
+        i64,
+    );
+    let raw: Option<Raw> = conn
+        .query_row(
+            "SELECT run, outcome, layer_id, message, clean, merged, conflict, excluded, capture_us, gate_wait_us, gate_hold_us, total_us, at_ns FROM publishes WHERE id = ?1",
+            [pid],
+            |r| {
+                Ok((
+                    r.get(0)?,
+                    r.get(1)?,
+                    r.get(2)?,
+                    r.get(3)?,
+                    [r.get(4)?, r.get(5)?, r.get(6)?, r.get(7)?],
+                    [r.get(8)?, r.get(9)?, r.get(10)?, r.get(11)?],
+                    r.get(12)?,
+                ))
+            },
+        )
+        .optional()?;
+    let (run, kind, layer, message, counts, t, at_ns) = raw.ok_or_else(|| {
+        StoreError::corrupt(
+            "publishes",
+            pid,
+            "outcome referenced by a session is missing",
+        )
+    })?;
+    let kind = OutcomeKind::parse(&kind)
+        .ok_or_else(|| StoreError::corrupt("publishes", pid, format!("outcome {kind:?}")))?;
+    let u = |v: i64| u64::try_from(v).unwrap_or(0);
+    let timings = match t {
+        [Some(a), Some(b), Some(c), Some(d)] => Some(PublishTimings {
+            capture_us: u(a),
+            gate_wait_us: u(b),
+            gate_hold_us: u(c),
+            total_us: u(d),
+        }),
+        _ => None,
+    };
+    Ok(Outcome {
+        id: pid,
+        kind,
+        run,
+        layer,
+        message,
+        counts: PathCounts {
+            clean: u(counts[0]),
+            merged: u(counts[1]),
+            conflict: u(counts[2]),
+            excluded: u(counts[3]),
+        },
+        at_ns,
+        timings,
+    })
+}
+
+impl Store {
+    /// What a publish of `session` reads before capturing: its upper, the lease's
+    /// manifest and lower directories. Errors: `SessionNotFound`, `NoLease`.
+    pub fn publish_context(&self, session: SessionId) -> Result<PublishContext, StoreError> {
+        self.db.read(|conn| {
+            let s = get_sess(conn, session)?;
+            let lease = s.lease_id.ok_or(StoreError::NoLease(session))?;
+            let manifest = lease_manifest(conn, lease)?;
+            let lowers = self.session_lowers(conn, &s, manifest)?;
+            let lease_lowers = self.layer_dirs(conn, &lowers)?;
+            let info = self.session_info(conn, s)?;
+            Ok(PublishContext {
+                session: info,
+                lease_lowers,
+                lease_manifest: manifest,
+            })
+        })
+    }
+
+    /// The head of session `session`'s branch now, with the lower directories a
+    /// session of that branch would mount on it (its private layers, the head's
+    /// layers, the base). Errors: `SessionNotFound`, `BranchNotFound`.
+    pub fn head_view(&self, session: SessionId) -> Result<HeadView, StoreError> {
+        self.db.read(|conn| {
+            let s = get_sess(conn, session)?;
+            let head = branch_head(conn, &s.stack, &s.branch)?.ok_or_else(|| {
+                StoreError::BranchNotFound {
+                    stack: s.stack.clone(),
+                    branch: s.branch.clone(),
+                }
+            })?;
+            let lowers = self.session_lowers(conn, &s, head)?;
+            Ok(HeadView {
+                manifest: head,
+                lowers: self.layer_dirs(conn, &lowers)?,
+            })
+        })
+    }
+
+    /// Step 1 of a publish (see the module docs): records a pending layer for
+    /// `session` with its path index `index`, and a pending outcome with every
+    /// path's verdict. Error: `SessionNotFound`.
+    pub fn stage_publish(
+        &self,
+        session: SessionId,
+        index: &[IndexEntry],
+        paths: &[PathRecord],
+    ) -> Result<Staged, StoreError> {
+        self.db.write(|tx| {
+            let s = get_sess(tx, session)?;
+            let layer = crate::layers::insert_layer(tx, LayerKind::Pending, Some(&s.stack), Some(session))?;
+            insert_index(tx, layer, index)?;
+            let c = PathCounts::of(paths);
+            tx.execute(
+                "INSERT INTO publishes(session_id, run, outcome, layer_id, clean, merged, conflict, excluded, at_ns) VALUES (?1, ?2, 'pending', ?3, ?4, ?5, ?6, ?7, ?8)",
+                params![session, s.run, layer, c.clean as i64, c.merged as i64, c.conflict as i64, c.excluded as i64, now_ns()],
+            )?;
+            let outcome = tx.last_insert_rowid();
+            insert_paths(tx, outcome, paths)?;
+            Ok(Staged { layer, outcome })
+        })
+    }
+
+    /// Drops the rows of a staged publish that will not be committed.
+    pub fn abandon_staged(&self, staged: Staged) -> Result<(), StoreError> {
+        self.db.write(|tx| {
+            delete_staged(tx, staged)?;
+            Ok(())
+        })
+    }
+
+    /// Step 2 of a publish (see the module docs), against `expected_head`.
+    ///
+    /// Errors: `HeadMoved` when the branch head is not `expected_head` (plan
+    /// again); `NoLease`; on any failure nothing changes and the upper stays.
+    pub fn commit_publish(
+        &self,
+        session: SessionId,
+        staged: Staged,
+        expected_head: ManifestId,
+        record: CommitRecord<'_>,
+    ) -> Result<Published, StoreError> {
+        let CommitRecord {
+            kind,
+            message,
+            timings,
+            replanned,
+        } = record;
+        let kind = kind.unwrap_or(OutcomeKind::Committed);
+        let upper = self.upper_path(session);
+        let dst = self.layer_path(staged.layer);
+        let _inflight = self.inflight.hold(crate::layer_rel(staged.layer));
+        let mut conn = self.db.writer();
+        let published = write_on(&mut conn, |tx| {
+            let s = get_sess(tx, session)?;
+            if s.lease_id.is_none() {
+                return Err(StoreError::NoLease(session));
+            }
+            let head = branch_head(tx, &s.stack, &s.branch)?.ok_or_else(|| {
+                StoreError::BranchNotFound {
+                    stack: s.stack.clone(),
+                    branch: s.branch.clone(),
+                }
+            })?;
+            if head != expected_head {
+                return Err(StoreError::HeadMoved {
+                    expected: expected_head,
+                    found: head,
+                });
+            }
+            if let Some((index, paths)) = replanned {
+                tx.execute(
+                    "DELETE FROM layer_paths WHERE layer_id = ?1",
+                    [staged.layer],
+                )?;
+                insert_index(tx, staged.layer, index)?;
+                tx.execute(
+                    "DELETE FROM publish_paths WHERE publish_id = ?1",
+                    [staged.outcome],
+                )?;
+                insert_paths(tx, staged.outcome, paths)?;
+                let c = PathCounts::of(paths);
+                tx.execute(
+                    "UPDATE publishes SET clean = ?2, merged = ?3, conflict = ?4, excluded = ?5 WHERE id = ?1",
+                    params![staged.outcome, c.clean as i64, c.merged as i64, c.conflict as i64, c.excluded as i64],
+                )?;
+            }
+            let n = tx.execute(
+                "UPDATE layers SET kind = 'published' WHERE id = ?1 AND kind = 'pending'",
+                [staged.layer],
+            )?;
+            if n != 1 {
+                return Err(StoreError::corrupt(
+                    "layers",
+                    staged.layer,
+                    "a staged layer is not pending any more",
+                ));
+            }
+            let manifest = prepend_manifest(tx, &s.stack, head, staged.layer)?;
+            set_branch(tx, &s.stack, &s.branch, manifest)?;
+            release_lease(tx, s.lease_id)?;
+            let now = now_ns();
+            let [cu, gw, gh, tu] = micros(timings);
+            tx.execute(
+                "UPDATE publishes SET outcome = ?2, manifest_before = ?3, manifest_after = ?4, message = ?5, capture_us = ?6, gate_wait_us = ?7, gate_hold_us = ?8, total_us = ?9, at_ns = ?10 WHERE id = ?1",
+                params![staged.outcome, kind.as_str(), head, manifest, message, cu, gw, gh, tu, now],
+            )?;
+            tx.execute(
+                "UPDATE sessions SET state = 'published', last_publish = ?2, lease_id = NULL, updated_ns = ?3 WHERE id = ?1",
+                params![session, staged.outcome, now],
+            )?;
+            // The (sealed, quiescent) upper becomes the layer directory inside the
+            // transaction, just before it commits: no reader of any store instance
+            // ever sees the row without its directory. If the commit fails, the
+            // rename is undone below.
+            std::fs::rename(&upper, &dst)
+                .and_then(|()| match self.durability {
+                    Durability::Durable => fs::fsync_dir(&self.root.join("l"))
+                        .and_then(|()| fs::fsync_dir(&self.session_path(session))),
+                    Durability::Disposable => Ok(()),
+                })
+                .map_err(|e| StoreError::io(&upper, e))?;
+            Ok((
+                Published {
+                    layer: staged.layer,
+                    manifest,
+                    outcome: staged.outcome,
+                },
+                s.stack,
+                s.branch,
+            ))
+        });
+        drop(conn);
+        let (published, stack, branch) = match published {
+            Ok(p) => p,
+            Err(e) => {
+                // Not committed: put the upper back if it was moved.
+                if std::fs::symlink_metadata(&dst).is_ok()
+                    && std::fs::symlink_metadata(&upper).is_err()
+                {
+                    if let Err(back) = std::fs::rename(&dst, &upper) {
+                        tracing::error!(session.id = session, layer.id = staged.layer, error = %back, "a publish that did not commit left the upper in the layer directory; the startup sweep moves it back");
+                    }
+                }
+                return Err(e);
+            }
+        };
+        self.reset_session_dirs(session, false);
+        info!(session.id = session, layer.id = published.layer, stack = %stack, branch = %branch, manifest = published.manifest, outcome = kind.as_str(), "published");
+        Ok(published)
+    }
+
+    /// Records an outcome that adds no layer. `NoChange` and `Discarded` end the
+    /// run: the lease is released and the upper dropped (the next mount starts
+    /// fresh on the head). Retryable outcomes (`Conflict`, `Failed`, `Busy`,
+    /// `Unsupported`, `Unknown`) keep both for inspection and another attempt.
+    /// A session released by its owner loses its directories once the run ends.
+    /// `staged`: rows of a publish that got this outcome instead (dropped).
+    ///
+    /// Errors: `SessionNotFound`; `InvalidArgument` for `Committed`/`Merged`
+    /// (use [`Store::commit_publish`]).
+    pub fn record_outcome(
+        &self,
+        session: SessionId,
+        record: OutcomeRecord,
+        staged: Option<Staged>,
+    ) -> Result<Outcome, StoreError> {
+        let (state, ends) = match record.kind {
+            OutcomeKind::NoChange => (SessionState::Published, true),
+            OutcomeKind::Discarded => (SessionState::Discarded, true),
+            OutcomeKind::Conflict => (SessionState::Conflict, false),
+            OutcomeKind::Failed
+            | OutcomeKind::Busy
+            | OutcomeKind::Unsupported
+            | OutcomeKind::Unknown => (SessionState::Active, false),
+            OutcomeKind::Committed | OutcomeKind::Merged => {
+                return Err(StoreError::InvalidArgument(format!(
+                    "outcome {} adds a layer: commit the publish instead",
+                    record.kind.as_str()
+                )))
+            }
+        };
+        let (outcome, released) = self.db.write(|tx| {
+            let s = get_sess(tx, session)?;
+            if let Some(st) = staged {
+                delete_staged(tx, st)?;
+            }
+            let now = now_ns();
+            let c = PathCounts::of(&record.paths);
+            let [cu, gw, gh, tu] = micros(record.timings);
+            tx.execute(
+                "INSERT INTO publishes(session_id, run, outcome, message, clean, merged, conflict, excluded, capture_us, gate_wait_us, gate_hold_us, total_us, at_ns) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
+                params![session, s.run, record.kind.as_str(), record.message, c.clean as i64, c.merged as i64, c.conflict as i64, c.excluded as i64, cu, gw, gh, tu, now],
+            )?;
+            let pid = tx.last_insert_rowid();
+            insert_paths(tx, pid, &record.paths)?;
+            if ends {
+                release_lease(tx, s.lease_id)?;
+                tx.execute(
+                    "UPDATE sessions SET state = ?2, last_publish = ?3, lease_id = NULL, updated_ns = ?4 WHERE id = ?1",
+                    params![session, state.as_str(), pid, now],
+                )?;
+            } else {
+                tx.execute(
+                    "UPDATE sessions SET state = ?2, last_publish = ?3, updated_ns = ?4 WHERE id = ?1",
+                    params![session, state.as_str(), pid, now],
+                )?;
+            }
+            Ok((read_outcome(tx, pid)?, s.released))
+        })?;
+        if ends && released {
+            // The owner let go already (a kept conflict upper being dropped, or a
+            // run ended after containerd removed the snapshot): nothing mounts
+            // this session again.
+            let dir = self.session_path(session);
+            if let Err(e) = fs::remove_tree(&dir) {
+                warn!(path = %dir.display(), error = %e, "failed to remove session directory; the sweep will retry");
+            }
+        } else if ends {
+            self.reset_session_dirs(session, true);
+        }
+        info!(
+            session.id = session,
+            outcome = record.kind.as_str(),
+            "outcome recorded"
+        );
+        Ok(outcome)
+    }
+
+    /// Outcome `id`. Errors: `Corrupt` when missing.
+    pub fn outcome(&self, id: PublishId) -> Result<Outcome, StoreError> {
+        self.db.read(|conn| read_outcome(conn, id))
+    }
+
+    /// The per-path verdicts of outcome `id` in path order, a page at a time:
+    /// at most `limit` paths after `after` (exclusive; `None` from the start),
+    /// only `status` when given. Errors: `Corrupt`.
+    pub fn outcome_paths(
+        &self,
+        id: PublishId,
+        after: Option<&[u8]>,
+        limit: usize,
+        status: Option<PathStatus>,
+    ) -> Result<Vec<PathRecord>, StoreError> {
+        self.db.read(|conn| {
+            let mut stmt = conn.prepare_cached(
+                "SELECT path, status, reason FROM publish_paths WHERE publish_id = ?1 AND path > ?2 AND (?3 IS NULL OR status = ?3) ORDER BY path LIMIT ?4",
+            )?;
+            let rows = stmt.query_map(
+                params![
+                    id,
+                    after.unwrap_or(&[]),
+                    status.map(PathStatus::code),
+                    i64::try_from(limit).unwrap_or(i64::MAX)
+                ],
+                |r| Ok((r.get::<_, Vec<u8>>(0)?, r.get::<_, i64>(1)?, r.get::<_, String>(2)?)),
+            )?;
+            let mut out = Vec::new();
+            for r in rows {
+                let (path, st, reason) = r?;
+                let status = PathStatus::from_code(st).ok_or_else(|| {
+                    StoreError::corrupt(
+                        "publish_paths",
+                        format!("outcome {id}, path {}", crate::escape_path(&path)),
+                        format!("status {st}"),
+                    )
+                })?;
+                out.push(PathRecord {
+                    path,
+                    status,
+                    reason,
+                });
+            }
+            Ok(out)
+        })
+    }
+
+    /// The layers of manifest `head` (newest first) and of the lease `lease`
+    /// that a publish compares: convenience for tests and the CLI.
+    pub fn manifest_depth(&self, id: ManifestId) -> Result<usize, StoreError> {
+        self.db.read(|conn| Ok(manifest_layers(conn, id)?.len()))
+    }
+
+    /// Give a session an empty upper and workdir (after its writes were published
+    /// or dropped). Old directories go through staging so a crash never leaves a
+    /// half-deleted upper in place.
+    pub(crate) fn reset_session_dirs(&self, session: SessionId, drop_upper: bool) {
+        let s = self.session_path(session);
+        let mut doomed: Vec<PathBuf> = vec![s.join("work")];
+        if drop_upper {
+            doomed.push(s.join("upper"));
+        }
+        for (i, d) in doomed.into_iter().enumerate() {
+            if std::fs::symlink_metadata(&d).is_err() {
+                continue;
+            }
+            let name = format!("reset-{session}-{i}-{}", now_ns());
+            let _g = self.inflight.hold(format!("staging/{name}"));
+            let tmp = self.staging_path().join(name);
+            let target = match std::fs::rename(&d, &tmp) {
+                Ok(()) => tmp,
+                Err(_) => d,
+            };
+            if let Err(e) = fs::remove_tree(&target) {
+                warn!(path = %target.display(), error = %e, "failed to remove old session directory; the sweep will retry");
+            }
+        }
+        if let Err(e) = self.make_session_dirs(session) {
+            warn!(session.id = session, error = %e, "failed to recreate session directories; the next mount retries");
+        }
+    }
+}
+
+fn delete_staged(tx: &Transaction<'_>, staged: Staged) -> Result<(), StoreError> {
+    tx.execute(
+        "DELETE FROM layer_paths WHERE layer_id = ?1",
+        [staged.layer],
+    )?;
+    tx.execute(
+        "DELETE FROM layers WHERE id = ?1 AND kind = 'pending'",
+        [staged.layer],
+    )?;
+    tx.execute(
+        "DELETE FROM publish_paths WHERE publish_id = ?1",
+        [staged.outcome],
+    )?;
+    tx.execute(
+        "DELETE FROM publishes WHERE id = ?1 AND outcome = 'pending'",
+        [staged.outcome],
+    )?;
+    Ok(())
+}

@@ -1,0 +1,640 @@
+//! Sessions: one private upper on a lease, owned by a container (Mode A) or a
+//! sandbox session (Mode B) (ARCHITECTURE.md §2, §6, §12).
+//!
+//! A session lives through runs: a run starts when the session is mounted with
+//! no lease or after an outcome (the lease moves to the branch head and the
+//! outcome is cleared), and ends with an outcome. An ending outcome (committed,
+//! merged, no-change, discarded) releases the lease and gives the session a fresh
+//! upper; a retryable one (conflict, failed, busy, unsupported, unknown) keeps
+//! both, so the run may be published again or discarded.
+
+use std::path::PathBuf;
+
+use rusqlite::{params, Connection, OptionalExtension, Transaction};
+use tracing::{info, warn};
+
+use crate::error::StoreError;
+use crate::leases::{lease_manifest, new_lease, release_lease};
+use crate::stacks::{branch_head, ensure_branch, manifest_layers, stack_base_layers};
+use crate::{
+    fs, now_ns, session_rel, validate_branch, HolderKind, LayerId, LeaseTarget, ManifestId,
+    MountSpec, Owner, SessionId, SessionInfo, SessionState, Store, MAX_LOWERS,
+};
+
+/// A `sessions` row.
+pub(crate) struct SessRow {
+    pub(crate) id: SessionId,
+    pub(crate) owner: Owner,
+    pub(crate) stack: String,
+    pub(crate) branch: String,
+    pub(crate) lease_id: Option<i64>,
+    pub(crate) state: SessionState,
+    pub(crate) run: i64,
+    pub(crate) policy: Option<String>,
+    pub(crate) last_publish: Option<i64>,
+    pub(crate) released: bool,
+    pub(crate) remove_pending: bool,
+    pub(crate) idempotency_key: Option<String>,
+    pub(crate) created_ns: i64,
+}
+
+/// SQL condition on `sessions` columns: the session still needs its directories
+/// (live, being released, or its run's writes kept after a retryable outcome).
+pub(crate) const KEEPS_DIRS: &str = "(released = 0 OR remove_pending = 1 OR last_publish IN (SELECT id FROM publishes WHERE outcome IN ('conflict', 'failed', 'busy', 'unsupported', 'unknown')))";
+
+pub(crate) const SESS_COLS: &str = "id, owner_kind, namespace, owner, stack, branch, lease_id, state, run, policy, last_publish, released, remove_pending, idempotency_key, created_ns";
+
+/// The owner of session `id` from its columns. Errors: `Corrupt`.
+pub(crate) fn owner_from(
+    id: SessionId,
+    kind: &str,
+    namespace: String,
+    owner: String,
+) -> Result<Owner, StoreError> {
+    match kind {
+        "container" => Ok(Owner::Container {
+            namespace,
+            id: owner,
+        }),
+        "sandbox" => Ok(Owner::Sandbox { name: owner }),
+        other => Err(StoreError::corrupt(
+            "sessions",
+            id,
+            format!("owner_kind {other:?}"),
+        )),
+    }
+}
+
+type RawSess = (
+    i64,
+    String,
+    String,
+    String,
+    String,
+    String,
+    Option<i64>,
+    String,
+    i64,
+    Option<String>,
+    Option<i64>,
+    i64,
+    i64,
+    Option<String>,
+    i64,
+);
+
+fn raw_sess(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawSess> {
+    Ok((
+        r.get(0)?,
+        r.get(1)?,
+        r.get(2)?,
+        r.get(3)?,
+        r.get(4)?,
+        r.get(5)?,
+        r.get(6)?,
+        r.get(7)?,
+        r.get(8)?,
+        r.get(9)?,
+        r.get(10)?,
+        r.get(11)?,
+        r.get(12)?,
+        r.get(13)?,
+        r.get(14)?,
+    ))
+}
+
+fn sess_from_raw(raw: RawSess) -> Result<SessRow, StoreError> {
+    let (
+        id,
+        kind,
+        ns,
+        owner,
+        stack,
+        branch,
+        lease_id,
+        state,
+        run,
+        policy,
+        last,
+        rel,
+        pend,
+        key,
+        created,
+    ) = raw;
+    Ok(SessRow {
+        id,
+        owner: owner_from(id, &kind, ns, owner)?,
+        stack,
+        branch,
+        lease_id,
+        state: SessionState::parse(&state)
+            .ok_or_else(|| StoreError::corrupt("sessions", id, format!("state {state:?}")))?,
+        run,
+        policy,
+        last_publish: last,
+        released: rel != 0,
+        remove_pending: pend != 0,
+        idempotency_key: key,
+        created_ns: created,
+    })
+}
+
+/// Session `id`. Errors: `SessionNotFound`, `Corrupt`.
+pub(crate) fn get_sess(conn: &Connection, id: SessionId) -> Result<SessRow, StoreError> {
+    let raw = conn
+        .query_row(
+            &format!("SELECT {SESS_COLS} FROM sessions WHERE id = ?1"),
+            [id],
+            raw_sess,
+        )
+        .optional()?
+        .ok_or(StoreError::SessionNotFound(id))?;
+    sess_from_raw(raw)
+}
+
+/// Every session matching `where_sql` (with `params`), by id.
+fn query_sessions(
+    conn: &Connection,
+    where_sql: &str,
+    params: impl rusqlite::Params,
+) -> Result<Vec<SessRow>, StoreError> {
+    let mut stmt = conn.prepare(&format!(
+        "SELECT {SESS_COLS} FROM sessions {where_sql} ORDER BY id"
+    ))?;
+    let raws: Vec<RawSess> = stmt
+        .query_map(params, raw_sess)?
+        .collect::<Result<_, _>>()?;
+    raws.into_iter().map(sess_from_raw).collect()
+}
+
+/// A new session row for `owner` on `stack`, leasing `target`, with private
+/// read-only layers `above` (newest first). Creates its directories. Returns the
+/// session id.
+pub(crate) fn insert_session(
+    store: &Store,
+    tx: &Transaction<'_>,
+    owner: &Owner,
+    stack: &str,
+    target: &LeaseTarget,
+    above: &[LayerId],
+    idempotency_key: Option<&str>,
+) -> Result<SessionId, StoreError> {
+    let (branch, head) = match target {
+        LeaseTarget::Branch(b) => {
+            validate_branch(b).map_err(StoreError::InvalidArgument)?;
+            (
+                b.clone(),
+                ensure_branch(tx, stack, b, &store.default_branch)?,
+            )
+        }
+        LeaseTarget::Manifest(m) => {
+            let on: Option<String> = tx
+                .query_row("SELECT stack FROM manifests WHERE id = ?1", [m], |r| {
+                    r.get(0)
+                })
+                .optional()?;
+            match on {
+                Some(s) if s == stack => {}
+                Some(s) => {
+                    return Err(StoreError::InvalidArgument(format!(
+                        "manifest {m} belongs to stack {s}, not {stack}"
+                    )))
+                }
+                None => {
+                    return Err(StoreError::InvalidArgument(format!(
+                        "manifest {m} does not exist"
+                    )))
+                }
+            }
+            (store.default_branch.clone(), *m)
+        }
+    };
+    let now = now_ns();
+    let (ns, name) = (owner.namespace(), owner.name());
+    tx.execute(
+        "INSERT INTO sessions(owner_kind, namespace, owner, stack, branch, state, idempotency_key, created_ns, updated_ns) VALUES (?1, ?2, ?3, ?4, ?5, 'active', ?6, ?7, ?7)",
+        params![owner.kind_str(), ns, name, stack, branch, idempotency_key, now],
+    )?;
+    let sid = tx.last_insert_rowid();
+    let lease = new_lease(tx, head, HolderKind::Session, &sid.to_string())?;
+    tx.execute(
+        "UPDATE sessions SET lease_id = ?2 WHERE id = ?1",
+        params![sid, lease],
+    )?;
+    {
+        let mut ins = tx.prepare_cached(
+            "INSERT INTO session_layers(session_id, pos, layer_id) VALUES (?1, ?2, ?3)",
+        )?;
+        for (pos, l) in above.iter().enumerate() {
+            ins.execute(params![sid, pos as i64, l])?;
+        }
+    }
+    store.make_session_dirs(sid)?;
+    Ok(sid)
+}
+
+impl Store {
+    pub(crate) fn make_session_dirs(&self, sid: SessionId) -> Result<(), StoreError> {
+        let s = self.session_path(sid);
+        let _g = self.inflight.hold(session_rel(sid));
+        for (p, mode) in [
+            (s.clone(), 0o700),
+            (s.join("upper"), 0o755),
+            (s.join("work"), 0o700),
+        ] {
+            match fs::mkdir_mode(&p, mode) {
+                Ok(()) => {}
+                Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                Err(e) => return Err(StoreError::io(&p, e)),
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn session_info(
+        &self,
+        conn: &Connection,
+        s: SessRow,
+    ) -> Result<SessionInfo, StoreError> {
+        let lease_manifest = match s.lease_id {
+            Some(l) => Some(lease_manifest(conn, l)?),
+            None => None,
+        };
+        let outcome = match s.last_publish {
+            Some(p) => Some(crate::publish::read_outcome(conn, p)?),
+            None => None,
+        };
+        let key: Option<String> = match s.owner {
+            Owner::Container { .. } => conn
+                .query_row(
+                    "SELECT key FROM snapshots WHERE session_id = ?1 AND kind = 'active'",
+                    [s.id],
+                    |r| r.get(0),
+                )
+                .optional()?,
+            Owner::Sandbox { .. } => None,
+        };
+        Ok(SessionInfo {
+            upper: self.upper_path(s.id),
+            work: self.session_work_path(s.id),
+            id: s.id,
+            owner: s.owner,
+            key,
+            stack: s.stack,
+            branch: s.branch,
+            state: s.state,
+            outcome,
+            lease_manifest,
+            run: s.run,
+            released: s.released,
+            remove_pending: s.remove_pending,
+            policy: s.policy,
+            idempotency_key: s.idempotency_key,
+            created_ns: s.created_ns,
+        })
+    }
+
+    /// Lower layers of session `s` on lease `lease`, newest first: its private
+    /// layers, the leased manifest's layers, then the stack's base layers.
+    pub(crate) fn session_lowers(
+        &self,
+        conn: &Connection,
+        s: &SessRow,
+        manifest: ManifestId,
+    ) -> Result<Vec<LayerId>, StoreError> {
+        let mut lowers: Vec<LayerId> = {
+            let mut stmt = conn.prepare_cached(
+                "SELECT layer_id FROM session_layers WHERE session_id = ?1 ORDER BY pos",
+            )?;
+            let rows = stmt.query_map([s.id], |r| r.get(0))?;
+            rows.collect::<Result<_, _>>()?
+        };
+        lowers.extend(manifest_layers(conn, manifest)?);
+        lowers.extend(stack_base_layers(conn, &s.stack)?);
+        Ok(lowers)
+    }
+
+    /// The overlay of session `sid` over `lowers`: refuses more than
+    /// [`MAX_LOWERS`], and gives a fresh upper the lease root's metadata.
+    pub(crate) fn session_spec(
+        &self,
+        conn: &Connection,
+        sid: SessionId,
+        lowers: &[LayerId],
+    ) -> Result<MountSpec, StoreError> {
+        if lowers.len() > MAX_LOWERS {
+            return Err(StoreError::FailedPrecondition(format!(
+                "a session on this branch would mount {} lower layers (published history plus image layers); overlayfs allows {MAX_LOWERS} (OVL_MAX_STACK); squash the branch's history or use another branch",
+                lowers.len()
+            )));
+        }
+        let dirs = self.layer_dirs(conn, lowers)?;
+        let upper = self.upper_path(sid);
+        if let Some(top) = dirs.first() {
+            fs::init_upper_root(&upper, top).map_err(|e| StoreError::io(&upper, e))?;
+        }
+        Ok(MountSpec::Overlay {
+            lowers: dirs,
+            upper: Some((upper, self.session_work_path(sid))),
+        })
+    }
+
+    /// Starts a run of session `sid` if none is in progress (no lease, or the
+    /// last run has an outcome): leases the branch head, clears the outcome,
+    /// counts the run. Returns the mount spec of the current run.
+    pub(crate) fn start_run(
+        &self,
+        tx: &Transaction<'_>,
+        sid: SessionId,
+    ) -> Result<MountSpec, StoreError> {
+        let mut s = get_sess(tx, sid)?;
+        if s.released {
+            return Err(StoreError::FailedPrecondition(format!(
+                "session {sid} was released by its owner; it cannot be mounted again"
+            )));
+        }
+        if s.lease_id.is_none() {
+            let head = branch_head(tx, &s.stack, &s.branch)?.ok_or_else(|| {
+                StoreError::BranchNotFound {
+                    stack: s.stack.clone(),
+                    branch: s.branch.clone(),
+                }
+            })?;
+            let lease = new_lease(tx, head, HolderKind::Session, &sid.to_string())?;
+            tx.execute(
+                "UPDATE sessions SET lease_id = ?2 WHERE id = ?1",
+                params![sid, lease],
+            )?;
+            s.lease_id = Some(lease);
+        }
+        if s.last_publish.is_some() || s.state != SessionState::Active {
+            tx.execute(
+                "UPDATE sessions SET state = 'active', last_publish = NULL, run = run + 1, updated_ns = ?2 WHERE id = ?1",
+                params![sid, now_ns()],
+            )?;
+        }
+        self.make_session_dirs(sid)?;
+        let lease = s.lease_id.unwrap_or_default();
+        let manifest = lease_manifest(tx, lease)?;
+        let lowers = self.session_lowers(tx, &s, manifest)?;
+        self.session_spec(tx, sid, &lowers)
+    }
+
+    /// Creates a session for `owner` on `stack` leasing `target` (a branch head,
+    /// created from the default branch when missing, or a manifest of the stack).
+    /// With `idempotency_key`, a second call with the same key returns the first
+    /// call's session (and its mount spec now) instead of creating another.
+    ///
+    /// Errors: `StackNotFound`, `InvalidArgument` (branch name, manifest of
+    /// another stack), `FailedPrecondition` (too many lowers).
+    pub fn create_session(
+        &self,
+        owner: &Owner,
+        stack: &str,
+        target: &LeaseTarget,
+        idempotency_key: Option<&str>,
+    ) -> Result<(SessionInfo, MountSpec, bool), StoreError> {
+        self.db.write(|tx| {
+            if let Some(k) = idempotency_key {
+                let existing: Option<i64> = tx
+                    .query_row(
+                        "SELECT id FROM sessions WHERE idempotency_key = ?1",
+                        [k],
+                        |r| r.get(0),
+                    )
+                    .optional()?;
+                if let Some(sid) = existing {
+                    let s = get_sess(tx, sid)?;
+                    let spec = match s.released {
+                        true => MountSpec::Overlay {
+                            lowers: vec![],
+                            upper: None,
+                        },
+                        false => self.start_run(tx, sid)?,
+                    };
+                    let info = self.session_info(tx, get_sess(tx, sid)?)?;
+                    return Ok((info, spec, false));
+                }
+            }
+            let exists: Option<i64> = tx
+                .query_row("SELECT 1 FROM stacks WHERE id = ?1", [stack], |r| r.get(0))
+                .optional()?;
+            if exists.is_none() {
+                return Err(StoreError::StackNotFound(stack.into()));
+            }
+            let sid = insert_session(self, tx, owner, stack, target, &[], idempotency_key)?;
+            let spec = self.start_run(tx, sid)?;
+            let info = self.session_info(tx, get_sess(tx, sid)?)?;
+            info!(session.id = sid, owner = %owner.display(), stack, branch = %info.branch, "session created");
+            Ok((info, spec, true))
+        })
+    }
+
+    /// The mount spec of session `sid`'s current run, starting a new run when the
+    /// last one has an outcome (see the module docs). Error: `SessionNotFound`,
+    /// `FailedPrecondition` (released, too many lowers).
+    pub fn session_mount(&self, sid: SessionId) -> Result<MountSpec, StoreError> {
+        self.db.write(|tx| self.start_run(tx, sid))
+    }
+
+    /// Record the exit policy of `session` as given (`on-exit`, `on-success`,
+    /// `never`; an invalid value is recorded too, so that the run is refused
+    /// rather than published). Error: `SessionNotFound`.
+    pub fn set_session_policy(
+        &self,
+        session: SessionId,
+        policy: &str,
+    ) -> Result<SessionInfo, StoreError> {
+        self.db.write(|tx| {
+            let n = tx.execute(
+                "UPDATE sessions SET policy = ?2, updated_ns = ?3 WHERE id = ?1",
+                params![session, policy, now_ns()],
+            )?;
+            if n == 0 {
+                return Err(StoreError::SessionNotFound(session));
+            }
+            self.session_info(tx, get_sess(tx, session)?)
+        })
+    }
+
+    /// All sessions, oldest first.
+    pub fn sessions(&self) -> Result<Vec<SessionInfo>, StoreError> {
+        self.db.read(|conn| {
+            query_sessions(conn, "", [])?
+                .into_iter()
+                .map(|s| self.session_info(conn, s))
+                .collect()
+        })
+    }
+
+    /// One session by id. Error: `SessionNotFound`.
+    pub fn session(&self, id: SessionId) -> Result<SessionInfo, StoreError> {
+        self.db.read(|conn| {
+            let s = get_sess(conn, id)?;
+            self.session_info(conn, s)
+        })
+    }
+
+    /// The newest session of a container (`namespace`, container `id` = the
+    /// rootfs snapshot key's name part), preferring one containerd has not removed.
+    pub fn find_session(
+        &self,
+        namespace: &str,
+        container: &str,
+    ) -> Result<Option<SessionInfo>, StoreError> {
+        self.db.read(|conn| {
+            let raw = conn
+                .query_row(
+                    &format!(
+                        "SELECT {SESS_COLS} FROM sessions WHERE owner_kind = 'container' AND namespace = ?1 AND owner = ?2 ORDER BY released ASC, id DESC LIMIT 1"
+                    ),
+                    params![namespace, container],
+                    raw_sess,
+                )
+                .optional()?;
+            match raw {
+                Some(r) => Ok(Some(self.session_info(conn, sess_from_raw(r)?)?)),
+                None => Ok(None),
+            }
+        })
+    }
+
+    /// Marks session `sid` released by its owner (containerd removed its
+    /// snapshot; the sandbox session closed). With `defer`, the directories and
+    /// lease stay until [`Store::complete_release`] (a publish may still need
+    /// them); otherwise they go now. A session whose run ended with a retryable
+    /// outcome (conflict, failed) keeps its upper and lease for inspection either
+    /// way (until discarded).
+    pub fn release_session(&self, sid: SessionId, defer: bool) -> Result<(), StoreError> {
+        self.db.write(|tx| {
+            let s = get_sess(tx, sid)?;
+            if s.released && !s.remove_pending {
+                return Ok(());
+            }
+            tx.execute(
+                "UPDATE sessions SET released = 1, remove_pending = 1, updated_ns = ?2 WHERE id = ?1",
+                params![sid, now_ns()],
+            )?;
+            Ok(())
+        })?;
+        if defer {
+            return Ok(());
+        }
+        self.complete_release(sid)
+    }
+
+    /// Finishes the release of a released session: clears `remove_pending`, and
+    /// unless its run ended with a retryable outcome (conflict, failed, …: the
+    /// writes are kept for inspection until discarded) releases the lease and
+    /// removes the directories (row first, directories after, outside the
+    /// transaction).
+    pub fn complete_release(&self, sid: SessionId) -> Result<(), StoreError> {
+        let drop_dirs = self.db.write(|tx| {
+            let s = get_sess(tx, sid)?;
+            if !s.released {
+                return Ok(false);
+            }
+            let keep = match s.last_publish {
+                Some(p) => crate::publish::read_outcome(tx, p)?.kind.is_retryable(),
+                None => false,
+            };
+            if !keep {
+                release_lease(tx, s.lease_id)?;
+            }
+            tx.execute(
+                &format!(
+                    "UPDATE sessions SET remove_pending = 0, {} updated_ns = ?2 WHERE id = ?1",
+                    if keep { "" } else { "lease_id = NULL," }
+                ),
+                params![sid, now_ns()],
+            )?;
+            Ok(!keep)
+        })?;
+        if drop_dirs {
+            let dir = self.session_path(sid);
+            if let Err(e) = fs::remove_tree(&dir) {
+                warn!(path = %dir.display(), error = %e, "failed to remove session directory; the sweep will retry");
+            }
+        }
+        Ok(())
+    }
+
+    /// Re-points a session whose current run has not been mounted yet to `branch`
+    /// (the container label `layerstack.branch`, read by the runtime shim before the
+    /// rootfs is mounted; ARCHITECTURE.md §6 step 1): the lease moves to that branch's
+    /// head, and a new branch forks the default branch. Returns the session, its
+    /// mount spec now, and whether anything changed: a session already on
+    /// `branch`, or `pinned` (its snapshot label names a branch, which wins), is
+    /// left as it is. The caller checks that the upper is not mounted.
+    ///
+    /// Errors: `SessionNotFound`; `InvalidArgument` (branch name);
+    /// `FailedPrecondition` when the run already has an outcome, holds no lease,
+    /// was released, or its upper is not empty.
+    pub fn rebranch_session(
+        &self,
+        session: SessionId,
+        branch: &str,
+        pinned: bool,
+    ) -> Result<(SessionInfo, MountSpec, bool), StoreError> {
+        validate_branch(branch).map_err(StoreError::InvalidArgument)?;
+        let upper = self.upper_path(session);
+        let upper_empty = match std::fs::read_dir(&upper) {
+            Ok(mut d) => d.next().is_none(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => true,
+            Err(e) => return Err(StoreError::io(&upper, e)),
+        };
+        let (info, spec, changed) = self.db.write(|tx| {
+            let s = get_sess(tx, session)?;
+            let mut changed = false;
+            if s.branch != branch && !pinned {
+                let lease = match (s.last_publish.is_some(), s.released, s.lease_id) {
+                    (false, false, Some(l)) => l,
+                    _ => {
+                        return Err(StoreError::FailedPrecondition(format!(
+                            "session {session} has no run in progress (outcome recorded, released, or no lease): its branch cannot change"
+                        )))
+                    }
+                };
+                if !upper_empty {
+                    return Err(StoreError::FailedPrecondition(format!(
+                        "session {session} has written to its upper already: its branch cannot change"
+                    )));
+                }
+                let head = ensure_branch(tx, &s.stack, branch, &self.default_branch)?;
+                release_lease(tx, Some(lease))?;
+                let new = new_lease(tx, head, HolderKind::Session, &session.to_string())?;
+                tx.execute(
+                    "UPDATE sessions SET branch = ?2, lease_id = ?3, updated_ns = ?4 WHERE id = ?1",
+                    params![session, branch, new, now_ns()],
+                )?;
+                changed = true;
+            }
+            let s = get_sess(tx, session)?;
+            let lease = s.lease_id.ok_or(StoreError::NoLease(session))?;
+            let manifest = lease_manifest(tx, lease)?;
+            let lowers = self.session_lowers(tx, &s, manifest)?;
+            let spec = self.session_spec(tx, session, &lowers)?;
+            let info = self.session_info(tx, s)?;
+            Ok((info, spec, changed))
+        })?;
+        if changed {
+            info!(session.id = session, branch, manifest = ?info.lease_manifest, "session re-pointed to branch");
+        }
+        Ok((info, spec, changed))
+    }
+
+    /// Whether `sid`'s upper holds anything.
+    pub fn upper_is_empty(&self, sid: SessionId) -> Result<bool, StoreError> {
+        let upper = self.upper_path(sid);
+        match std::fs::read_dir(&upper) {
+            Ok(mut d) => Ok(d.next().is_none()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(true),
+            Err(e) => Err(StoreError::io(&upper, e)),
+        }
+    }
+
+    /// The directory holding session `sid` (for callers that list them).
+    pub fn session_dir(&self, sid: SessionId) -> PathBuf {
+        self.session_path(sid)
+    }
+}

@@ -1,0 +1,771 @@
+//! containerd's snapshot semantics over the history model (ARCHITECTURE.md §5):
+//! the only code that knows containerd's key format, snapshot kinds, parent
+//! chains, image extraction and Docker's per-container init layer.
+//!
+//! * Keys arrive as `<namespace>/<seq>/<name>` (containerd
+//!   `metadata/snapshot.go`, `createKey`); they are opaque strings here (never
+//!   paths).
+//! * An image layer is unpacked by `Prepare(extract-…, parent)` + `Commit(name)`;
+//!   its directory becomes a `base` layer.
+//! * Any other `Prepare` whose parent chain reaches an image layer creates a
+//!   **session** owned by the container `<namespace>/<name>`: the stack is the
+//!   nearest image ancestor (its base layers are recorded on the stack, so history
+//!   outlives containerd's snapshots), the branch comes from the snapshot label
+//!   [`BRANCH_LABEL`], and committed non-image snapshots in between (Docker's
+//!   `-init`) become the session's private layers above the published ones.
+//! * Every snapshot is a manifest of layer ids: `Commit` of an active session
+//!   freezes exactly what it saw (its private layers, the lease, its upper) into
+//!   `snapshot_lowers`; so does `View`.
+//! * Published layers never appear as snapshots (containerd's GC would remove
+//!   them); everything containerd created does.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+
+use rusqlite::{params, Connection, OptionalExtension, Transaction};
+use tracing::{debug, info, warn};
+
+use crate::error::StoreError;
+use crate::layers::insert_layer;
+use crate::leases::{lease_manifest, release_lease};
+use crate::sessions::{get_sess, insert_session};
+use crate::stacks::ensure_stack;
+use crate::{
+    fs, layer_rel, now_ns, LayerId, LayerKind, LeaseTarget, MountSpec, Owner, SessionId,
+    SnapshotInfo, SnapshotKind, Store,
+};
+
+/// Label that names the branch a container rootfs session leases
+/// (`ctr run --snapshotter-label containerd.io/snapshot/layerstack.branch=NAME`).
+pub const BRANCH_LABEL: &str = "containerd.io/snapshot/layerstack.branch";
+/// Label containerd's unpacker sets on an image-layer extraction `Prepare`
+/// (containerd `unpacker.go`, remote-snapshot protocol).
+pub const SNAPSHOT_REF_LABEL: &str = "containerd.io/snapshot.ref";
+
+/// Split a backend key `<namespace>/<seq>/<name>` (containerd `metadata/snapshot.go`
+/// `createKey`). Returns `(namespace, name)`.
+pub fn split_key(key: &str) -> Option<(&str, &str)> {
+    let mut it = key.splitn(3, '/');
+    let ns = it.next()?;
+    let seq = it.next()?;
+    let name = it.next()?;
+    if ns.is_empty() || name.is_empty() || !seq.bytes().all(|b| b.is_ascii_digit()) {
+        return None;
+    }
+    Some((ns, name))
+}
+
+/// The stack id of image `chain_id` (its top layer chainID) in containerd
+/// namespace `namespace`: `<namespace>/<chainID>`. A containerd namespace is a
+/// tenancy boundary (`default`, `moby`, `k8s.io`), so each has its own history of
+/// the same image.
+pub fn stack_id(namespace: &str, chain_id: &str) -> String {
+    if namespace.is_empty() {
+        chain_id.to_string()
+    } else {
+        format!("{namespace}/{chain_id}")
+    }
+}
+
+/// `sha256:` followed by 64 lowercase hex digits (a chainID).
+pub(crate) fn is_digest(s: &str) -> bool {
+    s.strip_prefix("sha256:").is_some_and(|h| {
+        h.len() == 64
+            && h.bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    })
+}
+
+/// Whether an active snapshot is an image-layer extraction. containerd's pull
+/// unpacker labels it with [`SNAPSHOT_REF_LABEL`]; the client-side unpack of
+/// `ctr images import`/`ctr run` (containerd `rootfs/apply.go`) does not, but
+/// always uses the key `extract-<nonce> <chainID>`.
+pub fn is_extraction(key: &str, labels: &BTreeMap<String, String>) -> bool {
+    if labels.contains_key(SNAPSHOT_REF_LABEL) {
+        return true;
+    }
+    let name = split_key(key).map(|(_, n)| n).unwrap_or(key);
+    name.strip_prefix("extract-")
+        .and_then(|rest| rest.rsplit_once(' '))
+        .is_some_and(|(_, chain)| is_digest(chain))
+}
+
+/// What [`Store::remove`] removed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Removed {
+    /// A snapshot without a session (its directories are gone unless something
+    /// else still uses the layer).
+    Plain,
+    /// A container's rootfs snapshot: the session is released with its
+    /// directories kept until [`Store::complete_release`] (the caller finishes
+    /// the run by its policy first when it has unpublished writes).
+    Session(SessionId),
+}
+
+struct SnapRow {
+    key: String,
+    kind: SnapshotKind,
+    parent: Option<String>,
+    labels: BTreeMap<String, String>,
+    created_ns: i64,
+    updated_ns: i64,
+    layer_id: Option<LayerId>,
+    session_id: Option<SessionId>,
+    image_layer: bool,
+    frozen: bool,
+    size: Option<i64>,
+    inodes: Option<i64>,
+}
+
+impl SnapRow {
+    fn info(&self) -> SnapshotInfo {
+        SnapshotInfo {
+            key: self.key.clone(),
+            kind: self.kind,
+            parent: self.parent.clone().unwrap_or_default(),
+            labels: self.labels.clone(),
+            created_ns: self.created_ns,
+            updated_ns: self.updated_ns,
+        }
+    }
+}
+
+const SNAP_COLS: &str = "key, kind, parent, labels, created_ns, updated_ns, layer_id, session_id, image_layer, frozen, size, inodes";
+
+type RawSnap = (
+    String,
+    String,
+    Option<String>,
+    String,
+    i64,
+    i64,
+    Option<i64>,
+    Option<i64>,
+    i64,
+    i64,
+    Option<i64>,
+    Option<i64>,
+);
+
+fn raw_snap(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawSnap> {
+    Ok((
+        r.get(0)?,
+        r.get(1)?,
+        r.get(2)?,
+        r.get(3)?,
+        r.get(4)?,
+        r.get(5)?,
+        r.get(6)?,
+        r.get(7)?,
+        r.get(8)?,
+        r.get(9)?,
+        r.get(10)?,
+        r.get(11)?,
+    ))
+}
+
+fn snap_from_raw(raw: RawSnap) -> Result<SnapRow, StoreError> {
+    let (
+        key,
+        kind,
+        parent,
+        labels,
+        created_ns,
+        updated_ns,
+        layer_id,
+        session_id,
+        image,
+        frozen,
+        size,
+        inodes,
+    ) = raw;
+    let kind = match kind.as_str() {
+        "view" => SnapshotKind::View,
+        "active" => SnapshotKind::Active,
+        "committed" => SnapshotKind::Committed,
+        other => {
+            return Err(StoreError::corrupt(
+                "snapshots",
+                &key,
+                format!("kind {other:?}"),
+            ))
+        }
+    };
+    let labels = serde_json::from_str(&labels)
+        .map_err(|e| StoreError::corrupt("snapshots", &key, format!("labels: {e}")))?;
+    Ok(SnapRow {
+        key,
+        kind,
+        parent,
+        labels,
+        created_ns,
+        updated_ns,
+        layer_id,
+        session_id,
+        image_layer: image != 0,
+        frozen: frozen != 0,
+        size,
+        inodes,
+    })
+}
+
+fn get_snap(conn: &Connection, key: &str) -> Result<Option<SnapRow>, StoreError> {
+    conn.query_row(
+        &format!("SELECT {SNAP_COLS} FROM snapshots WHERE key = ?1"),
+        [key],
+        raw_snap,
+    )
+    .optional()?
+    .map(snap_from_raw)
+    .transpose()
+}
+
+fn need_snap(conn: &Connection, key: &str) -> Result<SnapRow, StoreError> {
+    get_snap(conn, key)?.ok_or_else(|| StoreError::SnapshotNotFound(key.to_string()))
+}
+
+fn frozen_lowers(conn: &Connection, key: &str) -> Result<Vec<LayerId>, StoreError> {
+    let mut stmt =
+        conn.prepare_cached("SELECT layer_id FROM snapshot_lowers WHERE key = ?1 ORDER BY pos")?;
+    let rows = stmt.query_map([key], |r| r.get(0))?;
+    Ok(rows.collect::<Result<_, _>>()?)
+}
+
+fn freeze(tx: &Transaction<'_>, key: &str, lowers: &[LayerId]) -> Result<(), StoreError> {
+    let mut ins =
+        tx.prepare_cached("INSERT INTO snapshot_lowers(key, pos, layer_id) VALUES (?1, ?2, ?3)")?;
+    for (pos, l) in lowers.iter().enumerate() {
+        ins.execute(params![key, pos as i64, l])?;
+    }
+    Ok(())
+}
+
+/// Lower layers of a committed snapshot, newest first.
+fn committed_chain(conn: &Connection, key: &str) -> Result<Vec<LayerId>, StoreError> {
+    let mut out = Vec::new();
+    let mut next = Some(key.to_string());
+    while let Some(k) = next {
+        let row = need_snap(conn, &k)?;
+        if row.kind != SnapshotKind::Committed {
+            return Err(StoreError::FailedPrecondition(format!(
+                "parent {k} is not a committed snapshot"
+            )));
+        }
+        if row.frozen {
+            out.extend(frozen_lowers(conn, &k)?);
+            break;
+        }
+        if let Some(l) = row.layer_id {
+            out.push(l);
+        }
+        next = row.parent;
+    }
+    Ok(out)
+}
+
+/// For a rootfs `Prepare` on `parent`: the nearest image-layer ancestor and the
+/// per-container committed layers above it (Docker's `-init` layer), newest first.
+/// `None` when no ancestor is an image layer (then the snapshot is a plain active one).
+fn find_base(
+    conn: &Connection,
+    parent: &str,
+) -> Result<Option<(SnapRow, Vec<LayerId>)>, StoreError> {
+    let mut above = Vec::new();
+    let mut next = Some(parent.to_string());
+    while let Some(k) = next {
+        let row = need_snap(conn, &k)?;
+        if row.kind != SnapshotKind::Committed {
+            return Err(StoreError::FailedPrecondition(format!(
+                "parent {k} is not a committed snapshot"
+            )));
+        }
+        if row.image_layer {
+            return Ok(Some((row, above)));
+        }
+        // A committed non-image snapshot (Docker's -init, a committed session):
+        // its own layer sits above the published ones.
+        if let Some(l) = row.layer_id {
+            above.push(l);
+        }
+        next = row.parent.clone();
+    }
+    Ok(None)
+}
+
+/// Stack identity of an image-layer snapshot: its chainID (the extraction's
+/// `containerd.io/snapshot.ref` label, else the name part of the key).
+fn chain_of(base: &SnapRow) -> String {
+    base.labels
+        .get(SNAPSHOT_REF_LABEL)
+        .cloned()
+        .or_else(|| split_key(&base.key).map(|(_, n)| n.to_string()))
+        .unwrap_or_else(|| base.key.clone())
+}
+
+fn view_spec(dirs: Vec<PathBuf>) -> MountSpec {
+    if dirs.len() == 1 {
+        MountSpec::Bind {
+            source: dirs.into_iter().next().unwrap_or_default(),
+            writable: false,
+        }
+    } else {
+        MountSpec::Overlay {
+            lowers: dirs,
+            upper: None,
+        }
+    }
+}
+
+fn active_spec(dir: PathBuf, work: PathBuf, lowers: Vec<PathBuf>) -> MountSpec {
+    if lowers.is_empty() {
+        MountSpec::Bind {
+            source: dir,
+            writable: true,
+        }
+    } else {
+        MountSpec::Overlay {
+            lowers,
+            upper: Some((dir, work)),
+        }
+    }
+}
+
+fn labels_json(labels: &BTreeMap<String, String>) -> String {
+    serde_json::to_string(labels).unwrap_or_else(|_| "{}".into())
+}
+
+impl Store {
+    /// containerd `Prepare` (`view == false`) or `View` (`view == true`).
+    ///
+    /// A `Prepare` without [`SNAPSHOT_REF_LABEL`] whose parent chain reaches an
+    /// image layer creates a session (see the module docs). Errors:
+    /// `SnapshotExists` (key taken), `SnapshotNotFound` (parent),
+    /// `FailedPrecondition` (parent not committed), `InvalidArgument` (empty key,
+    /// branch label).
+    pub fn prepare(
+        &self,
+        key: &str,
+        parent: &str,
+        labels: BTreeMap<String, String>,
+        view: bool,
+    ) -> Result<(SnapshotInfo, MountSpec), StoreError> {
+        if key.is_empty() {
+            return Err(StoreError::InvalidArgument("snapshot key is empty".into()));
+        }
+        let mut holds = Vec::new();
+        let out = self.db.write(|tx| {
+            if get_snap(tx, key)?.is_some() {
+                return Err(StoreError::SnapshotExists(key.to_string()));
+            }
+            let parent_opt = (!parent.is_empty()).then(|| parent.to_string());
+            let now = now_ns();
+            let lj = labels_json(&labels);
+            let is_extract = is_extraction(key, &labels);
+
+            if view {
+                let mut lowers = match &parent_opt {
+                    Some(p) => committed_chain(tx, p)?,
+                    None => Vec::new(),
+                };
+                let mut layer_id = None;
+                if lowers.is_empty() {
+                    // A view of nothing: an empty read-only directory.
+                    let id = insert_layer(tx, LayerKind::Active, None, None)?;
+                    holds.push(self.inflight.hold(layer_rel(id)));
+                    let dir = self.layer_path(id);
+                    fs::mkdir_mode(&dir, 0o755).map_err(|e| StoreError::io(&dir, e))?;
+                    layer_id = Some(id);
+                    lowers = vec![id];
+                }
+                tx.execute(
+                    "INSERT INTO snapshots(key, kind, parent, labels, created_ns, updated_ns, layer_id, frozen) VALUES (?1, 'view', ?2, ?3, ?4, ?4, ?5, 1)",
+                    params![key, parent_opt, lj, now, layer_id],
+                )?;
+                freeze(tx, key, &lowers)?;
+                let dirs = self.layer_dirs(tx, &lowers)?;
+                return Ok((need_snap(tx, key)?.info(), view_spec(dirs)));
+            }
+
+            let base = match (&parent_opt, is_extract) {
+                (Some(p), false) => find_base(tx, p)?,
+                _ => None,
+            };
+            if let Some((base, above)) = base {
+                let (ns, container) = split_key(key).unwrap_or(("", key));
+                let branch = labels
+                    .get(BRANCH_LABEL)
+                    .cloned()
+                    .unwrap_or_else(|| self.default_branch.clone());
+                let chain = chain_of(&base);
+                let stack = stack_id(ns, &chain);
+                let base_layers = committed_chain(tx, &base.key)?;
+                ensure_stack(tx, &stack, &chain, ns, &base_layers)?;
+                let owner = Owner::Container {
+                    namespace: ns.to_string(),
+                    id: container.to_string(),
+                };
+                let sid = insert_session(
+                    self,
+                    tx,
+                    &owner,
+                    &stack,
+                    &LeaseTarget::Branch(branch.clone()),
+                    &above,
+                    None,
+                )?;
+                tx.execute(
+                    "INSERT INTO snapshots(key, kind, parent, labels, created_ns, updated_ns, session_id) VALUES (?1, 'active', ?2, ?3, ?4, ?4, ?5)",
+                    params![key, parent_opt, lj, now, sid],
+                )?;
+                let spec = self.start_run(tx, sid)?;
+                info!(snapshot.key = key, session.id = sid, stack = %stack, branch = %branch, "session created");
+                return Ok((need_snap(tx, key)?.info(), spec));
+            }
+
+            // A plain active snapshot (image extraction, or a chain without an image).
+            let lowers = match &parent_opt {
+                Some(p) => committed_chain(tx, p)?,
+                None => Vec::new(),
+            };
+            let id = insert_layer(tx, LayerKind::Active, None, None)?;
+            holds.push(self.inflight.hold(layer_rel(id)));
+            holds.push(self.inflight.hold(format!("w/{id}")));
+            let dir = self.layer_path(id);
+            let work = self.work_path(id);
+            fs::mkdir_mode(&dir, 0o755).map_err(|e| StoreError::io(&dir, e))?;
+            if !lowers.is_empty() {
+                fs::mkdir_mode(&work, 0o700).map_err(|e| StoreError::io(&work, e))?;
+            }
+            tx.execute(
+                "INSERT INTO snapshots(key, kind, parent, labels, created_ns, updated_ns, layer_id) VALUES (?1, 'active', ?2, ?3, ?4, ?4, ?5)",
+                params![key, parent_opt, lj, now, id],
+            )?;
+            let dirs = self.layer_dirs(tx, &lowers)?;
+            debug!(snapshot.key = key, layer.id = id, "active snapshot prepared");
+            Ok((need_snap(tx, key)?.info(), active_spec(dir, work, dirs)))
+        });
+        drop(holds);
+        out
+    }
+
+    /// The session of containerd snapshot `key`, if it is a live rootfs snapshot.
+    pub fn snapshot_session(&self, key: &str) -> Result<Option<SessionId>, StoreError> {
+        self.db.read(|conn| {
+            Ok(conn
+                .query_row(
+                    "SELECT session_id FROM snapshots WHERE key = ?1 AND kind = 'active'",
+                    [key],
+                    |r| r.get::<_, Option<i64>>(0),
+                )
+                .optional()?
+                .flatten())
+        })
+    }
+
+    /// The branch named by the snapshot label [`BRANCH_LABEL`] of session `sid`'s
+    /// rootfs snapshot, if any (it wins over a container label).
+    pub fn snapshot_branch_label(&self, sid: SessionId) -> Result<Option<String>, StoreError> {
+        self.db.read(|conn| {
+            let key: Option<String> = conn
+                .query_row(
+                    "SELECT key FROM snapshots WHERE session_id = ?1 AND kind = 'active'",
+                    [sid],
+                    |r| r.get(0),
+                )
+                .optional()?;
+            match key {
+                Some(k) => Ok(need_snap(conn, &k)?.labels.get(BRANCH_LABEL).cloned()),
+                None => Ok(None),
+            }
+        })
+    }
+
+    /// containerd `Mounts`. For a session whose last run finished, this starts a
+    /// new run (see [`Store::session_mount`]).
+    pub fn mounts(&self, key: &str) -> Result<MountSpec, StoreError> {
+        self.db.write(|tx| {
+            let row = need_snap(tx, key)?;
+            match (row.kind, row.session_id) {
+                (SnapshotKind::Active, Some(sid)) => self.start_run(tx, sid),
+                (SnapshotKind::Active, None) => {
+                    let id = row.layer_id.ok_or_else(|| {
+                        StoreError::corrupt("snapshots", key, "active snapshot without a layer")
+                    })?;
+                    let lowers = match &row.parent {
+                        Some(p) => committed_chain(tx, p)?,
+                        None => Vec::new(),
+                    };
+                    let dirs = self.layer_dirs(tx, &lowers)?;
+                    Ok(active_spec(self.layer_path(id), self.work_path(id), dirs))
+                }
+                (SnapshotKind::View, _) => {
+                    let lowers = frozen_lowers(tx, key)?;
+                    Ok(view_spec(self.layer_dirs(tx, &lowers)?))
+                }
+                (SnapshotKind::Committed, _) => Err(StoreError::FailedPrecondition(format!(
+                    "{key} is a committed snapshot: mount it through View or Prepare"
+                ))),
+            }
+        })
+    }
+
+    /// containerd `Commit(name, key)`: turns the active snapshot `key` into the
+    /// committed snapshot `name`, without moving any directory (the active one may
+    /// still be mounted). An image extraction becomes a base layer. Committing a
+    /// session freezes what it saw (its private layers, lease and upper) and ends
+    /// the session without publishing. Errors: `SnapshotNotFound`,
+    /// `SnapshotExists` (name), `FailedPrecondition` (key not active).
+    pub fn commit(
+        &self,
+        name: &str,
+        key: &str,
+        labels: BTreeMap<String, String>,
+    ) -> Result<(), StoreError> {
+        // Usage is measured outside the transaction (it walks the tree).
+        let row = self.db.read(|conn| need_snap(conn, key))?;
+        if row.kind != SnapshotKind::Active {
+            return Err(StoreError::FailedPrecondition(format!(
+                "{key} is not an active snapshot"
+            )));
+        }
+        let dir = match (row.session_id, row.layer_id) {
+            (Some(sid), _) => self.upper_path(sid),
+            (None, Some(id)) => self.layer_path(id),
+            _ => return Err(StoreError::corrupt("snapshots", key, "no directory")),
+        };
+        let (size, inodes) = fs::disk_usage(&dir).map_err(|e| StoreError::io(&dir, e))?;
+
+        let work_to_remove = self.db.write(|tx| {
+            let row = need_snap(tx, key)?;
+            if get_snap(tx, name)?.is_some() {
+                return Err(StoreError::SnapshotExists(name.to_string()));
+            }
+            let mut all_labels = row.labels.clone();
+            all_labels.extend(labels);
+            let lj = labels_json(&all_labels);
+            let now = now_ns();
+            let mut work_to_remove = None;
+            match row.session_id {
+                Some(sid) => {
+                    let s = get_sess(tx, sid)?;
+                    let lease = s.lease_id.ok_or_else(|| {
+                        StoreError::FailedPrecondition(format!(
+                            "session {sid} holds no lease; mount it first"
+                        ))
+                    })?;
+                    let manifest = lease_manifest(tx, lease)?;
+                    let lowers = self.session_lowers(tx, &s, manifest)?;
+                    // The upper stays where it is: the layer row points at it.
+                    let layer = insert_layer(tx, LayerKind::Committed, Some(&s.stack), Some(sid))?;
+                    tx.execute(
+                        "UPDATE layers SET path = ?2 WHERE id = ?1",
+                        params![layer, format!("s/{sid}/upper")],
+                    )?;
+                    let mut frozen = vec![layer];
+                    frozen.extend(lowers);
+                    tx.execute(
+                        "INSERT INTO snapshots(key, kind, parent, labels, created_ns, updated_ns, layer_id, frozen, size, inodes) VALUES (?1, 'committed', ?2, ?3, ?4, ?4, ?5, 1, ?6, ?7)",
+                        params![name, row.parent, lj, now, layer, size, inodes],
+                    )?;
+                    freeze(tx, name, &frozen)?;
+                    tx.execute(
+                        "INSERT INTO publishes(session_id, run, outcome, message, at_ns) VALUES (?1, ?2, 'discarded', ?3, ?4)",
+                        params![sid, s.run, format!("committed by containerd as snapshot {name}; not published"), now],
+                    )?;
+                    let pid = tx.last_insert_rowid();
+                    release_lease(tx, Some(lease))?;
+                    tx.execute(
+                        "UPDATE sessions SET state = 'discarded', last_publish = ?2, lease_id = NULL, released = 1, updated_ns = ?3 WHERE id = ?1",
+                        params![sid, pid, now],
+                    )?;
+                }
+                None => {
+                    let id = row.layer_id.ok_or_else(|| {
+                        StoreError::corrupt("snapshots", key, "active snapshot without a layer")
+                    })?;
+                    let image = is_extraction(key, &row.labels)
+                        || split_key(name).is_some_and(|(_, n)| is_digest(n));
+                    tx.execute(
+                        "UPDATE layers SET kind = ?2 WHERE id = ?1",
+                        params![id, if image { "base" } else { "committed" }],
+                    )?;
+                    tx.execute(
+                        "INSERT INTO snapshots(key, kind, parent, labels, created_ns, updated_ns, layer_id, image_layer, size, inodes) VALUES (?1, 'committed', ?2, ?3, ?4, ?4, ?5, ?6, ?7, ?8)",
+                        params![name, row.parent, lj, now, id, image as i64, size, inodes],
+                    )?;
+                    work_to_remove = Some(self.work_path(id));
+                }
+            }
+            tx.execute("DELETE FROM snapshots WHERE key = ?1", [key])?;
+            Ok(work_to_remove)
+        })?;
+        if let Some(w) = work_to_remove {
+            if let Err(e) = fs::remove_tree(&w) {
+                warn!(path = %w.display(), error = %e, "failed to remove workdir; the sweep will retry");
+            }
+        }
+        info!(snapshot.key = key, name, "committed");
+        Ok(())
+    }
+
+    /// containerd `Remove` (arrives from containerd's GC). Refuses with
+    /// `FailedPrecondition` while children exist. Never waits for a publish: a
+    /// rootfs snapshot's session is only marked released ([`Removed::Session`]);
+    /// the caller ends its run and then calls [`Store::complete_release`]. A layer
+    /// still recorded as a stack's base layer, or a session's private layer, is
+    /// kept (history needs it); its snapshot row goes.
+    pub fn remove(&self, key: &str) -> Result<Removed, StoreError> {
+        let (removed, dirs) = self.db.write(|tx| {
+            let row = need_snap(tx, key)?;
+            let children: i64 = tx.query_row(
+                "SELECT count(*) FROM snapshots WHERE parent = ?1",
+                [key],
+                |r| r.get(0),
+            )?;
+            if children > 0 {
+                return Err(StoreError::FailedPrecondition(format!(
+                    "cannot remove snapshot {key}: {children} snapshot(s) use it as parent"
+                )));
+            }
+            let mut dirs = Vec::new();
+            let mut removed = Removed::Plain;
+            if let (Some(sid), SnapshotKind::Active) = (row.session_id, row.kind) {
+                let s = get_sess(tx, sid)?;
+                tx.execute(
+                    "UPDATE sessions SET released = 1, remove_pending = 1, updated_ns = ?2 WHERE id = ?1",
+                    params![sid, now_ns()],
+                )?;
+                let _ = s;
+                removed = Removed::Session(sid);
+            }
+            if let Some(id) = row.layer_id {
+                let rel: Option<String> = tx
+                    .query_row("SELECT path FROM layers WHERE id = ?1", [id], |r| r.get(0))
+                    .optional()?;
+                let in_use: i64 = tx.query_row(
+                    &format!("SELECT (SELECT count(*) FROM snapshots WHERE key != ?1 AND layer_id = ?2)
+                          + (SELECT count(*) FROM snapshot_lowers WHERE key != ?1 AND layer_id = ?2)
+                          + (SELECT count(*) FROM stack_layers WHERE layer_id = ?2)
+                          + (SELECT count(*) FROM session_layers
+                               WHERE layer_id = ?2 AND session_id IN (SELECT id FROM sessions WHERE {}))
+                          + (SELECT count(*) FROM manifest_layers WHERE layer_id = ?2)",
+                        crate::sessions::KEEPS_DIRS),
+                    params![key, id],
+                    |r| r.get(0),
+                )?;
+                if in_use == 0 {
+                    tx.execute("DELETE FROM layers WHERE id = ?1", [id])?;
+                    if let Some(rel) = rel {
+                        let p = self.root.join(&rel);
+                        if rel.starts_with("s/") {
+                            // A committed session's upper: its whole session dir.
+                            if let Some(sdir) = p.parent() {
+                                dirs.push(sdir.to_path_buf());
+                            }
+                        } else {
+                            dirs.push(p);
+                        }
+                    }
+                    dirs.push(self.work_path(id));
+                } else {
+                    debug!(snapshot.key = key, layer.id = id, "layer kept: history or another snapshot uses it");
+                    dirs.push(self.work_path(id));
+                }
+            }
+            tx.execute("DELETE FROM snapshot_lowers WHERE key = ?1", [key])?;
+            tx.execute("DELETE FROM snapshots WHERE key = ?1", [key])?;
+            Ok((removed, dirs))
+        })?;
+        for d in dirs {
+            if let Err(e) = fs::remove_tree(&d) {
+                warn!(path = %d.display(), error = %e, "failed to remove directory; the sweep will retry");
+            }
+        }
+        info!(snapshot.key = key, "removed");
+        Ok(removed)
+    }
+
+    /// containerd `Stat`. Error: `SnapshotNotFound`.
+    pub fn stat(&self, key: &str) -> Result<SnapshotInfo, StoreError> {
+        self.db.read(|conn| Ok(need_snap(conn, key)?.info()))
+    }
+
+    /// containerd `Update`: only labels change. `fieldpaths` empty replaces all
+    /// labels; `labels` replaces all; `labels.K` sets K, or deletes it when absent
+    /// from `labels` (containerd sends filtered-out labels as paths without values).
+    pub fn update_labels(
+        &self,
+        key: &str,
+        labels: BTreeMap<String, String>,
+        fieldpaths: &[String],
+    ) -> Result<SnapshotInfo, StoreError> {
+        self.db.write(|tx| {
+            let row = need_snap(tx, key)?;
+            let mut new = row.labels.clone();
+            if fieldpaths.is_empty() || fieldpaths.iter().any(|p| p == "labels") {
+                new = labels;
+            } else {
+                for p in fieldpaths {
+                    let Some(k) = p.strip_prefix("labels.") else {
+                        return Err(StoreError::InvalidArgument(format!(
+                            "cannot update field {p:?} of snapshot {key}: only labels can change"
+                        )));
+                    };
+                    match labels.get(k) {
+                        Some(v) => new.insert(k.to_string(), v.clone()),
+                        None => new.remove(k),
+                    };
+                }
+            }
+            tx.execute(
+                "UPDATE snapshots SET labels = ?2, updated_ns = ?3 WHERE key = ?1",
+                params![key, labels_json(&new), now_ns()],
+            )?;
+            Ok(need_snap(tx, key)?.info())
+        })
+    }
+
+    /// containerd `List`/`Walk`: every snapshot containerd created, nothing else.
+    pub fn list(&self) -> Result<Vec<SnapshotInfo>, StoreError> {
+        self.db.read(|conn| {
+            let mut stmt =
+                conn.prepare(&format!("SELECT {SNAP_COLS} FROM snapshots ORDER BY key"))?;
+            let raws: Vec<RawSnap> = stmt.query_map([], raw_snap)?.collect::<Result<_, _>>()?;
+            raws.into_iter()
+                .map(|r| snap_from_raw(r).map(|s| s.info()))
+                .collect()
+        })
+    }
+
+    /// containerd `Usage`: `(bytes, inodes)` of the snapshot's own directory; real
+    /// allocated bytes, hardlinks once, walked beneath the directory without
+    /// following anything. Active snapshots are measured now; committed ones at
+    /// commit; views own nothing.
+    pub fn usage(&self, key: &str) -> Result<(i64, i64), StoreError> {
+        let row = self.db.read(|conn| need_snap(conn, key))?;
+        match (row.kind, row.size, row.inodes) {
+            (SnapshotKind::Committed, Some(s), Some(i)) => Ok((s, i)),
+            (SnapshotKind::View, _, _) => Ok((0, 0)),
+            _ => {
+                let dir = match (row.session_id, row.layer_id) {
+                    (Some(sid), _) => self.upper_path(sid),
+                    (None, Some(id)) => self.layer_path(id),
+                    _ => return Ok((0, 0)),
+                };
+                fs::disk_usage(&dir).map_err(|e| StoreError::io(&dir, e))
+            }
+        }
+    }
+
+    /// Sessions released by containerd whose removal was not completed (the
+    /// daemon stopped in between): the engine finishes them at start.
+    pub fn pending_releases(&self) -> Result<Vec<SessionId>, StoreError> {
+        self.db.read(|conn| {
+            let mut stmt = conn.prepare(
+                "SELECT id FROM sessions WHERE released = 1 AND remove_pending = 1 ORDER BY id",
+            )?;
+            let rows = stmt.query_map([], |r| r.get(0))?;
+            Ok(rows.collect::<Result<_, _>>()?)
+        })
+    }
+}

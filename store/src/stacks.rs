@@ -1,0 +1,362 @@
+//! Stacks, branches and manifests (ARCHITECTURE.md §2).
+//!
+//! A manifest is immutable: one `manifests` row (its parent and the layer it
+//! added) and one `manifest_layers` row per position, newest first. A branch
+//! moves by pointing at a new manifest; prepending copies the parent's positions
+//! inside SQLite (`INSERT … SELECT`), O(depth) rows, and depth stays bounded by
+//! squashing. "Which layers does any head or lease reach" is one join.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
+
+use rusqlite::{params, Connection, OptionalExtension, Transaction};
+use tracing::info;
+
+use crate::error::StoreError;
+use crate::{
+    now_ns, BranchInfo, LayerId, LayerKind, LogEntry, ManifestId, Owner, SessionId, StackInfo,
+    Store,
+};
+
+/// Records stack `id` (base image top chainID `base_digest` in containerd
+/// namespace `namespace`) with its base layers, newest first, unless it exists.
+/// An existing stack keeps the base layers it recorded first (the history was
+/// built on them).
+pub(crate) fn ensure_stack(
+    tx: &Transaction<'_>,
+    id: &str,
+    base_digest: &str,
+    namespace: &str,
+    base_layers: &[LayerId],
+) -> Result<bool, StoreError> {
+    let n = tx.execute(
+        "INSERT OR IGNORE INTO stacks(id, base_digest, namespace, created_ns) VALUES (?1, ?2, ?3, ?4)",
+        params![id, base_digest, namespace, now_ns()],
+    )?;
+    if n == 0 {
+        return Ok(false);
+    }
+    let mut ins =
+        tx.prepare_cached("INSERT INTO stack_layers(stack, pos, layer_id) VALUES (?1, ?2, ?3)")?;
+    for (pos, l) in base_layers.iter().enumerate() {
+        ins.execute(params![id, pos as i64, l])?;
+    }
+    info!(stack = id, base_layers = base_layers.len(), "created stack");
+    Ok(true)
+}
+
+/// The base layers of `stack`, newest first.
+pub(crate) fn stack_base_layers(
+    conn: &Connection,
+    stack: &str,
+) -> Result<Vec<LayerId>, StoreError> {
+    let mut stmt =
+        conn.prepare_cached("SELECT layer_id FROM stack_layers WHERE stack = ?1 ORDER BY pos")?;
+    let rows = stmt.query_map([stack], |r| r.get(0))?;
+    Ok(rows.collect::<Result<_, _>>()?)
+}
+
+/// The head manifest of `branch` on `stack`, if the branch exists.
+pub(crate) fn branch_head(
+    conn: &Connection,
+    stack: &str,
+    branch: &str,
+) -> Result<Option<ManifestId>, StoreError> {
+    Ok(conn
+        .query_row(
+            "SELECT manifest_id FROM branches WHERE stack = ?1 AND name = ?2",
+            params![stack, branch],
+            |r| r.get(0),
+        )
+        .optional()?)
+}
+
+/// The head of `branch`, creating the stack's default branch (on an empty root
+/// manifest) and `branch` (forked from the default branch's head: one row, O(1))
+/// when missing.
+pub(crate) fn ensure_branch(
+    tx: &Transaction<'_>,
+    stack: &str,
+    branch: &str,
+    default_branch: &str,
+) -> Result<ManifestId, StoreError> {
+    if let Some(m) = branch_head(tx, stack, branch)? {
+        return Ok(m);
+    }
+    let now = now_ns();
+    let default_head = match branch_head(tx, stack, default_branch)? {
+        Some(m) => m,
+        None => {
+            tx.execute(
+                "INSERT INTO manifests(stack, parent, layer_id, depth, created_ns) VALUES (?1, NULL, NULL, 0, ?2)",
+                params![stack, now],
+            )?;
+            let m = tx.last_insert_rowid();
+            tx.execute(
+                "INSERT INTO branches(stack, name, manifest_id, created_ns, updated_ns) VALUES (?1, ?2, ?3, ?4, ?4)",
+                params![stack, default_branch, m, now],
+            )?;
+            info!(stack, branch = default_branch, "created branch");
+            m
+        }
+    };
+    if branch == default_branch {
+        return Ok(default_head);
+    }
+    tx.execute(
+        "INSERT INTO branches(stack, name, manifest_id, created_ns, updated_ns) VALUES (?1, ?2, ?3, ?4, ?4)",
+        params![stack, branch, default_head, now],
+    )?;
+    info!(stack, branch, from = default_branch, "forked branch");
+    Ok(default_head)
+}
+
+/// Points `branch` of `stack` at `manifest`.
+pub(crate) fn set_branch(
+    tx: &Transaction<'_>,
+    stack: &str,
+    branch: &str,
+    manifest: ManifestId,
+) -> Result<(), StoreError> {
+    let n = tx.execute(
+        "UPDATE branches SET manifest_id = ?3, updated_ns = ?4 WHERE stack = ?1 AND name = ?2",
+        params![stack, branch, manifest, now_ns()],
+    )?;
+    if n == 0 {
+        return Err(StoreError::BranchNotFound {
+            stack: stack.into(),
+            branch: branch.into(),
+        });
+    }
+    Ok(())
+}
+
+/// The layers of manifest `id`, newest first. Errors: `Corrupt` when the
+/// manifest row is missing or its positions do not match its depth.
+pub(crate) fn manifest_layers(
+    conn: &Connection,
+    id: ManifestId,
+) -> Result<Vec<LayerId>, StoreError> {
+    let depth: i64 = conn
+        .query_row("SELECT depth FROM manifests WHERE id = ?1", [id], |r| {
+            r.get(0)
+        })
+        .optional()?
+        .ok_or_else(|| StoreError::corrupt("manifests", id, "manifest referenced but missing"))?;
+    let mut stmt = conn.prepare_cached(
+        "SELECT pos, layer_id FROM manifest_layers WHERE manifest_id = ?1 ORDER BY pos",
+    )?;
+    let rows = stmt.query_map([id], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?)))?;
+    let mut out = Vec::with_capacity(usize::try_from(depth).unwrap_or(0));
+    for (i, r) in rows.enumerate() {
+        let (pos, layer) = r?;
+        if pos != i as i64 {
+            return Err(StoreError::corrupt(
+                "manifest_layers",
+                format!("manifest {id} position {i}"),
+                format!("found position {pos}"),
+            ));
+        }
+        out.push(layer);
+    }
+    if out.len() as i64 != depth {
+        return Err(StoreError::corrupt(
+            "manifest_layers",
+            format!("manifest {id}"),
+            format!("{} positions for depth {depth}", out.len()),
+        ));
+    }
+    Ok(out)
+}
+
+/// Creates the manifest `[layer] + parent`'s layers on `stack`; returns its id.
+pub(crate) fn prepend_manifest(
+    tx: &Transaction<'_>,
+    stack: &str,
+    parent: ManifestId,
+    layer: LayerId,
+) -> Result<ManifestId, StoreError> {
+    let depth: i64 = tx
+        .query_row("SELECT depth FROM manifests WHERE id = ?1", [parent], |r| {
+            r.get(0)
+        })
+        .optional()?
+        .ok_or_else(|| {
+            StoreError::corrupt("manifests", parent, "manifest referenced but missing")
+        })?;
+    tx.execute(
+        "INSERT INTO manifests(stack, parent, layer_id, depth, created_ns) VALUES (?1, ?2, ?3, ?4, ?5)",
+        params![stack, parent, layer, depth + 1, now_ns()],
+    )?;
+    let m = tx.last_insert_rowid();
+    tx.execute(
+        "INSERT INTO manifest_layers(manifest_id, pos, layer_id) VALUES (?1, 0, ?2)",
+        params![m, layer],
+    )?;
+    let copied = tx.execute(
+        "INSERT INTO manifest_layers(manifest_id, pos, layer_id) SELECT ?1, pos + 1, layer_id FROM manifest_layers WHERE manifest_id = ?2",
+        params![m, parent],
+    )?;
+    if copied as i64 != depth {
+        return Err(StoreError::corrupt(
+            "manifest_layers",
+            format!("manifest {parent}"),
+            format!("{copied} positions for depth {depth}"),
+        ));
+    }
+    Ok(m)
+}
+
+impl Store {
+    /// Every stack with its base layers and branches, by id.
+    pub fn stacks(&self) -> Result<Vec<StackInfo>, StoreError> {
+        self.db.read(|conn| {
+            let mut stmt = conn
+                .prepare("SELECT id, base_digest, namespace, created_ns FROM stacks ORDER BY id")?;
+            let rows = stmt.query_map([], |r| {
+                Ok((
+                    r.get::<_, String>(0)?,
+                    r.get::<_, String>(1)?,
+                    r.get::<_, String>(2)?,
+                    r.get::<_, i64>(3)?,
+                ))
+            })?;
+            let mut out = Vec::new();
+            for r in rows {
+                let (id, base_digest, namespace, created_ns) = r?;
+                out.push(StackInfo {
+                    base_layers: stack_base_layers(conn, &id)?,
+                    branches: branches_of(conn, &id)?,
+                    id,
+                    base_digest,
+                    namespace,
+                    created_ns,
+                });
+            }
+            Ok(out)
+        })
+    }
+
+    /// The branches of `stack`, by name. Error: `StackNotFound`.
+    pub fn branches(&self, stack: &str) -> Result<Vec<BranchInfo>, StoreError> {
+        self.db.read(|conn| {
+            let exists: Option<i64> = conn
+                .query_row("SELECT 1 FROM stacks WHERE id = ?1", [stack], |r| r.get(0))
+                .optional()?;
+            if exists.is_none() {
+                return Err(StoreError::StackNotFound(stack.into()));
+            }
+            branches_of(conn, stack)
+        })
+    }
+
+    /// The layers `branch` of `stack` shows, newest first, with who published
+    /// each. Error: `BranchNotFound`.
+    pub fn log(&self, stack: &str, branch: &str) -> Result<Vec<LogEntry>, StoreError> {
+        self.db.read(|conn| {
+            let head =
+                branch_head(conn, stack, branch)?.ok_or_else(|| StoreError::BranchNotFound {
+                    stack: stack.to_string(),
+                    branch: branch.to_string(),
+                })?;
+            // The manifest that added each layer, for display.
+            let mut added: HashMap<LayerId, ManifestId> = HashMap::new();
+            {
+                let mut stmt = conn.prepare(
+                    "SELECT layer_id, id FROM manifests WHERE stack = ?1 AND layer_id IS NOT NULL",
+                )?;
+                let rows = stmt.query_map([stack], |r| Ok((r.get(0)?, r.get(1)?)))?;
+                for r in rows {
+                    let (l, m) = r?;
+                    added.entry(l).or_insert(m);
+                }
+            }
+            let owners = owners_of_stack(conn, stack)?;
+            let mut layer_stmt = conn
+                .prepare_cached("SELECT kind, session_id, created_ns FROM layers WHERE id = ?1")?;
+            let mut count_stmt =
+                conn.prepare_cached("SELECT count(*) FROM layer_paths WHERE layer_id = ?1")?;
+            let mut out = Vec::new();
+            for layer in manifest_layers(conn, head)? {
+                let (kind, session, created_ns): (String, Option<SessionId>, i64) = layer_stmt
+                    .query_row([layer], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+                    .optional()?
+                    .ok_or(StoreError::LayerNotFound(layer))?;
+                let kind = LayerKind::parse(&kind).ok_or_else(|| {
+                    StoreError::corrupt("layers", layer, format!("kind {kind:?}"))
+                })?;
+                let paths: i64 = count_stmt.query_row([layer], |r| r.get(0))?;
+                out.push(LogEntry {
+                    layer,
+                    kind,
+                    manifest: added.get(&layer).copied().unwrap_or(head),
+                    session,
+                    owner: session.and_then(|s| owners.get(&s).cloned()),
+                    paths,
+                    created_ns,
+                });
+            }
+            Ok(out)
+        })
+    }
+
+    /// The layer directories, newest first, that a new session on `branch` of
+    /// `stack` would read above its image (the head's published layers).
+    /// Error: `BranchNotFound`.
+    pub fn branch_layers(&self, stack: &str, branch: &str) -> Result<Vec<PathBuf>, StoreError> {
+        self.db.read(|conn| {
+            let head =
+                branch_head(conn, stack, branch)?.ok_or_else(|| StoreError::BranchNotFound {
+                    stack: stack.to_string(),
+                    branch: branch.to_string(),
+                })?;
+            let layers = manifest_layers(conn, head)?;
+            self.layer_dirs(conn, &layers)
+        })
+    }
+
+    /// The layers of manifest `id`, newest first.
+    /// Errors: `Corrupt` when it is missing or inconsistent.
+    pub fn manifest(&self, id: ManifestId) -> Result<Vec<LayerId>, StoreError> {
+        self.db.read(|conn| manifest_layers(conn, id))
+    }
+}
+
+fn branches_of(conn: &Connection, stack: &str) -> Result<Vec<BranchInfo>, StoreError> {
+    let mut stmt = conn.prepare_cached(
+        "SELECT b.name, b.manifest_id, m.depth, b.updated_ns FROM branches b JOIN manifests m ON m.id = b.manifest_id WHERE b.stack = ?1 ORDER BY b.name",
+    )?;
+    let rows = stmt.query_map([stack], |r| {
+        Ok(BranchInfo {
+            stack: stack.to_string(),
+            name: r.get(0)?,
+            head: r.get(1)?,
+            depth: r.get(2)?,
+            updated_ns: r.get(3)?,
+        })
+    })?;
+    Ok(rows.collect::<Result<_, _>>()?)
+}
+
+/// The owners of every session of `stack`, by session id.
+fn owners_of_stack(
+    conn: &Connection,
+    stack: &str,
+) -> Result<BTreeMap<SessionId, Owner>, StoreError> {
+    let mut stmt =
+        conn.prepare("SELECT id, owner_kind, namespace, owner FROM sessions WHERE stack = ?1")?;
+    let rows = stmt.query_map([stack], |r| {
+        Ok((
+            r.get::<_, i64>(0)?,
+            r.get::<_, String>(1)?,
+            r.get::<_, String>(2)?,
+            r.get::<_, String>(3)?,
+        ))
+    })?;
+    let mut out = BTreeMap::new();
+    for r in rows {
+        let (id, kind, ns, owner) = r?;
+        out.insert(id, crate::sessions::owner_from(id, &kind, ns, owner)?);
+    }
+    Ok(out)
+}
