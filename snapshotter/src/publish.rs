@@ -485,8 +485,8 @@ impl Publisher {
             let mut changeset = changeset;
             let expand = publisher::opaque_dirs_to_expand(&changeset, &head);
             if !expand.is_empty() {
-                // Opaque directories with head changes below: publish them as
-                // per-path deletions of the lease's content instead.
+                // Opaque directories the head changed, changed below or hid:
+                // publish them as per-path deletions of the lease's content instead.
                 let mut options = policy.capture_options();
                 options.expand_opaque = expand;
                 let first = std::mem::replace(&mut changeset, publisher::capture_with(&upper, &view, &options)?);
