@@ -29,11 +29,14 @@
 //! * one side deleted `D`, replaced it with a non-directory, or made it opaque, and
 //!   the other side changed something below `D` → conflict on that path. A deletion
 //!   below `D` agrees with the removal of `D` and does not conflict.
-//! * A captured opaque directory with head changes below it must first be expanded
+//! * A captured opaque directory that the head changed (deletion included), changed
+//!   something below, or hid with an ancestor must first be expanded
 //!   ([`opaque_dirs_to_expand`], then capture again with
-//!   [`CaptureOptions::expand_opaque`](crate::CaptureOptions)): it becomes one deletion
-//!   per path of the **lease's** view, so files the head added survive and head
-//!   edits of lease files the session removed conflict as delete-vs-edit.
+//!   [`CaptureOptions::expand_opaque`](crate::CaptureOptions)): it becomes a plain
+//!   directory plus one deletion per path of the **lease's** view, so files the head
+//!   added survive, head edits of lease files the session removed conflict as
+//!   delete-vs-edit, and a head deletion of a directory the session only emptied
+//!   wins (its own state is the lease's: a copy-up parent).
 //! * Copy-up noise below a directory the head removed is dropped with its topmost
 //!   copy-up parent when nothing but noise and deletions is below it.
 //!
@@ -699,29 +702,43 @@ fn rel_path(rel: &[u8]) -> PathBuf {
     PathBuf::from(OsString::from_vec(rel.to_vec()))
 }
 
-/// The captured opaque directories that the head changed (other than by deleting
-/// them) or changed something below: they must be expanded (captured again with
-/// [`CaptureOptions::expand_opaque`](crate::CaptureOptions)) before [`plan_gate`], so
-/// that they are judged as per-path deletions of the lease's content plus a plain
-/// directory whose metadata merges field by field.
+/// The captured opaque directories that the head changed, changed something below,
+/// or hid (deleted or replaced it or one of its ancestors): they must be expanded
+/// (captured again with [`CaptureOptions::expand_opaque`](crate::CaptureOptions))
+/// before [`plan_gate`], so that they are judged as what they are relative to the
+/// lease (ARCHITECTURE §7): a plain directory, whose own metadata merges field by
+/// field or, when it equals the lease's, is a copy-up parent, plus one deletion per
+/// path of the lease's view.
+///
+/// Judged whole, an opaque directory never equals the lease's directory (opacity
+/// differs), even when the session only emptied it (`rm -rf d; mkdir d`, over an
+/// empty lease directory a no-op): a head that deleted `d` would then conflict as
+/// delete vs edit although the session's `d` itself is the lease's. Expanded, it is
+/// a copy-up parent and the lease content's deletions, which agree with the
+/// head's removal, so the head's deletion wins unless the session changed `d`'s
+/// metadata or put something below it.
 #[must_use]
 pub fn opaque_dirs_to_expand(
     captured: &Changeset,
     head_changes: &[HeadChange],
 ) -> BTreeSet<Vec<u8>> {
     let mut head: BTreeMap<&[u8], HeadChangeKind> = BTreeMap::new();
+    // Paths the head removed, replaced or made opaque (any occurrence).
+    let mut hiding: BTreeSet<Vec<u8>> = BTreeSet::new();
     for h in head_changes {
         head.entry(h.path.as_slice()).or_insert(h.kind);
+        if h.kind.hides_below() {
+            hiding.insert(h.path.clone());
+        }
     }
     captured
         .entries
         .iter()
         .filter(|(_, c)| matches!(c, Change::Mkdir { opaque: true, .. }))
         .filter(|(d, _)| {
-            let at = head
-                .get(d.as_slice())
-                .is_some_and(|k| *k != HeadChangeKind::Delete);
-            at || below(&head, d).next().is_some()
+            head.contains_key(d.as_slice())
+                || below(&head, d).next().is_some()
+                || is_below_any(&hiding, d)
         })
         .map(|(d, _)| d.clone())
         .collect()

@@ -10,8 +10,9 @@ use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use layerstack_publisher::{
-    capture, plan_gate, seal_layer, Action, Change, Changeset, FileKind, FsFiles, HeadChange,
-    LayerView, MergeOptions,
+    apply_plan, capture, capture_with, opaque_dirs_to_expand, plan_gate, prepare_upper, seal_layer,
+    Action, CaptureOptions, Change, Changeset, FileKind, FsFiles, HeadChange, LayerView,
+    MergeOptions,
 };
 use nix::sys::stat::{makedev, mknod, Mode, SFlag};
 use proptest::prelude::*;
@@ -282,6 +283,123 @@ fn capture_of_a_real_overlay_upper() {
     ov.unmount();
     let c2 = capture(&u2, &head_view).unwrap();
     assert_eq!(c2, Changeset::default());
+}
+
+/// On real overlay mounts: the session emptied `d` (empty in the lease) and `e`
+/// (`rm -rf`, `mkdir`, a file created and removed again), the head deleted both.
+/// The opaque directories are expanded, judged as copy-up parents whose deletions
+/// below agree with the head's, and dropped from the upper: the published stack
+/// shows the head's deletions.
+#[test]
+fn emptied_directories_yield_to_head_deletions_on_a_real_overlay() {
+    if !have_root("emptied_directories_yield_to_head_deletions_on_a_real_overlay") {
+        return;
+    }
+    let t = tmp();
+    let dir = |n: &str| {
+        let p = t.path().join(n);
+        std::fs::create_dir(&p).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+        p
+    };
+    let (l, h, hw, u, w, s, m) = (
+        dir("l"),
+        dir("h"),
+        dir("hw"),
+        dir("u"),
+        dir("w"),
+        dir("scratch"),
+        dir("m"),
+    );
+    for d in ["d", "e", "keep"] {
+        std::fs::create_dir(l.join(d)).unwrap();
+        std::fs::set_permissions(l.join(d), std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    put(&l, "e/x", b"x", 0o644);
+    put(&l, "keep/k", b"k", 0o644);
+    let opts = |lower: &str, upper: &Path, work: &Path| {
+        format!(
+            "lowerdir={lower},upperdir={},workdir={},index=off,redirect_dir=off,metacopy=off",
+            upper.display(),
+            work.display()
+        )
+    };
+    let lease_dirs = l.display().to_string();
+
+    // The head: rm -rf d e.
+    let ov = Overlay::mount(&m, &opts(&lease_dirs, &h, &hw));
+    std::fs::remove_dir_all(m.join("d")).unwrap();
+    std::fs::remove_dir_all(m.join("e")).unwrap();
+    ov.unmount();
+    let lease = LayerView::new(vec![l.clone()]);
+    let head_cs = capture(&h, &lease).unwrap();
+    assert_eq!(keys(&head_cs.entries), ["d", "e"]);
+    let head: Vec<HeadChange> = head_cs
+        .paths()
+        .map(|p| head_cs.head_change(p).unwrap())
+        .collect();
+    seal_layer(&h).unwrap();
+
+    // The session: rm -rf d e; mkdir d e; a file made and removed in each.
+    let ov = Overlay::mount(&m, &opts(&lease_dirs, &u, &w));
+    for d in ["d", "e"] {
+        std::fs::remove_dir_all(m.join(d)).unwrap();
+        std::fs::create_dir(m.join(d)).unwrap();
+        std::fs::set_permissions(m.join(d), std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::os::unix::fs::symlink("t0", m.join(d).join("y")).unwrap();
+        std::fs::remove_file(m.join(d).join("y")).unwrap();
+    }
+    ov.unmount();
+    let first = capture(&u, &lease).unwrap();
+    for d in [&b"d"[..], b"e"] {
+        assert!(
+            matches!(first.entries[d], Change::Mkdir { opaque: true, .. }),
+            "{:?}",
+            first.entries
+        );
+    }
+    let expand = opaque_dirs_to_expand(&first, &head);
+    assert_eq!(expand, BTreeSet::from([b"d".to_vec(), b"e".to_vec()]));
+    let options = CaptureOptions {
+        expand_opaque: expand,
+        ..Default::default()
+    };
+    let cs = capture_with(&u, &lease, &options).unwrap();
+    assert_eq!(keys(&cs.entries), ["e/x"], "the lease's content, deleted");
+    assert_eq!(keys(&cs.unchanged), ["d", "e"], "copy-up parents");
+    prepare_upper(&u, &cs, false).unwrap();
+    seal_layer(&u).unwrap();
+
+    let files = FsFiles {
+        lease: lease.clone(),
+        head: LayerView::new(vec![h.clone(), l.clone()]),
+        upper: u.clone(),
+        userxattr: false,
+    };
+    let plan = plan_gate(&cs, &head, &files, &MergeOptions::default()).unwrap();
+    assert!(!plan.is_conflict(), "{:#?}", plan.reports);
+    assert_eq!(
+        plan.actions,
+        [
+            Action::Remove {
+                path: b"d".to_vec()
+            },
+            Action::Remove {
+                path: b"e".to_vec()
+            }
+        ]
+    );
+    assert!(plan.index.is_empty(), "{:?}", plan.index);
+    apply_plan(&u, &plan, &s).unwrap();
+
+    // The published stack, read by the kernel: the head's deletions stand.
+    let ov = Overlay::mount(
+        &m,
+        &format!("lowerdir={}:{}:{}", u.display(), h.display(), l.display()),
+    );
+    assert!(!m.join("d").exists() && !m.join("e").exists());
+    assert_eq!(std::fs::read(m.join("keep/k")).unwrap(), b"k");
+    ov.unmount();
 }
 
 // ---- LayerView against the kernel: random lower stacks, compared path by path ----

@@ -1057,6 +1057,131 @@ fn head_replaced_directory_keeps_session_additions_of_new_names() {
     assert_eq!(r.conflicts(), ["d/x"]);
 }
 
+/// The session emptied `d` (`rm -rf d; mkdir d`: an opaque directory with the
+/// lease's metadata) and the head deleted `d`. Expanded, the session's `d` is a
+/// copy-up parent and its deletions below agree with the head's: the head's
+/// deletion wins. Over an empty lease directory the session changed nothing at
+/// all; over a non-empty one it only deleted what the head deleted too. (Found by
+/// `gate_matches_the_reference_model`; judged whole, the opaque `d` differed from
+/// the lease's by its opacity alone and conflicted as delete vs edit.)
+#[test]
+fn session_emptied_directory_yields_to_a_head_deletion() {
+    for base in [
+        // The saved proptest case: `rm -rf d; mkdir d; ln -s t0 d/y; rm d/y`.
+        tree(&[("d", d(0o755))]),
+        tree(&[("d", d(0o755)), ("d/x", f("x")), ("d/sub", d(0o700))]),
+    ] {
+        let c = Case {
+            base: base.clone(),
+            ours: tree(&[("d", d(0o755))]),
+            theirs: Tree::new(),
+            recreated: set(&["d"]),
+            ..Case::default()
+        };
+        let head = head_changes(&c);
+        let first = capture_model(&c.base, &c.ours, &c.recreated, &c.touched, &BTreeSet::new());
+        assert!(matches!(
+            first.entries[b"d".as_slice()],
+            Change::Mkdir { opaque: true, .. }
+        ));
+        assert_eq!(opaque_dirs_to_expand(&first, &head), set(&["d"]));
+        let r = run(&c);
+        assert!(!r.plan.is_conflict(), "{:#?}", r.plan.reports);
+        assert_eq!(r.status("d"), PathStatus::Clean);
+        assert_eq!(r.result(), &Tree::new(), "the head's deletion stands");
+        assert_eq!(
+            r.plan.actions,
+            [Action::Remove {
+                path: b"d".to_vec()
+            }]
+        );
+        assert!(r.plan.index.is_empty(), "{:?}", r.plan.index);
+
+        // The session changed d's own metadata (`mkdir -m 700 d`): delete vs edit.
+        let r = run(&Case {
+            ours: tree(&[("d", d(0o700))]),
+            ..c.clone()
+        });
+        assert_eq!(r.conflicts(), ["d"]);
+        assert!(
+            r.reason("d").starts_with("delete vs edit"),
+            "{}",
+            r.reason("d")
+        );
+        // The session put something in it: conflicts below the deleted directory.
+        let r = run(&Case {
+            ours: tree(&[("d", d(0o755)), ("d/new", f("n"))]),
+            ..c.clone()
+        });
+        assert_eq!(r.conflicts(), ["d", "d/new"]);
+    }
+}
+
+/// As [`session_emptied_directory_yields_to_a_head_deletion`], one level down: the
+/// head deleted or replaced an ancestor of the session's emptied directory.
+#[test]
+fn session_emptied_directory_yields_to_a_head_removal_of_an_ancestor() {
+    let base = tree(&[("a", d(0o755)), ("a/d", d(0o755)), ("a/d/x", f("x"))]);
+    let ours = tree(&[("a", d(0o755)), ("a/d", d(0o755))]);
+    let c = Case {
+        base: base.clone(),
+        ours: ours.clone(),
+        theirs: Tree::new(),
+        recreated: set(&["a/d"]),
+        ..Case::default()
+    };
+    let r = run(&c);
+    assert!(!r.plan.is_conflict(), "{:#?}", r.plan.reports);
+    assert_eq!(r.result(), &Tree::new());
+    // Head: `rm -rf a; mkdir a; echo > a/t`.
+    let theirs = tree(&[("a", d(0o755)), ("a/t", f("t"))]);
+    let r = run(&Case {
+        theirs: theirs.clone(),
+        head_recreated: set(&["a"]),
+        ..c.clone()
+    });
+    assert!(!r.plan.is_conflict(), "{:#?}", r.plan.reports);
+    assert_eq!(r.result(), &theirs);
+    // Only a metadata change of the ancestor hides nothing: no expansion, clean.
+    let mut theirs = base.clone();
+    theirs.insert(b"a".to_vec(), d(0o700));
+    let cs = capture_model(
+        &base,
+        &ours,
+        &set(&["a/d"]),
+        &BTreeSet::new(),
+        &BTreeSet::new(),
+    );
+    let head = head_changes(&Case {
+        theirs: theirs.clone(),
+        ..c.clone()
+    });
+    assert!(opaque_dirs_to_expand(&cs, &head).is_empty());
+    let r = run(&Case { theirs, ..c });
+    assert_eq!(r.result(), &tree(&[("a", d(0o700)), ("a/d", d(0o755))]));
+}
+
+/// The mirror image is unchanged: the head emptied `d` (`rm -rf d; mkdir d`, an
+/// opaque directory in its layer) and the session deleted `d`. A head
+/// replacement counts as a change of `d` ("head replaced `d`", merge-rules.md),
+/// also over an empty lease directory, so the deletion conflicts.
+#[test]
+fn session_deletion_of_a_directory_the_head_emptied_conflicts() {
+    for base in [
+        tree(&[("d", d(0o755))]),
+        tree(&[("d", d(0o755)), ("d/x", f("x"))]),
+    ] {
+        let r = run(&Case {
+            base,
+            ours: Tree::new(),
+            theirs: tree(&[("d", d(0o755))]),
+            head_recreated: set(&["d"]),
+            ..Case::default()
+        });
+        assert_eq!(r.conflicts(), ["d"]);
+    }
+}
+
 #[test]
 fn sibling_prefixes_are_not_descendants() {
     let base = tree(&[
