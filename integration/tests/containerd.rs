@@ -17,9 +17,9 @@ use std::time::{Duration, Instant};
 use anyhow::{ensure, Context, Result};
 use layerstack_integration::{
     bin_path, busybox_image_tar, contains_ci, debian_image_tar, delete_task, describe,
-    finish_detached, first_word, import_checked, json_strs, kill_task, ls_publish, ls_wait,
-    ls_wait_ok, publish_policy_label, remove_container, run_layerstack_scenario, run_scenario,
-    run_sh, run_with_timeout, session, session_of, session_upper, sessions,
+    finish_detached, first_word, import_checked, json_strs, kill_task, layerstack_wait, ls_publish,
+    ls_wait, ls_wait_ok, publish_policy_label, remove_container, run_layerstack_scenario,
+    run_scenario, run_sh, run_with_timeout, session, session_of, session_upper, sessions,
     start_daemon_and_import, start_detached, stdout, unique, wait_task_stopped, CtrRun, TestEnv,
     BUSYBOX_IMAGE, CLI_BIN, DAEMON_BIN, DEBIAN_IMAGE, SNAPSHOTTER,
 };
@@ -1152,4 +1152,215 @@ fn namespaces_do_not_share_history() {
         }
         Ok(())
     });
+}
+
+/// A second daemon on the same store root is refused at start, naming the first
+/// one's pid; the first keeps serving and its sockets are untouched. A daemon
+/// whose socket path another live daemon serves is refused too.
+#[test]
+fn a_second_daemon_on_the_same_root_is_refused() {
+    run_layerstack_scenario(NS, |env| {
+        let first_pid = env.daemon_pid().context("first daemon pid")?;
+        let bin = bin_path(DAEMON_BIN)?;
+        let start = |root: &Path, sock: &Path, admin: &Path| {
+            run_with_timeout(
+                std::process::Command::new(&bin)
+                    .arg("--root")
+                    .arg(root)
+                    .arg("--address")
+                    .arg(sock)
+                    .arg("--admin-address")
+                    .arg(admin)
+                    .arg("--containerd-address")
+                    .arg(env.containerd().socket()),
+                Duration::from_secs(30),
+            )
+        };
+        let sock2 = env.scratch().join("second.sock");
+        let admin2 = env.scratch().join("second-admin.sock");
+        let out = start(&env.store_root(), &sock2, &admin2)
+            .context("a second daemon on the root must exit, not serve")?;
+        ensure!(
+            !out.status.success(),
+            "second daemon ran: {}",
+            describe(&out)
+        );
+        let text = String::from_utf8_lossy(&out.stderr).to_string();
+        ensure!(
+            text.contains("in use by another daemon") && text.contains(&format!("pid {first_pid}")),
+            "refusal must name the holder's pid {first_pid}: {text}"
+        );
+        ensure!(
+            !sock2.exists() && !admin2.exists(),
+            "the refused daemon bound nothing"
+        );
+        // Another root, but the first daemon's admin socket: refused, socket kept.
+        let other_root = env.scratch().join("other-root");
+        let out = start(&other_root, &sock2, &env.admin_socket())
+            .context("a daemon on a live socket must exit")?;
+        ensure!(
+            !out.status.success(),
+            "daemon took a live socket: {}",
+            describe(&out)
+        );
+        ensure!(
+            contains_ci(
+                &String::from_utf8_lossy(&out.stderr),
+                "served by another live process"
+            ),
+            "{}",
+            describe(&out)
+        );
+        ensure!(
+            env.admin_socket().exists(),
+            "the live admin socket was not unlinked"
+        );
+        // The first daemon still serves both APIs.
+        let status = env.layerstack(&["status", "--json"])?;
+        ensure!(
+            status.status.success(),
+            "first daemon: {}",
+            describe(&status)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&status.stdout)?;
+        ensure!(v["pid"] == first_pid, "status from the first daemon: {v}");
+        let id = unique("second-daemon");
+        run_sh(
+            env,
+            NS,
+            &id,
+            None,
+            true,
+            "echo ok > /root/second-daemon.txt",
+        )?;
+        ensure!(ls_wait_ok(env, NS, &id)? == "committed");
+        Ok(())
+    });
+}
+
+/// A session that changed 150,000 files (an `npm install`) publishes, and every
+/// answer about it stays small: `wait --json` and `session ls` carry counts,
+/// `--paths` pages through every verdict, a dry run streams them.
+#[test]
+fn a_session_of_150000_files_publishes_and_its_verdicts_are_paged() {
+    run_layerstack_scenario(NS, |env| {
+        const N: usize = 150_000;
+        let script = "mkdir -p /srv/npm && cd /srv/npm && seq -f 'pkg%06g' 1 150000 | xargs touch";
+        let id = unique("npm-install");
+        run_sh(env, NS, &id, Some("npm"), true, script)?;
+        let out = layerstack_wait(env, NS, &id, &["--json"])?;
+        ensure!(
+            out.status.success(),
+            "wait --json: {}",
+            describe_short(&out)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        ensure!(v["outcome"] == "committed", "{v:#}");
+        ensure!(
+            v["counts"]["clean"].as_u64() == Some(N as u64 + 1),
+            "counts: {}",
+            v["counts"]
+        );
+        ensure!(
+            out.stdout.len() < 64 * 1024,
+            "a summary, not {} bytes",
+            out.stdout.len()
+        );
+        let ls = env.layerstack(&["session", "ls", "--json", "-n", NS])?;
+        ensure!(ls.status.success(), "session ls: {}", describe_short(&ls));
+        let out = layerstack_wait(env, NS, &id, &["--json", "--paths"])?;
+        ensure!(
+            out.status.success(),
+            "wait --paths: {}",
+            describe_short(&out)
+        );
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        let paths = v["paths"].as_array().context("paths")?;
+        ensure!(paths.len() == N + 1, "{} verdicts", paths.len());
+        ensure!(paths[1]["path"] == "/srv/npm/pkg000001", "{}", paths[1]);
+
+        // A dry run of an unpublished session of the same size, on a raw snapshot.
+        let parent = image_top_snapshot(env)?;
+        let prep = env.ctr_ok(
+            NS,
+            &[
+                "snapshots",
+                "--snapshotter",
+                SNAPSHOTTER,
+                "prepare",
+                "--mounts",
+                "npm-dry",
+                &parent,
+            ],
+        )?;
+        let target = env.scratch().join("npm-dry");
+        mount_overlay_json(&prep.stdout, &target)?;
+        let made = std::process::Command::new("sh")
+            .arg("-c")
+            .arg("mkdir -p srv/npm && cd srv/npm && seq -f 'pkg%06g' 1 150000 | xargs touch")
+            .current_dir(&target)
+            .status();
+        nix::mount::umount(&target).context("unmounting the snapshot")?;
+        ensure!(made?.success(), "creating files in the snapshot");
+        let out = ls_publish(env, NS, "npm-dry", &["--dry-run", "--json", "--paths"])?;
+        ensure!(out.status.success(), "dry run: {}", describe_short(&out));
+        let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+        ensure!(
+            v["dry_run"] == true && v["outcome"] == "committed",
+            "{}",
+            v["message"]
+        );
+        ensure!(
+            v["paths"].as_array().map(Vec::len) == Some(N + 1),
+            "dry-run verdicts"
+        );
+        env.ctr_ok(
+            NS,
+            &["snapshots", "--snapshotter", SNAPSHOTTER, "rm", "npm-dry"],
+        )?;
+        Ok(())
+    });
+}
+
+/// `describe` without megabytes of stdout.
+fn describe_short(out: &std::process::Output) -> String {
+    format!(
+        "exit {:?}, {} bytes of stdout, stderr: {}",
+        out.status.code(),
+        out.stdout.len(),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// The committed top snapshot of the Debian image (`ctr snapshots ls`).
+fn image_top_snapshot(env: &TestEnv) -> Result<String> {
+    let snaps = stdout(&env.ctr_ok(NS, &["snapshots", "--snapshotter", SNAPSHOTTER, "ls"])?);
+    snaps
+        .lines()
+        .skip(1)
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .find(|f| {
+            f.first().is_some_and(|k| k.starts_with("sha256:")) && f.last() == Some(&"Committed")
+        })
+        .map(|f| f[0].to_string())
+        .with_context(|| format!("no committed image snapshot in:\n{snaps}"))
+}
+
+/// Mounts the overlay that `ctr snapshots prepare --mounts` printed at `target`.
+fn mount_overlay_json(mounts_json: &[u8], target: &Path) -> Result<()> {
+    let v: serde_json::Value = serde_json::from_slice(mounts_json).context("parsing mounts")?;
+    let m = v
+        .as_array()
+        .and_then(|a| a.first())
+        .context("no mount returned")?;
+    let opts = json_strs(&m["Options"], "mount options")?;
+    std::fs::create_dir_all(target)?;
+    nix::mount::mount(
+        Some("overlay"),
+        target,
+        Some("overlay"),
+        nix::mount::MsFlags::empty(),
+        Some(opts.join(",").as_str()),
+    )
+    .with_context(|| format!("mounting at {}", target.display()))
 }
