@@ -1,0 +1,433 @@
+//! Commands about sessions and their outcomes: `status`, `session ls`, `wait`,
+//! `publish`, `log`.
+
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use layerstack_api as api;
+use serde_json::json;
+
+use crate::output::{print_table, short};
+use crate::{out, Cli, Cmd, SessionCmd};
+
+fn verdict_json(p: &api::PathVerdict) -> serde_json::Value {
+    json!({"path": p.path, "status": p.status, "reason": p.reason})
+}
+
+/// A session (or a dry run's answer) as JSON; `paths`: every path's verdict, when
+/// they were fetched (`--paths`).
+pub(crate) fn session_json(
+    s: &api::Session,
+    paths: Option<&[api::PathVerdict]>,
+) -> serde_json::Value {
+    let counts = s.counts.clone().unwrap_or_default();
+    let mut v = json!({
+        "id": s.id,
+        "owner_kind": s.owner_kind,
+        "owner": s.owner,
+        "namespace": s.namespace,
+        "container": s.container,
+        "key": s.key,
+        "stack": s.stack,
+        "branch": s.branch,
+        "state": s.state,
+        "outcome": if s.outcome.is_empty() { serde_json::Value::Null } else { json!(s.outcome) },
+        "outcome_id": if s.outcome_id == 0 { serde_json::Value::Null } else { json!(s.outcome_id) },
+        "counts": {"clean": counts.clean, "merged": counts.merged, "conflict": counts.conflict, "excluded": counts.excluded},
+        "conflict_paths": s.conflicts.iter().map(|c| c.path.clone()).collect::<Vec<_>>(),
+        "conflicts": s.conflicts.iter().map(|c| json!({"path": c.path, "reason": c.reason})).collect::<Vec<_>>(),
+        "conflicts_truncated": s.conflicts_truncated,
+        "dry_run": s.dry_run,
+        "layer": if s.layer == 0 { serde_json::Value::Null } else { json!(s.layer) },
+        "message": s.message,
+        "released": s.released,
+        "run": s.run,
+        "policy": if s.policy.is_empty() { serde_json::Value::Null } else { json!(s.policy) },
+        "timings": s.timings.as_ref().map(|t| json!({
+            "capture_us": t.capture_us,
+            "gate_wait_us": t.gate_wait_us,
+            "gate_hold_us": t.gate_hold_us,
+            "total_us": t.total_us,
+        })),
+    });
+    if let Some(paths) = paths {
+        v["paths"] = paths.iter().map(verdict_json).collect();
+    }
+    v
+}
+
+/// The text form of an outcome (or a dry run's would-be outcome): its kind first,
+/// or what stands for its absence — never a debug value.
+fn outcome_lines(s: &api::Session, paths: Option<&[api::PathVerdict]>) -> Vec<String> {
+    let mut lines = Vec::new();
+    lines.push(
+        match (s.outcome.as_str(), s.dry_run) {
+            ("", true) => "nothing to publish",
+            ("", false) => "no outcome",
+            (kind, _) => kind,
+        }
+        .to_string(),
+    );
+    if s.layer != 0 {
+        lines.push(format!("layer {}", s.layer));
+    }
+    match paths {
+        Some(paths) => {
+            for p in paths {
+                lines.push(format!("{} {}: {}", p.status, p.path, p.reason));
+            }
+        }
+        None => {
+            if let Some(c) = &s.counts {
+                if c.clean + c.merged + c.conflict + c.excluded > 0 {
+                    lines.push(format!(
+                        "paths: {} clean, {} merged, {} conflict, {} excluded (--paths lists them)",
+                        c.clean, c.merged, c.conflict, c.excluded
+                    ));
+                }
+            }
+            for c in &s.conflicts {
+                lines.push(format!("conflict {}: {}", c.path, c.reason));
+            }
+            if s.conflicts_truncated {
+                let shown = s.conflicts.len() as u64;
+                let total = s.counts.as_ref().map(|c| c.conflict).unwrap_or(shown);
+                lines.push(format!(
+                    "... {} more conflicting path(s): --paths lists them all",
+                    total.saturating_sub(shown)
+                ));
+            }
+        }
+    }
+    if !s.message.is_empty() {
+        lines.push(s.message.clone());
+    }
+    lines
+}
+
+pub(crate) fn print_outcome(
+    s: &api::Session,
+    paths: Option<&[api::PathVerdict]>,
+    as_json: bool,
+) -> ExitCode {
+    if as_json {
+        out!("{}", session_json(s, paths));
+    } else {
+        for l in outcome_lines(s, paths) {
+            out!("{l}");
+        }
+    }
+    match s.outcome.as_str() {
+        "conflict" => ExitCode::from(3),
+        "failed" | "busy" | "unsupported" | "unknown" => ExitCode::from(1),
+        _ => ExitCode::SUCCESS,
+    }
+}
+
+/// Every path verdict of outcome `id`, page by page.
+pub(crate) async fn outcome_paths(
+    c: &mut api::AdminClient<tonic::transport::Channel>,
+    id: i64,
+) -> Result<Vec<api::PathVerdict>> {
+    let mut out = Vec::new();
+    if id == 0 {
+        return Ok(out);
+    }
+    let mut token = String::new();
+    loop {
+        let r = c
+            .list_outcome_paths(api::ListOutcomePathsRequest {
+                outcome_id: id,
+                status: String::new(),
+                page_size: 10_000,
+                page_token: token,
+            })
+            .await?
+            .into_inner();
+        out.extend(r.paths);
+        if r.next_page_token.is_empty() {
+            return Ok(out);
+        }
+        token = r.next_page_token;
+    }
+}
+
+/// Runs a command that talks to the daemon.
+pub async fn run(cli: Cli) -> Result<ExitCode> {
+    let mut c = api::connect(cli.admin_address.clone()).await.with_context(|| {
+        format!(
+            "cannot reach the LayerStack daemon at {} (is containerd-layerstack-grpc running? set --admin-address or LAYERSTACK_ADMIN_ADDRESS)",
+            cli.admin_address.display()
+        )
+    })?;
+    let ns = cli.namespace;
+    match cli.cmd {
+        Cmd::Status { json } => {
+            let r = c.status(api::StatusRequest {}).await?.into_inner();
+            if json {
+                out!(
+                    "{}",
+                    json!({
+                        "version": r.version,
+                        "root": r.root,
+                        "containerd_address": r.containerd_address,
+                        "events_subscribed": r.events_subscribed,
+                        "default_branch": r.default_branch,
+                        "pid": r.pid,
+                    })
+                );
+            } else {
+                out!("version             {}", r.version);
+                out!("store root          {}", r.root);
+                out!("containerd          {}", r.containerd_address);
+                out!(
+                    "task events         {}",
+                    if r.events_subscribed {
+                        "subscribed"
+                    } else {
+                        "not subscribed (containerd unreachable?)"
+                    }
+                );
+                out!("default branch      {}", r.default_branch);
+                out!("daemon pid          {}", r.pid);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Session {
+            cmd:
+                SessionCmd::Ls {
+                    all_namespaces,
+                    json,
+                },
+        } => {
+            let mut sessions = Vec::new();
+            let mut token = String::new();
+            loop {
+                let r = c
+                    .list_sessions(api::ListSessionsRequest {
+                        namespace: ns.clone(),
+                        all_namespaces,
+                        page_size: 0,
+                        page_token: token,
+                    })
+                    .await?
+                    .into_inner();
+                sessions.extend(r.sessions);
+                if r.next_page_token.is_empty() {
+                    break;
+                }
+                token = r.next_page_token;
+            }
+            if json {
+                let v: Vec<_> = sessions.iter().map(|s| session_json(s, None)).collect();
+                out!("{}", serde_json::Value::Array(v));
+            } else {
+                let mut rows = vec![[
+                    "ID", "OWNER", "STACK", "BRANCH", "RUN", "STATE", "OUTCOME", "PATHS",
+                ]
+                .map(String::from)];
+                for s in &sessions {
+                    let c = s.counts.clone().unwrap_or_default();
+                    rows.push([
+                        s.id.to_string(),
+                        s.owner.clone(),
+                        short(&s.stack).to_string(),
+                        s.branch.clone(),
+                        s.run.to_string(),
+                        s.state.clone(),
+                        if s.outcome.is_empty() {
+                            "-".into()
+                        } else {
+                            s.outcome.clone()
+                        },
+                        if s.outcome.is_empty() {
+                            "-".into()
+                        } else {
+                            format!("{}c {}m {}x {}e", c.clean, c.merged, c.conflict, c.excluded)
+                        },
+                    ]);
+                }
+                print_table(&rows);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        Cmd::Wait {
+            container,
+            session,
+            timeout,
+            paths,
+            json,
+        } => {
+            let r = c
+                .wait(api::WaitRequest {
+                    namespace: ns,
+                    container: container.unwrap_or_default(),
+                    timeout_ms: timeout.saturating_mul(1000),
+                    session_id: session.unwrap_or(0),
+                })
+                .await?
+                .into_inner();
+            let all = if paths {
+                Some(outcome_paths(&mut c, r.outcome_id).await?)
+            } else {
+                None
+            };
+            Ok(print_outcome(&r, all.as_deref(), json))
+        }
+        Cmd::Publish {
+            container,
+            session,
+            paths,
+            discard,
+            dry_run,
+            json,
+        } => {
+            let policy = if discard {
+                api::PublishPolicy::Discard
+            } else {
+                api::PublishPolicy::Publish
+            };
+            let req = api::PublishRequest {
+                namespace: ns,
+                container: container.unwrap_or_default(),
+                session_id: session.unwrap_or(0),
+                policy: policy as i32,
+                reason: if discard {
+                    "layerstack publish --discard".into()
+                } else {
+                    "layerstack publish".into()
+                },
+                ..Default::default()
+            };
+            if dry_run {
+                let mut stream = c.publish_dry_run(req).await?.into_inner();
+                let mut head = None;
+                let mut all = Vec::new();
+                while let Some(reply) = stream.message().await? {
+                    if let Some(s) = reply.session {
+                        head = Some(s);
+                    }
+                    if paths {
+                        all.extend(reply.paths);
+                    }
+                }
+                let head = head.context("the daemon's dry run sent no summary")?;
+                return Ok(print_outcome(&head, paths.then_some(all.as_slice()), json));
+            }
+            let r = c.publish(req).await?.into_inner();
+            let all = if paths {
+                Some(outcome_paths(&mut c, r.outcome_id).await?)
+            } else {
+                None
+            };
+            Ok(print_outcome(&r, all.as_deref(), json))
+        }
+        Cmd::Log { image, json } => {
+            // IMAGE[@BRANCH]; a digest reference (name@sha256:...) keeps its '@'.
+            let (image, branch) = match image.rsplit_once('@') {
+                Some((i, b)) if !b.contains(':') => (i.to_string(), b.to_string()),
+                _ => (image, String::new()),
+            };
+            let r = c
+                .log(api::LogRequest {
+                    namespace: ns,
+                    image,
+                    branch,
+                })
+                .await?
+                .into_inner();
+            if json {
+                let v = json!({
+                    "stack": r.stack,
+                    "branch": r.branch,
+                    "layers": r.entries.iter().map(|e| json!({
+                        "layer": e.layer, "manifest": e.manifest,
+                        "session": if e.session == 0 { serde_json::Value::Null } else { json!(e.session) },
+                        "namespace": e.namespace, "container": e.container,
+                        "owner": e.owner, "kind": e.kind,
+                        "paths": e.paths, "created_ns": e.created_ns,
+                    })).collect::<Vec<_>>(),
+                });
+                out!("{v}");
+            } else {
+                out!("stack {} branch {}", r.stack, r.branch);
+                for e in &r.entries {
+                    out!(
+                        "layer {:<6} {:<9} session {:<6} {} ({} paths)",
+                        e.layer,
+                        e.kind,
+                        e.session,
+                        if e.owner.is_empty() { "-" } else { &e.owner },
+                        e.paths
+                    );
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_dry_run_with_nothing_to_publish_prints_no_debug_value() {
+        let s = api::Session {
+            dry_run: true,
+            message:
+                "nothing to publish: the session's current run already ended with outcome committed"
+                    .into(),
+            ..Default::default()
+        };
+        let lines = outcome_lines(&s, None);
+        assert_eq!(lines[0], "nothing to publish");
+        assert!(
+            lines.iter().all(|l| l != "none" && !l.contains("None")),
+            "{lines:?}"
+        );
+        let v = session_json(&s, None);
+        assert!(v["outcome"].is_null());
+        assert!(v.get("paths").is_none(), "paths only with --paths");
+        let s = api::Session::default();
+        assert_eq!(outcome_lines(&s, None), ["no outcome"]);
+        let s = api::Session {
+            outcome: "merged".into(),
+            dry_run: true,
+            ..Default::default()
+        };
+        assert_eq!(outcome_lines(&s, None)[0], "merged");
+    }
+
+    #[test]
+    fn many_conflicts_are_summarised_not_printed_whole() {
+        let s = api::Session {
+            outcome: "conflict".into(),
+            counts: Some(api::PathCounts {
+                clean: 5,
+                conflict: 150,
+                ..Default::default()
+            }),
+            conflicts: (0..100)
+                .map(|i| api::ConflictPath {
+                    path: format!("/f{i}"),
+                    reason: "changed on both sides".into(),
+                })
+                .collect(),
+            conflicts_truncated: true,
+            ..Default::default()
+        };
+        let lines = outcome_lines(&s, None);
+        assert!(
+            lines.iter().any(|l| l.contains("50 more conflicting")),
+            "{lines:?}"
+        );
+        assert!(
+            lines.iter().any(|l| l.starts_with("paths: 5 clean")),
+            "{lines:?}"
+        );
+        let v = session_json(&s, Some(&[]));
+        assert_eq!(v["paths"], json!([]));
+        assert_eq!(v["counts"]["conflict"], 150);
+    }
+}
