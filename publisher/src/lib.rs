@@ -71,6 +71,7 @@ mod gate;
 mod layer;
 mod merge;
 mod policy;
+mod squash;
 #[cfg(test)]
 mod testutil;
 mod view;
@@ -89,4 +90,5 @@ pub use merge::{
     BINARY_SNIFF_BYTES, DEFAULT_MAX_BYTES, DEFAULT_MAX_LINES, DEFAULT_TIMEOUT,
 };
 pub use policy::{ExcludePolicy, PolicyError};
+pub use squash::{flatten_layers, tree_digest, FlattenReport, SquashError};
 pub use view::{Entry, FileKind, LayerView};
