@@ -37,6 +37,7 @@
 
 mod census;
 mod error;
+mod history;
 mod index;
 mod locks;
 pub mod policy;
@@ -53,6 +54,7 @@ use tracing::{info, warn};
 
 pub use census::scan_upperdirs;
 pub use error::{error_chain, EngineError, RunError};
+pub use history::{Collected, HistorySettings, Promoted};
 pub use layerstack_publisher as publisher;
 pub use layerstack_store as store;
 pub use locks::LockGuard;
@@ -67,6 +69,8 @@ pub struct EngineSettings {
     pub merge: publisher::MergeOptions,
     /// Sessions are mounted with `userxattr` (rootless).
     pub userxattr: bool,
+    /// Squash, retention.
+    pub history: HistorySettings,
 }
 
 impl EngineSettings {
@@ -94,6 +98,10 @@ pub struct Engine {
     settings: EngineSettings,
     sessions: locks::LockMap<SessionId>,
     gates: locks::LockMap<(String, String)>,
+    /// One squash per (stack, branch) at a time.
+    squashes: locks::LockMap<(String, String)>,
+    /// Manifests operations in flight read; GC keeps them.
+    pins: Arc<history::Pins>,
     census: census::Census,
     /// Bumped after every recorded outcome (wakes [`Engine::wait`]).
     generation: watch::Sender<u64>,
@@ -112,6 +120,8 @@ impl Engine {
             settings,
             sessions: locks::LockMap::new(),
             gates: locks::LockMap::new(),
+            squashes: locks::LockMap::new(),
+            pins: Arc::new(history::Pins::default()),
             census: census::Census::new(),
             generation,
             events,

@@ -198,6 +198,8 @@ struct GateInput {
 
 /// The plan made outside the gate, and what it was made against.
 struct Ready {
+    /// Keeps the observed head's layers from GC while the plan refers to them.
+    _pin: crate::history::Pin,
     ctx: PublishContext,
     view: LayerView,
     input: GateInput,
@@ -294,12 +296,30 @@ impl Engine {
     ) -> Result<SessionInfo, EngineError> {
         let me = self.clone();
         let why = why.to_string();
-        tokio::spawn(async move {
+        let s = tokio::spawn(async move {
             let _g = me.lock_session(id).await;
             me.publish_locked(id, &why).await
         })
         .await
-        .map_err(|e| EngineError::Join(e.to_string()))?
+        .map_err(|e| EngineError::Join(e.to_string()))??;
+        self.after_publish(&s).await;
+        Ok(s)
+    }
+
+    /// After a publish that added a layer: an automatic squash when the branch
+    /// got too deep.
+    pub(crate) async fn after_publish(self: &Arc<Self>, s: &SessionInfo) {
+        let Some(o) = &s.outcome else { return };
+        if !o.kind.is_published() {
+            return;
+        }
+        let (stack, branch) = (s.stack.clone(), s.branch.clone());
+        let depth = self
+            .blocking(move |st| st.manifest_depth(st.branch_head(&stack, &branch)?))
+            .await;
+        if let Ok(depth) = depth {
+            self.maybe_squash(&s.stack, &s.branch, depth);
+        }
     }
 
     /// [`Engine::publish`] with the session lock already held by the caller.
@@ -414,13 +434,15 @@ impl Engine {
     ) -> Result<SessionInfo, EngineError> {
         let me = self.clone();
         let why = why.to_string();
-        tokio::spawn(async move {
+        let s = tokio::spawn(async move {
             let _g = me.lock_session(id).await;
             let current = me.session(id).await?;
             me.finish_locked(&current, label, exit_status, &why).await
         })
         .await
-        .map_err(|e| EngineError::Join(e.to_string()))?
+        .map_err(|e| EngineError::Join(e.to_string()))??;
+        self.after_publish(&s).await;
+        Ok(s)
     }
 
     async fn run(&self, id: SessionId, why: &str) -> Result<(), RunError> {
@@ -434,8 +456,9 @@ impl Engine {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .take();
+        let pins = self.pins.clone();
         let prepared = tokio::task::spawn_blocking(move || {
-            let r = prepare(&store, &settings, id, started);
+            let r = prepare(&store, &settings, &pins, id, started);
             #[cfg(any(test, feature = "failpoints"))]
             if let (Some(h), Ok(Prepared::Ready(_))) = (&hook, &r) {
                 h(&store.upper_path(id));
@@ -581,6 +604,7 @@ impl Engine {
 fn prepare(
     store: &Store,
     settings: &EngineSettings,
+    pins: &Arc<crate::history::Pins>,
     id: SessionId,
     started: Instant,
 ) -> Result<Prepared, RunError> {
@@ -619,6 +643,7 @@ fn prepare(
     }
     seal(store, &upper, settings.userxattr)?;
     let observed = store.head_view(id)?;
+    let pin = pins.pin(observed.manifest);
     let input = gate_input(
         store,
         settings,
@@ -658,6 +683,7 @@ fn prepare(
     }
     let staged = store.stage_publish(id, &index_of(&plan), &records(&plan))?;
     Ok(Prepared::Ready(Box::new(Ready {
+        _pin: pin,
         ctx,
         view,
         input,
@@ -683,6 +709,7 @@ fn commit(
     #[cfg(any(test, feature = "failpoints"))] hook: Option<Hook>,
 ) -> Result<(), RunError> {
     let Ready {
+        _pin,
         ctx,
         view,
         input,

@@ -640,3 +640,307 @@ fn exit_decisions_follow_recorded_policy_then_label() {
         "the recorded policy wins over the label"
     );
 }
+
+fn engine_with(store: &Arc<Store>, history: crate::HistorySettings) -> Arc<Engine> {
+    Engine::new(
+        store.clone(),
+        EngineSettings {
+            exclude: publisher::ExcludePolicy::new(["/tmp/**"]).unwrap(),
+            history,
+            ..Default::default()
+        },
+    )
+}
+
+/// A new sandbox session on `branch` of the test stack, with `files` written.
+async fn session_with(
+    p: &Arc<Engine>,
+    branch: &str,
+    name: &str,
+    files: &[(&str, &[u8])],
+) -> SessionInfo {
+    let (s, _, _) = p
+        .create_session(
+            layerstack_store::Owner::Sandbox { name: name.into() },
+            "ns/sha256:aaa",
+            layerstack_store::LeaseTarget::Branch(branch.into()),
+            None,
+        )
+        .await
+        .unwrap();
+    std::fs::set_permissions(&s.upper, std::fs::Permissions::from_mode(0o755)).unwrap();
+    for (path, content) in files {
+        write(&s.upper, path, content);
+    }
+    s
+}
+
+fn head_view(store: &Store, branch: &str) -> publisher::LayerView {
+    let head = store.branch_head("ns/sha256:aaa", branch).unwrap();
+    publisher::LayerView::new(store.manifest_view("ns/sha256:aaa", head).unwrap())
+}
+
+/// Many sequential publishes: automatic squashes keep the head shallow, every
+/// file stays visible, a session leased early still reads its own view and
+/// publishes through the gate against the squashed head (no false conflict), and
+/// GC frees the squashed-away layers once nothing reaches them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn squashes_keep_history_shallow_and_every_view_intact() {
+    if !have_root("squashes_keep_history_shallow_and_every_view_intact") {
+        return;
+    }
+    let t = tmp();
+    let (store, s) = setup_n(t.path(), 1);
+    let p = engine_with(
+        &store,
+        crate::HistorySettings {
+            squash_threshold: 10,
+            squash_keep: 3,
+            ..Default::default()
+        },
+    );
+    // An early session: leased after the 2nd publish, edits a line of app.conf.
+    let mut early = None;
+    for i in 0..40 {
+        let name = format!("f{i:02}");
+        let content = format!("{i}\n");
+        let sess = session_with(
+            &p,
+            "main",
+            &name,
+            &[
+                (&format!("work/{name}"), content.as_bytes()),
+                ("work/last", content.as_bytes()),
+            ],
+        )
+        .await;
+        if i == 2 {
+            early = Some(
+                session_with(
+                    &p,
+                    "main",
+                    "early",
+                    &[("etc/app.conf", &edit("key4 = 4", "key4 = E"))],
+                )
+                .await,
+            );
+        }
+        let out = p.publish(sess.id, "seq").await.unwrap().outcome.unwrap();
+        assert!(out.kind.is_published(), "{out:?}");
+        // Let a background squash finish before checking the depth.
+        let _ = p
+            .squashes
+            .lock(("ns/sha256:aaa".into(), "main".into()))
+            .await;
+        let depth = store
+            .manifest_depth(store.branch_head("ns/sha256:aaa", "main").unwrap())
+            .unwrap();
+        assert!(depth <= 11, "depth {depth} after publish {i}");
+    }
+    let log = store.log("ns/sha256:aaa", "main").unwrap();
+    assert!(
+        log.iter()
+            .any(|e| e.kind == layerstack_store::LayerKind::Squashed),
+        "{log:?}"
+    );
+    let head = head_view(&store, "main");
+    for i in 0..40 {
+        let got = head
+            .read_regular(format!("work/f{i:02}").as_bytes())
+            .unwrap();
+        assert_eq!(got.unwrap(), format!("{i}\n").as_bytes());
+    }
+    assert_eq!(head.read_regular(b"work/last").unwrap().unwrap(), b"39\n");
+    // GC: the early session's lease still pins its own (unsquashed) view.
+    let early = early.unwrap();
+    let before = p.gc().await.unwrap();
+    assert!(
+        !before.report.layers.is_empty(),
+        "squashed-away layers are freed"
+    );
+    let ctx = store.publish_context(early.id).unwrap();
+    let view = publisher::LayerView::new(ctx.lease_lowers.clone());
+    assert!(view.read_regular(b"work/f00").unwrap().is_some());
+    assert!(
+        view.read_regular(b"work/f10").unwrap().is_none(),
+        "its view is its own"
+    );
+    // It publishes through the squashed head: its edit merges with nothing.
+    let out = p.publish(early.id, "early").await.unwrap().outcome.unwrap();
+    assert_eq!(out.kind, OutcomeKind::Committed, "{out:?}");
+    let head = head_view(&store, "main");
+    assert_eq!(
+        head.read_regular(b"etc/app.conf").unwrap().unwrap(),
+        edit("key4 = 4", "key4 = E")
+    );
+    assert_eq!(head.read_regular(b"work/f05").unwrap().unwrap(), b"5\n");
+    let _ = s;
+}
+
+/// Branches: fork at an old layer of the log sees exactly that layer's tree;
+/// promote fast-forwards, merges, or is refused whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn branches_fork_at_a_layer_and_promote_fast_forwards_merges_or_refuses() {
+    if !have_root("branches_fork_at_a_layer_and_promote_fast_forwards_merges_or_refuses") {
+        return;
+    }
+    let t = tmp();
+    let (store, _) = setup_n(t.path(), 1);
+    let p = engine_with(&store, Default::default());
+    let stack = "ns/sha256:aaa";
+    for i in 0..3 {
+        let s = session_with(&p, "main", &format!("m{i}"), &[(&format!("m{i}"), b"x\n")]).await;
+        p.publish(s.id, "main").await.unwrap();
+    }
+    let log = store.log(stack, "main").unwrap();
+    let second = log[1].layer;
+    store
+        .create_branch(stack, "old", "main", Some(second))
+        .unwrap();
+    let old = head_view(&store, "old");
+    assert!(old.lookup(b"m1").unwrap().is_some() && old.lookup(b"m2").unwrap().is_none());
+    assert!(
+        store.create_branch(stack, "old", "main", None).is_err(),
+        "exists"
+    );
+
+    // Fast-forward: dev forked from main's head, publishes; promote dev → main.
+    store.create_branch(stack, "dev", "main", None).unwrap();
+    let d = session_with(
+        &p,
+        "dev",
+        "d",
+        &[("etc/app.conf", &edit("key2 = 2", "key2 = D"))],
+    )
+    .await;
+    p.publish(d.id, "dev").await.unwrap();
+    let r = p.promote(stack, "dev", "main", "op-ff").await.unwrap();
+    assert!(matches!(r, crate::Promoted::FastForward { .. }), "{r:?}");
+    assert_eq!(
+        store.branch_head(stack, "main").unwrap(),
+        store.branch_head(stack, "dev").unwrap()
+    );
+    assert!(matches!(
+        p.promote(stack, "dev", "main", "again").await.unwrap(),
+        crate::Promoted::UpToDate { .. }
+    ));
+
+    // Merge: both moved; separate hunks merge through the gate.
+    let d2_text = String::from_utf8(edit("key2 = 2", "key2 = D"))
+        .unwrap()
+        .replace("key6 = 6", "key6 = D2");
+    let d2 = session_with(&p, "dev", "d2", &[("etc/app.conf", d2_text.as_bytes())]).await;
+    p.publish(d2.id, "dev").await.unwrap();
+    let m = session_with(&p, "main", "m", &[("main-only", b"m\n")]).await;
+    p.publish(m.id, "main").await.unwrap();
+    let r = p.promote(stack, "dev", "main", "op-merge").await.unwrap();
+    let crate::Promoted::Merged { session } = r else {
+        panic!("{r:?}")
+    };
+    assert_eq!(session.owner.display(), "operation:op-merge");
+    let head = head_view(&store, "main");
+    assert!(head.lookup(b"main-only").unwrap().is_some());
+    let text = String::from_utf8(head.read_regular(b"etc/app.conf").unwrap().unwrap()).unwrap();
+    assert!(
+        text.contains("key2 = D") && text.contains("key6 = D2"),
+        "{text}"
+    );
+
+    // Conflict: both edit the same line; main is unchanged, the promote refused.
+    let d3 = session_with(
+        &p,
+        "dev",
+        "d3",
+        &[(
+            "etc/app.conf",
+            text.replace("last = 7", "last = dev").as_bytes(),
+        )],
+    )
+    .await;
+    p.publish(d3.id, "dev").await.unwrap();
+    let m2 = session_with(
+        &p,
+        "main",
+        "m2",
+        &[(
+            "etc/app.conf",
+            text.replace("last = 7", "last = main").as_bytes(),
+        )],
+    )
+    .await;
+    p.publish(m2.id, "main").await.unwrap();
+    let before = store.branch_head(stack, "main").unwrap();
+    let r = p
+        .promote(stack, "dev", "main", "op-conflict")
+        .await
+        .unwrap();
+    let crate::Promoted::Conflict { session } = r else {
+        panic!("{r:?}")
+    };
+    assert_eq!(session.outcome.unwrap().kind, OutcomeKind::Conflict);
+    assert_eq!(
+        store.branch_head(stack, "main").unwrap(),
+        before,
+        "refused whole"
+    );
+    // Branch deletion: the default branch is refused; another goes.
+    assert!(store.delete_branch(stack, "main").is_err());
+    store.delete_branch(stack, "old").unwrap();
+    assert!(store.branch_head(stack, "old").is_err());
+}
+
+/// GC frees exactly the bytes of what nothing reaches, and the accounting's
+/// total equals `du` of the store root before and after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gc_frees_what_nothing_reaches_and_accounting_matches_du() {
+    if !have_root("gc_frees_what_nothing_reaches_and_accounting_matches_du") {
+        return;
+    }
+    let t = tmp();
+    let (store, _) = setup_n(t.path(), 1);
+    let p = engine_with(&store, Default::default());
+    let stack = "ns/sha256:aaa";
+    store.create_branch(stack, "tmp", "main", None).unwrap();
+    let big = vec![7u8; 1 << 20];
+    let s = session_with(&p, "tmp", "big", &[("big.bin", &big)]).await;
+    let out = p.publish(s.id, "tmp").await.unwrap().outcome.unwrap();
+    let layer_dir = store.layer_path(out.layer.unwrap());
+    let (expected, _) = layerstack_store::fs::disk_usage(&layer_dir).unwrap();
+    let du = |root: &Path| {
+        let o = std::process::Command::new("du")
+            .args(["-s", "-B1"])
+            .arg(root)
+            .output()
+            .unwrap();
+        String::from_utf8(o.stdout)
+            .unwrap()
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .parse::<u64>()
+            .unwrap()
+    };
+    let u = store.disk_usage().unwrap();
+    let root_du = du(store.root());
+    assert!(
+        u.total.total().abs_diff(root_du) <= 64 * 1024,
+        "df {} vs du {root_du}: {:?}",
+        u.total.total(),
+        u.total
+    );
+    assert!(u.total.hot >= 1 << 20, "{:?}", u.total);
+    // Nothing frees while the branch shows the layer.
+    assert!(p.gc().await.unwrap().report.layers.is_empty());
+    store.delete_branch(stack, "tmp").unwrap();
+    let c = p.gc().await.unwrap();
+    assert_eq!(c.report.layers, vec![out.layer.unwrap()]);
+    assert_eq!(c.report.bytes_freed, u64::try_from(expected).unwrap());
+    assert!(!layer_dir.exists());
+    let u = store.disk_usage().unwrap();
+    let root_du = du(store.root());
+    assert!(
+        u.total.total().abs_diff(root_du) <= 64 * 1024,
+        "after: df {} vs du {root_du}",
+        u.total.total()
+    );
+}

@@ -128,7 +128,7 @@ pub fn flatten_layers(
         .collect::<Result<_, _>>()?;
     let out_dir = fsx::open_dir(out).map_err(err("open", b""))?;
     if let Some(top) = members.first() {
-        copy_dir_meta(&top.dir, &out_dir, &mut Vec::new(), userxattr)?;
+        copy_dir_meta(&top.dir, &out_dir, &[], userxattr)?;
     }
     let all: Vec<usize> = (0..members.len()).collect();
     let mut rel = Vec::new();
@@ -405,7 +405,7 @@ fn copy_entry(from: &DirFd, to: &DirFd, name: &CStr, rel: &[u8]) -> Result<(), S
 fn copy_dir_meta(
     from: &DirFd,
     to: &DirFd,
-    rel: &mut Vec<u8>,
+    rel: &[u8],
     userxattr: bool,
 ) -> Result<(), SquashError> {
     let st = nix::sys::stat::fstat(from.as_raw_fd()).map_err(|e| err("stat", rel)(e.into()))?;

@@ -145,17 +145,16 @@ pub(crate) fn init_upper_root(upper: &Path, top: &Path) -> io::Result<()> {
     Ok(())
 }
 
-/// Real allocated bytes and inode count of a tree, without following symlinks;
-/// hardlinked inodes are counted once. Shape: `(bytes, inodes)`.
+/// Walks the tree at `path` beneath it without following anything, calling `f`
+/// with every entry's `lstat` (the root included).
 ///
 /// The walk is fd-relative: every directory is opened with
 /// `openat(O_DIRECTORY|O_NOFOLLOW)` relative to its parent and every entry is
 /// `fstatat(AT_SYMLINK_NOFOLLOW)`-ed in it, so a container that swaps a
 /// directory of its (possibly still mounted) upper for a symlink during the walk
 /// can never steer it outside the tree (ARCHITECTURE.md §8). An entry that
-/// vanishes meanwhile is skipped.
-pub fn disk_usage(path: &Path) -> io::Result<(i64, i64)> {
-    use std::collections::HashSet;
+/// vanishes meanwhile is skipped; a missing `path` is an empty tree.
+fn walk_beneath(path: &Path, f: &mut dyn FnMut(&nix::sys::stat::FileStat)) -> io::Result<()> {
     use std::os::fd::AsRawFd;
 
     use nix::dir::Dir;
@@ -167,26 +166,17 @@ pub fn disk_usage(path: &Path) -> io::Result<(i64, i64)> {
         .union(OFlag::O_NOFOLLOW)
         .union(OFlag::O_CLOEXEC);
     let gone = |e: nix::errno::Errno| matches!(e, nix::errno::Errno::ENOENT);
-    let mut seen = HashSet::new();
-    let (mut bytes, mut inodes) = (0i64, 0i64);
-    let mut count = |st: &nix::sys::stat::FileStat| {
-        #[allow(clippy::useless_conversion)]
-        if seen.insert((u64::from(st.st_dev), u64::from(st.st_ino))) {
-            inodes += 1;
-            bytes += i64::from(st.st_blocks) * 512;
-        }
-    };
     let top = match Dir::open(path, DIR_FLAGS, Mode::empty()) {
         Ok(d) => d,
         Err(nix::errno::Errno::ENOTDIR | nix::errno::Errno::ELOOP) => {
             let st = nix::sys::stat::lstat(path).map_err(io::Error::from)?;
-            count(&st);
-            return Ok((bytes, inodes));
+            f(&st);
+            return Ok(());
         }
-        Err(e) if gone(e) => return Ok((0, 0)),
+        Err(e) if gone(e) => return Ok(()),
         Err(e) => return Err(e.into()),
     };
-    count(&fstat(top.as_raw_fd()).map_err(io::Error::from)?);
+    f(&fstat(top.as_raw_fd()).map_err(io::Error::from)?);
     let mut stack = vec![top];
     while let Some(mut dir) = stack.pop() {
         let fd = dir.as_raw_fd();
@@ -202,7 +192,7 @@ pub fn disk_usage(path: &Path) -> io::Result<(i64, i64)> {
                 Err(e) if gone(e) => continue,
                 Err(e) => return Err(e.into()),
             };
-            count(&st);
+            f(&st);
             if st.st_mode & libc::S_IFMT == libc::S_IFDIR {
                 subdirs.push(name.to_owned());
             }
@@ -217,7 +207,75 @@ pub fn disk_usage(path: &Path) -> io::Result<(i64, i64)> {
             }
         }
     }
-    Ok((bytes, inodes))
+    Ok(())
+}
+
+#[allow(clippy::useless_conversion)]
+fn inode_key(st: &nix::sys::stat::FileStat) -> (u64, u64) {
+    (u64::from(st.st_dev), u64::from(st.st_ino))
+}
+
+#[allow(clippy::useless_conversion)]
+fn blocks_bytes(st: &nix::sys::stat::FileStat) -> u64 {
+    u64::try_from(i64::from(st.st_blocks)).unwrap_or(0) * 512
+}
+
+/// Real allocated bytes and inode count of a tree, without following symlinks;
+/// hardlinked inodes are counted once. Shape: `(bytes, inodes)`. See
+/// [`walk_beneath`] for how nothing is ever followed.
+pub fn disk_usage(path: &Path) -> io::Result<(i64, i64)> {
+    let mut seen = std::collections::HashSet::new();
+    let (mut bytes, mut inodes) = (0u64, 0i64);
+    walk_beneath(path, &mut |st| {
+        if seen.insert(inode_key(st)) {
+            inodes += 1;
+            bytes += blocks_bytes(st);
+        }
+    })?;
+    Ok((i64::try_from(bytes).unwrap_or(i64::MAX), inodes))
+}
+
+/// Real allocated bytes of the inodes of the tree at `path` that are not in
+/// `seen` yet (they are added): accounting classes that share inodes (a squashed
+/// layer hardlinks its members' files) count each inode once.
+pub fn usage_once(
+    path: &Path,
+    seen: &mut std::collections::HashSet<(u64, u64)>,
+) -> io::Result<u64> {
+    let mut bytes = 0u64;
+    walk_beneath(path, &mut |st| {
+        if seen.insert(inode_key(st)) {
+            bytes += blocks_bytes(st);
+        }
+    })?;
+    Ok(bytes)
+}
+
+/// Real allocated bytes that removing the trees `dirs` frees: the blocks of
+/// every inode all of whose links are inside them (an inode also linked from
+/// elsewhere stays).
+pub fn freed_bytes(dirs: &[std::path::PathBuf]) -> io::Result<u64> {
+    let mut links: std::collections::HashMap<(u64, u64), (u64, u64, u64)> = Default::default();
+    for d in dirs {
+        walk_beneath(d, &mut |st| {
+            // A directory cannot be hardlinked: its link count counts subdirectories.
+            #[allow(clippy::useless_conversion)]
+            let nlink = if st.st_mode & libc::S_IFMT == libc::S_IFDIR {
+                1
+            } else {
+                u64::from(st.st_nlink)
+            };
+            let e = links
+                .entry(inode_key(st))
+                .or_insert((0, nlink, blocks_bytes(st)));
+            e.0 += 1;
+        })?;
+    }
+    Ok(links
+        .values()
+        .filter(|(found, nlink, _)| found >= nlink || *nlink == 0)
+        .map(|(_, _, b)| *b)
+        .sum())
 }
 
 #[cfg(test)]

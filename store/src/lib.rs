@@ -40,6 +40,7 @@
 mod db;
 mod error;
 pub mod fs;
+mod history;
 mod layers;
 mod leases;
 mod lock;
@@ -60,6 +61,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use tracing::{debug, info, warn};
 
 pub use error::{ErrorKind, OpenError, Result, StoreError};
+pub use history::{DiskUsage, GcReport, RemovedStack, Squashed, Usage};
 pub use lock::StoreLock;
 pub use model::*;
 pub use publish::{CommitRecord, Published, Staged};

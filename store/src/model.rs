@@ -371,6 +371,9 @@ pub enum Owner {
     /// Mode B: a sandbox session held by a `layerstack session run` holder;
     /// `name` is its label (unique among live sandbox sessions is not required).
     Sandbox { name: String },
+    /// An engine operation (promote, a graph merge): `id` names it in blame as
+    /// `operation:<id>`.
+    Operation { id: String },
 }
 
 impl Owner {
@@ -378,14 +381,17 @@ impl Owner {
         match self {
             Self::Container { .. } => "container",
             Self::Sandbox { .. } => "sandbox",
+            Self::Operation { .. } => "operation",
         }
     }
 
-    /// The owner's display form: `container:<ns>/<id>` or `sandbox:<name>`.
+    /// The owner's display form: `container:<ns>/<id>`, `sandbox:<name>` or
+    /// `operation:<id>`.
     pub fn display(&self) -> String {
         match self {
             Self::Container { namespace, id } => format!("container:{namespace}/{id}"),
             Self::Sandbox { name } => format!("sandbox:{name}"),
+            Self::Operation { id } => format!("operation:{id}"),
         }
     }
 
@@ -393,7 +399,7 @@ impl Owner {
     pub fn namespace(&self) -> &str {
         match self {
             Self::Container { namespace, .. } => namespace,
-            Self::Sandbox { .. } => "",
+            Self::Sandbox { .. } | Self::Operation { .. } => "",
         }
     }
 
@@ -402,6 +408,7 @@ impl Owner {
         match self {
             Self::Container { id, .. } => id,
             Self::Sandbox { name } => name,
+            Self::Operation { id } => id,
         }
     }
 }
@@ -602,11 +609,15 @@ pub struct StackInfo {
 }
 
 /// What a new session leases: a branch head (created from the default branch's
-/// head when missing), or an explicit manifest.
+/// head when missing), or an explicit manifest of the stack whose publishes go to
+/// `branch` (a graph node's root, a promote's merge base).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum LeaseTarget {
     Branch(String),
-    Manifest(ManifestId),
+    Manifest {
+        manifest: ManifestId,
+        branch: String,
+    },
 }
 
 /// Holder kinds of a lease (table `leases`).

@@ -147,7 +147,29 @@ pub(crate) fn query_layers(
         .collect())
 }
 
-/// The layers of `to` that `from` does not have, newest first.
+/// `layers` with every squashed layer replaced by its members (recursively),
+/// newest first: the layers as published, whose path index rows the gate reads.
+pub(crate) fn expand(conn: &Connection, layers: &[LayerId]) -> Result<Vec<LayerId>, StoreError> {
+    let mut stmt = conn
+        .prepare_cached("SELECT member_id FROM squash_members WHERE layer_id = ?1 ORDER BY pos")?;
+    let mut out = Vec::with_capacity(layers.len());
+    let mut todo: Vec<LayerId> = layers.iter().rev().copied().collect();
+    while let Some(l) = todo.pop() {
+        let members: Vec<LayerId> = stmt
+            .query_map([l], |r| r.get(0))?
+            .collect::<Result<_, _>>()?;
+        if members.is_empty() {
+            out.push(l);
+        } else {
+            todo.extend(members.into_iter().rev());
+        }
+    }
+    Ok(out)
+}
+
+/// The published layers of `to` that `from` does not have, newest first, with
+/// squashed layers seen as the runs they replaced: a lease that had a run does
+/// not see its squash as a change.
 pub(crate) fn layers_since(
     conn: &Connection,
     from: ManifestId,
@@ -156,8 +178,10 @@ pub(crate) fn layers_since(
     if from == to {
         return Ok(Vec::new());
     }
-    let had: HashSet<LayerId> = manifest_layers(conn, from)?.into_iter().collect();
-    Ok(manifest_layers(conn, to)?
+    let had: HashSet<LayerId> = expand(conn, &manifest_layers(conn, from)?)?
+        .into_iter()
+        .collect();
+    Ok(expand(conn, &manifest_layers(conn, to)?)?
         .into_iter()
         .filter(|l| !had.contains(l))
         .collect())
@@ -185,18 +209,24 @@ impl Store {
     }
 
     /// The whole path index of layer `layer`, sorted by path (for `log --paths`
-    /// and diffs). Errors: `Corrupt`.
+    /// and diffs). A squashed layer's index is its members' merged: per path, the
+    /// newest member's entry. Errors: `Corrupt`.
     pub fn layer_index(&self, layer: LayerId) -> Result<Vec<IndexEntry>, StoreError> {
         self.db.read(|conn| {
             let mut stmt = conn.prepare_cached(&format!(
                 "SELECT {ENTRY_COLS} FROM layer_paths WHERE layer_id = ?1 ORDER BY path"
             ))?;
-            let raws: Vec<RawEntry> = stmt
-                .query_map([layer], raw_entry)?
-                .collect::<Result<_, _>>()?;
-            raws.into_iter()
-                .map(|r| entry_from_raw(r).map(|(_, e)| e))
-                .collect()
+            let mut merged: BTreeMap<Vec<u8>, IndexEntry> = BTreeMap::new();
+            for member in expand(conn, &[layer])? {
+                let raws: Vec<RawEntry> = stmt
+                    .query_map([member], raw_entry)?
+                    .collect::<Result<_, _>>()?;
+                for r in raws {
+                    let (_, e) = entry_from_raw(r)?;
+                    merged.entry(e.path.clone()).or_insert(e);
+                }
+            }
+            Ok(merged.into_values().collect())
         })
     }
 }

@@ -10,8 +10,10 @@
 /// is refused at open (ARCHITECTURE.md §2: never migrated silently).
 ///
 /// History: 1 and 2 kept manifests, path-index entries and outcomes as JSON text;
-/// 3 normalized them and separated the history model from containerd's snapshots.
-pub const FORMAT_VERSION: i64 = 3;
+/// 3 normalized them and separated the history model from containerd's snapshots;
+/// 4 added squashed layers' members, freed ("dropped") layer directories and
+/// operation-owned sessions.
+pub const FORMAT_VERSION: i64 = 4;
 
 pub(crate) const SCHEMA: &str = r#"
 CREATE TABLE meta (
@@ -26,15 +28,27 @@ CREATE TABLE meta (
 --   pending    a publish's layer between planning and its commit (no directory
 --              under l/ yet: the session's upper is renamed there at commit)
 --   published  a captured session prepended to a branch
---   squashed   a compaction of a run of layers
+--   squashed   a compaction of a run of layers (its members in squash_members)
+-- `dropped`: the directory was freed by GC; the row stays because a squashed
+-- layer that is still reachable lists it as a member (the gate reads members'
+-- path index rows).
 CREATE TABLE layers (
     id          INTEGER PRIMARY KEY AUTOINCREMENT,
     kind        TEXT NOT NULL CHECK (kind IN ('active', 'base', 'committed', 'pending', 'published', 'squashed')),
     path        TEXT NOT NULL UNIQUE,
     stack       TEXT,
     session_id  INTEGER,
+    dropped     INTEGER NOT NULL DEFAULT 0,
     created_ns  INTEGER NOT NULL
 );
+-- The run a squashed layer replaced, newest first.
+CREATE TABLE squash_members (
+    layer_id  INTEGER NOT NULL REFERENCES layers(id),
+    pos       INTEGER NOT NULL,
+    member_id INTEGER NOT NULL REFERENCES layers(id),
+    PRIMARY KEY (layer_id, pos)
+) WITHOUT ROWID;
+CREATE INDEX squash_members_member ON squash_members(member_id);
 
 -- The path index: what each published layer changed, one row per path. The gate
 -- reads it for the paths a publish touches (and the directories above them), in
@@ -112,14 +126,14 @@ CREATE TABLE leases (
 CREATE INDEX leases_live ON leases(manifest_id) WHERE released_ns IS NULL;
 
 -- A session: one private upper on a lease. owner_kind 'container' (Mode A:
--- namespace + container id) or 'sandbox' (Mode B: a holder process; owner is its
--- name). `run` counts runs (a new run starts after every outcome). `released`:
+-- namespace + container id), 'sandbox' (Mode B: a holder process; owner is its
+-- name) or 'operation' (an engine operation such as promote; owner is its id). `run` counts runs (a new run starts after every outcome). `released`:
 -- the owner let go (containerd removed the snapshot, the sandbox closed); the row
 -- stays as history. `remove_pending`: released while a publish was running; the
 -- directories go when it ends.
 CREATE TABLE sessions (
     id              INTEGER PRIMARY KEY AUTOINCREMENT,
-    owner_kind      TEXT NOT NULL CHECK (owner_kind IN ('container', 'sandbox')),
+    owner_kind      TEXT NOT NULL CHECK (owner_kind IN ('container', 'sandbox', 'operation')),
     namespace       TEXT NOT NULL,
     owner           TEXT NOT NULL,
     stack           TEXT NOT NULL REFERENCES stacks(id),

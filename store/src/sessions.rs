@@ -57,6 +57,7 @@ pub(crate) fn owner_from(
             id: owner,
         }),
         "sandbox" => Ok(Owner::Sandbox { name: owner }),
+        "operation" => Ok(Owner::Operation { id: owner }),
         other => Err(StoreError::corrupt(
             "sessions",
             id,
@@ -187,7 +188,11 @@ pub(crate) fn insert_session(
                 ensure_branch(tx, stack, b, &store.default_branch)?,
             )
         }
-        LeaseTarget::Manifest(m) => {
+        LeaseTarget::Manifest {
+            manifest: m,
+            branch,
+        } => {
+            validate_branch(branch).map_err(StoreError::InvalidArgument)?;
             let on: Option<String> = tx
                 .query_row("SELECT stack FROM manifests WHERE id = ?1", [m], |r| {
                     r.get(0)
@@ -206,7 +211,8 @@ pub(crate) fn insert_session(
                     )))
                 }
             }
-            (store.default_branch.clone(), *m)
+            ensure_branch(tx, stack, branch, &store.default_branch)?;
+            (branch.clone(), *m)
         }
     };
     let now = now_ns();
@@ -272,7 +278,7 @@ impl Store {
                     |r| r.get(0),
                 )
                 .optional()?,
-            Owner::Sandbox { .. } => None,
+            Owner::Sandbox { .. } | Owner::Operation { .. } => None,
         };
         Ok(SessionInfo {
             upper: self.upper_path(s.id),

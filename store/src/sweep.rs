@@ -75,16 +75,21 @@ impl Store {
         let keep = self.db.read(|conn| {
             let mut keep: HashSet<String> = HashSet::new();
             let mut missing = Vec::new();
-            let mut stmt = conn.prepare("SELECT id, path, kind FROM layers")?;
+            let mut stmt = conn.prepare("SELECT id, path, kind, dropped FROM layers")?;
             let rows = stmt.query_map([], |r| {
                 Ok((
                     r.get::<_, i64>(0)?,
                     r.get::<_, String>(1)?,
                     r.get::<_, String>(2)?,
+                    r.get::<_, i64>(3)? != 0,
                 ))
             })?;
             for r in rows {
-                let (id, path, kind) = r?;
+                let (id, path, kind, dropped) = r?;
+                if dropped {
+                    // Freed by GC; the row only keeps a squash's path index.
+                    continue;
+                }
                 let kind = LayerKind::parse(&kind)
                     .ok_or_else(|| StoreError::corrupt("layers", id, format!("kind {kind:?}")))?;
                 if kind == LayerKind::Active {

@@ -1,0 +1,396 @@
+//! History operations through the engine: squash (on demand and automatic),
+//! garbage collection, promote, branches and stack removal (ARCHITECTURE.md §2,
+//! §8, §10; seed `000`).
+//!
+//! **Squash** builds its layer outside the gate — the run it compacts is
+//! immutable — then, under the branch's gate, replaces the run in the head as it
+//! is by then (publishes that landed meanwhile stay on top: the run is found in
+//! the new head, and the layers above it are prepended again). Sessions leased
+//! before keep their manifests, so they read their own view; GC frees the old
+//! layers once nothing reaches them.
+//!
+//! **Promote** advances branch `to` to branch `from`'s head: a fast-forward
+//! (compare-and-swap of `to`'s head under its gate) when `to`'s head is an
+//! ancestor of `from`'s; otherwise a publish through the same gate of what `from`
+//! changed since their merge base, by a session owned by the operation — so a
+//! stale promote merges or is refused whole, never overwrites newer work.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use layerstack_publisher as publisher;
+use layerstack_store::{
+    GcReport, LeaseTarget, ManifestId, OutcomeKind, Owner, SessionInfo, Squashed,
+};
+use tracing::{info, warn};
+
+use crate::error::{error_chain, EngineError};
+use crate::Engine;
+
+/// Settings of history maintenance.
+#[derive(Debug, Clone)]
+pub struct HistorySettings {
+    /// A branch whose head shows more published layers than this is squashed
+    /// automatically after a publish (0: never automatically). Default 64: with
+    /// the image's own layers, a session mounts well under one page of lowerdir
+    /// options and far below overlayfs' 500 (ARCHITECTURE.md §5).
+    pub squash_threshold: usize,
+    /// The newest layers a squash leaves as they are. Default 8.
+    pub squash_keep: usize,
+    /// Upper directories kept after a conflict (or another retryable outcome) of a
+    /// session whose owner is gone are dropped after this long. Default 7 days.
+    pub kept_upper_retention: Duration,
+}
+
+impl Default for HistorySettings {
+    fn default() -> Self {
+        Self {
+            squash_threshold: 64,
+            squash_keep: 8,
+            kept_upper_retention: Duration::from_secs(7 * 24 * 3600),
+        }
+    }
+}
+
+/// Manifests that operations in flight read (a publish's observed head, a
+/// squash's run): garbage collection keeps them.
+#[derive(Default)]
+pub(crate) struct Pins(Mutex<HashMap<ManifestId, usize>>);
+
+/// Unpins on drop.
+pub(crate) struct Pin {
+    pins: Arc<Pins>,
+    manifest: ManifestId,
+}
+
+impl Pins {
+    pub(crate) fn pin(self: &Arc<Self>, manifest: ManifestId) -> Pin {
+        *self
+            .0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry(manifest)
+            .or_default() += 1;
+        Pin {
+            pins: self.clone(),
+            manifest,
+        }
+    }
+
+    fn pinned(&self) -> Vec<ManifestId> {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .keys()
+            .copied()
+            .collect()
+    }
+}
+
+impl Drop for Pin {
+    fn drop(&mut self) {
+        let mut m = self.pins.0.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = m.get_mut(&self.manifest) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&self.manifest);
+            }
+        }
+    }
+}
+
+/// What a promote did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Promoted {
+    /// `to` already shows everything `from` has.
+    UpToDate { head: ManifestId },
+    /// `to` now points at `from`'s head.
+    FastForward { head: ManifestId },
+    /// What `from` changed since the merge base was published onto `to` by the
+    /// operation's session (outcome `committed` or `merged`).
+    Merged { session: Box<SessionInfo> },
+    /// The merge conflicts: nothing changed on `to`; the session holds the
+    /// verdicts.
+    Conflict { session: Box<SessionInfo> },
+}
+
+/// What a garbage collection did through the engine.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Collected {
+    pub report: GcReport,
+    /// Kept uppers of sessions whose owner is gone, dropped after the retention.
+    pub uppers_released: u64,
+}
+
+impl Engine {
+    /// Squashes `branch` of `stack` now: all but its newest
+    /// [`HistorySettings::squash_keep`] layers become one squashed layer (see the
+    /// module docs). `Ok(None)` when there is nothing to squash.
+    ///
+    /// Errors: `BranchNotFound`; a failed build (the staging directory is dropped).
+    pub async fn squash(&self, stack: &str, branch: &str) -> Result<Option<Squashed>, EngineError> {
+        self.squash_with(stack, branch, 0).await
+    }
+
+    async fn squash_with(
+        &self,
+        stack: &str,
+        branch: &str,
+        threshold: usize,
+    ) -> Result<Option<Squashed>, EngineError> {
+        let key = (stack.to_string(), branch.to_string());
+        let _one = self.squashes.lock(key.clone()).await;
+        let keep = self.settings.history.squash_keep;
+        let (s, b) = (stack.to_string(), branch.to_string());
+        let Some((head, run)) = self
+            .blocking(move |st| st.squash_candidate(&s, &b, threshold, keep))
+            .await?
+        else {
+            return Ok(None);
+        };
+        let _pin = self.pins.pin(head);
+        let store = self.store.clone();
+        let userxattr = self.settings.userxattr;
+        let run2 = run.clone();
+        let (dir, guard) = tokio::task::spawn_blocking(move || -> Result<_, EngineError> {
+            let dirs = store.layer_paths(&run2)?;
+            let (dir, guard) = store.staging_dir("squash")?;
+            if let Err(e) = publisher::flatten_layers(&dirs, &dir, userxattr) {
+                let _ = layerstack_store::fs::remove_tree(&dir);
+                return Err(EngineError::InvalidArgument(format!(
+                    "building the squash failed: {}",
+                    error_chain(&e)
+                )));
+            }
+            Ok((dir, guard))
+        })
+        .await
+        .map_err(|e| EngineError::Join(e.to_string()))??;
+        let _gate = self.gates.lock(key).await;
+        let (s, b) = (stack.to_string(), branch.to_string());
+        let dir2 = dir.clone();
+        let r = self
+            .blocking(move |st| {
+                let now = st.branch_head(&s, &b)?;
+                st.commit_squash(&s, &b, now, &run, &dir2)
+            })
+            .await;
+        drop(guard);
+        if r.is_err() {
+            let _ = layerstack_store::fs::remove_tree(&dir);
+        }
+        r.map(Some)
+    }
+
+    /// After a publish to `branch`: squashes it in the background when its head
+    /// is deeper than [`HistorySettings::squash_threshold`] (one squash per branch
+    /// at a time; a squash already running covers it).
+    pub(crate) fn maybe_squash(self: &Arc<Self>, stack: &str, branch: &str, depth: usize) {
+        let threshold = self.settings.history.squash_threshold;
+        if threshold == 0 || depth <= threshold {
+            return;
+        }
+        if self
+            .squashes
+            .is_locked(&(stack.to_string(), branch.to_string()))
+        {
+            return;
+        }
+        let me = self.clone();
+        let (stack, branch) = (stack.to_string(), branch.to_string());
+        tokio::spawn(async move {
+            match me.squash_with(&stack, &branch, threshold).await {
+                Ok(Some(s)) => info!(stack, branch, layer.id = s.layer, "automatic squash"),
+                Ok(None) => {}
+                Err(e) => {
+                    warn!(stack, branch, error = %error_chain(&e), "automatic squash failed; the next publish tries again")
+                }
+            }
+        });
+    }
+
+    /// Collects garbage (see `Store::gc`), keeping what operations in flight read,
+    /// and first drops kept uppers of released sessions older than
+    /// [`HistorySettings::kept_upper_retention`].
+    pub async fn gc(self: &Arc<Self>) -> Result<Collected, EngineError> {
+        let retention = self.settings.history.kept_upper_retention;
+        let cutoff =
+            now_ns().saturating_sub(i64::try_from(retention.as_nanos()).unwrap_or(i64::MAX));
+        let old: Vec<SessionInfo> = self
+            .blocking(|s| s.sessions())
+            .await?
+            .into_iter()
+            .filter(|s| {
+                s.released
+                    && s.outcome
+                        .as_ref()
+                        .is_some_and(|o| o.kind.is_retryable() && o.at_ns < cutoff)
+            })
+            .collect();
+        let mut released = 0;
+        for s in old {
+            match self.discard(s.id, "kept upper past its retention").await {
+                Ok(_) => released += 1,
+                Err(e) => {
+                    warn!(session.id = s.id, error = %error_chain(&e), "cannot drop a kept upper")
+                }
+            }
+        }
+        let pinned = self.pins.pinned();
+        let report = self.blocking(move |s| s.gc(&pinned)).await?;
+        Ok(Collected {
+            report,
+            uppers_released: released,
+        })
+    }
+
+    /// Advances branch `to` of `stack` to branch `from`'s head (see the module
+    /// docs); `operation` names the operation (blame shows `operation:<id>`).
+    ///
+    /// Errors: `BranchNotFound`; `Mounted`/store errors of the merge publish.
+    pub async fn promote(
+        self: &Arc<Self>,
+        stack: &str,
+        from: &str,
+        to: &str,
+        operation: &str,
+    ) -> Result<Promoted, EngineError> {
+        let (s, f, t) = (stack.to_string(), from.to_string(), to.to_string());
+        let (from_head, to_head) = self
+            .blocking(move |st| Ok((st.branch_head(&s, &f)?, st.branch_head(&s, &t)?)))
+            .await?;
+        if from_head == to_head {
+            return Ok(Promoted::UpToDate { head: to_head });
+        }
+        let (fl, tl) = self
+            .blocking(move |st| Ok((st.manifest(from_head)?, st.manifest(to_head)?)))
+            .await?;
+        if fl.ends_with(&tl) {
+            // Fast-forward, under `to`'s gate, by compare-and-swap.
+            let _gate = self.gates.lock((stack.to_string(), to.to_string())).await;
+            let (s, t) = (stack.to_string(), to.to_string());
+            self.blocking(move |st| st.move_branch(&s, &t, to_head, from_head))
+                .await?;
+            info!(
+                stack,
+                from,
+                to,
+                manifest = from_head,
+                "promoted (fast-forward)"
+            );
+            return Ok(Promoted::FastForward { head: from_head });
+        }
+        if tl.ends_with(&fl) {
+            return Ok(Promoted::UpToDate { head: to_head });
+        }
+        // A merge: what `from` changed since the merge base, published onto `to`.
+        let s = stack.to_string();
+        let base = self
+            .blocking(move |st| st.merge_base(&s, from_head, to_head))
+            .await?;
+        let _pin = self.pins.pin(from_head);
+        let base_len = self.blocking(move |st| st.manifest_depth(base)).await?;
+        let run: Vec<_> = fl[..fl.len() - base_len].to_vec();
+        let owner = Owner::Operation {
+            id: operation.to_string(),
+        };
+        let (s, t) = (stack.to_string(), to.to_string());
+        let (session, _, _) = self
+            .create_session(
+                owner,
+                &s,
+                LeaseTarget::Manifest {
+                    manifest: base,
+                    branch: t,
+                },
+                None,
+            )
+            .await?;
+        let store = self.store.clone();
+        let upper = session.upper.clone();
+        let userxattr = self.settings.userxattr;
+        tokio::task::spawn_blocking(move || -> Result<(), EngineError> {
+            let dirs = store.layer_paths(&run)?;
+            publisher::flatten_layers(&dirs, &upper, userxattr).map_err(|e| {
+                EngineError::InvalidArgument(format!(
+                    "building the promote's changes failed: {}",
+                    error_chain(&e)
+                ))
+            })?;
+            Ok(())
+        })
+        .await
+        .map_err(|e| EngineError::Join(e.to_string()))??;
+        let out = self
+            .publish(session.id, &format!("promote {from} to {to}"))
+            .await?;
+        let id = session.id;
+        let kind = out.outcome.as_ref().map(|o| o.kind);
+        let result = match kind {
+            Some(OutcomeKind::Committed | OutcomeKind::Merged | OutcomeKind::NoChange) => {
+                info!(stack, from, to, session.id = id, outcome = ?kind, "promoted (merge)");
+                Promoted::Merged {
+                    session: Box::new(out),
+                }
+            }
+            _ => {
+                // Refused whole: drop the operation's upper after reporting.
+                let _ = self.discard(id, "promote refused").await;
+                Promoted::Conflict {
+                    session: Box::new(out),
+                }
+            }
+        };
+        self.blocking(move |st| st.release_session(id, false))
+            .await?;
+        Ok(result)
+    }
+
+    /// Removes stack `id` (see `Store::remove_stack`); with `force`, live sessions
+    /// are discarded first — unless one is mounted somewhere (refused: a running
+    /// container reads the stack's layers). Then collects its layers.
+    pub async fn remove_stack(
+        self: &Arc<Self>,
+        id: &str,
+        force: bool,
+    ) -> Result<Collected, EngineError> {
+        if force {
+            let sessions: Vec<SessionInfo> = self
+                .blocking(|s| s.sessions())
+                .await?
+                .into_iter()
+                .filter(|s| s.stack == id && !s.released)
+                .collect();
+            for s in &sessions {
+                if self.upper_mounted(&s.upper).await? {
+                    return Err(EngineError::Mounted(s.id, s.upper.clone()));
+                }
+            }
+        }
+        let i = id.to_string();
+        self.blocking(move |s| s.remove_stack(&i, force)).await?;
+        self.gc().await
+    }
+
+    /// Runs garbage collection every `every` until the engine is dropped.
+    pub fn spawn_periodic_gc(self: &Arc<Self>, every: Duration) {
+        let weak = Arc::downgrade(self);
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                let Some(me) = weak.upgrade() else { return };
+                if let Err(e) = me.gc().await {
+                    warn!(error = %error_chain(&e), "periodic garbage collection failed");
+                }
+            }
+        });
+    }
+}
+
+fn now_ns() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_nanos()).unwrap_or(i64::MAX))
+        .unwrap_or(0)
+}

@@ -1,0 +1,783 @@
+//! History that lasts: naming stacks, forking and deleting branches, moving a
+//! branch by compare-and-swap, committing a squash, collecting garbage and
+//! accounting for every byte (ARCHITECTURE.md §2, §8, §10; seed `000`).
+//!
+//! Reachability is one set of joins over the normalized manifests: a layer is
+//! kept while a branch head, a live lease (session, node, export), a pinned
+//! manifest (an operation in flight), a stack's base, a containerd snapshot or a
+//! session's private layers reach it. A squashed layer's members stay as rows
+//! (their path index is what the gate reads) after their directories are freed.
+
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
+use std::path::PathBuf;
+
+use rusqlite::{params, Connection, OptionalExtension, Transaction};
+use tracing::{info, warn};
+
+use crate::db::write_on;
+use crate::error::StoreError;
+use crate::layers::insert_layer;
+use crate::stacks::{branch_head, manifest_layers, prepend_manifest, set_branch};
+use crate::{
+    fs, now_ns, validate_branch, BranchInfo, Durability, LayerId, LayerKind, ManifestId, Store,
+};
+
+/// What [`Store::commit_squash`] made.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Squashed {
+    /// The new squashed layer.
+    pub layer: LayerId,
+    /// The branch's new head.
+    pub manifest: ManifestId,
+}
+
+/// What a garbage collection did.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct GcReport {
+    /// Layers whose directories were freed.
+    pub layers: Vec<LayerId>,
+    /// Manifests whose rows were deleted (nothing reaches them).
+    pub manifests: u64,
+    /// Real allocated bytes freed: blocks of inodes whose every link was in a
+    /// freed directory (holes and hardlinks counted once).
+    pub bytes_freed: u64,
+}
+
+/// What [`Store::remove_stack`] removed.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RemovedStack {
+    pub branches: u64,
+    pub sessions: u64,
+    pub leases_released: u64,
+}
+
+/// Bytes per accounting class (ARCHITECTURE.md §10), real allocated bytes.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Usage {
+    /// `L_hot`: layers a branch head shows (published, squashed, base).
+    pub hot: u64,
+    /// `H_cold`: layers only leases, nodes or pinned history reach, and freed
+    /// layers' leftovers awaiting GC.
+    pub cold: u64,
+    /// `ΣU_active`: session uppers and workdirs (kept conflict uppers included).
+    pub uppers: u64,
+    /// `P_staging`: in-flight builds.
+    pub staging: u64,
+    /// `M`: SQLite files, the lock and the store's own directories.
+    pub metadata: u64,
+    /// containerd's own snapshots that belong to no stack (extractions in
+    /// progress, committed non-image snapshots, views, unused images).
+    pub snapshots: u64,
+}
+
+impl Usage {
+    /// Everything: the sum of the classes.
+    pub fn total(&self) -> u64 {
+        self.hot + self.cold + self.uppers + self.staging + self.metadata + self.snapshots
+    }
+}
+
+/// [`Usage`] of the whole store and per stack.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DiskUsage {
+    pub total: Usage,
+    /// Per stack id: its layers and its sessions' uppers (staging, metadata and
+    /// containerd's snapshots are store-wide).
+    pub stacks: BTreeMap<String, Usage>,
+}
+
+/// The manifest in `head`'s parent chain (itself included) with `depth` layers.
+fn ancestor_at_depth(
+    conn: &Connection,
+    head: ManifestId,
+    depth: usize,
+) -> Result<Option<ManifestId>, StoreError> {
+    let mut next = Some(head);
+    while let Some(m) = next {
+        let (parent, d): (Option<ManifestId>, i64) = conn
+            .query_row(
+                "SELECT parent, depth FROM manifests WHERE id = ?1",
+                [m],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .optional()?
+            .ok_or_else(|| {
+                StoreError::corrupt("manifests", m, "manifest referenced but missing")
+            })?;
+        if d as usize == depth {
+            return Ok(Some(m));
+        }
+        if (d as usize) < depth {
+            return Ok(None);
+        }
+        next = parent;
+    }
+    Ok(None)
+}
+
+/// The manifest holding exactly `layers` (newest first) on `stack`, built by
+/// prepending on the closest ancestor of `head` that is a suffix of it (the
+/// stack's root, the empty manifest, at worst).
+fn manifest_for(
+    tx: &Transaction<'_>,
+    stack: &str,
+    head: ManifestId,
+    layers: &[LayerId],
+) -> Result<ManifestId, StoreError> {
+    // Longest suffix of `layers` that is an ancestor of `head`.
+    for keep in (0..=layers.len()).rev() {
+        let suffix = &layers[layers.len() - keep..];
+        if let Some(m) = ancestor_at_depth(tx, head, keep)? {
+            if manifest_layers(tx, m)? == suffix {
+                let mut m = m;
+                for l in layers[..layers.len() - keep].iter().rev() {
+                    m = prepend_manifest(tx, stack, m, *l)?;
+                }
+                return Ok(m);
+            }
+        }
+    }
+    Err(StoreError::corrupt(
+        "manifests",
+        format!("stack {stack}"),
+        "no root manifest in the chain",
+    ))
+}
+
+impl Store {
+    /// The stack `spec` names in containerd namespace `namespace`: a stack id
+    /// (`<namespace>/sha256:…`) or a base digest (`sha256:…`, full or a unique
+    /// prefix of at least 12 hex digits). `None` when no stack matches (the
+    /// caller may then resolve an image reference through containerd).
+    ///
+    /// Errors: `InvalidArgument` when a prefix matches several stacks.
+    pub fn resolve_stack(&self, namespace: &str, spec: &str) -> Result<Option<String>, StoreError> {
+        self.db.read(|conn| {
+            let exact: Option<String> = conn
+                .query_row("SELECT id FROM stacks WHERE id = ?1", [spec], |r| r.get(0))
+                .optional()?;
+            if exact.is_some() {
+                return Ok(exact);
+            }
+            let hex = spec.strip_prefix("sha256:").unwrap_or(spec);
+            if hex.len() < 12 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return Ok(None);
+            }
+            let mut stmt = conn.prepare(
+                "SELECT id FROM stacks WHERE namespace = ?1 AND base_digest LIKE ?2 ORDER BY id",
+            )?;
+            let found: Vec<String> = stmt
+                .query_map(params![namespace, format!("sha256:{hex}%")], |r| r.get(0))?
+                .collect::<Result<_, _>>()?;
+            match found.len() {
+                0 => Ok(None),
+                1 => Ok(found.into_iter().next()),
+                n => Err(StoreError::InvalidArgument(format!(
+                    "digest prefix {spec:?} matches {n} stacks in namespace {namespace:?}: give more digits"
+                ))),
+            }
+        })
+    }
+
+    /// Creates branch `name` on `stack` pointing at `from`'s head, or — with
+    /// `at` — at the manifest in `from`'s history whose newest layer is `at` (any
+    /// layer `from`'s log lists). O(1) writes: one row, no copy.
+    ///
+    /// Errors: `InvalidArgument` (name), `SnapshotExists`-like `FailedPrecondition`
+    /// when `name` exists, `BranchNotFound` (`from`), `InvalidArgument` when `at`
+    /// is not in `from`'s log.
+    pub fn create_branch(
+        &self,
+        stack: &str,
+        name: &str,
+        from: &str,
+        at: Option<LayerId>,
+    ) -> Result<BranchInfo, StoreError> {
+        validate_branch(name).map_err(StoreError::InvalidArgument)?;
+        self.db.write(|tx| {
+            if branch_head(tx, stack, name)?.is_some() {
+                return Err(StoreError::FailedPrecondition(format!(
+                    "branch {name:?} already exists on stack {stack}: delete it first or choose another name"
+                )));
+            }
+            let head = branch_head(tx, stack, from)?.ok_or_else(|| StoreError::BranchNotFound {
+                stack: stack.into(),
+                branch: from.into(),
+            })?;
+            let target = match at {
+                None => head,
+                Some(layer) => {
+                    let layers = manifest_layers(tx, head)?;
+                    let pos = layers.iter().position(|l| *l == layer).ok_or_else(|| {
+                        StoreError::InvalidArgument(format!(
+                            "layer {layer} is not in the log of branch {from:?} (see `layerstack log`)"
+                        ))
+                    })?;
+                    manifest_for(tx, stack, head, &layers[pos..])?
+                }
+            };
+            let now = now_ns();
+            tx.execute(
+                "INSERT INTO branches(stack, name, manifest_id, created_ns, updated_ns) VALUES (?1, ?2, ?3, ?4, ?4)",
+                params![stack, name, target, now],
+            )?;
+            let depth: i64 =
+                tx.query_row("SELECT depth FROM manifests WHERE id = ?1", [target], |r| r.get(0))?;
+            info!(stack, branch = name, from, manifest = target, "created branch");
+            Ok(BranchInfo {
+                stack: stack.into(),
+                name: name.into(),
+                head: target,
+                depth,
+                updated_ns: now,
+            })
+        })
+    }
+
+    /// Deletes branch `name` of `stack`; its layers stay while anything else
+    /// reaches them. The default branch cannot be deleted (new sessions lease it).
+    /// Errors: `BranchNotFound`, `FailedPrecondition`.
+    pub fn delete_branch(&self, stack: &str, name: &str) -> Result<(), StoreError> {
+        if name == self.default_branch {
+            return Err(StoreError::FailedPrecondition(format!(
+                "branch {name:?} is the default branch (new sessions lease it): it cannot be deleted"
+            )));
+        }
+        self.db.write(|tx| {
+            let n = tx.execute(
+                "DELETE FROM branches WHERE stack = ?1 AND name = ?2",
+                params![stack, name],
+            )?;
+            if n == 0 {
+                return Err(StoreError::BranchNotFound {
+                    stack: stack.into(),
+                    branch: name.into(),
+                });
+            }
+            info!(stack, branch = name, "deleted branch");
+            Ok(())
+        })
+    }
+
+    /// Points branch `name` of `stack` at `to` if it is at `expected` now
+    /// (compare-and-swap; a fast-forward of promote). Errors: `HeadMoved`,
+    /// `BranchNotFound`, `InvalidArgument` (a manifest of another stack).
+    pub fn move_branch(
+        &self,
+        stack: &str,
+        name: &str,
+        expected: ManifestId,
+        to: ManifestId,
+    ) -> Result<(), StoreError> {
+        self.db.write(|tx| {
+            let head = branch_head(tx, stack, name)?.ok_or_else(|| StoreError::BranchNotFound {
+                stack: stack.into(),
+                branch: name.into(),
+            })?;
+            if head != expected {
+                return Err(StoreError::HeadMoved {
+                    expected,
+                    found: head,
+                });
+            }
+            let on: Option<String> = tx
+                .query_row("SELECT stack FROM manifests WHERE id = ?1", [to], |r| {
+                    r.get(0)
+                })
+                .optional()?;
+            if on.as_deref() != Some(stack) {
+                return Err(StoreError::InvalidArgument(format!(
+                    "manifest {to} is not a manifest of stack {stack}"
+                )));
+            }
+            set_branch(tx, stack, name, to)
+        })
+    }
+
+    /// The head manifest of `branch` on `stack`. Error: `BranchNotFound`.
+    pub fn branch_head(&self, stack: &str, branch: &str) -> Result<ManifestId, StoreError> {
+        self.db.read(|conn| {
+            branch_head(conn, stack, branch)?.ok_or_else(|| StoreError::BranchNotFound {
+                stack: stack.into(),
+                branch: branch.into(),
+            })
+        })
+    }
+
+    /// The layer directories of manifest `id` above the stack's base, newest
+    /// first, then the stack's base layers: a view of that manifest.
+    pub fn manifest_view(&self, stack: &str, id: ManifestId) -> Result<Vec<PathBuf>, StoreError> {
+        self.db.read(|conn| {
+            let mut layers = manifest_layers(conn, id)?;
+            layers.extend(crate::stacks::stack_base_layers(conn, stack)?);
+            self.layer_dirs(conn, &layers)
+        })
+    }
+
+    /// The manifest holding the longest common suffix of manifests `a` and `b`
+    /// of `stack` (their merge base), with squashed layers compared as the runs
+    /// they replaced. Creates it when no such manifest exists yet.
+    pub fn merge_base(
+        &self,
+        stack: &str,
+        a: ManifestId,
+        b: ManifestId,
+    ) -> Result<ManifestId, StoreError> {
+        self.db.write(|tx| {
+            let la = manifest_layers(tx, a)?;
+            let lb = manifest_layers(tx, b)?;
+            let mut common = 0;
+            while common < la.len()
+                && common < lb.len()
+                && la[la.len() - 1 - common] == lb[lb.len() - 1 - common]
+            {
+                common += 1;
+            }
+            let suffix = la[la.len() - common..].to_vec();
+            manifest_for(tx, stack, a, &suffix)
+        })
+    }
+
+    /// Commits a squash of `run` (layers of `branch`'s head, newest first, one
+    /// contiguous run) built in `staging_dir`: under the branch's gate, the head is
+    /// `expected_head` (CAS); the run is replaced by one `squashed` layer (the
+    /// directory is renamed in, inside the transaction); the layers above it are
+    /// prepended again. Sessions and other branches keep their manifests.
+    ///
+    /// Errors: `HeadMoved`; `FailedPrecondition` when `run` is not a contiguous
+    /// run of the head any more (another squash, a branch moved by promote).
+    pub fn commit_squash(
+        &self,
+        stack: &str,
+        branch: &str,
+        expected_head: ManifestId,
+        run: &[LayerId],
+        staging_dir: &std::path::Path,
+    ) -> Result<Squashed, StoreError> {
+        let mut conn = self.db.writer();
+        let mut dst = PathBuf::new();
+        let out = write_on(&mut conn, |tx| {
+            let head =
+                branch_head(tx, stack, branch)?.ok_or_else(|| StoreError::BranchNotFound {
+                    stack: stack.into(),
+                    branch: branch.into(),
+                })?;
+            if head != expected_head {
+                return Err(StoreError::HeadMoved {
+                    expected: expected_head,
+                    found: head,
+                });
+            }
+            let layers = manifest_layers(tx, head)?;
+            let k = layers
+                .windows(run.len().max(1))
+                .position(|w| w == run)
+                .filter(|_| !run.is_empty())
+                .ok_or_else(|| {
+                    StoreError::FailedPrecondition(format!(
+                        "the squashed run is no longer on the head of {branch:?}: squash again"
+                    ))
+                })?;
+            let s = insert_layer(tx, LayerKind::Squashed, Some(stack), None)?;
+            {
+                let mut ins = tx.prepare_cached(
+                    "INSERT INTO squash_members(layer_id, pos, member_id) VALUES (?1, ?2, ?3)",
+                )?;
+                for (pos, m) in run.iter().enumerate() {
+                    ins.execute(params![s, pos as i64, m])?;
+                }
+            }
+            let mut new_layers: Vec<LayerId> = layers[..k].to_vec();
+            new_layers.push(s);
+            new_layers.extend_from_slice(&layers[k + run.len()..]);
+            let m = manifest_for(tx, stack, head, &new_layers)?;
+            set_branch(tx, stack, branch, m)?;
+            dst = self.layer_path(s);
+            std::fs::rename(staging_dir, &dst)
+                .and_then(|()| match self.durability {
+                    Durability::Durable => fs::fsync_dir(&self.root.join("l")),
+                    Durability::Disposable => Ok(()),
+                })
+                .map_err(|e| StoreError::io(staging_dir, e))?;
+            Ok(Squashed {
+                layer: s,
+                manifest: m,
+            })
+        });
+        drop(conn);
+        match out {
+            Ok(sq) => {
+                info!(
+                    stack,
+                    branch,
+                    layer.id = sq.layer,
+                    manifest = sq.manifest,
+                    members = run.len(),
+                    "squashed"
+                );
+                Ok(sq)
+            }
+            Err(e) => {
+                if std::fs::symlink_metadata(&dst).is_ok()
+                    && std::fs::symlink_metadata(staging_dir).is_err()
+                {
+                    let _ = std::fs::rename(&dst, staging_dir);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Removes what nothing reaches (see the module docs): rows first, in one
+    /// transaction, then directories, outside it. `pinned`: manifests operations
+    /// in flight still read (their observed heads). Crash-safe: a directory left
+    /// behind has no row and the startup sweep removes it.
+    pub fn gc(&self, pinned: &[ManifestId]) -> Result<GcReport, StoreError> {
+        let (layers, manifests) = self.db.write(|tx| {
+            // Live manifests and their ancestors.
+            let mut live: BTreeSet<ManifestId> = pinned.iter().copied().collect();
+            {
+                let mut stmt = tx.prepare(
+                    "SELECT manifest_id FROM branches UNION SELECT manifest_id FROM leases WHERE released_ns IS NULL",
+                )?;
+                for m in stmt.query_map([], |r| r.get::<_, i64>(0))? {
+                    live.insert(m?);
+                }
+            }
+            let mut keep: HashSet<ManifestId> = HashSet::new();
+            {
+                let mut parent = tx.prepare_cached("SELECT parent FROM manifests WHERE id = ?1")?;
+                for m in &live {
+                    let mut next = Some(*m);
+                    while let Some(x) = next {
+                        if !keep.insert(x) {
+                            break;
+                        }
+                        next = parent.query_row([x], |r| r.get(0)).optional()?.flatten();
+                    }
+                }
+            }
+            // Reachable layers.
+            let mut reach: HashSet<LayerId> = HashSet::new();
+            {
+                let mut pos = tx.prepare_cached("SELECT layer_id FROM manifest_layers WHERE manifest_id = ?1")?;
+                for m in &keep {
+                    for l in pos.query_map([m], |r| r.get::<_, i64>(0))? {
+                        reach.insert(l?);
+                    }
+                }
+                let mut other = tx.prepare(&format!(
+                    "SELECT layer_id FROM stack_layers
+                     UNION SELECT layer_id FROM snapshots WHERE layer_id IS NOT NULL
+                     UNION SELECT layer_id FROM snapshot_lowers
+                     UNION SELECT layer_id FROM session_layers WHERE session_id IN (SELECT id FROM sessions WHERE {})
+                     UNION SELECT id FROM layers WHERE kind IN ('active', 'committed', 'pending')",
+                    crate::sessions::KEEPS_DIRS
+                ))?;
+                for l in other.query_map([], |r| r.get::<_, i64>(0))? {
+                    reach.insert(l?);
+                }
+            }
+            // Rows kept for their path index: members of reachable squashes.
+            let reachable: Vec<LayerId> = reach.iter().copied().collect();
+            let retained: HashSet<LayerId> = crate::paths::expand(tx, &reachable)?.into_iter().collect();
+            // Dead manifests go first (they reference layers), children before
+            // parents; released leases on them with them.
+            let mut all: Vec<ManifestId> = {
+                let mut stmt = tx.prepare("SELECT id FROM manifests")?;
+                let v = stmt.query_map([], |r| r.get(0))?.collect::<Result<Vec<_>, _>>()?;
+                v
+            };
+            all.retain(|m| !keep.contains(m));
+            all.sort_unstable_by(|a, b| b.cmp(a));
+            for m in &all {
+                tx.execute("DELETE FROM leases WHERE manifest_id = ?1 AND released_ns IS NOT NULL", [m])?;
+                tx.execute("DELETE FROM manifest_layers WHERE manifest_id = ?1", [m])?;
+                tx.execute("DELETE FROM manifests WHERE id = ?1", [m])?;
+            }
+            // Layers: free unreachable directories; drop rows nothing needs.
+            let mut free = Vec::new();
+            let candidates: Vec<(LayerId, String, bool)> = {
+                let mut stmt = tx.prepare(
+                    "SELECT id, path, dropped FROM layers WHERE kind IN ('published', 'squashed', 'base')",
+                )?;
+                let v = stmt
+                    .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get::<_, i64>(2)? != 0)))?
+                    .collect::<Result<Vec<_>, _>>()?;
+                v
+            };
+            for (id, path, dropped) in candidates {
+                if reach.contains(&id) {
+                    continue;
+                }
+                if !dropped {
+                    free.push((id, self.root.join(path)));
+                }
+                if retained.contains(&id) {
+                    tx.execute("UPDATE layers SET dropped = 1 WHERE id = ?1", [id])?;
+                } else {
+                    tx.execute("DELETE FROM layer_paths WHERE layer_id = ?1", [id])?;
+                    tx.execute("DELETE FROM squash_members WHERE layer_id = ?1", [id])?;
+                    let still_member: i64 = tx.query_row(
+                        "SELECT count(*) FROM squash_members WHERE member_id = ?1",
+                        [id],
+                        |r| r.get(0),
+                    )?;
+                    if still_member == 0 {
+                        tx.execute("DELETE FROM layers WHERE id = ?1", [id])?;
+                    } else {
+                        tx.execute("UPDATE layers SET dropped = 1 WHERE id = ?1", [id])?;
+                    }
+                }
+            }
+            Ok((free, all.len() as u64))
+        })?;
+        // Outside the transaction: measure what really frees, then remove.
+        let dirs: Vec<PathBuf> = layers.iter().map(|(_, p)| p.clone()).collect();
+        let bytes_freed = fs::freed_bytes(&dirs).unwrap_or(0);
+        for d in &dirs {
+            if let Err(e) = fs::remove_tree(d) {
+                warn!(path = %d.display(), error = %e, "cannot remove a collected layer; the startup sweep will");
+            }
+        }
+        let report = GcReport {
+            layers: layers.into_iter().map(|(id, _)| id).collect(),
+            manifests,
+            bytes_freed,
+        };
+        if !report.layers.is_empty() || report.manifests > 0 {
+            info!(
+                layers = report.layers.len(),
+                manifests = report.manifests,
+                bytes = report.bytes_freed,
+                "garbage collected"
+            );
+        }
+        Ok(report)
+    }
+
+    /// Removes stack `id` and its whole history: branches, manifests, leases,
+    /// sessions and outcomes; its layers are then collected by [`Store::gc`].
+    /// Refused while a session of it is live or a lease (node, export) pins it,
+    /// unless `force`: then live sessions are discarded (the caller checked that
+    /// none is mounted) and leases released.
+    ///
+    /// Errors: `StackNotFound`, `FailedPrecondition` naming what uses it.
+    pub fn remove_stack(&self, id: &str, force: bool) -> Result<RemovedStack, StoreError> {
+        let (report, dirs) = self.db.write(|tx| {
+            let exists: Option<i64> = tx
+                .query_row("SELECT 1 FROM stacks WHERE id = ?1", [id], |r| r.get(0))
+                .optional()?;
+            if exists.is_none() {
+                return Err(StoreError::StackNotFound(id.into()));
+            }
+            let live_sessions: Vec<i64> = {
+                let mut stmt = tx.prepare("SELECT id FROM sessions WHERE stack = ?1 AND released = 0 ORDER BY id")?;
+                let v = stmt.query_map([id], |r| r.get(0))?.collect::<Result<Vec<_>, _>>()?;
+                v
+            };
+            let live_leases: i64 = tx.query_row(
+                "SELECT count(*) FROM leases l JOIN manifests m ON m.id = l.manifest_id WHERE m.stack = ?1 AND l.released_ns IS NULL AND l.holder_kind != 'session'",
+                [id],
+                |r| r.get(0),
+            )?;
+            if !force && (!live_sessions.is_empty() || live_leases > 0) {
+                return Err(StoreError::FailedPrecondition(format!(
+                    "stack {id} is in use: {} live session(s) {:?}, {live_leases} lease(s) of nodes or exports; end them first, or pass --force (discards those sessions' writes and releases the leases)",
+                    live_sessions.len(),
+                    live_sessions
+                )));
+            }
+            let sessions: Vec<i64> = {
+                let mut stmt = tx.prepare("SELECT id FROM sessions WHERE stack = ?1")?;
+                let v = stmt.query_map([id], |r| r.get(0))?.collect::<Result<Vec<_>, _>>()?;
+                v
+            };
+            let leases_released = tx.execute(
+                "UPDATE leases SET released_ns = ?2 WHERE released_ns IS NULL AND manifest_id IN (SELECT id FROM manifests WHERE stack = ?1)",
+                params![id, now_ns()],
+            )? as u64;
+            let mut dirs = Vec::new();
+            for s in &sessions {
+                tx.execute("DELETE FROM publish_paths WHERE publish_id IN (SELECT id FROM publishes WHERE session_id = ?1)", [s])?;
+                tx.execute("DELETE FROM publishes WHERE session_id = ?1", [s])?;
+                tx.execute("DELETE FROM session_layers WHERE session_id = ?1", [s])?;
+                tx.execute("UPDATE snapshots SET session_id = NULL WHERE session_id = ?1", [s])?;
+                dirs.push(self.session_path(*s));
+            }
+            tx.execute("UPDATE sessions SET lease_id = NULL WHERE stack = ?1", [id])?;
+            tx.execute("DELETE FROM leases WHERE manifest_id IN (SELECT id FROM manifests WHERE stack = ?1)", [id])?;
+            tx.execute("DELETE FROM sessions WHERE stack = ?1", [id])?;
+            let branches = tx.execute("DELETE FROM branches WHERE stack = ?1", [id])? as u64;
+            tx.execute("DELETE FROM manifest_layers WHERE manifest_id IN (SELECT id FROM manifests WHERE stack = ?1)", [id])?;
+            // Children before parents.
+            tx.execute("UPDATE manifests SET parent = NULL WHERE stack = ?1", [id])?;
+            tx.execute("DELETE FROM manifests WHERE stack = ?1", [id])?;
+            tx.execute("DELETE FROM stack_layers WHERE stack = ?1", [id])?;
+            tx.execute("DELETE FROM stacks WHERE id = ?1", [id])?;
+            Ok((
+                RemovedStack {
+                    branches,
+                    sessions: sessions.len() as u64,
+                    leases_released,
+                },
+                dirs,
+            ))
+        })?;
+        for d in dirs {
+            if let Err(e) = fs::remove_tree(&d) {
+                warn!(path = %d.display(), error = %e, "cannot remove a session directory; the sweep will");
+            }
+        }
+        info!(
+            stack = id,
+            branches = report.branches,
+            sessions = report.sessions,
+            "removed stack"
+        );
+        Ok(report)
+    }
+
+    /// Real allocated bytes per accounting class, store-wide and per stack
+    /// (ARCHITECTURE.md §10): every inode counted once, in the first class that
+    /// reaches it (hot, cold, uppers, staging, containerd's snapshots, metadata).
+    /// The total equals `du` of the store root within a few blocks (the walks run
+    /// while the store may change).
+    pub fn disk_usage(&self) -> Result<DiskUsage, StoreError> {
+        struct Classes {
+            hot: Vec<(String, PathBuf)>,
+            cold: Vec<(String, PathBuf)>,
+            uppers: Vec<(String, PathBuf)>,
+            snapshots: Vec<PathBuf>,
+        }
+        let c = self.db.read(|conn| {
+            let mut hot_ids: HashMap<LayerId, String> = HashMap::new();
+            {
+                let mut stmt = conn.prepare(
+                    "SELECT ml.layer_id, b.stack FROM branches b JOIN manifest_layers ml ON ml.manifest_id = b.manifest_id
+                     UNION SELECT layer_id, stack FROM stack_layers",
+                )?;
+                for r in stmt.query_map([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?)))? {
+                    let (l, s) = r?;
+                    hot_ids.insert(l, s);
+                }
+            }
+            let mut hot = Vec::new();
+            let mut cold = Vec::new();
+            let mut snapshots = Vec::new();
+            let mut stmt = conn.prepare("SELECT id, path, kind, stack, dropped FROM layers")?;
+            let rows = stmt
+                .query_map([], |r| {
+                    Ok((
+                        r.get::<_, i64>(0)?,
+                        r.get::<_, String>(1)?,
+                        r.get::<_, String>(2)?,
+                        r.get::<_, Option<String>>(3)?,
+                        r.get::<_, i64>(4)? != 0,
+                    ))
+                })?
+                .collect::<Result<Vec<_>, _>>()?;
+            for (id, path, kind, stack, dropped) in rows {
+                if dropped || path.starts_with("s/") {
+                    continue;
+                }
+                let dir = self.root.join(&path);
+                match (hot_ids.get(&id), kind.as_str()) {
+                    (Some(s), _) => hot.push((s.clone(), dir)),
+                    (None, "published" | "squashed") => cold.push((stack.unwrap_or_default(), dir)),
+                    _ => snapshots.push(dir),
+                }
+            }
+            let mut uppers = Vec::new();
+            let mut stmt = conn.prepare("SELECT id, stack FROM sessions")?;
+            for r in stmt.query_map([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?)))? {
+                let (id, stack) = r?;
+                uppers.push((stack, self.session_path(id)));
+            }
+            Ok(Classes {
+                hot,
+                cold,
+                uppers,
+                snapshots,
+            })
+        })?;
+        let mut seen = HashSet::new();
+        let mut out = DiskUsage::default();
+        let io = |p: &std::path::Path, e| StoreError::io(p, e);
+        for (stack, dir) in &c.hot {
+            let b = fs::usage_once(dir, &mut seen).map_err(|e| io(dir, e))?;
+            out.total.hot += b;
+            out.stacks.entry(stack.clone()).or_default().hot += b;
+        }
+        for (stack, dir) in &c.cold {
+            let b = fs::usage_once(dir, &mut seen).map_err(|e| io(dir, e))?;
+            out.total.cold += b;
+            out.stacks.entry(stack.clone()).or_default().cold += b;
+        }
+        for (stack, dir) in &c.uppers {
+            let b = fs::usage_once(dir, &mut seen).map_err(|e| io(dir, e))?;
+            out.total.uppers += b;
+            out.stacks.entry(stack.clone()).or_default().uppers += b;
+        }
+        let staging = self.staging_path();
+        out.total.staging = fs::usage_once(&staging, &mut seen).map_err(|e| io(&staging, e))?;
+        for dir in &c.snapshots {
+            out.total.snapshots += fs::usage_once(dir, &mut seen).map_err(|e| io(dir, e))?;
+            out.total.snapshots += fs::usage_once(
+                &self
+                    .root
+                    .join("w")
+                    .join(dir.file_name().unwrap_or_default()),
+                &mut seen,
+            )
+            .unwrap_or(0);
+        }
+        // Everything else under the root: the database, the lock, the store's own
+        // directories, and anything no row accounts for (the next sweep removes it).
+        out.total.metadata =
+            fs::usage_once(&self.root, &mut seen).map_err(|e| io(&self.root, e))?;
+        Ok(out)
+    }
+
+    /// The layers a squash of `branch` would replace: all but the newest `keep`
+    /// published layers of its head, if there are more than `threshold`; plus the
+    /// head. `None` when the head is not deep enough.
+    pub fn squash_candidate(
+        &self,
+        stack: &str,
+        branch: &str,
+        threshold: usize,
+        keep: usize,
+    ) -> Result<Option<(ManifestId, Vec<LayerId>)>, StoreError> {
+        self.db.read(|conn| {
+            let head =
+                branch_head(conn, stack, branch)?.ok_or_else(|| StoreError::BranchNotFound {
+                    stack: stack.into(),
+                    branch: branch.into(),
+                })?;
+            let layers = manifest_layers(conn, head)?;
+            if layers.len() <= threshold || layers.len() <= keep + 1 {
+                return Ok(None);
+            }
+            Ok(Some((head, layers[keep..].to_vec())))
+        })
+    }
+
+    /// The directories of `layers` (for building a squash).
+    pub fn layer_paths(&self, layers: &[LayerId]) -> Result<Vec<PathBuf>, StoreError> {
+        self.db.read(|conn| self.layer_dirs(conn, layers))
+    }
+
+    /// A fresh directory under `staging/` for an operation in flight, registered
+    /// so no sweep removes it while the guard lives.
+    pub fn staging_dir(
+        &self,
+        purpose: &str,
+    ) -> Result<(PathBuf, crate::InFlightGuard), StoreError> {
+        let name = format!("{purpose}-{}-{}", std::process::id(), now_ns());
+        let guard = self.inflight.hold(format!("staging/{name}"));
+        let dir = self.staging_path().join(&name);
+        fs::mkdir_mode(&dir, 0o755).map_err(|e| StoreError::io(&dir, e))?;
+        Ok((dir, guard))
+    }
+}
