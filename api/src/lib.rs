@@ -114,7 +114,7 @@ pub fn path_counts(c: &StorePathCounts) -> PathCounts {
 pub fn session(s: &SessionInfo, conflicts: &[PathRecord]) -> Session {
     let (namespace, container) = match &s.owner {
         Owner::Container { namespace, id } => (namespace.clone(), id.clone()),
-        Owner::Sandbox { .. } => (String::new(), String::new()),
+        Owner::Sandbox { .. } | Owner::Operation { .. } => (String::new(), String::new()),
     };
     let o = s.outcome.as_ref();
     Session {
@@ -155,6 +155,7 @@ pub fn session(s: &SessionInfo, conflicts: &[PathRecord]) -> Session {
         owner_kind: match s.owner {
             Owner::Container { .. } => "container",
             Owner::Sandbox { .. } => "sandbox",
+            Owner::Operation { .. } => "operation",
         }
         .to_string(),
         owner: s.owner.display(),

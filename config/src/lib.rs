@@ -57,6 +57,35 @@ pub struct Config {
     pub exclude: Vec<String>,
     /// Limits of the gate's three-way text merge.
     pub merge: MergeConfig,
+    /// History maintenance: squash, garbage collection, retention.
+    pub history: HistoryConfig,
+}
+
+/// History maintenance (`[history]`; ARCHITECTURE.md §2 "Squash", §10).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct HistoryConfig {
+    /// A branch whose head shows more published layers than this is squashed
+    /// after a publish (0: never automatically). Default 64.
+    pub squash_threshold: u64,
+    /// The newest layers a squash leaves as they are. Default 8.
+    pub squash_keep: u64,
+    /// Seconds between garbage collections (0: only `layerstack gc`). Default 600.
+    pub gc_interval_s: u64,
+    /// Hours an upper kept after a conflict (or another retryable outcome) of a
+    /// session whose owner is gone is kept before GC drops it. Default 168 (7 days).
+    pub kept_upper_retention_h: u64,
+}
+
+impl Default for HistoryConfig {
+    fn default() -> Self {
+        Self {
+            squash_threshold: 64,
+            squash_keep: 8,
+            gc_interval_s: 600,
+            kept_upper_retention_h: 168,
+        }
+    }
 }
 
 /// Limits of the gate's three-way text merge (`[merge]`). A file over a limit is
@@ -116,6 +145,7 @@ impl Default for Config {
                 .map(String::from)
                 .to_vec(),
             merge: MergeConfig::default(),
+            history: HistoryConfig::default(),
         }
     }
 }

@@ -3,14 +3,28 @@
 //! Exit codes: 0 success; 1 error (message on stderr); 2 usage; 3 the session
 //! ended in conflict (`wait`, `publish`), or would (`publish --dry-run`).
 
+mod history;
 mod output;
 mod sessions;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use anyhow::{Context, Result};
 use clap::{Parser, Subcommand};
 use layerstack_api as api;
+
+/// A client of the daemon's admin socket.
+pub async fn connect(
+    address: &std::path::Path,
+) -> Result<api::AdminClient<tonic::transport::Channel>> {
+    api::connect(address.to_path_buf()).await.with_context(|| {
+        format!(
+            "cannot reach the LayerStack daemon at {} (is containerd-layerstack-grpc running? set --admin-address or LAYERSTACK_ADMIN_ADDRESS)",
+            address.display()
+        )
+    })
+}
 
 #[derive(Debug, Parser)]
 #[command(name = "layerstack", version, about = "LayerStack operator CLI")]
@@ -84,13 +98,8 @@ pub enum Cmd {
         #[arg(long)]
         json: bool,
     },
-    /// A branch's layers, newest first: IMAGE[@BRANCH].
-    Log {
-        image: String,
-        /// Print the log as one JSON object.
-        #[arg(long)]
-        json: bool,
-    },
+    #[command(flatten)]
+    History(history::HistoryCmd),
 }
 
 #[derive(Debug, Subcommand)]
@@ -109,7 +118,11 @@ pub enum SessionCmd {
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
-    match sessions::run(cli).await {
+    let r = match cli.cmd {
+        Cmd::History(h) => history::run(&cli.admin_address, &cli.namespace, h).await,
+        _ => sessions::run(cli).await,
+    };
+    match r {
         Ok(code) => code,
         Err(e) => {
             match e.downcast_ref::<tonic::Status>() {

@@ -154,12 +154,7 @@ pub(crate) async fn outcome_paths(
 
 /// Runs a command that talks to the daemon.
 pub async fn run(cli: Cli) -> Result<ExitCode> {
-    let mut c = api::connect(cli.admin_address.clone()).await.with_context(|| {
-        format!(
-            "cannot reach the LayerStack daemon at {} (is containerd-layerstack-grpc running? set --admin-address or LAYERSTACK_ADMIN_ADDRESS)",
-            cli.admin_address.display()
-        )
-    })?;
+    let mut c = crate::connect(&cli.admin_address).await?;
     let ns = cli.namespace;
     match cli.cmd {
         Cmd::Status { json } => {
@@ -322,48 +317,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
             };
             Ok(print_outcome(&r, all.as_deref(), json))
         }
-        Cmd::Log { image, json } => {
-            // IMAGE[@BRANCH]; a digest reference (name@sha256:...) keeps its '@'.
-            let (image, branch) = match image.rsplit_once('@') {
-                Some((i, b)) if !b.contains(':') => (i.to_string(), b.to_string()),
-                _ => (image, String::new()),
-            };
-            let r = c
-                .log(api::LogRequest {
-                    namespace: ns,
-                    image,
-                    branch,
-                })
-                .await?
-                .into_inner();
-            if json {
-                let v = json!({
-                    "stack": r.stack,
-                    "branch": r.branch,
-                    "layers": r.entries.iter().map(|e| json!({
-                        "layer": e.layer, "manifest": e.manifest,
-                        "session": if e.session == 0 { serde_json::Value::Null } else { json!(e.session) },
-                        "namespace": e.namespace, "container": e.container,
-                        "owner": e.owner, "kind": e.kind,
-                        "paths": e.paths, "created_ns": e.created_ns,
-                    })).collect::<Vec<_>>(),
-                });
-                out!("{v}");
-            } else {
-                out!("stack {} branch {}", r.stack, r.branch);
-                for e in &r.entries {
-                    out!(
-                        "layer {:<6} {:<9} session {:<6} {} ({} paths)",
-                        e.layer,
-                        e.kind,
-                        e.session,
-                        if e.owner.is_empty() { "-" } else { &e.owner },
-                        e.paths
-                    );
-                }
-            }
-            Ok(ExitCode::SUCCESS)
-        }
+        Cmd::History(_) => unreachable!("history commands are dispatched in main"),
     }
 }
 

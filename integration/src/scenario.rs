@@ -520,3 +520,100 @@ pub fn session_upper(env: &TestEnv, session: &Value) -> Result<PathBuf> {
         .join(id.to_string())
         .join("upper"))
 }
+
+/// `describe` without megabytes of stdout.
+pub fn describe_short(out: &Output) -> String {
+    format!(
+        "exit {:?}, {} bytes of stdout, stderr: {}",
+        out.status.code(),
+        out.stdout.len(),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
+/// The committed top snapshot of the Debian image on the layerstack
+/// snapshotter in `ns` (`ctr snapshots ls`).
+pub fn image_top_snapshot(env: &TestEnv, ns: &str) -> Result<String> {
+    let snaps = stdout(&env.ctr_ok(ns, &["snapshots", "--snapshotter", SNAPSHOTTER, "ls"])?);
+    snaps
+        .lines()
+        .skip(1)
+        .map(|l| l.split_whitespace().collect::<Vec<_>>())
+        .find(|f| {
+            f.first().is_some_and(|k| k.starts_with("sha256:")) && f.last() == Some(&"Committed")
+        })
+        .map(|f| f[0].to_string())
+        .with_context(|| format!("no committed image snapshot in:\n{snaps}"))
+}
+
+/// Mounts the overlay that `ctr snapshots prepare --mounts` printed at `target`.
+pub fn mount_snapshot_json(mounts_json: &[u8], target: &Path) -> Result<()> {
+    let v: Value = serde_json::from_slice(mounts_json).context("parsing mounts")?;
+    let m = v
+        .as_array()
+        .and_then(|a| a.first())
+        .context("no mount returned")?;
+    let opts = json_strs(&m["Options"], "mount options")?;
+    std::fs::create_dir_all(target)?;
+    nix::mount::mount(
+        Some("overlay"),
+        target,
+        Some("overlay"),
+        nix::mount::MsFlags::empty(),
+        Some(opts.join(",").as_str()),
+    )
+    .with_context(|| format!("mounting at {}", target.display()))
+}
+
+/// A session without a container: `ctr snapshots prepare KEY PARENT` on the
+/// layerstack snapshotter (with the branch label), mounted at a scratch
+/// directory while `write` changes it, unmounted. Returns the key.
+pub fn snapshot_session(
+    env: &TestEnv,
+    ns: &str,
+    key: &str,
+    parent: &str,
+    branch: Option<&str>,
+    write: impl FnOnce(&Path) -> Result<()>,
+) -> Result<String> {
+    let mut args = vec![
+        "snapshots",
+        "--snapshotter",
+        SNAPSHOTTER,
+        "prepare",
+        "--mounts",
+    ];
+    let label = branch.map(snapshot_branch_label);
+    if let Some(l) = &label {
+        args.extend(["--label", l.as_str()]);
+    }
+    args.extend([key, parent]);
+    let prep = env.ctr_ok(ns, &args)?;
+    let target = env.scratch().join(format!("mnt-{key}"));
+    mount_snapshot_json(&prep.stdout, &target)?;
+    let r = write(&target);
+    nix::mount::umount(&target).context("unmounting the snapshot")?;
+    r?;
+    Ok(key.to_string())
+}
+
+/// [`snapshot_session`] and publish it at once (`layerstack publish KEY`); the
+/// snapshot is then removed. Returns the outcome word.
+pub fn publish_snapshot(
+    env: &TestEnv,
+    ns: &str,
+    key: &str,
+    parent: &str,
+    branch: Option<&str>,
+    write: impl FnOnce(&Path) -> Result<()>,
+) -> Result<String> {
+    snapshot_session(env, ns, key, parent, branch, write)?;
+    let out = ls_publish(env, ns, key, &[])?;
+    ensure!(
+        out.status.success(),
+        "layerstack publish {key}: {}",
+        describe(&out)
+    );
+    env.ctr_ok(ns, &["snapshots", "--snapshotter", SNAPSHOTTER, "rm", key])?;
+    Ok(first_word(&out))
+}

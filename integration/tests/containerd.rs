@@ -17,11 +17,12 @@ use std::time::{Duration, Instant};
 use anyhow::{ensure, Context, Result};
 use layerstack_integration::{
     bin_path, busybox_image_tar, contains_ci, debian_image_tar, delete_task, describe,
-    finish_detached, first_word, import_checked, json_strs, kill_task, layerstack_wait, ls_publish,
-    ls_wait, ls_wait_ok, publish_policy_label, remove_container, run_layerstack_scenario,
-    run_scenario, run_sh, run_with_timeout, session, session_of, session_upper, sessions,
-    start_daemon_and_import, start_detached, stdout, unique, wait_task_stopped, CtrRun, TestEnv,
-    BUSYBOX_IMAGE, CLI_BIN, DAEMON_BIN, DEBIAN_IMAGE, SNAPSHOTTER,
+    describe_short, finish_detached, first_word, image_top_snapshot, import_checked, json_strs,
+    kill_task, layerstack_wait, ls_publish, ls_wait, ls_wait_ok, mount_snapshot_json,
+    publish_policy_label, remove_container, run_layerstack_scenario, run_scenario, run_sh,
+    run_with_timeout, session, session_of, session_upper, sessions, start_daemon_and_import,
+    start_detached, stdout, unique, wait_task_stopped, CtrRun, TestEnv, BUSYBOX_IMAGE, CLI_BIN,
+    DAEMON_BIN, DEBIAN_IMAGE, SNAPSHOTTER,
 };
 
 /// Namespace for the overlayfs (containerd builtin) tests.
@@ -1280,7 +1281,7 @@ fn a_session_of_150000_files_publishes_and_its_verdicts_are_paged() {
         ensure!(paths[1]["path"] == "/srv/npm/pkg000001", "{}", paths[1]);
 
         // A dry run of an unpublished session of the same size, on a raw snapshot.
-        let parent = image_top_snapshot(env)?;
+        let parent = image_top_snapshot(env, NS)?;
         let prep = env.ctr_ok(
             NS,
             &[
@@ -1294,7 +1295,7 @@ fn a_session_of_150000_files_publishes_and_its_verdicts_are_paged() {
             ],
         )?;
         let target = env.scratch().join("npm-dry");
-        mount_overlay_json(&prep.stdout, &target)?;
+        mount_snapshot_json(&prep.stdout, &target)?;
         let made = std::process::Command::new("sh")
             .arg("-c")
             .arg("mkdir -p srv/npm && cd srv/npm && seq -f 'pkg%06g' 1 150000 | xargs touch")
@@ -1320,47 +1321,4 @@ fn a_session_of_150000_files_publishes_and_its_verdicts_are_paged() {
         )?;
         Ok(())
     });
-}
-
-/// `describe` without megabytes of stdout.
-fn describe_short(out: &std::process::Output) -> String {
-    format!(
-        "exit {:?}, {} bytes of stdout, stderr: {}",
-        out.status.code(),
-        out.stdout.len(),
-        String::from_utf8_lossy(&out.stderr)
-    )
-}
-
-/// The committed top snapshot of the Debian image (`ctr snapshots ls`).
-fn image_top_snapshot(env: &TestEnv) -> Result<String> {
-    let snaps = stdout(&env.ctr_ok(NS, &["snapshots", "--snapshotter", SNAPSHOTTER, "ls"])?);
-    snaps
-        .lines()
-        .skip(1)
-        .map(|l| l.split_whitespace().collect::<Vec<_>>())
-        .find(|f| {
-            f.first().is_some_and(|k| k.starts_with("sha256:")) && f.last() == Some(&"Committed")
-        })
-        .map(|f| f[0].to_string())
-        .with_context(|| format!("no committed image snapshot in:\n{snaps}"))
-}
-
-/// Mounts the overlay that `ctr snapshots prepare --mounts` printed at `target`.
-fn mount_overlay_json(mounts_json: &[u8], target: &Path) -> Result<()> {
-    let v: serde_json::Value = serde_json::from_slice(mounts_json).context("parsing mounts")?;
-    let m = v
-        .as_array()
-        .and_then(|a| a.first())
-        .context("no mount returned")?;
-    let opts = json_strs(&m["Options"], "mount options")?;
-    std::fs::create_dir_all(target)?;
-    nix::mount::mount(
-        Some("overlay"),
-        target,
-        Some("overlay"),
-        nix::mount::MsFlags::empty(),
-        Some(opts.join(",").as_str()),
-    )
-    .with_context(|| format!("mounting at {}", target.display()))
 }

@@ -402,12 +402,7 @@ fn copy_entry(from: &DirFd, to: &DirFd, name: &CStr, rel: &[u8]) -> Result<(), S
 
 /// Gives the directory `to` the mode, owner and xattrs of `from` (without the
 /// opaque marker, which the caller decides).
-fn copy_dir_meta(
-    from: &DirFd,
-    to: &DirFd,
-    rel: &[u8],
-    userxattr: bool,
-) -> Result<(), SquashError> {
+fn copy_dir_meta(from: &DirFd, to: &DirFd, rel: &[u8], userxattr: bool) -> Result<(), SquashError> {
     let st = nix::sys::stat::fstat(from.as_raw_fd()).map_err(|e| err("stat", rel)(e.into()))?;
     nix::unistd::fchown(
         to.as_raw_fd(),

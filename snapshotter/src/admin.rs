@@ -19,16 +19,16 @@ const MAX_PAGE: usize = 10_000;
 
 /// The admin service.
 pub struct AdminService {
-    engine: Arc<Engine>,
-    containerd_address: PathBuf,
+    pub(crate) engine: Arc<Engine>,
+    pub(crate) containerd_address: PathBuf,
     events_subscribed: Arc<AtomicBool>,
 }
 
-fn engine_status(e: EngineError) -> Status {
+pub(crate) fn engine_status(e: EngineError) -> Status {
     api::engine_status(&e)
 }
 
-fn require(field: &str, v: &str) -> Result<(), Status> {
+pub(crate) fn require(field: &str, v: &str) -> Result<(), Status> {
     if v.is_empty() {
         return Err(Status::invalid_argument(format!("{field} is required")));
     }
@@ -67,7 +67,7 @@ impl AdminService {
     }
 
     /// The wire form of `s`, with the first conflicts of its outcome inlined.
-    async fn to_api(&self, s: SessionInfo) -> Result<api::Session, Status> {
+    pub(crate) async fn to_api(&self, s: SessionInfo) -> Result<api::Session, Status> {
         let conflicts = match s.outcome.as_ref() {
             Some(o) if o.counts.conflict > 0 => {
                 let id = o.id;
@@ -314,72 +314,81 @@ impl api::Admin for AdminService {
         }))
     }
 
+    type LogStream = crate::history::LogStream;
+
     async fn log(
         &self,
         req: Request<api::LogRequest>,
-    ) -> Result<Response<api::LogResponse>, Status> {
-        let r = req.into_inner();
-        require("image", &r.image)?;
-        let branch = if r.branch.is_empty() {
-            self.engine.store().default_branch().to_string()
-        } else {
-            r.branch
-        };
-        let chain =
-            crate::containerd::resolve_stack(&self.containerd_address, &r.namespace, &r.image)
-                .await
-                .map_err(|e| {
-                    let m = api::error_chain(&e);
-                    match e {
-                        crate::containerd::ContainerdError::ImageNotFound { .. } => {
-                            Status::not_found(m)
-                        }
-                        crate::containerd::ContainerdError::Connect(..) => Status::unavailable(m),
-                        _ => Status::internal(m),
-                    }
-                })?;
-        let stack = layerstack_engine::store::stack_id(&r.namespace, &chain);
-        let (st, br) = (stack.clone(), branch.clone());
-        let entries = self
-            .engine
-            .blocking_store(move |s| s.log(&st, &br))
+    ) -> Result<Response<Self::LogStream>, Status> {
+        self.history_log(req.into_inner()).await.map(Response::new)
+    }
+
+    async fn list_stacks(
+        &self,
+        req: Request<api::ListStacksRequest>,
+    ) -> Result<Response<api::ListStacksResponse>, Status> {
+        self.stacks(req.into_inner()).await.map(Response::new)
+    }
+
+    async fn remove_stack(
+        &self,
+        req: Request<api::RemoveStackRequest>,
+    ) -> Result<Response<api::GcResponse>, Status> {
+        self.stack_rm(req.into_inner()).await.map(Response::new)
+    }
+
+    async fn list_branches(
+        &self,
+        req: Request<api::ListBranchesRequest>,
+    ) -> Result<Response<api::ListBranchesResponse>, Status> {
+        self.branches(req.into_inner()).await.map(Response::new)
+    }
+
+    async fn create_branch(
+        &self,
+        req: Request<api::CreateBranchRequest>,
+    ) -> Result<Response<api::Branch>, Status> {
+        self.branch_create(req.into_inner())
             .await
-            .map_err(|e| match e {
-                EngineError::Store(layerstack_engine::store::StoreError::BranchNotFound { .. }) => {
-                    Status::not_found(format!(
-                        "{}: no container of image {:?} has run on the layerstack snapshotter with branch {branch:?} yet",
-                        api::error_chain(&e),
-                        r.image
-                    ))
-                }
-                other => engine_status(other),
-            })?;
-        Ok(Response::new(api::LogResponse {
-            stack,
-            branch,
-            entries: entries
-                .into_iter()
-                .map(|e| {
-                    let (namespace, container) = match &e.owner {
-                        Some(layerstack_engine::store::Owner::Container { namespace, id }) => {
-                            (namespace.clone(), id.clone())
-                        }
-                        _ => (String::new(), String::new()),
-                    };
-                    api::LogEntry {
-                        layer: e.layer,
-                        manifest: e.manifest,
-                        session: e.session.unwrap_or(0),
-                        namespace,
-                        container,
-                        paths: e.paths,
-                        created_ns: e.created_ns,
-                        kind: e.kind.as_str().to_string(),
-                        owner: e.owner.as_ref().map(|o| o.display()).unwrap_or_default(),
-                    }
-                })
-                .collect(),
-        }))
+            .map(Response::new)
+    }
+
+    async fn delete_branch(
+        &self,
+        req: Request<api::DeleteBranchRequest>,
+    ) -> Result<Response<api::DeleteBranchResponse>, Status> {
+        self.branch_delete(req.into_inner())
+            .await
+            .map(Response::new)
+    }
+
+    async fn promote(
+        &self,
+        req: Request<api::PromoteRequest>,
+    ) -> Result<Response<api::PromoteResponse>, Status> {
+        self.branch_promote(req.into_inner())
+            .await
+            .map(Response::new)
+    }
+
+    async fn squash(
+        &self,
+        req: Request<api::SquashRequest>,
+    ) -> Result<Response<api::SquashResponse>, Status> {
+        self.branch_squash(req.into_inner())
+            .await
+            .map(Response::new)
+    }
+
+    async fn gc(&self, _req: Request<api::GcRequest>) -> Result<Response<api::GcResponse>, Status> {
+        self.collect().await.map(Response::new)
+    }
+
+    async fn disk_usage(
+        &self,
+        req: Request<api::DiskUsageRequest>,
+    ) -> Result<Response<api::DiskUsageResponse>, Status> {
+        self.usage(req.into_inner()).await.map(Response::new)
     }
 
     async fn set_branch(

@@ -308,7 +308,7 @@ async fn read_blob(
 }
 
 /// Resolve an image reference to its top layer chainID (the LayerStack stack id),
-/// following an index to the linux/amd64 manifest (OCI image-spec `config.md`
+/// following an index to this platform's manifest (OCI image-spec `config.md`
 /// "Layer ChainID").
 pub async fn resolve_stack(
     address: &std::path::Path,
@@ -317,7 +317,6 @@ pub async fn resolve_stack(
 ) -> Result<String, ContainerdError> {
     let ch = connect(address).await?;
     let mut images = ImagesClient::new(ch.clone());
-    let mut content = ContentClient::new(ch);
     let img = match images
         .get(with_ns(
             namespace,
@@ -337,8 +336,45 @@ pub async fn resolve_stack(
             namespace: namespace.to_string(),
             image: image.to_string(),
         })?;
+    image_chain(&ch, namespace, image, target.digest).await
+}
+
+/// Every image of `namespace` with its top layer chainID; images whose content
+/// is incomplete are left out.
+pub async fn list_image_chains(
+    address: &std::path::Path,
+    namespace: &str,
+) -> Result<Vec<(String, String)>, ContainerdError> {
+    let ch = connect(address).await?;
+    let list = ImagesClient::new(ch.clone())
+        .list(with_ns(
+            namespace,
+            containerd_client::services::v1::ListImagesRequest { filters: vec![] },
+        ))
+        .await
+        .map_err(|e| ContainerdError::Rpc("list images".into(), e))?
+        .into_inner()
+        .images;
+    let mut out = Vec::new();
+    for img in list {
+        let Some(t) = img.target else { continue };
+        match image_chain(&ch, namespace, &img.name, t.digest).await {
+            Ok(chain) => out.push((img.name, chain)),
+            Err(e) => debug!(image = %img.name, error = %e, "image skipped"),
+        }
+    }
+    Ok(out)
+}
+
+/// The top chainID of the image whose manifest (or index) is blob `digest`.
+async fn image_chain(
+    ch: &Channel,
+    namespace: &str,
+    image: &str,
+    mut digest: String,
+) -> Result<String, ContainerdError> {
+    let mut content = ContentClient::new(ch.clone());
     let bad = |m: &str| ContainerdError::BadImage(image.to_string(), m.to_string());
-    let mut digest = target.digest;
     let mut doc: serde_json::Value;
     loop {
         let blob = read_blob(&mut content, namespace, &digest).await?;

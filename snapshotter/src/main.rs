@@ -10,6 +10,7 @@
 mod admin;
 mod containerd;
 mod filters;
+mod history;
 mod service;
 mod sockets;
 
@@ -186,8 +187,18 @@ async fn run(args: Args) -> Result<()> {
             },
         },
         userxattr: false,
+        history: layerstack_engine::HistorySettings {
+            squash_threshold: usize::try_from(cfg.history.squash_threshold).unwrap_or(usize::MAX),
+            squash_keep: usize::try_from(cfg.history.squash_keep).unwrap_or(usize::MAX),
+            kept_upper_retention: std::time::Duration::from_secs(
+                cfg.history.kept_upper_retention_h.saturating_mul(3600),
+            ),
+        },
     };
     let engine = Engine::new(store, settings);
+    if cfg.history.gc_interval_s > 0 {
+        engine.spawn_periodic_gc(std::time::Duration::from_secs(cfg.history.gc_interval_s));
+    }
     let recovered = engine.recover().await?;
     if recovered > 0 {
         info!(

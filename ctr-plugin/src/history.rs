@@ -1,0 +1,603 @@
+//! Commands about history: `log`, `stack ls|rm`, `branch ls|create|delete`,
+//! `promote`, `squash`, `gc`, `df`.
+//!
+//! A stack is named by an image reference, its stack id (`<namespace>/sha256:…`)
+//! or its base digest (`sha256:…`, or 12+ hex digits): history stays reachable
+//! after the image is removed from containerd. `STACK@BRANCH` names a branch (a
+//! digest reference `name@sha256:…` keeps its `@`).
+
+use std::path::Path;
+use std::process::ExitCode;
+
+use anyhow::{bail, Result};
+use clap::Subcommand;
+use layerstack_api as api;
+use serde_json::json;
+
+use crate::out;
+use crate::output::{print_table, short};
+
+#[derive(Debug, Subcommand)]
+pub enum HistoryCmd {
+    /// A branch's layers, newest first, with who published each and when:
+    /// STACK[@BRANCH].
+    Log {
+        /// STACK[@BRANCH]: an image reference, stack id or base digest.
+        stack: String,
+        /// List the paths each layer changed.
+        #[arg(long)]
+        paths: bool,
+        /// Print the log as one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Stacks: the history on each base.
+    Stack {
+        #[command(subcommand)]
+        cmd: StackCmd,
+    },
+    /// Branches of a stack: named, movable pointers into its history.
+    Branch {
+        #[command(subcommand)]
+        cmd: BranchCmd,
+    },
+    /// Advance branch TO to branch FROM's head through the publication gate:
+    /// fast-forward when TO's head is an ancestor, a merge publish otherwise,
+    /// refused whole on conflict (exit 3).
+    Promote {
+        /// STACK@FROM.
+        from: String,
+        /// The branch to advance.
+        to: String,
+        /// Print the result as one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Compact a branch's history now: all but its newest layers become one
+    /// squashed layer; nothing any branch or session sees changes.
+    Squash {
+        /// STACK[@BRANCH].
+        stack: String,
+        /// Print the result as one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove layers nothing reaches (no branch head, lease, node or export);
+    /// report the bytes freed.
+    Gc {
+        /// Print the result as one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Disk usage in real allocated bytes per accounting class: hot layers (what
+    /// branch heads show), cold history, session uppers, staging, metadata, and
+    /// containerd's own snapshots — per stack and in total.
+    Df {
+        /// Only this stack (an image reference, stack id or base digest).
+        stack: Option<String>,
+        /// Print the usage as one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum StackCmd {
+    /// List the stacks of the namespace (`-n`), or of all (`-A`).
+    Ls {
+        /// Stacks of every namespace.
+        #[arg(long, short = 'A')]
+        all_namespaces: bool,
+        /// Also measure bytes (walks the layers; slower).
+        #[arg(long)]
+        usage: bool,
+        /// Print the stacks as one JSON array.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove a stack and its whole history. Refused while a session of it is
+    /// live or a node or export lease pins it; `--force` discards those sessions'
+    /// writes (never a mounted one's) and releases the leases.
+    Rm {
+        /// An image reference, stack id or base digest.
+        stack: String,
+        /// Discard live sessions and release leases.
+        #[arg(long)]
+        force: bool,
+        /// Print the result as one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum BranchCmd {
+    /// List the branches of a stack.
+    Ls {
+        /// An image reference, stack id or base digest.
+        stack: String,
+        /// Print the branches as one JSON array.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Create branch NAME (STACK@NAME) from another branch's head, or from any
+    /// layer of its log: O(1), no copy.
+    Create {
+        /// STACK@NAME.
+        branch: String,
+        /// The branch to fork [default: the default branch].
+        #[arg(long)]
+        from: Option<String>,
+        /// Fork at this layer of FROM's log instead of its head.
+        #[arg(long, value_name = "LAYER")]
+        at: Option<i64>,
+        /// Print the branch as one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Delete branch NAME (STACK@NAME); its layers stay while anything reaches them.
+    Delete {
+        /// STACK@NAME.
+        branch: String,
+    },
+}
+
+/// `STACK[@BRANCH]` → (stack, branch or ""). A digest reference
+/// (`name@sha256:…`) keeps its `@`.
+pub fn split_branch(spec: &str) -> (String, String) {
+    match spec.rsplit_once('@') {
+        Some((s, b)) if !b.contains(':') && !s.is_empty() => (s.to_string(), b.to_string()),
+        _ => (spec.to_string(), String::new()),
+    }
+}
+
+fn need_branch(spec: &str) -> Result<(String, String)> {
+    let (s, b) = split_branch(spec);
+    if b.is_empty() {
+        bail!("{spec:?} names no branch: write STACK@BRANCH");
+    }
+    Ok((s, b))
+}
+
+/// Bytes for humans: `1.5 GiB`.
+fn human(b: u64) -> String {
+    const U: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = b as f64;
+    let mut i = 0;
+    while v >= 1024.0 && i + 1 < U.len() {
+        v /= 1024.0;
+        i += 1;
+    }
+    if i == 0 {
+        format!("{b} B")
+    } else {
+        format!("{v:.1} {}", U[i])
+    }
+}
+
+/// `created_ns` as UTC `YYYY-MM-DD HH:MM:SS`.
+fn timestamp(ns: i64) -> String {
+    let secs = ns.div_euclid(1_000_000_000);
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // Civil from days (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02}",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+fn usage_json(u: &api::Usage) -> serde_json::Value {
+    json!({
+        "hot": u.hot, "cold": u.cold, "uppers": u.uppers, "staging": u.staging,
+        "metadata": u.metadata, "snapshots": u.snapshots, "total": u.total,
+    })
+}
+
+fn branch_json(b: &api::Branch) -> serde_json::Value {
+    json!({"name": b.name, "head": b.head, "depth": b.depth, "updated_ns": b.updated_ns})
+}
+
+/// Runs a history command.
+pub async fn run(admin: &Path, ns: &str, cmd: HistoryCmd) -> Result<ExitCode> {
+    let mut c = crate::connect(admin).await?;
+    let ns = ns.to_string();
+    match cmd {
+        HistoryCmd::Log { stack, paths, json } => {
+            let (image, branch) = split_branch(&stack);
+            let mut stream = c
+                .log(api::LogRequest {
+                    namespace: ns,
+                    image,
+                    branch,
+                    paths,
+                })
+                .await?
+                .into_inner();
+            let mut head = None;
+            let mut entries = Vec::new();
+            while let Some(r) = stream.message().await? {
+                match r.entry {
+                    Some(e) => entries.push(e),
+                    None => head = Some((r.stack, r.branch)),
+                }
+            }
+            let (stack, branch) = head.unwrap_or_default();
+            if json {
+                let v = json!({
+                    "stack": stack,
+                    "branch": branch,
+                    "layers": entries.iter().map(|e| {
+                        let mut v = json!({
+                            "layer": e.layer, "manifest": e.manifest, "kind": e.kind,
+                            "session": if e.session == 0 { serde_json::Value::Null } else { json!(e.session) },
+                            "namespace": e.namespace, "container": e.container, "owner": e.owner,
+                            "paths": e.paths, "created_ns": e.created_ns, "created": timestamp(e.created_ns),
+                        });
+                        if paths {
+                            v["changed"] = e.changed.iter().map(|p| json!({"path": p.path, "kind": p.kind})).collect();
+                        }
+                        v
+                    }).collect::<Vec<_>>(),
+                });
+                out!("{v}");
+            } else {
+                out!("stack {stack} branch {branch}");
+                for e in &entries {
+                    out!(
+                        "layer {:<6} {}  {:<9} {} ({} paths)",
+                        e.layer,
+                        timestamp(e.created_ns),
+                        e.kind,
+                        if e.owner.is_empty() { "-" } else { &e.owner },
+                        e.paths
+                    );
+                    for p in &e.changed {
+                        out!("    {:<7} {}", p.kind, p.path);
+                    }
+                }
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        HistoryCmd::Stack {
+            cmd:
+                StackCmd::Ls {
+                    all_namespaces,
+                    usage,
+                    json,
+                },
+        } => {
+            let r = c
+                .list_stacks(api::ListStacksRequest {
+                    namespace: ns,
+                    all_namespaces,
+                    usage,
+                })
+                .await?
+                .into_inner();
+            if json {
+                let v: Vec<_> = r
+                    .stacks
+                    .iter()
+                    .map(|s| {
+                        json!({
+                            "id": s.id, "namespace": s.namespace, "base_digest": s.base_digest,
+                            "image_refs": s.image_refs, "base_layers": s.base_layers, "layers": s.layers,
+                            "branches": s.branches.iter().map(branch_json).collect::<Vec<_>>(),
+                            "usage": s.usage.as_ref().map(usage_json),
+                        })
+                    })
+                    .collect();
+                out!("{}", serde_json::Value::Array(v));
+            } else {
+                let mut rows = vec![
+                    ["STACK", "NAMESPACE", "IMAGE", "BRANCHES", "LAYERS", "BYTES"]
+                        .map(String::from),
+                ];
+                for s in &r.stacks {
+                    rows.push([
+                        short(&s.id).to_string(),
+                        s.namespace.clone(),
+                        if s.image_refs.is_empty() {
+                            "-".into()
+                        } else {
+                            s.image_refs.join(",")
+                        },
+                        s.branches
+                            .iter()
+                            .map(|b| format!("{}({})", b.name, b.depth))
+                            .collect::<Vec<_>>()
+                            .join(","),
+                        s.layers.to_string(),
+                        s.usage
+                            .as_ref()
+                            .map(|u| human(u.hot + u.cold + u.uppers))
+                            .unwrap_or_else(|| "-".into()),
+                    ]);
+                }
+                print_table(&rows);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        HistoryCmd::Stack {
+            cmd: StackCmd::Rm { stack, force, json },
+        } => {
+            let r = c
+                .remove_stack(api::RemoveStackRequest {
+                    namespace: ns,
+                    stack: stack.clone(),
+                    force,
+                })
+                .await?
+                .into_inner();
+            if json {
+                out!(
+                    "{}",
+                    json!({"stack": stack, "layers": r.layers, "bytes_freed": r.bytes_freed})
+                );
+            } else {
+                out!(
+                    "removed stack {stack}: {} layer(s), {} freed",
+                    r.layers,
+                    human(r.bytes_freed)
+                );
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        HistoryCmd::Branch {
+            cmd: BranchCmd::Ls { stack, json },
+        } => {
+            let r = c
+                .list_branches(api::ListBranchesRequest {
+                    namespace: ns,
+                    stack,
+                })
+                .await?
+                .into_inner();
+            if json {
+                out!(
+                    "{}",
+                    json!({"stack": r.stack, "branches": r.branches.iter().map(branch_json).collect::<Vec<_>>()})
+                );
+            } else {
+                let mut rows = vec![["BRANCH", "HEAD", "DEPTH", "UPDATED"].map(String::from)];
+                for b in &r.branches {
+                    rows.push([
+                        b.name.clone(),
+                        b.head.to_string(),
+                        b.depth.to_string(),
+                        timestamp(b.updated_ns),
+                    ]);
+                }
+                print_table(&rows);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        HistoryCmd::Branch {
+            cmd:
+                BranchCmd::Create {
+                    branch,
+                    from,
+                    at,
+                    json,
+                },
+        } => {
+            let (stack, name) = need_branch(&branch)?;
+            let b = c
+                .create_branch(api::CreateBranchRequest {
+                    namespace: ns,
+                    stack,
+                    name,
+                    from: from.unwrap_or_default(),
+                    at_layer: at.unwrap_or(0),
+                })
+                .await?
+                .into_inner();
+            if json {
+                out!("{}", branch_json(&b));
+            } else {
+                out!(
+                    "branch {} at manifest {} ({} layers)",
+                    b.name,
+                    b.head,
+                    b.depth
+                );
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        HistoryCmd::Branch {
+            cmd: BranchCmd::Delete { branch },
+        } => {
+            let (stack, name) = need_branch(&branch)?;
+            c.delete_branch(api::DeleteBranchRequest {
+                namespace: ns,
+                stack,
+                name: name.clone(),
+            })
+            .await?;
+            out!("deleted branch {name}");
+            Ok(ExitCode::SUCCESS)
+        }
+        HistoryCmd::Promote { from, to, json } => {
+            let (stack, from) = need_branch(&from)?;
+            let r = c
+                .promote(api::PromoteRequest {
+                    namespace: ns,
+                    stack,
+                    from,
+                    to,
+                    operation: String::new(),
+                })
+                .await?
+                .into_inner();
+            if json {
+                out!(
+                    "{}",
+                    json!({
+                        "result": r.result, "head": r.head, "message": r.message,
+                        "session": r.session.as_ref().map(|s| crate::sessions::session_json(s, None)),
+                    })
+                );
+            } else {
+                out!("{}", r.result);
+                if let Some(s) = &r.session {
+                    for cpath in &s.conflicts {
+                        out!("conflict {}: {}", cpath.path, cpath.reason);
+                    }
+                }
+                if !r.message.is_empty() {
+                    out!("{}", r.message);
+                }
+            }
+            Ok(if r.result == "conflict" {
+                ExitCode::from(3)
+            } else {
+                ExitCode::SUCCESS
+            })
+        }
+        HistoryCmd::Squash { stack, json } => {
+            let (stack, branch) = split_branch(&stack);
+            let r = c
+                .squash(api::SquashRequest {
+                    namespace: ns,
+                    stack,
+                    branch,
+                })
+                .await?
+                .into_inner();
+            if json {
+                out!(
+                    "{}",
+                    json!({"squashed": r.squashed, "layer": r.layer, "head": r.head, "depth_before": r.depth_before, "depth_after": r.depth_after})
+                );
+            } else if r.squashed {
+                out!(
+                    "squashed into layer {}: depth {} -> {}",
+                    r.layer,
+                    r.depth_before,
+                    r.depth_after
+                );
+            } else {
+                out!("nothing to squash (depth {})", r.depth_before);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        HistoryCmd::Gc { json } => {
+            let r = c.gc(api::GcRequest {}).await?.into_inner();
+            if json {
+                out!(
+                    "{}",
+                    json!({"layers": r.layers, "manifests": r.manifests, "bytes_freed": r.bytes_freed, "uppers_released": r.uppers_released})
+                );
+            } else {
+                out!(
+                    "freed {} layer(s), {} manifest(s), {} kept upper(s): {}",
+                    r.layers,
+                    r.manifests,
+                    r.uppers_released,
+                    human(r.bytes_freed)
+                );
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+        HistoryCmd::Df { stack, json } => {
+            let r = c
+                .disk_usage(api::DiskUsageRequest {
+                    namespace: ns,
+                    stack: stack.clone().unwrap_or_default(),
+                })
+                .await?
+                .into_inner();
+            let total = r.total.unwrap_or_default();
+            if json {
+                out!(
+                    "{}",
+                    json!({
+                        "total": usage_json(&total),
+                        "stacks": r.stacks.iter().map(|s| json!({"stack": s.stack, "usage": s.usage.as_ref().map(usage_json)})).collect::<Vec<_>>(),
+                    })
+                );
+            } else {
+                let mut rows = vec![[
+                    "",
+                    "L_hot",
+                    "H_cold",
+                    "U_active",
+                    "P_staging",
+                    "M",
+                    "SNAPSHOTS",
+                    "TOTAL",
+                ]
+                .map(String::from)];
+                for s in &r.stacks {
+                    let u = s.usage.clone().unwrap_or_default();
+                    rows.push([
+                        short(&s.stack).to_string(),
+                        human(u.hot),
+                        human(u.cold),
+                        human(u.uppers),
+                        "-".into(),
+                        "-".into(),
+                        "-".into(),
+                        human(u.hot + u.cold + u.uppers),
+                    ]);
+                }
+                if stack.is_none() {
+                    rows.push([
+                        "total".into(),
+                        human(total.hot),
+                        human(total.cold),
+                        human(total.uppers),
+                        human(total.staging),
+                        human(total.metadata),
+                        human(total.snapshots),
+                        human(total.total),
+                    ]);
+                }
+                print_table(&rows);
+            }
+            Ok(ExitCode::SUCCESS)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stack_specs_split_at_the_branch_but_keep_digest_references() {
+        assert_eq!(
+            split_branch("debian:bookworm@exp"),
+            ("debian:bookworm".into(), "exp".into())
+        );
+        assert_eq!(
+            split_branch("debian@sha256:ab12"),
+            ("debian@sha256:ab12".into(), String::new())
+        );
+        assert_eq!(
+            split_branch("sha256:ab12cd34ef56@main"),
+            ("sha256:ab12cd34ef56".into(), "main".into())
+        );
+        assert_eq!(split_branch("debian"), ("debian".into(), String::new()));
+        assert!(need_branch("debian").is_err());
+    }
+
+    #[test]
+    fn timestamps_and_sizes_read_as_people_write_them() {
+        assert_eq!(timestamp(0), "1970-01-01 00:00:00");
+        assert_eq!(timestamp(1_796_083_200_000_000_000), "2026-12-01 00:00:00");
+        assert_eq!(human(512), "512 B");
+        assert_eq!(human(3 << 30), "3.0 GiB");
+    }
+}

@@ -1,0 +1,428 @@
+//! Admin RPCs about history: stacks, branches, log, promote, squash, GC and
+//! disk usage. Stacks are named by an image reference (resolved through
+//! containerd), a stack id or a base digest — so history stays reachable after
+//! `ctr images rm`.
+
+use std::pin::Pin;
+
+use layerstack_api as api;
+use layerstack_engine::store::{escape_path, BranchInfo, ChangeKind, StoreError, Usage};
+use layerstack_engine::{EngineError, Promoted};
+use tonic::Status;
+
+use crate::admin::{engine_status, require, AdminService};
+
+pub type LogStream = Pin<Box<dyn futures::Stream<Item = Result<api::LogReply, Status>> + Send>>;
+
+fn branch(b: &BranchInfo) -> api::Branch {
+    api::Branch {
+        stack: b.stack.clone(),
+        name: b.name.clone(),
+        head: b.head,
+        depth: b.depth,
+        updated_ns: b.updated_ns,
+    }
+}
+
+fn usage(u: &Usage) -> api::Usage {
+    api::Usage {
+        hot: u.hot,
+        cold: u.cold,
+        uppers: u.uppers,
+        staging: u.staging,
+        metadata: u.metadata,
+        snapshots: u.snapshots,
+        total: u.total(),
+    }
+}
+
+fn change_kind(k: ChangeKind) -> &'static str {
+    match k {
+        ChangeKind::Write => "write",
+        ChangeKind::Symlink => "symlink",
+        ChangeKind::Mkdir => "mkdir",
+        ChangeKind::Delete => "delete",
+        ChangeKind::Opaque => "opaque",
+        ChangeKind::Meta => "meta",
+        ChangeKind::Special => "special",
+    }
+}
+
+impl AdminService {
+    /// The stack `spec` names in `namespace`: a stack id or base digest known to
+    /// the store, else an image reference resolved through containerd.
+    pub(crate) async fn stack_of(&self, namespace: &str, spec: &str) -> Result<String, Status> {
+        require("stack (an image reference, stack id or base digest)", spec)?;
+        let (ns, sp) = (namespace.to_string(), spec.to_string());
+        if let Some(id) = self
+            .engine
+            .blocking_store(move |s| s.resolve_stack(&ns, &sp))
+            .await
+            .map_err(engine_status)?
+        {
+            return Ok(id);
+        }
+        let chain = crate::containerd::resolve_stack(&self.containerd_address, namespace, spec)
+            .await
+            .map_err(|e| {
+                let m = api::error_chain(&e);
+                match e {
+                    crate::containerd::ContainerdError::ImageNotFound { .. } => Status::not_found(
+                        format!("{m}; nor is {spec:?} a stack id or base digest (see `layerstack stack ls`)"),
+                    ),
+                    crate::containerd::ContainerdError::Connect(..) => Status::unavailable(format!(
+                        "{m}; name the stack by its id or base digest (`layerstack stack ls`) while containerd is down"
+                    )),
+                    _ => Status::internal(m),
+                }
+            })?;
+        Ok(layerstack_engine::store::stack_id(namespace, &chain))
+    }
+
+    fn branch_or_default(&self, b: &str) -> String {
+        if b.is_empty() {
+            self.engine.store().default_branch().to_string()
+        } else {
+            b.to_string()
+        }
+    }
+
+    pub(crate) async fn history_log(&self, r: api::LogRequest) -> Result<LogStream, Status> {
+        let stack = self.stack_of(&r.namespace, &r.image).await?;
+        let branch = self.branch_or_default(&r.branch);
+        let (st, br, image) = (stack.clone(), branch.clone(), r.image.clone());
+        let entries = self
+            .engine
+            .blocking_store(move |s| s.log(&st, &br))
+            .await
+            .map_err(|e| match e {
+                EngineError::Store(StoreError::BranchNotFound { .. }) => Status::not_found(format!(
+                    "{}: no session of {image:?} has used branch {:?} yet (see `layerstack branch ls`)",
+                    api::error_chain(&e),
+                    r.branch
+                )),
+                other => engine_status(other),
+            })?;
+        let mut replies = vec![Ok(api::LogReply {
+            stack,
+            branch,
+            entry: None,
+        })];
+        for e in entries {
+            let changed = if r.paths {
+                let layer = e.layer;
+                self.engine
+                    .blocking_store(move |s| s.layer_index(layer))
+                    .await
+                    .map_err(engine_status)?
+                    .into_iter()
+                    .map(|i| api::PathChange {
+                        path: escape_path(&i.path),
+                        kind: change_kind(i.kind).to_string(),
+                        raw_path: i.path,
+                    })
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            let (namespace, container) = match &e.owner {
+                Some(layerstack_engine::store::Owner::Container { namespace, id }) => {
+                    (namespace.clone(), id.clone())
+                }
+                _ => (String::new(), String::new()),
+            };
+            replies.push(Ok(api::LogReply {
+                stack: String::new(),
+                branch: String::new(),
+                entry: Some(api::LogEntry {
+                    layer: e.layer,
+                    manifest: e.manifest,
+                    session: e.session.unwrap_or(0),
+                    namespace,
+                    container,
+                    paths: e.paths,
+                    created_ns: e.created_ns,
+                    kind: e.kind.as_str().to_string(),
+                    owner: e.owner.as_ref().map(|o| o.display()).unwrap_or_default(),
+                    changed,
+                }),
+            }));
+        }
+        Ok(Box::pin(futures::stream::iter(replies)))
+    }
+
+    pub(crate) async fn stacks(
+        &self,
+        r: api::ListStacksRequest,
+    ) -> Result<api::ListStacksResponse, Status> {
+        let all = self
+            .engine
+            .blocking_store(|s| s.stacks())
+            .await
+            .map_err(engine_status)?;
+        let usage_by_stack = if r.usage {
+            Some(
+                self.engine
+                    .blocking_store(|s| s.disk_usage())
+                    .await
+                    .map_err(engine_status)?
+                    .stacks,
+            )
+        } else {
+            None
+        };
+        let mut out = Vec::new();
+        let mut images: std::collections::HashMap<String, Vec<(String, String)>> =
+            Default::default();
+        for st in all {
+            if !r.all_namespaces && st.namespace != r.namespace {
+                continue;
+            }
+            if !images.contains_key(&st.namespace) {
+                // Best effort: containerd may be down; history does not need it.
+                let list =
+                    crate::containerd::list_image_chains(&self.containerd_address, &st.namespace)
+                        .await
+                        .unwrap_or_default();
+                images.insert(st.namespace.clone(), list);
+            }
+            let image_refs = images[&st.namespace]
+                .iter()
+                .filter(|(_, chain)| *chain == st.base_digest)
+                .map(|(name, _)| name.clone())
+                .collect();
+            let heads: Vec<i64> = st.branches.iter().map(|b| b.head).collect();
+            let layers = self
+                .engine
+                .blocking_store(move |s| {
+                    let mut all = std::collections::BTreeSet::new();
+                    for h in heads {
+                        all.extend(s.manifest(h)?);
+                    }
+                    Ok(all.len() as u64)
+                })
+                .await
+                .map_err(engine_status)?;
+            out.push(api::Stack {
+                usage: usage_by_stack
+                    .as_ref()
+                    .map(|u| usage(&u.get(&st.id).cloned().unwrap_or_default())),
+                id: st.id,
+                namespace: st.namespace,
+                base_digest: st.base_digest,
+                image_refs,
+                base_layers: st.base_layers.len() as u64,
+                layers,
+                branches: st.branches.iter().map(branch).collect(),
+            });
+        }
+        Ok(api::ListStacksResponse { stacks: out })
+    }
+
+    pub(crate) async fn stack_rm(
+        &self,
+        r: api::RemoveStackRequest,
+    ) -> Result<api::GcResponse, Status> {
+        let stack = self.stack_of(&r.namespace, &r.stack).await?;
+        let c = self
+            .engine
+            .remove_stack(&stack, r.force)
+            .await
+            .map_err(engine_status)?;
+        Ok(api::GcResponse {
+            layers: c.report.layers.len() as u64,
+            manifests: c.report.manifests,
+            bytes_freed: c.report.bytes_freed,
+            uppers_released: c.uppers_released,
+        })
+    }
+
+    pub(crate) async fn branches(
+        &self,
+        r: api::ListBranchesRequest,
+    ) -> Result<api::ListBranchesResponse, Status> {
+        let stack = self.stack_of(&r.namespace, &r.stack).await?;
+        let st = stack.clone();
+        let list = self
+            .engine
+            .blocking_store(move |s| s.branches(&st))
+            .await
+            .map_err(engine_status)?;
+        Ok(api::ListBranchesResponse {
+            stack,
+            branches: list.iter().map(branch).collect(),
+        })
+    }
+
+    pub(crate) async fn branch_create(
+        &self,
+        r: api::CreateBranchRequest,
+    ) -> Result<api::Branch, Status> {
+        require("name", &r.name)?;
+        let stack = self.stack_of(&r.namespace, &r.stack).await?;
+        let from = self.branch_or_default(&r.from);
+        let at = (r.at_layer != 0).then_some(r.at_layer);
+        let b = self
+            .engine
+            .blocking_store(move |s| s.create_branch(&stack, &r.name, &from, at))
+            .await
+            .map_err(engine_status)?;
+        Ok(branch(&b))
+    }
+
+    pub(crate) async fn branch_delete(
+        &self,
+        r: api::DeleteBranchRequest,
+    ) -> Result<api::DeleteBranchResponse, Status> {
+        require("name", &r.name)?;
+        let stack = self.stack_of(&r.namespace, &r.stack).await?;
+        self.engine
+            .blocking_store(move |s| s.delete_branch(&stack, &r.name))
+            .await
+            .map_err(engine_status)?;
+        Ok(api::DeleteBranchResponse {})
+    }
+
+    pub(crate) async fn branch_promote(
+        &self,
+        r: api::PromoteRequest,
+    ) -> Result<api::PromoteResponse, Status> {
+        require("from", &r.from)?;
+        require("to", &r.to)?;
+        let stack = self.stack_of(&r.namespace, &r.stack).await?;
+        let op = if r.operation.is_empty() {
+            format!("promote-{}-{}", std::process::id(), now_ms())
+        } else {
+            r.operation.clone()
+        };
+        let out = self
+            .engine
+            .promote(&stack, &r.from, &r.to, &op)
+            .await
+            .map_err(engine_status)?;
+        let (st, to) = (stack.clone(), r.to.clone());
+        let head = self
+            .engine
+            .blocking_store(move |s| s.branch_head(&st, &to))
+            .await
+            .map_err(engine_status)?;
+        Ok(match out {
+            Promoted::UpToDate { .. } => api::PromoteResponse {
+                result: "up-to-date".into(),
+                head,
+                session: None,
+                message: format!("{} already shows everything {} has", r.to, r.from),
+            },
+            Promoted::FastForward { .. } => api::PromoteResponse {
+                result: "fast-forward".into(),
+                head,
+                session: None,
+                message: format!("{} now points at {}'s head", r.to, r.from),
+            },
+            Promoted::Merged { session } => api::PromoteResponse {
+                result: "merged".into(),
+                head,
+                message: session
+                    .outcome
+                    .as_ref()
+                    .and_then(|o| o.message.clone())
+                    .unwrap_or_default(),
+                session: Some(self.to_api(*session).await?),
+            },
+            Promoted::Conflict { session } => api::PromoteResponse {
+                result: "conflict".into(),
+                head,
+                message: format!(
+                    "refused whole: {}; {} is unchanged",
+                    session
+                        .outcome
+                        .as_ref()
+                        .and_then(|o| o.message.clone())
+                        .unwrap_or_default(),
+                    r.to
+                ),
+                session: Some(self.to_api(*session).await?),
+            },
+        })
+    }
+
+    pub(crate) async fn branch_squash(
+        &self,
+        r: api::SquashRequest,
+    ) -> Result<api::SquashResponse, Status> {
+        let stack = self.stack_of(&r.namespace, &r.stack).await?;
+        let branch = self.branch_or_default(&r.branch);
+        let (st, br) = (stack.clone(), branch.clone());
+        let before = self
+            .engine
+            .blocking_store(move |s| s.manifest_depth(s.branch_head(&st, &br)?))
+            .await
+            .map_err(engine_status)?;
+        let out = self
+            .engine
+            .squash(&stack, &branch)
+            .await
+            .map_err(engine_status)?;
+        let (st, br) = (stack.clone(), branch.clone());
+        let (head, after) = self
+            .engine
+            .blocking_store(move |s| {
+                let h = s.branch_head(&st, &br)?;
+                Ok((h, s.manifest_depth(h)?))
+            })
+            .await
+            .map_err(engine_status)?;
+        Ok(api::SquashResponse {
+            squashed: out.is_some(),
+            layer: out.map(|s| s.layer).unwrap_or(0),
+            head,
+            depth_before: before as i64,
+            depth_after: after as i64,
+        })
+    }
+
+    pub(crate) async fn collect(&self) -> Result<api::GcResponse, Status> {
+        let c = self.engine.gc().await.map_err(engine_status)?;
+        Ok(api::GcResponse {
+            layers: c.report.layers.len() as u64,
+            manifests: c.report.manifests,
+            bytes_freed: c.report.bytes_freed,
+            uppers_released: c.uppers_released,
+        })
+    }
+
+    pub(crate) async fn usage(
+        &self,
+        r: api::DiskUsageRequest,
+    ) -> Result<api::DiskUsageResponse, Status> {
+        let only = if r.stack.is_empty() {
+            None
+        } else {
+            Some(self.stack_of(&r.namespace, &r.stack).await?)
+        };
+        let u = self
+            .engine
+            .blocking_store(|s| s.disk_usage())
+            .await
+            .map_err(engine_status)?;
+        Ok(api::DiskUsageResponse {
+            total: Some(usage(&u.total)),
+            stacks: u
+                .stacks
+                .iter()
+                .filter(|(id, _)| only.as_ref().is_none_or(|o| o == *id))
+                .map(|(id, u)| api::StackUsage {
+                    stack: id.clone(),
+                    usage: Some(usage(u)),
+                })
+                .collect(),
+        })
+    }
+}
+
+fn now_ms() -> u128 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis())
+        .unwrap_or(0)
+}
