@@ -64,15 +64,16 @@ fn six_hundred_publishes_stay_mountable_and_every_view_is_right() {
     const N: usize = 600;
     run_layerstack_scenario(NS, |env| {
         let parent = image_top_snapshot(env, NS)?;
-        let branch = "long";
+        // Each test works in its own namespace, so its own stack: `main` is ours.
+        let branch = "main";
         let started = Instant::now();
         for i in 0..N {
-            publish_snapshot(env, NS, &format!("h-{i}"), &parent, Some(branch), |m| {
+            publish_snapshot(env, NS, &format!("h-{i}"), &parent, None, |m| {
                 write(m, &format!("hist/f{i:03}"), &format!("{i}\n"))?;
                 write(m, "hist/last", &format!("{i}\n"))
             })?;
             if i == 4 {
-                snapshot_session(env, NS, "h-early", &parent, Some(branch), |m| {
+                snapshot_session(env, NS, "h-early", &parent, None, |m| {
                     write(m, "early.txt", "early\n")
                 })?;
             }
@@ -204,7 +205,17 @@ fn history_outlives_the_image_in_containerd() {
         let branches = ls_json(env, &["branch", "ls", short, "--json", "-n", NS])?;
         ensure!(branches["branches"][0]["name"] == "main", "{branches}");
         // Re-import: a new container reaches the history.
-        layerstack_integration::prepare_layerstack(env, NS)?;
+        let tar = layerstack_integration::debian_image_tar()?;
+        env.ctr_ok(
+            NS,
+            &[
+                "images",
+                "import",
+                "--snapshotter",
+                SNAPSHOTTER,
+                &tar.to_string_lossy(),
+            ],
+        )?;
         let text = run_sh(
             env,
             NS,
@@ -256,12 +267,16 @@ fn gc_frees_exactly_and_accounting_matches_du() {
                 NS,
             ],
         )?;
-        let big: String = "x".repeat(3 << 20);
-        ensure!(
-            publish_snapshot(env, NS, "gc-big", &parent, Some("scratch"), |m| write(
-                m, "big.bin", &big
-            ))? == "committed"
-        );
+        let big = unique("gc-big");
+        run_sh(
+            env,
+            NS,
+            &big,
+            Some("scratch"),
+            true,
+            "head -c 3145728 /dev/urandom > /big.bin",
+        )?;
+        ensure!(ls_wait_ok(env, NS, &big)? == "committed");
         let log = ls_json(
             env,
             &[
@@ -328,10 +343,10 @@ fn a_crash_during_squash_or_gc_loses_nothing() {
     run_scenario_mut(|env| {
         layerstack_integration::prepare_layerstack(env, NS)?;
         let parent = image_top_snapshot(env, NS)?;
-        let branch = "crash";
+        let branch = "main";
         // Twenty layers of 500 files each: a squash takes a while to build.
         for i in 0..20 {
-            publish_snapshot(env, NS, &format!("c-{i}"), &parent, Some(branch), |m| {
+            publish_snapshot(env, NS, &format!("c-{i}"), &parent, None, |m| {
                 for f in 0..500 {
                     write(m, &format!("d{i}/f{f}"), &format!("{i}-{f}\n"))?;
                 }

@@ -356,6 +356,9 @@ impl Store {
     ) -> Result<Squashed, StoreError> {
         let mut conn = self.db.writer();
         let mut dst = PathBuf::new();
+        // The new layer's directory appears (by rename) before its row commits:
+        // registered in flight so a concurrent Cleanup sweep leaves it alone.
+        let mut inflight = None;
         let out = write_on(&mut conn, |tx| {
             let head =
                 branch_head(tx, stack, branch)?.ok_or_else(|| StoreError::BranchNotFound {
@@ -379,6 +382,7 @@ impl Store {
                     ))
                 })?;
             let s = insert_layer(tx, LayerKind::Squashed, Some(stack), None)?;
+            inflight = Some(self.inflight.hold(crate::layer_rel(s)));
             {
                 let mut ins = tx.prepare_cached(
                     "INSERT INTO squash_members(layer_id, pos, member_id) VALUES (?1, ?2, ?3)",
@@ -405,6 +409,7 @@ impl Store {
             })
         });
         drop(conn);
+        drop(inflight);
         match out {
             Ok(sq) => {
                 info!(

@@ -169,10 +169,13 @@ fn query_sessions(
 }
 
 /// A new session row for `owner` on `stack`, leasing `target`, with private
-/// read-only layers `above` (newest first). Creates its directories. Returns the
-/// session id.
+/// read-only layers `above` (newest first). Creates its directories, registered
+/// in flight in `holds` until the caller's transaction commits (a concurrent
+/// Cleanup sweep must not take them for orphans). Returns the session id.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn insert_session(
     store: &Store,
+    holds: &mut Vec<crate::InFlightGuard>,
     tx: &Transaction<'_>,
     owner: &Owner,
     stack: &str,
@@ -235,6 +238,7 @@ pub(crate) fn insert_session(
             ins.execute(params![sid, pos as i64, l])?;
         }
     }
+    holds.push(store.inflight.hold(session_rel(sid)));
     store.make_session_dirs(sid)?;
     Ok(sid)
 }
@@ -400,6 +404,7 @@ impl Store {
         target: &LeaseTarget,
         idempotency_key: Option<&str>,
     ) -> Result<(SessionInfo, MountSpec, bool), StoreError> {
+        let mut holds = Vec::new();
         self.db.write(|tx| {
             if let Some(k) = idempotency_key {
                 let existing: Option<i64> = tx
@@ -428,7 +433,7 @@ impl Store {
             if exists.is_none() {
                 return Err(StoreError::StackNotFound(stack.into()));
             }
-            let sid = insert_session(self, tx, owner, stack, target, &[], idempotency_key)?;
+            let sid = insert_session(self, &mut holds, tx, owner, stack, target, &[], idempotency_key)?;
             let spec = self.start_run(tx, sid)?;
             let info = self.session_info(tx, get_sess(tx, sid)?)?;
             info!(session.id = sid, owner = %owner.display(), stack, branch = %info.branch, "session created");

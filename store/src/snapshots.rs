@@ -406,6 +406,7 @@ impl Store {
                 };
                 let sid = insert_session(
                     self,
+                    &mut holds,
                     tx,
                     &owner,
                     &stack,
