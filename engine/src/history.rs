@@ -256,10 +256,24 @@ impl Engine {
         to: &str,
         operation: &str,
     ) -> Result<Promoted, EngineError> {
-        let (s, f, t) = (stack.to_string(), from.to_string(), to.to_string());
-        let (from_head, to_head) = self
-            .blocking(move |st| Ok((st.branch_head(&s, &f)?, st.branch_head(&s, &t)?)))
-            .await?;
+        let (s, f) = (stack.to_string(), from.to_string());
+        let from_head = self.blocking(move |st| st.branch_head(&s, &f)).await?;
+        self.promote_manifest(stack, from_head, to, operation).await
+    }
+
+    /// Advances branch `to` of `stack` to manifest `from_head` (a branch head, a
+    /// graph node's root): a fast-forward by compare-and-swap under `to`'s gate
+    /// when `to`'s head is an ancestor, else a merge publish through the gate,
+    /// refused whole on conflict.
+    pub async fn promote_manifest(
+        self: &Arc<Self>,
+        stack: &str,
+        from_head: ManifestId,
+        to: &str,
+        operation: &str,
+    ) -> Result<Promoted, EngineError> {
+        let (s, t) = (stack.to_string(), to.to_string());
+        let to_head = self.blocking(move |st| st.branch_head(&s, &t)).await?;
         if from_head == to_head {
             return Ok(Promoted::UpToDate { head: to_head });
         }
@@ -272,19 +286,13 @@ impl Engine {
             let (s, t) = (stack.to_string(), to.to_string());
             self.blocking(move |st| st.move_branch(&s, &t, to_head, from_head))
                 .await?;
-            info!(
-                stack,
-                from,
-                to,
-                manifest = from_head,
-                "promoted (fast-forward)"
-            );
+            info!(stack, to, manifest = from_head, "promoted (fast-forward)");
             return Ok(Promoted::FastForward { head: from_head });
         }
         if tl.ends_with(&fl) {
             return Ok(Promoted::UpToDate { head: to_head });
         }
-        // A merge: what `from` changed since the merge base, published onto `to`.
+        // A merge: what `from_head` changed since the merge base, published onto `to`.
         let s = stack.to_string();
         let base = self
             .blocking(move |st| st.merge_base(&s, from_head, to_head))
@@ -323,13 +331,13 @@ impl Engine {
         .await
         .map_err(|e| EngineError::Join(e.to_string()))??;
         let out = self
-            .publish(session.id, &format!("promote {from} to {to}"))
+            .publish(session.id, &format!("promote onto {to} ({operation})"))
             .await?;
         let id = session.id;
         let kind = out.outcome.as_ref().map(|o| o.kind);
         let result = match kind {
             Some(OutcomeKind::Committed | OutcomeKind::Merged | OutcomeKind::NoChange) => {
-                info!(stack, from, to, session.id = id, outcome = ?kind, "promoted (merge)");
+                info!(stack, to, session.id = id, outcome = ?kind, "promoted (merge)");
                 Promoted::Merged {
                     session: Box::new(out),
                 }

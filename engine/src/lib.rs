@@ -37,6 +37,7 @@
 
 mod census;
 mod error;
+mod graph;
 mod history;
 mod index;
 mod locks;
@@ -54,6 +55,7 @@ use tracing::{info, warn};
 
 pub use census::scan_upperdirs;
 pub use error::{error_chain, EngineError, RunError};
+pub use graph::NodeMerged;
 pub use history::{Collected, HistorySettings, Promoted};
 pub use layerstack_publisher as publisher;
 pub use layerstack_store as store;
@@ -305,6 +307,13 @@ impl Engine {
 
     /// At start: finishes sessions whose release was interrupted.
     pub async fn recover(self: &Arc<Self>) -> Result<usize, EngineError> {
+        let abandoned = self.recover_graph().await?;
+        if abandoned > 0 {
+            info!(
+                attempts = abandoned,
+                "attempts whose session vanished ended abandoned"
+            );
+        }
         let pending = self.blocking(|s| s.pending_releases()).await?;
         let n = pending.len();
         for id in pending {

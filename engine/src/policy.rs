@@ -21,6 +21,10 @@ pub enum Policy {
     OnSuccess,
     /// Never publish: discard the writes.
     Never,
+    /// Turn the writes into a child node of the graph node the session activates
+    /// (`layerstack.node`; ARCHITECTURE.md §12), whatever the exit status (the node
+    /// records it).
+    Checkpoint,
 }
 
 impl Policy {
@@ -30,6 +34,7 @@ impl Policy {
             Self::OnExit => "on-exit",
             Self::OnSuccess => "on-success",
             Self::Never => "never",
+            Self::Checkpoint => "checkpoint",
         }
     }
 }
@@ -42,7 +47,7 @@ impl fmt::Display for Policy {
 
 /// A [`PUBLISH_LABEL`] value that is none of `on-exit`, `on-success`, `never`.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[error("label {PUBLISH_LABEL}={0:?} is not one of on-exit, on-success, never")]
+#[error("label {PUBLISH_LABEL}={0:?} is not one of on-exit, on-success, never, checkpoint")]
 pub struct UnknownPolicy(pub String);
 
 impl FromStr for Policy {
@@ -52,6 +57,7 @@ impl FromStr for Policy {
             "" | "on-exit" => Ok(Self::OnExit),
             "on-success" => Ok(Self::OnSuccess),
             "never" => Ok(Self::Never),
+            "checkpoint" => Ok(Self::Checkpoint),
             other => Err(UnknownPolicy(other.to_string())),
         }
     }
@@ -62,6 +68,17 @@ pub fn policy_from_labels(labels: &HashMap<String, String>) -> Result<Policy, Un
     labels
         .get(PUBLISH_LABEL)
         .map_or(Ok(Policy::OnExit), |v| v.parse())
+}
+
+/// Container label naming the graph node a container activates (an attempt).
+pub const NODE_LABEL: &str = "layerstack.node";
+
+/// The node named by `labels`, if any.
+pub fn node_from_labels(labels: &HashMap<String, String>) -> Option<&str> {
+    labels
+        .get(NODE_LABEL)
+        .map(|s| s.trim())
+        .filter(|s| !s.is_empty())
 }
 
 /// The branch named by `labels`, if any (empty values are ignored).
@@ -79,6 +96,8 @@ pub enum Decision {
     Publish,
     /// Drop the writes (outcome `discarded`).
     Discard,
+    /// Checkpoint the writes into a child node.
+    Checkpoint,
 }
 
 /// The decision for a task that exited with `exit_status`, and the reason sent to
@@ -98,6 +117,10 @@ pub fn decide(policy: Policy, exit_status: u32) -> (Decision, String) {
             format!("exit status {exit_status} with {PUBLISH_LABEL}=on-success"),
         ),
         Policy::Never => (Decision::Discard, format!("{PUBLISH_LABEL}=never")),
+        Policy::Checkpoint => (
+            Decision::Checkpoint,
+            format!("exit status {exit_status} with {PUBLISH_LABEL}=checkpoint"),
+        ),
     }
 }
 

@@ -254,7 +254,11 @@ fn gate_input(
     })
 }
 
-fn seal(store: &Store, upper: &std::path::Path, userxattr: bool) -> Result<(), RunError> {
+pub(crate) fn seal(
+    store: &Store,
+    upper: &std::path::Path,
+    userxattr: bool,
+) -> Result<(), RunError> {
     match store.durability() {
         layerstack_store::Durability::Durable => publisher::seal_layer_with(upper, userxattr)?,
         layerstack_store::Durability::Disposable => {
@@ -354,6 +358,7 @@ impl Engine {
     pub(crate) async fn after_outcome(&self, id: SessionId) -> Result<SessionInfo, EngineError> {
         let s = self.session(id).await?;
         self.notify(&s);
+        self.end_attempt_of(&s).await;
         if s.released && s.remove_pending && s.outcome.is_some() {
             self.blocking(move |st| st.complete_release(id)).await?;
             return self.session(id).await;
@@ -409,6 +414,23 @@ impl Engine {
             Ok((Decision::Discard, reason)) => {
                 self.discard_locked(session.id, &format!("{why}: {reason}"))
                     .await
+            }
+            Ok((Decision::Checkpoint, _)) => {
+                let id = session.id;
+                let prov = layerstack_store::Provenance {
+                    exit_status: exit_status.map(|c| i32::try_from(c).unwrap_or(i32::MAX)),
+                    ..Default::default()
+                };
+                match self.checkpoint_locked(id, None, prov, None).await {
+                    Ok(_) => self.session(id).await,
+                    Err(e) => {
+                        warn!(session.id = id, error = %error_chain(&e), "checkpoint failed");
+                        let rec = crate::graph::failed_checkpoint(&e);
+                        self.blocking(move |s| s.record_outcome(id, rec, None))
+                            .await?;
+                        self.after_outcome(id).await
+                    }
+                }
             }
             Err(reason) => {
                 let id = session.id;

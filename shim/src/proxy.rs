@@ -306,6 +306,8 @@ pub(crate) async fn publish_with_timeout(
     let p = match decision {
         Decision::Publish => api::PublishPolicy::Publish,
         Decision::Discard => api::PublishPolicy::Discard,
+        // The daemon applies the policy recorded at create: a checkpoint.
+        Decision::Checkpoint => api::PublishPolicy::Auto,
     };
     let started = std::time::Instant::now();
     match daemon::publish(&state.admin_address, namespace, id, p, Some(exit_status), &reason, timeout).await {

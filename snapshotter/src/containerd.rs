@@ -265,12 +265,18 @@ async fn reconcile(ch: &Channel, engine: &Arc<Engine>) {
                 // shown to hold, so it publishes nothing (as for a failed exit).
                 let label = label_policy(ch, &namespace, &id, s.id).await;
                 info!(session.id = s.id, container = %id, "reconcile: task gone");
-                let r = engine
-                    .finish(s.id, label, None, "reconcile: task gone")
-                    .await;
-                if let Err(e) = r {
-                    warn!(session.id = s.id, error = %e, "reconcile publish failed");
-                }
+                // Each in its own task: a large session must not hold up the
+                // subscription (`layerstack wait` answers when it is done).
+                let engine = engine.clone();
+                let sid = s.id;
+                tokio::spawn(async move {
+                    if let Err(e) = engine
+                        .finish(sid, label, None, "reconcile: task gone")
+                        .await
+                    {
+                        warn!(session.id = sid, error = %error_chain(&e), "reconcile publish failed");
+                    }
+                });
             }
             Err(st) => warn!(session.id = s.id, error = %st, "reconcile: cannot query task"),
             Ok(_) => {}

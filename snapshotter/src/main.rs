@@ -199,12 +199,22 @@ async fn run(args: Args) -> Result<()> {
     if cfg.history.gc_interval_s > 0 {
         engine.spawn_periodic_gc(std::time::Duration::from_secs(cfg.history.gc_interval_s));
     }
-    let recovered = engine.recover().await?;
-    if recovered > 0 {
-        info!(
-            sessions = recovered,
-            "finished releases interrupted by the last stop"
-        );
+    // Finishing releases interrupted by the last stop may publish large
+    // sessions: in the background, never delaying serving.
+    {
+        let engine = engine.clone();
+        tokio::spawn(async move {
+            match engine.recover().await {
+                Ok(0) => {}
+                Ok(n) => info!(
+                    sessions = n,
+                    "finished releases interrupted by the last stop"
+                ),
+                Err(e) => {
+                    tracing::warn!(error = %layerstack_engine::error_chain(&e), "cannot finish interrupted releases")
+                }
+            }
+        });
     }
     let subscribed = Arc::new(AtomicBool::new(false));
 

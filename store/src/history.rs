@@ -610,6 +610,11 @@ impl Store {
                 tx.execute("UPDATE snapshots SET session_id = NULL WHERE session_id = ?1", [s])?;
                 dirs.push(self.session_path(*s));
             }
+            // The stack's graphs (their nodes' leases were released above).
+            tx.execute("DELETE FROM graph_attempts WHERE node IN (SELECT n.id FROM graph_nodes n JOIN graph_groups g ON g.name = n.grp WHERE g.stack = ?1)", [id])?;
+            tx.execute("DELETE FROM graph_edges WHERE child IN (SELECT n.id FROM graph_nodes n JOIN graph_groups g ON g.name = n.grp WHERE g.stack = ?1)", [id])?;
+            tx.execute("DELETE FROM graph_nodes WHERE grp IN (SELECT name FROM graph_groups WHERE stack = ?1)", [id])?;
+            tx.execute("DELETE FROM graph_groups WHERE stack = ?1", [id])?;
             tx.execute("UPDATE sessions SET lease_id = NULL WHERE stack = ?1", [id])?;
             tx.execute("DELETE FROM leases WHERE manifest_id IN (SELECT id FROM manifests WHERE stack = ?1)", [id])?;
             tx.execute("DELETE FROM sessions WHERE stack = ?1", [id])?;

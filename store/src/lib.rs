@@ -40,6 +40,7 @@
 mod db;
 mod error;
 pub mod fs;
+mod graph;
 mod history;
 mod layers;
 mod leases;
@@ -61,6 +62,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use tracing::{debug, info, warn};
 
 pub use error::{ErrorKind, OpenError, Result, StoreError};
+pub use graph::{AttemptInfo, AttemptStatus, GraphDump, GroupInfo, NodeInfo, NodeKind, Provenance};
 pub use history::{DiskUsage, GcReport, RemovedStack, Squashed, Usage};
 pub use lock::StoreLock;
 pub use model::*;

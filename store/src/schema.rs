@@ -218,4 +218,64 @@ CREATE TABLE snapshot_lowers (
     PRIMARY KEY (key, pos)
 ) WITHOUT ROWID;
 CREATE INDEX snapshot_lowers_layer ON snapshot_lowers(layer_id);
+
+-- The SandboxGraph (ARCHITECTURE.md §12): groups of immutable nodes, each an
+-- immutable root (a manifest, pinned by the node's lease) + a small logical state
+-- (JSON, immutable) + provenance; attempts activate a node in a session.
+CREATE TABLE graph_groups (
+    name       TEXT PRIMARY KEY,
+    stack      TEXT NOT NULL REFERENCES stacks(id),
+    branch     TEXT NOT NULL,
+    root       TEXT NOT NULL,
+    created_ns INTEGER NOT NULL
+);
+-- kind: 'root' (a branch head), 'checkpoint' (an attempt's upper), 'merge'.
+CREATE TABLE graph_nodes (
+    id          TEXT PRIMARY KEY,
+    grp         TEXT NOT NULL REFERENCES graph_groups(name),
+    kind        TEXT NOT NULL CHECK (kind IN ('root', 'checkpoint', 'merge')),
+    -- No foreign key: a pruned node's root may be collected (its row stays as
+    -- history; the node cannot be activated any more).
+    manifest_id INTEGER NOT NULL,
+    lease_id    INTEGER REFERENCES leases(id),
+    state       TEXT NOT NULL,
+    attempt_id  INTEGER,
+    command     TEXT,
+    labels      TEXT NOT NULL DEFAULT '{}',
+    exit_status INTEGER,
+    private_bytes INTEGER,
+    base_digest TEXT NOT NULL,
+    pruned      INTEGER NOT NULL DEFAULT 0,
+    created_ns  INTEGER NOT NULL
+);
+CREATE INDEX graph_nodes_grp ON graph_nodes(grp);
+CREATE TABLE graph_edges (
+    child  TEXT NOT NULL REFERENCES graph_nodes(id),
+    pos    INTEGER NOT NULL,
+    parent TEXT NOT NULL REFERENCES graph_nodes(id),
+    PRIMARY KEY (child, pos)
+) WITHOUT ROWID;
+CREATE INDEX graph_edges_parent ON graph_edges(parent);
+-- status: running | checkpointed | failed | abandoned.
+CREATE TABLE graph_attempts (
+    id              INTEGER PRIMARY KEY AUTOINCREMENT,
+    node            TEXT NOT NULL REFERENCES graph_nodes(id),
+    session_id      INTEGER,
+    status          TEXT NOT NULL CHECK (status IN ('running', 'checkpointed', 'failed', 'abandoned')),
+    idempotency_key TEXT UNIQUE,
+    result_node     TEXT,
+    message         TEXT,
+    created_ns      INTEGER NOT NULL,
+    ended_ns        INTEGER
+);
+CREATE INDEX graph_attempts_node ON graph_attempts(node);
+CREATE INDEX graph_attempts_session ON graph_attempts(session_id);
+-- Idempotency: the answer of a mutating graph operation, by the client's key,
+-- written in the same transaction as the operation's effect.
+CREATE TABLE graph_ops (
+    key        TEXT PRIMARY KEY,
+    op         TEXT NOT NULL,
+    response   TEXT NOT NULL,
+    created_ns INTEGER NOT NULL
+);
 "#;

@@ -1,0 +1,335 @@
+//! The SandboxGraph through the engine (ARCHITECTURE.md §12; seed `002`,
+//! phase 2): attempts, checkpoints, merges, promotes, prunes and retries.
+//!
+//! * **checkpoint** turns an attempt's quiescent upper into a child node's layer
+//!   by rename — the same capture and sealing as a publish, but no gate: a new
+//!   child never conflicts, and nothing is copied.
+//! * **merge** publishes what node `b` changed since the lowest common ancestor
+//!   onto a working branch at node `a`'s root, through the same gate as every
+//!   publish (disjoint changes land, text merges, conflicts refuse whole); the
+//!   result becomes a merge node. A conflict makes no node.
+//! * **promote** moves a branch to a node's root: fast-forward, merge, or refused
+//!   whole — a stale promote never overwrites newer work.
+//! * **prune** releases a subtree's leases unless something live reaches it;
+//!   GC then collects what nothing else reaches.
+//!
+//! Every mutating operation takes the client's idempotency key; the answer is
+//! stored with the effect (see the store's `graph` module).
+
+use std::sync::Arc;
+
+use layerstack_publisher::{self as publisher, LayerView};
+use layerstack_store::{
+    AttemptInfo, AttemptStatus, GroupInfo, MountSpec, NodeInfo, OutcomeKind, OutcomeRecord, Owner,
+    Provenance, PublishTimings, SessionId, SessionInfo,
+};
+use tracing::{info, warn};
+
+use crate::error::{error_chain, EngineError, RunError};
+use crate::history::Promoted;
+use crate::index::{index_of, records};
+use crate::Engine;
+
+/// What a node merge did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum NodeMerged {
+    /// The merge node.
+    Node(Box<NodeInfo>),
+    /// The changes conflict: no node; the operation's session holds the verdicts.
+    Conflict { session: Box<SessionInfo> },
+}
+
+fn micros(d: std::time::Duration) -> u64 {
+    u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
+}
+
+impl Engine {
+    /// Creates graph `name` on `stack` rooted at `branch`'s head.
+    pub async fn graph_create(
+        &self,
+        name: &str,
+        stack: &str,
+        branch: &str,
+        key: Option<String>,
+    ) -> Result<(GroupInfo, NodeInfo), EngineError> {
+        let (n, s, b) = (name.to_string(), stack.to_string(), branch.to_string());
+        self.blocking(move |st| st.create_group(&n, &s, &b, key.as_deref()))
+            .await
+    }
+
+    /// Starts an attempt of `node` in a new session of `owner` (Mode B: the
+    /// caller mounts the returned spec and runs its command).
+    pub async fn attempt_start(
+        &self,
+        node: &str,
+        owner: Owner,
+        key: Option<String>,
+    ) -> Result<(AttemptInfo, SessionInfo, MountSpec, bool), EngineError> {
+        let n = node.to_string();
+        self.blocking(move |st| st.start_attempt(&n, &owner, key.as_deref()))
+            .await
+    }
+
+    /// Retries attempt `attempt`: a new attempt of the same node.
+    pub async fn attempt_retry(
+        &self,
+        attempt: i64,
+        owner: Owner,
+        key: Option<String>,
+    ) -> Result<(AttemptInfo, SessionInfo, MountSpec, bool), EngineError> {
+        let a = self.blocking(move |st| st.attempt(attempt)).await?;
+        self.attempt_start(&a.node, owner, key).await
+    }
+
+    /// Checkpoints the attempt running in session `id` (taking its lock): see the
+    /// module docs. `state`: the node's logical state (JSON, default `{}`).
+    ///
+    /// Errors: `FailedPrecondition` (not a running attempt), `Mounted`,
+    /// `InvalidArgument` (state); a failed capture is an error, the upper kept.
+    pub async fn checkpoint(
+        self: &Arc<Self>,
+        id: SessionId,
+        state: Option<String>,
+        prov: Provenance,
+        key: Option<String>,
+    ) -> Result<NodeInfo, EngineError> {
+        let me = self.clone();
+        tokio::spawn(async move {
+            let _g = me.lock_session(id).await;
+            me.checkpoint_locked(id, state, prov, key).await
+        })
+        .await
+        .map_err(|e| EngineError::Join(e.to_string()))?
+    }
+
+    /// [`Engine::checkpoint`] with the session lock held by the caller.
+    pub async fn checkpoint_locked(
+        &self,
+        id: SessionId,
+        state: Option<String>,
+        mut prov: Provenance,
+        key: Option<String>,
+    ) -> Result<NodeInfo, EngineError> {
+        if let Some(k) = &key {
+            let k2 = k.clone();
+            if let Some(node) = self
+                .blocking(move |st| st.graph_op(&k2, "checkpoint"))
+                .await?
+            {
+                return self.blocking(move |st| st.node(&node)).await;
+            }
+        }
+        let current = self.session(id).await?;
+        if current.run_finished() || current.lease_manifest.is_none() {
+            return Err(EngineError::Store(
+                layerstack_store::StoreError::FailedPrecondition(format!(
+                    "session {id}'s run already ended: nothing to checkpoint"
+                )),
+            ));
+        }
+        self.ensure_quiescent(&current).await?;
+        let store = self.store.clone();
+        let settings = self.settings.clone();
+        let state = state.unwrap_or_else(|| "{}".to_string());
+        let started = std::time::Instant::now();
+        let node = tokio::task::spawn_blocking(move || -> Result<NodeInfo, EngineError> {
+            let run = || -> Result<(layerstack_store::Staged, Provenance), RunError> {
+                let ctx = store.publish_context(id)?;
+                let upper = ctx.session.upper.clone();
+                let view =
+                    LayerView::new(ctx.lease_lowers.clone()).with_userxattr(settings.userxattr);
+                let cs = publisher::capture_with(&upper, &view, &settings.capture_options())?;
+                if !cs.edits.is_empty() {
+                    publisher::prepare_upper(&upper, &cs, settings.userxattr)?;
+                }
+                crate::publish::seal(&store, &upper, settings.userxattr)?;
+                // A child never conflicts: plan against no head changes at all.
+                let files = publisher::FsFiles {
+                    lease: view.clone(),
+                    head: view,
+                    upper: upper.clone(),
+                    userxattr: settings.userxattr,
+                };
+                let plan = publisher::plan_gate(&cs, &[], &files, &settings.merge)?;
+                prov.private_bytes = layerstack_store::fs::disk_usage(&upper)
+                    .ok()
+                    .map(|(b, _)| u64::try_from(b).unwrap_or(0));
+                let staged = store.stage_publish(id, &index_of(&plan), &records(&plan))?;
+                Ok((staged, prov))
+            };
+            let (staged, prov) = run().map_err(|e| EngineError::Run(Box::new(e)))?;
+            let timings = PublishTimings {
+                capture_us: micros(started.elapsed()),
+                total_us: micros(started.elapsed()),
+                ..Default::default()
+            };
+            match store.commit_checkpoint(id, staged, &state, &prov, Some(timings), key.as_deref())
+            {
+                Ok(n) => Ok(n),
+                Err(e) => {
+                    let _ = store.abandon_staged(staged);
+                    Err(e.into())
+                }
+            }
+        })
+        .await
+        .map_err(|e| EngineError::Join(e.to_string()))??;
+        let s = self.session(id).await?;
+        self.notify(&s);
+        info!(session.id = id, node = %node.id, "checkpointed");
+        Ok(node)
+    }
+
+    /// Merges node `b` into node `a` over their lowest common ancestor (see the
+    /// module docs). `operation` names the merge's session in blame.
+    pub async fn node_merge(
+        self: &Arc<Self>,
+        a: &str,
+        b: &str,
+        state: Option<String>,
+        key: Option<String>,
+    ) -> Result<NodeMerged, EngineError> {
+        if let Some(k) = &key {
+            let k2 = k.clone();
+            if let Some(node) = self.blocking(move |st| st.graph_op(&k2, "merge")).await? {
+                let n = self.blocking(move |st| st.node(&node)).await?;
+                return Ok(NodeMerged::Node(Box::new(n)));
+            }
+        }
+        let (an, bn) = (a.to_string(), b.to_string());
+        let (na, nb, group) = self
+            .blocking(move |st| Ok((st.node(&an)?, st.node(&bn)?, st.node_group(&an)?)))
+            .await?;
+        if na.group != nb.group {
+            return Err(EngineError::InvalidArgument(format!(
+                "nodes {a} and {b} belong to different graphs ({} and {})",
+                na.group, nb.group
+            )));
+        }
+        let op = key
+            .clone()
+            .unwrap_or_else(|| format!("merge-{a}-{b}-{}", std::process::id()));
+        let work = format!(".graph/{}/{op}", group.name);
+        let (s, w) = (group.stack.clone(), work.clone());
+        let am = na.manifest;
+        self.blocking(move |st| st.create_branch_at(&s, &w, am))
+            .await?;
+        let merged = self
+            .promote_manifest(&group.stack, nb.manifest, &work, &op)
+            .await;
+        let (s, w) = (group.stack.clone(), work.clone());
+        let head = self.blocking(move |st| st.branch_head(&s, &w)).await;
+        let (s, w) = (group.stack.clone(), work.clone());
+        let _ = self.blocking(move |st| st.drop_branch(&s, &w)).await;
+        let merged = merged?;
+        let head = head?;
+        match merged {
+            Promoted::Conflict { session } => Ok(NodeMerged::Conflict { session }),
+            _ => {
+                let state = state.unwrap_or_else(|| "{}".to_string());
+                let g = group.name.clone();
+                let (a, b) = (a.to_string(), b.to_string());
+                let n = self
+                    .blocking(move |st| {
+                        st.add_merge_node(&g, head, &[&a, &b], &state, key.as_deref())
+                    })
+                    .await?;
+                info!(node = %n.id, "merge node");
+                Ok(NodeMerged::Node(Box::new(n)))
+            }
+        }
+    }
+
+    /// Promotes node `node`'s root onto `branch` of its stack (see the module
+    /// docs). Same `key` → the stored answer, one effect.
+    pub async fn node_promote(
+        self: &Arc<Self>,
+        node: &str,
+        branch: &str,
+        key: Option<String>,
+    ) -> Result<Promoted, EngineError> {
+        if let Some(k) = &key {
+            let k2 = k.clone();
+            if let Some(r) = self.blocking(move |st| st.graph_op(&k2, "promote")).await? {
+                let head: i64 = r.parse().unwrap_or(0);
+                return Ok(Promoted::UpToDate { head });
+            }
+        }
+        let n = node.to_string();
+        let (stack, manifest) = self.blocking(move |st| st.node_manifest(&n)).await?;
+        let op = key
+            .clone()
+            .unwrap_or_else(|| format!("promote-{node}-{}", std::process::id()));
+        let out = self.promote_manifest(&stack, manifest, branch, &op).await?;
+        if let (Some(k), false) = (&key, matches!(out, Promoted::Conflict { .. })) {
+            let (s, b, k) = (stack.clone(), branch.to_string(), k.clone());
+            self.blocking(move |st| {
+                let head = st.branch_head(&s, &b)?;
+                st.record_graph_op(&k, "promote", &head.to_string())
+            })
+            .await?;
+        }
+        Ok(out)
+    }
+
+    /// Prunes `node`'s subtree (see `Store::prune_node`).
+    pub async fn node_prune(
+        &self,
+        node: &str,
+        key: Option<String>,
+    ) -> Result<Vec<String>, EngineError> {
+        let n = node.to_string();
+        self.blocking(move |st| st.prune_node(&n, key.as_deref()))
+            .await
+    }
+
+    /// After an outcome that ended an attempt's run without a checkpoint: the
+    /// attempt ends `failed` with the outcome as its reason.
+    pub(crate) async fn end_attempt_of(&self, s: &SessionInfo) {
+        let Some(o) = &s.outcome else { return };
+        let id = s.id;
+        let Ok(Some(a)) = self.blocking(move |st| st.attempt_of_session(id)).await else {
+            return;
+        };
+        if a.status != AttemptStatus::Running {
+            return;
+        }
+        let msg = format!(
+            "its run ended with outcome {}{}",
+            o.kind.as_str(),
+            o.message
+                .as_deref()
+                .map(|m| format!(": {m}"))
+                .unwrap_or_default()
+        );
+        let status = if o.kind == OutcomeKind::Discarded || !o.kind.is_retryable() {
+            AttemptStatus::Failed
+        } else {
+            return;
+        };
+        if let Err(e) = self
+            .blocking(move |st| st.end_attempt(a.id, status, &msg))
+            .await
+        {
+            warn!(attempt = a.id, error = %error_chain(&e), "cannot end the attempt");
+        }
+    }
+
+    /// At start: attempts whose session vanished end `abandoned`.
+    pub async fn recover_graph(&self) -> Result<usize, EngineError> {
+        self.blocking(|st| st.abandon_orphan_attempts()).await
+    }
+}
+
+/// The record of a failed checkpoint, for callers that end a run with one.
+pub(crate) fn failed_checkpoint(e: &EngineError) -> OutcomeRecord {
+    OutcomeRecord {
+        kind: OutcomeKind::Failed,
+        message: Some(format!(
+            "checkpoint failed: {}; nothing was published, the upper is kept: checkpoint again or discard",
+            error_chain(e)
+        )),
+        paths: Vec::new(),
+        timings: None,
+    }
+}

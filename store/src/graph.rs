@@ -1,0 +1,979 @@
+//! The SandboxGraph's model (ARCHITECTURE.md §12; seed `002`, phase 2): groups
+//! of immutable **nodes** (a manifest pinned by the node's lease, a small JSON
+//! state, provenance) and **attempts** (one activation of a node in a session).
+//!
+//! Nothing of the graph lives inside layers. Every mutating operation can carry a
+//! client idempotency key: its answer is stored (`graph_ops`) in the same
+//! transaction as its effect, so the same key twice gives the same answer and one
+//! effect, also across a daemon restart; a crash before that transaction leaves
+//! no effect and the retry performs it.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use rusqlite::{params, Connection, OptionalExtension, Transaction};
+use tracing::info;
+
+use crate::db::write_on;
+use crate::error::StoreError;
+use crate::leases::{lease_manifest, new_lease, release_lease};
+use crate::sessions::{get_sess, insert_session};
+use crate::stacks::{branch_head, prepend_manifest};
+use crate::{
+    fs, now_ns, Durability, HolderKind, LeaseTarget, ManifestId, MountSpec, Owner, PublishTimings,
+    SessionId, SessionInfo, Staged, Store,
+};
+
+/// A group: a named graph on one stack.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupInfo {
+    pub name: String,
+    pub stack: String,
+    /// The branch the root node was taken from (attempts' sessions name it).
+    pub branch: String,
+    pub root: String,
+    pub created_ns: i64,
+}
+
+/// How a node came to be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NodeKind {
+    /// A branch head when the group was created.
+    Root,
+    /// An attempt's upper, checkpointed.
+    Checkpoint,
+    /// A merge of two nodes over their lowest common ancestor.
+    Merge,
+}
+
+impl NodeKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Root => "root",
+            Self::Checkpoint => "checkpoint",
+            Self::Merge => "merge",
+        }
+    }
+
+    fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "root" => Self::Root,
+            "checkpoint" => Self::Checkpoint,
+            "merge" => Self::Merge,
+            _ => return None,
+        })
+    }
+}
+
+/// An immutable node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NodeInfo {
+    pub id: String,
+    pub group: String,
+    pub kind: NodeKind,
+    /// The immutable root: the layers a session activating the node reads.
+    pub manifest: ManifestId,
+    /// The logical state: a JSON document given at checkpoint, immutable.
+    pub state: String,
+    /// Parent nodes (none for a root; two for a merge).
+    pub parents: Vec<String>,
+    /// The attempt that checkpointed it.
+    pub attempt: Option<i64>,
+    /// Provenance: the command (Mode B) or container labels, the exit status.
+    pub command: Option<String>,
+    pub labels: BTreeMap<String, String>,
+    pub exit_status: Option<i32>,
+    /// Real allocated bytes of its own layer (its private delta).
+    pub private_bytes: Option<u64>,
+    /// The stack's base digest (the base image's top chainID).
+    pub base_digest: String,
+    /// Pruned: its lease is released; GC may collect what nothing else reaches.
+    pub pruned: bool,
+    pub created_ns: i64,
+}
+
+/// Status of an attempt.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum AttemptStatus {
+    Running,
+    Checkpointed,
+    Failed,
+    Abandoned,
+}
+
+impl AttemptStatus {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Running => "running",
+            Self::Checkpointed => "checkpointed",
+            Self::Failed => "failed",
+            Self::Abandoned => "abandoned",
+        }
+    }
+
+    fn parse(s: &str) -> Option<Self> {
+        Some(match s {
+            "running" => Self::Running,
+            "checkpointed" => Self::Checkpointed,
+            "failed" => Self::Failed,
+            "abandoned" => Self::Abandoned,
+            _ => return None,
+        })
+    }
+}
+
+/// One activation of a node in a session.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AttemptInfo {
+    pub id: i64,
+    pub node: String,
+    pub session: Option<SessionId>,
+    pub status: AttemptStatus,
+    pub idempotency_key: Option<String>,
+    /// The node it checkpointed into.
+    pub result_node: Option<String>,
+    pub message: Option<String>,
+    pub created_ns: i64,
+    pub ended_ns: Option<i64>,
+}
+
+/// A group with all its nodes, edges (child, parent) and attempts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GraphDump {
+    pub group: GroupInfo,
+    pub nodes: Vec<NodeInfo>,
+    pub attempts: Vec<AttemptInfo>,
+}
+
+/// Provenance recorded with a checkpoint.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Provenance {
+    pub command: Option<String>,
+    pub labels: BTreeMap<String, String>,
+    pub exit_status: Option<i32>,
+    pub private_bytes: Option<u64>,
+}
+
+type RawNode = (
+    String,
+    String,
+    String,
+    i64,
+    String,
+    Option<i64>,
+    Option<String>,
+    String,
+    Option<i32>,
+    Option<i64>,
+    String,
+    i64,
+    i64,
+);
+
+const NODE_COLS: &str = "id, grp, kind, manifest_id, state, attempt_id, command, labels, exit_status, private_bytes, base_digest, pruned, created_ns";
+
+fn raw_node(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawNode> {
+    Ok((
+        r.get(0)?,
+        r.get(1)?,
+        r.get(2)?,
+        r.get(3)?,
+        r.get(4)?,
+        r.get(5)?,
+        r.get(6)?,
+        r.get(7)?,
+        r.get(8)?,
+        r.get(9)?,
+        r.get(10)?,
+        r.get(11)?,
+        r.get(12)?,
+    ))
+}
+
+fn node_from(conn: &Connection, raw: RawNode) -> Result<NodeInfo, StoreError> {
+    let (
+        id,
+        group,
+        kind,
+        manifest,
+        state,
+        attempt,
+        command,
+        labels,
+        exit_status,
+        bytes,
+        base,
+        pruned,
+        created,
+    ) = raw;
+    let kind = NodeKind::parse(&kind)
+        .ok_or_else(|| StoreError::corrupt("graph_nodes", &id, format!("kind {kind:?}")))?;
+    let labels = serde_json::from_str(&labels)
+        .map_err(|e| StoreError::corrupt("graph_nodes", &id, format!("labels: {e}")))?;
+    let parents = {
+        let mut stmt =
+            conn.prepare_cached("SELECT parent FROM graph_edges WHERE child = ?1 ORDER BY pos")?;
+        let v = stmt
+            .query_map([&id], |r| r.get(0))?
+            .collect::<Result<Vec<String>, _>>()?;
+        v
+    };
+    Ok(NodeInfo {
+        id,
+        group,
+        kind,
+        manifest,
+        state,
+        parents,
+        attempt,
+        command,
+        labels,
+        exit_status,
+        private_bytes: bytes.map(|b| u64::try_from(b).unwrap_or(0)),
+        base_digest: base,
+        pruned: pruned != 0,
+        created_ns: created,
+    })
+}
+
+fn get_node(conn: &Connection, id: &str) -> Result<NodeInfo, StoreError> {
+    let raw = conn
+        .query_row(
+            &format!("SELECT {NODE_COLS} FROM graph_nodes WHERE id = ?1"),
+            [id],
+            raw_node,
+        )
+        .optional()?
+        .ok_or_else(|| {
+            StoreError::InvalidArgument(format!(
+                "node {id:?} does not exist (see `layerstack graph show`)"
+            ))
+        })?;
+    node_from(conn, raw)
+}
+
+type RawAttempt = (
+    i64,
+    String,
+    Option<i64>,
+    String,
+    Option<String>,
+    Option<String>,
+    Option<String>,
+    i64,
+    Option<i64>,
+);
+
+const ATTEMPT_COLS: &str =
+    "id, node, session_id, status, idempotency_key, result_node, message, created_ns, ended_ns";
+
+fn raw_attempt(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawAttempt> {
+    Ok((
+        r.get(0)?,
+        r.get(1)?,
+        r.get(2)?,
+        r.get(3)?,
+        r.get(4)?,
+        r.get(5)?,
+        r.get(6)?,
+        r.get(7)?,
+        r.get(8)?,
+    ))
+}
+
+fn attempt_from(raw: RawAttempt) -> Result<AttemptInfo, StoreError> {
+    let (id, node, session, status, key, result, message, created, ended) = raw;
+    Ok(AttemptInfo {
+        id,
+        node,
+        session,
+        status: AttemptStatus::parse(&status).ok_or_else(|| {
+            StoreError::corrupt("graph_attempts", id, format!("status {status:?}"))
+        })?,
+        idempotency_key: key,
+        result_node: result,
+        message,
+        created_ns: created,
+        ended_ns: ended,
+    })
+}
+
+fn get_group(conn: &Connection, name: &str) -> Result<GroupInfo, StoreError> {
+    conn.query_row(
+        "SELECT name, stack, branch, root, created_ns FROM graph_groups WHERE name = ?1",
+        [name],
+        |r| {
+            Ok(GroupInfo {
+                name: r.get(0)?,
+                stack: r.get(1)?,
+                branch: r.get(2)?,
+                root: r.get(3)?,
+                created_ns: r.get(4)?,
+            })
+        },
+    )
+    .optional()?
+    .ok_or_else(|| {
+        StoreError::InvalidArgument(format!(
+            "graph {name:?} does not exist (see `layerstack graph ls`)"
+        ))
+    })
+}
+
+/// The next node id: `n<k>` (nodes are never deleted, so ids never repeat).
+fn next_node_id(tx: &Transaction<'_>) -> Result<String, StoreError> {
+    let n: i64 = tx.query_row("SELECT count(*) FROM graph_nodes", [], |r| r.get(0))?;
+    Ok(format!("n{}", n + 1))
+}
+
+fn record_op(
+    tx: &Transaction<'_>,
+    key: Option<&str>,
+    op: &str,
+    response: &str,
+) -> Result<(), StoreError> {
+    if let Some(k) = key {
+        tx.execute(
+            "INSERT INTO graph_ops(key, op, response, created_ns) VALUES (?1, ?2, ?3, ?4)",
+            params![k, op, response, now_ns()],
+        )?;
+    }
+    Ok(())
+}
+
+fn stored_op(conn: &Connection, key: Option<&str>, op: &str) -> Result<Option<String>, StoreError> {
+    let Some(k) = key else { return Ok(None) };
+    let got: Option<(String, String)> = conn
+        .query_row(
+            "SELECT op, response FROM graph_ops WHERE key = ?1",
+            [k],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .optional()?;
+    match got {
+        Some((o, r)) if o == op => Ok(Some(r)),
+        Some((o, _)) => Err(StoreError::InvalidArgument(format!(
+            "idempotency key {k:?} was used for a {o} operation, not {op}: use a fresh key"
+        ))),
+        None => Ok(None),
+    }
+}
+
+#[allow(clippy::too_many_arguments)]
+fn insert_node(
+    tx: &Transaction<'_>,
+    group: &GroupInfo,
+    kind: NodeKind,
+    manifest: ManifestId,
+    state: &str,
+    parents: &[&str],
+    attempt: Option<i64>,
+    prov: &Provenance,
+) -> Result<String, StoreError> {
+    validate_state(state)?;
+    let id = next_node_id(tx)?;
+    let lease = new_lease(tx, manifest, HolderKind::Node, &id)?;
+    let base: String = tx.query_row(
+        "SELECT base_digest FROM stacks WHERE id = ?1",
+        [&group.stack],
+        |r| r.get(0),
+    )?;
+    tx.execute(
+        &format!("INSERT INTO graph_nodes({NODE_COLS}, lease_id) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, 0, ?12, ?13)"),
+        params![
+            id,
+            group.name,
+            kind.as_str(),
+            manifest,
+            state,
+            attempt,
+            prov.command,
+            serde_json::to_string(&prov.labels).unwrap_or_else(|_| "{}".into()),
+            prov.exit_status,
+            prov.private_bytes.map(|b| i64::try_from(b).unwrap_or(i64::MAX)),
+            base,
+            now_ns(),
+            lease
+        ],
+    )?;
+    for (pos, p) in parents.iter().enumerate() {
+        tx.execute(
+            "INSERT INTO graph_edges(child, pos, parent) VALUES (?1, ?2, ?3)",
+            params![id, pos as i64, p],
+        )?;
+    }
+    Ok(id)
+}
+
+/// A node's state must be a small JSON document.
+fn validate_state(state: &str) -> Result<(), StoreError> {
+    const MAX: usize = 64 * 1024;
+    if state.len() > MAX {
+        return Err(StoreError::InvalidArgument(format!(
+            "node state is {} bytes; at most {MAX} (keep large artifacts in files of the tree)",
+            state.len()
+        )));
+    }
+    serde_json::from_str::<serde_json::Value>(state)
+        .map_err(|e| StoreError::InvalidArgument(format!("node state is not JSON: {e}")))?;
+    Ok(())
+}
+
+impl Store {
+    /// Creates graph `name` on `stack`: its root node is the head of `branch`.
+    /// Same `key` → the first call's answer. Errors: `InvalidArgument` (a name
+    /// taken, a key used for another operation), `BranchNotFound`.
+    pub fn create_group(
+        &self,
+        name: &str,
+        stack: &str,
+        branch: &str,
+        key: Option<&str>,
+    ) -> Result<(GroupInfo, NodeInfo), StoreError> {
+        if name.is_empty() || name.len() > 128 || name.contains(char::is_whitespace) {
+            return Err(StoreError::InvalidArgument(format!(
+                "graph name {name:?}: use 1-128 characters without spaces"
+            )));
+        }
+        self.db.write(|tx| {
+            if let Some(g) = stored_op(tx, key, "graph-create")? {
+                let group = get_group(tx, &g)?;
+                let root = get_node(tx, &group.root)?;
+                return Ok((group, root));
+            }
+            if tx
+                .query_row("SELECT 1 FROM graph_groups WHERE name = ?1", [name], |r| r.get::<_, i64>(0))
+                .optional()?
+                .is_some()
+            {
+                return Err(StoreError::InvalidArgument(format!("graph {name:?} exists already")));
+            }
+            let head = branch_head(tx, stack, branch)?.ok_or_else(|| StoreError::BranchNotFound {
+                stack: stack.into(),
+                branch: branch.into(),
+            })?;
+            let mut group = GroupInfo {
+                name: name.into(),
+                stack: stack.into(),
+                branch: branch.into(),
+                root: String::new(),
+                created_ns: now_ns(),
+            };
+            tx.execute(
+                "INSERT INTO graph_groups(name, stack, branch, root, created_ns) VALUES (?1, ?2, ?3, '', ?4)",
+                params![name, stack, branch, group.created_ns],
+            )?;
+            let root = insert_node(tx, &group, NodeKind::Root, head, "{}", &[], None, &Provenance::default())?;
+            tx.execute("UPDATE graph_groups SET root = ?2 WHERE name = ?1", params![name, root])?;
+            group.root = root.clone();
+            record_op(tx, key, "graph-create", name)?;
+            info!(graph = name, stack, branch, root = %root, "created graph");
+            Ok((group, get_node(tx, &root)?))
+        })
+    }
+
+    /// Every graph.
+    pub fn groups(&self) -> Result<Vec<GroupInfo>, StoreError> {
+        self.db.read(|conn| {
+            let mut stmt = conn.prepare("SELECT name FROM graph_groups ORDER BY name")?;
+            let names: Vec<String> = stmt
+                .query_map([], |r| r.get(0))?
+                .collect::<Result<_, _>>()?;
+            names.iter().map(|n| get_group(conn, n)).collect()
+        })
+    }
+
+    /// Graph `name` with its nodes and attempts.
+    pub fn graph(&self, name: &str) -> Result<GraphDump, StoreError> {
+        self.db.read(|conn| {
+            let group = get_group(conn, name)?;
+            let mut stmt = conn.prepare(&format!(
+                "SELECT {NODE_COLS} FROM graph_nodes WHERE grp = ?1 ORDER BY created_ns, id"
+            ))?;
+            let raws: Vec<RawNode> = stmt.query_map([name], raw_node)?.collect::<Result<_, _>>()?;
+            let nodes = raws
+                .into_iter()
+                .map(|r| node_from(conn, r))
+                .collect::<Result<Vec<_>, _>>()?;
+            let mut stmt = conn.prepare(&format!(
+                "SELECT {ATTEMPT_COLS} FROM graph_attempts WHERE node IN (SELECT id FROM graph_nodes WHERE grp = ?1) ORDER BY id"
+            ))?;
+            let attempts = stmt
+                .query_map([name], raw_attempt)?
+                .collect::<Result<Vec<_>, _>>()?
+                .into_iter()
+                .map(attempt_from)
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok(GraphDump {
+                group,
+                nodes,
+                attempts,
+            })
+        })
+    }
+
+    /// Node `id`. Error: `InvalidArgument` when there is none.
+    pub fn node(&self, id: &str) -> Result<NodeInfo, StoreError> {
+        self.db.read(|conn| get_node(conn, id))
+    }
+
+    /// The group of node `id`.
+    pub fn node_group(&self, id: &str) -> Result<GroupInfo, StoreError> {
+        self.db.read(|conn| {
+            let n = get_node(conn, id)?;
+            get_group(conn, &n.group)
+        })
+    }
+
+    /// The attempts of node `id`, oldest first.
+    pub fn attempts(&self, node: &str) -> Result<Vec<AttemptInfo>, StoreError> {
+        self.db.read(|conn| {
+            get_node(conn, node)?;
+            let mut stmt = conn.prepare(&format!(
+                "SELECT {ATTEMPT_COLS} FROM graph_attempts WHERE node = ?1 ORDER BY id"
+            ))?;
+            let v = stmt
+                .query_map([node], raw_attempt)?
+                .collect::<Result<Vec<_>, _>>()?
+                .into_iter()
+                .map(attempt_from)
+                .collect();
+            v
+        })
+    }
+
+    /// Attempt `id`. Error: `InvalidArgument` when there is none.
+    pub fn attempt(&self, id: i64) -> Result<AttemptInfo, StoreError> {
+        self.db.read(|conn| {
+            let raw = conn
+                .query_row(
+                    &format!("SELECT {ATTEMPT_COLS} FROM graph_attempts WHERE id = ?1"),
+                    [id],
+                    raw_attempt,
+                )
+                .optional()?
+                .ok_or_else(|| {
+                    StoreError::InvalidArgument(format!("attempt {id} does not exist"))
+                })?;
+            attempt_from(raw)
+        })
+    }
+
+    /// The running attempt session `sid` carries, if any.
+    pub fn attempt_of_session(&self, sid: SessionId) -> Result<Option<AttemptInfo>, StoreError> {
+        self.db.read(|conn| {
+            conn.query_row(
+                &format!("SELECT {ATTEMPT_COLS} FROM graph_attempts WHERE session_id = ?1 ORDER BY id DESC LIMIT 1"),
+                [sid],
+                raw_attempt,
+            )
+            .optional()?
+            .map(attempt_from)
+            .transpose()
+        })
+    }
+
+    /// Starts an attempt of node `node` for `owner`: a session leasing the node's
+    /// manifest. Same `key` → the same attempt (and its session's mount now, when
+    /// it still runs). Errors: `InvalidArgument` (no such node, pruned).
+    pub fn start_attempt(
+        &self,
+        node: &str,
+        owner: &Owner,
+        key: Option<&str>,
+    ) -> Result<(AttemptInfo, SessionInfo, MountSpec, bool), StoreError> {
+        let mut holds = Vec::new();
+        self.db.write(|tx| {
+            if let Some(k) = key {
+                let existing = tx
+                    .query_row(
+                        &format!("SELECT {ATTEMPT_COLS} FROM graph_attempts WHERE idempotency_key = ?1"),
+                        [k],
+                        raw_attempt,
+                    )
+                    .optional()?;
+                if let Some(raw) = existing {
+                    let a = attempt_from(raw)?;
+                    let sid = a.session.ok_or_else(|| StoreError::corrupt("graph_attempts", a.id, "no session"))?;
+                    let s = get_sess(tx, sid)?;
+                    let spec = if a.status == AttemptStatus::Running && !s.released {
+                        self.start_run(tx, sid)?
+                    } else {
+                        MountSpec::Overlay {
+                            lowers: vec![],
+                            upper: None,
+                        }
+                    };
+                    let info = self.session_info(tx, get_sess(tx, sid)?)?;
+                    return Ok((a, info, spec, false));
+                }
+            }
+            let n = get_node(tx, node)?;
+            if n.pruned {
+                return Err(StoreError::InvalidArgument(format!(
+                    "node {node} is pruned: start attempts from a live node"
+                )));
+            }
+            let group = get_group(tx, &n.group)?;
+            let sid = insert_session(
+                self,
+                &mut holds,
+                tx,
+                owner,
+                &group.stack,
+                &LeaseTarget::Manifest {
+                    manifest: n.manifest,
+                    branch: group.branch.clone(),
+                },
+                &[],
+                None,
+            )?;
+            tx.execute(
+                "INSERT INTO graph_attempts(node, session_id, status, idempotency_key, created_ns) VALUES (?1, ?2, 'running', ?3, ?4)",
+                params![node, sid, key, now_ns()],
+            )?;
+            let aid = tx.last_insert_rowid();
+            let spec = self.start_run(tx, sid)?;
+            let a = attempt_from(tx.query_row(
+                &format!("SELECT {ATTEMPT_COLS} FROM graph_attempts WHERE id = ?1"),
+                [aid],
+                raw_attempt,
+            )?)?;
+            let info = self.session_info(tx, get_sess(tx, sid)?)?;
+            info!(node, attempt = aid, session.id = sid, "attempt started");
+            Ok((a, info, spec, true))
+        })
+    }
+
+    /// Marks the running attempt of session `sid` as having an attempt row of
+    /// node `node` (a container attempt: its session exists already, created by
+    /// containerd's Prepare), moving its lease to the node's manifest. The caller
+    /// checked that the session has not been mounted.
+    pub fn attach_attempt(
+        &self,
+        sid: SessionId,
+        node: &str,
+        key: Option<&str>,
+    ) -> Result<(AttemptInfo, SessionInfo, MountSpec), StoreError> {
+        self.db.write(|tx| {
+            let n = get_node(tx, node)?;
+            if n.pruned {
+                return Err(StoreError::InvalidArgument(format!("node {node} is pruned")));
+            }
+            let s = get_sess(tx, sid)?;
+            let group = get_group(tx, &n.group)?;
+            if s.stack != group.stack {
+                return Err(StoreError::InvalidArgument(format!(
+                    "node {node} belongs to stack {}, the container's image is stack {}",
+                    group.stack, s.stack
+                )));
+            }
+            if s.last_publish.is_some() {
+                return Err(StoreError::FailedPrecondition(format!(
+                    "session {sid} has ended its run already: it cannot become an attempt"
+                )));
+            }
+            release_lease(tx, s.lease_id)?;
+            let lease = new_lease(tx, n.manifest, HolderKind::Session, &sid.to_string())?;
+            tx.execute(
+                "UPDATE sessions SET lease_id = ?2, branch = ?3, updated_ns = ?4 WHERE id = ?1",
+                params![sid, lease, group.branch, now_ns()],
+            )?;
+            tx.execute(
+                "INSERT INTO graph_attempts(node, session_id, status, idempotency_key, created_ns) VALUES (?1, ?2, 'running', ?3, ?4)",
+                params![node, sid, key, now_ns()],
+            )?;
+            let aid = tx.last_insert_rowid();
+            let spec = self.start_run(tx, sid)?;
+            let a = attempt_from(tx.query_row(
+                &format!("SELECT {ATTEMPT_COLS} FROM graph_attempts WHERE id = ?1"),
+                [aid],
+                raw_attempt,
+            )?)?;
+            let info = self.session_info(tx, get_sess(tx, sid)?)?;
+            Ok((a, info, spec))
+        })
+    }
+
+    /// Ends attempt `id` without a node: `Failed` or `Abandoned`, with why.
+    pub fn end_attempt(
+        &self,
+        id: i64,
+        status: AttemptStatus,
+        message: &str,
+    ) -> Result<(), StoreError> {
+        self.db.write(|tx| {
+            tx.execute(
+                "UPDATE graph_attempts SET status = ?2, message = ?3, ended_ns = ?4 WHERE id = ?1 AND status = 'running'",
+                params![id, status.as_str(), message, now_ns()],
+            )?;
+            Ok(())
+        })
+    }
+
+    /// Running attempts whose session is gone or released without an outcome that
+    /// checkpointed: they end `abandoned` (at start, and when their owner lets go).
+    pub fn abandon_orphan_attempts(&self) -> Result<usize, StoreError> {
+        self.db.write(|tx| {
+            let n = tx.execute(
+                "UPDATE graph_attempts SET status = 'abandoned', message = 'its session ended without a checkpoint', ended_ns = ?1
+                 WHERE status = 'running' AND (session_id IS NULL OR session_id NOT IN (SELECT id FROM sessions WHERE released = 0))",
+                [now_ns()],
+            )?;
+            Ok(n)
+        })
+    }
+
+    /// The answer stored for idempotency key `key` of operation `op`, if any.
+    pub fn graph_op(&self, key: &str, op: &str) -> Result<Option<String>, StoreError> {
+        self.db.read(|conn| stored_op(conn, Some(key), op))
+    }
+
+    /// Checkpoints the attempt running in session `sid`: its sealed, quiescent
+    /// upper becomes the child node's layer by rename (no OCC: a new child never
+    /// conflicts; no payload copy), on top of the attempt's node's manifest. The
+    /// attempt ends `checkpointed`, the session's run ends (outcome `committed`
+    /// with the layer), the node pins its manifest. `staged`: the layer's path
+    /// index and verdicts ([`Store::stage_publish`]).
+    ///
+    /// Errors: `FailedPrecondition` (not a running attempt), `InvalidArgument`
+    /// (state not JSON, key reused for another operation).
+    #[allow(clippy::too_many_arguments)]
+    pub fn commit_checkpoint(
+        &self,
+        sid: SessionId,
+        staged: Staged,
+        state: &str,
+        prov: &Provenance,
+        timings: Option<PublishTimings>,
+        key: Option<&str>,
+    ) -> Result<NodeInfo, StoreError> {
+        validate_state(state)?;
+        let upper = self.upper_path(sid);
+        let dst = self.layer_path(staged.layer);
+        let _inflight = self.inflight.hold(crate::layer_rel(staged.layer));
+        let mut conn = self.db.writer();
+        let out = write_on(&mut conn, |tx| {
+            let s = get_sess(tx, sid)?;
+            let a = tx
+                .query_row(
+                    &format!("SELECT {ATTEMPT_COLS} FROM graph_attempts WHERE session_id = ?1 AND status = 'running' ORDER BY id DESC LIMIT 1"),
+                    [sid],
+                    raw_attempt,
+                )
+                .optional()?
+                .map(attempt_from)
+                .transpose()?
+                .ok_or_else(|| StoreError::FailedPrecondition(format!(
+                    "session {sid} is not a running attempt of a graph node: start it with `session run --node` or the container label layerstack.node"
+                )))?;
+            let lease = s.lease_id.ok_or(StoreError::NoLease(sid))?;
+            let base = lease_manifest(tx, lease)?;
+            let parent = get_node(tx, &a.node)?;
+            let group = get_group(tx, &parent.group)?;
+            let n = tx.execute(
+                "UPDATE layers SET kind = 'published' WHERE id = ?1 AND kind = 'pending'",
+                [staged.layer],
+            )?;
+            if n != 1 {
+                return Err(StoreError::corrupt(
+                    "layers",
+                    staged.layer,
+                    "a staged layer is not pending any more",
+                ));
+            }
+            let manifest = prepend_manifest(tx, &group.stack, base, staged.layer)?;
+            let id = insert_node(
+                tx,
+                &group,
+                NodeKind::Checkpoint,
+                manifest,
+                state,
+                &[&a.node],
+                Some(a.id),
+                prov,
+            )?;
+            release_lease(tx, Some(lease))?;
+            let now = now_ns();
+            let c = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+            let t = timings.unwrap_or_default();
+            tx.execute(
+                "UPDATE publishes SET outcome = 'committed', manifest_before = ?2, manifest_after = ?3, message = ?4, capture_us = ?5, gate_wait_us = 0, gate_hold_us = 0, total_us = ?6, at_ns = ?7 WHERE id = ?1",
+                params![staged.outcome, base, manifest, format!("checkpointed as node {id}"), c(t.capture_us), c(t.total_us), now],
+            )?;
+            tx.execute(
+                "UPDATE sessions SET state = 'published', last_publish = ?2, lease_id = NULL, updated_ns = ?3 WHERE id = ?1",
+                params![sid, staged.outcome, now],
+            )?;
+            tx.execute(
+                "UPDATE graph_attempts SET status = 'checkpointed', result_node = ?2, ended_ns = ?3 WHERE id = ?1",
+                params![a.id, id, now],
+            )?;
+            record_op(tx, key, "checkpoint", &id)?;
+            std::fs::rename(&upper, &dst)
+                .and_then(|()| match self.durability {
+                    Durability::Durable => fs::fsync_dir(&self.root.join("l")),
+                    Durability::Disposable => Ok(()),
+                })
+                .map_err(|e| StoreError::io(&upper, e))?;
+            get_node(tx, &id)
+        });
+        drop(conn);
+        match out {
+            Ok(node) => {
+                self.reset_session_dirs(sid, false);
+                info!(session.id = sid, node = %node.id, layer.id = staged.layer, "checkpointed");
+                Ok(node)
+            }
+            Err(e) => {
+                if std::fs::symlink_metadata(&dst).is_ok()
+                    && std::fs::symlink_metadata(&upper).is_err()
+                {
+                    let _ = std::fs::rename(&dst, &upper);
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Records a merge node of `parents` whose root is `manifest` (a merge the
+    /// engine published through the gate). Same `key` → the first answer.
+    pub fn add_merge_node(
+        &self,
+        group: &str,
+        manifest: ManifestId,
+        parents: &[&str],
+        state: &str,
+        key: Option<&str>,
+    ) -> Result<NodeInfo, StoreError> {
+        self.db.write(|tx| {
+            if let Some(id) = stored_op(tx, key, "merge")? {
+                return get_node(tx, &id);
+            }
+            let g = get_group(tx, group)?;
+            let id = insert_node(
+                tx,
+                &g,
+                NodeKind::Merge,
+                manifest,
+                state,
+                parents,
+                None,
+                &Provenance::default(),
+            )?;
+            record_op(tx, key, "merge", &id)?;
+            get_node(tx, &id)
+        })
+    }
+
+    /// Stores the answer of an operation done elsewhere (a promote), keyed.
+    pub fn record_graph_op(&self, key: &str, op: &str, response: &str) -> Result<(), StoreError> {
+        self.db.write(|tx| record_op(tx, Some(key), op, response))
+    }
+
+    /// Prunes node `id` and its subtree: their leases are released, so GC may
+    /// collect whatever nothing else reaches. Refused while a running attempt, a
+    /// branch head or another live lease (a session's, an export's) reaches a
+    /// node of the subtree. Returns the pruned node ids. Same `key` → one effect.
+    pub fn prune_node(&self, id: &str, key: Option<&str>) -> Result<Vec<String>, StoreError> {
+        self.db.write(|tx| {
+            if let Some(r) = stored_op(tx, key, "prune")? {
+                return Ok(r.split(',').filter(|s| !s.is_empty()).map(String::from).collect());
+            }
+            get_node(tx, id)?;
+            // The subtree: descendants through edges.
+            let mut sub: BTreeSet<String> = BTreeSet::new();
+            let mut todo = vec![id.to_string()];
+            {
+                let mut stmt = tx.prepare_cached("SELECT child FROM graph_edges WHERE parent = ?1")?;
+                while let Some(n) = todo.pop() {
+                    if sub.insert(n.clone()) {
+                        for c in stmt.query_map([&n], |r| r.get::<_, String>(0))? {
+                            todo.push(c?);
+                        }
+                    }
+                }
+            }
+            let mut blockers = Vec::new();
+            for n in &sub {
+                let node = get_node(tx, n)?;
+                let running: i64 = tx.query_row(
+                    "SELECT count(*) FROM graph_attempts WHERE node = ?1 AND status = 'running'",
+                    [n],
+                    |r| r.get(0),
+                )?;
+                if running > 0 {
+                    blockers.push(format!("node {n} has {running} running attempt(s)"));
+                }
+                let heads: Vec<String> = {
+                    let mut stmt = tx.prepare_cached("SELECT name FROM branches WHERE manifest_id = ?1")?;
+                    let v = stmt.query_map([node.manifest], |r| r.get(0))?.collect::<Result<_, _>>()?;
+                    v
+                };
+                if !heads.is_empty() {
+                    blockers.push(format!("node {n} is the head of branch(es) {}", heads.join(",")));
+                }
+                let leases: i64 = tx.query_row(
+                    "SELECT count(*) FROM leases WHERE manifest_id = ?1 AND released_ns IS NULL AND NOT (holder_kind = 'node')",
+                    [node.manifest],
+                    |r| r.get(0),
+                )?;
+                if leases > 0 {
+                    blockers.push(format!("node {n} is leased {leases} time(s) (sessions or exports read it)"));
+                }
+            }
+            if !blockers.is_empty() {
+                return Err(StoreError::FailedPrecondition(format!(
+                    "node {id} cannot be pruned: {}",
+                    blockers.join("; ")
+                )));
+            }
+            for n in &sub {
+                let lease: Option<i64> = tx.query_row("SELECT lease_id FROM graph_nodes WHERE id = ?1", [n], |r| r.get(0))?;
+                release_lease(tx, lease)?;
+                tx.execute("UPDATE graph_nodes SET pruned = 1, lease_id = NULL WHERE id = ?1", [n])?;
+            }
+            let pruned: Vec<String> = sub.into_iter().collect();
+            record_op(tx, key, "prune", &pruned.join(","))?;
+            Ok(pruned)
+        })
+    }
+
+    /// The manifest a node's root is (for promote, merge, export).
+    pub fn node_manifest(&self, id: &str) -> Result<(String, ManifestId), StoreError> {
+        self.db.read(|conn| {
+            let n = get_node(conn, id)?;
+            let g = get_group(conn, &n.group)?;
+            Ok((g.stack, n.manifest))
+        })
+    }
+
+    /// Points a new hidden branch named `name` of `stack` at `manifest` (the
+    /// engine's working branch for node merges and promotes).
+    pub fn create_branch_at(
+        &self,
+        stack: &str,
+        name: &str,
+        manifest: ManifestId,
+    ) -> Result<(), StoreError> {
+        self.db.write(|tx| {
+            let now = now_ns();
+            tx.execute(
+                "INSERT OR REPLACE INTO branches(stack, name, manifest_id, created_ns, updated_ns) VALUES (?1, ?2, ?3, ?4, ?4)",
+                params![stack, name, manifest, now],
+            )?;
+            Ok(())
+        })
+    }
+
+    /// Deletes a branch without the default-branch check (the engine's working
+    /// branches).
+    pub fn drop_branch(&self, stack: &str, name: &str) -> Result<(), StoreError> {
+        self.db.write(|tx| {
+            tx.execute(
+                "DELETE FROM branches WHERE stack = ?1 AND name = ?2",
+                params![stack, name],
+            )?;
+            Ok(())
+        })
+    }
+}
