@@ -651,7 +651,12 @@ pub fn source_image_tar(small: bool) -> Result<PathBuf> {
     static FULL: OnceLock<Result<PathBuf, String>> = OnceLock::new();
     static SMALL: OnceLock<Result<PathBuf, String>> = OnceLock::new();
     if small {
-        fixture_once(&SMALL, "make_source_image.sh", &["--small"], "source-small-image.tar")
+        fixture_once(
+            &SMALL,
+            "make_source_image.sh",
+            &["--small"],
+            "source-small-image.tar",
+        )
     } else {
         fixture_once(&FULL, "make_source_image.sh", &[], "source-linux-image.tar")
     }
