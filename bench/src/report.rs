@@ -59,11 +59,11 @@ pub struct Target {
 }
 
 impl Target {
-    /// A target with a verdict: met when `value <= limit`.
+    /// A target with a verdict: met when `value <= limit`; `why` explains a miss.
     pub fn at_most(target: &str, measured: String, value: f64, limit: f64, why: &str) -> Target {
         let met = value.is_finite().then_some(value <= limit);
         let detail = match met {
-            Some(true) => why.to_string(),
+            Some(true) => String::new(),
             Some(false) => {
                 let by = if limit > 0.0 {
                     format!(
@@ -213,8 +213,10 @@ impl Report {
              containerd (own root, state and sockets under `/var/tmp/lst-*`) with the \
              layerstack proxy snapshotter and containerd's built-in `overlayfs` and `native` \
              snapshotters; containerd logs at `info`, the daemon at `info`. Profiles: `perf \
-             record -a -e cpu-clock` (system wide) during one extra run of the scenario's \
-             slowest step.\n\n",
+             record -a -e cpu-clock` (system wide, then only this benchmark's processes \
+             counted) during one extra run of the scenario's slowest step; other programs \
+             ran on this machine meanwhile, and each profile line says how much CPU they \
+             took.\n\n",
         );
         let _ = writeln!(o, "## Targets\n");
         let _ = writeln!(
@@ -318,8 +320,9 @@ mod tests {
         assert_eq!(t.met, Some(false));
         assert!(t.detail.starts_with("missed by 5 %"), "{}", t.detail);
         assert!(t.detail.ends_with("the shim"), "{}", t.detail);
-        let t = Target::at_most("≤ 1.05×", "1.0×".into(), 1.0, 1.05, "");
+        let t = Target::at_most("≤ 1.05×", "1.0×".into(), 1.0, 1.05, "the shim");
         assert_eq!(t.met, Some(true));
+        assert_eq!(t.detail, "");
         let t = Target::at_most("≤ 1.05×", "–".into(), f64::NAN, 1.05, "");
         assert_eq!(t.met, None);
     }
