@@ -33,13 +33,24 @@ set +e
     echo "== timing (runtime shim vs runc-v2)"
     cargo test -q -p layerstack-integration --test shim shim6_timing_against_runc_v2 -- --nocapture 2>&1 \
         | grep -A3 '^timing:' || echo "timing: not measured"
+    # The benchmark program, in seconds, to keep it compiling and running. It
+    # fails only when a scenario cannot run, never on a ratio. Needs root.
+    if [[ $(id -u) -eq 0 ]]; then
+        echo "== benchmarks (scripts/bench.sh --quick --debug)"
+        ./scripts/bench.sh --quick --debug --out "${CARGO_TARGET_DIR:-$ROOT/target}/bench-quick"
+    elif [[ "${CI:-}" == true ]]; then
+        echo "error: CI=true and the benchmarks need root"
+        exit 1
+    else
+        echo "bench: SKIPPED (needs root)"
+    fi
 ) 2>&1 | tee "$LOG"
 status=${PIPESTATUS[0]}
 set -e
 
 echo
 echo "================ summary ($((SECONDS - start))s) ================"
-grep -E '^\s+Running |^test result:|^error(\[|:)|^\s+--> |^    [A-Za-z0-9_:]+$|FAILED|panicked at|^timing' "$LOG" \
+grep -E '^\s+Running |^test result:|^error(\[|:)|^\s+--> |^    [A-Za-z0-9_:]+$|FAILED|panicked at|^timing|^layerstack-bench: (wrote|FAILED|p[0-9] failed)|^bench:' "$LOG" \
     | grep -v ' \.\.\. ok$' | tail -n 80 || true
 if ((status != 0)); then
     echo "test.sh: FAILED (exit $status); full log: $LOG"

@@ -37,6 +37,10 @@ pub const SNAPSHOTTER: &str = "layerstack";
 pub const BRANCH_LABEL: &str = "containerd.io/snapshot/layerstack.branch";
 /// Name of the Debian fixture image after import.
 pub const DEBIAN_IMAGE: &str = "docker.io/layerstack/debian:bookworm";
+/// Name of the full source-tree fixture image after import ([`source_image_tar`]).
+pub const SOURCE_IMAGE: &str = "docker.io/layerstack/source:linux";
+/// Name of the small source-tree fixture image after import ([`source_image_tar`]).
+pub const SMALL_SOURCE_IMAGE: &str = "docker.io/layerstack/source:small";
 /// Name of the busybox fixture image after import.
 pub const BUSYBOX_IMAGE: &str = "docker.io/layerstack/busybox:test";
 /// The daemon binary.
@@ -113,6 +117,13 @@ pub fn cache_dir() -> PathBuf {
     std::env::var_os("LAYERSTACK_TEST_CACHE")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from("/var/cache/layerstack-test"))
+}
+
+/// containerd's log level: `$LAYERSTACK_TEST_CONTAINERD_LOG_LEVEL`, default
+/// `debug` (the tests dump its log on failure; the benchmarks use `info`, as
+/// a production containerd would run).
+pub fn containerd_log_level() -> String {
+    std::env::var("LAYERSTACK_TEST_CONTAINERD_LOG_LEVEL").unwrap_or_else(|_| "debug".into())
 }
 
 /// `integration/fixtures`.
@@ -585,7 +596,7 @@ pub fn make_temp_dir() -> Result<PathBuf> {
 // Fixture images
 // ---------------------------------------------------------------------------
 
-fn build_fixture(script: &str, out_name: &str) -> Result<PathBuf> {
+fn build_fixture(script: &str, args: &[&str], out_name: &str) -> Result<PathBuf> {
     let cache = cache_dir();
     fs::create_dir_all(&cache).with_context(|| format!("creating {}", cache.display()))?;
     let out = cache.join(out_name);
@@ -594,6 +605,7 @@ fn build_fixture(script: &str, out_name: &str) -> Result<PathBuf> {
     let output = run_with_timeout(
         Command::new("bash")
             .arg(&script_path)
+            .args(args)
             .arg(&out)
             .env("LAYERSTACK_TEST_CACHE", &cache),
         Duration::from_secs(1200),
@@ -610,9 +622,10 @@ fn build_fixture(script: &str, out_name: &str) -> Result<PathBuf> {
 fn fixture_once(
     cell: &'static OnceLock<Result<PathBuf, String>>,
     script: &str,
+    args: &[&str],
     out: &str,
 ) -> Result<PathBuf> {
-    cell.get_or_init(|| build_fixture(script, out).map_err(|e| format!("{e:#}")))
+    cell.get_or_init(|| build_fixture(script, args, out).map_err(|e| format!("{e:#}")))
         .clone()
         .map_err(|e| anyhow!(e))
 }
@@ -620,14 +633,33 @@ fn fixture_once(
 /// OCI archive of [`BUSYBOX_IMAGE`], built once per process (cached on disk).
 pub fn busybox_image_tar() -> Result<PathBuf> {
     static CELL: OnceLock<Result<PathBuf, String>> = OnceLock::new();
-    fixture_once(&CELL, "make_busybox_image.sh", "busybox-image.tar")
+    fixture_once(&CELL, "make_busybox_image.sh", &[], "busybox-image.tar")
 }
 
 /// OCI archive of [`DEBIAN_IMAGE`], built once per process (cached on disk;
 /// the first build runs debootstrap and takes a minute or more).
 pub fn debian_image_tar() -> Result<PathBuf> {
     static CELL: OnceLock<Result<PathBuf, String>> = OnceLock::new();
-    fixture_once(&CELL, "make_debian_image.sh", "debian-image.tar")
+    fixture_once(&CELL, "make_debian_image.sh", &[], "debian-image.tar")
+}
+
+/// OCI archive of the benchmarks' source-tree image, built once per process
+/// (cached on disk): [`SOURCE_IMAGE`] (Debian's linux-source tree, ~1.3 GB; the
+/// first build downloads ~140 MB with `apt-get download`), or with `small`
+/// [`SMALL_SOURCE_IMAGE`] (a generated ~10 MB tree). `make_source_image.sh`.
+pub fn source_image_tar(small: bool) -> Result<PathBuf> {
+    static FULL: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    static SMALL: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    if small {
+        fixture_once(
+            &SMALL,
+            "make_source_image.sh",
+            &["--small"],
+            "source-small-image.tar",
+        )
+    } else {
+        fixture_once(&FULL, "make_source_image.sh", &[], "source-linux-image.tar")
+    }
 }
 
 // ---------------------------------------------------------------------------
@@ -689,7 +721,7 @@ disabled_plugins = ["io.containerd.grpc.v1.cri"]
   address = {ttrpc}
 
 [debug]
-  level = "debug"
+  level = {level:?}
 
 [proxy_plugins.{name}]
   type = "snapshot"
@@ -701,6 +733,7 @@ disabled_plugins = ["io.containerd.grpc.v1.cri"]
             ttrpc = toml_str(&dir.join("containerd.sock.ttrpc")),
             name = SNAPSHOTTER,
             ls = toml_str(layerstack_socket),
+            level = containerd_log_level(),
         );
         fs::write(&config, text)?;
         let logf = File::create(&log)?;
@@ -708,7 +741,7 @@ disabled_plugins = ["io.containerd.grpc.v1.cri"]
             .arg("--config")
             .arg(&config)
             .arg("--log-level")
-            .arg("debug")
+            .arg(containerd_log_level())
             .envs(containerd_env(layerstack_socket))
             .stdin(Stdio::null())
             .stdout(logf.try_clone()?)
@@ -1510,7 +1543,7 @@ impl Containerd {
             .arg("--config")
             .arg(self.dir.join("containerd.toml"))
             .arg("--log-level")
-            .arg("debug")
+            .arg(containerd_log_level())
             .envs(containerd_env(&self.layerstack_socket))
             .stdin(Stdio::null())
             .stdout(logf.try_clone()?)

@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 use anyhow::{ensure, Context, Result};
 use layerstack_integration::{
     bin_path, container_branch_label, delete_task, describe, dir_is_empty, kill_task,
-    layerstack_wait, prepare_layerstack, publish_policy_label, remove_container,
+    layerstack_wait, ls_wait, prepare_layerstack, publish_policy_label, remove_container,
     require_root_and_containerd, run_scenario, run_scenario_mut, run_with_timeout, session_upper,
     snapshot_branch_label, stdout, task_status, unique_across_processes as unique,
     wait_task_running, wait_task_stopped, wait_task_stopped_or_gone, CtrRun, TestEnv, SHIM_BIN,
@@ -230,6 +230,43 @@ fn shim1_twenty_sequential_runs_read_their_writes() {
             text.trim() == "CLEAN",
             "main sees the branch's writes: {text}"
         );
+        Ok(())
+    });
+}
+
+/// A run that writes nothing: the shim leaves its end to the daemon's
+/// `/tasks/delete` handler (no publish round trip on the path of `ctr run`),
+/// and the session still gets its outcome — `no-change`, or `discarded` under
+/// `never` — while a run that writes is still published before `ctr` returns.
+/// No shim process is left behind (the `delete` action's short path).
+#[test]
+fn shim_run_that_writes_nothing_ends_through_the_daemon() {
+    run_shim_test(|env| {
+        let branch = "shim-nothing";
+        let a = unique("s9-true");
+        shim_run(&a, branch, "true").ok(env)?;
+        let (word, out) = ls_wait(env, NS, &a)?;
+        ensure!(word == "no-change", "{a}: {}", describe(&out));
+        let b = unique("s9-never");
+        shim_run(&b, branch, "true")
+            .label(publish_policy_label("never"))
+            .ok(env)?;
+        let (word, out) = ls_wait(env, NS, &b)?;
+        ensure!(word == "discarded", "{b}: {}", describe(&out));
+        let c = unique("s9-write");
+        shim_run(&c, branch, "echo x > /root/s9.txt").ok(env)?;
+        ensure!(
+            outcome(env, &c)? == "committed",
+            "a write must be published before ctr returns: {:#}",
+            session(env, &c)?
+        );
+        for id in [&a, &b, &c] {
+            ensure!(
+                shim_processes(env, id).is_empty(),
+                "shims left for {id}: {:#?}",
+                shim_processes(env, id)
+            );
+        }
         Ok(())
     });
 }

@@ -7,8 +7,23 @@
 use containerd_shim::Config;
 use layerstack_shim::service::ProxyShim;
 
-#[tokio::main]
-async fn main() {
+fn main() {
+    // Named threads, so a system-wide profile tells ours from other tokio programs'.
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("layerstack-shim")
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("cannot start the tokio runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    rt.block_on(run());
+}
+
+async fn run() {
     let config = Config {
         // The proxy runs no container processes: no SIGCHLD reaper (it would steal
         // the exit status of the inner shim's `start`/`delete` we wait for) and no

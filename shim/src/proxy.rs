@@ -19,6 +19,7 @@ use containerd_shim_protos::ttrpc::{self, context, Code};
 use layerstack_api as api;
 use log::{debug, error, info, warn};
 use tokio::sync::Mutex;
+use tokio::task::JoinHandle;
 
 use crate::config::RuntimeOptions;
 use crate::daemon;
@@ -51,6 +52,8 @@ struct Init {
     deleted: bool,
     /// The rootfs containerd sent was not empty (a snapshot, maybe ours).
     has_rootfs: bool,
+    /// The rootfs overlay's `upperdir` (the session's upper), if it has one.
+    upper: Option<PathBuf>,
     /// Labels read at Create (fallback at Delete).
     labels: Option<HashMap<String, String>>,
 }
@@ -66,8 +69,16 @@ pub struct Proxy {
     pub(crate) gate: Arc<EventGate>,
     pub(crate) exit: Arc<ExitSignal>,
     client: Mutex<Option<TaskClient>>,
+    /// The inner shim connection, being made since the proxy started.
+    connecting: Mutex<Option<JoinHandle<Result<TaskClient, inner::InnerError>>>>,
+    /// The container's labels, being read from containerd since the proxy
+    /// started (containerd created the container before it started the shim),
+    /// so `Create` does not wait for a fresh gRPC connection and a round trip.
+    labels_prefetch: Mutex<Option<JoinHandle<LabelsResult>>>,
     init: Mutex<Init>,
 }
+
+type LabelsResult = Result<Option<HashMap<String, String>>, daemon::DaemonError>;
 
 impl Proxy {
     pub(crate) fn new(
@@ -79,6 +90,18 @@ impl Proxy {
         gate: Arc<EventGate>,
         exit: Arc<ExitSignal>,
     ) -> Self {
+        // Both run while containerd connects to us and sends its first RPCs
+        // (must be called inside the tokio runtime).
+        let connecting = (!state.inner_address.is_empty()).then(|| {
+            let addr = state.inner_address.clone();
+            tokio::spawn(async move { inner::connect(&addr, Duration::from_secs(10)).await })
+        });
+        let labels_prefetch = {
+            let (c, ns, id) = (containerd.clone(), namespace.clone(), id.clone());
+            tokio::spawn(
+                async move { daemon::container_labels(&c, &ns, &id, LABELS_TIMEOUT).await },
+            )
+        };
         Self {
             id,
             namespace,
@@ -88,6 +111,8 @@ impl Proxy {
             gate,
             exit,
             client: Mutex::new(None),
+            connecting: Mutex::new(connecting),
+            labels_prefetch: Mutex::new(Some(labels_prefetch)),
             init: Mutex::new(Init::default()),
         }
     }
@@ -103,9 +128,18 @@ impl Proxy {
                 "no inner shim recorded in the bundle",
             ));
         }
-        let client = inner::connect(&self.state.inner_address, Duration::from_secs(10))
-            .await
-            .map_err(|e| status(Code::UNAVAILABLE, crate::error_chain(&e)))?;
+        // The connection started with the proxy, if it worked; else a new one.
+        let pending = self.connecting.lock().await.take();
+        let early = match pending {
+            Some(h) => h.await.ok().and_then(Result::ok),
+            None => None,
+        };
+        let client = match early {
+            Some(client) => client,
+            None => inner::connect(&self.state.inner_address, Duration::from_secs(10))
+                .await
+                .map_err(|e| status(Code::UNAVAILABLE, crate::error_chain(&e)))?,
+        };
         *c = Some(client.clone());
         Ok(client)
     }
@@ -128,7 +162,15 @@ impl Proxy {
         r
     }
 
-    async fn labels(&self) -> Result<Option<HashMap<String, String>>, daemon::DaemonError> {
+    /// The container's labels: the read started with the proxy if it found the
+    /// container, else a fresh one.
+    async fn labels(&self) -> LabelsResult {
+        let pending = self.labels_prefetch.lock().await.take();
+        if let Some(h) = pending {
+            if let Ok(Ok(Some(labels))) = h.await {
+                return Ok(Some(labels));
+            }
+        }
         daemon::container_labels(&self.containerd, &self.namespace, &self.id, LABELS_TIMEOUT).await
     }
 
@@ -246,6 +288,14 @@ impl Proxy {
         });
         publish_now(&self.state, &self.namespace, &self.id, policy, exit_status).await;
     }
+}
+
+/// Whether `dir` exists and has no entries (an error counts as "not empty":
+/// the publish step then runs as usual).
+fn dir_is_empty(dir: &std::path::Path) -> bool {
+    std::fs::read_dir(dir)
+        .map(|mut d| d.next().is_none())
+        .unwrap_or(false)
 }
 
 /// Ask the daemon to end the run by the policy recorded on the session
@@ -385,13 +435,14 @@ impl Task for Proxy {
                 self.apply_branch(&branch, &mut req).await?;
             }
         }
-        if let Some(up) = req
+        let upper = req
             .rootfs
             .iter()
             .flat_map(|m| m.options.iter())
             .find_map(|o| o.strip_prefix("upperdir="))
-        {
-            debug!("create {}: upperdir {up}", self.id);
+            .map(PathBuf::from);
+        if let Some(up) = &upper {
+            debug!("create {}: upperdir {}", self.id, up.display());
         }
         let cx = fwd(ctx);
         let r = self.call(|c| async move { c.create(cx, &req).await }).await;
@@ -405,6 +456,7 @@ impl Task for Proxy {
             let mut init = self.init.lock().await;
             init.created = true;
             init.has_rootfs = has_rootfs;
+            init.upper = upper;
             init.labels = labels;
         }
         r
@@ -430,15 +482,32 @@ impl Task for Proxy {
             Ok(resp) => {
                 // The inner shim has run `runc delete` and unmounted the rootfs.
                 let status = resp.exit_status;
-                if let Err(e) = state::update(&self.bundle, |s| s.exit_status = Some(status)) {
+                if let Err(e) = state::update(&self.bundle, |s| {
+                    s.exit_status = Some(status);
+                    s.init_deleted = true;
+                }) {
                     warn!(
                         "cannot record the exit status in {}: {e}",
                         state::state_path(&self.bundle).display()
                     );
                 }
-                let has_rootfs = self.init.lock().await.has_rootfs;
+                let (has_rootfs, upper) = {
+                    let init = self.init.lock().await;
+                    (init.has_rootfs, init.upper.clone())
+                };
                 if has_rootfs {
-                    self.publish_step(resp.exit_status).await;
+                    match upper.filter(|u| dir_is_empty(u)) {
+                        // Nothing to publish, discard or read back: the run ends
+                        // through the daemon's /tasks/delete handler (released
+                        // below), with the recorded policy, without a round trip
+                        // on the path of this Delete.
+                        Some(u) => debug!(
+                            "{} wrote nothing (upper {} is empty): the daemon ends its run on /tasks/delete",
+                            self.id,
+                            u.display()
+                        ),
+                        None => self.publish_step(resp.exit_status).await,
+                    }
                 }
                 if let Err(e) = state::mark_published(&self.bundle) {
                     warn!(

@@ -113,8 +113,24 @@ fn raise_nofile() {
     }
 }
 
-#[tokio::main]
-async fn main() {
+fn main() {
+    // Named threads: a system-wide profile (`perf`, the benchmarks) tells the
+    // daemon's workers from every other tokio program's `tokio-rt-worker`.
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .thread_name("layerstack-grpc")
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("cannot start the tokio runtime: {e}");
+            std::process::exit(1);
+        }
+    };
+    rt.block_on(async_main());
+}
+
+async fn async_main() {
     let args = Args::parse();
     init_logging(args.log_level.as_deref(), args.log_format);
     if let Err(e) = run(args).await {

@@ -1,0 +1,195 @@
+//! The scenarios, one module each, and what they share: interleaved rounds and
+//! ratio tables.
+
+use anyhow::Result;
+
+use crate::env::Bench;
+use crate::report::{ScenarioReport, Table};
+use crate::stats::{pair_ratios, Summary};
+
+mod p1_start;
+mod p2_fanout;
+mod p3_publish;
+mod p4_read;
+mod p5_gate;
+mod p6_reset;
+mod p7_mode_b;
+
+/// One scenario: ids, and the function that measures and fills the report.
+#[derive(Clone)]
+pub struct Def {
+    pub id: &'static str,
+    pub name: &'static str,
+    pub title: &'static str,
+    pub run: fn(&Bench, &mut ScenarioReport) -> Result<()>,
+}
+
+/// Every scenario, in order.
+pub fn all() -> Vec<Def> {
+    vec![
+        Def {
+            id: "p1",
+            name: "start",
+            title: "start: `ctr run --rm … true`",
+            run: p1_start::run,
+        },
+        Def {
+            id: "p2",
+            name: "fan-out",
+            title: "fan-out: N sessions from one ~1 GiB base",
+            run: p2_fanout::run,
+        },
+        Def {
+            id: "p3",
+            name: "publish",
+            title: "publish: capture + gate + commit vs containerd's diff service",
+            run: p3_publish::run,
+        },
+        Def {
+            id: "p4",
+            name: "read-path",
+            title: "read path: find + read every file at manifest depth d",
+            run: p4_read::run,
+        },
+        Def {
+            id: "p5",
+            name: "gate",
+            title: "gate under fan-out: N sessions on one head published at once",
+            run: p5_gate::run,
+        },
+        Def {
+            id: "p6",
+            name: "reset",
+            title: "reset: one container's exit to the next running on the new head",
+            run: p6_reset::run,
+        },
+        Def {
+            id: "p7",
+            name: "mode-b",
+            title: "Mode B session: create + mount + run `true` + discard",
+            run: p7_mode_b::run,
+        },
+    ]
+}
+
+/// Runs `rounds` rounds of `n` variants interleaved — round `r` runs the
+/// variants starting at `r mod n` (A B C, B C A, C A B, …) so no variant always
+/// follows the same one — and returns the samples per variant, in rounds.
+pub fn interleave(
+    rounds: usize,
+    n: usize,
+    mut f: impl FnMut(usize, usize) -> Result<f64>,
+) -> Result<Vec<Vec<f64>>> {
+    let mut out = vec![Vec::with_capacity(rounds); n];
+    for r in 0..rounds {
+        for k in 0..n {
+            let v = (r + k) % n;
+            out[v].push(f(r, v)?);
+        }
+    }
+    Ok(out)
+}
+
+/// A table of variants against the first (the baseline): per variant the
+/// median (min–max) and the median of the per-round ratios (min–max).
+pub fn ratio_table(
+    title: &str,
+    unit: &str,
+    names: &[&str],
+    samples: &[Vec<f64>],
+) -> (Table, Vec<Summary>) {
+    let col = format!("{unit}: median (min–max)");
+    let mut t = Table::new(
+        title,
+        &["variant", &col, &format!("ratio vs {}", names[0]), "rounds"],
+    );
+    let mut ratios = Vec::new();
+    for (i, name) in names.iter().enumerate() {
+        let s = Summary::of(&samples[i]);
+        let r = Summary::of(&pair_ratios(&samples[0], &samples[i]));
+        let rs = if i == 0 {
+            "1 (baseline)".to_string()
+        } else {
+            r.fmt_ratio()
+        };
+        t.row(vec![name.to_string(), s.fmt(1), rs, s.n.to_string()]);
+        ratios.push(r);
+    }
+    (t, ratios)
+}
+
+/// Runs `f(0..n)` on `workers` threads (at most `n`); results in index order,
+/// or the first error.
+pub fn parallel<T: Send>(
+    n: usize,
+    workers: usize,
+    f: impl Fn(usize) -> Result<T> + Sync,
+) -> Result<Vec<T>> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Mutex;
+    let next = AtomicUsize::new(0);
+    let out: Mutex<Vec<Option<Result<T>>>> = Mutex::new((0..n).map(|_| None).collect());
+    std::thread::scope(|s| {
+        for _ in 0..workers.clamp(1, n.max(1)) {
+            s.spawn(|| loop {
+                let i = next.fetch_add(1, Ordering::SeqCst);
+                if i >= n {
+                    break;
+                }
+                let r = f(i);
+                let failed = r.is_err();
+                out.lock().unwrap_or_else(|e| e.into_inner())[i] = Some(r);
+                if failed {
+                    // Stop handing out work.
+                    next.store(n, Ordering::SeqCst);
+                }
+            });
+        }
+    });
+    let mut v = Vec::with_capacity(n);
+    for r in out.into_inner().unwrap_or_else(|e| e.into_inner()) {
+        match r {
+            Some(r) => v.push(r?),
+            None => anyhow::bail!("a parallel task did not run (an earlier one failed)"),
+        }
+    }
+    Ok(v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn interleaving_rotates_the_order() {
+        let mut order = Vec::new();
+        let s = interleave(3, 3, |r, v| {
+            order.push(v);
+            Ok((r * 10 + v) as f64)
+        })
+        .unwrap();
+        assert_eq!(order, vec![0, 1, 2, 1, 2, 0, 2, 0, 1]);
+        assert_eq!(s[1], vec![1.0, 11.0, 21.0]);
+    }
+
+    #[test]
+    fn parallel_keeps_order_and_reports_errors() {
+        let v = parallel(10, 3, |i| Ok(i * 2)).unwrap();
+        assert_eq!(v, (0..10).map(|i| i * 2).collect::<Vec<_>>());
+        let e = parallel(
+            10,
+            3,
+            |i| if i == 4 { anyhow::bail!("four") } else { Ok(i) },
+        );
+        assert!(e.is_err());
+        assert!(parallel(0, 3, Ok).unwrap().is_empty());
+    }
+
+    #[test]
+    fn ratio_tables_pair_rounds() {
+        let (t, r) = ratio_table("", "ms", &["a", "b"], &[vec![10.0, 20.0], vec![11.0, 30.0]]);
+        assert_eq!(t.rows.len(), 2);
+        assert_eq!(r[1].median, 1.3);
+        assert_eq!(t.rows[0][2], "1 (baseline)");
+    }
+}
