@@ -162,6 +162,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
     })?;
     let ns = cli.namespace;
     match cli.cmd {
+        Cmd::Config(_) => anyhow::bail!("config commands do not talk to the daemon"),
         Cmd::Status { json } => {
             let r = c.status(api::StatusRequest {}).await?.into_inner();
             if json {
@@ -174,6 +175,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
                         "events_subscribed": r.events_subscribed,
                         "default_branch": r.default_branch,
                         "pid": r.pid,
+                        "metrics_address": if r.metrics_address.is_empty() { serde_json::Value::Null } else { json!(r.metrics_address) },
                     })
                 );
             } else {
@@ -190,6 +192,14 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
                 );
                 out!("default branch      {}", r.default_branch);
                 out!("daemon pid          {}", r.pid);
+                out!(
+                    "metrics             {}",
+                    if r.metrics_address.is_empty() {
+                        "off".to_string()
+                    } else {
+                        format!("http://{}/metrics", r.metrics_address)
+                    }
+                );
             }
             Ok(ExitCode::SUCCESS)
         }
