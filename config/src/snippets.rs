@@ -249,6 +249,9 @@ pub fn containerd(
          # runtime handler `{RUNTIME_HANDLER}` (RuntimeClass `handler: {RUNTIME_HANDLER}`) for the runtime\n\
          # shim, which publishes a container's writes before its task delete returns.\n\
          [{images}]\n  snapshotter = \"{SNAPSHOTTER}\"\n\
+         # Naming any runtime replaces CRI's built-in list: keep runc (the default\n\
+         # runtime handler; without it the CRI plugin does not load).\n\
+         [{runtimes}.runc]\n  runtime_type = \"io.containerd.runc.v2\"\n\
          [{runtimes}.{RUNTIME_HANDLER}]\n  runtime_type = \"{RUNTIME_TYPE}\""
     );
     if version != ContainerdVersion::V1_6 {
@@ -457,6 +460,11 @@ mod tests {
                 Some("io.containerd.layerstack.v1")
             );
             assert!(cri["runtimes"]["layerstack"].get("options").is_none());
+            assert_eq!(
+                cri["runtimes"]["runc"]["runtime_type"].as_str(),
+                Some("io.containerd.runc.v2"),
+                "the default runtime stays (checked against containerd 1.6.20: without it CRI does not load)"
+            );
             assert!(d["plugins"]
                 .get("io.containerd.transfer.v1.local")
                 .is_none());
@@ -493,6 +501,12 @@ mod tests {
                 ["runtime_type"]
                 .as_str(),
             Some("io.containerd.layerstack.v1")
+        );
+        assert_eq!(
+            d["plugins"]["io.containerd.cri.v1.runtime"]["containerd"]["runtimes"]["runc"]
+                ["runtime_type"]
+                .as_str(),
+            Some("io.containerd.runc.v2")
         );
         assert!(d["plugins"].get("io.containerd.grpc.v1.cri").is_none());
     }
