@@ -204,7 +204,11 @@ async fn probe(snapshots: &Path, admin: &Path, within: Duration) -> Result<()> {
     };
     let deadline = tokio::time::Instant::now() + within;
     loop {
-        match once().await {
+        let attempt = match tokio::time::timeout(Duration::from_secs(5), once()).await {
+            Ok(r) => r,
+            Err(_) => Err(anyhow::anyhow!("no answer within 5 s")),
+        };
+        match attempt {
             Ok(()) => return Ok(()),
             Err(e) if tokio::time::Instant::now() >= deadline => return Err(e),
             Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
@@ -376,6 +380,18 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
         }
         info!("shutting down");
     };
+    // Test hook (integration/tests/ops.rs): hold the servers back after the
+    // sockets are bound, to show that READY=1 waits until they answer.
+    if let Some(ms) = std::env::var("LAYERSTACK_TEST_DELAY_SERVE_MS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+    {
+        warn!(
+            ms,
+            "LAYERSTACK_TEST_DELAY_SERVE_MS: serving late (a test hook)"
+        );
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
     let snap_srv = containerd_snapshots::tonic::transport::Server::builder()
         .layer(metrics::error_layer(metrics.clone(), "snapshots"))
         .add_service(snapshots)

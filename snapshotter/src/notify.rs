@@ -41,12 +41,14 @@ impl Notifier {
         let target = match b.first() {
             Some(b'/') => SocketAddr::from_pathname(&v)?,
             Some(b'@') => SocketAddr::from_abstract_name(&b[1..])?,
-            _ => return Err(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!(
+            _ => {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!(
                     "NOTIFY_SOCKET={v:?} is neither a socket path nor an abstract address (@name)"
                 ),
-            )),
+                ))
+            }
         };
         Ok(Notifier {
             target: Some(target),

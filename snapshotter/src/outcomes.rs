@@ -109,7 +109,7 @@ async fn handle(engine: &Engine, metrics: Option<&Metrics>, ev: OutcomeEvent) {
         paths.excluded = o.counts.excluded,
         conflicts = (!conflicts.is_empty()).then_some(conflicts.as_str()),
         duration_ms,
-        message = o.message.as_deref(),
+        detail = o.message.as_deref(),
         "publish outcome"
     );
 }
