@@ -208,6 +208,19 @@ pub fn mounts(spec: &MountSpec) -> Vec<Mount> {
     }
 }
 
+/// The status named `s` in a request ("" = any).
+///
+/// # Errors
+/// The message for an `InvalidArgument`, naming the accepted values.
+pub fn parse_status(s: &str) -> Result<Option<PathStatus>, String> {
+    if s.is_empty() {
+        return Ok(None);
+    }
+    PathStatus::parse(s).map(Some).ok_or_else(|| {
+        format!("unknown path status {s:?}: use clean, merged, conflict or excluded")
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -229,17 +242,4 @@ mod tests {
             assert_eq!(kind_name(status(kind, String::new()).code()), name);
         }
     }
-}
-
-/// The status named `s` in a request ("" = any).
-///
-/// # Errors
-/// The message for an `InvalidArgument`, naming the accepted values.
-pub fn parse_status(s: &str) -> Result<Option<PathStatus>, String> {
-    if s.is_empty() {
-        return Ok(None);
-    }
-    PathStatus::parse(s).map(Some).ok_or_else(|| {
-        format!("unknown path status {s:?}: use clean, merged, conflict or excluded")
-    })
 }

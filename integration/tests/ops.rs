@@ -9,6 +9,8 @@
 //! without them, except under `CI=true`, where they fail; so does a missing
 //! `systemd-analyze`.
 
+#![allow(clippy::unwrap_used)]
+
 use std::ffi::OsString;
 use std::fs;
 use std::io::{Read, Write};
