@@ -32,14 +32,31 @@ bin="${CARGO_TARGET_DIR:-$repo/target}/debug"
 
 work=$(mktemp -d /var/tmp/layerstack-demo.XXXXXX)
 ctd_pid="" daemon_pid=""
+# Stops everything the demo started, by pid only: the daemon and containerd it
+# spawned, and the shims of its containers (containerd-shim-runc-v2 writes its pid
+# to <state>/io.containerd.runtime.v2.task/<ns>/<id>/shim.pid).
 cleanup() {
   set +e
-  [[ -n "$ctd_pid" ]] && command ctr --address "$work/c.sock" -n layerstack-demo tasks ls -q 2>/dev/null |
-    xargs -r -n1 command ctr --address "$work/c.sock" -n layerstack-demo tasks kill -s KILL 2>/dev/null
+  if [[ -n "$ctd_pid" ]]; then
+    local ids
+    ids=$(command ctr --address "$work/c.sock" -n layerstack-demo tasks ls -q 2>/dev/null)
+    for id in $ids; do
+      command ctr --address "$work/c.sock" -n layerstack-demo tasks kill -s KILL "$id" 2>/dev/null
+      command ctr --address "$work/c.sock" -n layerstack-demo tasks rm -f "$id" >/dev/null 2>&1
+    done
+  fi
   [[ -n "$daemon_pid" ]] && kill "$daemon_pid" 2>/dev/null
   [[ -n "$ctd_pid" ]] && kill "$ctd_pid" 2>/dev/null
   sleep 1
-  pkill -KILL -f "containerd-shim-runc-v2 .*-address $work/c.sock" 2>/dev/null
+  local f pid
+  for f in "$work"/ctd/state/io.containerd.runtime.v2.task/*/*/shim.pid; do
+    [[ -f "$f" ]] || continue
+    pid=$(cat "$f")
+    # Only if that pid is still our shim (not a reused pid).
+    if [[ "$pid" =~ ^[0-9]+$ ]] && tr '\0' ' ' <"/proc/$pid/cmdline" 2>/dev/null | grep -qF -- "$work/c.sock"; then
+      kill -KILL "$pid" 2>/dev/null
+    fi
+  done
   [[ -n "$daemon_pid" ]] && kill -KILL "$daemon_pid" 2>/dev/null
   [[ -n "$ctd_pid" ]] && kill -KILL "$ctd_pid" 2>/dev/null
   awk -v w="$work" 'index($5, w) == 1 {print $5}' /proc/self/mountinfo | sort -r | xargs -r -n1 umount -l 2>/dev/null
@@ -66,7 +83,8 @@ echo "==> starting containerd-layerstack-grpc and a private containerd under $wo
 # The daemon first (as systemd orders them): containerd 1.6 dials the proxy
 # socket at startup and backs off if it is not there yet.
 "$bin/containerd-layerstack-grpc" --root "$work/store" --address "$work/snap.sock" \
-  --admin-address "$work/admin.sock" --containerd-address "$work/c.sock" >"$work/daemon.log" 2>&1 &
+  --admin-address "$work/admin.sock" --containerd-address "$work/c.sock" \
+  --metrics-address 127.0.0.1:0 >"$work/daemon.log" 2>&1 &
 daemon_pid=$!
 for _ in $(seq 100); do [[ -S "$work/snap.sock" && -S "$work/admin.sock" ]] && break; sleep 0.1; done
 containerd --config "$work/ctd/config.toml" >"$work/containerd.log" 2>&1 &
@@ -144,7 +162,7 @@ say "6. a store root on tmpfs is refused before anything is written"
 mkdir -p "$work/tmpfs"
 mount -t tmpfs tmpfs "$work/tmpfs"
 "$bin/containerd-layerstack-grpc" --root "$work/tmpfs/store" --address "$work/t.sock" \
-  --admin-address "$work/t-admin.sock" 2>&1 | sed 's/^/   /' || true
+  --admin-address "$work/t-admin.sock" --metrics-address 127.0.0.1:0 2>&1 | sed 's/^/   /' || true
 echo "   files written on the tmpfs: $(find "$work/tmpfs" -mindepth 1 | wc -l)"
 umount "$work/tmpfs"
 
@@ -152,5 +170,16 @@ say "sessions:"
 ls_ session ls
 say "history of main (newest first):"
 ls_ log "$img"
+metrics=$(ls_ status --json | python3 -c 'import json,sys; print(json.load(sys.stdin)["metrics_address"] or "")')
+if [[ -n "$metrics" ]]; then
+  say "metrics (http://$metrics/metrics):"
+  python3 - "$metrics" <<'PY'
+import sys, urllib.request
+text = urllib.request.urlopen("http://%s/metrics" % sys.argv[1], timeout=10).read().decode()
+for line in text.splitlines():
+    if line.startswith(("layerstack_publishes_total", "layerstack_sessions{", "layerstack_publish_duration_seconds_count")):
+        print("   " + line)
+PY
+fi
 echo
 echo "demo finished; stopping everything it started"

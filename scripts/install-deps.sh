@@ -6,11 +6,23 @@
 #   busybox-static         builds the busybox test image
 #   python3                packs the test images into OCI archives
 #   git                    the text-merge tests compare with git's own merge
+#   systemd                systemd-analyze, to verify layerstack.service (present on
+#                          any systemd host; in a container it only adds files)
 # Only missing packages are installed (apt-get update only then). Needs root
 # when something is missing. Rust (cargo) is not installed here: it must exist.
+#
+# No system-wide containerd is left running: on a systemd host, Debian's
+# containerd package enables and starts containerd.service. When this script
+# installs containerd itself, it masks the unit for the install (runtime mask,
+# gone at reboot even if the script dies), then unmasks it and disables it: the
+# package is installed, the service stopped and not enabled. A containerd that
+# was installed before is never touched.
 set -euo pipefail
 
-PACKAGES=(containerd runc protobuf-compiler debootstrap busybox-static python3 git ca-certificates)
+PACKAGES=(containerd runc protobuf-compiler debootstrap busybox-static python3 git ca-certificates systemd)
+
+# systemd is the running init when this directory exists (sd_booted(3)).
+SYSTEMD_RUN_DIR=${LAYERSTACK_SYSTEMD_RUN_DIR:-/run/systemd/system}
 
 log() { printf 'install-deps: %s\n' "$*" >&2; }
 
@@ -32,8 +44,25 @@ if ((${#missing[@]})); then
     fi
     log "installing ${missing[*]}"
     export DEBIAN_FRONTEND=noninteractive
+    masked=""
+    if [[ -d "$SYSTEMD_RUN_DIR" ]] && [[ " ${missing[*]} " == *" containerd "* ]]; then
+        log "masking containerd.service while installing: the package would start a system-wide containerd"
+        systemctl mask --runtime --quiet containerd.service
+        masked=1
+        trap 'systemctl unmask --runtime --quiet containerd.service || true' EXIT
+    fi
     apt-get update -q
     apt-get install -y -q --no-install-recommends "${missing[@]}"
+    if [[ -n "$masked" ]]; then
+        systemctl unmask --runtime --quiet containerd.service
+        trap - EXIT
+        # The package enabled it for boot; this script wanted only the binaries.
+        systemctl disable --quiet containerd.service
+        if systemctl is-active --quiet containerd.service; then
+            systemctl stop containerd.service
+        fi
+        log "containerd installed; containerd.service left disabled and stopped (systemctl enable --now containerd to use it)"
+    fi
 else
     log "all packages present: ${PACKAGES[*]}"
 fi

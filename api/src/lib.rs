@@ -78,6 +78,33 @@ pub fn status(kind: ErrorKind, message: String) -> tonic::Status {
     tonic::Status::new(code, message)
 }
 
+/// The error kind a gRPC status code stands for, as named in metrics and logs:
+/// the inverse of [`status`] (`Aborted` is `conflict`, `ResourceExhausted` is
+/// `busy`, …); codes [`status`] never produces (a client's deadline, a transport
+/// failure) keep their gRPC name in snake case.
+pub fn kind_name(code: tonic::Code) -> &'static str {
+    use tonic::Code;
+    match code {
+        Code::Ok => "ok",
+        Code::NotFound => "not_found",
+        Code::AlreadyExists => "already_exists",
+        Code::FailedPrecondition => "failed_precondition",
+        Code::InvalidArgument => "invalid_argument",
+        Code::Aborted => "conflict",
+        Code::Unavailable => "unavailable",
+        Code::ResourceExhausted => "busy",
+        Code::Unimplemented => "unsupported",
+        Code::DataLoss => "corrupt",
+        Code::Unknown => "internal",
+        Code::Cancelled => "cancelled",
+        Code::DeadlineExceeded => "deadline_exceeded",
+        Code::PermissionDenied => "permission_denied",
+        Code::OutOfRange => "out_of_range",
+        Code::Internal => "grpc_internal",
+        Code::Unauthenticated => "unauthenticated",
+    }
+}
+
 /// [`status`] of an engine error.
 pub fn engine_status(e: &layerstack_engine::EngineError) -> tonic::Status {
     status(e.kind(), error_chain(e))
@@ -193,4 +220,27 @@ pub fn parse_status(s: &str) -> Result<Option<PathStatus>, String> {
     PathStatus::parse(s).map(Some).ok_or_else(|| {
         format!("unknown path status {s:?}: use clean, merged, conflict or excluded")
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_error_kind_round_trips_through_its_code() {
+        for (kind, name) in [
+            (ErrorKind::NotFound, "not_found"),
+            (ErrorKind::AlreadyExists, "already_exists"),
+            (ErrorKind::FailedPrecondition, "failed_precondition"),
+            (ErrorKind::InvalidArgument, "invalid_argument"),
+            (ErrorKind::Conflict, "conflict"),
+            (ErrorKind::Unavailable, "unavailable"),
+            (ErrorKind::Busy, "busy"),
+            (ErrorKind::Unsupported, "unsupported"),
+            (ErrorKind::Corrupt, "corrupt"),
+            (ErrorKind::Internal, "internal"),
+        ] {
+            assert_eq!(kind_name(status(kind, String::new()).code()), name);
+        }
+    }
 }

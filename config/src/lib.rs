@@ -1,5 +1,6 @@
 //! Typed LayerStack configuration (`/etc/layerstack/config.toml`) and the
-//! shipped configuration snippets for containerd.
+//! configuration LayerStack generates for the tools around it (containerd,
+//! nerdctl, Docker, the runtime shim: [`snippets`]) — the one source of both.
 //!
 //! Only binaries read configuration; libraries take plain values.
 //!
@@ -11,14 +12,17 @@
 
 #![forbid(unsafe_code)]
 
+pub mod snippets;
+
+use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
 /// The commented default configuration, as shipped (`config/snippets/layerstack.toml`).
 pub const DEFAULT_TOML: &str = include_str!("../snippets/layerstack.toml");
-/// The containerd `config.toml` snippet that registers the proxy snapshotter.
-pub const CONTAINERD_SNIPPET: &str = include_str!("../snippets/containerd-proxy-plugin.toml");
+/// Where the packaged daemon reads its configuration (`layerstack.service`).
+pub const DEFAULT_CONFIG_PATH: &str = "/etc/layerstack/config.toml";
 
 /// Durability profile (ARCHITECTURE.md §8).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
@@ -59,6 +63,53 @@ pub struct Config {
     pub merge: MergeConfig,
     /// History maintenance: squash, garbage collection, retention.
     pub history: HistoryConfig,
+    /// The Prometheus endpoint (`[metrics]`).
+    pub metrics: MetricsConfig,
+    /// Log filter and format (`[log]`).
+    pub log: LogConfig,
+}
+
+/// The Prometheus text endpoint (`[metrics]`): plain HTTP, `GET /metrics`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct MetricsConfig {
+    /// Serve the endpoint. Default true.
+    pub enabled: bool,
+    /// TCP address to listen on. Default `127.0.0.1:9464` (loopback only: the
+    /// endpoint has no authentication). Port 0 picks a free port (`layerstack
+    /// status` shows which).
+    pub address: SocketAddr,
+}
+
+impl Default for MetricsConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            address: SocketAddr::from(([127, 0, 0, 1], 9464)),
+        }
+    }
+}
+
+/// Log filter and format (`[log]`); `--log-level` and `--log-format` override.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct LogConfig {
+    /// A level (`error`, `warn`, `info`, `debug`, `trace`) or a tracing directive
+    /// list (`info,layerstack_engine=debug`). Default: `$RUST_LOG`, else `info`.
+    pub level: Option<String>,
+    /// Line format. Default `text`.
+    pub format: LogFormat,
+}
+
+/// `[log] format`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines; colour only when stderr is a terminal.
+    #[default]
+    Text,
+    /// One JSON object per line (journald, log shippers).
+    Json,
 }
 
 /// History maintenance (`[history]`; ARCHITECTURE.md §2 "Squash", §10).
@@ -146,6 +197,8 @@ impl Default for Config {
                 .to_vec(),
             merge: MergeConfig::default(),
             history: HistoryConfig::default(),
+            metrics: MetricsConfig::default(),
+            log: LogConfig::default(),
         }
     }
 }
@@ -220,8 +273,25 @@ mod tests {
     }
 
     #[test]
-    fn containerd_snippet_names_the_default_socket() {
-        assert!(CONTAINERD_SNIPPET.contains("[proxy_plugins.layerstack]"));
-        assert!(CONTAINERD_SNIPPET.contains(Config::default().address.to_str().unwrap()));
+    fn metrics_and_log_sections_parse() {
+        let c = Config::from_toml(
+            "[metrics]\nenabled = false\naddress = \"[::1]:9999\"\n[log]\nlevel = \"debug\"\nformat = \"json\"\n",
+        )
+        .unwrap();
+        assert!(!c.metrics.enabled);
+        assert_eq!(c.metrics.address.to_string(), "[::1]:9999");
+        assert_eq!(c.log.level.as_deref(), Some("debug"));
+        assert_eq!(c.log.format, LogFormat::Json);
+        let d = Config::default();
+        assert!(d.metrics.enabled);
+        assert_eq!(d.metrics.address.to_string(), "127.0.0.1:9464");
+        assert_eq!(d.log, LogConfig::default());
+        for bad in [
+            "[metrics]\naddress = \"localhost\"\n",
+            "[log]\nformat = \"xml\"\n",
+            "[metrics]\nport = 1\n",
+        ] {
+            assert!(Config::from_toml(bad).is_err(), "{bad}");
+        }
     }
 }

@@ -1,8 +1,10 @@
-//! `layerstack`: the LayerStack operator CLI. Talks to the daemon's admin socket.
+//! `layerstack`: the LayerStack operator CLI. Talks to the daemon's admin socket,
+//! except `layerstack config …`, which only prints configuration.
 //!
 //! Exit codes: 0 success; 1 error (message on stderr); 2 usage; 3 the session
 //! ended in conflict (`wait`, `publish`), or would (`publish --dry-run`).
 
+mod config;
 mod history;
 mod output;
 mod sessions;
@@ -29,7 +31,8 @@ pub async fn connect(
 #[derive(Debug, Parser)]
 #[command(name = "layerstack", version, about = "LayerStack operator CLI")]
 pub struct Cli {
-    /// Admin API socket of containerd-layerstack-grpc.
+    /// Admin API socket of containerd-layerstack-grpc (for `config`: the socket
+    /// the generated configuration names).
     #[arg(long, env = "LAYERSTACK_ADMIN_ADDRESS", default_value = api::DEFAULT_ADMIN_ADDRESS, global = true)]
     pub admin_address: PathBuf,
     /// containerd namespace of the containers and images named.
@@ -47,7 +50,10 @@ pub struct Cli {
 
 #[derive(Debug, Subcommand)]
 pub enum Cmd {
-    /// Daemon status: store root, containerd connection.
+    /// Print configuration for containerd, nerdctl, Docker, the runtime shim or
+    /// the daemon (no daemon needed).
+    Config(config::ConfigArgs),
+    /// Daemon status: version, store root, containerd connection, metrics endpoint.
     Status {
         /// Print the status as one JSON object.
         #[arg(long)]
@@ -118,11 +124,12 @@ pub enum SessionCmd {
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
-    let r = match cli.cmd {
+    let result = match cli.cmd {
+        Cmd::Config(args) => config::run(args, cli.admin_address),
         Cmd::History(h) => history::run(&cli.admin_address, &cli.namespace, h).await,
         _ => sessions::run(cli).await,
     };
-    match r {
+    match result {
         Ok(code) => code,
         Err(e) => {
             match e.downcast_ref::<tonic::Status>() {
@@ -134,6 +141,78 @@ async fn main() -> ExitCode {
                 None => eprintln!("layerstack: {e:#}"),
             }
             ExitCode::from(1)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use clap::CommandFactory;
+
+    fn walk(cmd: &clap::Command, path: &str, f: &mut impl FnMut(&str, &clap::Arg)) {
+        for a in cmd.get_arguments() {
+            f(path, a);
+        }
+        for sub in cmd.get_subcommands() {
+            walk(sub, &format!("{path} {}", sub.get_name()), f);
+        }
+    }
+
+    #[test]
+    fn the_command_line_is_well_formed_and_every_flag_has_help() {
+        Cli::command().debug_assert();
+        let mut json_flags = 0;
+        walk(&Cli::command(), "layerstack", &mut |path, a| {
+            let help = a.get_help().map(|h| h.to_string()).unwrap_or_default();
+            assert!(
+                !help.trim().is_empty() || a.is_positional(),
+                "{path} --{} has no help text",
+                a.get_id()
+            );
+            if a.get_long() == Some("json") {
+                json_flags += 1;
+            }
+        });
+        assert!(
+            json_flags >= 5,
+            "every --json flag was checked ({json_flags})"
+        );
+    }
+
+    #[test]
+    fn config_commands_parse_without_a_daemon() {
+        let cli = Cli::try_parse_from([
+            "layerstack",
+            "config",
+            "containerd",
+            "--version",
+            "2",
+            "--address",
+            "/x/s.sock",
+        ])
+        .unwrap();
+        let Cmd::Config(args) = cli.cmd else {
+            panic!("not a config command")
+        };
+        assert_eq!(args.address, std::path::Path::new("/x/s.sock"));
+        let config::ConfigCmd::Containerd {
+            containerd_version, ..
+        } = args.what
+        else {
+            panic!("not containerd")
+        };
+        assert_eq!(
+            containerd_version,
+            Some(layerstack_config::snippets::ContainerdVersion::V2)
+        );
+        let e = Cli::try_parse_from(["layerstack", "config", "containerd", "--version", "1.5"])
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("1.6, 1.7 or 2"), "{e}");
+        for what in ["nerdctl", "docker", "shim", "daemon", "crio-none"] {
+            Cli::try_parse_from(["layerstack", "config", what]).unwrap();
         }
     }
 }

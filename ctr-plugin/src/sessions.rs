@@ -157,6 +157,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
     let mut c = crate::connect(&cli.admin_address).await?;
     let ns = cli.namespace;
     match cli.cmd {
+        Cmd::Config(_) => anyhow::bail!("config commands do not talk to the daemon"),
         Cmd::Status { json } => {
             let r = c.status(api::StatusRequest {}).await?.into_inner();
             if json {
@@ -169,6 +170,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
                         "events_subscribed": r.events_subscribed,
                         "default_branch": r.default_branch,
                         "pid": r.pid,
+                        "metrics_address": if r.metrics_address.is_empty() { serde_json::Value::Null } else { json!(r.metrics_address) },
                     })
                 );
             } else {
@@ -185,6 +187,14 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
                 );
                 out!("default branch      {}", r.default_branch);
                 out!("daemon pid          {}", r.pid);
+                out!(
+                    "metrics             {}",
+                    if r.metrics_address.is_empty() {
+                        "off".to_string()
+                    } else {
+                        format!("http://{}/metrics", r.metrics_address)
+                    }
+                );
             }
             Ok(ExitCode::SUCCESS)
         }

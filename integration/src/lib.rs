@@ -251,7 +251,8 @@ pub fn stdout(out: &Output) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-fn ensure_success(what: &str, out: Output) -> Result<Output> {
+/// `out` if it exited 0, else an error naming `what` with its output.
+pub fn ensure_success(what: &str, out: Output) -> Result<Output> {
     if out.status.success() {
         Ok(out)
     } else {
@@ -372,6 +373,19 @@ pub fn kill_process_trees(select: impl Fn(&str) -> bool) -> Vec<String> {
         killed.push(format!("{pid} {}", cmd.trim()));
     }
     killed
+}
+
+/// Merges `over` into `base`: tables key by key (recursively), any other value
+/// of `over` replaces `base`'s.
+pub fn merge_toml(base: &mut toml::Table, over: toml::Table) {
+    for (k, v) in over {
+        match (base.get_mut(&k), v) {
+            (Some(toml::Value::Table(b)), toml::Value::Table(o)) => merge_toml(b, o),
+            (_, v) => {
+                base.insert(k, v);
+            }
+        }
+    }
 }
 
 /// SIGTERM, wait up to `grace`, then SIGKILL; reaps the child.
@@ -516,7 +530,7 @@ pub fn unmount_all_under(dir: &Path) -> Vec<PathBuf> {
 
 /// Removes `dir` after making sure nothing is mounted below it (a remaining
 /// mount means the tree is left in place and reported).
-fn remove_tree(dir: &Path) {
+pub fn remove_tree(dir: &Path) {
     let left = unmount_all_under(dir);
     if !left.is_empty() {
         eprintln!(
@@ -694,6 +708,31 @@ impl Containerd {
 
     /// Starts containerd with everything below `dir` (kept on drop).
     pub fn start_in(dir: &Path, layerstack_socket: &Path) -> Result<Containerd> {
+        let mut config = toml::Table::new();
+        let mut proxy = toml::Table::new();
+        proxy.insert("type".into(), "snapshot".into());
+        proxy.insert(
+            "address".into(),
+            layerstack_socket.to_string_lossy().into_owned().into(),
+        );
+        let mut proxies = toml::Table::new();
+        proxies.insert(SNAPSHOTTER.into(), proxy.into());
+        config.insert("proxy_plugins".into(), proxies.into());
+        Self::start_with_config(dir, layerstack_socket, config)
+    }
+
+    /// Starts containerd with everything below `dir` (kept on drop), from
+    /// `config` (a containerd config version 2 document, e.g. the output of
+    /// `layerstack config containerd --version 1.6`) merged with this harness's
+    /// private settings, which win: `root`, `state`, `grpc.address`,
+    /// `ttrpc.address`, debug logging. The CRI plugin is disabled unless `config`
+    /// configures it; then its CNI directories are private too (CRI would
+    /// otherwise create `/etc/cni/net.d`).
+    pub fn start_with_config(
+        dir: &Path,
+        layerstack_socket: &Path,
+        config: toml::Table,
+    ) -> Result<Containerd> {
         let dir = dir.to_path_buf();
         fs::create_dir_all(&dir)?;
         let socket = dir.join("containerd.sock");
@@ -703,43 +742,48 @@ impl Containerd {
                 socket.display()
             );
         }
-        let root = dir.join("root");
-        let state = dir.join("state");
         let log = dir.join("containerd.log");
-        let config = dir.join("containerd.toml");
-        let toml_str = |p: &Path| format!("{:?}", p.to_string_lossy());
-        let text = format!(
-            r#"version = 2
-root = {root}
-state = {state}
-disabled_plugins = ["io.containerd.grpc.v1.cri"]
-
-[grpc]
-  address = {sock}
-
-[ttrpc]
-  address = {ttrpc}
-
-[debug]
-  level = {level:?}
-
-[proxy_plugins.{name}]
-  type = "snapshot"
-  address = {ls}
-"#,
-            root = toml_str(&root),
-            state = toml_str(&state),
-            sock = toml_str(&socket),
-            ttrpc = toml_str(&dir.join("containerd.sock.ttrpc")),
-            name = SNAPSHOTTER,
-            ls = toml_str(layerstack_socket),
-            level = containerd_log_level(),
-        );
-        fs::write(&config, text)?;
+        let config_path = dir.join("containerd.toml");
+        let s = |p: PathBuf| toml::Value::from(p.to_string_lossy().into_owned());
+        let mut private = toml::Table::new();
+        private.insert("version".into(), 2.into());
+        private.insert("root".into(), s(dir.join("root")));
+        private.insert("state".into(), s(dir.join("state")));
+        let mut grpc = toml::Table::new();
+        grpc.insert("address".into(), s(socket.clone()));
+        private.insert("grpc".into(), grpc.into());
+        let mut ttrpc = toml::Table::new();
+        ttrpc.insert("address".into(), s(dir.join("containerd.sock.ttrpc")));
+        private.insert("ttrpc".into(), ttrpc.into());
+        let mut debug = toml::Table::new();
+        debug.insert("level".into(), containerd_log_level().into());
+        private.insert("debug".into(), debug.into());
+        let cri_configured = config
+            .get("plugins")
+            .and_then(|p| p.get("io.containerd.grpc.v1.cri"))
+            .is_some();
+        if cri_configured {
+            let mut cni = toml::Table::new();
+            cni.insert("conf_dir".into(), s(dir.join("cni").join("conf")));
+            cni.insert("bin_dir".into(), s(dir.join("cni").join("bin")));
+            let mut cri = toml::Table::new();
+            cri.insert("cni".into(), cni.into());
+            let mut plugins = toml::Table::new();
+            plugins.insert("io.containerd.grpc.v1.cri".into(), cri.into());
+            private.insert("plugins".into(), plugins.into());
+        } else {
+            private.insert(
+                "disabled_plugins".into(),
+                toml::Value::Array(vec!["io.containerd.grpc.v1.cri".into()]),
+            );
+        }
+        let mut merged = config;
+        merge_toml(&mut merged, private);
+        fs::write(&config_path, toml::to_string(&merged)?)?;
         let logf = File::create(&log)?;
         let child = Command::new("containerd")
             .arg("--config")
-            .arg(&config)
+            .arg(&config_path)
             .arg("--log-level")
             .arg(containerd_log_level())
             .envs(containerd_env(layerstack_socket))
@@ -760,6 +804,11 @@ disabled_plugins = ["io.containerd.grpc.v1.cri"]
         };
         c.wait_ready()?;
         Ok(c)
+    }
+
+    /// containerd's config file (as merged by [`Containerd::start_with_config`]).
+    pub fn config_path(&self) -> PathBuf {
+        self.dir.join("containerd.toml")
     }
 
     fn wait_ready(&mut self) -> Result<()> {
@@ -1060,6 +1109,10 @@ impl Daemon {
             .arg(&admin_socket)
             .arg("--containerd-address")
             .arg(containerd_socket)
+            // Any free port: never the default 9464, which another daemon (a
+            // parallel test, a system one) may hold.
+            .arg("--metrics-address")
+            .arg("127.0.0.1:0")
             .env(
                 "RUST_LOG",
                 std::env::var("RUST_LOG").unwrap_or_else(|_| "debug".into()),

@@ -533,7 +533,9 @@ fn check_tmpfs_refused(env: &TestEnv, bin: &Path, dir: &Path) -> Result<()> {
             .arg("--admin-address")
             .arg(&admin)
             .arg("--containerd-address")
-            .arg(env.containerd().socket()),
+            .arg(env.containerd().socket())
+            .arg("--metrics-address")
+            .arg("127.0.0.1:0"),
         Duration::from_secs(30),
     )
     .context("the daemon must exit on a tmpfs root, not serve")?;
@@ -1173,7 +1175,9 @@ fn a_second_daemon_on_the_same_root_is_refused() {
                     .arg("--admin-address")
                     .arg(admin)
                     .arg("--containerd-address")
-                    .arg(env.containerd().socket()),
+                    .arg(env.containerd().socket())
+                    .arg("--metrics-address")
+                    .arg("127.0.0.1:0"),
                 Duration::from_secs(30),
             )
         };

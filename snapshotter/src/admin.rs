@@ -22,6 +22,7 @@ pub struct AdminService {
     pub(crate) engine: Arc<Engine>,
     pub(crate) containerd_address: PathBuf,
     events_subscribed: Arc<AtomicBool>,
+    metrics_address: Option<std::net::SocketAddr>,
 }
 
 pub(crate) fn engine_status(e: EngineError) -> Status {
@@ -45,7 +46,14 @@ impl AdminService {
             engine,
             containerd_address,
             events_subscribed,
+            metrics_address: None,
         }
+    }
+
+    /// Reports the Prometheus endpoint's address in `Status` (none: off).
+    pub fn with_metrics_address(mut self, a: Option<std::net::SocketAddr>) -> Self {
+        self.metrics_address = a;
+        self
     }
 
     /// The session a request names: `session_id`, else the newest session of
@@ -126,6 +134,10 @@ impl api::Admin for AdminService {
             events_subscribed: self.events_subscribed.load(Ordering::SeqCst),
             default_branch: self.engine.store().default_branch().to_string(),
             pid: u64::from(std::process::id()),
+            metrics_address: self
+                .metrics_address
+                .map(|a| a.to_string())
+                .unwrap_or_default(),
         }))
     }
 

@@ -1,7 +1,8 @@
 //! `containerd-layerstack-grpc`: the LayerStack daemon. Serves containerd's
 //! Snapshots API as a proxy plugin and LayerStack's admin API, each on its own
-//! unix socket, and publishes sessions when containerd deletes their task. The
-//! engine does the work; this binary only wires it (config, logging, sockets).
+//! unix socket, publishes sessions when containerd deletes their task, and serves
+//! Prometheus metrics. The engine does the work; this binary only wires it
+//! (config, logging, sockets, readiness, metrics).
 
 // tonic::Status is the error type of every gRPC handler here (containerd-snapshots'
 // trait fixes it); boxing it would only move the allocation.
@@ -11,13 +12,18 @@ mod admin;
 mod containerd;
 mod filters;
 mod history;
+mod metrics;
+mod notify;
+mod outcomes;
 mod service;
 mod sockets;
 
 use std::io::IsTerminal;
-use std::path::PathBuf;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
+use std::time::Duration;
 
 use anyhow::{Context, Result};
 use clap::{Parser, ValueEnum};
@@ -25,7 +31,7 @@ use layerstack_config::{Config, Durability};
 use layerstack_engine::store::{Store, StoreLock, StoreOptions};
 use layerstack_engine::{Engine, EngineSettings};
 use tokio_stream::wrappers::UnixListenerStream;
-use tracing::{error, info};
+use tracing::{error, info, warn};
 
 /// Log line format.
 #[derive(Debug, Clone, Copy, ValueEnum)]
@@ -36,9 +42,27 @@ enum LogFormat {
     Json,
 }
 
-/// LayerStack daemon: containerd proxy snapshotter + admin API.
+impl From<layerstack_config::LogFormat> for LogFormat {
+    fn from(f: layerstack_config::LogFormat) -> Self {
+        match f {
+            layerstack_config::LogFormat::Text => Self::Text,
+            layerstack_config::LogFormat::Json => Self::Json,
+        }
+    }
+}
+
+/// LayerStack daemon: containerd proxy snapshotter, admin API, publisher.
 #[derive(Debug, Parser)]
-#[command(name = "containerd-layerstack-grpc", version)]
+#[command(
+    name = "containerd-layerstack-grpc",
+    version,
+    about = "LayerStack daemon: containerd proxy snapshotter, admin API and publisher",
+    long_about = "LayerStack daemon: serves containerd's Snapshots API (proxy plugin \"layerstack\") and \
+LayerStack's admin API on unix sockets, publishes a container's writes when containerd deletes its \
+task, and serves Prometheus metrics. Settings come from --config FILE (commented defaults: \
+`layerstack config daemon`); flags override the file. Under systemd (Type=notify) it reports \
+READY=1 once both sockets answer. docs/operations.md has the details."
+)]
 struct Args {
     /// Config file (TOML); flags override its values.
     #[arg(long, value_name = "FILE")]
@@ -55,16 +79,22 @@ struct Args {
     /// containerd's socket [default: /run/containerd/containerd.sock].
     #[arg(long, value_name = "SOCKET")]
     containerd_address: Option<PathBuf>,
-    /// Print the containerd config snippet for this daemon and exit.
+    /// Prometheus endpoint, HOST:PORT (port 0: any free port) [default:
+    /// 127.0.0.1:9464; `[metrics] enabled = false` turns it off].
+    #[arg(long, value_name = "ADDR")]
+    metrics_address: Option<SocketAddr>,
+    /// Print containerd 1.6/1.7 config entries for this daemon and exit (`layerstack
+    /// config containerd` covers containerd 2.x, nerdctl and Docker too).
     #[arg(long)]
     print_containerd_config: bool,
     /// Log filter: a level (error, warn, info, debug, trace) or a tracing
-    /// directive list such as `info,layerstack_engine=debug` [default: $RUST_LOG, else info].
+    /// directive list such as `info,layerstack_engine=debug` [default: $RUST_LOG,
+    /// else `[log] level`, else info].
     #[arg(long, value_name = "FILTER")]
     log_level: Option<String>,
-    /// Log line format.
-    #[arg(long, value_enum, default_value_t = LogFormat::Text)]
-    log_format: LogFormat,
+    /// Log line format [default: `[log] format`, else text].
+    #[arg(long, value_enum)]
+    log_format: Option<LogFormat>,
 }
 
 /// Refuse configurations that would only fail later, naming what to change.
@@ -84,11 +114,13 @@ fn validate(cfg: &mut Config) -> Result<()> {
     Ok(())
 }
 
-fn init_logging(level: Option<&str>, format: LogFormat) {
-    let filter = match level {
+/// Logging to stderr. The filter: `--log-level`, else `$RUST_LOG`, else the
+/// config's `[log] level`, else `info`.
+fn init_logging(flag: Option<&str>, config: Option<&str>, format: LogFormat) {
+    let filter = match flag {
         Some(l) => tracing_subscriber::EnvFilter::new(l),
         None => tracing_subscriber::EnvFilter::try_from_default_env()
-            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(config.unwrap_or("info"))),
     };
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
@@ -132,19 +164,76 @@ fn main() {
 
 async fn async_main() {
     let args = Args::parse();
-    init_logging(args.log_level.as_deref(), args.log_format);
-    if let Err(e) = run(args).await {
+    let loaded = match &args.config {
+        Some(p) => Config::load(p).map_err(anyhow::Error::from),
+        None => Ok(Config::default()),
+    };
+    let (level, format) = match &loaded {
+        Ok(c) => (c.log.level.clone(), c.log.format.into()),
+        Err(_) => (None, LogFormat::Text),
+    };
+    init_logging(
+        args.log_level.as_deref(),
+        level.as_deref(),
+        args.log_format.unwrap_or(format),
+    );
+    let result = match loaded {
+        Ok(cfg) => run(args, cfg).await,
+        Err(e) => Err(e),
+    };
+    if let Err(e) = result {
         // One line on stderr (the tracing log also goes to stderr).
         error!("{e:#}");
         std::process::exit(1);
     }
 }
 
-async fn run(args: Args) -> Result<()> {
-    let mut cfg = match &args.config {
-        Some(p) => Config::load(p)?,
-        None => Config::default(),
+/// Both sockets answer a request: the admin API its `Status`, the Snapshots API a
+/// `List` that matches nothing. Retried for `within`.
+async fn probe(snapshots: &Path, admin: &Path, within: Duration) -> Result<()> {
+    use containerd_snapshots::api::snapshots::v1::{
+        snapshots_client::SnapshotsClient, ListSnapshotsRequest,
     };
+    let once = || async {
+        let mut a = layerstack_api::connect(admin.to_path_buf())
+            .await
+            .context("admin socket")?;
+        a.status(layerstack_api::StatusRequest {})
+            .await
+            .context("admin Status")?;
+        let path = snapshots.to_path_buf();
+        let ch = tonic::transport::Endpoint::try_from("http://[::]:50051")?
+            .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
+                tokio::net::UnixStream::connect(path.clone())
+            }))
+            .await
+            .context("snapshots socket")?;
+        let mut stream = SnapshotsClient::new(ch)
+            .list(ListSnapshotsRequest {
+                snapshotter: layerstack_config::snippets::SNAPSHOTTER.to_string(),
+                filters: vec!["name==\"layerstack.readiness-probe\"".to_string()],
+            })
+            .await
+            .context("snapshots List")?
+            .into_inner();
+        while stream.message().await.context("snapshots List")?.is_some() {}
+        anyhow::Ok(())
+    };
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        let attempt = match tokio::time::timeout(Duration::from_secs(5), once()).await {
+            Ok(r) => r,
+            Err(_) => Err(anyhow::anyhow!("no answer within 5 s")),
+        };
+        match attempt {
+            Ok(()) => return Ok(()),
+            Err(e) if tokio::time::Instant::now() >= deadline => return Err(e),
+            Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
+        }
+    }
+}
+
+async fn run(args: Args, mut cfg: Config) -> Result<()> {
     if let Some(v) = args.root {
         cfg.root = v;
     }
@@ -157,13 +246,25 @@ async fn run(args: Args) -> Result<()> {
     if let Some(v) = args.containerd_address {
         cfg.containerd_address = v;
     }
+    if let Some(v) = args.metrics_address {
+        cfg.metrics.address = v;
+    }
     if args.print_containerd_config {
+        let e = layerstack_config::snippets::Endpoints {
+            root: cfg.root.clone(),
+            address: cfg.address.clone(),
+            admin_address: cfg.admin_address.clone(),
+            containerd_address: cfg.containerd_address.clone(),
+            metrics_address: cfg.metrics.address,
+            ..Default::default()
+        };
         print!(
             "{}",
-            layerstack_config::CONTAINERD_SNIPPET.replace(
-                "/run/layerstack/snapshotter.sock",
-                &cfg.address.display().to_string()
-            )
+            layerstack_config::snippets::containerd(
+                layerstack_config::snippets::ContainerdVersion::V1_6,
+                &e,
+                &layerstack_config::snippets::host_platform(),
+            )?
         );
         return Ok(());
     }
@@ -177,6 +278,19 @@ async fn run(args: Args) -> Result<()> {
     let lock = StoreLock::acquire(&cfg.root)?;
     let snap_socket = sockets::Socket::bind(&cfg.address)?;
     let admin_socket = sockets::Socket::bind(&cfg.admin_address)?;
+    let metrics_listener = cfg
+        .metrics
+        .enabled
+        .then(|| metrics::bind(cfg.metrics.address))
+        .transpose()?;
+    let metrics_address = match &metrics_listener {
+        Some(l) => Some(l.local_addr().context("metrics listener address")?),
+        None => None,
+    };
+    let notifier = notify::Notifier::from_env().unwrap_or_else(|e| {
+        warn!(error = %e, "not reporting readiness to the service manager");
+        notify::Notifier::disabled()
+    });
     let opts = StoreOptions {
         durability: match cfg.durability {
             Durability::Disposable => layerstack_engine::store::Durability::Disposable,
@@ -233,16 +347,38 @@ async fn run(args: Args) -> Result<()> {
         });
     }
     let subscribed = Arc::new(AtomicBool::new(false));
+    let metrics = metrics_listener
+        .is_some()
+        .then(|| Arc::new(metrics::Metrics::new()));
+    // Before anything can publish: every outcome gets its log line and metrics.
+    tokio::spawn(outcomes::watch(&engine, metrics.clone()));
 
     let snapshots = containerd_snapshots::server(Arc::new(service::LayerStackSnapshotter::new(
         engine.clone(),
     )));
-    let admin = layerstack_api::AdminServer::new(admin::AdminService::new(
-        engine.clone(),
-        cfg.containerd_address.clone(),
-        subscribed.clone(),
-    ));
-    info!(address = %cfg.address.display(), admin = %cfg.admin_address.display(), pid = std::process::id(), "serving");
+    let admin = layerstack_api::AdminServer::new(
+        admin::AdminService::new(
+            engine.clone(),
+            cfg.containerd_address.clone(),
+            subscribed.clone(),
+        )
+        .with_metrics_address(metrics_address),
+    );
+    info!(
+        address = %cfg.address.display(),
+        admin = %cfg.admin_address.display(),
+        metrics = %metrics_address.map(|a| format!("http://{a}/metrics")).unwrap_or_else(|| "off".into()),
+        pid = std::process::id(),
+        "serving"
+    );
+    if let (Some(listener), Some(m)) = (metrics_listener, metrics.clone()) {
+        let (engine, subscribed) = (engine.clone(), subscribed.clone());
+        tokio::spawn(async move {
+            if let Err(e) = metrics::serve(listener, m, engine, subscribed).await {
+                error!("{e:#}");
+            }
+        });
+    }
 
     if cfg.publish_on_task_delete {
         tokio::spawn(containerd::watch_events(
@@ -251,6 +387,26 @@ async fn run(args: Args) -> Result<()> {
             subscribed,
         ));
     }
+
+    // READY=1 only once both sockets answer a request.
+    let (snap_path, admin_path) = (cfg.address.clone(), cfg.admin_address.clone());
+    let notifier = Arc::new(notifier);
+    let ready_notifier = notifier.clone();
+    tokio::spawn(async move {
+        match probe(&snap_path, &admin_path, Duration::from_secs(30)).await {
+            Ok(()) => {
+                info!("ready: both sockets answer");
+                let status = format!("STATUS=serving {}", snap_path.display());
+                if ready_notifier.enabled() {
+                    info!("reporting READY=1 to the service manager (NOTIFY_SOCKET)");
+                }
+                if let Err(e) = ready_notifier.notify(&format!("READY=1\n{status}")) {
+                    error!(error = %e, "cannot report readiness to the service manager (NOTIFY_SOCKET)");
+                }
+            }
+            Err(e) => error!("the daemon's own sockets do not answer; not reporting ready: {e:#}"),
+        }
+    });
 
     let shutdown = async {
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
@@ -261,16 +417,33 @@ async fn run(args: Args) -> Result<()> {
         }
         info!("shutting down");
     };
+    // Test hook (integration/tests/ops.rs): hold the servers back after the
+    // sockets are bound, to show that READY=1 waits until they answer.
+    if let Some(ms) = std::env::var("LAYERSTACK_TEST_DELAY_SERVE_MS")
+        .ok()
+        .and_then(|v| v.parse::<u64>().ok())
+    {
+        warn!(
+            ms,
+            "LAYERSTACK_TEST_DELAY_SERVE_MS: serving late (a test hook)"
+        );
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
     let snap_srv = containerd_snapshots::tonic::transport::Server::builder()
+        .layer(metrics::error_layer(metrics.clone(), "snapshots"))
         .add_service(snapshots)
         .serve_with_incoming(UnixListenerStream::new(snap_socket.listener()?));
     let admin_srv = tonic::transport::Server::builder()
+        .layer(metrics::error_layer(metrics.clone(), "admin"))
         .add_service(admin)
         .serve_with_incoming(UnixListenerStream::new(admin_socket.listener()?));
     tokio::select! {
         r = snap_srv => r.context("snapshots server")?,
         r = admin_srv => r.context("admin server")?,
         _ = shutdown => {}
+    }
+    if let Err(e) = notifier.notify("STOPPING=1") {
+        warn!(error = %e, "cannot report stopping to the service manager");
     }
     // The sockets are removed when they drop, and only if they are still ours.
     drop(snap_socket);

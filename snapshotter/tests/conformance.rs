@@ -69,6 +69,9 @@ async fn start() -> (Daemon, SnapshotsClient<Channel>) {
         .arg(dir.path().join("a.sock"))
         .arg("--containerd-address")
         .arg(dir.path().join("no-containerd.sock"))
+        // Any free port: tests run side by side, the default 9464 is one port.
+        .arg("--metrics-address")
+        .arg("127.0.0.1:0")
         .env("RUST_LOG", "debug,h2=info,hyper=info,tower=info")
         .stdout(Stdio::null())
         .stderr(log)

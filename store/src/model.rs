@@ -377,7 +377,8 @@ pub enum Owner {
 }
 
 impl Owner {
-    pub(crate) fn kind_str(&self) -> &'static str {
+    /// `container`, `sandbox` or `operation`.
+    pub fn kind_str(&self) -> &'static str {
         match self {
             Self::Container { .. } => "container",
             Self::Sandbox { .. } => "sandbox",

@@ -1,0 +1,442 @@
+//! The Prometheus endpoint: `GET /metrics` over plain HTTP (loopback by default,
+//! `[metrics] address`), in the OpenMetrics text format
+//! (`application/openmetrics-text; version=1.0.0`), which Prometheus reads.
+//!
+//! Two kinds of metric:
+//!
+//! * **Event metrics**, kept in memory since the daemon started: outcomes by kind
+//!   and the durations of each publish (from the engine's outcome events and the
+//!   timings recorded on the outcome), and errors answered on the two gRPC
+//!   sockets by kind (containerd's errdefs names).
+//! * **State metrics**, read from the store at each scrape: live sessions by owner
+//!   kind, the depth of every branch head.
+//!
+//! Names, types and units are listed in `docs/operations.md`. Not exported,
+//! because their data does not exist yet: capture bytes (a publish records no
+//! byte count), bytes per accounting class and squash/GC runs (they come with
+//! history accounting).
+
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use layerstack_engine::store::{OutcomeKind, PublishTimings};
+use layerstack_engine::Engine;
+use prometheus_client::encoding::text::{encode_eof, encode_registry};
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
+use prometheus_client::metrics::info::Info;
+use prometheus_client::registry::{Registry, Unit};
+use tracing::{debug, warn};
+
+/// The content type of a scrape's answer.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OutcomeLabels {
+    outcome: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ErrorLabels {
+    api: &'static str,
+    kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct OwnerLabels {
+    owner_kind: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BranchLabels {
+    namespace: String,
+    stack: String,
+    branch: String,
+}
+
+/// Every outcome kind, so that each series exists (at 0) from the start: a
+/// counter that appears only at its first increment hides that increment from
+/// `rate()`.
+const OUTCOMES: [OutcomeKind; 9] = [
+    OutcomeKind::Committed,
+    OutcomeKind::Merged,
+    OutcomeKind::NoChange,
+    OutcomeKind::Conflict,
+    OutcomeKind::Discarded,
+    OutcomeKind::Failed,
+    OutcomeKind::Busy,
+    OutcomeKind::Unsupported,
+    OutcomeKind::Unknown,
+];
+
+/// Duration buckets, in seconds: 0.25 ms to about 4.4 min, ×4 each (11 buckets).
+fn duration_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(0.00025, 4.0, 11))
+}
+
+/// The daemon's metrics.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    publishes: Family<OutcomeLabels, Counter>,
+    publish_duration: Histogram,
+    capture_duration: Histogram,
+    gate_wait: Histogram,
+    gate_hold: Histogram,
+    errors: Family<ErrorLabels, Counter>,
+    missed_events: Counter,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// Every event metric at zero.
+    pub fn new() -> Self {
+        let mut registry = Registry::default();
+        let publishes = Family::<OutcomeLabels, Counter>::default();
+        for k in OUTCOMES {
+            let _ = publishes.get_or_create(&OutcomeLabels {
+                outcome: k.as_str(),
+            });
+        }
+        registry.register(
+            "layerstack_publishes",
+            "Runs of sessions ended, by outcome (committed, merged, no-change, conflict, discarded, failed, busy, unsupported, unknown)",
+            publishes.clone(),
+        );
+        let publish_duration = duration_histogram();
+        registry.register_with_unit(
+            "layerstack_publish_duration",
+            "Whole publish, from its start to the recorded outcome (outcomes that gated: committed, merged, conflict)",
+            Unit::Seconds,
+            publish_duration.clone(),
+        );
+        let capture_duration = duration_histogram();
+        registry.register_with_unit(
+            "layerstack_publish_capture_duration",
+            "Capture, sealing and gate planning of a publish, outside the gate",
+            Unit::Seconds,
+            capture_duration.clone(),
+        );
+        let gate_wait = duration_histogram();
+        registry.register_with_unit(
+            "layerstack_publish_gate_wait",
+            "Time a publish waited for its branch's gate",
+            Unit::Seconds,
+            gate_wait.clone(),
+        );
+        let gate_hold = duration_histogram();
+        registry.register_with_unit(
+            "layerstack_publish_gate_hold",
+            "Time a publish held its branch's gate (head re-check, re-plan, apply, commit)",
+            Unit::Seconds,
+            gate_hold.clone(),
+        );
+        let errors = Family::<ErrorLabels, Counter>::default();
+        registry.register(
+            "layerstack_errors",
+            "gRPC requests answered with an error, by socket (api: snapshots, admin) and error kind (containerd errdefs: not_found, already_exists, failed_precondition, invalid_argument, conflict, unavailable, busy, unsupported, corrupt, internal, ...)",
+            errors.clone(),
+        );
+        let missed_events = Counter::default();
+        registry.register(
+            "layerstack_outcome_events_missed",
+            "Outcome events this endpoint missed (a slow consumer): layerstack_publishes undercounts by this much",
+            missed_events.clone(),
+        );
+        registry.register(
+            "layerstack_build",
+            "The daemon's version",
+            Info::new(vec![("version", env!("CARGO_PKG_VERSION"))]),
+        );
+        Self {
+            registry,
+            publishes,
+            publish_duration,
+            capture_duration,
+            gate_wait,
+            gate_hold,
+            errors,
+            missed_events,
+        }
+    }
+
+    /// Counts one recorded outcome, with the timings of its publish when it gated.
+    pub fn outcome(&self, kind: OutcomeKind, timings: Option<&PublishTimings>) {
+        self.publishes
+            .get_or_create(&OutcomeLabels {
+                outcome: kind.as_str(),
+            })
+            .inc();
+        if let Some(t) = timings {
+            let s = |us: u64| us as f64 / 1e6;
+            self.publish_duration.observe(s(t.total_us));
+            self.capture_duration.observe(s(t.capture_us));
+            self.gate_wait.observe(s(t.gate_wait_us));
+            self.gate_hold.observe(s(t.gate_hold_us));
+        }
+    }
+
+    /// Counts `n` outcome events that were missed.
+    pub fn missed(&self, n: u64) {
+        self.missed_events.inc_by(n);
+    }
+
+    /// Counts one error answer on socket `api` with gRPC status `code`.
+    pub fn error(&self, api: &'static str, code: tonic::Code) {
+        self.errors
+            .get_or_create(&ErrorLabels {
+                api,
+                kind: layerstack_api::kind_name(code),
+            })
+            .inc();
+    }
+
+    /// The scrape's text: event metrics, then state metrics read from the store
+    /// now. A store that cannot be read leaves the state metrics out and sets
+    /// `layerstack_store_up` to 0 (the event metrics are still served).
+    pub async fn render(&self, engine: &Engine, events_subscribed: bool) -> String {
+        let state = engine
+            .blocking_store(|s| Ok((s.sessions()?, s.stacks()?)))
+            .await;
+        let mut now = Registry::default();
+        let up = Gauge::<i64>::default();
+        now.register(
+            "layerstack_store_up",
+            "1 when this scrape could read the store (sessions, branches), else 0",
+            up.clone(),
+        );
+        let subscribed = Gauge::<i64>::default();
+        subscribed.set(i64::from(events_subscribed));
+        now.register(
+            "layerstack_containerd_events_subscribed",
+            "1 while the daemon is subscribed to containerd's task events (task deletes publish), else 0",
+            subscribed,
+        );
+        match state {
+            Ok((sessions, stacks)) => {
+                up.set(1);
+                let live = Family::<OwnerLabels, Gauge>::default();
+                for kind in ["container", "sandbox", "operation"] {
+                    let _ = live.get_or_create(&OwnerLabels { owner_kind: kind });
+                }
+                for s in sessions.iter().filter(|s| !s.released) {
+                    let owner_kind = s.owner.kind_str();
+                    live.get_or_create(&OwnerLabels { owner_kind }).inc();
+                }
+                now.register(
+                    "layerstack_sessions",
+                    "Live sessions (not released by their owner), by owner kind",
+                    live,
+                );
+                let depth = Family::<BranchLabels, Gauge>::default();
+                for st in &stacks {
+                    for b in &st.branches {
+                        depth
+                            .get_or_create(&BranchLabels {
+                                namespace: st.namespace.clone(),
+                                stack: st.id.clone(),
+                                branch: b.name.clone(),
+                            })
+                            .set(b.depth);
+                    }
+                }
+                now.register(
+                    "layerstack_branch_depth",
+                    "Published layers in a branch head's manifest (overlayfs stacks at most 500 lowers with the base layers)",
+                    depth,
+                );
+            }
+            Err(e) => {
+                warn!(error = %layerstack_engine::error_chain(&e), "metrics: cannot read the store");
+            }
+        }
+        let mut out = String::new();
+        // Writing into a String cannot fail.
+        let _ = encode_registry(&mut out, &self.registry);
+        let _ = encode_registry(&mut out, &now);
+        let _ = encode_eof(&mut out);
+        out
+    }
+}
+
+/// Counts error answers of one gRPC server: a tower layer over its responses. An
+/// error a handler returns is a trailers-only response, whose headers carry
+/// `grpc-status` (an error inside a stream already under way is not seen).
+pub fn error_layer(
+    metrics: Option<Arc<Metrics>>,
+    api: &'static str,
+) -> tower::util::MapResponseLayer<
+    impl Fn(
+            tonic::codegen::http::Response<tonic::body::BoxBody>,
+        ) -> tonic::codegen::http::Response<tonic::body::BoxBody>
+        + Clone,
+> {
+    tower::util::MapResponseLayer::new(
+        move |resp: tonic::codegen::http::Response<tonic::body::BoxBody>| {
+            if let Some(m) = &metrics {
+                let code = resp
+                    .headers()
+                    .get("grpc-status")
+                    .and_then(|v| v.to_str().ok())
+                    .and_then(|v| v.parse::<i32>().ok())
+                    .map(tonic::Code::from_i32);
+                if let Some(code) = code.filter(|c| *c != tonic::Code::Ok) {
+                    m.error(api, code);
+                }
+            }
+            resp
+        },
+    )
+}
+
+/// Binds the endpoint's listener (before the daemon reports ready, so a taken
+/// port stops the start with a message naming the setting).
+pub fn bind(address: SocketAddr) -> Result<std::net::TcpListener> {
+    let l = std::net::TcpListener::bind(address).with_context(|| {
+        format!(
+            "cannot serve metrics on {address}: choose another [metrics] address (or --metrics-address), or set [metrics] enabled = false"
+        )
+    })?;
+    l.set_nonblocking(true)?;
+    Ok(l)
+}
+
+/// Serves `GET /metrics` on `listener` until the daemon stops.
+pub async fn serve(
+    listener: std::net::TcpListener,
+    metrics: Arc<Metrics>,
+    engine: Arc<Engine>,
+    subscribed: Arc<AtomicBool>,
+) -> Result<()> {
+    use hyper::service::{make_service_fn, service_fn};
+    use hyper::{Body, Method, Request, Response, StatusCode};
+
+    let make = make_service_fn(move |_conn| {
+        let (metrics, engine, subscribed) = (metrics.clone(), engine.clone(), subscribed.clone());
+        async move {
+            Ok::<_, Infallible>(service_fn(move |req: Request<Body>| {
+                let (metrics, engine, subscribed) =
+                    (metrics.clone(), engine.clone(), subscribed.clone());
+                async move {
+                    let reply = |status: StatusCode, ctype: &str, body: String| {
+                        Response::builder()
+                            .status(status)
+                            .header("content-type", ctype)
+                            .body(Body::from(body))
+                    };
+                    let r = match (req.method(), req.uri().path()) {
+                        (&Method::GET | &Method::HEAD, "/metrics") => {
+                            let text = metrics
+                                .render(&engine, subscribed.load(Ordering::SeqCst))
+                                .await;
+                            debug!(bytes = text.len(), "metrics scraped");
+                            reply(StatusCode::OK, CONTENT_TYPE, text)
+                        }
+                        (&Method::GET | &Method::HEAD, "/") => reply(
+                            StatusCode::OK,
+                            "text/plain; charset=utf-8",
+                            "containerd-layerstack-grpc: metrics at /metrics\n".into(),
+                        ),
+                        (&Method::GET | &Method::HEAD, _) => reply(
+                            StatusCode::NOT_FOUND,
+                            "text/plain; charset=utf-8",
+                            "not found: metrics are at /metrics\n".into(),
+                        ),
+                        _ => reply(
+                            StatusCode::METHOD_NOT_ALLOWED,
+                            "text/plain; charset=utf-8",
+                            "only GET\n".into(),
+                        ),
+                    };
+                    Ok::<_, Infallible>(r.unwrap_or_else(|_| Response::new(Body::empty())))
+                }
+            }))
+        }
+    });
+    hyper::Server::from_tcp(listener)
+        .context("metrics listener")?
+        .serve(make)
+        .await
+        .context("metrics server")
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use std::collections::BTreeMap;
+
+    /// A scrape's samples by series (`name{labels}` → value).
+    fn samples(text: &str) -> BTreeMap<String, f64> {
+        text.lines()
+            .filter(|l| !l.starts_with('#') && !l.is_empty())
+            .filter_map(|l| {
+                let (k, v) = l.rsplit_once(' ')?;
+                Some((k.to_string(), v.parse().ok()?))
+            })
+            .collect()
+    }
+
+    fn event_text(m: &Metrics) -> String {
+        let mut out = String::new();
+        encode_registry(&mut out, &m.registry).unwrap();
+        encode_eof(&mut out).unwrap();
+        out
+    }
+
+    #[test]
+    fn every_outcome_series_exists_at_zero_and_counts() {
+        let m = Metrics::new();
+        let s = samples(&event_text(&m));
+        for k in OUTCOMES {
+            assert_eq!(
+                s[&format!("layerstack_publishes_total{{outcome=\"{}\"}}", k.as_str())],
+                0.0
+            );
+        }
+        m.outcome(
+            OutcomeKind::Committed,
+            Some(&PublishTimings {
+                capture_us: 1_000,
+                gate_wait_us: 0,
+                gate_hold_us: 3_000,
+                total_us: 5_000,
+            }),
+        );
+        m.outcome(OutcomeKind::NoChange, None);
+        m.error("snapshots", tonic::Code::NotFound);
+        m.error("admin", tonic::Code::Aborted);
+        m.missed(2);
+        let text = event_text(&m);
+        let s = samples(&text);
+        assert_eq!(s["layerstack_publishes_total{outcome=\"committed\"}"], 1.0);
+        assert_eq!(s["layerstack_publishes_total{outcome=\"no-change\"}"], 1.0);
+        assert_eq!(s["layerstack_publish_duration_seconds_count"], 1.0);
+        assert!((s["layerstack_publish_duration_seconds_sum"] - 0.005).abs() < 1e-9);
+        assert_eq!(s["layerstack_publish_gate_hold_seconds_count"], 1.0);
+        assert_eq!(
+            s["layerstack_errors_total{api=\"snapshots\",kind=\"not_found\"}"],
+            1.0
+        );
+        assert_eq!(
+            s["layerstack_errors_total{api=\"admin\",kind=\"conflict\"}"],
+            1.0
+        );
+        assert_eq!(s["layerstack_outcome_events_missed_total"], 2.0);
+        assert_eq!(s["layerstack_build_info{version=\"0.1.0\"}"], 1.0);
+        assert!(text.contains("# TYPE layerstack_publish_duration_seconds histogram"));
+        assert!(text.contains("# UNIT layerstack_publish_duration_seconds seconds"));
+        assert!(text.ends_with("# EOF\n"));
+    }
+}
