@@ -193,6 +193,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
                 SessionCmd::Ls {
                     all_namespaces,
                     json,
+                    owner,
                 },
         } => {
             let mut sessions = Vec::new();
@@ -204,6 +205,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
                         all_namespaces,
                         page_size: 0,
                         page_token: token,
+                        owner_kind: owner.clone().unwrap_or_default(),
                     })
                     .await?
                     .into_inner();
@@ -317,7 +319,9 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
             };
             Ok(print_outcome(&r, all.as_deref(), json))
         }
-        Cmd::History(_) => unreachable!("history commands are dispatched in main"),
+        Cmd::History(_) | Cmd::Session { .. } => {
+            unreachable!("history and Mode B commands are dispatched in main")
+        }
     }
 }
 

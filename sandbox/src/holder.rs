@@ -454,8 +454,9 @@ fn reap_loop(main: libc::pid_t, set: &libc::sigset_t) -> ! {
 /// Drops privileges, enters the working directory and execs the command; never
 /// returns (127: not found, 126: found but not executable).
 fn exec_command(c: &Command, set: &libc::sigset_t) -> ! {
-    for s in sys::FORWARDED {
-        sys::set_handler(s, libc::SIG_DFL);
+    // Rust runtimes ignore SIGPIPE; the command gets every default back.
+    for s in sys::FORWARDED.iter().chain([libc::SIGPIPE].iter()) {
+        sys::set_handler(*s, libc::SIG_DFL);
     }
     sys::sigmask(libc::SIG_UNBLOCK, set);
     if let Some((uid, gid)) = c.ids {

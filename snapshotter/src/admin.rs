@@ -22,6 +22,8 @@ pub struct AdminService {
     pub(crate) engine: Arc<Engine>,
     pub(crate) containerd_address: PathBuf,
     events_subscribed: Arc<AtomicBool>,
+    /// Mode B: holders of sandbox sessions (the mount socket's side).
+    pub(crate) holders: Arc<crate::sandbox::Holders>,
 }
 
 pub(crate) fn engine_status(e: EngineError) -> Status {
@@ -45,7 +47,14 @@ impl AdminService {
             engine,
             containerd_address,
             events_subscribed,
+            holders: crate::sandbox::Holders::new(PathBuf::new()),
         }
+    }
+
+    /// The holders of sandbox sessions the mount socket serves.
+    pub fn with_holders(mut self, holders: Arc<crate::sandbox::Holders>) -> Self {
+        self.holders = holders;
+        self
     }
 
     /// The session a request names: `session_id`, else the newest session of
@@ -126,6 +135,9 @@ impl api::Admin for AdminService {
             events_subscribed: self.events_subscribed.load(Ordering::SeqCst),
             default_branch: self.engine.store().default_branch().to_string(),
             pid: u64::from(std::process::id()),
+            mount_address: self.holders.mount_address().display().to_string(),
+            sandbox_sessions: self.engine.sandbox_load().0 as u64,
+            sandbox_max_sessions: self.engine.sandbox_load().1 as u64,
         }))
     }
 
@@ -162,6 +174,7 @@ impl api::Admin for AdminService {
                     || s.owner.namespace() == r.namespace
                     || matches!(s.owner, layerstack_engine::store::Owner::Sandbox { .. })
             })
+            .filter(|s| r.owner_kind.is_empty() || api::owner_kind(&s.owner) == r.owner_kind)
             .take(size + 1)
             .collect();
         let next_page_token = if page.len() > size {
@@ -389,6 +402,20 @@ impl api::Admin for AdminService {
         req: Request<api::DiskUsageRequest>,
     ) -> Result<Response<api::DiskUsageResponse>, Status> {
         self.usage(req.into_inner()).await.map(Response::new)
+    }
+
+    async fn create_session(
+        &self,
+        req: Request<api::CreateSessionRequest>,
+    ) -> Result<Response<api::CreateSessionResponse>, Status> {
+        self.sandbox_create(req.into_inner()).await.map(Response::new)
+    }
+
+    async fn close_session(
+        &self,
+        req: Request<api::CloseSessionRequest>,
+    ) -> Result<Response<api::Session>, Status> {
+        self.sandbox_close(req.into_inner()).await.map(Response::new)
     }
 
     async fn set_branch(

@@ -11,6 +11,7 @@ mod admin;
 mod containerd;
 mod filters;
 mod history;
+mod sandbox;
 mod service;
 mod sockets;
 
@@ -161,6 +162,8 @@ async fn run(args: Args) -> Result<()> {
     let lock = StoreLock::acquire(&cfg.root)?;
     let snap_socket = sockets::Socket::bind(&cfg.address)?;
     let admin_socket = sockets::Socket::bind(&cfg.admin_address)?;
+    let mount_address = cfg.mount_address();
+    let mount_socket = sockets::Socket::bind(&mount_address)?;
     let opts = StoreOptions {
         durability: match cfg.durability {
             Durability::Disposable => layerstack_engine::store::Durability::Disposable,
@@ -194,6 +197,9 @@ async fn run(args: Args) -> Result<()> {
                 cfg.history.kept_upper_retention_h.saturating_mul(3600),
             ),
         },
+        sandbox: layerstack_engine::SandboxSettings {
+            max_sessions: usize::try_from(cfg.sandbox.max_sessions).unwrap_or(usize::MAX),
+        },
     };
     let engine = Engine::new(store, settings);
     if cfg.history.gc_interval_s > 0 {
@@ -206,7 +212,15 @@ async fn run(args: Args) -> Result<()> {
             "finished releases interrupted by the last stop"
         );
     }
+    let sandboxes = engine.recover_sandboxes().await?;
+    if sandboxes > 0 {
+        info!(
+            sessions = sandboxes,
+            "sandbox sessions of the last run are live; those whose holders are gone are finished by their policy"
+        );
+    }
     let subscribed = Arc::new(AtomicBool::new(false));
+    let holders = sandbox::Holders::new(mount_address.clone());
 
     let snapshots = containerd_snapshots::server(Arc::new(service::LayerStackSnapshotter::new(
         engine.clone(),
@@ -215,8 +229,10 @@ async fn run(args: Args) -> Result<()> {
         engine.clone(),
         cfg.containerd_address.clone(),
         subscribed.clone(),
-    ));
-    info!(address = %cfg.address.display(), admin = %cfg.admin_address.display(), pid = std::process::id(), "serving");
+    )
+    .with_holders(holders.clone()));
+    info!(address = %cfg.address.display(), admin = %cfg.admin_address.display(), mount = %mount_address.display(), pid = std::process::id(), "serving");
+    tokio::spawn(sandbox::serve(mount_socket.listener()?, engine.clone(), holders));
 
     if cfg.publish_on_task_delete {
         tokio::spawn(containerd::watch_events(
@@ -249,6 +265,7 @@ async fn run(args: Args) -> Result<()> {
     // The sockets are removed when they drop, and only if they are still ours.
     drop(snap_socket);
     drop(admin_socket);
+    drop(mount_socket);
     drop(lock);
     Ok(())
 }
