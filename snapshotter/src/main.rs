@@ -66,6 +66,9 @@ struct Args {
     /// Log line format.
     #[arg(long, value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
+    /// Live Mode B sessions at most ([sandbox] max_sessions) [default: 256].
+    #[arg(long, value_name = "N")]
+    sandbox_max_sessions: Option<u64>,
 }
 
 /// Refuse configurations that would only fail later, naming what to change.
@@ -141,6 +144,9 @@ async fn run(args: Args) -> Result<()> {
     }
     if let Some(v) = args.containerd_address {
         cfg.containerd_address = v;
+    }
+    if let Some(v) = args.sandbox_max_sessions {
+        cfg.sandbox.max_sessions = v;
     }
     if args.print_containerd_config {
         print!(
