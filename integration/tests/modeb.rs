@@ -45,7 +45,7 @@ fn ls(env: &TestEnv, args: &[&str]) -> Result<Output> {
 }
 
 /// `session run DEBIAN ARGS… -- sh -c SCRIPT`.
-fn run_sh(env: &TestEnv, args: &[&str], script: &str) -> Result<Output> {
+fn mb_sh(env: &TestEnv, args: &[&str], script: &str) -> Result<Output> {
     let mut a = vec!["session", "run", DEBIAN_IMAGE];
     a.extend_from_slice(args);
     a.extend_from_slice(&["--", "sh", "-c", script]);
@@ -99,7 +99,7 @@ fn run_passes_stdio_and_exit_status_and_publishes_on_exit() {
         let dir = env.scratch().join("smoke");
         std::fs::create_dir_all(&dir)?;
         let outcome = dir.join("o.json");
-        let o = run_sh(
+        let o = mb_sh(
             env,
             &["--outcome", outcome.to_str().context("utf-8")?],
             "echo out; echo err >&2; echo smoke > /smoke-marker; test -d /proc/self && test -c /dev/null && hostname; exit 7",
@@ -118,8 +118,203 @@ fn run_passes_stdio_and_exit_status_and_publishes_on_exit() {
         ensure!(v["outcome"] == "committed" && v["exit_status"] == 7, "{v}");
         ensure!(v["owner_kind"] == "sandbox", "{v}");
         // The next session sees it.
-        let o = run_sh(env, &[], "cat /smoke-marker")?;
+        let o = mb_sh(env, &[], "cat /smoke-marker")?;
         ensure!(code(&o) == 0 && stdout(&o) == "smoke\n", "{}", describe(&o));
+        Ok(())
+    });
+}
+
+/// Starts `session create` and returns the session id.
+fn create(env: &TestEnv, args: &[&str]) -> Result<i64> {
+    let mut a = vec!["session", "create", DEBIAN_IMAGE];
+    a.extend_from_slice(args);
+    let o = ls(env, &a)?;
+    ensure!(o.status.success(), "session create: {}", describe(&o));
+    stdout(&o).trim().parse().with_context(|| format!("session id in {:?}", stdout(&o)))
+}
+
+fn exec_sh(env: &TestEnv, id: i64, script: &str) -> Result<Output> {
+    ls(env, &["session", "exec", &id.to_string(), "--", "sh", "-c", script])
+}
+
+fn close(env: &TestEnv, id: i64, args: &[&str]) -> Result<Value> {
+    let sid = id.to_string();
+    let mut a = vec!["session", "close", &sid, "--json"];
+    a.extend_from_slice(args);
+    let o = ls(env, &a)?;
+    ensure!(
+        code(&o) == 0 || code(&o) == 3,
+        "session close {id}: {}",
+        describe(&o)
+    );
+    Ok(serde_json::from_slice(&o.stdout)?)
+}
+
+/// The upper of session `id` (a sandbox session's directory in the store).
+fn upper_of(env: &TestEnv, id: i64) -> String {
+    env.store_root().join("s").join(id.to_string()).join("upper").display().to_string()
+}
+
+#[test]
+fn exit_statuses_policies_and_refusals() {
+    scenario(|env| {
+        let o = ls(env, &["session", "run", DEBIAN_IMAGE, "--", "no-such-command-x"])?;
+        ensure!(code(&o) == 127, "not found: {}", describe(&o));
+        ensure!(contains_ci(&String::from_utf8_lossy(&o.stderr), "not found"), "{}", describe(&o));
+        let o = mb_sh(env, &[], "kill -9 $$")?;
+        ensure!(code(&o) == 137, "killed by SIGKILL: {}", describe(&o));
+        let o = ls(env, &["session", "run", DEBIAN_IMAGE, "--", "/etc/passwd"])?;
+        ensure!(code(&o) == 126, "not executable: {}", describe(&o));
+        // on-success with a failing command discards; never discards.
+        let dir = env.scratch().join("policies");
+        std::fs::create_dir_all(&dir)?;
+        let f = dir.join("o.json");
+        let fs = f.to_str().context("utf-8")?;
+        let o = mb_sh(env, &["--publish", "on-success", "--outcome", fs], "echo x > /on-success-failed; exit 1")?;
+        ensure!(code(&o) == 1, "{}", describe(&o));
+        ensure!(outcome_file(&f)?["outcome"] == "discarded", "{}", outcome_file(&f)?);
+        let o = mb_sh(env, &["--publish", "never", "--outcome", fs], "echo x > /never")?;
+        ensure!(code(&o) == 0 && outcome_file(&f)?["outcome"] == "discarded", "{}", describe(&o));
+        let o = mb_sh(env, &[], "ls /on-success-failed /never 2>&1; true")?;
+        ensure!(stdout(&o).matches("No such file").count() == 2, "{}", describe(&o));
+        // Not yet: checkpoint and nodes, refused clearly.
+        let o = mb_sh(env, &["--publish", "checkpoint"], "true")?;
+        ensure!(code(&o) == 125 && contains_ci(&String::from_utf8_lossy(&o.stderr), "SandboxGraph"), "{}", describe(&o));
+        let o = mb_sh(env, &["--node", "n1"], "true")?;
+        ensure!(code(&o) == 125 && contains_ci(&String::from_utf8_lossy(&o.stderr), "SandboxGraph"), "{}", describe(&o));
+        // Unknown image, bad --user.
+        let o = ls(env, &["session", "run", "docker.io/library/nope:1", "--", "true"])?;
+        ensure!(code(&o) == 125, "{}", describe(&o));
+        // Non-root callers are refused with a clear message.
+        let o = run_with_timeout(
+            Command::new("setpriv")
+                .args(["--reuid", "65534", "--regid", "65534", "--clear-groups"])
+                .arg(cli())
+                .arg("--admin-address")
+                .arg(env.admin_socket())
+                .args(["session", "run", DEBIAN_IMAGE, "--", "true"]),
+            CMD_TIMEOUT,
+        )?;
+        ensure!(
+            code(&o) == 125 && contains_ci(&String::from_utf8_lossy(&o.stderr), "needs root"),
+            "{}",
+            describe(&o)
+        );
+        Ok(())
+    });
+}
+
+#[test]
+fn workspace_mode_user_and_network() {
+    scenario(|env| {
+        // --net none: only lo, up; --user; the container's /proc /dev /sys.
+        let o = mb_sh(
+            env,
+            &["--net", "none", "--user", "1000:1000", "--workdir", "/tmp", "--env", "K=v"],
+            "cat /proc/net/dev | tail -n +3 | cut -d: -f1 | tr -d ' '; id -u; id -g; pwd; echo $K; \
+             grep -c . /proc/self/mountinfo >/dev/null; touch /sys/x 2>/dev/null || echo sys-ro; ls /proc/1/exe >/dev/null 2>&1; echo pid1=$(cat /proc/1/comm)",
+        )?;
+        let out = stdout(&o);
+        ensure!(code(&o) == 0, "{}", describe(&o));
+        ensure!(out.starts_with("lo\n1000\n1000\n/tmp\nv\nsys-ro\n"), "{out:?}");
+        // Workspace mode: the caller's root and tools, the session at DIR; the
+        // mount is private to the session.
+        let ws = env.scratch().join("ws");
+        std::fs::create_dir_all(&ws)?;
+        let wss = ws.to_str().context("utf-8")?;
+        let o = ls(
+            env,
+            &["session", "run", DEBIAN_IMAGE, "--mount-at", wss, "--", "sh", "-c",
+              "cat etc/debian_version >/dev/null && pwd && echo ws > ws-marker && test -x /usr/bin/cargo -o -d /work && echo host-root"],
+        )?;
+        ensure!(code(&o) == 0, "{}", describe(&o));
+        ensure!(stdout(&o) == format!("{wss}\nhost-root\n"), "{}", describe(&o));
+        ensure!(dir_is_empty(&ws)?, "the session's mount never shows in the caller's namespace");
+        let o = mb_sh(env, &[], "cat /ws-marker")?;
+        ensure!(stdout(&o) == "ws\n", "published from workspace mode: {}", describe(&o));
+        Ok(())
+    });
+}
+
+#[test]
+fn create_exec_close_keep_one_session_mounted() {
+    scenario(|env| {
+        let id = create(env, &["--publish", "on-success", "--name", "harness"])?;
+        let o = exec_sh(env, id, "echo one > /step1; hostname")?;
+        ensure!(code(&o) == 0 && stdout(&o) == format!("ls-{id}\n"), "{}", describe(&o));
+        let o = exec_sh(env, id, "cat /step1; echo two >> /step1; exit 4")?;
+        ensure!(code(&o) == 4 && stdout(&o) == "one\n", "{}", describe(&o));
+        // Another session does not see it.
+        let o = mb_sh(env, &[], "cat /step1 2>/dev/null || echo absent")?;
+        ensure!(stdout(&o) == "absent\n", "{}", describe(&o));
+        let listed = sessions_json(env, "sandbox")?;
+        ensure!(
+            listed.iter().any(|s| s["id"] == id && s["owner"] == "sandbox:harness" && s["policy"] == "on-success"),
+            "{listed:?}"
+        );
+        let upper = upper_of(env, id);
+        ensure!(all_upperdirs().contains(&upper), "mounted between commands");
+        let v = close(env, id, &["--exit-status", "0"])?;
+        ensure!(v["outcome"] == "committed" && v["released"] == true, "{v}");
+        ensure!(!all_upperdirs().contains(&upper), "no mount left in any namespace");
+        let o = exec_sh(env, id, "true")?;
+        ensure!(!o.status.success(), "exec after close fails: {}", describe(&o));
+        let o = mb_sh(env, &[], "cat /step1")?;
+        ensure!(stdout(&o) == "one\ntwo\n", "{}", describe(&o));
+        Ok(())
+    });
+}
+
+/// SIGKILL of a holder mid-write: the daemon finishes the session by its policy
+/// (on-exit publishes what the upper holds, whole; on-success discards: there is
+/// no exit status), and no mount is left in any namespace.
+#[test]
+fn sigkill_of_a_holder_mid_write() {
+    scenario(|env| {
+        for (policy, want) in [("on-exit", "committed"), ("on-success", "discarded")] {
+            let marker = format!("/killed-{policy}");
+            let script = format!(
+                "echo start > {marker}.start; i=0; while true; do echo line-$i >> {marker}; i=$((i+1)); done"
+            );
+            let mut child = ls_cmd(env, &["session", "run", DEBIAN_IMAGE, "--publish", policy, "--name", "victim", "--", "sh", "-c", &script])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()?;
+            // Wait until the session writes.
+            let deadline = Instant::now() + Duration::from_secs(60);
+            let id = loop {
+                let listed = sessions_json(env, "sandbox")?;
+                let live = listed.iter().find(|s| s["owner"] == "sandbox:victim" && s["released"] == false);
+                if let Some(s) = live {
+                    let id = s["id"].as_i64().context("id")?;
+                    let upper = PathBuf::from(upper_of(env, id));
+                    if upper.join(&marker[1..]).exists() {
+                        break id;
+                    }
+                }
+                ensure!(Instant::now() < deadline, "the session never wrote");
+                std::thread::sleep(Duration::from_millis(20));
+            };
+            std::thread::sleep(Duration::from_millis(200));
+            nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGKILL)?;
+            child.wait()?;
+            let o = ls(env, &["wait", "--session", &id.to_string(), "--timeout", "60", "--json"])?;
+            let v: Value = serde_json::from_slice(&o.stdout).with_context(|| describe(&o))?;
+            ensure!(v["outcome"] == want, "{policy}: {v}");
+            // Released: the directories go (a published upper became a layer).
+            let deadline = Instant::now() + Duration::from_secs(30);
+            while env.store_root().join("s").join(id.to_string()).exists() {
+                ensure!(Instant::now() < deadline, "session {id} not released");
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            ensure!(!all_upperdirs().contains(&upper_of(env, id)), "a mount is left behind");
+            let o = mb_sh(env, &[], &format!("test -e {marker}.start && wc -l < {marker} || echo absent"))?;
+            let seen = stdout(&o);
+            match want {
+                "committed" => ensure!(seen.trim().parse::<u64>().unwrap_or(0) > 0, "published whole: {seen:?}"),
+                _ => ensure!(seen == "absent\n", "nothing published: {seen:?}"),
+            }
+        }
         Ok(())
     });
 }
