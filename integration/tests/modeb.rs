@@ -46,7 +46,12 @@ fn ls(env: &TestEnv, args: &[&str]) -> Result<Output> {
 
 /// `session run DEBIAN ARGS… -- sh -c SCRIPT`.
 fn mb_sh(env: &TestEnv, args: &[&str], script: &str) -> Result<Output> {
-    let mut a = vec!["session", "run", DEBIAN_IMAGE];
+    mb_sh_on(env, DEBIAN_IMAGE, args, script)
+}
+
+/// `session run STACK ARGS… -- sh -c SCRIPT`.
+fn mb_sh_on(env: &TestEnv, stack: &str, args: &[&str], script: &str) -> Result<Output> {
+    let mut a = vec!["session", "run", stack];
     a.extend_from_slice(args);
     a.extend_from_slice(&["--", "sh", "-c", script]);
     ls(env, &a)
@@ -126,7 +131,11 @@ fn run_passes_stdio_and_exit_status_and_publishes_on_exit() {
 
 /// Starts `session create` and returns the session id.
 fn create(env: &TestEnv, args: &[&str]) -> Result<i64> {
-    let mut a = vec!["session", "create", DEBIAN_IMAGE];
+    create_on(env, DEBIAN_IMAGE, args)
+}
+
+fn create_on(env: &TestEnv, stack: &str, args: &[&str]) -> Result<i64> {
+    let mut a = vec!["session", "create", stack];
     a.extend_from_slice(args);
     let o = ls(env, &a)?;
     ensure!(o.status.success(), "session create: {}", describe(&o));
@@ -315,6 +324,187 @@ fn sigkill_of_a_holder_mid_write() {
                 _ => ensure!(seen == "absent\n", "nothing published: {seen:?}"),
             }
         }
+        Ok(())
+    });
+}
+
+/// Runs `f(i)` for `i` in `0..n` on `threads` threads; the first error wins.
+fn parallel<T: Send>(n: usize, threads: usize, f: impl Fn(usize) -> Result<T> + Sync) -> Result<Vec<T>> {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let results: Vec<std::sync::Mutex<Option<Result<T>>>> = (0..n).map(|_| std::sync::Mutex::new(None)).collect();
+    std::thread::scope(|sc| {
+        for _ in 0..threads {
+            sc.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                if i >= n {
+                    break;
+                }
+                let r = f(i);
+                *results[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+            });
+        }
+    });
+    results
+        .into_iter()
+        .map(|m| m.into_inner().unwrap_or_else(|e| e.into_inner()).unwrap_or_else(|| bail!("not run")))
+        .collect()
+}
+
+/// The gate is the same for both modes: Mode B sessions and containers publish to
+/// one branch — disjoint changes land, overlapping text merges, true conflicts
+/// are rejected whole, whoever publishes.
+#[test]
+fn mode_b_and_containers_share_one_gate() {
+    scenario(|env| {
+        let stack = format!("{DEBIAN_IMAGE}@gate");
+        let o = mb_sh_on(env, &stack, &[], "for i in 1 2 3 4 5 6 7 8 9 10; do echo line-$i; done > /gate.txt")?;
+        ensure!(code(&o) == 0, "{}", describe(&o));
+        let a = create_on(env, &stack, &[])?;
+        let b = create_on(env, &stack, &[])?;
+        // A container leased now, publishing last (it waits for /sig/go).
+        let sig = env.scratch().join("gate-sig");
+        std::fs::create_dir_all(&sig)?;
+        let mount = format!("type=bind,src={},dst=/sig,options=rbind:rw", sig.display());
+        CtrRun::sh(NS, "gate-c3", "while [ ! -e /sig/go ]; do sleep 0.05; done; sed -i 's/^line-8$/c3-line-8/' /gate.txt; echo > /c3-only")
+            .branch(Some("gate"))
+            .extra(&["--mount", &mount])
+            .detached()
+            .ok(env)?;
+        // A container publishes first: line 2 and a file of its own.
+        CtrRun::sh(NS, "gate-c1", "sed -i 's/^line-2$/c1-line-2/' /gate.txt; echo > /c1-only")
+            .branch(Some("gate"))
+            .rm(true)
+            .ok(env)?;
+        let c1 = ls_wait_json(env, NS, "gate-c1")?;
+        ensure!(c1["outcome"] == "committed", "{c1}");
+        // Mode B A: line 8 (separate hunk: merged) and a file of its own.
+        let o = exec_sh(env, a, "sed -i 's/^line-8$/a-line-8/' /gate.txt; echo > /a-only")?;
+        ensure!(code(&o) == 0, "{}", describe(&o));
+        let va = close(env, a, &["--exit-status", "0"])?;
+        ensure!(va["outcome"] == "merged", "{va}");
+        // Mode B B: line 2 against the container's line 2: conflict, nothing of B lands.
+        let o = exec_sh(env, b, "sed -i 's/^line-2$/b-line-2/' /gate.txt; echo > /b-only")?;
+        ensure!(code(&o) == 0, "{}", describe(&o));
+        let vb = close(env, b, &["--exit-status", "0"])?;
+        ensure!(vb["outcome"] == "conflict", "{vb}");
+        ensure!(vb["conflict_paths"] == serde_json::json!(["/gate.txt"]), "{vb}");
+        // The container against Mode B A's line 8: conflict.
+        std::fs::write(sig.join("go"), b"")?;
+        finish_detached(env, NS, "gate-c3")?;
+        let c3 = ls_wait_json(env, NS, "gate-c3")?;
+        ensure!(c3["outcome"] == "conflict", "{c3}");
+        remove_container(env, NS, "gate-c3")?;
+        let o = mb_sh_on(env, &stack, &[], "cat /gate.txt; for f in c1-only a-only b-only c3-only; do test -e /$f && echo has-$f; done; true")?;
+        let want = "line-1\nc1-line-2\nline-3\nline-4\nline-5\nline-6\nline-7\na-line-8\nline-9\nline-10\nhas-c1-only\nhas-a-only\n";
+        ensure!(stdout(&o) == want, "the branch head: {}", describe(&o));
+        // Both kinds side by side in one listing.
+        let out = ls(env, &["session", "ls", "--json", "-A"])?;
+        let all: Vec<Value> = serde_json::from_slice(&out.stdout)?;
+        let kinds: BTreeSet<&str> = all
+            .iter()
+            .filter(|s| s["branch"] == "gate")
+            .filter_map(|s| s["owner_kind"].as_str())
+            .collect();
+        ensure!(kinds == BTreeSet::from(["container", "sandbox"]), "{kinds:?}");
+        Ok(())
+    });
+}
+
+/// The seed's "N sessions in one sandbox": a privileged container holding the
+/// admin socket's directory (and a layerstack binary) runs 16 sessions at once,
+/// all publishing to one branch. (A session started after another published
+/// sees that marker: it leases the head as it is; isolation of live sessions is
+/// `isolation_of_a_thousand_live_sessions`.)
+#[test]
+fn sixteen_sessions_inside_one_container_holding_the_admin_socket() {
+    scenario(|env| {
+        let sockdir = env.admin_socket().parent().context("socket dir")?.to_path_buf();
+        let bin = cli();
+        let script = format!(
+            "for i in $(seq 1 16); do (layerstack -n {NS} session run {DEBIAN_IMAGE}@incontainer --name in-ctr-$i -- sh -c \"echo $i > /in-ctr-$i; cat /in-ctr-$i\" > /tmp/out-$i 2>/tmp/err-$i; echo $? > /tmp/rc-$i) & done; wait; \
+             for i in $(seq 1 16); do echo \"$(cat /tmp/rc-$i) $(cat /tmp/out-$i)\"; cat /tmp/err-$i >&2; done"
+        );
+        let out = CtrRun::sh(NS, "sandbox-16", &script)
+            .rm(true)
+            .extra(&[
+                "--privileged",
+                "--mount",
+                &format!("type=bind,src={},dst=/run/layerstack,options=rbind:rw", sockdir.display()),
+                "--mount",
+                &format!("type=bind,src={},dst=/usr/local/bin/layerstack,options=rbind:ro", bin.display()),
+            ])
+            .output(env)?;
+        ensure!(out.status.success(), "{}", describe(&out));
+        let lines: Vec<String> = stdout(&out).lines().map(String::from).collect();
+        ensure!(
+            lines.len() == 16 && lines.iter().enumerate().all(|(i, l)| *l == format!("0 {}", i + 1)),
+            "each session exits 0 and reads its own marker: {}",
+            describe(&out)
+        );
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        ensure!(stderr.matches("committed").count() == 16, "{stderr}");
+        let o = mb_sh_on(env, &format!("{DEBIAN_IMAGE}@incontainer"), &[], "ls / | grep -c '^in-ctr-'")?;
+        ensure!(stdout(&o) == "16\n", "all 16 published on one branch: {}", describe(&o));
+        ensure!(
+            sessions_json(env, "sandbox")?.iter().filter(|s| s["owner"].as_str().is_some_and(|o| o.starts_with("sandbox:in-ctr-"))).count() == 16,
+            "listed by the daemon"
+        );
+        Ok(())
+    });
+}
+
+fn vm_rss_kib(pid: u32) -> Result<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let l = s.lines().find(|l| l.starts_with("VmRSS:")).context("VmRSS")?;
+    Ok(l.split_whitespace().nth(1).context("VmRSS value")?.parse()?)
+}
+
+/// Isolation: 1,000 sessions alive at once, each writing a unique marker; none
+/// sees another's — before or after unrelated sessions publish on the same
+/// branch (checked inside each session). Reports the daemon's memory.
+#[test]
+fn isolation_of_a_thousand_live_sessions() {
+    scenario(|env| {
+        let n: usize = std::env::var("LAYERSTACK_MODEB_ISOLATION_N").ok().and_then(|v| v.parse().ok()).unwrap_or(1000);
+        let stack = format!("{DEBIAN_IMAGE}@iso");
+        let o = mb_sh_on(env, &stack, &[], "echo base > /iso-base")?;
+        ensure!(code(&o) == 0, "{}", describe(&o));
+        let pid = env.daemon_pid().context("daemon pid")?;
+        let rss0 = vm_rss_kib(pid)?;
+        let t = Instant::now();
+        let ids = parallel(n, 8, |i| create_on(env, &stack, &["--publish", "never", "--name", &format!("iso-{i}")]))?;
+        let created = t.elapsed();
+        let rss = vm_rss_kib(pid)?;
+        eprintln!("modeb: {n} live sandbox sessions created in {created:?}; daemon VmRSS {rss0} KiB before, {rss} KiB with them live");
+        let live = all_upperdirs();
+        ensure!(ids.iter().all(|id| live.contains(&upper_of(env, *id))), "every session is mounted (in its own namespace)");
+        let t = Instant::now();
+        parallel(n, 8, |i| {
+            let o = exec_sh(env, ids[i], &format!("echo {i} > /iso-marker-{i}; ls / | grep -c '^iso-marker-'; cat /iso-base"))?;
+            ensure!(stdout(&o) == "1\nbase\n", "session {} (#{i}) before: {}", ids[i], describe(&o));
+            Ok(())
+        })?;
+        eprintln!("modeb: {n} markers written and checked in {:?}", t.elapsed());
+        for k in 0..3 {
+            let o = mb_sh_on(env, &stack, &[], &format!("echo {k} > /unrelated-{k}"))?;
+            ensure!(String::from_utf8_lossy(&o.stderr).contains("committed"), "{}", describe(&o));
+        }
+        parallel(n, 8, |i| {
+            let o = exec_sh(env, ids[i], &format!("ls / | grep -c '^iso-marker-\\|^unrelated-'; cat /iso-marker-{i}"))?;
+            ensure!(stdout(&o) == format!("1\n{i}\n"), "session {} (#{i}) after: {}", ids[i], describe(&o));
+            Ok(())
+        })?;
+        let t = Instant::now();
+        parallel(n, 8, |i| {
+            let v = close(env, ids[i], &[])?;
+            ensure!(v["outcome"] == "discarded" && v["released"] == true, "{v}");
+            Ok(())
+        })?;
+        eprintln!("modeb: {n} sessions closed in {:?}", t.elapsed());
+        let left = all_upperdirs();
+        ensure!(ids.iter().all(|id| !left.contains(&upper_of(env, *id))), "no mount left in any namespace");
+        let o = mb_sh_on(env, &stack, &[], "ls / | grep -c '^iso-marker-'; ls / | grep -c '^unrelated-'")?;
+        ensure!(stdout(&o) == "0\n3\n", "{}", describe(&o));
         Ok(())
     });
 }
