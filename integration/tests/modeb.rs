@@ -508,3 +508,121 @@ fn isolation_of_a_thousand_live_sessions() {
         Ok(())
     });
 }
+
+// ---------------------------------------------------------------------------
+// Benchmarks (docs/benchmarks.md): `cargo test -p layerstack-integration --test
+// modeb -- --ignored bench --nocapture --test-threads 1`, with
+// LAYERSTACK_BIN_DIR=target/release for release binaries.
+// ---------------------------------------------------------------------------
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+fn timed(mut c: Command) -> Result<(Duration, Output)> {
+    let t = Instant::now();
+    let o = run_with_timeout(&mut c, CMD_TIMEOUT)?;
+    Ok((t.elapsed(), o))
+}
+
+/// P7: create + mount + run `true` + discard, one session at a time, against a
+/// `ctr run --rm … true` measured in the same run.
+#[test]
+#[ignore = "benchmark"]
+fn bench_p7_session_run_true() {
+    scenario(|env| {
+        let n: usize = std::env::var("LAYERSTACK_BENCH_N").ok().and_then(|v| v.parse().ok()).unwrap_or(50);
+        // The stack id, as a harness that resolved its image once would pass it.
+        let o = mb_sh(env, &["--publish", "never", "--outcome", "/dev/stdout"], "true")?;
+        let v: Value = serde_json::from_slice(&o.stdout).with_context(|| describe(&o))?;
+        let stack = v["stack"].as_str().context("stack")?.to_string();
+        for (label, spec) in [("stack id", stack.as_str()), ("image reference", DEBIAN_IMAGE)] {
+            let mut t = Vec::new();
+            for _ in 0..n {
+                let (d, o) = timed(ls_cmd(env, &["session", "run", spec, "--publish", "never", "--", "true"]))?;
+                ensure!(o.status.success() && String::from_utf8_lossy(&o.stderr).contains("discarded"), "{}", describe(&o));
+                t.push(d);
+            }
+            let mut s = t.clone();
+            s.sort();
+            eprintln!(
+                "P7 layerstack session run {label} --publish never -- true: n={n} median {:.2} ms, p10 {:.2} ms, p90 {:.2} ms",
+                median(t).as_secs_f64() * 1e3,
+                s[n / 10].as_secs_f64() * 1e3,
+                s[n * 9 / 10].as_secs_f64() * 1e3
+            );
+        }
+        let m = n.min(20);
+        let mut t = Vec::new();
+        for i in 0..m {
+            let id = unique(&format!("p7-{i}"));
+            let args = CtrRun::new(NS, &id, &["true"]).rm(true).ctr_args();
+            let args: Vec<&str> = args.iter().map(String::as_str).collect();
+            let s = Instant::now();
+            let o = env.ctr(NS, &args)?;
+            t.push(s.elapsed());
+            ensure!(o.status.success(), "{}", describe(&o));
+        }
+        eprintln!("P7 baseline ctr run --rm --snapshotter layerstack … true: n={m} median {:.2} ms", median(t).as_secs_f64() * 1e3);
+        Ok(())
+    });
+}
+
+/// Spawns `n` `session run` at once; returns the wall time until all ended.
+fn fan_out(env: &TestEnv, n: usize, stack: &str, publish: &str, script: &str) -> Result<(Duration, Vec<Output>)> {
+    let t = Instant::now();
+    let children: Vec<std::process::Child> = (0..n)
+        .map(|i| {
+            let s = script.replace("$I", &i.to_string());
+            ls_cmd(env, &["session", "run", stack, "--publish", publish, "--name", &format!("fan-{i}"), "--", "sh", "-c", &s])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .context("spawn")
+        })
+        .collect::<Result<_>>()?;
+    let outs: Vec<Output> = children
+        .into_iter()
+        .map(|c| c.wait_with_output().context("wait"))
+        .collect::<Result<_>>()?;
+    Ok((t.elapsed(), outs))
+}
+
+/// 1,024 concurrent sessions each writing one file, all discarded; then 1,024
+/// sessions each changing 100 files, all published on one head (P5 without
+/// containers); and the daemon's memory with 1,024 sessions live.
+#[test]
+#[ignore = "benchmark"]
+fn bench_fan_out_1024() {
+    scenario(|env| {
+        let n: usize = std::env::var("LAYERSTACK_BENCH_FAN").ok().and_then(|v| v.parse().ok()).unwrap_or(1024);
+        let (d, outs) = fan_out(env, n, &format!("{DEBIAN_IMAGE}@fan"), "never", "echo $I > /one-file")?;
+        let bad = outs.iter().filter(|o| !o.status.success() || !String::from_utf8_lossy(&o.stderr).contains("discarded")).count();
+        eprintln!("fan-out: {n} concurrent sessions each writing one file, all discarded: {:.2} s wall ({bad} failed)", d.as_secs_f64());
+        if let Some(o) = outs.iter().find(|o| !o.status.success()) {
+            bail!("a session failed: {}", describe(o));
+        }
+        let (d, outs) = fan_out(
+            env,
+            n,
+            &format!("{DEBIAN_IMAGE}@p5"),
+            "on-exit",
+            "mkdir -p /p5/s$I && cd /p5/s$I && for f in $(seq 1 100); do echo $f > f$f; done",
+        )?;
+        let committed = outs.iter().filter(|o| String::from_utf8_lossy(&o.stderr).contains("committed")).count();
+        eprintln!("P5 without containers: {n} sessions x 100 files, all published on one head: {:.2} s wall, {committed} committed", d.as_secs_f64());
+        ensure!(committed == n, "{}", outs.iter().find(|o| !String::from_utf8_lossy(&o.stderr).contains("committed")).map(describe).unwrap_or_default());
+        let o = mb_sh_on(env, &format!("{DEBIAN_IMAGE}@p5"), &[], "find /p5 -type f | wc -l")?;
+        ensure!(stdout(&o).trim() == (n * 100).to_string(), "{}", describe(&o));
+        // Memory with n sessions live.
+        let pid = env.daemon_pid().context("daemon pid")?;
+        let before = vm_rss_kib(pid)?;
+        let t = Instant::now();
+        let ids = parallel(n, 8, |i| create_on(env, &format!("{DEBIAN_IMAGE}@mem"), &["--publish", "never", "--name", &format!("mem-{i}")]))?;
+        let live = vm_rss_kib(pid)?;
+        eprintln!("daemon VmRSS: {before} KiB idle, {live} KiB with {n} sandbox sessions live (created in {:.1} s)", t.elapsed().as_secs_f64());
+        parallel(n, 8, |i| close(env, ids[i], &[]).map(drop))?;
+        Ok(())
+    });
+}
