@@ -520,9 +520,11 @@ fn median(mut v: Vec<Duration>) -> Duration {
     v[v.len() / 2]
 }
 
+/// Runs `c` to completion and times it (a blocking wait: `run_with_timeout`
+/// polls, which would quantize the times).
 fn timed(mut c: Command) -> Result<(Duration, Output)> {
     let t = Instant::now();
-    let o = run_with_timeout(&mut c, CMD_TIMEOUT)?;
+    let o = c.stdin(Stdio::null()).output()?;
     Ok((t.elapsed(), o))
 }
 
@@ -553,15 +555,33 @@ fn bench_p7_session_run_true() {
                 s[n * 9 / 10].as_secs_f64() * 1e3
             );
         }
+        // Where the time goes: the CLI alone, create (session + init ready), close.
+        let (mut st, mut cr, mut cl) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..n.min(20) {
+            st.push(timed(ls_cmd(env, &["status"]))?.0);
+            let (d, o) = timed(ls_cmd(env, &["session", "create", &stack, "--publish", "never"]))?;
+            cr.push(d);
+            let id = stdout(&o).trim().to_string();
+            let (d, o) = timed(ls_cmd(env, &["session", "close", &id]))?;
+            ensure!(o.status.success(), "{}", describe(&o));
+            cl.push(d);
+        }
+        eprintln!(
+            "P7 parts: layerstack status {:.2} ms, session create {:.2} ms, session close {:.2} ms (medians)",
+            median(st).as_secs_f64() * 1e3,
+            median(cr).as_secs_f64() * 1e3,
+            median(cl).as_secs_f64() * 1e3
+        );
         let m = n.min(20);
         let mut t = Vec::new();
         for i in 0..m {
             let id = unique(&format!("p7-{i}"));
             let args = CtrRun::new(NS, &id, &["true"]).rm(true).ctr_args();
             let args: Vec<&str> = args.iter().map(String::as_str).collect();
-            let s = Instant::now();
-            let o = env.ctr(NS, &args)?;
-            t.push(s.elapsed());
+            let mut c = Command::new("ctr");
+            c.arg("--address").arg(env.containerd().socket()).args(["-n", NS]).args(&args);
+            let (d, o) = timed(c)?;
+            t.push(d);
             ensure!(o.status.success(), "{}", describe(&o));
         }
         eprintln!("P7 baseline ctr run --rm --snapshotter layerstack … true: n={m} median {:.2} ms", median(t).as_secs_f64() * 1e3);
@@ -623,6 +643,33 @@ fn bench_fan_out_1024() {
         let live = vm_rss_kib(pid)?;
         eprintln!("daemon VmRSS: {before} KiB idle, {live} KiB with {n} sandbox sessions live (created in {:.1} s)", t.elapsed().as_secs_f64());
         parallel(n, 8, |i| close(env, ids[i], &[]).map(drop))?;
+        Ok(())
+    });
+}
+
+/// Debug aid: one `session run … true` under strace (LAYERSTACK_STRACE_OUT).
+#[test]
+#[ignore = "debug aid"]
+fn trace_one_session_run() {
+    scenario(|env| {
+        let Some(out) = std::env::var_os("LAYERSTACK_STRACE_OUT") else { return Ok(()) };
+        let _ = ls(env, &["session", "run", DEBIAN_IMAGE, "--publish", "never", "--", "true"])?;
+        let mut c = Command::new("strace");
+        c.arg("-f").arg("-tt").arg("-T").arg("-o").arg(&out).arg(cli())
+            .arg("--admin-address").arg(env.admin_socket())
+            .args(["-n", NS, "session", "run", DEBIAN_IMAGE, "--publish", "never", "--", "true"]);
+        let o = run_with_timeout(&mut c, CMD_TIMEOUT)?;
+        eprintln!("{}", describe(&o));
+        if let Some(pid) = env.daemon_pid() {
+            let mut c = Command::new("strace");
+            c.arg("-f").arg("-tt").arg("-T").arg("-p").arg(pid.to_string()).arg("-o").arg(format!("{}.daemon", out.to_string_lossy()));
+            let mut st = c.spawn()?;
+            std::thread::sleep(Duration::from_millis(500));
+            let _ = ls(env, &["session", "run", DEBIAN_IMAGE, "--publish", "never", "--", "true"])?;
+            std::thread::sleep(Duration::from_millis(200));
+            nix::sys::signal::kill(nix::unistd::Pid::from_raw(st.id() as i32), nix::sys::signal::Signal::SIGINT)?;
+            st.wait()?;
+        }
         Ok(())
     });
 }
