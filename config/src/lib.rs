@@ -258,13 +258,21 @@ mod tests {
     fn sandbox_defaults_and_mount_socket_beside_the_admin_socket() {
         let c = Config::default();
         assert_eq!(c.sandbox.max_sessions, 256);
-        assert_eq!(c.mount_address(), PathBuf::from("/run/layerstack/mount.sock"));
-        let c = Config::from_toml("admin_address = \"/x/a.sock\"\n[sandbox]\nmax_sessions = 2048\n").unwrap();
+        assert_eq!(
+            c.mount_address(),
+            PathBuf::from("/run/layerstack/mount.sock")
+        );
+        let c =
+            Config::from_toml("admin_address = \"/x/a.sock\"\n[sandbox]\nmax_sessions = 2048\n")
+                .unwrap();
         assert_eq!(c.sandbox.max_sessions, 2048);
         assert_eq!(c.mount_address(), PathBuf::from("/x/mount.sock"));
         let c = Config::from_toml("[sandbox]\nmount_address = \"/m.sock\"\n").unwrap();
         assert_eq!(c.mount_address(), PathBuf::from("/m.sock"));
-        assert!(Config::from_toml("[sandbox]\nmax = 1\n").is_err(), "typo refused");
+        assert!(
+            Config::from_toml("[sandbox]\nmax = 1\n").is_err(),
+            "typo refused"
+        );
     }
 
     #[test]

@@ -127,7 +127,12 @@ pub struct RunArgs {
     #[arg(long, value_name = "FILE")]
     pub outcome: Option<PathBuf>,
     /// The command and its arguments (after `--`).
-    #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true, value_name = "CMD")]
+    #[arg(
+        required = true,
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "CMD"
+    )]
     pub cmd: Vec<OsString>,
 }
 
@@ -149,7 +154,12 @@ pub struct ExecArgs {
     #[command(flatten)]
     pub process: ProcessArgs,
     /// The command and its arguments (after `--`).
-    #[arg(required = true, trailing_var_arg = true, allow_hyphen_values = true, value_name = "CMD")]
+    #[arg(
+        required = true,
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "CMD"
+    )]
     pub cmd: Vec<OsString>,
 }
 
@@ -221,7 +231,12 @@ fn parse_ids(user: &str) -> Result<(u32, u32)> {
 /// The command's environment: a container's defaults in root mode (PATH,
 /// HOSTNAME, HOME, the caller's TERM), the caller's own in workspace mode; then
 /// `--env`.
-fn environment(mode: Mode, hostname: &str, uid: u32, extra: &[OsString]) -> Vec<(OsString, OsString)> {
+fn environment(
+    mode: Mode,
+    hostname: &str,
+    uid: u32,
+    extra: &[OsString],
+) -> Vec<(OsString, OsString)> {
     let mut env: Vec<(OsString, OsString)> = match mode {
         Mode::Workspace => std::env::vars_os().collect(),
         Mode::Root => {
@@ -255,7 +270,13 @@ fn environment(mode: Mode, hostname: &str, uid: u32, extra: &[OsString]) -> Vec<
 }
 
 /// The command to exec: arguments, environment, `PATH` candidates, ids, workdir.
-fn command(mode: Mode, hostname: &str, default_workdir: &Path, p: &ProcessArgs, cmd: &[OsString]) -> Result<Command> {
+fn command(
+    mode: Mode,
+    hostname: &str,
+    default_workdir: &Path,
+    p: &ProcessArgs,
+    cmd: &[OsString],
+) -> Result<Command> {
     let ids = p.user.as_deref().map(parse_ids).transpose()?;
     let env = environment(mode, hostname, ids.map_or(0, |(u, _)| u), &p.env);
     let path = env
@@ -265,7 +286,10 @@ fn command(mode: Mode, hostname: &str, default_workdir: &Path, p: &ProcessArgs, 
         .unwrap_or_else(|| DEFAULT_PATH.into());
     let workdir = match (&p.workdir, mode) {
         (Some(w), Mode::Root) if w.is_relative() => {
-            bail!("--workdir {}: give an absolute path in the session's root", w.display())
+            bail!(
+                "--workdir {}: give an absolute path in the session's root",
+                w.display()
+            )
         }
         (Some(w), _) if w.is_relative() => std::env::current_dir()?.join(w),
         (Some(w), _) => w.clone(),
@@ -315,7 +339,11 @@ async fn create(
             name: a.name.clone().unwrap_or_else(default_name),
             idempotency_key: a.idempotency_key.clone().unwrap_or_default(),
             policy: a.publish.as_str().to_string(),
-            wait_ms: if a.no_wait { 0 } else { a.wait_timeout.saturating_mul(1000) },
+            wait_ms: if a.no_wait {
+                0
+            } else {
+                a.wait_timeout.saturating_mul(1000)
+            },
         })
         .await?
         .into_inner();
@@ -332,7 +360,8 @@ fn placement(a: &SessionArgs) -> Result<(Placement, Mode, PathBuf)> {
             if !d.is_dir() {
                 bail!("--mount-at {}: not a directory", d.display());
             }
-            let c = std::ffi::CString::new(d.as_os_str().as_bytes()).context("--mount-at contains a NUL byte")?;
+            let c = std::ffi::CString::new(d.as_os_str().as_bytes())
+                .context("--mount-at contains a NUL byte")?;
             Ok((Placement::At(c), Mode::Workspace, d))
         }
     }
@@ -359,10 +388,17 @@ fn hold(
     };
     let mut conn = connect_mount(mount)?;
     let (reply, mut fds) = conn
-        .request(&Request::Attach { session: session.id })
+        .request(&Request::Attach {
+            session: session.id,
+        })
         .context("attaching the session on the mount socket")?;
     if !reply.ok {
-        bail!("cannot attach session {}: {} ({})", session.id, reply.message, reply.code);
+        bail!(
+            "cannot attach session {}: {} ({})",
+            session.id,
+            reply.message,
+            reply.code
+        );
     }
     let mount_fd = fds.pop().context("the daemon sent no mount")?;
     conn.pass_credentials()?;
@@ -391,7 +427,11 @@ fn outcome_line(s: &api::Session) -> String {
     let mut l = format!(
         "layerstack: session {} {}",
         s.id,
-        if s.outcome.is_empty() { "no outcome" } else { &s.outcome }
+        if s.outcome.is_empty() {
+            "no outcome"
+        } else {
+            &s.outcome
+        }
     );
     let mut detail = Vec::new();
     if s.layer != 0 {
@@ -415,7 +455,8 @@ fn outcome_line(s: &api::Session) -> String {
 fn write_outcome(file: &Path, s: &api::Session, exit: Option<i32>) -> Result<()> {
     let mut v = session_json(s, None);
     v["exit_status"] = exit.map_or(serde_json::Value::Null, |x| json!(x));
-    let mut f = std::fs::File::create(file).with_context(|| format!("--outcome {}", file.display()))?;
+    let mut f =
+        std::fs::File::create(file).with_context(|| format!("--outcome {}", file.display()))?;
     writeln!(f, "{v}").with_context(|| format!("--outcome {}", file.display()))?;
     Ok(())
 }
@@ -427,16 +468,15 @@ async fn close(
     exit: Option<u32>,
     reason: &str,
 ) -> Result<api::Session> {
-    Ok(c
-        .close_session(api::CloseSessionRequest {
-            session_id: id,
-            policy: policy as i32,
-            reason: reason.to_string(),
-            has_exit_status: exit.is_some(),
-            exit_status: exit.unwrap_or(0),
-        })
-        .await?
-        .into_inner())
+    Ok(c.close_session(api::CloseSessionRequest {
+        session_id: id,
+        policy: policy as i32,
+        reason: reason.to_string(),
+        has_exit_status: exit.is_some(),
+        exit_status: exit.unwrap_or(0),
+    })
+    .await?
+    .into_inner())
 }
 
 /// `session run`: errors of its own exit 125 (the command's status is for the command).
@@ -459,10 +499,22 @@ async fn run_inner(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
     let created = create(&mut c, &cli.namespace, &a.session).await?;
     let session = created.session.context("the daemon sent no session")?;
     let id = session.id;
-    let held = match hold(&mount_address(cli), &session, &a.session, Some((&a.process, &a.cmd))) {
+    let held = match hold(
+        &mount_address(cli),
+        &session,
+        &a.session,
+        Some((&a.process, &a.cmd)),
+    ) {
         Ok(h) => h,
         Err(e) => {
-            let _ = close(&mut c, id, api::PublishPolicy::Discard, None, "session setup failed").await;
+            let _ = close(
+                &mut c,
+                id,
+                api::PublishPolicy::Discard,
+                None,
+                "session setup failed",
+            )
+            .await;
             return Err(e);
         }
     };
@@ -470,9 +522,17 @@ async fn run_inner(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
         Ok(init) => {
             let x = init.wait().context("waiting for the session's init")?;
             let code = x.shell_status();
-            (code, api::PublishPolicy::Auto, format!("session run: command exited with status {code}"))
+            (
+                code,
+                api::PublishPolicy::Auto,
+                format!("session run: command exited with status {code}"),
+            )
         }
-        Err(x) => (x.shell_status(), api::PublishPolicy::Discard, "session setup failed".to_string()),
+        Err(x) => (
+            x.shell_status(),
+            api::PublishPolicy::Discard,
+            "session setup failed".to_string(),
+        ),
     };
     let status = u32::try_from(exit).ok();
     let s = match close(&mut c, id, policy, status, &reason).await {
@@ -501,13 +561,30 @@ pub async fn create_cmd(cli: &Cli, a: CreateArgs) -> Result<ExitCode> {
     let held = match hold(&mount_address(cli), &session, &a.session, None) {
         Ok(h) => h,
         Err(e) => {
-            let _ = close(&mut c, id, api::PublishPolicy::Discard, None, "session setup failed").await;
+            let _ = close(
+                &mut c,
+                id,
+                api::PublishPolicy::Discard,
+                None,
+                "session setup failed",
+            )
+            .await;
             return Err(e);
         }
     };
     if let Err(x) = held.init {
-        let _ = close(&mut c, id, api::PublishPolicy::Discard, None, "session setup failed").await;
-        bail!("session {id} could not be set up (init exited with status {})", x.shell_status());
+        let _ = close(
+            &mut c,
+            id,
+            api::PublishPolicy::Discard,
+            None,
+            "session setup failed",
+        )
+        .await;
+        bail!(
+            "session {id} could not be set up (init exited with status {})",
+            x.shell_status()
+        );
     }
     if a.json {
         out!("{}", session_json(&session, None));
@@ -523,19 +600,36 @@ pub async fn exec_cmd(cli: &Cli, a: ExecArgs) -> Result<ExitCode> {
     let mut conn = connect_mount(&mount_address(cli))?;
     let (reply, mut fds) = conn.request(&Request::Join { session: a.session })?;
     if !reply.ok {
-        bail!("cannot join session {}: {} ({})", a.session, reply.message, reply.code);
+        bail!(
+            "cannot join session {}: {} ({})",
+            a.session,
+            reply.message,
+            reply.code
+        );
     }
     drop(conn);
     if fds.len() != 2 {
-        bail!("the daemon sent {} descriptors, not 2 (pidfd, root)", fds.len());
+        bail!(
+            "the daemon sent {} descriptors, not 2 (pidfd, root)",
+            fds.len()
+        );
     }
     let root = fds.pop().context("root")?;
     let pidfd = fds.pop().context("pidfd")?;
     let mode = reply.mode.unwrap_or_default();
     let hostname = format!("ls-{}", a.session);
-    let cmd = command(mode, &hostname, Path::new(&reply.workdir), &a.process, &a.cmd)?;
-    let x = holder::join_and_run(pidfd, root, &cmd).context("running the command in the session")?;
-    Ok(ExitCode::from(u8::try_from(x.shell_status()).unwrap_or(255)))
+    let cmd = command(
+        mode,
+        &hostname,
+        Path::new(&reply.workdir),
+        &a.process,
+        &a.cmd,
+    )?;
+    let x =
+        holder::join_and_run(pidfd, root, &cmd).context("running the command in the session")?;
+    Ok(ExitCode::from(
+        u8::try_from(x.shell_status()).unwrap_or(255),
+    ))
 }
 
 /// `session close`: prints the outcome; exits 3 on conflict.
@@ -548,7 +642,14 @@ pub async fn close_cmd(cli: &Cli, a: CloseArgs) -> Result<ExitCode> {
     } else {
         api::PublishPolicy::Auto
     };
-    let s = close(&mut c, a.session, policy, a.exit_status, "layerstack session close").await?;
+    let s = close(
+        &mut c,
+        a.session,
+        policy,
+        a.exit_status,
+        "layerstack session close",
+    )
+    .await?;
     if let Some(f) = &a.outcome {
         write_outcome(f, &s, a.exit_status.map(|x| x as i32))?;
     }
@@ -557,6 +658,7 @@ pub async fn close_cmd(cli: &Cli, a: CloseArgs) -> Result<ExitCode> {
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)]
     use super::*;
 
     #[test]
@@ -578,17 +680,26 @@ mod tests {
             id: 4,
             outcome: "committed".into(),
             layer: 9,
-            counts: Some(api::PathCounts { clean: 2, ..Default::default() }),
+            counts: Some(api::PathCounts {
+                clean: 2,
+                ..Default::default()
+            }),
             ..Default::default()
         };
         let l = outcome_line(&s);
-        assert_eq!(l, "layerstack: session 4 committed (layer 9; 2 clean, 0 merged, 0 conflict, 0 excluded)");
+        assert_eq!(
+            l,
+            "layerstack: session 4 committed (layer 9; 2 clean, 0 merged, 0 conflict, 0 excluded)"
+        );
         let s = api::Session {
             id: 5,
             outcome: "discarded".into(),
             message: "writes dropped: x".into(),
             ..Default::default()
         };
-        assert_eq!(outcome_line(&s), "layerstack: session 5 discarded (writes dropped: x)");
+        assert_eq!(
+            outcome_line(&s),
+            "layerstack: session 5 discarded (writes dropped: x)"
+        );
     }
 }

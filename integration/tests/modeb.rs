@@ -73,14 +73,21 @@ fn all_upperdirs() -> BTreeSet<String> {
     let mut out = BTreeSet::new();
     for e in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
         let pid = e.file_name();
-        let Some(pid) = pid.to_str().filter(|p| p.bytes().all(|b| b.is_ascii_digit())) else {
+        let Some(pid) = pid
+            .to_str()
+            .filter(|p| p.bytes().all(|b| b.is_ascii_digit()))
+        else {
             continue;
         };
-        let Ok(ns) = std::fs::read_link(format!("/proc/{pid}/ns/mnt")) else { continue };
+        let Ok(ns) = std::fs::read_link(format!("/proc/{pid}/ns/mnt")) else {
+            continue;
+        };
         if !seen_ns.insert(ns) {
             continue;
         }
-        let Ok(mi) = std::fs::read_to_string(format!("/proc/{pid}/mountinfo")) else { continue };
+        let Ok(mi) = std::fs::read_to_string(format!("/proc/{pid}/mountinfo")) else {
+            continue;
+        };
         for l in mi.lines() {
             for opt in l.split([' ', ',']) {
                 if let Some(u) = opt.strip_prefix("upperdir=") {
@@ -139,11 +146,17 @@ fn create_on(env: &TestEnv, stack: &str, args: &[&str]) -> Result<i64> {
     a.extend_from_slice(args);
     let o = ls(env, &a)?;
     ensure!(o.status.success(), "session create: {}", describe(&o));
-    stdout(&o).trim().parse().with_context(|| format!("session id in {:?}", stdout(&o)))
+    stdout(&o)
+        .trim()
+        .parse()
+        .with_context(|| format!("session id in {:?}", stdout(&o)))
 }
 
 fn exec_sh(env: &TestEnv, id: i64, script: &str) -> Result<Output> {
-    ls(env, &["session", "exec", &id.to_string(), "--", "sh", "-c", script])
+    ls(
+        env,
+        &["session", "exec", &id.to_string(), "--", "sh", "-c", script],
+    )
 }
 
 fn close(env: &TestEnv, id: i64, args: &[&str]) -> Result<Value> {
@@ -161,15 +174,27 @@ fn close(env: &TestEnv, id: i64, args: &[&str]) -> Result<Value> {
 
 /// The upper of session `id` (a sandbox session's directory in the store).
 fn upper_of(env: &TestEnv, id: i64) -> String {
-    env.store_root().join("s").join(id.to_string()).join("upper").display().to_string()
+    env.store_root()
+        .join("s")
+        .join(id.to_string())
+        .join("upper")
+        .display()
+        .to_string()
 }
 
 #[test]
 fn exit_statuses_policies_and_refusals() {
     scenario(|env| {
-        let o = ls(env, &["session", "run", DEBIAN_IMAGE, "--", "no-such-command-x"])?;
+        let o = ls(
+            env,
+            &["session", "run", DEBIAN_IMAGE, "--", "no-such-command-x"],
+        )?;
         ensure!(code(&o) == 127, "not found: {}", describe(&o));
-        ensure!(contains_ci(&String::from_utf8_lossy(&o.stderr), "not found"), "{}", describe(&o));
+        ensure!(
+            contains_ci(&String::from_utf8_lossy(&o.stderr), "not found"),
+            "{}",
+            describe(&o)
+        );
         let o = mb_sh(env, &[], "kill -9 $$")?;
         ensure!(code(&o) == 137, "killed by SIGKILL: {}", describe(&o));
         let o = ls(env, &["session", "run", DEBIAN_IMAGE, "--", "/etc/passwd"])?;
@@ -179,20 +204,51 @@ fn exit_statuses_policies_and_refusals() {
         std::fs::create_dir_all(&dir)?;
         let f = dir.join("o.json");
         let fs = f.to_str().context("utf-8")?;
-        let o = mb_sh(env, &["--publish", "on-success", "--outcome", fs], "echo x > /on-success-failed; exit 1")?;
+        let o = mb_sh(
+            env,
+            &["--publish", "on-success", "--outcome", fs],
+            "echo x > /on-success-failed; exit 1",
+        )?;
         ensure!(code(&o) == 1, "{}", describe(&o));
-        ensure!(outcome_file(&f)?["outcome"] == "discarded", "{}", outcome_file(&f)?);
-        let o = mb_sh(env, &["--publish", "never", "--outcome", fs], "echo x > /never")?;
-        ensure!(code(&o) == 0 && outcome_file(&f)?["outcome"] == "discarded", "{}", describe(&o));
+        ensure!(
+            outcome_file(&f)?["outcome"] == "discarded",
+            "{}",
+            outcome_file(&f)?
+        );
+        let o = mb_sh(
+            env,
+            &["--publish", "never", "--outcome", fs],
+            "echo x > /never",
+        )?;
+        ensure!(
+            code(&o) == 0 && outcome_file(&f)?["outcome"] == "discarded",
+            "{}",
+            describe(&o)
+        );
         let o = mb_sh(env, &[], "ls /on-success-failed /never 2>&1; true")?;
-        ensure!(stdout(&o).matches("No such file").count() == 2, "{}", describe(&o));
+        ensure!(
+            stdout(&o).matches("No such file").count() == 2,
+            "{}",
+            describe(&o)
+        );
         // Not yet: checkpoint and nodes, refused clearly.
         let o = mb_sh(env, &["--publish", "checkpoint"], "true")?;
-        ensure!(code(&o) == 125 && contains_ci(&String::from_utf8_lossy(&o.stderr), "SandboxGraph"), "{}", describe(&o));
+        ensure!(
+            code(&o) == 125 && contains_ci(&String::from_utf8_lossy(&o.stderr), "SandboxGraph"),
+            "{}",
+            describe(&o)
+        );
         let o = mb_sh(env, &["--node", "n1"], "true")?;
-        ensure!(code(&o) == 125 && contains_ci(&String::from_utf8_lossy(&o.stderr), "SandboxGraph"), "{}", describe(&o));
+        ensure!(
+            code(&o) == 125 && contains_ci(&String::from_utf8_lossy(&o.stderr), "SandboxGraph"),
+            "{}",
+            describe(&o)
+        );
         // Unknown image, bad --user.
-        let o = ls(env, &["session", "run", "docker.io/library/nope:1", "--", "true"])?;
+        let o = ls(
+            env,
+            &["session", "run", "docker.io/library/nope:1", "--", "true"],
+        )?;
         ensure!(code(&o) == 125, "{}", describe(&o));
         // Non-root callers are refused with a clear message.
         let o = run_with_timeout(
@@ -225,7 +281,10 @@ fn workspace_mode_user_and_network() {
         )?;
         let out = stdout(&o);
         ensure!(code(&o) == 0, "{}", describe(&o));
-        ensure!(out.starts_with("lo\n1000\n1000\n/tmp\nv\nsys-ro\n"), "{out:?}");
+        ensure!(
+            out.starts_with("lo\n1000\n1000\n/tmp\nv\nsys-ro\n"),
+            "{out:?}"
+        );
         // Workspace mode: the caller's root and tools, the session at DIR; the
         // mount is private to the session.
         let ws = env.scratch().join("ws");
@@ -237,10 +296,21 @@ fn workspace_mode_user_and_network() {
               "cat etc/debian_version >/dev/null && pwd && echo ws > ws-marker && test -x /usr/bin/cargo -o -d /work && echo host-root"],
         )?;
         ensure!(code(&o) == 0, "{}", describe(&o));
-        ensure!(stdout(&o) == format!("{wss}\nhost-root\n"), "{}", describe(&o));
-        ensure!(dir_is_empty(&ws)?, "the session's mount never shows in the caller's namespace");
+        ensure!(
+            stdout(&o) == format!("{wss}\nhost-root\n"),
+            "{}",
+            describe(&o)
+        );
+        ensure!(
+            dir_is_empty(&ws)?,
+            "the session's mount never shows in the caller's namespace"
+        );
         let o = mb_sh(env, &[], "cat /ws-marker")?;
-        ensure!(stdout(&o) == "ws\n", "published from workspace mode: {}", describe(&o));
+        ensure!(
+            stdout(&o) == "ws\n",
+            "published from workspace mode: {}",
+            describe(&o)
+        );
         Ok(())
     });
 }
@@ -250,7 +320,11 @@ fn create_exec_close_keep_one_session_mounted() {
     scenario(|env| {
         let id = create(env, &["--publish", "on-success", "--name", "harness"])?;
         let o = exec_sh(env, id, "echo one > /step1; hostname")?;
-        ensure!(code(&o) == 0 && stdout(&o) == format!("ls-{id}\n"), "{}", describe(&o));
+        ensure!(
+            code(&o) == 0 && stdout(&o) == format!("ls-{id}\n"),
+            "{}",
+            describe(&o)
+        );
         let o = exec_sh(env, id, "cat /step1; echo two >> /step1; exit 4")?;
         ensure!(code(&o) == 4 && stdout(&o) == "one\n", "{}", describe(&o));
         // Another session does not see it.
@@ -258,16 +332,25 @@ fn create_exec_close_keep_one_session_mounted() {
         ensure!(stdout(&o) == "absent\n", "{}", describe(&o));
         let listed = sessions_json(env, "sandbox")?;
         ensure!(
-            listed.iter().any(|s| s["id"] == id && s["owner"] == "sandbox:harness" && s["policy"] == "on-success"),
+            listed.iter().any(|s| s["id"] == id
+                && s["owner"] == "sandbox:harness"
+                && s["policy"] == "on-success"),
             "{listed:?}"
         );
         let upper = upper_of(env, id);
         ensure!(all_upperdirs().contains(&upper), "mounted between commands");
         let v = close(env, id, &["--exit-status", "0"])?;
         ensure!(v["outcome"] == "committed" && v["released"] == true, "{v}");
-        ensure!(!all_upperdirs().contains(&upper), "no mount left in any namespace");
+        ensure!(
+            !all_upperdirs().contains(&upper),
+            "no mount left in any namespace"
+        );
         let o = exec_sh(env, id, "true")?;
-        ensure!(!o.status.success(), "exec after close fails: {}", describe(&o));
+        ensure!(
+            !o.status.success(),
+            "exec after close fails: {}",
+            describe(&o)
+        );
         let o = mb_sh(env, &[], "cat /step1")?;
         ensure!(stdout(&o) == "one\ntwo\n", "{}", describe(&o));
         Ok(())
@@ -285,15 +368,32 @@ fn sigkill_of_a_holder_mid_write() {
             let script = format!(
                 "echo start > {marker}.start; i=0; while true; do echo line-$i >> {marker}; i=$((i+1)); done"
             );
-            let mut child = ls_cmd(env, &["session", "run", DEBIAN_IMAGE, "--publish", policy, "--name", "victim", "--", "sh", "-c", &script])
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .spawn()?;
+            let mut child = ls_cmd(
+                env,
+                &[
+                    "session",
+                    "run",
+                    DEBIAN_IMAGE,
+                    "--publish",
+                    policy,
+                    "--name",
+                    "victim",
+                    "--",
+                    "sh",
+                    "-c",
+                    &script,
+                ],
+            )
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()?;
             // Wait until the session writes.
             let deadline = Instant::now() + Duration::from_secs(60);
             let id = loop {
                 let listed = sessions_json(env, "sandbox")?;
-                let live = listed.iter().find(|s| s["owner"] == "sandbox:victim" && s["released"] == false);
+                let live = listed
+                    .iter()
+                    .find(|s| s["owner"] == "sandbox:victim" && s["released"] == false);
                 if let Some(s) = live {
                     let id = s["id"].as_i64().context("id")?;
                     let upper = PathBuf::from(upper_of(env, id));
@@ -305,9 +405,22 @@ fn sigkill_of_a_holder_mid_write() {
                 std::thread::sleep(Duration::from_millis(20));
             };
             std::thread::sleep(Duration::from_millis(200));
-            nix::sys::signal::kill(nix::unistd::Pid::from_raw(child.id() as i32), nix::sys::signal::Signal::SIGKILL)?;
+            nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(child.id() as i32),
+                nix::sys::signal::Signal::SIGKILL,
+            )?;
             child.wait()?;
-            let o = ls(env, &["wait", "--session", &id.to_string(), "--timeout", "60", "--json"])?;
+            let o = ls(
+                env,
+                &[
+                    "wait",
+                    "--session",
+                    &id.to_string(),
+                    "--timeout",
+                    "60",
+                    "--json",
+                ],
+            )?;
             let v: Value = serde_json::from_slice(&o.stdout).with_context(|| describe(&o))?;
             ensure!(v["outcome"] == want, "{policy}: {v}");
             // Released: the directories go (a published upper became a layer).
@@ -316,11 +429,21 @@ fn sigkill_of_a_holder_mid_write() {
                 ensure!(Instant::now() < deadline, "session {id} not released");
                 std::thread::sleep(Duration::from_millis(20));
             }
-            ensure!(!all_upperdirs().contains(&upper_of(env, id)), "a mount is left behind");
-            let o = mb_sh(env, &[], &format!("test -e {marker}.start && wc -l < {marker} || echo absent"))?;
+            ensure!(
+                !all_upperdirs().contains(&upper_of(env, id)),
+                "a mount is left behind"
+            );
+            let o = mb_sh(
+                env,
+                &[],
+                &format!("test -e {marker}.start && wc -l < {marker} || echo absent"),
+            )?;
             let seen = stdout(&o);
             match want {
-                "committed" => ensure!(seen.trim().parse::<u64>().unwrap_or(0) > 0, "published whole: {seen:?}"),
+                "committed" => ensure!(
+                    seen.trim().parse::<u64>().unwrap_or(0) > 0,
+                    "published whole: {seen:?}"
+                ),
                 _ => ensure!(seen == "absent\n", "nothing published: {seen:?}"),
             }
         }
@@ -329,9 +452,14 @@ fn sigkill_of_a_holder_mid_write() {
 }
 
 /// Runs `f(i)` for `i` in `0..n` on `threads` threads; the first error wins.
-fn parallel<T: Send>(n: usize, threads: usize, f: impl Fn(usize) -> Result<T> + Sync) -> Result<Vec<T>> {
+fn parallel<T: Send>(
+    n: usize,
+    threads: usize,
+    f: impl Fn(usize) -> Result<T> + Sync,
+) -> Result<Vec<T>> {
     let next = std::sync::atomic::AtomicUsize::new(0);
-    let results: Vec<std::sync::Mutex<Option<Result<T>>>> = (0..n).map(|_| std::sync::Mutex::new(None)).collect();
+    let results: Vec<std::sync::Mutex<Option<Result<T>>>> =
+        (0..n).map(|_| std::sync::Mutex::new(None)).collect();
     std::thread::scope(|sc| {
         for _ in 0..threads {
             sc.spawn(|| loop {
@@ -346,7 +474,11 @@ fn parallel<T: Send>(n: usize, threads: usize, f: impl Fn(usize) -> Result<T> + 
     });
     results
         .into_iter()
-        .map(|m| m.into_inner().unwrap_or_else(|e| e.into_inner()).unwrap_or_else(|| bail!("not run")))
+        .map(|m| {
+            m.into_inner()
+                .unwrap_or_else(|e| e.into_inner())
+                .unwrap_or_else(|| bail!("not run"))
+        })
         .collect()
 }
 
@@ -357,7 +489,12 @@ fn parallel<T: Send>(n: usize, threads: usize, f: impl Fn(usize) -> Result<T> + 
 fn mode_b_and_containers_share_one_gate() {
     scenario(|env| {
         let stack = format!("{DEBIAN_IMAGE}@gate");
-        let o = mb_sh_on(env, &stack, &[], "for i in 1 2 3 4 5 6 7 8 9 10; do echo line-$i; done > /gate.txt")?;
+        let o = mb_sh_on(
+            env,
+            &stack,
+            &[],
+            "for i in 1 2 3 4 5 6 7 8 9 10; do echo line-$i; done > /gate.txt",
+        )?;
         ensure!(code(&o) == 0, "{}", describe(&o));
         let a = create_on(env, &stack, &[])?;
         let b = create_on(env, &stack, &[])?;
@@ -371,23 +508,38 @@ fn mode_b_and_containers_share_one_gate() {
             .detached()
             .ok(env)?;
         // A container publishes first: line 2 and a file of its own.
-        CtrRun::sh(NS, "gate-c1", "sed -i 's/^line-2$/c1-line-2/' /gate.txt; echo > /c1-only")
-            .branch(Some("gate"))
-            .rm(true)
-            .ok(env)?;
+        CtrRun::sh(
+            NS,
+            "gate-c1",
+            "sed -i 's/^line-2$/c1-line-2/' /gate.txt; echo > /c1-only",
+        )
+        .branch(Some("gate"))
+        .rm(true)
+        .ok(env)?;
         let c1 = ls_wait_json(env, NS, "gate-c1")?;
         ensure!(c1["outcome"] == "committed", "{c1}");
         // Mode B A: line 8 (separate hunk: merged) and a file of its own.
-        let o = exec_sh(env, a, "sed -i 's/^line-8$/a-line-8/' /gate.txt; echo > /a-only")?;
+        let o = exec_sh(
+            env,
+            a,
+            "sed -i 's/^line-8$/a-line-8/' /gate.txt; echo > /a-only",
+        )?;
         ensure!(code(&o) == 0, "{}", describe(&o));
         let va = close(env, a, &["--exit-status", "0"])?;
         ensure!(va["outcome"] == "merged", "{va}");
         // Mode B B: line 2 against the container's line 2: conflict, nothing of B lands.
-        let o = exec_sh(env, b, "sed -i 's/^line-2$/b-line-2/' /gate.txt; echo > /b-only")?;
+        let o = exec_sh(
+            env,
+            b,
+            "sed -i 's/^line-2$/b-line-2/' /gate.txt; echo > /b-only",
+        )?;
         ensure!(code(&o) == 0, "{}", describe(&o));
         let vb = close(env, b, &["--exit-status", "0"])?;
         ensure!(vb["outcome"] == "conflict", "{vb}");
-        ensure!(vb["conflict_paths"] == serde_json::json!(["/gate.txt"]), "{vb}");
+        ensure!(
+            vb["conflict_paths"] == serde_json::json!(["/gate.txt"]),
+            "{vb}"
+        );
         // The container against Mode B A's line 8: conflict.
         std::fs::write(sig.join("go"), b"")?;
         finish_detached(env, NS, "gate-c3")?;
@@ -405,7 +557,10 @@ fn mode_b_and_containers_share_one_gate() {
             .filter(|s| s["branch"] == "gate")
             .filter_map(|s| s["owner_kind"].as_str())
             .collect();
-        ensure!(kinds == BTreeSet::from(["container", "sandbox"]), "{kinds:?}");
+        ensure!(
+            kinds == BTreeSet::from(["container", "sandbox"]),
+            "{kinds:?}"
+        );
         Ok(())
     });
 }
@@ -418,7 +573,11 @@ fn mode_b_and_containers_share_one_gate() {
 #[test]
 fn sixteen_sessions_inside_one_container_holding_the_admin_socket() {
     scenario(|env| {
-        let sockdir = env.admin_socket().parent().context("socket dir")?.to_path_buf();
+        let sockdir = env
+            .admin_socket()
+            .parent()
+            .context("socket dir")?
+            .to_path_buf();
         let bin = cli();
         let script = format!(
             "for i in $(seq 1 16); do (layerstack -n {NS} session run {DEBIAN_IMAGE}@incontainer --name in-ctr-$i -- sh -c \"echo $i > /in-ctr-$i; cat /in-ctr-$i\" > /tmp/out-$i 2>/tmp/err-$i; echo $? > /tmp/rc-$i) & done; wait; \
@@ -429,24 +588,49 @@ fn sixteen_sessions_inside_one_container_holding_the_admin_socket() {
             .extra(&[
                 "--privileged",
                 "--mount",
-                &format!("type=bind,src={},dst=/run/layerstack,options=rbind:rw", sockdir.display()),
+                &format!(
+                    "type=bind,src={},dst=/run/layerstack,options=rbind:rw",
+                    sockdir.display()
+                ),
                 "--mount",
-                &format!("type=bind,src={},dst=/usr/local/bin/layerstack,options=rbind:ro", bin.display()),
+                &format!(
+                    "type=bind,src={},dst=/usr/local/bin/layerstack,options=rbind:ro",
+                    bin.display()
+                ),
             ])
             .output(env)?;
         ensure!(out.status.success(), "{}", describe(&out));
         let lines: Vec<String> = stdout(&out).lines().map(String::from).collect();
         ensure!(
-            lines.len() == 16 && lines.iter().enumerate().all(|(i, l)| *l == format!("0 {}", i + 1)),
+            lines.len() == 16
+                && lines
+                    .iter()
+                    .enumerate()
+                    .all(|(i, l)| *l == format!("0 {}", i + 1)),
             "each session exits 0 and reads its own marker: {}",
             describe(&out)
         );
         let stderr = String::from_utf8_lossy(&out.stderr);
         ensure!(stderr.matches("committed").count() == 16, "{stderr}");
-        let o = mb_sh_on(env, &format!("{DEBIAN_IMAGE}@incontainer"), &[], "ls / | grep -c '^in-ctr-'")?;
-        ensure!(stdout(&o) == "16\n", "all 16 published on one branch: {}", describe(&o));
+        let o = mb_sh_on(
+            env,
+            &format!("{DEBIAN_IMAGE}@incontainer"),
+            &[],
+            "ls / | grep -c '^in-ctr-'",
+        )?;
         ensure!(
-            sessions_json(env, "sandbox")?.iter().filter(|s| s["owner"].as_str().is_some_and(|o| o.starts_with("sandbox:in-ctr-"))).count() == 16,
+            stdout(&o) == "16\n",
+            "all 16 published on one branch: {}",
+            describe(&o)
+        );
+        ensure!(
+            sessions_json(env, "sandbox")?
+                .iter()
+                .filter(|s| s["owner"]
+                    .as_str()
+                    .is_some_and(|o| o.starts_with("sandbox:in-ctr-")))
+                .count()
+                == 16,
             "listed by the daemon"
         );
         Ok(())
@@ -455,8 +639,14 @@ fn sixteen_sessions_inside_one_container_holding_the_admin_socket() {
 
 fn vm_rss_kib(pid: u32) -> Result<u64> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    let l = s.lines().find(|l| l.starts_with("VmRSS:")).context("VmRSS")?;
-    Ok(l.split_whitespace().nth(1).context("VmRSS value")?.parse()?)
+    let l = s
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .context("VmRSS")?;
+    Ok(l.split_whitespace()
+        .nth(1)
+        .context("VmRSS value")?
+        .parse()?)
 }
 
 /// Isolation: 1,000 sessions alive at once, each writing a unique marker; none
@@ -465,33 +655,72 @@ fn vm_rss_kib(pid: u32) -> Result<u64> {
 #[test]
 fn isolation_of_a_thousand_live_sessions() {
     scenario(|env| {
-        let n: usize = std::env::var("LAYERSTACK_MODEB_ISOLATION_N").ok().and_then(|v| v.parse().ok()).unwrap_or(1000);
+        let n: usize = std::env::var("LAYERSTACK_MODEB_ISOLATION_N")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1000);
         let stack = format!("{DEBIAN_IMAGE}@iso");
         let o = mb_sh_on(env, &stack, &[], "echo base > /iso-base")?;
         ensure!(code(&o) == 0, "{}", describe(&o));
         let pid = env.daemon_pid().context("daemon pid")?;
         let rss0 = vm_rss_kib(pid)?;
         let t = Instant::now();
-        let ids = parallel(n, 8, |i| create_on(env, &stack, &["--publish", "never", "--name", &format!("iso-{i}")]))?;
+        let ids = parallel(n, 8, |i| {
+            create_on(
+                env,
+                &stack,
+                &["--publish", "never", "--name", &format!("iso-{i}")],
+            )
+        })?;
         let created = t.elapsed();
         let rss = vm_rss_kib(pid)?;
         eprintln!("modeb: {n} live sandbox sessions created in {created:?}; daemon VmRSS {rss0} KiB before, {rss} KiB with them live");
         let live = all_upperdirs();
-        ensure!(ids.iter().all(|id| live.contains(&upper_of(env, *id))), "every session is mounted (in its own namespace)");
+        ensure!(
+            ids.iter().all(|id| live.contains(&upper_of(env, *id))),
+            "every session is mounted (in its own namespace)"
+        );
         let t = Instant::now();
         parallel(n, 8, |i| {
-            let o = exec_sh(env, ids[i], &format!("echo {i} > /iso-marker-{i}; ls / | grep -c '^iso-marker-'; cat /iso-base"))?;
-            ensure!(stdout(&o) == "1\nbase\n", "session {} (#{i}) before: {}", ids[i], describe(&o));
+            let o = exec_sh(
+                env,
+                ids[i],
+                &format!(
+                    "echo {i} > /iso-marker-{i}; ls / | grep -c '^iso-marker-'; cat /iso-base"
+                ),
+            )?;
+            ensure!(
+                stdout(&o) == "1\nbase\n",
+                "session {} (#{i}) before: {}",
+                ids[i],
+                describe(&o)
+            );
             Ok(())
         })?;
-        eprintln!("modeb: {n} markers written and checked in {:?}", t.elapsed());
+        eprintln!(
+            "modeb: {n} markers written and checked in {:?}",
+            t.elapsed()
+        );
         for k in 0..3 {
             let o = mb_sh_on(env, &stack, &[], &format!("echo {k} > /unrelated-{k}"))?;
-            ensure!(String::from_utf8_lossy(&o.stderr).contains("committed"), "{}", describe(&o));
+            ensure!(
+                String::from_utf8_lossy(&o.stderr).contains("committed"),
+                "{}",
+                describe(&o)
+            );
         }
         parallel(n, 8, |i| {
-            let o = exec_sh(env, ids[i], &format!("ls / | grep -c '^iso-marker-\\|^unrelated-'; cat /iso-marker-{i}"))?;
-            ensure!(stdout(&o) == format!("1\n{i}\n"), "session {} (#{i}) after: {}", ids[i], describe(&o));
+            let o = exec_sh(
+                env,
+                ids[i],
+                &format!("ls / | grep -c '^iso-marker-\\|^unrelated-'; cat /iso-marker-{i}"),
+            )?;
+            ensure!(
+                stdout(&o) == format!("1\n{i}\n"),
+                "session {} (#{i}) after: {}",
+                ids[i],
+                describe(&o)
+            );
             Ok(())
         })?;
         let t = Instant::now();
@@ -502,8 +731,16 @@ fn isolation_of_a_thousand_live_sessions() {
         })?;
         eprintln!("modeb: {n} sessions closed in {:?}", t.elapsed());
         let left = all_upperdirs();
-        ensure!(ids.iter().all(|id| !left.contains(&upper_of(env, *id))), "no mount left in any namespace");
-        let o = mb_sh_on(env, &stack, &[], "ls / | grep -c '^iso-marker-'; ls / | grep -c '^unrelated-'")?;
+        ensure!(
+            ids.iter().all(|id| !left.contains(&upper_of(env, *id))),
+            "no mount left in any namespace"
+        );
+        let o = mb_sh_on(
+            env,
+            &stack,
+            &[],
+            "ls / | grep -c '^iso-marker-'; ls / | grep -c '^unrelated-'",
+        )?;
         ensure!(stdout(&o) == "0\n3\n", "{}", describe(&o));
         Ok(())
     });
@@ -534,16 +771,33 @@ fn timed(mut c: Command) -> Result<(Duration, Output)> {
 #[ignore = "benchmark"]
 fn bench_p7_session_run_true() {
     scenario(|env| {
-        let n: usize = std::env::var("LAYERSTACK_BENCH_N").ok().and_then(|v| v.parse().ok()).unwrap_or(50);
+        let n: usize = std::env::var("LAYERSTACK_BENCH_N")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(50);
         // The stack id, as a harness that resolved its image once would pass it.
-        let o = mb_sh(env, &["--publish", "never", "--outcome", "/dev/stdout"], "true")?;
+        let o = mb_sh(
+            env,
+            &["--publish", "never", "--outcome", "/dev/stdout"],
+            "true",
+        )?;
         let v: Value = serde_json::from_slice(&o.stdout).with_context(|| describe(&o))?;
         let stack = v["stack"].as_str().context("stack")?.to_string();
-        for (label, spec) in [("stack id", stack.as_str()), ("image reference", DEBIAN_IMAGE)] {
+        for (label, spec) in [
+            ("stack id", stack.as_str()),
+            ("image reference", DEBIAN_IMAGE),
+        ] {
             let mut t = Vec::new();
             for _ in 0..n {
-                let (d, o) = timed(ls_cmd(env, &["session", "run", spec, "--publish", "never", "--", "true"]))?;
-                ensure!(o.status.success() && String::from_utf8_lossy(&o.stderr).contains("discarded"), "{}", describe(&o));
+                let (d, o) = timed(ls_cmd(
+                    env,
+                    &["session", "run", spec, "--publish", "never", "--", "true"],
+                ))?;
+                ensure!(
+                    o.status.success() && String::from_utf8_lossy(&o.stderr).contains("discarded"),
+                    "{}",
+                    describe(&o)
+                );
                 t.push(d);
             }
             let mut s = t.clone();
@@ -559,7 +813,10 @@ fn bench_p7_session_run_true() {
         let (mut st, mut cr, mut cl) = (Vec::new(), Vec::new(), Vec::new());
         for _ in 0..n.min(20) {
             st.push(timed(ls_cmd(env, &["status"]))?.0);
-            let (d, o) = timed(ls_cmd(env, &["session", "create", &stack, "--publish", "never"]))?;
+            let (d, o) = timed(ls_cmd(
+                env,
+                &["session", "create", &stack, "--publish", "never"],
+            ))?;
             cr.push(d);
             let id = stdout(&o).trim().to_string();
             let (d, o) = timed(ls_cmd(env, &["session", "close", &id]))?;
@@ -579,27 +836,54 @@ fn bench_p7_session_run_true() {
             let args = CtrRun::new(NS, &id, &["true"]).rm(true).ctr_args();
             let args: Vec<&str> = args.iter().map(String::as_str).collect();
             let mut c = Command::new("ctr");
-            c.arg("--address").arg(env.containerd().socket()).args(["-n", NS]).args(&args);
+            c.arg("--address")
+                .arg(env.containerd().socket())
+                .args(["-n", NS])
+                .args(&args);
             let (d, o) = timed(c)?;
             t.push(d);
             ensure!(o.status.success(), "{}", describe(&o));
         }
-        eprintln!("P7 baseline ctr run --rm --snapshotter layerstack … true: n={m} median {:.2} ms", median(t).as_secs_f64() * 1e3);
+        eprintln!(
+            "P7 baseline ctr run --rm --snapshotter layerstack … true: n={m} median {:.2} ms",
+            median(t).as_secs_f64() * 1e3
+        );
         Ok(())
     });
 }
 
 /// Spawns `n` `session run` at once; returns the wall time until all ended.
-fn fan_out(env: &TestEnv, n: usize, stack: &str, publish: &str, script: &str) -> Result<(Duration, Vec<Output>)> {
+fn fan_out(
+    env: &TestEnv,
+    n: usize,
+    stack: &str,
+    publish: &str,
+    script: &str,
+) -> Result<(Duration, Vec<Output>)> {
     let t = Instant::now();
     let children: Vec<std::process::Child> = (0..n)
         .map(|i| {
             let s = script.replace("$I", &i.to_string());
-            ls_cmd(env, &["session", "run", stack, "--publish", publish, "--name", &format!("fan-{i}"), "--", "sh", "-c", &s])
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .context("spawn")
+            ls_cmd(
+                env,
+                &[
+                    "session",
+                    "run",
+                    stack,
+                    "--publish",
+                    publish,
+                    "--name",
+                    &format!("fan-{i}"),
+                    "--",
+                    "sh",
+                    "-c",
+                    &s,
+                ],
+            )
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .context("spawn")
         })
         .collect::<Result<_>>()?;
     let outs: Vec<Output> = children
@@ -616,9 +900,23 @@ fn fan_out(env: &TestEnv, n: usize, stack: &str, publish: &str, script: &str) ->
 #[ignore = "benchmark"]
 fn bench_fan_out_1024() {
     scenario(|env| {
-        let n: usize = std::env::var("LAYERSTACK_BENCH_FAN").ok().and_then(|v| v.parse().ok()).unwrap_or(1024);
-        let (d, outs) = fan_out(env, n, &format!("{DEBIAN_IMAGE}@fan"), "never", "echo $I > /one-file")?;
-        let bad = outs.iter().filter(|o| !o.status.success() || !String::from_utf8_lossy(&o.stderr).contains("discarded")).count();
+        let n: usize = std::env::var("LAYERSTACK_BENCH_FAN")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1024);
+        let (d, outs) = fan_out(
+            env,
+            n,
+            &format!("{DEBIAN_IMAGE}@fan"),
+            "never",
+            "echo $I > /one-file",
+        )?;
+        let bad = outs
+            .iter()
+            .filter(|o| {
+                !o.status.success() || !String::from_utf8_lossy(&o.stderr).contains("discarded")
+            })
+            .count();
         eprintln!("fan-out: {n} concurrent sessions each writing one file, all discarded: {:.2} s wall ({bad} failed)", d.as_secs_f64());
         if let Some(o) = outs.iter().find(|o| !o.status.success()) {
             bail!("a session failed: {}", describe(o));
@@ -630,16 +928,45 @@ fn bench_fan_out_1024() {
             "on-exit",
             "mkdir -p /p5/s$I && cd /p5/s$I && for f in $(seq 1 100); do echo $f > f$f; done",
         )?;
-        let committed = outs.iter().filter(|o| String::from_utf8_lossy(&o.stderr).contains("committed")).count();
+        let committed = outs
+            .iter()
+            .filter(|o| String::from_utf8_lossy(&o.stderr).contains("committed"))
+            .count();
         eprintln!("P5 without containers: {n} sessions x 100 files, all published on one head: {:.2} s wall, {committed} committed", d.as_secs_f64());
-        ensure!(committed == n, "{}", outs.iter().find(|o| !String::from_utf8_lossy(&o.stderr).contains("committed")).map(describe).unwrap_or_default());
-        let o = mb_sh_on(env, &format!("{DEBIAN_IMAGE}@p5"), &[], "find /p5 -type f | wc -l")?;
-        ensure!(stdout(&o).trim() == (n * 100).to_string(), "{}", describe(&o));
+        ensure!(
+            committed == n,
+            "{}",
+            outs.iter()
+                .find(|o| !String::from_utf8_lossy(&o.stderr).contains("committed"))
+                .map(describe)
+                .unwrap_or_default()
+        );
+        // 1,024 layers on one head: compact them before mounting the head (the
+        // automatic squash after each publish may still be catching up).
+        let o = ls(env, &["squash", &format!("{DEBIAN_IMAGE}@p5")])?;
+        ensure!(o.status.success(), "{}", describe(&o));
+        let o = mb_sh_on(
+            env,
+            &format!("{DEBIAN_IMAGE}@p5"),
+            &[],
+            "find /p5 -type f | wc -l",
+        )?;
+        ensure!(
+            stdout(&o).trim() == (n * 100).to_string(),
+            "{}",
+            describe(&o)
+        );
         // Memory with n sessions live.
         let pid = env.daemon_pid().context("daemon pid")?;
         let before = vm_rss_kib(pid)?;
         let t = Instant::now();
-        let ids = parallel(n, 8, |i| create_on(env, &format!("{DEBIAN_IMAGE}@mem"), &["--publish", "never", "--name", &format!("mem-{i}")]))?;
+        let ids = parallel(n, 8, |i| {
+            create_on(
+                env,
+                &format!("{DEBIAN_IMAGE}@mem"),
+                &["--publish", "never", "--name", &format!("mem-{i}")],
+            )
+        })?;
         let live = vm_rss_kib(pid)?;
         eprintln!("daemon VmRSS: {before} KiB idle, {live} KiB with {n} sandbox sessions live (created in {:.1} s)", t.elapsed().as_secs_f64());
         parallel(n, 8, |i| close(env, ids[i], &[]).map(drop))?;
@@ -652,22 +979,71 @@ fn bench_fan_out_1024() {
 #[ignore = "debug aid"]
 fn trace_one_session_run() {
     scenario(|env| {
-        let Some(out) = std::env::var_os("LAYERSTACK_STRACE_OUT") else { return Ok(()) };
-        let _ = ls(env, &["session", "run", DEBIAN_IMAGE, "--publish", "never", "--", "true"])?;
+        let Some(out) = std::env::var_os("LAYERSTACK_STRACE_OUT") else {
+            return Ok(());
+        };
+        let _ = ls(
+            env,
+            &[
+                "session",
+                "run",
+                DEBIAN_IMAGE,
+                "--publish",
+                "never",
+                "--",
+                "true",
+            ],
+        )?;
         let mut c = Command::new("strace");
-        c.arg("-f").arg("-tt").arg("-T").arg("-o").arg(&out).arg(cli())
-            .arg("--admin-address").arg(env.admin_socket())
-            .args(["-n", NS, "session", "run", DEBIAN_IMAGE, "--publish", "never", "--", "true"]);
+        c.arg("-f")
+            .arg("-tt")
+            .arg("-T")
+            .arg("-o")
+            .arg(&out)
+            .arg(cli())
+            .arg("--admin-address")
+            .arg(env.admin_socket())
+            .args([
+                "-n",
+                NS,
+                "session",
+                "run",
+                DEBIAN_IMAGE,
+                "--publish",
+                "never",
+                "--",
+                "true",
+            ]);
         let o = run_with_timeout(&mut c, CMD_TIMEOUT)?;
         eprintln!("{}", describe(&o));
         if let Some(pid) = env.daemon_pid() {
             let mut c = Command::new("strace");
-            c.arg("-f").arg("-tt").arg("-T").arg("-p").arg(pid.to_string()).arg("-o").arg(format!("{}.daemon", out.to_string_lossy()));
+            c.arg("-f")
+                .arg("-tt")
+                .arg("-T")
+                .arg("-p")
+                .arg(pid.to_string())
+                .arg("-o")
+                .arg(format!("{}.daemon", out.to_string_lossy()));
             let mut st = c.spawn()?;
             std::thread::sleep(Duration::from_millis(500));
-            let _ = ls(env, &["session", "run", DEBIAN_IMAGE, "--publish", "never", "--", "true"])?;
+            let _ = ls(
+                env,
+                &[
+                    "session",
+                    "run",
+                    DEBIAN_IMAGE,
+                    "--publish",
+                    "never",
+                    "--",
+                    "true",
+                ],
+            )?;
             std::thread::sleep(Duration::from_millis(200));
-            nix::sys::signal::kill(nix::unistd::Pid::from_raw(st.id() as i32), nix::sys::signal::Signal::SIGINT)?;
+            nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(st.id() as i32),
+                nix::sys::signal::Signal::SIGINT,
+            )?;
             st.wait()?;
         }
         Ok(())

@@ -408,14 +408,18 @@ impl api::Admin for AdminService {
         &self,
         req: Request<api::CreateSessionRequest>,
     ) -> Result<Response<api::CreateSessionResponse>, Status> {
-        self.sandbox_create(req.into_inner()).await.map(Response::new)
+        self.sandbox_create(req.into_inner())
+            .await
+            .map(Response::new)
     }
 
     async fn close_session(
         &self,
         req: Request<api::CloseSessionRequest>,
     ) -> Result<Response<api::Session>, Status> {
-        self.sandbox_close(req.into_inner()).await.map(Response::new)
+        self.sandbox_close(req.into_inner())
+            .await
+            .map(Response::new)
     }
 
     async fn set_branch(

@@ -231,14 +231,20 @@ async fn run(args: Args) -> Result<()> {
     let snapshots = containerd_snapshots::server(Arc::new(service::LayerStackSnapshotter::new(
         engine.clone(),
     )));
-    let admin = layerstack_api::AdminServer::new(admin::AdminService::new(
-        engine.clone(),
-        cfg.containerd_address.clone(),
-        subscribed.clone(),
-    )
-    .with_holders(holders.clone()));
+    let admin = layerstack_api::AdminServer::new(
+        admin::AdminService::new(
+            engine.clone(),
+            cfg.containerd_address.clone(),
+            subscribed.clone(),
+        )
+        .with_holders(holders.clone()),
+    );
     info!(address = %cfg.address.display(), admin = %cfg.admin_address.display(), mount = %mount_address.display(), pid = std::process::id(), "serving");
-    tokio::spawn(sandbox::serve(mount_socket.listener()?, engine.clone(), holders));
+    tokio::spawn(sandbox::serve(
+        mount_socket.listener()?,
+        engine.clone(),
+        holders,
+    ));
 
     if cfg.publish_on_task_delete {
         tokio::spawn(containerd::watch_events(

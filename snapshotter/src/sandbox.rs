@@ -162,13 +162,19 @@ async fn read_line(
     }
 }
 
-async fn connection(stream: UnixStream, engine: &Arc<Engine>, holders: &Arc<Holders>) -> io::Result<()> {
+async fn connection(
+    stream: UnixStream,
+    engine: &Arc<Engine>,
+    holders: &Arc<Holders>,
+) -> io::Result<()> {
     let fd = stream.as_raw_fd();
     let (peer_pid, uid) = sys::peer_cred(fd)?;
     if uid != 0 {
         let r = Reply::error(
             "failed-precondition",
-            format!("the mount socket serves root only (uid {uid} asked): Mode B sessions need root"),
+            format!(
+                "the mount socket serves root only (uid {uid} asked): Mode B sessions need root"
+            ),
         );
         return send(&stream, &wire::line(&r), &[]).await;
     }
@@ -242,7 +248,11 @@ async fn connection(stream: UnixStream, engine: &Arc<Engine>, holders: &Arc<Hold
         if !closing {
             let released = engine.session(id).await.map(|s| s.released).unwrap_or(true);
             if !released {
-                info!(session.id = id, holder = peer_pid, "the holder of a sandbox session is gone without closing it");
+                info!(
+                    session.id = id,
+                    holder = peer_pid,
+                    "the holder of a sandbox session is gone without closing it"
+                );
                 engine.sandbox_holder_gone(id);
             }
         }
@@ -268,7 +278,10 @@ async fn attach(
     if !matches!(s.owner, Owner::Sandbox { .. }) {
         return Err(Reply::error(
             "invalid-argument",
-            format!("session {id} belongs to {}, not to a sandbox holder", s.owner.display()),
+            format!(
+                "session {id} belongs to {}, not to a sandbox holder",
+                s.owner.display()
+            ),
         ));
     }
     if s.released {
@@ -311,19 +324,26 @@ async fn attach(
             )),
         });
     let fd = match built {
-        Ok((lowers, upper, work)) => tokio::task::spawn_blocking(move || {
-            sys::overlay_fd(&lowers, &upper, &work)
-        })
-        .await
-        .map_err(|e| Reply::error("internal", e.to_string()))
-        .and_then(|r| {
-            r.map_err(|e| {
-                let unsupported = e.source.raw_os_error() == Some(libc::EINVAL)
-                    && e.step.starts_with("fsconfig lowerdir+");
-                let code = if unsupported { "unsupported" } else { "internal" };
-                Reply::error(code, format!("cannot build session {id}'s overlay: {e}: {}", e.source))
-            })
-        }),
+        Ok((lowers, upper, work)) => {
+            tokio::task::spawn_blocking(move || sys::overlay_fd(&lowers, &upper, &work))
+                .await
+                .map_err(|e| Reply::error("internal", e.to_string()))
+                .and_then(|r| {
+                    r.map_err(|e| {
+                        let unsupported = e.source.raw_os_error() == Some(libc::EINVAL)
+                            && e.step.starts_with("fsconfig lowerdir+");
+                        let code = if unsupported {
+                            "unsupported"
+                        } else {
+                            "internal"
+                        };
+                        Reply::error(
+                            code,
+                            format!("cannot build session {id}'s overlay: {e}: {}", e.source),
+                        )
+                    })
+                })
+        }
         Err(r) => Err(r),
     };
     if fd.is_err() {
@@ -345,7 +365,10 @@ fn join(holders: &Holders, id: SessionId) -> (Reply, Vec<OwnedFd>) {
     };
     let Some((pid, pidfd)) = &h.init else {
         return (
-            Reply::error("failed-precondition", format!("session {id}'s holder is not ready yet")),
+            Reply::error(
+                "failed-precondition",
+                format!("session {id}'s holder is not ready yet"),
+            ),
             vec![],
         );
     };
@@ -364,7 +387,10 @@ fn join(holders: &Holders, id: SessionId) -> (Reply, Vec<OwnedFd>) {
             fds,
         ),
         Ok(_) => (
-            Reply::error("failed-precondition", format!("session {id}'s init has exited")),
+            Reply::error(
+                "failed-precondition",
+                format!("session {id}'s init has exited"),
+            ),
             vec![],
         ),
         Err(e) => (
@@ -436,7 +462,11 @@ impl AdminService {
             r.branch.clone()
         };
         let req = SandboxRequest {
-            name: if r.name.is_empty() { "session".into() } else { r.name },
+            name: if r.name.is_empty() {
+                "session".into()
+            } else {
+                r.name
+            },
             stack,
             target: LeaseTarget::Branch(branch),
             idempotency_key: (!r.idempotency_key.is_empty()).then_some(r.idempotency_key),
