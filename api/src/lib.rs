@@ -179,16 +179,20 @@ pub fn session(s: &SessionInfo, conflicts: &[PathRecord]) -> Session {
             gate_hold_us: t.gate_hold_us,
             total_us: t.total_us,
         }),
-        owner_kind: match s.owner {
-            Owner::Container { .. } => "container",
-            Owner::Sandbox { .. } => "sandbox",
-            Owner::Operation { .. } => "operation",
-        }
-        .to_string(),
+        owner_kind: owner_kind(&s.owner).to_string(),
         owner: s.owner.display(),
         outcome_id: o.map(|o| o.id).unwrap_or(0),
         counts: o.map(|o| path_counts(&o.counts)),
         policy: s.policy.clone().unwrap_or_default(),
+    }
+}
+
+/// The owner kind's wire name: `container`, `sandbox` or `operation`.
+pub fn owner_kind(o: &Owner) -> &'static str {
+    match o {
+        Owner::Container { .. } => "container",
+        Owner::Sandbox { .. } => "sandbox",
+        Owner::Operation { .. } => "operation",
     }
 }
 

@@ -67,6 +67,8 @@ pub struct Config {
     pub metrics: MetricsConfig,
     /// Log filter and format (`[log]`).
     pub log: LogConfig,
+    /// Mode B: sandbox sessions without a container.
+    pub sandbox: SandboxConfig,
 }
 
 /// The Prometheus text endpoint (`[metrics]`): plain HTTP, `GET /metrics`.
@@ -86,6 +88,25 @@ impl Default for MetricsConfig {
         Self {
             enabled: true,
             address: SocketAddr::from(([127, 0, 0, 1], 9464)),
+        }
+    }
+}
+
+/// Mode B (`[sandbox]`; ARCHITECTURE.md §12).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct SandboxConfig {
+    /// Live sandbox sessions at most. Default 256.
+    pub max_sessions: u64,
+    /// The mount socket; `None`: `mount.sock` beside the admin socket.
+    pub mount_address: Option<PathBuf>,
+}
+
+impl Default for SandboxConfig {
+    fn default() -> Self {
+        Self {
+            max_sessions: 256,
+            mount_address: None,
         }
     }
 }
@@ -110,6 +131,19 @@ pub enum LogFormat {
     Text,
     /// One JSON object per line (journald, log shippers).
     Json,
+}
+
+impl Config {
+    /// The mount socket: `[sandbox] mount_address`, else `mount.sock` in the admin
+    /// socket's directory.
+    pub fn mount_address(&self) -> PathBuf {
+        self.sandbox.mount_address.clone().unwrap_or_else(|| {
+            self.admin_address
+                .parent()
+                .unwrap_or_else(|| Path::new("/"))
+                .join("mount.sock")
+        })
+    }
 }
 
 /// History maintenance (`[history]`; ARCHITECTURE.md §2 "Squash", §10).
@@ -199,6 +233,7 @@ impl Default for Config {
             history: HistoryConfig::default(),
             metrics: MetricsConfig::default(),
             log: LogConfig::default(),
+            sandbox: SandboxConfig::default(),
         }
     }
 }
@@ -293,5 +328,26 @@ mod tests {
         ] {
             assert!(Config::from_toml(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn sandbox_defaults_and_mount_socket_beside_the_admin_socket() {
+        let c = Config::default();
+        assert_eq!(c.sandbox.max_sessions, 256);
+        assert_eq!(
+            c.mount_address(),
+            PathBuf::from("/run/layerstack/mount.sock")
+        );
+        let c =
+            Config::from_toml("admin_address = \"/x/a.sock\"\n[sandbox]\nmax_sessions = 2048\n")
+                .unwrap();
+        assert_eq!(c.sandbox.max_sessions, 2048);
+        assert_eq!(c.mount_address(), PathBuf::from("/x/mount.sock"));
+        let c = Config::from_toml("[sandbox]\nmount_address = \"/m.sock\"\n").unwrap();
+        assert_eq!(c.mount_address(), PathBuf::from("/m.sock"));
+        assert!(
+            Config::from_toml("[sandbox]\nmax = 1\n").is_err(),
+            "typo refused"
+        );
     }
 }

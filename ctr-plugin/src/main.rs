@@ -7,6 +7,7 @@
 mod config;
 mod history;
 mod output;
+mod run;
 mod sessions;
 
 use std::path::PathBuf;
@@ -44,6 +45,10 @@ pub struct Cli {
         global = true
     )]
     pub namespace: String,
+    /// Mount socket of containerd-layerstack-grpc (Mode B) [default: mount.sock
+    /// beside the admin socket].
+    #[arg(long, env = "LAYERSTACK_MOUNT_ADDRESS", global = true)]
+    pub mount_address: Option<PathBuf>,
     #[command(subcommand)]
     pub cmd: Cmd,
 }
@@ -59,7 +64,8 @@ pub enum Cmd {
         #[arg(long)]
         json: bool,
     },
-    /// Sessions: one per container rootfs on the layerstack snapshotter.
+    /// Sessions: one per container rootfs on the layerstack snapshotter (Mode A),
+    /// or one per `session run` / `session create` (Mode B).
     Session {
         #[command(subcommand)]
         cmd: SessionCmd,
@@ -118,7 +124,25 @@ pub enum SessionCmd {
         /// Print the sessions as one JSON array.
         #[arg(long)]
         json: bool,
+        /// Only sessions of this owner kind: container, sandbox or operation.
+        #[arg(long, value_name = "KIND")]
+        owner: Option<String>,
     },
+    /// Run CMD in a new session without a container (Mode B) and exit with its
+    /// status: STACK[@BRANCH] [OPTIONS] -- CMD [ARGS...]. The session's writes are
+    /// published, discarded or kept by --publish when CMD ends; the outcome goes
+    /// to stderr as one line (and to --outcome FILE as JSON).
+    Run(run::RunArgs),
+    /// Create a session without a container and keep it mounted in namespaces of
+    /// its own (Mode B); prints its id. `session exec` runs commands in it,
+    /// `session close` ends it.
+    Create(run::CreateArgs),
+    /// Run CMD in a session made by `session create`, joining its namespaces;
+    /// exits with CMD's status.
+    Exec(run::ExecArgs),
+    /// End a Mode B session: stop its processes, then publish, discard, or apply
+    /// its recorded policy; print the outcome. Exits 3 on conflict.
+    Close(run::CloseArgs),
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -126,6 +150,18 @@ async fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match cli.cmd {
         Cmd::Config(args) => config::run(args, cli.admin_address),
+        Cmd::Session {
+            cmd: SessionCmd::Run(ref a),
+        } => run::run(&cli, a.clone()).await,
+        Cmd::Session {
+            cmd: SessionCmd::Create(ref a),
+        } => run::create_cmd(&cli, a.clone()).await,
+        Cmd::Session {
+            cmd: SessionCmd::Exec(ref a),
+        } => run::exec_cmd(&cli, a.clone()).await,
+        Cmd::Session {
+            cmd: SessionCmd::Close(ref a),
+        } => run::close_cmd(&cli, a.clone()).await,
         Cmd::History(h) => history::run(&cli.admin_address, &cli.namespace, h).await,
         _ => sessions::run(cli).await,
     };

@@ -203,6 +203,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
                 SessionCmd::Ls {
                     all_namespaces,
                     json,
+                    owner,
                 },
         } => {
             let mut sessions = Vec::new();
@@ -214,6 +215,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
                         all_namespaces,
                         page_size: 0,
                         page_token: token,
+                        owner_kind: owner.clone().unwrap_or_default(),
                     })
                     .await?
                     .into_inner();
@@ -327,7 +329,9 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
             };
             Ok(print_outcome(&r, all.as_deref(), json))
         }
-        Cmd::History(_) => unreachable!("history commands are dispatched in main"),
+        Cmd::History(_) | Cmd::Session { .. } => {
+            unreachable!("history and Mode B commands are dispatched in main")
+        }
     }
 }
 

@@ -43,6 +43,7 @@ mod index;
 mod locks;
 pub mod policy;
 mod publish;
+mod sandbox;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -61,6 +62,7 @@ pub use layerstack_publisher as publisher;
 pub use layerstack_store as store;
 pub use locks::LockGuard;
 pub use publish::{exit_decision, DryRun};
+pub use sandbox::{CloseHow, SandboxRequest, SandboxSettings};
 
 /// Publish settings the engine applies to every session.
 #[derive(Debug, Clone, Default)]
@@ -73,6 +75,8 @@ pub struct EngineSettings {
     pub userxattr: bool,
     /// Squash, retention.
     pub history: HistorySettings,
+    /// Mode B: the cap on live sandbox sessions.
+    pub sandbox: SandboxSettings,
 }
 
 impl EngineSettings {
@@ -108,6 +112,8 @@ pub struct Engine {
     /// Bumped after every recorded outcome (wakes [`Engine::wait`]).
     generation: watch::Sender<u64>,
     events: broadcast::Sender<OutcomeEvent>,
+    /// Mode B: the cap and the permits of live sandbox sessions.
+    sandboxes: sandbox::Sandboxes,
     #[cfg(any(test, feature = "failpoints"))]
     pub(crate) failpoints: publish::Failpoints,
 }
@@ -117,6 +123,7 @@ impl Engine {
     pub fn new(store: Arc<Store>, settings: EngineSettings) -> Arc<Engine> {
         let (generation, _) = watch::channel(0);
         let (events, _) = broadcast::channel(1024);
+        let sandboxes = sandbox::Sandboxes::new(settings.sandbox.max_sessions);
         Arc::new(Engine {
             store,
             settings,
@@ -127,6 +134,7 @@ impl Engine {
             census: census::Census::new(),
             generation,
             events,
+            sandboxes,
             #[cfg(any(test, feature = "failpoints"))]
             failpoints: publish::Failpoints::default(),
         })

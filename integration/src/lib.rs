@@ -1050,6 +1050,15 @@ impl Drop for Containerd {
 // Our daemon
 // ---------------------------------------------------------------------------
 
+static DAEMON_ARGS: Mutex<Vec<String>> = Mutex::new(Vec::new());
+
+/// Extra arguments for every daemon this process starts from now on (e.g.
+/// `--sandbox-max-sessions 2048`); a test binary sets them before its first env.
+pub fn set_daemon_args(args: &[&str]) {
+    *DAEMON_ARGS.lock().unwrap_or_else(|e| e.into_inner()) =
+        args.iter().map(|s| s.to_string()).collect();
+}
+
 /// `containerd-layerstack-grpc`, serving the snapshot socket containerd was
 /// configured with and an admin socket beside it.
 pub struct Daemon {
@@ -1113,6 +1122,7 @@ impl Daemon {
             // parallel test, a system one) may hold.
             .arg("--metrics-address")
             .arg("127.0.0.1:0")
+            .args(DAEMON_ARGS.lock().unwrap_or_else(|e| e.into_inner()).iter())
             .env(
                 "RUST_LOG",
                 std::env::var("RUST_LOG").unwrap_or_else(|_| "debug".into()),

@@ -23,6 +23,8 @@ pub struct AdminService {
     pub(crate) containerd_address: PathBuf,
     events_subscribed: Arc<AtomicBool>,
     metrics_address: Option<std::net::SocketAddr>,
+    /// Mode B: holders of sandbox sessions (the mount socket's side).
+    pub(crate) holders: Arc<crate::sandbox::Holders>,
 }
 
 pub(crate) fn engine_status(e: EngineError) -> Status {
@@ -47,12 +49,19 @@ impl AdminService {
             containerd_address,
             events_subscribed,
             metrics_address: None,
+            holders: crate::sandbox::Holders::new(PathBuf::new()),
         }
     }
 
     /// Reports the Prometheus endpoint's address in `Status` (none: off).
     pub fn with_metrics_address(mut self, a: Option<std::net::SocketAddr>) -> Self {
         self.metrics_address = a;
+        self
+    }
+
+    /// The holders of sandbox sessions the mount socket serves.
+    pub fn with_holders(mut self, holders: Arc<crate::sandbox::Holders>) -> Self {
+        self.holders = holders;
         self
     }
 
@@ -138,6 +147,9 @@ impl api::Admin for AdminService {
                 .metrics_address
                 .map(|a| a.to_string())
                 .unwrap_or_default(),
+            mount_address: self.holders.mount_address().display().to_string(),
+            sandbox_sessions: self.engine.sandbox_load().0 as u64,
+            sandbox_max_sessions: self.engine.sandbox_load().1 as u64,
         }))
     }
 
@@ -174,6 +186,7 @@ impl api::Admin for AdminService {
                     || s.owner.namespace() == r.namespace
                     || matches!(s.owner, layerstack_engine::store::Owner::Sandbox { .. })
             })
+            .filter(|s| r.owner_kind.is_empty() || api::owner_kind(&s.owner) == r.owner_kind)
             .take(size + 1)
             .collect();
         let next_page_token = if page.len() > size {
@@ -401,6 +414,24 @@ impl api::Admin for AdminService {
         req: Request<api::DiskUsageRequest>,
     ) -> Result<Response<api::DiskUsageResponse>, Status> {
         self.usage(req.into_inner()).await.map(Response::new)
+    }
+
+    async fn create_session(
+        &self,
+        req: Request<api::CreateSessionRequest>,
+    ) -> Result<Response<api::CreateSessionResponse>, Status> {
+        self.sandbox_create(req.into_inner())
+            .await
+            .map(Response::new)
+    }
+
+    async fn close_session(
+        &self,
+        req: Request<api::CloseSessionRequest>,
+    ) -> Result<Response<api::Session>, Status> {
+        self.sandbox_close(req.into_inner())
+            .await
+            .map(Response::new)
     }
 
     async fn set_branch(

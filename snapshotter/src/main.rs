@@ -15,6 +15,7 @@ mod history;
 mod metrics;
 mod notify;
 mod outcomes;
+mod sandbox;
 mod service;
 mod sockets;
 
@@ -95,6 +96,9 @@ struct Args {
     /// Log line format [default: `[log] format`, else text].
     #[arg(long, value_enum)]
     log_format: Option<LogFormat>,
+    /// Live Mode B sessions at most ([sandbox] max_sessions) [default: 256].
+    #[arg(long, value_name = "N")]
+    sandbox_max_sessions: Option<u64>,
 }
 
 /// Refuse configurations that would only fail later, naming what to change.
@@ -249,6 +253,9 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
     if let Some(v) = args.metrics_address {
         cfg.metrics.address = v;
     }
+    if let Some(v) = args.sandbox_max_sessions {
+        cfg.sandbox.max_sessions = v;
+    }
     if args.print_containerd_config {
         let e = layerstack_config::snippets::Endpoints {
             root: cfg.root.clone(),
@@ -291,6 +298,8 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
         warn!(error = %e, "not reporting readiness to the service manager");
         notify::Notifier::disabled()
     });
+    let mount_address = cfg.mount_address();
+    let mount_socket = sockets::Socket::bind(&mount_address)?;
     let opts = StoreOptions {
         durability: match cfg.durability {
             Durability::Disposable => layerstack_engine::store::Durability::Disposable,
@@ -324,6 +333,9 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
                 cfg.history.kept_upper_retention_h.saturating_mul(3600),
             ),
         },
+        sandbox: layerstack_engine::SandboxSettings {
+            max_sessions: usize::try_from(cfg.sandbox.max_sessions).unwrap_or(usize::MAX),
+        },
     };
     let engine = Engine::new(store, settings);
     if cfg.history.gc_interval_s > 0 {
@@ -346,12 +358,20 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
             }
         });
     }
+    let sandboxes = engine.recover_sandboxes().await?;
+    if sandboxes > 0 {
+        info!(
+            sessions = sandboxes,
+            "sandbox sessions of the last run are live; those whose holders are gone are finished by their policy"
+        );
+    }
     let subscribed = Arc::new(AtomicBool::new(false));
     let metrics = metrics_listener
         .is_some()
         .then(|| Arc::new(metrics::Metrics::new()));
     // Before anything can publish: every outcome gets its log line and metrics.
     tokio::spawn(outcomes::watch(&engine, metrics.clone()));
+    let holders = sandbox::Holders::new(mount_address.clone());
 
     let snapshots = containerd_snapshots::server(Arc::new(service::LayerStackSnapshotter::new(
         engine.clone(),
@@ -362,11 +382,13 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
             cfg.containerd_address.clone(),
             subscribed.clone(),
         )
-        .with_metrics_address(metrics_address),
+        .with_metrics_address(metrics_address)
+        .with_holders(holders.clone()),
     );
     info!(
         address = %cfg.address.display(),
         admin = %cfg.admin_address.display(),
+        mount = %mount_address.display(),
         metrics = %metrics_address.map(|a| format!("http://{a}/metrics")).unwrap_or_else(|| "off".into()),
         pid = std::process::id(),
         "serving"
@@ -379,6 +401,11 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
             }
         });
     }
+    tokio::spawn(sandbox::serve(
+        mount_socket.listener()?,
+        engine.clone(),
+        holders,
+    ));
 
     if cfg.publish_on_task_delete {
         tokio::spawn(containerd::watch_events(
@@ -448,6 +475,7 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
     // The sockets are removed when they drop, and only if they are still ours.
     drop(snap_socket);
     drop(admin_socket);
+    drop(mount_socket);
     drop(lock);
     Ok(())
 }

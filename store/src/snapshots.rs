@@ -770,3 +770,46 @@ impl Store {
         })
     }
 }
+
+impl Store {
+    /// The stack of the image whose top layer has chainID `chain` in containerd
+    /// namespace `namespace`, recorded now (with the image's layers as its base)
+    /// if no session of the image has recorded it yet: a Mode B session may be
+    /// the image's first. `None` when the image's top layer is not a committed
+    /// snapshot of this store (not unpacked for the layerstack snapshotter).
+    pub fn ensure_image_stack(
+        &self,
+        namespace: &str,
+        chain: &str,
+    ) -> Result<Option<String>, StoreError> {
+        let stack = stack_id(namespace, chain);
+        let known: Option<String> = self.db.read(|conn| {
+            Ok(conn
+                .query_row("SELECT id FROM stacks WHERE id = ?1", [&stack], |r| {
+                    r.get(0)
+                })
+                .optional()?)
+        })?;
+        if known.is_some() {
+            return Ok(known);
+        }
+        self.db.write(|tx| {
+            let keys: Vec<String> = {
+                let mut stmt = tx.prepare(
+                    "SELECT key FROM snapshots WHERE kind = 'committed' AND image_layer = 1 ORDER BY key",
+                )?;
+                let rows = stmt.query_map([], |r| r.get(0))?;
+                rows.collect::<Result<_, _>>()?
+            };
+            let Some(key) = keys
+                .into_iter()
+                .find(|k| split_key(k) == Some((namespace, chain)))
+            else {
+                return Ok(None);
+            };
+            let base_layers = committed_chain(tx, &key)?;
+            ensure_stack(tx, &stack, chain, namespace, &base_layers)?;
+            Ok(Some(stack.clone()))
+        })
+    }
+}

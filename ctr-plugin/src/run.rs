@@ -1,0 +1,705 @@
+//! Mode B (ARCHITECTURE.md §12): `layerstack session run|create|exec|close` —
+//! sessions without a container, each in mount, pid, ipc and uts namespaces of
+//! its own (and a network namespace with only `lo` for `--net none`).
+//!
+//! `run` is the holder: it asks the daemon for a session (admin RPC
+//! `CreateSession`), receives the session's overlay as a detached mount on the
+//! mount socket, starts the session's init (`layerstack_sandbox::holder`), runs
+//! the command with stdin, stdout and stderr passed through untouched, and once
+//! the command and every process of the session are gone asks the daemon to
+//! close the session by its exit policy (`CloseSession` with the exit status). It
+//! writes the outcome as one line on stderr (and as JSON to `--outcome FILE`) and
+//! exits with the command's status (127: not found, 126: not executable, 128 + n:
+//! killed by signal n; 125: the session could not be started).
+//!
+//! `create` leaves a session's init running in the background (the session stays
+//! mounted); `exec` runs a command in it, joining its namespaces; `close` ends it.
+
+use std::ffi::{OsStr, OsString};
+use std::io::Write as _;
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, ValueEnum};
+use layerstack_api as api;
+use layerstack_sandbox::client::MountConn;
+use layerstack_sandbox::holder::{self, Command, Placement, Setup, DEFAULT_PATH, SETUP_FAILED};
+use layerstack_sandbox::sys::{self, CArgs, Exit};
+use layerstack_sandbox::wire::{self, Mode, Request};
+use serde_json::json;
+
+use crate::sessions::{print_outcome, session_json};
+use crate::{out, Cli};
+
+/// `--publish`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PublishPolicy {
+    /// Publish whatever the exit status.
+    OnExit,
+    /// Publish on exit status 0; discard otherwise (and when the holder is killed).
+    OnSuccess,
+    /// Discard the writes.
+    Never,
+    /// Make the writes a SandboxGraph node (refused until the graph exists).
+    Checkpoint,
+}
+
+impl PublishPolicy {
+    fn as_str(self) -> &'static str {
+        match self {
+            Self::OnExit => "on-exit",
+            Self::OnSuccess => "on-success",
+            Self::Never => "never",
+            Self::Checkpoint => "checkpoint",
+        }
+    }
+}
+
+/// `--net`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
+pub enum Net {
+    /// The caller's network namespace.
+    #[default]
+    Host,
+    /// A network namespace of its own with only `lo`.
+    None,
+}
+
+/// What the command runs as and where (run, exec).
+#[derive(Debug, Clone, Args)]
+pub struct ProcessArgs {
+    /// Run the command as UID[:GID] (numbers; GID defaults to UID).
+    #[arg(long, value_name = "UID[:GID]")]
+    pub user: Option<String>,
+    /// Working directory of the command [default: / in root mode, the mount
+    /// directory with --mount-at].
+    #[arg(long, value_name = "DIR")]
+    pub workdir: Option<PathBuf>,
+    /// Environment variable K=V (repeatable); a bare K takes the caller's value.
+    #[arg(long = "env", short = 'e', value_name = "K=V")]
+    pub env: Vec<OsString>,
+}
+
+/// How a session is made (run, create).
+#[derive(Debug, Clone, Args)]
+pub struct SessionArgs {
+    /// STACK[@BRANCH]: an image reference, stack id or base digest, and the
+    /// branch whose head the session leases [default branch: the daemon's].
+    pub stack: String,
+    /// Start from a SandboxGraph node instead of a branch head (refused until the
+    /// graph exists).
+    #[arg(long, value_name = "ID")]
+    pub node: Option<String>,
+    /// What happens to the session's writes when it ends.
+    #[arg(long, value_enum, default_value_t = PublishPolicy::OnExit)]
+    pub publish: PublishPolicy,
+    /// Workspace mode: mount the session at DIR and keep the caller's root (the
+    /// sandbox's own tools work on the tree) instead of making it the root.
+    #[arg(long, value_name = "DIR")]
+    pub mount_at: Option<PathBuf>,
+    /// Network: the caller's (host) or a namespace with only `lo` (none).
+    #[arg(long, value_enum, default_value_t = Net::Host)]
+    pub net: Net,
+    /// The same key returns the same session (a retried create makes no second one).
+    #[arg(long, value_name = "KEY")]
+    pub idempotency_key: Option<String>,
+    /// Owner label of the session (`sandbox:NAME`) [default: HOST:PID].
+    #[arg(long, value_name = "NAME")]
+    pub name: Option<String>,
+    /// Fail at once (Busy) when the daemon's cap of live sandbox sessions is reached.
+    #[arg(long, conflicts_with = "wait_timeout")]
+    pub no_wait: bool,
+    /// Wait at most this many seconds for a free slot under the cap.
+    #[arg(long, value_name = "SECS", default_value_t = 600)]
+    pub wait_timeout: u32,
+}
+
+/// `session run`.
+#[derive(Debug, Clone, Args)]
+pub struct RunArgs {
+    #[command(flatten)]
+    pub session: SessionArgs,
+    #[command(flatten)]
+    pub process: ProcessArgs,
+    /// Also write the outcome as JSON to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub outcome: Option<PathBuf>,
+    /// The command and its arguments (after `--`).
+    #[arg(
+        required = true,
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "CMD"
+    )]
+    pub cmd: Vec<OsString>,
+}
+
+/// `session create`.
+#[derive(Debug, Clone, Args)]
+pub struct CreateArgs {
+    #[command(flatten)]
+    pub session: SessionArgs,
+    /// Print the session as one JSON object (default: its id).
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `session exec`.
+#[derive(Debug, Clone, Args)]
+pub struct ExecArgs {
+    /// The session id (`session create` printed it).
+    pub session: i64,
+    #[command(flatten)]
+    pub process: ProcessArgs,
+    /// The command and its arguments (after `--`).
+    #[arg(
+        required = true,
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "CMD"
+    )]
+    pub cmd: Vec<OsString>,
+}
+
+/// `session close`.
+#[derive(Debug, Clone, Args)]
+pub struct CloseArgs {
+    /// The session id.
+    pub session: i64,
+    /// The exit status the recorded policy applies to (unknown if absent:
+    /// on-exit publishes, on-success discards).
+    #[arg(long, value_name = "N", conflicts_with_all = ["publish", "discard"])]
+    pub exit_status: Option<u32>,
+    /// Publish whatever the recorded policy.
+    #[arg(long, conflicts_with = "discard")]
+    pub publish: bool,
+    /// Discard whatever the recorded policy.
+    #[arg(long)]
+    pub discard: bool,
+    /// Also write the outcome as JSON to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub outcome: Option<PathBuf>,
+    /// Print the outcome as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+fn require_root(what: &str) -> Result<()> {
+    if sys::euid() != 0 {
+        bail!(
+            "`layerstack session {what}` needs root (euid 0): it creates mount, pid, ipc and uts namespaces and attaches an overlay; run it as root, or inside a privileged container with the daemon's socket directory mounted"
+        );
+    }
+    Ok(())
+}
+
+/// The mount socket: `--mount-address`, else `mount.sock` beside the admin socket.
+fn mount_address(cli: &Cli) -> PathBuf {
+    cli.mount_address.clone().unwrap_or_else(|| {
+        cli.admin_address
+            .parent()
+            .unwrap_or_else(|| Path::new("/"))
+            .join(wire::MOUNT_SOCKET_NAME)
+    })
+}
+
+fn connect_mount(path: &Path) -> Result<MountConn> {
+    MountConn::connect(path).with_context(|| {
+        format!(
+            "cannot reach the daemon's mount socket {} (set --mount-address or LAYERSTACK_MOUNT_ADDRESS; in a container, mount the admin socket's directory)",
+            path.display()
+        )
+    })
+}
+
+fn parse_ids(user: &str) -> Result<(u32, u32)> {
+    let bad = || anyhow::anyhow!("--user {user:?}: give UID or UID:GID as numbers");
+    let (u, g) = match user.split_once(':') {
+        Some((u, g)) => (u, Some(g)),
+        None => (user, None),
+    };
+    let uid: u32 = u.parse().map_err(|_| bad())?;
+    let gid: u32 = match g {
+        Some(g) => g.parse().map_err(|_| bad())?,
+        None => uid,
+    };
+    Ok((uid, gid))
+}
+
+/// The command's environment: a container's defaults in root mode (PATH,
+/// HOSTNAME, HOME, the caller's TERM), the caller's own in workspace mode; then
+/// `--env`.
+fn environment(
+    mode: Mode,
+    hostname: &str,
+    uid: u32,
+    extra: &[OsString],
+) -> Vec<(OsString, OsString)> {
+    let mut env: Vec<(OsString, OsString)> = match mode {
+        Mode::Workspace => std::env::vars_os().collect(),
+        Mode::Root => {
+            let mut e = vec![
+                ("PATH".into(), DEFAULT_PATH.into()),
+                ("HOSTNAME".into(), hostname.into()),
+                ("HOME".into(), if uid == 0 { "/root" } else { "/" }.into()),
+            ];
+            if let Some(t) = std::env::var_os("TERM") {
+                e.push(("TERM".into(), t));
+            }
+            e
+        }
+    };
+    for kv in extra {
+        let b = kv.as_bytes();
+        let (k, v) = match b.iter().position(|&c| c == b'=') {
+            Some(i) => (
+                OsStr::from_bytes(&b[..i]).to_os_string(),
+                OsStr::from_bytes(&b[i + 1..]).to_os_string(),
+            ),
+            None => match std::env::var_os(kv) {
+                Some(v) => (kv.clone(), v),
+                None => continue,
+            },
+        };
+        env.retain(|(ek, _)| *ek != k);
+        env.push((k, v));
+    }
+    env
+}
+
+/// The command to exec: arguments, environment, `PATH` candidates, ids, workdir.
+fn command(
+    mode: Mode,
+    hostname: &str,
+    default_workdir: &Path,
+    p: &ProcessArgs,
+    cmd: &[OsString],
+) -> Result<Command> {
+    let ids = p.user.as_deref().map(parse_ids).transpose()?;
+    let env = environment(mode, hostname, ids.map_or(0, |(u, _)| u), &p.env);
+    let path = env
+        .iter()
+        .find(|(k, _)| k == "PATH")
+        .map(|(_, v)| v.clone())
+        .unwrap_or_else(|| DEFAULT_PATH.into());
+    let workdir = match (&p.workdir, mode) {
+        (Some(w), Mode::Root) if w.is_relative() => {
+            bail!(
+                "--workdir {}: give an absolute path in the session's root",
+                w.display()
+            )
+        }
+        (Some(w), _) if w.is_relative() => std::env::current_dir()?.join(w),
+        (Some(w), _) => w.clone(),
+        (None, _) => default_workdir.to_path_buf(),
+    };
+    let first = cmd.first().context("no command given (after --)")?;
+    Ok(Command {
+        candidates: holder::candidates(first, &path)?,
+        argv: CArgs::new(cmd.iter().map(|a| a.clone().into_vec()))?,
+        envp: CArgs::new(env.into_iter().map(|(k, v)| {
+            let mut kv = k.into_vec();
+            kv.push(b'=');
+            kv.extend(v.into_vec());
+            kv
+        }))?,
+        name: first.as_bytes().to_vec(),
+        ids,
+        workdir: std::ffi::CString::new(workdir.into_os_string().into_vec())
+            .context("--workdir contains a NUL byte")?,
+    })
+}
+
+fn default_name() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
+    format!("{}:{}", host.trim(), std::process::id())
+}
+
+/// Refusals that need no daemon, then `CreateSession`.
+async fn create(
+    c: &mut api::AdminClient<tonic::transport::Channel>,
+    ns: &str,
+    a: &SessionArgs,
+) -> Result<api::CreateSessionResponse> {
+    if let Some(n) = &a.node {
+        bail!("--node {n}: sessions on SandboxGraph nodes need the graph (issue 12), which LayerStack does not have yet; start from a branch (STACK@BRANCH)");
+    }
+    if a.publish == PublishPolicy::Checkpoint {
+        bail!("--publish checkpoint needs the SandboxGraph (issue 12), which LayerStack does not have yet: use on-exit, on-success or never");
+    }
+    let (stack, branch) = crate::history::split_branch(&a.stack);
+    let r = c
+        .create_session(api::CreateSessionRequest {
+            namespace: ns.to_string(),
+            stack,
+            branch,
+            node: String::new(),
+            name: a.name.clone().unwrap_or_else(default_name),
+            idempotency_key: a.idempotency_key.clone().unwrap_or_default(),
+            policy: a.publish.as_str().to_string(),
+            wait_ms: if a.no_wait {
+                0
+            } else {
+                a.wait_timeout.saturating_mul(1000)
+            },
+        })
+        .await?
+        .into_inner();
+    Ok(r)
+}
+
+/// Where the overlay goes, the mode, and the default working directory.
+fn placement(a: &SessionArgs) -> Result<(Placement, Mode, PathBuf)> {
+    match &a.mount_at {
+        None => Ok((Placement::Root, Mode::Root, PathBuf::from("/"))),
+        Some(d) => {
+            let d = std::fs::canonicalize(d)
+                .with_context(|| format!("--mount-at {}: the directory must exist", d.display()))?;
+            if !d.is_dir() {
+                bail!("--mount-at {}: not a directory", d.display());
+            }
+            let c = std::ffi::CString::new(d.as_os_str().as_bytes())
+                .context("--mount-at contains a NUL byte")?;
+            Ok((Placement::At(c), Mode::Workspace, d))
+        }
+    }
+}
+
+/// A started session: its id, its holder connection and its init.
+struct Held {
+    conn: MountConn,
+    init: Result<holder::Init, Exit>,
+}
+
+/// Attaches session `session` and starts its init (see the module docs).
+fn hold(
+    mount: &Path,
+    session: &api::Session,
+    a: &SessionArgs,
+    run: Option<(&ProcessArgs, &[OsString])>,
+) -> Result<Held> {
+    let (placement, mode, default_workdir) = placement(a)?;
+    let hostname = format!("ls-{}", session.id);
+    let cmd = match run {
+        Some((p, argv)) => Some(command(mode, &hostname, &default_workdir, p, argv)?),
+        None => None,
+    };
+    let mut conn = connect_mount(mount)?;
+    let (reply, mut fds) = conn
+        .request(&Request::Attach {
+            session: session.id,
+        })
+        .context("attaching the session on the mount socket")?;
+    if !reply.ok {
+        bail!(
+            "cannot attach session {}: {} ({})",
+            session.id,
+            reply.message,
+            reply.code
+        );
+    }
+    let mount_fd = fds.pop().context("the daemon sent no mount")?;
+    conn.pass_credentials()?;
+    let setup = Setup {
+        placement,
+        net_none: a.net == Net::None,
+        hostname: hostname.into_bytes(),
+        mount_fd: std::os::fd::AsRawFd::as_raw_fd(&mount_fd),
+        holder_sock: conn.raw_fd(),
+        ready_line: wire::line(&Request::Ready {
+            mode,
+            workdir: default_workdir.to_string_lossy().into_owned(),
+        }),
+        die_with_parent: cmd.is_some(),
+    };
+    let init = holder::start(&setup, cmd.as_ref()).context("starting the session's init")?;
+    // Only init keeps the overlay: a descriptor of it here would keep the mount
+    // alive after the session's namespaces are gone.
+    drop(mount_fd);
+    Ok(Held { conn, init })
+}
+
+/// One line on stderr: `layerstack: session 12 committed (layer 34; 3 clean, 0 merged, 0 excluded)`.
+fn outcome_line(s: &api::Session) -> String {
+    let c = s.counts.clone().unwrap_or_default();
+    let mut l = format!(
+        "layerstack: session {} {}",
+        s.id,
+        if s.outcome.is_empty() {
+            "no outcome"
+        } else {
+            &s.outcome
+        }
+    );
+    let mut detail = Vec::new();
+    if s.layer != 0 {
+        detail.push(format!("layer {}", s.layer));
+    }
+    if !s.outcome.is_empty() && s.outcome != "discarded" {
+        detail.push(format!(
+            "{} clean, {} merged, {} conflict, {} excluded",
+            c.clean, c.merged, c.conflict, c.excluded
+        ));
+    }
+    if !s.message.is_empty() && s.outcome != "committed" && s.outcome != "merged" {
+        detail.push(s.message.clone());
+    }
+    if !detail.is_empty() {
+        l.push_str(&format!(" ({})", detail.join("; ")));
+    }
+    l
+}
+
+fn write_outcome(file: &Path, s: &api::Session, exit: Option<i32>) -> Result<()> {
+    let mut v = session_json(s, None);
+    v["exit_status"] = exit.map_or(serde_json::Value::Null, |x| json!(x));
+    let mut f =
+        std::fs::File::create(file).with_context(|| format!("--outcome {}", file.display()))?;
+    writeln!(f, "{v}").with_context(|| format!("--outcome {}", file.display()))?;
+    Ok(())
+}
+
+async fn close(
+    c: &mut api::AdminClient<tonic::transport::Channel>,
+    id: i64,
+    policy: api::PublishPolicy,
+    exit: Option<u32>,
+    reason: &str,
+) -> Result<api::Session> {
+    Ok(c.close_session(api::CloseSessionRequest {
+        session_id: id,
+        policy: policy as i32,
+        reason: reason.to_string(),
+        has_exit_status: exit.is_some(),
+        exit_status: exit.unwrap_or(0),
+    })
+    .await?
+    .into_inner())
+}
+
+/// `session run`: errors of its own exit 125 (the command's status is for the command).
+pub async fn run(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
+    match run_inner(cli, a).await {
+        Ok(code) => Ok(code),
+        Err(e) => {
+            match e.downcast_ref::<tonic::Status>() {
+                Some(st) => eprintln!("layerstack: {}", st.message()),
+                None => eprintln!("layerstack: {e:#}"),
+            }
+            Ok(ExitCode::from(SETUP_FAILED as u8))
+        }
+    }
+}
+
+async fn run_inner(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
+    require_root("run")?;
+    let mut c = crate::connect(&cli.admin_address).await?;
+    let created = create(&mut c, &cli.namespace, &a.session).await?;
+    let session = created.session.context("the daemon sent no session")?;
+    let id = session.id;
+    let held = match hold(
+        &mount_address(cli),
+        &session,
+        &a.session,
+        Some((&a.process, &a.cmd)),
+    ) {
+        Ok(h) => h,
+        Err(e) => {
+            let _ = close(
+                &mut c,
+                id,
+                api::PublishPolicy::Discard,
+                None,
+                "session setup failed",
+            )
+            .await;
+            return Err(e);
+        }
+    };
+    let (exit, policy, reason) = match held.init {
+        Ok(init) => {
+            let x = init.wait().context("waiting for the session's init")?;
+            let code = x.shell_status();
+            (
+                code,
+                api::PublishPolicy::Auto,
+                format!("session run: command exited with status {code}"),
+            )
+        }
+        Err(x) => (
+            x.shell_status(),
+            api::PublishPolicy::Discard,
+            "session setup failed".to_string(),
+        ),
+    };
+    let status = u32::try_from(exit).ok();
+    let s = match close(&mut c, id, policy, status, &reason).await {
+        Ok(s) => s,
+        // The daemon restarted meanwhile: a new connection.
+        Err(_) => {
+            let mut c = crate::connect(&cli.admin_address).await?;
+            close(&mut c, id, policy, status, &reason).await?
+        }
+    };
+    drop(held.conn);
+    eprintln!("{}", outcome_line(&s));
+    if let Some(f) = &a.outcome {
+        write_outcome(f, &s, Some(exit))?;
+    }
+    Ok(ExitCode::from(u8::try_from(exit).unwrap_or(255)))
+}
+
+/// `session create`: prints the session id once its init is ready.
+pub async fn create_cmd(cli: &Cli, a: CreateArgs) -> Result<ExitCode> {
+    require_root("create")?;
+    let mut c = crate::connect(&cli.admin_address).await?;
+    let created = create(&mut c, &cli.namespace, &a.session).await?;
+    let session = created.session.context("the daemon sent no session")?;
+    let id = session.id;
+    let held = match hold(&mount_address(cli), &session, &a.session, None) {
+        Ok(h) => h,
+        Err(e) => {
+            let _ = close(
+                &mut c,
+                id,
+                api::PublishPolicy::Discard,
+                None,
+                "session setup failed",
+            )
+            .await;
+            return Err(e);
+        }
+    };
+    if let Err(x) = held.init {
+        let _ = close(
+            &mut c,
+            id,
+            api::PublishPolicy::Discard,
+            None,
+            "session setup failed",
+        )
+        .await;
+        bail!(
+            "session {id} could not be set up (init exited with status {})",
+            x.shell_status()
+        );
+    }
+    if a.json {
+        out!("{}", session_json(&session, None));
+    } else {
+        out!("{id}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `session exec`: the command's exit status.
+pub async fn exec_cmd(cli: &Cli, a: ExecArgs) -> Result<ExitCode> {
+    require_root("exec")?;
+    let mut conn = connect_mount(&mount_address(cli))?;
+    let (reply, mut fds) = conn.request(&Request::Join { session: a.session })?;
+    if !reply.ok {
+        bail!(
+            "cannot join session {}: {} ({})",
+            a.session,
+            reply.message,
+            reply.code
+        );
+    }
+    drop(conn);
+    if fds.len() != 2 {
+        bail!(
+            "the daemon sent {} descriptors, not 2 (pidfd, root)",
+            fds.len()
+        );
+    }
+    let root = fds.pop().context("root")?;
+    let pidfd = fds.pop().context("pidfd")?;
+    let mode = reply.mode.unwrap_or_default();
+    let hostname = format!("ls-{}", a.session);
+    let cmd = command(
+        mode,
+        &hostname,
+        Path::new(&reply.workdir),
+        &a.process,
+        &a.cmd,
+    )?;
+    let x =
+        holder::join_and_run(pidfd, root, &cmd).context("running the command in the session")?;
+    Ok(ExitCode::from(
+        u8::try_from(x.shell_status()).unwrap_or(255),
+    ))
+}
+
+/// `session close`: prints the outcome; exits 3 on conflict.
+pub async fn close_cmd(cli: &Cli, a: CloseArgs) -> Result<ExitCode> {
+    let mut c = crate::connect(&cli.admin_address).await?;
+    let policy = if a.publish {
+        api::PublishPolicy::Publish
+    } else if a.discard {
+        api::PublishPolicy::Discard
+    } else {
+        api::PublishPolicy::Auto
+    };
+    let s = close(
+        &mut c,
+        a.session,
+        policy,
+        a.exit_status,
+        "layerstack session close",
+    )
+    .await?;
+    if let Some(f) = &a.outcome {
+        write_outcome(f, &s, a.exit_status.map(|x| x as i32))?;
+    }
+    Ok(print_outcome(&s, None, a.json))
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn ids_and_environment() {
+        assert_eq!(parse_ids("1000").unwrap(), (1000, 1000));
+        assert_eq!(parse_ids("1000:5").unwrap(), (1000, 5));
+        assert!(parse_ids("bob").is_err());
+        let env = environment(Mode::Root, "ls-1", 0, &["A=1".into(), "PATH=/x".into()]);
+        let get = |k: &str| env.iter().find(|(ek, _)| ek == k).map(|(_, v)| v.clone());
+        assert_eq!(get("PATH"), Some("/x".into()));
+        assert_eq!(get("A"), Some("1".into()));
+        assert_eq!(get("HOME"), Some("/root".into()));
+        assert_eq!(get("HOSTNAME"), Some("ls-1".into()));
+    }
+
+    #[test]
+    fn the_outcome_line_is_one_line() {
+        let s = api::Session {
+            id: 4,
+            outcome: "committed".into(),
+            layer: 9,
+            counts: Some(api::PathCounts {
+                clean: 2,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let l = outcome_line(&s);
+        assert_eq!(
+            l,
+            "layerstack: session 4 committed (layer 9; 2 clean, 0 merged, 0 conflict, 0 excluded)"
+        );
+        let s = api::Session {
+            id: 5,
+            outcome: "discarded".into(),
+            message: "writes dropped: x".into(),
+            ..Default::default()
+        };
+        assert_eq!(
+            outcome_line(&s),
+            "layerstack: session 5 discarded (writes dropped: x)"
+        );
+    }
+}

@@ -1,0 +1,518 @@
+//! Mode B sessions (ARCHITECTURE.md §12): sessions owned by a holder process of
+//! `layerstack session run` instead of a container. They share everything with
+//! Mode A — the store's session rows, leases, the census, the gate, the exit
+//! policy ([`Engine::finish_locked`]) — and add two things:
+//!
+//! * **A cap** on live sandbox sessions (`[sandbox] max_sessions`, default 256):
+//!   a semaphore whose permit a session holds from its creation to its release.
+//!   A caller that asked not to wait gets [`EngineError::Busy`] at once when the
+//!   cap is reached; one that waits gets it when its deadline passes — never a
+//!   hang.
+//! * **Closing** ([`Engine::close_sandbox_session`]): once the upper is proven
+//!   unmounted in every mount namespace (the census; retried with back-off while
+//!   the holder's namespaces are being torn down), the run ends by the request
+//!   (publish, discard, or the recorded exit policy applied to the command's exit
+//!   status), and the session is released: its directories are removed unless
+//!   the outcome is retryable (a conflict keeps the upper for inspection, as for
+//!   containers). A holder that vanished without closing (SIGKILL) is closed the
+//!   same way with no exit status: `on-exit` publishes, `on-success` discards.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use layerstack_store::{LeaseTarget, MountSpec, Owner, SessionId, SessionInfo};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tracing::{info, warn};
+
+use crate::error::{error_chain, EngineError};
+use crate::policy::Policy;
+use crate::Engine;
+
+/// Mode B limits.
+#[derive(Debug, Clone)]
+pub struct SandboxSettings {
+    /// Live sandbox sessions at most (created, not yet released). Default 256.
+    pub max_sessions: usize,
+}
+
+impl Default for SandboxSettings {
+    fn default() -> Self {
+        Self { max_sessions: 256 }
+    }
+}
+
+/// The cap and the permits of live sandbox sessions.
+pub(crate) struct Sandboxes {
+    max: usize,
+    sem: Arc<Semaphore>,
+    permits: Mutex<HashMap<SessionId, OwnedSemaphorePermit>>,
+}
+
+impl Sandboxes {
+    pub(crate) fn new(max: usize) -> Self {
+        Self {
+            max,
+            sem: Arc::new(Semaphore::new(max)),
+            permits: Mutex::new(HashMap::new()),
+        }
+    }
+
+    fn permits(&self) -> std::sync::MutexGuard<'_, HashMap<SessionId, OwnedSemaphorePermit>> {
+        self.permits.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn release(&self, id: SessionId) {
+        self.permits().remove(&id);
+    }
+}
+
+/// A request for a sandbox session.
+#[derive(Debug, Clone)]
+pub struct SandboxRequest {
+    /// Owner label (`sandbox:<name>`).
+    pub name: String,
+    /// Stack id.
+    pub stack: String,
+    /// What to lease: a branch head or a manifest.
+    pub target: LeaseTarget,
+    /// The same key returns the first call's session.
+    pub idempotency_key: Option<String>,
+    /// Exit policy recorded on the session (`None`: on-exit).
+    pub policy: Option<Policy>,
+    /// How long to wait for a free slot under the cap; `None`: do not wait.
+    pub wait: Option<Duration>,
+}
+
+/// How [`Engine::close_sandbox_session`] ends the run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CloseHow {
+    /// The recorded exit policy applied to the exit status (`None`: unknown).
+    Auto {
+        exit_status: Option<u32>,
+    },
+    Publish,
+    Discard,
+}
+
+/// Back-off between censuses while a holder's namespaces are torn down.
+fn backoff(attempt: u32) -> Duration {
+    Duration::from_millis((1u64 << attempt.min(7)).min(100))
+}
+
+impl Engine {
+    /// Live sandbox sessions and the cap.
+    pub fn sandbox_load(&self) -> (usize, usize) {
+        let live = self.sandboxes.max - self.sandboxes.sem.available_permits();
+        (live, self.sandboxes.max)
+    }
+
+    async fn sandbox_permit(
+        &self,
+        wait: Option<Duration>,
+    ) -> Result<OwnedSemaphorePermit, EngineError> {
+        let sem = self.sandboxes.sem.clone();
+        let full = |waited: Option<Duration>| {
+            EngineError::Busy(format!(
+                "{} sandbox sessions are live, the cap ([sandbox] max_sessions){}: close one, raise the cap, or wait longer",
+                self.sandboxes.max,
+                waited.map(|d| format!("; none ended within {} ms", d.as_millis())).unwrap_or_default()
+            ))
+        };
+        match wait {
+            None => sem.try_acquire_owned().map_err(|_| full(None)),
+            Some(d) => match tokio::time::timeout(d, sem.acquire_owned()).await {
+                Ok(Ok(p)) => Ok(p),
+                _ => Err(full(Some(d))),
+            },
+        }
+    }
+
+    /// Creates a sandbox session (Mode B) under the cap and records its exit
+    /// policy. Returns the session, its mount spec and whether it was created now
+    /// (an idempotency key may return an earlier session, then the spec of its
+    /// current run).
+    ///
+    /// Errors: [`EngineError::Busy`] (cap reached); `StackNotFound`,
+    /// `InvalidArgument`; `FailedPrecondition` when the key names a session that
+    /// was closed already.
+    pub async fn create_sandbox_session(
+        &self,
+        req: SandboxRequest,
+    ) -> Result<(SessionInfo, MountSpec, bool), EngineError> {
+        let permit = self.sandbox_permit(req.wait).await?;
+        let key = req.idempotency_key.clone();
+        let (mut s, spec, created) = self
+            .create_session(
+                Owner::Sandbox { name: req.name },
+                &req.stack,
+                req.target,
+                req.idempotency_key,
+            )
+            .await?;
+        if !created && s.released {
+            return Err(EngineError::Store(
+                layerstack_store::StoreError::FailedPrecondition(format!(
+                    "idempotency key {:?} names session {}, which was closed already",
+                    key.unwrap_or_default(),
+                    s.id
+                )),
+            ));
+        }
+        if created {
+            if let Some(p) = req.policy {
+                let id = s.id;
+                s = self
+                    .blocking(move |st| st.set_session_policy(id, p.as_str()))
+                    .await?;
+            }
+        }
+        self.sandboxes.permits().entry(s.id).or_insert(permit);
+        Ok((s, spec, created))
+    }
+
+    /// Ends sandbox session `id` and releases it (see the module docs). Waits at
+    /// most `patience` for the upper to be unmounted everywhere. Returns the
+    /// session with the outcome of its last run. A session released already is
+    /// returned as it is.
+    ///
+    /// Errors: `SessionNotFound`; `InvalidArgument` for a session that is not a
+    /// sandbox's; [`EngineError::Mounted`] when the upper stays mounted.
+    pub async fn close_sandbox_session(
+        self: &Arc<Self>,
+        id: SessionId,
+        how: CloseHow,
+        why: &str,
+        patience: Duration,
+    ) -> Result<SessionInfo, EngineError> {
+        let s = self.session(id).await?;
+        if !matches!(s.owner, Owner::Sandbox { .. }) {
+            return Err(EngineError::InvalidArgument(format!(
+                "session {id} belongs to {}, not to a sandbox holder: it ends with its owner",
+                s.owner.display()
+            )));
+        }
+        let me = self.clone();
+        let why = why.to_string();
+        let s = tokio::spawn(async move {
+            let deadline = tokio::time::Instant::now() + patience;
+            let mut attempt = 0;
+            loop {
+                let _g = me.lock_session(id).await;
+                let s = me.session(id).await?;
+                if s.released {
+                    break Ok(s);
+                }
+                let r = match how {
+                    CloseHow::Auto { exit_status } => {
+                        me.finish_locked(&s, None, exit_status, &why).await
+                    }
+                    CloseHow::Publish => me.publish_locked(id, &why).await,
+                    CloseHow::Discard => me.discard_locked(id, &why).await,
+                };
+                match r {
+                    Ok(_) => {
+                        me.blocking(move |st| st.release_session(id, false)).await?;
+                        let s = me.session(id).await?;
+                        me.notify(&s);
+                        info!(session.id = id, outcome = ?s.outcome.as_ref().map(|o| o.kind), "sandbox session closed");
+                        break Ok(s);
+                    }
+                    Err(EngineError::Mounted(..)) if tokio::time::Instant::now() < deadline => {
+                        drop(_g);
+                        tokio::time::sleep(backoff(attempt)).await;
+                        attempt += 1;
+                    }
+                    Err(e) => break Err(e),
+                }
+            }
+        })
+        .await
+        .map_err(|e| EngineError::Join(e.to_string()))??;
+        self.sandboxes.release(id);
+        self.after_publish(&s).await;
+        Ok(s)
+    }
+
+    /// The holder of sandbox session `id` is gone without closing it (its mount
+    /// socket connection ended): ends the run by the recorded policy with no exit
+    /// status, and releases it, once its namespaces are gone. Returns at once.
+    pub fn sandbox_holder_gone(self: &Arc<Self>, id: SessionId) {
+        let me = self.clone();
+        tokio::spawn(async move {
+            let r = me
+                .close_sandbox_session(
+                    id,
+                    CloseHow::Auto { exit_status: None },
+                    "holder gone without closing (killed?)",
+                    Duration::from_secs(30),
+                )
+                .await;
+            match r {
+                Ok(s) => {
+                    info!(session.id = id, outcome = ?s.outcome.as_ref().map(|o| o.kind), "holder gone: session finished by its policy")
+                }
+                Err(e) => {
+                    warn!(session.id = id, error = %error_chain(&e), "holder gone: cannot finish the session yet; it is retried at the next start")
+                }
+            }
+        });
+    }
+
+    /// At start: live sandbox sessions of the last run take their permits; those
+    /// whose holders are gone (upper unmounted everywhere) are finished by their
+    /// policy and released, now or when their upper is unmounted (their holders'
+    /// mount socket connections ended with the last daemon). Returns how many
+    /// were live.
+    pub async fn recover_sandboxes(self: &Arc<Self>) -> Result<usize, EngineError> {
+        let live: Vec<SessionInfo> = self
+            .blocking(|s| s.sessions())
+            .await?
+            .into_iter()
+            .filter(|s| matches!(s.owner, Owner::Sandbox { .. }) && !s.released)
+            .collect();
+        for s in &live {
+            if let Ok(p) = self.sandboxes.sem.clone().try_acquire_owned() {
+                self.sandboxes.permits().insert(s.id, p);
+            }
+            let me = self.clone();
+            let (id, upper) = (s.id, s.upper.clone());
+            tokio::spawn(async move {
+                loop {
+                    match me.upper_mounted(&upper).await {
+                        Ok(false) => break,
+                        Ok(true) => tokio::time::sleep(Duration::from_secs(2)).await,
+                        Err(e) => {
+                            warn!(session.id = id, error = %error_chain(&e), "census failed");
+                            tokio::time::sleep(Duration::from_secs(10)).await;
+                        }
+                    }
+                    if me.session(id).await.map(|s| s.released).unwrap_or(true) {
+                        return;
+                    }
+                }
+                me.sandbox_holder_gone(id);
+            });
+        }
+        Ok(live.len())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use std::collections::BTreeMap;
+    use std::os::unix::fs::PermissionsExt;
+
+    use layerstack_store::{ErrorKind, OutcomeKind, Store, StoreOptions, SNAPSHOT_REF_LABEL};
+
+    use super::*;
+    use crate::EngineSettings;
+
+    #[test]
+    fn backoff_grows_to_100_ms() {
+        assert_eq!(backoff(0).as_millis(), 1);
+        assert_eq!(backoff(3).as_millis(), 8);
+        assert_eq!(backoff(20).as_millis(), 100);
+    }
+
+    /// Root is needed (the store's sweep, chown of uppers). Without it the test
+    /// skips, except under `CI=true`, where it fails.
+    fn have_root(test: &str) -> bool {
+        if nix::unistd::geteuid().is_root() {
+            return true;
+        }
+        assert!(
+            std::env::var("CI").as_deref() != Ok("true"),
+            "{test} needs root under CI=true"
+        );
+        eprintln!("skipping {test}: needs root");
+        false
+    }
+
+    /// A store with stack `ns/sha256:aaa` (one image layer holding etc/a) and an
+    /// engine over it with a cap of `max` sandbox sessions.
+    fn engine(dir: &std::path::Path, max: usize) -> Arc<Engine> {
+        let store = Store::open(&dir.join("root"), &StoreOptions::default()).unwrap();
+        let labels = BTreeMap::from([(SNAPSHOT_REF_LABEL.to_string(), "sha256:aaa".to_string())]);
+        let (_, spec) = store
+            .prepare("ns/1/extract-1 sha256:aaa", "", labels, false)
+            .unwrap();
+        let MountSpec::Bind { source, .. } = spec else {
+            panic!("{spec:?}")
+        };
+        std::fs::set_permissions(&source, std::fs::Permissions::from_mode(0o755)).unwrap();
+        std::fs::create_dir_all(source.join("etc")).unwrap();
+        std::fs::write(source.join("etc/a"), b"a\n").unwrap();
+        store
+            .commit(
+                "ns/2/sha256:aaa",
+                "ns/1/extract-1 sha256:aaa",
+                BTreeMap::new(),
+            )
+            .unwrap();
+        // The stack exists once a session of the image exists (Mode A's first
+        // Prepare) or once Mode B asks for it.
+        assert!(store
+            .ensure_image_stack("ns", "sha256:aaa")
+            .unwrap()
+            .is_some());
+        Engine::new(
+            Arc::new(store),
+            EngineSettings {
+                sandbox: SandboxSettings { max_sessions: max },
+                ..Default::default()
+            },
+        )
+    }
+
+    fn req(name: &str, policy: Option<Policy>, wait: Option<Duration>) -> SandboxRequest {
+        SandboxRequest {
+            name: name.into(),
+            stack: "ns/sha256:aaa".into(),
+            target: LeaseTarget::Branch("main".into()),
+            idempotency_key: None,
+            policy,
+            wait,
+        }
+    }
+
+    #[tokio::test]
+    async fn the_cap_answers_busy_and_never_hangs() {
+        if !have_root("the_cap_answers_busy_and_never_hangs") {
+            return;
+        }
+        let t = tempfile::Builder::new()
+            .prefix("ls-sandbox-")
+            .tempdir_in("/var/tmp")
+            .unwrap();
+        let e = engine(t.path(), 2);
+        let (a, _, _) = e
+            .create_sandbox_session(req("a", None, None))
+            .await
+            .unwrap();
+        let mut keyed = req("b", None, None);
+        keyed.idempotency_key = Some("k".into());
+        let (b, _, created) = e.create_sandbox_session(keyed.clone()).await.unwrap();
+        assert!(created);
+        assert_eq!(e.sandbox_load(), (2, 2));
+        let err = e
+            .create_sandbox_session(req("c", None, None))
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Busy, "{err}");
+        let t0 = std::time::Instant::now();
+        let err = e
+            .create_sandbox_session(req("c", None, Some(Duration::from_millis(50))))
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Busy);
+        assert!(t0.elapsed() < Duration::from_secs(5));
+        // The same key is the same session; it does not take another slot once
+        // one is free.
+        e.close_sandbox_session(a.id, CloseHow::Discard, "test", Duration::from_secs(1))
+            .await
+            .unwrap();
+        let (b2, _, created) = e.create_sandbox_session(keyed).await.unwrap();
+        assert_eq!((b2.id, created), (b.id, false));
+        assert_eq!(e.sandbox_load(), (1, 2));
+        // A waiter gets the slot a close frees.
+        let e2 = e.clone();
+        let waiter = tokio::spawn(async move {
+            e2.create_sandbox_session(req("d", None, Some(Duration::from_secs(30))))
+                .await
+        });
+        let _c = e
+            .create_sandbox_session(req("c", None, None))
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_millis(20)).await;
+        assert!(!waiter.is_finished());
+        e.close_sandbox_session(b.id, CloseHow::Discard, "test", Duration::from_secs(1))
+            .await
+            .unwrap();
+        let (d, _, _) = waiter.await.unwrap().unwrap();
+        assert_eq!(d.owner.display(), "sandbox:d");
+    }
+
+    #[tokio::test]
+    async fn close_applies_the_recorded_policy_and_releases() {
+        if !have_root("close_applies_the_recorded_policy_and_releases") {
+            return;
+        }
+        let t = tempfile::Builder::new()
+            .prefix("ls-sandbox-")
+            .tempdir_in("/var/tmp")
+            .unwrap();
+        let e = engine(t.path(), 8);
+        let write = |s: &SessionInfo, name: &str| {
+            std::fs::set_permissions(&s.upper, std::fs::Permissions::from_mode(0o755)).unwrap();
+            std::fs::write(s.upper.join(name), b"x\n").unwrap();
+        };
+        // on-success without an exit status (a killed holder): discarded.
+        let (s1, _, _) = e
+            .create_sandbox_session(req("k", Some(Policy::OnSuccess), None))
+            .await
+            .unwrap();
+        assert_eq!(s1.policy.as_deref(), Some("on-success"));
+        write(&s1, "lost");
+        let dir = e.store().session_dir(s1.id);
+        let out = e
+            .close_sandbox_session(
+                s1.id,
+                CloseHow::Auto { exit_status: None },
+                "gone",
+                Duration::from_secs(1),
+            )
+            .await
+            .unwrap();
+        assert_eq!(out.outcome.map(|o| o.kind), Some(OutcomeKind::Discarded));
+        assert!(out.released);
+        assert!(
+            !dir.exists(),
+            "a released session's directories are removed"
+        );
+        // on-exit with status 3: published.
+        let (s2, _, _) = e
+            .create_sandbox_session(req("p", Some(Policy::OnExit), None))
+            .await
+            .unwrap();
+        write(&s2, "kept");
+        let out = e
+            .close_sandbox_session(
+                s2.id,
+                CloseHow::Auto {
+                    exit_status: Some(3),
+                },
+                "exit",
+                Duration::from_secs(1),
+            )
+            .await
+            .unwrap();
+        assert_eq!(out.outcome.map(|o| o.kind), Some(OutcomeKind::Committed));
+        // Closing again changes nothing.
+        let again = e
+            .close_sandbox_session(s2.id, CloseHow::Discard, "again", Duration::from_secs(1))
+            .await
+            .unwrap();
+        assert_eq!(again.outcome.map(|o| o.kind), Some(OutcomeKind::Committed));
+        assert_eq!(e.sandbox_load(), (0, 8));
+        // The next session sees the published file, not the discarded one.
+        let (s3, spec, _) = e
+            .create_sandbox_session(req("n", None, None))
+            .await
+            .unwrap();
+        let MountSpec::Overlay { lowers, .. } = spec else {
+            panic!()
+        };
+        assert!(lowers.iter().any(|l| l.join("kept").exists()));
+        assert!(!lowers.iter().any(|l| l.join("lost").exists()));
+        // A container's session is not closed this way.
+        let err = e
+            .close_sandbox_session(999, CloseHow::Discard, "x", Duration::from_secs(1))
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::NotFound);
+        drop(s3);
+    }
+}

@@ -1,0 +1,570 @@
+//! The holder side of a Mode B session: the processes `layerstack session run`,
+//! `create` and `exec` start, and what each does in the kernel.
+//!
+//! ```text
+//! holder (layerstack, caller's namespaces)      keeps the mount socket open
+//!   └─ init  = clone(NEWNS|NEWPID|NEWIPC|NEWUTS[|NEWNET])   pid 1 of the session
+//!        │  PR_SET_PDEATHSIG(SIGKILL) (run), mount / rprivate, attach the overlay
+//!        │  root mode: overlay on "/", fchdir into it, /proc /dev /sys /run,
+//!        │  pivot_root(".", "."), detach the old root; workspace mode: overlay
+//!        │  on DIR, a fresh /proc; hostname; lo up (--net none)
+//!        │  sends "ready" (its pid reaches the daemon by SCM_CREDENTIALS)
+//!        └─ command = fork, drop to --user, chdir --workdir, execve (127: not
+//!             found, 126: not executable); init forwards signals to it, reaps
+//!             orphans and exits with its status (128 + n for signal n)
+//! ```
+//! When init exits (pid 1), the kernel kills the rest of the pid namespace; the
+//! last process gone takes the mount namespace, and the overlay, with it. The
+//! holder then asks the daemon to close the session (census first: the upper is
+//! proven unmounted everywhere). A holder killed with SIGKILL takes init with it
+//! (parent-death signal); the daemon sees the mount socket close and finishes the
+//! session by its recorded policy.
+//!
+//! Code between a `clone` and the `execve`/`_exit` of that process makes only
+//! child-safe calls ([`crate::sys`]): every string it needs is built before.
+
+use std::ffi::{CStr, CString, OsStr};
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
+use std::sync::atomic::{AtomicI32, Ordering};
+
+use crate::sys::{self, CArgs, Exit};
+
+/// Default `PATH` of a root-mode session (containerd's default spec).
+pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// Exit status when the session could not be set up (as `docker run`'s 125).
+pub const SETUP_FAILED: i32 = 125;
+
+/// The command a session runs.
+pub struct Command {
+    /// Paths to try in order (a `PATH` search done beforehand, in the session's
+    /// root: see [`candidates`]).
+    pub candidates: Vec<CString>,
+    pub argv: CArgs,
+    pub envp: CArgs,
+    /// `argv[0]`, for messages.
+    pub name: Vec<u8>,
+    /// `--user UID:GID`.
+    pub ids: Option<(u32, u32)>,
+    /// Working directory (absolute, in the session's view).
+    pub workdir: CString,
+}
+
+/// Where the overlay goes.
+pub enum Placement {
+    /// The overlay becomes `/` (pivot_root), with /proc, /dev, /sys, /run.
+    Root,
+    /// The overlay is mounted at this absolute directory; the root stays.
+    At(CString),
+}
+
+/// Everything init needs, built before the clone.
+pub struct Setup {
+    pub placement: Placement,
+    /// A network namespace with only `lo` (`--net none`).
+    pub net_none: bool,
+    pub hostname: Vec<u8>,
+    /// The detached overlay (from the daemon).
+    pub mount_fd: RawFd,
+    /// The mount socket connection (init reports "ready" on it).
+    pub holder_sock: RawFd,
+    /// The "ready" line init sends.
+    pub ready_line: Vec<u8>,
+    /// Run mode: init dies with the holder. Create mode: init outlives it, on
+    /// /dev/null, in its own session.
+    pub die_with_parent: bool,
+}
+
+/// The paths to try for `cmd` with search path `path`, like `execvp`: `cmd`
+/// itself when it contains a `/`, else `dir/cmd` for every `PATH` entry (empty
+/// entry = current directory).
+pub fn candidates(cmd: &OsStr, path: &OsStr) -> io::Result<Vec<CString>> {
+    let bad = |_| io::Error::new(io::ErrorKind::InvalidInput, "argument contains a NUL byte");
+    let c = cmd.as_bytes();
+    if c.contains(&b'/') {
+        return Ok(vec![CString::new(c).map_err(bad)?]);
+    }
+    path.as_bytes()
+        .split(|&b| b == b':')
+        .map(|d| {
+            let mut p = if d.is_empty() {
+                b".".to_vec()
+            } else {
+                d.to_vec()
+            };
+            p.push(b'/');
+            p.extend_from_slice(c);
+            CString::new(p).map_err(bad)
+        })
+        .collect()
+}
+
+/// The child of a started session init.
+pub struct Init {
+    /// Init's pid (in the holder's pid namespace).
+    pub pid: libc::pid_t,
+}
+
+/// Init's pid, for the holder's signal handler.
+static FORWARD_TO: AtomicI32 = AtomicI32::new(0);
+
+extern "C" fn forward(sig: libc::c_int) {
+    let pid = FORWARD_TO.load(Ordering::Relaxed);
+    if pid > 0 {
+        sys::kill(pid, sig);
+    }
+}
+
+/// Starts the session's init (see the module docs) and waits until it is ready:
+/// the overlay is in place and — with `cmd` — the command started. Returns
+/// `Err` with init's exit when setup failed (init reported why on stderr).
+///
+/// In run mode (`cmd` given) the holder then forwards SIGINT, SIGTERM, SIGHUP and
+/// SIGQUIT to init until [`Init::wait`].
+pub fn start(setup: &Setup, cmd: Option<&Command>) -> io::Result<Result<Init, Exit>> {
+    let (ready_r, ready_w) = sys::pipe()?;
+    let devnull = if setup.die_with_parent {
+        None
+    } else {
+        Some(
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open("/dev/null")?,
+        )
+    };
+    let set = sys::init_sigset();
+    // Blocked before the clone: init inherits the mask, so no signal meant for
+    // it is lost before it waits for signals.
+    sys::sigmask(libc::SIG_BLOCK, &set);
+    let mut flags =
+        libc::CLONE_NEWNS | libc::CLONE_NEWPID | libc::CLONE_NEWIPC | libc::CLONE_NEWUTS;
+    if setup.net_none {
+        flags |= libc::CLONE_NEWNET;
+    }
+    // SAFETY: the child runs only `init_main`, which makes child-safe calls and
+    // ends in `_exit`.
+    let pid = match unsafe { sys::clone_fork(flags) } {
+        Ok(0) => {
+            sys::close(ready_r.as_raw_fd());
+            init_main(
+                setup,
+                cmd,
+                ready_w.as_raw_fd(),
+                devnull.as_ref().map(AsRawFd::as_raw_fd),
+                &set,
+            )
+        }
+        Ok(pid) => pid,
+        Err(e) => {
+            sys::sigmask(libc::SIG_UNBLOCK, &set);
+            return Err(e);
+        }
+    };
+    drop(ready_w);
+    drop(devnull);
+    if cmd.is_some() {
+        FORWARD_TO.store(pid, Ordering::Relaxed);
+        for s in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT] {
+            sys::set_handler(
+                s,
+                forward as extern "C" fn(libc::c_int) as libc::sighandler_t,
+            );
+        }
+    }
+    sys::sigmask(libc::SIG_UNBLOCK, &set);
+    let mut b = [0u8; 1];
+    let n = sys::read(ready_r.as_raw_fd(), &mut b)?;
+    if n == 1 {
+        return Ok(Ok(Init { pid }));
+    }
+    // Init ended before it was ready: setup failed.
+    let x = sys::wait_pid(pid)?;
+    FORWARD_TO.store(0, Ordering::Relaxed);
+    Ok(Err(x))
+}
+
+impl Init {
+    /// Waits for init (and so the command) to end.
+    pub fn wait(self) -> io::Result<Exit> {
+        let x = sys::wait_pid(self.pid);
+        FORWARD_TO.store(0, Ordering::Relaxed);
+        x
+    }
+}
+
+fn fail(step: &[&[u8]], e: &io::Error) -> ! {
+    sys::report(step, Some(e));
+    sys::exit_now(SETUP_FAILED)
+}
+
+/// A character device under `dev/` of the new root; bind-mounted from the host's
+/// `/dev` when mknod is not allowed (a user namespace, a restricted container).
+fn device(rel: &CStr, host: &CStr, major: u32, minor: u32) {
+    match sys::mknod_char(rel, 0o666, major, minor) {
+        Ok(()) => {}
+        Err(e) if e.raw_os_error() == Some(libc::EEXIST) => {}
+        Err(_) => {
+            if let Err(e) = sys::touch(rel)
+                .and_then(|()| sys::mount(Some(host), rel, None, libc::MS_BIND, None))
+            {
+                fail(&[b"device ", rel.to_bytes()], &e);
+            }
+        }
+    }
+}
+
+/// Mounts under the new root (the working directory), as a container has them
+/// (containerd's default spec): /proc, a minimal /dev, /sys read-only, /run.
+fn container_mounts() {
+    let nse = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
+    let step = |what: &[u8], r: io::Result<()>| {
+        if let Err(e) = r {
+            fail(&[what], &e);
+        }
+    };
+    step(b"mkdir /proc", sys::mkdir_exist_ok(c"proc", 0o555));
+    step(
+        b"mount /proc",
+        sys::mount(Some(c"proc"), c"proc", Some(c"proc"), nse, None),
+    );
+    step(b"mkdir /dev", sys::mkdir_exist_ok(c"dev", 0o755));
+    step(
+        b"mount /dev",
+        sys::mount(
+            Some(c"tmpfs"),
+            c"dev",
+            Some(c"tmpfs"),
+            libc::MS_NOSUID | libc::MS_STRICTATIME,
+            Some(c"mode=755,size=65536k"),
+        ),
+    );
+    device(c"dev/null", c"/dev/null", 1, 3);
+    device(c"dev/zero", c"/dev/zero", 1, 5);
+    device(c"dev/full", c"/dev/full", 1, 7);
+    device(c"dev/random", c"/dev/random", 1, 8);
+    device(c"dev/urandom", c"/dev/urandom", 1, 9);
+    device(c"dev/tty", c"/dev/tty", 5, 0);
+    for (target, link) in [
+        (c"/proc/self/fd", c"dev/fd"),
+        (c"/proc/self/fd/0", c"dev/stdin"),
+        (c"/proc/self/fd/1", c"dev/stdout"),
+        (c"/proc/self/fd/2", c"dev/stderr"),
+        (c"pts/ptmx", c"dev/ptmx"),
+    ] {
+        step(b"symlink in /dev", sys::symlink(target, link));
+    }
+    step(b"mkdir /dev/pts", sys::mkdir_exist_ok(c"dev/pts", 0o755));
+    step(
+        b"mount /dev/pts",
+        sys::mount(
+            Some(c"devpts"),
+            c"dev/pts",
+            Some(c"devpts"),
+            libc::MS_NOSUID | libc::MS_NOEXEC,
+            Some(c"newinstance,ptmxmode=0666,mode=0620,gid=5"),
+        ),
+    );
+    step(b"mkdir /dev/shm", sys::mkdir_exist_ok(c"dev/shm", 0o1777));
+    step(
+        b"mount /dev/shm",
+        sys::mount(
+            Some(c"shm"),
+            c"dev/shm",
+            Some(c"tmpfs"),
+            nse,
+            Some(c"mode=1777,size=65536k"),
+        ),
+    );
+    step(
+        b"mkdir /dev/mqueue",
+        sys::mkdir_exist_ok(c"dev/mqueue", 0o755),
+    );
+    step(
+        b"mount /dev/mqueue",
+        sys::mount(Some(c"mqueue"), c"dev/mqueue", Some(c"mqueue"), nse, None),
+    );
+    step(b"mkdir /sys", sys::mkdir_exist_ok(c"sys", 0o555));
+    if sys::mount(
+        Some(c"sysfs"),
+        c"sys",
+        Some(c"sysfs"),
+        nse | libc::MS_RDONLY,
+        None,
+    )
+    .is_err()
+    {
+        // sysfs of a network namespace we do not own: bind the host's, read-only.
+        step(
+            b"bind /sys",
+            sys::mount(
+                Some(c"/sys"),
+                c"sys",
+                None,
+                libc::MS_BIND | libc::MS_REC,
+                None,
+            ),
+        );
+        step(
+            b"remount /sys read-only",
+            sys::mount(
+                None,
+                c"sys",
+                None,
+                libc::MS_BIND | libc::MS_REMOUNT | libc::MS_RDONLY | nse,
+                None,
+            ),
+        );
+    }
+    step(b"mkdir /run", sys::mkdir_exist_ok(c"run", 0o755));
+    step(
+        b"mount /run",
+        sys::mount(
+            Some(c"tmpfs"),
+            c"run",
+            Some(c"tmpfs"),
+            libc::MS_NOSUID | libc::MS_NODEV,
+            Some(c"mode=755,size=65536k"),
+        ),
+    );
+}
+
+fn init_main(
+    setup: &Setup,
+    cmd: Option<&Command>,
+    ready_w: RawFd,
+    devnull: Option<RawFd>,
+    set: &libc::sigset_t,
+) -> ! {
+    if setup.die_with_parent {
+        if let Err(e) = sys::die_with_parent() {
+            fail(&[b"prctl PR_SET_PDEATHSIG"], &e);
+        }
+    }
+    if let Err(e) = sys::mount(None, c"/", None, libc::MS_REC | libc::MS_PRIVATE, None) {
+        fail(&[b"make / private in the session's mount namespace"], &e);
+    }
+    match &setup.placement {
+        Placement::Root => {
+            if let Err(e) = sys::attach(setup.mount_fd, c"/") {
+                fail(&[b"attach the overlay (move_mount)"], &e);
+            }
+            if let Err(e) = sys::fchdir(setup.mount_fd) {
+                fail(&[b"enter the overlay"], &e);
+            }
+            container_mounts();
+            if let Err(e) = sys::pivot_root_here() {
+                fail(&[b"pivot_root"], &e);
+            }
+            if let Err(e) = sys::umount_detach(c".") {
+                fail(&[b"detach the old root"], &e);
+            }
+            if let Err(e) = sys::chdir(c"/") {
+                fail(&[b"chdir /"], &e);
+            }
+        }
+        Placement::At(dir) => {
+            if let Err(e) = sys::attach(setup.mount_fd, dir) {
+                fail(
+                    &[b"attach the overlay (move_mount) at ", dir.to_bytes()],
+                    &e,
+                );
+            }
+            let nse = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
+            if let Err(e) = sys::mount(Some(c"proc"), c"/proc", Some(c"proc"), nse, None) {
+                fail(&[b"mount /proc"], &e);
+            }
+            if let Err(e) = sys::chdir(dir) {
+                fail(&[b"chdir ", dir.to_bytes()], &e);
+            }
+        }
+    }
+    sys::close(setup.mount_fd);
+    if let Err(e) = sys::sethostname(&setup.hostname) {
+        fail(&[b"sethostname"], &e);
+    }
+    if setup.net_none {
+        if let Err(e) = sys::loopback_up() {
+            fail(&[b"bring lo up"], &e);
+        }
+    }
+    let mut sent = 0;
+    while sent < setup.ready_line.len() {
+        match sys::send_with_fds(setup.holder_sock, &setup.ready_line[sent..], &[]) {
+            Ok(n) => sent += n,
+            Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
+            Err(e) => fail(&[b"report ready to the daemon"], &e),
+        }
+    }
+    if let Some(n) = devnull {
+        // Create mode: init outlives the holder; it must not keep the caller's
+        // terminal or pipes open, nor share its process group.
+        for fd in 0..3 {
+            // SAFETY: dup2 onto the standard descriptors; `n` is open.
+            unsafe { libc::dup2(n, fd) };
+        }
+        sys::close(n);
+        // SAFETY: setsid has no memory arguments.
+        unsafe { libc::setsid() };
+    }
+    let main = match cmd {
+        // SAFETY: the child runs only `exec_command`, child-safe, ending in
+        // execve or _exit.
+        Some(c) => match unsafe { sys::clone_fork(0) } {
+            Ok(0) => {
+                sys::close(ready_w);
+                sys::close(setup.holder_sock);
+                exec_command(c, set)
+            }
+            Ok(pid) => pid,
+            Err(e) => fail(&[b"fork the command"], &e),
+        },
+        None => 0,
+    };
+    // Ready: the holder may return (create) or wait (run). A holder that is gone
+    // already makes this write fail (and, run mode, PDEATHSIG comes anyway).
+    if sys::write_all(ready_w, b"r").is_err() && setup.die_with_parent {
+        sys::exit_now(SETUP_FAILED);
+    }
+    sys::close(ready_w);
+    reap_loop(main, set)
+}
+
+/// Init's loop: forward signals to `main`, reap every child; exit with `main`'s
+/// status when it ends (create mode, `main` = 0: until SIGTERM or SIGKILL).
+fn reap_loop(main: libc::pid_t, set: &libc::sigset_t) -> ! {
+    loop {
+        let sig = sys::sigwait(set);
+        if sig == libc::SIGCHLD {
+            while let Some((pid, x)) = sys::reap_any() {
+                if pid == main {
+                    sys::exit_now(x.shell_status());
+                }
+            }
+        } else if main > 0 {
+            sys::kill(main, sig);
+        } else if sig == libc::SIGTERM {
+            sys::exit_now(0);
+        }
+    }
+}
+
+/// Drops privileges, enters the working directory and execs the command; never
+/// returns (127: not found, 126: found but not executable).
+fn exec_command(c: &Command, set: &libc::sigset_t) -> ! {
+    // Rust runtimes ignore SIGPIPE; the command gets every default back.
+    for s in sys::FORWARDED.iter().chain([libc::SIGPIPE].iter()) {
+        sys::set_handler(*s, libc::SIG_DFL);
+    }
+    sys::sigmask(libc::SIG_UNBLOCK, set);
+    if let Some((uid, gid)) = c.ids {
+        if let Err(e) = sys::set_ids(uid, gid) {
+            fail(&[b"switch to the --user ids"], &e);
+        }
+    }
+    if let Err(e) = sys::chdir(&c.workdir) {
+        fail(&[b"chdir ", c.workdir.to_bytes()], &e);
+    }
+    let mut denied = None;
+    for p in &c.candidates {
+        let e = sys::execve(p, &c.argv, &c.envp);
+        match e.raw_os_error() {
+            Some(libc::ENOENT) | Some(libc::ENOTDIR) => {}
+            _ => denied = Some(e),
+        }
+    }
+    match denied {
+        Some(e) => {
+            sys::report(&[&c.name[..]], Some(&e));
+            sys::exit_now(126)
+        }
+        None => {
+            sys::report(&[&c.name[..], b": command not found"], None);
+            sys::exit_now(127)
+        }
+    }
+}
+
+/// Namespaces `session exec` joins.
+pub const JOIN_FLAGS: libc::c_int = libc::CLONE_NEWNS
+    | libc::CLONE_NEWPID
+    | libc::CLONE_NEWIPC
+    | libc::CLONE_NEWUTS
+    | libc::CLONE_NEWNET;
+
+/// `session exec`: joins the namespaces of the session's init (`pidfd`), takes
+/// its root (`root`, an `O_PATH` fd of init's root), and runs `cmd` there as a
+/// new process of the session's pid namespace. Returns its exit.
+pub fn join_and_run(pidfd: OwnedFd, root: OwnedFd, cmd: &Command) -> io::Result<Exit> {
+    let set = sys::init_sigset();
+    sys::sigmask(libc::SIG_BLOCK, &set);
+    // SAFETY: the child runs only `join_main`, child-safe, ending in _exit.
+    let pid = match unsafe { sys::clone_fork(0) } {
+        Ok(0) => join_main(pidfd.as_raw_fd(), root.as_raw_fd(), cmd, &set),
+        Ok(pid) => pid,
+        Err(e) => {
+            sys::sigmask(libc::SIG_UNBLOCK, &set);
+            return Err(e);
+        }
+    };
+    drop(pidfd);
+    drop(root);
+    FORWARD_TO.store(pid, Ordering::Relaxed);
+    for s in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT] {
+        sys::set_handler(
+            s,
+            forward as extern "C" fn(libc::c_int) as libc::sighandler_t,
+        );
+    }
+    sys::sigmask(libc::SIG_UNBLOCK, &set);
+    let x = sys::wait_pid(pid);
+    FORWARD_TO.store(0, Ordering::Relaxed);
+    x
+}
+
+fn join_main(pidfd: RawFd, root: RawFd, cmd: &Command, set: &libc::sigset_t) -> ! {
+    if let Err(e) = sys::setns_pidfd(pidfd, JOIN_FLAGS) {
+        fail(&[b"join the session's namespaces (setns)"], &e);
+    }
+    sys::close(pidfd);
+    if let Err(e) = sys::fchdir(root).and_then(|()| sys::chroot_here()) {
+        fail(&[b"enter the session's root"], &e);
+    }
+    sys::close(root);
+    // SAFETY: the grandchild runs only `exec_command`.
+    let main = match unsafe { sys::clone_fork(0) } {
+        Ok(0) => exec_command(cmd, set),
+        Ok(pid) => pid,
+        Err(e) => fail(&[b"fork the command"], &e),
+    };
+    loop {
+        let sig = sys::sigwait(set);
+        if sig == libc::SIGCHLD {
+            while let Some((pid, x)) = sys::reap_any() {
+                if pid == main {
+                    sys::exit_now(x.shell_status());
+                }
+            }
+        } else {
+            sys::kill(main, sig);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn candidates_follow_execvp() {
+        let c = candidates(OsStr::new("sh"), OsStr::new("/usr/bin::/bin")).unwrap();
+        let c: Vec<&[u8]> = c.iter().map(|s| s.to_bytes()).collect();
+        assert_eq!(c, [&b"/usr/bin/sh"[..], b"./sh", b"/bin/sh"]);
+        let c = candidates(OsStr::new("./x/y"), OsStr::new("/bin")).unwrap();
+        assert_eq!(c[0].to_bytes(), b"./x/y");
+        assert_eq!(c.len(), 1);
+    }
+}

@@ -1,0 +1,799 @@
+//! Every kernel call of Mode B, and only those: the new mount API (`fsopen`,
+//! `fsconfig`, `fsmount`, `move_mount`), `clone` with namespace flags, `pivot_root`,
+//! `mount`/`umount2`, `mknod`, `setns`, pidfds, `SCM_RIGHTS`/`SCM_CREDENTIALS`
+//! messages, signals and waiting. Each `unsafe` block names its invariant.
+//!
+//! Functions marked *child-safe* neither allocate nor take a lock: they may run
+//! in a process forked from a multi-threaded one (the holder's init and command
+//! processes), where only async-signal-safe calls are allowed (signal-safety(7)).
+
+use std::ffi::{CStr, CString};
+use std::io;
+use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+
+// include/uapi/linux/mount.h
+const FSOPEN_CLOEXEC: libc::c_uint = 0x1;
+const FSCONFIG_SET_STRING: libc::c_uint = 1;
+const FSCONFIG_CMD_CREATE: libc::c_uint = 6;
+const FSMOUNT_CLOEXEC: libc::c_uint = 0x1;
+const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x4;
+
+/// The largest value `fsconfig(FSCONFIG_SET_STRING)` accepts (fs/fsopen.c:
+/// `strndup_user(_value, 256)`), terminating NUL included.
+pub const FSCONFIG_MAX_VALUE: usize = 255;
+
+fn check(r: libc::c_long) -> io::Result<libc::c_long> {
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r)
+    }
+}
+
+fn check_int(r: libc::c_int) -> io::Result<libc::c_int> {
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r)
+    }
+}
+
+fn cstring(p: &Path) -> io::Result<CString> {
+    CString::new(p.as_os_str().as_bytes())
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "path contains a NUL byte"))
+}
+
+/// Why an overlay could not be built, with the step that failed.
+#[derive(Debug)]
+pub struct OverlayError {
+    /// `fsopen`, `fsconfig lowerdir+ <path>`, `fsconfig create`, `fsmount` …
+    pub step: String,
+    pub source: io::Error,
+}
+
+impl std::fmt::Display for OverlayError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", self.step)
+    }
+}
+
+impl std::error::Error for OverlayError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        Some(&self.source)
+    }
+}
+
+fn fsconfig_string(fs: &OwnedFd, key: &CStr, value: &CStr) -> io::Result<()> {
+    // SAFETY: `fs` is an open fs context; key and value are NUL-terminated and
+    // live across the call; aux is 0 as FSCONFIG_SET_STRING requires.
+    check(unsafe {
+        libc::syscall(
+            libc::SYS_fsconfig,
+            fs.as_raw_fd(),
+            FSCONFIG_SET_STRING,
+            key.as_ptr(),
+            value.as_ptr(),
+            0,
+        )
+    })
+    .map(drop)
+}
+
+/// A detached overlay mount (`fsmount`): `lowers` newest first, each given as one
+/// `lowerdir+` (Linux ≥ 6.8: no page limit on the lower list), `upper` and `work`,
+/// with `index=off,redirect_dir=off,metacopy=off` (ARCHITECTURE.md §5). Paths
+/// resolve in the caller's mount namespace; the returned fd (close-on-exec) can be
+/// attached anywhere with [`attach`], also by another process in another mount
+/// namespace that receives it over a unix socket.
+///
+/// # Errors
+/// The step that failed; `fsconfig lowerdir+` failing with `EINVAL` means a kernel
+/// older than 6.8.
+pub fn overlay_fd(lowers: &[PathBuf], upper: &Path, work: &Path) -> Result<OwnedFd, OverlayError> {
+    let err = |step: String| move |source| OverlayError { step, source };
+    // SAFETY: the name is a NUL-terminated literal; FSOPEN_CLOEXEC is a valid flag.
+    let fs = check(unsafe { libc::syscall(libc::SYS_fsopen, c"overlay".as_ptr(), FSOPEN_CLOEXEC) })
+        .map_err(err("fsopen overlay".into()))?;
+    // SAFETY: fsopen returned a new descriptor that nothing else owns.
+    let fs = unsafe { OwnedFd::from_raw_fd(fs as RawFd) };
+    for l in lowers {
+        let v = cstring(l).map_err(err(format!("lowerdir {}", l.display())))?;
+        fsconfig_string(&fs, c"lowerdir+", &v).map_err(err(format!(
+            "fsconfig lowerdir+ {} (overlay needs Linux 6.8 or later for lowerdir+)",
+            l.display()
+        )))?;
+    }
+    for (k, p) in [(c"upperdir", upper), (c"workdir", work)] {
+        let v = cstring(p).map_err(err(format!("{} {}", k.to_string_lossy(), p.display())))?;
+        fsconfig_string(&fs, k, &v).map_err(err(format!(
+            "fsconfig {} {}",
+            k.to_string_lossy(),
+            p.display()
+        )))?;
+    }
+    for k in [c"index", c"redirect_dir", c"metacopy"] {
+        fsconfig_string(&fs, k, c"off")
+            .map_err(err(format!("fsconfig {}=off", k.to_string_lossy())))?;
+    }
+    // SAFETY: `fs` is an open fs context; key and value must be NULL for CMD_CREATE.
+    check(unsafe {
+        libc::syscall(
+            libc::SYS_fsconfig,
+            fs.as_raw_fd(),
+            FSCONFIG_CMD_CREATE,
+            std::ptr::null::<libc::c_char>(),
+            std::ptr::null::<libc::c_void>(),
+            0,
+        )
+    })
+    .map_err(err("fsconfig create (overlay superblock)".into()))?;
+    // SAFETY: `fs` holds a created superblock; flags and attributes are valid.
+    let m = check(unsafe { libc::syscall(libc::SYS_fsmount, fs.as_raw_fd(), FSMOUNT_CLOEXEC, 0) })
+        .map_err(err("fsmount".into()))?;
+    // SAFETY: fsmount returned a new descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(m as RawFd) })
+}
+
+/// Attaches the detached mount `fd` on `target` in the caller's mount namespace
+/// (`move_mount(fd, "", AT_FDCWD, target, MOVE_MOUNT_F_EMPTY_PATH)`). Child-safe.
+pub fn attach(fd: RawFd, target: &CStr) -> io::Result<()> {
+    // SAFETY: both strings are NUL-terminated; `fd` is a mount fd of the caller.
+    check(unsafe {
+        libc::syscall(
+            libc::SYS_move_mount,
+            fd,
+            c"".as_ptr(),
+            libc::AT_FDCWD,
+            target.as_ptr(),
+            MOVE_MOUNT_F_EMPTY_PATH,
+        )
+    })
+    .map(drop)
+}
+
+/// `mount(2)`. Child-safe.
+pub fn mount(
+    source: Option<&CStr>,
+    target: &CStr,
+    fstype: Option<&CStr>,
+    flags: libc::c_ulong,
+    data: Option<&CStr>,
+) -> io::Result<()> {
+    let p = |s: Option<&CStr>| s.map_or(std::ptr::null(), CStr::as_ptr);
+    // SAFETY: every pointer is NULL or a NUL-terminated string alive for the call.
+    check_int(unsafe {
+        libc::mount(
+            p(source),
+            target.as_ptr(),
+            p(fstype),
+            flags,
+            p(data).cast::<libc::c_void>(),
+        )
+    })
+    .map(drop)
+}
+
+/// `umount2(target, MNT_DETACH)`. Child-safe.
+pub fn umount_detach(target: &CStr) -> io::Result<()> {
+    // SAFETY: NUL-terminated path.
+    check_int(unsafe { libc::umount2(target.as_ptr(), libc::MNT_DETACH) }).map(drop)
+}
+
+/// `pivot_root(".", ".")`: the working directory becomes the root, the old root
+/// is stacked on it (to be detached with [`umount_detach`]`(".")`). Child-safe.
+pub fn pivot_root_here() -> io::Result<()> {
+    // SAFETY: both arguments are NUL-terminated literals.
+    check(unsafe { libc::syscall(libc::SYS_pivot_root, c".".as_ptr(), c".".as_ptr()) }).map(drop)
+}
+
+/// `mkdir`, an existing entry is fine. Child-safe.
+pub fn mkdir_exist_ok(path: &CStr, mode: libc::mode_t) -> io::Result<()> {
+    // SAFETY: NUL-terminated path.
+    if unsafe { libc::mkdir(path.as_ptr(), mode) } == 0 {
+        return Ok(());
+    }
+    let e = io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EEXIST) {
+        Ok(())
+    } else {
+        Err(e)
+    }
+}
+
+/// A character device node `path` (`mknod`, then `chmod` past the umask). Child-safe.
+pub fn mknod_char(path: &CStr, mode: libc::mode_t, major: u32, minor: u32) -> io::Result<()> {
+    let dev = libc::makedev(major, minor);
+    // SAFETY: NUL-terminated path; mode and dev are plain values.
+    check_int(unsafe { libc::mknod(path.as_ptr(), libc::S_IFCHR | mode, dev) })?;
+    // SAFETY: NUL-terminated path.
+    check_int(unsafe { libc::chmod(path.as_ptr(), mode) }).map(drop)
+}
+
+/// An empty regular file `path` (a bind-mount target). Child-safe.
+pub fn touch(path: &CStr) -> io::Result<()> {
+    // SAFETY: NUL-terminated path; the returned fd is closed at once.
+    let fd = check_int(unsafe {
+        libc::open(
+            path.as_ptr(),
+            libc::O_CREAT | libc::O_WRONLY | libc::O_CLOEXEC,
+            0o644 as libc::c_uint,
+        )
+    })?;
+    close(fd);
+    Ok(())
+}
+
+/// `symlink(target, path)`, an existing entry is fine. Child-safe.
+pub fn symlink(target: &CStr, path: &CStr) -> io::Result<()> {
+    // SAFETY: both NUL-terminated.
+    if unsafe { libc::symlink(target.as_ptr(), path.as_ptr()) } == 0 {
+        return Ok(());
+    }
+    let e = io::Error::last_os_error();
+    if e.raw_os_error() == Some(libc::EEXIST) {
+        Ok(())
+    } else {
+        Err(e)
+    }
+}
+
+/// `chdir`. Child-safe.
+pub fn chdir(path: &CStr) -> io::Result<()> {
+    // SAFETY: NUL-terminated path.
+    check_int(unsafe { libc::chdir(path.as_ptr()) }).map(drop)
+}
+
+/// `fchdir`. Child-safe.
+pub fn fchdir(fd: RawFd) -> io::Result<()> {
+    // SAFETY: plain descriptor argument.
+    check_int(unsafe { libc::fchdir(fd) }).map(drop)
+}
+
+/// `chroot(".")`. Child-safe.
+pub fn chroot_here() -> io::Result<()> {
+    // SAFETY: NUL-terminated literal.
+    check_int(unsafe { libc::chroot(c".".as_ptr()) }).map(drop)
+}
+
+/// `close`, errors ignored. Child-safe.
+pub fn close(fd: RawFd) {
+    // SAFETY: the caller owns `fd` and does not use it afterwards.
+    unsafe { libc::close(fd) };
+}
+
+/// `sethostname`. Child-safe.
+pub fn sethostname(name: &[u8]) -> io::Result<()> {
+    // SAFETY: pointer and length describe `name`.
+    check_int(unsafe { libc::sethostname(name.as_ptr().cast(), name.len()) }).map(drop)
+}
+
+/// Brings interface `lo` up in the caller's network namespace. Child-safe.
+pub fn loopback_up() -> io::Result<()> {
+    // SAFETY: socket() with constant arguments.
+    let s = check_int(unsafe {
+        libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0)
+    })?;
+    // SAFETY: ifreq is plain old data; all-zero is a valid value.
+    let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
+    for (d, s) in ifr.ifr_name.iter_mut().zip(b"lo\0") {
+        *d = *s as libc::c_char;
+    }
+    // SAFETY: `s` is a socket and `ifr` a valid ifreq for SIOCGIFFLAGS.
+    let r = unsafe { libc::ioctl(s, libc::SIOCGIFFLAGS, &mut ifr) };
+    let r = if r == 0 {
+        // SAFETY: the flags member is the active one after SIOCGIFFLAGS.
+        unsafe { ifr.ifr_ifru.ifru_flags |= (libc::IFF_UP | libc::IFF_RUNNING) as libc::c_short };
+        // SAFETY: as above, for SIOCSIFFLAGS.
+        unsafe { libc::ioctl(s, libc::SIOCSIFFLAGS, &ifr) }
+    } else {
+        r
+    };
+    let e = io::Error::last_os_error();
+    close(s);
+    if r == 0 {
+        Ok(())
+    } else {
+        Err(e)
+    }
+}
+
+/// `prctl(PR_SET_PDEATHSIG, SIGKILL)`: the caller dies with its parent. Child-safe.
+pub fn die_with_parent() -> io::Result<()> {
+    // SAFETY: PR_SET_PDEATHSIG takes a signal number.
+    check_int(unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) })
+        .map(drop)
+}
+
+/// Drops supplementary groups and switches to `gid` then `uid`. Child-safe.
+pub fn set_ids(uid: u32, gid: u32) -> io::Result<()> {
+    // SAFETY: an empty group list.
+    check_int(unsafe { libc::setgroups(0, std::ptr::null()) })?;
+    // SAFETY: plain ids.
+    check_int(unsafe { libc::setgid(gid) })?;
+    // SAFETY: plain id.
+    check_int(unsafe { libc::setuid(uid) }).map(drop)
+}
+
+/// Fork-like `clone` with namespace `flags` (`CLONE_NEWNS`, `CLONE_NEWPID`, …):
+/// returns 0 in the child, the child's pid in the parent. With `CLONE_NEWPID` the
+/// child is pid 1 of the new pid namespace.
+///
+/// # Safety
+/// The child must only make child-safe calls (no allocation, no locks) until it
+/// execs or exits with [`exit_now`]: it is a copy of one thread of a process that
+/// may have others.
+pub unsafe fn clone_fork(flags: libc::c_int) -> io::Result<libc::pid_t> {
+    // SAFETY: a NULL stack makes clone behave like fork (the child continues on a
+    // copy of the caller's stack); the caller upholds the child's restrictions.
+    let r = unsafe {
+        libc::syscall(
+            libc::SYS_clone,
+            (flags | libc::SIGCHLD) as libc::c_ulong,
+            0usize,
+            0usize,
+            0usize,
+            0usize,
+        )
+    };
+    check(r).map(|p| p as libc::pid_t)
+}
+
+/// `_exit(code)`: no destructors, no atexit handlers. Child-safe.
+pub fn exit_now(code: i32) -> ! {
+    // SAFETY: _exit never returns and touches no user-space state.
+    unsafe { libc::_exit(code) }
+}
+
+/// `execve(path, argv, envp)`; returns only on failure. Child-safe.
+///
+/// `argv` and `envp` are NULL-terminated arrays of pointers to NUL-terminated
+/// strings that outlive the call (see [`CArgs`]).
+pub fn execve(path: &CStr, argv: &CArgs, envp: &CArgs) -> io::Error {
+    // SAFETY: CArgs guarantees NULL-terminated arrays of valid C strings.
+    unsafe { libc::execve(path.as_ptr(), argv.as_ptr(), envp.as_ptr()) };
+    io::Error::last_os_error()
+}
+
+/// A NULL-terminated `char *[]` over owned C strings (argv, envp), built before
+/// a fork so the child needs no allocation.
+pub struct CArgs {
+    _strings: Vec<CString>,
+    ptrs: Vec<*const libc::c_char>,
+}
+
+// SAFETY: the pointers point into `_strings`, owned by the struct and never
+// mutated; sharing them between threads is like sharing `&[CString]`.
+unsafe impl Send for CArgs {}
+// SAFETY: as above.
+unsafe impl Sync for CArgs {}
+
+impl CArgs {
+    /// The array over `strings`. Errors: a string contains a NUL byte.
+    pub fn new<I: IntoIterator<Item = Vec<u8>>>(strings: I) -> io::Result<CArgs> {
+        let strings: Vec<CString> = strings
+            .into_iter()
+            .map(|s| {
+                CString::new(s).map_err(|_| {
+                    io::Error::new(io::ErrorKind::InvalidInput, "argument contains a NUL byte")
+                })
+            })
+            .collect::<Result<_, _>>()?;
+        let mut ptrs: Vec<*const libc::c_char> = strings.iter().map(|s| s.as_ptr()).collect();
+        ptrs.push(std::ptr::null());
+        Ok(CArgs {
+            _strings: strings,
+            ptrs,
+        })
+    }
+
+    fn as_ptr(&self) -> *const *const libc::c_char {
+        self.ptrs.as_ptr()
+    }
+}
+
+/// How a waited-for process ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Exit {
+    Code(i32),
+    Signal(i32),
+}
+
+impl Exit {
+    /// A shell's `$?`: the exit code, or 128 + the signal number.
+    pub fn shell_status(self) -> i32 {
+        match self {
+            Exit::Code(c) => c,
+            Exit::Signal(s) => 128 + s,
+        }
+    }
+
+    fn from_raw(st: libc::c_int) -> Option<Exit> {
+        if libc::WIFEXITED(st) {
+            Some(Exit::Code(libc::WEXITSTATUS(st)))
+        } else if libc::WIFSIGNALED(st) {
+            Some(Exit::Signal(libc::WTERMSIG(st)))
+        } else {
+            None
+        }
+    }
+}
+
+/// Waits for child `pid` to end (retrying on `EINTR`). Child-safe.
+pub fn wait_pid(pid: libc::pid_t) -> io::Result<Exit> {
+    loop {
+        let mut st: libc::c_int = 0;
+        // SAFETY: `st` is a valid out-pointer.
+        let r = unsafe { libc::waitpid(pid, &mut st, 0) };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EINTR) {
+                continue;
+            }
+            return Err(e);
+        }
+        if let Some(x) = Exit::from_raw(st) {
+            return Ok(x);
+        }
+    }
+}
+
+/// Reaps one ended child without blocking: `Some((pid, exit))`, or `None` when
+/// no child has ended (or there is none). Child-safe.
+pub fn reap_any() -> Option<(libc::pid_t, Exit)> {
+    loop {
+        let mut st: libc::c_int = 0;
+        // SAFETY: `st` is a valid out-pointer.
+        let r = unsafe { libc::waitpid(-1, &mut st, libc::WNOHANG) };
+        if r <= 0 {
+            return None;
+        }
+        if let Some(x) = Exit::from_raw(st) {
+            return Some((r, x));
+        }
+    }
+}
+
+/// Signals the holder's init forwards to the command.
+pub const FORWARDED: [libc::c_int; 8] = [
+    libc::SIGINT,
+    libc::SIGTERM,
+    libc::SIGHUP,
+    libc::SIGQUIT,
+    libc::SIGUSR1,
+    libc::SIGUSR2,
+    libc::SIGWINCH,
+    libc::SIGCONT,
+];
+
+/// A signal set of `SIGCHLD` and [`FORWARDED`].
+pub fn init_sigset() -> libc::sigset_t {
+    // SAFETY: sigset_t is plain data; sigemptyset initializes it.
+    let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `set` is a valid sigset_t.
+    unsafe { libc::sigemptyset(&mut set) };
+    for s in FORWARDED.iter().chain([libc::SIGCHLD].iter()) {
+        // SAFETY: `set` is initialized; `s` is a valid signal number.
+        unsafe { libc::sigaddset(&mut set, *s) };
+    }
+    set
+}
+
+/// Blocks (`how` = `SIG_BLOCK`) or unblocks (`SIG_UNBLOCK`) `set`. Child-safe.
+pub fn sigmask(how: libc::c_int, set: &libc::sigset_t) {
+    // SAFETY: `set` is initialized; the old mask is not wanted.
+    unsafe { libc::sigprocmask(how, set, std::ptr::null_mut()) };
+}
+
+/// Waits for one signal of the blocked `set`. Child-safe.
+pub fn sigwait(set: &libc::sigset_t) -> libc::c_int {
+    loop {
+        // SAFETY: `set` is initialized; no siginfo is wanted.
+        let r = unsafe { libc::sigwaitinfo(set, std::ptr::null_mut()) };
+        if r > 0 {
+            return r;
+        }
+    }
+}
+
+/// `kill(pid, sig)`, errors ignored. Child-safe.
+pub fn kill(pid: libc::pid_t, sig: libc::c_int) {
+    // SAFETY: plain arguments.
+    unsafe { libc::kill(pid, sig) };
+}
+
+/// Sets `sig`'s disposition to `handler` (a plain `extern "C" fn(c_int)`),
+/// `SIG_IGN` or `SIG_DFL`, with `SA_RESTART`.
+pub fn set_handler(sig: libc::c_int, handler: libc::sighandler_t) {
+    // SAFETY: sigaction is plain data; zeroed then filled.
+    let mut sa: libc::sigaction = unsafe { std::mem::zeroed() };
+    sa.sa_sigaction = handler;
+    sa.sa_flags = libc::SA_RESTART;
+    // SAFETY: `sa` is fully initialized; the old action is not wanted.
+    unsafe { libc::sigaction(sig, &sa, std::ptr::null_mut()) };
+}
+
+/// A pipe, both ends close-on-exec: `(read, write)`.
+pub fn pipe() -> io::Result<(OwnedFd, OwnedFd)> {
+    let mut fds = [0; 2];
+    // SAFETY: `fds` has room for the two descriptors.
+    check_int(unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) })?;
+    // SAFETY: pipe2 returned two new descriptors that nothing else owns.
+    Ok(unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) })
+}
+
+/// `write` all of `buf` (retrying on `EINTR`). Child-safe.
+pub fn write_all(fd: RawFd, mut buf: &[u8]) -> io::Result<()> {
+    while !buf.is_empty() {
+        // SAFETY: pointer and length describe `buf`.
+        let r = unsafe { libc::write(fd, buf.as_ptr().cast(), buf.len()) };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EINTR) {
+                continue;
+            }
+            return Err(e);
+        }
+        buf = &buf[r as usize..];
+    }
+    Ok(())
+}
+
+/// `read` into `buf` (retrying on `EINTR`); 0 at end of file. Child-safe.
+pub fn read(fd: RawFd, buf: &mut [u8]) -> io::Result<usize> {
+    loop {
+        // SAFETY: pointer and length describe `buf`.
+        let r = unsafe { libc::read(fd, buf.as_mut_ptr().cast(), buf.len()) };
+        if r >= 0 {
+            return Ok(r as usize);
+        }
+        let e = io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EINTR) {
+            return Err(e);
+        }
+    }
+}
+
+/// Writes `layerstack: <what>: <errno text>\n` to stderr without allocating.
+/// Child-safe.
+pub fn report(what: &[&[u8]], err: Option<&io::Error>) {
+    let mut buf = [0u8; 512];
+    let mut n = 0;
+    let mut push = |b: &[u8]| {
+        let k = b.len().min(buf.len() - n);
+        buf[n..n + k].copy_from_slice(&b[..k]);
+        n += k;
+    };
+    push(b"layerstack: ");
+    for w in what {
+        push(w);
+    }
+    if let Some(e) = err {
+        push(b": ");
+        let code = e.raw_os_error().unwrap_or(0);
+        // SAFETY: strerror returns a pointer to a static (or thread-local) string
+        // for any errno value; it is read before any other call could change it.
+        let s = unsafe { CStr::from_ptr(libc::strerror(code)) };
+        push(s.to_bytes());
+    }
+    push(b"\n");
+    let _ = write_all(2, &buf[..n]);
+}
+
+/// Sends `data` on a stream socket with `fds` attached (`SCM_RIGHTS`); returns the
+/// bytes sent (it may be less than `data`: send the rest without fds).
+pub fn send_with_fds(sock: RawFd, data: &[u8], fds: &[RawFd]) -> io::Result<usize> {
+    let mut iov = libc::iovec {
+        iov_base: data.as_ptr() as *mut libc::c_void,
+        iov_len: data.len(),
+    };
+    // Room for up to 8 descriptors, aligned for cmsghdr.
+    let mut cbuf = [0u64; 16];
+    // SAFETY: msghdr is plain data; zeroed then filled below.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    if !fds.is_empty() {
+        assert!(fds.len() <= 8, "at most 8 descriptors per message");
+        let len = std::mem::size_of_val(fds) as u32;
+        // SAFETY: CMSG_SPACE is arithmetic.
+        let space = unsafe { libc::CMSG_SPACE(len) } as usize;
+        msg.msg_control = cbuf.as_mut_ptr().cast();
+        msg.msg_controllen = space;
+        // SAFETY: msg_control points at `cbuf`, large enough for one cmsghdr with
+        // `len` bytes of data (space ≤ 16 * 8); CMSG_FIRSTHDR is then non-NULL.
+        unsafe {
+            let c = libc::CMSG_FIRSTHDR(&msg);
+            (*c).cmsg_level = libc::SOL_SOCKET;
+            (*c).cmsg_type = libc::SCM_RIGHTS;
+            (*c).cmsg_len = libc::CMSG_LEN(len) as usize;
+            std::ptr::copy_nonoverlapping(
+                fds.as_ptr(),
+                libc::CMSG_DATA(c).cast::<RawFd>(),
+                fds.len(),
+            );
+        }
+    }
+    // SAFETY: `msg` describes live buffers; MSG_NOSIGNAL avoids SIGPIPE.
+    let r = unsafe { libc::sendmsg(sock, &msg, libc::MSG_NOSIGNAL) };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(r as usize)
+    }
+}
+
+/// What [`recv_msg`] received.
+#[derive(Debug, Default)]
+pub struct Received {
+    /// Bytes read into the buffer (0: end of file).
+    pub len: usize,
+    /// Descriptors passed with them (close-on-exec).
+    pub fds: Vec<OwnedFd>,
+    /// The sender's pid, in the receiver's pid namespace (`SCM_CREDENTIALS`,
+    /// when the socket has `SO_PASSCRED`).
+    pub pid: Option<i32>,
+}
+
+/// `recvmsg` on a stream socket into `buf`, collecting passed descriptors and
+/// credentials. Non-blocking sockets return `WouldBlock` as usual.
+pub fn recv_msg(sock: RawFd, buf: &mut [u8]) -> io::Result<Received> {
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    let mut cbuf = [0u64; 32];
+    // SAFETY: msghdr is plain data; zeroed then filled.
+    let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+    msg.msg_iov = &mut iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = cbuf.as_mut_ptr().cast();
+    msg.msg_controllen = std::mem::size_of_val(&cbuf);
+    // SAFETY: `msg` describes live buffers.
+    let r = unsafe { libc::recvmsg(sock, &mut msg, libc::MSG_CMSG_CLOEXEC) };
+    if r < 0 {
+        return Err(io::Error::last_os_error());
+    }
+    let mut out = Received {
+        len: r as usize,
+        ..Default::default()
+    };
+    // SAFETY: the kernel filled msg_control with msg_controllen bytes of
+    // well-formed cmsghdrs; CMSG_* walk within them.
+    unsafe {
+        let mut c = libc::CMSG_FIRSTHDR(&msg);
+        while !c.is_null() {
+            let data = libc::CMSG_DATA(c);
+            let len = (*c).cmsg_len - (data as usize - c as usize);
+            if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                let n = len / std::mem::size_of::<RawFd>();
+                for i in 0..n {
+                    let fd = std::ptr::read_unaligned(data.cast::<RawFd>().add(i));
+                    out.fds.push(OwnedFd::from_raw_fd(fd));
+                }
+            } else if (*c).cmsg_level == libc::SOL_SOCKET
+                && (*c).cmsg_type == libc::SCM_CREDENTIALS
+                && len >= std::mem::size_of::<libc::ucred>()
+            {
+                let cred = std::ptr::read_unaligned(data.cast::<libc::ucred>());
+                if cred.pid > 0 {
+                    out.pid = Some(cred.pid);
+                }
+            }
+            c = libc::CMSG_NXTHDR(&msg, c);
+        }
+    }
+    Ok(out)
+}
+
+/// `SO_PASSCRED` on: messages carry the sender's credentials (see [`Received::pid`]);
+/// on a sender's socket, its messages always carry them.
+pub fn set_passcred(sock: RawFd) -> io::Result<()> {
+    let one: libc::c_int = 1;
+    // SAFETY: the option value is a c_int of the given size.
+    check_int(unsafe {
+        libc::setsockopt(
+            sock,
+            libc::SOL_SOCKET,
+            libc::SO_PASSCRED,
+            (&one as *const libc::c_int).cast(),
+            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+        )
+    })
+    .map(drop)
+}
+
+/// The peer of a connected unix socket at connect time: `(pid, uid)`, the pid in
+/// the caller's pid namespace.
+pub fn peer_cred(sock: RawFd) -> io::Result<(i32, u32)> {
+    // SAFETY: ucred is plain data.
+    let mut c: libc::ucred = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libc::ucred>() as libc::socklen_t;
+    // SAFETY: `c` and `len` describe a ucred-sized out-buffer.
+    check_int(unsafe {
+        libc::getsockopt(
+            sock,
+            libc::SOL_SOCKET,
+            libc::SO_PEERCRED,
+            (&mut c as *mut libc::ucred).cast(),
+            &mut len,
+        )
+    })?;
+    Ok((c.pid, c.uid))
+}
+
+/// A pidfd for process `pid` (Linux ≥ 5.3).
+pub fn pidfd_open(pid: i32) -> io::Result<OwnedFd> {
+    // SAFETY: plain arguments.
+    let fd = check(unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) })?;
+    // SAFETY: pidfd_open returned a new descriptor (close-on-exec) nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) })
+}
+
+/// Sends `sig` to the process of `pidfd` (never to a recycled pid).
+pub fn pidfd_kill(pidfd: &OwnedFd, sig: libc::c_int) -> io::Result<()> {
+    // SAFETY: a pidfd, a signal number, no siginfo, no flags.
+    check(unsafe {
+        libc::syscall(
+            libc::SYS_pidfd_send_signal,
+            pidfd.as_raw_fd(),
+            sig,
+            std::ptr::null::<libc::siginfo_t>(),
+            0,
+        )
+    })
+    .map(drop)
+}
+
+/// Whether the process of `pidfd` has ended (the pidfd polls readable).
+pub fn pidfd_exited(pidfd: &OwnedFd) -> bool {
+    let mut p = libc::pollfd {
+        fd: pidfd.as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one valid pollfd, zero timeout.
+    let r = unsafe { libc::poll(&mut p, 1, 0) };
+    r > 0
+}
+
+/// Joins the namespaces `flags` of the process of `pidfd` (Linux ≥ 5.8). The
+/// caller must be single-threaded (`CLONE_NEWNS`). Child-safe.
+pub fn setns_pidfd(pidfd: RawFd, flags: libc::c_int) -> io::Result<()> {
+    // SAFETY: plain arguments.
+    check_int(unsafe { libc::setns(pidfd, flags) }).map(drop)
+}
+
+/// `open(path, O_PATH | O_DIRECTORY | O_CLOEXEC)`.
+pub fn open_dir_path(path: &Path) -> io::Result<OwnedFd> {
+    let c = cstring(path)?;
+    // SAFETY: NUL-terminated path.
+    let fd = check_int(unsafe {
+        libc::open(
+            c.as_ptr(),
+            libc::O_PATH | libc::O_DIRECTORY | libc::O_CLOEXEC,
+        )
+    })?;
+    // SAFETY: open returned a new descriptor nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fd) })
+}
+
+/// Clears `FD_CLOEXEC` on `fd` (so a child keeps it across exec) or sets it.
+pub fn set_cloexec(fd: RawFd, on: bool) -> io::Result<()> {
+    // SAFETY: plain arguments.
+    let flags = check_int(unsafe { libc::fcntl(fd, libc::F_GETFD) })?;
+    let flags = if on {
+        flags | libc::FD_CLOEXEC
+    } else {
+        flags & !libc::FD_CLOEXEC
+    };
+    // SAFETY: plain arguments.
+    check_int(unsafe { libc::fcntl(fd, libc::F_SETFD, flags) }).map(drop)
+}
+
+/// The caller's effective uid.
+pub fn euid() -> u32 {
+    // SAFETY: geteuid cannot fail.
+    unsafe { libc::geteuid() }
+}

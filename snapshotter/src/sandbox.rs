@@ -1,0 +1,542 @@
+//! Mode B in the daemon: the admin RPCs `CreateSession` / `CloseSession`, and the
+//! mount socket (`layerstack_sandbox::wire`), where holders receive their
+//! session's overlay as a detached mount fd and keep a connection for the
+//! session's life.
+//!
+//! Why a second socket: the overlay must be built where the layer paths resolve
+//! (this daemon's mount namespace: host paths), and attached where the session
+//! lives (the holder's private mount namespace — on the host or inside a
+//! privileged container that only has the admin socket's directory). The new
+//! mount API gives a detached mount as a descriptor; tonic cannot carry
+//! descriptors, a unix socket can (`SCM_RIGHTS`).
+//!
+//! Lifecycle of a holder connection (one per session):
+//! ```text
+//! attach  → session must be a live sandbox session without a holder; its overlay
+//!           is built (fsopen/fsconfig/fsmount) and sent; the connection is the
+//!           session's holder from now on
+//! ready   ← init (pid 1 of the session) reports; its pid arrives by
+//!           SCM_CREDENTIALS and is kept as a pidfd (session exec joins it;
+//!           CloseSession stops it)
+//! end     ← every holder process closed it: CloseSession was called (nothing to
+//!           do) or the holder was killed: the engine finishes the session by its
+//!           recorded policy once its namespaces are gone
+//! ```
+
+use std::collections::HashMap;
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use layerstack_api as api;
+use layerstack_engine::store::{LeaseTarget, MountSpec, Owner, SessionId};
+use layerstack_engine::{CloseHow, Engine, EngineError, SandboxRequest};
+use layerstack_sandbox::sys;
+use layerstack_sandbox::wire::{self, Mode, Reply, Request};
+use tokio::io::Interest;
+use tokio::net::{UnixListener, UnixStream};
+use tonic::Status;
+use tracing::{debug, info, warn};
+
+use crate::admin::{engine_status, require, AdminService};
+
+/// How long CloseSession waits for a session's namespaces to go.
+const CLOSE_PATIENCE: Duration = Duration::from_secs(10);
+
+/// The holder of one session.
+struct Holder {
+    conn: u64,
+    /// Init (pid 1 of the session) once it reported ready: its pid in this
+    /// daemon's pid namespace and a pidfd.
+    init: Option<(i32, Arc<OwnedFd>)>,
+    mode: Mode,
+    workdir: String,
+    /// CloseSession runs: the end of the connection is expected.
+    closing: bool,
+}
+
+/// Live holders by session, shared by the mount socket and the admin service.
+pub struct Holders {
+    mount_address: PathBuf,
+    map: Mutex<HashMap<SessionId, Holder>>,
+    next_conn: AtomicU64,
+}
+
+impl Holders {
+    pub fn new(mount_address: PathBuf) -> Arc<Holders> {
+        Arc::new(Holders {
+            mount_address,
+            map: Mutex::new(HashMap::new()),
+            next_conn: AtomicU64::new(1),
+        })
+    }
+
+    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<SessionId, Holder>> {
+        self.map.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The mount socket's path.
+    pub fn mount_address(&self) -> &std::path::Path {
+        &self.mount_address
+    }
+}
+
+fn wire_error(e: &EngineError) -> Reply {
+    Reply::error(e.kind().as_str(), api::error_chain(e))
+}
+
+/// Serves the mount socket until the listener fails.
+pub async fn serve(listener: UnixListener, engine: Arc<Engine>, holders: Arc<Holders>) {
+    loop {
+        let (stream, _) = match listener.accept().await {
+            Ok(s) => s,
+            Err(e) => {
+                warn!(error = %e, "mount socket: accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let (engine, holders) = (engine.clone(), holders.clone());
+        tokio::spawn(async move {
+            if let Err(e) = connection(stream, &engine, &holders).await {
+                debug!(error = %e, "mount socket connection ended with an error");
+            }
+        });
+    }
+}
+
+async fn send(stream: &UnixStream, data: &[u8], fds: &[RawFd]) -> io::Result<()> {
+    let fd = stream.as_raw_fd();
+    let mut off = 0;
+    while off < data.len() {
+        stream.writable().await?;
+        let with = if off == 0 { fds } else { &[] };
+        match stream.try_io(Interest::WRITABLE, || {
+            sys::send_with_fds(fd, &data[off..], with)
+        }) {
+            Ok(n) => off += n,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// The next line and the pid of its sender (when credentials came with it);
+/// `None` at the end of the connection.
+async fn read_line(
+    stream: &UnixStream,
+    buf: &mut Vec<u8>,
+) -> io::Result<Option<(Vec<u8>, Option<i32>)>> {
+    let fd = stream.as_raw_fd();
+    let mut pid = None;
+    let mut chunk = [0u8; 4096];
+    loop {
+        if let Some(i) = buf.iter().position(|&b| b == b'\n') {
+            let line: Vec<u8> = buf.drain(..=i).collect();
+            return Ok(Some((line, pid)));
+        }
+        if buf.len() > 64 * 1024 {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                "mount socket line too long",
+            ));
+        }
+        stream.readable().await?;
+        match stream.try_io(Interest::READABLE, || sys::recv_msg(fd, &mut chunk)) {
+            Ok(r) if r.len == 0 => return Ok(None),
+            Ok(r) => {
+                // Descriptors sent to the daemon are never wanted: dropped (closed).
+                drop(r.fds);
+                if r.pid.is_some() {
+                    pid = r.pid;
+                }
+                buf.extend_from_slice(&chunk[..r.len]);
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {}
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+async fn connection(
+    stream: UnixStream,
+    engine: &Arc<Engine>,
+    holders: &Arc<Holders>,
+) -> io::Result<()> {
+    let fd = stream.as_raw_fd();
+    let (peer_pid, uid) = sys::peer_cred(fd)?;
+    if uid != 0 {
+        let r = Reply::error(
+            "failed-precondition",
+            format!(
+                "the mount socket serves root only (uid {uid} asked): Mode B sessions need root"
+            ),
+        );
+        return send(&stream, &wire::line(&r), &[]).await;
+    }
+    sys::set_passcred(fd)?;
+    let conn = holders.next_conn.fetch_add(1, Ordering::Relaxed);
+    let mut attached: Option<SessionId> = None;
+    let mut buf = Vec::new();
+    let result = loop {
+        let (line, pid) = match read_line(&stream, &mut buf).await {
+            Ok(Some(l)) => l,
+            Ok(None) => break Ok(()),
+            Err(e) => break Err(e),
+        };
+        let req: Request = match serde_json::from_slice(&line) {
+            Ok(r) => r,
+            Err(e) => {
+                let r = Reply::error("invalid-argument", format!("bad request line: {e}"));
+                send(&stream, &wire::line(&r), &[]).await?;
+                continue;
+            }
+        };
+        match req {
+            Request::Attach { session } => {
+                let (reply, fd) = match attach(engine, holders, conn, session, attached).await {
+                    Ok(fd) => {
+                        attached = Some(session);
+                        (Reply::ok(), Some(fd))
+                    }
+                    Err(r) => (r, None),
+                };
+                let fds: Vec<RawFd> = fd.iter().map(AsRawFd::as_raw_fd).collect();
+                // The daemon's copy of the mount closes when `fd` drops, right
+                // after sending: only the holder keeps the overlay alive.
+                send(&stream, &wire::line(&reply), &fds).await?;
+            }
+            Request::Ready { mode, workdir } => {
+                let Some(id) = attached else { continue };
+                let init = match pid.map(|p| (p, sys::pidfd_open(p))) {
+                    Some((p, Ok(fd))) => Some((p, Arc::new(fd))),
+                    Some((p, Err(e))) => {
+                        warn!(session.id = id, pid = p, error = %e, "cannot open a pidfd for the session's init");
+                        None
+                    }
+                    None => {
+                        warn!(session.id = id, "ready without credentials: session exec will not find the session's init");
+                        None
+                    }
+                };
+                if let Some(h) = holders.map().get_mut(&id).filter(|h| h.conn == conn) {
+                    h.init = init;
+                    h.mode = mode;
+                    h.workdir = workdir;
+                }
+                debug!(session.id = id, holder = peer_pid, init = ?pid, "sandbox session ready");
+            }
+            Request::Join { session } => {
+                let (reply, fds) = join(holders, session);
+                let raw: Vec<RawFd> = fds.iter().map(AsRawFd::as_raw_fd).collect();
+                send(&stream, &wire::line(&reply), &raw).await?;
+            }
+        }
+    };
+    if let Some(id) = attached {
+        let closing = {
+            let mut m = holders.map();
+            match m.get(&id) {
+                Some(h) if h.conn == conn => m.remove(&id).is_some_and(|h| h.closing),
+                _ => true,
+            }
+        };
+        if !closing {
+            let released = engine.session(id).await.map(|s| s.released).unwrap_or(true);
+            if !released {
+                info!(
+                    session.id = id,
+                    holder = peer_pid,
+                    "the holder of a sandbox session is gone without closing it"
+                );
+                engine.sandbox_holder_gone(id);
+            }
+        }
+    }
+    result
+}
+
+async fn attach(
+    engine: &Arc<Engine>,
+    holders: &Arc<Holders>,
+    conn: u64,
+    id: SessionId,
+    attached: Option<SessionId>,
+) -> Result<OwnedFd, Reply> {
+    if attached.is_some() {
+        return Err(Reply::error(
+            "failed-precondition",
+            "this connection holds a session already: one connection per session",
+        ));
+    }
+    let _g = engine.lock_session(id).await;
+    let s = engine.session(id).await.map_err(|e| wire_error(&e))?;
+    if !matches!(s.owner, Owner::Sandbox { .. }) {
+        return Err(Reply::error(
+            "invalid-argument",
+            format!(
+                "session {id} belongs to {}, not to a sandbox holder",
+                s.owner.display()
+            ),
+        ));
+    }
+    if s.released {
+        return Err(Reply::error(
+            "failed-precondition",
+            format!("session {id} was closed already"),
+        ));
+    }
+    {
+        let mut m = holders.map();
+        if m.contains_key(&id) {
+            return Err(Reply::error(
+                "already-exists",
+                format!("session {id} has a holder already (one holder per session; session exec joins it)"),
+            ));
+        }
+        m.insert(
+            id,
+            Holder {
+                conn,
+                init: None,
+                mode: Mode::Root,
+                workdir: String::new(),
+                closing: false,
+            },
+        );
+    }
+    let built = engine
+        .blocking_store(move |st| st.session_mount(id))
+        .await
+        .map_err(|e| wire_error(&e))
+        .and_then(|spec| match spec {
+            MountSpec::Overlay {
+                lowers,
+                upper: Some((upper, work)),
+            } => Ok((lowers, upper, work)),
+            other => Err(Reply::error(
+                "internal",
+                format!("session {id} has no writable overlay ({other:?})"),
+            )),
+        });
+    let fd = match built {
+        Ok((lowers, upper, work)) => {
+            tokio::task::spawn_blocking(move || sys::overlay_fd(&lowers, &upper, &work))
+                .await
+                .map_err(|e| Reply::error("internal", e.to_string()))
+                .and_then(|r| {
+                    r.map_err(|e| {
+                        let unsupported = e.source.raw_os_error() == Some(libc::EINVAL)
+                            && e.step.starts_with("fsconfig lowerdir+");
+                        let code = if unsupported {
+                            "unsupported"
+                        } else {
+                            "internal"
+                        };
+                        Reply::error(
+                            code,
+                            format!("cannot build session {id}'s overlay: {e}: {}", e.source),
+                        )
+                    })
+                })
+        }
+        Err(r) => Err(r),
+    };
+    if fd.is_err() {
+        holders.map().remove(&id);
+    }
+    fd
+}
+
+fn join(holders: &Holders, id: SessionId) -> (Reply, Vec<OwnedFd>) {
+    let m = holders.map();
+    let Some(h) = m.get(&id) else {
+        return (
+            Reply::error(
+                "not-found",
+                format!("session {id} has no live holder (not created with `layerstack session create`/`run`, or closed)"),
+            ),
+            vec![],
+        );
+    };
+    let Some((pid, pidfd)) = &h.init else {
+        return (
+            Reply::error(
+                "failed-precondition",
+                format!("session {id}'s holder is not ready yet"),
+            ),
+            vec![],
+        );
+    };
+    let fds = pidfd.try_clone().and_then(|p| {
+        let root = sys::open_dir_path(&PathBuf::from(format!("/proc/{pid}/root")))?;
+        Ok(vec![p, root])
+    });
+    match fds {
+        Ok(fds) if !sys::pidfd_exited(pidfd) => (
+            Reply {
+                ok: true,
+                mode: Some(h.mode),
+                workdir: h.workdir.clone(),
+                ..Default::default()
+            },
+            fds,
+        ),
+        Ok(_) => (
+            Reply::error(
+                "failed-precondition",
+                format!("session {id}'s init has exited"),
+            ),
+            vec![],
+        ),
+        Err(e) => (
+            Reply::error("internal", format!("cannot open session {id}'s init: {e}")),
+            vec![],
+        ),
+    }
+}
+
+impl AdminService {
+    /// The stack a Mode B request names: a stack id or base digest known to the
+    /// store, else an image reference resolved through containerd — whose stack
+    /// is recorded now if this is the image's first session.
+    async fn sandbox_stack(&self, namespace: &str, spec: &str) -> Result<String, Status> {
+        require("stack (an image reference, stack id or base digest)", spec)?;
+        let (ns, sp) = (namespace.to_string(), spec.to_string());
+        if let Some(id) = self
+            .engine
+            .blocking_store(move |s| s.resolve_stack(&ns, &sp))
+            .await
+            .map_err(engine_status)?
+        {
+            return Ok(id);
+        }
+        let stack = self.stack_of(namespace, spec).await?;
+        let chain = stack
+            .strip_prefix(&format!("{namespace}/"))
+            .unwrap_or(&stack)
+            .to_string();
+        let ns = namespace.to_string();
+        self.engine
+            .blocking_store(move |s| s.ensure_image_stack(&ns, &chain))
+            .await
+            .map_err(engine_status)?
+            .ok_or_else(|| {
+                Status::not_found(format!(
+                    "image {spec:?} is not unpacked for the layerstack snapshotter in namespace {namespace:?} (ctr images pull/import --snapshotter layerstack)"
+                ))
+            })
+    }
+
+    pub(crate) async fn sandbox_create(
+        &self,
+        r: api::CreateSessionRequest,
+    ) -> Result<api::CreateSessionResponse, Status> {
+        if !r.node.is_empty() {
+            return Err(Status::unimplemented(format!(
+                "node {:?}: sessions on SandboxGraph nodes need the graph (issue 12), which this daemon does not have yet; name a branch instead",
+                r.node
+            )));
+        }
+        let policy = match r.policy.as_str() {
+            "" => None,
+            "checkpoint" => {
+                return Err(Status::unimplemented(
+                    "publish policy checkpoint needs the SandboxGraph (issue 12), which this daemon does not have yet: use on-exit, on-success or never",
+                ))
+            }
+            p => Some(p.parse::<api::policy::Policy>().map_err(|_| {
+                Status::invalid_argument(format!(
+                    "publish policy {p:?} is not one of on-exit, on-success, never (checkpoint: once the SandboxGraph exists)"
+                ))
+            })?),
+        };
+        let stack = self.sandbox_stack(&r.namespace, &r.stack).await?;
+        let branch = if r.branch.is_empty() {
+            self.engine.store().default_branch().to_string()
+        } else {
+            r.branch.clone()
+        };
+        let req = SandboxRequest {
+            name: if r.name.is_empty() {
+                "session".into()
+            } else {
+                r.name
+            },
+            stack,
+            target: LeaseTarget::Branch(branch),
+            idempotency_key: (!r.idempotency_key.is_empty()).then_some(r.idempotency_key),
+            policy,
+            wait: (r.wait_ms > 0).then(|| Duration::from_millis(r.wait_ms.into())),
+        };
+        let (s, spec, created) = self
+            .engine
+            .create_sandbox_session(req)
+            .await
+            .map_err(engine_status)?;
+        Ok(api::CreateSessionResponse {
+            mounts: api::mounts(&spec),
+            session: Some(self.to_api(s).await?),
+            created,
+        })
+    }
+
+    pub(crate) async fn sandbox_close(
+        &self,
+        r: api::CloseSessionRequest,
+    ) -> Result<api::Session, Status> {
+        if r.session_id == 0 {
+            return Err(Status::invalid_argument("session_id is required"));
+        }
+        let id = r.session_id;
+        let how = match api::PublishPolicy::from_i32(r.policy) {
+            Some(api::PublishPolicy::Publish) => CloseHow::Publish,
+            Some(api::PublishPolicy::Discard) => CloseHow::Discard,
+            Some(api::PublishPolicy::Auto) => CloseHow::Auto {
+                exit_status: r.has_exit_status.then_some(r.exit_status),
+            },
+            None => {
+                return Err(Status::invalid_argument(format!(
+                    "unknown publish policy {}: use PUBLISH, DISCARD or AUTO",
+                    r.policy
+                )))
+            }
+        };
+        // Stop the holder's init if it still runs (create mode); the end of its
+        // connection is expected from now on.
+        let init = {
+            let mut m = self.holders.map();
+            m.get_mut(&id).and_then(|h| {
+                h.closing = true;
+                h.init.as_ref().map(|(_, fd)| fd.clone())
+            })
+        };
+        if let Some(fd) = init {
+            if !sys::pidfd_exited(&fd) {
+                if let Err(e) = sys::pidfd_kill(&fd, libc::SIGKILL) {
+                    debug!(session.id = id, error = %e, "stopping the session's init");
+                }
+            }
+        }
+        let why = if r.reason.is_empty() {
+            "session closed".to_string()
+        } else {
+            r.reason
+        };
+        let out = self
+            .engine
+            .close_sandbox_session(id, how, &why, CLOSE_PATIENCE)
+            .await;
+        if out.is_err() {
+            if let Some(h) = self.holders.map().get_mut(&id) {
+                h.closing = false;
+            }
+        }
+        let s = out.map_err(engine_status)?;
+        self.to_api(s).await
+    }
+}
