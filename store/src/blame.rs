@@ -454,6 +454,37 @@ impl Store {
         Ok(info)
     }
 
+    /// Records `markers` for session `session`'s current lease, which must be on
+    /// `expected`: written before a rebase edits the upper, so that a crash
+    /// between the edit and [`Store::rebase_session`] cannot let the markers be
+    /// published on the old lease either. Errors: `SessionNotFound`,
+    /// `FailedPrecondition` (no lease, or not on `expected`).
+    pub fn stage_markers(
+        &self,
+        session: SessionId,
+        expected: ManifestId,
+        markers: &[MarkerRecord],
+    ) -> Result<(), StoreError> {
+        self.db.write(|tx| {
+            let s = get_sess(tx, session)?;
+            let lease = s
+                .lease_id
+                .filter(|l| lease_manifest(tx, *l).ok() == Some(expected))
+                .ok_or_else(|| {
+                    StoreError::FailedPrecondition(format!(
+                        "session {session}'s lease changed while it was being rebased: rebase again"
+                    ))
+                })?;
+            let mut ins = tx.prepare_cached(
+                "INSERT OR REPLACE INTO session_markers(session_id, lease_id, path, digest, start_line) VALUES (?1, ?2, ?3, ?4, ?5)",
+            )?;
+            for m in markers {
+                ins.execute(params![session, lease, m.path, m.digest.to_vec(), m.line])?;
+            }
+            Ok(())
+        })
+    }
+
     /// The conflict blocks recorded for session `session`'s current lease (empty
     /// when it holds none or was never rebased), by path.
     pub fn session_markers(&self, session: SessionId) -> Result<Vec<MarkerRecord>, StoreError> {

@@ -2344,7 +2344,7 @@ fn merged_texts_carry_line_origins_and_text_conflicts_are_named() {
         plan.origins[&b"f".to_vec()],
         [Base(0), Ours(1), Base(2), Theirs(3), Base(4), Base(5)]
     );
-    assert!(!plan.origins.contains_key(&b"g".to_vec()));
+    assert!(!plan.origins.contains_key(b"g".as_slice()));
     assert_eq!(
         plan.text_conflicts.iter().collect::<Vec<_>>(),
         [&b"g".to_vec()]
