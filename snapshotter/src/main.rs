@@ -11,6 +11,7 @@ mod admin;
 mod containerd;
 mod filters;
 mod history;
+mod inspect;
 mod service;
 mod sockets;
 
