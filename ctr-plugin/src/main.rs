@@ -4,6 +4,7 @@
 //! ended in conflict (`wait`, `publish`), or would (`publish --dry-run`).
 
 mod history;
+mod inspect;
 mod output;
 mod sessions;
 
@@ -100,6 +101,8 @@ pub enum Cmd {
     },
     #[command(flatten)]
     History(history::HistoryCmd),
+    #[command(flatten)]
+    Inspect(inspect::InspectCmd),
 }
 
 #[derive(Debug, Subcommand)]
@@ -113,6 +116,21 @@ pub enum SessionCmd {
         #[arg(long)]
         json: bool,
     },
+    /// Move a session whose last publish conflicted (its container stopped)
+    /// onto its branch's head: what merges is merged into its upper, conflicting
+    /// text files get git-style markers. Its next publish goes through the gate
+    /// again and is refused while a file still holds those markers.
+    Rebase {
+        /// The container whose session to rebase (`-n` namespace).
+        #[arg(required_unless_present = "session")]
+        container: Option<String>,
+        /// The session id instead of a container.
+        #[arg(long, conflicts_with = "container")]
+        session: Option<i64>,
+        /// Print the result as one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -120,6 +138,15 @@ async fn main() -> ExitCode {
     let cli = Cli::parse();
     let r = match cli.cmd {
         Cmd::History(h) => history::run(&cli.admin_address, &cli.namespace, h).await,
+        Cmd::Inspect(i) => inspect::run(&cli.admin_address, &cli.namespace, i).await,
+        Cmd::Session {
+            cmd:
+                SessionCmd::Rebase {
+                    container,
+                    session,
+                    json,
+                },
+        } => inspect::rebase(&cli.admin_address, &cli.namespace, container, session, json).await,
         _ => sessions::run(cli).await,
     };
     match r {

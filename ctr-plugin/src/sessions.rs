@@ -318,6 +318,10 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
             Ok(print_outcome(&r, all.as_deref(), json))
         }
         Cmd::History(_) => unreachable!("history commands are dispatched in main"),
+        Cmd::Inspect(_)
+        | Cmd::Session {
+            cmd: SessionCmd::Rebase { .. },
+        } => unreachable!("blame, diff and conflict commands are dispatched in main"),
     }
 }
 
