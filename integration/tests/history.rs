@@ -421,13 +421,16 @@ sys.exit(1 if dirs != rows else 0)
 // Blame, diff, conflicts (issue 10)
 // ---------------------------------------------------------------------------
 
-/// `(start, end, owner)` of `layerstack blame --json`.
+/// Line ranges with their owner: `(start, end, owner)`.
+type Ranges = Vec<(u64, u64, String)>;
+
+/// The ranges of `layerstack blame --json`, and the whole answer.
 fn blame_ranges(
     env: &TestEnv,
     ns: &str,
     spec: &str,
     path: &str,
-) -> Result<(Vec<(u64, u64, String)>, Value)> {
+) -> Result<(Ranges, Value)> {
     let v = ls_json(env, &["blame", spec, path, "--json", "-n", ns])?;
     let ranges = v["ranges"]
         .as_array()
@@ -506,7 +509,7 @@ fn blame_of_a_file_edited_by_three_sessions_survives_squash() {
             ))? == "committed"
         );
         let stack = stack_id(env, NS)?;
-        let want: Vec<(u64, u64, String)> = [
+        let want: Ranges = [
             (1, 1, "session:bl-seed"),
             (2, 2, "session:bl-s1"),
             (3, 3, "session:bl-seed"),
