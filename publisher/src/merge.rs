@@ -24,8 +24,15 @@
 //! block edits. With histogram, imara-diff anchors some texts of repeated lines
 //! differently from git's histogram, so rarely the two differ.
 //!
-//! A conflict is only reported, never rendered: conflict markers are never written
-//! anywhere.
+//! A publish only reports a conflict, never renders it: a published file never
+//! holds conflict markers. [`render_conflict`] writes git's diff3 markers for
+//! people (`layerstack conflict show`) and for `layerstack session rebase`, which
+//! puts them into a session's upper — and a publish is then refused while they
+//! are there ([`conflict_blocks`]).
+//!
+//! Blame: [`merge_text_traced_within`] is the same merge (the same regions,
+//! assembled once more) that also says where every output line comes from
+//! ([`LineOrigin`]: base, ours or theirs).
 //!
 //! Limits ([`MergeOptions`]): inputs over `max_bytes` or `max_lines` are not merged
 //! (conflict, with the limit in the reason). The line cap bounds the diff's worst
