@@ -188,10 +188,11 @@ pub(crate) fn blame_plan(
             let Some(content) = published_content(&actions, path, upper, head)? else {
                 return Ok(None);
             };
-            if publisher::is_binary(&content) {
+            let n = lines(&content);
+            if n == 0 || publisher::is_binary(&content) {
+                // No lines to own (an empty file: most of a big publish's files).
                 return Ok(None);
             }
-            let n = lines(&content);
             let on_head = head_at.get(path).and_then(|h| h.digest) == Some(digest);
             let owners: Vec<Option<LineOwner>> = if on_head {
                 // The head had exactly this version already.

@@ -665,3 +665,55 @@ async fn a_conflict_is_shown_rebased_refused_while_marked_and_published_once_res
         ]
     );
 }
+
+/// A version published without blame rows (a blame write that was lost) reads
+/// `unknown`, never a guessed owner; a later session's edit of it owns only the
+/// lines it changed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lines_without_rows_are_unknown_never_guessed() {
+    if !have_root("lines_without_rows_are_unknown_never_guessed") {
+        return;
+    }
+    let t = tmp();
+    let (store, p, _) = setup(t.path(), 1);
+    // Published straight through the store: a layer without blame rows.
+    let s = sandbox(&p, "main", "lost", &[("etc/lost", b"1\n2\n3\n")]).await;
+    let entry = layerstack_store::IndexEntry {
+        path: b"etc/lost".to_vec(),
+        kind: layerstack_store::ChangeKind::Write,
+        digest: Some(publisher::digest_bytes(b"1\n2\n3\n")),
+        mode: Some(0o644),
+        uid: Some(0),
+        gid: Some(0),
+        xattrs: None,
+    };
+    let rec = layerstack_store::PathRecord {
+        path: b"etc/lost".to_vec(),
+        status: PathStatus::Clean,
+        reason: "untouched on head".into(),
+    };
+    let staged = store.stage_publish(s.id, &[entry], &[rec]).unwrap();
+    let head = store.head_view(s.id).unwrap().manifest;
+    store
+        .commit_publish(
+            s.id,
+            staged,
+            head,
+            layerstack_store::CommitRecord::default(),
+        )
+        .unwrap();
+    assert_eq!(
+        owners(&p.blame(STACK, "main", b"etc/lost").await.unwrap().ranges),
+        [r(1, 3, "unknown")]
+    );
+    let e = sandbox(&p, "main", "editor", &[("etc/lost", b"1\nTWO\n3\n")]).await;
+    assert_eq!(publish(&p, e.id).await.kind, OutcomeKind::Committed);
+    assert_eq!(
+        owners(&p.blame(STACK, "main", b"etc/lost").await.unwrap().ranges),
+        [
+            r(1, 1, "unknown"),
+            r(2, 2, "session:editor"),
+            r(3, 3, "unknown")
+        ]
+    );
+}

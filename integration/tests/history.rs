@@ -425,12 +425,7 @@ sys.exit(1 if dirs != rows else 0)
 type Ranges = Vec<(u64, u64, String)>;
 
 /// The ranges of `layerstack blame --json`, and the whole answer.
-fn blame_ranges(
-    env: &TestEnv,
-    ns: &str,
-    spec: &str,
-    path: &str,
-) -> Result<(Ranges, Value)> {
+fn blame_ranges(env: &TestEnv, ns: &str, spec: &str, path: &str) -> Result<(Ranges, Value)> {
     let v = ls_json(env, &["blame", spec, path, "--json", "-n", ns])?;
     let ranges = v["ranges"]
         .as_array()
