@@ -6,6 +6,7 @@
 
 mod config;
 mod history;
+mod inspect;
 mod output;
 mod run;
 mod sessions;
@@ -112,6 +113,8 @@ pub enum Cmd {
     },
     #[command(flatten)]
     History(history::HistoryCmd),
+    #[command(flatten)]
+    Inspect(inspect::InspectCmd),
 }
 
 #[derive(Debug, Subcommand)]
@@ -143,6 +146,21 @@ pub enum SessionCmd {
     /// End a Mode B session: stop its processes, then publish, discard, or apply
     /// its recorded policy; print the outcome. Exits 3 on conflict.
     Close(run::CloseArgs),
+    /// Move a session whose last publish conflicted (its container stopped)
+    /// onto its branch's head: what merges is merged into its upper, conflicting
+    /// text files get git-style markers. Its next publish goes through the gate
+    /// again and is refused while a file still holds those markers.
+    Rebase {
+        /// The container whose session to rebase (`-n` namespace).
+        #[arg(required_unless_present = "session")]
+        container: Option<String>,
+        /// The session id instead of a container.
+        #[arg(long, conflicts_with = "container")]
+        session: Option<i64>,
+        /// Print the result as one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[tokio::main(flavor = "current_thread")]
@@ -163,6 +181,15 @@ async fn main() -> ExitCode {
             cmd: SessionCmd::Close(ref a),
         } => run::close_cmd(&cli, a.clone()).await,
         Cmd::History(h) => history::run(&cli.admin_address, &cli.namespace, h).await,
+        Cmd::Inspect(i) => inspect::run(&cli.admin_address, &cli.namespace, i).await,
+        Cmd::Session {
+            cmd:
+                SessionCmd::Rebase {
+                    container,
+                    session,
+                    json,
+                },
+        } => inspect::rebase(&cli.admin_address, &cli.namespace, container, session, json).await,
         _ => sessions::run(cli).await,
     };
     match result {

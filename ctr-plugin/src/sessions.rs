@@ -329,8 +329,8 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
             };
             Ok(print_outcome(&r, all.as_deref(), json))
         }
-        Cmd::History(_) | Cmd::Session { .. } => {
-            unreachable!("history and Mode B commands are dispatched in main")
+        Cmd::History(_) | Cmd::Inspect(_) | Cmd::Session { .. } => {
+            unreachable!("history, blame/diff/conflict and session commands are dispatched in main")
         }
     }
 }

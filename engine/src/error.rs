@@ -34,6 +34,17 @@ pub enum EngineError {
     Run(#[source] Box<RunError>),
     #[error("engine task failed: {0}")]
     Join(String),
+    /// Blame, diff, conflicts: what was named does not exist (a path on a head,
+    /// a layer of a log).
+    #[error("{0}")]
+    NotFound(String),
+    /// Blame, diff, conflicts: the state does not allow it (a binary file, a
+    /// session that is not in conflict); the message says what to do.
+    #[error("{0}")]
+    FailedPrecondition(String),
+    /// Reading a layer or an upper failed.
+    #[error("cannot read {0}")]
+    Read(String, #[source] std::io::Error),
 }
 
 impl EngineError {
@@ -48,6 +59,9 @@ impl EngineError {
             Self::InvalidArgument(_) => ErrorKind::InvalidArgument,
             Self::Run(e) => e.kind(),
             Self::Census(..) | Self::Join(_) => ErrorKind::Internal,
+            Self::NotFound(_) => ErrorKind::NotFound,
+            Self::FailedPrecondition(_) => ErrorKind::FailedPrecondition,
+            Self::Read(..) => ErrorKind::Internal,
         }
     }
 }

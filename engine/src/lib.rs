@@ -35,7 +35,10 @@
 //! # Ok(()) }
 //! ```
 
+mod blame;
 mod census;
+mod conflicts;
+mod diff;
 mod error;
 mod graph;
 mod history;
@@ -63,6 +66,10 @@ pub use layerstack_store as store;
 pub use locks::LockGuard;
 pub use publish::{exit_decision, DryRun};
 pub use sandbox::{CloseHow, SandboxRequest, SandboxSettings};
+// Blame, diff and conflicts (issue 10).
+pub use blame::Blame;
+pub use conflicts::{ConflictView, Rebased};
+pub use diff::{Diff, DiffChange, DiffEntry, DiffTarget, EntryInfo};
 
 /// Publish settings the engine applies to every session.
 #[derive(Debug, Clone, Default)]
@@ -333,5 +340,7 @@ impl Engine {
     }
 }
 
+#[cfg(test)]
+mod inspect_tests;
 #[cfg(test)]
 mod tests;

@@ -190,10 +190,10 @@ fn summary(paths: &[PathRecord], kind: OutcomeKind) -> String {
 }
 
 /// A capture ready for the gate.
-struct GateInput {
-    cs: Changeset,
+pub(crate) struct GateInput {
+    pub(crate) cs: Changeset,
     query: PathQuery,
-    head: Vec<HeadChange>,
+    pub(crate) head: Vec<HeadChange>,
 }
 
 /// The plan made outside the gate, and what it was made against.
@@ -219,7 +219,7 @@ enum Prepared {
 /// manifest `lease` lacks,
 /// after expanding the opaque directories that need it (capturing again; with
 /// `edit`, the upper is edited and sealed again to match).
-fn gate_input(
+pub(crate) fn gate_input(
     store: &Store,
     settings: &EngineSettings,
     upper: &std::path::Path,
@@ -268,7 +268,7 @@ pub(crate) fn seal(
     Ok(())
 }
 
-fn files(
+pub(crate) fn files(
     settings: &EngineSettings,
     view: &LayerView,
     head: &HeadView,
@@ -577,6 +577,14 @@ impl Engine {
                 let view =
                     LayerView::new(ctx.lease_lowers.clone()).with_userxattr(settings.userxattr);
                 let cs = publisher::capture_with(&upper, &view, &settings.capture_options())?;
+                // Conflict markers a rebase wrote, still there (engine/src/conflicts.rs).
+                if let Some(rec) = crate::conflicts::markers_left(&store, id, &upper)? {
+                    return Ok((
+                        OutcomeKind::Conflict,
+                        rec.paths,
+                        rec.message.unwrap_or_default(),
+                    ));
+                }
                 if cs.is_empty() {
                     let paths = records(&plan_without_head(&cs));
                     return Ok((
@@ -639,6 +647,17 @@ fn prepare(
     }
     for (p, why) in &cs.skipped {
         warn!(session.id = id, path = %layerstack_store::escape_path(p), reason = %why, "not captured");
+    }
+    // A rebased session whose files still hold the conflict markers the rebase
+    // wrote is refused (engine/src/conflicts.rs).
+    if let Some(rec) = crate::conflicts::markers_left(store, id, &upper)? {
+        info!(
+            session.id = id,
+            outcome = "conflict",
+            "conflict markers left"
+        );
+        store.record_outcome(id, rec, None)?;
+        return Ok(Prepared::Done);
     }
     if cs.is_empty() {
         let paths = records(&plan_without_head(&cs));
@@ -704,6 +723,18 @@ fn prepare(
         return Ok(Prepared::Done);
     }
     let staged = store.stage_publish(id, &index_of(&plan), &records(&plan))?;
+    // Blame (engine/src/blame.rs): computed and staged with the layer, outside the gate.
+    crate::blame::stage(
+        store,
+        settings,
+        &ctx.session,
+        (ctx.lease_manifest, observed.manifest),
+        &input.head,
+        &plan,
+        &upper,
+        staged.layer,
+        None,
+    );
     Ok(Prepared::Ready(Box::new(Ready {
         _pin: pin,
         ctx,
@@ -784,6 +815,20 @@ fn commit(
                 return Ok(());
             }
             replanned = Some((index_of(&plan), paths));
+            // Blame: only the paths the head changed can own other lines now.
+            let touched: std::collections::BTreeSet<Vec<u8>> =
+                input.head.iter().map(|h| h.path.clone()).collect();
+            crate::blame::stage(
+                store,
+                settings,
+                &ctx.session,
+                (ctx.lease_manifest, current.manifest),
+                &input.head,
+                &plan,
+                &upper,
+                staged.layer,
+                Some(&touched),
+            );
         }
     }
     #[cfg(any(test, feature = "failpoints"))]

@@ -431,3 +431,413 @@ sys.exit(1 if dirs != rows else 0)
     );
     Ok(())
 }
+
+// ---------------------------------------------------------------------------
+// Blame, diff, conflicts (issue 10)
+// ---------------------------------------------------------------------------
+
+/// Line ranges with their owner: `(start, end, owner)`.
+type Ranges = Vec<(u64, u64, String)>;
+
+/// The ranges of `layerstack blame --json`, and the whole answer.
+fn blame_ranges(env: &TestEnv, ns: &str, spec: &str, path: &str) -> Result<(Ranges, Value)> {
+    let v = ls_json(env, &["blame", spec, path, "--json", "-n", ns])?;
+    let ranges = v["ranges"]
+        .as_array()
+        .with_context(|| format!("no ranges: {v}"))?
+        .iter()
+        .map(|r| {
+            (
+                r["start"].as_u64().unwrap_or(0),
+                r["end"].as_u64().unwrap_or(0),
+                r["owner"].as_str().unwrap_or("").to_string(),
+            )
+        })
+        .collect();
+    Ok((ranges, v))
+}
+
+fn lines_of(n: usize, edits: &[(usize, &str)]) -> String {
+    (1..=n)
+        .map(|i| {
+            let l = edits
+                .iter()
+                .find(|(at, _)| *at == i)
+                .map_or_else(|| i.to_string(), |(_, s)| s.to_string());
+            format!("{l}\n")
+        })
+        .collect()
+}
+
+/// Blame of a file edited by three sessions — two of them leased on the same
+/// head (their hunks merged), one later overwriting other lines — names every
+/// line's owner, before and after `layerstack squash` (and a GC); a file of
+/// the image is `original`.
+#[test]
+fn blame_of_a_file_edited_by_three_sessions_survives_squash() {
+    const NS: &str = "lst-blame";
+    run_layerstack_scenario(NS, |env| {
+        let parent = image_top_snapshot(env, NS)?;
+        let file = "srv/blame.txt";
+        ensure!(
+            publish_snapshot(env, NS, "bl-seed", &parent, None, |m| write(
+                m,
+                file,
+                &lines_of(10, &[])
+            ))? == "committed"
+        );
+        // Two sessions on the same head: separate hunks, merged.
+        snapshot_session(env, NS, "bl-s1", &parent, None, |m| {
+            write(m, file, &lines_of(10, &[(2, "two-s1")]))
+        })?;
+        snapshot_session(env, NS, "bl-s2", &parent, None, |m| {
+            write(m, file, &lines_of(10, &[(8, "eight-s2")]))
+        })?;
+        for (key, want) in [("bl-s1", "committed"), ("bl-s2", "merged")] {
+            let out = ls_publish(env, NS, key, &[])?;
+            ensure!(
+                layerstack_integration::first_word(&out) == want,
+                "{key}: {}",
+                describe(&out)
+            );
+            env.ctr_ok(NS, &["snapshots", "--snapshotter", SNAPSHOTTER, "rm", key])?;
+        }
+        // A later session overwrites lines 4 and 5.
+        ensure!(
+            publish_snapshot(env, NS, "bl-s3", &parent, None, |m| write(
+                m,
+                file,
+                &lines_of(
+                    10,
+                    &[
+                        (2, "two-s1"),
+                        (4, "four-s3"),
+                        (5, "five-s3"),
+                        (8, "eight-s2")
+                    ]
+                )
+            ))? == "committed"
+        );
+        let stack = stack_id(env, NS)?;
+        let want: Ranges = [
+            (1, 1, "session:bl-seed"),
+            (2, 2, "session:bl-s1"),
+            (3, 3, "session:bl-seed"),
+            (4, 5, "session:bl-s3"),
+            (6, 7, "session:bl-seed"),
+            (8, 8, "session:bl-s2"),
+            (9, 10, "session:bl-seed"),
+        ]
+        .iter()
+        .map(|(a, b, o)| (*a, *b, o.to_string()))
+        .collect();
+        let spec = format!("{stack}@main");
+        let (got, v) = blame_ranges(env, NS, &spec, "/srv/blame.txt")?;
+        ensure!(got == want, "before squash: {v}");
+        ensure!(v["lines"] == 10 && v["layer_kind"] == "published", "{v}");
+        // The text form.
+        let out = env.layerstack(&["blame", &spec, "/srv/blame.txt", "-n", NS])?;
+        let text = stdout(&out);
+        ensure!(
+            text.lines()
+                .any(|l| l.split_whitespace().collect::<Vec<_>>() == ["4-5", "session:bl-s3"]),
+            "{text}"
+        );
+        // A file of the image.
+        let (got, v) = blame_ranges(env, NS, &spec, "/etc/debian_version")?;
+        ensure!(
+            got.len() == 1 && got[0].2 == "original" && v["layer_kind"] == "base",
+            "{v}"
+        );
+        // Enough layers on top that the squash (keeping the newest 8) takes the
+        // three sessions' layers; then collect.
+        for i in 0..9 {
+            publish_snapshot(env, NS, &format!("bl-fill-{i}"), &parent, None, |m| {
+                write(m, &format!("srv/fill-{i}"), "x\n")
+            })?;
+        }
+        let sq = ls_json(env, &["squash", &spec, "--json", "-n", NS])?;
+        ensure!(sq["squashed"] == true, "{sq}");
+        ls_json(env, &["gc", "--json"])?;
+        let (got, v) = blame_ranges(env, NS, &spec, "/srv/blame.txt")?;
+        ensure!(got == want, "after squash: {v}");
+        ensure!(v["layer_kind"] == "squashed", "{v}");
+        // Binary and missing files are refused with a reason.
+        let out = env.layerstack(&["blame", &spec, "/srv/none", "-n", NS])?;
+        ensure!(out.status.code() == Some(1), "{}", describe(&out));
+        Ok(())
+    });
+}
+
+/// `layerstack diff` between two branch heads (with patches), a head against a
+/// layer of its log, and a running container's session (read-only: it keeps
+/// running and nothing is published).
+#[test]
+fn diff_between_heads_and_of_a_running_container() {
+    const NS: &str = "lst-diff";
+    run_layerstack_scenario(NS, |env| {
+        let parent = image_top_snapshot(env, NS)?;
+        publish_snapshot(env, NS, "df-seed", &parent, None, |m| {
+            write(m, "srv/d/keep.txt", "1\n2\n3\n")?;
+            write(m, "srv/d/gone.txt", "bye\n")
+        })?;
+        let stack = stack_id(env, NS)?;
+        ls_json(
+            env,
+            &[
+                "branch",
+                "create",
+                &format!("{stack}@feature"),
+                "--json",
+                "-n",
+                NS,
+            ],
+        )?;
+        // (ctr 1.6's `snapshots prepare` sets no labels: a container on the branch.)
+        let f1 = unique("df-f1");
+        run_sh(
+            env,
+            NS,
+            &f1,
+            Some("feature"),
+            true,
+            "printf '1\\ntwo\\n3\\n' > /srv/d/keep.txt; echo new > /srv/d/new.txt; rm /srv/d/gone.txt",
+        )?;
+        ensure!(ls_wait_ok(env, NS, &f1)? == "committed");
+        let files = |v: &Value| -> Vec<(String, String)> {
+            v["entries"]
+                .as_array()
+                .map(|a| {
+                    a.iter()
+                        .filter(|e| e["old"]["kind"] != "dir" && e["new"]["kind"] != "dir")
+                        .map(|e| {
+                            (
+                                e["path"].as_str().unwrap_or("").to_string(),
+                                e["change"].as_str().unwrap_or("").to_string(),
+                            )
+                        })
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        let want: Vec<(String, String)> = [
+            ("/srv/d/gone.txt", "deleted"),
+            ("/srv/d/keep.txt", "modified"),
+            ("/srv/d/new.txt", "added"),
+        ]
+        .iter()
+        .map(|(p, c)| (p.to_string(), c.to_string()))
+        .collect();
+        let v = ls_json(
+            env,
+            &[
+                "diff",
+                &format!("{stack}@main"),
+                "@feature",
+                "--patch",
+                "--json",
+                "-n",
+                NS,
+            ],
+        )?;
+        ensure!(files(&v) == want, "{v}");
+        let keep = v["entries"]
+            .as_array()
+            .and_then(|a| a.iter().find(|e| e["path"] == "/srv/d/keep.txt"))
+            .context("keep.txt")?;
+        ensure!(
+            keep["patch"]
+                .as_str()
+                .is_some_and(|p| p.contains("-2\n+two\n")),
+            "{keep}"
+        );
+        // The text form with patches.
+        let out = env.layerstack(&[
+            "diff",
+            &format!("{stack}@main"),
+            &format!("{stack}@feature"),
+            "--patch",
+            "-n",
+            NS,
+        ])?;
+        let text = stdout(&out);
+        ensure!(
+            text.contains("+++ b/srv/d/keep.txt") && text.contains("+two"),
+            "{text}"
+        );
+        // feature's head against its log at the seed's layer: the same changes;
+        // at its newest layer: none.
+        let log = ls_json(
+            env,
+            &["log", &format!("{stack}@feature"), "--json", "-n", NS],
+        )?;
+        let layer = |i: usize| log["layers"][i]["layer"].as_i64().unwrap_or(0).to_string();
+        let v = ls_json(
+            env,
+            &[
+                "diff",
+                &format!("{stack}@feature"),
+                "--at",
+                &layer(1),
+                "--json",
+                "-n",
+                NS,
+            ],
+        )?;
+        ensure!(files(&v) == want, "{v}");
+        let v = ls_json(
+            env,
+            &[
+                "diff",
+                &format!("{stack}@feature"),
+                "--at",
+                &layer(0),
+                "--json",
+                "-n",
+                NS,
+            ],
+        )?;
+        ensure!(v["entries"].as_array().is_some_and(Vec::is_empty), "{v}");
+
+        // A running container: its writes show up as they are made.
+        let id = unique("df-live");
+        start_detached(
+            env,
+            NS,
+            &id,
+            None,
+            "echo live > /root/live.txt; rm /srv/d/keep.txt; sleep 120",
+        )?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let v = loop {
+            let v = ls_json(env, &["diff", &id, "--json", "-n", NS])?;
+            let f = files(&v);
+            if f.contains(&("/root/live.txt".into(), "added".into()))
+                && f.contains(&("/srv/d/keep.txt".into(), "deleted".into()))
+                || Instant::now() > deadline
+            {
+                break v;
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        };
+        let f = files(&v);
+        ensure!(
+            f.contains(&("/root/live.txt".into(), "added".into()))
+                && f.contains(&("/srv/d/keep.txt".into(), "deleted".into())),
+            "{v}"
+        );
+        let (status, _) = layerstack_integration::task_status(env, NS, &id)?;
+        ensure!(
+            status.as_deref() == Some("RUNNING"),
+            "the diff stopped the task: {status:?}"
+        );
+        let s = layerstack_integration::session(env, NS, &id)?;
+        ensure!(s["outcome"].is_null(), "a diff published something: {s}");
+        layerstack_integration::kill_task(env, NS, &id)?;
+        layerstack_integration::finish_detached(env, NS, &id)?;
+        ensure!(ls_wait_ok(env, NS, &id)? == "committed");
+        Ok(())
+    });
+}
+
+/// The conflict flow with a real container: its publish conflicts with the
+/// head; `conflict show` gives the reason and the three-way view; `session
+/// rebase` merges the head's other change and writes markers; a publish is
+/// refused while they are there; the container's next run (same container,
+/// `ctr tasks start`) resolves them, and its publish commits.
+#[test]
+fn the_conflict_flow_show_rebase_resolve_publish() {
+    const NS: &str = "lst-conflict";
+    run_layerstack_scenario(NS, |env| {
+        let parent = image_top_snapshot(env, NS)?;
+        let file = "srv/c/conf.txt";
+        publish_snapshot(env, NS, "cf-seed", &parent, None, |m| {
+            write(m, file, &lines_of(6, &[]))
+        })?;
+        // The container edits line 2 and waits; its second run (markers there)
+        // resolves them.
+        let id = unique("cf-a");
+        let script = "f=/srv/c/conf.txt; \
+            if grep -q '^<<<<<<< session$' $f; then \
+              sed -i '/^<<<<<<< session$/,/^>>>>>>> head$/c resolved' $f; \
+            else sed -i 's/^2$/two-A/' $f; sleep 120; fi";
+        start_detached(env, NS, &id, None, script)?;
+        // Meanwhile the head changes line 2 (conflict) and line 5 (merges).
+        ensure!(
+            publish_snapshot(env, NS, "cf-b", &parent, None, |m| write(
+                m,
+                file,
+                &lines_of(6, &[(2, "two-B"), (5, "five-B")])
+            ))? == "committed"
+        );
+        layerstack_integration::kill_task(env, NS, &id)?;
+        layerstack_integration::finish_detached(env, NS, &id)?;
+        let (word, out) = layerstack_integration::ls_wait(env, NS, &id)?;
+        ensure!(word == "conflict", "{}", describe(&out));
+
+        let v = ls_json(env, &["conflict", "show", &id, "--json", "-n", NS])?;
+        let p = &v["paths"][0];
+        ensure!(
+            v["paths"].as_array().map(Vec::len) == Some(1)
+                && p["path"] == "/srv/c/conf.txt"
+                && p["blocks"] == 1
+                && p["reason"].as_str().is_some_and(|r| r.contains("adjacent")),
+            "{v}"
+        );
+        let text = p["text"].as_str().unwrap_or("");
+        ensure!(
+            text == "1\n<<<<<<< session\ntwo-A\n||||||| lease\n2\n=======\ntwo-B\n>>>>>>> head\n3\n4\nfive-B\n6\n",
+            "{text}"
+        );
+        let out = env.layerstack(&["conflict", "show", &id, "-n", NS])?;
+        ensure!(
+            stdout(&out).contains("<<<<<<< session"),
+            "{}",
+            describe(&out)
+        );
+
+        let v = ls_json(env, &["session", "rebase", &id, "--json", "-n", NS])?;
+        ensure!(
+            v["marked"][0]["path"] == "/srv/c/conf.txt" && v["marked"][0]["blocks"] == 1,
+            "{v}"
+        );
+        // Refused while the markers are there.
+        let out = ls_publish(env, NS, &id, &[])?;
+        ensure!(
+            out.status.code() == Some(3) && stdout(&out).contains("conflict markers"),
+            "{}",
+            describe(&out)
+        );
+        // The same container runs again: it sees the head under its changes,
+        // resolves the markers, and its publish goes through the gate.
+        env.ctr_ok(NS, &["tasks", "start", "-d", &id])?;
+        layerstack_integration::finish_detached(env, NS, &id)?;
+        ensure!(ls_wait_ok(env, NS, &id)? == "committed");
+        let text = run_sh(
+            env,
+            NS,
+            &unique("cf-check"),
+            None,
+            true,
+            "cat /srv/c/conf.txt",
+        )?;
+        ensure!(text == "1\nresolved\n3\n4\nfive-B\n6\n", "{text}");
+        let stack = stack_id(env, NS)?;
+        let (got, v) = blame_ranges(env, NS, &format!("{stack}@main"), "/srv/c/conf.txt")?;
+        let owners: Vec<&str> = got.iter().map(|r| r.2.as_str()).collect();
+        ensure!(
+            got.iter().map(|r| (r.0, r.1)).collect::<Vec<_>>()
+                == [(1, 1), (2, 2), (3, 4), (5, 5), (6, 6)]
+                && owners
+                    == [
+                        "session:cf-seed",
+                        &format!("session:{id}"),
+                        "session:cf-seed",
+                        "session:cf-b",
+                        "session:cf-seed"
+                    ],
+            "{v}"
+        );
+        Ok(())
+    });
+}

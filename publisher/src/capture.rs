@@ -850,15 +850,20 @@ fn strip_opaque(mut list: Vec<(Vec<u8>, Vec<u8>)>, userxattr: bool) -> Vec<(Vec<
     list
 }
 
-/// BLAKE3 of everything readable from `reader`.
-pub(crate) fn hash(mut reader: impl io::Read) -> io::Result<[u8; 32]> {
+/// BLAKE3 of everything readable from `reader` (the path index's content digest).
+///
+/// # Errors
+/// Any read error.
+pub fn hash(mut reader: impl io::Read) -> io::Result<[u8; 32]> {
     let mut hasher = blake3::Hasher::new();
     hasher.update_reader(&mut reader)?;
     Ok(*hasher.finalize().as_bytes())
 }
 
-/// The BLAKE3 digest of a byte string (symlink targets, special-file identities).
-pub(crate) fn digest_bytes(bytes: &[u8]) -> [u8; 32] {
+/// The BLAKE3 digest of a byte string (file contents, symlink targets,
+/// special-file identities): the path index's content digest.
+#[must_use]
+pub fn digest_bytes(bytes: &[u8]) -> [u8; 32] {
     *blake3::hash(bytes).as_bytes()
 }
 

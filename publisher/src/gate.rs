@@ -64,7 +64,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::capture::{digest_bytes, is_overlay_private, list_digest, Change, Changeset};
 use crate::fsx;
-use crate::merge::{merge_text_within, MergeBudget, MergeOptions, TextMerge};
+use crate::merge::{merge_text_traced_within, LineOrigin, MergeBudget, MergeOptions, TracedMerge};
 use crate::view::{opaque_name, FileKind, LayerView};
 
 /// The kind of one change published on the head, as recorded in a layer's path index.
@@ -642,6 +642,14 @@ pub struct GatePlan {
     /// The session was mounted with `userxattr` ([`GateFiles::userxattr`]): which
     /// overlay xattr namespace [`apply_plan`] leaves alone.
     pub userxattr: bool,
+    /// Blame: for every path whose content was three-way merged (an
+    /// [`Action::WriteFile`]), where each line of the merged text comes from —
+    /// the lease's version ([`Side::Base`]), the session's or the head's.
+    pub origins: BTreeMap<Vec<u8>, Vec<LineOrigin>>,
+    /// Conflicting paths whose only trouble is that both sides changed the same
+    /// or adjacent lines of a text file: conflict markers can show them
+    /// (`layerstack conflict show`, `layerstack session rebase`).
+    pub text_conflicts: BTreeSet<Vec<u8>>,
 }
 
 /// How [`plan_gate_with`] treats text merges.
@@ -849,6 +857,8 @@ pub fn plan_gate_with(
         actions: Vec::new(),
         index: BTreeMap::new(),
         removed: BTreeSet::new(),
+        origins: BTreeMap::new(),
+        text_conflicts: BTreeSet::new(),
     };
 
     for (path, why) in &captured.excluded {
@@ -998,6 +1008,8 @@ pub fn plan_gate_with(
         actions: p.actions,
         index,
         userxattr: files.userxattr(),
+        origins: p.origins,
+        text_conflicts: p.text_conflicts,
     })
 }
 
@@ -1015,6 +1027,10 @@ struct Planner<'a> {
     index: BTreeMap<Vec<u8>, HeadChange>,
     /// Upper paths dropped (with their subtree).
     removed: BTreeSet<Vec<u8>>,
+    /// Line origins of merged texts ([`GatePlan::origins`]).
+    origins: BTreeMap<Vec<u8>, Vec<LineOrigin>>,
+    /// Paths whose text merge conflicted ([`GatePlan::text_conflicts`]).
+    text_conflicts: BTreeSet<Vec<u8>>,
 }
 
 /// The metadata fields of a same-type path, already merged field by field.
@@ -1321,7 +1337,13 @@ impl Planner<'_> {
                 }
             }
             match self.merge_content(&m.path, m.base.as_ref())? {
-                TextMerge::Clean(bytes) => {
+                TracedMerge::Clean {
+                    content: bytes,
+                    origins,
+                } => {
+                    if let Some(o) = origins {
+                        self.origins.insert(m.path.clone(), o);
+                    }
                     let d = digest_bytes(&bytes);
                     self.finish(
                         &m.path,
@@ -1334,7 +1356,11 @@ impl Planner<'_> {
                         Some(bytes),
                     )?;
                 }
-                TextMerge::Conflict(reason) => self.conflict(&m.path, reason),
+                TracedMerge::Overlap(reason) => {
+                    self.text_conflicts.insert(m.path.clone());
+                    self.conflict(&m.path, reason);
+                }
+                TracedMerge::Conflict(reason) => self.conflict(&m.path, reason),
             }
         }
         Ok(())
@@ -1586,7 +1612,7 @@ impl Planner<'_> {
         &mut self,
         path: &[u8],
         base: Option<&FileState>,
-    ) -> Result<TextMerge, GateError> {
+    ) -> Result<TracedMerge, GateError> {
         let limit = self.limits.max_bytes;
         let ours_fs = self
             .files
@@ -1603,7 +1629,7 @@ impl Planner<'_> {
         ] {
             if let Some(fs) = fs {
                 if fs.size > limit {
-                    return Ok(TextMerge::Conflict(format!(
+                    return Ok(TracedMerge::Conflict(format!(
                         "not merged: the {side} version is {} bytes, over the merge limit of {limit} bytes",
                         fs.size
                     )));
@@ -1612,7 +1638,7 @@ impl Planner<'_> {
         }
         if self.budget.is_used_up() {
             // Nothing more is merged in this publish: do not even read the files.
-            return Ok(self.budget.used_up());
+            return Ok(TracedMerge::Conflict(self.budget.used_up_reason()));
         }
         let b = self
             .files
@@ -1626,7 +1652,13 @@ impl Planner<'_> {
             .files
             .read(Side::Theirs, path)
             .map_err(Self::read_err(Side::Theirs, path))?;
-        Ok(merge_text_within(&b, &o, &t, self.limits, &mut self.budget))
+        Ok(merge_text_traced_within(
+            &b,
+            &o,
+            &t,
+            self.limits,
+            &mut self.budget,
+        ))
     }
 }
 

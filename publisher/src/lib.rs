@@ -74,6 +74,7 @@ mod policy;
 mod squash;
 #[cfg(test)]
 mod testutil;
+mod textdiff;
 mod view;
 
 pub use capture::{
@@ -91,4 +92,11 @@ pub use merge::{
 };
 pub use policy::{ExcludePolicy, PolicyError};
 pub use squash::{flatten_layers, tree_digest, FlattenReport, SquashError};
+// Blame, diff and conflicts (issue 10): line origins, markers, patches.
+pub use capture::{digest_bytes, hash as digest_reader};
+pub use merge::{
+    conflict_blocks, merge_text_traced_within, render_conflict, unchanged_lines, LineOrigin,
+    TracedMerge, MARKER_BASE, MARKER_OURS, MARKER_SEP, MARKER_THEIRS, OVERLAP_REASON,
+};
+pub use textdiff::unified_patch;
 pub use view::{Entry, FileKind, LayerView};

@@ -24,8 +24,15 @@
 //! block edits. With histogram, imara-diff anchors some texts of repeated lines
 //! differently from git's histogram, so rarely the two differ.
 //!
-//! A conflict is only reported, never rendered: conflict markers are never written
-//! anywhere.
+//! A publish only reports a conflict, never renders it: a published file never
+//! holds conflict markers. [`render_conflict`] writes git's diff3 markers for
+//! people (`layerstack conflict show`) and for `layerstack session rebase`, which
+//! puts them into a session's upper — and a publish is then refused while they
+//! are there ([`conflict_blocks`]).
+//!
+//! Blame: [`merge_text_traced_within`] is the same merge (the same regions,
+//! assembled once more) that also says where every output line comes from
+//! ([`LineOrigin`]: base, ours or theirs).
 //!
 //! Limits ([`MergeOptions`]): inputs over `max_bytes` or `max_lines` are not merged
 //! (conflict, with the limit in the reason). The line cap bounds the diff's worst
@@ -150,12 +157,12 @@ impl MergeBudget {
         self.remaining().is_zero()
     }
 
-    /// The conflict of a merge not started because the budget is used up.
-    pub(crate) fn used_up(&self) -> TextMerge {
-        TextMerge::Conflict(format!(
+    /// Why a merge was not started: the budget is used up.
+    pub(crate) fn used_up_reason(&self) -> String {
+        format!(
             "not merged: the merge time budget of {} ms for this publish is used up",
             self.total.as_millis()
-        ))
+        )
     }
 }
 
@@ -213,8 +220,8 @@ enum Take {
 }
 
 /// A region of the merge: ours' lines `[o, o + o_len)` correspond to theirs'
-/// `[t, t + t_len)` (the same stretch of the base); `take` says whose lines the
-/// result has there.
+/// `[t, t + t_len)` and to the base's `[b, b + b_len)` (the same stretch of the
+/// base); `take` says whose lines the result has there.
 #[derive(Debug, Clone, Copy)]
 struct Region {
     take: Take,
@@ -222,6 +229,8 @@ struct Region {
     o_len: i64,
     t: i64,
     t_len: i64,
+    b: i64,
+    b_len: i64,
 }
 
 /// Appends `r`, folding it into the previous region when the two touch in ours'
@@ -235,10 +244,357 @@ fn push_region(regions: &mut Vec<Region>, r: Region) {
             }
             m.o_len = r.o + r.o_len - m.o;
             m.t_len = r.t + r.t_len - m.t;
+            let b_end = (m.b + m.b_len).max(r.b + r.b_len);
+            m.b = m.b.min(r.b);
+            m.b_len = b_end - m.b;
             return;
         }
     }
     regions.push(r);
+}
+
+/// The regions of a three-way merge (steps 1–3 of [`merge3`]) and what is needed
+/// to assemble its result: the interned lines of the three inputs, and the
+/// stretches where both sides made the same change (left out of the regions).
+struct Merge3<'a> {
+    /// `before`: the base's lines; `after`: theirs' lines.
+    input: gix_imara_diff::InternedInput<&'a [u8]>,
+    ours: Vec<gix_imara_diff::Token>,
+    ours_changes: Vec<SideChange>,
+    theirs_changes: Vec<SideChange>,
+    regions: Vec<Region>,
+    /// Ours' lines `o` equal theirs' lines `t` because both sides made the same
+    /// change there (taken once, from ours).
+    same: Vec<(std::ops::Range<i64>, std::ops::Range<i64>)>,
+}
+
+impl<'a> Merge3<'a> {
+    /// Steps 1–3 of [`merge3`]: both diffs, the walk in base order, the folding.
+    fn new(base: &'a [u8], ours: &'a [u8], theirs: &'a [u8], algorithm: DiffAlgorithm) -> Self {
+        use gix_imara_diff::sources::byte_lines;
+        // One interner for the three, so equal lines are equal tokens on every side.
+        let mut input = gix_imara_diff::InternedInput::default();
+        input.update_before(byte_lines(base));
+        input.update_after(byte_lines(ours));
+        let ours_changes = side_changes(&input, algorithm);
+        let ours_tokens = std::mem::take(&mut input.after);
+        input.update_after(byte_lines(theirs));
+        let theirs_changes = side_changes(&input, algorithm);
+        let theirs_tokens = &input.after;
+        let len = |v: &[gix_imara_diff::Token]| i64::try_from(v.len()).unwrap_or(i64::MAX);
+        let (base_len, ours_len, theirs_len) =
+            (len(&input.before), len(&ours_tokens), len(theirs_tokens));
+
+        let mut regions: Vec<Region> = Vec::new();
+        let mut same = Vec::new();
+        let (mut a, mut b) = (
+            ours_changes.iter().peekable(),
+            theirs_changes.iter().peekable(),
+        );
+        while let (Some(&x), Some(&y)) = (a.peek(), b.peek()) {
+            if x.base.end < y.base.start {
+                // Only ours changed here; theirs' lines are the base's, shifted by
+                // theirs' offset before its next change.
+                let t = y.side.start - y.base.start + x.base.start;
+                push_region(
+                    &mut regions,
+                    Region {
+                        take: Take::Ours,
+                        o: x.side.start,
+                        o_len: x.side.end - x.side.start,
+                        t,
+                        t_len: x.base.end - x.base.start,
+                        b: x.base.start,
+                        b_len: x.base.end - x.base.start,
+                    },
+                );
+                a.next();
+                continue;
+            }
+            if y.base.end < x.base.start {
+                let o = x.side.start - x.base.start + y.base.start;
+                push_region(
+                    &mut regions,
+                    Region {
+                        take: Take::Theirs,
+                        o,
+                        o_len: y.base.end - y.base.start,
+                        t: y.side.start,
+                        t_len: y.side.end - y.side.start,
+                        b: y.base.start,
+                        b_len: y.base.end - y.base.start,
+                    },
+                );
+                b.next();
+                continue;
+            }
+            let same_change = x.base == y.base
+                && tokens_of(&ours_tokens, &x.side) == tokens_of(theirs_tokens, &y.side);
+            if same_change {
+                same.push((x.side.clone(), y.side.clone()));
+            } else {
+                // One conflict from the lower start to the higher end of both.
+                let start = x.base.start.min(y.base.start);
+                let end = x.base.end.max(y.base.end);
+                let o = x.side.start - (x.base.start - start);
+                let t = y.side.start - (y.base.start - start);
+                let o_end = x.side.end + (end - x.base.end);
+                let t_end = y.side.end + (end - y.base.end);
+                push_region(
+                    &mut regions,
+                    Region {
+                        take: Take::Conflict,
+                        o,
+                        o_len: o_end - o,
+                        t,
+                        t_len: t_end - t,
+                        b: start,
+                        b_len: end - start,
+                    },
+                );
+            }
+            // Identical changes are left out: the result is ours' lines there.
+            let (x_end, y_end) = (x.base.end, y.base.end);
+            if x_end >= y_end {
+                b.next();
+            }
+            if y_end >= x_end {
+                a.next();
+            }
+        }
+        for x in a {
+            push_region(
+                &mut regions,
+                Region {
+                    take: Take::Ours,
+                    o: x.side.start,
+                    o_len: x.side.end - x.side.start,
+                    t: x.base.start + theirs_len - base_len,
+                    t_len: x.base.end - x.base.start,
+                    b: x.base.start,
+                    b_len: x.base.end - x.base.start,
+                },
+            );
+        }
+        for y in b {
+            push_region(
+                &mut regions,
+                Region {
+                    take: Take::Theirs,
+                    o: y.base.start + ours_len - base_len,
+                    o_len: y.base.end - y.base.start,
+                    t: y.side.start,
+                    t_len: y.side.end - y.side.start,
+                    b: y.base.start,
+                    b_len: y.base.end - y.base.start,
+                },
+            );
+        }
+        Merge3 {
+            input,
+            ours: ours_tokens,
+            ours_changes,
+            theirs_changes,
+            regions,
+            same,
+        }
+    }
+
+    fn ours_len(&self) -> i64 {
+        i64::try_from(self.ours.len()).unwrap_or(i64::MAX)
+    }
+
+    /// Step 4 of [`merge3`]: what region `r` takes in the end (a conflict whose
+    /// two sides wrote the same non-empty lines is ours').
+    fn resolve(&self, r: &Region) -> Take {
+        match r.take {
+            Take::Conflict
+                if r.o_len > 0
+                    && r.t_len > 0
+                    && tokens_of(&self.ours, &(r.o..r.o + r.o_len))
+                        == tokens_of(&self.input.after, &(r.t..r.t + r.t_len)) =>
+            {
+                // Both sides wrote the same lines here.
+                Take::Ours
+            }
+            t => t,
+        }
+    }
+
+    /// Appends the lines of `tokens[from..from + n]`, as interned (terminators
+    /// included).
+    fn lines(&self, tokens: &[gix_imara_diff::Token], from: i64, n: i64, out: &mut Vec<u8>) {
+        for &t in tokens_of(tokens, &(from..from + n)) {
+            out.extend_from_slice(self.input.interner[t]);
+        }
+    }
+
+    /// The merged bytes: ours' lines with theirs' changes applied; `Err(())` on a
+    /// conflict.
+    fn assemble(&self, capacity: usize) -> Result<Vec<u8>, ()> {
+        let mut out = Vec::with_capacity(capacity);
+        let mut at = 0;
+        for r in &self.regions {
+            let take = self.resolve(r);
+            self.lines(&self.ours, at, r.o - at, &mut out);
+            match take {
+                Take::Ours => self.lines(&self.ours, r.o, r.o_len, &mut out),
+                Take::Theirs => self.lines(&self.input.after, r.t, r.t_len, &mut out),
+                Take::Conflict => return Err(()),
+            }
+            at = r.o + r.o_len;
+        }
+        self.lines(&self.ours, at, self.ours_len() - at, &mut out);
+        Ok(out)
+    }
+}
+
+/// Where one line of a merge result comes from: a line index (from 0) into the
+/// base, ours (the session) or theirs (the head).
+///
+/// A line both sides left as the base had it is [`Base`](LineOrigin::Base); a
+/// line one side wrote is that side's; a line **both** sides wrote the same way
+/// (an identical change, taken once) is [`Theirs`](LineOrigin::Theirs): the head
+/// had it first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum LineOrigin {
+    /// Line `n` of the base (unchanged on the side it was taken from).
+    Base(usize),
+    /// Line `n` of ours, written by ours.
+    Ours(usize),
+    /// Line `n` of theirs, written by theirs (or by both sides the same way).
+    Theirs(usize),
+}
+
+/// For every line of a side, the base line it is (`Some`) or `None` when the
+/// side wrote it (it lies in one of the side's changes).
+fn base_lines_of(changes: &[SideChange], side_len: usize) -> Vec<Option<usize>> {
+    let mut map = vec![None; side_len];
+    let (mut bi, mut si) = (0usize, 0usize);
+    let idx = |v: i64| usize::try_from(v).unwrap_or(0);
+    for c in changes {
+        while si < idx(c.side.start) && si < side_len {
+            map[si] = Some(bi);
+            si += 1;
+            bi += 1;
+        }
+        si = idx(c.side.end);
+        bi = idx(c.base.end);
+    }
+    while si < side_len {
+        map[si] = Some(bi);
+        si += 1;
+        bi += 1;
+    }
+    map
+}
+
+/// Conflict marker lines as `git merge-file --diff3` writes them, named for
+/// LayerStack's sides: ours is the session, the base the lease, theirs the head.
+pub const MARKER_OURS: &str = "<<<<<<< session";
+/// The base section's marker (see [`MARKER_OURS`]).
+pub const MARKER_BASE: &str = "||||||| lease";
+/// The separator before the head's lines.
+pub const MARKER_SEP: &str = "=======";
+/// The marker ending a conflict block.
+pub const MARKER_THEIRS: &str = ">>>>>>> head";
+
+impl Merge3<'_> {
+    /// [`Merge3::assemble`] with the origin of every output line.
+    fn assemble_with_origins(&self, capacity: usize) -> Result<(Vec<u8>, Vec<LineOrigin>), ()> {
+        let idx = |v: i64| usize::try_from(v).unwrap_or(0);
+        let ours_base = base_lines_of(&self.ours_changes, self.ours.len());
+        let theirs_base = base_lines_of(&self.theirs_changes, self.input.after.len());
+        // Ours' lines that theirs wrote the same way: identical changes, and
+        // conflicts whose two sides are the same lines (step 4).
+        let mut same: std::collections::HashMap<usize, usize> = std::collections::HashMap::new();
+        let mut pair = |o: &std::ops::Range<i64>, t: &std::ops::Range<i64>| {
+            for (k, j) in (o.start..o.end).zip(t.start..t.end) {
+                same.insert(idx(k), idx(j));
+            }
+        };
+        for (o, t) in &self.same {
+            pair(o, t);
+        }
+        for r in &self.regions {
+            if r.take == Take::Conflict && self.resolve(r) == Take::Ours {
+                pair(&(r.o..r.o + r.o_len), &(r.t..r.t + r.t_len));
+            }
+        }
+        let ours_origin = |k: usize| match (ours_base[k], same.get(&k)) {
+            (Some(b), _) => LineOrigin::Base(b),
+            (None, Some(&j)) => match theirs_base.get(j).copied().flatten() {
+                Some(b) => LineOrigin::Base(b),
+                None => LineOrigin::Theirs(j),
+            },
+            (None, None) => LineOrigin::Ours(k),
+        };
+        let theirs_origin = |j: usize| match theirs_base[j] {
+            Some(b) => LineOrigin::Base(b),
+            None => LineOrigin::Theirs(j),
+        };
+        let mut origins = Vec::new();
+        let push_ours = |from: i64, n: i64, origins: &mut Vec<LineOrigin>| {
+            for k in from..from + n {
+                origins.push(ours_origin(idx(k)));
+            }
+        };
+        let mut at = 0;
+        for r in &self.regions {
+            push_ours(at, r.o - at, &mut origins);
+            match self.resolve(r) {
+                Take::Ours => push_ours(r.o, r.o_len, &mut origins),
+                Take::Theirs => {
+                    for j in r.t..r.t + r.t_len {
+                        origins.push(theirs_origin(idx(j)));
+                    }
+                }
+                Take::Conflict => return Err(()),
+            }
+            at = r.o + r.o_len;
+        }
+        push_ours(at, self.ours_len() - at, &mut origins);
+        let out = self.assemble(capacity)?;
+        Ok((out, origins))
+    }
+
+    /// The merge with every conflict written out between markers, as `git
+    /// merge-file --diff3` does ([`MARKER_OURS`], [`MARKER_BASE`], [`MARKER_SEP`],
+    /// [`MARKER_THEIRS`], each on its own line ending in `\n`; a section whose
+    /// last line has no newline gets one before the next marker). Returns the
+    /// bytes and the number of conflict blocks.
+    fn render_markers(&self, capacity: usize) -> (Vec<u8>, usize) {
+        let mut out = Vec::with_capacity(capacity);
+        let mut blocks = 0;
+        let mut at = 0;
+        let marker = |out: &mut Vec<u8>, m: &str| {
+            if !out.is_empty() && out.last() != Some(&b'\n') {
+                out.push(b'\n');
+            }
+            out.extend_from_slice(m.as_bytes());
+            out.push(b'\n');
+        };
+        for r in &self.regions {
+            self.lines(&self.ours, at, r.o - at, &mut out);
+            match self.resolve(r) {
+                Take::Ours => self.lines(&self.ours, r.o, r.o_len, &mut out),
+                Take::Theirs => self.lines(&self.input.after, r.t, r.t_len, &mut out),
+                Take::Conflict => {
+                    blocks += 1;
+                    marker(&mut out, MARKER_OURS);
+                    self.lines(&self.ours, r.o, r.o_len, &mut out);
+                    marker(&mut out, MARKER_BASE);
+                    self.lines(&self.input.before, r.b, r.b_len, &mut out);
+                    marker(&mut out, MARKER_SEP);
+                    self.lines(&self.input.after, r.t, r.t_len, &mut out);
+                    marker(&mut out, MARKER_THEIRS);
+                }
+            }
+            at = r.o + r.o_len;
+        }
+        self.lines(&self.ours, at, self.ours_len() - at, &mut out);
+        (out, blocks)
+    }
 }
 
 /// Three-way merge with git's rules (the semantics of xdiff's `xdl_merge` at the
@@ -264,145 +620,7 @@ fn merge3(
     theirs: &[u8],
     algorithm: DiffAlgorithm,
 ) -> Result<Vec<u8>, ()> {
-    use gix_imara_diff::sources::byte_lines;
-    // One interner for the three, so equal lines are equal tokens on every side.
-    let mut input = gix_imara_diff::InternedInput::default();
-    input.update_before(byte_lines(base));
-    input.update_after(byte_lines(ours));
-    let ours_changes = side_changes(&input, algorithm);
-    let ours_tokens = std::mem::take(&mut input.after);
-    input.update_after(byte_lines(theirs));
-    let theirs_changes = side_changes(&input, algorithm);
-    let theirs_tokens = &input.after;
-    let len = |v: &[gix_imara_diff::Token]| i64::try_from(v.len()).unwrap_or(i64::MAX);
-    let (base_len, ours_len, theirs_len) =
-        (len(&input.before), len(&ours_tokens), len(theirs_tokens));
-
-    let mut regions: Vec<Region> = Vec::new();
-    let (mut a, mut b) = (
-        ours_changes.iter().peekable(),
-        theirs_changes.iter().peekable(),
-    );
-    while let (Some(&x), Some(&y)) = (a.peek(), b.peek()) {
-        if x.base.end < y.base.start {
-            // Only ours changed here; theirs' lines are the base's, shifted by
-            // theirs' offset before its next change.
-            let t = y.side.start - y.base.start + x.base.start;
-            push_region(
-                &mut regions,
-                Region {
-                    take: Take::Ours,
-                    o: x.side.start,
-                    o_len: x.side.end - x.side.start,
-                    t,
-                    t_len: x.base.end - x.base.start,
-                },
-            );
-            a.next();
-            continue;
-        }
-        if y.base.end < x.base.start {
-            let o = x.side.start - x.base.start + y.base.start;
-            push_region(
-                &mut regions,
-                Region {
-                    take: Take::Theirs,
-                    o,
-                    o_len: y.base.end - y.base.start,
-                    t: y.side.start,
-                    t_len: y.side.end - y.side.start,
-                },
-            );
-            b.next();
-            continue;
-        }
-        let same = x.base == y.base
-            && tokens_of(&ours_tokens, &x.side) == tokens_of(theirs_tokens, &y.side);
-        if !same {
-            // One conflict from the lower start to the higher end of both.
-            let start = x.base.start.min(y.base.start);
-            let end = x.base.end.max(y.base.end);
-            let o = x.side.start - (x.base.start - start);
-            let t = y.side.start - (y.base.start - start);
-            let o_end = x.side.end + (end - x.base.end);
-            let t_end = y.side.end + (end - y.base.end);
-            push_region(
-                &mut regions,
-                Region {
-                    take: Take::Conflict,
-                    o,
-                    o_len: o_end - o,
-                    t,
-                    t_len: t_end - t,
-                },
-            );
-        }
-        // Identical changes are left out: the result is ours' lines there.
-        let (x_end, y_end) = (x.base.end, y.base.end);
-        if x_end >= y_end {
-            b.next();
-        }
-        if y_end >= x_end {
-            a.next();
-        }
-    }
-    for x in a {
-        push_region(
-            &mut regions,
-            Region {
-                take: Take::Ours,
-                o: x.side.start,
-                o_len: x.side.end - x.side.start,
-                t: x.base.start + theirs_len - base_len,
-                t_len: x.base.end - x.base.start,
-            },
-        );
-    }
-    for y in b {
-        push_region(
-            &mut regions,
-            Region {
-                take: Take::Theirs,
-                o: y.base.start + ours_len - base_len,
-                o_len: y.base.end - y.base.start,
-                t: y.side.start,
-                t_len: y.side.end - y.side.start,
-            },
-        );
-    }
-
-    // The lines of `tokens[from..from + n]`, as interned (terminators included).
-    let interner = &input.interner;
-    let lines = |tokens: &[gix_imara_diff::Token], from: i64, n: i64, out: &mut Vec<u8>| {
-        for &t in tokens_of(tokens, &(from..from + n)) {
-            out.extend_from_slice(interner[t]);
-        }
-    };
-    let mut out = Vec::with_capacity(ours.len().max(theirs.len()));
-    let mut at = 0;
-    for r in &regions {
-        let take = match r.take {
-            Take::Conflict
-                if r.o_len > 0
-                    && r.t_len > 0
-                    && tokens_of(&ours_tokens, &(r.o..r.o + r.o_len))
-                        == tokens_of(theirs_tokens, &(r.t..r.t + r.t_len)) =>
-            {
-                // Both sides wrote the same lines here.
-                Take::Ours
-            }
-            t => t,
-        };
-        lines(&ours_tokens, at, r.o - at, &mut out);
-        match take {
-            Take::Ours => lines(&ours_tokens, r.o, r.o_len, &mut out),
-            Take::Theirs => lines(theirs_tokens, r.t, r.t_len, &mut out),
-            Take::Conflict => return Err(()),
-        }
-        at = r.o + r.o_len;
-    }
-    lines(&ours_tokens, at, ours_len - at, &mut out);
-    Ok(out)
+    Merge3::new(base, ours, theirs, algorithm).assemble(ours.len().max(theirs.len()))
 }
 
 /// The tokens of `v` in `range`.
@@ -456,15 +674,122 @@ pub fn merge_text_within(
     limits: &MergeOptions,
     budget: &mut MergeBudget,
 ) -> TextMerge {
+    match merge_within(base, ours, theirs, limits, budget, false) {
+        TracedMerge::Clean { content, .. } => TextMerge::Clean(content),
+        TracedMerge::Overlap(reason) | TracedMerge::Conflict(reason) => TextMerge::Conflict(reason),
+    }
+}
+
+/// The result of [`merge_text_traced_within`]: a text merge that also says where
+/// every line of the result comes from, and why it did not merge.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum TracedMerge {
+    /// The merged content (the same bytes [`merge_text_within`] returns), and per
+    /// line its [`LineOrigin`] — `None` only for a trivial merge (a side equal to
+    /// the base, or both sides equal) over the merge's caps, which is answered
+    /// without a diff.
+    Clean {
+        /// The merged bytes.
+        content: Vec<u8>,
+        /// One origin per line of `content`.
+        origins: Option<Vec<LineOrigin>>,
+    },
+    /// Both sides changed the same or adjacent lines: the conflict can be written
+    /// out with markers ([`render_conflict`]).
+    Overlap(String),
+    /// Not merged for another reason (binary, a size cap, the time budget).
+    Conflict(String),
+}
+
+/// The reason of [`TracedMerge::Overlap`] and of the conflict [`merge_text`]
+/// reports for it.
+pub const OVERLAP_REASON: &str = "both sides changed the same or adjacent lines";
+
+/// [`merge_text_within`], tracing every output line to the base, ours or theirs
+/// ([`LineOrigin`]): the same verdict, the same bytes, within the same caps and
+/// budget.
+#[must_use]
+pub fn merge_text_traced_within(
+    base: &[u8],
+    ours: &[u8],
+    theirs: &[u8],
+    limits: &MergeOptions,
+    budget: &mut MergeBudget,
+) -> TracedMerge {
+    merge_within(base, ours, theirs, limits, budget, true)
+}
+
+/// The origins of `side`'s lines against `base` when the merge result is
+/// `side` as a whole: unchanged lines are the base's; changed ones are ours'
+/// (`theirs` false) or theirs'.
+fn two_way_origins(
+    base: &[u8],
+    side: &[u8],
+    algorithm: DiffAlgorithm,
+    theirs: bool,
+) -> Vec<LineOrigin> {
+    unchanged_lines(base, side, algorithm)
+        .into_iter()
+        .enumerate()
+        .map(|(i, b)| match (b, theirs) {
+            (Some(b), _) => LineOrigin::Base(b),
+            (None, false) => LineOrigin::Ours(i),
+            (None, true) => LineOrigin::Theirs(i),
+        })
+        .collect()
+}
+
+/// For every line of `new`, the line of `old` it is (`Some(index)`, from 0) when
+/// a line diff of the two leaves it unchanged, or `None` when `new` wrote it.
+/// Lines keep their terminators, as in the merge: a CRLF line differs from its LF
+/// twin, a last line without `\n` from the same text with one. No caps: callers
+/// bound their inputs.
+#[must_use]
+pub fn unchanged_lines(old: &[u8], new: &[u8], algorithm: DiffAlgorithm) -> Vec<Option<usize>> {
+    use gix_imara_diff::sources::byte_lines;
+    let input = gix_imara_diff::InternedInput::new(byte_lines(old), byte_lines(new));
+    let changes = side_changes(&input, algorithm);
+    base_lines_of(&changes, input.after.len())
+}
+
+fn merge_within(
+    base: &[u8],
+    ours: &[u8],
+    theirs: &[u8],
+    limits: &MergeOptions,
+    budget: &mut MergeBudget,
+    traced: bool,
+) -> TracedMerge {
+    let within_caps = || {
+        [base, ours, theirs]
+            .iter()
+            .all(|d| d.len() as u64 <= limits.max_bytes && line_count(d) <= limits.max_lines)
+    };
     if ours == theirs || theirs == base {
-        return TextMerge::Clean(ours.to_vec());
+        let origins = (traced && within_caps()).then(|| {
+            if ours == base {
+                (0..line_count(ours)).map(LineOrigin::Base).collect()
+            } else {
+                // Ours is the result; where theirs equals it, the head had it first.
+                two_way_origins(base, ours, limits.diff_algorithm, ours == theirs)
+            }
+        });
+        return TracedMerge::Clean {
+            content: ours.to_vec(),
+            origins,
+        };
     }
     if ours == base {
-        return TextMerge::Clean(theirs.to_vec());
+        let origins = (traced && within_caps())
+            .then(|| two_way_origins(base, theirs, limits.diff_algorithm, true));
+        return TracedMerge::Clean {
+            content: theirs.to_vec(),
+            origins,
+        };
     }
     for (side, data) in [("base", base), ("session", ours), ("head", theirs)] {
         if data.len() as u64 > limits.max_bytes {
-            return TextMerge::Conflict(format!(
+            return TracedMerge::Conflict(format!(
                 "not merged: the {side} version is {} bytes, over the merge limit of {} bytes",
                 data.len(),
                 limits.max_bytes
@@ -472,12 +797,12 @@ pub fn merge_text_within(
         }
     }
     if [base, ours, theirs].iter().any(|d| is_binary(d)) {
-        return TextMerge::Conflict("binary file changed on both sides".into());
+        return TracedMerge::Conflict("binary file changed on both sides".into());
     }
     for (side, data) in [("base", base), ("session", ours), ("head", theirs)] {
         let lines = line_count(data);
         if lines > limits.max_lines {
-            return TextMerge::Conflict(format!(
+            return TracedMerge::Conflict(format!(
                 "not merged: the {side} version has {lines} lines, over the merge limit of {} lines",
                 limits.max_lines
             ));
@@ -485,7 +810,7 @@ pub fn merge_text_within(
     }
     let remaining = budget.remaining();
     if remaining.is_zero() {
-        return budget.used_up();
+        return TracedMerge::Conflict(budget.used_up_reason());
     }
     let (tx, rx) = mpsc::channel();
     let (b, o, t) = (base.to_vec(), ours.to_vec(), theirs.to_vec());
@@ -494,29 +819,109 @@ pub fn merge_text_within(
     let spawned = std::thread::Builder::new()
         .name("layerstack-merge".into())
         .spawn(move || {
-            let r = merge3(&b, &o, &t, algorithm);
+            let r = if traced {
+                let m = Merge3::new(&b, &o, &t, algorithm);
+                m.assemble_with_origins(o.len().max(t.len()))
+                    .map(|(c, origins)| (c, Some(origins)))
+            } else {
+                merge3(&b, &o, &t, algorithm).map(|c| (c, None))
+            };
             let _ = tx.send(r);
         });
     if let Err(e) = spawned {
-        return TextMerge::Conflict(format!("not merged: cannot start the merge thread: {e}"));
+        return TracedMerge::Conflict(format!("not merged: cannot start the merge thread: {e}"));
     }
     let answer = rx.recv_timeout(remaining);
     budget.spent = budget.spent.saturating_add(start.elapsed());
     match answer {
-        Ok(Ok(merged)) => TextMerge::Clean(merged),
-        Ok(Err(())) => TextMerge::Conflict("both sides changed the same or adjacent lines".into()),
+        Ok(Ok((content, origins))) => TracedMerge::Clean { content, origins },
+        Ok(Err(())) => TracedMerge::Overlap(OVERLAP_REASON.into()),
         Err(mpsc::RecvTimeoutError::Timeout) => {
             // The thread runs on (bounded by the caps); nothing more is started.
             budget.spent = budget.total;
-            TextMerge::Conflict(format!(
+            TracedMerge::Conflict(format!(
                 "not merged: merging took longer than the limit of {} ms (merge.timeout_ms, for all merges of one publish together)",
                 budget.total.as_millis()
             ))
         }
         Err(mpsc::RecvTimeoutError::Disconnected) => {
-            TextMerge::Conflict("not merged: the merge thread failed".into())
+            TracedMerge::Conflict("not merged: the merge thread failed".into())
         }
     }
+}
+
+/// The three-way view of a text conflict: the merge of `ours` (the session) and
+/// `theirs` (the head) against `base` (the lease), with every conflicting stretch
+/// written between git-style diff3 markers ([`MARKER_OURS`] … [`MARKER_THEIRS`]);
+/// what merges is merged as [`merge_text`] merges it. Returns the bytes and the
+/// number of conflict blocks (0: the three merge cleanly). For display and for
+/// `layerstack session rebase` only: a publish never writes markers.
+///
+/// # Errors
+/// The reason when the inputs are not merged at all: binary, or over
+/// `limits.max_bytes` / `limits.max_lines` (no time budget: the caps bound it).
+pub fn render_conflict(
+    base: &[u8],
+    ours: &[u8],
+    theirs: &[u8],
+    limits: &MergeOptions,
+) -> Result<(Vec<u8>, usize), String> {
+    for (side, data) in [("lease", base), ("session", ours), ("head", theirs)] {
+        if is_binary(data) {
+            return Err(format!("the {side} version is binary"));
+        }
+        if data.len() as u64 > limits.max_bytes {
+            return Err(format!(
+                "the {side} version is {} bytes, over the merge limit of {} bytes",
+                data.len(),
+                limits.max_bytes
+            ));
+        }
+        let lines = line_count(data);
+        if lines > limits.max_lines {
+            return Err(format!(
+                "the {side} version has {lines} lines, over the merge limit of {} lines",
+                limits.max_lines
+            ));
+        }
+    }
+    Ok(Merge3::new(base, ours, theirs, limits.diff_algorithm)
+        .render_markers(ours.len().max(theirs.len()) + 64))
+}
+
+/// The conflict blocks [`render_conflict`] writes that `content` holds: byte
+/// ranges from the start of a line that is exactly [`MARKER_OURS`] to the end of
+/// the next line that is exactly [`MARKER_THEIRS`] (its `\n` included), with a
+/// [`MARKER_BASE`] and a [`MARKER_SEP`] line between, in order. A `\r\n` ending
+/// of a marker line is accepted.
+#[must_use]
+pub fn conflict_blocks(content: &[u8]) -> Vec<std::ops::Range<usize>> {
+    let is = |line: &[u8], m: &str| {
+        let l = line.strip_suffix(b"\n").unwrap_or(line);
+        let l = l.strip_suffix(b"\r").unwrap_or(l);
+        l == m.as_bytes()
+    };
+    let mut blocks = Vec::new();
+    // (start of the block, markers seen: 1 ours, 2 base, 3 separator)
+    let mut open: Option<(usize, u8)> = None;
+    let mut at = 0;
+    for line in content.split_inclusive(|&b| b == b'\n') {
+        let end = at + line.len();
+        if is(line, MARKER_OURS) {
+            open = Some((at, 1));
+        } else if let Some((start, seen)) = open {
+            if seen == 1 && is(line, MARKER_BASE) {
+                open = Some((start, 2));
+            } else if seen == 2 && is(line, MARKER_SEP) {
+                open = Some((start, 3));
+            } else if seen == 3 && is(line, MARKER_THEIRS) {
+                blocks.push(start..end);
+                open = None;
+            }
+        }
+        at = end;
+    }
+    blocks
 }
 
 #[cfg(test)]
@@ -1342,6 +1747,253 @@ mod tests {
                     b.len(),
                     start.elapsed()
                 );
+            }
+        }
+    }
+
+    // ---- Line origins (blame) and conflict markers ------------------------
+
+    fn traced(base: &str, ours: &str, theirs: &str) -> (String, Vec<LineOrigin>) {
+        match merge_text_traced_within(
+            base.as_bytes(),
+            ours.as_bytes(),
+            theirs.as_bytes(),
+            &MergeOptions::default(),
+            &mut MergeBudget::new(DEFAULT_TIMEOUT),
+        ) {
+            TracedMerge::Clean { content, origins } => {
+                (String::from_utf8(content).unwrap(), origins.unwrap())
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    fn lines_of(b: &[u8]) -> Vec<&[u8]> {
+        b.split_inclusive(|&c| c == b'\n').collect()
+    }
+
+    /// Every origin names a line with exactly the output line's bytes, and the
+    /// traced merge has `merge_text`'s verdict and bytes.
+    fn origins_are_consistent(
+        base: &[u8],
+        ours: &[u8],
+        theirs: &[u8],
+        algorithm: DiffAlgorithm,
+    ) -> Result<(), proptest::test_runner::TestCaseError> {
+        let options = MergeOptions {
+            diff_algorithm: algorithm,
+            ..MergeOptions::default()
+        };
+        let plain = merge_text(base, ours, theirs, &options);
+        let t = merge_text_traced_within(
+            base,
+            ours,
+            theirs,
+            &options,
+            &mut MergeBudget::new(DEFAULT_TIMEOUT),
+        );
+        match (plain, t) {
+            (TextMerge::Clean(a), TracedMerge::Clean { content, origins }) => {
+                proptest::prop_assert_eq!(&a, &content);
+                let origins = origins.unwrap();
+                let out = lines_of(&content);
+                proptest::prop_assert_eq!(out.len(), origins.len());
+                let (b, o, th) = (lines_of(base), lines_of(ours), lines_of(theirs));
+                for (line, origin) in out.iter().zip(&origins) {
+                    let src = match *origin {
+                        LineOrigin::Base(i) => b[i],
+                        LineOrigin::Ours(i) => o[i],
+                        LineOrigin::Theirs(i) => th[i],
+                    };
+                    proptest::prop_assert_eq!(line, &src, "{:?}", origin);
+                }
+            }
+            (TextMerge::Conflict(r), TracedMerge::Overlap(q) | TracedMerge::Conflict(q)) => {
+                proptest::prop_assert_eq!(r, q);
+            }
+            (a, b) => proptest::prop_assert!(false, "{:?} vs {:?}", a, b),
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn origins_name_the_side_that_wrote_each_line() {
+        use LineOrigin::{Base, Ours, Theirs};
+        let (out, o) = traced(
+            BASE,
+            "1\nTWO\n3\n4\n5\n6\n7\n",
+            "1\n2\n3\nFOUR\n5\n6\n7\nEIGHT\n",
+        );
+        assert_eq!(out, "1\nTWO\n3\nFOUR\n5\n6\n7\nEIGHT\n");
+        assert_eq!(
+            o,
+            [
+                Base(0),
+                Ours(1),
+                Base(2),
+                Theirs(3),
+                Base(4),
+                Base(5),
+                Base(6),
+                Theirs(7)
+            ]
+        );
+        // An insertion by ours shifts ours' indices, not the base's.
+        let (out, o) = traced(BASE, "0\n1\n2\n3\n4\n5\n6\n7\n", "1\n2\n3\n4\n5\nSIX\n7\n");
+        assert_eq!(out, "0\n1\n2\n3\n4\n5\nSIX\n7\n");
+        assert_eq!(
+            o,
+            [
+                Ours(0),
+                Base(0),
+                Base(1),
+                Base(2),
+                Base(3),
+                Base(4),
+                Theirs(5),
+                Base(6)
+            ]
+        );
+        // The same change on both sides: the head had it first.
+        let both = "1\n2\nX\n4\n5\n6\n7\n";
+        let (_, o) = traced(BASE, "1\n2\nX\n4\n5\n6\nS\n", both);
+        assert_eq!(o[2], Theirs(2));
+        assert_eq!(o[6], Ours(6));
+        // Trivial merges are traced too.
+        let (_, o) = traced(BASE, "1\n2\n3\nX\n5\n6\n7\n", BASE);
+        assert_eq!(o[3], Ours(3));
+        assert_eq!(o[0], Base(0));
+        let (_, o) = traced(BASE, BASE, "1\n2\n3\nX\n5\n6\n7\n");
+        assert_eq!(o[3], Theirs(3));
+        let (_, o) = traced(BASE, both, both);
+        assert_eq!(o[2], Theirs(2));
+        assert_eq!(o[3], Base(3));
+    }
+
+    #[test]
+    fn origins_keep_crlf_and_a_missing_final_newline_apart() {
+        use LineOrigin::{Base, Ours, Theirs};
+        // CRLF: converting a line's ending is the side's change of that line.
+        let base = "a\r\nb\r\nc\r\nd\r\ne\r\n";
+        let (out, o) = traced(base, "a\nb\r\nc\r\nd\r\ne\r\n", "a\r\nb\r\nc\r\nd\r\nE\r\n");
+        assert_eq!(out, "a\nb\r\nc\r\nd\r\nE\r\n");
+        assert_eq!(o, [Ours(0), Base(1), Base(2), Base(3), Theirs(4)]);
+        // A last line without "\n": adding the newline is the head's change of it.
+        let base = "a\nb\nc\nd\ne";
+        let (out, o) = traced(base, "A\nb\nc\nd\ne", "a\nb\nc\nd\ne\n");
+        assert_eq!(out, "A\nb\nc\nd\ne\n");
+        assert_eq!(o, [Ours(0), Base(1), Base(2), Base(3), Theirs(4)]);
+        // Still without a final newline when nobody touched the last line.
+        let (out, o) = traced(base, "A\nb\nc\nd\ne", base);
+        assert_eq!(out, "A\nb\nc\nd\ne");
+        assert_eq!(o[4], Base(4));
+    }
+
+    #[test]
+    fn unchanged_lines_map_new_lines_to_old_ones() {
+        let m = unchanged_lines(b"a\nb\nc\n", b"a\nX\nb\nc", DiffAlgorithm::Myers);
+        assert_eq!(m, [Some(0), None, Some(1), None]);
+        assert_eq!(unchanged_lines(b"", b"x\n", DiffAlgorithm::Myers), [None]);
+        assert!(unchanged_lines(b"x\n", b"", DiffAlgorithm::Myers).is_empty());
+    }
+
+    #[test]
+    fn conflicts_render_with_diff3_markers_and_are_found_again() {
+        let (out, n) = render_conflict(
+            b"1\n2\n3\n4\n5\n6\n7\n",
+            b"1\nTWO\n3\n4\n5\n6\nseven",
+            b"1\nzwei\n3\n4\n5\n6\n7\n",
+            &MergeOptions::default(),
+        )
+        .unwrap();
+        assert_eq!(n, 1);
+        let text = String::from_utf8(out.clone()).unwrap();
+        assert_eq!(
+            text,
+            "1\n<<<<<<< session\nTWO\n||||||| lease\n2\n=======\nzwei\n>>>>>>> head\n3\n4\n5\n6\nseven"
+        );
+        let blocks = conflict_blocks(&out);
+        assert_eq!(blocks.len(), 1);
+        assert_eq!(
+            &text[blocks[0].clone()],
+            "<<<<<<< session\nTWO\n||||||| lease\n2\n=======\nzwei\n>>>>>>> head\n"
+        );
+        // A side's last line without a newline gets one before the next marker.
+        let (out, n) =
+            render_conflict(b"a\nb", b"a\nB", b"a\nbee", &MergeOptions::default()).unwrap();
+        assert_eq!(n, 1);
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "a\n<<<<<<< session\nB\n||||||| lease\nb\n=======\nbee\n>>>>>>> head\n"
+        );
+        // Clean merges render as merge_text merges them.
+        let (out, n) = render_conflict(
+            BASE.as_bytes(),
+            b"1\nTWO\n3\n4\n5\n6\n7\n",
+            b"1\n2\n3\nFOUR\n5\n6\n7\n",
+            &MergeOptions::default(),
+        )
+        .unwrap();
+        assert_eq!((out.as_slice(), n), (&b"1\nTWO\n3\nFOUR\n5\n6\n7\n"[..], 0));
+        // Binary and oversized inputs are not rendered.
+        assert!(render_conflict(b"a\0", b"b", b"c", &MergeOptions::default()).is_err());
+        // Incomplete or reordered marker lines are no block; CRLF marker lines are.
+        assert!(conflict_blocks(b"<<<<<<< session\nx\n=======\ny\n>>>>>>> head\n").is_empty());
+        assert!(
+            conflict_blocks(b"<<<<<<< session x\n||||||| lease\n=======\n>>>>>>> head\n")
+                .is_empty()
+        );
+        let blocks = conflict_blocks(
+            b"k\r\n<<<<<<< session\r\n||||||| lease\r\n=======\r\n>>>>>>> head\r\nz",
+        );
+        assert_eq!((blocks.len(), blocks[0].start, blocks[0].end), (1, 3, 58));
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig { cases: 400, ..Default::default() })]
+
+        /// The traced merge never changes the merge: the same verdict and bytes as
+        /// `merge_text`, and every line's origin holds exactly that line; with
+        /// mixed endings and a missing final newline, on distinct and on repeated
+        /// lines.
+        #[test]
+        fn traced_merge_is_the_merge_with_true_origins(
+            n in 3usize..12,
+            crlf in proptest::collection::vec(proptest::bool::ANY, 12),
+            no_final_newline in proptest::bool::ANY,
+            ours_edits in proptest::collection::vec((0usize..12, 0u8..3, proptest::bool::ANY), 0..4),
+            theirs_edits in proptest::collection::vec((0usize..12, 0u8..3, proptest::bool::ANY), 0..4),
+            rep_base in proptest::collection::vec(0usize..8, 3..14),
+            rep_ours in proptest::collection::vec((0usize..14, 0u8..3, 0usize..6), 0..4),
+            rep_theirs in proptest::collection::vec((0usize..14, 0u8..3, 0usize..6), 0..4),
+        ) {
+            let base: Vec<String> = (0..n)
+                .map(|i| {
+                    let end = if i + 1 == n && no_final_newline { "" } else if crlf[i] { "\r\n" } else { "\n" };
+                    format!("line {i}{end}")
+                })
+                .collect();
+            let base_b = base.concat().into_bytes();
+            let o = side(&base, &ours_edits, "o");
+            let t = side(&base, &theirs_edits, "t");
+            let rb: Vec<String> = rep_base
+                .iter()
+                .map(|&k| REPEATED.get(k).map_or_else(|| format!("x{k}\n"), |s| s.to_string()))
+                .collect();
+            let (ro, rt) = (side_repeated(&rb, &rep_ours, "o"), side_repeated(&rb, &rep_theirs, "t"));
+            for algorithm in [DiffAlgorithm::Histogram, DiffAlgorithm::Myers] {
+                origins_are_consistent(&base_b, &o, &t, algorithm)?;
+                origins_are_consistent(&rb.concat().into_bytes(), &ro, &rt, algorithm)?;
+                // Markers: a clean merge renders as itself; a conflict has blocks
+                // that conflict_blocks finds again.
+                let (rendered, blocks) = render_conflict(&base_b, &o, &t, &MergeOptions { diff_algorithm: algorithm, ..MergeOptions::default() }).unwrap();
+                match merge3(&base_b, &o, &t, algorithm) {
+                    Ok(m) => proptest::prop_assert_eq!((m, 0), (rendered, blocks)),
+                    Err(()) => {
+                        proptest::prop_assert!(blocks > 0);
+                        proptest::prop_assert_eq!(conflict_blocks(&rendered).len(), blocks);
+                    }
+                }
             }
         }
     }

@@ -296,6 +296,34 @@ impl LayerView {
         }
     }
 
+    /// The regular file visible at `rel`, opened for reading (`O_NOFOLLOW`), for
+    /// streaming; `Ok(None)` when nothing or something else is visible there.
+    ///
+    /// # Errors
+    /// As [`lookup`](Self::lookup), and any error opening the file.
+    pub fn open_regular(&self, rel: &[u8]) -> io::Result<Option<std::fs::File>> {
+        match self.lookup(rel)? {
+            Some(e) if e.kind == FileKind::Regular => {
+                crate::fsx::open_read(&self.layers[e.layer_index], rel).map(Some)
+            }
+            _ => Ok(None),
+        }
+    }
+
+    /// The target of the symlink visible at `rel` (never followed). `Ok(None)`
+    /// when nothing or something other than a symlink is visible there.
+    ///
+    /// # Errors
+    /// As [`lookup`](Self::lookup), and any error reading the link.
+    pub fn read_symlink(&self, rel: &[u8]) -> io::Result<Option<Vec<u8>>> {
+        match self.lookup(rel)? {
+            Some(e) if e.kind == FileKind::Symlink => {
+                crate::fsx::read_link(&self.layers[e.layer_index], rel).map(Some)
+            }
+            _ => Ok(None),
+        }
+    }
+
     /// Resolves the single component `name` inside the merged directory `dir`
     /// (`ovl_lookup` for one component, lower layers only).
     pub(crate) fn step(&self, dir: &Cursor, name: &[u8]) -> io::Result<Step> {

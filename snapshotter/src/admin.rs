@@ -67,7 +67,7 @@ impl AdminService {
 
     /// The session a request names: `session_id`, else the newest session of
     /// container `container` in `namespace`.
-    async fn resolve(
+    pub(crate) async fn resolve(
         &self,
         id: i64,
         namespace: &str,
@@ -469,6 +469,42 @@ impl api::Admin for AdminService {
             changed,
             mounts: api::mounts(&spec),
         }))
+    }
+
+    // ---- Blame, diff, conflicts (snapshotter/src/inspect.rs) ----
+
+    async fn blame(
+        &self,
+        req: Request<api::BlameRequest>,
+    ) -> Result<Response<api::BlameResponse>, Status> {
+        self.blame_file(req.into_inner()).await.map(Response::new)
+    }
+
+    type DiffStream = crate::inspect::DiffStream;
+
+    async fn diff(
+        &self,
+        req: Request<api::DiffRequest>,
+    ) -> Result<Response<Self::DiffStream>, Status> {
+        self.diff_stream(req.into_inner()).await.map(Response::new)
+    }
+
+    type ShowConflictsStream = crate::inspect::ConflictsStream;
+
+    async fn show_conflicts(
+        &self,
+        req: Request<api::ShowConflictsRequest>,
+    ) -> Result<Response<Self::ShowConflictsStream>, Status> {
+        self.conflicts_stream(req.into_inner())
+            .await
+            .map(Response::new)
+    }
+
+    async fn rebase_session(
+        &self,
+        req: Request<api::RebaseSessionRequest>,
+    ) -> Result<Response<api::RebaseSessionResponse>, Status> {
+        self.rebase(req.into_inner()).await.map(Response::new)
     }
 }
 

@@ -12,6 +12,7 @@ mod admin;
 mod containerd;
 mod filters;
 mod history;
+mod inspect;
 mod metrics;
 mod notify;
 mod outcomes;

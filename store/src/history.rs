@@ -535,6 +535,8 @@ impl Store {
                     }
                 }
             }
+            // Blame rows of deleted layers and removed stacks.
+            crate::blame::collect_blame(tx)?;
             Ok((free, all.len() as u64))
         })?;
         // Outside the transaction: measure what really frees, then remove.
@@ -625,6 +627,8 @@ impl Store {
             tx.execute("DELETE FROM manifests WHERE stack = ?1", [id])?;
             tx.execute("DELETE FROM stack_layers WHERE stack = ?1", [id])?;
             tx.execute("DELETE FROM stacks WHERE id = ?1", [id])?;
+            // Its blame rows and its sessions' conflict markers.
+            crate::blame::collect_blame(tx)?;
             Ok((
                 RemovedStack {
                     branches,

@@ -37,6 +37,7 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
+mod blame;
 mod db;
 mod error;
 pub mod fs;
@@ -61,6 +62,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use tracing::{debug, info, warn};
 
+pub use blame::{coalesce, tile, FileBlame, LineOwner, MarkerRecord, OwnerRange, ViewLayer};
 pub use error::{ErrorKind, OpenError, Result, StoreError};
 pub use graph::{AttemptInfo, AttemptStatus, GraphDump, GroupInfo, NodeInfo, NodeKind, Provenance};
 pub use history::{DiskUsage, GcReport, RemovedStack, Squashed, Usage};

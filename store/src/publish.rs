@@ -512,6 +512,7 @@ impl Store {
 }
 
 fn delete_staged(tx: &Transaction<'_>, staged: Staged) -> Result<(), StoreError> {
+    crate::blame::delete_staged_blame(tx, staged.layer)?;
     tx.execute(
         "DELETE FROM layer_paths WHERE layer_id = ?1",
         [staged.layer],

@@ -12,7 +12,8 @@
 /// History: 1 and 2 kept manifests, path-index entries and outcomes as JSON text;
 /// 3 normalized them and separated the history model from containerd's snapshots;
 /// 4 added squashed layers' members, freed ("dropped") layer directories and
-/// operation-owned sessions.
+/// operation-owned sessions (and, before its release, blame rows and the
+/// conflict markers of rebased sessions).
 pub const FORMAT_VERSION: i64 = 4;
 
 pub(crate) const SCHEMA: &str = r#"
@@ -278,4 +279,35 @@ CREATE TABLE graph_ops (
     response   TEXT NOT NULL,
     created_ns INTEGER NOT NULL
 );
+-- Blame (module blame): who wrote each line of a published text file version,
+-- outside the layers. Keyed by the version (stack, path, content digest) and the
+-- layer whose publish recorded it; coalesced ranges of lines (from 1, inclusive).
+-- owner_kind 'original' (from the base image; owner NULL), 'session' (owner: the
+-- container id or sandbox name; session_id its session) or 'operation' (owner:
+-- the operation id). Lines no row covers are unknown. No foreign keys: rows of a
+-- layer GC deleted are collected with it.
+CREATE TABLE blame_ranges (
+    stack      TEXT NOT NULL,
+    path       BLOB NOT NULL,
+    digest     BLOB NOT NULL CHECK (length(digest) = 32),
+    layer_id   INTEGER NOT NULL,
+    start_line INTEGER NOT NULL CHECK (start_line >= 1),
+    end_line   INTEGER NOT NULL CHECK (end_line >= start_line),
+    owner_kind TEXT NOT NULL CHECK (owner_kind IN ('original', 'session', 'operation')),
+    owner      TEXT CHECK ((owner_kind = 'original') = (owner IS NULL)),
+    session_id INTEGER,
+    PRIMARY KEY (stack, path, digest, layer_id, start_line)
+) WITHOUT ROWID;
+CREATE INDEX blame_ranges_layer ON blame_ranges(layer_id);
+-- Conflict blocks `layerstack session rebase` wrote into a session's upper: while
+-- the session holds lease `lease_id`, a publish is refused as long as the file at
+-- `path` still holds a block with BLAKE3 `digest`.
+CREATE TABLE session_markers (
+    session_id INTEGER NOT NULL,
+    lease_id   INTEGER NOT NULL,
+    path       BLOB NOT NULL,
+    digest     BLOB NOT NULL CHECK (length(digest) = 32),
+    start_line INTEGER NOT NULL,
+    PRIMARY KEY (session_id, lease_id, path, digest)
+) WITHOUT ROWID;
 "#;

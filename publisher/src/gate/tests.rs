@@ -2303,3 +2303,50 @@ fn symlink_merge_is_applied_on_real_files() {
     );
     assert_eq!(idx.digest, head_changes[0].digest);
 }
+
+#[test]
+fn merged_texts_carry_line_origins_and_text_conflicts_are_named() {
+    use crate::merge::LineOrigin::{Base, Ours, Theirs};
+    let base = tree(&[("f", f(TEXT)), ("g", f(TEXT)), ("h", f(TEXT))]);
+    let ours = tree(&[
+        ("f", f("1\nTWO\n3\n4\n5\n6\n")),
+        ("g", f("1\nTWO\n3\n4\n5\n6\n")),
+        ("h", f(TEXT)),
+    ]);
+    let theirs = tree(&[
+        ("f", f("1\n2\n3\nFOUR\n5\n6\n")),
+        ("g", f("1\nzwei\n3\n4\n5\n6\n")),
+        ("h", f(TEXT)),
+    ]);
+    // Dry run: every merge is attempted, so f merges while g conflicts.
+    let c = Case {
+        base,
+        ours,
+        theirs,
+        ..Case::default()
+    };
+    let none = BTreeSet::new();
+    let cs = capture_model(&c.base, &c.ours, &none, &none, &none);
+    let files = Mem {
+        base: &c.base,
+        ours: &c.ours,
+        theirs: &c.theirs,
+    };
+    let plan = plan_gate_with(
+        &cs,
+        &head_changes(&c),
+        &files,
+        &MergeOptions::default(),
+        PlanMode::DryRun,
+    )
+    .unwrap();
+    assert_eq!(
+        plan.origins[&b"f".to_vec()],
+        [Base(0), Ours(1), Base(2), Theirs(3), Base(4), Base(5)]
+    );
+    assert!(!plan.origins.contains_key(b"g".as_slice()));
+    assert_eq!(
+        plan.text_conflicts.iter().collect::<Vec<_>>(),
+        [&b"g".to_vec()]
+    );
+}
