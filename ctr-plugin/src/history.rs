@@ -176,7 +176,7 @@ fn human(b: u64) -> String {
 }
 
 /// `created_ns` as UTC `YYYY-MM-DD HH:MM:SS`.
-fn timestamp(ns: i64) -> String {
+pub(crate) fn timestamp(ns: i64) -> String {
     let secs = ns.div_euclid(1_000_000_000);
     let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
     // Civil from days (Howard Hinnant's algorithm).

@@ -5,6 +5,7 @@
 //! ended in conflict (`wait`, `publish`), or would (`publish --dry-run`).
 
 mod config;
+mod graph;
 mod history;
 mod inspect;
 mod output;
@@ -115,6 +116,8 @@ pub enum Cmd {
     History(history::HistoryCmd),
     #[command(flatten)]
     Inspect(inspect::InspectCmd),
+    #[command(flatten)]
+    Graph(graph::GraphCmd),
 }
 
 #[derive(Debug, Subcommand)]
@@ -182,6 +185,7 @@ async fn main() -> ExitCode {
         } => run::close_cmd(&cli, a.clone()).await,
         Cmd::History(h) => history::run(&cli.admin_address, &cli.namespace, h).await,
         Cmd::Inspect(i) => inspect::run(&cli.admin_address, &cli.namespace, i).await,
+        Cmd::Graph(g) => graph::run(&cli.admin_address, &cli.namespace, g).await,
         Cmd::Session {
             cmd:
                 SessionCmd::Rebase {

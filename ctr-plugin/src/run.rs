@@ -42,7 +42,8 @@ pub enum PublishPolicy {
     OnSuccess,
     /// Discard the writes.
     Never,
-    /// Make the writes a SandboxGraph node (refused until the graph exists).
+    /// Make the writes a child node of the --node it started from (SandboxGraph),
+    /// whatever the exit status.
     Checkpoint,
 }
 
@@ -87,9 +88,10 @@ pub struct ProcessArgs {
 pub struct SessionArgs {
     /// STACK[@BRANCH]: an image reference, stack id or base digest, and the
     /// branch whose head the session leases [default branch: the daemon's].
-    pub stack: String,
-    /// Start from a SandboxGraph node instead of a branch head (refused until the
-    /// graph exists).
+    #[arg(required_unless_present = "node", conflicts_with = "node")]
+    pub stack: Option<String>,
+    /// Start from a SandboxGraph node instead of a branch head: the session is a
+    /// new attempt of the node (`layerstack graph show` lists them).
     #[arg(long, value_name = "ID")]
     pub node: Option<String>,
     /// What happens to the session's writes when it ends.
@@ -126,10 +128,14 @@ pub struct RunArgs {
     /// Also write the outcome as JSON to FILE.
     #[arg(long, value_name = "FILE")]
     pub outcome: Option<PathBuf>,
+    /// With --publish checkpoint: the child node's logical state, a JSON object
+    /// (the reward, the step, …) [default: {}].
+    #[arg(long, value_name = "JSON")]
+    pub state: Option<String>,
     /// The command and its arguments (after `--`).
     #[arg(
         required = true,
-        trailing_var_arg = true,
+        last = true,
         allow_hyphen_values = true,
         value_name = "CMD"
     )]
@@ -176,8 +182,16 @@ pub struct CloseArgs {
     #[arg(long, conflicts_with = "discard")]
     pub publish: bool,
     /// Discard whatever the recorded policy.
-    #[arg(long)]
+    #[arg(long, conflicts_with = "checkpoint")]
     pub discard: bool,
+    /// Make the writes a child node of the session's --node whatever the
+    /// recorded policy.
+    #[arg(long, conflicts_with = "publish")]
+    pub checkpoint: bool,
+    /// When the close checkpoints: the child node's logical state, a JSON
+    /// object [default: {}].
+    #[arg(long, value_name = "JSON")]
+    pub state: Option<String>,
     /// Also write the outcome as JSON to FILE.
     #[arg(long, value_name = "FILE")]
     pub outcome: Option<PathBuf>,
@@ -323,19 +337,19 @@ async fn create(
     ns: &str,
     a: &SessionArgs,
 ) -> Result<api::CreateSessionResponse> {
-    if let Some(n) = &a.node {
-        bail!("--node {n}: sessions on SandboxGraph nodes need the graph (issue 12), which LayerStack does not have yet; start from a branch (STACK@BRANCH)");
+    if a.publish == PublishPolicy::Checkpoint && a.node.is_none() {
+        bail!("--publish checkpoint makes a child node of the node the session starts from: give --node ID (layerstack graph show lists nodes), or use on-exit, on-success or never");
     }
-    if a.publish == PublishPolicy::Checkpoint {
-        bail!("--publish checkpoint needs the SandboxGraph (issue 12), which LayerStack does not have yet: use on-exit, on-success or never");
-    }
-    let (stack, branch) = crate::history::split_branch(&a.stack);
+    let (stack, branch) = match &a.stack {
+        Some(s) => crate::history::split_branch(s),
+        None => (String::new(), String::new()),
+    };
     let r = c
         .create_session(api::CreateSessionRequest {
             namespace: ns.to_string(),
             stack,
             branch,
-            node: String::new(),
+            node: a.node.clone().unwrap_or_default(),
             name: a.name.clone().unwrap_or_else(default_name),
             idempotency_key: a.idempotency_key.clone().unwrap_or_default(),
             policy: a.publish.as_str().to_string(),
@@ -461,12 +475,20 @@ fn write_outcome(file: &Path, s: &api::Session, exit: Option<i32>) -> Result<()>
     Ok(())
 }
 
+/// What a close that checkpoints records on the child node.
+#[derive(Debug, Clone, Default)]
+struct NodeInfo {
+    state: Option<String>,
+    command: Option<String>,
+}
+
 async fn close(
     c: &mut api::AdminClient<tonic::transport::Channel>,
     id: i64,
     policy: api::PublishPolicy,
     exit: Option<u32>,
     reason: &str,
+    node: &NodeInfo,
 ) -> Result<api::Session> {
     Ok(c.close_session(api::CloseSessionRequest {
         session_id: id,
@@ -474,6 +496,8 @@ async fn close(
         reason: reason.to_string(),
         has_exit_status: exit.is_some(),
         exit_status: exit.unwrap_or(0),
+        state: node.state.clone().unwrap_or_default(),
+        command: node.command.clone().unwrap_or_default(),
     })
     .await?
     .into_inner())
@@ -513,6 +537,7 @@ async fn run_inner(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
                 api::PublishPolicy::Discard,
                 None,
                 "session setup failed",
+                &NodeInfo::default(),
             )
             .await;
             return Err(e);
@@ -535,12 +560,22 @@ async fn run_inner(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
         ),
     };
     let status = u32::try_from(exit).ok();
-    let s = match close(&mut c, id, policy, status, &reason).await {
+    let node = NodeInfo {
+        state: a.state.clone(),
+        command: Some(
+            a.cmd
+                .iter()
+                .map(|x| x.to_string_lossy())
+                .collect::<Vec<_>>()
+                .join(" "),
+        ),
+    };
+    let s = match close(&mut c, id, policy, status, &reason, &node).await {
         Ok(s) => s,
         // The daemon restarted meanwhile: a new connection.
         Err(_) => {
             let mut c = crate::connect(&cli.admin_address).await?;
-            close(&mut c, id, policy, status, &reason).await?
+            close(&mut c, id, policy, status, &reason, &node).await?
         }
     };
     drop(held.conn);
@@ -567,6 +602,7 @@ pub async fn create_cmd(cli: &Cli, a: CreateArgs) -> Result<ExitCode> {
                 api::PublishPolicy::Discard,
                 None,
                 "session setup failed",
+                &NodeInfo::default(),
             )
             .await;
             return Err(e);
@@ -579,6 +615,7 @@ pub async fn create_cmd(cli: &Cli, a: CreateArgs) -> Result<ExitCode> {
             api::PublishPolicy::Discard,
             None,
             "session setup failed",
+            &NodeInfo::default(),
         )
         .await;
         bail!(
@@ -639,6 +676,8 @@ pub async fn close_cmd(cli: &Cli, a: CloseArgs) -> Result<ExitCode> {
         api::PublishPolicy::Publish
     } else if a.discard {
         api::PublishPolicy::Discard
+    } else if a.checkpoint {
+        api::PublishPolicy::Checkpoint
     } else {
         api::PublishPolicy::Auto
     };
@@ -648,6 +687,10 @@ pub async fn close_cmd(cli: &Cli, a: CloseArgs) -> Result<ExitCode> {
         policy,
         a.exit_status,
         "layerstack session close",
+        &NodeInfo {
+            state: a.state.clone(),
+            command: None,
+        },
     )
     .await?;
     if let Some(f) = &a.outcome {

@@ -180,6 +180,27 @@ impl Engine {
         Ok(node)
     }
 
+    /// An exit that checkpoints (policy `checkpoint`, a sandbox close): the
+    /// checkpoint, or on failure the outcome `failed` with the upper kept (the
+    /// reason names what to do). Returns the session as it is then.
+    pub(crate) async fn checkpoint_or_fail_locked(
+        &self,
+        id: SessionId,
+        state: Option<String>,
+        prov: Provenance,
+    ) -> Result<SessionInfo, EngineError> {
+        match self.checkpoint_locked(id, state, prov, None).await {
+            Ok(_) => self.session(id).await,
+            Err(e) => {
+                warn!(session.id = id, error = %error_chain(&e), "checkpoint failed");
+                let rec = failed_checkpoint(&e);
+                self.blocking(move |s| s.record_outcome(id, rec, None))
+                    .await?;
+                self.after_outcome(id).await
+            }
+        }
+    }
+
     /// Merges node `b` into node `a` over their lowest common ancestor (see the
     /// module docs). `operation` names the merge's session in blame.
     pub async fn node_merge(

@@ -416,21 +416,11 @@ impl Engine {
                     .await
             }
             Ok((Decision::Checkpoint, _)) => {
-                let id = session.id;
                 let prov = layerstack_store::Provenance {
                     exit_status: exit_status.map(|c| i32::try_from(c).unwrap_or(i32::MAX)),
                     ..Default::default()
                 };
-                match self.checkpoint_locked(id, None, prov, None).await {
-                    Ok(_) => self.session(id).await,
-                    Err(e) => {
-                        warn!(session.id = id, error = %error_chain(&e), "checkpoint failed");
-                        let rec = crate::graph::failed_checkpoint(&e);
-                        self.blocking(move |s| s.record_outcome(id, rec, None))
-                            .await?;
-                        self.after_outcome(id).await
-                    }
-                }
+                self.checkpoint_or_fail_locked(session.id, None, prov).await
             }
             Err(reason) => {
                 let id = session.id;

@@ -82,17 +82,41 @@ pub struct SandboxRequest {
     pub policy: Option<Policy>,
     /// How long to wait for a free slot under the cap; `None`: do not wait.
     pub wait: Option<Duration>,
+    /// Start an attempt of this SandboxGraph node instead (`target` is then
+    /// ignored: the session leases the node's root).
+    pub node: Option<String>,
 }
 
 /// How [`Engine::close_sandbox_session`] ends the run.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CloseHow {
     /// The recorded exit policy applied to the exit status (`None`: unknown).
+    /// Policy `checkpoint` makes a child node with `state` (JSON, default `{}`)
+    /// and `command` as its provenance.
     Auto {
         exit_status: Option<u32>,
+        state: Option<String>,
+        command: Option<String>,
     },
     Publish,
     Discard,
+    /// Checkpoint the attempt into a child node whatever the policy.
+    Checkpoint {
+        exit_status: Option<u32>,
+        state: Option<String>,
+        command: Option<String>,
+    },
+}
+
+impl CloseHow {
+    /// [`CloseHow::Auto`] with only an exit status.
+    pub fn auto(exit_status: Option<u32>) -> Self {
+        Self::Auto {
+            exit_status,
+            state: None,
+            command: None,
+        }
+    }
 }
 
 /// Back-off between censuses while a holder's namespaces are torn down.
@@ -142,14 +166,27 @@ impl Engine {
     ) -> Result<(SessionInfo, MountSpec, bool), EngineError> {
         let permit = self.sandbox_permit(req.wait).await?;
         let key = req.idempotency_key.clone();
-        let (mut s, spec, created) = self
-            .create_session(
-                Owner::Sandbox { name: req.name },
-                &req.stack,
-                req.target,
-                req.idempotency_key,
-            )
-            .await?;
+        let (mut s, spec, created) = match req.node {
+            Some(node) => {
+                let (_, s, spec, created) = self
+                    .attempt_start(
+                        &node,
+                        Owner::Sandbox { name: req.name },
+                        req.idempotency_key,
+                    )
+                    .await?;
+                (s, spec, created)
+            }
+            None => {
+                self.create_session(
+                    Owner::Sandbox { name: req.name },
+                    &req.stack,
+                    req.target,
+                    req.idempotency_key,
+                )
+                .await?
+            }
+        };
         if !created && s.released {
             return Err(EngineError::Store(
                 layerstack_store::StoreError::FailedPrecondition(format!(
@@ -203,10 +240,34 @@ impl Engine {
                 if s.released {
                     break Ok(s);
                 }
-                let r = match how {
-                    CloseHow::Auto { exit_status } => {
-                        me.finish_locked(&s, None, exit_status, &why).await
+                let checkpoint = |exit_status: Option<u32>, state: &Option<String>, command: &Option<String>| {
+                    let prov = layerstack_store::Provenance {
+                        command: command.clone(),
+                        exit_status: exit_status.map(|c| i32::try_from(c).unwrap_or(i32::MAX)),
+                        ..Default::default()
+                    };
+                    me.checkpoint_or_fail_locked(id, state.clone(), prov)
+                };
+                let r = match &how {
+                    CloseHow::Auto {
+                        exit_status,
+                        state,
+                        command,
+                    } if matches!(
+                        crate::publish::exit_decision(&s, None, *exit_status),
+                        Ok((crate::policy::Decision::Checkpoint, _))
+                    ) =>
+                    {
+                        checkpoint(*exit_status, state, command).await
                     }
+                    CloseHow::Auto { exit_status, .. } => {
+                        me.finish_locked(&s, None, *exit_status, &why).await
+                    }
+                    CloseHow::Checkpoint {
+                        exit_status,
+                        state,
+                        command,
+                    } => checkpoint(*exit_status, state, command).await,
                     CloseHow::Publish => me.publish_locked(id, &why).await,
                     CloseHow::Discard => me.discard_locked(id, &why).await,
                 };
@@ -243,7 +304,7 @@ impl Engine {
             let r = me
                 .close_sandbox_session(
                     id,
-                    CloseHow::Auto { exit_status: None },
+                    CloseHow::auto(None),
                     "holder gone without closing (killed?)",
                     Duration::from_secs(30),
                 )
@@ -374,6 +435,7 @@ mod tests {
             idempotency_key: None,
             policy,
             wait,
+            node: None,
         }
     }
 
@@ -458,12 +520,7 @@ mod tests {
         write(&s1, "lost");
         let dir = e.store().session_dir(s1.id);
         let out = e
-            .close_sandbox_session(
-                s1.id,
-                CloseHow::Auto { exit_status: None },
-                "gone",
-                Duration::from_secs(1),
-            )
+            .close_sandbox_session(s1.id, CloseHow::auto(None), "gone", Duration::from_secs(1))
             .await
             .unwrap();
         assert_eq!(out.outcome.map(|o| o.kind), Some(OutcomeKind::Discarded));
@@ -481,9 +538,7 @@ mod tests {
         let out = e
             .close_sandbox_session(
                 s2.id,
-                CloseHow::Auto {
-                    exit_status: Some(3),
-                },
+                CloseHow::auto(Some(3)),
                 "exit",
                 Duration::from_secs(1),
             )

@@ -1226,3 +1226,140 @@ async fn a_hundred_children_add_only_their_own_deltas() {
         "100 children added {added} bytes for {own} bytes of their own"
     );
 }
+
+/// Mode B on the graph: a sandbox session started on a node is an attempt of it
+/// (under the cap); closing it by its recorded policy `checkpoint` makes a child
+/// node with the state and command given at close and releases the session;
+/// `CloseHow::Checkpoint` checkpoints whatever the policy; a session that is no
+/// attempt cannot be checkpointed (the error says how to start one), and its
+/// upper is kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sandbox_sessions_on_nodes_checkpoint_when_closed() {
+    if !have_root("sandbox_sessions_on_nodes_checkpoint_when_closed") {
+        return;
+    }
+    use crate::{CloseHow, SandboxRequest};
+    let t = tmp();
+    let (store, _) = setup_n(t.path(), 1);
+    let p = engine_with(&store, Default::default());
+    let (_, root) = p
+        .graph_create("mcts", "ns/sha256:aaa", "main", None)
+        .await
+        .unwrap();
+    let req = |name: &str, policy, node: Option<String>| SandboxRequest {
+        name: name.into(),
+        stack: "ns/sha256:aaa".into(),
+        target: layerstack_store::LeaseTarget::Branch("main".into()),
+        idempotency_key: None,
+        policy,
+        wait: None,
+        node,
+    };
+    let (s, _, created) = p
+        .create_sandbox_session(req(
+            "expand-1",
+            Some(crate::policy::Policy::Checkpoint),
+            Some(root.id.clone()),
+        ))
+        .await
+        .unwrap();
+    assert!(created);
+    assert_eq!(p.sandbox_load().0, 1, "an attempt counts against the cap");
+    let a = store.attempt_of_session(s.id).unwrap().expect("an attempt");
+    assert_eq!(a.node, root.id);
+    fill(&s, &[("move.txt", b"e2e4\n")]);
+    let out = p
+        .close_sandbox_session(
+            s.id,
+            CloseHow::Auto {
+                exit_status: Some(1),
+                state: Some(r#"{"visits": 1}"#.into()),
+                command: Some("play e2e4".into()),
+            },
+            "test",
+            std::time::Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+    assert!(out.released);
+    assert_eq!(p.sandbox_load().0, 0, "the slot is free again");
+    let a = store.attempt(a.id).unwrap();
+    assert_eq!(a.status, layerstack_store::AttemptStatus::Checkpointed);
+    let child = store.node(a.result_node.as_deref().unwrap()).unwrap();
+    assert_eq!(child.parents, vec![root.id.clone()]);
+    assert_eq!(child.state, r#"{"visits": 1}"#);
+    assert_eq!(child.command.as_deref(), Some("play e2e4"));
+    assert_eq!(
+        child.exit_status,
+        Some(1),
+        "checkpoint ignores the exit status"
+    );
+    let view = publisher::LayerView::new(
+        store
+            .manifest_view("ns/sha256:aaa", child.manifest)
+            .unwrap(),
+    );
+    assert!(view.lookup(b"move.txt").unwrap().is_some());
+    assert_eq!(
+        store.branch_head("ns/sha256:aaa", "main").unwrap(),
+        root.manifest,
+        "a checkpoint never moves a branch"
+    );
+
+    // Explicit checkpoint of an on-exit attempt from the child.
+    let (s2, _, _) = p
+        .create_sandbox_session(req("expand-2", None, Some(child.id.clone())))
+        .await
+        .unwrap();
+    fill(&s2, &[("move2.txt", b"e7e5\n")]);
+    p.close_sandbox_session(
+        s2.id,
+        CloseHow::Checkpoint {
+            exit_status: None,
+            state: None,
+            command: None,
+        },
+        "test",
+        std::time::Duration::from_secs(5),
+    )
+    .await
+    .unwrap();
+    let g = store.graph("mcts").unwrap();
+    let grand = g
+        .nodes
+        .iter()
+        .find(|n| n.parents == vec![child.id.clone()])
+        .expect("a grandchild");
+    assert_eq!(grand.state, "{}");
+
+    // A branch session is no attempt: the checkpoint fails, the writes stay.
+    let (s3, _, _) = p
+        .create_sandbox_session(req("plain", None, None))
+        .await
+        .unwrap();
+    fill(&s3, &[("keep.txt", b"k\n")]);
+    let out = p
+        .close_sandbox_session(
+            s3.id,
+            CloseHow::Checkpoint {
+                exit_status: None,
+                state: None,
+                command: None,
+            },
+            "test",
+            std::time::Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+    let o = out.outcome.unwrap();
+    assert_eq!(o.kind, layerstack_store::OutcomeKind::Failed);
+    assert!(
+        o.message.as_deref().unwrap_or("").contains("--node"),
+        "{o:?}"
+    );
+    assert_eq!(
+        store.branch_head("ns/sha256:aaa", "main").unwrap(),
+        root.manifest,
+        "nothing was published"
+    );
+}

@@ -158,6 +158,49 @@ pub async fn set_branch(
         .map_err(|_| DaemonError::Timeout("layerstack set-branch".into(), timeout))?
 }
 
+/// `SetNode`: make the container's not-yet-mounted session an attempt of graph
+/// node `node` (its lease moves to the node's root). `Ok(None)`: the daemon has
+/// no session for the container.
+pub async fn set_node(
+    admin_path: &Path,
+    namespace: &str,
+    id: &str,
+    node: &str,
+    timeout: Duration,
+) -> Result<Option<api::SetBranchResponse>, DaemonError> {
+    let fut = async {
+        let mut c = admin(admin_path, timeout).await?;
+        let req = api::SetNodeRequest {
+            namespace: namespace.to_string(),
+            container: id.to_string(),
+            node: node.to_string(),
+            key: String::new(),
+        };
+        match c.set_node(req).await {
+            Ok(r) => Ok(Some(r.into_inner())),
+            Err(st) if st.code() == tonic::Code::NotFound => Ok(None),
+            Err(st) => Err(DaemonError::Admin("set node", st)),
+        }
+    };
+    tokio::time::timeout(timeout, fut)
+        .await
+        .map_err(|_| DaemonError::Timeout("layerstack set-node".into(), timeout))?
+}
+
+/// Whether the admin socket accepts a connection (a unix `connect`, no RPC: a
+/// few µs on the create path). Errors name the address and how to configure it.
+pub fn probe_admin(admin_path: &Path) -> Result<(), String> {
+    std::os::unix::net::UnixStream::connect(admin_path)
+        .map(drop)
+        .map_err(|e| {
+            format!(
+                "cannot reach the layerstack daemon's admin socket {}: {e}. The container's writes could not be published when it stops, so it is not started. Start the daemon (containerd-layerstack-grpc; `systemctl start layerstack`), or point the runtime at its admin socket: `admin_address` in the runtime's config file (runtime options ConfigPath, `layerstack config shim`) or {} in containerd's environment",
+                admin_path.display(),
+                crate::config::ADMIN_ENV
+            )
+        })
+}
+
 /// One line for the log: "outcome (state) layer N: message".
 pub fn describe_session(s: &api::Session) -> String {
     let mut out = format!(

@@ -209,6 +209,45 @@ impl Proxy {
         }
     }
 
+    /// Applies `layerstack.node` before the rootfs is mounted: the session
+    /// becomes an attempt of the node and leases its root.
+    async fn apply_node(&self, node: &str, req: &mut CreateTaskRequest) -> ttrpc::Result<()> {
+        let admin = &self.state.admin_address;
+        match daemon::set_node(admin, &self.namespace, &self.id, node, SET_BRANCH_TIMEOUT).await {
+            Ok(Some(resp)) => {
+                let template = req.rootfs.first().cloned().unwrap_or_default();
+                req.rootfs = resp
+                    .mounts
+                    .into_iter()
+                    .map(|m| {
+                        let mut out = template.clone();
+                        out.type_ = m.r#type;
+                        out.source = m.source;
+                        out.options = m.options;
+                        out
+                    })
+                    .collect();
+                info!("container label {}={node}: session is an attempt of node {node}", policy::NODE_LABEL);
+                Ok(())
+            }
+            Ok(None) => Err(status(
+                Code::FAILED_PRECONDITION,
+                format!(
+                    "container label {}={node}: the container's rootfs is not a layerstack session (run it with --snapshotter layerstack)",
+                    policy::NODE_LABEL
+                ),
+            )),
+            Err(e) => Err(status(
+                Code::FAILED_PRECONDITION,
+                format!(
+                    "container label {}={node}: cannot start an attempt of that node: {}",
+                    policy::NODE_LABEL,
+                    crate::error_chain(&e)
+                ),
+            )),
+        }
+    }
+
     /// Applies `layerstack.branch` (if set) before the rootfs is mounted.
     async fn apply_branch(&self, branch: &str, req: &mut CreateTaskRequest) -> ttrpc::Result<()> {
         let admin = &self.state.admin_address;
@@ -387,6 +426,13 @@ impl Task for Proxy {
         ctx: &TtrpcContext,
         mut req: CreateTaskRequest,
     ) -> ttrpc::Result<CreateTaskResponse> {
+        // Without the daemon this container's writes could never be published:
+        // refuse it now, not silently at delete (only a task with a rootfs has a
+        // session; an exec'd or rootfs-less task has nothing to publish).
+        if !req.rootfs.is_empty() {
+            daemon::probe_admin(&self.state.admin_address)
+                .map_err(|m| status(Code::FAILED_PRECONDITION, m))?;
+        }
         let labels = match self.labels().await {
             Ok(l) => l,
             Err(e) => {
@@ -429,11 +475,28 @@ impl Task for Proxy {
             opts.for_inner_with(self.state.runc_root.as_deref(), systemd),
         );
         let has_rootfs = !req.rootfs.is_empty();
+        let node = labels
+            .as_ref()
+            .and_then(policy::node_from_labels)
+            .map(str::to_string);
         if let Some(branch) = labels.as_ref().and_then(policy::branch_from_labels) {
+            if node.is_some() {
+                return Err(status(
+                    Code::INVALID_ARGUMENT,
+                    format!(
+                        "container labels {} and {} both set: a node's attempt runs on the node's root, not a branch head; set only one",
+                        policy::NODE_LABEL,
+                        policy::BRANCH_LABEL
+                    ),
+                ));
+            }
             if has_rootfs {
                 let branch = branch.to_string();
                 self.apply_branch(&branch, &mut req).await?;
             }
+        }
+        if let (Some(node), true) = (&node, has_rootfs) {
+            self.apply_node(node, &mut req).await?;
         }
         let upper = req
             .rootfs

@@ -247,9 +247,21 @@ impl api::Admin for AdminService {
                 let exit = r.has_exit_status.then_some(r.exit_status);
                 self.engine.finish(s.id, None, exit, &why).await
             }
+            Some(api::PublishPolicy::Checkpoint) => {
+                let prov = layerstack_engine::store::Provenance {
+                    exit_status: r
+                        .has_exit_status
+                        .then(|| i32::try_from(r.exit_status).unwrap_or(i32::MAX)),
+                    ..Default::default()
+                };
+                match self.engine.checkpoint(s.id, None, prov, None).await {
+                    Ok(_) => self.engine.session(s.id).await,
+                    Err(e) => Err(e),
+                }
+            }
             None => {
                 return Err(Status::invalid_argument(format!(
-                    "unknown publish policy {}: use PUBLISH, DISCARD or AUTO",
+                    "unknown publish policy {}: use PUBLISH, DISCARD, AUTO or CHECKPOINT",
                     r.policy
                 )))
             }
@@ -505,6 +517,98 @@ impl api::Admin for AdminService {
         req: Request<api::RebaseSessionRequest>,
     ) -> Result<Response<api::RebaseSessionResponse>, Status> {
         self.rebase(req.into_inner()).await.map(Response::new)
+    }
+
+    // ---- SandboxGraph (graph.rs) ----
+
+    async fn create_graph(
+        &self,
+        req: Request<api::CreateGraphRequest>,
+    ) -> Result<Response<api::Graph>, Status> {
+        self.graph_create(req.into_inner()).await.map(Response::new)
+    }
+
+    async fn list_graphs(
+        &self,
+        _req: Request<api::ListGraphsRequest>,
+    ) -> Result<Response<api::ListGraphsResponse>, Status> {
+        self.graphs().await.map(Response::new)
+    }
+
+    async fn show_graph(
+        &self,
+        req: Request<api::ShowGraphRequest>,
+    ) -> Result<Response<api::Graph>, Status> {
+        self.graph_show(req.into_inner()).await.map(Response::new)
+    }
+
+    async fn show_node(
+        &self,
+        req: Request<api::ShowNodeRequest>,
+    ) -> Result<Response<api::Node>, Status> {
+        self.node_show(req.into_inner()).await.map(Response::new)
+    }
+
+    async fn start_attempt(
+        &self,
+        req: Request<api::StartAttemptRequest>,
+    ) -> Result<Response<api::AttemptResponse>, Status> {
+        self.attempt_start(req.into_inner())
+            .await
+            .map(Response::new)
+    }
+
+    async fn retry_attempt(
+        &self,
+        req: Request<api::RetryAttemptRequest>,
+    ) -> Result<Response<api::AttemptResponse>, Status> {
+        self.attempt_retry(req.into_inner())
+            .await
+            .map(Response::new)
+    }
+
+    async fn list_attempts(
+        &self,
+        req: Request<api::ListAttemptsRequest>,
+    ) -> Result<Response<api::ListAttemptsResponse>, Status> {
+        self.attempts(req.into_inner()).await.map(Response::new)
+    }
+
+    async fn checkpoint(
+        &self,
+        req: Request<api::CheckpointRequest>,
+    ) -> Result<Response<api::Node>, Status> {
+        self.checkpoint_node(req.into_inner())
+            .await
+            .map(Response::new)
+    }
+
+    async fn merge_nodes(
+        &self,
+        req: Request<api::MergeNodesRequest>,
+    ) -> Result<Response<api::MergeNodesResponse>, Status> {
+        self.node_merge(req.into_inner()).await.map(Response::new)
+    }
+
+    async fn promote_node(
+        &self,
+        req: Request<api::PromoteNodeRequest>,
+    ) -> Result<Response<api::PromoteResponse>, Status> {
+        self.node_promote(req.into_inner()).await.map(Response::new)
+    }
+
+    async fn prune_node(
+        &self,
+        req: Request<api::PruneNodeRequest>,
+    ) -> Result<Response<api::PruneNodeResponse>, Status> {
+        self.node_prune(req.into_inner()).await.map(Response::new)
+    }
+
+    async fn set_node(
+        &self,
+        req: Request<api::SetNodeRequest>,
+    ) -> Result<Response<api::SetBranchResponse>, Status> {
+        self.node_set(req.into_inner()).await.map(Response::new)
     }
 }
 

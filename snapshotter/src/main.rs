@@ -11,6 +11,7 @@
 mod admin;
 mod containerd;
 mod filters;
+mod graph;
 mod history;
 mod inspect;
 mod metrics;

@@ -436,26 +436,25 @@ impl AdminService {
         &self,
         r: api::CreateSessionRequest,
     ) -> Result<api::CreateSessionResponse, Status> {
-        if !r.node.is_empty() {
-            return Err(Status::unimplemented(format!(
-                "node {:?}: sessions on SandboxGraph nodes need the graph (issue 12), which this daemon does not have yet; name a branch instead",
-                r.node
-            )));
-        }
         let policy = match r.policy.as_str() {
             "" => None,
-            "checkpoint" => {
-                return Err(Status::unimplemented(
-                    "publish policy checkpoint needs the SandboxGraph (issue 12), which this daemon does not have yet: use on-exit, on-success or never",
-                ))
-            }
             p => Some(p.parse::<api::policy::Policy>().map_err(|_| {
                 Status::invalid_argument(format!(
-                    "publish policy {p:?} is not one of on-exit, on-success, never (checkpoint: once the SandboxGraph exists)"
+                    "publish policy {p:?} is not one of on-exit, on-success, never, checkpoint"
                 ))
             })?),
         };
-        let stack = self.sandbox_stack(&r.namespace, &r.stack).await?;
+        if policy == Some(api::policy::Policy::Checkpoint) && r.node.is_empty() {
+            return Err(Status::invalid_argument(
+                "publish policy checkpoint makes a child node of the session's node: start the session on a node (--node ID), or use on-exit, on-success or never",
+            ));
+        }
+        let node = (!r.node.is_empty()).then(|| r.node.clone());
+        let stack = if node.is_some() {
+            String::new()
+        } else {
+            self.sandbox_stack(&r.namespace, &r.stack).await?
+        };
         let branch = if r.branch.is_empty() {
             self.engine.store().default_branch().to_string()
         } else {
@@ -472,6 +471,7 @@ impl AdminService {
             idempotency_key: (!r.idempotency_key.is_empty()).then_some(r.idempotency_key),
             policy,
             wait: (r.wait_ms > 0).then(|| Duration::from_millis(r.wait_ms.into())),
+            node,
         };
         let (s, spec, created) = self
             .engine
@@ -498,10 +498,17 @@ impl AdminService {
             Some(api::PublishPolicy::Discard) => CloseHow::Discard,
             Some(api::PublishPolicy::Auto) => CloseHow::Auto {
                 exit_status: r.has_exit_status.then_some(r.exit_status),
+                state: (!r.state.is_empty()).then(|| r.state.clone()),
+                command: (!r.command.is_empty()).then(|| r.command.clone()),
+            },
+            Some(api::PublishPolicy::Checkpoint) => CloseHow::Checkpoint {
+                exit_status: r.has_exit_status.then_some(r.exit_status),
+                state: (!r.state.is_empty()).then(|| r.state.clone()),
+                command: (!r.command.is_empty()).then(|| r.command.clone()),
             },
             None => {
                 return Err(Status::invalid_argument(format!(
-                    "unknown publish policy {}: use PUBLISH, DISCARD or AUTO",
+                    "unknown publish policy {}: use PUBLISH, DISCARD, AUTO or CHECKPOINT",
                     r.policy
                 )))
             }

@@ -655,43 +655,64 @@ impl Store {
         key: Option<&str>,
     ) -> Result<(AttemptInfo, SessionInfo, MountSpec), StoreError> {
         self.db.write(|tx| {
-            let n = get_node(tx, node)?;
-            if n.pruned {
-                return Err(StoreError::InvalidArgument(format!("node {node} is pruned")));
-            }
-            let s = get_sess(tx, sid)?;
-            let group = get_group(tx, &n.group)?;
-            if s.stack != group.stack {
-                return Err(StoreError::InvalidArgument(format!(
-                    "node {node} belongs to stack {}, the container's image is stack {}",
-                    group.stack, s.stack
-                )));
-            }
-            if s.last_publish.is_some() {
-                return Err(StoreError::FailedPrecondition(format!(
-                    "session {sid} has ended its run already: it cannot become an attempt"
-                )));
-            }
-            release_lease(tx, s.lease_id)?;
-            let lease = new_lease(tx, n.manifest, HolderKind::Session, &sid.to_string())?;
-            tx.execute(
-                "UPDATE sessions SET lease_id = ?2, branch = ?3, updated_ns = ?4 WHERE id = ?1",
-                params![sid, lease, group.branch, now_ns()],
-            )?;
-            tx.execute(
-                "INSERT INTO graph_attempts(node, session_id, status, idempotency_key, created_ns) VALUES (?1, ?2, 'running', ?3, ?4)",
-                params![node, sid, key, now_ns()],
-            )?;
-            let aid = tx.last_insert_rowid();
-            let spec = self.start_run(tx, sid)?;
-            let a = attempt_from(tx.query_row(
-                &format!("SELECT {ATTEMPT_COLS} FROM graph_attempts WHERE id = ?1"),
-                [aid],
-                raw_attempt,
-            )?)?;
+            let (a, spec) = self.attach_attempt_in(tx, sid, node, key)?;
             let info = self.session_info(tx, get_sess(tx, sid)?)?;
             Ok((a, info, spec))
         })
+    }
+
+    /// [`Store::attach_attempt`] inside the caller's transaction (containerd's
+    /// Prepare with the snapshot label `containerd.io/snapshot/layerstack.node`).
+    pub(crate) fn attach_attempt_in(
+        &self,
+        tx: &Transaction<'_>,
+        sid: SessionId,
+        node: &str,
+        key: Option<&str>,
+    ) -> Result<(AttemptInfo, MountSpec), StoreError> {
+        let n = get_node(tx, node)?;
+        if n.pruned {
+            return Err(StoreError::InvalidArgument(format!(
+                "node {node} is pruned: start attempts from a live node (layerstack graph show)"
+            )));
+        }
+        let s = get_sess(tx, sid)?;
+        let group = get_group(tx, &n.group)?;
+        if s.stack != group.stack {
+            return Err(StoreError::InvalidArgument(format!(
+                "node {node} belongs to stack {}, the container's image is stack {}: run the node's image",
+                group.stack, s.stack
+            )));
+        }
+        if s.last_publish.is_some() {
+            return Err(StoreError::FailedPrecondition(format!(
+                "session {sid} has ended its run already: it cannot become an attempt"
+            )));
+        }
+        release_lease(tx, s.lease_id)?;
+        let lease = new_lease(tx, n.manifest, HolderKind::Session, &sid.to_string())?;
+        tx.execute(
+            "UPDATE sessions SET lease_id = ?2, branch = ?3, updated_ns = ?4 WHERE id = ?1",
+            params![sid, lease, group.branch, now_ns()],
+        )?;
+        tx.execute(
+            "INSERT INTO graph_attempts(node, session_id, status, idempotency_key, created_ns) VALUES (?1, ?2, 'running', ?3, ?4)",
+            params![node, sid, key, now_ns()],
+        )?;
+        let aid = tx.last_insert_rowid();
+        let spec = self.start_run(tx, sid)?;
+        let a = attempt_from(tx.query_row(
+            &format!("SELECT {ATTEMPT_COLS} FROM graph_attempts WHERE id = ?1"),
+            [aid],
+            raw_attempt,
+        )?)?;
+        info!(
+            node,
+            attempt = aid,
+            session.id = sid,
+            "attempt attached to a container's session"
+        );
+        Ok((a, spec))
     }
 
     /// Ends attempt `id` without a node: `Failed` or `Abandoned`, with why.

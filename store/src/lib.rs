@@ -70,7 +70,9 @@ pub use lock::StoreLock;
 pub use model::*;
 pub use publish::{CommitRecord, Published, Staged};
 pub use schema::FORMAT_VERSION;
-pub use snapshots::{is_extraction, split_key, stack_id, BRANCH_LABEL, SNAPSHOT_REF_LABEL};
+pub use snapshots::{
+    is_extraction, split_key, stack_id, BRANCH_LABEL, NODE_LABEL, SNAPSHOT_REF_LABEL,
+};
 pub use sweep::{SweepMode, SweepReport};
 
 /// The kernel's overlayfs lower-layer limit (`OVL_MAX_STACK`, fs/overlayfs/params.h).

@@ -38,6 +38,10 @@ use crate::{
 /// Label that names the branch a container rootfs session leases
 /// (`ctr run --snapshotter-label containerd.io/snapshot/layerstack.branch=NAME`).
 pub const BRANCH_LABEL: &str = "containerd.io/snapshot/layerstack.branch";
+
+/// Snapshot label naming a SandboxGraph node: the session is a new attempt of
+/// the node and leases its root instead of a branch head (ARCHITECTURE.md §12).
+pub const NODE_LABEL: &str = "containerd.io/snapshot/layerstack.node";
 /// Label containerd's unpacker sets on an image-layer extraction `Prepare`
 /// (containerd `unpacker.go`, remote-snapshot protocol).
 pub const SNAPSHOT_REF_LABEL: &str = "containerd.io/snapshot.ref";
@@ -418,7 +422,10 @@ impl Store {
                     "INSERT INTO snapshots(key, kind, parent, labels, created_ns, updated_ns, session_id) VALUES (?1, 'active', ?2, ?3, ?4, ?4, ?5)",
                     params![key, parent_opt, lj, now, sid],
                 )?;
-                let spec = self.start_run(tx, sid)?;
+                let spec = match labels.get(NODE_LABEL).map(|n| n.trim()).filter(|n| !n.is_empty()) {
+                    Some(node) => self.attach_attempt_in(tx, sid, node, None)?.1,
+                    None => self.start_run(tx, sid)?,
+                };
                 info!(snapshot.key = key, session.id = sid, stack = %stack, branch = %branch, "session created");
                 return Ok((need_snap(tx, key)?.info(), spec));
             }

@@ -397,6 +397,53 @@ fn branch_label_forks_main_and_invalid_names_are_refused() {
 }
 
 #[test]
+fn node_label_makes_the_container_session_an_attempt_of_the_node() {
+    let d = tmp();
+    let s = open(d.path());
+    let top = unpack(&s, "default");
+    s.prepare("default/5/m", &top, BTreeMap::new(), false)
+        .unwrap();
+    let m = s.find_session("default", "m").unwrap().unwrap();
+    let stack = m.stack.clone();
+    let (_, root) = s.create_group("g", &stack, "main", None).unwrap();
+    // main moves on after the graph was made: the attempt still sees the root.
+    std::fs::write(m.upper.join("f"), b"1").unwrap();
+    let p = publish(&s, m.id, &[write_entry(b"f", 1)]);
+    let (_, spec) = s
+        .prepare(
+            "default/6/x",
+            &top,
+            labels(&[(NODE_LABEL, &root.id)]),
+            false,
+        )
+        .unwrap();
+    let MountSpec::Overlay { lowers, .. } = spec else {
+        panic!()
+    };
+    assert!(
+        !lowers.contains(&s.layer_path(p.layer)),
+        "the attempt leases the node's root, not main's head"
+    );
+    let x = s.find_session("default", "x").unwrap().unwrap();
+    assert_eq!(x.lease_manifest, Some(root.manifest));
+    let a = s.attempt_of_session(x.id).unwrap().expect("an attempt");
+    assert_eq!(a.node, root.id);
+    let err = s
+        .prepare(
+            "default/7/y",
+            &top,
+            labels(&[(NODE_LABEL, "no-such-node")]),
+            false,
+        )
+        .unwrap_err();
+    assert!(err.to_string().contains("no-such-node"), "{err}");
+    assert!(
+        s.find_session("default", "y").unwrap().is_none(),
+        "a refused Prepare leaves no session"
+    );
+}
+
+#[test]
 fn sweep_removes_dirs_without_rows_and_keeps_the_rest() {
     let d = tmp();
     let s = open(d.path());

@@ -1,0 +1,359 @@
+//! Admin RPCs of the SandboxGraph: graphs, nodes, attempts (ARCHITECTURE.md §12).
+
+use layerstack_api as api;
+use layerstack_engine::policy::Policy;
+use layerstack_engine::store::{AttemptInfo, GraphDump, GroupInfo, NodeInfo, Owner, Provenance};
+use layerstack_engine::{NodeMerged, Promoted};
+use tonic::Status;
+
+use crate::admin::{engine_status, require, AdminService};
+
+fn key(k: &str) -> Option<String> {
+    (!k.is_empty()).then(|| k.to_string())
+}
+
+pub(crate) fn group(g: &GroupInfo) -> api::GraphGroup {
+    api::GraphGroup {
+        name: g.name.clone(),
+        stack: g.stack.clone(),
+        branch: g.branch.clone(),
+        root: g.root.clone(),
+        created_ns: g.created_ns,
+    }
+}
+
+pub(crate) fn node(n: &NodeInfo) -> api::Node {
+    api::Node {
+        id: n.id.clone(),
+        group: n.group.clone(),
+        kind: n.kind.as_str().to_string(),
+        manifest: n.manifest,
+        state: n.state.clone(),
+        parents: n.parents.clone(),
+        attempt: n.attempt.unwrap_or(0),
+        command: n.command.clone().unwrap_or_default(),
+        labels: n.labels.clone().into_iter().collect(),
+        has_exit_status: n.exit_status.is_some(),
+        exit_status: n.exit_status.unwrap_or(0),
+        private_bytes: n.private_bytes.unwrap_or(0),
+        base_digest: n.base_digest.clone(),
+        pruned: n.pruned,
+        created_ns: n.created_ns,
+    }
+}
+
+pub(crate) fn attempt(a: &AttemptInfo) -> api::Attempt {
+    api::Attempt {
+        id: a.id,
+        node: a.node.clone(),
+        session: a.session.unwrap_or(0),
+        status: a.status.as_str().to_string(),
+        key: a.idempotency_key.clone().unwrap_or_default(),
+        result_node: a.result_node.clone().unwrap_or_default(),
+        message: a.message.clone().unwrap_or_default(),
+        created_ns: a.created_ns,
+        ended_ns: a.ended_ns.unwrap_or(0),
+    }
+}
+
+fn graph(d: &GraphDump) -> api::Graph {
+    api::Graph {
+        group: Some(group(&d.group)),
+        nodes: d.nodes.iter().map(node).collect(),
+        attempts: d.attempts.iter().map(attempt).collect(),
+    }
+}
+
+fn policy(p: &str) -> Result<Option<Policy>, Status> {
+    if p.is_empty() {
+        return Ok(None);
+    }
+    p.parse::<Policy>()
+        .map(Some)
+        .map_err(|e| Status::invalid_argument(api::error_chain(&e)))
+}
+
+impl AdminService {
+    pub(crate) async fn graph_create(
+        &self,
+        r: api::CreateGraphRequest,
+    ) -> Result<api::Graph, Status> {
+        require("name", &r.name)?;
+        let stack = self.stack_of(&r.namespace, &r.stack).await?;
+        let branch = if r.branch.is_empty() {
+            self.engine.store().default_branch().to_string()
+        } else {
+            r.branch.clone()
+        };
+        let (g, _) = self
+            .engine
+            .graph_create(&r.name, &stack, &branch, key(&r.key))
+            .await
+            .map_err(engine_status)?;
+        self.graph_show(api::ShowGraphRequest { name: g.name })
+            .await
+    }
+
+    pub(crate) async fn graphs(&self) -> Result<api::ListGraphsResponse, Status> {
+        let gs = self
+            .engine
+            .blocking_store(|s| s.groups())
+            .await
+            .map_err(engine_status)?;
+        Ok(api::ListGraphsResponse {
+            graphs: gs.iter().map(group).collect(),
+        })
+    }
+
+    pub(crate) async fn graph_show(&self, r: api::ShowGraphRequest) -> Result<api::Graph, Status> {
+        let d = self
+            .engine
+            .blocking_store(move |s| s.graph(&r.name))
+            .await
+            .map_err(engine_status)?;
+        Ok(graph(&d))
+    }
+
+    pub(crate) async fn node_show(&self, r: api::ShowNodeRequest) -> Result<api::Node, Status> {
+        let n = self
+            .engine
+            .blocking_store(move |s| s.node(&r.id))
+            .await
+            .map_err(engine_status)?;
+        Ok(node(&n))
+    }
+
+    async fn attempt_answer(
+        &self,
+        out: (
+            AttemptInfo,
+            layerstack_engine::store::SessionInfo,
+            layerstack_engine::store::MountSpec,
+            bool,
+        ),
+        policy: Option<Policy>,
+    ) -> Result<api::AttemptResponse, Status> {
+        let (a, s, spec, created) = out;
+        let s = match policy {
+            Some(p) if created => {
+                let id = s.id;
+                self.engine
+                    .blocking_store(move |st| st.set_session_policy(id, p.as_str()))
+                    .await
+                    .map_err(engine_status)?
+            }
+            _ => s,
+        };
+        Ok(api::AttemptResponse {
+            attempt: Some(attempt(&a)),
+            session: Some(self.to_api(s).await?),
+            mounts: api::mounts(&spec),
+            created,
+        })
+    }
+
+    pub(crate) async fn attempt_start(
+        &self,
+        r: api::StartAttemptRequest,
+    ) -> Result<api::AttemptResponse, Status> {
+        require("node", &r.node)?;
+        let p = policy(&r.policy)?;
+        let owner = Owner::Sandbox {
+            name: if r.owner.is_empty() {
+                format!("attempt-of-{}", r.node)
+            } else {
+                r.owner.clone()
+            },
+        };
+        let out = self
+            .engine
+            .attempt_start(&r.node, owner, key(&r.key))
+            .await
+            .map_err(engine_status)?;
+        self.attempt_answer(out, p).await
+    }
+
+    pub(crate) async fn attempt_retry(
+        &self,
+        r: api::RetryAttemptRequest,
+    ) -> Result<api::AttemptResponse, Status> {
+        let p = policy(&r.policy)?;
+        let owner = Owner::Sandbox {
+            name: if r.owner.is_empty() {
+                format!("retry-of-{}", r.attempt)
+            } else {
+                r.owner.clone()
+            },
+        };
+        let out = self
+            .engine
+            .attempt_retry(r.attempt, owner, key(&r.key))
+            .await
+            .map_err(engine_status)?;
+        self.attempt_answer(out, p).await
+    }
+
+    pub(crate) async fn attempts(
+        &self,
+        r: api::ListAttemptsRequest,
+    ) -> Result<api::ListAttemptsResponse, Status> {
+        let list = self
+            .engine
+            .blocking_store(move |s| s.attempts(&r.node))
+            .await
+            .map_err(engine_status)?;
+        Ok(api::ListAttemptsResponse {
+            attempts: list.iter().map(attempt).collect(),
+        })
+    }
+
+    pub(crate) async fn checkpoint_node(
+        &self,
+        r: api::CheckpointRequest,
+    ) -> Result<api::Node, Status> {
+        let s = self
+            .resolve(r.session_id, &r.namespace, &r.container)
+            .await?;
+        let prov = Provenance {
+            command: key(&r.command),
+            exit_status: r.has_exit_status.then_some(r.exit_status),
+            labels: Default::default(),
+            private_bytes: None,
+        };
+        let n = self
+            .engine
+            .checkpoint(s.id, key(&r.state), prov, key(&r.key))
+            .await
+            .map_err(engine_status)?;
+        Ok(node(&n))
+    }
+
+    pub(crate) async fn node_merge(
+        &self,
+        r: api::MergeNodesRequest,
+    ) -> Result<api::MergeNodesResponse, Status> {
+        require("a", &r.a)?;
+        require("b", &r.b)?;
+        match self
+            .engine
+            .node_merge(&r.a, &r.b, key(&r.state), key(&r.key))
+            .await
+            .map_err(engine_status)?
+        {
+            NodeMerged::Node(n) => Ok(api::MergeNodesResponse {
+                node: Some(node(&n)),
+                session: None,
+            }),
+            NodeMerged::Conflict { session } => Ok(api::MergeNodesResponse {
+                node: None,
+                session: Some(self.to_api(*session).await?),
+            }),
+        }
+    }
+
+    pub(crate) async fn node_promote(
+        &self,
+        r: api::PromoteNodeRequest,
+    ) -> Result<api::PromoteResponse, Status> {
+        require("node", &r.node)?;
+        let branch = if r.branch.is_empty() {
+            let n = r.node.clone();
+            self.engine
+                .blocking_store(move |s| s.node_group(&n))
+                .await
+                .map_err(engine_status)?
+                .branch
+        } else {
+            r.branch.clone()
+        };
+        let out = self
+            .engine
+            .node_promote(&r.node, &branch, key(&r.key))
+            .await
+            .map_err(engine_status)?;
+        let n = r.node.clone();
+        let b = branch.clone();
+        let head = self
+            .engine
+            .blocking_store(move |s| {
+                let (stack, _) = s.node_manifest(&n)?;
+                s.branch_head(&stack, &b)
+            })
+            .await
+            .map_err(engine_status)?;
+        Ok(match out {
+            Promoted::UpToDate { .. } => api::PromoteResponse {
+                result: "up-to-date".into(),
+                head,
+                session: None,
+                message: format!("{branch} already shows node {}", r.node),
+            },
+            Promoted::FastForward { .. } => api::PromoteResponse {
+                result: "fast-forward".into(),
+                head,
+                session: None,
+                message: format!("{branch} now points at node {}", r.node),
+            },
+            Promoted::Merged { session } => api::PromoteResponse {
+                result: "merged".into(),
+                head,
+                message: format!("node {} merged onto {branch}", r.node),
+                session: Some(self.to_api(*session).await?),
+            },
+            Promoted::Conflict { session } => api::PromoteResponse {
+                result: "conflict".into(),
+                head,
+                message: format!(
+                    "refused whole: node {} conflicts with newer work on {branch}, which is unchanged",
+                    r.node
+                ),
+                session: Some(self.to_api(*session).await?),
+            },
+        })
+    }
+
+    pub(crate) async fn node_prune(
+        &self,
+        r: api::PruneNodeRequest,
+    ) -> Result<api::PruneNodeResponse, Status> {
+        require("node", &r.node)?;
+        let pruned = self
+            .engine
+            .node_prune(&r.node, key(&r.key))
+            .await
+            .map_err(engine_status)?;
+        Ok(api::PruneNodeResponse { pruned })
+    }
+
+    pub(crate) async fn node_set(
+        &self,
+        r: api::SetNodeRequest,
+    ) -> Result<api::SetBranchResponse, Status> {
+        require("node", &r.node)?;
+        let s = self.resolve(0, &r.namespace, &r.container).await?;
+        let _g = self.engine.lock_session(s.id).await;
+        if self
+            .engine
+            .upper_mounted(&s.upper)
+            .await
+            .map_err(engine_status)?
+        {
+            return Err(Status::failed_precondition(format!(
+                "session {} is mounted (upperdir {}): it cannot become an attempt now",
+                s.id,
+                s.upper.display()
+            )));
+        }
+        let (id, n, k) = (s.id, r.node.clone(), key(&r.key));
+        let (_, info, spec) = self
+            .engine
+            .blocking_store(move |st| st.attach_attempt(id, &n, k.as_deref()))
+            .await
+            .map_err(engine_status)?;
+        Ok(api::SetBranchResponse {
+            session: Some(self.to_api(info).await?),
+            changed: true,
+            mounts: api::mounts(&spec),
+        })
+    }
+}
