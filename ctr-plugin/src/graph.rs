@@ -123,9 +123,9 @@ pub enum NodeSub {
     /// whole (exit 3) when newer work on the branch conflicts.
     Promote {
         id: String,
-        /// The branch to move [default: the branch the graph was created on].
-        #[arg(long)]
-        branch: Option<String>,
+        /// [STACK@]BRANCH: the branch to move [default: the branch the graph was
+        /// created on]; a STACK must be the node's.
+        target: Option<String>,
         /// Idempotency key.
         #[arg(long)]
         key: Option<String>,
@@ -559,15 +559,22 @@ pub async fn run(admin: &Path, ns: &str, cmd: GraphCmd) -> Result<ExitCode> {
             }
             NodeSub::Promote {
                 id,
-                branch,
+                target,
                 key: k,
                 json,
             } => {
+                let (stack, branch) = match target.as_deref() {
+                    None => (String::new(), String::new()),
+                    Some(t) if t.contains('@') => split_branch(t),
+                    Some(t) => (String::new(), t.to_string()),
+                };
                 let r = c
                     .promote_node(api::PromoteNodeRequest {
                         node: id,
-                        branch: branch.unwrap_or_default(),
+                        branch,
                         key: key(k),
+                        stack,
+                        namespace: ns.to_string(),
                     })
                     .await?
                     .into_inner();

@@ -256,6 +256,21 @@ impl AdminService {
         r: api::PromoteNodeRequest,
     ) -> Result<api::PromoteResponse, Status> {
         require("node", &r.node)?;
+        if !r.stack.is_empty() {
+            let want = self.stack_of(&r.namespace, &r.stack).await?;
+            let n = r.node.clone();
+            let group = self
+                .engine
+                .blocking_store(move |s| s.node_group(&n))
+                .await
+                .map_err(engine_status)?;
+            if group.stack != want {
+                return Err(Status::invalid_argument(format!(
+                    "node {} belongs to stack {} (graph {}), not to {} ({want}): promote it onto a branch of its own stack",
+                    r.node, group.stack, group.name, r.stack
+                )));
+            }
+        }
         let branch = if r.branch.is_empty() {
             let n = r.node.clone();
             self.engine
