@@ -55,7 +55,7 @@ pub mod snapshots;
 mod stacks;
 mod sweep;
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -128,11 +128,13 @@ pub struct Store {
 
 /// Directories an operation in flight is creating or still owns (relative to the
 /// root, e.g. `l/12`, `s/7`, `staging/merge-7-…`). The sweep never removes them:
-/// their rows may not be committed yet.
+/// their rows may not be committed yet. Holds are counted: a path stays in
+/// flight until its last guard is dropped (creating a session holds `s/N` for the
+/// transaction and again while making its directories).
 #[derive(Default, Clone)]
-pub struct InFlight(Arc<Mutex<HashSet<String>>>);
+pub struct InFlight(Arc<Mutex<HashMap<String, usize>>>);
 
-/// Removes its path from [`InFlight`] when dropped.
+/// Releases one hold of its path in [`InFlight`] when dropped.
 pub struct InFlightGuard {
     set: InFlight,
     rel: String,
@@ -142,25 +144,52 @@ impl InFlight {
     /// Registers `rel` until the guard is dropped.
     pub fn hold(&self, rel: impl Into<String>) -> InFlightGuard {
         let rel = rel.into();
-        self.lock().insert(rel.clone());
+        *self.lock().entry(rel.clone()).or_insert(0) += 1;
         InFlightGuard {
             set: self.clone(),
             rel,
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, usize>> {
         self.0.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn snapshot(&self) -> HashSet<String> {
-        self.lock().clone()
+        self.lock().keys().cloned().collect()
     }
 }
 
 impl Drop for InFlightGuard {
     fn drop(&mut self) {
-        self.set.lock().remove(&self.rel);
+        let mut m = self.set.lock();
+        if let Some(n) = m.get_mut(&self.rel) {
+            *n -= 1;
+            if *n == 0 {
+                m.remove(&self.rel);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod inflight_tests {
+    use super::InFlight;
+
+    #[test]
+    fn a_path_stays_in_flight_until_its_last_hold_is_dropped() {
+        let f = InFlight::default();
+        let outer = f.hold("s/7");
+        {
+            let _inner = f.hold("s/7");
+            assert!(f.snapshot().contains("s/7"));
+        }
+        assert!(
+            f.snapshot().contains("s/7"),
+            "the inner hold's drop must not end the outer one"
+        );
+        drop(outer);
+        assert!(!f.snapshot().contains("s/7"));
     }
 }
 
