@@ -155,6 +155,7 @@ impl Engine {
                     .ok()
                     .map(|(b, _)| u64::try_from(b).unwrap_or(0));
                 let staged = store.stage_publish(id, &index_of(&plan), &records(&plan))?;
+                layerstack_store::failpoints::hit("checkpoint.staged");
                 Ok((staged, prov))
             };
             let (staged, prov) = run().map_err(|e| EngineError::Run(Box::new(e)))?;
@@ -235,15 +236,18 @@ impl Engine {
         let am = na.manifest;
         self.blocking(move |st| st.create_branch_at(&s, &w, am))
             .await?;
+        layerstack_store::failpoints::hit("merge.branched");
         let merged = self
-            .promote_manifest(&group.stack, nb.manifest, &work, &op)
+            .promote_manifest(&group.stack, nb.manifest, &work, &op, None)
             .await;
+        layerstack_store::failpoints::hit("merge.published");
         let (s, w) = (group.stack.clone(), work.clone());
         let head = self.blocking(move |st| st.branch_head(&s, &w)).await;
         let (s, w) = (group.stack.clone(), work.clone());
         let _ = self.blocking(move |st| st.drop_branch(&s, &w)).await;
         let merged = merged?;
         let head = head?;
+        layerstack_store::failpoints::hit("merge.branch_dropped");
         match merged {
             Promoted::Conflict { session } => Ok(NodeMerged::Conflict { session }),
             _ => {
@@ -272,8 +276,7 @@ impl Engine {
         if let Some(k) = &key {
             let k2 = k.clone();
             if let Some(r) = self.blocking(move |st| st.graph_op(&k2, "promote")).await? {
-                let head: i64 = r.parse().unwrap_or(0);
-                return Ok(Promoted::UpToDate { head });
+                return self.stored_promote(&r).await;
             }
         }
         let n = node.to_string();
@@ -281,16 +284,44 @@ impl Engine {
         let op = key
             .clone()
             .unwrap_or_else(|| format!("promote-{node}-{}", std::process::id()));
-        let out = self.promote_manifest(&stack, manifest, branch, &op).await?;
-        if let (Some(k), false) = (&key, matches!(out, Promoted::Conflict { .. })) {
-            let (s, b, k) = (stack.clone(), branch.to_string(), k.clone());
-            self.blocking(move |st| {
-                let head = st.branch_head(&s, &b)?;
-                st.record_graph_op(&k, "promote", &head.to_string())
-            })
+        layerstack_store::failpoints::hit("promote.started");
+        let out = self
+            .promote_manifest(&stack, manifest, branch, &op, key.as_deref())
             .await?;
+        layerstack_store::failpoints::hit("promote.moved");
+        if let (Some(k), false) = (&key, matches!(out, Promoted::Conflict { .. })) {
+            let answer = match &out {
+                Promoted::UpToDate { head } => format!("up-to-date:{head}"),
+                Promoted::FastForward { head } => format!("fast-forward:{head}"),
+                Promoted::Merged { session } => format!("merged:{}", session.id),
+                Promoted::Conflict { .. } => unreachable!("a conflict is not recorded"),
+            };
+            let k = k.clone();
+            self.blocking(move |st| st.record_graph_op(&k, "promote", &answer))
+                .await?;
         }
         Ok(out)
+    }
+
+    /// The answer a promote recorded for its key: the same variant again.
+    async fn stored_promote(&self, r: &str) -> Result<Promoted, EngineError> {
+        let bad = || {
+            EngineError::Store(layerstack_store::StoreError::corrupt(
+                "graph_ops",
+                0,
+                format!("promote answer {r:?}"),
+            ))
+        };
+        let (kind, v) = r.split_once(':').ok_or_else(bad)?;
+        let v: i64 = v.parse().map_err(|_| bad())?;
+        Ok(match kind {
+            "up-to-date" => Promoted::UpToDate { head: v },
+            "fast-forward" => Promoted::FastForward { head: v },
+            "merged" => Promoted::Merged {
+                session: Box::new(self.session(v).await?),
+            },
+            _ => return Err(bad()),
+        })
     }
 
     /// Prunes `node`'s subtree (see `Store::prune_node`).
@@ -334,6 +365,47 @@ impl Engine {
         {
             warn!(attempt = a.id, error = %error_chain(&e), "cannot end the attempt");
         }
+    }
+
+    /// At start, before serving: graph merges and promotes the last run left
+    /// half-done died with it. Their working branches (`.graph/…`) are dropped
+    /// and their operation sessions discarded and released; a layer such an
+    /// operation published stays only while a branch, lease or node reaches it
+    /// (GC collects the rest). The same call with the same idempotency key then
+    /// redoes the operation whole. Returns how many were cleaned up.
+    pub async fn recover_operations(self: &Arc<Self>) -> Result<usize, EngineError> {
+        let (ops, branches) = self
+            .blocking(|st| {
+                let ops: Vec<SessionId> = st
+                    .sessions()?
+                    .into_iter()
+                    .filter(|s| matches!(s.owner, Owner::Operation { .. }) && !s.released)
+                    .map(|s| s.id)
+                    .collect();
+                Ok((ops, st.graph_work_branches()?))
+            })
+            .await?;
+        let n = ops.len() + branches.len();
+        for id in ops {
+            if let Err(e) = self
+                .discard(id, "its operation ended with the last daemon")
+                .await
+            {
+                warn!(session.id = id, error = %error_chain(&e), "cannot discard a dead operation's session");
+            }
+            self.blocking(move |st| st.release_session(id, false))
+                .await?;
+            info!(
+                session.id = id,
+                "released the session of an operation the last daemon left half-done"
+            );
+        }
+        for (stack, branch) in branches {
+            let (s, b) = (stack.clone(), branch.clone());
+            self.blocking(move |st| st.drop_branch(&s, &b)).await?;
+            info!(stack = %stack, branch = %branch, "dropped the working branch of a merge the last daemon left half-done");
+        }
+        Ok(n)
     }
 
     /// At start: attempts whose session vanished end `abandoned`.

@@ -258,19 +258,25 @@ impl Engine {
     ) -> Result<Promoted, EngineError> {
         let (s, f) = (stack.to_string(), from.to_string());
         let from_head = self.blocking(move |st| st.branch_head(&s, &f)).await?;
-        self.promote_manifest(stack, from_head, to, operation).await
+        self.promote_manifest(stack, from_head, to, operation, None)
+            .await
     }
 
     /// Advances branch `to` of `stack` to manifest `from_head` (a branch head, a
     /// graph node's root): a fast-forward by compare-and-swap under `to`'s gate
     /// when `to`'s head is an ancestor, else a merge publish through the gate,
     /// refused whole on conflict.
+    ///
+    /// `key`: the caller's idempotency key. The merge's operation session carries
+    /// it, so a call repeated after a crash that struck once its publish had
+    /// committed returns that publish instead of making a second one.
     pub async fn promote_manifest(
         self: &Arc<Self>,
         stack: &str,
         from_head: ManifestId,
         to: &str,
         operation: &str,
+        key: Option<&str>,
     ) -> Result<Promoted, EngineError> {
         let (s, t) = (stack.to_string(), to.to_string());
         let to_head = self.blocking(move |st| st.branch_head(&s, &t)).await?;
@@ -303,18 +309,49 @@ impl Engine {
         let owner = Owner::Operation {
             id: operation.to_string(),
         };
+        let op_key = key.map(|k| format!("promote:{k}"));
         let (s, t) = (stack.to_string(), to.to_string());
-        let (session, _, _) = self
+        let (mut session, _, mut created) = self
             .create_session(
-                owner,
+                owner.clone(),
                 &s,
                 LeaseTarget::Manifest {
                     manifest: base,
-                    branch: t,
+                    branch: t.clone(),
                 },
-                None,
+                op_key,
             )
             .await?;
+        if !created {
+            let done = session.outcome.as_ref().map(|o| o.kind);
+            if matches!(
+                done,
+                Some(OutcomeKind::Committed | OutcomeKind::Merged | OutcomeKind::NoChange)
+            ) {
+                info!(
+                    stack,
+                    to,
+                    session.id = session.id,
+                    "promote already published (same key)"
+                );
+                return Ok(Promoted::Merged {
+                    session: Box::new(session),
+                });
+            }
+            // The keyed run died before publishing: a fresh one.
+            (session, _, created) = self
+                .create_session(
+                    owner,
+                    &s,
+                    LeaseTarget::Manifest {
+                        manifest: base,
+                        branch: t,
+                    },
+                    None,
+                )
+                .await?;
+        }
+        debug_assert!(created);
         let store = self.store.clone();
         let upper = session.upper.clone();
         let userxattr = self.settings.userxattr;
@@ -333,6 +370,7 @@ impl Engine {
         let out = self
             .publish(session.id, &format!("promote onto {to} ({operation})"))
             .await?;
+        layerstack_store::failpoints::hit("promote.operation_published");
         let id = session.id;
         let kind = out.outcome.as_ref().map(|o| o.kind);
         let result = match kind {

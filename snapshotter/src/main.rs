@@ -343,6 +343,21 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
     if cfg.history.gc_interval_s > 0 {
         engine.spawn_periodic_gc(std::time::Duration::from_secs(cfg.history.gc_interval_s));
     }
+    // Graph operations the last run left half-done: before serving, so a new
+    // operation is never mistaken for a dead one.
+    match engine.recover_operations().await {
+        Ok(0) => {}
+        Ok(n) => info!(
+            operations = n,
+            "cleaned up graph operations interrupted by the last stop"
+        ),
+        Err(e) => {
+            return Err(anyhow::anyhow!(
+                "cannot clean up graph operations interrupted by the last stop: {}",
+                layerstack_engine::error_chain(&e)
+            ))
+        }
+    }
     // Finishing releases interrupted by the last stop may publish large
     // sessions: in the background, never delaying serving.
     {

@@ -174,7 +174,8 @@ impl StoreError {
         Self::Io(p.to_path_buf(), e)
     }
 
-    pub(crate) fn corrupt(
+    /// A row of `table` that cannot be what it says (`Corrupt`).
+    pub fn corrupt(
         table: &'static str,
         key: impl std::fmt::Display,
         detail: impl std::fmt::Display,

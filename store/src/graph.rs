@@ -830,14 +830,19 @@ impl Store {
                 params![a.id, id, now],
             )?;
             record_op(tx, key, "checkpoint", &id)?;
+            crate::failpoints::hit("checkpoint.before_rename");
             std::fs::rename(&upper, &dst)
                 .and_then(|()| match self.durability {
                     Durability::Durable => fs::fsync_dir(&self.root.join("l")),
                     Durability::Disposable => Ok(()),
                 })
                 .map_err(|e| StoreError::io(&upper, e))?;
+            crate::failpoints::hit("checkpoint.renamed");
             get_node(tx, &id)
         });
+        if out.is_ok() {
+            crate::failpoints::hit("checkpoint.committed");
+        }
         drop(conn);
         match out {
             Ok(node) => {
@@ -988,6 +993,19 @@ impl Store {
 
     /// Deletes a branch without the default-branch check (the engine's working
     /// branches).
+    /// The working branches (`.graph/<graph>/<operation>`) of node merges in
+    /// flight: (stack, branch). At start, any is a merge the last run left
+    /// half-done.
+    pub fn graph_work_branches(&self) -> Result<Vec<(String, String)>, StoreError> {
+        self.db.read(|conn| {
+            let mut stmt = conn.prepare(
+                "SELECT stack, name FROM branches WHERE name LIKE '.graph/%' ORDER BY stack, name",
+            )?;
+            let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?;
+            Ok(rows.collect::<Result<_, _>>()?)
+        })
+    }
+
     pub fn drop_branch(&self, stack: &str, name: &str) -> Result<(), StoreError> {
         self.db.write(|tx| {
             tx.execute(

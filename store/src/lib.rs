@@ -40,6 +40,7 @@
 mod blame;
 mod db;
 mod error;
+pub mod failpoints;
 pub mod fs;
 mod graph;
 mod history;
