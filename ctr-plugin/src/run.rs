@@ -94,9 +94,10 @@ pub struct SessionArgs {
     /// new attempt of the node (`layerstack graph show` lists them).
     #[arg(long, value_name = "ID")]
     pub node: Option<String>,
-    /// What happens to the session's writes when it ends.
-    #[arg(long, value_enum, default_value_t = PublishPolicy::OnExit)]
-    pub publish: PublishPolicy,
+    /// What happens to the session's writes when it ends [default: on-exit;
+    /// checkpoint with --node].
+    #[arg(long, value_enum)]
+    pub publish: Option<PublishPolicy>,
     /// Workspace mode: mount the session at DIR and keep the caller's root (the
     /// sandbox's own tools work on the tree) instead of making it the root.
     #[arg(long, value_name = "DIR")]
@@ -337,7 +338,7 @@ async fn create(
     ns: &str,
     a: &SessionArgs,
 ) -> Result<api::CreateSessionResponse> {
-    if a.publish == PublishPolicy::Checkpoint && a.node.is_none() {
+    if a.publish == Some(PublishPolicy::Checkpoint) && a.node.is_none() {
         bail!("--publish checkpoint makes a child node of the node the session starts from: give --node ID (layerstack graph show lists nodes), or use on-exit, on-success or never");
     }
     let (stack, branch) = match &a.stack {
@@ -352,7 +353,10 @@ async fn create(
             node: a.node.clone().unwrap_or_default(),
             name: a.name.clone().unwrap_or_else(default_name),
             idempotency_key: a.idempotency_key.clone().unwrap_or_default(),
-            policy: a.publish.as_str().to_string(),
+            policy: a
+                .publish
+                .map(|p| p.as_str().to_string())
+                .unwrap_or_default(),
             wait_ms: if a.no_wait {
                 0
             } else {

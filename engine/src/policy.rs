@@ -63,11 +63,16 @@ impl FromStr for Policy {
     }
 }
 
-/// The policy named by `labels` (default [`Policy::OnExit`]).
+/// The policy named by `labels`. Without `layerstack.publish`: [`Policy::OnExit`],
+/// or [`Policy::Checkpoint`] for a container that names a graph node with
+/// `layerstack.node` (an attempt's writes become a child node unless its owner
+/// says otherwise; ARCHITECTURE.md §12).
 pub fn policy_from_labels(labels: &HashMap<String, String>) -> Result<Policy, UnknownPolicy> {
-    labels
-        .get(PUBLISH_LABEL)
-        .map_or(Ok(Policy::OnExit), |v| v.parse())
+    match labels.get(PUBLISH_LABEL) {
+        Some(v) => v.parse(),
+        None if node_from_labels(labels).is_some() => Ok(Policy::Checkpoint),
+        None => Ok(Policy::OnExit),
+    }
 }
 
 /// Container label naming the graph node a container activates (an attempt).
@@ -137,6 +142,16 @@ mod tests {
     #[test]
     fn policy_defaults_to_on_exit() {
         assert_eq!(policy_from_labels(&labels(&[])), Ok(Policy::OnExit));
+        assert_eq!(
+            policy_from_labels(&labels(&[(NODE_LABEL, "n3")])),
+            Ok(Policy::Checkpoint),
+            "an attempt checkpoints by default"
+        );
+        assert_eq!(
+            policy_from_labels(&labels(&[(NODE_LABEL, "n3"), (PUBLISH_LABEL, "never")])),
+            Ok(Policy::Never),
+            "an explicit policy wins"
+        );
         assert_eq!(
             policy_from_labels(&labels(&[(PUBLISH_LABEL, "")])),
             Ok(Policy::OnExit)

@@ -631,6 +631,7 @@ impl Store {
                 "INSERT INTO graph_attempts(node, session_id, status, idempotency_key, created_ns) VALUES (?1, ?2, 'running', ?3, ?4)",
                 params![node, sid, key, now_ns()],
             )?;
+            default_attempt_policy(tx, sid)?;
             let aid = tx.last_insert_rowid();
             let spec = self.start_run(tx, sid)?;
             let a = attempt_from(tx.query_row(
@@ -700,6 +701,7 @@ impl Store {
             params![node, sid, key, now_ns()],
         )?;
         let aid = tx.last_insert_rowid();
+        default_attempt_policy(tx, sid)?;
         let spec = self.start_run(tx, sid)?;
         let a = attempt_from(tx.query_row(
             &format!("SELECT {ATTEMPT_COLS} FROM graph_attempts WHERE id = ?1"),
@@ -1015,4 +1017,15 @@ impl Store {
             Ok(())
         })
     }
+}
+
+/// An attempt's writes become a child node unless its owner chose otherwise: the
+/// session's exit policy is `checkpoint` when none is recorded (a recorded one —
+/// the shim's `layerstack.publish` label, `session run --publish` — stays).
+fn default_attempt_policy(tx: &Transaction<'_>, sid: SessionId) -> Result<(), StoreError> {
+    tx.execute(
+        "UPDATE sessions SET policy = COALESCE(policy, 'checkpoint') WHERE id = ?1",
+        [sid],
+    )?;
+    Ok(())
 }
