@@ -461,7 +461,11 @@ fn outcome_line(s: &api::Session) -> String {
             c.clean, c.merged, c.conflict, c.excluded
         ));
     }
-    if !s.message.is_empty() && s.outcome != "committed" && s.outcome != "merged" {
+    // A checkpoint commits a node's layer, not a branch's: say which node.
+    let checkpointed = s.message.starts_with("checkpointed as node ");
+    if !s.message.is_empty()
+        && (checkpointed || (s.outcome != "committed" && s.outcome != "merged"))
+    {
         detail.push(s.message.clone());
     }
     if !detail.is_empty() {
