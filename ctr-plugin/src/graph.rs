@@ -154,7 +154,7 @@ pub enum AttemptSub {
     Start {
         node: String,
         /// Exit policy recorded on the session: on-exit, on-success, never,
-        /// checkpoint.
+        /// checkpoint [default: checkpoint].
         #[arg(long)]
         policy: Option<String>,
         /// The session's owner name (`sandbox:NAME`).
@@ -176,13 +176,19 @@ pub enum AttemptSub {
     },
     /// Retry an attempt: a new attempt of the same node.
     Retry {
+        /// The attempt to retry (`attempt ls NODE` lists them).
         attempt: i64,
+        /// Exit policy recorded on the new session: on-exit, on-success, never,
+        /// checkpoint [default: checkpoint].
         #[arg(long)]
         policy: Option<String>,
+        /// The new session's owner name (`sandbox:NAME`).
         #[arg(long)]
         name: Option<String>,
+        /// Idempotency key: the same key returns the first retry.
         #[arg(long)]
         key: Option<String>,
+        /// Print the result as one JSON object.
         #[arg(long)]
         json: bool,
     },
