@@ -33,7 +33,7 @@ use layerstack_store::{
     HeadView, OutcomeKind, OutcomeRecord, PathCounts, PathQuery, PathRecord, PathStatus,
     PublishContext, PublishTimings, SessionId, SessionInfo, Staged, Store,
 };
-use tracing::{info, warn};
+use tracing::{debug, warn};
 
 use crate::error::{error_chain, EngineError, RunError};
 use crate::index::{head_changes, index_of, query_for, records};
@@ -337,16 +337,18 @@ impl Engine {
             return Ok(current);
         }
         self.ensure_quiescent(&current).await?;
+        let started = Instant::now();
         if let Err(e) = self.run(id, why).await {
             // Record the failure so `wait` returns; upper and lease are kept.
             let msg = error_chain(&e);
             warn!(session.id = id, error = %msg, "publish failed");
-            let rec = OutcomeRecord::new(
+            let mut rec = OutcomeRecord::new(
                 OutcomeKind::Failed,
                 format!(
                     "{msg}; nothing was published, the upper is kept: publish again or discard"
                 ),
             );
+            rec.timings = Some(total_only(started));
             self.blocking(move |s| s.record_outcome(id, rec, None))
                 .await?;
         }
@@ -389,10 +391,15 @@ impl Engine {
             return Ok(current);
         }
         self.ensure_quiescent(&current).await?;
-        let rec = OutcomeRecord::new(OutcomeKind::Discarded, format!("writes dropped: {why}"));
-        self.blocking(move |s| s.record_outcome(id, rec, None))
-            .await?;
-        info!(session.id = id, outcome = "discarded", why, "discarded");
+        let started = Instant::now();
+        let mut rec = OutcomeRecord::new(OutcomeKind::Discarded, format!("writes dropped: {why}"));
+        let started2 = started;
+        self.blocking(move |s| {
+            rec.timings = Some(total_only(started2));
+            s.record_outcome(id, rec, None)
+        })
+        .await?;
+        debug!(session.id = id, outcome = "discarded", why, "discarded");
         self.after_outcome(id).await
     }
 
@@ -514,12 +521,13 @@ impl Engine {
             if let Err(e) = &r {
                 // Nothing was committed: drop the staged rows, keep the upper.
                 let msg = error_chain(e);
-                let rec = OutcomeRecord::new(
+                let mut rec = OutcomeRecord::new(
                     OutcomeKind::Failed,
                     format!(
                         "{msg}; nothing was published, the upper is kept: publish again or discard"
                     ),
                 );
+                rec.timings = Some(total_only(started));
                 warn!(session.id = id, error = %msg, "publish failed");
                 store.record_outcome(id, rec, Some(staged))?;
             }
@@ -641,11 +649,13 @@ fn prepare(
     // A rebased session whose files still hold the conflict markers the rebase
     // wrote is refused (engine/src/conflicts.rs).
     if let Some(rec) = crate::conflicts::markers_left(store, id, &upper)? {
-        info!(
+        debug!(
             session.id = id,
             outcome = "conflict",
             "conflict markers left"
         );
+        let mut rec = rec;
+        rec.timings = Some(total_only(started));
         store.record_outcome(id, rec, None)?;
         return Ok(Prepared::Done);
     }
@@ -665,11 +675,15 @@ fn prepare(
                 kind: OutcomeKind::NoChange,
                 message: Some(message),
                 paths,
-                timings: None,
+                timings: Some(PublishTimings {
+                    capture_us: micros(started.elapsed()),
+                    total_us: micros(started.elapsed()),
+                    ..Default::default()
+                }),
             },
             None,
         )?;
-        info!(session.id = id, outcome = "no-change", "published");
+        debug!(session.id = id, outcome = "no-change", "published");
         return Ok(Prepared::Done);
     }
     seal(store, &upper, settings.userxattr)?;
@@ -690,7 +704,7 @@ fn prepare(
     if plan.is_conflict() {
         let paths = records(&plan);
         let message = summary(&paths, OutcomeKind::Conflict);
-        info!(
+        debug!(
             session.id = id,
             outcome = "conflict",
             paths = plan.conflicts().count(),
@@ -781,7 +795,7 @@ fn commit(
             let paths = records(&plan);
             if plan.is_conflict() {
                 let message = summary(&paths, OutcomeKind::Conflict);
-                info!(
+                debug!(
                     session.id = id,
                     outcome = "conflict",
                     paths = plan.conflicts().count(),
@@ -853,7 +867,7 @@ fn commit(
                 .map(|(i, r)| (i.as_slice(), r.as_slice())),
         },
     )?;
-    info!(
+    debug!(
         session.id = id,
         layer.id = p.layer,
         manifest = p.manifest,
@@ -865,4 +879,12 @@ fn commit(
         "publish committed"
     );
     Ok(())
+}
+
+/// Timings of an outcome that has only a duration (failed, discarded, …).
+fn total_only(started: Instant) -> PublishTimings {
+    PublishTimings {
+        total_us: micros(started.elapsed()),
+        ..Default::default()
+    }
 }

@@ -24,7 +24,7 @@
 use std::path::PathBuf;
 
 use rusqlite::{params, Connection, OptionalExtension, Transaction};
-use tracing::{info, warn};
+use tracing::{debug, warn};
 
 use crate::db::write_on;
 use crate::error::StoreError;
@@ -346,7 +346,7 @@ impl Store {
             }
         };
         self.reset_session_dirs(session, false);
-        info!(session.id = session, layer.id = published.layer, stack = %stack, branch = %branch, manifest = published.manifest, outcome = kind.as_str(), "published");
+        debug!(session.id = session, layer.id = published.layer, stack = %stack, branch = %branch, manifest = published.manifest, outcome = kind.as_str(), "published");
         Ok(published)
     }
 
@@ -419,7 +419,7 @@ impl Store {
         } else if ends {
             self.reset_session_dirs(session, true);
         }
-        info!(
+        debug!(
             session.id = session,
             outcome = record.kind.as_str(),
             "outcome recorded"
