@@ -583,9 +583,10 @@ pub fn snapshot_session(
         "prepare",
         "--mounts",
     ];
-    let label = branch.map(snapshot_branch_label);
-    if let Some(l) = &label {
-        args.extend(["--label", l.as_str()]);
+    if let Some(b) = branch {
+        anyhow::bail!(
+            "snapshot_session on branch {b:?}: `ctr snapshots prepare` of containerd 1.6 has no --label; run a container with `CtrRun::branch` instead"
+        );
     }
     args.extend([key, parent]);
     let prep = env.ctr_ok(ns, &args)?;

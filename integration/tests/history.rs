@@ -256,6 +256,40 @@ fn gc_frees_exactly_and_accounting_matches_du() {
             Ok(())
         };
         check_du("before")?;
+        // `ctr snapshots usage` of a session shows its upper's real bytes.
+        snapshot_session(env, NS, "usage-probe", &parent, None, |m| {
+            std::fs::write(m.join("big"), vec![7u8; 3 << 20])?;
+            Ok(())
+        })?;
+        let u = env.ctr_ok(
+            NS,
+            &[
+                "snapshots",
+                "--snapshotter",
+                SNAPSHOTTER,
+                "usage",
+                "usage-probe",
+            ],
+        )?;
+        let line = stdout(&u)
+            .lines()
+            .find(|l| l.starts_with("usage-probe"))
+            .map(str::to_string)
+            .with_context(|| format!("no usage line: {}", describe(&u)))?;
+        ensure!(
+            line.contains("3.0 MiB") || line.contains("3.0MiB"),
+            "a session's usage is its upper's bytes: {line:?}"
+        );
+        env.ctr_ok(
+            NS,
+            &[
+                "snapshots",
+                "--snapshotter",
+                SNAPSHOTTER,
+                "rm",
+                "usage-probe",
+            ],
+        )?;
         ls_json(
             env,
             &[
