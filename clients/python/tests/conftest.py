@@ -68,15 +68,18 @@ def require_env() -> None:
 
 def _wait_for(what: str, ok, timeout_s: float, log: Path) -> None:  # type: ignore[no-untyped-def]
     deadline = time.monotonic() + timeout_s
+    last: object = None
     while True:
         try:
             if ok():
                 return
-        except Exception:
-            pass
+        except Exception as e:
+            last = e
         if time.monotonic() > deadline:
             tail = log.read_text(errors="replace").splitlines()[-60:] if log.exists() else []
-            raise RuntimeError(f"{what} not ready after {timeout_s}s; last log lines:\n" + "\n".join(tail))
+            raise RuntimeError(
+                f"{what} not ready after {timeout_s}s (last error: {last}); last log lines:\n" + "\n".join(tail)
+            )
         time.sleep(0.1)
 
 

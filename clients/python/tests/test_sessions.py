@@ -60,10 +60,11 @@ def test_create_exec_close_keeps_one_session_mounted(env: Env, ls: layerstack.Cl
     listed = {x.id: x for x in ls.list_sessions(owner_kind="sandbox")}
     assert s.id in listed and listed[s.id].policy == "on-success" and listed[s.id].outcome is None
 
-    # What a publish would do now, changing nothing.
-    dry = ls.dry_run(s.id)
-    assert dry.session.dry_run and dry.session.outcome == "committed", dry.session
-    assert [v.path for v in dry.paths] == ["/step1"] and dry.paths[0].status == "clean"
+    # Publishing (or a dry run) needs the upper unmounted everywhere: refused, typed.
+    for call in (ls.dry_run, ls.publish):
+        with pytest.raises(layerstack.FailedPreconditionError) as e:
+            call(s.id)
+        assert e.value.code == grpc.StatusCode.FAILED_PRECONDITION and "still mounted" in e.value.message
 
     closed = ls.close_session(s.id, exit_status=0)
     assert closed.outcome == "committed" and closed.released, closed
@@ -88,20 +89,27 @@ def test_publish_and_discard_of_an_unmounted_session(env: Env, ls: layerstack.Cl
     upper = next(o.split("=", 1)[1] for m in started.mounts for o in m.options if o.startswith("upperdir="))
     with open(f"{upper}/written-by-python", "w") as f:
         f.write("direct\n")
+    # What a publish would do now, changing nothing.
     dry = ls.dry_run(started.session.id)
-    assert "/written-by-python" in [v.path for v in dry.paths]
+    assert dry.session.dry_run, dry.session
+    assert [(v.path, v.status) for v in dry.paths] == [("/written-by-python", "clean")]
     gone = ls.discard(started.session.id)
     assert gone.outcome == "discarded", gone
     assert [a.status for a in ls.list_attempts(g.root) if a.id == started.attempt.id] == ["failed"]
 
 
 def test_errors_are_typed_with_the_grpc_code_and_the_daemons_message(env: Env, ls: layerstack.Client) -> None:
-    with pytest.raises(layerstack.NotFoundError) as e:
+    # The daemon answers an unknown node id as a bad argument (the store's
+    # "does not exist" maps to INVALID_ARGUMENT today), with its message.
+    with pytest.raises(layerstack.LayerStackError) as e:
         ls.show_node("no-such-node")
-    assert e.value.code == grpc.StatusCode.NOT_FOUND and e.value.kind == "not-found"
-    assert "no-such-node" in e.value.message
-    with pytest.raises(layerstack.NotFoundError):
-        ls.show_graph(unique("no-such-graph"))
+    assert isinstance(e.value, layerstack.InvalidArgumentError)
+    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and e.value.kind == "invalid-argument"
+    assert "no-such-node" in e.value.message and "does not exist" in e.value.message
+    name = unique("no-such-graph")
+    with pytest.raises(layerstack.LayerStackError) as e:
+        ls.show_graph(name)
+    assert e.value.code is not None and name in e.value.message
     with pytest.raises(layerstack.CommandError) as c:
         ls.run(["true"], node="no-such-node")
     assert "no-such-node" in c.value.message and c.value.returncode == 125

@@ -135,7 +135,12 @@ class Client:
         self.mount_address = Path(mount_address) if mount_address is not None else None
         self.timeout_s = timeout_s
         self._bin_dir = Path(bin_dir) if bin_dir is not None else None
-        self._channel = grpc.insecure_channel(f"unix:{self.admin_address}")
+        # grpc-core's default :authority for a unix target is the socket path,
+        # which the daemon's HTTP/2 server (hyper) refuses as malformed
+        # (RST_STREAM PROTOCOL_ERROR): name a plain host instead.
+        self._channel = grpc.insecure_channel(
+            f"unix:{self.admin_address}", options=[("grpc.default_authority", "localhost")]
+        )
         # The generated stub is untyped (grpcio-tools writes no .pyi for it).
         self._stub: Any = pb_grpc.AdminStub(self._channel)  # type: ignore[no-untyped-call]
 
