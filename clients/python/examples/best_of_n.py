@@ -104,12 +104,33 @@ class Trial:
 
 @dataclass(frozen=True)
 class Result:
+    """What the demo did; ``dot`` is ``layerstack graph show --dot`` as the daemon
+    drew it, ``picture`` that plus the discarded attempts and the branch."""
+
     graph: str
     root: str
+    branch: str
     trials: List[Trial]
     best: Trial
     promote: layerstack.PromoteResult
     dot: str
+
+    @property
+    def picture(self) -> str:
+        extra = []
+        for i, t in enumerate(self.trials):
+            if t.node is None:
+                extra.append(
+                    f'  "discarded-{i}" [label="attempt {i}: {t.candidate.name}\\n'
+                    f'{t.passed}/{N_TESTS} tests, discarded", shape=ellipse, style=dashed, '
+                    f"color=gray, fontcolor=gray];"
+                )
+                extra.append(f'  "{self.root}" -> "discarded-{i}" [style=dashed, color=gray];')
+        assert self.best.node is not None
+        extra.append(f'  "branch" [label="{self.branch}\\n({self.promote.result})", shape=cds, style=filled, fillcolor=palegreen];')
+        extra.append(f'  "branch" -> "{self.best.node}" [style=bold, color=darkgreen];')
+        body = self.dot.rstrip().rstrip("}")
+        return body + "\n".join(extra) + "\n}\n"
 
 
 def tests_passed(exit_status: int, stderr: bytes) -> int:
@@ -217,7 +238,7 @@ def best_of_n(
     if check.exit_status != 0:
         raise RuntimeError(f"{branch} does not pass after the promote: {check.stderr.decode(errors='replace')}")
     log(f"{image}@{branch} passes its tests")
-    return Result(graph, g.root, trials, best, p, ls.graph_dot(graph))
+    return Result(graph, g.root, branch, trials, best, p, ls.graph_dot(graph))
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
@@ -229,7 +250,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--graph", default=None, help="the graph's name [default: best-of-n-<time>]")
     ap.add_argument("--key-prefix", default=None, help="idempotency keys' prefix [default: the graph's name]")
     ap.add_argument("--workspace", default=None, help="an empty directory to mount sessions at")
-    ap.add_argument("--dot", default=None, help="write the graph in Graphviz dot here")
+    ap.add_argument("--dot", default=None, help="write the graph in Graphviz dot here (with the discarded attempts and the branch)")
     ap.add_argument("--bin-dir", default=None, help="where the layerstack binary is")
     a = ap.parse_args(argv)
     graph = a.graph or f"best-of-n-{int(time.time())}"
@@ -240,7 +261,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                 ls, image=a.image, branch=a.branch, graph=graph, workspace=ws, key_prefix=a.key_prefix or graph
             )
     if a.dot:
-        Path(a.dot).write_text(r.dot)
+        Path(a.dot).write_text(r.picture)
         print(f"wrote {a.dot} (render: dot -Tsvg {a.dot} > graph.svg)")
     return 0
 

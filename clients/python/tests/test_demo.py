@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 from pathlib import Path
 
@@ -23,8 +24,10 @@ def load_demo():  # type: ignore[no-untyped-def]
 
 def test_best_of_n_promotes_the_best_passing_attempt(env: Env, ls: layerstack.Client) -> None:
     demo = load_demo()
-    branch = unique("bon")
-    graph = unique("best-of-n")
+    out = os.environ.get("LAYERSTACK_DEMO_DOT")
+    # The picture in docs/ names the branch main; a test run names its own.
+    branch = "main" if out else unique("bon")
+    graph = "best-of-n" if out else unique("best-of-n")
     r = demo.best_of_n(
         ls, image=env.image, branch=branch, graph=graph, workspace=env.scratch(graph), key_prefix=graph
     )
@@ -47,3 +50,8 @@ def test_best_of_n_promotes_the_best_passing_attempt(env: Env, ls: layerstack.Cl
     for t in r.trials:
         if t.node:
             assert f'"{r.root}" -> "{t.node}"' in r.dot
+    assert f'"branch" -> "{r.best.node}"' in r.picture and r.picture.count("discarded-") == 10
+    # docs/best_of_n.svg is rendered from this (README "Python"):
+    # LAYERSTACK_DEMO_DOT=docs/best_of_n.dot pytest …; dot -Tsvg docs/best_of_n.dot > docs/best_of_n.svg
+    if out:
+        Path(out).write_text(r.picture)
