@@ -37,7 +37,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import layerstack
 
@@ -164,7 +164,7 @@ def best_of_n(
     graph: str,
     workspace: Path,
     key_prefix: str,
-    log=print,  # type: ignore[no-untyped-def]
+    log: Callable[[str], None] = print,
 ) -> Result:
     """Runs the demo (module doc) and returns what it did."""
     ws = str(workspace)
