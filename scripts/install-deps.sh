@@ -5,6 +5,7 @@
 #   debootstrap            builds the Debian test image
 #   busybox-static         builds the busybox test image
 #   python3                packs the test images into OCI archives
+#   python3-venv           the venv scripts/test.sh installs the Python client into
 #   git                    the text-merge tests compare with git's own merge
 #   systemd                systemd-analyze, to verify layerstack.service (present on
 #                          any systemd host; in a container it only adds files)
@@ -19,7 +20,7 @@
 # was installed before is never touched.
 set -euo pipefail
 
-PACKAGES=(containerd runc protobuf-compiler debootstrap busybox-static python3 git ca-certificates systemd)
+PACKAGES=(containerd runc protobuf-compiler debootstrap busybox-static python3 python3-venv git ca-certificates systemd)
 
 # systemd is the running init when this directory exists (sd_booted(3)).
 SYSTEMD_RUN_DIR=${LAYERSTACK_SYSTEMD_RUN_DIR:-/run/systemd/system}

@@ -28,6 +28,23 @@ set +e
     cargo build --workspace --bins
     echo "== cargo test --workspace"
     cargo test --workspace --no-fail-fast
+    # The Python client (clients/python) against a real daemon, from the package
+    # as `pip install` makes it, in a venv under target/. pytest's exit 5 (no test
+    # collected) is a failure, as any other non-zero one.
+    echo "== python client (pytest clients/python/tests)"
+    PY_VENV="${CARGO_TARGET_DIR:-$ROOT/target}/py-venv"
+    python3 -m venv "$PY_VENV"
+    "$PY_VENV/bin/pip" install -q --disable-pip-version-check "./clients/python[test]" pytest
+    py_status=0
+    LAYERSTACK_BIN_DIR="${LAYERSTACK_BIN_DIR:-${CARGO_TARGET_DIR:-$ROOT/target}/debug}" \
+        "$PY_VENV/bin/python" -m pytest clients/python/tests -q -p no:cacheprovider || py_status=$?
+    if ((py_status == 5)); then
+        echo "error: pytest collected no test in clients/python/tests"
+        exit 1
+    elif ((py_status != 0)); then
+        echo "error: the python client's tests failed (pytest exit $py_status)"
+        exit "$py_status"
+    fi
     # A figure to read, not a threshold: the runtime shim's cost per container
     # against io.containerd.runc.v2 (cargo hides a passing test's output).
     echo "== timing (runtime shim vs runc-v2)"
@@ -50,7 +67,7 @@ set -e
 
 echo
 echo "================ summary ($((SECONDS - start))s) ================"
-grep -E '^\s+Running |^test result:|^error(\[|:)|^\s+--> |^    [A-Za-z0-9_:]+$|FAILED|panicked at|^timing|^layerstack-bench: (wrote|FAILED|p[0-9] failed)|^bench:' "$LOG" \
+grep -E '^\s+Running |^test result:|^error(\[|:)|^\s+--> |^    [A-Za-z0-9_:]+$|FAILED|panicked at|^timing|^layerstack-bench: (wrote|FAILED|p[0-9] failed)|^bench:|^[0-9]+ (passed|failed)|^(FAILED|ERROR) |^error: ' "$LOG" \
     | grep -v ' \.\.\. ok$' | tail -n 80 || true
 if ((status != 0)); then
     echo "test.sh: FAILED (exit $status); full log: $LOG"

@@ -1,0 +1,77 @@
+"""LayerStack's Python client: Mode B sessions and the SandboxGraph, over the
+daemon's admin gRPC API (``api/proto/admin.proto``).
+
+    import layerstack
+    ls = layerstack.connect("/run/layerstack/admin.sock")
+    g = ls.create_graph("rollouts", "docker.io/library/debian:bookworm@main", key="g1")
+    r = ls.run(["sh", "-c", "echo hi > /x"], node=g.root, state={"reward": 1.0}, key="a1")
+    ls.promote(r.node, "main", key="p1")
+
+See :mod:`layerstack.client` for every call, :mod:`layerstack.types` for the
+answers and :mod:`layerstack.errors` for the errors.
+"""
+
+from layerstack.client import DEFAULT_ADMIN_ADDRESS, Client, State, connect
+from layerstack.errors import (
+    AlreadyExistsError,
+    CommandError,
+    ConflictError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    LayerStackError,
+    NotFoundError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
+from layerstack.types import (
+    Attempt,
+    AttemptStart,
+    ConflictPath,
+    DryRun,
+    ExecResult,
+    Graph,
+    GraphInfo,
+    MergeResult,
+    Mount,
+    Node,
+    PathCounts,
+    PathVerdict,
+    PromoteResult,
+    RunResult,
+    Session,
+    Status,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_ADMIN_ADDRESS",
+    "Client",
+    "State",
+    "connect",
+    "LayerStackError",
+    "NotFoundError",
+    "AlreadyExistsError",
+    "FailedPreconditionError",
+    "InvalidArgumentError",
+    "ConflictError",
+    "UnavailableError",
+    "ResourceExhaustedError",
+    "CommandError",
+    "Attempt",
+    "AttemptStart",
+    "ConflictPath",
+    "DryRun",
+    "ExecResult",
+    "Graph",
+    "GraphInfo",
+    "MergeResult",
+    "Mount",
+    "Node",
+    "PathCounts",
+    "PathVerdict",
+    "PromoteResult",
+    "RunResult",
+    "Session",
+    "Status",
+]

@@ -1,0 +1,987 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class PublishPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    PUBLISH: _ClassVar[PublishPolicy]
+    DISCARD: _ClassVar[PublishPolicy]
+    AUTO: _ClassVar[PublishPolicy]
+    CHECKPOINT: _ClassVar[PublishPolicy]
+PUBLISH: PublishPolicy
+DISCARD: PublishPolicy
+AUTO: PublishPolicy
+CHECKPOINT: PublishPolicy
+
+class CreateSessionRequest(_message.Message):
+    __slots__ = ("namespace", "stack", "branch", "node", "name", "idempotency_key", "policy", "wait_ms")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    STACK_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    stack: str
+    branch: str
+    node: str
+    name: str
+    idempotency_key: str
+    policy: str
+    wait_ms: int
+    def __init__(self, namespace: _Optional[str] = ..., stack: _Optional[str] = ..., branch: _Optional[str] = ..., node: _Optional[str] = ..., name: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., policy: _Optional[str] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+
+class CreateSessionResponse(_message.Message):
+    __slots__ = ("session", "mounts", "created")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    MOUNTS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    session: Session
+    mounts: _containers.RepeatedCompositeFieldContainer[Mount]
+    created: bool
+    def __init__(self, session: _Optional[_Union[Session, _Mapping]] = ..., mounts: _Optional[_Iterable[_Union[Mount, _Mapping]]] = ..., created: _Optional[bool] = ...) -> None: ...
+
+class CloseSessionRequest(_message.Message):
+    __slots__ = ("session_id", "policy", "reason", "has_exit_status", "exit_status", "state", "command")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    HAS_EXIT_STATUS_FIELD_NUMBER: _ClassVar[int]
+    EXIT_STATUS_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    policy: PublishPolicy
+    reason: str
+    has_exit_status: bool
+    exit_status: int
+    state: str
+    command: str
+    def __init__(self, session_id: _Optional[int] = ..., policy: _Optional[_Union[PublishPolicy, str]] = ..., reason: _Optional[str] = ..., has_exit_status: _Optional[bool] = ..., exit_status: _Optional[int] = ..., state: _Optional[str] = ..., command: _Optional[str] = ...) -> None: ...
+
+class ListSessionsRequest(_message.Message):
+    __slots__ = ("namespace", "all_namespaces", "page_size", "page_token", "owner_kind")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    ALL_NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    OWNER_KIND_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    all_namespaces: bool
+    page_size: int
+    page_token: str
+    owner_kind: str
+    def __init__(self, namespace: _Optional[str] = ..., all_namespaces: _Optional[bool] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ..., owner_kind: _Optional[str] = ...) -> None: ...
+
+class ListSessionsResponse(_message.Message):
+    __slots__ = ("sessions", "next_page_token")
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    sessions: _containers.RepeatedCompositeFieldContainer[Session]
+    next_page_token: str
+    def __init__(self, sessions: _Optional[_Iterable[_Union[Session, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class ConflictPath(_message.Message):
+    __slots__ = ("path", "reason")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    reason: str
+    def __init__(self, path: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class PathCounts(_message.Message):
+    __slots__ = ("clean", "merged", "conflict", "excluded")
+    CLEAN_FIELD_NUMBER: _ClassVar[int]
+    MERGED_FIELD_NUMBER: _ClassVar[int]
+    CONFLICT_FIELD_NUMBER: _ClassVar[int]
+    EXCLUDED_FIELD_NUMBER: _ClassVar[int]
+    clean: int
+    merged: int
+    conflict: int
+    excluded: int
+    def __init__(self, clean: _Optional[int] = ..., merged: _Optional[int] = ..., conflict: _Optional[int] = ..., excluded: _Optional[int] = ...) -> None: ...
+
+class Session(_message.Message):
+    __slots__ = ("id", "namespace", "container", "key", "stack", "branch", "state", "outcome", "conflicts", "layer", "message", "released", "run", "paths", "dry_run", "timings", "owner_kind", "owner", "outcome_id", "counts", "conflicts_truncated", "policy")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    STACK_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    CONFLICTS_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    PATHS_FIELD_NUMBER: _ClassVar[int]
+    DRY_RUN_FIELD_NUMBER: _ClassVar[int]
+    TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    OWNER_KIND_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_ID_FIELD_NUMBER: _ClassVar[int]
+    COUNTS_FIELD_NUMBER: _ClassVar[int]
+    CONFLICTS_TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    namespace: str
+    container: str
+    key: str
+    stack: str
+    branch: str
+    state: str
+    outcome: str
+    conflicts: _containers.RepeatedCompositeFieldContainer[ConflictPath]
+    layer: int
+    message: str
+    released: bool
+    run: int
+    paths: _containers.RepeatedCompositeFieldContainer[PathVerdict]
+    dry_run: bool
+    timings: PublishTimings
+    owner_kind: str
+    owner: str
+    outcome_id: int
+    counts: PathCounts
+    conflicts_truncated: bool
+    policy: str
+    def __init__(self, id: _Optional[int] = ..., namespace: _Optional[str] = ..., container: _Optional[str] = ..., key: _Optional[str] = ..., stack: _Optional[str] = ..., branch: _Optional[str] = ..., state: _Optional[str] = ..., outcome: _Optional[str] = ..., conflicts: _Optional[_Iterable[_Union[ConflictPath, _Mapping]]] = ..., layer: _Optional[int] = ..., message: _Optional[str] = ..., released: _Optional[bool] = ..., run: _Optional[int] = ..., paths: _Optional[_Iterable[_Union[PathVerdict, _Mapping]]] = ..., dry_run: _Optional[bool] = ..., timings: _Optional[_Union[PublishTimings, _Mapping]] = ..., owner_kind: _Optional[str] = ..., owner: _Optional[str] = ..., outcome_id: _Optional[int] = ..., counts: _Optional[_Union[PathCounts, _Mapping]] = ..., conflicts_truncated: _Optional[bool] = ..., policy: _Optional[str] = ...) -> None: ...
+
+class PathVerdict(_message.Message):
+    __slots__ = ("path", "status", "reason", "raw_path")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    RAW_PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    status: str
+    reason: str
+    raw_path: bytes
+    def __init__(self, path: _Optional[str] = ..., status: _Optional[str] = ..., reason: _Optional[str] = ..., raw_path: _Optional[bytes] = ...) -> None: ...
+
+class PublishTimings(_message.Message):
+    __slots__ = ("capture_us", "gate_wait_us", "gate_hold_us", "total_us")
+    CAPTURE_US_FIELD_NUMBER: _ClassVar[int]
+    GATE_WAIT_US_FIELD_NUMBER: _ClassVar[int]
+    GATE_HOLD_US_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_US_FIELD_NUMBER: _ClassVar[int]
+    capture_us: int
+    gate_wait_us: int
+    gate_hold_us: int
+    total_us: int
+    def __init__(self, capture_us: _Optional[int] = ..., gate_wait_us: _Optional[int] = ..., gate_hold_us: _Optional[int] = ..., total_us: _Optional[int] = ...) -> None: ...
+
+class WaitRequest(_message.Message):
+    __slots__ = ("namespace", "container", "timeout_ms", "session_id")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    container: str
+    timeout_ms: int
+    session_id: int
+    def __init__(self, namespace: _Optional[str] = ..., container: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., session_id: _Optional[int] = ...) -> None: ...
+
+class PublishRequest(_message.Message):
+    __slots__ = ("namespace", "container", "policy", "reason", "has_exit_status", "exit_status", "session_id")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    HAS_EXIT_STATUS_FIELD_NUMBER: _ClassVar[int]
+    EXIT_STATUS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    container: str
+    policy: PublishPolicy
+    reason: str
+    has_exit_status: bool
+    exit_status: int
+    session_id: int
+    def __init__(self, namespace: _Optional[str] = ..., container: _Optional[str] = ..., policy: _Optional[_Union[PublishPolicy, str]] = ..., reason: _Optional[str] = ..., has_exit_status: _Optional[bool] = ..., exit_status: _Optional[int] = ..., session_id: _Optional[int] = ...) -> None: ...
+
+class DryRunReply(_message.Message):
+    __slots__ = ("session", "paths")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    PATHS_FIELD_NUMBER: _ClassVar[int]
+    session: Session
+    paths: _containers.RepeatedCompositeFieldContainer[PathVerdict]
+    def __init__(self, session: _Optional[_Union[Session, _Mapping]] = ..., paths: _Optional[_Iterable[_Union[PathVerdict, _Mapping]]] = ...) -> None: ...
+
+class ListOutcomePathsRequest(_message.Message):
+    __slots__ = ("outcome_id", "status", "page_size", "page_token")
+    OUTCOME_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    outcome_id: int
+    status: str
+    page_size: int
+    page_token: str
+    def __init__(self, outcome_id: _Optional[int] = ..., status: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class ListOutcomePathsResponse(_message.Message):
+    __slots__ = ("paths", "next_page_token")
+    PATHS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    paths: _containers.RepeatedCompositeFieldContainer[PathVerdict]
+    next_page_token: str
+    def __init__(self, paths: _Optional[_Iterable[_Union[PathVerdict, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class SetPolicyRequest(_message.Message):
+    __slots__ = ("namespace", "container", "policy")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    container: str
+    policy: str
+    def __init__(self, namespace: _Optional[str] = ..., container: _Optional[str] = ..., policy: _Optional[str] = ...) -> None: ...
+
+class LogRequest(_message.Message):
+    __slots__ = ("namespace", "image", "branch", "paths")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_FIELD_NUMBER: _ClassVar[int]
+    PATHS_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    image: str
+    branch: str
+    paths: bool
+    def __init__(self, namespace: _Optional[str] = ..., image: _Optional[str] = ..., branch: _Optional[str] = ..., paths: _Optional[bool] = ...) -> None: ...
+
+class LogReply(_message.Message):
+    __slots__ = ("stack", "branch", "entry")
+    STACK_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_FIELD_NUMBER: _ClassVar[int]
+    ENTRY_FIELD_NUMBER: _ClassVar[int]
+    stack: str
+    branch: str
+    entry: LogEntry
+    def __init__(self, stack: _Optional[str] = ..., branch: _Optional[str] = ..., entry: _Optional[_Union[LogEntry, _Mapping]] = ...) -> None: ...
+
+class PathChange(_message.Message):
+    __slots__ = ("path", "kind", "raw_path")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    RAW_PATH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    kind: str
+    raw_path: bytes
+    def __init__(self, path: _Optional[str] = ..., kind: _Optional[str] = ..., raw_path: _Optional[bytes] = ...) -> None: ...
+
+class LogEntry(_message.Message):
+    __slots__ = ("layer", "manifest", "session", "namespace", "container", "paths", "created_ns", "kind", "owner", "changed")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_FIELD_NUMBER: _ClassVar[int]
+    PATHS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_NS_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    manifest: int
+    session: int
+    namespace: str
+    container: str
+    paths: int
+    created_ns: int
+    kind: str
+    owner: str
+    changed: _containers.RepeatedCompositeFieldContainer[PathChange]
+    def __init__(self, layer: _Optional[int] = ..., manifest: _Optional[int] = ..., session: _Optional[int] = ..., namespace: _Optional[str] = ..., container: _Optional[str] = ..., paths: _Optional[int] = ..., created_ns: _Optional[int] = ..., kind: _Optional[str] = ..., owner: _Optional[str] = ..., changed: _Optional[_Iterable[_Union[PathChange, _Mapping]]] = ...) -> None: ...
+
+class SetBranchRequest(_message.Message):
+    __slots__ = ("namespace", "container", "branch")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    container: str
+    branch: str
+    def __init__(self, namespace: _Optional[str] = ..., container: _Optional[str] = ..., branch: _Optional[str] = ...) -> None: ...
+
+class Mount(_message.Message):
+    __slots__ = ("type", "source", "options")
+    TYPE_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    OPTIONS_FIELD_NUMBER: _ClassVar[int]
+    type: str
+    source: str
+    options: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, type: _Optional[str] = ..., source: _Optional[str] = ..., options: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SetBranchResponse(_message.Message):
+    __slots__ = ("session", "changed", "mounts")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    MOUNTS_FIELD_NUMBER: _ClassVar[int]
+    session: Session
+    changed: bool
+    mounts: _containers.RepeatedCompositeFieldContainer[Mount]
+    def __init__(self, session: _Optional[_Union[Session, _Mapping]] = ..., changed: _Optional[bool] = ..., mounts: _Optional[_Iterable[_Union[Mount, _Mapping]]] = ...) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusResponse(_message.Message):
+    __slots__ = ("version", "root", "containerd_address", "events_subscribed", "default_branch", "pid", "metrics_address", "mount_address", "sandbox_sessions", "sandbox_max_sessions")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    CONTAINERD_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_SUBSCRIBED_FIELD_NUMBER: _ClassVar[int]
+    DEFAULT_BRANCH_FIELD_NUMBER: _ClassVar[int]
+    PID_FIELD_NUMBER: _ClassVar[int]
+    METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MOUNT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    root: str
+    containerd_address: str
+    events_subscribed: bool
+    default_branch: str
+    pid: int
+    metrics_address: str
+    mount_address: str
+    sandbox_sessions: int
+    sandbox_max_sessions: int
+    def __init__(self, version: _Optional[str] = ..., root: _Optional[str] = ..., containerd_address: _Optional[str] = ..., events_subscribed: _Optional[bool] = ..., default_branch: _Optional[str] = ..., pid: _Optional[int] = ..., metrics_address: _Optional[str] = ..., mount_address: _Optional[str] = ..., sandbox_sessions: _Optional[int] = ..., sandbox_max_sessions: _Optional[int] = ...) -> None: ...
+
+class Branch(_message.Message):
+    __slots__ = ("stack", "name", "head", "depth", "updated_ns")
+    STACK_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    HEAD_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_FIELD_NUMBER: _ClassVar[int]
+    UPDATED_NS_FIELD_NUMBER: _ClassVar[int]
+    stack: str
+    name: str
+    head: int
+    depth: int
+    updated_ns: int
+    def __init__(self, stack: _Optional[str] = ..., name: _Optional[str] = ..., head: _Optional[int] = ..., depth: _Optional[int] = ..., updated_ns: _Optional[int] = ...) -> None: ...
+
+class Stack(_message.Message):
+    __slots__ = ("id", "namespace", "base_digest", "image_refs", "branches", "base_layers", "layers", "usage")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    BASE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_REFS_FIELD_NUMBER: _ClassVar[int]
+    BRANCHES_FIELD_NUMBER: _ClassVar[int]
+    BASE_LAYERS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    namespace: str
+    base_digest: str
+    image_refs: _containers.RepeatedScalarFieldContainer[str]
+    branches: _containers.RepeatedCompositeFieldContainer[Branch]
+    base_layers: int
+    layers: int
+    usage: Usage
+    def __init__(self, id: _Optional[str] = ..., namespace: _Optional[str] = ..., base_digest: _Optional[str] = ..., image_refs: _Optional[_Iterable[str]] = ..., branches: _Optional[_Iterable[_Union[Branch, _Mapping]]] = ..., base_layers: _Optional[int] = ..., layers: _Optional[int] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+
+class ListStacksRequest(_message.Message):
+    __slots__ = ("namespace", "all_namespaces", "usage")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    ALL_NAMESPACES_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    all_namespaces: bool
+    usage: bool
+    def __init__(self, namespace: _Optional[str] = ..., all_namespaces: _Optional[bool] = ..., usage: _Optional[bool] = ...) -> None: ...
+
+class ListStacksResponse(_message.Message):
+    __slots__ = ("stacks",)
+    STACKS_FIELD_NUMBER: _ClassVar[int]
+    stacks: _containers.RepeatedCompositeFieldContainer[Stack]
+    def __init__(self, stacks: _Optional[_Iterable[_Union[Stack, _Mapping]]] = ...) -> None: ...
+
+class RemoveStackRequest(_message.Message):
+    __slots__ = ("namespace", "stack", "force")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    STACK_FIELD_NUMBER: _ClassVar[int]
+    FORCE_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    stack: str
+    force: bool
+    def __init__(self, namespace: _Optional[str] = ..., stack: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
+
+class ListBranchesRequest(_message.Message):
+    __slots__ = ("namespace", "stack")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    STACK_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    stack: str
+    def __init__(self, namespace: _Optional[str] = ..., stack: _Optional[str] = ...) -> None: ...
+
+class ListBranchesResponse(_message.Message):
+    __slots__ = ("stack", "branches")
+    STACK_FIELD_NUMBER: _ClassVar[int]
+    BRANCHES_FIELD_NUMBER: _ClassVar[int]
+    stack: str
+    branches: _containers.RepeatedCompositeFieldContainer[Branch]
+    def __init__(self, stack: _Optional[str] = ..., branches: _Optional[_Iterable[_Union[Branch, _Mapping]]] = ...) -> None: ...
+
+class CreateBranchRequest(_message.Message):
+    __slots__ = ("namespace", "stack", "name", "at_layer")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    STACK_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    FROM_FIELD_NUMBER: _ClassVar[int]
+    AT_LAYER_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    stack: str
+    name: str
+    at_layer: int
+    def __init__(self, namespace: _Optional[str] = ..., stack: _Optional[str] = ..., name: _Optional[str] = ..., at_layer: _Optional[int] = ..., **kwargs) -> None: ...
+
+class DeleteBranchRequest(_message.Message):
+    __slots__ = ("namespace", "stack", "name")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    STACK_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    stack: str
+    name: str
+    def __init__(self, namespace: _Optional[str] = ..., stack: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
+
+class DeleteBranchResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PromoteRequest(_message.Message):
+    __slots__ = ("namespace", "stack", "to", "operation")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    STACK_FIELD_NUMBER: _ClassVar[int]
+    FROM_FIELD_NUMBER: _ClassVar[int]
+    TO_FIELD_NUMBER: _ClassVar[int]
+    OPERATION_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    stack: str
+    to: str
+    operation: str
+    def __init__(self, namespace: _Optional[str] = ..., stack: _Optional[str] = ..., to: _Optional[str] = ..., operation: _Optional[str] = ..., **kwargs) -> None: ...
+
+class PromoteResponse(_message.Message):
+    __slots__ = ("result", "head", "session", "message")
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    HEAD_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    result: str
+    head: int
+    session: Session
+    message: str
+    def __init__(self, result: _Optional[str] = ..., head: _Optional[int] = ..., session: _Optional[_Union[Session, _Mapping]] = ..., message: _Optional[str] = ...) -> None: ...
+
+class SquashRequest(_message.Message):
+    __slots__ = ("namespace", "stack", "branch")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    STACK_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    stack: str
+    branch: str
+    def __init__(self, namespace: _Optional[str] = ..., stack: _Optional[str] = ..., branch: _Optional[str] = ...) -> None: ...
+
+class SquashResponse(_message.Message):
+    __slots__ = ("squashed", "layer", "head", "depth_before", "depth_after")
+    SQUASHED_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    HEAD_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_BEFORE_FIELD_NUMBER: _ClassVar[int]
+    DEPTH_AFTER_FIELD_NUMBER: _ClassVar[int]
+    squashed: bool
+    layer: int
+    head: int
+    depth_before: int
+    depth_after: int
+    def __init__(self, squashed: _Optional[bool] = ..., layer: _Optional[int] = ..., head: _Optional[int] = ..., depth_before: _Optional[int] = ..., depth_after: _Optional[int] = ...) -> None: ...
+
+class GcRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GcResponse(_message.Message):
+    __slots__ = ("layers", "manifests", "bytes_freed", "uppers_released")
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    MANIFESTS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FREED_FIELD_NUMBER: _ClassVar[int]
+    UPPERS_RELEASED_FIELD_NUMBER: _ClassVar[int]
+    layers: int
+    manifests: int
+    bytes_freed: int
+    uppers_released: int
+    def __init__(self, layers: _Optional[int] = ..., manifests: _Optional[int] = ..., bytes_freed: _Optional[int] = ..., uppers_released: _Optional[int] = ...) -> None: ...
+
+class Usage(_message.Message):
+    __slots__ = ("hot", "cold", "uppers", "staging", "metadata", "snapshots", "total")
+    HOT_FIELD_NUMBER: _ClassVar[int]
+    COLD_FIELD_NUMBER: _ClassVar[int]
+    UPPERS_FIELD_NUMBER: _ClassVar[int]
+    STAGING_FIELD_NUMBER: _ClassVar[int]
+    METADATA_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    hot: int
+    cold: int
+    uppers: int
+    staging: int
+    metadata: int
+    snapshots: int
+    total: int
+    def __init__(self, hot: _Optional[int] = ..., cold: _Optional[int] = ..., uppers: _Optional[int] = ..., staging: _Optional[int] = ..., metadata: _Optional[int] = ..., snapshots: _Optional[int] = ..., total: _Optional[int] = ...) -> None: ...
+
+class DiskUsageRequest(_message.Message):
+    __slots__ = ("namespace", "stack")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    STACK_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    stack: str
+    def __init__(self, namespace: _Optional[str] = ..., stack: _Optional[str] = ...) -> None: ...
+
+class StackUsage(_message.Message):
+    __slots__ = ("stack", "usage")
+    STACK_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    stack: str
+    usage: Usage
+    def __init__(self, stack: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+
+class DiskUsageResponse(_message.Message):
+    __slots__ = ("total", "stacks")
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    STACKS_FIELD_NUMBER: _ClassVar[int]
+    total: Usage
+    stacks: _containers.RepeatedCompositeFieldContainer[StackUsage]
+    def __init__(self, total: _Optional[_Union[Usage, _Mapping]] = ..., stacks: _Optional[_Iterable[_Union[StackUsage, _Mapping]]] = ...) -> None: ...
+
+class BlameRequest(_message.Message):
+    __slots__ = ("namespace", "stack", "branch", "path")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    STACK_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    stack: str
+    branch: str
+    path: bytes
+    def __init__(self, namespace: _Optional[str] = ..., stack: _Optional[str] = ..., branch: _Optional[str] = ..., path: _Optional[bytes] = ...) -> None: ...
+
+class BlameRange(_message.Message):
+    __slots__ = ("start", "end", "owner", "session")
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    end: int
+    owner: str
+    session: int
+    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ..., owner: _Optional[str] = ..., session: _Optional[int] = ...) -> None: ...
+
+class BlameResponse(_message.Message):
+    __slots__ = ("stack", "branch", "manifest", "path", "digest", "lines", "layer", "layer_kind", "ranges")
+    STACK_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    LINES_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    LAYER_KIND_FIELD_NUMBER: _ClassVar[int]
+    RANGES_FIELD_NUMBER: _ClassVar[int]
+    stack: str
+    branch: str
+    manifest: int
+    path: str
+    digest: str
+    lines: int
+    layer: int
+    layer_kind: str
+    ranges: _containers.RepeatedCompositeFieldContainer[BlameRange]
+    def __init__(self, stack: _Optional[str] = ..., branch: _Optional[str] = ..., manifest: _Optional[int] = ..., path: _Optional[str] = ..., digest: _Optional[str] = ..., lines: _Optional[int] = ..., layer: _Optional[int] = ..., layer_kind: _Optional[str] = ..., ranges: _Optional[_Iterable[_Union[BlameRange, _Mapping]]] = ...) -> None: ...
+
+class DiffRequest(_message.Message):
+    __slots__ = ("namespace", "stack", "to", "at_layer", "session_id", "container", "patch")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    STACK_FIELD_NUMBER: _ClassVar[int]
+    FROM_FIELD_NUMBER: _ClassVar[int]
+    TO_FIELD_NUMBER: _ClassVar[int]
+    AT_LAYER_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_FIELD_NUMBER: _ClassVar[int]
+    PATCH_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    stack: str
+    to: str
+    at_layer: int
+    session_id: int
+    container: str
+    patch: bool
+    def __init__(self, namespace: _Optional[str] = ..., stack: _Optional[str] = ..., to: _Optional[str] = ..., at_layer: _Optional[int] = ..., session_id: _Optional[int] = ..., container: _Optional[str] = ..., patch: _Optional[bool] = ..., **kwargs) -> None: ...
+
+class DiffEntry(_message.Message):
+    __slots__ = ("path", "raw_path", "change", "old_kind", "new_kind", "old_size", "new_size", "old_mode", "new_mode", "patch")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RAW_PATH_FIELD_NUMBER: _ClassVar[int]
+    CHANGE_FIELD_NUMBER: _ClassVar[int]
+    OLD_KIND_FIELD_NUMBER: _ClassVar[int]
+    NEW_KIND_FIELD_NUMBER: _ClassVar[int]
+    OLD_SIZE_FIELD_NUMBER: _ClassVar[int]
+    NEW_SIZE_FIELD_NUMBER: _ClassVar[int]
+    OLD_MODE_FIELD_NUMBER: _ClassVar[int]
+    NEW_MODE_FIELD_NUMBER: _ClassVar[int]
+    PATCH_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    raw_path: bytes
+    change: str
+    old_kind: str
+    new_kind: str
+    old_size: int
+    new_size: int
+    old_mode: int
+    new_mode: int
+    patch: str
+    def __init__(self, path: _Optional[str] = ..., raw_path: _Optional[bytes] = ..., change: _Optional[str] = ..., old_kind: _Optional[str] = ..., new_kind: _Optional[str] = ..., old_size: _Optional[int] = ..., new_size: _Optional[int] = ..., old_mode: _Optional[int] = ..., new_mode: _Optional[int] = ..., patch: _Optional[str] = ...) -> None: ...
+
+class DiffReply(_message.Message):
+    __slots__ = ("old", "new", "entries")
+    OLD_FIELD_NUMBER: _ClassVar[int]
+    NEW_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    old: str
+    new: str
+    entries: _containers.RepeatedCompositeFieldContainer[DiffEntry]
+    def __init__(self, old: _Optional[str] = ..., new: _Optional[str] = ..., entries: _Optional[_Iterable[_Union[DiffEntry, _Mapping]]] = ...) -> None: ...
+
+class ShowConflictsRequest(_message.Message):
+    __slots__ = ("namespace", "container", "session_id")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    container: str
+    session_id: int
+    def __init__(self, namespace: _Optional[str] = ..., container: _Optional[str] = ..., session_id: _Optional[int] = ...) -> None: ...
+
+class ConflictEntry(_message.Message):
+    __slots__ = ("path", "raw_path", "reason", "text", "blocks", "note")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RAW_PATH_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    raw_path: bytes
+    reason: str
+    text: bytes
+    blocks: int
+    note: str
+    def __init__(self, path: _Optional[str] = ..., raw_path: _Optional[bytes] = ..., reason: _Optional[str] = ..., text: _Optional[bytes] = ..., blocks: _Optional[int] = ..., note: _Optional[str] = ...) -> None: ...
+
+class ConflictsReply(_message.Message):
+    __slots__ = ("session", "entries")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    session: Session
+    entries: _containers.RepeatedCompositeFieldContainer[ConflictEntry]
+    def __init__(self, session: _Optional[_Union[Session, _Mapping]] = ..., entries: _Optional[_Iterable[_Union[ConflictEntry, _Mapping]]] = ...) -> None: ...
+
+class RebaseSessionRequest(_message.Message):
+    __slots__ = ("namespace", "container", "session_id")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    container: str
+    session_id: int
+    def __init__(self, namespace: _Optional[str] = ..., container: _Optional[str] = ..., session_id: _Optional[int] = ...) -> None: ...
+
+class MarkedPath(_message.Message):
+    __slots__ = ("path", "blocks")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    blocks: int
+    def __init__(self, path: _Optional[str] = ..., blocks: _Optional[int] = ...) -> None: ...
+
+class RebaseSessionResponse(_message.Message):
+    __slots__ = ("session", "head", "merged", "marked")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    HEAD_FIELD_NUMBER: _ClassVar[int]
+    MERGED_FIELD_NUMBER: _ClassVar[int]
+    MARKED_FIELD_NUMBER: _ClassVar[int]
+    session: Session
+    head: int
+    merged: _containers.RepeatedScalarFieldContainer[str]
+    marked: _containers.RepeatedCompositeFieldContainer[MarkedPath]
+    def __init__(self, session: _Optional[_Union[Session, _Mapping]] = ..., head: _Optional[int] = ..., merged: _Optional[_Iterable[str]] = ..., marked: _Optional[_Iterable[_Union[MarkedPath, _Mapping]]] = ...) -> None: ...
+
+class GraphGroup(_message.Message):
+    __slots__ = ("name", "stack", "branch", "root", "created_ns")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    STACK_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_FIELD_NUMBER: _ClassVar[int]
+    ROOT_FIELD_NUMBER: _ClassVar[int]
+    CREATED_NS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    stack: str
+    branch: str
+    root: str
+    created_ns: int
+    def __init__(self, name: _Optional[str] = ..., stack: _Optional[str] = ..., branch: _Optional[str] = ..., root: _Optional[str] = ..., created_ns: _Optional[int] = ...) -> None: ...
+
+class Node(_message.Message):
+    __slots__ = ("id", "group", "kind", "manifest", "state", "parents", "attempt", "command", "labels", "has_exit_status", "exit_status", "private_bytes", "base_digest", "pruned", "created_ns")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ID_FIELD_NUMBER: _ClassVar[int]
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    HAS_EXIT_STATUS_FIELD_NUMBER: _ClassVar[int]
+    EXIT_STATUS_FIELD_NUMBER: _ClassVar[int]
+    PRIVATE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    BASE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    PRUNED_FIELD_NUMBER: _ClassVar[int]
+    CREATED_NS_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    group: str
+    kind: str
+    manifest: int
+    state: str
+    parents: _containers.RepeatedScalarFieldContainer[str]
+    attempt: int
+    command: str
+    labels: _containers.ScalarMap[str, str]
+    has_exit_status: bool
+    exit_status: int
+    private_bytes: int
+    base_digest: str
+    pruned: bool
+    created_ns: int
+    def __init__(self, id: _Optional[str] = ..., group: _Optional[str] = ..., kind: _Optional[str] = ..., manifest: _Optional[int] = ..., state: _Optional[str] = ..., parents: _Optional[_Iterable[str]] = ..., attempt: _Optional[int] = ..., command: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., has_exit_status: _Optional[bool] = ..., exit_status: _Optional[int] = ..., private_bytes: _Optional[int] = ..., base_digest: _Optional[str] = ..., pruned: _Optional[bool] = ..., created_ns: _Optional[int] = ...) -> None: ...
+
+class Attempt(_message.Message):
+    __slots__ = ("id", "node", "session", "status", "key", "result_node", "message", "created_ns", "ended_ns")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    RESULT_NODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    CREATED_NS_FIELD_NUMBER: _ClassVar[int]
+    ENDED_NS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    node: str
+    session: int
+    status: str
+    key: str
+    result_node: str
+    message: str
+    created_ns: int
+    ended_ns: int
+    def __init__(self, id: _Optional[int] = ..., node: _Optional[str] = ..., session: _Optional[int] = ..., status: _Optional[str] = ..., key: _Optional[str] = ..., result_node: _Optional[str] = ..., message: _Optional[str] = ..., created_ns: _Optional[int] = ..., ended_ns: _Optional[int] = ...) -> None: ...
+
+class Graph(_message.Message):
+    __slots__ = ("group", "nodes", "attempts")
+    GROUP_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    group: GraphGroup
+    nodes: _containers.RepeatedCompositeFieldContainer[Node]
+    attempts: _containers.RepeatedCompositeFieldContainer[Attempt]
+    def __init__(self, group: _Optional[_Union[GraphGroup, _Mapping]] = ..., nodes: _Optional[_Iterable[_Union[Node, _Mapping]]] = ..., attempts: _Optional[_Iterable[_Union[Attempt, _Mapping]]] = ...) -> None: ...
+
+class CreateGraphRequest(_message.Message):
+    __slots__ = ("namespace", "stack", "branch", "name", "key")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    STACK_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    stack: str
+    branch: str
+    name: str
+    key: str
+    def __init__(self, namespace: _Optional[str] = ..., stack: _Optional[str] = ..., branch: _Optional[str] = ..., name: _Optional[str] = ..., key: _Optional[str] = ...) -> None: ...
+
+class ListGraphsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListGraphsResponse(_message.Message):
+    __slots__ = ("graphs",)
+    GRAPHS_FIELD_NUMBER: _ClassVar[int]
+    graphs: _containers.RepeatedCompositeFieldContainer[GraphGroup]
+    def __init__(self, graphs: _Optional[_Iterable[_Union[GraphGroup, _Mapping]]] = ...) -> None: ...
+
+class ShowGraphRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class ShowNodeRequest(_message.Message):
+    __slots__ = ("id",)
+    ID_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    def __init__(self, id: _Optional[str] = ...) -> None: ...
+
+class StartAttemptRequest(_message.Message):
+    __slots__ = ("node", "owner", "key", "policy")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    owner: str
+    key: str
+    policy: str
+    def __init__(self, node: _Optional[str] = ..., owner: _Optional[str] = ..., key: _Optional[str] = ..., policy: _Optional[str] = ...) -> None: ...
+
+class RetryAttemptRequest(_message.Message):
+    __slots__ = ("attempt", "owner", "key", "policy")
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    attempt: int
+    owner: str
+    key: str
+    policy: str
+    def __init__(self, attempt: _Optional[int] = ..., owner: _Optional[str] = ..., key: _Optional[str] = ..., policy: _Optional[str] = ...) -> None: ...
+
+class AttemptResponse(_message.Message):
+    __slots__ = ("attempt", "session", "mounts", "created")
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    MOUNTS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    attempt: Attempt
+    session: Session
+    mounts: _containers.RepeatedCompositeFieldContainer[Mount]
+    created: bool
+    def __init__(self, attempt: _Optional[_Union[Attempt, _Mapping]] = ..., session: _Optional[_Union[Session, _Mapping]] = ..., mounts: _Optional[_Iterable[_Union[Mount, _Mapping]]] = ..., created: _Optional[bool] = ...) -> None: ...
+
+class ListAttemptsRequest(_message.Message):
+    __slots__ = ("node",)
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    def __init__(self, node: _Optional[str] = ...) -> None: ...
+
+class ListAttemptsResponse(_message.Message):
+    __slots__ = ("attempts",)
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    attempts: _containers.RepeatedCompositeFieldContainer[Attempt]
+    def __init__(self, attempts: _Optional[_Iterable[_Union[Attempt, _Mapping]]] = ...) -> None: ...
+
+class CheckpointRequest(_message.Message):
+    __slots__ = ("session_id", "namespace", "container", "state", "command", "has_exit_status", "exit_status", "key")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    COMMAND_FIELD_NUMBER: _ClassVar[int]
+    HAS_EXIT_STATUS_FIELD_NUMBER: _ClassVar[int]
+    EXIT_STATUS_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    namespace: str
+    container: str
+    state: str
+    command: str
+    has_exit_status: bool
+    exit_status: int
+    key: str
+    def __init__(self, session_id: _Optional[int] = ..., namespace: _Optional[str] = ..., container: _Optional[str] = ..., state: _Optional[str] = ..., command: _Optional[str] = ..., has_exit_status: _Optional[bool] = ..., exit_status: _Optional[int] = ..., key: _Optional[str] = ...) -> None: ...
+
+class MergeNodesRequest(_message.Message):
+    __slots__ = ("a", "b", "state", "key")
+    A_FIELD_NUMBER: _ClassVar[int]
+    B_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    a: str
+    b: str
+    state: str
+    key: str
+    def __init__(self, a: _Optional[str] = ..., b: _Optional[str] = ..., state: _Optional[str] = ..., key: _Optional[str] = ...) -> None: ...
+
+class MergeNodesResponse(_message.Message):
+    __slots__ = ("node", "session")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    node: Node
+    session: Session
+    def __init__(self, node: _Optional[_Union[Node, _Mapping]] = ..., session: _Optional[_Union[Session, _Mapping]] = ...) -> None: ...
+
+class PromoteNodeRequest(_message.Message):
+    __slots__ = ("node", "branch", "key", "stack", "namespace")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    STACK_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    branch: str
+    key: str
+    stack: str
+    namespace: str
+    def __init__(self, node: _Optional[str] = ..., branch: _Optional[str] = ..., key: _Optional[str] = ..., stack: _Optional[str] = ..., namespace: _Optional[str] = ...) -> None: ...
+
+class PruneNodeRequest(_message.Message):
+    __slots__ = ("node", "key")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    key: str
+    def __init__(self, node: _Optional[str] = ..., key: _Optional[str] = ...) -> None: ...
+
+class PruneNodeResponse(_message.Message):
+    __slots__ = ("pruned",)
+    PRUNED_FIELD_NUMBER: _ClassVar[int]
+    pruned: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, pruned: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class SetNodeRequest(_message.Message):
+    __slots__ = ("namespace", "container", "node", "key")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    container: str
+    node: str
+    key: str
+    def __init__(self, namespace: _Optional[str] = ..., container: _Optional[str] = ..., node: _Optional[str] = ..., key: _Optional[str] = ...) -> None: ...

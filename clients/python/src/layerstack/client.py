@@ -1,0 +1,697 @@
+"""The LayerStack client: Mode B sessions and the SandboxGraph over the admin API.
+
+Everything the daemon answers goes over gRPC (``api/proto/admin.proto``) on the
+admin socket. The parts that need namespaces — attaching a session's overlay,
+starting its init, joining it for another command — are done by the
+``layerstack`` binary (``session run|create|exec``), which this client drives
+as a subprocess: a Python process cannot receive the detached mount and
+``setns`` into a session portably. Those calls need root, as the binary does.
+
+The binary is found in ``bin_dir`` (argument), else ``$LAYERSTACK_BIN_DIR``,
+else on ``$PATH``.
+
+Idempotency: every mutating call of the graph (``create_graph``,
+``checkpoint``, ``merge``, ``promote``, ``prune``, ``start_attempt``,
+``retry``) and session creation (``run``, ``create_session``) take ``key=``: the
+same key twice gives the first call's answer and one effect, also across a
+daemon restart. ``close_session``, ``publish`` and ``discard`` end a session's
+run; the proto gives them no key (a second call answers the recorded outcome or
+refuses; see their docs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, List, Mapping, Optional, Sequence, TypeVar, Union
+
+import grpc
+
+from layerstack._pb import admin_pb2 as pb
+from layerstack._pb import admin_pb2_grpc as pb_grpc
+from layerstack.errors import CommandError, FailedPreconditionError, LayerStackError, from_rpc_error
+from layerstack.types import (
+    Attempt,
+    AttemptStart,
+    DryRun,
+    ExecResult,
+    Graph,
+    GraphInfo,
+    MergeResult,
+    Node,
+    PathVerdict,
+    PromoteResult,
+    RunResult,
+    Session,
+    Status,
+)
+
+__all__ = ["Client", "connect", "DEFAULT_ADMIN_ADDRESS", "State"]
+
+#: The daemon's default admin socket.
+DEFAULT_ADMIN_ADDRESS = "/run/layerstack/admin.sock"
+
+#: A node's logical state: a JSON object, as a dict or as its JSON text.
+State = Union[Mapping[str, Any], str]
+
+_T = TypeVar("_T")
+
+_PUBLISH_POLICIES = ("on-exit", "on-success", "never", "checkpoint")
+_CLOSE_POLICIES = {
+    "auto": pb.AUTO,
+    "publish": pb.PUBLISH,
+    "discard": pb.DISCARD,
+    "checkpoint": pb.CHECKPOINT,
+}
+
+
+def _state_json(state: Optional[State]) -> str:
+    if state is None:
+        return ""
+    if isinstance(state, str):
+        return state
+    return json.dumps(dict(state), sort_keys=True, separators=(",", ":"))
+
+
+def _check_policy(policy: Optional[str]) -> str:
+    if policy is None:
+        return ""
+    if policy not in _PUBLISH_POLICIES:
+        raise ValueError(f"publish policy {policy!r}: give one of {', '.join(_PUBLISH_POLICIES)}")
+    return policy
+
+
+def connect(
+    admin_address: Union[str, "os.PathLike[str]"] = DEFAULT_ADMIN_ADDRESS,
+    *,
+    namespace: str = "default",
+    bin_dir: Union[str, "os.PathLike[str]", None] = None,
+    mount_address: Union[str, "os.PathLike[str]", None] = None,
+    timeout_s: Optional[float] = 180.0,
+) -> "Client":
+    """A client of the daemon at ``admin_address`` (a unix socket path).
+
+    Args:
+        admin_address: the admin socket (default ``/run/layerstack/admin.sock``).
+        namespace: the containerd namespace images and stacks are named in.
+        bin_dir: where the ``layerstack`` binary is (default: ``$LAYERSTACK_BIN_DIR``,
+            else ``$PATH``); only the session calls that run commands need it.
+        mount_address: the daemon's mount socket (default: ``mount.sock`` beside the
+            admin socket).
+        timeout_s: deadline of each unary RPC in seconds (``None``: none).
+            ``wait`` and the session calls have their own.
+
+    The connection is lazy: an unreachable daemon shows on the first call as
+    :class:`~layerstack.errors.UnavailableError`. Use the client as a context
+    manager, or call :meth:`Client.close`.
+    """
+    return Client(
+        admin_address,
+        namespace=namespace,
+        bin_dir=bin_dir,
+        mount_address=mount_address,
+        timeout_s=timeout_s,
+    )
+
+
+class Client:
+    """See :func:`connect`."""
+
+    def __init__(
+        self,
+        admin_address: Union[str, "os.PathLike[str]"] = DEFAULT_ADMIN_ADDRESS,
+        *,
+        namespace: str = "default",
+        bin_dir: Union[str, "os.PathLike[str]", None] = None,
+        mount_address: Union[str, "os.PathLike[str]", None] = None,
+        timeout_s: Optional[float] = 180.0,
+    ) -> None:
+        self.admin_address = Path(admin_address)
+        self.namespace = namespace
+        self.mount_address = Path(mount_address) if mount_address is not None else None
+        self.timeout_s = timeout_s
+        self._bin_dir = Path(bin_dir) if bin_dir is not None else None
+        # grpc-core's default :authority for a unix target is the socket path,
+        # which the daemon's HTTP/2 server (hyper) refuses as malformed
+        # (RST_STREAM PROTOCOL_ERROR): name a plain host instead.
+        self._channel = grpc.insecure_channel(
+            f"unix:{self.admin_address}", options=[("grpc.default_authority", "localhost")]
+        )
+        # The generated stub is untyped (grpcio-tools writes no .pyi for it).
+        self._stub: Any = pb_grpc.AdminStub(self._channel)  # type: ignore[no-untyped-call]
+
+    # ------------------------------------------------------------------ plumbing
+
+    def close(self) -> None:
+        """Closes the gRPC channel."""
+        self._channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, fn: Callable[..., _T], req: Any, timeout_s: Optional[float] = -1.0) -> _T:
+        t = self.timeout_s if timeout_s == -1.0 else timeout_s
+        try:
+            return fn(req, timeout=t)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    def binary(self) -> Path:
+        """The ``layerstack`` binary this client drives; :class:`CommandError` if none."""
+        d = self._bin_dir or (
+            Path(os.environ["LAYERSTACK_BIN_DIR"]) if os.environ.get("LAYERSTACK_BIN_DIR") else None
+        )
+        if d is not None:
+            p = d / "layerstack"
+            if p.is_file():
+                return p
+            raise CommandError(["layerstack"], None, f"layerstack: no layerstack binary in {d}")
+        w = shutil.which("layerstack")
+        if w is None:
+            raise CommandError(
+                ["layerstack"],
+                None,
+                "layerstack: the layerstack binary is not on PATH (set bin_dir or LAYERSTACK_BIN_DIR)",
+            )
+        return Path(w)
+
+    def _argv(self, *args: str) -> List[str]:
+        a = [str(self.binary()), "--admin-address", str(self.admin_address), "-n", self.namespace]
+        if self.mount_address is not None:
+            a += ["--mount-address", str(self.mount_address)]
+        return a + list(args)
+
+    @staticmethod
+    def _process_args(
+        user: Optional[str], workdir: Optional[str], env: Optional[Mapping[str, str]]
+    ) -> List[str]:
+        a: List[str] = []
+        if user is not None:
+            a += ["--user", user]
+        if workdir is not None:
+            a += ["--workdir", workdir]
+        for k, v in (env or {}).items():
+            a += ["--env", f"{k}={v}"]
+        return a
+
+    # ------------------------------------------------------------------ daemon
+
+    def status(self) -> Status:
+        """The daemon's status (version, store root, containerd, Mode B cap)."""
+        return Status.from_pb(self._call(self._stub.Status, pb.StatusRequest()))
+
+    # ------------------------------------------------------------------ Mode B
+
+    def _finish_checkpoint(
+        self,
+        s: Session,
+        *,
+        state: Optional[State],
+        command: Optional[str],
+        exit_status: Optional[int],
+        patience_s: float = 30.0,
+    ) -> Session:
+        """A close that should have checkpointed but found the upper still mounted
+        (the daemon records outcome ``failed``, keeps the upper, and says
+        "checkpoint again or discard": its close does not wait for the holder's
+        namespaces on that path): checkpoints again, while the upper is still
+        mounted for at most ``patience_s``. Returns the session naming the node."""
+        if (
+            s.checkpoint_node is not None
+            or s.policy != "checkpoint"
+            or s.outcome != "failed"
+            or "still mounted" not in s.message
+        ):
+            return s
+        deadline = time.monotonic() + patience_s
+        delay = 0.05
+        while True:
+            try:
+                node = self.checkpoint(s.id, state=state, command=command, exit_status=exit_status)
+                break
+            except FailedPreconditionError as e:
+                if "still mounted" not in e.message or time.monotonic() > deadline:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 1.0)
+        try:
+            s = self.wait(s.id, timeout_ms=1000)
+        except LayerStackError:
+            pass
+        if s.checkpoint_node != node.id:
+            s = dataclasses.replace(s, message=f"checkpointed as node {node.id}")
+        return s
+
+    def run(
+        self,
+        cmd: Sequence[str],
+        *,
+        stack: Optional[str] = None,
+        branch: Optional[str] = None,
+        node: Optional[str] = None,
+        publish: Optional[str] = None,
+        state: Optional[State] = None,
+        key: Optional[str] = None,
+        name: Optional[str] = None,
+        mount_at: Optional[str] = None,
+        net: str = "host",
+        user: Optional[str] = None,
+        workdir: Optional[str] = None,
+        env: Optional[Mapping[str, str]] = None,
+        input: Optional[bytes] = None,
+        wait_timeout_s: int = 600,
+        timeout_s: Optional[float] = None,
+    ) -> RunResult:
+        """Runs ``cmd`` in a new Mode B session and ends it by its exit policy.
+
+        The session leases ``stack``'s ``branch`` head (an image reference, stack id
+        or base digest; default branch: the daemon's), or with ``node`` a
+        SandboxGraph node: the run is then a new attempt of it.
+
+        Args:
+            cmd: the command and its arguments (``["sh", "-c", "…"]``).
+            publish: on-exit (default) | on-success | never | checkpoint (the
+                default with ``node``: the writes become a child node).
+            state: with checkpoint: the child node's logical state (a JSON object).
+            key: idempotency key of the session (a retried create makes no second one).
+            name: owner label, the session is ``sandbox:<name>``.
+            mount_at: workspace mode: mount the session at this directory and keep the
+                caller's root (its tools work on the tree) instead of making it the root.
+            net: ``host`` (the caller's network) or ``none`` (only ``lo``).
+            user: ``UID[:GID]``; workdir: the command's working directory; env: extra
+                variables (root mode starts from a container's defaults).
+            input: bytes for the command's stdin (default: none, /dev/null).
+            wait_timeout_s: wait at most this long (s) for a slot under the cap of live
+                sandbox sessions; 0: fail at once.
+            timeout_s: kill the session (its holder) after this many seconds.
+
+        Returns:
+            :class:`RunResult`: the exit status (127 not found, 126 not executable,
+            128+n killed by signal n), stdout, stderr and the session's outcome
+            (``.node`` the child node when it checkpointed).
+
+        Raises:
+            CommandError: the session could not be started (the binary's exit 125
+                without an outcome), e.g. an unknown stack or node, a pruned node.
+            subprocess.TimeoutExpired: ``timeout_s`` passed.
+        """
+        if (stack is None) == (node is None):
+            raise ValueError("give exactly one of stack= and node=")
+        a: List[str] = ["session", "run"]
+        if stack is not None:
+            a.append(f"{stack}@{branch}" if branch else stack)
+        else:
+            assert node is not None
+            a += ["--node", node]
+        if publish is not None:
+            a += ["--publish", _check_policy(publish)]
+        if state is not None:
+            a += ["--state", _state_json(state)]
+        if key:
+            a += ["--idempotency-key", key]
+        if name:
+            a += ["--name", name]
+        if mount_at is not None:
+            a += ["--mount-at", str(mount_at)]
+        if net != "host":
+            a += ["--net", net]
+        if wait_timeout_s == 0:
+            a.append("--no-wait")
+        else:
+            a += ["--wait-timeout", str(wait_timeout_s)]
+        a += self._process_args(user, workdir, env)
+        with tempfile.TemporaryDirectory(prefix="layerstack-py-") as d:
+            outcome = Path(d) / "outcome.json"
+            argv = self._argv(*a, "--outcome", str(outcome), "--", *cmd)
+            p = subprocess.run(
+                argv,
+                input=input,
+                stdin=None if input is not None else subprocess.DEVNULL,
+                capture_output=True,
+                timeout=timeout_s,
+            )
+            if not outcome.is_file() or outcome.stat().st_size == 0:
+                raise CommandError(argv, p.returncode, p.stderr.decode(errors="replace"))
+            v = json.loads(outcome.read_text())
+        lines = p.stderr.split(b"\n")
+        # The binary's outcome line is the last one ("layerstack: session N …").
+        while lines and lines[-1] == b"":
+            lines.pop()
+        if lines and lines[-1].startswith(b"layerstack: session "):
+            lines.pop()
+        stderr = b"\n".join(lines) + (b"\n" if lines else b"")
+        session = Session.from_json(v)
+        if node is not None:
+            session = self._finish_checkpoint(
+                session, state=state, command=" ".join(cmd), exit_status=p.returncode
+            )
+        return RunResult(exit_status=p.returncode, stdout=p.stdout, stderr=stderr, session=session)
+
+    def create_session(
+        self,
+        stack: Optional[str] = None,
+        *,
+        branch: Optional[str] = None,
+        node: Optional[str] = None,
+        publish: Optional[str] = None,
+        key: Optional[str] = None,
+        name: Optional[str] = None,
+        mount_at: Optional[str] = None,
+        net: str = "host",
+        wait_timeout_s: int = 600,
+        timeout_s: Optional[float] = 180.0,
+    ) -> Session:
+        """Creates a Mode B session that stays mounted, its init running in the
+        background, for :meth:`exec`; end it with :meth:`close_session`.
+
+        Arguments as :meth:`run` (``stack`` or ``node``). Returns the session
+        (``state`` active).
+
+        Raises:
+            CommandError: it could not be created or set up (the message says why).
+        """
+        if (stack is None) == (node is None):
+            raise ValueError("give exactly one of stack and node=")
+        a: List[str] = ["session", "create", "--json"]
+        if stack is not None:
+            a.append(f"{stack}@{branch}" if branch else stack)
+        else:
+            assert node is not None
+            a += ["--node", node]
+        if publish is not None:
+            a += ["--publish", _check_policy(publish)]
+        if key:
+            a += ["--idempotency-key", key]
+        if name:
+            a += ["--name", name]
+        if mount_at is not None:
+            a += ["--mount-at", str(mount_at)]
+        if net != "host":
+            a += ["--net", net]
+        if wait_timeout_s == 0:
+            a.append("--no-wait")
+        else:
+            a += ["--wait-timeout", str(wait_timeout_s)]
+        argv = self._argv(*a)
+        # The init stays in the background: its output must not hold our pipes open.
+        with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+            p = subprocess.run(
+                argv, stdin=subprocess.DEVNULL, stdout=out, stderr=err, timeout=timeout_s
+            )
+            out.seek(0)
+            err.seek(0)
+            stdout, stderr = out.read(), err.read()
+        if p.returncode != 0:
+            raise CommandError(argv, p.returncode, stderr.decode(errors="replace"))
+        return Session.from_json(json.loads(stdout))
+
+    def exec(
+        self,
+        session_id: int,
+        cmd: Sequence[str],
+        *,
+        user: Optional[str] = None,
+        workdir: Optional[str] = None,
+        env: Optional[Mapping[str, str]] = None,
+        input: Optional[bytes] = None,
+        timeout_s: Optional[float] = None,
+    ) -> ExecResult:
+        """Runs ``cmd`` in live session ``session_id`` (made by :meth:`create_session`),
+        joining its namespaces; its writes go to the session's upper.
+
+        Returns the exit status and output. Raises :class:`CommandError` when the
+        session cannot be joined (closed, unknown): the binary's exit 1 with its
+        ``layerstack: …`` message as the last line on stderr.
+        """
+        argv = self._argv(
+            "session",
+            "exec",
+            str(session_id),
+            *self._process_args(user, workdir, env),
+            "--",
+            *cmd,
+        )
+        p = subprocess.run(
+            argv,
+            input=input,
+            stdin=None if input is not None else subprocess.DEVNULL,
+            capture_output=True,
+            timeout=timeout_s,
+        )
+        last = p.stderr.rstrip(b"\n").rsplit(b"\n", 1)[-1]
+        if p.returncode == 1 and last.startswith(b"layerstack: "):
+            raise CommandError(argv, p.returncode, p.stderr.decode(errors="replace"))
+        return ExecResult(exit_status=p.returncode, stdout=p.stdout, stderr=p.stderr)
+
+    def close_session(
+        self,
+        session_id: int,
+        *,
+        policy: str = "auto",
+        exit_status: Optional[int] = None,
+        state: Optional[State] = None,
+        command: Optional[str] = None,
+        reason: str = "python client close",
+        timeout_s: Optional[float] = 600.0,
+    ) -> Session:
+        """Ends a Mode B session: stops its holder, waits until its upper is unmounted
+        everywhere, ends its run and releases it.
+
+        Args:
+            policy: ``auto`` (the recorded exit policy applied to ``exit_status``;
+                without one on-success discards), ``publish``, ``discard``, or
+                ``checkpoint`` (a child node of the session's attempt node).
+            exit_status: the status the recorded policy applies to.
+            state: when the close checkpoints: the child node's state (JSON object).
+            command: provenance recorded on the child node.
+
+        Returns the session with its outcome (``.checkpoint_node`` when it checkpointed).
+
+        Raises:
+            NotFoundError: no such session.
+            FailedPreconditionError: checkpoint of a session that is not a running attempt.
+        """
+        if policy not in _CLOSE_POLICIES:
+            raise ValueError(f"close policy {policy!r}: give one of {', '.join(_CLOSE_POLICIES)}")
+        req = pb.CloseSessionRequest(
+            session_id=session_id,
+            policy=_CLOSE_POLICIES[policy],
+            reason=reason,
+            has_exit_status=exit_status is not None,
+            exit_status=exit_status or 0,
+            state=_state_json(state),
+            command=command or "",
+        )
+        s = Session.from_pb(self._call(self._stub.CloseSession, req, timeout_s))
+        if policy in ("auto", "checkpoint"):
+            s = self._finish_checkpoint(s, state=state, command=command, exit_status=exit_status)
+        return s
+
+    def wait(self, session_id: int, *, timeout_ms: int = 0) -> Session:
+        """Blocks until session ``session_id`` has an outcome for its current run
+        (``timeout_ms`` 0: forever). Raises :class:`LayerStackError` (kind
+        ``deadline-exceeded``) when it runs out, NotFoundError for no such session."""
+        req = pb.WaitRequest(session_id=session_id, timeout_ms=timeout_ms)
+        return Session.from_pb(self._call(self._stub.Wait, req, None))
+
+    def publish(self, session_id: int, *, reason: str = "python client publish") -> Session:
+        """Captures and publishes the session now through the gate (its upper must be
+        unmounted everywhere: a stopped container, a closed holder). Returns the
+        session: ``outcome`` committed | merged | no-change | conflict (``conflicts``).
+
+        Raises FailedPreconditionError while the upper is still mounted."""
+        req = pb.PublishRequest(session_id=session_id, policy=pb.PUBLISH, reason=reason)
+        return Session.from_pb(self._call(self._stub.Publish, req))
+
+    def discard(self, session_id: int, *, reason: str = "python client discard") -> Session:
+        """Drops the session's writes (outcome ``discarded``)."""
+        req = pb.PublishRequest(session_id=session_id, policy=pb.DISCARD, reason=reason)
+        return Session.from_pb(self._call(self._stub.Publish, req))
+
+    def dry_run(self, session_id: int) -> DryRun:
+        """What :meth:`publish` would do now, changing nothing: the would-be outcome
+        (``session.dry_run`` True) and every path's verdict, in path order."""
+        req = pb.PublishRequest(session_id=session_id, policy=pb.PUBLISH)
+        t = self.timeout_s
+        session: Optional[Session] = None
+        paths: List[PathVerdict] = []
+        try:
+            for reply in self._stub.PublishDryRun(req, timeout=t):
+                if reply.HasField("session"):
+                    session = Session.from_pb(reply.session)
+                paths.extend(PathVerdict.from_pb(v) for v in reply.paths)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        if session is None:
+            raise LayerStackError(None, "internal", "the dry run's stream carried no session")
+        return DryRun(session=session, paths=tuple(paths))
+
+    def list_sessions(
+        self,
+        *,
+        namespace: Optional[str] = None,
+        all_namespaces: bool = False,
+        owner_kind: str = "",
+    ) -> List[Session]:
+        """Sessions, oldest first (every page): of ``namespace`` (default the
+        client's; ``all_namespaces`` for every one), of ``owner_kind`` container |
+        sandbox | operation ("" all)."""
+        out: List[Session] = []
+        token = ""
+        while True:
+            req = pb.ListSessionsRequest(
+                namespace=self.namespace if namespace is None and not all_namespaces else (namespace or ""),
+                all_namespaces=all_namespaces,
+                owner_kind=owner_kind,
+                page_token=token,
+            )
+            r = self._call(self._stub.ListSessions, req)
+            out.extend(Session.from_pb(s) for s in r.sessions)
+            if not r.next_page_token:
+                return out
+            token = r.next_page_token
+
+    def outcome_paths(self, outcome_id: int, *, status: str = "") -> Iterator[PathVerdict]:
+        """Every path verdict of a recorded outcome (``Session.outcome_id``), in path
+        order, fetched a page at a time; ``status`` filters (clean | merged |
+        conflict | excluded)."""
+        token = ""
+        while True:
+            req = pb.ListOutcomePathsRequest(outcome_id=outcome_id, status=status, page_token=token)
+            r = self._call(self._stub.ListOutcomePaths, req)
+            for v in r.paths:
+                yield PathVerdict.from_pb(v)
+            if not r.next_page_token:
+                return
+            token = r.next_page_token
+
+    # ------------------------------------------------------------------ SandboxGraph
+
+    def create_graph(
+        self, name: str, stack: str, *, branch: str = "", key: Optional[str] = None
+    ) -> Graph:
+        """Creates graph ``name`` whose root node is ``stack``'s ``branch`` head
+        (default branch: the daemon's). Returns the graph (``.root`` the root node).
+
+        Raises AlreadyExistsError when the name is taken (without the first call's
+        ``key``), NotFoundError for an unknown stack or branch."""
+        req = pb.CreateGraphRequest(
+            namespace=self.namespace, stack=stack, branch=branch, name=name, key=key or ""
+        )
+        return Graph.from_pb(self._call(self._stub.CreateGraph, req))
+
+    def list_graphs(self) -> List[GraphInfo]:
+        """Every graph."""
+        r = self._call(self._stub.ListGraphs, pb.ListGraphsRequest())
+        return [GraphInfo.from_pb(g) for g in r.graphs]
+
+    def show_graph(self, name: str) -> Graph:
+        """Graph ``name``: its nodes (pruned ones too) and attempts. NotFoundError if none."""
+        return Graph.from_pb(self._call(self._stub.ShowGraph, pb.ShowGraphRequest(name=name)))
+
+    def graph_dot(self, name: str) -> str:
+        """Graph ``name`` in Graphviz dot (``layerstack graph show --dot``; render with
+        ``dot -Tsvg``)."""
+        argv = self._argv("graph", "show", name, "--dot")
+        p = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
+        if p.returncode != 0:
+            raise CommandError(argv, p.returncode, p.stderr.decode(errors="replace"))
+        return p.stdout.decode()
+
+    def show_node(self, node_id: str) -> Node:
+        """Node ``node_id``. NotFoundError if none."""
+        return Node.from_pb(self._call(self._stub.ShowNode, pb.ShowNodeRequest(id=node_id)))
+
+    def checkpoint(
+        self,
+        session_id: int,
+        *,
+        state: Optional[State] = None,
+        command: Optional[str] = None,
+        exit_status: Optional[int] = None,
+        key: Optional[str] = None,
+    ) -> Node:
+        """Turns a stopped attempt's writes into a child node of its node (no gate, no
+        copy). ``state``: the child's logical state (a JSON object, default {}).
+
+        Raises FailedPreconditionError when the session is not a stopped running
+        attempt (still mounted, already ended)."""
+        req = pb.CheckpointRequest(
+            session_id=session_id,
+            state=_state_json(state),
+            command=command or "",
+            has_exit_status=exit_status is not None,
+            exit_status=exit_status or 0,
+            key=key or "",
+        )
+        return Node.from_pb(self._call(self._stub.Checkpoint, req))
+
+    def merge(
+        self, a: str, b: str, *, state: Optional[State] = None, key: Optional[str] = None
+    ) -> MergeResult:
+        """Merges node ``b`` into node ``a`` over their lowest common ancestor (gate
+        rules). A conflict is an answer, not an error: ``node`` None and the
+        merge's ``session`` naming the paths."""
+        req = pb.MergeNodesRequest(a=a, b=b, state=_state_json(state), key=key or "")
+        return MergeResult.from_pb(self._call(self._stub.MergeNodes, req))
+
+    def promote(
+        self, node: str, branch: str = "", *, stack: str = "", key: Optional[str] = None
+    ) -> PromoteResult:
+        """Moves ``branch`` (default: the branch the node's graph was made on) to the
+        node's root: fast-forward, a merge publish, or refused whole (``result``
+        "conflict", ``refused`` True) when newer work on the branch conflicts —
+        a stale node never overwrites it.
+
+        Raises InvalidArgumentError when ``stack`` is given and is not the node's."""
+        req = pb.PromoteNodeRequest(
+            node=node, branch=branch, key=key or "", stack=stack, namespace=self.namespace
+        )
+        return PromoteResult.from_pb(self._call(self._stub.PromoteNode, req))
+
+    def prune(self, node: str, *, key: Optional[str] = None) -> List[str]:
+        """Prunes ``node``'s subtree (collectable unless leased, a branch or a live
+        attempt reaches it). Returns the pruned node ids."""
+        r = self._call(self._stub.PruneNode, pb.PruneNodeRequest(node=node, key=key or ""))
+        return list(r.pruned)
+
+    def start_attempt(
+        self,
+        node: str,
+        *,
+        owner: str = "",
+        policy: str = "",
+        key: Optional[str] = None,
+    ) -> AttemptStart:
+        """Starts an attempt of ``node`` in a new session leasing its root, for a
+        client that mounts ``mounts`` itself (``run(node=…)`` and
+        ``create_session(node=…)`` do it for you). ``policy``: the exit policy
+        recorded on the session (default checkpoint)."""
+        req = pb.StartAttemptRequest(node=node, owner=owner, key=key or "", policy=policy)
+        return AttemptStart.from_pb(self._call(self._stub.StartAttempt, req))
+
+    def list_attempts(self, node: str) -> List[Attempt]:
+        """The attempts of ``node``, oldest first."""
+        r = self._call(self._stub.ListAttempts, pb.ListAttemptsRequest(node=node))
+        return [Attempt.from_pb(a) for a in r.attempts]
+
+    def retry(
+        self,
+        attempt: int,
+        *,
+        owner: str = "",
+        policy: str = "",
+        key: Optional[str] = None,
+    ) -> AttemptStart:
+        """A new attempt of the same node as ``attempt`` (as :meth:`start_attempt`)."""
+        req = pb.RetryAttemptRequest(attempt=attempt, owner=owner, key=key or "", policy=policy)
+        return AttemptStart.from_pb(self._call(self._stub.RetryAttempt, req))
