@@ -192,6 +192,9 @@ impl Engine {
     ) -> Result<SessionInfo, EngineError> {
         match self.checkpoint_locked(id, state, prov, None).await {
             Ok(_) => self.session(id).await,
+            // Not a failed step: the caller may wait for the holder's mount to
+            // go (a sandbox close retries) and checkpoint then.
+            Err(e @ EngineError::Mounted(..)) => Err(e),
             Err(e) => {
                 warn!(session.id = id, error = %error_chain(&e), "checkpoint failed");
                 let rec = failed_checkpoint(&e);

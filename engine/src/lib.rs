@@ -241,6 +241,35 @@ impl Engine {
         Ok(())
     }
 
+    /// Waits up to `within` for `s`'s upper to be unmounted in every mount
+    /// namespace, polling the census with a backoff of 1 ms doubling to 100 ms.
+    /// For callers that know the run has ended (its task was deleted, its holder
+    /// is gone, its snapshot removed) but may look while another namespace still
+    /// holds a transient copy of the mount: a `runc init` starting a sibling
+    /// container clones the host's mount table, ours included, and drops it only
+    /// when it detaches its old root, some milliseconds later.
+    ///
+    /// Errors: [`EngineError::Mounted`] when it is still mounted after `within`;
+    /// [`EngineError::Census`].
+    pub(crate) async fn settle_quiescent(
+        &self,
+        s: &SessionInfo,
+        within: Duration,
+    ) -> Result<(), EngineError> {
+        let deadline = tokio::time::Instant::now() + within;
+        let mut attempt = 0u32;
+        loop {
+            if !self.upper_mounted(&s.upper).await? {
+                return Ok(());
+            }
+            if tokio::time::Instant::now() >= deadline {
+                return Err(EngineError::Mounted(s.id, s.upper.clone()));
+            }
+            tokio::time::sleep(Duration::from_millis((1u64 << attempt.min(7)).min(100))).await;
+            attempt += 1;
+        }
+    }
+
     /// Creates a session for `owner` on `stack`, leasing `target`; with
     /// `idempotency_key`, the same key returns the first call's session. Returns
     /// the session, its mount spec, and whether it was created now.
@@ -309,9 +338,10 @@ impl Engine {
         if !s.released || !s.remove_pending {
             return Ok(());
         }
+        // Every run ends with an outcome, an empty one too (`no-change`, or
+        // `discarded` by its policy): a `layerstack wait` on it must answer.
         let unfinished = !s.run_finished() && s.outcome.is_none() && s.lease_manifest.is_some();
-        let empty = self.blocking(move |st| st.upper_is_empty(id)).await?;
-        if unfinished && !empty {
+        if unfinished {
             self.finish_locked(&s, None, None, "snapshot removed")
                 .await?;
         }

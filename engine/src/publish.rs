@@ -40,6 +40,11 @@ use crate::index::{head_changes, index_of, query_for, records};
 use crate::policy::{self, Decision, Policy};
 use crate::{Engine, EngineSettings};
 
+/// How long a run that has ended waits for its upper to leave every mount
+/// namespace before its publish is refused as [`EngineError::Mounted`]
+/// (`Engine::settle_quiescent`): transient copies last milliseconds.
+pub const SETTLE_AFTER_EXIT: Duration = Duration::from_secs(5);
+
 /// What a dry run found: the would-be outcome and every path's verdict.
 #[derive(Debug, Clone)]
 pub struct DryRun {
@@ -413,6 +418,11 @@ impl Engine {
         exit_status: Option<u32>,
         why: &str,
     ) -> Result<SessionInfo, EngineError> {
+        if !session.run_finished() && session.lease_manifest.is_some() {
+            // The run has ended (task deleted, holder gone, snapshot removed):
+            // a mount still seen now is a transient copy in another namespace.
+            self.settle_quiescent(session, SETTLE_AFTER_EXIT).await?;
+        }
         match exit_decision(session, label, exit_status) {
             Ok((Decision::Publish, reason)) => {
                 self.publish_locked(session.id, &format!("{why}: {reason}"))

@@ -588,6 +588,68 @@ async fn a_released_session_with_writes_is_published_by_its_policy() {
     assert!(head.lookup(b"refused").unwrap().is_none());
 }
 
+/// A removed session that wrote nothing still ends its run with an outcome:
+/// a `layerstack wait` on it answers instead of timing out.
+#[tokio::test]
+async fn a_released_session_without_writes_ends_with_an_outcome() {
+    if !have_root("a_released_session_without_writes_ends_with_an_outcome") {
+        return;
+    }
+    let t = tmp();
+    let (store, s) = setup_n(t.path(), 1);
+    let p = engine(&store);
+    store.remove("ns/3/a").unwrap();
+    p.session_released(s[0].id);
+    let done = p
+        .wait(s[0].id, Some(std::time::Duration::from_secs(10)))
+        .await
+        .unwrap();
+    let outcome = done.and_then(|x| x.outcome).map(|o| o.kind);
+    assert_eq!(outcome, Some(OutcomeKind::NoChange));
+}
+
+/// A run that has ended but whose upper another mount namespace still holds
+/// for a moment (a sibling's `runc init` cloned the mount table) is published
+/// once that copy is gone, not refused as mounted.
+#[tokio::test]
+async fn an_ended_run_waits_out_a_transient_mount_in_another_namespace() {
+    if !have_root("an_ended_run_waits_out_a_transient_mount_in_another_namespace") {
+        return;
+    }
+    let t = tmp();
+    let (store, s) = setup_n(t.path(), 1);
+    write(&s[0].upper, "late", b"1\n");
+    let (lower, target) = (t.path().join("lower"), t.path().join("mnt"));
+    std::fs::create_dir_all(&lower).unwrap();
+    std::fs::create_dir_all(&target).unwrap();
+    let opts = format!(
+        "lowerdir={},upperdir={},workdir={}",
+        lower.display(),
+        s[0].upper.display(),
+        s[0].work.display()
+    );
+    let mut holder = std::process::Command::new("unshare")
+        .args(["--mount", "--propagation", "private", "sh", "-c"])
+        .arg(format!(
+            "mount -t overlay overlay -o {opts} {} && sleep 0.6",
+            target.display()
+        ))
+        .spawn()
+        .unwrap();
+    let p = engine(&store);
+    let t0 = std::time::Instant::now();
+    while !p.upper_mounted(&s[0].upper).await.unwrap() {
+        assert!(t0.elapsed().as_secs() < 10, "the holder never mounted");
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+    let done = p.finish(s[0].id, None, Some(0), "task deleted").await;
+    assert!(holder.wait().unwrap().success());
+    let kind = done.unwrap().outcome.map(|o| o.kind);
+    assert_eq!(kind, Some(OutcomeKind::Committed));
+    let head = publisher::LayerView::new(store.branch_layers("ns/sha256:aaa", "main").unwrap());
+    assert!(head.lookup(b"late").unwrap().is_some());
+}
+
 #[test]
 fn exit_decisions_follow_recorded_policy_then_label() {
     let mut s = SessionInfo {

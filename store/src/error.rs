@@ -111,6 +111,10 @@ pub enum StoreError {
     BranchNotFound { stack: String, branch: String },
     #[error("layer {0} not found")]
     LayerNotFound(LayerId),
+    /// Another named thing (a graph, a node) that does not exist; the message
+    /// names it and where to look.
+    #[error("{0}")]
+    NotFound(String),
     #[error(
         "session {0} holds no lease (nothing mounted since its last outcome): nothing to publish"
     )]
@@ -152,7 +156,8 @@ impl StoreError {
             | Self::SessionNotFound(_)
             | Self::StackNotFound(_)
             | Self::BranchNotFound { .. }
-            | Self::LayerNotFound(_) => ErrorKind::NotFound,
+            | Self::LayerNotFound(_)
+            | Self::NotFound(_) => ErrorKind::NotFound,
             Self::SnapshotExists(_) => ErrorKind::AlreadyExists,
             Self::NoLease(_) | Self::FailedPrecondition(_) => ErrorKind::FailedPrecondition,
             Self::HeadMoved { .. } => ErrorKind::Conflict,

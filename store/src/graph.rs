@@ -244,7 +244,7 @@ fn get_node(conn: &Connection, id: &str) -> Result<NodeInfo, StoreError> {
         )
         .optional()?
         .ok_or_else(|| {
-            StoreError::InvalidArgument(format!(
+            StoreError::NotFound(format!(
                 "node {id:?} does not exist (see `layerstack graph show`)"
             ))
         })?;
@@ -313,7 +313,7 @@ fn get_group(conn: &Connection, name: &str) -> Result<GroupInfo, StoreError> {
     )
     .optional()?
     .ok_or_else(|| {
-        StoreError::InvalidArgument(format!(
+        StoreError::NotFound(format!(
             "graph {name:?} does not exist (see `layerstack graph ls`)"
         ))
     })
@@ -552,7 +552,9 @@ impl Store {
                 )
                 .optional()?
                 .ok_or_else(|| {
-                    StoreError::InvalidArgument(format!("attempt {id} does not exist"))
+                    StoreError::NotFound(format!(
+                        "attempt {id} does not exist (see `layerstack attempt ls NODE`)"
+                    ))
                 })?;
             attempt_from(raw)
         })

@@ -99,12 +99,11 @@ def test_publish_and_discard_of_an_unmounted_session(env: Env, ls: layerstack.Cl
 
 
 def test_errors_are_typed_with_the_grpc_code_and_the_daemons_message(env: Env, ls: layerstack.Client) -> None:
-    # The daemon answers an unknown node id as a bad argument (the store's
-    # "does not exist" maps to INVALID_ARGUMENT today), with its message.
+    # An unknown node id is NOT_FOUND (errdefs not-found), with the daemon's message.
     with pytest.raises(layerstack.LayerStackError) as e:
         ls.show_node("no-such-node")
-    assert isinstance(e.value, layerstack.InvalidArgumentError)
-    assert e.value.code == grpc.StatusCode.INVALID_ARGUMENT and e.value.kind == "invalid-argument"
+    assert isinstance(e.value, layerstack.NotFoundError)
+    assert e.value.code == grpc.StatusCode.NOT_FOUND and e.value.kind == "not-found"
     assert "no-such-node" in e.value.message and "does not exist" in e.value.message
     name = unique("no-such-graph")
     with pytest.raises(layerstack.LayerStackError) as e:

@@ -21,13 +21,11 @@ refuses; see their docs).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
 import subprocess
 import tempfile
-import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, List, Mapping, Optional, Sequence, TypeVar, Union
 
@@ -35,7 +33,7 @@ import grpc
 
 from layerstack._pb import admin_pb2 as pb
 from layerstack._pb import admin_pb2_grpc as pb_grpc
-from layerstack.errors import CommandError, FailedPreconditionError, LayerStackError, from_rpc_error
+from layerstack.errors import CommandError, LayerStackError, from_rpc_error
 from layerstack.types import (
     Attempt,
     AttemptStart,
@@ -211,46 +209,6 @@ class Client:
 
     # ------------------------------------------------------------------ Mode B
 
-    def _finish_checkpoint(
-        self,
-        s: Session,
-        *,
-        state: Optional[State],
-        command: Optional[str],
-        exit_status: Optional[int],
-        patience_s: float = 30.0,
-    ) -> Session:
-        """A close that should have checkpointed but found the upper still mounted
-        (the daemon records outcome ``failed``, keeps the upper, and says
-        "checkpoint again or discard": its close does not wait for the holder's
-        namespaces on that path): checkpoints again, while the upper is still
-        mounted for at most ``patience_s``. Returns the session naming the node."""
-        if (
-            s.checkpoint_node is not None
-            or s.policy != "checkpoint"
-            or s.outcome != "failed"
-            or "still mounted" not in s.message
-        ):
-            return s
-        deadline = time.monotonic() + patience_s
-        delay = 0.05
-        while True:
-            try:
-                node = self.checkpoint(s.id, state=state, command=command, exit_status=exit_status)
-                break
-            except FailedPreconditionError as e:
-                if "still mounted" not in e.message or time.monotonic() > deadline:
-                    raise
-                time.sleep(delay)
-                delay = min(delay * 2, 1.0)
-        try:
-            s = self.wait(s.id, timeout_ms=1000)
-        except LayerStackError:
-            pass
-        if s.checkpoint_node != node.id:
-            s = dataclasses.replace(s, message=f"checkpointed as node {node.id}")
-        return s
-
     def run(
         self,
         cmd: Sequence[str],
@@ -350,10 +308,6 @@ class Client:
             lines.pop()
         stderr = b"\n".join(lines) + (b"\n" if lines else b"")
         session = Session.from_json(v)
-        if node is not None:
-            session = self._finish_checkpoint(
-                session, state=state, command=" ".join(cmd), exit_status=p.returncode
-            )
         return RunResult(exit_status=p.returncode, stdout=p.stdout, stderr=stderr, session=session)
 
     def create_session(
@@ -491,10 +445,7 @@ class Client:
             state=_state_json(state),
             command=command or "",
         )
-        s = Session.from_pb(self._call(self._stub.CloseSession, req, timeout_s))
-        if policy in ("auto", "checkpoint"):
-            s = self._finish_checkpoint(s, state=state, command=command, exit_status=exit_status)
-        return s
+        return Session.from_pb(self._call(self._stub.CloseSession, req, timeout_s))
 
     def wait(self, session_id: int, *, timeout_ms: int = 0) -> Session:
         """Blocks until session ``session_id`` has an outcome for its current run
