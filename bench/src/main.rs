@@ -140,6 +140,8 @@ fn run() -> Result<bool> {
     .trim()
     .to_string();
     let profiler = profile::Profiler::probe(&layerstack_integration::tmp_base(), !cli.no_profile);
+    // P7 holds 1,024 Mode B sessions live at once; the default cap is 256.
+    layerstack_integration::set_daemon_args(&["--sandbox-max-sessions", "2048"]);
     let bench = env::Bench::start(cli.quick, profiler)?;
     let machine = machine::Machine::probe(
         &bench.env.store_root(),

@@ -18,8 +18,6 @@ use crate::profile::ProfileSummary;
 pub enum Status {
     /// Measured.
     Ok,
-    /// Not measured because the feature does not exist yet (never faked).
-    NotAvailable(String),
     /// An error stopped it (a real failure: the program exits non-zero).
     Failed(String),
 }
@@ -228,7 +226,6 @@ impl Report {
             if s.targets.is_empty() {
                 let why = match &s.status {
                     Status::Ok => "no target".to_string(),
-                    Status::NotAvailable(r) => format!("not available: {r}"),
                     Status::Failed(e) => format!("failed: {e}"),
                 };
                 let _ = writeln!(
@@ -257,9 +254,6 @@ impl Report {
             let _ = writeln!(o, "## {} {}\n", s.id.to_uppercase(), s.title);
             match &s.status {
                 Status::Ok => {}
-                Status::NotAvailable(r) => {
-                    let _ = writeln!(o, "**Not available:** {r}\n");
-                }
                 Status::Failed(e) => {
                     let _ = writeln!(o, "**Failed:** `{}`\n", e.replace('`', "'"));
                 }
