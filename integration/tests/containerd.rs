@@ -1253,7 +1253,9 @@ fn a_session_of_150000_files_publishes_and_its_verdicts_are_paged() {
         let script = "mkdir -p /srv/npm && cd /srv/npm && seq -f 'pkg%06g' 1 150000 | xargs touch";
         let id = unique("npm-install");
         run_sh(env, NS, &id, Some("npm"), true, script)?;
-        let out = layerstack_wait(env, NS, &id, &["--json"])?;
+        // Capture and sealing of 150,000 files take ~30 s on a quiet 2-core
+        // machine (debug build) and well over the usual 60 s wait on a loaded one.
+        let out = env.layerstack(&["wait", &id, "--timeout", "170", "--namespace", NS, "--json"])?;
         ensure!(
             out.status.success(),
             "wait --json: {}",
