@@ -298,7 +298,7 @@ pub fn nerdctl(e: &Endpoints) -> Result<String, SnippetError> {
          # `nerdctl run --rm` returns, pass the runtime shim on each run:\n\
          #   nerdctl run --runtime {RUNTIME_TYPE} …\n\
          # nerdctl cannot set snapshot labels; choose a branch with the container label\n\
-         # `--label layerstack.branch=NAME` (the shim reads it).\n"
+         # `--label layerstack.branch=NAME` (the daemon reads it when it first mounts the rootfs).\n"
     ))
 }
 
