@@ -335,8 +335,9 @@ impl<'a> Pod<'a> {
         Ok(id)
     }
 
-    /// Polls ContainerStatus until the container is `want`; returns its exit code.
-    fn wait_state(&self, id: &str, want: ContainerState) -> Result<i32> {
+    /// Polls ContainerStatus until container `id` (named `name`) is `want`;
+    /// returns its exit code.
+    fn wait_state(&self, id: &str, name: &str, want: ContainerState) -> Result<i32> {
         let deadline = Instant::now() + Duration::from_secs(60);
         loop {
             let mut c = self.cri.runtime.clone();
@@ -357,7 +358,7 @@ impl<'a> Pod<'a> {
             if Instant::now() >= deadline {
                 bail!(
                     "container {id} not {want:?} after 60s: {st:?}; its log:\n{}",
-                    self.container_log(id)
+                    self.container_log(name)
                 );
             }
             std::thread::sleep(Duration::from_millis(50));
@@ -525,13 +526,19 @@ fn publish_and_next_pod_sees_it(
     by: BranchBy,
 ) -> Result<()> {
     let branch = unique(&format!("cri-{handler}"));
-    let token = format!("written by a pod on {handler} at {:?}", Instant::now());
+    let token = format!(
+        "{branch}: written by a pod on {handler} (test pid {})",
+        std::process::id()
+    );
     // 1. A pod whose container writes on `branch`.
     let writer_name = unique("writer");
     let mut pod = Pod::run(cri, env, &unique("pod-w"), handler, by.pod(&branch))?;
-    let script = format!("mkdir -p /data && printf '%s\\n' '{token}' > /data/out.txt");
+    // A path of this scenario's own: a failed scenario that published to main
+    // must not fail the next one's "main does not see it".
+    let file = format!("/data/{branch}.txt");
+    let script = format!("mkdir -p /data && printf '%s\\n' '{token}' > {file}");
     let writer = pod.start_container(&writer_name, &script, by.container(&branch))?;
-    let code = pod.wait_state(&writer, ContainerState::ContainerExited)?;
+    let code = pod.wait_state(&writer, &writer_name, ContainerState::ContainerExited)?;
     ensure!(
         code == 0,
         "writer exited {code}; its log:\n{}",
@@ -565,17 +572,17 @@ fn publish_and_next_pod_sees_it(
     let mut pod = Pod::run(cri, env, &unique("pod-r"), handler, by.pod(&branch))?;
     let reader_name = unique("reader");
     let reader = pod.start_container(&reader_name, "exec sleep 600", by.container(&branch))?;
-    pod.wait_state(&reader, ContainerState::ContainerRunning)?;
+    pod.wait_state(&reader, &reader_name, ContainerState::ContainerRunning)?;
     let mut main_pod = Pod::run(cri, env, &unique("pod-m"), handler, HashMap::new())?;
     let other_name = unique("other");
     let other = main_pod.start_container(&other_name, "exec sleep 600", Meta::default())?;
-    main_pod.wait_state(&other, ContainerState::ContainerRunning)?;
-    let (code, out, err) = pod.exec(&reader, &["cat", "/data/out.txt"])?;
+    main_pod.wait_state(&other, &other_name, ContainerState::ContainerRunning)?;
+    let (code, out, err) = pod.exec(&reader, &["cat", &file])?;
     ensure!(
         code == 0 && out == format!("{token}\n"),
         "the next pod's container on {branch} reads {out:?} (exit {code}, stderr {err:?}), wanted {token:?}"
     );
-    let (code, out, _) = main_pod.exec(&other, &["cat", "/data/out.txt"])?;
+    let (code, out, _) = main_pod.exec(&other, &["cat", &file])?;
     ensure!(
         code != 0,
         "a container on main sees the file written on {branch}: {out:?}"

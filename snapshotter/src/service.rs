@@ -81,11 +81,19 @@ impl LayerStackSnapshotter {
             return Ok(());
         }
         let looked_up = tokio::time::timeout(CONTAINER_BRANCH_TIMEOUT, async {
-            let mut ch = self.channel.lock().await;
-            if ch.is_none() {
-                *ch = Some(crate::containerd::connect(address).await?);
-            }
-            let ch = ch.clone().expect("connected above");
+            // The lock only hands out the (cloneable) channel: lookups of many
+            // sessions run side by side.
+            let ch = {
+                let mut cached = self.channel.lock().await;
+                match cached.as_ref() {
+                    Some(ch) => ch.clone(),
+                    None => {
+                        let ch = crate::containerd::connect(address).await?;
+                        *cached = Some(ch.clone());
+                        ch
+                    }
+                }
+            };
             crate::containerd::container_branch(&ch, namespace, id).await
         })
         .await;
