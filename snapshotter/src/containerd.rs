@@ -525,4 +525,19 @@ mod tests {
         assert_eq!(chain_id(&[a, b]), Some(expect));
         assert_eq!(chain_id(&[]), None);
     }
+
+    #[test]
+    fn spec_annotations_are_read_from_an_oci_spec() {
+        // As containerd's CRI writes a container's spec: the pod annotation passed
+        // through (`pod_annotations`) beside CRI's own.
+        let spec = br#"{"ociVersion":"1.0.2-dev","process":{"args":["sh"]},
+            "annotations":{"io.kubernetes.cri.container-type":"container",
+            "layerstack.branch":" exp-7 "}}"#;
+        let a = spec_annotations(spec).unwrap();
+        assert_eq!(policy::branch_from_labels(&a), Some("exp-7"));
+        // No annotations, or not a spec: nothing.
+        let none = spec_annotations(br#"{"ociVersion":"1.0.2"}"#).unwrap();
+        assert_eq!(policy::branch_from_labels(&none), None);
+        assert!(spec_annotations(b"not json").is_none());
+    }
 }
