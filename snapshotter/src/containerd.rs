@@ -533,10 +533,10 @@ mod tests {
         let spec = br#"{"ociVersion":"1.0.2-dev","process":{"args":["sh"]},
             "annotations":{"io.kubernetes.cri.container-type":"container",
             "layerstack.branch":" exp-7 "}}"#;
-        let a = spec_annotations(spec).unwrap();
+        let a = spec_annotations(spec).expect("a spec");
         assert_eq!(policy::branch_from_labels(&a), Some("exp-7"));
         // No annotations, or not a spec: nothing.
-        let none = spec_annotations(br#"{"ociVersion":"1.0.2"}"#).unwrap();
+        let none = spec_annotations(br#"{"ociVersion":"1.0.2"}"#).expect("a spec");
         assert_eq!(policy::branch_from_labels(&none), None);
         assert!(spec_annotations(b"not json").is_none());
     }
