@@ -42,6 +42,10 @@ pub const RUNTIME_TYPE: &str = "io.containerd.layerstack.v1";
 /// The CRI runtime handler (a Kubernetes RuntimeClass's `handler`) and Docker
 /// runtime name that select the runtime shim.
 pub const RUNTIME_HANDLER: &str = "layerstack";
+/// The container label and pod/container annotation that names a session's branch
+/// (`layerstack_engine::policy::BRANCH_LABEL`; this crate does not depend on the
+/// engine).
+pub const BRANCH_KEY: &str = "layerstack.branch";
 /// Where the generated shim settings go when the admin socket is not the default.
 pub const DEFAULT_SHIM_CONFIG: &str = "/etc/layerstack/shim.toml";
 
@@ -243,6 +247,9 @@ pub fn containerd(
             "plugins.'io.containerd.cri.v1.runtime'.containerd.runtimes",
         ),
     };
+    let passthrough = format!(
+        "  pod_annotations = [\"{BRANCH_KEY}\"]\n  container_annotations = [\"{BRANCH_KEY}\"]"
+    );
     let _ = writeln!(
         w,
         "\n# Kubernetes (CRI): pods' containers on the layerstack snapshotter, and the\n\
@@ -251,8 +258,13 @@ pub fn containerd(
          [{images}]\n  snapshotter = \"{SNAPSHOTTER}\"\n\
          # Naming any runtime replaces CRI's built-in list: keep runc (the default\n\
          # runtime handler; without it the CRI plugin does not load).\n\
+         # `{BRANCH_KEY}` in a pod's (or container's) annotations picks the session's\n\
+         # branch: CRI copies only the annotations listed here into the container's\n\
+         # OCI spec, where the daemon reads them.\n\
          [{runtimes}.runc]\n  runtime_type = \"io.containerd.runc.v2\"\n\
-         [{runtimes}.{RUNTIME_HANDLER}]\n  runtime_type = \"{RUNTIME_TYPE}\""
+         {passthrough}\n\
+         [{runtimes}.{RUNTIME_HANDLER}]\n  runtime_type = \"{RUNTIME_TYPE}\"\n\
+         {passthrough}"
     );
     if version != ContainerdVersion::V1_6 {
         let _ = writeln!(
@@ -286,7 +298,7 @@ pub fn nerdctl(e: &Endpoints) -> Result<String, SnippetError> {
          # `nerdctl run --rm` returns, pass the runtime shim on each run:\n\
          #   nerdctl run --runtime {RUNTIME_TYPE} …\n\
          # nerdctl cannot set snapshot labels; choose a branch with the container label\n\
-         # `--label layerstack.branch=NAME` (the shim reads it).\n"
+         # `--label layerstack.branch=NAME` (the daemon reads it when it first mounts the rootfs).\n"
     ))
 }
 
@@ -460,6 +472,15 @@ mod tests {
                 Some("io.containerd.layerstack.v1")
             );
             assert!(cri["runtimes"]["layerstack"].get("options").is_none());
+            for h in ["layerstack", "runc"] {
+                for key in ["pod_annotations", "container_annotations"] {
+                    assert_eq!(
+                        cri["runtimes"][h][key].as_array().map(Vec::as_slice),
+                        Some(&[toml::Value::from("layerstack.branch")][..]),
+                        "{h} {key}"
+                    );
+                }
+            }
             assert_eq!(
                 cri["runtimes"]["runc"]["runtime_type"].as_str(),
                 Some("io.containerd.runc.v2"),

@@ -43,6 +43,9 @@ pub const SOURCE_IMAGE: &str = "docker.io/layerstack/source:linux";
 pub const SMALL_SOURCE_IMAGE: &str = "docker.io/layerstack/source:small";
 /// Name of the busybox fixture image after import.
 pub const BUSYBOX_IMAGE: &str = "docker.io/layerstack/busybox:test";
+/// Name of the pod sandbox (pause-like) fixture image after import
+/// ([`pause_image_tar`]).
+pub const PAUSE_IMAGE: &str = "docker.io/layerstack/pause:test";
 /// The daemon binary.
 pub const DAEMON_BIN: &str = "containerd-layerstack-grpc";
 /// The operator CLI binary.
@@ -650,6 +653,13 @@ pub fn busybox_image_tar() -> Result<PathBuf> {
     fixture_once(&CELL, "make_busybox_image.sh", &[], "busybox-image.tar")
 }
 
+/// OCI archive of [`PAUSE_IMAGE`] (busybox sleeping until killed: containerd's
+/// CRI `sandbox_image` in the CRI tests), built once per process (cached on disk).
+pub fn pause_image_tar() -> Result<PathBuf> {
+    static CELL: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    fixture_once(&CELL, "make_pause_image.sh", &[], "pause-image.tar")
+}
+
 /// OCI archive of [`DEBIAN_IMAGE`], built once per process (cached on disk;
 /// the first build runs debootstrap and takes a minute or more).
 pub fn debian_image_tar() -> Result<PathBuf> {
@@ -727,7 +737,8 @@ impl Containerd {
     /// private settings, which win: `root`, `state`, `grpc.address`,
     /// `ttrpc.address`, debug logging. The CRI plugin is disabled unless `config`
     /// configures it; then its CNI directories are private too (CRI would
-    /// otherwise create `/etc/cni/net.d`).
+    /// otherwise create `/etc/cni/net.d`), and its streaming server listens on a
+    /// free port (not 10010, which a system containerd may hold).
     pub fn start_with_config(
         dir: &Path,
         layerstack_socket: &Path,
@@ -768,6 +779,7 @@ impl Containerd {
             cni.insert("bin_dir".into(), s(dir.join("cni").join("bin")));
             let mut cri = toml::Table::new();
             cri.insert("cni".into(), cni.into());
+            cri.insert("stream_server_port".into(), "0".into());
             let mut plugins = toml::Table::new();
             plugins.insert("io.containerd.grpc.v1.cri".into(), cri.into());
             private.insert("plugins".into(), plugins.into());
@@ -1219,6 +1231,33 @@ impl Drop for Daemon {
 // TestEnv: one temp dir, one containerd, (optionally) one daemon
 // ---------------------------------------------------------------------------
 
+/// Where a [`TestEnv`] puts things, for a containerd configuration made before
+/// containerd starts ([`set_containerd_config`]).
+pub struct EnvLayout<'a> {
+    /// The env's temp dir (containerd's is `c/` below it).
+    pub dir: &'a Path,
+    /// The daemon's snapshot socket (containerd's `proxy_plugins.layerstack`).
+    pub snapshot_socket: &'a Path,
+    /// The daemon's admin socket.
+    pub admin_socket: &'a Path,
+    /// The daemon's store root.
+    pub store_root: &'a Path,
+}
+
+/// Makes a containerd configuration for [`Containerd::start_with_config`].
+pub type ContainerdConfigFn = fn(&EnvLayout<'_>) -> Result<toml::Table>;
+
+static CONTAINERD_CONFIG: Mutex<Option<ContainerdConfigFn>> = Mutex::new(None);
+
+/// Every [`TestEnv`] this process starts from now on runs containerd from the
+/// configuration `make` returns (merged with the harness's private settings by
+/// [`Containerd::start_with_config`]) instead of the plain proxy-plugin one; a
+/// test binary sets it before its first env (e.g. `tests/cri.rs`: the generated
+/// configuration with the CRI plugin enabled).
+pub fn set_containerd_config(make: ContainerdConfigFn) {
+    *CONTAINERD_CONFIG.lock().unwrap_or_else(|e| e.into_inner()) = Some(make);
+}
+
 /// One temp dir with our daemon (started first) and a private containerd:
 ///
 /// ```text
@@ -1259,7 +1298,21 @@ impl TestEnv {
                 return Err(e);
             }
         };
-        let containerd = match Containerd::start_in(&dir.join("c"), &snap) {
+        let custom = *CONTAINERD_CONFIG.lock().unwrap_or_else(|e| e.into_inner());
+        let started = match custom {
+            Some(make) => {
+                let layout = EnvLayout {
+                    dir: &dir,
+                    snapshot_socket: &snap,
+                    admin_socket: &Daemon::admin_socket_for(&snap),
+                    store_root: &dir.join("store"),
+                };
+                make(&layout)
+                    .and_then(|config| Containerd::start_with_config(&dir.join("c"), &snap, config))
+            }
+            None => Containerd::start_in(&dir.join("c"), &snap),
+        };
+        let containerd = match started {
             Ok(c) => c,
             Err(e) => {
                 remove_tree(&dir);

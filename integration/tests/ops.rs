@@ -631,6 +631,17 @@ fn ops_generated_containerd_config_runs_containerd_1_6_with_the_proxy_and_cri() 
             cri["runtimes"]["runc"]["runtime_type"].as_str() == Some("io.containerd.runc.v2"),
             "{cri}"
         );
+        // The branch annotation passes through to the OCI spec on both handlers.
+        for h in ["layerstack", "runc"] {
+            for key in ["pod_annotations", "container_annotations"] {
+                ensure!(
+                    cri["runtimes"][h][key]
+                        .as_array()
+                        .is_some_and(|a| a.iter().any(|v| v.as_str() == Some("layerstack.branch"))),
+                    "{h} {key}: {cri}"
+                );
+            }
+        }
         ensure!(
             dump["proxy_plugins"]["layerstack"]["address"].as_str() == snap.to_str(),
             "{}",

@@ -26,6 +26,10 @@ use sha2::{Digest, Sha256};
 use tracing::{debug, info, warn};
 
 const NS_HEADER: &str = "containerd-namespace";
+/// A task delete whose upper is still mounted somewhere is published again after
+/// this, doubling up to 500 ms, for [`TASK_DELETE_RETRY_FOR`] in all.
+const TASK_DELETE_RETRY_FIRST: Duration = Duration::from_millis(50);
+const TASK_DELETE_RETRY_FOR: Duration = Duration::from_secs(5);
 
 fn with_ns<T>(ns: &str, msg: T) -> Request<T> {
     let mut r = Request::new(msg);
@@ -181,11 +185,34 @@ async fn handle_envelope(
         // container's label while its record exists (`ctr run --rm` may have
         // deleted it already); else on-exit.
         let label = label_policy(&ch, &ns, &ev.container_id, s.id).await;
-        let r = engine
-            .finish(s.id, label, Some(ev.exit_status), "task deleted")
-            .await;
-        if let Err(e) = r {
-            warn!(session.id = s.id, error = %error_chain(&e), "publish on task delete failed");
+        // The event can come while the rootfs still shows up in some mount
+        // namespace for a moment (seen with CRI pods of two containers, runc
+        // handler): the census is asked again, briefly, before giving up — the
+        // snapshot's Remove publishes a non-empty upper anyway.
+        let mut delay = TASK_DELETE_RETRY_FIRST;
+        let mut waited = Duration::ZERO;
+        loop {
+            let r = engine
+                .finish(s.id, label.clone(), Some(ev.exit_status), "task deleted")
+                .await;
+            match r {
+                Err(layerstack_engine::EngineError::Mounted(..))
+                    if waited < TASK_DELETE_RETRY_FOR =>
+                {
+                    debug!(
+                        session.id = s.id,
+                        "upper still mounted at task delete; asking again in {delay:?}"
+                    );
+                    tokio::time::sleep(delay).await;
+                    waited += delay;
+                    delay = (delay * 2).min(Duration::from_millis(500));
+                }
+                Err(e) => {
+                    warn!(session.id = s.id, error = %error_chain(&e), "publish on task delete failed");
+                    break;
+                }
+                Ok(_) => break,
+            }
         }
     });
 }
@@ -224,6 +251,57 @@ async fn container_labels(
             None
         }
     }
+}
+
+/// The branch container `id`'s record names, read when its session's rootfs is
+/// about to be mounted for the first time (the daemon's `Mounts`; ARCHITECTURE.md
+/// §6 step 1): its label `layerstack.branch` (`ctr run --label`, `nerdctl run
+/// --label`, CRI's `ContainerConfig.labels`), else the annotation of that name in
+/// its OCI spec — where containerd's CRI copies the pod's and the container's
+/// annotations that the runtime handler lists in `pod_annotations` /
+/// `container_annotations` (containerd `pkg/cri/server/container_create_linux.go`,
+/// `getPassthroughAnnotations`). A Kubernetes pod spec reaches CRI container
+/// metadata only through its annotations: the kubelet sets container labels of its
+/// own. `Ok(None)` when the record names no branch or is gone.
+pub async fn container_branch(
+    ch: &Channel,
+    ns: &str,
+    id: &str,
+) -> Result<Option<String>, ContainerdError> {
+    let mut c = ContainersClient::new(ch.clone());
+    let container = match c
+        .get(with_ns(ns, GetContainerRequest { id: id.to_string() }))
+        .await
+    {
+        Ok(r) => r.into_inner().container,
+        Err(st) if st.code() == Code::NotFound => None,
+        Err(st) => return Err(ContainerdError::Rpc(format!("get container {ns}/{id}"), st)),
+    };
+    let Some(container) = container else {
+        return Ok(None);
+    };
+    if let Some(b) = policy::branch_from_labels(&container.labels) {
+        return Ok(Some(b.to_string()));
+    }
+    let annotations = container
+        .spec
+        .as_ref()
+        .and_then(|any| spec_annotations(&any.value))
+        .unwrap_or_default();
+    Ok(policy::branch_from_labels(&annotations).map(str::to_string))
+}
+
+/// `annotations` of an OCI runtime spec (the JSON containerd keeps in a
+/// container's record); `None` if it does not parse.
+fn spec_annotations(spec: &[u8]) -> Option<std::collections::HashMap<String, String>> {
+    #[derive(serde::Deserialize)]
+    struct Spec {
+        #[serde(default)]
+        annotations: std::collections::HashMap<String, String>,
+    }
+    serde_json::from_slice::<Spec>(spec)
+        .ok()
+        .map(|s| s.annotations)
 }
 
 /// Publish sessions whose task is gone but that were never published (the daemon
@@ -446,5 +524,20 @@ mod tests {
         let expect = format!("sha256:{:x}", Sha256::digest(b"sha256:a sha256:b"));
         assert_eq!(chain_id(&[a, b]), Some(expect));
         assert_eq!(chain_id(&[]), None);
+    }
+
+    #[test]
+    fn spec_annotations_are_read_from_an_oci_spec() {
+        // As containerd's CRI writes a container's spec: the pod annotation passed
+        // through (`pod_annotations`) beside CRI's own.
+        let spec = br#"{"ociVersion":"1.0.2-dev","process":{"args":["sh"]},
+            "annotations":{"io.kubernetes.cri.container-type":"container",
+            "layerstack.branch":" exp-7 "}}"#;
+        let a = spec_annotations(spec).expect("a spec");
+        assert_eq!(policy::branch_from_labels(&a), Some("exp-7"));
+        // No annotations, or not a spec: nothing.
+        let none = spec_annotations(br#"{"ociVersion":"1.0.2"}"#).expect("a spec");
+        assert_eq!(policy::branch_from_labels(&none), None);
+        assert!(spec_annotations(b"not json").is_none());
     }
 }

@@ -392,6 +392,7 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
 
     let snapshots = containerd_snapshots::server(Arc::new(service::LayerStackSnapshotter::new(
         engine.clone(),
+        Some(cfg.containerd_address.clone()),
     )));
     let admin = layerstack_api::AdminServer::new(
         admin::AdminService::new(

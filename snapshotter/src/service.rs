@@ -10,28 +10,135 @@
 //! captured or renamed.
 
 use std::collections::{BTreeMap, HashMap};
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
+use containerd_client::tonic::transport::Channel;
 use containerd_snapshots::api::types::Mount;
 use containerd_snapshots::{Info, Kind, Snapshotter, Usage};
+use layerstack_api::policy;
 use layerstack_engine::store::{
-    snapshots::Removed, MountSpec, SnapshotInfo, SnapshotKind, Store, StoreError, SweepMode,
+    snapshots::Removed, MountSpec, Owner, SnapshotInfo, SnapshotKind, Store, StoreError, SweepMode,
 };
 use layerstack_engine::Engine;
 use tonic::Status;
-use tracing::debug;
+use tracing::{debug, info, warn};
 
 use crate::filters::Filters;
+
+/// How long `Mounts` waits for containerd's container record (the branch it names)
+/// before mounting the session where it is.
+const CONTAINER_BRANCH_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The proxy snapshotter served to containerd.
 pub struct LayerStackSnapshotter {
     engine: Arc<Engine>,
+    /// containerd's socket, where `Mounts` reads a container's branch; `None`: never.
+    containerd: Option<PathBuf>,
+    channel: tokio::sync::Mutex<Option<Channel>>,
 }
 
 impl LayerStackSnapshotter {
-    pub fn new(engine: Arc<Engine>) -> Self {
-        Self { engine }
+    /// `containerd`: containerd's socket, for the container label or OCI annotation
+    /// `layerstack.branch` of a session about to be mounted the first time
+    /// ([`crate::containerd::container_branch`]).
+    pub fn new(engine: Arc<Engine>, containerd: Option<PathBuf>) -> Self {
+        Self {
+            engine,
+            containerd,
+            channel: tokio::sync::Mutex::new(None),
+        }
+    }
+
+    /// Moves session `sid` to the branch its container's record names, if the run
+    /// was never mounted, leases a head, and no snapshot label pins its branch —
+    /// the runtime shim's `SetBranch` done by the daemon, so that a container label
+    /// or (through CRI) a pod annotation chooses the branch without the shim too.
+    /// containerd unreachable or slow: logged, the session stays where it is.
+    async fn apply_container_branch(&self, sid: i64) -> Result<(), Status> {
+        let Some(address) = &self.containerd else {
+            return Ok(());
+        };
+        let s = self.blocking(move |st| st.session(sid)).await?;
+        let Owner::Container { namespace, id } = &s.owner else {
+            return Ok(());
+        };
+        if s.outcome.is_some() || s.lease_manifest.is_none() || s.released {
+            return Ok(());
+        }
+        let empty = std::fs::read_dir(&s.upper)
+            .map(|mut d| d.next().is_none())
+            .unwrap_or(false);
+        if !empty {
+            return Ok(());
+        }
+        if self
+            .blocking(move |st| st.snapshot_branch_label(sid))
+            .await?
+            .is_some()
+        {
+            return Ok(());
+        }
+        let looked_up = tokio::time::timeout(CONTAINER_BRANCH_TIMEOUT, async {
+            // The lock only hands out the (cloneable) channel: lookups of many
+            // sessions run side by side.
+            let ch = {
+                let mut cached = self.channel.lock().await;
+                match cached.as_ref() {
+                    Some(ch) => ch.clone(),
+                    None => {
+                        let ch = crate::containerd::connect(address).await?;
+                        *cached = Some(ch.clone());
+                        ch
+                    }
+                }
+            };
+            crate::containerd::container_branch(&ch, namespace, id).await
+        })
+        .await;
+        let branch = match looked_up {
+            Ok(Ok(Some(b))) => b,
+            Ok(Ok(None)) => return Ok(()),
+            Ok(Err(e)) => {
+                warn!(session.id = sid, error = %layerstack_engine::error_chain(&e), "cannot read the container's branch label or annotation; mounting the session on its branch");
+                *self.channel.lock().await = None;
+                return Ok(());
+            }
+            Err(_) => {
+                warn!(session.id = sid, "containerd did not answer for the container's branch label or annotation in {CONTAINER_BRANCH_TIMEOUT:?}; mounting the session on its branch");
+                return Ok(());
+            }
+        };
+        if branch == s.branch {
+            return Ok(());
+        }
+        if self
+            .engine
+            .upper_mounted(&s.upper)
+            .await
+            .map_err(|e| layerstack_api::engine_status(&e))?
+        {
+            return Ok(());
+        }
+        let b = branch.clone();
+        let (info, _, changed) = self
+            .blocking(move |st| st.rebranch_session(sid, &b, false))
+            .await
+            .map_err(|e| {
+                Status::new(
+                    e.code(),
+                    format!(
+                        "{}={branch} on container {namespace}/{id}: {}",
+                        policy::BRANCH_LABEL,
+                        e.message()
+                    ),
+                )
+            })?;
+        if changed {
+            info!(session.id = sid, container = %format!("{namespace}/{id}"), branch = %info.branch, "session moved to the branch its container names ({})", policy::BRANCH_LABEL);
+        }
+        Ok(())
     }
 
     async fn blocking<T, F>(&self, f: F) -> Result<T, Status>
@@ -109,7 +216,11 @@ impl Snapshotter for LayerStackSnapshotter {
         debug!(snapshot.key = %key, "mounts");
         let k = key.clone();
         let _guard = match self.blocking(move |s| s.snapshot_session(&k)).await? {
-            Some(sid) => Some(self.engine.lock_session(sid).await),
+            Some(sid) => {
+                let g = self.engine.lock_session(sid).await;
+                self.apply_container_branch(sid).await?;
+                Some(g)
+            }
             None => None,
         };
         self.blocking(move |s| s.mounts(&key)).await.map(to_mounts)
