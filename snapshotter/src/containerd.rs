@@ -26,10 +26,6 @@ use sha2::{Digest, Sha256};
 use tracing::{debug, info, warn};
 
 const NS_HEADER: &str = "containerd-namespace";
-/// A task delete whose upper is still mounted somewhere is published again after
-/// this, doubling up to 500 ms, for [`TASK_DELETE_RETRY_FOR`] in all.
-const TASK_DELETE_RETRY_FIRST: Duration = Duration::from_millis(50);
-const TASK_DELETE_RETRY_FOR: Duration = Duration::from_secs(5);
 
 fn with_ns<T>(ns: &str, msg: T) -> Request<T> {
     let mut r = Request::new(msg);
@@ -186,33 +182,14 @@ async fn handle_envelope(
         // deleted it already); else on-exit.
         let label = label_policy(&ch, &ns, &ev.container_id, s.id).await;
         // The event can come while the rootfs still shows up in some mount
-        // namespace for a moment (seen with CRI pods of two containers, runc
-        // handler): the census is asked again, briefly, before giving up — the
-        // snapshot's Remove publishes a non-empty upper anyway.
-        let mut delay = TASK_DELETE_RETRY_FIRST;
-        let mut waited = Duration::ZERO;
-        loop {
-            let r = engine
-                .finish(s.id, label.clone(), Some(ev.exit_status), "task deleted")
-                .await;
-            match r {
-                Err(layerstack_engine::EngineError::Mounted(..))
-                    if waited < TASK_DELETE_RETRY_FOR =>
-                {
-                    debug!(
-                        session.id = s.id,
-                        "upper still mounted at task delete; asking again in {delay:?}"
-                    );
-                    tokio::time::sleep(delay).await;
-                    waited += delay;
-                    delay = (delay * 2).min(Duration::from_millis(500));
-                }
-                Err(e) => {
-                    warn!(session.id = s.id, error = %error_chain(&e), "publish on task delete failed");
-                    break;
-                }
-                Ok(_) => break,
-            }
+        // namespace for a moment (a sibling's `runc init` cloned the mount
+        // table): `finish` waits that out (`SETTLE_AFTER_EXIT`) before it
+        // refuses; the snapshot's Remove finishes the run otherwise.
+        let r = engine
+            .finish(s.id, label, Some(ev.exit_status), "task deleted")
+            .await;
+        if let Err(e) = r {
+            warn!(session.id = s.id, error = %error_chain(&e), "publish on task delete failed");
         }
     });
 }
