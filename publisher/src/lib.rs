@@ -66,6 +66,7 @@
 #![warn(missing_docs)]
 
 mod capture;
+mod export;
 mod fsx;
 mod gate;
 mod layer;
@@ -79,6 +80,9 @@ mod view;
 
 pub use capture::{
     capture, capture_with, CaptureError, CaptureOptions, Change, Changeset, RootMeta, UpperEdits,
+};
+pub use export::{
+    write_layer_tar, TarError, TarOptions, TarReport, OPAQUE_MARKER, WHITEOUT_PREFIX,
 };
 pub use gate::{
     apply_plan, flatten_head_layers, opaque_dirs_to_expand, plan_gate, plan_gate_with, Action,
