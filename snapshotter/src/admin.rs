@@ -518,7 +518,9 @@ impl api::Admin for AdminService {
         &self,
         req: Request<api::ExportRequest>,
     ) -> Result<Response<Self::ExportStream>, Status> {
-        self.export_stream(req.into_inner()).await.map(Response::new)
+        self.export_stream(req.into_inner())
+            .await
+            .map(Response::new)
     }
 
     async fn rebase_session(

@@ -62,7 +62,10 @@ impl Write for ChunkWriter<'_> {
 }
 
 impl AdminService {
-    pub(crate) async fn export_stream(&self, r: api::ExportRequest) -> Result<ExportStream, Status> {
+    pub(crate) async fn export_stream(
+        &self,
+        r: api::ExportRequest,
+    ) -> Result<ExportStream, Status> {
         let compression = Compression::parse(&r.compression).ok_or_else(|| {
             Status::invalid_argument(format!(
                 "compression {:?} is not supported: use gzip or zstd",
