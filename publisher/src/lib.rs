@@ -16,6 +16,8 @@
 //!   [`PlanMode::DryRun`]); [`apply_plan`] carries the edits out. All text merges
 //!   of one plan share one time budget ([`MergeOptions::timeout`]), and a real
 //!   publish starts none once a path conflicts.
+//! * [`write_layer_tar`] writes a layer directory as an OCI layer tar (whiteouts,
+//!   opaque markers, hardlinks, PAX names and xattrs; deterministic) for export.
 //! * [`seal_layer_with`] strips overlay-private xattrs from the upper and syncs it, so
 //!   it can be renamed into the store as an immutable layer.
 //!
