@@ -31,7 +31,7 @@
 //! descriptor): nothing a container wrote into a layer can steer the read to a
 //! host path (ARCHITECTURE.md §8).
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::HashMap;
 use std::io::{self, Read, Write};
 use std::os::fd::AsRawFd;
 use std::os::unix::ffi::{OsStrExt, OsStringExt};
@@ -90,11 +90,6 @@ pub struct TarError {
     pub source: io::Error,
 }
 
-const DIR_FLAGS: OFlag = OFlag::O_RDONLY
-    .union(OFlag::O_DIRECTORY)
-    .union(OFlag::O_NOFOLLOW)
-    .union(OFlag::O_CLOEXEC);
-
 /// The ustar limit of the 8-byte octal uid and gid fields.
 const MAX_USTAR_ID: u64 = 0o7_777_777;
 /// The ustar limit of the 12-byte octal size field.
@@ -152,18 +147,7 @@ impl<W: Write> Writer<'_, W> {
 
     /// Writes the entries of directory `dir` (open at `rel`).
     fn walk(&mut self, dir: &DirFd, rel: &mut Vec<u8>) -> Result<(), TarError> {
-        let mut names = BTreeSet::new();
-        {
-            let mut d = nix::dir::Dir::openat(Some(dir.as_raw_fd()), ".", DIR_FLAGS, Mode::empty())
-                .map_err(|e| self.err("read directory", rel)(e.into()))?;
-            for ent in d.iter() {
-                let ent = ent.map_err(|e| self.err("read directory", rel)(e.into()))?;
-                let n = ent.file_name().to_bytes();
-                if n != b"." && n != b".." {
-                    names.insert(n.to_vec());
-                }
-            }
-        }
+        let names = fsx::names_of(dir).map_err(self.err("read directory", rel))?;
         for name in names {
             let len = rel.len();
             if !rel.is_empty() {
@@ -476,9 +460,10 @@ mod tests {
     use std::os::unix::ffi::OsStrExt;
     use std::os::unix::fs::{symlink, MetadataExt};
 
-    fn entries(
-        bytes: &[u8],
-    ) -> Vec<(Vec<u8>, EntryType, Vec<u8>, Vec<u8>, Vec<(String, Vec<u8>)>)> {
+    /// (path, type, link name, content, xattrs) of one archive entry.
+    type Listed = (Vec<u8>, EntryType, Vec<u8>, Vec<u8>, Vec<(String, Vec<u8>)>);
+
+    fn entries(bytes: &[u8]) -> Vec<Listed> {
         let mut a = tar::Archive::new(bytes);
         let mut out = Vec::new();
         for e in a.entries().unwrap() {
