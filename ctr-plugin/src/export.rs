@@ -183,6 +183,11 @@ struct Received {
 /// Runs `layerstack export`.
 pub async fn run(admin: &Path, ns: &str, a: ExportArgs) -> Result<ExitCode> {
     let annotations = a.tag.as_deref().map(tag_annotations).transpose()?;
+    if a.tag.is_none() && !a.json {
+        eprintln!(
+            "layerstack: no --tag: the image has no name, and `ctr images import` imports only named images (give --tag example.com/repo:tag)"
+        );
+    }
     let (image, branch) = match &a.stack {
         Some(s) => crate::history::split_branch(s),
         None => (String::new(), String::new()),
