@@ -185,7 +185,7 @@ pub async fn run(admin: &Path, ns: &str, a: ExportArgs) -> Result<ExitCode> {
     let annotations = a.tag.as_deref().map(tag_annotations).transpose()?;
     if a.tag.is_none() && !a.json {
         eprintln!(
-            "layerstack: no --tag: the image has no name, and `ctr images import` imports only named images (give --tag example.com/repo:tag)"
+            "layerstack: no --tag: the image has no name; give --tag example.com/repo:tag, or import it with `ctr images import --digests`"
         );
     }
     let (image, branch) = match &a.stack {
