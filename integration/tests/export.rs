@@ -5,7 +5,8 @@
 //! target and sha256 — with edits, a deleted directory, an opaque directory, a
 //! non-UTF-8 name, a hardlink pair, a path longer than 100 bytes, a fifo and a
 //! user xattr; `--since` leaves out exactly the blobs below a layer and names the
-//! same blobs as a full export; bad input is refused with what to do.
+//! same blobs as a full export; a graph node exports the tree it pinned; bad
+//! input is refused with what to do.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -70,7 +71,11 @@ fn stack_id(env: &TestEnv, ns: &str) -> Result<String> {
 /// `layerstack export` into `dir` with `extra` flags; the `--json` result.
 fn export(env: &TestEnv, ns: &str, spec: &str, dir: &Path, extra: &[&str]) -> Result<Value> {
     let d = dir.to_string_lossy();
-    let mut a = vec!["export", spec, "--oci-layout", &d, "--json"];
+    let mut a = vec!["export"];
+    if !spec.is_empty() {
+        a.push(spec);
+    }
+    a.extend(["--oci-layout", &d, "--json"]);
     a.extend_from_slice(extra);
     ls_json(env, ns, &a)
 }
@@ -375,6 +380,33 @@ fn export_since_a_layer_omits_exactly_the_blobs_below_it() {
         ensure!(
             out.starts_with("two\nthree\n") && out.contains("No such file"),
             "inside: {out}"
+        );
+
+        // A graph node exports the tree it pinned, not the head that moved on.
+        let g = unique("g-export");
+        let out = env.layerstack(&["-n", NS, "graph", "create", &g, &spec])?;
+        ensure!(out.status.success(), "graph create: {}", describe(&out));
+        let root = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        let later = unique("since-later");
+        run_sh(env, NS, &later, None, true, "echo later > /later")?;
+        ensure!(ls_wait_ok(env, NS, &later)? == "committed");
+        let node_dir = env.scratch().join(unique("node"));
+        let node = export(
+            env,
+            NS,
+            "",
+            &node_dir,
+            &["--node", &root, "--compression", "zstd"],
+        )?;
+        let digests = |v: &Value| -> Vec<Value> {
+            v["layers"]
+                .as_array()
+                .map(|a| a.iter().map(|l| l["digest"].clone()).collect())
+                .unwrap_or_default()
+        };
+        ensure!(
+            digests(&node) == digests(&full) && node["node"] == root.as_str(),
+            "node {root}: {node}\nthe head when it was made: {full}"
         );
 
         // Bad input: each refused, naming what was wrong.
