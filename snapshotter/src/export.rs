@@ -152,11 +152,17 @@ impl AdminService {
         let (tx, rx) = mpsc::channel(8);
         let stack = plan.stack.clone();
         let n = plan.layers.len();
-        tx.send(Ok(api::ExportReply {
-            reply: Some(api::export_reply::Reply::Plan(plan)),
-        }))
-        .await
-        .map_err(|_| Status::cancelled("the client went away"))?;
+        if tx
+            .send(Ok(api::ExportReply {
+                reply: Some(api::export_reply::Reply::Plan(plan)),
+            }))
+            .await
+            .is_err()
+        {
+            // Release the lease where store writes belong.
+            let _ = tokio::task::spawn_blocking(move || drop(export)).await;
+            return Err(Status::cancelled("the client went away"));
+        }
         tokio::task::spawn_blocking(move || {
             let started = Instant::now();
             let mut bytes = 0u64;
