@@ -183,11 +183,6 @@ struct Received {
 /// Runs `layerstack export`.
 pub async fn run(admin: &Path, ns: &str, a: ExportArgs) -> Result<ExitCode> {
     let annotations = a.tag.as_deref().map(tag_annotations).transpose()?;
-    if a.tag.is_none() && !a.json {
-        eprintln!(
-            "layerstack: no --tag: the image has no name; give --tag example.com/repo:tag, or import it with `ctr images import --digests`"
-        );
-    }
     let (image, branch) = match &a.stack {
         Some(s) => crate::history::split_branch(s),
         None => (String::new(), String::new()),
@@ -214,8 +209,10 @@ pub async fn run(admin: &Path, ns: &str, a: ExportArgs) -> Result<ExitCode> {
     let bar = if std::io::stderr().is_terminal() {
         let b = ProgressBar::new_spinner();
         b.set_style(
-            ProgressStyle::with_template("{spinner} {msg} {bytes} ({bytes_per_sec}, {elapsed})")
-                .unwrap_or_else(|_| ProgressStyle::default_spinner()),
+            ProgressStyle::with_template(
+                "{spinner} {msg}: {bytes} received ({bytes_per_sec}, {elapsed})",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_spinner()),
         );
         b.enable_steady_tick(std::time::Duration::from_millis(120));
         b
@@ -449,6 +446,11 @@ pub async fn run(admin: &Path, ns: &str, a: ExportArgs) -> Result<ExitCode> {
             } else {
                 String::new()
             }
+        );
+    }
+    if a.tag.is_none() && !a.json {
+        eprintln!(
+            "layerstack: no --tag: the image has no name; give --tag example.com/repo:tag, or import it with `ctr images import --digests`"
         );
     }
     Ok(ExitCode::SUCCESS)
