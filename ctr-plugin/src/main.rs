@@ -5,6 +5,7 @@
 //! ended in conflict (`wait`, `publish`), or would (`publish --dry-run`).
 
 mod config;
+mod export;
 mod graph;
 mod history;
 mod inspect;
@@ -112,6 +113,10 @@ pub enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Export a branch head (STACK[@BRANCH]) or a graph node (--node) as a
+    /// standard OCI image layout: the base's layers plus one layer per published
+    /// or squashed layer, for `ctr images import`, skopeo or a registry.
+    Export(export::ExportArgs),
     #[command(flatten)]
     History(history::HistoryCmd),
     #[command(flatten)]
@@ -183,6 +188,7 @@ async fn main() -> ExitCode {
         Cmd::Session {
             cmd: SessionCmd::Close(ref a),
         } => run::close_cmd(&cli, a.clone()).await,
+        Cmd::Export(a) => export::run(&cli.admin_address, &cli.namespace, a).await,
         Cmd::History(h) => history::run(&cli.admin_address, &cli.namespace, h).await,
         Cmd::Inspect(i) => inspect::run(&cli.admin_address, &cli.namespace, i).await,
         Cmd::Graph(g) => graph::run(&cli.admin_address, &cli.namespace, g).await,

@@ -329,8 +329,14 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
             };
             Ok(print_outcome(&r, all.as_deref(), json))
         }
-        Cmd::History(_) | Cmd::Inspect(_) | Cmd::Graph(_) | Cmd::Session { .. } => {
-            unreachable!("history, blame/diff/conflict and session commands are dispatched in main")
+        Cmd::Export(_)
+        | Cmd::History(_)
+        | Cmd::Inspect(_)
+        | Cmd::Graph(_)
+        | Cmd::Session { .. } => {
+            unreachable!(
+                "export, history, blame/diff/conflict and session commands are dispatched in main"
+            )
         }
     }
 }

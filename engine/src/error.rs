@@ -45,6 +45,10 @@ pub enum EngineError {
     /// Reading a layer or an upper failed.
     #[error("cannot read {0}")]
     Read(String, #[source] std::io::Error),
+    /// Writing a layer as a tar failed (a layer that cannot be read, or a
+    /// receiver that went away).
+    #[error("export")]
+    Export(#[source] Box<publisher::TarError>),
 }
 
 impl EngineError {
@@ -61,7 +65,7 @@ impl EngineError {
             Self::Census(..) | Self::Join(_) => ErrorKind::Internal,
             Self::NotFound(_) => ErrorKind::NotFound,
             Self::FailedPrecondition(_) => ErrorKind::FailedPrecondition,
-            Self::Read(..) => ErrorKind::Internal,
+            Self::Read(..) | Self::Export(_) => ErrorKind::Internal,
         }
     }
 }

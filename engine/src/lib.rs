@@ -40,6 +40,7 @@ mod census;
 mod conflicts;
 mod diff;
 mod error;
+pub mod export;
 mod graph;
 mod history;
 mod index;
@@ -59,6 +60,7 @@ use tracing::{info, warn};
 
 pub use census::scan_upperdirs;
 pub use error::{error_chain, EngineError, RunError};
+pub use export::{write_layer_blob, Compression, Export, LayerBlob};
 pub use graph::NodeMerged;
 pub use history::{Collected, HistorySettings, Promoted};
 pub use layerstack_publisher as publisher;

@@ -436,7 +436,7 @@ pub(crate) fn list_digest(list: &[(Vec<u8>, Vec<u8>)]) -> Option<[u8; 32]> {
 
 /// An owned descriptor of a regular file, closed on drop (nix 0.29's `openat`
 /// returns a raw descriptor; this keeps the crate free of `unsafe`).
-struct FileFd(RawFd);
+pub(crate) struct FileFd(pub(crate) RawFd);
 
 impl Drop for FileFd {
     fn drop(&mut self) {
@@ -459,7 +459,7 @@ impl io::Read for FileFd {
 }
 
 /// Every xattr readable through `fd`, sorted by name.
-fn fd_xattrs(fd: &impl FileExt) -> io::Result<Vec<(Vec<u8>, Vec<u8>)>> {
+pub(crate) fn fd_xattrs(fd: &impl FileExt) -> io::Result<Vec<(Vec<u8>, Vec<u8>)>> {
     let names = match fd.list_xattr() {
         Ok(n) => n,
         Err(e) if e.raw_os_error() == Some(libc::EOPNOTSUPP) => return Ok(Vec::new()),

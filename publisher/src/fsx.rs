@@ -63,6 +63,21 @@ pub(crate) fn open_dir_at(dir: &impl AsRawFd, name: &[u8]) -> io::Result<DirFd> 
         .map_err(io::Error::from)
 }
 
+/// The names in the open directory `dir` (without `.` and `..`), in byte order.
+pub(crate) fn names_of(dir: &impl AsRawFd) -> io::Result<Vec<Vec<u8>>> {
+    let mut d = Dir::openat(Some(dir.as_raw_fd()), ".", DIR_FLAGS, Mode::empty())?;
+    let mut names = Vec::new();
+    for ent in d.iter() {
+        let ent = ent?;
+        let n = ent.file_name().to_bytes();
+        if n != b"." && n != b".." {
+            names.push(n.to_vec());
+        }
+    }
+    names.sort();
+    Ok(names)
+}
+
 /// Opens the directory `rel` below `base` without leaving `base` and without
 /// following any symlink (see the module docs). `rel` may be empty: `base`.
 pub(crate) fn open_beneath(base: &Path, rel: &[u8]) -> io::Result<DirFd> {

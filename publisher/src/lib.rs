@@ -16,6 +16,8 @@
 //!   [`PlanMode::DryRun`]); [`apply_plan`] carries the edits out. All text merges
 //!   of one plan share one time budget ([`MergeOptions::timeout`]), and a real
 //!   publish starts none once a path conflicts.
+//! * [`write_layer_tar`] writes a layer directory as an OCI layer tar (whiteouts,
+//!   opaque markers, hardlinks, PAX names and xattrs; deterministic) for export.
 //! * [`seal_layer_with`] strips overlay-private xattrs from the upper and syncs it, so
 //!   it can be renamed into the store as an immutable layer.
 //!
@@ -66,6 +68,7 @@
 #![warn(missing_docs)]
 
 mod capture;
+mod export;
 mod fsx;
 mod gate;
 mod layer;
@@ -79,6 +82,9 @@ mod view;
 
 pub use capture::{
     capture, capture_with, CaptureError, CaptureOptions, Change, Changeset, RootMeta, UpperEdits,
+};
+pub use export::{
+    write_layer_tar, TarError, TarOptions, TarReport, OPAQUE_MARKER, WHITEOUT_PREFIX,
 };
 pub use gate::{
     apply_plan, flatten_head_layers, opaque_dirs_to_expand, plan_gate, plan_gate_with, Action,

@@ -512,6 +512,17 @@ impl api::Admin for AdminService {
             .map(Response::new)
     }
 
+    type ExportStream = crate::export::ExportStream;
+
+    async fn export(
+        &self,
+        req: Request<api::ExportRequest>,
+    ) -> Result<Response<Self::ExportStream>, Status> {
+        self.export_stream(req.into_inner())
+            .await
+            .map(Response::new)
+    }
+
     async fn rebase_session(
         &self,
         req: Request<api::RebaseSessionRequest>,

@@ -10,6 +10,7 @@
 
 mod admin;
 mod containerd;
+mod export;
 mod filters;
 mod graph;
 mod history;

@@ -235,6 +235,16 @@ fn node_from(conn: &Connection, raw: RawNode) -> Result<NodeInfo, StoreError> {
     })
 }
 
+/// The stack and manifest of node `id`.
+pub(crate) fn node_stack_manifest(
+    conn: &Connection,
+    id: &str,
+) -> Result<(String, ManifestId), StoreError> {
+    let n = get_node(conn, id)?;
+    let g = get_group(conn, &n.group)?;
+    Ok((g.stack, n.manifest))
+}
+
 fn get_node(conn: &Connection, id: &str) -> Result<NodeInfo, StoreError> {
     let raw = conn
         .query_row(
@@ -970,11 +980,7 @@ impl Store {
 
     /// The manifest a node's root is (for promote, merge, export).
     pub fn node_manifest(&self, id: &str) -> Result<(String, ManifestId), StoreError> {
-        self.db.read(|conn| {
-            let n = get_node(conn, id)?;
-            let g = get_group(conn, &n.group)?;
-            Ok((g.stack, n.manifest))
-        })
+        self.db.read(|conn| node_stack_manifest(conn, id))
     }
 
     /// Points a new hidden branch named `name` of `stack` at `manifest` (the

@@ -40,6 +40,7 @@
 mod blame;
 mod db;
 mod error;
+mod export;
 pub mod failpoints;
 pub mod fs;
 mod graph;
@@ -65,6 +66,7 @@ use tracing::{debug, info, warn};
 
 pub use blame::{coalesce, tile, FileBlame, LineOwner, MarkerRecord, OwnerRange, ViewLayer};
 pub use error::{ErrorKind, OpenError, Result, StoreError};
+pub use export::{ExportLayer, ExportLease, ExportSource};
 pub use graph::{AttemptInfo, AttemptStatus, GraphDump, GroupInfo, NodeInfo, NodeKind, Provenance};
 pub use history::{DiskUsage, GcReport, RemovedStack, Squashed, Usage};
 pub use lock::StoreLock;

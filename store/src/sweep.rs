@@ -31,6 +31,8 @@ pub struct SweepReport {
     pub rolled_forward: Vec<PathBuf>,
     /// Staged publishes dropped because they never committed.
     pub dropped_staged: usize,
+    /// Export leases released (their exports died with the last daemon).
+    pub released_exports: usize,
 }
 
 /// When a sweep runs.
@@ -53,6 +55,7 @@ impl Store {
         let mut report = SweepReport::default();
         if mode == SweepMode::Startup {
             self.recover(&mut report)?;
+            report.released_exports = self.release_stale_exports()?;
         }
         // 1. What is on disk.
         let mut on_disk: Vec<(String, PathBuf)> = Vec::new();

@@ -1059,3 +1059,61 @@ fn a_publish_interrupted_before_its_commit_gets_its_upper_back() {
         b"precious"
     );
 }
+
+#[test]
+fn an_export_lease_lists_base_then_published_layers_and_the_sweep_releases_it() {
+    let d = tmp();
+    let s = open(d.path());
+    let top = unpack(&s, "default");
+    s.prepare("default/5/c1", &top, BTreeMap::new(), false)
+        .unwrap();
+    let sess = s.find_session("default", "c1").unwrap().unwrap();
+    std::fs::write(sess.upper.join("a.txt"), b"hello").unwrap();
+    let p = publish(&s, sess.id, &[write_entry(b"a.txt", 1)]);
+    let stack = "default/sha256:bbb".to_string();
+    let src = ExportSource::Branch {
+        stack: stack.clone(),
+        branch: "main".into(),
+    };
+    let e = s.lease_export(&src, "test").unwrap();
+    let ids: Vec<LayerId> = e.layers.iter().map(|l| l.id).collect();
+    assert_eq!(
+        ids,
+        vec![1, 2, p.layer],
+        "oldest first: base, then published"
+    );
+    assert_eq!(e.base_layers, 2);
+    assert_eq!(e.layers[2].kind, LayerKind::Published);
+    assert_eq!(e.layers[2].path, s.layer_path(p.layer));
+    assert_eq!(
+        s.live_export_leases().unwrap(),
+        vec![(e.lease, "test".into())]
+    );
+    s.release_export(e.lease).unwrap();
+    assert!(s.live_export_leases().unwrap().is_empty());
+    // A lease a dead daemon left is released by the startup sweep.
+    let e2 = s.lease_export(&src, "test").unwrap();
+    assert_eq!(s.sweep().unwrap().released_exports, 1);
+    assert!(s.live_export_leases().unwrap().is_empty());
+    s.release_export(e2.lease).unwrap();
+    // Unknown names are errors naming them.
+    let missing = ExportSource::Branch {
+        stack: stack.clone(),
+        branch: "nope".into(),
+    };
+    assert!(matches!(
+        s.lease_export(&missing, "t"),
+        Err(StoreError::BranchNotFound { .. })
+    ));
+    let missing = ExportSource::Branch {
+        stack: "default/sha256:zzz".into(),
+        branch: "main".into(),
+    };
+    assert!(matches!(
+        s.lease_export(&missing, "t"),
+        Err(StoreError::StackNotFound(_))
+    ));
+    assert!(s
+        .lease_export(&ExportSource::Node("n-x".into()), "t")
+        .is_err());
+}

@@ -1,0 +1,499 @@
+//! `layerstack export`: a branch head or a graph node as a standard OCI image
+//! layout (OCI image-spec `image-layout.md`), which `ctr images import` (as a tar
+//! of the directory), skopeo or any registry client takes.
+//!
+//! The daemon streams each layer's compressed blob with its digest and diff ID
+//! (admin RPC `Export`, holding an export lease meanwhile); this side writes
+//! `blobs/sha256/<hex>` (verifying each digest over the bytes received), the
+//! image config (`rootfs.diff_ids`, one `history` entry per layer), the manifest,
+//! `index.json` (last: a layout without it is incomplete) and `oci-layout`.
+//! `--since LAYER` leaves out the blobs of that layer and every layer below it —
+//! what a registry that already has the earlier export holds; the manifest and
+//! config still list every layer. A failed export removes what it wrote.
+
+use std::collections::HashMap;
+use std::fs;
+use std::io::{IsTerminal, Write};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::str::FromStr;
+
+use anyhow::{bail, ensure, Context, Result};
+use clap::Args;
+use indicatif::{ProgressBar, ProgressStyle};
+use layerstack_api as api;
+use oci_spec::image as oci;
+use serde_json::json;
+use sha2::{Digest, Sha256};
+
+use crate::out;
+
+#[derive(Debug, Clone, Args)]
+pub struct ExportArgs {
+    /// STACK[@BRANCH]: an image reference, stack id or base digest, and the
+    /// branch whose head to export [default: the default branch].
+    #[arg(required_unless_present = "node", conflicts_with = "node")]
+    pub stack: Option<String>,
+    /// Export this graph node's tree instead of a branch head.
+    #[arg(long, value_name = "ID")]
+    pub node: Option<String>,
+    /// The directory to write the OCI image layout into (must be empty or
+    /// missing). `tar -C DIR -cf image.tar .` makes an archive for `ctr images
+    /// import`.
+    #[arg(long, value_name = "DIR")]
+    pub oci_layout: PathBuf,
+    /// Layer blob compression: gzip or zstd.
+    #[arg(long, default_value = "gzip", value_parser = ["gzip", "zstd"])]
+    pub compression: String,
+    /// The image name: a full reference (`example.com/agents/task:step-42`)
+    /// becomes annotation io.containerd.image.name and its tag
+    /// org.opencontainers.image.ref.name; a bare tag (`step-42`) only the latter.
+    /// `ctr images import` names the image by it.
+    #[arg(long, value_name = "NAME")]
+    pub tag: Option<String>,
+    /// Only write the blobs of layers above LAYER (a layer id from `layerstack
+    /// log`, or a base layer's): what a registry holding an earlier export lacks.
+    /// The manifest still lists every layer.
+    #[arg(long, value_name = "LAYER")]
+    pub since: Option<i64>,
+    /// Print the result as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Removes what a failed export wrote (the directory itself if it made it).
+struct Cleanup {
+    dir: PathBuf,
+    made_dir: bool,
+    armed: bool,
+}
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        if self.made_dir {
+            let _ = fs::remove_dir_all(&self.dir);
+        } else if let Ok(rd) = fs::read_dir(&self.dir) {
+            for e in rd.flatten() {
+                let p = e.path();
+                if p.is_dir() {
+                    let _ = fs::remove_dir_all(&p);
+                } else {
+                    let _ = fs::remove_file(&p);
+                }
+            }
+        }
+    }
+}
+
+/// Checks that `dir` is missing or an empty directory and creates it with
+/// `blobs/sha256`.
+fn prepare_dir(dir: &Path) -> Result<Cleanup> {
+    let made_dir = match fs::symlink_metadata(dir) {
+        Ok(m) if m.is_dir() => {
+            let mut rd =
+                fs::read_dir(dir).with_context(|| format!("cannot read {}", dir.display()))?;
+            if rd.next().is_some() {
+                bail!(
+                    "{} is not empty: export writes a new OCI image layout; name an empty or missing directory",
+                    dir.display()
+                );
+            }
+            false
+        }
+        Ok(_) => bail!(
+            "{} exists and is not a directory: name an empty or missing directory for the OCI image layout",
+            dir.display()
+        ),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => true,
+        Err(e) => return Err(e).with_context(|| format!("cannot inspect {}", dir.display())),
+    };
+    let blobs = dir.join("blobs").join("sha256");
+    fs::create_dir_all(&blobs).with_context(|| format!("cannot create {}", blobs.display()))?;
+    Ok(Cleanup {
+        dir: dir.to_path_buf(),
+        made_dir,
+        armed: true,
+    })
+}
+
+fn sha256_hex(bytes: &[u8]) -> String {
+    format!("{:x}", Sha256::digest(bytes))
+}
+
+/// Writes `bytes` as a blob; returns its descriptor digest `sha256:<hex>`.
+fn write_blob(dir: &Path, bytes: &[u8]) -> Result<String> {
+    let hex = sha256_hex(bytes);
+    let p = dir.join("blobs").join("sha256").join(&hex);
+    fs::write(&p, bytes).with_context(|| format!("cannot write {}", p.display()))?;
+    Ok(format!("sha256:{hex}"))
+}
+
+fn digest(s: &str) -> Result<oci::Digest> {
+    oci::Digest::from_str(s).with_context(|| format!("the daemon sent a malformed digest {s:?}"))
+}
+
+/// The GOARCH name of this machine (what containerd's platform matcher compares).
+fn arch() -> oci::Arch {
+    match std::env::consts::ARCH {
+        "x86_64" => oci::Arch::Amd64,
+        "aarch64" => oci::Arch::ARM64,
+        "x86" => oci::Arch::i386,
+        "arm" => oci::Arch::ARM,
+        "powerpc64" => oci::Arch::PowerPC64le,
+        "s390x" => oci::Arch::s390x,
+        "riscv64" => oci::Arch::RISCV64,
+        other => oci::Arch::Other(other.to_string()),
+    }
+}
+
+/// `ns` since the epoch as RFC 3339 UTC (`2026-12-01T19:43:57Z`).
+fn rfc3339(ns: i64) -> String {
+    crate::history::timestamp(ns).replacen(' ', "T", 1) + "Z"
+}
+
+/// The index annotations for `--tag NAME` (see [`ExportArgs::tag`]).
+fn tag_annotations(tag: &str) -> Result<HashMap<String, String>> {
+    ensure!(
+        !tag.is_empty() && !tag.chars().any(char::is_whitespace),
+        "--tag {tag:?}: name a reference like example.com/repo:tag, or a bare tag"
+    );
+    let mut a = HashMap::new();
+    if tag.contains('/') || tag.contains(':') {
+        let last = tag.rsplit('/').next().unwrap_or(tag);
+        let (full, t) = match last.split_once(':') {
+            Some((_, t)) => (tag.to_string(), t.to_string()),
+            None => (format!("{tag}:latest"), "latest".to_string()),
+        };
+        a.insert("io.containerd.image.name".to_string(), full);
+        a.insert(oci::ANNOTATION_REF_NAME.to_string(), t);
+    } else {
+        a.insert(oci::ANNOTATION_REF_NAME.to_string(), tag.to_string());
+    }
+    Ok(a)
+}
+
+/// One layer as received.
+struct Received {
+    done: api::ExportBlobDone,
+}
+
+/// Runs `layerstack export`.
+pub async fn run(admin: &Path, ns: &str, a: ExportArgs) -> Result<ExitCode> {
+    let annotations = a.tag.as_deref().map(tag_annotations).transpose()?;
+    let (image, branch) = match &a.stack {
+        Some(s) => crate::history::split_branch(s),
+        None => (String::new(), String::new()),
+    };
+    let mut c = crate::connect(admin).await?;
+    let dir = a.oci_layout.clone();
+    let mut cleanup = prepare_dir(&dir)?;
+    let mut stream = c
+        .export(api::ExportRequest {
+            namespace: ns.to_string(),
+            image,
+            branch,
+            node: a.node.clone().unwrap_or_default(),
+            compression: a.compression.clone(),
+            since_layer: a.since.unwrap_or(0),
+        })
+        .await?
+        .into_inner();
+    let plan = match stream.message().await?.and_then(|r| r.reply) {
+        Some(api::export_reply::Reply::Plan(p)) => p,
+        other => bail!("the daemon answered the export without a plan: {other:?}"),
+    };
+    let n = plan.layers.len();
+    let bar = if std::io::stderr().is_terminal() {
+        let b = ProgressBar::new_spinner();
+        b.set_style(
+            ProgressStyle::with_template(
+                "{spinner} {msg}: {bytes} received ({bytes_per_sec}, {elapsed})",
+            )
+            .unwrap_or_else(|_| ProgressStyle::default_spinner()),
+        );
+        b.enable_steady_tick(std::time::Duration::from_millis(120));
+        b
+    } else {
+        ProgressBar::hidden()
+    };
+    let label = |i: usize| {
+        let l = &plan.layers[i];
+        format!(
+            "layer {}/{n} ({} {}){}",
+            i + 1,
+            l.kind,
+            l.layer,
+            if l.omitted {
+                ", omitted: digests only"
+            } else {
+                ""
+            }
+        )
+    };
+    let blobs = dir.join("blobs").join("sha256");
+    let mut received: Vec<Received> = Vec::with_capacity(n);
+    let mut current: Option<(fs::File, PathBuf, Sha256, u64)> = None;
+    if n > 0 {
+        bar.set_message(label(0));
+    }
+    while let Some(r) = stream.message().await? {
+        match r.reply {
+            Some(api::export_reply::Reply::Chunk(data)) => {
+                if current.is_none() {
+                    let p = blobs.join(format!(".partial-{}", received.len()));
+                    let f = fs::File::create(&p)
+                        .with_context(|| format!("cannot create {}", p.display()))?;
+                    current = Some((f, p, Sha256::new(), 0));
+                }
+                if let Some((f, p, h, size)) = current.as_mut() {
+                    f.write_all(&data)
+                        .with_context(|| format!("cannot write {}", p.display()))?;
+                    h.update(&data);
+                    *size += data.len() as u64;
+                }
+                bar.inc(data.len() as u64);
+            }
+            Some(api::export_reply::Reply::Done(d)) => {
+                ensure!(
+                    d.index as usize == received.len() && received.len() < n,
+                    "the daemon sent layer {} out of order (expected {})",
+                    d.index,
+                    received.len()
+                );
+                let got = current.take();
+                if d.omitted {
+                    ensure!(
+                        got.is_none(),
+                        "the daemon sent a blob for omitted layer {}",
+                        d.index
+                    );
+                } else {
+                    // An empty blob never happens (a tar has at least its end blocks).
+                    let (f, p, h, size) =
+                        got.with_context(|| format!("no blob received for layer {}", d.index))?;
+                    f.sync_all()
+                        .with_context(|| format!("cannot sync {}", p.display()))?;
+                    let hex = format!("{:x}", h.finalize());
+                    ensure!(
+                        d.digest == format!("sha256:{hex}") && d.size == size,
+                        "layer {}: received {size} bytes with digest sha256:{hex}, the daemon announced {} bytes with {}",
+                        d.index,
+                        d.size,
+                        d.digest
+                    );
+                    let dst = blobs.join(&hex);
+                    fs::rename(&p, &dst).with_context(|| {
+                        format!("cannot rename {} to {}", p.display(), dst.display())
+                    })?;
+                }
+                received.push(Received { done: d });
+                if received.len() < n {
+                    bar.set_message(label(received.len()));
+                }
+            }
+            Some(api::export_reply::Reply::Plan(_)) | None => {
+                bail!("the daemon sent a second plan")
+            }
+        }
+    }
+    bar.finish_and_clear();
+    ensure!(
+        received.len() == n,
+        "the export stream ended after {} of {n} layers",
+        received.len()
+    );
+
+    // The image config: diff IDs and one history entry per layer, oldest first.
+    let created = plan.layers.iter().map(|l| l.created_ns).max().map(rfc3339);
+    let mut history = Vec::with_capacity(n);
+    for l in &plan.layers {
+        let by = match l.kind.as_str() {
+            "base" => format!("layerstack: base layer {} of stack {}", l.layer, plan.stack),
+            "published" => format!(
+                "layerstack: layer {} published by session {}",
+                l.layer, l.session
+            ),
+            _ => format!("layerstack: layer {} ({})", l.layer, l.kind),
+        };
+        history.push(
+            oci::HistoryBuilder::default()
+                .created(rfc3339(l.created_ns))
+                .created_by(by)
+                .build()
+                .context("building a history entry")?,
+        );
+    }
+    let diff_ids: Vec<String> = received.iter().map(|r| r.done.diff_id.clone()).collect();
+    let mut cfg = oci::ImageConfigurationBuilder::default()
+        .architecture(arch())
+        .os(oci::Os::Linux)
+        .rootfs(
+            oci::RootFsBuilder::default()
+                .typ("layers")
+                .diff_ids(diff_ids)
+                .build()
+                .context("building rootfs")?,
+        )
+        .config(
+            oci::ConfigBuilder::default()
+                .env(vec![
+                    "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".to_string(),
+                ])
+                .build()
+                .context("building the config")?,
+        )
+        .history(history)
+        .build()
+        .context("building the image config")?;
+    if let Some(c) = created {
+        cfg.set_created(Some(c));
+    }
+    let cfg_bytes = cfg.to_string().context("serializing the image config")?;
+    let cfg_digest = write_blob(&dir, cfg_bytes.as_bytes())?;
+    let media: oci::MediaType = match plan.compression.as_str() {
+        "zstd" => oci::MediaType::ImageLayerZstd,
+        _ => oci::MediaType::ImageLayerGzip,
+    };
+    let mut layers = Vec::with_capacity(n);
+    for r in &received {
+        layers.push(oci::Descriptor::new(
+            media.clone(),
+            r.done.size,
+            digest(&r.done.digest)?,
+        ));
+    }
+    let manifest = oci::ImageManifestBuilder::default()
+        .schema_version(2u32)
+        .media_type(oci::MediaType::ImageManifest)
+        .config(oci::Descriptor::new(
+            oci::MediaType::ImageConfig,
+            cfg_bytes.len() as u64,
+            digest(&cfg_digest)?,
+        ))
+        .layers(layers)
+        .build()
+        .context("building the manifest")?;
+    let manifest_bytes = manifest.to_string().context("serializing the manifest")?;
+    let manifest_digest = write_blob(&dir, manifest_bytes.as_bytes())?;
+    let mut mdesc = oci::Descriptor::new(
+        oci::MediaType::ImageManifest,
+        manifest_bytes.len() as u64,
+        digest(&manifest_digest)?,
+    );
+    mdesc.set_platform(Some(
+        oci::PlatformBuilder::default()
+            .architecture(arch())
+            .os(oci::Os::Linux)
+            .build()
+            .context("building the platform")?,
+    ));
+    mdesc.set_annotations(annotations.clone());
+    let layout = oci::OciLayoutBuilder::default()
+        .image_layout_version("1.0.0")
+        .build()
+        .context("building oci-layout")?;
+    let layout_path = dir.join("oci-layout");
+    fs::write(
+        &layout_path,
+        layout.to_string().context("serializing oci-layout")?,
+    )
+    .with_context(|| format!("cannot write {}", layout_path.display()))?;
+    let index = oci::ImageIndexBuilder::default()
+        .schema_version(2u32)
+        .media_type(oci::MediaType::ImageIndex)
+        .manifests(vec![mdesc])
+        .build()
+        .context("building index.json")?;
+    let index_path = dir.join("index.json");
+    fs::write(
+        &index_path,
+        index.to_string().context("serializing index.json")?,
+    )
+    .with_context(|| format!("cannot write {}", index_path.display()))?;
+    cleanup.armed = false;
+
+    let written = received.iter().filter(|r| !r.done.omitted).count();
+    let what = if plan.node.is_empty() {
+        format!("{}@{}", plan.stack, plan.branch)
+    } else {
+        format!("node {}", plan.node)
+    };
+    if a.json {
+        let v = json!({
+            "stack": plan.stack, "branch": plan.branch, "node": plan.node,
+            "manifest_id": plan.manifest,
+            "oci_layout": dir.display().to_string(),
+            "manifest": manifest_digest, "config": cfg_digest,
+            "compression": plan.compression,
+            "tag": a.tag,
+            "layers": plan.layers.iter().zip(&received).map(|(l, r)| json!({
+                "layer": l.layer, "kind": l.kind, "digest": r.done.digest,
+                "diff_id": r.done.diff_id, "size": r.done.size,
+                "uncompressed_size": r.done.uncompressed_size, "omitted": r.done.omitted,
+            })).collect::<Vec<_>>(),
+        });
+        out!("{v}");
+    } else {
+        out!(
+            "exported {what} (manifest {}) to {}: {n} layers, {written} blobs written{}; image manifest {manifest_digest}",
+            plan.manifest,
+            dir.display(),
+            if written < n {
+                format!(", {} omitted (--since {})", n - written, a.since.unwrap_or(0))
+            } else {
+                String::new()
+            }
+        );
+    }
+    if a.tag.is_none() && !a.json {
+        eprintln!(
+            "layerstack: no --tag: the image has no name; give --tag example.com/repo:tag, or import it with `ctr images import --digests`"
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn tags_become_the_annotations_ctr_import_reads() {
+        let a = tag_annotations("example.com/agents/task:step-42").unwrap();
+        assert_eq!(
+            a["io.containerd.image.name"],
+            "example.com/agents/task:step-42"
+        );
+        assert_eq!(a[oci::ANNOTATION_REF_NAME], "step-42");
+        let a = tag_annotations("localhost:5000/task").unwrap();
+        assert_eq!(a["io.containerd.image.name"], "localhost:5000/task:latest");
+        let a = tag_annotations("step-42").unwrap();
+        assert_eq!(a.len(), 1);
+        assert_eq!(a[oci::ANNOTATION_REF_NAME], "step-42");
+        assert!(tag_annotations("a b").is_err());
+    }
+
+    #[test]
+    fn a_non_empty_directory_is_refused_and_left_alone() {
+        let t = tempfile::tempdir().unwrap();
+        fs::write(t.path().join("keep"), b"x").unwrap();
+        let e = prepare_dir(t.path()).err().unwrap();
+        assert!(e.to_string().contains("is not empty"), "{e}");
+        assert!(t.path().join("keep").exists());
+        // A missing directory is created, and removed again by a failed export.
+        let d = t.path().join("new");
+        let c = prepare_dir(&d).unwrap();
+        assert!(d.join("blobs/sha256").is_dir());
+        drop(c);
+        assert!(!d.exists());
+    }
+
+    #[test]
+    fn rfc3339_times() {
+        assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
+    }
+}
