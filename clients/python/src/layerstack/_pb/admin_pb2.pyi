@@ -18,6 +18,80 @@ DISCARD: PublishPolicy
 AUTO: PublishPolicy
 CHECKPOINT: PublishPolicy
 
+class ExportRequest(_message.Message):
+    __slots__ = ("namespace", "image", "branch", "node", "compression", "since_layer")
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    IMAGE_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    SINCE_LAYER_FIELD_NUMBER: _ClassVar[int]
+    namespace: str
+    image: str
+    branch: str
+    node: str
+    compression: str
+    since_layer: int
+    def __init__(self, namespace: _Optional[str] = ..., image: _Optional[str] = ..., branch: _Optional[str] = ..., node: _Optional[str] = ..., compression: _Optional[str] = ..., since_layer: _Optional[int] = ...) -> None: ...
+
+class ExportLayer(_message.Message):
+    __slots__ = ("layer", "kind", "session", "created_ns", "omitted")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    CREATED_NS_FIELD_NUMBER: _ClassVar[int]
+    OMITTED_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    kind: str
+    session: int
+    created_ns: int
+    omitted: bool
+    def __init__(self, layer: _Optional[int] = ..., kind: _Optional[str] = ..., session: _Optional[int] = ..., created_ns: _Optional[int] = ..., omitted: _Optional[bool] = ...) -> None: ...
+
+class ExportPlan(_message.Message):
+    __slots__ = ("stack", "branch", "node", "manifest", "layers", "compression", "media_type")
+    STACK_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_TYPE_FIELD_NUMBER: _ClassVar[int]
+    stack: str
+    branch: str
+    node: str
+    manifest: int
+    layers: _containers.RepeatedCompositeFieldContainer[ExportLayer]
+    compression: str
+    media_type: str
+    def __init__(self, stack: _Optional[str] = ..., branch: _Optional[str] = ..., node: _Optional[str] = ..., manifest: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[ExportLayer, _Mapping]]] = ..., compression: _Optional[str] = ..., media_type: _Optional[str] = ...) -> None: ...
+
+class ExportBlobDone(_message.Message):
+    __slots__ = ("index", "digest", "diff_id", "size", "uncompressed_size", "omitted")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    DIFF_ID_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    UNCOMPRESSED_SIZE_FIELD_NUMBER: _ClassVar[int]
+    OMITTED_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    digest: str
+    diff_id: str
+    size: int
+    uncompressed_size: int
+    omitted: bool
+    def __init__(self, index: _Optional[int] = ..., digest: _Optional[str] = ..., diff_id: _Optional[str] = ..., size: _Optional[int] = ..., uncompressed_size: _Optional[int] = ..., omitted: _Optional[bool] = ...) -> None: ...
+
+class ExportReply(_message.Message):
+    __slots__ = ("plan", "chunk", "done")
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    DONE_FIELD_NUMBER: _ClassVar[int]
+    plan: ExportPlan
+    chunk: bytes
+    done: ExportBlobDone
+    def __init__(self, plan: _Optional[_Union[ExportPlan, _Mapping]] = ..., chunk: _Optional[bytes] = ..., done: _Optional[_Union[ExportBlobDone, _Mapping]] = ...) -> None: ...
+
 class CreateSessionRequest(_message.Message):
     __slots__ = ("namespace", "stack", "branch", "node", "name", "idempotency_key", "policy", "wait_ms")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]

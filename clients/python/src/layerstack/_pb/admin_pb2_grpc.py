@@ -214,6 +214,11 @@ class AdminStub:
                 request_serializer=layerstack_dot___pb_dot_admin__pb2.CloseSessionRequest.SerializeToString,
                 response_deserializer=layerstack_dot___pb_dot_admin__pb2.Session.FromString,
                 _registered_method=True)
+        self.Export = channel.unary_stream(
+                '/layerstack.admin.v1.Admin/Export',
+                request_serializer=layerstack_dot___pb_dot_admin__pb2.ExportRequest.SerializeToString,
+                response_deserializer=layerstack_dot___pb_dot_admin__pb2.ExportReply.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -505,6 +510,20 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Export(self, request, context):
+        """OCI export of a branch head or a graph node (docs/architecture.md "OCI
+        export"). Holds a lease of holder kind `export` on the manifest while the
+        stream is open. The first reply is the plan (every layer of the image, oldest
+        first: base layers, then published and squashed ones); then, per layer in
+        that order, the compressed blob in chunks (none for an omitted layer) and a
+        `done` with its digest and diff ID. NOT_FOUND: unknown stack, branch or node;
+        INVALID_ARGUMENT: a compression other than gzip|zstd, a since_layer that is
+        not one of the image's layers.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -687,6 +706,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.CloseSession,
                     request_deserializer=layerstack_dot___pb_dot_admin__pb2.CloseSessionRequest.FromString,
                     response_serializer=layerstack_dot___pb_dot_admin__pb2.Session.SerializeToString,
+            ),
+            'Export': grpc.unary_stream_rpc_method_handler(
+                    servicer.Export,
+                    request_deserializer=layerstack_dot___pb_dot_admin__pb2.ExportRequest.FromString,
+                    response_serializer=layerstack_dot___pb_dot_admin__pb2.ExportReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1661,6 +1685,33 @@ class Admin:
             '/layerstack.admin.v1.Admin/CloseSession',
             layerstack_dot___pb_dot_admin__pb2.CloseSessionRequest.SerializeToString,
             layerstack_dot___pb_dot_admin__pb2.Session.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Export(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/layerstack.admin.v1.Admin/Export',
+            layerstack_dot___pb_dot_admin__pb2.ExportRequest.SerializeToString,
+            layerstack_dot___pb_dot_admin__pb2.ExportReply.FromString,
             options,
             channel_credentials,
             insecure,
