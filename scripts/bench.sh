@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # LayerStack benchmarks: start, fan-out, publish, read path, gate contention,
-# reset (and Mode B, listed as not available until it exists). Each figure is a
+# reset, Mode B sessions (P7). Each figure is a
 # ratio against a baseline measured in the same run, interleaved. Starts its own
 # PRIVATE containerd (layerstack proxy + overlayfs + native snapshotters) and our
 # daemon under /var/tmp/lst-*, stops them on exit, never touches another

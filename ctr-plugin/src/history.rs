@@ -15,7 +15,7 @@ use layerstack_api as api;
 use serde_json::json;
 
 use crate::out;
-use crate::output::{print_table, short};
+use crate::output::{print_table, short, spinner};
 
 #[derive(Debug, Subcommand)]
 pub enum HistoryCmd {
@@ -467,14 +467,16 @@ pub async fn run(admin: &Path, ns: &str, cmd: HistoryCmd) -> Result<ExitCode> {
         }
         HistoryCmd::Squash { stack, json } => {
             let (stack, branch) = split_branch(&stack);
+            let bar = spinner("squashing");
             let r = c
                 .squash(api::SquashRequest {
                     namespace: ns,
                     stack,
                     branch,
                 })
-                .await?
-                .into_inner();
+                .await;
+            bar.finish_and_clear();
+            let r = r?.into_inner();
             if json {
                 out!(
                     "{}",
@@ -493,7 +495,10 @@ pub async fn run(admin: &Path, ns: &str, cmd: HistoryCmd) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         HistoryCmd::Gc { json } => {
-            let r = c.gc(api::GcRequest {}).await?.into_inner();
+            let bar = spinner("collecting layers nothing reaches");
+            let r = c.gc(api::GcRequest {}).await;
+            bar.finish_and_clear();
+            let r = r?.into_inner();
             if json {
                 out!(
                     "{}",

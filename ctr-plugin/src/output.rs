@@ -44,3 +44,22 @@ pub fn short(stack: &str) -> &str {
     let s = chain.strip_prefix("sha256:").unwrap_or(chain);
     s.get(..12).unwrap_or(s)
 }
+
+/// A spinner on stderr naming `what` and the time taken, drawn only when stderr
+/// is a terminal (hidden in pipes, files and journals); `finish_and_clear` it
+/// when the operation returns. For one long RPC without progress events
+/// (`squash`, `gc`).
+pub fn spinner(what: &str) -> indicatif::ProgressBar {
+    use std::io::IsTerminal;
+    if !std::io::stderr().is_terminal() {
+        return indicatif::ProgressBar::hidden();
+    }
+    let b = indicatif::ProgressBar::new_spinner();
+    b.set_style(
+        indicatif::ProgressStyle::with_template("{spinner} {msg} ({elapsed})")
+            .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()),
+    );
+    b.set_message(what.to_string());
+    b.enable_steady_tick(std::time::Duration::from_millis(120));
+    b
+}

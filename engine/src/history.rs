@@ -123,7 +123,45 @@ pub struct Collected {
     pub uppers_released: u64,
 }
 
+/// Squash and GC runs since the engine started, for the daemon's metrics.
+#[derive(Debug, Default)]
+pub(crate) struct RunCounters {
+    squashes: std::sync::atomic::AtomicU64,
+    squashed_layers: std::sync::atomic::AtomicU64,
+    gcs: std::sync::atomic::AtomicU64,
+    gc_layers: std::sync::atomic::AtomicU64,
+    gc_bytes: std::sync::atomic::AtomicU64,
+}
+
+/// A snapshot of [`Engine::history_runs`]: counts since the engine started.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HistoryRuns {
+    /// Squashes that committed a squashed layer (automatic and on demand).
+    pub squashes: u64,
+    /// Layers those squashes replaced.
+    pub squashed_layers: u64,
+    /// GC runs that completed (periodic and on demand).
+    pub gcs: u64,
+    /// Layer directories GC freed.
+    pub gc_layers: u64,
+    /// Real allocated bytes GC freed.
+    pub gc_bytes_freed: u64,
+}
+
 impl Engine {
+    /// Squash and GC runs since the engine started.
+    pub fn history_runs(&self) -> HistoryRuns {
+        use std::sync::atomic::Ordering::Relaxed;
+        let r = &self.runs;
+        HistoryRuns {
+            squashes: r.squashes.load(Relaxed),
+            squashed_layers: r.squashed_layers.load(Relaxed),
+            gcs: r.gcs.load(Relaxed),
+            gc_layers: r.gc_layers.load(Relaxed),
+            gc_bytes_freed: r.gc_bytes.load(Relaxed),
+        }
+    }
+
     /// Squashes `branch` of `stack` now: all but its newest
     /// [`HistorySettings::squash_keep`] layers become one squashed layer (see the
     /// module docs). `Ok(None)` when there is nothing to squash.
@@ -167,6 +205,7 @@ impl Engine {
         })
         .await
         .map_err(|e| EngineError::Join(e.to_string()))??;
+        let run_len = run.len() as u64;
         let _gate = self.gates.lock(key).await;
         let (s, b) = (stack.to_string(), branch.to_string());
         let dir2 = dir.clone();
@@ -179,6 +218,10 @@ impl Engine {
         drop(guard);
         if r.is_err() {
             let _ = layerstack_store::fs::remove_tree(&dir);
+        } else {
+            use std::sync::atomic::Ordering::Relaxed;
+            self.runs.squashes.fetch_add(1, Relaxed);
+            self.runs.squashed_layers.fetch_add(run_len, Relaxed);
         }
         r.map(Some)
     }
@@ -239,6 +282,14 @@ impl Engine {
         }
         let pinned = self.pins.pinned();
         let report = self.blocking(move |s| s.gc(&pinned)).await?;
+        {
+            use std::sync::atomic::Ordering::Relaxed;
+            self.runs.gcs.fetch_add(1, Relaxed);
+            self.runs
+                .gc_layers
+                .fetch_add(report.layers.len() as u64, Relaxed);
+            self.runs.gc_bytes.fetch_add(report.bytes_freed, Relaxed);
+        }
         Ok(Collected {
             report,
             uppers_released: released,

@@ -62,7 +62,7 @@ pub use census::scan_upperdirs;
 pub use error::{error_chain, EngineError, RunError};
 pub use export::{write_layer_blob, Compression, Export, LayerBlob};
 pub use graph::NodeMerged;
-pub use history::{Collected, HistorySettings, Promoted};
+pub use history::{Collected, HistoryRuns, HistorySettings, Promoted};
 pub use layerstack_publisher as publisher;
 pub use layerstack_store as store;
 pub use locks::LockGuard;
@@ -123,6 +123,8 @@ pub struct Engine {
     events: broadcast::Sender<OutcomeEvent>,
     /// Mode B: the cap and the permits of live sandbox sessions.
     sandboxes: sandbox::Sandboxes,
+    /// Squash and GC runs since the engine started (metrics).
+    runs: history::RunCounters,
     #[cfg(any(test, feature = "failpoints"))]
     pub(crate) failpoints: publish::Failpoints,
 }
@@ -144,6 +146,7 @@ impl Engine {
             generation,
             events,
             sandboxes,
+            runs: history::RunCounters::default(),
             #[cfg(any(test, feature = "failpoints"))]
             failpoints: publish::Failpoints::default(),
         })

@@ -1255,7 +1255,8 @@ fn a_session_of_150000_files_publishes_and_its_verdicts_are_paged() {
         run_sh(env, NS, &id, Some("npm"), true, script)?;
         // Capture and sealing of 150,000 files take ~30 s on a quiet 2-core
         // machine (debug build) and well over the usual 60 s wait on a loaded one.
-        let out = env.layerstack(&["wait", &id, "--timeout", "170", "--namespace", NS, "--json"])?;
+        let out =
+            env.layerstack(&["wait", &id, "--timeout", "170", "--namespace", NS, "--json"])?;
         ensure!(
             out.status.success(),
             "wait --json: {}",

@@ -602,7 +602,10 @@ fn publish_and_next_pod_sees_it(
         // before the asynchronous, runc-handler publish ran) — never a new layer.
         let (word, _) = ls_wait(env, NS, id)?;
         let s = session(env, NS, id)?;
-        ensure!(word == "no-change", "a reader's session ended {word}: {s:#}");
+        ensure!(
+            word == "no-change",
+            "a reader's session ended {word}: {s:#}"
+        );
     }
     Ok(())
 }

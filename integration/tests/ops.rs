@@ -504,6 +504,61 @@ fn ops_metrics_and_the_publish_log_line_move_after_a_publish() {
         ] {
             ensure!(line.contains(field), "{field:?} missing from: {line}");
         }
+
+        // History runs and the store's bytes by accounting class.
+        let hot = sample(&after, "layerstack_store_bytes{class=\"hot\"}")
+            .with_context(|| format!("no hot-bytes gauge:\n{after}"))?;
+        ensure!(hot > 0.0, "hot layers hold {hot} bytes:\n{after}");
+        for class in ["cold", "uppers", "staging", "metadata", "snapshots"] {
+            let series = format!("layerstack_store_bytes{{class=\"{class}\"}}");
+            ensure!(sample(&after, &series).is_some(), "no {series}:\n{after}");
+        }
+        let gc0 = sample(&after, "layerstack_gc_runs_total").context("no GC-runs counter")?;
+        let sq0 = sample(&after, "layerstack_squash_runs_total").context("no squash counter")?;
+        let fb0 =
+            sample(&after, "layerstack_gc_freed_bytes_total").context("no GC-bytes counter")?;
+        // A second publish on the branch, then squash it (with the default keep
+        // of newer layers a depth of 2 may be left alone: the counter must not
+        // move then) and collect.
+        let id2 = unique("ops-metrics");
+        CtrRun::sh(NS, &id2, "echo again > /root/ops2.txt")
+            .image(BUSYBOX_IMAGE)
+            .branch(Some("ops-metrics"))
+            .rm(true)
+            .ok(env)?;
+        ensure!(ls_wait_ok(env, NS, &id2)? == "committed", "second publish");
+        let sq = env.layerstack(&[
+            "squash",
+            "--namespace",
+            NS,
+            &format!("{BUSYBOX_IMAGE}@ops-metrics"),
+            "--json",
+        ])?;
+        ensure!(sq.status.success(), "squash: {}", describe(&sq));
+        let squashed: serde_json::Value = serde_json::from_slice(&sq.stdout)?;
+        let gc = env.layerstack(&["gc", "--json"])?;
+        ensure!(gc.status.success(), "gc: {}", describe(&gc));
+        let freed: serde_json::Value = serde_json::from_slice(&gc.stdout)?;
+        let (_, runs) = scrape(&addr)?;
+        ensure!(
+            sample(&runs, "layerstack_gc_runs_total") == Some(gc0 + 1.0),
+            "GC runs did not move from {gc0}:\n{runs}"
+        );
+        ensure!(
+            sample(&runs, "layerstack_gc_freed_bytes_total")
+                == freed["bytes_freed"].as_f64().map(|b| fb0 + b),
+            "GC freed bytes {freed} vs:\n{runs}"
+        );
+        let expect = sq0
+            + if squashed["squashed"] == true {
+                1.0
+            } else {
+                0.0
+            };
+        ensure!(
+            sample(&runs, "layerstack_squash_runs_total") == Some(expect),
+            "squash runs {squashed} from {sq0}:\n{runs}"
+        );
         Ok(())
     });
 }

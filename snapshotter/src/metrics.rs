@@ -8,13 +8,14 @@
 //!   and the durations of each publish (from the engine's outcome events and the
 //!   timings recorded on the outcome), and errors answered on the two gRPC
 //!   sockets by kind (containerd's errdefs names).
-//! * **State metrics**, read from the store at each scrape: live sessions by owner
-//!   kind, the depth of every branch head.
+//! * **State metrics**, read at each scrape: live sessions by owner kind, the
+//!   depth of every branch head, squash and GC runs since the engine started, and
+//!   the store's real allocated bytes per accounting class (a full walk, so taken
+//!   at most once a minute).
 //!
 //! Names, types and units are listed in `docs/operations.md`. Not exported,
-//! because their data does not exist yet: capture bytes (a publish records no
-//! byte count), bytes per accounting class and squash/GC runs (they come with
-//! history accounting).
+//! because its data does not exist: capture bytes (a publish records no byte
+//! count).
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -54,6 +55,15 @@ struct OwnerLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct ClassLabels {
+    class: &'static str,
+}
+
+/// How old the accounting gauges may be: each computation walks every layer and
+/// upper (`layerstack df`), too much for every scrape.
+const USAGE_MAX_AGE: std::time::Duration = std::time::Duration::from_secs(60);
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct BranchLabels {
     namespace: String,
     stack: String,
@@ -91,6 +101,8 @@ pub struct Metrics {
     gate_hold: Histogram,
     errors: Family<ErrorLabels, Counter>,
     missed_events: Counter,
+    /// The last accounting (ARCHITECTURE.md §10) and when it was taken.
+    usage: tokio::sync::Mutex<Option<(std::time::Instant, layerstack_engine::store::Usage)>>,
 }
 
 impl Default for Metrics {
@@ -168,6 +180,29 @@ impl Metrics {
             gate_hold,
             errors,
             missed_events,
+            usage: tokio::sync::Mutex::new(None),
+        }
+    }
+
+    /// The store-wide accounting, taken again when older than [`USAGE_MAX_AGE`]
+    /// (one walk at a time; a scrape meanwhile waits for it). `None` when the
+    /// walk failed (logged).
+    async fn usage(&self, engine: &Engine) -> Option<layerstack_engine::store::Usage> {
+        let mut cached = self.usage.lock().await;
+        if let Some((at, u)) = cached.as_ref() {
+            if at.elapsed() < USAGE_MAX_AGE {
+                return Some(u.clone());
+            }
+        }
+        match engine.blocking_store(|s| s.disk_usage()).await {
+            Ok(d) => {
+                *cached = Some((std::time::Instant::now(), d.total.clone()));
+                Some(d.total)
+            }
+            Err(e) => {
+                warn!(error = %layerstack_engine::error_chain(&e), "metrics: cannot account the store's bytes");
+                None
+            }
         }
     }
 
@@ -260,6 +295,67 @@ impl Metrics {
             Err(e) => {
                 warn!(error = %layerstack_engine::error_chain(&e), "metrics: cannot read the store");
             }
+        }
+        let runs = engine.history_runs();
+        for (name, help, value, unit) in [
+            (
+                "layerstack_squash_runs",
+                "Squashes that committed a squashed layer, automatic and on demand",
+                runs.squashes,
+                None,
+            ),
+            (
+                "layerstack_squashed_layers",
+                "Layers replaced by squashed layers",
+                runs.squashed_layers,
+                None,
+            ),
+            (
+                "layerstack_gc_runs",
+                "Garbage collections that completed, periodic and on demand",
+                runs.gcs,
+                None,
+            ),
+            (
+                "layerstack_gc_freed_layers",
+                "Layer directories garbage collection freed",
+                runs.gc_layers,
+                None,
+            ),
+            (
+                "layerstack_gc_freed",
+                "Real allocated bytes garbage collection freed",
+                runs.gc_bytes_freed,
+                Some(Unit::Bytes),
+            ),
+        ] {
+            let c = Counter::<u64>::default();
+            c.inc_by(value);
+            match unit {
+                Some(u) => now.register_with_unit(name, help, u, c),
+                None => now.register(name, help, c),
+            }
+        }
+        if let Some(u) = self.usage(engine).await {
+            let bytes = Family::<ClassLabels, Gauge<i64>>::default();
+            for (class, v) in [
+                ("hot", u.hot),
+                ("cold", u.cold),
+                ("uppers", u.uppers),
+                ("staging", u.staging),
+                ("metadata", u.metadata),
+                ("snapshots", u.snapshots),
+            ] {
+                bytes
+                    .get_or_create(&ClassLabels { class })
+                    .set(i64::try_from(v).unwrap_or(i64::MAX));
+            }
+            now.register_with_unit(
+                "layerstack_store",
+                "Real allocated bytes of the store by accounting class (layerstack df; ARCHITECTURE.md §10): hot = layers branch heads show, cold = layers only leases, nodes or history reach, uppers = live and kept uppers, staging = in-flight builds, metadata = SQLite and the store's own files, snapshots = containerd's snapshots of no stack; taken at most once a minute",
+                Unit::Bytes,
+                bytes,
+            );
         }
         let mut out = String::new();
         // Writing into a String cannot fail.
