@@ -426,7 +426,7 @@ fn a_crash_during_squash_or_gc_loses_nothing() {
             let after = tree(env)?;
             ensure!(
                 after == before,
-                "the tree changed across a crash during {what}"
+                "the tree changed across a crash during {what}: {before:?} before, {after:?} after"
             );
             orphan_check(&env.store_root())?;
         }
