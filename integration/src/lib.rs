@@ -1808,3 +1808,54 @@ impl TestEnv {
         }
     }
 }
+
+// ---------------------------------------------------------------------------
+// Fan-out helpers (tests and the benchmark program)
+// ---------------------------------------------------------------------------
+
+/// Runs `f(i)` for `i` in `0..n` on `threads` threads; the results in index
+/// order. Errors: the first failed `f(i)` in index order.
+pub fn parallel<T: Send>(
+    n: usize,
+    threads: usize,
+    f: impl Fn(usize) -> Result<T> + Sync,
+) -> Result<Vec<T>> {
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let results: Vec<std::sync::Mutex<Option<Result<T>>>> =
+        (0..n).map(|_| std::sync::Mutex::new(None)).collect();
+    std::thread::scope(|sc| {
+        for _ in 0..threads {
+            sc.spawn(|| loop {
+                let i = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                if i >= n {
+                    break;
+                }
+                let r = f(i);
+                *results[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+            });
+        }
+    });
+    results
+        .into_iter()
+        .map(|m| {
+            m.into_inner()
+                .unwrap_or_else(|e| e.into_inner())
+                .unwrap_or_else(|| bail!("not run"))
+        })
+        .collect()
+}
+
+/// The resident set of process `pid` in KiB (`VmRSS` of `/proc/PID/status`,
+/// proc(5)). Errors: the process is gone, or the line is missing.
+pub fn vm_rss_kib(pid: u32) -> Result<u64> {
+    let s = fs::read_to_string(format!("/proc/{pid}/status"))
+        .with_context(|| format!("reading /proc/{pid}/status"))?;
+    let l = s
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .context("no VmRSS in /proc/PID/status")?;
+    Ok(l.split_whitespace()
+        .nth(1)
+        .context("VmRSS without a value")?
+        .parse()?)
+}

@@ -453,37 +453,6 @@ fn sigkill_of_a_holder_mid_write() {
     });
 }
 
-/// Runs `f(i)` for `i` in `0..n` on `threads` threads; the first error wins.
-fn parallel<T: Send>(
-    n: usize,
-    threads: usize,
-    f: impl Fn(usize) -> Result<T> + Sync,
-) -> Result<Vec<T>> {
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    let results: Vec<std::sync::Mutex<Option<Result<T>>>> =
-        (0..n).map(|_| std::sync::Mutex::new(None)).collect();
-    std::thread::scope(|sc| {
-        for _ in 0..threads {
-            sc.spawn(|| loop {
-                let i = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                if i >= n {
-                    break;
-                }
-                let r = f(i);
-                *results[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
-            });
-        }
-    });
-    results
-        .into_iter()
-        .map(|m| {
-            m.into_inner()
-                .unwrap_or_else(|e| e.into_inner())
-                .unwrap_or_else(|| bail!("not run"))
-        })
-        .collect()
-}
-
 /// The gate is the same for both modes: Mode B sessions and containers publish to
 /// one branch — disjoint changes land, overlapping text merges, true conflicts
 /// are rejected whole, whoever publishes.
@@ -637,18 +606,6 @@ fn sixteen_sessions_inside_one_container_holding_the_admin_socket() {
         );
         Ok(())
     });
-}
-
-fn vm_rss_kib(pid: u32) -> Result<u64> {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    let l = s
-        .lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .context("VmRSS")?;
-    Ok(l.split_whitespace()
-        .nth(1)
-        .context("VmRSS value")?
-        .parse()?)
 }
 
 /// Isolation: 1,000 sessions alive at once, each writing a unique marker; none

@@ -11,7 +11,9 @@ use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
-use layerstack_integration::{bin_path, describe, CtrRun, CLI_BIN, DEBIAN_IMAGE};
+use layerstack_integration::{
+    bin_path, describe, parallel, vm_rss_kib, CtrRun, CLI_BIN, DEBIAN_IMAGE,
+};
 use serde_json::json;
 
 use super::{interleave, ratio_table};
@@ -112,49 +114,6 @@ fn fan_out(
         .map(|c| c.wait_with_output().context("waiting for a session run"))
         .collect::<Result<Vec<_>>>()?;
     Ok((t.elapsed(), outs))
-}
-
-fn vm_rss_kib(pid: u32) -> Result<u64> {
-    let s = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    let l = s
-        .lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .context("no VmRSS in /proc/PID/status")?;
-    Ok(l.split_whitespace()
-        .nth(1)
-        .context("VmRSS without a value")?
-        .parse()?)
-}
-
-/// Runs `f(0..n)` on `threads` threads; the results in index order.
-fn parallel<T: Send>(
-    n: usize,
-    threads: usize,
-    f: impl Fn(usize) -> Result<T> + Sync,
-) -> Result<Vec<T>> {
-    let next = std::sync::atomic::AtomicUsize::new(0);
-    let slots: Vec<std::sync::Mutex<Option<Result<T>>>> =
-        (0..n).map(|_| std::sync::Mutex::new(None)).collect();
-    std::thread::scope(|sc| {
-        for _ in 0..threads {
-            sc.spawn(|| loop {
-                let i = next.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-                if i >= n {
-                    break;
-                }
-                let r = f(i);
-                *slots[i].lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
-            });
-        }
-    });
-    slots
-        .into_iter()
-        .map(|m| {
-            m.into_inner()
-                .unwrap_or_else(|e| e.into_inner())
-                .unwrap_or_else(|| bail!("not run"))
-        })
-        .collect()
 }
 
 pub fn run(b: &Bench, r: &mut ScenarioReport) -> Result<()> {
