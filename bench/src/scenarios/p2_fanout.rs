@@ -414,6 +414,7 @@ const TIME_GOES: &str = "containerd (its bbolt metadata transactions and Go GC: 
     directories — `recently_deleted`/`find_get_block_common`, slow right after the previous \
     round freed thousands of inodes — and the mounts) dominate; our daemon's Prepare (one \
     SQLite transaction and two directories per session) is about a quarter. Nothing cheap of \
-    ours to cut; the kernel's and containerd's are named. (A `Remove` reads \
-    /proc/self/mountinfo, O(mounts): the untimed cleanup of 1,024 mounted sessions is \
-    quadratic — in snapshotter/src/publish.rs, left to the core redesign.)";
+    ours to cut; the kernel's and containerd's are named. (A `Remove` asks the mount \
+    census, engine/src/census.rs, which reads every mount namespace's mountinfo — O(mounts) \
+    per scan, shared by concurrent callers: the untimed cleanup of 1,024 mounted sessions \
+    stays superlinear.)";

@@ -365,7 +365,11 @@ pub fn run(b: &Bench, r: &mut ScenarioReport) -> Result<()> {
     Ok(())
 }
 
-const TIME_GOES: &str = "see the profile: a session run is short-lived processes (the CLI, \
-    the holder, `true`) and their namespaces — clone, exec, page faults and the teardown of \
-    mount and pid namespaces are the kernel's; the daemon's share (CreateSession's SQLite \
-    transaction, building the overlay, CloseSession's discard) is small.";
+const TIME_GOES: &str = "split about evenly between the short-lived processes (the \
+    CLI, the holder, `true`) and our daemon, ~70 % of it kernel: process creation and \
+    teardown (page faults, `unmap_page_range`, context switches) and the namespaces' \
+    setup and teardown. The daemon's part is CreateSession (one SQLite transaction, two \
+    directories), the overlay built with fsopen/fsconfig/fsmount and passed over the mount \
+    socket, and CloseSession's discard; the CLI's is its own start and two round trips. \
+    Ours to cut next: a harness that keeps one CLI process (or the Python client) and \
+    reuses its connection saves a process start and a connect per session.";
