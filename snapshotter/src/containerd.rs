@@ -211,22 +211,37 @@ async fn label_policy(
     Some(p)
 }
 
-/// A container's labels through containerd's Containers API; `None` if it is gone.
+/// A container's labels through containerd's Containers API; `None` if its
+/// record is gone or not readable.
 async fn container_labels(
     ch: &Channel,
     ns: &str,
     id: &str,
 ) -> Option<std::collections::HashMap<String, String>> {
+    match container_record(ch, ns, id).await {
+        Ok(c) => c.map(|c| c.labels),
+        Err(e) => {
+            debug!(namespace = %ns, container = %id, error = %e, "container record not readable");
+            None
+        }
+    }
+}
+
+/// Container `ns`/`id`'s record (containerd Containers API `Get`); `Ok(None)`
+/// when it is gone.
+async fn container_record(
+    ch: &Channel,
+    ns: &str,
+    id: &str,
+) -> Result<Option<containerd_client::services::v1::Container>, ContainerdError> {
     let mut c = ContainersClient::new(ch.clone());
     match c
         .get(with_ns(ns, GetContainerRequest { id: id.to_string() }))
         .await
     {
-        Ok(r) => r.into_inner().container.map(|c| c.labels),
-        Err(st) => {
-            debug!(namespace = %ns, container = %id, error = %st, "container record not readable");
-            None
-        }
+        Ok(r) => Ok(r.into_inner().container),
+        Err(st) if st.code() == Code::NotFound => Ok(None),
+        Err(st) => Err(ContainerdError::Rpc(format!("get container {ns}/{id}"), st)),
     }
 }
 
@@ -245,16 +260,7 @@ pub async fn container_branch(
     ns: &str,
     id: &str,
 ) -> Result<Option<String>, ContainerdError> {
-    let mut c = ContainersClient::new(ch.clone());
-    let container = match c
-        .get(with_ns(ns, GetContainerRequest { id: id.to_string() }))
-        .await
-    {
-        Ok(r) => r.into_inner().container,
-        Err(st) if st.code() == Code::NotFound => None,
-        Err(st) => return Err(ContainerdError::Rpc(format!("get container {ns}/{id}"), st)),
-    };
-    let Some(container) = container else {
+    let Some(container) = container_record(ch, ns, id).await? else {
         return Ok(None);
     };
     if let Some(b) = policy::branch_from_labels(&container.labels) {
