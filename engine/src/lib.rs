@@ -247,7 +247,7 @@ impl Engine {
     }
 
     /// Waits up to `within` for `s`'s upper to be unmounted in every mount
-    /// namespace, polling the census with a backoff of 1 ms doubling to 100 ms.
+    /// namespace, polling the census (`sandbox::backoff`: 1 ms doubling to 100 ms).
     /// For callers that know the run has ended (its task was deleted, its holder
     /// is gone, its snapshot removed) but may look while another namespace still
     /// holds a transient copy of the mount: a `runc init` starting a sibling
@@ -270,7 +270,7 @@ impl Engine {
             if tokio::time::Instant::now() >= deadline {
                 return Err(EngineError::Mounted(s.id, s.upper.clone()));
             }
-            tokio::time::sleep(Duration::from_millis((1u64 << attempt.min(7)).min(100))).await;
+            tokio::time::sleep(sandbox::backoff(attempt)).await;
             attempt += 1;
         }
     }

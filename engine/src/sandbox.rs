@@ -119,8 +119,9 @@ impl CloseHow {
     }
 }
 
-/// Back-off between censuses while a holder's namespaces are torn down.
-fn backoff(attempt: u32) -> Duration {
+/// Back-off between censuses while an upper leaves the mount namespaces
+/// (a holder's teardown, a sibling's transient copy): 1 ms doubling to 100 ms.
+pub(crate) fn backoff(attempt: u32) -> Duration {
     Duration::from_millis((1u64 << attempt.min(7)).min(100))
 }
 
