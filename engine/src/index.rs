@@ -56,6 +56,26 @@ pub(crate) fn head_changes(layers: HeadChanges) -> Vec<HeadChange> {
     )
 }
 
+/// True when rows the head gained since a plan was made (`delta`, at the plan's
+/// query) can change one of its verdicts: any row but a directory's (`Mkdir`,
+/// `Meta`) that repeats exactly the state the plan already took as the head's at
+/// that path (`planned`: the head changes it was made with, first occurrence =
+/// final state). Such a row hides nothing and leaves the head's final state where
+/// it was — every publish that creates files in one shared directory adds one —
+/// so the plan's verdicts and edits stand.
+pub(crate) fn moves_the_plan(delta: HeadChanges, planned: &[HeadChange]) -> bool {
+    let mut first: std::collections::HashMap<&[u8], &HeadChange> = std::collections::HashMap::new();
+    for h in planned {
+        first.entry(h.path.as_slice()).or_insert(h);
+    }
+    delta.into_iter().flat_map(|(_, es)| es).any(|e| {
+        let h = to_head_change(e);
+        let repeats = matches!(h.kind, HeadChangeKind::Mkdir | HeadChangeKind::Meta)
+            && first.get(h.path.as_slice()).is_some_and(|p| **p == h);
+        !repeats
+    })
+}
+
 /// What the gate may look up in the head for `cs`: every captured path (changes
 /// and copy-up noise) and every directory above one (a head deletion or
 /// replacement of an ancestor hides it), plus the whole subtree below every path
@@ -135,6 +155,59 @@ mod tests {
             below,
             [&b"a/b/file"[..]],
             "a metadata change needs no subtree"
+        );
+    }
+
+    fn dir(path: &str, kind: ChangeKind, mode: u32) -> IndexEntry {
+        IndexEntry {
+            path: path.as_bytes().to_vec(),
+            kind,
+            digest: None,
+            mode: Some(mode),
+            uid: Some(0),
+            gid: Some(0),
+            xattrs: None,
+        }
+    }
+
+    #[test]
+    fn only_a_repeated_directory_row_leaves_the_plan_standing() {
+        let planned = head_changes(vec![(3, vec![dir("shared", ChangeKind::Mkdir, 0o755)])]);
+        let same = || vec![(5, vec![dir("shared", ChangeKind::Mkdir, 0o755)])];
+        assert!(!moves_the_plan(same(), &planned), "same directory again");
+        assert!(!moves_the_plan(Vec::new(), &planned), "nothing new");
+        for (why, delta) in [
+            (
+                "other mode",
+                vec![(5, vec![dir("shared", ChangeKind::Mkdir, 0o700)])],
+            ),
+            (
+                "meta, not mkdir",
+                vec![(5, vec![dir("shared", ChangeKind::Meta, 0o755)])],
+            ),
+            (
+                "made opaque",
+                vec![(5, vec![dir("shared", ChangeKind::Opaque, 0o755)])],
+            ),
+            (
+                "deleted",
+                vec![(5, vec![dir("shared", ChangeKind::Delete, 0o755)])],
+            ),
+            (
+                "not planned against",
+                vec![(5, vec![dir("other", ChangeKind::Mkdir, 0o755)])],
+            ),
+            (
+                "a file, even repeated",
+                vec![(5, vec![dir("shared", ChangeKind::Write, 0o755)])],
+            ),
+        ] {
+            assert!(moves_the_plan(delta, &planned), "{why}");
+        }
+        let file = head_changes(vec![(3, vec![dir("f", ChangeKind::Write, 0o644)])]);
+        assert!(
+            moves_the_plan(vec![(5, vec![dir("f", ChangeKind::Write, 0o644)])], &file),
+            "a rewritten file moves the plan even with the same digest"
         );
     }
 

@@ -7,12 +7,14 @@
 //! census: upper unmounted everywhere       head now == head observed?
 //! capture the upper against the lease        no → index rows of the layers added
 //! policy edits, seal                              since, at this publish's paths:
-//! observe the head H                              none → the plan stands
-//! index rows at this publish's paths,             some → plan again against the
-//!   in layers of H the lease lacks                       new head (conflict → reject)
-//! plan (merges included) against H          apply the plan's edits to the upper
-//! conflict → reject (no gate needed)        commit: head CAS, prepend, move branch
-//! stage: pending layer + index + verdicts   rename the upper into l/<n>
+//! observe the head H                              none, or only a directory's
+//! index rows at this publish's paths,               repeating what was planned
+//!   in layers of H the lease lacks                  → the plan stands
+//! plan (merges included) against H                some → plan again against the
+//! conflict → reject (no gate needed)                     new head (conflict → reject)
+//! stage: pending layer + index + verdicts   apply the plan's edits to the upper
+//!                                           commit: head CAS, prepend, move branch
+//!                                           rename the upper into l/<n>
 //! ```
 //!
 //! Why the plan can be made outside the gate: layers are immutable and a branch
@@ -21,8 +23,11 @@
 //! only on index rows at that path, its ancestors and (for what the session
 //! deleted or replaced) its subtree. If no added layer has a row there, the
 //! verdicts against the new head are the verdicts against the observed one, and
-//! the edits (merged files, metadata) stay right. Otherwise the gate plans again,
-//! against the real head, before anything is written.
+//! the edits (merged files, metadata) stay right. Nor if the only rows there are
+//! a directory's, repeating exactly the state the plan took for it (N sessions
+//! creating files in one shared directory each add such a row: `moves_the_plan`).
+//! Otherwise the gate plans again, against the real head, before anything is
+//! written.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -36,7 +41,7 @@ use layerstack_store::{
 use tracing::{debug, warn};
 
 use crate::error::{error_chain, EngineError, RunError};
-use crate::index::{head_changes, index_of, query_for, records};
+use crate::index::{head_changes, index_of, moves_the_plan, query_for, records};
 use crate::policy::{self, Decision, Policy};
 use crate::{Engine, EngineSettings};
 
@@ -790,7 +795,7 @@ fn commit(
     let mut replanned = None;
     if current.manifest != observed.manifest {
         let delta = store.changes_between(observed.manifest, current.manifest, &input.query)?;
-        if !delta.is_empty() {
+        if moves_the_plan(delta, &input.head) {
             let input = gate_input(
                 store,
                 settings,

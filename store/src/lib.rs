@@ -127,6 +127,8 @@ pub struct Store {
     default_branch: String,
     durability: Durability,
     inflight: InFlight,
+    /// Squashed layers' expanded members, for the gate's path-index queries.
+    expansions: paths::Expansions,
 }
 
 /// Directories an operation in flight is creating or still owns (relative to the
@@ -262,6 +264,7 @@ impl Store {
             default_branch: opts.default_branch.clone(),
             durability: opts.durability,
             inflight: InFlight::default(),
+            expansions: paths::Expansions::default(),
         };
         if !opts.startup_sweep {
             return Ok(store);

@@ -539,6 +539,13 @@ impl ChangeKind {
         }
     }
 
+    /// True when the change hides everything the lease had below the path (a
+    /// deletion, an opaque directory, a non-directory): the publisher's
+    /// `HeadChangeKind::hides_below`.
+    pub fn hides_below(self) -> bool {
+        !matches!(self, Self::Mkdir | Self::Meta)
+    }
+
     pub(crate) fn from_code(c: i64) -> Option<Self> {
         Some(match c {
             0 => Self::Write,
@@ -580,7 +587,10 @@ pub struct PathQuery {
 
 /// The path index of the layers between two manifests, restricted to a
 /// [`PathQuery`]: one `(layer, entries sorted by path)` per layer that has any,
-/// newest layer first.
+/// newest layer first. Per path at most two rows: the newest (the head's final
+/// state there) and the newest that hides below the path
+/// ([`ChangeKind::hides_below`]), when that is an older one — all the gate's
+/// rules read (older rows at a path change no verdict).
 pub type HeadChanges = Vec<(LayerId, Vec<IndexEntry>)>;
 
 /// A branch: a named pointer to a manifest.

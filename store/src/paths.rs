@@ -10,6 +10,7 @@
 //! publish from costing its whole history.
 
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::sync::{Arc, Mutex};
 
 use rusqlite::{params, Connection, Transaction};
 
@@ -95,8 +96,45 @@ fn entry_from_raw(raw: RawEntry) -> Result<(LayerId, IndexEntry), StoreError> {
 
 const ENTRY_COLS: &str = "path, layer_id, kind, digest, mode, uid, gid, xattrs";
 
+/// The rows of one path the gate reads, by position in the layers asked about
+/// (0 = newest): the newest, and the newest that hides below the path.
+#[derive(Default, Clone, Copy)]
+struct Pick {
+    newest: Option<(usize, LayerId)>,
+    hiding: Option<(usize, LayerId)>,
+}
+
+impl Pick {
+    fn consider(&mut self, pos: usize, layer: LayerId, kind: i64) {
+        if self.newest.is_none_or(|(p, _)| pos < p) {
+            self.newest = Some((pos, layer));
+        }
+        // An unknown code is kept as hiding, so the fetch below reports it Corrupt.
+        if ChangeKind::from_code(kind).is_none_or(ChangeKind::hides_below)
+            && self.hiding.is_none_or(|(p, _)| pos < p)
+        {
+            self.hiding = Some((pos, layer));
+        }
+    }
+
+    fn layers(self) -> impl Iterator<Item = LayerId> {
+        let newest = self.newest.map(|(_, l)| l);
+        let hiding = self.hiding.map(|(_, l)| l).filter(|l| Some(*l) != newest);
+        newest.into_iter().chain(hiding)
+    }
+}
+
 /// The index entries of `layers` (newest first) at the paths `query` asks
-/// about, grouped per layer in that order, entries sorted by path.
+/// about, grouped per layer in that order, entries sorted by path — per path only
+/// the rows the gate reads (see [`HeadChanges`]): the newest, and the newest
+/// hiding one. A directory every publish touches (the shared parent of N
+/// sessions' work) thus costs two rows, not one per layer.
+///
+/// Cost: one index seek per exact path and one range scan per subtree over the
+/// rows of layers at least as new as the oldest asked about, reading two integer
+/// columns of each; then one primary-key fetch per row kept. Newest means by
+/// position in `layers` (the manifest's order), not by layer id: ids are taken
+/// when a publish is staged and publishes commit in gate order.
 pub(crate) fn query_layers(
     conn: &Connection,
     layers: &[LayerId],
@@ -105,83 +143,193 @@ pub(crate) fn query_layers(
     if layers.is_empty() || (query.exact.is_empty() && query.below.is_empty()) {
         return Ok(Vec::new());
     }
-    let wanted: HashSet<LayerId> = layers.iter().copied().collect();
+    let position: HashMap<LayerId, usize> =
+        layers.iter().enumerate().map(|(i, l)| (*l, i)).collect();
     let min = layers.iter().copied().min().unwrap_or(0);
-    let mut found: HashMap<LayerId, BTreeMap<Vec<u8>, IndexEntry>> = HashMap::new();
-    let mut keep = |raw: RawEntry| -> Result<(), StoreError> {
-        if !wanted.contains(&raw.1) {
-            return Ok(());
-        }
-        let (layer, e) = entry_from_raw(raw)?;
-        found.entry(layer).or_default().insert(e.path.clone(), e);
-        Ok(())
-    };
+    let mut picks: BTreeMap<Vec<u8>, Pick> = BTreeMap::new();
     {
-        let mut stmt = conn.prepare_cached(&format!(
-            "SELECT {ENTRY_COLS} FROM layer_paths WHERE path = ?1 AND layer_id >= ?2"
-        ))?;
+        let mut stmt = conn.prepare_cached(
+            "SELECT layer_id, kind FROM layer_paths WHERE path = ?1 AND layer_id >= ?2",
+        )?;
         for p in &query.exact {
-            for raw in stmt.query_map(params![p, min], raw_entry)? {
-                keep(raw?)?;
+            let mut pick = Pick::default();
+            let mut rows = stmt.query(params![p, min])?;
+            while let Some(r) = rows.next()? {
+                let layer: LayerId = r.get(0)?;
+                if let Some(&pos) = position.get(&layer) {
+                    pick.consider(pos, layer, r.get(1)?);
+                }
+            }
+            if pick.newest.is_some() {
+                picks.insert(p.clone(), pick);
             }
         }
     }
     {
-        let mut stmt = conn.prepare_cached(&format!(
-            "SELECT {ENTRY_COLS} FROM layer_paths WHERE path >= ?1 AND path < ?2 AND layer_id >= ?3"
-        ))?;
+        let mut stmt = conn.prepare_cached(
+            "SELECT path, layer_id, kind FROM layer_paths WHERE path >= ?1 AND path < ?2 AND layer_id >= ?3",
+        )?;
         for d in &query.below {
             let (lo, hi) = below_range(d);
-            for raw in stmt.query_map(params![lo, hi, min], raw_entry)? {
-                keep(raw?)?;
+            let mut rows = stmt.query(params![lo, hi, min])?;
+            while let Some(r) = rows.next()? {
+                let layer: LayerId = r.get(1)?;
+                let Some(&pos) = position.get(&layer) else {
+                    continue;
+                };
+                let rusqlite::types::ValueRef::Blob(path) = r.get_ref(0)? else {
+                    return Err(StoreError::corrupt(
+                        "layer_paths",
+                        format!("layer {layer}, below {}", crate::escape_path(d)),
+                        "a path that is not a blob",
+                    ));
+                };
+                let kind = r.get(2)?;
+                match picks.get_mut(path) {
+                    Some(pick) => pick.consider(pos, layer, kind),
+                    None => {
+                        let mut pick = Pick::default();
+                        pick.consider(pos, layer, kind);
+                        picks.insert(path.to_vec(), pick);
+                    }
+                }
             }
+        }
+    }
+    let mut found: HashMap<LayerId, Vec<IndexEntry>> = HashMap::new();
+    let mut fetch = conn.prepare_cached(&format!(
+        "SELECT {ENTRY_COLS} FROM layer_paths WHERE path = ?1 AND layer_id = ?2"
+    ))?;
+    // `picks` is in path order, so each layer's entries come out sorted.
+    for (path, pick) in &picks {
+        for layer in pick.layers() {
+            let raw = fetch.query_row(params![path, layer], raw_entry)?;
+            let (layer, e) = entry_from_raw(raw)?;
+            found.entry(layer).or_default().push(e);
         }
     }
     Ok(layers
         .iter()
-        .filter_map(|l| {
-            found
-                .remove(l)
-                .map(|m| (*l, m.into_values().collect::<Vec<_>>()))
-        })
+        .filter_map(|l| found.remove(l).map(|v| (*l, v)))
         .collect())
+}
+
+/// The published layers each squashed layer stands for, expanded, newest first.
+/// Safe to keep for the life of the process and to share between connections: a
+/// squashed layer's members are written with its row and never change, and layer
+/// ids are never reused (`AUTOINCREMENT`). Bounded: cleared when it holds more
+/// than [`Expansions::MAX`] squashed layers.
+#[derive(Default, Clone)]
+pub(crate) struct Expansions(Arc<Mutex<HashMap<LayerId, Arc<[LayerId]>>>>);
+
+impl Expansions {
+    const MAX: usize = 4096;
+
+    fn get(&self, layer: LayerId) -> Option<Arc<[LayerId]>> {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&layer)
+            .cloned()
+    }
+
+    fn put(&self, layer: LayerId, members: Arc<[LayerId]>) {
+        let mut m = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        if m.len() >= Self::MAX {
+            m.clear();
+        }
+        m.insert(layer, members);
+    }
 }
 
 /// `layers` with every squashed layer replaced by its members (recursively),
 /// newest first: the layers as published, whose path index rows the gate reads.
 pub(crate) fn expand(conn: &Connection, layers: &[LayerId]) -> Result<Vec<LayerId>, StoreError> {
-    let mut stmt = conn
-        .prepare_cached("SELECT member_id FROM squash_members WHERE layer_id = ?1 ORDER BY pos")?;
+    expand_with(conn, &Expansions::default(), layers)
+}
+
+/// [`expand`], reading and filling `cache`.
+pub(crate) fn expand_with(
+    conn: &Connection,
+    cache: &Expansions,
+    layers: &[LayerId],
+) -> Result<Vec<LayerId>, StoreError> {
     let mut out = Vec::with_capacity(layers.len());
-    let mut todo: Vec<LayerId> = layers.iter().rev().copied().collect();
-    while let Some(l) = todo.pop() {
-        let members: Vec<LayerId> = stmt
-            .query_map([l], |r| r.get(0))?
-            .collect::<Result<_, _>>()?;
-        if members.is_empty() {
-            out.push(l);
-        } else {
-            todo.extend(members.into_iter().rev());
-        }
+    for &l in layers {
+        out.extend_from_slice(&expansion(conn, cache, l, 0)?);
     }
+    Ok(out)
+}
+
+/// What layer `l` stands for: itself, or a squashed layer's members expanded.
+fn expansion(
+    conn: &Connection,
+    cache: &Expansions,
+    l: LayerId,
+    nesting: usize,
+) -> Result<Arc<[LayerId]>, StoreError> {
+    if let Some(m) = cache.get(l) {
+        return Ok(m);
+    }
+    // A squash of squashes nests once per compaction of a compaction; a cycle
+    // can only be a corrupt row.
+    if nesting > 1024 {
+        return Err(StoreError::corrupt(
+            "squash_members",
+            l,
+            "squashed layers nest more than 1024 deep (a cycle?)",
+        ));
+    }
+    let members: Vec<LayerId> = {
+        let mut stmt = conn.prepare_cached(
+            "SELECT member_id FROM squash_members WHERE layer_id = ?1 ORDER BY pos",
+        )?;
+        let rows = stmt.query_map([l], |r| r.get(0))?;
+        rows.collect::<Result<_, _>>()?
+    };
+    if members.is_empty() {
+        return Ok(Arc::from([l]));
+    }
+    let mut out = Vec::with_capacity(members.len());
+    for m in members {
+        out.extend_from_slice(&expansion(conn, cache, m, nesting + 1)?);
+    }
+    let out: Arc<[LayerId]> = out.into();
+    cache.put(l, out.clone());
     Ok(out)
 }
 
 /// The published layers of `to` that `from` does not have, newest first, with
 /// squashed layers seen as the runs they replaced: a lease that had a run does
 /// not see its squash as a change.
+///
+/// Only the layers the two manifests do not share are expanded: a layer in both
+/// stands for the same published layers in both (a manifest shows each published
+/// layer once), so they cancel. Cost: O(depth of both) rows plus, for a squashed
+/// layer not yet in `cache`, its members.
 pub(crate) fn layers_since(
     conn: &Connection,
+    cache: &Expansions,
     from: ManifestId,
     to: ManifestId,
 ) -> Result<Vec<LayerId>, StoreError> {
     if from == to {
         return Ok(Vec::new());
     }
-    let had: HashSet<LayerId> = expand(conn, &manifest_layers(conn, from)?)?
+    let from_layers = manifest_layers(conn, from)?;
+    let to_layers = manifest_layers(conn, to)?;
+    let in_from: HashSet<LayerId> = from_layers.iter().copied().collect();
+    let in_to: HashSet<LayerId> = to_layers.iter().copied().collect();
+    let only_from: Vec<LayerId> = from_layers
         .into_iter()
+        .filter(|l| !in_to.contains(l))
         .collect();
-    Ok(expand(conn, &manifest_layers(conn, to)?)?
+    let only_to: Vec<LayerId> = to_layers
+        .into_iter()
+        .filter(|l| !in_from.contains(l))
+        .collect();
+    let had: HashSet<LayerId> = expand_with(conn, cache, &only_from)?.into_iter().collect();
+    Ok(expand_with(conn, cache, &only_to)?
         .into_iter()
         .filter(|l| !had.contains(l))
         .collect())
@@ -203,7 +351,7 @@ impl Store {
         query: &PathQuery,
     ) -> Result<HeadChanges, StoreError> {
         self.db.read(|conn| {
-            let layers = layers_since(conn, from, to)?;
+            let layers = layers_since(conn, &self.expansions, from, to)?;
             query_layers(conn, &layers, query)
         })
     }

@@ -273,7 +273,9 @@ fn changes_between_lists_what_was_published_since_the_lease_at_the_asked_paths()
         vec![(first.layer, vec![write_entry(b"etc/x", 1)])],
         "var/z was not asked"
     );
-    // A second publish: its layer comes first, each layer keeps its own entries.
+    // A second publish: its layer comes first, each layer keeps its own entries;
+    // at `etc/x` only the newest row (it hides below the path itself, so no older
+    // one counts for the gate).
     let second = publish(
         &s,
         c.id,
@@ -285,13 +287,10 @@ fn changes_between_lists_what_was_published_since_the_lease_at_the_asked_paths()
         .unwrap();
     assert_eq!(
         got,
-        vec![
-            (
-                second.layer,
-                vec![write_entry(b"etc/x", 2), write_entry(b"etc/y/deep", 3)]
-            ),
-            (first.layer, vec![write_entry(b"etc/x", 1)]),
-        ]
+        vec![(
+            second.layer,
+            vec![write_entry(b"etc/x", 2), write_entry(b"etc/y/deep", 3)]
+        ),]
     );
     // Between the first head and now: only the second layer.
     let got = s
@@ -310,6 +309,117 @@ fn changes_between_lists_what_was_published_since_the_lease_at_the_asked_paths()
     assert!(b.upper.join("f").exists());
     s.abandon_staged(staged).unwrap();
     assert_eq!(s.layer_index(staged.layer).unwrap(), vec![]);
+}
+
+fn dir_entry(path: &str, kind: ChangeKind, mode: u32) -> IndexEntry {
+    IndexEntry {
+        path: path.as_bytes().to_vec(),
+        kind,
+        digest: None,
+        mode: Some(mode),
+        uid: Some(0),
+        gid: Some(0),
+        xattrs: None,
+    }
+}
+
+#[test]
+fn changes_between_keeps_per_path_the_newest_and_the_newest_hiding_row_in_manifest_order() {
+    let d = tmp();
+    let s = open(d.path());
+    let top = unpack(&s, "default");
+    let n = 8;
+    let mut ids = Vec::new();
+    for i in 0..=n {
+        s.prepare(
+            &format!("default/{}/c{i}", 10 + i),
+            &top,
+            BTreeMap::new(),
+            false,
+        )
+        .unwrap();
+        ids.push(
+            s.find_session("default", &format!("c{i}"))
+                .unwrap()
+                .unwrap()
+                .id,
+        );
+    }
+    let reader = ids[n];
+    let lease = s.publish_context(reader).unwrap().lease_manifest;
+    // Layers 0..4 each create `shared` (as N sessions making files in one
+    // directory do), layer 2 deleted it first (a hiding row), layer 5 changes its
+    // mode: the head's final state is layer 5's row, the newest hiding one layer 2's.
+    let mut layers = Vec::new();
+    for (i, &sid) in ids.iter().enumerate().take(6) {
+        let shared = match i {
+            2 => dir_entry("shared", ChangeKind::Opaque, 0o755),
+            5 => dir_entry("shared", ChangeKind::Meta, 0o700),
+            _ => dir_entry("shared", ChangeKind::Mkdir, 0o755),
+        };
+        let file = write_entry(format!("shared/f{i}").as_bytes(), i as u8);
+        layers.push(publish(&s, sid, &[shared, file]));
+    }
+    // Two publishes staged before either commits: the one staged first (lower
+    // layer id) commits last, so it is the newer layer of the manifest.
+    let first = s
+        .stage_publish(
+            ids[6],
+            &[dir_entry("shared", ChangeKind::Mkdir, 0o711)],
+            &[],
+        )
+        .unwrap();
+    let second = s
+        .stage_publish(
+            ids[7],
+            &[dir_entry("shared", ChangeKind::Mkdir, 0o722)],
+            &[],
+        )
+        .unwrap();
+    assert!(first.layer < second.layer);
+    let head = s.head_view(ids[7]).unwrap().manifest;
+    let head = s
+        .commit_publish(ids[7], second, head, CommitRecord::default())
+        .unwrap()
+        .manifest;
+    let head = s
+        .commit_publish(ids[6], first, head, CommitRecord::default())
+        .unwrap()
+        .manifest;
+    let got = s
+        .changes_between(lease, head, &query(&["shared"], &[]))
+        .unwrap();
+    assert_eq!(
+        got,
+        vec![
+            (
+                first.layer,
+                vec![dir_entry("shared", ChangeKind::Mkdir, 0o711)]
+            ),
+            (
+                layers[2].layer,
+                vec![dir_entry("shared", ChangeKind::Opaque, 0o755)]
+            ),
+        ],
+        "the newest by manifest position (not by id) and the newest hiding row"
+    );
+    // A subtree query reduces the same way, per path below.
+    let got = s
+        .changes_between(lease, head, &query(&["shared"], &["shared"]))
+        .unwrap();
+    let rows: usize = got.iter().map(|(_, es)| es.len()).sum();
+    assert_eq!(rows, 2 + 6, "shared twice, each file once: {got:?}");
+    // Since a head that already had the hiding row: only the newest.
+    let got = s
+        .changes_between(layers[3].manifest, head, &query(&["shared"], &[]))
+        .unwrap();
+    assert_eq!(
+        got,
+        vec![(
+            first.layer,
+            vec![dir_entry("shared", ChangeKind::Mkdir, 0o711)]
+        )]
+    );
 }
 
 #[test]
