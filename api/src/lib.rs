@@ -178,6 +178,7 @@ pub fn session(s: &SessionInfo, conflicts: &[PathRecord]) -> Session {
             gate_wait_us: t.gate_wait_us,
             gate_hold_us: t.gate_hold_us,
             total_us: t.total_us,
+            capture_bytes: t.capture_bytes,
         }),
         owner_kind: owner_kind(&s.owner).to_string(),
         owner: s.owner.display(),

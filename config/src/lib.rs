@@ -54,6 +54,10 @@ pub struct Config {
     pub durability: Durability,
     /// Publish a session when containerd reports its task deleted (`/tasks/delete`).
     pub publish_on_task_delete: bool,
+    /// Publishes captured, planned and staged at once (the CPU-bound work outside
+    /// the branch gate, ARCHITECTURE.md §9); the rest wait their turn in order.
+    /// 0: one per CPU. Default 0.
+    pub publish_workers: u64,
     /// Container paths that are never published (and never validated by the gate):
     /// absolute glob patterns, `*` stays within one component, `**` spans any
     /// number; a path is excluded when it or an ancestor matches.
@@ -226,6 +230,7 @@ impl Default for Config {
             default_branch: "main".to_string(),
             durability: Durability::Disposable,
             publish_on_task_delete: true,
+            publish_workers: 0,
             exclude: ["/tmp/**", "/var/cache/**", "/run/**"]
                 .map(String::from)
                 .to_vec(),

@@ -48,6 +48,7 @@ pub(crate) fn session_json(
             "gate_wait_us": t.gate_wait_us,
             "gate_hold_us": t.gate_hold_us,
             "total_us": t.total_us,
+            "capture_bytes": t.capture_bytes,
         })),
     });
     if let Some(paths) = paths {

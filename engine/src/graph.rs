@@ -133,7 +133,7 @@ impl Engine {
         let state = state.unwrap_or_else(|| "{}".to_string());
         let started = std::time::Instant::now();
         let node = tokio::task::spawn_blocking(move || -> Result<NodeInfo, EngineError> {
-            let run = || -> Result<(layerstack_store::Staged, Provenance), RunError> {
+            let run = || -> Result<(layerstack_store::Staged, Provenance, u64), RunError> {
                 let ctx = store.publish_context(id)?;
                 let upper = ctx.session.upper.clone();
                 let view =
@@ -156,12 +156,13 @@ impl Engine {
                     .map(|(b, _)| u64::try_from(b).unwrap_or(0));
                 let staged = store.stage_publish(id, &index_of(&plan), &records(&plan))?;
                 layerstack_store::failpoints::hit("checkpoint.staged");
-                Ok((staged, prov))
+                Ok((staged, prov, cs.written_bytes()))
             };
-            let (staged, prov) = run().map_err(|e| EngineError::Run(Box::new(e)))?;
+            let (staged, prov, capture_bytes) = run().map_err(|e| EngineError::Run(Box::new(e)))?;
             let timings = PublishTimings {
                 capture_us: micros(started.elapsed()),
                 total_us: micros(started.elapsed()),
+                capture_bytes,
                 ..Default::default()
             };
             match store.commit_checkpoint(id, staged, &state, &prov, Some(timings), key.as_deref())

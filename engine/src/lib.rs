@@ -86,6 +86,9 @@ pub struct EngineSettings {
     pub history: HistorySettings,
     /// Mode B: the cap on live sandbox sessions.
     pub sandbox: SandboxSettings,
+    /// Publishes prepared (captured, planned, staged) at once, outside the gate;
+    /// 0: one per CPU (`std::thread::available_parallelism`).
+    pub publish_workers: usize,
 }
 
 impl EngineSettings {
@@ -113,6 +116,10 @@ pub struct Engine {
     settings: EngineSettings,
     sessions: locks::LockMap<SessionId>,
     gates: locks::LockMap<(String, String)>,
+    /// Permits to prepare a publish outside the gate ([`EngineSettings::publish_workers`]):
+    /// a burst of N publishes keeps the CPUs busy without starving the one
+    /// holding a gate (its hold is what every other publish of the branch waits on).
+    preparing: Arc<tokio::sync::Semaphore>,
     /// One squash per (stack, branch) at a time.
     squashes: locks::LockMap<(String, String)>,
     /// Manifests operations in flight read; GC keeps them.
@@ -135,11 +142,16 @@ impl Engine {
         let (generation, _) = watch::channel(0);
         let (events, _) = broadcast::channel(1024);
         let sandboxes = sandbox::Sandboxes::new(settings.sandbox.max_sessions);
+        let workers = match settings.publish_workers {
+            0 => std::thread::available_parallelism().map_or(2, std::num::NonZeroUsize::get),
+            n => n,
+        };
         Arc::new(Engine {
             store,
             settings,
             sessions: locks::LockMap::new(),
             gates: locks::LockMap::new(),
+            preparing: Arc::new(tokio::sync::Semaphore::new(workers)),
             squashes: locks::LockMap::new(),
             pins: Arc::new(history::Pins::default()),
             census: census::Census::new(),

@@ -491,7 +491,10 @@ impl Engine {
             .unwrap_or_else(|p| p.into_inner())
             .take();
         let pins = self.pins.clone();
+        // The semaphore is never closed: `None` cannot happen.
+        let permit = self.preparing.clone().acquire_owned().await.ok();
         let prepared = tokio::task::spawn_blocking(move || {
+            let _permit = permit;
             let r = prepare(&store, &settings, &pins, id, started);
             #[cfg(any(test, feature = "failpoints"))]
             if let (Some(h), Ok(Prepared::Ready(_))) = (&hook, &r) {
@@ -734,6 +737,7 @@ fn prepare(
                 timings: Some(PublishTimings {
                     capture_us: micros(capture),
                     total_us: micros(started.elapsed()),
+                    capture_bytes: input.cs.written_bytes(),
                     ..Default::default()
                 }),
             },
@@ -793,6 +797,7 @@ fn commit(
     let upper = ctx.session.upper.clone();
     let current = store.head_view(id)?;
     let mut replanned = None;
+    let mut capture_bytes = input.cs.written_bytes();
     if current.manifest != observed.manifest {
         let delta = store.changes_between(observed.manifest, current.manifest, &input.query)?;
         if moves_the_plan(delta, &input.head) {
@@ -805,6 +810,7 @@ fn commit(
                 (ctx.lease_manifest, current.manifest),
                 true,
             )?;
+            capture_bytes = input.cs.written_bytes();
             let f = files(settings, &view, &current, upper.clone());
             plan = publisher::plan_gate(&input.cs, &input.head, &f, &settings.merge)?;
             let paths = records(&plan);
@@ -827,6 +833,7 @@ fn commit(
                             gate_wait_us: micros(gate_wait),
                             gate_hold_us: micros(holding.elapsed()),
                             total_us: micros(started.elapsed()),
+                            capture_bytes,
                         }),
                     },
                     Some(staged),
@@ -868,6 +875,7 @@ fn commit(
         // Up to the commit; the commit transaction and rename are part of the hold too.
         gate_hold_us: micros(holding.elapsed()),
         total_us: micros(started.elapsed()),
+        capture_bytes,
     };
     let p = store.commit_publish(
         id,
@@ -891,6 +899,7 @@ fn commit(
         gate_wait_us = timings.gate_wait_us,
         gate_hold_us = micros(holding.elapsed()),
         capture_us = timings.capture_us,
+        capture_bytes,
         "publish committed"
     );
     Ok(())

@@ -409,6 +409,7 @@ fn ops_metrics_and_the_publish_log_line_move_after_a_publish() {
         let c0 = sample(&before, committed).context("committed series absent")?;
         let d0 = sample(&before, "layerstack_publish_duration_seconds_count").unwrap_or(0.0);
         let h0 = sample(&before, "layerstack_publish_gate_hold_seconds_count").unwrap_or(0.0);
+        let b0 = sample(&before, "layerstack_publish_capture_bytes_sum").unwrap_or(0.0);
         let nf = "layerstack_errors_total{api=\"admin\",kind=\"not_found\"}";
         let e0 = sample(&before, nf).unwrap_or(0.0);
 
@@ -448,6 +449,11 @@ fn ops_metrics_and_the_publish_log_line_move_after_a_publish() {
         ensure!(
             sample(&after, "layerstack_publish_gate_hold_seconds_count") == Some(h0 + 1.0),
             "gate hold not observed:\n{after}"
+        );
+        // "measured\n": the one file the container wrote, 9 bytes.
+        ensure!(
+            sample(&after, "layerstack_publish_capture_bytes_sum") == Some(b0 + 9.0),
+            "capture bytes did not move by 9 from {b0}:\n{after}"
         );
         ensure!(
             sample(&after, nf).unwrap_or(0.0) >= e0 + 1.0,

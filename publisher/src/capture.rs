@@ -225,6 +225,20 @@ impl Changeset {
         self.entries.is_empty()
     }
 
+    /// Content bytes of the regular files written ([`Change::Write`] sizes,
+    /// summed; a hardlinked file counts at each of its paths): what the capture
+    /// hashed and the layer holds.
+    #[must_use]
+    pub fn written_bytes(&self) -> u64 {
+        self.entries
+            .values()
+            .map(|c| match c {
+                Change::Write { size, .. } => *size,
+                _ => 0,
+            })
+            .sum()
+    }
+
     /// The changed paths, in bytewise order.
     pub fn paths(&self) -> impl Iterator<Item = &[u8]> + '_ {
         self.entries.keys().map(Vec::as_slice)

@@ -339,6 +339,7 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
         sandbox: layerstack_engine::SandboxSettings {
             max_sessions: usize::try_from(cfg.sandbox.max_sessions).unwrap_or(usize::MAX),
         },
+        publish_workers: usize::try_from(cfg.publish_workers).unwrap_or(usize::MAX),
     };
     let engine = Engine::new(store, settings);
     if cfg.history.gc_interval_s > 0 {

@@ -13,9 +13,7 @@
 //!   the store's real allocated bytes per accounting class (a full walk, so taken
 //!   at most once a minute).
 //!
-//! Names, types and units are listed in `docs/operations.md`. Not exported,
-//! because its data does not exist: capture bytes (a publish records no byte
-//! count).
+//! Names, types and units are listed in `docs/operations.md`.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -90,6 +88,11 @@ fn duration_histogram() -> Histogram {
     Histogram::new(exponential_buckets(0.00025, 4.0, 11))
 }
 
+/// Byte buckets: 4 KiB to 4 TiB, ×4 each (16 buckets).
+fn bytes_histogram() -> Histogram {
+    Histogram::new(exponential_buckets(4096.0, 4.0, 16))
+}
+
 /// The daemon's metrics.
 #[derive(Debug)]
 pub struct Metrics {
@@ -99,6 +102,7 @@ pub struct Metrics {
     capture_duration: Histogram,
     gate_wait: Histogram,
     gate_hold: Histogram,
+    capture_bytes: Histogram,
     errors: Family<ErrorLabels, Counter>,
     missed_events: Counter,
     /// The last accounting (ARCHITECTURE.md §10) and when it was taken.
@@ -154,6 +158,13 @@ impl Metrics {
             Unit::Seconds,
             gate_hold.clone(),
         );
+        let capture_bytes = bytes_histogram();
+        registry.register_with_unit(
+            "layerstack_publish_capture",
+            "Content bytes of the files a publish captured as written (their sizes summed; outcomes that gated: committed, merged, conflict)",
+            Unit::Bytes,
+            capture_bytes.clone(),
+        );
         let errors = Family::<ErrorLabels, Counter>::default();
         registry.register(
             "layerstack_errors",
@@ -178,6 +189,7 @@ impl Metrics {
             capture_duration,
             gate_wait,
             gate_hold,
+            capture_bytes,
             errors,
             missed_events,
             usage: tokio::sync::Mutex::new(None),
@@ -219,6 +231,7 @@ impl Metrics {
             self.capture_duration.observe(s(t.capture_us));
             self.gate_wait.observe(s(t.gate_wait_us));
             self.gate_hold.observe(s(t.gate_hold_us));
+            self.capture_bytes.observe(t.capture_bytes as f64);
         }
     }
 
@@ -508,6 +521,7 @@ mod tests {
                 gate_wait_us: 0,
                 gate_hold_us: 3_000,
                 total_us: 5_000,
+                capture_bytes: 10_000,
             }),
         );
         m.outcome(OutcomeKind::NoChange, None);
@@ -521,6 +535,15 @@ mod tests {
         assert_eq!(s["layerstack_publish_duration_seconds_count"], 1.0);
         assert!((s["layerstack_publish_duration_seconds_sum"] - 0.005).abs() < 1e-9);
         assert_eq!(s["layerstack_publish_gate_hold_seconds_count"], 1.0);
+        assert_eq!(s["layerstack_publish_capture_bytes_sum"], 10_000.0);
+        assert_eq!(
+            s["layerstack_publish_capture_bytes_bucket{le=\"16384.0\"}"],
+            1.0
+        );
+        assert_eq!(
+            s["layerstack_publish_capture_bytes_bucket{le=\"4096.0\"}"],
+            0.0
+        );
         assert_eq!(
             s["layerstack_errors_total{api=\"snapshots\",kind=\"not_found\"}"],
             1.0

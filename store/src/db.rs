@@ -14,7 +14,7 @@ use rusqlite::{Connection, OpenFlags, OptionalExtension, Transaction, Transactio
 use tracing::info;
 
 use crate::error::{OpenError, StoreError};
-use crate::schema::{FORMAT_VERSION, SCHEMA};
+use crate::schema::{FORMAT_VERSION, MIGRATIONS, SCHEMA};
 use crate::Durability;
 
 /// How long a connection waits for SQLite's file lock (another store instance
@@ -74,7 +74,18 @@ impl Db {
                 } else {
                     None
                 };
-                let v = v.and_then(|v| v.parse::<i64>().ok()).unwrap_or(-1);
+                let mut v = v.and_then(|v| v.parse::<i64>().ok()).unwrap_or(-1);
+                for (from, what, sql) in MIGRATIONS {
+                    if v == *from {
+                        tx.execute_batch(sql)?;
+                        v = from + 1;
+                        tx.execute(
+                            "UPDATE meta SET value = ?1 WHERE key = 'format_version'",
+                            [v.to_string()],
+                        )?;
+                        info!(root = %root.display(), from = *from, to = v, change = *what, "migrated the store's format");
+                    }
+                }
                 if v != FORMAT_VERSION {
                     return Err(OpenError::Version {
                         root: root.to_path_buf(),

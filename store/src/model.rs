@@ -348,7 +348,7 @@ impl OutcomeRecord {
     }
 }
 
-/// Where one publish spent its time, in microseconds.
+/// Where one publish spent its time, in microseconds, and what it captured.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PublishTimings {
     /// Capture, policy edits, sealing and planning against the observed head
@@ -361,6 +361,10 @@ pub struct PublishTimings {
     pub gate_hold_us: u64,
     /// Whole publish, from its start to the recorded outcome.
     pub total_us: u64,
+    /// Content bytes of the regular files the capture found written (the sum
+    /// of their sizes, what it hashed and the layer holds); 0 for an outcome
+    /// that captured nothing, and for outcomes recorded before store format 5.
+    pub capture_bytes: u64,
 }
 
 /// Who a session belongs to (ARCHITECTURE.md §2 "Owner").

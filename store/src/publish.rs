@@ -81,7 +81,9 @@ fn insert_paths(
     Ok(())
 }
 
-fn micros(t: Option<PublishTimings>) -> [Option<i64>; 4] {
+/// The `publishes` columns of `t`: capture_us, gate_wait_us, gate_hold_us,
+/// total_us, capture_bytes.
+fn micros(t: Option<PublishTimings>) -> [Option<i64>; 5] {
     let c = |v: u64| Some(i64::try_from(v).unwrap_or(i64::MAX));
     match t {
         Some(t) => [
@@ -89,8 +91,9 @@ fn micros(t: Option<PublishTimings>) -> [Option<i64>; 4] {
             c(t.gate_wait_us),
             c(t.gate_hold_us),
             c(t.total_us),
+            c(t.capture_bytes),
         ],
-        None => [None; 4],
+        None => [None; 5],
     }
 }
 
@@ -102,12 +105,12 @@ pub(crate) fn read_outcome(conn: &Connection, pid: PublishId) -> Result<Outcome,
         Option<i64>,
         Option<String>,
         [i64; 4],
-        [Option<i64>; 4],
+        [Option<i64>; 5],
         i64,
     );
     let raw: Option<Raw> = conn
         .query_row(
-            "SELECT run, outcome, layer_id, message, clean, merged, conflict, excluded, capture_us, gate_wait_us, gate_hold_us, total_us, at_ns FROM publishes WHERE id = ?1",
+            "SELECT run, outcome, layer_id, message, clean, merged, conflict, excluded, capture_us, gate_wait_us, gate_hold_us, total_us, capture_bytes, at_ns FROM publishes WHERE id = ?1",
             [pid],
             |r| {
                 Ok((
@@ -116,8 +119,8 @@ pub(crate) fn read_outcome(conn: &Connection, pid: PublishId) -> Result<Outcome,
                     r.get(2)?,
                     r.get(3)?,
                     [r.get(4)?, r.get(5)?, r.get(6)?, r.get(7)?],
-                    [r.get(8)?, r.get(9)?, r.get(10)?, r.get(11)?],
-                    r.get(12)?,
+                    [r.get(8)?, r.get(9)?, r.get(10)?, r.get(11)?, r.get(12)?],
+                    r.get(13)?,
                 ))
             },
         )
@@ -133,11 +136,12 @@ pub(crate) fn read_outcome(conn: &Connection, pid: PublishId) -> Result<Outcome,
         .ok_or_else(|| StoreError::corrupt("publishes", pid, format!("outcome {kind:?}")))?;
     let u = |v: i64| u64::try_from(v).unwrap_or(0);
     let timings = match t {
-        [Some(a), Some(b), Some(c), Some(d)] => Some(PublishTimings {
+        [Some(a), Some(b), Some(c), Some(d), bytes] => Some(PublishTimings {
             capture_us: u(a),
             gate_wait_us: u(b),
             gate_hold_us: u(c),
             total_us: u(d),
+            capture_bytes: bytes.map_or(0, u),
         }),
         _ => None,
     };
@@ -300,10 +304,10 @@ impl Store {
             set_branch(tx, &s.stack, &s.branch, manifest)?;
             release_lease(tx, s.lease_id)?;
             let now = now_ns();
-            let [cu, gw, gh, tu] = micros(timings);
+            let [cu, gw, gh, tu, cb] = micros(timings);
             tx.execute(
-                "UPDATE publishes SET outcome = ?2, manifest_before = ?3, manifest_after = ?4, message = ?5, capture_us = ?6, gate_wait_us = ?7, gate_hold_us = ?8, total_us = ?9, at_ns = ?10 WHERE id = ?1",
-                params![staged.outcome, kind.as_str(), head, manifest, message, cu, gw, gh, tu, now],
+                "UPDATE publishes SET outcome = ?2, manifest_before = ?3, manifest_after = ?4, message = ?5, capture_us = ?6, gate_wait_us = ?7, gate_hold_us = ?8, total_us = ?9, at_ns = ?10, capture_bytes = ?11 WHERE id = ?1",
+                params![staged.outcome, kind.as_str(), head, manifest, message, cu, gw, gh, tu, now, cb],
             )?;
             tx.execute(
                 "UPDATE sessions SET state = 'published', last_publish = ?2, lease_id = NULL, updated_ns = ?3 WHERE id = ?1",
@@ -387,10 +391,10 @@ impl Store {
             }
             let now = now_ns();
             let c = PathCounts::of(&record.paths);
-            let [cu, gw, gh, tu] = micros(record.timings);
+            let [cu, gw, gh, tu, cb] = micros(record.timings);
             tx.execute(
-                "INSERT INTO publishes(session_id, run, outcome, message, clean, merged, conflict, excluded, capture_us, gate_wait_us, gate_hold_us, total_us, at_ns) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13)",
-                params![session, s.run, record.kind.as_str(), record.message, c.clean as i64, c.merged as i64, c.conflict as i64, c.excluded as i64, cu, gw, gh, tu, now],
+                "INSERT INTO publishes(session_id, run, outcome, message, clean, merged, conflict, excluded, capture_us, gate_wait_us, gate_hold_us, total_us, capture_bytes, at_ns) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
+                params![session, s.run, record.kind.as_str(), record.message, c.clean as i64, c.merged as i64, c.conflict as i64, c.excluded as i64, cu, gw, gh, tu, cb, now],
             )?;
             let pid = tx.last_insert_rowid();
             insert_paths(tx, pid, &record.paths)?;

@@ -13,8 +13,19 @@
 /// 3 normalized them and separated the history model from containerd's snapshots;
 /// 4 added squashed layers' members, freed ("dropped") layer directories and
 /// operation-owned sessions (and, before its release, blame rows and the
-/// conflict markers of rebased sessions).
-pub const FORMAT_VERSION: i64 = 4;
+/// conflict markers of rebased sessions); 5 added `publishes.capture_bytes`
+/// (a format-4 store is migrated at open: [`MIGRATIONS`]).
+pub const FORMAT_VERSION: i64 = 5;
+
+/// The steps that bring an older store to [`FORMAT_VERSION`], each
+/// `(from, what it does, SQL)`, applied in order in the open's transaction and
+/// logged. Only lossless, additive steps are migrations; any other version is
+/// refused.
+pub(crate) const MIGRATIONS: &[(i64, &str, &str)] = &[(
+    4,
+    "publishes.capture_bytes",
+    "ALTER TABLE publishes ADD COLUMN capture_bytes INTEGER;",
+)];
 
 pub(crate) const SCHEMA: &str = r#"
 CREATE TABLE meta (
@@ -179,7 +190,9 @@ CREATE TABLE publishes (
     gate_wait_us    INTEGER,
     gate_hold_us    INTEGER,
     total_us        INTEGER,
-    at_ns           INTEGER NOT NULL
+    at_ns           INTEGER NOT NULL,
+    -- Content bytes of the files the capture found written (format 5).
+    capture_bytes   INTEGER
 );
 CREATE INDEX publishes_session ON publishes(session_id);
 -- The gate's verdict per path of a publish. status: 0 clean, 1 merged,

@@ -686,6 +686,53 @@ fn other_format_version_is_refused() {
 }
 
 #[test]
+fn a_format_4_store_is_migrated_at_open_and_keeps_its_outcomes() {
+    let d = tmp();
+    let s = open(d.path());
+    let top = unpack(&s, "default");
+    s.prepare("default/5/c1", &top, BTreeMap::new(), false)
+        .unwrap();
+    let sess = s.find_session("default", "c1").unwrap().unwrap();
+    std::fs::write(sess.upper.join("a.txt"), b"hello").unwrap();
+    let p = publish(&s, sess.id, &[write_entry(b"a.txt", 1)]);
+    drop(s);
+    // What format 4 was: no capture_bytes column.
+    let db = rusqlite::Connection::open(d.path().join("root/store.db")).unwrap();
+    db.execute_batch(
+        "ALTER TABLE publishes DROP COLUMN capture_bytes; UPDATE meta SET value = '4' WHERE key = 'format_version';",
+    )
+    .unwrap();
+    drop(db);
+    let s = open(d.path());
+    let v: String =
+        s.db.read(|c| {
+            Ok(c.query_row(
+                "SELECT value FROM meta WHERE key = 'format_version'",
+                [],
+                |r| r.get(0),
+            )?)
+        })
+        .unwrap();
+    assert_eq!(v, FORMAT_VERSION.to_string());
+    let after = s.session(sess.id).unwrap();
+    let o = after.outcome.unwrap();
+    assert_eq!((o.kind, o.layer), (OutcomeKind::Committed, Some(p.layer)));
+    // New outcomes record their bytes.
+    s.prepare("default/6/c2", &top, BTreeMap::new(), false)
+        .unwrap();
+    let c2 = s.find_session("default", "c2").unwrap().unwrap();
+    let t = PublishTimings {
+        capture_bytes: 12_345,
+        ..Default::default()
+    };
+    let mut rec = OutcomeRecord::new(OutcomeKind::Discarded, "discarded");
+    rec.timings = Some(t);
+    s.record_outcome(c2.id, rec, None).unwrap();
+    let o = s.session(c2.id).unwrap().outcome.unwrap();
+    assert_eq!(o.timings.map(|t| t.capture_bytes), Some(12_345));
+}
+
+#[test]
 fn tmpfs_root_is_refused_before_anything_is_written() {
     // /dev/shm is a tmpfs on Linux hosts; a root mount is not needed.
     let shm = Path::new("/dev/shm");

@@ -243,16 +243,18 @@ class PathVerdict(_message.Message):
     def __init__(self, path: _Optional[str] = ..., status: _Optional[str] = ..., reason: _Optional[str] = ..., raw_path: _Optional[bytes] = ...) -> None: ...
 
 class PublishTimings(_message.Message):
-    __slots__ = ("capture_us", "gate_wait_us", "gate_hold_us", "total_us")
+    __slots__ = ("capture_us", "gate_wait_us", "gate_hold_us", "total_us", "capture_bytes")
     CAPTURE_US_FIELD_NUMBER: _ClassVar[int]
     GATE_WAIT_US_FIELD_NUMBER: _ClassVar[int]
     GATE_HOLD_US_FIELD_NUMBER: _ClassVar[int]
     TOTAL_US_FIELD_NUMBER: _ClassVar[int]
+    CAPTURE_BYTES_FIELD_NUMBER: _ClassVar[int]
     capture_us: int
     gate_wait_us: int
     gate_hold_us: int
     total_us: int
-    def __init__(self, capture_us: _Optional[int] = ..., gate_wait_us: _Optional[int] = ..., gate_hold_us: _Optional[int] = ..., total_us: _Optional[int] = ...) -> None: ...
+    capture_bytes: int
+    def __init__(self, capture_us: _Optional[int] = ..., gate_wait_us: _Optional[int] = ..., gate_hold_us: _Optional[int] = ..., total_us: _Optional[int] = ..., capture_bytes: _Optional[int] = ...) -> None: ...
 
 class WaitRequest(_message.Message):
     __slots__ = ("namespace", "container", "timeout_ms", "session_id")
