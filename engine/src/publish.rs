@@ -900,6 +900,7 @@ fn commit(
         gate_hold_us = micros(holding.elapsed()),
         capture_us = timings.capture_us,
         capture_bytes,
+        replanned = replanned.is_some(),
         "publish committed"
     );
     Ok(())

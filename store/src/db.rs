@@ -5,9 +5,14 @@
 //! rolled back otherwise. Reads run on read-only connections from a small pool,
 //! each in one read transaction ([`Db::read`]): with WAL they see the last
 //! committed state and never wait for the writer.
+//!
+//! WAL checkpoints run on a thread of their own ([`Checkpointer`]), not in the
+//! commit that happens to cross SQLite's threshold: that commit may be a
+//! publish's, under its branch's gate, which every other publish of the branch
+//! waits on.
 
 use std::path::{Path, PathBuf};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
 use rusqlite::{Connection, OpenFlags, OptionalExtension, Transaction, TransactionBehavior};
@@ -25,6 +30,99 @@ pub(crate) struct Db {
     path: PathBuf,
     writer: Mutex<Connection>,
     idle: Mutex<Vec<Connection>>,
+    checkpointer: Checkpointer,
+}
+
+/// Checkpoints the WAL off the writers' path: woken every
+/// [`Checkpointer::EVERY`] write transactions (and once a second after any),
+/// it runs `PRAGMA wal_checkpoint(PASSIVE)` on its own connection, which
+/// neither waits for nor blocks readers and writers (sqlite.org/wal.html,
+/// "Checkpointing"). The writer's automatic checkpoint stays as a backstop at
+/// [`Checkpointer::BACKSTOP_PAGES`], for a checkpointer that falls far behind.
+/// Stopped and joined when the store closes.
+struct Checkpointer {
+    shared: Arc<(Mutex<CheckpointState>, Condvar)>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+#[derive(Default)]
+struct CheckpointState {
+    writes: u64,
+    stop: bool,
+}
+
+/// Write transactions between two checkpoints ([`Checkpointer`]).
+pub(crate) const CHECKPOINT_EVERY: u64 = 32;
+
+impl Checkpointer {
+    const EVERY: u64 = CHECKPOINT_EVERY;
+    const BACKSTOP_PAGES: i64 = 16_384;
+
+    fn start(path: PathBuf) -> Checkpointer {
+        let shared = Arc::new((Mutex::new(CheckpointState::default()), Condvar::new()));
+        let s = shared.clone();
+        let thread = std::thread::Builder::new()
+            .name("store-checkpoint".into())
+            .spawn(move || Self::run(&path, &s))
+            .map_err(|e| tracing::warn!(error = %e, "no checkpoint thread: the writer checkpoints"))
+            .ok();
+        Checkpointer { shared, thread }
+    }
+
+    fn run(path: &Path, shared: &(Mutex<CheckpointState>, Condvar)) {
+        let conn = match Connection::open(path).and_then(|c| c.busy_timeout(BUSY_TIMEOUT).map(|()| c)) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "checkpoint thread: cannot open the database; the writer checkpoints");
+                return;
+            }
+        };
+        let (lock, cvar) = shared;
+        let mut done = 0;
+        loop {
+            let writes = {
+                let mut st = lock.lock().unwrap_or_else(|p| p.into_inner());
+                if !st.stop && st.writes.saturating_sub(done) < Self::EVERY {
+                    st = cvar
+                        .wait_timeout(st, Duration::from_secs(1))
+                        .unwrap_or_else(|p| p.into_inner())
+                        .0;
+                }
+                if st.stop {
+                    return;
+                }
+                st.writes
+            };
+            if writes == done {
+                continue;
+            }
+            if let Err(e) = conn.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(())) {
+                tracing::debug!(error = %e, "WAL checkpoint failed; retried after the next writes");
+            }
+            done = writes;
+        }
+    }
+
+    /// One write transaction is about to run.
+    fn wrote(&self) {
+        let (lock, cvar) = &*self.shared;
+        let mut st = lock.lock().unwrap_or_else(|p| p.into_inner());
+        st.writes += 1;
+        if st.writes % Self::EVERY == 0 {
+            cvar.notify_one();
+        }
+    }
+}
+
+impl Drop for Checkpointer {
+    fn drop(&mut self) {
+        let (lock, cvar) = &*self.shared;
+        lock.lock().unwrap_or_else(|p| p.into_inner()).stop = true;
+        cvar.notify_one();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
 }
 
 impl Db {
@@ -43,6 +141,7 @@ impl Db {
             Durability::Durable => "FULL",
         };
         conn.pragma_update(None, "synchronous", sync)?;
+        conn.pragma_update(None, "wal_autocheckpoint", Checkpointer::BACKSTOP_PAGES)?;
         conn.pragma_update(None, "foreign_keys", "ON")?;
         {
             let tx = conn.transaction_with_behavior(TransactionBehavior::Immediate)?;
@@ -96,10 +195,12 @@ impl Db {
             }
             tx.commit()?;
         }
+        let checkpointer = Checkpointer::start(path.clone());
         Ok(Db {
             path,
             writer: Mutex::new(conn),
             idle: Mutex::new(Vec::new()),
+            checkpointer,
         })
     }
 
@@ -107,6 +208,7 @@ impl Db {
     /// out across a transaction and the filesystem step after it (a publish's
     /// rename into `l/`).
     pub(crate) fn writer(&self) -> MutexGuard<'_, Connection> {
+        self.checkpointer.wrote();
         self.writer.lock().unwrap_or_else(|p| p.into_inner())
     }
 

@@ -733,6 +733,33 @@ fn a_format_4_store_is_migrated_at_open_and_keeps_its_outcomes() {
 }
 
 #[test]
+fn the_wal_is_checkpointed_off_the_writers_path() {
+    let d = tmp();
+    let s = open(d.path());
+    let top = unpack(&s, "default");
+    let db = d.path().join("root/store.db");
+    let before = std::fs::metadata(&db).unwrap().len();
+    // Enough write transactions to wake the checkpointer; far fewer pages than
+    // the writer's own (backstop) automatic checkpoint needs.
+    for i in 0..(2 * crate::db::CHECKPOINT_EVERY) {
+        s.prepare(&format!("default/{}/w{i}", 10 + i), &top, BTreeMap::new(), false)
+            .unwrap();
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    loop {
+        let now = std::fs::metadata(&db).unwrap().len();
+        if now > before {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "store.db stayed at {before} bytes: nothing checkpointed the WAL"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
+#[test]
 fn tmpfs_root_is_refused_before_anything_is_written() {
     // /dev/shm is a tmpfs on Linux hosts; a root mount is not needed.
     let shm = Path::new("/dev/shm");
