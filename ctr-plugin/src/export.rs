@@ -5,11 +5,24 @@
 //! The daemon streams each layer's compressed blob with its digest and diff ID
 //! (admin RPC `Export`, holding an export lease meanwhile); this side writes
 //! `blobs/sha256/<hex>` (verifying each digest over the bytes received), the
-//! image config (`rootfs.diff_ids`, one `history` entry per layer), the manifest,
-//! `index.json` (last: a layout without it is incomplete) and `oci-layout`.
-//! `--since LAYER` leaves out the blobs of that layer and every layer below it —
-//! what a registry that already has the earlier export holds; the manifest and
-//! config still list every layer. A failed export removes what it wrote.
+//! image config, the manifest, `index.json` (last: a layout without it is
+//! incomplete) and `oci-layout`. `--since LAYER` leaves out the blobs of that
+//! layer and every layer below it — what a registry that already has the
+//! earlier export holds; the manifest and config still list every layer. A
+//! failed export removes what it wrote.
+//!
+//! The image config ([`image_config`]) is the stack's base image's, as the
+//! daemon read it from containerd (`ExportPlan.base_config`), with this
+//! export's `rootfs` and `history`: the runtime config (`Env`, `Entrypoint`,
+//! `Cmd`, `WorkingDir`, `User`, `ExposedPorts`, `Volumes`, `Labels`,
+//! `StopSignal`), `architecture`, `os`, `os.version`, `os.features` and
+//! `variant` carry over (OCI image-spec `config.md`). When containerd no longer
+//! has the base image, the export still completes, with a warning on stderr:
+//! the runtime config is defaulted (`Env` PATH only, no command) and the base
+//! layers are re-packed. A base layer whose original blob containerd still has
+//! is that blob (same digest, media type and size), so the manifest's layer
+//! descriptors can carry several media types; `--compression` applies to the
+//! re-packed layers.
 
 use std::collections::HashMap;
 use std::fs;
@@ -23,7 +36,7 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use layerstack_api as api;
 use oci_spec::image as oci;
-use serde_json::json;
+use serde_json::{json, Value};
 use sha2::{Digest, Sha256};
 
 use crate::out;
@@ -175,6 +188,128 @@ fn tag_annotations(tag: &str) -> Result<HashMap<String, String>> {
     Ok(a)
 }
 
+/// `PATH` as containerd's and Docker's defaults set it: the only runtime config
+/// of an exported image whose base image containerd no longer has.
+const DEFAULT_PATH: &str = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+
+/// The exported image's config (OCI image-spec `config.md`).
+///
+/// - `rootfs.diff_ids`: `diff_ids`, one per layer of `layers`, oldest first.
+/// - `history`: one entry per layer; for the base layers (`kind` base) the base
+///   image's own entries instead — its `empty_layer` ones (`ENV`, `CMD`…)
+///   included — when its non-empty entries are one per base layer.
+/// - `config` (the runtime config: `Env`, `Entrypoint`, `Cmd`, `WorkingDir`,
+///   `User`, `ExposedPorts`, `Volumes`, `Labels`, `StopSignal`),
+///   `architecture`, `os`, `os.version`, `os.features`, `variant`: the base
+///   image's; without `base`, this machine's architecture, `linux`, and a
+///   config of `Env` [`DEFAULT_PATH`] only.
+/// - `created`: the newest layer's time (RFC 3339 UTC); `author` is not set
+///   (the base's author did not make this image).
+///
+/// Fields oci-spec does not model (Docker's `Healthcheck`, `OnBuild`, `Shell`,
+/// `ArgsEscaped`) are not carried over.
+///
+/// # Errors
+/// When `diff_ids` and `layers` differ in length, or a builder refuses a value.
+fn image_config(
+    base: Option<&oci::ImageConfiguration>,
+    stack: &str,
+    layers: &[api::ExportLayer],
+    diff_ids: Vec<String>,
+) -> Result<oci::ImageConfiguration> {
+    ensure!(
+        diff_ids.len() == layers.len(),
+        "{} diff IDs for {} layers",
+        diff_ids.len(),
+        layers.len()
+    );
+    let n_base = layers.iter().filter(|l| l.kind == "base").count();
+    let base_history = base.and_then(|b| b.history().as_ref()).filter(|h| {
+        h.iter().filter(|e| !e.empty_layer().unwrap_or(false)).count() == n_base
+    });
+    let mut history = Vec::with_capacity(layers.len());
+    if let Some(h) = base_history {
+        history.extend(h.iter().cloned());
+    }
+    for l in layers {
+        let by = match l.kind.as_str() {
+            "base" if base_history.is_some() => continue,
+            "base" => format!("layerstack: base layer {} of stack {stack}", l.layer),
+            "published" => format!(
+                "layerstack: layer {} published by session {}",
+                l.layer, l.session
+            ),
+            _ => format!("layerstack: layer {} ({})", l.layer, l.kind),
+        };
+        history.push(
+            oci::HistoryBuilder::default()
+                .created(rfc3339(l.created_ns))
+                .created_by(by)
+                .build()
+                .context("building a history entry")?,
+        );
+    }
+    let rootfs = oci::RootFsBuilder::default()
+        .typ("layers")
+        .diff_ids(diff_ids)
+        .build()
+        .context("building rootfs")?;
+    let mut cfg = match base {
+        Some(b) => {
+            let mut c = oci::ImageConfiguration::default();
+            c.set_architecture(b.architecture().clone());
+            c.set_os(b.os().clone());
+            c.set_os_version(b.os_version().clone());
+            c.set_os_features(b.os_features().clone());
+            c.set_variant(b.variant().clone());
+            c.set_config(b.config().clone());
+            c
+        }
+        None => oci::ImageConfigurationBuilder::default()
+            .architecture(arch())
+            .os(oci::Os::Linux)
+            .config(
+                oci::ConfigBuilder::default()
+                    .env(vec![DEFAULT_PATH.to_string()])
+                    .build()
+                    .context("building the config")?,
+            )
+            .build()
+            .context("building the image config")?,
+    };
+    cfg.set_rootfs(rootfs);
+    cfg.set_history(Some(history));
+    cfg.set_created(layers.iter().map(|l| l.created_ns).max().map(rfc3339));
+    Ok(cfg)
+}
+
+/// `value` as JSON with every object's keys sorted: oci-spec keeps
+/// `ExposedPorts`, `Volumes` and `Labels` in hash maps, whose order changes from
+/// run to run, and a config's digest must not.
+fn canonical_json(value: &oci::ImageConfiguration) -> Result<Vec<u8>> {
+    // serde_json's `Value` keeps object keys in a BTreeMap (no `preserve_order`).
+    let v: Value = serde_json::to_value(value).context("serializing")?;
+    serde_json::to_vec(&v).context("serializing")
+}
+
+/// The base image's config from the plan, or why there is none (the warning's
+/// reason).
+fn base_config(plan: &api::ExportPlan) -> Result<oci::ImageConfiguration, String> {
+    if plan.base_config.is_empty() {
+        return Err(if plan.base_missing.is_empty() {
+            "the daemon sent no base image config".to_string()
+        } else {
+            plan.base_missing.clone()
+        });
+    }
+    oci::ImageConfiguration::from_reader(plan.base_config.as_slice()).map_err(|e| {
+        format!(
+            "the config of base image {} does not parse: {e}",
+            plan.base_image
+        )
+    })
+}
+
 /// One layer as received.
 struct Received {
     done: api::ExportBlobDone,
@@ -306,61 +441,37 @@ pub async fn run(admin: &Path, ns: &str, a: ExportArgs) -> Result<ExitCode> {
         received.len()
     );
 
-    // The image config: diff IDs and one history entry per layer, oldest first.
-    let created = plan.layers.iter().map(|l| l.created_ns).max().map(rfc3339);
-    let mut history = Vec::with_capacity(n);
-    for l in &plan.layers {
-        let by = match l.kind.as_str() {
-            "base" => format!("layerstack: base layer {} of stack {}", l.layer, plan.stack),
-            "published" => format!(
-                "layerstack: layer {} published by session {}",
-                l.layer, l.session
-            ),
-            _ => format!("layerstack: layer {} ({})", l.layer, l.kind),
+    // The image config: the base image's runtime config and platform, this
+    // export's diff IDs and history.
+    let base = base_config(&plan);
+    if let Err(why) = &base {
+        let named = match &a.stack {
+            Some(s) if *s != plan.stack && !s.starts_with(&format!("{}@", plan.stack)) => {
+                format!("{s} (stack {})", plan.stack)
+            }
+            _ => format!("stack {}", plan.stack),
         };
-        history.push(
-            oci::HistoryBuilder::default()
-                .created(rfc3339(l.created_ns))
-                .created_by(by)
-                .build()
-                .context("building a history entry")?,
+        eprintln!(
+            "layerstack: warning: the base image of {named} (top layer chainID {}) is not available from containerd: {why}. \
+             The exported image's runtime config (Entrypoint, Cmd, Env, WorkingDir, User, ExposedPorts, Volumes, Labels, StopSignal) is defaulted \
+             (Env {DEFAULT_PATH}, no command: name one when running it) and its base layers are re-packed (new digests). \
+             Import or pull the base image again to carry them over.",
+            plan.base_digest
         );
     }
     let diff_ids: Vec<String> = received.iter().map(|r| r.done.diff_id.clone()).collect();
-    let mut cfg = oci::ImageConfigurationBuilder::default()
-        .architecture(arch())
-        .os(oci::Os::Linux)
-        .rootfs(
-            oci::RootFsBuilder::default()
-                .typ("layers")
-                .diff_ids(diff_ids)
-                .build()
-                .context("building rootfs")?,
-        )
-        .config(
-            oci::ConfigBuilder::default()
-                .env(vec![
-                    "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin".to_string(),
-                ])
-                .build()
-                .context("building the config")?,
-        )
-        .history(history)
-        .build()
-        .context("building the image config")?;
-    if let Some(c) = created {
-        cfg.set_created(Some(c));
-    }
-    let cfg_bytes = cfg.to_string().context("serializing the image config")?;
-    let cfg_digest = write_blob(&dir, cfg_bytes.as_bytes())?;
-    let media: oci::MediaType = match plan.compression.as_str() {
-        "zstd" => oci::MediaType::ImageLayerZstd,
-        _ => oci::MediaType::ImageLayerGzip,
-    };
+    let cfg = image_config(base.as_ref().ok(), &plan.stack, &plan.layers, diff_ids)?;
+    let cfg_bytes = canonical_json(&cfg).context("the image config")?;
+    let cfg_digest = write_blob(&dir, &cfg_bytes)?;
     let mut layers = Vec::with_capacity(n);
-    for r in &received {
+    for (l, r) in plan.layers.iter().zip(&received) {
+        let media = if l.media_type.is_empty() {
+            &plan.media_type
+        } else {
+            &l.media_type
+        };
         layers.push(oci::Descriptor::new(
-            media.clone(),
+            oci::MediaType::from(media.as_str()),
             r.done.size,
             digest(&r.done.digest)?,
         ));
@@ -383,13 +494,15 @@ pub async fn run(admin: &Path, ns: &str, a: ExportArgs) -> Result<ExitCode> {
         manifest_bytes.len() as u64,
         digest(&manifest_digest)?,
     );
-    mdesc.set_platform(Some(
-        oci::PlatformBuilder::default()
-            .architecture(arch())
-            .os(oci::Os::Linux)
-            .build()
-            .context("building the platform")?,
-    ));
+    let mut platform = oci::PlatformBuilder::default()
+        .architecture(cfg.architecture().clone())
+        .os(cfg.os().clone())
+        .build()
+        .context("building the platform")?;
+    platform.set_variant(cfg.variant().clone());
+    platform.set_os_version(cfg.os_version().clone());
+    platform.set_os_features(cfg.os_features().clone());
+    mdesc.set_platform(Some(platform));
     mdesc.set_annotations(annotations.clone());
     let layout = oci::OciLayoutBuilder::default()
         .image_layout_version("1.0.0")
@@ -416,6 +529,12 @@ pub async fn run(admin: &Path, ns: &str, a: ExportArgs) -> Result<ExitCode> {
     cleanup.armed = false;
 
     let written = received.iter().filter(|r| !r.done.omitted).count();
+    let copied = plan
+        .layers
+        .iter()
+        .zip(&received)
+        .filter(|(l, r)| l.source == "containerd" && !r.done.omitted)
+        .count();
     let what = if plan.node.is_empty() {
         format!("{}@{}", plan.stack, plan.branch)
     } else {
@@ -429,18 +548,27 @@ pub async fn run(admin: &Path, ns: &str, a: ExportArgs) -> Result<ExitCode> {
             "manifest": manifest_digest, "config": cfg_digest,
             "compression": plan.compression,
             "tag": a.tag,
+            "base_image": plan.base_image, "base_manifest": plan.base_manifest,
+            "base_digest": plan.base_digest,
+            "base_config": base.is_ok(),
             "layers": plan.layers.iter().zip(&received).map(|(l, r)| json!({
                 "layer": l.layer, "kind": l.kind, "digest": r.done.digest,
                 "diff_id": r.done.diff_id, "size": r.done.size,
                 "uncompressed_size": r.done.uncompressed_size, "omitted": r.done.omitted,
+                "source": l.source, "media_type": l.media_type,
             })).collect::<Vec<_>>(),
         });
         out!("{v}");
     } else {
         out!(
-            "exported {what} (manifest {}) to {}: {n} layers, {written} blobs written{}; image manifest {manifest_digest}",
+            "exported {what} (manifest {}) to {}: {n} layers, {written} blobs written{}{}; image manifest {manifest_digest}",
             plan.manifest,
             dir.display(),
+            if copied > 0 {
+                format!(" ({copied} copied from base image {})", plan.base_image)
+            } else {
+                String::new()
+            },
             if written < n {
                 format!(", {} omitted (--since {})", n - written, a.since.unwrap_or(0))
             } else {
@@ -490,6 +618,140 @@ mod tests {
         assert!(d.join("blobs/sha256").is_dir());
         drop(c);
         assert!(!d.exists());
+    }
+
+    /// A base image config as a registry serves one (OCI image-spec
+    /// `config.md`): every runtime field, a platform variant, and a history
+    /// with `empty_layer` entries.
+    const BASE_CONFIG: &str = r#"{
+        "created": "2024-01-01T00:00:00Z", "author": "someone else",
+        "architecture": "arm64", "variant": "v8", "os": "linux",
+        "config": {
+            "User": "65534:65534",
+            "ExposedPorts": {"8080/tcp": {}, "53/udp": {}},
+            "Env": ["PATH=/usr/bin:/bin", "GREETING=hello"],
+            "Entrypoint": ["/bin/sh", "-c"],
+            "Cmd": ["echo $GREETING"],
+            "Volumes": {"/data": {}, "/cache": {}},
+            "WorkingDir": "/work",
+            "Labels": {"a": "1", "b": "2", "c": "3", "d": "4"},
+            "StopSignal": "SIGINT"
+        },
+        "rootfs": {"type": "layers", "diff_ids": ["sha256:aa", "sha256:bb"]},
+        "history": [
+            {"created_by": "ADD rootfs"},
+            {"created_by": "ENV GREETING=hello", "empty_layer": true},
+            {"created_by": "COPY work"}
+        ]
+    }"#;
+
+    fn layer(id: i64, kind: &str, created_ns: i64) -> api::ExportLayer {
+        api::ExportLayer {
+            layer: id,
+            kind: kind.to_string(),
+            created_ns,
+            ..Default::default()
+        }
+    }
+
+    fn layers() -> Vec<api::ExportLayer> {
+        vec![
+            layer(1, "base", 10),
+            layer(2, "base", 20),
+            layer(7, "published", 3_000_000_000),
+        ]
+    }
+
+    fn diff_ids() -> Vec<String> {
+        ["sha256:aa", "sha256:bb", "sha256:cc"]
+            .map(String::from)
+            .to_vec()
+    }
+
+    #[test]
+    fn the_base_images_runtime_config_and_platform_carry_over() {
+        let base = oci::ImageConfiguration::from_reader(BASE_CONFIG.as_bytes()).unwrap();
+        let cfg = image_config(Some(&base), "ns/sha256:x", &layers(), diff_ids()).unwrap();
+        // Runtime config and platform: the base's, field for field.
+        assert_eq!(cfg.config(), base.config());
+        let c = cfg.config().as_ref().unwrap();
+        assert_eq!(
+            c.entrypoint().as_deref(),
+            Some(&["/bin/sh".to_string(), "-c".to_string()][..])
+        );
+        assert_eq!(c.cmd().as_deref(), Some(&["echo $GREETING".to_string()][..]));
+        assert_eq!(c.working_dir().as_deref(), Some("/work"));
+        assert_eq!(c.user().as_deref(), Some("65534:65534"));
+        assert_eq!(c.stop_signal().as_deref(), Some("SIGINT"));
+        assert_eq!(*cfg.architecture(), oci::Arch::ARM64);
+        assert_eq!(cfg.variant().as_deref(), Some("v8"));
+        assert_eq!(*cfg.os(), oci::Os::Linux);
+        // Rootfs, history and time: this export's.
+        assert_eq!(cfg.rootfs().diff_ids(), &diff_ids());
+        let h = cfg.history().as_ref().unwrap();
+        let by: Vec<_> = h.iter().map(|e| e.created_by().clone().unwrap()).collect();
+        assert_eq!(
+            by,
+            [
+                "ADD rootfs",
+                "ENV GREETING=hello",
+                "COPY work",
+                "layerstack: layer 7 published by session 0"
+            ]
+        );
+        assert_eq!(cfg.created().as_deref(), Some("1970-01-01T00:00:03Z"));
+        assert_eq!(*cfg.author(), None);
+
+        // The bytes are canonical: the same whatever order the hash maps
+        // (ports, volumes, labels) iterate in, and what `ctr` reads back.
+        let bytes = canonical_json(&cfg).unwrap();
+        for _ in 0..8 {
+            let again = oci::ImageConfiguration::from_reader(BASE_CONFIG.as_bytes()).unwrap();
+            let cfg2 = image_config(Some(&again), "ns/sha256:x", &layers(), diff_ids()).unwrap();
+            assert_eq!(canonical_json(&cfg2).unwrap(), bytes);
+        }
+        let v: Value = serde_json::from_slice(&bytes).unwrap();
+        let base_v: Value = serde_json::from_str(BASE_CONFIG).unwrap();
+        assert_eq!(v["config"], base_v["config"], "the runtime config as JSON");
+        assert_eq!(v["variant"], "v8");
+    }
+
+    #[test]
+    fn without_the_base_image_the_runtime_config_is_defaulted() {
+        let cfg = image_config(None, "ns/sha256:x", &layers(), diff_ids()).unwrap();
+        let c = cfg.config().as_ref().unwrap();
+        assert_eq!(c.env().as_deref(), Some(&[DEFAULT_PATH.to_string()][..]));
+        assert_eq!((c.cmd(), c.entrypoint(), c.working_dir()), (&None, &None, &None));
+        assert_eq!(*cfg.architecture(), arch());
+        let h = cfg.history().as_ref().unwrap();
+        assert_eq!(h.len(), 3);
+        assert_eq!(
+            h[0].created_by().as_deref(),
+            Some("layerstack: base layer 1 of stack ns/sha256:x")
+        );
+        // A base history that does not match the base layers is not used.
+        let mut base = oci::ImageConfiguration::from_reader(BASE_CONFIG.as_bytes()).unwrap();
+        base.set_history(Some(vec![oci::History::default()]));
+        let cfg = image_config(Some(&base), "ns/sha256:x", &layers(), diff_ids()).unwrap();
+        assert_eq!(cfg.history().as_ref().unwrap().len(), 3);
+        assert_eq!(cfg.config(), base.config());
+        // Diff IDs must be one per layer.
+        assert!(image_config(None, "s", &layers(), vec![]).is_err());
+    }
+
+    #[test]
+    fn the_plans_base_config_or_why_not() {
+        let mut plan = api::ExportPlan {
+            base_missing: "containerd namespace \"x\" has no image".into(),
+            ..Default::default()
+        };
+        assert!(base_config(&plan).unwrap_err().contains("has no image"));
+        plan.base_config = b"{not json".to_vec();
+        plan.base_image = "example.com/base:1".into();
+        let e = base_config(&plan).unwrap_err();
+        assert!(e.contains("example.com/base:1") && e.contains("does not parse"), "{e}");
+        plan.base_config = BASE_CONFIG.as_bytes().to_vec();
+        assert_eq!(*base_config(&plan).unwrap().architecture(), oci::Arch::ARM64);
     }
 
     #[test]

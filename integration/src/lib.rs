@@ -43,6 +43,10 @@ pub const SOURCE_IMAGE: &str = "docker.io/layerstack/source:linux";
 pub const SMALL_SOURCE_IMAGE: &str = "docker.io/layerstack/source:small";
 /// Name of the busybox fixture image after import.
 pub const BUSYBOX_IMAGE: &str = "docker.io/layerstack/busybox:test";
+/// Name of the busybox image with a full runtime config (two layers, gzip and
+/// plain; User, Env, Entrypoint, Cmd, WorkingDir, …) after import
+/// ([`configured_image_tar`]).
+pub const CONFIGURED_IMAGE: &str = "docker.io/layerstack/busybox:configured";
 /// Name of the pod sandbox (pause-like) fixture image after import
 /// ([`pause_image_tar`]).
 pub const PAUSE_IMAGE: &str = "docker.io/layerstack/pause:test";
@@ -651,6 +655,19 @@ fn fixture_once(
 pub fn busybox_image_tar() -> Result<PathBuf> {
     static CELL: OnceLock<Result<PathBuf, String>> = OnceLock::new();
     fixture_once(&CELL, "make_busybox_image.sh", &[], "busybox-image.tar")
+}
+
+/// OCI archive of [`CONFIGURED_IMAGE`] (from the busybox fixture's), built once
+/// per process (`make_configured_image.sh`, a second).
+pub fn configured_image_tar() -> Result<PathBuf> {
+    static CELL: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    let busybox = busybox_image_tar()?;
+    fixture_once(
+        &CELL,
+        "make_configured_image.sh",
+        &[&busybox.to_string_lossy()],
+        "configured-image.tar",
+    )
 }
 
 /// OCI archive of [`PAUSE_IMAGE`] (busybox sleeping until killed: containerd's

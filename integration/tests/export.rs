@@ -6,16 +6,22 @@
 //! non-UTF-8 name, a hardlink pair, a path longer than 100 bytes, a fifo and a
 //! user xattr; `--since` leaves out exactly the blobs below a layer and names the
 //! same blobs as a full export; a graph node exports the tree it pinned; bad
-//! input is refused with what to do.
+//! input is refused with what to do. The exported image keeps its base image's
+//! runtime config and platform (OCI image-spec `config.md`) and ships the base
+//! image's own layer blobs (same digests) while containerd has them — `ctr
+//! run` without a command runs the base's Entrypoint/Cmd as its User in its
+//! WorkingDir with its Env — and, once the base image is gone from containerd,
+//! still exports, with a warning, a defaulted config and re-packed base layers.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 
 use anyhow::{ensure, Context, Result};
 use layerstack_integration::{
-    busybox_image_tar, describe, image_top_snapshot, ls_wait_ok, publish_policy_label,
-    publish_snapshot, run_layerstack_scenario, run_scenario, run_sh, run_with_timeout,
-    start_daemon_and_import, unique, CtrRun, TestEnv, BUSYBOX_IMAGE, CMD_TIMEOUT, SNAPSHOTTER,
+    busybox_image_tar, configured_image_tar, debian_image_tar, describe, image_top_snapshot,
+    ls_wait_ok, publish_policy_label, publish_snapshot, run_layerstack_scenario, run_scenario,
+    run_sh, run_with_timeout, start_daemon_and_import, unique, CtrRun, TestEnv, BUSYBOX_IMAGE,
+    CMD_TIMEOUT, CONFIGURED_IMAGE, SNAPSHOTTER,
 };
 use serde_json::Value;
 
@@ -116,6 +122,58 @@ fn manifest(dir: &Path) -> Result<Value> {
     read_json(&blob(dir, d))
 }
 
+/// The image config of the layout's only image.
+fn config(dir: &Path) -> Result<Value> {
+    let m = manifest(dir)?;
+    read_json(&blob(
+        dir,
+        m["config"]["digest"]
+            .as_str()
+            .with_context(|| format!("manifest without config: {m}"))?,
+    ))
+}
+
+/// Member `name` of the tar `tar`.
+fn tar_member(tar: &Path, name: &str) -> Result<Vec<u8>> {
+    let out = run_with_timeout(
+        std::process::Command::new("tar")
+            .arg("-xOf")
+            .arg(tar)
+            .arg(name),
+        CMD_TIMEOUT,
+    )?;
+    ensure!(out.status.success(), "tar -xOf {name}: {}", describe(&out));
+    Ok(out.stdout)
+}
+
+/// The manifest digest, manifest and config of the only image of the OCI
+/// archive `tar` (a fixture, as `ctr images import` reads it).
+fn archive_image(tar: &Path) -> Result<(String, Value, Value)> {
+    let member = |digest: &Value| -> Result<Value> {
+        let d = digest.as_str().context("digest")?;
+        let path = format!("blobs/sha256/{}", d.trim_start_matches("sha256:"));
+        Ok(serde_json::from_slice(&tar_member(tar, &path)?)?)
+    };
+    let index: Value = serde_json::from_slice(&tar_member(tar, "index.json")?)?;
+    let digest = &index["manifests"][0]["digest"];
+    let m = member(digest)?;
+    let c = member(&m["config"]["digest"])?;
+    Ok((digest.as_str().unwrap_or_default().to_string(), m, c))
+}
+
+/// The runtime-config fields a test compares between a base and an export.
+const RUNTIME_FIELDS: [&str; 9] = [
+    "Env",
+    "Entrypoint",
+    "Cmd",
+    "WorkingDir",
+    "User",
+    "ExposedPorts",
+    "Volumes",
+    "Labels",
+    "StopSignal",
+];
+
 fn lines(b: &[u8]) -> Vec<&[u8]> {
     b.split(|&c| c == b'\n').filter(|l| !l.is_empty()).collect()
 }
@@ -195,6 +253,26 @@ fn an_exported_head_runs_on_overlayfs_with_the_same_tree() {
                 && index["manifests"][0]["annotations"]["io.containerd.image.name"] == TAG,
             "index.json: {index}"
         );
+        // The base image's runtime config (the fixture sets Env PATH, Cmd
+        // /bin/sh, WorkingDir /) and platform carry over, and its one layer is
+        // its own blob, not a re-pack.
+        let (_, om, oc) = archive_image(&debian_image_tar()?)?;
+        ensure!(
+            cfg["config"] == oc["config"]
+                && cfg["config"]["Cmd"] == serde_json::json!(["/bin/sh"])
+                && cfg["architecture"] == oc["architecture"]
+                && cfg["os"] == oc["os"],
+            "exported config {cfg}\nbase config {oc}"
+        );
+        ensure!(
+            m["layers"][0] == om["layers"][0]
+                && cfg["rootfs"]["diff_ids"][0] == oc["rootfs"]["diff_ids"][0]
+                && layers[0]["source"] == "containerd",
+            "base layer: exported {} / {}, the base image's {}",
+            m["layers"][0],
+            layers[0],
+            om["layers"][0]
+        );
 
         let tar = pack(&dir)?;
         let names = env.import_image(OUT_NS, &tar, OVERLAYFS)?;
@@ -214,6 +292,15 @@ fn an_exported_head_runs_on_overlayfs_with_the_same_tree() {
             .rm(true)
             .ok(env)?
             .stdout;
+        // No command given: the base image's Cmd (/bin/sh) runs, and ends on
+        // the end of its stdin (`--null-io`: ctr never closes a piped stdin).
+        CtrRun::new(OUT_NS, &unique("exp-cmd"), &[])
+            .image(TAG)
+            .snapshotter(OVERLAYFS)
+            .extra(&["--null-io"])
+            .rm(true)
+            .ok(env)
+            .context("ctr run of the exported image without a command")?;
         let (el, hl) = (lines(&exported), lines(&head));
         // The list is real: it holds what the containers made and lacks what
         // they deleted.
@@ -359,8 +446,13 @@ fn export_since_a_layer_omits_exactly_the_blobs_below_it() {
         }
         let (mf, mp) = (manifest(&full_dir)?, manifest(&since_dir)?);
         ensure!(mf["layers"] == mp["layers"], "manifests: {mf} vs {mp}");
+        // --compression applies to the re-packed layers; the base layer is the
+        // busybox image's own (uncompressed) blob.
+        let n = layers.len();
         ensure!(
-            mp["layers"][0]["mediaType"] == "application/vnd.oci.image.layer.v1.tar+zstd",
+            mp["layers"][n - 1]["mediaType"] == "application/vnd.oci.image.layer.v1.tar+zstd"
+                && mp["layers"][0]["mediaType"] == "application/vnd.oci.image.layer.v1.tar"
+                && layers[0]["source"] == "containerd",
             "{mp}"
         );
         // What a registry would hold from the earlier export completes it.
@@ -465,6 +557,225 @@ fn export_since_a_layer_omits_exactly_the_blobs_below_it() {
                 "a refused export left {fresh} behind"
             );
         }
+        Ok(())
+    });
+}
+
+/// The base image's runtime config, platform, history and layer blobs carry
+/// over into an export, also one `--since` its base; once containerd no longer
+/// has the base image, the export still completes, warns, defaults the runtime
+/// config and re-packs the base layers.
+#[test]
+fn an_export_keeps_the_base_images_config_and_layer_blobs() {
+    const NS: &str = "lst-export-base";
+    const OUT_NS: &str = "lst-export-base-out";
+    const TAG: &str = "docker.io/layerstack/export-base:1";
+    const GONE_TAG: &str = "docker.io/layerstack/export-base:gone";
+    run_scenario(|env| {
+        let tar = configured_image_tar()?;
+        start_daemon_and_import(env, NS, &tar, CONFIGURED_IMAGE)?;
+        let (base_manifest, om, oc) = archive_image(&tar)?;
+        let base_layers = om["layers"].as_array().context("layers")?.clone();
+        ensure!(base_layers.len() == 2, "{om}");
+        // The base's own command: Entrypoint + Cmd, as its User, in its
+        // WorkingDir, with its Env.
+        let base_says = CtrRun::new(NS, &unique("base-cmd"), &[])
+            .image(CONFIGURED_IMAGE)
+            .label(publish_policy_label("never"))
+            .rm(true)
+            .stdout_ok(env)?;
+        ensure!(
+            base_says == "configured: hello in /work as 65534:65534\nfrom the base image\n",
+            "the base image's command printed {base_says:?}"
+        );
+        let w = unique("base-write");
+        CtrRun::sh(NS, &w, "echo exported > /work/out")
+            .image(CONFIGURED_IMAGE)
+            .rm(true)
+            .ok(env)?;
+        ensure!(ls_wait_ok(env, NS, &w)? == "committed");
+
+        // Named by its image reference; no warning.
+        let dir = env.scratch().join(unique("base-layout"));
+        let d = dir.to_string_lossy().into_owned();
+        let out = env.layerstack(&[
+            "-n",
+            NS,
+            "export",
+            CONFIGURED_IMAGE,
+            "--oci-layout",
+            &d,
+            "--tag",
+            TAG,
+            "--json",
+        ])?;
+        ensure!(out.status.success(), "export: {}", describe(&out));
+        ensure!(
+            !String::from_utf8_lossy(&out.stderr).contains("warning"),
+            "export with the base image present: {}",
+            describe(&out)
+        );
+        let r: Value = serde_json::from_slice(&out.stdout)?;
+        let layers = r["layers"].as_array().context("layers")?.clone();
+        ensure!(
+            layers.len() == 3
+                && r["base_image"] == CONFIGURED_IMAGE
+                && r["base_manifest"] == base_manifest.as_str(),
+            "{r}"
+        );
+        let (m, cfg) = (manifest(&dir)?, config(&dir)?);
+        for (i, want) in base_layers.iter().enumerate() {
+            // Same digest, media type (one gzip, one plain tar) and size; the
+            // blob is in the layout, byte for byte.
+            ensure!(
+                m["layers"][i] == *want
+                    && layers[i]["source"] == "containerd"
+                    && layers[i]["digest"] == want["digest"]
+                    && cfg["rootfs"]["diff_ids"][i] == oc["rootfs"]["diff_ids"][i],
+                "base layer {i}: exported {} / {}, the base image's {want}",
+                m["layers"][i],
+                layers[i]
+            );
+            let digest = want["digest"].as_str().context("digest")?;
+            let blob_path = blob(&dir, digest);
+            let bytes = std::fs::read(&blob_path)
+                .with_context(|| format!("reading {}", blob_path.display()))?;
+            ensure!(
+                tar_member(&tar, &format!("blobs/sha256/{}", digest.trim_start_matches("sha256:")))?
+                    == bytes,
+                "blob {digest} differs from the base image's"
+            );
+        }
+        ensure!(
+            layers[2]["source"] == "store"
+                && m["layers"][2]["mediaType"] == "application/vnd.oci.image.layer.v1.tar+gzip",
+            "{r}\n{m}"
+        );
+        for f in RUNTIME_FIELDS {
+            ensure!(
+                !oc["config"][f].is_null() && cfg["config"][f] == oc["config"][f],
+                "config field {f}: exported {}, base {}",
+                cfg["config"][f],
+                oc["config"][f]
+            );
+        }
+        ensure!(
+            cfg["config"] == oc["config"]
+                && cfg["architecture"] == oc["architecture"]
+                && cfg["os"] == oc["os"],
+            "exported config {cfg}\nbase config {oc}"
+        );
+        let h = cfg["history"].as_array().context("history")?;
+        ensure!(
+            h.len() == 4 && h[..3] == oc["history"].as_array().context("history")?[..],
+            "history: exported {}, base {}",
+            cfg["history"],
+            oc["history"]
+        );
+
+        // Imported on overlayfs and run without a command: the base's
+        // Entrypoint/Cmd, User, WorkingDir and Env, over the published layer.
+        let names = env.import_image(OUT_NS, &pack(&dir)?, OVERLAYFS)?;
+        ensure!(names.iter().any(|n| n == TAG), "{names:?}");
+        let says = CtrRun::new(OUT_NS, &unique("base-exp"), &[])
+            .image(TAG)
+            .snapshotter(OVERLAYFS)
+            .rm(true)
+            .stdout_ok(env)?;
+        ensure!(
+            says == "configured: hello in /work as 65534:65534\nfrom the base image\nexported\n",
+            "the exported image's command printed {says:?}"
+        );
+
+        // --since the top base layer: the base blobs are left out but still
+        // named by their original digests.
+        let since = layers[1]["layer"].as_i64().context("layer")?;
+        let since_dir = env.scratch().join(unique("base-since"));
+        let part = export(
+            env,
+            NS,
+            CONFIGURED_IMAGE,
+            &since_dir,
+            &["--since", &since.to_string()],
+        )?;
+        let players = part["layers"].as_array().context("layers")?;
+        for (i, (f, p)) in layers.iter().zip(players).enumerate() {
+            let omitted = i < 2;
+            let d = p["digest"].as_str().context("digest")?;
+            ensure!(
+                f["digest"] == p["digest"]
+                    && f["diff_id"] == p["diff_id"]
+                    && p["omitted"] == omitted
+                    && blob(&since_dir, d).exists() != omitted,
+                "layer {i}: full export {f}, --since {since} {p}"
+            );
+        }
+        ensure!(
+            manifest(&since_dir)?["layers"] == m["layers"],
+            "the --since manifest differs"
+        );
+
+        // The base image gone from containerd: a warning naming it, a
+        // defaulted runtime config, re-packed base layers — and an image.
+        let stack = stack_id(env, NS)?;
+        env.ctr_ok(NS, &["images", "rm", "--sync", CONFIGURED_IMAGE])?;
+        let gone_dir = env.scratch().join(unique("base-gone"));
+        let g = gone_dir.to_string_lossy().into_owned();
+        let out = env.layerstack(&[
+            "-n",
+            NS,
+            "export",
+            &format!("{stack}@main"),
+            "--oci-layout",
+            &g,
+            "--tag",
+            GONE_TAG,
+            "--json",
+        ])?;
+        ensure!(out.status.success(), "export without the base image: {}", describe(&out));
+        let err = String::from_utf8_lossy(&out.stderr);
+        let chain = stack.rsplit('/').next().unwrap_or_default();
+        ensure!(
+            err.contains("warning")
+                && err.contains(&stack)
+                && err.contains(chain)
+                && err.contains("defaulted")
+                && err.contains("Entrypoint")
+                && err.contains("Cmd")
+                && err.contains("Env"),
+            "the warning: {err}"
+        );
+        let r: Value = serde_json::from_slice(&out.stdout)?;
+        let glayers = r["layers"].as_array().context("layers")?;
+        ensure!(
+            r["base_image"] == "" && glayers.iter().all(|l| l["source"] == "store"),
+            "{r}"
+        );
+        let (gm, gcfg) = (manifest(&gone_dir)?, config(&gone_dir)?);
+        for (i, want) in base_layers.iter().enumerate() {
+            ensure!(
+                gm["layers"][i]["digest"] != want["digest"]
+                    && gm["layers"][i]["mediaType"]
+                        == "application/vnd.oci.image.layer.v1.tar+gzip",
+                "base layer {i} re-packed: {}",
+                gm["layers"][i]
+            );
+        }
+        ensure!(
+            gcfg["config"]
+                == serde_json::json!({
+                    "Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]
+                }),
+            "defaulted config: {gcfg}"
+        );
+        let names = env.import_image(OUT_NS, &pack(&gone_dir)?, OVERLAYFS)?;
+        ensure!(names.iter().any(|n| n == GONE_TAG), "{names:?}");
+        let says = CtrRun::new(OUT_NS, &unique("base-gone-run"), &["cat", "/work/README", "/work/out"])
+            .image(GONE_TAG)
+            .snapshotter(OVERLAYFS)
+            .rm(true)
+            .stdout_ok(env)?;
+        ensure!(says == "from the base image\nexported\n", "{says:?}");
         Ok(())
     });
 }

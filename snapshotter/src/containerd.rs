@@ -27,7 +27,7 @@ use tracing::{debug, info, warn};
 
 const NS_HEADER: &str = "containerd-namespace";
 
-fn with_ns<T>(ns: &str, msg: T) -> Request<T> {
+pub(crate) fn with_ns<T>(ns: &str, msg: T) -> Request<T> {
     let mut r = Request::new(msg);
     if let Ok(v) = ns.parse() {
         r.metadata_mut().insert(NS_HEADER, v);
@@ -345,7 +345,7 @@ async fn reconcile(ch: &Channel, engine: &Arc<Engine>) {
     }
 }
 
-async fn read_blob(
+pub(crate) async fn read_blob(
     content: &mut ContentClient<Channel>,
     ns: &str,
     digest: &str,

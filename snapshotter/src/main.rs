@@ -9,6 +9,7 @@
 #![allow(clippy::result_large_err)]
 
 mod admin;
+mod base_image;
 mod containerd;
 mod export;
 mod filters;

@@ -47,6 +47,11 @@ pub struct ExportLease {
     /// The lease (holder kind `export`); release it with [`Store::release_export`].
     pub lease: i64,
     pub stack: String,
+    /// The stack's containerd namespace (where its base image lives).
+    pub namespace: String,
+    /// The stack's base: the top layer chainID of its image (`sha256:<hex>`;
+    /// OCI image-spec `config.md` "Layer ChainID").
+    pub base_digest: String,
     /// The branch exported ("" for a node).
     pub branch: String,
     /// The node exported ("" for a branch).
@@ -70,14 +75,18 @@ impl Store {
         holder: &str,
     ) -> Result<ExportLease, StoreError> {
         self.db.write(|tx| {
+            let stack_row = |stack: &str| -> Result<(String, String), StoreError> {
+                tx.query_row(
+                    "SELECT namespace, base_digest FROM stacks WHERE id = ?1",
+                    [stack],
+                    |r| Ok((r.get(0)?, r.get(1)?)),
+                )
+                .optional()?
+                .ok_or_else(|| StoreError::StackNotFound(stack.to_string()))
+            };
             let (stack, branch, node, manifest) = match source {
                 ExportSource::Branch { stack, branch } => {
-                    let exists: Option<i64> = tx
-                        .query_row("SELECT 1 FROM stacks WHERE id = ?1", [stack], |r| r.get(0))
-                        .optional()?;
-                    if exists.is_none() {
-                        return Err(StoreError::StackNotFound(stack.clone()));
-                    }
+                    stack_row(stack)?;
                     let m = branch_head(tx, stack, branch)?.ok_or_else(|| {
                         StoreError::BranchNotFound {
                             stack: stack.clone(),
@@ -91,6 +100,7 @@ impl Store {
                     (stack, String::new(), id.clone(), m)
                 }
             };
+            let (namespace, base_digest) = stack_row(&stack)?;
             let base = stack_base_layers(tx, &stack)?;
             let top = manifest_layers(tx, manifest)?;
             let mut stmt = tx.prepare_cached(
@@ -133,6 +143,8 @@ impl Store {
             Ok(ExportLease {
                 lease,
                 stack,
+                namespace,
+                base_digest,
                 branch,
                 node,
                 manifest,

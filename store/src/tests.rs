@@ -1267,6 +1267,11 @@ fn an_export_lease_lists_base_then_published_layers_and_the_sweep_releases_it() 
         "oldest first: base, then published"
     );
     assert_eq!(e.base_layers, 2);
+    assert_eq!(
+        (e.namespace.as_str(), e.base_digest.as_str()),
+        ("default", "sha256:bbb"),
+        "where the export finds the base image in containerd"
+    );
     assert_eq!(e.layers[2].kind, LayerKind::Published);
     assert_eq!(e.layers[2].path, s.layer_path(p.layer));
     assert_eq!(

@@ -35,21 +35,25 @@ class ExportRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., image: _Optional[str] = ..., branch: _Optional[str] = ..., node: _Optional[str] = ..., compression: _Optional[str] = ..., since_layer: _Optional[int] = ...) -> None: ...
 
 class ExportLayer(_message.Message):
-    __slots__ = ("layer", "kind", "session", "created_ns", "omitted")
+    __slots__ = ("layer", "kind", "session", "created_ns", "omitted", "source", "media_type")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
     CREATED_NS_FIELD_NUMBER: _ClassVar[int]
     OMITTED_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    MEDIA_TYPE_FIELD_NUMBER: _ClassVar[int]
     layer: int
     kind: str
     session: int
     created_ns: int
     omitted: bool
-    def __init__(self, layer: _Optional[int] = ..., kind: _Optional[str] = ..., session: _Optional[int] = ..., created_ns: _Optional[int] = ..., omitted: _Optional[bool] = ...) -> None: ...
+    source: str
+    media_type: str
+    def __init__(self, layer: _Optional[int] = ..., kind: _Optional[str] = ..., session: _Optional[int] = ..., created_ns: _Optional[int] = ..., omitted: _Optional[bool] = ..., source: _Optional[str] = ..., media_type: _Optional[str] = ...) -> None: ...
 
 class ExportPlan(_message.Message):
-    __slots__ = ("stack", "branch", "node", "manifest", "layers", "compression", "media_type")
+    __slots__ = ("stack", "branch", "node", "manifest", "layers", "compression", "media_type", "base_image", "base_manifest", "base_config", "base_missing", "base_digest")
     STACK_FIELD_NUMBER: _ClassVar[int]
     BRANCH_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +61,11 @@ class ExportPlan(_message.Message):
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     COMPRESSION_FIELD_NUMBER: _ClassVar[int]
     MEDIA_TYPE_FIELD_NUMBER: _ClassVar[int]
+    BASE_IMAGE_FIELD_NUMBER: _ClassVar[int]
+    BASE_MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    BASE_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    BASE_MISSING_FIELD_NUMBER: _ClassVar[int]
+    BASE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     stack: str
     branch: str
     node: str
@@ -64,7 +73,12 @@ class ExportPlan(_message.Message):
     layers: _containers.RepeatedCompositeFieldContainer[ExportLayer]
     compression: str
     media_type: str
-    def __init__(self, stack: _Optional[str] = ..., branch: _Optional[str] = ..., node: _Optional[str] = ..., manifest: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[ExportLayer, _Mapping]]] = ..., compression: _Optional[str] = ..., media_type: _Optional[str] = ...) -> None: ...
+    base_image: str
+    base_manifest: str
+    base_config: bytes
+    base_missing: str
+    base_digest: str
+    def __init__(self, stack: _Optional[str] = ..., branch: _Optional[str] = ..., node: _Optional[str] = ..., manifest: _Optional[int] = ..., layers: _Optional[_Iterable[_Union[ExportLayer, _Mapping]]] = ..., compression: _Optional[str] = ..., media_type: _Optional[str] = ..., base_image: _Optional[str] = ..., base_manifest: _Optional[str] = ..., base_config: _Optional[bytes] = ..., base_missing: _Optional[str] = ..., base_digest: _Optional[str] = ...) -> None: ...
 
 class ExportBlobDone(_message.Message):
     __slots__ = ("index", "digest", "diff_id", "size", "uncompressed_size", "omitted")

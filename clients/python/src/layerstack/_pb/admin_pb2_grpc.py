@@ -514,11 +514,16 @@ class AdminServicer:
         """OCI export of a branch head or a graph node (docs/architecture.md "OCI
         export"). Holds a lease of holder kind `export` on the manifest while the
         stream is open. The first reply is the plan (every layer of the image, oldest
-        first: base layers, then published and squashed ones); then, per layer in
+        first: base layers, then published and squashed ones; and the base image's
+        config when containerd still has the stack's base image); then, per layer in
         that order, the compressed blob in chunks (none for an omitted layer) and a
-        `done` with its digest and diff ID. NOT_FOUND: unknown stack, branch or node;
-        INVALID_ARGUMENT: a compression other than gzip|zstd, a since_layer that is
-        not one of the image's layers.
+        `done` with its digest and diff ID. A base layer whose original blob is in
+        containerd's content store is that blob, copied verbatim (source
+        "containerd"); every other layer is re-packed from its directory (source
+        "store"). NOT_FOUND: unknown stack, branch or node; INVALID_ARGUMENT: a
+        compression other than gzip|zstd, a since_layer that is not one of the
+        image's layers. containerd being unreachable or lacking the image is not an
+        error: base_missing says why, and the base layers are re-packed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
