@@ -225,7 +225,10 @@ fn image_config(
     );
     let n_base = layers.iter().filter(|l| l.kind == "base").count();
     let base_history = base.and_then(|b| b.history().as_ref()).filter(|h| {
-        h.iter().filter(|e| !e.empty_layer().unwrap_or(false)).count() == n_base
+        h.iter()
+            .filter(|e| !e.empty_layer().unwrap_or(false))
+            .count()
+            == n_base
     });
     let mut history = Vec::with_capacity(layers.len());
     if let Some(h) = base_history {
@@ -679,7 +682,10 @@ mod tests {
             c.entrypoint().as_deref(),
             Some(&["/bin/sh".to_string(), "-c".to_string()][..])
         );
-        assert_eq!(c.cmd().as_deref(), Some(&["echo $GREETING".to_string()][..]));
+        assert_eq!(
+            c.cmd().as_deref(),
+            Some(&["echo $GREETING".to_string()][..])
+        );
         assert_eq!(c.working_dir().as_deref(), Some("/work"));
         assert_eq!(c.user().as_deref(), Some("65534:65534"));
         assert_eq!(c.stop_signal().as_deref(), Some("SIGINT"));
@@ -721,7 +727,10 @@ mod tests {
         let cfg = image_config(None, "ns/sha256:x", &layers(), diff_ids()).unwrap();
         let c = cfg.config().as_ref().unwrap();
         assert_eq!(c.env().as_deref(), Some(&[DEFAULT_PATH.to_string()][..]));
-        assert_eq!((c.cmd(), c.entrypoint(), c.working_dir()), (&None, &None, &None));
+        assert_eq!(
+            (c.cmd(), c.entrypoint(), c.working_dir()),
+            (&None, &None, &None)
+        );
         assert_eq!(*cfg.architecture(), arch());
         let h = cfg.history().as_ref().unwrap();
         assert_eq!(h.len(), 3);
@@ -749,9 +758,15 @@ mod tests {
         plan.base_config = b"{not json".to_vec();
         plan.base_image = "example.com/base:1".into();
         let e = base_config(&plan).unwrap_err();
-        assert!(e.contains("example.com/base:1") && e.contains("does not parse"), "{e}");
+        assert!(
+            e.contains("example.com/base:1") && e.contains("does not parse"),
+            "{e}"
+        );
         plan.base_config = BASE_CONFIG.as_bytes().to_vec();
-        assert_eq!(*base_config(&plan).unwrap().architecture(), oci::Arch::ARM64);
+        assert_eq!(
+            *base_config(&plan).unwrap().architecture(),
+            oci::Arch::ARM64
+        );
     }
 
     #[test]

@@ -641,8 +641,10 @@ fn an_export_keeps_the_base_images_config_and_layer_blobs() {
             let bytes = std::fs::read(&blob_path)
                 .with_context(|| format!("reading {}", blob_path.display()))?;
             ensure!(
-                tar_member(&tar, &format!("blobs/sha256/{}", digest.trim_start_matches("sha256:")))?
-                    == bytes,
+                tar_member(
+                    &tar,
+                    &format!("blobs/sha256/{}", digest.trim_start_matches("sha256:"))
+                )? == bytes,
                 "blob {digest} differs from the base image's"
             );
         }
@@ -732,7 +734,11 @@ fn an_export_keeps_the_base_images_config_and_layer_blobs() {
             GONE_TAG,
             "--json",
         ])?;
-        ensure!(out.status.success(), "export without the base image: {}", describe(&out));
+        ensure!(
+            out.status.success(),
+            "export without the base image: {}",
+            describe(&out)
+        );
         let err = String::from_utf8_lossy(&out.stderr);
         let chain = stack.rsplit('/').next().unwrap_or_default();
         ensure!(
@@ -770,11 +776,15 @@ fn an_export_keeps_the_base_images_config_and_layer_blobs() {
         );
         let names = env.import_image(OUT_NS, &pack(&gone_dir)?, OVERLAYFS)?;
         ensure!(names.iter().any(|n| n == GONE_TAG), "{names:?}");
-        let says = CtrRun::new(OUT_NS, &unique("base-gone-run"), &["cat", "/work/README", "/work/out"])
-            .image(GONE_TAG)
-            .snapshotter(OVERLAYFS)
-            .rm(true)
-            .stdout_ok(env)?;
+        let says = CtrRun::new(
+            OUT_NS,
+            &unique("base-gone-run"),
+            &["cat", "/work/README", "/work/out"],
+        )
+        .image(GONE_TAG)
+        .snapshotter(OVERLAYFS)
+        .rm(true)
+        .stdout_ok(env)?;
         ensure!(says == "from the base image\nexported\n", "{says:?}");
         Ok(())
     });

@@ -265,14 +265,16 @@ pub async fn open_blob(ch: &Channel, ns: &str, blob: &BaseBlob) -> Result<BlobRe
 }
 
 fn read_error(blob: &BaseBlob, e: containerd_client::tonic::Status) -> CopyError {
-    CopyError::Read(ContainerdError::Rpc(format!("read blob {}", blob.digest), e))
+    CopyError::Read(ContainerdError::Rpc(
+        format!("read blob {}", blob.digest),
+        e,
+    ))
 }
 
 /// A blob being read from containerd (see [`open_blob`]).
 pub struct BlobReader {
-    stream: containerd_client::tonic::Streaming<
-        containerd_client::services::v1::ReadContentResponse,
-    >,
+    stream:
+        containerd_client::tonic::Streaming<containerd_client::services::v1::ReadContentResponse>,
     blob: BaseBlob,
     hash: Sha256,
     bytes: u64,

@@ -229,7 +229,9 @@ impl AdminService {
                 blobs_copied = l.layers.iter().enumerate().filter(|(i, _)| b.blob(*i).is_some()).count(),
                 "export: base image found in containerd"
             ),
-            Err(Missing(why)) => warn!(stack = %l.stack, reason = %why, "export: no base image in containerd; its layers are re-packed, its runtime config defaulted"),
+            Err(Missing(why)) => {
+                warn!(stack = %l.stack, reason = %why, "export: no base image in containerd; its layers are re-packed, its runtime config defaulted")
+            }
         }
         let plan = api::ExportPlan {
             stack: l.stack.clone(),
@@ -275,11 +277,7 @@ impl AdminService {
                 .as_ref()
                 .map(|b| b.image.config.clone())
                 .unwrap_or_default(),
-            base_missing: base
-                .as_ref()
-                .err()
-                .map(|m| m.0.clone())
-                .unwrap_or_default(),
+            base_missing: base.as_ref().err().map(|m| m.0.clone()).unwrap_or_default(),
             base_digest: l.base_digest.clone(),
         };
         let base = base.ok();

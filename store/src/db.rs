@@ -70,7 +70,9 @@ impl Checkpointer {
     }
 
     fn run(path: &Path, shared: &(Mutex<CheckpointState>, Condvar)) {
-        let conn = match Connection::open(path).and_then(|c| c.busy_timeout(BUSY_TIMEOUT).map(|()| c)) {
+        let conn = match Connection::open(path)
+            .and_then(|c| c.busy_timeout(BUSY_TIMEOUT).map(|()| c))
+        {
             Ok(c) => c,
             Err(e) => {
                 tracing::warn!(error = %e, "checkpoint thread: cannot open the database; the writer checkpoints");

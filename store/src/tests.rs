@@ -742,8 +742,13 @@ fn the_wal_is_checkpointed_off_the_writers_path() {
     // Enough write transactions to wake the checkpointer; far fewer pages than
     // the writer's own (backstop) automatic checkpoint needs.
     for i in 0..(2 * crate::db::CHECKPOINT_EVERY) {
-        s.prepare(&format!("default/{}/w{i}", 10 + i), &top, BTreeMap::new(), false)
-            .unwrap();
+        s.prepare(
+            &format!("default/{}/w{i}", 10 + i),
+            &top,
+            BTreeMap::new(),
+            false,
+        )
+        .unwrap();
     }
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
     loop {
