@@ -278,7 +278,7 @@ pub fn containerd(
         let _ = writeln!(
             w,
             "  # The admin socket is not the default: the shim reads it from this file\n  \
-             # (`layerstack config shim > {}`).\n  \
+             # (`layerstack config shim --admin-address <path> > {}`).\n  \
              [{runtimes}.{RUNTIME_HANDLER}.options]\n    ConfigPath = {shim_config}",
             utf8(&e.shim_config)?
         );

@@ -26,7 +26,7 @@ use layerstack_integration::{
     bin_path, busybox_image_tar, describe, ensure_success, ls_wait_ok, make_temp_dir, remove_tree,
     require_root_and_containerd, run_scenario, run_with_timeout, start_daemon_and_import, stdout,
     unique, wait_timeout, which, Containerd, CtrRun, Daemon, TestEnv, BUSYBOX_IMAGE, CLI_BIN,
-    DAEMON_BIN, SNAPSHOTTER,
+    DAEMON_BIN, SHIM_BIN, SNAPSHOTTER,
 };
 
 /// Namespace of the tests on the shared env.
@@ -251,6 +251,23 @@ fn ops_binaries_print_version_and_help() {
         assert!(out.status.success(), "{bin} --version: {}", describe(&out));
         assert_eq!(stdout(&out).trim(), format!("{name} {version}"));
     }
+    // The shim: containerd's flag parser must not answer these.
+    let shim = bin_path(SHIM_BIN).expect("binaries are built");
+    for flag in ["--version", "-v"] {
+        let out = Command::new(&shim).arg(flag).output().unwrap();
+        assert!(out.status.success(), "shim {flag}: {}", describe(&out));
+        assert_eq!(
+            stdout(&out).trim(),
+            format!("containerd-shim-layerstack-v1 {version}")
+        );
+    }
+    let out = Command::new(&shim).arg("--help").output().unwrap();
+    assert!(out.status.success(), "shim --help: {}", describe(&out));
+    assert!(
+        stdout(&out).contains("io.containerd.layerstack.v1"),
+        "shim --help: {}",
+        describe(&out)
+    );
     let out = Command::new(bin_path(DAEMON_BIN).unwrap())
         .arg("--help")
         .output()
