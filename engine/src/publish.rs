@@ -493,9 +493,13 @@ impl Engine {
         let pins = self.pins.clone();
         // The semaphore is never closed: `None` cannot happen.
         let permit = self.preparing.clone().acquire_owned().await.ok();
+        // The capture clock starts with the work, not with the wait for a worker
+        // (that wait is in the total only).
+        let queued = started.elapsed();
         let prepared = tokio::task::spawn_blocking(move || {
             let _permit = permit;
-            let r = prepare(&store, &settings, &pins, id, started);
+            let _background = Background::enter();
+            let r = prepare(&store, &settings, &pins, id, (started, queued));
             #[cfg(any(test, feature = "failpoints"))]
             if let (Some(h), Ok(Prepared::Ready(_))) = (&hook, &r) {
                 h(&store.upper_path(id));
@@ -526,7 +530,8 @@ impl Engine {
             .unwrap_or_else(|p| p.into_inner())
             .take();
         let why = why.to_string();
-        tokio::task::spawn_blocking(move || {
+        let store2 = self.store.clone();
+        let committed = tokio::task::spawn_blocking(move || {
             let staged = ready.staged;
             #[cfg(any(test, feature = "failpoints"))]
             let r = commit(
@@ -549,9 +554,27 @@ impl Engine {
                 warn!(session.id = id, error = %msg, "publish failed");
                 store.record_outcome(id, rec, Some(staged))?;
             }
-            Ok::<(), RunError>(())
+            // The whole hold: the commit transaction, the rename and the fresh
+            // upper included (the row was written before they ran).
+            Ok::<_, RunError>(r.ok().flatten().map(|o| (o, holding.elapsed())))
         })
-        .await?
+        .await??;
+        drop(_gate);
+        if let Some((outcome, hold)) = committed {
+            // Figures only: the publish is committed whatever happens here.
+            let total = started.elapsed();
+            let r = tokio::task::spawn_blocking(move || {
+                store2.record_commit_times(outcome, micros(hold), micros(total))
+            })
+            .await;
+            if let Err(e) = r
+                .map_err(|e| e.to_string())
+                .and_then(|r| r.map_err(|e| e.to_string()))
+            {
+                warn!(session.id = id, error = %e, "the publish committed; its gate hold and total time were not recorded");
+            }
+        }
+        Ok(())
     }
 
     /// What publishing session `id` now would do, changing nothing: the upper is
@@ -647,12 +670,14 @@ impl Engine {
 }
 
 /// Outside the gate: capture, seal, plan against the observed head, stage.
+/// `started`: the publish's start; `queued`: how long it then waited for a
+/// worker (not part of the capture figure).
 fn prepare(
     store: &Store,
     settings: &EngineSettings,
     pins: &Arc<crate::history::Pins>,
     id: SessionId,
-    started: Instant,
+    (started, queued): (Instant, Duration),
 ) -> Result<Prepared, RunError> {
     let ctx = store.publish_context(id)?;
     let upper = ctx.session.upper.clone();
@@ -694,7 +719,7 @@ fn prepare(
                 message: Some(message),
                 paths,
                 timings: Some(PublishTimings {
-                    capture_us: micros(started.elapsed()),
+                    capture_us: micros(started.elapsed().saturating_sub(queued)),
                     total_us: micros(started.elapsed()),
                     ..Default::default()
                 }),
@@ -718,7 +743,7 @@ fn prepare(
     )?;
     let f = files(settings, &view, &observed, upper.clone());
     let plan = publisher::plan_gate(&input.cs, &input.head, &f, &settings.merge)?;
-    let capture = started.elapsed();
+    let capture = started.elapsed().saturating_sub(queued);
     if plan.is_conflict() {
         let paths = records(&plan);
         let message = summary(&paths, OutcomeKind::Conflict);
@@ -783,7 +808,7 @@ fn commit(
     holding: Instant,
     why: &str,
     #[cfg(any(test, feature = "failpoints"))] hook: Option<Hook>,
-) -> Result<(), RunError> {
+) -> Result<Option<layerstack_store::PublishId>, RunError> {
     let Ready {
         _pin,
         ctx,
@@ -796,6 +821,7 @@ fn commit(
     } = ready;
     let upper = ctx.session.upper.clone();
     let current = store.head_view(id)?;
+    let head_read = holding.elapsed();
     let mut replanned = None;
     let mut capture_bytes = input.cs.written_bytes();
     if current.manifest != observed.manifest {
@@ -838,7 +864,7 @@ fn commit(
                     },
                     Some(staged),
                 )?;
-                return Ok(());
+                return Ok(None);
             }
             replanned = Some((index_of(&plan), paths));
             // Blame: only the paths the head changed can own other lines now.
@@ -861,9 +887,11 @@ fn commit(
     if let Some(h) = hook {
         h(&upper);
     }
+    let planned = holding.elapsed();
     // Merged files are written in the store's staging directory (same
     // filesystem, never captured, emptied by the sweep) and renamed in.
     publisher::apply_plan(&upper, &plan, &store.staging_path())?;
+    let applied = holding.elapsed();
     let kind = decision(&plan);
     let paths_now = replanned
         .as_ref()
@@ -872,7 +900,8 @@ fn commit(
     let timings = PublishTimings {
         capture_us: micros(capture),
         gate_wait_us: micros(gate_wait),
-        // Up to the commit; the commit transaction and rename are part of the hold too.
+        // Up to the commit; the whole hold, commit included, is set once it
+        // is done (`Store::record_commit_times`).
         gate_hold_us: micros(holding.elapsed()),
         total_us: micros(started.elapsed()),
         capture_bytes,
@@ -901,9 +930,51 @@ fn commit(
         capture_us = timings.capture_us,
         capture_bytes,
         replanned = replanned.is_some(),
+        head_read_us = micros(head_read),
+        replan_us = micros(planned.saturating_sub(head_read)),
+        apply_us = micros(applied.saturating_sub(planned)),
         "publish committed"
     );
-    Ok(())
+    Ok(Some(p.outcome))
+}
+
+/// While alive, the calling thread runs at a lower CPU priority (nice +5,
+/// setpriority(2) on its thread id; Linux applies nice per thread): a publish's
+/// preparation gives way to the one publish holding its branch's gate, which
+/// every other publish of the branch waits on. Restored on drop. A failure
+/// (never expected as root) leaves the priority as it was.
+struct Background {
+    before: Option<i32>,
+}
+
+impl Background {
+    const NICE: i32 = 5;
+
+    fn enter() -> Background {
+        // SAFETY: gettid, getpriority and setpriority take and return plain
+        // integers; no memory is shared with the kernel.
+        let tid = unsafe { libc::gettid() } as libc::id_t;
+        // SAFETY: as above.
+        let now = unsafe { libc::getpriority(libc::PRIO_PROCESS, tid) };
+        // SAFETY: as above.
+        let ok = unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, now + Self::NICE) } == 0;
+        Background {
+            before: ok.then_some(now),
+        }
+    }
+}
+
+impl Drop for Background {
+    fn drop(&mut self) {
+        if let Some(nice) = self.before {
+            // SAFETY: plain integers, as in `enter`.
+            let tid = unsafe { libc::gettid() } as libc::id_t;
+            // SAFETY: as above.
+            if unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, nice) } != 0 {
+                warn!("a publish worker thread could not return to its CPU priority");
+            }
+        }
+    }
 }
 
 /// Timings of an outcome that has only a duration (failed, discarded, …).
@@ -911,5 +982,33 @@ fn total_only(started: Instant) -> PublishTimings {
     PublishTimings {
         total_us: micros(started.elapsed()),
         ..Default::default()
+    }
+}
+
+#[cfg(test)]
+mod background_tests {
+    use super::Background;
+
+    fn nice() -> i32 {
+        // SAFETY: plain integers (see `Background`).
+        unsafe { libc::getpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t) }
+    }
+
+    #[test]
+    fn preparation_runs_at_a_lower_priority_and_gives_it_back() {
+        std::thread::spawn(|| {
+            let before = nice();
+            {
+                let _b = Background::enter();
+                assert_eq!(nice(), (before + Background::NICE).min(19));
+            }
+            assert_eq!(
+                nice(),
+                before,
+                "back to its priority (raising it needs root: CAP_SYS_NICE)"
+            );
+        })
+        .join()
+        .unwrap();
     }
 }

@@ -352,7 +352,8 @@ impl OutcomeRecord {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PublishTimings {
     /// Capture, policy edits, sealing and planning against the observed head
-    /// (outside the gate).
+    /// (outside the gate), from when a publish worker took it up (a wait for a
+    /// free worker is in `total_us` only).
     pub capture_us: u64,
     /// Waiting for the branch's gate.
     pub gate_wait_us: u64,

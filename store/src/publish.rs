@@ -254,7 +254,11 @@ impl Store {
         let upper = self.upper_path(session);
         let dst = self.layer_path(staged.layer);
         let _inflight = self.inflight.hold(crate::layer_rel(staged.layer));
+        let asked = std::time::Instant::now();
         let mut conn = self.db.writer();
+        // Diagnostics of the gate hold (debug line below): waiting for the writer
+        // (another transaction) vs this one.
+        let writer_wait = asked.elapsed();
         let published = write_on(&mut conn, |tx| {
             let s = get_sess(tx, session)?;
             if s.lease_id.is_none() {
@@ -335,6 +339,7 @@ impl Store {
             ))
         });
         drop(conn);
+        let transaction = asked.elapsed().saturating_sub(writer_wait);
         let (published, stack, branch) = match published {
             Ok(p) => p,
             Err(e) => {
@@ -350,8 +355,27 @@ impl Store {
             }
         };
         self.reset_session_dirs(session, false);
-        debug!(session.id = session, layer.id = published.layer, stack = %stack, branch = %branch, manifest = published.manifest, outcome = kind.as_str(), "published");
+        debug!(session.id = session, layer.id = published.layer, stack = %stack, branch = %branch, manifest = published.manifest, outcome = kind.as_str(), writer_wait_us = writer_wait.as_micros() as u64, transaction_us = transaction.as_micros() as u64, "published");
         Ok(published)
+    }
+
+    /// Sets the gate hold and total time (µs) of committed outcome `outcome`,
+    /// measured once the commit itself was done (the commit's row is written
+    /// before its transaction, rename and fresh upper ran). Errors: `Sqlite`.
+    pub fn record_commit_times(
+        &self,
+        outcome: PublishId,
+        gate_hold_us: u64,
+        total_us: u64,
+    ) -> Result<(), StoreError> {
+        let c = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
+        self.db.write(|tx| {
+            tx.execute(
+                "UPDATE publishes SET gate_hold_us = ?2, total_us = ?3 WHERE id = ?1 AND gate_hold_us IS NOT NULL",
+                params![outcome, c(gate_hold_us), c(total_us)],
+            )?;
+            Ok(())
+        })
     }
 
     /// Records an outcome that adds no layer. `NoChange` and `Discarded` end the

@@ -730,6 +730,17 @@ fn a_format_4_store_is_migrated_at_open_and_keeps_its_outcomes() {
     s.record_outcome(c2.id, rec, None).unwrap();
     let o = s.session(c2.id).unwrap().outcome.unwrap();
     assert_eq!(o.timings.map(|t| t.capture_bytes), Some(12_345));
+    // The whole gate hold, set after the commit, on an outcome with timings only.
+    s.record_commit_times(o.id, 777, 888).unwrap();
+    let t = s.session(c2.id).unwrap().outcome.unwrap().timings.unwrap();
+    assert_eq!((t.gate_hold_us, t.total_us, t.capture_bytes), (777, 888, 12_345));
+    let first = s.session(sess.id).unwrap().outcome.unwrap();
+    s.record_commit_times(first.id, 1, 2).unwrap();
+    assert_eq!(
+        s.session(sess.id).unwrap().outcome.unwrap().timings,
+        None,
+        "an outcome recorded without timings keeps none"
+    );
 }
 
 #[test]
