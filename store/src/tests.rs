@@ -733,7 +733,10 @@ fn a_format_4_store_is_migrated_at_open_and_keeps_its_outcomes() {
     // The whole gate hold, set after the commit, on an outcome with timings only.
     s.record_commit_times(o.id, 777, 888).unwrap();
     let t = s.session(c2.id).unwrap().outcome.unwrap().timings.unwrap();
-    assert_eq!((t.gate_hold_us, t.total_us, t.capture_bytes), (777, 888, 12_345));
+    assert_eq!(
+        (t.gate_hold_us, t.total_us, t.capture_bytes),
+        (777, 888, 12_345)
+    );
     let first = s.session(sess.id).unwrap().outcome.unwrap();
     s.record_commit_times(first.id, 1, 2).unwrap();
     assert_eq!(

@@ -365,20 +365,23 @@ pub fn run(b: &Bench, r: &mut ScenarioReport) -> Result<()> {
 
 /// Why the growth and the hold miss their targets (from this scenario's
 /// profile and the gate's code path).
-const P5_WHY: &str = "a directory every session writes into no longer costs O(N): \
-    each path costs the gate at most two index rows, and a repeated directory row no \
-    longer re-plans. What is left: the growth's baseline, N = 16, is a 200–300 ms burst \
-    that moves by ±30 % between runs on this shared 2-core machine (this code measured \
-    0.82× and 1.45× in two runs the same evening); the p99 hold (p50 is 1–2 ms) is not \
-    explained by measurement yet — the suspects are commits waiting for the SQLite writer \
-    behind the staging transaction of a publish prepared beside them, the CPU those \
-    preparations take from the holder, and the few commits that still re-plan (the first \
-    of a burst; every merge in the overlapping workload)";
+const P5_WHY: &str = "a directory every session writes into no longer costs O(N) \
+    (each path costs the gate at most two index rows; a repeated directory row does not \
+    re-plan), so what grows is small: the automatic squash of the branch (every ~57 \
+    publishes at N = 1,024, none at N = 16) copies those publishes' files once more, \
+    beside the publishes; N = 16 is a 200 ms burst that moves by ±30 % between runs on \
+    this shared 2-core machine. The hold is now measured to the end of the commit (it \
+    was taken before the commit transaction, so earlier runs under-reported it): p50 is \
+    4–6 ms at every N, most of it the commit itself — the SQLite transaction (the new \
+    manifest's rows), waiting for the writer behind another publish's staging, the \
+    rename into l/ and the session's fresh upper — not the gate's planning (≤ 1 ms)";
 
 const TIME_GOES: &str = "our daemon (97 % of the benchmark's samples), ~60 % of it \
     kernel (capture's and sealing's path walks, file metadata, renames), the rest SQLite \
     (`sqlite3VdbeExec`), malloc and memmove in the per-publish store transactions. Ours: \
     none of it grows with the layers published since the lease any more — a path costs \
     the gate at most two index rows (the newest and the newest hiding one), squashed \
-    layers' expansions are cached, preparation runs on at most one worker per CPU and WAL \
-    checkpoints on a thread of their own; the p99 hold: see the targets.";
+    layers' expansions are cached, preparation runs on at most one worker per CPU at a \
+    lower CPU priority than the gate holder, WAL checkpoints on a thread of their own. \
+    Next: take the session's fresh upper and the manifest copy off the commit under the \
+    gate, and let squash hard-link its members' files instead of copying them.";
