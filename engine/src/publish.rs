@@ -986,6 +986,7 @@ fn total_only(started: Instant) -> PublishTimings {
 }
 
 #[cfg(test)]
+#[allow(clippy::unwrap_used)]
 mod background_tests {
     use super::Background;
 
