@@ -217,6 +217,8 @@ struct Ready {
     plan: publisher::GatePlan,
     staged: Staged,
     capture: Duration,
+    /// [`Changeset::written_bytes`] of `input.cs`, counted outside the gate.
+    capture_bytes: u64,
 }
 
 enum Prepared {
@@ -787,6 +789,7 @@ fn prepare(
         _pin: pin,
         ctx,
         view,
+        capture_bytes: input.cs.written_bytes(),
         input,
         observed,
         plan,
@@ -818,12 +821,12 @@ fn commit(
         mut plan,
         staged,
         capture,
+        mut capture_bytes,
     } = ready;
     let upper = ctx.session.upper.clone();
     let current = store.head_view(id)?;
     let head_read = holding.elapsed();
     let mut replanned = None;
-    let mut capture_bytes = input.cs.written_bytes();
     if current.manifest != observed.manifest {
         let delta = store.changes_between(observed.manifest, current.manifest, &input.query)?;
         if moves_the_plan(delta, &input.head) {

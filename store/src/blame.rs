@@ -301,7 +301,7 @@ impl Store {
                     owner,
                 });
             }
-            let expanded = crate::paths::expand(conn, layers)?;
+            let expanded = crate::paths::expand(conn, &self.expansions, layers)?;
             if let Some(l) = expanded.iter().find(|l| by_layer.contains_key(l)) {
                 return Ok(by_layer.remove(l));
             }
@@ -373,7 +373,8 @@ impl Store {
     /// `layers` with every squashed layer replaced by its members (recursively),
     /// newest first: the layers as published, whose path index rows are kept.
     pub fn expand_layers(&self, layers: &[LayerId]) -> Result<Vec<LayerId>, StoreError> {
-        self.db.read(|conn| crate::paths::expand(conn, layers))
+        self.db
+            .read(|conn| crate::paths::expand(conn, &self.expansions, layers))
     }
 
     /// Moves session `session`, whose run ended in conflict with its upper and

@@ -34,7 +34,7 @@ pub(crate) struct Db {
 }
 
 /// Checkpoints the WAL off the writers' path: woken every
-/// [`Checkpointer::EVERY`] write transactions (and once a second after any),
+/// [`CHECKPOINT_EVERY`] write transactions (and once a second after any),
 /// it runs `PRAGMA wal_checkpoint(PASSIVE)` on its own connection, which
 /// neither waits for nor blocks readers and writers (sqlite.org/wal.html,
 /// "Checkpointing"). The writer's automatic checkpoint stays as a backstop at
@@ -55,7 +55,6 @@ struct CheckpointState {
 pub(crate) const CHECKPOINT_EVERY: u64 = 32;
 
 impl Checkpointer {
-    const EVERY: u64 = CHECKPOINT_EVERY;
     const BACKSTOP_PAGES: i64 = 16_384;
 
     fn start(path: PathBuf) -> Checkpointer {
@@ -84,7 +83,7 @@ impl Checkpointer {
         loop {
             let writes = {
                 let mut st = lock.lock().unwrap_or_else(|p| p.into_inner());
-                if !st.stop && st.writes.saturating_sub(done) < Self::EVERY {
+                if !st.stop && st.writes.saturating_sub(done) < CHECKPOINT_EVERY {
                     st = cvar
                         .wait_timeout(st, Duration::from_secs(1))
                         .unwrap_or_else(|p| p.into_inner())
@@ -110,7 +109,7 @@ impl Checkpointer {
         let (lock, cvar) = &*self.shared;
         let mut st = lock.lock().unwrap_or_else(|p| p.into_inner());
         st.writes += 1;
-        if st.writes % Self::EVERY == 0 {
+        if st.writes % CHECKPOINT_EVERY == 0 {
             cvar.notify_one();
         }
     }

@@ -485,7 +485,7 @@ impl Store {
             }
             // Rows kept for their path index: members of reachable squashes.
             let reachable: Vec<LayerId> = reach.iter().copied().collect();
-            let retained: HashSet<LayerId> = crate::paths::expand(tx, &reachable)?.into_iter().collect();
+            let retained: HashSet<LayerId> = crate::paths::expand(tx, &self.expansions, &reachable)?.into_iter().collect();
             // Dead manifests go first (they reference layers), children before
             // parents; released leases on them with them.
             let mut all: Vec<ManifestId> = {

@@ -244,12 +244,8 @@ impl Expansions {
 
 /// `layers` with every squashed layer replaced by its members (recursively),
 /// newest first: the layers as published, whose path index rows the gate reads.
-pub(crate) fn expand(conn: &Connection, layers: &[LayerId]) -> Result<Vec<LayerId>, StoreError> {
-    expand_with(conn, &Expansions::default(), layers)
-}
-
-/// [`expand`], reading and filling `cache`.
-pub(crate) fn expand_with(
+/// Reads and fills `cache` (the store's).
+pub(crate) fn expand(
     conn: &Connection,
     cache: &Expansions,
     layers: &[LayerId],
@@ -328,8 +324,8 @@ pub(crate) fn layers_since(
         .into_iter()
         .filter(|l| !in_from.contains(l))
         .collect();
-    let had: HashSet<LayerId> = expand_with(conn, cache, &only_from)?.into_iter().collect();
-    Ok(expand_with(conn, cache, &only_to)?
+    let had: HashSet<LayerId> = expand(conn, cache, &only_from)?.into_iter().collect();
+    Ok(expand(conn, cache, &only_to)?
         .into_iter()
         .filter(|l| !had.contains(l))
         .collect())
@@ -365,7 +361,7 @@ impl Store {
                 "SELECT {ENTRY_COLS} FROM layer_paths WHERE layer_id = ?1 ORDER BY path"
             ))?;
             let mut merged: BTreeMap<Vec<u8>, IndexEntry> = BTreeMap::new();
-            for member in expand(conn, &[layer])? {
+            for member in expand(conn, &self.expansions, &[layer])? {
                 let raws: Vec<RawEntry> = stmt
                     .query_map([member], raw_entry)?
                     .collect::<Result<_, _>>()?;
