@@ -335,7 +335,9 @@ impl Store {
     /// The path index of every layer manifest `to` shows that manifest `from`
     /// does not (what a branch published since a lease, or since a publish
     /// observed the head), restricted to `query`: one `(layer, entries)` per layer
-    /// with matches, newest layer first.
+    /// with matches, newest layer first. Per path only the rows the gate reads
+    /// are returned: the newest, and the newest that hides what is below it (see
+    /// `query_layers`); an older row at the same path is left out.
     ///
     /// Cost: O(depth) to diff the manifests, one index seek per exact path and
     /// one range scan per subtree, reading only rows of layers at least as new as
