@@ -300,7 +300,8 @@ pub(crate) fn stage(
         files = files.len(),
         "blame staged"
     );
-    if let Err(e) = store.stage_blame(&session.stack, layer, &files) {
+    if let Err(e) = crate::publish::store_write(|| store.stage_blame(&session.stack, layer, &files))
+    {
         warn!(session.id = session.id, layer.id = layer, error = %crate::error_chain(&e), "no blame recorded for this publish");
     }
 }

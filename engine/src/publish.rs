@@ -556,8 +556,8 @@ impl Engine {
                 warn!(session.id = id, error = %msg, "publish failed");
                 store.record_outcome(id, rec, Some(staged))?;
             }
-            // The whole hold: the commit transaction, the rename and the fresh
-            // upper included (the row was written before they ran).
+            // The whole hold: the commit transaction and the rename included
+            // (the row was written before they ran).
             Ok::<_, RunError>(r.ok().flatten().map(|o| (o, holding.elapsed())))
         })
         .await??;
@@ -566,6 +566,8 @@ impl Engine {
             // Figures only: the publish is committed whatever happens here.
             let total = started.elapsed();
             let r = tokio::task::spawn_blocking(move || {
+                // Still under the session lock: the next run's upper.
+                store2.renew_session_dirs(id);
                 store2.record_commit_times(outcome, micros(hold), micros(total))
             })
             .await;
@@ -701,7 +703,7 @@ fn prepare(
         );
         let mut rec = rec;
         rec.timings = Some(total_only(started));
-        store.record_outcome(id, rec, None)?;
+        store_write(|| store.record_outcome(id, rec, None))?;
         return Ok(Prepared::Done);
     }
     if cs.is_empty() {
@@ -714,20 +716,22 @@ fn prepare(
                 cs.excluded.len()
             )
         };
-        store.record_outcome(
-            id,
-            OutcomeRecord {
-                kind: OutcomeKind::NoChange,
-                message: Some(message),
-                paths,
-                timings: Some(PublishTimings {
-                    capture_us: micros(started.elapsed().saturating_sub(queued)),
-                    total_us: micros(started.elapsed()),
-                    ..Default::default()
-                }),
-            },
-            None,
-        )?;
+        store_write(|| {
+            store.record_outcome(
+                id,
+                OutcomeRecord {
+                    kind: OutcomeKind::NoChange,
+                    message: Some(message),
+                    paths,
+                    timings: Some(PublishTimings {
+                        capture_us: micros(started.elapsed().saturating_sub(queued)),
+                        total_us: micros(started.elapsed()),
+                        ..Default::default()
+                    }),
+                },
+                None,
+            )
+        })?;
         debug!(session.id = id, outcome = "no-change", "published");
         return Ok(Prepared::Done);
     }
@@ -755,24 +759,26 @@ fn prepare(
             paths = plan.conflicts().count(),
             "rejected"
         );
-        store.record_outcome(
-            id,
-            OutcomeRecord {
-                kind: OutcomeKind::Conflict,
-                message: Some(message),
-                paths,
-                timings: Some(PublishTimings {
-                    capture_us: micros(capture),
-                    total_us: micros(started.elapsed()),
-                    capture_bytes: input.cs.written_bytes(),
-                    ..Default::default()
-                }),
-            },
-            None,
-        )?;
+        store_write(|| {
+            store.record_outcome(
+                id,
+                OutcomeRecord {
+                    kind: OutcomeKind::Conflict,
+                    message: Some(message),
+                    paths,
+                    timings: Some(PublishTimings {
+                        capture_us: micros(capture),
+                        total_us: micros(started.elapsed()),
+                        capture_bytes: input.cs.written_bytes(),
+                        ..Default::default()
+                    }),
+                },
+                None,
+            )
+        })?;
         return Ok(Prepared::Done);
     }
-    let staged = store.stage_publish(id, &index_of(&plan), &records(&plan))?;
+    let staged = store_write(|| store.stage_publish(id, &index_of(&plan), &records(&plan)))?;
     // Blame (engine/src/blame.rs): computed and staged with the layer, outside the gate.
     crate::blame::stage(
         store,
@@ -824,12 +830,15 @@ fn commit(
         mut capture_bytes,
     } = ready;
     let upper = ctx.session.upper.clone();
-    let current = store.head_view(id)?;
+    // Only the head's id: its lowers are read when the plan must be made again.
+    let mut head = store.branch_head(&ctx.session.stack, &ctx.session.branch)?;
     let head_read = holding.elapsed();
     let mut replanned = None;
-    if current.manifest != observed.manifest {
-        let delta = store.changes_between(observed.manifest, current.manifest, &input.query)?;
+    if head != observed.manifest {
+        let delta = store.changes_between(observed.manifest, head, &input.query)?;
         if moves_the_plan(delta, &input.head) {
+            let current = store.head_view(id)?;
+            head = current.manifest;
             let input = gate_input(
                 store,
                 settings,
@@ -912,7 +921,7 @@ fn commit(
     let p = store.commit_publish(
         id,
         staged,
-        current.manifest,
+        head,
         layerstack_store::CommitRecord {
             kind: Some(kind),
             message: Some(summary(&paths_now, kind)),
@@ -920,6 +929,8 @@ fn commit(
             replanned: replanned
                 .as_ref()
                 .map(|(i, r)| (i.as_slice(), r.as_slice())),
+            // After the gate (`publish_locked`).
+            renew_later: true,
         },
     )?;
     debug!(
@@ -946,38 +957,75 @@ fn commit(
 /// preparation gives way to the one publish holding its branch's gate, which
 /// every other publish of the branch waits on. Restored on drop. A failure
 /// (never expected as root) leaves the priority as it was.
+///
+/// Store writes made meanwhile run at the priority it replaced
+/// ([`Background::writing`]): a lowered thread holding the store's one writer
+/// would hold up the gate holder's commit behind it (priority inversion).
 struct Background {
     before: Option<i32>,
+}
+
+thread_local! {
+    /// The priority a [`Background`] on this thread replaced.
+    static LOWERED_FROM: std::cell::Cell<Option<i32>> = const { std::cell::Cell::new(None) };
 }
 
 impl Background {
     const NICE: i32 = 5;
 
     fn enter() -> Background {
-        // SAFETY: gettid, getpriority and setpriority take and return plain
-        // integers; no memory is shared with the kernel.
+        let now = Self::get();
+        let ok = Self::set(now + Self::NICE);
+        let before = ok.then_some(now);
+        LOWERED_FROM.with(|c| c.set(before));
+        Background { before }
+    }
+
+    /// Runs `f` (a store write) at the priority the thread's [`Background`]
+    /// replaced, if there is one, and lowers the thread again afterwards.
+    fn writing<T>(f: impl FnOnce() -> T) -> T {
+        let Some(before) = LOWERED_FROM.with(std::cell::Cell::get) else {
+            return f();
+        };
+        let raised = Self::set(before);
+        let r = f();
+        if raised {
+            Self::set(before + Self::NICE);
+        }
+        r
+    }
+
+    fn get() -> i32 {
+        // SAFETY: gettid and getpriority take and return plain integers; no
+        // memory is shared with the kernel.
         let tid = unsafe { libc::gettid() } as libc::id_t;
         // SAFETY: as above.
-        let now = unsafe { libc::getpriority(libc::PRIO_PROCESS, tid) };
+        unsafe { libc::getpriority(libc::PRIO_PROCESS, tid) }
+    }
+
+    fn set(nice: i32) -> bool {
+        // SAFETY: gettid and setpriority take and return plain integers; no
+        // memory is shared with the kernel.
+        let tid = unsafe { libc::gettid() } as libc::id_t;
         // SAFETY: as above.
-        let ok = unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, now + Self::NICE) } == 0;
-        Background {
-            before: ok.then_some(now),
-        }
+        unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, nice) == 0 }
     }
 }
 
 impl Drop for Background {
     fn drop(&mut self) {
+        LOWERED_FROM.with(|c| c.set(None));
         if let Some(nice) = self.before {
-            // SAFETY: plain integers, as in `enter`.
-            let tid = unsafe { libc::gettid() } as libc::id_t;
-            // SAFETY: as above.
-            if unsafe { libc::setpriority(libc::PRIO_PROCESS, tid, nice) } != 0 {
+            if !Self::set(nice) {
                 warn!("a publish worker thread could not return to its CPU priority");
             }
         }
     }
+}
+
+/// A store write made during a publish's preparation ([`Background::writing`]).
+pub(crate) fn store_write<T>(f: impl FnOnce() -> T) -> T {
+    Background::writing(f)
 }
 
 /// Timings of an outcome that has only a duration (failed, discarded, …).
@@ -991,7 +1039,7 @@ fn total_only(started: Instant) -> PublishTimings {
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod background_tests {
-    use super::Background;
+    use super::{store_write, Background};
 
     fn nice() -> i32 {
         // SAFETY: plain integers (see `Background`).
@@ -1004,8 +1052,13 @@ mod background_tests {
             let before = nice();
             {
                 let _b = Background::enter();
-                assert_eq!(nice(), (before + Background::NICE).min(19));
+                let lowered = (before + Background::NICE).min(19);
+                assert_eq!(nice(), lowered);
+                // A store write runs at the priority the thread had.
+                assert_eq!(store_write(nice), before);
+                assert_eq!(nice(), lowered, "lowered again after the write");
             }
+            assert_eq!(store_write(nice), before, "nothing to restore outside");
             assert_eq!(
                 nice(),
                 before,

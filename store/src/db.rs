@@ -12,6 +12,7 @@
 //! waits on.
 
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -29,8 +30,48 @@ const BUSY_TIMEOUT: Duration = Duration::from_secs(10);
 pub(crate) struct Db {
     path: PathBuf,
     writer: Mutex<Connection>,
+    first: FirstInLine,
     idle: Mutex<Vec<Connection>>,
     checkpointer: Checkpointer,
+}
+
+/// Lets a branch's gate holder take the writer before the other writers
+/// waiting for it (the preparation of other publishes, which every publish of
+/// the branch waits on otherwise): while one waits in [`Db::writer_first`], a
+/// new [`Db::writer`] call waits until it has the connection. Writers already
+/// blocked on the connection when it arrived may still go first, so its wait
+/// is bounded by those few transactions.
+#[derive(Default)]
+struct FirstInLine {
+    waiting: AtomicUsize,
+    turn: Mutex<()>,
+    served: Condvar,
+}
+
+impl FirstInLine {
+    fn give_way(&self) {
+        if self.waiting.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let g = self.turn.lock().unwrap_or_else(|p| p.into_inner());
+        let _g = self
+            .served
+            .wait_while(g, |()| self.waiting.load(Ordering::Acquire) > 0)
+            .unwrap_or_else(|p| p.into_inner());
+    }
+
+    fn arrive(&self) {
+        self.waiting.fetch_add(1, Ordering::AcqRel);
+    }
+
+    fn served(&self) {
+        if self.waiting.fetch_sub(1, Ordering::AcqRel) == 1 {
+            // Taken under `turn`: a writer between its check and its wait
+            // cannot miss the wake-up.
+            let _g = self.turn.lock().unwrap_or_else(|p| p.into_inner());
+            self.served.notify_all();
+        }
+    }
 }
 
 /// Checkpoints the WAL off the writers' path: woken every
@@ -200,6 +241,7 @@ impl Db {
         Ok(Db {
             path,
             writer: Mutex::new(conn),
+            first: FirstInLine::default(),
             idle: Mutex::new(Vec::new()),
             checkpointer,
         })
@@ -209,8 +251,19 @@ impl Db {
     /// out across a transaction and the filesystem step after it (a publish's
     /// rename into `l/`).
     pub(crate) fn writer(&self) -> MutexGuard<'_, Connection> {
+        self.first.give_way();
         self.checkpointer.wrote();
         self.writer.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// [`Db::writer`] ahead of the writers that arrive after this call (see
+    /// [`FirstInLine`]): for the commit of a publish, under its branch's gate.
+    pub(crate) fn writer_first(&self) -> MutexGuard<'_, Connection> {
+        self.first.arrive();
+        self.checkpointer.wrote();
+        let conn = self.writer.lock().unwrap_or_else(|p| p.into_inner());
+        self.first.served();
+        conn
     }
 
     /// Runs `f` in one `IMMEDIATE` write transaction; commits on `Ok`.
@@ -288,5 +341,47 @@ pub(crate) fn u32_col(
         Some(n) => u32::try_from(n)
             .map(Some)
             .map_err(|_| StoreError::corrupt(table, key(), format!("value {n} out of range"))),
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::AtomicBool;
+
+    /// A writer that releases the connection and at once asks for it again
+    /// (it would win the race against a thread that must first be woken) gets
+    /// it only after the gate holder that was waiting in `writer_first`.
+    #[test]
+    fn the_gate_holders_commit_goes_before_a_writer_that_comes_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Arc::new(Db::open(dir.path(), Durability::Disposable).unwrap());
+        let order = Arc::new(Mutex::new(Vec::new()));
+        for _ in 0..20 {
+            order.lock().unwrap().clear();
+            let held = db.writer();
+            let first_done = Arc::new(AtomicBool::new(false));
+            let c = {
+                let (db, order, done) = (db.clone(), order.clone(), first_done.clone());
+                std::thread::spawn(move || {
+                    let _conn = db.writer_first();
+                    order.lock().unwrap().push("first");
+                    done.store(true, Ordering::Release);
+                })
+            };
+            while db.first.waiting.load(Ordering::Acquire) == 0 {
+                std::thread::yield_now();
+            }
+            // Parked on the connection's lock by now.
+            std::thread::sleep(Duration::from_millis(5));
+            drop(held);
+            let again = db.writer();
+            order.lock().unwrap().push("again");
+            drop(again);
+            c.join().unwrap();
+            assert!(first_done.load(Ordering::Acquire));
+            assert_eq!(*order.lock().unwrap(), ["first", "again"]);
+        }
     }
 }

@@ -56,6 +56,10 @@ pub struct CommitRecord<'a> {
     /// The index and verdicts the gate computed again because the head moved
     /// (replacing the staged ones).
     pub replanned: Option<(&'a [IndexEntry], &'a [PathRecord])>,
+    /// The caller gives the session its fresh upper and workdir itself, with
+    /// [`Store::renew_session_dirs`], once it has released what it holds (a
+    /// branch's gate); otherwise the commit does, before it returns.
+    pub renew_later: bool,
 }
 
 /// Rows written by [`Store::stage_publish`].
@@ -249,13 +253,15 @@ impl Store {
             message,
             timings,
             replanned,
+            renew_later,
         } = record;
         let kind = kind.unwrap_or(OutcomeKind::Committed);
         let upper = self.upper_path(session);
         let dst = self.layer_path(staged.layer);
         let _inflight = self.inflight.hold(crate::layer_rel(staged.layer));
         let asked = std::time::Instant::now();
-        let mut conn = self.db.writer();
+        // Under the gate: ahead of other publishes' staging transactions.
+        let mut conn = self.db.writer_first();
         // Diagnostics of the gate hold (debug line below): waiting for the writer
         // (another transaction) vs this one.
         let writer_wait = asked.elapsed();
@@ -354,7 +360,9 @@ impl Store {
                 return Err(e);
             }
         };
-        self.reset_session_dirs(session, false);
+        if !renew_later {
+            self.reset_session_dirs(session, false);
+        }
         debug!(session.id = session, layer.id = published.layer, stack = %stack, branch = %branch, manifest = published.manifest, outcome = kind.as_str(), writer_wait_us = writer_wait.as_micros() as u64, transaction_us = transaction.as_micros() as u64, "published");
         Ok(published)
     }
@@ -507,6 +515,13 @@ impl Store {
     /// that a publish compares: convenience for tests and the CLI.
     pub fn manifest_depth(&self, id: ManifestId) -> Result<usize, StoreError> {
         self.db.read(|conn| Ok(manifest_layers(conn, id)?.len()))
+    }
+
+    /// Gives session `session` an empty upper and workdir after a commit that
+    /// left that to its caller ([`CommitRecord::renew_later`]). Failures are
+    /// logged; the next mount creates what is missing.
+    pub fn renew_session_dirs(&self, session: SessionId) {
+        self.reset_session_dirs(session, false);
     }
 
     /// Give a session an empty upper and workdir (after its writes were published
