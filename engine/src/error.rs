@@ -85,6 +85,8 @@ pub enum RunError {
     Apply(#[from] publisher::ApplyError),
     #[error("publish task failed")]
     Join(#[from] tokio::task::JoinError),
+    #[error(transparent)]
+    Commit(#[from] crate::committer::CommitFailed),
     #[cfg(any(test, feature = "failpoints"))]
     #[error("failpoint {0}")]
     Failpoint(&'static str),

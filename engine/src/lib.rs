@@ -37,6 +37,7 @@
 
 mod blame;
 mod census;
+mod committer;
 mod conflicts;
 mod diff;
 mod error;
@@ -120,6 +121,9 @@ pub struct Engine {
     /// a burst of N publishes keeps the CPUs busy without starving the one
     /// holding a gate (its hold is what every other publish of the branch waits on).
     preparing: Arc<tokio::sync::Semaphore>,
+    /// The threads that run commits under a gate (`committer.rs`), as many as
+    /// preparation workers.
+    committers: committer::Committers,
     /// One squash per (stack, branch) at a time.
     squashes: locks::LockMap<(String, String)>,
     /// Manifests operations in flight read; GC keeps them.
@@ -152,6 +156,7 @@ impl Engine {
             sessions: locks::LockMap::new(),
             gates: locks::LockMap::new(),
             preparing: Arc::new(tokio::sync::Semaphore::new(workers)),
+            committers: committer::Committers::start(workers),
             squashes: locks::LockMap::new(),
             pins: Arc::new(history::Pins::default()),
             census: census::Census::new(),

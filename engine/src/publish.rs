@@ -500,7 +500,7 @@ impl Engine {
         let queued = started.elapsed();
         let prepared = tokio::task::spawn_blocking(move || {
             let _permit = permit;
-            let _background = Background::enter();
+            let _background = Priority::background();
             let r = prepare(&store, &settings, &pins, id, (started, queued));
             #[cfg(any(test, feature = "failpoints"))]
             if let (Some(h), Ok(Prepared::Ready(_))) = (&hook, &r) {
@@ -533,34 +533,36 @@ impl Engine {
             .take();
         let why = why.to_string();
         let store2 = self.store.clone();
-        let committed = tokio::task::spawn_blocking(move || {
-            let staged = ready.staged;
-            #[cfg(any(test, feature = "failpoints"))]
-            let r = commit(
-                &store, &settings, id, *ready, started, gate_wait, holding, &why, hook,
-            );
-            #[cfg(not(any(test, feature = "failpoints")))]
-            let r = commit(
-                &store, &settings, id, *ready, started, gate_wait, holding, &why,
-            );
-            if let Err(e) = &r {
-                // Nothing was committed: drop the staged rows, keep the upper.
-                let msg = error_chain(e);
-                let mut rec = OutcomeRecord::new(
-                    OutcomeKind::Failed,
-                    format!(
+        let committed = self
+            .committers
+            .run(move || {
+                let staged = ready.staged;
+                #[cfg(any(test, feature = "failpoints"))]
+                let r = commit(
+                    &store, &settings, id, *ready, started, gate_wait, holding, &why, hook,
+                );
+                #[cfg(not(any(test, feature = "failpoints")))]
+                let r = commit(
+                    &store, &settings, id, *ready, started, gate_wait, holding, &why,
+                );
+                if let Err(e) = &r {
+                    // Nothing was committed: drop the staged rows, keep the upper.
+                    let msg = error_chain(e);
+                    let mut rec = OutcomeRecord::new(
+                        OutcomeKind::Failed,
+                        format!(
                         "{msg}; nothing was published, the upper is kept: publish again or discard"
                     ),
-                );
-                rec.timings = Some(total_only(started));
-                warn!(session.id = id, error = %msg, "publish failed");
-                store.record_outcome(id, rec, Some(staged))?;
-            }
-            // The whole hold: the commit transaction and the rename included
-            // (the row was written before they ran).
-            Ok::<_, RunError>(r.ok().flatten().map(|o| (o, holding.elapsed())))
-        })
-        .await??;
+                    );
+                    rec.timings = Some(total_only(started));
+                    warn!(session.id = id, error = %msg, "publish failed");
+                    store.record_outcome(id, rec, Some(staged))?;
+                }
+                // The whole hold: the commit transaction and the rename included
+                // (the row was written before they ran).
+                Ok::<_, RunError>(r.ok().flatten().map(|o| (o, holding.elapsed())))
+            })
+            .await??;
         drop(_gate);
         if let Some((outcome, hold)) = committed {
             // Figures only: the publish is committed whatever happens here.
@@ -952,37 +954,51 @@ fn commit(
     Ok(Some(p.outcome))
 }
 
-/// While alive, the calling thread runs at a lower CPU priority (nice +5,
-/// setpriority(2) on its thread id; Linux applies nice per thread): a publish's
-/// preparation gives way to the one publish holding its branch's gate, which
-/// every other publish of the branch waits on. Restored on drop. A failure
-/// (never expected as root) leaves the priority as it was.
+/// While alive, the calling thread runs at another CPU priority
+/// (setpriority(2) on its thread id; Linux applies nice per thread), restored
+/// on drop. A failure (never expected as root) leaves the priority as it was.
 ///
-/// Store writes made meanwhile run at the priority it replaced
-/// ([`Background::writing`]): a lowered thread holding the store's one writer
-/// would hold up the gate holder's commit behind it (priority inversion).
-struct Background {
+/// * [`Priority::background`] (nice +10): a publish's preparation gives way to
+///   the one publish holding its branch's gate, which every other publish of
+///   the branch waits on. Store writes made meanwhile run at the priority it
+///   replaced ([`store_write`]): a lowered thread holding the store's one writer
+///   would hold up the gate holder's commit behind it (priority inversion).
+/// * [`Priority::gate_holder`] (nice −5, needs CAP_SYS_NICE): the commit under
+///   the gate goes ahead of the daemon's other work (RPCs, censuses) on a busy
+///   machine.
+pub(crate) struct Priority {
     before: Option<i32>,
 }
 
 thread_local! {
-    /// The priority a [`Background`] on this thread replaced.
+    /// The priority a [`Priority::background`] on this thread replaced.
     static LOWERED_FROM: std::cell::Cell<Option<i32>> = const { std::cell::Cell::new(None) };
 }
 
-impl Background {
-    const NICE: i32 = 5;
+impl Priority {
+    const BACKGROUND: i32 = 10;
+    const GATE_HOLDER: i32 = -5;
 
-    fn enter() -> Background {
-        let now = Self::get();
-        let ok = Self::set(now + Self::NICE);
-        let before = ok.then_some(now);
-        LOWERED_FROM.with(|c| c.set(before));
-        Background { before }
+    fn background() -> Priority {
+        let p = Self::by(Self::BACKGROUND);
+        LOWERED_FROM.with(|c| c.set(p.before));
+        p
     }
 
-    /// Runs `f` (a store write) at the priority the thread's [`Background`]
-    /// replaced, if there is one, and lowers the thread again afterwards.
+    pub(crate) fn gate_holder() -> Priority {
+        Self::by(Self::GATE_HOLDER)
+    }
+
+    fn by(offset: i32) -> Priority {
+        let now = Self::get();
+        Priority {
+            before: Self::set(now + offset).then_some(now),
+        }
+    }
+
+    /// Runs `f` (a store write) at the priority the thread's
+    /// [`Priority::background`] replaced, if there is one, and lowers the
+    /// thread again afterwards.
     fn writing<T>(f: impl FnOnce() -> T) -> T {
         let Some(before) = LOWERED_FROM.with(std::cell::Cell::get) else {
             return f();
@@ -990,7 +1006,7 @@ impl Background {
         let raised = Self::set(before);
         let r = f();
         if raised {
-            Self::set(before + Self::NICE);
+            Self::set(before + Self::BACKGROUND);
         }
         r
     }
@@ -1012,7 +1028,7 @@ impl Background {
     }
 }
 
-impl Drop for Background {
+impl Drop for Priority {
     fn drop(&mut self) {
         LOWERED_FROM.with(|c| c.set(None));
         if let Some(nice) = self.before {
@@ -1023,9 +1039,9 @@ impl Drop for Background {
     }
 }
 
-/// A store write made during a publish's preparation ([`Background::writing`]).
+/// A store write made during a publish's preparation ([`Priority::writing`]).
 pub(crate) fn store_write<T>(f: impl FnOnce() -> T) -> T {
-    Background::writing(f)
+    Priority::writing(f)
 }
 
 /// Timings of an outcome that has only a duration (failed, discarded, …).
@@ -1039,11 +1055,34 @@ fn total_only(started: Instant) -> PublishTimings {
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod background_tests {
-    use super::{store_write, Background};
+    use super::{store_write, Priority};
 
     fn nice() -> i32 {
-        // SAFETY: plain integers (see `Background`).
+        // SAFETY: plain integers (see `Priority`).
         unsafe { libc::getpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t) }
+    }
+
+    #[test]
+    fn the_gate_holder_runs_ahead_and_gives_it_back() {
+        std::thread::spawn(|| {
+            let before = nice();
+            {
+                let _g = Priority::gate_holder();
+                if nix::unistd::geteuid().is_root() {
+                    assert_eq!(nice(), (before + Priority::GATE_HOLDER).max(-20));
+                } else {
+                    assert!(
+                        std::env::var("CI").as_deref() != Ok("true"),
+                        "raising a thread's priority needs root under CI=true"
+                    );
+                }
+                // Not a background thread: a store write changes nothing.
+                assert_eq!(store_write(nice), nice());
+            }
+            assert_eq!(nice(), before);
+        })
+        .join()
+        .unwrap();
     }
 
     #[test]
@@ -1051,8 +1090,8 @@ mod background_tests {
         std::thread::spawn(|| {
             let before = nice();
             {
-                let _b = Background::enter();
-                let lowered = (before + Background::NICE).min(19);
+                let _b = Priority::background();
+                let lowered = (before + Priority::BACKGROUND).min(19);
                 assert_eq!(nice(), lowered);
                 // A store write runs at the priority the thread had.
                 assert_eq!(store_write(nice), before);
