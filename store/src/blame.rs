@@ -184,7 +184,10 @@ pub(crate) fn delete_staged_blame(tx: &Transaction<'_>, layer: LayerId) -> Resul
     Ok(())
 }
 
-fn layer_kinds(conn: &Connection, ids: &[LayerId]) -> Result<Vec<LayerKind>, StoreError> {
+pub(crate) fn layer_kinds(
+    conn: &Connection,
+    ids: &[LayerId],
+) -> Result<Vec<LayerKind>, StoreError> {
     let mut stmt = conn.prepare_cached("SELECT kind FROM layers WHERE id = ?1")?;
     ids.iter()
         .map(|id| {

@@ -1325,3 +1325,74 @@ fn an_export_lease_lists_base_then_published_layers_and_the_sweep_releases_it() 
         .lease_export(&ExportSource::Node("n-x".into()), "t")
         .is_err());
 }
+
+/// The automatic squash picks a size-tiered run: the published layers below the
+/// newest `keep`, then an older squashed layer only while it covers at most
+/// twice the publishes of the run so far — a big squash is not linked again
+/// into every new one.
+#[test]
+fn a_squash_takes_the_new_layers_and_only_the_squashes_that_are_not_much_bigger() {
+    let d = tmp();
+    let s = open(d.path());
+    let top = unpack(&s, "default");
+    let mut n = 0;
+    let mut publish_one = |s: &Store| {
+        n += 1;
+        s.prepare(
+            &format!("default/{}/q{n}", 1000 + n),
+            &top,
+            BTreeMap::new(),
+            false,
+        )
+        .unwrap();
+        let sid = s
+            .find_session("default", &format!("q{n}"))
+            .unwrap()
+            .unwrap()
+            .id;
+        publish(s, sid, &[write_entry(format!("f{n}").as_bytes(), 1)]).layer
+    };
+    publish_one(&s);
+    let stack = s.find_session("default", "q1").unwrap().unwrap().stack;
+    let squash = |s: &Store, run: &[LayerId]| {
+        let head = s.branch_head(&stack, "main").unwrap();
+        let (dir, _g) = s.staging_dir("squash").unwrap();
+        s.commit_squash(&stack, "main", head, run, &dir)
+            .unwrap()
+            .layer
+    };
+    let layers = |s: &Store| {
+        s.log(&stack, "main")
+            .unwrap()
+            .iter()
+            .map(|e| e.layer)
+            .collect::<Vec<_>>()
+    };
+    for _ in 1..20 {
+        publish_one(&s);
+    }
+    // One big squash of 17 publishes below the newest 3.
+    let all = layers(&s);
+    let big = squash(&s, &all[3..]);
+    for _ in 0..3 {
+        publish_one(&s);
+    }
+    let now = layers(&s);
+    assert_eq!(now.len(), 7);
+    let (_, run) = s.squash_candidate(&stack, "main", 5, 3).unwrap().unwrap();
+    assert_eq!(run, now[3..6], "the 3 new layers, not the squash of 17");
+    // A run of one layer falls back to everything below `keep`.
+    let (_, run) = s.squash_candidate(&stack, "main", 5, 5).unwrap().unwrap();
+    assert_eq!(run, now[5..], "one new layer and the big squash");
+    // A small squash joins the run; the big one still does not.
+    let small = squash(&s, &now[3..6]);
+    for _ in 0..3 {
+        publish_one(&s);
+    }
+    let now = layers(&s);
+    assert_eq!(now[6..], [small, big]);
+    let (_, run) = s.squash_candidate(&stack, "main", 5, 3).unwrap().unwrap();
+    assert_eq!(run, now[3..7], "3 new layers and the squash of 3");
+    // Not deep enough: nothing to do.
+    assert!(s.squash_candidate(&stack, "main", 64, 3).unwrap().is_none());
+}
