@@ -220,6 +220,12 @@ impl Engine {
             .map_err(EngineError::from)
     }
 
+    /// Wakes [`Engine::wait`] callers without announcing an outcome (a
+    /// session's release).
+    pub(crate) fn changed(&self) {
+        self.generation.send_modify(|g| *g += 1);
+    }
+
     pub(crate) fn notify(&self, session: &SessionInfo) {
         self.generation.send_modify(|g| *g += 1);
         if let Some(o) = &session.outcome {

@@ -344,11 +344,25 @@ impl Engine {
         id: SessionId,
         why: &str,
     ) -> Result<SessionInfo, EngineError> {
+        self.publish_locked_with(id, why, false).await
+    }
+
+    /// [`Engine::publish_locked`]; with `proven`, the caller proved under the
+    /// same session lock that the upper is unmounted everywhere (no second
+    /// census).
+    async fn publish_locked_with(
+        &self,
+        id: SessionId,
+        why: &str,
+        proven: bool,
+    ) -> Result<SessionInfo, EngineError> {
         let current = self.session(id).await?;
         if current.run_finished() || current.lease_manifest.is_none() {
             return Ok(current);
         }
-        self.ensure_quiescent(&current).await?;
+        if !proven {
+            self.ensure_quiescent(&current).await?;
+        }
         let started = Instant::now();
         if let Err(e) = self.run(id, why).await {
             // Record the failure so `wait` returns; upper and lease are kept.
@@ -398,11 +412,23 @@ impl Engine {
         id: SessionId,
         why: &str,
     ) -> Result<SessionInfo, EngineError> {
+        self.discard_locked_with(id, why, false).await
+    }
+
+    /// [`Engine::discard_locked`]; `proven` as in `publish_locked_with`.
+    async fn discard_locked_with(
+        &self,
+        id: SessionId,
+        why: &str,
+        proven: bool,
+    ) -> Result<SessionInfo, EngineError> {
         let current = self.session(id).await?;
         if current.run_finished() || current.lease_manifest.is_none() {
             return Ok(current);
         }
-        self.ensure_quiescent(&current).await?;
+        if !proven {
+            self.ensure_quiescent(&current).await?;
+        }
         let started = Instant::now();
         let mut rec = OutcomeRecord::new(OutcomeKind::Discarded, format!("writes dropped: {why}"));
         let started2 = started;
@@ -425,18 +451,19 @@ impl Engine {
         exit_status: Option<u32>,
         why: &str,
     ) -> Result<SessionInfo, EngineError> {
-        if !session.run_finished() && session.lease_manifest.is_some() {
+        let proven = !session.run_finished() && session.lease_manifest.is_some();
+        if proven {
             // The run has ended (task deleted, holder gone, snapshot removed):
             // a mount still seen now is a transient copy in another namespace.
             self.settle_quiescent(session, SETTLE_AFTER_EXIT).await?;
         }
         match exit_decision(session, label, exit_status) {
             Ok((Decision::Publish, reason)) => {
-                self.publish_locked(session.id, &format!("{why}: {reason}"))
+                self.publish_locked_with(session.id, &format!("{why}: {reason}"), proven)
                     .await
             }
             Ok((Decision::Discard, reason)) => {
-                self.discard_locked(session.id, &format!("{why}: {reason}"))
+                self.discard_locked_with(session.id, &format!("{why}: {reason}"), proven)
                     .await
             }
             Ok((Decision::Checkpoint, _)) => {

@@ -276,7 +276,9 @@ impl Engine {
                     Ok(_) => {
                         me.blocking(move |st| st.release_session(id, false)).await?;
                         let s = me.session(id).await?;
-                        me.notify(&s);
+                        // The outcome was announced when it was recorded: only
+                        // waiters on the release are woken (one event per run).
+                        me.changed();
                         info!(session.id = id, outcome = ?s.outcome.as_ref().map(|o| o.kind), "sandbox session closed");
                         break Ok(s);
                     }
@@ -508,6 +510,7 @@ mod tests {
             .tempdir_in("/var/tmp")
             .unwrap();
         let e = engine(t.path(), 8);
+        let mut events = e.subscribe();
         let write = |s: &SessionInfo, name: &str| {
             std::fs::set_permissions(&s.upper, std::fs::Permissions::from_mode(0o755)).unwrap();
             std::fs::write(s.upper.join(name), b"x\n").unwrap();
@@ -526,6 +529,10 @@ mod tests {
             .unwrap();
         assert_eq!(out.outcome.map(|o| o.kind), Some(OutcomeKind::Discarded));
         assert!(out.released);
+        // One outcome event for the run (metrics and the log line count it once).
+        let ev = events.try_recv().unwrap();
+        assert_eq!((ev.session, ev.kind), (s1.id, OutcomeKind::Discarded));
+        assert!(events.try_recv().is_err(), "a second event for one outcome");
         assert!(
             !dir.exists(),
             "a released session's directories are removed"

@@ -1,7 +1,8 @@
 //! P7 Mode B session (ARCHITECTURE.md §12, issue 11): `layerstack session run
 //! STACK --publish never -- true` — create + mount + run `true` + discard — timed
 //! from the CLI's start to its exit (ms), interleaved with `ctr run --rm … true`
-//! on overlayfs + runc-v2 in the same run. Then the fan-out figures of the issue:
+//! on overlayfs + runc-v2 in the same run, each sample after a short pause (a
+//! `ctr run` returns before its shim has exited). Then the fan-out figures of the issue:
 //! N concurrent sessions each writing one file, all discarded (s wall); N
 //! sessions each changing 100 files, all published on one head (P5 without
 //! containers; s wall and ms per publish); the daemon's resident memory with N
@@ -23,6 +24,9 @@ use crate::report::{ScenarioReport, Table, Target};
 use crate::stats::{ms_since, Summary};
 
 const NS: &str = "bench-p7";
+
+/// Pause before each single-session sample (see `run`).
+const SETTLE: Duration = Duration::from_millis(150);
 
 /// `layerstack --admin-address … -n bench-p7 ARGS…`, stdin closed.
 fn cli(b: &Bench, args: &[&str]) -> Result<Command> {
@@ -151,6 +155,11 @@ pub fn run(b: &Bench, r: &mut ScenarioReport) -> Result<()> {
     ctr_run_true(b, &format!("p7-{pid}-warm"))?;
     session_run_true(b, &stack)?;
     let samples = interleave(rounds, 2, |round, v| {
+        // Each sample starts on a quiet machine: a `ctr run --rm` returns
+        // before its shim and runc have finished exiting, and that teardown
+        // (milliseconds of CPU on 2 cores) would otherwise land in the next
+        // sample, whichever variant it is.
+        std::thread::sleep(SETTLE);
         if v == 0 {
             ctr_run_true(b, &format!("p7-{pid}-{round}"))
         } else {
@@ -162,7 +171,7 @@ pub fn run(b: &Bench, r: &mut ScenarioReport) -> Result<()> {
         "layerstack session run (discard)",
     ];
     let (table, ratios) = ratio_table(
-        &format!("one session: create + mount + run `true` + discard, {rounds} interleaved rounds"),
+        &format!("one session: create + mount + run `true` + discard, {rounds} interleaved rounds, each sample after a {} ms pause", SETTLE.as_millis()),
         "ms",
         &names,
         &samples,
