@@ -517,21 +517,24 @@ impl Store {
     /// outcome (conflict, failed) keeps its upper and lease for inspection either
     /// way (until discarded).
     pub fn release_session(&self, sid: SessionId, defer: bool) -> Result<(), StoreError> {
-        self.db.write(|tx| {
+        // Released and completed in one transaction unless deferred.
+        let drop_dirs = self.db.write(|tx| {
             let s = get_sess(tx, sid)?;
-            if s.released && !s.remove_pending {
-                return Ok(());
+            if !s.released || s.remove_pending {
+                tx.execute(
+                    "UPDATE sessions SET released = 1, remove_pending = 1, updated_ns = ?2 WHERE id = ?1",
+                    params![sid, now_ns()],
+                )?;
             }
-            tx.execute(
-                "UPDATE sessions SET released = 1, remove_pending = 1, updated_ns = ?2 WHERE id = ?1",
-                params![sid, now_ns()],
-            )?;
-            Ok(())
+            if defer {
+                return Ok(false);
+            }
+            complete_release_in(tx, sid)
         })?;
-        if defer {
-            return Ok(());
+        if drop_dirs {
+            self.drop_session_dirs(sid);
         }
-        self.complete_release(sid)
+        Ok(())
     }
 
     /// Finishes the release of a released session: clears `remove_pending`, and
@@ -540,34 +543,17 @@ impl Store {
     /// removes the directories (row first, directories after, outside the
     /// transaction).
     pub fn complete_release(&self, sid: SessionId) -> Result<(), StoreError> {
-        let drop_dirs = self.db.write(|tx| {
-            let s = get_sess(tx, sid)?;
-            if !s.released {
-                return Ok(false);
-            }
-            let keep = match s.last_publish {
-                Some(p) => crate::publish::read_outcome(tx, p)?.kind.is_retryable(),
-                None => false,
-            };
-            if !keep {
-                release_lease(tx, s.lease_id)?;
-            }
-            tx.execute(
-                &format!(
-                    "UPDATE sessions SET remove_pending = 0, {} updated_ns = ?2 WHERE id = ?1",
-                    if keep { "" } else { "lease_id = NULL," }
-                ),
-                params![sid, now_ns()],
-            )?;
-            Ok(!keep)
-        })?;
-        if drop_dirs {
-            let dir = self.session_path(sid);
-            if let Err(e) = fs::remove_tree(&dir) {
-                warn!(path = %dir.display(), error = %e, "failed to remove session directory; the sweep will retry");
-            }
+        if self.db.write(|tx| complete_release_in(tx, sid))? {
+            self.drop_session_dirs(sid);
         }
         Ok(())
+    }
+
+    fn drop_session_dirs(&self, sid: SessionId) {
+        let dir = self.session_path(sid);
+        if let Err(e) = fs::remove_tree(&dir) {
+            warn!(path = %dir.display(), error = %e, "failed to remove session directory; the sweep will retry");
+        }
     }
 
     /// Re-points a session whose current run has not been mounted yet to `branch`
@@ -648,4 +634,28 @@ impl Store {
     pub fn session_dir(&self, sid: SessionId) -> PathBuf {
         self.session_path(sid)
     }
+}
+
+/// The rows of [`Store::complete_release`]; true when the session's
+/// directories are to be removed.
+fn complete_release_in(tx: &rusqlite::Transaction<'_>, sid: SessionId) -> Result<bool, StoreError> {
+    let s = get_sess(tx, sid)?;
+    if !s.released {
+        return Ok(false);
+    }
+    let keep = match s.last_publish {
+        Some(p) => crate::publish::read_outcome(tx, p)?.kind.is_retryable(),
+        None => false,
+    };
+    if !keep {
+        release_lease(tx, s.lease_id)?;
+    }
+    tx.execute(
+        &format!(
+            "UPDATE sessions SET remove_pending = 0, {} updated_ns = ?2 WHERE id = ?1",
+            if keep { "" } else { "lease_id = NULL," }
+        ),
+        params![sid, now_ns()],
+    )?;
+    Ok(!keep)
 }
