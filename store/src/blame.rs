@@ -29,6 +29,7 @@ use rusqlite::{params, Connection, OptionalExtension, Transaction};
 use tracing::info;
 
 use crate::db::digest_col;
+use crate::db::Cached;
 use crate::error::StoreError;
 use crate::leases::{lease_manifest, new_lease, release_lease};
 use crate::sessions::get_sess;
@@ -167,11 +168,11 @@ pub struct MarkerRecord {
 /// stacks; markers of deleted sessions. Called inside GC's and stack removal's
 /// transactions.
 pub(crate) fn collect_blame(tx: &Transaction<'_>) -> Result<(), StoreError> {
-    tx.execute(
+    tx.exec(
         "DELETE FROM blame_ranges WHERE layer_id NOT IN (SELECT id FROM layers) OR stack NOT IN (SELECT id FROM stacks)",
         [],
     )?;
-    tx.execute(
+    tx.exec(
         "DELETE FROM session_markers WHERE session_id NOT IN (SELECT id FROM sessions)",
         [],
     )?;
@@ -180,7 +181,7 @@ pub(crate) fn collect_blame(tx: &Transaction<'_>) -> Result<(), StoreError> {
 
 /// Deletes the blame rows a staged (never committed) layer wrote.
 pub(crate) fn delete_staged_blame(tx: &Transaction<'_>, layer: LayerId) -> Result<(), StoreError> {
-    tx.execute("DELETE FROM blame_ranges WHERE layer_id = ?1", [layer])?;
+    tx.exec("DELETE FROM blame_ranges WHERE layer_id = ?1", [layer])?;
     Ok(())
 }
 
@@ -405,7 +406,7 @@ impl Store {
             })?;
             let outcome: Option<String> = match s.last_publish {
                 Some(p) => tx
-                    .query_row("SELECT outcome FROM publishes WHERE id = ?1", [p], |r| {
+                    .one("SELECT outcome FROM publishes WHERE id = ?1", [p], |r| {
                         r.get(0)
                     })
                     .optional()?,
@@ -424,7 +425,7 @@ impl Store {
                 )));
             }
             let on: Option<String> = tx
-                .query_row("SELECT stack FROM manifests WHERE id = ?1", [to], |r| {
+                .one("SELECT stack FROM manifests WHERE id = ?1", [to], |r| {
                     r.get(0)
                 })
                 .optional()?;
@@ -436,7 +437,7 @@ impl Store {
             }
             release_lease(tx, Some(lease))?;
             let new = new_lease(tx, to, HolderKind::Session, &session.to_string())?;
-            tx.execute(
+            tx.exec(
                 "UPDATE sessions SET lease_id = ?2, updated_ns = ?3 WHERE id = ?1",
                 params![session, new, crate::now_ns()],
             )?;
@@ -684,7 +685,7 @@ mod tests {
 
     fn rows(st: &Store) -> i64 {
         st.db
-            .read(|c| Ok(c.query_row("SELECT count(*) FROM blame_ranges", [], |r| r.get(0))?))
+            .read(|c| Ok(c.one("SELECT count(*) FROM blame_ranges", [], |r| r.get(0))?))
             .unwrap()
     }
 

@@ -14,6 +14,7 @@ use std::path::PathBuf;
 
 use rusqlite::{params, OptionalExtension};
 
+use crate::db::Cached;
 use crate::error::StoreError;
 use crate::leases::{new_lease, release_lease};
 use crate::stacks::{branch_head, manifest_layers, stack_base_layers};
@@ -76,7 +77,7 @@ impl Store {
     ) -> Result<ExportLease, StoreError> {
         self.db.write(|tx| {
             let stack_row = |stack: &str| -> Result<(String, String), StoreError> {
-                tx.query_row(
+                tx.one(
                     "SELECT namespace, base_digest FROM stacks WHERE id = ?1",
                     [stack],
                     |r| Ok((r.get(0)?, r.get(1)?)),
@@ -157,7 +158,7 @@ impl Store {
     /// Releases export lease `lease` (a no-op when released already).
     pub fn release_export(&self, lease: i64) -> Result<(), StoreError> {
         self.db.write(|tx| {
-            tx.execute(
+            tx.exec(
                 "UPDATE leases SET released_ns = ?2 WHERE id = ?1 AND holder_kind = 'export' AND released_ns IS NULL",
                 params![lease, crate::now_ns()],
             )?;
@@ -168,7 +169,7 @@ impl Store {
     /// The export leases not released, as `(lease, holder)`.
     pub fn live_export_leases(&self) -> Result<Vec<(i64, String)>, StoreError> {
         self.db.read(|conn| {
-            let mut stmt = conn.prepare(
+            let mut stmt = conn.prepare_cached(
                 "SELECT id, holder FROM leases WHERE holder_kind = 'export' AND released_ns IS NULL ORDER BY id",
             )?;
             let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?;

@@ -14,6 +14,7 @@ use rusqlite::{params, Connection, OptionalExtension, Transaction};
 use tracing::info;
 
 use crate::db::write_on;
+use crate::db::Cached;
 use crate::error::StoreError;
 use crate::leases::{lease_manifest, new_lease, release_lease};
 use crate::sessions::{get_sess, insert_session};
@@ -247,7 +248,7 @@ pub(crate) fn node_stack_manifest(
 
 fn get_node(conn: &Connection, id: &str) -> Result<NodeInfo, StoreError> {
     let raw = conn
-        .query_row(
+        .one(
             &format!("SELECT {NODE_COLS} FROM graph_nodes WHERE id = ?1"),
             [id],
             raw_node,
@@ -308,7 +309,7 @@ fn attempt_from(raw: RawAttempt) -> Result<AttemptInfo, StoreError> {
 }
 
 fn get_group(conn: &Connection, name: &str) -> Result<GroupInfo, StoreError> {
-    conn.query_row(
+    conn.one(
         "SELECT name, stack, branch, root, created_ns FROM graph_groups WHERE name = ?1",
         [name],
         |r| {
@@ -331,7 +332,7 @@ fn get_group(conn: &Connection, name: &str) -> Result<GroupInfo, StoreError> {
 
 /// The next node id: `n<k>` (nodes are never deleted, so ids never repeat).
 fn next_node_id(tx: &Transaction<'_>) -> Result<String, StoreError> {
-    let n: i64 = tx.query_row("SELECT count(*) FROM graph_nodes", [], |r| r.get(0))?;
+    let n: i64 = tx.one("SELECT count(*) FROM graph_nodes", [], |r| r.get(0))?;
     Ok(format!("n{}", n + 1))
 }
 
@@ -342,7 +343,7 @@ fn record_op(
     response: &str,
 ) -> Result<(), StoreError> {
     if let Some(k) = key {
-        tx.execute(
+        tx.exec(
             "INSERT INTO graph_ops(key, op, response, created_ns) VALUES (?1, ?2, ?3, ?4)",
             params![k, op, response, now_ns()],
         )?;
@@ -353,7 +354,7 @@ fn record_op(
 fn stored_op(conn: &Connection, key: Option<&str>, op: &str) -> Result<Option<String>, StoreError> {
     let Some(k) = key else { return Ok(None) };
     let got: Option<(String, String)> = conn
-        .query_row(
+        .one(
             "SELECT op, response FROM graph_ops WHERE key = ?1",
             [k],
             |r| Ok((r.get(0)?, r.get(1)?)),
@@ -382,12 +383,12 @@ fn insert_node(
     validate_state(state)?;
     let id = next_node_id(tx)?;
     let lease = new_lease(tx, manifest, HolderKind::Node, &id)?;
-    let base: String = tx.query_row(
+    let base: String = tx.one(
         "SELECT base_digest FROM stacks WHERE id = ?1",
         [&group.stack],
         |r| r.get(0),
     )?;
-    tx.execute(
+    tx.exec(
         &format!("INSERT INTO graph_nodes({NODE_COLS}, lease_id) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, 0, ?12, ?13)"),
         params![
             id,
@@ -406,7 +407,7 @@ fn insert_node(
         ],
     )?;
     for (pos, p) in parents.iter().enumerate() {
-        tx.execute(
+        tx.exec(
             "INSERT INTO graph_edges(child, pos, parent) VALUES (?1, ?2, ?3)",
             params![id, pos as i64, p],
         )?;
@@ -451,7 +452,7 @@ impl Store {
                 return Ok((group, root));
             }
             if tx
-                .query_row("SELECT 1 FROM graph_groups WHERE name = ?1", [name], |r| r.get::<_, i64>(0))
+                .one("SELECT 1 FROM graph_groups WHERE name = ?1", [name], |r| r.get::<_, i64>(0))
                 .optional()?
                 .is_some()
             {
@@ -468,12 +469,12 @@ impl Store {
                 root: String::new(),
                 created_ns: now_ns(),
             };
-            tx.execute(
+            tx.exec(
                 "INSERT INTO graph_groups(name, stack, branch, root, created_ns) VALUES (?1, ?2, ?3, '', ?4)",
                 params![name, stack, branch, group.created_ns],
             )?;
             let root = insert_node(tx, &group, NodeKind::Root, head, "{}", &[], None, &Provenance::default())?;
-            tx.execute("UPDATE graph_groups SET root = ?2 WHERE name = ?1", params![name, root])?;
+            tx.exec("UPDATE graph_groups SET root = ?2 WHERE name = ?1", params![name, root])?;
             group.root = root.clone();
             record_op(tx, key, "graph-create", name)?;
             info!(graph = name, stack, branch, root = %root, "created graph");
@@ -484,7 +485,7 @@ impl Store {
     /// Every graph.
     pub fn groups(&self) -> Result<Vec<GroupInfo>, StoreError> {
         self.db.read(|conn| {
-            let mut stmt = conn.prepare("SELECT name FROM graph_groups ORDER BY name")?;
+            let mut stmt = conn.prepare_cached("SELECT name FROM graph_groups ORDER BY name")?;
             let names: Vec<String> = stmt
                 .query_map([], |r| r.get(0))?
                 .collect::<Result<_, _>>()?;
@@ -496,7 +497,7 @@ impl Store {
     pub fn graph(&self, name: &str) -> Result<GraphDump, StoreError> {
         self.db.read(|conn| {
             let group = get_group(conn, name)?;
-            let mut stmt = conn.prepare(&format!(
+            let mut stmt = conn.prepare_cached(&format!(
                 "SELECT {NODE_COLS} FROM graph_nodes WHERE grp = ?1 ORDER BY created_ns, id"
             ))?;
             let raws: Vec<RawNode> = stmt.query_map([name], raw_node)?.collect::<Result<_, _>>()?;
@@ -504,7 +505,7 @@ impl Store {
                 .into_iter()
                 .map(|r| node_from(conn, r))
                 .collect::<Result<Vec<_>, _>>()?;
-            let mut stmt = conn.prepare(&format!(
+            let mut stmt = conn.prepare_cached(&format!(
                 "SELECT {ATTEMPT_COLS} FROM graph_attempts WHERE node IN (SELECT id FROM graph_nodes WHERE grp = ?1) ORDER BY id"
             ))?;
             let attempts = stmt
@@ -538,7 +539,7 @@ impl Store {
     pub fn attempts(&self, node: &str) -> Result<Vec<AttemptInfo>, StoreError> {
         self.db.read(|conn| {
             get_node(conn, node)?;
-            let mut stmt = conn.prepare(&format!(
+            let mut stmt = conn.prepare_cached(&format!(
                 "SELECT {ATTEMPT_COLS} FROM graph_attempts WHERE node = ?1 ORDER BY id"
             ))?;
             let v = stmt
@@ -555,7 +556,7 @@ impl Store {
     pub fn attempt(&self, id: i64) -> Result<AttemptInfo, StoreError> {
         self.db.read(|conn| {
             let raw = conn
-                .query_row(
+                .one(
                     &format!("SELECT {ATTEMPT_COLS} FROM graph_attempts WHERE id = ?1"),
                     [id],
                     raw_attempt,
@@ -573,7 +574,7 @@ impl Store {
     /// The running attempt session `sid` carries, if any.
     pub fn attempt_of_session(&self, sid: SessionId) -> Result<Option<AttemptInfo>, StoreError> {
         self.db.read(|conn| {
-            conn.query_row(
+            conn.one(
                 &format!("SELECT {ATTEMPT_COLS} FROM graph_attempts WHERE session_id = ?1 ORDER BY id DESC LIMIT 1"),
                 [sid],
                 raw_attempt,
@@ -597,7 +598,7 @@ impl Store {
         self.db.write(|tx| {
             if let Some(k) = key {
                 let existing = tx
-                    .query_row(
+                    .one(
                         &format!("SELECT {ATTEMPT_COLS} FROM graph_attempts WHERE idempotency_key = ?1"),
                         [k],
                         raw_attempt,
@@ -639,14 +640,14 @@ impl Store {
                 &[],
                 None,
             )?;
-            tx.execute(
+            tx.exec(
                 "INSERT INTO graph_attempts(node, session_id, status, idempotency_key, created_ns) VALUES (?1, ?2, 'running', ?3, ?4)",
                 params![node, sid, key, now_ns()],
             )?;
             default_attempt_policy(tx, sid)?;
             let aid = tx.last_insert_rowid();
             let spec = self.start_run(tx, sid)?;
-            let a = attempt_from(tx.query_row(
+            let a = attempt_from(tx.one(
                 &format!("SELECT {ATTEMPT_COLS} FROM graph_attempts WHERE id = ?1"),
                 [aid],
                 raw_attempt,
@@ -704,18 +705,18 @@ impl Store {
         }
         release_lease(tx, s.lease_id)?;
         let lease = new_lease(tx, n.manifest, HolderKind::Session, &sid.to_string())?;
-        tx.execute(
+        tx.exec(
             "UPDATE sessions SET lease_id = ?2, branch = ?3, updated_ns = ?4 WHERE id = ?1",
             params![sid, lease, group.branch, now_ns()],
         )?;
-        tx.execute(
+        tx.exec(
             "INSERT INTO graph_attempts(node, session_id, status, idempotency_key, created_ns) VALUES (?1, ?2, 'running', ?3, ?4)",
             params![node, sid, key, now_ns()],
         )?;
         let aid = tx.last_insert_rowid();
         default_attempt_policy(tx, sid)?;
         let spec = self.start_run(tx, sid)?;
-        let a = attempt_from(tx.query_row(
+        let a = attempt_from(tx.one(
             &format!("SELECT {ATTEMPT_COLS} FROM graph_attempts WHERE id = ?1"),
             [aid],
             raw_attempt,
@@ -737,7 +738,7 @@ impl Store {
         message: &str,
     ) -> Result<(), StoreError> {
         self.db.write(|tx| {
-            tx.execute(
+            tx.exec(
                 "UPDATE graph_attempts SET status = ?2, message = ?3, ended_ns = ?4 WHERE id = ?1 AND status = 'running'",
                 params![id, status.as_str(), message, now_ns()],
             )?;
@@ -749,7 +750,7 @@ impl Store {
     /// checkpointed: they end `abandoned` (at start, and when their owner lets go).
     pub fn abandon_orphan_attempts(&self) -> Result<usize, StoreError> {
         self.db.write(|tx| {
-            let n = tx.execute(
+            let n = tx.exec(
                 "UPDATE graph_attempts SET status = 'abandoned', message = 'its session ended without a checkpoint', ended_ns = ?1
                  WHERE status = 'running' AND (session_id IS NULL OR session_id NOT IN (SELECT id FROM sessions WHERE released = 0))",
                 [now_ns()],
@@ -790,7 +791,7 @@ impl Store {
         let out = write_on(&mut conn, |tx| {
             let s = get_sess(tx, sid)?;
             let a = tx
-                .query_row(
+                .one(
                     &format!("SELECT {ATTEMPT_COLS} FROM graph_attempts WHERE session_id = ?1 AND status = 'running' ORDER BY id DESC LIMIT 1"),
                     [sid],
                     raw_attempt,
@@ -805,7 +806,7 @@ impl Store {
             let base = lease_manifest(tx, lease)?;
             let parent = get_node(tx, &a.node)?;
             let group = get_group(tx, &parent.group)?;
-            let n = tx.execute(
+            let n = tx.exec(
                 "UPDATE layers SET kind = 'published' WHERE id = ?1 AND kind = 'pending'",
                 [staged.layer],
             )?;
@@ -831,15 +832,15 @@ impl Store {
             let now = now_ns();
             let c = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
             let t = timings.unwrap_or_default();
-            tx.execute(
+            tx.exec(
                 "UPDATE publishes SET outcome = 'committed', manifest_before = ?2, manifest_after = ?3, message = ?4, capture_us = ?5, gate_wait_us = 0, gate_hold_us = 0, total_us = ?6, at_ns = ?7, capture_bytes = ?8 WHERE id = ?1",
                 params![staged.outcome, base, manifest, format!("checkpointed as node {id}"), c(t.capture_us), c(t.total_us), now, c(t.capture_bytes)],
             )?;
-            tx.execute(
+            tx.exec(
                 "UPDATE sessions SET state = 'published', last_publish = ?2, lease_id = NULL, updated_ns = ?3 WHERE id = ?1",
                 params![sid, staged.outcome, now],
             )?;
-            tx.execute(
+            tx.exec(
                 "UPDATE graph_attempts SET status = 'checkpointed', result_node = ?2, ended_ns = ?3 WHERE id = ?1",
                 params![a.id, id, now],
             )?;
@@ -936,7 +937,7 @@ impl Store {
             let mut blockers = Vec::new();
             for n in &sub {
                 let node = get_node(tx, n)?;
-                let running: i64 = tx.query_row(
+                let running: i64 = tx.one(
                     "SELECT count(*) FROM graph_attempts WHERE node = ?1 AND status = 'running'",
                     [n],
                     |r| r.get(0),
@@ -952,7 +953,7 @@ impl Store {
                 if !heads.is_empty() {
                     blockers.push(format!("node {n} is the head of branch(es) {}", heads.join(",")));
                 }
-                let leases: i64 = tx.query_row(
+                let leases: i64 = tx.one(
                     "SELECT count(*) FROM leases WHERE manifest_id = ?1 AND released_ns IS NULL AND NOT (holder_kind = 'node')",
                     [node.manifest],
                     |r| r.get(0),
@@ -968,9 +969,9 @@ impl Store {
                 )));
             }
             for n in &sub {
-                let lease: Option<i64> = tx.query_row("SELECT lease_id FROM graph_nodes WHERE id = ?1", [n], |r| r.get(0))?;
+                let lease: Option<i64> = tx.one("SELECT lease_id FROM graph_nodes WHERE id = ?1", [n], |r| r.get(0))?;
                 release_lease(tx, lease)?;
-                tx.execute("UPDATE graph_nodes SET pruned = 1, lease_id = NULL WHERE id = ?1", [n])?;
+                tx.exec("UPDATE graph_nodes SET pruned = 1, lease_id = NULL WHERE id = ?1", [n])?;
             }
             let pruned: Vec<String> = sub.into_iter().collect();
             record_op(tx, key, "prune", &pruned.join(","))?;
@@ -993,7 +994,7 @@ impl Store {
     ) -> Result<(), StoreError> {
         self.db.write(|tx| {
             let now = now_ns();
-            tx.execute(
+            tx.exec(
                 "INSERT OR REPLACE INTO branches(stack, name, manifest_id, created_ns, updated_ns) VALUES (?1, ?2, ?3, ?4, ?4)",
                 params![stack, name, manifest, now],
             )?;
@@ -1008,7 +1009,7 @@ impl Store {
     /// half-done.
     pub fn graph_work_branches(&self) -> Result<Vec<(String, String)>, StoreError> {
         self.db.read(|conn| {
-            let mut stmt = conn.prepare(
+            let mut stmt = conn.prepare_cached(
                 "SELECT stack, name FROM branches WHERE name LIKE '.graph/%' ORDER BY stack, name",
             )?;
             let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?;
@@ -1018,7 +1019,7 @@ impl Store {
 
     pub fn drop_branch(&self, stack: &str, name: &str) -> Result<(), StoreError> {
         self.db.write(|tx| {
-            tx.execute(
+            tx.exec(
                 "DELETE FROM branches WHERE stack = ?1 AND name = ?2",
                 params![stack, name],
             )?;
@@ -1031,7 +1032,7 @@ impl Store {
 /// session's exit policy is `checkpoint` when none is recorded (a recorded one —
 /// the shim's `layerstack.publish` label, `session run --publish` — stays).
 fn default_attempt_policy(tx: &Transaction<'_>, sid: SessionId) -> Result<(), StoreError> {
-    tx.execute(
+    tx.exec(
         "UPDATE sessions SET policy = COALESCE(policy, 'checkpoint') WHERE id = ?1",
         [sid],
     )?;

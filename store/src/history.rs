@@ -15,6 +15,7 @@ use rusqlite::{params, Connection, OptionalExtension, Transaction};
 use tracing::{info, warn};
 
 use crate::db::write_on;
+use crate::db::Cached;
 use crate::error::StoreError;
 use crate::layers::insert_layer;
 use crate::stacks::{branch_head, manifest_layers, prepend_manifest, set_branch};
@@ -95,7 +96,7 @@ fn ancestor_at_depth(
     let mut next = Some(head);
     while let Some(m) = next {
         let (parent, d): (Option<ManifestId>, i64) = conn
-            .query_row(
+            .one(
                 "SELECT parent, depth FROM manifests WHERE id = ?1",
                 [m],
                 |r| Ok((r.get(0)?, r.get(1)?)),
@@ -154,7 +155,7 @@ impl Store {
     pub fn resolve_stack(&self, namespace: &str, spec: &str) -> Result<Option<String>, StoreError> {
         self.db.read(|conn| {
             let exact: Option<String> = conn
-                .query_row("SELECT id FROM stacks WHERE id = ?1", [spec], |r| r.get(0))
+                .one("SELECT id FROM stacks WHERE id = ?1", [spec], |r| r.get(0))
                 .optional()?;
             if exact.is_some() {
                 return Ok(exact);
@@ -163,7 +164,7 @@ impl Store {
             if hex.len() < 12 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
                 return Ok(None);
             }
-            let mut stmt = conn.prepare(
+            let mut stmt = conn.prepare_cached(
                 "SELECT id FROM stacks WHERE namespace = ?1 AND base_digest LIKE ?2 ORDER BY id",
             )?;
             let found: Vec<String> = stmt
@@ -217,12 +218,12 @@ impl Store {
                 }
             };
             let now = now_ns();
-            tx.execute(
+            tx.exec(
                 "INSERT INTO branches(stack, name, manifest_id, created_ns, updated_ns) VALUES (?1, ?2, ?3, ?4, ?4)",
                 params![stack, name, target, now],
             )?;
             let depth: i64 =
-                tx.query_row("SELECT depth FROM manifests WHERE id = ?1", [target], |r| r.get(0))?;
+                tx.one("SELECT depth FROM manifests WHERE id = ?1", [target], |r| r.get(0))?;
             info!(stack, branch = name, from, manifest = target, "created branch");
             Ok(BranchInfo {
                 stack: stack.into(),
@@ -244,7 +245,7 @@ impl Store {
             )));
         }
         self.db.write(|tx| {
-            let n = tx.execute(
+            let n = tx.exec(
                 "DELETE FROM branches WHERE stack = ?1 AND name = ?2",
                 params![stack, name],
             )?;
@@ -281,7 +282,7 @@ impl Store {
                 });
             }
             let on: Option<String> = tx
-                .query_row("SELECT stack FROM manifests WHERE id = ?1", [to], |r| {
+                .one("SELECT stack FROM manifests WHERE id = ?1", [to], |r| {
                     r.get(0)
                 })
                 .optional()?;
@@ -442,7 +443,7 @@ impl Store {
             // Live manifests and their ancestors.
             let mut live: BTreeSet<ManifestId> = pinned.iter().copied().collect();
             {
-                let mut stmt = tx.prepare(
+                let mut stmt = tx.prepare_cached(
                     "SELECT manifest_id FROM branches UNION SELECT manifest_id FROM leases WHERE released_ns IS NULL",
                 )?;
                 for m in stmt.query_map([], |r| r.get::<_, i64>(0))? {
@@ -471,7 +472,7 @@ impl Store {
                         reach.insert(l?);
                     }
                 }
-                let mut other = tx.prepare(&format!(
+                let mut other = tx.prepare_cached(&format!(
                     "SELECT layer_id FROM stack_layers
                      UNION SELECT layer_id FROM snapshots WHERE layer_id IS NOT NULL
                      UNION SELECT layer_id FROM snapshot_lowers
@@ -489,21 +490,21 @@ impl Store {
             // Dead manifests go first (they reference layers), children before
             // parents; released leases on them with them.
             let mut all: Vec<ManifestId> = {
-                let mut stmt = tx.prepare("SELECT id FROM manifests")?;
+                let mut stmt = tx.prepare_cached("SELECT id FROM manifests")?;
                 let v = stmt.query_map([], |r| r.get(0))?.collect::<Result<Vec<_>, _>>()?;
                 v
             };
             all.retain(|m| !keep.contains(m));
             all.sort_unstable_by(|a, b| b.cmp(a));
             for m in &all {
-                tx.execute("DELETE FROM leases WHERE manifest_id = ?1 AND released_ns IS NOT NULL", [m])?;
-                tx.execute("DELETE FROM manifest_layers WHERE manifest_id = ?1", [m])?;
-                tx.execute("DELETE FROM manifests WHERE id = ?1", [m])?;
+                tx.exec("DELETE FROM leases WHERE manifest_id = ?1 AND released_ns IS NOT NULL", [m])?;
+                tx.exec("DELETE FROM manifest_layers WHERE manifest_id = ?1", [m])?;
+                tx.exec("DELETE FROM manifests WHERE id = ?1", [m])?;
             }
             // Layers: free unreachable directories; drop rows nothing needs.
             let mut free = Vec::new();
             let candidates: Vec<(LayerId, String, bool)> = {
-                let mut stmt = tx.prepare(
+                let mut stmt = tx.prepare_cached(
                     "SELECT id, path, dropped FROM layers WHERE kind IN ('published', 'squashed', 'base')",
                 )?;
                 let v = stmt
@@ -519,19 +520,19 @@ impl Store {
                     free.push((id, self.root.join(path)));
                 }
                 if retained.contains(&id) {
-                    tx.execute("UPDATE layers SET dropped = 1 WHERE id = ?1", [id])?;
+                    tx.exec("UPDATE layers SET dropped = 1 WHERE id = ?1", [id])?;
                 } else {
-                    tx.execute("DELETE FROM layer_paths WHERE layer_id = ?1", [id])?;
-                    tx.execute("DELETE FROM squash_members WHERE layer_id = ?1", [id])?;
-                    let still_member: i64 = tx.query_row(
+                    tx.exec("DELETE FROM layer_paths WHERE layer_id = ?1", [id])?;
+                    tx.exec("DELETE FROM squash_members WHERE layer_id = ?1", [id])?;
+                    let still_member: i64 = tx.one(
                         "SELECT count(*) FROM squash_members WHERE member_id = ?1",
                         [id],
                         |r| r.get(0),
                     )?;
                     if still_member == 0 {
-                        tx.execute("DELETE FROM layers WHERE id = ?1", [id])?;
+                        tx.exec("DELETE FROM layers WHERE id = ?1", [id])?;
                     } else {
-                        tx.execute("UPDATE layers SET dropped = 1 WHERE id = ?1", [id])?;
+                        tx.exec("UPDATE layers SET dropped = 1 WHERE id = ?1", [id])?;
                     }
                 }
             }
@@ -573,17 +574,17 @@ impl Store {
     pub fn remove_stack(&self, id: &str, force: bool) -> Result<RemovedStack, StoreError> {
         let (report, dirs) = self.db.write(|tx| {
             let exists: Option<i64> = tx
-                .query_row("SELECT 1 FROM stacks WHERE id = ?1", [id], |r| r.get(0))
+                .one("SELECT 1 FROM stacks WHERE id = ?1", [id], |r| r.get(0))
                 .optional()?;
             if exists.is_none() {
                 return Err(StoreError::StackNotFound(id.into()));
             }
             let live_sessions: Vec<i64> = {
-                let mut stmt = tx.prepare("SELECT id FROM sessions WHERE stack = ?1 AND released = 0 ORDER BY id")?;
+                let mut stmt = tx.prepare_cached("SELECT id FROM sessions WHERE stack = ?1 AND released = 0 ORDER BY id")?;
                 let v = stmt.query_map([id], |r| r.get(0))?.collect::<Result<Vec<_>, _>>()?;
                 v
             };
-            let live_leases: i64 = tx.query_row(
+            let live_leases: i64 = tx.one(
                 "SELECT count(*) FROM leases l JOIN manifests m ON m.id = l.manifest_id WHERE m.stack = ?1 AND l.released_ns IS NULL AND l.holder_kind != 'session'",
                 [id],
                 |r| r.get(0),
@@ -596,37 +597,37 @@ impl Store {
                 )));
             }
             let sessions: Vec<i64> = {
-                let mut stmt = tx.prepare("SELECT id FROM sessions WHERE stack = ?1")?;
+                let mut stmt = tx.prepare_cached("SELECT id FROM sessions WHERE stack = ?1")?;
                 let v = stmt.query_map([id], |r| r.get(0))?.collect::<Result<Vec<_>, _>>()?;
                 v
             };
-            let leases_released = tx.execute(
+            let leases_released = tx.exec(
                 "UPDATE leases SET released_ns = ?2 WHERE released_ns IS NULL AND manifest_id IN (SELECT id FROM manifests WHERE stack = ?1)",
                 params![id, now_ns()],
             )? as u64;
             let mut dirs = Vec::new();
             for s in &sessions {
-                tx.execute("DELETE FROM publish_paths WHERE publish_id IN (SELECT id FROM publishes WHERE session_id = ?1)", [s])?;
-                tx.execute("DELETE FROM publishes WHERE session_id = ?1", [s])?;
-                tx.execute("DELETE FROM session_layers WHERE session_id = ?1", [s])?;
-                tx.execute("UPDATE snapshots SET session_id = NULL WHERE session_id = ?1", [s])?;
+                tx.exec("DELETE FROM publish_paths WHERE publish_id IN (SELECT id FROM publishes WHERE session_id = ?1)", [s])?;
+                tx.exec("DELETE FROM publishes WHERE session_id = ?1", [s])?;
+                tx.exec("DELETE FROM session_layers WHERE session_id = ?1", [s])?;
+                tx.exec("UPDATE snapshots SET session_id = NULL WHERE session_id = ?1", [s])?;
                 dirs.push(self.session_path(*s));
             }
             // The stack's graphs (their nodes' leases were released above).
-            tx.execute("DELETE FROM graph_attempts WHERE node IN (SELECT n.id FROM graph_nodes n JOIN graph_groups g ON g.name = n.grp WHERE g.stack = ?1)", [id])?;
-            tx.execute("DELETE FROM graph_edges WHERE child IN (SELECT n.id FROM graph_nodes n JOIN graph_groups g ON g.name = n.grp WHERE g.stack = ?1)", [id])?;
-            tx.execute("DELETE FROM graph_nodes WHERE grp IN (SELECT name FROM graph_groups WHERE stack = ?1)", [id])?;
-            tx.execute("DELETE FROM graph_groups WHERE stack = ?1", [id])?;
-            tx.execute("UPDATE sessions SET lease_id = NULL WHERE stack = ?1", [id])?;
-            tx.execute("DELETE FROM leases WHERE manifest_id IN (SELECT id FROM manifests WHERE stack = ?1)", [id])?;
-            tx.execute("DELETE FROM sessions WHERE stack = ?1", [id])?;
-            let branches = tx.execute("DELETE FROM branches WHERE stack = ?1", [id])? as u64;
-            tx.execute("DELETE FROM manifest_layers WHERE manifest_id IN (SELECT id FROM manifests WHERE stack = ?1)", [id])?;
+            tx.exec("DELETE FROM graph_attempts WHERE node IN (SELECT n.id FROM graph_nodes n JOIN graph_groups g ON g.name = n.grp WHERE g.stack = ?1)", [id])?;
+            tx.exec("DELETE FROM graph_edges WHERE child IN (SELECT n.id FROM graph_nodes n JOIN graph_groups g ON g.name = n.grp WHERE g.stack = ?1)", [id])?;
+            tx.exec("DELETE FROM graph_nodes WHERE grp IN (SELECT name FROM graph_groups WHERE stack = ?1)", [id])?;
+            tx.exec("DELETE FROM graph_groups WHERE stack = ?1", [id])?;
+            tx.exec("UPDATE sessions SET lease_id = NULL WHERE stack = ?1", [id])?;
+            tx.exec("DELETE FROM leases WHERE manifest_id IN (SELECT id FROM manifests WHERE stack = ?1)", [id])?;
+            tx.exec("DELETE FROM sessions WHERE stack = ?1", [id])?;
+            let branches = tx.exec("DELETE FROM branches WHERE stack = ?1", [id])? as u64;
+            tx.exec("DELETE FROM manifest_layers WHERE manifest_id IN (SELECT id FROM manifests WHERE stack = ?1)", [id])?;
             // Children before parents.
-            tx.execute("UPDATE manifests SET parent = NULL WHERE stack = ?1", [id])?;
-            tx.execute("DELETE FROM manifests WHERE stack = ?1", [id])?;
-            tx.execute("DELETE FROM stack_layers WHERE stack = ?1", [id])?;
-            tx.execute("DELETE FROM stacks WHERE id = ?1", [id])?;
+            tx.exec("UPDATE manifests SET parent = NULL WHERE stack = ?1", [id])?;
+            tx.exec("DELETE FROM manifests WHERE stack = ?1", [id])?;
+            tx.exec("DELETE FROM stack_layers WHERE stack = ?1", [id])?;
+            tx.exec("DELETE FROM stacks WHERE id = ?1", [id])?;
             // Its blame rows and its sessions' conflict markers.
             crate::blame::collect_blame(tx)?;
             Ok((
@@ -667,7 +668,7 @@ impl Store {
         let c = self.db.read(|conn| {
             let mut hot_ids: HashMap<LayerId, String> = HashMap::new();
             {
-                let mut stmt = conn.prepare(
+                let mut stmt = conn.prepare_cached(
                     "SELECT ml.layer_id, b.stack FROM branches b JOIN manifest_layers ml ON ml.manifest_id = b.manifest_id
                      UNION SELECT layer_id, stack FROM stack_layers",
                 )?;
@@ -679,7 +680,7 @@ impl Store {
             let mut hot = Vec::new();
             let mut cold = Vec::new();
             let mut snapshots = Vec::new();
-            let mut stmt = conn.prepare("SELECT id, path, kind, stack, dropped FROM layers")?;
+            let mut stmt = conn.prepare_cached("SELECT id, path, kind, stack, dropped FROM layers")?;
             let rows = stmt
                 .query_map([], |r| {
                     Ok((
@@ -703,7 +704,7 @@ impl Store {
                 }
             }
             let mut uppers = Vec::new();
-            let mut stmt = conn.prepare("SELECT id, stack FROM sessions")?;
+            let mut stmt = conn.prepare_cached("SELECT id, stack FROM sessions")?;
             for r in stmt.query_map([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?)))? {
                 let (id, stack) = r?;
                 uppers.push((stack, self.session_path(id)));

@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 use rusqlite::{params, Connection, OptionalExtension, Transaction};
 
+use crate::db::Cached;
 use crate::error::StoreError;
 use crate::{layer_rel, now_ns, LayerId, LayerKind, SessionId, Store};
 
@@ -16,12 +17,12 @@ pub(crate) fn insert_layer(
     stack: Option<&str>,
     session: Option<SessionId>,
 ) -> Result<LayerId, StoreError> {
-    let next: i64 = tx.query_row(
+    let next: i64 = tx.one(
         "SELECT COALESCE((SELECT seq FROM sqlite_sequence WHERE name = 'layers'), 0) + 1",
         [],
         |r| r.get(0),
     )?;
-    tx.execute(
+    tx.exec(
         "INSERT INTO layers(id, kind, path, stack, session_id, created_ns) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
         params![next, kind.as_str(), layer_rel(next), stack, session, now_ns()],
     )?;

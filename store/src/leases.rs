@@ -2,6 +2,7 @@
 
 use rusqlite::{params, Connection, OptionalExtension, Transaction};
 
+use crate::db::Cached;
 use crate::error::StoreError;
 use crate::{now_ns, HolderKind, ManifestId};
 
@@ -12,7 +13,7 @@ pub(crate) fn new_lease(
     kind: HolderKind,
     holder: &str,
 ) -> Result<i64, StoreError> {
-    tx.execute(
+    tx.exec(
         "INSERT INTO leases(manifest_id, holder_kind, holder, created_ns) VALUES (?1, ?2, ?3, ?4)",
         params![manifest, kind.as_str(), holder, now_ns()],
     )?;
@@ -22,7 +23,7 @@ pub(crate) fn new_lease(
 /// Releases lease `lease` (no-op for `None` or one released already).
 pub(crate) fn release_lease(tx: &Transaction<'_>, lease: Option<i64>) -> Result<(), StoreError> {
     if let Some(l) = lease {
-        tx.execute(
+        tx.exec(
             "UPDATE leases SET released_ns = ?2 WHERE id = ?1 AND released_ns IS NULL",
             params![l, now_ns()],
         )?;
@@ -32,7 +33,7 @@ pub(crate) fn release_lease(tx: &Transaction<'_>, lease: Option<i64>) -> Result<
 
 /// The manifest lease `lease` pins. Errors: `Corrupt` when the lease row is gone.
 pub(crate) fn lease_manifest(conn: &Connection, lease: i64) -> Result<ManifestId, StoreError> {
-    conn.query_row(
+    conn.one(
         "SELECT manifest_id FROM leases WHERE id = ?1",
         [lease],
         |r| r.get(0),

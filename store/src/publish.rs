@@ -27,6 +27,7 @@ use rusqlite::{params, Connection, OptionalExtension, Transaction};
 use tracing::{debug, warn};
 
 use crate::db::write_on;
+use crate::db::Cached;
 use crate::error::StoreError;
 use crate::leases::{lease_manifest, release_lease};
 use crate::paths::insert_index;
@@ -113,7 +114,7 @@ pub(crate) fn read_outcome(conn: &Connection, pid: PublishId) -> Result<Outcome,
         i64,
     );
     let raw: Option<Raw> = conn
-        .query_row(
+        .one(
             "SELECT run, outcome, layer_id, message, clean, merged, conflict, excluded, capture_us, gate_wait_us, gate_hold_us, total_us, capture_bytes, at_ns FROM publishes WHERE id = ?1",
             [pid],
             |r| {
@@ -219,7 +220,7 @@ impl Store {
             let layer = crate::layers::insert_layer(tx, LayerKind::Pending, Some(&s.stack), Some(session))?;
             insert_index(tx, layer, index)?;
             let c = PathCounts::of(paths);
-            tx.execute(
+            tx.exec(
                 "INSERT INTO publishes(session_id, run, outcome, layer_id, clean, merged, conflict, excluded, at_ns) VALUES (?1, ?2, 'pending', ?3, ?4, ?5, ?6, ?7, ?8)",
                 params![session, s.run, layer, c.clean as i64, c.merged as i64, c.conflict as i64, c.excluded as i64, now_ns()],
             )?;
@@ -283,23 +284,23 @@ impl Store {
                 });
             }
             if let Some((index, paths)) = replanned {
-                tx.execute(
+                tx.exec(
                     "DELETE FROM layer_paths WHERE layer_id = ?1",
                     [staged.layer],
                 )?;
                 insert_index(tx, staged.layer, index)?;
-                tx.execute(
+                tx.exec(
                     "DELETE FROM publish_paths WHERE publish_id = ?1",
                     [staged.outcome],
                 )?;
                 insert_paths(tx, staged.outcome, paths)?;
                 let c = PathCounts::of(paths);
-                tx.execute(
+                tx.exec(
                     "UPDATE publishes SET clean = ?2, merged = ?3, conflict = ?4, excluded = ?5 WHERE id = ?1",
                     params![staged.outcome, c.clean as i64, c.merged as i64, c.conflict as i64, c.excluded as i64],
                 )?;
             }
-            let n = tx.execute(
+            let n = tx.exec(
                 "UPDATE layers SET kind = 'published' WHERE id = ?1 AND kind = 'pending'",
                 [staged.layer],
             )?;
@@ -315,11 +316,11 @@ impl Store {
             release_lease(tx, s.lease_id)?;
             let now = now_ns();
             let [cu, gw, gh, tu, cb] = micros(timings);
-            tx.execute(
+            tx.exec(
                 "UPDATE publishes SET outcome = ?2, manifest_before = ?3, manifest_after = ?4, message = ?5, capture_us = ?6, gate_wait_us = ?7, gate_hold_us = ?8, total_us = ?9, at_ns = ?10, capture_bytes = ?11 WHERE id = ?1",
                 params![staged.outcome, kind.as_str(), head, manifest, message, cu, gw, gh, tu, now, cb],
             )?;
-            tx.execute(
+            tx.exec(
                 "UPDATE sessions SET state = 'published', last_publish = ?2, lease_id = NULL, updated_ns = ?3 WHERE id = ?1",
                 params![session, staged.outcome, now],
             )?;
@@ -378,7 +379,7 @@ impl Store {
     ) -> Result<(), StoreError> {
         let c = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
         self.db.write(|tx| {
-            tx.execute(
+            tx.exec(
                 "UPDATE publishes SET gate_hold_us = ?2, total_us = ?3 WHERE id = ?1 AND gate_hold_us IS NOT NULL",
                 params![outcome, c(gate_hold_us), c(total_us)],
             )?;
@@ -424,7 +425,7 @@ impl Store {
             let now = now_ns();
             let c = PathCounts::of(&record.paths);
             let [cu, gw, gh, tu, cb] = micros(record.timings);
-            tx.execute(
+            tx.exec(
                 "INSERT INTO publishes(session_id, run, outcome, message, clean, merged, conflict, excluded, capture_us, gate_wait_us, gate_hold_us, total_us, capture_bytes, at_ns) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
                 params![session, s.run, record.kind.as_str(), record.message, c.clean as i64, c.merged as i64, c.conflict as i64, c.excluded as i64, cu, gw, gh, tu, cb, now],
             )?;
@@ -432,12 +433,12 @@ impl Store {
             insert_paths(tx, pid, &record.paths)?;
             if ends {
                 release_lease(tx, s.lease_id)?;
-                tx.execute(
+                tx.exec(
                     "UPDATE sessions SET state = ?2, last_publish = ?3, lease_id = NULL, updated_ns = ?4 WHERE id = ?1",
                     params![session, state.as_str(), pid, now],
                 )?;
             } else {
-                tx.execute(
+                tx.exec(
                     "UPDATE sessions SET state = ?2, last_publish = ?3, updated_ns = ?4 WHERE id = ?1",
                     params![session, state.as_str(), pid, now],
                 )?;
@@ -556,19 +557,19 @@ impl Store {
 
 fn delete_staged(tx: &Transaction<'_>, staged: Staged) -> Result<(), StoreError> {
     crate::blame::delete_staged_blame(tx, staged.layer)?;
-    tx.execute(
+    tx.exec(
         "DELETE FROM layer_paths WHERE layer_id = ?1",
         [staged.layer],
     )?;
-    tx.execute(
+    tx.exec(
         "DELETE FROM layers WHERE id = ?1 AND kind = 'pending'",
         [staged.layer],
     )?;
-    tx.execute(
+    tx.exec(
         "DELETE FROM publish_paths WHERE publish_id = ?1",
         [staged.outcome],
     )?;
-    tx.execute(
+    tx.exec(
         "DELETE FROM publishes WHERE id = ?1 AND outcome = 'pending'",
         [staged.outcome],
     )?;

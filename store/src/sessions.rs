@@ -13,6 +13,7 @@ use std::path::PathBuf;
 use rusqlite::{params, Connection, OptionalExtension, Transaction};
 use tracing::{info, warn};
 
+use crate::db::Cached;
 use crate::error::StoreError;
 use crate::leases::{lease_manifest, new_lease, release_lease};
 use crate::stacks::{branch_head, ensure_branch, manifest_layers, stack_base_layers};
@@ -143,7 +144,7 @@ fn sess_from_raw(raw: RawSess) -> Result<SessRow, StoreError> {
 /// Session `id`. Errors: `SessionNotFound`, `Corrupt`.
 pub(crate) fn get_sess(conn: &Connection, id: SessionId) -> Result<SessRow, StoreError> {
     let raw = conn
-        .query_row(
+        .one(
             &format!("SELECT {SESS_COLS} FROM sessions WHERE id = ?1"),
             [id],
             raw_sess,
@@ -159,7 +160,7 @@ fn query_sessions(
     where_sql: &str,
     params: impl rusqlite::Params,
 ) -> Result<Vec<SessRow>, StoreError> {
-    let mut stmt = conn.prepare(&format!(
+    let mut stmt = conn.prepare_cached(&format!(
         "SELECT {SESS_COLS} FROM sessions {where_sql} ORDER BY id"
     ))?;
     let raws: Vec<RawSess> = stmt
@@ -197,7 +198,7 @@ pub(crate) fn insert_session(
         } => {
             validate_branch(branch).map_err(StoreError::InvalidArgument)?;
             let on: Option<String> = tx
-                .query_row("SELECT stack FROM manifests WHERE id = ?1", [m], |r| {
+                .one("SELECT stack FROM manifests WHERE id = ?1", [m], |r| {
                     r.get(0)
                 })
                 .optional()?;
@@ -220,13 +221,13 @@ pub(crate) fn insert_session(
     };
     let now = now_ns();
     let (ns, name) = (owner.namespace(), owner.name());
-    tx.execute(
+    tx.exec(
         "INSERT INTO sessions(owner_kind, namespace, owner, stack, branch, state, idempotency_key, created_ns, updated_ns) VALUES (?1, ?2, ?3, ?4, ?5, 'active', ?6, ?7, ?7)",
         params![owner.kind_str(), ns, name, stack, branch, idempotency_key, now],
     )?;
     let sid = tx.last_insert_rowid();
     let lease = new_lease(tx, head, HolderKind::Session, &sid.to_string())?;
-    tx.execute(
+    tx.exec(
         "UPDATE sessions SET lease_id = ?2 WHERE id = ?1",
         params![sid, lease],
     )?;
@@ -276,7 +277,7 @@ impl Store {
         };
         let key: Option<String> = match s.owner {
             Owner::Container { .. } => conn
-                .query_row(
+                .one(
                     "SELECT key FROM snapshots WHERE session_id = ?1 AND kind = 'active'",
                     [s.id],
                     |r| r.get(0),
@@ -371,14 +372,14 @@ impl Store {
                 }
             })?;
             let lease = new_lease(tx, head, HolderKind::Session, &sid.to_string())?;
-            tx.execute(
+            tx.exec(
                 "UPDATE sessions SET lease_id = ?2 WHERE id = ?1",
                 params![sid, lease],
             )?;
             s.lease_id = Some(lease);
         }
         if s.last_publish.is_some() || s.state != SessionState::Active {
-            tx.execute(
+            tx.exec(
                 "UPDATE sessions SET state = 'active', last_publish = NULL, run = run + 1, updated_ns = ?2 WHERE id = ?1",
                 params![sid, now_ns()],
             )?;
@@ -408,7 +409,7 @@ impl Store {
         self.db.write(|tx| {
             if let Some(k) = idempotency_key {
                 let existing: Option<i64> = tx
-                    .query_row(
+                    .one(
                         "SELECT id FROM sessions WHERE idempotency_key = ?1",
                         [k],
                         |r| r.get(0),
@@ -428,7 +429,7 @@ impl Store {
                 }
             }
             let exists: Option<i64> = tx
-                .query_row("SELECT 1 FROM stacks WHERE id = ?1", [stack], |r| r.get(0))
+                .one("SELECT 1 FROM stacks WHERE id = ?1", [stack], |r| r.get(0))
                 .optional()?;
             if exists.is_none() {
                 return Err(StoreError::StackNotFound(stack.into()));
@@ -457,7 +458,7 @@ impl Store {
         policy: &str,
     ) -> Result<SessionInfo, StoreError> {
         self.db.write(|tx| {
-            let n = tx.execute(
+            let n = tx.exec(
                 "UPDATE sessions SET policy = ?2, updated_ns = ?3 WHERE id = ?1",
                 params![session, policy, now_ns()],
             )?;
@@ -495,7 +496,7 @@ impl Store {
     ) -> Result<Option<SessionInfo>, StoreError> {
         self.db.read(|conn| {
             let raw = conn
-                .query_row(
+                .one(
                     &format!(
                         "SELECT {SESS_COLS} FROM sessions WHERE owner_kind = 'container' AND namespace = ?1 AND owner = ?2 ORDER BY released ASC, id DESC LIMIT 1"
                     ),
@@ -521,7 +522,7 @@ impl Store {
         let drop_dirs = self.db.write(|tx| {
             let s = get_sess(tx, sid)?;
             if !s.released || s.remove_pending {
-                tx.execute(
+                tx.exec(
                     "UPDATE sessions SET released = 1, remove_pending = 1, updated_ns = ?2 WHERE id = ?1",
                     params![sid, now_ns()],
                 )?;
@@ -535,6 +536,36 @@ impl Store {
             self.drop_session_dirs(sid);
         }
         Ok(())
+    }
+
+    /// The first step of closing sandbox session `sid`, in one transaction: checks
+    /// that a sandbox holder owns it and marks it released by that owner, with
+    /// its directories and lease kept until its run has ended
+    /// ([`Store::complete_release`], which the end of the run triggers). Marking
+    /// it first means the run's end removes the upper instead of giving the
+    /// session a fresh one that the release would remove again. A session
+    /// released and completed already (`remove_pending` false) is returned as it
+    /// is.
+    ///
+    /// Errors: `SessionNotFound`; `InvalidArgument` when a container or an
+    /// operation owns the session (it ends with its owner).
+    pub fn release_sandbox_session(&self, sid: SessionId) -> Result<SessionInfo, StoreError> {
+        self.db.write(|tx| {
+            let s = get_sess(tx, sid)?;
+            if !matches!(s.owner, Owner::Sandbox { .. }) {
+                return Err(StoreError::InvalidArgument(format!(
+                    "session {sid} belongs to {}, not to a sandbox holder: it ends with its owner",
+                    s.owner.display()
+                )));
+            }
+            if !s.released {
+                tx.exec(
+                    "UPDATE sessions SET released = 1, remove_pending = 1, updated_ns = ?2 WHERE id = ?1",
+                    params![sid, now_ns()],
+                )?;
+            }
+            self.session_info(tx, get_sess(tx, sid)?)
+        })
     }
 
     /// Finishes the release of a released session: clears `remove_pending`, and
@@ -600,7 +631,7 @@ impl Store {
                 let head = ensure_branch(tx, &s.stack, branch, &self.default_branch)?;
                 release_lease(tx, Some(lease))?;
                 let new = new_lease(tx, head, HolderKind::Session, &session.to_string())?;
-                tx.execute(
+                tx.exec(
                     "UPDATE sessions SET branch = ?2, lease_id = ?3, updated_ns = ?4 WHERE id = ?1",
                     params![session, branch, new, now_ns()],
                 )?;
@@ -650,7 +681,7 @@ fn complete_release_in(tx: &rusqlite::Transaction<'_>, sid: SessionId) -> Result
     if !keep {
         release_lease(tx, s.lease_id)?;
     }
-    tx.execute(
+    tx.exec(
         &format!(
             "UPDATE sessions SET remove_pending = 0, {} updated_ns = ?2 WHERE id = ?1",
             if keep { "" } else { "lease_id = NULL," }

@@ -25,6 +25,7 @@ use std::path::PathBuf;
 use rusqlite::{params, Connection, OptionalExtension, Transaction};
 use tracing::{debug, info, warn};
 
+use crate::db::Cached;
 use crate::error::StoreError;
 use crate::layers::insert_layer;
 use crate::leases::{lease_manifest, release_lease};
@@ -214,7 +215,7 @@ fn snap_from_raw(raw: RawSnap) -> Result<SnapRow, StoreError> {
 }
 
 fn get_snap(conn: &Connection, key: &str) -> Result<Option<SnapRow>, StoreError> {
-    conn.query_row(
+    conn.one(
         &format!("SELECT {SNAP_COLS} FROM snapshots WHERE key = ?1"),
         [key],
         raw_snap,
@@ -381,7 +382,7 @@ impl Store {
                     layer_id = Some(id);
                     lowers = vec![id];
                 }
-                tx.execute(
+                tx.exec(
                     "INSERT INTO snapshots(key, kind, parent, labels, created_ns, updated_ns, layer_id, frozen) VALUES (?1, 'view', ?2, ?3, ?4, ?4, ?5, 1)",
                     params![key, parent_opt, lj, now, layer_id],
                 )?;
@@ -418,7 +419,7 @@ impl Store {
                     &above,
                     None,
                 )?;
-                tx.execute(
+                tx.exec(
                     "INSERT INTO snapshots(key, kind, parent, labels, created_ns, updated_ns, session_id) VALUES (?1, 'active', ?2, ?3, ?4, ?4, ?5)",
                     params![key, parent_opt, lj, now, sid],
                 )?;
@@ -444,7 +445,7 @@ impl Store {
             if !lowers.is_empty() {
                 fs::mkdir_mode(&work, 0o700).map_err(|e| StoreError::io(&work, e))?;
             }
-            tx.execute(
+            tx.exec(
                 "INSERT INTO snapshots(key, kind, parent, labels, created_ns, updated_ns, layer_id) VALUES (?1, 'active', ?2, ?3, ?4, ?4, ?5)",
                 params![key, parent_opt, lj, now, id],
             )?;
@@ -460,7 +461,7 @@ impl Store {
     pub fn snapshot_session(&self, key: &str) -> Result<Option<SessionId>, StoreError> {
         self.db.read(|conn| {
             Ok(conn
-                .query_row(
+                .one(
                     "SELECT session_id FROM snapshots WHERE key = ?1 AND kind = 'active'",
                     [key],
                     |r| r.get::<_, Option<i64>>(0),
@@ -475,7 +476,7 @@ impl Store {
     pub fn snapshot_branch_label(&self, sid: SessionId) -> Result<Option<String>, StoreError> {
         self.db.read(|conn| {
             let key: Option<String> = conn
-                .query_row(
+                .one(
                     "SELECT key FROM snapshots WHERE session_id = ?1 AND kind = 'active'",
                     [sid],
                     |r| r.get(0),
@@ -565,24 +566,24 @@ impl Store {
                     let lowers = self.session_lowers(tx, &s, manifest)?;
                     // The upper stays where it is: the layer row points at it.
                     let layer = insert_layer(tx, LayerKind::Committed, Some(&s.stack), Some(sid))?;
-                    tx.execute(
+                    tx.exec(
                         "UPDATE layers SET path = ?2 WHERE id = ?1",
                         params![layer, format!("s/{sid}/upper")],
                     )?;
                     let mut frozen = vec![layer];
                     frozen.extend(lowers);
-                    tx.execute(
+                    tx.exec(
                         "INSERT INTO snapshots(key, kind, parent, labels, created_ns, updated_ns, layer_id, frozen, size, inodes) VALUES (?1, 'committed', ?2, ?3, ?4, ?4, ?5, 1, ?6, ?7)",
                         params![name, row.parent, lj, now, layer, size, inodes],
                     )?;
                     freeze(tx, name, &frozen)?;
-                    tx.execute(
+                    tx.exec(
                         "INSERT INTO publishes(session_id, run, outcome, message, at_ns) VALUES (?1, ?2, 'discarded', ?3, ?4)",
                         params![sid, s.run, format!("committed by containerd as snapshot {name}; not published"), now],
                     )?;
                     let pid = tx.last_insert_rowid();
                     release_lease(tx, Some(lease))?;
-                    tx.execute(
+                    tx.exec(
                         "UPDATE sessions SET state = 'discarded', last_publish = ?2, lease_id = NULL, released = 1, updated_ns = ?3 WHERE id = ?1",
                         params![sid, pid, now],
                     )?;
@@ -593,18 +594,18 @@ impl Store {
                     })?;
                     let image = is_extraction(key, &row.labels)
                         || split_key(name).is_some_and(|(_, n)| is_digest(n));
-                    tx.execute(
+                    tx.exec(
                         "UPDATE layers SET kind = ?2 WHERE id = ?1",
                         params![id, if image { "base" } else { "committed" }],
                     )?;
-                    tx.execute(
+                    tx.exec(
                         "INSERT INTO snapshots(key, kind, parent, labels, created_ns, updated_ns, layer_id, image_layer, size, inodes) VALUES (?1, 'committed', ?2, ?3, ?4, ?4, ?5, ?6, ?7, ?8)",
                         params![name, row.parent, lj, now, id, image as i64, size, inodes],
                     )?;
                     work_to_remove = Some(self.work_path(id));
                 }
             }
-            tx.execute("DELETE FROM snapshots WHERE key = ?1", [key])?;
+            tx.exec("DELETE FROM snapshots WHERE key = ?1", [key])?;
             Ok(work_to_remove)
         })?;
         if let Some(w) = work_to_remove {
@@ -625,7 +626,7 @@ impl Store {
     pub fn remove(&self, key: &str) -> Result<Removed, StoreError> {
         let (removed, dirs) = self.db.write(|tx| {
             let row = need_snap(tx, key)?;
-            let children: i64 = tx.query_row(
+            let children: i64 = tx.one(
                 "SELECT count(*) FROM snapshots WHERE parent = ?1",
                 [key],
                 |r| r.get(0),
@@ -639,7 +640,7 @@ impl Store {
             let mut removed = Removed::Plain;
             if let (Some(sid), SnapshotKind::Active) = (row.session_id, row.kind) {
                 let s = get_sess(tx, sid)?;
-                tx.execute(
+                tx.exec(
                     "UPDATE sessions SET released = 1, remove_pending = 1, updated_ns = ?2 WHERE id = ?1",
                     params![sid, now_ns()],
                 )?;
@@ -648,9 +649,9 @@ impl Store {
             }
             if let Some(id) = row.layer_id {
                 let rel: Option<String> = tx
-                    .query_row("SELECT path FROM layers WHERE id = ?1", [id], |r| r.get(0))
+                    .one("SELECT path FROM layers WHERE id = ?1", [id], |r| r.get(0))
                     .optional()?;
-                let in_use: i64 = tx.query_row(
+                let in_use: i64 = tx.one(
                     &format!("SELECT (SELECT count(*) FROM snapshots WHERE key != ?1 AND layer_id = ?2)
                           + (SELECT count(*) FROM snapshot_lowers WHERE key != ?1 AND layer_id = ?2)
                           + (SELECT count(*) FROM stack_layers WHERE layer_id = ?2)
@@ -662,7 +663,7 @@ impl Store {
                     |r| r.get(0),
                 )?;
                 if in_use == 0 {
-                    tx.execute("DELETE FROM layers WHERE id = ?1", [id])?;
+                    tx.exec("DELETE FROM layers WHERE id = ?1", [id])?;
                     if let Some(rel) = rel {
                         let p = self.root.join(&rel);
                         if rel.starts_with("s/") {
@@ -680,8 +681,8 @@ impl Store {
                     dirs.push(self.work_path(id));
                 }
             }
-            tx.execute("DELETE FROM snapshot_lowers WHERE key = ?1", [key])?;
-            tx.execute("DELETE FROM snapshots WHERE key = ?1", [key])?;
+            tx.exec("DELETE FROM snapshot_lowers WHERE key = ?1", [key])?;
+            tx.exec("DELETE FROM snapshots WHERE key = ?1", [key])?;
             Ok((removed, dirs))
         })?;
         for d in dirs {
@@ -725,7 +726,7 @@ impl Store {
                     };
                 }
             }
-            tx.execute(
+            tx.exec(
                 "UPDATE snapshots SET labels = ?2, updated_ns = ?3 WHERE key = ?1",
                 params![key, labels_json(&new), now_ns()],
             )?;
@@ -737,7 +738,7 @@ impl Store {
     pub fn list(&self) -> Result<Vec<SnapshotInfo>, StoreError> {
         self.db.read(|conn| {
             let mut stmt =
-                conn.prepare(&format!("SELECT {SNAP_COLS} FROM snapshots ORDER BY key"))?;
+                conn.prepare_cached(&format!("SELECT {SNAP_COLS} FROM snapshots ORDER BY key"))?;
             let raws: Vec<RawSnap> = stmt.query_map([], raw_snap)?.collect::<Result<_, _>>()?;
             raws.into_iter()
                 .map(|r| snap_from_raw(r).map(|s| s.info()))
@@ -769,7 +770,7 @@ impl Store {
     /// daemon stopped in between): the engine finishes them at start.
     pub fn pending_releases(&self) -> Result<Vec<SessionId>, StoreError> {
         self.db.read(|conn| {
-            let mut stmt = conn.prepare(
+            let mut stmt = conn.prepare_cached(
                 "SELECT id FROM sessions WHERE released = 1 AND remove_pending = 1 ORDER BY id",
             )?;
             let rows = stmt.query_map([], |r| r.get(0))?;
@@ -792,7 +793,7 @@ impl Store {
         let stack = stack_id(namespace, chain);
         let known: Option<String> = self.db.read(|conn| {
             Ok(conn
-                .query_row("SELECT id FROM stacks WHERE id = ?1", [&stack], |r| {
+                .one("SELECT id FROM stacks WHERE id = ?1", [&stack], |r| {
                     r.get(0)
                 })
                 .optional()?)
@@ -802,7 +803,7 @@ impl Store {
         }
         self.db.write(|tx| {
             let keys: Vec<String> = {
-                let mut stmt = tx.prepare(
+                let mut stmt = tx.prepare_cached(
                     "SELECT key FROM snapshots WHERE kind = 'committed' AND image_layer = 1 ORDER BY key",
                 )?;
                 let rows = stmt.query_map([], |r| r.get(0))?;

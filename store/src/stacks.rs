@@ -12,6 +12,7 @@ use std::path::PathBuf;
 use rusqlite::{params, Connection, OptionalExtension, Transaction};
 use tracing::info;
 
+use crate::db::Cached;
 use crate::error::StoreError;
 use crate::{
     now_ns, BranchInfo, LayerId, LayerKind, LogEntry, ManifestId, Owner, SessionId, StackInfo,
@@ -29,7 +30,7 @@ pub(crate) fn ensure_stack(
     namespace: &str,
     base_layers: &[LayerId],
 ) -> Result<bool, StoreError> {
-    let n = tx.execute(
+    let n = tx.exec(
         "INSERT OR IGNORE INTO stacks(id, base_digest, namespace, created_ns) VALUES (?1, ?2, ?3, ?4)",
         params![id, base_digest, namespace, now_ns()],
     )?;
@@ -63,7 +64,7 @@ pub(crate) fn branch_head(
     branch: &str,
 ) -> Result<Option<ManifestId>, StoreError> {
     Ok(conn
-        .query_row(
+        .one(
             "SELECT manifest_id FROM branches WHERE stack = ?1 AND name = ?2",
             params![stack, branch],
             |r| r.get(0),
@@ -87,12 +88,12 @@ pub(crate) fn ensure_branch(
     let default_head = match branch_head(tx, stack, default_branch)? {
         Some(m) => m,
         None => {
-            tx.execute(
+            tx.exec(
                 "INSERT INTO manifests(stack, parent, layer_id, depth, created_ns) VALUES (?1, NULL, NULL, 0, ?2)",
                 params![stack, now],
             )?;
             let m = tx.last_insert_rowid();
-            tx.execute(
+            tx.exec(
                 "INSERT INTO branches(stack, name, manifest_id, created_ns, updated_ns) VALUES (?1, ?2, ?3, ?4, ?4)",
                 params![stack, default_branch, m, now],
             )?;
@@ -103,7 +104,7 @@ pub(crate) fn ensure_branch(
     if branch == default_branch {
         return Ok(default_head);
     }
-    tx.execute(
+    tx.exec(
         "INSERT INTO branches(stack, name, manifest_id, created_ns, updated_ns) VALUES (?1, ?2, ?3, ?4, ?4)",
         params![stack, branch, default_head, now],
     )?;
@@ -118,7 +119,7 @@ pub(crate) fn set_branch(
     branch: &str,
     manifest: ManifestId,
 ) -> Result<(), StoreError> {
-    let n = tx.execute(
+    let n = tx.exec(
         "UPDATE branches SET manifest_id = ?3, updated_ns = ?4 WHERE stack = ?1 AND name = ?2",
         params![stack, branch, manifest, now_ns()],
     )?;
@@ -138,7 +139,7 @@ pub(crate) fn manifest_layers(
     id: ManifestId,
 ) -> Result<Vec<LayerId>, StoreError> {
     let depth: i64 = conn
-        .query_row("SELECT depth FROM manifests WHERE id = ?1", [id], |r| {
+        .one("SELECT depth FROM manifests WHERE id = ?1", [id], |r| {
             r.get(0)
         })
         .optional()?
@@ -177,23 +178,23 @@ pub(crate) fn prepend_manifest(
     layer: LayerId,
 ) -> Result<ManifestId, StoreError> {
     let depth: i64 = tx
-        .query_row("SELECT depth FROM manifests WHERE id = ?1", [parent], |r| {
+        .one("SELECT depth FROM manifests WHERE id = ?1", [parent], |r| {
             r.get(0)
         })
         .optional()?
         .ok_or_else(|| {
             StoreError::corrupt("manifests", parent, "manifest referenced but missing")
         })?;
-    tx.execute(
+    tx.exec(
         "INSERT INTO manifests(stack, parent, layer_id, depth, created_ns) VALUES (?1, ?2, ?3, ?4, ?5)",
         params![stack, parent, layer, depth + 1, now_ns()],
     )?;
     let m = tx.last_insert_rowid();
-    tx.execute(
+    tx.exec(
         "INSERT INTO manifest_layers(manifest_id, pos, layer_id) VALUES (?1, 0, ?2)",
         params![m, layer],
     )?;
-    let copied = tx.execute(
+    let copied = tx.exec(
         "INSERT INTO manifest_layers(manifest_id, pos, layer_id) SELECT ?1, pos + 1, layer_id FROM manifest_layers WHERE manifest_id = ?2",
         params![m, parent],
     )?;
@@ -211,8 +212,9 @@ impl Store {
     /// Every stack with its base layers and branches, by id.
     pub fn stacks(&self) -> Result<Vec<StackInfo>, StoreError> {
         self.db.read(|conn| {
-            let mut stmt = conn
-                .prepare("SELECT id, base_digest, namespace, created_ns FROM stacks ORDER BY id")?;
+            let mut stmt = conn.prepare_cached(
+                "SELECT id, base_digest, namespace, created_ns FROM stacks ORDER BY id",
+            )?;
             let rows = stmt.query_map([], |r| {
                 Ok((
                     r.get::<_, String>(0)?,
@@ -241,7 +243,7 @@ impl Store {
     pub fn branches(&self, stack: &str) -> Result<Vec<BranchInfo>, StoreError> {
         self.db.read(|conn| {
             let exists: Option<i64> = conn
-                .query_row("SELECT 1 FROM stacks WHERE id = ?1", [stack], |r| r.get(0))
+                .one("SELECT 1 FROM stacks WHERE id = ?1", [stack], |r| r.get(0))
                 .optional()?;
             if exists.is_none() {
                 return Err(StoreError::StackNotFound(stack.into()));
@@ -262,7 +264,7 @@ impl Store {
             // The manifest that added each layer, for display.
             let mut added: HashMap<LayerId, ManifestId> = HashMap::new();
             {
-                let mut stmt = conn.prepare(
+                let mut stmt = conn.prepare_cached(
                     "SELECT layer_id, id FROM manifests WHERE stack = ?1 AND layer_id IS NOT NULL",
                 )?;
                 let rows = stmt.query_map([stack], |r| Ok((r.get(0)?, r.get(1)?)))?;
@@ -343,8 +345,8 @@ fn owners_of_stack(
     conn: &Connection,
     stack: &str,
 ) -> Result<BTreeMap<SessionId, Owner>, StoreError> {
-    let mut stmt =
-        conn.prepare("SELECT id, owner_kind, namespace, owner FROM sessions WHERE stack = ?1")?;
+    let mut stmt = conn
+        .prepare_cached("SELECT id, owner_kind, namespace, owner FROM sessions WHERE stack = ?1")?;
     let rows = stmt.query_map([stack], |r| {
         Ok((
             r.get::<_, i64>(0)?,

@@ -17,6 +17,7 @@ use std::path::PathBuf;
 
 use tracing::warn;
 
+use crate::db::Cached;
 use crate::error::StoreError;
 use crate::{fs, LayerKind, Store};
 
@@ -78,7 +79,7 @@ impl Store {
         let keep = self.db.read(|conn| {
             let mut keep: HashSet<String> = HashSet::new();
             let mut missing = Vec::new();
-            let mut stmt = conn.prepare("SELECT id, path, kind, dropped FROM layers")?;
+            let mut stmt = conn.prepare_cached("SELECT id, path, kind, dropped FROM layers")?;
             let rows = stmt.query_map([], |r| {
                 Ok((
                     r.get::<_, i64>(0)?,
@@ -111,7 +112,7 @@ impl Store {
                 }
                 keep.insert(path);
             }
-            let mut stmt = conn.prepare(&format!(
+            let mut stmt = conn.prepare_cached(&format!(
                 "SELECT id FROM sessions WHERE {}",
                 crate::sessions::KEEPS_DIRS
             ))?;
@@ -148,7 +149,7 @@ impl Store {
     /// earlier build renamed after the commit).
     fn recover(&self, report: &mut SweepReport) -> Result<(), StoreError> {
         let pending: Vec<(i64, i64)> = self.db.read(|conn| {
-            let mut stmt = conn.prepare(
+            let mut stmt = conn.prepare_cached(
                 "SELECT id, session_id FROM layers WHERE kind = 'pending' AND session_id IS NOT NULL",
             )?;
             let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?)))?;
@@ -173,20 +174,20 @@ impl Store {
             );
         }
         report.dropped_staged = self.db.write(|tx| {
-            let n = tx.execute(
+            let n = tx.exec(
                 "DELETE FROM layer_paths WHERE layer_id IN (SELECT id FROM layers WHERE kind = 'pending')",
                 [],
             )?;
             let _ = n;
-            tx.execute(
+            tx.exec(
                 "DELETE FROM publish_paths WHERE publish_id IN (SELECT id FROM publishes WHERE outcome = 'pending')",
                 [],
             )?;
-            tx.execute("DELETE FROM publishes WHERE outcome = 'pending'", [])?;
-            Ok(tx.execute("DELETE FROM layers WHERE kind = 'pending'", [])?)
+            tx.exec("DELETE FROM publishes WHERE outcome = 'pending'", [])?;
+            Ok(tx.exec("DELETE FROM layers WHERE kind = 'pending'", [])?)
         })?;
         let candidates: Vec<(i64, String, i64)> = self.db.read(|conn| {
-            let mut stmt = conn.prepare(
+            let mut stmt = conn.prepare_cached(
                 "SELECT id, path, session_id FROM layers WHERE kind = 'published' AND session_id IS NOT NULL",
             )?;
             let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?;
