@@ -223,13 +223,6 @@ impl Engine {
         why: &str,
         patience: Duration,
     ) -> Result<SessionInfo, EngineError> {
-        let s = self.session(id).await?;
-        if !matches!(s.owner, Owner::Sandbox { .. }) {
-            return Err(EngineError::InvalidArgument(format!(
-                "session {id} belongs to {}, not to a sandbox holder: it ends with its owner",
-                s.owner.display()
-            )));
-        }
         let me = self.clone();
         let why = why.to_string();
         let s = tokio::spawn(async move {
@@ -237,8 +230,14 @@ impl Engine {
             let mut attempt = 0;
             loop {
                 let _g = me.lock_session(id).await;
-                let s = me.session(id).await?;
-                if s.released {
+                // The owner's release is recorded first (one transaction with the
+                // owner check): the end of the run then removes the upper rather
+                // than making a fresh one for the release to remove.
+                let s = me
+                    .blocking(move |st| st.release_sandbox_session(id))
+                    .await?;
+                if !s.remove_pending {
+                    // Closed before.
                     break Ok(s);
                 }
                 let checkpoint = |exit_status: Option<u32>, state: &Option<String>, command: &Option<String>| {
@@ -273,9 +272,19 @@ impl Engine {
                     CloseHow::Discard => me.discard_locked(id, &why).await,
                 };
                 match r {
-                    Ok(_) => {
-                        me.blocking(move |st| st.release_session(id, false)).await?;
-                        let s = me.session(id).await?;
+                    Ok(s) => {
+                        // The end of the run completed the release; a run that
+                        // had ended before (a publish through the admin API) did
+                        // not end now: complete it here.
+                        let s = if s.remove_pending {
+                            me.blocking(move |st| {
+                                st.complete_release(id)?;
+                                st.session(id)
+                            })
+                            .await?
+                        } else {
+                            s
+                        };
                         // The outcome was announced when it was recorded: only
                         // waiters on the release are woken (one event per run).
                         me.changed();

@@ -274,82 +274,70 @@ async fn attach(
         ));
     }
     let _g = engine.lock_session(id).await;
-    let s = engine.session(id).await.map_err(|e| wire_error(&e))?;
-    if !matches!(s.owner, Owner::Sandbox { .. }) {
+    if holders.map().contains_key(&id) {
         return Err(Reply::error(
-            "invalid-argument",
+            "already-exists",
             format!(
-                "session {id} belongs to {}, not to a sandbox holder",
-                s.owner.display()
+                "session {id} has a holder already (one holder per session; session exec joins it)"
             ),
         ));
     }
-    if s.released {
-        return Err(Reply::error(
-            "failed-precondition",
-            format!("session {id} was closed already"),
-        ));
-    }
-    {
-        let mut m = holders.map();
-        if m.contains_key(&id) {
-            return Err(Reply::error(
-                "already-exists",
-                format!("session {id} has a holder already (one holder per session; session exec joins it)"),
-            ));
-        }
-        m.insert(
-            id,
-            Holder {
-                conn,
-                init: None,
-                mode: Mode::Root,
-                workdir: String::new(),
-                closing: false,
-            },
-        );
-    }
-    let built = engine
-        .blocking_store(move |st| st.session_mount(id))
-        .await
-        .map_err(|e| wire_error(&e))
-        .and_then(|spec| match spec {
-            MountSpec::Overlay {
+    // One blocking step: the checks, the run's mount spec and the overlay.
+    let fd = engine
+        .blocking_store(move |st| {
+            let s = st.session(id)?;
+            if !matches!(s.owner, Owner::Sandbox { .. }) {
+                return Ok(Err(Reply::error(
+                    "invalid-argument",
+                    format!(
+                        "session {id} belongs to {}, not to a sandbox holder",
+                        s.owner.display()
+                    ),
+                )));
+            }
+            if s.released {
+                return Ok(Err(Reply::error(
+                    "failed-precondition",
+                    format!("session {id} was closed already"),
+                )));
+            }
+            let MountSpec::Overlay {
                 lowers,
                 upper: Some((upper, work)),
-            } => Ok((lowers, upper, work)),
-            other => Err(Reply::error(
-                "internal",
-                format!("session {id} has no writable overlay ({other:?})"),
-            )),
-        });
-    let fd = match built {
-        Ok((lowers, upper, work)) => {
-            tokio::task::spawn_blocking(move || sys::overlay_fd(&lowers, &upper, &work))
-                .await
-                .map_err(|e| Reply::error("internal", e.to_string()))
-                .and_then(|r| {
-                    r.map_err(|e| {
-                        let unsupported = e.source.raw_os_error() == Some(libc::EINVAL)
-                            && e.step.starts_with("fsconfig lowerdir+");
-                        let code = if unsupported {
-                            "unsupported"
-                        } else {
-                            "internal"
-                        };
-                        Reply::error(
-                            code,
-                            format!("cannot build session {id}'s overlay: {e}: {}", e.source),
-                        )
-                    })
-                })
-        }
-        Err(r) => Err(r),
-    };
-    if fd.is_err() {
-        holders.map().remove(&id);
-    }
-    fd
+            } = st.session_mount(id)?
+            else {
+                return Ok(Err(Reply::error(
+                    "internal",
+                    format!("session {id} has no writable overlay"),
+                )));
+            };
+            Ok(sys::overlay_fd(&lowers, &upper, &work).map_err(|e| {
+                let unsupported = e.source.raw_os_error() == Some(libc::EINVAL)
+                    && e.step.starts_with("fsconfig lowerdir+");
+                let code = if unsupported {
+                    "unsupported"
+                } else {
+                    "internal"
+                };
+                Reply::error(
+                    code,
+                    format!("cannot build session {id}'s overlay: {e}: {}", e.source),
+                )
+            }))
+        })
+        .await
+        .map_err(|e| wire_error(&e))??;
+    holders.map().insert(
+        id,
+        Holder {
+            conn,
+            init: None,
+            mode: Mode::Root,
+            workdir: String::new(),
+            closing: false,
+        },
+    );
+    Ok(fd)
 }
 
 fn join(holders: &Holders, id: SessionId) -> (Reply, Vec<OwnedFd>) {
