@@ -117,11 +117,37 @@ impl Pick {
         }
     }
 
+    /// [`Pick::consider`] for a row known to hide below its path.
+    fn consider_hiding(&mut self, pos: usize, layer: LayerId, kind: i64) {
+        if ChangeKind::from_code(kind).is_none_or(ChangeKind::hides_below)
+            && self.hiding.is_none_or(|(p, _)| pos < p)
+        {
+            self.hiding = Some((pos, layer));
+        }
+    }
+
     fn layers(self) -> impl Iterator<Item = LayerId> {
         let newest = self.newest.map(|(_, l)| l);
         let hiding = self.hiding.map(|(_, l)| l).filter(|l| Some(*l) != newest);
         newest.into_iter().chain(hiding)
     }
+}
+
+/// For `layers` (newest first), `bound[f]`: the smallest layer id at a position
+/// newer than `f` (`i64::MAX` for `f = 0`). Scanning a path's rows by
+/// descending layer id with a row at position `f` found, a row whose id is
+/// below `bound[f]` — and every row after it — cannot be newer by position, so
+/// the scan stops there. Ids are nearly in position order (a publish takes its
+/// id when it is staged, and commits in gate order), so the scan usually stops
+/// at the row after the one it keeps.
+fn newer_bound(layers: &[LayerId]) -> Vec<LayerId> {
+    let mut bound = Vec::with_capacity(layers.len());
+    let mut min = LayerId::MAX;
+    for l in layers {
+        bound.push(min);
+        min = min.min(*l);
+    }
+    bound
 }
 
 /// The index entries of `layers` (newest first) at the paths `query` asks
@@ -130,7 +156,9 @@ impl Pick {
 /// hiding one. A directory every publish touches (the shared parent of N
 /// sessions' work) thus costs two rows, not one per layer.
 ///
-/// Cost: one index seek per exact path and one range scan per subtree over the
+/// Cost: per exact path two descending index scans that stop as soon as no
+/// older row can be newer by position (typically a row or two each, whatever
+/// the number of layers with a row there); one range scan per subtree over the
 /// rows of layers at least as new as the oldest asked about, reading two integer
 /// columns of each; then one primary-key fetch per row kept. Newest means by
 /// position in `layers` (the manifest's order), not by layer id: ids are taken
@@ -148,16 +176,40 @@ pub(crate) fn query_layers(
     let min = layers.iter().copied().min().unwrap_or(0);
     let mut picks: BTreeMap<Vec<u8>, Pick> = BTreeMap::new();
     {
-        let mut stmt = conn.prepare_cached(
-            "SELECT layer_id, kind FROM layer_paths WHERE path = ?1 AND layer_id >= ?2",
+        // Per exact path two descending scans, each stopped as soon as no row
+        // left can be newer by position than the one found (`newer_bound`): the
+        // newest row among all, and the newest among the hiding ones (the
+        // partial index `layer_paths_hiding`). A directory that each of N
+        // publishes since the lease wrote costs a row or two, not N.
+        let mut all = conn.prepare_cached(
+            "SELECT layer_id, kind FROM layer_paths WHERE path = ?1 AND layer_id >= ?2 ORDER BY layer_id DESC",
         )?;
+        let mut hiding = conn.prepare_cached(
+            "SELECT layer_id, kind FROM layer_paths INDEXED BY layer_paths_hiding WHERE path = ?1 AND layer_id >= ?2 AND kind NOT IN (2, 5) ORDER BY layer_id DESC",
+        )?;
+        let bound = newer_bound(layers);
         for p in &query.exact {
             let mut pick = Pick::default();
-            let mut rows = stmt.query(params![p, min])?;
-            while let Some(r) = rows.next()? {
-                let layer: LayerId = r.get(0)?;
-                if let Some(&pos) = position.get(&layer) {
-                    pick.consider(pos, layer, r.get(1)?);
+            for (stmt, hiding_only) in [(&mut all, false), (&mut hiding, true)] {
+                let mut found: Option<usize> = None;
+                let mut rows = stmt.query(params![p, min])?;
+                while let Some(r) = rows.next()? {
+                    let layer: LayerId = r.get(0)?;
+                    if found.is_some_and(|f| layer < bound[f]) {
+                        break;
+                    }
+                    let Some(&pos) = position.get(&layer) else {
+                        continue;
+                    };
+                    let kind = r.get(1)?;
+                    if hiding_only {
+                        pick.consider_hiding(pos, layer, kind);
+                    } else {
+                        pick.consider(pos, layer, kind);
+                    }
+                    if found.is_none_or(|f| pos < f) {
+                        found = Some(pos);
+                    }
                 }
             }
             if pick.newest.is_some() {

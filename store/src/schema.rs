@@ -13,19 +13,27 @@
 /// 3 normalized them and separated the history model from containerd's snapshots;
 /// 4 added squashed layers' members, freed ("dropped") layer directories and
 /// operation-owned sessions (and, before its release, blame rows and the
-/// conflict markers of rebased sessions); 5 added `publishes.capture_bytes`
-/// (a format-4 store is migrated at open: [`MIGRATIONS`]).
-pub const FORMAT_VERSION: i64 = 5;
+/// conflict markers of rebased sessions); 5 added `publishes.capture_bytes`;
+/// 6 added the index of hiding path rows (`layer_paths_hiding`). Formats 4 and 5
+/// are migrated at open ([`MIGRATIONS`]).
+pub const FORMAT_VERSION: i64 = 6;
 
 /// The steps that bring an older store to [`FORMAT_VERSION`], each
 /// `(from, what it does, SQL)`, applied in order in the open's transaction and
 /// logged. Only lossless, additive steps are migrations; any other version is
 /// refused.
-pub(crate) const MIGRATIONS: &[(i64, &str, &str)] = &[(
-    4,
-    "publishes.capture_bytes",
-    "ALTER TABLE publishes ADD COLUMN capture_bytes INTEGER;",
-)];
+pub(crate) const MIGRATIONS: &[(i64, &str, &str)] = &[
+    (
+        4,
+        "publishes.capture_bytes",
+        "ALTER TABLE publishes ADD COLUMN capture_bytes INTEGER;",
+    ),
+    (
+        5,
+        "index layer_paths_hiding",
+        "CREATE INDEX IF NOT EXISTS layer_paths_hiding ON layer_paths(path, layer_id) WHERE kind NOT IN (2, 5);",
+    ),
+];
 
 pub(crate) const SCHEMA: &str = r#"
 CREATE TABLE meta (
@@ -78,6 +86,10 @@ CREATE TABLE layer_paths (
     PRIMARY KEY (path, layer_id)
 ) WITHOUT ROWID;
 CREATE INDEX layer_paths_layer ON layer_paths(layer_id);
+-- The rows that hide what is below their path (every kind but mkdir and meta):
+-- the gate asks for the newest of them at a path without reading the rows of a
+-- directory that every publish touches (format 6).
+CREATE INDEX layer_paths_hiding ON layer_paths(path, layer_id) WHERE kind NOT IN (2, 5);
 
 -- A stack: the history that grows on one base (ARCHITECTURE.md §2). Its base
 -- layers are recorded here, so history stays reachable after containerd removes

@@ -696,10 +696,10 @@ fn a_format_4_store_is_migrated_at_open_and_keeps_its_outcomes() {
     std::fs::write(sess.upper.join("a.txt"), b"hello").unwrap();
     let p = publish(&s, sess.id, &[write_entry(b"a.txt", 1)]);
     drop(s);
-    // What format 4 was: no capture_bytes column.
+    // What format 4 was: no capture_bytes column, no index of hiding rows.
     let db = rusqlite::Connection::open(d.path().join("root/store.db")).unwrap();
     db.execute_batch(
-        "ALTER TABLE publishes DROP COLUMN capture_bytes; UPDATE meta SET value = '4' WHERE key = 'format_version';",
+        "ALTER TABLE publishes DROP COLUMN capture_bytes; DROP INDEX layer_paths_hiding; UPDATE meta SET value = '4' WHERE key = 'format_version';",
     )
     .unwrap();
     drop(db);
@@ -714,6 +714,16 @@ fn a_format_4_store_is_migrated_at_open_and_keeps_its_outcomes() {
         })
         .unwrap();
     assert_eq!(v, FORMAT_VERSION.to_string());
+    let index: i64 =
+        s.db.read(|c| {
+            Ok(c.query_row(
+                "SELECT count(*) FROM sqlite_master WHERE type = 'index' AND name = 'layer_paths_hiding'",
+                [],
+                |r| r.get(0),
+            )?)
+        })
+        .unwrap();
+    assert_eq!(index, 1, "format 6 adds the index of hiding rows");
     let after = s.session(sess.id).unwrap();
     let o = after.outcome.unwrap();
     assert_eq!((o.kind, o.layer), (OutcomeKind::Committed, Some(p.layer)));

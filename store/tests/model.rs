@@ -78,7 +78,13 @@ enum Op {
     Create(usize),
     /// Session writes path `PATHS[p]` with content `n`.
     Write(usize, usize, u8),
-    /// Publish the session's writes (commit against the head now).
+    /// Stage the session's writes (a pending layer takes its id now) without
+    /// committing: a later `Publish` commits it, so layer ids need not follow
+    /// the order in which layers land on a branch (as with concurrent publishes,
+    /// whose ids are taken when they are staged, outside the gate).
+    Stage(usize),
+    /// Publish the session's writes (commit against the head now; what was
+    /// staged, if anything).
     Publish(usize),
     /// End the run without publishing.
     Discard(usize),
@@ -92,6 +98,7 @@ fn arb_op() -> impl Strategy<Value = Op> {
     prop_oneof![
         2 => (0..BRANCHES.len()).prop_map(Op::Create),
         4 => (0..8usize, 0..PATHS.len(), 1..5u8).prop_map(|(s, p, n)| Op::Write(s, p, n)),
+        2 => (0..8usize).prop_map(Op::Stage),
         3 => (0..8usize).prop_map(Op::Publish),
         1 => (0..8usize).prop_map(Op::Discard),
         1 => (0..8usize).prop_map(Op::Conflict),
@@ -108,6 +115,8 @@ struct ModelSession {
     writes: BTreeMap<String, u8>,
     run: i64,
     state: Option<OutcomeKind>,
+    /// A staged publish not committed yet, and its index.
+    staged: Option<(Staged, Vec<IndexEntry>)>,
 }
 
 #[derive(Debug, Default)]
@@ -207,13 +216,17 @@ fn apply(s: &Store, m: &mut Model, op: &Op) {
                 writes: BTreeMap::new(),
                 run: 1,
                 state: None,
+                staged: None,
             });
         }
         Op::Write(i, p, n) => {
             let Some(i) = live(m, *i) else { return };
             let ms = &mut m.sessions[i];
-            if ms.lease.is_none() || ms.state.is_some_and(|k| !k.is_retryable()) {
-                return; // not mounted: nothing can write
+            if ms.lease.is_none()
+                || ms.state.is_some_and(|k| !k.is_retryable())
+                || ms.staged.is_some()
+            {
+                return; // not mounted (or captured already): nothing can write
             }
             ms.writes.insert(PATHS[*p].to_string(), *n);
         }
@@ -223,8 +236,14 @@ fn apply(s: &Store, m: &mut Model, op: &Op) {
             if ms.lease.is_none() || ms.state.is_some_and(|k| !k.is_retryable()) {
                 return;
             }
-            let index: Vec<IndexEntry> = ms.writes.iter().map(|(p, n)| entry(p, *n)).collect();
-            let staged = s.stage_publish(ms.id, &index, &[]).unwrap();
+            let (staged, index) = match ms.staged {
+                Some(st) => st,
+                None => {
+                    let index: Vec<IndexEntry> =
+                        ms.writes.iter().map(|(p, n)| entry(p, *n)).collect();
+                    (s.stage_publish(ms.id, &index, &[]).unwrap(), index)
+                }
+            };
             let head = s.head_view(ms.id).unwrap().manifest;
             // The session's upper must exist for the rename.
             let p = s
@@ -237,7 +256,21 @@ fn apply(s: &Store, m: &mut Model, op: &Op) {
             let ms = &mut m.sessions[i];
             ms.lease = None;
             ms.writes.clear();
+            ms.staged = None;
             ms.state = Some(OutcomeKind::Committed);
+        }
+        Op::Stage(i) => {
+            let Some(i) = live(m, *i) else { return };
+            let ms = &m.sessions[i];
+            if ms.lease.is_none()
+                || ms.state.is_some_and(|k| !k.is_retryable())
+                || ms.staged.is_some()
+            {
+                return;
+            }
+            let index: Vec<IndexEntry> = ms.writes.iter().map(|(p, n)| entry(p, *n)).collect();
+            let staged = s.stage_publish(ms.id, &index, &[]).unwrap();
+            m.sessions[i].staged = Some((staged, index));
         }
         Op::Discard(i) | Op::Conflict(i) => {
             let Some(i) = live(m, *i) else { return };
@@ -250,9 +283,15 @@ fn apply(s: &Store, m: &mut Model, op: &Op) {
             } else {
                 OutcomeKind::Conflict
             };
-            s.record_outcome(ms.id, OutcomeRecord::new(kind, "model"), None)
-                .unwrap();
+            // A staged publish that gets another outcome drops its rows.
+            s.record_outcome(
+                ms.id,
+                OutcomeRecord::new(kind, "model"),
+                ms.staged.as_ref().map(|(st, _)| *st),
+            )
+            .unwrap();
             let ms = &mut m.sessions[i];
+            ms.staged = None;
             ms.state = Some(kind);
             if kind == OutcomeKind::Discarded {
                 ms.lease = None;
@@ -262,6 +301,9 @@ fn apply(s: &Store, m: &mut Model, op: &Op) {
         Op::Mount(i) => {
             let Some(i) = live(m, *i) else { return };
             let ms = m.sessions[i].clone();
+            if ms.staged.is_some() {
+                return; // a publish in flight holds the session (the engine's lock)
+            }
             s.session_mount(ms.id).unwrap();
             let head = m.head(&ms.branch);
             let ms = &mut m.sessions[i];
@@ -376,4 +418,133 @@ fn concurrent_instances_publish_every_layer_exactly_once() {
         sorted.sort();
         assert_eq!(own, sorted, "thread {th}'s layers in publish order");
     }
+}
+
+/// Layer ids are taken when a publish is staged, so a layer can land above one
+/// with a higher id: the rows the gate reads at a path are the newest by
+/// position in the head's manifest, not by id — also for a row that hides what
+/// is below the path — however many layers since the lease wrote the path.
+#[test]
+fn the_newest_row_is_by_position_not_by_id() {
+    let t = tmp();
+    let s = store_with_stack(t.path());
+    let session = |name: &str| {
+        s.create_session(
+            &Owner::Sandbox { name: name.into() },
+            STACK,
+            &LeaseTarget::Branch("main".into()),
+            None,
+        )
+        .unwrap()
+        .0
+    };
+    let reader = session("reader");
+    let lease = reader.lease_manifest.unwrap();
+    let commit = |id: SessionId, staged: Staged| {
+        let head = s.head_view(id).unwrap().manifest;
+        s.commit_publish(id, staged, head, CommitRecord::default())
+            .unwrap()
+            .layer
+    };
+    // Many publishes in order write `d` (a directory row each) and `d/x`.
+    for k in 0..20u8 {
+        let w = session(&format!("w{k}"));
+        let index = vec![entry("d", 1), entry("d/x", k + 2)];
+        let st = s.stage_publish(w.id, &index, &[]).unwrap();
+        commit(w.id, st);
+    }
+    // `late` stages first (lower id) and commits last; `early` in between.
+    let late = session("late");
+    let early = session("early");
+    let late_index = vec![entry("d", 1), entry("d/x", 100)];
+    let mut deleted = entry("a", 2);
+    deleted.kind = ChangeKind::Delete;
+    deleted.digest = None;
+    let late_staged = s
+        .stage_publish(late.id, &[late_index, vec![deleted]].concat(), &[])
+        .unwrap();
+    let early_staged = s
+        .stage_publish(
+            early.id,
+            &[entry("d", 1), entry("d/x", 99), entry("a", 7)],
+            &[],
+        )
+        .unwrap();
+    let early_layer = commit(early.id, early_staged);
+    let late_layer = commit(late.id, late_staged);
+    assert!(
+        late_layer < early_layer,
+        "ids: late {late_layer}, early {early_layer}"
+    );
+    let head = s.head_view(reader.id).unwrap().manifest;
+    let query = PathQuery {
+        exact: ["a", "d", "d/x"]
+            .iter()
+            .map(|p| p.as_bytes().to_vec())
+            .collect(),
+        below: BTreeSet::new(),
+    };
+    let got = s.changes_between(lease, head, &query).unwrap();
+    // `late` is on top: its rows are the newest at every path (with the
+    // content it wrote, not `early`'s), and its deletion of `a` is the newest
+    // hiding row there.
+    assert_eq!(got[0].0, late_layer);
+    let paths: Vec<&[u8]> = got[0].1.iter().map(|e| e.path.as_slice()).collect();
+    assert_eq!(paths, [&b"a"[..], b"d", b"d/x"]);
+    assert_eq!(got[0].1[2].digest, Some([100; 32]));
+    // Nothing below it: `d/x` and `a` were written (a write hides below) and
+    // deleted by `late` itself, and no layer made `d` anything but a directory.
+    assert_eq!(got.len(), 1, "{got:?}");
+}
+
+/// The newest row that hides what is below a path is found however many newer
+/// rows there only change its metadata.
+#[test]
+fn an_old_hiding_row_is_found_below_many_metadata_rows() {
+    let t = tmp();
+    let s = store_with_stack(t.path());
+    let session = |name: &str| {
+        s.create_session(
+            &Owner::Sandbox { name: name.into() },
+            STACK,
+            &LeaseTarget::Branch("main".into()),
+            None,
+        )
+        .unwrap()
+        .0
+    };
+    let reader = session("reader");
+    let lease = reader.lease_manifest.unwrap();
+    let mut opaque = entry("d", 1);
+    opaque.kind = ChangeKind::Opaque;
+    let mut layers = Vec::new();
+    for k in 0..30u8 {
+        let w = session(&format!("w{k}"));
+        let index = if k == 3 {
+            vec![opaque.clone()]
+        } else {
+            vec![entry("d", 1), entry(&format!("d/f{k}"), 2)]
+        };
+        let st = s.stage_publish(w.id, &index, &[]).unwrap();
+        let head = s.head_view(w.id).unwrap().manifest;
+        layers.push(
+            s.commit_publish(w.id, st, head, CommitRecord::default())
+                .unwrap()
+                .layer,
+        );
+    }
+    let head = s.head_view(reader.id).unwrap().manifest;
+    let query = PathQuery {
+        exact: BTreeSet::from([b"d".to_vec()]),
+        below: BTreeSet::new(),
+    };
+    let got = s.changes_between(lease, head, &query).unwrap();
+    let at: Vec<(LayerId, ChangeKind)> = got.iter().map(|(l, e)| (*l, e[0].kind)).collect();
+    assert_eq!(
+        at,
+        [
+            (layers[29], ChangeKind::Meta),
+            (layers[3], ChangeKind::Opaque)
+        ]
+    );
 }
