@@ -179,6 +179,7 @@ impl Engine {
     ) -> Result<Option<Squashed>, EngineError> {
         let key = (stack.to_string(), branch.to_string());
         let _one = self.squashes.lock(key.clone()).await;
+        let started = std::time::Instant::now();
         let keep = self.settings.history.squash_keep;
         let (s, b) = (stack.to_string(), branch.to_string());
         let Some((head, run)) = self
@@ -206,6 +207,7 @@ impl Engine {
         .await
         .map_err(|e| EngineError::Join(e.to_string()))??;
         let run_len = run.len() as u64;
+        let built = started.elapsed();
         let _gate = self.gates.lock(key).await;
         let (s, b) = (stack.to_string(), branch.to_string());
         let dir2 = dir.clone();
@@ -222,6 +224,17 @@ impl Engine {
             use std::sync::atomic::Ordering::Relaxed;
             self.runs.squashes.fetch_add(1, Relaxed);
             self.runs.squashed_layers.fetch_add(run_len, Relaxed);
+            let layer = r.as_ref().map(|s| s.layer).unwrap_or_default();
+            info!(
+                stack,
+                branch,
+                layer.id = layer,
+                automatic = threshold > 0,
+                layers = run_len,
+                build_ms = built.as_millis() as u64,
+                total_ms = started.elapsed().as_millis() as u64,
+                "squashed"
+            );
         }
         r.map(Some)
     }
@@ -244,8 +257,7 @@ impl Engine {
         let (stack, branch) = (stack.to_string(), branch.to_string());
         tokio::spawn(async move {
             match me.squash_with(&stack, &branch, threshold).await {
-                Ok(Some(s)) => info!(stack, branch, layer.id = s.layer, "automatic squash"),
-                Ok(None) => {}
+                Ok(_) => {}
                 Err(e) => {
                     warn!(stack, branch, error = %error_chain(&e), "automatic squash failed; the next publish tries again")
                 }

@@ -159,8 +159,11 @@ fn flatten_dir(
     userxattr: bool,
     report: &mut FlattenReport,
 ) -> Result<(), SquashError> {
-    // Every name of every merged layer here, in byte order.
-    let mut names: BTreeMap<Vec<u8>, ()> = BTreeMap::new();
+    // Every name of every merged layer here, in byte order, with the layers
+    // that hold it (newest first): a name is looked up only where it is, so a
+    // directory that each of M members adds names to costs O(names), not
+    // O(names × M) lookups.
+    let mut names: BTreeMap<Vec<u8>, Vec<usize>> = BTreeMap::new();
     for &i in layers {
         let mut d = nix::dir::Dir::openat(
             Some(members[i].dir.as_raw_fd()),
@@ -173,17 +176,17 @@ fn flatten_dir(
             let ent = ent.map_err(|e| err("read directory", rel)(e.into()))?;
             let n = ent.file_name().to_bytes();
             if n != b"." && n != b".." {
-                names.insert(n.to_vec(), ());
+                names.entry(n.to_vec()).or_default().push(i);
             }
         }
     }
-    for name in names.into_keys() {
+    for (name, holders) in names {
         let len = rel.len();
         if !rel.is_empty() {
             rel.push(b'/');
         }
         rel.extend_from_slice(&name);
-        let r = resolve(members, layers, &name, rel, userxattr)?;
+        let r = resolve(members, &holders, &name, rel, userxattr)?;
         let cname =
             CString::new(name.clone()).map_err(|e| err("name", rel)(io::Error::other(e)))?;
         match r {
@@ -249,8 +252,8 @@ fn flatten_dir(
     Ok(())
 }
 
-/// The newest entry of `name` among `layers` (open at its parent), following the
-/// kernel's lookup rules.
+/// The newest entry of `name` among `layers` (open at its parent; the layers
+/// that hold the name, newest first), following the kernel's lookup rules.
 fn resolve(
     members: &[Member],
     layers: &[usize],
