@@ -10,9 +10,10 @@
 //! observe the head H                              none, or only a directory's
 //! index rows at this publish's paths,               repeating what was planned
 //!   in layers of H the lease lacks                  → the plan stands
-//! plan (merges included) against H                some → plan again against the
-//! conflict → reject (no gate needed)                     new head (conflict → reject)
-//! stage: pending layer + index + verdicts   apply the plan's edits to the upper
+//! plan (merges included) against H                some → leave the gate, plan
+//! conflict → reject (no gate needed)                     again outside, come back
+//! stage: pending layer + index + verdicts                (3 times; then plan here)
+//!                                           apply the plan's edits to the upper
 //!                                           commit: head CAS, prepend, move branch
 //!                                           rename the upper into l/<n>
 //! ```
@@ -35,8 +36,8 @@ use std::time::{Duration, Instant};
 
 use layerstack_publisher::{self as publisher, Changeset, HeadChange, LayerView};
 use layerstack_store::{
-    HeadView, OutcomeKind, OutcomeRecord, PathCounts, PathQuery, PathRecord, PathStatus,
-    PublishContext, PublishTimings, SessionId, SessionInfo, Staged, Store,
+    HeadView, IndexEntry, OutcomeKind, OutcomeRecord, PathCounts, PathQuery, PathRecord,
+    PathStatus, PublishContext, PublishTimings, SessionId, SessionInfo, Staged, Store,
 };
 use tracing::{debug, warn};
 
@@ -75,6 +76,8 @@ pub(crate) struct Failpoints {
     pub(crate) after_plan: std::sync::Mutex<Option<Hook>>,
     /// Runs under the gate, before the plan is applied.
     pub(crate) before_apply: std::sync::Mutex<Option<Hook>>,
+    /// Runs before each attempt to take the gate (kept for every publish).
+    pub(crate) before_gate: std::sync::Mutex<Option<Arc<Hook>>>,
 }
 
 #[cfg(any(test, feature = "failpoints"))]
@@ -86,6 +89,16 @@ impl Engine {
             .after_plan
             .lock()
             .unwrap_or_else(|p| p.into_inner()) = Some(Box::new(f));
+    }
+
+    /// Sets a hook run before each attempt of every publish to take its gate,
+    /// with the upper's path, on a blocking thread (tests only).
+    pub fn failpoint_before_gate(&self, f: impl Fn(&std::path::Path) + Send + Sync + 'static) {
+        *self
+            .failpoints
+            .before_gate
+            .lock()
+            .unwrap_or_else(|p| p.into_inner()) = Some(Arc::new(Box::new(f)));
     }
 
     /// Sets a hook run under the gate before applying, with the upper's path (tests only).
@@ -219,6 +232,32 @@ struct Ready {
     capture: Duration,
     /// [`Changeset::written_bytes`] of `input.cs`, counted outside the gate.
     capture_bytes: u64,
+    /// The index rows and verdicts of a plan made again after staging (the
+    /// head moved at this publish's paths): written by the commit in place of
+    /// the staged ones.
+    replanned: Option<(Vec<IndexEntry>, Vec<PathRecord>)>,
+}
+
+/// How many times a publish whose head moved at its paths plans again outside
+/// the gate before it plans under it (which always ends: nothing else can move
+/// the head meanwhile). Each round costs the gate nothing; a publish that keeps
+/// losing the race to others on the same paths still ends in bounded time.
+pub(crate) const OPTIMISTIC_REPLANS: u32 = 3;
+
+/// What the step under the gate did.
+enum GateStep {
+    /// Committed (the outcome id), or an outcome was recorded (`None`).
+    Done(Option<layerstack_store::PublishId>),
+    /// The head moved at this publish's paths since its plan: plan again
+    /// outside the gate, then come back.
+    Replan(Box<Ready>),
+}
+
+/// What a new plan came to.
+enum Replanned {
+    /// A conflict against the new head: its outcome is recorded.
+    Conflict,
+    Ready,
 }
 
 enum Prepared {
@@ -540,56 +579,117 @@ impl Engine {
             Prepared::Done => return Ok(()),
             Prepared::Ready(r) => r,
         };
-        // The serialized step.
+        // The serialized step. A plan the head's moves made stale is made again
+        // outside the gate (at most OPTIMISTIC_REPLANS times, then under it).
         let key = (
             ready.ctx.session.stack.clone(),
             ready.ctx.session.branch.clone(),
         );
-        let waiting = Instant::now();
-        let _gate = self.gates.lock(key).await;
-        let gate_wait = waiting.elapsed();
-        let holding = Instant::now();
-        let store = self.store.clone();
-        let settings = self.settings.clone();
         #[cfg(any(test, feature = "failpoints"))]
-        let hook = self
+        let hook: Option<Arc<Hook>> = self
             .failpoints
             .before_apply
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .take();
-        let why = why.to_string();
-        let store2 = self.store.clone();
-        let committed = self
-            .committers
-            .run(move || {
-                let staged = ready.staged;
-                #[cfg(any(test, feature = "failpoints"))]
-                let r = commit(
-                    &store, &settings, id, *ready, started, gate_wait, holding, &why, hook,
-                );
-                #[cfg(not(any(test, feature = "failpoints")))]
-                let r = commit(
-                    &store, &settings, id, *ready, started, gate_wait, holding, &why,
-                );
-                if let Err(e) = &r {
-                    // Nothing was committed: drop the staged rows, keep the upper.
-                    let msg = error_chain(e);
-                    let mut rec = OutcomeRecord::new(
-                        OutcomeKind::Failed,
-                        format!(
-                        "{msg}; nothing was published, the upper is kept: publish again or discard"
-                    ),
+            .take()
+            .map(Arc::new);
+        let mut ready = ready;
+        let mut gate_wait = Duration::ZERO;
+        let mut rounds = 0;
+        let (committed, _gate) = loop {
+            #[cfg(any(test, feature = "failpoints"))]
+            let before_gate = self
+                .failpoints
+                .before_gate
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .clone();
+            #[cfg(any(test, feature = "failpoints"))]
+            if let Some(h) = before_gate {
+                let upper = ready.ctx.session.upper.clone();
+                tokio::task::spawn_blocking(move || h(&upper)).await?;
+            }
+            let waiting = Instant::now();
+            let gate = self.gates.lock(key.clone()).await;
+            gate_wait += waiting.elapsed();
+            let holding = Instant::now();
+            let (store, settings, pins) =
+                (self.store.clone(), self.settings.clone(), self.pins.clone());
+            let optimistic = rounds < OPTIMISTIC_REPLANS;
+            let why = why.to_string();
+            #[cfg(any(test, feature = "failpoints"))]
+            let hook = hook.clone();
+            let step = self
+                .committers
+                .run(move || {
+                    let staged = ready.staged;
+                    let times = (started, gate_wait, holding);
+                    #[cfg(any(test, feature = "failpoints"))]
+                    let r = commit(
+                        &store, &settings, &pins, id, ready, optimistic, times, &why, hook,
                     );
-                    rec.timings = Some(total_only(started));
-                    warn!(session.id = id, error = %msg, "publish failed");
-                    store.record_outcome(id, rec, Some(staged))?;
+                    #[cfg(not(any(test, feature = "failpoints")))]
+                    let r = commit(&store, &settings, &pins, id, ready, optimistic, times, &why);
+                    match r {
+                        Ok(GateStep::Replan(ready)) => Ok(Err(ready)),
+                        // The whole hold: the commit transaction and the rename
+                        // included (the row was written before they ran).
+                        Ok(GateStep::Done(o)) => Ok(Ok(o.map(|o| (o, holding.elapsed())))),
+                        Err(e) => {
+                            // Nothing was committed: drop the staged rows, keep the upper.
+                            let msg = error_chain(&e);
+                            let mut rec = OutcomeRecord::new(
+                                OutcomeKind::Failed,
+                                format!(
+                                    "{msg}; nothing was published, the upper is kept: publish again or discard"
+                                ),
+                            );
+                            rec.timings = Some(total_only(started));
+                            warn!(session.id = id, error = %msg, "publish failed");
+                            store.record_outcome(id, rec, Some(staged))?;
+                            Ok::<_, RunError>(Ok(None))
+                        }
+                    }
+                })
+                .await??;
+            match step {
+                Ok(done) => break (done, gate),
+                Err(mut stale) => {
+                    drop(gate);
+                    rounds += 1;
+                    let (store, settings, pins) =
+                        (self.store.clone(), self.settings.clone(), self.pins.clone());
+                    let again = tokio::task::spawn_blocking(move || {
+                        let _background = Priority::background();
+                        let gate = (gate_wait, None);
+                        match replan(&store, &settings, &pins, id, &mut stale, started, gate) {
+                            Ok(Replanned::Ready) => Ok(Some(stale)),
+                            Ok(Replanned::Conflict) => Ok(None),
+                            Err(e) => {
+                                // Nothing was committed: drop the staged rows, keep the upper.
+                                let msg = error_chain(&e);
+                                let mut rec = OutcomeRecord::new(
+                                    OutcomeKind::Failed,
+                                    format!(
+                                        "{msg}; nothing was published, the upper is kept: publish again or discard"
+                                    ),
+                                );
+                                rec.timings = Some(total_only(started));
+                                warn!(session.id = id, error = %msg, "publish failed");
+                                store_write(|| store.record_outcome(id, rec, Some(stale.staged)))?;
+                                Ok::<_, RunError>(None)
+                            }
+                        }
+                    })
+                    .await??;
+                    match again {
+                        Some(stale) => ready = stale,
+                        None => return Ok(()),
+                    }
                 }
-                // The whole hold: the commit transaction and the rename included
-                // (the row was written before they ran).
-                Ok::<_, RunError>(r.ok().flatten().map(|o| (o, holding.elapsed())))
-            })
-            .await??;
+            }
+        };
+        let store2 = self.store.clone();
         drop(_gate);
         if let Some((outcome, hold)) = committed {
             // Figures only: the publish is committed whatever happens here.
@@ -830,100 +930,136 @@ fn prepare(
         plan,
         staged,
         capture,
+        replanned: None,
     })))
 }
 
-/// Under the gate: re-check the head, re-plan if it changed at our paths, apply,
-/// commit.
+/// Plans `ready` again against the branch head as it is now (its head moved at
+/// this publish's paths since the plan): the index query and expansion, the
+/// whole gate plan (merges included), and blame for the paths the head
+/// changed. A conflict is recorded as the outcome (the staged rows dropped).
+/// Runs outside the gate (optimistically, [`OPTIMISTIC_REPLANS`] times) or
+/// under it (the last resort, when the head cannot move meanwhile).
+#[allow(clippy::too_many_arguments)]
+fn replan(
+    store: &Store,
+    settings: &EngineSettings,
+    pins: &Arc<crate::history::Pins>,
+    id: SessionId,
+    ready: &mut Ready,
+    started: Instant,
+    gate: (Duration, Option<Instant>),
+) -> Result<Replanned, RunError> {
+    let upper = ready.ctx.session.upper.clone();
+    let current = store.head_view(id)?;
+    let pin = pins.pin(current.manifest);
+    let cs = std::mem::take(&mut ready.input.cs);
+    let input = gate_input(
+        store,
+        settings,
+        &upper,
+        &ready.view,
+        cs,
+        (ready.ctx.lease_manifest, current.manifest),
+        true,
+    )?;
+    ready.capture_bytes = input.cs.written_bytes();
+    let f = files(settings, &ready.view, &current, upper.clone());
+    let plan = publisher::plan_gate(&input.cs, &input.head, &f, &settings.merge)?;
+    let paths = records(&plan);
+    if plan.is_conflict() {
+        let message = summary(&paths, OutcomeKind::Conflict);
+        debug!(
+            session.id = id,
+            outcome = "conflict",
+            paths = plan.conflicts().count(),
+            under_gate = gate.1.is_some(),
+            "rejected"
+        );
+        let rec = OutcomeRecord {
+            kind: OutcomeKind::Conflict,
+            message: Some(message),
+            paths,
+            timings: Some(PublishTimings {
+                capture_us: micros(ready.capture),
+                gate_wait_us: micros(gate.0),
+                gate_hold_us: gate.1.map(|h| micros(h.elapsed())).unwrap_or(0),
+                total_us: micros(started.elapsed()),
+                capture_bytes: ready.capture_bytes,
+            }),
+        };
+        store_write(|| store.record_outcome(id, rec, Some(ready.staged)))?;
+        return Ok(Replanned::Conflict);
+    }
+    // Blame: only the paths the head changed can own other lines now.
+    let touched: std::collections::BTreeSet<Vec<u8>> =
+        input.head.iter().map(|h| h.path.clone()).collect();
+    crate::blame::stage(
+        store,
+        settings,
+        &ready.ctx.session,
+        (ready.ctx.lease_manifest, current.manifest),
+        &input.head,
+        &plan,
+        &upper,
+        ready.staged.layer,
+        Some(&touched),
+    );
+    ready.replanned = Some((index_of(&plan), paths));
+    ready.plan = plan;
+    ready.input = input;
+    ready.observed = current;
+    ready._pin = pin;
+    Ok(Replanned::Ready)
+}
+
+/// Under the gate: re-check the head; when it moved at this publish's paths,
+/// hand the publish back to be planned again outside the gate
+/// ([`GateStep::Replan`], while `optimistic`) or plan again here; then apply
+/// and commit.
 #[allow(clippy::too_many_arguments)]
 fn commit(
     store: &Store,
     settings: &EngineSettings,
+    pins: &Arc<crate::history::Pins>,
     id: SessionId,
-    ready: Ready,
-    started: Instant,
-    gate_wait: Duration,
-    holding: Instant,
+    mut ready: Box<Ready>,
+    optimistic: bool,
+    (started, gate_wait, holding): (Instant, Duration, Instant),
     why: &str,
-    #[cfg(any(test, feature = "failpoints"))] hook: Option<Hook>,
-) -> Result<Option<layerstack_store::PublishId>, RunError> {
-    let Ready {
-        _pin,
-        ctx,
-        view,
-        input,
-        observed,
-        mut plan,
-        staged,
-        capture,
-        mut capture_bytes,
-    } = ready;
-    let upper = ctx.session.upper.clone();
+    #[cfg(any(test, feature = "failpoints"))] hook: Option<Arc<Hook>>,
+) -> Result<GateStep, RunError> {
     // Only the head's id: its lowers are read when the plan must be made again.
-    let mut head = store.branch_head(&ctx.session.stack, &ctx.session.branch)?;
+    let head = store.branch_head(&ready.ctx.session.stack, &ready.ctx.session.branch)?;
     let head_read = holding.elapsed();
-    let mut replanned = None;
-    if head != observed.manifest {
-        let delta = store.changes_between(observed.manifest, head, &input.query)?;
-        if moves_the_plan(delta, &input.head) {
-            let current = store.head_view(id)?;
-            head = current.manifest;
-            let input = gate_input(
-                store,
-                settings,
-                &upper,
-                &view,
-                input.cs,
-                (ctx.lease_manifest, current.manifest),
-                true,
-            )?;
-            capture_bytes = input.cs.written_bytes();
-            let f = files(settings, &view, &current, upper.clone());
-            plan = publisher::plan_gate(&input.cs, &input.head, &f, &settings.merge)?;
-            let paths = records(&plan);
-            if plan.is_conflict() {
-                let message = summary(&paths, OutcomeKind::Conflict);
-                debug!(
-                    session.id = id,
-                    outcome = "conflict",
-                    paths = plan.conflicts().count(),
-                    "rejected"
-                );
-                store.record_outcome(
-                    id,
-                    OutcomeRecord {
-                        kind: OutcomeKind::Conflict,
-                        message: Some(message),
-                        paths,
-                        timings: Some(PublishTimings {
-                            capture_us: micros(capture),
-                            gate_wait_us: micros(gate_wait),
-                            gate_hold_us: micros(holding.elapsed()),
-                            total_us: micros(started.elapsed()),
-                            capture_bytes,
-                        }),
-                    },
-                    Some(staged),
-                )?;
-                return Ok(None);
+    if head != ready.observed.manifest {
+        let delta = store.changes_between(ready.observed.manifest, head, &ready.input.query)?;
+        if moves_the_plan(delta, &ready.input.head) {
+            if optimistic {
+                return Ok(GateStep::Replan(ready));
             }
-            replanned = Some((index_of(&plan), paths));
-            // Blame: only the paths the head changed can own other lines now.
-            let touched: std::collections::BTreeSet<Vec<u8>> =
-                input.head.iter().map(|h| h.path.clone()).collect();
-            crate::blame::stage(
-                store,
-                settings,
-                &ctx.session,
-                (ctx.lease_manifest, current.manifest),
-                &input.head,
-                &plan,
-                &upper,
-                staged.layer,
-                Some(&touched),
-            );
+            let gate = (gate_wait, Some(holding));
+            if let Replanned::Conflict =
+                replan(store, settings, pins, id, &mut ready, started, gate)?
+            {
+                return Ok(GateStep::Done(None));
+            }
+        } else {
+            // Nothing at our paths: the plan stands on the new head.
+            ready.observed.manifest = head;
         }
     }
+    let Ready {
+        ctx,
+        plan,
+        staged,
+        capture,
+        capture_bytes,
+        replanned,
+        observed,
+        ..
+    } = *ready;
+    let upper = ctx.session.upper.clone();
     #[cfg(any(test, feature = "failpoints"))]
     if let Some(h) = hook {
         h(&upper);
@@ -950,7 +1086,7 @@ fn commit(
     let p = store.commit_publish(
         id,
         staged,
-        head,
+        observed.manifest,
         layerstack_store::CommitRecord {
             kind: Some(kind),
             message: Some(summary(&paths_now, kind)),
@@ -978,7 +1114,7 @@ fn commit(
         apply_us = micros(applied.saturating_sub(planned)),
         "publish committed"
     );
-    Ok(Some(p.outcome))
+    Ok(GateStep::Done(Some(p.outcome)))
 }
 
 /// While alive, the calling thread runs at another CPU priority

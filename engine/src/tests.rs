@@ -343,11 +343,11 @@ async fn concurrent_disjoint_publishes_on_one_head_all_commit() {
 }
 
 /// The head moves between planning (outside the gate) and the gate, at a path
-/// this publish touches: the gate plans again against the real head — a
+/// this publish touches: the publish plans again against the real head — a
 /// separate hunk merges, an overlapping one is rejected whole.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_head_that_moved_at_our_paths_is_planned_again_under_the_gate() {
-    if !have_root("a_head_that_moved_at_our_paths_is_planned_again_under_the_gate") {
+async fn a_head_that_moved_at_our_paths_is_planned_again() {
+    if !have_root("a_head_that_moved_at_our_paths_is_planned_again") {
         return;
     }
     let t = tmp();
@@ -404,6 +404,88 @@ async fn a_head_that_moved_at_our_paths_is_planned_again_under_the_gate() {
         head.lookup(b"etc/c-only").unwrap().is_none(),
         "nothing of c was published"
     );
+}
+
+/// A publish whose head keeps moving at its paths before each of its turns at
+/// the gate plans again outside the gate `OPTIMISTIC_REPLANS` times, then
+/// plans under the gate (where the head cannot move) and lands: it never
+/// starves, and it never holds the gate for a re-plan while it may still lose
+/// the race outside.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_that_keeps_losing_the_race_plans_under_the_gate_at_last() {
+    if !have_root("a_publish_that_keeps_losing_the_race_plans_under_the_gate_at_last") {
+        return;
+    }
+    let t = tmp();
+    let (store, s) = setup_n(t.path(), 6);
+    // Ours edits a line; each mover edits another line (a hunk apart) or the
+    // file's owner, moving the head at our path: all of them merge.
+    write(&s[0].upper, "etc/app.conf", &edit("key2 = 2", "key2 = X"));
+    write(&s[1].upper, "etc/app.conf", &edit("# app", "# app M1"));
+    write(&s[2].upper, "etc/app.conf", &edit("key4 = 4", "key4 = M2"));
+    write(&s[3].upper, "etc/app.conf", &edit("key6 = 6", "key6 = M3"));
+    write(&s[4].upper, "etc/app.conf", BASE);
+    std::os::unix::fs::lchown(s[4].upper.join("etc/app.conf"), Some(4), Some(4)).unwrap();
+    write(&s[5].upper, "etc/app.conf", BASE);
+    std::os::unix::fs::lchown(s[5].upper.join("etc/app.conf"), Some(5), Some(5)).unwrap();
+    let p = engine(&store);
+    // Before each of ours' turns at the gate, the test publishes the next mover.
+    let (turn_tx, turn_rx) = std::sync::mpsc::channel::<()>();
+    let (done_tx, done_rx) = std::sync::mpsc::channel::<()>();
+    let done_rx = std::sync::Mutex::new(done_rx);
+    let ours = s[0].upper.clone();
+    p.failpoint_before_gate(move |upper| {
+        if upper == ours {
+            turn_tx.send(()).unwrap();
+            done_rx.lock().unwrap().recv().unwrap();
+        }
+    });
+    let publish = {
+        let p = p.clone();
+        let id = s[0].id;
+        tokio::spawn(async move { p.publish(id, "ours").await.unwrap() })
+    };
+    let turn_rx = Arc::new(std::sync::Mutex::new(turn_rx));
+    let mut turns = 0;
+    loop {
+        let rx = turn_rx.clone();
+        let turn = tokio::task::spawn_blocking(move || {
+            rx.lock()
+                .unwrap()
+                .recv_timeout(std::time::Duration::from_secs(5))
+        })
+        .await
+        .unwrap();
+        if turn.is_err() {
+            break; // ours did not come back to the gate: it landed
+        }
+        turns += 1;
+        let mover = p.publish(s[turns].id, "mover").await.unwrap();
+        assert!(mover.outcome.unwrap().kind.is_published());
+        done_tx.send(()).unwrap();
+    }
+    let ours = publish.await.unwrap().outcome.unwrap();
+    assert_eq!(ours.kind, OutcomeKind::Merged, "{ours:?}");
+    assert_eq!(
+        turns as u32,
+        crate::publish::OPTIMISTIC_REPLANS + 1,
+        "three rounds outside the gate, then one planned under it"
+    );
+    // Every line and the owner the fourth mover gave the file.
+    let head = head_view(&store, "main");
+    let want = String::from_utf8(edit("key2 = 2", "key2 = X"))
+        .unwrap()
+        .replace("# app", "# app M1")
+        .replace("key4 = 4", "key4 = M2")
+        .replace("key6 = 6", "key6 = M3");
+    assert_eq!(
+        head.read_regular(b"etc/app.conf").unwrap().unwrap(),
+        want.as_bytes()
+    );
+    let layers = store.branch_layers("ns/sha256:aaa", "main").unwrap();
+    let top = std::fs::symlink_metadata(layers[0].join("etc/app.conf")).unwrap();
+    use std::os::unix::fs::MetadataExt;
+    assert_eq!((top.uid(), top.gid()), (4, 4));
 }
 
 /// A hostile upper: symlinks to `/` at every level, and a directory swapped for
