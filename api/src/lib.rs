@@ -249,3 +249,62 @@ mod tests {
         }
     }
 }
+
+/// `s` as the mount socket carries it (`layerstack_sandbox::wire`): the
+/// protobuf encoding, as lowercase hex.
+pub fn session_to_hex(s: &Session) -> String {
+    use prost::Message;
+    use std::fmt::Write;
+    let bytes = s.encode_to_vec();
+    let mut out = String::with_capacity(bytes.len() * 2);
+    for b in bytes {
+        let _ = write!(out, "{b:02x}");
+    }
+    out
+}
+
+/// The inverse of [`session_to_hex`].
+///
+/// # Errors
+/// The text is not hex digits in pairs, or the bytes are not a `Session`.
+pub fn session_from_hex(h: &str) -> Result<Session, String> {
+    use prost::Message;
+    if !h.len().is_multiple_of(2) {
+        return Err("an odd number of hex digits".into());
+    }
+    let bytes = (0..h.len())
+        .step_by(2)
+        .map(|i| {
+            h.get(i..i + 2)
+                .and_then(|d| u8::from_str_radix(d, 16).ok())
+                .ok_or_else(|| format!("not a hex digit pair at {i}"))
+        })
+        .collect::<Result<Vec<u8>, String>>()?;
+    Session::decode(bytes.as_slice()).map_err(|e| format!("not a session: {e}"))
+}
+
+#[cfg(test)]
+mod hex_tests {
+    use super::*;
+
+    #[test]
+    fn a_session_round_trips_through_hex() {
+        let s = Session {
+            id: 42,
+            outcome: "discarded".into(),
+            message: "writes dropped: ünïcode".into(),
+            counts: Some(PathCounts {
+                clean: 3,
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let h = session_to_hex(&s);
+        assert!(h
+            .bytes()
+            .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()));
+        assert_eq!(session_from_hex(&h), Ok(s));
+        assert!(session_from_hex("abc").is_err());
+        assert!(session_from_hex("zz").is_err());
+    }
+}

@@ -2,12 +2,14 @@
 //! sessions without a container, each in mount, pid, ipc and uts namespaces of
 //! its own (and a network namespace with only `lo` for `--net none`).
 //!
-//! `run` is the holder: it asks the daemon for a session (admin RPC
-//! `CreateSession`), receives the session's overlay as a detached mount on the
-//! mount socket, starts the session's init (`layerstack_sandbox::holder`), runs
-//! the command with stdin, stdout and stderr passed through untouched, and once
-//! the command and every process of the session are gone asks the daemon to
-//! close the session by its exit policy (`CloseSession` with the exit status). It
+//! `run` is the holder: it asks the daemon for a session and receives its
+//! overlay as a detached mount, in one round trip on the mount socket (`start`:
+//! the admin API's `CreateSession` and an attach), starts the session's init
+//! (`layerstack_sandbox::holder`), runs the command with stdin, stdout and
+//! stderr passed through untouched, and once the command and every process of
+//! the session are gone asks the daemon, on the same connection, to close the
+//! session by its exit policy (`close`: `CloseSession` with the exit status;
+//! through the admin API if the daemon restarted meanwhile). It
 //! writes the outcome as one line on stderr (and as JSON to `--outcome FILE`) and
 //! exits with the command's status (127: not found, 126: not executable, 128 + n:
 //! killed by signal n; 125: the session could not be started).
@@ -332,12 +334,38 @@ fn default_name() -> String {
     format!("{}:{}", host.trim(), std::process::id())
 }
 
-/// Refusals that need no daemon, then `CreateSession`.
-async fn create(
-    c: &mut api::AdminClient<tonic::transport::Channel>,
+/// A refusal the daemon answered on the mount socket: its message is for the
+/// user (the errdefs kind is in `code`).
+#[derive(Debug)]
+struct Refused {
+    code: String,
+    message: String,
+}
+
+impl std::fmt::Display for Refused {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{} ({})", self.message, self.code)
+    }
+}
+
+impl std::error::Error for Refused {}
+
+fn refused(reply: wire::Reply) -> anyhow::Error {
+    Refused {
+        code: reply.code,
+        message: reply.message,
+    }
+    .into()
+}
+
+/// Refusals that need no daemon, then `start` on the mount socket: the session
+/// (the daemon's `CreateSession`) and its overlay in one round trip. Returns
+/// the connection, which holds the session from now on.
+fn start(
+    mount: &Path,
     ns: &str,
     a: &SessionArgs,
-) -> Result<api::CreateSessionResponse> {
+) -> Result<(MountConn, api::Session, std::os::fd::OwnedFd)> {
     if a.publish == Some(PublishPolicy::Checkpoint) && a.node.is_none() {
         bail!("--publish checkpoint makes a child node of the node the session starts from: give --node ID (layerstack graph show lists nodes), or use on-exit, on-success or never");
     }
@@ -345,8 +373,9 @@ async fn create(
         Some(s) => crate::history::split_branch(s),
         None => (String::new(), String::new()),
     };
-    let r = c
-        .create_session(api::CreateSessionRequest {
+    let mut conn = connect_mount(mount)?;
+    let (reply, mut fds) = conn
+        .request(&Request::Start(wire::Start {
             namespace: ns.to_string(),
             stack,
             branch,
@@ -362,10 +391,46 @@ async fn create(
             } else {
                 a.wait_timeout.saturating_mul(1000)
             },
-        })
-        .await?
-        .into_inner();
-    Ok(r)
+        }))
+        .context("starting a session on the mount socket")?;
+    if !reply.ok {
+        return Err(refused(reply));
+    }
+    let session = api::session_from_hex(&reply.session)
+        .map_err(|e| anyhow::anyhow!("the daemon's answer to start: {e}"))?;
+    let fd = fds.pop().context("the daemon sent no mount")?;
+    Ok((conn, session, fd))
+}
+
+/// `close` of the session `conn` holds. Errors: a [`Refused`] answer, or the
+/// connection broke (the daemon restarted: close through the admin API).
+fn close_on(
+    conn: &mut MountConn,
+    policy: api::PublishPolicy,
+    exit: Option<u32>,
+    reason: &str,
+    node: &NodeInfo,
+) -> Result<api::Session> {
+    let policy = match policy {
+        api::PublishPolicy::Publish => "publish",
+        api::PublishPolicy::Discard => "discard",
+        api::PublishPolicy::Checkpoint => "checkpoint",
+        api::PublishPolicy::Auto => "auto",
+    };
+    let (reply, _) = conn
+        .request(&Request::Close(wire::Close {
+            policy: policy.to_string(),
+            reason: reason.to_string(),
+            exit_status: exit,
+            state: node.state.clone().unwrap_or_default(),
+            command: node.command.clone().unwrap_or_default(),
+        }))
+        .context("closing the session on the mount socket")?;
+    if !reply.ok {
+        return Err(refused(reply));
+    }
+    api::session_from_hex(&reply.session)
+        .map_err(|e| anyhow::anyhow!("the daemon's answer to close: {e}"))
 }
 
 /// Where the overlay goes, the mode, and the default working directory.
@@ -385,40 +450,22 @@ fn placement(a: &SessionArgs) -> Result<(Placement, Mode, PathBuf)> {
     }
 }
 
-/// A started session: its id, its holder connection and its init.
-struct Held {
-    conn: MountConn,
-    init: Result<holder::Init, Exit>,
-}
-
-/// Attaches session `session` and starts its init (see the module docs).
+/// Starts session `session`'s init with its overlay `mount_fd`, held by
+/// `conn` (see the module docs). `Err(exit)` inside: init could not set the
+/// session up.
 fn hold(
-    mount: &Path,
+    conn: &MountConn,
+    mount_fd: std::os::fd::OwnedFd,
     session: &api::Session,
+    (placement, mode, default_workdir): (Placement, Mode, PathBuf),
     a: &SessionArgs,
     run: Option<(&ProcessArgs, &[OsString])>,
-) -> Result<Held> {
-    let (placement, mode, default_workdir) = placement(a)?;
+) -> Result<Result<holder::Init, Exit>> {
     let hostname = format!("ls-{}", session.id);
     let cmd = match run {
         Some((p, argv)) => Some(command(mode, &hostname, &default_workdir, p, argv)?),
         None => None,
     };
-    let mut conn = connect_mount(mount)?;
-    let (reply, mut fds) = conn
-        .request(&Request::Attach {
-            session: session.id,
-        })
-        .context("attaching the session on the mount socket")?;
-    if !reply.ok {
-        bail!(
-            "cannot attach session {}: {} ({})",
-            session.id,
-            reply.message,
-            reply.code
-        );
-    }
-    let mount_fd = fds.pop().context("the daemon sent no mount")?;
     conn.pass_credentials()?;
     let setup = Setup {
         placement,
@@ -436,7 +483,7 @@ fn hold(
     // Only init keeps the overlay: a descriptor of it here would keep the mount
     // alive after the session's namespaces are gone.
     drop(mount_fd);
-    Ok(Held { conn, init })
+    Ok(init)
 }
 
 /// One line on stderr: `layerstack: session 12 committed (layer 34; 3 clean, 0 merged, 0 excluded)`.
@@ -527,31 +574,30 @@ pub async fn run(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
 
 async fn run_inner(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
     require_root("run")?;
-    let mut c = crate::connect(&cli.admin_address).await?;
-    let created = create(&mut c, &cli.namespace, &a.session).await?;
-    let session = created.session.context("the daemon sent no session")?;
+    let place = placement(&a.session)?;
+    let (mut conn, session, mount_fd) = start(&mount_address(cli), &cli.namespace, &a.session)?;
     let id = session.id;
-    let held = match hold(
-        &mount_address(cli),
+    let init = match hold(
+        &conn,
+        mount_fd,
         &session,
+        place,
         &a.session,
         Some((&a.process, &a.cmd)),
     ) {
-        Ok(h) => h,
+        Ok(i) => i,
         Err(e) => {
-            let _ = close(
-                &mut c,
-                id,
+            let _ = close_on(
+                &mut conn,
                 api::PublishPolicy::Discard,
                 None,
                 "session setup failed",
                 &NodeInfo::default(),
-            )
-            .await;
+            );
             return Err(e);
         }
     };
-    let (exit, policy, reason) = match held.init {
+    let (exit, policy, reason) = match init {
         Ok(init) => {
             let x = init.wait().context("waiting for the session's init")?;
             let code = x.shell_status();
@@ -578,15 +624,17 @@ async fn run_inner(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
                 .join(" "),
         ),
     };
-    let s = match close(&mut c, id, policy, status, &reason, &node).await {
+    let s = match close_on(&mut conn, policy, status, &reason, &node) {
         Ok(s) => s,
-        // The daemon restarted meanwhile: a new connection.
+        Err(e) if e.downcast_ref::<Refused>().is_some() => return Err(e),
+        // The connection broke: the daemon restarted meanwhile (the new one
+        // watches the session; its holder closes it through the admin API).
         Err(_) => {
             let mut c = crate::connect(&cli.admin_address).await?;
             close(&mut c, id, policy, status, &reason, &node).await?
         }
     };
-    drop(held.conn);
+    drop(conn);
     eprintln!("{}", outcome_line(&s));
     if let Some(f) = &a.outcome {
         write_outcome(f, &s, Some(exit))?;
@@ -597,35 +645,30 @@ async fn run_inner(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
 /// `session create`: prints the session id once its init is ready.
 pub async fn create_cmd(cli: &Cli, a: CreateArgs) -> Result<ExitCode> {
     require_root("create")?;
-    let mut c = crate::connect(&cli.admin_address).await?;
-    let created = create(&mut c, &cli.namespace, &a.session).await?;
-    let session = created.session.context("the daemon sent no session")?;
+    let place = placement(&a.session)?;
+    let (mut conn, session, mount_fd) = start(&mount_address(cli), &cli.namespace, &a.session)?;
     let id = session.id;
-    let held = match hold(&mount_address(cli), &session, &a.session, None) {
-        Ok(h) => h,
+    let init = match hold(&conn, mount_fd, &session, place, &a.session, None) {
+        Ok(i) => i,
         Err(e) => {
-            let _ = close(
-                &mut c,
-                id,
+            let _ = close_on(
+                &mut conn,
                 api::PublishPolicy::Discard,
                 None,
                 "session setup failed",
                 &NodeInfo::default(),
-            )
-            .await;
+            );
             return Err(e);
         }
     };
-    if let Err(x) = held.init {
-        let _ = close(
-            &mut c,
-            id,
+    if let Err(x) = init {
+        let _ = close_on(
+            &mut conn,
             api::PublishPolicy::Discard,
             None,
             "session setup failed",
             &NodeInfo::default(),
-        )
-        .await;
+        );
         bail!(
             "session {id} could not be set up (init exited with status {})",
             x.shell_status()

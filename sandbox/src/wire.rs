@@ -13,6 +13,20 @@
 //! session exec      → {"op":"join","session":12}             (a new connection)
 //! daemon            ← {"ok":true,"mode":"root","workdir":"/"} + [pidfd of init, its root]
 //! ```
+//!
+//! `session run` and `session create` take the session and its overlay in one
+//! round trip, and `session run` ends it on the same connection (no admin API
+//! connection on its path):
+//! ```text
+//! holder            → {"op":"start","stack":"…","branch":"main","policy":"never",…}
+//! daemon            ← {"ok":true,"session":"<hex>","created":true} + [overlay mount fd]
+//!   … ready, the command runs …
+//! holder            → {"op":"close","policy":"auto","exit_status":0,…}
+//! daemon            ← {"ok":true,"session":"<hex>"}          (the outcome in it)
+//! ```
+//! `session` is the admin API's `Session` message (api/proto/admin.proto),
+//! protobuf-encoded, as lowercase hex: the CLI prints and writes exactly what a
+//! `CreateSession` / `CloseSession` answer would have carried.
 //! An error reply is `{"ok":false,"code":"not-found","message":"…"}`; `code` is an
 //! errdefs kind as the admin API maps them (`not-found`, `failed-precondition`,
 //! `already-exists`, `invalid-argument`, `unsupported`, `internal`, …).
@@ -34,6 +48,53 @@ pub enum Request {
     Ready { mode: Mode, workdir: String },
     /// Let me join session `session`'s namespaces (`layerstack session exec`).
     Join { session: i64 },
+    /// Create a session (the admin API's `CreateSession`) and attach it on
+    /// this connection, as [`Request::Attach`] does.
+    Start(Start),
+    /// End the session this connection holds (the admin API's `CloseSession`).
+    Close(Close),
+}
+
+/// The fields of the admin API's `CreateSessionRequest` (same meaning; empty
+/// means the default there).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct Start {
+    #[serde(default)]
+    pub namespace: String,
+    #[serde(default)]
+    pub stack: String,
+    #[serde(default)]
+    pub branch: String,
+    #[serde(default)]
+    pub node: String,
+    #[serde(default)]
+    pub name: String,
+    #[serde(default)]
+    pub idempotency_key: String,
+    #[serde(default)]
+    pub policy: String,
+    /// ms to wait for a slot under the cap; 0: answer busy at once.
+    #[serde(default)]
+    pub wait_ms: u32,
+}
+
+/// The fields of the admin API's `CloseSessionRequest` but the session (the
+/// one this connection holds).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct Close {
+    /// `auto` (the recorded exit policy and `exit_status`), `publish`,
+    /// `discard` or `checkpoint`.
+    pub policy: String,
+    #[serde(default)]
+    pub reason: String,
+    /// The command's exit status; absent: none (a holder that could not run it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_status: Option<u32>,
+    /// A checkpoint's node state (JSON object) and command.
+    #[serde(default)]
+    pub state: String,
+    #[serde(default)]
+    pub command: String,
 }
 
 /// Root mode (the overlay is `/`) or workspace mode (mounted at a directory).
@@ -58,6 +119,12 @@ pub struct Reply {
     pub mode: Option<Mode>,
     #[serde(default, skip_serializing_if = "String::is_empty")]
     pub workdir: String,
+    /// Start and close: the session (admin API `Session`, protobuf, hex).
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub session: String,
+    /// Start: false when an idempotency key named an earlier session.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub created: Option<bool>,
 }
 
 impl Reply {
@@ -105,6 +172,32 @@ mod tests {
         assert_eq!(
             serde_json::from_slice::<Request>(&line(&ready)).unwrap(),
             ready
+        );
+        let start = Request::Start(Start {
+            stack: "s".into(),
+            policy: "never".into(),
+            wait_ms: 5,
+            ..Default::default()
+        });
+        let l = line(&start);
+        assert!(l.starts_with(b"{\"op\":\"start\",\"namespace\":\"\",\"stack\":\"s\""));
+        assert_eq!(serde_json::from_slice::<Request>(&l).unwrap(), start);
+        let close = Request::Close(Close {
+            policy: "auto".into(),
+            exit_status: Some(3),
+            ..Default::default()
+        });
+        assert_eq!(
+            serde_json::from_slice::<Request>(&line(&close)).unwrap(),
+            close
+        );
+        // Fields left out take their defaults.
+        assert_eq!(
+            serde_json::from_slice::<Request>(b"{\"op\":\"start\",\"stack\":\"x\"}").unwrap(),
+            Request::Start(Start {
+                stack: "x".into(),
+                ..Default::default()
+            })
         );
         let e = Reply::error("not-found", "no session 3");
         let back: Reply = serde_json::from_slice(&line(&e)).unwrap();

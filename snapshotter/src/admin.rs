@@ -18,6 +18,7 @@ const BATCH: usize = 1000;
 const MAX_PAGE: usize = 10_000;
 
 /// The admin service.
+#[derive(Clone)]
 pub struct AdminService {
     pub(crate) engine: Arc<Engine>,
     pub(crate) containerd_address: PathBuf,

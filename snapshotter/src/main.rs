@@ -397,15 +397,14 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
         engine.clone(),
         Some(cfg.containerd_address.clone()),
     )));
-    let admin = layerstack_api::AdminServer::new(
-        admin::AdminService::new(
-            engine.clone(),
-            cfg.containerd_address.clone(),
-            subscribed.clone(),
-        )
-        .with_metrics_address(metrics_address)
-        .with_holders(holders.clone()),
-    );
+    let service = admin::AdminService::new(
+        engine.clone(),
+        cfg.containerd_address.clone(),
+        subscribed.clone(),
+    )
+    .with_metrics_address(metrics_address)
+    .with_holders(holders);
+    let admin = layerstack_api::AdminServer::new(service.clone());
     info!(
         address = %cfg.address.display(),
         admin = %cfg.admin_address.display(),
@@ -422,11 +421,7 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
             }
         });
     }
-    tokio::spawn(sandbox::serve(
-        mount_socket.listener()?,
-        engine.clone(),
-        holders,
-    ));
+    tokio::spawn(sandbox::serve(mount_socket.listener()?, service));
 
     if cfg.publish_on_task_delete {
         tokio::spawn(containerd::watch_events(

@@ -88,8 +88,10 @@ fn wire_error(e: &EngineError) -> Reply {
     Reply::error(e.kind().as_str(), api::error_chain(e))
 }
 
-/// Serves the mount socket until the listener fails.
-pub async fn serve(listener: UnixListener, engine: Arc<Engine>, holders: Arc<Holders>) {
+/// Serves the mount socket until the listener fails. `admin` answers `start`
+/// and `close` as the admin API's `CreateSession` and `CloseSession`.
+pub async fn serve(listener: UnixListener, admin: AdminService) {
+    let (engine, holders) = (admin.engine.clone(), admin.holders.clone());
     loop {
         let (stream, _) = match listener.accept().await {
             Ok(s) => s,
@@ -99,9 +101,9 @@ pub async fn serve(listener: UnixListener, engine: Arc<Engine>, holders: Arc<Hol
                 continue;
             }
         };
-        let (engine, holders) = (engine.clone(), holders.clone());
+        let (engine, holders, admin) = (engine.clone(), holders.clone(), admin.clone());
         tokio::spawn(async move {
-            if let Err(e) = connection(stream, &engine, &holders).await {
+            if let Err(e) = connection(stream, &engine, &holders, &admin).await {
                 debug!(error = %e, "mount socket connection ended with an error");
             }
         });
@@ -162,10 +164,74 @@ async fn read_line(
     }
 }
 
+/// A wire error from an admin API status (its errdefs kind, kebab case).
+fn status_reply(st: &Status) -> Reply {
+    Reply::error(
+        &api::kind_name(st.code()).replace('_', "-"),
+        st.message().to_string(),
+    )
+}
+
+/// `start`: `CreateSession`, then `attach` on this connection. A session this
+/// call created whose overlay cannot be attached is discarded again.
+async fn start(
+    admin: &AdminService,
+    conn: u64,
+    attached: Option<SessionId>,
+    r: wire::Start,
+) -> Result<(api::Session, bool, OwnedFd), Reply> {
+    if attached.is_some() {
+        return Err(Reply::error(
+            "failed-precondition",
+            "this connection holds a session already: one connection per session",
+        ));
+    }
+    let created = admin
+        .sandbox_create(api::CreateSessionRequest {
+            namespace: r.namespace,
+            stack: r.stack,
+            branch: r.branch,
+            node: r.node,
+            name: r.name,
+            idempotency_key: r.idempotency_key,
+            policy: r.policy,
+            wait_ms: r.wait_ms,
+        })
+        .await
+        .map_err(|st| status_reply(&st))?;
+    let session = created
+        .session
+        .ok_or_else(|| Reply::error("internal", "CreateSession answered no session"))?;
+    match attach(&admin.engine, &admin.holders, conn, session.id, None).await {
+        Ok(fd) => Ok((session, created.created, fd)),
+        Err(reply) => {
+            if created.created {
+                let engine = admin.engine.clone();
+                let id = session.id;
+                tokio::spawn(async move {
+                    if let Err(e) = engine
+                        .close_sandbox_session(
+                            id,
+                            CloseHow::Discard,
+                            "session setup failed",
+                            CLOSE_PATIENCE,
+                        )
+                        .await
+                    {
+                        warn!(session.id = id, error = %api::error_chain(&e), "cannot discard a session whose overlay could not be attached");
+                    }
+                });
+            }
+            Err(reply)
+        }
+    }
+}
+
 async fn connection(
     stream: UnixStream,
     engine: &Arc<Engine>,
     holders: &Arc<Holders>,
+    admin: &AdminService,
 ) -> io::Result<()> {
     let fd = stream.as_raw_fd();
     let (peer_pid, uid) = sys::peer_cred(fd)?;
@@ -234,6 +300,34 @@ async fn connection(
                 let (reply, fds) = join(holders, session);
                 let raw: Vec<RawFd> = fds.iter().map(AsRawFd::as_raw_fd).collect();
                 send(&stream, &wire::line(&reply), &raw).await?;
+            }
+            Request::Start(r) => {
+                let (reply, fd) = match start(admin, conn, attached, r).await {
+                    Ok((session, created, fd)) => {
+                        attached = Some(session.id);
+                        let reply = Reply {
+                            ok: true,
+                            session: api::session_to_hex(&session),
+                            created: Some(created),
+                            ..Default::default()
+                        };
+                        (reply, Some(fd))
+                    }
+                    Err(r) => (r, None),
+                };
+                let fds: Vec<RawFd> = fd.iter().map(AsRawFd::as_raw_fd).collect();
+                send(&stream, &wire::line(&reply), &fds).await?;
+            }
+            Request::Close(r) => {
+                let reply = match close(admin, attached, r).await {
+                    Ok(session) => Reply {
+                        ok: true,
+                        session: api::session_to_hex(&session),
+                        ..Default::default()
+                    },
+                    Err(r) => r,
+                };
+                send(&stream, &wire::line(&reply), &[]).await?;
             }
         }
     };
@@ -338,6 +432,44 @@ async fn attach(
         },
     );
     Ok(fd)
+}
+
+/// `close`: `CloseSession` of the session this connection holds.
+async fn close(
+    admin: &AdminService,
+    attached: Option<SessionId>,
+    r: wire::Close,
+) -> Result<api::Session, Reply> {
+    let Some(id) = attached else {
+        return Err(Reply::error(
+            "failed-precondition",
+            "this connection holds no session: start or attach one first",
+        ));
+    };
+    let policy = match r.policy.as_str() {
+        "" | "auto" => api::PublishPolicy::Auto,
+        "publish" => api::PublishPolicy::Publish,
+        "discard" => api::PublishPolicy::Discard,
+        "checkpoint" => api::PublishPolicy::Checkpoint,
+        other => {
+            return Err(Reply::error(
+                "invalid-argument",
+                format!("close policy {other:?} is not one of auto, publish, discard, checkpoint"),
+            ))
+        }
+    };
+    admin
+        .sandbox_close(api::CloseSessionRequest {
+            session_id: id,
+            policy: policy as i32,
+            reason: r.reason,
+            has_exit_status: r.exit_status.is_some(),
+            exit_status: r.exit_status.unwrap_or(0),
+            state: r.state,
+            command: r.command,
+        })
+        .await
+        .map_err(|st| status_reply(&st))
 }
 
 fn join(holders: &Holders, id: SessionId) -> (Reply, Vec<OwnedFd>) {
