@@ -657,8 +657,11 @@ impl Store {
     /// (ARCHITECTURE.md §10): every inode counted once, in the first class that
     /// reaches it (hot, cold, uppers, staging, containerd's snapshots, metadata).
     /// The total equals `du` of the store root within a few blocks (the walks run
-    /// while the store may change).
+    /// while the store may change). Trees handed to the reaper are removed first
+    /// (waiting at most 10 s), so a removal in flight is not counted by one
+    /// walk and gone for the next.
     pub fn disk_usage(&self) -> Result<DiskUsage, StoreError> {
+        self.reaper.settle(std::time::Duration::from_secs(10));
         struct Classes {
             hot: Vec<(String, PathBuf)>,
             cold: Vec<(String, PathBuf)>,

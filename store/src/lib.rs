@@ -51,6 +51,7 @@ mod lock;
 mod model;
 mod paths;
 mod publish;
+mod reaper;
 mod schema;
 mod sessions;
 pub mod snapshots;
@@ -129,6 +130,8 @@ pub struct Store {
     inflight: InFlight,
     /// Squashed layers' expanded members, for the gate's path-index queries.
     expansions: paths::Expansions,
+    /// Removes trees the store let go of, off the paths that wait for an answer.
+    reaper: reaper::Reaper,
 }
 
 /// Directories an operation in flight is creating or still owns (relative to the
@@ -265,6 +268,7 @@ impl Store {
             durability: opts.durability,
             inflight: InFlight::default(),
             expansions: paths::Expansions::default(),
+            reaper: reaper::Reaper::new(root.join("staging")),
         };
         if !opts.startup_sweep {
             return Ok(store);

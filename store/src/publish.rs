@@ -449,10 +449,8 @@ impl Store {
             // The owner let go already (a kept conflict upper being dropped, or a
             // run ended after containerd removed the snapshot): nothing mounts
             // this session again.
-            let dir = self.session_path(session);
-            if let Err(e) = fs::remove_tree(&dir) {
-                warn!(path = %dir.display(), error = %e, "failed to remove session directory; the sweep will retry");
-            }
+            self.reaper
+                .drop_tree(&self.session_path(session), &format!("s{session}"));
         } else if ends {
             self.reset_session_dirs(session, true);
         }
@@ -534,20 +532,8 @@ impl Store {
         if drop_upper {
             doomed.push(s.join("upper"));
         }
-        for (i, d) in doomed.into_iter().enumerate() {
-            if std::fs::symlink_metadata(&d).is_err() {
-                continue;
-            }
-            let name = format!("reset-{session}-{i}-{}", now_ns());
-            let _g = self.inflight.hold(format!("staging/{name}"));
-            let tmp = self.staging_path().join(name);
-            let target = match std::fs::rename(&d, &tmp) {
-                Ok(()) => tmp,
-                Err(_) => d,
-            };
-            if let Err(e) = fs::remove_tree(&target) {
-                warn!(path = %target.display(), error = %e, "failed to remove old session directory; the sweep will retry");
-            }
+        for d in doomed {
+            self.reaper.drop_tree(&d, &format!("s{session}-reset"));
         }
         if let Err(e) = self.make_session_dirs(session) {
             warn!(session.id = session, error = %e, "failed to recreate session directories; the next mount retries");

@@ -11,7 +11,7 @@
 use std::path::PathBuf;
 
 use rusqlite::{params, Connection, OptionalExtension, Transaction};
-use tracing::{info, warn};
+use tracing::info;
 
 use crate::db::Cached;
 use crate::error::StoreError;
@@ -581,10 +581,8 @@ impl Store {
     }
 
     fn drop_session_dirs(&self, sid: SessionId) {
-        let dir = self.session_path(sid);
-        if let Err(e) = fs::remove_tree(&dir) {
-            warn!(path = %dir.display(), error = %e, "failed to remove session directory; the sweep will retry");
-        }
+        self.reaper
+            .drop_tree(&self.session_path(sid), &format!("s{sid}"));
     }
 
     /// Re-points a session whose current run has not been mounted yet to `branch`

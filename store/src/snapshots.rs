@@ -23,7 +23,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use rusqlite::{params, Connection, OptionalExtension, Transaction};
-use tracing::{debug, info, warn};
+use tracing::{debug, info};
 
 use crate::db::Cached;
 use crate::error::StoreError;
@@ -609,9 +609,7 @@ impl Store {
             Ok(work_to_remove)
         })?;
         if let Some(w) = work_to_remove {
-            if let Err(e) = fs::remove_tree(&w) {
-                warn!(path = %w.display(), error = %e, "failed to remove workdir; the sweep will retry");
-            }
+            self.reaper.drop_tree(&w, "work");
         }
         info!(snapshot.key = key, name, "committed");
         Ok(())
@@ -686,9 +684,7 @@ impl Store {
             Ok((removed, dirs))
         })?;
         for d in dirs {
-            if let Err(e) = fs::remove_tree(&d) {
-                warn!(path = %d.display(), error = %e, "failed to remove directory; the sweep will retry");
-            }
+            self.reaper.drop_tree(&d, "removed");
         }
         info!(snapshot.key = key, "removed");
         Ok(removed)
