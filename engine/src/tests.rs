@@ -2016,3 +2016,69 @@ async fn promote_sees_ancestry_through_a_squash() {
     let r = p.promote(stack, "main", "f", "op-back").await.unwrap();
     assert!(matches!(r, crate::Promoted::UpToDate { .. }), "{r:?}");
 }
+
+/// `diff --at` a member of a squash: the view as of its publish against the
+/// head, before GC (its old head) and after (built from the squash when it is
+/// the newest member; refused, saying what to use, when it needs a freed one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn diff_at_a_member_of_a_squash_compares_the_view_as_of_its_publish() {
+    if !have_root("diff_at_a_member_of_a_squash_compares_the_view_as_of_its_publish") {
+        return;
+    }
+    let t = tmp();
+    let (store, _) = setup_n(t.path(), 1);
+    let p = engine_with(
+        &store,
+        crate::HistorySettings {
+            squash_threshold: 0,
+            squash_keep: 1,
+            ..Default::default()
+        },
+    );
+    let stack = "ns/sha256:aaa";
+    let mut layers = Vec::new();
+    for i in 0..4 {
+        let f = format!("f{i}");
+        layers.push(publish_on(&p, "main", &f, &[(&f, b"f\n")], &[]).await);
+    }
+    let sq = p.squash(stack, "main").await.unwrap().unwrap().layer;
+    let at = |layer| crate::DiffTarget::Layer {
+        branch: "main".into(),
+        layer,
+    };
+    let head = crate::DiffTarget::Branch("main".into());
+    let paths = |d: &crate::Diff| {
+        d.entries
+            .iter()
+            .map(|e| String::from_utf8(e.path.clone()).unwrap())
+            .collect::<Vec<_>>()
+    };
+    let d = p
+        .diff(stack, at(layers[1]), head.clone(), false)
+        .await
+        .unwrap();
+    assert_eq!(paths(&d), ["f2", "f3"], "{d:?}");
+    assert!(
+        d.old.contains(&format!("compacted into layer {sq}")),
+        "{}",
+        d.old
+    );
+    p.gc().await.unwrap();
+    let d = p
+        .diff(stack, at(layers[2]), head.clone(), false)
+        .await
+        .unwrap();
+    assert_eq!(
+        paths(&d),
+        ["f3"],
+        "the newest member: the squash's own view"
+    );
+    let err = p
+        .diff(stack, at(layers[1]), head.clone(), false)
+        .await
+        .unwrap_err();
+    let msg = crate::error::error_chain(&err);
+    assert!(msg.contains(&format!("use layer {sq}")), "{msg}");
+    let err = p.diff(stack, at(9999), head, false).await.unwrap_err();
+    assert!(matches!(err, EngineError::NotFound(_)), "{err:?}");
+}
