@@ -14,6 +14,10 @@
 //! ancestor of `from`'s; otherwise a publish through the same gate of what `from`
 //! changed since their merge base, by a session owned by the operation — so a
 //! stale promote merges or is refused whole, never overwrites newer work.
+//! Ancestry and the merge base are decided on the layers as published (squashed
+//! layers expanded), so a squash on either side changes neither; when a squash of
+//! `from` compacted its own layers together with the merge base's, its changes
+//! are copied path by path (`publisher::copy_paths`) rather than flattened.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
