@@ -370,6 +370,9 @@ impl Engine {
         let mb = self
             .blocking(move |st| st.merge_base(&s, from_head, to_head))
             .await?;
+        // GC keeps it (and the member directories it may be built of) until the
+        // operation's session leases it.
+        let _base_pin = self.pins.pin(mb.manifest);
         let base = mb.manifest;
         let owner = Owner::Operation {
             id: operation.to_string(),
