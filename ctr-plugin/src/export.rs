@@ -9,7 +9,8 @@
 //! incomplete) and `oci-layout`. `--since LAYER` leaves out the blobs of that
 //! layer and every layer below it — what a registry that already has the
 //! earlier export holds; the manifest and config still list every layer. A
-//! failed export removes what it wrote.
+//! member of a squashed layer leaves out the layers below that squash (the
+//! squash's blob is new). A failed export removes what it wrote.
 //!
 //! The image config ([`image_config`]) is the stack's base image's, as the
 //! daemon read it from containerd (`ExportPlan.base_config`), with this
@@ -66,7 +67,10 @@ pub struct ExportArgs {
     pub tag: Option<String>,
     /// Only write the blobs of layers above LAYER (a layer id from `layerstack
     /// log`, or a base layer's): what a registry holding an earlier export lacks.
-    /// The manifest still lists every layer.
+    /// The manifest still lists every layer. A member of a squashed layer (as
+    /// `layerstack log` lists it) means everything above that point: the blobs
+    /// of the layers below the squash are left out, the squash's own is written
+    /// (it is a new blob, holding that member's changes and the ones after it).
     #[arg(long, value_name = "LAYER")]
     pub since: Option<i64>,
     /// Print the result as one JSON object.

@@ -20,7 +20,10 @@ use crate::output::{print_table, short, spinner};
 #[derive(Debug, Subcommand)]
 pub enum HistoryCmd {
     /// A branch's layers, newest first, with who published each and when:
-    /// STACK[@BRANCH].
+    /// STACK[@BRANCH]. A squashed layer's members (the layers it compacted)
+    /// are listed indented under it, each with its publisher, time and path
+    /// count; their ids are accepted wherever a layer of the log is (--at,
+    /// --since).
     Log {
         /// STACK[@BRANCH]: an image reference, stack id or base digest.
         stack: String,
@@ -128,7 +131,8 @@ pub enum BranchCmd {
         /// The branch to fork [default: the default branch].
         #[arg(long)]
         from: Option<String>,
-        /// Fork at this layer of FROM's log instead of its head.
+        /// Fork at this layer of FROM's log instead of its head; a member of
+        /// a squashed layer forks at the view as of its publish.
         #[arg(long, value_name = "LAYER")]
         at: Option<i64>,
         /// Print the branch as one JSON object.
@@ -197,6 +201,70 @@ pub(crate) fn timestamp(ns: i64) -> String {
     )
 }
 
+/// One log entry as JSON: its fields, `changed` with `paths`, and `members`
+/// (a squashed layer's, newest first, each an entry of its own; `[]` for
+/// other layers).
+fn log_entry_json(e: &api::LogEntry, paths: bool) -> serde_json::Value {
+    let mut v = json!({
+        "layer": e.layer, "manifest": e.manifest, "kind": e.kind,
+        "session": if e.session == 0 { serde_json::Value::Null } else { json!(e.session) },
+        "namespace": e.namespace, "container": e.container, "owner": e.owner,
+        "paths": e.paths, "created_ns": e.created_ns, "created": timestamp(e.created_ns),
+        "members": e.members.iter().map(|m| log_entry_json(m, paths)).collect::<Vec<_>>(),
+    });
+    if paths {
+        v["changed"] = e
+            .changed
+            .iter()
+            .map(|p| json!({"path": p.path, "kind": p.kind}))
+            .collect();
+    }
+    v
+}
+
+/// `layerstack log --json`: one object with the stack, the branch and its
+/// layers, newest first.
+fn log_json(
+    stack: &str,
+    branch: &str,
+    entries: &[api::LogEntry],
+    paths: bool,
+) -> serde_json::Value {
+    json!({
+        "stack": stack,
+        "branch": branch,
+        "layers": entries.iter().map(|e| log_entry_json(e, paths)).collect::<Vec<_>>(),
+    })
+}
+
+/// `layerstack log` as lines: one row per layer (id, time, kind, publisher,
+/// path count), the paths it changed below it (with `--paths`), and a
+/// squashed layer's members indented under it, two spaces per level.
+fn log_lines(stack: &str, branch: &str, entries: &[api::LogEntry]) -> Vec<String> {
+    fn entry(e: &api::LogEntry, depth: usize, out: &mut Vec<String>) {
+        let indent = "  ".repeat(depth);
+        out.push(format!(
+            "{indent}layer {:<6} {}  {:<9} {} ({} paths)",
+            e.layer,
+            timestamp(e.created_ns),
+            e.kind,
+            if e.owner.is_empty() { "-" } else { &e.owner },
+            e.paths
+        ));
+        for p in &e.changed {
+            out.push(format!("{indent}    {:<7} {}", p.kind, p.path));
+        }
+        for m in &e.members {
+            entry(m, depth + 1, out);
+        }
+    }
+    let mut out = vec![format!("stack {stack} branch {branch}")];
+    for e in entries {
+        entry(e, 0, &mut out);
+    }
+    out
+}
+
 fn usage_json(u: &api::Usage) -> serde_json::Value {
     json!({
         "hot": u.hot, "cold": u.cold, "uppers": u.uppers, "staging": u.staging,
@@ -234,37 +302,10 @@ pub async fn run(admin: &Path, ns: &str, cmd: HistoryCmd) -> Result<ExitCode> {
             }
             let (stack, branch) = head.unwrap_or_default();
             if json {
-                let v = json!({
-                    "stack": stack,
-                    "branch": branch,
-                    "layers": entries.iter().map(|e| {
-                        let mut v = json!({
-                            "layer": e.layer, "manifest": e.manifest, "kind": e.kind,
-                            "session": if e.session == 0 { serde_json::Value::Null } else { json!(e.session) },
-                            "namespace": e.namespace, "container": e.container, "owner": e.owner,
-                            "paths": e.paths, "created_ns": e.created_ns, "created": timestamp(e.created_ns),
-                        });
-                        if paths {
-                            v["changed"] = e.changed.iter().map(|p| json!({"path": p.path, "kind": p.kind})).collect();
-                        }
-                        v
-                    }).collect::<Vec<_>>(),
-                });
-                out!("{v}");
+                out!("{}", log_json(&stack, &branch, &entries, paths));
             } else {
-                out!("stack {stack} branch {branch}");
-                for e in &entries {
-                    out!(
-                        "layer {:<6} {}  {:<9} {} ({} paths)",
-                        e.layer,
-                        timestamp(e.created_ns),
-                        e.kind,
-                        if e.owner.is_empty() { "-" } else { &e.owner },
-                        e.paths
-                    );
-                    for p in &e.changed {
-                        out!("    {:<7} {}", p.kind, p.path);
-                    }
+                for line in log_lines(&stack, &branch, &entries) {
+                    out!("{line}");
                 }
             }
             Ok(ExitCode::SUCCESS)
@@ -596,6 +637,63 @@ mod tests {
         );
         assert_eq!(split_branch("debian"), ("debian".into(), String::new()));
         assert!(need_branch("debian").is_err());
+    }
+
+    fn entry(layer: i64, kind: &str, owner: &str, paths: i64) -> api::LogEntry {
+        api::LogEntry {
+            layer,
+            kind: kind.into(),
+            owner: owner.into(),
+            paths,
+            session: if owner.is_empty() { 0 } else { layer + 100 },
+            created_ns: 1_796_083_200_000_000_000 + layer * 1_000_000_000,
+            ..Default::default()
+        }
+    }
+
+    /// A squashed row shows its merged path count, and its members — nested
+    /// squashes nested — sit indented under it with who published each, when,
+    /// and how many paths it changed; `--json` gives them as `members`.
+    #[test]
+    fn the_log_shows_members_under_their_squash() {
+        let mut inner = entry(5, "squashed", "", 2);
+        inner.members = vec![
+            entry(3, "published", "container:default/q2", 1),
+            entry(2, "published", "sandbox:w", 2),
+        ];
+        let mut sq = entry(9, "squashed", "", 3);
+        sq.members = vec![entry(7, "published", "container:default/q3", 1), inner];
+        sq.changed = vec![api::PathChange {
+            path: "/x".into(),
+            kind: "write".into(),
+            raw_path: b"x".to_vec(),
+        }];
+        let top = entry(11, "published", "operation:op-1", 1);
+        let entries = vec![top, sq];
+        assert_eq!(
+            log_lines("default/sha256:ab", "main", &entries),
+            [
+                "stack default/sha256:ab branch main",
+                "layer 11     2026-12-01 00:00:11  published operation:op-1 (1 paths)",
+                "layer 9      2026-12-01 00:00:09  squashed  - (3 paths)",
+                "    write   /x",
+                "  layer 7      2026-12-01 00:00:07  published container:default/q3 (1 paths)",
+                "  layer 5      2026-12-01 00:00:05  squashed  - (2 paths)",
+                "    layer 3      2026-12-01 00:00:03  published container:default/q2 (1 paths)",
+                "    layer 2      2026-12-01 00:00:02  published sandbox:w (2 paths)",
+            ]
+        );
+        let v = log_json("s", "main", &entries, false);
+        let sq = &v["layers"][1];
+        assert_eq!(sq["paths"], 3);
+        assert!(sq.get("changed").is_none());
+        assert_eq!(sq["members"][0]["layer"], 7);
+        assert_eq!(sq["members"][0]["owner"], "container:default/q3");
+        assert_eq!(sq["members"][0]["session"], 107);
+        assert_eq!(sq["members"][1]["members"][1]["paths"], 2);
+        assert_eq!(v["layers"][0]["members"], json!([]));
+        let v = log_json("s", "main", &entries, true);
+        assert_eq!(v["layers"][1]["changed"][0]["path"], "/x");
     }
 
     #[test]

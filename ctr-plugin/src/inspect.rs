@@ -43,7 +43,8 @@ pub enum InspectCmd {
         /// STACK@A [STACK@B], STACK@B with --at, or a container name.
         #[arg(num_args = 0..=2)]
         specs: Vec<String>,
-        /// With one STACK@BRANCH: compare the branch's log at this layer with its head.
+        /// With one STACK@BRANCH: compare the branch's log at this layer with its
+        /// head (a member of a squashed layer: the view as of its publish).
         #[arg(long, value_name = "LAYER")]
         at: Option<i64>,
         /// A session id (any owner kind) instead of a container.

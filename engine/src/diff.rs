@@ -32,7 +32,8 @@ use crate::{Engine, EngineError};
 pub enum DiffTarget {
     /// A branch's head.
     Branch(String),
-    /// The manifest of `branch`'s log whose newest layer is `layer`.
+    /// The view as of layer `layer` of `branch`'s log: a layer of its head, or
+    /// a member of one of its squashed layers (`Store::log_point`).
     Layer { branch: String, layer: LayerId },
 }
 
@@ -322,16 +323,19 @@ impl Engine {
                 Ok((store.manifest(head)?, format!("{stack}@{b}")))
             }
             DiffTarget::Layer { branch, layer } => {
-                let layers = store.manifest(store.branch_head(stack, branch)?)?;
-                let pos = layers.iter().position(|l| l == layer).ok_or_else(|| {
-                    EngineError::NotFound(format!(
-                        "layer {layer} is not in the log of branch {branch:?} of {stack} (see `layerstack log`)"
-                    ))
-                })?;
-                Ok((
-                    layers[pos..].to_vec(),
-                    format!("{stack}@{branch} at layer {layer}"),
-                ))
+                let point = match store.log_point(stack, branch, *layer) {
+                    Err(StoreError::InvalidArgument(m)) => {
+                        return Err(EngineError::NotFound(format!("{m} (stack {stack})")))
+                    }
+                    other => other?,
+                };
+                let label = match point.squash {
+                    None => format!("{stack}@{branch} at layer {layer}"),
+                    Some(s) => {
+                        format!("{stack}@{branch} at layer {layer} (compacted into layer {s})")
+                    }
+                };
+                Ok((point.layers, label))
             }
         }
     }
@@ -340,7 +344,8 @@ impl Engine {
     /// `patch`, unified diffs of text files.
     ///
     /// Errors: `BranchNotFound`; [`EngineError::NotFound`] for a layer not in
-    /// the branch's log.
+    /// the branch's log; `FailedPrecondition` for a member of a squash whose
+    /// view GC made impossible to build.
     pub async fn diff(
         &self,
         stack: &str,

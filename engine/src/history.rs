@@ -14,6 +14,10 @@
 //! ancestor of `from`'s; otherwise a publish through the same gate of what `from`
 //! changed since their merge base, by a session owned by the operation — so a
 //! stale promote merges or is refused whole, never overwrites newer work.
+//! Ancestry and the merge base are decided on the layers as published (squashed
+//! layers expanded), so a squash on either side changes neither; when a squash of
+//! `from` compacted its own layers together with the merge base's, its changes
+//! are copied path by path (`publisher::copy_paths`) rather than flattened.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -311,7 +315,9 @@ impl Engine {
     /// Advances branch `to` of `stack` to branch `from`'s head (see the module
     /// docs); `operation` names the operation (blame shows `operation:<id>`).
     ///
-    /// Errors: `BranchNotFound`; `Mounted`/store errors of the merge publish.
+    /// Errors: `BranchNotFound`; `FailedPrecondition` when the merge base can
+    /// no longer be built (see `Store::merge_base`); `Mounted`/store errors of
+    /// the merge publish.
     pub async fn promote(
         self: &Arc<Self>,
         stack: &str,
@@ -328,7 +334,10 @@ impl Engine {
     /// Advances branch `to` of `stack` to manifest `from_head` (a branch head, a
     /// graph node's root): a fast-forward by compare-and-swap under `to`'s gate
     /// when `to`'s head is an ancestor, else a merge publish through the gate,
-    /// refused whole on conflict.
+    /// refused whole on conflict. Ancestry, the merge base and what `from_head`
+    /// changed since are computed on the layers as published (squashed layers
+    /// expanded: `Store::merge_base`), so a squash on either side changes none
+    /// of them.
     ///
     /// `key`: the caller's idempotency key. The merge's operation session carries
     /// it, so a call repeated after a crash that struck once its publish had
@@ -346,9 +355,18 @@ impl Engine {
         if from_head == to_head {
             return Ok(Promoted::UpToDate { head: to_head });
         }
+        // Compared as published: a squash on either side changes no ancestry.
         let (fl, tl) = self
-            .blocking(move |st| Ok((st.manifest(from_head)?, st.manifest(to_head)?)))
+            .blocking(move |st| {
+                Ok((
+                    st.expand_layers(&st.manifest(from_head)?)?,
+                    st.expand_layers(&st.manifest(to_head)?)?,
+                ))
+            })
             .await?;
+        if tl.ends_with(&fl) {
+            return Ok(Promoted::UpToDate { head: to_head });
+        }
         if fl.ends_with(&tl) {
             // Fast-forward, under `to`'s gate, by compare-and-swap.
             let _gate = self.gates.lock((stack.to_string(), to.to_string())).await;
@@ -358,17 +376,16 @@ impl Engine {
             info!(stack, to, manifest = from_head, "promoted (fast-forward)");
             return Ok(Promoted::FastForward { head: from_head });
         }
-        if tl.ends_with(&fl) {
-            return Ok(Promoted::UpToDate { head: to_head });
-        }
         // A merge: what `from_head` changed since the merge base, published onto `to`.
+        let _pin = self.pins.pin(from_head);
         let s = stack.to_string();
-        let base = self
+        let mb = self
             .blocking(move |st| st.merge_base(&s, from_head, to_head))
             .await?;
-        let _pin = self.pins.pin(from_head);
-        let base_len = self.blocking(move |st| st.manifest_depth(base)).await?;
-        let run: Vec<_> = fl[..fl.len() - base_len].to_vec();
+        // GC keeps it (and the member directories it may be built of) until the
+        // operation's session leases it.
+        let _base_pin = self.pins.pin(mb.manifest);
+        let base = mb.manifest;
         let owner = Owner::Operation {
             id: operation.to_string(),
         };
@@ -418,14 +435,38 @@ impl Engine {
         let store = self.store.clone();
         let upper = session.upper.clone();
         let userxattr = self.settings.userxattr;
+        let stack_id = stack.to_string();
         tokio::task::spawn_blocking(move || -> Result<(), EngineError> {
-            let dirs = store.layer_paths(&run)?;
-            publisher::flatten_layers(&dirs, &upper, userxattr).map_err(|e| {
+            let failed = |e: &dyn std::error::Error| {
                 EngineError::InvalidArgument(format!(
                     "building the promote's changes failed: {}",
-                    error_chain(&e)
+                    error_chain(e)
                 ))
-            })?;
+            };
+            match &mb.a_layers {
+                // Whole layers above the merge base: flattened as they are.
+                Some(run) => {
+                    let dirs = store.layer_paths(run)?;
+                    publisher::flatten_layers(&dirs, &upper, userxattr).map_err(|e| failed(&e))?;
+                }
+                // A squashed layer of `from` also compacted layers of the merge
+                // base: only the paths `from` changed since, as `from` shows them.
+                None => {
+                    let paths: Vec<publisher::CopyPath> = store
+                        .paths_changed(&mb.a_changes)?
+                        .into_iter()
+                        .map(|(path, replaced)| publisher::CopyPath { path, replaced })
+                        .collect();
+                    let view =
+                        publisher::LayerView::new(store.manifest_view(&stack_id, from_head)?)
+                            .with_userxattr(userxattr);
+                    let base_view =
+                        publisher::LayerView::new(store.manifest_view(&stack_id, mb.manifest)?)
+                            .with_userxattr(userxattr);
+                    publisher::copy_paths(&view, &base_view, &paths, &upper, userxattr)
+                        .map_err(|e| failed(&e))?;
+                }
+            }
             Ok(())
         })
         .await

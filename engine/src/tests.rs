@@ -1826,3 +1826,341 @@ mod crash {
         }
     }
 }
+
+/// Deletes `rel` in session `s`'s upper as a container does: an overlay
+/// whiteout, its parent directories made as the lease shows them (0755).
+fn delete_in(s: &SessionInfo, rel: &str) {
+    use nix::sys::stat::{makedev, mknod, Mode, SFlag};
+    let p = s.upper.join(rel);
+    std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+    for d in p.ancestors().skip(1).take(rel.matches('/').count()) {
+        std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o755)).unwrap();
+    }
+    mknod(&p, SFlag::S_IFCHR, Mode::empty(), makedev(0, 0)).unwrap();
+}
+
+/// One publish on `branch` of the test stack: `files` written, `deleted` removed.
+async fn publish_on(
+    p: &Arc<Engine>,
+    branch: &str,
+    name: &str,
+    files: &[(&str, &[u8])],
+    deleted: &[&str],
+) -> layerstack_store::LayerId {
+    let s = session_with(p, branch, name, files).await;
+    for d in deleted {
+        delete_in(&s, d);
+    }
+    let out = p.publish(s.id, name).await.unwrap().outcome.unwrap();
+    assert!(out.kind.is_published(), "{name}: {out:?}");
+    out.layer.unwrap()
+}
+
+fn shows(store: &Store, branch: &str, path: &str) -> Option<Vec<u8>> {
+    head_view(store, branch)
+        .read_regular(path.as_bytes())
+        .unwrap()
+}
+
+/// The tester's two cases: main deletes a file that existed when b4 forked
+/// (and edits one b2 never touched), publishes 9 more times and squashes — the
+/// run straddles both fork points. Promote merges exactly what each branch
+/// changed: the deleted file stays deleted, no conflict on the edited one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_promote_after_the_target_squashed_merges_only_the_branchs_changes() {
+    if !have_root("a_promote_after_the_target_squashed_merges_only_the_branchs_changes") {
+        return;
+    }
+    let t = tmp();
+    let (store, _) = setup_n(t.path(), 1);
+    let p = engine_with(&store, Default::default());
+    let stack = "ns/sha256:aaa";
+    let first = publish_on(
+        &p,
+        "main",
+        "m-new",
+        &[("root/new.txt", b"new\n"), ("root/g.txt", b"g0\n")],
+        &[],
+    )
+    .await;
+    store.create_branch(stack, "b4", "main", None).unwrap();
+    store.create_branch(stack, "b2", "main", None).unwrap();
+    publish_on(&p, "b4", "q1", &[("root/b4.txt", b"b4\n")], &[]).await;
+    publish_on(&p, "b2", "w1", &[("root/b2.txt", b"b2\n")], &[]).await;
+    publish_on(&p, "main", "q2", &[], &["root/new.txt"]).await;
+    publish_on(&p, "main", "g", &[("root/g.txt", b"g1\n")], &[]).await;
+    for i in 0..9 {
+        let f = format!("root/m{i}");
+        publish_on(&p, "main", &format!("m{i}"), &[(&f, b"m\n")], &[]).await;
+    }
+    let sq = p.squash(stack, "main").await.unwrap().expect("squashed");
+    assert!(
+        store.expand_layers(&[sq.layer]).unwrap().contains(&first),
+        "the squash straddles the fork points"
+    );
+    let r = p.promote(stack, "b4", "main", "op-b4").await.unwrap();
+    let crate::Promoted::Merged { session } = r else {
+        panic!("{r:?}")
+    };
+    let counts = session.outcome.unwrap().counts;
+    assert_eq!(
+        counts.clean + counts.merged + counts.conflict,
+        1,
+        "b4 changed one path: {counts:?}"
+    );
+    assert_eq!(
+        shows(&store, "main", "root/new.txt"),
+        None,
+        "not resurrected"
+    );
+    assert_eq!(shows(&store, "main", "root/b4.txt").unwrap(), b"b4\n");
+    let r = p.promote(stack, "b2", "main", "op-b2").await.unwrap();
+    assert!(matches!(r, crate::Promoted::Merged { .. }), "{r:?}");
+    assert_eq!(shows(&store, "main", "root/g.txt").unwrap(), b"g1\n");
+    assert_eq!(shows(&store, "main", "root/b2.txt").unwrap(), b"b2\n");
+    assert_eq!(shows(&store, "main", "root/new.txt"), None);
+    assert_eq!(shows(&store, "main", "root/m8").unwrap(), b"m\n");
+}
+
+/// Squashes on both sides, nested, the branch's straddling its fork point, and
+/// GC in between (the branch's own layers are then on disk only inside its
+/// squash): promote still merges exactly what the branch changed since the
+/// merge base — its edits and deletions — and none of main's are undone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_promote_from_a_squashed_branch_onto_a_squashed_target_merges_its_changes() {
+    if !have_root("a_promote_from_a_squashed_branch_onto_a_squashed_target_merges_its_changes") {
+        return;
+    }
+    let t = tmp();
+    let (store, _) = setup_n(t.path(), 1);
+    let p = engine_with(
+        &store,
+        crate::HistorySettings {
+            squash_threshold: 0,
+            squash_keep: 1,
+            ..Default::default()
+        },
+    );
+    let stack = "ns/sha256:aaa";
+    for i in 0..4 {
+        let f = format!("root/s{i}");
+        publish_on(
+            &p,
+            "main",
+            &format!("s{i}"),
+            &[(&f, b"s\n"), ("root/old.txt", b"old\n")],
+            &[],
+        )
+        .await;
+    }
+    store.create_branch(stack, "b", "main", None).unwrap();
+    // c keeps the layers both share on disk through GC.
+    store.create_branch(stack, "c", "main", None).unwrap();
+    for i in 0..5 {
+        let f = format!("root/b{i}");
+        publish_on(&p, "b", &format!("b{i}"), &[(&f, b"b\n")], &[]).await;
+    }
+    publish_on(
+        &p,
+        "b",
+        "b-conf",
+        &[("etc/app.conf", &edit("key2 = 2", "key2 = B"))],
+        &[],
+    )
+    .await;
+    publish_on(&p, "b", "b-del", &[], &["root/s1"]).await;
+    publish_on(&p, "b", "b-dir", &[("root/dir/x", b"x\n")], &[]).await;
+    p.squash(stack, "b").await.unwrap().expect("squashed");
+    // One publish between squashes: the size-tiered run then takes the squash.
+    publish_on(&p, "b", "b-later", &[("root/later", b"later\n")], &[]).await;
+    p.squash(stack, "b").await.unwrap().expect("squashed again");
+    publish_on(
+        &p,
+        "main",
+        "m-conf",
+        &[("etc/app.conf", &edit("key6 = 6", "key6 = M"))],
+        &[],
+    )
+    .await;
+    publish_on(&p, "main", "m-del", &[], &["root/old.txt"]).await;
+    publish_on(&p, "main", "m1", &[("root/m1", b"m\n")], &[]).await;
+    p.squash(stack, "main").await.unwrap().expect("squashed");
+    publish_on(&p, "main", "m3", &[("root/m3", b"m\n")], &[]).await;
+    p.squash(stack, "main")
+        .await
+        .unwrap()
+        .expect("squashed again");
+    let kinds = |b: &str| {
+        store
+            .log(stack, b)
+            .unwrap()
+            .iter()
+            .map(|e| {
+                (
+                    e.kind,
+                    e.members
+                        .iter()
+                        .any(|m| m.kind == layerstack_store::LayerKind::Squashed),
+                )
+            })
+            .collect::<Vec<_>>()
+    };
+    assert!(
+        kinds("b").iter().any(|(_, nested)| *nested),
+        "{:?}",
+        kinds("b")
+    );
+    assert!(
+        kinds("main").iter().any(|(_, nested)| *nested),
+        "{:?}",
+        kinds("main")
+    );
+    let gc = p.gc().await.unwrap();
+    assert!(
+        !gc.report.layers.is_empty(),
+        "the branch's own layers are freed"
+    );
+    let r = p.promote(stack, "b", "main", "op-b").await.unwrap();
+    let crate::Promoted::Merged { session } = r else {
+        panic!("{r:?}")
+    };
+    let out = session.outcome.unwrap();
+    assert_eq!(out.counts.conflict, 0, "{out:?}");
+    for i in 0..5 {
+        assert_eq!(
+            shows(&store, "main", &format!("root/b{i}")).unwrap(),
+            b"b\n"
+        );
+    }
+    assert_eq!(shows(&store, "main", "root/later").unwrap(), b"later\n");
+    assert_eq!(shows(&store, "main", "root/dir/x").unwrap(), b"x\n");
+    assert_eq!(shows(&store, "main", "root/s1"), None, "b's deletion");
+    assert_eq!(shows(&store, "main", "root/s2").unwrap(), b"s\n");
+    assert_eq!(
+        shows(&store, "main", "root/old.txt"),
+        None,
+        "main's deletion stays"
+    );
+    assert_eq!(shows(&store, "main", "root/m3").unwrap(), b"m\n");
+    let conf = String::from_utf8(shows(&store, "main", "etc/app.conf").unwrap()).unwrap();
+    assert!(
+        conf.contains("key2 = B") && conf.contains("key6 = M"),
+        "{conf}"
+    );
+    // Without c, GC frees what both compacted: promote is refused, saying why.
+    store.delete_branch(stack, "c").unwrap();
+    publish_on(&p, "b", "b-again", &[("root/again", b"a\n")], &[]).await;
+    p.squash(stack, "b").await.unwrap().expect("squashed");
+    p.gc().await.unwrap();
+    let before = store.branch_head(stack, "main").unwrap();
+    let err = p.promote(stack, "b", "main", "op-b2").await.unwrap_err();
+    let msg = crate::error::error_chain(&err);
+    assert!(msg.contains("can no longer be built"), "{msg}");
+    assert_eq!(store.branch_head(stack, "main").unwrap(), before);
+}
+
+/// Ancestry survives a squash: a branch at main's pre-squash head is up to
+/// date with main, and one that published on top of it fast-forwards main.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn promote_sees_ancestry_through_a_squash() {
+    if !have_root("promote_sees_ancestry_through_a_squash") {
+        return;
+    }
+    let t = tmp();
+    let (store, _) = setup_n(t.path(), 1);
+    let p = engine_with(
+        &store,
+        crate::HistorySettings {
+            squash_threshold: 0,
+            squash_keep: 2,
+            ..Default::default()
+        },
+    );
+    let stack = "ns/sha256:aaa";
+    for i in 0..6 {
+        let f = format!("f{i}");
+        publish_on(&p, "main", &f, &[(&f, b"f\n")], &[]).await;
+    }
+    store.create_branch(stack, "u", "main", None).unwrap();
+    store.create_branch(stack, "f", "main", None).unwrap();
+    p.squash(stack, "main").await.unwrap().expect("squashed");
+    publish_on(&p, "f", "on-f", &[("on-f", b"f\n")], &[]).await;
+    let r = p.promote(stack, "u", "main", "op-u").await.unwrap();
+    assert!(matches!(r, crate::Promoted::UpToDate { .. }), "{r:?}");
+    let r = p.promote(stack, "f", "main", "op-f").await.unwrap();
+    assert!(matches!(r, crate::Promoted::FastForward { .. }), "{r:?}");
+    assert_eq!(
+        store.branch_head(stack, "main").unwrap(),
+        store.branch_head(stack, "f").unwrap()
+    );
+    // And the other way: main (squashed) onto f, which has it all.
+    p.squash(stack, "main").await.unwrap();
+    let r = p.promote(stack, "main", "f", "op-back").await.unwrap();
+    assert!(matches!(r, crate::Promoted::UpToDate { .. }), "{r:?}");
+}
+
+/// `diff --at` a member of a squash: the view as of its publish against the
+/// head, before GC (its old head) and after (built from the squash when it is
+/// the newest member; refused, saying what to use, when it needs a freed one).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn diff_at_a_member_of_a_squash_compares_the_view_as_of_its_publish() {
+    if !have_root("diff_at_a_member_of_a_squash_compares_the_view_as_of_its_publish") {
+        return;
+    }
+    let t = tmp();
+    let (store, _) = setup_n(t.path(), 1);
+    let p = engine_with(
+        &store,
+        crate::HistorySettings {
+            squash_threshold: 0,
+            squash_keep: 1,
+            ..Default::default()
+        },
+    );
+    let stack = "ns/sha256:aaa";
+    let mut layers = Vec::new();
+    for i in 0..4 {
+        let f = format!("f{i}");
+        layers.push(publish_on(&p, "main", &f, &[(&f, b"f\n")], &[]).await);
+    }
+    let sq = p.squash(stack, "main").await.unwrap().unwrap().layer;
+    let at = |layer| crate::DiffTarget::Layer {
+        branch: "main".into(),
+        layer,
+    };
+    let head = crate::DiffTarget::Branch("main".into());
+    let paths = |d: &crate::Diff| {
+        d.entries
+            .iter()
+            .map(|e| String::from_utf8(e.path.clone()).unwrap())
+            .collect::<Vec<_>>()
+    };
+    let d = p
+        .diff(stack, at(layers[1]), head.clone(), false)
+        .await
+        .unwrap();
+    assert_eq!(paths(&d), ["f2", "f3"], "{d:?}");
+    assert!(
+        d.old.contains(&format!("compacted into layer {sq}")),
+        "{}",
+        d.old
+    );
+    p.gc().await.unwrap();
+    let d = p
+        .diff(stack, at(layers[2]), head.clone(), false)
+        .await
+        .unwrap();
+    assert_eq!(
+        paths(&d),
+        ["f3"],
+        "the newest member: the squash's own view"
+    );
+    let err = p
+        .diff(stack, at(layers[1]), head.clone(), false)
+        .await
+        .unwrap_err();
+    let msg = crate::error::error_chain(&err);
+    assert!(msg.contains(&format!("use layer {sq}")), "{msg}");
+    let err = p.diff(stack, at(9999), head, false).await.unwrap_err();
+    assert!(matches!(err, EngineError::NotFound(_)), "{err:?}");
+}

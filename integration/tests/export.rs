@@ -789,3 +789,52 @@ fn an_export_keeps_the_base_images_config_and_layer_blobs() {
         Ok(())
     });
 }
+
+/// `--since` a member of a squashed layer (as `layerstack log` lists it):
+/// everything above that point — the layers below the squash are left out,
+/// the squash's blob (new to a registry) is written.
+#[test]
+fn export_since_a_member_of_a_squash_omits_the_layers_below_the_squash() {
+    const NS: &str = "lst-export-since-member";
+    run_scenario(|env| {
+        start_daemon_and_import(env, NS, &busybox_image_tar()?, BUSYBOX_IMAGE)?;
+        for i in 0..10 {
+            let id = unique(&format!("member-{i}"));
+            CtrRun::sh(NS, &id, &format!("echo {i} > /f{i}"))
+                .image(BUSYBOX_IMAGE)
+                .rm(true)
+                .ok(env)?;
+            ensure!(ls_wait_ok(env, NS, &id)? == "committed", "{id}");
+        }
+        let stack = stack_id(env, NS)?;
+        let spec = format!("{stack}@main");
+        let sq = ls_json(env, NS, &["squash", &spec, "--json"])?;
+        ensure!(sq["squashed"] == true, "{sq}");
+        let squash = sq["layer"].as_i64().context("squash id")?;
+        let log = ls_json(env, NS, &["log", &spec, "--json"])?;
+        let row = log["layers"]
+            .as_array()
+            .and_then(|l| l.iter().find(|e| e["layer"] == squash))
+            .cloned()
+            .with_context(|| format!("{log}"))?;
+        let oldest = row["members"]
+            .as_array()
+            .and_then(|m| m.last())
+            .and_then(|m| m["layer"].as_i64())
+            .with_context(|| format!("{row}"))?;
+        let dir = env.scratch().join(unique("since-member"));
+        let part = export(env, NS, &spec, &dir, &["--since", &oldest.to_string()])?;
+        let layers = part["layers"].as_array().context("layers")?;
+        let at = layers
+            .iter()
+            .position(|l| l["layer"] == squash)
+            .with_context(|| format!("{part}"))?;
+        for (i, l) in layers.iter().enumerate() {
+            ensure!(
+                l["omitted"] == (i < at),
+                "layer {i} (the squash at {at}): {l}"
+            );
+        }
+        Ok(())
+    });
+}

@@ -875,3 +875,154 @@ fn the_conflict_flow_show_rebase_resolve_publish() {
         Ok(())
     });
 }
+
+/// The tester's repro: b4 forks, main deletes a file b4's fork point had and
+/// edits another, publishes 9 more times, squashes. Promote merges b4's one
+/// path (the deleted file stays deleted) and b2's without a conflict; the log
+/// lists the squash's members with who published them; a member's id is
+/// accepted by `diff --at` and `branch create --at`.
+#[test]
+fn promote_log_and_at_after_a_squash() {
+    const NS: &str = "lst-hist-squash";
+    run_layerstack_scenario(NS, |env| {
+        let publish = |branch: Option<&str>, script: &str| -> Result<()> {
+            let id = unique("sq");
+            run_sh(env, NS, &id, branch, true, script)?;
+            let word = ls_wait_ok(env, NS, &id)?;
+            ensure!(word == "committed", "{script}: {word}");
+            Ok(())
+        };
+        publish(None, "echo new > /root/new.txt; echo g0 > /root/g.txt")?;
+        let stack = stack_id(env, NS)?;
+        for b in ["b4", "b2"] {
+            ls_json(
+                env,
+                &[
+                    "branch",
+                    "create",
+                    &format!("{stack}@{b}"),
+                    "--json",
+                    "-n",
+                    NS,
+                ],
+            )?;
+        }
+        publish(Some("b4"), "echo b4 > /root/b4.txt")?;
+        publish(Some("b2"), "echo b2 > /root/b2.txt")?;
+        publish(None, "rm /root/new.txt")?;
+        publish(None, "echo g1 > /root/g.txt")?;
+        for i in 0..9 {
+            publish(None, &format!("echo m > /root/m{i}"))?;
+        }
+        let sq = ls_json(env, &["squash", &stack, "--json", "-n", NS])?;
+        ensure!(sq["squashed"] == true, "{sq}");
+        let promote = |from: &str| -> Result<Value> {
+            ls_json(
+                env,
+                &[
+                    "promote",
+                    &format!("{stack}@{from}"),
+                    "main",
+                    "--json",
+                    "-n",
+                    NS,
+                ],
+            )
+        };
+        let r = promote("b4")?;
+        ensure!(r["result"] == "merged", "{r}");
+        let msg = r["message"].as_str().unwrap_or_default();
+        ensure!(
+            msg.starts_with("1 path(s): 1 clean"),
+            "b4 changed one path: {r}"
+        );
+        let r = promote("b2")?;
+        ensure!(r["result"] == "merged", "no conflict on g.txt: {r}");
+        let text = run_sh(
+            env,
+            NS,
+            &unique("sq-check"),
+            None,
+            true,
+            "ls /root; cat /root/g.txt",
+        )?;
+        let words: Vec<&str> = text.split_whitespace().collect();
+        ensure!(
+            !words.contains(&"new.txt") && words.contains(&"b4.txt") && words.contains(&"b2.txt"),
+            "the deleted file stays deleted: {text}"
+        );
+        ensure!(words.last() == Some(&"g1"), "{text}");
+        // The squashed row: its merged path count, and its members with who
+        // published them.
+        let log = ls_json(
+            env,
+            &[
+                "log",
+                &format!("{stack}@main"),
+                "--json",
+                "--paths",
+                "-n",
+                NS,
+            ],
+        )?;
+        let squashed = log["layers"]
+            .as_array()
+            .and_then(|l| l.iter().find(|e| e["kind"] == "squashed"))
+            .cloned()
+            .with_context(|| format!("no squashed layer: {log}"))?;
+        let changed = squashed["changed"].as_array().map(Vec::len).unwrap_or(0) as u64;
+        ensure!(
+            squashed["paths"].as_u64() == Some(changed) && changed > 0,
+            "{squashed}"
+        );
+        let members = squashed["members"].as_array().cloned().unwrap_or_default();
+        ensure!(members.len() >= 3, "{squashed}");
+        ensure!(
+            members.iter().all(|m| m["owner"]
+                .as_str()
+                .is_some_and(|o| o.starts_with(&format!("container:{NS}/")))
+                && m["paths"].as_u64() >= Some(1)),
+            "{squashed}"
+        );
+        let member = members[1]["layer"]
+            .as_i64()
+            .context("member id")?
+            .to_string();
+        let text = stdout(&env.layerstack(&["log", &format!("{stack}@main"), "-n", NS])?);
+        ensure!(
+            text.lines()
+                .any(|l| l.starts_with(&format!("  layer {member} "))),
+            "members indented under their squash: {text}"
+        );
+        let v = ls_json(
+            env,
+            &[
+                "diff",
+                &format!("{stack}@main"),
+                "--at",
+                &member,
+                "--json",
+                "-n",
+                NS,
+            ],
+        )?;
+        ensure!(
+            v["entries"].as_array().is_some_and(|e| !e.is_empty()),
+            "{v}"
+        );
+        ls_json(
+            env,
+            &[
+                "branch",
+                "create",
+                &format!("{stack}@at-member"),
+                "--at",
+                &member,
+                "--json",
+                "-n",
+                NS,
+            ],
+        )?;
+        Ok(())
+    });
+}

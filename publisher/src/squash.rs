@@ -147,6 +147,181 @@ pub fn flatten_layers(
     Ok(report)
 }
 
+/// One path for [`copy_paths`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CopyPath {
+    /// Relative path, bytes, no leading `/`.
+    pub path: Vec<u8>,
+    /// The changes being copied replaced or deleted what was at the path (a
+    /// deletion, an opaque directory or a non-directory among them): a
+    /// directory there is written opaque when `base` has one, so `base`'s
+    /// content below it stays hidden.
+    pub replaced: bool,
+}
+
+/// Writes into `out` (an existing directory on the same filesystem as the
+/// layers, e.g. a fresh session upper) an overlay-format layer that, above the
+/// layers of `base`, shows at each of `paths` what `view` shows there — the
+/// changes that took `base` to `view` at those paths, when `paths` are every
+/// path they changed (a path index), and nothing else.
+///
+/// At each path (in byte order; one below a path written as a non-directory or
+/// a whiteout is skipped): what `view` shows is hardlinked (files, symlinks and
+/// special files; copied when a link is impossible) or created (a directory,
+/// with the view's mode, owner and xattrs, opaque per [`CopyPath::replaced`]);
+/// nothing there becomes a whiteout when `base` shows something, and is left
+/// out otherwise. Directories above a path that are not themselves among
+/// `paths` are created with the view's metadata, never opaque. `out`'s own
+/// root directory is left as it is. Unlike [`flatten_layers`], whose run must
+/// be whole layers, `view` may hold a squashed layer that compacted both these
+/// changes and older ones.
+///
+/// # Errors
+/// [`SquashError`] naming the path: a read of `view` or `base`, or a write
+/// into `out`, failed; `out` may then hold part of the changes.
+pub fn copy_paths(
+    view: &LayerView,
+    base: &LayerView,
+    paths: &[CopyPath],
+    out: &Path,
+    userxattr: bool,
+) -> Result<FlattenReport, SquashError> {
+    let mut report = FlattenReport::default();
+    let mut sorted: Vec<&CopyPath> = paths.iter().collect();
+    sorted.sort_by(|a, b| a.path.cmp(&b.path));
+    sorted.dedup_by(|a, b| a.path == b.path);
+    // Paths written as a non-directory or a whiteout: nothing below them.
+    let mut leaves: std::collections::BTreeSet<Vec<u8>> = Default::default();
+    // Directories made in `out`, with the view's layer they take metadata from.
+    let mut made: BTreeMap<Vec<u8>, usize> = BTreeMap::new();
+    let mut opaque_dirs: std::collections::BTreeSet<Vec<u8>> = Default::default();
+    for cp in sorted {
+        let rel = cp.path.as_slice();
+        if rel.is_empty() {
+            continue;
+        }
+        let ancestors: Vec<&[u8]> = rel
+            .iter()
+            .enumerate()
+            .filter(|(_, b)| **b == b'/')
+            .map(|(i, _)| &rel[..i])
+            .collect();
+        if ancestors.iter().any(|a| leaves.contains(*a)) {
+            continue;
+        }
+        let entry = view.lookup(rel).map_err(err("look up", rel))?;
+        let (parent, name) = fsx::split_parent(rel);
+        match entry {
+            None => {
+                let below_opaque = ancestors.iter().any(|a| opaque_dirs.contains(*a));
+                if below_opaque || base.lookup(rel).map_err(err("look up", rel))?.is_none() {
+                    continue;
+                }
+                if !make_parents(view, &ancestors, out, &mut made, userxattr, &mut report)? {
+                    continue;
+                }
+                let dir = fsx::open_beneath(out, parent).map_err(err("open", parent))?;
+                let cname =
+                    CString::new(name).map_err(|e| err("name", rel)(io::Error::other(e)))?;
+                mknodat(
+                    Some(dir.as_raw_fd()),
+                    cname.as_c_str(),
+                    SFlag::S_IFCHR,
+                    Mode::empty(),
+                    0,
+                )
+                .map_err(|e| err("create whiteout", rel)(e.into()))?;
+                report.whiteouts += 1;
+                leaves.insert(rel.to_vec());
+            }
+            Some(e) => {
+                if !make_parents(view, &ancestors, out, &mut made, userxattr, &mut report)? {
+                    continue;
+                }
+                let to = fsx::open_beneath(out, parent).map_err(err("open", parent))?;
+                let from = fsx::open_beneath(view.layer(e.layer_index), parent)
+                    .map_err(err("open", parent))?;
+                let cname =
+                    CString::new(name).map_err(|e| err("name", rel)(io::Error::other(e)))?;
+                if e.kind == FileKind::Dir {
+                    if !made.contains_key(rel) {
+                        mkdirat(
+                            Some(to.as_raw_fd()),
+                            cname.as_c_str(),
+                            Mode::from_bits_truncate(0o700),
+                        )
+                        .map_err(|e| err("create directory", rel)(e.into()))?;
+                        report.dirs += 1;
+                        made.insert(rel.to_vec(), e.layer_index);
+                        let src = fsx::open_dir_at(&from, name).map_err(err("open", rel))?;
+                        let dst = fsx::open_dir_at(&to, name).map_err(err("open", rel))?;
+                        copy_dir_meta(&src, &dst, rel, userxattr)?;
+                    }
+                    let base_dir = base
+                        .lookup(rel)
+                        .map_err(err("look up", rel))?
+                        .is_some_and(|b| b.kind == FileKind::Dir);
+                    if cp.replaced && base_dir {
+                        let dst = fsx::open_dir_at(&to, name).map_err(err("open", rel))?;
+                        xattr::set(fsx::proc_path(&dst, b""), opaque_name(userxattr), b"y")
+                            .map_err(err("mark opaque", rel))?;
+                        report.opaque += 1;
+                        opaque_dirs.insert(rel.to_vec());
+                    }
+                } else {
+                    link_or_copy(&from, &to, &cname, rel, &mut report)?;
+                    leaves.insert(rel.to_vec());
+                }
+            }
+        }
+    }
+    // Directory times last: creating their entries moved them. Deepest first.
+    for (rel, layer) in made.iter().rev() {
+        let src = fsx::open_beneath(view.layer(*layer), rel).map_err(err("open", rel))?;
+        let dst = fsx::open_beneath(out, rel).map_err(err("open", rel))?;
+        copy_times(&src, &dst, rel)?;
+    }
+    Ok(report)
+}
+
+/// Creates in `out` the directories `ancestors` (outermost first) that are not
+/// there yet, each with the metadata `view` shows for it (never opaque).
+/// `false` when `view` shows no directory at one of them (nothing to copy
+/// below it).
+fn make_parents(
+    view: &LayerView,
+    ancestors: &[&[u8]],
+    out: &Path,
+    made: &mut BTreeMap<Vec<u8>, usize>,
+    userxattr: bool,
+    report: &mut FlattenReport,
+) -> Result<bool, SquashError> {
+    for a in ancestors {
+        if made.contains_key(*a) {
+            continue;
+        }
+        let Some(e) = view.lookup(a).map_err(err("look up", a))? else {
+            return Ok(false);
+        };
+        if e.kind != FileKind::Dir {
+            return Ok(false);
+        }
+        let (parent, name) = fsx::split_parent(a);
+        let to = fsx::open_beneath(out, parent).map_err(err("open", parent))?;
+        match mkdirat(Some(to.as_raw_fd()), name, Mode::from_bits_truncate(0o700)) {
+            Ok(()) => report.dirs += 1,
+            // Made by an earlier copy into the same `out`.
+            Err(nix::errno::Errno::EEXIST) => {}
+            Err(e) => return Err(err("create directory", a)(e.into())),
+        }
+        let src = fsx::open_beneath(view.layer(e.layer_index), a).map_err(err("open", a))?;
+        let dst = fsx::open_dir_at(&to, name).map_err(err("open", a))?;
+        copy_dir_meta(&src, &dst, a, userxattr)?;
+        made.insert(a.to_vec(), e.layer_index);
+    }
+    Ok(true)
+}
+
 /// Flattens the directory `rel`, merged from `layers` (each an open directory of
 /// the run at `rel`), into `out` (open at `rel`).
 #[allow(clippy::too_many_arguments)]
@@ -527,6 +702,91 @@ mod tests {
         assert_eq!(
             tree_digest(&LayerView::new(before)).unwrap(),
             tree_digest(&LayerView::new(after)).unwrap()
+        );
+    }
+
+    /// The changes of the newest layers of a squash that also compacted older
+    /// ones, copied by their paths: above the older layers they show what the
+    /// squash shows, and they hold nothing of the older layers.
+    #[test]
+    fn copied_paths_are_the_newer_members_changes_and_nothing_older() {
+        if !have_root("copied_paths_are_the_newer_members_changes_and_nothing_older") {
+            return;
+        }
+        let t = tmp();
+        let l = |n: &str| t.path().join(n);
+        write(&l("base"), "etc/a", b"base a\n", 0o644);
+        write(&l("base"), "etc/b", b"base b\n", 0o644);
+        write(&l("base"), "old", b"old\n", 0o644);
+        write(&l("base"), "replaced/y", b"y\n", 0o644);
+        // The older (shared) layer: its own changes, an opaque directory.
+        write(&l("sh"), "shared/only", b"sh\n", 0o644);
+        whiteout(&l("sh"), "old");
+        mkdir(&l("sh"), "sd", 0o755);
+        xattr::set(l("sh").join("sd"), "trusted.overlay.opaque", b"y").unwrap();
+        write(&l("sh"), "sd/s1", b"s1\n", 0o644);
+        write(&l("sh"), "sd/s2", b"s2\n", 0o644);
+        // The newer ones, oldest (o1) to newest (o0).
+        write(&l("o1"), "etc/a", b"o1 a\n", 0o600);
+        write(&l("o1"), "shared/new2", b"n2\n", 0o644);
+        whiteout(&l("o1"), "etc/b");
+        write(&l("o1"), "t", b"tmp\n", 0o644);
+        whiteout(&l("o0"), "t");
+        whiteout(&l("o0"), "sd/s1");
+        mkdir(&l("o0"), "replaced", 0o750);
+        xattr::set(l("o0").join("replaced"), "trusted.overlay.opaque", b"y").unwrap();
+        write(&l("o0"), "replaced/n", b"n\n", 0o644);
+        symlink(&l("o0"), "ln", b"etc/a");
+        let x = l("X");
+        std::fs::create_dir(&x).unwrap();
+        flatten_layers(&[l("o0"), l("o1"), l("sh")], &x, false).unwrap();
+        let cp = |p: &str, replaced: bool| CopyPath {
+            path: p.as_bytes().to_vec(),
+            replaced,
+        };
+        let paths = [
+            cp("etc/a", true),
+            cp("shared/new2", true),
+            cp("etc/b", true),
+            cp("t", true),
+            cp("sd/s1", true),
+            cp("replaced", true),
+            cp("replaced/n", true),
+            cp("ln", true),
+        ];
+        let view = LayerView::new(vec![x.clone(), l("base")]);
+        let base = LayerView::new(vec![l("sh"), l("base")]);
+        let out = l("out");
+        std::fs::create_dir(&out).unwrap();
+        copy_paths(&view, &base, &paths, &out, false).unwrap();
+        assert_eq!(
+            tree_digest(&LayerView::new(vec![out.clone(), l("sh"), l("base")])).unwrap(),
+            tree_digest(&view).unwrap(),
+            "above the older layers, the copy shows what the squash shows"
+        );
+        let o = LayerView::new(vec![out.clone()]);
+        for absent in ["shared/only", "old", "sd/s2", "t"] {
+            assert!(
+                std::fs::symlink_metadata(out.join(absent)).is_err(),
+                "{absent}: nothing of the older layer, nor a change that cancelled out"
+            );
+        }
+        assert!(o.lookup(b"sd").unwrap().is_some());
+        assert!(
+            !crate::view::is_opaque_path(&out.join("sd"), false).unwrap(),
+            "a directory above a copied path is never opaque"
+        );
+        assert!(crate::view::is_opaque_path(&out.join("replaced"), false).unwrap());
+        use std::os::unix::fs::MetadataExt;
+        let sd_s1 = std::fs::symlink_metadata(out.join("sd/s1")).unwrap();
+        assert!(
+            is_whiteout(sd_s1.mode(), sd_s1.rdev()),
+            "deleted below a directory the squash does not merge downwards"
+        );
+        assert_eq!(
+            std::fs::metadata(out.join("etc/a")).unwrap().ino(),
+            std::fs::metadata(x.join("etc/a")).unwrap().ino(),
+            "files are hardlinks"
         );
     }
 

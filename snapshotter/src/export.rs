@@ -117,6 +117,35 @@ impl Write for ChunkWriter<'_> {
     }
 }
 
+/// The index of the first layer of `layers` (an exported image's, oldest
+/// first) whose blob an export `--since since` sends: the one above `since`
+/// when it is a layer of the image; when it is a member of one of its squashed
+/// layers (at any depth), that squash — everything above that point, and the
+/// squash's blob is new to a registry.
+fn first_sent(
+    store: &layerstack_engine::store::Store,
+    layers: &[layerstack_engine::store::ExportLayer],
+    since: i64,
+) -> Result<usize, Status> {
+    if let Some(at) = layers.iter().position(|x| x.id == since) {
+        return Ok(at + 1);
+    }
+    let ids: Vec<i64> = layers.iter().map(|x| x.id).collect();
+    let squash = store
+        .compacted_into(&ids, since)
+        .map_err(|e| Status::internal(format!("--since {since}: {}", api::error_chain(&e))))?;
+    match squash.and_then(|s| ids.iter().position(|x| *x == s)) {
+        Some(at) => Ok(at),
+        None => Err(Status::invalid_argument(format!(
+            "--since {since}: layer {since} is not in the exported image nor a member of one of its squashed layers (its layers: {}); see `layerstack log`",
+            ids.iter()
+                .map(|x| x.to_string())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ))),
+    }
+}
+
 impl AdminService {
     /// The base image of the stack in containerd (namespace `ns`, top chainID
     /// `chain`, `layers` base layers; `prefer`: the reference the export named),
@@ -201,17 +230,7 @@ impl AdminService {
             let first_sent = if since == 0 {
                 0
             } else {
-                let at = l.layers.iter().position(|x| x.id == since).ok_or_else(|| {
-                    Status::invalid_argument(format!(
-                        "--since {since}: layer {since} is not in the exported image (its layers: {}); see `layerstack log`",
-                        l.layers
-                            .iter()
-                            .map(|x| x.id.to_string())
-                            .collect::<Vec<_>>()
-                            .join(", ")
-                    ))
-                })?;
-                at + 1
+                first_sent(engine.store(), &l.layers, since)?
             };
             Ok::<_, Status>((export, first_sent))
         })

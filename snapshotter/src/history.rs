@@ -109,7 +109,24 @@ impl AdminService {
             entry: None,
         })];
         for e in entries {
-            let changed = if r.paths {
+            let entry = self.log_entry(e, r.paths).await?;
+            replies.push(Ok(api::LogReply {
+                stack: String::new(),
+                branch: String::new(),
+                entry: Some(entry),
+            }));
+        }
+        Ok(Box::pin(futures::stream::iter(replies)))
+    }
+
+    /// `e` for the wire, its members too; with `paths`, what each changed.
+    fn log_entry(
+        &self,
+        e: layerstack_engine::store::LogEntry,
+        paths: bool,
+    ) -> Pin<Box<dyn std::future::Future<Output = Result<api::LogEntry, Status>> + Send + '_>> {
+        Box::pin(async move {
+            let changed = if paths {
                 let layer = e.layer;
                 self.engine
                     .blocking_store(move |s| s.layer_index(layer))
@@ -131,24 +148,24 @@ impl AdminService {
                 }
                 _ => (String::new(), String::new()),
             };
-            replies.push(Ok(api::LogReply {
-                stack: String::new(),
-                branch: String::new(),
-                entry: Some(api::LogEntry {
-                    layer: e.layer,
-                    manifest: e.manifest,
-                    session: e.session.unwrap_or(0),
-                    namespace,
-                    container,
-                    paths: e.paths,
-                    created_ns: e.created_ns,
-                    kind: e.kind.as_str().to_string(),
-                    owner: e.owner.as_ref().map(|o| o.display()).unwrap_or_default(),
-                    changed,
-                }),
-            }));
-        }
-        Ok(Box::pin(futures::stream::iter(replies)))
+            let mut members = Vec::with_capacity(e.members.len());
+            for m in e.members {
+                members.push(self.log_entry(m, paths).await?);
+            }
+            Ok(api::LogEntry {
+                layer: e.layer,
+                manifest: e.manifest,
+                session: e.session.unwrap_or(0),
+                namespace,
+                container,
+                paths: e.paths,
+                created_ns: e.created_ns,
+                kind: e.kind.as_str().to_string(),
+                owner: e.owner.as_ref().map(|o| o.display()).unwrap_or_default(),
+                changed,
+                members,
+            })
+        })
     }
 
     pub(crate) async fn stacks(

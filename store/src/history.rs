@@ -32,6 +32,296 @@ pub struct Squashed {
     pub manifest: ManifestId,
 }
 
+/// What [`Store::merge_base`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MergeBase {
+    /// A manifest of the stack that shows exactly the merge base, every layer of
+    /// it with its directory on disk: an existing one when there is one, else
+    /// one made for it. A session leased on it reads the merge base.
+    pub manifest: ManifestId,
+    /// The merge base as published layers, newest first: the longest common
+    /// suffix of the two manifests with every squashed layer expanded into the
+    /// layers it compacted (at any depth).
+    pub base: Vec<LayerId>,
+    /// What `a` changed since the merge base: the published layers `a` shows
+    /// above it, newest first, squashed layers expanded.
+    pub a_changes: Vec<LayerId>,
+    /// The layers of `a`'s manifest above the merge base, newest first, when
+    /// they hold exactly [`a_changes`](Self::a_changes) (whole layers, so they
+    /// can be flattened as they are). `None` when a squashed layer of `a`
+    /// compacted layers on both sides of the merge base.
+    pub a_layers: Option<Vec<LayerId>>,
+}
+
+/// What a layer id of a branch's log denotes ([`Store::log_point`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LogPoint {
+    /// The view as of that layer: layers, newest first, above the stack's base
+    /// layers, every one with its directory on disk.
+    pub layers: Vec<LayerId>,
+    /// A manifest holding exactly [`layers`](Self::layers), when one exists.
+    pub manifest: Option<ManifestId>,
+    /// The squashed layer of the branch head that compacted the layer asked
+    /// about (at any depth), when it is a member of one rather than a layer of
+    /// the head itself.
+    pub squash: Option<LayerId>,
+}
+
+/// A layer whose expansion is the run `start..start + len` of a sequence of
+/// published layers (positions newest first).
+#[derive(Debug, Clone, Copy)]
+struct Piece {
+    start: usize,
+    len: usize,
+    layer: LayerId,
+}
+
+/// True when layer `l`'s directory was freed by GC (the row stays for its path
+/// index). Error: `Corrupt` for a missing row.
+fn is_dropped(conn: &Connection, l: LayerId) -> Result<bool, StoreError> {
+    let d: i64 = conn
+        .one("SELECT dropped FROM layers WHERE id = ?1", [l], |r| {
+            r.get(0)
+        })
+        .optional()?
+        .ok_or_else(|| {
+            StoreError::corrupt("layers", l, "a layer of a manifest or squash is missing")
+        })?;
+    Ok(d != 0)
+}
+
+/// The layers that can stand for parts of positions `lo..` of the expansion of
+/// `raw` (a manifest's layers, newest first), as pieces relative to `lo`: each
+/// layer of `raw` wholly inside, and — below a squashed layer that straddles
+/// `lo` or whose directory was freed — its members, at any depth. Only layers
+/// whose directories are on disk are pieces.
+fn collect_pieces(
+    conn: &Connection,
+    cache: &crate::paths::Expansions,
+    raw: &[LayerId],
+    lo: usize,
+    out: &mut Vec<Piece>,
+) -> Result<(), StoreError> {
+    fn walk(
+        conn: &Connection,
+        cache: &crate::paths::Expansions,
+        layer: LayerId,
+        offset: usize,
+        lo: usize,
+        out: &mut Vec<Piece>,
+    ) -> Result<usize, StoreError> {
+        let len = crate::paths::expansion(conn, cache, layer, 0)?.len();
+        if offset + len <= lo {
+            return Ok(len);
+        }
+        if offset >= lo && !is_dropped(conn, layer)? {
+            out.push(Piece {
+                start: offset - lo,
+                len,
+                layer,
+            });
+            return Ok(len);
+        }
+        let mut o = offset;
+        for m in crate::paths::members(conn, layer)? {
+            o += walk(conn, cache, m, o, lo, out)?;
+        }
+        Ok(len)
+    }
+    let mut offset = 0;
+    for &l in raw {
+        offset += walk(conn, cache, l, offset, lo, out)?;
+    }
+    Ok(())
+}
+
+/// The fewest pieces that cover positions `0..k` exactly, in order (newest
+/// first), or `None` when no such cover exists.
+fn cover(pieces: &[Piece], k: usize) -> Option<Vec<LayerId>> {
+    let mut by_start: Vec<Vec<Piece>> = vec![Vec::new(); k];
+    for p in pieces {
+        if p.len > 0 && p.start + p.len <= k {
+            by_start[p.start].push(*p);
+        }
+    }
+    // best[i]: the fewest pieces covering i..k, and the first of them.
+    let mut best: Vec<Option<(usize, Option<Piece>)>> = vec![None; k + 1];
+    best[k] = Some((0, None));
+    for i in (0..k).rev() {
+        for p in &by_start[i] {
+            if let Some((n, _)) = best[i + p.len] {
+                if best[i].is_none_or(|(m, _)| n + 1 < m) {
+                    best[i] = Some((n + 1, Some(*p)));
+                }
+            }
+        }
+    }
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < k {
+        let (_, p) = best[i]?;
+        let p = p?;
+        out.push(p.layer);
+        i += p.len;
+    }
+    best[0].map(|_| out)
+}
+
+/// The layers of `raw` above expansion position `cut` when a layer boundary
+/// falls there (`raw[..j]` whose expansion is `cut` long), else `None`.
+fn raw_above(
+    conn: &Connection,
+    cache: &crate::paths::Expansions,
+    raw: &[LayerId],
+    cut: usize,
+) -> Result<Option<Vec<LayerId>>, StoreError> {
+    let mut n = 0;
+    for (j, &l) in raw.iter().enumerate() {
+        if n == cut {
+            return Ok(Some(raw[..j].to_vec()));
+        }
+        if n > cut {
+            return Ok(None);
+        }
+        n += crate::paths::expansion(conn, cache, l, 0)?.len();
+    }
+    Ok((n == cut).then(|| raw.to_vec()))
+}
+
+/// The layer of `raw` that compacted `member` (its own member, or one of a
+/// member's, at any depth), with the position in the expansion of `raw` where
+/// `member`'s expansion starts. `None` when no layer of `raw` holds it.
+fn compacting_layer(
+    conn: &Connection,
+    cache: &crate::paths::Expansions,
+    raw: &[LayerId],
+    member: LayerId,
+) -> Result<Option<(LayerId, usize)>, StoreError> {
+    // Climb from the member to every squash above it (a layer can be a member
+    // of squashes on several branches), then find one of them in `raw`.
+    let mut above: HashSet<LayerId> = HashSet::new();
+    let mut todo = vec![member];
+    {
+        let mut stmt =
+            conn.prepare_cached("SELECT layer_id FROM squash_members WHERE member_id = ?1")?;
+        while let Some(l) = todo.pop() {
+            let parents: Vec<LayerId> = stmt
+                .query_map([l], |r| r.get(0))?
+                .collect::<Result<_, _>>()?;
+            for p in parents {
+                if above.insert(p) {
+                    todo.push(p);
+                }
+            }
+        }
+    }
+    /// The start of `target`'s expansion inside `layer`'s, when it is there.
+    fn find(
+        conn: &Connection,
+        cache: &crate::paths::Expansions,
+        layer: LayerId,
+        offset: usize,
+        target: LayerId,
+        above: &HashSet<LayerId>,
+    ) -> Result<Option<usize>, StoreError> {
+        if layer == target {
+            return Ok(Some(offset));
+        }
+        if !above.contains(&layer) {
+            return Ok(None);
+        }
+        let mut o = offset;
+        for m in crate::paths::members(conn, layer)? {
+            if let Some(f) = find(conn, cache, m, o, target, above)? {
+                return Ok(Some(f));
+            }
+            o += crate::paths::expansion(conn, cache, m, 0)?.len();
+        }
+        Ok(None)
+    }
+    let mut offset = 0;
+    for &l in raw {
+        if above.contains(&l) {
+            if let Some(at) = find(conn, cache, l, offset, member, &above)? {
+                return Ok(Some((l, at)));
+            }
+        }
+        offset += crate::paths::expansion(conn, cache, l, 0)?.len();
+    }
+    Ok(None)
+}
+
+/// See [`Store::log_point`]; `head` is the branch's head, `branch` names it in
+/// errors.
+fn log_point_on(
+    conn: &Connection,
+    cache: &crate::paths::Expansions,
+    stack: &str,
+    branch: &str,
+    head: ManifestId,
+    layer: LayerId,
+) -> Result<LogPoint, StoreError> {
+    let raw = manifest_layers(conn, head)?;
+    if let Some(pos) = raw.iter().position(|l| *l == layer) {
+        return Ok(LogPoint {
+            layers: raw[pos..].to_vec(),
+            manifest: None,
+            squash: None,
+        });
+    }
+    let Some((squash, lo)) = compacting_layer(conn, cache, &raw, layer)? else {
+        return Err(StoreError::InvalidArgument(format!(
+            "layer {layer} is not in the log of branch {branch:?}, nor a member of one of its squashed layers (see `layerstack log`)"
+        )));
+    };
+    let expanded = crate::paths::expand(conn, cache, &raw)?;
+    let want = &expanded[lo..];
+    // The manifest that was the head right after the layer was published (or,
+    // for a nested squash, committed), if it still exists and every layer of it
+    // is on disk.
+    let candidates: Vec<ManifestId> = {
+        let mut stmt = conn.prepare_cached(
+            "SELECT id FROM manifests WHERE stack = ?1 AND layer_id = ?2 ORDER BY id",
+        )?;
+        let rows = stmt.query_map(params![stack, layer], |r| r.get(0))?;
+        rows.collect::<Result<_, _>>()?
+    };
+    for m in candidates {
+        let layers = manifest_layers(conn, m)?;
+        if crate::paths::expand(conn, cache, &layers)? != want {
+            continue;
+        }
+        let mut on_disk = true;
+        for l in &layers {
+            if is_dropped(conn, *l)? {
+                on_disk = false;
+                break;
+            }
+        }
+        if on_disk {
+            return Ok(LogPoint {
+                layers,
+                manifest: Some(m),
+                squash: Some(squash),
+            });
+        }
+    }
+    // Else the same view from what is on disk: the layers below the squash and
+    // its members from this one down (the squash is a compaction).
+    let mut pieces = Vec::new();
+    collect_pieces(conn, cache, &raw, lo, &mut pieces)?;
+    let layers = cover(&pieces, want.len()).ok_or_else(|| {
+        StoreError::FailedPrecondition(format!(
+            "layer {layer} of branch {branch:?} was compacted into squashed layer {squash} and gc has freed its directory since: the view as of it can no longer be built; use layer {squash} (the view after the whole squash) or a newer layer"
+        ))
+    })?;
+    Ok(LogPoint {
+        layers,
+        manifest: None,
+        squash: Some(squash),
+    })
+}
+
 /// What a garbage collection did.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct GcReport {
@@ -181,12 +471,15 @@ impl Store {
     }
 
     /// Creates branch `name` on `stack` pointing at `from`'s head, or — with
-    /// `at` — at the manifest in `from`'s history whose newest layer is `at` (any
-    /// layer `from`'s log lists). O(1) writes: one row, no copy.
+    /// `at` — at the view as of layer `at` of `from`'s log (a layer of its head,
+    /// or a member of one of its squashed layers: see [`Store::log_point`]).
+    /// O(1) writes when that manifest exists (one row, no copy), else O(depth)
+    /// manifest rows.
     ///
     /// Errors: `InvalidArgument` (name), `SnapshotExists`-like `FailedPrecondition`
     /// when `name` exists, `BranchNotFound` (`from`), `InvalidArgument` when `at`
-    /// is not in `from`'s log.
+    /// is not in `from`'s log, `FailedPrecondition` when `at`'s view can no
+    /// longer be built (GC freed a compacted member's directory).
     pub fn create_branch(
         &self,
         stack: &str,
@@ -208,13 +501,11 @@ impl Store {
             let target = match at {
                 None => head,
                 Some(layer) => {
-                    let layers = manifest_layers(tx, head)?;
-                    let pos = layers.iter().position(|l| *l == layer).ok_or_else(|| {
-                        StoreError::InvalidArgument(format!(
-                            "layer {layer} is not in the log of branch {from:?} (see `layerstack log`)"
-                        ))
-                    })?;
-                    manifest_for(tx, stack, head, &layers[pos..])?
+                    let point = log_point_on(tx, &self.expansions, stack, from, head, layer)?;
+                    match point.manifest {
+                        Some(m) => m,
+                        None => manifest_for(tx, stack, head, &point.layers)?,
+                    }
                 }
             };
             let now = now_ns();
@@ -315,27 +606,105 @@ impl Store {
         })
     }
 
-    /// The manifest holding the longest common suffix of manifests `a` and `b`
-    /// of `stack` (their merge base), with squashed layers compared as the runs
-    /// they replaced. Creates it when no such manifest exists yet.
+    /// The merge base of manifests `a` and `b` of `stack`, and what `a` changed
+    /// since (see [`MergeBase`]). Computed on the layers as published: both
+    /// manifests with every squashed layer expanded into the layers it compacted
+    /// (at any depth), so a squash on either side, or on both, moves neither the
+    /// merge base nor what `a` changed. The merge base's manifest is made of
+    /// layers on disk: whole layers of either manifest where they fit, and
+    /// below a squashed layer that straddles the merge base, members whose
+    /// directories GC has not freed (the fewest layers that do). Creates it
+    /// when no such manifest exists yet.
+    ///
+    /// Cost: O(expanded depth of both) plus the members of the squashed layers
+    /// that straddle the merge base. Errors: `Corrupt`; `FailedPrecondition`
+    /// when the merge base can no longer be built: both sides compacted the
+    /// layers they share into squashed layers that also hold their own later
+    /// layers, and GC freed those shared layers' directories.
     pub fn merge_base(
         &self,
         stack: &str,
         a: ManifestId,
         b: ManifestId,
-    ) -> Result<ManifestId, StoreError> {
+    ) -> Result<MergeBase, StoreError> {
         self.db.write(|tx| {
-            let la = manifest_layers(tx, a)?;
-            let lb = manifest_layers(tx, b)?;
-            let mut common = 0;
-            while common < la.len()
-                && common < lb.len()
-                && la[la.len() - 1 - common] == lb[lb.len() - 1 - common]
-            {
-                common += 1;
-            }
-            let suffix = la[la.len() - common..].to_vec();
-            manifest_for(tx, stack, a, &suffix)
+            let cache = &self.expansions;
+            let ra = manifest_layers(tx, a)?;
+            let rb = manifest_layers(tx, b)?;
+            let ea = crate::paths::expand(tx, cache, &ra)?;
+            let eb = crate::paths::expand(tx, cache, &rb)?;
+            let k = ea
+                .iter()
+                .rev()
+                .zip(eb.iter().rev())
+                .take_while(|(x, y)| x == y)
+                .count();
+            let (cut_a, cut_b) = (ea.len() - k, eb.len() - k);
+            let mut pieces = Vec::new();
+            collect_pieces(tx, cache, &ra, cut_a, &mut pieces)?;
+            collect_pieces(tx, cache, &rb, cut_b, &mut pieces)?;
+            let layers = cover(&pieces, k).ok_or_else(|| {
+                StoreError::FailedPrecondition(format!(
+                    "the merge base of manifests {a} and {b} ({k} published layers) can no longer be built: both compacted the layers they share into squashed layers together with later ones, and gc has freed the shared layers' directories; publish the changes again in a session on the target branch"
+                ))
+            })?;
+            let head = if rb.ends_with(&layers) && !ra.ends_with(&layers) {
+                b
+            } else {
+                a
+            };
+            let manifest = manifest_for(tx, stack, head, &layers)?;
+            Ok(MergeBase {
+                manifest,
+                base: ea[cut_a..].to_vec(),
+                a_changes: ea[..cut_a].to_vec(),
+                a_layers: raw_above(tx, cache, &ra, cut_a)?,
+            })
+        })
+    }
+
+    /// What layer `layer` of the log of `branch` of `stack` denotes: the view
+    /// as of it (`diff --at`, `branch create --at`). A layer of the head: the
+    /// head's layers from it down. A member of a squashed layer of the head (at
+    /// any depth, as `layerstack log` lists it): the view as of its publish —
+    /// the manifest that was the head right after it, if it still exists, else
+    /// the same view built from the layers below the squash and the squash's
+    /// members from this one down (the squash is a compaction, so the view is
+    /// the same).
+    ///
+    /// Errors: `BranchNotFound`; `InvalidArgument` when `layer` is neither;
+    /// `FailedPrecondition` when the view can no longer be built (GC freed the
+    /// directory of a member it needs).
+    pub fn log_point(
+        &self,
+        stack: &str,
+        branch: &str,
+        layer: LayerId,
+    ) -> Result<LogPoint, StoreError> {
+        self.db.read(|conn| {
+            let head =
+                branch_head(conn, stack, branch)?.ok_or_else(|| StoreError::BranchNotFound {
+                    stack: stack.into(),
+                    branch: branch.into(),
+                })?;
+            log_point_on(conn, &self.expansions, stack, branch, head, layer)
+        })
+    }
+
+    /// The layer of `layers` (a manifest's, newest first) that compacted layer
+    /// `member` — a squashed layer holding it as a member, at any depth — or
+    /// `None` when none does (also when `member` is itself in `layers`).
+    /// Errors: `Corrupt`.
+    pub fn compacted_into(
+        &self,
+        layers: &[LayerId],
+        member: LayerId,
+    ) -> Result<Option<LayerId>, StoreError> {
+        if layers.contains(&member) {
+            return Ok(None);
+        }
+        self.db.read(|conn| {
+            Ok(compacting_layer(conn, &self.expansions, layers, member)?.map(|(l, _)| l))
         })
     }
 
@@ -484,9 +853,11 @@ impl Store {
                     reach.insert(l?);
                 }
             }
-            // Rows kept for their path index: members of reachable squashes.
+            // Rows kept for their path index: members of reachable squashes, at
+            // any depth — a squash nested in one keeps its members' rows too (its
+            // expansion goes through them).
             let reachable: Vec<LayerId> = reach.iter().copied().collect();
-            let retained: HashSet<LayerId> = crate::paths::expand(tx, &self.expansions, &reachable)?.into_iter().collect();
+            let retained: HashSet<LayerId> = crate::paths::squash_tree(tx, &reachable)?;
             // Dead manifests go first (they reference layers), children before
             // parents; released leases on them with them.
             let mut all: Vec<ManifestId> = {

@@ -69,7 +69,7 @@ pub use blame::{coalesce, tile, FileBlame, LineOwner, MarkerRecord, OwnerRange, 
 pub use error::{ErrorKind, OpenError, Result, StoreError};
 pub use export::{ExportLayer, ExportLease, ExportSource};
 pub use graph::{AttemptInfo, AttemptStatus, GraphDump, GroupInfo, NodeInfo, NodeKind, Provenance};
-pub use history::{DiskUsage, GcReport, RemovedStack, Squashed, Usage};
+pub use history::{DiskUsage, GcReport, LogPoint, MergeBase, RemovedStack, Squashed, Usage};
 pub use lock::StoreLock;
 pub use model::*;
 pub use publish::{CommitRecord, Published, Staged};

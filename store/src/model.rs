@@ -465,13 +465,21 @@ impl SessionInfo {
 pub struct LogEntry {
     pub layer: LayerId,
     pub kind: LayerKind,
+    /// The manifest that added the layer (the oldest that did); for a member of
+    /// a squashed layer, 0 when GC removed every such manifest.
     pub manifest: ManifestId,
     pub session: Option<SessionId>,
     /// Who published it (the session's owner), when known.
     pub owner: Option<Owner>,
-    /// Number of paths the layer changed.
+    /// Number of distinct paths the layer changed (a squashed layer: of its
+    /// merged index, a path several members changed counted once).
     pub paths: i64,
+    /// When the layer was made (published, or committed as a squash), in
+    /// nanoseconds since the Unix epoch.
     pub created_ns: i64,
+    /// A squashed layer's members, newest first, each with its own entry (a
+    /// member that is itself squashed has its members too); empty otherwise.
+    pub members: Vec<LogEntry>,
 }
 
 /// Kinds of layer rows (ARCHITECTURE.md §2 "Layer").

@@ -14,6 +14,7 @@ use std::sync::{Arc, Mutex};
 
 use rusqlite::{params, Connection, Transaction};
 
+use crate::db::Cached;
 use crate::db::{digest_col, u32_col};
 use crate::error::StoreError;
 use crate::stacks::manifest_layers;
@@ -309,8 +310,36 @@ pub(crate) fn expand(
     Ok(out)
 }
 
+/// The direct members of squashed layer `l`, newest first (empty for any other
+/// layer).
+pub(crate) fn members(conn: &Connection, l: LayerId) -> Result<Vec<LayerId>, StoreError> {
+    let mut stmt = conn
+        .prepare_cached("SELECT member_id FROM squash_members WHERE layer_id = ?1 ORDER BY pos")?;
+    let rows = stmt.query_map([l], |r| r.get(0))?;
+    Ok(rows.collect::<Result<_, _>>()?)
+}
+
+/// `layers` and every layer their squashes compacted, at any depth (nested
+/// squashes and their members included): the rows an expansion of `layers`
+/// reads.
+pub(crate) fn squash_tree(
+    conn: &Connection,
+    layers: &[LayerId],
+) -> Result<HashSet<LayerId>, StoreError> {
+    let mut out: HashSet<LayerId> = layers.iter().copied().collect();
+    let mut todo: Vec<LayerId> = layers.to_vec();
+    while let Some(l) = todo.pop() {
+        for m in members(conn, l)? {
+            if out.insert(m) {
+                todo.push(m);
+            }
+        }
+    }
+    Ok(out)
+}
+
 /// What layer `l` stands for: itself, or a squashed layer's members expanded.
-fn expansion(
+pub(crate) fn expansion(
     conn: &Connection,
     cache: &Expansions,
     l: LayerId,
@@ -328,13 +357,7 @@ fn expansion(
             "squashed layers nest more than 1024 deep (a cycle?)",
         ));
     }
-    let members: Vec<LayerId> = {
-        let mut stmt = conn.prepare_cached(
-            "SELECT member_id FROM squash_members WHERE layer_id = ?1 ORDER BY pos",
-        )?;
-        let rows = stmt.query_map([l], |r| r.get(0))?;
-        rows.collect::<Result<_, _>>()?
-    };
+    let members = members(conn, l)?;
     if members.is_empty() {
         return Ok(Arc::from([l]));
     }
@@ -383,6 +406,31 @@ pub(crate) fn layers_since(
         .collect())
 }
 
+/// See [`Store::path_count`].
+pub(crate) fn path_count(
+    conn: &Connection,
+    cache: &Expansions,
+    layers: &[LayerId],
+) -> Result<i64, StoreError> {
+    let expanded = expand(conn, cache, layers)?;
+    if let [one] = expanded.as_slice() {
+        let n: i64 = conn.one(
+            "SELECT count(*) FROM layer_paths WHERE layer_id = ?1",
+            [one],
+            |r| r.get(0),
+        )?;
+        return Ok(n);
+    }
+    let mut stmt = conn.prepare_cached("SELECT path FROM layer_paths WHERE layer_id = ?1")?;
+    let mut seen: HashSet<Vec<u8>> = HashSet::new();
+    for l in expanded {
+        for p in stmt.query_map([l], |r| r.get::<_, Vec<u8>>(0))? {
+            seen.insert(p?);
+        }
+    }
+    Ok(seen.len() as i64)
+}
+
 impl Store {
     /// The path index of every layer manifest `to` shows that manifest `from`
     /// does not (what a branch published since a lease, or since a publish
@@ -404,6 +452,44 @@ impl Store {
             let layers = layers_since(conn, &self.expansions, from, to)?;
             query_layers(conn, &layers, query)
         })
+    }
+
+    /// Every path the published layers `layers` changed (squashed layers are
+    /// expanded first), sorted by path, each with whether one of those changes
+    /// hid what was below the path ([`ChangeKind::hides_below`]: a deletion, an
+    /// opaque directory, a non-directory). The input of
+    /// `publisher::copy_paths` for what a branch changed since a merge base.
+    /// Cost: every path-index row of those layers. Errors: `Corrupt`.
+    pub fn paths_changed(&self, layers: &[LayerId]) -> Result<Vec<(Vec<u8>, bool)>, StoreError> {
+        self.db.read(|conn| {
+            let mut stmt =
+                conn.prepare_cached("SELECT path, kind FROM layer_paths WHERE layer_id = ?1")?;
+            let mut out: BTreeMap<Vec<u8>, bool> = BTreeMap::new();
+            for l in expand(conn, &self.expansions, layers)? {
+                let rows: Vec<(Vec<u8>, i64)> = stmt
+                    .query_map([l], |r| Ok((r.get(0)?, r.get(1)?)))?
+                    .collect::<Result<_, _>>()?;
+                for (path, code) in rows {
+                    let kind = ChangeKind::from_code(code).ok_or_else(|| {
+                        StoreError::corrupt(
+                            "layer_paths",
+                            format!("layer {l}, path {}", crate::escape_path(&path)),
+                            format!("kind {code}"),
+                        )
+                    })?;
+                    *out.entry(path).or_insert(false) |= kind.hides_below();
+                }
+            }
+            Ok(out.into_iter().collect())
+        })
+    }
+
+    /// The number of distinct paths the layers `layers` changed (squashed layers
+    /// expanded): a path several of them changed counts once — the length of
+    /// [`Store::layer_index`] for one layer. Errors: `Corrupt`.
+    pub fn path_count(&self, layers: &[LayerId]) -> Result<i64, StoreError> {
+        self.db
+            .read(|conn| path_count(conn, &self.expansions, layers))
     }
 
     /// The whole path index of layer `layer`, sorted by path (for `log --paths`

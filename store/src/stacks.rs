@@ -253,7 +253,11 @@ impl Store {
     }
 
     /// The layers `branch` of `stack` shows, newest first, with who published
-    /// each. Error: `BranchNotFound`.
+    /// each and when. A squashed layer's entry counts the paths of its merged
+    /// index (a path several members changed counts once) and lists its members
+    /// as entries of their own, newest first, each with its publisher, time and
+    /// path count (a member that is itself squashed lists its members too).
+    /// Error: `BranchNotFound`.
     pub fn log(&self, stack: &str, branch: &str) -> Result<Vec<LogEntry>, StoreError> {
         self.db.read(|conn| {
             let head =
@@ -261,11 +265,11 @@ impl Store {
                     stack: stack.to_string(),
                     branch: branch.to_string(),
                 })?;
-            // The manifest that added each layer, for display.
+            // The manifest that added each layer, for display: the oldest.
             let mut added: HashMap<LayerId, ManifestId> = HashMap::new();
             {
                 let mut stmt = conn.prepare_cached(
-                    "SELECT layer_id, id FROM manifests WHERE stack = ?1 AND layer_id IS NOT NULL",
+                    "SELECT layer_id, id FROM manifests WHERE stack = ?1 AND layer_id IS NOT NULL ORDER BY id",
                 )?;
                 let rows = stmt.query_map([stack], |r| Ok((r.get(0)?, r.get(1)?)))?;
                 for r in rows {
@@ -274,31 +278,59 @@ impl Store {
                 }
             }
             let owners = owners_of_stack(conn, stack)?;
-            let mut layer_stmt = conn
-                .prepare_cached("SELECT kind, session_id, created_ns FROM layers WHERE id = ?1")?;
-            let mut count_stmt =
-                conn.prepare_cached("SELECT count(*) FROM layer_paths WHERE layer_id = ?1")?;
             let mut out = Vec::new();
             for layer in manifest_layers(conn, head)? {
-                let (kind, session, created_ns): (String, Option<SessionId>, i64) = layer_stmt
-                    .query_row([layer], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
-                    .optional()?
-                    .ok_or(StoreError::LayerNotFound(layer))?;
-                let kind = LayerKind::parse(&kind).ok_or_else(|| {
-                    StoreError::corrupt("layers", layer, format!("kind {kind:?}"))
-                })?;
-                let paths: i64 = count_stmt.query_row([layer], |r| r.get(0))?;
-                out.push(LogEntry {
-                    layer,
-                    kind,
-                    manifest: added.get(&layer).copied().unwrap_or(head),
-                    session,
-                    owner: session.and_then(|s| owners.get(&s).cloned()),
-                    paths,
-                    created_ns,
-                });
+                let mut e = self.log_entry(conn, layer, &added, &owners, 0)?;
+                if e.manifest == 0 {
+                    e.manifest = head;
+                }
+                out.push(e);
             }
             Ok(out)
+        })
+    }
+
+    /// The log entry of `layer` (see [`Store::log`]), `manifest` 0 when no
+    /// manifest that added it remains.
+    fn log_entry(
+        &self,
+        conn: &Connection,
+        layer: LayerId,
+        added: &HashMap<LayerId, ManifestId>,
+        owners: &BTreeMap<SessionId, Owner>,
+        nesting: usize,
+    ) -> Result<LogEntry, StoreError> {
+        if nesting > 1024 {
+            return Err(StoreError::corrupt(
+                "squash_members",
+                layer,
+                "squashed layers nest more than 1024 deep (a cycle?)",
+            ));
+        }
+        let mut layer_stmt =
+            conn.prepare_cached("SELECT kind, session_id, created_ns FROM layers WHERE id = ?1")?;
+        let (kind, session, created_ns): (String, Option<SessionId>, i64) = layer_stmt
+            .query_row([layer], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+            .optional()?
+            .ok_or(StoreError::LayerNotFound(layer))?;
+        let kind = LayerKind::parse(&kind)
+            .ok_or_else(|| StoreError::corrupt("layers", layer, format!("kind {kind:?}")))?;
+        let members = match kind {
+            LayerKind::Squashed => crate::paths::members(conn, layer)?
+                .into_iter()
+                .map(|m| self.log_entry(conn, m, added, owners, nesting + 1))
+                .collect::<Result<Vec<_>, _>>()?,
+            _ => Vec::new(),
+        };
+        Ok(LogEntry {
+            layer,
+            kind,
+            manifest: added.get(&layer).copied().unwrap_or(0),
+            session,
+            owner: session.and_then(|s| owners.get(&s).cloned()),
+            paths: crate::paths::path_count(conn, &self.expansions, &[layer])?,
+            created_ns,
+            members,
         })
     }
 

@@ -1406,3 +1406,372 @@ fn a_squash_takes_the_new_layers_and_only_the_squashes_that_are_not_much_bigger(
     // Not deep enough: nothing to do.
     assert!(s.squash_candidate(&stack, "main", 64, 3).unwrap().is_none());
 }
+
+/// A path-index row of a deletion.
+fn delete_entry(path: &[u8]) -> IndexEntry {
+    IndexEntry {
+        path: path.to_vec(),
+        kind: ChangeKind::Delete,
+        digest: None,
+        mode: None,
+        uid: None,
+        gid: None,
+        xattrs: None,
+    }
+}
+
+/// A stack (on [`unpack`]) whose layers are published with index rows only.
+struct Hist {
+    s: Store,
+    top: String,
+    stack: String,
+    n: usize,
+}
+
+impl Hist {
+    fn new(dir: &Path) -> Hist {
+        let s = open(dir);
+        let top = unpack(&s, "default");
+        Hist {
+            s,
+            top,
+            stack: "default/sha256:bbb".into(),
+            n: 0,
+        }
+    }
+
+    /// Publishes one layer with `index` on `branch` by container `h<n>`.
+    fn publish(&mut self, branch: &str, index: &[IndexEntry]) -> LayerId {
+        self.n += 1;
+        let name = format!("h{}", self.n);
+        self.s
+            .prepare(
+                &format!("default/{}/{name}", 1000 + self.n),
+                &self.top,
+                labels(&[(BRANCH_LABEL, branch)]),
+                false,
+            )
+            .unwrap();
+        let sid = self.s.find_session("default", &name).unwrap().unwrap().id;
+        publish(&self.s, sid, index).layer
+    }
+
+    /// Squashes `run` (layers of `branch`'s head) into one layer.
+    fn squash(&self, branch: &str, run: &[LayerId]) -> LayerId {
+        let head = self.s.branch_head(&self.stack, branch).unwrap();
+        let (dir, _g) = self.s.staging_dir("squash").unwrap();
+        self.s
+            .commit_squash(&self.stack, branch, head, run, &dir)
+            .unwrap()
+            .layer
+    }
+
+    /// Squashes everything below `branch`'s newest `keep` layers.
+    fn squash_below(&self, branch: &str, keep: usize) -> LayerId {
+        let layers = self.layers(branch);
+        self.squash(branch, &layers[keep..])
+    }
+
+    fn layers(&self, branch: &str) -> Vec<LayerId> {
+        self.s
+            .manifest(self.s.branch_head(&self.stack, branch).unwrap())
+            .unwrap()
+    }
+
+    fn head(&self, branch: &str) -> ManifestId {
+        self.s.branch_head(&self.stack, branch).unwrap()
+    }
+
+    fn expanded(&self, m: ManifestId) -> Vec<LayerId> {
+        self.s.expand_layers(&self.s.manifest(m).unwrap()).unwrap()
+    }
+
+    fn merge_base(&self, from: &str, to: &str) -> Result<MergeBase, StoreError> {
+        self.s
+            .merge_base(&self.stack, self.head(from), self.head(to))
+    }
+
+    /// Every layer of manifest `m` has its directory.
+    fn on_disk(&self, m: ManifestId) -> bool {
+        self.s
+            .manifest(m)
+            .unwrap()
+            .iter()
+            .all(|l| self.s.layer_path(*l).is_dir())
+    }
+}
+
+/// The tester's first case, at the store: main deletes a file that existed when
+/// b4 forked, publishes 9 more times and squashes everything below its newest 8
+/// (the run straddles the fork point). The merge base of b4 and main is still
+/// the fork point — not the empty root — and what b4 changed is its one layer;
+/// the path index since the merge base shows main's deletion.
+#[test]
+fn the_merge_base_survives_a_squash_of_the_target() {
+    let d = tmp();
+    let mut h = Hist::new(d.path());
+    let l1 = h.publish(
+        "main",
+        &[
+            write_entry(b"root/new.txt", 1),
+            write_entry(b"root/g.txt", 1),
+        ],
+    );
+    h.s.create_branch(&h.stack, "b4", "main", None).unwrap();
+    let b = h.publish("b4", &[write_entry(b"root/b4.txt", 2)]);
+    let lr = h.publish("main", &[delete_entry(b"root/new.txt")]);
+    for i in 0..9 {
+        h.publish("main", &[write_entry(format!("root/m{i}").as_bytes(), 3)]);
+    }
+    let (_, run) =
+        h.s.squash_candidate(&h.stack, "main", 0, 8)
+            .unwrap()
+            .unwrap();
+    assert!(run.contains(&l1) && run.contains(&lr), "{run:?}");
+    h.squash("main", &run);
+    let mb = h.merge_base("b4", "main").unwrap();
+    assert_eq!(mb.base, vec![l1], "the fork point");
+    assert_eq!(h.expanded(mb.manifest), vec![l1]);
+    assert!(h.on_disk(mb.manifest));
+    assert_eq!(mb.a_changes, vec![b], "b4 changed one layer");
+    assert_eq!(mb.a_layers, Some(vec![b]));
+    let since =
+        h.s.changes_between(mb.manifest, h.head("main"), &query(&["root/new.txt"], &[]))
+            .unwrap();
+    assert_eq!(since.len(), 1, "{since:?}");
+    assert_eq!(
+        (since[0].0, since[0].1[0].kind),
+        (lr, ChangeKind::Delete),
+        "main deleted it since the merge base"
+    );
+    // The other way round: main's changes since the merge base, b4's head whole.
+    let back = h.merge_base("main", "b4").unwrap();
+    assert_eq!(h.expanded(back.manifest), vec![l1]);
+    assert_eq!(back.a_changes.len(), 10);
+    assert_eq!(
+        back.a_layers, None,
+        "main's squash straddles the merge base"
+    );
+}
+
+/// The tester's second case: b2 forks, main edits g.txt, main squashes
+/// everything: g.txt changed on main only since the merge base.
+#[test]
+fn an_edit_on_the_target_before_its_squash_is_the_targets_change() {
+    let d = tmp();
+    let mut h = Hist::new(d.path());
+    let l1 = h.publish("main", &[write_entry(b"root/g.txt", 1)]);
+    h.s.create_branch(&h.stack, "b2", "main", None).unwrap();
+    let b = h.publish("b2", &[write_entry(b"root/b2.txt", 2)]);
+    let lg = h.publish("main", &[write_entry(b"root/g.txt", 5)]);
+    h.squash_below("main", 0);
+    assert_eq!(h.layers("main").len(), 1);
+    let mb = h.merge_base("b2", "main").unwrap();
+    assert_eq!(h.expanded(mb.manifest), vec![l1]);
+    assert_eq!(mb.a_changes, vec![b]);
+    let since =
+        h.s.changes_between(mb.manifest, h.head("main"), &query(&["root/g.txt"], &[]))
+            .unwrap();
+    assert_eq!(since.len(), 1);
+    assert_eq!(
+        since[0].0, lg,
+        "only main changed g.txt since the merge base"
+    );
+}
+
+/// Squashes on both sides, one a squash of squashes: the merge base is the
+/// layers both show as published, built from layers on disk; once GC freed the
+/// shared layers both sides compacted it cannot be built and says so. Squashed
+/// on one side only, GC changes nothing.
+#[test]
+fn the_merge_base_survives_nested_squashes_on_both_sides() {
+    let d = tmp();
+    let mut h = Hist::new(d.path());
+    let mut shared: Vec<LayerId> = (0..4)
+        .map(|i| h.publish("main", &[write_entry(format!("s{i}").as_bytes(), 1)]))
+        .collect();
+    shared.reverse();
+    h.s.create_branch(&h.stack, "b", "main", None).unwrap();
+    h.s.create_branch(&h.stack, "c", "main", None).unwrap();
+    let mut own_b: Vec<LayerId> = (0..3)
+        .map(|i| h.publish("b", &[write_entry(format!("b{i}").as_bytes(), 2)]))
+        .collect();
+    own_b.reverse();
+    let mut own_main: Vec<LayerId> = Vec::new();
+    for i in 0..3 {
+        own_main.insert(
+            0,
+            h.publish("main", &[write_entry(format!("m{i}").as_bytes(), 3)]),
+        );
+    }
+    // main: a squash straddling the fork point, more publishes, then a squash of
+    // that squash with them (nested).
+    let s1 = h.squash_below("main", 1);
+    for i in 3..5 {
+        own_main.insert(
+            0,
+            h.publish("main", &[write_entry(format!("m{i}").as_bytes(), 3)]),
+        );
+    }
+    let s2 = h.squash_below("main", 1);
+    assert_eq!(h.layers("main"), vec![own_main[0], s2]);
+    assert!(h.s.expand_layers(&[s2]).unwrap().ends_with(&shared));
+    let _ = s1;
+    // b: one squash that straddles the fork point too.
+    h.squash_below("b", 1);
+    let mb = h.merge_base("b", "main").unwrap();
+    assert_eq!(mb.base, shared);
+    assert_eq!(h.expanded(mb.manifest), shared);
+    assert!(
+        h.on_disk(mb.manifest),
+        "members whose directories are still there"
+    );
+    assert_eq!(mb.a_changes, own_b);
+    assert_eq!(mb.a_layers, None);
+    let mb = h.merge_base("main", "b").unwrap();
+    assert_eq!(mb.a_changes, own_main);
+    // c, unsquashed, keeps the shared layers on disk through GC: both ways work.
+    h.s.gc(&[]).unwrap();
+    for (from, to) in [("b", "c"), ("c", "b"), ("main", "c"), ("c", "main")] {
+        let mb = h.merge_base(from, to).unwrap();
+        assert_eq!(h.expanded(mb.manifest), shared, "{from} -> {to}");
+        assert!(h.on_disk(mb.manifest), "{from} -> {to}");
+    }
+    let mb = h.merge_base("b", "main").unwrap();
+    assert_eq!(h.expanded(mb.manifest), shared);
+    assert!(h.on_disk(mb.manifest));
+    // Without c, GC frees the shared layers: b and main both compacted them.
+    h.s.delete_branch(&h.stack, "c").unwrap();
+    h.s.gc(&[]).unwrap();
+    let err = h.merge_base("b", "main").unwrap_err();
+    assert!(
+        matches!(err, StoreError::FailedPrecondition(ref m) if m.contains("can no longer be built")),
+        "{err}"
+    );
+}
+
+/// A squash keeps who published each layer: the squashed row counts the paths
+/// of its merged index once each and lists its members (nested squashes
+/// nested) with their publishers and path counts.
+#[test]
+fn the_log_shows_a_squash_with_its_members_and_its_merged_path_count() {
+    let d = tmp();
+    let mut h = Hist::new(d.path());
+    let a = h.publish("main", &[write_entry(b"x", 1), write_entry(b"y", 1)]);
+    let b = h.publish("main", &[write_entry(b"x", 2)]);
+    let c = h.publish("main", &[write_entry(b"z", 3)]);
+    let s1 = h.squash("main", &[b, a]);
+    let top = h.publish("main", &[write_entry(b"w", 4)]);
+    let s2 = h.squash("main", &[c, s1]);
+    let log = h.s.log(&h.stack, "main").unwrap();
+    assert_eq!(log.iter().map(|e| e.layer).collect::<Vec<_>>(), [top, s2]);
+    let sq = &log[1];
+    assert_eq!(sq.kind, LayerKind::Squashed);
+    assert_eq!(sq.paths, 3, "x, y, z: x counted once");
+    assert_eq!(sq.paths as usize, h.s.layer_index(s2).unwrap().len());
+    assert_eq!(
+        sq.members.iter().map(|e| e.layer).collect::<Vec<_>>(),
+        [c, s1]
+    );
+    let nested = &sq.members[1];
+    assert_eq!((nested.kind, nested.paths), (LayerKind::Squashed, 2));
+    assert_eq!(
+        nested
+            .members
+            .iter()
+            .map(|e| (e.layer, e.paths))
+            .collect::<Vec<_>>(),
+        [(b, 1), (a, 2)]
+    );
+    let first = &nested.members[1];
+    assert_eq!(first.kind, LayerKind::Published);
+    assert_eq!(
+        first.owner,
+        Some(Owner::Container {
+            namespace: "default".into(),
+            id: "h1".into()
+        }),
+        "who published it"
+    );
+    assert!(first.session.is_some() && first.created_ns > 0);
+    assert_ne!(first.manifest, 0, "its manifest is still there before GC");
+    assert!(log[0].members.is_empty());
+}
+
+/// A member of a squash names the view as of its publish: the old head while
+/// it exists, else the same view from the layers below the squash and the
+/// members from it down; once GC freed what that needs, a clear refusal.
+#[test]
+fn a_member_layer_names_the_view_as_of_its_publish() {
+    let d = tmp();
+    let mut h = Hist::new(d.path());
+    let a = h.publish("main", &[write_entry(b"x", 1)]);
+    let b = h.publish("main", &[write_entry(b"y", 1)]);
+    let after_b = h.head("main");
+    let c = h.publish("main", &[write_entry(b"z", 1)]);
+    let top = h.publish("main", &[write_entry(b"w", 1)]);
+    let s = h.squash("main", &[c, b]);
+    assert_eq!(h.layers("main"), vec![top, s, a]);
+    // A layer of the head: as before.
+    let p = h.s.log_point(&h.stack, "main", a).unwrap();
+    assert_eq!((p.layers, p.squash), (vec![a], None));
+    // A member: the head right after its publish.
+    let p = h.s.log_point(&h.stack, "main", b).unwrap();
+    assert_eq!(p.manifest, Some(after_b));
+    assert_eq!((p.layers.clone(), p.squash), (vec![b, a], Some(s)));
+    let br =
+        h.s.create_branch(&h.stack, "at-b", "main", Some(b))
+            .unwrap();
+    assert_eq!(br.head, after_b);
+    assert_eq!(h.s.compacted_into(&h.layers("main"), b).unwrap(), Some(s));
+    assert_eq!(h.s.compacted_into(&h.layers("main"), a).unwrap(), None);
+    h.s.delete_branch(&h.stack, "at-b").unwrap();
+    // After GC the old heads are gone: the newest member is the squash's view;
+    // an older one's directory is freed.
+    h.s.gc(&[]).unwrap();
+    let p = h.s.log_point(&h.stack, "main", c).unwrap();
+    assert_eq!((p.layers.clone(), p.manifest), (vec![s, a], None));
+    let br =
+        h.s.create_branch(&h.stack, "at-c", "main", Some(c))
+            .unwrap();
+    assert_eq!(h.s.manifest(br.head).unwrap(), vec![s, a]);
+    let err = h.s.log_point(&h.stack, "main", b).unwrap_err();
+    assert!(
+        matches!(err, StoreError::FailedPrecondition(ref m) if m.contains(&format!("use layer {s}"))),
+        "{err}"
+    );
+    let err = h.s.log_point(&h.stack, "main", 9999).unwrap_err();
+    assert!(matches!(err, StoreError::InvalidArgument(ref m) if m.contains("not in the log")));
+}
+
+/// GC keeps the member rows of a squash nested in a reachable one: after a
+/// restart (no expansion cache) the outer squash still expands to every layer
+/// it compacted, their path index included, and the log lists them.
+#[test]
+fn gc_keeps_the_members_of_nested_squashes() {
+    let d = tmp();
+    let mut h = Hist::new(d.path());
+    let a = h.publish("main", &[write_entry(b"x", 1)]);
+    let b = h.publish("main", &[write_entry(b"y", 1)]);
+    let s1 = h.squash("main", &[b, a]);
+    let c = h.publish("main", &[write_entry(b"z", 1)]);
+    let top = h.publish("main", &[write_entry(b"w", 1)]);
+    let s2 = h.squash("main", &[c, s1]);
+    assert_eq!(h.layers("main"), vec![top, s2]);
+    let report = h.s.gc(&[]).unwrap();
+    assert!(report.layers.contains(&s1), "{report:?}");
+    let stack = h.stack.clone();
+    drop(h);
+    let s = open(d.path());
+    assert_eq!(s.expand_layers(&[s2]).unwrap(), vec![c, b, a]);
+    assert_eq!(s.layer_index(s2).unwrap().len(), 3);
+    let log = s.log(&stack, "main").unwrap();
+    assert_eq!(
+        log[1].members[1]
+            .members
+            .iter()
+            .map(|e| e.layer)
+            .collect::<Vec<_>>(),
+        [b, a]
+    );
+}

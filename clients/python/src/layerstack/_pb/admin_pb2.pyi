@@ -371,7 +371,7 @@ class PathChange(_message.Message):
     def __init__(self, path: _Optional[str] = ..., kind: _Optional[str] = ..., raw_path: _Optional[bytes] = ...) -> None: ...
 
 class LogEntry(_message.Message):
-    __slots__ = ("layer", "manifest", "session", "namespace", "container", "paths", "created_ns", "kind", "owner", "changed")
+    __slots__ = ("layer", "manifest", "session", "namespace", "container", "paths", "created_ns", "kind", "owner", "changed", "members")
     LAYER_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
@@ -382,6 +382,7 @@ class LogEntry(_message.Message):
     KIND_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     CHANGED_FIELD_NUMBER: _ClassVar[int]
+    MEMBERS_FIELD_NUMBER: _ClassVar[int]
     layer: int
     manifest: int
     session: int
@@ -392,7 +393,8 @@ class LogEntry(_message.Message):
     kind: str
     owner: str
     changed: _containers.RepeatedCompositeFieldContainer[PathChange]
-    def __init__(self, layer: _Optional[int] = ..., manifest: _Optional[int] = ..., session: _Optional[int] = ..., namespace: _Optional[str] = ..., container: _Optional[str] = ..., paths: _Optional[int] = ..., created_ns: _Optional[int] = ..., kind: _Optional[str] = ..., owner: _Optional[str] = ..., changed: _Optional[_Iterable[_Union[PathChange, _Mapping]]] = ...) -> None: ...
+    members: _containers.RepeatedCompositeFieldContainer[LogEntry]
+    def __init__(self, layer: _Optional[int] = ..., manifest: _Optional[int] = ..., session: _Optional[int] = ..., namespace: _Optional[str] = ..., container: _Optional[str] = ..., paths: _Optional[int] = ..., created_ns: _Optional[int] = ..., kind: _Optional[str] = ..., owner: _Optional[str] = ..., changed: _Optional[_Iterable[_Union[PathChange, _Mapping]]] = ..., members: _Optional[_Iterable[_Union[LogEntry, _Mapping]]] = ...) -> None: ...
 
 class SetBranchRequest(_message.Message):
     __slots__ = ("namespace", "container", "branch")

@@ -521,8 +521,8 @@ class AdminServicer:
         containerd's content store is that blob, copied verbatim (source
         "containerd"); every other layer is re-packed from its directory (source
         "store"). NOT_FOUND: unknown stack, branch or node; INVALID_ARGUMENT: a
-        compression other than gzip|zstd, a since_layer that is not one of the
-        image's layers. containerd being unreachable or lacking the image is not an
+        compression other than gzip|zstd, a since_layer that is neither one of the
+        image's layers nor a member of one of its squashed layers. containerd being unreachable or lacking the image is not an
         error: base_missing says why, and the base layers are re-packed.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
