@@ -197,6 +197,9 @@ impl Engine {
         let userxattr = self.settings.userxattr;
         let run2 = run.clone();
         let (dir, guard) = tokio::task::spawn_blocking(move || -> Result<_, EngineError> {
+            // Background work: publishes (and their commits under the gate) go
+            // first on a busy machine; the squash catches up between bursts.
+            let _background = crate::publish::Priority::background();
             let dirs = store.layer_paths(&run2)?;
             let (dir, guard) = store.staging_dir("squash")?;
             if let Err(e) = publisher::flatten_layers(&dirs, &dir, userxattr) {

@@ -1142,7 +1142,7 @@ impl Priority {
     const BACKGROUND: i32 = 10;
     const GATE_HOLDER: i32 = -5;
 
-    fn background() -> Priority {
+    pub(crate) fn background() -> Priority {
         let p = Self::by(Self::BACKGROUND);
         LOWERED_FROM.with(|c| c.set(p.before));
         p
