@@ -375,7 +375,7 @@ pub async fn rebase(
     if r.marked.is_empty() {
         out!("no conflict markers: publish it again");
     } else {
-        out!("resolve the markers in the container (its next run sees the head under its changes), then publish; a publish is refused while a marker block is left");
+        out!("resolve the markers in the container (its next run sees the head under its changes), then publish; a publish is refused while one of these files still holds a block from a `<<<<<<< session` line to a `>>>>>>> head` line, whatever is between: remove the marker lines, or the file");
     }
     Ok(ExitCode::SUCCESS)
 }

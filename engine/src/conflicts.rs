@@ -22,13 +22,19 @@
 //! its upper. Like a publish, the rebase applies the exclusion policy to the
 //! upper (excluded paths are removed).
 //!
-//! **Refusal**: while the session holds a lease its blocks were recorded for, a
-//! publish (and a dry run) is refused — outcome `conflict`, reason naming the
-//! file and line — as long as a file still contains one of those exact blocks.
-//! Removing or editing the markers, or deleting the file, resolves it; the
-//! publish then goes through the gate like any other.
+//! **Refusal**: while the session holds the lease a rebase recorded marker
+//! rows under, a publish (and a dry run) is refused — outcome `conflict`, each
+//! path's reason naming the first `<<<<<<< session` line — as long as a file
+//! the rebase wrote markers into still holds a marker block: a line exactly
+//! `<<<<<<< session` followed later by a line exactly `>>>>>>> head`, whatever
+//! is between ([`publisher::conflict_blocks`], git's rule for unmerged
+//! markers). Editing inside a block does not resolve it; editing the marker
+//! lines away, or deleting the file, does, and the publish then goes through
+//! the gate like any other. Only those paths are checked: a marker block in
+//! another file is content like any other. A second rebase carries the rows of
+//! files still holding a block onto the new lease.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use layerstack_publisher::{self as publisher, Action, GateFiles, LayerView, Side};
@@ -91,46 +97,79 @@ fn marker_records(path: &[u8], content: &[u8]) -> Vec<MarkerRecord> {
         .collect()
 }
 
+/// The marker blocks left in one file: how many, and the line (from 1) of the
+/// first one's `<<<<<<< session`.
+type BlocksLeft = (usize, u32);
+
+/// [`BlocksLeft`] of `content` (see [`publisher::conflict_blocks`]); `None`
+/// when it holds no block.
+fn blocks_left(content: &[u8]) -> Option<BlocksLeft> {
+    let blocks = publisher::conflict_blocks(content);
+    let first = blocks.first()?;
+    Some((blocks.len(), line_at(content, first.start)))
+}
+
+/// A path a rebase wrote markers into, and what its file holds now.
+struct Marked {
+    path: Vec<u8>,
+    /// `None` when the markers were edited away or the file is gone.
+    left: Option<BlocksLeft>,
+}
+
+/// The paths session `id`'s current lease has marker rows for, each with what
+/// its file in `upper` holds now. Empty when the session was never rebased
+/// onto its current lease.
+fn marked_paths(
+    store: &Store,
+    id: SessionId,
+    upper: &std::path::Path,
+    userxattr: bool,
+) -> Result<Vec<Marked>, StoreError> {
+    let paths: BTreeSet<Vec<u8>> = store
+        .session_markers(id)?
+        .into_iter()
+        .map(|m| m.path)
+        .collect();
+    if paths.is_empty() {
+        return Ok(Vec::new());
+    }
+    let upper_view = LayerView::new(vec![upper.to_path_buf()]).with_userxattr(userxattr);
+    paths
+        .into_iter()
+        .map(|path| {
+            let content = upper_view.read_regular(&path).map_err(|e| {
+                use std::os::unix::ffi::OsStrExt;
+                StoreError::Io(upper.join(std::ffi::OsStr::from_bytes(&path)), e)
+            })?;
+            let left = content.as_deref().and_then(blocks_left);
+            Ok(Marked { path, left })
+        })
+        .collect()
+}
+
 /// The outcome that refuses a publish of session `id` whose upper still holds
-/// conflict blocks a rebase wrote (see the module docs); `None` when none is
-/// left (or the session was never rebased onto its current lease).
+/// a conflict marker block in a file `layerstack session rebase` wrote markers
+/// into (see the module docs); `None` when none is left (or the session was
+/// never rebased onto its current lease).
 pub(crate) fn markers_left(
     store: &Store,
     id: SessionId,
     upper: &std::path::Path,
+    userxattr: bool,
 ) -> Result<Option<OutcomeRecord>, StoreError> {
-    let recorded = store.session_markers(id)?;
-    if recorded.is_empty() {
-        return Ok(None);
-    }
-    let mut by_path: BTreeMap<&[u8], BTreeSet<[u8; 32]>> = BTreeMap::new();
-    for m in &recorded {
-        by_path.entry(&m.path).or_default().insert(m.digest);
-    }
-    let upper_view = LayerView::new(vec![upper.to_path_buf()]);
-    let mut paths = Vec::new();
-    for (path, digests) in by_path {
-        let content = upper_view.read_regular(path).map_err(|e| {
-            use std::os::unix::ffi::OsStrExt;
-            StoreError::Io(upper.join(std::ffi::OsStr::from_bytes(path)), e)
-        })?;
-        let Some(content) = content else { continue };
-        let left: Vec<u32> = marker_records(path, &content)
-            .into_iter()
-            .filter(|m| digests.contains(&m.digest))
-            .map(|m| m.line)
-            .collect();
-        if let Some(first) = left.first() {
-            paths.push(PathRecord {
-                path: path.to_vec(),
+    let paths: Vec<PathRecord> = marked_paths(store, id, upper, userxattr)?
+        .into_iter()
+        .filter_map(|Marked { path, left }| {
+            let (blocks, first) = left?;
+            Some(PathRecord {
+                path,
                 status: PathStatus::Conflict,
                 reason: format!(
-                    "still holds {} conflict marker block(s) `layerstack session rebase` wrote (the first at line {first}): resolve them (remove the markers) and publish again, or discard",
-                    left.len()
+                    "still holds {blocks} conflict marker block(s) (`<<<<<<< session` … `>>>>>>> head`; the first `<<<<<<< session` at line {first}) where `layerstack session rebase` wrote markers: edit the markers away (or delete the file) and publish again, or discard"
                 ),
-            });
-        }
-    }
+            })
+        })
+        .collect();
     if paths.is_empty() {
         return Ok(None);
     }
@@ -142,9 +181,10 @@ pub(crate) fn markers_left(
     Ok(Some(OutcomeRecord {
         kind: OutcomeKind::Conflict,
         message: Some(format!(
-            "{} file(s) still hold the conflict markers written by `layerstack session rebase` ({}); nothing of this session was published; its upper is kept",
+            "{} file(s) still hold conflict markers where `layerstack session rebase` wrote them ({}{}); nothing of this session was published; its upper is kept",
             paths.len(),
-            list.join(", ")
+            list.join(", "),
+            if paths.len() > 10 { ", …" } else { "" }
         )),
         paths,
         timings: None,
@@ -303,6 +343,13 @@ impl Engine {
                 publisher::prepare_upper(&upper, &cs, settings.userxattr)
                     .map_err(|e| run(e.into()))?;
             }
+            // Files an earlier rebase wrote markers into that still hold a block:
+            // the guard follows them onto the new lease.
+            let carried: Vec<Vec<u8>> = marked_paths(&store, id, &upper, settings.userxattr)?
+                .into_iter()
+                .filter(|m| m.left.is_some())
+                .map(|m| m.path)
+                .collect();
             let input = gate_input(
                 &store,
                 &settings,
@@ -386,6 +433,22 @@ impl Engine {
             };
             publisher::apply_plan(&upper, &edit, &store.staging_path())
                 .map_err(|e| run(e.into()))?;
+            let upper_view = LayerView::new(vec![upper.clone()]).with_userxattr(settings.userxattr);
+            for path in carried {
+                if plan.text_conflicts.contains(&path) {
+                    continue;
+                }
+                let content = upper_view
+                    .read_regular(&path)
+                    .map_err(|e| EngineError::Read(layerstack_store::escape_path(&path), e))?
+                    .unwrap_or_default();
+                let left = marker_records(&path, &content);
+                if !left.is_empty() {
+                    marked.push((path, left.len()));
+                    markers.extend(left);
+                }
+            }
+            marked.sort();
             let session = store.rebase_session(id, ctx.lease_manifest, head.manifest, &markers)?;
             let merged = plan
                 .reports

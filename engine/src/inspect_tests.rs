@@ -613,9 +613,30 @@ async fn a_conflict_is_shown_rebased_refused_while_marked_and_published_once_res
         "the upper is kept"
     );
 
+    // An edit inside the block (a side's line changed, the lease's section
+    // removed) leaves a block from `<<<<<<< session` to `>>>>>>> head`: still
+    // refused, naming its first line; a dry run too.
+    let edited = marked.replace("key2 = C\n||||||| lease\nkey2 = 2\n", "key2 = CC\n");
+    write(&c.upper, "etc/app.conf", edited.as_bytes());
+    let dry = p.dry_run(c.id).await.unwrap();
+    assert_eq!(dry.kind, Some(OutcomeKind::Conflict), "{dry:?}");
+    let out = publish(&p, c.id).await;
+    assert_eq!(out.kind, OutcomeKind::Conflict, "{out:?}");
+    let paths = store
+        .outcome_paths(out.id, None, 10, Some(PathStatus::Conflict))
+        .unwrap();
+    assert!(paths[0].reason.contains("line 3"), "{}", paths[0].reason);
+    // The head moves on elsewhere and the session is rebased again: the block
+    // left is carried onto the new lease, so the publish is still refused.
+    let e = sandbox(&p, "main", "e", &[("etc/e-only", b"e\n")]).await;
+    assert_eq!(publish(&p, e.id).await.kind, OutcomeKind::Committed);
+    let rb = p.rebase(c.id).await.unwrap();
+    assert_eq!(rb.marked, [(b"etc/app.conf".to_vec(), 1)]);
+    assert_eq!(publish(&p, c.id).await.kind, OutcomeKind::Conflict);
+
     // Resolved (both values kept on one line): published through the gate.
-    let resolved = marked.replace(
-        "<<<<<<< session\nkey2 = C\n||||||| lease\nkey2 = 2\n=======\nkey2 = A\n>>>>>>> head\n",
+    let resolved = edited.replace(
+        "<<<<<<< session\nkey2 = CC\n=======\nkey2 = A\n>>>>>>> head\n",
         "key2 = A+C\n",
     );
     write(&c.upper, "etc/app.conf", resolved.as_bytes());

@@ -650,7 +650,9 @@ impl Engine {
                     LayerView::new(ctx.lease_lowers.clone()).with_userxattr(settings.userxattr);
                 let cs = publisher::capture_with(&upper, &view, &settings.capture_options())?;
                 // Conflict markers a rebase wrote, still there (engine/src/conflicts.rs).
-                if let Some(rec) = crate::conflicts::markers_left(&store, id, &upper)? {
+                if let Some(rec) =
+                    crate::conflicts::markers_left(&store, id, &upper, settings.userxattr)?
+                {
                     return Ok((
                         OutcomeKind::Conflict,
                         rec.paths,
@@ -724,7 +726,7 @@ fn prepare(
     }
     // A rebased session whose files still hold the conflict markers the rebase
     // wrote is refused (engine/src/conflicts.rs).
-    if let Some(rec) = crate::conflicts::markers_left(store, id, &upper)? {
+    if let Some(rec) = crate::conflicts::markers_left(store, id, &upper, settings.userxattr)? {
         debug!(
             session.id = id,
             outcome = "conflict",

@@ -778,7 +778,9 @@ fn diff_between_heads_and_of_a_running_container() {
 /// head; `conflict show` gives the reason and the three-way view; `session
 /// rebase` merges the head's other change and writes markers; a publish is
 /// refused while they are there; the container's next run (same container,
-/// `ctr tasks start`) resolves them, and its publish commits.
+/// `ctr tasks start`) edits a line inside the marker block — still refused,
+/// naming the file and the first marker line; the run after that removes the
+/// markers, and its publish commits.
 #[test]
 fn the_conflict_flow_show_rebase_resolve_publish() {
     const NS: &str = "lst-conflict";
@@ -789,11 +791,13 @@ fn the_conflict_flow_show_rebase_resolve_publish() {
             write(m, file, &lines_of(6, &[]))
         })?;
         // The container edits line 2 and waits; its second run (markers there)
-        // resolves them.
+        // edits a line inside the marker block; its third removes the block.
         let id = unique("cf-a");
         let script = "f=/srv/c/conf.txt; \
-            if grep -q '^<<<<<<< session$' $f; then \
+            if grep -q '^<<<<<<< session$' $f && [ -e /root/edited ]; then \
               sed -i '/^<<<<<<< session$/,/^>>>>>>> head$/c resolved' $f; \
+            elif grep -q '^<<<<<<< session$' $f; then \
+              sed -i 's/^two-A$/two-A-edited/' $f; touch /root/edited; \
             else sed -i 's/^2$/two-A/' $f; sleep 120; fi";
         start_detached(env, NS, &id, None, script)?;
         // Meanwhile the head changes line 2 (conflict) and line 5 (merges).
@@ -842,8 +846,34 @@ fn the_conflict_flow_show_rebase_resolve_publish() {
             "{}",
             describe(&out)
         );
-        // The same container runs again: it sees the head under its changes,
-        // resolves the markers, and its publish goes through the gate.
+        // The same container runs again: it sees the head under its changes and
+        // edits a line inside the block. The block is still there: refused,
+        // naming the file and the line of `<<<<<<< session`; a dry run too.
+        env.ctr_ok(NS, &["tasks", "start", "-d", &id])?;
+        layerstack_integration::finish_detached(env, NS, &id)?;
+        let (word, out) = layerstack_integration::ls_wait(env, NS, &id)?;
+        ensure!(word == "conflict", "{}", describe(&out));
+        let v = layerstack_integration::ls_wait_json(env, NS, &id)?;
+        let text = v.to_string();
+        ensure!(
+            text.contains("/srv/c/conf.txt")
+                && text.contains("conflict markers")
+                && text.contains("at line 2"),
+            "{v}"
+        );
+        let upper = layerstack_integration::session_upper(
+            env,
+            &layerstack_integration::session(env, NS, &id)?,
+        )?;
+        let edited = std::fs::read_to_string(upper.join(file))?;
+        ensure!(edited.contains("two-A-edited\n"), "{edited}");
+        let out = ls_publish(env, NS, &id, &["--dry-run"])?;
+        ensure!(
+            out.status.code() == Some(3) && stdout(&out).contains("line 2"),
+            "{}",
+            describe(&out)
+        );
+        // The third run removes the block, and its publish goes through the gate.
         env.ctr_ok(NS, &["tasks", "start", "-d", &id])?;
         layerstack_integration::finish_detached(env, NS, &id)?;
         ensure!(ls_wait_ok(env, NS, &id)? == "committed");
