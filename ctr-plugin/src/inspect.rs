@@ -312,14 +312,21 @@ pub async fn run(admin: &Path, ns: &str, cmd: InspectCmd) -> Result<ExitCode> {
             for e in &entries {
                 out!("");
                 out!("conflict {}: {}", e.path, e.reason);
-                if !e.note.is_empty() {
+                if e.note.is_empty() {
+                    out!(
+                        "  three-way view, {} conflict block(s) (<<<<<<< session, ||||||| lease, =======, >>>>>>> head):",
+                        e.blocks
+                    );
+                } else if e.text.is_empty() {
                     out!("  ({})", e.note);
                     continue;
+                } else {
+                    // After `session rebase`: the session's file, markers in it.
+                    out!(
+                        "  the session's file now, {} conflict marker block(s) awaiting resolution:",
+                        e.blocks
+                    );
                 }
-                out!(
-                    "  three-way view, {} conflict block(s) (<<<<<<< session, ||||||| lease, =======, >>>>>>> head):",
-                    e.blocks
-                );
                 let text = String::from_utf8_lossy(&e.text);
                 out!("{}", text.strip_suffix('\n').unwrap_or(&text));
             }

@@ -7,6 +7,10 @@
 //! — the merge of the session's version and the head's against the lease's,
 //! conflicts written out with git's diff3 markers (`<<<<<<< session`,
 //! `||||||| lease`, `=======`, `>>>>>>> head`). Output only: nothing is written.
+//! After a rebase, a file it wrote markers into that still holds a block is
+//! shown as it is, its blocks counted by the publish's rule below ("awaiting
+//! resolution"); the outcome's other paths, while the session leases the head
+//! it was rebased onto, read as merged by the rebase.
 //!
 //! **Rebase** ([`Engine::rebase`]): a session whose run ended in conflict keeps
 //! its upper and lease. With its container stopped (the upper quiescent), the
@@ -53,13 +57,15 @@ use crate::{Engine, EngineError};
 pub struct ConflictView {
     /// Relative path, bytes, no leading `/`.
     pub path: Vec<u8>,
-    /// The gate's reason.
+    /// The gate's reason; after a rebase, where the path stands now (its
+    /// markers awaiting resolution, resolved, or merged by the rebase).
     pub reason: String,
-    /// The three-way view with markers (text files on all three sides).
+    /// The three-way view with markers (text files on all three sides); after
+    /// a rebase, the session's file with the markers as it is now.
     pub text: Option<Vec<u8>>,
-    /// Conflict blocks in `text`.
+    /// Conflict marker blocks in `text` (`<<<<<<< session` … `>>>>>>> head`).
     pub blocks: usize,
-    /// Why there is no three-way view.
+    /// Why there is no three-way view (also when `text` is the session's file).
     pub note: Option<String>,
 }
 
@@ -201,8 +207,30 @@ fn pick<T: PartialEq + Clone>(base: Option<&T>, ours: &T, theirs: &T) -> T {
     }
 }
 
+/// The view of a file a rebase wrote markers into that still holds a block:
+/// the file as it is, its blocks counted by the rule of the publish's guard.
+fn awaiting_view(path: Vec<u8>, content: Vec<u8>, (blocks, first): BlocksLeft) -> ConflictView {
+    ConflictView {
+        path,
+        reason: format!(
+            "awaiting resolution: {blocks} conflict marker block(s) `layerstack session rebase` wrote are in the session's file (the first `<<<<<<< session` at line {first}); edit the marker lines away (or delete the file), then publish"
+        ),
+        text: Some(content),
+        blocks,
+        note: Some(
+            "no three-way view: the rebase moved the session onto the head and wrote the markers into its file, shown as it is now".into(),
+        ),
+    }
+}
+
 /// Everything the conflict commands read, outside the gate (no lock needed:
 /// layers are immutable and the session's upper is quiescent or only read).
+///
+/// After a rebase (marker rows under the current lease), a file that still
+/// holds a marker block is shown as it is ([`awaiting_view`]), whatever the
+/// recorded reason said; while the session still leases the head it was
+/// rebased onto, the other paths of the outcome were merged into its upper (or
+/// their markers removed) and have no three-way view.
 fn conflict_views(
     store: &Store,
     settings: &crate::EngineSettings,
@@ -214,6 +242,18 @@ fn conflict_views(
     let lease_view = View::new(store.session_view_layers(s.id, lease)?, settings.userxattr);
     let head_view = View::new(store.session_view_layers(s.id, head)?, settings.userxattr);
     let upper = LayerView::new(vec![s.upper.clone()]).with_userxattr(settings.userxattr);
+    let mut marked: std::collections::BTreeMap<Vec<u8>, Option<BlocksLeft>> =
+        marked_paths(store, s.id, &s.upper, settings.userxattr)?
+            .into_iter()
+            .map(|m| (m.path, m.left))
+            .collect();
+    let rebased_on_head = !marked.is_empty() && lease == head;
+    let read_upper = |path: &[u8]| -> Result<Vec<u8>, EngineError> {
+        Ok(upper
+            .read_regular(path)
+            .map_err(|e| EngineError::Read(layerstack_store::escape_path(path), e))?
+            .unwrap_or_default())
+    };
     let mut out = Vec::new();
     let mut after: Option<Vec<u8>> = None;
     loop {
@@ -226,6 +266,34 @@ fn conflict_views(
         let Some(last) = page.last() else { break };
         after = Some(last.path.clone());
         for r in page {
+            match marked.remove(&r.path) {
+                Some(Some(left)) => {
+                    let content = read_upper(&r.path)?;
+                    out.push(awaiting_view(r.path, content, left));
+                    continue;
+                }
+                Some(None) if rebased_on_head => {
+                    out.push(ConflictView {
+                        path: r.path,
+                        reason: "resolved: the conflict markers `layerstack session rebase` wrote were removed; publish again".into(),
+                        text: None,
+                        blocks: 0,
+                        note: Some("no three-way view: the session leases the head it was rebased onto".into()),
+                    });
+                    continue;
+                }
+                None if rebased_on_head => {
+                    out.push(ConflictView {
+                        path: r.path,
+                        reason: "merged into the session's file by `layerstack session rebase` (no markers); publish again".into(),
+                        text: None,
+                        blocks: 0,
+                        note: Some("no three-way view: the session leases the head it was rebased onto".into()),
+                    });
+                    continue;
+                }
+                _ => {}
+            }
             let read = |v: &LayerView| -> Result<Option<Vec<u8>>, EngineError> {
                 v.read_regular(&r.path)
                     .map_err(|e| EngineError::Read(layerstack_store::escape_path(&r.path), e))
@@ -271,6 +339,15 @@ fn conflict_views(
             });
         }
     }
+    // Marked files still holding a block that the outcome does not list (the
+    // rebase met a newer head than the publish did).
+    for (path, left) in marked {
+        if let Some(left) = left {
+            let content = read_upper(&path)?;
+            out.push(awaiting_view(path, content, left));
+        }
+    }
+    out.sort_by(|a, b| a.path.cmp(&b.path));
     Ok(out)
 }
 

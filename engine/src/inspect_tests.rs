@@ -589,6 +589,21 @@ async fn a_conflict_is_shown_rebased_refused_while_marked_and_published_once_res
         std::fs::read(c.upper.join("etc/both")).unwrap(),
         b"ONE\n2\n3\n4\nFIVE\n6\n"
     );
+    // Shown after the rebase: the marked file as it is, awaiting resolution,
+    // its block counted; the merged one has no three-way view.
+    let shown = p.conflicts(c.id).await.unwrap();
+    assert_eq!(shown.len(), 2, "{shown:?}");
+    assert_eq!(shown[0].path, b"etc/app.conf");
+    assert_eq!(shown[0].blocks, 1);
+    assert!(
+        shown[0].reason.starts_with("awaiting resolution") && shown[0].reason.contains("line 3"),
+        "{}",
+        shown[0].reason
+    );
+    assert_eq!(shown[0].text.as_deref(), Some(marked.as_bytes()));
+    assert_eq!(shown[1].path, b"etc/both");
+    assert!(shown[1].reason.contains("merged"), "{}", shown[1].reason);
+    assert_eq!((shown[1].blocks, shown[1].text.is_none()), (0, true));
     // A second rebase: already on the head.
     let e = p.rebase(c.id).await.unwrap_err();
     assert!(e.to_string().contains("already"), "{e}");
@@ -626,6 +641,10 @@ async fn a_conflict_is_shown_rebased_refused_while_marked_and_published_once_res
         .outcome_paths(out.id, None, 10, Some(PathStatus::Conflict))
         .unwrap();
     assert!(paths[0].reason.contains("line 3"), "{}", paths[0].reason);
+    let shown = p.conflicts(c.id).await.unwrap();
+    assert_eq!(shown.len(), 1, "{shown:?}");
+    assert_eq!(shown[0].blocks, 1);
+    assert_eq!(shown[0].text.as_deref(), Some(edited.as_bytes()));
     // The head moves on elsewhere and the session is rebased again: the block
     // left is carried onto the new lease, so the publish is still refused.
     let e = sandbox(&p, "main", "e", &[("etc/e-only", b"e\n")]).await;

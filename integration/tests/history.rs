@@ -839,6 +839,28 @@ fn the_conflict_flow_show_rebase_resolve_publish() {
             v["marked"][0]["path"] == "/srv/c/conf.txt" && v["marked"][0]["blocks"] == 1,
             "{v}"
         );
+        // Shown after the rebase: the markers in the session's file, awaiting
+        // resolution, counted; not a stale "0 conflict block(s)".
+        let v = ls_json(env, &["conflict", "show", &id, "--json", "-n", NS])?;
+        let p = &v["paths"][0];
+        ensure!(
+            p["blocks"] == 1
+                && p["reason"]
+                    .as_str()
+                    .is_some_and(|r| r.starts_with("awaiting resolution"))
+                && p["text"].as_str()
+                    == Some("1\n<<<<<<< session\ntwo-A\n||||||| lease\n2\n=======\ntwo-B\n>>>>>>> head\n3\n4\nfive-B\n6\n"),
+            "{v}"
+        );
+        let out = env.layerstack(&["conflict", "show", &id, "-n", NS])?;
+        let text = stdout(&out);
+        ensure!(
+            text.contains("1 conflict marker block(s) awaiting resolution")
+                && !text.contains("0 conflict block(s)")
+                && !text.contains("adjacent"),
+            "{}",
+            describe(&out)
+        );
         // Refused while the markers are there.
         let out = ls_publish(env, NS, &id, &[])?;
         ensure!(
