@@ -549,7 +549,9 @@ impl Engine {
             marked = r.marked.len(),
             "rebased onto the head"
         );
-        self.notify(&r.session);
+        // Not an outcome (the run's stays `conflict`, announced once when it was
+        // recorded): only waiters are woken.
+        self.changed();
         Ok(r)
     }
 }

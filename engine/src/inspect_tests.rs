@@ -571,7 +571,12 @@ async fn a_conflict_is_shown_rebased_refused_while_marked_and_published_once_res
     assert_eq!(publish(&p, s[1].id).await.kind, OutcomeKind::Merged);
     let head = store.branch_head(STACK, "main").unwrap();
 
+    let mut events = p.subscribe();
     let rb = p.rebase(c.id).await.unwrap();
+    assert!(
+        events.try_recv().is_err(),
+        "a rebase is not an outcome: nothing is announced"
+    );
     assert_eq!(rb.manifest, head);
     assert_eq!(rb.session.lease_manifest, Some(head));
     assert_eq!(

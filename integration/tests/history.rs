@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
 use layerstack_integration::{
-    describe, image_top_snapshot, ls_publish, ls_wait_ok, publish_snapshot,
+    describe, image_top_snapshot, ls_publish, ls_wait_ok, poll, publish_snapshot,
     run_layerstack_scenario, run_scenario_mut, run_sh, snapshot_session, start_detached, stdout,
     unique, CtrRun, TestEnv, DEBIAN_IMAGE, SNAPSHOTTER,
 };
@@ -834,6 +834,22 @@ fn the_conflict_flow_show_rebase_resolve_publish() {
             describe(&out)
         );
 
+        // The run's conflict is announced once (one log line, counted once).
+        let sid = layerstack_integration::session(env, NS, &id)?["id"]
+            .as_i64()
+            .context("session id")?;
+        let run1 = [
+            format!("session.id={sid} run=1 "),
+            "outcome=\"conflict\"".into(),
+        ];
+        let run1: Vec<&str> = run1.iter().map(String::as_str).collect();
+        let addr = layerstack_integration::metrics_address(env)?;
+        poll(Duration::from_secs(20), || {
+            Ok((layerstack_integration::outcome_lines(env, &run1)?.len() == 1).then_some(()))
+        })?
+        .context("no `publish outcome` line for the conflict")?;
+        let conflicts0 = layerstack_integration::publishes_total(&addr, "conflict")?;
+
         let v = ls_json(env, &["session", "rebase", &id, "--json", "-n", NS])?;
         ensure!(
             v["marked"][0]["path"] == "/srv/c/conf.txt" && v["marked"][0]["blocks"] == 1,
@@ -867,6 +883,26 @@ fn the_conflict_flow_show_rebase_resolve_publish() {
             out.status.code() == Some(3) && stdout(&out).contains("conflict markers"),
             "{}",
             describe(&out)
+        );
+        // The rebase announced no outcome: the refused publish is the run's
+        // second recorded outcome (events are handled in order, so once its
+        // line is there a rebase's would be too).
+        let lines = poll(Duration::from_secs(20), || {
+            let l = layerstack_integration::outcome_lines(env, &run1)?;
+            Ok(l.iter()
+                .any(|l| l.contains("conflict markers"))
+                .then_some(l))
+        })?
+        .context("no `publish outcome` line for the refused publish")?;
+        ensure!(
+            lines.len() == 2,
+            "one line per recorded outcome:\n{}",
+            lines.join("\n")
+        );
+        let conflicts = layerstack_integration::publishes_total(&addr, "conflict")?;
+        ensure!(
+            conflicts == conflicts0 + 1.0,
+            "conflict outcomes counted {conflicts0} -> {conflicts}: a rebase is not an outcome"
         );
         // The same container runs again: it sees the head under its changes and
         // edits a line inside the block. The block is still there: refused,
