@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 
 use layerstack_publisher::{self as publisher, Changeset, HeadChange, LayerView};
 use layerstack_store::{
-    HeadView, OutcomeKind, OutcomeRecord, PathCounts, PathQuery, PathRecord, PathStatus,
+    HeadView, OutcomeKind, OutcomeRecord, Owner, PathCounts, PathQuery, PathRecord, PathStatus,
     PublishContext, PublishTimings, SessionId, SessionInfo, Staged, Store,
 };
 use tracing::{debug, warn};
@@ -176,7 +176,32 @@ fn decision(plan: &publisher::GatePlan) -> OutcomeKind {
     }
 }
 
-fn summary(paths: &[PathRecord], kind: OutcomeKind) -> String {
+/// What a refused or failed run leaves, for its outcome's message. A
+/// container's or sandbox's upper is kept (published again, shown by `conflict
+/// show`, dropped by `publish --discard`); an operation's (promote, node merge)
+/// is dropped when the operation ends, leaving the branch as it was.
+fn what_is_kept(s: &SessionInfo) -> String {
+    match s.owner {
+        Owner::Operation { .. } => format!(
+            "nothing of it was published and nothing is kept (the operation's upper is dropped): {} is unchanged",
+            s.branch
+        ),
+        _ => "nothing of this session was published; its upper is kept".into(),
+    }
+}
+
+/// The message of a run whose publish failed (`msg`: why).
+fn failed_message(msg: &str, s: &SessionInfo) -> String {
+    match s.owner {
+        Owner::Operation { .. } => format!(
+            "{msg}; nothing was published and nothing is kept (the operation's upper is dropped): {} is unchanged",
+            s.branch
+        ),
+        _ => format!("{msg}; nothing was published, the upper is kept: publish again or discard"),
+    }
+}
+
+fn summary(paths: &[PathRecord], kind: OutcomeKind, s: &SessionInfo) -> String {
     let c = PathCounts::of(paths);
     let not_evaluated = paths
         .iter()
@@ -185,12 +210,14 @@ fn summary(paths: &[PathRecord], kind: OutcomeKind) -> String {
     let (clean, merged, excluded) = (c.clean, c.merged, c.excluded);
     match kind {
         OutcomeKind::Conflict if not_evaluated > 0 => format!(
-            "{} path(s) conflict with changes on the branch head since the lease, {not_evaluated} more changed on both sides were not evaluated (merging stops at the first conflict); {clean} clean, {merged} merged, {excluded} excluded; nothing of this session was published; its upper is kept",
-            c.conflict - not_evaluated
+            "{} path(s) conflict with changes on the branch head since the lease, {not_evaluated} more changed on both sides were not evaluated (merging stops at the first conflict); {clean} clean, {merged} merged, {excluded} excluded; {}",
+            c.conflict - not_evaluated,
+            what_is_kept(s)
         ),
         OutcomeKind::Conflict => format!(
-            "{} path(s) conflict with changes on the branch head since the lease; {clean} clean, {merged} merged, {excluded} excluded; nothing of this session was published; its upper is kept",
-            c.conflict
+            "{} path(s) conflict with changes on the branch head since the lease; {clean} clean, {merged} merged, {excluded} excluded; {}",
+            c.conflict,
+            what_is_kept(s)
         ),
         _ => format!(
             "{} path(s): {clean} clean, {merged} merged, {excluded} excluded",
@@ -368,12 +395,7 @@ impl Engine {
             // Record the failure so `wait` returns; upper and lease are kept.
             let msg = error_chain(&e);
             warn!(session.id = id, error = %msg, "publish failed");
-            let mut rec = OutcomeRecord::new(
-                OutcomeKind::Failed,
-                format!(
-                    "{msg}; nothing was published, the upper is kept: publish again or discard"
-                ),
-            );
+            let mut rec = OutcomeRecord::new(OutcomeKind::Failed, failed_message(&msg, &current));
             rec.timings = Some(total_only(started));
             self.blocking(move |s| s.record_outcome(id, rec, None))
                 .await?;
@@ -564,6 +586,7 @@ impl Engine {
             .committers
             .run(move || {
                 let staged = ready.staged;
+                let session = ready.ctx.session.clone();
                 #[cfg(any(test, feature = "failpoints"))]
                 let r = commit(
                     &store, &settings, id, *ready, started, gate_wait, holding, &why, hook,
@@ -575,12 +598,8 @@ impl Engine {
                 if let Err(e) = &r {
                     // Nothing was committed: drop the staged rows, keep the upper.
                     let msg = error_chain(e);
-                    let mut rec = OutcomeRecord::new(
-                        OutcomeKind::Failed,
-                        format!(
-                        "{msg}; nothing was published, the upper is kept: publish again or discard"
-                    ),
-                    );
+                    let mut rec =
+                        OutcomeRecord::new(OutcomeKind::Failed, failed_message(&msg, &session));
                     rec.timings = Some(total_only(started));
                     warn!(session.id = id, error = %msg, "publish failed");
                     store.record_outcome(id, rec, Some(staged))?;
@@ -687,7 +706,7 @@ impl Engine {
                 )?;
                 let kind = decision(&plan);
                 let paths = records(&plan);
-                let message = summary(&paths, kind);
+                let message = summary(&paths, kind, &ctx.session);
                 Ok((kind, paths, message))
             },
         )
@@ -783,7 +802,7 @@ fn prepare(
     let capture = started.elapsed().saturating_sub(queued);
     if plan.is_conflict() {
         let paths = records(&plan);
-        let message = summary(&paths, OutcomeKind::Conflict);
+        let message = summary(&paths, OutcomeKind::Conflict, &ctx.session);
         debug!(
             session.id = id,
             outcome = "conflict",
@@ -884,7 +903,7 @@ fn commit(
             plan = publisher::plan_gate(&input.cs, &input.head, &f, &settings.merge)?;
             let paths = records(&plan);
             if plan.is_conflict() {
-                let message = summary(&paths, OutcomeKind::Conflict);
+                let message = summary(&paths, OutcomeKind::Conflict, &ctx.session);
                 debug!(
                     session.id = id,
                     outcome = "conflict",
@@ -955,7 +974,7 @@ fn commit(
         head,
         layerstack_store::CommitRecord {
             kind: Some(kind),
-            message: Some(summary(&paths_now, kind)),
+            message: Some(summary(&paths_now, kind, &ctx.session)),
             timings: Some(timings),
             replanned: replanned
                 .as_ref()

@@ -963,3 +963,135 @@ fn the_conflict_flow_show_rebase_resolve_publish() {
         Ok(())
     });
 }
+
+/// The head manifest of `branch` of `stack` (`layerstack branch ls --json`).
+fn branch_head(env: &TestEnv, ns: &str, stack: &str, branch: &str) -> Result<i64> {
+    let v = ls_json(env, &["branch", "ls", stack, "--json", "-n", ns])?;
+    v["branches"]
+        .as_array()
+        .and_then(|a| a.iter().find(|b| b["name"] == branch))
+        .and_then(|b| b["head"].as_i64())
+        .with_context(|| format!("no branch {branch}: {v}"))
+}
+
+/// A promote refused whole by a conflict: its operation's run has one outcome,
+/// `conflict` — one `publish outcome` line, counted once, no `discarded` after
+/// it; `session ls` shows the operation's session in conflict, released, its
+/// upper gone; the message names the conflicting path and says that main is
+/// unchanged and nothing of the promote is kept.
+#[test]
+fn a_refused_promote_is_one_outcome_and_keeps_nothing() {
+    const NS: &str = "lst-promote";
+    run_layerstack_scenario(NS, |env| {
+        let parent = image_top_snapshot(env, NS)?;
+        publish_snapshot(env, NS, "pr-seed", &parent, None, |m| {
+            write(m, "srv/p/conf.txt", &lines_of(6, &[]))
+        })?;
+        let stack = stack_id(env, NS)?;
+        ls_json(
+            env,
+            &[
+                "branch",
+                "create",
+                &format!("{stack}@dev"),
+                "--json",
+                "-n",
+                NS,
+            ],
+        )?;
+        let d = unique("pr-dev");
+        run_sh(
+            env,
+            NS,
+            &d,
+            Some("dev"),
+            true,
+            "sed -i 's/^2$/two-dev/' /srv/p/conf.txt",
+        )?;
+        ensure!(ls_wait_ok(env, NS, &d)? == "committed");
+        let m = unique("pr-main");
+        run_sh(
+            env,
+            NS,
+            &m,
+            None,
+            true,
+            "sed -i 's/^2$/two-main/' /srv/p/conf.txt",
+        )?;
+        ensure!(ls_wait_ok(env, NS, &m)? == "committed");
+
+        let addr = layerstack_integration::metrics_address(env)?;
+        // The outcomes above are counted asynchronously: let them settle.
+        std::thread::sleep(Duration::from_millis(500));
+        let conflicts0 = layerstack_integration::publishes_total(&addr, "conflict")?;
+        let discarded0 = layerstack_integration::publishes_total(&addr, "discarded")?;
+        let main0 = branch_head(env, NS, &stack, "main")?;
+        let out = env.layerstack(&[
+            "promote",
+            &format!("{stack}@dev"),
+            "main",
+            "--json",
+            "-n",
+            NS,
+        ])?;
+        ensure!(out.status.code() == Some(3), "{}", describe(&out));
+        let v: Value = serde_json::from_slice(&out.stdout)
+            .with_context(|| format!("promote --json: {}", describe(&out)))?;
+        let msg = v["message"].as_str().unwrap_or("");
+        ensure!(
+            v["result"] == "conflict"
+                && msg.contains("/srv/p/conf.txt")
+                && msg.contains("main is unchanged")
+                && msg.contains("nothing of the promote is kept")
+                && !msg.contains("upper is kept"),
+            "{v}"
+        );
+        ensure!(branch_head(env, NS, &stack, "main")? == main0, "main moved");
+        let s = &v["session"];
+        let sid = s["id"].as_i64().context("session id")?;
+        ensure!(
+            s["outcome"] == "conflict" && s["state"] == "conflict" && s["released"] == true,
+            "{v}"
+        );
+        ensure!(
+            !env.store_root().join("s").join(sid.to_string()).exists(),
+            "the operation's upper is dropped, as its message says"
+        );
+        let all = ls_json(
+            env,
+            &["session", "ls", "-A", "--json", "--owner", "operation"],
+        )?;
+        let op = all
+            .as_array()
+            .and_then(|a| a.iter().find(|x| x["id"] == sid))
+            .with_context(|| format!("session {sid} not listed: {all}"))?;
+        ensure!(
+            op["state"] == "conflict"
+                && op["outcome"] == "conflict"
+                && op["message"]
+                    .as_str()
+                    .is_some_and(|m| m.contains("nothing is kept") && !m.contains("upper is kept")),
+            "{op}"
+        );
+        // One announcement: the conflict (the run's discard used to follow it).
+        let key = format!("session.id={sid} ");
+        poll(Duration::from_secs(20), || {
+            Ok((!layerstack_integration::outcome_lines(env, &[&key])?.is_empty()).then_some(()))
+        })?
+        .context("no `publish outcome` line for the promote")?;
+        std::thread::sleep(Duration::from_secs(1));
+        let lines = layerstack_integration::outcome_lines(env, &[&key])?;
+        ensure!(
+            lines.len() == 1 && lines[0].contains("outcome=\"conflict\""),
+            "one line for the operation's run:\n{}",
+            lines.join("\n")
+        );
+        let conflicts = layerstack_integration::publishes_total(&addr, "conflict")?;
+        let discarded = layerstack_integration::publishes_total(&addr, "discarded")?;
+        ensure!(
+            (conflicts, discarded) == (conflicts0 + 1.0, discarded0),
+            "counted conflict {conflicts0} -> {conflicts}, discarded {discarded0} -> {discarded}"
+        );
+        Ok(())
+    });
+}

@@ -332,18 +332,53 @@ impl AdminService {
             Promoted::Conflict { session } => api::PromoteResponse {
                 result: "conflict".into(),
                 head,
-                message: format!(
-                    "refused whole: {}; {} is unchanged",
-                    session
-                        .outcome
-                        .as_ref()
-                        .and_then(|o| o.message.clone())
-                        .unwrap_or_default(),
-                    r.to
-                ),
+                message: self.refused_promote(&session, &r.from, &r.to).await,
                 session: Some(self.to_api(*session).await?),
             },
         })
+    }
+
+    /// The message of a promote refused whole: the conflicting paths (the first
+    /// few), that `to` is unchanged and nothing of the promote is kept (its
+    /// operation's upper is dropped: `from` still has the changes), and what to
+    /// do. A failed merge publish gives its outcome's message.
+    async fn refused_promote(
+        &self,
+        session: &layerstack_engine::store::SessionInfo,
+        from: &str,
+        to: &str,
+    ) -> String {
+        const NAMED: usize = 5;
+        let Some(o) = session.outcome.as_ref() else {
+            return format!("refused whole: {to} is unchanged");
+        };
+        if o.kind != layerstack_engine::store::OutcomeKind::Conflict {
+            return format!(
+                "refused whole: the merge publish ended {}: {}",
+                o.kind.as_str(),
+                o.message.as_deref().unwrap_or("no reason recorded")
+            );
+        }
+        let id = o.id;
+        let paths = self
+            .engine
+            .blocking_store(move |s| {
+                s.outcome_paths(
+                    id,
+                    None,
+                    NAMED,
+                    Some(layerstack_engine::store::PathStatus::Conflict),
+                )
+            })
+            .await
+            .map(|ps| ps.iter().map(|p| escape_path(&p.path)).collect::<Vec<_>>())
+            .unwrap_or_default();
+        let n = o.counts.conflict;
+        let more = if n > paths.len() as u64 { ", …" } else { "" };
+        format!(
+            "refused whole: {n} path(s) conflict with newer work on {to} ({}{more}); {to} is unchanged and nothing of the promote is kept ({from} still has its changes): change those paths on {from} or {to} so that the two no longer overlap, then promote again",
+            paths.join(", ")
+        )
     }
 
     pub(crate) async fn branch_squash(

@@ -537,6 +537,26 @@ impl Store {
         Ok(())
     }
 
+    /// Releases session `sid` and drops what it keeps, whatever its last outcome:
+    /// its lease is released and its directories are removed; its outcome stays
+    /// as recorded — no new outcome row. For an operation's session (promote,
+    /// node merge) whose run ended in `conflict` or `failed`: what it flattened
+    /// can be built again from the branch it came from, so nothing is kept for
+    /// inspection (the outcome's message says so). Error: `SessionNotFound`.
+    pub fn release_session_dropping(&self, sid: SessionId) -> Result<(), StoreError> {
+        self.db.write(|tx| {
+            let s = get_sess(tx, sid)?;
+            release_lease(tx, s.lease_id)?;
+            tx.execute(
+                "UPDATE sessions SET released = 1, remove_pending = 0, lease_id = NULL, updated_ns = ?2 WHERE id = ?1",
+                params![sid, now_ns()],
+            )?;
+            Ok(())
+        })?;
+        self.drop_session_dirs(sid);
+        Ok(())
+    }
+
     /// Finishes the release of a released session: clears `remove_pending`, and
     /// unless its run ended with a retryable outcome (conflict, failed, …: the
     /// writes are kept for inspection until discarded) releases the lease and
