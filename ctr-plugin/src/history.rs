@@ -97,7 +97,8 @@ pub enum StackCmd {
     },
     /// Remove a stack and its whole history. Refused while a session of it is
     /// live or a node or export lease pins it; `--force` discards those sessions'
-    /// writes (never a mounted one's) and releases the leases.
+    /// writes (never a mounted one's) and releases the leases: their stopped
+    /// containers cannot start again (remove them: `ctr containers rm`).
     Rm {
         /// An image reference, stack id or base digest.
         stack: String,

@@ -1095,3 +1095,32 @@ fn a_refused_promote_is_one_outcome_and_keeps_nothing() {
         Ok(())
     });
 }
+
+/// `stack rm --force` of a stack a stopped container still uses: starting the
+/// container again is refused as a failed precondition naming its snapshot,
+/// the removal and what to do (remove the container), never as a corrupt
+/// store; `ctr containers rm` then works.
+#[test]
+fn a_container_of_a_force_removed_stack_is_refused_by_name() {
+    const NS: &str = "lst-stackrm";
+    run_layerstack_scenario(NS, |env| {
+        let id = unique("rm-k");
+        run_sh(env, NS, &id, None, false, "echo kept > /root/k.txt")?;
+        ensure!(ls_wait_ok(env, NS, &id)? == "committed");
+        let stack = stack_id(env, NS)?;
+        let out = env.layerstack(&["stack", "rm", &stack, "--force", "-n", NS])?;
+        ensure!(out.status.success(), "{}", describe(&out));
+        let out = env.ctr(NS, &["tasks", "start", &id])?;
+        let text = describe(&out);
+        ensure!(
+            !out.status.success()
+                && text.contains(&format!("/{id} is the rootfs of a container"))
+                && text.contains("`layerstack stack rm --force`")
+                && text.contains(&format!("`ctr -n {NS} containers rm {id}`"))
+                && !text.contains("corrupt"),
+            "{text}"
+        );
+        env.ctr_ok(NS, &["containers", "rm", &id])?;
+        Ok(())
+    });
+}

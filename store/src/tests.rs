@@ -611,6 +611,37 @@ fn remove_session_releases_it_and_deletes_its_dirs() {
 }
 
 #[test]
+fn a_container_whose_stack_was_force_removed_is_refused_by_name_not_corrupt() {
+    let d = tmp();
+    let s = open(d.path());
+    let top = unpack(&s, "nc");
+    s.prepare("nc/14/k1", &top, BTreeMap::new(), false).unwrap();
+    let stack = s.stacks().unwrap()[0].id.clone();
+    s.remove_stack(&stack, true).unwrap();
+    // What containerd does next with the container's snapshot: Mounts (a
+    // restart), Commit, Usage, Stat, and Remove (`ctr containers rm`).
+    for e in [
+        s.mounts("nc/14/k1").unwrap_err(),
+        s.commit("nc/15/img", "nc/14/k1", BTreeMap::new())
+            .unwrap_err(),
+    ] {
+        assert_eq!(e.kind(), ErrorKind::FailedPrecondition, "{e}");
+        let m = e.to_string();
+        assert!(
+            m.contains("snapshot nc/14/k1")
+                && m.contains("`layerstack stack rm --force`")
+                && m.contains("`ctr -n nc containers rm k1`")
+                && !m.contains("corrupt"),
+            "{m}"
+        );
+    }
+    assert_eq!(s.usage("nc/14/k1").unwrap(), (0, 0));
+    assert!(s.stat("nc/14/k1").is_ok());
+    assert_eq!(s.remove("nc/14/k1").unwrap(), Removed::Plain);
+    assert!(s.stat("nc/14/k1").is_err());
+}
+
+#[test]
 fn committing_a_session_freezes_what_it_saw() {
     let d = tmp();
     let s = open(d.path());
