@@ -536,6 +536,19 @@ fn ops_metrics_and_the_publish_log_line_move_after_a_publish() {
             let series = format!("layerstack_store_bytes{{class=\"{class}\"}}");
             classes += sample(&after, &series).with_context(|| format!("no {series}:\n{after}"))?;
         }
+        // HELP texts cite documents users have (docs/…), not the design's.
+        let help = after
+            .lines()
+            .find(|l| l.starts_with("# HELP layerstack_store_bytes "))
+            .with_context(|| format!("no HELP of layerstack_store_bytes:\n{after}"))?;
+        ensure!(
+            help.contains("docs/architecture.md") && help.contains("accounting"),
+            "{help}"
+        );
+        ensure!(
+            !after.contains("ARCHITECTURE.md"),
+            "a HELP text cites ARCHITECTURE.md, which users do not have:\n{after}"
+        );
         let meta = sample(&after, "layerstack_store_bytes{class=\"metadata\"}").unwrap_or(0.0);
         ensure!(
             meta > 0.0 && classes > meta,
