@@ -83,12 +83,19 @@ pub enum HistoryCmd {
 
 #[derive(Debug, Subcommand)]
 pub enum StackCmd {
-    /// List the stacks of the namespace (`-n`), or of all (`-A`).
+    /// List the stacks of the namespace (`-n`), or of all (`-A`): id, image,
+    /// branches with their depth (`name(depth)`), layers, and with `--usage`
+    /// their size. A stack is the history of one image in one namespace: it
+    /// appears once a container or session has used the image (after `ctr
+    /// images import` or `pull` alone the list is empty).
     Ls {
         /// Stacks of every namespace.
         #[arg(long, short = 'A')]
         all_namespaces: bool,
-        /// Also measure bytes (walks the layers; slower).
+        /// Measure each stack's real allocated bytes (hot + cold layers and
+        /// session uppers, as `layerstack df` counts them): walks every layer,
+        /// as slow as `df`. Without it the BYTES column shows `-` and JSON
+        /// `usage` is null.
         #[arg(long)]
         usage: bool,
         /// Print the stacks as one JSON array.
@@ -301,10 +308,12 @@ pub async fn run(admin: &Path, ns: &str, cmd: HistoryCmd) -> Result<ExitCode> {
                     .collect();
                 out!("{}", serde_json::Value::Array(v));
             } else {
-                let mut rows = vec![
-                    ["STACK", "NAMESPACE", "IMAGE", "BRANCHES", "LAYERS", "BYTES"]
-                        .map(String::from),
-                ];
+                // Sizes are measured only with --usage (a walk of every layer):
+                // the header says how to get them.
+                let bytes = if usage { "BYTES" } else { "BYTES(--usage)" };
+                let mut rows =
+                    vec![["STACK", "NAMESPACE", "IMAGE", "BRANCHES", "LAYERS", bytes]
+                        .map(String::from)];
                 for s in &r.stacks {
                     rows.push([
                         short(&s.id).to_string(),

@@ -1108,6 +1108,32 @@ fn a_container_of_a_force_removed_stack_is_refused_by_name() {
         run_sh(env, NS, &id, None, false, "echo kept > /root/k.txt")?;
         ensure!(ls_wait_ok(env, NS, &id)? == "committed");
         let stack = stack_id(env, NS)?;
+        // `stack ls` says that its sizes need --usage, and measures with it.
+        let out = env.layerstack(&["stack", "ls", "-n", NS])?;
+        let text = stdout(&out);
+        let row = |t: &str| t.lines().nth(1).unwrap_or("").trim_end().to_string();
+        ensure!(
+            text.lines()
+                .next()
+                .is_some_and(|h| h.ends_with("BYTES(--usage)"))
+                && row(&text).ends_with(" -"),
+            "{}",
+            describe(&out)
+        );
+        let out = env.layerstack(&["stack", "ls", "--usage", "-n", NS])?;
+        let text = stdout(&out);
+        ensure!(
+            text.lines().next().is_some_and(|h| h.ends_with("BYTES")) && row(&text).ends_with("iB"),
+            "{}",
+            describe(&out)
+        );
+        let help = stdout(&env.layerstack(&["stack", "ls", "--help"])?);
+        ensure!(
+            help.contains("--usage")
+                && help.contains("`usage` is null")
+                && help.contains("appears once a container or session has used the image"),
+            "{help}"
+        );
         let out = env.layerstack(&["stack", "rm", &stack, "--force", "-n", NS])?;
         ensure!(out.status.success(), "{}", describe(&out));
         let out = env.ctr(NS, &["tasks", "start", &id])?;
