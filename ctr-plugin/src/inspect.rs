@@ -38,7 +38,7 @@ pub enum InspectCmd {
     /// its log at LAYER), `diff CONTAINER` or `diff --session ID` (a session's
     /// writes against its lease, also while its container runs; nothing is
     /// changed). Lists added (A), modified (M) and deleted (D) paths with kind
-    /// and size.
+    /// and size, and a changed mode (`mode 0644 → 0600`).
     Diff {
         /// STACK@A [STACK@B], STACK@B with --at, or a container name.
         #[arg(num_args = 0..=2)]
@@ -211,6 +211,16 @@ pub async fn run(admin: &Path, ns: &str, cmd: InspectCmd) -> Result<ExitCode> {
             out!("+++ {new}");
             let mut rows = Vec::new();
             for e in &entries {
+                // A mode change of the same kind (a mode-only change shows only
+                // here), as `--json` has it.
+                let mode = if e.change == "modified"
+                    && e.old_kind == e.new_kind
+                    && e.old_mode != e.new_mode
+                {
+                    format!("mode {:04o} → {:04o}", e.old_mode, e.new_mode)
+                } else {
+                    String::new()
+                };
                 let (flag, kind, size) = match e.change.as_str() {
                     "added" => ("A", e.new_kind.clone(), e.new_size.to_string()),
                     "deleted" => ("D", e.old_kind.clone(), e.old_size.to_string()),
@@ -226,7 +236,7 @@ pub async fn run(admin: &Path, ns: &str, cmd: InspectCmd) -> Result<ExitCode> {
                     ),
                     _ => ("M", e.new_kind.clone(), e.new_size.to_string()),
                 };
-                rows.push([flag.to_string(), kind, size, e.path.clone()]);
+                rows.push([flag.to_string(), kind, size, e.path.clone(), mode]);
             }
             if !patch {
                 print_table(&rows);

@@ -613,6 +613,12 @@ fn diff_between_heads_and_of_a_running_container() {
         let parent = image_top_snapshot(env, NS)?;
         publish_snapshot(env, NS, "df-seed", &parent, None, |m| {
             write(m, "srv/d/keep.txt", "1\n2\n3\n")?;
+            write(m, "srv/d/mode.txt", "m\n")?;
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(
+                m.join("srv/d/mode.txt"),
+                std::fs::Permissions::from_mode(0o644),
+            )?;
             write(m, "srv/d/gone.txt", "bye\n")
         })?;
         let stack = stack_id(env, NS)?;
@@ -635,7 +641,7 @@ fn diff_between_heads_and_of_a_running_container() {
             &f1,
             Some("feature"),
             true,
-            "printf '1\\ntwo\\n3\\n' > /srv/d/keep.txt; echo new > /srv/d/new.txt; rm /srv/d/gone.txt",
+            "printf '1\\ntwo\\n3\\n' > /srv/d/keep.txt; echo new > /srv/d/new.txt; rm /srv/d/gone.txt; chmod 600 /srv/d/mode.txt",
         )?;
         ensure!(ls_wait_ok(env, NS, &f1)? == "committed");
         let files = |v: &Value| -> Vec<(String, String)> {
@@ -657,6 +663,7 @@ fn diff_between_heads_and_of_a_running_container() {
         let want: Vec<(String, String)> = [
             ("/srv/d/gone.txt", "deleted"),
             ("/srv/d/keep.txt", "modified"),
+            ("/srv/d/mode.txt", "modified"),
             ("/srv/d/new.txt", "added"),
         ]
         .iter()
@@ -697,6 +704,24 @@ fn diff_between_heads_and_of_a_running_container() {
         let text = stdout(&out);
         ensure!(
             text.contains("+++ b/srv/d/keep.txt") && text.contains("+two"),
+            "{text}"
+        );
+        // A mode-only change names the modes, with and without --patch.
+        let mode_line = |t: &str| {
+            t.lines()
+                .find(|l| l.contains("/srv/d/mode.txt"))
+                .map(str::to_string)
+        };
+        ensure!(
+            mode_line(&text).is_some_and(
+                |l| l.starts_with("M ") && l.ends_with("/srv/d/mode.txt  mode 0644 → 0600")
+            ),
+            "{text}"
+        );
+        let out = env.layerstack(&["diff", &format!("{stack}@main"), "@feature", "-n", NS])?;
+        let text = stdout(&out);
+        ensure!(
+            mode_line(&text).is_some_and(|l| l.ends_with("mode 0644 → 0600")),
             "{text}"
         );
         // feature's head against its log at the seed's layer: the same changes;
