@@ -47,7 +47,8 @@ pub enum HistoryCmd {
     Promote {
         /// STACK@FROM.
         from: String,
-        /// The branch to advance.
+        /// The branch to advance, of FROM's stack: BRANCH, @BRANCH or
+        /// STACK@BRANCH (a STACK naming another stack is refused).
         to: String,
         /// Print the result as one JSON object.
         #[arg(long)]

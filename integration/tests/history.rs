@@ -1117,6 +1117,64 @@ fn a_refused_promote_is_one_outcome_and_keeps_nothing() {
             (conflicts, discarded) == (conflicts0 + 1.0, discarded0),
             "counted conflict {conflicts0} -> {conflicts}, discarded {discarded0} -> {discarded}"
         );
+
+        // TO may be written BRANCH, @BRANCH or STACK@BRANCH (by stack id or
+        // image reference), as diff's second side.
+        ls_json(
+            env,
+            &[
+                "branch",
+                "create",
+                &format!("{stack}@ff"),
+                "--json",
+                "-n",
+                NS,
+            ],
+        )?;
+        let from = format!("{stack}@main");
+        for to in [
+            "ff".to_string(),
+            "@ff".to_string(),
+            format!("{stack}@ff"),
+            format!("{DEBIAN_IMAGE}@ff"),
+        ] {
+            let v = ls_json(env, &["promote", &from, &to, "--json", "-n", NS])?;
+            ensure!(v["result"] == "up-to-date", "promote {from} {to}: {v}");
+        }
+        // Another stack is refused, naming both.
+        layerstack_integration::import_checked(
+            env,
+            NS,
+            &layerstack_integration::busybox_image_tar()?,
+            SNAPSHOTTER,
+            layerstack_integration::BUSYBOX_IMAGE,
+        )?;
+        let b = unique("pr-busybox");
+        CtrRun::sh(NS, &b, "echo b > /b.txt")
+            .image(layerstack_integration::BUSYBOX_IMAGE)
+            .rm(true)
+            .ok(env)?;
+        ensure!(ls_wait_ok(env, NS, &b)? == "committed");
+        let all = ls_json(env, &["stack", "ls", "--json", "-n", NS])?;
+        let other = all
+            .as_array()
+            .and_then(|a| {
+                a.iter()
+                    .filter_map(|s| s["id"].as_str())
+                    .find(|id| *id != stack)
+            })
+            .with_context(|| format!("no second stack: {all}"))?
+            .to_string();
+        let out = env.layerstack(&["promote", &from, &format!("{other}@main"), "-n", NS])?;
+        let text = describe(&out);
+        ensure!(
+            out.status.code() == Some(1)
+                && text.contains("within one stack")
+                && text.contains(&stack)
+                && text.contains(&other),
+            "{text}"
+        );
+        ensure!(branch_head(env, NS, &stack, "main")? == main0, "main moved");
         Ok(())
     });
 }

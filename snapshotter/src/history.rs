@@ -290,6 +290,8 @@ impl AdminService {
         require("from", &r.from)?;
         require("to", &r.to)?;
         let stack = self.stack_of(&r.namespace, &r.stack).await?;
+        let to = self.promote_target(&r.namespace, &stack, &r.to).await?;
+        let r = api::PromoteRequest { to, ..r };
         let op = if r.operation.is_empty() {
             format!("promote-{}-{}", std::process::id(), now_ms())
         } else {
@@ -336,6 +338,39 @@ impl AdminService {
                 session: Some(self.to_api(*session).await?),
             },
         })
+    }
+
+    /// The branch a promote's `to` names, as `diff` reads its second side:
+    /// `BRANCH`, `@BRANCH`, or `STACK@BRANCH` where STACK (an image reference,
+    /// stack id or base digest) is `stack`, the stack FROM is a branch of — a
+    /// promote moves a branch within one stack. (Branch names never hold `@`.)
+    ///
+    /// Errors: `InvalidArgument` when `to` names no branch or another stack;
+    /// what [`AdminService::stack_of`] answers for STACK.
+    async fn promote_target(
+        &self,
+        namespace: &str,
+        stack: &str,
+        to: &str,
+    ) -> Result<String, Status> {
+        let Some((spec, branch)) = to.rsplit_once('@') else {
+            return Ok(to.to_string());
+        };
+        if branch.is_empty() || branch.contains(':') {
+            return Err(Status::invalid_argument(format!(
+                "{to:?} names no branch to promote onto: write BRANCH, @BRANCH or STACK@BRANCH"
+            )));
+        }
+        if spec.is_empty() {
+            return Ok(branch.to_string());
+        }
+        let other = self.stack_of(namespace, spec).await?;
+        if other != stack {
+            return Err(Status::invalid_argument(format!(
+                "a promote moves a branch within one stack: the branch promoted is on stack {stack}, {to:?} names stack {other}; name a branch of {stack} (BRANCH or @BRANCH), or carry the history over as an image (`layerstack export`)"
+            )));
+        }
+        Ok(branch.to_string())
     }
 
     /// The message of a promote refused whole: the conflicting paths (the first
