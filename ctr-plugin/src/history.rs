@@ -137,9 +137,11 @@ pub enum BranchCmd {
         /// The branch to fork [default: the default branch].
         #[arg(long)]
         from: Option<String>,
-        /// Fork at this layer of FROM's log instead of its head.
-        #[arg(long, value_name = "LAYER")]
-        at: Option<i64>,
+        /// Fork at this layer of FROM's log instead of its head (a layer id
+        /// from `layerstack log`), or at `base`: the image alone, below every
+        /// published layer (a base layer's id says the same).
+        #[arg(long, value_name = "LAYER|base")]
+        at: Option<At>,
         /// Print the branch as one JSON object.
         #[arg(long)]
         json: bool,
@@ -149,6 +151,42 @@ pub enum BranchCmd {
         /// STACK@NAME.
         branch: String,
     },
+}
+
+/// An `--at` value: a layer id, or `base` (the image alone).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum At {
+    /// A layer of the branch's log (or a base layer's id).
+    Layer(i64),
+    /// The base image alone, below every published layer.
+    Base,
+}
+
+impl std::str::FromStr for At {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s == "base" {
+            return Ok(At::Base);
+        }
+        match s.parse::<i64>() {
+            Ok(n) if n > 0 => Ok(At::Layer(n)),
+            _ => Err(format!(
+                "{s:?} is no layer: give a layer id from `layerstack log`, or `base` for the image alone"
+            )),
+        }
+    }
+}
+
+impl At {
+    /// `(at_layer, at_base)` of the admin requests.
+    pub fn wire(at: Option<At>) -> (i64, bool) {
+        match at {
+            None => (0, false),
+            Some(At::Layer(n)) => (n, false),
+            Some(At::Base) => (0, true),
+        }
+    }
 }
 
 /// `STACK[@BRANCH]` → (stack, branch or ""). A digest reference
@@ -404,13 +442,15 @@ pub async fn run(admin: &Path, ns: &str, cmd: HistoryCmd) -> Result<ExitCode> {
                 },
         } => {
             let (stack, name) = need_branch(&branch)?;
+            let (at_layer, at_base) = At::wire(at);
             let b = c
                 .create_branch(api::CreateBranchRequest {
                     namespace: ns,
                     stack,
                     name,
                     from: from.unwrap_or_default(),
-                    at_layer: at.unwrap_or(0),
+                    at_layer,
+                    at_base,
                 })
                 .await?
                 .into_inner();
@@ -607,6 +647,17 @@ mod tests {
         );
         assert_eq!(split_branch("debian"), ("debian".into(), String::new()));
         assert!(need_branch("debian").is_err());
+    }
+
+    #[test]
+    fn at_takes_a_layer_id_or_base() {
+        assert_eq!("12".parse::<At>(), Ok(At::Layer(12)));
+        assert_eq!("base".parse::<At>(), Ok(At::Base));
+        assert!("0".parse::<At>().is_err());
+        assert!("head".parse::<At>().is_err_and(|e| e.contains("`base`")));
+        assert_eq!(At::wire(Some(At::Base)), (0, true));
+        assert_eq!(At::wire(Some(At::Layer(3))), (3, false));
+        assert_eq!(At::wire(None), (0, false));
     }
 
     #[test]

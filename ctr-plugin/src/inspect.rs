@@ -14,7 +14,7 @@ use clap::Subcommand;
 use layerstack_api as api;
 use serde_json::json;
 
-use crate::history::split_branch;
+use crate::history::{split_branch, At};
 use crate::out;
 use crate::output::print_table;
 use crate::sessions::session_json;
@@ -35,7 +35,8 @@ pub enum InspectCmd {
     },
     /// What changed: `diff STACK@A STACK@B` (two branch heads; the second may be
     /// written `@B`), `diff STACK@B --at LAYER` (B's head against the manifest of
-    /// its log at LAYER), `diff CONTAINER` or `diff --session ID` (a session's
+    /// its log at LAYER; `--at base`: against the image alone), `diff
+    /// CONTAINER` or `diff --session ID` (a session's
     /// writes against its lease, also while its container runs; nothing is
     /// changed). Lists added (A), modified (M) and deleted (D) paths with kind
     /// and size, and a changed mode (`mode 0644 → 0600`).
@@ -43,9 +44,11 @@ pub enum InspectCmd {
         /// STACK@A [STACK@B], STACK@B with --at, or a container name.
         #[arg(num_args = 0..=2)]
         specs: Vec<String>,
-        /// With one STACK@BRANCH: compare the branch's log at this layer with its head.
-        #[arg(long, value_name = "LAYER")]
-        at: Option<i64>,
+        /// With one STACK@BRANCH: compare the branch's log at this layer with its
+        /// head; `base`: the image alone (below every published layer) with its
+        /// head.
+        #[arg(long, value_name = "LAYER|base")]
+        at: Option<At>,
         /// A session id (any owner kind) instead of a container.
         #[arg(long, conflicts_with_all = ["at"])]
         session: Option<i64>,
@@ -139,11 +142,11 @@ pub async fn run(admin: &Path, ns: &str, cmd: InspectCmd) -> Result<ExitCode> {
             match (session, at, specs.as_slice()) {
                 (Some(id), _, []) => req.session_id = id,
                 (Some(_), _, _) => bail!("--session takes no other argument"),
-                (None, Some(layer), [one]) => {
+                (None, Some(at), [one]) => {
                     let (stack, branch) = split_branch(one);
                     req.stack = stack;
                     req.to = branch;
-                    req.at_layer = layer;
+                    (req.at_layer, req.at_base) = At::wire(Some(at));
                 }
                 (None, Some(_), _) => bail!("--at takes one STACK@BRANCH"),
                 (None, None, [a, b]) => {

@@ -32,7 +32,8 @@ use crate::{Engine, EngineError};
 pub enum DiffTarget {
     /// A branch's head.
     Branch(String),
-    /// The manifest of `branch`'s log whose newest layer is `layer`.
+    /// The manifest of `branch`'s log whose newest layer is `layer`; a base
+    /// (image) layer of the stack names the image alone (no published layer).
     Layer { branch: String, layer: LayerId },
 }
 
@@ -323,15 +324,20 @@ impl Engine {
             }
             DiffTarget::Layer { branch, layer } => {
                 let layers = store.manifest(store.branch_head(stack, branch)?)?;
-                let pos = layers.iter().position(|l| l == layer).ok_or_else(|| {
-                    EngineError::NotFound(format!(
-                        "layer {layer} is not in the log of branch {branch:?} of {stack} (see `layerstack log`)"
-                    ))
-                })?;
-                Ok((
-                    layers[pos..].to_vec(),
-                    format!("{stack}@{branch} at layer {layer}"),
-                ))
+                match layers.iter().position(|l| l == layer) {
+                    Some(pos) => Ok((
+                        layers[pos..].to_vec(),
+                        format!("{stack}@{branch} at layer {layer}"),
+                    )),
+                    // A base (image) layer: the image alone.
+                    None if store.base_layers(stack)?.contains(layer) => Ok((
+                        Vec::new(),
+                        format!("{stack}@{branch} at its base (the image alone; base layer {layer})"),
+                    )),
+                    None => Err(EngineError::NotFound(format!(
+                        "layer {layer} is neither in the log of branch {branch:?} of {stack} (see `layerstack log`) nor a base layer of the stack; `--at base` names the image alone"
+                    ))),
+                }
             }
         }
     }

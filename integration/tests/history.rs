@@ -757,6 +757,71 @@ fn diff_between_heads_and_of_a_running_container() {
             ],
         )?;
         ensure!(v["entries"].as_array().is_some_and(Vec::is_empty), "{v}");
+        // At the base: the image alone against feature's head — everything the
+        // seed and feature published, as added; a branch forks there too.
+        let v = ls_json(
+            env,
+            &[
+                "diff",
+                &format!("{stack}@feature"),
+                "--at",
+                "base",
+                "--json",
+                "-n",
+                NS,
+            ],
+        )?;
+        let base_want: Vec<(String, String)> =
+            ["/srv/d/keep.txt", "/srv/d/mode.txt", "/srv/d/new.txt"]
+                .iter()
+                .map(|p| (p.to_string(), "added".to_string()))
+                .collect();
+        ensure!(files(&v) == base_want, "{v}");
+        let b = ls_json(
+            env,
+            &[
+                "branch",
+                "create",
+                &format!("{stack}@pristine"),
+                "--from",
+                "feature",
+                "--at",
+                "base",
+                "--json",
+                "-n",
+                NS,
+            ],
+        )?;
+        ensure!(b["depth"] == 0, "{b}");
+        let v = ls_json(
+            env,
+            &[
+                "diff",
+                &format!("{stack}@pristine"),
+                "@main",
+                "--json",
+                "-n",
+                NS,
+            ],
+        )?;
+        let seed: Vec<(String, String)> = ["/srv/d/gone.txt", "/srv/d/keep.txt", "/srv/d/mode.txt"]
+            .iter()
+            .map(|p| (p.to_string(), "added".to_string()))
+            .collect();
+        ensure!(files(&v) == seed, "{v}");
+        let out = env.layerstack(&[
+            "diff",
+            &format!("{stack}@feature"),
+            "--at",
+            "head",
+            "-n",
+            NS,
+        ])?;
+        ensure!(
+            out.status.code() == Some(2) && String::from_utf8_lossy(&out.stderr).contains("`base`"),
+            "{}",
+            describe(&out)
+        );
 
         // A running container: its writes show up as they are made.
         let id = unique("df-live");

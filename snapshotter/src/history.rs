@@ -261,7 +261,7 @@ impl AdminService {
         require("name", &r.name)?;
         let stack = self.stack_of(&r.namespace, &r.stack).await?;
         let from = self.branch_or_default(&r.from);
-        let at = (r.at_layer != 0).then_some(r.at_layer);
+        let at = self.at_layer(&stack, r.at_layer, r.at_base).await?;
         let b = self
             .engine
             .blocking_store(move |s| s.create_branch(&stack, &r.name, &from, at))
@@ -338,6 +338,37 @@ impl AdminService {
                 session: Some(self.to_api(*session).await?),
             },
         })
+    }
+
+    /// The layer an `--at` names: `at_layer` (0: none), or with `at_base` the
+    /// stack's newest base layer — the image alone, which the store and the
+    /// engine accept as the base of any branch's log.
+    ///
+    /// Errors: `InvalidArgument` when both are given.
+    pub(crate) async fn at_layer(
+        &self,
+        stack: &str,
+        at_layer: i64,
+        at_base: bool,
+    ) -> Result<Option<i64>, Status> {
+        match (at_layer, at_base) {
+            (0, false) => Ok(None),
+            (l, false) => Ok(Some(l)),
+            (0, true) => {
+                let st = stack.to_string();
+                let base = self
+                    .engine
+                    .blocking_store(move |s| s.base_layers(&st))
+                    .await
+                    .map_err(engine_status)?;
+                base.first().copied().map(Some).ok_or_else(|| {
+                    Status::failed_precondition(format!("stack {stack} records no base layers"))
+                })
+            }
+            (_, true) => Err(Status::invalid_argument(
+                "give a layer or the base (`--at base`), not both",
+            )),
+        }
     }
 
     /// The branch a promote's `to` names, as `diff` reads its second side:

@@ -181,11 +181,13 @@ impl Store {
 
     /// Creates branch `name` on `stack` pointing at `from`'s head, or — with
     /// `at` — at the manifest in `from`'s history whose newest layer is `at` (any
-    /// layer `from`'s log lists). O(1) writes: one row, no copy.
+    /// layer `from`'s log lists), or at the stack's empty root manifest (the base
+    /// image alone) when `at` is one of the stack's base layers. O(1) writes: one
+    /// row, no copy.
     ///
     /// Errors: `InvalidArgument` (name), `SnapshotExists`-like `FailedPrecondition`
     /// when `name` exists, `BranchNotFound` (`from`), `InvalidArgument` when `at`
-    /// is not in `from`'s log.
+    /// is neither in `from`'s log nor a base layer of `stack`.
     pub fn create_branch(
         &self,
         stack: &str,
@@ -208,12 +210,17 @@ impl Store {
                 None => head,
                 Some(layer) => {
                     let layers = manifest_layers(tx, head)?;
-                    let pos = layers.iter().position(|l| *l == layer).ok_or_else(|| {
-                        StoreError::InvalidArgument(format!(
-                            "layer {layer} is not in the log of branch {from:?} (see `layerstack log`)"
-                        ))
-                    })?;
-                    manifest_for(tx, stack, head, &layers[pos..])?
+                    match layers.iter().position(|l| *l == layer) {
+                        Some(pos) => manifest_for(tx, stack, head, &layers[pos..])?,
+                        // A base (image) layer: the image alone, below every
+                        // published layer.
+                        None if crate::stacks::stack_base_layers(tx, stack)?.contains(&layer) => {
+                            manifest_for(tx, stack, head, &[])?
+                        }
+                        None => return Err(StoreError::InvalidArgument(format!(
+                            "layer {layer} is neither in the log of branch {from:?} (see `layerstack log`) nor a base layer of stack {stack}; `--at base` names the image alone"
+                        ))),
+                    }
                 }
             };
             let now = now_ns();

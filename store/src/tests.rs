@@ -642,6 +642,32 @@ fn a_container_whose_stack_was_force_removed_is_refused_by_name_not_corrupt() {
 }
 
 #[test]
+fn a_branch_forks_at_a_base_layer_onto_the_image_alone() {
+    let d = tmp();
+    let s = open(d.path());
+    let top = unpack(&s, "default");
+    s.prepare("default/5/c", &top, BTreeMap::new(), false)
+        .unwrap();
+    let c = s.find_session("default", "c").unwrap().unwrap();
+    publish(&s, c.id, &[write_entry(b"f", 1)]);
+    let stack = c.stack.clone();
+    let base = s.base_layers(&stack).unwrap();
+    assert_eq!(base, [2, 1]);
+    // Every base layer names the image alone: the empty root manifest.
+    for at in &base {
+        let b = s
+            .create_branch(&stack, &format!("pristine-{at}"), "main", Some(*at))
+            .unwrap();
+        assert_eq!((b.depth, s.manifest(b.head).unwrap()), (0, vec![]));
+    }
+    let e = s
+        .create_branch(&stack, "nowhere", "main", Some(999))
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+    assert!(e.to_string().contains("`--at base`"), "{e}");
+}
+
+#[test]
 fn committing_a_session_freezes_what_it_saw() {
     let d = tmp();
     let s = open(d.path());
