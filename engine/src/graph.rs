@@ -235,7 +235,11 @@ impl Engine {
         let op = key
             .clone()
             .unwrap_or_else(|| format!("merge-{a}-{b}-{}", std::process::id()));
-        let work = format!(".graph/{}/{op}", group.name);
+        let work = format!(
+            "{}{}/{op}",
+            layerstack_store::INTERNAL_BRANCH_PREFIX,
+            group.name
+        );
         let (s, w) = (group.stack.clone(), work.clone());
         let am = na.manifest;
         self.blocking(move |st| st.create_branch_at(&s, &w, am))

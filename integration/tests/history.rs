@@ -1183,6 +1183,25 @@ fn a_refused_promote_is_one_outcome_and_keeps_nothing() {
             "counted conflict {conflicts0} -> {conflicts}, discarded {discarded0} -> {discarded}"
         );
 
+        // Branch names are checked as git checks a ref: `../../etc` is refused,
+        // `feature/x` is fine.
+        let out = env.layerstack(&["branch", "create", &format!("{stack}@../../etc"), "-n", NS])?;
+        ensure!(
+            out.status.code() == Some(1) && describe(&out).contains("invalid branch name"),
+            "{}",
+            describe(&out)
+        );
+        ls_json(
+            env,
+            &[
+                "branch",
+                "create",
+                &format!("{stack}@feature/x"),
+                "--json",
+                "-n",
+                NS,
+            ],
+        )?;
         // TO may be written BRANCH, @BRANCH or STACK@BRANCH (by stack id or
         // image reference), as diff's second side.
         ls_json(

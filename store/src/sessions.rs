@@ -195,7 +195,11 @@ pub(crate) fn insert_session(
             manifest: m,
             branch,
         } => {
-            validate_branch(branch).map_err(StoreError::InvalidArgument)?;
+            // The engine's own working branches (a graph merge's) are named
+            // outside what users may write.
+            if !crate::is_internal_branch(branch) {
+                validate_branch(branch).map_err(StoreError::InvalidArgument)?;
+            }
             let on: Option<String> = tx
                 .query_row("SELECT stack FROM manifests WHERE id = ?1", [m], |r| {
                     r.get(0)

@@ -504,6 +504,63 @@ fn branch_label_forks_main_and_invalid_names_are_refused() {
         matches!(err, StoreError::InvalidArgument(ref m) if m.contains("invalid branch name")),
         "{err}"
     );
+    // Names git would refuse as a ref are refused wherever a user names a
+    // branch (a snapshot label, `branch create`); `feature/x` is fine.
+    for bad in [
+        "../../etc",
+        "..",
+        "a..b",
+        ".hidden",
+        "feature/.x",
+        "x.lock",
+        "feature/x.lock/y",
+        "a//b",
+        "feature/",
+        "/abs",
+        "-x",
+        "x.",
+        "a b",
+        "a\tb",
+        "a~1",
+        "a^b",
+        "a:b",
+        "a?b",
+        "a*b",
+        "a[b",
+        "a\\b",
+        "a@b",
+        "",
+    ] {
+        let e = crate::validate_branch(bad).unwrap_err();
+        assert!(e.starts_with("invalid branch name"), "{bad:?}: {e}");
+        let e = s.create_branch(&m.stack, bad, "main", None).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{bad:?}: {e}");
+    }
+    for good in ["main", "feature/x", "exp-1", "v1.2", "a_b/c.d/e"] {
+        crate::validate_branch(good).unwrap_or_else(|e| panic!("{good:?}: {e}"));
+    }
+    s.create_branch(&m.stack, "feature/x", "main", None)
+        .unwrap();
+    // The engine's own working branches (`.graph/<graph>/<op>`) are not a
+    // user's to name, but sessions of the engine lease them.
+    let head = s.branch_head(&m.stack, "main").unwrap();
+    let work = format!("{}g/merge-1", crate::INTERNAL_BRANCH_PREFIX);
+    assert!(crate::validate_branch(&work).is_err());
+    s.create_branch_at(&m.stack, &work, head).unwrap();
+    let (w, _, _) = s
+        .create_session(
+            &Owner::Operation {
+                id: "merge-1".into(),
+            },
+            &m.stack,
+            &LeaseTarget::Manifest {
+                manifest: head,
+                branch: work.clone(),
+            },
+            None,
+        )
+        .unwrap();
+    assert_eq!(w.branch, work);
 }
 
 #[test]
