@@ -261,6 +261,18 @@ fn ops_binaries_print_version_and_help() {
             format!("containerd-shim-layerstack-v1 {version}")
         );
     }
+    // Run by hand without containerd's flags: a usage line on stderr, exit 2
+    // (not the shim library's `Env(NotPresent)`).
+    let out = Command::new(&shim).output().unwrap();
+    assert_eq!(out.status.code(), Some(2), "shim: {}", describe(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("Usage: containerd-shim-layerstack-v1")
+            && !err.contains("NotPresent")
+            && out.stdout.is_empty(),
+        "shim: {}",
+        describe(&out)
+    );
     let out = Command::new(&shim).arg("--help").output().unwrap();
     assert!(out.status.success(), "shim --help: {}", describe(&out));
     assert!(
