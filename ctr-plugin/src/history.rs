@@ -70,9 +70,10 @@ pub enum HistoryCmd {
         #[arg(long)]
         json: bool,
     },
-    /// Disk usage in real allocated bytes per accounting class: hot layers (what
-    /// branch heads show), cold history, session uppers, staging, metadata, and
-    /// containerd's own snapshots — per stack and in total.
+    /// Disk usage in real allocated bytes per accounting class, one column each:
+    /// HOT (layers branch heads show), COLD (history only leases reach), UPPERS
+    /// (session uppers), STAGING, METADATA and SNAPSHOTS (containerd's own) — per
+    /// stack (the last three store-wide only) and in total.
     Df {
         /// Only this stack (an image reference, stack id or base digest).
         stack: Option<String>,
@@ -584,13 +585,15 @@ pub async fn run(admin: &Path, ns: &str, cmd: HistoryCmd) -> Result<ExitCode> {
                     })
                 );
             } else {
+                // The columns are the accounting classes by their documented
+                // names (docs/architecture.md; the metric's `class` label).
                 let mut rows = vec![[
-                    "",
-                    "L_hot",
-                    "H_cold",
-                    "U_active",
-                    "P_staging",
-                    "M",
+                    "STACK",
+                    "HOT",
+                    "COLD",
+                    "UPPERS",
+                    "STAGING",
+                    "METADATA",
                     "SNAPSHOTS",
                     "TOTAL",
                 ]

@@ -245,6 +245,30 @@ fn gc_frees_exactly_and_accounting_matches_du() {
             stack_id(env, NS)
         })?;
         let root = env.store_root();
+        // `df`'s columns are the documented class names.
+        let out = env.layerstack(&["df", "-n", NS])?;
+        let header: Vec<String> = stdout(&out)
+            .lines()
+            .next()
+            .unwrap_or("")
+            .split_whitespace()
+            .map(str::to_string)
+            .collect();
+        ensure!(
+            header
+                == [
+                    "STACK",
+                    "HOT",
+                    "COLD",
+                    "UPPERS",
+                    "STAGING",
+                    "METADATA",
+                    "SNAPSHOTS",
+                    "TOTAL"
+                ],
+            "{}",
+            describe(&out)
+        );
         let check_du = |when: &str| -> Result<()> {
             let df = ls_json(env, &["df", "--json", "-n", NS])?;
             let total = df["total"]["total"].as_u64().context("df total")?;
