@@ -50,7 +50,8 @@ pub enum HistoryCmd {
     Promote {
         /// STACK@FROM.
         from: String,
-        /// The branch to advance.
+        /// The branch to advance, of FROM's stack: BRANCH, @BRANCH or
+        /// STACK@BRANCH (a STACK naming another stack is refused).
         to: String,
         /// Print the result as one JSON object.
         #[arg(long)]
@@ -72,9 +73,10 @@ pub enum HistoryCmd {
         #[arg(long)]
         json: bool,
     },
-    /// Disk usage in real allocated bytes per accounting class: hot layers (what
-    /// branch heads show), cold history, session uppers, staging, metadata, and
-    /// containerd's own snapshots — per stack and in total.
+    /// Disk usage in real allocated bytes per accounting class, one column each:
+    /// HOT (layers branch heads show), COLD (history only leases reach), UPPERS
+    /// (session uppers), STAGING, METADATA and SNAPSHOTS (containerd's own) — per
+    /// stack (the last three store-wide only) and in total.
     Df {
         /// Only this stack (an image reference, stack id or base digest).
         stack: Option<String>,
@@ -86,12 +88,19 @@ pub enum HistoryCmd {
 
 #[derive(Debug, Subcommand)]
 pub enum StackCmd {
-    /// List the stacks of the namespace (`-n`), or of all (`-A`).
+    /// List the stacks of the namespace (`-n`), or of all (`-A`): id, image,
+    /// branches with their depth (`name(depth)`), layers, and with `--usage`
+    /// their size. A stack is the history of one image in one namespace: it
+    /// appears once a container or session has used the image (after `ctr
+    /// images import` or `pull` alone the list is empty).
     Ls {
         /// Stacks of every namespace.
         #[arg(long, short = 'A')]
         all_namespaces: bool,
-        /// Also measure bytes (walks the layers; slower).
+        /// Measure each stack's real allocated bytes (hot + cold layers and
+        /// session uppers, as `layerstack df` counts them): walks every layer,
+        /// as slow as `df`. Without it the BYTES column shows `-` and JSON
+        /// `usage` is null.
         #[arg(long)]
         usage: bool,
         /// Print the stacks as one JSON array.
@@ -100,7 +109,8 @@ pub enum StackCmd {
     },
     /// Remove a stack and its whole history. Refused while a session of it is
     /// live or a node or export lease pins it; `--force` discards those sessions'
-    /// writes (never a mounted one's) and releases the leases.
+    /// writes (never a mounted one's) and releases the leases: their stopped
+    /// containers cannot start again (remove them: `ctr containers rm`).
     Rm {
         /// An image reference, stack id or base digest.
         stack: String,
@@ -131,10 +141,12 @@ pub enum BranchCmd {
         /// The branch to fork [default: the default branch].
         #[arg(long)]
         from: Option<String>,
-        /// Fork at this layer of FROM's log instead of its head; a member of
-        /// a squashed layer forks at the view as of its publish.
-        #[arg(long, value_name = "LAYER")]
-        at: Option<i64>,
+        /// Fork at this layer of FROM's log instead of its head (a layer id
+        /// from `layerstack log`; a member of a squashed layer forks at the view
+        /// as of its publish), or at `base`: the image alone, below every
+        /// published layer (a base layer's id says the same).
+        #[arg(long, value_name = "LAYER|base")]
+        at: Option<At>,
         /// Print the branch as one JSON object.
         #[arg(long)]
         json: bool,
@@ -144,6 +156,42 @@ pub enum BranchCmd {
         /// STACK@NAME.
         branch: String,
     },
+}
+
+/// An `--at` value: a layer id, or `base` (the image alone).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum At {
+    /// A layer of the branch's log (or a base layer's id).
+    Layer(i64),
+    /// The base image alone, below every published layer.
+    Base,
+}
+
+impl std::str::FromStr for At {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        if s == "base" {
+            return Ok(At::Base);
+        }
+        match s.parse::<i64>() {
+            Ok(n) if n > 0 => Ok(At::Layer(n)),
+            _ => Err(format!(
+                "{s:?} is no layer: give a layer id from `layerstack log`, or `base` for the image alone"
+            )),
+        }
+    }
+}
+
+impl At {
+    /// `(at_layer, at_base)` of the admin requests.
+    pub fn wire(at: Option<At>) -> (i64, bool) {
+        match at {
+            None => (0, false),
+            Some(At::Layer(n)) => (n, false),
+            Some(At::Base) => (0, true),
+        }
+    }
 }
 
 /// `STACK[@BRANCH]` → (stack, branch or ""). A digest reference
@@ -341,10 +389,12 @@ pub async fn run(admin: &Path, ns: &str, cmd: HistoryCmd) -> Result<ExitCode> {
                     .collect();
                 out!("{}", serde_json::Value::Array(v));
             } else {
-                let mut rows = vec![
-                    ["STACK", "NAMESPACE", "IMAGE", "BRANCHES", "LAYERS", "BYTES"]
-                        .map(String::from),
-                ];
+                // Sizes are measured only with --usage (a walk of every layer):
+                // the header says how to get them.
+                let bytes = if usage { "BYTES" } else { "BYTES(--usage)" };
+                let mut rows =
+                    vec![["STACK", "NAMESPACE", "IMAGE", "BRANCHES", "LAYERS", bytes]
+                        .map(String::from)];
                 for s in &r.stacks {
                     rows.push([
                         short(&s.id).to_string(),
@@ -434,13 +484,15 @@ pub async fn run(admin: &Path, ns: &str, cmd: HistoryCmd) -> Result<ExitCode> {
                 },
         } => {
             let (stack, name) = need_branch(&branch)?;
+            let (at_layer, at_base) = At::wire(at);
             let b = c
                 .create_branch(api::CreateBranchRequest {
                     namespace: ns,
                     stack,
                     name,
                     from: from.unwrap_or_default(),
-                    at_layer: at.unwrap_or(0),
+                    at_layer,
+                    at_base,
                 })
                 .await?
                 .into_inner();
@@ -574,13 +626,15 @@ pub async fn run(admin: &Path, ns: &str, cmd: HistoryCmd) -> Result<ExitCode> {
                     })
                 );
             } else {
+                // The columns are the accounting classes by their documented
+                // names (docs/architecture.md; the metric's `class` label).
                 let mut rows = vec![[
-                    "",
-                    "L_hot",
-                    "H_cold",
-                    "U_active",
-                    "P_staging",
-                    "M",
+                    "STACK",
+                    "HOT",
+                    "COLD",
+                    "UPPERS",
+                    "STAGING",
+                    "METADATA",
                     "SNAPSHOTS",
                     "TOTAL",
                 ]
@@ -694,6 +748,17 @@ mod tests {
         assert_eq!(v["layers"][0]["members"], json!([]));
         let v = log_json("s", "main", &entries, true);
         assert_eq!(v["layers"][1]["changed"][0]["path"], "/x");
+    }
+
+    #[test]
+    fn at_takes_a_layer_id_or_base() {
+        assert_eq!("12".parse::<At>(), Ok(At::Layer(12)));
+        assert_eq!("base".parse::<At>(), Ok(At::Base));
+        assert!("0".parse::<At>().is_err());
+        assert!("head".parse::<At>().is_err_and(|e| e.contains("`base`")));
+        assert_eq!(At::wire(Some(At::Base)), (0, true));
+        assert_eq!(At::wire(Some(At::Layer(3))), (3, false));
+        assert_eq!(At::wire(None), (0, false));
     }
 
     #[test]

@@ -14,7 +14,7 @@ use clap::Subcommand;
 use layerstack_api as api;
 use serde_json::json;
 
-use crate::history::split_branch;
+use crate::history::{split_branch, At};
 use crate::out;
 use crate::output::print_table;
 use crate::sessions::session_json;
@@ -35,18 +35,20 @@ pub enum InspectCmd {
     },
     /// What changed: `diff STACK@A STACK@B` (two branch heads; the second may be
     /// written `@B`), `diff STACK@B --at LAYER` (B's head against the manifest of
-    /// its log at LAYER), `diff CONTAINER` or `diff --session ID` (a session's
+    /// its log at LAYER; `--at base`: against the image alone), `diff
+    /// CONTAINER` or `diff --session ID` (a session's
     /// writes against its lease, also while its container runs; nothing is
     /// changed). Lists added (A), modified (M) and deleted (D) paths with kind
-    /// and size.
+    /// and size, and a changed mode (`mode 0644 → 0600`).
     Diff {
         /// STACK@A [STACK@B], STACK@B with --at, or a container name.
         #[arg(num_args = 0..=2)]
         specs: Vec<String>,
         /// With one STACK@BRANCH: compare the branch's log at this layer with its
-        /// head (a member of a squashed layer: the view as of its publish).
-        #[arg(long, value_name = "LAYER")]
-        at: Option<i64>,
+        /// head (a member of a squashed layer: the view as of its publish);
+        /// `base`: the image alone (below every published layer) with its head.
+        #[arg(long, value_name = "LAYER|base")]
+        at: Option<At>,
         /// A session id (any owner kind) instead of a container.
         #[arg(long, conflicts_with_all = ["at"])]
         session: Option<i64>,
@@ -140,11 +142,11 @@ pub async fn run(admin: &Path, ns: &str, cmd: InspectCmd) -> Result<ExitCode> {
             match (session, at, specs.as_slice()) {
                 (Some(id), _, []) => req.session_id = id,
                 (Some(_), _, _) => bail!("--session takes no other argument"),
-                (None, Some(layer), [one]) => {
+                (None, Some(at), [one]) => {
                     let (stack, branch) = split_branch(one);
                     req.stack = stack;
                     req.to = branch;
-                    req.at_layer = layer;
+                    (req.at_layer, req.at_base) = At::wire(Some(at));
                 }
                 (None, Some(_), _) => bail!("--at takes one STACK@BRANCH"),
                 (None, None, [a, b]) => {
@@ -212,6 +214,16 @@ pub async fn run(admin: &Path, ns: &str, cmd: InspectCmd) -> Result<ExitCode> {
             out!("+++ {new}");
             let mut rows = Vec::new();
             for e in &entries {
+                // A mode change of the same kind (a mode-only change shows only
+                // here), as `--json` has it.
+                let mode = if e.change == "modified"
+                    && e.old_kind == e.new_kind
+                    && e.old_mode != e.new_mode
+                {
+                    format!("mode {:04o} → {:04o}", e.old_mode, e.new_mode)
+                } else {
+                    String::new()
+                };
                 let (flag, kind, size) = match e.change.as_str() {
                     "added" => ("A", e.new_kind.clone(), e.new_size.to_string()),
                     "deleted" => ("D", e.old_kind.clone(), e.old_size.to_string()),
@@ -227,7 +239,7 @@ pub async fn run(admin: &Path, ns: &str, cmd: InspectCmd) -> Result<ExitCode> {
                     ),
                     _ => ("M", e.new_kind.clone(), e.new_size.to_string()),
                 };
-                rows.push([flag.to_string(), kind, size, e.path.clone()]);
+                rows.push([flag.to_string(), kind, size, e.path.clone(), mode]);
             }
             if !patch {
                 print_table(&rows);
@@ -313,14 +325,21 @@ pub async fn run(admin: &Path, ns: &str, cmd: InspectCmd) -> Result<ExitCode> {
             for e in &entries {
                 out!("");
                 out!("conflict {}: {}", e.path, e.reason);
-                if !e.note.is_empty() {
+                if e.note.is_empty() {
+                    out!(
+                        "  three-way view, {} conflict block(s) (<<<<<<< session, ||||||| lease, =======, >>>>>>> head):",
+                        e.blocks
+                    );
+                } else if e.text.is_empty() {
                     out!("  ({})", e.note);
                     continue;
+                } else {
+                    // After `session rebase`: the session's file, markers in it.
+                    out!(
+                        "  the session's file now, {} conflict marker block(s) awaiting resolution:",
+                        e.blocks
+                    );
                 }
-                out!(
-                    "  three-way view, {} conflict block(s) (<<<<<<< session, ||||||| lease, =======, >>>>>>> head):",
-                    e.blocks
-                );
                 let text = String::from_utf8_lossy(&e.text);
                 out!("{}", text.strip_suffix('\n').unwrap_or(&text));
             }
@@ -376,7 +395,7 @@ pub async fn rebase(
     if r.marked.is_empty() {
         out!("no conflict markers: publish it again");
     } else {
-        out!("resolve the markers in the container (its next run sees the head under its changes), then publish; a publish is refused while a marker block is left");
+        out!("resolve the markers in the container (its next run sees the head under its changes), then publish; a publish is refused while one of these files still holds a block from a `<<<<<<< session` line to a `>>>>>>> head` line, whatever is between: remove the marker lines, or the file");
     }
     Ok(ExitCode::SUCCESS)
 }

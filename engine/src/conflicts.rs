@@ -7,6 +7,10 @@
 //! — the merge of the session's version and the head's against the lease's,
 //! conflicts written out with git's diff3 markers (`<<<<<<< session`,
 //! `||||||| lease`, `=======`, `>>>>>>> head`). Output only: nothing is written.
+//! After a rebase, a file it wrote markers into that still holds a block is
+//! shown as it is, its blocks counted by the publish's rule below ("awaiting
+//! resolution"); the outcome's other paths, while the session leases the head
+//! it was rebased onto, read as merged by the rebase.
 //!
 //! **Rebase** ([`Engine::rebase`]): a session whose run ended in conflict keeps
 //! its upper and lease. With its container stopped (the upper quiescent), the
@@ -22,13 +26,19 @@
 //! its upper. Like a publish, the rebase applies the exclusion policy to the
 //! upper (excluded paths are removed).
 //!
-//! **Refusal**: while the session holds a lease its blocks were recorded for, a
-//! publish (and a dry run) is refused — outcome `conflict`, reason naming the
-//! file and line — as long as a file still contains one of those exact blocks.
-//! Removing or editing the markers, or deleting the file, resolves it; the
-//! publish then goes through the gate like any other.
+//! **Refusal**: while the session holds the lease a rebase recorded marker
+//! rows under, a publish (and a dry run) is refused — outcome `conflict`, each
+//! path's reason naming the first `<<<<<<< session` line — as long as a file
+//! the rebase wrote markers into still holds a marker block: a line exactly
+//! `<<<<<<< session` followed later by a line exactly `>>>>>>> head`, whatever
+//! is between ([`publisher::conflict_blocks`], git's rule for unmerged
+//! markers). Editing inside a block does not resolve it; editing the marker
+//! lines away, or deleting the file, does, and the publish then goes through
+//! the gate like any other. Only those paths are checked: a marker block in
+//! another file is content like any other. A second rebase carries the rows of
+//! files still holding a block onto the new lease.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeSet;
 use std::sync::Arc;
 
 use layerstack_publisher::{self as publisher, Action, GateFiles, LayerView, Side};
@@ -47,13 +57,15 @@ use crate::{Engine, EngineError};
 pub struct ConflictView {
     /// Relative path, bytes, no leading `/`.
     pub path: Vec<u8>,
-    /// The gate's reason.
+    /// The gate's reason; after a rebase, where the path stands now (its
+    /// markers awaiting resolution, resolved, or merged by the rebase).
     pub reason: String,
-    /// The three-way view with markers (text files on all three sides).
+    /// The three-way view with markers (text files on all three sides); after
+    /// a rebase, the session's file with the markers as it is now.
     pub text: Option<Vec<u8>>,
-    /// Conflict blocks in `text`.
+    /// Conflict marker blocks in `text` (`<<<<<<< session` … `>>>>>>> head`).
     pub blocks: usize,
-    /// Why there is no three-way view.
+    /// Why there is no three-way view (also when `text` is the session's file).
     pub note: Option<String>,
 }
 
@@ -91,46 +103,79 @@ fn marker_records(path: &[u8], content: &[u8]) -> Vec<MarkerRecord> {
         .collect()
 }
 
+/// The marker blocks left in one file: how many, and the line (from 1) of the
+/// first one's `<<<<<<< session`.
+type BlocksLeft = (usize, u32);
+
+/// [`BlocksLeft`] of `content` (see [`publisher::conflict_blocks`]); `None`
+/// when it holds no block.
+fn blocks_left(content: &[u8]) -> Option<BlocksLeft> {
+    let blocks = publisher::conflict_blocks(content);
+    let first = blocks.first()?;
+    Some((blocks.len(), line_at(content, first.start)))
+}
+
+/// A path a rebase wrote markers into, and what its file holds now.
+struct Marked {
+    path: Vec<u8>,
+    /// `None` when the markers were edited away or the file is gone.
+    left: Option<BlocksLeft>,
+}
+
+/// The paths session `id`'s current lease has marker rows for, each with what
+/// its file in `upper` holds now. Empty when the session was never rebased
+/// onto its current lease.
+fn marked_paths(
+    store: &Store,
+    id: SessionId,
+    upper: &std::path::Path,
+    userxattr: bool,
+) -> Result<Vec<Marked>, StoreError> {
+    let paths: BTreeSet<Vec<u8>> = store
+        .session_markers(id)?
+        .into_iter()
+        .map(|m| m.path)
+        .collect();
+    if paths.is_empty() {
+        return Ok(Vec::new());
+    }
+    let upper_view = LayerView::new(vec![upper.to_path_buf()]).with_userxattr(userxattr);
+    paths
+        .into_iter()
+        .map(|path| {
+            let content = upper_view.read_regular(&path).map_err(|e| {
+                use std::os::unix::ffi::OsStrExt;
+                StoreError::Io(upper.join(std::ffi::OsStr::from_bytes(&path)), e)
+            })?;
+            let left = content.as_deref().and_then(blocks_left);
+            Ok(Marked { path, left })
+        })
+        .collect()
+}
+
 /// The outcome that refuses a publish of session `id` whose upper still holds
-/// conflict blocks a rebase wrote (see the module docs); `None` when none is
-/// left (or the session was never rebased onto its current lease).
+/// a conflict marker block in a file `layerstack session rebase` wrote markers
+/// into (see the module docs); `None` when none is left (or the session was
+/// never rebased onto its current lease).
 pub(crate) fn markers_left(
     store: &Store,
     id: SessionId,
     upper: &std::path::Path,
+    userxattr: bool,
 ) -> Result<Option<OutcomeRecord>, StoreError> {
-    let recorded = store.session_markers(id)?;
-    if recorded.is_empty() {
-        return Ok(None);
-    }
-    let mut by_path: BTreeMap<&[u8], BTreeSet<[u8; 32]>> = BTreeMap::new();
-    for m in &recorded {
-        by_path.entry(&m.path).or_default().insert(m.digest);
-    }
-    let upper_view = LayerView::new(vec![upper.to_path_buf()]);
-    let mut paths = Vec::new();
-    for (path, digests) in by_path {
-        let content = upper_view.read_regular(path).map_err(|e| {
-            use std::os::unix::ffi::OsStrExt;
-            StoreError::Io(upper.join(std::ffi::OsStr::from_bytes(path)), e)
-        })?;
-        let Some(content) = content else { continue };
-        let left: Vec<u32> = marker_records(path, &content)
-            .into_iter()
-            .filter(|m| digests.contains(&m.digest))
-            .map(|m| m.line)
-            .collect();
-        if let Some(first) = left.first() {
-            paths.push(PathRecord {
-                path: path.to_vec(),
+    let paths: Vec<PathRecord> = marked_paths(store, id, upper, userxattr)?
+        .into_iter()
+        .filter_map(|Marked { path, left }| {
+            let (blocks, first) = left?;
+            Some(PathRecord {
+                path,
                 status: PathStatus::Conflict,
                 reason: format!(
-                    "still holds {} conflict marker block(s) `layerstack session rebase` wrote (the first at line {first}): resolve them (remove the markers) and publish again, or discard",
-                    left.len()
+                    "still holds {blocks} conflict marker block(s) (`<<<<<<< session` … `>>>>>>> head`; the first `<<<<<<< session` at line {first}) where `layerstack session rebase` wrote markers: edit the markers away (or delete the file) and publish again, or discard"
                 ),
-            });
-        }
-    }
+            })
+        })
+        .collect();
     if paths.is_empty() {
         return Ok(None);
     }
@@ -142,9 +187,10 @@ pub(crate) fn markers_left(
     Ok(Some(OutcomeRecord {
         kind: OutcomeKind::Conflict,
         message: Some(format!(
-            "{} file(s) still hold the conflict markers written by `layerstack session rebase` ({}); nothing of this session was published; its upper is kept",
+            "{} file(s) still hold conflict markers where `layerstack session rebase` wrote them ({}{}); nothing of this session was published; its upper is kept",
             paths.len(),
-            list.join(", ")
+            list.join(", "),
+            if paths.len() > 10 { ", …" } else { "" }
         )),
         paths,
         timings: None,
@@ -161,8 +207,30 @@ fn pick<T: PartialEq + Clone>(base: Option<&T>, ours: &T, theirs: &T) -> T {
     }
 }
 
+/// The view of a file a rebase wrote markers into that still holds a block:
+/// the file as it is, its blocks counted by the rule of the publish's guard.
+fn awaiting_view(path: Vec<u8>, content: Vec<u8>, (blocks, first): BlocksLeft) -> ConflictView {
+    ConflictView {
+        path,
+        reason: format!(
+            "awaiting resolution: {blocks} conflict marker block(s) `layerstack session rebase` wrote are in the session's file (the first `<<<<<<< session` at line {first}); edit the marker lines away (or delete the file), then publish"
+        ),
+        text: Some(content),
+        blocks,
+        note: Some(
+            "no three-way view: the rebase moved the session onto the head and wrote the markers into its file, shown as it is now".into(),
+        ),
+    }
+}
+
 /// Everything the conflict commands read, outside the gate (no lock needed:
 /// layers are immutable and the session's upper is quiescent or only read).
+///
+/// After a rebase (marker rows under the current lease), a file that still
+/// holds a marker block is shown as it is ([`awaiting_view`]), whatever the
+/// recorded reason said; while the session still leases the head it was
+/// rebased onto, the other paths of the outcome were merged into its upper (or
+/// their markers removed) and have no three-way view.
 fn conflict_views(
     store: &Store,
     settings: &crate::EngineSettings,
@@ -174,6 +242,18 @@ fn conflict_views(
     let lease_view = View::new(store.session_view_layers(s.id, lease)?, settings.userxattr);
     let head_view = View::new(store.session_view_layers(s.id, head)?, settings.userxattr);
     let upper = LayerView::new(vec![s.upper.clone()]).with_userxattr(settings.userxattr);
+    let mut marked: std::collections::BTreeMap<Vec<u8>, Option<BlocksLeft>> =
+        marked_paths(store, s.id, &s.upper, settings.userxattr)?
+            .into_iter()
+            .map(|m| (m.path, m.left))
+            .collect();
+    let rebased_on_head = !marked.is_empty() && lease == head;
+    let read_upper = |path: &[u8]| -> Result<Vec<u8>, EngineError> {
+        Ok(upper
+            .read_regular(path)
+            .map_err(|e| EngineError::Read(layerstack_store::escape_path(path), e))?
+            .unwrap_or_default())
+    };
     let mut out = Vec::new();
     let mut after: Option<Vec<u8>> = None;
     loop {
@@ -186,6 +266,34 @@ fn conflict_views(
         let Some(last) = page.last() else { break };
         after = Some(last.path.clone());
         for r in page {
+            match marked.remove(&r.path) {
+                Some(Some(left)) => {
+                    let content = read_upper(&r.path)?;
+                    out.push(awaiting_view(r.path, content, left));
+                    continue;
+                }
+                Some(None) if rebased_on_head => {
+                    out.push(ConflictView {
+                        path: r.path,
+                        reason: "resolved: the conflict markers `layerstack session rebase` wrote were removed; publish again".into(),
+                        text: None,
+                        blocks: 0,
+                        note: Some("no three-way view: the session leases the head it was rebased onto".into()),
+                    });
+                    continue;
+                }
+                None if rebased_on_head => {
+                    out.push(ConflictView {
+                        path: r.path,
+                        reason: "merged into the session's file by `layerstack session rebase` (no markers); publish again".into(),
+                        text: None,
+                        blocks: 0,
+                        note: Some("no three-way view: the session leases the head it was rebased onto".into()),
+                    });
+                    continue;
+                }
+                _ => {}
+            }
             let read = |v: &LayerView| -> Result<Option<Vec<u8>>, EngineError> {
                 v.read_regular(&r.path)
                     .map_err(|e| EngineError::Read(layerstack_store::escape_path(&r.path), e))
@@ -231,6 +339,15 @@ fn conflict_views(
             });
         }
     }
+    // Marked files still holding a block that the outcome does not list (the
+    // rebase met a newer head than the publish did).
+    for (path, left) in marked {
+        if let Some(left) = left {
+            let content = read_upper(&path)?;
+            out.push(awaiting_view(path, content, left));
+        }
+    }
+    out.sort_by(|a, b| a.path.cmp(&b.path));
     Ok(out)
 }
 
@@ -303,6 +420,13 @@ impl Engine {
                 publisher::prepare_upper(&upper, &cs, settings.userxattr)
                     .map_err(|e| run(e.into()))?;
             }
+            // Files an earlier rebase wrote markers into that still hold a block:
+            // the guard follows them onto the new lease.
+            let carried: Vec<Vec<u8>> = marked_paths(&store, id, &upper, settings.userxattr)?
+                .into_iter()
+                .filter(|m| m.left.is_some())
+                .map(|m| m.path)
+                .collect();
             let input = gate_input(
                 &store,
                 &settings,
@@ -386,6 +510,22 @@ impl Engine {
             };
             publisher::apply_plan(&upper, &edit, &store.staging_path())
                 .map_err(|e| run(e.into()))?;
+            let upper_view = LayerView::new(vec![upper.clone()]).with_userxattr(settings.userxattr);
+            for path in carried {
+                if plan.text_conflicts.contains(&path) {
+                    continue;
+                }
+                let content = upper_view
+                    .read_regular(&path)
+                    .map_err(|e| EngineError::Read(layerstack_store::escape_path(&path), e))?
+                    .unwrap_or_default();
+                let left = marker_records(&path, &content);
+                if !left.is_empty() {
+                    marked.push((path, left.len()));
+                    markers.extend(left);
+                }
+            }
+            marked.sort();
             let session = store.rebase_session(id, ctx.lease_manifest, head.manifest, &markers)?;
             let merged = plan
                 .reports
@@ -409,7 +549,9 @@ impl Engine {
             marked = r.marked.len(),
             "rebased onto the head"
         );
-        self.notify(&r.session);
+        // Not an outcome (the run's stays `conflict`, announced once when it was
+        // recorded): only waiters are woken.
+        self.changed();
         Ok(r)
     }
 }

@@ -32,8 +32,9 @@ use crate::{Engine, EngineError};
 pub enum DiffTarget {
     /// A branch's head.
     Branch(String),
-    /// The view as of layer `layer` of `branch`'s log: a layer of its head, or
-    /// a member of one of its squashed layers (`Store::log_point`).
+    /// The view as of layer `layer` of `branch`'s log: a layer of its head, a
+    /// member of one of its squashed layers (`Store::log_point`), or a base
+    /// (image) layer of the stack: the image alone (no published layer).
     Layer { branch: String, layer: LayerId },
 }
 
@@ -330,6 +331,9 @@ impl Engine {
                     other => other?,
                 };
                 let label = match point.squash {
+                    None if point.layers.is_empty() => format!(
+                        "{stack}@{branch} at its base (the image alone; base layer {layer})"
+                    ),
                     None => format!("{stack}@{branch} at layer {layer}"),
                     Some(s) => {
                         format!("{stack}@{branch} at layer {layer} (compacted into layer {s})")

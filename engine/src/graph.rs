@@ -235,7 +235,11 @@ impl Engine {
         let op = key
             .clone()
             .unwrap_or_else(|| format!("merge-{a}-{b}-{}", std::process::id()));
-        let work = format!(".graph/{}/{op}", group.name);
+        let work = format!(
+            "{}{}/{op}",
+            layerstack_store::INTERNAL_BRANCH_PREFIX,
+            group.name
+        );
         let (s, w) = (group.stack.clone(), work.clone());
         let am = na.manifest;
         self.blocking(move |st| st.create_branch_at(&s, &w, am))
@@ -380,17 +384,28 @@ impl Engine {
     pub async fn recover_operations(self: &Arc<Self>) -> Result<usize, EngineError> {
         let (ops, branches) = self
             .blocking(|st| {
-                let ops: Vec<SessionId> = st
+                let ops: Vec<(SessionId, bool)> = st
                     .sessions()?
                     .into_iter()
                     .filter(|s| matches!(s.owner, Owner::Operation { .. }) && !s.released)
-                    .map(|s| s.id)
+                    .map(|s| (s.id, s.outcome.is_some()))
                     .collect();
                 Ok((ops, st.graph_work_branches()?))
             })
             .await?;
         let n = ops.len() + branches.len();
-        for id in ops {
+        for (id, ended) in ops {
+            if ended {
+                // Its run has its outcome (a refused promote the daemon died
+                // before releasing): no second one, nothing kept.
+                self.blocking(move |st| st.release_session_dropping(id))
+                    .await?;
+                info!(
+                    session.id = id,
+                    "released the session of an operation the last daemon left half-done"
+                );
+                continue;
+            }
             if let Err(e) = self
                 .discard(id, "its operation ended with the last daemon")
                 .await

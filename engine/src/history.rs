@@ -114,8 +114,9 @@ pub enum Promoted {
     /// What `from` changed since the merge base was published onto `to` by the
     /// operation's session (outcome `committed` or `merged`).
     Merged { session: Box<SessionInfo> },
-    /// The merge conflicts: nothing changed on `to`; the session holds the
-    /// verdicts.
+    /// The merge conflicts (or its publish failed): nothing changed on `to`.
+    /// The operation's session (released, nothing kept) holds the outcome — one,
+    /// `conflict` or `failed` — with every path's verdict.
     Conflict { session: Box<SessionInfo> },
 }
 
@@ -285,6 +286,7 @@ impl Engine {
             .into_iter()
             .filter(|s| {
                 s.released
+                    && s.lease_manifest.is_some()
                     && s.outcome
                         .as_ref()
                         .is_some_and(|o| o.kind.is_retryable() && o.at_ns < cutoff)
@@ -488,11 +490,17 @@ impl Engine {
                 }
             }
             _ => {
-                // Refused whole: drop the operation's upper after reporting.
-                let _ = self.discard(id, "promote refused").await;
-                Promoted::Conflict {
-                    session: Box::new(out),
-                }
+                // Refused whole (or failed): the run ended with that outcome, the
+                // one announced. What the operation flattened is dropped with its
+                // session — no second (`discarded`) outcome for the same run; the
+                // outcome's message says nothing is kept.
+                self.blocking(move |st| st.release_session_dropping(id))
+                    .await?;
+                self.changed();
+                info!(stack, to, session.id = id, outcome = ?kind, "promote refused; nothing kept");
+                return Ok(Promoted::Conflict {
+                    session: Box::new(self.session(id).await?),
+                });
             }
         };
         self.blocking(move |st| st.release_session(id, false))

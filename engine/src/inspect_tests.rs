@@ -571,7 +571,12 @@ async fn a_conflict_is_shown_rebased_refused_while_marked_and_published_once_res
     assert_eq!(publish(&p, s[1].id).await.kind, OutcomeKind::Merged);
     let head = store.branch_head(STACK, "main").unwrap();
 
+    let mut events = p.subscribe();
     let rb = p.rebase(c.id).await.unwrap();
+    assert!(
+        events.try_recv().is_err(),
+        "a rebase is not an outcome: nothing is announced"
+    );
     assert_eq!(rb.manifest, head);
     assert_eq!(rb.session.lease_manifest, Some(head));
     assert_eq!(
@@ -589,6 +594,21 @@ async fn a_conflict_is_shown_rebased_refused_while_marked_and_published_once_res
         std::fs::read(c.upper.join("etc/both")).unwrap(),
         b"ONE\n2\n3\n4\nFIVE\n6\n"
     );
+    // Shown after the rebase: the marked file as it is, awaiting resolution,
+    // its block counted; the merged one has no three-way view.
+    let shown = p.conflicts(c.id).await.unwrap();
+    assert_eq!(shown.len(), 2, "{shown:?}");
+    assert_eq!(shown[0].path, b"etc/app.conf");
+    assert_eq!(shown[0].blocks, 1);
+    assert!(
+        shown[0].reason.starts_with("awaiting resolution") && shown[0].reason.contains("line 3"),
+        "{}",
+        shown[0].reason
+    );
+    assert_eq!(shown[0].text.as_deref(), Some(marked.as_bytes()));
+    assert_eq!(shown[1].path, b"etc/both");
+    assert!(shown[1].reason.contains("merged"), "{}", shown[1].reason);
+    assert_eq!((shown[1].blocks, shown[1].text.is_none()), (0, true));
     // A second rebase: already on the head.
     let e = p.rebase(c.id).await.unwrap_err();
     assert!(e.to_string().contains("already"), "{e}");
@@ -613,9 +633,34 @@ async fn a_conflict_is_shown_rebased_refused_while_marked_and_published_once_res
         "the upper is kept"
     );
 
+    // An edit inside the block (a side's line changed, the lease's section
+    // removed) leaves a block from `<<<<<<< session` to `>>>>>>> head`: still
+    // refused, naming its first line; a dry run too.
+    let edited = marked.replace("key2 = C\n||||||| lease\nkey2 = 2\n", "key2 = CC\n");
+    write(&c.upper, "etc/app.conf", edited.as_bytes());
+    let dry = p.dry_run(c.id).await.unwrap();
+    assert_eq!(dry.kind, Some(OutcomeKind::Conflict), "{dry:?}");
+    let out = publish(&p, c.id).await;
+    assert_eq!(out.kind, OutcomeKind::Conflict, "{out:?}");
+    let paths = store
+        .outcome_paths(out.id, None, 10, Some(PathStatus::Conflict))
+        .unwrap();
+    assert!(paths[0].reason.contains("line 3"), "{}", paths[0].reason);
+    let shown = p.conflicts(c.id).await.unwrap();
+    assert_eq!(shown.len(), 1, "{shown:?}");
+    assert_eq!(shown[0].blocks, 1);
+    assert_eq!(shown[0].text.as_deref(), Some(edited.as_bytes()));
+    // The head moves on elsewhere and the session is rebased again: the block
+    // left is carried onto the new lease, so the publish is still refused.
+    let e = sandbox(&p, "main", "e", &[("etc/e-only", b"e\n")]).await;
+    assert_eq!(publish(&p, e.id).await.kind, OutcomeKind::Committed);
+    let rb = p.rebase(c.id).await.unwrap();
+    assert_eq!(rb.marked, [(b"etc/app.conf".to_vec(), 1)]);
+    assert_eq!(publish(&p, c.id).await.kind, OutcomeKind::Conflict);
+
     // Resolved (both values kept on one line): published through the gate.
-    let resolved = marked.replace(
-        "<<<<<<< session\nkey2 = C\n||||||| lease\nkey2 = 2\n=======\nkey2 = A\n>>>>>>> head\n",
+    let resolved = edited.replace(
+        "<<<<<<< session\nkey2 = CC\n=======\nkey2 = A\n>>>>>>> head\n",
         "key2 = A+C\n",
     );
     write(&c.upper, "etc/app.conf", resolved.as_bytes());

@@ -36,7 +36,7 @@ use std::time::{Duration, Instant};
 
 use layerstack_publisher::{self as publisher, Changeset, HeadChange, LayerView};
 use layerstack_store::{
-    HeadView, IndexEntry, OutcomeKind, OutcomeRecord, PathCounts, PathQuery, PathRecord,
+    HeadView, IndexEntry, OutcomeKind, OutcomeRecord, Owner, PathCounts, PathQuery, PathRecord,
     PathStatus, PublishContext, PublishTimings, SessionId, SessionInfo, Staged, Store,
 };
 use tracing::{debug, warn};
@@ -189,7 +189,32 @@ fn decision(plan: &publisher::GatePlan) -> OutcomeKind {
     }
 }
 
-fn summary(paths: &[PathRecord], kind: OutcomeKind) -> String {
+/// What a refused or failed run leaves, for its outcome's message. A
+/// container's or sandbox's upper is kept (published again, shown by `conflict
+/// show`, dropped by `publish --discard`); an operation's (promote, node merge)
+/// is dropped when the operation ends, leaving the branch as it was.
+fn what_is_kept(s: &SessionInfo) -> String {
+    match s.owner {
+        Owner::Operation { .. } => format!(
+            "nothing of it was published and nothing is kept (the operation's upper is dropped): {} is unchanged",
+            s.branch
+        ),
+        _ => "nothing of this session was published; its upper is kept".into(),
+    }
+}
+
+/// The message of a run whose publish failed (`msg`: why).
+fn failed_message(msg: &str, s: &SessionInfo) -> String {
+    match s.owner {
+        Owner::Operation { .. } => format!(
+            "{msg}; nothing was published and nothing is kept (the operation's upper is dropped): {} is unchanged",
+            s.branch
+        ),
+        _ => format!("{msg}; nothing was published, the upper is kept: publish again or discard"),
+    }
+}
+
+fn summary(paths: &[PathRecord], kind: OutcomeKind, s: &SessionInfo) -> String {
     let c = PathCounts::of(paths);
     let not_evaluated = paths
         .iter()
@@ -198,12 +223,14 @@ fn summary(paths: &[PathRecord], kind: OutcomeKind) -> String {
     let (clean, merged, excluded) = (c.clean, c.merged, c.excluded);
     match kind {
         OutcomeKind::Conflict if not_evaluated > 0 => format!(
-            "{} path(s) conflict with changes on the branch head since the lease, {not_evaluated} more changed on both sides were not evaluated (merging stops at the first conflict); {clean} clean, {merged} merged, {excluded} excluded; nothing of this session was published; its upper is kept",
-            c.conflict - not_evaluated
+            "{} path(s) conflict with changes on the branch head since the lease, {not_evaluated} more changed on both sides were not evaluated (merging stops at the first conflict); {clean} clean, {merged} merged, {excluded} excluded; {}",
+            c.conflict - not_evaluated,
+            what_is_kept(s)
         ),
         OutcomeKind::Conflict => format!(
-            "{} path(s) conflict with changes on the branch head since the lease; {clean} clean, {merged} merged, {excluded} excluded; nothing of this session was published; its upper is kept",
-            c.conflict
+            "{} path(s) conflict with changes on the branch head since the lease; {clean} clean, {merged} merged, {excluded} excluded; {}",
+            c.conflict,
+            what_is_kept(s)
         ),
         _ => format!(
             "{} path(s): {clean} clean, {merged} merged, {excluded} excluded",
@@ -407,12 +434,7 @@ impl Engine {
             // Record the failure so `wait` returns; upper and lease are kept.
             let msg = error_chain(&e);
             warn!(session.id = id, error = %msg, "publish failed");
-            let mut rec = OutcomeRecord::new(
-                OutcomeKind::Failed,
-                format!(
-                    "{msg}; nothing was published, the upper is kept: publish again or discard"
-                ),
-            );
+            let mut rec = OutcomeRecord::new(OutcomeKind::Failed, failed_message(&msg, &current));
             rec.timings = Some(total_only(started));
             self.blocking(move |s| s.record_outcome(id, rec, None))
                 .await?;
@@ -623,6 +645,7 @@ impl Engine {
                 .committers
                 .run(move || {
                     let staged = ready.staged;
+                    let session = ready.ctx.session.clone();
                     let times = (started, gate_wait, holding);
                     #[cfg(any(test, feature = "failpoints"))]
                     let r = commit(
@@ -640,9 +663,7 @@ impl Engine {
                             let msg = error_chain(&e);
                             let mut rec = OutcomeRecord::new(
                                 OutcomeKind::Failed,
-                                format!(
-                                    "{msg}; nothing was published, the upper is kept: publish again or discard"
-                                ),
+                                failed_message(&msg, &session),
                             );
                             rec.timings = Some(total_only(started));
                             warn!(session.id = id, error = %msg, "publish failed");
@@ -670,9 +691,7 @@ impl Engine {
                                 let msg = error_chain(&e);
                                 let mut rec = OutcomeRecord::new(
                                     OutcomeKind::Failed,
-                                    format!(
-                                        "{msg}; nothing was published, the upper is kept: publish again or discard"
-                                    ),
+                                    failed_message(&msg, &stale.ctx.session),
                                 );
                                 rec.timings = Some(total_only(started));
                                 warn!(session.id = id, error = %msg, "publish failed");
@@ -750,7 +769,9 @@ impl Engine {
                     LayerView::new(ctx.lease_lowers.clone()).with_userxattr(settings.userxattr);
                 let cs = publisher::capture_with(&upper, &view, &settings.capture_options())?;
                 // Conflict markers a rebase wrote, still there (engine/src/conflicts.rs).
-                if let Some(rec) = crate::conflicts::markers_left(&store, id, &upper)? {
+                if let Some(rec) =
+                    crate::conflicts::markers_left(&store, id, &upper, settings.userxattr)?
+                {
                     return Ok((
                         OutcomeKind::Conflict,
                         rec.paths,
@@ -785,7 +806,7 @@ impl Engine {
                 )?;
                 let kind = decision(&plan);
                 let paths = records(&plan);
-                let message = summary(&paths, kind);
+                let message = summary(&paths, kind, &ctx.session);
                 Ok((kind, paths, message))
             },
         )
@@ -824,7 +845,7 @@ fn prepare(
     }
     // A rebased session whose files still hold the conflict markers the rebase
     // wrote is refused (engine/src/conflicts.rs).
-    if let Some(rec) = crate::conflicts::markers_left(store, id, &upper)? {
+    if let Some(rec) = crate::conflicts::markers_left(store, id, &upper, settings.userxattr)? {
         debug!(
             session.id = id,
             outcome = "conflict",
@@ -881,7 +902,7 @@ fn prepare(
     let capture = started.elapsed().saturating_sub(queued);
     if plan.is_conflict() {
         let paths = records(&plan);
-        let message = summary(&paths, OutcomeKind::Conflict);
+        let message = summary(&paths, OutcomeKind::Conflict, &ctx.session);
         debug!(
             session.id = id,
             outcome = "conflict",
@@ -968,7 +989,7 @@ fn replan(
     let plan = publisher::plan_gate(&input.cs, &input.head, &f, &settings.merge)?;
     let paths = records(&plan);
     if plan.is_conflict() {
-        let message = summary(&paths, OutcomeKind::Conflict);
+        let message = summary(&paths, OutcomeKind::Conflict, &ready.ctx.session);
         debug!(
             session.id = id,
             outcome = "conflict",
@@ -1089,7 +1110,7 @@ fn commit(
         observed.manifest,
         layerstack_store::CommitRecord {
             kind: Some(kind),
-            message: Some(summary(&paths_now, kind)),
+            message: Some(summary(&paths_now, kind, &ctx.session)),
             timings: Some(timings),
             replanned: replanned
                 .as_ref()

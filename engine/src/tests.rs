@@ -1014,6 +1014,7 @@ async fn branches_fork_at_a_layer_and_promote_fast_forwards_merges_or_refuses() 
     .await;
     p.publish(m2.id, "main").await.unwrap();
     let before = store.branch_head(stack, "main").unwrap();
+    let mut events = p.subscribe();
     let r = p
         .promote(stack, "dev", "main", "op-conflict")
         .await
@@ -1021,7 +1022,35 @@ async fn branches_fork_at_a_layer_and_promote_fast_forwards_merges_or_refuses() 
     let crate::Promoted::Conflict { session } = r else {
         panic!("{r:?}")
     };
-    assert_eq!(session.outcome.unwrap().kind, OutcomeKind::Conflict);
+    // One outcome for the operation's run, the conflict, announced once; its
+    // message says what is true: nothing is kept, main is unchanged.
+    let o = session.outcome.clone().unwrap();
+    assert_eq!(o.kind, OutcomeKind::Conflict);
+    let msg = o.message.unwrap_or_default();
+    assert!(
+        msg.contains("nothing is kept")
+            && msg.contains("main is unchanged")
+            && !msg.contains("upper is kept"),
+        "{msg}"
+    );
+    assert!(
+        session.released && session.lease_manifest.is_none(),
+        "{session:?}"
+    );
+    assert!(
+        !store.session_dir(session.id).exists(),
+        "the operation's upper is dropped"
+    );
+    let now = store.session(session.id).unwrap();
+    assert_eq!(
+        now.outcome.map(|o| (o.id, o.kind)),
+        Some((o.id, OutcomeKind::Conflict))
+    );
+    let announced: Vec<_> = std::iter::from_fn(|| events.try_recv().ok())
+        .filter(|e| e.session == session.id)
+        .map(|e| (e.kind, e.run))
+        .collect();
+    assert_eq!(announced, [(OutcomeKind::Conflict, session.run)]);
     assert_eq!(
         store.branch_head(stack, "main").unwrap(),
         before,

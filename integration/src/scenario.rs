@@ -618,3 +618,85 @@ pub fn publish_snapshot(
     env.ctr_ok(ns, &["snapshots", "--snapshotter", SNAPSHOTTER, "rm", key])?;
     Ok(first_word(&out))
 }
+
+// ---------------------------------------------------------------------------
+// Metrics and the daemon's log
+// ---------------------------------------------------------------------------
+
+/// The daemon's metrics address (`layerstack status --json`, `metrics_address`).
+pub fn metrics_address(env: &TestEnv) -> Result<String> {
+    let out = env.layerstack(&["status", "--json"])?;
+    ensure!(
+        out.status.success(),
+        "layerstack status: {}",
+        describe(&out)
+    );
+    let st: Value = serde_json::from_slice(&out.stdout)
+        .with_context(|| format!("status --json: {}", describe(&out)))?;
+    st["metrics_address"]
+        .as_str()
+        .map(str::to_string)
+        .context("status --json has no metrics_address (metrics off?)")
+}
+
+/// The body of `GET /metrics` on `addr`.
+pub fn scrape_metrics(addr: &str) -> Result<String> {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).with_context(|| format!("connect {addr}"))?;
+    s.set_read_timeout(Some(Duration::from_secs(30)))?;
+    s.write_all(b"GET /metrics HTTP/1.0\r\nHost: localhost\r\n\r\n")?;
+    let mut text = String::new();
+    s.read_to_string(&mut text)?;
+    let (head, body) = text.split_once("\r\n\r\n").context("no HTTP header end")?;
+    ensure!(
+        head.starts_with("HTTP/1.0 200") || head.starts_with("HTTP/1.1 200"),
+        "{head}"
+    );
+    Ok(body.to_string())
+}
+
+/// The value of the series `series` (`name{labels}` exactly as exposed) in a
+/// scrape's `body`, if present.
+pub fn metric_sample(body: &str, series: &str) -> Option<f64> {
+    body.lines().filter(|l| !l.starts_with('#')).find_map(|l| {
+        l.strip_prefix(series)?
+            .strip_prefix(' ')?
+            .trim()
+            .parse()
+            .ok()
+    })
+}
+
+/// `layerstack_publishes_total{outcome="KIND"}` now (0 when absent).
+pub fn publishes_total(addr: &str, kind: &str) -> Result<f64> {
+    let body = scrape_metrics(addr)?;
+    Ok(metric_sample(
+        &body,
+        &format!("layerstack_publishes_total{{outcome=\"{kind}\"}}"),
+    )
+    .unwrap_or(0.0))
+}
+
+/// The daemon's `publish outcome` log lines that contain every one of `with`.
+pub fn outcome_lines(env: &TestEnv, with: &[&str]) -> Result<Vec<String>> {
+    let log = std::fs::read_to_string(env.daemon_log())?;
+    Ok(log
+        .lines()
+        .filter(|l| l.contains("publish outcome") && with.iter().all(|w| l.contains(w)))
+        .map(str::to_string)
+        .collect())
+}
+
+/// Polls `f` every 100 ms until it returns `Some`, at most `within`.
+pub fn poll<T>(within: Duration, mut f: impl FnMut() -> Result<Option<T>>) -> Result<Option<T>> {
+    let deadline = Instant::now() + within;
+    loop {
+        if let Some(v) = f()? {
+            return Ok(Some(v));
+        }
+        if Instant::now() > deadline {
+            return Ok(None);
+        }
+        thread::sleep(Duration::from_millis(100));
+    }
+}

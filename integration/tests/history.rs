@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{ensure, Context, Result};
 use layerstack_integration::{
-    describe, image_top_snapshot, ls_publish, ls_wait_ok, publish_snapshot,
+    describe, image_top_snapshot, ls_publish, ls_wait_ok, poll, publish_snapshot,
     run_layerstack_scenario, run_scenario_mut, run_sh, snapshot_session, start_detached, stdout,
     unique, CtrRun, TestEnv, DEBIAN_IMAGE, SNAPSHOTTER,
 };
@@ -245,6 +245,30 @@ fn gc_frees_exactly_and_accounting_matches_du() {
             stack_id(env, NS)
         })?;
         let root = env.store_root();
+        // `df`'s columns are the documented class names.
+        let out = env.layerstack(&["df", "-n", NS])?;
+        let header: Vec<String> = stdout(&out)
+            .lines()
+            .next()
+            .unwrap_or("")
+            .split_whitespace()
+            .map(str::to_string)
+            .collect();
+        ensure!(
+            header
+                == [
+                    "STACK",
+                    "HOT",
+                    "COLD",
+                    "UPPERS",
+                    "STAGING",
+                    "METADATA",
+                    "SNAPSHOTS",
+                    "TOTAL"
+                ],
+            "{}",
+            describe(&out)
+        );
         let check_du = |when: &str| -> Result<()> {
             let df = ls_json(env, &["df", "--json", "-n", NS])?;
             let total = df["total"]["total"].as_u64().context("df total")?;
@@ -613,6 +637,12 @@ fn diff_between_heads_and_of_a_running_container() {
         let parent = image_top_snapshot(env, NS)?;
         publish_snapshot(env, NS, "df-seed", &parent, None, |m| {
             write(m, "srv/d/keep.txt", "1\n2\n3\n")?;
+            write(m, "srv/d/mode.txt", "m\n")?;
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(
+                m.join("srv/d/mode.txt"),
+                std::fs::Permissions::from_mode(0o644),
+            )?;
             write(m, "srv/d/gone.txt", "bye\n")
         })?;
         let stack = stack_id(env, NS)?;
@@ -635,7 +665,7 @@ fn diff_between_heads_and_of_a_running_container() {
             &f1,
             Some("feature"),
             true,
-            "printf '1\\ntwo\\n3\\n' > /srv/d/keep.txt; echo new > /srv/d/new.txt; rm /srv/d/gone.txt",
+            "printf '1\\ntwo\\n3\\n' > /srv/d/keep.txt; echo new > /srv/d/new.txt; rm /srv/d/gone.txt; chmod 600 /srv/d/mode.txt",
         )?;
         ensure!(ls_wait_ok(env, NS, &f1)? == "committed");
         let files = |v: &Value| -> Vec<(String, String)> {
@@ -657,6 +687,7 @@ fn diff_between_heads_and_of_a_running_container() {
         let want: Vec<(String, String)> = [
             ("/srv/d/gone.txt", "deleted"),
             ("/srv/d/keep.txt", "modified"),
+            ("/srv/d/mode.txt", "modified"),
             ("/srv/d/new.txt", "added"),
         ]
         .iter()
@@ -699,6 +730,24 @@ fn diff_between_heads_and_of_a_running_container() {
             text.contains("+++ b/srv/d/keep.txt") && text.contains("+two"),
             "{text}"
         );
+        // A mode-only change names the modes, with and without --patch.
+        let mode_line = |t: &str| {
+            t.lines()
+                .find(|l| l.contains("/srv/d/mode.txt"))
+                .map(str::to_string)
+        };
+        ensure!(
+            mode_line(&text).is_some_and(
+                |l| l.starts_with("M ") && l.ends_with("/srv/d/mode.txt  mode 0644 → 0600")
+            ),
+            "{text}"
+        );
+        let out = env.layerstack(&["diff", &format!("{stack}@main"), "@feature", "-n", NS])?;
+        let text = stdout(&out);
+        ensure!(
+            mode_line(&text).is_some_and(|l| l.ends_with("mode 0644 → 0600")),
+            "{text}"
+        );
         // feature's head against its log at the seed's layer: the same changes;
         // at its newest layer: none.
         let log = ls_json(
@@ -732,6 +781,71 @@ fn diff_between_heads_and_of_a_running_container() {
             ],
         )?;
         ensure!(v["entries"].as_array().is_some_and(Vec::is_empty), "{v}");
+        // At the base: the image alone against feature's head — everything the
+        // seed and feature published, as added; a branch forks there too.
+        let v = ls_json(
+            env,
+            &[
+                "diff",
+                &format!("{stack}@feature"),
+                "--at",
+                "base",
+                "--json",
+                "-n",
+                NS,
+            ],
+        )?;
+        let base_want: Vec<(String, String)> =
+            ["/srv/d/keep.txt", "/srv/d/mode.txt", "/srv/d/new.txt"]
+                .iter()
+                .map(|p| (p.to_string(), "added".to_string()))
+                .collect();
+        ensure!(files(&v) == base_want, "{v}");
+        let b = ls_json(
+            env,
+            &[
+                "branch",
+                "create",
+                &format!("{stack}@pristine"),
+                "--from",
+                "feature",
+                "--at",
+                "base",
+                "--json",
+                "-n",
+                NS,
+            ],
+        )?;
+        ensure!(b["depth"] == 0, "{b}");
+        let v = ls_json(
+            env,
+            &[
+                "diff",
+                &format!("{stack}@pristine"),
+                "@main",
+                "--json",
+                "-n",
+                NS,
+            ],
+        )?;
+        let seed: Vec<(String, String)> = ["/srv/d/gone.txt", "/srv/d/keep.txt", "/srv/d/mode.txt"]
+            .iter()
+            .map(|p| (p.to_string(), "added".to_string()))
+            .collect();
+        ensure!(files(&v) == seed, "{v}");
+        let out = env.layerstack(&[
+            "diff",
+            &format!("{stack}@feature"),
+            "--at",
+            "head",
+            "-n",
+            NS,
+        ])?;
+        ensure!(
+            out.status.code() == Some(2) && String::from_utf8_lossy(&out.stderr).contains("`base`"),
+            "{}",
+            describe(&out)
+        );
 
         // A running container: its writes show up as they are made.
         let id = unique("df-live");
@@ -778,7 +892,9 @@ fn diff_between_heads_and_of_a_running_container() {
 /// head; `conflict show` gives the reason and the three-way view; `session
 /// rebase` merges the head's other change and writes markers; a publish is
 /// refused while they are there; the container's next run (same container,
-/// `ctr tasks start`) resolves them, and its publish commits.
+/// `ctr tasks start`) edits a line inside the marker block — still refused,
+/// naming the file and the first marker line; the run after that removes the
+/// markers, and its publish commits.
 #[test]
 fn the_conflict_flow_show_rebase_resolve_publish() {
     const NS: &str = "lst-conflict";
@@ -789,11 +905,13 @@ fn the_conflict_flow_show_rebase_resolve_publish() {
             write(m, file, &lines_of(6, &[]))
         })?;
         // The container edits line 2 and waits; its second run (markers there)
-        // resolves them.
+        // edits a line inside the marker block; its third removes the block.
         let id = unique("cf-a");
         let script = "f=/srv/c/conf.txt; \
-            if grep -q '^<<<<<<< session$' $f; then \
+            if grep -q '^<<<<<<< session$' $f && [ -e /root/edited ]; then \
               sed -i '/^<<<<<<< session$/,/^>>>>>>> head$/c resolved' $f; \
+            elif grep -q '^<<<<<<< session$' $f; then \
+              sed -i 's/^two-A$/two-A-edited/' $f; touch /root/edited; \
             else sed -i 's/^2$/two-A/' $f; sleep 120; fi";
         start_detached(env, NS, &id, None, script)?;
         // Meanwhile the head changes line 2 (conflict) and line 5 (merges).
@@ -830,10 +948,48 @@ fn the_conflict_flow_show_rebase_resolve_publish() {
             describe(&out)
         );
 
+        // The run's conflict is announced once (one log line, counted once).
+        let sid = layerstack_integration::session(env, NS, &id)?["id"]
+            .as_i64()
+            .context("session id")?;
+        let run1 = [
+            format!("session.id={sid} run=1 "),
+            "outcome=\"conflict\"".into(),
+        ];
+        let run1: Vec<&str> = run1.iter().map(String::as_str).collect();
+        let addr = layerstack_integration::metrics_address(env)?;
+        poll(Duration::from_secs(20), || {
+            Ok((layerstack_integration::outcome_lines(env, &run1)?.len() == 1).then_some(()))
+        })?
+        .context("no `publish outcome` line for the conflict")?;
+        let conflicts0 = layerstack_integration::publishes_total(&addr, "conflict")?;
+
         let v = ls_json(env, &["session", "rebase", &id, "--json", "-n", NS])?;
         ensure!(
             v["marked"][0]["path"] == "/srv/c/conf.txt" && v["marked"][0]["blocks"] == 1,
             "{v}"
+        );
+        // Shown after the rebase: the markers in the session's file, awaiting
+        // resolution, counted; not a stale "0 conflict block(s)".
+        let v = ls_json(env, &["conflict", "show", &id, "--json", "-n", NS])?;
+        let p = &v["paths"][0];
+        ensure!(
+            p["blocks"] == 1
+                && p["reason"]
+                    .as_str()
+                    .is_some_and(|r| r.starts_with("awaiting resolution"))
+                && p["text"].as_str()
+                    == Some("1\n<<<<<<< session\ntwo-A\n||||||| lease\n2\n=======\ntwo-B\n>>>>>>> head\n3\n4\nfive-B\n6\n"),
+            "{v}"
+        );
+        let out = env.layerstack(&["conflict", "show", &id, "-n", NS])?;
+        let text = stdout(&out);
+        ensure!(
+            text.contains("1 conflict marker block(s) awaiting resolution")
+                && !text.contains("0 conflict block(s)")
+                && !text.contains("adjacent"),
+            "{}",
+            describe(&out)
         );
         // Refused while the markers are there.
         let out = ls_publish(env, NS, &id, &[])?;
@@ -842,8 +998,54 @@ fn the_conflict_flow_show_rebase_resolve_publish() {
             "{}",
             describe(&out)
         );
-        // The same container runs again: it sees the head under its changes,
-        // resolves the markers, and its publish goes through the gate.
+        // The rebase announced no outcome: the refused publish is the run's
+        // second recorded outcome (events are handled in order, so once its
+        // line is there a rebase's would be too).
+        let lines = poll(Duration::from_secs(20), || {
+            let l = layerstack_integration::outcome_lines(env, &run1)?;
+            Ok(l.iter()
+                .any(|l| l.contains("conflict markers"))
+                .then_some(l))
+        })?
+        .context("no `publish outcome` line for the refused publish")?;
+        ensure!(
+            lines.len() == 2,
+            "one line per recorded outcome:\n{}",
+            lines.join("\n")
+        );
+        let conflicts = layerstack_integration::publishes_total(&addr, "conflict")?;
+        ensure!(
+            conflicts == conflicts0 + 1.0,
+            "conflict outcomes counted {conflicts0} -> {conflicts}: a rebase is not an outcome"
+        );
+        // The same container runs again: it sees the head under its changes and
+        // edits a line inside the block. The block is still there: refused,
+        // naming the file and the line of `<<<<<<< session`; a dry run too.
+        env.ctr_ok(NS, &["tasks", "start", "-d", &id])?;
+        layerstack_integration::finish_detached(env, NS, &id)?;
+        let (word, out) = layerstack_integration::ls_wait(env, NS, &id)?;
+        ensure!(word == "conflict", "{}", describe(&out));
+        let v = layerstack_integration::ls_wait_json(env, NS, &id)?;
+        let text = v.to_string();
+        ensure!(
+            text.contains("/srv/c/conf.txt")
+                && text.contains("conflict markers")
+                && text.contains("at line 2"),
+            "{v}"
+        );
+        let upper = layerstack_integration::session_upper(
+            env,
+            &layerstack_integration::session(env, NS, &id)?,
+        )?;
+        let edited = std::fs::read_to_string(upper.join(file))?;
+        ensure!(edited.contains("two-A-edited\n"), "{edited}");
+        let out = ls_publish(env, NS, &id, &["--dry-run"])?;
+        ensure!(
+            out.status.code() == Some(3) && stdout(&out).contains("line 2"),
+            "{}",
+            describe(&out)
+        );
+        // The third run removes the block, and its publish goes through the gate.
         env.ctr_ok(NS, &["tasks", "start", "-d", &id])?;
         layerstack_integration::finish_detached(env, NS, &id)?;
         ensure!(ls_wait_ok(env, NS, &id)? == "committed");
@@ -872,6 +1074,270 @@ fn the_conflict_flow_show_rebase_resolve_publish() {
                     ],
             "{v}"
         );
+        Ok(())
+    });
+}
+
+/// The head manifest of `branch` of `stack` (`layerstack branch ls --json`).
+fn branch_head(env: &TestEnv, ns: &str, stack: &str, branch: &str) -> Result<i64> {
+    let v = ls_json(env, &["branch", "ls", stack, "--json", "-n", ns])?;
+    v["branches"]
+        .as_array()
+        .and_then(|a| a.iter().find(|b| b["name"] == branch))
+        .and_then(|b| b["head"].as_i64())
+        .with_context(|| format!("no branch {branch}: {v}"))
+}
+
+/// A promote refused whole by a conflict: its operation's run has one outcome,
+/// `conflict` — one `publish outcome` line, counted once, no `discarded` after
+/// it; `session ls` shows the operation's session in conflict, released, its
+/// upper gone; the message names the conflicting path and says that main is
+/// unchanged and nothing of the promote is kept.
+#[test]
+fn a_refused_promote_is_one_outcome_and_keeps_nothing() {
+    const NS: &str = "lst-promote";
+    run_layerstack_scenario(NS, |env| {
+        let parent = image_top_snapshot(env, NS)?;
+        publish_snapshot(env, NS, "pr-seed", &parent, None, |m| {
+            write(m, "srv/p/conf.txt", &lines_of(6, &[]))
+        })?;
+        let stack = stack_id(env, NS)?;
+        ls_json(
+            env,
+            &[
+                "branch",
+                "create",
+                &format!("{stack}@dev"),
+                "--json",
+                "-n",
+                NS,
+            ],
+        )?;
+        let d = unique("pr-dev");
+        run_sh(
+            env,
+            NS,
+            &d,
+            Some("dev"),
+            true,
+            "sed -i 's/^2$/two-dev/' /srv/p/conf.txt",
+        )?;
+        ensure!(ls_wait_ok(env, NS, &d)? == "committed");
+        let m = unique("pr-main");
+        run_sh(
+            env,
+            NS,
+            &m,
+            None,
+            true,
+            "sed -i 's/^2$/two-main/' /srv/p/conf.txt",
+        )?;
+        ensure!(ls_wait_ok(env, NS, &m)? == "committed");
+
+        let addr = layerstack_integration::metrics_address(env)?;
+        // The outcomes above are counted asynchronously: let them settle.
+        std::thread::sleep(Duration::from_millis(500));
+        let conflicts0 = layerstack_integration::publishes_total(&addr, "conflict")?;
+        let discarded0 = layerstack_integration::publishes_total(&addr, "discarded")?;
+        let main0 = branch_head(env, NS, &stack, "main")?;
+        let out = env.layerstack(&[
+            "promote",
+            &format!("{stack}@dev"),
+            "main",
+            "--json",
+            "-n",
+            NS,
+        ])?;
+        ensure!(out.status.code() == Some(3), "{}", describe(&out));
+        let v: Value = serde_json::from_slice(&out.stdout)
+            .with_context(|| format!("promote --json: {}", describe(&out)))?;
+        let msg = v["message"].as_str().unwrap_or("");
+        ensure!(
+            v["result"] == "conflict"
+                && msg.contains("/srv/p/conf.txt")
+                && msg.contains("main is unchanged")
+                && msg.contains("nothing of the promote is kept")
+                && !msg.contains("upper is kept"),
+            "{v}"
+        );
+        ensure!(branch_head(env, NS, &stack, "main")? == main0, "main moved");
+        let s = &v["session"];
+        let sid = s["id"].as_i64().context("session id")?;
+        ensure!(
+            s["outcome"] == "conflict" && s["state"] == "conflict" && s["released"] == true,
+            "{v}"
+        );
+        ensure!(
+            !env.store_root().join("s").join(sid.to_string()).exists(),
+            "the operation's upper is dropped, as its message says"
+        );
+        let all = ls_json(
+            env,
+            &["session", "ls", "-A", "--json", "--owner", "operation"],
+        )?;
+        let op = all
+            .as_array()
+            .and_then(|a| a.iter().find(|x| x["id"] == sid))
+            .with_context(|| format!("session {sid} not listed: {all}"))?;
+        ensure!(
+            op["state"] == "conflict"
+                && op["outcome"] == "conflict"
+                && op["message"]
+                    .as_str()
+                    .is_some_and(|m| m.contains("nothing is kept") && !m.contains("upper is kept")),
+            "{op}"
+        );
+        // One announcement: the conflict (the run's discard used to follow it).
+        let key = format!("session.id={sid} ");
+        poll(Duration::from_secs(20), || {
+            Ok((!layerstack_integration::outcome_lines(env, &[&key])?.is_empty()).then_some(()))
+        })?
+        .context("no `publish outcome` line for the promote")?;
+        std::thread::sleep(Duration::from_secs(1));
+        let lines = layerstack_integration::outcome_lines(env, &[&key])?;
+        ensure!(
+            lines.len() == 1 && lines[0].contains("outcome=\"conflict\""),
+            "one line for the operation's run:\n{}",
+            lines.join("\n")
+        );
+        let conflicts = layerstack_integration::publishes_total(&addr, "conflict")?;
+        let discarded = layerstack_integration::publishes_total(&addr, "discarded")?;
+        ensure!(
+            (conflicts, discarded) == (conflicts0 + 1.0, discarded0),
+            "counted conflict {conflicts0} -> {conflicts}, discarded {discarded0} -> {discarded}"
+        );
+
+        // Branch names are checked as git checks a ref: `../../etc` is refused,
+        // `feature/x` is fine.
+        let out = env.layerstack(&["branch", "create", &format!("{stack}@../../etc"), "-n", NS])?;
+        ensure!(
+            out.status.code() == Some(1) && describe(&out).contains("invalid branch name"),
+            "{}",
+            describe(&out)
+        );
+        ls_json(
+            env,
+            &[
+                "branch",
+                "create",
+                &format!("{stack}@feature/x"),
+                "--json",
+                "-n",
+                NS,
+            ],
+        )?;
+        // TO may be written BRANCH, @BRANCH or STACK@BRANCH (by stack id or
+        // image reference), as diff's second side.
+        ls_json(
+            env,
+            &[
+                "branch",
+                "create",
+                &format!("{stack}@ff"),
+                "--json",
+                "-n",
+                NS,
+            ],
+        )?;
+        let from = format!("{stack}@main");
+        for to in [
+            "ff".to_string(),
+            "@ff".to_string(),
+            format!("{stack}@ff"),
+            format!("{DEBIAN_IMAGE}@ff"),
+        ] {
+            let v = ls_json(env, &["promote", &from, &to, "--json", "-n", NS])?;
+            ensure!(v["result"] == "up-to-date", "promote {from} {to}: {v}");
+        }
+        // Another stack is refused, naming both.
+        layerstack_integration::import_checked(
+            env,
+            NS,
+            &layerstack_integration::busybox_image_tar()?,
+            SNAPSHOTTER,
+            layerstack_integration::BUSYBOX_IMAGE,
+        )?;
+        let b = unique("pr-busybox");
+        CtrRun::sh(NS, &b, "echo b > /b.txt")
+            .image(layerstack_integration::BUSYBOX_IMAGE)
+            .rm(true)
+            .ok(env)?;
+        ensure!(ls_wait_ok(env, NS, &b)? == "committed");
+        let all = ls_json(env, &["stack", "ls", "--json", "-n", NS])?;
+        let other = all
+            .as_array()
+            .and_then(|a| {
+                a.iter()
+                    .filter_map(|s| s["id"].as_str())
+                    .find(|id| *id != stack)
+            })
+            .with_context(|| format!("no second stack: {all}"))?
+            .to_string();
+        let out = env.layerstack(&["promote", &from, &format!("{other}@main"), "-n", NS])?;
+        let text = describe(&out);
+        ensure!(
+            out.status.code() == Some(1)
+                && text.contains("within one stack")
+                && text.contains(&stack)
+                && text.contains(&other),
+            "{text}"
+        );
+        ensure!(branch_head(env, NS, &stack, "main")? == main0, "main moved");
+        Ok(())
+    });
+}
+
+/// `stack rm --force` of a stack a stopped container still uses: starting the
+/// container again is refused as a failed precondition naming its snapshot,
+/// the removal and what to do (remove the container), never as a corrupt
+/// store; `ctr containers rm` then works.
+#[test]
+fn a_container_of_a_force_removed_stack_is_refused_by_name() {
+    const NS: &str = "lst-stackrm";
+    run_layerstack_scenario(NS, |env| {
+        let id = unique("rm-k");
+        run_sh(env, NS, &id, None, false, "echo kept > /root/k.txt")?;
+        ensure!(ls_wait_ok(env, NS, &id)? == "committed");
+        let stack = stack_id(env, NS)?;
+        // `stack ls` says that its sizes need --usage, and measures with it.
+        let out = env.layerstack(&["stack", "ls", "-n", NS])?;
+        let text = stdout(&out);
+        let row = |t: &str| t.lines().nth(1).unwrap_or("").trim_end().to_string();
+        ensure!(
+            text.lines()
+                .next()
+                .is_some_and(|h| h.ends_with("BYTES(--usage)"))
+                && row(&text).ends_with(" -"),
+            "{}",
+            describe(&out)
+        );
+        let out = env.layerstack(&["stack", "ls", "--usage", "-n", NS])?;
+        let text = stdout(&out);
+        ensure!(
+            text.lines().next().is_some_and(|h| h.ends_with("BYTES")) && row(&text).ends_with("iB"),
+            "{}",
+            describe(&out)
+        );
+        let help = stdout(&env.layerstack(&["stack", "ls", "--help"])?);
+        ensure!(
+            help.contains("--usage")
+                && help.contains("`usage` is null")
+                && help.contains("appears once a container or session has used the image"),
+            "{help}"
+        );
+        let out = env.layerstack(&["stack", "rm", &stack, "--force", "-n", NS])?;
+        ensure!(out.status.success(), "{}", describe(&out));
+        let out = env.ctr(NS, &["tasks", "start", &id])?;
+        let text = describe(&out);
+        ensure!(
+            !out.status.success()
+                && text.contains(&format!("/{id} is the rootfs of a container"))
+                && text.contains("`layerstack stack rm --force`")
+                && text.contains(&format!("`ctr -n {NS} containers rm {id}`"))
+                && !text.contains("corrupt"),
+            "{text}"
+        );
+        env.ctr_ok(NS, &["containers", "rm", &id])?;
         Ok(())
     });
 }

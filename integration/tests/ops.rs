@@ -261,6 +261,18 @@ fn ops_binaries_print_version_and_help() {
             format!("containerd-shim-layerstack-v1 {version}")
         );
     }
+    // Run by hand without containerd's flags: a usage line on stderr, exit 2
+    // (not the shim library's `Env(NotPresent)`).
+    let out = Command::new(&shim).output().unwrap();
+    assert_eq!(out.status.code(), Some(2), "shim: {}", describe(&out));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("Usage: containerd-shim-layerstack-v1")
+            && !err.contains("NotPresent")
+            && out.stdout.is_empty(),
+        "shim: {}",
+        describe(&out)
+    );
     let out = Command::new(&shim).arg("--help").output().unwrap();
     assert!(out.status.success(), "shim --help: {}", describe(&out));
     assert!(
@@ -536,6 +548,19 @@ fn ops_metrics_and_the_publish_log_line_move_after_a_publish() {
             let series = format!("layerstack_store_bytes{{class=\"{class}\"}}");
             classes += sample(&after, &series).with_context(|| format!("no {series}:\n{after}"))?;
         }
+        // HELP texts cite documents users have (docs/…), not the design's.
+        let help = after
+            .lines()
+            .find(|l| l.starts_with("# HELP layerstack_store_bytes "))
+            .with_context(|| format!("no HELP of layerstack_store_bytes:\n{after}"))?;
+        ensure!(
+            help.contains("docs/architecture.md") && help.contains("accounting"),
+            "{help}"
+        );
+        ensure!(
+            !after.contains("ARCHITECTURE.md"),
+            "a HELP text cites ARCHITECTURE.md, which users do not have:\n{after}"
+        );
         let meta = sample(&after, "layerstack_store_bytes{class=\"metadata\"}").unwrap_or(0.0);
         ensure!(
             meta > 0.0 && classes > meta,

@@ -889,11 +889,15 @@ pub fn render_conflict(
         .render_markers(ours.len().max(theirs.len()) + 64))
 }
 
-/// The conflict blocks [`render_conflict`] writes that `content` holds: byte
-/// ranges from the start of a line that is exactly [`MARKER_OURS`] to the end of
-/// the next line that is exactly [`MARKER_THEIRS`] (its `\n` included), with a
-/// [`MARKER_BASE`] and a [`MARKER_SEP`] line between, in order. A `\r\n` ending
-/// of a marker line is accepted.
+/// The conflict marker blocks `content` holds, by the rule git's own check for
+/// unmerged markers follows: byte ranges from the start of a line that is
+/// exactly [`MARKER_OURS`] to the end of the next line after it that is exactly
+/// [`MARKER_THEIRS`] (its `\n` included), whatever lies between — the
+/// [`MARKER_BASE`] and [`MARKER_SEP`] lines [`render_conflict`] writes may have
+/// been edited or removed, and the block still counts. Another `MARKER_OURS`
+/// line inside an open block belongs to that block. A marker line may end in
+/// `\r\n`, and the last line may lack its `\n`. A `MARKER_OURS` line with no
+/// `MARKER_THEIRS` line after it is no block.
 #[must_use]
 pub fn conflict_blocks(content: &[u8]) -> Vec<std::ops::Range<usize>> {
     let is = |line: &[u8], m: &str| {
@@ -902,22 +906,18 @@ pub fn conflict_blocks(content: &[u8]) -> Vec<std::ops::Range<usize>> {
         l == m.as_bytes()
     };
     let mut blocks = Vec::new();
-    // (start of the block, markers seen: 1 ours, 2 base, 3 separator)
-    let mut open: Option<(usize, u8)> = None;
+    // The start of the open block.
+    let mut open: Option<usize> = None;
     let mut at = 0;
     for line in content.split_inclusive(|&b| b == b'\n') {
         let end = at + line.len();
-        if is(line, MARKER_OURS) {
-            open = Some((at, 1));
-        } else if let Some((start, seen)) = open {
-            if seen == 1 && is(line, MARKER_BASE) {
-                open = Some((start, 2));
-            } else if seen == 2 && is(line, MARKER_SEP) {
-                open = Some((start, 3));
-            } else if seen == 3 && is(line, MARKER_THEIRS) {
+        match open {
+            None if is(line, MARKER_OURS) => open = Some(at),
+            Some(start) if is(line, MARKER_THEIRS) => {
                 blocks.push(start..end);
                 open = None;
             }
+            _ => {}
         }
         at = end;
     }
@@ -1937,12 +1937,29 @@ mod tests {
         assert_eq!((out.as_slice(), n), (&b"1\nTWO\n3\nFOUR\n5\n6\n7\n"[..], 0));
         // Binary and oversized inputs are not rendered.
         assert!(render_conflict(b"a\0", b"b", b"c", &MergeOptions::default()).is_err());
-        // Incomplete or reordered marker lines are no block; CRLF marker lines are.
-        assert!(conflict_blocks(b"<<<<<<< session\nx\n=======\ny\n>>>>>>> head\n").is_empty());
+        // A block is `<<<<<<< session` up to the next `>>>>>>> head`, whatever
+        // is between (edited sides, a removed base or separator line); marker
+        // lines must be exact; CRLF marker lines count.
+        assert_eq!(
+            conflict_blocks(b"<<<<<<< session\nx\n=======\ny\n>>>>>>> head\n"),
+            vec![0..41]
+        );
+        assert_eq!(
+            conflict_blocks(b"a\n<<<<<<< session\nedited\n>>>>>>> head"),
+            vec![2..37]
+        );
         assert!(
             conflict_blocks(b"<<<<<<< session x\n||||||| lease\n=======\n>>>>>>> head\n")
                 .is_empty()
         );
+        assert!(
+            conflict_blocks(b"<<<<<<< session\n||||||| lease\n=======\n>>>>>>> head!\n").is_empty()
+        );
+        assert!(conflict_blocks(b">>>>>>> head\n<<<<<<< session\nx\n").is_empty());
+        // A second opening line inside a block belongs to it; two blocks count twice.
+        let two =
+            b"<<<<<<< session\n<<<<<<< session\n>>>>>>> head\nk\n<<<<<<< session\n>>>>>>> head\n";
+        assert_eq!(conflict_blocks(two), [0..45, 47..76]);
         let blocks = conflict_blocks(
             b"k\r\n<<<<<<< session\r\n||||||| lease\r\n=======\r\n>>>>>>> head\r\nz",
         );

@@ -22,6 +22,22 @@ Usage: containerd-shim-layerstack-v1 [-namespace NS -address ADDR -id ID ...] st
        containerd-shim-layerstack-v1 --version | --help
 ";
 
+/// What a person running the binary by hand gets on stderr (exit 2).
+const USAGE: &str = "\
+containerd-shim-layerstack-v1: containerd runs this shim (runtime io.containerd.layerstack.v1); not meant to be run by hand
+Usage: containerd-shim-layerstack-v1 -namespace NS -address ADDR -id ID [...] start|delete   (see --help)
+";
+
+/// Whether `args` carry the `-namespace` flag containerd always passes (to
+/// `start`, `delete` and the server it spawns), as `-namespace NS` or
+/// `-namespace=NS`, with one dash or two.
+fn from_containerd(args: &[String]) -> bool {
+    args.iter().any(|a| {
+        let flag = a.split_once('=').map_or(a.as_str(), |(f, _)| f);
+        matches!(flag, "-namespace" | "--namespace")
+    })
+}
+
 fn main() {
     // containerd never calls the shim with only one of these; the shim library's
     // own flag parser answers them with a debug string and exit 1.
@@ -41,6 +57,12 @@ fn main() {
             }
             _ => {}
         }
+    }
+    // Run by hand (no arguments, or none of containerd's): the shim library
+    // would print a debug value (`Env(NotPresent)`) and exit 1.
+    if !from_containerd(&args) {
+        eprint!("{USAGE}");
+        std::process::exit(2);
     }
     // Named threads, so a system-wide profile tells ours from other tokio programs'.
     let rt = match tokio::runtime::Builder::new_multi_thread()
@@ -70,4 +92,32 @@ async fn run() {
     };
     containerd_shim::asynchronous::run::<ProxyShim>(layerstack_shim::RUNTIME_NAME, Some(config))
         .await;
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_containerd_s_invocations_reach_the_shim_library() {
+        let v = |a: &[&str]| a.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        assert!(!from_containerd(&v(&[])));
+        assert!(!from_containerd(&v(&["start"])));
+        assert!(from_containerd(&v(&[
+            "-namespace",
+            "default",
+            "-address",
+            "/run/containerd/containerd.sock",
+            "-id",
+            "c1",
+            "start"
+        ])));
+        assert!(from_containerd(&v(&[
+            "--namespace=k8s.io",
+            "-id",
+            "c1",
+            "delete"
+        ])));
+        assert!(USAGE.lines().count() == 2 && USAGE.contains("Usage:"));
+    }
 }

@@ -278,7 +278,7 @@ impl AdminService {
         require("name", &r.name)?;
         let stack = self.stack_of(&r.namespace, &r.stack).await?;
         let from = self.branch_or_default(&r.from);
-        let at = (r.at_layer != 0).then_some(r.at_layer);
+        let at = self.at_layer(&stack, r.at_layer, r.at_base).await?;
         let b = self
             .engine
             .blocking_store(move |s| s.create_branch(&stack, &r.name, &from, at))
@@ -307,6 +307,8 @@ impl AdminService {
         require("from", &r.from)?;
         require("to", &r.to)?;
         let stack = self.stack_of(&r.namespace, &r.stack).await?;
+        let to = self.promote_target(&r.namespace, &stack, &r.to).await?;
+        let r = api::PromoteRequest { to, ..r };
         let op = if r.operation.is_empty() {
             format!("promote-{}-{}", std::process::id(), now_ms())
         } else {
@@ -349,18 +351,117 @@ impl AdminService {
             Promoted::Conflict { session } => api::PromoteResponse {
                 result: "conflict".into(),
                 head,
-                message: format!(
-                    "refused whole: {}; {} is unchanged",
-                    session
-                        .outcome
-                        .as_ref()
-                        .and_then(|o| o.message.clone())
-                        .unwrap_or_default(),
-                    r.to
-                ),
+                message: self.refused_promote(&session, &r.from, &r.to).await,
                 session: Some(self.to_api(*session).await?),
             },
         })
+    }
+
+    /// The layer an `--at` names: `at_layer` (0: none), or with `at_base` the
+    /// stack's newest base layer — the image alone, which the store and the
+    /// engine accept as the base of any branch's log.
+    ///
+    /// Errors: `InvalidArgument` when both are given.
+    pub(crate) async fn at_layer(
+        &self,
+        stack: &str,
+        at_layer: i64,
+        at_base: bool,
+    ) -> Result<Option<i64>, Status> {
+        match (at_layer, at_base) {
+            (0, false) => Ok(None),
+            (l, false) => Ok(Some(l)),
+            (0, true) => {
+                let st = stack.to_string();
+                let base = self
+                    .engine
+                    .blocking_store(move |s| s.base_layers(&st))
+                    .await
+                    .map_err(engine_status)?;
+                base.first().copied().map(Some).ok_or_else(|| {
+                    Status::failed_precondition(format!("stack {stack} records no base layers"))
+                })
+            }
+            (_, true) => Err(Status::invalid_argument(
+                "give a layer or the base (`--at base`), not both",
+            )),
+        }
+    }
+
+    /// The branch a promote's `to` names, as `diff` reads its second side:
+    /// `BRANCH`, `@BRANCH`, or `STACK@BRANCH` where STACK (an image reference,
+    /// stack id or base digest) is `stack`, the stack FROM is a branch of — a
+    /// promote moves a branch within one stack. (Branch names never hold `@`.)
+    ///
+    /// Errors: `InvalidArgument` when `to` names no branch or another stack;
+    /// what [`AdminService::stack_of`] answers for STACK.
+    async fn promote_target(
+        &self,
+        namespace: &str,
+        stack: &str,
+        to: &str,
+    ) -> Result<String, Status> {
+        let Some((spec, branch)) = to.rsplit_once('@') else {
+            return Ok(to.to_string());
+        };
+        if branch.is_empty() || branch.contains(':') {
+            return Err(Status::invalid_argument(format!(
+                "{to:?} names no branch to promote onto: write BRANCH, @BRANCH or STACK@BRANCH"
+            )));
+        }
+        if spec.is_empty() {
+            return Ok(branch.to_string());
+        }
+        let other = self.stack_of(namespace, spec).await?;
+        if other != stack {
+            return Err(Status::invalid_argument(format!(
+                "a promote moves a branch within one stack: the branch promoted is on stack {stack}, {to:?} names stack {other}; name a branch of {stack} (BRANCH or @BRANCH), or carry the history over as an image (`layerstack export`)"
+            )));
+        }
+        Ok(branch.to_string())
+    }
+
+    /// The message of a promote refused whole: the conflicting paths (the first
+    /// few), that `to` is unchanged and nothing of the promote is kept (its
+    /// operation's upper is dropped: `from` still has the changes), and what to
+    /// do. A failed merge publish gives its outcome's message.
+    async fn refused_promote(
+        &self,
+        session: &layerstack_engine::store::SessionInfo,
+        from: &str,
+        to: &str,
+    ) -> String {
+        const NAMED: usize = 5;
+        let Some(o) = session.outcome.as_ref() else {
+            return format!("refused whole: {to} is unchanged");
+        };
+        if o.kind != layerstack_engine::store::OutcomeKind::Conflict {
+            return format!(
+                "refused whole: the merge publish ended {}: {}",
+                o.kind.as_str(),
+                o.message.as_deref().unwrap_or("no reason recorded")
+            );
+        }
+        let id = o.id;
+        let paths = self
+            .engine
+            .blocking_store(move |s| {
+                s.outcome_paths(
+                    id,
+                    None,
+                    NAMED,
+                    Some(layerstack_engine::store::PathStatus::Conflict),
+                )
+            })
+            .await
+            .map(|ps| ps.iter().map(|p| escape_path(&p.path)).collect::<Vec<_>>())
+            .unwrap_or_default();
+        let n = o.counts.conflict;
+        let more = if n > paths.len() as u64 { ", …" } else { "" };
+        format!(
+            "refused whole: {n} path(s) conflict with newer work on {to} ({}{more}); {to} is unchanged and nothing of the promote is kept ({from} still has its changes): change those paths on {from} or {to} so that the two no longer overlap, then promote again",
+            paths.join(", ")
+        )
     }
 
     pub(crate) async fn branch_squash(

@@ -117,13 +117,12 @@ impl AdminService {
         } else {
             let stack = self.stack_of(&r.namespace, &r.stack).await?;
             let to = self.branch_name(&r.to);
-            let old = if r.at_layer != 0 {
-                DiffTarget::Layer {
+            let old = match self.at_layer(&stack, r.at_layer, r.at_base).await? {
+                Some(layer) => DiffTarget::Layer {
                     branch: to.clone(),
-                    layer: r.at_layer,
-                }
-            } else {
-                DiffTarget::Branch(self.branch_name(&r.from))
+                    layer,
+                },
+                None => DiffTarget::Branch(self.branch_name(&r.from)),
             };
             self.engine
                 .diff(&stack, old, DiffTarget::Branch(to), r.patch)

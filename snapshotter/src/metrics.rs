@@ -105,7 +105,8 @@ pub struct Metrics {
     capture_bytes: Histogram,
     errors: Family<ErrorLabels, Counter>,
     missed_events: Counter,
-    /// The last accounting (ARCHITECTURE.md §10) and when it was taken.
+    /// The last accounting (docs/architecture.md, "History: branches, squash, GC,
+    /// accounting") and when it was taken.
     usage: tokio::sync::Mutex<Option<(std::time::Instant, layerstack_engine::store::Usage)>>,
 }
 
@@ -365,7 +366,7 @@ impl Metrics {
             }
             now.register_with_unit(
                 "layerstack_store",
-                "Real allocated bytes of the store by accounting class (layerstack df; ARCHITECTURE.md §10): hot = layers branch heads show, cold = layers only leases, nodes or history reach, uppers = live and kept uppers, staging = in-flight builds, metadata = SQLite and the store's own files, snapshots = containerd's snapshots of no stack; taken at most once a minute",
+                "Real allocated bytes of the store by accounting class (layerstack df; docs/architecture.md, section \"History: branches, squash, GC, accounting\"): hot = layers branch heads show, cold = layers only leases, nodes or history reach, uppers = live and kept uppers, staging = in-flight builds, metadata = SQLite and the store's own files, snapshots = containerd's snapshots of no stack; taken at most once a minute",
                 Unit::Bytes,
                 bytes,
             );

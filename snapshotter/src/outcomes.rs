@@ -1,5 +1,7 @@
-//! Follows the engine's outcome events: one `info` line per ended run (publish,
-//! no change, conflict, discard, failure) with the session, its owner, stack,
+//! Follows the engine's outcome events: one `info` line per recorded outcome
+//! (publish, no change, conflict, discard, failure) — one per ended run, and one
+//! per retryable outcome a later publish or discard follows; a rebase records
+//! none — with the session, its owner, stack,
 //! branch, outcome, layer, path counts and duration, and the metrics of
 //! [`crate::metrics`].
 //!

@@ -18,9 +18,11 @@
 //! `unknown`.
 //!
 //! **Markers**: `layerstack session rebase` writes conflict blocks into a
-//! session's upper and records a digest per block in `session_markers`, keyed
-//! by the lease it moved the session to. While the session holds that lease, a
-//! publish is refused as long as a file still contains such a block.
+//! session's upper and records a row per block in `session_markers` (its path,
+//! digest and first line), keyed by the lease it moved the session to. While
+//! the session holds that lease, a publish is refused as long as a file with
+//! rows still holds a marker block (`<<<<<<< session` … `>>>>>>> head`; the
+//! engine's rule, whatever the block now contains).
 
 use std::collections::HashMap;
 use std::path::PathBuf;

@@ -269,9 +269,17 @@ fn log_point_on(
             squash: None,
         });
     }
+    // A base (image) layer: the image alone, below every published layer.
+    if crate::stacks::stack_base_layers(conn, stack)?.contains(&layer) {
+        return Ok(LogPoint {
+            layers: Vec::new(),
+            manifest: None,
+            squash: None,
+        });
+    }
     let Some((squash, lo)) = compacting_layer(conn, cache, &raw, layer)? else {
         return Err(StoreError::InvalidArgument(format!(
-            "layer {layer} is not in the log of branch {branch:?}, nor a member of one of its squashed layers (see `layerstack log`)"
+            "layer {layer} is not in the log of branch {branch:?}, nor a member of one of its squashed layers (see `layerstack log`), nor a base layer of stack {stack}; `--at base` names the image alone"
         )));
     };
     let expanded = crate::paths::expand(conn, cache, &raw)?;
@@ -472,14 +480,16 @@ impl Store {
 
     /// Creates branch `name` on `stack` pointing at `from`'s head, or — with
     /// `at` — at the view as of layer `at` of `from`'s log (a layer of its head,
-    /// or a member of one of its squashed layers: see [`Store::log_point`]).
-    /// O(1) writes when that manifest exists (one row, no copy), else O(depth)
-    /// manifest rows.
+    /// or a member of one of its squashed layers: see [`Store::log_point`]), or
+    /// at the stack's empty root manifest (the base image alone) when `at` is one
+    /// of the stack's base layers. O(1) writes when that manifest exists (one
+    /// row, no copy), else O(depth) manifest rows.
     ///
     /// Errors: `InvalidArgument` (name), `SnapshotExists`-like `FailedPrecondition`
     /// when `name` exists, `BranchNotFound` (`from`), `InvalidArgument` when `at`
-    /// is not in `from`'s log, `FailedPrecondition` when `at`'s view can no
-    /// longer be built (GC freed a compacted member's directory).
+    /// is neither in `from`'s log nor a base layer of `stack`,
+    /// `FailedPrecondition` when `at`'s view can no longer be built (GC freed a
+    /// compacted member's directory).
     pub fn create_branch(
         &self,
         stack: &str,

@@ -208,23 +208,56 @@ pub(crate) fn now_ns() -> i64 {
         .unwrap_or(0)
 }
 
-/// Validate a branch name: 1–128 bytes of `[A-Za-z0-9._/-]`, not starting with `-` or `/`.
+/// The prefix of the engine's own working branches (`.graph/<graph>/<operation>`
+/// of a SandboxGraph merge): created internally, never by a user — a user's
+/// name cannot start with `.` ([`validate_branch`]).
+pub const INTERNAL_BRANCH_PREFIX: &str = ".graph/";
+
+/// Whether `name` is one of the engine's own working branches
+/// ([`INTERNAL_BRANCH_PREFIX`]).
+pub fn is_internal_branch(name: &str) -> bool {
+    name.starts_with(INTERNAL_BRANCH_PREFIX)
+}
+
+/// Validate a branch name a user gives: 1–128 bytes of `[A-Za-z0-9._/-]`,
+/// `/`-separated components as git allows them in a ref — none empty (no
+/// leading, trailing or doubled `/`), none starting with `.` or ending in
+/// `.lock`, no `..` anywhere, not starting with `-`, not ending in `.`. So no
+/// space, control character, `~^:?*[\` or `@`. `feature/x` is valid. A
+/// branch name is only ever a key in the store, never a path; the rules keep
+/// names readable and exportable as git refs.
 ///
 /// # Errors
-/// The message names the refused name and what is accepted.
+/// The message names the refused name, what is wrong with it and what is
+/// accepted.
 pub fn validate_branch(name: &str) -> std::result::Result<(), String> {
-    let ok = !name.is_empty()
-        && name.len() <= 128
-        && !name.starts_with(['-', '/'])
-        && name
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'/' | b'-'));
-    if ok {
-        Ok(())
+    let bad_char = name
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '_' | '/' | '-')));
+    let why = if name.is_empty() {
+        Some("it is empty".to_string())
+    } else if name.len() > 128 {
+        Some(format!("it is {} bytes long", name.len()))
+    } else if let Some(c) = bad_char {
+        Some(format!("it contains {c:?}"))
+    } else if name.starts_with('-') {
+        Some("it starts with `-`".into())
+    } else if name.starts_with('/') || name.ends_with('/') || name.contains("//") {
+        Some("it has an empty `/`-separated component".into())
+    } else if name.contains("..") {
+        Some("it contains `..`".into())
+    } else if name.ends_with('.') {
+        Some("it ends with `.`".into())
     } else {
-        Err(format!(
-            "invalid branch name {name:?}: use 1-128 characters of A-Z a-z 0-9 . _ / - not starting with - or /"
-        ))
+        name.split('/')
+            .find(|c| c.starts_with('.') || c.ends_with(".lock"))
+            .map(|c| format!("its component {c:?} starts with `.` or ends in `.lock`"))
+    };
+    match why {
+        None => Ok(()),
+        Some(why) => Err(format!(
+            "invalid branch name {name:?}: {why}; use 1-128 characters of A-Z a-z 0-9 . _ / - in `/`-separated components, as in a git branch (`feature/x`): none empty, none starting with `.` or ending in `.lock`, no `..`, not starting with `-` nor ending with `.`"
+        )),
     }
 }
 

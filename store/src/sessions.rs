@@ -196,7 +196,11 @@ pub(crate) fn insert_session(
             manifest: m,
             branch,
         } => {
-            validate_branch(branch).map_err(StoreError::InvalidArgument)?;
+            // The engine's own working branches (a graph merge's) are named
+            // outside what users may write.
+            if !crate::is_internal_branch(branch) {
+                validate_branch(branch).map_err(StoreError::InvalidArgument)?;
+            }
             let on: Option<String> = tx
                 .one("SELECT stack FROM manifests WHERE id = ?1", [m], |r| {
                     r.get(0)
@@ -566,6 +570,26 @@ impl Store {
             }
             self.session_info(tx, get_sess(tx, sid)?)
         })
+    }
+
+    /// Releases session `sid` and drops what it keeps, whatever its last outcome:
+    /// its lease is released and its directories are removed; its outcome stays
+    /// as recorded — no new outcome row. For an operation's session (promote,
+    /// node merge) whose run ended in `conflict` or `failed`: what it flattened
+    /// can be built again from the branch it came from, so nothing is kept for
+    /// inspection (the outcome's message says so). Error: `SessionNotFound`.
+    pub fn release_session_dropping(&self, sid: SessionId) -> Result<(), StoreError> {
+        self.db.write(|tx| {
+            let s = get_sess(tx, sid)?;
+            release_lease(tx, s.lease_id)?;
+            tx.exec(
+                "UPDATE sessions SET released = 1, remove_pending = 0, lease_id = NULL, updated_ns = ?2 WHERE id = ?1",
+                params![sid, now_ns()],
+            )?;
+            Ok(())
+        })?;
+        self.drop_session_dirs(sid);
+        Ok(())
     }
 
     /// Finishes the release of a released session: clears `remove_pending`, and

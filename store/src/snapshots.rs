@@ -60,6 +60,21 @@ pub fn split_key(key: &str) -> Option<(&str, &str)> {
     Some((ns, name))
 }
 
+/// The error for an active snapshot with neither a session nor a layer: the
+/// rootfs of a container whose stack `layerstack stack rm --force` removed (the
+/// only way to get one: the removal drops the session and keeps containerd's
+/// snapshot row, which containerd owns). An operator's doing, not corruption:
+/// `FailedPrecondition` naming the snapshot, why, and what to do.
+fn stack_removed(key: &str) -> StoreError {
+    let remove = match split_key(key) {
+        Some((ns, name)) => format!("`ctr -n {ns} containers rm {name}`"),
+        None => "`ctr containers rm`".to_string(),
+    };
+    StoreError::FailedPrecondition(format!(
+        "snapshot {key} is the rootfs of a container whose stack was removed with `layerstack stack rm --force`: its session and history are gone, so it cannot be mounted or committed again; remove the container ({remove}; containerd then removes the snapshot) and run a new one"
+    ))
+}
+
 /// The stack id of image `chain_id` (its top layer chainID) in containerd
 /// namespace `namespace`: `<namespace>/<chainID>`. A containerd namespace is a
 /// tenancy boundary (`default`, `moby`, `k8s.io`), so each has its own history of
@@ -497,9 +512,7 @@ impl Store {
             match (row.kind, row.session_id) {
                 (SnapshotKind::Active, Some(sid)) => self.start_run(tx, sid),
                 (SnapshotKind::Active, None) => {
-                    let id = row.layer_id.ok_or_else(|| {
-                        StoreError::corrupt("snapshots", key, "active snapshot without a layer")
-                    })?;
+                    let id = row.layer_id.ok_or_else(|| stack_removed(key))?;
                     let lowers = match &row.parent {
                         Some(p) => committed_chain(tx, p)?,
                         None => Vec::new(),
@@ -540,7 +553,7 @@ impl Store {
         let dir = match (row.session_id, row.layer_id) {
             (Some(sid), _) => self.upper_path(sid),
             (None, Some(id)) => self.layer_path(id),
-            _ => return Err(StoreError::corrupt("snapshots", key, "no directory")),
+            (None, None) => return Err(stack_removed(key)),
         };
         let (size, inodes) = fs::disk_usage(&dir).map_err(|e| StoreError::io(&dir, e))?;
 
@@ -589,9 +602,7 @@ impl Store {
                     )?;
                 }
                 None => {
-                    let id = row.layer_id.ok_or_else(|| {
-                        StoreError::corrupt("snapshots", key, "active snapshot without a layer")
-                    })?;
+                    let id = row.layer_id.ok_or_else(|| stack_removed(key))?;
                     let image = is_extraction(key, &row.labels)
                         || split_key(name).is_some_and(|(_, n)| is_digest(n));
                     tx.exec(

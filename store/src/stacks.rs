@@ -239,6 +239,12 @@ impl Store {
         })
     }
 
+    /// The base (image) layers of `stack`, newest first: its image's layers as
+    /// its first session recorded them (empty for an unknown stack).
+    pub fn base_layers(&self, stack: &str) -> Result<Vec<LayerId>, StoreError> {
+        self.db.read(|conn| stack_base_layers(conn, stack))
+    }
+
     /// The branches of `stack`, by name. Error: `StackNotFound`.
     pub fn branches(&self, stack: &str) -> Result<Vec<BranchInfo>, StoreError> {
         self.db.read(|conn| {

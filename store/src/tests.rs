@@ -504,6 +504,63 @@ fn branch_label_forks_main_and_invalid_names_are_refused() {
         matches!(err, StoreError::InvalidArgument(ref m) if m.contains("invalid branch name")),
         "{err}"
     );
+    // Names git would refuse as a ref are refused wherever a user names a
+    // branch (a snapshot label, `branch create`); `feature/x` is fine.
+    for bad in [
+        "../../etc",
+        "..",
+        "a..b",
+        ".hidden",
+        "feature/.x",
+        "x.lock",
+        "feature/x.lock/y",
+        "a//b",
+        "feature/",
+        "/abs",
+        "-x",
+        "x.",
+        "a b",
+        "a\tb",
+        "a~1",
+        "a^b",
+        "a:b",
+        "a?b",
+        "a*b",
+        "a[b",
+        "a\\b",
+        "a@b",
+        "",
+    ] {
+        let e = crate::validate_branch(bad).unwrap_err();
+        assert!(e.starts_with("invalid branch name"), "{bad:?}: {e}");
+        let e = s.create_branch(&m.stack, bad, "main", None).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{bad:?}: {e}");
+    }
+    for good in ["main", "feature/x", "exp-1", "v1.2", "a_b/c.d/e"] {
+        crate::validate_branch(good).unwrap_or_else(|e| panic!("{good:?}: {e}"));
+    }
+    s.create_branch(&m.stack, "feature/x", "main", None)
+        .unwrap();
+    // The engine's own working branches (`.graph/<graph>/<op>`) are not a
+    // user's to name, but sessions of the engine lease them.
+    let head = s.branch_head(&m.stack, "main").unwrap();
+    let work = format!("{}g/merge-1", crate::INTERNAL_BRANCH_PREFIX);
+    assert!(crate::validate_branch(&work).is_err());
+    s.create_branch_at(&m.stack, &work, head).unwrap();
+    let (w, _, _) = s
+        .create_session(
+            &Owner::Operation {
+                id: "merge-1".into(),
+            },
+            &m.stack,
+            &LeaseTarget::Manifest {
+                manifest: head,
+                branch: work.clone(),
+            },
+            None,
+        )
+        .unwrap();
+    assert_eq!(w.branch, work);
 }
 
 #[test]
@@ -608,6 +665,63 @@ fn remove_session_releases_it_and_deletes_its_dirs() {
     assert!(dir.exists());
     s.remove(&other).unwrap();
     assert!(!dir.exists());
+}
+
+#[test]
+fn a_container_whose_stack_was_force_removed_is_refused_by_name_not_corrupt() {
+    let d = tmp();
+    let s = open(d.path());
+    let top = unpack(&s, "nc");
+    s.prepare("nc/14/k1", &top, BTreeMap::new(), false).unwrap();
+    let stack = s.stacks().unwrap()[0].id.clone();
+    s.remove_stack(&stack, true).unwrap();
+    // What containerd does next with the container's snapshot: Mounts (a
+    // restart), Commit, Usage, Stat, and Remove (`ctr containers rm`).
+    for e in [
+        s.mounts("nc/14/k1").unwrap_err(),
+        s.commit("nc/15/img", "nc/14/k1", BTreeMap::new())
+            .unwrap_err(),
+    ] {
+        assert_eq!(e.kind(), ErrorKind::FailedPrecondition, "{e}");
+        let m = e.to_string();
+        assert!(
+            m.contains("snapshot nc/14/k1")
+                && m.contains("`layerstack stack rm --force`")
+                && m.contains("`ctr -n nc containers rm k1`")
+                && !m.contains("corrupt"),
+            "{m}"
+        );
+    }
+    assert_eq!(s.usage("nc/14/k1").unwrap(), (0, 0));
+    assert!(s.stat("nc/14/k1").is_ok());
+    assert_eq!(s.remove("nc/14/k1").unwrap(), Removed::Plain);
+    assert!(s.stat("nc/14/k1").is_err());
+}
+
+#[test]
+fn a_branch_forks_at_a_base_layer_onto_the_image_alone() {
+    let d = tmp();
+    let s = open(d.path());
+    let top = unpack(&s, "default");
+    s.prepare("default/5/c", &top, BTreeMap::new(), false)
+        .unwrap();
+    let c = s.find_session("default", "c").unwrap().unwrap();
+    publish(&s, c.id, &[write_entry(b"f", 1)]);
+    let stack = c.stack.clone();
+    let base = s.base_layers(&stack).unwrap();
+    assert_eq!(base, [2, 1]);
+    // Every base layer names the image alone: the empty root manifest.
+    for at in &base {
+        let b = s
+            .create_branch(&stack, &format!("pristine-{at}"), "main", Some(*at))
+            .unwrap();
+        assert_eq!((b.depth, s.manifest(b.head).unwrap()), (0, vec![]));
+    }
+    let e = s
+        .create_branch(&stack, "nowhere", "main", Some(999))
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+    assert!(e.to_string().contains("`--at base`"), "{e}");
 }
 
 #[test]

@@ -531,17 +531,19 @@ class ListBranchesResponse(_message.Message):
     def __init__(self, stack: _Optional[str] = ..., branches: _Optional[_Iterable[_Union[Branch, _Mapping]]] = ...) -> None: ...
 
 class CreateBranchRequest(_message.Message):
-    __slots__ = ("namespace", "stack", "name", "at_layer")
+    __slots__ = ("namespace", "stack", "name", "at_layer", "at_base")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     STACK_FIELD_NUMBER: _ClassVar[int]
     NAME_FIELD_NUMBER: _ClassVar[int]
     FROM_FIELD_NUMBER: _ClassVar[int]
     AT_LAYER_FIELD_NUMBER: _ClassVar[int]
+    AT_BASE_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     stack: str
     name: str
     at_layer: int
-    def __init__(self, namespace: _Optional[str] = ..., stack: _Optional[str] = ..., name: _Optional[str] = ..., at_layer: _Optional[int] = ..., **kwargs) -> None: ...
+    at_base: bool
+    def __init__(self, namespace: _Optional[str] = ..., stack: _Optional[str] = ..., name: _Optional[str] = ..., at_layer: _Optional[int] = ..., at_base: _Optional[bool] = ..., **kwargs) -> None: ...
 
 class DeleteBranchRequest(_message.Message):
     __slots__ = ("namespace", "stack", "name")
@@ -711,7 +713,7 @@ class BlameResponse(_message.Message):
     def __init__(self, stack: _Optional[str] = ..., branch: _Optional[str] = ..., manifest: _Optional[int] = ..., path: _Optional[str] = ..., digest: _Optional[str] = ..., lines: _Optional[int] = ..., layer: _Optional[int] = ..., layer_kind: _Optional[str] = ..., ranges: _Optional[_Iterable[_Union[BlameRange, _Mapping]]] = ...) -> None: ...
 
 class DiffRequest(_message.Message):
-    __slots__ = ("namespace", "stack", "to", "at_layer", "session_id", "container", "patch")
+    __slots__ = ("namespace", "stack", "to", "at_layer", "session_id", "container", "patch", "at_base")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     STACK_FIELD_NUMBER: _ClassVar[int]
     FROM_FIELD_NUMBER: _ClassVar[int]
@@ -720,6 +722,7 @@ class DiffRequest(_message.Message):
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     CONTAINER_FIELD_NUMBER: _ClassVar[int]
     PATCH_FIELD_NUMBER: _ClassVar[int]
+    AT_BASE_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     stack: str
     to: str
@@ -727,7 +730,8 @@ class DiffRequest(_message.Message):
     session_id: int
     container: str
     patch: bool
-    def __init__(self, namespace: _Optional[str] = ..., stack: _Optional[str] = ..., to: _Optional[str] = ..., at_layer: _Optional[int] = ..., session_id: _Optional[int] = ..., container: _Optional[str] = ..., patch: _Optional[bool] = ..., **kwargs) -> None: ...
+    at_base: bool
+    def __init__(self, namespace: _Optional[str] = ..., stack: _Optional[str] = ..., to: _Optional[str] = ..., at_layer: _Optional[int] = ..., session_id: _Optional[int] = ..., container: _Optional[str] = ..., patch: _Optional[bool] = ..., at_base: _Optional[bool] = ..., **kwargs) -> None: ...
 
 class DiffEntry(_message.Message):
     __slots__ = ("path", "raw_path", "change", "old_kind", "new_kind", "old_size", "new_size", "old_mode", "new_mode", "patch")
