@@ -344,11 +344,11 @@ impl Engine {
     }
 
     /// After an outcome that ended an attempt's run without a checkpoint: the
-    /// attempt ends `failed` with the outcome as its reason.
-    pub(crate) async fn end_attempt_of(&self, s: &SessionInfo) {
+    /// attempt (`attempt`, the session's latest, read with the outcome) ends
+    /// `failed` with the outcome as its reason.
+    pub(crate) async fn end_attempt_of(&self, s: &SessionInfo, attempt: Option<AttemptInfo>) {
         let Some(o) = &s.outcome else { return };
-        let id = s.id;
-        let Ok(Some(a)) = self.blocking(move |st| st.attempt_of_session(id)).await else {
+        let Some(a) = attempt else {
             return;
         };
         if a.status != AttemptStatus::Running {

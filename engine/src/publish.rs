@@ -445,14 +445,19 @@ impl Engine {
     /// After an outcome: wakes watchers; a released session whose run ended
     /// loses its directories.
     pub(crate) async fn after_outcome(&self, id: SessionId) -> Result<SessionInfo, EngineError> {
-        let s = self.session(id).await?;
+        let settled = self.blocking(move |st| settled(st, id)).await?;
+        Ok(self.announce(settled).await)
+    }
+
+    /// Wakes watchers of a settled session and ends its attempt's run if the
+    /// outcome ended it.
+    async fn announce(
+        &self,
+        (s, attempt): (SessionInfo, Option<layerstack_store::AttemptInfo>),
+    ) -> SessionInfo {
         self.notify(&s);
-        self.end_attempt_of(&s).await;
-        if s.released && s.remove_pending && s.outcome.is_some() {
-            self.blocking(move |st| st.complete_release(id)).await?;
-            return self.session(id).await;
-        }
-        Ok(s)
+        self.end_attempt_of(&s, attempt).await;
+        s
     }
 
     /// Drops the current run's writes without publishing: outcome `discarded`, a
@@ -483,23 +488,35 @@ impl Engine {
         why: &str,
         proven: bool,
     ) -> Result<SessionInfo, EngineError> {
-        let current = self.session(id).await?;
-        if current.run_finished() || current.lease_manifest.is_none() {
-            return Ok(current);
-        }
         if !proven {
+            let current = self.session(id).await?;
+            if current.run_finished() || current.lease_manifest.is_none() {
+                return Ok(current);
+            }
             self.ensure_quiescent(&current).await?;
         }
         let started = Instant::now();
         let mut rec = OutcomeRecord::new(OutcomeKind::Discarded, format!("writes dropped: {why}"));
-        let started2 = started;
-        self.blocking(move |s| {
-            rec.timings = Some(total_only(started2));
-            s.record_outcome(id, rec, None)
-        })
-        .await?;
-        debug!(session.id = id, outcome = "discarded", why, "discarded");
-        self.after_outcome(id).await
+        // One blocking step: the run's check (again, under the session lock),
+        // the outcome, and the session settled after it.
+        let done = self
+            .blocking(move |st| {
+                let current = st.session(id)?;
+                if current.run_finished() || current.lease_manifest.is_none() {
+                    return Ok(Err(current));
+                }
+                rec.timings = Some(total_only(started));
+                st.record_outcome(id, rec, None)?;
+                settled(st, id).map(Ok)
+            })
+            .await?;
+        match done {
+            Err(current) => Ok(current),
+            Ok(settled) => {
+                debug!(session.id = id, outcome = "discarded", why, "discarded");
+                Ok(self.announce(settled).await)
+            }
+        }
     }
 
     /// Ends the run of `session` per [`exit_decision`] (session lock held by the
@@ -821,6 +838,26 @@ impl Engine {
             message: format!("dry run, nothing was changed: {message}"),
         })
     }
+}
+
+/// Session `id` as an outcome leaves it, in one blocking step: a released
+/// session whose run ended completes its release (directories to the reaper
+/// unless the outcome keeps them), and its latest graph attempt, if any, to be
+/// ended by the outcome.
+fn settled(
+    st: &Store,
+    id: SessionId,
+) -> Result<(SessionInfo, Option<layerstack_store::AttemptInfo>), layerstack_store::StoreError> {
+    let mut s = st.session(id)?;
+    if s.released && s.remove_pending && s.outcome.is_some() {
+        st.complete_release(id)?;
+        s = st.session(id)?;
+    }
+    let attempt = match s.outcome {
+        Some(_) => st.attempt_of_session(id)?,
+        None => None,
+    };
+    Ok((s, attempt))
 }
 
 /// Outside the gate: capture, seal, plan against the observed head, stage.

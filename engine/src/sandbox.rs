@@ -167,24 +167,38 @@ impl Engine {
     ) -> Result<(SessionInfo, MountSpec, bool), EngineError> {
         let permit = self.sandbox_permit(req.wait).await?;
         let key = req.idempotency_key.clone();
-        let (mut s, spec, created) = match req.node {
+        let (s, spec, created) = match req.node {
             Some(node) => {
-                let (_, s, spec, created) = self
+                let (_, mut s, spec, created) = self
                     .attempt_start(
                         &node,
                         Owner::Sandbox { name: req.name },
                         req.idempotency_key,
                     )
                     .await?;
+                if let (true, Some(p)) = (created, req.policy) {
+                    let id = s.id;
+                    s = self
+                        .blocking(move |st| st.set_session_policy(id, p.as_str()))
+                        .await?;
+                }
                 (s, spec, created)
             }
             None => {
-                self.create_session(
-                    Owner::Sandbox { name: req.name },
-                    &req.stack,
-                    req.target,
-                    req.idempotency_key,
-                )
+                // One blocking step: the session and, when it is new, its policy.
+                let (stack, target, key, policy) =
+                    (req.stack, req.target, req.idempotency_key, req.policy);
+                let owner = Owner::Sandbox { name: req.name };
+                self.blocking(move |st| {
+                    let (s, spec, created) =
+                        st.create_session(&owner, &stack, &target, key.as_deref())?;
+                    match policy {
+                        Some(p) if created => {
+                            Ok((st.set_session_policy(s.id, p.as_str())?, spec, created))
+                        }
+                        _ => Ok((s, spec, created)),
+                    }
+                })
                 .await?
             }
         };
@@ -196,14 +210,6 @@ impl Engine {
                     s.id
                 )),
             ));
-        }
-        if created {
-            if let Some(p) = req.policy {
-                let id = s.id;
-                s = self
-                    .blocking(move |st| st.set_session_policy(id, p.as_str()))
-                    .await?;
-            }
         }
         self.sandboxes.permits().entry(s.id).or_insert(permit);
         Ok((s, spec, created))
