@@ -15,6 +15,7 @@ use std::path::{Path, PathBuf};
 
 // include/uapi/linux/mount.h
 const FSOPEN_CLOEXEC: libc::c_uint = 0x1;
+const FSCONFIG_SET_FLAG: libc::c_uint = 0;
 const FSCONFIG_SET_STRING: libc::c_uint = 1;
 const FSCONFIG_CMD_CREATE: libc::c_uint = 6;
 const FSMOUNT_CLOEXEC: libc::c_uint = 0x1;
@@ -81,9 +82,30 @@ fn fsconfig_string(fs: &OwnedFd, key: &CStr, value: &CStr) -> io::Result<()> {
     .map(drop)
 }
 
+fn fsconfig_flag(fs: &OwnedFd, key: &CStr) -> io::Result<()> {
+    // SAFETY: `fs` is an open fs context; the key is NUL-terminated and lives
+    // across the call; value NULL and aux 0 as FSCONFIG_SET_FLAG requires.
+    check(unsafe {
+        libc::syscall(
+            libc::SYS_fsconfig,
+            fs.as_raw_fd(),
+            FSCONFIG_SET_FLAG,
+            key.as_ptr(),
+            std::ptr::null::<libc::c_char>(),
+            0,
+        )
+    })
+    .map(drop)
+}
+
 /// A detached overlay mount (`fsmount`): `lowers` newest first, each given as one
 /// `lowerdir+` (Linux ≥ 6.8: no page limit on the lower list), `upper` and `work`,
-/// with `index=off,redirect_dir=off,metacopy=off` (ARCHITECTURE.md §5). Paths
+/// with `index=off,redirect_dir=off,metacopy=off` (ARCHITECTURE.md §5), and
+/// with `volatile` when asked: the overlay then never syncs its upper — not on
+/// `syncfs`, not when it is unmounted (overlayfs.rst, "Volatile mount"; the
+/// unmount's sync of the upper filesystem was ~0.6 ms of every Mode B session's
+/// end on ext4). A volatile mount leaves `work/incompat/volatile` behind, which
+/// refuses a later mount of the same workdir until it is removed. Paths
 /// resolve in the caller's mount namespace; the returned fd (close-on-exec) can be
 /// attached anywhere with [`attach`], also by another process in another mount
 /// namespace that receives it over a unix socket.
@@ -91,7 +113,12 @@ fn fsconfig_string(fs: &OwnedFd, key: &CStr, value: &CStr) -> io::Result<()> {
 /// # Errors
 /// The step that failed; `fsconfig lowerdir+` failing with `EINVAL` means a kernel
 /// older than 6.8.
-pub fn overlay_fd(lowers: &[PathBuf], upper: &Path, work: &Path) -> Result<OwnedFd, OverlayError> {
+pub fn overlay_fd(
+    lowers: &[PathBuf],
+    upper: &Path,
+    work: &Path,
+    volatile: bool,
+) -> Result<OwnedFd, OverlayError> {
     let err = |step: String| move |source| OverlayError { step, source };
     // SAFETY: the name is a NUL-terminated literal; FSOPEN_CLOEXEC is a valid flag.
     let fs = check(unsafe { libc::syscall(libc::SYS_fsopen, c"overlay".as_ptr(), FSOPEN_CLOEXEC) })
@@ -116,6 +143,9 @@ pub fn overlay_fd(lowers: &[PathBuf], upper: &Path, work: &Path) -> Result<Owned
     for k in [c"index", c"redirect_dir", c"metacopy"] {
         fsconfig_string(&fs, k, c"off")
             .map_err(err(format!("fsconfig {}=off", k.to_string_lossy())))?;
+    }
+    if volatile {
+        fsconfig_flag(&fs, c"volatile").map_err(err("fsconfig volatile".into()))?;
     }
     // SAFETY: `fs` is an open fs context; key and value must be NULL for CMD_CREATE.
     check(unsafe {

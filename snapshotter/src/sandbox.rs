@@ -32,7 +32,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use layerstack_api as api;
-use layerstack_engine::store::{LeaseTarget, MountSpec, Owner, SessionId};
+use layerstack_engine::store::{Durability, LeaseTarget, MountSpec, Owner, SessionId};
 use layerstack_engine::{CloseHow, Engine, EngineError, SandboxRequest};
 use layerstack_sandbox::sys;
 use layerstack_sandbox::wire::{self, Mode, Reply, Request};
@@ -405,19 +405,36 @@ async fn attach(
                     format!("session {id} has no writable overlay"),
                 )));
             };
-            Ok(sys::overlay_fd(&lowers, &upper, &work).map_err(|e| {
-                let unsupported = e.source.raw_os_error() == Some(libc::EINVAL)
-                    && e.step.starts_with("fsconfig lowerdir+");
-                let code = if unsupported {
-                    "unsupported"
-                } else {
-                    "internal"
-                };
-                Reply::error(
-                    code,
-                    format!("cannot build session {id}'s overlay: {e}: {}", e.source),
-                )
-            }))
+            // A sandbox session's overlay is mounted once and captured only after
+            // it is gone: it is `volatile` (no sync of the upper at unmount)
+            // unless the store is durable, whose seal syncs what it publishes
+            // anyway. A marker a volatile mount of this workdir left would refuse
+            // the mount: it goes first.
+            let volatile = st.durability() == Durability::Disposable;
+            if volatile {
+                let incompat = work.join("incompat");
+                if let Err(e) = layerstack_engine::store::fs::remove_tree(&incompat) {
+                    return Ok(Err(Reply::error(
+                        "internal",
+                        format!("cannot clear {}: {e}", incompat.display()),
+                    )));
+                }
+            }
+            Ok(
+                sys::overlay_fd(&lowers, &upper, &work, volatile).map_err(|e| {
+                    let unsupported = e.source.raw_os_error() == Some(libc::EINVAL)
+                        && e.step.starts_with("fsconfig lowerdir+");
+                    let code = if unsupported {
+                        "unsupported"
+                    } else {
+                        "internal"
+                    };
+                    Reply::error(
+                        code,
+                        format!("cannot build session {id}'s overlay: {e}: {}", e.source),
+                    )
+                }),
+            )
         })
         .await
         .map_err(|e| wire_error(&e))??;
