@@ -164,6 +164,14 @@ async fn read_line(
     }
 }
 
+/// The refusal of a second session on one holder connection.
+fn one_session() -> Reply {
+    Reply::error(
+        "failed-precondition",
+        "this connection holds a session already: one connection per session",
+    )
+}
+
 /// A wire error from an admin API status (its errdefs kind, kebab case).
 fn status_reply(st: &Status) -> Reply {
     Reply::error(
@@ -181,13 +189,10 @@ async fn start(
     r: wire::Start,
 ) -> Result<(api::Session, bool, OwnedFd), Reply> {
     if attached.is_some() {
-        return Err(Reply::error(
-            "failed-precondition",
-            "this connection holds a session already: one connection per session",
-        ));
+        return Err(one_session());
     }
-    let created = admin
-        .sandbox_create(api::CreateSessionRequest {
+    let (session, spec, created) = admin
+        .sandbox_create_spec(api::CreateSessionRequest {
             namespace: r.namespace,
             stack: r.stack,
             branch: r.branch,
@@ -199,13 +204,13 @@ async fn start(
         })
         .await
         .map_err(|st| status_reply(&st))?;
-    let session = created
-        .session
-        .ok_or_else(|| Reply::error("internal", "CreateSession answered no session"))?;
-    match attach(&admin.engine, &admin.holders, conn, session.id, None).await {
-        Ok(fd) => Ok((session, created.created, fd)),
+    // A session created now is a live sandbox session without a holder, and
+    // its spec is the run's: no second look at it.
+    let fresh = created.then_some(spec);
+    match attach(&admin.engine, &admin.holders, conn, session.id, fresh).await {
+        Ok(fd) => Ok((session, created, fd)),
         Err(reply) => {
-            if created.created {
+            if created {
                 let engine = admin.engine.clone();
                 let id = session.id;
                 tokio::spawn(async move {
@@ -264,7 +269,11 @@ async fn connection(
         };
         match req {
             Request::Attach { session } => {
-                let (reply, fd) = match attach(engine, holders, conn, session, attached).await {
+                let r = match attached {
+                    Some(_) => Err(one_session()),
+                    None => attach(engine, holders, conn, session, None).await,
+                };
+                let (reply, fd) = match r {
                     Ok(fd) => {
                         attached = Some(session);
                         (Reply::ok(), Some(fd))
@@ -354,19 +363,16 @@ async fn connection(
     result
 }
 
+/// Attaches session `id` to holder connection `conn`: its overlay as a detached
+/// mount. `fresh`: the mount spec of a session created a moment ago for this
+/// connection (it is checked and mounted only when not given).
 async fn attach(
     engine: &Arc<Engine>,
     holders: &Arc<Holders>,
     conn: u64,
     id: SessionId,
-    attached: Option<SessionId>,
+    fresh: Option<MountSpec>,
 ) -> Result<OwnedFd, Reply> {
-    if attached.is_some() {
-        return Err(Reply::error(
-            "failed-precondition",
-            "this connection holds a session already: one connection per session",
-        ));
-    }
     let _g = engine.lock_session(id).await;
     if holders.map().contains_key(&id) {
         return Err(Reply::error(
@@ -379,26 +385,32 @@ async fn attach(
     // One blocking step: the checks, the run's mount spec and the overlay.
     let fd = engine
         .blocking_store(move |st| {
-            let s = st.session(id)?;
-            if !matches!(s.owner, Owner::Sandbox { .. }) {
-                return Ok(Err(Reply::error(
-                    "invalid-argument",
-                    format!(
-                        "session {id} belongs to {}, not to a sandbox holder",
-                        s.owner.display()
-                    ),
-                )));
-            }
-            if s.released {
-                return Ok(Err(Reply::error(
-                    "failed-precondition",
-                    format!("session {id} was closed already"),
-                )));
-            }
+            let spec = match fresh {
+                Some(spec) => spec,
+                None => {
+                    let s = st.session(id)?;
+                    if !matches!(s.owner, Owner::Sandbox { .. }) {
+                        return Ok(Err(Reply::error(
+                            "invalid-argument",
+                            format!(
+                                "session {id} belongs to {}, not to a sandbox holder",
+                                s.owner.display()
+                            ),
+                        )));
+                    }
+                    if s.released {
+                        return Ok(Err(Reply::error(
+                            "failed-precondition",
+                            format!("session {id} was closed already"),
+                        )));
+                    }
+                    st.session_mount(id)?
+                }
+            };
             let MountSpec::Overlay {
                 lowers,
                 upper: Some((upper, work)),
-            } = st.session_mount(id)?
+            } = spec
             else {
                 return Ok(Err(Reply::error(
                     "internal",
@@ -573,6 +585,19 @@ impl AdminService {
         &self,
         r: api::CreateSessionRequest,
     ) -> Result<api::CreateSessionResponse, Status> {
+        let (session, spec, created) = self.sandbox_create_spec(r).await?;
+        Ok(api::CreateSessionResponse {
+            mounts: api::mounts(&spec),
+            session: Some(session),
+            created,
+        })
+    }
+
+    /// `CreateSession`: the session, its mount spec and whether it was created now.
+    pub(crate) async fn sandbox_create_spec(
+        &self,
+        r: api::CreateSessionRequest,
+    ) -> Result<(api::Session, MountSpec, bool), Status> {
         let policy = match r.policy.as_str() {
             "" => None,
             p => Some(p.parse::<api::policy::Policy>().map_err(|_| {
@@ -615,11 +640,7 @@ impl AdminService {
             .create_sandbox_session(req)
             .await
             .map_err(engine_status)?;
-        Ok(api::CreateSessionResponse {
-            mounts: api::mounts(&spec),
-            session: Some(self.to_api(s).await?),
-            created,
-        })
+        Ok((self.to_api(s).await?, spec, created))
     }
 
     pub(crate) async fn sandbox_close(
