@@ -508,7 +508,8 @@ impl Engine {
                 userxattr: plan.userxattr,
                 ..Default::default()
             };
-            publisher::apply_plan(&upper, &edit, &store.staging_path())
+            let durable = store.durability() == layerstack_store::Durability::Durable;
+            publisher::apply_plan_with(&upper, &edit, &store.staging_path(), durable)
                 .map_err(|e| run(e.into()))?;
             let upper_view = LayerView::new(vec![upper.clone()]).with_userxattr(settings.userxattr);
             for path in carried {

@@ -1125,7 +1125,10 @@ fn commit(
     let planned = holding.elapsed();
     // Merged files are written in the store's staging directory (same
     // filesystem, never captured, emptied by the sweep) and renamed in.
-    publisher::apply_plan(&upper, &plan, &store.staging_path())?;
+    // Synced only in the durable profile (`apply_plan_with`): a `syncfs` here
+    // waited for every dirty page of the filesystem, under the gate.
+    let durable = store.durability() == layerstack_store::Durability::Durable;
+    publisher::apply_plan_with(&upper, &plan, &store.staging_path(), durable)?;
     let applied = holding.elapsed();
     let kind = decision(&plan);
     let paths_now = replanned

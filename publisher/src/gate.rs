@@ -1695,6 +1695,25 @@ pub struct ApplyError {
 /// [`ApplyError`] with the first failing path (also when `scratch` is on another
 /// filesystem); earlier actions stay applied.
 pub fn apply_plan(upper: &Path, plan: &GatePlan, scratch: &Path) -> Result<(), ApplyError> {
+    apply_plan_with(upper, plan, scratch, true)
+}
+
+/// [`apply_plan`]; with `sync` false nothing is `fsync`ed — neither each written
+/// file nor, at the end, the upper's filesystem (`syncfs`): for a store whose
+/// profile syncs nothing it publishes (the daemon's *disposable* profile: a crash
+/// of the daemon loses nothing committed, an OS crash may), where a `syncfs`
+/// under the branch's gate waited for every dirty page of the filesystem —
+/// other sessions' writes included — while every other publish of the branch
+/// waited for it.
+///
+/// # Errors
+/// As [`apply_plan`].
+pub fn apply_plan_with(
+    upper: &Path,
+    plan: &GatePlan,
+    scratch: &Path,
+    sync: bool,
+) -> Result<(), ApplyError> {
     if plan.is_conflict() || plan.actions.is_empty() {
         return Ok(());
     }
@@ -1728,9 +1747,9 @@ pub fn apply_plan(upper: &Path, plan: &GatePlan, scratch: &Path) -> Result<(), A
                 path,
                 content,
                 meta,
-            } => write_file(upper, path, Content::Bytes(content), meta, scratch)?,
+            } => write_file(upper, path, Content::Bytes(content), meta, scratch, sync)?,
             Action::CopyFile { path, from, meta } => {
-                write_file(upper, path, Content::CopyOf(from), meta, scratch)?;
+                write_file(upper, path, Content::CopyOf(from), meta, scratch, sync)?;
             }
             Action::WriteSymlink { path, target, meta } => {
                 write_symlink(upper, path, target, meta, scratch, plan.userxattr)?;
@@ -1745,11 +1764,13 @@ pub fn apply_plan(upper: &Path, plan: &GatePlan, scratch: &Path) -> Result<(), A
             }
         }
     }
-    crate::layer::sync(upper).map_err(|e| ApplyError {
-        what: "sync",
-        path: upper.to_path_buf(),
-        source: io::Error::other(e.to_string()),
-    })?;
+    if sync {
+        crate::layer::sync(upper).map_err(|e| ApplyError {
+            what: "sync",
+            path: upper.to_path_buf(),
+            source: io::Error::other(e.to_string()),
+        })?;
+    }
     Ok(())
 }
 
@@ -1921,6 +1942,7 @@ fn write_file(
     content: Content<'_>,
     meta: &Meta,
     scratch: &Path,
+    sync: bool,
 ) -> Result<(), ApplyError> {
     use std::io::Write;
     // The source is opened first: nothing is created when it cannot be read.
@@ -1945,7 +1967,9 @@ fn write_file(
         for (n, v) in &meta.xattrs {
             xattr::FileExt::set_xattr(f, std::ffi::OsStr::from_bytes(n), v)?;
         }
-        f.sync_all()?;
+        if sync {
+            f.sync_all()?;
+        }
         let tmp = named.insert(sf.name(scratch)?);
         std::fs::rename(tmp, fsx::proc_path(&dir, name))
     })();

@@ -87,9 +87,9 @@ pub use export::{
     write_layer_tar, TarError, TarOptions, TarReport, OPAQUE_MARKER, WHITEOUT_PREFIX,
 };
 pub use gate::{
-    apply_plan, flatten_head_layers, opaque_dirs_to_expand, plan_gate, plan_gate_with, Action,
-    ApplyError, FileState, FsFiles, GateError, GateFiles, GatePlan, HeadChange, HeadChangeKind,
-    Meta, PathReport, PathStatus, PlanMode, Side, XattrList,
+    apply_plan, apply_plan_with, flatten_head_layers, opaque_dirs_to_expand, plan_gate,
+    plan_gate_with, Action, ApplyError, FileState, FsFiles, GateError, GateFiles, GatePlan,
+    HeadChange, HeadChangeKind, Meta, PathReport, PathStatus, PlanMode, Side, XattrList,
 };
 pub use layer::{prepare_upper, seal_layer, seal_layer_unsynced, seal_layer_with, SealError};
 pub use merge::{
