@@ -1087,26 +1087,98 @@ fn commit(
     why: &str,
     #[cfg(any(test, feature = "failpoints"))] hook: Option<Arc<Hook>>,
 ) -> Result<GateStep, RunError> {
-    // Only the head's id: its lowers are read when the plan must be made again.
-    let head = store.branch_head(&ready.ctx.session.stack, &ready.ctx.session.branch)?;
-    let head_read = holding.elapsed();
-    if head != ready.observed.manifest {
-        let delta = store.changes_between(ready.observed.manifest, head, &ready.input.query)?;
-        if moves_the_plan(delta, &ready.input.head) {
-            if optimistic {
+    let durable = store.durability() == layerstack_store::Durability::Durable;
+    let staging = store.staging_path();
+    // In one store transaction on the writer's connection: the head now, what
+    // it added at our paths since the plan (if it moved), the plan's edits of
+    // the upper (merged files are written in the store's staging directory and
+    // renamed in; synced only in the durable profile, as a `syncfs` here waited
+    // for every dirty page of the filesystem), the commit. A plan the head's
+    // moves made stale is handed back (or, past the optimistic rounds, planned
+    // again here).
+    {
+        let upper = ready.ctx.session.upper.clone();
+        let kind = decision(&ready.plan);
+        let paths_now = match &ready.replanned {
+            Some((_, p)) => p.clone(),
+            None => records(&ready.plan),
+        };
+        let record = layerstack_store::CommitRecord {
+            kind: Some(kind),
+            message: Some(summary(&paths_now, kind, &ready.ctx.session)),
+            timings: Some(PublishTimings {
+                capture_us: micros(ready.capture),
+                gate_wait_us: micros(gate_wait),
+                // Up to the commit; the whole hold, commit included, is set
+                // once it is done (`Store::record_commit_times`).
+                gate_hold_us: micros(holding.elapsed()),
+                total_us: micros(started.elapsed()),
+                capture_bytes: ready.capture_bytes,
+            }),
+            replanned: ready
+                .replanned
+                .as_ref()
+                .map(|(i, r)| (i.as_slice(), r.as_slice())),
+            // After the gate (`publish_locked`).
+            renew_later: true,
+        };
+        let done = {
+            let mut stands = |delta| !moves_the_plan(delta, &ready.input.head);
+            #[cfg(any(test, feature = "failpoints"))]
+            let hook = hook.clone();
+            let plan = &ready.plan;
+            let mut apply = || {
+                #[cfg(any(test, feature = "failpoints"))]
+                if let Some(h) = &hook {
+                    h(&upper);
+                }
+                publisher::apply_plan_with(&upper, plan, &staging, durable)
+                    .map_err(std::io::Error::other)
+            };
+            store.commit_publish_guarded(
+                id,
+                ready.staged,
+                layerstack_store::PlanGuard {
+                    observed: ready.observed.manifest,
+                    query: &ready.input.query,
+                    stands: &mut stands,
+                    apply: &mut apply,
+                },
+                record,
+            )?
+        };
+        match done {
+            layerstack_store::Guarded::Committed(p) => {
+                debug!(
+                    session.id = id,
+                    layer.id = p.layer,
+                    manifest = p.manifest,
+                    outcome = kind.as_str(),
+                    why,
+                    gate_wait_us = micros(gate_wait),
+                    gate_hold_us = micros(holding.elapsed()),
+                    capture_us = micros(ready.capture),
+                    capture_bytes = ready.capture_bytes,
+                    replanned = ready.replanned.is_some(),
+                    "publish committed"
+                );
+                return Ok(GateStep::Done(Some(p.outcome)));
+            }
+            layerstack_store::Guarded::Moved if optimistic => {
                 return Ok(GateStep::Replan(ready));
             }
-            let gate = (gate_wait, Some(holding));
-            if let Replanned::Conflict =
-                replan(store, settings, pins, id, &mut ready, started, gate)?
-            {
-                return Ok(GateStep::Done(None));
+            layerstack_store::Guarded::Moved => {
+                let gate = (gate_wait, Some(holding));
+                if let Replanned::Conflict =
+                    replan(store, settings, pins, id, &mut ready, started, gate)?
+                {
+                    return Ok(GateStep::Done(None));
+                }
             }
-        } else {
-            // Nothing at our paths: the plan stands on the new head.
-            ready.observed.manifest = head;
         }
     }
+    // Planned again just now, under the gate (the head cannot move): its rows
+    // replace the staged ones in the commit.
     let Ready {
         ctx,
         plan,
@@ -1122,14 +1194,7 @@ fn commit(
     if let Some(h) = hook {
         h(&upper);
     }
-    let planned = holding.elapsed();
-    // Merged files are written in the store's staging directory (same
-    // filesystem, never captured, emptied by the sweep) and renamed in.
-    // Synced only in the durable profile (`apply_plan_with`): a `syncfs` here
-    // waited for every dirty page of the filesystem, under the gate.
-    let durable = store.durability() == layerstack_store::Durability::Durable;
-    publisher::apply_plan_with(&upper, &plan, &store.staging_path(), durable)?;
-    let applied = holding.elapsed();
+    publisher::apply_plan_with(&upper, &plan, &staging, durable)?;
     let kind = decision(&plan);
     let paths_now = replanned
         .as_ref()
@@ -1138,8 +1203,6 @@ fn commit(
     let timings = PublishTimings {
         capture_us: micros(capture),
         gate_wait_us: micros(gate_wait),
-        // Up to the commit; the whole hold, commit included, is set once it
-        // is done (`Store::record_commit_times`).
         gate_hold_us: micros(holding.elapsed()),
         total_us: micros(started.elapsed()),
         capture_bytes,
@@ -1155,7 +1218,6 @@ fn commit(
             replanned: replanned
                 .as_ref()
                 .map(|(i, r)| (i.as_slice(), r.as_slice())),
-            // After the gate (`publish_locked`).
             renew_later: true,
         },
     )?;
@@ -1169,10 +1231,7 @@ fn commit(
         gate_hold_us = micros(holding.elapsed()),
         capture_us = timings.capture_us,
         capture_bytes,
-        replanned = replanned.is_some(),
-        head_read_us = micros(head_read),
-        replan_us = micros(planned.saturating_sub(head_read)),
-        apply_us = micros(applied.saturating_sub(planned)),
+        replanned = true,
         "publish committed"
     );
     Ok(GateStep::Done(Some(p.outcome)))

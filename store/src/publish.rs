@@ -30,13 +30,13 @@ use crate::db::write_on;
 use crate::db::Cached;
 use crate::error::StoreError;
 use crate::leases::{lease_manifest, release_lease};
-use crate::paths::insert_index;
+use crate::paths::{insert_index, layers_since, query_layers};
 use crate::sessions::get_sess;
 use crate::stacks::{branch_head, manifest_layers, prepend_manifest, set_branch};
 use crate::{
-    fs, now_ns, Durability, HeadView, IndexEntry, LayerId, LayerKind, ManifestId, Outcome,
-    OutcomeKind, OutcomeRecord, PathCounts, PathRecord, PathStatus, PublishContext, PublishId,
-    PublishTimings, SessionId, SessionState, Store,
+    fs, now_ns, Durability, HeadChanges, HeadView, IndexEntry, LayerId, LayerKind, ManifestId,
+    Outcome, OutcomeKind, OutcomeRecord, PathCounts, PathQuery, PathRecord, PathStatus,
+    PublishContext, PublishId, PublishTimings, SessionId, SessionState, Store,
 };
 
 /// A committed publish.
@@ -61,6 +61,40 @@ pub struct CommitRecord<'a> {
     /// [`Store::renew_session_dirs`], once it has released what it holds (a
     /// branch's gate); otherwise the commit does, before it returns.
     pub renew_later: bool,
+}
+
+/// What [`Store::commit_publish_guarded`] checks and does first, inside its
+/// transaction (so on the writer's connection: no read transaction of its own,
+/// no wait for a WAL read mark, on the gate holder's path).
+pub struct PlanGuard<'a> {
+    /// The branch head the plan was made against.
+    pub observed: ManifestId,
+    /// The plan's paths, as `Store::changes_between` takes them.
+    pub query: &'a PathQuery,
+    /// Whether the plan stands on the head now, given what the layers the head
+    /// added since `observed` hold at the plan's paths (`changes_between`'s
+    /// answer; not called when the head did not move).
+    pub stands: &'a mut dyn FnMut(HeadChanges) -> bool,
+    /// The plan's edits of the upper, carried out once the plan stands, before
+    /// the upper becomes the layer. An error ends the commit (nothing written).
+    pub apply: &'a mut dyn FnMut() -> std::io::Result<()>,
+}
+
+/// What [`Store::commit_publish_guarded`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Guarded {
+    Committed(Published),
+    /// The head moved at the plan's paths since it was made: nothing was
+    /// done; plan again.
+    Moved,
+}
+
+/// The head a commit expects.
+enum Expect<'a> {
+    /// Exactly this one (`HeadMoved` otherwise).
+    Head(ManifestId),
+    /// Whatever it is now, if the plan stands on it.
+    Guard(PlanGuard<'a>),
 }
 
 /// Rows written by [`Store::stage_publish`].
@@ -249,6 +283,41 @@ impl Store {
         expected_head: ManifestId,
         record: CommitRecord<'_>,
     ) -> Result<Published, StoreError> {
+        match self.commit_in(session, staged, Expect::Head(expected_head), record)? {
+            Guarded::Committed(p) => Ok(p),
+            // Only a guard answers `Moved`.
+            Guarded::Moved => Err(StoreError::HeadMoved {
+                expected: expected_head,
+                found: expected_head,
+            }),
+        }
+    }
+
+    /// [`Store::commit_publish`] against whatever the head is now, in one
+    /// transaction with `guard`'s check: when the head moved since
+    /// `guard.observed` and the layers it added change what the plan took at
+    /// its paths, nothing is done ([`Guarded::Moved`]); otherwise the plan's
+    /// edits are applied and the publish commits on the head as it is.
+    ///
+    /// Errors: `NoLease`; `Io` when `guard.apply` failed (nothing written in
+    /// the store; the upper keeps the edits made so far).
+    pub fn commit_publish_guarded(
+        &self,
+        session: SessionId,
+        staged: Staged,
+        guard: PlanGuard<'_>,
+        record: CommitRecord<'_>,
+    ) -> Result<Guarded, StoreError> {
+        self.commit_in(session, staged, Expect::Guard(guard), record)
+    }
+
+    fn commit_in(
+        &self,
+        session: SessionId,
+        staged: Staged,
+        expect: Expect<'_>,
+        record: CommitRecord<'_>,
+    ) -> Result<Guarded, StoreError> {
         let CommitRecord {
             kind,
             message,
@@ -277,11 +346,23 @@ impl Store {
                     branch: s.branch.clone(),
                 }
             })?;
-            if head != expected_head {
-                return Err(StoreError::HeadMoved {
-                    expected: expected_head,
-                    found: head,
-                });
+            match expect {
+                Expect::Head(expected_head) if head != expected_head => {
+                    return Err(StoreError::HeadMoved {
+                        expected: expected_head,
+                        found: head,
+                    });
+                }
+                Expect::Head(_) => {}
+                Expect::Guard(g) => {
+                    if head != g.observed {
+                        let layers = layers_since(tx, &self.expansions, g.observed, head)?;
+                        if !(g.stands)(query_layers(tx, &layers, g.query)?) {
+                            return Ok(None);
+                        }
+                    }
+                    (g.apply)().map_err(|e| StoreError::io(&upper, e))?;
+                }
             }
             if let Some((index, paths)) = replanned {
                 tx.exec(
@@ -335,7 +416,7 @@ impl Store {
                     Durability::Disposable => Ok(()),
                 })
                 .map_err(|e| StoreError::io(&upper, e))?;
-            Ok((
+            Ok(Some((
                 Published {
                     layer: staged.layer,
                     manifest,
@@ -343,12 +424,13 @@ impl Store {
                 },
                 s.stack,
                 s.branch,
-            ))
+            )))
         });
         drop(conn);
         let transaction = asked.elapsed().saturating_sub(writer_wait);
         let (published, stack, branch) = match published {
-            Ok(p) => p,
+            Ok(Some(p)) => p,
+            Ok(None) => return Ok(Guarded::Moved),
             Err(e) => {
                 // Not committed: put the upper back if it was moved.
                 if std::fs::symlink_metadata(&dst).is_ok()
@@ -365,7 +447,7 @@ impl Store {
             self.reset_session_dirs(session, false);
         }
         debug!(session.id = session, layer.id = published.layer, stack = %stack, branch = %branch, manifest = published.manifest, outcome = kind.as_str(), writer_wait_us = writer_wait.as_micros() as u64, transaction_us = transaction.as_micros() as u64, "published");
-        Ok(published)
+        Ok(Guarded::Committed(published))
     }
 
     /// Sets the gate hold and total time (µs) of committed outcome `outcome`,

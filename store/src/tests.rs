@@ -1889,3 +1889,86 @@ fn gc_keeps_the_members_of_nested_squashes() {
         [b, a]
     );
 }
+
+/// A guarded commit checks, in its own transaction, whether the head moved at
+/// the plan's paths since the plan: not at them → it applies and commits on the
+/// head as it is; at them → nothing is done (`Moved`); a failed apply writes
+/// nothing.
+#[test]
+fn a_guarded_commit_commits_on_the_head_it_finds_or_hands_the_plan_back() {
+    let d = tmp();
+    let s = open(d.path());
+    let top = unpack(&s, "default");
+    for c in ["a", "b", "c", "d"] {
+        s.prepare(&format!("default/9/{c}"), &top, BTreeMap::new(), false)
+            .unwrap();
+    }
+    let sess = |c: &str| s.find_session("default", c).unwrap().unwrap();
+    let (a, b, c, dd) = (sess("a"), sess("b"), sess("c"), sess("d"));
+    let observed = s.head_view(b.id).unwrap().manifest;
+    // `a` lands first, at x.
+    publish(&s, a.id, &[write_entry(b"x", 1)]);
+    let mut applied = 0;
+    let guarded = |sid: SessionId, path: &[u8], applied: &mut i32, fail: bool| {
+        std::fs::write(s.upper_path(sid).join("f"), b"f").unwrap();
+        let index = [write_entry(path, 2)];
+        let staged = s.stage_publish(sid, &index, &[]).unwrap();
+        let q = query(&[std::str::from_utf8(path).unwrap()], &[]);
+        let mut stands = |delta: HeadChanges| delta.is_empty();
+        let mut apply = || {
+            *applied += 1;
+            if fail {
+                Err(std::io::Error::other("boom"))
+            } else {
+                Ok(())
+            }
+        };
+        let r = s.commit_publish_guarded(
+            sid,
+            staged,
+            PlanGuard {
+                observed,
+                query: &q,
+                stands: &mut stands,
+                apply: &mut apply,
+            },
+            CommitRecord::default(),
+        );
+        (r, staged)
+    };
+    // `b` planned at y on the old head: the head moved, not at y → commits on it.
+    let (r, _) = guarded(b.id, b"y", &mut applied, false);
+    let Guarded::Committed(p) = r.unwrap() else {
+        panic!("b should commit")
+    };
+    assert_eq!(applied, 1);
+    let head = s
+        .manifest(s.branch_head(&b.stack, "main").unwrap())
+        .unwrap();
+    assert_eq!(head[0], p.layer);
+    assert_eq!(head.len(), 2, "b on top of a");
+    // `c` planned at x on the old head: `a` wrote x since → handed back.
+    let (r, staged) = guarded(c.id, b"x", &mut applied, false);
+    assert_eq!(r.unwrap(), Guarded::Moved);
+    assert_eq!(applied, 1, "nothing applied");
+    assert_eq!(
+        s.manifest(s.branch_head(&c.stack, "main").unwrap())
+            .unwrap()
+            .len(),
+        2,
+        "nothing committed"
+    );
+    assert!(s.upper_path(c.id).join("f").exists(), "the upper stays");
+    s.abandon_staged(staged).unwrap();
+    // `dd`'s apply fails: nothing committed, the error names the upper.
+    let (r, _) = guarded(dd.id, b"z", &mut applied, true);
+    let e = r.unwrap_err();
+    assert!(matches!(e, StoreError::Io(..)), "{e}");
+    assert_eq!(
+        s.manifest(s.branch_head(&dd.stack, "main").unwrap())
+            .unwrap()
+            .len(),
+        2
+    );
+    assert!(s.session(dd.id).unwrap().outcome.is_none());
+}
