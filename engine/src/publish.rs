@@ -203,6 +203,24 @@ fn what_is_kept(s: &SessionInfo) -> String {
     }
 }
 
+/// After a step of a staged publish failed: its outcome `failed` (the staged
+/// rows dropped, the upper kept), with why.
+fn record_failed(
+    store: &Store,
+    id: SessionId,
+    e: &RunError,
+    s: &SessionInfo,
+    staged: Staged,
+    started: Instant,
+) -> Result<(), RunError> {
+    let msg = error_chain(e);
+    let mut rec = OutcomeRecord::new(OutcomeKind::Failed, failed_message(&msg, s));
+    rec.timings = Some(total_only(started));
+    warn!(session.id = id, error = %msg, "publish failed");
+    store_write(|| store.record_outcome(id, rec, Some(staged)))?;
+    Ok(())
+}
+
 /// The message of a run whose publish failed (`msg`: why).
 fn failed_message(msg: &str, s: &SessionInfo) -> String {
     match s.owner {
@@ -677,14 +695,7 @@ impl Engine {
                         Ok(GateStep::Done(o)) => Ok(Ok(o.map(|o| (o, holding.elapsed())))),
                         Err(e) => {
                             // Nothing was committed: drop the staged rows, keep the upper.
-                            let msg = error_chain(&e);
-                            let mut rec = OutcomeRecord::new(
-                                OutcomeKind::Failed,
-                                failed_message(&msg, &session),
-                            );
-                            rec.timings = Some(total_only(started));
-                            warn!(session.id = id, error = %msg, "publish failed");
-                            store.record_outcome(id, rec, Some(staged))?;
+                            record_failed(&store, id, &e, &session, staged, started)?;
                             Ok::<_, RunError>(Ok(None))
                         }
                     }
@@ -705,14 +716,8 @@ impl Engine {
                             Ok(Replanned::Conflict) => Ok(None),
                             Err(e) => {
                                 // Nothing was committed: drop the staged rows, keep the upper.
-                                let msg = error_chain(&e);
-                                let mut rec = OutcomeRecord::new(
-                                    OutcomeKind::Failed,
-                                    failed_message(&msg, &stale.ctx.session),
-                                );
-                                rec.timings = Some(total_only(started));
-                                warn!(session.id = id, error = %msg, "publish failed");
-                                store_write(|| store.record_outcome(id, rec, Some(stale.staged)))?;
+                                let s = &stale.ctx.session;
+                                record_failed(&store, id, &e, s, stale.staged, started)?;
                                 Ok::<_, RunError>(None)
                             }
                         }

@@ -148,13 +148,7 @@ impl Checkpointer {
         // Behind the writers it serves (nice +10 on this thread): a checkpoint
         // can wait, a commit under a branch's gate cannot. The backstop bounds
         // the WAL if it falls behind.
-        // SAFETY: gettid, getpriority and setpriority take and return plain
-        // integers; no memory is shared with the kernel.
-        unsafe {
-            let tid = libc::gettid() as libc::id_t;
-            let now = libc::getpriority(libc::PRIO_PROCESS, tid);
-            libc::setpriority(libc::PRIO_PROCESS, tid, now + 10);
-        }
+        crate::background_thread();
         let conn = match Connection::open(path)
             .and_then(|c| c.busy_timeout(BUSY_TIMEOUT).map(|()| c))
         {

@@ -368,6 +368,20 @@ impl Store {
     }
 }
 
+/// Lowers the calling thread's CPU priority by 10 (nice +10; Linux applies nice
+/// per thread): the store's own background threads (WAL checkpoints, removing
+/// trees) run behind everything that waits for an answer. A failure leaves the
+/// priority as it was.
+pub(crate) fn background_thread() {
+    // SAFETY: gettid, getpriority and setpriority take and return plain
+    // integers; no memory is shared with the kernel.
+    unsafe {
+        let tid = libc::gettid() as libc::id_t;
+        let now = libc::getpriority(libc::PRIO_PROCESS, tid);
+        libc::setpriority(libc::PRIO_PROCESS, tid, now + 10);
+    }
+}
+
 /// `l/<id>`, relative to the root.
 pub(crate) fn layer_rel(id: LayerId) -> String {
     format!("l/{id}")

@@ -106,15 +106,8 @@ impl Reaper {
         let started = std::thread::Builder::new()
             .name("store-reaper".into())
             .spawn(move || {
-                // Behind everything that waits for an answer (nice +10 on this
-                // thread): a removal can wait.
-                // SAFETY: gettid, getpriority and setpriority take and return
-                // plain integers; no memory is shared with the kernel.
-                unsafe {
-                    let tid = libc::gettid() as libc::id_t;
-                    let now = libc::getpriority(libc::PRIO_PROCESS, tid);
-                    libc::setpriority(libc::PRIO_PROCESS, tid, now + 10);
-                }
+                // Behind everything that waits for an answer: a removal can wait.
+                crate::background_thread();
                 // Ends when the store (the sender) is dropped, after the queue.
                 for path in rx {
                     remove(&path);

@@ -420,6 +420,18 @@ fn concurrent_instances_publish_every_layer_exactly_once() {
     }
 }
 
+/// A new sandbox session `name` on `main`'s head.
+fn sandbox_session(s: &Store, name: &str) -> SessionInfo {
+    s.create_session(
+        &Owner::Sandbox { name: name.into() },
+        STACK,
+        &LeaseTarget::Branch("main".into()),
+        None,
+    )
+    .unwrap()
+    .0
+}
+
 /// Layer ids are taken when a publish is staged, so a layer can land above one
 /// with a higher id: the rows the gate reads at a path are the newest by
 /// position in the head's manifest, not by id — also for a row that hides what
@@ -428,16 +440,7 @@ fn concurrent_instances_publish_every_layer_exactly_once() {
 fn the_newest_row_is_by_position_not_by_id() {
     let t = tmp();
     let s = store_with_stack(t.path());
-    let session = |name: &str| {
-        s.create_session(
-            &Owner::Sandbox { name: name.into() },
-            STACK,
-            &LeaseTarget::Branch("main".into()),
-            None,
-        )
-        .unwrap()
-        .0
-    };
+    let session = |name: &str| sandbox_session(&s, name);
     let reader = session("reader");
     let lease = reader.lease_manifest.unwrap();
     let commit = |id: SessionId, staged: Staged| {
@@ -503,16 +506,7 @@ fn the_newest_row_is_by_position_not_by_id() {
 fn an_old_hiding_row_is_found_below_many_metadata_rows() {
     let t = tmp();
     let s = store_with_stack(t.path());
-    let session = |name: &str| {
-        s.create_session(
-            &Owner::Sandbox { name: name.into() },
-            STACK,
-            &LeaseTarget::Branch("main".into()),
-            None,
-        )
-        .unwrap()
-        .0
-    };
+    let session = |name: &str| sandbox_session(&s, name);
     let reader = session("reader");
     let lease = reader.lease_manifest.unwrap();
     let mut opaque = entry("d", 1);
