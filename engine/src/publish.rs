@@ -539,7 +539,9 @@ impl Engine {
 
     /// Ends the run of `session` per [`exit_decision`] (session lock held by the
     /// caller): publish, discard, or — for an invalid policy — outcome `failed`
-    /// with the upper kept.
+    /// with the upper kept. A run that has ended waits (at most
+    /// [`SETTLE_AFTER_EXIT`]) for its upper to leave every mount namespace only
+    /// when the decision reads the upper (publish, checkpoint).
     pub async fn finish_locked(
         &self,
         session: &SessionInfo,
@@ -548,12 +550,18 @@ impl Engine {
         why: &str,
     ) -> Result<SessionInfo, EngineError> {
         let proven = !session.run_finished() && session.lease_manifest.is_some();
-        if proven {
+        let decision = exit_decision(session, label, exit_status);
+        // What reads the upper (a publish's capture, a checkpoint's rename)
+        // needs it unmounted everywhere; a discard or a refusal does not (a
+        // discard drops the upper whether or not a copy of the mount lingers
+        // somewhere: nothing is read from it).
+        let reads_the_upper = matches!(decision, Ok((Decision::Publish | Decision::Checkpoint, _)));
+        if proven && reads_the_upper {
             // The run has ended (task deleted, holder gone, snapshot removed):
             // a mount still seen now is a transient copy in another namespace.
             self.settle_quiescent(session, SETTLE_AFTER_EXIT).await?;
         }
-        match exit_decision(session, label, exit_status) {
+        match decision {
             Ok((Decision::Publish, reason)) => {
                 self.publish_locked_with(session.id, &format!("{why}: {reason}"), proven)
                     .await
