@@ -95,9 +95,8 @@ pub(crate) fn version(
     };
     let content = v
         .view
-        .read_regular(path)
-        .map_err(read_err("the layers at", path))?
-        .unwrap_or_default();
+        .read_entry(path, &entry)
+        .map_err(read_err("the layers at", path))?;
     let layer = v.layers[entry.layer_index].clone();
     let n = lines(&content);
     if publisher::is_binary(&content) {
@@ -283,6 +282,7 @@ pub(crate) fn stage(
             return;
         }
     };
+    let tb = std::time::Instant::now();
     let files = blame_plan(
         store,
         settings,
@@ -294,10 +294,12 @@ pub(crate) fn stage(
         upper,
         only,
     );
+    let tp = tb.elapsed();
     debug!(
         session.id = session.id,
         layer.id = layer,
         files = files.len(),
+        plan_us = tp.as_micros() as u64,
         "blame staged"
     );
     if let Err(e) = crate::publish::store_write(|| store.stage_blame(&session.stack, layer, &files))

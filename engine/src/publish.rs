@@ -978,7 +978,9 @@ fn prepare(
         })?;
         return Ok(Prepared::Done);
     }
+    let t0 = Instant::now();
     let staged = store_write(|| store.stage_publish(id, &index_of(&plan), &records(&plan)))?;
+    let t1 = Instant::now();
     // Blame (engine/src/blame.rs): computed and staged with the layer, outside the gate.
     crate::blame::stage(
         store,
@@ -990,6 +992,13 @@ fn prepare(
         &upper,
         staged.layer,
         None,
+    );
+    debug!(
+        session.id = id,
+        layer.id = staged.layer,
+        stage_us = micros(t1 - t0),
+        blame_us = micros(t1.elapsed()),
+        "staged"
     );
     Ok(Prepared::Ready(Box::new(Ready {
         _pin: pin,

@@ -177,6 +177,126 @@ pub(crate) fn at(base: &Path, rel: &[u8]) -> io::Result<At> {
     })
 }
 
+/// The directory an entry is named in, for the calls that take a directory
+/// and one name (`fstatat`, `openat`, `fgetxattr` of an `openat`): the base
+/// itself (named by its path, the daemon's own directory), or a directory below
+/// it opened as in [`open_beneath`]. Nothing goes through `/proc/self/fd` and no
+/// `DIR` stream is allocated: a lookup costs one `openat2` for the parent and
+/// one call per question — the hot path of every [`LayerView`](crate::LayerView)
+/// lookup (capture, gate, blame).
+pub(crate) enum Parent<'a> {
+    Base(&'a Path),
+    Fd(std::os::fd::OwnedFd),
+}
+
+const RAW_DIR_FLAGS: rustix::fs::OFlags = rustix::fs::OFlags::RDONLY
+    .union(rustix::fs::OFlags::DIRECTORY)
+    .union(rustix::fs::OFlags::NOFOLLOW)
+    .union(rustix::fs::OFlags::CLOEXEC);
+
+impl<'a> Parent<'a> {
+    /// The directory `rel` below `base` (empty: `base`); see the module docs.
+    ///
+    /// # Errors
+    /// As [`open_beneath`].
+    pub(crate) fn open(base: &'a Path, rel: &[u8]) -> io::Result<Parent<'a>> {
+        use rustix::fs::{openat, openat2, Mode as RMode, ResolveFlags, CWD};
+        if rel.is_empty() {
+            return Ok(Parent::Base(base));
+        }
+        let root = openat(CWD, base, RAW_DIR_FLAGS, RMode::empty())?;
+        let resolve =
+            ResolveFlags::BENEATH | ResolveFlags::NO_SYMLINKS | ResolveFlags::NO_MAGICLINKS;
+        match openat2(&root, rel, RAW_DIR_FLAGS, RMode::empty(), resolve) {
+            Ok(fd) => Ok(Parent::Fd(fd)),
+            // No openat2 (kernel < 5.6, a seccomp filter), or a path longer
+            // than PATH_MAX: one component at a time.
+            Err(
+                rustix::io::Errno::NOSYS | rustix::io::Errno::PERM | rustix::io::Errno::NAMETOOLONG,
+            ) => {
+                let mut dir = root;
+                for comp in rel.split(|&b| b == b'/') {
+                    dir = openat(&dir, comp, RAW_DIR_FLAGS, RMode::empty())?;
+                }
+                Ok(Parent::Fd(dir))
+            }
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// `lstat` of `name` in this directory (never following it).
+    pub(crate) fn lstat(&self, name: &[u8]) -> io::Result<rustix::fs::Stat> {
+        use rustix::fs::{statat, AtFlags, CWD};
+        Ok(match self {
+            Parent::Base(b) => statat(
+                CWD,
+                &b.join(OsStr::from_bytes(name)),
+                AtFlags::SYMLINK_NOFOLLOW,
+            )?,
+            Parent::Fd(d) => statat(d, name, AtFlags::SYMLINK_NOFOLLOW)?,
+        })
+    }
+
+    /// Opens the directory `name` in this directory (never following it);
+    /// `None` when `name` is not a directory (any more).
+    pub(crate) fn open_dir(&self, name: &[u8]) -> io::Result<Option<std::os::fd::OwnedFd>> {
+        use rustix::fs::{openat, Mode as RMode, CWD};
+        use rustix::io::Errno;
+        let dir = match self {
+            Parent::Base(b) => openat(
+                CWD,
+                &b.join(OsStr::from_bytes(name)),
+                RAW_DIR_FLAGS,
+                RMode::empty(),
+            ),
+            Parent::Fd(d) => openat(d, name, RAW_DIR_FLAGS, RMode::empty()),
+        };
+        match dir {
+            Ok(d) => Ok(Some(d)),
+            Err(Errno::LOOP | Errno::NOTDIR) => Ok(None),
+            Err(e) => Err(e.into()),
+        }
+    }
+
+    /// Whether the directory `name` in this directory carries xattr `key` with
+    /// the value `y` (overlayfs' opaque marker), not following a symlink.
+    /// `false` when `name` is not a directory (any more) or the filesystem
+    /// has no xattrs (`EOPNOTSUPP`).
+    pub(crate) fn dir_xattr_is_y(&self, name: &[u8], key: &str) -> io::Result<bool> {
+        match self.open_dir(name)? {
+            Some(dir) => xattr_is_y(&dir, key),
+            None => Ok(false),
+        }
+    }
+
+    /// Opens the regular file `name` in this directory read-only, never
+    /// following a symlink and never becoming a controlling terminal.
+    pub(crate) fn open_read(&self, name: &[u8]) -> io::Result<std::fs::File> {
+        use rustix::fs::{openat, Mode as RMode, OFlags, CWD};
+        let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NOCTTY | OFlags::CLOEXEC;
+        let fd = match self {
+            Parent::Base(b) => {
+                openat(CWD, &b.join(OsStr::from_bytes(name)), flags, RMode::empty())?
+            }
+            Parent::Fd(d) => openat(d, name, flags, RMode::empty())?,
+        };
+        Ok(std::fs::File::from(fd))
+    }
+}
+
+/// Whether the open directory `dir` carries xattr `key` with the value `y`
+/// (`fgetxattr(2)`); `false` when it has none or the filesystem has no xattrs.
+pub(crate) fn xattr_is_y(dir: &std::os::fd::OwnedFd, key: &str) -> io::Result<bool> {
+    use rustix::io::Errno;
+    // Room for one byte more than `y`: a longer value is not `y` (ERANGE).
+    let mut buf = [0u8; 2];
+    match rustix::fs::fgetxattr(dir, key, &mut buf[..]) {
+        Ok(n) => Ok(&buf[..n] == b"y"),
+        Err(Errno::NODATA | Errno::RANGE | Errno::OPNOTSUPP) => Ok(false),
+        Err(e) => Err(e.into()),
+    }
+}
+
 /// `lstat` of `rel` below `base`.
 pub(crate) fn lstat(base: &Path, rel: &[u8]) -> io::Result<std::fs::Metadata> {
     std::fs::symlink_metadata(at(base, rel)?.path())
@@ -185,12 +305,12 @@ pub(crate) fn lstat(base: &Path, rel: &[u8]) -> io::Result<std::fs::Metadata> {
 /// Opens the regular file `rel` below `base` read-only, never following a symlink
 /// and never becoming a controlling terminal.
 pub(crate) fn open_read(base: &Path, rel: &[u8]) -> io::Result<std::fs::File> {
-    use std::os::unix::fs::OpenOptionsExt;
-    let a = at(base, rel)?;
-    std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NOFOLLOW | libc::O_NOCTTY)
-        .open(a.path())
+    let (parent, name) = split_parent(rel);
+    if name.is_empty() {
+        // The base itself: not a regular file.
+        return Err(io::Error::from_raw_os_error(libc::EISDIR));
+    }
+    Parent::open(base, parent)?.open_read(name)
 }
 
 /// The whole content of the regular file `rel` below `base`.

@@ -105,6 +105,22 @@ pub struct Entry {
 }
 
 impl Entry {
+    /// From `lstat`'s answer (as [`Entry::from_metadata`]).
+    #[allow(clippy::unnecessary_cast)] // the field types differ between targets
+    fn from_stat(st: &rustix::fs::Stat, layer_index: usize) -> Option<Entry> {
+        let mode = st.st_mode as u32;
+        Some(Entry {
+            kind: FileKind::from_mode(mode)?,
+            mode: mode & 0o7777,
+            uid: st.st_uid as u32,
+            gid: st.st_gid as u32,
+            size: st.st_size as u64,
+            rdev: st.st_rdev as u64,
+            mtime: (st.st_mtime as i64, st.st_mtime_nsec as i64),
+            layer_index,
+        })
+    }
+
     fn from_metadata(md: &std::fs::Metadata, layer_index: usize) -> Option<Entry> {
         Some(Entry {
             kind: FileKind::from_mode(md.mode())?,
@@ -193,14 +209,72 @@ impl LayerView {
         let Some((last, parents)) = comps.split_last() else {
             return self.root_entry();
         };
-        let mut cursor = self.root();
+        // The contributing layers' directories stay open from one component to
+        // the next: a component costs an `fstatat` per layer (and an `openat`
+        // and `fgetxattr` per directory), never a walk from a layer's root.
+        let mut dirs: Vec<(usize, crate::fsx::Parent<'_>)> = self
+            .layers
+            .iter()
+            .enumerate()
+            .map(|(i, l)| (i, crate::fsx::Parent::Base(l)))
+            .collect();
         for comp in parents {
-            match self.step(&cursor, comp)?.dir {
-                Some(dir) => cursor = dir,
-                None => return Ok(None),
+            match self.step_open(&dirs, comp, true)? {
+                (Some(e), next) if e.kind == FileKind::Dir => dirs = next,
+                _ => return Ok(None),
             }
         }
-        Ok(self.step(&cursor, last)?.entry)
+        Ok(self.step_open(&dirs, last, false)?.0)
+    }
+
+    /// [`step`](Self::step) over open directories: the entry `name` resolves
+    /// to in the merged directory `dirs` (its contributing layers, newest
+    /// first, each opened), and — with `descend`, when it is a directory — its
+    /// own contributing layers, opened.
+    fn step_open<'v>(
+        &'v self,
+        dirs: &[(usize, crate::fsx::Parent<'v>)],
+        name: &[u8],
+        descend: bool,
+    ) -> io::Result<(Option<Entry>, Vec<(usize, crate::fsx::Parent<'v>)>)> {
+        let mut found: Option<Entry> = None;
+        let mut run = Vec::new();
+        for (i, parent) in dirs {
+            let st = match parent.lstat(name) {
+                Ok(st) => st,
+                Err(e) if absent(&e) => continue,
+                Err(e) => return Err(e),
+            };
+            #[allow(clippy::unnecessary_cast)]
+            let (mode, rdev) = (st.st_mode as u32, st.st_rdev as u64);
+            if is_whiteout(mode, rdev) {
+                break;
+            }
+            if mode & libc::S_IFMT != libc::S_IFDIR {
+                if found.is_none() {
+                    found = Entry::from_stat(&st, *i);
+                }
+                break;
+            }
+            if found.is_none() {
+                found = Entry::from_stat(&st, *i);
+            }
+            let Some(fd) = parent.open_dir(name)? else {
+                // Replaced since the lstat (only a live upper can change).
+                break;
+            };
+            let opaque = crate::fsx::xattr_is_y(&fd, opaque_name(self.userxattr))?;
+            if descend {
+                run.push((*i, crate::fsx::Parent::Fd(fd)));
+            }
+            if opaque {
+                break;
+            }
+        }
+        if !found.is_some_and(|e| e.kind == FileKind::Dir) {
+            run.clear();
+        }
+        Ok((found, run))
     }
 
     /// The names visible in the merged directory `rel`, sorted bytewise, without
@@ -296,6 +370,22 @@ impl LayerView {
         }
     }
 
+    /// The content of the regular file `entry` that [`lookup`](Self::lookup)
+    /// of `rel` returned (no second lookup).
+    ///
+    /// # Errors
+    /// [`io::ErrorKind::InvalidInput`] when `entry` is not a regular file; any
+    /// error opening or reading it.
+    pub fn read_entry(&self, rel: &[u8], entry: &Entry) -> io::Result<Vec<u8>> {
+        if entry.kind != FileKind::Regular {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "read_entry of an entry that is not a regular file",
+            ));
+        }
+        crate::fsx::read_file(&self.layers[entry.layer_index], rel)
+    }
+
     /// The regular file visible at `rel`, opened for reading (`O_NOFOLLOW`), for
     /// streaming; `Ok(None)` when nothing or something else is visible there.
     ///
@@ -331,35 +421,38 @@ impl LayerView {
         let mut found: Option<Entry> = None;
         let mut run = Vec::new();
         for &i in &dir.run {
-            let at = match crate::fsx::at(&self.layers[i], &rel) {
-                Ok(at) => at,
+            // The parent once per layer, then fd-relative calls on `name`.
+            let parent = match crate::fsx::Parent::open(&self.layers[i], &dir.rel) {
+                Ok(p) => p,
                 Err(e) if absent(&e) => continue,
                 Err(e) => return Err(e),
             };
-            let path = at.path();
-            let md = match std::fs::symlink_metadata(path) {
-                Ok(md) => md,
+            let st = match parent.lstat(name) {
+                Ok(st) => st,
                 Err(e) if absent(&e) => continue,
                 Err(e) => return Err(e),
             };
-            if is_whiteout(md.mode(), md.rdev()) {
+            #[allow(clippy::unnecessary_cast)]
+            let (mode, rdev) = (st.st_mode as u32, st.st_rdev as u64);
+            if is_whiteout(mode, rdev) {
                 // Hides the name in this and all older layers; below a directory
                 // found in a newer layer it only ends the merge.
                 break;
             }
-            if !md.is_dir() {
+            let is_dir = mode & libc::S_IFMT == libc::S_IFDIR;
+            if !is_dir {
                 if found.is_none() {
-                    found = Entry::from_metadata(&md, i);
+                    found = Entry::from_stat(&st, i);
                 }
                 // A non-directory is opaque: older layers are hidden (and under a
                 // newer directory it is itself ignored).
                 break;
             }
             if found.is_none() {
-                found = Entry::from_metadata(&md, i);
+                found = Entry::from_stat(&st, i);
             }
             run.push(i);
-            if is_opaque_path(path, self.userxattr)? {
+            if parent.dir_xattr_is_y(name, opaque_name(self.userxattr))? {
                 break;
             }
         }
@@ -378,6 +471,7 @@ fn absent(e: &io::Error) -> bool {
         || matches!(e.raw_os_error(), Some(libc::ENOTDIR) | Some(libc::ELOOP))
 }
 
+#[cfg(test)]
 /// True when the directory at `path` carries the opaque xattr of the mount's
 /// namespace ([`opaque_name`]) with value `y` (read with `lgetxattr(2)`, never
 /// following a symlink).
@@ -549,12 +643,28 @@ mod tests {
         write(&l0, "a/b", b"now a file", 0o644);
         symlink(&l0, "s", b"../l1/a");
         write(&l1, "s/inner", b"x", 0o644);
-        let v = LayerView::new(vec![l0, l1]);
+        let v = LayerView::new(vec![l0.clone(), l1.clone()]);
         assert_eq!(v.lookup(b"a/b").unwrap().unwrap().kind, FileKind::Regular);
         assert_eq!(v.lookup(b"a/b/c").unwrap(), None);
         // A symlink is a non-directory too, and is never followed.
         assert_eq!(v.lookup(b"s").unwrap().unwrap().kind, FileKind::Symlink);
         assert_eq!(v.lookup(b"s/inner").unwrap(), None);
+        // Below the root too (reached through descriptors): a symlink to a
+        // directory outside, or to an older layer's directory, is not entered.
+        let outside = t.path().join("outside");
+        write(&outside, "secret", b"host file", 0o600);
+        write(&l0, "d/keep", b"k", 0o644);
+        std::os::unix::fs::symlink(&outside, l0.join("d/host")).unwrap();
+        symlink(&l0, "d/up", b"../../l1/a");
+        let v = LayerView::new(vec![l0.clone(), l1.clone()]);
+        assert_eq!(
+            v.lookup(b"d/host").unwrap().unwrap().kind,
+            FileKind::Symlink
+        );
+        assert_eq!(v.lookup(b"d/host/secret").unwrap(), None);
+        assert_eq!(v.read_regular(b"d/host/secret").unwrap(), None);
+        assert_eq!(v.lookup(b"d/up/b/c").unwrap(), None);
+        assert_eq!(v.read_regular(b"d/keep").unwrap().unwrap(), b"k");
         assert_eq!(
             v.list_dir(b"s").unwrap_err().raw_os_error(),
             Some(libc::ENOTDIR)
