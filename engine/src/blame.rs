@@ -82,7 +82,18 @@ pub(crate) fn version(
     v: &View,
     path: &[u8],
 ) -> Result<Option<Version>, EngineError> {
-    let entry = match v.view.lookup(path) {
+    version_in(store, stack, v, &mut v.view.lookups(), path)
+}
+
+/// [`version`] with the lookups of `v` shared with the caller's other paths.
+fn version_in(
+    store: &Store,
+    stack: &str,
+    v: &View,
+    lookups: &mut publisher::Lookups<'_>,
+    path: &[u8],
+) -> Result<Option<Version>, EngineError> {
+    let entry = match lookups.lookup(path) {
         Ok(Some(e)) if e.kind == publisher::FileKind::Regular => e,
         Ok(_) => return Ok(None),
         Err(e) if e.kind() == std::io::ErrorKind::InvalidInput => {
@@ -124,16 +135,15 @@ pub(crate) fn version(
 fn published_content(
     actions: &HashMap<&[u8], &Action>,
     path: &[u8],
-    upper: &Path,
-    head: &View,
+    upper: &mut publisher::Lookups<'_>,
+    head: &mut publisher::Lookups<'_>,
 ) -> Result<Option<Vec<u8>>, EngineError> {
     match actions.get(path) {
         Some(Action::WriteFile { content, .. }) => Ok(Some(content.clone())),
         Some(Action::CopyFile { .. }) => head
-            .view
             .read_regular(path)
             .map_err(read_err("the head's version of", path)),
-        _ => LayerView::new(vec![upper.to_path_buf()])
+        _ => upper
             .read_regular(path)
             .map_err(read_err("the session's version of", path)),
     }
@@ -173,6 +183,12 @@ pub(crate) fn blame_plan(
             _ => None,
         })
         .collect();
+    // One walker per view: consecutive paths (the index is in path order)
+    // share their directories' lookups.
+    let upper_view = LayerView::new(vec![upper.to_path_buf()]);
+    let mut upper_lk = upper_view.lookups();
+    let mut lease_lk = lease.view.lookups();
+    let mut head_lk = head.view.lookups();
     let mut out = Vec::new();
     for idx in &plan.index {
         if idx.kind != publisher::HeadChangeKind::Write {
@@ -184,7 +200,8 @@ pub(crate) fn blame_plan(
         }
         let path = idx.path.as_slice();
         let r = (|| -> Result<Option<FileBlame>, EngineError> {
-            let Some(content) = published_content(&actions, path, upper, head)? else {
+            let Some(content) = published_content(&actions, path, &mut upper_lk, &mut head_lk)?
+            else {
                 return Ok(None);
             };
             let n = lines(&content);
@@ -195,13 +212,13 @@ pub(crate) fn blame_plan(
             let on_head = head_at.get(path).and_then(|h| h.digest) == Some(digest);
             let owners: Vec<Option<LineOwner>> = if on_head {
                 // The head had exactly this version already.
-                match version(store, &session.stack, head, path)? {
+                match version_in(store, &session.stack, head, &mut head_lk, path)? {
                     Some(v) if v.owners.len() == n => v.owners,
                     _ => vec![None; n],
                 }
             } else if let Some(origins) = plan.origins.get(path) {
-                let base = version(store, &session.stack, lease, path)?;
-                let theirs = version(store, &session.stack, head, path)?;
+                let base = version_in(store, &session.stack, lease, &mut lease_lk, path)?;
+                let theirs = version_in(store, &session.stack, head, &mut head_lk, path)?;
                 let pick = |v: &Option<Version>, i: usize| {
                     v.as_ref().and_then(|v| v.owners.get(i).cloned().flatten())
                 };
@@ -214,7 +231,7 @@ pub(crate) fn blame_plan(
                     })
                     .collect()
             } else {
-                match version(store, &session.stack, lease, path)? {
+                match version_in(store, &session.stack, lease, &mut lease_lk, path)? {
                     Some(old) => publisher::unchanged_lines(
                         &old.content,
                         &content,

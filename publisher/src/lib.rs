@@ -105,4 +105,4 @@ pub use merge::{
     TracedMerge, MARKER_BASE, MARKER_OURS, MARKER_SEP, MARKER_THEIRS, OVERLAP_REASON,
 };
 pub use textdiff::unified_patch;
-pub use view::{Entry, FileKind, LayerView};
+pub use view::{Entry, FileKind, LayerView, Lookups};

@@ -205,26 +205,25 @@ impl LayerView {
     /// [`io::ErrorKind::InvalidInput`] for a malformed `rel`; any `lstat(2)` or
     /// `lgetxattr(2)` error other than `ENOENT`/`ENOTDIR`.
     pub fn lookup(&self, rel: &[u8]) -> io::Result<Option<Entry>> {
-        let comps = split_rel(rel)?;
-        let Some((last, parents)) = comps.split_last() else {
-            return self.root_entry();
-        };
+        self.lookups().lookup(rel)
+    }
+
+    /// A walker for many lookups in a row (see [`Lookups`]).
+    #[must_use]
+    pub fn lookups(&self) -> Lookups<'_> {
         // The contributing layers' directories stay open from one component to
         // the next: a component costs an `fstatat` per layer (and an `openat`
         // and `fgetxattr` per directory), never a walk from a layer's root.
-        let mut dirs: Vec<(usize, crate::fsx::Parent<'_>)> = self
-            .layers
-            .iter()
-            .enumerate()
-            .map(|(i, l)| (i, crate::fsx::Parent::Base(l)))
-            .collect();
-        for comp in parents {
-            match self.step_open(&dirs, comp, true)? {
-                (Some(e), next) if e.kind == FileKind::Dir => dirs = next,
-                _ => return Ok(None),
-            }
+        Lookups {
+            view: self,
+            names: Vec::new(),
+            dirs: vec![self
+                .layers
+                .iter()
+                .enumerate()
+                .map(|(i, l)| (i, crate::fsx::Parent::Base(l)))
+                .collect()],
         }
-        Ok(self.step_open(&dirs, last, false)?.0)
     }
 
     /// [`step`](Self::step) over open directories: the entry `name` resolves
@@ -464,6 +463,68 @@ impl LayerView {
     }
 }
 
+/// Many [`LayerView::lookup`]s in a row, sharing the directories of the
+/// previous path: the contributing layers' directories of its ancestors stay
+/// open, so a path in the same directory as the last one costs one `fstatat`
+/// per contributing layer instead of a walk from the root. Give paths in byte
+/// order for the most sharing; any order gives the same answers. Holds at most
+/// (depth × contributing layers) descriptors.
+pub struct Lookups<'v> {
+    view: &'v LayerView,
+    /// `names[k]` is the k-th component of the directory `dirs[k + 1]` is;
+    /// `dirs[0]` is the root's layers.
+    names: Vec<Vec<u8>>,
+    dirs: Vec<Vec<(usize, crate::fsx::Parent<'v>)>>,
+}
+
+impl<'v> Lookups<'v> {
+    /// What [`LayerView::lookup`] of `rel` returns.
+    ///
+    /// # Errors
+    /// As [`LayerView::lookup`].
+    pub fn lookup(&mut self, rel: &[u8]) -> io::Result<Option<Entry>> {
+        let comps = split_rel(rel)?;
+        let Some((last, parents)) = comps.split_last() else {
+            return self.view.root_entry();
+        };
+        let keep = self
+            .names
+            .iter()
+            .zip(parents.iter())
+            .take_while(|(a, b)| a.as_slice() == **b)
+            .count();
+        self.names.truncate(keep);
+        self.dirs.truncate(keep + 1);
+        for comp in &parents[keep..] {
+            let Some(dirs) = self.dirs.last() else {
+                return Ok(None);
+            };
+            match self.view.step_open(dirs, comp, true)? {
+                (Some(e), next) if e.kind == FileKind::Dir => {
+                    self.names.push(comp.to_vec());
+                    self.dirs.push(next);
+                }
+                _ => return Ok(None),
+            }
+        }
+        match self.dirs.last() {
+            Some(dirs) => Ok(self.view.step_open(dirs, last, false)?.0),
+            None => Ok(None),
+        }
+    }
+
+    /// What [`LayerView::read_regular`] of `rel` returns.
+    ///
+    /// # Errors
+    /// As [`LayerView::read_regular`].
+    pub fn read_regular(&mut self, rel: &[u8]) -> io::Result<Option<Vec<u8>>> {
+        match self.lookup(rel)? {
+            Some(e) if e.kind == FileKind::Regular => self.view.read_entry(rel, &e).map(Some),
+            _ => Ok(None),
+        }
+    }
+}
+
 /// `ENOENT` or `ENOTDIR` (or `ELOOP` from a descriptor walk meeting a symlink):
 /// the name is simply not in that layer.
 fn absent(e: &io::Error) -> bool {
@@ -584,6 +645,76 @@ mod tests {
         assert_eq!(v.lookup(b"d").unwrap().unwrap().layer_index, 0);
         assert_eq!(v.lookup(b"d/buried").unwrap(), None);
         assert_eq!(v.list_dir(b"d").unwrap(), names(&["top"]));
+    }
+
+    #[test]
+    fn a_shared_walker_answers_as_fresh_lookups_in_any_order() {
+        let t = tmp();
+        let (l0, l1, l2) = (
+            t.path().join("l0"),
+            t.path().join("l1"),
+            t.path().join("l2"),
+        );
+        write(&l2, "o/ancient", b"x", 0o644);
+        write(&l2, "a/b/c", b"x", 0o644);
+        write(&l2, "a/x/deep/f", b"2", 0o644);
+        write(&l1, "o/old", b"x", 0o644);
+        write(&l1, "a/x/deep/g", b"1", 0o644);
+        write(&l0, "o/fresh", b"x", 0o644);
+        write(&l0, "a/b", b"a file over the directory", 0o644);
+        write(&l0, "a/x/deep/f", b"0", 0o644);
+        symlink(&l0, "a/s", b"x");
+        xattr::set(l1.join("o"), USER_OPAQUE, b"y").unwrap();
+        let v = LayerView::new(vec![l0, l1, l2]).with_userxattr(true);
+        let mut paths: Vec<&[u8]> = vec![
+            b"",
+            b"a",
+            b"a/b",
+            b"a/b/c",
+            b"a/s",
+            b"a/s/deep/f",
+            b"a/x",
+            b"a/x/deep",
+            b"a/x/deep/f",
+            b"a/x/deep/g",
+            b"a/x/deep/missing",
+            b"a/x/nope/f",
+            b"o/ancient",
+            b"o/fresh",
+            b"o/old",
+            b"zz/top",
+        ];
+        let fresh: Vec<Option<Entry>> = paths.iter().map(|p| v.lookup(p).unwrap()).collect();
+        // What the layers hold, so that a walker agreeing with a broken lookup fails.
+        let order = paths.clone();
+        let at = |p: &[u8]| fresh[order.iter().position(|q| *q == p).unwrap()];
+        assert_eq!(at(b"a/b").unwrap().kind, FileKind::Regular);
+        assert_eq!(at(b"a/b/c"), None);
+        assert_eq!(at(b"a/s/deep/f"), None);
+        assert_eq!(at(b"a/x/deep/f").unwrap().layer_index, 0);
+        assert_eq!(at(b"a/x/deep/g").unwrap().layer_index, 1);
+        assert_eq!(at(b"o/ancient"), None);
+        assert_eq!(at(b"o/old").unwrap().layer_index, 1);
+        for round in 0..3 {
+            match round {
+                1 => paths.reverse(),
+                2 => paths.sort_by_key(|p| (p.len() % 3, p.to_vec())),
+                _ => {}
+            }
+            let mut walker = v.lookups();
+            for p in &paths {
+                assert_eq!(
+                    walker.lookup(p).unwrap(),
+                    at(p),
+                    "round {round}, path {}",
+                    String::from_utf8_lossy(p)
+                );
+            }
+        }
+        assert_eq!(
+            v.lookups().read_regular(b"a/x/deep/f").unwrap().unwrap(),
+            b"0"
+        );
     }
 
     #[test]
