@@ -62,6 +62,8 @@ pub(crate) struct Version {
     pub(crate) content: Vec<u8>,
     pub(crate) owners: Vec<Option<LineOwner>>,
     pub(crate) layer: ViewLayer,
+    /// Over the caller's size limit: not read, no content, no owners.
+    pub(crate) skipped: bool,
 }
 
 /// Lines of `data`: each ends after `\n`; a last line without one counts.
@@ -82,16 +84,18 @@ pub(crate) fn version(
     v: &View,
     path: &[u8],
 ) -> Result<Option<Version>, EngineError> {
-    version_in(store, stack, v, &mut v.view.lookups(), path)
+    version_in(store, stack, v, &mut v.view.lookups(), path, u64::MAX)
 }
 
-/// [`version`] with the lookups of `v` shared with the caller's other paths.
+/// [`version`] with the lookups of `v` shared with the caller's other paths;
+/// a version over `max` bytes is not read ([`Version::skipped`]).
 fn version_in(
     store: &Store,
     stack: &str,
     v: &View,
     lookups: &mut publisher::Lookups<'_>,
     path: &[u8],
+    max: u64,
 ) -> Result<Option<Version>, EngineError> {
     let entry = match lookups.lookup(path) {
         Ok(Some(e)) if e.kind == publisher::FileKind::Regular => e,
@@ -104,17 +108,26 @@ fn version_in(
         }
         Err(e) => return Err(read_err("the layers at", path)(e)),
     };
-    let content = v
-        .view
+    let layer = v.layers[entry.layer_index].clone();
+    if entry.size > max {
+        // Not read: its lines' owners are unknown.
+        return Ok(Some(Version {
+            content: Vec::new(),
+            owners: Vec::new(),
+            layer,
+            skipped: true,
+        }));
+    }
+    let content = lookups
         .read_entry(path, &entry)
         .map_err(read_err("the layers at", path))?;
-    let layer = v.layers[entry.layer_index].clone();
     let n = lines(&content);
     if publisher::is_binary(&content) {
         return Ok(Some(Version {
             content,
             owners: vec![None; n],
             layer,
+            skipped: false,
         }));
     }
     let digest = publisher::digest_bytes(&content);
@@ -127,25 +140,37 @@ fn version_in(
         content,
         owners,
         layer,
+        skipped: false,
     }))
 }
 
+/// Files larger than this (bytes) get no blame rows (their lines read
+/// `unknown`): reading one whole into memory to diff it costs more than its
+/// blame is worth (a 1 GiB build artefact, a dataset). 16 MiB.
+pub(crate) const BLAME_MAX_BYTES: u64 = 16 << 20;
+
 /// The published content of `path` after `plan` is applied: the merge's
-/// output, the head's content, or the session's (the upper).
-fn published_content(
+/// output, the head's content, or the session's (the upper); `None` when
+/// nothing regular is there or it is over [`BLAME_MAX_BYTES`].
+fn published_content<'v>(
     actions: &HashMap<&[u8], &Action>,
     path: &[u8],
-    upper: &mut publisher::Lookups<'_>,
-    head: &mut publisher::Lookups<'_>,
+    upper: &mut publisher::Lookups<'v>,
+    head: &mut publisher::Lookups<'v>,
 ) -> Result<Option<Vec<u8>>, EngineError> {
-    match actions.get(path) {
-        Some(Action::WriteFile { content, .. }) => Ok(Some(content.clone())),
-        Some(Action::CopyFile { .. }) => head
-            .read_regular(path)
-            .map_err(read_err("the head's version of", path)),
-        _ => upper
-            .read_regular(path)
-            .map_err(read_err("the session's version of", path)),
+    let (from, what) = match actions.get(path) {
+        Some(Action::WriteFile { content, .. }) => {
+            return Ok((content.len() as u64 <= BLAME_MAX_BYTES).then(|| content.clone()))
+        }
+        Some(Action::CopyFile { .. }) => (head, "the head's version of"),
+        _ => (upper, "the session's version of"),
+    };
+    match from.lookup(path).map_err(read_err(what, path))? {
+        Some(e) if e.kind == publisher::FileKind::Regular && e.size <= BLAME_MAX_BYTES => from
+            .read_entry(path, &e)
+            .map(Some)
+            .map_err(read_err(what, path)),
+        _ => Ok(None),
     }
 }
 
@@ -212,13 +237,34 @@ pub(crate) fn blame_plan(
             let on_head = head_at.get(path).and_then(|h| h.digest) == Some(digest);
             let owners: Vec<Option<LineOwner>> = if on_head {
                 // The head had exactly this version already.
-                match version_in(store, &session.stack, head, &mut head_lk, path)? {
+                match version_in(
+                    store,
+                    &session.stack,
+                    head,
+                    &mut head_lk,
+                    path,
+                    BLAME_MAX_BYTES,
+                )? {
                     Some(v) if v.owners.len() == n => v.owners,
                     _ => vec![None; n],
                 }
             } else if let Some(origins) = plan.origins.get(path) {
-                let base = version_in(store, &session.stack, lease, &mut lease_lk, path)?;
-                let theirs = version_in(store, &session.stack, head, &mut head_lk, path)?;
+                let base = version_in(
+                    store,
+                    &session.stack,
+                    lease,
+                    &mut lease_lk,
+                    path,
+                    BLAME_MAX_BYTES,
+                )?;
+                let theirs = version_in(
+                    store,
+                    &session.stack,
+                    head,
+                    &mut head_lk,
+                    path,
+                    BLAME_MAX_BYTES,
+                )?;
                 let pick = |v: &Option<Version>, i: usize| {
                     v.as_ref().and_then(|v| v.owners.get(i).cloned().flatten())
                 };
@@ -231,7 +277,15 @@ pub(crate) fn blame_plan(
                     })
                     .collect()
             } else {
-                match version_in(store, &session.stack, lease, &mut lease_lk, path)? {
+                match version_in(
+                    store,
+                    &session.stack,
+                    lease,
+                    &mut lease_lk,
+                    path,
+                    BLAME_MAX_BYTES,
+                )? {
+                    Some(old) if old.skipped => vec![None; n],
                     Some(old) => publisher::unchanged_lines(
                         &old.content,
                         &content,

@@ -218,7 +218,10 @@ async fn blame_follows_writes_merges_and_overwrites_through_squash() {
         want
     );
 
-    // A later session overwrites lines 3-4, adds a file and a binary one.
+    // A later session overwrites lines 3-4, adds a file, a binary one and a
+    // text file over the blame limit (not read: its lines read unknown).
+    let huge_lines = (crate::blame::BLAME_MAX_BYTES / 7 + 1) as usize;
+    let huge = b"a line\n".repeat(huge_lines);
     let late = sandbox(
         &p,
         "main",
@@ -235,6 +238,7 @@ async fn blame_follows_writes_merges_and_overwrites_through_squash() {
             ),
             ("etc/new", b"one\ntwo\n"),
             ("etc/blob", b"\0\x01"),
+            ("var/huge.log", &huge),
         ],
     )
     .await;
@@ -257,6 +261,9 @@ async fn blame_follows_writes_merges_and_overwrites_through_squash() {
         owners(&p.blame(STACK, "main", b"etc/new").await.unwrap().ranges),
         [r(1, 2, "session:late")]
     );
+    let got = p.blame(STACK, "main", b"var/huge.log").await.unwrap();
+    assert_eq!(got.lines, huge_lines);
+    assert_eq!(owners(&got.ranges), [r(1, huge_lines as u32, "unknown")]);
     let e = p.blame(STACK, "main", b"etc/blob").await.unwrap_err();
     assert!(matches!(e, EngineError::FailedPrecondition(_)), "{e}");
     let e = p.blame(STACK, "main", b"etc/none").await.unwrap_err();

@@ -513,6 +513,14 @@ impl<'v> Lookups<'v> {
         }
     }
 
+    /// [`LayerView::read_entry`].
+    ///
+    /// # Errors
+    /// As [`LayerView::read_entry`].
+    pub fn read_entry(&self, rel: &[u8], entry: &Entry) -> io::Result<Vec<u8>> {
+        self.view.read_entry(rel, entry)
+    }
+
     /// What [`LayerView::read_regular`] of `rel` returns.
     ///
     /// # Errors
