@@ -326,6 +326,6 @@ const TIME_GOES: &str = "all in our daemon, most of it kernel path lookups and f
     diffs them; staging writes the layer's index rows; the gate holds ~1 %. Cut this round: \
     every layer lookup is fd-relative (`fstatat`/`openat`/`fgetxattr` on directories kept \
     open down the path) instead of resolving `/proc/self/fd/N/name` per component and \
-    layer, and consecutive paths share their directories' lookups — blame at C = 1,000 went \
-    from ~450 ms to ~100 ms. containerd's diff service walks the whole 1.3 GB tree twice \
+    layer, and consecutive paths share their directories' lookups: blame at C = 1,000 took \
+    ~0.4 ms a file and now ~0.1 ms. containerd's diff service walks the whole 1.3 GB tree twice \
     whatever C is.";
