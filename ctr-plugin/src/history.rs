@@ -292,12 +292,13 @@ fn log_lines(stack: &str, branch: &str, entries: &[api::LogEntry]) -> Vec<String
     fn entry(e: &api::LogEntry, depth: usize, out: &mut Vec<String>) {
         let indent = "  ".repeat(depth);
         out.push(format!(
-            "{indent}layer {:<6} {}  {:<9} {} ({} paths)",
+            "{indent}layer {:<6} {}  {:<9} {} ({} {})",
             e.layer,
             timestamp(e.created_ns),
             e.kind,
             if e.owner.is_empty() { "-" } else { &e.owner },
-            e.paths
+            e.paths,
+            if e.paths == 1 { "path" } else { "paths" }
         ));
         for p in &e.changed {
             out.push(format!("{indent}    {:<7} {}", p.kind, p.path));
@@ -728,12 +729,12 @@ mod tests {
             log_lines("default/sha256:ab", "main", &entries),
             [
                 "stack default/sha256:ab branch main",
-                "layer 11     2026-12-01 00:00:11  published operation:op-1 (1 paths)",
+                "layer 11     2026-12-01 00:00:11  published operation:op-1 (1 path)",
                 "layer 9      2026-12-01 00:00:09  squashed  - (3 paths)",
                 "    write   /x",
-                "  layer 7      2026-12-01 00:00:07  published container:default/q3 (1 paths)",
+                "  layer 7      2026-12-01 00:00:07  published container:default/q3 (1 path)",
                 "  layer 5      2026-12-01 00:00:05  squashed  - (2 paths)",
-                "    layer 3      2026-12-01 00:00:03  published container:default/q2 (1 paths)",
+                "    layer 3      2026-12-01 00:00:03  published container:default/q2 (1 path)",
                 "    layer 2      2026-12-01 00:00:02  published sandbox:w (2 paths)",
             ]
         );
