@@ -144,6 +144,37 @@ fn version_in(
     }))
 }
 
+/// One view walked for many paths in a row (a publish's index, in path
+/// order): versions over [`BLAME_MAX_BYTES`] are not read.
+struct Walk<'v> {
+    store: &'v Store,
+    stack: &'v str,
+    view: &'v View,
+    lookups: publisher::Lookups<'v>,
+}
+
+impl<'v> Walk<'v> {
+    fn new(store: &'v Store, stack: &'v str, view: &'v View) -> Walk<'v> {
+        Walk {
+            store,
+            stack,
+            view,
+            lookups: view.view.lookups(),
+        }
+    }
+
+    fn version(&mut self, path: &[u8]) -> Result<Option<Version>, EngineError> {
+        version_in(
+            self.store,
+            self.stack,
+            self.view,
+            &mut self.lookups,
+            path,
+            BLAME_MAX_BYTES,
+        )
+    }
+}
+
 /// Files larger than this (bytes) get no blame rows (their lines read
 /// `unknown`): reading one whole into memory to diff it costs more than its
 /// blame is worth (a 1 GiB build artefact, a dataset). 16 MiB.
@@ -212,8 +243,8 @@ pub(crate) fn blame_plan(
     // share their directories' lookups.
     let upper_view = LayerView::new(vec![upper.to_path_buf()]);
     let mut upper_lk = upper_view.lookups();
-    let mut lease_lk = lease.view.lookups();
-    let mut head_lk = head.view.lookups();
+    let mut lease = Walk::new(store, &session.stack, lease);
+    let mut head = Walk::new(store, &session.stack, head);
     let mut out = Vec::new();
     for idx in &plan.index {
         if idx.kind != publisher::HeadChangeKind::Write {
@@ -225,7 +256,8 @@ pub(crate) fn blame_plan(
         }
         let path = idx.path.as_slice();
         let r = (|| -> Result<Option<FileBlame>, EngineError> {
-            let Some(content) = published_content(&actions, path, &mut upper_lk, &mut head_lk)?
+            let Some(content) =
+                published_content(&actions, path, &mut upper_lk, &mut head.lookups)?
             else {
                 return Ok(None);
             };
@@ -237,34 +269,13 @@ pub(crate) fn blame_plan(
             let on_head = head_at.get(path).and_then(|h| h.digest) == Some(digest);
             let owners: Vec<Option<LineOwner>> = if on_head {
                 // The head had exactly this version already.
-                match version_in(
-                    store,
-                    &session.stack,
-                    head,
-                    &mut head_lk,
-                    path,
-                    BLAME_MAX_BYTES,
-                )? {
+                match head.version(path)? {
                     Some(v) if v.owners.len() == n => v.owners,
                     _ => vec![None; n],
                 }
             } else if let Some(origins) = plan.origins.get(path) {
-                let base = version_in(
-                    store,
-                    &session.stack,
-                    lease,
-                    &mut lease_lk,
-                    path,
-                    BLAME_MAX_BYTES,
-                )?;
-                let theirs = version_in(
-                    store,
-                    &session.stack,
-                    head,
-                    &mut head_lk,
-                    path,
-                    BLAME_MAX_BYTES,
-                )?;
+                let base = lease.version(path)?;
+                let theirs = head.version(path)?;
                 let pick = |v: &Option<Version>, i: usize| {
                     v.as_ref().and_then(|v| v.owners.get(i).cloned().flatten())
                 };
@@ -277,14 +288,7 @@ pub(crate) fn blame_plan(
                     })
                     .collect()
             } else {
-                match version_in(
-                    store,
-                    &session.stack,
-                    lease,
-                    &mut lease_lk,
-                    path,
-                    BLAME_MAX_BYTES,
-                )? {
+                match lease.version(path)? {
                     Some(old) if old.skipped => vec![None; n],
                     Some(old) => publisher::unchanged_lines(
                         &old.content,
@@ -353,7 +357,6 @@ pub(crate) fn stage(
             return;
         }
     };
-    let tb = std::time::Instant::now();
     let files = blame_plan(
         store,
         settings,
@@ -365,12 +368,10 @@ pub(crate) fn stage(
         upper,
         only,
     );
-    let tp = tb.elapsed();
     debug!(
         session.id = session.id,
         layer.id = layer,
         files = files.len(),
-        plan_us = tp.as_micros() as u64,
         "blame staged"
     );
     if let Err(e) = crate::publish::store_write(|| store.stage_blame(&session.stack, layer, &files))

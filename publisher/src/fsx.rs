@@ -81,23 +81,12 @@ pub(crate) fn names_of(dir: &impl AsRawFd) -> io::Result<Vec<Vec<u8>>> {
 /// Opens the directory `rel` below `base` without leaving `base` and without
 /// following any symlink (see the module docs). `rel` may be empty: `base`.
 pub(crate) fn open_beneath(base: &Path, rel: &[u8]) -> io::Result<DirFd> {
-    use nix::fcntl::{openat2, OpenHow, ResolveFlag};
-    let root = open_dir(base)?;
-    if rel.is_empty() {
-        return Ok(root);
-    }
-    let how = OpenHow::new().flags(DIR_FLAGS).resolve(
-        ResolveFlag::RESOLVE_BENEATH
-            | ResolveFlag::RESOLVE_NO_SYMLINKS
-            | ResolveFlag::RESOLVE_NO_MAGICLINKS,
-    );
-    match openat2(root.as_raw_fd(), rel, how) {
-        Ok(fd) => Dir::from_fd(fd).map(DirFd).map_err(io::Error::from),
-        // No openat2 (kernel < 5.6, or a seccomp filter that hides it).
-        Err(nix::errno::Errno::ENOSYS | nix::errno::Errno::EPERM) => walk_dir(base, rel),
-        // A path longer than PATH_MAX: one component at a time.
-        Err(nix::errno::Errno::ENAMETOOLONG) => walk_dir(base, rel),
-        Err(e) => Err(e.into()),
+    use std::os::fd::IntoRawFd;
+    match Parent::open(base, rel)? {
+        Parent::Base(b) => open_dir(b),
+        Parent::Fd(fd) => Dir::from_fd(fd.into_raw_fd())
+            .map(DirFd)
+            .map_err(io::Error::from),
     }
 }
 
@@ -224,62 +213,44 @@ impl<'a> Parent<'a> {
         }
     }
 
+    /// Runs `f` on (directory, name) for `name` in this directory: the
+    /// descriptor and `name`, or the current directory and the joined path
+    /// for the base itself.
+    fn at<T>(
+        &self,
+        name: &[u8],
+        f: impl FnOnce(std::os::fd::BorrowedFd<'_>, &Path) -> rustix::io::Result<T>,
+    ) -> io::Result<T> {
+        use std::os::fd::AsFd;
+        Ok(match self {
+            Parent::Base(b) => f(rustix::fs::CWD, &b.join(OsStr::from_bytes(name)))?,
+            Parent::Fd(d) => f(d.as_fd(), Path::new(OsStr::from_bytes(name)))?,
+        })
+    }
+
     /// `lstat` of `name` in this directory (never following it).
     pub(crate) fn lstat(&self, name: &[u8]) -> io::Result<rustix::fs::Stat> {
-        use rustix::fs::{statat, AtFlags, CWD};
-        Ok(match self {
-            Parent::Base(b) => statat(
-                CWD,
-                &b.join(OsStr::from_bytes(name)),
-                AtFlags::SYMLINK_NOFOLLOW,
-            )?,
-            Parent::Fd(d) => statat(d, name, AtFlags::SYMLINK_NOFOLLOW)?,
-        })
+        use rustix::fs::{statat, AtFlags};
+        self.at(name, |d, n| statat(d, n, AtFlags::SYMLINK_NOFOLLOW))
     }
 
     /// Opens the directory `name` in this directory (never following it);
     /// `None` when `name` is not a directory (any more).
     pub(crate) fn open_dir(&self, name: &[u8]) -> io::Result<Option<std::os::fd::OwnedFd>> {
-        use rustix::fs::{openat, Mode as RMode, CWD};
-        use rustix::io::Errno;
-        let dir = match self {
-            Parent::Base(b) => openat(
-                CWD,
-                &b.join(OsStr::from_bytes(name)),
-                RAW_DIR_FLAGS,
-                RMode::empty(),
-            ),
-            Parent::Fd(d) => openat(d, name, RAW_DIR_FLAGS, RMode::empty()),
-        };
-        match dir {
+        use rustix::fs::{openat, Mode as RMode};
+        match self.at(name, |d, n| openat(d, n, RAW_DIR_FLAGS, RMode::empty())) {
             Ok(d) => Ok(Some(d)),
-            Err(Errno::LOOP | Errno::NOTDIR) => Ok(None),
-            Err(e) => Err(e.into()),
-        }
-    }
-
-    /// Whether the directory `name` in this directory carries xattr `key` with
-    /// the value `y` (overlayfs' opaque marker), not following a symlink.
-    /// `false` when `name` is not a directory (any more) or the filesystem
-    /// has no xattrs (`EOPNOTSUPP`).
-    pub(crate) fn dir_xattr_is_y(&self, name: &[u8], key: &str) -> io::Result<bool> {
-        match self.open_dir(name)? {
-            Some(dir) => xattr_is_y(&dir, key),
-            None => Ok(false),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) => Ok(None),
+            Err(e) => Err(e),
         }
     }
 
     /// Opens the regular file `name` in this directory read-only, never
     /// following a symlink and never becoming a controlling terminal.
     pub(crate) fn open_read(&self, name: &[u8]) -> io::Result<std::fs::File> {
-        use rustix::fs::{openat, Mode as RMode, OFlags, CWD};
+        use rustix::fs::{openat, Mode as RMode, OFlags};
         let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NOCTTY | OFlags::CLOEXEC;
-        let fd = match self {
-            Parent::Base(b) => {
-                openat(CWD, &b.join(OsStr::from_bytes(name)), flags, RMode::empty())?
-            }
-            Parent::Fd(d) => openat(d, name, flags, RMode::empty())?,
-        };
+        let fd = self.at(name, |d, n| openat(d, n, flags, RMode::empty()))?;
         Ok(std::fs::File::from(fd))
     }
 }

@@ -226,10 +226,12 @@ impl LayerView {
         }
     }
 
-    /// [`step`](Self::step) over open directories: the entry `name` resolves
-    /// to in the merged directory `dirs` (its contributing layers, newest
-    /// first, each opened), and — with `descend`, when it is a directory — its
-    /// own contributing layers, opened.
+    /// One component of a lookup (`ovl_lookup` for one name, lower layers
+    /// only), the one resolution [`lookup`](Self::lookup), [`Lookups`] and
+    /// [`step`](Self::step) share: the entry `name` resolves to in the merged
+    /// directory `dirs` (its contributing layers, newest first, each opened),
+    /// and — with `descend`, when it is a directory — its own contributing
+    /// layers, opened.
     fn step_open<'v>(
         &'v self,
         dirs: &[(usize, crate::fsx::Parent<'v>)],
@@ -416,50 +418,25 @@ impl LayerView {
     /// Resolves the single component `name` inside the merged directory `dir`
     /// (`ovl_lookup` for one component, lower layers only).
     pub(crate) fn step(&self, dir: &Cursor, name: &[u8]) -> io::Result<Step> {
-        let rel = join_rel(&dir.rel, name);
-        let mut found: Option<Entry> = None;
-        let mut run = Vec::new();
+        // The cursor's directories opened afresh in each layer (a cursor holds
+        // no descriptors), then the same resolution as a lookup's.
+        let mut dirs = Vec::with_capacity(dir.run.len());
         for &i in &dir.run {
-            // The parent once per layer, then fd-relative calls on `name`.
-            let parent = match crate::fsx::Parent::open(&self.layers[i], &dir.rel) {
-                Ok(p) => p,
+            match crate::fsx::Parent::open(&self.layers[i], &dir.rel) {
+                Ok(p) => dirs.push((i, p)),
                 Err(e) if absent(&e) => continue,
                 Err(e) => return Err(e),
-            };
-            let st = match parent.lstat(name) {
-                Ok(st) => st,
-                Err(e) if absent(&e) => continue,
-                Err(e) => return Err(e),
-            };
-            #[allow(clippy::unnecessary_cast)]
-            let (mode, rdev) = (st.st_mode as u32, st.st_rdev as u64);
-            if is_whiteout(mode, rdev) {
-                // Hides the name in this and all older layers; below a directory
-                // found in a newer layer it only ends the merge.
-                break;
-            }
-            let is_dir = mode & libc::S_IFMT == libc::S_IFDIR;
-            if !is_dir {
-                if found.is_none() {
-                    found = Entry::from_stat(&st, i);
-                }
-                // A non-directory is opaque: older layers are hidden (and under a
-                // newer directory it is itself ignored).
-                break;
-            }
-            if found.is_none() {
-                found = Entry::from_stat(&st, i);
-            }
-            run.push(i);
-            if parent.dir_xattr_is_y(name, opaque_name(self.userxattr))? {
-                break;
             }
         }
-        let dir = match found {
-            Some(e) if e.kind == FileKind::Dir => Some(Cursor { rel, run }),
+        let (entry, run) = self.step_open(&dirs, name, true)?;
+        let dir = match entry {
+            Some(e) if e.kind == FileKind::Dir => Some(Cursor {
+                rel: join_rel(&dir.rel, name),
+                run: run.into_iter().map(|(i, _)| i).collect(),
+            }),
             _ => None,
         };
-        Ok(Step { entry: found, dir })
+        Ok(Step { entry, dir })
     }
 }
 
@@ -593,6 +570,12 @@ mod tests {
     use super::*;
     use crate::testutil::*;
 
+    /// Three layer directories `l0` (newest) … `l2` under `t`.
+    fn three_layers(t: &tempfile::TempDir) -> (PathBuf, PathBuf, PathBuf) {
+        let l = |n: &str| t.path().join(n);
+        (l("l0"), l("l1"), l("l2"))
+    }
+
     #[test]
     fn newest_layer_wins_and_dirs_merge() {
         let t = tmp();
@@ -641,11 +624,7 @@ mod tests {
             return;
         }
         let t = tmp();
-        let (l0, l1, l2) = (
-            t.path().join("l0"),
-            t.path().join("l1"),
-            t.path().join("l2"),
-        );
+        let (l0, l1, l2) = three_layers(&t);
         write(&l0, "d/top", b"x", 0o644);
         whiteout(&l1, "d");
         write(&l2, "d/buried", b"x", 0o644);
@@ -658,11 +637,7 @@ mod tests {
     #[test]
     fn a_shared_walker_answers_as_fresh_lookups_in_any_order() {
         let t = tmp();
-        let (l0, l1, l2) = (
-            t.path().join("l0"),
-            t.path().join("l1"),
-            t.path().join("l2"),
-        );
+        let (l0, l1, l2) = three_layers(&t);
         write(&l2, "o/ancient", b"x", 0o644);
         write(&l2, "a/b/c", b"x", 0o644);
         write(&l2, "a/x/deep/f", b"2", 0o644);
@@ -729,11 +704,7 @@ mod tests {
     fn opaque_dir_hides_older_content_user_xattr() {
         // user.overlay.opaque needs no privilege, so this one runs everywhere.
         let t = tmp();
-        let (l0, l1, l2) = (
-            t.path().join("l0"),
-            t.path().join("l1"),
-            t.path().join("l2"),
-        );
+        let (l0, l1, l2) = three_layers(&t);
         write(&l2, "o/ancient", b"x", 0o644);
         write(&l1, "o/old", b"x", 0o644);
         write(&l1, "o/sub/f", b"x", 0o644);
@@ -817,11 +788,7 @@ mod tests {
     #[test]
     fn directory_above_older_non_directory_does_not_merge_with_it() {
         let t = tmp();
-        let (l0, l1, l2) = (
-            t.path().join("l0"),
-            t.path().join("l1"),
-            t.path().join("l2"),
-        );
+        let (l0, l1, l2) = three_layers(&t);
         write(&l0, "x/new", b"x", 0o644);
         write(&l1, "x", b"file in the middle", 0o644);
         write(&l2, "x/buried", b"x", 0o644);
