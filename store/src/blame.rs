@@ -235,32 +235,32 @@ impl Store {
         if files.is_empty() {
             return Ok(());
         }
-        self.db.write(|tx| {
+        // One file per step: a commit under a gate waits for at most one
+        // file's rows (`Db::write_each`).
+        self.db.write_each(files, |tx, f| {
             let mut del = tx.prepare_cached(
                 "DELETE FROM blame_ranges WHERE layer_id = ?1 AND stack = ?2 AND path = ?3",
             )?;
             let mut ins = tx.prepare_cached(
                 "INSERT OR REPLACE INTO blame_ranges(stack, path, digest, layer_id, start_line, end_line, owner_kind, owner, session_id) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9)",
             )?;
-            for f in files {
-                del.execute(params![layer, stack, f.path])?;
-                for r in &f.ranges {
-                    if r.owner == LineOwner::Unknown {
-                        continue;
-                    }
-                    let (kind, owner) = r.owner.columns();
-                    ins.execute(params![
-                        stack,
-                        f.path,
-                        f.digest.to_vec(),
-                        layer,
-                        r.start,
-                        r.end,
-                        kind,
-                        owner,
-                        r.owner.session()
-                    ])?;
+            del.execute(params![layer, stack, f.path])?;
+            for r in &f.ranges {
+                if r.owner == LineOwner::Unknown {
+                    continue;
                 }
+                let (kind, owner) = r.owner.columns();
+                ins.execute(params![
+                    stack,
+                    f.path,
+                    f.digest.to_vec(),
+                    layer,
+                    r.start,
+                    r.end,
+                    kind,
+                    owner,
+                    r.owner.session()
+                ])?;
             }
             Ok(())
         })

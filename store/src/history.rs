@@ -1054,6 +1054,8 @@ impl Store {
             {
                 let mut stmt = conn.prepare_cached(
                     "SELECT ml.layer_id, b.stack FROM branches b JOIN manifest_layers ml ON ml.manifest_id = b.manifest_id
+                     UNION SELECT ml.layer_id, b.stack FROM branches b JOIN manifests m ON m.id = b.manifest_id
+                                                   JOIN manifest_layers ml ON ml.manifest_id = m.rest
                      UNION SELECT layer_id, stack FROM stack_layers",
                 )?;
                 for r in stmt.query_map([], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, String>(1)?)))? {

@@ -12,7 +12,7 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
-use rusqlite::{params, Connection, Transaction};
+use rusqlite::{params, Connection, OptionalExtension, Transaction};
 
 use crate::db::Cached;
 use crate::db::{digest_col, u32_col};
@@ -377,7 +377,9 @@ pub(crate) fn expansion(
 /// Only the layers the two manifests do not share are expanded: a layer in both
 /// stands for the same published layers in both (a manifest shows each published
 /// layer once), so they cancel. Cost: O(depth of both) rows plus, for a squashed
-/// layer not yet in `cache`, its members.
+/// layer not yet in `cache`, its members — or, when `to` is `from` with at
+/// most [`PREPENDS_WALKED`] layers prepended (a commit's re-check of the head
+/// it planned on, under the gate), one primary-key row per prepend.
 pub(crate) fn layers_since(
     conn: &Connection,
     cache: &Expansions,
@@ -386,6 +388,10 @@ pub(crate) fn layers_since(
 ) -> Result<Vec<LayerId>, StoreError> {
     if from == to {
         return Ok(Vec::new());
+    }
+    if let Some(added) = prepended_since(conn, from, to)? {
+        // `to` = `added` + `from`'s layers: nothing of `from` is gone.
+        return expand(conn, cache, &added);
     }
     let from_layers = manifest_layers(conn, from)?;
     let to_layers = manifest_layers(conn, to)?;
@@ -404,6 +410,44 @@ pub(crate) fn layers_since(
         .into_iter()
         .filter(|l| !had.contains(l))
         .collect())
+}
+
+/// The most parent links [`prepended_since`] follows.
+pub(crate) const PREPENDS_WALKED: usize = 64;
+
+/// The layers `to`'s parent chain prepended on `from`, newest first, when
+/// that chain reaches `from` within [`PREPENDS_WALKED`] links; `None`
+/// otherwise (a squash or a promote rewrote the chain, or it is longer).
+/// Error: `Corrupt` when a manifest row is missing.
+fn prepended_since(
+    conn: &Connection,
+    from: ManifestId,
+    to: ManifestId,
+) -> Result<Option<Vec<LayerId>>, StoreError> {
+    let shape = |m: ManifestId| -> Result<(Option<ManifestId>, Option<LayerId>, i64), StoreError> {
+        conn.one(
+            "SELECT parent, layer_id, depth FROM manifests WHERE id = ?1",
+            [m],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+        )
+        .optional()?
+        .ok_or_else(|| StoreError::corrupt("manifests", m, "manifest referenced but missing"))
+    };
+    let (_, _, from_depth) = shape(from)?;
+    let mut added = Vec::new();
+    let mut m = to;
+    while m != from {
+        let (parent, layer, depth) = shape(m)?;
+        if depth <= from_depth || added.len() == PREPENDS_WALKED {
+            return Ok(None);
+        }
+        let (Some(parent), Some(layer)) = (parent, layer) else {
+            return Ok(None);
+        };
+        added.push(layer);
+        m = parent;
+    }
+    Ok(Some(added))
 }
 
 /// See [`Store::path_count`].

@@ -249,19 +249,38 @@ impl Store {
         index: &[IndexEntry],
         paths: &[PathRecord],
     ) -> Result<Staged, StoreError> {
-        self.db.write(|tx| {
+        let staged = self.db.write(|tx| {
             let s = get_sess(tx, session)?;
             let layer = crate::layers::insert_layer(tx, LayerKind::Pending, Some(&s.stack), Some(session))?;
-            insert_index(tx, layer, index)?;
             let c = PathCounts::of(paths);
             tx.exec(
                 "INSERT INTO publishes(session_id, run, outcome, layer_id, clean, merged, conflict, excluded, at_ns) VALUES (?1, ?2, 'pending', ?3, ?4, ?5, ?6, ?7, ?8)",
                 params![session, s.run, layer, c.clean as i64, c.merged as i64, c.conflict as i64, c.excluded as i64, now_ns()],
             )?;
             let outcome = tx.last_insert_rowid();
-            insert_paths(tx, outcome, paths)?;
             Ok(Staged { layer, outcome })
-        })
+        })?;
+        // The rows, in transactions that give the writer to a commit under a
+        // gate between two rows (`Db::write_each`): invisible until the
+        // layer is committed, dropped with it otherwise (here, by the caller's
+        // `abandon_staged`, or by the startup sweep after a crash).
+        let rows = self
+            .db
+            .write_each(index, |tx, e| {
+                insert_index(tx, staged.layer, std::slice::from_ref(e))
+            })
+            .and_then(|()| {
+                self.db.write_each(paths, |tx, p| {
+                    insert_paths(tx, staged.outcome, std::slice::from_ref(p))
+                })
+            });
+        if let Err(e) = rows {
+            if let Err(again) = self.abandon_staged(staged) {
+                tracing::warn!(layer.id = staged.layer, error = %again, "cannot drop a partly staged publish; the startup sweep drops it");
+            }
+            return Err(e);
+        }
+        Ok(staged)
     }
 
     /// Drops the rows of a staged publish that will not be committed.

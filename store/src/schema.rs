@@ -14,9 +14,11 @@
 /// 4 added squashed layers' members, freed ("dropped") layer directories and
 /// operation-owned sessions (and, before its release, blame rows and the
 /// conflict markers of rebased sessions); 5 added `publishes.capture_bytes`;
-/// 6 added the index of hiding path rows (`layer_paths_hiding`). Formats 4 and 5
-/// are migrated at open ([`MIGRATIONS`]).
-pub const FORMAT_VERSION: i64 = 6;
+/// 6 added the index of hiding path rows (`layer_paths_hiding`); 7 lets a
+/// manifest hold only its newest positions and refer to a complete one for
+/// the rest (`manifests.rest`). Formats 4 to 6 are migrated at open
+/// ([`MIGRATIONS`]).
+pub const FORMAT_VERSION: i64 = 7;
 
 /// The steps that bring an older store to [`FORMAT_VERSION`], each
 /// `(from, what it does, SQL)`, applied in order in the open's transaction and
@@ -32,6 +34,12 @@ pub(crate) const MIGRATIONS: &[(i64, &str, &str)] = &[
         5,
         "index layer_paths_hiding",
         "CREATE INDEX IF NOT EXISTS layer_paths_hiding ON layer_paths(path, layer_id) WHERE kind NOT IN (2, 5);",
+    ),
+    (
+        6,
+        "manifests.rest",
+        // Every manifest of an older store is complete: NULL.
+        "ALTER TABLE manifests ADD COLUMN rest INTEGER REFERENCES manifests(id);",
     ),
 ];
 
@@ -109,16 +117,21 @@ CREATE TABLE stack_layers (
 ) WITHOUT ROWID;
 CREATE INDEX stack_layers_layer ON stack_layers(layer_id);
 
--- Immutable manifests: the published layers a head shows, newest first, one row
--- per position in manifest_layers. `layer_id` is the layer this manifest added on
--- top of `parent` (NULL for a stack's empty root manifest); `depth` its length.
+-- Immutable manifests: the published layers a head shows, newest first.
+-- `layer_id` is the layer this manifest added on top of `parent` (NULL for a
+-- stack's empty root manifest); `depth` its length. With `rest` NULL the
+-- manifest is complete: one manifest_layers row per position. Otherwise its rows
+-- are its newest depth − depth(rest) positions and `rest`, a complete manifest
+-- in its parent chain, holds the others (stacks.rs: a prepend writes ≤ 16 rows
+-- but once every 16).
 CREATE TABLE manifests (
     id         INTEGER PRIMARY KEY,
     stack      TEXT NOT NULL REFERENCES stacks(id),
     parent     INTEGER REFERENCES manifests(id),
     layer_id   INTEGER REFERENCES layers(id),
     depth      INTEGER NOT NULL,
-    created_ns INTEGER NOT NULL
+    created_ns INTEGER NOT NULL,
+    rest       INTEGER REFERENCES manifests(id)
 );
 CREATE TABLE manifest_layers (
     manifest_id INTEGER NOT NULL REFERENCES manifests(id),

@@ -1,10 +1,18 @@
 //! Stacks, branches and manifests (ARCHITECTURE.md §2).
 //!
 //! A manifest is immutable: one `manifests` row (its parent and the layer it
-//! added) and one `manifest_layers` row per position, newest first. A branch
-//! moves by pointing at a new manifest; prepending copies the parent's positions
-//! inside SQLite (`INSERT … SELECT`), O(depth) rows, and depth stays bounded by
-//! squashing. "Which layers does any head or lease reach" is one join.
+//! added) and `manifest_layers` rows, newest first. A manifest is either
+//! complete (`rest` NULL: one row per position) or holds its newest at most
+//! [`OWN_RUN`] positions as its own rows and the rest by reference to one
+//! complete manifest in its parent chain (`rest`). A branch moves by pointing
+//! at a new manifest; a prepend writes the new layer and copies the parent's
+//! own rows (`INSERT … SELECT`), and writes the whole list once every
+//! [`OWN_RUN`] prepends: ~`OWN_RUN`/2 + depth/`OWN_RUN` rows on average, not
+//! `depth` (a commit under a branch's gate does it: at the depths a lagging
+//! squash leaves under a 1,024-publish burst, ~200, a full copy was ~0.8 ms of
+//! the hold). Depth stays bounded by squashing. "Which layers does any head or
+//! lease reach" is one join over a manifest's own rows and its `rest`'s; as a
+//! `rest` is an ancestor, a walk of the parent chains (GC) meets it anyway.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
@@ -132,26 +140,70 @@ pub(crate) fn set_branch(
     Ok(())
 }
 
-/// The layers of manifest `id`, newest first. Errors: `Corrupt` when the
+/// The most positions a manifest keeps as its own rows above its `rest`
+/// before a prepend writes it out whole (see the module docs).
+pub(crate) const OWN_RUN: i64 = 16;
+
+/// The layers of manifest `id`, newest first: its own positions, then its
+/// `rest`'s (a manifest whose rows are complete). Errors: `Corrupt` when a
 /// manifest row is missing or its positions do not match its depth.
 pub(crate) fn manifest_layers(
     conn: &Connection,
     id: ManifestId,
 ) -> Result<Vec<LayerId>, StoreError> {
-    let depth: i64 = conn
-        .one("SELECT depth FROM manifests WHERE id = ?1", [id], |r| {
-            r.get(0)
-        })
-        .optional()?
-        .ok_or_else(|| StoreError::corrupt("manifests", id, "manifest referenced but missing"))?;
+    let (depth, rest) = manifest_shape(conn, id)?;
+    let mut out = Vec::with_capacity(usize::try_from(depth).unwrap_or(0));
+    let rest_depth = match rest {
+        Some(r) => {
+            let (d, further) = manifest_shape(conn, r)?;
+            if further.is_some() || d >= depth {
+                return Err(StoreError::corrupt(
+                    "manifests",
+                    id,
+                    format!("its rest, manifest {r}, is not a complete manifest below it"),
+                ));
+            }
+            d
+        }
+        None => 0,
+    };
+    own_rows(conn, id, depth - rest_depth, &mut out)?;
+    if let Some(r) = rest {
+        own_rows(conn, r, rest_depth, &mut out)?;
+    }
+    Ok(out)
+}
+
+/// `(depth, rest)` of manifest `id`. Error: `Corrupt` when the row is missing.
+fn manifest_shape(
+    conn: &Connection,
+    id: ManifestId,
+) -> Result<(i64, Option<ManifestId>), StoreError> {
+    conn.one(
+        "SELECT depth, rest FROM manifests WHERE id = ?1",
+        [id],
+        |r| Ok((r.get(0)?, r.get(1)?)),
+    )
+    .optional()?
+    .ok_or_else(|| StoreError::corrupt("manifests", id, "manifest referenced but missing"))
+}
+
+/// Appends manifest `id`'s own rows (positions `0..n`) to `out`. Error:
+/// `Corrupt` when they are not exactly those positions.
+fn own_rows(
+    conn: &Connection,
+    id: ManifestId,
+    n: i64,
+    out: &mut Vec<LayerId>,
+) -> Result<(), StoreError> {
     let mut stmt = conn.prepare_cached(
         "SELECT pos, layer_id FROM manifest_layers WHERE manifest_id = ?1 ORDER BY pos",
     )?;
     let rows = stmt.query_map([id], |r| Ok((r.get::<_, i64>(0)?, r.get::<_, i64>(1)?)))?;
-    let mut out = Vec::with_capacity(usize::try_from(depth).unwrap_or(0));
-    for (i, r) in rows.enumerate() {
+    let mut i = 0i64;
+    for r in rows {
         let (pos, layer) = r?;
-        if pos != i as i64 {
+        if pos != i {
             return Err(StoreError::corrupt(
                 "manifest_layers",
                 format!("manifest {id} position {i}"),
@@ -159,52 +211,74 @@ pub(crate) fn manifest_layers(
             ));
         }
         out.push(layer);
+        i += 1;
     }
-    if out.len() as i64 != depth {
+    if i != n {
         return Err(StoreError::corrupt(
             "manifest_layers",
             format!("manifest {id}"),
-            format!("{} positions for depth {depth}", out.len()),
+            format!("{i} positions where {n} were expected"),
         ));
     }
-    Ok(out)
+    Ok(())
 }
 
 /// Creates the manifest `[layer] + parent`'s layers on `stack`; returns its id.
+///
+/// Writes at most [`OWN_RUN`] rows, and the parent's whole depth once every
+/// [`OWN_RUN`] prepends (see the module docs). Error: `Corrupt` when the parent
+/// or its rows are missing.
 pub(crate) fn prepend_manifest(
     tx: &Transaction<'_>,
     stack: &str,
     parent: ManifestId,
     layer: LayerId,
 ) -> Result<ManifestId, StoreError> {
-    let depth: i64 = tx
-        .one("SELECT depth FROM manifests WHERE id = ?1", [parent], |r| {
-            r.get(0)
-        })
-        .optional()?
-        .ok_or_else(|| {
-            StoreError::corrupt("manifests", parent, "manifest referenced but missing")
-        })?;
+    let (depth, parent_rest) = manifest_shape(tx, parent)?;
+    // The parent's own rows (all of them when it is complete).
+    let (own, anchor) = match parent_rest {
+        Some(r) => (depth - manifest_shape(tx, r)?.0, r),
+        None => (depth, parent),
+    };
+    // Above the parent's anchor: [layer] + the parent's own rows (none when the
+    // parent is itself the anchor). Past OWN_RUN of them: written out whole.
+    let (above, rest) = match parent_rest {
+        Some(_) if own + 1 > OWN_RUN => (depth + 1, None),
+        Some(_) => (own + 1, Some(anchor)),
+        // On the stack's empty root: complete as it is.
+        None if depth == 0 => (1, None),
+        None => (1, Some(parent)),
+    };
     tx.exec(
-        "INSERT INTO manifests(stack, parent, layer_id, depth, created_ns) VALUES (?1, ?2, ?3, ?4, ?5)",
-        params![stack, parent, layer, depth + 1, now_ns()],
+        "INSERT INTO manifests(stack, parent, layer_id, depth, rest, created_ns) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
+        params![stack, parent, layer, depth + 1, rest, now_ns()],
     )?;
     let m = tx.last_insert_rowid();
     tx.exec(
         "INSERT INTO manifest_layers(manifest_id, pos, layer_id) VALUES (?1, 0, ?2)",
         params![m, layer],
     )?;
-    let copied = tx.exec(
-        "INSERT INTO manifest_layers(manifest_id, pos, layer_id) SELECT ?1, pos + 1, layer_id FROM manifest_layers WHERE manifest_id = ?2",
-        params![m, parent],
-    )?;
-    if copied as i64 != depth {
-        return Err(StoreError::corrupt(
-            "manifest_layers",
-            format!("manifest {parent}"),
-            format!("{copied} positions for depth {depth}"),
-        ));
+    let copy = |from: ManifestId, shift: i64, n: i64| -> Result<(), StoreError> {
+        let copied = tx.exec(
+            "INSERT INTO manifest_layers(manifest_id, pos, layer_id) SELECT ?1, pos + ?3, layer_id FROM manifest_layers WHERE manifest_id = ?2",
+            params![m, from, shift],
+        )?;
+        if copied as i64 != n {
+            return Err(StoreError::corrupt(
+                "manifest_layers",
+                format!("manifest {from}"),
+                format!("{copied} positions where {n} were expected"),
+            ));
+        }
+        Ok(())
+    };
+    if parent_rest.is_some() {
+        copy(parent, 1, own)?;
+        if rest.is_none() {
+            copy(anchor, 1 + own, depth - own)?;
+        }
     }
+    debug_assert!(above <= OWN_RUN || rest.is_none());
     Ok(m)
 }
 

@@ -810,10 +810,17 @@ fn a_format_4_store_is_migrated_at_open_and_keeps_its_outcomes() {
     std::fs::write(sess.upper.join("a.txt"), b"hello").unwrap();
     let p = publish(&s, sess.id, &[write_entry(b"a.txt", 1)]);
     drop(s);
-    // What format 4 was: no capture_bytes column, no index of hiding rows.
+    // What format 4 was: no capture_bytes column, no index of hiding rows, no
+    // manifests.rest (a column in a foreign key cannot be dropped: the table
+    // is rebuilt without it).
     let db = rusqlite::Connection::open(d.path().join("root/store.db")).unwrap();
     db.execute_batch(
-        "ALTER TABLE publishes DROP COLUMN capture_bytes; DROP INDEX layer_paths_hiding; UPDATE meta SET value = '4' WHERE key = 'format_version';",
+        "ALTER TABLE publishes DROP COLUMN capture_bytes; DROP INDEX layer_paths_hiding;
+         PRAGMA foreign_keys = OFF;
+         CREATE TABLE m4 (id INTEGER PRIMARY KEY, stack TEXT NOT NULL, parent INTEGER, layer_id INTEGER, depth INTEGER NOT NULL, created_ns INTEGER NOT NULL);
+         INSERT INTO m4 SELECT id, stack, parent, layer_id, depth, created_ns FROM manifests;
+         DROP TABLE manifests; ALTER TABLE m4 RENAME TO manifests;
+         UPDATE meta SET value = '4' WHERE key = 'format_version';",
     )
     .unwrap();
     drop(db);
@@ -838,6 +845,12 @@ fn a_format_4_store_is_migrated_at_open_and_keeps_its_outcomes() {
         })
         .unwrap();
     assert_eq!(index, 1, "format 6 adds the index of hiding rows");
+    // Format 7's manifests.rest: the old manifest reads as before, and a
+    // publish on it writes the new shape.
+    assert_eq!(
+        s.branch_layers("default/sha256:bbb", "main").unwrap(),
+        vec![s.layer_path(p.layer)]
+    );
     let after = s.session(sess.id).unwrap();
     let o = after.outcome.unwrap();
     assert_eq!((o.kind, o.layer), (OutcomeKind::Committed, Some(p.layer)));
@@ -1971,4 +1984,81 @@ fn a_guarded_commit_commits_on_the_head_it_finds_or_hands_the_plan_back() {
         2
     );
     assert!(s.session(dd.id).unwrap().outcome.is_none());
+}
+
+/// A head past several [`crate::stacks::OWN_RUN`]s of publishes: every manifest
+/// on the way reads as the layers published so far, newest first; a prepend
+/// writes at most `OWN_RUN` rows except when it writes the list out whole; and
+/// every manifest that refers to a `rest` refers to a complete ancestor.
+#[test]
+fn a_prepend_writes_a_bounded_run_of_rows_and_every_manifest_reads_whole() {
+    use crate::stacks::OWN_RUN;
+    let d = tmp();
+    let s = open(d.path());
+    let top = unpack(&s, "default");
+    let n = 3 * OWN_RUN as usize + 5;
+    let mut published = Vec::new();
+    let mut heads = Vec::new();
+    for i in 0..n {
+        s.prepare(
+            &format!("default/{}/c{i}", 10 + i),
+            &top,
+            BTreeMap::new(),
+            false,
+        )
+        .unwrap();
+        let sid = s
+            .find_session("default", &format!("c{i}"))
+            .unwrap()
+            .unwrap()
+            .id;
+        let f = format!("f{i}");
+        std::fs::write(s.upper_path(sid).join(&f), b"x").unwrap();
+        let p = publish(&s, sid, &[write_entry(f.as_bytes(), 1)]);
+        published.insert(0, p.layer);
+        heads.push((p.manifest, published.clone()));
+    }
+    let (mut whole, mut bounded) = (0, 0);
+    s.db.read(|c| {
+        for (m, expect) in &heads {
+            assert_eq!(&crate::stacks::manifest_layers(c, *m)?, expect, "manifest {m}");
+            let (depth, rest, rows): (i64, Option<i64>, i64) = c.query_row(
+                "SELECT depth, rest, (SELECT count(*) FROM manifest_layers WHERE manifest_id = m.id) FROM manifests m WHERE id = ?1",
+                [m],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+            )?;
+            match rest {
+                None => {
+                    assert_eq!(rows, depth);
+                    whole += 1;
+                }
+                Some(r) => {
+                    assert!(rows <= OWN_RUN, "manifest {m}: {rows} own rows");
+                    let (rd, rr): (i64, Option<i64>) = c.query_row(
+                        "SELECT depth, rest FROM manifests WHERE id = ?1",
+                        [r],
+                        |x| Ok((x.get(0)?, x.get(1)?)),
+                    )?;
+                    assert_eq!((rd + rows, rr), (depth, None), "manifest {m}'s rest {r}");
+                    bounded += 1;
+                }
+            }
+        }
+        Ok(())
+    })
+    .unwrap();
+    // One whole list per OWN_RUN prepends (and the first on the empty root).
+    assert!(whole <= n / OWN_RUN as usize + 1, "{whole} whole of {n}");
+    assert!(
+        bounded >= n - n / OWN_RUN as usize - 1,
+        "{bounded} bounded of {n}"
+    );
+    // A new session on the head mounts every published layer, newest first.
+    assert_eq!(
+        s.branch_layers("default/sha256:bbb", "main").unwrap(),
+        published
+            .iter()
+            .map(|l| s.layer_path(*l))
+            .collect::<Vec<_>>()
+    );
 }
