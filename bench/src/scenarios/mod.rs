@@ -193,3 +193,35 @@ mod tests {
         assert_eq!(t.rows[0][2], "1 (baseline)");
     }
 }
+
+/// Waits until the machine is quiet — less than `busy_max` (0–1) of its CPU
+/// time busy over a 250 ms window, from `/proc/stat` — or `max` has passed;
+/// returns the time waited. Before a measurement that should not pay for the
+/// background work (squashes, directory removals, WAL checkpoints) the
+/// previous one left the daemon.
+pub fn settle(busy_max: f64, max: std::time::Duration) -> std::time::Duration {
+    fn sample() -> Option<(u64, u64)> {
+        let stat = std::fs::read_to_string("/proc/stat").ok()?;
+        let cpu = stat.lines().next()?;
+        let v: Vec<u64> = cpu
+            .split_whitespace()
+            .skip(1)
+            .filter_map(|x| x.parse().ok())
+            .collect();
+        // user nice system idle iowait irq softirq steal …
+        let total: u64 = v.iter().take(8).sum();
+        let idle = v.get(3)? + v.get(4).copied().unwrap_or(0);
+        Some((total, idle))
+    }
+    let started = std::time::Instant::now();
+    while started.elapsed() < max {
+        let Some((t0, i0)) = sample() else { break };
+        std::thread::sleep(std::time::Duration::from_millis(250));
+        let Some((t1, i1)) = sample() else { break };
+        let (dt, di) = (t1.saturating_sub(t0), i1.saturating_sub(i0));
+        if dt > 0 && (dt - di.min(dt)) as f64 / (dt as f64) < busy_max {
+            break;
+        }
+    }
+    started.elapsed()
+}
