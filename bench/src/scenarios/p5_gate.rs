@@ -415,25 +415,26 @@ pub fn run(b: &Bench, r: &mut ScenarioReport) -> Result<()> {
 const P5_WHY: &str = "no part of a publish grows with N by design: a path costs \
     the gate a row or two of the path index whatever N published there since the lease \
     (descending scans stopped at the newest row by position, a partial index of hiding \
-    rows), the step under the gate is one SQLite transaction on the writer's connection \
-    (head, what it added at the plan's paths, the edits, the commit: no read transaction \
-    waiting for a WAL read mark), a plan the head made stale is made again outside the \
-    gate, nothing is fsynced or syncfs'd under it in the disposable profile, and the \
-    automatic squash is size-tiered and built at background priority. What still grows \
-    is the background work a burst of N leaves: at N = 16 the burst (~70 ms) ends before \
-    the squash, the reaper's directory removals and the WAL checkpoints run; at N = 1,024 \
-    they share the 2 CPUs with the publishes (the squashes' builds alone took ~1.1 s of a \
-    ~5.3 s burst at N = 1,024). The N = 16 baseline, even as the median of 5 rounds, \
-    moves by ±10 % between runs on this shared machine (growth measured 1.10× to 1.37× \
-    over five runs of the same code); the hold's p99 is scheduling on 2 busy CPUs";
+    rows); under the gate, the head re-check follows the parent links of the layers \
+    prepended since the plan, the new manifest writes at most 16 rows (not its depth, \
+    which reaches ~200 while the squash lags under a burst), and a commit waiting for \
+    the writer connection gets it between two rows of another publish's staging; \
+    nothing is fsynced or syncfs'd under it in the disposable profile, and the \
+    automatic squash is size-tiered and built at background priority. What still \
+    grows is the background work a burst of N leaves (at N = 1,024 the squashes' \
+    builds share the 2 CPUs with the publishes; without automatic squash the \
+    N = 1,024 burst was ~8 % faster) and the store's age: the N = 16 rounds after the \
+    N = 1,024 burst cost up to ~1.8× those of the first rounds on a quiet machine \
+    (staging, blame and capture all slower), which is not explained yet";
 
 const TIME_GOES: &str = "our daemon (97 % of the benchmark's samples), ~60 % of it \
     kernel (capture's and sealing's path walks, file metadata, renames, the squash's \
     links), the rest SQLite (`sqlite3VdbeExec`), malloc and memmove in the per-publish \
     store transactions. Ours: none of it grows with the layers published since the lease \
-    — a path costs the gate a row or two, squashed layers' expansions are cached, the \
-    squash is size-tiered at background priority, preparation runs on at most one worker \
-    per CPU at a lower CPU priority than the commit threads, WAL checkpoints and \
-    directory removals run on threads of their own at background priority. Next: stage \
-    a publish's index rows in smaller transactions, so that a commit waits for the \
-    writer behind at most a slice of another publish's staging.";
+    — a path costs the gate a row or two, a commit's manifest at most 16 rows, squashed \
+    layers' expansions are cached, the squash is size-tiered at background priority, \
+    preparation runs on at most one worker per CPU at a lower CPU priority than the \
+    commit threads, staged rows give the writer to a waiting commit between two rows, \
+    WAL checkpoints and directory removals run on threads of their own at background \
+    priority. Next: find why a publish on an old store (after ~3,000 publishes) costs \
+    more than on a young one — every step of it, the filesystem-only capture included.";
