@@ -32,7 +32,7 @@ use crate::error::StoreError;
 use crate::leases::{lease_manifest, release_lease};
 use crate::paths::{insert_index, layers_since, query_layers};
 use crate::sessions::get_sess;
-use crate::stacks::{branch_head, manifest_layers, prepend_manifest, set_branch};
+use crate::stacks::{branch_head, prepend_manifest, set_branch};
 use crate::{
     fs, now_ns, Durability, HeadChanges, HeadView, IndexEntry, LayerId, LayerKind, ManifestId,
     Outcome, OutcomeKind, OutcomeRecord, PathCounts, PathQuery, PathRecord, PathStatus,
@@ -611,10 +611,21 @@ impl Store {
         })
     }
 
-    /// The layers of manifest `head` (newest first) and of the lease `lease`
-    /// that a publish compares: convenience for tests and the CLI.
+    /// The number of layers manifest `id` shows (its `depth` column: one row,
+    /// read after every publish to decide on an automatic squash). Error:
+    /// `Corrupt` when the manifest is missing.
     pub fn manifest_depth(&self, id: ManifestId) -> Result<usize, StoreError> {
-        self.db.read(|conn| Ok(manifest_layers(conn, id)?.len()))
+        self.db.read(|conn| {
+            let d: i64 = conn
+                .one("SELECT depth FROM manifests WHERE id = ?1", [id], |r| {
+                    r.get(0)
+                })
+                .optional()?
+                .ok_or_else(|| {
+                    StoreError::corrupt("manifests", id, "manifest referenced but missing")
+                })?;
+            Ok(usize::try_from(d).unwrap_or(0))
+        })
     }
 
     /// Gives session `session` an empty upper and workdir after a commit that

@@ -225,3 +225,25 @@ pub fn settle(busy_max: f64, max: std::time::Duration) -> std::time::Duration {
     }
     started.elapsed()
 }
+
+/// Waits until the store's `staging/` directory is empty — the reaper has
+/// removed every tree the store let go of (a burst's ended sessions: on ext4
+/// mounted with `discard` each removal waits for the device) and no squash is
+/// being built — or `max` has passed; returns the time waited.
+pub fn drain_staging(
+    store_root: &std::path::Path,
+    max: std::time::Duration,
+) -> std::time::Duration {
+    let staging = store_root.join("staging");
+    let started = std::time::Instant::now();
+    while started.elapsed() < max {
+        let busy = std::fs::read_dir(&staging)
+            .map(|mut d| d.next().is_some())
+            .unwrap_or(false);
+        if !busy {
+            break;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    }
+    started.elapsed()
+}

@@ -233,7 +233,9 @@ pub fn run(b: &Bench, r: &mut ScenarioReport) -> Result<()> {
             );
             // Each burst starts on a quiet machine: not paying for the squash
             // and directory removals the previous burst left behind.
-            let waited = super::settle(0.1, std::time::Duration::from_secs(60));
+            let waited =
+                super::drain_staging(&b.env.store_root(), std::time::Duration::from_secs(120))
+                    + super::settle(0.1, std::time::Duration::from_secs(60));
             eprintln!(
                 "layerstack-bench: p5 {} N = {n} round {round} (after {:.1} s to settle)",
                 w.name(),
@@ -391,9 +393,11 @@ pub fn run(b: &Bench, r: &mut ScenarioReport) -> Result<()> {
          growth, a ~70 ms burst: its median), spread over the run — first, after N = 64, \
          after N = 256, and twice after N = 1,024 — so that the baseline sees the store and \
          the machine the large bursts see; 2 for N = 64, 1 above. Both workloads run at \
-         each point, their order alternating; each burst starts once the machine is quiet \
-         (under 10 % of its CPU time busy over 250 ms, waited for up to 60 s), so that no \
-         burst pays for the squashes and directory removals the one before left behind. \
+         each point, their order alternating; each burst starts once the store's reaper has removed \
+         every directory the bursts before let go of (`staging/` empty, up to 120 s) and \
+         the machine is quiet (under 10 % of its CPU time busy over 250 ms, up to 60 s), so \
+         that no burst pays for the squashes and directory removals the one before left \
+         behind. \
          Bursts in run order: {}. The N = {base_n} rounds in run order, ms per publish — \
          {}.",
         img.shared_text.display(),
