@@ -197,13 +197,25 @@ impl Engine {
         let store = self.store.clone();
         let userxattr = self.settings.userxattr;
         let run2 = run.clone();
+        let stack2 = stack.to_string();
         let (dir, guard) = tokio::task::spawn_blocking(move || -> Result<_, EngineError> {
             // Background work: publishes (and their commits under the gate) go
             // first on a busy machine; the squash catches up between bursts.
             let _background = crate::publish::Priority::background();
             let dirs = store.layer_paths(&run2)?;
+            // The layers the squash will lie on: the head's view under the run.
+            let view = store.manifest_view(&stack2, head)?;
+            let below = match dirs.last().and_then(|l| view.iter().position(|v| v == l)) {
+                Some(i) => view[i + 1..].to_vec(),
+                None => {
+                    return Err(EngineError::InvalidArgument(format!(
+                        "building the squash failed: its run is not in the view of manifest {head}"
+                    )))
+                }
+            };
+            let below = publisher::LayerView::new(below).with_userxattr(userxattr);
             let (dir, guard) = store.staging_dir("squash")?;
-            if let Err(e) = publisher::flatten_layers(&dirs, &dir, userxattr) {
+            if let Err(e) = publisher::flatten_layers_over(&dirs, &below, &dir, userxattr) {
                 let _ = layerstack_store::fs::remove_tree(&dir);
                 return Err(EngineError::InvalidArgument(format!(
                     "building the squash failed: {}",

@@ -858,6 +858,23 @@ async fn squashes_keep_history_shallow_and_every_view_intact() {
             ],
         )
         .await;
+        // A file added (publish 4) and deleted (publish 5) in a directory the
+        // base does not have: once both are squashed, no layer may hold a
+        // whiteout for it (overlayfs would list it there: see
+        // `publisher::flatten_layers_over`).
+        if i == 4 {
+            write(&sess.upper, "fresh/x", b"x\n");
+        }
+        if i == 5 {
+            std::fs::create_dir_all(sess.upper.join("fresh")).unwrap();
+            nix::sys::stat::mknod(
+                &sess.upper.join("fresh/x"),
+                nix::sys::stat::SFlag::S_IFCHR,
+                nix::sys::stat::Mode::empty(),
+                0,
+            )
+            .unwrap();
+        }
         if i == 2 {
             early = Some(
                 session_with(
@@ -895,6 +912,15 @@ async fn squashes_keep_history_shallow_and_every_view_intact() {
         assert_eq!(got.unwrap(), format!("{i}\n").as_bytes());
     }
     assert_eq!(head.read_regular(b"work/last").unwrap().unwrap(), b"39\n");
+    assert!(head.lookup(b"fresh/x").unwrap().is_none());
+    let head_id = store.branch_head("ns/sha256:aaa", "main").unwrap();
+    for dir in store.manifest_view("ns/sha256:aaa", head_id).unwrap() {
+        assert!(
+            std::fs::symlink_metadata(dir.join("fresh/x")).is_err(),
+            "{} holds fresh/x (a whiteout of nothing)",
+            dir.display()
+        );
+    }
     // GC: the early session's lease still pins its own (unsquashed) view.
     let early = early.unwrap();
     let before = p.gc().await.unwrap();

@@ -97,7 +97,10 @@ pub use merge::{
     BINARY_SNIFF_BYTES, DEFAULT_MAX_BYTES, DEFAULT_MAX_LINES, DEFAULT_TIMEOUT,
 };
 pub use policy::{ExcludePolicy, PolicyError};
-pub use squash::{copy_paths, flatten_layers, tree_digest, CopyPath, FlattenReport, SquashError};
+pub use squash::{
+    copy_paths, flatten_layers, flatten_layers_over, tree_digest, CopyPath, FlattenReport,
+    SquashError,
+};
 // Blame, diff and conflicts (issue 10): line origins, markers, patches.
 pub use capture::{digest_bytes, hash as digest_reader};
 pub use merge::{

@@ -56,6 +56,9 @@ pub struct FlattenReport {
     pub opaque: u64,
     /// Whiteouts created.
     pub whiteouts: u64,
+    /// Whiteouts of the run left out because nothing below the run has the
+    /// path ([`flatten_layers_over`]).
+    pub whiteouts_dropped: u64,
 }
 
 /// Why [`flatten_layers`] failed; `path` is relative to the run.
@@ -107,13 +110,44 @@ enum Resolved {
 /// existing empty directory on the same filesystem (see the module docs). The
 /// root directory takes the newest layer's metadata. `userxattr`: the layers'
 /// opaque marker is `user.overlay.opaque` (rootless) instead of
-/// `trusted.overlay.opaque`.
+/// `trusted.overlay.opaque`. Every whiteout the run shows is kept (the layers
+/// the result will lie on are not known); see [`flatten_layers_over`].
 ///
 /// # Errors
 /// [`SquashError`] naming the path; `out` may then hold part of the layer (the
 /// caller builds it in staging and discards it).
 pub fn flatten_layers(
     run: &[PathBuf],
+    out: &Path,
+    userxattr: bool,
+) -> Result<FlattenReport, SquashError> {
+    flatten(run, None, out, userxattr)
+}
+
+/// [`flatten_layers`] for a squash that will lie on `below` (the layers under
+/// the run, as the view that holds the run stacks them): a whiteout of the run
+/// is written only where `below` shows something to hide.
+///
+/// Why: overlayfs hides a lower layer's whiteout only in a directory it merges
+/// from several layers; in a directory that exists in one layer only it lists
+/// the whiteout as a name whose `stat` fails (`ls: x: No such file or
+/// directory`). A file added and deleted inside the run leaves, once the run is
+/// one layer, a whiteout in a directory the layers below may not have at all.
+///
+/// # Errors
+/// As [`flatten_layers`]; a failed lookup in `below` too.
+pub fn flatten_layers_over(
+    run: &[PathBuf],
+    below: &LayerView,
+    out: &Path,
+    userxattr: bool,
+) -> Result<FlattenReport, SquashError> {
+    flatten(run, Some(below), out, userxattr)
+}
+
+fn flatten(
+    run: &[PathBuf],
+    below: Option<&LayerView>,
     out: &Path,
     userxattr: bool,
 ) -> Result<FlattenReport, SquashError> {
@@ -132,19 +166,23 @@ pub fn flatten_layers(
     }
     let all: Vec<usize> = (0..members.len()).collect();
     let mut rel = Vec::new();
-    flatten_dir(
-        &members,
-        &all,
-        true,
-        &out_dir,
-        &mut rel,
+    let mut ctx = Flatten {
+        below,
         userxattr,
-        &mut report,
-    )?;
+        report: &mut report,
+    };
+    flatten_dir(&members, &all, true, &out_dir, &mut rel, &mut ctx)?;
     if let Some(top) = members.first() {
         copy_times(&top.dir, &out_dir, &rel)?;
     }
     Ok(report)
+}
+
+/// What every level of [`flatten_dir`] shares.
+struct Flatten<'a> {
+    below: Option<&'a LayerView>,
+    userxattr: bool,
+    report: &'a mut FlattenReport,
 }
 
 /// One path for [`copy_paths`].
@@ -324,16 +362,15 @@ fn make_parents(
 
 /// Flattens the directory `rel`, merged from `layers` (each an open directory of
 /// the run at `rel`), into `out` (open at `rel`).
-#[allow(clippy::too_many_arguments)]
 fn flatten_dir(
     members: &[Member],
     layers: &[usize],
     open_below: bool,
     out: &DirFd,
     rel: &mut Vec<u8>,
-    userxattr: bool,
-    report: &mut FlattenReport,
+    ctx: &mut Flatten<'_>,
 ) -> Result<(), SquashError> {
+    let userxattr = ctx.userxattr;
     // Every name of every merged layer here, in byte order, with the layers
     // that hold it (newest first): a name is looked up only where it is, so a
     // directory that each of M members adds names to costs O(names), not
@@ -366,7 +403,17 @@ fn flatten_dir(
             CString::new(name.clone()).map_err(|e| err("name", rel)(io::Error::other(e)))?;
         match r {
             Resolved::Whiteout => {
-                if open_below {
+                // Below an opaque directory nothing is hidden; nor where the
+                // layers under the run have nothing at this path.
+                let hides = open_below
+                    && match ctx.below {
+                        None => true,
+                        Some(v) => v.lookup(rel).map_err(err("look up below", rel))?.is_some(),
+                    };
+                if open_below && !hides {
+                    ctx.report.whiteouts_dropped += 1;
+                }
+                if hides {
                     mknodat(
                         Some(out.as_raw_fd()),
                         cname.as_c_str(),
@@ -375,11 +422,11 @@ fn flatten_dir(
                         0,
                     )
                     .map_err(|e| err("create whiteout", rel)(e.into()))?;
-                    report.whiteouts += 1;
+                    ctx.report.whiteouts += 1;
                 }
             }
             Resolved::Leaf { layer } => {
-                link_or_copy(&members[layer].dir, out, &cname, rel, report)?;
+                link_or_copy(&members[layer].dir, out, &cname, rel, ctx.report)?;
             }
             Resolved::Dir {
                 layers: sub,
@@ -392,7 +439,7 @@ fn flatten_dir(
                     Mode::from_bits_truncate(0o700),
                 )
                 .map_err(|e| err("create directory", rel)(e.into()))?;
-                report.dirs += 1;
+                ctx.report.dirs += 1;
                 let out_child = fsx::open_dir_at(out, &name).map_err(err("open", rel))?;
                 let sub_members: Vec<Member> = sub
                     .iter()
@@ -403,21 +450,13 @@ fn flatten_dir(
                     })
                     .collect::<Result<_, _>>()?;
                 let idx: Vec<usize> = (0..sub_members.len()).collect();
-                flatten_dir(
-                    &sub_members,
-                    &idx,
-                    child_open,
-                    &out_child,
-                    rel,
-                    userxattr,
-                    report,
-                )?;
+                flatten_dir(&sub_members, &idx, child_open, &out_child, rel, ctx)?;
                 copy_dir_meta(&sub_members[0].dir, &out_child, rel, userxattr)?;
                 if !child_open {
                     let p = fsx::proc_path(&out_child, b"");
                     xattr::set(&p, opaque_name(userxattr), b"y")
                         .map_err(err("mark opaque", rel))?;
-                    report.opaque += 1;
+                    ctx.report.opaque += 1;
                 }
                 copy_times(&sub_members[0].dir, &out_child, rel)?;
             }
@@ -788,6 +827,53 @@ mod tests {
             std::fs::metadata(x.join("etc/a")).unwrap().ino(),
             "files are hardlinks"
         );
+    }
+
+    /// A file added and deleted inside the run, in a directory the layers below
+    /// do not have: over those layers the squash holds no whiteout for it
+    /// (overlayfs would list it in that one-layer directory); where the layers
+    /// below have the path, or are not known, the whiteout stays.
+    #[test]
+    fn a_whiteout_that_hides_nothing_below_is_left_out() {
+        if !have_root("a_whiteout_that_hides_nothing_below_is_left_out") {
+            return;
+        }
+        let t = tmp();
+        let l = |n: &str| t.path().join(n);
+        write(&l("base"), "etc/a", b"a\n", 0o644);
+        write(&l("base"), "etc/old", b"old\n", 0o644);
+        // r1 adds data/d3/x3 and data/d3/y; r0 deletes x3, and etc/old.
+        write(&l("r1"), "data/d3/x3", b"x\n", 0o644);
+        write(&l("r1"), "data/d3/y", b"y\n", 0o644);
+        mkdir(&l("r0"), "data", 0o755);
+        mkdir(&l("r0"), "data/d3", 0o755);
+        whiteout(&l("r0"), "data/d3/x3");
+        mkdir(&l("r0"), "etc", 0o755);
+        whiteout(&l("r0"), "etc/old");
+        let run = vec![l("r0"), l("r1")];
+        let below = LayerView::new(vec![l("base")]);
+        let s = l("S");
+        std::fs::create_dir(&s).unwrap();
+        let r = flatten_layers_over(&run, &below, &s, false).unwrap();
+        assert!(
+            std::fs::symlink_metadata(s.join("data/d3/x3")).is_err(),
+            "a whiteout of a path nothing below has"
+        );
+        assert!(s.join("data/d3/y").exists());
+        use std::os::unix::fs::MetadataExt;
+        let old = std::fs::symlink_metadata(s.join("etc/old")).unwrap();
+        assert!(
+            is_whiteout(old.mode(), old.rdev()),
+            "the whiteout of etc/old hides the base's file"
+        );
+        assert_eq!((r.whiteouts, r.whiteouts_dropped), (1, 1), "{r:?}");
+        same_views(&run, &s, &[l("base")], &[]);
+        // Not knowing the layers below, every whiteout stays.
+        let k = l("K");
+        std::fs::create_dir(&k).unwrap();
+        let r = flatten_layers(&run, &k, false).unwrap();
+        assert_eq!((r.whiteouts, r.whiteouts_dropped), (2, 0), "{r:?}");
+        assert!(std::fs::symlink_metadata(k.join("data/d3/x3")).is_ok());
     }
 
     #[test]
