@@ -60,7 +60,7 @@ pub enum OpenError {
     #[error("store root {root} is on {fs}: unsupported; LayerStack needs a local ext4, xfs or btrfs filesystem (choose another --root)")]
     Unsupported { root: PathBuf, fs: String },
     /// The store was written by another format version (`-1`: not a LayerStack store).
-    #[error("store at {root} has format version {found}, this build reads version {expected}: start a fresh store root (stores are never migrated silently; the old one can be removed with `rm -rf {root}` once nothing uses it)")]
+    #[error("store at {root} has format version {found}, this build reads version {expected}: {}", version_advice(root, *found, *expected))]
     Version {
         root: PathBuf,
         found: i64,
@@ -91,6 +91,24 @@ impl OpenError {
             Self::Io(..) | Self::Db(_) => ErrorKind::Internal,
             Self::Store(e) => e.kind(),
         }
+    }
+}
+
+/// What to do about a store of format `found` when this build reads `expected`
+/// (older formats it can migrate never get here).
+fn version_advice(root: &std::path::Path, found: i64, expected: i64) -> String {
+    if found > expected {
+        // A downgrade: the store is fine, the binary is old. Never suggest
+        // removing it.
+        "it was written by a newer LayerStack: run that version (or a newer one) on it; \
+         a store is never converted back to an older format, and this build changed nothing"
+            .to_string()
+    } else {
+        format!(
+            "start a fresh store root (formats this old are not migrated; the old one can be \
+             removed with `rm -rf {}` once nothing uses it)",
+            root.display()
+        )
     }
 }
 

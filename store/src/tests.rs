@@ -797,6 +797,26 @@ fn other_format_version_is_refused() {
         .err()
         .unwrap();
     assert!(matches!(err, OpenError::Version { found: 99, .. }), "{err}");
+    // A newer store: run the newer build; nothing suggests removing it.
+    let msg = err.to_string();
+    assert!(
+        msg.contains("written by a newer LayerStack") && !msg.contains("rm -rf"),
+        "{msg}"
+    );
+    // An older one than any migration reaches: a fresh root.
+    let db = rusqlite::Connection::open(d.path().join("root/store.db")).unwrap();
+    db.execute(
+        "UPDATE meta SET value = '2' WHERE key = 'format_version'",
+        [],
+    )
+    .unwrap();
+    drop(db);
+    let err = Store::open(&d.path().join("root"), &StoreOptions::default())
+        .err()
+        .unwrap();
+    let msg = err.to_string();
+    assert!(matches!(err, OpenError::Version { found: 2, .. }), "{msg}");
+    assert!(msg.contains("start a fresh store root"), "{msg}");
 }
 
 #[test]
