@@ -393,16 +393,8 @@ fn ancestor_at_depth(
 ) -> Result<Option<ManifestId>, StoreError> {
     let mut next = Some(head);
     while let Some(m) = next {
-        let (parent, d): (Option<ManifestId>, i64) = conn
-            .one(
-                "SELECT parent, depth FROM manifests WHERE id = ?1",
-                [m],
-                |r| Ok((r.get(0)?, r.get(1)?)),
-            )
-            .optional()?
-            .ok_or_else(|| {
-                StoreError::corrupt("manifests", m, "manifest referenced but missing")
-            })?;
+        let row = crate::stacks::manifest_row(conn, m)?;
+        let (parent, d) = (row.parent, row.depth);
         if d as usize == depth {
             return Ok(Some(m));
         }

@@ -12,12 +12,12 @@
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
-use rusqlite::{params, Connection, OptionalExtension, Transaction};
+use rusqlite::{params, Connection, Transaction};
 
 use crate::db::Cached;
 use crate::db::{digest_col, u32_col};
 use crate::error::StoreError;
-use crate::stacks::manifest_layers;
+use crate::stacks::{manifest_layers, manifest_row};
 use crate::{ChangeKind, HeadChanges, IndexEntry, LayerId, ManifestId, PathQuery, Store};
 
 /// Inserts `entries` as layer `layer`'s path index.
@@ -424,24 +424,15 @@ fn prepended_since(
     from: ManifestId,
     to: ManifestId,
 ) -> Result<Option<Vec<LayerId>>, StoreError> {
-    let shape = |m: ManifestId| -> Result<(Option<ManifestId>, Option<LayerId>, i64), StoreError> {
-        conn.one(
-            "SELECT parent, layer_id, depth FROM manifests WHERE id = ?1",
-            [m],
-            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
-        )
-        .optional()?
-        .ok_or_else(|| StoreError::corrupt("manifests", m, "manifest referenced but missing"))
-    };
-    let (_, _, from_depth) = shape(from)?;
+    let from_depth = manifest_row(conn, from)?.depth;
     let mut added = Vec::new();
     let mut m = to;
     while m != from {
-        let (parent, layer, depth) = shape(m)?;
-        if depth <= from_depth || added.len() == PREPENDS_WALKED {
+        let row = manifest_row(conn, m)?;
+        if row.depth <= from_depth || added.len() == PREPENDS_WALKED {
             return Ok(None);
         }
-        let (Some(parent), Some(layer)) = (parent, layer) else {
+        let (Some(parent), Some(layer)) = (row.parent, row.layer) else {
             return Ok(None);
         };
         added.push(layer);

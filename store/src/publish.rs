@@ -616,14 +616,7 @@ impl Store {
     /// `Corrupt` when the manifest is missing.
     pub fn manifest_depth(&self, id: ManifestId) -> Result<usize, StoreError> {
         self.db.read(|conn| {
-            let d: i64 = conn
-                .one("SELECT depth FROM manifests WHERE id = ?1", [id], |r| {
-                    r.get(0)
-                })
-                .optional()?
-                .ok_or_else(|| {
-                    StoreError::corrupt("manifests", id, "manifest referenced but missing")
-                })?;
+            let d = crate::stacks::manifest_row(conn, id)?.depth;
             Ok(usize::try_from(d).unwrap_or(0))
         })
     }

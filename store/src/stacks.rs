@@ -151,12 +151,13 @@ pub(crate) fn manifest_layers(
     conn: &Connection,
     id: ManifestId,
 ) -> Result<Vec<LayerId>, StoreError> {
-    let (depth, rest) = manifest_shape(conn, id)?;
+    let ManifestRow { depth, rest, .. } = manifest_row(conn, id)?;
     let mut out = Vec::with_capacity(usize::try_from(depth).unwrap_or(0));
     let rest_depth = match rest {
         Some(r) => {
-            let (d, further) = manifest_shape(conn, r)?;
-            if further.is_some() || d >= depth {
+            let below = manifest_row(conn, r)?;
+            let d = below.depth;
+            if below.rest.is_some() || d >= depth {
                 return Err(StoreError::corrupt(
                     "manifests",
                     id,
@@ -174,15 +175,33 @@ pub(crate) fn manifest_layers(
     Ok(out)
 }
 
-/// `(depth, rest)` of manifest `id`. Error: `Corrupt` when the row is missing.
-fn manifest_shape(
-    conn: &Connection,
-    id: ManifestId,
-) -> Result<(i64, Option<ManifestId>), StoreError> {
+/// One `manifests` row: what the manifest added on top of what, and how.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ManifestRow {
+    /// The manifest it was prepended on (`None`: a stack's empty root).
+    pub parent: Option<ManifestId>,
+    /// The layer it added on top of `parent` (`None`: a stack's empty root).
+    pub layer: Option<LayerId>,
+    /// The number of layers it shows.
+    pub depth: i64,
+    /// The complete manifest holding its positions below its own rows
+    /// (`None`: its rows are complete).
+    pub rest: Option<ManifestId>,
+}
+
+/// Manifest `id`'s row. Error: `Corrupt` when it is missing.
+pub(crate) fn manifest_row(conn: &Connection, id: ManifestId) -> Result<ManifestRow, StoreError> {
     conn.one(
-        "SELECT depth, rest FROM manifests WHERE id = ?1",
+        "SELECT parent, layer_id, depth, rest FROM manifests WHERE id = ?1",
         [id],
-        |r| Ok((r.get(0)?, r.get(1)?)),
+        |r| {
+            Ok(ManifestRow {
+                parent: r.get(0)?,
+                layer: r.get(1)?,
+                depth: r.get(2)?,
+                rest: r.get(3)?,
+            })
+        },
     )
     .optional()?
     .ok_or_else(|| StoreError::corrupt("manifests", id, "manifest referenced but missing"))
@@ -234,20 +253,24 @@ pub(crate) fn prepend_manifest(
     parent: ManifestId,
     layer: LayerId,
 ) -> Result<ManifestId, StoreError> {
-    let (depth, parent_rest) = manifest_shape(tx, parent)?;
+    let ManifestRow {
+        depth,
+        rest: parent_rest,
+        ..
+    } = manifest_row(tx, parent)?;
     // The parent's own rows (all of them when it is complete).
     let (own, anchor) = match parent_rest {
-        Some(r) => (depth - manifest_shape(tx, r)?.0, r),
+        Some(r) => (depth - manifest_row(tx, r)?.depth, r),
         None => (depth, parent),
     };
     // Above the parent's anchor: [layer] + the parent's own rows (none when the
     // parent is itself the anchor). Past OWN_RUN of them: written out whole.
-    let (above, rest) = match parent_rest {
-        Some(_) if own + 1 > OWN_RUN => (depth + 1, None),
-        Some(_) => (own + 1, Some(anchor)),
+    let rest = match parent_rest {
+        Some(_) if own + 1 > OWN_RUN => None,
+        Some(_) => Some(anchor),
         // On the stack's empty root: complete as it is.
-        None if depth == 0 => (1, None),
-        None => (1, Some(parent)),
+        None if depth == 0 => None,
+        None => Some(parent),
     };
     tx.exec(
         "INSERT INTO manifests(stack, parent, layer_id, depth, rest, created_ns) VALUES (?1, ?2, ?3, ?4, ?5, ?6)",
@@ -278,7 +301,6 @@ pub(crate) fn prepend_manifest(
             copy(anchor, 1 + own, depth - own)?;
         }
     }
-    debug_assert!(above <= OWN_RUN || rest.is_none());
     Ok(m)
 }
 

@@ -59,6 +59,14 @@ fn publish(s: &Store, sid: SessionId, index: &[IndexEntry]) -> Published {
         .unwrap()
 }
 
+/// Prepares container session `default/<n>/<name>` on the image `top` (its
+/// stack's `main`); returns its id.
+fn container_session(s: &Store, top: &str, n: usize, name: &str) -> SessionId {
+    s.prepare(&format!("default/{n}/{name}"), top, BTreeMap::new(), false)
+        .unwrap();
+    s.find_session("default", name).unwrap().unwrap().id
+}
+
 /// Unpack an image of `chains` (bottom first) in `ns`; returns the top's key.
 fn unpack_chain(store: &Store, ns: &str, chains: &[&str]) -> String {
     let mut parent = String::new();
@@ -331,19 +339,7 @@ fn changes_between_keeps_per_path_the_newest_and_the_newest_hiding_row_in_manife
     let n = 8;
     let mut ids = Vec::new();
     for i in 0..=n {
-        s.prepare(
-            &format!("default/{}/c{i}", 10 + i),
-            &top,
-            BTreeMap::new(),
-            false,
-        )
-        .unwrap();
-        ids.push(
-            s.find_session("default", &format!("c{i}"))
-                .unwrap()
-                .unwrap()
-                .id,
-        );
+        ids.push(container_session(&s, &top, 10 + i, &format!("c{i}")));
     }
     let reader = ids[n];
     let lease = s.publish_context(reader).unwrap().lease_manifest;
@@ -1495,18 +1491,7 @@ fn a_squash_takes_the_new_layers_and_only_the_squashes_that_are_not_much_bigger(
     let mut n = 0;
     let mut publish_one = |s: &Store| {
         n += 1;
-        s.prepare(
-            &format!("default/{}/q{n}", 1000 + n),
-            &top,
-            BTreeMap::new(),
-            false,
-        )
-        .unwrap();
-        let sid = s
-            .find_session("default", &format!("q{n}"))
-            .unwrap()
-            .unwrap()
-            .id;
+        let sid = container_session(s, &top, 1000 + n, &format!("q{n}"));
         publish(s, sid, &[write_entry(format!("f{n}").as_bytes(), 1)]).layer
     };
     publish_one(&s);
@@ -2020,18 +2005,7 @@ fn a_prepend_writes_a_bounded_run_of_rows_and_every_manifest_reads_whole() {
     let mut published = Vec::new();
     let mut heads = Vec::new();
     for i in 0..n {
-        s.prepare(
-            &format!("default/{}/c{i}", 10 + i),
-            &top,
-            BTreeMap::new(),
-            false,
-        )
-        .unwrap();
-        let sid = s
-            .find_session("default", &format!("c{i}"))
-            .unwrap()
-            .unwrap()
-            .id;
+        let sid = container_session(&s, &top, 10 + i, &format!("c{i}"));
         let f = format!("f{i}");
         std::fs::write(s.upper_path(sid).join(&f), b"x").unwrap();
         let p = publish(&s, sid, &[write_entry(f.as_bytes(), 1)]);
