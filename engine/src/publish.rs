@@ -14,8 +14,10 @@
 //! conflict → reject (no gate needed)                     again outside, come back
 //! stage: pending layer + index + verdicts                (3 times; then plan here)
 //!                                           apply the plan's edits to the upper
-//!                                           commit: head CAS, prepend, move branch
-//!                                           rename the upper into l/<n>
+//!                                             (no store transaction open)
+//!                                           commit: head CAS, prepend, move branch,
+//!                                             rename the upper into l/<n> —
+//!                                             one transaction of rows
 //! ```
 //!
 //! Why the plan can be made outside the gate: layers are immutable and a branch
@@ -1093,10 +1095,12 @@ fn replan(
     Ok(Replanned::Ready)
 }
 
-/// Under the gate: re-check the head; when it moved at this publish's paths,
-/// hand the publish back to be planned again outside the gate
+/// Under the gate: re-check the head (reads only); when it moved at this
+/// publish's paths, hand the publish back to be planned again outside the gate
 /// ([`GateStep::Replan`], while `optimistic`) or plan again here; then apply
-/// and commit.
+/// the plan to the upper with no store transaction open, and commit: a
+/// compare-and-swap of the head from the one re-checked, rows only (plus the
+/// rename of the upper into `l/<n>`).
 #[allow(clippy::too_many_arguments)]
 fn commit(
     store: &Store,
@@ -1111,96 +1115,25 @@ fn commit(
 ) -> Result<GateStep, RunError> {
     let durable = store.durability() == layerstack_store::Durability::Durable;
     let staging = store.staging_path();
-    // In one store transaction on the writer's connection: the head now, what
-    // it added at our paths since the plan (if it moved), the plan's edits of
-    // the upper (merged files are written in the store's staging directory and
-    // renamed in; synced only in the durable profile, as a `syncfs` here waited
-    // for every dirty page of the filesystem), the commit. A plan the head's
-    // moves made stale is handed back (or, past the optimistic rounds, planned
-    // again here).
-    {
-        let upper = ready.ctx.session.upper.clone();
-        let kind = decision(&ready.plan);
-        let paths_now = match &ready.replanned {
-            Some((_, p)) => p.clone(),
-            None => records(&ready.plan),
-        };
-        let record = layerstack_store::CommitRecord {
-            kind: Some(kind),
-            message: Some(summary(&paths_now, kind, &ready.ctx.session)),
-            timings: Some(PublishTimings {
-                capture_us: micros(ready.capture),
-                gate_wait_us: micros(gate_wait),
-                // Up to the commit; the whole hold, commit included, is set
-                // once it is done (`Store::record_commit_times`).
-                gate_hold_us: micros(holding.elapsed()),
-                total_us: micros(started.elapsed()),
-                capture_bytes: ready.capture_bytes,
-            }),
-            replanned: ready
-                .replanned
-                .as_ref()
-                .map(|(i, r)| (i.as_slice(), r.as_slice())),
-            // After the gate (`publish_locked`).
-            renew_later: true,
-        };
-        let done = {
-            let mut stands = |delta| !moves_the_plan(delta, &ready.input.head);
-            #[cfg(any(test, feature = "failpoints"))]
-            let hook = hook.clone();
-            let plan = &ready.plan;
-            let mut apply = || {
-                #[cfg(any(test, feature = "failpoints"))]
-                if let Some(h) = &hook {
-                    h(&upper);
-                }
-                publisher::apply_plan_with(&upper, plan, &staging, durable)
-                    .map_err(std::io::Error::other)
-            };
-            store.commit_publish_guarded(
-                id,
-                ready.staged,
-                layerstack_store::PlanGuard {
-                    observed: ready.observed.manifest,
-                    query: &ready.input.query,
-                    stands: &mut stands,
-                    apply: &mut apply,
-                },
-                record,
-            )?
-        };
-        match done {
-            layerstack_store::Guarded::Committed(p) => {
-                debug!(
-                    session.id = id,
-                    layer.id = p.layer,
-                    manifest = p.manifest,
-                    outcome = kind.as_str(),
-                    why,
-                    gate_wait_us = micros(gate_wait),
-                    gate_hold_us = micros(holding.elapsed()),
-                    capture_us = micros(ready.capture),
-                    capture_bytes = ready.capture_bytes,
-                    replanned = ready.replanned.is_some(),
-                    "publish committed"
-                );
-                return Ok(GateStep::Done(Some(p.outcome)));
+    let recheck = store.recheck_head(id, ready.observed.manifest, &ready.input.query)?;
+    let stands = recheck
+        .changes
+        .is_none_or(|delta| !moves_the_plan(delta, &ready.input.head));
+    let expected_head = match (stands, optimistic) {
+        (true, _) => recheck.head,
+        (false, true) => return Ok(GateStep::Replan(ready)),
+        (false, false) => {
+            // Past the optimistic rounds: plan again here, where the head
+            // cannot move; its rows replace the staged ones in the commit.
+            let gate = (gate_wait, Some(holding));
+            if let Replanned::Conflict =
+                replan(store, settings, pins, id, &mut ready, started, gate)?
+            {
+                return Ok(GateStep::Done(None));
             }
-            layerstack_store::Guarded::Moved if optimistic => {
-                return Ok(GateStep::Replan(ready));
-            }
-            layerstack_store::Guarded::Moved => {
-                let gate = (gate_wait, Some(holding));
-                if let Replanned::Conflict =
-                    replan(store, settings, pins, id, &mut ready, started, gate)?
-                {
-                    return Ok(GateStep::Done(None));
-                }
-            }
+            ready.observed.manifest
         }
-    }
-    // Planned again just now, under the gate (the head cannot move): its rows
-    // replace the staged ones in the commit.
+    };
     let Ready {
         ctx,
         plan,
@@ -1208,10 +1141,13 @@ fn commit(
         capture,
         capture_bytes,
         replanned,
-        observed,
         ..
     } = *ready;
     let upper = ctx.session.upper.clone();
+    // The plan's edits of the upper (merged files are written in the store's
+    // staging directory and renamed in; synced only in the durable profile, as
+    // a `syncfs` here waited for every dirty page of the filesystem). No store
+    // transaction is open: only this branch's publishes wait for it.
     #[cfg(any(test, feature = "failpoints"))]
     if let Some(h) = hook {
         h(&upper);
@@ -1225,6 +1161,8 @@ fn commit(
     let timings = PublishTimings {
         capture_us: micros(capture),
         gate_wait_us: micros(gate_wait),
+        // Up to the commit; the whole hold, commit included, is set once it is
+        // done (`Store::record_commit_times`).
         gate_hold_us: micros(holding.elapsed()),
         total_us: micros(started.elapsed()),
         capture_bytes,
@@ -1232,7 +1170,7 @@ fn commit(
     let p = store.commit_publish(
         id,
         staged,
-        observed.manifest,
+        expected_head,
         layerstack_store::CommitRecord {
             kind: Some(kind),
             message: Some(summary(&paths_now, kind, &ctx.session)),
@@ -1240,6 +1178,7 @@ fn commit(
             replanned: replanned
                 .as_ref()
                 .map(|(i, r)| (i.as_slice(), r.as_slice())),
+            // After the gate (`publish_locked`).
             renew_later: true,
         },
     )?;
@@ -1253,7 +1192,7 @@ fn commit(
         gate_hold_us = micros(holding.elapsed()),
         capture_us = timings.capture_us,
         capture_bytes,
-        replanned = true,
+        replanned = replanned.is_some(),
         "publish committed"
     );
     Ok(GateStep::Done(Some(p.outcome)))

@@ -618,6 +618,83 @@ async fn remove_during_a_publish_returns_at_once_and_completes_after_it() {
     assert!(after.released && !after.remove_pending);
 }
 
+/// ARCHITECTURE §9: no write transaction waits for a publish's I/O. A publish
+/// held *inside* its apply step (under its branch's gate, a merged file being
+/// written) holds no store transaction: containerd's `Prepare` on another
+/// branch, a `Remove` of an unrelated snapshot, a `Commit` and `Cleanup` all
+/// return while it is held (they waited for the whole apply when it ran inside
+/// the commit transaction); then the publish commits its merge.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publish_held_inside_its_apply_step_holds_up_no_other_store_write() {
+    if !have_root("a_publish_held_inside_its_apply_step_holds_up_no_other_store_write") {
+        return;
+    }
+    let t = tmp();
+    let (store, s) = setup(t.path());
+    // a edits line 2 and commits; b edits line 6: b's plan writes a merged file.
+    write(&s[0].upper, "etc/app.conf", &edit("key2 = 2", "key2 = A"));
+    write(&s[1].upper, "etc/app.conf", &edit("key6 = 6", "key6 = B"));
+    let p = engine(&store);
+    let a = p.publish(s[0].id, "a").await.unwrap().outcome.unwrap();
+    assert_eq!(a.kind, OutcomeKind::Committed);
+    store
+        .create_branch("ns/sha256:aaa", "other", "main", None)
+        .unwrap();
+    let (inside_tx, inside_rx) = std::sync::mpsc::channel::<()>();
+    let (go_tx, go_rx) = std::sync::mpsc::channel::<()>();
+    let go_rx = std::sync::Mutex::new(go_rx);
+    p.failpoint_before_apply(move |_| {
+        inside_tx.send(()).unwrap();
+        go_rx.lock().unwrap().recv().unwrap();
+    });
+    let publishing = {
+        let p = p.clone();
+        let id = s[1].id;
+        tokio::spawn(async move { p.publish(id, "held in apply").await.unwrap() })
+    };
+    tokio::task::spawn_blocking(move || inside_rx.recv().unwrap())
+        .await
+        .unwrap();
+    let st = store.clone();
+    let others = tokio::time::timeout(
+        std::time::Duration::from_secs(10),
+        tokio::task::spawn_blocking(move || {
+            let labels = BTreeMap::from([(
+                layerstack_store::BRANCH_LABEL.to_string(),
+                "other".to_string(),
+            )]);
+            st.prepare("ns/20/d", "ns/2/sha256:aaa", labels, false)
+                .unwrap();
+            st.prepare("ns/21/e", "ns/2/sha256:aaa", BTreeMap::new(), false)
+                .unwrap();
+            st.commit("ns/22/e-committed", "ns/21/e", BTreeMap::new())
+                .unwrap();
+            let removed = st.remove("ns/5/c").unwrap();
+            st.sweep_with(layerstack_store::SweepMode::Cleanup).unwrap();
+            removed
+        }),
+    )
+    .await
+    .expect("Prepare, Commit, Remove and Cleanup never wait for a publish's apply step")
+    .unwrap();
+    assert_eq!(
+        others,
+        layerstack_store::snapshots::Removed::Session(s[2].id)
+    );
+    let d = store.find_session("ns", "d").unwrap().unwrap();
+    assert_eq!(d.branch, "other");
+    go_tx.send(()).unwrap();
+    let out = publishing.await.unwrap().outcome.unwrap();
+    assert_eq!(out.kind, OutcomeKind::Merged, "{out:?}");
+    let layer = store.layer_path(out.layer.unwrap());
+    let want = edit("key2 = 2", "key2 = A");
+    let want = String::from_utf8(want).unwrap().replace("key6 = 6", "key6 = B");
+    assert_eq!(
+        std::fs::read(layer.join("etc/app.conf")).unwrap(),
+        want.as_bytes()
+    );
+}
+
 /// A session removed by containerd with unpublished writes and no publish ever
 /// started (a missed task-delete event) is published by the release, not lost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -72,7 +72,7 @@ pub use graph::{AttemptInfo, AttemptStatus, GraphDump, GroupInfo, NodeInfo, Node
 pub use history::{DiskUsage, GcReport, LogPoint, MergeBase, RemovedStack, Squashed, Usage};
 pub use lock::StoreLock;
 pub use model::*;
-pub use publish::{CommitRecord, Guarded, PlanGuard, Published, Staged};
+pub use publish::{CommitRecord, Published, Recheck, Staged};
 pub use schema::FORMAT_VERSION;
 pub use snapshots::{
     is_extraction, split_key, stack_id, BRANCH_LABEL, NODE_LABEL, SNAPSHOT_REF_LABEL,

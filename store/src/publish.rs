@@ -1,22 +1,31 @@
-//! Publishing a session and recording outcomes (ARCHITECTURE.md §6 steps 5–6, §8).
+//! Publishing a session and recording outcomes (ARCHITECTURE.md §6 steps 5–6, §8, §9).
 //!
-//! A publish writes in two steps so that the serialized part stays short:
+//! A publish writes in steps so that the serialized part stays short and no
+//! write transaction waits for filesystem work:
 //!
 //! 1. [`Store::stage_publish`], outside the gate: a `pending` layer row with the
 //!    layer's path index, and a `pending` outcome row with every path's verdict.
 //!    Nothing refers to them yet; the upper stays where it is.
-//! 2. [`Store::commit_publish`], under the branch's gate: one `IMMEDIATE`
-//!    transaction compares the branch head with the head the plan was made
-//!    against (`HeadMoved` otherwise), replaces the index and verdicts when the
-//!    gate re-planned, turns the layer `published`, prepends it to a new manifest,
-//!    moves the branch, releases the lease and points the session at its outcome;
-//!    last, inside the transaction, the sealed upper is renamed into `l/<id>` —
-//!    no data copy — and the transaction commits (a failed commit renames it
-//!    back).
+//! 2. Under the branch's gate, [`Store::recheck_head`]: the head now, and what
+//!    it added at the plan's paths since the plan (reads only). The caller then
+//!    applies its plan to the upper — merged files, copies, removals — with no
+//!    transaction open: another branch, a containerd `Prepare` or `Remove`
+//!    never waits for that I/O.
+//! 3. [`Store::commit_publish`], still under the gate: one short `IMMEDIATE`
+//!    transaction of rows, a compare-and-swap of the head (`HeadMoved` unless
+//!    it is the head step 2 read), replaces the index and verdicts when the
+//!    gate re-planned, turns the layer `published`, prepends it to a new
+//!    manifest, moves the branch, releases the lease and points the session at
+//!    its outcome; last, inside the transaction, the sealed upper is renamed
+//!    into `l/<id>` — no data copy, the one filesystem step a write
+//!    transaction takes — and the transaction commits (a failed commit renames
+//!    it back).
 //!
-//! Crash story: before step 2 commits, the pending rows are garbage: the sweep
+//! Crash story: before step 3 commits, the pending rows are garbage: the sweep
 //! at the next start deletes them, after moving an upper already renamed into
-//! `l/<id>` back to `s/<sid>/upper`; the run is published again. Once it
+//! `l/<id>` back to `s/<sid>/upper`; the run is published again (its upper may
+//! hold the plan's edits by then: merged files are the session's writes
+//! rebased on the head, which normally plan again as a clean merge). Once step 3
 //! commits, the layer directory is in place. So a publish never loses the
 //! session's data, and no reader — of this or any other store instance — ever
 //! sees a committed row whose directory is missing.
@@ -63,38 +72,16 @@ pub struct CommitRecord<'a> {
     pub renew_later: bool,
 }
 
-/// What [`Store::commit_publish_guarded`] checks and does first, inside its
-/// transaction (so on the writer's connection: no read transaction of its own,
-/// no wait for a WAL read mark, on the gate holder's path).
-pub struct PlanGuard<'a> {
-    /// The branch head the plan was made against.
-    pub observed: ManifestId,
-    /// The plan's paths, as `Store::changes_between` takes them.
-    pub query: &'a PathQuery,
-    /// Whether the plan stands on the head now, given what the layers the head
-    /// added since `observed` hold at the plan's paths (`changes_between`'s
-    /// answer; not called when the head did not move).
-    pub stands: &'a mut dyn FnMut(HeadChanges) -> bool,
-    /// The plan's edits of the upper, carried out once the plan stands, before
-    /// the upper becomes the layer. An error ends the commit (nothing written).
-    pub apply: &'a mut dyn FnMut() -> std::io::Result<()>,
-}
-
-/// What [`Store::commit_publish_guarded`] did.
+/// What [`Store::recheck_head`] found: the branch head now and, when it moved
+/// since the head a plan was made against, what the layers it added hold at
+/// the plan's paths.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Guarded {
-    Committed(Published),
-    /// The head moved at the plan's paths since it was made: nothing was
-    /// done; plan again.
-    Moved,
-}
-
-/// The head a commit expects.
-enum Expect<'a> {
-    /// Exactly this one (`HeadMoved` otherwise).
-    Head(ManifestId),
-    /// Whatever it is now, if the plan stands on it.
-    Guard(PlanGuard<'a>),
+pub struct Recheck {
+    /// The head now: the `expected_head` of the [`Store::commit_publish`] that follows.
+    pub head: ManifestId,
+    /// `None` when the head did not move; otherwise `Store::changes_between`'s
+    /// answer from the observed head to [`Recheck::head`].
+    pub changes: Option<HeadChanges>,
 }
 
 /// Rows written by [`Store::stage_publish`].
@@ -291,7 +278,9 @@ impl Store {
         })
     }
 
-    /// Step 2 of a publish (see the module docs), against `expected_head`.
+    /// Step 3 of a publish (see the module docs): the compare-and-swap of the
+    /// branch head from `expected_head` (what [`Store::recheck_head`] read) to a
+    /// manifest with the staged layer prepended.
     ///
     /// Errors: `HeadMoved` when the branch head is not `expected_head` (plan
     /// again); `NoLease`; on any failure nothing changes and the upper stays.
@@ -302,41 +291,48 @@ impl Store {
         expected_head: ManifestId,
         record: CommitRecord<'_>,
     ) -> Result<Published, StoreError> {
-        match self.commit_in(session, staged, Expect::Head(expected_head), record)? {
-            Guarded::Committed(p) => Ok(p),
-            // Only a guard answers `Moved`.
-            Guarded::Moved => Err(StoreError::HeadMoved {
-                expected: expected_head,
-                found: expected_head,
-            }),
-        }
+        self.commit_in(session, staged, expected_head, record)
     }
 
-    /// [`Store::commit_publish`] against whatever the head is now, in one
-    /// transaction with `guard`'s check: when the head moved since
-    /// `guard.observed` and the layers it added change what the plan took at
-    /// its paths, nothing is done ([`Guarded::Moved`]); otherwise the plan's
-    /// edits are applied and the publish commits on the head as it is.
+    /// Under a branch's gate, before its plan is applied: the head of
+    /// `session`'s branch now and, if it is no longer `observed`, what the
+    /// layers it added since hold at `query`'s paths. Reads only, on the
+    /// writer's connection (first in line, [`crate::db::Db::writer_first`]): no
+    /// wait for a read connection on the gate holder's path, and no write lock.
     ///
-    /// Errors: `NoLease`; `Io` when `guard.apply` failed (nothing written in
-    /// the store; the upper keeps the edits made so far).
-    pub fn commit_publish_guarded(
+    /// Errors: `SessionNotFound`, `BranchNotFound`, `Corrupt`.
+    pub fn recheck_head(
         &self,
         session: SessionId,
-        staged: Staged,
-        guard: PlanGuard<'_>,
-        record: CommitRecord<'_>,
-    ) -> Result<Guarded, StoreError> {
-        self.commit_in(session, staged, Expect::Guard(guard), record)
+        observed: ManifestId,
+        query: &PathQuery,
+    ) -> Result<Recheck, StoreError> {
+        let mut conn = self.db.writer_first();
+        let tx = conn.transaction()?;
+        let s = get_sess(&tx, session)?;
+        let head = branch_head(&tx, &s.stack, &s.branch)?.ok_or_else(|| {
+            StoreError::BranchNotFound {
+                stack: s.stack.clone(),
+                branch: s.branch.clone(),
+            }
+        })?;
+        let changes = if head == observed {
+            None
+        } else {
+            let layers = layers_since(&tx, &self.expansions, observed, head)?;
+            Some(query_layers(&tx, &layers, query)?)
+        };
+        // Dropped without commit: a read transaction ends by rolling back.
+        Ok(Recheck { head, changes })
     }
 
     fn commit_in(
         &self,
         session: SessionId,
         staged: Staged,
-        expect: Expect<'_>,
+        expected_head: ManifestId,
         record: CommitRecord<'_>,
-    ) -> Result<Guarded, StoreError> {
+    ) -> Result<Published, StoreError> {
         let CommitRecord {
             kind,
             message,
@@ -365,23 +361,12 @@ impl Store {
                     branch: s.branch.clone(),
                 }
             })?;
-            match expect {
-                Expect::Head(expected_head) if head != expected_head => {
-                    return Err(StoreError::HeadMoved {
-                        expected: expected_head,
-                        found: head,
-                    });
-                }
-                Expect::Head(_) => {}
-                Expect::Guard(g) => {
-                    if head != g.observed {
-                        let layers = layers_since(tx, &self.expansions, g.observed, head)?;
-                        if !(g.stands)(query_layers(tx, &layers, g.query)?) {
-                            return Ok(None);
-                        }
-                    }
-                    (g.apply)().map_err(|e| StoreError::io(&upper, e))?;
-                }
+            // The compare-and-swap: rows only from here on, and the one rename.
+            if head != expected_head {
+                return Err(StoreError::HeadMoved {
+                    expected: expected_head,
+                    found: head,
+                });
             }
             if let Some((index, paths)) = replanned {
                 tx.exec(
@@ -435,7 +420,7 @@ impl Store {
                     Durability::Disposable => Ok(()),
                 })
                 .map_err(|e| StoreError::io(&upper, e))?;
-            Ok(Some((
+            Ok((
                 Published {
                     layer: staged.layer,
                     manifest,
@@ -443,13 +428,12 @@ impl Store {
                 },
                 s.stack,
                 s.branch,
-            )))
+            ))
         });
         drop(conn);
         let transaction = asked.elapsed().saturating_sub(writer_wait);
         let (published, stack, branch) = match published {
-            Ok(Some(p)) => p,
-            Ok(None) => return Ok(Guarded::Moved),
+            Ok(p) => p,
             Err(e) => {
                 // Not committed: put the upper back if it was moved.
                 if std::fs::symlink_metadata(&dst).is_ok()
@@ -466,7 +450,7 @@ impl Store {
             self.reset_session_dirs(session, false);
         }
         debug!(session.id = session, layer.id = published.layer, stack = %stack, branch = %branch, manifest = published.manifest, outcome = kind.as_str(), writer_wait_us = writer_wait.as_micros() as u64, transaction_us = transaction.as_micros() as u64, "published");
-        Ok(Guarded::Committed(published))
+        Ok(published)
     }
 
     /// Sets the gate hold and total time (µs) of committed outcome `outcome`,

@@ -1908,12 +1908,13 @@ fn gc_keeps_the_members_of_nested_squashes() {
     );
 }
 
-/// A guarded commit checks, in its own transaction, whether the head moved at
-/// the plan's paths since the plan: not at them → it applies and commits on the
-/// head as it is; at them → nothing is done (`Moved`); a failed apply writes
-/// nothing.
+/// The gate's two store calls: [`Store::recheck_head`] reads the head and what
+/// it added at the plan's paths since the plan (nothing written); the commit
+/// that follows is a compare-and-swap from the head the re-check read — it
+/// commits on a head that moved elsewhere, and refuses `HeadMoved` (writing
+/// nothing, the upper kept) when the head is not the one expected.
 #[test]
-fn a_guarded_commit_commits_on_the_head_it_finds_or_hands_the_plan_back() {
+fn a_recheck_reads_what_the_head_added_at_the_plans_paths_and_the_commit_swaps_from_it() {
     let d = tmp();
     let s = open(d.path());
     let top = unpack(&s, "default");
@@ -1924,71 +1925,54 @@ fn a_guarded_commit_commits_on_the_head_it_finds_or_hands_the_plan_back() {
     let sess = |c: &str| s.find_session("default", c).unwrap().unwrap();
     let (a, b, c, dd) = (sess("a"), sess("b"), sess("c"), sess("d"));
     let observed = s.head_view(b.id).unwrap().manifest;
+    let stage = |sid: SessionId, path: &[u8]| {
+        std::fs::write(s.upper_path(sid).join("f"), b"f").unwrap();
+        let staged = s.stage_publish(sid, &[write_entry(path, 2)], &[]).unwrap();
+        (staged, query(&[std::str::from_utf8(path).unwrap()], &[]))
+    };
+    let depth = || {
+        s.manifest(s.branch_head(&a.stack, "main").unwrap())
+            .unwrap()
+            .len()
+    };
+    // Nothing moved: the re-check reads the observed head and no changes.
+    let (staged_b, qb) = stage(b.id, b"y");
+    let r = s.recheck_head(b.id, observed, &qb).unwrap();
+    assert_eq!(r, Recheck { head: observed, changes: None });
     // `a` lands first, at x.
     publish(&s, a.id, &[write_entry(b"x", 1)]);
-    let mut applied = 0;
-    let guarded = |sid: SessionId, path: &[u8], applied: &mut i32, fail: bool| {
-        std::fs::write(s.upper_path(sid).join("f"), b"f").unwrap();
-        let index = [write_entry(path, 2)];
-        let staged = s.stage_publish(sid, &index, &[]).unwrap();
-        let q = query(&[std::str::from_utf8(path).unwrap()], &[]);
-        let mut stands = |delta: HeadChanges| delta.is_empty();
-        let mut apply = || {
-            *applied += 1;
-            if fail {
-                Err(std::io::Error::other("boom"))
-            } else {
-                Ok(())
-            }
-        };
-        let r = s.commit_publish_guarded(
-            sid,
-            staged,
-            PlanGuard {
-                observed,
-                query: &q,
-                stands: &mut stands,
-                apply: &mut apply,
-            },
-            CommitRecord::default(),
-        );
-        (r, staged)
-    };
-    // `b` planned at y on the old head: the head moved, not at y → commits on it.
-    let (r, _) = guarded(b.id, b"y", &mut applied, false);
-    let Guarded::Committed(p) = r.unwrap() else {
-        panic!("b should commit")
-    };
-    assert_eq!(applied, 1);
+    // `b` planned at y on the old head: the head moved, not at y.
+    let r = s.recheck_head(b.id, observed, &qb).unwrap();
+    assert_ne!(r.head, observed);
+    assert_eq!(r.changes, Some(Vec::new()));
+    let p = s
+        .commit_publish(b.id, staged_b, r.head, CommitRecord::default())
+        .unwrap();
     let head = s
         .manifest(s.branch_head(&b.stack, "main").unwrap())
         .unwrap();
     assert_eq!(head[0], p.layer);
     assert_eq!(head.len(), 2, "b on top of a");
-    // `c` planned at x on the old head: `a` wrote x since → handed back.
-    let (r, staged) = guarded(c.id, b"x", &mut applied, false);
-    assert_eq!(r.unwrap(), Guarded::Moved);
-    assert_eq!(applied, 1, "nothing applied");
-    assert_eq!(
-        s.manifest(s.branch_head(&c.stack, "main").unwrap())
-            .unwrap()
-            .len(),
-        2,
-        "nothing committed"
-    );
-    assert!(s.upper_path(c.id).join("f").exists(), "the upper stays");
-    s.abandon_staged(staged).unwrap();
-    // `dd`'s apply fails: nothing committed, the error names the upper.
-    let (r, _) = guarded(dd.id, b"z", &mut applied, true);
-    let e = r.unwrap_err();
-    assert!(matches!(e, StoreError::Io(..)), "{e}");
-    assert_eq!(
-        s.manifest(s.branch_head(&dd.stack, "main").unwrap())
-            .unwrap()
-            .len(),
-        2
-    );
+    // `c` planned at x on the old head: the re-check shows `a`'s row at x.
+    let (staged_c, qc) = stage(c.id, b"x");
+    let r = s.recheck_head(c.id, observed, &qc).unwrap();
+    let changes = r.changes.expect("the head moved");
+    let paths: Vec<&[u8]> = changes
+        .iter()
+        .flat_map(|(_, rows)| rows.iter().map(|e| e.path.as_slice()))
+        .collect();
+    assert_eq!(paths, [b"x".as_slice()], "{changes:?}");
+    s.abandon_staged(staged_c).unwrap();
+    // `dd` swaps from a head that is not the head: nothing written, upper kept.
+    let (staged_d, _) = stage(dd.id, b"z");
+    let e = s
+        .commit_publish(dd.id, staged_d, observed, CommitRecord::default())
+        .unwrap_err();
+    assert!(matches!(e, StoreError::HeadMoved { .. }), "{e}");
+    assert_eq!(depth(), 2);
+    assert!(s.upper_path(dd.id).join("f").exists(), "the upper stays");
     assert!(s.session(dd.id).unwrap().outcome.is_none());
+    assert!(!s.layer_path(staged_d.layer).exists());
 }
 
 /// A head past several [`crate::stacks::OWN_RUN`]s of publishes: every manifest
