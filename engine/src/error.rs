@@ -17,6 +17,13 @@ pub enum EngineError {
     /// The upper is an overlay upperdir somewhere: the session is not quiescent.
     #[error("session {0}'s upper {1} is still mounted (in some mount namespace): stop its container or holder first")]
     Mounted(SessionId, PathBuf),
+    /// containerd `Remove` of a snapshot whose session's upper is mounted.
+    #[error("snapshot {key} is mounted (session {session}, upper {}): remove it after its task is deleted", upper.display())]
+    SnapshotMounted {
+        key: String,
+        session: SessionId,
+        upper: PathBuf,
+    },
     /// The mount census failed.
     #[error("cannot tell whether upper {0} is mounted")]
     Census(PathBuf, #[source] std::io::Error),
@@ -57,7 +64,7 @@ impl EngineError {
     pub fn kind(&self) -> ErrorKind {
         match self {
             Self::NoSession { .. } => ErrorKind::NotFound,
-            Self::Mounted(..) => ErrorKind::FailedPrecondition,
+            Self::Mounted(..) | Self::SnapshotMounted { .. } => ErrorKind::FailedPrecondition,
             Self::Store(e) => e.kind(),
             Self::Busy(_) => ErrorKind::Busy,
             Self::InvalidArgument(_) => ErrorKind::InvalidArgument,

@@ -49,6 +49,7 @@ mod locks;
 pub mod policy;
 mod publish;
 mod sandbox;
+mod snapshots;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -688,10 +688,55 @@ async fn a_publish_held_inside_its_apply_step_holds_up_no_other_store_write() {
     assert_eq!(out.kind, OutcomeKind::Merged, "{out:?}");
     let layer = store.layer_path(out.layer.unwrap());
     let want = edit("key2 = 2", "key2 = A");
-    let want = String::from_utf8(want).unwrap().replace("key6 = 6", "key6 = B");
+    let want = String::from_utf8(want)
+        .unwrap()
+        .replace("key6 = 6", "key6 = B");
     assert_eq!(
         std::fs::read(layer.join("etc/app.conf")).unwrap(),
         want.as_bytes()
+    );
+}
+
+/// containerd's `Commit` of an active session ends its run `discarded`; the
+/// outcome is the engine's like any other: `Engine::wait` (`layerstack wait`)
+/// and subscribers wake (the store recorded it by itself before, and a wait
+/// without a timeout hung).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_by_containerd_of_an_active_session_wakes_its_watchers() {
+    if !have_root("a_commit_by_containerd_of_an_active_session_wakes_its_watchers") {
+        return;
+    }
+    let t = tmp();
+    let (store, s) = setup(t.path());
+    write(&s[0].upper, "data/x", b"x\n");
+    let p = engine(&store);
+    let mut events = p.subscribe();
+    let waiting = {
+        let p = p.clone();
+        let id = s[0].id;
+        tokio::spawn(async move { p.wait(id, None).await })
+    };
+    // The waiter is parked on the outcome watch before the commit.
+    tokio::task::yield_now().await;
+    p.snapshot_commit("ns/30/frozen".into(), "ns/3/a".into(), BTreeMap::new())
+        .await
+        .unwrap();
+    let woke = tokio::time::timeout(std::time::Duration::from_secs(10), waiting)
+        .await
+        .expect("wait wakes on the outcome containerd's Commit recorded")
+        .unwrap()
+        .unwrap()
+        .expect("an outcome, not a timeout");
+    assert_eq!(woke.outcome.unwrap().kind, OutcomeKind::Discarded);
+    let ev = tokio::time::timeout(std::time::Duration::from_secs(10), events.recv())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!((ev.session, ev.kind), (s[0].id, OutcomeKind::Discarded));
+    // The committed snapshot shows what the session saw.
+    assert_eq!(
+        p.snapshot_stat("ns/30/frozen".into()).await.unwrap().kind,
+        layerstack_store::SnapshotKind::Committed
     );
 }
 

@@ -19,6 +19,9 @@
 //! and xattr-based whiteouts (`overlay.whiteout`, opaque value `x`, Linux 6.7+).
 //! An opaque value other than `y` counts as not opaque.
 
+/// Directories kept open down a path: (layer position, the open directory).
+type OpenDirs<'v> = Vec<(usize, crate::fsx::Parent<'v>)>;
+
 use std::collections::BTreeMap;
 use std::io;
 use std::os::unix::ffi::OsStrExt;
@@ -237,7 +240,7 @@ impl LayerView {
         dirs: &[(usize, crate::fsx::Parent<'v>)],
         name: &[u8],
         descend: bool,
-    ) -> io::Result<(Option<Entry>, Vec<(usize, crate::fsx::Parent<'v>)>)> {
+    ) -> io::Result<(Option<Entry>, OpenDirs<'v>)> {
         let mut found: Option<Entry> = None;
         let mut run = Vec::new();
         for (i, parent) in dirs {
@@ -272,7 +275,7 @@ impl LayerView {
                 break;
             }
         }
-        if !found.is_some_and(|e| e.kind == FileKind::Dir) {
+        if found.is_none_or(|e| e.kind != FileKind::Dir) {
             run.clear();
         }
         Ok((found, run))

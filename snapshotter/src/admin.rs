@@ -454,29 +454,17 @@ impl api::Admin for AdminService {
         let r = req.into_inner();
         require("branch", &r.branch)?;
         let s = self.resolve(0, &r.namespace, &r.container).await?;
-        // Ordered against a publish of the same session.
-        let _g = self.engine.lock_session(s.id).await;
-        if self
-            .engine
-            .upper_mounted(&s.upper)
-            .await
-            .map_err(engine_status)?
-        {
-            return Err(Status::failed_precondition(format!(
-                "session {} is mounted (upperdir {}): its branch cannot change",
-                s.id,
-                s.upper.display()
-            )));
-        }
-        let (id, branch) = (s.id, r.branch.clone());
-        let (info, spec, changed) = self
-            .engine
-            .blocking_store(move |st| {
-                let pinned = st.snapshot_branch_label(id)?.is_some();
-                st.rebranch_session(id, &branch, pinned)
-            })
-            .await
-            .map_err(engine_status)?;
+        let (info, spec, changed) =
+            self.engine
+                .rebranch(s.id, r.branch.clone())
+                .await
+                .map_err(|e| match e {
+                    EngineError::Mounted(id, upper) => Status::failed_precondition(format!(
+                        "session {id} is mounted (upperdir {}): its branch cannot change",
+                        upper.display()
+                    )),
+                    e => engine_status(e),
+                })?;
         Ok(Response::new(api::SetBranchResponse {
             session: Some(self.to_api(info).await?),
             changed,

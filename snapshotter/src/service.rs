@@ -1,5 +1,5 @@
-//! containerd Snapshots API adapter: containerd's snapshot calls in, store and
-//! engine calls out (ARCHITECTURE.md §5).
+//! containerd Snapshots API adapter: containerd's snapshot calls in, engine
+//! verbs out (ARCHITECTURE.md §5; `engine/src/snapshots.rs`).
 //!
 //! `Prepare`, `Remove` and `Cleanup` never wait behind a publish: containerd's
 //! GC holds its metadata lock across a proxy `Remove` (upstream
@@ -18,10 +18,8 @@ use containerd_client::tonic::transport::Channel;
 use containerd_snapshots::api::types::Mount;
 use containerd_snapshots::{Info, Kind, Snapshotter, Usage};
 use layerstack_api::policy;
-use layerstack_engine::store::{
-    snapshots::Removed, MountSpec, Owner, SnapshotInfo, SnapshotKind, Store, StoreError, SweepMode,
-};
-use layerstack_engine::Engine;
+use layerstack_engine::store::{MountSpec, Owner, SessionInfo, SnapshotInfo, SnapshotKind};
+use layerstack_engine::{Engine, EngineError};
 use tonic::Status;
 use tracing::{debug, info, warn};
 
@@ -56,11 +54,11 @@ impl LayerStackSnapshotter {
     /// the runtime shim's `SetBranch` done by the daemon, so that a container label
     /// or (through CRI) a pod annotation chooses the branch without the shim too.
     /// containerd unreachable or slow: logged, the session stays where it is.
-    async fn apply_container_branch(&self, sid: i64) -> Result<(), Status> {
+    async fn apply_container_branch(&self, s: &SessionInfo) -> Result<(), Status> {
         let Some(address) = &self.containerd else {
             return Ok(());
         };
-        let s = self.blocking(move |st| st.session(sid)).await?;
+        let sid = s.id;
         let Owner::Container { namespace, id } = &s.owner else {
             return Ok(());
         };
@@ -74,8 +72,10 @@ impl LayerStackSnapshotter {
             return Ok(());
         }
         if self
-            .blocking(move |st| st.snapshot_branch_label(sid))
-            .await?
+            .engine
+            .snapshot_branch_label(sid)
+            .await
+            .map_err(|e| status(&e))?
             .is_some()
         {
             return Ok(());
@@ -113,45 +113,31 @@ impl LayerStackSnapshotter {
         if branch == s.branch {
             return Ok(());
         }
-        if self
-            .engine
-            .upper_mounted(&s.upper)
-            .await
-            .map_err(|e| layerstack_api::engine_status(&e))?
-        {
-            return Ok(());
-        }
-        let b = branch.clone();
-        let (info, _, changed) = self
-            .blocking(move |st| st.rebranch_session(sid, &b, false))
-            .await
-            .map_err(|e| {
-                Status::new(
+        let (info, _, changed) = match self.engine.rebranch_locked(sid, branch.clone()).await {
+            Ok(r) => r,
+            // Mounted meanwhile (a runc init's transient copy): it stays.
+            Err(EngineError::Mounted(..)) => return Ok(()),
+            Err(e) => {
+                let e = status(&e);
+                return Err(Status::new(
                     e.code(),
                     format!(
                         "{}={branch} on container {namespace}/{id}: {}",
                         policy::BRANCH_LABEL,
                         e.message()
                     ),
-                )
-            })?;
+                ));
+            }
+        };
         if changed {
             info!(session.id = sid, container = %format!("{namespace}/{id}"), branch = %info.branch, "session moved to the branch its container names ({})", policy::BRANCH_LABEL);
         }
         Ok(())
     }
+}
 
-    async fn blocking<T, F>(&self, f: F) -> Result<T, Status>
-    where
-        T: Send + 'static,
-        F: FnOnce(&Store) -> Result<T, StoreError> + Send + 'static,
-    {
-        let store = self.engine.store().clone();
-        tokio::task::spawn_blocking(move || f(&store))
-            .await
-            .map_err(|e| Status::internal(format!("store task failed: {e}")))?
-            .map_err(|e| layerstack_api::store_status(&e))
-    }
+fn status(e: &EngineError) -> Status {
+    layerstack_api::engine_status(e)
 }
 
 fn to_time(ns: i64) -> SystemTime {
@@ -195,35 +181,55 @@ impl Snapshotter for LayerStackSnapshotter {
     type InfoStream = futures::stream::Iter<std::vec::IntoIter<Result<Info, Status>>>;
 
     async fn stat(&self, key: String) -> Result<Info, Status> {
-        self.blocking(move |s| s.stat(&key)).await.map(to_info)
+        let i = self
+            .engine
+            .snapshot_stat(key)
+            .await
+            .map_err(|e| status(&e))?;
+        Ok(to_info(i))
     }
 
     async fn update(&self, info: Info, fieldpaths: Option<Vec<String>>) -> Result<Info, Status> {
         let key = info.name.clone();
         let labels = to_btree(info.labels);
         let paths = fieldpaths.unwrap_or_default();
-        self.blocking(move |s| s.update_labels(&key, labels, &paths))
+        let i = self
+            .engine
+            .snapshot_update(key, labels, paths)
             .await
-            .map(to_info)
+            .map_err(|e| status(&e))?;
+        Ok(to_info(i))
     }
 
     async fn usage(&self, key: String) -> Result<Usage, Status> {
-        let (size, inodes) = self.blocking(move |s| s.usage(&key)).await?;
+        let (size, inodes) = self
+            .engine
+            .snapshot_usage(key)
+            .await
+            .map_err(|e| status(&e))?;
         Ok(Usage { inodes, size })
     }
 
     async fn mounts(&self, key: String) -> Result<Vec<Mount>, Status> {
         debug!(snapshot.key = %key, "mounts");
-        let k = key.clone();
-        let _guard = match self.blocking(move |s| s.snapshot_session(&k)).await? {
-            Some(sid) => {
-                let g = self.engine.lock_session(sid).await;
-                self.apply_container_branch(sid).await?;
+        let _guard = match self
+            .engine
+            .snapshot_session_lock(key.clone())
+            .await
+            .map_err(|e| status(&e))?
+        {
+            Some((s, g)) => {
+                self.apply_container_branch(&s).await?;
                 Some(g)
             }
             None => None,
         };
-        self.blocking(move |s| s.mounts(&key)).await.map(to_mounts)
+        let spec = self
+            .engine
+            .snapshot_mounts(key)
+            .await
+            .map_err(|e| status(&e))?;
+        Ok(to_mounts(spec))
     }
 
     async fn prepare(
@@ -233,10 +239,11 @@ impl Snapshotter for LayerStackSnapshotter {
         labels: HashMap<String, String>,
     ) -> Result<Vec<Mount>, Status> {
         debug!(snapshot.key = %key, parent = %parent, ?labels, "prepare");
-        let labels = to_btree(labels);
-        let (_, spec) = self
-            .blocking(move |s| s.prepare(&key, &parent, labels, false))
-            .await?;
+        let spec = self
+            .engine
+            .snapshot_prepare(key, parent, to_btree(labels), false)
+            .await
+            .map_err(|e| status(&e))?;
         Ok(to_mounts(spec))
     }
 
@@ -247,10 +254,11 @@ impl Snapshotter for LayerStackSnapshotter {
         labels: HashMap<String, String>,
     ) -> Result<Vec<Mount>, Status> {
         debug!(snapshot.key = %key, parent = %parent, "view");
-        let labels = to_btree(labels);
-        let (_, spec) = self
-            .blocking(move |s| s.prepare(&key, &parent, labels, true))
-            .await?;
+        let spec = self
+            .engine
+            .snapshot_prepare(key, parent, to_btree(labels), true)
+            .await
+            .map_err(|e| status(&e))?;
         Ok(to_mounts(spec))
     }
 
@@ -261,38 +269,26 @@ impl Snapshotter for LayerStackSnapshotter {
         labels: HashMap<String, String>,
     ) -> Result<(), Status> {
         debug!(snapshot.key = %key, name = %name, "commit");
-        let labels = to_btree(labels);
-        self.blocking(move |s| s.commit(&name, &key, labels)).await
+        self.engine
+            .snapshot_commit(name, key, to_btree(labels))
+            .await
+            .map_err(|e| status(&e))
     }
 
     async fn remove(&self, key: String) -> Result<(), Status> {
         debug!(snapshot.key = %key, "remove");
-        let k = key.clone();
-        if let Some(sid) = self.blocking(move |s| s.snapshot_session(&k)).await? {
-            // `ctr snapshots rm` of a running container: containerd only drops its
-            // record; its GC retries the Remove after the task is gone.
-            let upper = self.engine.store().upper_path(sid);
-            let mounted = self
-                .engine
-                .upper_mounted(&upper)
-                .await
-                .map_err(|e| layerstack_api::engine_status(&e))?;
-            if mounted {
-                return Err(Status::failed_precondition(format!(
-                    "snapshot {key} is mounted (session {sid}, upper {}): remove it after its task is deleted",
-                    upper.display()
-                )));
-            }
-        }
-        match self.blocking(move |s| s.remove(&key)).await? {
-            Removed::Session(sid) => self.engine.session_released(sid),
-            Removed::Plain => {}
-        }
-        Ok(())
+        self.engine
+            .snapshot_remove(key)
+            .await
+            .map_err(|e| status(&e))
     }
 
     async fn clear(&self) -> Result<(), Status> {
-        let report = self.blocking(|s| s.sweep_with(SweepMode::Cleanup)).await?;
+        let report = self
+            .engine
+            .snapshot_cleanup()
+            .await
+            .map_err(|e| status(&e))?;
         for p in report.removed {
             debug!(path = %p.display(), "cleanup removed directory without a row");
         }
@@ -306,7 +302,7 @@ impl Snapshotter for LayerStackSnapshotter {
     ) -> Result<Self::InfoStream, Status> {
         let filters =
             Filters::parse(&filters).map_err(|e| Status::invalid_argument(e.to_string()))?;
-        let all = self.blocking(|s| s.list()).await?;
+        let all = self.engine.snapshot_list().await.map_err(|e| status(&e))?;
         let items: Vec<Result<Info, Status>> = all
             .into_iter()
             .filter(|i| filters.matches(i))

@@ -310,12 +310,11 @@ impl Store {
         let mut conn = self.db.writer_first();
         let tx = conn.transaction()?;
         let s = get_sess(&tx, session)?;
-        let head = branch_head(&tx, &s.stack, &s.branch)?.ok_or_else(|| {
-            StoreError::BranchNotFound {
+        let head =
+            branch_head(&tx, &s.stack, &s.branch)?.ok_or_else(|| StoreError::BranchNotFound {
                 stack: s.stack.clone(),
                 branch: s.branch.clone(),
-            }
-        })?;
+            })?;
         let changes = if head == observed {
             None
         } else {

@@ -535,14 +535,16 @@ impl Store {
     /// committed snapshot `name`, without moving any directory (the active one may
     /// still be mounted). An image extraction becomes a base layer. Committing a
     /// session freezes what it saw (its private layers, lease and upper) and ends
-    /// the session without publishing. Errors: `SnapshotNotFound`,
-    /// `SnapshotExists` (name), `FailedPrecondition` (key not active).
+    /// the session without publishing (outcome `discarded`). Returns the
+    /// session it ended, if any: its watchers are the caller's to wake.
+    /// Errors: `SnapshotNotFound`, `SnapshotExists` (name), `FailedPrecondition`
+    /// (key not active).
     pub fn commit(
         &self,
         name: &str,
         key: &str,
         labels: BTreeMap<String, String>,
-    ) -> Result<(), StoreError> {
+    ) -> Result<Option<SessionId>, StoreError> {
         // Usage is measured outside the transaction (it walks the tree).
         let row = self.db.read(|conn| need_snap(conn, key))?;
         if row.kind != SnapshotKind::Active {
@@ -557,7 +559,7 @@ impl Store {
         };
         let (size, inodes) = fs::disk_usage(&dir).map_err(|e| StoreError::io(&dir, e))?;
 
-        let work_to_remove = self.db.write(|tx| {
+        let (work_to_remove, ended) = self.db.write(|tx| {
             let row = need_snap(tx, key)?;
             if get_snap(tx, name)?.is_some() {
                 return Err(StoreError::SnapshotExists(name.to_string()));
@@ -617,13 +619,13 @@ impl Store {
                 }
             }
             tx.exec("DELETE FROM snapshots WHERE key = ?1", [key])?;
-            Ok(work_to_remove)
+            Ok((work_to_remove, row.session_id))
         })?;
         if let Some(w) = work_to_remove {
             self.reaper.drop_tree(&w, "work");
         }
         info!(snapshot.key = key, name, "committed");
-        Ok(())
+        Ok(ended)
     }
 
     /// containerd `Remove` (arrives from containerd's GC). Refuses with

@@ -1938,7 +1938,13 @@ fn a_recheck_reads_what_the_head_added_at_the_plans_paths_and_the_commit_swaps_f
     // Nothing moved: the re-check reads the observed head and no changes.
     let (staged_b, qb) = stage(b.id, b"y");
     let r = s.recheck_head(b.id, observed, &qb).unwrap();
-    assert_eq!(r, Recheck { head: observed, changes: None });
+    assert_eq!(
+        r,
+        Recheck {
+            head: observed,
+            changes: None
+        }
+    );
     // `a` lands first, at x.
     publish(&s, a.id, &[write_entry(b"x", 1)]);
     // `b` planned at y on the old head: the head moved, not at y.
