@@ -64,10 +64,13 @@ impl Engine {
         node: &str,
         owner: Owner,
         key: Option<String>,
+        exit_policy: Option<crate::policy::Policy>,
     ) -> Result<(AttemptInfo, SessionInfo, MountSpec, bool), EngineError> {
         let n = node.to_string();
-        self.blocking(move |st| st.start_attempt(&n, &owner, key.as_deref()))
-            .await
+        self.blocking(move |st| {
+            st.start_attempt_with(&n, &owner, key.as_deref(), exit_policy.map(|p| p.as_str()))
+        })
+        .await
     }
 
     /// Retries attempt `attempt`: a new attempt of the same node.
@@ -76,9 +79,10 @@ impl Engine {
         attempt: i64,
         owner: Owner,
         key: Option<String>,
+        exit_policy: Option<crate::policy::Policy>,
     ) -> Result<(AttemptInfo, SessionInfo, MountSpec, bool), EngineError> {
         let a = self.blocking(move |st| st.attempt(attempt)).await?;
-        self.attempt_start(&a.node, owner, key).await
+        self.attempt_start(&a.node, owner, key, exit_policy).await
     }
 
     /// Checkpoints the attempt running in session `id` (taking its lock): see the

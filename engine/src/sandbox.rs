@@ -169,35 +169,30 @@ impl Engine {
         let key = req.idempotency_key.clone();
         let (s, spec, created) = match req.node {
             Some(node) => {
-                let (_, mut s, spec, created) = self
+                // One transaction: the attempt, its session and its policy.
+                let (_, s, spec, created) = self
                     .attempt_start(
                         &node,
                         Owner::Sandbox { name: req.name },
                         req.idempotency_key,
+                        req.policy,
                     )
                     .await?;
-                if let (true, Some(p)) = (created, req.policy) {
-                    let id = s.id;
-                    s = self
-                        .blocking(move |st| st.set_session_policy(id, p.as_str()))
-                        .await?;
-                }
                 (s, spec, created)
             }
             None => {
-                // One blocking step: the session and, when it is new, its policy.
+                // One transaction: the session and its policy.
                 let (stack, target, key, policy) =
                     (req.stack, req.target, req.idempotency_key, req.policy);
                 let owner = Owner::Sandbox { name: req.name };
                 self.blocking(move |st| {
-                    let (s, spec, created) =
-                        st.create_session(&owner, &stack, &target, key.as_deref())?;
-                    match policy {
-                        Some(p) if created => {
-                            Ok((st.set_session_policy(s.id, p.as_str())?, spec, created))
-                        }
-                        _ => Ok((s, spec, created)),
-                    }
+                    st.create_session_with(
+                        &owner,
+                        &stack,
+                        &target,
+                        key.as_deref(),
+                        policy.map(|p| p.as_str()),
+                    )
                 })
                 .await?
             }

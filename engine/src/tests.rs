@@ -1278,6 +1278,68 @@ fn sandbox(name: &str) -> layerstack_store::Owner {
     layerstack_store::Owner::Sandbox { name: name.into() }
 }
 
+/// An attempt is started with its exit policy in one store transaction: the
+/// session of a new attempt carries it from its first moment (before, a second
+/// call set it, and a kill -9 between the two lost it for good: a retry with the
+/// same key answered `created = false`); the same key answers the same attempt
+/// with the policy recorded the first time. Without a policy an attempt
+/// checkpoints.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_attempt_starts_with_its_exit_policy_in_one_step() {
+    use crate::policy::Policy;
+    if !have_root("an_attempt_starts_with_its_exit_policy_in_one_step") {
+        return;
+    }
+    let t = tmp();
+    let (store, _) = setup_n(t.path(), 1);
+    let p = engine_with(&store, Default::default());
+    let (_, root) = p
+        .graph_create("task", "ns/sha256:aaa", "main", None)
+        .await
+        .unwrap();
+    let (a, s, _, created) = p
+        .attempt_start(
+            &root.id,
+            sandbox("a"),
+            Some("k".into()),
+            Some(Policy::OnSuccess),
+        )
+        .await
+        .unwrap();
+    assert!(created);
+    assert_eq!(s.policy.as_deref(), Some("on-success"));
+    assert_eq!(
+        store.session(s.id).unwrap().policy.as_deref(),
+        Some("on-success"),
+        "recorded with the attempt"
+    );
+    let (again, s2, _, created) = p
+        .attempt_start(
+            &root.id,
+            sandbox("a"),
+            Some("k".into()),
+            Some(Policy::Never),
+        )
+        .await
+        .unwrap();
+    assert_eq!((again.id, s2.id, created), (a.id, s.id, false));
+    assert_eq!(
+        s2.policy.as_deref(),
+        Some("on-success"),
+        "the first call's policy"
+    );
+    let (_, plain, _, _) = p
+        .attempt_start(&root.id, sandbox("b"), None, None)
+        .await
+        .unwrap();
+    assert_eq!(plain.policy.as_deref(), Some("checkpoint"));
+    let (_, retried, _, _) = p
+        .attempt_retry(a.id, sandbox("r"), None, Some(Policy::Never))
+        .await
+        .unwrap();
+    assert_eq!(retried.policy.as_deref(), Some("never"));
+}
+
 /// Sibling attempts never see each other's writes; checkpoints are immutable
 /// children; merge (clean, text-merged, conflict), promote (fast-forward, merge,
 /// refused), prune (refused while reached, collected after) and retry — each
@@ -1311,15 +1373,15 @@ async fn the_sandbox_graph_checkpoints_merges_promotes_and_prunes() {
 
     // Two siblings from the root.
     let (a1, s1, _, _) = p
-        .attempt_start(&root.id, sandbox("a1"), Some("k-a1".into()))
+        .attempt_start(&root.id, sandbox("a1"), Some("k-a1".into()), None)
         .await
         .unwrap();
     let (_a2, s2, _, _) = p
-        .attempt_start(&root.id, sandbox("a2"), None)
+        .attempt_start(&root.id, sandbox("a2"), None, None)
         .await
         .unwrap();
     let (a1b, ..) = p
-        .attempt_start(&root.id, sandbox("a1"), Some("k-a1".into()))
+        .attempt_start(&root.id, sandbox("a1"), Some("k-a1".into()), None)
         .await
         .unwrap();
     assert_eq!(a1.id, a1b.id, "same key, same attempt");
@@ -1402,7 +1464,7 @@ async fn the_sandbox_graph_checkpoints_merges_promotes_and_prunes() {
 
     // A conflicting child: same line as n1.
     let (_, s3, _, _) = p
-        .attempt_start(&root.id, sandbox("a3"), None)
+        .attempt_start(&root.id, sandbox("a3"), None, None)
         .await
         .unwrap();
     fill(&s3, &[("etc/app.conf", &edit("key2 = 2", "key2 = C"))]);
@@ -1454,7 +1516,7 @@ async fn the_sandbox_graph_checkpoints_merges_promotes_and_prunes() {
 
     // Prune: refused while a running attempt reaches the subtree; then collected.
     let (live, ls, _, _) = p
-        .attempt_start(&n2.id, sandbox("live"), None)
+        .attempt_start(&n2.id, sandbox("live"), None, None)
         .await
         .unwrap();
     let e = p.node_prune(&n2.id, None).await.unwrap_err();
@@ -1489,13 +1551,15 @@ async fn the_sandbox_graph_checkpoints_merges_promotes_and_prunes() {
         "the pruned node's layer is collected"
     );
     assert!(
-        p.attempt_start(&n3.id, sandbox("x"), None).await.is_err(),
+        p.attempt_start(&n3.id, sandbox("x"), None, None)
+            .await
+            .is_err(),
         "pruned nodes are not activated"
     );
 
     // Retry: a new attempt of the same node.
     let (r1, ..) = p
-        .attempt_retry(a1.id, sandbox("retry"), None)
+        .attempt_retry(a1.id, sandbox("retry"), None, None)
         .await
         .unwrap();
     assert_eq!(r1.node, root.id);
@@ -1520,7 +1584,7 @@ async fn a_hundred_children_add_only_their_own_deltas() {
     let mut own = 0u64;
     for i in 0..100 {
         let (_, s, _, _) = p
-            .attempt_start(&root.id, sandbox(&format!("c{i}")), None)
+            .attempt_start(&root.id, sandbox(&format!("c{i}")), None, None)
             .await
             .unwrap();
         fill(&s, &[(&format!("child-{i}.bin"), &vec![i as u8; 8192])]);
@@ -1815,7 +1879,7 @@ mod crash {
         let mut nodes = Vec::new();
         for i in 0..children {
             let (_, s, _, _) = p
-                .attempt_start(&root.id, sandbox(&format!("c{i}")), None)
+                .attempt_start(&root.id, sandbox(&format!("c{i}")), None, None)
                 .await
                 .unwrap();
             fill(
@@ -1848,7 +1912,10 @@ mod crash {
             let sid = {
                 let store = Arc::new(Store::open(&root_dir, &opts()).unwrap());
                 let p = engine_with(&store, Default::default());
-                let (_, s, _, _) = p.attempt_start(&root, sandbox("a"), None).await.unwrap();
+                let (_, s, _, _) = p
+                    .attempt_start(&root, sandbox("a"), None, None)
+                    .await
+                    .unwrap();
                 fill(&s, &[("work.txt", b"precious\n")]);
                 s.id
             };

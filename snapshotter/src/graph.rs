@@ -131,19 +131,8 @@ impl AdminService {
             layerstack_engine::store::MountSpec,
             bool,
         ),
-        policy: Option<Policy>,
     ) -> Result<api::AttemptResponse, Status> {
         let (a, s, spec, created) = out;
-        let s = match policy {
-            Some(p) if created => {
-                let id = s.id;
-                self.engine
-                    .blocking_store(move |st| st.set_session_policy(id, p.as_str()))
-                    .await
-                    .map_err(engine_status)?
-            }
-            _ => s,
-        };
         Ok(api::AttemptResponse {
             attempt: Some(attempt(&a)),
             session: Some(self.to_api(s).await?),
@@ -167,10 +156,10 @@ impl AdminService {
         };
         let out = self
             .engine
-            .attempt_start(&r.node, owner, key(&r.key))
+            .attempt_start(&r.node, owner, key(&r.key), p)
             .await
             .map_err(engine_status)?;
-        self.attempt_answer(out, p).await
+        self.attempt_answer(out).await
     }
 
     pub(crate) async fn attempt_retry(
@@ -187,10 +176,10 @@ impl AdminService {
         };
         let out = self
             .engine
-            .attempt_retry(r.attempt, owner, key(&r.key))
+            .attempt_retry(r.attempt, owner, key(&r.key), p)
             .await
             .map_err(engine_status)?;
-        self.attempt_answer(out, p).await
+        self.attempt_answer(out).await
     }
 
     pub(crate) async fn attempts(

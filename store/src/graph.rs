@@ -594,6 +594,20 @@ impl Store {
         owner: &Owner,
         key: Option<&str>,
     ) -> Result<(AttemptInfo, SessionInfo, MountSpec, bool), StoreError> {
+        self.start_attempt_with(node, owner, key, None)
+    }
+
+    /// [`Store::start_attempt`] that records the new attempt's exit policy
+    /// (`exit_policy`; `checkpoint` when `None`) in the same transaction: a
+    /// crash between the two can no longer leave a started attempt whose retry
+    /// with the same key answers `created = false` without the policy.
+    pub fn start_attempt_with(
+        &self,
+        node: &str,
+        owner: &Owner,
+        key: Option<&str>,
+        exit_policy: Option<&str>,
+    ) -> Result<(AttemptInfo, SessionInfo, MountSpec, bool), StoreError> {
         let mut holds = Vec::new();
         self.db.write(|tx| {
             if let Some(k) = key {
@@ -644,8 +658,11 @@ impl Store {
                 "INSERT INTO graph_attempts(node, session_id, status, idempotency_key, created_ns) VALUES (?1, ?2, 'running', ?3, ?4)",
                 params![node, sid, key, now_ns()],
             )?;
-            default_attempt_policy(tx, sid)?;
             let aid = tx.last_insert_rowid();
+            match exit_policy {
+                Some(p) => crate::sessions::set_policy(tx, sid, p)?,
+                None => default_attempt_policy(tx, sid)?,
+            }
             let spec = self.start_run(tx, sid)?;
             let a = attempt_from(tx.one(
                 &format!("SELECT {ATTEMPT_COLS} FROM graph_attempts WHERE id = ?1"),

@@ -409,6 +409,22 @@ impl Store {
         target: &LeaseTarget,
         idempotency_key: Option<&str>,
     ) -> Result<(SessionInfo, MountSpec, bool), StoreError> {
+        self.create_session_with(owner, stack, target, idempotency_key, None)
+    }
+
+    /// [`Store::create_session`] that records the new session's exit policy
+    /// (`exit_policy`, as [`Store::set_session_policy`] takes it) in the same
+    /// transaction: a crash never leaves the session without it, and a repeat
+    /// of the idempotency key answers the first call's session with its policy
+    /// as recorded then.
+    pub fn create_session_with(
+        &self,
+        owner: &Owner,
+        stack: &str,
+        target: &LeaseTarget,
+        idempotency_key: Option<&str>,
+        exit_policy: Option<&str>,
+    ) -> Result<(SessionInfo, MountSpec, bool), StoreError> {
         let mut holds = Vec::new();
         self.db.write(|tx| {
             if let Some(k) = idempotency_key {
@@ -439,6 +455,9 @@ impl Store {
                 return Err(StoreError::StackNotFound(stack.into()));
             }
             let sid = insert_session(self, &mut holds, tx, owner, stack, target, &[], idempotency_key)?;
+            if let Some(p) = exit_policy {
+                set_policy(tx, sid, p)?;
+            }
             let spec = self.start_run(tx, sid)?;
             let info = self.session_info(tx, get_sess(tx, sid)?)?;
             info!(session.id = sid, owner = %owner.display(), stack, branch = %info.branch, "session created");
@@ -462,13 +481,7 @@ impl Store {
         policy: &str,
     ) -> Result<SessionInfo, StoreError> {
         self.db.write(|tx| {
-            let n = tx.exec(
-                "UPDATE sessions SET policy = ?2, updated_ns = ?3 WHERE id = ?1",
-                params![session, policy, now_ns()],
-            )?;
-            if n == 0 {
-                return Err(StoreError::SessionNotFound(session));
-            }
+            set_policy(tx, session, policy)?;
             self.session_info(tx, get_sess(tx, session)?)
         })
     }
@@ -711,4 +724,20 @@ fn complete_release_in(tx: &rusqlite::Transaction<'_>, sid: SessionId) -> Result
         params![sid, now_ns()],
     )?;
     Ok(!keep)
+}
+
+/// Records session `sid`'s exit policy. Error: `SessionNotFound`.
+pub(crate) fn set_policy(
+    tx: &Transaction<'_>,
+    sid: SessionId,
+    policy: &str,
+) -> Result<(), StoreError> {
+    let n = tx.exec(
+        "UPDATE sessions SET policy = ?2, updated_ns = ?3 WHERE id = ?1",
+        params![sid, policy, now_ns()],
+    )?;
+    if n == 0 {
+        return Err(StoreError::SessionNotFound(sid));
+    }
+    Ok(())
 }
