@@ -509,7 +509,7 @@ fn outcome_line(s: &api::Session) -> String {
         ));
     }
     // A checkpoint commits a node's layer, not a branch's: say which node.
-    let checkpointed = s.message.starts_with("checkpointed as node ");
+    let checkpointed = s.outcome == "checkpointed";
     if !s.message.is_empty()
         && (checkpointed || (s.outcome != "committed" && s.outcome != "merged"))
     {

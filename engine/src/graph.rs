@@ -226,6 +226,11 @@ impl Engine {
                 return Ok(NodeMerged::Node(Box::new(n)));
             }
         }
+        if a == b {
+            return Err(EngineError::InvalidArgument(format!(
+                "cannot merge node {a} with itself: a merge node needs two different parents (start an attempt on {a} to build on it)"
+            )));
+        }
         let (an, bn) = (a.to_string(), b.to_string());
         let (na, nb, group) = self
             .blocking(move |st| Ok((st.node(&an)?, st.node(&bn)?, st.node_group(&an)?)))

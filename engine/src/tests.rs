@@ -1413,6 +1413,10 @@ async fn the_sandbox_graph_checkpoints_merges_promotes_and_prunes() {
         .await
         .unwrap();
     assert_eq!(n1.id, n1b.id, "a checkpoint with the same key is one node");
+    // Its outcome says a node was made, not that a branch moved.
+    let o = store.session(s1.id).unwrap().outcome.unwrap();
+    assert_eq!(o.kind, OutcomeKind::Checkpointed, "{o:?}");
+    assert!(!o.kind.is_published() && o.kind.adds_layer());
     let n2 = p
         .checkpoint(s2.id, None, Default::default(), None)
         .await
@@ -1436,6 +1440,15 @@ async fn the_sandbox_graph_checkpoints_merges_promotes_and_prunes() {
         Some(n1.id.as_str())
     );
 
+    // A node merged with itself is refused, naming it: no merge node whose two
+    // parents are one node.
+    let e = p.node_merge(&n1.id, &n1.id, None, None).await.unwrap_err();
+    assert_eq!(e.kind(), layerstack_store::ErrorKind::InvalidArgument);
+    assert!(
+        e.to_string()
+            .contains(&format!("node {} with itself", n1.id)),
+        "{e}"
+    );
     // Merge: disjoint files and separate hunks merge.
     let m = p
         .node_merge(&n1.id, &n2.id, None, Some("k-merge".into()))

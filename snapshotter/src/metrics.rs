@@ -71,8 +71,9 @@ struct BranchLabels {
 /// Every outcome kind, so that each series exists (at 0) from the start: a
 /// counter that appears only at its first increment hides that increment from
 /// `rate()`.
-const OUTCOMES: [OutcomeKind; 9] = [
+const OUTCOMES: [OutcomeKind; 10] = [
     OutcomeKind::Committed,
+    OutcomeKind::Checkpointed,
     OutcomeKind::Merged,
     OutcomeKind::NoChange,
     OutcomeKind::Conflict,

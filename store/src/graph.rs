@@ -850,7 +850,7 @@ impl Store {
             let c = |v: u64| i64::try_from(v).unwrap_or(i64::MAX);
             let t = timings.unwrap_or_default();
             tx.exec(
-                "UPDATE publishes SET outcome = 'committed', manifest_before = ?2, manifest_after = ?3, message = ?4, capture_us = ?5, gate_wait_us = 0, gate_hold_us = 0, total_us = ?6, at_ns = ?7, capture_bytes = ?8 WHERE id = ?1",
+                "UPDATE publishes SET outcome = 'checkpointed', manifest_before = ?2, manifest_after = ?3, message = ?4, capture_us = ?5, gate_wait_us = 0, gate_hold_us = 0, total_us = ?6, at_ns = ?7, capture_bytes = ?8 WHERE id = ?1",
                 params![staged.outcome, base, manifest, format!("checkpointed as node {id}"), c(t.capture_us), c(t.total_us), now, c(t.capture_bytes)],
             )?;
             tx.exec(

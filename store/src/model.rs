@@ -134,6 +134,9 @@ impl SessionState {
 pub enum OutcomeKind {
     /// A new layer was prepended to the branch.
     Committed,
+    /// The writes became a new checkpoint node of a SandboxGraph (a layer on the
+    /// attempt's node, ARCHITECTURE.md §12): no branch moved.
+    Checkpointed,
     /// A new layer was prepended to the branch, and at least one of its paths was
     /// three-way merged (content) or merged field by field (metadata) with changes
     /// published since the session's lease.
@@ -163,6 +166,7 @@ impl OutcomeKind {
     pub fn as_str(self) -> &'static str {
         match self {
             Self::Committed => "committed",
+            Self::Checkpointed => "checkpointed",
             Self::Merged => "merged",
             Self::NoChange => "no-change",
             Self::Conflict => "conflict",
@@ -178,6 +182,7 @@ impl OutcomeKind {
     pub fn parse(s: &str) -> Option<Self> {
         Some(match s {
             "committed" => Self::Committed,
+            "checkpointed" => Self::Checkpointed,
             "merged" => Self::Merged,
             "no-change" => Self::NoChange,
             "conflict" => Self::Conflict,
@@ -199,9 +204,14 @@ impl OutcomeKind {
         )
     }
 
-    /// Whether this outcome added a layer.
+    /// Whether this outcome moved a branch (prepended a layer to it).
     pub fn is_published(self) -> bool {
         matches!(self, Self::Committed | Self::Merged)
+    }
+
+    /// Whether this outcome made a layer: a publish, or a checkpoint node.
+    pub fn adds_layer(self) -> bool {
+        self.is_published() || self == Self::Checkpointed
     }
 }
 

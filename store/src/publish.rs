@@ -494,9 +494,9 @@ impl Store {
             | OutcomeKind::Busy
             | OutcomeKind::Unsupported
             | OutcomeKind::Unknown => (SessionState::Active, false),
-            OutcomeKind::Committed | OutcomeKind::Merged => {
+            OutcomeKind::Committed | OutcomeKind::Merged | OutcomeKind::Checkpointed => {
                 return Err(StoreError::InvalidArgument(format!(
-                    "outcome {} adds a layer: commit the publish instead",
+                    "outcome {} adds a layer: commit the publish (or the checkpoint) instead",
                     record.kind.as_str()
                 )))
             }

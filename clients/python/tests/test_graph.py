@@ -75,6 +75,7 @@ def test_attempts_checkpoint_merge_promote_prune_retry(env: Env, ls: layerstack.
     rc = ls.run(sh("echo node > /base.txt"), node=root)
     c = rc.node
     assert c is not None
+    assert rc.session.outcome == "checkpointed", rc.session
     newer = ls.run(sh("echo main > /base.txt"), stack=env.image, branch=main)
     assert newer.session.outcome == "committed"
     stale = ls.promote(c, main)

@@ -104,7 +104,8 @@ class Session:
         stack: ``<namespace>/<base image top chainID>``.
         branch: the branch whose head it leased ("" for an attempt's session).
         state: ``active`` | ``published`` | ``conflict`` | ``discarded``.
-        outcome: ``committed`` | ``merged`` | ``no-change`` | ``conflict`` |
+        outcome: ``committed`` | ``merged`` (a branch moved) | ``checkpointed``
+            (a graph node was made; no branch moved) | ``no-change`` | ``conflict`` |
             ``discarded`` | ``failed`` | ``busy`` | ``unsupported`` | ``unknown``,
             or ``None`` before the run ended.
         layer: the published layer id, ``None`` if none.
