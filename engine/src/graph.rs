@@ -159,6 +159,20 @@ impl Engine {
                     .ok()
                     .map(|(b, _)| u64::try_from(b).unwrap_or(0));
                 let staged = store.stage_publish(id, &index_of(&plan), &records(&plan))?;
+                // Blame, like any layer that enters history: against the lease
+                // (the node's view), which is also the "head" a child plans on.
+                // A promote then shows these lines' owners, not `unknown`.
+                crate::blame::stage(
+                    &store,
+                    &settings,
+                    &ctx.session,
+                    (ctx.lease_manifest, ctx.lease_manifest),
+                    &[],
+                    &plan,
+                    &upper,
+                    staged.layer,
+                    None,
+                );
                 layerstack_store::failpoints::hit("checkpoint.staged");
                 Ok((staged, prov, cs.written_bytes()))
             };

@@ -769,3 +769,42 @@ async fn lines_without_rows_are_unknown_never_guessed() {
         ]
     );
 }
+
+/// A checkpoint records blame like a publish: after `node promote` of a node
+/// whose attempt edited one line, that line is the attempt's session's and the
+/// others keep their owners (every line read `unknown` before: a checkpoint
+/// layer had no blame rows).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn blame_survives_a_checkpoint_and_its_promote() {
+    if !have_root("blame_survives_a_checkpoint_and_its_promote") {
+        return;
+    }
+    let t = tmp();
+    let (_store, p, _s) = setup(t.path(), 1);
+    let conf: &[u8] = b"/etc/app.conf";
+    let (_, root) = p.graph_create("g", STACK, "main", None).await.unwrap();
+    let owner = layerstack_store::Owner::Sandbox { name: "cp".into() };
+    let (_, s, _, _) = p.attempt_start(&root.id, owner, None, None).await.unwrap();
+    write(
+        &s.upper,
+        "etc/app.conf",
+        &edit(&[("key2 = 2", "key2 = CP")]),
+    );
+    let node = p
+        .checkpoint(s.id, None, Default::default(), None)
+        .await
+        .unwrap();
+    let promoted = p.node_promote(&node.id, "main", None).await.unwrap();
+    assert!(
+        matches!(promoted, crate::Promoted::FastForward { .. }),
+        "{promoted:?}"
+    );
+    assert_eq!(
+        owners(&p.blame(STACK, "main", conf).await.unwrap().ranges),
+        [
+            r(1, 2, "original"),
+            r(3, 3, "session:cp"),
+            r(4, 8, "original")
+        ]
+    );
+}
