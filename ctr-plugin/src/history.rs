@@ -325,6 +325,14 @@ fn branch_json(b: &api::Branch) -> serde_json::Value {
     json!({"name": b.name, "head": b.head, "depth": b.depth, "updated_ns": b.updated_ns})
 }
 
+/// The entry of layer `layer` in `e`: `e` itself or one of its members (nested).
+fn find_layer(e: &mut api::LogEntry, layer: i64) -> Option<&mut api::LogEntry> {
+    if e.layer == layer {
+        return Some(e);
+    }
+    e.members.iter_mut().find_map(|m| find_layer(m, layer))
+}
+
 /// Runs a history command.
 pub async fn run(admin: &Path, ns: &str, cmd: HistoryCmd) -> Result<ExitCode> {
     let mut c = crate::connect(admin).await?;
@@ -344,9 +352,16 @@ pub async fn run(admin: &Path, ns: &str, cmd: HistoryCmd) -> Result<ExitCode> {
             let mut head = None;
             let mut entries = Vec::new();
             while let Some(r) = stream.message().await? {
-                match r.entry {
-                    Some(e) => entries.push(e),
-                    None => head = Some((r.stack, r.branch)),
+                match (r.entry, r.more) {
+                    (Some(e), _) => entries.push(e),
+                    // More paths of the last entry's layer or of one of its members.
+                    (None, Some(more)) => {
+                        if let Some(e) = entries.last_mut().and_then(|e| find_layer(e, more.layer))
+                        {
+                            e.changed.extend(more.changed);
+                        }
+                    }
+                    (None, None) => head = Some((r.stack, r.branch)),
                 }
             }
             let (stack, branch) = head.unwrap_or_default();

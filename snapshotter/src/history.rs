@@ -106,20 +106,28 @@ impl AdminService {
         let mut replies = vec![Ok(api::LogReply {
             stack,
             branch,
-            entry: None,
+            ..Default::default()
         })];
         for e in entries {
-            let entry = self.log_entry(e, r.paths).await?;
+            let mut entry = self.log_entry(e, r.paths).await?;
+            let mut more = Vec::new();
+            page_paths(&mut entry, &mut more);
             replies.push(Ok(api::LogReply {
-                stack: String::new(),
-                branch: String::new(),
                 entry: Some(entry),
+                ..Default::default()
+            }));
+            replies.extend(more.into_iter().map(|m| {
+                Ok(api::LogReply {
+                    more: Some(m),
+                    ..Default::default()
+                })
             }));
         }
         Ok(Box::pin(futures::stream::iter(replies)))
     }
 
-    /// `e` for the wire, its members too; with `paths`, what each changed.
+    /// `e` for the wire, its members too; with `paths`, what each changed (all
+    /// of it: [`page_paths`] splits it for the wire).
     fn log_entry(
         &self,
         e: layerstack_engine::store::LogEntry,
@@ -543,4 +551,80 @@ fn now_ms() -> u128 {
         .duration_since(std::time::UNIX_EPOCH)
         .map(|d| d.as_millis())
         .unwrap_or(0)
+}
+
+/// Paths of one layer per log reply at most ([`api::LogReply`]): 4,096 paths of
+/// up to ~1 KiB escaped twice (display + raw) stay far below gRPC's 4 MiB.
+pub(crate) const LOG_PATHS_PER_REPLY: usize = 4096;
+
+/// Cuts `entry`'s and its members' `changed` lists to
+/// [`LOG_PATHS_PER_REPLY`] each, the rest as [`api::LogPaths`] pages in `more`
+/// (in order: a layer's pages follow one another).
+pub(crate) fn page_paths(entry: &mut api::LogEntry, more: &mut Vec<api::LogPaths>) {
+    if entry.changed.len() > LOG_PATHS_PER_REPLY {
+        let rest = entry.changed.split_off(LOG_PATHS_PER_REPLY);
+        let mut rest = rest.into_iter().peekable();
+        while rest.peek().is_some() {
+            more.push(api::LogPaths {
+                layer: entry.layer,
+                changed: rest.by_ref().take(LOG_PATHS_PER_REPLY).collect(),
+            });
+        }
+    }
+    for m in &mut entry.members {
+        page_paths(m, more);
+    }
+}
+
+#[cfg(test)]
+mod log_tests {
+    use super::*;
+
+    fn entry(layer: i64, n: usize, members: Vec<api::LogEntry>) -> api::LogEntry {
+        api::LogEntry {
+            layer,
+            changed: (0..n)
+                .map(|i| api::PathChange {
+                    path: format!("/f{i}"),
+                    kind: "write".into(),
+                    raw_path: format!("f{i}").into_bytes(),
+                })
+                .collect(),
+            members,
+            ..Default::default()
+        }
+    }
+
+    /// A layer's paths past one page go out in pages after the entry; put back
+    /// in order, each layer (members too) has exactly what it changed.
+    #[test]
+    fn a_layers_paths_are_paged_and_reassemble_in_order() {
+        let n = LOG_PATHS_PER_REPLY;
+        let whole = entry(
+            9,
+            2 * n + 7,
+            vec![entry(8, n + 1, vec![]), entry(7, 3, vec![])],
+        );
+        let mut e = whole.clone();
+        let mut more = Vec::new();
+        page_paths(&mut e, &mut more);
+        assert_eq!(e.changed.len(), n);
+        assert_eq!(e.members[0].changed.len(), n);
+        assert_eq!(e.members[1].changed.len(), 3);
+        assert_eq!(
+            more.iter()
+                .map(|m| (m.layer, m.changed.len()))
+                .collect::<Vec<_>>(),
+            [(9, n), (9, 7), (8, 1)]
+        );
+        for m in more {
+            let target = if m.layer == 9 {
+                &mut e
+            } else {
+                &mut e.members[0]
+            };
+            target.changed.extend(m.changed);
+        }
+        assert_eq!(e, whole);
+    }
 }

@@ -351,14 +351,24 @@ class LogRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., image: _Optional[str] = ..., branch: _Optional[str] = ..., paths: _Optional[bool] = ...) -> None: ...
 
 class LogReply(_message.Message):
-    __slots__ = ("stack", "branch", "entry")
+    __slots__ = ("stack", "branch", "entry", "more")
     STACK_FIELD_NUMBER: _ClassVar[int]
     BRANCH_FIELD_NUMBER: _ClassVar[int]
     ENTRY_FIELD_NUMBER: _ClassVar[int]
+    MORE_FIELD_NUMBER: _ClassVar[int]
     stack: str
     branch: str
     entry: LogEntry
-    def __init__(self, stack: _Optional[str] = ..., branch: _Optional[str] = ..., entry: _Optional[_Union[LogEntry, _Mapping]] = ...) -> None: ...
+    more: LogPaths
+    def __init__(self, stack: _Optional[str] = ..., branch: _Optional[str] = ..., entry: _Optional[_Union[LogEntry, _Mapping]] = ..., more: _Optional[_Union[LogPaths, _Mapping]] = ...) -> None: ...
+
+class LogPaths(_message.Message):
+    __slots__ = ("layer", "changed")
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    layer: int
+    changed: _containers.RepeatedCompositeFieldContainer[PathChange]
+    def __init__(self, layer: _Optional[int] = ..., changed: _Optional[_Iterable[_Union[PathChange, _Mapping]]] = ...) -> None: ...
 
 class PathChange(_message.Message):
     __slots__ = ("path", "kind", "raw_path")
