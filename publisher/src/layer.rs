@@ -346,14 +346,14 @@ pub fn prepare_upper(
     if let Some(root) = &edits.root {
         // Owner before mode (chown may clear setgid); the opaque marker and
         // overlay-private xattrs are left alone.
-        let meta = crate::gate::Meta {
+        let meta = crate::meta::Meta {
             mode: root.mode,
             uid: root.uid,
             gid: root.gid,
             xattrs: root.xattrs.clone(),
         };
         let dir = fsx::open_dir(upper).map_err(err("open", b""))?;
-        crate::gate::set_meta(&fsx::proc_path(&dir, b""), &meta, userxattr)
+        crate::meta::set_meta(&fsx::proc_path(&dir, b""), &meta, userxattr)
             .map_err(err("reset the metadata of the root directory", b""))?;
     }
     Ok(())

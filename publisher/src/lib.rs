@@ -67,12 +67,14 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod apply;
 mod capture;
 mod export;
 mod fsx;
 mod gate;
 mod layer;
 mod merge;
+mod meta;
 mod policy;
 mod squash;
 #[cfg(test)]
@@ -80,6 +82,7 @@ mod testutil;
 mod textdiff;
 mod view;
 
+pub use apply::{apply_plan, apply_plan_with, ApplyError};
 pub use capture::{
     capture, capture_with, CaptureError, CaptureOptions, Change, Changeset, RootMeta, UpperEdits,
 };
@@ -87,15 +90,16 @@ pub use export::{
     write_layer_tar, TarError, TarOptions, TarReport, OPAQUE_MARKER, WHITEOUT_PREFIX,
 };
 pub use gate::{
-    apply_plan, apply_plan_with, flatten_head_layers, opaque_dirs_to_expand, plan_gate,
-    plan_gate_with, Action, ApplyError, FileState, FsFiles, GateError, GateFiles, GatePlan,
-    HeadChange, HeadChangeKind, Meta, PathReport, PathStatus, PlanMode, Side, XattrList,
+    flatten_head_layers, opaque_dirs_to_expand, plan_gate, plan_gate_with, Action, FileState,
+    FsFiles, GateError, GateFiles, GatePlan, HeadChange, HeadChangeKind, PathReport, PathStatus,
+    PlanMode, Side,
 };
 pub use layer::{prepare_upper, seal_layer, seal_layer_unsynced, seal_layer_with, SealError};
 pub use merge::{
     is_binary, merge_text, merge_text_within, DiffAlgorithm, MergeBudget, MergeOptions, TextMerge,
     BINARY_SNIFF_BYTES, DEFAULT_MAX_BYTES, DEFAULT_MAX_LINES, DEFAULT_TIMEOUT,
 };
+pub use meta::{Meta, XattrList};
 pub use policy::{ExcludePolicy, PolicyError};
 pub use squash::{
     copy_paths, flatten_layers, flatten_layers_over, tree_digest, CopyPath, FlattenReport,

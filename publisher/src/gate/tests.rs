@@ -10,6 +10,11 @@
 //! on the head tree as overlayfs would: that is the published result.
 #![allow(clippy::unwrap_used)]
 
+use std::os::unix::fs::PermissionsExt;
+use std::path::Path;
+
+use crate::apply::apply_plan;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
