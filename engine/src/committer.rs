@@ -5,7 +5,7 @@
 //! thread at the default priority that must first be scheduled (measured under
 //! a 1,024-publish burst on 2 cores: 10 % of commits spent 2–3 ms there before
 //! their first read). These threads are started once and wait at
-//! [`Priority::gate_holder`](crate::publish) priority (nice −5), so the kernel
+//! [`Priority::gate_holder`](layerstack_store::priority::Priority::gate_holder) priority (nice −5), so the kernel
 //! runs one as soon as a commit is handed to it.
 
 use std::panic::AssertUnwindSafe;

@@ -168,7 +168,7 @@ impl Checkpointer {
         // Behind the writers it serves (nice +10 on this thread): a checkpoint
         // can wait, a commit under a branch's gate cannot. The backstop bounds
         // the WAL if it falls behind.
-        crate::background_thread();
+        crate::priority::background_thread();
         let conn = match Connection::open(path)
             .and_then(|c| c.busy_timeout(BUSY_TIMEOUT).map(|()| c))
         {

@@ -50,6 +50,7 @@ mod leases;
 mod lock;
 mod model;
 mod paths;
+pub mod priority;
 mod publish;
 mod reaper;
 mod schema;
@@ -365,20 +366,6 @@ impl Store {
     /// `<root>/staging`.
     pub fn staging_path(&self) -> PathBuf {
         self.root.join("staging")
-    }
-}
-
-/// Lowers the calling thread's CPU priority by 10 (nice +10; Linux applies nice
-/// per thread): the store's own background threads (WAL checkpoints, removing
-/// trees) run behind everything that waits for an answer. A failure leaves the
-/// priority as it was.
-pub(crate) fn background_thread() {
-    // SAFETY: gettid, getpriority and setpriority take and return plain
-    // integers; no memory is shared with the kernel.
-    unsafe {
-        let tid = libc::gettid() as libc::id_t;
-        let now = libc::getpriority(libc::PRIO_PROCESS, tid);
-        libc::setpriority(libc::PRIO_PROCESS, tid, now + 10);
     }
 }
 

@@ -107,7 +107,7 @@ impl Reaper {
             .name("store-reaper".into())
             .spawn(move || {
                 // Behind everything that waits for an answer: a removal can wait.
-                crate::background_thread();
+                crate::priority::background_thread();
                 // Ends when the store (the sender) is dropped, after the queue.
                 for path in rx {
                     remove(&path);
