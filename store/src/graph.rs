@@ -154,58 +154,59 @@ pub struct Provenance {
     pub private_bytes: Option<u64>,
 }
 
-type RawNode = (
-    String,
-    String,
-    String,
-    i64,
-    String,
-    Option<i64>,
-    Option<String>,
-    String,
-    Option<i32>,
-    Option<i64>,
-    String,
-    i64,
-    i64,
-);
+/// A `graph_nodes` row as stored ([`NODE_COLS`]), read by column name.
+struct RawNode {
+    id: String,
+    grp: String,
+    kind: String,
+    manifest_id: i64,
+    state: String,
+    attempt_id: Option<i64>,
+    command: Option<String>,
+    labels: String,
+    exit_status: Option<i32>,
+    private_bytes: Option<i64>,
+    base_digest: String,
+    pruned: i64,
+    created_ns: i64,
+}
 
 const NODE_COLS: &str = "id, grp, kind, manifest_id, state, attempt_id, command, labels, exit_status, private_bytes, base_digest, pruned, created_ns";
 
 fn raw_node(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawNode> {
-    Ok((
-        r.get(0)?,
-        r.get(1)?,
-        r.get(2)?,
-        r.get(3)?,
-        r.get(4)?,
-        r.get(5)?,
-        r.get(6)?,
-        r.get(7)?,
-        r.get(8)?,
-        r.get(9)?,
-        r.get(10)?,
-        r.get(11)?,
-        r.get(12)?,
-    ))
+    Ok(RawNode {
+        id: r.get("id")?,
+        grp: r.get("grp")?,
+        kind: r.get("kind")?,
+        manifest_id: r.get("manifest_id")?,
+        state: r.get("state")?,
+        attempt_id: r.get("attempt_id")?,
+        command: r.get("command")?,
+        labels: r.get("labels")?,
+        exit_status: r.get("exit_status")?,
+        private_bytes: r.get("private_bytes")?,
+        base_digest: r.get("base_digest")?,
+        pruned: r.get("pruned")?,
+        created_ns: r.get("created_ns")?,
+    })
 }
 
 fn node_from(conn: &Connection, raw: RawNode) -> Result<NodeInfo, StoreError> {
-    let (
+    let RawNode {
         id,
-        group,
+        grp: group,
         kind,
-        manifest,
+        manifest_id: manifest,
         state,
-        attempt,
+        attempt_id: attempt,
         command,
         labels,
         exit_status,
-        bytes,
-        base,
+        private_bytes: bytes,
+        base_digest: base,
         pruned,
-        created,
-    ) = raw;
+        created_ns: created,
+    } = raw;
     let kind = NodeKind::parse(&kind)
         .ok_or_else(|| StoreError::corrupt("graph_nodes", &id, format!("kind {kind:?}")))?;
     let labels = serde_json::from_str(&labels)
@@ -262,37 +263,48 @@ fn get_node(conn: &Connection, id: &str) -> Result<NodeInfo, StoreError> {
     node_from(conn, raw)
 }
 
-type RawAttempt = (
-    i64,
-    String,
-    Option<i64>,
-    String,
-    Option<String>,
-    Option<String>,
-    Option<String>,
-    i64,
-    Option<i64>,
-);
+/// A `graph_attempts` row as stored ([`ATTEMPT_COLS`]), read by column name.
+struct RawAttempt {
+    id: i64,
+    node: String,
+    session_id: Option<i64>,
+    status: String,
+    idempotency_key: Option<String>,
+    result_node: Option<String>,
+    message: Option<String>,
+    created_ns: i64,
+    ended_ns: Option<i64>,
+}
 
 const ATTEMPT_COLS: &str =
     "id, node, session_id, status, idempotency_key, result_node, message, created_ns, ended_ns";
 
 fn raw_attempt(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawAttempt> {
-    Ok((
-        r.get(0)?,
-        r.get(1)?,
-        r.get(2)?,
-        r.get(3)?,
-        r.get(4)?,
-        r.get(5)?,
-        r.get(6)?,
-        r.get(7)?,
-        r.get(8)?,
-    ))
+    Ok(RawAttempt {
+        id: r.get("id")?,
+        node: r.get("node")?,
+        session_id: r.get("session_id")?,
+        status: r.get("status")?,
+        idempotency_key: r.get("idempotency_key")?,
+        result_node: r.get("result_node")?,
+        message: r.get("message")?,
+        created_ns: r.get("created_ns")?,
+        ended_ns: r.get("ended_ns")?,
+    })
 }
 
 fn attempt_from(raw: RawAttempt) -> Result<AttemptInfo, StoreError> {
-    let (id, node, session, status, key, result, message, created, ended) = raw;
+    let RawAttempt {
+        id,
+        node,
+        session_id: session,
+        status,
+        idempotency_key: key,
+        result_node: result,
+        message,
+        created_ns: created,
+        ended_ns: ended,
+    } = raw;
     Ok(AttemptInfo {
         id,
         node,
@@ -314,11 +326,11 @@ fn get_group(conn: &Connection, name: &str) -> Result<GroupInfo, StoreError> {
         [name],
         |r| {
             Ok(GroupInfo {
-                name: r.get(0)?,
-                stack: r.get(1)?,
-                branch: r.get(2)?,
-                root: r.get(3)?,
-                created_ns: r.get(4)?,
+                name: r.get("name")?,
+                stack: r.get("stack")?,
+                branch: r.get("branch")?,
+                root: r.get("root")?,
+                created_ns: r.get("created_ns")?,
             })
         },
     )

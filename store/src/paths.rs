@@ -54,32 +54,42 @@ fn below_range(dir: &[u8]) -> (Vec<u8>, Vec<u8>) {
     (lo, hi)
 }
 
-type RawEntry = (
-    Vec<u8>,
-    i64,
-    i64,
-    Option<Vec<u8>>,
-    Option<i64>,
-    Option<i64>,
-    Option<i64>,
-    Option<Vec<u8>>,
-);
+/// A `layer_paths` row as stored ([`ENTRY_COLS`]), read by column name.
+struct RawEntry {
+    path: Vec<u8>,
+    layer_id: i64,
+    kind: i64,
+    digest: Option<Vec<u8>>,
+    mode: Option<i64>,
+    uid: Option<i64>,
+    gid: Option<i64>,
+    xattrs: Option<Vec<u8>>,
+}
 
 fn raw_entry(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawEntry> {
-    Ok((
-        r.get(0)?,
-        r.get(1)?,
-        r.get(2)?,
-        r.get(3)?,
-        r.get(4)?,
-        r.get(5)?,
-        r.get(6)?,
-        r.get(7)?,
-    ))
+    Ok(RawEntry {
+        path: r.get("path")?,
+        layer_id: r.get("layer_id")?,
+        kind: r.get("kind")?,
+        digest: r.get("digest")?,
+        mode: r.get("mode")?,
+        uid: r.get("uid")?,
+        gid: r.get("gid")?,
+        xattrs: r.get("xattrs")?,
+    })
 }
 
 fn entry_from_raw(raw: RawEntry) -> Result<(LayerId, IndexEntry), StoreError> {
-    let (path, layer, kind, digest, mode, uid, gid, xattrs) = raw;
+    let RawEntry {
+        path,
+        layer_id: layer,
+        kind,
+        digest,
+        mode,
+        uid,
+        gid,
+        xattrs,
+    } = raw;
     let key = || format!("layer {layer}, path {}", crate::escape_path(&path));
     let kind = ChangeKind::from_code(kind)
         .ok_or_else(|| StoreError::corrupt("layer_paths", key(), format!("kind {kind}")))?;

@@ -125,33 +125,54 @@ fn micros(t: Option<PublishTimings>) -> [Option<i64>; 5] {
 
 /// Outcome row `pid`. Errors: `Corrupt` when it is missing or does not parse.
 pub(crate) fn read_outcome(conn: &Connection, pid: PublishId) -> Result<Outcome, StoreError> {
-    type Raw = (
-        i64,
-        String,
-        Option<i64>,
-        Option<String>,
-        [i64; 4],
-        [Option<i64>; 5],
-        i64,
-    );
+    /// A `publishes` row as stored, read by column name.
+    struct Raw {
+        run: i64,
+        outcome: String,
+        layer_id: Option<i64>,
+        message: Option<String>,
+        counts: [i64; 4],
+        /// capture_us, gate_wait_us, gate_hold_us, total_us, capture_bytes.
+        timings: [Option<i64>; 5],
+        at_ns: i64,
+    }
     let raw: Option<Raw> = conn
         .one(
             "SELECT run, outcome, layer_id, message, clean, merged, conflict, excluded, capture_us, gate_wait_us, gate_hold_us, total_us, capture_bytes, at_ns FROM publishes WHERE id = ?1",
             [pid],
             |r| {
-                Ok((
-                    r.get(0)?,
-                    r.get(1)?,
-                    r.get(2)?,
-                    r.get(3)?,
-                    [r.get(4)?, r.get(5)?, r.get(6)?, r.get(7)?],
-                    [r.get(8)?, r.get(9)?, r.get(10)?, r.get(11)?, r.get(12)?],
-                    r.get(13)?,
-                ))
+                Ok(Raw {
+                    run: r.get("run")?,
+                    outcome: r.get("outcome")?,
+                    layer_id: r.get("layer_id")?,
+                    message: r.get("message")?,
+                    counts: [
+                        r.get("clean")?,
+                        r.get("merged")?,
+                        r.get("conflict")?,
+                        r.get("excluded")?,
+                    ],
+                    timings: [
+                        r.get("capture_us")?,
+                        r.get("gate_wait_us")?,
+                        r.get("gate_hold_us")?,
+                        r.get("total_us")?,
+                        r.get("capture_bytes")?,
+                    ],
+                    at_ns: r.get("at_ns")?,
+                })
             },
         )
         .optional()?;
-    let (run, kind, layer, message, counts, t, at_ns) = raw.ok_or_else(|| {
+    let Raw {
+        run,
+        outcome: kind,
+        layer_id: layer,
+        message,
+        counts,
+        timings: t,
+        at_ns,
+    } = raw.ok_or_else(|| {
         StoreError::corrupt(
             "publishes",
             pid,

@@ -67,77 +67,64 @@ pub(crate) fn owner_from(
     }
 }
 
-type RawSess = (
-    i64,
-    String,
-    String,
-    String,
-    String,
-    String,
-    Option<i64>,
-    String,
-    i64,
-    Option<String>,
-    Option<i64>,
-    i64,
-    i64,
-    Option<String>,
-    i64,
-);
+/// A `sessions` row as stored ([`SESS_COLS`]), read by column name; parsed
+/// by [`sess_from_raw`].
+struct RawSess {
+    id: i64,
+    owner_kind: String,
+    namespace: String,
+    owner: String,
+    stack: String,
+    branch: String,
+    lease_id: Option<i64>,
+    state: String,
+    run: i64,
+    policy: Option<String>,
+    last_publish: Option<i64>,
+    released: i64,
+    remove_pending: i64,
+    idempotency_key: Option<String>,
+    created_ns: i64,
+}
 
 fn raw_sess(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawSess> {
-    Ok((
-        r.get(0)?,
-        r.get(1)?,
-        r.get(2)?,
-        r.get(3)?,
-        r.get(4)?,
-        r.get(5)?,
-        r.get(6)?,
-        r.get(7)?,
-        r.get(8)?,
-        r.get(9)?,
-        r.get(10)?,
-        r.get(11)?,
-        r.get(12)?,
-        r.get(13)?,
-        r.get(14)?,
-    ))
+    Ok(RawSess {
+        id: r.get("id")?,
+        owner_kind: r.get("owner_kind")?,
+        namespace: r.get("namespace")?,
+        owner: r.get("owner")?,
+        stack: r.get("stack")?,
+        branch: r.get("branch")?,
+        lease_id: r.get("lease_id")?,
+        state: r.get("state")?,
+        run: r.get("run")?,
+        policy: r.get("policy")?,
+        last_publish: r.get("last_publish")?,
+        released: r.get("released")?,
+        remove_pending: r.get("remove_pending")?,
+        idempotency_key: r.get("idempotency_key")?,
+        created_ns: r.get("created_ns")?,
+    })
 }
 
 fn sess_from_raw(raw: RawSess) -> Result<SessRow, StoreError> {
-    let (
-        id,
-        kind,
-        ns,
-        owner,
-        stack,
-        branch,
-        lease_id,
-        state,
-        run,
-        policy,
-        last,
-        rel,
-        pend,
-        key,
-        created,
-    ) = raw;
+    let id = raw.id;
+    let state = raw.state;
     Ok(SessRow {
         id,
-        owner: owner_from(id, &kind, ns, owner)?,
-        stack,
-        branch,
-        lease_id,
+        owner: owner_from(id, &raw.owner_kind, raw.namespace, raw.owner)?,
+        stack: raw.stack,
+        branch: raw.branch,
+        lease_id: raw.lease_id,
         state: SessionState::parse(&state)
             .ok_or_else(|| StoreError::corrupt("sessions", id, format!("state {state:?}")))?,
-        run,
-        policy,
-        last_publish: last,
-        released: rel != 0,
-        remove_pending: pend != 0,
-        idempotency_key: key,
-        created_ns: created,
+        run: raw.run,
+        policy: raw.policy,
+        last_publish: raw.last_publish,
+        released: raw.released != 0,
+        remove_pending: raw.remove_pending != 0,
+        idempotency_key: raw.idempotency_key,
+        created_ns: raw.created_ns,
     })
 }
 

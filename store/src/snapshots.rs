@@ -152,40 +152,41 @@ impl SnapRow {
 
 const SNAP_COLS: &str = "key, kind, parent, labels, created_ns, updated_ns, layer_id, session_id, image_layer, frozen, size, inodes";
 
-type RawSnap = (
-    String,
-    String,
-    Option<String>,
-    String,
-    i64,
-    i64,
-    Option<i64>,
-    Option<i64>,
-    i64,
-    i64,
-    Option<i64>,
-    Option<i64>,
-);
+/// A `snapshots` row as stored ([`SNAP_COLS`]), read by column name.
+struct RawSnap {
+    key: String,
+    kind: String,
+    parent: Option<String>,
+    labels: String,
+    created_ns: i64,
+    updated_ns: i64,
+    layer_id: Option<i64>,
+    session_id: Option<i64>,
+    image_layer: i64,
+    frozen: i64,
+    size: Option<i64>,
+    inodes: Option<i64>,
+}
 
 fn raw_snap(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawSnap> {
-    Ok((
-        r.get(0)?,
-        r.get(1)?,
-        r.get(2)?,
-        r.get(3)?,
-        r.get(4)?,
-        r.get(5)?,
-        r.get(6)?,
-        r.get(7)?,
-        r.get(8)?,
-        r.get(9)?,
-        r.get(10)?,
-        r.get(11)?,
-    ))
+    Ok(RawSnap {
+        key: r.get("key")?,
+        kind: r.get("kind")?,
+        parent: r.get("parent")?,
+        labels: r.get("labels")?,
+        created_ns: r.get("created_ns")?,
+        updated_ns: r.get("updated_ns")?,
+        layer_id: r.get("layer_id")?,
+        session_id: r.get("session_id")?,
+        image_layer: r.get("image_layer")?,
+        frozen: r.get("frozen")?,
+        size: r.get("size")?,
+        inodes: r.get("inodes")?,
+    })
 }
 
 fn snap_from_raw(raw: RawSnap) -> Result<SnapRow, StoreError> {
-    let (
+    let RawSnap {
         key,
         kind,
         parent,
@@ -194,11 +195,11 @@ fn snap_from_raw(raw: RawSnap) -> Result<SnapRow, StoreError> {
         updated_ns,
         layer_id,
         session_id,
-        image,
+        image_layer: image,
         frozen,
         size,
         inodes,
-    ) = raw;
+    } = raw;
     let kind = match kind.as_str() {
         "view" => SnapshotKind::View,
         "active" => SnapshotKind::Active,
