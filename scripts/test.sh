@@ -45,11 +45,6 @@ set +e
         echo "error: the python client's tests failed (pytest exit $py_status)"
         exit "$py_status"
     fi
-    # A figure to read, not a threshold: the runtime shim's cost per container
-    # against io.containerd.runc.v2 (cargo hides a passing test's output).
-    echo "== timing (runtime shim vs runc-v2)"
-    cargo test -q -p layerstack-integration --test shim shim6_timing_against_runc_v2 -- --nocapture 2>&1 \
-        | grep -A3 '^timing:' || echo "timing: not measured"
     # The benchmark program, in seconds, to keep it compiling and running. It
     # fails only when a scenario cannot run, never on a ratio. Needs root.
     if [[ $(id -u) -eq 0 ]]; then
@@ -67,7 +62,7 @@ set -e
 
 echo
 echo "================ summary ($((SECONDS - start))s) ================"
-grep -E '^\s+Running |^test result:|^error(\[|:)|^\s+--> |^    [A-Za-z0-9_:]+$|FAILED|panicked at|^timing|^layerstack-bench: (wrote|FAILED|p[0-9] failed)|^bench:|^[0-9]+ (passed|failed)|^(FAILED|ERROR) |^error: ' "$LOG" \
+grep -E '^\s+Running |^test result:|^error(\[|:)|^\s+--> |^    [A-Za-z0-9_:]+$|FAILED|panicked at|^layerstack-bench: (wrote|FAILED|p[0-9] failed)|^bench:|^[0-9]+ (passed|failed)|^(FAILED|ERROR) |^error: ' "$LOG" \
     | grep -v ' \.\.\. ok$' | tail -n 80 || true
 if ((status != 0)); then
     echo "test.sh: FAILED (exit $status); full log: $LOG"

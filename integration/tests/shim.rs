@@ -623,50 +623,6 @@ fn shim5_containerd_restart_keeps_exec_and_publish() {
 }
 
 // ---------------------------------------------------------------------------
-// 6. timing against runc-v2
-// ---------------------------------------------------------------------------
-
-/// Issue 3, item 6: wall time of `ctr run --rm … true` with this runtime against
-/// `io.containerd.runc.v2`, both on the layerstack snapshotter. Printed, not
-/// asserted. (With runc-v2 the publish happens later, on the daemon's event path.)
-#[test]
-fn shim6_timing_against_runc_v2() {
-    run_shim_test(|env| {
-        const N: usize = 5;
-        let times = |runtime: &'static str| -> Result<Vec<f64>> {
-            let mut v = Vec::new();
-            for _ in 0..N {
-                let id = unique("s6");
-                let run = shim_run(&id, "shim-timing", "true")
-                    .runtime(runtime)
-                    .cmd(&["true"]);
-                let t = Instant::now();
-                run.ok(env)?;
-                v.push(t.elapsed().as_secs_f64() * 1000.0);
-            }
-            v.sort_by(|a, b| a.total_cmp(b));
-            Ok(v)
-        };
-        // Warm both paths once.
-        let _ = times("io.containerd.runc.v2")?;
-        let shim = times(SHIM_RUNTIME)?;
-        let runc = times("io.containerd.runc.v2")?;
-        let median = |v: &[f64]| v[v.len() / 2];
-        eprintln!(
-            "timing: `ctr run --rm … true` on the layerstack snapshotter, median of {N}: \
-             {SHIM_RUNTIME} {:.0} ms (min {:.0}, max {:.0}) vs io.containerd.runc.v2 {:.0} ms (min {:.0}, max {:.0})",
-            median(&shim),
-            shim[0],
-            shim[N - 1],
-            median(&runc),
-            runc[0],
-            runc[N - 1]
-        );
-        Ok(())
-    });
-}
-
-// ---------------------------------------------------------------------------
 // Runtime options and the `delete` action
 // ---------------------------------------------------------------------------
 
