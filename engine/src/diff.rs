@@ -149,6 +149,11 @@ struct Compare<'a> {
     /// Unified diffs of text files up to this many bytes; `None`: no patches.
     patch: Option<u64>,
     out: BTreeMap<Vec<u8>, DiffEntry>,
+    /// Directories whose whole subtree was reported already (walked as added
+    /// or deleted, or compared deep): a candidate below one is skipped — it
+    /// was seen there. Without this a file was visited once per ancestor
+    /// directory that was itself a candidate (a new tree of depth d: d times).
+    covered: HashSet<Vec<u8>>,
 }
 
 impl Compare<'_> {
@@ -176,12 +181,24 @@ impl Compare<'_> {
         Ok(())
     }
 
-    /// Every path below directory `dir` of `view`, reported as `change`.
+    /// Whether a directory above `p` had its whole subtree reported.
+    fn is_covered(&self, p: &[u8]) -> bool {
+        !self.covered.is_empty()
+            && p.iter()
+                .enumerate()
+                .any(|(i, &b)| b == b'/' && self.covered.contains(&p[..i]))
+    }
+
+    /// Every path below directory `dir` of `view`, reported as `change`. The
+    /// entries of one directory are looked up through one [`publisher::Lookups`]
+    /// (the directory's layers kept open), not each from the root.
     fn walk(&mut self, new_side: bool, dir: &[u8], change: DiffChange) -> Result<(), EngineError> {
+        self.covered.insert(dir.to_vec());
         let view = if new_side { self.new } else { self.old };
+        let mut look = view.lookups();
         for name in view.list_dir(dir).map_err(read_err(dir))? {
             let p = join(dir, &name);
-            let Some(e) = view.lookup(&p).map_err(read_err(&p))? else {
+            let Some(e) = look.lookup(&p).map_err(read_err(&p))? else {
                 continue;
             };
             let info = Some(EntryInfo::of(&e));
@@ -247,6 +264,7 @@ impl Compare<'_> {
                     self.push(p, DiffChange::Modified, Some(oi), Some(ni))?;
                 }
                 if deep && o.kind == FileKind::Dir {
+                    self.covered.insert(p.to_vec());
                     let mut names: BTreeSet<Vec<u8>> = self
                         .old
                         .list_dir(p)
@@ -372,9 +390,12 @@ impl Engine {
                 new: &vb.view,
                 patch: cap,
                 out: BTreeMap::new(),
+                covered: HashSet::new(),
             };
             for (p, deep) in &cands {
-                c.path(p, *deep)?;
+                if !c.is_covered(p) {
+                    c.path(p, *deep)?;
+                }
             }
             Ok(Diff {
                 old: old_label,
@@ -423,6 +444,7 @@ impl Engine {
                 new: &upper,
                 patch: cap,
                 out: BTreeMap::new(),
+                covered: HashSet::new(),
             };
             for (p, change) in &cs.entries {
                 let old = lease_view.view.lookup(p).map_err(read_err(p))?;
