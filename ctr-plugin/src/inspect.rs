@@ -173,6 +173,9 @@ pub async fn run(admin: &Path, ns: &str, cmd: InspectCmd) -> Result<ExitCode> {
                     bail!("nothing to diff: give STACK@A STACK@B, STACK@B --at LAYER, a container or --session ID")
                 }
             }
+            // The daemon compares the trees before it answers: a spinner on a
+            // terminal meanwhile, then the count of entries received.
+            let bar = crate::output::spinner("comparing");
             let mut stream = c.diff(req).await?.into_inner();
             let mut sides = None;
             let mut entries = Vec::new();
@@ -181,7 +184,9 @@ pub async fn run(admin: &Path, ns: &str, cmd: InspectCmd) -> Result<ExitCode> {
                     sides = Some((r.old.clone(), r.new.clone()));
                 }
                 entries.extend(r.entries);
+                bar.set_message(format!("received {} changed paths", entries.len()));
             }
+            bar.finish_and_clear();
             let (old, new) = sides.context("the daemon's diff sent no header")?;
             if json {
                 let side = |kind: &str, size: u64, mode: u32| {

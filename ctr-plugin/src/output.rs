@@ -48,7 +48,7 @@ pub fn short(stack: &str) -> &str {
 /// A spinner on stderr naming `what` and the time taken, drawn only when stderr
 /// is a terminal (hidden in pipes, files and journals); `finish_and_clear` it
 /// when the operation returns. For one long RPC without progress events
-/// (`squash`, `gc`).
+/// (`squash`, `gc`, `diff`).
 pub fn spinner(what: &str) -> indicatif::ProgressBar {
     use std::io::IsTerminal;
     if !std::io::stderr().is_terminal() {
