@@ -433,10 +433,16 @@ pub async fn run(admin: &Path, ns: &str, cmd: GraphCmd) -> Result<ExitCode> {
                 json,
                 dot: as_dot,
             } => {
-                let g = c
+                let mut pages = c
                     .show_graph(api::ShowGraphRequest { name })
                     .await?
                     .into_inner();
+                let mut g = api::Graph::default();
+                while let Some(p) = pages.message().await? {
+                    g.group = g.group.or(p.group);
+                    g.nodes.extend(p.nodes);
+                    g.attempts.extend(p.attempts);
+                }
                 if json {
                     out!("{}", graph_json(&g));
                 } else if as_dot {

@@ -535,11 +535,13 @@ impl api::Admin for AdminService {
         self.graphs().await.map(Response::new)
     }
 
+    type ShowGraphStream = crate::graph::GraphStream;
+
     async fn show_graph(
         &self,
         req: Request<api::ShowGraphRequest>,
-    ) -> Result<Response<api::Graph>, Status> {
-        self.graph_show(req.into_inner()).await.map(Response::new)
+    ) -> Result<Response<Self::ShowGraphStream>, Status> {
+        self.graph_pages(req.into_inner()).await.map(Response::new)
     }
 
     async fn show_node(

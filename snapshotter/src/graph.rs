@@ -114,6 +114,19 @@ impl AdminService {
         Ok(graph(&d))
     }
 
+    /// [`Self::graph_show`] in replies of at most [`GRAPH_PAGE`] nodes and
+    /// attempts each, the group in the first (a search graph of 100,000 nodes is
+    /// tens of MB: past gRPC's 4 MiB message limit in one reply).
+    pub(crate) async fn graph_pages(
+        &self,
+        r: api::ShowGraphRequest,
+    ) -> Result<GraphStream, Status> {
+        let g = self.graph_show(r).await?;
+        Ok(Box::pin(futures::stream::iter(
+            paginate(g).into_iter().map(Ok),
+        )))
+    }
+
     pub(crate) async fn node_show(&self, r: api::ShowNodeRequest) -> Result<api::Node, Status> {
         let n = self
             .engine
@@ -359,5 +372,71 @@ impl AdminService {
             changed: true,
             mounts: api::mounts(&spec),
         })
+    }
+}
+
+/// The replies of `ShowGraph`.
+pub(crate) type GraphStream =
+    std::pin::Pin<Box<dyn futures::Stream<Item = Result<api::Graph, Status>> + Send>>;
+
+/// Nodes and attempts per `ShowGraph` reply, at most.
+pub(crate) const GRAPH_PAGE: usize = 1000;
+
+/// `g` cut into replies of at most [`GRAPH_PAGE`] nodes and attempts, in order;
+/// the group in the first. Always at least one reply.
+pub(crate) fn paginate(g: api::Graph) -> Vec<api::Graph> {
+    let mut nodes = g.nodes.into_iter().peekable();
+    let mut attempts = g.attempts.into_iter().peekable();
+    let mut out = vec![api::Graph {
+        group: g.group,
+        nodes: nodes.by_ref().take(GRAPH_PAGE).collect(),
+        attempts: attempts.by_ref().take(GRAPH_PAGE).collect(),
+    }];
+    while nodes.peek().is_some() || attempts.peek().is_some() {
+        out.push(api::Graph {
+            group: None,
+            nodes: nodes.by_ref().take(GRAPH_PAGE).collect(),
+            attempts: attempts.by_ref().take(GRAPH_PAGE).collect(),
+        });
+    }
+    out
+}
+
+#[cfg(test)]
+mod page_tests {
+    use super::*;
+
+    #[test]
+    fn a_graph_is_cut_into_pages_that_concatenate_to_it() {
+        let g = api::Graph {
+            group: Some(api::GraphGroup {
+                name: "g".into(),
+                ..Default::default()
+            }),
+            nodes: (0..2 * GRAPH_PAGE + 3)
+                .map(|i| api::Node {
+                    id: format!("n{i}"),
+                    ..Default::default()
+                })
+                .collect(),
+            attempts: (0..5)
+                .map(|i| api::Attempt {
+                    id: i,
+                    ..Default::default()
+                })
+                .collect(),
+        };
+        let pages = paginate(g.clone());
+        assert_eq!(pages.len(), 3);
+        assert!(pages[0].group.is_some() && pages[1].group.is_none());
+        assert!(pages.iter().all(|p| p.nodes.len() <= GRAPH_PAGE));
+        let mut whole = api::Graph::default();
+        for p in pages {
+            whole.group = whole.group.or(p.group);
+            whole.nodes.extend(p.nodes);
+            whole.attempts.extend(p.attempts);
+        }
+        assert_eq!(whole, g);
+        assert_eq!(paginate(api::Graph::default()).len(), 1);
     }
 }

@@ -547,7 +547,14 @@ class Client:
 
     def show_graph(self, name: str) -> Graph:
         """Graph ``name``: its nodes (pruned ones too) and attempts. NotFoundError if none."""
-        return Graph.from_pb(self._call(self._stub.ShowGraph, pb.ShowGraphRequest(name=name)))
+        whole = pb.Graph()
+        try:
+            # Replies of at most 1,000 nodes and attempts each: concatenated.
+            for page in self._stub.ShowGraph(pb.ShowGraphRequest(name=name), timeout=self.timeout_s):
+                whole.MergeFrom(page)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        return Graph.from_pb(whole)
 
     def graph_dot(self, name: str) -> str:
         """Graph ``name`` in Graphviz dot (``layerstack graph show --dot``; render with

@@ -124,7 +124,7 @@ class AdminStub:
                 request_serializer=layerstack_dot___pb_dot_admin__pb2.ListGraphsRequest.SerializeToString,
                 response_deserializer=layerstack_dot___pb_dot_admin__pb2.ListGraphsResponse.FromString,
                 _registered_method=True)
-        self.ShowGraph = channel.unary_unary(
+        self.ShowGraph = channel.unary_stream(
                 '/layerstack.admin.v1.Admin/ShowGraph',
                 request_serializer=layerstack_dot___pb_dot_admin__pb2.ShowGraphRequest.SerializeToString,
                 response_deserializer=layerstack_dot___pb_dot_admin__pb2.Graph.FromString,
@@ -359,7 +359,9 @@ class AdminServicer:
         raise NotImplementedError('Method not implemented!')
 
     def ShowGraph(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+        """The graph in replies of at most 1,000 nodes and 1,000 attempts: the first
+        holds the group; concatenate `nodes` and `attempts` of all replies.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -622,7 +624,7 @@ def add_AdminServicer_to_server(servicer, server):
                     request_deserializer=layerstack_dot___pb_dot_admin__pb2.ListGraphsRequest.FromString,
                     response_serializer=layerstack_dot___pb_dot_admin__pb2.ListGraphsResponse.SerializeToString,
             ),
-            'ShowGraph': grpc.unary_unary_rpc_method_handler(
+            'ShowGraph': grpc.unary_stream_rpc_method_handler(
                     servicer.ShowGraph,
                     request_deserializer=layerstack_dot___pb_dot_admin__pb2.ShowGraphRequest.FromString,
                     response_serializer=layerstack_dot___pb_dot_admin__pb2.Graph.SerializeToString,
@@ -1225,7 +1227,7 @@ class Admin:
             wait_for_ready=None,
             timeout=None,
             metadata=None):
-        return grpc.experimental.unary_unary(
+        return grpc.experimental.unary_stream(
             request,
             target,
             '/layerstack.admin.v1.Admin/ShowGraph',
