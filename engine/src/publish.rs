@@ -1117,6 +1117,7 @@ fn commit(
     let durable = store.durability() == layerstack_store::Durability::Durable;
     let staging = store.staging_path();
     let recheck = store.recheck_head(id, ready.observed.manifest, &ready.input.query)?;
+    layerstack_store::failpoints::hit("publish.rechecked");
     let stands = recheck
         .changes
         .is_none_or(|delta| !moves_the_plan(delta, &ready.input.head));
@@ -1154,6 +1155,7 @@ fn commit(
         h(&upper);
     }
     publisher::apply_plan_with(&upper, &plan, &staging, durable)?;
+    layerstack_store::failpoints::hit("publish.applied");
     let kind = decision(&plan);
     let paths_now = replanned
         .as_ref()

@@ -1812,6 +1812,9 @@ mod crash {
             "promote" => {
                 let _ = p.node_promote(f[3], "main", Some("k-p".into())).await;
             }
+            "publish" => {
+                let _ = p.publish(f[3].parse().unwrap(), "crash test").await;
+            }
             other => panic!("unknown operation {other}"),
         }
         eprintln!("crash point {point} was never reached");
@@ -1906,6 +1909,87 @@ mod crash {
             );
         }
         (root.id, nodes)
+    }
+
+    /// kill -9 at each step of the publish protocol (store `recheck_head`, the
+    /// plan applied with no transaction open, the commit transaction with its
+    /// rename): after the restart the branch shows the publish whole or not at
+    /// all — never a merged file without its layer — and the session's writes
+    /// are in its upper or in the layer; publishing again commits exactly the
+    /// merge once, even after a crash left the merged file in the upper.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_crash_at_each_step_of_a_publish_leaves_it_done_or_undone() {
+        if !have_root("a_crash_at_each_step_of_a_publish_leaves_it_done_or_undone") {
+            return;
+        }
+        let merged = String::from_utf8(edit("key2 = 2", "key2 = A"))
+            .unwrap()
+            .replace("key6 = 6", "key6 = B");
+        let conf = |store: &Store| {
+            let head = store.branch_head(STACK, "main").unwrap();
+            publisher::LayerView::new(store.manifest_view(STACK, head).unwrap())
+                .read_regular(b"etc/app.conf")
+                .unwrap()
+                .unwrap()
+        };
+        for point in [
+            "publish.rechecked",
+            "publish.applied",
+            "publish.before_rename",
+            "publish.renamed",
+            "publish.committed",
+        ] {
+            let t = tmp();
+            let root_dir = t.path().join("root");
+            let (b, depth_before) = {
+                let (store, s) = setup(t.path());
+                let p = engine_with(&store, Default::default());
+                // a lands line 2; b, leased before, edits line 6: its plan
+                // writes a merged file into its upper.
+                write(&s[0].upper, "etc/app.conf", &edit("key2 = 2", "key2 = A"));
+                write(&s[1].upper, "etc/app.conf", &edit("key6 = 6", "key6 = B"));
+                let a = p.publish(s[0].id, "a").await.unwrap().outcome.unwrap();
+                assert_eq!(a.kind, OutcomeKind::Committed);
+                let head = store.branch_head(STACK, "main").unwrap();
+                (s[1].clone(), store.manifest(head).unwrap().len())
+            };
+            crash_at("publish", point, &root_dir, &[&b.id.to_string()]);
+            let (store, p) = restart(&root_dir).await;
+            let head = store.branch_head(STACK, "main").unwrap();
+            let depth = store.manifest(head).unwrap().len();
+            let s = store.session(b.id).unwrap();
+            if point == "publish.committed" {
+                assert_eq!(depth, depth_before + 1, "{point}: the commit stands");
+                assert_eq!(conf(&store), merged.as_bytes(), "{point}");
+                assert_eq!(
+                    s.outcome.as_ref().map(|o| o.kind),
+                    Some(OutcomeKind::Merged),
+                    "{point}"
+                );
+            } else {
+                assert_eq!(depth, depth_before, "{point}: nothing committed");
+                assert_eq!(
+                    conf(&store),
+                    edit("key2 = 2", "key2 = A"),
+                    "{point}: the head shows a's version only"
+                );
+                assert!(s.outcome.is_none(), "{point}: {:?}", s.outcome);
+                let upper = std::fs::read(s.upper.join("etc/app.conf")).unwrap();
+                assert!(
+                    upper == edit("key6 = 6", "key6 = B") || upper == merged.as_bytes(),
+                    "{point}: b's writes are in its upper (as written or merged): {:?}",
+                    String::from_utf8_lossy(&upper)
+                );
+                // Published again: the merge, once (an upper that holds the
+                // merged file already has the head's edit: it may plan clean).
+                let o = p.publish(b.id, "again").await.unwrap().outcome.unwrap();
+                assert!(o.kind.is_published(), "{point}: {o:?}");
+                let head = store.branch_head(STACK, "main").unwrap();
+                assert_eq!(store.manifest(head).unwrap().len(), depth_before + 1);
+                assert_eq!(conf(&store), merged.as_bytes(), "{point}");
+            }
+            assert_no_orphans(&store, &p, point).await;
+        }
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -433,6 +433,7 @@ impl Store {
             // transaction, just before it commits: no reader of any store instance
             // ever sees the row without its directory. If the commit fails, the
             // rename is undone below.
+            crate::failpoints::hit("publish.before_rename");
             std::fs::rename(&upper, &dst)
                 .and_then(|()| match self.durability {
                     Durability::Durable => fs::fsync_dir(&self.root.join("l"))
@@ -440,6 +441,7 @@ impl Store {
                     Durability::Disposable => Ok(()),
                 })
                 .map_err(|e| StoreError::io(&upper, e))?;
+            crate::failpoints::hit("publish.renamed");
             Ok((
                 Published {
                     layer: staged.layer,
@@ -451,6 +453,9 @@ impl Store {
             ))
         });
         drop(conn);
+        if published.is_ok() {
+            crate::failpoints::hit("publish.committed");
+        }
         let transaction = asked.elapsed().saturating_sub(writer_wait);
         let (published, stack, branch) = match published {
             Ok(p) => p,
