@@ -48,6 +48,7 @@ mod index;
 mod locks;
 pub mod policy;
 mod publish;
+mod queries;
 mod sandbox;
 mod snapshots;
 
