@@ -1,0 +1,32 @@
+//! LayerStack's shared vocabulary (ARCHITECTURE.md §2, §4): the names every
+//! crate, the admin API, the CLI and the Python client agree on, and nothing
+//! else. It depends on nothing of ours, so a client (the runtime shim, the CLI)
+//! can speak the daemon's language without linking the engine or SQLite.
+//!
+//! * [`ErrorKind`]: containerd's errdefs classes with one snake-case spelling
+//!   each; [`error_chain`], the text of an error with its causes.
+//! * [`labels`]: the snapshot and container label names, one constant per string.
+//! * [`policy`]: the exit policy (`layerstack.publish`) and the end action it
+//!   decides.
+//! * [`OutcomeKind`], [`PathStatus`], [`SessionState`], [`OwnerKind`]: the names
+//!   of the model's states as the store records them and the wire carries them.
+//!
+//! ```
+//! use layerstack_types::{policy, ErrorKind, OutcomeKind};
+//! assert_eq!(ErrorKind::NotFound.as_str(), "not_found");
+//! assert_eq!(ErrorKind::parse("failed_precondition"), Some(ErrorKind::FailedPrecondition));
+//! assert!(OutcomeKind::parse("conflict").is_some_and(OutcomeKind::is_retryable));
+//! let p: policy::Policy = "on-success".parse()?;
+//! assert_eq!(policy::decide(p, 3).0, policy::Decision::Discard);
+//! # Ok::<(), policy::UnknownPolicy>(())
+//! ```
+
+#![forbid(unsafe_code)]
+
+mod error;
+pub mod labels;
+mod names;
+pub mod policy;
+
+pub use error::{error_chain, ErrorKind};
+pub use names::{OutcomeKind, OwnerKind, PathStatus, SessionState};
