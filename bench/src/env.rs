@@ -518,7 +518,10 @@ impl Bench {
 
 /// The snapshot label that puts a layerstack session on `branch`.
 pub fn branch_label(branch: &str) -> Vec<(String, String)> {
-    vec![(harness::BRANCH_LABEL.to_string(), branch.to_string())]
+    vec![(
+        harness::SNAPSHOT_BRANCH_LABEL.to_string(),
+        branch.to_string(),
+    )]
 }
 
 #[cfg(test)]

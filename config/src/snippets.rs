@@ -43,9 +43,8 @@ pub const RUNTIME_TYPE: &str = "io.containerd.layerstack.v1";
 /// runtime name that select the runtime shim.
 pub const RUNTIME_HANDLER: &str = "layerstack";
 /// The container label and pod/container annotation that names a session's branch
-/// (`layerstack_engine::policy::BRANCH_LABEL`; this crate does not depend on the
-/// engine).
-pub const BRANCH_KEY: &str = "layerstack.branch";
+/// ([`layerstack_types::labels::BRANCH_LABEL`]).
+pub const BRANCH_KEY: &str = layerstack_types::labels::BRANCH_LABEL;
 /// Where the generated shim settings go when the admin socket is not the default.
 pub const DEFAULT_SHIM_CONFIG: &str = "/etc/layerstack/shim.toml";
 

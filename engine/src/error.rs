@@ -110,16 +110,6 @@ impl RunError {
     }
 }
 
-/// "outer: inner: root cause" — an error with its source chain, for messages
-/// that leave the process (outcomes, gRPC statuses, log lines). Errors in this
-/// workspace do not repeat their source in their own message.
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(c) = src {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        src = c.source();
-    }
-    s
-}
+/// "outer: inner: root cause" (defined in the vocabulary crate, which clients
+/// share).
+pub use layerstack_types::error_chain;

@@ -46,7 +46,6 @@ mod graph;
 mod history;
 mod index;
 mod locks;
-pub mod policy;
 mod publish;
 mod queries;
 mod sandbox;
@@ -68,6 +67,9 @@ pub use graph::NodeMerged;
 pub use history::{Collected, HistoryRuns, HistorySettings, Promoted};
 pub use layerstack_publisher as publisher;
 pub use layerstack_store as store;
+pub use layerstack_types as types;
+/// The exit policy and its labels (defined in the vocabulary crate).
+pub use layerstack_types::policy;
 pub use locks::LockGuard;
 pub use publish::{exit_decision, DryRun};
 pub use sandbox::{CloseHow, SandboxRequest, SandboxSettings};

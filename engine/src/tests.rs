@@ -660,7 +660,7 @@ async fn a_publish_held_inside_its_apply_step_holds_up_no_other_store_write() {
         std::time::Duration::from_secs(10),
         tokio::task::spawn_blocking(move || {
             let labels = BTreeMap::from([(
-                layerstack_store::BRANCH_LABEL.to_string(),
+                layerstack_store::SNAPSHOT_BRANCH_LABEL.to_string(),
                 "other".to_string(),
             )]);
             st.prepare("ns/20/d", "ns/2/sha256:aaa", labels, false)

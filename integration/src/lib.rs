@@ -33,8 +33,10 @@ pub use scenario::*;
 
 /// Snapshotter name under which containerd sees our daemon.
 pub const SNAPSHOTTER: &str = "layerstack";
+/// The label names (snapshot labels and container labels).
+pub use layerstack_types::labels;
 /// Snapshot label that selects a session's branch.
-pub const BRANCH_LABEL: &str = "containerd.io/snapshot/layerstack.branch";
+pub use layerstack_types::labels::SNAPSHOT_BRANCH_LABEL;
 /// Name of the Debian fixture image after import.
 pub const DEBIAN_IMAGE: &str = "docker.io/layerstack/debian:bookworm";
 /// Name of the full source-tree fixture image after import ([`source_image_tar`]).

@@ -16,7 +16,7 @@ use serde_json::Value;
 
 use crate::{
     debian_image_tar, describe, require_root_and_containerd, stdout, with_shared_env,
-    with_shared_env_mut, TestEnv, BRANCH_LABEL, DEBIAN_IMAGE, SNAPSHOTTER,
+    with_shared_env_mut, TestEnv, DEBIAN_IMAGE, SNAPSHOTTER, SNAPSHOT_BRANCH_LABEL,
 };
 
 // ---------------------------------------------------------------------------
@@ -114,18 +114,18 @@ pub fn unique_across_processes(prefix: &str) -> String {
 /// Snapshot label (`ctr run --snapshotter-label`) that puts a container's
 /// session on `branch`.
 pub fn snapshot_branch_label(branch: &str) -> String {
-    format!("{BRANCH_LABEL}={branch}")
+    format!("{SNAPSHOT_BRANCH_LABEL}={branch}")
 }
 
 /// Container label (`ctr run --label`) through which the runtime shim chooses
 /// the branch.
 pub fn container_branch_label(branch: &str) -> String {
-    format!("layerstack.branch={branch}")
+    format!("{}={branch}", crate::labels::BRANCH_LABEL)
 }
 
 /// Container label with the publish policy (`never`, `on-success`, …).
 pub fn publish_policy_label(policy: &str) -> String {
-    format!("layerstack.publish={policy}")
+    format!("{}={policy}", crate::labels::PUBLISH_LABEL)
 }
 
 // ---------------------------------------------------------------------------

@@ -45,10 +45,10 @@ use k8s_cri::v1::{
     StartContainerRequest, StatusRequest, StopContainerRequest, StopPodSandboxRequest,
 };
 use layerstack_integration::{
-    bin_path, busybox_image_tar, ensure_success, import_checked, ls_wait, ls_wait_ok,
+    bin_path, busybox_image_tar, ensure_success, import_checked, labels, ls_wait, ls_wait_ok,
     pause_image_tar, require_root_and_containerd, run_with_timeout, session, set_containerd_config,
-    stdout, unique, with_shared_env, EnvLayout, TestEnv, BRANCH_LABEL, BUSYBOX_IMAGE, CLI_BIN,
-    PAUSE_IMAGE, SHIM_BIN, SNAPSHOTTER,
+    stdout, unique, with_shared_env, EnvLayout, TestEnv, BUSYBOX_IMAGE, CLI_BIN, PAUSE_IMAGE,
+    SHIM_BIN, SNAPSHOTTER, SNAPSHOT_BRANCH_LABEL,
 };
 
 /// The containerd namespace CRI works in.
@@ -57,8 +57,6 @@ const NS: &str = "k8s.io";
 const SHIM_HANDLER: &str = "layerstack";
 /// CRI's default runtime handler (no shim: the daemon publishes on task delete).
 const RUNC_HANDLER: &str = "runc";
-/// Container label naming the branch (`layerstack.branch`).
-const BRANCH_CONTAINER_LABEL: &str = "layerstack.branch";
 /// One CRI call at most.
 const RPC_TIMEOUT: Duration = Duration::from_secs(120);
 
@@ -498,7 +496,7 @@ impl BranchBy {
 
     fn pod(self, branch: &str) -> HashMap<String, String> {
         match self {
-            Self::PodAnnotation => Self::one(BRANCH_CONTAINER_LABEL, branch),
+            Self::PodAnnotation => Self::one(labels::BRANCH_LABEL, branch),
             _ => HashMap::new(),
         }
     }
@@ -507,11 +505,11 @@ impl BranchBy {
         match self {
             Self::PodAnnotation => Meta::default(),
             Self::ContainerLabel => Meta {
-                labels: Self::one(BRANCH_CONTAINER_LABEL, branch),
+                labels: Self::one(labels::BRANCH_LABEL, branch),
                 ..Meta::default()
             },
             Self::SnapshotAnnotation => Meta {
-                annotations: Self::one(BRANCH_LABEL, branch),
+                annotations: Self::one(SNAPSHOT_BRANCH_LABEL, branch),
                 ..Meta::default()
             },
         }

@@ -27,10 +27,13 @@
 //! `session` is the admin API's `Session` message (api/proto/admin.proto),
 //! protobuf-encoded, as lowercase hex: the CLI prints and writes exactly what a
 //! `CreateSession` / `CloseSession` answer would have carried.
-//! An error reply is `{"ok":false,"code":"not-found","message":"…"}`; `code` is an
-//! errdefs kind as the admin API maps them (`not-found`, `failed-precondition`,
-//! `already-exists`, `invalid-argument`, `unsupported`, `internal`, …).
+//! An error reply is `{"ok":false,"code":"not_found","message":"…"}`; `code` is an
+//! errdefs kind, spelled as everywhere else ([`ErrorKind::as_str`]: `not_found`,
+//! `failed_precondition`, `already_exists`, `invalid_argument`, `unsupported`,
+//! `internal`, …), or, for an admin API status no kind maps to, the gRPC code's
+//! snake-case name (`layerstack_api::kind_name`).
 
+use layerstack_types::ErrorKind;
 use serde::{Deserialize, Serialize};
 
 /// The file name of the mount socket in the admin socket's directory.
@@ -136,11 +139,11 @@ impl Reply {
         }
     }
 
-    /// A failure of kind `code` (errdefs, kebab case).
-    pub fn error(code: &str, message: impl Into<String>) -> Reply {
+    /// A failure of kind `kind` (`code` is its name).
+    pub fn error(kind: ErrorKind, message: impl Into<String>) -> Reply {
         Reply {
             ok: false,
-            code: code.to_string(),
+            code: kind.as_str().to_string(),
             message: message.into(),
             ..Default::default()
         }
@@ -199,7 +202,11 @@ mod tests {
                 ..Default::default()
             })
         );
-        let e = Reply::error("not-found", "no session 3");
+        let e = Reply::error(ErrorKind::NotFound, "no session 3");
+        assert_eq!(
+            line(&e),
+            b"{\"ok\":false,\"code\":\"not_found\",\"message\":\"no session 3\"}\n"
+        );
         let back: Reply = serde_json::from_slice(&line(&e)).unwrap();
         assert_eq!(back, e);
         assert_eq!(line(&Reply::ok()), b"{\"ok\":true}\n");

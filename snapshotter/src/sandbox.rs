@@ -32,6 +32,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use layerstack_api as api;
+use layerstack_engine::store::ErrorKind;
 use layerstack_engine::store::{Durability, LeaseTarget, MountSpec, Owner, SessionId};
 use layerstack_engine::{CloseHow, Engine, EngineError, SandboxRequest};
 use layerstack_sandbox::sys;
@@ -85,7 +86,7 @@ impl Holders {
 }
 
 fn wire_error(e: &EngineError) -> Reply {
-    Reply::error(e.kind().as_str(), api::error_chain(e))
+    Reply::error(e.kind(), api::error_chain(e))
 }
 
 /// Serves the mount socket until the listener fails. `admin` answers `start`
@@ -167,17 +168,20 @@ async fn read_line(
 /// The refusal of a second session on one holder connection.
 fn one_session() -> Reply {
     Reply::error(
-        "failed-precondition",
+        ErrorKind::FailedPrecondition,
         "this connection holds a session already: one connection per session",
     )
 }
 
-/// A wire error from an admin API status (its errdefs kind, kebab case).
+/// A wire error from an admin API status: its errdefs kind ([`api::kind_name`]:
+/// a gRPC code no error kind maps to keeps its own snake-case name).
 fn status_reply(st: &Status) -> Reply {
-    Reply::error(
-        &api::kind_name(st.code()).replace('_', "-"),
-        st.message().to_string(),
-    )
+    Reply {
+        ok: false,
+        code: api::kind_name(st.code()).to_string(),
+        message: st.message().to_string(),
+        ..Reply::default()
+    }
 }
 
 /// `start`: `CreateSession`, then `attach` on this connection. A session this
@@ -242,7 +246,7 @@ async fn connection(
     let (peer_pid, uid) = sys::peer_cred(fd)?;
     if uid != 0 {
         let r = Reply::error(
-            "failed-precondition",
+            ErrorKind::FailedPrecondition,
             format!(
                 "the mount socket serves root only (uid {uid} asked): Mode B sessions need root"
             ),
@@ -262,7 +266,7 @@ async fn connection(
         let req: Request = match serde_json::from_slice(&line) {
             Ok(r) => r,
             Err(e) => {
-                let r = Reply::error("invalid-argument", format!("bad request line: {e}"));
+                let r = Reply::error(ErrorKind::InvalidArgument, format!("bad request line: {e}"));
                 send(&stream, &wire::line(&r), &[]).await?;
                 continue;
             }
@@ -376,7 +380,7 @@ async fn attach(
     let _g = engine.lock_session(id).await;
     if holders.map().contains_key(&id) {
         return Err(Reply::error(
-            "already-exists",
+            ErrorKind::AlreadyExists,
             format!(
                 "session {id} has a holder already (one holder per session; session exec joins it)"
             ),
@@ -391,7 +395,7 @@ async fn attach(
                     let s = st.session(id)?;
                     if !matches!(s.owner, Owner::Sandbox { .. }) {
                         return Ok(Err(Reply::error(
-                            "invalid-argument",
+                            ErrorKind::InvalidArgument,
                             format!(
                                 "session {id} belongs to {}, not to a sandbox holder",
                                 s.owner.display()
@@ -400,7 +404,7 @@ async fn attach(
                     }
                     if s.released {
                         return Ok(Err(Reply::error(
-                            "failed-precondition",
+                            ErrorKind::FailedPrecondition,
                             format!("session {id} was closed already"),
                         )));
                     }
@@ -413,7 +417,7 @@ async fn attach(
             } = spec
             else {
                 return Ok(Err(Reply::error(
-                    "internal",
+                    ErrorKind::Internal,
                     format!("session {id} has no writable overlay"),
                 )));
             };
@@ -427,7 +431,7 @@ async fn attach(
                 let incompat = work.join("incompat");
                 if let Err(e) = layerstack_engine::store::fs::remove_tree(&incompat) {
                     return Ok(Err(Reply::error(
-                        "internal",
+                        ErrorKind::Internal,
                         format!("cannot clear {}: {e}", incompat.display()),
                     )));
                 }
@@ -437,9 +441,9 @@ async fn attach(
                     let unsupported = e.source.raw_os_error() == Some(libc::EINVAL)
                         && e.step.starts_with("fsconfig lowerdir+");
                     let code = if unsupported {
-                        "unsupported"
+                        ErrorKind::Unsupported
                     } else {
-                        "internal"
+                        ErrorKind::Internal
                     };
                     Reply::error(
                         code,
@@ -471,7 +475,7 @@ async fn close(
 ) -> Result<api::Session, Reply> {
     let Some(id) = attached else {
         return Err(Reply::error(
-            "failed-precondition",
+            ErrorKind::FailedPrecondition,
             "this connection holds no session: start or attach one first",
         ));
     };
@@ -482,7 +486,7 @@ async fn close(
         "checkpoint" => api::PublishPolicy::Checkpoint,
         other => {
             return Err(Reply::error(
-                "invalid-argument",
+                ErrorKind::InvalidArgument,
                 format!("close policy {other:?} is not one of auto, publish, discard, checkpoint"),
             ))
         }
@@ -506,7 +510,7 @@ fn join(holders: &Holders, id: SessionId) -> (Reply, Vec<OwnedFd>) {
     let Some(h) = m.get(&id) else {
         return (
             Reply::error(
-                "not-found",
+                ErrorKind::NotFound,
                 format!("session {id} has no live holder (not created with `layerstack session create`/`run`, or closed)"),
             ),
             vec![],
@@ -515,7 +519,7 @@ fn join(holders: &Holders, id: SessionId) -> (Reply, Vec<OwnedFd>) {
     let Some((pid, pidfd)) = &h.init else {
         return (
             Reply::error(
-                "failed-precondition",
+                ErrorKind::FailedPrecondition,
                 format!("session {id}'s holder is not ready yet"),
             ),
             vec![],
@@ -537,13 +541,16 @@ fn join(holders: &Holders, id: SessionId) -> (Reply, Vec<OwnedFd>) {
         ),
         Ok(_) => (
             Reply::error(
-                "failed-precondition",
+                ErrorKind::FailedPrecondition,
                 format!("session {id}'s init has exited"),
             ),
             vec![],
         ),
         Err(e) => (
-            Reply::error("internal", format!("cannot open session {id}'s init: {e}")),
+            Reply::error(
+                ErrorKind::Internal,
+                format!("cannot open session {id}'s init: {e}"),
+            ),
             vec![],
         ),
     }

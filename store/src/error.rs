@@ -1,57 +1,14 @@
 //! The store's errors. Every error type carries an [`ErrorKind`] (containerd's
 //! errdefs, `errdefs/errors.go`), which front ends map to their wire codes in one
-//! place (the daemon's `errors` module maps them to gRPC).
+//! place (`layerstack_api::status` maps them to gRPC).
 
 use std::path::{Path, PathBuf};
 
 use crate::{LayerId, ManifestId, SessionId};
 
-/// containerd's error classes (errdefs), plus the two LayerStack needs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum ErrorKind {
-    /// `errdefs.ErrNotFound`.
-    NotFound,
-    /// `errdefs.ErrAlreadyExists`: containerd's unpacker relies on it from
-    /// Prepare and Commit.
-    AlreadyExists,
-    /// `errdefs.ErrFailedPrecondition`: containerd's GC retries a Remove that
-    /// fails with it.
-    FailedPrecondition,
-    /// `errdefs.ErrInvalidArgument`.
-    InvalidArgument,
-    /// `errdefs.ErrConflict` (gRPC `Aborted`): an optimistic check failed; try again.
-    Conflict,
-    /// `errdefs.ErrUnavailable`.
-    Unavailable,
-    /// `errdefs.ErrResourceExhausted`: a limit is reached and the caller asked not
-    /// to wait.
-    Busy,
-    /// `errdefs.ErrNotImplemented`: refused by design (a filesystem, a format).
-    Unsupported,
-    /// `errdefs.ErrDataLoss`: a stored row or directory is not what it must be.
-    Corrupt,
-    /// `errdefs.ErrUnknown`: anything else (i/o, database).
-    Internal,
-}
-
-impl ErrorKind {
-    /// Lowercase name, for logs and metrics labels.
-    #[must_use]
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::NotFound => "not-found",
-            Self::AlreadyExists => "already-exists",
-            Self::FailedPrecondition => "failed-precondition",
-            Self::InvalidArgument => "invalid-argument",
-            Self::Conflict => "conflict",
-            Self::Unavailable => "unavailable",
-            Self::Busy => "busy",
-            Self::Unsupported => "unsupported",
-            Self::Corrupt => "corrupt",
-            Self::Internal => "internal",
-        }
-    }
-}
+/// containerd's error classes (errdefs), one spelling each; defined in the
+/// vocabulary crate so that clients share it without linking the store.
+pub use layerstack_types::ErrorKind;
 
 /// Why [`crate::Store::open`] refused or failed.
 #[derive(Debug, thiserror::Error)]

@@ -76,7 +76,8 @@ pub use model::*;
 pub use publish::{CommitRecord, Published, Recheck, Staged};
 pub use schema::FORMAT_VERSION;
 pub use snapshots::{
-    is_extraction, split_key, stack_id, BRANCH_LABEL, NODE_LABEL, SNAPSHOT_REF_LABEL,
+    is_extraction, split_key, stack_id, SNAPSHOT_BRANCH_LABEL, SNAPSHOT_NODE_LABEL,
+    SNAPSHOT_REF_LABEL,
 };
 pub use sweep::{SweepMode, SweepReport};
 

@@ -91,184 +91,29 @@ impl MountSpec {
     }
 }
 
-/// A session's lifecycle state (CLI `session ls`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum SessionState {
-    /// Mounted or mountable; writes not yet published.
-    Active,
-    /// Last run published (or had nothing to publish); upper is fresh and empty.
-    Published,
-    /// Last run was rejected by the gate; upper and lease kept for inspection.
-    Conflict,
-    /// Last run's writes were dropped on purpose (or committed as a containerd snapshot).
-    Discarded,
-}
+/// The names of the model's states (`as_str`/`parse`, one spelling from the
+/// store to the wire) live in the vocabulary crate.
+pub use layerstack_types::{OutcomeKind, OwnerKind, PathStatus, SessionState};
 
-impl SessionState {
-    /// Lowercase name, as printed by the CLI and stored.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Active => "active",
-            Self::Published => "published",
-            Self::Conflict => "conflict",
-            Self::Discarded => "discarded",
-        }
-    }
-
-    /// The state named `s`; `None` for anything else.
-    pub fn parse(s: &str) -> Option<Self> {
-        Some(match s {
-            "active" => Self::Active,
-            "published" => Self::Published,
-            "conflict" => Self::Conflict,
-            "discarded" => Self::Discarded,
-            _ => return None,
-        })
+/// How a path verdict is stored (`publish_paths.status`).
+pub(crate) fn path_status_code(s: PathStatus) -> i64 {
+    match s {
+        PathStatus::Clean => 0,
+        PathStatus::Merged => 1,
+        PathStatus::Conflict => 2,
+        PathStatus::Excluded => 3,
     }
 }
 
-/// The kinds of publish outcome (ARCHITECTURE.md §2 "Outcome").
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[serde(rename_all = "kebab-case")]
-pub enum OutcomeKind {
-    /// A new layer was prepended to the branch.
-    Committed,
-    /// The writes became a new checkpoint node of a SandboxGraph (a layer on the
-    /// attempt's node, ARCHITECTURE.md §12): no branch moved.
-    Checkpointed,
-    /// A new layer was prepended to the branch, and at least one of its paths was
-    /// three-way merged (content) or merged field by field (metadata) with changes
-    /// published since the session's lease.
-    Merged,
-    /// The session changed nothing; no layer was made.
-    NoChange,
-    /// The whole changeset was rejected; nothing was published.
-    Conflict,
-    /// The writes were dropped without publishing.
-    Discarded,
-    /// Publishing failed for a reason other than a conflict; nothing was published.
-    Failed,
-    /// Refused because a limit was reached (the caller asked not to wait); nothing
-    /// was published, the upper is kept.
-    Busy,
-    /// Refused by design (e.g. an invalid exit policy); nothing was published, the
-    /// upper is kept.
-    Unsupported,
-    /// The daemon cannot tell whether the publish happened (it ended while one was
-    /// in flight); look before acting again (ARCHITECTURE §2: nothing is retried
-    /// silently).
-    Unknown,
-}
-
-impl OutcomeKind {
-    /// Kebab-case name, as printed by the CLI and stored.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Committed => "committed",
-            Self::Checkpointed => "checkpointed",
-            Self::Merged => "merged",
-            Self::NoChange => "no-change",
-            Self::Conflict => "conflict",
-            Self::Discarded => "discarded",
-            Self::Failed => "failed",
-            Self::Busy => "busy",
-            Self::Unsupported => "unsupported",
-            Self::Unknown => "unknown",
-        }
-    }
-
-    /// The kind named `s`; `None` for anything else.
-    pub fn parse(s: &str) -> Option<Self> {
-        Some(match s {
-            "committed" => Self::Committed,
-            "checkpointed" => Self::Checkpointed,
-            "merged" => Self::Merged,
-            "no-change" => Self::NoChange,
-            "conflict" => Self::Conflict,
-            "discarded" => Self::Discarded,
-            "failed" => Self::Failed,
-            "busy" => Self::Busy,
-            "unsupported" => Self::Unsupported,
-            "unknown" => Self::Unknown,
-            _ => return None,
-        })
-    }
-
-    /// Whether a run that ended with this outcome may be published again (gated
-    /// anew) or discarded: the writes are still in the upper, nothing was published.
-    pub fn is_retryable(self) -> bool {
-        matches!(
-            self,
-            Self::Conflict | Self::Failed | Self::Busy | Self::Unsupported | Self::Unknown
-        )
-    }
-
-    /// Whether this outcome moved a branch (prepended a layer to it).
-    pub fn is_published(self) -> bool {
-        matches!(self, Self::Committed | Self::Merged)
-    }
-
-    /// Whether this outcome made a layer: a publish, or a checkpoint node.
-    pub fn adds_layer(self) -> bool {
-        self.is_published() || self == Self::Checkpointed
-    }
-}
-
-/// The gate's verdict on one path (ARCHITECTURE.md §7).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum PathStatus {
-    /// Published as captured.
-    Clean,
-    /// Published as a three-way or field-by-field merge.
-    Merged,
-    /// Rejected; the whole changeset is rejected with it.
-    Conflict,
-    /// Left out by policy (or never publishable, like a socket).
-    Excluded,
-}
-
-impl PathStatus {
-    /// Lowercase name.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Self::Clean => "clean",
-            Self::Merged => "merged",
-            Self::Conflict => "conflict",
-            Self::Excluded => "excluded",
-        }
-    }
-
-    /// The status named `s`.
-    pub fn parse(s: &str) -> Option<Self> {
-        Some(match s {
-            "clean" => Self::Clean,
-            "merged" => Self::Merged,
-            "conflict" => Self::Conflict,
-            "excluded" => Self::Excluded,
-            _ => return None,
-        })
-    }
-
-    pub(crate) fn code(self) -> i64 {
-        match self {
-            Self::Clean => 0,
-            Self::Merged => 1,
-            Self::Conflict => 2,
-            Self::Excluded => 3,
-        }
-    }
-
-    pub(crate) fn from_code(c: i64) -> Option<Self> {
-        Some(match c {
-            0 => Self::Clean,
-            1 => Self::Merged,
-            2 => Self::Conflict,
-            3 => Self::Excluded,
-            _ => return None,
-        })
-    }
+/// The inverse of [`path_status_code`].
+pub(crate) fn path_status_from_code(c: i64) -> Option<PathStatus> {
+    Some(match c {
+        0 => PathStatus::Clean,
+        1 => PathStatus::Merged,
+        2 => PathStatus::Conflict,
+        3 => PathStatus::Excluded,
+        _ => return None,
+    })
 }
 
 /// The gate's verdict on one path of a publish, with why.
@@ -392,13 +237,18 @@ pub enum Owner {
 }
 
 impl Owner {
-    /// `container`, `sandbox` or `operation`.
-    pub fn kind_str(&self) -> &'static str {
+    /// The owner's kind.
+    pub fn kind(&self) -> OwnerKind {
         match self {
-            Self::Container { .. } => "container",
-            Self::Sandbox { .. } => "sandbox",
-            Self::Operation { .. } => "operation",
+            Self::Container { .. } => OwnerKind::Container,
+            Self::Sandbox { .. } => OwnerKind::Sandbox,
+            Self::Operation { .. } => OwnerKind::Operation,
         }
+    }
+
+    /// `container`, `sandbox` or `operation` ([`OwnerKind::as_str`]).
+    pub fn kind_str(&self) -> &'static str {
+        self.kind().as_str()
     }
 
     /// The owner's display form: `container:<ns>/<id>`, `sandbox:<name>` or

@@ -102,7 +102,12 @@ fn insert_paths(
         "INSERT OR REPLACE INTO publish_paths(publish_id, path, status, reason) VALUES (?1, ?2, ?3, ?4)",
     )?;
     for p in paths {
-        ins.execute(params![pid, p.path, p.status.code(), p.reason])?;
+        ins.execute(params![
+            pid,
+            p.path,
+            crate::model::path_status_code(p.status),
+            p.reason
+        ])?;
     }
     Ok(())
 }
@@ -595,7 +600,7 @@ impl Store {
                 params![
                     id,
                     after.unwrap_or(&[]),
-                    status.map(PathStatus::code),
+                    status.map(crate::model::path_status_code),
                     i64::try_from(limit).unwrap_or(i64::MAX)
                 ],
                 |r| Ok((r.get::<_, Vec<u8>>(0)?, r.get::<_, i64>(1)?, r.get::<_, String>(2)?)),
@@ -603,7 +608,7 @@ impl Store {
             let mut out = Vec::new();
             for r in rows {
                 let (path, st, reason) = r?;
-                let status = PathStatus::from_code(st).ok_or_else(|| {
+                let status = crate::model::path_status_from_code(st).ok_or_else(|| {
                     StoreError::corrupt(
                         "publish_paths",
                         format!("outcome {id}, path {}", crate::escape_path(&path)),

@@ -11,7 +11,7 @@
 //!   **session** owned by the container `<namespace>/<name>`: the stack is the
 //!   nearest image ancestor (its base layers are recorded on the stack, so history
 //!   outlives containerd's snapshots), the branch comes from the snapshot label
-//!   [`BRANCH_LABEL`], and committed non-image snapshots in between (Docker's
+//!   [`SNAPSHOT_BRANCH_LABEL`], and committed non-image snapshots in between (Docker's
 //!   `-init`) become the session's private layers above the published ones.
 //! * Every snapshot is a manifest of layer ids: `Commit` of an active session
 //!   freezes exactly what it saw (its private layers, the lease, its upper) into
@@ -36,16 +36,11 @@ use crate::{
     SnapshotInfo, SnapshotKind, Store,
 };
 
-/// Label that names the branch a container rootfs session leases
-/// (`ctr run --snapshotter-label containerd.io/snapshot/layerstack.branch=NAME`).
-pub const BRANCH_LABEL: &str = "containerd.io/snapshot/layerstack.branch";
-
-/// Snapshot label naming a SandboxGraph node: the session is a new attempt of
-/// the node and leases its root instead of a branch head (ARCHITECTURE.md §12).
-pub const NODE_LABEL: &str = "containerd.io/snapshot/layerstack.node";
-/// Label containerd's unpacker sets on an image-layer extraction `Prepare`
-/// (containerd `unpacker.go`, remote-snapshot protocol).
-pub const SNAPSHOT_REF_LABEL: &str = "containerd.io/snapshot.ref";
+/// The snapshot labels this module reads (documented in
+/// [`layerstack_types::labels`]; containerd passes them with `Prepare`).
+pub use layerstack_types::labels::{
+    SNAPSHOT_BRANCH_LABEL, SNAPSHOT_NODE_LABEL, SNAPSHOT_REF_LABEL,
+};
 
 /// Split a backend key `<namespace>/<seq>/<name>` (containerd `metadata/snapshot.go`
 /// `createKey`). Returns `(namespace, name)`.
@@ -414,7 +409,7 @@ impl Store {
             if let Some((base, above)) = base {
                 let (ns, container) = split_key(key).unwrap_or(("", key));
                 let branch = labels
-                    .get(BRANCH_LABEL)
+                    .get(SNAPSHOT_BRANCH_LABEL)
                     .cloned()
                     .unwrap_or_else(|| self.default_branch.clone());
                 let chain = chain_of(&base);
@@ -439,7 +434,7 @@ impl Store {
                     "INSERT INTO snapshots(key, kind, parent, labels, created_ns, updated_ns, session_id) VALUES (?1, 'active', ?2, ?3, ?4, ?4, ?5)",
                     params![key, parent_opt, lj, now, sid],
                 )?;
-                let spec = match labels.get(NODE_LABEL).map(|n| n.trim()).filter(|n| !n.is_empty()) {
+                let spec = match labels.get(SNAPSHOT_NODE_LABEL).map(|n| n.trim()).filter(|n| !n.is_empty()) {
                     Some(node) => self.attach_attempt_in(tx, sid, node, None)?.1,
                     None => self.start_run(tx, sid)?,
                 };
@@ -487,7 +482,7 @@ impl Store {
         })
     }
 
-    /// The branch named by the snapshot label [`BRANCH_LABEL`] of session `sid`'s
+    /// The branch named by the snapshot label [`SNAPSHOT_BRANCH_LABEL`] of session `sid`'s
     /// rootfs snapshot, if any (it wins over a container label).
     pub fn snapshot_branch_label(&self, sid: SessionId) -> Result<Option<String>, StoreError> {
         self.db.read(|conn| {
@@ -499,7 +494,10 @@ impl Store {
                 )
                 .optional()?;
             match key {
-                Some(k) => Ok(need_snap(conn, &k)?.labels.get(BRANCH_LABEL).cloned()),
+                Some(k) => Ok(need_snap(conn, &k)?
+                    .labels
+                    .get(SNAPSHOT_BRANCH_LABEL)
+                    .cloned()),
                 None => Ok(None),
             }
         })

@@ -472,7 +472,7 @@ fn branch_label_forks_main_and_invalid_names_are_refused() {
         .prepare(
             "default/6/x",
             &top,
-            labels(&[(BRANCH_LABEL, "exp/1")]),
+            labels(&[(SNAPSHOT_BRANCH_LABEL, "exp/1")]),
             false,
         )
         .unwrap();
@@ -492,7 +492,7 @@ fn branch_label_forks_main_and_invalid_names_are_refused() {
         .prepare(
             "default/7/y",
             &top,
-            labels(&[(BRANCH_LABEL, "bad name")]),
+            labels(&[(SNAPSHOT_BRANCH_LABEL, "bad name")]),
             false,
         )
         .unwrap_err();
@@ -576,7 +576,7 @@ fn node_label_makes_the_container_session_an_attempt_of_the_node() {
         .prepare(
             "default/6/x",
             &top,
-            labels(&[(NODE_LABEL, &root.id)]),
+            labels(&[(SNAPSHOT_NODE_LABEL, &root.id)]),
             false,
         )
         .unwrap();
@@ -595,7 +595,7 @@ fn node_label_makes_the_container_session_an_attempt_of_the_node() {
         .prepare(
             "default/7/y",
             &top,
-            labels(&[(NODE_LABEL, "no-such-node")]),
+            labels(&[(SNAPSHOT_NODE_LABEL, "no-such-node")]),
             false,
         )
         .unwrap_err();
@@ -1580,7 +1580,7 @@ impl Hist {
             .prepare(
                 &format!("default/{}/{name}", 1000 + self.n),
                 &self.top,
-                labels(&[(BRANCH_LABEL, branch)]),
+                labels(&[(SNAPSHOT_BRANCH_LABEL, branch)]),
                 false,
             )
             .unwrap();
