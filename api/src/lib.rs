@@ -1,6 +1,9 @@
 //! LayerStack's admin API: generated gRPC types (`proto/admin.proto`), a
-//! unix-socket client connector, the conversions from the engine's types to the
-//! wire, and the one mapping of error kinds to gRPC codes.
+//! unix-socket client connector, and the one mapping of error kinds to gRPC
+//! codes. It speaks the vocabulary of `layerstack-types` and links neither the
+//! engine nor the store: the conversions from the engine's types to the wire
+//! live in the daemon (`snapshotter/src/wire.rs`), the only crate that links the
+//! engine (ARCHITECTURE.md §4).
 //!
 //! ```no_run
 //! # async fn f() -> Result<(), Box<dyn std::error::Error>> {
@@ -12,9 +15,12 @@
 
 #![allow(clippy::unwrap_used)]
 
-/// Exit policy labels (`layerstack.publish`, `layerstack.branch`), shared by the
-/// daemon and the shim; defined by the engine.
-pub use layerstack_engine::policy;
+/// The shared vocabulary (error kinds, label names, outcome and path names).
+pub use layerstack_types as types;
+/// The exit policy and its labels (`layerstack.publish`, `layerstack.branch`,
+/// `layerstack.node`), shared by the daemon and the shim.
+pub use layerstack_types::policy;
+pub use layerstack_types::{error_chain, ErrorKind};
 
 /// Generated code of package `layerstack.admin.v1`.
 pub mod v1 {
@@ -27,19 +33,10 @@ pub use v1::*;
 
 use std::path::PathBuf;
 
-use layerstack_engine::store::{
-    escape_path, ErrorKind, MountSpec, Owner, PathCounts as StorePathCounts, PathRecord,
-    PathStatus, SessionInfo,
-};
 use tonic::transport::{Channel, Endpoint, Uri};
-
-pub use layerstack_engine::error_chain;
 
 /// Default admin socket path (ARCHITECTURE.md §3).
 pub const DEFAULT_ADMIN_ADDRESS: &str = "/run/layerstack/admin.sock";
-
-/// At most this many conflicts are inlined in a [`Session`].
-pub const INLINE_CONFLICTS: usize = 100;
 
 /// Connect to the admin API on the unix socket `path`.
 ///
@@ -58,12 +55,13 @@ pub async fn connect(
     Ok(AdminClient::new(ch))
 }
 
-/// The gRPC status of an error of kind `kind` (containerd `errdefs/grpc.go`):
-/// the one place error kinds meet wire codes. `message` is the error with its
-/// source chain ([`error_chain`]).
-pub fn status(kind: ErrorKind, message: String) -> tonic::Status {
+/// The gRPC code of error kind `kind` (containerd `errdefs/grpc.go`): the one
+/// place error kinds meet wire codes. `Busy` is `ResourceExhausted`, `Corrupt`
+/// is `DataLoss`, `Unsupported` is `Unimplemented`, `Internal` is `Unknown`.
+#[must_use]
+pub fn code(kind: ErrorKind) -> tonic::Code {
     use tonic::Code;
-    let code = match kind {
+    match kind {
         ErrorKind::NotFound => Code::NotFound,
         ErrorKind::AlreadyExists => Code::AlreadyExists,
         ErrorKind::FailedPrecondition => Code::FailedPrecondition,
@@ -74,157 +72,44 @@ pub fn status(kind: ErrorKind, message: String) -> tonic::Status {
         ErrorKind::Unsupported => Code::Unimplemented,
         ErrorKind::Corrupt => Code::DataLoss,
         ErrorKind::Internal => Code::Unknown,
-    };
-    tonic::Status::new(code, message)
+    }
 }
 
-/// The error kind a gRPC status code stands for, as named in metrics and logs:
-/// the inverse of [`status`] (`Aborted` is `conflict`, `ResourceExhausted` is
-/// `busy`, …); codes [`status`] never produces (a client's deadline, a transport
-/// failure) keep their gRPC name in snake case.
-pub fn kind_name(code: tonic::Code) -> &'static str {
+/// The gRPC status of an error of kind `kind` ([`code`]). `message` is the
+/// error with its source chain ([`error_chain`]).
+pub fn status(kind: ErrorKind, message: String) -> tonic::Status {
+    tonic::Status::new(code(kind), message)
+}
+
+/// The error kind a gRPC status code stands for: the inverse of [`code`];
+/// `None` for codes it never produces (`Ok`, a client's deadline, a transport
+/// failure, …).
+#[must_use]
+pub fn error_kind(c: tonic::Code) -> Option<ErrorKind> {
+    ErrorKind::ALL.into_iter().find(|&k| code(k) == c)
+}
+
+/// The error kind a gRPC status code stands for, as named in metrics, logs and
+/// the mount socket: [`ErrorKind::as_str`] of [`error_kind`] (`Aborted` is
+/// `conflict`, `ResourceExhausted` is `busy`, …); codes [`status`] never produces
+/// keep their gRPC name in snake case (`Internal`, which no kind maps to, is
+/// `grpc_internal`).
+pub fn kind_name(c: tonic::Code) -> &'static str {
     use tonic::Code;
-    match code {
+    if let Some(k) = error_kind(c) {
+        return k.as_str();
+    }
+    match c {
         Code::Ok => "ok",
-        Code::NotFound => "not_found",
-        Code::AlreadyExists => "already_exists",
-        Code::FailedPrecondition => "failed_precondition",
-        Code::InvalidArgument => "invalid_argument",
-        Code::Aborted => "conflict",
-        Code::Unavailable => "unavailable",
-        Code::ResourceExhausted => "busy",
-        Code::Unimplemented => "unsupported",
-        Code::DataLoss => "corrupt",
-        Code::Unknown => "internal",
         Code::Cancelled => "cancelled",
         Code::DeadlineExceeded => "deadline_exceeded",
         Code::PermissionDenied => "permission_denied",
         Code::OutOfRange => "out_of_range",
         Code::Internal => "grpc_internal",
         Code::Unauthenticated => "unauthenticated",
+        // Every other code is some kind's (above).
+        _ => "unknown",
     }
-}
-
-/// [`status`] of an engine error.
-pub fn engine_status(e: &layerstack_engine::EngineError) -> tonic::Status {
-    status(e.kind(), error_chain(e))
-}
-
-/// [`status`] of a store error.
-pub fn store_status(e: &layerstack_engine::store::StoreError) -> tonic::Status {
-    status(e.kind(), error_chain(e))
-}
-
-/// The wire form of a path verdict.
-pub fn path_verdict(p: &PathRecord) -> PathVerdict {
-    PathVerdict {
-        path: escape_path(&p.path),
-        status: p.status.as_str().to_string(),
-        reason: p.reason.clone(),
-        raw_path: p.path.clone(),
-    }
-}
-
-/// The wire form of verdict counts.
-pub fn path_counts(c: &StorePathCounts) -> PathCounts {
-    PathCounts {
-        clean: c.clean,
-        merged: c.merged,
-        conflict: c.conflict,
-        excluded: c.excluded,
-    }
-}
-
-/// The wire form of a session; `conflicts` are the first conflicting paths of its
-/// outcome (the caller reads at most [`INLINE_CONFLICTS`] + 1 to know whether
-/// there are more).
-pub fn session(s: &SessionInfo, conflicts: &[PathRecord]) -> Session {
-    let (namespace, container) = match &s.owner {
-        Owner::Container { namespace, id } => (namespace.clone(), id.clone()),
-        Owner::Sandbox { .. } | Owner::Operation { .. } => (String::new(), String::new()),
-    };
-    let o = s.outcome.as_ref();
-    Session {
-        id: s.id,
-        namespace,
-        container,
-        key: s.key.clone().unwrap_or_default(),
-        stack: s.stack.clone(),
-        branch: s.branch.clone(),
-        state: s.state.as_str().to_string(),
-        outcome: o.map(|o| o.kind.as_str().to_string()).unwrap_or_default(),
-        conflicts: conflicts
-            .iter()
-            .filter(|p| p.status == PathStatus::Conflict)
-            .take(INLINE_CONFLICTS)
-            .map(|p| ConflictPath {
-                path: escape_path(&p.path),
-                reason: p.reason.clone(),
-            })
-            .collect(),
-        conflicts_truncated: conflicts
-            .iter()
-            .filter(|p| p.status == PathStatus::Conflict)
-            .count()
-            > INLINE_CONFLICTS,
-        layer: o.and_then(|o| o.layer).unwrap_or(0),
-        message: o.and_then(|o| o.message.clone()).unwrap_or_default(),
-        released: s.released,
-        run: s.run,
-        paths: vec![],
-        dry_run: false,
-        timings: o.and_then(|o| o.timings).map(|t| PublishTimings {
-            capture_us: t.capture_us,
-            gate_wait_us: t.gate_wait_us,
-            gate_hold_us: t.gate_hold_us,
-            total_us: t.total_us,
-            capture_bytes: t.capture_bytes,
-        }),
-        owner_kind: owner_kind(&s.owner).to_string(),
-        owner: s.owner.display(),
-        outcome_id: o.map(|o| o.id).unwrap_or(0),
-        counts: o.map(|o| path_counts(&o.counts)),
-        policy: s.policy.clone().unwrap_or_default(),
-    }
-}
-
-/// The owner kind's wire name: `container`, `sandbox` or `operation`.
-pub fn owner_kind(o: &Owner) -> &'static str {
-    match o {
-        Owner::Container { .. } => "container",
-        Owner::Sandbox { .. } => "sandbox",
-        Owner::Operation { .. } => "operation",
-    }
-}
-
-/// The wire form of a mount spec (containerd's `Mount`, without target).
-pub fn mounts(spec: &MountSpec) -> Vec<Mount> {
-    let options = spec.overlay_options();
-    match spec {
-        MountSpec::Bind { source, .. } => vec![Mount {
-            r#type: "bind".into(),
-            source: source.display().to_string(),
-            options,
-        }],
-        MountSpec::Overlay { .. } => vec![Mount {
-            r#type: "overlay".into(),
-            source: "overlay".into(),
-            options,
-        }],
-    }
-}
-
-/// The status named `s` in a request ("" = any).
-///
-/// # Errors
-/// The message for an `InvalidArgument`, naming the accepted values.
-pub fn parse_status(s: &str) -> Result<Option<PathStatus>, String> {
-    if s.is_empty() {
-        return Ok(None);
-    }
-    PathStatus::parse(s).map(Some).ok_or_else(|| {
-        format!("unknown path status {s:?}: use clean, merged, conflict or excluded")
-    })
 }
 
 #[cfg(test)]
@@ -233,20 +118,47 @@ mod tests {
 
     #[test]
     fn every_error_kind_round_trips_through_its_code() {
-        for (kind, name) in [
-            (ErrorKind::NotFound, "not_found"),
-            (ErrorKind::AlreadyExists, "already_exists"),
-            (ErrorKind::FailedPrecondition, "failed_precondition"),
-            (ErrorKind::InvalidArgument, "invalid_argument"),
-            (ErrorKind::Conflict, "conflict"),
-            (ErrorKind::Unavailable, "unavailable"),
-            (ErrorKind::Busy, "busy"),
-            (ErrorKind::Unsupported, "unsupported"),
-            (ErrorKind::Corrupt, "corrupt"),
-            (ErrorKind::Internal, "internal"),
-        ] {
-            assert_eq!(kind_name(status(kind, String::new()).code()), name);
+        for kind in ErrorKind::ALL {
+            let st = status(kind, String::new());
+            assert_eq!(error_kind(st.code()), Some(kind));
+            assert_eq!(kind_name(st.code()), kind.as_str());
         }
+        assert_eq!(error_kind(tonic::Code::Internal), None);
+        assert_eq!(kind_name(tonic::Code::Internal), "grpc_internal");
+        assert_eq!(
+            kind_name(tonic::Code::DeadlineExceeded),
+            "deadline_exceeded"
+        );
+    }
+
+    /// The table the Python client's `layerstack.errors` must cover, one exception
+    /// class per row (its test, `clients/python/tests/test_errors.py`, holds the
+    /// same table): gRPC code name → error kind.
+    #[test]
+    fn the_wire_table_is_the_one_the_python_client_maps() {
+        let table: Vec<(String, &str)> = ErrorKind::ALL
+            .into_iter()
+            .map(|k| (format!("{:?}", code(k)), k.as_str()))
+            .collect();
+        let expected = [
+            ("NotFound", "not_found"),
+            ("AlreadyExists", "already_exists"),
+            ("FailedPrecondition", "failed_precondition"),
+            ("InvalidArgument", "invalid_argument"),
+            ("Aborted", "conflict"),
+            ("Unavailable", "unavailable"),
+            ("ResourceExhausted", "busy"),
+            ("Unimplemented", "unsupported"),
+            ("DataLoss", "corrupt"),
+            ("Unknown", "internal"),
+        ];
+        assert_eq!(
+            table,
+            expected
+                .iter()
+                .map(|(c, k)| (c.to_string(), *k))
+                .collect::<Vec<_>>()
+        );
     }
 }
 

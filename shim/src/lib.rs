@@ -35,7 +35,8 @@ pub mod daemon;
 pub mod events;
 pub mod inner;
 pub mod logging;
-/// Publish policy labels, shared with the daemon (it lives in `layerstack-api`).
+/// The exit policy and its labels, shared with the daemon (defined in
+/// `layerstack-types`, re-exported by `layerstack-api`).
 pub use layerstack_api::policy;
 pub mod proxy;
 pub mod service;

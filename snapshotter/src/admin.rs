@@ -29,7 +29,7 @@ pub struct AdminService {
 }
 
 pub(crate) fn engine_status(e: EngineError) -> Status {
-    api::engine_status(&e)
+    crate::wire::engine_status(&e)
 }
 
 pub(crate) fn require(field: &str, v: &str) -> Result<(), Status> {
@@ -94,7 +94,7 @@ impl AdminService {
                         st.outcome_paths(
                             id,
                             None,
-                            api::INLINE_CONFLICTS + 1,
+                            crate::wire::INLINE_CONFLICTS + 1,
                             Some(PathStatus::Conflict),
                         )
                     })
@@ -103,7 +103,7 @@ impl AdminService {
             }
             _ => Vec::new(),
         };
-        Ok(api::session(&s, &conflicts))
+        Ok(crate::wire::session(&s, &conflicts))
     }
 }
 
@@ -187,7 +187,7 @@ impl api::Admin for AdminService {
                     || s.owner.namespace() == r.namespace
                     || matches!(s.owner, layerstack_engine::store::Owner::Sandbox { .. })
             })
-            .filter(|s| r.owner_kind.is_empty() || api::owner_kind(&s.owner) == r.owner_kind)
+            .filter(|s| r.owner_kind.is_empty() || s.owner.kind().as_str() == r.owner_kind)
             .take(size + 1)
             .collect();
         let next_page_token = if page.len() > size {
@@ -283,13 +283,13 @@ impl api::Admin for AdminService {
             .resolve(r.session_id, &r.namespace, &r.container)
             .await?;
         let d = self.engine.dry_run(s.id).await.map_err(engine_status)?;
-        let mut head = api::session(&d.session, &d.paths);
+        let mut head = crate::wire::session(&d.session, &d.paths);
         head.dry_run = true;
         head.layer = 0;
         head.outcome_id = 0;
         head.timings = None;
         head.outcome = d.kind.map(|k| k.as_str().to_string()).unwrap_or_default();
-        head.counts = Some(api::path_counts(&d.counts));
+        head.counts = Some(crate::wire::path_counts(&d.counts));
         head.message = d.message;
         let mut replies = vec![Ok(api::DryRunReply {
             session: Some(head),
@@ -298,7 +298,7 @@ impl api::Admin for AdminService {
         for chunk in d.paths.chunks(BATCH) {
             replies.push(Ok(api::DryRunReply {
                 session: None,
-                paths: chunk.iter().map(api::path_verdict).collect(),
+                paths: chunk.iter().map(crate::wire::path_verdict).collect(),
             }));
         }
         Ok(Response::new(Box::pin(futures::stream::iter(replies))))
@@ -314,7 +314,7 @@ impl api::Admin for AdminService {
                 "outcome_id is required (Session.outcome_id)",
             ));
         }
-        let status = api::parse_status(&r.status).map_err(Status::invalid_argument)?;
+        let status = crate::wire::parse_status(&r.status).map_err(Status::invalid_argument)?;
         let size = match r.page_size as usize {
             0 => BATCH,
             n => n.min(MAX_PAGE),
@@ -347,7 +347,7 @@ impl api::Admin for AdminService {
             String::new()
         };
         Ok(Response::new(api::ListOutcomePathsResponse {
-            paths: paths.iter().map(api::path_verdict).collect(),
+            paths: paths.iter().map(crate::wire::path_verdict).collect(),
             next_page_token,
         }))
     }
@@ -468,7 +468,7 @@ impl api::Admin for AdminService {
         Ok(Response::new(api::SetBranchResponse {
             session: Some(self.to_api(info).await?),
             changed,
-            mounts: api::mounts(&spec),
+            mounts: crate::wire::mounts(&spec),
         }))
     }
 

@@ -149,7 +149,7 @@ impl AdminService {
         Ok(api::AttemptResponse {
             attempt: Some(attempt(&a)),
             session: Some(self.to_api(s).await?),
-            mounts: api::mounts(&spec),
+            mounts: crate::wire::mounts(&spec),
             created,
         })
     }
@@ -370,7 +370,7 @@ impl AdminService {
         Ok(api::SetBranchResponse {
             session: Some(self.to_api(info).await?),
             changed: true,
-            mounts: api::mounts(&spec),
+            mounts: crate::wire::mounts(&spec),
         })
     }
 }

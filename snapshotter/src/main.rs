@@ -22,6 +22,7 @@ mod outcomes;
 mod sandbox;
 mod service;
 mod sockets;
+mod wire;
 
 use std::io::IsTerminal;
 use std::net::SocketAddr;

@@ -594,7 +594,7 @@ impl AdminService {
     ) -> Result<api::CreateSessionResponse, Status> {
         let (session, spec, created) = self.sandbox_create_spec(r).await?;
         Ok(api::CreateSessionResponse {
-            mounts: api::mounts(&spec),
+            mounts: crate::wire::mounts(&spec),
             session: Some(session),
             created,
         })

@@ -137,7 +137,7 @@ impl LayerStackSnapshotter {
 }
 
 fn status(e: &EngineError) -> Status {
-    layerstack_api::engine_status(e)
+    crate::wire::engine_status(e)
 }
 
 fn to_time(ns: i64) -> SystemTime {
@@ -160,7 +160,7 @@ fn to_info(i: SnapshotInfo) -> Info {
 }
 
 fn to_mounts(spec: MountSpec) -> Vec<Mount> {
-    layerstack_api::mounts(&spec)
+    crate::wire::mounts(&spec)
         .into_iter()
         .map(|m| Mount {
             r#type: m.r#type,
