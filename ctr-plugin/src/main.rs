@@ -211,7 +211,9 @@ async fn main() -> ExitCode {
                     st.code()
                 ),
                 Some(st) => eprintln!("layerstack: {}", st.message()),
-                None => eprintln!("layerstack: {e:#}"),
+                // Not anyhow's `{:#}`: it would repeat a cause that an error
+                // of a dependency already prints (hyper's connect errors).
+                None => eprintln!("layerstack: {}", api::error_chain(e.as_ref())),
             }
             ExitCode::from(1)
         }
@@ -252,6 +254,32 @@ mod tests {
             json_flags >= 5,
             "every --json flag was checked ({json_flags})"
         );
+    }
+
+    #[test]
+    fn an_error_with_context_prints_each_cause_once() {
+        /// hyper 0.14's connect error: prints its cause and returns it as source.
+        #[derive(Debug)]
+        struct Connect(std::io::Error);
+        impl std::fmt::Display for Connect {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                write!(f, "error trying to connect: {}", self.0)
+            }
+        }
+        impl std::error::Error for Connect {
+            fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+                Some(&self.0)
+            }
+        }
+        // ECONNREFUSED: "Connection refused (os error 111)".
+        let refused = || std::io::Error::from_raw_os_error(111);
+        let e = anyhow::Error::new(Connect(refused())).context("cannot reach the daemon");
+        let text = api::error_chain(e.as_ref());
+        assert!(
+            text.starts_with("cannot reach the daemon: error trying to connect: "),
+            "{text}"
+        );
+        assert_eq!(text.matches(&refused().to_string()).count(), 1, "{text}");
     }
 
     #[test]

@@ -565,7 +565,7 @@ pub async fn run(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
         Err(e) => {
             match e.downcast_ref::<tonic::Status>() {
                 Some(st) => eprintln!("layerstack: {}", st.message()),
-                None => eprintln!("layerstack: {e:#}"),
+                None => eprintln!("layerstack: {}", api::error_chain(e.as_ref())),
             }
             Ok(ExitCode::from(SETUP_FAILED as u8))
         }
