@@ -3,7 +3,7 @@
 use std::path::PathBuf;
 
 use layerstack_publisher as publisher;
-use layerstack_store::{ErrorKind, SessionId, StoreError};
+use layerstack_store::{ErrorKind, ManifestId, SessionId, StoreError};
 
 /// Why an engine operation could not run.
 #[derive(Debug, thiserror::Error)]
@@ -56,6 +56,25 @@ pub enum EngineError {
     /// receiver that went away).
     #[error("export")]
     Export(#[source] Box<publisher::TarError>),
+    /// Building the squashed layer of `stack`'s `branch` failed: a layer of the
+    /// run or the staging directory could not be read or written (the source
+    /// names the path). The staging directory is dropped; no branch moved.
+    #[error("building the squash of {stack}@{branch} failed")]
+    Squash {
+        stack: String,
+        branch: String,
+        #[source]
+        source: publisher::SquashError,
+    },
+    /// The run of layers a squash of `stack`'s `branch` was planned for is not
+    /// in the view of the manifest `head` it was planned on: the store's rows
+    /// disagree with each other. Nothing was built.
+    #[error("cannot squash {stack}@{branch}: its run is not in the view of manifest {head}")]
+    SquashRunNotInView {
+        stack: String,
+        branch: String,
+        head: ManifestId,
+    },
 }
 
 impl EngineError {
@@ -73,6 +92,7 @@ impl EngineError {
             Self::NotFound(_) => ErrorKind::NotFound,
             Self::FailedPrecondition(_) => ErrorKind::FailedPrecondition,
             Self::Read(..) | Self::Export(_) => ErrorKind::Internal,
+            Self::Squash { .. } | Self::SquashRunNotInView { .. } => ErrorKind::Internal,
         }
     }
 }

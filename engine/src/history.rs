@@ -171,7 +171,8 @@ impl Engine {
     /// [`HistorySettings::squash_keep`] layers become one squashed layer (see the
     /// module docs). `Ok(None)` when there is nothing to squash.
     ///
-    /// Errors: `BranchNotFound`; a failed build (the staging directory is dropped).
+    /// Errors: `BranchNotFound`; a failed build, [`EngineError::Squash`] (kind
+    /// `Internal`; the staging directory is dropped, no branch moves).
     pub async fn squash(&self, stack: &str, branch: &str) -> Result<Option<Squashed>, EngineError> {
         self.squash_with(stack, branch, 0).await
     }
@@ -197,7 +198,7 @@ impl Engine {
         let store = self.store.clone();
         let userxattr = self.settings.userxattr;
         let run2 = run.clone();
-        let stack2 = stack.to_string();
+        let (stack2, branch2) = (stack.to_string(), branch.to_string());
         let (dir, guard) = tokio::task::spawn_blocking(move || -> Result<_, EngineError> {
             // Background work: publishes (and their commits under the gate) go
             // first on a busy machine; the squash catches up between bursts.
@@ -208,19 +209,22 @@ impl Engine {
             let below = match dirs.last().and_then(|l| view.iter().position(|v| v == l)) {
                 Some(i) => view[i + 1..].to_vec(),
                 None => {
-                    return Err(EngineError::InvalidArgument(format!(
-                        "building the squash failed: its run is not in the view of manifest {head}"
-                    )))
+                    return Err(EngineError::SquashRunNotInView {
+                        stack: stack2,
+                        branch: branch2,
+                        head,
+                    })
                 }
             };
             let below = publisher::LayerView::new(below).with_userxattr(userxattr);
             let (dir, guard) = store.staging_dir("squash")?;
-            if let Err(e) = publisher::flatten_layers_over(&dirs, &below, &dir, userxattr) {
+            if let Err(source) = publisher::flatten_layers_over(&dirs, &below, &dir, userxattr) {
                 let _ = layerstack_store::fs::remove_tree(&dir);
-                return Err(EngineError::InvalidArgument(format!(
-                    "building the squash failed: {}",
-                    error_chain(&e)
-                )));
+                return Err(EngineError::Squash {
+                    stack: stack2,
+                    branch: branch2,
+                    source,
+                });
             }
             Ok((dir, guard))
         })

@@ -1069,6 +1069,45 @@ async fn squashes_keep_history_shallow_and_every_view_intact() {
     let _ = s;
 }
 
+/// A squash whose build fails (a layer of its run is gone from disk) is an
+/// internal error naming the branch, with the path in its cause — not a bad
+/// argument of the caller — and moves nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_squash_that_cannot_be_built_is_an_internal_error() {
+    if !have_root("a_squash_that_cannot_be_built_is_an_internal_error") {
+        return;
+    }
+    let t = tmp();
+    let (store, _) = setup_n(t.path(), 1);
+    let p = engine_with(
+        &store,
+        crate::HistorySettings {
+            squash_threshold: 0,
+            squash_keep: 1,
+            ..Default::default()
+        },
+    );
+    let stack = "ns/sha256:aaa";
+    let oldest = publish_on(&p, "main", "a", &[("root/a", b"a\n")], &[]).await;
+    publish_on(&p, "main", "b", &[("root/b", b"b\n")], &[]).await;
+    publish_on(&p, "main", "c", &[("root/c", b"c\n")], &[]).await;
+    let head = store.branch_head(stack, "main").unwrap();
+    std::fs::remove_dir_all(store.layer_path(oldest)).unwrap();
+    let e = p.squash(stack, "main").await.unwrap_err();
+    assert!(matches!(e, EngineError::Squash { .. }), "{e:?}");
+    assert_eq!(e.kind(), layerstack_store::ErrorKind::Internal);
+    let msg = error_chain(&e);
+    assert!(
+        msg.starts_with(&format!("building the squash of {stack}@main failed: ")),
+        "{msg}"
+    );
+    assert_eq!(
+        store.branch_head(stack, "main").unwrap(),
+        head,
+        "nothing moved"
+    );
+}
+
 /// Branches: fork at an old layer of the log sees exactly that layer's tree;
 /// promote fast-forwards, merges, or is refused whole.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
