@@ -99,11 +99,11 @@ def test_publish_and_discard_of_an_unmounted_session(env: Env, ls: layerstack.Cl
 
 
 def test_errors_are_typed_with_the_grpc_code_and_the_daemons_message(env: Env, ls: layerstack.Client) -> None:
-    # An unknown node id is NOT_FOUND (errdefs not-found), with the daemon's message.
+    # An unknown node id is NOT_FOUND (errdefs not_found), with the daemon's message.
     with pytest.raises(layerstack.LayerStackError) as e:
         ls.show_node("no-such-node")
     assert isinstance(e.value, layerstack.NotFoundError)
-    assert e.value.code == grpc.StatusCode.NOT_FOUND and e.value.kind == "not-found"
+    assert e.value.code == grpc.StatusCode.NOT_FOUND and e.value.kind == "not_found"
     assert "no-such-node" in e.value.message and "does not exist" in e.value.message
     name = unique("no-such-graph")
     with pytest.raises(layerstack.LayerStackError) as e:

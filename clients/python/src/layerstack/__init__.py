@@ -14,14 +14,18 @@ answers and :mod:`layerstack.errors` for the errors.
 from layerstack.client import DEFAULT_ADMIN_ADDRESS, Client, State, connect
 from layerstack.errors import (
     AlreadyExistsError,
+    BusyError,
     CommandError,
     ConflictError,
+    CorruptError,
     FailedPreconditionError,
+    InternalError,
     InvalidArgumentError,
     LayerStackError,
     NotFoundError,
     ResourceExhaustedError,
     UnavailableError,
+    UnsupportedError,
 )
 from layerstack.types import (
     Attempt,
@@ -56,7 +60,11 @@ __all__ = [
     "InvalidArgumentError",
     "ConflictError",
     "UnavailableError",
+    "BusyError",
     "ResourceExhaustedError",
+    "UnsupportedError",
+    "CorruptError",
+    "InternalError",
     "CommandError",
     "Attempt",
     "AttemptStart",

@@ -450,7 +450,7 @@ class Client:
     def wait(self, session_id: int, *, timeout_ms: int = 0) -> Session:
         """Blocks until session ``session_id`` has an outcome for its current run
         (``timeout_ms`` 0: forever). Raises :class:`LayerStackError` (kind
-        ``deadline-exceeded``) when it runs out, NotFoundError for no such session."""
+        ``deadline_exceeded``) when it runs out, NotFoundError for no such session."""
         req = pb.WaitRequest(session_id=session_id, timeout_ms=timeout_ms)
         return Session.from_pb(self._call(self._stub.Wait, req, None))
 

@@ -2,21 +2,33 @@
 
 Every failure of the daemon reaches Python as a :class:`LayerStackError` (or one
 of its subclasses, one per errdefs kind) carrying the gRPC status code and the
-daemon's own message. The daemon maps its errors to gRPC codes after
-containerd's errdefs (STYLE.md "Ours"); this module maps them back to a kind:
+daemon's own message. The daemon maps its error kinds to gRPC codes after
+containerd's errdefs in one place (``layerstack_api::code``, STYLE.md "Ours");
+this module maps them back. ``kind`` is the kind's one spelling, the same as in
+Rust (``layerstack_types::ErrorKind::as_str``), the daemon's logs and metrics,
+and the CLI's messages:
 
-=====================  ======================  ==============================
-gRPC code              ``kind``                subclass
-=====================  ======================  ==============================
-NOT_FOUND              ``not-found``           :class:`NotFoundError`
-ALREADY_EXISTS         ``already-exists``      :class:`AlreadyExistsError`
-FAILED_PRECONDITION    ``failed-precondition`` :class:`FailedPreconditionError`
-INVALID_ARGUMENT       ``invalid-argument``    :class:`InvalidArgumentError`
-ABORTED                ``conflict``            :class:`ConflictError`
-UNAVAILABLE            ``unavailable``         :class:`UnavailableError`
-RESOURCE_EXHAUSTED     ``resource-exhausted``  :class:`ResourceExhaustedError`
-anything else          the code's name         :class:`LayerStackError`
-=====================  ======================  ==============================
+=====================  =========================  ================================
+gRPC code              ``kind``                   subclass
+=====================  =========================  ================================
+NOT_FOUND              ``not_found``              :class:`NotFoundError`
+ALREADY_EXISTS         ``already_exists``         :class:`AlreadyExistsError`
+FAILED_PRECONDITION    ``failed_precondition``    :class:`FailedPreconditionError`
+INVALID_ARGUMENT       ``invalid_argument``       :class:`InvalidArgumentError`
+ABORTED                ``conflict``               :class:`ConflictError`
+UNAVAILABLE            ``unavailable``            :class:`UnavailableError`
+RESOURCE_EXHAUSTED     ``busy``                   :class:`BusyError`
+UNIMPLEMENTED          ``unsupported``            :class:`UnsupportedError`
+DATA_LOSS              ``corrupt``                :class:`CorruptError`
+UNKNOWN                ``internal``               :class:`InternalError`
+anything else          the code's name, snake     :class:`LayerStackError`
+                       case (``deadline_exceeded``;
+                       INTERNAL is ``grpc_internal``)
+=====================  =========================  ================================
+
+Each subclass also carries its ``kind`` as a class attribute
+(``NotFoundError.kind == "not_found"``). ``ResourceExhaustedError`` is the
+former name of :class:`BusyError` (the same class).
 
 A failure of the ``layerstack`` binary that the client drives for the parts
 that need namespaces (``session run|create|exec``) is a :class:`CommandError`
@@ -37,8 +49,14 @@ __all__ = [
     "InvalidArgumentError",
     "ConflictError",
     "UnavailableError",
+    "BusyError",
     "ResourceExhaustedError",
+    "UnsupportedError",
+    "CorruptError",
+    "InternalError",
     "CommandError",
+    "BY_CODE",
+    "from_rpc_error",
 ]
 
 
@@ -47,9 +65,11 @@ class LayerStackError(Exception):
 
     Attributes:
         code: the gRPC status code (``None`` for a :class:`CommandError`).
-        kind: the errdefs kind, e.g. ``"not-found"`` (table in the module doc).
+        kind: the errdefs kind, e.g. ``"not_found"`` (table in the module doc).
         message: the daemon's message, unchanged (lowercase, actionable).
     """
+
+    kind: str
 
     def __init__(self, code: Optional[grpc.StatusCode], kind: str, message: str) -> None:
         super().__init__(f"{kind}: {message}")
@@ -58,32 +78,76 @@ class LayerStackError(Exception):
         self.message = message
 
 
-class NotFoundError(LayerStackError):
+class _KindError(LayerStackError):
+    """A failure of one errdefs kind: ``kind`` (class and instance) is the class's."""
+
+
+class NotFoundError(_KindError):
     """No such session, stack, branch, graph, node or attempt."""
 
+    kind = "not_found"
 
-class AlreadyExistsError(LayerStackError):
+
+class AlreadyExistsError(_KindError):
     """The name is taken (a graph, a branch)."""
 
+    kind = "already_exists"
 
-class FailedPreconditionError(LayerStackError):
+
+class FailedPreconditionError(_KindError):
     """Not now: e.g. the session is still mounted, not a running attempt, pruned."""
 
+    kind = "failed_precondition"
 
-class InvalidArgumentError(LayerStackError):
+
+class InvalidArgumentError(_KindError):
     """A malformed request: a bad policy, state that is not a JSON object, another stack."""
 
+    kind = "invalid_argument"
 
-class ConflictError(LayerStackError):
+
+class ConflictError(_KindError):
     """errdefs Conflict (gRPC ABORTED): a concurrent change won."""
 
+    kind = "conflict"
 
-class UnavailableError(LayerStackError):
+
+class UnavailableError(_KindError):
     """The daemon (or containerd behind it) cannot be reached."""
 
+    kind = "unavailable"
 
-class ResourceExhaustedError(LayerStackError):
-    """The cap of live sandbox sessions is full (``wait_ms`` ran out)."""
+
+class BusyError(_KindError):
+    """A limit is reached and the call asked not to wait: e.g. the cap of live
+    sandbox sessions is full (``wait_ms`` ran out)."""
+
+    kind = "busy"
+
+
+#: The former name of :class:`BusyError` (gRPC RESOURCE_EXHAUSTED).
+ResourceExhaustedError = BusyError
+
+
+class UnsupportedError(_KindError):
+    """Refused by design (gRPC UNIMPLEMENTED): a filesystem, a format, a store
+    version the daemon does not take."""
+
+    kind = "unsupported"
+
+
+class CorruptError(_KindError):
+    """A stored row or directory is not what it must be (gRPC DATA_LOSS); the
+    message names the table and the row, which the daemon left as it is."""
+
+    kind = "corrupt"
+
+
+class InternalError(_KindError):
+    """Anything else that failed in the daemon (gRPC UNKNOWN): i/o, the database,
+    a squash that could not be built."""
+
+    kind = "internal"
 
 
 class CommandError(LayerStackError):
@@ -106,15 +170,28 @@ class CommandError(LayerStackError):
         self.stderr = stderr
 
 
-_BY_CODE: Dict[grpc.StatusCode, "tuple[str, Type[LayerStackError]]"] = {
-    grpc.StatusCode.NOT_FOUND: ("not-found", NotFoundError),
-    grpc.StatusCode.ALREADY_EXISTS: ("already-exists", AlreadyExistsError),
-    grpc.StatusCode.FAILED_PRECONDITION: ("failed-precondition", FailedPreconditionError),
-    grpc.StatusCode.INVALID_ARGUMENT: ("invalid-argument", InvalidArgumentError),
-    grpc.StatusCode.ABORTED: ("conflict", ConflictError),
-    grpc.StatusCode.UNAVAILABLE: ("unavailable", UnavailableError),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: ("resource-exhausted", ResourceExhaustedError),
+#: The gRPC code of every error kind the daemon produces → its class (the
+#: inverse of ``layerstack_api::code``).
+BY_CODE: Dict[grpc.StatusCode, Type[_KindError]] = {
+    grpc.StatusCode.NOT_FOUND: NotFoundError,
+    grpc.StatusCode.ALREADY_EXISTS: AlreadyExistsError,
+    grpc.StatusCode.FAILED_PRECONDITION: FailedPreconditionError,
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidArgumentError,
+    grpc.StatusCode.ABORTED: ConflictError,
+    grpc.StatusCode.UNAVAILABLE: UnavailableError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: BusyError,
+    grpc.StatusCode.UNIMPLEMENTED: UnsupportedError,
+    grpc.StatusCode.DATA_LOSS: CorruptError,
+    grpc.StatusCode.UNKNOWN: InternalError,
 }
+
+
+def _code_kind(code: grpc.StatusCode) -> str:
+    """The kind of a code no error kind maps to, as ``layerstack_api::kind_name``
+    spells it."""
+    if code == grpc.StatusCode.INTERNAL:
+        return "grpc_internal"
+    return code.name.lower()
 
 
 def from_rpc_error(e: grpc.RpcError) -> LayerStackError:
@@ -124,5 +201,7 @@ def from_rpc_error(e: grpc.RpcError) -> LayerStackError:
     message = details or str(e)
     if code is None:
         return LayerStackError(None, "unknown", message)
-    kind, cls = _BY_CODE.get(code, (code.name.lower().replace("_", "-"), LayerStackError))
-    return cls(code, kind, message)
+    cls = BY_CODE.get(code)
+    if cls is None:
+        return LayerStackError(code, _code_kind(code), message)
+    return cls(code, cls.kind, message)

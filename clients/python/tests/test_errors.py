@@ -1,0 +1,129 @@
+"""The gRPC code → exception mapping covers every error kind the daemon sends,
+each with the kind's one spelling. Needs no daemon.
+
+``WIRE`` is the table of ``layerstack_api::code`` (api/src/lib.rs); the Rust
+test ``the_wire_table_is_the_one_the_python_client_maps`` asserts the same
+table. When the repository's sources are beside this package, the table is also
+read from them (the kind → code match in api/src/lib.rs, the kind → name match
+in types/src/error.rs), so a kind added in Rust fails here until the client
+maps it.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any, Dict, List, Optional, Tuple
+
+import grpc
+import pytest
+
+import layerstack
+from layerstack import errors
+
+REPO = Path(__file__).resolve().parents[3]
+
+#: gRPC code name → error kind, in ``ErrorKind::ALL`` order.
+WIRE: List[Tuple[str, str]] = [
+    ("NOT_FOUND", "not_found"),
+    ("ALREADY_EXISTS", "already_exists"),
+    ("FAILED_PRECONDITION", "failed_precondition"),
+    ("INVALID_ARGUMENT", "invalid_argument"),
+    ("ABORTED", "conflict"),
+    ("UNAVAILABLE", "unavailable"),
+    ("RESOURCE_EXHAUSTED", "busy"),
+    ("UNIMPLEMENTED", "unsupported"),
+    ("DATA_LOSS", "corrupt"),
+    ("UNKNOWN", "internal"),
+]
+
+
+class FakeRpcError(grpc.RpcError, grpc.Call):
+    """What a failed unary call raises: an RpcError that is also a Call."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        self._code = code
+        self._details = details
+
+    def code(self) -> grpc.StatusCode:
+        return self._code
+
+    def details(self) -> str:
+        return self._details
+
+    def initial_metadata(self) -> Any:
+        return ()
+
+    def trailing_metadata(self) -> Any:
+        return ()
+
+    def is_active(self) -> bool:
+        return False
+
+    def time_remaining(self) -> float:
+        return 0.0
+
+    def cancel(self) -> bool:
+        return False
+
+    def add_callback(self, callback: Any) -> bool:
+        return False
+
+
+def _camel_to_upper_snake(name: str) -> str:
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).upper()
+
+
+def _rust_wire() -> Optional[List[Tuple[str, str]]]:
+    """The table as the Rust sources define it, or None when they are not here."""
+    api = REPO / "api" / "src" / "lib.rs"
+    kinds = REPO / "types" / "src" / "error.rs"
+    if not (api.is_file() and kinds.is_file()):
+        return None
+    codes = re.findall(r"ErrorKind::(\w+) => Code::(\w+),", api.read_text())
+    names: Dict[str, str] = dict(re.findall(r'Self::(\w+) => "(\w+)",', kinds.read_text()))
+    assert codes and names, "the Rust tables moved: update this test's patterns"
+    return [(_camel_to_upper_snake(code), names[variant]) for variant, code in codes]
+
+
+def test_the_table_is_the_rusts() -> None:
+    rust = _rust_wire()
+    if rust is None:
+        pytest.skip("the Rust sources are not beside this package")
+    assert rust == WIRE
+
+
+@pytest.mark.parametrize("code_name,kind", WIRE)
+def test_every_kind_on_the_wire_has_its_exception(code_name: str, kind: str) -> None:
+    code = grpc.StatusCode[code_name]
+    e = errors.from_rpc_error(FakeRpcError(code, "session 3 not found"))
+    assert type(e) is not errors.LayerStackError, f"{code_name} has no class of its own"
+    assert isinstance(e, layerstack.LayerStackError)
+    assert e.kind == kind and type(e).kind == kind
+    assert e.code == code
+    assert e.message == "session 3 not found"
+    assert str(e) == f"{kind}: session 3 not found"
+    assert type(e).__name__ in layerstack.__all__ and type(e).__name__ in errors.__all__
+
+
+def test_one_class_per_kind_and_the_old_name_is_kept() -> None:
+    classes = [errors.BY_CODE[grpc.StatusCode[c]] for c, _ in WIRE]
+    assert len(set(classes)) == len(WIRE)
+    assert set(errors.BY_CODE) == {grpc.StatusCode[c] for c, _ in WIRE}
+    assert layerstack.ResourceExhaustedError is layerstack.BusyError
+    assert layerstack.BusyError.kind == "busy"
+    assert layerstack.CorruptError.kind == "corrupt"
+    assert layerstack.UnsupportedError.kind == "unsupported"
+    assert layerstack.InternalError.kind == "internal"
+
+
+def test_codes_no_kind_maps_to_keep_their_snake_case_name() -> None:
+    e = errors.from_rpc_error(FakeRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "late"))
+    assert type(e) is errors.LayerStackError and e.kind == "deadline_exceeded"
+    e = errors.from_rpc_error(FakeRpcError(grpc.StatusCode.INTERNAL, "h2 protocol error"))
+    assert type(e) is errors.LayerStackError and e.kind == "grpc_internal"
+
+
+def test_a_command_error_is_kind_command() -> None:
+    c = errors.CommandError(["layerstack", "session", "run"], 125, "layerstack: no such node (not_found)\n")
+    assert c.kind == "command" and c.code is None and c.message == "no such node (not_found)"
