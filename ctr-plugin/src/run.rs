@@ -26,6 +26,7 @@ use std::process::ExitCode;
 use anyhow::{bail, Context, Result};
 use clap::{Args, ValueEnum};
 use layerstack_api as api;
+use layerstack_api::types::OutcomeKind;
 use layerstack_sandbox::client::MountConn;
 use layerstack_sandbox::holder::{self, Command, Placement, Setup, DEFAULT_PATH, SETUP_FAILED};
 use layerstack_sandbox::sys::{self, CArgs, Exit};
@@ -502,17 +503,16 @@ fn outcome_line(s: &api::Session) -> String {
     if s.layer != 0 {
         detail.push(format!("layer {}", s.layer));
     }
-    if !s.outcome.is_empty() && s.outcome != "discarded" {
+    let kind = OutcomeKind::parse(&s.outcome);
+    if !s.outcome.is_empty() && kind != Some(OutcomeKind::Discarded) {
         detail.push(format!(
             "{} clean, {} merged, {} conflict, {} excluded",
             c.clean, c.merged, c.conflict, c.excluded
         ));
     }
-    // A checkpoint commits a node's layer, not a branch's: say which node.
-    let checkpointed = s.outcome == "checkpointed";
-    if !s.message.is_empty()
-        && (checkpointed || (s.outcome != "committed" && s.outcome != "merged"))
-    {
+    // A published layer needs no words; anything else says why, and a
+    // checkpoint (a node's layer, not a branch's) says which node.
+    if !s.message.is_empty() && !kind.is_some_and(OutcomeKind::is_published) {
         detail.push(s.message.clone());
     }
     if !detail.is_empty() {

@@ -5,6 +5,7 @@ use std::process::ExitCode;
 
 use anyhow::{Context, Result};
 use layerstack_api as api;
+use layerstack_api::types::OutcomeKind;
 use serde_json::json;
 
 use crate::output::{print_table, short};
@@ -118,10 +119,17 @@ pub(crate) fn print_outcome(
             out!("{l}");
         }
     }
-    match s.outcome.as_str() {
-        "conflict" => ExitCode::from(3),
-        "failed" | "busy" | "unsupported" | "unknown" => ExitCode::from(1),
-        _ => ExitCode::SUCCESS,
+    ExitCode::from(outcome_status(&s.outcome))
+}
+
+/// The CLI's exit status for an outcome: 3 for a conflict; 1 for the other runs
+/// that kept their writes unpublished (failed, busy, unsupported, unknown); 0
+/// otherwise (and for no outcome).
+fn outcome_status(outcome: &str) -> u8 {
+    match OutcomeKind::parse(outcome) {
+        Some(OutcomeKind::Conflict) => 3,
+        Some(k) if k.is_retryable() => 1,
+        _ => 0,
     }
 }
 
@@ -345,6 +353,30 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_exit_status_of_every_outcome() {
+        let status: Vec<(&str, u8)> = OutcomeKind::ALL
+            .iter()
+            .map(|k| (k.as_str(), outcome_status(k.as_str())))
+            .collect();
+        assert_eq!(
+            status,
+            [
+                ("committed", 0),
+                ("checkpointed", 0),
+                ("merged", 0),
+                ("no-change", 0),
+                ("conflict", 3),
+                ("discarded", 0),
+                ("failed", 1),
+                ("busy", 1),
+                ("unsupported", 1),
+                ("unknown", 1),
+            ]
+        );
+        assert_eq!(outcome_status(""), 0, "no outcome yet");
+    }
 
     #[test]
     fn a_dry_run_with_nothing_to_publish_prints_no_debug_value() {
