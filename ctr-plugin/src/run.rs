@@ -51,13 +51,16 @@ pub enum PublishPolicy {
 }
 
 impl PublishPolicy {
+    /// The exit policy's name, as the daemon records it.
     fn as_str(self) -> &'static str {
+        use api::policy::Policy;
         match self {
-            Self::OnExit => "on-exit",
-            Self::OnSuccess => "on-success",
-            Self::Never => "never",
-            Self::Checkpoint => "checkpoint",
+            Self::OnExit => Policy::OnExit,
+            Self::OnSuccess => Policy::OnSuccess,
+            Self::Never => Policy::Never,
+            Self::Checkpoint => Policy::Checkpoint,
         }
+        .as_str()
     }
 }
 
@@ -754,6 +757,18 @@ pub async fn close_cmd(cli: &Cli, a: CloseArgs) -> Result<ExitCode> {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    #[test]
+    fn every_publish_flag_value_is_the_exit_policy_of_that_name() {
+        for p in PublishPolicy::value_variants() {
+            let flag = p.to_possible_value().unwrap();
+            assert_eq!(flag.get_name(), p.as_str());
+            assert_eq!(
+                p.as_str().parse::<api::policy::Policy>().unwrap().as_str(),
+                p.as_str()
+            );
+        }
+    }
 
     #[test]
     fn ids_and_environment() {
