@@ -14,7 +14,8 @@ use layerstack_store::{
     SNAPSHOT_REF_LABEL,
 };
 
-use crate::{publisher, DiffChange, DiffTarget, Engine, EngineError, EngineSettings};
+use crate::{DiffChange, DiffTarget, Engine, EngineError, EngineSettings};
+use layerstack_publisher as publisher;
 
 const STACK: &str = "ns/sha256:aaa";
 

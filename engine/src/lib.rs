@@ -65,8 +65,23 @@ pub use error::{error_chain, EngineError, RunError};
 pub use export::{write_layer_blob, Compression, Export, LayerBlob};
 pub use graph::NodeMerged;
 pub use history::{Collected, HistoryRuns, HistorySettings, Promoted};
-pub use layerstack_publisher as publisher;
-pub use layerstack_store as store;
+/// The publisher's types the engine's settings and answers use (not the
+/// crate: front ends call the engine, never capture, plan or apply themselves).
+pub mod publisher {
+    pub use layerstack_publisher::{DiffAlgorithm, ExcludePolicy, FileKind, MergeOptions};
+}
+/// The store's types the engine's verbs take and answer, and what a daemon
+/// needs to open a store and give it to [`Engine::new`] (not the crate: front
+/// ends never call the store; ARCHITECTURE.md §4).
+pub mod store {
+    pub use layerstack_store::{
+        escape_path, fs, stack_id, validate_branch, AttemptInfo, BranchInfo, ChangeKind,
+        Durability, ErrorKind, ExportLayer, ExportSource, GraphDump, GroupInfo, LeaseTarget,
+        LogEntry, MountSpec, NodeInfo, OutcomeKind, Owner, PathCounts, PathRecord, PathStatus,
+        Provenance, PublishTimings, SessionId, SessionInfo, SessionState, SnapshotInfo,
+        SnapshotKind, Store, StoreError, StoreLock, StoreOptions, Usage,
+    };
+}
 pub use layerstack_types as types;
 /// The exit policy and its labels (defined in the vocabulary crate).
 pub use layerstack_types::policy;
@@ -97,8 +112,8 @@ pub struct EngineSettings {
 }
 
 impl EngineSettings {
-    pub(crate) fn capture_options(&self) -> publisher::CaptureOptions {
-        publisher::CaptureOptions {
+    pub(crate) fn capture_options(&self) -> layerstack_publisher::CaptureOptions {
+        layerstack_publisher::CaptureOptions {
             userxattr: self.userxattr,
             exclude: self.exclude.clone(),
             ..Default::default()
@@ -173,8 +188,8 @@ impl Engine {
         })
     }
 
-    /// The store.
-    pub fn store(&self) -> &Arc<Store> {
+    /// The store (the engine's own: front ends call the engine's verbs).
+    pub(crate) fn store(&self) -> &Arc<Store> {
         &self.store
     }
 
@@ -203,14 +218,6 @@ impl Engine {
     /// Whether a publish (or another locked step) of session `id` runs now.
     pub fn session_busy(&self, id: SessionId) -> bool {
         self.sessions.is_locked(&id)
-    }
-
-    /// Runs `f` on the store in a blocking thread.
-    pub async fn blocking_store<T: Send + 'static>(
-        &self,
-        f: impl FnOnce(&Store) -> Result<T, StoreError> + Send + 'static,
-    ) -> Result<T, EngineError> {
-        self.blocking(f).await
     }
 
     pub(crate) async fn blocking<T: Send + 'static>(

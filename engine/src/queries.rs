@@ -17,6 +17,28 @@ use layerstack_store::{
 use crate::{Engine, EngineError};
 
 impl Engine {
+    /// The branch a session uses when nothing names one (configured; `main`).
+    pub fn default_branch(&self) -> &str {
+        self.store.default_branch()
+    }
+
+    /// The store's root directory.
+    pub fn root(&self) -> &std::path::Path {
+        self.store.root()
+    }
+
+    /// The layer of `layers` (a manifest's, newest first) that compacted layer
+    /// `member` (a squashed layer holding it, at any depth), or `None`. Blocking:
+    /// for callers already on a blocking thread (an export's preparation).
+    /// Error: `Corrupt`.
+    pub fn compacted_into(
+        &self,
+        layers: &[LayerId],
+        member: LayerId,
+    ) -> Result<Option<LayerId>, EngineError> {
+        Ok(self.store.compacted_into(layers, member)?)
+    }
+
     /// Every session, oldest first.
     pub async fn sessions(&self) -> Result<Vec<SessionInfo>, EngineError> {
         self.blocking(|s| s.sessions()).await

@@ -153,6 +153,36 @@ impl Engine {
         }
     }
 
+    /// The mount spec of sandbox session `id`'s current run, for a holder
+    /// attaching to it (a new run starts when the last one ended). The caller
+    /// holds the session's lock.
+    ///
+    /// Errors: `InvalidArgument` when the session is not a sandbox session;
+    /// `FailedPrecondition` when it was closed; `SessionNotFound`.
+    pub async fn sandbox_run_spec(&self, id: SessionId) -> Result<MountSpec, EngineError> {
+        self.blocking(move |st| {
+            let s = st.session(id)?;
+            if !matches!(s.owner, Owner::Sandbox { .. }) {
+                return Err(layerstack_store::StoreError::InvalidArgument(format!(
+                    "session {id} belongs to {}, not to a sandbox holder",
+                    s.owner.display()
+                )));
+            }
+            if s.released {
+                return Err(layerstack_store::StoreError::FailedPrecondition(format!(
+                    "session {id} was closed already"
+                )));
+            }
+            st.session_mount(id)
+        })
+        .await
+    }
+
+    /// Whether the store syncs what it publishes (the `durable` profile).
+    pub fn durable(&self) -> bool {
+        self.store.durability() == layerstack_store::Durability::Durable
+    }
+
     /// Creates a sandbox session (Mode B) under the cap and records its exit
     /// policy. Returns the session, its mount spec and whether it was created now
     /// (an idempotency key may return an earlier session, then the spec of its

@@ -1,6 +1,7 @@
 #![allow(clippy::unwrap_used)]
 
 use super::*;
+use layerstack_publisher as publisher;
 use layerstack_store::{
     MountSpec, OutcomeKind, PathStatus, SessionInfo, Store, StoreOptions, SNAPSHOT_REF_LABEL,
 };

@@ -90,14 +90,12 @@ impl AdminService {
             Some(o) if o.counts.conflict > 0 => {
                 let id = o.id;
                 self.engine
-                    .blocking_store(move |st| {
-                        st.outcome_paths(
-                            id,
-                            None,
-                            crate::wire::INLINE_CONFLICTS + 1,
-                            Some(PathStatus::Conflict),
-                        )
-                    })
+                    .outcome_paths(
+                        id,
+                        None,
+                        crate::wire::INLINE_CONFLICTS + 1,
+                        Some(PathStatus::Conflict),
+                    )
                     .await
                     .map_err(engine_status)?
             }
@@ -127,7 +125,7 @@ impl api::Admin for AdminService {
         let id = s.id;
         let out = self
             .engine
-            .blocking_store(move |st| st.set_session_policy(id, p.as_str()))
+            .set_exit_policy(id, p.as_str().to_string())
             .await
             .map_err(engine_status)?;
         Ok(Response::new(self.to_api(out).await?))
@@ -139,10 +137,10 @@ impl api::Admin for AdminService {
     ) -> Result<Response<api::StatusResponse>, Status> {
         Ok(Response::new(api::StatusResponse {
             version: env!("CARGO_PKG_VERSION").to_string(),
-            root: self.engine.store().root().display().to_string(),
+            root: self.engine.root().display().to_string(),
             containerd_address: self.containerd_address.display().to_string(),
             events_subscribed: self.events_subscribed.load(Ordering::SeqCst),
-            default_branch: self.engine.store().default_branch().to_string(),
+            default_branch: self.engine.default_branch().to_string(),
             pid: u64::from(std::process::id()),
             metrics_address: self
                 .metrics_address
@@ -173,11 +171,7 @@ impl api::Admin for AdminService {
             0 => BATCH,
             n => n.min(MAX_PAGE),
         };
-        let sessions = self
-            .engine
-            .blocking_store(|st| st.sessions())
-            .await
-            .map_err(engine_status)?;
+        let sessions = self.engine.sessions().await.map_err(engine_status)?;
         let mut page: Vec<SessionInfo> = sessions
             .into_iter()
             .filter(|s| s.id > after)
@@ -332,10 +326,7 @@ impl api::Admin for AdminService {
         let id = r.outcome_id;
         let paths: Vec<PathRecord> = self
             .engine
-            .blocking_store(move |st| {
-                st.outcome(id)?;
-                st.outcome_paths(id, after.as_deref(), size, status)
-            })
+            .outcome_paths(id, after, size, status)
             .await
             .map_err(engine_status)?;
         let next_page_token = if paths.len() == size {

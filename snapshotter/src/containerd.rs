@@ -291,7 +291,7 @@ fn spec_annotations(spec: &[u8]) -> Option<std::collections::HashMap<String, Str
 /// was down when their task was deleted). Sessions with an empty upper are left
 /// alone: they may belong to a container being created right now.
 async fn reconcile(ch: &Channel, engine: &Arc<Engine>) {
-    let Ok(sessions) = engine.blocking_store(|s| s.sessions()).await else {
+    let Ok(sessions) = engine.sessions().await else {
         warn!("reconcile: cannot list sessions");
         return;
     };

@@ -123,7 +123,7 @@ impl Write for ChunkWriter<'_> {
 /// layers (at any depth), that squash — everything above that point, and the
 /// squash's blob is new to a registry.
 fn first_sent(
-    store: &layerstack_engine::store::Store,
+    engine: &layerstack_engine::Engine,
     layers: &[layerstack_engine::store::ExportLayer],
     since: i64,
 ) -> Result<usize, Status> {
@@ -131,7 +131,7 @@ fn first_sent(
         return Ok(at + 1);
     }
     let ids: Vec<i64> = layers.iter().map(|x| x.id).collect();
-    let squash = store
+    let squash = engine
         .compacted_into(&ids, since)
         .map_err(|e| Status::internal(format!("--since {since}: {}", api::error_chain(&e))))?;
     match squash.and_then(|s| ids.iter().position(|x| *x == s)) {
@@ -192,7 +192,7 @@ impl AdminService {
         let source = if r.node.is_empty() {
             let stack = self.stack_of(&r.namespace, &r.image).await?;
             let branch = if r.branch.is_empty() {
-                self.engine.store().default_branch().to_string()
+                self.engine.default_branch().to_string()
             } else {
                 r.branch.clone()
             };
@@ -230,7 +230,7 @@ impl AdminService {
             let first_sent = if since == 0 {
                 0
             } else {
-                first_sent(engine.store(), &l.layers, since)?
+                first_sent(&engine, &l.layers, since)?
             };
             Ok::<_, Status>((export, first_sent))
         })

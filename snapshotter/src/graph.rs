@@ -81,7 +81,7 @@ impl AdminService {
         require("name", &r.name)?;
         let stack = self.stack_of(&r.namespace, &r.stack).await?;
         let branch = if r.branch.is_empty() {
-            self.engine.store().default_branch().to_string()
+            self.engine.default_branch().to_string()
         } else {
             r.branch.clone()
         };
@@ -95,22 +95,14 @@ impl AdminService {
     }
 
     pub(crate) async fn graphs(&self) -> Result<api::ListGraphsResponse, Status> {
-        let gs = self
-            .engine
-            .blocking_store(|s| s.groups())
-            .await
-            .map_err(engine_status)?;
+        let gs = self.engine.graphs().await.map_err(engine_status)?;
         Ok(api::ListGraphsResponse {
             graphs: gs.iter().map(group).collect(),
         })
     }
 
     pub(crate) async fn graph_show(&self, r: api::ShowGraphRequest) -> Result<api::Graph, Status> {
-        let d = self
-            .engine
-            .blocking_store(move |s| s.graph(&r.name))
-            .await
-            .map_err(engine_status)?;
+        let d = self.engine.graph(&r.name).await.map_err(engine_status)?;
         Ok(graph(&d))
     }
 
@@ -128,11 +120,7 @@ impl AdminService {
     }
 
     pub(crate) async fn node_show(&self, r: api::ShowNodeRequest) -> Result<api::Node, Status> {
-        let n = self
-            .engine
-            .blocking_store(move |s| s.node(&r.id))
-            .await
-            .map_err(engine_status)?;
+        let n = self.engine.node(&r.id).await.map_err(engine_status)?;
         Ok(node(&n))
     }
 
@@ -199,11 +187,7 @@ impl AdminService {
         &self,
         r: api::ListAttemptsRequest,
     ) -> Result<api::ListAttemptsResponse, Status> {
-        let list = self
-            .engine
-            .blocking_store(move |s| s.attempts(&r.node))
-            .await
-            .map_err(engine_status)?;
+        let list = self.engine.attempts(&r.node).await.map_err(engine_status)?;
         Ok(api::ListAttemptsResponse {
             attempts: list.iter().map(attempt).collect(),
         })
@@ -261,11 +245,7 @@ impl AdminService {
         if !r.stack.is_empty() {
             let want = self.stack_of(&r.namespace, &r.stack).await?;
             let n = r.node.clone();
-            let group = self
-                .engine
-                .blocking_store(move |s| s.node_group(&n))
-                .await
-                .map_err(engine_status)?;
+            let group = self.engine.node_group(&n).await.map_err(engine_status)?;
             if group.stack != want {
                 return Err(Status::invalid_argument(format!(
                     "node {} belongs to stack {} (graph {}), not to {} ({want}): promote it onto a branch of its own stack",
@@ -276,7 +256,7 @@ impl AdminService {
         let branch = if r.branch.is_empty() {
             let n = r.node.clone();
             self.engine
-                .blocking_store(move |s| s.node_group(&n))
+                .node_group(&n)
                 .await
                 .map_err(engine_status)?
                 .branch
@@ -288,14 +268,14 @@ impl AdminService {
             .node_promote(&r.node, &branch, key(&r.key))
             .await
             .map_err(engine_status)?;
-        let n = r.node.clone();
-        let b = branch.clone();
+        let (stack, _) = self
+            .engine
+            .node_manifest(&r.node)
+            .await
+            .map_err(engine_status)?;
         let head = self
             .engine
-            .blocking_store(move |s| {
-                let (stack, _) = s.node_manifest(&n)?;
-                s.branch_head(&stack, &b)
-            })
+            .branch_head(&stack, &branch)
             .await
             .map_err(engine_status)?;
         Ok(match out {
@@ -364,7 +344,7 @@ impl AdminService {
         let (id, n, k) = (s.id, r.node.clone(), key(&r.key));
         let (_, info, spec) = self
             .engine
-            .blocking_store(move |st| st.attach_attempt(id, &n, k.as_deref()))
+            .attach_attempt(id, &n, k)
             .await
             .map_err(engine_status)?;
         Ok(api::SetBranchResponse {

@@ -56,7 +56,7 @@ impl AdminService {
         let (ns, sp) = (namespace.to_string(), spec.to_string());
         if let Some(id) = self
             .engine
-            .blocking_store(move |s| s.resolve_stack(&ns, &sp))
+            .resolve_stack(&ns, &sp)
             .await
             .map_err(engine_status)?
         {
@@ -81,7 +81,7 @@ impl AdminService {
 
     fn branch_or_default(&self, b: &str) -> String {
         if b.is_empty() {
-            self.engine.store().default_branch().to_string()
+            self.engine.default_branch().to_string()
         } else {
             b.to_string()
         }
@@ -91,18 +91,14 @@ impl AdminService {
         let stack = self.stack_of(&r.namespace, &r.image).await?;
         let branch = self.branch_or_default(&r.branch);
         let (st, br, image) = (stack.clone(), branch.clone(), r.image.clone());
-        let entries = self
-            .engine
-            .blocking_store(move |s| s.log(&st, &br))
-            .await
-            .map_err(|e| match e {
-                EngineError::Store(StoreError::BranchNotFound { .. }) => Status::not_found(format!(
-                    "{}: no session of {image:?} has used branch {:?} yet (see `layerstack branch ls`)",
-                    api::error_chain(&e),
-                    r.branch
-                )),
-                other => engine_status(other),
-            })?;
+        let entries = self.engine.log(&st, &br).await.map_err(|e| match e {
+            EngineError::Store(StoreError::BranchNotFound { .. }) => Status::not_found(format!(
+                "{}: no session of {image:?} has used branch {:?} yet (see `layerstack branch ls`)",
+                api::error_chain(&e),
+                r.branch
+            )),
+            other => engine_status(other),
+        })?;
         let mut replies = vec![Ok(api::LogReply {
             stack,
             branch,
@@ -137,7 +133,7 @@ impl AdminService {
             let changed = if paths {
                 let layer = e.layer;
                 self.engine
-                    .blocking_store(move |s| s.layer_index(layer))
+                    .layer_index(layer)
                     .await
                     .map_err(engine_status)?
                     .into_iter()
@@ -180,15 +176,11 @@ impl AdminService {
         &self,
         r: api::ListStacksRequest,
     ) -> Result<api::ListStacksResponse, Status> {
-        let all = self
-            .engine
-            .blocking_store(|s| s.stacks())
-            .await
-            .map_err(engine_status)?;
+        let all = self.engine.stacks().await.map_err(engine_status)?;
         let usage_by_stack = if r.usage {
             Some(
                 self.engine
-                    .blocking_store(|s| s.disk_usage())
+                    .disk_usage()
                     .await
                     .map_err(engine_status)?
                     .stacks,
@@ -217,17 +209,7 @@ impl AdminService {
                 .map(|(name, _)| name.clone())
                 .collect();
             let heads: Vec<i64> = st.branches.iter().map(|b| b.head).collect();
-            let layers = self
-                .engine
-                .blocking_store(move |s| {
-                    let mut all = std::collections::BTreeSet::new();
-                    for h in heads {
-                        all.extend(s.manifest(h)?);
-                    }
-                    Ok(all.len() as u64)
-                })
-                .await
-                .map_err(engine_status)?;
+            let layers = self.engine.layers_of(heads).await.map_err(engine_status)? as u64;
             out.push(api::Stack {
                 usage: usage_by_stack
                     .as_ref()
@@ -268,11 +250,7 @@ impl AdminService {
     ) -> Result<api::ListBranchesResponse, Status> {
         let stack = self.stack_of(&r.namespace, &r.stack).await?;
         let st = stack.clone();
-        let list = self
-            .engine
-            .blocking_store(move |s| s.branches(&st))
-            .await
-            .map_err(engine_status)?;
+        let list = self.engine.branches(&st).await.map_err(engine_status)?;
         Ok(api::ListBranchesResponse {
             stack,
             branches: list.iter().map(branch).collect(),
@@ -289,7 +267,7 @@ impl AdminService {
         let at = self.at_layer(&stack, r.at_layer, r.at_base).await?;
         let b = self
             .engine
-            .blocking_store(move |s| s.create_branch(&stack, &r.name, &from, at))
+            .create_branch(&stack, &r.name, &from, at)
             .await
             .map_err(engine_status)?;
         Ok(branch(&b))
@@ -302,7 +280,7 @@ impl AdminService {
         require("name", &r.name)?;
         let stack = self.stack_of(&r.namespace, &r.stack).await?;
         self.engine
-            .blocking_store(move |s| s.delete_branch(&stack, &r.name))
+            .delete_branch(&stack, &r.name)
             .await
             .map_err(engine_status)?;
         Ok(api::DeleteBranchResponse {})
@@ -330,7 +308,7 @@ impl AdminService {
         let (st, to) = (stack.clone(), r.to.clone());
         let head = self
             .engine
-            .blocking_store(move |s| s.branch_head(&st, &to))
+            .branch_head(&st, &to)
             .await
             .map_err(engine_status)?;
         Ok(match out {
@@ -381,11 +359,7 @@ impl AdminService {
             (l, false) => Ok(Some(l)),
             (0, true) => {
                 let st = stack.to_string();
-                let base = self
-                    .engine
-                    .blocking_store(move |s| s.base_layers(&st))
-                    .await
-                    .map_err(engine_status)?;
+                let base = self.engine.base_layers(&st).await.map_err(engine_status)?;
                 base.first().copied().map(Some).ok_or_else(|| {
                     Status::failed_precondition(format!("stack {stack} records no base layers"))
                 })
@@ -453,14 +427,12 @@ impl AdminService {
         let id = o.id;
         let paths = self
             .engine
-            .blocking_store(move |s| {
-                s.outcome_paths(
-                    id,
-                    None,
-                    NAMED,
-                    Some(layerstack_engine::store::PathStatus::Conflict),
-                )
-            })
+            .outcome_paths(
+                id,
+                None,
+                NAMED,
+                Some(layerstack_engine::store::PathStatus::Conflict),
+            )
             .await
             .map(|ps| ps.iter().map(|p| escape_path(&p.path)).collect::<Vec<_>>())
             .unwrap_or_default();
@@ -479,9 +451,9 @@ impl AdminService {
         let stack = self.stack_of(&r.namespace, &r.stack).await?;
         let branch = self.branch_or_default(&r.branch);
         let (st, br) = (stack.clone(), branch.clone());
-        let before = self
+        let (_, before) = self
             .engine
-            .blocking_store(move |s| s.manifest_depth(s.branch_head(&st, &br)?))
+            .branch_depth(&st, &br)
             .await
             .map_err(engine_status)?;
         let out = self
@@ -492,10 +464,7 @@ impl AdminService {
         let (st, br) = (stack.clone(), branch.clone());
         let (head, after) = self
             .engine
-            .blocking_store(move |s| {
-                let h = s.branch_head(&st, &br)?;
-                Ok((h, s.manifest_depth(h)?))
-            })
+            .branch_depth(&st, &br)
             .await
             .map_err(engine_status)?;
         Ok(api::SquashResponse {
@@ -526,11 +495,7 @@ impl AdminService {
         } else {
             Some(self.stack_of(&r.namespace, &r.stack).await?)
         };
-        let u = self
-            .engine
-            .blocking_store(|s| s.disk_usage())
-            .await
-            .map_err(engine_status)?;
+        let u = self.engine.disk_usage().await.map_err(engine_status)?;
         Ok(api::DiskUsageResponse {
             total: Some(usage(&u.total)),
             stacks: u

@@ -63,7 +63,7 @@ fn hex(b: &[u8]) -> String {
 impl AdminService {
     fn branch_name(&self, b: &str) -> String {
         if b.is_empty() {
-            self.engine.store().default_branch().to_string()
+            self.engine.default_branch().to_string()
         } else {
             b.to_string()
         }

@@ -208,7 +208,7 @@ impl Metrics {
                 return Some(u.clone());
             }
         }
-        match engine.blocking_store(|s| s.disk_usage()).await {
+        match engine.disk_usage().await {
             Ok(d) => {
                 *cached = Some((std::time::Instant::now(), d.total.clone()));
                 Some(d.total)
@@ -256,9 +256,10 @@ impl Metrics {
     /// now. A store that cannot be read leaves the state metrics out and sets
     /// `layerstack_store_up` to 0 (the event metrics are still served).
     pub async fn render(&self, engine: &Engine, events_subscribed: bool) -> String {
-        let state = engine
-            .blocking_store(|s| Ok((s.sessions()?, s.stacks()?)))
-            .await;
+        let state = match engine.sessions().await {
+            Ok(sessions) => engine.stacks().await.map(|stacks| (sessions, stacks)),
+            Err(e) => Err(e),
+        };
         let mut now = Registry::default();
         let up = Gauge::<i64>::default();
         now.register(

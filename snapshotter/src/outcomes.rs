@@ -82,9 +82,7 @@ async fn handle(engine: &Engine, metrics: Option<&Metrics>, ev: OutcomeEvent) {
     let conflicts = if o.counts.conflict > 0 {
         let id = o.id;
         engine
-            .blocking_store(move |st| {
-                st.outcome_paths(id, None, CONFLICTS_IN_LINE, Some(PathStatus::Conflict))
-            })
+            .outcome_paths(id, None, CONFLICTS_IN_LINE, Some(PathStatus::Conflict))
             .await
             .map(|ps| {
                 ps.iter()

@@ -33,7 +33,7 @@ use std::time::Duration;
 
 use layerstack_api as api;
 use layerstack_engine::store::ErrorKind;
-use layerstack_engine::store::{Durability, LeaseTarget, MountSpec, Owner, SessionId};
+use layerstack_engine::store::{LeaseTarget, MountSpec, SessionId};
 use layerstack_engine::{CloseHow, Engine, EngineError, SandboxRequest};
 use layerstack_sandbox::sys;
 use layerstack_sandbox::wire::{self, Mode, Reply, Request};
@@ -386,74 +386,56 @@ async fn attach(
             ),
         ));
     }
-    // One blocking step: the checks, the run's mount spec and the overlay.
-    let fd = engine
-        .blocking_store(move |st| {
-            let spec = match fresh {
-                Some(spec) => spec,
-                None => {
-                    let s = st.session(id)?;
-                    if !matches!(s.owner, Owner::Sandbox { .. }) {
-                        return Ok(Err(Reply::error(
-                            ErrorKind::InvalidArgument,
-                            format!(
-                                "session {id} belongs to {}, not to a sandbox holder",
-                                s.owner.display()
-                            ),
-                        )));
-                    }
-                    if s.released {
-                        return Ok(Err(Reply::error(
-                            ErrorKind::FailedPrecondition,
-                            format!("session {id} was closed already"),
-                        )));
-                    }
-                    st.session_mount(id)?
-                }
-            };
-            let MountSpec::Overlay {
-                lowers,
-                upper: Some((upper, work)),
-            } = spec
-            else {
-                return Ok(Err(Reply::error(
+    // The checks and the run's mount spec (the engine's), then the overlay.
+    let spec = match fresh {
+        Some(spec) => spec,
+        None => engine
+            .sandbox_run_spec(id)
+            .await
+            .map_err(|e| wire_error(&e))?,
+    };
+    // A sandbox session's overlay is mounted once and captured only after it
+    // is gone: it is `volatile` (no sync of the upper at unmount) unless the
+    // store is durable, whose seal syncs what it publishes anyway.
+    let volatile = !engine.durable();
+    let fd = tokio::task::spawn_blocking(move || {
+        let MountSpec::Overlay {
+            lowers,
+            upper: Some((upper, work)),
+        } = spec
+        else {
+            return Err(Reply::error(
+                ErrorKind::Internal,
+                format!("session {id} has no writable overlay"),
+            ));
+        };
+        // A marker a volatile mount of this workdir left would refuse the
+        // mount: it goes first.
+        if volatile {
+            let incompat = work.join("incompat");
+            if let Err(e) = layerstack_engine::store::fs::remove_tree(&incompat) {
+                return Err(Reply::error(
                     ErrorKind::Internal,
-                    format!("session {id} has no writable overlay"),
-                )));
-            };
-            // A sandbox session's overlay is mounted once and captured only after
-            // it is gone: it is `volatile` (no sync of the upper at unmount)
-            // unless the store is durable, whose seal syncs what it publishes
-            // anyway. A marker a volatile mount of this workdir left would refuse
-            // the mount: it goes first.
-            let volatile = st.durability() == Durability::Disposable;
-            if volatile {
-                let incompat = work.join("incompat");
-                if let Err(e) = layerstack_engine::store::fs::remove_tree(&incompat) {
-                    return Ok(Err(Reply::error(
-                        ErrorKind::Internal,
-                        format!("cannot clear {}: {e}", incompat.display()),
-                    )));
-                }
+                    format!("cannot clear {}: {e}", incompat.display()),
+                ));
             }
-            Ok(
-                sys::overlay_fd(&lowers, &upper, &work, volatile).map_err(|e| {
-                    let unsupported = e.source.raw_os_error() == Some(libc::EINVAL)
-                        && e.step.starts_with("fsconfig lowerdir+");
-                    let code = if unsupported {
-                        ErrorKind::Unsupported
-                    } else {
-                        ErrorKind::Internal
-                    };
-                    Reply::error(
-                        code,
-                        format!("cannot build session {id}'s overlay: {e}: {}", e.source),
-                    )
-                }),
+        }
+        sys::overlay_fd(&lowers, &upper, &work, volatile).map_err(|e| {
+            let unsupported = e.source.raw_os_error() == Some(libc::EINVAL)
+                && e.step.starts_with("fsconfig lowerdir+");
+            let code = if unsupported {
+                ErrorKind::Unsupported
+            } else {
+                ErrorKind::Internal
+            };
+            Reply::error(
+                code,
+                format!("cannot build session {id}'s overlay: {e}: {}", e.source),
             )
         })
-        .await
-        .map_err(|e| wire_error(&e))??;
+    })
+    .await
+    .map_err(|e| Reply::error(ErrorKind::Internal, format!("mount task failed: {e}")))??;
     holders.map().insert(
         id,
         Holder {
@@ -565,7 +547,7 @@ impl AdminService {
         let (ns, sp) = (namespace.to_string(), spec.to_string());
         if let Some(id) = self
             .engine
-            .blocking_store(move |s| s.resolve_stack(&ns, &sp))
+            .resolve_stack(&ns, &sp)
             .await
             .map_err(engine_status)?
         {
@@ -578,7 +560,7 @@ impl AdminService {
             .to_string();
         let ns = namespace.to_string();
         self.engine
-            .blocking_store(move |s| s.ensure_image_stack(&ns, &chain))
+            .ensure_image_stack(&ns, &chain)
             .await
             .map_err(engine_status)?
             .ok_or_else(|| {
@@ -625,7 +607,7 @@ impl AdminService {
             self.sandbox_stack(&r.namespace, &r.stack).await?
         };
         let branch = if r.branch.is_empty() {
-            self.engine.store().default_branch().to_string()
+            self.engine.default_branch().to_string()
         } else {
             r.branch.clone()
         };
