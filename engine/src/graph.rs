@@ -304,6 +304,9 @@ impl Engine {
         branch: &str,
         key: Option<String>,
     ) -> Result<Promoted, EngineError> {
+        layerstack_store::validate_branch(branch).map_err(|why| {
+            EngineError::InvalidArgument(format!("cannot promote to {branch:?}: {why}"))
+        })?;
         if let Some(k) = &key {
             let k2 = k.clone();
             if let Some(r) = self.blocking(move |st| st.graph_op(&k2, "promote")).await? {

@@ -346,6 +346,9 @@ impl Engine {
         to: &str,
         operation: &str,
     ) -> Result<Promoted, EngineError> {
+        layerstack_store::validate_branch(to).map_err(|why| {
+            EngineError::InvalidArgument(format!("cannot promote to {to:?}: {why}"))
+        })?;
         let (s, f) = (stack.to_string(), from.to_string());
         let from_head = self.blocking(move |st| st.branch_head(&s, &f)).await?;
         self.promote_manifest(stack, from_head, to, operation, None)

@@ -1406,9 +1406,14 @@ async fn the_sandbox_graph_checkpoints_merges_promotes_and_prunes() {
         (g2.root, root2.id),
         "same key, same graph"
     );
-    assert!(
-        p.graph_create("task", stack, "main", None).await.is_err(),
-        "the name is taken"
+    let taken = p
+        .graph_create("task", stack, "main", None)
+        .await
+        .unwrap_err();
+    assert_eq!(
+        taken.kind(),
+        layerstack_store::ErrorKind::AlreadyExists,
+        "the name is taken: {taken}"
     );
 
     // Two siblings from the root.
@@ -1541,6 +1546,13 @@ async fn the_sandbox_graph_checkpoints_merges_promotes_and_prunes() {
         "working branch dropped"
     );
 
+    // A branch name that cannot be one is bad input, not a missing branch.
+    let bad = p.node_promote(&n1.id, "bad..name", None).await.unwrap_err();
+    assert_eq!(
+        bad.kind(),
+        layerstack_store::ErrorKind::InvalidArgument,
+        "{bad}"
+    );
     // Promote: fast-forward main to n1, then the merge node (a descendant), then a
     // stale conflicting node is refused whole.
     let r = p

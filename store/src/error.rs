@@ -75,6 +75,9 @@ pub enum StoreError {
     /// A containerd snapshot key or name that does not exist.
     #[error("snapshot {0} not found")]
     SnapshotNotFound(String),
+    /// A name that is taken (a graph's); the message names it and what to do.
+    #[error("{0}")]
+    AlreadyExists(String),
     /// A containerd snapshot key or name that is taken.
     #[error("snapshot {0} already exists")]
     SnapshotExists(String),
@@ -133,7 +136,7 @@ impl StoreError {
             | Self::BranchNotFound { .. }
             | Self::LayerNotFound(_)
             | Self::NotFound(_) => ErrorKind::NotFound,
-            Self::SnapshotExists(_) => ErrorKind::AlreadyExists,
+            Self::SnapshotExists(_) | Self::AlreadyExists(_) => ErrorKind::AlreadyExists,
             Self::NoLease(_) | Self::FailedPrecondition(_) => ErrorKind::FailedPrecondition,
             Self::HeadMoved { .. } => ErrorKind::Conflict,
             Self::InvalidArgument(_) => ErrorKind::InvalidArgument,

@@ -468,7 +468,7 @@ impl Store {
                 .optional()?
                 .is_some()
             {
-                return Err(StoreError::InvalidArgument(format!("graph {name:?} exists already")));
+                return Err(StoreError::AlreadyExists(format!("graph {name:?} exists already: choose another name, or pass the idempotency key that created it")));
             }
             let head = branch_head(tx, stack, branch)?.ok_or_else(|| StoreError::BranchNotFound {
                 stack: stack.into(),

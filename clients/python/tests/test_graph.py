@@ -32,9 +32,9 @@ def test_attempts_checkpoint_merge_promote_prune_retry(env: Env, ls: layerstack.
     g = ls.create_graph(name, env.image, branch=main, key=f"{k}-g")
     again = ls.create_graph(name, env.image, branch=main, key=f"{k}-g")
     assert again.root == g.root and g.info.branch == main
-    with pytest.raises(layerstack.LayerStackError) as e:
+    with pytest.raises(layerstack.AlreadyExistsError) as e:
         ls.create_graph(name, env.image, branch=main)
-    assert name in e.value.message
+    assert name in e.value.message and e.value.kind == "already_exists"
     assert name in [x.name for x in ls.list_graphs()]
     root = g.root
     assert ls.show_node(root).kind == "root"
@@ -66,6 +66,8 @@ def test_attempts_checkpoint_merge_promote_prune_retry(env: Env, ls: layerstack.
 
     # Promote: main has not moved since the graph was made -> fast-forward; the
     # same key again is the same answer.
+    with pytest.raises(layerstack.InvalidArgumentError):
+        ls.promote(m, "bad..name")
     p = ls.promote(m, main, key=f"{k}-p")
     assert p.result == "fast-forward" and not p.refused, p
     assert ls.promote(m, main, key=f"{k}-p") == p
