@@ -18,6 +18,9 @@
 //!   publish starts none once a path conflicts.
 //! * [`write_layer_tar`] writes a layer directory as an OCI layer tar (whiteouts,
 //!   opaque markers, hardlinks, PAX names and xattrs; deterministic) for export.
+//! * [`import_tree`] builds a base without containerd: a directory tree, a layer
+//!   tar or an OCI image layout flattened into one directory, every entry
+//!   written beneath the staging root (hostile archives are refused by entry).
 //! * [`seal_layer_with`] strips overlay-private xattrs from the upper and syncs it, so
 //!   it can be renamed into the store as an immutable layer.
 //!
@@ -72,6 +75,7 @@ mod capture;
 mod export;
 mod fsx;
 mod gate;
+mod import;
 mod layer;
 mod merge;
 mod meta;
@@ -93,6 +97,10 @@ pub use gate::{
     flatten_head_layers, opaque_dirs_to_expand, plan_gate, plan_gate_with, Action, FileState,
     FsFiles, GateError, GateFiles, GatePlan, HeadChange, HeadChangeKind, PathReport, PathStatus,
     PlanMode, Side,
+};
+pub use import::{
+    flatten_layer_tars, host_platform, import_tree, ImportError, ImportKind, ImportOptions,
+    ImportReport,
 };
 pub use layer::{prepare_upper, seal_layer, seal_layer_unsynced, seal_layer_with, SealError};
 pub use merge::{

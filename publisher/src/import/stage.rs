@@ -1,0 +1,668 @@
+//! The staged tree of an import: every write beneath the staging root, with
+//! the OCI layer semantics of applying one layer over the ones before it.
+//!
+//! Paths are relative byte strings already checked by [`normalize`] (no
+//! leading `/`, no `.`, `..` or empty component, no NUL). Every entry is
+//! created by name in its parent directory, which is opened beneath the root
+//! with `openat2(RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS)` ([`fsx::Parent`]) or,
+//! where a parent must be made, one component at a time with
+//! `openat(O_DIRECTORY | O_NOFOLLOW)`: a symlink an earlier entry planted is
+//! never followed, so nothing is written outside the root. A path whose parent
+//! is (or passes through) a symlink or a non-directory is refused.
+//!
+//! Layer semantics (OCI image-spec `layer.md`, "Applying Changesets" and
+//! "Whiteouts"), for layer *k* applied over the result of layers < *k*:
+//! * an entry replaces what is at its path, except that a directory over a
+//!   directory keeps what the directory holds (its metadata is the entry's);
+//! * a whiteout `.wh.<name>` removes `<name>` of the layers below; an opaque
+//!   marker `.wh..wh..opq` removes everything its directory held from the
+//!   layers below. What layer *k* itself wrote stays, whatever the order of
+//!   its entries ("files present in the same layer as a whiteout file can only
+//!   be hidden by whiteout files in subsequent layers"): the paths a layer
+//!   wrote, and the directories above them, are remembered until the next
+//!   layer starts ([`Stage::next_layer`]).
+//!
+//! Metadata: mode (with setuid, setgid, sticky), numeric owner, xattrs (never
+//! an overlayfs-private one: refused, a base has no whiteouts nor opaque
+//! directories) and mtime in whole seconds. Owner before mode (`chown` clears
+//! setuid bits), xattrs after both (`chown` clears `security.capability`).
+//! Directory mtimes change as entries are made in them, so they are kept aside
+//! and set last ([`Stage::finish`]); a directory made only because an entry
+//! lies below it gets mtime 0. The root is 0755, owner 0:0, mtime 0, no xattrs.
+
+use std::collections::{BTreeMap, HashSet};
+use std::ffi::OsStr;
+use std::io::{self, Read};
+use std::os::fd::{AsFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::path::{Path, PathBuf};
+
+use rustix::fs::{
+    self as rfs, AtFlags, FileType, Gid, Mode, OFlags, Timespec, Timestamps, Uid, XattrFlags,
+};
+use rustix::io::Errno;
+
+use crate::capture::is_overlay_private;
+use crate::fsx::{self, Parent};
+
+use super::ImportReport;
+
+/// Why a staged write failed: a refusal (the input is at fault) or an i/o
+/// error on the staging side.
+#[derive(Debug)]
+pub(crate) enum StageError {
+    /// The entry is refused; the reason says why and what to do.
+    Refused(String),
+    /// A system call on the staged tree failed.
+    Io(&'static str, io::Error),
+}
+
+impl From<Errno> for StageError {
+    fn from(e: Errno) -> Self {
+        StageError::Io("write", e.into())
+    }
+}
+
+type R<T> = Result<T, StageError>;
+
+fn io_err(what: &'static str) -> impl FnOnce(Errno) -> StageError {
+    move |e| StageError::Io(what, e.into())
+}
+
+/// The metadata of one entry.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct Meta {
+    /// Permission bits with setuid, setgid and sticky (`& 0o7777`).
+    pub mode: u32,
+    pub uid: u32,
+    pub gid: u32,
+    /// Seconds since the epoch.
+    pub mtime: i64,
+    /// Name → value; names are complete (`user.x`, `security.capability`).
+    pub xattrs: Vec<(Vec<u8>, Vec<u8>)>,
+}
+
+impl Meta {
+    /// Refuses what a base cannot hold: an owner id of −1 (`chown`'s "leave
+    /// as is"), an overlayfs-private xattr.
+    fn check(&self) -> R<()> {
+        for id in [self.uid, self.gid] {
+            if id == u32::MAX {
+                return Err(StageError::Refused(format!(
+                    "its owner id {id} is no valid user or group id (it means \"unchanged\" to chown)"
+                )));
+            }
+        }
+        for (name, _) in &self.xattrs {
+            // Both namespaces: a trusted.overlay.* xattr steers a privileged
+            // mount, a user.overlay.* one a rootless (userxattr) mount.
+            if is_overlay_private(name, false) || is_overlay_private(name, true) {
+                return Err(StageError::Refused(format!(
+                    "it carries the overlayfs-private xattr {}, which steers how overlayfs reads a layer (an opaque directory, a redirect) and which a base never holds: remove it from the source (setfattr -x)",
+                    String::from_utf8_lossy(name)
+                )));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// A device or fifo.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Special {
+    Char(u32, u32),
+    Block(u32, u32),
+    Fifo,
+}
+
+/// Checks and normalizes an entry's path: `./` prefixes, `.` and empty
+/// components are dropped; an absolute path, a `..` component or a NUL is
+/// refused. `Ok(None)`: the root itself (`.`, `./`).
+pub(crate) fn normalize(raw: &[u8]) -> Result<Option<Vec<u8>>, String> {
+    if raw.contains(&0) {
+        return Err("its path holds a NUL byte".into());
+    }
+    if raw.first() == Some(&b'/') {
+        return Err(
+            "its path is absolute; the entries of an image layer are relative to its root (fix the archive: GNU tar strips a leading `/` unless given -P)"
+                .into(),
+        );
+    }
+    let mut out = Vec::with_capacity(raw.len());
+    for comp in raw.split(|&b| b == b'/') {
+        match comp {
+            b"" | b"." => {}
+            b".." => {
+                return Err(
+                    "its path has a `..` component, which would reach outside the root".into(),
+                )
+            }
+            c => {
+                if !out.is_empty() {
+                    out.push(b'/');
+                }
+                out.extend_from_slice(c);
+            }
+        }
+    }
+    Ok((!out.is_empty()).then_some(out))
+}
+
+pub(crate) fn show(rel: &[u8]) -> String {
+    String::from_utf8_lossy(rel).into_owned()
+}
+
+/// The staged tree (see the module docs).
+pub(crate) struct Stage {
+    root: PathBuf,
+    /// Paths the current layer wrote, and every directory above them.
+    touched: HashSet<Vec<u8>>,
+    /// The mtime of every directory below the root, set by [`Stage::finish`].
+    dir_mtimes: BTreeMap<Vec<u8>, i64>,
+    pub(crate) report: ImportReport,
+}
+
+/// How an existing path compares with what replaces it.
+enum Existing {
+    None,
+    Dir,
+    Other,
+}
+
+impl Stage {
+    /// A stage writing into the empty directory `root`.
+    pub(crate) fn new(root: &Path) -> Stage {
+        Stage {
+            root: root.to_path_buf(),
+            touched: HashSet::new(),
+            dir_mtimes: BTreeMap::new(),
+            report: ImportReport::default(),
+        }
+    }
+
+    /// The staging root.
+    pub(crate) fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// Starts the next layer: whiteouts hide what was written until now.
+    pub(crate) fn next_layer(&mut self) {
+        self.touched.clear();
+    }
+
+    fn touch(&mut self, rel: &[u8]) {
+        let mut p = rel;
+        loop {
+            if !self.touched.insert(p.to_vec()) {
+                return;
+            }
+            match p.iter().rposition(|&b| b == b'/') {
+                Some(i) => p = &p[..i],
+                None => return,
+            }
+        }
+    }
+
+    /// The parent directory of `rel`, opened beneath the root without
+    /// following a symlink; missing directories on the way are made (0755,
+    /// 0:0, mtime 0) when `create`, else `Ok(None)`.
+    fn parent(&mut self, rel: &[u8], create: bool) -> R<Option<(OwnedFd, Vec<u8>)>> {
+        let (parent, name) = fsx::split_parent(rel);
+        let name = name.to_vec();
+        match Parent::open(&self.root, parent) {
+            Ok(Parent::Fd(fd)) => return Ok(Some((fd, name))),
+            Ok(Parent::Base(_)) => return Ok(Some((self.open_dir(b"")?, name))),
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) => {}
+            Err(e) => return Err(StageError::Io("open the parent of", e)),
+        }
+        // Component by component: find the symlink or non-directory to name,
+        // or make what is missing.
+        let mut dir = rfs::openat(rfs::CWD, &self.root, dir_flags(), Mode::empty())
+            .map_err(io_err("open the staging root"))?;
+        let mut at = Vec::new();
+        for comp in parent.split(|&b| b == b'/') {
+            if !at.is_empty() {
+                at.push(b'/');
+            }
+            at.extend_from_slice(comp);
+            match rfs::openat(&dir, os(comp), dir_flags(), Mode::empty()) {
+                Ok(d) => dir = d,
+                Err(Errno::NOENT) if create => {
+                    make_dir(&dir, comp, &implied())?;
+                    self.dir_mtimes.insert(at.clone(), 0);
+                    self.report.implied_dirs += 1;
+                    dir = rfs::openat(&dir, os(comp), dir_flags(), Mode::empty())
+                        .map_err(io_err("open a new directory"))?;
+                }
+                Err(Errno::NOENT) => return Ok(None),
+                Err(Errno::LOOP | Errno::NOTDIR) => {
+                    let st = rfs::statat(&dir, os(comp), AtFlags::SYMLINK_NOFOLLOW)
+                        .map_err(io_err("stat"))?;
+                    let what = if FileType::from_raw_mode(st.st_mode) == FileType::Symlink {
+                        "is a symlink (an earlier entry made it); an entry is never written through a symlink"
+                    } else {
+                        "is not a directory"
+                    };
+                    return Err(StageError::Refused(format!("{} {what}", show(&at))));
+                }
+                Err(e) => return Err(StageError::Io("open the parent of", e.into())),
+            }
+        }
+        Ok(Some((dir, name)))
+    }
+
+    /// [`Stage::parent`], making what is missing.
+    fn parent_made(&mut self, rel: &[u8]) -> R<(OwnedFd, Vec<u8>)> {
+        self.parent(rel, true)?.ok_or_else(|| {
+            StageError::Io(
+                "open the parent of",
+                io::Error::from_raw_os_error(libc::ENOENT),
+            )
+        })
+    }
+
+    /// The directory `rel` (empty: the root), opened beneath the root.
+    fn open_dir(&self, rel: &[u8]) -> R<OwnedFd> {
+        match Parent::open(&self.root, rel).map_err(|e| StageError::Io("open", e))? {
+            Parent::Fd(fd) => Ok(fd),
+            Parent::Base(b) => rfs::openat(rfs::CWD, b, dir_flags(), Mode::empty())
+                .map_err(io_err("open the staging root")),
+        }
+    }
+
+    /// What is at `name` in `dir` now.
+    fn existing(dir: &OwnedFd, name: &[u8]) -> R<Existing> {
+        match rfs::statat(dir, os(name), AtFlags::SYMLINK_NOFOLLOW) {
+            Ok(st) if FileType::from_raw_mode(st.st_mode) == FileType::Directory => {
+                Ok(Existing::Dir)
+            }
+            Ok(_) => Ok(Existing::Other),
+            Err(Errno::NOENT) => Ok(Existing::None),
+            Err(e) => Err(StageError::Io("stat", e.into())),
+        }
+    }
+
+    /// Removes `name` of `dir` (at `rel`) whatever it is; forgets the mtimes
+    /// of the directories it held.
+    fn remove(&mut self, dir: &OwnedFd, name: &[u8], rel: &[u8]) -> R<()> {
+        match Self::existing(dir, name)? {
+            Existing::None => return Ok(()),
+            Existing::Other => {
+                rfs::unlinkat(dir, os(name), AtFlags::empty()).map_err(io_err("remove"))?
+            }
+            Existing::Dir => {
+                // std's remove_dir_all opens what it removes with O_NOFOLLOW
+                // (CVE-2022-21658): a symlink inside is unlinked, never followed.
+                std::fs::remove_dir_all(fsx::proc_path(dir, name))
+                    .map_err(|e| StageError::Io("remove", e))?;
+                let mut below = rel.to_vec();
+                below.push(b'/');
+                let mut end = rel.to_vec();
+                end.push(b'/' + 1);
+                let gone: Vec<Vec<u8>> = self
+                    .dir_mtimes
+                    .range(below..end)
+                    .map(|(k, _)| k.clone())
+                    .collect();
+                for k in gone {
+                    self.dir_mtimes.remove(&k);
+                }
+            }
+        }
+        self.dir_mtimes.remove(rel);
+        Ok(())
+    }
+
+    /// Makes room for a non-directory at `rel`; returns its parent and name.
+    fn replace(&mut self, rel: &[u8], meta: &Meta) -> R<(OwnedFd, Vec<u8>)> {
+        meta.check()?;
+        let (dir, name) = self.parent_made(rel)?;
+        self.remove(&dir, &name, rel)?;
+        self.touch(rel);
+        Ok((dir, name))
+    }
+
+    /// A regular file with the content of `data`.
+    pub(crate) fn file(&mut self, rel: &[u8], meta: &Meta, data: &mut dyn Read) -> R<u64> {
+        let (dir, name) = self.replace(rel, meta)?;
+        let flags = OFlags::WRONLY
+            | OFlags::CREATE
+            | OFlags::EXCL
+            | OFlags::NOFOLLOW
+            | OFlags::NOCTTY
+            | OFlags::CLOEXEC;
+        let fd = rfs::openat(&dir, os(&name), flags, Mode::from_raw_mode(0o600))
+            .map_err(io_err("create"))?;
+        let mut f = std::fs::File::from(fd);
+        let n = io::copy(data, &mut f).map_err(|e| StageError::Io("write", e))?;
+        set_fd_meta(&f, meta)?;
+        self.report.files += 1;
+        self.report.content_bytes += n;
+        Ok(n)
+    }
+
+    /// A directory: made, or the existing one's metadata replaced (what it
+    /// holds stays).
+    pub(crate) fn dir(&mut self, rel: &[u8], meta: &Meta) -> R<()> {
+        meta.check()?;
+        let (dir, name) = self.parent_made(rel)?;
+        match Self::existing(&dir, &name)? {
+            Existing::Dir => {
+                let d = rfs::openat(&dir, os(&name), dir_flags(), Mode::empty())
+                    .map_err(io_err("open"))?;
+                // Replace, not add to, the xattrs it had.
+                for n in fd_xattr_names(&d)? {
+                    rfs::fremovexattr(&d, os(&n)).map_err(io_err("remove an xattr of"))?;
+                }
+                set_fd_meta(
+                    &d,
+                    &Meta {
+                        mtime: 0,
+                        ..meta.clone()
+                    },
+                )?;
+            }
+            Existing::Other => {
+                rfs::unlinkat(&dir, os(&name), AtFlags::empty()).map_err(io_err("remove"))?;
+                make_dir(&dir, &name, meta)?;
+            }
+            Existing::None => make_dir(&dir, &name, meta)?,
+        }
+        self.dir_mtimes.insert(rel.to_vec(), meta.mtime);
+        self.touch(rel);
+        self.report.dirs += 1;
+        Ok(())
+    }
+
+    /// A symlink to `target` (verbatim; never followed).
+    pub(crate) fn symlink(&mut self, rel: &[u8], target: &[u8], meta: &Meta) -> R<()> {
+        if target.is_empty() || target.contains(&0) {
+            return Err(StageError::Refused(
+                "it is a symlink with an empty target or one holding a NUL byte".into(),
+            ));
+        }
+        let (dir, name) = self.replace(rel, meta)?;
+        rfs::symlinkat(os(target), &dir, os(&name)).map_err(io_err("create symlink"))?;
+        set_at_meta(&dir, &name, meta, true)?;
+        self.report.symlinks += 1;
+        Ok(())
+    }
+
+    /// A device or fifo. A character device 0:0 is refused: overlayfs reads
+    /// it as a whiteout.
+    pub(crate) fn special(&mut self, rel: &[u8], kind: Special, meta: &Meta) -> R<()> {
+        if kind == Special::Char(0, 0) {
+            return Err(StageError::Refused(
+                "it is a character device 0:0, which overlayfs reads as a whiteout; a base has no whiteouts (in a layer tar, write `.wh.<name>` instead)".into(),
+            ));
+        }
+        let (dir, name) = self.replace(rel, meta)?;
+        let (ft, dev) = match kind {
+            Special::Char(ma, mi) => (FileType::CharacterDevice, rfs::makedev(ma, mi)),
+            Special::Block(ma, mi) => (FileType::BlockDevice, rfs::makedev(ma, mi)),
+            Special::Fifo => (FileType::Fifo, 0),
+        };
+        rfs::mknodat(&dir, os(&name), ft, Mode::from_raw_mode(0o600), dev)
+            .map_err(io_err("create device or fifo"))?;
+        set_at_meta(&dir, &name, meta, false)?;
+        self.report.specials += 1;
+        Ok(())
+    }
+
+    /// A hardlink at `rel` to the existing non-directory `target` (a path of
+    /// the staged tree, reached beneath the root without following symlinks).
+    pub(crate) fn hardlink(&mut self, rel: &[u8], target: &[u8]) -> R<()> {
+        if rel == target {
+            return Err(StageError::Refused("it is a hardlink to itself".into()));
+        }
+        let missing = || {
+            StageError::Refused(format!(
+                "it is a hardlink to {}, which is not in the tree (a hardlink must come after its target, and cannot reach outside the root)",
+                show(target)
+            ))
+        };
+        let (tdir, tname) = match self.parent(target, false) {
+            Ok(Some(p)) => p,
+            Ok(None) => return Err(missing()),
+            Err(StageError::Refused(why)) => {
+                return Err(StageError::Refused(format!(
+                    "it is a hardlink to {}, and {why}",
+                    show(target)
+                )))
+            }
+            Err(e) => return Err(e),
+        };
+        match Self::existing(&tdir, &tname)? {
+            Existing::None => return Err(missing()),
+            Existing::Dir => {
+                return Err(StageError::Refused(format!(
+                    "it is a hardlink to the directory {}",
+                    show(target)
+                )))
+            }
+            Existing::Other => {}
+        }
+        let (dir, name) = self.replace(rel, &Meta::default())?;
+        rfs::linkat(&tdir, os(&tname), &dir, os(&name), AtFlags::empty())
+            .map_err(io_err("link"))?;
+        self.report.hardlinks += 1;
+        Ok(())
+    }
+
+    /// A whiteout of `rel` (`.wh.<name>` in its parent): what the layers below
+    /// had there goes; what this layer wrote there stays.
+    pub(crate) fn whiteout(&mut self, rel: &[u8]) -> R<()> {
+        self.report.whiteouts += 1;
+        let Some((dir, name)) = self.parent(rel, false)? else {
+            return Ok(());
+        };
+        if !self.touched.contains(rel) {
+            return self.remove(&dir, &name, rel);
+        }
+        match Self::existing(&dir, &name)? {
+            Existing::Dir => self.prune(rel),
+            _ => Ok(()),
+        }
+    }
+
+    /// An opaque marker in directory `rel` (empty: the root): what the layers
+    /// below had in it goes.
+    pub(crate) fn opaque(&mut self, rel: &[u8]) -> R<()> {
+        self.report.opaque += 1;
+        if !rel.is_empty() {
+            // The marker is in this layer, so is its directory.
+            let (dir, name) = self.parent_made(rel)?;
+            match Self::existing(&dir, &name)? {
+                Existing::Dir => {}
+                Existing::None => {
+                    make_dir(&dir, &name, &implied())?;
+                    self.dir_mtimes.insert(rel.to_vec(), 0);
+                    self.report.implied_dirs += 1;
+                }
+                Existing::Other => {
+                    return Err(StageError::Refused(format!(
+                        "it marks {} opaque, which is not a directory",
+                        show(rel)
+                    )))
+                }
+            }
+            self.touch(rel);
+        }
+        self.prune(rel)
+    }
+
+    /// Removes from directory `rel` every entry this layer did not write, at
+    /// any depth.
+    fn prune(&mut self, rel: &[u8]) -> R<()> {
+        let d = self.open_dir(rel)?;
+        let names = fsx::names_of(&d).map_err(|e| StageError::Io("list", e))?;
+        for name in names {
+            let child = join(rel, &name);
+            if !self.touched.contains(&child) {
+                self.remove(&d, &name, &child)?;
+            } else if let Existing::Dir = Self::existing(&d, &name)? {
+                self.prune(&child)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Sets every directory's mtime and the root's metadata (see the module
+    /// docs). Returns the report.
+    pub(crate) fn finish(self) -> R<ImportReport> {
+        let root = self.open_dir(b"")?;
+        for n in fd_xattr_names(&root)? {
+            rfs::fremovexattr(&root, os(&n)).map_err(io_err("remove an xattr of"))?;
+        }
+        set_fd_meta(&root, &implied())?;
+        for (rel, mtime) in &self.dir_mtimes {
+            let (parent, name) = fsx::split_parent(rel);
+            let p = match Parent::open(&self.root, parent) {
+                Ok(p) => p,
+                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => continue,
+                Err(e) => return Err(StageError::Io("open the parent of", e)),
+            };
+            let fd = match p {
+                Parent::Fd(fd) => fd,
+                Parent::Base(_) => root.try_clone().map_err(|e| StageError::Io("dup", e))?,
+            };
+            match rfs::utimensat(&fd, os(name), &times(*mtime), AtFlags::SYMLINK_NOFOLLOW) {
+                Ok(()) | Err(Errno::NOENT) => {}
+                Err(e) => return Err(StageError::Io("set the mtime of", e.into())),
+            }
+        }
+        Ok(self.report)
+    }
+}
+
+/// A directory made because an entry lies below it.
+fn implied() -> Meta {
+    Meta {
+        mode: 0o755,
+        ..Meta::default()
+    }
+}
+
+fn dir_flags() -> OFlags {
+    OFlags::RDONLY | OFlags::DIRECTORY | OFlags::NOFOLLOW | OFlags::CLOEXEC
+}
+
+fn os(b: &[u8]) -> &OsStr {
+    OsStr::from_bytes(b)
+}
+
+pub(crate) fn join(parent: &[u8], name: &[u8]) -> Vec<u8> {
+    let mut p = parent.to_vec();
+    if !p.is_empty() {
+        p.push(b'/');
+    }
+    p.extend_from_slice(name);
+    p
+}
+
+fn times(mtime: i64) -> Timestamps {
+    let t = Timespec {
+        tv_sec: mtime,
+        tv_nsec: 0,
+    };
+    Timestamps {
+        last_access: t,
+        last_modification: t,
+    }
+}
+
+fn ids(meta: &Meta) -> (Option<Uid>, Option<Gid>) {
+    (Some(Uid::from_raw(meta.uid)), Some(Gid::from_raw(meta.gid)))
+}
+
+/// `mkdir` + metadata (mtime set later, by [`Stage::finish`]).
+fn make_dir(dir: &OwnedFd, name: &[u8], meta: &Meta) -> R<()> {
+    rfs::mkdirat(dir, os(name), Mode::from_raw_mode(0o700)).map_err(io_err("create directory"))?;
+    let d = rfs::openat(dir, os(name), dir_flags(), Mode::empty()).map_err(io_err("open"))?;
+    set_fd_meta(&d, meta)
+}
+
+/// Owner, mode, xattrs, then times of an open file or directory.
+fn set_fd_meta(fd: &impl AsFd, meta: &Meta) -> R<()> {
+    let (u, g) = ids(meta);
+    rfs::fchown(fd, u, g).map_err(io_err("set the owner of"))?;
+    rfs::fchmod(fd, Mode::from_raw_mode(meta.mode & 0o7777)).map_err(io_err("set the mode of"))?;
+    for (n, v) in &meta.xattrs {
+        rfs::fsetxattr(fd, os(n), v, XattrFlags::empty()).map_err(|e| {
+            StageError::Io(
+                "set an xattr of",
+                io::Error::other(format!("{}: {e}", show(n))),
+            )
+        })?;
+    }
+    rfs::futimens(fd, &times(meta.mtime)).map_err(io_err("set the mtime of"))
+}
+
+/// Owner, mode (not for a symlink), xattrs, then times of `name` in `dir`,
+/// never following it.
+fn set_at_meta(dir: &OwnedFd, name: &[u8], meta: &Meta, symlink: bool) -> R<()> {
+    let (u, g) = ids(meta);
+    rfs::chownat(dir, os(name), u, g, AtFlags::SYMLINK_NOFOLLOW)
+        .map_err(io_err("set the owner of"))?;
+    if !symlink {
+        // fchmodat follows a symlink; `name` was just made by us as a device
+        // or fifo in a directory only we write.
+        rfs::chmodat(
+            dir,
+            os(name),
+            Mode::from_raw_mode(meta.mode & 0o7777),
+            AtFlags::empty(),
+        )
+        .map_err(io_err("set the mode of"))?;
+    }
+    if !meta.xattrs.is_empty() {
+        let p = fsx::proc_path(dir, name);
+        for (n, v) in &meta.xattrs {
+            rfs::lsetxattr(&p, os(n), v, XattrFlags::empty()).map_err(|e| {
+                StageError::Io(
+                    "set an xattr of",
+                    io::Error::other(format!("{}: {e}", show(n))),
+                )
+            })?;
+        }
+    }
+    rfs::utimensat(dir, os(name), &times(meta.mtime), AtFlags::SYMLINK_NOFOLLOW)
+        .map_err(io_err("set the mtime of"))
+}
+
+/// The xattr names of an open directory.
+fn fd_xattr_names(fd: &OwnedFd) -> R<Vec<Vec<u8>>> {
+    let mut buf = vec![0u8; 4096];
+    loop {
+        match rfs::flistxattr(fd, &mut buf[..]) {
+            Ok(n) => {
+                return Ok(buf[..n]
+                    .split(|&b| b == 0)
+                    .filter(|s| !s.is_empty())
+                    .map(<[u8]>::to_vec)
+                    .collect())
+            }
+            Err(Errno::RANGE) if buf.len() < 1 << 20 => buf.resize(buf.len() * 4, 0),
+            Err(Errno::OPNOTSUPP) => return Ok(Vec::new()),
+            Err(e) => return Err(StageError::Io("list the xattrs of", e.into())),
+        }
+    }
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::normalize;
+
+    #[test]
+    fn paths_are_normalized_or_refused() {
+        assert_eq!(normalize(b"./a//b/./c/").unwrap(), Some(b"a/b/c".to_vec()));
+        assert_eq!(normalize(b"./").unwrap(), None);
+        assert_eq!(normalize(b".").unwrap(), None);
+        assert!(normalize(b"/etc/x").unwrap_err().contains("absolute"));
+        assert!(normalize(b"../x").unwrap_err().contains(".."));
+        assert!(normalize(b"a/../../x").unwrap_err().contains(".."));
+        assert!(normalize(b"a\0b").unwrap_err().contains("NUL"));
+    }
+}

@@ -1,0 +1,279 @@
+//! One layer tar (plain, gzip or zstd: told by its first bytes) applied onto
+//! the staged tree with OCI whiteouts (see `stage.rs` for the semantics).
+//!
+//! The archive is read with the `tar` crate (≥ 0.4.46: a PAX `size` record
+//! decides where the next header starts, so an entry cannot smuggle headers
+//! inside its content — CVE-2025-62518, "TARmageddon"); GNU long names and
+//! PAX `path`/`linkpath` records give the names checked here, never the
+//! truncated header fields. Every name is normalized and checked before
+//! anything is written ([`normalize`]): absolute paths and `..` are refused,
+//! and the staged tree is written beneath its root without following a
+//! symlink, so an entry cannot land outside it through a symlink an earlier
+//! entry planted, nor a hardlink point outside it.
+
+use std::io::{self, BufRead, BufReader, Read};
+
+use tar::EntryType;
+
+use super::stage::{normalize, show, Meta, Special, Stage, StageError};
+use super::ImportError;
+use crate::export::{OPAQUE_MARKER, WHITEOUT_PREFIX};
+
+/// A layer's compression, from its first bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Compression {
+    None,
+    Gzip,
+    Zstd,
+}
+
+/// Tells the compression of `r` by its magic number (RFC 1952, RFC 8878);
+/// refuses the ones a layer does not use, by name.
+pub(crate) fn sniff(r: &mut impl BufRead, origin: &str) -> Result<Compression, ImportError> {
+    let head = r.fill_buf().map_err(|e| ImportError::Archive {
+        origin: origin.to_string(),
+        after: None,
+        source: e,
+    })?;
+    Ok(match head {
+        [0x1f, 0x8b, ..] => Compression::Gzip,
+        [0x28, 0xb5, 0x2f, 0xfd, ..] => Compression::Zstd,
+        [b'B', b'Z', b'h', ..] => return Err(unsupported(origin, "bzip2")),
+        [0xfd, b'7', b'z', b'X', b'Z', 0, ..] => return Err(unsupported(origin, "xz")),
+        _ => Compression::None,
+    })
+}
+
+fn unsupported(origin: &str, what: &str) -> ImportError {
+    ImportError::Invalid(format!(
+        "{origin} is {what}-compressed: a layer tar is read plain, gzip- or zstd-compressed (decompress it first)"
+    ))
+}
+
+/// `r` decompressed as `c` says.
+pub(crate) fn decompressed<'a>(
+    r: impl BufRead + 'a,
+    c: Compression,
+) -> io::Result<Box<dyn Read + 'a>> {
+    Ok(match c {
+        Compression::None => Box::new(r),
+        Compression::Gzip => Box::new(flate2::bufread::MultiGzDecoder::new(r)),
+        Compression::Zstd => Box::new(zstd::stream::read::Decoder::with_buffer(r)?),
+    })
+}
+
+/// Options of one [`apply`].
+pub(crate) struct ApplyOptions<'a> {
+    /// What the archive is, for messages: a file's path, `layer 2 of …`.
+    pub origin: &'a str,
+    /// Refuse an archive that holds an OCI image layout (its top level has
+    /// `oci-layout`): the kind was guessed, and that guess would be wrong.
+    pub refuse_layout: bool,
+}
+
+/// Applies the (decompressed) layer tar `r` onto `stage`; reads the archive
+/// to its end (its trailing blocks and whatever follows: a digest of the
+/// stream counts them). Returns the number of entries.
+pub(crate) fn apply(
+    r: &mut dyn Read,
+    stage: &mut Stage,
+    opts: &ApplyOptions<'_>,
+) -> Result<u64, ImportError> {
+    let origin = opts.origin;
+    let mut archive = tar::Archive::new(&mut *r);
+    let mut last: Option<Vec<u8>> = None;
+    let read_err = |last: &Option<Vec<u8>>| {
+        let after = last.clone();
+        move |e: io::Error| ImportError::Archive {
+            origin: origin.to_string(),
+            after,
+            source: e,
+        }
+    };
+    let root = stage.root().to_path_buf();
+    let mut n = 0u64;
+    for entry in archive.entries().map_err(read_err(&last))? {
+        let mut entry = entry.map_err(read_err(&last))?;
+        let raw = entry.path_bytes().into_owned();
+        let refused = |reason: String| ImportError::Refused {
+            origin: origin.to_string(),
+            entry: raw.clone(),
+            reason,
+        };
+        let ty = entry.header().entry_type();
+        if ty == EntryType::XGlobalHeader {
+            // Archive-wide PAX defaults (a comment, a charset): nothing of an
+            // entry; containerd's unpack ignores them too.
+            continue;
+        }
+        n += 1;
+        let Some(rel) = normalize(&raw).map_err(&refused)? else {
+            // The root's own entry (`./`): the root is normalized instead.
+            if ty != EntryType::Directory {
+                return Err(refused(
+                    "it names the root, which can only be a directory".into(),
+                ));
+            }
+            last = Some(raw.clone());
+            continue;
+        };
+        let meta = meta_of(&mut entry).map_err(|e| match e {
+            MetaError::Refused(why) => refused(why),
+            MetaError::Read(e) => read_err(&last)(e),
+        })?;
+        let (parent, name) = crate::fsx::split_parent(&rel);
+        let parent = parent.to_vec();
+        let staged = |e: StageError| match e {
+            StageError::Refused(why) => refused(why),
+            StageError::Io(what, source) => ImportError::Staging {
+                what,
+                entry: rel.clone(),
+                staging: root.clone(),
+                source,
+            },
+        };
+        if opts.refuse_layout && rel == b"oci-layout" {
+            return Err(ImportError::Invalid(format!(
+                "{origin} holds an OCI image layout (its top level has oci-layout), not a root filesystem: extract it into a directory and import that directory (--kind oci), or pass --kind tar to import its files as they are"
+            )));
+        }
+        if name == OPAQUE_MARKER {
+            stage.opaque(&parent).map_err(staged)?;
+        } else if let Some(hidden) = name.strip_prefix(WHITEOUT_PREFIX) {
+            if hidden.is_empty()
+                || hidden == b"."
+                || hidden == b".."
+                || hidden.starts_with(WHITEOUT_PREFIX)
+            {
+                return Err(refused(format!(
+                    "it is a whiteout of {:?}, which names no entry (only `.wh.<name>` and `.wh..wh..opq` are whiteouts)",
+                    show(hidden)
+                )));
+            }
+            let target = super::stage::join(&parent, hidden);
+            stage.whiteout(&target).map_err(staged)?;
+        } else {
+            match ty {
+                EntryType::Regular | EntryType::Continuous => {
+                    stage.file(&rel, &meta, &mut entry).map_err(staged)?;
+                }
+                EntryType::Directory => stage.dir(&rel, &meta).map_err(staged)?,
+                EntryType::Symlink => {
+                    let target = entry
+                        .link_name_bytes()
+                        .map(|t| t.into_owned())
+                        .unwrap_or_default();
+                    stage.symlink(&rel, &target, &meta).map_err(staged)?;
+                }
+                EntryType::Link => {
+                    let raw_target = entry
+                        .link_name_bytes()
+                        .map(|t| t.into_owned())
+                        .unwrap_or_default();
+                    let target = match normalize(&raw_target) {
+                        Ok(Some(t)) => t,
+                        Ok(None) => {
+                            return Err(refused("it is a hardlink to the root".into()))
+                        }
+                        Err(why) => {
+                            return Err(refused(format!(
+                                "it is a hardlink to {}, outside the root: {why}",
+                                show(&raw_target)
+                            )))
+                        }
+                    };
+                    stage.hardlink(&rel, &target).map_err(staged)?;
+                }
+                EntryType::Char | EntryType::Block => {
+                    let h = entry.header();
+                    let dev = h
+                        .device_major()
+                        .and_then(|ma| h.device_minor().map(|mi| (ma, mi)));
+                    let Ok((Some(ma), Some(mi))) = dev else {
+                        return Err(refused("its device numbers do not parse".into()));
+                    };
+                    let kind = if ty == EntryType::Char {
+                        Special::Char(ma, mi)
+                    } else {
+                        Special::Block(ma, mi)
+                    };
+                    stage.special(&rel, kind, &meta).map_err(staged)?;
+                }
+                EntryType::Fifo => stage.special(&rel, Special::Fifo, &meta).map_err(staged)?,
+                other => {
+                    return Err(refused(format!(
+                        "its tar entry type {:?} ({}) is none an image layer uses (regular file, directory, symlink, hardlink, device, fifo)",
+                        other,
+                        char::from(other.as_byte())
+                    )))
+                }
+            }
+        }
+        last = Some(raw.clone());
+    }
+
+    // What follows the end-of-archive blocks is part of the stream a digest
+    // names.
+    io::copy(r, &mut io::sink()).map_err(read_err(&last))?;
+    Ok(n)
+}
+
+enum MetaError {
+    Refused(String),
+    Read(io::Error),
+}
+
+/// Mode, owner, mtime and `SCHILY.xattr.*` records of an entry (the `tar`
+/// crate applies PAX `uid`/`gid`; PAX `mtime` is read here, its whole
+/// seconds).
+fn meta_of<R: Read>(entry: &mut tar::Entry<'_, R>) -> Result<Meta, MetaError> {
+    let h = entry.header();
+    let bad = |what: &str| MetaError::Refused(format!("its header's {what} does not parse"));
+    let mode = h.mode().map_err(|_| bad("mode"))? & 0o7777;
+    let id = |v: io::Result<u64>, what: &str| -> Result<u32, MetaError> {
+        let v = v.map_err(|_| bad(what))?;
+        u32::try_from(v)
+            .map_err(|_| MetaError::Refused(format!("its {what} {v} does not fit 32 bits")))
+    };
+    let uid = id(h.uid(), "uid")?;
+    let gid = id(h.gid(), "gid")?;
+    let mut mtime = i64::try_from(h.mtime().map_err(|_| bad("mtime"))?).unwrap_or(i64::MAX);
+    let mut xattrs = Vec::new();
+    if let Some(pax) = entry.pax_extensions().map_err(MetaError::Read)? {
+        for rec in pax {
+            let rec = rec.map_err(MetaError::Read)?;
+            let Ok(key) = rec.key() else { continue };
+            if let Some(name) = key.strip_prefix("SCHILY.xattr.") {
+                xattrs.push((name.as_bytes().to_vec(), rec.value_bytes().to_vec()));
+            } else if key == "mtime" {
+                let v = rec.value().map_err(|_| bad("PAX mtime"))?;
+                let whole = v.split('.').next().unwrap_or("");
+                mtime = whole.parse().map_err(|_| bad("PAX mtime"))?;
+            }
+        }
+    }
+    xattrs.sort();
+    Ok(Meta {
+        mode,
+        uid,
+        gid,
+        mtime,
+        xattrs,
+    })
+}
+
+/// Applies the layer tar file read from `r` (any supported compression).
+pub(crate) fn apply_file(
+    r: impl Read,
+    stage: &mut Stage,
+    opts: &ApplyOptions<'_>,
+) -> Result<u64, ImportError> {
+    let mut r = BufReader::with_capacity(256 * 1024, r);
+    let c = sniff(&mut r, opts.origin)?;
+    let mut d = decompressed(r, c).map_err(|e| ImportError::Archive {
+        origin: opts.origin.to_string(),
+        after: None,
+        source: e,
+    })?;
+    apply(&mut d, stage, opts)
+}
