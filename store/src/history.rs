@@ -437,9 +437,11 @@ fn manifest_for(
 
 impl Store {
     /// The stack `spec` names in containerd namespace `namespace`: a stack id
-    /// (`<namespace>/sha256:…`) or a base digest (`sha256:…`, full or a unique
-    /// prefix of at least 12 hex digits). `None` when no stack matches (the
-    /// caller may then resolve an image reference through containerd).
+    /// (`<namespace>/sha256:…`, `import:sha256:…`) or a base digest
+    /// (`sha256:…`, full or a unique prefix of at least 12 hex digits) of a
+    /// stack of `namespace` or of an imported base (which belongs to every
+    /// namespace). `None` when no stack matches (the caller may then resolve an
+    /// image reference through containerd).
     ///
     /// Errors: `InvalidArgument` when a prefix matches several stacks.
     pub fn resolve_stack(&self, namespace: &str, spec: &str) -> Result<Option<String>, StoreError> {
@@ -455,7 +457,7 @@ impl Store {
                 return Ok(None);
             }
             let mut stmt = conn.prepare_cached(
-                "SELECT id FROM stacks WHERE namespace = ?1 AND base_digest LIKE ?2 ORDER BY id",
+                "SELECT id FROM stacks WHERE namespace IN (?1, '') AND base_digest LIKE ?2 ORDER BY id",
             )?;
             let found: Vec<String> = stmt
                 .query_map(params![namespace, format!("sha256:{hex}%")], |r| r.get(0))?
@@ -464,7 +466,7 @@ impl Store {
                 0 => Ok(None),
                 1 => Ok(found.into_iter().next()),
                 n => Err(StoreError::InvalidArgument(format!(
-                    "digest prefix {spec:?} matches {n} stacks in namespace {namespace:?}: give more digits"
+                    "digest prefix {spec:?} matches {n} stacks of namespace {namespace:?} and imported bases: give more digits"
                 ))),
             }
         })

@@ -4,7 +4,8 @@
 //! and publish outcomes (ARCHITECTURE.md §2, §4, §8).
 //!
 //! Modules by concept: [`db`](crate::db) (connections, transactions, row
-//! parsing), `stacks` (stacks, branches, manifests, log), `leases`, `sessions`,
+//! parsing), `stacks` (stacks, branches, manifests, log), `import` (bases
+//! imported without containerd), `leases`, `sessions`,
 //! `paths` (the path index), `publish` (staging and committing a publish,
 //! outcomes), `sweep` (crash recovery), and [`snapshots`] — containerd's snapshot
 //! semantics (keys, kinds, parent chains, extraction, Docker init layers) over
@@ -45,6 +46,7 @@ pub mod failpoints;
 pub mod fs;
 mod graph;
 mod history;
+mod import;
 mod layers;
 mod leases;
 mod lock;
@@ -71,6 +73,7 @@ pub use error::{ErrorKind, OpenError, Result, StoreError};
 pub use export::{ExportLayer, ExportLease, ExportSource};
 pub use graph::{AttemptInfo, AttemptStatus, GraphDump, GroupInfo, NodeInfo, NodeKind, Provenance};
 pub use history::{DiskUsage, GcReport, LogPoint, MergeBase, RemovedStack, Squashed, Usage};
+pub use import::{import_stack_id, is_imported_stack, ImportedBase, IMPORT_STACK_PREFIX};
 pub use lock::StoreLock;
 pub use model::*;
 pub use publish::{CommitRecord, Published, Recheck, Staged};

@@ -480,11 +480,14 @@ pub struct BranchInfo {
 /// A stack: the history on one base.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StackInfo {
-    /// `<namespace>/<chainID>`.
+    /// `<namespace>/<chainID>`, or `import:sha256:<hex>` for an imported base
+    /// ([`crate::import_stack_id`]).
     pub id: String,
-    /// The base image's top layer chainID.
+    /// The base image's top layer chainID, or an imported base's content
+    /// digest.
     pub base_digest: String,
-    /// The containerd namespace it belongs to.
+    /// The containerd namespace it belongs to (`""`: an imported base, which
+    /// belongs to none).
     pub namespace: String,
     /// Base (image) layers, newest first.
     pub base_layers: Vec<LayerId>,

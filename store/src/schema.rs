@@ -101,7 +101,9 @@ CREATE INDEX layer_paths_hiding ON layer_paths(path, layer_id) WHERE kind NOT IN
 
 -- A stack: the history that grows on one base (ARCHITECTURE.md §2). Its base
 -- layers are recorded here, so history stays reachable after containerd removes
--- the image's snapshots.
+-- the image's snapshots. An imported base (module import: `import:sha256:…`,
+-- no containerd) has namespace '' (containerd's namespaces are never empty)
+-- and its content digest as base_digest.
 CREATE TABLE stacks (
     id          TEXT PRIMARY KEY,
     base_digest TEXT NOT NULL,
