@@ -229,15 +229,25 @@ enum MetaError {
 fn meta_of<R: Read>(entry: &mut tar::Entry<'_, R>) -> Result<Meta, MetaError> {
     let h = entry.header();
     let bad = |what: &str| MetaError::Refused(format!("its header's {what} does not parse"));
-    let mode = h.mode().map_err(|_| bad("mode"))? & 0o7777;
-    let id = |v: io::Result<u64>, what: &str| -> Result<u32, MetaError> {
-        let v = v.map_err(|_| bad(what))?;
+    // An empty numeric field (all NUL or spaces) is 0, as GNU tar, Go's
+    // archive/tar and Python's tarfile read it.
+    let field = |v: io::Result<u64>, raw: &[u8], what: &str| -> Result<u64, MetaError> {
+        match v {
+            Ok(v) => Ok(v),
+            Err(_) if raw.iter().all(|&b| b == 0 || b == b' ') => Ok(0),
+            Err(_) => Err(bad(what)),
+        }
+    };
+    let old = h.as_old();
+    let mode = field(h.mode().map(u64::from), &old.mode, "mode")? as u32 & 0o7777;
+    let id = |v: io::Result<u64>, raw: &[u8], what: &str| -> Result<u32, MetaError> {
+        let v = field(v, raw, what)?;
         u32::try_from(v)
             .map_err(|_| MetaError::Refused(format!("its {what} {v} does not fit 32 bits")))
     };
-    let uid = id(h.uid(), "uid")?;
-    let gid = id(h.gid(), "gid")?;
-    let mut mtime = i64::try_from(h.mtime().map_err(|_| bad("mtime"))?).unwrap_or(i64::MAX);
+    let uid = id(h.uid(), &old.uid, "uid")?;
+    let gid = id(h.gid(), &old.gid, "gid")?;
+    let mut mtime = i64::try_from(field(h.mtime(), &old.mtime, "mtime")?).unwrap_or(i64::MAX);
     let mut xattrs = Vec::new();
     if let Some(pax) = entry.pax_extensions().map_err(MetaError::Read)? {
         for rec in pax {
