@@ -75,6 +75,13 @@ pub enum EngineError {
         branch: String,
         head: ManifestId,
     },
+    /// A base import that could not be made (nothing of it was kept).
+    #[error("cannot import {}", path.display())]
+    Import {
+        path: PathBuf,
+        #[source]
+        source: Box<publisher::ImportError>,
+    },
 }
 
 impl EngineError {
@@ -93,6 +100,9 @@ impl EngineError {
             Self::FailedPrecondition(_) => ErrorKind::FailedPrecondition,
             Self::Read(..) | Self::Export(_) => ErrorKind::Internal,
             Self::Squash { .. } | Self::SquashRunNotInView { .. } => ErrorKind::Internal,
+            Self::Import { source, .. } if source.is_not_found() => ErrorKind::NotFound,
+            Self::Import { source, .. } if source.is_input() => ErrorKind::InvalidArgument,
+            Self::Import { .. } => ErrorKind::Internal,
         }
     }
 }

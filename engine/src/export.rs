@@ -84,14 +84,14 @@ pub struct LayerBlob {
 }
 
 /// A writer that hashes (sha256) and counts what passes through it.
-struct Digesting<W> {
+pub(crate) struct Digesting<W> {
     inner: W,
     hash: Sha256,
     bytes: u64,
 }
 
 impl<W: Write> Digesting<W> {
-    fn new(inner: W) -> Self {
+    pub(crate) fn new(inner: W) -> Self {
         Self {
             inner,
             hash: Sha256::new(),
@@ -99,7 +99,7 @@ impl<W: Write> Digesting<W> {
         }
     }
 
-    fn digest(&self) -> String {
+    pub(crate) fn digest(&self) -> String {
         format!("sha256:{:x}", self.hash.clone().finalize())
     }
 }

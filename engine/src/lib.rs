@@ -19,6 +19,8 @@
 //! * **Proof of quiescence** before a capture: the upper is no overlay's
 //!   upperdir in any mount namespace (a census of `/proc`).
 //! * **The outcome watch** ([`Engine::wait`], [`Engine::subscribe`]).
+//! * **Base import** ([`Engine::import_base`]): a stack made from a directory,
+//!   a layer tar or an OCI layout, content-addressed, with no containerd.
 //!
 //! No tonic, no TOML: front ends map [`EngineError::kind`] to their wire codes.
 //!
@@ -44,6 +46,7 @@ mod error;
 pub mod export;
 mod graph;
 mod history;
+mod import;
 mod index;
 mod locks;
 mod publish;
@@ -65,10 +68,13 @@ pub use error::{error_chain, EngineError, RunError};
 pub use export::{write_layer_blob, Compression, Export, LayerBlob};
 pub use graph::NodeMerged;
 pub use history::{Collected, HistoryRuns, HistorySettings, Promoted};
+pub use import::{tree_digest, BaseImported, ImportRequest};
 /// The publisher's types the engine's settings and answers use (not the
 /// crate: front ends call the engine, never capture, plan or apply themselves).
 pub mod publisher {
-    pub use layerstack_publisher::{DiffAlgorithm, ExcludePolicy, FileKind, MergeOptions};
+    pub use layerstack_publisher::{
+        DiffAlgorithm, ExcludePolicy, FileKind, ImportKind, ImportReport, MergeOptions,
+    };
 }
 /// The store's types the engine's verbs take and answer, and what a daemon
 /// needs to open a store and give it to [`Engine::new`] (not the crate: front

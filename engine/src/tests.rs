@@ -1867,6 +1867,15 @@ mod crash {
             "publish" => {
                 let _ = p.publish(f[3].parse().unwrap(), "crash test").await;
             }
+            "import" => {
+                let _ = p
+                    .import_base(crate::ImportRequest {
+                        path: f[3].into(),
+                        kind: Default::default(),
+                        platform: None,
+                    })
+                    .await;
+            }
             other => panic!("unknown operation {other}"),
         }
         eprintln!("crash point {point} was never reached");
@@ -2214,6 +2223,52 @@ mod crash {
                 store.manifest_depth(head).unwrap(),
                 depth_before + 1,
                 "{point}: one merge layer, however often it was called"
+            );
+            assert_no_orphans(&store, &p, point).await;
+        }
+    }
+
+    /// A base import killed at each step: after the restart's sweep there is
+    /// no stack and nothing in `l/` or `staging/` (the commit is the last
+    /// step), and the same import then makes the whole base.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_crash_at_each_step_of_a_base_import_leaves_nothing_or_the_whole_base() {
+        if !have_root("a_crash_at_each_step_of_a_base_import_leaves_nothing_or_the_whole_base") {
+            return;
+        }
+        for point in [
+            "import.staged",
+            "import.before_rename",
+            "import.after_rename",
+        ] {
+            let t = tmp();
+            let root_dir = t.path().join("root");
+            let src = t.path().join("src");
+            write(&src, "etc/motd", b"imported\n");
+            crash_at("import", point, &root_dir, &[src.to_str().unwrap()]);
+            let (store, p) = restart(&root_dir).await;
+            assert!(
+                store.stacks().unwrap().is_empty(),
+                "{point}: a stack survived"
+            );
+            for d in ["l", "staging"] {
+                let left: Vec<_> = std::fs::read_dir(root_dir.join(d)).unwrap().collect();
+                assert!(left.is_empty(), "{point}: {d}/ keeps {left:?}");
+            }
+            let b = p
+                .import_base(crate::ImportRequest {
+                    path: src.clone(),
+                    kind: Default::default(),
+                    platform: None,
+                })
+                .await
+                .unwrap();
+            assert!(b.created, "{point}");
+            let head = store.branch_head(&b.stack, "main").unwrap();
+            let view = publisher::LayerView::new(store.manifest_view(&b.stack, head).unwrap());
+            assert_eq!(
+                view.read_regular(b"etc/motd").unwrap().unwrap(),
+                b"imported\n"
             );
             assert_no_orphans(&store, &p, point).await;
         }
