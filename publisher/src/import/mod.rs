@@ -134,6 +134,9 @@ pub enum ImportError {
         #[source]
         source: std::io::Error,
     },
+    /// The source does not exist.
+    #[error("{} does not exist: name the path as the daemon sees it (it reads it in its own mount namespace)", .0.display())]
+    Missing(PathBuf),
     /// The source is not what its kind needs; the message says what to do.
     #[error("{0}")]
     Invalid(String),
@@ -196,7 +199,11 @@ impl ImportError {
 
     /// Whether the source does not exist.
     pub fn is_not_found(&self) -> bool {
-        matches!(self, Self::Source { source, .. } if source.kind() == std::io::ErrorKind::NotFound)
+        match self {
+            Self::Missing(_) => true,
+            Self::Source { source, .. } => source.kind() == std::io::ErrorKind::NotFound,
+            _ => false,
+        }
     }
 }
 
@@ -210,10 +217,16 @@ pub fn import_tree(
     staging: &Path,
     options: &ImportOptions,
 ) -> Result<ImportReport, ImportError> {
-    let md = std::fs::metadata(source).map_err(|e| ImportError::Source {
-        what: "the import source",
-        path: source.to_path_buf(),
-        source: e,
+    let md = std::fs::metadata(source).map_err(|e| {
+        if e.kind() == std::io::ErrorKind::NotFound {
+            ImportError::Missing(source.to_path_buf())
+        } else {
+            ImportError::Source {
+                what: "the import source",
+                path: source.to_path_buf(),
+                source: e,
+            }
+        }
     })?;
     let kind = match options.kind {
         ImportKind::Auto if md.is_dir() => {
