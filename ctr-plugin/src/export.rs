@@ -451,7 +451,13 @@ pub async fn run(admin: &Path, ns: &str, a: ExportArgs) -> Result<ExitCode> {
     // The image config: the base image's runtime config and platform, this
     // export's diff IDs and history.
     let base = base_config(&plan);
-    if let Err(why) = &base {
+    if base.is_err() && plan.stack.starts_with(api::types::IMPORT_STACK_PREFIX) {
+        // No image ever existed: nothing is missing, nothing to warn about.
+        eprintln!(
+            "layerstack: stack {} has an imported base (layerstack base import), which has no image config: the exported image's runtime config is Env {DEFAULT_PATH} alone, with no command (name one when running it)",
+            plan.stack
+        );
+    } else if let Err(why) = &base {
         let named = match &a.stack {
             Some(s) if *s != plan.stack && !s.starts_with(&format!("{}@", plan.stack)) => {
                 format!("{s} (stack {})", plan.stack)

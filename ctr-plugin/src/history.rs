@@ -414,8 +414,14 @@ pub async fn run(admin: &Path, ns: &str, cmd: HistoryCmd) -> Result<ExitCode> {
                 for s in &r.stacks {
                     rows.push([
                         short(&s.id).to_string(),
-                        s.namespace.clone(),
-                        if s.image_refs.is_empty() {
+                        if s.namespace.is_empty() {
+                            "-".into()
+                        } else {
+                            s.namespace.clone()
+                        },
+                        if s.namespace.is_empty() {
+                            "(imported)".into()
+                        } else if s.image_refs.is_empty() {
                             "-".into()
                         } else {
                             s.image_refs.join(",")

@@ -4,6 +4,7 @@
 //! Exit codes: 0 success; 1 error (message on stderr); 2 usage; 3 the session
 //! ended in conflict (`wait`, `publish`), or would (`publish --dry-run`).
 
+mod base;
 mod config;
 mod export;
 mod graph;
@@ -117,6 +118,12 @@ pub enum Cmd {
     /// standard OCI image layout: the base's layers plus one layer per published
     /// or squashed layer, for `ctr images import`, skopeo or a registry.
     Export(export::ExportArgs),
+    /// Bases made without containerd: `base import` a directory tree, a layer
+    /// tar or an OCI image layout as a stack.
+    Base {
+        #[command(subcommand)]
+        cmd: base::BaseCmd,
+    },
     #[command(flatten)]
     History(history::HistoryCmd),
     #[command(flatten)]
@@ -189,6 +196,7 @@ async fn main() -> ExitCode {
             cmd: SessionCmd::Close(ref a),
         } => run::close_cmd(&cli, a.clone()).await,
         Cmd::Export(a) => export::run(&cli.admin_address, &cli.namespace, a).await,
+        Cmd::Base { cmd } => base::run(&cli.admin_address, cmd).await,
         Cmd::History(h) => history::run(&cli.admin_address, &cli.namespace, h).await,
         Cmd::Inspect(i) => inspect::run(&cli.admin_address, &cli.namespace, i).await,
         Cmd::Graph(g) => graph::run(&cli.admin_address, &cli.namespace, g).await,

@@ -38,11 +38,16 @@ pub fn print_table<const N: usize>(rows: &[[String; N]]) {
 }
 
 /// A stack id (`<namespace>/<chainID>`) shortened for tables: the chainID's first
-/// 12 hex digits (the namespace has its own column).
-pub fn short(stack: &str) -> &str {
+/// 12 hex digits (the namespace has its own column); an imported base's
+/// (`import:sha256:<hex>`) keeps its `import:`.
+pub fn short(stack: &str) -> String {
+    if let Some(d) = stack.strip_prefix(layerstack_api::types::IMPORT_STACK_PREFIX) {
+        let hex = d.strip_prefix("sha256:").unwrap_or(d);
+        return format!("import:{}", hex.get(..12).unwrap_or(hex));
+    }
     let chain = stack.rsplit('/').next().unwrap_or(stack);
     let s = chain.strip_prefix("sha256:").unwrap_or(chain);
-    s.get(..12).unwrap_or(s)
+    s.get(..12).unwrap_or(s).to_string()
 }
 
 /// A spinner on stderr naming `what` and the time taken, drawn only when stderr
@@ -62,4 +67,20 @@ pub fn spinner(what: &str) -> indicatif::ProgressBar {
     b.set_message(what.to_string());
     b.enable_steady_tick(std::time::Duration::from_millis(120));
     b
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn stack_ids_shorten_to_their_digest_and_keep_import() {
+        let hex = "0123456789abcdef".repeat(4);
+        assert_eq!(
+            super::short(&format!("default/sha256:{hex}")),
+            "0123456789ab"
+        );
+        assert_eq!(
+            super::short(&format!("import:sha256:{hex}")),
+            "import:0123456789ab"
+        );
+    }
 }

@@ -339,12 +339,13 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
             Ok(print_outcome(&r, all.as_deref(), json))
         }
         Cmd::Export(_)
+        | Cmd::Base { .. }
         | Cmd::History(_)
         | Cmd::Inspect(_)
         | Cmd::Graph(_)
         | Cmd::Session { .. } => {
             unreachable!(
-                "export, history, blame/diff/conflict and session commands are dispatched in main"
+                "export, base, history, blame/diff/conflict and session commands are dispatched in main"
             )
         }
     }

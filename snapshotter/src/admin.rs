@@ -503,6 +503,13 @@ impl api::Admin for AdminService {
             .map(Response::new)
     }
 
+    async fn import_base(
+        &self,
+        req: Request<api::ImportBaseRequest>,
+    ) -> Result<Response<api::ImportBaseResponse>, Status> {
+        self.base_import(req.into_inner()).await.map(Response::new)
+    }
+
     async fn rebase_session(
         &self,
         req: Request<api::RebaseSessionRequest>,

@@ -157,6 +157,12 @@ impl AdminService {
         layers: usize,
         prefer: &str,
     ) -> Result<Base, Missing> {
+        if ns.is_empty() {
+            // `layerstack base import`: no image, no containerd.
+            return Err(Missing(format!(
+                "{chain} is an imported base (layerstack base import): it has no image in containerd"
+            )));
+        }
         let lookup = async {
             let ch = crate::containerd::connect(&self.containerd_address)
                 .await
@@ -248,6 +254,9 @@ impl AdminService {
                 blobs_copied = l.layers.iter().enumerate().filter(|(i, _)| b.blob(*i).is_some()).count(),
                 "export: base image found in containerd"
             ),
+            Err(Missing(_)) if l.namespace.is_empty() => {
+                info!(stack = %l.stack, "export: an imported base: its layer is packed from the store, the runtime config defaulted")
+            }
             Err(Missing(why)) => {
                 warn!(stack = %l.stack, reason = %why, "export: no base image in containerd; its layers are re-packed, its runtime config defaulted")
             }

@@ -192,8 +192,12 @@ impl AdminService {
         let mut images: std::collections::HashMap<String, Vec<(String, String)>> =
             Default::default();
         for st in all {
-            if !r.all_namespaces && st.namespace != r.namespace {
+            // An imported base belongs to no namespace: listed in every one.
+            if !r.all_namespaces && st.namespace != r.namespace && !st.namespace.is_empty() {
                 continue;
+            }
+            if st.namespace.is_empty() {
+                images.entry(String::new()).or_default();
             }
             if !images.contains_key(&st.namespace) {
                 // Best effort: containerd may be down; history does not need it.

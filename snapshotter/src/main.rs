@@ -15,6 +15,7 @@ mod export;
 mod filters;
 mod graph;
 mod history;
+mod import;
 mod inspect;
 mod metrics;
 mod notify;

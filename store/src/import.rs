@@ -36,8 +36,8 @@ use crate::snapshots::is_digest;
 use crate::stacks::{ensure_branch, ensure_stack, stack_base_layers};
 use crate::{fs, Durability, LayerId, LayerKind, Store};
 
-/// The prefix of an imported stack's id.
-pub const IMPORT_STACK_PREFIX: &str = "import:";
+/// The prefix of an imported stack's id (the vocabulary crate's).
+pub use layerstack_types::IMPORT_STACK_PREFIX;
 
 /// The id of the stack whose base was imported with content digest `digest`
 /// (`sha256:<hex>`): `import:sha256:<hex>`.

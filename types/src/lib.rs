@@ -10,6 +10,7 @@
 //!   decides.
 //! * [`OutcomeKind`], [`PathStatus`], [`SessionState`], [`OwnerKind`]: the names
 //!   of the model's states as the store records them and the wire carries them.
+//! * [`IMPORT_STACK_PREFIX`]: how an imported base's stack id begins.
 //!
 //! ```
 //! use layerstack_types::{policy, ErrorKind, OutcomeKind};
@@ -30,3 +31,9 @@ pub mod policy;
 
 pub use error::{error_chain, ErrorKind};
 pub use names::{OutcomeKind, OwnerKind, PathStatus, SessionState};
+
+/// The prefix of the id of a stack whose base was imported without containerd
+/// (`layerstack base import`): `import:sha256:<hex>`, the digest of the base's
+/// content. A containerd stack is `<namespace>/<chainID>` and a containerd
+/// namespace never holds a `:`, so the two cannot collide.
+pub const IMPORT_STACK_PREFIX: &str = "import:";
