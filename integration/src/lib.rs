@@ -112,6 +112,22 @@ pub fn require_root_and_containerd() -> bool {
     false
 }
 
+/// True when this process can run the tests that need root but no
+/// containerd (the daemon alone: `base import`, Mode B on an imported base).
+/// Otherwise, with `CI=true` it panics with the reason, else it prints it to
+/// stderr and returns false (skip).
+pub fn require_root() -> bool {
+    if nix::unistd::geteuid().is_root() {
+        return true;
+    }
+    let msg = "this test needs root (euid 0): the daemon mounts overlays and chowns";
+    if in_ci() {
+        panic!("CI=true and {msg}");
+    }
+    eprintln!("SKIPPED: {msg}");
+    false
+}
+
 /// Directory below which test temp dirs are created: `$LAYERSTACK_TEST_TMP`,
 /// default `/var/tmp` (on disk; `/tmp` may be tmpfs, which the store refuses).
 pub fn tmp_base() -> PathBuf {
@@ -1243,6 +1259,73 @@ impl Drop for Daemon {
             self.dump_log();
         }
         self.stop();
+    }
+}
+
+/// The daemon alone, with no containerd anywhere: a fresh temp dir (see
+/// [`make_temp_dir`]) holding its store (`root/`), sockets (`s/`) and log;
+/// the containerd address it is given (`s/containerd.sock`) never exists.
+/// Dropping it stops the daemon (by its pid) and removes the temp dir (kept
+/// with `LAYERSTACK_TEST_KEEP`).
+pub struct StandaloneDaemon {
+    dir: PathBuf,
+    daemon: Option<Daemon>,
+}
+
+impl StandaloneDaemon {
+    /// Starts the daemon; waits until its sockets answer.
+    pub fn start() -> Result<StandaloneDaemon> {
+        let dir = make_temp_dir()?;
+        let daemon = Daemon::start_at(
+            &dir.join("s/snapshotter.sock"),
+            &dir.join("s/containerd.sock"),
+            &dir.join("root"),
+        );
+        match daemon {
+            Ok(d) => Ok(StandaloneDaemon {
+                dir,
+                daemon: Some(d),
+            }),
+            Err(e) => {
+                remove_tree(&dir);
+                Err(e)
+            }
+        }
+    }
+
+    /// The temp dir.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The daemon.
+    pub fn daemon(&self) -> &Daemon {
+        self.daemon.as_ref().expect("running until dropped")
+    }
+
+    /// Runs `layerstack --admin-address ADMIN ARGS…` ([`Daemon::layerstack`]).
+    pub fn layerstack(&self, args: &[&str]) -> Result<Output> {
+        self.daemon().layerstack(args)
+    }
+}
+
+impl Drop for StandaloneDaemon {
+    fn drop(&mut self) {
+        if let Some(mut d) = self.daemon.take() {
+            if thread::panicking() {
+                d.dump_log();
+            }
+            d.stop();
+        }
+        if std::env::var_os("LAYERSTACK_TEST_KEEP").is_some() {
+            unmount_all_under(&self.dir);
+            eprintln!(
+                "layerstack-integration: LAYERSTACK_TEST_KEEP set, keeping {}",
+                self.dir.display()
+            );
+        } else {
+            remove_tree(&self.dir);
+        }
     }
 }
 

@@ -1,0 +1,212 @@
+//! `layerstack base import` (issue 19, containerd as an adapter) against the
+//! real daemon with NO containerd running: a directory built here becomes a
+//! stack, GNU tar's archive of the same tree is the same stack, a Mode B
+//! session runs on it (busybox as /bin/sh) and publishes, the branch is
+//! exported as an OCI layout whose base layer's diff ID is the import's
+//! digest, and a hostile archive is refused leaving nothing.
+//!
+//! Needs root (fails under `CI=true` without it), `/bin/busybox` (static) and
+//! `tar`; no containerd.
+
+use std::path::Path;
+use std::process::Command;
+
+use anyhow::{bail, ensure, Context, Result};
+use layerstack_integration::*;
+use serde_json::Value;
+
+/// A root filesystem: a static busybox as /bin/sh (and a few applets),
+/// /etc/motd, a directory of its own.
+fn rootfs(dir: &Path) -> Result<()> {
+    let busybox = ["/bin/busybox", "/usr/bin/busybox"]
+        .into_iter()
+        .map(Path::new)
+        .find(|p| p.is_file())
+        .context("busybox is not installed (apt-get install busybox-static)")?;
+    std::fs::create_dir_all(dir.join("bin"))?;
+    std::fs::create_dir_all(dir.join("etc"))?;
+    std::fs::create_dir_all(dir.join("srv/data"))?;
+    std::fs::copy(busybox, dir.join("bin/busybox"))?;
+    for applet in ["sh", "cat", "echo", "ls", "test"] {
+        std::os::unix::fs::symlink("busybox", dir.join("bin").join(applet))?;
+    }
+    std::fs::write(dir.join("etc/motd"), "from an import\n")?;
+    std::fs::write(dir.join("srv/data/seed.txt"), "seed\n")?;
+    Ok(())
+}
+
+fn ok(what: &str, o: std::process::Output) -> Result<std::process::Output> {
+    ensure_success(what, o)
+}
+
+#[test]
+fn a_base_imported_without_containerd_runs_sessions_and_exports() -> Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let env = StandaloneDaemon::start()?;
+    let run = || -> Result<()> {
+        let dir = env.dir();
+        ensure!(
+            !dir.join("s/containerd.sock").exists(),
+            "no containerd may run for this test"
+        );
+        let src = dir.join("rootfs");
+        rootfs(&src)?;
+
+        // The directory: a new stack, printed on stdout.
+        let o = ok(
+            "base import",
+            env.layerstack(&["base", "import", src.to_str().context("utf-8")?])?,
+        )?;
+        let stack = stdout(&o).trim().to_string();
+        ensure!(stack.starts_with("import:sha256:"), "stack id: {stack:?}");
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        ensure!(stderr.contains("imported directory"), "{stderr}");
+
+        // GNU tar's archive of the same tree (another writer entirely): the
+        // same content, so the same stack; nothing new.
+        let tarball = dir.join("rootfs.tar.gz");
+        let t = run_with_timeout(
+            Command::new("tar")
+                .args(["--numeric-owner", "-czf"])
+                .arg(&tarball)
+                .arg("-C")
+                .arg(&src)
+                .arg("."),
+            CMD_TIMEOUT,
+        )?;
+        ok("tar", t)?;
+        let o = ok(
+            "base import (tar)",
+            env.layerstack(&[
+                "base",
+                "import",
+                "--json",
+                tarball.to_str().context("utf-8")?,
+            ])?,
+        )?;
+        let v: Value = serde_json::from_slice(&o.stdout)?;
+        ensure!(
+            v["stack"] == stack.as_str() && v["created"] == false && v["kind"] == "tar",
+            "the tar of the same tree is the same stack: {v}"
+        );
+        let digest = v["digest"].as_str().context("digest")?.to_string();
+        ensure!(stack == format!("import:{digest}"), "{stack} vs {digest}");
+        let staging = env.daemon().root().join("staging");
+        ensure!(
+            dir_is_empty(&staging)?,
+            "the second import's staged tree was dropped"
+        );
+
+        // Mode B on it: the overlay's root is the imported tree.
+        let o = ok(
+            "session run",
+            env.layerstack(&[
+                "session",
+                "run",
+                &stack,
+                "--",
+                "sh",
+                "-c",
+                "cat /etc/motd && cat /srv/data/seed.txt && echo written > /srv/data/new.txt",
+            ])?,
+        )?;
+        ensure!(
+            stdout(&o) == "from an import\nseed\n",
+            "session output: {}",
+            describe(&o)
+        );
+        ensure!(
+            String::from_utf8_lossy(&o.stderr).contains("committed"),
+            "{}",
+            describe(&o)
+        );
+        let o = ok(
+            "session run (next)",
+            env.layerstack(&[
+                "session",
+                "run",
+                &format!("{stack}@main"),
+                "--",
+                "cat",
+                "/srv/data/new.txt",
+            ])?,
+        )?;
+        ensure!(stdout(&o) == "written\n", "{}", describe(&o));
+
+        // Export of the branch: the imported base, then the published layer.
+        let layout = dir.join("exported");
+        let o = ok(
+            "export",
+            env.layerstack(&[
+                "export",
+                &format!("{stack}@main"),
+                "--oci-layout",
+                layout.to_str().context("utf-8")?,
+                "--json",
+            ])?,
+        )?;
+        let blob = |d: &str| -> Result<Value> {
+            let hex = d.strip_prefix("sha256:").context("digest")?;
+            Ok(serde_json::from_slice(&std::fs::read(
+                layout.join("blobs/sha256").join(hex),
+            )?)?)
+        };
+        let index: Value = serde_json::from_slice(&std::fs::read(layout.join("index.json"))?)?;
+        let manifest = blob(
+            index["manifests"][0]["digest"]
+                .as_str()
+                .context("manifest")?,
+        )?;
+        let config = blob(manifest["config"]["digest"].as_str().context("config")?)?;
+        let diff_ids = config["rootfs"]["diff_ids"]
+            .as_array()
+            .context("diff_ids")?;
+        ensure!(
+            diff_ids.len() == 2 && diff_ids[0] == digest.as_str(),
+            "the base layer's diff ID is the import's digest: {diff_ids:?} vs {digest} ({})",
+            stdout(&o)
+        );
+
+        // A hostile archive: refused by entry, nothing kept, nothing outside.
+        let bad = dir.join("bad.tar");
+        let mut b = tar::Builder::new(Vec::new());
+        let mut h = tar::Header::new_gnu();
+        h.set_size(4);
+        h.set_mode(0o644);
+        h.set_entry_type(tar::EntryType::Regular);
+        let name = b"../escaped";
+        h.as_old_mut().name[..name.len()].copy_from_slice(name);
+        h.set_cksum();
+        b.append(&h, &b"evil"[..])?;
+        std::fs::write(&bad, b.into_inner()?)?;
+        let o = env.layerstack(&["base", "import", bad.to_str().context("utf-8")?])?;
+        let err = String::from_utf8_lossy(&o.stderr);
+        ensure!(
+            !o.status.success() && err.contains("refused entry ../escaped"),
+            "{}",
+            describe(&o)
+        );
+        ensure!(!dir.join("escaped").exists() && !staging.join("../escaped").exists());
+        ensure!(
+            dir_is_empty(&staging)?,
+            "a refused import leaves its staging"
+        );
+        let o = ok("stack ls", env.layerstack(&["stack", "ls", "--json"])?)?;
+        let stacks: Value = serde_json::from_slice(&o.stdout)?;
+        ensure!(
+            stacks.as_array().map(Vec::len) == Some(1) && stacks[0]["namespace"] == "",
+            "{stacks}"
+        );
+        if !env.daemon().root().join("l").is_dir() {
+            bail!("no layer directory");
+        }
+        Ok(())
+    };
+    let r = run();
+    if r.is_err() {
+        env.daemon().dump_log();
+    }
+    r
+}
