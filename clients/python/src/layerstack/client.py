@@ -207,6 +207,40 @@ class Client:
         """The daemon's status (version, store root, containerd, Mode B cap)."""
         return Status.from_pb(self._call(self._stub.Status, pb.StatusRequest()))
 
+    # ------------------------------------------------------------------ bases
+
+    def import_base(
+        self,
+        path: Union[str, "os.PathLike[str]"],
+        kind: str = "auto",
+        *,
+        platform: str = "",
+        timeout_s: Optional[float] = None,
+    ) -> str:
+        """Makes a stack from a directory tree, a layer tar (plain, gzip or zstd)
+        or an OCI image layout, with no containerd, and returns its stack id
+        (``import:sha256:<hex>``: the digest of its content), whose ``main``
+        branch :meth:`run` and :meth:`create_session` take as ``stack``.
+
+        The daemon reads ``path`` itself: it is made absolute here (from this
+        process's working directory) and must name the same file in the
+        daemon's mount namespace. Content-addressed: the same content imported
+        again (as a directory, a tar or a layout) returns the same id and
+        changes nothing. ``kind``: auto | dir | tar | oci; ``platform``:
+        os/arch[/variant] of an OCI layout's manifest (default: its only one,
+        else the daemon's platform). No deadline by default (``timeout_s``):
+        a large image takes a while.
+
+        Raises InvalidArgumentError for a refused entry (an absolute or ``..``
+        name, a write through a symlink, a hardlink to outside) or a malformed
+        input — nothing of it is kept — and NotFoundError when ``path`` does
+        not exist."""
+        if kind not in ("auto", "dir", "tar", "oci"):
+            raise ValueError(f"kind {kind!r} is none of auto, dir, tar, oci")
+        req = pb.ImportBaseRequest(path=os.path.abspath(os.fspath(path)), kind=kind, platform=platform)
+        r = self._call(self._stub.ImportBase, req, timeout_s)
+        return str(r.stack)
+
     # ------------------------------------------------------------------ Mode B
 
     def run(

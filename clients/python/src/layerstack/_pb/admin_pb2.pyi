@@ -18,6 +18,40 @@ DISCARD: PublishPolicy
 AUTO: PublishPolicy
 CHECKPOINT: PublishPolicy
 
+class ImportBaseRequest(_message.Message):
+    __slots__ = ("path", "kind", "platform")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    PLATFORM_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    kind: str
+    platform: str
+    def __init__(self, path: _Optional[str] = ..., kind: _Optional[str] = ..., platform: _Optional[str] = ...) -> None: ...
+
+class ImportBaseResponse(_message.Message):
+    __slots__ = ("stack", "digest", "layer", "created", "bytes", "kind", "files", "layers", "manifest", "platform")
+    STACK_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    LAYER_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    PLATFORM_FIELD_NUMBER: _ClassVar[int]
+    stack: str
+    digest: str
+    layer: int
+    created: bool
+    bytes: int
+    kind: str
+    files: int
+    layers: int
+    manifest: str
+    platform: str
+    def __init__(self, stack: _Optional[str] = ..., digest: _Optional[str] = ..., layer: _Optional[int] = ..., created: _Optional[bool] = ..., bytes: _Optional[int] = ..., kind: _Optional[str] = ..., files: _Optional[int] = ..., layers: _Optional[int] = ..., manifest: _Optional[str] = ..., platform: _Optional[str] = ...) -> None: ...
+
 class ExportRequest(_message.Message):
     __slots__ = ("namespace", "image", "branch", "node", "compression", "since_layer")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]

@@ -219,6 +219,11 @@ class AdminStub:
                 request_serializer=layerstack_dot___pb_dot_admin__pb2.ExportRequest.SerializeToString,
                 response_deserializer=layerstack_dot___pb_dot_admin__pb2.ExportReply.FromString,
                 _registered_method=True)
+        self.ImportBase = channel.unary_unary(
+                '/layerstack.admin.v1.Admin/ImportBase',
+                request_serializer=layerstack_dot___pb_dot_admin__pb2.ImportBaseRequest.SerializeToString,
+                response_deserializer=layerstack_dot___pb_dot_admin__pb2.ImportBaseResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -531,6 +536,21 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ImportBase(self, request, context):
+        """Make a stack from a directory tree, a layer tar (plain, gzip, zstd) or an
+        OCI image layout, with no containerd (docs/architecture.md "Base
+        import"): flattened into one base layer (OCI whiteouts applied), content
+        addressed. The daemon reads `path` itself: absolute, in the daemon's mount
+        namespace. The same content imported again answers created = false and
+        names the existing stack. INVALID_ARGUMENT: a relative path, an unknown
+        kind or platform, a refused entry (absolute or `..` names, a write through
+        a symlink, a hardlink to outside, …) or malformed input — nothing is
+        kept; NOT_FOUND: no such path.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -718,6 +738,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Export,
                     request_deserializer=layerstack_dot___pb_dot_admin__pb2.ExportRequest.FromString,
                     response_serializer=layerstack_dot___pb_dot_admin__pb2.ExportReply.SerializeToString,
+            ),
+            'ImportBase': grpc.unary_unary_rpc_method_handler(
+                    servicer.ImportBase,
+                    request_deserializer=layerstack_dot___pb_dot_admin__pb2.ImportBaseRequest.FromString,
+                    response_serializer=layerstack_dot___pb_dot_admin__pb2.ImportBaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -1719,6 +1744,33 @@ class Admin:
             '/layerstack.admin.v1.Admin/Export',
             layerstack_dot___pb_dot_admin__pb2.ExportRequest.SerializeToString,
             layerstack_dot___pb_dot_admin__pb2.ExportReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ImportBase(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/layerstack.admin.v1.Admin/ImportBase',
+            layerstack_dot___pb_dot_admin__pb2.ImportBaseRequest.SerializeToString,
+            layerstack_dot___pb_dot_admin__pb2.ImportBaseResponse.FromString,
             options,
             channel_credentials,
             insecure,
