@@ -92,7 +92,9 @@ pub enum StackCmd {
     /// branches with their depth (`name(depth)`), layers, and with `--usage`
     /// their size. A stack is the history of one image in one namespace: it
     /// appears once a container or session has used the image (after `ctr
-    /// images import` or `pull` alone the list is empty).
+    /// images import` or `pull` alone the list is empty); an imported base's
+    /// (`layerstack base import`) belongs to no namespace and is listed in
+    /// every one.
     Ls {
         /// Stacks of every namespace.
         #[arg(long, short = 'A')]
