@@ -45,6 +45,8 @@ pub enum Image {
     Debian,
     /// `make_source_image.sh`: busybox + a source tree (small in quick mode).
     Source,
+    /// `make_busybox_image.sh`: busybox-static and its applets, one small layer.
+    Busybox,
 }
 
 /// An imported image: its name, the top layer's chainID (the parent of every
@@ -191,6 +193,12 @@ impl Bench {
                 harness::SOURCE_IMAGE,
                 PathBuf::from("src/linux"),
                 PathBuf::from("src/linux/Makefile"),
+            ),
+            Image::Busybox => (
+                harness::busybox_image_tar()?,
+                harness::BUSYBOX_IMAGE,
+                PathBuf::from("etc"),
+                PathBuf::from("etc/passwd"),
             ),
         };
         for s in snapshotters {
@@ -499,7 +507,7 @@ impl Bench {
             .publish(layerstack_api::PublishRequest {
                 namespace: ns.to_string(),
                 container: key.to_string(),
-                policy: layerstack_api::PublishPolicy::Publish as i32,
+                action: layerstack_api::EndAction::Publish as i32,
                 reason: "benchmark".into(),
                 has_exit_status: false,
                 exit_status: 0,

@@ -38,7 +38,7 @@ use crate::{out, Cli};
 
 /// `--publish`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum PublishPolicy {
+pub enum EndAction {
     /// Publish whatever the exit status.
     OnExit,
     /// Publish on exit status 0; discard otherwise (and when the holder is killed).
@@ -50,15 +50,15 @@ pub enum PublishPolicy {
     Checkpoint,
 }
 
-impl PublishPolicy {
+impl EndAction {
     /// The exit policy's name, as the daemon records it.
     fn as_str(self) -> &'static str {
-        use api::policy::Policy;
+        use api::policy::ExitPolicy;
         match self {
-            Self::OnExit => Policy::OnExit,
-            Self::OnSuccess => Policy::OnSuccess,
-            Self::Never => Policy::Never,
-            Self::Checkpoint => Policy::Checkpoint,
+            Self::OnExit => ExitPolicy::OnExit,
+            Self::OnSuccess => ExitPolicy::OnSuccess,
+            Self::Never => ExitPolicy::Never,
+            Self::Checkpoint => ExitPolicy::Checkpoint,
         }
         .as_str()
     }
@@ -103,7 +103,7 @@ pub struct SessionArgs {
     /// What happens to the session's writes when it ends [default: on-exit;
     /// checkpoint with --node].
     #[arg(long, value_enum)]
-    pub publish: Option<PublishPolicy>,
+    pub publish: Option<EndAction>,
     /// Workspace mode: mount the session at DIR and keep the caller's root (the
     /// sandbox's own tools work on the tree) instead of making it the root.
     #[arg(long, value_name = "DIR")]
@@ -370,7 +370,7 @@ fn start(
     ns: &str,
     a: &SessionArgs,
 ) -> Result<(MountConn, api::Session, std::os::fd::OwnedFd)> {
-    if a.publish == Some(PublishPolicy::Checkpoint) && a.node.is_none() {
+    if a.publish == Some(EndAction::Checkpoint) && a.node.is_none() {
         bail!("--publish checkpoint makes a child node of the node the session starts from: give --node ID (layerstack graph show lists nodes), or use on-exit, on-success or never");
     }
     let (stack, branch) = match &a.stack {
@@ -410,16 +410,16 @@ fn start(
 /// connection broke (the daemon restarted: close through the admin API).
 fn close_on(
     conn: &mut MountConn,
-    policy: api::PublishPolicy,
+    policy: api::EndAction,
     exit: Option<u32>,
     reason: &str,
     node: &NodeInfo,
 ) -> Result<api::Session> {
     let policy = match policy {
-        api::PublishPolicy::Publish => "publish",
-        api::PublishPolicy::Discard => "discard",
-        api::PublishPolicy::Checkpoint => "checkpoint",
-        api::PublishPolicy::Auto => "auto",
+        api::EndAction::Publish => "publish",
+        api::EndAction::Discard => "discard",
+        api::EndAction::Checkpoint => "checkpoint",
+        api::EndAction::Auto => "auto",
     };
     let (reply, _) = conn
         .request(&Request::Close(wire::Close {
@@ -543,14 +543,14 @@ struct NodeInfo {
 async fn close(
     c: &mut api::AdminClient<tonic::transport::Channel>,
     id: i64,
-    policy: api::PublishPolicy,
+    policy: api::EndAction,
     exit: Option<u32>,
     reason: &str,
     node: &NodeInfo,
 ) -> Result<api::Session> {
     Ok(c.close_session(api::CloseSessionRequest {
         session_id: id,
-        policy: policy as i32,
+        action: policy as i32,
         reason: reason.to_string(),
         has_exit_status: exit.is_some(),
         exit_status: exit.unwrap_or(0),
@@ -592,7 +592,7 @@ async fn run_inner(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
         Err(e) => {
             let _ = close_on(
                 &mut conn,
-                api::PublishPolicy::Discard,
+                api::EndAction::Discard,
                 None,
                 "session setup failed",
                 &NodeInfo::default(),
@@ -606,13 +606,13 @@ async fn run_inner(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
             let code = x.shell_status();
             (
                 code,
-                api::PublishPolicy::Auto,
+                api::EndAction::Auto,
                 format!("session run: command exited with status {code}"),
             )
         }
         Err(x) => (
             x.shell_status(),
-            api::PublishPolicy::Discard,
+            api::EndAction::Discard,
             "session setup failed".to_string(),
         ),
     };
@@ -656,7 +656,7 @@ pub async fn create_cmd(cli: &Cli, a: CreateArgs) -> Result<ExitCode> {
         Err(e) => {
             let _ = close_on(
                 &mut conn,
-                api::PublishPolicy::Discard,
+                api::EndAction::Discard,
                 None,
                 "session setup failed",
                 &NodeInfo::default(),
@@ -667,7 +667,7 @@ pub async fn create_cmd(cli: &Cli, a: CreateArgs) -> Result<ExitCode> {
     if let Err(x) = init {
         let _ = close_on(
             &mut conn,
-            api::PublishPolicy::Discard,
+            api::EndAction::Discard,
             None,
             "session setup failed",
             &NodeInfo::default(),
@@ -727,13 +727,13 @@ pub async fn exec_cmd(cli: &Cli, a: ExecArgs) -> Result<ExitCode> {
 pub async fn close_cmd(cli: &Cli, a: CloseArgs) -> Result<ExitCode> {
     let mut c = crate::connect(&cli.admin_address).await?;
     let policy = if a.publish {
-        api::PublishPolicy::Publish
+        api::EndAction::Publish
     } else if a.discard {
-        api::PublishPolicy::Discard
+        api::EndAction::Discard
     } else if a.checkpoint {
-        api::PublishPolicy::Checkpoint
+        api::EndAction::Checkpoint
     } else {
-        api::PublishPolicy::Auto
+        api::EndAction::Auto
     };
     let s = close(
         &mut c,
@@ -760,11 +760,14 @@ mod tests {
 
     #[test]
     fn every_publish_flag_value_is_the_exit_policy_of_that_name() {
-        for p in PublishPolicy::value_variants() {
+        for p in EndAction::value_variants() {
             let flag = p.to_possible_value().unwrap();
             assert_eq!(flag.get_name(), p.as_str());
             assert_eq!(
-                p.as_str().parse::<api::policy::Policy>().unwrap().as_str(),
+                p.as_str()
+                    .parse::<api::policy::ExitPolicy>()
+                    .unwrap()
+                    .as_str(),
                 p.as_str()
             );
         }

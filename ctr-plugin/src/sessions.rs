@@ -299,15 +299,15 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
             json,
         } => {
             let policy = if discard {
-                api::PublishPolicy::Discard
+                api::EndAction::Discard
             } else {
-                api::PublishPolicy::Publish
+                api::EndAction::Publish
             };
             let req = api::PublishRequest {
                 namespace: ns,
                 container: container.unwrap_or_default(),
                 session_id: session.unwrap_or(0),
-                policy: policy as i32,
+                action: policy as i32,
                 reason: if discard {
                     "layerstack publish --discard".into()
                 } else {

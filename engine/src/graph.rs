@@ -64,7 +64,7 @@ impl Engine {
         node: &str,
         owner: Owner,
         key: Option<String>,
-        exit_policy: Option<crate::policy::Policy>,
+        exit_policy: Option<crate::policy::ExitPolicy>,
     ) -> Result<(AttemptInfo, SessionInfo, MountSpec, bool), EngineError> {
         let n = node.to_string();
         self.blocking(move |st| {
@@ -79,7 +79,7 @@ impl Engine {
         attempt: i64,
         owner: Owner,
         key: Option<String>,
-        exit_policy: Option<crate::policy::Policy>,
+        exit_policy: Option<crate::policy::ExitPolicy>,
     ) -> Result<(AttemptInfo, SessionInfo, MountSpec, bool), EngineError> {
         let a = self.blocking(move |st| st.attempt(attempt)).await?;
         self.attempt_start(&a.node, owner, key, exit_policy).await

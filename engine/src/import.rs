@@ -155,7 +155,7 @@ mod tests {
     };
 
     use super::*;
-    use crate::{CloseHow, Compression, EngineSettings, SandboxRequest};
+    use crate::{Compression, EndAction, EngineSettings, SandboxRequest};
 
     fn have_root(test: &str) -> bool {
         if nix::unistd::geteuid().is_root() {
@@ -271,7 +271,7 @@ mod tests {
         std::fs::create_dir(s.upper.join("etc")).unwrap();
         std::fs::write(s.upper.join("etc/new"), b"on top\n").unwrap();
         let out = e
-            .close_sandbox_session(s.id, CloseHow::Publish, "test", Duration::from_secs(5))
+            .close_sandbox_session(s.id, EndAction::Publish, "test", Duration::from_secs(5))
             .await
             .unwrap();
         assert_eq!(out.outcome.map(|o| o.kind), Some(OutcomeKind::Committed));

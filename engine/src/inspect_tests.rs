@@ -125,7 +125,7 @@ fn setup(dir: &Path, n: usize) -> (Arc<Store>, Arc<Engine>, Vec<SessionInfo>) {
     let engine = Engine::new(
         store.clone(),
         EngineSettings {
-            exclude: publisher::ExcludePolicy::new(["/tmp/**"]).unwrap(),
+            exclude: publisher::ExclusionRules::new(["/tmp/**"]).unwrap(),
             // `squash` compacts every layer of a head.
             history: crate::HistorySettings {
                 squash_keep: 0,

@@ -73,7 +73,7 @@ pub use import::{tree_digest, BaseImported, ImportRequest};
 /// crate: front ends call the engine, never capture, plan or apply themselves).
 pub mod publisher {
     pub use layerstack_publisher::{
-        DiffAlgorithm, ExcludePolicy, FileKind, ImportKind, ImportReport, MergeOptions,
+        DiffAlgorithm, ExclusionRules, FileKind, ImportKind, ImportReport, MergeOptions,
     };
 }
 /// The store's types the engine's verbs take and answer, and what a daemon
@@ -93,7 +93,7 @@ pub use layerstack_types as types;
 pub use layerstack_types::policy;
 pub use locks::LockGuard;
 pub use publish::{exit_decision, DryRun};
-pub use sandbox::{CloseHow, SandboxRequest, SandboxSettings};
+pub use sandbox::{EndAction, SandboxRequest, SandboxSettings};
 // Blame, diff and conflicts (issue 10).
 pub use blame::Blame;
 pub use conflicts::{ConflictView, Rebased};
@@ -103,7 +103,7 @@ pub use diff::{Diff, DiffChange, DiffEntry, DiffTarget, EntryInfo};
 #[derive(Debug, Clone, Default)]
 pub struct EngineSettings {
     /// Paths never published (globs; `/tmp/**` …).
-    pub exclude: publisher::ExcludePolicy,
+    pub exclude: publisher::ExclusionRules,
     /// Limits of the three-way text merge.
     pub merge: publisher::MergeOptions,
     /// Sessions are mounted with `userxattr` (rootless).
@@ -216,7 +216,10 @@ impl Engine {
     }
 
     /// Takes the lock of session `id`: held across a publish, a discard, a mount
-    /// and the end of a session.
+    /// and the end of a session. Not reentrant: every engine verb on a session
+    /// takes it itself, so a front end never holds it around a verb (it would
+    /// wait for itself); only a front end's own step on the session (a holder's
+    /// mount) is done under it.
     pub async fn lock_session(&self, id: SessionId) -> LockGuard<SessionId> {
         self.sessions.lock(id).await
     }

@@ -45,7 +45,7 @@ use tracing::{debug, warn};
 
 use crate::error::{error_chain, EngineError, RunError};
 use crate::index::{head_changes, index_of, moves_the_plan, query_for, records};
-use crate::policy::{self, Decision, Policy};
+use crate::policy::{self, Decision, ExitPolicy};
 use crate::{Engine, EngineSettings};
 pub(crate) use layerstack_store::priority::{store_write, Priority};
 
@@ -129,11 +129,11 @@ fn micros(d: Duration) -> u64 {
 /// with the upper kept.
 pub fn exit_decision(
     session: &SessionInfo,
-    label: Option<Result<Policy, policy::UnknownPolicy>>,
+    label: Option<Result<ExitPolicy, policy::UnknownExitPolicy>>,
     exit_status: Option<u32>,
 ) -> Result<(Decision, String), String> {
     let recorded = match session.policy.as_deref() {
-        Some(p) => Some(p.parse::<Policy>().map_err(|e| {
+        Some(p) => Some(p.parse::<ExitPolicy>().map_err(|e| {
             format!("{e} (recorded on the session); nothing was published, the upper is kept: fix the label and publish or discard it (layerstack publish [--discard])")
         })?),
         None => None,
@@ -150,7 +150,7 @@ pub fn exit_decision(
     let p = recorded.or(label).unwrap_or_default();
     Ok(match exit_status {
         Some(code) => policy::decide(p, code),
-        None if p == Policy::OnSuccess => (
+        None if p == ExitPolicy::OnSuccess => (
             Decision::Discard,
             "policy on-success and the exit status is unknown".to_string(),
         ),
@@ -548,7 +548,7 @@ impl Engine {
     pub async fn finish_locked(
         &self,
         session: &SessionInfo,
-        label: Option<Result<Policy, policy::UnknownPolicy>>,
+        label: Option<Result<ExitPolicy, policy::UnknownExitPolicy>>,
         exit_status: Option<u32>,
         why: &str,
     ) -> Result<SessionInfo, EngineError> {
@@ -598,7 +598,7 @@ impl Engine {
     pub async fn finish(
         self: &Arc<Self>,
         id: SessionId,
-        label: Option<Result<Policy, policy::UnknownPolicy>>,
+        label: Option<Result<ExitPolicy, policy::UnknownExitPolicy>>,
         exit_status: Option<u32>,
         why: &str,
     ) -> Result<SessionInfo, EngineError> {

@@ -26,7 +26,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tracing::{info, warn};
 
 use crate::error::{error_chain, EngineError};
-use crate::policy::Policy;
+use crate::policy::ExitPolicy;
 use crate::Engine;
 
 /// Mode B limits.
@@ -79,7 +79,7 @@ pub struct SandboxRequest {
     /// The same key returns the first call's session.
     pub idempotency_key: Option<String>,
     /// Exit policy recorded on the session (`None`: on-exit).
-    pub policy: Option<Policy>,
+    pub policy: Option<ExitPolicy>,
     /// How long to wait for a free slot under the cap; `None`: do not wait.
     pub wait: Option<Duration>,
     /// Start an attempt of this SandboxGraph node instead (`target` is then
@@ -89,9 +89,9 @@ pub struct SandboxRequest {
 
 /// How [`Engine::close_sandbox_session`] ends the run.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub enum CloseHow {
+pub enum EndAction {
     /// The recorded exit policy applied to the exit status (`None`: unknown).
-    /// Policy `checkpoint` makes a child node with `state` (JSON, default `{}`)
+    /// ExitPolicy `checkpoint` makes a child node with `state` (JSON, default `{}`)
     /// and `command` as its provenance.
     Auto {
         exit_status: Option<u32>,
@@ -108,8 +108,8 @@ pub enum CloseHow {
     },
 }
 
-impl CloseHow {
-    /// [`CloseHow::Auto`] with only an exit status.
+impl EndAction {
+    /// [`EndAction::Auto`] with only an exit status.
     pub fn auto(exit_status: Option<u32>) -> Self {
         Self::Auto {
             exit_status,
@@ -250,7 +250,7 @@ impl Engine {
     pub async fn close_sandbox_session(
         self: &Arc<Self>,
         id: SessionId,
-        how: CloseHow,
+        how: EndAction,
         why: &str,
         patience: Duration,
     ) -> Result<SessionInfo, EngineError> {
@@ -280,7 +280,7 @@ impl Engine {
                     me.checkpoint_or_fail_locked(id, state.clone(), prov)
                 };
                 let r = match &how {
-                    CloseHow::Auto {
+                    EndAction::Auto {
                         exit_status,
                         state,
                         command,
@@ -291,16 +291,16 @@ impl Engine {
                     {
                         checkpoint(*exit_status, state, command).await
                     }
-                    CloseHow::Auto { exit_status, .. } => {
+                    EndAction::Auto { exit_status, .. } => {
                         me.finish_locked(&s, None, *exit_status, &why).await
                     }
-                    CloseHow::Checkpoint {
+                    EndAction::Checkpoint {
                         exit_status,
                         state,
                         command,
                     } => checkpoint(*exit_status, state, command).await,
-                    CloseHow::Publish => me.publish_locked(id, &why).await,
-                    CloseHow::Discard => me.discard_locked(id, &why).await,
+                    EndAction::Publish => me.publish_locked(id, &why).await,
+                    EndAction::Discard => me.discard_locked(id, &why).await,
                 };
                 match r {
                     Ok(s) => {
@@ -347,7 +347,7 @@ impl Engine {
             let r = me
                 .close_sandbox_session(
                     id,
-                    CloseHow::auto(None),
+                    EndAction::auto(None),
                     "holder gone without closing (killed?)",
                     Duration::from_secs(30),
                 )
@@ -470,7 +470,7 @@ mod tests {
         )
     }
 
-    fn req(name: &str, policy: Option<Policy>, wait: Option<Duration>) -> SandboxRequest {
+    fn req(name: &str, policy: Option<ExitPolicy>, wait: Option<Duration>) -> SandboxRequest {
         SandboxRequest {
             name: name.into(),
             stack: "ns/sha256:aaa".into(),
@@ -515,7 +515,7 @@ mod tests {
         assert!(t0.elapsed() < Duration::from_secs(5));
         // The same key is the same session; it does not take another slot once
         // one is free.
-        e.close_sandbox_session(a.id, CloseHow::Discard, "test", Duration::from_secs(1))
+        e.close_sandbox_session(a.id, EndAction::Discard, "test", Duration::from_secs(1))
             .await
             .unwrap();
         let (b2, _, created) = e.create_sandbox_session(keyed).await.unwrap();
@@ -533,7 +533,7 @@ mod tests {
             .unwrap();
         tokio::time::sleep(Duration::from_millis(20)).await;
         assert!(!waiter.is_finished());
-        e.close_sandbox_session(b.id, CloseHow::Discard, "test", Duration::from_secs(1))
+        e.close_sandbox_session(b.id, EndAction::Discard, "test", Duration::from_secs(1))
             .await
             .unwrap();
         let (d, _, _) = waiter.await.unwrap().unwrap();
@@ -557,14 +557,14 @@ mod tests {
         };
         // on-success without an exit status (a killed holder): discarded.
         let (s1, _, _) = e
-            .create_sandbox_session(req("k", Some(Policy::OnSuccess), None))
+            .create_sandbox_session(req("k", Some(ExitPolicy::OnSuccess), None))
             .await
             .unwrap();
         assert_eq!(s1.policy.as_deref(), Some("on-success"));
         write(&s1, "lost");
         let dir = e.store().session_dir(s1.id);
         let out = e
-            .close_sandbox_session(s1.id, CloseHow::auto(None), "gone", Duration::from_secs(1))
+            .close_sandbox_session(s1.id, EndAction::auto(None), "gone", Duration::from_secs(1))
             .await
             .unwrap();
         assert_eq!(out.outcome.map(|o| o.kind), Some(OutcomeKind::Discarded));
@@ -579,14 +579,14 @@ mod tests {
         );
         // on-exit with status 3: published.
         let (s2, _, _) = e
-            .create_sandbox_session(req("p", Some(Policy::OnExit), None))
+            .create_sandbox_session(req("p", Some(ExitPolicy::OnExit), None))
             .await
             .unwrap();
         write(&s2, "kept");
         let out = e
             .close_sandbox_session(
                 s2.id,
-                CloseHow::auto(Some(3)),
+                EndAction::auto(Some(3)),
                 "exit",
                 Duration::from_secs(1),
             )
@@ -595,7 +595,7 @@ mod tests {
         assert_eq!(out.outcome.map(|o| o.kind), Some(OutcomeKind::Committed));
         // Closing again changes nothing.
         let again = e
-            .close_sandbox_session(s2.id, CloseHow::Discard, "again", Duration::from_secs(1))
+            .close_sandbox_session(s2.id, EndAction::Discard, "again", Duration::from_secs(1))
             .await
             .unwrap();
         assert_eq!(again.outcome.map(|o| o.kind), Some(OutcomeKind::Committed));
@@ -612,7 +612,7 @@ mod tests {
         assert!(!lowers.iter().any(|l| l.join("lost").exists()));
         // A container's session is not closed this way.
         let err = e
-            .close_sandbox_session(999, CloseHow::Discard, "x", Duration::from_secs(1))
+            .close_sandbox_session(999, EndAction::Discard, "x", Duration::from_secs(1))
             .await
             .unwrap_err();
         assert_eq!(err.kind(), ErrorKind::NotFound);

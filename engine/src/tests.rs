@@ -40,7 +40,7 @@ fn engine(store: &Arc<Store>) -> Arc<Engine> {
     Engine::new(
         store.clone(),
         EngineSettings {
-            exclude: publisher::ExcludePolicy::new(["/tmp/**"]).unwrap(),
+            exclude: publisher::ExclusionRules::new(["/tmp/**"]).unwrap(),
             ..Default::default()
         },
     )
@@ -875,24 +875,24 @@ fn exit_decisions_follow_recorded_policy_then_label() {
         work: "/w".into(),
         created_ns: 0,
     };
-    use crate::policy::{Decision, Policy};
+    use crate::policy::{Decision, ExitPolicy};
     assert_eq!(
         exit_decision(&s, None, Some(3)).unwrap().0,
         Decision::Publish
     );
     assert_eq!(
-        exit_decision(&s, Some(Ok(Policy::OnSuccess)), Some(3))
+        exit_decision(&s, Some(Ok(ExitPolicy::OnSuccess)), Some(3))
             .unwrap()
             .0,
         Decision::Discard
     );
     assert_eq!(
-        exit_decision(&s, Some(Ok(Policy::OnSuccess)), None)
+        exit_decision(&s, Some(Ok(ExitPolicy::OnSuccess)), None)
             .unwrap()
             .0,
         Decision::Discard
     );
-    let bad: Result<Policy, _> = "sometimes".parse();
+    let bad: Result<ExitPolicy, _> = "sometimes".parse();
     let e = exit_decision(&s, Some(bad), Some(0)).unwrap_err();
     assert!(
         e.contains("sometimes") && e.contains("nothing was published"),
@@ -900,7 +900,7 @@ fn exit_decisions_follow_recorded_policy_then_label() {
     );
     s.policy = Some("never".into());
     assert_eq!(
-        exit_decision(&s, Some(Ok(Policy::OnExit)), Some(0))
+        exit_decision(&s, Some(Ok(ExitPolicy::OnExit)), Some(0))
             .unwrap()
             .0,
         Decision::Discard,
@@ -912,7 +912,7 @@ fn engine_with(store: &Arc<Store>, history: crate::HistorySettings) -> Arc<Engin
     Engine::new(
         store.clone(),
         EngineSettings {
-            exclude: publisher::ExcludePolicy::new(["/tmp/**"]).unwrap(),
+            exclude: publisher::ExclusionRules::new(["/tmp/**"]).unwrap(),
             history,
             ..Default::default()
         },
@@ -1326,7 +1326,7 @@ fn sandbox(name: &str) -> layerstack_store::Owner {
 /// checkpoints.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_attempt_starts_with_its_exit_policy_in_one_step() {
-    use crate::policy::Policy;
+    use crate::policy::ExitPolicy;
     if !have_root("an_attempt_starts_with_its_exit_policy_in_one_step") {
         return;
     }
@@ -1342,7 +1342,7 @@ async fn an_attempt_starts_with_its_exit_policy_in_one_step() {
             &root.id,
             sandbox("a"),
             Some("k".into()),
-            Some(Policy::OnSuccess),
+            Some(ExitPolicy::OnSuccess),
         )
         .await
         .unwrap();
@@ -1358,7 +1358,7 @@ async fn an_attempt_starts_with_its_exit_policy_in_one_step() {
             &root.id,
             sandbox("a"),
             Some("k".into()),
-            Some(Policy::Never),
+            Some(ExitPolicy::Never),
         )
         .await
         .unwrap();
@@ -1374,7 +1374,7 @@ async fn an_attempt_starts_with_its_exit_policy_in_one_step() {
         .unwrap();
     assert_eq!(plain.policy.as_deref(), Some("checkpoint"));
     let (_, retried, _, _) = p
-        .attempt_retry(a.id, sandbox("r"), None, Some(Policy::Never))
+        .attempt_retry(a.id, sandbox("r"), None, Some(ExitPolicy::Never))
         .await
         .unwrap();
     assert_eq!(retried.policy.as_deref(), Some("never"));
@@ -1680,7 +1680,7 @@ async fn a_hundred_children_add_only_their_own_deltas() {
 /// Mode B on the graph: a sandbox session started on a node is an attempt of it
 /// (under the cap); closing it by its recorded policy `checkpoint` makes a child
 /// node with the state and command given at close and releases the session;
-/// `CloseHow::Checkpoint` checkpoints whatever the policy; a session that is no
+/// `EndAction::Checkpoint` checkpoints whatever the policy; a session that is no
 /// attempt cannot be checkpointed (the error says how to start one), and its
 /// upper is kept.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1688,7 +1688,7 @@ async fn sandbox_sessions_on_nodes_checkpoint_when_closed() {
     if !have_root("sandbox_sessions_on_nodes_checkpoint_when_closed") {
         return;
     }
-    use crate::{CloseHow, SandboxRequest};
+    use crate::{EndAction, SandboxRequest};
     let t = tmp();
     let (store, _) = setup_n(t.path(), 1);
     let p = engine_with(&store, Default::default());
@@ -1708,7 +1708,7 @@ async fn sandbox_sessions_on_nodes_checkpoint_when_closed() {
     let (s, _, created) = p
         .create_sandbox_session(req(
             "expand-1",
-            Some(crate::policy::Policy::Checkpoint),
+            Some(crate::policy::ExitPolicy::Checkpoint),
             Some(root.id.clone()),
         ))
         .await
@@ -1721,7 +1721,7 @@ async fn sandbox_sessions_on_nodes_checkpoint_when_closed() {
     let out = p
         .close_sandbox_session(
             s.id,
-            CloseHow::Auto {
+            EndAction::Auto {
                 exit_status: Some(1),
                 state: Some(r#"{"visits": 1}"#.into()),
                 command: Some("play e2e4".into()),
@@ -1764,7 +1764,7 @@ async fn sandbox_sessions_on_nodes_checkpoint_when_closed() {
     fill(&s2, &[("move2.txt", b"e7e5\n")]);
     p.close_sandbox_session(
         s2.id,
-        CloseHow::Checkpoint {
+        EndAction::Checkpoint {
             exit_status: None,
             state: None,
             command: None,
@@ -1791,7 +1791,7 @@ async fn sandbox_sessions_on_nodes_checkpoint_when_closed() {
     let out = p
         .close_sandbox_session(
             s3.id,
-            CloseHow::Checkpoint {
+            EndAction::Checkpoint {
                 exit_status: None,
                 state: None,
                 command: None,

@@ -832,7 +832,7 @@ fn wait_outcome(env: &TestEnv, id: &str, want: &str) -> Result<()> {
 }
 
 /// The proxy is SIGKILLed under a `layerstack.publish=never` container: the
-/// shim's `delete` action (PublishPolicy AUTO) applies the recorded `never`, so
+/// shim's `delete` action (EndAction AUTO) applies the recorded `never`, so
 /// nothing reaches the branch.
 #[test]
 fn shim_sigkill_with_policy_never_discards() {

@@ -44,8 +44,8 @@ use nix::sys::stat::{FileStat, Mode};
 use serde::{Deserialize, Serialize};
 use xattr::FileExt;
 
+use crate::exclusion::ExclusionRules;
 use crate::fsx::{self, DirFd};
-use crate::policy::ExcludePolicy;
 use crate::view::{is_whiteout, join_rel, opaque_name, opaque_value};
 use crate::view::{Cursor, Entry, FileKind, LayerView};
 
@@ -198,7 +198,7 @@ pub struct Changeset {
     /// ([`seal_layer`](crate::seal_layer) removes them from the layer) and, as path
     /// `""`, a mode or owner change of the root directory ([`UpperEdits::root`]).
     pub skipped: Vec<(Vec<u8>, String)>,
-    /// Paths left out by the [`ExcludePolicy`] (the topmost excluded path of each
+    /// Paths left out by the [`ExclusionRules`] (the topmost excluded path of each
     /// excluded subtree), with the pattern that matched, sorted by path.
     #[serde(default)]
     pub excluded: Vec<(Vec<u8>, String)>,
@@ -277,7 +277,7 @@ pub struct CaptureOptions {
     /// overlay-private (the other one is data).
     pub userxattr: bool,
     /// Paths never published ([`Changeset::excluded`]).
-    pub exclude: ExcludePolicy,
+    pub exclude: ExclusionRules,
     /// Opaque upper directories to expand: instead of hiding the lease's whole
     /// directory, they become plain directories with one deletion per lease path
     /// the session does not have (ARCHITECTURE §7, "opaque dir in capture"). An
@@ -1386,7 +1386,7 @@ mod tests {
         std::fs::hard_link(f.upper.join("etc/conf"), f.upper.join("tmp/backup")).unwrap();
         let lower = LayerView::new(vec![f.lower.clone()]);
         let options = CaptureOptions {
-            exclude: ExcludePolicy::new(["/tmp/**"]).unwrap(),
+            exclude: ExclusionRules::new(["/tmp/**"]).unwrap(),
             ..CaptureOptions::default()
         };
         let c = capture_with(&f.upper, &lower, &options).unwrap();

@@ -6,7 +6,7 @@
 //! * [`capture`] walks a quiescent upperdir without following anything and returns
 //!   a [`Changeset`]: writes, symlinks, directories, deletions, metadata changes and
 //!   special files relative to the lease, with copy-up noise separated out.
-//! * [`ExcludePolicy`] (globs of paths never published) and [`prepare_upper`]
+//! * [`ExclusionRules`] (globs of paths never published) and [`prepare_upper`]
 //!   apply publish policy to the upper.
 //! * [`plan_gate`] compares a changeset with the changes published on the branch
 //!   head since the lease ([`HeadChange`]): per path clean, merged (three-way text
@@ -39,7 +39,7 @@
 //! let upper = PathBuf::from("/var/lib/layerstack/s/7/upper");
 //! // Same filesystem as the upper, never captured: merged files are written here.
 //! let scratch = PathBuf::from("/var/lib/layerstack/staging");
-//! let mut options = CaptureOptions { exclude: ExcludePolicy::new(["/tmp/**"])?, ..Default::default() };
+//! let mut options = CaptureOptions { exclude: ExclusionRules::new(["/tmp/**"])?, ..Default::default() };
 //! // After the rootfs is unmounted (outside the gate's lock):
 //! let mut changeset = capture_with(&upper, &lease, &options)?;
 //! prepare_upper(&upper, &changeset, false)?;
@@ -72,6 +72,7 @@
 
 mod apply;
 mod capture;
+mod exclusion;
 mod export;
 mod fsx;
 mod gate;
@@ -79,7 +80,6 @@ mod import;
 mod layer;
 mod merge;
 mod meta;
-mod policy;
 mod squash;
 #[cfg(test)]
 mod testutil;
@@ -90,6 +90,7 @@ pub use apply::{apply_plan, apply_plan_with, ApplyError};
 pub use capture::{
     capture, capture_with, CaptureError, CaptureOptions, Change, Changeset, RootMeta, UpperEdits,
 };
+pub use exclusion::{ExclusionError, ExclusionRules};
 pub use export::{
     write_layer_tar, TarError, TarOptions, TarReport, OPAQUE_MARKER, WHITEOUT_PREFIX,
 };
@@ -108,7 +109,6 @@ pub use merge::{
     BINARY_SNIFF_BYTES, DEFAULT_MAX_BYTES, DEFAULT_MAX_LINES, DEFAULT_TIMEOUT,
 };
 pub use meta::{Meta, XattrList};
-pub use policy::{ExcludePolicy, PolicyError};
 pub use squash::{
     copy_paths, flatten_layers, flatten_layers_over, tree_digest, CopyPath, FlattenReport,
     SquashError,

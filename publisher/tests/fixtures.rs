@@ -19,7 +19,7 @@ use std::process::Command;
 
 use layerstack_publisher::{
     apply_plan, capture_with, plan_gate, prepare_upper, seal_layer, CaptureOptions, Change,
-    Changeset, ExcludePolicy, FileKind, FsFiles, GateFiles, HeadChange, LayerView, MergeOptions,
+    Changeset, ExclusionRules, FileKind, FsFiles, GateFiles, HeadChange, LayerView, MergeOptions,
     PathStatus, RootMeta, Side,
 };
 
@@ -739,7 +739,7 @@ fn excluded_paths_and_their_whiteouts_are_not_published() {
         std::fs::write(m.join("keep"), b"k").unwrap();
     });
     let options = CaptureOptions {
-        exclude: ExcludePolicy::new(["/e/**", "/d/sub"]).unwrap(),
+        exclude: ExclusionRules::new(["/e/**", "/d/sub"]).unwrap(),
         ..Default::default()
     };
     let c = capture_with(&fx.u, &fx.lease(), &options).unwrap();
@@ -861,7 +861,7 @@ fn excluded_links_do_not_block_a_merge_and_merges_use_no_upper_name() {
     fx.mutate(|m| std::fs::write(m.join("etc").join(&old_tmp), b"user data\n").unwrap());
     assert_eq!(lstat(&fx.u.join("etc/conf")).unwrap().nlink(), 2);
     let options = CaptureOptions {
-        exclude: ExcludePolicy::new(["/tmp/**"]).unwrap(),
+        exclude: ExclusionRules::new(["/tmp/**"]).unwrap(),
         ..Default::default()
     };
     let c = capture_with(&fx.u, &fx.lease(), &options).unwrap();

@@ -76,7 +76,7 @@ pub async fn publish(
     admin_path: &Path,
     namespace: &str,
     id: &str,
-    policy: api::PublishPolicy,
+    action: api::EndAction,
     exit_status: Option<u32>,
     reason: &str,
     timeout: Duration,
@@ -86,7 +86,7 @@ pub async fn publish(
         let req = api::PublishRequest {
             namespace: namespace.to_string(),
             container: id.to_string(),
-            policy: policy as i32,
+            action: action as i32,
             reason: reason.to_string(),
             has_exit_status: exit_status.is_some(),
             exit_status: exit_status.unwrap_or_default(),

@@ -22,8 +22,8 @@
 //! tested here; the process plumbing is covered by `integration/tests/shim.rs`.
 //!
 //! ```
-//! use layerstack_shim::policy::{decide, Decision, Policy};
-//! let p: Policy = "on-success".parse().unwrap();
+//! use layerstack_shim::policy::{decide, Decision, ExitPolicy};
+//! let p: ExitPolicy = "on-success".parse().unwrap();
 //! assert_eq!(decide(p, 0).0, Decision::Publish);
 //! assert_eq!(decide(p, 3).0, Decision::Discard);
 //! ```

@@ -25,7 +25,7 @@ use crate::config::RuntimeOptions;
 use crate::daemon;
 use crate::events::EventGate;
 use crate::inner;
-use crate::policy::{self, Decision, Policy};
+use crate::policy::{self, Decision, ExitPolicy};
 use crate::state::{self, BundleState};
 
 /// Timeout for reading the container's labels from containerd.
@@ -179,7 +179,7 @@ impl Proxy {
     /// `delete` action after a SIGKILL) apply it even when this proxy cannot. A
     /// policy other than on-exit that cannot be recorded fails the create: it
     /// must never be lost to a fallback that publishes.
-    async fn record_policy(&self, p: Policy) -> ttrpc::Result<()> {
+    async fn record_policy(&self, p: ExitPolicy) -> ttrpc::Result<()> {
         let admin = &self.state.admin_address;
         match daemon::set_policy(
             admin,
@@ -191,7 +191,7 @@ impl Proxy {
         .await
         {
             Ok(_) => Ok(()),
-            Err(e) if p == Policy::OnExit => {
+            Err(e) if p == ExitPolicy::OnExit => {
                 warn!(
                     "cannot record policy {p} in the daemon: {}",
                     crate::error_chain(&e)
@@ -323,7 +323,7 @@ impl Proxy {
         };
         let policy = policy::policy_from_labels(&labels).unwrap_or_else(|e| {
             warn!("{e}; using on-exit");
-            Policy::OnExit
+            ExitPolicy::OnExit
         });
         publish_now(&self.state, &self.namespace, &self.id, policy, exit_status).await;
     }
@@ -353,7 +353,7 @@ pub(crate) async fn publish_auto_with_timeout(
     timeout: Duration,
 ) {
     let reason = format!("exit status {exit_status}, by the recorded policy");
-    match daemon::publish(&state.admin_address, namespace, id, api::PublishPolicy::Auto, Some(exit_status), &reason, timeout).await {
+    match daemon::publish(&state.admin_address, namespace, id, api::EndAction::Auto, Some(exit_status), &reason, timeout).await {
         Ok(Some(s)) => info!("layerstack end of run ({reason}): {}", daemon::describe_session(&s)),
         Ok(None) => debug!("no layerstack session for {namespace}/{id}: nothing to publish"),
         Err(e) => error!(
@@ -369,7 +369,7 @@ pub(crate) async fn publish_now(
     state: &BundleState,
     namespace: &str,
     id: &str,
-    policy: Policy,
+    policy: ExitPolicy,
     exit_status: u32,
 ) {
     publish_with_timeout(
@@ -387,16 +387,16 @@ pub(crate) async fn publish_with_timeout(
     state: &BundleState,
     namespace: &str,
     id: &str,
-    policy: Policy,
+    policy: ExitPolicy,
     exit_status: u32,
     timeout: Duration,
 ) {
     let (decision, reason) = policy::decide(policy, exit_status);
     let p = match decision {
-        Decision::Publish => api::PublishPolicy::Publish,
-        Decision::Discard => api::PublishPolicy::Discard,
+        Decision::Publish => api::EndAction::Publish,
+        Decision::Discard => api::EndAction::Discard,
         // The daemon applies the policy recorded at create: a checkpoint.
-        Decision::Checkpoint => api::PublishPolicy::Auto,
+        Decision::Checkpoint => api::EndAction::Auto,
     };
     let started = std::time::Instant::now();
     match daemon::publish(&state.admin_address, namespace, id, p, Some(exit_status), &reason, timeout).await {

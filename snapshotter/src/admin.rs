@@ -116,12 +116,12 @@ impl api::Admin for AdminService {
         req: Request<api::SetPolicyRequest>,
     ) -> Result<Response<api::Session>, Status> {
         let r = req.into_inner();
-        let p: api::policy::Policy = r
+        let p: api::policy::ExitPolicy = r
             .policy
             .parse()
             .map_err(|e| Status::invalid_argument(api::error_chain(&e)))?;
         let s = self.resolve(0, &r.namespace, &r.container).await?;
-        let _g = self.engine.lock_session(s.id).await;
+        // Under the session's lock, which the engine takes.
         let id = s.id;
         let out = self
             .engine
@@ -235,14 +235,14 @@ impl api::Admin for AdminService {
         } else {
             r.reason.clone()
         };
-        let out = match api::PublishPolicy::from_i32(r.policy) {
-            Some(api::PublishPolicy::Publish) => self.engine.publish(s.id, &why).await,
-            Some(api::PublishPolicy::Discard) => self.engine.discard(s.id, &why).await,
-            Some(api::PublishPolicy::Auto) => {
+        let out = match api::EndAction::from_i32(r.action) {
+            Some(api::EndAction::Publish) => self.engine.publish(s.id, &why).await,
+            Some(api::EndAction::Discard) => self.engine.discard(s.id, &why).await,
+            Some(api::EndAction::Auto) => {
                 let exit = r.has_exit_status.then_some(r.exit_status);
                 self.engine.finish(s.id, None, exit, &why).await
             }
-            Some(api::PublishPolicy::Checkpoint) => {
+            Some(api::EndAction::Checkpoint) => {
                 let prov = layerstack_engine::store::Provenance {
                     exit_status: r
                         .has_exit_status
@@ -256,8 +256,8 @@ impl api::Admin for AdminService {
             }
             None => {
                 return Err(Status::invalid_argument(format!(
-                    "unknown publish policy {}: use PUBLISH, DISCARD, AUTO or CHECKPOINT",
-                    r.policy
+                    "unknown end action {}: use PUBLISH, DISCARD, AUTO or CHECKPOINT",
+                    r.action
                 )))
             }
         }
@@ -270,7 +270,7 @@ impl api::Admin for AdminService {
         req: Request<api::PublishRequest>,
     ) -> Result<Response<Self::PublishDryRunStream>, Status> {
         let r = req.into_inner();
-        if api::PublishPolicy::from_i32(r.policy) != Some(api::PublishPolicy::Publish) {
+        if api::EndAction::from_i32(r.action) != Some(api::EndAction::Publish) {
             return Err(Status::invalid_argument("a dry run needs policy PUBLISH"));
         }
         let s = self

@@ -174,7 +174,7 @@ async fn handle_envelope(
         if s.outcome.is_some() || s.lease_manifest.is_none() {
             return;
         }
-        // The container's own publish policy (`layerstack.publish` label), when
+        // The container's own exit policy (`layerstack.publish` label), when
         // its record is still there; `ctr run --rm` may have deleted it already,
         // and then the default (on-exit) applies.
         // The session's recorded policy (from the runtime shim) wins; else the
@@ -202,7 +202,7 @@ async fn label_policy(
     ns: &str,
     id: &str,
     session: i64,
-) -> Option<Result<policy::Policy, policy::UnknownPolicy>> {
+) -> Option<Result<policy::ExitPolicy, policy::UnknownExitPolicy>> {
     let labels = container_labels(ch, ns, id).await?;
     let p = policy::policy_from_labels(&labels);
     if let Err(e) = &p {

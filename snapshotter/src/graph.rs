@@ -1,7 +1,7 @@
 //! Admin RPCs of the SandboxGraph: graphs, nodes, attempts (ARCHITECTURE.md §12).
 
 use layerstack_api as api;
-use layerstack_engine::policy::Policy;
+use layerstack_engine::policy::ExitPolicy;
 use layerstack_engine::store::{AttemptInfo, GraphDump, GroupInfo, NodeInfo, Owner, Provenance};
 use layerstack_engine::{NodeMerged, Promoted};
 use tonic::Status;
@@ -64,11 +64,11 @@ fn graph(d: &GraphDump) -> api::Graph {
     }
 }
 
-fn policy(p: &str) -> Result<Option<Policy>, Status> {
+fn policy(p: &str) -> Result<Option<ExitPolicy>, Status> {
     if p.is_empty() {
         return Ok(None);
     }
-    p.parse::<Policy>()
+    p.parse::<ExitPolicy>()
         .map(Some)
         .map_err(|e| Status::invalid_argument(api::error_chain(&e)))
 }
@@ -328,19 +328,9 @@ impl AdminService {
     ) -> Result<api::SetBranchResponse, Status> {
         require("node", &r.node)?;
         let s = self.resolve(0, &r.namespace, &r.container).await?;
-        let _g = self.engine.lock_session(s.id).await;
-        if self
-            .engine
-            .upper_mounted(&s.upper)
-            .await
-            .map_err(engine_status)?
-        {
-            return Err(Status::failed_precondition(format!(
-                "session {} is mounted (upperdir {}): it cannot become an attempt now",
-                s.id,
-                s.upper.display()
-            )));
-        }
+        // The engine takes the session's lock and proves the upper unmounted
+        // (EngineError::Mounted otherwise): not here too — the lock is not
+        // reentrant.
         let (id, n, k) = (s.id, r.node.clone(), key(&r.key));
         let (_, info, spec) = self
             .engine

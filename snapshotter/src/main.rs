@@ -284,7 +284,7 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
 
     validate(&mut cfg)?;
     raise_nofile();
-    let exclude = layerstack_engine::publisher::ExcludePolicy::new(&cfg.exclude)
+    let exclude = layerstack_engine::publisher::ExclusionRules::new(&cfg.exclude)
         .context("config key `exclude`")?;
     // Refuse to start before touching anything: another daemon on the root, a
     // socket another process serves.

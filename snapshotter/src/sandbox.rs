@@ -34,7 +34,7 @@ use std::time::Duration;
 use layerstack_api as api;
 use layerstack_engine::store::ErrorKind;
 use layerstack_engine::store::{LeaseTarget, MountSpec, SessionId};
-use layerstack_engine::{CloseHow, Engine, EngineError, SandboxRequest};
+use layerstack_engine::{EndAction, Engine, EngineError, SandboxRequest};
 use layerstack_sandbox::sys;
 use layerstack_sandbox::wire::{self, Mode, Reply, Request};
 use tokio::io::Interest;
@@ -221,7 +221,7 @@ async fn start(
                     if let Err(e) = engine
                         .close_sandbox_session(
                             id,
-                            CloseHow::Discard,
+                            EndAction::Discard,
                             "session setup failed",
                             CLOSE_PATIENCE,
                         )
@@ -462,21 +462,21 @@ async fn close(
         ));
     };
     let policy = match r.policy.as_str() {
-        "" | "auto" => api::PublishPolicy::Auto,
-        "publish" => api::PublishPolicy::Publish,
-        "discard" => api::PublishPolicy::Discard,
-        "checkpoint" => api::PublishPolicy::Checkpoint,
+        "" | "auto" => api::EndAction::Auto,
+        "publish" => api::EndAction::Publish,
+        "discard" => api::EndAction::Discard,
+        "checkpoint" => api::EndAction::Checkpoint,
         other => {
             return Err(Reply::error(
                 ErrorKind::InvalidArgument,
-                format!("close policy {other:?} is not one of auto, publish, discard, checkpoint"),
+                format!("end action {other:?} is not one of auto, publish, discard, checkpoint"),
             ))
         }
     };
     admin
         .sandbox_close(api::CloseSessionRequest {
             session_id: id,
-            policy: policy as i32,
+            action: policy as i32,
             reason: r.reason,
             has_exit_status: r.exit_status.is_some(),
             exit_status: r.exit_status.unwrap_or(0),
@@ -589,15 +589,15 @@ impl AdminService {
     ) -> Result<(api::Session, MountSpec, bool), Status> {
         let policy = match r.policy.as_str() {
             "" => None,
-            p => Some(p.parse::<api::policy::Policy>().map_err(|_| {
+            p => Some(p.parse::<api::policy::ExitPolicy>().map_err(|_| {
                 Status::invalid_argument(format!(
-                    "publish policy {p:?} is not one of on-exit, on-success, never, checkpoint"
+                    "exit policy {p:?} is not one of on-exit, on-success, never, checkpoint"
                 ))
             })?),
         };
-        if policy == Some(api::policy::Policy::Checkpoint) && r.node.is_empty() {
+        if policy == Some(api::policy::ExitPolicy::Checkpoint) && r.node.is_empty() {
             return Err(Status::invalid_argument(
-                "publish policy checkpoint makes a child node of the session's node: start the session on a node (--node ID), or use on-exit, on-success or never",
+                "exit policy checkpoint makes a child node of the session's node: start the session on a node (--node ID), or use on-exit, on-success or never",
             ));
         }
         let node = (!r.node.is_empty()).then(|| r.node.clone());
@@ -640,23 +640,23 @@ impl AdminService {
             return Err(Status::invalid_argument("session_id is required"));
         }
         let id = r.session_id;
-        let how = match api::PublishPolicy::from_i32(r.policy) {
-            Some(api::PublishPolicy::Publish) => CloseHow::Publish,
-            Some(api::PublishPolicy::Discard) => CloseHow::Discard,
-            Some(api::PublishPolicy::Auto) => CloseHow::Auto {
+        let how = match api::EndAction::from_i32(r.action) {
+            Some(api::EndAction::Publish) => EndAction::Publish,
+            Some(api::EndAction::Discard) => EndAction::Discard,
+            Some(api::EndAction::Auto) => EndAction::Auto {
                 exit_status: r.has_exit_status.then_some(r.exit_status),
                 state: (!r.state.is_empty()).then(|| r.state.clone()),
                 command: (!r.command.is_empty()).then(|| r.command.clone()),
             },
-            Some(api::PublishPolicy::Checkpoint) => CloseHow::Checkpoint {
+            Some(api::EndAction::Checkpoint) => EndAction::Checkpoint {
                 exit_status: r.has_exit_status.then_some(r.exit_status),
                 state: (!r.state.is_empty()).then(|| r.state.clone()),
                 command: (!r.command.is_empty()).then(|| r.command.clone()),
             },
             None => {
                 return Err(Status::invalid_argument(format!(
-                    "unknown publish policy {}: use PUBLISH, DISCARD, AUTO or CHECKPOINT",
-                    r.policy
+                    "unknown end action {}: use PUBLISH, DISCARD, AUTO or CHECKPOINT",
+                    r.action
                 )))
             }
         };

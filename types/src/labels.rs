@@ -45,7 +45,7 @@ pub const BRANCH_LABEL: &str = "layerstack.branch";
 pub const NODE_LABEL: &str = "layerstack.node";
 
 /// Container label choosing the session's exit policy: what happens to its
-/// writes when its task exits ([`crate::policy::Policy`]). There is no snapshot
+/// writes when its task exits ([`crate::policy::ExitPolicy`]). There is no snapshot
 /// label for it.
 pub const PUBLISH_LABEL: &str = "layerstack.publish";
 

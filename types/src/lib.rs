@@ -17,9 +17,9 @@
 //! assert_eq!(ErrorKind::NotFound.as_str(), "not_found");
 //! assert_eq!(ErrorKind::parse("failed_precondition"), Some(ErrorKind::FailedPrecondition));
 //! assert!(OutcomeKind::parse("conflict").is_some_and(OutcomeKind::is_retryable));
-//! let p: policy::Policy = "on-success".parse()?;
+//! let p: policy::ExitPolicy = "on-success".parse()?;
 //! assert_eq!(policy::decide(p, 3).0, policy::Decision::Discard);
-//! # Ok::<(), policy::UnknownPolicy>(())
+//! # Ok::<(), policy::UnknownExitPolicy>(())
 //! ```
 
 #![forbid(unsafe_code)]

@@ -12,10 +12,10 @@ pub use crate::labels::{BRANCH_LABEL, NODE_LABEL, PUBLISH_LABEL};
 
 /// An exit policy: the value of [`PUBLISH_LABEL`], of a sandbox session's
 /// `--publish`, and what a session records (`on-exit`, `on-success`, `never`,
-/// `checkpoint`; [`Policy::as_str`] and [`str::parse`] are inverse, and the
+/// `checkpoint`; [`ExitPolicy::as_str`] and [`str::parse`] are inverse, and the
 /// empty string parses as the default).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Policy {
+pub enum ExitPolicy {
     /// Publish whenever the task exits, whatever its status (default).
     #[default]
     OnExit,
@@ -29,7 +29,7 @@ pub enum Policy {
     Checkpoint,
 }
 
-impl Policy {
+impl ExitPolicy {
     /// The label value.
     pub fn as_str(self) -> &'static str {
         match self {
@@ -41,7 +41,7 @@ impl Policy {
     }
 }
 
-impl fmt::Display for Policy {
+impl fmt::Display for ExitPolicy {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
     }
@@ -51,30 +51,32 @@ impl fmt::Display for Policy {
 /// `checkpoint` (the value, trimmed).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("label {PUBLISH_LABEL}={0:?} is not one of on-exit, on-success, never, checkpoint")]
-pub struct UnknownPolicy(pub String);
+pub struct UnknownExitPolicy(pub String);
 
-impl FromStr for Policy {
-    type Err = UnknownPolicy;
+impl FromStr for ExitPolicy {
+    type Err = UnknownExitPolicy;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         match s.trim() {
             "" | "on-exit" => Ok(Self::OnExit),
             "on-success" => Ok(Self::OnSuccess),
             "never" => Ok(Self::Never),
             "checkpoint" => Ok(Self::Checkpoint),
-            other => Err(UnknownPolicy(other.to_string())),
+            other => Err(UnknownExitPolicy(other.to_string())),
         }
     }
 }
 
-/// The policy named by `labels`. Without `layerstack.publish`: [`Policy::OnExit`],
-/// or [`Policy::Checkpoint`] for a container that names a graph node with
+/// The policy named by `labels`. Without `layerstack.publish`: [`ExitPolicy::OnExit`],
+/// or [`ExitPolicy::Checkpoint`] for a container that names a graph node with
 /// `layerstack.node` (an attempt's writes become a child node unless its owner
 /// says otherwise; ARCHITECTURE.md §12).
-pub fn policy_from_labels(labels: &HashMap<String, String>) -> Result<Policy, UnknownPolicy> {
+pub fn policy_from_labels(
+    labels: &HashMap<String, String>,
+) -> Result<ExitPolicy, UnknownExitPolicy> {
     match labels.get(PUBLISH_LABEL) {
         Some(v) => v.parse(),
-        None if node_from_labels(labels).is_some() => Ok(Policy::Checkpoint),
-        None => Ok(Policy::OnExit),
+        None if node_from_labels(labels).is_some() => Ok(ExitPolicy::Checkpoint),
+        None => Ok(ExitPolicy::OnExit),
     }
 }
 
@@ -108,22 +110,22 @@ pub enum Decision {
 
 /// The decision for a task that exited with `exit_status`, and the reason sent to
 /// the daemon (it ends up in the session's outcome message).
-pub fn decide(policy: Policy, exit_status: u32) -> (Decision, String) {
+pub fn decide(policy: ExitPolicy, exit_status: u32) -> (Decision, String) {
     match policy {
-        Policy::OnExit => (
+        ExitPolicy::OnExit => (
             Decision::Publish,
             format!("shim: task exited with status {exit_status}"),
         ),
-        Policy::OnSuccess if exit_status == 0 => (
+        ExitPolicy::OnSuccess if exit_status == 0 => (
             Decision::Publish,
             format!("shim: task exited with status 0 ({PUBLISH_LABEL}=on-success)"),
         ),
-        Policy::OnSuccess => (
+        ExitPolicy::OnSuccess => (
             Decision::Discard,
             format!("exit status {exit_status} with {PUBLISH_LABEL}=on-success"),
         ),
-        Policy::Never => (Decision::Discard, format!("{PUBLISH_LABEL}=never")),
-        Policy::Checkpoint => (
+        ExitPolicy::Never => (Decision::Discard, format!("{PUBLISH_LABEL}=never")),
+        ExitPolicy::Checkpoint => (
             Decision::Checkpoint,
             format!("exit status {exit_status} with {PUBLISH_LABEL}=checkpoint"),
         ),
@@ -142,38 +144,38 @@ mod tests {
 
     #[test]
     fn policy_defaults_to_on_exit() {
-        assert_eq!(policy_from_labels(&labels(&[])), Ok(Policy::OnExit));
+        assert_eq!(policy_from_labels(&labels(&[])), Ok(ExitPolicy::OnExit));
         assert_eq!(
             policy_from_labels(&labels(&[(NODE_LABEL, "n3")])),
-            Ok(Policy::Checkpoint),
+            Ok(ExitPolicy::Checkpoint),
             "an attempt checkpoints by default"
         );
         assert_eq!(
             policy_from_labels(&labels(&[(NODE_LABEL, "n3"), (PUBLISH_LABEL, "never")])),
-            Ok(Policy::Never),
+            Ok(ExitPolicy::Never),
             "an explicit policy wins"
         );
         assert_eq!(
             policy_from_labels(&labels(&[(PUBLISH_LABEL, "")])),
-            Ok(Policy::OnExit)
+            Ok(ExitPolicy::OnExit)
         );
         assert_eq!(
             policy_from_labels(&labels(&[(PUBLISH_LABEL, "never")])),
-            Ok(Policy::Never)
+            Ok(ExitPolicy::Never)
         );
         assert_eq!(
             policy_from_labels(&labels(&[(PUBLISH_LABEL, "always")])),
-            Err(UnknownPolicy("always".into()))
+            Err(UnknownExitPolicy("always".into()))
         );
     }
 
     #[test]
     fn decisions_follow_the_issue_table() {
-        assert_eq!(decide(Policy::OnExit, 137).0, Decision::Publish);
-        assert_eq!(decide(Policy::OnSuccess, 0).0, Decision::Publish);
-        assert_eq!(decide(Policy::OnSuccess, 3).0, Decision::Discard);
-        assert_eq!(decide(Policy::Never, 0).0, Decision::Discard);
-        assert!(decide(Policy::OnSuccess, 3).1.contains("exit status 3"));
+        assert_eq!(decide(ExitPolicy::OnExit, 137).0, Decision::Publish);
+        assert_eq!(decide(ExitPolicy::OnSuccess, 0).0, Decision::Publish);
+        assert_eq!(decide(ExitPolicy::OnSuccess, 3).0, Decision::Discard);
+        assert_eq!(decide(ExitPolicy::Never, 0).0, Decision::Discard);
+        assert!(decide(ExitPolicy::OnSuccess, 3).1.contains("exit status 3"));
     }
 
     #[test]

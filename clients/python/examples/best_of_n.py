@@ -203,7 +203,7 @@ def best_of_n(
         if ev.exit_status == 0:
             closed = ls.close_session(
                 s.id,
-                policy="checkpoint",
+                action="checkpoint",
                 exit_status=ev.exit_status,
                 state={"candidate": cand.name, "score": score, "lines": cand.lines_changed},
                 command=f"apply {cand.name}; python3 -m unittest",
@@ -212,7 +212,7 @@ def best_of_n(
             if node is None:
                 raise RuntimeError(f"{cand.name}: the close made no node: {closed}")
         else:
-            ls.close_session(s.id, policy="discard", exit_status=ev.exit_status)
+            ls.close_session(s.id, action="discard", exit_status=ev.exit_status)
         trials.append(Trial(cand, passed, score, s.id, node))
         log(f"attempt {i} {cand.name:16} {passed}/{N_TESTS} tests  " + (f"-> node {node}" if node else "discarded"))
 

@@ -273,7 +273,7 @@ def _teardown(e: Env, daemon, containerd) -> None:  # type: ignore[no-untyped-de
             for s in c.list_sessions(owner_kind="sandbox"):
                 if not s.released:
                     try:
-                        c.close_session(s.id, policy="discard", timeout_s=30)
+                        c.close_session(s.id, action="discard", timeout_s=30)
                     except layerstack.LayerStackError:
                         pass
             c.close()

@@ -103,7 +103,7 @@ def test_attempts_checkpoint_merge_promote_prune_retry(env: Env, ls: layerstack.
     assert r1.created and not r2.created and r1.attempt.id == r2.attempt.id
     assert r1.attempt.node == root and r1.attempt.status == "running"
     assert len(ls.list_attempts(root)) == len(attempts) + 1
-    ls.close_session(r1.session.id, policy="discard")
+    ls.close_session(r1.session.id, action="discard")
     assert {x.id: x.status for x in ls.list_attempts(root)}[r1.attempt.id] == "failed"
 
     # The picture.

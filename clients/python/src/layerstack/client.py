@@ -26,6 +26,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any, Callable, Iterator, List, Mapping, Optional, Sequence, TypeVar, Union
 
@@ -60,8 +61,8 @@ State = Union[Mapping[str, Any], str]
 
 _T = TypeVar("_T")
 
-_PUBLISH_POLICIES = ("on-exit", "on-success", "never", "checkpoint")
-_CLOSE_POLICIES = {
+_EXIT_POLICIES = ("on-exit", "on-success", "never", "checkpoint")
+_END_ACTIONS = {
     "auto": pb.AUTO,
     "publish": pb.PUBLISH,
     "discard": pb.DISCARD,
@@ -77,11 +78,11 @@ def _state_json(state: Optional[State]) -> str:
     return json.dumps(dict(state), sort_keys=True, separators=(",", ":"))
 
 
-def _check_policy(policy: Optional[str]) -> str:
+def _check_exit_policy(policy: Optional[str]) -> str:
     if policy is None:
         return ""
-    if policy not in _PUBLISH_POLICIES:
-        raise ValueError(f"publish policy {policy!r}: give one of {', '.join(_PUBLISH_POLICIES)}")
+    if policy not in _EXIT_POLICIES:
+        raise ValueError(f"exit policy {policy!r}: give one of {', '.join(_EXIT_POLICIES)}")
     return policy
 
 
@@ -305,7 +306,7 @@ class Client:
             assert node is not None
             a += ["--node", node]
         if publish is not None:
-            a += ["--publish", _check_policy(publish)]
+            a += ["--publish", _check_exit_policy(publish)]
         if state is not None:
             a += ["--state", _state_json(state)]
         if key:
@@ -376,7 +377,7 @@ class Client:
             assert node is not None
             a += ["--node", node]
         if publish is not None:
-            a += ["--publish", _check_policy(publish)]
+            a += ["--publish", _check_exit_policy(publish)]
         if key:
             a += ["--idempotency-key", key]
         if name:
@@ -444,20 +445,24 @@ class Client:
         self,
         session_id: int,
         *,
-        policy: str = "auto",
+        action: str = "auto",
         exit_status: Optional[int] = None,
         state: Optional[State] = None,
         command: Optional[str] = None,
         reason: str = "python client close",
+        policy: Optional[str] = None,
         timeout_s: Optional[float] = 600.0,
     ) -> Session:
         """Ends a Mode B session: stops its holder, waits until its upper is unmounted
         everywhere, ends its run and releases it.
 
         Args:
-            policy: ``auto`` (the recorded exit policy applied to ``exit_status``;
-                without one on-success discards), ``publish``, ``discard``, or
-                ``checkpoint`` (a child node of the session's attempt node).
+            action: the end action: ``auto`` (the recorded exit policy applied to
+                ``exit_status``; without one on-success discards), ``publish``,
+                ``discard``, or ``checkpoint`` (a child node of the session's
+                attempt node).
+            policy: the former name of ``action`` (deprecated; it named the end
+                action, not the exit policy).
             exit_status: the status the recorded policy applies to.
             state: when the close checkpoints: the child node's state (JSON object).
             command: provenance recorded on the child node.
@@ -468,11 +473,18 @@ class Client:
             NotFoundError: no such session.
             FailedPreconditionError: checkpoint of a session that is not a running attempt.
         """
-        if policy not in _CLOSE_POLICIES:
-            raise ValueError(f"close policy {policy!r}: give one of {', '.join(_CLOSE_POLICIES)}")
+        if policy is not None:
+            warnings.warn(
+                "close_session(policy=...) is now close_session(action=...): it is the end action",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            action = policy
+        if action not in _END_ACTIONS:
+            raise ValueError(f"end action {action!r}: give one of {', '.join(_END_ACTIONS)}")
         req = pb.CloseSessionRequest(
             session_id=session_id,
-            policy=_CLOSE_POLICIES[policy],
+            action=_END_ACTIONS[action],
             reason=reason,
             has_exit_status=exit_status is not None,
             exit_status=exit_status or 0,
@@ -494,18 +506,18 @@ class Client:
         session: ``outcome`` committed | merged | no-change | conflict (``conflicts``).
 
         Raises FailedPreconditionError while the upper is still mounted."""
-        req = pb.PublishRequest(session_id=session_id, policy=pb.PUBLISH, reason=reason)
+        req = pb.PublishRequest(session_id=session_id, action=pb.PUBLISH, reason=reason)
         return Session.from_pb(self._call(self._stub.Publish, req))
 
     def discard(self, session_id: int, *, reason: str = "python client discard") -> Session:
         """Drops the session's writes (outcome ``discarded``)."""
-        req = pb.PublishRequest(session_id=session_id, policy=pb.DISCARD, reason=reason)
+        req = pb.PublishRequest(session_id=session_id, action=pb.DISCARD, reason=reason)
         return Session.from_pb(self._call(self._stub.Publish, req))
 
     def dry_run(self, session_id: int) -> DryRun:
         """What :meth:`publish` would do now, changing nothing: the would-be outcome
         (``session.dry_run`` True) and every path's verdict, in path order."""
-        req = pb.PublishRequest(session_id=session_id, policy=pb.PUBLISH)
+        req = pb.PublishRequest(session_id=session_id, action=pb.PUBLISH)
         t = self.timeout_s
         session: Optional[Session] = None
         paths: List[PathVerdict] = []

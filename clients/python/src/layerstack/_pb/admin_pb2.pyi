@@ -7,16 +7,16 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class PublishPolicy(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+class EndAction(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
-    PUBLISH: _ClassVar[PublishPolicy]
-    DISCARD: _ClassVar[PublishPolicy]
-    AUTO: _ClassVar[PublishPolicy]
-    CHECKPOINT: _ClassVar[PublishPolicy]
-PUBLISH: PublishPolicy
-DISCARD: PublishPolicy
-AUTO: PublishPolicy
-CHECKPOINT: PublishPolicy
+    PUBLISH: _ClassVar[EndAction]
+    DISCARD: _ClassVar[EndAction]
+    AUTO: _ClassVar[EndAction]
+    CHECKPOINT: _ClassVar[EndAction]
+PUBLISH: EndAction
+DISCARD: EndAction
+AUTO: EndAction
+CHECKPOINT: EndAction
 
 class ImportBaseRequest(_message.Message):
     __slots__ = ("path", "kind", "platform")
@@ -171,22 +171,22 @@ class CreateSessionResponse(_message.Message):
     def __init__(self, session: _Optional[_Union[Session, _Mapping]] = ..., mounts: _Optional[_Iterable[_Union[Mount, _Mapping]]] = ..., created: _Optional[bool] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
-    __slots__ = ("session_id", "policy", "reason", "has_exit_status", "exit_status", "state", "command")
+    __slots__ = ("session_id", "action", "reason", "has_exit_status", "exit_status", "state", "command")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    POLICY_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     HAS_EXIT_STATUS_FIELD_NUMBER: _ClassVar[int]
     EXIT_STATUS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     COMMAND_FIELD_NUMBER: _ClassVar[int]
     session_id: int
-    policy: PublishPolicy
+    action: EndAction
     reason: str
     has_exit_status: bool
     exit_status: int
     state: str
     command: str
-    def __init__(self, session_id: _Optional[int] = ..., policy: _Optional[_Union[PublishPolicy, str]] = ..., reason: _Optional[str] = ..., has_exit_status: _Optional[bool] = ..., exit_status: _Optional[int] = ..., state: _Optional[str] = ..., command: _Optional[str] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[int] = ..., action: _Optional[_Union[EndAction, str]] = ..., reason: _Optional[str] = ..., has_exit_status: _Optional[bool] = ..., exit_status: _Optional[int] = ..., state: _Optional[str] = ..., command: _Optional[str] = ...) -> None: ...
 
 class ListSessionsRequest(_message.Message):
     __slots__ = ("namespace", "all_namespaces", "page_size", "page_token", "owner_kind")
@@ -317,22 +317,22 @@ class WaitRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., container: _Optional[str] = ..., timeout_ms: _Optional[int] = ..., session_id: _Optional[int] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
-    __slots__ = ("namespace", "container", "policy", "reason", "has_exit_status", "exit_status", "session_id")
+    __slots__ = ("namespace", "container", "action", "reason", "has_exit_status", "exit_status", "session_id")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     CONTAINER_FIELD_NUMBER: _ClassVar[int]
-    POLICY_FIELD_NUMBER: _ClassVar[int]
+    ACTION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     HAS_EXIT_STATUS_FIELD_NUMBER: _ClassVar[int]
     EXIT_STATUS_FIELD_NUMBER: _ClassVar[int]
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     container: str
-    policy: PublishPolicy
+    action: EndAction
     reason: str
     has_exit_status: bool
     exit_status: int
     session_id: int
-    def __init__(self, namespace: _Optional[str] = ..., container: _Optional[str] = ..., policy: _Optional[_Union[PublishPolicy, str]] = ..., reason: _Optional[str] = ..., has_exit_status: _Optional[bool] = ..., exit_status: _Optional[int] = ..., session_id: _Optional[int] = ...) -> None: ...
+    def __init__(self, namespace: _Optional[str] = ..., container: _Optional[str] = ..., action: _Optional[_Union[EndAction, str]] = ..., reason: _Optional[str] = ..., has_exit_status: _Optional[bool] = ..., exit_status: _Optional[int] = ..., session_id: _Optional[int] = ...) -> None: ...
 
 class DryRunReply(_message.Message):
     __slots__ = ("session", "paths")

@@ -263,7 +263,7 @@ class AdminServicer:
         current branch head; no merge is written, no layer made, no outcome
         recorded. The first reply carries the session with `dry_run` set (outcome,
         counts, message, the first conflicts); the following replies carry every
-        path's verdict in batches, sorted by path (policy must be PUBLISH).
+        path's verdict in batches, sorted by path (action must be PUBLISH).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -21,15 +21,15 @@ use globset::{GlobBuilder, GlobSet, GlobSetBuilder};
 /// takes its whole subtree with it.
 ///
 /// ```
-/// use layerstack_publisher::ExcludePolicy;
-/// let p = ExcludePolicy::new(["/tmp/**", "/var/cache/**", "**/*.pyc"]).unwrap();
+/// use layerstack_publisher::ExclusionRules;
+/// let p = ExclusionRules::new(["/tmp/**", "/var/cache/**", "**/*.pyc"]).unwrap();
 /// assert!(p.is_excluded(b"tmp/x"));
 /// assert!(p.is_excluded(b"srv/app/m.pyc/inner"));
 /// assert!(!p.is_excluded(b"tmp"));
 /// assert!(!p.is_excluded(b"var/cachex/y"));
 /// ```
 #[derive(Debug, Clone, Default)]
-pub struct ExcludePolicy {
+pub struct ExclusionRules {
     set: GlobSet,
     patterns: Vec<String>,
     /// Literal directory prefix of each pattern (components before the first one
@@ -40,7 +40,7 @@ pub struct ExcludePolicy {
 /// An exclusion pattern that does not parse.
 #[derive(Debug, thiserror::Error)]
 #[error("invalid exclude pattern {pattern:?}")]
-pub struct PolicyError {
+pub struct ExclusionError {
     /// The pattern as given.
     pub pattern: String,
     /// The parser's complaint.
@@ -48,12 +48,12 @@ pub struct PolicyError {
     pub source: globset::Error,
 }
 
-impl ExcludePolicy {
+impl ExclusionRules {
     /// A policy excluding every path matching one of `patterns`.
     ///
     /// # Errors
-    /// [`PolicyError`] for the first pattern that does not parse.
-    pub fn new<I, S>(patterns: I) -> Result<ExcludePolicy, PolicyError>
+    /// [`ExclusionError`] for the first pattern that does not parse.
+    pub fn new<I, S>(patterns: I) -> Result<ExclusionRules, ExclusionError>
     where
         I: IntoIterator<Item = S>,
         S: AsRef<str>,
@@ -72,7 +72,7 @@ impl ExcludePolicy {
                 .literal_separator(true)
                 .backslash_escape(true)
                 .build()
-                .map_err(|source| PolicyError {
+                .map_err(|source| ExclusionError {
                     pattern: p.to_string(),
                     source,
                 })?;
@@ -90,11 +90,11 @@ impl ExcludePolicy {
             prefixes.push(prefix);
             kept.push(p.to_string());
         }
-        let set = b.build().map_err(|source| PolicyError {
+        let set = b.build().map_err(|source| ExclusionError {
             pattern: kept.join(", "),
             source,
         })?;
-        Ok(ExcludePolicy {
+        Ok(ExclusionRules {
             set,
             patterns: kept,
             prefixes,
@@ -182,7 +182,7 @@ mod tests {
 
     #[test]
     fn ancestors_exclude_their_subtree() {
-        let p = ExcludePolicy::new(["/var/cache", "run/**"]).unwrap();
+        let p = ExclusionRules::new(["/var/cache", "run/**"]).unwrap();
         assert!(p.is_excluded(b"var/cache"));
         assert!(p.is_excluded(b"var/cache/apt/x"));
         assert!(!p.is_excluded(b"var"));
@@ -194,30 +194,30 @@ mod tests {
 
     #[test]
     fn star_does_not_cross_directories_and_bytes_match() {
-        let p = ExcludePolicy::new(["/tmp/*.log", "/data/caf\u{e9}/**"]).unwrap();
+        let p = ExclusionRules::new(["/tmp/*.log", "/data/caf\u{e9}/**"]).unwrap();
         assert!(p.is_excluded(b"tmp/a.log"));
         assert!(!p.is_excluded(b"tmp/sub/a.log"));
-        let p2 = ExcludePolicy::new(["/x/*"]).unwrap();
+        let p2 = ExclusionRules::new(["/x/*"]).unwrap();
         assert!(p2.is_excluded(b"x/\xff\xfe"), "non-UTF-8 name");
         assert!(p.is_excluded("data/café/f".as_bytes()));
     }
 
     #[test]
     fn may_match_below_is_conservative() {
-        let p = ExcludePolicy::new(["/var/cache/**"]).unwrap();
+        let p = ExclusionRules::new(["/var/cache/**"]).unwrap();
         assert!(p.may_match_below(b"var"));
         assert!(p.may_match_below(b"var/cache"));
         assert!(p.may_match_below(b"var/cache/apt"));
         assert!(!p.may_match_below(b"etc"));
         assert!(!p.may_match_below(b"var/lib"));
-        let any = ExcludePolicy::new(["**/*.pyc"]).unwrap();
+        let any = ExclusionRules::new(["**/*.pyc"]).unwrap();
         assert!(any.may_match_below(b"etc"));
-        assert!(!ExcludePolicy::default().may_match_below(b"etc"));
+        assert!(!ExclusionRules::default().may_match_below(b"etc"));
     }
 
     #[test]
     fn bad_patterns_are_refused_with_their_text() {
-        let e = ExcludePolicy::new(["/ok/**", "/bad/[x"]).unwrap_err();
+        let e = ExclusionRules::new(["/ok/**", "/bad/[x"]).unwrap_err();
         assert_eq!(e.pattern, "/bad/[x");
     }
 }
