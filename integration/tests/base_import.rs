@@ -3,7 +3,10 @@
 //! stack, GNU tar's archive of the same tree is the same stack, a Mode B
 //! session runs on it (busybox as /bin/sh) and publishes, the branch is
 //! exported as an OCI layout whose base layer's diff ID is the import's
-//! digest, and a hostile archive is refused leaving nothing.
+//! digest, that layout imported back is a base holding the published write, a
+//! SandboxGraph rooted on the import checkpoints an attempt, two concurrent
+//! imports of one tarball make one base, and a hostile archive is refused
+//! leaving nothing.
 //!
 //! Needs root (fails under `CI=true` without it), `/bin/busybox` (static) and
 //! `tar`; no containerd.
@@ -169,6 +172,127 @@ fn a_base_imported_without_containerd_runs_sessions_and_exports() -> Result<()> 
             stdout(&o)
         );
 
+        // The exported layout imported back (an OCI layout: its layers
+        // flattened in order): a new base holding the published write.
+        let o = ok(
+            "base import (oci layout)",
+            env.layerstack(&[
+                "base",
+                "import",
+                "--json",
+                layout.to_str().context("utf-8")?,
+            ])?,
+        )?;
+        let v: Value = serde_json::from_slice(&o.stdout)?;
+        ensure!(
+            v["kind"] == "oci" && v["created"] == true && v["layers"] == 2,
+            "the exported layout is a new base of two flattened layers: {v}"
+        );
+        let flat = v["stack"].as_str().context("stack")?.to_string();
+        ensure!(flat != stack, "a different tree is a different base");
+        let o = ok(
+            "session run (flattened)",
+            env.layerstack(&["session", "run", &flat, "--", "cat", "/srv/data/new.txt"])?,
+        )?;
+        ensure!(stdout(&o) == "written\n", "{}", describe(&o));
+
+        // A SandboxGraph rooted on the imported base: an attempt of the root
+        // checkpoints a child node, which sees its own write only.
+        let root = stdout(&ok(
+            "graph create",
+            env.layerstack(&["graph", "create", "g-import", &stack])?,
+        )?)
+        .trim()
+        .to_string();
+        ok(
+            "attempt",
+            env.layerstack(&[
+                "session",
+                "run",
+                "--node",
+                &root,
+                "--",
+                "sh",
+                "-c",
+                "echo child > /child.txt",
+            ])?,
+        )?;
+        let g: Value = serde_json::from_slice(
+            &ok(
+                "graph show",
+                env.layerstack(&["graph", "show", "g-import", "--json"])?,
+            )?
+            .stdout,
+        )?;
+        let child = g["nodes"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .find(|n| n["parents"][0] == root.as_str())
+            .context("the attempt's checkpoint is a child of the root")?;
+        let child = child["id"].as_str().context("node id")?.to_string();
+        let o = ok(
+            "session run (child)",
+            env.layerstack(&[
+                "session",
+                "run",
+                "--node",
+                &child,
+                "--publish",
+                "never",
+                "--",
+                "sh",
+                "-c",
+                "cat /child.txt /etc/motd",
+            ])?,
+        )?;
+        ensure!(stdout(&o) == "child\nfrom an import\n", "{}", describe(&o));
+
+        // Two imports of one new tarball at once: one base, made once.
+        std::fs::write(src.join("etc/motd"), "twice\n")?;
+        let twice = dir.join("twice.tar");
+        ok(
+            "tar (twice)",
+            run_with_timeout(
+                Command::new("tar")
+                    .args(["--numeric-owner", "-cf"])
+                    .arg(&twice)
+                    .arg("-C")
+                    .arg(&src)
+                    .arg("."),
+                CMD_TIMEOUT,
+            )?,
+        )?;
+        let path = twice.to_str().context("utf-8")?.to_string();
+        let both: Vec<Value> = std::thread::scope(|s| {
+            let hs: Vec<_> = (0..2)
+                .map(|_| {
+                    s.spawn(|| -> Result<Value> {
+                        let o = ok(
+                            "base import (concurrent)",
+                            env.layerstack(&["base", "import", "--json", &path])?,
+                        )?;
+                        Ok(serde_json::from_slice(&o.stdout)?)
+                    })
+                })
+                .collect();
+            hs.into_iter()
+                .map(|h| {
+                    h.join()
+                        .map_err(|_| anyhow::anyhow!("import thread panicked"))?
+                })
+                .collect::<Result<Vec<_>>>()
+        })?;
+        ensure!(
+            both[0]["stack"] == both[1]["stack"]
+                && both.iter().filter(|v| v["created"] == true).count() == 1,
+            "two concurrent imports of one tarball make one base: {both:?}"
+        );
+        ensure!(
+            dir_is_empty(&staging)?,
+            "the loser's staged tree was dropped"
+        );
+
         // A hostile archive: refused by entry, nothing kept, nothing outside.
         let bad = dir.join("bad.tar");
         let mut b = tar::Builder::new(Vec::new());
@@ -196,7 +320,12 @@ fn a_base_imported_without_containerd_runs_sessions_and_exports() -> Result<()> 
         let o = ok("stack ls", env.layerstack(&["stack", "ls", "--json"])?)?;
         let stacks: Value = serde_json::from_slice(&o.stdout)?;
         ensure!(
-            stacks.as_array().map(Vec::len) == Some(1) && stacks[0]["namespace"] == "",
+            stacks.as_array().map(Vec::len) == Some(3)
+                && stacks
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .all(|s| s["namespace"] == ""),
             "{stacks}"
         );
         if !env.daemon().root().join("l").is_dir() {
