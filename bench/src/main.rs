@@ -1,6 +1,6 @@
 //! `layerstack-bench`: LayerStack's benchmarks side by side — start (P1),
 //! fan-out (P2), publish (P3), read path (P4), gate under fan-out (P5), reset
-//! (P6), Mode B session (P7) — in one run, each figure a ratio against a
+//! (P6), Mode B session (P7), apply isolation (P8) — in one run, each figure a ratio against a
 //! baseline measured in the same run, interleaved. Writes `benchmarks.md`, one
 //! SVG plot per scenario and the raw `results.json`.
 //!
@@ -35,8 +35,9 @@ struct Cli {
     /// Checks that every scenario still runs; its figures are not the published ones.
     #[arg(long)]
     quick: bool,
-    /// Run only these scenarios (`p1`…`p7` or `start`, `fan-out`, `publish`,
-    /// `read-path`, `gate`, `reset`, `mode-b`); repeatable, or comma-separated.
+    /// Run only these scenarios (`p1`…`p8` or `start`, `fan-out`, `publish`,
+    /// `read-path`, `gate`, `reset`, `mode-b`, `apply-isolation`); repeatable,
+    /// or comma-separated.
     #[arg(long = "scenario", value_delimiter = ',')]
     scenarios: Vec<String>,
     /// Where benchmarks.md and bench/ (plots, results.json) go. Default: the

@@ -91,7 +91,7 @@ impl Target {
 /// Everything one scenario reports.
 #[derive(Debug, Clone, Serialize)]
 pub struct ScenarioReport {
-    /// `p1` … `p7`.
+    /// `p1` … `p8`.
     pub id: String,
     /// Short name used by `--scenario` (`start`, `fan-out`, …).
     pub name: String,

@@ -14,6 +14,7 @@ mod p4_read;
 mod p5_gate;
 mod p6_reset;
 mod p7_mode_b;
+mod p8_apply;
 
 /// One scenario: ids, and the function that measures and fills the report.
 #[derive(Clone)]
@@ -68,6 +69,12 @@ pub fn all() -> Vec<Def> {
             name: "mode-b",
             title: "Mode B session: create + mount + run `true` + discard",
             run: p7_mode_b::run,
+        },
+        Def {
+            id: "p8",
+            name: "apply-isolation",
+            title: "apply isolation: `Prepare` + `Remove` on one stack while another branch applies heavy publishes",
+            run: p8_apply::run,
         },
     ]
 }
@@ -156,44 +163,6 @@ pub fn parallel<T: Send>(
     Ok(v)
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn interleaving_rotates_the_order() {
-        let mut order = Vec::new();
-        let s = interleave(3, 3, |r, v| {
-            order.push(v);
-            Ok((r * 10 + v) as f64)
-        })
-        .unwrap();
-        assert_eq!(order, vec![0, 1, 2, 1, 2, 0, 2, 0, 1]);
-        assert_eq!(s[1], vec![1.0, 11.0, 21.0]);
-    }
-
-    #[test]
-    fn parallel_keeps_order_and_reports_errors() {
-        let v = parallel(10, 3, |i| Ok(i * 2)).unwrap();
-        assert_eq!(v, (0..10).map(|i| i * 2).collect::<Vec<_>>());
-        let e = parallel(
-            10,
-            3,
-            |i| if i == 4 { anyhow::bail!("four") } else { Ok(i) },
-        );
-        assert!(e.is_err());
-        assert!(parallel(0, 3, Ok).unwrap().is_empty());
-    }
-
-    #[test]
-    fn ratio_tables_pair_rounds() {
-        let (t, r) = ratio_table("", "ms", &["a", "b"], &[vec![10.0, 20.0], vec![11.0, 30.0]]);
-        assert_eq!(t.rows.len(), 2);
-        assert_eq!(r[1].median, 1.3);
-        assert_eq!(t.rows[0][2], "1 (baseline)");
-    }
-}
-
 /// Waits until the machine is quiet — less than `busy_max` (0–1) of its CPU
 /// time busy over a 250 ms window, from `/proc/stat` — or `max` has passed;
 /// returns the time waited. Before a measurement that should not pay for the
@@ -246,4 +215,42 @@ pub fn drain_staging(
         std::thread::sleep(std::time::Duration::from_millis(100));
     }
     started.elapsed()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn interleaving_rotates_the_order() {
+        let mut order = Vec::new();
+        let s = interleave(3, 3, |r, v| {
+            order.push(v);
+            Ok((r * 10 + v) as f64)
+        })
+        .unwrap();
+        assert_eq!(order, vec![0, 1, 2, 1, 2, 0, 2, 0, 1]);
+        assert_eq!(s[1], vec![1.0, 11.0, 21.0]);
+    }
+
+    #[test]
+    fn parallel_keeps_order_and_reports_errors() {
+        let v = parallel(10, 3, |i| Ok(i * 2)).unwrap();
+        assert_eq!(v, (0..10).map(|i| i * 2).collect::<Vec<_>>());
+        let e = parallel(
+            10,
+            3,
+            |i| if i == 4 { anyhow::bail!("four") } else { Ok(i) },
+        );
+        assert!(e.is_err());
+        assert!(parallel(0, 3, Ok).unwrap().is_empty());
+    }
+
+    #[test]
+    fn ratio_tables_pair_rounds() {
+        let (t, r) = ratio_table("", "ms", &["a", "b"], &[vec![10.0, 20.0], vec![11.0, 30.0]]);
+        assert_eq!(t.rows.len(), 2);
+        assert_eq!(r[1].median, 1.3);
+        assert_eq!(t.rows[0][2], "1 (baseline)");
+    }
 }
