@@ -40,7 +40,7 @@ use crate::db::Cached;
 use crate::error::StoreError;
 use crate::leases::{lease_manifest, release_lease};
 use crate::paths::{insert_index, layers_since, query_layers};
-use crate::sessions::get_sess;
+use crate::sessions::{get_sess, SessRow};
 use crate::stacks::{branch_head, prepend_manifest, set_branch};
 use crate::{
     fs, now_ns, Durability, HeadChanges, HeadView, IndexEntry, LayerId, LayerKind, ManifestId,
@@ -110,6 +110,43 @@ fn insert_paths(
         ])?;
     }
     Ok(())
+}
+
+/// Writes outcome `record` of session `s`'s current run (its per-path verdicts
+/// included) and moves the session to `state`, pointing at it; `ends`: the run
+/// is over, its lease released. Rows only, in the caller's transaction: the
+/// caller owns the session's directories. Every outcome that adds no layer is
+/// written here, whoever records it ([`Store::record_outcome`], containerd's
+/// `Commit` of a session). Returns the outcome's id.
+pub(crate) fn insert_outcome(
+    tx: &Transaction<'_>,
+    s: &SessRow,
+    record: &OutcomeRecord,
+    state: SessionState,
+    ends: bool,
+) -> Result<PublishId, StoreError> {
+    let now = now_ns();
+    let c = PathCounts::of(&record.paths);
+    let [cu, gw, gh, tu, cb] = micros(record.timings);
+    tx.exec(
+        "INSERT INTO publishes(session_id, run, outcome, message, clean, merged, conflict, excluded, capture_us, gate_wait_us, gate_hold_us, total_us, capture_bytes, at_ns) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
+        params![s.id, s.run, record.kind.as_str(), record.message, c.clean as i64, c.merged as i64, c.conflict as i64, c.excluded as i64, cu, gw, gh, tu, cb, now],
+    )?;
+    let pid = tx.last_insert_rowid();
+    insert_paths(tx, pid, &record.paths)?;
+    if ends {
+        release_lease(tx, s.lease_id)?;
+        tx.exec(
+            "UPDATE sessions SET state = ?2, last_publish = ?3, lease_id = NULL, updated_ns = ?4 WHERE id = ?1",
+            params![s.id, state.as_str(), pid, now],
+        )?;
+    } else {
+        tx.exec(
+            "UPDATE sessions SET state = ?2, last_publish = ?3, updated_ns = ?4 WHERE id = ?1",
+            params![s.id, state.as_str(), pid, now],
+        )?;
+    }
+    Ok(pid)
 }
 
 /// The `publishes` columns of `t`: capture_us, gate_wait_us, gate_hold_us,
@@ -537,27 +574,7 @@ impl Store {
             if let Some(st) = staged {
                 delete_staged(tx, st)?;
             }
-            let now = now_ns();
-            let c = PathCounts::of(&record.paths);
-            let [cu, gw, gh, tu, cb] = micros(record.timings);
-            tx.exec(
-                "INSERT INTO publishes(session_id, run, outcome, message, clean, merged, conflict, excluded, capture_us, gate_wait_us, gate_hold_us, total_us, capture_bytes, at_ns) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
-                params![session, s.run, record.kind.as_str(), record.message, c.clean as i64, c.merged as i64, c.conflict as i64, c.excluded as i64, cu, gw, gh, tu, cb, now],
-            )?;
-            let pid = tx.last_insert_rowid();
-            insert_paths(tx, pid, &record.paths)?;
-            if ends {
-                release_lease(tx, s.lease_id)?;
-                tx.exec(
-                    "UPDATE sessions SET state = ?2, last_publish = ?3, lease_id = NULL, updated_ns = ?4 WHERE id = ?1",
-                    params![session, state.as_str(), pid, now],
-                )?;
-            } else {
-                tx.exec(
-                    "UPDATE sessions SET state = ?2, last_publish = ?3, updated_ns = ?4 WHERE id = ?1",
-                    params![session, state.as_str(), pid, now],
-                )?;
-            }
+            let pid = insert_outcome(tx, &s, &record, state, ends)?;
             Ok((read_outcome(tx, pid)?, s.released))
         })?;
         if ends && released {

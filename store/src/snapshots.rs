@@ -28,12 +28,13 @@ use tracing::{debug, info};
 use crate::db::Cached;
 use crate::error::StoreError;
 use crate::layers::insert_layer;
-use crate::leases::{lease_manifest, release_lease};
+use crate::leases::lease_manifest;
+use crate::publish::insert_outcome;
 use crate::sessions::{get_sess, insert_session};
 use crate::stacks::ensure_stack;
 use crate::{
-    fs, layer_rel, now_ns, LayerId, LayerKind, LeaseTarget, MountSpec, Owner, SessionId,
-    SnapshotInfo, SnapshotKind, Store,
+    fs, layer_rel, now_ns, LayerId, LayerKind, LeaseTarget, MountSpec, OutcomeKind, OutcomeRecord,
+    Owner, SessionId, SessionState, SnapshotInfo, SnapshotKind, Store,
 };
 
 /// The snapshot labels this module reads (documented in
@@ -591,15 +592,16 @@ impl Store {
                         params![name, row.parent, lj, now, layer, size, inodes],
                     )?;
                     freeze(tx, name, &frozen)?;
+                    // The run ends discarded (the outcomes' own writer); the
+                    // session is released: containerd holds its upper now.
+                    let record = OutcomeRecord::new(
+                        OutcomeKind::Discarded,
+                        format!("committed by containerd as snapshot {name}; not published"),
+                    );
+                    insert_outcome(tx, &s, &record, SessionState::Discarded, true)?;
                     tx.exec(
-                        "INSERT INTO publishes(session_id, run, outcome, message, at_ns) VALUES (?1, ?2, 'discarded', ?3, ?4)",
-                        params![sid, s.run, format!("committed by containerd as snapshot {name}; not published"), now],
-                    )?;
-                    let pid = tx.last_insert_rowid();
-                    release_lease(tx, Some(lease))?;
-                    tx.exec(
-                        "UPDATE sessions SET state = 'discarded', last_publish = ?2, lease_id = NULL, released = 1, updated_ns = ?3 WHERE id = ?1",
-                        params![sid, pid, now],
+                        "UPDATE sessions SET released = 1 WHERE id = ?1",
+                        [sid],
                     )?;
                 }
                 None => {
