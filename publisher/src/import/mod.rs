@@ -250,7 +250,11 @@ pub fn import_tree(
             kind.as_str()
         ))
     };
-    let mut stage = stage::Stage::new(staging);
+    let mut stage = if kind == ImportKind::Dir {
+        stage::Stage::untracked(staging)
+    } else {
+        stage::Stage::new(staging)
+    };
     let mut chosen = None;
     match kind {
         ImportKind::Dir | ImportKind::Oci if !md.is_dir() => return Err(wrong("a directory")),

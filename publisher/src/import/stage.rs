@@ -157,6 +157,8 @@ pub(crate) struct Stage {
     root: PathBuf,
     /// Paths the current layer wrote, and every directory above them.
     touched: HashSet<Vec<u8>>,
+    /// Whether `touched` is kept (a directory copy has no whiteouts: no need).
+    track: bool,
     /// The mtime of every directory below the root, set by [`Stage::finish`].
     dir_mtimes: BTreeMap<Vec<u8>, i64>,
     pub(crate) report: ImportReport,
@@ -175,8 +177,18 @@ impl Stage {
         Stage {
             root: root.to_path_buf(),
             touched: HashSet::new(),
+            track: true,
             dir_mtimes: BTreeMap::new(),
             report: ImportReport::default(),
+        }
+    }
+
+    /// A stage that does not remember what it wrote: for a directory copy,
+    /// which has no whiteouts (a million paths would be kept for nothing).
+    pub(crate) fn untracked(root: &Path) -> Stage {
+        Stage {
+            track: false,
+            ..Stage::new(root)
         }
     }
 
@@ -191,6 +203,9 @@ impl Stage {
     }
 
     fn touch(&mut self, rel: &[u8]) {
+        if !self.track {
+            return;
+        }
         let mut p = rel;
         loop {
             if !self.touched.insert(p.to_vec()) {
@@ -453,6 +468,7 @@ impl Stage {
     /// A whiteout of `rel` (`.wh.<name>` in its parent): what the layers below
     /// had there goes; what this layer wrote there stays.
     pub(crate) fn whiteout(&mut self, rel: &[u8]) -> R<()> {
+        debug_assert!(self.track, "whiteouts need the paths this layer wrote");
         self.report.whiteouts += 1;
         let Some((dir, name)) = self.parent(rel, false)? else {
             return Ok(());
@@ -469,6 +485,7 @@ impl Stage {
     /// An opaque marker in directory `rel` (empty: the root): what the layers
     /// below had in it goes.
     pub(crate) fn opaque(&mut self, rel: &[u8]) -> R<()> {
+        debug_assert!(self.track, "opaque markers need the paths this layer wrote");
         self.report.opaque += 1;
         if !rel.is_empty() {
             // The marker is in this layer, so is its directory.
