@@ -3,7 +3,10 @@
 //! At start ([`SweepMode::Startup`], nothing else runs yet): staged publishes that
 //! never committed are dropped (their sessions publish again), committed publishes
 //! whose rename did not happen are rolled forward, and directories without a row
-//! are removed. On containerd's `Cleanup` ([`SweepMode::Cleanup`], while the daemon
+//! are removed — every entry of `staging/` (merged files, squashes and imported
+//! bases being built, trees let go of: none has a row) and an `l/<n>` renamed
+//! in by a squash or a base import whose transaction never committed. On
+//! containerd's `Cleanup` ([`SweepMode::Cleanup`], while the daemon
 //! serves) only directories without a row go, and never one an operation in
 //! flight registered ([`crate::InFlight`]): its row may not be committed yet.
 //!
