@@ -157,23 +157,10 @@ mod tests {
     use super::*;
     use crate::{Compression, EndAction, EngineSettings, SandboxRequest};
 
-    fn have_root(test: &str) -> bool {
-        if nix::unistd::geteuid().is_root() {
-            return true;
-        }
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "{test} needs root under CI=true"
-        );
-        eprintln!("skipping {test}: needs root");
-        false
-    }
+    use crate::test_support::have_root;
 
     fn tmp() -> tempfile::TempDir {
-        tempfile::Builder::new()
-            .prefix("ls-import-")
-            .tempdir_in("/var/tmp")
-            .unwrap()
+        crate::test_support::tmp_named("import")
     }
 
     /// A small root filesystem: files, a directory, a symlink, a hardlink.

@@ -19,17 +19,7 @@ use layerstack_publisher as publisher;
 
 const STACK: &str = "ns/sha256:aaa";
 
-fn have_root(test: &str) -> bool {
-    if nix::unistd::geteuid().is_root() {
-        return true;
-    }
-    assert!(
-        std::env::var("CI").as_deref() != Ok("true"),
-        "{test} needs root under CI=true"
-    );
-    eprintln!("skipping {test}: needs root");
-    false
-}
+use crate::test_support::have_root;
 
 const BASE: &[u8] =
     b"# app\r\nkey1 = 1\r\nkey2 = 2\nkey3 = 3\nkey4 = 4\nkey5 = 5\nkey6 = 6\nlast = 7";
@@ -67,10 +57,7 @@ fn edit(pairs: &[(&str, &str)]) -> Vec<u8> {
 }
 
 fn tmp() -> tempfile::TempDir {
-    tempfile::Builder::new()
-        .prefix("ls-inspect-")
-        .tempdir_in("/var/tmp")
-        .unwrap()
+    crate::test_support::tmp_named("inspect")
 }
 
 /// The store with the image and `n` container sessions `a`, `b`, … (`s0`… after

@@ -421,4 +421,6 @@ impl Engine {
 #[cfg(test)]
 mod inspect_tests;
 #[cfg(test)]
+mod test_support;
+#[cfg(test)]
 mod tests;

@@ -420,19 +420,7 @@ mod tests {
         assert_eq!(backoff(20).as_millis(), 100);
     }
 
-    /// Root is needed (the store's sweep, chown of uppers). Without it the test
-    /// skips, except under `CI=true`, where it fails.
-    fn have_root(test: &str) -> bool {
-        if nix::unistd::geteuid().is_root() {
-            return true;
-        }
-        assert!(
-            std::env::var("CI").as_deref() != Ok("true"),
-            "{test} needs root under CI=true"
-        );
-        eprintln!("skipping {test}: needs root");
-        false
-    }
+    use crate::test_support::have_root;
 
     /// A store with stack `ns/sha256:aaa` (one image layer holding etc/a) and an
     /// engine over it with a cap of `max` sandbox sessions.

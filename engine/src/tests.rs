@@ -9,19 +9,7 @@ use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 
-/// Root is needed (chown, trusted.* xattrs, the store's sweep). Without it the
-/// test skips, except under `CI=true`, where it fails.
-fn have_root(test: &str) -> bool {
-    if nix::unistd::geteuid().is_root() {
-        return true;
-    }
-    assert!(
-        std::env::var("CI").as_deref() != Ok("true"),
-        "{test} needs root under CI=true"
-    );
-    eprintln!("skipping {test}: needs root");
-    false
-}
+use crate::test_support::have_root;
 
 const BASE: &[u8] =
     b"# app\r\nkey1 = 1\r\nkey2 = 2\nkey3 = 3\nkey4 = 4\nkey5 = 5\nkey6 = 6\nlast = 7";
@@ -47,10 +35,7 @@ fn engine(store: &Arc<Store>) -> Arc<Engine> {
 }
 
 fn tmp() -> tempfile::TempDir {
-    tempfile::Builder::new()
-        .prefix("ls-engine-")
-        .tempdir_in("/var/tmp")
-        .unwrap()
+    crate::test_support::tmp_named("engine")
 }
 
 /// A store with a one-layer image holding etc/app.conf and three sessions on it.
