@@ -621,7 +621,7 @@ impl Store {
         exit_policy: Option<&str>,
     ) -> Result<(AttemptInfo, SessionInfo, MountSpec, bool), StoreError> {
         let mut holds = Vec::new();
-        self.db.write(|tx| {
+        let (a, info, spec, created) = self.db.write(|tx| {
             if let Some(k) = key {
                 let existing = tx
                     .one(
@@ -684,7 +684,9 @@ impl Store {
             let info = self.session_info(tx, get_sess(tx, sid)?)?;
             info!(node, attempt = aid, session.id = sid, "attempt started");
             Ok((a, info, spec, true))
-        })
+        })?;
+        self.ready_run(info.id, &spec)?;
+        Ok((a, info, spec, created))
     }
 
     /// Marks the running attempt of session `sid` as having an attempt row of
@@ -697,15 +699,19 @@ impl Store {
         node: &str,
         key: Option<&str>,
     ) -> Result<(AttemptInfo, SessionInfo, MountSpec), StoreError> {
-        self.db.write(|tx| {
+        let (a, info, spec) = self.db.write(|tx| {
             let (a, spec) = self.attach_attempt_in(tx, sid, node, key)?;
             let info = self.session_info(tx, get_sess(tx, sid)?)?;
             Ok((a, info, spec))
-        })
+        })?;
+        self.ready_run(sid, &spec)?;
+        Ok((a, info, spec))
     }
 
     /// [`Store::attach_attempt`] inside the caller's transaction (containerd's
-    /// Prepare with the snapshot label `containerd.io/snapshot/layerstack.node`).
+    /// Prepare with the snapshot label `containerd.io/snapshot/layerstack.node`);
+    /// the caller makes the run's directories after the commit
+    /// ([`Store::ready_run`]).
     pub(crate) fn attach_attempt_in(
         &self,
         tx: &Transaction<'_>,

@@ -231,7 +231,6 @@ pub(crate) fn insert_session(
         }
     }
     holds.push(store.inflight.hold(session_rel(sid)));
-    store.make_session_dirs(sid)?;
     Ok(sid)
 }
 
@@ -331,19 +330,40 @@ impl Store {
             )));
         }
         let dirs = self.layer_dirs(conn, lowers)?;
-        let upper = self.upper_path(sid);
-        if let Some(top) = dirs.first() {
-            fs::init_upper_root(&upper, top).map_err(|e| StoreError::io(&upper, e))?;
-        }
         Ok(MountSpec::Overlay {
             lowers: dirs,
-            upper: Some((upper, self.session_work_path(sid))),
+            upper: Some((self.upper_path(sid), self.session_work_path(sid))),
         })
+    }
+
+    /// Makes the directories of session `sid`'s run `spec` (as [`Store::start_run`]
+    /// returned it): the session's directory, upper and workdir, and a fresh
+    /// upper's root given the lease root's metadata ([`fs::init_upper_root`]).
+    /// Called after the transaction that returned `spec` committed — no
+    /// filesystem work runs inside a write transaction (ARCHITECTURE §9) — and
+    /// idempotent: a crash between that commit and this call leaves a session
+    /// row without directories, which the next mount of the session makes.
+    /// Error: `Io` naming the directory.
+    pub(crate) fn ready_run(&self, sid: SessionId, spec: &MountSpec) -> Result<(), StoreError> {
+        let MountSpec::Overlay {
+            lowers,
+            upper: Some((upper, _)),
+        } = spec
+        else {
+            return Ok(());
+        };
+        self.make_session_dirs(sid)?;
+        if let Some(top) = lowers.first() {
+            fs::init_upper_root(upper, top).map_err(|e| StoreError::io(upper, e))?;
+        }
+        Ok(())
     }
 
     /// Starts a run of session `sid` if none is in progress (no lease, or the
     /// last run has an outcome): leases the branch head, clears the outcome,
-    /// counts the run. Returns the mount spec of the current run.
+    /// counts the run. Returns the mount spec of the current run; its
+    /// directories are the caller's to make once the transaction committed
+    /// ([`Store::ready_run`]).
     pub(crate) fn start_run(
         &self,
         tx: &Transaction<'_>,
@@ -375,7 +395,6 @@ impl Store {
                 params![sid, now_ns()],
             )?;
         }
-        self.make_session_dirs(sid)?;
         let lease = s.lease_id.unwrap_or_default();
         let manifest = lease_manifest(tx, lease)?;
         let lowers = self.session_lowers(tx, &s, manifest)?;
@@ -413,7 +432,7 @@ impl Store {
         exit_policy: Option<&str>,
     ) -> Result<(SessionInfo, MountSpec, bool), StoreError> {
         let mut holds = Vec::new();
-        self.db.write(|tx| {
+        let (info, spec, created) = self.db.write(|tx| {
             if let Some(k) = idempotency_key {
                 let existing: Option<i64> = tx
                     .one(
@@ -449,14 +468,18 @@ impl Store {
             let info = self.session_info(tx, get_sess(tx, sid)?)?;
             info!(session.id = sid, owner = %owner.display(), stack, branch = %info.branch, "session created");
             Ok((info, spec, true))
-        })
+        })?;
+        self.ready_run(info.id, &spec)?;
+        Ok((info, spec, created))
     }
 
     /// The mount spec of session `sid`'s current run, starting a new run when the
     /// last one has an outcome (see the module docs). Error: `SessionNotFound`,
     /// `FailedPrecondition` (released, too many lowers).
     pub fn session_mount(&self, sid: SessionId) -> Result<MountSpec, StoreError> {
-        self.db.write(|tx| self.start_run(tx, sid))
+        let spec = self.db.write(|tx| self.start_run(tx, sid))?;
+        self.ready_run(sid, &spec)?;
+        Ok(spec)
     }
 
     /// Record the exit policy of `session` as given (`on-exit`, `on-success`,
@@ -667,6 +690,7 @@ impl Store {
             let info = self.session_info(tx, s)?;
             Ok((info, spec, changed))
         })?;
+        self.ready_run(session, &spec)?;
         if changed {
             info!(session.id = session, branch, manifest = ?info.lease_manifest, "session re-pointed to branch");
         }

@@ -333,6 +333,20 @@ fn view_spec(dirs: Vec<PathBuf>) -> MountSpec {
     }
 }
 
+/// The directories a snapshot's mount needs that its transaction recorded but
+/// did not make ([`Store::make_dirs`]).
+enum Dirs {
+    None,
+    /// A session's run: its directory, upper, workdir ([`Store::ready_run`]).
+    Session(SessionId),
+    /// A plain active snapshot's (or an empty view's) own layer directory, and
+    /// its overlay workdir when it has lowers.
+    Layer {
+        dir: PathBuf,
+        work: Option<PathBuf>,
+    },
+}
+
 fn active_spec(dir: PathBuf, work: PathBuf, lowers: Vec<PathBuf>) -> MountSpec {
     if lowers.is_empty() {
         MountSpec::Bind {
@@ -371,6 +385,7 @@ impl Store {
         }
         let mut holds = Vec::new();
         let out = self.db.write(|tx| {
+            let mut make = Dirs::None;
             if get_snap(tx, key)?.is_some() {
                 return Err(StoreError::SnapshotExists(key.to_string()));
             }
@@ -389,8 +404,10 @@ impl Store {
                     // A view of nothing: an empty read-only directory.
                     let id = insert_layer(tx, LayerKind::Active, None, None)?;
                     holds.push(self.inflight.hold(layer_rel(id)));
-                    let dir = self.layer_path(id);
-                    fs::mkdir_mode(&dir, 0o755).map_err(|e| StoreError::io(&dir, e))?;
+                    make = Dirs::Layer {
+                        dir: self.layer_path(id),
+                        work: None,
+                    };
                     layer_id = Some(id);
                     lowers = vec![id];
                 }
@@ -400,7 +417,7 @@ impl Store {
                 )?;
                 freeze(tx, key, &lowers)?;
                 let dirs = self.layer_dirs(tx, &lowers)?;
-                return Ok((need_snap(tx, key)?.info(), view_spec(dirs)));
+                return Ok((need_snap(tx, key)?.info(), view_spec(dirs), make));
             }
 
             let base = match (&parent_opt, is_extract) {
@@ -440,7 +457,7 @@ impl Store {
                     None => self.start_run(tx, sid)?,
                 };
                 info!(snapshot.key = key, session.id = sid, stack = %stack, branch = %branch, "session created");
-                return Ok((need_snap(tx, key)?.info(), spec));
+                return Ok((need_snap(tx, key)?.info(), spec, Dirs::Session(sid)));
             }
 
             // A plain active snapshot (image extraction, or a chain without an image).
@@ -453,20 +470,45 @@ impl Store {
             holds.push(self.inflight.hold(format!("w/{id}")));
             let dir = self.layer_path(id);
             let work = self.work_path(id);
-            fs::mkdir_mode(&dir, 0o755).map_err(|e| StoreError::io(&dir, e))?;
-            if !lowers.is_empty() {
-                fs::mkdir_mode(&work, 0o700).map_err(|e| StoreError::io(&work, e))?;
-            }
+            make = Dirs::Layer {
+                dir: dir.clone(),
+                work: (!lowers.is_empty()).then(|| work.clone()),
+            };
             tx.exec(
                 "INSERT INTO snapshots(key, kind, parent, labels, created_ns, updated_ns, layer_id) VALUES (?1, 'active', ?2, ?3, ?4, ?4, ?5)",
                 params![key, parent_opt, lj, now, id],
             )?;
             let dirs = self.layer_dirs(tx, &lowers)?;
             debug!(snapshot.key = key, layer.id = id, "active snapshot prepared");
-            Ok((need_snap(tx, key)?.info(), active_spec(dir, work, dirs)))
+            Ok((need_snap(tx, key)?.info(), active_spec(dir, work, dirs), make))
+        });
+        let out = out.and_then(|(info, spec, make)| {
+            self.make_dirs(make, &spec)?;
+            Ok((info, spec))
         });
         drop(holds);
         out
+    }
+
+    /// Makes what [`Dirs`] names, after the transaction that recorded the rows
+    /// committed (no filesystem work inside a write transaction, ARCHITECTURE
+    /// §9). Idempotent: a crash in between leaves rows whose directories the
+    /// next `Mounts` makes. Error: `Io` naming the directory.
+    fn make_dirs(&self, make: Dirs, spec: &MountSpec) -> Result<(), StoreError> {
+        match make {
+            Dirs::None => Ok(()),
+            Dirs::Session(sid) => self.ready_run(sid, spec),
+            Dirs::Layer { dir, work } => {
+                for (p, mode) in std::iter::once((dir, 0o755)).chain(work.map(|w| (w, 0o700))) {
+                    match fs::mkdir_mode(&p, mode) {
+                        Ok(()) => {}
+                        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+                        Err(e) => return Err(StoreError::io(&p, e)),
+                    }
+                }
+                Ok(())
+            }
+        }
     }
 
     /// The session of containerd snapshot `key`, if it is a live rootfs snapshot.
@@ -507,10 +549,12 @@ impl Store {
     /// containerd `Mounts`. For a session whose last run finished, this starts a
     /// new run (see [`Store::session_mount`]).
     pub fn mounts(&self, key: &str) -> Result<MountSpec, StoreError> {
-        self.db.write(|tx| {
+        let (spec, make) = self.db.write(|tx| {
             let row = need_snap(tx, key)?;
             match (row.kind, row.session_id) {
-                (SnapshotKind::Active, Some(sid)) => self.start_run(tx, sid),
+                (SnapshotKind::Active, Some(sid)) => {
+                    Ok((self.start_run(tx, sid)?, Dirs::Session(sid)))
+                }
                 (SnapshotKind::Active, None) => {
                     let id = row.layer_id.ok_or_else(|| stack_removed(key))?;
                     let lowers = match &row.parent {
@@ -518,17 +562,34 @@ impl Store {
                         None => Vec::new(),
                     };
                     let dirs = self.layer_dirs(tx, &lowers)?;
-                    Ok(active_spec(self.layer_path(id), self.work_path(id), dirs))
+                    let make = Dirs::Layer {
+                        dir: self.layer_path(id),
+                        work: (!lowers.is_empty()).then(|| self.work_path(id)),
+                    };
+                    Ok((
+                        active_spec(self.layer_path(id), self.work_path(id), dirs),
+                        make,
+                    ))
                 }
                 (SnapshotKind::View, _) => {
                     let lowers = frozen_lowers(tx, key)?;
-                    Ok(view_spec(self.layer_dirs(tx, &lowers)?))
+                    // A view of nothing has an empty directory of its own.
+                    let make = match row.layer_id {
+                        Some(id) => Dirs::Layer {
+                            dir: self.layer_path(id),
+                            work: None,
+                        },
+                        None => Dirs::None,
+                    };
+                    Ok((view_spec(self.layer_dirs(tx, &lowers)?), make))
                 }
                 (SnapshotKind::Committed, _) => Err(StoreError::FailedPrecondition(format!(
                     "{key} is a committed snapshot: mount it through View or Prepare"
                 ))),
             }
-        })
+        })?;
+        self.make_dirs(make, &spec)?;
+        Ok(spec)
     }
 
     /// containerd `Commit(name, key)`: turns the active snapshot `key` into the

@@ -1156,6 +1156,63 @@ fn a_fresh_upper_takes_the_metadata_of_the_lease_root() {
     assert_eq!(md.mode() & 0o7777, 0o700);
 }
 
+/// ARCHITECTURE §9: no filesystem work inside a write transaction — a
+/// session's and a plain snapshot's directories are made after the commit that
+/// recorded their rows. A crash in between leaves rows without directories;
+/// the next `Mounts` makes them (with the fresh upper's root metadata), so a
+/// container started after the restart still gets its overlay.
+#[test]
+fn directories_lost_between_a_commit_and_their_mkdir_are_made_by_the_next_mount() {
+    use std::os::unix::fs::PermissionsExt;
+    let d = tmp();
+    let s = open(d.path());
+    let top = unpack(&s, "default");
+    std::fs::set_permissions(s.layer_path(2), std::fs::Permissions::from_mode(0o751)).unwrap();
+    s.prepare("default/5/c1", &top, BTreeMap::new(), false)
+        .unwrap();
+    let sess = s.find_session("default", "c1").unwrap().unwrap();
+    let sdir = sess.upper.parent().unwrap().to_path_buf();
+    assert!(sess.upper.is_dir() && sdir.join("work").is_dir());
+    // A plain active snapshot (no image below: no session).
+    s.prepare("default/6/plain", "", BTreeMap::new(), false)
+        .unwrap();
+    let plain = match s.mounts("default/6/plain").unwrap() {
+        MountSpec::Bind {
+            source,
+            writable: true,
+        } => source,
+        other => panic!("an active snapshot with no parent is a writable bind: {other:?}"),
+    };
+    drop(s);
+    // The crash: rows committed, directories never made.
+    std::fs::remove_dir_all(&sdir).unwrap();
+    std::fs::remove_dir_all(&plain).unwrap();
+
+    let s = open(d.path());
+    match s.mounts("default/5/c1").unwrap() {
+        MountSpec::Overlay {
+            upper: Some((upper, work)),
+            ..
+        } => {
+            assert_eq!(upper, sess.upper);
+            assert!(upper.is_dir(), "Mounts makes the session's upper again");
+            assert!(work.is_dir(), "Mounts makes the session's workdir again");
+            let mode = std::fs::metadata(&upper).unwrap().permissions().mode();
+            assert_eq!(
+                mode & 0o7777,
+                0o751,
+                "the remade upper takes the image root's mode"
+            );
+        }
+        other => panic!("a session mounts as an overlay with an upper: {other:?}"),
+    }
+    s.mounts("default/6/plain").unwrap();
+    assert!(
+        plain.is_dir(),
+        "Mounts makes a plain snapshot's directory again"
+    );
+}
+
 #[test]
 fn a_corrupt_manifest_row_is_an_error_naming_it_and_nothing_is_rewritten() {
     let d = tmp();
