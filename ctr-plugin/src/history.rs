@@ -416,12 +416,8 @@ pub async fn run(admin: &Path, ns: &str, cmd: HistoryCmd) -> Result<ExitCode> {
                 for s in &r.stacks {
                     rows.push([
                         short(&s.id).to_string(),
-                        if s.namespace.is_empty() {
-                            "-".into()
-                        } else {
-                            s.namespace.clone()
-                        },
-                        if s.namespace.is_empty() {
+                        s.namespace.clone().unwrap_or_else(|| "-".into()),
+                        if s.namespace.is_none() {
                             "(imported)".into()
                         } else if s.image_refs.is_empty() {
                             "-".into()

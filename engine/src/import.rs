@@ -280,7 +280,7 @@ mod tests {
             .unwrap();
         let kinds: Vec<LayerKind> = x.lease().layers.iter().map(|l| l.kind).collect();
         assert_eq!(kinds, [LayerKind::Base, LayerKind::Published]);
-        assert_eq!(x.lease().namespace, "");
+        assert_eq!(x.lease().namespace, None);
         let base = x.write_layer(0, Compression::Gzip, Vec::new()).unwrap();
         assert_eq!(base.diff_id, a.digest);
         x.write_layer(1, Compression::Zstd, Vec::new()).unwrap();

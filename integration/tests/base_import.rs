@@ -325,7 +325,7 @@ fn a_base_imported_without_containerd_runs_sessions_and_exports() -> Result<()> 
                     .as_array()
                     .into_iter()
                     .flatten()
-                    .all(|s| s["namespace"] == ""),
+                    .all(|s| s["namespace"].is_null()),
             "{stacks}"
         );
         if !env.daemon().root().join("l").is_dir() {

@@ -152,17 +152,17 @@ impl AdminService {
     /// or why not. Never longer than [`BASE_LOOKUP_TIMEOUT`].
     async fn base_image(
         &self,
-        ns: &str,
+        ns: Option<&str>,
         chain: &str,
         layers: usize,
         prefer: &str,
     ) -> Result<Base, Missing> {
-        if ns.is_empty() {
+        let Some(ns) = ns else {
             // `layerstack base import`: no image, no containerd.
             return Err(Missing(format!(
                 "{chain} is an imported base (layerstack base import): it has no image in containerd"
             )));
-        }
+        };
         let lookup = async {
             let ch = crate::containerd::connect(&self.containerd_address)
                 .await
@@ -244,7 +244,12 @@ impl AdminService {
         .map_err(|e| Status::internal(format!("export task failed: {e}")))??;
         let l = export.lease();
         let base = self
-            .base_image(&l.namespace, &l.base_digest, l.base_layers, &r.image)
+            .base_image(
+                l.namespace.as_deref(),
+                &l.base_digest,
+                l.base_layers,
+                &r.image,
+            )
             .await;
         match &base {
             Ok(b) => info!(
@@ -254,7 +259,7 @@ impl AdminService {
                 blobs_copied = l.layers.iter().enumerate().filter(|(i, _)| b.blob(*i).is_some()).count(),
                 "export: base image found in containerd"
             ),
-            Err(Missing(_)) if l.namespace.is_empty() => {
+            Err(Missing(_)) if l.namespace.is_none() => {
                 info!(stack = %l.stack, "export: an imported base: its layer is packed from the store, the runtime config defaulted")
             }
             Err(Missing(why)) => {

@@ -193,25 +193,27 @@ impl AdminService {
             Default::default();
         for st in all {
             // An imported base belongs to no namespace: listed in every one.
-            if !r.all_namespaces && st.namespace != r.namespace && !st.namespace.is_empty() {
-                continue;
-            }
-            if st.namespace.is_empty() {
-                images.entry(String::new()).or_default();
-            }
-            if !images.contains_key(&st.namespace) {
-                // Best effort: containerd may be down; history does not need it.
-                let list =
-                    crate::containerd::list_image_chains(&self.containerd_address, &st.namespace)
-                        .await
-                        .unwrap_or_default();
-                images.insert(st.namespace.clone(), list);
-            }
-            let image_refs = images[&st.namespace]
-                .iter()
-                .filter(|(_, chain)| *chain == st.base_digest)
-                .map(|(name, _)| name.clone())
-                .collect();
+            let image_refs = match &st.namespace {
+                Some(ns) if !r.all_namespaces && *ns != r.namespace => continue,
+                Some(ns) => {
+                    if !images.contains_key(ns) {
+                        // Best effort: containerd may be down; history does not need it.
+                        let list =
+                            crate::containerd::list_image_chains(&self.containerd_address, ns)
+                                .await
+                                .unwrap_or_default();
+                        images.insert(ns.clone(), list);
+                    }
+                    images[ns]
+                        .iter()
+                        .filter(|(_, chain)| *chain == st.base_digest)
+                        .map(|(name, _)| name.clone())
+                        .collect()
+                }
+                // An imported base belongs to no namespace: listed in every one,
+                // with no image.
+                None => Vec::new(),
+            };
             let heads: Vec<i64> = st.branches.iter().map(|b| b.head).collect();
             let layers = self.engine.layers_of(heads).await.map_err(engine_status)? as u64;
             out.push(api::Stack {

@@ -295,7 +295,9 @@ impl Metrics {
                     for b in &st.branches {
                         depth
                             .get_or_create(&BranchLabels {
-                                namespace: st.namespace.clone(),
+                                // Empty for an imported base: to Prometheus an
+                                // empty label value is no label.
+                                namespace: st.namespace.clone().unwrap_or_default(),
                                 stack: st.id.clone(),
                                 branch: b.name.clone(),
                             })

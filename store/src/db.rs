@@ -244,7 +244,11 @@ impl Db {
         };
         conn.pragma_update(None, "synchronous", sync)?;
         conn.pragma_update(None, "wal_autocheckpoint", Checkpointer::BACKSTOP_PAGES)?;
-        conn.pragma_update(None, "foreign_keys", "ON")?;
+        // Off while the schema is made or migrated (a migration may rebuild a
+        // table others refer to; the pragma cannot change inside a
+        // transaction): checked by `foreign_key_check` before the commit and
+        // on for everything after.
+        conn.pragma_update(None, "foreign_keys", "OFF")?;
         conn.pragma_update(None, "cache_size", -WRITER_CACHE_KIB)?;
         conn.pragma_update(None, "mmap_size", MMAP_BYTES)?;
         {
@@ -296,9 +300,21 @@ impl Db {
                         expected: FORMAT_VERSION,
                     });
                 }
+                let dangling: Option<String> = tx
+                    .one("PRAGMA foreign_key_check", [], |r| r.get(0))
+                    .optional()?;
+                if let Some(table) = dangling {
+                    // Rolled back: the store stays as it was.
+                    return Err(OpenError::Store(StoreError::corrupt(
+                        "foreign_key_check",
+                        table,
+                        "a row of this table refers to one that does not exist (PRAGMA foreign_key_check); the store was left unmigrated",
+                    )));
+                }
             }
             tx.commit()?;
         }
+        conn.pragma_update(None, "foreign_keys", "ON")?;
         let checkpointer = Checkpointer::start(path.clone());
         Ok(Db {
             path,

@@ -48,8 +48,9 @@ pub struct ExportLease {
     /// The lease (holder kind `export`); release it with [`Store::release_export`].
     pub lease: i64,
     pub stack: String,
-    /// The stack's containerd namespace (where its base image lives).
-    pub namespace: String,
+    /// The stack's containerd namespace (where its base image lives); `None`
+    /// for an imported base (no image in containerd).
+    pub namespace: Option<String>,
     /// The stack's base: the top layer chainID of its image (`sha256:<hex>`;
     /// OCI image-spec `config.md` "Layer ChainID").
     pub base_digest: String,
@@ -76,7 +77,7 @@ impl Store {
         holder: &str,
     ) -> Result<ExportLease, StoreError> {
         self.db.write(|tx| {
-            let stack_row = |stack: &str| -> Result<(String, String), StoreError> {
+            let stack_row = |stack: &str| -> Result<(Option<String>, String), StoreError> {
                 tx.one(
                     "SELECT namespace, base_digest FROM stacks WHERE id = ?1",
                     [stack],

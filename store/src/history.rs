@@ -457,7 +457,7 @@ impl Store {
                 return Ok(None);
             }
             let mut stmt = conn.prepare_cached(
-                "SELECT id FROM stacks WHERE namespace IN (?1, '') AND base_digest LIKE ?2 ORDER BY id",
+                "SELECT id FROM stacks WHERE (namespace = ?1 OR namespace IS NULL) AND base_digest LIKE ?2 ORDER BY id",
             )?;
             let found: Vec<String> = stmt
                 .query_map(params![namespace, format!("sha256:{hex}%")], |r| r.get(0))?

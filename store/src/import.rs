@@ -20,9 +20,8 @@
 //! stack is `<namespace>/<chainID>`, and a containerd namespace is
 //! `[A-Za-z0-9]+([._-][A-Za-z0-9]+)*` (containerd `identifiers.Validate`): it
 //! never holds a `:`, so no containerd stack id starts with `import:` nor can
-//! equal one. An imported stack's `namespace` column is `''` (it belongs to no
-//! containerd namespace; containerd's namespaces are never empty) and its
-//! `base_digest` is the content digest.
+//! equal one. An imported stack's `namespace` column is NULL (it belongs to
+//! no containerd namespace) and its `base_digest` is the content digest.
 
 use std::path::Path;
 
@@ -129,7 +128,7 @@ impl Store {
             }
             let layer = insert_layer(tx, LayerKind::Base, Some(&stack), None)?;
             inflight = Some(self.inflight.hold(crate::layer_rel(layer)));
-            ensure_stack(tx, &stack, digest, "", &[layer])?;
+            ensure_stack(tx, &stack, digest, None, &[layer])?;
             ensure_branch(tx, &stack, &self.default_branch, &self.default_branch)?;
             crate::failpoints::hit("import.before_rename");
             let to = self.layer_path(layer);
@@ -231,8 +230,8 @@ mod tests {
         let st = s.stacks().unwrap();
         assert_eq!(st.len(), 1);
         assert_eq!(
-            (st[0].namespace.as_str(), st[0].base_digest.as_str()),
-            ("", DIGEST)
+            (st[0].namespace.as_deref(), st[0].base_digest.as_str()),
+            (None, DIGEST)
         );
         assert_eq!(st[0].base_layers, vec![b.layer]);
         let branches = s.branches(&b.stack).unwrap();
@@ -346,5 +345,60 @@ mod tests {
         assert!(!dir.exists());
         assert!(!root.join("l/77").exists());
         assert!(s.stacks().unwrap().is_empty());
+    }
+
+    /// Format 7 kept an imported base's namespace as `''` in a NOT NULL
+    /// column; format 8 rebuilds `stacks` (other tables refer to it) and says
+    /// NULL. Sessions and branches on the stack survive the rebuild.
+    #[test]
+    fn a_format_7_store_is_migrated_and_its_imported_stack_has_no_namespace() {
+        let t = tmp();
+        let root = t.path().join("root");
+        let s = Store::open(&root, &StoreOptions::default()).unwrap();
+        let b = s.import_base(&staged(&s), DIGEST).unwrap();
+        let owner = crate::Owner::Sandbox { name: "m".into() };
+        let (before, _, _) = s
+            .create_session(
+                &owner,
+                &b.stack,
+                &crate::LeaseTarget::Branch("main".into()),
+                None,
+            )
+            .unwrap();
+        drop(s);
+        let db = rusqlite::Connection::open(root.join("store.db")).unwrap();
+        db.execute_batch(
+            "PRAGMA foreign_keys = OFF;
+             CREATE TABLE s7 (id TEXT PRIMARY KEY, base_digest TEXT NOT NULL, namespace TEXT NOT NULL, created_ns INTEGER NOT NULL);
+             INSERT INTO s7 SELECT id, base_digest, '', created_ns FROM stacks;
+             DROP TABLE stacks; ALTER TABLE s7 RENAME TO stacks;
+             UPDATE meta SET value = '7' WHERE key = 'format_version';",
+        )
+        .unwrap();
+        drop(db);
+        let s = Store::open(&root, &StoreOptions::default()).unwrap();
+        let st = s.stacks().unwrap();
+        assert_eq!(st.len(), 1);
+        assert_eq!(st[0].namespace, None, "'' became NULL");
+        assert_eq!(s.session(before.id).unwrap().stack, b.stack);
+        // The rebuilt table still takes part in foreign keys.
+        let refused = s.db.write(|tx| {
+            Ok(tx.execute(
+                "INSERT INTO sessions(owner_kind, namespace, owner, stack, branch, state, created_ns, updated_ns) VALUES ('sandbox', '', 'x', 'no-such-stack', 'main', 'active', 0, 0)",
+                [],
+            )?)
+        });
+        assert!(
+            refused.is_err(),
+            "a session on a stack that does not exist is refused"
+        );
+        // And an empty namespace can no longer be written.
+        let empty = s.db.write(|tx| {
+            Ok(tx.execute(
+                "INSERT INTO stacks(id, base_digest, namespace, created_ns) VALUES ('x', 'sha256:0', '', 0)",
+                [],
+            )?)
+        });
+        assert!(empty.is_err(), "namespace '' is refused: NULL says none");
     }
 }

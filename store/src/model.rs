@@ -486,9 +486,9 @@ pub struct StackInfo {
     /// The base image's top layer chainID, or an imported base's content
     /// digest.
     pub base_digest: String,
-    /// The containerd namespace it belongs to (`""`: an imported base, which
-    /// belongs to none).
-    pub namespace: String,
+    /// The containerd namespace it belongs to (`None`: an imported base, which
+    /// belongs to none and is listed in every one).
+    pub namespace: Option<String>,
     /// Base (image) layers, newest first.
     pub base_layers: Vec<LayerId>,
     pub branches: Vec<BranchInfo>,

@@ -16,9 +16,10 @@
 /// conflict markers of rebased sessions); 5 added `publishes.capture_bytes`;
 /// 6 added the index of hiding path rows (`layer_paths_hiding`); 7 lets a
 /// manifest hold only its newest positions and refer to a complete one for
-/// the rest (`manifests.rest`). Formats 4 to 6 are migrated at open
-/// ([`MIGRATIONS`]).
-pub const FORMAT_VERSION: i64 = 7;
+/// the rest (`manifests.rest`); 8 lets a stack belong to no containerd
+/// namespace (`stacks.namespace` NULL: an imported base, which used to be
+/// `''`). Formats 4 to 7 are migrated at open ([`MIGRATIONS`]).
+pub const FORMAT_VERSION: i64 = 8;
 
 /// The steps that bring an older store to [`FORMAT_VERSION`], each
 /// `(from, what it does, SQL)`, applied in order in the open's transaction and
@@ -40,6 +41,25 @@ pub(crate) const MIGRATIONS: &[(i64, &str, &str)] = &[
         "manifests.rest",
         // Every manifest of an older store is complete: NULL.
         "ALTER TABLE manifests ADD COLUMN rest INTEGER REFERENCES manifests(id);",
+    ),
+    (
+        7,
+        "stacks.namespace nullable",
+        // SQLite cannot drop a NOT NULL constraint: the table is rebuilt
+        // (sqlite.org/lang_altertable.html "Making Other Kinds Of Table Schema
+        // Changes"; the open runs migrations with foreign_keys off and checks
+        // them before its commit). Other tables refer to `stacks` by name,
+        // which the rename gives back.
+        "CREATE TABLE stacks_v8 (
+            id          TEXT PRIMARY KEY,
+            base_digest TEXT NOT NULL,
+            namespace   TEXT CHECK (namespace <> ''),
+            created_ns  INTEGER NOT NULL
+        );
+        INSERT INTO stacks_v8(id, base_digest, namespace, created_ns)
+            SELECT id, base_digest, NULLIF(namespace, ''), created_ns FROM stacks;
+        DROP TABLE stacks;
+        ALTER TABLE stacks_v8 RENAME TO stacks;",
     ),
 ];
 
@@ -101,13 +121,13 @@ CREATE INDEX layer_paths_hiding ON layer_paths(path, layer_id) WHERE kind NOT IN
 
 -- A stack: the history that grows on one base (ARCHITECTURE.md §2). Its base
 -- layers are recorded here, so history stays reachable after containerd removes
--- the image's snapshots. An imported base (module import: `import:sha256:…`,
--- no containerd) has namespace '' (containerd's namespaces are never empty)
--- and its content digest as base_digest.
+-- the image's snapshots. `namespace` is the containerd namespace of a stack
+-- made from an image; an imported base (module import: `import:sha256:…`, no
+-- containerd) has none (NULL) and its content digest as base_digest.
 CREATE TABLE stacks (
     id          TEXT PRIMARY KEY,
     base_digest TEXT NOT NULL,
-    namespace   TEXT NOT NULL,
+    namespace   TEXT CHECK (namespace <> ''),
     created_ns  INTEGER NOT NULL
 );
 -- The base layers of a stack, newest (top) first.

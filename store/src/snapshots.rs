@@ -433,7 +433,7 @@ impl Store {
                 let chain = chain_of(&base);
                 let stack = stack_id(ns, &chain);
                 let base_layers = committed_chain(tx, &base.key)?;
-                ensure_stack(tx, &stack, &chain, ns, &base_layers)?;
+                ensure_stack(tx, &stack, &chain, Some(ns), &base_layers)?;
                 let owner = Owner::Container {
                     namespace: ns.to_string(),
                     id: container.to_string(),
@@ -887,7 +887,7 @@ impl Store {
                 return Ok(None);
             };
             let base_layers = committed_chain(tx, &key)?;
-            ensure_stack(tx, &stack, chain, namespace, &base_layers)?;
+            ensure_stack(tx, &stack, chain, Some(namespace), &base_layers)?;
             Ok(Some(stack.clone()))
         })
     }

@@ -28,14 +28,15 @@ use crate::{
 };
 
 /// Records stack `id` (base image top chainID `base_digest` in containerd
-/// namespace `namespace`) with its base layers, newest first, unless it exists.
+/// namespace `namespace`, `None` for an imported base) with its base layers,
+/// newest first, unless it exists.
 /// An existing stack keeps the base layers it recorded first (the history was
 /// built on them).
 pub(crate) fn ensure_stack(
     tx: &Transaction<'_>,
     id: &str,
     base_digest: &str,
-    namespace: &str,
+    namespace: Option<&str>,
     base_layers: &[LayerId],
 ) -> Result<bool, StoreError> {
     let n = tx.exec(
@@ -315,7 +316,7 @@ impl Store {
                 Ok((
                     r.get::<_, String>(0)?,
                     r.get::<_, String>(1)?,
-                    r.get::<_, String>(2)?,
+                    r.get::<_, Option<String>>(2)?,
                     r.get::<_, i64>(3)?,
                 ))
             })?;

@@ -1497,8 +1497,8 @@ fn an_export_lease_lists_base_then_published_layers_and_the_sweep_releases_it() 
     );
     assert_eq!(e.base_layers, 2);
     assert_eq!(
-        (e.namespace.as_str(), e.base_digest.as_str()),
-        ("default", "sha256:bbb"),
+        (e.namespace.as_deref(), e.base_digest.as_str()),
+        (Some("default"), "sha256:bbb"),
         "where the export finds the base image in containerd"
     );
     assert_eq!(e.layers[2].kind, LayerKind::Published);
