@@ -403,11 +403,21 @@ pub async fn run(admin: &Path, ns: &str, cmd: GraphCmd) -> Result<ExitCode> {
                 }
             }
             GraphSub::Ls { json } => {
-                let gs = c
-                    .list_graphs(api::ListGraphsRequest {})
-                    .await?
-                    .into_inner()
-                    .graphs;
+                let (mut gs, mut page_token) = (Vec::new(), String::new());
+                loop {
+                    let r = c
+                        .list_graphs(api::ListGraphsRequest {
+                            page_size: 0,
+                            page_token,
+                        })
+                        .await?
+                        .into_inner();
+                    gs.extend(r.graphs);
+                    if r.next_page_token.is_empty() {
+                        break;
+                    }
+                    page_token = r.next_page_token;
+                }
                 if json {
                     out!(
                         "{}",
@@ -644,11 +654,22 @@ pub async fn run(admin: &Path, ns: &str, cmd: GraphCmd) -> Result<ExitCode> {
                 print_attempt(&r, json);
             }
             AttemptSub::Ls { node, json } => {
-                let list = c
-                    .list_attempts(api::ListAttemptsRequest { node })
-                    .await?
-                    .into_inner()
-                    .attempts;
+                let (mut list, mut page_token) = (Vec::new(), String::new());
+                loop {
+                    let r = c
+                        .list_attempts(api::ListAttemptsRequest {
+                            node: node.clone(),
+                            page_size: 0,
+                            page_token,
+                        })
+                        .await?
+                        .into_inner();
+                    list.extend(r.attempts);
+                    if r.next_page_token.is_empty() {
+                        break;
+                    }
+                    page_token = r.next_page_token;
+                }
                 if json {
                     out!(
                         "{}",

@@ -384,17 +384,26 @@ pub async fn run(admin: &Path, ns: &str, cmd: HistoryCmd) -> Result<ExitCode> {
                     json,
                 },
         } => {
-            let r = c
-                .list_stacks(api::ListStacksRequest {
-                    namespace: ns,
-                    all_namespaces,
-                    usage,
-                })
-                .await?
-                .into_inner();
+            let (mut stacks, mut page_token) = (Vec::new(), String::new());
+            loop {
+                let r = c
+                    .list_stacks(api::ListStacksRequest {
+                        namespace: ns.clone(),
+                        all_namespaces,
+                        usage,
+                        page_size: 0,
+                        page_token,
+                    })
+                    .await?
+                    .into_inner();
+                stacks.extend(r.stacks);
+                if r.next_page_token.is_empty() {
+                    break;
+                }
+                page_token = r.next_page_token;
+            }
             if json {
-                let v: Vec<_> = r
-                    .stacks
+                let v: Vec<_> = stacks
                     .iter()
                     .map(|s| {
                         json!({
@@ -413,7 +422,7 @@ pub async fn run(admin: &Path, ns: &str, cmd: HistoryCmd) -> Result<ExitCode> {
                 let mut rows =
                     vec![["STACK", "NAMESPACE", "IMAGE", "BRANCHES", "LAYERS", bytes]
                         .map(String::from)];
-                for s in &r.stacks {
+                for s in &stacks {
                     rows.push([
                         short(&s.id).to_string(),
                         s.namespace.clone().unwrap_or_else(|| "-".into()),
@@ -468,13 +477,24 @@ pub async fn run(admin: &Path, ns: &str, cmd: HistoryCmd) -> Result<ExitCode> {
         HistoryCmd::Branch {
             cmd: BranchCmd::Ls { stack, json },
         } => {
-            let r = c
-                .list_branches(api::ListBranchesRequest {
-                    namespace: ns,
-                    stack,
-                })
-                .await?
-                .into_inner();
+            let mut r = api::ListBranchesResponse::default();
+            loop {
+                let page = c
+                    .list_branches(api::ListBranchesRequest {
+                        namespace: ns.clone(),
+                        stack: stack.clone(),
+                        page_size: 0,
+                        page_token: std::mem::take(&mut r.next_page_token),
+                    })
+                    .await?
+                    .into_inner();
+                r.stack = page.stack;
+                r.branches.extend(page.branches);
+                r.next_page_token = page.next_page_token;
+                if r.next_page_token.is_empty() {
+                    break;
+                }
+            }
             if json {
                 out!(
                     "{}",

@@ -528,9 +528,9 @@ impl api::Admin for AdminService {
 
     async fn list_graphs(
         &self,
-        _req: Request<api::ListGraphsRequest>,
+        req: Request<api::ListGraphsRequest>,
     ) -> Result<Response<api::ListGraphsResponse>, Status> {
-        self.graphs().await.map(Response::new)
+        self.graphs(req.into_inner()).await.map(Response::new)
     }
 
     type ShowGraphStream = crate::graph::GraphStream;
@@ -612,6 +612,44 @@ impl api::Admin for AdminService {
     }
 }
 
+/// One page of a list ordered by a byte-string key (a stack id, a branch or
+/// graph name, an attempt id as big-endian bytes): the items whose key sorts
+/// after the one `token` names, at most `size` of them (0: [`BATCH`]; at most
+/// [`MAX_PAGE`]), and the token of the next page (the hex of the page's last
+/// key; "" on the last page). INVALID_ARGUMENT: a token that is not hex.
+pub(crate) fn page<T>(
+    mut items: Vec<T>,
+    key: impl Fn(&T) -> Vec<u8>,
+    size: u32,
+    token: &str,
+) -> Result<(Vec<T>, String), Status> {
+    let size = match size as usize {
+        0 => BATCH,
+        n => n.min(MAX_PAGE),
+    };
+    let after = match token {
+        "" => None,
+        t => Some(hex_decode(t).ok_or_else(|| {
+            Status::invalid_argument(format!(
+                "bad page_token {t:?}: pass the next_page_token of the previous page"
+            ))
+        })?),
+    };
+    items.sort_by_key(|x| key(x));
+    if let Some(after) = after {
+        items.retain(|x| key(x) > after);
+    }
+    if items.len() <= size {
+        return Ok((items, String::new()));
+    }
+    items.truncate(size);
+    let next = items
+        .last()
+        .map(|x| hex_encode(&key(x)))
+        .unwrap_or_default();
+    Ok((items, next))
+}
+
 /// Lowercase hex of `b` (page tokens carry raw path bytes).
 fn hex_encode(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
@@ -630,6 +668,31 @@ fn hex_decode(s: &str) -> Option<Vec<u8>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn pages_walk_every_item_once_in_key_order() {
+        let items: Vec<String> = (0..25).rev().map(|i| format!("s{i:02}")).collect();
+        let key = |s: &String| s.as_bytes().to_vec();
+        let (mut seen, mut token) = (Vec::new(), String::new());
+        loop {
+            let (p, next) = page(items.clone(), key, 10, &token).unwrap();
+            assert!(p.len() <= 10);
+            seen.extend(p);
+            if next.is_empty() {
+                break;
+            }
+            token = next;
+        }
+        let mut want = items.clone();
+        want.sort();
+        assert_eq!(seen, want);
+        // An exact fit has no next page.
+        let (p, next) = page(items.clone(), key, 25, "").unwrap();
+        assert_eq!((p.len(), next.as_str()), (25, ""));
+        let bad = page(items, key, 10, "not-hex").unwrap_err();
+        assert_eq!(bad.code(), tonic::Code::InvalidArgument);
+        assert!(bad.message().contains("page_token"), "{}", bad.message());
+    }
 
     #[test]
     fn page_tokens_round_trip_any_bytes() {

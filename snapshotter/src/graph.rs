@@ -94,10 +94,20 @@ impl AdminService {
             .await
     }
 
-    pub(crate) async fn graphs(&self) -> Result<api::ListGraphsResponse, Status> {
+    pub(crate) async fn graphs(
+        &self,
+        r: api::ListGraphsRequest,
+    ) -> Result<api::ListGraphsResponse, Status> {
         let gs = self.engine.graphs().await.map_err(engine_status)?;
+        let (gs, next_page_token) = crate::admin::page(
+            gs,
+            |g| g.name.as_bytes().to_vec(),
+            r.page_size,
+            &r.page_token,
+        )?;
         Ok(api::ListGraphsResponse {
             graphs: gs.iter().map(group).collect(),
+            next_page_token,
         })
     }
 
@@ -188,8 +198,15 @@ impl AdminService {
         r: api::ListAttemptsRequest,
     ) -> Result<api::ListAttemptsResponse, Status> {
         let list = self.engine.attempts(&r.node).await.map_err(engine_status)?;
+        let (list, next_page_token) = crate::admin::page(
+            list,
+            |a| a.id.to_be_bytes().to_vec(),
+            r.page_size,
+            &r.page_token,
+        )?;
         Ok(api::ListAttemptsResponse {
             attempts: list.iter().map(attempt).collect(),
+            next_page_token,
         })
     }
 

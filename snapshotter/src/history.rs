@@ -188,13 +188,25 @@ impl AdminService {
         } else {
             None
         };
+        // An imported base belongs to no namespace: listed in every one.
+        let all: Vec<_> = all
+            .into_iter()
+            .filter(|st| match &st.namespace {
+                Some(ns) => r.all_namespaces || *ns == r.namespace,
+                None => true,
+            })
+            .collect();
+        let (all, next_page_token) = crate::admin::page(
+            all,
+            |st| st.id.as_bytes().to_vec(),
+            r.page_size,
+            &r.page_token,
+        )?;
         let mut out = Vec::new();
         let mut images: std::collections::HashMap<String, Vec<(String, String)>> =
             Default::default();
         for st in all {
-            // An imported base belongs to no namespace: listed in every one.
             let image_refs = match &st.namespace {
-                Some(ns) if !r.all_namespaces && *ns != r.namespace => continue,
                 Some(ns) => {
                     if !images.contains_key(ns) {
                         // Best effort: containerd may be down; history does not need it.
@@ -229,7 +241,10 @@ impl AdminService {
                 branches: st.branches.iter().map(branch).collect(),
             });
         }
-        Ok(api::ListStacksResponse { stacks: out })
+        Ok(api::ListStacksResponse {
+            stacks: out,
+            next_page_token,
+        })
     }
 
     pub(crate) async fn stack_rm(
@@ -257,9 +272,16 @@ impl AdminService {
         let stack = self.stack_of(&r.namespace, &r.stack).await?;
         let st = stack.clone();
         let list = self.engine.branches(&st).await.map_err(engine_status)?;
+        let (list, next_page_token) = crate::admin::page(
+            list,
+            |b| b.name.as_bytes().to_vec(),
+            r.page_size,
+            &r.page_token,
+        )?;
         Ok(api::ListBranchesResponse {
             stack,
             branches: list.iter().map(branch).collect(),
+            next_page_token,
         })
     }
 

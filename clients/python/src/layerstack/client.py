@@ -587,9 +587,15 @@ class Client:
         return Graph.from_pb(self._call(self._stub.CreateGraph, req))
 
     def list_graphs(self) -> List[GraphInfo]:
-        """Every graph."""
-        r = self._call(self._stub.ListGraphs, pb.ListGraphsRequest())
-        return [GraphInfo.from_pb(g) for g in r.graphs]
+        """Every graph, by name (fetched a page of up to 1,000 at a time)."""
+        out: List[GraphInfo] = []
+        token = ""
+        while True:
+            r = self._call(self._stub.ListGraphs, pb.ListGraphsRequest(page_token=token))
+            out.extend(GraphInfo.from_pb(g) for g in r.graphs)
+            if not r.next_page_token:
+                return out
+            token = r.next_page_token
 
     def show_graph(self, name: str) -> Graph:
         """Graph ``name``: its nodes (pruned ones too) and attempts. NotFoundError if none."""
@@ -684,9 +690,16 @@ class Client:
         return AttemptStart.from_pb(self._call(self._stub.StartAttempt, req))
 
     def list_attempts(self, node: str) -> List[Attempt]:
-        """The attempts of ``node``, oldest first."""
-        r = self._call(self._stub.ListAttempts, pb.ListAttemptsRequest(node=node))
-        return [Attempt.from_pb(a) for a in r.attempts]
+        """The attempts of ``node``, oldest first (fetched a page of up to 1,000 at a time)."""
+        out: List[Attempt] = []
+        token = ""
+        while True:
+            req = pb.ListAttemptsRequest(node=node, page_token=token)
+            r = self._call(self._stub.ListAttempts, req)
+            out.extend(Attempt.from_pb(a) for a in r.attempts)
+            if not r.next_page_token:
+                return out
+            token = r.next_page_token
 
     def retry(
         self,

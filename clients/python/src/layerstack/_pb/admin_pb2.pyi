@@ -533,20 +533,26 @@ class Stack(_message.Message):
     def __init__(self, id: _Optional[str] = ..., namespace: _Optional[str] = ..., base_digest: _Optional[str] = ..., image_refs: _Optional[_Iterable[str]] = ..., branches: _Optional[_Iterable[_Union[Branch, _Mapping]]] = ..., base_layers: _Optional[int] = ..., layers: _Optional[int] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class ListStacksRequest(_message.Message):
-    __slots__ = ("namespace", "all_namespaces", "usage")
+    __slots__ = ("namespace", "all_namespaces", "usage", "page_size", "page_token")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     ALL_NAMESPACES_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     all_namespaces: bool
     usage: bool
-    def __init__(self, namespace: _Optional[str] = ..., all_namespaces: _Optional[bool] = ..., usage: _Optional[bool] = ...) -> None: ...
+    page_size: int
+    page_token: str
+    def __init__(self, namespace: _Optional[str] = ..., all_namespaces: _Optional[bool] = ..., usage: _Optional[bool] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListStacksResponse(_message.Message):
-    __slots__ = ("stacks",)
+    __slots__ = ("stacks", "next_page_token")
     STACKS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     stacks: _containers.RepeatedCompositeFieldContainer[Stack]
-    def __init__(self, stacks: _Optional[_Iterable[_Union[Stack, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, stacks: _Optional[_Iterable[_Union[Stack, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class RemoveStackRequest(_message.Message):
     __slots__ = ("namespace", "stack", "force")
@@ -559,20 +565,26 @@ class RemoveStackRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., stack: _Optional[str] = ..., force: _Optional[bool] = ...) -> None: ...
 
 class ListBranchesRequest(_message.Message):
-    __slots__ = ("namespace", "stack")
+    __slots__ = ("namespace", "stack", "page_size", "page_token")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     STACK_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     stack: str
-    def __init__(self, namespace: _Optional[str] = ..., stack: _Optional[str] = ...) -> None: ...
+    page_size: int
+    page_token: str
+    def __init__(self, namespace: _Optional[str] = ..., stack: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListBranchesResponse(_message.Message):
-    __slots__ = ("stack", "branches")
+    __slots__ = ("stack", "branches", "next_page_token")
     STACK_FIELD_NUMBER: _ClassVar[int]
     BRANCHES_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     stack: str
     branches: _containers.RepeatedCompositeFieldContainer[Branch]
-    def __init__(self, stack: _Optional[str] = ..., branches: _Optional[_Iterable[_Union[Branch, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, stack: _Optional[str] = ..., branches: _Optional[_Iterable[_Union[Branch, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class CreateBranchRequest(_message.Message):
     __slots__ = ("namespace", "stack", "name", "at_layer", "at_base")
@@ -977,14 +989,20 @@ class CreateGraphRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., stack: _Optional[str] = ..., branch: _Optional[str] = ..., name: _Optional[str] = ..., key: _Optional[str] = ...) -> None: ...
 
 class ListGraphsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("page_size", "page_token")
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    page_size: int
+    page_token: str
+    def __init__(self, page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListGraphsResponse(_message.Message):
-    __slots__ = ("graphs",)
+    __slots__ = ("graphs", "next_page_token")
     GRAPHS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     graphs: _containers.RepeatedCompositeFieldContainer[GraphGroup]
-    def __init__(self, graphs: _Optional[_Iterable[_Union[GraphGroup, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, graphs: _Optional[_Iterable[_Union[GraphGroup, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class ShowGraphRequest(_message.Message):
     __slots__ = ("name",)
@@ -1035,16 +1053,22 @@ class AttemptResponse(_message.Message):
     def __init__(self, attempt: _Optional[_Union[Attempt, _Mapping]] = ..., session: _Optional[_Union[Session, _Mapping]] = ..., mounts: _Optional[_Iterable[_Union[Mount, _Mapping]]] = ..., created: _Optional[bool] = ...) -> None: ...
 
 class ListAttemptsRequest(_message.Message):
-    __slots__ = ("node",)
+    __slots__ = ("node", "page_size", "page_token")
     NODE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     node: str
-    def __init__(self, node: _Optional[str] = ...) -> None: ...
+    page_size: int
+    page_token: str
+    def __init__(self, node: _Optional[str] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
 
 class ListAttemptsResponse(_message.Message):
-    __slots__ = ("attempts",)
+    __slots__ = ("attempts", "next_page_token")
     ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
     attempts: _containers.RepeatedCompositeFieldContainer[Attempt]
-    def __init__(self, attempts: _Optional[_Iterable[_Union[Attempt, _Mapping]]] = ...) -> None: ...
+    next_page_token: str
+    def __init__(self, attempts: _Optional[_Iterable[_Union[Attempt, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
 
 class CheckpointRequest(_message.Message):
     __slots__ = ("session_id", "namespace", "container", "state", "command", "has_exit_status", "exit_status", "key")
