@@ -284,6 +284,9 @@ struct Ready {
     /// head moved at this publish's paths): written by the commit in place of
     /// the staged ones.
     replanned: Option<(Vec<IndexEntry>, Vec<PathRecord>)>,
+    /// The outcome's message for `plan`, written outside the gate (counting
+    /// every path's verdict is O(paths): not for the gate's hold).
+    message: String,
 }
 
 /// How many times a publish whose head moved at its paths plans again outside
@@ -982,7 +985,10 @@ fn prepare(
         return Ok(Prepared::Done);
     }
     let t0 = Instant::now();
-    let staged = store_write(|| store.stage_publish(id, &index_of(&plan), &records(&plan)))?;
+    let paths = records(&plan);
+    let staged = store_write(|| store.stage_publish(id, &index_of(&plan), &paths))?;
+    let message = summary(&paths, decision(&plan), &ctx.session);
+    drop(paths);
     let t1 = Instant::now();
     // Blame (engine/src/blame.rs): computed and staged with the layer, outside the gate.
     crate::blame::stage(
@@ -1014,6 +1020,7 @@ fn prepare(
         staged,
         capture,
         replanned: None,
+        message,
     })))
 }
 
@@ -1088,6 +1095,7 @@ fn replan(
         ready.staged.layer,
         Some(&touched),
     );
+    ready.message = summary(&paths, decision(&plan), &ready.ctx.session);
     ready.replanned = Some((index_of(&plan), paths));
     ready.plan = plan;
     ready.input = input;
@@ -1143,6 +1151,7 @@ fn commit(
         capture,
         capture_bytes,
         replanned,
+        message,
         ..
     } = *ready;
     let upper = ctx.session.upper.clone();
@@ -1157,10 +1166,6 @@ fn commit(
     publisher::apply_plan_with(&upper, &plan, &staging, durable)?;
     layerstack_store::failpoints::hit("publish.applied");
     let kind = decision(&plan);
-    let paths_now = replanned
-        .as_ref()
-        .map(|(_, p)| p.clone())
-        .unwrap_or_else(|| records(&plan));
     let timings = PublishTimings {
         capture_us: micros(capture),
         gate_wait_us: micros(gate_wait),
@@ -1176,7 +1181,7 @@ fn commit(
         expected_head,
         layerstack_store::CommitRecord {
             kind: Some(kind),
-            message: Some(summary(&paths_now, kind, &ctx.session)),
+            message: Some(message),
             timings: Some(timings),
             replanned: replanned
                 .as_ref()

@@ -367,6 +367,13 @@ async fn a_head_that_moved_at_our_paths_is_planned_again() {
         OutcomeKind::Merged,
         "re-planned against a's head: {b:?}"
     );
+    // The message is the re-plan's, not the first plan's (written outside
+    // the gate with the plan it describes).
+    assert_eq!(
+        b.message.as_deref(),
+        Some("2 path(s): 1 clean, 1 merged, 0 excluded"),
+        "{b:?}"
+    );
     let merged = String::from_utf8(edit("key2 = 2", "key2 = A"))
         .unwrap()
         .replace("key6 = 6", "key6 = B")
