@@ -378,7 +378,10 @@ mod tests {
         .unwrap();
         assert!(!c.metrics.enabled);
         assert_eq!(c.metrics.address(), "[::1]:9999".parse().unwrap());
-        assert!(c.metrics.address.is_some(), "given, so a bind failure is an error");
+        assert!(
+            c.metrics.address.is_some(),
+            "given, so a bind failure is an error"
+        );
         assert_eq!(c.log.level.as_deref(), Some("debug"));
         assert_eq!(c.log.format, LogFormat::Json);
         let d = Config::default();

@@ -162,9 +162,9 @@ impl Tokens {
     /// Whether `presented` is one of the tokens. Every token is compared, each
     /// in time independent of where the bytes differ (`constant_time_eq`).
     pub fn contains(&self, presented: &[u8]) -> bool {
-        self.0
-            .iter()
-            .fold(false, |found, t| found | constant_time_eq::constant_time_eq(t, presented))
+        self.0.iter().fold(false, |found, t| {
+            found | constant_time_eq::constant_time_eq(t, presented)
+        })
     }
 
     /// The check of one request: `UNAUTHENTICATED` unless it carries
@@ -226,8 +226,7 @@ impl TcpSettings {
         let read = |key: &str, p: &Path| {
             std::fs::read(p).with_context(|| format!("cannot read [api.tcp] {key} {}", p.display()))
         };
-        let identity =
-            tonic::transport::Identity::from_pem(read("cert", cert)?, read("key", key)?);
+        let identity = tonic::transport::Identity::from_pem(read("cert", cert)?, read("key", key)?);
         let mut tls = tonic::transport::ServerTlsConfig::new().identity(identity);
         if let Some(ca) = &t.client_ca {
             tls = tls.client_ca_root(tonic::transport::Certificate::from_pem(read(
@@ -288,13 +287,17 @@ mod tests {
         let req = |v: Option<&str>| {
             let mut r = Request::new(());
             if let Some(v) = v {
-                r.metadata_mut()
-                    .insert("authorization", v.parse().unwrap());
+                r.metadata_mut().insert("authorization", v.parse().unwrap());
             }
             r
         };
         assert!(tokens.check(req(Some("Bearer s3cret"))).is_ok());
-        for bad in [None, Some("Bearer nope"), Some("s3cret"), Some("Basic s3cret")] {
+        for bad in [
+            None,
+            Some("Bearer nope"),
+            Some("s3cret"),
+            Some("Basic s3cret"),
+        ] {
             let e = tokens.check(req(bad)).unwrap_err();
             assert_eq!(e.code(), tonic::Code::Unauthenticated, "{bad:?}");
             assert!(e.message().contains("tokens_file"), "{}", e.message());
