@@ -271,6 +271,10 @@ fn tcp_without_tls_or_without_authentication_is_refused_at_start() -> Result<()>
             "[api.tcp]\naddress = \"127.0.0.1:1\"\ncert = \"/c\"\nkey = \"/k\"\n",
             "authenticates nobody",
         ),
+        (
+            "[api.tcp]\naddress = \"127.0.0.1:1\"\ncert = \"/etc/hostname\"\nkey = \"/etc/hostname\"\ntokens_file = \"/etc/hostname\"\n",
+            "not PEM rustls can use",
+        ),
     ] {
         let e = StandaloneDaemon::start_with(true, |dir| write_config(dir, conf))
             .err()

@@ -234,6 +234,17 @@ impl TcpSettings {
                 ca,
             )?));
         }
+        // rustls parses the files now: a bad certificate or key stops the start
+        // before anything is bound.
+        tonic::transport::Server::builder()
+            .tls_config(tls.clone())
+            .with_context(|| {
+                format!(
+                    "[api.tcp] cert {}, key {} or client_ca: not PEM rustls can use",
+                    cert.display(),
+                    key.display()
+                )
+            })?;
         let tokens = t.tokens_file.as_deref().map(Tokens::load).transpose()?;
         Ok(Self {
             address: t.address,

@@ -445,8 +445,7 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
         Some(l) => Some(l.local_addr().context("TCP listener address")?),
         None => None,
     };
-    // Built before "serving": a certificate or key rustls cannot use stops the
-    // start here.
+    // The files were checked by `TcpSettings::load`, before anything was bound.
     let tcp_srv = match (tcp, tcp_listener) {
         (Some(t), Some(listener)) => {
             let tokens = t.tokens.clone();
