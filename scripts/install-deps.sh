@@ -9,6 +9,9 @@
 #   git                    the text-merge tests compare with git's own merge
 #   systemd                systemd-analyze, to verify layerstack.service (present on
 #                          any systemd host; in a container it only adds files)
+#   openssl                makes the throwaway CA of the TCP listener's tests
+#                          (integration/fixtures/make_tls.sh)
+#   util-linux             setpriv, runs clients as a non-root uid (tests/auth.rs)
 # Only missing packages are installed (apt-get update only then). Needs root
 # when something is missing. Rust (cargo) is not installed here: it must exist.
 #
@@ -20,7 +23,7 @@
 # was installed before is never touched.
 set -euo pipefail
 
-PACKAGES=(containerd runc protobuf-compiler debootstrap busybox-static python3 python3-venv git ca-certificates systemd)
+PACKAGES=(containerd runc protobuf-compiler debootstrap busybox-static python3 python3-venv git ca-certificates systemd openssl util-linux)
 
 # systemd is the running init when this directory exists (sd_booted(3)).
 SYSTEMD_RUN_DIR=${LAYERSTACK_SYSTEMD_RUN_DIR:-/run/systemd/system}

@@ -72,6 +72,8 @@ pub fn code(kind: ErrorKind) -> tonic::Code {
         ErrorKind::Unsupported => Code::Unimplemented,
         ErrorKind::Corrupt => Code::DataLoss,
         ErrorKind::Internal => Code::Unknown,
+        ErrorKind::PermissionDenied => Code::PermissionDenied,
+        ErrorKind::Unauthenticated => Code::Unauthenticated,
     }
 }
 
@@ -103,10 +105,8 @@ pub fn kind_name(c: tonic::Code) -> &'static str {
         Code::Ok => "ok",
         Code::Cancelled => "cancelled",
         Code::DeadlineExceeded => "deadline_exceeded",
-        Code::PermissionDenied => "permission_denied",
         Code::OutOfRange => "out_of_range",
         Code::Internal => "grpc_internal",
-        Code::Unauthenticated => "unauthenticated",
         // Every other code is some kind's (above).
         _ => "unknown",
     }
@@ -151,6 +151,8 @@ mod tests {
             ("Unimplemented", "unsupported"),
             ("DataLoss", "corrupt"),
             ("Unknown", "internal"),
+            ("PermissionDenied", "permission_denied"),
+            ("Unauthenticated", "unauthenticated"),
         ];
         assert_eq!(
             table,

@@ -73,6 +73,8 @@ pub struct Config {
     pub log: LogConfig,
     /// Mode B: sandbox sessions without a container.
     pub sandbox: SandboxConfig,
+    /// Who may call the admin API; the optional TCP listener (`[api]`).
+    pub api: ApiConfig,
 }
 
 /// The Prometheus text endpoint (`[metrics]`): plain HTTP, `GET /metrics`.
@@ -81,19 +83,74 @@ pub struct Config {
 pub struct MetricsConfig {
     /// Serve the endpoint. Default true.
     pub enabled: bool,
-    /// TCP address to listen on. Default `127.0.0.1:9464` (loopback only: the
-    /// endpoint has no authentication). Port 0 picks a free port (`layerstack
-    /// status` shows which).
-    pub address: SocketAddr,
+    /// TCP address to listen on; `None`: [`DEFAULT_METRICS_ADDRESS`] (loopback
+    /// only: the endpoint has no authentication). Port 0 picks a free port
+    /// (`layerstack status` shows which). The default port taken by another
+    /// process is a warning and a free port on the same IP instead; an address
+    /// given here (or by `--metrics-address`) that cannot be bound stops the
+    /// daemon (docs/operations.md "Metrics").
+    pub address: Option<SocketAddr>,
+}
+
+/// The metrics endpoint when `[metrics] address` is not given: 127.0.0.1:9464.
+pub const DEFAULT_METRICS_ADDRESS: SocketAddr =
+    SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 9464);
+
+impl MetricsConfig {
+    /// The address to serve on: the configured one, else [`DEFAULT_METRICS_ADDRESS`].
+    pub fn address(&self) -> SocketAddr {
+        self.address.unwrap_or(DEFAULT_METRICS_ADDRESS)
+    }
 }
 
 impl Default for MetricsConfig {
     fn default() -> Self {
         Self {
             enabled: true,
-            address: SocketAddr::from(([127, 0, 0, 1], 9464)),
+            address: None,
         }
     }
+}
+
+/// Who may call the admin API (`[api]`; docs/operations.md "Who may call").
+///
+/// On the unix sockets the caller is the peer the kernel reports
+/// (`SO_PEERCRED`: the connecting process's effective uid and gid at
+/// `connect`), checked on every connection before any request is answered.
+/// Root (uid 0) is always allowed, as on containerd's own socket; everyone
+/// else needs their uid in `allowed_uids` or their effective gid in
+/// `allowed_gids` (`SO_PEERCRED` carries no supplementary groups).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ApiConfig {
+    /// uids allowed on the admin socket besides root. Default none.
+    pub allowed_uids: Vec<u32>,
+    /// Effective gids allowed on the admin socket. Default none.
+    pub allowed_gids: Vec<u32>,
+    /// The TCP listener for remote clients (`[api.tcp]`); nothing listens on
+    /// TCP unless this is given.
+    pub tcp: Option<ApiTcpConfig>,
+}
+
+/// `[api.tcp]`: the admin API over TCP, TLS only (rustls), each caller
+/// authenticated by a client certificate signed by `client_ca`, a bearer token
+/// listed in `tokens_file`, or both when both are given.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ApiTcpConfig {
+    /// HOST:PORT to listen on, e.g. `127.0.0.1:7443` (port 0: any free port).
+    pub address: SocketAddr,
+    /// The server's certificate chain (PEM). Required: plain TCP is refused.
+    pub cert: Option<PathBuf>,
+    /// The server's private key (PEM: PKCS#8, PKCS#1 or SEC1). Required.
+    pub key: Option<PathBuf>,
+    /// CA certificates (PEM) that client certificates must chain to; given,
+    /// a client without such a certificate cannot complete the TLS handshake.
+    pub client_ca: Option<PathBuf>,
+    /// Bearer tokens, one per line (blank lines and `#` comments ignored);
+    /// given, every request needs `authorization: Bearer <token>` with one of
+    /// them (compared in constant time).
+    pub tokens_file: Option<PathBuf>,
 }
 
 /// Mode B (`[sandbox]`; ARCHITECTURE.md §12).
@@ -239,6 +296,7 @@ impl Default for Config {
             metrics: MetricsConfig::default(),
             log: LogConfig::default(),
             sandbox: SandboxConfig::default(),
+            api: ApiConfig::default(),
         }
     }
 }
@@ -319,12 +377,17 @@ mod tests {
         )
         .unwrap();
         assert!(!c.metrics.enabled);
-        assert_eq!(c.metrics.address.to_string(), "[::1]:9999");
+        assert_eq!(c.metrics.address(), "[::1]:9999".parse().unwrap());
+        assert!(
+            c.metrics.address.is_some(),
+            "given, so a bind failure is an error"
+        );
         assert_eq!(c.log.level.as_deref(), Some("debug"));
         assert_eq!(c.log.format, LogFormat::Json);
         let d = Config::default();
         assert!(d.metrics.enabled);
-        assert_eq!(d.metrics.address.to_string(), "127.0.0.1:9464");
+        assert_eq!(d.metrics.address, None);
+        assert_eq!(d.metrics.address().to_string(), "127.0.0.1:9464");
         assert_eq!(d.log, LogConfig::default());
         for bad in [
             "[metrics]\naddress = \"localhost\"\n",
@@ -354,5 +417,29 @@ mod tests {
             Config::from_toml("[sandbox]\nmax = 1\n").is_err(),
             "typo refused"
         );
+    }
+
+    #[test]
+    fn api_section_parses_and_tcp_is_off_by_default() {
+        let d = Config::default();
+        assert!(d.api.allowed_uids.is_empty() && d.api.allowed_gids.is_empty());
+        assert_eq!(d.api.tcp, None, "nothing listens on TCP unless configured");
+        let c = Config::from_toml(
+            "[api]\nallowed_uids = [1000, 65534]\nallowed_gids = [100]\n[api.tcp]\naddress = \"127.0.0.1:7443\"\ncert = \"/c.pem\"\nkey = \"/k.pem\"\ntokens_file = \"/t\"\n",
+        )
+        .unwrap();
+        assert_eq!(c.api.allowed_uids, vec![1000, 65534]);
+        assert_eq!(c.api.allowed_gids, vec![100]);
+        let t = c.api.tcp.unwrap();
+        assert_eq!(t.address.to_string(), "127.0.0.1:7443");
+        assert_eq!(t.cert, Some(PathBuf::from("/c.pem")));
+        assert_eq!(t.client_ca, None);
+        for bad in [
+            "[api]\nallowed_users = [1]\n",
+            "[api.tcp]\ncert = \"/c\"\n",
+            "[api.tcp]\naddress = \"127.0.0.1:1\"\ntoken = \"x\"\n",
+        ] {
+            assert!(Config::from_toml(bad).is_err(), "{bad}");
+        }
     }
 }

@@ -76,7 +76,7 @@ impl Default for Endpoints {
             address: c.address,
             admin_address: c.admin_address,
             containerd_address: c.containerd_address,
-            metrics_address: c.metrics.address,
+            metrics_address: c.metrics.address(),
             shim_config: PathBuf::from(DEFAULT_SHIM_CONFIG),
         }
     }
@@ -354,8 +354,12 @@ pub fn daemon(e: &Endpoints) -> Result<String, SnippetError> {
         (e.metrics_address != d.metrics_address).then(|| toml_str(&e.metrics_address.to_string()));
     let mut out = String::with_capacity(crate::DEFAULT_TOML.len() + 128);
     let mut in_metrics = false;
+    // Top-level keys come before the first section; `address` is also a key
+    // of `[metrics]` and `[api.tcp]`.
+    let mut in_section = false;
     for line in crate::DEFAULT_TOML.lines() {
         if line.starts_with("# [") || line.starts_with('[') {
+            in_section = true;
             in_metrics = line.trim_start_matches("# ") == "[metrics]";
             if in_metrics && metrics.is_some() {
                 out.push_str("[metrics]\n");
@@ -368,7 +372,7 @@ pub fn daemon(e: &Endpoints) -> Result<String, SnippetError> {
             .map(|(k, _)| k);
         let replaced = match key {
             Some("address") if in_metrics => metrics.as_ref().map(|v| ("address", v.clone())),
-            Some(k) if !in_metrics => sets.iter().find(|(s, _)| *s == k).cloned(),
+            Some(k) if !in_section => sets.iter().find(|(s, _)| *s == k).cloned(),
             _ => None,
         };
         match replaced {
@@ -603,7 +607,7 @@ mod tests {
         assert_eq!(c.address, e.address);
         assert_eq!(c.admin_address, e.admin_address);
         assert_eq!(c.containerd_address, e.containerd_address);
-        assert_eq!(c.metrics.address, e.metrics_address);
+        assert_eq!(c.metrics.address(), e.metrics_address);
         assert_eq!(
             c.merge,
             crate::MergeConfig::default(),

@@ -27,7 +27,7 @@ pub struct ConfigArgs {
     #[arg(long, value_name = "SOCKET", global = true, default_value_os_t = Config::default().containerd_address)]
     pub containerd_address: PathBuf,
     /// The daemon's Prometheus endpoint (HOST:PORT).
-    #[arg(long, value_name = "ADDR", global = true, default_value_t = Config::default().metrics.address)]
+    #[arg(long, value_name = "ADDR", global = true, default_value_t = Config::default().metrics.address())]
     pub metrics_address: SocketAddr,
     /// Where the runtime shim's settings file goes (`layerstack config shim`);
     /// named in containerd's and Docker's runtime options only when

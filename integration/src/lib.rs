@@ -1138,6 +1138,20 @@ impl Daemon {
     /// containerd at `containerd_socket` once it appears (the production order,
     /// `Before=containerd.service`).
     pub fn start_at(socket: &Path, containerd_socket: &Path, root: &Path) -> Result<Daemon> {
+        Self::start_at_with(socket, containerd_socket, root, &[], true)
+    }
+
+    /// [`Daemon::start_at`] with `extra` arguments (after those of
+    /// [`set_daemon_args`]). `any_metrics_port`: pass `--metrics-address
+    /// 127.0.0.1:0` (false: the daemon's own default, 127.0.0.1:9464 or a free
+    /// port when that is taken).
+    pub fn start_at_with(
+        socket: &Path,
+        containerd_socket: &Path,
+        root: &Path,
+        extra: &[&str],
+        any_metrics_port: bool,
+    ) -> Result<Daemon> {
         let socket = socket.to_path_buf();
         let admin_socket = Self::admin_socket_for(&socket);
         for s in [&socket, &admin_socket] {
@@ -1156,20 +1170,23 @@ impl Daemon {
             .join("daemon.log");
         let bin = bin_path(DAEMON_BIN)?;
         let logf = OpenOptions::new().create(true).append(true).open(&log)?;
-        let mut child = Command::new(&bin)
-            .arg("--root")
+        let mut cmd = Command::new(&bin);
+        cmd.arg("--root")
             .arg(root)
             .arg("--address")
             .arg(&socket)
             .arg("--admin-address")
             .arg(&admin_socket)
             .arg("--containerd-address")
-            .arg(containerd_socket)
+            .arg(containerd_socket);
+        if any_metrics_port {
             // Any free port: never the default 9464, which another daemon (a
             // parallel test, a system one) may hold.
-            .arg("--metrics-address")
-            .arg("127.0.0.1:0")
+            cmd.arg("--metrics-address").arg("127.0.0.1:0");
+        }
+        let mut child = cmd
             .args(DAEMON_ARGS.lock().unwrap_or_else(|e| e.into_inner()).iter())
+            .args(extra)
             .env(
                 "RUST_LOG",
                 std::env::var("RUST_LOG").unwrap_or_else(|_| "debug".into()),
@@ -1275,12 +1292,27 @@ pub struct StandaloneDaemon {
 impl StandaloneDaemon {
     /// Starts the daemon; waits until its sockets answer.
     pub fn start() -> Result<StandaloneDaemon> {
+        Self::start_with(true, |_| Ok(Vec::new()))
+    }
+
+    /// [`StandaloneDaemon::start`] with extra daemon arguments
+    /// ([`Daemon::start_at_with`]): `prepare` gets the temp dir (to write a
+    /// config file there) and answers the arguments.
+    pub fn start_with(
+        any_metrics_port: bool,
+        prepare: impl FnOnce(&Path) -> Result<Vec<String>>,
+    ) -> Result<StandaloneDaemon> {
         let dir = make_temp_dir()?;
-        let daemon = Daemon::start_at(
-            &dir.join("s/snapshotter.sock"),
-            &dir.join("s/containerd.sock"),
-            &dir.join("root"),
-        );
+        let daemon = prepare(&dir).and_then(|extra| {
+            let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+            Daemon::start_at_with(
+                &dir.join("s/snapshotter.sock"),
+                &dir.join("s/containerd.sock"),
+                &dir.join("root"),
+                &extra,
+                any_metrics_port,
+            )
+        });
         match daemon {
             Ok(d) => Ok(StandaloneDaemon {
                 dir,

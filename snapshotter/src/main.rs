@@ -9,6 +9,7 @@
 #![allow(clippy::result_large_err)]
 
 mod admin;
+mod auth;
 mod base_image;
 mod containerd;
 mod export;
@@ -86,8 +87,10 @@ struct Args {
     /// containerd's socket [default: /run/containerd/containerd.sock].
     #[arg(long, value_name = "SOCKET")]
     containerd_address: Option<PathBuf>,
-    /// Prometheus endpoint, HOST:PORT (port 0: any free port) [default:
-    /// 127.0.0.1:9464; `[metrics] enabled = false` turns it off].
+    /// Prometheus endpoint, HOST:PORT (port 0: any free port); an address
+    /// given here that cannot be bound stops the daemon [default:
+    /// 127.0.0.1:9464, or a free port if that one is taken; `[metrics] enabled =
+    /// false` turns it off].
     #[arg(long, value_name = "ADDR")]
     metrics_address: Option<SocketAddr>,
     /// Print containerd 1.6/1.7 config entries for this daemon and exit (`layerstack
@@ -257,7 +260,7 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
         cfg.containerd_address = v;
     }
     if let Some(v) = args.metrics_address {
-        cfg.metrics.address = v;
+        cfg.metrics.address = Some(v);
     }
     if let Some(v) = args.sandbox_max_sessions {
         cfg.sandbox.max_sessions = v;
@@ -268,7 +271,7 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
             address: cfg.address.clone(),
             admin_address: cfg.admin_address.clone(),
             containerd_address: cfg.containerd_address.clone(),
-            metrics_address: cfg.metrics.address,
+            metrics_address: cfg.metrics.address(),
             ..Default::default()
         };
         print!(
@@ -288,13 +291,43 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
         .context("config key `exclude`")?;
     // Refuse to start before touching anything: another daemon on the root, a
     // socket another process serves.
+    let tcp = cfg
+        .api
+        .tcp
+        .as_ref()
+        .map(auth::TcpSettings::load)
+        .transpose()?;
     let lock = StoreLock::acquire(&cfg.root)?;
-    let snap_socket = sockets::Socket::bind(&cfg.address)?;
-    let admin_socket = sockets::Socket::bind(&cfg.admin_address)?;
+    // Who may call (auth.rs): the snapshots socket serves containerd (root);
+    // the admin socket root and `[api]`'s uids and gids. Its mode lets others
+    // connect only when some are allowed; the peer check is the gate.
+    let admin_policy = auth::PeerPolicy::admin(&cfg.api);
+    let snap_socket = sockets::Socket::bind(&cfg.address, 0o660)?;
+    let admin_socket = sockets::Socket::bind(
+        &cfg.admin_address,
+        if admin_policy.allows_non_root() {
+            0o666
+        } else {
+            0o660
+        },
+    )?;
+    let tcp_listener = match &tcp {
+        Some(t) => {
+            let l = std::net::TcpListener::bind(t.address).with_context(|| {
+                format!(
+                    "cannot serve the admin API on {}: choose another [api.tcp] address",
+                    t.address
+                )
+            })?;
+            l.set_nonblocking(true)?;
+            Some(tokio::net::TcpListener::from_std(l)?)
+        }
+        None => None,
+    };
     let metrics_listener = cfg
         .metrics
         .enabled
-        .then(|| metrics::bind(cfg.metrics.address))
+        .then(|| metrics::bind(cfg.metrics.address(), cfg.metrics.address.is_some()))
         .transpose()?;
     let metrics_address = match &metrics_listener {
         Some(l) => Some(l.local_addr().context("metrics listener address")?),
@@ -305,7 +338,8 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
         notify::Notifier::disabled()
     });
     let mount_address = cfg.mount_address();
-    let mount_socket = sockets::Socket::bind(&mount_address)?;
+    // Root only: its peer check is in sandbox.rs (Mode B needs root).
+    let mount_socket = sockets::Socket::bind(&mount_address, 0o660)?;
     let opts = StoreOptions {
         durability: match cfg.durability {
             Durability::Disposable => layerstack_engine::store::Durability::Disposable,
@@ -407,9 +441,35 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
     .with_metrics_address(metrics_address)
     .with_holders(holders);
     let admin = layerstack_api::AdminServer::new(service.clone());
+    let tcp_address = match &tcp_listener {
+        Some(l) => Some(l.local_addr().context("TCP listener address")?),
+        None => None,
+    };
+    // The files were checked by `TcpSettings::load`, before anything was bound.
+    let tcp_srv = match (tcp, tcp_listener) {
+        (Some(t), Some(listener)) => {
+            let tokens = t.tokens.clone();
+            let check = move |req| match &tokens {
+                Some(tokens) => tokens.check(req),
+                None => Ok(req),
+            };
+            let srv = tonic::transport::Server::builder()
+                .tls_config(t.tls)
+                .context("[api.tcp] cert, key or client_ca")?
+                .layer(metrics::error_layer(metrics.clone(), "admin"))
+                .layer(tonic::service::interceptor(check))
+                .add_service(layerstack_api::AdminServer::new(service.clone()))
+                .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener));
+            Some(srv)
+        }
+        _ => None,
+    };
     info!(
         address = %cfg.address.display(),
         admin = %cfg.admin_address.display(),
+        admin_tcp = %tcp_address.map(|a| format!("https://{a}")).unwrap_or_else(|| "off".into()),
+        allowed_uids = ?cfg.api.allowed_uids,
+        allowed_gids = ?cfg.api.allowed_gids,
         mount = %mount_address.display(),
         metrics = %metrics_address.map(|a| format!("http://{a}/metrics")).unwrap_or_else(|| "off".into()),
         pid = std::process::id(),
@@ -476,15 +536,24 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
     }
     let snap_srv = containerd_snapshots::tonic::transport::Server::builder()
         .layer(metrics::error_layer(metrics.clone(), "snapshots"))
+        .layer(auth::PeerPolicy::root_only("snapshots").layer())
         .add_service(snapshots)
         .serve_with_incoming(UnixListenerStream::new(snap_socket.listener()?));
     let admin_srv = tonic::transport::Server::builder()
         .layer(metrics::error_layer(metrics.clone(), "admin"))
+        .layer(admin_policy.layer())
         .add_service(admin)
         .serve_with_incoming(UnixListenerStream::new(admin_socket.listener()?));
+    let tcp_srv = async {
+        match tcp_srv {
+            Some(srv) => srv.await,
+            None => std::future::pending().await,
+        }
+    };
     tokio::select! {
         r = snap_srv => r.context("snapshots server")?,
         r = admin_srv => r.context("admin server")?,
+        r = tcp_srv => r.context("admin server on TCP")?,
         _ = shutdown => {}
     }
     if let Err(e) = notifier.notify("STOPPING=1") {

@@ -415,13 +415,34 @@ pub fn error_layer(
 }
 
 /// Binds the endpoint's listener (before the daemon reports ready, so a taken
-/// port stops the start with a message naming the setting).
-pub fn bind(address: SocketAddr) -> Result<std::net::TcpListener> {
-    let l = std::net::TcpListener::bind(address).with_context(|| {
-        format!(
-            "cannot serve metrics on {address}: choose another [metrics] address (or --metrics-address), or set [metrics] enabled = false"
-        )
-    })?;
+/// port stops the start with a message naming the setting). `explicit`: the
+/// address was given (`[metrics] address`, `--metrics-address`). The default
+/// address taken by another process (a second daemon on the host) is a warning
+/// and a free port on the same IP instead; `layerstack status` and the
+/// "serving" log line show the port.
+pub fn bind(address: SocketAddr, explicit: bool) -> Result<std::net::TcpListener> {
+    let l = match std::net::TcpListener::bind(address) {
+        Ok(l) => l,
+        Err(e) if !explicit && e.kind() == std::io::ErrorKind::AddrInUse => {
+            let any = SocketAddr::new(address.ip(), 0);
+            let l = std::net::TcpListener::bind(any).with_context(|| {
+                format!("cannot serve metrics on {address} (taken) nor on a free port of {}: set [metrics] address (or --metrics-address), or [metrics] enabled = false", address.ip())
+            })?;
+            warn!(
+                default = %address,
+                address = %l.local_addr().context("metrics listener address")?,
+                "the default metrics port is taken (another daemon?): serving metrics on a free port instead; set [metrics] address to choose one"
+            );
+            l
+        }
+        Err(e) => {
+            return Err(e).with_context(|| {
+                format!(
+                    "cannot serve metrics on {address}: choose another [metrics] address (or --metrics-address), or set [metrics] enabled = false"
+                )
+            })
+        }
+    };
     l.set_nonblocking(true)?;
     Ok(l)
 }

@@ -245,10 +245,11 @@ async fn connection(
     let fd = stream.as_raw_fd();
     let (peer_pid, uid) = sys::peer_cred(fd)?;
     if uid != 0 {
+        warn!(uid, pid = peer_pid, "mount socket: refused a caller");
         let r = Reply::error(
-            ErrorKind::FailedPrecondition,
+            ErrorKind::PermissionDenied,
             format!(
-                "the mount socket serves root only (uid {uid} asked): Mode B sessions need root"
+                "permission denied: the mount socket serves root only (uid {uid} asked): Mode B sessions need root"
             ),
         );
         return send(&stream, &wire::line(&r), &[]).await;

@@ -3,7 +3,10 @@
 use std::fmt;
 
 /// containerd's error classes (errdefs, `errdefs/errors.go`), plus the two
-/// LayerStack needs (`Busy`, `Corrupt`). Every error type of the store and the
+/// LayerStack needs (`Busy`, `Corrupt`). `PermissionDenied` and
+/// `Unauthenticated` come only from the daemon's caller checks (the admin
+/// socket's `SO_PEERCRED` check, the TCP listener's token), never from the
+/// store or the engine. Every error type of the store and the
 /// engine carries one; front ends map it to their wire codes in one place (the
 /// admin API's `status`, containerd `errdefs/grpc.go`).
 ///
@@ -11,7 +14,8 @@ use std::fmt;
 /// printed — logs, metrics labels, the mount socket's error replies, the CLI's
 /// messages and the Python client's `kind` attribute: `not_found`,
 /// `already_exists`, `failed_precondition`, `invalid_argument`, `conflict`,
-/// `unavailable`, `busy`, `unsupported`, `corrupt`, `internal`.
+/// `unavailable`, `busy`, `unsupported`, `corrupt`, `internal`,
+/// `permission_denied`, `unauthenticated`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ErrorKind {
     /// `errdefs.ErrNotFound`.
@@ -37,11 +41,17 @@ pub enum ErrorKind {
     Corrupt,
     /// `errdefs.ErrUnknown`: anything else (i/o, database).
     Internal,
+    /// `errdefs.ErrPermissionDenied`: the caller is known and not allowed (a uid
+    /// the admin socket's `[api]` configuration does not list).
+    PermissionDenied,
+    /// `errdefs.ErrUnauthenticated`: the caller did not prove who it is (no or a
+    /// wrong bearer token on the TCP listener).
+    Unauthenticated,
 }
 
 impl ErrorKind {
     /// Every kind, in declaration order (for tables and exhaustive tests).
-    pub const ALL: [ErrorKind; 10] = [
+    pub const ALL: [ErrorKind; 12] = [
         Self::NotFound,
         Self::AlreadyExists,
         Self::FailedPrecondition,
@@ -52,6 +62,8 @@ impl ErrorKind {
         Self::Unsupported,
         Self::Corrupt,
         Self::Internal,
+        Self::PermissionDenied,
+        Self::Unauthenticated,
     ];
 
     /// The kind's one name, snake case (see the type's docs).
@@ -68,6 +80,8 @@ impl ErrorKind {
             Self::Unsupported => "unsupported",
             Self::Corrupt => "corrupt",
             Self::Internal => "internal",
+            Self::PermissionDenied => "permission_denied",
+            Self::Unauthenticated => "unauthenticated",
         }
     }
 

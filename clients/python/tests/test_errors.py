@@ -35,6 +35,8 @@ WIRE: List[Tuple[str, str]] = [
     ("UNIMPLEMENTED", "unsupported"),
     ("DATA_LOSS", "corrupt"),
     ("UNKNOWN", "internal"),
+    ("PERMISSION_DENIED", "permission_denied"),
+    ("UNAUTHENTICATED", "unauthenticated"),
 ]
 
 

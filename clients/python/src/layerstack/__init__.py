@@ -23,7 +23,9 @@ from layerstack.errors import (
     InvalidArgumentError,
     LayerStackError,
     NotFoundError,
+    PermissionDeniedError,
     ResourceExhaustedError,
+    UnauthenticatedError,
     UnavailableError,
     UnsupportedError,
 )
@@ -65,6 +67,8 @@ __all__ = [
     "UnsupportedError",
     "CorruptError",
     "InternalError",
+    "PermissionDeniedError",
+    "UnauthenticatedError",
     "CommandError",
     "Attempt",
     "AttemptStart",

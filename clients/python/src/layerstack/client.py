@@ -10,6 +10,11 @@ as a subprocess: a Python process cannot receive the detached mount and
 The binary is found in ``bin_dir`` (argument), else ``$LAYERSTACK_BIN_DIR``,
 else on ``$PATH``.
 
+Remote daemons: ``connect(target="host:7443", root_certificates=…, token=…)``
+speaks the same API over the daemon's TCP listener (``[api.tcp]``, TLS only,
+docs/operations.md "Who may call"). The calls that drive the binary need the
+daemon's host and are refused there with :class:`CommandError`.
+
 Idempotency: every mutating call of the graph (``create_graph``,
 ``checkpoint``, ``merge``, ``promote``, ``prune``, ``start_attempt``,
 ``retry``) and session creation (``run``, ``create_session``) take ``key=``: the
@@ -93,8 +98,15 @@ def connect(
     bin_dir: Union[str, "os.PathLike[str]", None] = None,
     mount_address: Union[str, "os.PathLike[str]", None] = None,
     timeout_s: Optional[float] = 180.0,
+    target: Optional[str] = None,
+    root_certificates: Union[bytes, str, "os.PathLike[str]", None] = None,
+    token: Optional[str] = None,
+    client_certificate: Union[bytes, str, "os.PathLike[str]", None] = None,
+    client_key: Union[bytes, str, "os.PathLike[str]", None] = None,
+    server_name: Optional[str] = None,
 ) -> "Client":
-    """A client of the daemon at ``admin_address`` (a unix socket path).
+    """A client of the daemon at ``admin_address`` (a unix socket path), or at
+    ``target`` (``"host:port"``: the daemon's TCP listener, TLS).
 
     Args:
         admin_address: the admin socket (default ``/run/layerstack/admin.sock``).
@@ -105,6 +117,24 @@ def connect(
             admin socket).
         timeout_s: deadline of each unary RPC in seconds (``None``: none).
             ``wait`` and the session calls have their own.
+        target: ``"host:port"`` of the daemon's ``[api.tcp]`` listener; given, the
+            client speaks TLS to it instead of using ``admin_address``.
+        root_certificates: with ``target``: the CA certificates (PEM bytes, or a
+            file path) the daemon's certificate must chain to (default: the
+            system's roots, as gRPC finds them).
+        token: with ``target``: the bearer token sent as ``authorization: Bearer
+            <token>`` on every call (default: ``$LAYERSTACK_TOKEN`` if set, else
+            none). A missing or unknown token is refused with
+            :class:`~layerstack.errors.UnauthenticatedError`.
+        client_certificate, client_key: with ``target``: a client certificate
+            chain and its key (PEM bytes or file paths), for a daemon that asks
+            for one (``[api.tcp] client_ca``).
+        server_name: with ``target``: the name the daemon's certificate must carry,
+            when it is not ``target``'s host.
+
+    On the admin socket the daemon checks the caller's uid (root, or ``[api]
+    allowed_uids`` / ``allowed_gids``); another uid gets
+    :class:`~layerstack.errors.PermissionDeniedError` on its first call.
 
     The connection is lazy: an unreachable daemon shows on the first call as
     :class:`~layerstack.errors.UnavailableError`. Use the client as a context
@@ -116,7 +146,20 @@ def connect(
         bin_dir=bin_dir,
         mount_address=mount_address,
         timeout_s=timeout_s,
+        target=target,
+        root_certificates=root_certificates,
+        token=token,
+        client_certificate=client_certificate,
+        client_key=client_key,
+        server_name=server_name,
     )
+
+
+def _pem(v: Union[bytes, str, "os.PathLike[str]", None]) -> Optional[bytes]:
+    """PEM bytes as given, or read from the file path given."""
+    if v is None or isinstance(v, bytes):
+        return v
+    return Path(v).read_bytes()
 
 
 class Client:
@@ -130,8 +173,16 @@ class Client:
         bin_dir: Union[str, "os.PathLike[str]", None] = None,
         mount_address: Union[str, "os.PathLike[str]", None] = None,
         timeout_s: Optional[float] = 180.0,
+        target: Optional[str] = None,
+        root_certificates: Union[bytes, str, "os.PathLike[str]", None] = None,
+        token: Optional[str] = None,
+        client_certificate: Union[bytes, str, "os.PathLike[str]", None] = None,
+        client_key: Union[bytes, str, "os.PathLike[str]", None] = None,
+        server_name: Optional[str] = None,
     ) -> None:
         self.admin_address = Path(admin_address)
+        #: ``"host:port"`` of the daemon's TCP listener, or ``None`` (admin socket).
+        self.target = target
         self.namespace = namespace
         self.mount_address = Path(mount_address) if mount_address is not None else None
         self.timeout_s = timeout_s
@@ -139,9 +190,31 @@ class Client:
         # grpc-core's default :authority for a unix target is the socket path,
         # which the daemon's HTTP/2 server (hyper) refuses as malformed
         # (RST_STREAM PROTOCOL_ERROR): name a plain host instead.
-        self._channel = grpc.insecure_channel(
-            f"unix:{self.admin_address}", options=[("grpc.default_authority", "localhost")]
-        )
+        if target is None:
+            if any(v is not None for v in (root_certificates, token, client_certificate, client_key, server_name)):
+                raise ValueError(
+                    "root_certificates, token, client_certificate, client_key and server_name are for a TCP "
+                    "target: give target='host:port' (the admin socket checks the caller's uid instead)"
+                )
+            self._channel = grpc.insecure_channel(
+                f"unix:{self.admin_address}", options=[("grpc.default_authority", "localhost")]
+            )
+        else:
+            if (client_certificate is None) != (client_key is None):
+                raise ValueError("give client_certificate and client_key together")
+            if token is None:
+                token = os.environ.get("LAYERSTACK_TOKEN") or None
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=_pem(root_certificates),
+                private_key=_pem(client_key),
+                certificate_chain=_pem(client_certificate),
+            )
+            if token is not None:
+                creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
+            options = []
+            if server_name is not None:
+                options.append(("grpc.ssl_target_name_override", server_name))
+            self._channel = grpc.secure_channel(target, creds, options=options)
         # The generated stub is untyped (grpcio-tools writes no .pyi for it).
         self._stub: Any = pb_grpc.AdminStub(self._channel)  # type: ignore[no-untyped-call]
 
@@ -184,6 +257,13 @@ class Client:
         return Path(w)
 
     def _argv(self, *args: str) -> List[str]:
+        if self.target is not None:
+            raise CommandError(
+                ["layerstack", *args],
+                None,
+                f"layerstack: `layerstack {' '.join(args[:2])}` runs on the daemon's host (it attaches the "
+                f"session's overlay through the mount socket); this client talks to {self.target} over TCP",
+            )
         a = [str(self.binary()), "--admin-address", str(self.admin_address), "-n", self.namespace]
         if self.mount_address is not None:
             a += ["--mount-address", str(self.mount_address)]

@@ -21,6 +21,8 @@ RESOURCE_EXHAUSTED     ``busy``                   :class:`BusyError`
 UNIMPLEMENTED          ``unsupported``            :class:`UnsupportedError`
 DATA_LOSS              ``corrupt``                :class:`CorruptError`
 UNKNOWN                ``internal``               :class:`InternalError`
+PERMISSION_DENIED      ``permission_denied``      :class:`PermissionDeniedError`
+UNAUTHENTICATED        ``unauthenticated``        :class:`UnauthenticatedError`
 anything else          the code's name, snake     :class:`LayerStackError`
                        case (``deadline_exceeded``;
                        INTERNAL is ``grpc_internal``)
@@ -54,6 +56,8 @@ __all__ = [
     "UnsupportedError",
     "CorruptError",
     "InternalError",
+    "PermissionDeniedError",
+    "UnauthenticatedError",
     "CommandError",
     "BY_CODE",
     "from_rpc_error",
@@ -150,6 +154,23 @@ class InternalError(_KindError):
     kind = "internal"
 
 
+class PermissionDeniedError(_KindError):
+    """The daemon knows the caller and does not allow it: on the admin socket, a
+    uid (or effective gid) that the daemon's ``[api] allowed_uids`` /
+    ``allowed_gids`` do not list; the message names the uid, the gid and the key
+    to change."""
+
+    kind = "permission_denied"
+
+
+class UnauthenticatedError(_KindError):
+    """The caller did not prove who it is: on the daemon's TCP listener, no
+    ``authorization: Bearer <token>`` or a token the daemon's ``tokens_file`` does
+    not list."""
+
+    kind = "unauthenticated"
+
+
 class CommandError(LayerStackError):
     """The ``layerstack`` binary failed before the command ran (exit 125, or an error
     exit of ``session create``), or could not be started.
@@ -183,6 +204,8 @@ BY_CODE: Dict[grpc.StatusCode, Type[_KindError]] = {
     grpc.StatusCode.UNIMPLEMENTED: UnsupportedError,
     grpc.StatusCode.DATA_LOSS: CorruptError,
     grpc.StatusCode.UNKNOWN: InternalError,
+    grpc.StatusCode.PERMISSION_DENIED: PermissionDeniedError,
+    grpc.StatusCode.UNAUTHENTICATED: UnauthenticatedError,
 }
 
 
