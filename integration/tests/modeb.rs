@@ -349,9 +349,32 @@ fn create_exec_close_keep_one_session_mounted() {
         );
         let o = exec_sh(env, id, "true")?;
         ensure!(
-            !o.status.success(),
-            "exec after close fails: {}",
+            o.status.code() == Some(125),
+            "exec after close fails (125: exec's own failure): {}",
             describe(&o)
+        );
+        // For a program: one JSON line, the kind a closed session is.
+        let o = ls(
+            env,
+            &[
+                "--error-format",
+                "json",
+                "session",
+                "exec",
+                &id.to_string(),
+                "--",
+                "true",
+            ],
+        )?;
+        let err: Value = serde_json::from_slice(&o.stderr).with_context(|| describe(&o))?;
+        ensure!(
+            o.status.code() == Some(125)
+                && err["error"]["kind"] == "failed_precondition"
+                && err["error"]["message"]
+                    .as_str()
+                    .unwrap_or("")
+                    .contains("closed"),
+            "{err:#}"
         );
         let o = mb_sh(env, &[], "cat /step1")?;
         ensure!(stdout(&o) == "one\ntwo\n", "{}", describe(&o));
