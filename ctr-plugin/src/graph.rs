@@ -339,9 +339,48 @@ fn print_node(n: &api::Node, as_json: bool) {
     out!("  created {}", timestamp(n.created_ns));
 }
 
-fn print_attempt(r: &api::AttemptResponse, as_json: bool) {
+/// The text form of a started (or retried) attempt: what a user needs to use
+/// it — its ids, where its writes go, how to end it, how to run a command
+/// instead. The overlay mount itself (dozens of lowerdirs) is only in `--json`.
+fn attempt_lines(r: &api::AttemptResponse) -> Vec<String> {
     let a = r.attempt.clone().unwrap_or_default();
+    let s = r.session.clone().unwrap_or_default();
+    let mut lines = vec![format!(
+        "attempt {} of node {}: session {}{}{}",
+        a.id,
+        a.node,
+        s.id,
+        if s.policy.is_empty() {
+            String::new()
+        } else {
+            format!(", policy {}", s.policy)
+        },
+        if r.created { "" } else { " (existing)" }
+    )];
+    let upper = r
+        .mounts
+        .iter()
+        .flat_map(|m| m.options.iter())
+        .find_map(|o| o.strip_prefix("upperdir="));
+    if let Some(u) = upper {
+        lines.push(format!(
+            "  no process runs in it: write its files under {u}, or mount it yourself (--json lists the overlay mount)"
+        ));
+    }
+    lines.push(format!(
+        "  end it: layerstack session close {} (by its policy; --checkpoint --state JSON, --publish or --discard)",
+        s.id
+    ));
+    lines.push(format!(
+        "  to run a command in a new attempt instead: layerstack session run --node {} -- CMD",
+        a.node
+    ));
+    lines
+}
+
+fn print_attempt(r: &api::AttemptResponse, as_json: bool) {
     if as_json {
+        let a = r.attempt.clone().unwrap_or_default();
         out!(
             "{}",
             json!({
@@ -352,20 +391,8 @@ fn print_attempt(r: &api::AttemptResponse, as_json: bool) {
             })
         );
     } else {
-        let sid = r.session.as_ref().map(|s| s.id).unwrap_or(0);
-        out!(
-            "attempt {} of node {}: session {sid}{}",
-            a.id,
-            a.node,
-            if r.created { "" } else { " (existing)" }
-        );
-        for m in &r.mounts {
-            out!(
-                "  mount -t {} {} -o {}",
-                m.r#type,
-                m.source,
-                m.options.join(",")
-            );
+        for l in attempt_lines(r) {
+            out!("{l}");
         }
     }
 }
@@ -726,6 +753,53 @@ pub async fn run(admin: &Path, ns: &str, cmd: GraphCmd) -> Result<ExitCode> {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    #[test]
+    fn an_attempt_prints_what_to_do_with_it_not_its_mount() {
+        let r = api::AttemptResponse {
+            attempt: Some(api::Attempt {
+                id: 12,
+                node: "n-abc".into(),
+                session: 34,
+                status: "running".into(),
+                ..Default::default()
+            }),
+            session: Some(api::Session {
+                id: 34,
+                policy: "checkpoint".into(),
+                ..Default::default()
+            }),
+            mounts: vec![api::Mount {
+                r#type: "overlay".into(),
+                source: "overlay".into(),
+                options: vec![
+                    format!(
+                        "lowerdir={}",
+                        (1..=57)
+                            .map(|i| format!("/var/lib/ls/l/{i}"))
+                            .collect::<Vec<_>>()
+                            .join(":")
+                    ),
+                    "upperdir=/var/lib/ls/s/34/upper".into(),
+                    "workdir=/var/lib/ls/s/34/work".into(),
+                ],
+            }],
+            created: false,
+        };
+        let lines = attempt_lines(&r);
+        assert_eq!(
+            lines[0],
+            "attempt 12 of node n-abc: session 34, policy checkpoint (existing)"
+        );
+        let text = lines.join("\n");
+        assert!(
+            !text.contains("lowerdir") && !text.contains("mount -t"),
+            "{text}"
+        );
+        assert!(text.contains("under /var/lib/ls/s/34/upper"), "{text}");
+        assert!(text.contains("layerstack session close 34"), "{text}");
+        assert!(text.contains("session run --node n-abc"), "{text}");
+    }
 
     #[test]
     fn dot_quotes_and_draws_edges_and_running_attempts() {

@@ -3,9 +3,15 @@
 //!
 //! Exit codes: 0 success; 1 error (message on stderr); 2 usage; 3 the session
 //! ended in conflict (`wait`, `publish`), or would (`publish --dry-run`).
+//! `session run` and `session exec` exit with the command's status, and 125
+//! when they fail themselves.
+//!
+//! An error is printed as `layerstack: MESSAGE`, or with `--error-format json`
+//! as one JSON line `{"error":{"kind":…,"message":…}}` (module `errors`).
 
 mod base;
 mod config;
+mod errors;
 mod export;
 mod graph;
 mod history;
@@ -25,12 +31,15 @@ use layerstack_api as api;
 pub async fn connect(
     address: &std::path::Path,
 ) -> Result<api::AdminClient<tonic::transport::Channel>> {
-    api::connect(address.to_path_buf()).await.with_context(|| {
-        format!(
-            "cannot reach the LayerStack daemon at {} (is containerd-layerstack-grpc running? set --admin-address or LAYERSTACK_ADMIN_ADDRESS)",
-            address.display()
-        )
-    })
+    api::connect(address.to_path_buf())
+        .await
+        .with_context(|| {
+            format!(
+                "cannot reach the LayerStack daemon at {} (is containerd-layerstack-grpc running? set --admin-address or LAYERSTACK_ADMIN_ADDRESS)",
+                address.display()
+            )
+        })
+        .map_err(|e| errors::with_kind(api::ErrorKind::Unavailable, e))
 }
 
 #[derive(Debug, Parser)]
@@ -53,6 +62,19 @@ pub struct Cli {
     /// beside the admin socket].
     #[arg(long, env = "LAYERSTACK_MOUNT_ADDRESS", global = true)]
     pub mount_address: Option<PathBuf>,
+    /// How an error is printed on stderr: `layerstack: MESSAGE` (text), or one
+    /// line `{"error":{"kind":KIND,"message":MESSAGE}}` (json), KIND spelled as
+    /// everywhere (not_found, already_exists, failed_precondition,
+    /// invalid_argument, conflict, unavailable, busy, unsupported, corrupt,
+    /// internal).
+    #[arg(
+        long,
+        env = "LAYERSTACK_ERROR_FORMAT",
+        value_enum,
+        default_value_t = errors::ErrorFormat::Text,
+        global = true
+    )]
+    pub error_format: errors::ErrorFormat,
     #[command(subcommand)]
     pub cmd: Cmd,
 }
@@ -181,6 +203,7 @@ pub enum SessionCmd {
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
+    let error_format = cli.error_format;
     let result = match cli.cmd {
         Cmd::Config(args) => config::run(args, cli.admin_address),
         Cmd::Session {
@@ -213,16 +236,7 @@ async fn main() -> ExitCode {
     match result {
         Ok(code) => code,
         Err(e) => {
-            match e.downcast_ref::<tonic::Status>() {
-                Some(st) if st.message().is_empty() => eprintln!(
-                    "layerstack: the daemon answered {:?} without a message (is --admin-address the admin socket, not the snapshots socket?)",
-                    st.code()
-                ),
-                Some(st) => eprintln!("layerstack: {}", st.message()),
-                // Not anyhow's `{:#}`: it would repeat a cause that an error
-                // of a dependency already prints (hyper's connect errors).
-                None => eprintln!("layerstack: {}", api::error_chain(e.as_ref())),
-            }
+            errors::report(error_format, &e);
             ExitCode::from(1)
         }
     }

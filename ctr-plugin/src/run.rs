@@ -12,10 +12,12 @@
 //! through the admin API if the daemon restarted meanwhile). It
 //! writes the outcome as one line on stderr (and as JSON to `--outcome FILE`) and
 //! exits with the command's status (127: not found, 126: not executable, 128 + n:
-//! killed by signal n; 125: the session could not be started).
+//! killed by signal n; 125: the session could not be started, or `run` failed
+//! otherwise; the error is on stderr, as `--error-format` says).
 //!
 //! `create` leaves a session's init running in the background (the session stays
-//! mounted); `exec` runs a command in it, joining its namespaces; `close` ends it.
+//! mounted); `exec` runs a command in it, joining its namespaces (exiting with
+//! its status, and 125 when `exec` itself fails); `close` ends it.
 
 use std::ffi::{OsStr, OsString};
 use std::io::Write as _;
@@ -33,6 +35,7 @@ use layerstack_sandbox::sys::{self, CArgs, Exit};
 use layerstack_sandbox::wire::{self, Mode, Request};
 use serde_json::json;
 
+use crate::errors::{failure, with_kind, Failure};
 use crate::sessions::{print_outcome, session_json};
 use crate::{out, Cli};
 
@@ -209,9 +212,10 @@ pub struct CloseArgs {
 
 fn require_root(what: &str) -> Result<()> {
     if sys::euid() != 0 {
-        bail!(
-            "`layerstack session {what}` needs root (euid 0): it creates mount, pid, ipc and uts namespaces and attaches an overlay; run it as root, or inside a privileged container with the daemon's socket directory mounted"
-        );
+        return Err(failure(
+            api::ErrorKind::FailedPrecondition,
+            format!("`layerstack session {what}` needs root (euid 0): it creates mount, pid, ipc and uts namespaces and attaches an overlay; run it as root, or inside a privileged container with the daemon's socket directory mounted"),
+        ));
     }
     Ok(())
 }
@@ -227,16 +231,23 @@ fn mount_address(cli: &Cli) -> PathBuf {
 }
 
 fn connect_mount(path: &Path) -> Result<MountConn> {
-    MountConn::connect(path).with_context(|| {
-        format!(
-            "cannot reach the daemon's mount socket {} (set --mount-address or LAYERSTACK_MOUNT_ADDRESS; in a container, mount the admin socket's directory)",
-            path.display()
-        )
-    })
+    MountConn::connect(path)
+        .with_context(|| {
+            format!(
+                "cannot reach the daemon's mount socket {} (set --mount-address or LAYERSTACK_MOUNT_ADDRESS; in a container, mount the admin socket's directory)",
+                path.display()
+            )
+        })
+        .map_err(|e| with_kind(api::ErrorKind::Unavailable, e))
 }
 
 fn parse_ids(user: &str) -> Result<(u32, u32)> {
-    let bad = || anyhow::anyhow!("--user {user:?}: give UID or UID:GID as numbers");
+    let bad = || {
+        failure(
+            api::ErrorKind::InvalidArgument,
+            format!("--user {user:?}: give UID or UID:GID as numbers"),
+        )
+    };
     let (u, g) = match user.split_once(':') {
         Some((u, g)) => (u, Some(g)),
         None => (user, None),
@@ -307,10 +318,13 @@ fn command(
         .unwrap_or_else(|| DEFAULT_PATH.into());
     let workdir = match (&p.workdir, mode) {
         (Some(w), Mode::Root) if w.is_relative() => {
-            bail!(
-                "--workdir {}: give an absolute path in the session's root",
-                w.display()
-            )
+            return Err(failure(
+                api::ErrorKind::InvalidArgument,
+                format!(
+                    "--workdir {}: give an absolute path in the session's root",
+                    w.display()
+                ),
+            ))
         }
         (Some(w), _) if w.is_relative() => std::env::current_dir()?.join(w),
         (Some(w), _) => w.clone(),
@@ -339,24 +353,10 @@ fn default_name() -> String {
 }
 
 /// A refusal the daemon answered on the mount socket: its message is for the
-/// user (the errdefs kind is in `code`).
-#[derive(Debug)]
-struct Refused {
-    code: String,
-    message: String,
-}
-
-impl std::fmt::Display for Refused {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{} ({})", self.message, self.code)
-    }
-}
-
-impl std::error::Error for Refused {}
-
+/// user, its kind is the reply's `code`.
 fn refused(reply: wire::Reply) -> anyhow::Error {
-    Refused {
-        code: reply.code,
+    Failure {
+        kind: reply.code,
         message: reply.message,
     }
     .into()
@@ -371,7 +371,10 @@ fn start(
     a: &SessionArgs,
 ) -> Result<(MountConn, api::Session, std::os::fd::OwnedFd)> {
     if a.publish == Some(EndAction::Checkpoint) && a.node.is_none() {
-        bail!("--publish checkpoint makes a child node of the node the session starts from: give --node ID (layerstack graph show lists nodes), or use on-exit, on-success or never");
+        return Err(failure(
+            api::ErrorKind::InvalidArgument,
+            "--publish checkpoint makes a child node of the node the session starts from: give --node ID (layerstack graph show lists nodes), or use on-exit, on-success or never",
+        ));
     }
     let (stack, branch) = match &a.stack {
         Some(s) => crate::history::split_branch(s),
@@ -443,9 +446,13 @@ fn placement(a: &SessionArgs) -> Result<(Placement, Mode, PathBuf)> {
         None => Ok((Placement::Root, Mode::Root, PathBuf::from("/"))),
         Some(d) => {
             let d = std::fs::canonicalize(d)
-                .with_context(|| format!("--mount-at {}: the directory must exist", d.display()))?;
+                .with_context(|| format!("--mount-at {}: the directory must exist", d.display()))
+                .map_err(|e| with_kind(api::ErrorKind::InvalidArgument, e))?;
             if !d.is_dir() {
-                bail!("--mount-at {}: not a directory", d.display());
+                return Err(failure(
+                    api::ErrorKind::InvalidArgument,
+                    format!("--mount-at {}: not a directory", d.display()),
+                ));
             }
             let c = std::ffi::CString::new(d.as_os_str().as_bytes())
                 .context("--mount-at contains a NUL byte")?;
@@ -506,6 +513,9 @@ fn outcome_line(s: &api::Session) -> String {
     if s.layer != 0 {
         detail.push(format!("layer {}", s.layer));
     }
+    if !s.node.is_empty() {
+        detail.push(format!("node {}", s.node));
+    }
     let kind = OutcomeKind::parse(&s.outcome);
     if !s.outcome.is_empty() && kind != Some(OutcomeKind::Discarded) {
         detail.push(format!(
@@ -513,9 +523,9 @@ fn outcome_line(s: &api::Session) -> String {
             c.clean, c.merged, c.conflict, c.excluded
         ));
     }
-    // A published layer needs no words; anything else says why, and a
-    // checkpoint (a node's layer, not a branch's) says which node.
-    if !s.message.is_empty() && !kind.is_some_and(OutcomeKind::is_published) {
+    // A published layer needs no words, nor a checkpoint that names its node;
+    // anything else says why.
+    if !s.message.is_empty() && !kind.is_some_and(OutcomeKind::is_published) && s.node.is_empty() {
         detail.push(s.message.clone());
     }
     if !detail.is_empty() {
@@ -561,18 +571,21 @@ async fn close(
     .into_inner())
 }
 
-/// `session run`: errors of its own exit 125 (the command's status is for the command).
-pub async fn run(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
-    match run_inner(cli, a).await {
+/// Exit 125 for an error of `run` or `exec` itself, reported on stderr (the
+/// command's statuses are the command's).
+fn own_error(cli: &Cli, r: Result<ExitCode>) -> Result<ExitCode> {
+    match r {
         Ok(code) => Ok(code),
         Err(e) => {
-            match e.downcast_ref::<tonic::Status>() {
-                Some(st) => eprintln!("layerstack: {}", st.message()),
-                None => eprintln!("layerstack: {}", api::error_chain(e.as_ref())),
-            }
+            crate::errors::report(cli.error_format, &e);
             Ok(ExitCode::from(SETUP_FAILED as u8))
         }
     }
+}
+
+/// `session run`: errors of its own exit 125 (the command's status is for the command).
+pub async fn run(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
+    own_error(cli, run_inner(cli, a).await)
 }
 
 async fn run_inner(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
@@ -629,7 +642,7 @@ async fn run_inner(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
     };
     let s = match close_on(&mut conn, policy, status, &reason, &node) {
         Ok(s) => s,
-        Err(e) if e.downcast_ref::<Refused>().is_some() => return Err(e),
+        Err(e) if e.downcast_ref::<Failure>().is_some() => return Err(e),
         // The connection broke: the daemon restarted meanwhile (the new one
         // watches the session; its holder closes it through the admin API).
         Err(_) => {
@@ -685,18 +698,23 @@ pub async fn create_cmd(cli: &Cli, a: CreateArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// `session exec`: the command's exit status.
+/// `session exec`: the command's exit status; 125 when `exec` fails itself.
 pub async fn exec_cmd(cli: &Cli, a: ExecArgs) -> Result<ExitCode> {
+    own_error(cli, exec_inner(cli, a))
+}
+
+fn exec_inner(cli: &Cli, a: ExecArgs) -> Result<ExitCode> {
     require_root("exec")?;
     let mut conn = connect_mount(&mount_address(cli))?;
-    let (reply, mut fds) = conn.request(&Request::Join { session: a.session })?;
+    let (reply, mut fds) = conn
+        .request(&Request::Join { session: a.session })
+        .context("joining the session on the mount socket")?;
     if !reply.ok {
-        bail!(
-            "cannot join session {}: {} ({})",
-            a.session,
-            reply.message,
-            reply.code
-        );
+        return Err(Failure {
+            kind: reply.code,
+            message: format!("cannot join session {}: {}", a.session, reply.message),
+        }
+        .into());
     }
     drop(conn);
     if fds.len() != 2 {
@@ -813,5 +831,33 @@ mod tests {
             outcome_line(&s),
             "layerstack: session 5 discarded (writes dropped: x)"
         );
+        let s = api::Session {
+            id: 6,
+            outcome: "checkpointed".into(),
+            layer: 3,
+            node: "n-9".into(),
+            message: "checkpointed as node n-9".into(),
+            ..Default::default()
+        };
+        assert_eq!(
+            outcome_line(&s),
+            "layerstack: session 6 checkpointed (layer 3; node n-9; 0 clean, 0 merged, 0 conflict, 0 excluded)"
+        );
+    }
+
+    #[test]
+    fn the_outcome_file_names_the_node() {
+        let d = tempfile::tempdir().unwrap();
+        let f = d.path().join("outcome.json");
+        let s = api::Session {
+            id: 6,
+            outcome: "checkpointed".into(),
+            node: "n-9".into(),
+            ..Default::default()
+        };
+        write_outcome(&f, &s, Some(0)).unwrap();
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(&f).unwrap()).unwrap();
+        assert_eq!((&v["node"], &v["exit_status"]), (&json!("n-9"), &json!(0)));
     }
 }

@@ -40,6 +40,7 @@ pub(crate) fn session_json(
         "conflicts_truncated": s.conflicts_truncated,
         "dry_run": s.dry_run,
         "layer": if s.layer == 0 { serde_json::Value::Null } else { json!(s.layer) },
+        "node": if s.node.is_empty() { serde_json::Value::Null } else { json!(s.node) },
         "message": s.message,
         "released": s.released,
         "run": s.run,
@@ -72,6 +73,9 @@ fn outcome_lines(s: &api::Session, paths: Option<&[api::PathVerdict]>) -> Vec<St
     );
     if s.layer != 0 {
         lines.push(format!("layer {}", s.layer));
+    }
+    if !s.node.is_empty() {
+        lines.push(format!("node {}", s.node));
     }
     match paths {
         Some(paths) => {
@@ -437,5 +441,35 @@ mod tests {
         let v = session_json(&s, Some(&[]));
         assert_eq!(v["paths"], json!([]));
         assert_eq!(v["counts"]["conflict"], 150);
+    }
+
+    #[test]
+    fn the_node_a_checkpoint_made_is_a_field() {
+        let s = api::Session {
+            outcome: "checkpointed".into(),
+            layer: 7,
+            node: "n-2".into(),
+            message: "checkpointed as node n-2".into(),
+            ..Default::default()
+        };
+        let v = session_json(&s, None);
+        assert_eq!(v["node"], json!("n-2"));
+        assert_eq!(v["layer"], json!(7));
+        assert!(
+            outcome_lines(&s, None).contains(&"node n-2".to_string()),
+            "{:?}",
+            outcome_lines(&s, None)
+        );
+        let none = session_json(
+            &api::Session {
+                outcome: "committed".into(),
+                ..Default::default()
+            },
+            None,
+        );
+        assert!(
+            none.get("node").is_some_and(serde_json::Value::is_null),
+            "the key is always there, null when no node was made: {none}"
+        );
     }
 }

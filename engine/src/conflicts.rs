@@ -23,7 +23,10 @@
 //! into the upper (each a new inode, renamed in); the lease moves to the head
 //! and the blocks are recorded under the new lease (one transaction). The
 //! outcome stays `conflict`; the container's next run mounts the new head under
-//! its upper. Like a publish, the rebase applies the exclusion policy to the
+//! its upper. A Mode B (sandbox) session in conflict is rebased the same way:
+//! its holder released it when it closed, but its upper and lease are kept;
+//! it is published again with `layerstack publish --session ID`, after which
+//! its directories go (the holder is gone: nothing mounts it again). Like a publish, the rebase applies the exclusion policy to the
 //! upper (excluded paths are removed).
 //!
 //! **Refusal**: while the session holds the lease a rebase recorded marker
@@ -43,7 +46,7 @@ use std::sync::Arc;
 
 use layerstack_publisher::{self as publisher, Action, GateFiles, LayerView, Side};
 use layerstack_store::{
-    ManifestId, MarkerRecord, OutcomeKind, OutcomeRecord, PathRecord, PathStatus, SessionId,
+    ManifestId, MarkerRecord, OutcomeKind, OutcomeRecord, Owner, PathRecord, PathStatus, SessionId,
     SessionInfo, Store, StoreError,
 };
 use tracing::info;
@@ -360,6 +363,33 @@ fn not_in_conflict(s: &SessionInfo) -> EngineError {
     ))
 }
 
+/// Why session `s` cannot be rebased, if it cannot: its last outcome is not a
+/// conflict, its conflicting writes are gone (no lease), or a container that
+/// let go of it (containerd removed the snapshot) owned it. A sandbox session
+/// in conflict is released by its holder when it closes and keeps its upper
+/// and lease for this (its next publish is `layerstack publish --session`).
+fn cannot_rebase(s: &SessionInfo) -> Option<EngineError> {
+    if s.outcome.as_ref().map(|o| o.kind) != Some(OutcomeKind::Conflict) {
+        return Some(not_in_conflict(s));
+    }
+    if s.lease_manifest.is_none() {
+        return Some(EngineError::FailedPrecondition(format!(
+            "session {} ({}) conflicted, but its writes were dropped since (it holds no lease): nothing to rebase",
+            s.id,
+            s.owner.display()
+        )));
+    }
+    if s.released && !matches!(s.owner, Owner::Sandbox { .. }) {
+        return Some(EngineError::FailedPrecondition(format!(
+            "session {} ({}) conflicted and its owner let go of it (the container's snapshot was removed): its writes are kept for inspection only; discard them with `layerstack publish --discard --session {}`",
+            s.id,
+            s.owner.display(),
+            s.id
+        )));
+    }
+    None
+}
+
 impl Engine {
     /// The conflicting paths of session `id`'s last outcome with their
     /// three-way views (see the module docs). Changes nothing.
@@ -391,11 +421,8 @@ impl Engine {
     pub async fn rebase(self: &Arc<Self>, id: SessionId) -> Result<Rebased, EngineError> {
         let _g = self.lock_session(id).await;
         let s = self.session(id).await?;
-        if s.outcome.as_ref().map(|o| o.kind) != Some(OutcomeKind::Conflict)
-            || s.lease_manifest.is_none()
-            || s.released
-        {
-            return Err(not_in_conflict(&s));
+        if let Some(e) = cannot_rebase(&s) {
+            return Err(e);
         }
         self.ensure_quiescent(&s).await?;
         let store = self.store.clone();

@@ -709,6 +709,91 @@ async fn a_conflict_is_shown_rebased_refused_while_marked_and_published_once_res
 /// A version published without blame rows (a blame write that was lost) reads
 /// `unknown`, never a guessed owner; a later session's edit of it owns only the
 /// lines it changed.
+/// A Mode B session whose publish at close conflicted (its holder released
+/// it) is rebased like a container's, published again with its markers
+/// resolved, and then loses its directories: nothing mounts it again. A
+/// container's session in conflict that containerd let go of is refused,
+/// saying why and what to do.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_session_that_conflicted_at_close_is_rebased_and_published() {
+    if !have_root("a_sandbox_session_that_conflicted_at_close_is_rebased_and_published") {
+        return;
+    }
+    let t = tmp();
+    let (store, p, s) = setup(t.path(), 2);
+    let x = sandbox(
+        &p,
+        "main",
+        "x",
+        &[("etc/app.conf", &edit(&[("key2 = 2", "key2 = X")]))],
+    )
+    .await;
+    write(
+        &s[0].upper,
+        "etc/app.conf",
+        &edit(&[("key2 = 2", "key2 = A")]),
+    );
+    assert_eq!(publish(&p, s[0].id).await.kind, OutcomeKind::Committed);
+    let closed = p
+        .close_sandbox_session(
+            x.id,
+            crate::sandbox::EndAction::Publish,
+            "test close",
+            std::time::Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        closed.outcome.as_ref().map(|o| o.kind),
+        Some(OutcomeKind::Conflict)
+    );
+    assert!(
+        closed.released && closed.lease_manifest.is_some(),
+        "{closed:?}"
+    );
+
+    let rb = p.rebase(x.id).await.unwrap();
+    assert_eq!(rb.marked, [(b"etc/app.conf".to_vec(), 1)]);
+    assert_eq!(
+        Some(rb.manifest),
+        store.session(x.id).unwrap().lease_manifest
+    );
+    let marked = String::from_utf8(std::fs::read(x.upper.join("etc/app.conf")).unwrap()).unwrap();
+    assert!(marked.contains("<<<<<<< session\nkey2 = X\n"), "{marked}");
+    let resolved = marked.replace(
+        "<<<<<<< session\nkey2 = X\n||||||| lease\nkey2 = 2\n=======\nkey2 = A\n>>>>>>> head\n",
+        "key2 = A+X\n",
+    );
+    assert_ne!(resolved, marked);
+    write(&x.upper, "etc/app.conf", resolved.as_bytes());
+    let out = publish(&p, x.id).await;
+    assert_eq!(out.kind, OutcomeKind::Committed, "{out:?}");
+    let v = publisher::LayerView::new(store.branch_layers(STACK, "main").unwrap());
+    assert_eq!(
+        v.read_regular(b"etc/app.conf").unwrap().unwrap(),
+        resolved.as_bytes()
+    );
+    let after = store.session(x.id).unwrap();
+    assert!(after.lease_manifest.is_none(), "{after:?}");
+    assert!(
+        !store.session_dir(x.id).exists(),
+        "the released session's directories go once its run ends"
+    );
+
+    // A container's session in conflict, released by containerd: refused,
+    // naming why (not "is not in conflict").
+    let c = &s[1];
+    write(&c.upper, "etc/app.conf", &edit(&[("key2 = 2", "key2 = C")]));
+    assert_eq!(publish(&p, c.id).await.kind, OutcomeKind::Conflict);
+    store.release_session(c.id, false).unwrap();
+    let e = p.rebase(c.id).await.unwrap_err();
+    assert!(matches!(e, EngineError::FailedPrecondition(_)), "{e}");
+    assert!(
+        e.to_string().contains("let go") && e.to_string().contains("--discard"),
+        "{e}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn lines_without_rows_are_unknown_never_guessed() {
     if !have_root("lines_without_rows_are_unknown_never_guessed") {

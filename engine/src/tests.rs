@@ -1454,6 +1454,9 @@ async fn the_sandbox_graph_checkpoints_merges_promotes_and_prunes() {
     let o = store.session(s1.id).unwrap().outcome.unwrap();
     assert_eq!(o.kind, OutcomeKind::Checkpointed, "{o:?}");
     assert!(!o.kind.is_published() && o.kind.adds_layer());
+    // The node it made is a field of the outcome, read from the graph's rows.
+    assert_eq!(o.node.as_deref(), Some(n1.id.as_str()), "{o:?}");
+    assert_eq!(store.outcome(o.id).unwrap().node, o.node);
     let n2 = p
         .checkpoint(s2.id, None, Default::default(), None)
         .await
@@ -1523,7 +1526,15 @@ async fn the_sandbox_graph_checkpoints_merges_promotes_and_prunes() {
         .await
         .unwrap();
     let c = p.node_merge(&n1.id, &n3.id, None, None).await.unwrap();
-    assert!(matches!(c, crate::NodeMerged::Conflict { .. }), "{c:?}");
+    let crate::NodeMerged::Conflict { session } = &c else {
+        panic!("{c:?}")
+    };
+    let o = session.outcome.as_ref().unwrap();
+    assert_eq!(
+        (o.kind, o.node.as_deref()),
+        (OutcomeKind::Conflict, None),
+        "an outcome that made no node names none"
+    );
     assert_eq!(
         store.graph("task").unwrap().nodes.len(),
         5,

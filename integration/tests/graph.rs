@@ -164,14 +164,40 @@ fn mode_b_attempts_checkpoint_merge_promote_prune_and_retry() {
         ensure!(look(env, &[&main], "cat /a.txt /b.txt")? == "a\nb");
 
         // A stale node that conflicts with newer work on main is refused whole.
-        let o = run_sh(env, &["--node", &root], &[], "echo node > /base.txt")?;
+        // The node its checkpoint made is a field of the outcome (--outcome).
+        let dir = env.scratch().join("graph-outcome");
+        std::fs::create_dir_all(&dir)?;
+        let file = dir.join("c.json");
+        let o = run_sh(
+            env,
+            &["--node", &root],
+            &["--outcome", file.to_str().context("utf-8")?],
+            "echo node > /base.txt",
+        )?;
         ensure!(o.status.success(), "{}", describe(&o));
+        let v: Value = serde_json::from_str(&std::fs::read_to_string(&file)?)?;
         let g = graph_json(env, "g1")?;
         let c = children(&g, &[&root])
             .into_iter()
             .find(|n| ![a.as_str(), b.as_str()].contains(&n["id"].as_str().unwrap_or("")))
             .context("the third child")?;
         let c = node_id(&c)?;
+        ensure!(
+            v["outcome"] == "checkpointed" && v["node"] == c.as_str(),
+            "the outcome names node {c}: {v:#}"
+        );
+        let ls_json: Value = serde_json::from_str(&ls_ok(
+            env,
+            &["session", "ls", "--json", "--owner", "sandbox"],
+        )?)?;
+        ensure!(
+            ls_json
+                .as_array()
+                .into_iter()
+                .flatten()
+                .any(|s| s["id"] == v["id"] && s["node"] == c.as_str()),
+            "session ls --json names the node too: {ls_json:#}"
+        );
         let o = run_sh(env, &[&main], &[], "echo main > /base.txt")?;
         ensure!(o.status.success(), "{}", describe(&o));
         let o = ls(env, &["node", "promote", &c, &main])?;
@@ -203,6 +229,36 @@ fn mode_b_attempts_checkpoint_merge_promote_prune_and_retry() {
             "{}",
             describe(&o)
         );
+        // The same refusal for a program: exit 125 and one JSON line with its kind.
+        let o = ls(
+            env,
+            &[
+                "--error-format",
+                "json",
+                "session",
+                "run",
+                "--node",
+                &c,
+                "--",
+                "true",
+            ],
+        )?;
+        let last: Value = serde_json::from_str(
+            String::from_utf8_lossy(&o.stderr)
+                .lines()
+                .last()
+                .unwrap_or_default(),
+        )
+        .with_context(|| describe(&o))?;
+        ensure!(
+            o.status.code() == Some(125)
+                && last["error"]["kind"] == "invalid_argument"
+                && last["error"]["message"]
+                    .as_str()
+                    .unwrap_or("")
+                    .contains("pruned"),
+            "{last:#}"
+        );
 
         // Retry: a new attempt of the same node, through the API (a client mounts
         // it itself); closing it discards.
@@ -223,6 +279,19 @@ fn mode_b_attempts_checkpoint_merge_promote_prune_and_retry() {
                 "--json",
             ],
         )?)?;
+        // Without --json: what to do with it, not its mount.
+        let text = ls_ok(
+            env,
+            &["attempt", "retry", &first["id"].to_string(), "--key", "k-r"],
+        )?;
+        ensure!(
+            text.starts_with(&format!(
+                "attempt {} of node {root}: session {}",
+                r["attempt"]["id"], r["session"]["id"]
+            )) && !text.contains("lowerdir")
+                && text.contains("session close"),
+            "{text}"
+        );
         let r2: Value = serde_json::from_str(&ls_ok(
             env,
             &[

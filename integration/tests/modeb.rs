@@ -349,9 +349,32 @@ fn create_exec_close_keep_one_session_mounted() {
         );
         let o = exec_sh(env, id, "true")?;
         ensure!(
-            !o.status.success(),
-            "exec after close fails: {}",
+            o.status.code() == Some(125),
+            "exec after close fails (125: exec's own failure): {}",
             describe(&o)
+        );
+        // For a program: one JSON line, the kind a closed session is.
+        let o = ls(
+            env,
+            &[
+                "--error-format",
+                "json",
+                "session",
+                "exec",
+                &id.to_string(),
+                "--",
+                "true",
+            ],
+        )?;
+        let err: Value = serde_json::from_slice(&o.stderr).with_context(|| describe(&o))?;
+        ensure!(
+            o.status.code() == Some(125)
+                && err["error"]["kind"] == "failed_precondition"
+                && err["error"]["message"]
+                    .as_str()
+                    .unwrap_or("")
+                    .contains("closed"),
+            "{err:#}"
         );
         let o = mb_sh(env, &[], "cat /step1")?;
         ensure!(stdout(&o) == "one\ntwo\n", "{}", describe(&o));
@@ -520,6 +543,44 @@ fn mode_b_and_containers_share_one_gate() {
         let o = mb_sh_on(env, &stack, &[], "cat /gate.txt; for f in c1-only a-only b-only c3-only; do test -e /$f && echo has-$f; done; true")?;
         let want = "line-1\nc1-line-2\nline-3\nline-4\nline-5\nline-6\nline-7\na-line-8\nline-9\nline-10\nhas-c1-only\nhas-a-only\n";
         ensure!(stdout(&o) == want, "the branch head: {}", describe(&o));
+        // B, closed in conflict, is rebased onto the head (its holder is gone,
+        // its upper kept), resolved in its upper and published again.
+        let rb = ls(
+            env,
+            &["session", "rebase", "--session", &b.to_string(), "--json"],
+        )?;
+        ensure!(
+            rb.status.success(),
+            "rebase of a closed Mode B session: {}",
+            describe(&rb)
+        );
+        let gate = std::path::Path::new(&upper_of(env, b)).join("gate.txt");
+        let marked = std::fs::read_to_string(&gate)?;
+        ensure!(
+            marked.contains("<<<<<<< session\nb-line-2\n") && marked.contains("a-line-8"),
+            "{marked}"
+        );
+        let resolved =
+            "line-1\nb-line-2\nline-3\nline-4\nline-5\nline-6\nline-7\na-line-8\nline-9\nline-10\n";
+        std::fs::write(&gate, resolved)?;
+        let o = ls(env, &["publish", "--session", &b.to_string(), "--json"])?;
+        let v: Value = serde_json::from_slice(&o.stdout).with_context(|| describe(&o))?;
+        ensure!(v["outcome"] == "committed", "{v}");
+        ensure!(
+            !std::path::Path::new(&upper_of(env, b)).exists(),
+            "its upper goes once published"
+        );
+        let o = mb_sh_on(
+            env,
+            &stack,
+            &[],
+            "cat /gate.txt; test -e /b-only && echo has-b-only",
+        )?;
+        ensure!(
+            stdout(&o) == format!("{resolved}has-b-only\n"),
+            "{}",
+            describe(&o)
+        );
         // Both kinds side by side in one listing.
         let out = ls(env, &["session", "ls", "--json", "-A"])?;
         let all: Vec<Value> = serde_json::from_slice(&out.stdout)?;

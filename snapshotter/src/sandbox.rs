@@ -311,7 +311,10 @@ async fn connection(
                 debug!(session.id = id, holder = peer_pid, init = ?pid, "sandbox session ready");
             }
             Request::Join { session } => {
-                let (reply, fds) = join(holders, session);
+                let (mut reply, fds) = join(holders, session);
+                if !reply.ok && reply.code == ErrorKind::NotFound.as_str() {
+                    reply = no_holder(engine, session).await;
+                }
                 let raw: Vec<RawFd> = fds.iter().map(AsRawFd::as_raw_fd).collect();
                 send(&stream, &wire::line(&reply), &raw).await?;
             }
@@ -486,6 +489,29 @@ async fn close(
         })
         .await
         .map_err(|st| status_reply(&st))
+}
+
+/// Why session `id`, which has no live holder, cannot be joined: no such
+/// session (`not_found`), or one that exists but is closed or was never held
+/// by `session create`/`run` (`failed_precondition`, naming its outcome).
+async fn no_holder(engine: &Arc<Engine>, id: SessionId) -> Reply {
+    match engine.session(id).await {
+        Ok(s) => Reply::error(
+            ErrorKind::FailedPrecondition,
+            format!(
+                "session {id} ({}) has no live holder: {}",
+                s.owner.display(),
+                match (&s.outcome, s.released) {
+                    (Some(o), true) => format!(
+                        "it is closed (outcome {}); start another with `layerstack session create`",
+                        o.kind.as_str()
+                    ),
+                    _ => "it was not made by `layerstack session create` or `run`, or its holder is gone".to_string(),
+                }
+            ),
+        ),
+        Err(e) => Reply::error(e.kind(), api::error_chain(&e)),
+    }
 }
 
 fn join(holders: &Holders, id: SessionId) -> (Reply, Vec<OwnedFd>) {

@@ -390,8 +390,10 @@ impl Store {
     /// stays `conflict` (the run is published again through the gate).
     ///
     /// Errors: `SessionNotFound`; `FailedPrecondition` when the session's last
-    /// outcome is not a conflict, it holds no lease, its lease is not on
-    /// `expected` any more (it changed meanwhile), or `to` is another stack's.
+    /// outcome is not a conflict, it holds no lease, a container let go of it
+    /// (a sandbox session in conflict is released by its holder and rebased
+    /// all the same), its lease is not on `expected` any more (it changed
+    /// meanwhile), or `to` is another stack's.
     pub fn rebase_session(
         &self,
         session: SessionId,
@@ -414,11 +416,19 @@ impl Store {
                     .optional()?,
                 None => None,
             };
-            if outcome.as_deref() != Some(OutcomeKind::Conflict.as_str()) || s.released {
+            if outcome.as_deref() != Some(OutcomeKind::Conflict.as_str()) {
                 return Err(StoreError::FailedPrecondition(format!(
-                    "session {session}'s last outcome is {}, not conflict{}: only a conflicting session is rebased",
+                    "session {session}'s last outcome is {}, not conflict: only a conflicting session is rebased",
                     outcome.as_deref().unwrap_or("none"),
-                    if s.released { " (and it was released)" } else { "" }
+                )));
+            }
+            // A sandbox holder releases its session when it closes; the
+            // conflicting writes stay for a rebase. A container that let go of
+            // its session (containerd removed the snapshot) ended it.
+            if s.released && !matches!(s.owner, Owner::Sandbox { .. }) {
+                return Err(StoreError::FailedPrecondition(format!(
+                    "session {session} conflicted and its owner ({}) let go of it: its writes are kept for inspection only; discard them",
+                    s.owner.display()
                 )));
             }
             if lease_manifest(tx, lease)? != expected {

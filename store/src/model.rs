@@ -169,9 +169,16 @@ pub struct Outcome {
     pub kind: OutcomeKind,
     /// The run of the session it ended.
     pub run: i64,
-    /// The published layer, for `Committed` and `Merged`.
+    /// The published layer, for `Committed`, `Merged` and `Checkpointed`.
     pub layer: Option<LayerId>,
-    /// Human-readable detail (failure cause, counts).
+    /// The graph node this outcome made: the child node of a `Checkpointed`
+    /// outcome (its layer is the node's top layer); `None` for every other
+    /// outcome. Read from the node's row (the checkpoint's attempt ran in this
+    /// session and the node's root is the manifest the outcome made), never
+    /// from `message`.
+    pub node: Option<String>,
+    /// Human-readable detail (failure cause, counts), for people: programs read
+    /// the other fields.
     pub message: Option<String>,
     /// Verdict counts over the recorded paths.
     pub counts: PathCounts,

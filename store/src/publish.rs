@@ -172,6 +172,7 @@ pub(crate) fn read_outcome(conn: &Connection, pid: PublishId) -> Result<Outcome,
         run: i64,
         outcome: String,
         layer_id: Option<i64>,
+        node: Option<String>,
         message: Option<String>,
         counts: [i64; 4],
         /// capture_us, gate_wait_us, gate_hold_us, total_us, capture_bytes.
@@ -180,13 +181,23 @@ pub(crate) fn read_outcome(conn: &Connection, pid: PublishId) -> Result<Outcome,
     }
     let raw: Option<Raw> = conn
         .one(
-            "SELECT run, outcome, layer_id, message, clean, merged, conflict, excluded, capture_us, gate_wait_us, gate_hold_us, total_us, capture_bytes, at_ns FROM publishes WHERE id = ?1",
+            // The node a checkpoint made: the result node of an attempt that ran
+            // in this session, whose root is the manifest this outcome made
+            // (`Store::commit_checkpoint` writes both in one transaction). By
+            // the session index and the node's key: no scan of the graph.
+            "SELECT p.run, p.outcome, p.layer_id, p.message, p.clean, p.merged, p.conflict, p.excluded, p.capture_us, p.gate_wait_us, p.gate_hold_us, p.total_us, p.capture_bytes, p.at_ns,
+                    (SELECT n.id FROM graph_attempts a JOIN graph_nodes n ON n.id = a.result_node
+                      WHERE p.outcome = 'checkpointed' AND a.session_id = p.session_id
+                        AND n.manifest_id = p.manifest_after
+                      LIMIT 1) AS node
+               FROM publishes p WHERE p.id = ?1",
             [pid],
             |r| {
                 Ok(Raw {
                     run: r.get("run")?,
                     outcome: r.get("outcome")?,
                     layer_id: r.get("layer_id")?,
+                    node: r.get("node")?,
                     message: r.get("message")?,
                     counts: [
                         r.get("clean")?,
@@ -210,6 +221,7 @@ pub(crate) fn read_outcome(conn: &Connection, pid: PublishId) -> Result<Outcome,
         run,
         outcome: kind,
         layer_id: layer,
+        node,
         message,
         counts,
         timings: t,
@@ -239,6 +251,7 @@ pub(crate) fn read_outcome(conn: &Connection, pid: PublishId) -> Result<Outcome,
         kind,
         run,
         layer,
+        node,
         message,
         counts: PathCounts {
             clean: u(counts[0]),

@@ -208,7 +208,7 @@ def best_of_n(
                 state={"candidate": cand.name, "score": score, "lines": cand.lines_changed},
                 command=f"apply {cand.name}; python3 -m unittest",
             )
-            node = closed.checkpoint_node
+            node = closed.node
             if node is None:
                 raise RuntimeError(f"{cand.name}: the close made no node: {closed}")
         else:

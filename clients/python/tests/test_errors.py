@@ -129,3 +129,64 @@ def test_codes_no_kind_maps_to_keep_their_snake_case_name() -> None:
 def test_a_command_error_is_kind_command() -> None:
     c = errors.CommandError(["layerstack", "session", "run"], 125, "layerstack: no such node (not_found)\n")
     assert c.kind == "command" and c.code is None and c.message == "no such node (not_found)"
+
+
+def _rust_kind_names() -> Optional[List[str]]:
+    """``ErrorKind::as_str``'s names as types/src/error.rs spells them, or None
+    when the Rust sources are not beside this package."""
+    kinds = REPO / "types" / "src" / "error.rs"
+    if not kinds.is_file():
+        return None
+    names = re.findall(r'Self::\w+ => "(\w+)",', kinds.read_text())
+    assert names, "the Rust table moved: update this test's pattern"
+    return names
+
+
+def test_every_rust_kind_has_its_class_and_no_class_is_extra() -> None:
+    names = _rust_kind_names()
+    if names is None:
+        pytest.skip("the Rust sources are not beside this package")
+    assert sorted(errors.BY_KIND) == sorted(names), "errors.py and layerstack_types disagree"
+    for name in names:
+        cls = errors.BY_KIND[name]
+        assert cls.kind == name and cls.__name__ in layerstack.__all__
+    # Every class of one kind in the module is in the table.
+    own = {
+        c.kind
+        for c in vars(errors).values()
+        if isinstance(c, type) and issubclass(c, errors._KindError) and c is not errors._KindError
+    }
+    assert own == set(names)
+
+
+@pytest.mark.parametrize("code_name,kind", WIRE)
+def test_a_kind_the_binary_prints_raises_its_class(code_name: str, kind: str) -> None:
+    stderr = 'some output of the command\n{"error":{"kind":"%s","message":"no node n-1"}}\n' % kind
+    e = errors.from_command(["layerstack", "session", "run"], 125, stderr)
+    assert type(e) is errors.BY_CODE[grpc.StatusCode[code_name]]
+    assert (e.kind, e.message, e.code) == (kind, "no node n-1", None)
+    assert (e.argv, e.returncode, e.stderr) == (["layerstack", "session", "run"], 125, stderr)
+
+
+def test_the_binary_without_an_error_line_is_a_command_error() -> None:
+    e = errors.from_command(["layerstack"], 125, "layerstack: something\n")
+    assert type(e) is errors.CommandError and e.message == "something"
+    e = errors.from_command(["layerstack"], 1, '{"error":{"kind":"deadline_exceeded","message":"late"}}')
+    assert type(e) is errors.LayerStackError and e.kind == "deadline_exceeded"
+    assert errors.command_error_line('{"error": "flat"}') is None
+    assert errors.command_error_line("") is None
+    assert errors.command_error_line('[1]') is None
+
+
+def test_the_node_of_an_outcome_is_a_field() -> None:
+    from layerstack._pb import admin_pb2 as pb
+
+    s = layerstack.Session.from_pb(
+        pb.Session(id=3, outcome="checkpointed", node="n-7", message="checkpointed as node n-7")
+    )
+    assert (s.node, s.checkpoint_node) == ("n-7", "n-7")
+    s = layerstack.Session.from_pb(pb.Session(id=3, outcome="checkpointed", message="checkpointed as node n-7"))
+    assert s.node is None and s.checkpoint_node is None, "never parsed out of the message"
+    v = {"id": 4, "outcome": "checkpointed", "node": "n-8", "message": "whatever"}
+    assert layerstack.Session.from_json(v).node == "n-8"
+    assert layerstack.Session.from_json({"id": 4, "node": None}).node is None

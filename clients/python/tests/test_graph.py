@@ -45,6 +45,9 @@ def test_attempts_checkpoint_merge_promote_prune_retry(env: Env, ls: layerstack.
     assert ra.exit_status == 0 and rb.exit_status == 0, "b must not see a's writes"
     a, b = ra.node, rb.node
     assert a and b and a != b, (ra.session, rb.session)
+    # The node is a field of the outcome (``--outcome``'s "node"), not words.
+    assert ra.session.node == a and ra.session.checkpoint_node == a
+    assert ra.session.outcome == "checkpointed" and ra.session.layer is not None
     shown = ls.show_graph(name)
     kids = {n.id: n for n in shown.children(root)}
     assert set(kids) == {a, b}
@@ -90,7 +93,7 @@ def test_attempts_checkpoint_merge_promote_prune_retry(env: Env, ls: layerstack.
     pruned = ls.prune(c, key=f"{k}-prune")
     assert c in pruned and ls.prune(c, key=f"{k}-prune") == pruned
     assert ls.show_node(c).pruned
-    with pytest.raises(layerstack.CommandError) as e2:
+    with pytest.raises(layerstack.InvalidArgumentError) as e2:
         ls.run(["true"], node=c)
     assert "pruned" in e2.value.message
 
@@ -130,5 +133,8 @@ def test_checkpoint_of_an_attempt_a_client_mounts_itself_is_keyed(env: Env, ls: 
     assert [n.id for n in ls.show_graph(g.name).children(g.root)] == [n1.id]
     assert look(ls, "cat /ck.txt /base.txt", node=n1.id) == "checkpointed\nbase"
     assert {x.id: x.status for x in ls.list_attempts(g.root)}[s1.attempt.id] == "checkpointed"
+    # Over gRPC too, the session's outcome names the node it made.
+    listed = {x.id: x for x in ls.list_sessions(owner_kind="sandbox")}[s1.session.id]
+    assert (listed.outcome, listed.node) == ("checkpointed", n1.id), listed
     # Nothing of it reached the branch.
     assert look(ls, "test ! -e /ck.txt && echo clean", stack=env.image, branch=main) == "clean"

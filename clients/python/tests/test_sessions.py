@@ -71,9 +71,12 @@ def test_create_exec_close_keeps_one_session_mounted(env: Env, ls: layerstack.Cl
     assert ls.wait(s.id, timeout_ms=5000).outcome == "committed"
     assert [v.path for v in ls.outcome_paths(closed.outcome_id or 0)] == ["/step1"]
 
-    with pytest.raises(layerstack.CommandError) as e:
+    # exec in a closed session: the binary's own failure (exit 125), typed.
+    with pytest.raises(layerstack.FailedPreconditionError) as fe:
         ls.exec(s.id, ["true"])
-    assert str(s.id) in e.value.message
+    assert str(s.id) in fe.value.message and "closed" in fe.value.message, fe.value.message
+    assert fe.value.kind == "failed_precondition" and fe.value.code is None
+    assert fe.value.returncode == 125 and fe.value.argv is not None
 
     seen = ls.run(sh("cat /step1"), stack=env.image, branch=b, publish="never")
     assert seen.stdout == b"one\ntwo\n"
@@ -109,9 +112,27 @@ def test_errors_are_typed_with_the_grpc_code_and_the_daemons_message(env: Env, l
     with pytest.raises(layerstack.LayerStackError) as e:
         ls.show_graph(name)
     assert e.value.code is not None and name in e.value.message
-    with pytest.raises(layerstack.CommandError) as c:
+    # Failures of the binary (session run|create|exec) raise the same classes
+    # as the RPCs', by the kind it prints.
+    with pytest.raises(layerstack.NotFoundError) as nf:
         ls.run(["true"], node="no-such-node")
-    assert "no-such-node" in c.value.message and c.value.returncode == 125
+    assert "no-such-node" in nf.value.message and nf.value.returncode == 125
+    assert nf.value.kind == "not_found" and nf.value.code is None
+    with pytest.raises(layerstack.NotFoundError) as nf:
+        ls.create_session(node="no-such-node")
+    assert "no-such-node" in nf.value.message
+    with pytest.raises(layerstack.NotFoundError) as nf:
+        ls.run(["true"], stack="docker.io/library/no-such-image:0")
+    assert "no-such-image" in nf.value.message
+    with pytest.raises(layerstack.NotFoundError) as nf:
+        ls.exec(987654321, ["true"])
+    assert "987654321" in nf.value.message
+    with pytest.raises(layerstack.InvalidArgumentError) as ia:
+        ls.run(["true"], stack=env.image, user="bob")
+    assert "--user" in ia.value.message
+    # The command's own 125 is an exit status, not an error.
+    r = ls.run(["sh", "-c", "echo mine >&2; exit 125"], stack=env.image, publish="never")
+    assert r.exit_status == 125 and r.stderr == b"mine\n"
     with pytest.raises(ValueError):
         ls.run(["true"], stack=env.image, publish="sometimes")
     bad = layerstack.connect(env.dir / "nothing-here.sock")

@@ -8,7 +8,8 @@ as a subprocess: a Python process cannot receive the detached mount and
 ``setns`` into a session portably. Those calls need root, as the binary does.
 
 The binary is found in ``bin_dir`` (argument), else ``$LAYERSTACK_BIN_DIR``,
-else on ``$PATH``.
+else on ``$PATH``. It runs with ``--error-format json``: its failures raise
+the same error classes as the RPCs' (``layerstack.errors.from_command``).
 
 Remote daemons: ``connect(target="host:7443", root_certificates=…, token=…)``
 speaks the same API over the daemon's TCP listener (``[api.tcp]``, TLS only,
@@ -39,7 +40,13 @@ import grpc
 
 from layerstack._pb import admin_pb2 as pb
 from layerstack._pb import admin_pb2_grpc as pb_grpc
-from layerstack.errors import CommandError, LayerStackError, from_rpc_error
+from layerstack.errors import (
+    CommandError,
+    LayerStackError,
+    command_error_line,
+    from_command,
+    from_rpc_error,
+)
 from layerstack.types import (
     Attempt,
     AttemptStart,
@@ -264,7 +271,15 @@ class Client:
                 f"layerstack: `layerstack {' '.join(args[:2])}` runs on the daemon's host (it attaches the "
                 f"session's overlay through the mount socket); this client talks to {self.target} over TCP",
             )
-        a = [str(self.binary()), "--admin-address", str(self.admin_address), "-n", self.namespace]
+        a = [
+            str(self.binary()),
+            "--admin-address",
+            str(self.admin_address),
+            "-n",
+            self.namespace,
+            "--error-format",
+            "json",
+        ]
         if self.mount_address is not None:
             a += ["--mount-address", str(self.mount_address)]
         return a + list(args)
@@ -372,9 +387,15 @@ class Client:
             128+n killed by signal n), stdout, stderr and the session's outcome
             (``.node`` the child node when it checkpointed).
 
-        Raises:
-            CommandError: the session could not be started (the binary's exit 125
-                without an outcome), e.g. an unknown stack or node, a pruned node.
+        Raises (the binary's exit 125 without an outcome, typed by its kind):
+            NotFoundError: an unknown stack, branch or node.
+            FailedPreconditionError: not root.
+            InvalidArgumentError: a pruned node; a bad ``user``, ``workdir`` or
+                ``mount_at``; ``publish="checkpoint"`` without ``node``.
+            BusyError: the cap of live sandbox sessions stayed full for
+                ``wait_timeout_s``.
+            UnavailableError: the daemon's sockets cannot be reached.
+            CommandError: the binary could not be run, or failed without saying how.
             subprocess.TimeoutExpired: ``timeout_s`` passed.
         """
         if (stack is None) == (node is None):
@@ -413,7 +434,7 @@ class Client:
                 timeout=timeout_s,
             )
             if not outcome.is_file() or outcome.stat().st_size == 0:
-                raise CommandError(argv, p.returncode, p.stderr.decode(errors="replace"))
+                raise from_command(argv, p.returncode, p.stderr.decode(errors="replace"))
             v = json.loads(outcome.read_text())
         lines = p.stderr.split(b"\n")
         # The binary's outcome line is the last one ("layerstack: session N …").
@@ -445,8 +466,8 @@ class Client:
         Arguments as :meth:`run` (``stack`` or ``node``). Returns the session
         (``state`` active).
 
-        Raises:
-            CommandError: it could not be created or set up (the message says why).
+        Raises: as :meth:`run` (NotFoundError for an unknown stack or node, …);
+        InternalError when the session's init could not set it up.
         """
         if (stack is None) == (node is None):
             raise ValueError("give exactly one of stack and node=")
@@ -480,7 +501,7 @@ class Client:
             err.seek(0)
             stdout, stderr = out.read(), err.read()
         if p.returncode != 0:
-            raise CommandError(argv, p.returncode, stderr.decode(errors="replace"))
+            raise from_command(argv, p.returncode, stderr.decode(errors="replace"))
         return Session.from_json(json.loads(stdout))
 
     def exec(
@@ -497,9 +518,14 @@ class Client:
         """Runs ``cmd`` in live session ``session_id`` (made by :meth:`create_session`),
         joining its namespaces; its writes go to the session's upper.
 
-        Returns the exit status and output. Raises :class:`CommandError` when the
-        session cannot be joined (closed, unknown): the binary's exit 1 with its
-        ``layerstack: …`` message as the last line on stderr.
+        Returns the exit status and output (exit status 125 is the command's
+        unless the binary printed its own error).
+
+        Raises (the binary's exit 125 with its error as the last line on stderr):
+            NotFoundError: no session ``session_id``.
+            FailedPreconditionError: the session is closed, has no live holder,
+                or its init exited.
+            InvalidArgumentError: a bad ``user`` or ``workdir``.
         """
         argv = self._argv(
             "session",
@@ -516,9 +542,10 @@ class Client:
             capture_output=True,
             timeout=timeout_s,
         )
-        last = p.stderr.rstrip(b"\n").rsplit(b"\n", 1)[-1]
-        if p.returncode == 1 and last.startswith(b"layerstack: "):
-            raise CommandError(argv, p.returncode, p.stderr.decode(errors="replace"))
+        if p.returncode == 125:
+            err = p.stderr.decode(errors="replace")
+            if command_error_line(err) is not None:
+                raise from_command(argv, p.returncode, err)
         return ExecResult(exit_status=p.returncode, stdout=p.stdout, stderr=p.stderr)
 
     def close_session(
@@ -694,7 +721,7 @@ class Client:
         argv = self._argv("graph", "show", name, "--dot")
         p = subprocess.run(argv, stdin=subprocess.DEVNULL, capture_output=True, timeout=60)
         if p.returncode != 0:
-            raise CommandError(argv, p.returncode, p.stderr.decode(errors="replace"))
+            raise from_command(argv, p.returncode, p.stderr.decode(errors="replace"))
         return p.stdout.decode()
 
     def show_node(self, node_id: str) -> Node:

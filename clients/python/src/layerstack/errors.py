@@ -32,14 +32,23 @@ Each subclass also carries its ``kind`` as a class attribute
 (``NotFoundError.kind == "not_found"``). ``ResourceExhaustedError`` is the
 former name of :class:`BusyError` (the same class).
 
-A failure of the ``layerstack`` binary that the client drives for the parts
-that need namespaces (``session run|create|exec``) is a :class:`CommandError`
-(``code`` is ``None`` there; ``kind`` is ``"command"``).
+The ``layerstack`` binary that the client drives for the parts that need
+namespaces (``session run|create|exec``) reports its failures with the same
+kinds: the client runs it with ``--error-format json``, which prints the error
+as one line ``{"error": {"kind": KIND, "message": MESSAGE}}`` on stderr, and
+:func:`from_command` raises that kind's class above (``code`` ``None``; the
+command line, exit status and stderr in ``argv``, ``returncode``, ``stderr``).
+E.g. an unknown node or stack is :class:`NotFoundError`, ``exec`` in a closed
+session :class:`FailedPreconditionError`, ``--user bob``
+:class:`InvalidArgumentError`, a full cap with ``wait_timeout_s=0``
+:class:`BusyError`. Only a binary that cannot be found or started, or that
+printed no such line, is a :class:`CommandError` (``kind`` ``"command"``).
 """
 
 from __future__ import annotations
 
-from typing import Dict, Optional, Sequence, Type
+import json
+from typing import Dict, List, Optional, Sequence, Type
 
 import grpc
 
@@ -60,7 +69,10 @@ __all__ = [
     "UnauthenticatedError",
     "CommandError",
     "BY_CODE",
+    "BY_KIND",
     "from_rpc_error",
+    "from_command",
+    "command_error_line",
 ]
 
 
@@ -68,12 +80,19 @@ class LayerStackError(Exception):
     """A refusal or failure of the daemon.
 
     Attributes:
-        code: the gRPC status code (``None`` for a :class:`CommandError`).
+        code: the gRPC status code (``None`` when the ``layerstack`` binary
+            reported the error).
         kind: the errdefs kind, e.g. ``"not_found"`` (table in the module doc).
         message: the daemon's message, unchanged (lowercase, actionable).
+        argv, returncode, stderr: for an error the ``layerstack`` binary
+            reported (:func:`from_command`): its command line, exit status
+            and stderr; ``None`` for an RPC's.
     """
 
     kind: str
+    argv: Optional[List[str]] = None
+    returncode: Optional[int] = None
+    stderr: Optional[str] = None
 
     def __init__(self, code: Optional[grpc.StatusCode], kind: str, message: str) -> None:
         super().__init__(f"{kind}: {message}")
@@ -172,8 +191,9 @@ class UnauthenticatedError(_KindError):
 
 
 class CommandError(LayerStackError):
-    """The ``layerstack`` binary failed before the command ran (exit 125, or an error
-    exit of ``session create``), or could not be started.
+    """The ``layerstack`` binary could not be found or started, or failed without
+    printing an error line (:func:`from_command`): a failure it reported with its
+    kind is that kind's class instead.
 
     Attributes:
         argv: the command line run.
@@ -209,6 +229,11 @@ BY_CODE: Dict[grpc.StatusCode, Type[_KindError]] = {
 }
 
 
+#: Every error kind → its class: the kinds of ``layerstack_types::ErrorKind``,
+#: spelled as ``ErrorKind::as_str`` (the ``kind`` of the binary's JSON errors).
+BY_KIND: Dict[str, Type[_KindError]] = {cls.kind: cls for cls in BY_CODE.values()}
+
+
 def _code_kind(code: grpc.StatusCode) -> str:
     """The kind of a code no error kind maps to, as ``layerstack_api::kind_name``
     spells it."""
@@ -228,3 +253,37 @@ def from_rpc_error(e: grpc.RpcError) -> LayerStackError:
     if cls is None:
         return LayerStackError(code, _code_kind(code), message)
     return cls(code, cls.kind, message)
+
+
+def command_error_line(stderr: str) -> Optional[Dict[str, str]]:
+    """The error the ``layerstack`` binary printed with ``--error-format json``:
+    ``{"kind": …, "message": …}`` from its last non-empty line on stderr, or
+    ``None`` when that line is not such an object."""
+    lines = [l for l in stderr.splitlines() if l.strip()]
+    if not lines:
+        return None
+    try:
+        v = json.loads(lines[-1])
+    except ValueError:
+        return None
+    e = v.get("error") if isinstance(v, dict) else None
+    if not (isinstance(e, dict) and isinstance(e.get("kind"), str) and isinstance(e.get("message"), str)):
+        return None
+    return {"kind": e["kind"], "message": e["message"]}
+
+
+def from_command(argv: Sequence[str], returncode: Optional[int], stderr: str) -> LayerStackError:
+    """The typed error of a failed run of the ``layerstack`` binary (run with
+    ``--error-format json``): the class of the printed ``kind``
+    (:data:`BY_KIND`; a kind no class has, e.g. ``deadline_exceeded``, is a
+    plain :class:`LayerStackError`), or :class:`CommandError` when it printed
+    no error line. ``argv``, ``returncode`` and ``stderr`` are kept on it."""
+    line = command_error_line(stderr)
+    if line is None:
+        return CommandError(argv, returncode, stderr)
+    cls = BY_KIND.get(line["kind"])
+    e = cls(None, cls.kind, line["message"]) if cls else LayerStackError(None, line["kind"], line["message"])
+    e.argv = list(argv)
+    e.returncode = returncode
+    e.stderr = stderr
+    return e

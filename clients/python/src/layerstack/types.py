@@ -108,8 +108,9 @@ class Session:
             (a graph node was made; no branch moved) | ``no-change`` | ``conflict`` |
             ``discarded`` | ``failed`` | ``busy`` | ``unsupported`` | ``unknown``,
             or ``None`` before the run ended.
-        layer: the published layer id, ``None`` if none.
-        message: the daemon's explanation (e.g. "checkpointed as node n-…").
+        layer: the published layer id (for ``checkpointed``: the node's top
+            layer), ``None`` if none.
+        message: the daemon's explanation, for people (programs read the fields).
         released: the owner let go (its directories are gone).
         run: the current run, from 1.
         policy: the recorded exit policy (on-exit | on-success | never | checkpoint).
@@ -117,6 +118,9 @@ class Session:
         conflicts: the first conflicting paths (at most 100, see ``conflicts_truncated``).
         outcome_id: the outcome's id (``Client.outcome_paths``), ``None`` if none.
         dry_run: this is a dry run's answer: nothing was changed.
+        node: the graph node the outcome made (the child node of a
+            ``checkpointed`` outcome; ``Client.show_node`` shows it), ``None``
+            for every other outcome. The daemon's ``Session.node`` field.
     """
 
     id: int
@@ -138,6 +142,7 @@ class Session:
     conflicts_truncated: bool
     outcome_id: Optional[int]
     dry_run: bool
+    node: Optional[str] = None
 
     @classmethod
     def from_pb(cls, s: pb.Session) -> "Session":
@@ -161,6 +166,7 @@ class Session:
             conflicts_truncated=s.conflicts_truncated,
             outcome_id=_opt_int(s.outcome_id),
             dry_run=s.dry_run,
+            node=_opt_str(s.node),
         )
 
     @classmethod
@@ -194,15 +200,14 @@ class Session:
             conflicts_truncated=bool(v.get("conflicts_truncated", False)),
             outcome_id=v.get("outcome_id"),
             dry_run=bool(v.get("dry_run", False)),
+            node=v.get("node") or None,
         )
 
     @property
     def checkpoint_node(self) -> Optional[str]:
-        """The child node a checkpointing end made ("checkpointed as node ID"), else ``None``."""
-        prefix = "checkpointed as node "
-        if self.message.startswith(prefix):
-            return self.message[len(prefix) :].split()[0].rstrip(";,.)")
-        return None
+        """The child node a checkpointing end made, else ``None``: :attr:`node`
+        (kept for callers of the name; read from the field, never the message)."""
+        return self.node
 
 
 @dataclass(frozen=True)
@@ -221,7 +226,8 @@ class RunResult:
 
     @property
     def node(self) -> Optional[str]:
-        return self.session.checkpoint_node
+        """The child node the run checkpointed into (``session.node``), else ``None``."""
+        return self.session.node
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,157 @@
+//! How the CLI reports the error it ends with: its kind and its message.
+//!
+//! Every error has one kind, spelled as everywhere else
+//! ([`ErrorKind::as_str`], `layerstack_types`): a daemon's answer carries it
+//! as its gRPC code (the admin API, [`api::kind_name`]) or by name (the mount
+//! socket's `code`); the CLI's own refusals name theirs ([`Failure`]): bad flags
+//! are `invalid_argument`, a daemon that cannot be reached `unavailable`, a
+//! command run without root `failed_precondition`; anything else is
+//! `internal`.
+//!
+//! `--error-format text` (the default) prints `layerstack: MESSAGE` on stderr;
+//! `--error-format json` (or `LAYERSTACK_ERROR_FORMAT=json`) prints one line
+//! `{"error":{"kind":"not_found","message":"…"}}` instead, the last line on
+//! stderr, for programs (the Python client maps `kind` to its exception
+//! classes, as it maps the admin API's codes).
+
+use clap::ValueEnum;
+use layerstack_api as api;
+use layerstack_api::ErrorKind;
+use serde_json::json;
+
+/// `--error-format`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Default)]
+pub enum ErrorFormat {
+    /// `layerstack: MESSAGE`.
+    #[default]
+    Text,
+    /// One JSON object: `{"error":{"kind":KIND,"message":MESSAGE}}`.
+    Json,
+}
+
+/// A failure the CLI names the kind of: its own refusals, and refusals the
+/// daemon sent on the mount socket (`kind` is the reply's `code`: an error
+/// kind's name, or a gRPC code's for a status no kind maps to).
+#[derive(Debug)]
+pub struct Failure {
+    pub kind: String,
+    pub message: String,
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for Failure {}
+
+/// An error of kind `kind` with `message`.
+pub fn failure(kind: ErrorKind, message: impl Into<String>) -> anyhow::Error {
+    Failure {
+        kind: kind.as_str().to_string(),
+        message: message.into(),
+    }
+    .into()
+}
+
+/// `e` with kind `kind`, its message `e` with its causes (for errors whose
+/// kind only the caller knows: a socket that cannot be reached).
+pub fn with_kind(kind: ErrorKind, e: anyhow::Error) -> anyhow::Error {
+    failure(kind, api::error_chain(e.as_ref()))
+}
+
+/// The kind and message of `e`: the first [`Failure`] or gRPC status in its
+/// chain names the kind (`internal` when none does).
+pub fn describe(e: &anyhow::Error) -> (String, String) {
+    for cause in e.chain() {
+        if let Some(f) = cause.downcast_ref::<Failure>() {
+            return (f.kind.clone(), f.message.clone());
+        }
+        if let Some(st) = cause.downcast_ref::<tonic::Status>() {
+            let message = if st.message().is_empty() {
+                format!(
+                    "the daemon answered {:?} without a message (is --admin-address the admin socket, not the snapshots socket?)",
+                    st.code()
+                )
+            } else {
+                st.message().to_string()
+            };
+            return (api::kind_name(st.code()).to_string(), message);
+        }
+    }
+    // Not anyhow's `{:#}`: it would repeat a cause that an error of a
+    // dependency already prints (hyper's connect errors).
+    (
+        ErrorKind::Internal.as_str().to_string(),
+        api::error_chain(e.as_ref()),
+    )
+}
+
+/// What the CLI prints on stderr for `e` in `format` (one line, no newline).
+pub fn render(format: ErrorFormat, e: &anyhow::Error) -> String {
+    let (kind, message) = describe(e);
+    match format {
+        ErrorFormat::Text => format!("layerstack: {message}"),
+        ErrorFormat::Json => json!({"error": {"kind": kind, "message": message}}).to_string(),
+    }
+}
+
+/// Prints `e` on stderr in `format`.
+pub fn report(format: ErrorFormat, e: &anyhow::Error) {
+    eprintln!("{}", render(format, e));
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+    use anyhow::Context;
+
+    fn parsed(e: &anyhow::Error) -> serde_json::Value {
+        serde_json::from_str(&render(ErrorFormat::Json, e)).unwrap()
+    }
+
+    #[test]
+    fn a_status_keeps_its_kind_through_context() {
+        for kind in ErrorKind::ALL {
+            let e = Err::<(), _>(api::status(kind, "no node n-1".into()))
+                .context("starting")
+                .unwrap_err();
+            let v = parsed(&e);
+            assert_eq!(v["error"]["kind"], kind.as_str());
+            assert_eq!(v["error"]["message"], "no node n-1");
+            assert_eq!(render(ErrorFormat::Text, &e), "layerstack: no node n-1");
+        }
+        let e = anyhow::Error::new(tonic::Status::new(tonic::Code::DeadlineExceeded, "late"));
+        assert_eq!(parsed(&e)["error"]["kind"], "deadline_exceeded");
+    }
+
+    #[test]
+    fn own_failures_and_other_errors() {
+        let e = failure(ErrorKind::InvalidArgument, "--user \"bob\": give UID");
+        assert_eq!(
+            parsed(&e),
+            json!({"error": {"kind": "invalid_argument", "message": "--user \"bob\": give UID"}})
+        );
+        let e = with_kind(
+            ErrorKind::Unavailable,
+            anyhow::Error::new(std::io::Error::from_raw_os_error(2)).context("cannot reach x"),
+        );
+        let v = parsed(&e);
+        assert_eq!(v["error"]["kind"], "unavailable");
+        assert!(
+            v["error"]["message"]
+                .as_str()
+                .unwrap()
+                .starts_with("cannot reach x: "),
+            "{v}"
+        );
+        let e = anyhow::anyhow!("disk on fire");
+        assert_eq!(parsed(&e)["error"]["kind"], "internal");
+        assert!(
+            !render(ErrorFormat::Json, &e).contains('\n'),
+            "one line, the last on stderr"
+        );
+    }
+}
