@@ -126,6 +126,11 @@ pub struct SessionArgs {
     /// Wait at most this many seconds for a free slot under the cap.
     #[arg(long, value_name = "SECS", default_value_t = 600)]
     pub wait_timeout: u32,
+    /// Publish content history only: a file rewritten with the same content,
+    /// mode, owner and xattrs (`sed -i` that matched nothing) is not a change
+    /// although its mtime moved [default: an mtime change is a change].
+    #[arg(long)]
+    pub ignore_mtime: bool,
 }
 
 /// `session run`.
@@ -389,6 +394,7 @@ fn start(
             node: a.node.clone().unwrap_or_default(),
             name: a.name.clone().unwrap_or_else(default_name),
             idempotency_key: a.idempotency_key.clone().unwrap_or_default(),
+            ignore_mtime: a.ignore_mtime,
             policy: a
                 .publish
                 .map(|p| p.as_str().to_string())

@@ -441,7 +441,7 @@ impl Engine {
                 )));
             }
             let view = LayerView::new(ctx.lease_lowers.clone()).with_userxattr(settings.userxattr);
-            let cs = publisher::capture_with(&upper, &view, &settings.capture_options())
+            let cs = publisher::capture_with(&upper, &view, &settings.capture_options(&ctx.session))
                 .map_err(|e| run(e.into()))?;
             if !cs.edits.is_empty() {
                 publisher::prepare_upper(&upper, &cs, settings.userxattr)
@@ -459,6 +459,7 @@ impl Engine {
                 &settings,
                 &upper,
                 &view,
+                &ctx.session,
                 cs,
                 (ctx.lease_manifest, head.manifest),
                 true,

@@ -426,7 +426,7 @@ impl Engine {
         tokio::task::spawn_blocking(move || -> Result<Diff, EngineError> {
             let lease_view = View::new(store.session_view_layers(id, lease)?, settings.userxattr);
             let upper = LayerView::new(vec![s.upper.clone()]).with_userxattr(settings.userxattr);
-            let options = settings.capture_options();
+            let options = settings.capture_options(&s);
             // The upper of a running container changes under the walk: retry.
             let mut attempt = 0;
             let cs = loop {

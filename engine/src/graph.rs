@@ -66,11 +66,26 @@ impl Engine {
         key: Option<String>,
         exit_policy: Option<crate::policy::ExitPolicy>,
     ) -> Result<(AttemptInfo, SessionInfo, MountSpec, bool), EngineError> {
+        let opts = layerstack_store::SessionOptions {
+            exit_policy: exit_policy.map(|p| p.as_str().to_string()),
+            ignore_mtime: false,
+        };
+        self.attempt_start_with(node, owner, key, opts).await
+    }
+
+    /// [`Engine::attempt_start`] with every option the session records in the
+    /// same transaction ([`layerstack_store::SessionOptions`]; `exit_policy`
+    /// `None`: `checkpoint`).
+    pub async fn attempt_start_with(
+        &self,
+        node: &str,
+        owner: Owner,
+        key: Option<String>,
+        opts: layerstack_store::SessionOptions,
+    ) -> Result<(AttemptInfo, SessionInfo, MountSpec, bool), EngineError> {
         let n = node.to_string();
-        self.blocking(move |st| {
-            st.start_attempt_with(&n, &owner, key.as_deref(), exit_policy.map(|p| p.as_str()))
-        })
-        .await
+        self.blocking(move |st| st.start_attempt_with(&n, &owner, key.as_deref(), &opts))
+            .await
     }
 
     /// Retries attempt `attempt`: a new attempt of the same node.
@@ -142,7 +157,11 @@ impl Engine {
                 let upper = ctx.session.upper.clone();
                 let view =
                     LayerView::new(ctx.lease_lowers.clone()).with_userxattr(settings.userxattr);
-                let cs = publisher::capture_with(&upper, &view, &settings.capture_options())?;
+                let cs = publisher::capture_with(
+                    &upper,
+                    &view,
+                    &settings.capture_options(&ctx.session),
+                )?;
                 if !cs.edits.is_empty() {
                     publisher::prepare_upper(&upper, &cs, settings.userxattr)?;
                 }

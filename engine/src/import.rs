@@ -251,6 +251,7 @@ mod tests {
                 policy: None,
                 wait: None,
                 node: None,
+                ignore_mtime: false,
             })
             .await
             .unwrap();

@@ -118,10 +118,16 @@ pub struct EngineSettings {
 }
 
 impl EngineSettings {
-    pub(crate) fn capture_options(&self) -> layerstack_publisher::CaptureOptions {
+    /// What capture of `session`'s upper uses: the daemon's settings and the
+    /// session's own options ([`layerstack_store::SessionOptions`]).
+    pub(crate) fn capture_options(
+        &self,
+        session: &SessionInfo,
+    ) -> layerstack_publisher::CaptureOptions {
         layerstack_publisher::CaptureOptions {
             userxattr: self.userxattr,
             exclude: self.exclude.clone(),
+            ignore_mtime: session.ignore_mtime,
             ..Default::default()
         }
     }

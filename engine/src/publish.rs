@@ -326,6 +326,7 @@ pub(crate) fn gate_input(
     settings: &EngineSettings,
     upper: &std::path::Path,
     view: &LayerView,
+    session: &SessionInfo,
     mut cs: Changeset,
     (lease, head): (i64, i64),
     edit: bool,
@@ -336,7 +337,7 @@ pub(crate) fn gate_input(
     if !expand.is_empty() {
         // Opaque directories with head changes below: publish them as per-path
         // deletions of the lease's content instead.
-        let mut options = settings.capture_options();
+        let mut options = settings.capture_options(session);
         options.expand_opaque = expand;
         let first = std::mem::replace(&mut cs, publisher::capture_with(upper, view, &options)?);
         // The first pass removed excluded paths and sockets (and reset the root
@@ -803,7 +804,11 @@ impl Engine {
                 let upper = ctx.session.upper.clone();
                 let view =
                     LayerView::new(ctx.lease_lowers.clone()).with_userxattr(settings.userxattr);
-                let cs = publisher::capture_with(&upper, &view, &settings.capture_options())?;
+                let cs = publisher::capture_with(
+                    &upper,
+                    &view,
+                    &settings.capture_options(&ctx.session),
+                )?;
                 // Conflict markers a rebase wrote, still there (engine/src/conflicts.rs).
                 if let Some(rec) =
                     crate::conflicts::markers_left(&store, id, &upper, settings.userxattr)?
@@ -828,6 +833,7 @@ impl Engine {
                     &settings,
                     &upper,
                     &view,
+                    &ctx.session,
                     cs,
                     (ctx.lease_manifest, head.manifest),
                     false,
@@ -899,7 +905,7 @@ fn prepare(
     let ctx = store.publish_context(id)?;
     let upper = ctx.session.upper.clone();
     let view = LayerView::new(ctx.lease_lowers.clone()).with_userxattr(settings.userxattr);
-    let cs = publisher::capture_with(&upper, &view, &settings.capture_options())?;
+    let cs = publisher::capture_with(&upper, &view, &settings.capture_options(&ctx.session))?;
     if !cs.edits.is_empty() {
         publisher::prepare_upper(&upper, &cs, settings.userxattr)?;
     }
@@ -956,6 +962,7 @@ fn prepare(
         settings,
         &upper,
         &view,
+        &ctx.session,
         cs,
         (ctx.lease_manifest, observed.manifest),
         true,
@@ -1056,6 +1063,7 @@ fn replan(
         settings,
         &upper,
         &ready.view,
+        &ready.ctx.session,
         cs,
         (ready.ctx.lease_manifest, current.manifest),
         true,

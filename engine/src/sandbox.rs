@@ -85,6 +85,9 @@ pub struct SandboxRequest {
     /// Start an attempt of this SandboxGraph node instead (`target` is then
     /// ignored: the session leases the node's root).
     pub node: Option<String>,
+    /// Capture ignores a regular file's mtime
+    /// ([`layerstack_store::SessionOptions::ignore_mtime`]).
+    pub ignore_mtime: bool,
 }
 
 /// How [`Engine::close_sandbox_session`] ends the run.
@@ -200,29 +203,30 @@ impl Engine {
         let (s, spec, created) = match req.node {
             Some(node) => {
                 // One transaction: the attempt, its session and its policy.
+                let opts = layerstack_store::SessionOptions {
+                    exit_policy: req.policy.map(|p| p.as_str().to_string()),
+                    ignore_mtime: req.ignore_mtime,
+                };
                 let (_, s, spec, created) = self
-                    .attempt_start(
+                    .attempt_start_with(
                         &node,
                         Owner::Sandbox { name: req.name },
                         req.idempotency_key,
-                        req.policy,
+                        opts,
                     )
                     .await?;
                 (s, spec, created)
             }
             None => {
                 // One transaction: the session and its policy.
-                let (stack, target, key, policy) =
-                    (req.stack, req.target, req.idempotency_key, req.policy);
+                let (stack, target, key) = (req.stack, req.target, req.idempotency_key);
+                let opts = layerstack_store::SessionOptions {
+                    exit_policy: req.policy.map(|p| p.as_str().to_string()),
+                    ignore_mtime: req.ignore_mtime,
+                };
                 let owner = Owner::Sandbox { name: req.name };
                 self.blocking(move |st| {
-                    st.create_session_with(
-                        &owner,
-                        &stack,
-                        &target,
-                        key.as_deref(),
-                        policy.map(|p| p.as_str()),
-                    )
+                    st.create_session_with(&owner, &stack, &target, key.as_deref(), &opts)
                 })
                 .await?
             }
@@ -467,6 +471,7 @@ mod tests {
             policy,
             wait,
             node: None,
+            ignore_mtime: false,
         }
     }
 

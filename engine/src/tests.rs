@@ -785,6 +785,51 @@ async fn a_released_session_with_writes_is_published_by_its_policy() {
     assert!(head.lookup(b"refused").unwrap().is_none());
 }
 
+/// A session made with `ignore_mtime` (content history only) that rewrote a
+/// file with the same content publishes nothing; the same rewrite in a session
+/// without it is a change. The option is recorded with the session.
+#[tokio::test]
+async fn a_session_that_ignores_mtimes_publishes_content_changes_only() {
+    if !have_root("a_session_that_ignores_mtimes_publishes_content_changes_only") {
+        return;
+    }
+    let t = tmp();
+    // One container session makes the image's stack.
+    let (store, _) = setup_n(t.path(), 1);
+    let p = engine(&store);
+    let make = |name: &str, ignore_mtime: bool| crate::SandboxRequest {
+        name: name.into(),
+        stack: "ns/sha256:aaa".into(),
+        target: layerstack_store::LeaseTarget::Branch("main".into()),
+        idempotency_key: None,
+        policy: None,
+        wait: None,
+        node: None,
+        ignore_mtime,
+    };
+    let (quiet, _, _) = p.create_sandbox_session(make("quiet", true)).await.unwrap();
+    let (loud, _, _) = p.create_sandbox_session(make("loud", false)).await.unwrap();
+    assert!(store.session(quiet.id).unwrap().ignore_mtime);
+    assert!(!store.session(loud.id).unwrap().ignore_mtime);
+    std::thread::sleep(std::time::Duration::from_millis(10));
+    for s in [&quiet, &loud] {
+        // `sed -i` that matched nothing: the same bytes, a new mtime.
+        write(&s.upper, "etc/app.conf", BASE);
+    }
+    write(&quiet.upper, "etc/new", b"content\n");
+    let q = p.publish(quiet.id, "quiet").await.unwrap().outcome.unwrap();
+    assert_eq!(q.kind, OutcomeKind::Committed, "{q:?}");
+    assert_eq!(q.counts.clean, 1, "only etc/new is a change: {q:?}");
+    let l = p.publish(loud.id, "loud").await.unwrap().outcome.unwrap();
+    assert_eq!(
+        l.kind,
+        OutcomeKind::Committed,
+        "an mtime is a change by default: {l:?}"
+    );
+    let head = publisher::LayerView::new(store.branch_layers("ns/sha256:aaa", "main").unwrap());
+    assert!(head.lookup(b"etc/new").unwrap().is_some());
+}
+
 /// A removed session that wrote nothing still ends its run with an outcome:
 /// a `layerstack wait` on it answers instead of timing out.
 #[tokio::test]
@@ -866,6 +911,7 @@ fn exit_decisions_follow_recorded_policy_then_label() {
         upper: "/u".into(),
         work: "/w".into(),
         created_ns: 0,
+        ignore_mtime: false,
     };
     use crate::policy::{Decision, ExitPolicy};
     assert_eq!(
@@ -1707,6 +1753,7 @@ async fn sandbox_sessions_on_nodes_checkpoint_when_closed() {
         policy,
         wait: None,
         node,
+        ignore_mtime: false,
     };
     let (s, _, created) = p
         .create_sandbox_session(req(

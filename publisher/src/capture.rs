@@ -284,6 +284,12 @@ pub struct CaptureOptions {
     /// opaque directory is also expanded when the policy might exclude something
     /// below it, so excluded lease paths stay visible.
     pub expand_opaque: BTreeSet<Vec<u8>>,
+    /// A regular file whose size, mode, owner, xattrs and content equal the
+    /// lease's is copy-up noise (`unchanged`) even when its mtime differs: a
+    /// tool that rewrote it without changing it (`sed -i` matching nothing)
+    /// publishes nothing. Default off: an mtime that differs is a change
+    /// (`touch`), as the kernel's copy-up keeps the lower file's.
+    pub ignore_mtime: bool,
 }
 
 /// Why [`capture`] failed. Paths are relative to the upper unless stated.
@@ -340,7 +346,8 @@ pub fn capture(upper: &Path, lower: &LayerView) -> Result<Changeset, CaptureErro
 /// entry against `lower`, the lease's view (the session's lowerdirs, newest first).
 ///
 /// * regular file → [`Change::Write`], unless the lease has a regular file there with
-///   the same size, mode, uid, gid, xattrs, mtime and BLAKE3 digest (copy-up noise →
+///   the same size, mode, uid, gid, xattrs, mtime (unless
+///   [`CaptureOptions::ignore_mtime`]) and BLAKE3 digest (copy-up noise →
 ///   `unchanged`: the kernel's copy-up keeps the mtime, so a file opened for writing
 ///   but unchanged, or renamed away and back, is noise, while `touch` is a change);
 /// * symlink → [`Change::Symlink`], unless identical target, uid, gid and xattrs in
@@ -735,7 +742,11 @@ impl Walker<'_> {
                 // that differs is the session's doing (`touch`): a change.
                 let mtime = (st.st_mtime, st.st_mtime_nsec);
                 let noise = match lower {
-                    Some(e) if same_meta(&e) && e.size == size && e.mtime == mtime => {
+                    Some(e)
+                        if same_meta(&e)
+                            && e.size == size
+                            && (self.options.ignore_mtime || e.mtime == mtime) =>
+                    {
                         let layer = self.lower.layer(e.layer_index);
                         let f = fsx::open_read(layer, &rel).map_err(lower_err(&rel))?;
                         hash(f).map_err(lower_err(&rel))? == digest
@@ -1003,6 +1014,45 @@ mod tests {
                 gid: gid()
             }
         );
+    }
+
+    /// `touch` (or `sed -i` matching nothing) moves only the mtime: a change by
+    /// default, noise with `ignore_mtime`; a content change is a change either way.
+    #[test]
+    fn an_mtime_only_change_is_noise_only_when_asked() {
+        let f = fixture();
+        write(&f.lower, "same", b"x", 0o644);
+        write(&f.upper, "same", b"x", 0o644);
+        write(&f.lower, "edited", b"x", 0o644);
+        write(&f.upper, "edited", b"y", 0o644);
+        copy_mtime(&f.lower, &f.upper, b"edited");
+        let later = nix::sys::time::TimeSpec::new(2_000_000_000, 0);
+        nix::sys::stat::utimensat(
+            None,
+            &f.upper.join("same"),
+            &later,
+            &later,
+            nix::sys::stat::UtimensatFlags::NoFollowSymlink,
+        )
+        .unwrap();
+        let lower = LayerView::new(vec![f.lower.clone()]);
+        let c = capture_with(&f.upper, &lower, &CaptureOptions::default()).unwrap();
+        assert_eq!(
+            keys(&c.entries),
+            ["edited", "same"],
+            "by default an mtime is a change"
+        );
+        let c = capture_with(
+            &f.upper,
+            &lower,
+            &CaptureOptions {
+                ignore_mtime: true,
+                ..CaptureOptions::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(keys(&c.entries), ["edited"], "content changes stay changes");
+        assert_eq!(keys(&c.unchanged), ["same"]);
     }
 
     #[test]

@@ -79,6 +79,9 @@ pub struct Start {
     /// ms to wait for a slot under the cap; 0: answer busy at once.
     #[serde(default)]
     pub wait_ms: u32,
+    /// Capture ignores a regular file's mtime (content history only).
+    #[serde(default)]
+    pub ignore_mtime: bool,
 }
 
 /// The fields of the admin API's `CloseSessionRequest` but the session (the

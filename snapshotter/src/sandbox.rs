@@ -205,6 +205,7 @@ async fn start(
             idempotency_key: r.idempotency_key,
             policy: r.policy,
             wait_ms: r.wait_ms,
+            ignore_mtime: r.ignore_mtime,
         })
         .await
         .map_err(|st| status_reply(&st))?;
@@ -650,6 +651,7 @@ impl AdminService {
             policy,
             wait: (r.wait_ms > 0).then(|| Duration::from_millis(r.wait_ms.into())),
             node,
+            ignore_mtime: r.ignore_mtime,
         };
         let (s, spec, created) = self
             .engine

@@ -21,7 +21,7 @@ use crate::sessions::{get_sess, insert_session};
 use crate::stacks::{branch_head, prepend_manifest};
 use crate::{
     fs, now_ns, Durability, HolderKind, LeaseTarget, ManifestId, MountSpec, Owner, PublishTimings,
-    SessionId, SessionInfo, Staged, Store,
+    SessionId, SessionInfo, SessionOptions, Staged, Store,
 };
 
 /// A group: a named graph on one stack.
@@ -606,11 +606,11 @@ impl Store {
         owner: &Owner,
         key: Option<&str>,
     ) -> Result<(AttemptInfo, SessionInfo, MountSpec, bool), StoreError> {
-        self.start_attempt_with(node, owner, key, None)
+        self.start_attempt_with(node, owner, key, &SessionOptions::default())
     }
 
     /// [`Store::start_attempt`] that records the new attempt's exit policy
-    /// (`exit_policy`; `checkpoint` when `None`) in the same transaction: a
+    /// (`opts.exit_policy`; `checkpoint` when `None`) and capture options in the same transaction: a
     /// crash between the two can no longer leave a started attempt whose retry
     /// with the same key answers `created = false` without the policy.
     pub fn start_attempt_with(
@@ -618,7 +618,7 @@ impl Store {
         node: &str,
         owner: &Owner,
         key: Option<&str>,
-        exit_policy: Option<&str>,
+        opts: &SessionOptions,
     ) -> Result<(AttemptInfo, SessionInfo, MountSpec, bool), StoreError> {
         let mut holds = Vec::new();
         let (a, info, spec, created) = self.db.write(|tx| {
@@ -671,10 +671,11 @@ impl Store {
                 params![node, sid, key, now_ns()],
             )?;
             let aid = tx.last_insert_rowid();
-            match exit_policy {
+            match &opts.exit_policy {
                 Some(p) => crate::sessions::set_policy(tx, sid, p)?,
                 None => default_attempt_policy(tx, sid)?,
             }
+            crate::sessions::set_ignore_mtime(tx, sid, opts.ignore_mtime)?;
             let spec = self.start_run(tx, sid)?;
             let a = attempt_from(tx.one(
                 &format!("SELECT {ATTEMPT_COLS} FROM graph_attempts WHERE id = ?1"),

@@ -372,6 +372,7 @@ mod tests {
              CREATE TABLE s7 (id TEXT PRIMARY KEY, base_digest TEXT NOT NULL, namespace TEXT NOT NULL, created_ns INTEGER NOT NULL);
              INSERT INTO s7 SELECT id, base_digest, '', created_ns FROM stacks;
              DROP TABLE stacks; ALTER TABLE s7 RENAME TO stacks;
+             ALTER TABLE sessions DROP COLUMN ignore_mtime;
              UPDATE meta SET value = '7' WHERE key = 'format_version';",
         )
         .unwrap();

@@ -316,6 +316,24 @@ pub struct SessionInfo {
     pub work: PathBuf,
     /// Nanoseconds since the Unix epoch.
     pub created_ns: i64,
+    /// Capture ignores a regular file's mtime ([`SessionOptions::ignore_mtime`]).
+    pub ignore_mtime: bool,
+}
+
+/// What a new session records in the transaction that creates it (so a crash
+/// never leaves it without them, and a repeat of its idempotency key answers
+/// them as first recorded).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SessionOptions {
+    /// Exit policy, as [`crate::Store::set_session_policy`] takes it (`None`:
+    /// none recorded; an attempt records `checkpoint`).
+    pub exit_policy: Option<String>,
+    /// Capture treats a regular file whose content, mode, owner and xattrs
+    /// equal the lease's as unchanged even when its mtime differs (a tool that
+    /// rewrites files without changing them: `sed -i` matching nothing). For
+    /// harnesses that want content history only; default off (mtime is a
+    /// change, as `touch` is).
+    pub ignore_mtime: bool,
 }
 
 impl SessionInfo {

@@ -18,8 +18,9 @@
 /// manifest hold only its newest positions and refer to a complete one for
 /// the rest (`manifests.rest`); 8 lets a stack belong to no containerd
 /// namespace (`stacks.namespace` NULL: an imported base, which used to be
-/// `''`). Formats 4 to 7 are migrated at open ([`MIGRATIONS`]).
-pub const FORMAT_VERSION: i64 = 8;
+/// `''`); 9 added `sessions.ignore_mtime`. Formats 4 to 8 are migrated at
+/// open ([`MIGRATIONS`]).
+pub const FORMAT_VERSION: i64 = 9;
 
 /// The steps that bring an older store to [`FORMAT_VERSION`], each
 /// `(from, what it does, SQL)`, applied in order in the open's transaction and
@@ -60,6 +61,11 @@ pub(crate) const MIGRATIONS: &[(i64, &str, &str)] = &[
             SELECT id, base_digest, NULLIF(namespace, ''), created_ns FROM stacks;
         DROP TABLE stacks;
         ALTER TABLE stacks_v8 RENAME TO stacks;",
+    ),
+    (
+        8,
+        "sessions.ignore_mtime",
+        "ALTER TABLE sessions ADD COLUMN ignore_mtime INTEGER NOT NULL DEFAULT 0;",
     ),
 ];
 
@@ -206,7 +212,8 @@ CREATE TABLE sessions (
     remove_pending  INTEGER NOT NULL DEFAULT 0,
     idempotency_key TEXT UNIQUE,
     created_ns      INTEGER NOT NULL,
-    updated_ns      INTEGER NOT NULL
+    updated_ns      INTEGER NOT NULL,
+    ignore_mtime    INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX sessions_owner ON sessions(owner_kind, namespace, owner);
 -- Private read-only layers a session sees above its lease, newest first

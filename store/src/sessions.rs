@@ -19,7 +19,7 @@ use crate::leases::{lease_manifest, new_lease, release_lease};
 use crate::stacks::{branch_head, ensure_branch, manifest_layers, stack_base_layers};
 use crate::{
     fs, now_ns, session_rel, validate_branch, HolderKind, LayerId, LeaseTarget, ManifestId,
-    MountSpec, Owner, SessionId, SessionInfo, SessionState, Store, MAX_LOWERS,
+    MountSpec, Owner, SessionId, SessionInfo, SessionOptions, SessionState, Store, MAX_LOWERS,
 };
 
 /// A `sessions` row.
@@ -37,13 +37,14 @@ pub(crate) struct SessRow {
     pub(crate) remove_pending: bool,
     pub(crate) idempotency_key: Option<String>,
     pub(crate) created_ns: i64,
+    pub(crate) ignore_mtime: bool,
 }
 
 /// SQL condition on `sessions` columns: the session still needs its directories
 /// (live, being released, or its run's writes kept after a retryable outcome).
 pub(crate) const KEEPS_DIRS: &str = "(released = 0 OR remove_pending = 1 OR last_publish IN (SELECT id FROM publishes WHERE outcome IN ('conflict', 'failed', 'busy', 'unsupported', 'unknown')))";
 
-pub(crate) const SESS_COLS: &str = "id, owner_kind, namespace, owner, stack, branch, lease_id, state, run, policy, last_publish, released, remove_pending, idempotency_key, created_ns";
+pub(crate) const SESS_COLS: &str = "id, owner_kind, namespace, owner, stack, branch, lease_id, state, run, policy, last_publish, released, remove_pending, idempotency_key, created_ns, ignore_mtime";
 
 /// The owner of session `id` from its columns. Errors: `Corrupt`.
 pub(crate) fn owner_from(
@@ -85,6 +86,7 @@ struct RawSess {
     remove_pending: i64,
     idempotency_key: Option<String>,
     created_ns: i64,
+    ignore_mtime: i64,
 }
 
 fn raw_sess(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawSess> {
@@ -104,6 +106,7 @@ fn raw_sess(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawSess> {
         remove_pending: r.get("remove_pending")?,
         idempotency_key: r.get("idempotency_key")?,
         created_ns: r.get("created_ns")?,
+        ignore_mtime: r.get("ignore_mtime")?,
     })
 }
 
@@ -125,6 +128,7 @@ fn sess_from_raw(raw: RawSess) -> Result<SessRow, StoreError> {
         remove_pending: raw.remove_pending != 0,
         idempotency_key: raw.idempotency_key,
         created_ns: raw.created_ns,
+        ignore_mtime: raw.ignore_mtime != 0,
     })
 }
 
@@ -292,6 +296,7 @@ impl Store {
             policy: s.policy,
             idempotency_key: s.idempotency_key,
             created_ns: s.created_ns,
+            ignore_mtime: s.ignore_mtime,
         })
     }
 
@@ -415,21 +420,27 @@ impl Store {
         target: &LeaseTarget,
         idempotency_key: Option<&str>,
     ) -> Result<(SessionInfo, MountSpec, bool), StoreError> {
-        self.create_session_with(owner, stack, target, idempotency_key, None)
+        self.create_session_with(
+            owner,
+            stack,
+            target,
+            idempotency_key,
+            &SessionOptions::default(),
+        )
     }
 
-    /// [`Store::create_session`] that records the new session's exit policy
-    /// (`exit_policy`, as [`Store::set_session_policy`] takes it) in the same
-    /// transaction: a crash never leaves the session without it, and a repeat
-    /// of the idempotency key answers the first call's session with its policy
-    /// as recorded then.
+    /// [`Store::create_session`] that records the new session's options (its
+    /// exit policy, as [`Store::set_session_policy`] takes it; capture's
+    /// `ignore_mtime`) in the same transaction: a crash never leaves the
+    /// session without them, and a repeat of the idempotency key answers the
+    /// first call's session with its options as recorded then.
     pub fn create_session_with(
         &self,
         owner: &Owner,
         stack: &str,
         target: &LeaseTarget,
         idempotency_key: Option<&str>,
-        exit_policy: Option<&str>,
+        opts: &SessionOptions,
     ) -> Result<(SessionInfo, MountSpec, bool), StoreError> {
         let mut holds = Vec::new();
         let (info, spec, created) = self.db.write(|tx| {
@@ -461,9 +472,10 @@ impl Store {
                 return Err(StoreError::StackNotFound(stack.into()));
             }
             let sid = insert_session(self, &mut holds, tx, owner, stack, target, &[], idempotency_key)?;
-            if let Some(p) = exit_policy {
+            if let Some(p) = &opts.exit_policy {
                 set_policy(tx, sid, p)?;
             }
+            set_ignore_mtime(tx, sid, opts.ignore_mtime)?;
             let spec = self.start_run(tx, sid)?;
             let info = self.session_info(tx, get_sess(tx, sid)?)?;
             info!(session.id = sid, owner = %owner.display(), stack, branch = %info.branch, "session created");
@@ -735,6 +747,19 @@ fn complete_release_in(tx: &rusqlite::Transaction<'_>, sid: SessionId) -> Result
         params![sid, now_ns()],
     )?;
     Ok(!keep)
+}
+
+/// Records capture's `ignore_mtime` on session `sid` ([`SessionOptions`]).
+pub(crate) fn set_ignore_mtime(
+    tx: &Transaction<'_>,
+    sid: SessionId,
+    on: bool,
+) -> Result<(), StoreError> {
+    tx.exec(
+        "UPDATE sessions SET ignore_mtime = ?2 WHERE id = ?1",
+        params![sid, on as i64],
+    )?;
+    Ok(())
 }
 
 /// Records session `sid`'s exit policy. Error: `SessionNotFound`.

@@ -828,7 +828,7 @@ fn a_format_4_store_is_migrated_at_open_and_keeps_its_outcomes() {
     drop(s);
     // What format 4 was: no capture_bytes column, no index of hiding rows, no
     // manifests.rest (a column in a foreign key cannot be dropped: the table
-    // is rebuilt without it).
+    // is rebuilt without it), no sessions.ignore_mtime.
     let db = rusqlite::Connection::open(d.path().join("root/store.db")).unwrap();
     db.execute_batch(
         "ALTER TABLE publishes DROP COLUMN capture_bytes; DROP INDEX layer_paths_hiding;
@@ -836,6 +836,7 @@ fn a_format_4_store_is_migrated_at_open_and_keeps_its_outcomes() {
          CREATE TABLE m4 (id INTEGER PRIMARY KEY, stack TEXT NOT NULL, parent INTEGER, layer_id INTEGER, depth INTEGER NOT NULL, created_ns INTEGER NOT NULL);
          INSERT INTO m4 SELECT id, stack, parent, layer_id, depth, created_ns FROM manifests;
          DROP TABLE manifests; ALTER TABLE m4 RENAME TO manifests;
+         ALTER TABLE sessions DROP COLUMN ignore_mtime;
          UPDATE meta SET value = '4' WHERE key = 'format_version';",
     )
     .unwrap();

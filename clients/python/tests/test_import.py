@@ -187,3 +187,26 @@ def test_lists_are_paged(alone: Path) -> None:
 
 def unique_name(prefix: str) -> str:
     return f"{prefix}-{os.getpid()}-{os.urandom(3).hex()}"
+
+
+def test_ignore_mtime_publishes_content_changes_only(alone: Path) -> None:
+    """A command that rewrites a file with the same bytes (``sed -i`` matching
+    nothing) publishes a layer by default (its mtime moved) and nothing with
+    ``ignore_mtime=True``."""
+    c = layerstack.connect(alone / "ls" / "admin.sock", bin_dir=bin_dir())
+    try:
+        stack = c.import_base(_rootfs(alone / "mtime"))
+        rewrite = ["sh", "-c", "cat /etc/motd > /motd.tmp && cat /motd.tmp > /etc/motd && rm /motd.tmp"]
+        quiet = c.run(rewrite, stack=stack, branch="quiet", publish="on-exit", ignore_mtime=True)
+        loud = c.run(rewrite, stack=stack, branch="loud", publish="on-exit")
+
+        def published(r: layerstack.RunResult) -> set:  # type: ignore[type-arg]
+            assert r.exit_status == 0 and r.session.outcome_id, r
+            return {v.path.lstrip("/") for v in c.outcome_paths(r.session.outcome_id)}
+
+        # (This tree has no /dev, /proc, /run, /sys: root mode's mount points are
+        # published by both.)
+        assert "etc/motd" not in published(quiet), "the same bytes with a new mtime: no change"
+        assert "etc/motd" in published(loud), "an mtime is a change by default"
+    finally:
+        c.close()

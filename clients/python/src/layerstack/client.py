@@ -38,6 +38,7 @@ from typing import Any, Callable, Iterator, List, Mapping, Optional, Sequence, T
 
 import grpc
 
+from layerstack._channel import Endpoint
 from layerstack._pb import admin_pb2 as pb
 from layerstack._pb import admin_pb2_grpc as pb_grpc
 from layerstack.errors import (
@@ -162,13 +163,6 @@ def connect(
     )
 
 
-def _pem(v: Union[bytes, str, "os.PathLike[str]", None]) -> Optional[bytes]:
-    """PEM bytes as given, or read from the file path given."""
-    if v is None or isinstance(v, bytes):
-        return v
-    return Path(v).read_bytes()
-
-
 class Client:
     """See :func:`connect`."""
 
@@ -194,34 +188,16 @@ class Client:
         self.mount_address = Path(mount_address) if mount_address is not None else None
         self.timeout_s = timeout_s
         self._bin_dir = Path(bin_dir) if bin_dir is not None else None
-        # grpc-core's default :authority for a unix target is the socket path,
-        # which the daemon's HTTP/2 server (hyper) refuses as malformed
-        # (RST_STREAM PROTOCOL_ERROR): name a plain host instead.
-        if target is None:
-            if any(v is not None for v in (root_certificates, token, client_certificate, client_key, server_name)):
-                raise ValueError(
-                    "root_certificates, token, client_certificate, client_key and server_name are for a TCP "
-                    "target: give target='host:port' (the admin socket checks the caller's uid instead)"
-                )
-            self._channel = grpc.insecure_channel(
-                f"unix:{self.admin_address}", options=[("grpc.default_authority", "localhost")]
-            )
-        else:
-            if (client_certificate is None) != (client_key is None):
-                raise ValueError("give client_certificate and client_key together")
-            if token is None:
-                token = os.environ.get("LAYERSTACK_TOKEN") or None
-            creds = grpc.ssl_channel_credentials(
-                root_certificates=_pem(root_certificates),
-                private_key=_pem(client_key),
-                certificate_chain=_pem(client_certificate),
-            )
-            if token is not None:
-                creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
-            options = []
-            if server_name is not None:
-                options.append(("grpc.ssl_target_name_override", server_name))
-            self._channel = grpc.secure_channel(target, creds, options=options)
+        self._endpoint = Endpoint(
+            self.admin_address,
+            target=target,
+            root_certificates=root_certificates,
+            token=token,
+            client_certificate=client_certificate,
+            client_key=client_key,
+            server_name=server_name,
+        )
+        self._channel = self._endpoint.channel()
         # The generated stub is untyped (grpcio-tools writes no .pyi for it).
         self._stub: Any = pb_grpc.AdminStub(self._channel)  # type: ignore[no-untyped-call]
 
@@ -358,6 +334,7 @@ class Client:
         input: Optional[bytes] = None,
         wait_timeout_s: int = 600,
         timeout_s: Optional[float] = None,
+        ignore_mtime: bool = False,
     ) -> RunResult:
         """Runs ``cmd`` in a new Mode B session and ends it by its exit policy.
 
@@ -381,6 +358,9 @@ class Client:
             wait_timeout_s: wait at most this long (s) for a slot under the cap of live
                 sandbox sessions; 0: fail at once.
             timeout_s: kill the session (its holder) after this many seconds.
+            ignore_mtime: content history only: a file rewritten with the same
+                content, mode, owner and xattrs (``sed -i`` that matched nothing)
+                is not a change although its mtime moved (default: it is).
 
         Returns:
             :class:`RunResult`: the exit status (127 not found, 126 not executable,
@@ -412,6 +392,8 @@ class Client:
             a += ["--state", _state_json(state)]
         if key:
             a += ["--idempotency-key", key]
+        if ignore_mtime:
+            a.append("--ignore-mtime")
         if name:
             a += ["--name", name]
         if mount_at is not None:
@@ -459,6 +441,7 @@ class Client:
         net: str = "host",
         wait_timeout_s: int = 600,
         timeout_s: Optional[float] = 180.0,
+        ignore_mtime: bool = False,
     ) -> Session:
         """Creates a Mode B session that stays mounted, its init running in the
         background, for :meth:`exec`; end it with :meth:`close_session`.
@@ -481,6 +464,8 @@ class Client:
             a += ["--publish", _check_exit_policy(publish)]
         if key:
             a += ["--idempotency-key", key]
+        if ignore_mtime:
+            a.append("--ignore-mtime")
         if name:
             a += ["--name", name]
         if mount_at is not None:

@@ -141,7 +141,7 @@ class ExportReply(_message.Message):
     def __init__(self, plan: _Optional[_Union[ExportPlan, _Mapping]] = ..., chunk: _Optional[bytes] = ..., done: _Optional[_Union[ExportBlobDone, _Mapping]] = ...) -> None: ...
 
 class CreateSessionRequest(_message.Message):
-    __slots__ = ("namespace", "stack", "branch", "node", "name", "idempotency_key", "policy", "wait_ms")
+    __slots__ = ("namespace", "stack", "branch", "node", "name", "idempotency_key", "policy", "wait_ms", "ignore_mtime")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     STACK_FIELD_NUMBER: _ClassVar[int]
     BRANCH_FIELD_NUMBER: _ClassVar[int]
@@ -150,6 +150,7 @@ class CreateSessionRequest(_message.Message):
     IDEMPOTENCY_KEY_FIELD_NUMBER: _ClassVar[int]
     POLICY_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_MTIME_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     stack: str
     branch: str
@@ -158,7 +159,8 @@ class CreateSessionRequest(_message.Message):
     idempotency_key: str
     policy: str
     wait_ms: int
-    def __init__(self, namespace: _Optional[str] = ..., stack: _Optional[str] = ..., branch: _Optional[str] = ..., node: _Optional[str] = ..., name: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., policy: _Optional[str] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+    ignore_mtime: bool
+    def __init__(self, namespace: _Optional[str] = ..., stack: _Optional[str] = ..., branch: _Optional[str] = ..., node: _Optional[str] = ..., name: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., policy: _Optional[str] = ..., wait_ms: _Optional[int] = ..., ignore_mtime: _Optional[bool] = ...) -> None: ...
 
 class CreateSessionResponse(_message.Message):
     __slots__ = ("session", "mounts", "created")

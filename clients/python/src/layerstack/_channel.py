@@ -1,0 +1,89 @@
+"""How a client reaches the daemon: the admin unix socket, or the TLS-only TCP
+listener (``[api.tcp]``, docs/operations.md "Who may call"). Shared by the
+blocking client (:mod:`layerstack.client`) and the asyncio one
+(:mod:`layerstack.aio`), so both accept the same arguments and refuse the same
+mistakes."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, List, Optional, Tuple, Union
+
+import grpc
+import grpc.aio
+
+PemSource = Union[bytes, str, "os.PathLike[str]", None]
+
+
+def _pem(v: PemSource) -> Optional[bytes]:
+    """PEM bytes as given, or read from the file path given."""
+    if v is None or isinstance(v, bytes):
+        return v
+    return Path(v).read_bytes()
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """Where the daemon listens and how to prove who the client is.
+
+    ``target`` ``None``: the admin socket ``admin_address`` (the daemon checks the
+    caller's uid). Otherwise ``"host:port"`` of the TCP listener, over TLS, with
+    an optional bearer ``token`` (default ``$LAYERSTACK_TOKEN``) and client
+    certificate."""
+
+    admin_address: Path
+    target: Optional[str] = None
+    root_certificates: PemSource = None
+    token: Optional[str] = None
+    client_certificate: PemSource = None
+    client_key: PemSource = None
+    server_name: Optional[str] = None
+
+    def check(self) -> None:
+        """ValueError naming the argument that does not fit."""
+        if self.target is None:
+            given = (self.root_certificates, self.token, self.client_certificate, self.client_key, self.server_name)
+            if any(v is not None for v in given):
+                raise ValueError(
+                    "root_certificates, token, client_certificate, client_key and server_name are for a TCP "
+                    "target: give target='host:port' (the admin socket checks the caller's uid instead)"
+                )
+        elif (self.client_certificate is None) != (self.client_key is None):
+            raise ValueError("give client_certificate and client_key together")
+
+    def _tls(self) -> Tuple[grpc.ChannelCredentials, List[Tuple[str, Any]]]:
+        token = self.token if self.token is not None else (os.environ.get("LAYERSTACK_TOKEN") or None)
+        creds = grpc.ssl_channel_credentials(
+            root_certificates=_pem(self.root_certificates),
+            private_key=_pem(self.client_key),
+            certificate_chain=_pem(self.client_certificate),
+        )
+        if token is not None:
+            creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
+        options: List[Tuple[str, Any]] = []
+        if self.server_name is not None:
+            options.append(("grpc.ssl_target_name_override", self.server_name))
+        return creds, options
+
+    # grpc-core's default :authority for a unix target is the socket path, which
+    # the daemon's HTTP/2 server (hyper) refuses as malformed (RST_STREAM
+    # PROTOCOL_ERROR): name a plain host instead.
+    _UNIX_OPTIONS = (("grpc.default_authority", "localhost"),)
+
+    def channel(self) -> grpc.Channel:
+        """A blocking channel (lazy: nothing is dialled until the first call)."""
+        self.check()
+        if self.target is None:
+            return grpc.insecure_channel(f"unix:{self.admin_address}", options=list(self._UNIX_OPTIONS))
+        creds, options = self._tls()
+        return grpc.secure_channel(self.target, creds, options=options)
+
+    def aio_channel(self) -> grpc.aio.Channel:
+        """An asyncio channel; create it inside the event loop that uses it."""
+        self.check()
+        if self.target is None:
+            return grpc.aio.insecure_channel(f"unix:{self.admin_address}", options=list(self._UNIX_OPTIONS))
+        creds, options = self._tls()
+        return grpc.aio.secure_channel(self.target, creds, options=options)
