@@ -17,7 +17,7 @@
 //!   containers). A holder that vanished without closing (SIGKILL) is closed the
 //!   same way with no exit status: `on-exit` publishes, `on-success` discards.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -93,10 +93,13 @@ pub enum EndAction {
     /// The recorded exit policy applied to the exit status (`None`: unknown).
     /// ExitPolicy `checkpoint` makes a child node with `state` (JSON, default `{}`)
     /// and `command` as its provenance.
+    /// `labels` are recorded with a checkpoint's node (its free-form state
+    /// beside the JSON `state`, e.g. a reward), in the node's transaction.
     Auto {
         exit_status: Option<u32>,
         state: Option<String>,
         command: Option<String>,
+        labels: BTreeMap<String, String>,
     },
     Publish,
     Discard,
@@ -105,6 +108,7 @@ pub enum EndAction {
         exit_status: Option<u32>,
         state: Option<String>,
         command: Option<String>,
+        labels: BTreeMap<String, String>,
     },
 }
 
@@ -115,6 +119,7 @@ impl EndAction {
             exit_status,
             state: None,
             command: None,
+            labels: BTreeMap::new(),
         }
     }
 }
@@ -176,6 +181,15 @@ impl Engine {
             st.session_mount(id)
         })
         .await
+    }
+
+    /// The node session `id`'s checkpoint made (its newest attempt's result
+    /// node), if any.
+    ///
+    /// Errors: the store's.
+    pub async fn checkpoint_node(&self, id: SessionId) -> Result<Option<String>, EngineError> {
+        self.blocking(move |st| Ok(st.attempt_of_session(id)?.and_then(|a| a.result_node)))
+            .await
     }
 
     /// Whether the store syncs what it publishes (the `durable` profile).
@@ -271,10 +285,11 @@ impl Engine {
                     // Closed before.
                     break Ok(s);
                 }
-                let checkpoint = |exit_status: Option<u32>, state: &Option<String>, command: &Option<String>| {
+                let checkpoint = |exit_status: Option<u32>, state: &Option<String>, command: &Option<String>, labels: &BTreeMap<String, String>| {
                     let prov = layerstack_store::Provenance {
                         command: command.clone(),
                         exit_status: exit_status.map(|c| i32::try_from(c).unwrap_or(i32::MAX)),
+                        labels: labels.clone(),
                         ..Default::default()
                     };
                     me.checkpoint_or_fail_locked(id, state.clone(), prov)
@@ -284,12 +299,13 @@ impl Engine {
                         exit_status,
                         state,
                         command,
+                        labels,
                     } if matches!(
                         crate::publish::exit_decision(&s, None, *exit_status),
                         Ok((crate::policy::Decision::Checkpoint, _))
                     ) =>
                     {
-                        checkpoint(*exit_status, state, command).await
+                        checkpoint(*exit_status, state, command, labels).await
                     }
                     EndAction::Auto { exit_status, .. } => {
                         me.finish_locked(&s, None, *exit_status, &why).await
@@ -298,7 +314,8 @@ impl Engine {
                         exit_status,
                         state,
                         command,
-                    } => checkpoint(*exit_status, state, command).await,
+                        labels,
+                    } => checkpoint(*exit_status, state, command, labels).await,
                     EndAction::Publish => me.publish_locked(id, &why).await,
                     EndAction::Discard => me.discard_locked(id, &why).await,
                 };

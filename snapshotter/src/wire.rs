@@ -89,6 +89,8 @@ pub fn session(s: &SessionInfo, conflicts: &[PathRecord]) -> api::Session {
         outcome_id: o.map(|o| o.id).unwrap_or(0),
         counts: o.map(|o| path_counts(&o.counts)),
         policy: s.policy.clone().unwrap_or_default(),
+        node: String::new(),
+        infra_failure: false,
     }
 }
 
