@@ -557,6 +557,7 @@ async fn close(
         exit_status: exit.unwrap_or(0),
         state: node.state.clone().unwrap_or_default(),
         command: node.command.clone().unwrap_or_default(),
+        labels: Default::default(),
     })
     .await?
     .into_inner())
