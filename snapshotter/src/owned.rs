@@ -658,9 +658,11 @@ fn rel_path(p: &str) -> Result<Vec<u8>, Status> {
     for c in p.split('/') {
         match c {
             "" | "." => {}
-            ".." => return Err(Status::invalid_argument(format!(
+            ".." => {
+                return Err(Status::invalid_argument(format!(
                 "path {p:?}: a `..` component is refused (name the path from the session's root)"
-            ))),
+            )))
+            }
             c => {
                 if !out.is_empty() {
                     out.push(b'/');
@@ -1249,6 +1251,7 @@ pub(crate) async fn upload_tar(
                 let msg = format!("upload into {path:?}: {}", api::error_chain(&e));
                 match e {
                     layerstack_engine::publisher::ImportError::Invalid(_)
+                    | layerstack_engine::publisher::ImportError::Refused { .. }
                     | layerstack_engine::publisher::ImportError::Archive { .. } => {
                         Status::invalid_argument(msg)
                     }

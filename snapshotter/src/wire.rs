@@ -90,7 +90,6 @@ pub fn session(s: &SessionInfo, conflicts: &[PathRecord]) -> api::Session {
         counts: o.map(|o| path_counts(&o.counts)),
         policy: s.policy.clone().unwrap_or_default(),
         node: String::new(),
-        infra_failure: false,
     }
 }
 
