@@ -489,12 +489,13 @@ fn hold(
         net_none: a.net == Net::None,
         hostname: hostname.into_bytes(),
         mount_fd: std::os::fd::AsRawFd::as_raw_fd(&mount_fd),
-        holder_sock: conn.raw_fd(),
+        holder_sock: Some(conn.raw_fd()),
         ready_line: wire::line(&Request::Ready {
             mode,
             workdir: default_workdir.to_string_lossy().into_owned(),
         }),
         die_with_parent: cmd.is_some(),
+        daemon_owned: false,
     };
     let init = holder::start(&setup, cmd.as_ref()).context("starting the session's init")?;
     // Only init keeps the overlay: a descriptor of it here would keep the mount
@@ -572,6 +573,7 @@ async fn close(
         exit_status: exit.unwrap_or(0),
         state: node.state.clone().unwrap_or_default(),
         command: node.command.clone().unwrap_or_default(),
+        labels: Default::default(),
     })
     .await?
     .into_inner())

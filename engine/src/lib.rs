@@ -73,7 +73,8 @@ pub use import::{tree_digest, BaseImported, ImportRequest};
 /// crate: front ends call the engine, never capture, plan or apply themselves).
 pub mod publisher {
     pub use layerstack_publisher::{
-        DiffAlgorithm, ExclusionRules, FileKind, ImportKind, ImportReport, MergeOptions,
+        extract_tar_into, DiffAlgorithm, ExclusionRules, FileKind, ImportError, ImportKind,
+        ImportReport, MergeOptions,
     };
 }
 /// The store's types the engine's verbs take and answer, and what a daemon

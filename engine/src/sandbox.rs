@@ -17,7 +17,7 @@
 //!   containers). A holder that vanished without closing (SIGKILL) is closed the
 //!   same way with no exit status: `on-exit` publishes, `on-success` discards.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -96,10 +96,13 @@ pub enum EndAction {
     /// The recorded exit policy applied to the exit status (`None`: unknown).
     /// ExitPolicy `checkpoint` makes a child node with `state` (JSON, default `{}`)
     /// and `command` as its provenance.
+    /// `labels` are recorded with a checkpoint's node (its free-form state
+    /// beside the JSON `state`, e.g. a reward), in the node's transaction.
     Auto {
         exit_status: Option<u32>,
         state: Option<String>,
         command: Option<String>,
+        labels: BTreeMap<String, String>,
     },
     Publish,
     Discard,
@@ -108,6 +111,7 @@ pub enum EndAction {
         exit_status: Option<u32>,
         state: Option<String>,
         command: Option<String>,
+        labels: BTreeMap<String, String>,
     },
 }
 
@@ -118,6 +122,7 @@ impl EndAction {
             exit_status,
             state: None,
             command: None,
+            labels: BTreeMap::new(),
         }
     }
 }
@@ -275,10 +280,11 @@ impl Engine {
                     // Closed before.
                     break Ok(s);
                 }
-                let checkpoint = |exit_status: Option<u32>, state: &Option<String>, command: &Option<String>| {
+                let checkpoint = |exit_status: Option<u32>, state: &Option<String>, command: &Option<String>, labels: &BTreeMap<String, String>| {
                     let prov = layerstack_store::Provenance {
                         command: command.clone(),
                         exit_status: exit_status.map(|c| i32::try_from(c).unwrap_or(i32::MAX)),
+                        labels: labels.clone(),
                         ..Default::default()
                     };
                     me.checkpoint_or_fail_locked(id, state.clone(), prov)
@@ -288,12 +294,13 @@ impl Engine {
                         exit_status,
                         state,
                         command,
+                        labels,
                     } if matches!(
                         crate::publish::exit_decision(&s, None, *exit_status),
                         Ok((crate::policy::Decision::Checkpoint, _))
                     ) =>
                     {
-                        checkpoint(*exit_status, state, command).await
+                        checkpoint(*exit_status, state, command, labels).await
                     }
                     EndAction::Auto { exit_status, .. } => {
                         me.finish_locked(&s, None, *exit_status, &why).await
@@ -302,7 +309,8 @@ impl Engine {
                         exit_status,
                         state,
                         command,
-                    } => checkpoint(*exit_status, state, command).await,
+                        labels,
+                    } => checkpoint(*exit_status, state, command, labels).await,
                     EndAction::Publish => me.publish_locked(id, &why).await,
                     EndAction::Discard => me.discard_locked(id, &why).await,
                 };

@@ -1775,6 +1775,7 @@ async fn sandbox_sessions_on_nodes_checkpoint_when_closed() {
                 exit_status: Some(1),
                 state: Some(r#"{"visits": 1}"#.into()),
                 command: Some("play e2e4".into()),
+                labels: Default::default(),
             },
             "test",
             std::time::Duration::from_secs(5),
@@ -1818,6 +1819,7 @@ async fn sandbox_sessions_on_nodes_checkpoint_when_closed() {
             exit_status: None,
             state: None,
             command: None,
+            labels: [("reward".to_string(), "0.75".to_string())].into(),
         },
         "test",
         std::time::Duration::from_secs(5),
@@ -1831,6 +1833,11 @@ async fn sandbox_sessions_on_nodes_checkpoint_when_closed() {
         .find(|n| n.parents == vec![child.id.clone()])
         .expect("a grandchild");
     assert_eq!(grand.state, "{}");
+    assert_eq!(
+        grand.labels.get("reward").map(String::as_str),
+        Some("0.75"),
+        "the close's labels are recorded with the node"
+    );
 
     // A branch session is no attempt: the checkpoint fails, the writes stay.
     let (s3, _, _) = p
@@ -1845,6 +1852,7 @@ async fn sandbox_sessions_on_nodes_checkpoint_when_closed() {
                 exit_status: None,
                 state: None,
                 command: None,
+                labels: Default::default(),
             },
             "test",
             std::time::Duration::from_secs(5),

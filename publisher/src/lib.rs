@@ -100,8 +100,8 @@ pub use gate::{
     PlanMode, Side,
 };
 pub use import::{
-    flatten_layer_tars, host_platform, import_tree, ImportError, ImportKind, ImportOptions,
-    ImportReport,
+    extract_tar_into, flatten_layer_tars, host_platform, import_tree, ImportError, ImportKind,
+    ImportOptions, ImportReport,
 };
 pub use layer::{prepare_upper, seal_layer, seal_layer_unsynced, seal_layer_with, SealError};
 pub use merge::{

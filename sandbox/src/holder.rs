@@ -68,13 +68,20 @@ pub struct Setup {
     pub hostname: Vec<u8>,
     /// The detached overlay (from the daemon).
     pub mount_fd: RawFd,
-    /// The mount socket connection (init reports "ready" on it).
-    pub holder_sock: RawFd,
+    /// The mount socket connection (init reports "ready" on it); `None` for a
+    /// daemon-owned session (the daemon knows init's pid from the clone).
+    pub holder_sock: Option<RawFd>,
     /// The "ready" line init sends.
     pub ready_line: Vec<u8>,
     /// Run mode: init dies with the holder. Create mode: init outlives it, on
     /// /dev/null, in its own session.
     pub die_with_parent: bool,
+    /// Daemon-owned: init is a child of the daemon. It closes every descriptor
+    /// it was not given (the daemon's sockets, store files, other sessions'
+    /// mounts must not live on in it) and sits on /dev/null in its own
+    /// session. With `die_with_parent`, the parent is the daemon's thread that
+    /// called [`start`]: that thread must live as long as the daemon.
+    pub daemon_owned: bool,
 }
 
 /// The paths to try for `cmd` with search path `path`, like `execvp`: `cmd`
@@ -125,7 +132,7 @@ extern "C" fn forward(sig: libc::c_int) {
 /// SIGQUIT to init until [`Init::wait`].
 pub fn start(setup: &Setup, cmd: Option<&Command>) -> io::Result<Result<Init, Exit>> {
     let (ready_r, ready_w) = sys::pipe()?;
-    let devnull = if setup.die_with_parent {
+    let devnull = if setup.die_with_parent && !setup.daemon_owned {
         None
     } else {
         Some(
@@ -338,6 +345,13 @@ fn init_main(
     devnull: Option<RawFd>,
     set: &libc::sigset_t,
 ) -> ! {
+    if setup.daemon_owned {
+        let mut keep = [setup.mount_fd, ready_w, -1];
+        if let Some(n) = devnull {
+            keep[2] = n;
+        }
+        sys::close_fds_except(&keep);
+    }
     if setup.die_with_parent {
         if let Err(e) = sys::die_with_parent() {
             fail(&[b"prctl PR_SET_PDEATHSIG"], &e);
@@ -391,8 +405,8 @@ fn init_main(
         }
     }
     let mut sent = 0;
-    while sent < setup.ready_line.len() {
-        match sys::send_with_fds(setup.holder_sock, &setup.ready_line[sent..], &[]) {
+    while let Some(sock) = setup.holder_sock.filter(|_| sent < setup.ready_line.len()) {
+        match sys::send_with_fds(sock, &setup.ready_line[sent..], &[]) {
             Ok(n) => sent += n,
             Err(e) if e.raw_os_error() == Some(libc::EINTR) => {}
             Err(e) => fail(&[b"report ready to the daemon"], &e),
@@ -415,7 +429,9 @@ fn init_main(
         Some(c) => match unsafe { sys::clone_fork(0) } {
             Ok(0) => {
                 sys::close(ready_w);
-                sys::close(setup.holder_sock);
+                if let Some(sock) = setup.holder_sock {
+                    sys::close(sock);
+                }
                 exec_command(c, set)
             }
             Ok(pid) => pid,
@@ -547,6 +563,135 @@ fn join_main(pidfd: RawFd, root: RawFd, cmd: &Command, set: &libc::sigset_t) -> 
                     sys::exit_now(x.shell_status());
                 }
             }
+        } else {
+            sys::kill(main, sig);
+        }
+    }
+}
+
+/// The descriptors of a command [`spawn_joined`] starts.
+pub struct Stdio {
+    /// The command's stdin, stdout and stderr (become its 0, 1, 2).
+    pub fds: [RawFd; 3],
+    /// Where the waiter writes the command's exit ([`decode_exit`]) before it
+    /// exits itself.
+    pub status: RawFd,
+}
+
+/// Bytes of an exit written to [`Stdio::status`].
+pub const EXIT_BYTES: usize = 8;
+
+/// The exit a waiter reported on its status pipe (`kind` 0: code, 1: signal;
+/// then the value; both native-endian `i32`).
+pub fn decode_exit(b: &[u8; EXIT_BYTES]) -> Exit {
+    let mut k = [0u8; 4];
+    let mut v = [0u8; 4];
+    k.copy_from_slice(&b[..4]);
+    v.copy_from_slice(&b[4..]);
+    let v = i32::from_ne_bytes(v);
+    if i32::from_ne_bytes(k) == 0 {
+        Exit::Code(v)
+    } else {
+        Exit::Signal(v)
+    }
+}
+
+/// The daemon's `Exec`: starts `cmd` in the session of init `pidfd` (its
+/// namespaces, and its root `root`, an `O_PATH` fd of init's root) without
+/// waiting, and returns the pid of the command's *waiter* (a child of the
+/// caller, in the caller's pid namespace):
+///
+/// ```text
+/// waiter = clone  stdio on 0/1/2, every other descriptor closed but pidfd,
+///   │             root and status; setns(pidfd, JOIN_FLAGS), chroot(root)
+///   └─ command = clone  (pid namespace of the session) setpgid(0, 0), --user,
+///                       cwd, execve (127 not found, 126 not executable)
+/// ```
+/// The waiter reaps the command and every orphan it leaves, forwards signals
+/// to it, and turns SIGTERM into SIGKILL of the command's whole process group
+/// (a timeout: background children in that group die too); when the command
+/// ends it writes its exit to `stdio.status` ([`decode_exit`]) and exits with
+/// its shell status. The caller reaps the waiter (a pidfd and
+/// [`sys::reap_pidfd`]). Unlike [`join_and_run`] it installs no signal
+/// handler in the caller, which may be a multi-threaded daemon.
+pub fn spawn_joined(
+    pidfd: &OwnedFd,
+    root: &OwnedFd,
+    cmd: &Command,
+    stdio: &Stdio,
+) -> io::Result<libc::pid_t> {
+    let set = sys::init_sigset();
+    // Blocked before the clone, so the waiter loses no signal before it
+    // waits; the caller's thread gets its mask back at once.
+    let mut old: libc::sigset_t = sys::empty_sigset();
+    sys::sigmask_save(&set, &mut old);
+    // SAFETY: the child runs only `joined_waiter`, child-safe, ending in _exit.
+    let r = unsafe { sys::clone_fork(0) };
+    match r {
+        Ok(0) => joined_waiter(pidfd.as_raw_fd(), root.as_raw_fd(), cmd, stdio, &set),
+        Ok(pid) => {
+            sys::sigmask(libc::SIG_SETMASK, &old);
+            Ok(pid)
+        }
+        Err(e) => {
+            sys::sigmask(libc::SIG_SETMASK, &old);
+            Err(e)
+        }
+    }
+}
+
+fn joined_waiter(
+    pidfd: RawFd,
+    root: RawFd,
+    cmd: &Command,
+    stdio: &Stdio,
+    set: &libc::sigset_t,
+) -> ! {
+    for (i, &fd) in stdio.fds.iter().enumerate() {
+        if let Err(e) = sys::dup2(fd, i as RawFd) {
+            fail(&[b"set up the command's stdio"], &e);
+        }
+    }
+    sys::close_fds_except(&[pidfd, root, stdio.status]);
+    if let Err(e) = sys::setns_pidfd(pidfd, JOIN_FLAGS) {
+        fail(&[b"join the session's namespaces (setns)"], &e);
+    }
+    sys::close(pidfd);
+    if let Err(e) = sys::fchdir(root).and_then(|()| sys::chroot_here()) {
+        fail(&[b"enter the session's root"], &e);
+    }
+    sys::close(root);
+    // SAFETY: the grandchild runs only `exec_command`.
+    let main = match unsafe { sys::clone_fork(0) } {
+        Ok(0) => {
+            sys::close(stdio.status);
+            sys::setpgid(0, 0);
+            exec_command(cmd, set)
+        }
+        Ok(pid) => pid,
+        Err(e) => fail(&[b"fork the command"], &e),
+    };
+    // Both sides set the group: whichever runs first, a kill of the group
+    // after this line reaches the command.
+    sys::setpgid(main, main);
+    loop {
+        let sig = sys::sigwait(set);
+        if sig == libc::SIGCHLD {
+            while let Some((pid, x)) = sys::reap_any() {
+                if pid == main {
+                    let (k, v) = match x {
+                        Exit::Code(c) => (0i32, c),
+                        Exit::Signal(n) => (1i32, n),
+                    };
+                    let mut b = [0u8; EXIT_BYTES];
+                    b[..4].copy_from_slice(&k.to_ne_bytes());
+                    b[4..].copy_from_slice(&v.to_ne_bytes());
+                    let _ = sys::write_all(stdio.status, &b);
+                    sys::exit_now(x.shell_status());
+                }
+            }
+        } else if sig == libc::SIGTERM {
+            sys::kill(-main, libc::SIGKILL);
         } else {
             sys::kill(main, sig);
         }

@@ -516,6 +516,22 @@ pub fn sigmask(how: libc::c_int, set: &libc::sigset_t) {
     unsafe { libc::sigprocmask(how, set, std::ptr::null_mut()) };
 }
 
+/// An empty signal set.
+pub fn empty_sigset() -> libc::sigset_t {
+    // SAFETY: sigset_t is plain data; sigemptyset initializes it.
+    let mut set: libc::sigset_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `set` is a valid sigset_t.
+    unsafe { libc::sigemptyset(&mut set) };
+    set
+}
+
+/// Blocks `set` in the calling thread and saves its previous mask in `old`
+/// (restore it with `sigmask(SIG_SETMASK, old)`).
+pub fn sigmask_save(set: &libc::sigset_t, old: &mut libc::sigset_t) {
+    // SAFETY: both sets are initialized, valid pointers.
+    unsafe { libc::pthread_sigmask(libc::SIG_BLOCK, set, old) };
+}
+
 /// Waits for one signal of the blocked `set`. Child-safe.
 pub fn sigwait(set: &libc::sigset_t) -> libc::c_int {
     loop {
@@ -826,4 +842,135 @@ pub fn set_cloexec(fd: RawFd, on: bool) -> io::Result<()> {
 pub fn euid() -> u32 {
     // SAFETY: geteuid cannot fail.
     unsafe { libc::geteuid() }
+}
+
+/// Opens `path` beneath the directory `root` as if `root` were `/`:
+/// `openat2(root, path, flags | O_CLOEXEC, mode)` with `RESOLVE_IN_ROOT |
+/// RESOLVE_NO_MAGICLINKS` (Linux ≥ 5.6). Absolute paths, absolute symlink
+/// targets and `..` resolve inside `root` (a `..` at `root` stays there), and
+/// `/proc/<pid>/fd`-style magic links are refused (`ELOOP`): whatever the
+/// tree under `root` holds, the result is beneath `root`. Used by the daemon
+/// for a session's files, with `root` = the session's root; the last
+/// component is followed unless `flags` has `O_NOFOLLOW`.
+pub fn openat2_in_root(
+    root: &impl AsRawFd,
+    path: &CStr,
+    flags: libc::c_int,
+    mode: libc::mode_t,
+) -> io::Result<OwnedFd> {
+    // SAFETY: open_how is plain data; all-zero is a valid value.
+    let mut how: libc::open_how = unsafe { std::mem::zeroed() };
+    how.flags = (flags | libc::O_CLOEXEC) as u64;
+    how.mode = if flags & (libc::O_CREAT | libc::O_TMPFILE) != 0 {
+        u64::from(mode)
+    } else {
+        0
+    };
+    how.resolve = libc::RESOLVE_IN_ROOT | libc::RESOLVE_NO_MAGICLINKS;
+    loop {
+        // SAFETY: `path` is NUL-terminated, `how` is a valid open_how of the
+        // size passed; the result is a new descriptor nothing else owns.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_openat2,
+                root.as_raw_fd(),
+                path.as_ptr(),
+                &how as *const libc::open_how,
+                std::mem::size_of::<libc::open_how>(),
+            )
+        };
+        match check(r) {
+            Ok(fd) => {
+                // SAFETY: openat2 returned a new descriptor nothing else owns.
+                return Ok(unsafe { OwnedFd::from_raw_fd(fd as RawFd) });
+            }
+            // RESOLVE_IN_ROOT answers EAGAIN when a rename raced the lookup.
+            Err(e) if e.raw_os_error() == Some(libc::EAGAIN) => {}
+            Err(e) => return Err(e),
+        }
+    }
+}
+
+/// Closes every descriptor from 3 up except those in `keep` (at most 8, any
+/// order) with `close_range(2)` (Linux ≥ 5.9). Child-safe (no allocation: the
+/// list is sorted in a fixed array). For a process cloned from the daemon that
+/// does not exec at once (a session's init, an exec's waiter): it must not
+/// keep the daemon's sockets, store files or other sessions' mounts open.
+pub fn close_fds_except(keep: &[RawFd]) {
+    let mut k = [RawFd::MAX; 8];
+    let n = keep.len().min(8);
+    k[..n].copy_from_slice(&keep[..n]);
+    k[..n].sort_unstable();
+    let mut from: libc::c_uint = 3;
+    for &fd in &k[..n] {
+        if fd < 3 {
+            continue;
+        }
+        let fd = fd as libc::c_uint;
+        if fd > from {
+            // SAFETY: closes descriptors only; nothing in this process uses them.
+            unsafe { libc::syscall(libc::SYS_close_range, from, fd - 1, 0) };
+        }
+        from = fd.saturating_add(1);
+    }
+    // SAFETY: as above.
+    unsafe { libc::syscall(libc::SYS_close_range, from, libc::c_uint::MAX, 0) };
+}
+
+/// Reaps the ended child of `pidfd` without blocking (`waitid(P_PIDFD,
+/// WEXITED | WNOHANG)`, Linux ≥ 5.4): `Some(exit)` once it ended, `None`
+/// while it runs. Errors: `ECHILD` when it is not this process's child or was
+/// reaped already.
+pub fn reap_pidfd(pidfd: &impl AsRawFd) -> io::Result<Option<Exit>> {
+    loop {
+        // SAFETY: siginfo_t is plain data; zeroed is valid.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        // SAFETY: `info` is a valid out-pointer; P_PIDFD takes the fd as id.
+        let r = unsafe {
+            libc::waitid(
+                libc::P_PIDFD,
+                pidfd.as_raw_fd() as libc::id_t,
+                &mut info,
+                libc::WEXITED | libc::WNOHANG,
+            )
+        };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EINTR) {
+                continue;
+            }
+            return Err(e);
+        }
+        // SAFETY: waitid filled `info` (si_pid 0: no child has changed state).
+        let (pid, status) = unsafe { (info.si_pid(), info.si_status()) };
+        if pid == 0 {
+            return Ok(None);
+        }
+        return Ok(Some(if info.si_code == libc::CLD_EXITED {
+            Exit::Code(status)
+        } else {
+            Exit::Signal(status)
+        }));
+    }
+}
+
+/// `setpgid(pid, pgid)`. Child-safe.
+pub fn setpgid(pid: libc::pid_t, pgid: libc::pid_t) {
+    // SAFETY: plain arguments; a failure (the child exec'd already) is harmless.
+    unsafe { libc::setpgid(pid, pgid) };
+}
+
+/// `dup2(from, to)` (retrying on `EINTR`). Child-safe.
+pub fn dup2(from: RawFd, to: RawFd) -> io::Result<()> {
+    loop {
+        // SAFETY: plain descriptors.
+        let r = unsafe { libc::dup2(from, to) };
+        if r >= 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::EINTR) {
+            return Err(e);
+        }
+    }
 }

@@ -101,6 +101,8 @@ impl AdminService {
             }
             _ => Vec::new(),
         };
+        // The node a checkpoint made is the outcome's own field (store
+        // `Outcome::node`).
         Ok(crate::wire::session(&s, &conflicts))
     }
 }
@@ -434,6 +436,82 @@ impl api::Admin for AdminService {
         req: Request<api::CloseSessionRequest>,
     ) -> Result<Response<api::Session>, Status> {
         self.sandbox_close(req.into_inner())
+            .await
+            .map(Response::new)
+    }
+
+    type ExecStream = crate::owned::Stream<api::ExecReply>;
+    type ReadFileStream = crate::owned::Stream<api::FileChunk>;
+    type DownloadTarStream = crate::owned::Stream<api::FileChunk>;
+
+    async fn exec(
+        &self,
+        req: Request<api::ExecRequest>,
+    ) -> Result<Response<Self::ExecStream>, Status> {
+        crate::owned::exec(self, req.into_inner())
+            .await
+            .map(Response::new)
+    }
+
+    async fn read_file(
+        &self,
+        req: Request<api::ReadFileRequest>,
+    ) -> Result<Response<Self::ReadFileStream>, Status> {
+        crate::owned::read_file(self, req.into_inner())
+            .await
+            .map(Response::new)
+    }
+
+    async fn write_file(
+        &self,
+        req: Request<tonic::Streaming<api::WriteFileRequest>>,
+    ) -> Result<Response<api::FileStat>, Status> {
+        crate::owned::write_file(self, req.into_inner())
+            .await
+            .map(Response::new)
+    }
+
+    async fn list_dir(
+        &self,
+        req: Request<api::ListDirRequest>,
+    ) -> Result<Response<api::ListDirResponse>, Status> {
+        crate::owned::list_dir(self, req.into_inner())
+            .await
+            .map(Response::new)
+    }
+
+    async fn stat_path(
+        &self,
+        req: Request<api::StatPathRequest>,
+    ) -> Result<Response<api::FileStat>, Status> {
+        crate::owned::stat_path(self, req.into_inner())
+            .await
+            .map(Response::new)
+    }
+
+    async fn remove_path(
+        &self,
+        req: Request<api::RemovePathRequest>,
+    ) -> Result<Response<api::RemovePathResponse>, Status> {
+        crate::owned::remove_path(self, req.into_inner())
+            .await
+            .map(Response::new)
+    }
+
+    async fn upload_tar(
+        &self,
+        req: Request<tonic::Streaming<api::UploadTarRequest>>,
+    ) -> Result<Response<api::UploadTarResponse>, Status> {
+        crate::owned::upload_tar(self, req.into_inner())
+            .await
+            .map(Response::new)
+    }
+
+    async fn download_tar(
+        &self,
+        req: Request<api::DownloadTarRequest>,
+    ) -> Result<Response<Self::DownloadTarStream>, Status> {
+        crate::owned::download_tar(self, req.into_inner())
             .await
             .map(Response::new)
     }

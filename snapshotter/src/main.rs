@@ -21,6 +21,7 @@ mod inspect;
 mod metrics;
 mod notify;
 mod outcomes;
+mod owned;
 mod sandbox;
 mod service;
 mod sockets;

@@ -48,22 +48,27 @@ use crate::admin::{engine_status, require, AdminService};
 const CLOSE_PATIENCE: Duration = Duration::from_secs(10);
 
 /// The holder of one session.
-struct Holder {
-    conn: u64,
+pub(crate) struct Holder {
+    pub(crate) conn: u64,
     /// Init (pid 1 of the session) once it reported ready: its pid in this
     /// daemon's pid namespace and a pidfd.
-    init: Option<(i32, Arc<OwnedFd>)>,
-    mode: Mode,
-    workdir: String,
+    pub(crate) init: Option<(i32, Arc<OwnedFd>)>,
+    pub(crate) mode: Mode,
+    pub(crate) workdir: String,
     /// CloseSession runs: the end of the connection is expected.
-    closing: bool,
+    pub(crate) closing: bool,
+    /// A daemon-owned session: its init is this daemon's child
+    /// (`crate::owned`), with Exec's defaults.
+    pub(crate) owned: Option<Arc<crate::owned::Defaults>>,
 }
 
 /// Live holders by session, shared by the mount socket and the admin service.
 pub struct Holders {
     mount_address: PathBuf,
     map: Mutex<HashMap<SessionId, Holder>>,
-    next_conn: AtomicU64,
+    pub(crate) next_conn: AtomicU64,
+    /// The thread that clones daemon-owned sessions' inits (started on first use).
+    pub(crate) spawner: std::sync::OnceLock<crate::owned::Spawner>,
 }
 
 impl Holders {
@@ -72,10 +77,11 @@ impl Holders {
             mount_address,
             map: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(1),
+            spawner: std::sync::OnceLock::new(),
         })
     }
 
-    fn map(&self) -> std::sync::MutexGuard<'_, HashMap<SessionId, Holder>> {
+    pub(crate) fn map(&self) -> std::sync::MutexGuard<'_, HashMap<SessionId, Holder>> {
         self.map.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -85,7 +91,7 @@ impl Holders {
     }
 }
 
-fn wire_error(e: &EngineError) -> Reply {
+pub(crate) fn wire_error(e: &EngineError) -> Reply {
     Reply::error(e.kind(), api::error_chain(e))
 }
 
@@ -206,6 +212,7 @@ async fn start(
             policy: r.policy,
             wait_ms: r.wait_ms,
             ignore_mtime: r.ignore_mtime,
+            sandbox: None,
         })
         .await
         .map_err(|st| status_reply(&st))?;
@@ -375,7 +382,7 @@ async fn connection(
 /// Attaches session `id` to holder connection `conn`: its overlay as a detached
 /// mount. `fresh`: the mount spec of a session created a moment ago for this
 /// connection (it is checked and mounted only when not given).
-async fn attach(
+pub(crate) async fn attach(
     engine: &Arc<Engine>,
     holders: &Arc<Holders>,
     conn: u64,
@@ -449,6 +456,7 @@ async fn attach(
             mode: Mode::Root,
             workdir: String::new(),
             closing: false,
+            owned: None,
         },
     );
     Ok(fd)
@@ -487,6 +495,7 @@ async fn close(
             exit_status: r.exit_status.unwrap_or(0),
             state: r.state,
             command: r.command,
+            labels: Default::default(),
         })
         .await
         .map_err(|st| status_reply(&st))
@@ -602,6 +611,9 @@ impl AdminService {
         &self,
         r: api::CreateSessionRequest,
     ) -> Result<api::CreateSessionResponse, Status> {
+        if r.sandbox.is_some() {
+            return crate::owned::create(self, r).await;
+        }
         let (session, spec, created) = self.sandbox_create_spec(r).await?;
         Ok(api::CreateSessionResponse {
             mounts: crate::wire::mounts(&spec),
@@ -676,11 +688,13 @@ impl AdminService {
                 exit_status: r.has_exit_status.then_some(r.exit_status),
                 state: (!r.state.is_empty()).then(|| r.state.clone()),
                 command: (!r.command.is_empty()).then(|| r.command.clone()),
+                labels: r.labels.clone().into_iter().collect(),
             },
             Some(api::EndAction::Checkpoint) => EndAction::Checkpoint {
                 exit_status: r.has_exit_status.then_some(r.exit_status),
                 state: (!r.state.is_empty()).then(|| r.state.clone()),
                 command: (!r.command.is_empty()).then(|| r.command.clone()),
+                labels: r.labels.clone().into_iter().collect(),
             },
             None => {
                 return Err(Status::invalid_argument(format!(

@@ -335,6 +335,45 @@ fn refuse_staging_inside(source: &Path, staging: &Path) -> Result<(), ImportErro
     Ok(())
 }
 
+/// Extracts one tar stream (plain, gzip or zstd) into the existing directory
+/// `dir`, which may hold files already: every entry is checked and written as
+/// an import's are (see the module docs: absolute names, `..`, writes through
+/// a symlink — one that was there before as well as one an entry planted —,
+/// hardlinks to outside, overlayfs-private xattrs and 0:0 character devices
+/// are refused, naming the entry). The metadata of `dir` itself is left as it
+/// is. `origin` names the stream in messages. For the daemon's `UploadTar`.
+///
+/// # Errors
+/// [`ImportError`]; entries before a refused one stay written.
+pub fn extract_tar_into(
+    dir: &Path,
+    r: impl Read,
+    origin: &str,
+) -> Result<ImportReport, ImportError> {
+    let mut stage = stage::Stage::untracked(dir);
+    stage.keep_root = true;
+    tarball::apply_file(
+        r,
+        &mut stage,
+        &tarball::ApplyOptions {
+            origin,
+            refuse_layout: false,
+        },
+    )?;
+    let mut report = stage.finish().map_err(|e| match e {
+        stage::StageError::Refused(r) => ImportError::Invalid(r),
+        stage::StageError::Io(what, source) => ImportError::Staging {
+            what,
+            entry: Vec::new(),
+            staging: dir.to_path_buf(),
+            source,
+        },
+    })?;
+    report.kind = ImportKind::Tar;
+    report.layers = 1;
+    Ok(report)
+}
+
 /// Applies layer tars in order onto `staging` (an existing, empty directory)
 /// with OCI whiteouts, as an OCI layout's layers are (see the module docs);
 /// `layers` are (name for messages, reader) pairs. For tests and tools that

@@ -159,6 +159,9 @@ pub(crate) struct Stage {
     touched: HashSet<Vec<u8>>,
     /// Whether `touched` is kept (a directory copy has no whiteouts: no need).
     track: bool,
+    /// Leave the root's metadata as it is (an extraction into an existing
+    /// directory, [`crate::extract_tar_into`]).
+    pub(crate) keep_root: bool,
     /// The mtime of every directory below the root, set by [`Stage::finish`].
     dir_mtimes: BTreeMap<Vec<u8>, i64>,
     pub(crate) report: ImportReport,
@@ -178,6 +181,7 @@ impl Stage {
             root: root.to_path_buf(),
             touched: HashSet::new(),
             track: true,
+            keep_root: false,
             dir_mtimes: BTreeMap::new(),
             report: ImportReport::default(),
         }
@@ -529,10 +533,12 @@ impl Stage {
     /// docs). Returns the report.
     pub(crate) fn finish(self) -> R<ImportReport> {
         let root = self.open_dir(b"")?;
-        for n in fd_xattr_names(&root)? {
-            rfs::fremovexattr(&root, os(&n)).map_err(io_err("remove an xattr of"))?;
+        if !self.keep_root {
+            for n in fd_xattr_names(&root)? {
+                rfs::fremovexattr(&root, os(&n)).map_err(io_err("remove an xattr of"))?;
+            }
+            set_fd_meta(&root, &implied())?;
         }
-        set_fd_meta(&root, &implied())?;
         for (rel, mtime) in &self.dir_mtimes {
             let (parent, name) = fsx::split_parent(rel);
             let p = match Parent::open(&self.root, parent) {

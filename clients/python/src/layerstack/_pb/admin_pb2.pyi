@@ -141,7 +141,7 @@ class ExportReply(_message.Message):
     def __init__(self, plan: _Optional[_Union[ExportPlan, _Mapping]] = ..., chunk: _Optional[bytes] = ..., done: _Optional[_Union[ExportBlobDone, _Mapping]] = ...) -> None: ...
 
 class CreateSessionRequest(_message.Message):
-    __slots__ = ("namespace", "stack", "branch", "node", "name", "idempotency_key", "policy", "wait_ms", "ignore_mtime")
+    __slots__ = ("namespace", "stack", "branch", "node", "name", "idempotency_key", "policy", "wait_ms", "ignore_mtime", "sandbox")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     STACK_FIELD_NUMBER: _ClassVar[int]
     BRANCH_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +151,7 @@ class CreateSessionRequest(_message.Message):
     POLICY_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_MTIME_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     stack: str
     branch: str
@@ -160,7 +161,210 @@ class CreateSessionRequest(_message.Message):
     policy: str
     wait_ms: int
     ignore_mtime: bool
-    def __init__(self, namespace: _Optional[str] = ..., stack: _Optional[str] = ..., branch: _Optional[str] = ..., node: _Optional[str] = ..., name: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., policy: _Optional[str] = ..., wait_ms: _Optional[int] = ..., ignore_mtime: _Optional[bool] = ...) -> None: ...
+    sandbox: SandboxOptions
+    def __init__(self, namespace: _Optional[str] = ..., stack: _Optional[str] = ..., branch: _Optional[str] = ..., node: _Optional[str] = ..., name: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., policy: _Optional[str] = ..., wait_ms: _Optional[int] = ..., ignore_mtime: _Optional[bool] = ..., sandbox: _Optional[_Union[SandboxOptions, _Mapping]] = ...) -> None: ...
+
+class SandboxOptions(_message.Message):
+    __slots__ = ("network", "has_user", "uid", "gid", "workdir", "env", "placement", "hostname")
+    NETWORK_FIELD_NUMBER: _ClassVar[int]
+    HAS_USER_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
+    GID_FIELD_NUMBER: _ClassVar[int]
+    WORKDIR_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    PLACEMENT_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    network: bool
+    has_user: bool
+    uid: int
+    gid: int
+    workdir: str
+    env: _containers.RepeatedScalarFieldContainer[str]
+    placement: str
+    hostname: str
+    def __init__(self, network: _Optional[bool] = ..., has_user: _Optional[bool] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., workdir: _Optional[str] = ..., env: _Optional[_Iterable[str]] = ..., placement: _Optional[str] = ..., hostname: _Optional[str] = ...) -> None: ...
+
+class ExecRequest(_message.Message):
+    __slots__ = ("session_id", "argv", "env", "cwd", "has_user", "uid", "gid", "stdin", "timeout_ms")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    ARGV_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    CWD_FIELD_NUMBER: _ClassVar[int]
+    HAS_USER_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
+    GID_FIELD_NUMBER: _ClassVar[int]
+    STDIN_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    argv: _containers.RepeatedScalarFieldContainer[str]
+    env: _containers.RepeatedScalarFieldContainer[str]
+    cwd: str
+    has_user: bool
+    uid: int
+    gid: int
+    stdin: bytes
+    timeout_ms: int
+    def __init__(self, session_id: _Optional[int] = ..., argv: _Optional[_Iterable[str]] = ..., env: _Optional[_Iterable[str]] = ..., cwd: _Optional[str] = ..., has_user: _Optional[bool] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., stdin: _Optional[bytes] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+
+class ExecReply(_message.Message):
+    __slots__ = ("stdout", "stderr", "exit")
+    STDOUT_FIELD_NUMBER: _ClassVar[int]
+    STDERR_FIELD_NUMBER: _ClassVar[int]
+    EXIT_FIELD_NUMBER: _ClassVar[int]
+    stdout: bytes
+    stderr: bytes
+    exit: ExecExit
+    def __init__(self, stdout: _Optional[bytes] = ..., stderr: _Optional[bytes] = ..., exit: _Optional[_Union[ExecExit, _Mapping]] = ...) -> None: ...
+
+class ExecExit(_message.Message):
+    __slots__ = ("code", "signal", "timed_out", "duration_ms")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    SIGNAL_FIELD_NUMBER: _ClassVar[int]
+    TIMED_OUT_FIELD_NUMBER: _ClassVar[int]
+    DURATION_MS_FIELD_NUMBER: _ClassVar[int]
+    code: int
+    signal: int
+    timed_out: bool
+    duration_ms: int
+    def __init__(self, code: _Optional[int] = ..., signal: _Optional[int] = ..., timed_out: _Optional[bool] = ..., duration_ms: _Optional[int] = ...) -> None: ...
+
+class ReadFileRequest(_message.Message):
+    __slots__ = ("session_id", "path", "offset", "limit")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    path: str
+    offset: int
+    limit: int
+    def __init__(self, session_id: _Optional[int] = ..., path: _Optional[str] = ..., offset: _Optional[int] = ..., limit: _Optional[int] = ...) -> None: ...
+
+class FileChunk(_message.Message):
+    __slots__ = ("data",)
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    data: bytes
+    def __init__(self, data: _Optional[bytes] = ...) -> None: ...
+
+class WriteFileHeader(_message.Message):
+    __slots__ = ("session_id", "path", "mode", "make_parents", "has_owner", "uid", "gid")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    MAKE_PARENTS_FIELD_NUMBER: _ClassVar[int]
+    HAS_OWNER_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
+    GID_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    path: str
+    mode: int
+    make_parents: bool
+    has_owner: bool
+    uid: int
+    gid: int
+    def __init__(self, session_id: _Optional[int] = ..., path: _Optional[str] = ..., mode: _Optional[int] = ..., make_parents: _Optional[bool] = ..., has_owner: _Optional[bool] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ...) -> None: ...
+
+class WriteFileRequest(_message.Message):
+    __slots__ = ("header", "data")
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    header: WriteFileHeader
+    data: bytes
+    def __init__(self, header: _Optional[_Union[WriteFileHeader, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ListDirRequest(_message.Message):
+    __slots__ = ("session_id", "path")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    path: str
+    def __init__(self, session_id: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
+
+class FileStat(_message.Message):
+    __slots__ = ("name", "raw_name", "kind", "size", "mode", "uid", "gid", "mtime_ns", "link_target")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    RAW_NAME_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    MODE_FIELD_NUMBER: _ClassVar[int]
+    UID_FIELD_NUMBER: _ClassVar[int]
+    GID_FIELD_NUMBER: _ClassVar[int]
+    MTIME_NS_FIELD_NUMBER: _ClassVar[int]
+    LINK_TARGET_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    raw_name: bytes
+    kind: str
+    size: int
+    mode: int
+    uid: int
+    gid: int
+    mtime_ns: int
+    link_target: str
+    def __init__(self, name: _Optional[str] = ..., raw_name: _Optional[bytes] = ..., kind: _Optional[str] = ..., size: _Optional[int] = ..., mode: _Optional[int] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., mtime_ns: _Optional[int] = ..., link_target: _Optional[str] = ...) -> None: ...
+
+class ListDirResponse(_message.Message):
+    __slots__ = ("entries",)
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[FileStat]
+    def __init__(self, entries: _Optional[_Iterable[_Union[FileStat, _Mapping]]] = ...) -> None: ...
+
+class StatPathRequest(_message.Message):
+    __slots__ = ("session_id", "path")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    path: str
+    def __init__(self, session_id: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
+
+class RemovePathRequest(_message.Message):
+    __slots__ = ("session_id", "path", "recursive")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    RECURSIVE_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    path: str
+    recursive: bool
+    def __init__(self, session_id: _Optional[int] = ..., path: _Optional[str] = ..., recursive: _Optional[bool] = ...) -> None: ...
+
+class RemovePathResponse(_message.Message):
+    __slots__ = ("removed",)
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    removed: int
+    def __init__(self, removed: _Optional[int] = ...) -> None: ...
+
+class UploadTarRequest(_message.Message):
+    __slots__ = ("session_id", "path", "make_parents", "data")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    MAKE_PARENTS_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    path: str
+    make_parents: bool
+    data: bytes
+    def __init__(self, session_id: _Optional[int] = ..., path: _Optional[str] = ..., make_parents: _Optional[bool] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class UploadTarResponse(_message.Message):
+    __slots__ = ("files", "dirs", "symlinks", "hardlinks", "bytes")
+    FILES_FIELD_NUMBER: _ClassVar[int]
+    DIRS_FIELD_NUMBER: _ClassVar[int]
+    SYMLINKS_FIELD_NUMBER: _ClassVar[int]
+    HARDLINKS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    files: int
+    dirs: int
+    symlinks: int
+    hardlinks: int
+    bytes: int
+    def __init__(self, files: _Optional[int] = ..., dirs: _Optional[int] = ..., symlinks: _Optional[int] = ..., hardlinks: _Optional[int] = ..., bytes: _Optional[int] = ...) -> None: ...
+
+class DownloadTarRequest(_message.Message):
+    __slots__ = ("session_id", "path")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    session_id: int
+    path: str
+    def __init__(self, session_id: _Optional[int] = ..., path: _Optional[str] = ...) -> None: ...
 
 class CreateSessionResponse(_message.Message):
     __slots__ = ("session", "mounts", "created")
@@ -173,7 +377,14 @@ class CreateSessionResponse(_message.Message):
     def __init__(self, session: _Optional[_Union[Session, _Mapping]] = ..., mounts: _Optional[_Iterable[_Union[Mount, _Mapping]]] = ..., created: _Optional[bool] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
-    __slots__ = ("session_id", "action", "reason", "has_exit_status", "exit_status", "state", "command")
+    __slots__ = ("session_id", "action", "reason", "has_exit_status", "exit_status", "state", "command", "labels")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ACTION_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
@@ -181,6 +392,7 @@ class CloseSessionRequest(_message.Message):
     EXIT_STATUS_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     COMMAND_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
     session_id: int
     action: EndAction
     reason: str
@@ -188,7 +400,8 @@ class CloseSessionRequest(_message.Message):
     exit_status: int
     state: str
     command: str
-    def __init__(self, session_id: _Optional[int] = ..., action: _Optional[_Union[EndAction, str]] = ..., reason: _Optional[str] = ..., has_exit_status: _Optional[bool] = ..., exit_status: _Optional[int] = ..., state: _Optional[str] = ..., command: _Optional[str] = ...) -> None: ...
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, session_id: _Optional[int] = ..., action: _Optional[_Union[EndAction, str]] = ..., reason: _Optional[str] = ..., has_exit_status: _Optional[bool] = ..., exit_status: _Optional[int] = ..., state: _Optional[str] = ..., command: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class ListSessionsRequest(_message.Message):
     __slots__ = ("namespace", "all_namespaces", "page_size", "page_token", "owner_kind")

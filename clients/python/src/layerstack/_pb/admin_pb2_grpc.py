@@ -214,6 +214,46 @@ class AdminStub:
                 request_serializer=layerstack_dot___pb_dot_admin__pb2.CloseSessionRequest.SerializeToString,
                 response_deserializer=layerstack_dot___pb_dot_admin__pb2.Session.FromString,
                 _registered_method=True)
+        self.Exec = channel.unary_stream(
+                '/layerstack.admin.v1.Admin/Exec',
+                request_serializer=layerstack_dot___pb_dot_admin__pb2.ExecRequest.SerializeToString,
+                response_deserializer=layerstack_dot___pb_dot_admin__pb2.ExecReply.FromString,
+                _registered_method=True)
+        self.ReadFile = channel.unary_stream(
+                '/layerstack.admin.v1.Admin/ReadFile',
+                request_serializer=layerstack_dot___pb_dot_admin__pb2.ReadFileRequest.SerializeToString,
+                response_deserializer=layerstack_dot___pb_dot_admin__pb2.FileChunk.FromString,
+                _registered_method=True)
+        self.WriteFile = channel.stream_unary(
+                '/layerstack.admin.v1.Admin/WriteFile',
+                request_serializer=layerstack_dot___pb_dot_admin__pb2.WriteFileRequest.SerializeToString,
+                response_deserializer=layerstack_dot___pb_dot_admin__pb2.FileStat.FromString,
+                _registered_method=True)
+        self.ListDir = channel.unary_unary(
+                '/layerstack.admin.v1.Admin/ListDir',
+                request_serializer=layerstack_dot___pb_dot_admin__pb2.ListDirRequest.SerializeToString,
+                response_deserializer=layerstack_dot___pb_dot_admin__pb2.ListDirResponse.FromString,
+                _registered_method=True)
+        self.StatPath = channel.unary_unary(
+                '/layerstack.admin.v1.Admin/StatPath',
+                request_serializer=layerstack_dot___pb_dot_admin__pb2.StatPathRequest.SerializeToString,
+                response_deserializer=layerstack_dot___pb_dot_admin__pb2.FileStat.FromString,
+                _registered_method=True)
+        self.RemovePath = channel.unary_unary(
+                '/layerstack.admin.v1.Admin/RemovePath',
+                request_serializer=layerstack_dot___pb_dot_admin__pb2.RemovePathRequest.SerializeToString,
+                response_deserializer=layerstack_dot___pb_dot_admin__pb2.RemovePathResponse.FromString,
+                _registered_method=True)
+        self.UploadTar = channel.stream_unary(
+                '/layerstack.admin.v1.Admin/UploadTar',
+                request_serializer=layerstack_dot___pb_dot_admin__pb2.UploadTarRequest.SerializeToString,
+                response_deserializer=layerstack_dot___pb_dot_admin__pb2.UploadTarResponse.FromString,
+                _registered_method=True)
+        self.DownloadTar = channel.unary_stream(
+                '/layerstack.admin.v1.Admin/DownloadTar',
+                request_serializer=layerstack_dot___pb_dot_admin__pb2.DownloadTarRequest.SerializeToString,
+                response_deserializer=layerstack_dot___pb_dot_admin__pb2.FileChunk.FromString,
+                _registered_method=True)
         self.Export = channel.unary_stream(
                 '/layerstack.admin.v1.Admin/Export',
                 request_serializer=layerstack_dot___pb_dot_admin__pb2.ExportRequest.SerializeToString,
@@ -517,6 +557,89 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Exec(self, request, context):
+        """Daemon-owned sessions (docs/architecture.md "Daemon-owned sessions"): a
+        session created with CreateSessionRequest.sandbox runs its init as a child
+        of the daemon, which owns it; no holder process, no mount socket, no root
+        or binary on the caller's host. The RPCs below also serve sessions held by
+        `layerstack session create|run` (both have an init the daemon knows).
+        Every one answers FAILED_PRECONDITION naming the session when it has no
+        live init (never started this way, closed, its init gone), NOT_FOUND for
+        an unknown session, INVALID_ARGUMENT for a bad request field (named).
+
+        Run a command in the session: a new process of its pid namespace, in its
+        mount, ipc, uts and net namespaces and its root. Replies stream the
+        command's stdout and stderr as they come (chunks of at most 64 KiB, in the
+        order each stream was read; the two streams are not ordered with each
+        other), then one `exit`. A command that cannot be found ends with code 127,
+        one that cannot be executed with 126 (the reason is on stderr).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadFile(self, request, context):
+        """The content of a regular file, in chunks of at most 64 KiB (none for an
+        empty range). NOT_FOUND: no such path; INVALID_ARGUMENT: not a regular file.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WriteFile(self, request_iterator, context):
+        """Write a regular file: the first message carries `header` (path, mode,
+        owner, whether to make parents), every message may carry `data`. The file
+        is written as a temporary file in the target's directory and renamed over
+        the target when the stream ends: a reader sees the old content or the new,
+        never part. Answers the new file's stat.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListDir(self, request, context):
+        """A directory's entries (not recursive), sorted by name.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StatPath(self, request, context):
+        """One path's metadata; a symlink is described, not followed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemovePath(self, request, context):
+        """Remove a path (a directory only when empty, unless recursive).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UploadTar(self, request_iterator, context):
+        """Extract a tar stream (plain, gzip or zstd) into a directory of the
+        session: the first message names the directory, the rest carry the tar's
+        bytes. Entries are checked as a base import checks them: absolute names,
+        `..`, writes through a symlink, hardlinks to outside, overlayfs-private
+        xattrs are refused (INVALID_ARGUMENT naming the entry); entries before a
+        refused one stay written.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DownloadTar(self, request, context):
+        """A path of the session (a file or a directory tree) as a plain tar stream,
+        in chunks of at most 64 KiB; names are relative to the path's parent
+        (the path's own name first). Symlinks are stored as symlinks, never
+        followed.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Export(self, request, context):
         """OCI export of a branch head or a graph node (docs/architecture.md "OCI
         export"). Holds a lease of holder kind `export` on the manifest while the
@@ -733,6 +856,46 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.CloseSession,
                     request_deserializer=layerstack_dot___pb_dot_admin__pb2.CloseSessionRequest.FromString,
                     response_serializer=layerstack_dot___pb_dot_admin__pb2.Session.SerializeToString,
+            ),
+            'Exec': grpc.unary_stream_rpc_method_handler(
+                    servicer.Exec,
+                    request_deserializer=layerstack_dot___pb_dot_admin__pb2.ExecRequest.FromString,
+                    response_serializer=layerstack_dot___pb_dot_admin__pb2.ExecReply.SerializeToString,
+            ),
+            'ReadFile': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadFile,
+                    request_deserializer=layerstack_dot___pb_dot_admin__pb2.ReadFileRequest.FromString,
+                    response_serializer=layerstack_dot___pb_dot_admin__pb2.FileChunk.SerializeToString,
+            ),
+            'WriteFile': grpc.stream_unary_rpc_method_handler(
+                    servicer.WriteFile,
+                    request_deserializer=layerstack_dot___pb_dot_admin__pb2.WriteFileRequest.FromString,
+                    response_serializer=layerstack_dot___pb_dot_admin__pb2.FileStat.SerializeToString,
+            ),
+            'ListDir': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListDir,
+                    request_deserializer=layerstack_dot___pb_dot_admin__pb2.ListDirRequest.FromString,
+                    response_serializer=layerstack_dot___pb_dot_admin__pb2.ListDirResponse.SerializeToString,
+            ),
+            'StatPath': grpc.unary_unary_rpc_method_handler(
+                    servicer.StatPath,
+                    request_deserializer=layerstack_dot___pb_dot_admin__pb2.StatPathRequest.FromString,
+                    response_serializer=layerstack_dot___pb_dot_admin__pb2.FileStat.SerializeToString,
+            ),
+            'RemovePath': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemovePath,
+                    request_deserializer=layerstack_dot___pb_dot_admin__pb2.RemovePathRequest.FromString,
+                    response_serializer=layerstack_dot___pb_dot_admin__pb2.RemovePathResponse.SerializeToString,
+            ),
+            'UploadTar': grpc.stream_unary_rpc_method_handler(
+                    servicer.UploadTar,
+                    request_deserializer=layerstack_dot___pb_dot_admin__pb2.UploadTarRequest.FromString,
+                    response_serializer=layerstack_dot___pb_dot_admin__pb2.UploadTarResponse.SerializeToString,
+            ),
+            'DownloadTar': grpc.unary_stream_rpc_method_handler(
+                    servicer.DownloadTar,
+                    request_deserializer=layerstack_dot___pb_dot_admin__pb2.DownloadTarRequest.FromString,
+                    response_serializer=layerstack_dot___pb_dot_admin__pb2.FileChunk.SerializeToString,
             ),
             'Export': grpc.unary_stream_rpc_method_handler(
                     servicer.Export,
@@ -1717,6 +1880,222 @@ class Admin:
             '/layerstack.admin.v1.Admin/CloseSession',
             layerstack_dot___pb_dot_admin__pb2.CloseSessionRequest.SerializeToString,
             layerstack_dot___pb_dot_admin__pb2.Session.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Exec(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/layerstack.admin.v1.Admin/Exec',
+            layerstack_dot___pb_dot_admin__pb2.ExecRequest.SerializeToString,
+            layerstack_dot___pb_dot_admin__pb2.ExecReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadFile(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/layerstack.admin.v1.Admin/ReadFile',
+            layerstack_dot___pb_dot_admin__pb2.ReadFileRequest.SerializeToString,
+            layerstack_dot___pb_dot_admin__pb2.FileChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WriteFile(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/layerstack.admin.v1.Admin/WriteFile',
+            layerstack_dot___pb_dot_admin__pb2.WriteFileRequest.SerializeToString,
+            layerstack_dot___pb_dot_admin__pb2.FileStat.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListDir(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/layerstack.admin.v1.Admin/ListDir',
+            layerstack_dot___pb_dot_admin__pb2.ListDirRequest.SerializeToString,
+            layerstack_dot___pb_dot_admin__pb2.ListDirResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StatPath(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/layerstack.admin.v1.Admin/StatPath',
+            layerstack_dot___pb_dot_admin__pb2.StatPathRequest.SerializeToString,
+            layerstack_dot___pb_dot_admin__pb2.FileStat.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemovePath(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/layerstack.admin.v1.Admin/RemovePath',
+            layerstack_dot___pb_dot_admin__pb2.RemovePathRequest.SerializeToString,
+            layerstack_dot___pb_dot_admin__pb2.RemovePathResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadTar(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/layerstack.admin.v1.Admin/UploadTar',
+            layerstack_dot___pb_dot_admin__pb2.UploadTarRequest.SerializeToString,
+            layerstack_dot___pb_dot_admin__pb2.UploadTarResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DownloadTar(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/layerstack.admin.v1.Admin/DownloadTar',
+            layerstack_dot___pb_dot_admin__pb2.DownloadTarRequest.SerializeToString,
+            layerstack_dot___pb_dot_admin__pb2.FileChunk.FromString,
             options,
             channel_credentials,
             insecure,

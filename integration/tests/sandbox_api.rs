@@ -1,0 +1,706 @@
+//! Daemon-owned sessions over gRPC (issue 20): a pure admin-API client (the
+//! generated Rust client, no CLI, no holder) creates sessions the daemon owns
+//! on a base imported without containerd (busybox as /bin/sh), runs commands
+//! with streamed stdout/stderr, exit codes, signals and timeouts, reads and
+//! writes files beneath the session's root (a symlink to /etc/passwd reads
+//! the session's file, never the host's; `..` is refused), round-trips tars,
+//! diffs the live session, checkpoints into a node with labels (its id comes
+//! back as a field), discards leaving nothing mounted, and survives `kill -9`
+//! of the daemon with four live sessions: after the restart each is ended by
+//! its policy, nothing stays mounted.
+//!
+//! Needs root (fails under `CI=true` without it), `/bin/busybox` (static);
+//! no containerd.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context, Result};
+use layerstack_api as api;
+use layerstack_integration::*;
+use tonic::Code;
+
+type Client = api::AdminClient<tonic::transport::Channel>;
+
+fn rootfs(dir: &Path) -> Result<()> {
+    let busybox = ["/bin/busybox", "/usr/bin/busybox"]
+        .into_iter()
+        .map(Path::new)
+        .find(|p| p.is_file())
+        .context("busybox is not installed (apt-get install busybox-static)")?;
+    for d in ["bin", "etc", "srv", "tmp"] {
+        std::fs::create_dir_all(dir.join(d))?;
+    }
+    std::fs::copy(busybox, dir.join("bin/busybox"))?;
+    for applet in [
+        "sh", "cat", "echo", "ls", "test", "sleep", "true", "ln", "id", "mkdir", "kill",
+    ] {
+        std::os::unix::fs::symlink("busybox", dir.join("bin").join(applet))?;
+    }
+    std::fs::write(dir.join("etc/passwd"), "session-passwd\n")?;
+    Ok(())
+}
+
+#[derive(Debug, Default)]
+struct Ran {
+    out: Vec<u8>,
+    err: Vec<u8>,
+    /// The order of the chunks: 'o' or 'e'.
+    order: String,
+    exit: api::ExecExit,
+}
+
+async fn exec_req(c: &mut Client, r: api::ExecRequest) -> Result<Ran> {
+    let mut s = c.exec(r).await?.into_inner();
+    let mut ran = Ran::default();
+    let mut exit = None;
+    while let Some(m) = s.message().await? {
+        match m.kind {
+            Some(api::exec_reply::Kind::Stdout(b)) => {
+                ran.out.extend(b);
+                ran.order.push('o');
+            }
+            Some(api::exec_reply::Kind::Stderr(b)) => {
+                ran.err.extend(b);
+                ran.order.push('e');
+            }
+            Some(api::exec_reply::Kind::Exit(x)) => exit = Some(x),
+            None => bail!("an empty exec reply"),
+        }
+    }
+    ran.exit = exit.context("no exit reply")?;
+    Ok(ran)
+}
+
+async fn exec(c: &mut Client, id: i64, argv: &[&str]) -> Result<Ran> {
+    exec_req(
+        c,
+        api::ExecRequest {
+            session_id: id,
+            argv: argv.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
+        },
+    )
+    .await
+}
+
+async fn read(c: &mut Client, id: i64, path: &str) -> Result<Vec<u8>, tonic::Status> {
+    let mut s = c
+        .read_file(api::ReadFileRequest {
+            session_id: id,
+            path: path.into(),
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    let mut v = Vec::new();
+    while let Some(m) = s.message().await? {
+        v.extend(m.data);
+    }
+    Ok(v)
+}
+
+async fn write(
+    c: &mut Client,
+    id: i64,
+    path: &str,
+    data: &[u8],
+    parents: bool,
+) -> Result<api::FileStat, tonic::Status> {
+    let mut msgs = vec![api::WriteFileRequest {
+        header: Some(api::WriteFileHeader {
+            session_id: id,
+            path: path.into(),
+            mode: 0o640,
+            make_parents: parents,
+            ..Default::default()
+        }),
+        data: Vec::new(),
+    }];
+    for ch in data.chunks(3) {
+        msgs.push(api::WriteFileRequest {
+            header: None,
+            data: ch.to_vec(),
+        });
+    }
+    c.write_file(tokio_stream::iter(msgs))
+        .await
+        .map(|r| r.into_inner())
+}
+
+fn sandbox() -> Option<api::SandboxOptions> {
+    Some(api::SandboxOptions {
+        env: vec!["GREETING=hello".into()],
+        ..Default::default()
+    })
+}
+
+async fn create(c: &mut Client, stack: &str, name: &str) -> Result<(i64, PathBuf)> {
+    let r = c
+        .create_session(api::CreateSessionRequest {
+            stack: stack.into(),
+            name: name.into(),
+            sandbox: sandbox(),
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    let s = r.session.context("session")?;
+    let upper = r
+        .mounts
+        .iter()
+        .flat_map(|m| m.options.iter())
+        .find_map(|o| o.strip_prefix("upperdir="))
+        .context("no upperdir in the mounts")?;
+    Ok((s.id, PathBuf::from(upper)))
+}
+
+fn mounted(upper: &Path) -> bool {
+    let needle = format!("upperdir={}", upper.display());
+    std::fs::read_to_string("/proc/self/mountinfo")
+        .unwrap_or_default()
+        .contains(&needle)
+        || mounts()
+            .iter()
+            .any(|m| m.option("upperdir").as_deref() == Some(&*upper.to_string_lossy()))
+}
+
+fn code(r: Result<impl Sized, tonic::Status>) -> Code {
+    match r {
+        Ok(_) => Code::Ok,
+        Err(s) => s.code(),
+    }
+}
+
+async fn scenario(dir: &Path, daemon: &mut Option<Daemon>) -> Result<()> {
+    let src = dir.join("rootfs");
+    rootfs(&src)?;
+    let d = daemon.as_ref().context("daemon")?;
+    let o = ensure_success(
+        "base import",
+        d.layerstack(&["base", "import", src.to_str().context("utf-8")?])?,
+    )?;
+    let stack = stdout(&o).trim().to_string();
+    let admin = d.admin_socket().to_path_buf();
+    let mut c = api::connect(&admin).await?;
+
+    let (id, upper) = create(&mut c, &stack, "a").await?;
+    ensure!(mounted(&upper) || !upper.as_os_str().is_empty());
+
+    // Exec: output, env, exit codes, a signal, a timeout, stdin.
+    let r = exec(&mut c, id, &["echo", "hi"]).await?;
+    ensure!(
+        r.out == b"hi\n" && r.exit.code == 0 && r.exit.signal == 0,
+        "{r:?}"
+    );
+    let r = exec(&mut c, id, &["sh", "-c", "echo $GREETING; id -u"]).await?;
+    ensure!(r.out == b"hello\n0\n", "{r:?}");
+    let r = exec(
+        &mut c,
+        id,
+        &[
+            "sh",
+            "-c",
+            "echo out1; sleep 0.05; echo err1 >&2; sleep 0.05; echo out2; exit 3",
+        ],
+    )
+    .await?;
+    ensure!(
+        r.out == b"out1\nout2\n" && r.err == b"err1\n" && r.exit.code == 3,
+        "{r:?}"
+    );
+    ensure!(r.order == "oeo", "interleaved as written: {r:?}");
+    let r = exec(&mut c, id, &["no-such-command"]).await?;
+    ensure!(
+        r.exit.code == 127 && String::from_utf8_lossy(&r.err).contains("not found"),
+        "{r:?}"
+    );
+    let r = exec(&mut c, id, &["sh", "-c", "kill -9 $$"]).await?;
+    ensure!(
+        r.exit.signal == 9 && r.exit.code == 137 && !r.exit.timed_out,
+        "{r:?}"
+    );
+    let t0 = Instant::now();
+    let r = exec_req(
+        &mut c,
+        api::ExecRequest {
+            session_id: id,
+            argv: vec!["sh".into(), "-c".into(), "sleep 30 & sleep 30".into()],
+            timeout_ms: 300,
+            ..Default::default()
+        },
+    )
+    .await?;
+    ensure!(
+        r.exit.timed_out && r.exit.signal == 9 && t0.elapsed() < Duration::from_secs(10),
+        "{r:?} after {:?}",
+        t0.elapsed()
+    );
+    let r = exec_req(
+        &mut c,
+        api::ExecRequest {
+            session_id: id,
+            argv: vec!["cat".into()],
+            stdin: b"from stdin".to_vec(),
+            has_user: true,
+            uid: 1000,
+            gid: 1000,
+            cwd: "/tmp".into(),
+            ..Default::default()
+        },
+    )
+    .await?;
+    ensure!(r.out == b"from stdin" && r.exit.code == 0, "{r:?}");
+    let r = exec_req(
+        &mut c,
+        api::ExecRequest {
+            session_id: id,
+            argv: vec!["sh".into(), "-c".into(), "id -u; pwd".into()],
+            has_user: true,
+            uid: 1000,
+            gid: 1000,
+            cwd: "/tmp".into(),
+            ..Default::default()
+        },
+    )
+    .await?;
+    ensure!(r.out == b"1000\n/tmp\n", "{r:?}");
+    // Round trips of `true` (logged, not asserted).
+    let mut times = Vec::new();
+    for _ in 0..50 {
+        let t = Instant::now();
+        let r = exec(&mut c, id, &["true"]).await?;
+        times.push(t.elapsed());
+        ensure!(r.exit.code == 0);
+    }
+    times.sort();
+    eprintln!(
+        "sandbox_api: exec `true` round trip over gRPC: median {:?}, p90 {:?}, min {:?} (50 runs)",
+        times[25], times[45], times[0]
+    );
+
+    // Files.
+    let st = write(&mut c, id, "/srv/new/x.txt", b"hello file", true).await?;
+    ensure!(
+        st.kind == "file" && st.size == 10 && st.mode == 0o640,
+        "{st:?}"
+    );
+    ensure!(read(&mut c, id, "/srv/new/x.txt").await? == b"hello file");
+    let part = {
+        let mut s = c
+            .read_file(api::ReadFileRequest {
+                session_id: id,
+                path: "srv/new/x.txt".into(),
+                offset: 6,
+                limit: 3,
+            })
+            .await?
+            .into_inner();
+        let mut v = Vec::new();
+        while let Some(m) = s.message().await? {
+            v.extend(m.data);
+        }
+        v
+    };
+    ensure!(part == b"fil", "{part:?}");
+    let r = exec(&mut c, id, &["cat", "/srv/new/x.txt"]).await?;
+    ensure!(r.out == b"hello file", "the session sees the write: {r:?}");
+    // Replaced atomically: a second write of the same path.
+    write(&mut c, id, "/srv/new/x.txt", b"v2", false).await?;
+    ensure!(read(&mut c, id, "/srv/new/x.txt").await? == b"v2");
+    ensure!(code(write(&mut c, id, "/nope/deeper/y", b"x", false).await) == Code::NotFound);
+    let ls = c
+        .list_dir(api::ListDirRequest {
+            session_id: id,
+            path: "/srv/new".into(),
+        })
+        .await?
+        .into_inner();
+    ensure!(
+        ls.entries.len() == 1 && ls.entries[0].name == "x.txt" && ls.entries[0].size == 2,
+        "{ls:?}"
+    );
+    let st = c
+        .stat_path(api::StatPathRequest {
+            session_id: id,
+            path: "/srv/new".into(),
+        })
+        .await?
+        .into_inner();
+    ensure!(st.kind == "dir", "{st:?}");
+    ensure!(
+        code(
+            c.stat_path(api::StatPathRequest {
+                session_id: id,
+                path: "/missing".into(),
+            })
+            .await
+        ) == Code::NotFound
+    );
+
+    // Symlinks never lead out of the session.
+    let r = exec(
+        &mut c,
+        id,
+        &[
+            "sh",
+            "-c",
+            "ln -s /etc/passwd /link && ln -s ../../../../../etc/passwd /rel && ln -s / /hostroot",
+        ],
+    )
+    .await?;
+    ensure!(r.exit.code == 0, "{r:?}");
+    ensure!(
+        read(&mut c, id, "/link").await? == b"session-passwd\n",
+        "an absolute symlink reads the session's /etc/passwd"
+    );
+    ensure!(read(&mut c, id, "/rel").await? == b"session-passwd\n");
+    let st = c
+        .stat_path(api::StatPathRequest {
+            session_id: id,
+            path: "/link".into(),
+        })
+        .await?
+        .into_inner();
+    ensure!(
+        st.kind == "symlink" && st.link_target == "/etc/passwd",
+        "{st:?}"
+    );
+    let e = write(&mut c, id, "../../x", b"evil", true)
+        .await
+        .unwrap_err();
+    ensure!(
+        e.code() == Code::InvalidArgument && e.message().contains("../../x"),
+        "{e:?}"
+    );
+    write(&mut c, id, "/hostroot/srv/through-link", b"inside", false).await?;
+    ensure!(
+        !Path::new("/srv/through-link").exists(),
+        "a write through a symlink to / landed on the host"
+    );
+    ensure!(read(&mut c, id, "/srv/through-link").await? == b"inside");
+
+    // Remove.
+    let e = c
+        .remove_path(api::RemovePathRequest {
+            session_id: id,
+            path: "/srv/new".into(),
+            recursive: false,
+        })
+        .await
+        .unwrap_err();
+    ensure!(e.code() == Code::FailedPrecondition, "{e:?}");
+    let rm = c
+        .remove_path(api::RemovePathRequest {
+            session_id: id,
+            path: "/srv/new".into(),
+            recursive: true,
+        })
+        .await?
+        .into_inner();
+    ensure!(rm.removed == 2, "{rm:?}");
+    let rm = c
+        .remove_path(api::RemovePathRequest {
+            session_id: id,
+            path: "/link".into(),
+            recursive: false,
+        })
+        .await?
+        .into_inner();
+    ensure!(rm.removed == 1);
+    ensure!(
+        read(&mut c, id, "/etc/passwd").await? == b"session-passwd\n",
+        "the link went, not its target"
+    );
+
+    // Tar upload and download.
+    let mut b = tar::Builder::new(Vec::new());
+    let mut h = tar::Header::new_gnu();
+    h.set_entry_type(tar::EntryType::Directory);
+    h.set_mode(0o755);
+    h.set_size(0);
+    b.append_data(&mut h, "up", std::io::empty())?;
+    let mut h = tar::Header::new_gnu();
+    h.set_entry_type(tar::EntryType::Regular);
+    h.set_mode(0o644);
+    h.set_size(5);
+    b.append_data(&mut h, "up/a.txt", &b"aaaa\n"[..])?;
+    let mut h = tar::Header::new_gnu();
+    h.set_entry_type(tar::EntryType::Symlink);
+    h.set_size(0);
+    b.append_link(&mut h, "up/l", "a.txt")?;
+    let good = b.into_inner()?;
+    let msgs = vec![
+        api::UploadTarRequest {
+            session_id: id,
+            path: "/data".into(),
+            make_parents: true,
+            data: Vec::new(),
+        },
+        api::UploadTarRequest {
+            data: good,
+            ..Default::default()
+        },
+    ];
+    let up = c.upload_tar(tokio_stream::iter(msgs)).await?.into_inner();
+    ensure!(up.files == 1 && up.symlinks == 1, "{up:?}");
+    let r = exec(&mut c, id, &["cat", "/data/up/l"]).await?;
+    ensure!(r.out == b"aaaa\n", "{r:?}");
+    let mut b = tar::Builder::new(Vec::new());
+    let mut h = tar::Header::new_gnu();
+    h.set_size(4);
+    h.set_mode(0o644);
+    h.set_entry_type(tar::EntryType::Regular);
+    let name = b"../escaped";
+    h.as_old_mut().name[..name.len()].copy_from_slice(name);
+    h.set_cksum();
+    b.append(&h, &b"evil"[..])?;
+    let msgs = vec![api::UploadTarRequest {
+        session_id: id,
+        path: "/data".into(),
+        make_parents: false,
+        data: b.into_inner()?,
+    }];
+    let e = c.upload_tar(tokio_stream::iter(msgs)).await.unwrap_err();
+    ensure!(
+        e.code() == Code::InvalidArgument && e.message().contains("../escaped"),
+        "{e:?}"
+    );
+    let mut s = c
+        .download_tar(api::DownloadTarRequest {
+            session_id: id,
+            path: "/data/up".into(),
+        })
+        .await?
+        .into_inner();
+    let mut tarball = Vec::new();
+    while let Some(m) = s.message().await? {
+        tarball.extend(m.data);
+    }
+    let mut names = Vec::new();
+    let mut a = tar::Archive::new(&tarball[..]);
+    for e in a.entries()? {
+        let mut e = e?;
+        let p = e.path()?.to_string_lossy().into_owned();
+        if p == "up/a.txt" {
+            let mut v = String::new();
+            std::io::Read::read_to_string(&mut e, &mut v)?;
+            ensure!(v == "aaaa\n");
+        }
+        if p == "up/l" {
+            ensure!(
+                e.link_name()?.map(|l| l.to_string_lossy().into_owned()) == Some("a.txt".into())
+            );
+        }
+        names.push(p);
+    }
+    names.sort();
+    ensure!(names == ["up", "up/a.txt", "up/l"], "{names:?}");
+
+    // The live session's diff.
+    let mut s = c
+        .diff(api::DiffRequest {
+            session_id: id,
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    let mut changes = Vec::new();
+    while let Some(m) = s.message().await? {
+        for e in m.entries {
+            changes.push((e.path, e.change));
+        }
+    }
+    ensure!(
+        changes.contains(&("/data/up/a.txt".into(), "added".into()))
+            && changes.contains(&("/srv/through-link".into(), "added".into())),
+        "{changes:?}"
+    );
+
+    // Discard: nothing mounted, the upper gone.
+    let s = c
+        .close_session(api::CloseSessionRequest {
+            session_id: id,
+            action: api::EndAction::Discard as i32,
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    ensure!(s.outcome == "discarded" && s.released, "{s:?}");
+    ensure!(!mounted(&upper), "{} is still mounted", upper.display());
+    ensure!(!upper.exists(), "{} is left", upper.display());
+    let e = c
+        .exec(api::ExecRequest {
+            session_id: id,
+            argv: vec!["true".into()],
+            ..Default::default()
+        })
+        .await
+        .err()
+        .context("exec on a closed session answered")?;
+    ensure!(
+        e.code() == Code::FailedPrecondition && e.message().contains(&id.to_string()),
+        "exec on a closed session: {e:?}"
+    );
+
+    // Checkpoint into a node with labels: its id is a field.
+    let g = c
+        .create_graph(api::CreateGraphRequest {
+            stack: stack.clone(),
+            name: "g".into(),
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    let root = g.group.context("graph group")?.root;
+    let r = c
+        .create_session(api::CreateSessionRequest {
+            node: root.clone(),
+            name: "attempt".into(),
+            sandbox: sandbox(),
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    let sid = r.session.context("session")?.id;
+    let r = exec(&mut c, sid, &["sh", "-c", "echo step > /srv/step.txt"]).await?;
+    ensure!(r.exit.code == 0, "{r:?}");
+    let s = c
+        .close_session(api::CloseSessionRequest {
+            session_id: sid,
+            action: api::EndAction::Checkpoint as i32,
+            state: r#"{"step": 1}"#.into(),
+            labels: [("reward".to_string(), "0.75".to_string())].into(),
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    ensure!(s.outcome == "checkpointed" && !s.node.is_empty(), "{s:?}");
+    let n = c
+        .show_node(api::ShowNodeRequest { id: s.node.clone() })
+        .await?
+        .into_inner();
+    ensure!(
+        n.parents == [root.clone()]
+            && n.labels.get("reward").map(String::as_str) == Some("0.75")
+            && n.state.contains("step"),
+        "{n:?}"
+    );
+
+    // kill -9 of the daemon with four live daemon-owned sessions.
+    let mut live = Vec::new();
+    for i in 0..4 {
+        let (id, upper) = create(&mut c, &stack, &format!("k{i}")).await?;
+        let r = exec(&mut c, id, &["sh", "-c", &format!("echo {i} > /srv/k{i}")]).await?;
+        ensure!(r.exit.code == 0);
+        ensure!(mounted(&upper) || upper.exists());
+        live.push((id, upper));
+    }
+    drop(c);
+    let pid = d.pid().context("daemon pid")?;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::SIGKILL,
+    )?;
+    let root_dir = d.root().to_path_buf();
+    let sock = d.socket().to_path_buf();
+    let mut old = daemon.take().context("daemon")?;
+    old.stop();
+    // The inits die with the daemon: their overlays go.
+    let t0 = Instant::now();
+    while live.iter().any(|(_, u)| mounted(u)) {
+        ensure!(
+            t0.elapsed() < Duration::from_secs(10),
+            "overlays outlived their daemon: {:?}",
+            live.iter().filter(|(_, u)| mounted(u)).collect::<Vec<_>>()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    *daemon = Some(Daemon::start_at(
+        &sock,
+        &dir.join("s/containerd.sock"),
+        &root_dir,
+    )?);
+    let mut c = api::connect(&admin).await?;
+    for (id, upper) in &live {
+        let t0 = Instant::now();
+        let s = loop {
+            let s = c
+                .wait(api::WaitRequest {
+                    session_id: *id,
+                    timeout_ms: 30_000,
+                    ..Default::default()
+                })
+                .await?
+                .into_inner();
+            if s.released || t0.elapsed() > Duration::from_secs(30) {
+                break s;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        };
+        ensure!(
+            s.released && !s.outcome.is_empty(),
+            "session {id} after the restart: {s:?}"
+        );
+        // Ended by its policy with no exit status (on-exit: the upper as it
+        // was is published). No infrastructure-failure field yet: see
+        // docs/architecture.md "Daemon-owned sessions".
+        ensure!(
+            s.outcome == "committed" && s.owner == format!("sandbox:k{}", id - live[0].0),
+            "session {id}: {s:?}"
+        );
+        ensure!(!mounted(upper), "{} is mounted", upper.display());
+        eprintln!(
+            "sandbox_api: after kill -9, session {id}: outcome {} ({})",
+            s.outcome, s.message
+        );
+    }
+    // A session made anew works on the restarted daemon.
+    let (id, _) = create(&mut c, &stack, "after").await?;
+    let r = exec(
+        &mut c,
+        id,
+        &["sh", "-c", "cat /srv/k0 /srv/k1 /srv/k2 /srv/k3"],
+    )
+    .await?;
+    ensure!(
+        r.out == b"0\n1\n2\n3\n" && r.exit.code == 0,
+        "the killed sessions' writes were published by their on-exit policy: {r:?}"
+    );
+    c.close_session(api::CloseSessionRequest {
+        session_id: id,
+        action: api::EndAction::Discard as i32,
+        ..Default::default()
+    })
+    .await?;
+    Ok(())
+}
+
+#[test]
+fn daemon_owned_sessions_over_grpc() -> Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let dir = make_temp_dir()?;
+    let mut daemon = Some(Daemon::start_at(
+        &dir.join("s/snapshotter.sock"),
+        &dir.join("s/containerd.sock"),
+        &dir.join("root"),
+    )?);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let r = rt.block_on(scenario(&dir, &mut daemon));
+    if r.is_err() {
+        if let Some(d) = &daemon {
+            d.dump_log();
+        }
+    }
+    if let Some(mut d) = daemon.take() {
+        d.stop();
+    }
+    if std::env::var_os("LAYERSTACK_TEST_KEEP").is_none() {
+        remove_tree(&dir);
+    }
+    r
+}
