@@ -23,7 +23,7 @@ use std::time::Duration;
 
 use layerstack_store::{LeaseTarget, MountSpec, Owner, SessionId, SessionInfo};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 use crate::error::{error_chain, EngineError};
 use crate::policy::ExitPolicy;
@@ -196,9 +196,12 @@ impl Engine {
     /// (an idempotency key may return an earlier session, then the spec of its
     /// current run).
     ///
+    /// A key naming a session that has ended answers it as recorded
+    /// (`released`, its outcome; `created` false; an empty spec): a retried
+    /// step gets the recorded end, never a second run.
+    ///
     /// Errors: [`EngineError::Busy`] (cap reached); `StackNotFound`,
-    /// `InvalidArgument`; `FailedPrecondition` when the key names a session that
-    /// was closed already.
+    /// `InvalidArgument`.
     pub async fn create_sandbox_session(
         &self,
         req: SandboxRequest,
@@ -237,13 +240,11 @@ impl Engine {
             }
         };
         if !created && s.released {
-            return Err(EngineError::Store(
-                layerstack_store::StoreError::FailedPrecondition(format!(
-                    "idempotency key {:?} names session {}, which was closed already",
-                    key.unwrap_or_default(),
-                    s.id
-                )),
-            ));
+            // A retry of a key whose session ended: its end as recorded
+            // (`released`, its outcome), nothing mounted, no slot taken.
+            drop(permit);
+            debug!(session.id = s.id, key = ?key, "idempotency key names an ended session: answered as recorded");
+            return Ok((s, spec, false));
         }
         self.sandboxes.permits().entry(s.id).or_insert(permit);
         Ok((s, spec, created))

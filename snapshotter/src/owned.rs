@@ -184,6 +184,14 @@ pub(crate) async fn create(
     let (session, spec, created) = admin.sandbox_create_spec(r).await?;
     let id = session.id;
     let holders = admin.holders.clone();
+    if !created && session.released {
+        // A retry of a key whose session ended: its end as recorded.
+        return Ok(api::CreateSessionResponse {
+            mounts: Vec::new(),
+            session: Some(session),
+            created: false,
+        });
+    }
     if !created {
         // An idempotency key's earlier session: the same session, no second init.
         return match holders.map().get(&id) {

@@ -7,11 +7,25 @@ daemon's admin gRPC API (``api/proto/admin.proto``).
     r = ls.run(["sh", "-c", "echo hi > /x"], node=g.root, state={"reward": 1.0}, key="a1")
     ls.promote(r.node, "main", key="p1")
 
+Sandboxes driven over gRPC alone (no root, no binary here):
+:meth:`Client.sandbox` and :mod:`layerstack.sandbox`; the asyncio client is
+:mod:`layerstack.aio`; docs/sdk.md is the harness author's guide.
+
 See :mod:`layerstack.client` for every call, :mod:`layerstack.types` for the
 answers and :mod:`layerstack.errors` for the errors.
 """
 
 from layerstack.client import DEFAULT_ADMIN_ADDRESS, Client, State, connect
+from layerstack.sandbox import (
+    ExecChunk,
+    ExecError,
+    ExecOutput,
+    FileInfo,
+    Files,
+    PathChange,
+    Sandbox,
+    UploadSummary,
+)
 from layerstack.errors import (
     AlreadyExistsError,
     BusyError,
@@ -55,6 +69,14 @@ __all__ = [
     "Client",
     "State",
     "connect",
+    "Sandbox",
+    "Files",
+    "ExecOutput",
+    "ExecChunk",
+    "ExecError",
+    "FileInfo",
+    "PathChange",
+    "UploadSummary",
     "LayerStackError",
     "NotFoundError",
     "AlreadyExistsError",

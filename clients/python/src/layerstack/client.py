@@ -34,13 +34,14 @@ import subprocess
 import tempfile
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterator, List, Mapping, Optional, Sequence, TypeVar, Union
+from typing import Any, Callable, Iterator, List, Mapping, Optional, Sequence, Tuple, TypeVar, Union
 
 import grpc
 
 from layerstack._channel import Endpoint
 from layerstack._pb import admin_pb2 as pb
 from layerstack._pb import admin_pb2_grpc as pb_grpc
+from layerstack.sandbox import Sandbox, create_request, sandbox_options
 from layerstack.errors import (
     CommandError,
     LayerStackError,
@@ -278,6 +279,61 @@ class Client:
     def status(self) -> Status:
         """The daemon's status (version, store root, containerd, Mode B cap)."""
         return Status.from_pb(self._call(self._stub.Status, pb.StatusRequest()))
+
+    # ------------------------------------------------------------------ sandboxes
+
+    def sandbox(
+        self,
+        stack: Optional[str] = None,
+        *,
+        node: Optional[str] = None,
+        branch: str = "",
+        name: str = "",
+        key: Optional[str] = None,
+        exit_policy: Optional[str] = None,
+        network: bool = False,
+        user: Optional[Tuple[int, int]] = None,
+        workdir: Optional[str] = None,
+        env: Optional[Mapping[str, str]] = None,
+        hostname: Optional[str] = None,
+        wait_s: float = 60.0,
+        ignore_mtime: bool = False,
+    ) -> Sandbox:
+        """A new daemon-owned sandbox on ``stack`` (a stack id, image reference
+        or base digest; ``branch`` default the daemon's) or as an attempt of
+        graph node ``node`` — over gRPC alone: no root, no binary here
+        (:mod:`layerstack.sandbox`). The daemon starts and owns its init.
+
+        Args:
+            key: idempotency key: the same key again answers the first call's
+                sandbox (``Sandbox.created`` false), also across a daemon restart.
+            exit_policy: what a sandbox ended without :meth:`Sandbox.close` (its
+                daemon died) does: on-exit | on-success | never | checkpoint.
+            network: share the daemon's network (default: only ``lo``).
+            user: (uid, gid) that ``exec`` and the file calls use by default (0, 0).
+            workdir, env, hostname: ``exec``'s defaults.
+            wait_s: how long to wait for a free slot when the daemon's pool of
+                live sandboxes is full; 0 raises BusyError at once.
+            ignore_mtime: content history only (see :meth:`run`).
+
+        Use it as a context manager: leaving the block unclosed discards its
+        writes. Raises NotFoundError (stack, branch, node), BusyError (pool
+        full), InvalidArgumentError (a bad field, named)."""
+        req = create_request(
+            self.namespace,
+            stack=stack,
+            node=node,
+            branch=branch,
+            name=name,
+            key=key,
+            exit_policy=_check_exit_policy(exit_policy) or None,
+            wait_s=wait_s,
+            ignore_mtime=ignore_mtime,
+            options=sandbox_options(network=network, user=user, workdir=workdir, env=env, hostname=hostname),
+        )
+        timeout = None if self.timeout_s is None else self.timeout_s + wait_s
+        r = self._call(self._stub.CreateSession, req, timeout)
+        return Sandbox(self, Session.from_pb(r.session), r.created)
 
     # ------------------------------------------------------------------ bases
 

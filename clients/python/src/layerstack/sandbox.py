@@ -1,0 +1,657 @@
+"""Sandboxes: daemon-owned sessions driven over gRPC alone — no subprocess, no
+root and no ``layerstack`` binary on the caller's host.
+
+    import layerstack
+    with layerstack.connect(target="sandboxes:7443", root_certificates="ca.pem") as ls:
+        with ls.sandbox(node=root, key="step7/p3/s12/a0") as sb:
+            out = sb.exec(["python3", "-m", "pytest", "-q"], timeout_s=600)
+            sb.files.write("/work/notes.txt", "tried the fix\\n")
+            node = sb.close(checkpoint=True, state={"reward": 1.0 if out.ok else 0.0}).node
+
+The daemon starts the session's init and owns it (``CreateSessionRequest.sandbox``,
+api/proto/admin.proto "Daemon-owned sessions"); :class:`Sandbox` wraps the RPCs
+that serve it: ``Exec`` (streamed output), the file RPCs (beneath the session's
+root, resolved by the kernel inside it: a symlink never leads to the daemon's
+host), the dry run of a publish as the live diff, and ``CloseSession`` with the
+end action and the node's state in one call.
+
+Leaving a ``with`` block without :meth:`Sandbox.close` discards the session's
+writes (an exception inside the block included): nothing a failed step wrote is
+published or checkpointed by accident. The asyncio twin is :mod:`layerstack.aio`.
+
+Units: sizes in bytes, durations in milliseconds (``*_ms``) or seconds (``*_s``
+arguments), times in nanoseconds since the Unix epoch (``*_ns``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    BinaryIO,
+    Dict,
+    Iterable,
+    Iterator,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+)
+
+import grpc
+
+from layerstack._pb import admin_pb2 as pb
+from layerstack.errors import from_rpc_error
+from layerstack.types import Session
+
+if TYPE_CHECKING:
+    from layerstack.client import Client
+
+__all__ = [
+    "Sandbox",
+    "Files",
+    "ExecOutput",
+    "ExecChunk",
+    "FileInfo",
+    "PathChange",
+    "UploadSummary",
+    "CHUNK_BYTES",
+]
+
+#: Size of the chunks file content and tar streams are sent in (64 KiB, the
+#: daemon's own chunk size).
+CHUNK_BYTES = 64 * 1024
+
+#: ``argv`` as a list, or one string run by ``/bin/sh -c``.
+Command = Union[str, Sequence[str]]
+#: ``(uid, gid)``.
+User = Tuple[int, int]
+#: File content: bytes, text (UTF-8) or an open binary file.
+Content = Union[bytes, str, BinaryIO]
+
+_END_ACTIONS = {
+    "auto": pb.AUTO,
+    "publish": pb.PUBLISH,
+    "discard": pb.DISCARD,
+    "checkpoint": pb.CHECKPOINT,
+}
+
+
+@dataclass(frozen=True)
+class ExecChunk:
+    """A piece of a running command's output: ``stream`` is ``"stdout"`` or
+    ``"stderr"`` (the two are not ordered with each other)."""
+
+    stream: str
+    data: bytes
+
+
+@dataclass(frozen=True)
+class ExecOutput:
+    """How a command ended, with its whole output.
+
+    ``exit_code`` is a shell's ``$?`` (128 + n when signal n ended it; 127: not
+    found, 126: not executable); ``signal`` the signal (0 if it exited);
+    ``timed_out`` the command outlived ``timeout_s`` and was killed;
+    ``duration_ms`` from its start to its end."""
+
+    exit_code: int
+    signal: int
+    timed_out: bool
+    duration_ms: int
+    stdout: bytes = b""
+    stderr: bytes = b""
+
+    @property
+    def ok(self) -> bool:
+        """Exit code 0."""
+        return self.exit_code == 0
+
+    def text(self, encoding: str = "utf-8") -> str:
+        """stdout decoded (undecodable bytes replaced)."""
+        return self.stdout.decode(encoding, errors="replace")
+
+    @classmethod
+    def _from_exit(cls, e: Any, stdout: bytes = b"", stderr: bytes = b"") -> "ExecOutput":
+        return cls(
+            exit_code=e.code,
+            signal=e.signal,
+            timed_out=e.timed_out,
+            duration_ms=e.duration_ms,
+            stdout=stdout,
+            stderr=stderr,
+        )
+
+
+@dataclass(frozen=True)
+class FileInfo:
+    """A path's metadata (``lstat``: a symlink is described, not followed).
+
+    ``kind``: file | dir | symlink | fifo | char | block | socket; ``mode`` the
+    permission bits with setuid/setgid/sticky; ``raw_name`` the exact bytes of
+    ``name``; ``link_target`` a symlink's target as stored."""
+
+    name: str
+    raw_name: bytes
+    kind: str
+    size: int
+    mode: int
+    uid: int
+    gid: int
+    mtime_ns: int
+    link_target: Optional[str] = None
+
+    @classmethod
+    def from_pb(cls, s: Any) -> "FileInfo":
+        return cls(
+            name=s.name,
+            raw_name=bytes(s.raw_name),
+            kind=s.kind,
+            size=s.size,
+            mode=s.mode,
+            uid=s.uid,
+            gid=s.gid,
+            mtime_ns=s.mtime_ns,
+            link_target=s.link_target or None,
+        )
+
+
+@dataclass(frozen=True)
+class PathChange:
+    """One path a sandbox changed against the tree it started from.
+
+    ``path`` display-escaped with a leading ``/`` (``raw_path`` its exact
+    bytes, relative); ``change`` added | modified | deleted; kinds file | dir |
+    symlink | fifo | char | block | socket, ``None`` where absent; sizes in
+    bytes; modes the permission bits; ``patch`` the unified diff of a text file
+    when asked for."""
+
+    path: str
+    raw_path: bytes
+    change: str
+    old_kind: Optional[str]
+    new_kind: Optional[str]
+    old_size: int
+    new_size: int
+    old_mode: int
+    new_mode: int
+    patch: Optional[str] = None
+
+    @classmethod
+    def from_pb(cls, e: Any) -> "PathChange":
+        return cls(
+            path=e.path,
+            raw_path=bytes(e.raw_path),
+            change=e.change,
+            old_kind=e.old_kind or None,
+            new_kind=e.new_kind or None,
+            old_size=e.old_size,
+            new_size=e.new_size,
+            old_mode=e.old_mode,
+            new_mode=e.new_mode,
+            patch=e.patch or None,
+        )
+
+
+@dataclass(frozen=True)
+class UploadSummary:
+    """What an upload extracted: entries by kind and ``bytes`` of file content."""
+
+    files: int
+    dirs: int
+    symlinks: int
+    hardlinks: int
+    bytes: int
+
+
+# ------------------------------------------------------------------ requests
+# Shared by the blocking and the asyncio sandboxes: one place builds each
+# request, so both refuse the same mistakes the same way.
+
+
+def argv_of(cmd: Command) -> List[str]:
+    """``cmd`` as an argv: a string runs under ``/bin/sh -c``."""
+    if isinstance(cmd, str):
+        return ["/bin/sh", "-c", cmd]
+    argv = [str(a) for a in cmd]
+    if not argv:
+        raise ValueError("exec needs a command: give argv or a shell string")
+    return argv
+
+
+def env_list(env: Optional[Mapping[str, str]]) -> List[str]:
+    out = []
+    for k, v in (env or {}).items():
+        if not k or "=" in k:
+            raise ValueError(f"environment variable name {k!r}: give a non-empty name without '='")
+        out.append(f"{k}={v}")
+    return out
+
+
+def exec_request(
+    session_id: int,
+    cmd: Command,
+    *,
+    env: Optional[Mapping[str, str]],
+    cwd: Optional[str],
+    user: Optional[User],
+    stdin: Union[bytes, str, None],
+    timeout_s: Optional[float],
+) -> Any:
+    if timeout_s is not None and timeout_s <= 0:
+        raise ValueError(f"timeout_s={timeout_s}: give a positive number of seconds, or None for no limit")
+    data = stdin.encode() if isinstance(stdin, str) else (stdin or b"")
+    req = pb.ExecRequest(
+        session_id=session_id,
+        argv=argv_of(cmd),
+        env=env_list(env),
+        cwd=cwd or "",
+        stdin=data,
+        timeout_ms=int(timeout_s * 1000) if timeout_s is not None else 0,
+    )
+    if user is not None:
+        req.has_user, req.uid, req.gid = True, user[0], user[1]
+    return req
+
+
+def sandbox_options(
+    *,
+    network: bool,
+    user: Optional[User],
+    workdir: Optional[str],
+    env: Optional[Mapping[str, str]],
+    hostname: Optional[str],
+) -> Any:
+    o = pb.SandboxOptions(
+        network=network, workdir=workdir or "", env=env_list(env), hostname=hostname or ""
+    )
+    if user is not None:
+        o.has_user, o.uid, o.gid = True, user[0], user[1]
+    return o
+
+
+def create_request(
+    namespace: str,
+    *,
+    stack: Optional[str],
+    node: Optional[str],
+    branch: str,
+    name: str,
+    key: Optional[str],
+    exit_policy: Optional[str],
+    wait_s: float,
+    options: Any,
+    ignore_mtime: bool = False,
+) -> Any:
+    if (stack is None) == (node is None):
+        raise ValueError("give exactly one of stack= (a stack, image or base digest) and node= (a graph node)")
+    if wait_s < 0:
+        raise ValueError(f"wait_s={wait_s}: give 0 (answer BusyError at once when the pool is full) or more")
+    return pb.CreateSessionRequest(
+        namespace=namespace,
+        stack=stack or "",
+        node=node or "",
+        branch=branch,
+        name=name,
+        idempotency_key=key or "",
+        policy=exit_policy or "",
+        wait_ms=int(wait_s * 1000),
+        sandbox=options,
+        ignore_mtime=ignore_mtime,
+    )
+
+
+def close_request(
+    session_id: int,
+    *,
+    action: Optional[str],
+    checkpoint: bool,
+    publish: bool,
+    state: Union[Mapping[str, Any], str, None],
+    labels: Optional[Mapping[str, str]],
+    reason: str,
+    command: str,
+) -> Any:
+    chosen = [a for a, on in (("checkpoint", checkpoint), ("publish", publish)) if on]
+    if action is not None:
+        chosen.append(action)
+    if len(chosen) > 1:
+        raise ValueError(f"give one end action, not {' and '.join(chosen)}")
+    act = chosen[0] if chosen else "discard"
+    if act not in _END_ACTIONS:
+        raise ValueError(f"end action {act!r}: give one of {', '.join(_END_ACTIONS)}")
+    if (state is not None or labels) and act not in ("checkpoint", "auto"):
+        raise ValueError("state= and labels= are recorded with a checkpoint: close with checkpoint=True")
+    if state is None:
+        st = ""
+    elif isinstance(state, str):
+        st = state
+    else:
+        st = json.dumps(dict(state), sort_keys=True, separators=(",", ":"))
+    req = pb.CloseSessionRequest(
+        session_id=session_id, action=_END_ACTIONS[act], reason=reason, state=st, command=command
+    )
+    for k, v in (labels or {}).items():
+        req.labels[k] = str(v)
+    return req
+
+
+def content_chunks(data: Content) -> Iterator[bytes]:
+    """``data`` in chunks of :data:`CHUNK_BYTES` (text is UTF-8)."""
+    if isinstance(data, str):
+        data = data.encode()
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        b = bytes(data)
+        for i in range(0, len(b), CHUNK_BYTES):
+            yield b[i : i + CHUNK_BYTES]
+        return
+    while True:
+        c = data.read(CHUNK_BYTES)
+        if not c:
+            return
+        yield c
+
+
+def write_requests(
+    session_id: int, path: str, data: Content, *, mode: int, make_parents: bool, owner: Optional[User]
+) -> Iterator[Any]:
+    h = pb.WriteFileHeader(session_id=session_id, path=path, mode=mode, make_parents=make_parents)
+    if owner is not None:
+        h.has_owner, h.uid, h.gid = True, owner[0], owner[1]
+    yield pb.WriteFileRequest(header=h)
+    for c in content_chunks(data):
+        yield pb.WriteFileRequest(data=c)
+
+
+def upload_requests(
+    session_id: int, path: str, tar: Union[bytes, BinaryIO, "os.PathLike[str]"], make_parents: bool
+) -> Iterator[Any]:
+    # Checked here, not in the generator: gRPC drains it on another thread.
+    if isinstance(tar, str):
+        raise ValueError("upload takes the tar's bytes, an open binary file or a pathlib.Path, not a str")
+    return _upload_stream(session_id, path, tar, make_parents)
+
+
+def _upload_stream(
+    session_id: int, path: str, tar: Union[bytes, BinaryIO, "os.PathLike[str]"], make_parents: bool
+) -> Iterator[Any]:
+    yield pb.UploadTarRequest(session_id=session_id, path=path, make_parents=make_parents)
+    if isinstance(tar, os.PathLike):
+        with open(tar, "rb") as f:
+            for c in content_chunks(f):
+                yield pb.UploadTarRequest(data=c)
+        return
+    for c in content_chunks(tar):
+        yield pb.UploadTarRequest(data=c)
+
+
+def upload_summary(r: Any) -> UploadSummary:
+    return UploadSummary(files=r.files, dirs=r.dirs, symlinks=r.symlinks, hardlinks=r.hardlinks, bytes=r.bytes)
+
+
+# ------------------------------------------------------------------ blocking
+
+
+class Files:
+    """The file API of one sandbox (:attr:`Sandbox.files`). Paths are absolute
+    or relative, both beneath the session's root; a ``..`` component is refused
+    (InvalidArgumentError). Every call raises NotFoundError for a missing path,
+    FailedPreconditionError when the sandbox is no longer live."""
+
+    def __init__(self, sandbox: "Sandbox") -> None:
+        self._sb = sandbox
+
+    def read(self, path: str, *, offset: int = 0, limit: int = 0) -> bytes:
+        """The bytes of regular file ``path`` from ``offset`` (at most ``limit``
+        bytes; 0: to the end). InvalidArgumentError: not a regular file."""
+        req = pb.ReadFileRequest(session_id=self._sb.id, path=path, offset=offset, limit=limit)
+        return b"".join(c.data for c in self._sb._stream(self._sb._stub.ReadFile, req))
+
+    def read_text(self, path: str, encoding: str = "utf-8") -> str:
+        """:meth:`read` decoded."""
+        return self.read(path).decode(encoding)
+
+    def write(
+        self,
+        path: str,
+        data: Content,
+        *,
+        mode: int = 0o644,
+        make_parents: bool = True,
+        owner: Optional[User] = None,
+    ) -> FileInfo:
+        """Replaces (or creates) ``path`` with ``data`` atomically: a reader in
+        the sandbox sees the old content or the new, never part. ``owner``:
+        (uid, gid), default the sandbox's user. Returns the new file's stat."""
+        reqs = write_requests(self._sb.id, path, data, mode=mode, make_parents=make_parents, owner=owner)
+        return FileInfo.from_pb(self._sb._call(self._sb._stub.WriteFile, reqs))
+
+    def list(self, path: str = "/") -> List[FileInfo]:
+        """The entries of directory ``path`` (not recursive), by name."""
+        r = self._sb._call(self._sb._stub.ListDir, pb.ListDirRequest(session_id=self._sb.id, path=path))
+        return [FileInfo.from_pb(e) for e in r.entries]
+
+    def stat(self, path: str) -> FileInfo:
+        """``path``'s metadata (a symlink is described, not followed)."""
+        return FileInfo.from_pb(
+            self._sb._call(self._sb._stub.StatPath, pb.StatPathRequest(session_id=self._sb.id, path=path))
+        )
+
+    def exists(self, path: str) -> bool:
+        """Whether ``path`` exists (a dangling symlink does)."""
+        from layerstack.errors import NotFoundError
+
+        try:
+            self.stat(path)
+            return True
+        except NotFoundError:
+            return False
+
+    def remove(self, path: str, *, recursive: bool = False) -> int:
+        """Removes ``path`` (a directory only when empty, unless ``recursive``).
+        Returns how many entries went."""
+        req = pb.RemovePathRequest(session_id=self._sb.id, path=path, recursive=recursive)
+        return int(self._sb._call(self._sb._stub.RemovePath, req).removed)
+
+    def upload(
+        self, directory: str, tar: Union[bytes, BinaryIO, "os.PathLike[str]"], *, make_parents: bool = True
+    ) -> UploadSummary:
+        """Extracts a tar (plain, gzip or zstd: bytes, an open binary file or a
+        :class:`pathlib.Path`) into ``directory``. An entry escaping it (absolute
+        or ``..`` names, a write through a symlink, a hardlink to outside) is
+        refused with InvalidArgumentError naming it."""
+        reqs = upload_requests(self._sb.id, directory, tar, make_parents)
+        return upload_summary(self._sb._call(self._sb._stub.UploadTar, reqs))
+
+    def download(self, path: str) -> bytes:
+        """``path`` (a file or a directory tree) as a plain tar; names relative to
+        its parent, symlinks stored as symlinks."""
+        req = pb.DownloadTarRequest(session_id=self._sb.id, path=path)
+        return b"".join(c.data for c in self._sb._stream(self._sb._stub.DownloadTar, req))
+
+
+class Sandbox:
+    """A live daemon-owned session. Made by :meth:`layerstack.Client.sandbox`.
+
+    Attributes:
+        id: the session id (``Session.id``).
+        session: the session as created (``created`` says whether this call made
+            it or an earlier one with the same key did).
+        files: the file API (:class:`Files`).
+        outcome: the session as it ended, once :meth:`close` returned — or
+            at once, when a repeated idempotency key names a sandbox that had
+            ended (:attr:`ended`; a retry after a crash gets the recorded end,
+            never a second run).
+    """
+
+    def __init__(self, client: "Client", session: Session, created: bool) -> None:
+        self._client = client
+        self._stub: Any = client._stub
+        self.session = session
+        self.id = session.id
+        self.created = created
+        self.files = Files(self)
+        # A repeat of an idempotency key whose sandbox already ended answers
+        # that sandbox as it ended: nothing runs again.
+        self.outcome: Optional[Session] = session if (not created and session.released) else None
+
+    @property
+    def ended(self) -> bool:
+        """The sandbox has ended (:meth:`close` returned, or this is the answer
+        to a repeated key whose sandbox had ended: :attr:`outcome` is how)."""
+        return self.outcome is not None
+
+    def _call(self, fn: Any, req: Any, timeout_s: Optional[float] = -1.0) -> Any:
+        return self._client._call(fn, req, timeout_s)
+
+    def _stream(self, fn: Any, req: Any, timeout_s: Optional[float] = None) -> Iterator[Any]:
+        try:
+            yield from fn(req, timeout=timeout_s)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+
+    # ---------------------------------------------------------------- exec
+
+    def exec_stream(
+        self,
+        cmd: Command,
+        *,
+        env: Optional[Mapping[str, str]] = None,
+        cwd: Optional[str] = None,
+        user: Optional[User] = None,
+        stdin: Union[bytes, str, None] = None,
+        timeout_s: Optional[float] = None,
+    ) -> Iterator[Union[ExecChunk, ExecOutput]]:
+        """Runs ``cmd`` in the sandbox and yields its output as it comes
+        (:class:`ExecChunk`), then one :class:`ExecOutput` (its output fields
+        empty: the chunks were yielded). Arguments as :meth:`exec`."""
+        req = exec_request(self.id, cmd, env=env, cwd=cwd, user=user, stdin=stdin, timeout_s=timeout_s)
+        for r in self._stream(self._stub.Exec, req):
+            which = r.WhichOneof("kind")
+            if which == "exit":
+                yield ExecOutput._from_exit(r.exit)
+            elif which is not None:
+                yield ExecChunk(which, getattr(r, which))
+
+    def exec(
+        self,
+        cmd: Command,
+        *,
+        env: Optional[Mapping[str, str]] = None,
+        cwd: Optional[str] = None,
+        user: Optional[User] = None,
+        stdin: Union[bytes, str, None] = None,
+        timeout_s: Optional[float] = None,
+        check: bool = False,
+    ) -> ExecOutput:
+        """Runs ``cmd`` (an argv, or a string for ``/bin/sh -c``) in the sandbox
+        and waits for it. ``env`` adds to the sandbox's environment; ``cwd`` is
+        absolute in the sandbox; ``user`` (uid, gid); ``stdin`` is written and
+        closed; ``timeout_s`` kills it (and its process group) after that long:
+        ``timed_out`` says so. ``check``: raise :class:`ExecError` unless it
+        exited 0.
+
+        Raises: FailedPreconditionError (the sandbox is not live),
+        InvalidArgumentError (a bad field, named)."""
+        out, err = io.BytesIO(), io.BytesIO()
+        end: Optional[ExecOutput] = None
+        for item in self.exec_stream(cmd, env=env, cwd=cwd, user=user, stdin=stdin, timeout_s=timeout_s):
+            if isinstance(item, ExecChunk):
+                (out if item.stream == "stdout" else err).write(item.data)
+            else:
+                end = item
+        if end is None:
+            from layerstack.errors import InternalError
+
+            raise InternalError(None, "internal", "the daemon ended the exec stream without the command's exit")
+        res = dataclasses.replace(end, stdout=out.getvalue(), stderr=err.getvalue())
+        if check and not res.ok:
+            raise ExecError(res)
+        return res
+
+    # ---------------------------------------------------------------- diff and end
+
+    def diff(self, *, patch: bool = False) -> List[PathChange]:
+        """What the sandbox changed so far against the tree it started from (its
+        lease), read from its upper while it runs (``Diff`` of the session;
+        nothing published). ``patch``: unified diffs of text files. Root mode's
+        mount points (/dev, /proc, /run, /sys) show as added when the stack
+        lacks them."""
+        req = pb.DiffRequest(session_id=self.id, patch=patch)
+        out: List[PathChange] = []
+        for r in self._stream(self._stub.Diff, req):
+            out.extend(PathChange.from_pb(e) for e in r.entries)
+        return out
+
+    def close(
+        self,
+        *,
+        checkpoint: bool = False,
+        publish: bool = False,
+        action: Optional[str] = None,
+        state: Union[Mapping[str, Any], str, None] = None,
+        labels: Optional[Mapping[str, str]] = None,
+        reason: str = "python sandbox close",
+        command: str = "",
+    ) -> Session:
+        """Ends the sandbox: ``checkpoint=True`` makes its writes a child node of
+        the node it runs on (``Session.node``), with ``state`` (a JSON object:
+        the node's logical state, e.g. a reward) and ``labels`` recorded in the
+        same operation; ``publish=True`` sends them through the gate to its
+        branch; neither discards them. ``action`` names the end action instead
+        (auto | publish | discard | checkpoint). Returns the ended session
+        (``outcome``, ``node``, ``layer``); a second call answers the same.
+
+        Raises: ValueError (two actions; state without a checkpoint),
+        FailedPreconditionError (checkpoint of a session that is not an attempt
+        of a node)."""
+        if self.outcome is not None:
+            return self.outcome
+        req = close_request(
+            self.id,
+            action=action,
+            checkpoint=checkpoint,
+            publish=publish,
+            state=state,
+            labels=labels,
+            reason=reason,
+            command=command,
+        )
+        self.outcome = Session.from_pb(self._call(self._stub.CloseSession, req, None))
+        return self.outcome
+
+    def discard(self, reason: str = "python sandbox discard") -> Session:
+        """Ends the sandbox and drops its writes (outcome ``discarded``)."""
+        return self.close(action="discard", reason=reason)
+
+    def __enter__(self) -> "Sandbox":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.outcome is None:
+            self.discard(reason="python sandbox left its with block unclosed")
+
+    def __repr__(self) -> str:
+        state = self.outcome.outcome if self.outcome is not None else "live"
+        return f"<Sandbox session={self.id} {state}>"
+
+
+class ExecError(Exception):
+    """``exec(check=True)`` of a command that did not exit 0; ``output`` is its
+    :class:`ExecOutput`. Not a :class:`~layerstack.LayerStackError`: the
+    sandbox worked, the command failed."""
+
+    def __init__(self, output: ExecOutput) -> None:
+        why = f"timed out after {output.duration_ms} ms" if output.timed_out else f"exit code {output.exit_code}"
+        tail = output.stderr[-500:].decode(errors="replace")
+        super().__init__(f"command failed: {why}" + (f"; stderr ends: {tail}" if tail else ""))
+        self.output = output
+

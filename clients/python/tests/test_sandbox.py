@@ -1,0 +1,325 @@
+"""The sandbox SDK (issue 20) against a real daemon with no containerd: a base
+imported from a busybox tree, daemon-owned sandboxes driven over gRPC alone —
+exec with streamed output, exit codes and timeouts; files, tar up and down,
+a symlink to the host's /etc/passwd that never leads out; the live diff;
+checkpoint with the node id as a field; discard leaving nothing mounted; the
+asyncio client fanning out; a non-root uid the config allows; a remote client
+over TCP+TLS with a token.
+
+Needs root, ``busybox`` (busybox-static), ``setpriv``, ``openssl`` and the
+built daemon; skips without them, except with ``CI=true``, where it fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+from typing import Iterator, List, NamedTuple
+
+import pytest
+
+import layerstack
+import layerstack.aio
+from layerstack.sandbox import ExecChunk, ExecError, ExecOutput
+from conftest import DAEMON_BIN, REPO, _mounts_under, _terminate, _wait_for, bin_dir, in_ci
+
+TOKEN = "sdk-token"
+USER_UID = 65534
+
+
+class Daemon(NamedTuple):
+    dir: Path
+    admin: Path
+    port: int
+    tls: Path
+    stack: str
+
+
+def _missing() -> List[str]:
+    missing = []
+    if os.geteuid() != 0:
+        missing.append("root (euid 0)")
+    for b in ("busybox", "setpriv", "openssl"):
+        if shutil.which(b) is None:
+            missing.append(f"`{b}` on PATH")
+    if not (bin_dir() / DAEMON_BIN).is_file():
+        missing.append(f"{bin_dir() / DAEMON_BIN} (cargo build --workspace --bins)")
+    return missing
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rootfs(root: Path) -> Path:
+    (root / "bin").mkdir(parents=True)
+    (root / "etc").mkdir()
+    (root / "work").mkdir()
+    shutil.copy(shutil.which("busybox") or "/bin/busybox", root / "bin" / "busybox")
+    for applet in ("sh", "cat", "echo", "ls", "sleep", "true", "kill", "mkdir", "rm"):
+        os.symlink("busybox", root / "bin" / applet)
+    (root / "etc" / "passwd").write_text("root:x:0:0:session root:/root:/bin/sh\n")
+    (root / "etc" / "motd").write_text("base\n")
+    # A symlink that would lead to the daemon's host if it were followed there.
+    os.symlink("/etc/passwd", root / "work" / "hostile")
+    return root
+
+
+@pytest.fixture(scope="module")
+def daemon() -> Iterator[Daemon]:
+    missing = _missing()
+    if missing:
+        msg = "sandbox SDK tests need " + ", ".join(missing)
+        if in_ci():
+            pytest.fail("CI=true and " + msg, pytrace=False)
+        pytest.skip(msg)
+    d = Path(tempfile.mkdtemp(prefix="lst-py-sdk-", dir=os.environ.get("LAYERSTACK_TEST_TMP", "/var/tmp")))
+    d.chmod(0o755)
+    (d / "owner.pid").write_text(str(os.getpid()))
+    tls = d / "tls"
+    subprocess.run(["bash", str(REPO / "integration" / "fixtures" / "make_tls.sh"), str(tls)], check=True)
+    (d / "tokens").write_text(f"{TOKEN}\n")
+    port = _free_port()
+    (d / "config.toml").write_text(
+        f"[api]\nallowed_uids = [{USER_UID}]\n"
+        f'[api.tcp]\naddress = "127.0.0.1:{port}"\ncert = "{tls}/server.pem"\nkey = "{tls}/server.key"\n'
+        f'tokens_file = "{d}/tokens"\n'
+    )
+    (d / "ls").mkdir()
+    admin = d / "ls" / "admin.sock"
+    log = d / "daemon.log"
+    with open(log, "ab") as f:
+        p = subprocess.Popen(
+            [
+                str(bin_dir() / DAEMON_BIN),
+                "--config", str(d / "config.toml"),
+                "--root", str(d / "store"),
+                "--address", str(d / "ls" / "snap.sock"),
+                "--admin-address", str(admin),
+                "--containerd-address", str(d / "ls" / "containerd.sock"),  # none runs
+                "--metrics-address", "127.0.0.1:0",
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=f,
+            stderr=f,
+        )
+    try:
+        _wait_for(DAEMON_BIN, lambda: admin.exists() and p.poll() is None, 30, log)
+        with layerstack.connect(admin) as c:
+            stack = c.import_base(_rootfs(d / "rootfs"))
+        yield Daemon(d, admin, port, tls, stack)
+    finally:
+        _terminate(p)
+        left = _mounts_under(d)
+        for m in left:
+            subprocess.run(["umount", "-l", m], capture_output=True)
+        if os.environ.get("LAYERSTACK_TEST_KEEP") != "1":
+            subprocess.run(["rm", "-rf", "--one-file-system", str(d)], capture_output=True)
+        assert not left, f"mounts left under the test's directory after the daemon stopped: {left}"
+
+
+def _graph(c: layerstack.Client, stack: str) -> str:
+    return c.create_graph(f"sdk-{os.getpid()}-{os.urandom(3).hex()}", stack).root
+
+
+def test_exec_streams_output_and_reports_how_a_command_ended(daemon: Daemon) -> None:
+    with layerstack.connect(daemon.admin) as c, c.sandbox(daemon.stack) as sb:
+        assert sb.created and sb.id > 0
+        out = sb.exec(["sh", "-c", "echo out; echo err >&2; exit 3"])
+        assert (out.exit_code, out.signal, out.timed_out) == (3, 0, False), out
+        assert (out.stdout, out.stderr) == (b"out\n", b"err\n")
+        assert sb.exec("cat /etc/motd").stdout == b"base\n", "a string runs under /bin/sh -c"
+        assert sb.exec(["cat"], stdin=b"piped").stdout == b"piped"
+        assert sb.exec(["sh", "-c", "echo $GREETING"], env={"GREETING": "hi"}).stdout == b"hi\n"
+        assert sb.exec(["sh", "-c", "pwd"], cwd="/etc").stdout == b"/etc\n"
+        assert sb.exec(["sh", "-c", "id -u 2>/dev/null || echo $(cat /proc/self/status | grep Uid)"], user=(1000, 1000)).ok
+        missing = sb.exec(["no-such-command"])
+        assert missing.exit_code == 127 and missing.stderr, missing
+        killed = sb.exec(["sh", "-c", "kill -9 $$"])
+        assert (killed.exit_code, killed.signal) == (137, 9), killed
+        slow = sb.exec(["sleep", "30"], timeout_s=0.5)
+        assert slow.timed_out and slow.signal == 9 and slow.duration_ms < 10_000, slow
+        with pytest.raises(ExecError) as e:
+            sb.exec("exit 5", check=True)
+        assert e.value.output.exit_code == 5
+        # Streamed: chunks as they come, then the exit.
+        items = list(sb.exec_stream(["sh", "-c", "echo a; sleep 0.2; echo b"]))
+        chunks = [i for i in items if isinstance(i, ExecChunk)]
+        assert isinstance(items[-1], ExecOutput) and items[-1].ok
+        assert b"".join(ch.data for ch in chunks if ch.stream == "stdout") == b"a\nb\n"
+        with pytest.raises(ValueError):
+            sb.exec([])
+    assert sb.outcome is not None and sb.outcome.outcome == "discarded", "leaving the block unclosed discards"
+
+
+def test_files_stay_beneath_the_sandbox_root(daemon: Daemon) -> None:
+    with layerstack.connect(daemon.admin) as c, c.sandbox(daemon.stack) as sb:
+        st = sb.files.write("/work/a/b.txt", "hello\n", mode=0o600)
+        assert (st.kind, st.size, st.mode & 0o777) == ("file", 6, 0o600), st
+        assert sb.files.read("/work/a/b.txt") == b"hello\n"
+        assert sb.files.read("/work/a/b.txt", offset=1, limit=3) == b"ell"
+        assert sb.exec("cat /work/a/b.txt").stdout == b"hello\n", "the command sees what the file API wrote"
+        big = os.urandom(300_000)
+        sb.files.write("work/big.bin", big)
+        assert sb.files.read("/work/big.bin") == big
+        names = [e.name for e in sb.files.list("/work")]
+        assert names == sorted(names) and {"a", "big.bin", "hostile"} <= set(names)
+        link = sb.files.stat("/work/hostile")
+        assert (link.kind, link.link_target) == ("symlink", "/etc/passwd")
+        # Followed inside the sandbox: its own /etc/passwd, never the host's.
+        assert sb.files.read("/work/hostile") == b"root:x:0:0:session root:/root:/bin/sh\n"
+        with pytest.raises(layerstack.InvalidArgumentError):
+            sb.files.write("/work/../../../tmp/escaped", b"x")
+        with pytest.raises(layerstack.NotFoundError):
+            sb.files.read("/no/such/file")
+        assert not sb.files.exists("/work/nothing") and sb.files.exists("/work/hostile")
+        assert sb.files.remove("/work/a", recursive=True) == 2
+        assert not sb.files.exists("/work/a")
+        # Tar up and down.
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w") as t:
+            data = b"from a tar\n"
+            info = tarfile.TarInfo("pkg/readme")
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+        up = sb.files.upload("/work/up", buf.getvalue())
+        assert (up.files, up.bytes) == (1, len(b"from a tar\n")), up
+        assert sb.exec("cat /work/up/pkg/readme").stdout == b"from a tar\n"
+        with tarfile.open(fileobj=io.BytesIO(sb.files.download("/work/up")), mode="r") as t:
+            got = {m.name: m for m in t.getmembers()}
+            assert "up/pkg/readme" in got, sorted(got)
+        bad = io.BytesIO()
+        with tarfile.open(fileobj=bad, mode="w") as t:
+            info = tarfile.TarInfo("../escaped")
+            info.size = 1
+            t.addfile(info, io.BytesIO(b"x"))
+        with pytest.raises(layerstack.InvalidArgumentError) as e:
+            sb.files.upload("/work", bad.getvalue())
+        assert "../escaped" in e.value.message
+    assert not Path("/tmp/escaped").exists()
+
+
+def test_checkpoint_returns_the_node_and_discard_leaves_nothing_mounted(daemon: Daemon) -> None:
+    with layerstack.connect(daemon.admin) as c:
+        root = _graph(c, daemon.stack)
+        with c.sandbox(node=root, key=f"ck-{os.urandom(4).hex()}") as sb:
+            sb.files.write("/work/result.txt", "42\n")
+            sb.exec("rm /etc/motd")
+            diff = {c.path: c.change for c in sb.diff()}
+            assert diff.get("/work/result.txt") == "added" and diff.get("/etc/motd") == "deleted", diff
+            patched = [c for c in sb.diff(patch=True) if c.path == "/work/result.txt"]
+            assert patched and patched[0].patch and "+42" in patched[0].patch, patched
+            end = sb.close(checkpoint=True, state={"reward": 1.0}, labels={"evaluator": "unit"})
+        assert end.outcome == "checkpointed" and end.node, end
+        node = c.show_node(end.node)
+        assert node.parents == (root,) and node.kind == "checkpoint", node
+        assert node.state == {"reward": 1.0}, node
+        assert node.labels.get("evaluator") == "unit", node
+        with c.sandbox(node=end.node) as child:
+            assert child.files.read("/work/result.txt") == b"42\n", "the child node holds the checkpoint's writes"
+            assert not child.files.exists("/etc/motd")
+            upper_mounts = [m for m in _mounts_under(daemon.dir) if f"/{child.id}/" in m]
+            child.discard()
+        assert child.outcome is not None and child.outcome.outcome == "discarded"
+        assert not [m for m in _mounts_under(daemon.dir) if m in upper_mounts]
+        assert not (daemon.dir / "store" / "s" / str(child.id)).exists(), "a discarded sandbox's directories go"
+
+
+def test_an_exception_in_the_block_discards(daemon: Daemon) -> None:
+    with layerstack.connect(daemon.admin) as c:
+        with pytest.raises(RuntimeError):
+            with c.sandbox(daemon.stack) as sb:
+                sb.files.write("/work/half-done", b"x")
+                raise RuntimeError("the harness failed")
+        assert sb.outcome is not None and sb.outcome.outcome == "discarded" and sb.outcome.layer is None
+
+
+def test_the_asyncio_client_fans_out(daemon: Daemon) -> None:
+    async def main() -> List[str]:
+        async with layerstack.aio.connect(daemon.admin) as ls:
+            g = await ls.create_graph(f"sdk-aio-{os.urandom(3).hex()}", daemon.stack)
+
+            async def rollout(i: int) -> str:
+                async with ls.sandbox(node=g.root, key=f"aio-{g.root}-{i}") as sb:
+                    await sb.files.write("/work/i", str(i))
+                    out = await sb.exec(["cat", "/work/i"])
+                    assert out.stdout == str(i).encode()
+                    end = await sb.close(checkpoint=True, state={"reward": i})
+                    assert end.node
+                    return end.node
+
+            return await asyncio.gather(*(rollout(i) for i in range(16)))
+
+    nodes = asyncio.run(main())
+    assert len(set(nodes)) == 16, nodes
+
+
+_AS_USER = """
+import json, sys, layerstack
+with layerstack.connect(sys.argv[1]) as c, c.sandbox(sys.argv[2]) as sb:
+    out = sb.exec(["sh", "-c", "echo as-user"])
+    sb.files.write("/work/by-user", "x")
+    print(json.dumps({"stdout": out.stdout.decode(), "id": sb.id, "read": sb.files.read("/work/by-user").decode()}))
+"""
+
+
+def test_a_non_root_uid_the_config_allows_drives_a_sandbox(daemon: Daemon) -> None:
+    r = subprocess.run(
+        ["setpriv", f"--reuid={USER_UID}", f"--regid={USER_UID}", "--clear-groups",
+         sys.executable, "-c", _AS_USER, str(daemon.admin), daemon.stack],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd="/",
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(p for p in sys.path if p)},
+    )
+    assert r.returncode == 0, r.stderr
+    v = json.loads(r.stdout)
+    assert (v["stdout"], v["read"]) == ("as-user\n", "x"), v
+
+
+def test_a_remote_client_over_tls_with_a_token(daemon: Daemon) -> None:
+    with layerstack.connect(
+        target=f"127.0.0.1:{daemon.port}", root_certificates=daemon.tls / "ca.pem", token=TOKEN
+    ) as c:
+        with c.sandbox(daemon.stack) as sb:
+            assert sb.exec(["echo", "remote"]).stdout == b"remote\n"
+    with layerstack.connect(
+        target=f"127.0.0.1:{daemon.port}", root_certificates=daemon.tls / "ca.pem", token="wrong"
+    ) as c:
+        with pytest.raises(layerstack.UnauthenticatedError):
+            c.sandbox(daemon.stack)
+
+
+def test_the_fan_out_example_runs(daemon: Daemon, capsys: pytest.CaptureFixture[str]) -> None:
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[1] / "examples" / "fanout_async.py"
+    spec = importlib.util.spec_from_file_location("fanout_async", path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["fanout_async"] = mod  # dataclasses look their module up
+    spec.loader.exec_module(mod)
+    run = f"ex-{os.urandom(3).hex()}"
+    args = ["--admin-address", str(daemon.admin), "--stack", daemon.stack, "--rollouts", "32",
+            "--concurrency", "8", "--run", run]
+    assert asyncio.run(mod.main(args)) == 0
+    out = capsys.readouterr().out
+    assert "32 rollouts" in out and "32 scored" in out and "2 solved" in out, out
+    # The same run again (a harness restarted mid-step): the keys answer the
+    # sandboxes already ended with their records; nothing runs twice.
+    assert asyncio.run(mod.main(args)) == 0
+    again = capsys.readouterr().out
+    assert "32 scored" in again and "2 solved" in again, again
+    assert out.split("a solving node: ")[1] == again.split("a solving node: ")[1]
