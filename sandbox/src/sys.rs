@@ -917,6 +917,35 @@ pub fn close_fds_except(keep: &[RawFd]) {
     unsafe { libc::syscall(libc::SYS_close_range, from, libc::c_uint::MAX, 0) };
 }
 
+/// Moves the calling process into the cgroups whose `cgroup.procs` are open
+/// as `fds` (writes "0", the writer, to each). Child-safe: a session's init
+/// and an exec'd command call it first thing after their clone.
+pub fn join_cgroups(fds: &[RawFd]) -> io::Result<()> {
+    for &fd in fds {
+        write_all(fd, b"0")?;
+    }
+    Ok(())
+}
+
+/// Makes the calling process the OOM killer's last choice
+/// (`/proc/self/oom_score_adj` = -1000). Child-safe. A session's init is a
+/// fork of the daemon: its resident set counts the daemon's pages it shares,
+/// so without this a memory-limited session's OOM kill would pick init (and
+/// end the session) before the command that allocates.
+pub fn oom_never() -> io::Result<()> {
+    // SAFETY: a constant C string; the descriptor is closed below.
+    let fd = unsafe {
+        libc::open(
+            c"/proc/self/oom_score_adj".as_ptr(),
+            libc::O_WRONLY | libc::O_CLOEXEC,
+        )
+    };
+    let fd = check_int(fd)?;
+    let r = write_all(fd, b"-1000");
+    close(fd);
+    r
+}
+
 /// Reaps the ended child of `pidfd` without blocking (`waitid(P_PIDFD,
 /// WEXITED | WNOHANG)`, Linux ≥ 5.4): `Some(exit)` once it ended, `None`
 /// while it runs. Errors: `ECHILD` when it is not this process's child or was
