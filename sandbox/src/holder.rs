@@ -395,7 +395,7 @@ fn init_main(
 ) -> ! {
     if !setup.cgroup_procs.is_empty() {
         // Best effort: without CAP_SYS_RESOURCE init stays killable.
-        let _ = sys::oom_never();
+        let _ = sys::oom_score_adj(b"-1000");
         if let Err(e) = sys::join_cgroups(&setup.cgroup_procs) {
             fail(&[b"join the session's cgroup"], &e);
         }
@@ -728,6 +728,9 @@ fn joined_waiter(
     keep[..3].copy_from_slice(&[pidfd, root, stdio.status]);
     keep[3..3 + cgroup_procs.len()].copy_from_slice(cgroup_procs);
     sys::close_fds_except(&keep[..3 + cgroup_procs.len()]);
+    // The command inherits this: the OOM killer weighs it as any process,
+    // not with the daemon's protection.
+    let _ = sys::oom_score_adj(b"0");
     if let Err(e) = sys::setns_pidfd(pidfd, JOIN_FLAGS) {
         fail(&[b"join the session's namespaces (setns)"], &e);
     }

@@ -927,12 +927,14 @@ pub fn join_cgroups(fds: &[RawFd]) -> io::Result<()> {
     Ok(())
 }
 
-/// Makes the calling process the OOM killer's last choice
-/// (`/proc/self/oom_score_adj` = -1000). Child-safe. A session's init is a
-/// fork of the daemon: its resident set counts the daemon's pages it shares,
-/// so without this a memory-limited session's OOM kill would pick init (and
-/// end the session) before the command that allocates.
-pub fn oom_never() -> io::Result<()> {
+/// Sets the calling process's `/proc/self/oom_score_adj` to `value` (ASCII,
+/// -1000..=1000; lowering needs CAP_SYS_RESOURCE). Child-safe. A session's
+/// init takes -1000 (never the OOM victim): it is a fork of the daemon, its
+/// resident set counts the daemon's pages it shares, so a memory-limited
+/// session's OOM kill would otherwise pick init (and end the session) before
+/// the command that allocates. An exec's waiter takes 0: the command must not
+/// inherit the daemon's protection (the systemd unit's OOMScoreAdjust=-999).
+pub fn oom_score_adj(value: &[u8]) -> io::Result<()> {
     // SAFETY: a constant C string; the descriptor is closed below.
     let fd = unsafe {
         libc::open(
@@ -941,7 +943,7 @@ pub fn oom_never() -> io::Result<()> {
         )
     };
     let fd = check_int(fd)?;
-    let r = write_all(fd, b"-1000");
+    let r = write_all(fd, value);
     close(fd);
     r
 }
