@@ -585,8 +585,17 @@ async fn live(admin: &AdminService, id: SessionId) -> Result<Live, Status> {
 /// and valid only if init (the pidfd) still runs after the open: a recycled
 /// pid can not lend its root.
 fn open_root(l: &Live, id: SessionId) -> Result<OwnedFd, Status> {
-    let root = sys::open_dir_path(std::path::Path::new(&format!("/proc/{}/root", l.pid)))
-        .map_err(|e| io_status(&format!("cannot open session {id}'s root"), &e))?;
+    let root = match sys::open_dir_path(std::path::Path::new(&format!("/proc/{}/root", l.pid))) {
+        Ok(r) => r,
+        // Init ended (and was reaped) between the lookup and the open: the
+        // session is ending, as below.
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) || sys::pidfd_exited(&l.pidfd) => {
+            return Err(Status::failed_precondition(format!(
+                "session {id}'s init has exited: the session is ending"
+            )))
+        }
+        Err(e) => return Err(io_status(&format!("cannot open session {id}'s root"), &e)),
+    };
     if sys::pidfd_exited(&l.pidfd) {
         return Err(Status::failed_precondition(format!(
             "session {id}'s init has exited: the session is ending"
