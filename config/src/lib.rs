@@ -161,6 +161,19 @@ pub struct SandboxConfig {
     pub max_sessions: u64,
     /// The mount socket; `None`: `mount.sock` beside the admin socket.
     pub mount_address: Option<PathBuf>,
+    /// The cgroup under which each limited session gets its own, as a path in
+    /// the cgroup hierarchy (`/layerstack.slice/sandboxes`); `None`: a
+    /// `layerstack-sandboxes` child of the daemon's own cgroup.
+    pub cgroup_parent: Option<String>,
+    /// A session's CPU limit when CreateSession does not give one, thousandths
+    /// of a CPU; 0 = unlimited (the default).
+    pub default_cpu_millis: u64,
+    /// A session's memory limit when CreateSession does not give one, bytes;
+    /// 0 = unlimited (the default).
+    pub default_memory_bytes: u64,
+    /// A session's process limit when CreateSession does not give one; 0 =
+    /// unlimited (the default).
+    pub default_pids: u64,
 }
 
 impl Default for SandboxConfig {
@@ -168,6 +181,10 @@ impl Default for SandboxConfig {
         Self {
             max_sessions: 256,
             mount_address: None,
+            cgroup_parent: None,
+            default_cpu_millis: 0,
+            default_memory_bytes: 0,
+            default_pids: 0,
         }
     }
 }
@@ -411,6 +428,19 @@ mod tests {
                 .unwrap();
         assert_eq!(c.sandbox.max_sessions, 2048);
         assert_eq!(c.mount_address(), PathBuf::from("/x/mount.sock"));
+        let c = Config::from_toml(
+            "[sandbox]\ncgroup_parent = \"/ls\"\ndefault_cpu_millis = 500\ndefault_memory_bytes = 1073741824\ndefault_pids = 64\n",
+        )
+        .unwrap();
+        assert_eq!(c.sandbox.cgroup_parent.as_deref(), Some("/ls"));
+        assert_eq!(
+            (
+                c.sandbox.default_cpu_millis,
+                c.sandbox.default_memory_bytes,
+                c.sandbox.default_pids
+            ),
+            (500, 1 << 30, 64)
+        );
         let c = Config::from_toml("[sandbox]\nmount_address = \"/m.sock\"\n").unwrap();
         assert_eq!(c.mount_address(), PathBuf::from("/m.sock"));
         assert!(

@@ -496,6 +496,10 @@ fn hold(
         }),
         die_with_parent: cmd.is_some(),
         daemon_owned: false,
+        // Limits and hidden sockets are the daemon-owned sessions' (the
+        // admin API's CreateSession.sandbox).
+        cgroup_procs: Vec::new(),
+        hide: Vec::new(),
     };
     let init = holder::start(&setup, cmd.as_ref()).context("starting the session's init")?;
     // Only init keeps the overlay: a descriptor of it here would keep the mount

@@ -9,8 +9,13 @@
 //! of the daemon with four live sessions: after the restart each is ended by
 //! its policy, nothing stays mounted.
 //!
+//! A second test runs sessions with limits (cgroups: memory, pids, CPU) and
+//! shows a workspace-mode session cannot reach the daemon's sockets.
+//!
 //! Needs root (fails under `CI=true` without it), `/bin/busybox` (static);
-//! no containerd.
+//! no containerd. The limits test needs the cpu, memory and pids cgroup
+//! controllers (cgroup v2, or v1 hierarchies at /sys/fs/cgroup/<name>) and
+//! `/usr/bin/python3`.
 
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -33,7 +38,8 @@ fn rootfs(dir: &Path) -> Result<()> {
     }
     std::fs::copy(busybox, dir.join("bin/busybox"))?;
     for applet in [
-        "sh", "cat", "echo", "ls", "test", "sleep", "true", "ln", "id", "mkdir", "kill",
+        "sh", "cat", "echo", "ls", "test", "sleep", "true", "ln", "id", "mkdir", "kill", "dd",
+        "seq",
     ] {
         std::os::unix::fs::symlink("busybox", dir.join("bin").join(applet))?;
     }
@@ -698,6 +704,287 @@ fn daemon_owned_sessions_over_grpc() -> Result<()> {
     }
     if let Some(mut d) = daemon.take() {
         d.stop();
+    }
+    if std::env::var_os("LAYERSTACK_TEST_KEEP").is_none() {
+        remove_tree(&dir);
+    }
+    r
+}
+
+async fn create_with(
+    c: &mut Client,
+    stack: &str,
+    name: &str,
+    opts: api::SandboxOptions,
+) -> Result<i64, tonic::Status> {
+    let r = c
+        .create_session(api::CreateSessionRequest {
+            stack: stack.into(),
+            name: name.into(),
+            sandbox: Some(opts),
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    Ok(r.session.map(|s| s.id).unwrap_or_default())
+}
+
+async fn discard(c: &mut Client, id: i64) -> Result<()> {
+    c.close_session(api::CloseSessionRequest {
+        session_id: id,
+        action: api::EndAction::Discard as i32,
+        ..Default::default()
+    })
+    .await?;
+    Ok(())
+}
+
+/// The host directories of the cgroups a session's process is in, from its
+/// `/proc/self/cgroup`, those beneath `parent` only (the session's own).
+fn session_cgroup_dirs(proc_self_cgroup: &str, parent: &str) -> Vec<PathBuf> {
+    let unified = if Path::new("/sys/fs/cgroup/cgroup.controllers").exists() {
+        PathBuf::from("/sys/fs/cgroup")
+    } else {
+        PathBuf::from("/sys/fs/cgroup/unified")
+    };
+    proc_self_cgroup
+        .lines()
+        .filter_map(|l| {
+            let mut it = l.splitn(3, ':');
+            let (_, ctrls, path) = (it.next()?, it.next()?, it.next()?);
+            if !path.starts_with(&format!("{parent}/")) || ctrls.contains('=') {
+                return None;
+            }
+            let base = if ctrls.is_empty() {
+                unified.clone()
+            } else {
+                Path::new("/sys/fs/cgroup").join(ctrls.split(',').next()?)
+            };
+            Some(base.join(path.trim_start_matches('/')))
+        })
+        .collect()
+}
+
+async fn limits_scenario(dir: &Path, d: &Daemon, parent: &str) -> Result<()> {
+    let src = dir.join("rootfs");
+    rootfs(&src)?;
+    let o = ensure_success(
+        "base import",
+        d.layerstack(&["base", "import", src.to_str().context("utf-8")?])?,
+    )?;
+    let stack = stdout(&o).trim().to_string();
+    let mut c = api::connect(d.admin_socket()).await?;
+
+    // Out of range: INVALID_ARGUMENT naming the field.
+    let e = create_with(
+        &mut c,
+        &stack,
+        "tiny",
+        api::SandboxOptions {
+            memory_bytes: Some(1 << 20),
+            ..Default::default()
+        },
+    )
+    .await
+    .err()
+    .context("1 MiB of memory was accepted")?;
+    ensure!(
+        e.code() == Code::InvalidArgument && e.message().contains("sandbox.memory_bytes"),
+        "{e:?}"
+    );
+
+    // Memory: 32 MiB, a command allocating 128 MiB is OOM-killed.
+    let id = create_with(
+        &mut c,
+        &stack,
+        "mem",
+        api::SandboxOptions {
+            memory_bytes: Some(32 << 20),
+            ..Default::default()
+        },
+    )
+    .await?;
+    let r = exec(&mut c, id, &["cat", "/proc/self/cgroup"]).await?;
+    let dirs = session_cgroup_dirs(&String::from_utf8_lossy(&r.out), parent);
+    ensure!(
+        !dirs.is_empty() && dirs.iter().all(|d| d.is_dir()),
+        "the command is in no cgroup beneath {parent}: {r:?} → {dirs:?}"
+    );
+    let r = exec(
+        &mut c,
+        id,
+        &["dd", "if=/dev/zero", "of=/dev/null", "bs=128M", "count=1"],
+    )
+    .await?;
+    ensure!(
+        r.exit.signal == 9 && r.exit.code == 137 && r.exit.oom_killed && !r.exit.timed_out,
+        "128 MiB in a 32 MiB session: {r:?}"
+    );
+    ensure!(
+        r.exit.session_memory_peak_bytes > 0 && r.exit.session_memory_peak_bytes <= 33 << 20,
+        "peak {} bytes",
+        r.exit.session_memory_peak_bytes
+    );
+    // The daemon and the session survive.
+    let r = exec(&mut c, id, &["echo", "alive"]).await?;
+    ensure!(r.out == b"alive\n" && !r.exit.oom_killed, "{r:?}");
+    discard(&mut c, id).await?;
+    let t0 = Instant::now();
+    while dirs.iter().any(|d| d.exists()) {
+        ensure!(
+            t0.elapsed() < Duration::from_secs(15),
+            "the session's cgroup outlived it: {dirs:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+
+    // Pids: 16 at most; a loop starting 100 sleeps gets EAGAIN.
+    let id = create_with(
+        &mut c,
+        &stack,
+        "pids",
+        api::SandboxOptions {
+            pids: Some(16),
+            ..Default::default()
+        },
+    )
+    .await?;
+    let r = exec(
+        &mut c,
+        id,
+        &["sh", "-c", "for i in $(seq 100); do sleep 5 & done"],
+    )
+    .await?;
+    ensure!(
+        String::from_utf8_lossy(&r.err).contains("Resource temporarily unavailable"),
+        "100 processes in a 16-process session: {r:?}"
+    );
+    discard(&mut c, id).await?;
+
+    // CPU: a tenth of a CPU; a busy loop gets CPU time well below its wall time.
+    let id = create_with(
+        &mut c,
+        &stack,
+        "cpu",
+        api::SandboxOptions {
+            cpu_millis: Some(100),
+            ..Default::default()
+        },
+    )
+    .await?;
+    let before = exec(&mut c, id, &["true"]).await?.exit.session_cpu_usec;
+    let r = exec(
+        &mut c,
+        id,
+        &[
+            "sh",
+            "-c",
+            "i=0; while [ $i -lt 200000 ]; do i=$((i+1)); done",
+        ],
+    )
+    .await?;
+    let used_ms = (r.exit.session_cpu_usec.saturating_sub(before)) / 1000;
+    ensure!(
+        r.exit.code == 0 && used_ms > 0 && (used_ms as f64) < 0.4 * r.exit.duration_ms as f64,
+        "busy loop at 100 millicores: {used_ms} ms of CPU in {} ms: {r:?}",
+        r.exit.duration_ms
+    );
+    eprintln!(
+        "sandbox_limits: busy loop at 100 millicores: {used_ms} ms CPU in {} ms wall",
+        r.exit.duration_ms
+    );
+    discard(&mut c, id).await?;
+
+    // Workspace mode: the daemon's socket directory is covered.
+    let admin = d.admin_socket().to_path_buf();
+    let sock_dir = admin.parent().context("socket dir")?.to_path_buf();
+    let ws = dir.join("ws");
+    std::fs::create_dir_all(&ws)?;
+    let id = create_with(
+        &mut c,
+        &stack,
+        "ws",
+        api::SandboxOptions {
+            placement: ws.display().to_string(),
+            ..Default::default()
+        },
+    )
+    .await?;
+    let r = exec(&mut c, id, &["ls", "-A", &sock_dir.display().to_string()]).await?;
+    ensure!(
+        r.exit.code == 0 && r.out.is_empty(),
+        "{}: {r:?}",
+        sock_dir.display()
+    );
+    std::os::unix::net::UnixStream::connect(&admin)
+        .with_context(|| format!("the host connects to {}", admin.display()))?;
+    let connect = format!(
+        "import socket; s = socket.socket(socket.AF_UNIX); s.connect({:?})",
+        admin.display().to_string()
+    );
+    let r = exec(&mut c, id, &["/usr/bin/python3", "-c", &connect]).await?;
+    ensure!(
+        r.exit.code != 0 && String::from_utf8_lossy(&r.err).contains("No such file"),
+        "a workspace session connected to the admin socket: {r:?}"
+    );
+    // A placement inside the covered directory is refused.
+    let e = create_with(
+        &mut c,
+        &stack,
+        "ws-in",
+        api::SandboxOptions {
+            placement: sock_dir.join("x").display().to_string(),
+            ..Default::default()
+        },
+    )
+    .await
+    .err()
+    .context("a placement in the socket directory was accepted")?;
+    ensure!(e.code() == Code::InvalidArgument, "{e:?}");
+    discard(&mut c, id).await?;
+
+    // Root mode never had the host's paths.
+    let id = create_with(&mut c, &stack, "rootmode", api::SandboxOptions::default()).await?;
+    let r = exec(&mut c, id, &["test", "-e", &admin.display().to_string()]).await?;
+    ensure!(
+        r.exit.code == 1,
+        "root mode sees {}: {r:?}",
+        admin.display()
+    );
+    discard(&mut c, id).await?;
+    Ok(())
+}
+
+#[test]
+fn session_limits_and_hidden_sockets() -> Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let dir = make_temp_dir()?;
+    let parent = format!("/layerstack-test-{}", std::process::id());
+    let cfg = dir.join("config.toml");
+    std::fs::write(&cfg, format!("[sandbox]\ncgroup_parent = {parent:?}\n"))?;
+    let mut daemon = Daemon::start_at_with(
+        &dir.join("s/snapshotter.sock"),
+        &dir.join("s/containerd.sock"),
+        &dir.join("root"),
+        &["--config", cfg.to_str().context("utf-8")?],
+        true,
+    )?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let r = rt.block_on(limits_scenario(&dir, &daemon, &parent));
+    if r.is_err() {
+        daemon.dump_log();
+    }
+    daemon.stop();
+    for h in ["unified", "memory", "cpu", "cpuacct", "pids", ""] {
+        let _ = std::fs::remove_dir(
+            Path::new("/sys/fs/cgroup")
+                .join(h)
+                .join(parent.trim_start_matches('/')),
+        );
     }
     if std::env::var_os("LAYERSTACK_TEST_KEEP").is_none() {
         remove_tree(&dir);

@@ -60,6 +60,17 @@ pub enum Placement {
     At(CString),
 }
 
+/// A path of the daemon's a workspace-mode session must not reach (its
+/// sockets), covered in the session's mount namespace before the overlay is
+/// attached.
+pub enum Hide {
+    /// An empty read-only tmpfs over this directory.
+    Dir(CString),
+    /// `/dev/null` bind-mounted over this file (a socket in `/`, whose
+    /// directory cannot be covered).
+    File(CString),
+}
+
 /// Everything init needs, built before the clone.
 pub struct Setup {
     pub placement: Placement,
@@ -82,6 +93,12 @@ pub struct Setup {
     /// session. With `die_with_parent`, the parent is the daemon's thread that
     /// called [`start`]: that thread must live as long as the daemon.
     pub daemon_owned: bool,
+    /// `cgroup.procs` descriptors of the session's cgroup
+    /// ([`crate::cgroup::SessionCgroup::procs_fds`]): init joins them first
+    /// thing after the clone (and makes itself the OOM killer's last choice).
+    pub cgroup_procs: Vec<RawFd>,
+    /// Workspace mode: what to cover before the overlay is attached.
+    pub hide: Vec<Hide>,
 }
 
 /// The paths to try for `cmd` with search path `path`, like `execvp`: `cmd`
@@ -338,6 +355,37 @@ fn container_mounts() {
     );
 }
 
+/// Covers the daemon's socket directories in the session's mount namespace
+/// (workspace mode keeps the daemon's root): an empty read-only tmpfs over
+/// each directory, `/dev/null` over a socket whose directory is `/`.
+fn hide(what: &[Hide]) {
+    let ro = libc::MS_RDONLY | libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
+    for h in what {
+        let (path, r) = match h {
+            Hide::Dir(d) => (
+                d,
+                sys::mount(
+                    Some(c"tmpfs"),
+                    d,
+                    Some(c"tmpfs"),
+                    ro,
+                    Some(c"mode=755,size=4k"),
+                ),
+            ),
+            Hide::File(f) => (
+                f,
+                sys::mount(Some(c"/dev/null"), f, None, libc::MS_BIND, None),
+            ),
+        };
+        match r {
+            Ok(()) => {}
+            // Gone since the daemon listed it: nothing to hide.
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+            Err(e) => fail(&[b"cover the daemon's socket path ", path.to_bytes()], &e),
+        }
+    }
+}
+
 fn init_main(
     setup: &Setup,
     cmd: Option<&Command>,
@@ -345,6 +393,13 @@ fn init_main(
     devnull: Option<RawFd>,
     set: &libc::sigset_t,
 ) -> ! {
+    if !setup.cgroup_procs.is_empty() {
+        // Best effort: without CAP_SYS_RESOURCE init stays killable.
+        let _ = sys::oom_score_adj(b"-1000");
+        if let Err(e) = sys::join_cgroups(&setup.cgroup_procs) {
+            fail(&[b"join the session's cgroup"], &e);
+        }
+    }
     if setup.daemon_owned {
         let mut keep = [setup.mount_fd, ready_w, -1];
         if let Some(n) = devnull {
@@ -380,6 +435,7 @@ fn init_main(
             }
         }
         Placement::At(dir) => {
+            hide(&setup.hide);
             if let Err(e) = sys::attach(setup.mount_fd, dir) {
                 fail(
                     &[b"attach the overlay (move_mount) at ", dir.to_bytes()],
@@ -614,12 +670,20 @@ pub fn decode_exit(b: &[u8; EXIT_BYTES]) -> Exit {
 /// its shell status. The caller reaps the waiter (a pidfd and
 /// [`sys::reap_pidfd`]). Unlike [`join_and_run`] it installs no signal
 /// handler in the caller, which may be a multi-threaded daemon.
+///
+/// `cgroup_procs`: the session cgroup's `cgroup.procs` descriptors
+/// (at most [`crate::cgroup::MAX_DIRS`]); the command joins them before it
+/// execs (the waiter stays in the caller's cgroup).
 pub fn spawn_joined(
     pidfd: &OwnedFd,
     root: &OwnedFd,
     cmd: &Command,
     stdio: &Stdio,
+    cgroup_procs: &[RawFd],
 ) -> io::Result<libc::pid_t> {
+    if cgroup_procs.len() > crate::cgroup::MAX_DIRS {
+        return Err(io::Error::from_raw_os_error(libc::E2BIG));
+    }
     let set = sys::init_sigset();
     // Blocked before the clone, so the waiter loses no signal before it
     // waits; the caller's thread gets its mask back at once.
@@ -628,7 +692,14 @@ pub fn spawn_joined(
     // SAFETY: the child runs only `joined_waiter`, child-safe, ending in _exit.
     let r = unsafe { sys::clone_fork(0) };
     match r {
-        Ok(0) => joined_waiter(pidfd.as_raw_fd(), root.as_raw_fd(), cmd, stdio, &set),
+        Ok(0) => joined_waiter(
+            pidfd.as_raw_fd(),
+            root.as_raw_fd(),
+            cmd,
+            stdio,
+            cgroup_procs,
+            &set,
+        ),
         Ok(pid) => {
             sys::sigmask(libc::SIG_SETMASK, &old);
             Ok(pid)
@@ -645,6 +716,7 @@ fn joined_waiter(
     root: RawFd,
     cmd: &Command,
     stdio: &Stdio,
+    cgroup_procs: &[RawFd],
     set: &libc::sigset_t,
 ) -> ! {
     for (i, &fd) in stdio.fds.iter().enumerate() {
@@ -652,7 +724,13 @@ fn joined_waiter(
             fail(&[b"set up the command's stdio"], &e);
         }
     }
-    sys::close_fds_except(&[pidfd, root, stdio.status]);
+    let mut keep = [-1; 3 + crate::cgroup::MAX_DIRS];
+    keep[..3].copy_from_slice(&[pidfd, root, stdio.status]);
+    keep[3..3 + cgroup_procs.len()].copy_from_slice(cgroup_procs);
+    sys::close_fds_except(&keep[..3 + cgroup_procs.len()]);
+    // The command inherits this: the OOM killer weighs it as any process,
+    // not with the daemon's protection.
+    let _ = sys::oom_score_adj(b"0");
     if let Err(e) = sys::setns_pidfd(pidfd, JOIN_FLAGS) {
         fail(&[b"join the session's namespaces (setns)"], &e);
     }
@@ -665,6 +743,12 @@ fn joined_waiter(
     let main = match unsafe { sys::clone_fork(0) } {
         Ok(0) => {
             sys::close(stdio.status);
+            if let Err(e) = sys::join_cgroups(cgroup_procs) {
+                fail(&[b"join the session's cgroup"], &e);
+            }
+            for &fd in cgroup_procs {
+                sys::close(fd);
+            }
             sys::setpgid(0, 0);
             exec_command(cmd, set)
         }

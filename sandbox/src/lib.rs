@@ -9,7 +9,9 @@
 //!   mount to the holder with `SCM_RIGHTS`);
 //! * [`holder`] — the holder's processes: init (pid 1 of the session), the
 //!   command, `session exec`'s join;
-//! * [`client`] — a blocking client of the mount socket.
+//! * [`client`] — a blocking client of the mount socket;
+//! * [`cgroup`] — per-session limits (CPU, memory, pids): the daemon's cgroup
+//!   parent, one cgroup per limited session, its usage.
 //!
 //! The daemon builds the overlay where the layer paths resolve (its own mount
 //! namespace) and passes the detached mount; the holder attaches it in a mount
@@ -25,6 +27,7 @@
 //! # Ok(()) }
 //! ```
 
+pub mod cgroup;
 pub mod client;
 pub mod holder;
 pub mod sys;

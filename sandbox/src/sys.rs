@@ -917,6 +917,37 @@ pub fn close_fds_except(keep: &[RawFd]) {
     unsafe { libc::syscall(libc::SYS_close_range, from, libc::c_uint::MAX, 0) };
 }
 
+/// Moves the calling process into the cgroups whose `cgroup.procs` are open
+/// as `fds` (writes "0", the writer, to each). Child-safe: a session's init
+/// and an exec'd command call it first thing after their clone.
+pub fn join_cgroups(fds: &[RawFd]) -> io::Result<()> {
+    for &fd in fds {
+        write_all(fd, b"0")?;
+    }
+    Ok(())
+}
+
+/// Sets the calling process's `/proc/self/oom_score_adj` to `value` (ASCII,
+/// -1000..=1000; lowering needs CAP_SYS_RESOURCE). Child-safe. A session's
+/// init takes -1000 (never the OOM victim): it is a fork of the daemon, its
+/// resident set counts the daemon's pages it shares, so a memory-limited
+/// session's OOM kill would otherwise pick init (and end the session) before
+/// the command that allocates. An exec's waiter takes 0: the command must not
+/// inherit the daemon's protection (the systemd unit's OOMScoreAdjust=-999).
+pub fn oom_score_adj(value: &[u8]) -> io::Result<()> {
+    // SAFETY: a constant C string; the descriptor is closed below.
+    let fd = unsafe {
+        libc::open(
+            c"/proc/self/oom_score_adj".as_ptr(),
+            libc::O_WRONLY | libc::O_CLOEXEC,
+        )
+    };
+    let fd = check_int(fd)?;
+    let r = write_all(fd, value);
+    close(fd);
+    r
+}
+
 /// Reaps the ended child of `pidfd` without blocking (`waitid(P_PIDFD,
 /// WEXITED | WNOHANG)`, Linux ≥ 5.4): `Some(exit)` once it ended, `None`
 /// while it runs. Errors: `ECHILD` when it is not this process's child or was

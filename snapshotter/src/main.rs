@@ -121,6 +121,16 @@ fn validate(cfg: &mut Config) -> Result<()> {
             cfg.address.display()
         );
     }
+    sandbox_limits(cfg)
+        .validate("[sandbox] default_")
+        .map_err(|e| anyhow::anyhow!(e))?;
+    if let Some(p) = &cfg.sandbox.cgroup_parent {
+        if !p.starts_with('/') || p.split('/').any(|c| c == ".." || c == ".") || p == "/" {
+            anyhow::bail!(
+                "[sandbox] cgroup_parent = {p:?} is not a cgroup path below the hierarchy's root: give an absolute path such as \"/layerstack.slice/sandboxes\" (no . or .. components)"
+            );
+        }
+    }
     if cfg.root.is_relative() {
         let cwd = std::env::current_dir().context("cannot resolve the relative --root")?;
         cfg.root = cwd.join(&cfg.root);
@@ -245,6 +255,49 @@ async fn probe(snapshots: &Path, admin: &Path, within: Duration) -> Result<()> {
             Err(_) => tokio::time::sleep(Duration::from_millis(50)).await,
         }
     }
+}
+
+/// The default limits of daemon-owned sessions (`[sandbox] default_*`).
+fn sandbox_limits(cfg: &Config) -> layerstack_sandbox::cgroup::Limits {
+    layerstack_sandbox::cgroup::Limits {
+        cpu_millis: cfg.sandbox.default_cpu_millis,
+        memory_bytes: cfg.sandbox.default_memory_bytes,
+        pids: cfg.sandbox.default_pids,
+    }
+}
+
+/// Probes the machine's cgroups for session limits and logs what is there
+/// (docs/operations.md "Session limits"): never fails the start.
+fn probe_cgroups(cfg: &Config) -> layerstack_sandbox::cgroup::Cgroups {
+    // A tag stable for this store (FNV-1a of the root's path): leftovers of
+    // an earlier run are this daemon's to remove, another daemon's are not.
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in cfg.root.as_os_str().as_encoded_bytes() {
+        h = (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3);
+    }
+    let tag = format!("ls{:08x}", h as u32);
+    let cg = layerstack_sandbox::cgroup::Cgroups::probe(cfg.sandbox.cgroup_parent.as_deref(), &tag);
+    for n in &cg.notes {
+        info!(note = %n, "session cgroups");
+    }
+    let defaults = sandbox_limits(cfg);
+    for (c, r) in cg.summary() {
+        let asked = match c {
+            layerstack_sandbox::cgroup::Controller::Cpu => defaults.cpu_millis,
+            layerstack_sandbox::cgroup::Controller::Memory => defaults.memory_bytes,
+            layerstack_sandbox::cgroup::Controller::Pids => defaults.pids,
+        } != 0;
+        match r {
+            Ok(dir) => info!(controller = c.name(), parent = %dir, "session limits available"),
+            Err(why) if asked => {
+                warn!(controller = c.name(), reason = %why, "a default session limit ([sandbox] default_*) needs a cgroup controller the machine does not offer: every daemon-owned session will fail to start until it is fixed or the default is 0")
+            }
+            Err(why) => {
+                info!(controller = c.name(), reason = %why, "session limits of this controller are not available")
+            }
+        }
+    }
+    cg
 }
 
 async fn run(args: Args, mut cfg: Config) -> Result<()> {
@@ -429,6 +482,15 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
     // Before anything can publish: every outcome gets its log line and metrics.
     tokio::spawn(outcomes::watch(&engine, metrics.clone()));
     let holders = sandbox::Holders::new(mount_address.clone());
+    let _ = holders.limits.set(Arc::new(owned::SessionLimits {
+        cgroups: Some(probe_cgroups(&cfg)),
+        defaults: sandbox_limits(&cfg),
+        sockets: vec![
+            cfg.admin_address.clone(),
+            mount_address.clone(),
+            cfg.address.clone(),
+        ],
+    }));
 
     let snapshots = containerd_snapshots::server(Arc::new(service::LayerStackSnapshotter::new(
         engine.clone(),

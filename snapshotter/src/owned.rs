@@ -40,7 +40,8 @@ use std::time::{Duration, Instant};
 use layerstack_api as api;
 use layerstack_engine::store::{ErrorKind, SessionId};
 use layerstack_engine::EndAction;
-use layerstack_sandbox::holder::{self, Command, Placement, Setup, DEFAULT_PATH};
+use layerstack_sandbox::cgroup::{CgroupError, Cgroups, Limits, SessionCgroup};
+use layerstack_sandbox::holder::{self, Command, Hide, Placement, Setup, DEFAULT_PATH};
 use layerstack_sandbox::sys::{self, CArgs, Exit};
 use layerstack_sandbox::wire::{Mode, Reply};
 use nix::fcntl::{AtFlags, OFlag};
@@ -74,6 +75,79 @@ pub struct Defaults {
     pub hostname: String,
     /// Workspace placement: the directory the overlay is mounted at.
     pub placement: Option<String>,
+    /// The session's cgroup (a limit was asked): exec'd commands join it.
+    pub cgroup: Option<Arc<SessionCgroup>>,
+}
+
+/// What the daemon applies to every daemon-owned session: cgroup limits and
+/// the socket paths a workspace-mode session must not reach.
+pub struct SessionLimits {
+    /// The machine's cgroup setup, probed at start (`None`: not probed; a
+    /// limit is then refused as unavailable).
+    pub cgroups: Option<Cgroups>,
+    /// `[sandbox] default_*`: a limit CreateSession leaves unset.
+    pub defaults: Limits,
+    /// The daemon's sockets (admin, mount, snapshots).
+    pub sockets: Vec<std::path::PathBuf>,
+}
+
+/// The limits a session gets: each field of `opts` given, else the daemon's
+/// default; checked (INVALID_ARGUMENT naming the field).
+fn session_limits(opts: &api::SandboxOptions, d: Limits) -> Result<Limits, Status> {
+    let l = Limits {
+        cpu_millis: opts.cpu_millis.unwrap_or(d.cpu_millis),
+        memory_bytes: opts.memory_bytes.unwrap_or(d.memory_bytes),
+        pids: opts.pids.unwrap_or(d.pids),
+    };
+    l.validate("sandbox.").map_err(Status::invalid_argument)?;
+    Ok(l)
+}
+
+fn cgroup_status(e: &CgroupError) -> Status {
+    match e {
+        CgroupError::Unavailable { .. } => Status::failed_precondition(format!(
+            "{e} (docs/operations.md \"Session limits\"; or create the session without this limit)"
+        )),
+        CgroupError::Io { source, .. } => Status::internal(format!("{e}: {source}")),
+    }
+}
+
+/// What a workspace-mode session covers so it cannot reach the daemon's
+/// sockets: each socket's directory (a tmpfs over it), or the socket itself
+/// when its directory is `/`. A placement inside a covered directory is
+/// refused (INVALID_ARGUMENT): the session could not see its own overlay.
+fn hide_list(sockets: &[std::path::PathBuf], placement: &str) -> Result<Vec<Hide>, Status> {
+    use std::path::Path;
+    let mut dirs: Vec<&Path> = Vec::new();
+    let mut files: Vec<&Path> = Vec::new();
+    for s in sockets {
+        match s.parent() {
+            Some(d) if d != Path::new("/") && !d.as_os_str().is_empty() => dirs.push(d),
+            _ => files.push(s),
+        }
+    }
+    dirs.sort();
+    dirs.dedup();
+    for d in &dirs {
+        if Path::new(placement).starts_with(d) {
+            return Err(Status::invalid_argument(format!(
+                "sandbox.placement {placement:?} is inside {}, the directory of the daemon's sockets, which workspace sessions do not see: place the session elsewhere",
+                d.display()
+            )));
+        }
+    }
+    let c = |p: &Path| {
+        CString::new(p.as_os_str().as_bytes())
+            .map_err(|_| Status::internal("a socket path holds a NUL byte"))
+    };
+    let mut v = Vec::new();
+    for d in dirs {
+        v.push(Hide::Dir(c(d)?));
+    }
+    for f in files {
+        v.push(Hide::File(c(f)?));
+    }
+    Ok(v)
 }
 
 type Job = Box<dyn FnOnce() + Send>;
@@ -181,6 +255,23 @@ pub(crate) async fn create(
             "hostname {hostname:?} is longer than 64 bytes (HOST_NAME_MAX): give sandbox.hostname"
         )));
     }
+    let rt = admin.holders.limits.get().cloned();
+    let limits = session_limits(&opts, rt.as_ref().map(|r| r.defaults).unwrap_or_default())?;
+    if !limits.is_empty() {
+        // Unavailable controllers are refused before a session is made.
+        match rt.as_ref().and_then(|r| r.cgroups.as_ref()) {
+            Some(cg) => cg.check(&limits).map_err(|e| cgroup_status(&e))?,
+            None => {
+                return Err(Status::failed_precondition(
+                    "session limits are not set up in this daemon (no cgroup probe): create the session without limits",
+                ))
+            }
+        }
+    }
+    let hide = match (&placement, &rt) {
+        (Some(p), Some(rt)) => hide_list(&rt.sockets, p)?,
+        _ => Vec::new(),
+    };
     let (session, spec, created) = admin.sandbox_create_spec(r).await?;
     let id = session.id;
     let holders = admin.holders.clone();
@@ -206,7 +297,16 @@ pub(crate) async fn create(
         };
     }
     let conn = holders.next_conn.fetch_add(1, Ordering::Relaxed);
+    let mut cgroup: Option<Arc<SessionCgroup>> = None;
     let started = async {
+        if let Some(cg) = rt.as_ref().and_then(|r| r.cgroups.as_ref()) {
+            cgroup = cg
+                .create(id, &limits)
+                .map_err(|e| cgroup_status(&e))?
+                .map(Arc::new);
+        }
+        let procs = cgroup.as_ref().map(|c| c.procs_fds()).unwrap_or_default();
+        let keep_cg = cgroup.clone();
         let fd = crate::sandbox::attach(&admin.engine, &holders, conn, id, Some(spec.clone()))
             .await
             .map_err(reply_status)?;
@@ -233,12 +333,16 @@ pub(crate) async fn create(
             ready_line: Vec::new(),
             die_with_parent: true,
             daemon_owned: true,
+            cgroup_procs: procs,
+            hide,
         };
         let r = spawner
             .run(move || {
                 let r = holder::start(&setup, None);
                 // Only init keeps the overlay from now on.
                 drop(fd);
+                // The cgroup's descriptors stay open until init joined.
+                drop(keep_cg);
                 r
             })
             .await?;
@@ -255,6 +359,9 @@ pub(crate) async fn create(
     let pid = match started {
         Ok(pid) => pid,
         Err(st) => {
+            if let Some(cg) = cgroup.take() {
+                remove_cgroup(id, cg);
+            }
             {
                 let mut m = holders.map();
                 if m.get(&id).is_some_and(|h| h.conn == conn) {
@@ -281,6 +388,9 @@ pub(crate) async fn create(
         Err(e) => {
             // Cannot happen for a child not yet reaped; stop it anyway.
             sys::kill(pid, libc::SIGKILL);
+            if let Some(cg) = cgroup.take() {
+                remove_cgroup(id, cg);
+            }
             return Err(io_status("cannot open a pidfd for the session's init", &e));
         }
     };
@@ -289,6 +399,7 @@ pub(crate) async fn create(
         user: opts.has_user.then_some((opts.uid, opts.gid)),
         hostname,
         placement: placement.clone(),
+        cgroup: cgroup.clone(),
     });
     {
         let mut m = holders.map();
@@ -307,8 +418,13 @@ pub(crate) async fn create(
             h.owned = Some(defaults);
         }
     }
-    watch_init(admin.clone(), id, conn, pidfd);
-    info!(session.id = id, init = pid, "daemon-owned session started");
+    watch_init(admin.clone(), id, conn, pidfd, cgroup.clone());
+    info!(
+        session.id = id,
+        init = pid,
+        ?limits,
+        "daemon-owned session started"
+    );
     let session = admin
         .to_api(
             admin
@@ -328,7 +444,13 @@ pub(crate) async fn create(
 /// Waits for a daemon-owned session's init to end and reaps it. An end that
 /// CloseSession did not ask for (init killed, setup of the namespaces gone
 /// wrong) ends the session by its policy, as a holder gone without closing.
-fn watch_init(admin: AdminService, id: SessionId, conn: u64, pidfd: Arc<OwnedFd>) {
+fn watch_init(
+    admin: AdminService,
+    id: SessionId,
+    conn: u64,
+    pidfd: Arc<OwnedFd>,
+    cgroup: Option<Arc<SessionCgroup>>,
+) {
     tokio::spawn(async move {
         let exit = match wait_pidfd(&pidfd).await {
             Ok(x) => Some(x),
@@ -337,6 +459,9 @@ fn watch_init(admin: AdminService, id: SessionId, conn: u64, pidfd: Arc<OwnedFd>
                 None
             }
         };
+        if let Some(cg) = cgroup {
+            remove_cgroup(id, cg);
+        }
         let closing = {
             let mut m = admin.holders.map();
             match m.get(&id) {
@@ -358,6 +483,33 @@ fn watch_init(admin: AdminService, id: SessionId, conn: u64, pidfd: Arc<OwnedFd>
                     "the init of a daemon-owned session ended without CloseSession"
                 );
                 admin.engine.sandbox_holder_gone(id);
+            }
+        }
+    });
+}
+
+/// Removes a session's cgroup once its processes are gone: init's exit made
+/// the kernel kill the session's pid namespace, whose processes may take a
+/// moment to leave (retried for up to 10 s, then logged; the next daemon
+/// start removes what is left).
+fn remove_cgroup(id: SessionId, cg: Arc<SessionCgroup>) {
+    tokio::spawn(async move {
+        let t0 = Instant::now();
+        let mut wait = Duration::from_millis(2);
+        loop {
+            match cg.remove() {
+                Ok(()) => {
+                    debug!(session.id = id, "session cgroup removed");
+                    return;
+                }
+                Err(e) if t0.elapsed() > Duration::from_secs(10) => {
+                    warn!(session.id = id, error = %e, "a session's cgroup is still busy: left for the next daemon start");
+                    return;
+                }
+                Err(_) => {
+                    tokio::time::sleep(wait).await;
+                    wait = (wait * 2).min(Duration::from_millis(200));
+                }
             }
         }
     });
@@ -433,8 +585,17 @@ async fn live(admin: &AdminService, id: SessionId) -> Result<Live, Status> {
 /// and valid only if init (the pidfd) still runs after the open: a recycled
 /// pid can not lend its root.
 fn open_root(l: &Live, id: SessionId) -> Result<OwnedFd, Status> {
-    let root = sys::open_dir_path(std::path::Path::new(&format!("/proc/{}/root", l.pid)))
-        .map_err(|e| io_status(&format!("cannot open session {id}'s root"), &e))?;
+    let root = match sys::open_dir_path(std::path::Path::new(&format!("/proc/{}/root", l.pid))) {
+        Ok(r) => r,
+        // Init ended (and was reaped) between the lookup and the open: the
+        // session is ending, as below.
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) || sys::pidfd_exited(&l.pidfd) => {
+            return Err(Status::failed_precondition(format!(
+                "session {id}'s init has exited: the session is ending"
+            )))
+        }
+        Err(e) => return Err(io_status(&format!("cannot open session {id}'s root"), &e)),
+    };
     if sys::pidfd_exited(&l.pidfd) {
         return Err(Status::failed_precondition(format!(
             "session {id}'s init has exited: the session is ending"
@@ -523,6 +684,7 @@ fn exit_reply(x: Exit, timed_out: bool, started: Instant) -> api::ExecReply {
             signal,
             timed_out,
             duration_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
+            ..Default::default()
         })),
     }
 }
@@ -544,8 +706,11 @@ pub(crate) async fn exec(
         fds: [in_r.as_raw_fd(), out_w.as_raw_fd(), err_w.as_raw_fd()],
         status: st_w.as_raw_fd(),
     };
+    let cgroup = l.owned.as_ref().and_then(|d| d.cgroup.clone());
+    let procs = cgroup.as_ref().map(|c| c.procs_fds()).unwrap_or_default();
+    let oom_before = cgroup.as_ref().map_or(0, |c| c.usage().oom_kills);
     let started = Instant::now();
-    let pid = holder::spawn_joined(&l.pidfd, &root, &cmd, &stdio)
+    let pid = holder::spawn_joined(&l.pidfd, &root, &cmd, &stdio, &procs)
         .map_err(|e| io_status("cannot start the command's process", &e))?;
     drop((in_r, out_w, err_w, st_w, root));
     let waiter =
@@ -636,7 +801,14 @@ pub(crate) async fn exec(
                 Ok(_) => holder::decode_exit(&b),
                 Err(_) => waiter_exit.unwrap_or(Ok(Exit::Code(holder::SETUP_FAILED)))?,
             };
-            Ok::<_, io::Error>(exit_reply(x, timed_out, elapsed_from))
+            let mut reply = exit_reply(x, timed_out, elapsed_from);
+            if let (Some(cg), Some(api::exec_reply::Kind::Exit(e))) = (&cgroup, &mut reply.kind) {
+                let u = cg.usage();
+                e.oom_killed = u.oom_kills > oom_before && x == Exit::Signal(libc::SIGKILL);
+                e.session_memory_peak_bytes = u.memory_peak_bytes;
+                e.session_cpu_usec = u.cpu_usec;
+            }
+            Ok::<_, io::Error>(reply)
         };
         let last = run.await.map_err(|e| io_status("exec", &e));
         let _ = tx.send(last).await;

@@ -69,6 +69,9 @@ pub struct Holders {
     pub(crate) next_conn: AtomicU64,
     /// The thread that clones daemon-owned sessions' inits (started on first use).
     pub(crate) spawner: std::sync::OnceLock<crate::owned::Spawner>,
+    /// Limits and hidden paths of daemon-owned sessions (set once at start;
+    /// unset: no cgroup setup, no socket to hide).
+    pub limits: std::sync::OnceLock<Arc<crate::owned::SessionLimits>>,
 }
 
 impl Holders {
@@ -78,6 +81,7 @@ impl Holders {
             map: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(1),
             spawner: std::sync::OnceLock::new(),
+            limits: std::sync::OnceLock::new(),
         })
     }
 

@@ -4,7 +4,8 @@ exec with streamed output, exit codes and timeouts; files, tar up and down,
 a symlink to the host's /etc/passwd that never leads out; the live diff;
 checkpoint with the node id as a field; discard leaving nothing mounted; the
 asyncio client fanning out; a non-root uid the config allows; a remote client
-over TCP+TLS with a token.
+over TCP+TLS with a token; a memory limit that OOM-kills what allocates past
+it (sync and asyncio).
 
 Needs root, ``busybox`` (busybox-static), ``setpriv``, ``openssl`` and the
 built daemon; skips without them, except with ``CI=true``, where it fails.
@@ -33,6 +34,7 @@ from layerstack.sandbox import ExecChunk, ExecError, ExecOutput
 from conftest import DAEMON_BIN, REPO, _mounts_under, _terminate, _wait_for, bin_dir, in_ci
 
 TOKEN = "sdk-token"
+CGROUP_PARENT = f"/layerstack-py-{os.getpid()}"
 USER_UID = 65534
 
 
@@ -67,7 +69,7 @@ def _rootfs(root: Path) -> Path:
     (root / "etc").mkdir()
     (root / "work").mkdir()
     shutil.copy(shutil.which("busybox") or "/bin/busybox", root / "bin" / "busybox")
-    for applet in ("sh", "cat", "echo", "ls", "sleep", "true", "kill", "mkdir", "rm"):
+    for applet in ("sh", "cat", "echo", "ls", "sleep", "true", "kill", "mkdir", "rm", "dd"):
         os.symlink("busybox", root / "bin" / applet)
     (root / "etc" / "passwd").write_text("root:x:0:0:session root:/root:/bin/sh\n")
     (root / "etc" / "motd").write_text("base\n")
@@ -95,6 +97,9 @@ def daemon() -> Iterator[Daemon]:
         f"[api]\nallowed_uids = [{USER_UID}]\n"
         f'[api.tcp]\naddress = "127.0.0.1:{port}"\ncert = "{tls}/server.pem"\nkey = "{tls}/server.key"\n'
         f'tokens_file = "{d}/tokens"\n'
+        # Session cgroups under the hierarchy's root: the daemon's own cgroup
+        # (this test's) has other processes and cannot enable controllers.
+        f'[sandbox]\ncgroup_parent = "{CGROUP_PARENT}"\n'
     )
     (d / "ls").mkdir()
     admin = d / "ls" / "admin.sock"
@@ -124,6 +129,11 @@ def daemon() -> Iterator[Daemon]:
         left = _mounts_under(d)
         for m in left:
             subprocess.run(["umount", "-l", m], capture_output=True)
+        for h in ("", "unified", "memory", "cpu", "cpuacct", "pids"):
+            try:
+                os.rmdir(Path("/sys/fs/cgroup") / h / CGROUP_PARENT.lstrip("/"))
+            except OSError:
+                pass
         if os.environ.get("LAYERSTACK_TEST_KEEP") != "1":
             subprocess.run(["rm", "-rf", "--one-file-system", str(d)], capture_output=True)
         assert not left, f"mounts left under the test's directory after the daemon stopped: {left}"
@@ -263,6 +273,33 @@ def test_the_asyncio_client_fans_out(daemon: Daemon) -> None:
 
     nodes = asyncio.run(main())
     assert len(set(nodes)) == 16, nodes
+
+
+def test_a_memory_limit_kills_what_allocates_past_it(daemon: Daemon) -> None:
+    # 128 MiB in a 32 MiB sandbox: the kernel's OOM killer ends the command.
+    alloc = ["dd", "if=/dev/zero", "of=/dev/null", "bs=128M", "count=1"]
+    with layerstack.connect(daemon.admin) as c:
+        with c.sandbox(daemon.stack, memory_bytes=32 << 20, pids=64) as sb:
+            out = sb.exec(alloc)
+            assert (out.exit_code, out.signal, out.oom_killed) == (137, 9, True), out
+            assert 0 < out.session_memory_peak_bytes <= 33 << 20, out
+            alive = sb.exec(["echo", "alive"])
+            assert alive.stdout == b"alive\n" and not alive.oom_killed, alive
+        with c.sandbox(daemon.stack) as sb:
+            out = sb.exec(["echo", "unlimited"])
+            assert out.ok and out.session_memory_peak_bytes == 0, "no limit, no cgroup"
+        with pytest.raises(layerstack.InvalidArgumentError, match="sandbox.memory_bytes"):
+            c.sandbox(daemon.stack, memory_bytes=1 << 20)
+        with pytest.raises(ValueError):
+            c.sandbox(daemon.stack, pids=-1)
+
+    async def main() -> ExecOutput:
+        async with layerstack.aio.connect(daemon.admin) as ls:
+            async with ls.sandbox(daemon.stack, memory_bytes=32 << 20) as sb:
+                return await sb.exec(alloc)
+
+    out = asyncio.run(main())
+    assert (out.signal, out.oom_killed) == (9, True), out
 
 
 _AS_USER = """

@@ -179,6 +179,9 @@ class AsyncClient:
         hostname: Optional[str] = None,
         wait_s: float = 60.0,
         ignore_mtime: bool = False,
+        cpu_millis: Optional[int] = None,
+        memory_bytes: Optional[int] = None,
+        pids: Optional[int] = None,
     ) -> "_SandboxStart":
         """A new daemon-owned sandbox; arguments, answers and errors as
         :meth:`layerstack.Client.sandbox`. ``await`` it, or ``async with`` it."""
@@ -194,7 +197,16 @@ class AsyncClient:
             exit_policy=exit_policy,
             wait_s=wait_s,
             ignore_mtime=ignore_mtime,
-            options=sandbox_options(network=network, user=user, workdir=workdir, env=env, hostname=hostname),
+            options=sandbox_options(
+                network=network,
+                user=user,
+                workdir=workdir,
+                env=env,
+                hostname=hostname,
+                cpu_millis=cpu_millis,
+                memory_bytes=memory_bytes,
+                pids=pids,
+            ),
         )
         timeout = None if self.timeout_s is None else self.timeout_s + wait_s
         return _SandboxStart(self, req, timeout)

@@ -298,6 +298,9 @@ class Client:
         hostname: Optional[str] = None,
         wait_s: float = 60.0,
         ignore_mtime: bool = False,
+        cpu_millis: Optional[int] = None,
+        memory_bytes: Optional[int] = None,
+        pids: Optional[int] = None,
     ) -> Sandbox:
         """A new daemon-owned sandbox on ``stack`` (a stack id, image reference
         or base digest; ``branch`` default the daemon's) or as an attempt of
@@ -315,10 +318,22 @@ class Client:
             wait_s: how long to wait for a free slot when the daemon's pool of
                 live sandboxes is full; 0 raises BusyError at once.
             ignore_mtime: content history only (see :meth:`run`).
+            cpu_millis: CPU time per wall time, thousandths of one CPU (100 =
+                a tenth of a CPU; 10..1000000).
+            memory_bytes: memory of all the sandbox's processes together,
+                bytes (>= 4 MiB; no swap beyond it): a process allocating past
+                it is killed (``ExecOutput.signal`` 9, ``oom_killed``).
+            pids: processes and threads alive at once, init included (>= 2);
+                a fork beyond it fails with EAGAIN.
+                For each limit None means the daemon's default (``[sandbox]
+                default_*``, unlimited unless configured) and 0 no limit; the
+                daemon enforces them with a cgroup of the sandbox's own.
 
         Use it as a context manager: leaving the block unclosed discards its
         writes. Raises NotFoundError (stack, branch, node), BusyError (pool
-        full), InvalidArgumentError (a bad field, named)."""
+        full), InvalidArgumentError (a bad field, named; a limit out of
+        range), FailedPreconditionError (a limit whose cgroup controller the
+        daemon's machine lacks, named); ValueError (a negative limit)."""
         req = create_request(
             self.namespace,
             stack=stack,
@@ -329,7 +344,16 @@ class Client:
             exit_policy=_check_exit_policy(exit_policy) or None,
             wait_s=wait_s,
             ignore_mtime=ignore_mtime,
-            options=sandbox_options(network=network, user=user, workdir=workdir, env=env, hostname=hostname),
+            options=sandbox_options(
+                network=network,
+                user=user,
+                workdir=workdir,
+                env=env,
+                hostname=hostname,
+                cpu_millis=cpu_millis,
+                memory_bytes=memory_bytes,
+                pids=pids,
+            ),
         )
         timeout = None if self.timeout_s is None else self.timeout_s + wait_s
         r = self._call(self._stub.CreateSession, req, timeout)

@@ -101,7 +101,13 @@ class ExecOutput:
     ``exit_code`` is a shell's ``$?`` (128 + n when signal n ended it; 127: not
     found, 126: not executable); ``signal`` the signal (0 if it exited);
     ``timed_out`` the command outlived ``timeout_s`` and was killed;
-    ``duration_ms`` from its start to its end."""
+    ``duration_ms`` from its start to its end. With limits
+    (``Client.sandbox(cpu_millis=, memory_bytes=, pids=)``): ``oom_killed``
+    the kernel's OOM killer ended a process of the sandbox while the command
+    ran (its memory limit was reached) and the command died of SIGKILL
+    (``signal`` 9); ``session_memory_peak_bytes`` the sandbox's highest memory
+    use so far (with a memory limit) and ``session_cpu_usec`` the CPU time of
+    all its processes so far, microseconds (both 0 without a limit)."""
 
     exit_code: int
     signal: int
@@ -109,6 +115,9 @@ class ExecOutput:
     duration_ms: int
     stdout: bytes = b""
     stderr: bytes = b""
+    oom_killed: bool = False
+    session_memory_peak_bytes: int = 0
+    session_cpu_usec: int = 0
 
     @property
     def ok(self) -> bool:
@@ -128,6 +137,9 @@ class ExecOutput:
             duration_ms=e.duration_ms,
             stdout=stdout,
             stderr=stderr,
+            oom_killed=e.oom_killed,
+            session_memory_peak_bytes=e.session_memory_peak_bytes,
+            session_cpu_usec=e.session_cpu_usec,
         )
 
 
@@ -269,12 +281,23 @@ def sandbox_options(
     workdir: Optional[str],
     env: Optional[Mapping[str, str]],
     hostname: Optional[str],
+    cpu_millis: Optional[int] = None,
+    memory_bytes: Optional[int] = None,
+    pids: Optional[int] = None,
 ) -> Any:
     o = pb.SandboxOptions(
         network=network, workdir=workdir or "", env=env_list(env), hostname=hostname or ""
     )
     if user is not None:
         o.has_user, o.uid, o.gid = True, user[0], user[1]
+    # None: the daemon's default ([sandbox] default_*); 0: no limit. The
+    # daemon checks the ranges (InvalidArgumentError naming the field).
+    for field, v in (("cpu_millis", cpu_millis), ("memory_bytes", memory_bytes), ("pids", pids)):
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+            raise ValueError(f"{field}={v!r}: give a whole number >= 0 (0: no limit) or None (the daemon's default)")
+        setattr(o, field, v)
     return o
 
 

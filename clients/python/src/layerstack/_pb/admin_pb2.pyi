@@ -165,7 +165,7 @@ class CreateSessionRequest(_message.Message):
     def __init__(self, namespace: _Optional[str] = ..., stack: _Optional[str] = ..., branch: _Optional[str] = ..., node: _Optional[str] = ..., name: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., policy: _Optional[str] = ..., wait_ms: _Optional[int] = ..., ignore_mtime: _Optional[bool] = ..., sandbox: _Optional[_Union[SandboxOptions, _Mapping]] = ...) -> None: ...
 
 class SandboxOptions(_message.Message):
-    __slots__ = ("network", "has_user", "uid", "gid", "workdir", "env", "placement", "hostname")
+    __slots__ = ("network", "has_user", "uid", "gid", "workdir", "env", "placement", "hostname", "cpu_millis", "memory_bytes", "pids")
     NETWORK_FIELD_NUMBER: _ClassVar[int]
     HAS_USER_FIELD_NUMBER: _ClassVar[int]
     UID_FIELD_NUMBER: _ClassVar[int]
@@ -174,6 +174,9 @@ class SandboxOptions(_message.Message):
     ENV_FIELD_NUMBER: _ClassVar[int]
     PLACEMENT_FIELD_NUMBER: _ClassVar[int]
     HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    CPU_MILLIS_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PIDS_FIELD_NUMBER: _ClassVar[int]
     network: bool
     has_user: bool
     uid: int
@@ -182,7 +185,10 @@ class SandboxOptions(_message.Message):
     env: _containers.RepeatedScalarFieldContainer[str]
     placement: str
     hostname: str
-    def __init__(self, network: _Optional[bool] = ..., has_user: _Optional[bool] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., workdir: _Optional[str] = ..., env: _Optional[_Iterable[str]] = ..., placement: _Optional[str] = ..., hostname: _Optional[str] = ...) -> None: ...
+    cpu_millis: int
+    memory_bytes: int
+    pids: int
+    def __init__(self, network: _Optional[bool] = ..., has_user: _Optional[bool] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., workdir: _Optional[str] = ..., env: _Optional[_Iterable[str]] = ..., placement: _Optional[str] = ..., hostname: _Optional[str] = ..., cpu_millis: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., pids: _Optional[int] = ...) -> None: ...
 
 class ExecRequest(_message.Message):
     __slots__ = ("session_id", "argv", "env", "cwd", "has_user", "uid", "gid", "stdin", "timeout_ms")
@@ -217,16 +223,22 @@ class ExecReply(_message.Message):
     def __init__(self, stdout: _Optional[bytes] = ..., stderr: _Optional[bytes] = ..., exit: _Optional[_Union[ExecExit, _Mapping]] = ...) -> None: ...
 
 class ExecExit(_message.Message):
-    __slots__ = ("code", "signal", "timed_out", "duration_ms")
+    __slots__ = ("code", "signal", "timed_out", "duration_ms", "oom_killed", "session_memory_peak_bytes", "session_cpu_usec")
     CODE_FIELD_NUMBER: _ClassVar[int]
     SIGNAL_FIELD_NUMBER: _ClassVar[int]
     TIMED_OUT_FIELD_NUMBER: _ClassVar[int]
     DURATION_MS_FIELD_NUMBER: _ClassVar[int]
+    OOM_KILLED_FIELD_NUMBER: _ClassVar[int]
+    SESSION_MEMORY_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SESSION_CPU_USEC_FIELD_NUMBER: _ClassVar[int]
     code: int
     signal: int
     timed_out: bool
     duration_ms: int
-    def __init__(self, code: _Optional[int] = ..., signal: _Optional[int] = ..., timed_out: _Optional[bool] = ..., duration_ms: _Optional[int] = ...) -> None: ...
+    oom_killed: bool
+    session_memory_peak_bytes: int
+    session_cpu_usec: int
+    def __init__(self, code: _Optional[int] = ..., signal: _Optional[int] = ..., timed_out: _Optional[bool] = ..., duration_ms: _Optional[int] = ..., oom_killed: _Optional[bool] = ..., session_memory_peak_bytes: _Optional[int] = ..., session_cpu_usec: _Optional[int] = ...) -> None: ...
 
 class ReadFileRequest(_message.Message):
     __slots__ = ("session_id", "path", "offset", "limit")
