@@ -181,7 +181,7 @@ pub(crate) async fn create(
             "hostname {hostname:?} is longer than 64 bytes (HOST_NAME_MAX): give sandbox.hostname"
         )));
     }
-    let (session, spec, created) = admin.sandbox_create_spec(r).await?;
+    let (session, spec, created) = admin.sandbox_create_spec(r, true).await?;
     let id = session.id;
     let holders = admin.holders.clone();
     if !created && session.released {
@@ -327,7 +327,8 @@ pub(crate) async fn create(
 
 /// Waits for a daemon-owned session's init to end and reaps it. An end that
 /// CloseSession did not ask for (init killed, setup of the namespaces gone
-/// wrong) ends the session by its policy, as a holder gone without closing.
+/// wrong) is an infrastructure failure: the run ends `interrupted`
+/// (`init-gone`), never by its policy, its writes kept until discarded.
 fn watch_init(admin: AdminService, id: SessionId, conn: u64, pidfd: Arc<OwnedFd>) {
     tokio::spawn(async move {
         let exit = match wait_pidfd(&pidfd).await {
@@ -357,7 +358,7 @@ fn watch_init(admin: AdminService, id: SessionId, conn: u64, pidfd: Arc<OwnedFd>
                     session.id = id,
                     "the init of a daemon-owned session ended without CloseSession"
                 );
-                admin.engine.sandbox_holder_gone(id);
+                admin.engine.sandbox_init_gone(id);
             }
         }
     });
@@ -433,8 +434,16 @@ async fn live(admin: &AdminService, id: SessionId) -> Result<Live, Status> {
 /// and valid only if init (the pidfd) still runs after the open: a recycled
 /// pid can not lend its root.
 fn open_root(l: &Live, id: SessionId) -> Result<OwnedFd, Status> {
-    let root = sys::open_dir_path(std::path::Path::new(&format!("/proc/{}/root", l.pid)))
-        .map_err(|e| io_status(&format!("cannot open session {id}'s root"), &e))?;
+    let root = sys::open_dir_path(std::path::Path::new(&format!("/proc/{}/root", l.pid))).map_err(
+        |e| match e.raw_os_error() {
+            // An init on its way out (its fs released before its pidfd
+            // reports the exit): the session is ending, not a daemon fault.
+            Some(libc::ENOENT | libc::ESRCH) => Status::failed_precondition(format!(
+                "session {id}'s init has exited: the session is ending"
+            )),
+            _ => io_status(&format!("cannot open session {id}'s root"), &e),
+        },
+    )?;
     if sys::pidfd_exited(&l.pidfd) {
         return Err(Status::failed_precondition(format!(
             "session {id}'s init has exited: the session is ending"
