@@ -623,6 +623,108 @@ mod tests {
         assert_eq!(d.owner.display(), "sandbox:d");
     }
 
+    /// A restart with daemon-owned sessions live (their inits died with the
+    /// last daemon): each ends `interrupted` whatever its policy, before
+    /// `recover_sandboxes` returns; nothing published, the upper kept, the
+    /// attempt `interrupted`; a later close only answers it. A holder's
+    /// session still ends by its policy.
+    #[tokio::test]
+    async fn a_restart_interrupts_daemon_owned_sessions_and_publishes_nothing() {
+        if !have_root("a_restart_interrupts_daemon_owned_sessions_and_publishes_nothing") {
+            return;
+        }
+        let t = tempfile::Builder::new()
+            .prefix("ls-sandbox-")
+            .tempdir_in("/var/tmp")
+            .unwrap();
+        let e = engine(t.path(), 8);
+        let owned = |name: &str, node: Option<String>| SandboxRequest {
+            daemon_owned: true,
+            node,
+            ..req(name, Some(ExitPolicy::OnExit), None)
+        };
+        // The branch exists once a session leased it.
+        let (a, _, _) = e.create_sandbox_session(owned("a", None)).await.unwrap();
+        let (_, root) = e
+            .graph_create("g", "ns/sha256:aaa", "main", None)
+            .await
+            .unwrap();
+        let (b, _, _) = e
+            .create_sandbox_session(owned("b", Some(root.id.clone())))
+            .await
+            .unwrap();
+        let (h, _, _) = e
+            .create_sandbox_session(req("h", Some(ExitPolicy::OnExit), None))
+            .await
+            .unwrap();
+        assert!(a.daemon_owned && b.daemon_owned && !h.daemon_owned);
+        for s in [&a, &b, &h] {
+            std::fs::set_permissions(&s.upper, std::fs::Permissions::from_mode(0o755)).unwrap();
+            std::fs::write(s.upper.join("half-done"), b"x\n").unwrap();
+        }
+        // The next daemon over the same store.
+        let store = e.store().clone();
+        drop(e);
+        let e = Engine::new(store, EngineSettings::default());
+        assert_eq!(e.recover_sandboxes().await.unwrap(), 3);
+        for s in [&a, &b] {
+            let now = e.session(s.id).await.unwrap();
+            let o = now.outcome.clone().unwrap();
+            assert_eq!(
+                (o.kind, o.interrupted_by, o.layer, now.released),
+                (
+                    OutcomeKind::Interrupted,
+                    Some(Interruption::DaemonRestart),
+                    None,
+                    true
+                ),
+                "{now:?}"
+            );
+            assert!(s.upper.join("half-done").exists(), "the upper is kept");
+            // A close after the interruption publishes nothing.
+            let closed = e
+                .close_sandbox_session(s.id, EndAction::Publish, "late", Duration::from_secs(1))
+                .await
+                .unwrap();
+            assert_eq!(
+                closed.outcome.map(|o| o.kind),
+                Some(OutcomeKind::Interrupted)
+            );
+        }
+        let attempt = e
+            .store()
+            .attempt_of_session(b.id)
+            .unwrap()
+            .expect("b's attempt");
+        assert_eq!(attempt.status, layerstack_store::AttemptStatus::Interrupted);
+        // The holder's session: by its policy once unmounted (it never was).
+        let t0 = std::time::Instant::now();
+        let held = loop {
+            let s = e.session(h.id).await.unwrap();
+            if (s.released && s.outcome.is_some()) || t0.elapsed() > Duration::from_secs(10) {
+                break s;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        assert_eq!(held.outcome.map(|o| o.kind), Some(OutcomeKind::Committed));
+        // Only the holder's write reached the branch.
+        let (n, spec, _) = e
+            .create_sandbox_session(req("n", None, None))
+            .await
+            .unwrap();
+        let MountSpec::Overlay { lowers, .. } = spec else {
+            panic!()
+        };
+        assert_eq!(
+            lowers
+                .iter()
+                .filter(|l| l.join("half-done").exists())
+                .count(),
+            1
+        );
+        drop(n);
+    }
+
     #[tokio::test]
     async fn close_applies_the_recorded_policy_and_releases() {
         if !have_root("close_applies_the_recorded_policy_and_releases") {
