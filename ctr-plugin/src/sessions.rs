@@ -41,6 +41,8 @@ pub(crate) fn session_json(
         "dry_run": s.dry_run,
         "layer": if s.layer == 0 { serde_json::Value::Null } else { json!(s.layer) },
         "node": if s.node.is_empty() { serde_json::Value::Null } else { json!(s.node) },
+        "interrupted_by": if s.interrupted_by.is_empty() { serde_json::Value::Null } else { json!(s.interrupted_by) },
+        "daemon_owned": s.daemon_owned,
         "message": s.message,
         "released": s.released,
         "run": s.run,
@@ -76,6 +78,9 @@ fn outcome_lines(s: &api::Session, paths: Option<&[api::PathVerdict]>) -> Vec<St
     }
     if !s.node.is_empty() {
         lines.push(format!("node {}", s.node));
+    }
+    if !s.interrupted_by.is_empty() {
+        lines.push(format!("interrupted by {}", s.interrupted_by));
     }
     match paths {
         Some(paths) => {
@@ -127,7 +132,8 @@ pub(crate) fn print_outcome(
 }
 
 /// The CLI's exit status for an outcome: 3 for a conflict; 1 for the other runs
-/// that kept their writes unpublished (failed, busy, unsupported, unknown); 0
+/// that kept their writes unpublished (failed, busy, unsupported, unknown,
+/// interrupted); 0
 /// otherwise (and for no outcome).
 fn outcome_status(outcome: &str) -> u8 {
     match OutcomeKind::parse(outcome) {
@@ -378,6 +384,7 @@ mod tests {
                 ("busy", 1),
                 ("unsupported", 1),
                 ("unknown", 1),
+                ("interrupted", 1),
             ]
         );
         assert_eq!(outcome_status(""), 0, "no outcome yet");

@@ -197,6 +197,7 @@ pub(crate) fn markers_left(
         )),
         paths,
         timings: None,
+        interrupted_by: None,
     }))
 }
 

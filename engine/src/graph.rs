@@ -69,6 +69,7 @@ impl Engine {
         let opts = layerstack_store::SessionOptions {
             exit_policy: exit_policy.map(|p| p.as_str().to_string()),
             ignore_mtime: false,
+            daemon_owned: false,
         };
         self.attempt_start_with(node, owner, key, opts).await
     }
@@ -390,7 +391,8 @@ impl Engine {
 
     /// After an outcome that ended an attempt's run without a checkpoint: the
     /// attempt (`attempt`, the session's latest, read with the outcome) ends
-    /// `failed` with the outcome as its reason.
+    /// `failed` with the outcome as its reason — `interrupted` when an
+    /// infrastructure failure ended the run (outcome `interrupted`).
     pub(crate) async fn end_attempt_of(&self, s: &SessionInfo, attempt: Option<AttemptInfo>) {
         let Some(o) = &s.outcome else { return };
         let Some(a) = attempt else {
@@ -407,7 +409,10 @@ impl Engine {
                 .map(|m| format!(": {m}"))
                 .unwrap_or_default()
         );
-        let status = if o.kind == OutcomeKind::Discarded || !o.kind.is_retryable() {
+        let status = if o.kind == OutcomeKind::Interrupted {
+            // An infrastructure failure, not the task's: a retry is the way on.
+            AttemptStatus::Interrupted
+        } else if o.kind == OutcomeKind::Discarded || !o.kind.is_retryable() {
             AttemptStatus::Failed
         } else {
             return;
@@ -488,5 +493,6 @@ pub(crate) fn failed_checkpoint(e: &EngineError) -> OutcomeRecord {
         )),
         paths: Vec::new(),
         timings: None,
+        interrupted_by: None,
     }
 }

@@ -252,6 +252,7 @@ mod tests {
                 wait: None,
                 node: None,
                 ignore_mtime: false,
+                daemon_owned: false,
             })
             .await
             .unwrap();

@@ -396,7 +396,16 @@ impl Engine {
         // Every run ends with an outcome, an empty one too (`no-change`, or
         // `discarded` by its policy): a `layerstack wait` on it must answer.
         let unfinished = !s.run_finished() && s.outcome.is_none() && s.lease_manifest.is_some();
-        if unfinished {
+        if unfinished && s.daemon_owned {
+            // A CloseSession the last daemon did not finish: what it was asked
+            // to do was not recorded, and the init died with that daemon.
+            self.interrupt_locked(
+                id,
+                layerstack_store::Interruption::DaemonRestart,
+                "the daemon ended during the session's close",
+            )
+            .await?;
+        } else if unfinished {
             self.finish_locked(&s, None, None, "snapshot removed")
                 .await?;
         }
@@ -407,19 +416,22 @@ impl Engine {
 
     /// At start: finishes sessions whose release was interrupted.
     pub async fn recover(self: &Arc<Self>) -> Result<usize, EngineError> {
-        let abandoned = self.recover_graph().await?;
-        if abandoned > 0 {
-            info!(
-                attempts = abandoned,
-                "attempts whose session vanished ended abandoned"
-            );
-        }
+        // Releases first: the end of such a run ends its attempt as it should
+        // (checkpointed by its policy, `interrupted` for a daemon-owned
+        // session); only attempts still running after that are orphans.
         let pending = self.blocking(|s| s.pending_releases()).await?;
         let n = pending.len();
         for id in pending {
             if let Err(e) = self.end_released(id).await {
                 warn!(session.id = id, error = %error_chain(&e), "cannot finish a released session");
             }
+        }
+        let abandoned = self.recover_graph().await?;
+        if abandoned > 0 {
+            info!(
+                attempts = abandoned,
+                "attempts whose session vanished ended abandoned"
+            );
         }
         Ok(n)
     }

@@ -544,6 +544,47 @@ impl Engine {
         }
     }
 
+    /// Ends the current run of `id` with outcome `interrupted` (session lock
+    /// held by the caller): an infrastructure failure (`by`) ended it, not its
+    /// owner. Nothing is read, published or checkpointed; the upper and the
+    /// lease are kept for inspection until discarded (the outcome is
+    /// retryable); the session's running attempt ends `interrupted`. A run
+    /// that has ended (or already ended `interrupted`) is left alone: returns
+    /// the session as it is.
+    pub async fn interrupt_locked(
+        &self,
+        id: SessionId,
+        by: layerstack_store::Interruption,
+        why: &str,
+    ) -> Result<SessionInfo, EngineError> {
+        let rec = OutcomeRecord::interrupted(
+            by,
+            format!("interrupted ({by}): {why}; the exit status is unknown, nothing was published, the writes are kept until discarded"),
+        );
+        let done = self
+            .blocking(move |st| {
+                let current = st.session(id)?;
+                let ended = current.run_finished()
+                    || current.lease_manifest.is_none()
+                    || current.outcome.as_ref().is_some_and(|o| {
+                        o.kind == OutcomeKind::Interrupted && o.run == current.run
+                    });
+                if ended {
+                    return Ok(Err(current));
+                }
+                st.record_outcome(id, rec, None)?;
+                settled(st, id).map(Ok)
+            })
+            .await?;
+        match done {
+            Err(current) => Ok(current),
+            Ok(settled) => {
+                tracing::info!(session.id = id, outcome = "interrupted", interrupted_by = %by, why, "run interrupted");
+                Ok(self.announce(settled).await)
+            }
+        }
+    }
+
     /// Ends the run of `session` per [`exit_decision`] (session lock held by the
     /// caller): publish, discard, or — for an invalid policy — outcome `failed`
     /// with the upper kept. A run that has ended waits (at most
@@ -947,6 +988,7 @@ fn prepare(
                         total_us: micros(started.elapsed()),
                         ..Default::default()
                     }),
+                    interrupted_by: None,
                 },
                 None,
             )
@@ -992,6 +1034,7 @@ fn prepare(
                         capture_bytes: input.cs.written_bytes(),
                         ..Default::default()
                     }),
+                    interrupted_by: None,
                 },
                 None,
             )
@@ -1092,6 +1135,7 @@ fn replan(
                 total_us: micros(started.elapsed()),
                 capture_bytes: ready.capture_bytes,
             }),
+            interrupted_by: None,
         };
         store_write(|| store.record_outcome(id, rec, Some(ready.staged)))?;
         return Ok(Replanned::Conflict);

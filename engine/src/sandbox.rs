@@ -21,7 +21,9 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use layerstack_store::{LeaseTarget, MountSpec, Owner, SessionId, SessionInfo};
+use layerstack_store::{
+    Interruption, LeaseTarget, MountSpec, OutcomeKind, Owner, SessionId, SessionInfo,
+};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, info, warn};
 
@@ -88,6 +90,10 @@ pub struct SandboxRequest {
     /// Capture ignores a regular file's mtime
     /// ([`layerstack_store::SessionOptions::ignore_mtime`]).
     pub ignore_mtime: bool,
+    /// The daemon starts and owns the session's init
+    /// ([`layerstack_store::SessionOptions::daemon_owned`]): when that init is
+    /// gone without a close, the run ends `interrupted`, not by its policy.
+    pub daemon_owned: bool,
 }
 
 /// How [`Engine::close_sandbox_session`] ends the run.
@@ -113,6 +119,9 @@ pub enum EndAction {
         command: Option<String>,
         labels: BTreeMap<String, String>,
     },
+    /// An infrastructure failure ended the run (outcome `interrupted`, see
+    /// [`Engine::interrupt_locked`]): nothing is published, the upper is kept.
+    Interrupted(Interruption),
 }
 
 impl EndAction {
@@ -214,6 +223,7 @@ impl Engine {
                 let opts = layerstack_store::SessionOptions {
                     exit_policy: req.policy.map(|p| p.as_str().to_string()),
                     ignore_mtime: req.ignore_mtime,
+                    daemon_owned: req.daemon_owned,
                 };
                 let (_, s, spec, created) = self
                     .attempt_start_with(
@@ -231,6 +241,7 @@ impl Engine {
                 let opts = layerstack_store::SessionOptions {
                     exit_policy: req.policy.map(|p| p.as_str().to_string()),
                     ignore_mtime: req.ignore_mtime,
+                    daemon_owned: req.daemon_owned,
                 };
                 let owner = Owner::Sandbox { name: req.name };
                 self.blocking(move |st| {
@@ -281,6 +292,16 @@ impl Engine {
                     // Closed before.
                     break Ok(s);
                 }
+                // A run an infrastructure failure ended stays ended so: its
+                // half-done writes are never published or checkpointed by a
+                // close that came after (an explicit Publish of the kept upper
+                // still can), the close only releases it.
+                let how = match &s.outcome {
+                    Some(o) if o.kind == OutcomeKind::Interrupted && o.run == s.run => {
+                        EndAction::Interrupted(o.interrupted_by.unwrap_or(Interruption::InitGone))
+                    }
+                    _ => how.clone(),
+                };
                 let checkpoint = |exit_status: Option<u32>, state: &Option<String>, command: &Option<String>, labels: &BTreeMap<String, String>| {
                     let prov = layerstack_store::Provenance {
                         command: command.clone(),
@@ -314,6 +335,7 @@ impl Engine {
                     } => checkpoint(*exit_status, state, command, labels).await,
                     EndAction::Publish => me.publish_locked(id, &why).await,
                     EndAction::Discard => me.discard_locked(id, &why).await,
+                    EndAction::Interrupted(by) => me.interrupt_locked(id, *by, &why).await,
                 };
                 match r {
                     Ok(s) => {
@@ -376,11 +398,43 @@ impl Engine {
         });
     }
 
-    /// At start: live sandbox sessions of the last run take their permits; those
-    /// whose holders are gone (upper unmounted everywhere) are finished by their
-    /// policy and released, now or when their upper is unmounted (their holders'
-    /// mount socket connections ended with the last daemon). Returns how many
-    /// were live.
+    /// The init of daemon-owned session `id` ended without a CloseSession
+    /// (killed from outside, out of memory): the run ends `interrupted`
+    /// (`init-gone`), never by its policy, and the session is released with
+    /// its upper kept. Returns at once.
+    pub fn sandbox_init_gone(self: &Arc<Self>, id: SessionId) {
+        let me = self.clone();
+        tokio::spawn(async move {
+            let r = me
+                .close_sandbox_session(
+                    id,
+                    EndAction::Interrupted(Interruption::InitGone),
+                    "the session's init ended without a close",
+                    Duration::from_secs(30),
+                )
+                .await;
+            match r {
+                Ok(_) => info!(session.id = id, "init gone: session ended interrupted"),
+                Err(e) => {
+                    warn!(session.id = id, error = %error_chain(&e), "init gone: cannot end the session yet; it is ended at the next start")
+                }
+            }
+        });
+    }
+
+    /// At start: live sandbox sessions of the last run take their permits.
+    ///
+    /// * A **daemon-owned** session's init died with the last daemon (its
+    ///   parent-death signal): its run ends `interrupted` (`daemon-restart`)
+    ///   and the session is released with its upper kept, before this
+    ///   returns — before anything is served, so no close, wait or repeated
+    ///   key sees it live, and nothing half-done is published by a policy.
+    /// * A session held by a `layerstack session run|create` holder keeps
+    ///   today's behaviour: its holder may outlive the daemon, so once its
+    ///   upper is unmounted everywhere (the holder gone) it is finished by its
+    ///   policy with no exit status and released, now or later.
+    ///
+    /// Returns how many were live.
     pub async fn recover_sandboxes(self: &Arc<Self>) -> Result<usize, EngineError> {
         let live: Vec<SessionInfo> = self
             .blocking(|s| s.sessions())
@@ -388,7 +442,33 @@ impl Engine {
             .into_iter()
             .filter(|s| matches!(s.owner, Owner::Sandbox { .. }) && !s.released)
             .collect();
-        for s in &live {
+        let why = "the daemon that owned the session's init ended (restart)";
+        for s in live.iter().filter(|s| s.daemon_owned) {
+            let id = s.id;
+            // The outcome first, the release after: until the outcome is
+            // recorded the session is live, so its attempt is never taken for
+            // an orphan (`recover_graph`) and ends `interrupted`.
+            let by = Interruption::DaemonRestart;
+            let r = async {
+                {
+                    let _g = self.lock_session(id).await;
+                    self.interrupt_locked(id, by, why).await?;
+                }
+                self.close_sandbox_session(id, EndAction::Interrupted(by), why, Duration::ZERO)
+                    .await
+            }
+            .await;
+            match r {
+                Ok(_) => info!(
+                    session.id = id,
+                    "daemon-owned session ended interrupted: its init died with the last daemon"
+                ),
+                Err(e) => {
+                    warn!(session.id = id, error = %error_chain(&e), "cannot end a daemon-owned session of the last daemon; retried at the next start")
+                }
+            }
+        }
+        for s in live.iter().filter(|s| !s.daemon_owned) {
             if let Ok(p) = self.sandboxes.sem.clone().try_acquire_owned() {
                 self.sandboxes.permits().insert(s.id, p);
             }
@@ -481,6 +561,7 @@ mod tests {
             wait,
             node: None,
             ignore_mtime: false,
+            daemon_owned: false,
         }
     }
 
@@ -540,6 +621,108 @@ mod tests {
             .unwrap();
         let (d, _, _) = waiter.await.unwrap().unwrap();
         assert_eq!(d.owner.display(), "sandbox:d");
+    }
+
+    /// A restart with daemon-owned sessions live (their inits died with the
+    /// last daemon): each ends `interrupted` whatever its policy, before
+    /// `recover_sandboxes` returns; nothing published, the upper kept, the
+    /// attempt `interrupted`; a later close only answers it. A holder's
+    /// session still ends by its policy.
+    #[tokio::test]
+    async fn a_restart_interrupts_daemon_owned_sessions_and_publishes_nothing() {
+        if !have_root("a_restart_interrupts_daemon_owned_sessions_and_publishes_nothing") {
+            return;
+        }
+        let t = tempfile::Builder::new()
+            .prefix("ls-sandbox-")
+            .tempdir_in("/var/tmp")
+            .unwrap();
+        let e = engine(t.path(), 8);
+        let owned = |name: &str, node: Option<String>| SandboxRequest {
+            daemon_owned: true,
+            node,
+            ..req(name, Some(ExitPolicy::OnExit), None)
+        };
+        // The branch exists once a session leased it.
+        let (a, _, _) = e.create_sandbox_session(owned("a", None)).await.unwrap();
+        let (_, root) = e
+            .graph_create("g", "ns/sha256:aaa", "main", None)
+            .await
+            .unwrap();
+        let (b, _, _) = e
+            .create_sandbox_session(owned("b", Some(root.id.clone())))
+            .await
+            .unwrap();
+        let (h, _, _) = e
+            .create_sandbox_session(req("h", Some(ExitPolicy::OnExit), None))
+            .await
+            .unwrap();
+        assert!(a.daemon_owned && b.daemon_owned && !h.daemon_owned);
+        for s in [&a, &b, &h] {
+            std::fs::set_permissions(&s.upper, std::fs::Permissions::from_mode(0o755)).unwrap();
+            std::fs::write(s.upper.join("half-done"), b"x\n").unwrap();
+        }
+        // The next daemon over the same store.
+        let store = e.store().clone();
+        drop(e);
+        let e = Engine::new(store, EngineSettings::default());
+        assert_eq!(e.recover_sandboxes().await.unwrap(), 3);
+        for s in [&a, &b] {
+            let now = e.session(s.id).await.unwrap();
+            let o = now.outcome.clone().unwrap();
+            assert_eq!(
+                (o.kind, o.interrupted_by, o.layer, now.released),
+                (
+                    OutcomeKind::Interrupted,
+                    Some(Interruption::DaemonRestart),
+                    None,
+                    true
+                ),
+                "{now:?}"
+            );
+            assert!(s.upper.join("half-done").exists(), "the upper is kept");
+            // A close after the interruption publishes nothing.
+            let closed = e
+                .close_sandbox_session(s.id, EndAction::Publish, "late", Duration::from_secs(1))
+                .await
+                .unwrap();
+            assert_eq!(
+                closed.outcome.map(|o| o.kind),
+                Some(OutcomeKind::Interrupted)
+            );
+        }
+        let attempt = e
+            .store()
+            .attempt_of_session(b.id)
+            .unwrap()
+            .expect("b's attempt");
+        assert_eq!(attempt.status, layerstack_store::AttemptStatus::Interrupted);
+        // The holder's session: by its policy once unmounted (it never was).
+        let t0 = std::time::Instant::now();
+        let held = loop {
+            let s = e.session(h.id).await.unwrap();
+            if (s.released && s.outcome.is_some()) || t0.elapsed() > Duration::from_secs(10) {
+                break s;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        assert_eq!(held.outcome.map(|o| o.kind), Some(OutcomeKind::Committed));
+        // Only the holder's write reached the branch.
+        let (n, spec, _) = e
+            .create_sandbox_session(req("n", None, None))
+            .await
+            .unwrap();
+        let MountSpec::Overlay { lowers, .. } = spec else {
+            panic!()
+        };
+        assert_eq!(
+            lowers
+                .iter()
+                .filter(|l| l.join("half-done").exists())
+                .count(),
+            1
+        );
+        drop(n);
     }
 
     #[tokio::test]

@@ -806,6 +806,7 @@ async fn a_session_that_ignores_mtimes_publishes_content_changes_only() {
         wait: None,
         node: None,
         ignore_mtime,
+        daemon_owned: false,
     };
     let (quiet, _, _) = p.create_sandbox_session(make("quiet", true)).await.unwrap();
     let (loud, _, _) = p.create_sandbox_session(make("loud", false)).await.unwrap();
@@ -912,6 +913,7 @@ fn exit_decisions_follow_recorded_policy_then_label() {
         work: "/w".into(),
         created_ns: 0,
         ignore_mtime: false,
+        daemon_owned: false,
     };
     use crate::policy::{Decision, ExitPolicy};
     assert_eq!(
@@ -1754,6 +1756,7 @@ async fn sandbox_sessions_on_nodes_checkpoint_when_closed() {
         wait: None,
         node,
         ignore_mtime: false,
+        daemon_owned: false,
     };
     let (s, _, created) = p
         .create_sandbox_session(req(

@@ -71,7 +71,7 @@ struct BranchLabels {
 /// Every outcome kind, so that each series exists (at 0) from the start: a
 /// counter that appears only at its first increment hides that increment from
 /// `rate()`.
-const OUTCOMES: [OutcomeKind; 10] = [
+const OUTCOMES: [OutcomeKind; 11] = [
     OutcomeKind::Committed,
     OutcomeKind::Checkpointed,
     OutcomeKind::Merged,
@@ -82,6 +82,7 @@ const OUTCOMES: [OutcomeKind; 10] = [
     OutcomeKind::Busy,
     OutcomeKind::Unsupported,
     OutcomeKind::Unknown,
+    OutcomeKind::Interrupted,
 ];
 
 /// Duration buckets, in seconds: 0.25 ms to about 4.4 min, ×4 each (11 buckets).

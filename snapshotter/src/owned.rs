@@ -272,7 +272,7 @@ pub(crate) async fn create(
         (Some(p), Some(rt)) => hide_list(&rt.sockets, p)?,
         _ => Vec::new(),
     };
-    let (session, spec, created) = admin.sandbox_create_spec(r).await?;
+    let (session, spec, created) = admin.sandbox_create_spec(r, true).await?;
     let id = session.id;
     let holders = admin.holders.clone();
     if !created && session.released {
@@ -443,7 +443,8 @@ pub(crate) async fn create(
 
 /// Waits for a daemon-owned session's init to end and reaps it. An end that
 /// CloseSession did not ask for (init killed, setup of the namespaces gone
-/// wrong) ends the session by its policy, as a holder gone without closing.
+/// wrong) is an infrastructure failure: the run ends `interrupted`
+/// (`init-gone`), never by its policy, its writes kept until discarded.
 fn watch_init(
     admin: AdminService,
     id: SessionId,
@@ -482,7 +483,7 @@ fn watch_init(
                     session.id = id,
                     "the init of a daemon-owned session ended without CloseSession"
                 );
-                admin.engine.sandbox_holder_gone(id);
+                admin.engine.sandbox_init_gone(id);
             }
         }
     });
@@ -589,7 +590,10 @@ fn open_root(l: &Live, id: SessionId) -> Result<OwnedFd, Status> {
         Ok(r) => r,
         // Init ended (and was reaped) between the lookup and the open: the
         // session is ending, as below.
-        Err(e) if e.raw_os_error() == Some(libc::ENOENT) || sys::pidfd_exited(&l.pidfd) => {
+        Err(e)
+            if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ESRCH))
+                || sys::pidfd_exited(&l.pidfd) =>
+        {
             return Err(Status::failed_precondition(format!(
                 "session {id}'s init has exited: the session is ending"
             )))

@@ -206,18 +206,21 @@ async fn start(
         return Err(one_session());
     }
     let (session, spec, created) = admin
-        .sandbox_create_spec(api::CreateSessionRequest {
-            namespace: r.namespace,
-            stack: r.stack,
-            branch: r.branch,
-            node: r.node,
-            name: r.name,
-            idempotency_key: r.idempotency_key,
-            policy: r.policy,
-            wait_ms: r.wait_ms,
-            ignore_mtime: r.ignore_mtime,
-            sandbox: None,
-        })
+        .sandbox_create_spec(
+            api::CreateSessionRequest {
+                namespace: r.namespace,
+                stack: r.stack,
+                branch: r.branch,
+                node: r.node,
+                name: r.name,
+                idempotency_key: r.idempotency_key,
+                policy: r.policy,
+                wait_ms: r.wait_ms,
+                ignore_mtime: r.ignore_mtime,
+                sandbox: None,
+            },
+            false,
+        )
         .await
         .map_err(|st| status_reply(&st))?;
     // A session created now is a live sandbox session without a holder, and
@@ -618,7 +621,7 @@ impl AdminService {
         if r.sandbox.is_some() {
             return crate::owned::create(self, r).await;
         }
-        let (session, spec, created) = self.sandbox_create_spec(r).await?;
+        let (session, spec, created) = self.sandbox_create_spec(r, false).await?;
         Ok(api::CreateSessionResponse {
             mounts: crate::wire::mounts(&spec),
             session: Some(session),
@@ -626,10 +629,13 @@ impl AdminService {
         })
     }
 
-    /// `CreateSession`: the session, its mount spec and whether it was created now.
+    /// `CreateSession`: the session, its mount spec and whether it was created
+    /// now. `daemon_owned`: the daemon starts the session's init itself
+    /// (recorded on the session: `SessionOptions::daemon_owned`).
     pub(crate) async fn sandbox_create_spec(
         &self,
         r: api::CreateSessionRequest,
+        daemon_owned: bool,
     ) -> Result<(api::Session, MountSpec, bool), Status> {
         let policy = match r.policy.as_str() {
             "" => None,
@@ -668,6 +674,7 @@ impl AdminService {
             wait: (r.wait_ms > 0).then(|| Duration::from_millis(r.wait_ms.into())),
             node,
             ignore_mtime: r.ignore_mtime,
+            daemon_owned,
         };
         let (s, spec, created) = self
             .engine

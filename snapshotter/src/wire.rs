@@ -90,6 +90,11 @@ pub fn session(s: &SessionInfo, conflicts: &[PathRecord]) -> api::Session {
         counts: o.map(|o| path_counts(&o.counts)),
         policy: s.policy.clone().unwrap_or_default(),
         node: o.and_then(|o| o.node.clone()).unwrap_or_default(),
+        interrupted_by: o
+            .and_then(|o| o.interrupted_by)
+            .map(|i| i.as_str().to_string())
+            .unwrap_or_default(),
+        daemon_owned: s.daemon_owned,
     }
 }
 

@@ -97,8 +97,14 @@ pub struct NodeInfo {
 pub enum AttemptStatus {
     Running,
     Checkpointed,
+    /// The task failed: its run ended without a checkpoint by the owner's
+    /// decision or its exit policy.
     Failed,
     Abandoned,
+    /// An infrastructure failure ended its session (outcome `interrupted`:
+    /// the daemon restarted, the init died), not the task: retry the attempt
+    /// (format 10).
+    Interrupted,
 }
 
 impl AttemptStatus {
@@ -108,6 +114,7 @@ impl AttemptStatus {
             Self::Checkpointed => "checkpointed",
             Self::Failed => "failed",
             Self::Abandoned => "abandoned",
+            Self::Interrupted => "interrupted",
         }
     }
 
@@ -117,6 +124,7 @@ impl AttemptStatus {
             "checkpointed" => Self::Checkpointed,
             "failed" => Self::Failed,
             "abandoned" => Self::Abandoned,
+            "interrupted" => Self::Interrupted,
             _ => return None,
         })
     }
@@ -675,7 +683,7 @@ impl Store {
                 Some(p) => crate::sessions::set_policy(tx, sid, p)?,
                 None => default_attempt_policy(tx, sid)?,
             }
-            crate::sessions::set_ignore_mtime(tx, sid, opts.ignore_mtime)?;
+            crate::sessions::set_options(tx, sid, opts)?;
             let spec = self.start_run(tx, sid)?;
             let a = attempt_from(tx.one(
                 &format!("SELECT {ATTEMPT_COLS} FROM graph_attempts WHERE id = ?1"),
@@ -766,7 +774,8 @@ impl Store {
         Ok((a, spec))
     }
 
-    /// Ends attempt `id` without a node: `Failed` or `Abandoned`, with why.
+    /// Ends attempt `id` without a node: `Failed`, `Abandoned` or
+    /// `Interrupted`, with why.
     pub fn end_attempt(
         &self,
         id: i64,

@@ -367,6 +367,7 @@ mod tests {
             .unwrap();
         drop(s);
         let db = rusqlite::Connection::open(root.join("store.db")).unwrap();
+        db.execute_batch(crate::tests::TO_FORMAT_9).unwrap();
         db.execute_batch(
             "PRAGMA foreign_keys = OFF;
              CREATE TABLE s7 (id TEXT PRIMARY KEY, base_digest TEXT NOT NULL, namespace TEXT NOT NULL, created_ns INTEGER NOT NULL);

@@ -93,7 +93,7 @@ impl MountSpec {
 
 /// The names of the model's states (`as_str`/`parse`, one spelling from the
 /// store to the wire) live in the vocabulary crate.
-pub use layerstack_types::{OutcomeKind, OwnerKind, PathStatus, SessionState};
+pub use layerstack_types::{Interruption, OutcomeKind, OwnerKind, PathStatus, SessionState};
 
 /// How a path verdict is stored (`publish_paths.status`).
 pub(crate) fn path_status_code(s: PathStatus) -> i64 {
@@ -186,6 +186,9 @@ pub struct Outcome {
     pub at_ns: i64,
     /// Where the publish spent its time (absent for outcomes that did not gate).
     pub timings: Option<PublishTimings>,
+    /// Which infrastructure failure ended the run: set exactly for
+    /// [`OutcomeKind::Interrupted`] (store format 10, `publishes.interrupted_by`).
+    pub interrupted_by: Option<Interruption>,
 }
 
 /// An outcome to record: [`Outcome`] before it has a row, with its paths.
@@ -196,6 +199,10 @@ pub struct OutcomeRecord {
     /// Per-path verdicts, any order.
     pub paths: Vec<PathRecord>,
     pub timings: Option<PublishTimings>,
+    /// [`Outcome::interrupted_by`]: `Some` exactly when `kind` is
+    /// [`OutcomeKind::Interrupted`] ([`crate::Store::record_outcome`] refuses
+    /// anything else).
+    pub interrupted_by: Option<Interruption>,
 }
 
 impl OutcomeRecord {
@@ -206,6 +213,15 @@ impl OutcomeRecord {
             message: Some(message.into()),
             paths: Vec::new(),
             timings: None,
+            interrupted_by: None,
+        }
+    }
+
+    /// An [`OutcomeKind::Interrupted`] outcome ended by `by`, with `message`.
+    pub fn interrupted(by: Interruption, message: impl Into<String>) -> Self {
+        Self {
+            interrupted_by: Some(by),
+            ..Self::new(OutcomeKind::Interrupted, message)
         }
     }
 }
@@ -318,6 +334,9 @@ pub struct SessionInfo {
     pub created_ns: i64,
     /// Capture ignores a regular file's mtime ([`SessionOptions::ignore_mtime`]).
     pub ignore_mtime: bool,
+    /// The daemon itself started and owns the session's init
+    /// ([`SessionOptions::daemon_owned`]).
+    pub daemon_owned: bool,
 }
 
 /// What a new session records in the transaction that creates it (so a crash
@@ -334,6 +353,12 @@ pub struct SessionOptions {
     /// harnesses that want content history only; default off (mtime is a
     /// change, as `touch` is).
     pub ignore_mtime: bool,
+    /// The daemon starts and owns the session's init (a daemon-owned session,
+    /// `CreateSessionRequest.sandbox`), rather than a `layerstack session
+    /// run|create` holder process. Recorded so that the next daemon, after a
+    /// restart, knows the init died with the last one: such a session ends
+    /// [`OutcomeKind::Interrupted`], never by its exit policy (store format 10).
+    pub daemon_owned: bool,
 }
 
 impl SessionInfo {

@@ -129,8 +129,8 @@ pub(crate) fn insert_outcome(
     let c = PathCounts::of(&record.paths);
     let [cu, gw, gh, tu, cb] = micros(record.timings);
     tx.exec(
-        "INSERT INTO publishes(session_id, run, outcome, message, clean, merged, conflict, excluded, capture_us, gate_wait_us, gate_hold_us, total_us, capture_bytes, at_ns) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14)",
-        params![s.id, s.run, record.kind.as_str(), record.message, c.clean as i64, c.merged as i64, c.conflict as i64, c.excluded as i64, cu, gw, gh, tu, cb, now],
+        "INSERT INTO publishes(session_id, run, outcome, message, clean, merged, conflict, excluded, capture_us, gate_wait_us, gate_hold_us, total_us, capture_bytes, at_ns, interrupted_by) VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15)",
+        params![s.id, s.run, record.kind.as_str(), record.message, c.clean as i64, c.merged as i64, c.conflict as i64, c.excluded as i64, cu, gw, gh, tu, cb, now, record.interrupted_by.map(|i| i.as_str())],
     )?;
     let pid = tx.last_insert_rowid();
     insert_paths(tx, pid, &record.paths)?;
@@ -178,6 +178,7 @@ pub(crate) fn read_outcome(conn: &Connection, pid: PublishId) -> Result<Outcome,
         /// capture_us, gate_wait_us, gate_hold_us, total_us, capture_bytes.
         timings: [Option<i64>; 5],
         at_ns: i64,
+        interrupted_by: Option<String>,
     }
     let raw: Option<Raw> = conn
         .one(
@@ -185,7 +186,7 @@ pub(crate) fn read_outcome(conn: &Connection, pid: PublishId) -> Result<Outcome,
             // in this session, whose root is the manifest this outcome made
             // (`Store::commit_checkpoint` writes both in one transaction). By
             // the session index and the node's key: no scan of the graph.
-            "SELECT p.run, p.outcome, p.layer_id, p.message, p.clean, p.merged, p.conflict, p.excluded, p.capture_us, p.gate_wait_us, p.gate_hold_us, p.total_us, p.capture_bytes, p.at_ns,
+            "SELECT p.run, p.outcome, p.layer_id, p.message, p.clean, p.merged, p.conflict, p.excluded, p.capture_us, p.gate_wait_us, p.gate_hold_us, p.total_us, p.capture_bytes, p.at_ns, p.interrupted_by,
                     (SELECT n.id FROM graph_attempts a JOIN graph_nodes n ON n.id = a.result_node
                       WHERE p.outcome = 'checkpointed' AND a.session_id = p.session_id
                         AND n.manifest_id = p.manifest_after
@@ -213,6 +214,7 @@ pub(crate) fn read_outcome(conn: &Connection, pid: PublishId) -> Result<Outcome,
                         r.get("capture_bytes")?,
                     ],
                     at_ns: r.get("at_ns")?,
+                    interrupted_by: r.get("interrupted_by")?,
                 })
             },
         )
@@ -226,6 +228,7 @@ pub(crate) fn read_outcome(conn: &Connection, pid: PublishId) -> Result<Outcome,
         counts,
         timings: t,
         at_ns,
+        interrupted_by,
     } = raw.ok_or_else(|| {
         StoreError::corrupt(
             "publishes",
@@ -235,6 +238,13 @@ pub(crate) fn read_outcome(conn: &Connection, pid: PublishId) -> Result<Outcome,
     })?;
     let kind = OutcomeKind::parse(&kind)
         .ok_or_else(|| StoreError::corrupt("publishes", pid, format!("outcome {kind:?}")))?;
+    let interrupted_by = interrupted_by
+        .map(|i| {
+            crate::Interruption::parse(&i).ok_or_else(|| {
+                StoreError::corrupt("publishes", pid, format!("interrupted_by {i:?}"))
+            })
+        })
+        .transpose()?;
     let u = |v: i64| u64::try_from(v).unwrap_or(0);
     let timings = match t {
         [Some(a), Some(b), Some(c), Some(d), bytes] => Some(PublishTimings {
@@ -261,6 +271,7 @@ pub(crate) fn read_outcome(conn: &Connection, pid: PublishId) -> Result<Outcome,
         },
         at_ns,
         timings,
+        interrupted_by,
     })
 }
 
@@ -555,18 +566,27 @@ impl Store {
     /// Records an outcome that adds no layer. `NoChange` and `Discarded` end the
     /// run: the lease is released and the upper dropped (the next mount starts
     /// fresh on the head). Retryable outcomes (`Conflict`, `Failed`, `Busy`,
-    /// `Unsupported`, `Unknown`) keep both for inspection and another attempt.
+    /// `Unsupported`, `Unknown`, `Interrupted`) keep both for inspection and
+    /// another attempt.
     /// A session released by its owner loses its directories once the run ends.
     /// `staged`: rows of a publish that got this outcome instead (dropped).
     ///
     /// Errors: `SessionNotFound`; `InvalidArgument` for `Committed`/`Merged`
-    /// (use [`Store::commit_publish`]).
+    /// (use [`Store::commit_publish`]), and for `interrupted_by` given with any
+    /// kind but `Interrupted` or missing with it.
     pub fn record_outcome(
         &self,
         session: SessionId,
         record: OutcomeRecord,
         staged: Option<Staged>,
     ) -> Result<Outcome, StoreError> {
+        if (record.kind == OutcomeKind::Interrupted) != record.interrupted_by.is_some() {
+            return Err(StoreError::InvalidArgument(format!(
+                "outcome {} with interrupted_by {:?}: an interrupted outcome names its interruption, no other outcome has one",
+                record.kind.as_str(),
+                record.interrupted_by.map(|i| i.as_str())
+            )));
+        }
         let (state, ends) = match record.kind {
             OutcomeKind::NoChange => (SessionState::Published, true),
             OutcomeKind::Discarded => (SessionState::Discarded, true),
@@ -574,7 +594,8 @@ impl Store {
             OutcomeKind::Failed
             | OutcomeKind::Busy
             | OutcomeKind::Unsupported
-            | OutcomeKind::Unknown => (SessionState::Active, false),
+            | OutcomeKind::Unknown
+            | OutcomeKind::Interrupted => (SessionState::Active, false),
             OutcomeKind::Committed | OutcomeKind::Merged | OutcomeKind::Checkpointed => {
                 return Err(StoreError::InvalidArgument(format!(
                     "outcome {} adds a layer: commit the publish (or the checkpoint) instead",

@@ -18,9 +18,10 @@
 /// manifest hold only its newest positions and refer to a complete one for
 /// the rest (`manifests.rest`); 8 lets a stack belong to no containerd
 /// namespace (`stacks.namespace` NULL: an imported base, which used to be
-/// `''`); 9 added `sessions.ignore_mtime`. Formats 4 to 8 are migrated at
-/// open ([`MIGRATIONS`]).
-pub const FORMAT_VERSION: i64 = 9;
+/// `''`); 9 added `sessions.ignore_mtime`; 10 added `sessions.daemon_owned`,
+/// `publishes.interrupted_by` and the attempt status `interrupted`. Formats 4
+/// to 9 are migrated at open ([`MIGRATIONS`]).
+pub const FORMAT_VERSION: i64 = 10;
 
 /// The steps that bring an older store to [`FORMAT_VERSION`], each
 /// `(from, what it does, SQL)`, applied in order in the open's transaction and
@@ -66,6 +67,37 @@ pub(crate) const MIGRATIONS: &[(i64, &str, &str)] = &[
         8,
         "sessions.ignore_mtime",
         "ALTER TABLE sessions ADD COLUMN ignore_mtime INTEGER NOT NULL DEFAULT 0;",
+    ),
+    (
+        9,
+        "sessions.daemon_owned, publishes.interrupted_by, attempt status interrupted",
+        // Every session of an older store was held by a holder process (a
+        // daemon-owned session could not survive its daemon before format 10
+        // recorded it): 0. The attempts' CHECK gains a status: the table is
+        // rebuilt (as stacks was for format 8), its AUTOINCREMENT sequence
+        // carried over so that no attempt id is handed out twice.
+        "ALTER TABLE sessions ADD COLUMN daemon_owned INTEGER NOT NULL DEFAULT 0;
+        ALTER TABLE publishes ADD COLUMN interrupted_by TEXT;
+        CREATE TABLE graph_attempts_v10 (
+            id              INTEGER PRIMARY KEY AUTOINCREMENT,
+            node            TEXT NOT NULL REFERENCES graph_nodes(id),
+            session_id      INTEGER,
+            status          TEXT NOT NULL CHECK (status IN ('running', 'checkpointed', 'failed', 'abandoned', 'interrupted')),
+            idempotency_key TEXT UNIQUE,
+            result_node     TEXT,
+            message         TEXT,
+            created_ns      INTEGER NOT NULL,
+            ended_ns        INTEGER
+        );
+        INSERT INTO graph_attempts_v10(id, node, session_id, status, idempotency_key, result_node, message, created_ns, ended_ns)
+            SELECT id, node, session_id, status, idempotency_key, result_node, message, created_ns, ended_ns FROM graph_attempts;
+        DELETE FROM sqlite_sequence WHERE name = 'graph_attempts_v10';
+        INSERT INTO sqlite_sequence(name, seq)
+            SELECT 'graph_attempts_v10', seq FROM sqlite_sequence WHERE name = 'graph_attempts';
+        DROP TABLE graph_attempts;
+        ALTER TABLE graph_attempts_v10 RENAME TO graph_attempts;
+        CREATE INDEX graph_attempts_node ON graph_attempts(node);
+        CREATE INDEX graph_attempts_session ON graph_attempts(session_id);",
     ),
 ];
 
@@ -195,7 +227,9 @@ CREATE INDEX leases_live ON leases(manifest_id) WHERE released_ns IS NULL;
 -- name) or 'operation' (an engine operation such as promote; owner is its id). `run` counts runs (a new run starts after every outcome). `released`:
 -- the owner let go (containerd removed the snapshot, the sandbox closed); the row
 -- stays as history. `remove_pending`: released while a publish was running; the
--- directories go when it ends.
+-- directories go when it ends. `daemon_owned`: the daemon started and owns the
+-- session's init (format 10): after a restart such a session ends
+-- 'interrupted', never by its policy.
 CREATE TABLE sessions (
     id              INTEGER PRIMARY KEY AUTOINCREMENT,
     owner_kind      TEXT NOT NULL CHECK (owner_kind IN ('container', 'sandbox', 'operation')),
@@ -213,7 +247,8 @@ CREATE TABLE sessions (
     idempotency_key TEXT UNIQUE,
     created_ns      INTEGER NOT NULL,
     updated_ns      INTEGER NOT NULL,
-    ignore_mtime    INTEGER NOT NULL DEFAULT 0
+    ignore_mtime    INTEGER NOT NULL DEFAULT 0,
+    daemon_owned    INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX sessions_owner ON sessions(owner_kind, namespace, owner);
 -- Private read-only layers a session sees above its lease, newest first
@@ -226,7 +261,9 @@ CREATE TABLE session_layers (
 ) WITHOUT ROWID;
 
 -- Outcomes, one row per ended run (or attempt). outcome: committed | merged |
--- no-change | conflict | discarded | failed | busy | unsupported | unknown.
+-- checkpointed | no-change | conflict | discarded | failed | busy | unsupported |
+-- unknown | interrupted. interrupted_by: which infrastructure failure ended an
+-- 'interrupted' run (daemon-restart | init-gone; format 10), NULL otherwise.
 CREATE TABLE publishes (
     id              INTEGER PRIMARY KEY,
     session_id      INTEGER NOT NULL REFERENCES sessions(id),
@@ -246,7 +283,8 @@ CREATE TABLE publishes (
     total_us        INTEGER,
     at_ns           INTEGER NOT NULL,
     -- Content bytes of the files the capture found written (format 5).
-    capture_bytes   INTEGER
+    capture_bytes   INTEGER,
+    interrupted_by  TEXT
 );
 CREATE INDEX publishes_session ON publishes(session_id);
 -- The gate's verdict per path of a publish. status: 0 clean, 1 merged,
@@ -324,12 +362,13 @@ CREATE TABLE graph_edges (
     PRIMARY KEY (child, pos)
 ) WITHOUT ROWID;
 CREATE INDEX graph_edges_parent ON graph_edges(parent);
--- status: running | checkpointed | failed | abandoned.
+-- status: running | checkpointed | failed | abandoned | interrupted (its
+-- session ended by an infrastructure failure, not by the task; format 10).
 CREATE TABLE graph_attempts (
     id              INTEGER PRIMARY KEY AUTOINCREMENT,
     node            TEXT NOT NULL REFERENCES graph_nodes(id),
     session_id      INTEGER,
-    status          TEXT NOT NULL CHECK (status IN ('running', 'checkpointed', 'failed', 'abandoned')),
+    status          TEXT NOT NULL CHECK (status IN ('running', 'checkpointed', 'failed', 'abandoned', 'interrupted')),
     idempotency_key TEXT UNIQUE,
     result_node     TEXT,
     message         TEXT,

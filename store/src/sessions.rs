@@ -38,13 +38,14 @@ pub(crate) struct SessRow {
     pub(crate) idempotency_key: Option<String>,
     pub(crate) created_ns: i64,
     pub(crate) ignore_mtime: bool,
+    pub(crate) daemon_owned: bool,
 }
 
 /// SQL condition on `sessions` columns: the session still needs its directories
 /// (live, being released, or its run's writes kept after a retryable outcome).
-pub(crate) const KEEPS_DIRS: &str = "(released = 0 OR remove_pending = 1 OR last_publish IN (SELECT id FROM publishes WHERE outcome IN ('conflict', 'failed', 'busy', 'unsupported', 'unknown')))";
+pub(crate) const KEEPS_DIRS: &str = "(released = 0 OR remove_pending = 1 OR last_publish IN (SELECT id FROM publishes WHERE outcome IN ('conflict', 'failed', 'busy', 'unsupported', 'unknown', 'interrupted')))";
 
-pub(crate) const SESS_COLS: &str = "id, owner_kind, namespace, owner, stack, branch, lease_id, state, run, policy, last_publish, released, remove_pending, idempotency_key, created_ns, ignore_mtime";
+pub(crate) const SESS_COLS: &str = "id, owner_kind, namespace, owner, stack, branch, lease_id, state, run, policy, last_publish, released, remove_pending, idempotency_key, created_ns, ignore_mtime, daemon_owned";
 
 /// The owner of session `id` from its columns. Errors: `Corrupt`.
 pub(crate) fn owner_from(
@@ -87,6 +88,7 @@ struct RawSess {
     idempotency_key: Option<String>,
     created_ns: i64,
     ignore_mtime: i64,
+    daemon_owned: i64,
 }
 
 fn raw_sess(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawSess> {
@@ -107,6 +109,7 @@ fn raw_sess(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawSess> {
         idempotency_key: r.get("idempotency_key")?,
         created_ns: r.get("created_ns")?,
         ignore_mtime: r.get("ignore_mtime")?,
+        daemon_owned: r.get("daemon_owned")?,
     })
 }
 
@@ -129,6 +132,7 @@ fn sess_from_raw(raw: RawSess) -> Result<SessRow, StoreError> {
         idempotency_key: raw.idempotency_key,
         created_ns: raw.created_ns,
         ignore_mtime: raw.ignore_mtime != 0,
+        daemon_owned: raw.daemon_owned != 0,
     })
 }
 
@@ -297,6 +301,7 @@ impl Store {
             idempotency_key: s.idempotency_key,
             created_ns: s.created_ns,
             ignore_mtime: s.ignore_mtime,
+            daemon_owned: s.daemon_owned,
         })
     }
 
@@ -475,7 +480,7 @@ impl Store {
             if let Some(p) = &opts.exit_policy {
                 set_policy(tx, sid, p)?;
             }
-            set_ignore_mtime(tx, sid, opts.ignore_mtime)?;
+            set_options(tx, sid, opts)?;
             let spec = self.start_run(tx, sid)?;
             let info = self.session_info(tx, get_sess(tx, sid)?)?;
             info!(session.id = sid, owner = %owner.display(), stack, branch = %info.branch, "session created");
@@ -749,15 +754,16 @@ fn complete_release_in(tx: &rusqlite::Transaction<'_>, sid: SessionId) -> Result
     Ok(!keep)
 }
 
-/// Records capture's `ignore_mtime` on session `sid` ([`SessionOptions`]).
-pub(crate) fn set_ignore_mtime(
+/// Records capture's `ignore_mtime` and `daemon_owned` on session `sid`
+/// ([`SessionOptions`]; the exit policy is the caller's, [`set_policy`]).
+pub(crate) fn set_options(
     tx: &Transaction<'_>,
     sid: SessionId,
-    on: bool,
+    opts: &SessionOptions,
 ) -> Result<(), StoreError> {
     tx.exec(
-        "UPDATE sessions SET ignore_mtime = ?2 WHERE id = ?1",
-        params![sid, on as i64],
+        "UPDATE sessions SET ignore_mtime = ?2, daemon_owned = ?3 WHERE id = ?1",
+        params![sid, opts.ignore_mtime as i64, opts.daemon_owned as i64],
     )?;
     Ok(())
 }

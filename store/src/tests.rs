@@ -438,6 +438,7 @@ fn conflict_keeps_upper_and_lease_even_after_remove() {
                 reason: "changed on both sides".into(),
             }],
             timings: None,
+            interrupted_by: None,
         },
         None,
     )
@@ -815,6 +816,118 @@ fn other_format_version_is_refused() {
     assert!(msg.contains("start a fresh store root"), "{msg}");
 }
 
+/// Turns a format 10 store into what format 9 was: no sessions.daemon_owned,
+/// no publishes.interrupted_by, attempts without the status `interrupted`
+/// (its CHECK cannot be altered: the table is rebuilt, its sequence kept).
+pub(crate) const TO_FORMAT_9: &str = "PRAGMA foreign_keys = OFF;
+     ALTER TABLE sessions DROP COLUMN daemon_owned;
+     ALTER TABLE publishes DROP COLUMN interrupted_by;
+     CREATE TABLE a9 (
+         id INTEGER PRIMARY KEY AUTOINCREMENT, node TEXT NOT NULL REFERENCES graph_nodes(id),
+         session_id INTEGER,
+         status TEXT NOT NULL CHECK (status IN ('running', 'checkpointed', 'failed', 'abandoned')),
+         idempotency_key TEXT UNIQUE, result_node TEXT, message TEXT,
+         created_ns INTEGER NOT NULL, ended_ns INTEGER);
+     INSERT INTO a9 SELECT id, node, session_id, status, idempotency_key, result_node, message, created_ns, ended_ns FROM graph_attempts;
+     DELETE FROM sqlite_sequence WHERE name = 'a9';
+     INSERT INTO sqlite_sequence(name, seq) SELECT 'a9', seq FROM sqlite_sequence WHERE name = 'graph_attempts';
+     DROP TABLE graph_attempts; ALTER TABLE a9 RENAME TO graph_attempts;
+     CREATE INDEX graph_attempts_node ON graph_attempts(node);
+     CREATE INDEX graph_attempts_session ON graph_attempts(session_id);
+     UPDATE meta SET value = '9' WHERE key = 'format_version';";
+
+#[test]
+fn a_format_9_store_is_migrated_and_keeps_its_attempts_and_their_ids() {
+    let d = tmp();
+    let s = open(d.path());
+    let top = unpack(&s, "default");
+    s.prepare("default/5/m", &top, BTreeMap::new(), false)
+        .unwrap();
+    let stack = s.find_session("default", "m").unwrap().unwrap().stack;
+    let (_, root) = s.create_group("g", &stack, "main", None).unwrap();
+    let owner = Owner::Sandbox { name: "a".into() };
+    let (a1, s1, _, _) = s.start_attempt(&root.id, &owner, None).unwrap();
+    let (a2, _, _, _) = s.start_attempt(&root.id, &owner, None).unwrap();
+    s.end_attempt(a2.id, AttemptStatus::Failed, "task failed")
+        .unwrap();
+    // The newest attempt is gone: its id must not be handed out again.
+    s.db.write(|tx| Ok(tx.execute("DELETE FROM graph_attempts WHERE id = ?1", [a2.id])?))
+        .unwrap();
+    drop(s);
+    let db = rusqlite::Connection::open(d.path().join("root/store.db")).unwrap();
+    db.execute_batch(TO_FORMAT_9).unwrap();
+    let old = db.execute(
+        "UPDATE graph_attempts SET status = 'interrupted' WHERE id = ?1",
+        [a1.id],
+    );
+    assert!(old.is_err(), "format 9 knew no status interrupted");
+    drop(db);
+    let s = open(d.path());
+    assert_eq!(s.session(s1.id).unwrap().daemon_owned, false);
+    assert_eq!(s.attempt(a1.id).unwrap().status, AttemptStatus::Running);
+    s.end_attempt(a1.id, AttemptStatus::Interrupted, "daemon restart")
+        .unwrap();
+    assert_eq!(s.attempt(a1.id).unwrap().status, AttemptStatus::Interrupted);
+    let (a3, s3, _, _) = s.start_attempt(&root.id, &owner, None).unwrap();
+    assert!(a3.id > a2.id, "attempt id {} handed out again", a3.id);
+    // Interrupted outcomes record their interruption.
+    let rec = OutcomeRecord::interrupted(Interruption::DaemonRestart, "daemon restarted");
+    s.record_outcome(s3.id, rec, None).unwrap();
+    let o = s.session(s3.id).unwrap().outcome.unwrap();
+    assert_eq!(
+        (o.kind, o.interrupted_by),
+        (OutcomeKind::Interrupted, Some(Interruption::DaemonRestart))
+    );
+}
+
+#[test]
+fn an_interrupted_outcome_names_its_interruption_and_keeps_the_upper() {
+    let d = tmp();
+    let s = open(d.path());
+    let top = unpack(&s, "default");
+    s.prepare("default/5/m", &top, BTreeMap::new(), false)
+        .unwrap();
+    let stack = s.find_session("default", "m").unwrap().unwrap().stack;
+    let opts = SessionOptions {
+        daemon_owned: true,
+        ..Default::default()
+    };
+    let (x, _, _) = s
+        .create_session_with(
+            &Owner::Sandbox { name: "x".into() },
+            &stack,
+            &LeaseTarget::Branch("main".into()),
+            None,
+            &opts,
+        )
+        .unwrap();
+    assert!(x.daemon_owned);
+    std::fs::write(x.upper.join("half-done"), b"1").unwrap();
+    let err = s
+        .record_outcome(
+            x.id,
+            OutcomeRecord::new(OutcomeKind::Interrupted, "?"),
+            None,
+        )
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
+    let mut bad = OutcomeRecord::new(OutcomeKind::Failed, "?");
+    bad.interrupted_by = Some(Interruption::InitGone);
+    assert!(s.record_outcome(x.id, bad, None).is_err());
+    s.record_outcome(
+        x.id,
+        OutcomeRecord::interrupted(Interruption::InitGone, "init died"),
+        None,
+    )
+    .unwrap();
+    let after = s.session(x.id).unwrap();
+    let o = after.outcome.clone().unwrap();
+    assert_eq!(o.interrupted_by, Some(Interruption::InitGone));
+    assert!(o.kind.is_retryable());
+    assert!(after.lease_manifest.is_some(), "the lease is kept");
+    assert!(x.upper.join("half-done").exists(), "the upper is kept");
+}
+
 #[test]
 fn a_format_4_store_is_migrated_at_open_and_keeps_its_outcomes() {
     let d = tmp();
@@ -828,8 +941,9 @@ fn a_format_4_store_is_migrated_at_open_and_keeps_its_outcomes() {
     drop(s);
     // What format 4 was: no capture_bytes column, no index of hiding rows, no
     // manifests.rest (a column in a foreign key cannot be dropped: the table
-    // is rebuilt without it), no sessions.ignore_mtime.
+    // is rebuilt without it), no sessions.ignore_mtime, nothing of format 10.
     let db = rusqlite::Connection::open(d.path().join("root/store.db")).unwrap();
+    db.execute_batch(TO_FORMAT_9).unwrap();
     db.execute_batch(
         "ALTER TABLE publishes DROP COLUMN capture_bytes; DROP INDEX layer_paths_hiding;
          PRAGMA foreign_keys = OFF;
@@ -1313,6 +1427,7 @@ fn outcome_paths_are_paged_in_path_order_whatever_their_number() {
                 message: Some("m".into()),
                 paths: paths.clone(),
                 timings: None,
+                interrupted_by: None,
             },
             None,
         )

@@ -8,8 +8,9 @@
 //! * [`labels`]: the snapshot and container label names, one constant per string.
 //! * [`policy`]: the exit policy (`layerstack.publish`) and the end action it
 //!   decides.
-//! * [`OutcomeKind`], [`PathStatus`], [`SessionState`], [`OwnerKind`]: the names
-//!   of the model's states as the store records them and the wire carries them.
+//! * [`OutcomeKind`], [`Interruption`], [`PathStatus`], [`SessionState`],
+//!   [`OwnerKind`]: the names of the model's states as the store records them
+//!   and the wire carries them.
 //! * [`IMPORT_STACK_PREFIX`]: how an imported base's stack id begins.
 //!
 //! ```
@@ -30,7 +31,7 @@ mod names;
 pub mod policy;
 
 pub use error::{error_chain, ErrorKind};
-pub use names::{OutcomeKind, OwnerKind, PathStatus, SessionState};
+pub use names::{Interruption, OutcomeKind, OwnerKind, PathStatus, SessionState};
 
 /// The prefix of the id of a stack whose base was imported without containerd
 /// (`layerstack base import`): `import:sha256:<hex>`, the digest of the base's

@@ -39,7 +39,7 @@ macro_rules! names {
 
 /// The kinds of publish outcome (ARCHITECTURE.md §2 "Outcome"), kebab case:
 /// `committed`, `checkpointed`, `merged`, `no-change`, `conflict`, `discarded`,
-/// `failed`, `busy`, `unsupported`, `unknown`.
+/// `failed`, `busy`, `unsupported`, `unknown`, `interrupted`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[cfg_attr(
     feature = "serde",
@@ -74,6 +74,13 @@ pub enum OutcomeKind {
     /// in flight); look before acting again (ARCHITECTURE §2: nothing is retried
     /// silently).
     Unknown,
+    /// An infrastructure failure ended the run before its owner did (ARCHITECTURE
+    /// §12 "infra_failed(kind)"): the daemon that owned the session's init went
+    /// away (kill -9, an upgrade) or the init died without being asked to. The
+    /// command's exit status is unknown; nothing was published or checkpointed;
+    /// the upper is kept for inspection until discarded. Which failure:
+    /// [`Interruption`]. Not the owner's decision, so never the exit policy's.
+    Interrupted,
 }
 
 names!(OutcomeKind {
@@ -87,6 +94,7 @@ names!(OutcomeKind {
     Busy => "busy",
     Unsupported => "unsupported",
     Unknown => "unknown",
+    Interrupted => "interrupted",
 });
 
 impl OutcomeKind {
@@ -96,7 +104,12 @@ impl OutcomeKind {
     pub fn is_retryable(self) -> bool {
         matches!(
             self,
-            Self::Conflict | Self::Failed | Self::Busy | Self::Unsupported | Self::Unknown
+            Self::Conflict
+                | Self::Failed
+                | Self::Busy
+                | Self::Unsupported
+                | Self::Unknown
+                | Self::Interrupted
         )
     }
 
@@ -112,6 +125,30 @@ impl OutcomeKind {
         self.is_published() || self == Self::Checkpointed
     }
 }
+
+/// Which infrastructure failure ended a run [`OutcomeKind::Interrupted`]
+/// (the `kind` of ARCHITECTURE's `infra_failed(kind)`): `daemon-restart`,
+/// `init-gone`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[cfg_attr(
+    feature = "serde",
+    derive(serde::Serialize, serde::Deserialize),
+    serde(rename_all = "kebab-case")
+)]
+pub enum Interruption {
+    /// The daemon that owned the session's init ended (kill -9, a crash, an
+    /// upgrade): the parent-death signal killed init with it, and the next
+    /// daemon found the session without one.
+    DaemonRestart,
+    /// The session's init died while the daemon ran, without a CloseSession
+    /// (killed from outside, out of memory).
+    InitGone,
+}
+
+names!(Interruption {
+    DaemonRestart => "daemon-restart",
+    InitGone => "init-gone",
+});
 
 /// The gate's verdict on one path (ARCHITECTURE.md §7): `clean`, `merged`,
 /// `conflict`, `excluded`.
@@ -207,7 +244,9 @@ mod tests {
         check(PathStatus::ALL, PathStatus::as_str, PathStatus::parse);
         check(SessionState::ALL, SessionState::as_str, SessionState::parse);
         check(OwnerKind::ALL, OwnerKind::as_str, OwnerKind::parse);
-        assert_eq!(OutcomeKind::ALL.len(), 10);
+        check(Interruption::ALL, Interruption::as_str, Interruption::parse);
+        assert_eq!(OutcomeKind::ALL.len(), 11);
+        assert!(OutcomeKind::Interrupted.is_retryable());
         assert_eq!(OutcomeKind::NoChange.to_string(), "no-change");
     }
 

@@ -61,6 +61,10 @@ async def rollout(
                     # A rerun of this step: the sample ended before; its record
                     # stands (nothing runs or is scored twice).
                     assert sb.outcome is not None
+                    if sb.outcome.outcome == "interrupted":
+                        # The daemon restarted under it: an infrastructure
+                        # failure as recorded, not a reward.
+                        return Rollout(sample, None, None, infra_failed=sb.outcome.interrupted_by, ms=(time.perf_counter() - t0) * 1000)
                     node = sb.outcome.node
                     reward = (await ls.show_node(node)).state.get("reward") if node else None
                     return Rollout(sample, node, reward, ms=(time.perf_counter() - t0) * 1000)
@@ -69,6 +73,8 @@ async def rollout(
                 graded = await sb.exec(["sh", "-c", GRADER], env={"EXPECTED": str(expected)}, timeout_s=30)
                 reward = 1.0 if graded.ok else 0.0
                 end = await sb.close(checkpoint=True, state={"reward": reward, "sample": sample, "guess": guess})
+                if end.outcome == "interrupted":
+                    return Rollout(sample, None, None, infra_failed=end.interrupted_by, ms=(time.perf_counter() - t0) * 1000)
                 return Rollout(sample, end.node, reward, ms=(time.perf_counter() - t0) * 1000)
         except (layerstack.UnavailableError, layerstack.InternalError, layerstack.BusyError) as e:
             # The sandbox failed, not the policy: recorded as such, never as reward 0.

@@ -106,8 +106,11 @@ class Session:
         state: ``active`` | ``published`` | ``conflict`` | ``discarded``.
         outcome: ``committed`` | ``merged`` (a branch moved) | ``checkpointed``
             (a graph node was made; no branch moved) | ``no-change`` | ``conflict`` |
-            ``discarded`` | ``failed`` | ``busy`` | ``unsupported`` | ``unknown``,
-            or ``None`` before the run ended.
+            ``discarded`` | ``failed`` | ``busy`` | ``unsupported`` | ``unknown`` |
+            ``interrupted`` (an infrastructure failure ended the run, not its
+            owner — see ``interrupted_by``; the exit status is unknown, nothing
+            was published, the writes are kept until discarded), or ``None``
+            before the run ended.
         layer: the published layer id (for ``checkpointed``: the node's top
             layer), ``None`` if none.
         message: the daemon's explanation, for people (programs read the fields).
@@ -121,6 +124,12 @@ class Session:
         node: the graph node the outcome made (the child node of a
             ``checkpointed`` outcome; ``Client.show_node`` shows it), ``None``
             for every other outcome. The daemon's ``Session.node`` field.
+        interrupted_by: which infrastructure failure ended an ``interrupted``
+            run: ``daemon-restart`` (the daemon that owned the sandbox ended:
+            kill -9, crash, upgrade) | ``init-gone`` (the sandbox's init died
+            while the daemon ran); ``None`` for every other outcome.
+        daemon_owned: the daemon started and owns the session's init (a
+            sandbox of ``Client.sandbox``), not a ``layerstack`` holder process.
     """
 
     id: int
@@ -143,6 +152,8 @@ class Session:
     outcome_id: Optional[int]
     dry_run: bool
     node: Optional[str] = None
+    interrupted_by: Optional[str] = None
+    daemon_owned: bool = False
 
     @classmethod
     def from_pb(cls, s: pb.Session) -> "Session":
@@ -167,6 +178,8 @@ class Session:
             outcome_id=_opt_int(s.outcome_id),
             dry_run=s.dry_run,
             node=_opt_str(s.node),
+            interrupted_by=_opt_str(s.interrupted_by),
+            daemon_owned=s.daemon_owned,
         )
 
     @classmethod
@@ -201,6 +214,8 @@ class Session:
             outcome_id=v.get("outcome_id"),
             dry_run=bool(v.get("dry_run", False)),
             node=v.get("node") or None,
+            interrupted_by=v.get("interrupted_by") or None,
+            daemon_owned=bool(v.get("daemon_owned", False)),
         )
 
     @property
@@ -359,7 +374,10 @@ class Attempt:
     """One activation of a node in a session.
 
     Attributes:
-        status: ``running`` | ``checkpointed`` | ``failed`` | ``abandoned``.
+        status: ``running`` | ``checkpointed`` | ``failed`` (the task: its run
+            ended without a checkpoint) | ``abandoned`` (its session vanished) |
+            ``interrupted`` (an infrastructure failure ended its session, e.g.
+            a daemon restart: not the task's failure; retry the attempt).
         key: the client's idempotency key ("" if none).
         result_node: the child node it checkpointed into, ``None`` if none.
         ended_ns: end time, ``None`` while running.
