@@ -4,27 +4,31 @@
 The repository is ``calc/`` beside this file: ``stats.median`` is wrong for
 even lengths and two of its five unittests fail. The demo
 
-1. publishes the repository onto ``IMAGE@BRANCH`` with a first Mode B session
-   (workspace mode: the session is mounted at a directory and the host's ``cp``
-   copies the files in);
+1. publishes the repository onto ``IMAGE@BRANCH`` with a first sandbox
+   (workspace mode, ``mount_at``: the sandbox's tree is mounted at a directory
+   of the daemon's host and the host's ``cp`` copies the files in);
 2. makes a graph whose root node is that branch head;
-3. starts 8 attempts from the root node, each a Mode B session that applies one
-   scripted candidate edit of ``stats.py`` (``exec``) and runs the evaluator,
-   ``python3 -m unittest``, in the session (workspace mode again: the host's
-   interpreter on the session's tree; the Debian test image has no python3);
+3. starts 8 attempts from the root node, each a daemon-owned sandbox
+   (``Client.sandbox(node=…)``) whose file API writes one scripted candidate
+   of ``stats.py`` and whose ``exec`` runs the evaluator, ``python3 -m
+   unittest`` (workspace mode again: the host's interpreter on the sandbox's
+   tree; the Debian test image has no python3);
 4. checkpoints the passing attempts into child nodes whose state carries the
-   score, discards the others (their attempts end ``failed``);
+   score, discards the others with the evaluator's exit status (their
+   attempts end ``failed``);
 5. promotes the best node (score, then the smallest edit) to the branch: a
    fast-forward, since nothing else moved it;
-6. checks that the branch now passes the test, and writes the graph as Graphviz
-   dot (``layerstack graph show --dot``).
+6. checks that the branch now passes the test in a last sandbox, and writes
+   the graph as Graphviz dot (``layerstack graph show --dot``).
 
-    sudo python3 best_of_n.py --admin-address /run/layerstack/admin.sock \\
+    python3 best_of_n.py --admin-address /run/layerstack/admin.sock \\
         --image docker.io/library/debian:bookworm --dot graph.dot
 
 Every mutating call carries an idempotency key derived from ``--key-prefix``:
 rerunning with the same prefix after a crash gives the same graph, not a
-second one. Needs root (Mode B sessions) and the ``layerstack`` binary.
+second one (an attempt that ended answers its recorded end). Pure gRPC: the
+caller needs the ``layerstack`` package and a uid the daemon allows; the
+daemon's host needs python3 (the evaluator) and the workspace directory.
 """
 
 from __future__ import annotations
@@ -145,12 +149,12 @@ def tests_passed(exit_status: int, stderr: bytes) -> int:
     return 0 if ran <= bad else ran - bad
 
 
-def evaluate(ls: layerstack.Client, session: int, workspace: Path) -> layerstack.ExecResult:
-    """The evaluator: the repository's unittests, run in the session."""
-    return ls.exec(
-        session,
+def evaluate(sb: layerstack.Sandbox, workspace: Path) -> layerstack.ExecOutput:
+    """The evaluator: the repository's unittests, run in the sandbox (the host's
+    interpreter on the sandbox's tree, mounted at ``workspace``)."""
+    return sb.exec(
         [sys.executable, "-m", "unittest", "-q"],
-        workdir=str(workspace / "work" / "calc"),
+        cwd=str(workspace / "work" / "calc"),
         env={"PYTHONDONTWRITEBYTECODE": "1"},
         timeout_s=120,
     )
@@ -168,52 +172,50 @@ def best_of_n(
 ) -> Result:
     """Runs the demo (module doc) and returns what it did."""
     ws = str(workspace)
-    seed = ls.run(
-        ["sh", "-c", f"rm -rf work/calc && mkdir -p work && cp -r {REPO_DIR} work/calc && rm -rf work/calc/__pycache__"],
-        stack=image,
-        branch=branch,
-        mount_at=ws,
-        publish="on-success",
-        key=f"{key_prefix}-seed",
-        name="best-of-n-seed",
-    )
-    if seed.exit_status != 0 or seed.session.outcome not in ("committed", "merged", "no-change"):
-        raise RuntimeError(f"seeding {image}@{branch}: {seed}")
-    log(f"seeded {image}@{branch}: session {seed.session.id} {seed.session.outcome}")
+    with ls.sandbox(image, branch=branch, mount_at=ws, key=f"{key_prefix}-seed", name="best-of-n-seed") as sb:
+        if not sb.ended:
+            cp = sb.exec(
+                ["sh", "-c", f"rm -rf work/calc && mkdir -p work && cp -r {REPO_DIR} work/calc && rm -rf work/calc/__pycache__"],
+                cwd=ws,
+            )
+            sb.close(publish=True, exit_status=cp.exit_code, reason="best-of-n seed")
+        seeded = sb.outcome
+    if seeded is None or seeded.outcome not in ("committed", "merged", "no-change"):
+        raise RuntimeError(f"seeding {image}@{branch}: {seeded}")
+    log(f"seeded {image}@{branch}: session {seeded.id} {seeded.outcome}")
 
     g = ls.create_graph(graph, image, branch=branch, key=f"{key_prefix}-graph")
     log(f"graph {graph}: root node {g.root}")
 
     trials: List[Trial] = []
     for i, cand in enumerate(CANDIDATES):
-        s = ls.create_session(
-            node=g.root,
-            mount_at=ws,
-            publish="checkpoint",
-            key=f"{key_prefix}-attempt-{i}",
-            name=f"best-of-n-{i}",
-        )
-        edit = ls.exec(s.id, ["sh", "-c", "cat > work/calc/stats.py"], input=cand.source.encode())
-        if edit.exit_status != 0:
-            raise RuntimeError(f"applying {cand.name}: {edit}")
-        ev = evaluate(ls, s.id, workspace)
-        passed = tests_passed(ev.exit_status, ev.stderr)
-        score = round(passed / N_TESTS, 3)
         node: Optional[str] = None
-        if ev.exit_status == 0:
-            closed = ls.close_session(
-                s.id,
-                action="checkpoint",
-                exit_status=ev.exit_status,
-                state={"candidate": cand.name, "score": score, "lines": cand.lines_changed},
-                command=f"apply {cand.name}; python3 -m unittest",
-            )
-            node = closed.node
-            if node is None:
-                raise RuntimeError(f"{cand.name}: the close made no node: {closed}")
-        else:
-            ls.close_session(s.id, action="discard", exit_status=ev.exit_status)
-        trials.append(Trial(cand, passed, score, s.id, node))
+        with ls.sandbox(node=g.root, mount_at=ws, key=f"{key_prefix}-attempt-{i}", name=f"best-of-n-{i}") as sb:
+            if sb.ended:
+                # A rerun with the same keys: this attempt's end as recorded.
+                assert sb.outcome is not None
+                node = sb.outcome.node
+                score = float(ls.show_node(node).state.get("score", 0.0)) if node else 0.0
+                trials.append(Trial(cand, round(score * N_TESTS), score, sb.id, node))
+                continue
+            sb.files.write("/work/calc/stats.py", cand.source)
+            ev = evaluate(sb, workspace)
+            passed = tests_passed(ev.exit_code, ev.stderr)
+            score = round(passed / N_TESTS, 3)
+            if ev.ok:
+                closed = sb.close(
+                    checkpoint=True,
+                    exit_status=ev.exit_code,
+                    state={"candidate": cand.name, "score": score, "lines": cand.lines_changed},
+                    command=f"apply {cand.name}; python3 -m unittest",
+                )
+                node = closed.node
+                if node is None:
+                    raise RuntimeError(f"{cand.name}: the close made no node: {closed}")
+            else:
+                # The evaluator's status goes with the end: the attempt is `failed`.
+                sb.close(action="discard", exit_status=ev.exit_code)
+        trials.append(Trial(cand, passed, score, sb.id, node))
         log(f"attempt {i} {cand.name:16} {passed}/{N_TESTS} tests  " + (f"-> node {node}" if node else "discarded"))
 
     passing = [t for t in trials if t.node is not None]
@@ -226,16 +228,9 @@ def best_of_n(
     if p.refused:
         raise RuntimeError(f"promote refused: {p.message}")
 
-    check = ls.run(
-        [sys.executable, "-m", "unittest", "-q"],
-        stack=image,
-        branch=branch,
-        mount_at=ws,
-        workdir=str(workspace / "work" / "calc"),
-        env={"PYTHONDONTWRITEBYTECODE": "1"},
-        publish="never",
-    )
-    if check.exit_status != 0:
+    with ls.sandbox(image, branch=branch, mount_at=ws, name="best-of-n-check") as sb:
+        check = evaluate(sb, workspace)  # discarded on leaving the block
+    if not check.ok:
         raise RuntimeError(f"{branch} does not pass after the promote: {check.stderr.decode(errors='replace')}")
     log(f"{image}@{branch} passes its tests")
     return Result(graph, g.root, branch, trials, best, p, ls.graph_dot(graph))
@@ -251,10 +246,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     ap.add_argument("--key-prefix", default=None, help="idempotency keys' prefix [default: the graph's name]")
     ap.add_argument("--workspace", default=None, help="an empty directory to mount sessions at")
     ap.add_argument("--dot", default=None, help="write the graph in Graphviz dot here (with the discarded attempts and the branch)")
-    ap.add_argument("--bin-dir", default=None, help="where the layerstack binary is")
     a = ap.parse_args(argv)
     graph = a.graph or f"best-of-n-{int(time.time())}"
-    with layerstack.connect(a.admin_address, namespace=a.namespace, bin_dir=a.bin_dir) as ls:
+    with layerstack.connect(a.admin_address, namespace=a.namespace) as ls:
         with tempfile.TemporaryDirectory(prefix="best-of-n-", dir="/var/tmp") as tmp:
             ws = Path(a.workspace) if a.workspace else Path(tmp)
             r = best_of_n(

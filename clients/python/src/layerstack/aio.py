@@ -182,6 +182,7 @@ class AsyncClient:
         cpu_millis: Optional[int] = None,
         memory_bytes: Optional[int] = None,
         pids: Optional[int] = None,
+        mount_at: Optional[str] = None,
     ) -> "_SandboxStart":
         """A new daemon-owned sandbox; arguments, answers and errors as
         :meth:`layerstack.Client.sandbox`. ``await`` it, or ``async with`` it."""
@@ -206,6 +207,7 @@ class AsyncClient:
                 cpu_millis=cpu_millis,
                 memory_bytes=memory_bytes,
                 pids=pids,
+                mount_at=mount_at,
             ),
         )
         timeout = None if self.timeout_s is None else self.timeout_s + wait_s
@@ -371,6 +373,7 @@ class AsyncSandbox:
         labels: Optional[Mapping[str, str]] = None,
         reason: str = "python sandbox close",
         command: str = "",
+        exit_status: Optional[int] = None,
     ) -> Session:
         """Ends the sandbox (see :meth:`layerstack.sandbox.Sandbox.close`)."""
         if self.outcome is not None:
@@ -384,6 +387,7 @@ class AsyncSandbox:
             labels=labels,
             reason=reason,
             command=command,
+            exit_status=exit_status,
         )
         self.outcome = Session.from_pb(await self._client._call(self._client._stub.CloseSession, req, None))
         return self.outcome

@@ -301,6 +301,7 @@ class Client:
         cpu_millis: Optional[int] = None,
         memory_bytes: Optional[int] = None,
         pids: Optional[int] = None,
+        mount_at: Optional[str] = None,
     ) -> Sandbox:
         """A new daemon-owned sandbox on ``stack`` (a stack id, image reference
         or base digest; ``branch`` default the daemon's) or as an attempt of
@@ -310,11 +311,17 @@ class Client:
         Args:
             key: idempotency key: the same key again answers the first call's
                 sandbox (``Sandbox.created`` false), also across a daemon restart.
-            exit_policy: what a sandbox ended without :meth:`Sandbox.close` (its
-                daemon died) does: on-exit | on-success | never | checkpoint.
+            exit_policy: what ``close(action="auto", exit_status=…)`` does:
+                on-exit | on-success | never | checkpoint (a sandbox whose
+                daemon died ends ``interrupted`` whatever its policy).
             network: share the daemon's network (default: only ``lo``).
             user: (uid, gid) that ``exec`` and the file calls use by default (0, 0).
             workdir, env, hostname: ``exec``'s defaults.
+            mount_at: workspace mode: the sandbox's tree is mounted at this
+                absolute directory of the daemon's host inside the sandbox,
+                whose root stays the host's (its tools work on the tree); the
+                file calls then address the tree (paths beneath it). Default:
+                the tree is the sandbox's root.
             wait_s: how long to wait for a free slot when the daemon's pool of
                 live sandboxes is full; 0 raises BusyError at once.
             ignore_mtime: content history only (see :meth:`run`).
@@ -353,6 +360,7 @@ class Client:
                 cpu_millis=cpu_millis,
                 memory_bytes=memory_bytes,
                 pids=pids,
+                mount_at=mount_at,
             ),
         )
         timeout = None if self.timeout_s is None else self.timeout_s + wait_s

@@ -284,9 +284,16 @@ def sandbox_options(
     cpu_millis: Optional[int] = None,
     memory_bytes: Optional[int] = None,
     pids: Optional[int] = None,
+    mount_at: Optional[str] = None,
 ) -> Any:
+    if mount_at is not None and not str(mount_at).startswith("/"):
+        raise ValueError(f"mount_at={mount_at!r}: give an absolute directory on the daemon's host")
     o = pb.SandboxOptions(
-        network=network, workdir=workdir or "", env=env_list(env), hostname=hostname or ""
+        network=network,
+        workdir=workdir or "",
+        env=env_list(env),
+        hostname=hostname or "",
+        placement=str(mount_at) if mount_at is not None else "",
     )
     if user is not None:
         o.has_user, o.uid, o.gid = True, user[0], user[1]
@@ -342,6 +349,7 @@ def close_request(
     labels: Optional[Mapping[str, str]],
     reason: str,
     command: str,
+    exit_status: Optional[int] = None,
 ) -> Any:
     chosen = [a for a, on in (("checkpoint", checkpoint), ("publish", publish)) if on]
     if action is not None:
@@ -364,6 +372,10 @@ def close_request(
     )
     for k, v in (labels or {}).items():
         req.labels[k] = str(v)
+    if exit_status is not None:
+        if not 0 <= exit_status <= 255:
+            raise ValueError(f"exit_status={exit_status}: give 0..255 (a shell's $?)")
+        req.has_exit_status, req.exit_status = True, exit_status
     return req
 
 
@@ -624,13 +636,17 @@ class Sandbox:
         labels: Optional[Mapping[str, str]] = None,
         reason: str = "python sandbox close",
         command: str = "",
+        exit_status: Optional[int] = None,
     ) -> Session:
         """Ends the sandbox: ``checkpoint=True`` makes its writes a child node of
         the node it runs on (``Session.node``), with ``state`` (a JSON object:
         the node's logical state, e.g. a reward) and ``labels`` recorded in the
         same operation; ``publish=True`` sends them through the gate to its
         branch; neither discards them. ``action`` names the end action instead
-        (auto | publish | discard | checkpoint). Returns the ended session
+        (auto | publish | discard | checkpoint). ``exit_status``: the task's
+        (e.g. its evaluator's) exit status, recorded with the end — an attempt
+        discarded with a non-zero one ends ``failed``, and ``auto`` applies the
+        exit policy to it. Returns the ended session
         (``outcome``, ``node``, ``layer``); a second call answers the same.
 
         Raises: ValueError (two actions; state without a checkpoint),
@@ -647,6 +663,7 @@ class Sandbox:
             labels=labels,
             reason=reason,
             command=command,
+            exit_status=exit_status,
         )
         self.outcome = Session.from_pb(self._call(self._stub.CloseSession, req, None))
         return self.outcome
