@@ -267,6 +267,16 @@ fn rust_exec_series(b: &Bench, stack: &str, n: usize, warmup: usize) -> Result<V
     })
 }
 
+/// A `KEY:  N kB` field of `/proc/PID/status`, KiB.
+fn status_kib(pid: u32, field: &str) -> Result<u64> {
+    let s = std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .with_context(|| format!("reading /proc/{pid}/status"))?;
+    s.lines()
+        .find_map(|l| l.strip_prefix(field)?.strip_prefix(':'))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .with_context(|| format!("no {field} in /proc/{pid}/status"))
+}
+
 fn f64s(v: &Value) -> Vec<f64> {
     v.as_array()
         .map(|a| a.iter().filter_map(Value::as_f64).collect())
@@ -448,7 +458,9 @@ pub fn run(b: &Bench, r: &mut ScenarioReport) -> Result<()> {
     })?;
     let mut t = Table::new(
         &format!(
-            "exec round trip on a live sandbox: {exec_rounds} rounds × {exec_n} back-to-back calls per variant, variants rotating"
+            "exec round trip on a live sandbox: {exec_rounds} rounds × {exec_n} back-to-back calls per variant, variants rotating (the daemon: VmRSS {} KiB, page tables {} KiB — each exec forks it twice)",
+            status_kib(daemon, "VmRSS").unwrap_or(0),
+            status_kib(daemon, "VmPTE").unwrap_or(0)
         ),
         &[
             "variant",
@@ -506,6 +518,7 @@ pub fn run(b: &Bench, r: &mut ScenarioReport) -> Result<()> {
     let per_sb = |f: &Value| (kib(&f["rss_live_kib"]) - kib(&f["rss_before_kib"])) / n as f64;
     let daemon_per: Vec<f64> = fans.iter().map(per_sb).collect();
     let init = |f: &Value, k: &str| kib(&f["inits"][k]) / n as f64;
+    let init_after = |f: &Value, k: &str| kib(&f["inits_after_exec"][k]) / n as f64;
     let last = fans.last().context("no fan-out round")?;
     let creates = f64s(&last["create_ms"]);
     let execs = f64s(&last["exec_ms"]);
@@ -553,6 +566,20 @@ pub fn run(b: &Bench, r: &mut ScenarioReport) -> Result<()> {
             init(last, "pss_kib_sum"),
             init(last, "private_kib_sum"),
             init(last, "pte_kib_sum")
+        ),
+    ]);
+    t.row(vec![
+        format!(
+            "then one more `true` in each of the {n} at once; the inits, per sandbox, after it"
+        ),
+        format!(
+            "{:.3} s; {:.0} / {:.0} / {:.0} / {:.0} KiB; daemon {} KiB",
+            kib(&last["exec_again_s"]),
+            init_after(last, "rss_kib_sum"),
+            init_after(last, "pss_kib_sum"),
+            init_after(last, "private_kib_sum"),
+            init_after(last, "pte_kib_sum"),
+            last["rss_after_exec_kib"]
         ),
     ]);
     r.tables.push(t);
