@@ -76,6 +76,14 @@ def rollup_kib(pid: int) -> Dict[str, int]:
     }
 
 
+def shape(pid: int) -> Dict[str, int]:
+    """What a fork of ``pid`` copies: its threads, mappings (VMAs) and page
+    tables (KiB)."""
+    with open(f"/proc/{pid}/maps") as f:
+        vmas = sum(1 for _ in f)
+    return {"threads": status_kib(pid, "Threads"), "vmas": vmas, "pte_kib": status_kib(pid, "VmPTE")}
+
+
 def children(pid: int) -> List[int]:
     """The live children of every thread of ``pid`` (the daemon's inits are
     its spawner thread's children)."""
@@ -207,6 +215,7 @@ class Driver:
 
     async def _fanout(self, n: int, daemon_pid: int) -> Dict[str, Any]:
         rss_before = status_kib(daemon_pid, "VmRSS")
+        shape_before = shape(daemon_pid)
         inits_before = inits_memory(daemon_pid)
         t0 = time.perf_counter()
 
@@ -223,6 +232,7 @@ class Driver:
         live = [r[0] for r in results if not isinstance(r, BaseException)]
         failed = [r for r in results if isinstance(r, BaseException)]
         rss_live = status_kib(daemon_pid, "VmRSS")
+        shape_live = shape(daemon_pid)
         inits_live = inits_memory(daemon_pid)
         # The inits are forks of the daemon that never exec: a page the daemon
         # writes after the fork leaves its old copy to the init. Measure again
@@ -255,6 +265,8 @@ class Driver:
             "rss_before_kib": rss_before,
             "rss_live_kib": rss_live,
             "rss_after_kib": rss_after,
+            "daemon_before": shape_before,
+            "daemon_live": shape_live,
             "inits_before": inits_before,
             "inits": inits_live,
             "exec_again_s": again_s,
