@@ -1,6 +1,7 @@
 //! `layerstack-bench`: LayerStack's benchmarks side by side — start (P1),
 //! fan-out (P2), publish (P3), read path (P4), gate under fan-out (P5), reset
-//! (P6), Mode B session (P7), apply isolation (P8) — in one run, each figure a ratio against a
+//! (P6), Mode B session (P7), sandboxes from Python over the API (P7b),
+//! apply isolation (P8) — in one run, each figure a ratio against a
 //! baseline measured in the same run, interleaved. Writes `benchmarks.md`, one
 //! SVG plot per scenario and the raw `results.json`.
 //!
@@ -35,8 +36,8 @@ struct Cli {
     /// Checks that every scenario still runs; its figures are not the published ones.
     #[arg(long)]
     quick: bool,
-    /// Run only these scenarios (`p1`…`p8` or `start`, `fan-out`, `publish`,
-    /// `read-path`, `gate`, `reset`, `mode-b`, `apply-isolation`); repeatable,
+    /// Run only these scenarios (`p1`…`p8`, `p7b` or `start`, `fan-out`, `publish`,
+    /// `read-path`, `gate`, `reset`, `mode-b`, `sdk`, `apply-isolation`); repeatable,
     /// or comma-separated.
     #[arg(long = "scenario", value_delimiter = ',')]
     scenarios: Vec<String>,
@@ -141,7 +142,7 @@ fn run() -> Result<bool> {
     .trim()
     .to_string();
     let profiler = profile::Profiler::probe(&layerstack_integration::tmp_base(), !cli.no_profile);
-    // P7 holds 1,024 Mode B sessions live at once; the default cap is 256.
+    // P7 and P7b hold 1,024 sessions live at once; the default cap is 256.
     layerstack_integration::set_daemon_args(&["--sandbox-max-sessions", "2048"]);
     let bench = env::Bench::start(cli.quick, profiler)?;
     let machine = machine::Machine::probe(

@@ -14,6 +14,7 @@ mod p4_read;
 mod p5_gate;
 mod p6_reset;
 mod p7_mode_b;
+mod p7b_sdk;
 mod p8_apply;
 
 /// One scenario: ids, and the function that measures and fills the report.
@@ -69,6 +70,12 @@ pub fn all() -> Vec<Def> {
             name: "mode-b",
             title: "Mode B session: create + mount + run `true` + discard",
             run: p7_mode_b::run,
+        },
+        Def {
+            id: "p7b",
+            name: "sdk",
+            title: "sandboxes from Python over the API: create + exec `true` + discard, exec round trip, 1,024 from one asyncio client",
+            run: p7b_sdk::run,
         },
         Def {
             id: "p8",
