@@ -1,0 +1,202 @@
+//! `Exec`: a command in a session's namespaces and root, its output streamed
+//! (see the parent module's docs for the waiter/command shape).
+
+use super::*;
+
+fn command(l: &Live, r: &api::ExecRequest) -> Result<Command, Status> {
+    let first = r.argv.first().filter(|a| !a.is_empty()).ok_or_else(|| {
+        Status::invalid_argument("argv is required (the command and its arguments)")
+    })?;
+    let d = l.owned.clone().unwrap_or_default();
+    let ids = if r.has_user {
+        Some((r.uid, r.gid))
+    } else {
+        d.user
+    };
+    let uid = ids.map_or(0, |(u, _)| u);
+    let mut env: Vec<(String, String)> = vec![
+        ("PATH".into(), DEFAULT_PATH.into()),
+        ("HOSTNAME".into(), d.hostname.clone()),
+        ("HOME".into(), if uid == 0 { "/root" } else { "/" }.into()),
+    ];
+    for (k, v) in d.env.iter().cloned().chain(parse_env("env", &r.env)?) {
+        env.retain(|(ek, _)| *ek != k);
+        env.push((k, v));
+    }
+    let path = env
+        .iter()
+        .find(|(k, _)| k == "PATH")
+        .map(|(_, v)| v.clone())
+        .unwrap_or_else(|| DEFAULT_PATH.into());
+    let cwd = if r.cwd.is_empty() {
+        l.workdir.clone()
+    } else {
+        absolute("cwd", &r.cwd)?;
+        r.cwd.clone()
+    };
+    let nul = |what: &str| Status::invalid_argument(format!("{what} holds a NUL byte"));
+    Ok(Command {
+        candidates: holder::candidates(OsStr::new(first), OsStr::new(&path))
+            .map_err(|_| nul("argv[0]"))?,
+        argv: CArgs::new(r.argv.iter().map(|a| a.clone().into_bytes())).map_err(|_| nul("argv"))?,
+        envp: CArgs::new(
+            env.into_iter()
+                .map(|(k, v)| format!("{k}={v}").into_bytes()),
+        )
+        .map_err(|_| nul("env"))?,
+        name: first.as_bytes().to_vec(),
+        ids,
+        workdir: CString::new(cwd).map_err(|_| nul("cwd"))?,
+    })
+}
+
+fn exit_reply(x: Exit, timed_out: bool, started: Instant) -> api::ExecReply {
+    let (code, signal) = match x {
+        Exit::Code(c) => (c, 0),
+        Exit::Signal(s) => (128 + s, s),
+    };
+    api::ExecReply {
+        kind: Some(api::exec_reply::Kind::Exit(api::ExecExit {
+            code,
+            signal,
+            timed_out,
+            duration_ms: u64::try_from(started.elapsed().as_millis()).unwrap_or(u64::MAX),
+            ..Default::default()
+        })),
+    }
+}
+
+/// `Exec`: see the module docs and `holder::spawn_joined`.
+pub(crate) async fn exec(
+    admin: &AdminService,
+    r: api::ExecRequest,
+) -> Result<Stream<api::ExecReply>, Status> {
+    let id = r.session_id;
+    let l = live(admin, id).await?;
+    let cmd = command(&l, &r)?;
+    let root = open_root(&l, id)?;
+    let (in_r, in_w) = sys::pipe().map_err(|e| io_status("pipe", &e))?;
+    let (out_r, out_w) = sys::pipe().map_err(|e| io_status("pipe", &e))?;
+    let (err_r, err_w) = sys::pipe().map_err(|e| io_status("pipe", &e))?;
+    let (st_r, st_w) = sys::pipe().map_err(|e| io_status("pipe", &e))?;
+    let stdio = holder::Stdio {
+        fds: [in_r.as_raw_fd(), out_w.as_raw_fd(), err_w.as_raw_fd()],
+        status: st_w.as_raw_fd(),
+    };
+    let cgroup = l.owned.as_ref().and_then(|d| d.cgroup.clone());
+    let procs = cgroup.as_ref().map(|c| c.procs_fds()).unwrap_or_default();
+    let oom_before = cgroup.as_ref().map_or(0, |c| c.usage().oom_kills);
+    let started = Instant::now();
+    let pid = holder::spawn_joined(&l.pidfd, &root, &cmd, &stdio, &procs)
+        .map_err(|e| io_status("cannot start the command's process", &e))?;
+    drop((in_r, out_w, err_w, st_w, root));
+    let waiter =
+        sys::pidfd_open(pid).map_err(|e| io_status("pidfd of the command's waiter", &e))?;
+    let (tx, rx) = mpsc::channel(16);
+    let stdin = r.stdin;
+    let timeout = (r.timeout_ms > 0).then(|| Duration::from_millis(r.timeout_ms.into()));
+    tokio::spawn(async move {
+        let run = async {
+            let mut w = tokio::net::unix::pipe::Sender::from_owned_fd(in_w)?;
+            let mut out = tokio::net::unix::pipe::Receiver::from_owned_fd(out_r)?;
+            let mut err = tokio::net::unix::pipe::Receiver::from_owned_fd(err_r)?;
+            let feed = async move {
+                // A command that does not read its stdin closes the pipe: EPIPE
+                // is not an error of the exec.
+                let _ = w.write_all(&stdin).await;
+                drop(w);
+            };
+            tokio::spawn(feed);
+            let waiter2 = waiter.try_clone()?;
+            let mut ended = Box::pin(wait_pidfd(&waiter2));
+            let deadline = timeout.map(|t| tokio::time::Instant::now() + t);
+            let sleep =
+                tokio::time::sleep_until(deadline.unwrap_or_else(|| {
+                    tokio::time::Instant::now() + Duration::from_secs(86400 * 365)
+                }));
+            tokio::pin!(sleep);
+            let (mut bo, mut be) = (vec![0u8; CHUNK], vec![0u8; CHUNK]);
+            let (mut out_open, mut err_open) = (true, true);
+            let mut timed_out = false;
+            let mut killed_at: Option<tokio::time::Instant> = None;
+            let mut waiter_exit: Option<io::Result<Exit>> = None;
+            let mut drain_until: Option<tokio::time::Instant> = None;
+            loop {
+                if waiter_exit.is_some() && !out_open && !err_open {
+                    break;
+                }
+                let drain = async {
+                    match drain_until {
+                        Some(t) => tokio::time::sleep_until(t).await,
+                        None => std::future::pending().await,
+                    }
+                };
+                tokio::select! {
+                    n = out.read(&mut bo), if out_open => match n {
+                        Ok(0) | Err(_) => out_open = false,
+                        Ok(n) => {
+                            if tx.send(Ok(api::ExecReply { kind: Some(api::exec_reply::Kind::Stdout(bo[..n].to_vec())) })).await.is_err() {
+                                kill_group(&waiter);
+                            }
+                        }
+                    },
+                    n = err.read(&mut be), if err_open => match n {
+                        Ok(0) | Err(_) => err_open = false,
+                        Ok(n) => {
+                            if tx.send(Ok(api::ExecReply { kind: Some(api::exec_reply::Kind::Stderr(be[..n].to_vec())) })).await.is_err() {
+                                kill_group(&waiter);
+                            }
+                        }
+                    },
+                    x = &mut ended, if waiter_exit.is_none() => {
+                        waiter_exit = Some(x);
+                        drain_until = Some(tokio::time::Instant::now() + DRAIN);
+                    },
+                    () = &mut sleep, if deadline.is_some() && waiter_exit.is_none() && (!timed_out || killed_at.is_some()) => {
+                        if timed_out {
+                            // The waiter did not end within 2 s of the kill: end it.
+                            let _ = sys::pidfd_kill(&waiter, libc::SIGKILL);
+                            killed_at = None;
+                        } else {
+                            timed_out = true;
+                            kill_group(&waiter);
+                            killed_at = Some(tokio::time::Instant::now());
+                            sleep.as_mut().reset(tokio::time::Instant::now() + Duration::from_secs(2));
+                        }
+                    },
+                    () = drain => {
+                        out_open = false;
+                        err_open = false;
+                    },
+                }
+            }
+            let elapsed_from = started;
+            // The waiter wrote the command's exact exit before it exited.
+            let mut st = tokio::net::unix::pipe::Receiver::from_owned_fd(st_r)?;
+            let mut b = [0u8; holder::EXIT_BYTES];
+            let x = match st.read_exact(&mut b).await {
+                Ok(_) => holder::decode_exit(&b),
+                Err(_) => waiter_exit.unwrap_or(Ok(Exit::Code(holder::SETUP_FAILED)))?,
+            };
+            let mut reply = exit_reply(x, timed_out, elapsed_from);
+            if let (Some(cg), Some(api::exec_reply::Kind::Exit(e))) = (&cgroup, &mut reply.kind) {
+                let u = cg.usage();
+                e.oom_killed = u.oom_kills > oom_before && x == Exit::Signal(libc::SIGKILL);
+                e.session_memory_peak_bytes = u.memory_peak_bytes;
+                e.session_cpu_usec = u.cpu_usec;
+            }
+            Ok::<_, io::Error>(reply)
+        };
+        let last = run.await.map_err(|e| io_status("exec", &e));
+        let _ = tx.send(last).await;
+    });
+    Ok(Box::pin(ReceiverStream::new(rx)))
+}
+
+/// Asks the waiter to SIGKILL the command's process group (SIGTERM to the
+/// waiter means exactly that: `holder::spawn_joined`).
+fn kill_group(waiter: &OwnedFd) {
+    if let Err(e) = sys::pidfd_kill(waiter, libc::SIGTERM) {
+        debug!(error = %e, "signalling an exec's waiter");
+    }
+}

@@ -1,0 +1,790 @@
+//! The file RPCs beneath a session's root (`ReadFile`, `WriteFile`,
+//! `ListDir`, `StatPath`, `RemovePath`, `UploadTar`, `DownloadTar`): every
+//! path resolved by the kernel inside the session (`openat2` with
+//! `RESOLVE_IN_ROOT`), never on the daemon's host.
+
+use super::*;
+
+/// A request path, relative to the files root: `..` and NUL refused, empty
+/// and `/` are the root (`"."`).
+fn rel_path(p: &str) -> Result<Vec<u8>, Status> {
+    if p.contains('\0') {
+        return Err(Status::invalid_argument(format!(
+            "path {p:?} holds a NUL byte"
+        )));
+    }
+    let mut out: Vec<u8> = Vec::new();
+    for c in p.split('/') {
+        match c {
+            "" | "." => {}
+            ".." => {
+                return Err(Status::invalid_argument(format!(
+                "path {p:?}: a `..` component is refused (name the path from the session's root)"
+            )))
+            }
+            c => {
+                if !out.is_empty() {
+                    out.push(b'/');
+                }
+                out.extend_from_slice(c.as_bytes());
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn cpath(rel: &[u8]) -> CString {
+    // rel_path refused NUL bytes.
+    CString::new(if rel.is_empty() {
+        b".".to_vec()
+    } else {
+        rel.to_vec()
+    })
+    .unwrap_or_default()
+}
+
+fn split(rel: &[u8]) -> (&[u8], &[u8]) {
+    match rel.iter().rposition(|&b| b == b'/') {
+        Some(i) => (&rel[..i], &rel[i + 1..]),
+        None => (&[], rel),
+    }
+}
+
+/// The status of a failed file operation on `path`, naming it and the reason.
+fn file_status(path: &str, what: &str, e: &io::Error) -> Status {
+    let msg = format!("{what} {path:?}: {e}");
+    match e.raw_os_error() {
+        Some(libc::ENOENT) => Status::not_found(msg),
+        Some(
+            libc::ENOTDIR
+            | libc::EISDIR
+            | libc::ELOOP
+            | libc::EXDEV
+            | libc::ENOTEMPTY
+            | libc::EEXIST
+            | libc::EINVAL
+            | libc::ENAMETOOLONG,
+        ) => Status::invalid_argument(msg),
+        Some(libc::EACCES | libc::EPERM | libc::EROFS) => Status::failed_precondition(msg),
+        _ => Status::internal(msg),
+    }
+}
+
+fn nix_io(e: nix::Error) -> io::Error {
+    io::Error::from_raw_os_error(e as i32)
+}
+
+// nix 0.29 takes raw descriptors: these keep ownership in `OwnedFd`s.
+
+fn at_openat<P: ?Sized + nix::NixPath>(
+    dir: &OwnedFd,
+    name: &P,
+    flags: OFlag,
+) -> io::Result<OwnedFd> {
+    let fd = nix::fcntl::openat(
+        Some(dir.as_raw_fd()),
+        name,
+        flags | OFlag::O_CLOEXEC,
+        NMode::from_bits_truncate(0o600),
+    )
+    .map_err(nix_io)?;
+    // SAFETY: openat returned a new descriptor nothing else owns.
+    Ok(unsafe { <OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) })
+}
+
+fn at_fstatat<P: ?Sized + nix::NixPath>(
+    dir: &OwnedFd,
+    name: &P,
+) -> io::Result<nix::sys::stat::FileStat> {
+    nix::sys::stat::fstatat(Some(dir.as_raw_fd()), name, AtFlags::AT_SYMLINK_NOFOLLOW)
+        .map_err(nix_io)
+}
+
+fn at_unlinkat<P: ?Sized + nix::NixPath>(dir: &OwnedFd, name: &P, d: bool) -> io::Result<()> {
+    let f = if d {
+        nix::unistd::UnlinkatFlags::RemoveDir
+    } else {
+        nix::unistd::UnlinkatFlags::NoRemoveDir
+    };
+    nix::unistd::unlinkat(Some(dir.as_raw_fd()), name, f).map_err(nix_io)
+}
+
+fn dir_names(dir: &OwnedFd) -> io::Result<Vec<Vec<u8>>> {
+    use std::os::fd::IntoRawFd;
+    let d = nix::dir::Dir::from_fd(dir.try_clone()?.into_raw_fd()).map_err(nix_io)?;
+    let mut names = Vec::new();
+    for ent in d.into_iter() {
+        let ent = ent.map_err(nix_io)?;
+        let n = ent.file_name().to_bytes();
+        if n != b"." && n != b".." {
+            names.push(n.to_vec());
+        }
+    }
+    names.sort();
+    Ok(names)
+}
+
+fn kind_of(mode: u32) -> &'static str {
+    match SFlag::from_bits_truncate(mode & SFlag::S_IFMT.bits()) {
+        SFlag::S_IFREG => "file",
+        SFlag::S_IFDIR => "dir",
+        SFlag::S_IFLNK => "symlink",
+        SFlag::S_IFIFO => "fifo",
+        SFlag::S_IFCHR => "char",
+        SFlag::S_IFBLK => "block",
+        SFlag::S_IFSOCK => "socket",
+        _ => "",
+    }
+}
+
+fn stat_of(name: &[u8], st: &nix::sys::stat::FileStat, target: Option<Vec<u8>>) -> api::FileStat {
+    api::FileStat {
+        name: String::from_utf8_lossy(name).into_owned(),
+        raw_name: name.to_vec(),
+        kind: kind_of(st.st_mode).to_string(),
+        size: u64::try_from(st.st_size).unwrap_or(0),
+        mode: st.st_mode & 0o7777,
+        uid: st.st_uid,
+        gid: st.st_gid,
+        mtime_ns: st
+            .st_mtime
+            .saturating_mul(1_000_000_000)
+            .saturating_add(st.st_mtime_nsec),
+        link_target: target
+            .map(|t| String::from_utf8_lossy(&t).into_owned())
+            .unwrap_or_default(),
+    }
+}
+
+/// `fstatat(dir, name, AT_SYMLINK_NOFOLLOW)` and, for a symlink, its target.
+fn stat_at(dir: &OwnedFd, name: &[u8]) -> io::Result<api::FileStat> {
+    let st = at_fstatat(dir, OsStr::from_bytes(name))?;
+    let target = if kind_of(st.st_mode) == "symlink" {
+        Some(
+            nix::fcntl::readlinkat(Some(dir.as_raw_fd()), OsStr::from_bytes(name))
+                .map_err(nix_io)?
+                .as_bytes()
+                .to_vec(),
+        )
+    } else {
+        None
+    };
+    Ok(stat_of(name, &st, target))
+}
+
+/// Opens the parent directory of `rel` beneath `root` (symlinks in it resolve
+/// inside the root), making missing directories (0755, owned by `owner`)
+/// when `make` is set. Returns it and the last component.
+fn open_parent<'a>(
+    root: &OwnedFd,
+    rel: &'a [u8],
+    make: bool,
+    owner: Option<(u32, u32)>,
+) -> io::Result<(OwnedFd, &'a [u8])> {
+    let (parent, name) = split(rel);
+    let flags = libc::O_PATH | libc::O_DIRECTORY;
+    match sys::openat2_in_root(root, &cpath(parent), flags, 0) {
+        Ok(fd) => return Ok((fd, name)),
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) && make => {}
+        Err(e) => return Err(e),
+    }
+    let mut dir = sys::openat2_in_root(root, c".", flags, 0)?;
+    for comp in parent.split(|&b| b == b'/') {
+        let c = OsStr::from_bytes(comp);
+        match nix::sys::stat::mkdirat(Some(dir.as_raw_fd()), c, NMode::from_bits_truncate(0o755)) {
+            Ok(()) => {
+                if let Some((u, g)) = owner {
+                    nix::unistd::fchownat(
+                        Some(dir.as_raw_fd()),
+                        c,
+                        Some(u.into()),
+                        Some(g.into()),
+                        AtFlags::AT_SYMLINK_NOFOLLOW,
+                    )
+                    .map_err(nix_io)?;
+                }
+            }
+            Err(nix::Error::EEXIST) => {}
+            Err(e) => return Err(nix_io(e)),
+        }
+        let mut p = b"./".to_vec();
+        p.extend_from_slice(comp);
+        // Relative to `dir`, resolved in the session's root: a symlink that
+        // exists here resolves inside the session.
+        let next = {
+            let cp = CString::new(p).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
+            openat2_beneath_dir(&dir, root, &cp)?
+        };
+        dir = next;
+    }
+    Ok((dir, name))
+}
+
+/// Opens `name` (a directory) relative to `dir` while staying inside `root`:
+/// a plain `openat(O_NOFOLLOW)` (a component just made or checked by name);
+/// a symlink there is resolved through `root` instead, never outside it.
+fn openat2_beneath_dir(dir: &OwnedFd, root: &OwnedFd, name: &CString) -> io::Result<OwnedFd> {
+    match at_openat(
+        dir,
+        name.as_c_str(),
+        OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW,
+    ) {
+        Ok(fd) => Ok(fd),
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) => {
+            // A symlink: refuse rather than resolve it with a second path
+            // walk (the parent chain was made by this call).
+            let _ = root;
+            Err(io::Error::from_raw_os_error(libc::ENOTDIR))
+        }
+        Err(e) => Err(e),
+    }
+}
+
+fn owner_of(l: &Live, has: bool, uid: u32, gid: u32) -> Option<(u32, u32)> {
+    if has {
+        Some((uid, gid))
+    } else {
+        l.owned.as_ref().and_then(|d| d.user)
+    }
+}
+
+/// `ReadFile`.
+pub(crate) async fn read_file(
+    admin: &AdminService,
+    r: api::ReadFileRequest,
+) -> Result<Stream<api::FileChunk>, Status> {
+    let l = live(admin, r.session_id).await?;
+    let rel = rel_path(&r.path)?;
+    let root = files_root(&l, r.session_id)?;
+    let path = r.path.clone();
+    let fd = sys::openat2_in_root(
+        &root,
+        &cpath(&rel),
+        libc::O_RDONLY | libc::O_NOCTTY | libc::O_NONBLOCK,
+        0,
+    )
+    .map_err(|e| file_status(&path, "cannot open", &e))?;
+    let st = nix::sys::stat::fstat(fd.as_raw_fd())
+        .map_err(|e| file_status(&path, "cannot stat", &nix_io(e)))?;
+    if kind_of(st.st_mode) != "file" {
+        return Err(Status::invalid_argument(format!(
+            "{path:?} is a {}, not a regular file: ReadFile reads regular files (ListDir lists a directory)",
+            kind_of(st.st_mode)
+        )));
+    }
+    let (tx, rx) = mpsc::channel(4);
+    let (offset, limit) = (r.offset, r.limit);
+    tokio::task::spawn_blocking(move || {
+        let f = std::fs::File::from(fd);
+        let mut off = offset;
+        let end = if limit == 0 {
+            u64::MAX
+        } else {
+            offset.saturating_add(limit)
+        };
+        let mut buf = vec![0u8; CHUNK];
+        while off < end {
+            let want = usize::try_from((end - off).min(CHUNK as u64)).unwrap_or(CHUNK);
+            match std::os::unix::fs::FileExt::read_at(&f, &mut buf[..want], off) {
+                Ok(0) => break,
+                Ok(n) => {
+                    off += n as u64;
+                    if tx
+                        .blocking_send(Ok(api::FileChunk {
+                            data: buf[..n].to_vec(),
+                        }))
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    let _ = tx.blocking_send(Err(file_status(&path, "cannot read", &e)));
+                    return;
+                }
+            }
+        }
+    });
+    Ok(Box::pin(ReceiverStream::new(rx)))
+}
+
+/// `WriteFile`: temp file in the target's directory, then rename.
+pub(crate) async fn write_file(
+    admin: &AdminService,
+    mut s: tonic::Streaming<api::WriteFileRequest>,
+) -> Result<api::FileStat, Status> {
+    let first = s.message().await?.ok_or_else(|| {
+        Status::invalid_argument("empty stream: the first message carries the header")
+    })?;
+    let h = first.header.clone().ok_or_else(|| {
+        Status::invalid_argument("the first message carries no header (session_id, path)")
+    })?;
+    let l = live(admin, h.session_id).await?;
+    let rel = rel_path(&h.path)?;
+    if rel.is_empty() {
+        return Err(Status::invalid_argument(format!(
+            "path {:?} names the root, not a file",
+            h.path
+        )));
+    }
+    let root = files_root(&l, h.session_id)?;
+    let owner = owner_of(&l, h.has_owner, h.uid, h.gid);
+    let mode = if h.mode == 0 { 0o644 } else { h.mode & 0o7777 };
+    let path = h.path.clone();
+    let (ctx, crx) = std::sync::mpsc::sync_channel::<Vec<u8>>(4);
+    let abort = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let aborted = abort.clone();
+    let job = tokio::task::spawn_blocking(move || -> Result<api::FileStat, Status> {
+        let (parent, name) = open_parent(&root, &rel, h.make_parents, owner)
+            .map_err(|e| file_status(&path, "cannot open the directory of", &e))?;
+        // An O_PATH parent cannot be written through: reopen it as a directory.
+        let dir = at_openat(&parent, c".", OFlag::O_RDONLY | OFlag::O_DIRECTORY)
+            .map_err(|e| file_status(&path, "cannot open the directory of", &e))?;
+        let name = OsStr::from_bytes(name);
+        let tmp = format!(".layerstack-write-{}-{}", std::process::id(), rand_suffix());
+        let fd = at_openat(
+            &dir,
+            tmp.as_str(),
+            OFlag::O_WRONLY | OFlag::O_CREAT | OFlag::O_EXCL | OFlag::O_NOFOLLOW,
+        )
+        .map_err(|e| file_status(&path, "cannot create a temporary file beside", &e))?;
+        let mut f = std::fs::File::from(fd);
+        let done = (|| -> io::Result<()> {
+            for chunk in crx.iter() {
+                f.write_all(&chunk)?;
+            }
+            if aborted.load(Ordering::Relaxed) {
+                return Err(io::Error::new(
+                    io::ErrorKind::Interrupted,
+                    "the client's stream ended with an error",
+                ));
+            }
+            if let Some((u, g)) = owner {
+                nix::unistd::fchown(f.as_raw_fd(), Some(u.into()), Some(g.into()))
+                    .map_err(nix_io)?;
+            }
+            // fchmod on the open file: after chown (which clears setuid bits).
+            nix::sys::stat::fchmod(f.as_raw_fd(), NMode::from_bits_truncate(mode))
+                .map_err(nix_io)?;
+            nix::fcntl::renameat(
+                Some(dir.as_raw_fd()),
+                tmp.as_str(),
+                Some(dir.as_raw_fd()),
+                name,
+            )
+            .map_err(nix_io)
+        })();
+        if let Err(e) = done {
+            let _ = at_unlinkat(&dir, tmp.as_str(), false);
+            return Err(file_status(&path, "cannot write", &e));
+        }
+        stat_at(&dir, name.as_bytes()).map_err(|e| file_status(&path, "cannot stat", &e))
+    });
+    let feed = async {
+        if !first.data.is_empty() && ctx.send(first.data).is_err() {
+            return Ok(());
+        }
+        while let Some(m) = s.message().await? {
+            if m.header.is_some() {
+                return Err(Status::invalid_argument(
+                    "a header after the first message: one file per stream",
+                ));
+            }
+            if !m.data.is_empty() && ctx.send(m.data).is_err() {
+                break;
+            }
+        }
+        Ok(())
+    };
+    let fed: Result<(), Status> = feed.await;
+    if let Err(st) = fed {
+        // The client's stream broke: the data is incomplete. The blocking
+        // side must not rename it over the target: `abort` tells it.
+        abort.store(true, Ordering::Relaxed);
+        drop(ctx);
+        let _ = job.await;
+        return Err(st);
+    }
+    drop(ctx);
+    job.await
+        .map_err(|e| Status::internal(format!("write task: {e}")))?
+}
+
+fn rand_suffix() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0),
+    );
+    h.finish()
+}
+
+/// `ListDir`.
+pub(crate) async fn list_dir(
+    admin: &AdminService,
+    r: api::ListDirRequest,
+) -> Result<api::ListDirResponse, Status> {
+    let l = live(admin, r.session_id).await?;
+    let rel = rel_path(&r.path)?;
+    let root = files_root(&l, r.session_id)?;
+    let path = r.path.clone();
+    tokio::task::spawn_blocking(move || {
+        let fd = sys::openat2_in_root(&root, &cpath(&rel), libc::O_RDONLY | libc::O_DIRECTORY, 0)
+            .map_err(|e| file_status(&path, "cannot open the directory", &e))?;
+        let names =
+            dir_names(&fd).map_err(|e| file_status(&path, "cannot read the directory", &e))?;
+        let mut entries = Vec::with_capacity(names.len());
+        for n in names {
+            match stat_at(&fd, &n) {
+                Ok(s) => entries.push(s),
+                // Removed meanwhile.
+                Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
+                Err(e) => return Err(file_status(&path, "cannot stat an entry of", &e)),
+            }
+        }
+        Ok(api::ListDirResponse { entries })
+    })
+    .await
+    .map_err(|e| Status::internal(format!("list task: {e}")))?
+}
+
+/// `StatPath`.
+pub(crate) async fn stat_path(
+    admin: &AdminService,
+    r: api::StatPathRequest,
+) -> Result<api::FileStat, Status> {
+    let l = live(admin, r.session_id).await?;
+    let rel = rel_path(&r.path)?;
+    let root = files_root(&l, r.session_id)?;
+    let path = r.path;
+    if rel.is_empty() {
+        let st = nix::sys::stat::fstat(root.as_raw_fd())
+            .map_err(|e| file_status(&path, "cannot stat", &nix_io(e)))?;
+        return Ok(stat_of(b"", &st, None));
+    }
+    let (parent, name) =
+        open_parent(&root, &rel, false, None).map_err(|e| file_status(&path, "cannot stat", &e))?;
+    stat_at(&parent, name).map_err(|e| file_status(&path, "cannot stat", &e))
+}
+
+/// Removes `name` in `dir` and, for a directory, everything below it; never
+/// follows a symlink (each level is opened `O_NOFOLLOW`). Returns the entries
+/// removed.
+fn remove_tree_at(dir: &OwnedFd, name: &OsStr) -> io::Result<u64> {
+    let sub = match at_openat(
+        dir,
+        name,
+        OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW,
+    ) {
+        Ok(fd) => fd,
+        Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTDIR | libc::ELOOP)) => {
+            at_unlinkat(dir, name, false)?;
+            return Ok(1);
+        }
+        Err(e) => return Err(e),
+    };
+    let mut n = 0;
+    for c in dir_names(&sub)? {
+        n += remove_tree_at(&sub, OsStr::from_bytes(&c))?;
+    }
+    at_unlinkat(dir, name, true)?;
+    Ok(n + 1)
+}
+
+/// `RemovePath`.
+pub(crate) async fn remove_path(
+    admin: &AdminService,
+    r: api::RemovePathRequest,
+) -> Result<api::RemovePathResponse, Status> {
+    let l = live(admin, r.session_id).await?;
+    let rel = rel_path(&r.path)?;
+    if rel.is_empty() {
+        return Err(Status::invalid_argument(format!(
+            "path {:?} names the session's root, which cannot be removed",
+            r.path
+        )));
+    }
+    let root = files_root(&l, r.session_id)?;
+    let path = r.path;
+    let recursive = r.recursive;
+    tokio::task::spawn_blocking(move || {
+        let (parent, name) = open_parent(&root, &rel, false, None)
+            .map_err(|e| file_status(&path, "cannot remove", &e))?;
+        let dir = at_openat(&parent, c".", OFlag::O_RDONLY | OFlag::O_DIRECTORY)
+            .map_err(|e| file_status(&path, "cannot remove", &e))?;
+        let name = OsStr::from_bytes(name);
+        let st =
+            stat_at(&dir, name.as_bytes()).map_err(|e| file_status(&path, "cannot remove", &e))?;
+        let removed = if st.kind == "dir" {
+            if recursive {
+                remove_tree_at(&dir, name)
+            } else {
+                at_unlinkat(&dir, name, true).map(|()| 1)
+            }
+        } else {
+            at_unlinkat(&dir, name, false).map(|()| 1)
+        };
+        let removed = removed.map_err(|e| {
+            if e.raw_os_error() == Some(libc::ENOTEMPTY) {
+                Status::failed_precondition(format!(
+                    "cannot remove {path:?}: the directory is not empty (set recursive)"
+                ))
+            } else {
+                file_status(&path, "cannot remove", &e)
+            }
+        })?;
+        Ok(api::RemovePathResponse { removed })
+    })
+    .await
+    .map_err(|e| Status::internal(format!("remove task: {e}")))?
+}
+
+/// A reader over chunks sent from the async side.
+struct ChunkReader {
+    rx: std::sync::mpsc::Receiver<Vec<u8>>,
+    cur: Vec<u8>,
+    pos: usize,
+}
+
+impl Read for ChunkReader {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        while self.pos == self.cur.len() {
+            match self.rx.recv() {
+                Ok(c) => {
+                    self.cur = c;
+                    self.pos = 0;
+                }
+                Err(_) => return Ok(0),
+            }
+        }
+        let n = buf.len().min(self.cur.len() - self.pos);
+        buf[..n].copy_from_slice(&self.cur[self.pos..self.pos + n]);
+        self.pos += n;
+        Ok(n)
+    }
+}
+
+/// `UploadTar`: the publisher's import rules (`extract_tar_into`) beneath the
+/// destination directory, opened inside the session's root.
+pub(crate) async fn upload_tar(
+    admin: &AdminService,
+    mut s: tonic::Streaming<api::UploadTarRequest>,
+) -> Result<api::UploadTarResponse, Status> {
+    let first = s.message().await?.ok_or_else(|| {
+        Status::invalid_argument(
+            "empty stream: the first message names the session and the directory",
+        )
+    })?;
+    let l = live(admin, first.session_id).await?;
+    let rel = rel_path(&first.path)?;
+    let root = files_root(&l, first.session_id)?;
+    let owner = l.owned.as_ref().and_then(|d| d.user);
+    let path = first.path.clone();
+    let make = first.make_parents;
+    let (ctx, crx) = std::sync::mpsc::sync_channel::<Vec<u8>>(4);
+    let job = tokio::task::spawn_blocking(move || -> Result<api::UploadTarResponse, Status> {
+        let dir = if rel.is_empty() {
+            sys::openat2_in_root(&root, c".", libc::O_RDONLY | libc::O_DIRECTORY, 0)
+        } else {
+            let mut with_self = rel.clone();
+            with_self.extend_from_slice(b"/.");
+            open_parent(&root, &with_self, make, owner)
+                .and_then(|(p, _)| at_openat(&p, c".", OFlag::O_RDONLY | OFlag::O_DIRECTORY))
+        }
+        .map_err(|e| file_status(&path, "cannot open the upload directory", &e))?;
+        // The stage opens its root by path: the resolved directory's own
+        // descriptor, through /proc/self/fd (".": its last component is no
+        // symlink).
+        let base = std::path::PathBuf::from(format!("/proc/self/fd/{}/.", dir.as_raw_fd()));
+        let reader = ChunkReader {
+            rx: crx,
+            cur: Vec::new(),
+            pos: 0,
+        };
+        let rep = layerstack_engine::publisher::extract_tar_into(&base, reader, "the uploaded tar")
+            .map_err(|e| {
+                let msg = format!("upload into {path:?}: {}", api::error_chain(&e));
+                match e {
+                    layerstack_engine::publisher::ImportError::Invalid(_)
+                    | layerstack_engine::publisher::ImportError::Refused { .. }
+                    | layerstack_engine::publisher::ImportError::Archive { .. } => {
+                        Status::invalid_argument(msg)
+                    }
+                    _ => Status::internal(msg),
+                }
+            })?;
+        drop(dir);
+        Ok(api::UploadTarResponse {
+            files: rep.files,
+            dirs: rep.dirs + rep.implied_dirs,
+            symlinks: rep.symlinks,
+            hardlinks: rep.hardlinks,
+            bytes: rep.content_bytes,
+        })
+    });
+    let fed = async {
+        if !first.data.is_empty() && ctx.send(first.data).is_err() {
+            return Ok(());
+        }
+        while let Some(m) = s.message().await? {
+            if !m.data.is_empty() && ctx.send(m.data).is_err() {
+                break;
+            }
+        }
+        Ok::<(), Status>(())
+    }
+    .await;
+    drop(ctx);
+    let out = job
+        .await
+        .map_err(|e| Status::internal(format!("upload task: {e}")))?;
+    fed?;
+    out
+}
+
+/// A writer that sends what it is given as `FileChunk`s.
+struct ChunkWriter {
+    tx: mpsc::Sender<Result<api::FileChunk, Status>>,
+    buf: Vec<u8>,
+}
+
+impl ChunkWriter {
+    fn flush_full(&mut self, all: bool) -> io::Result<()> {
+        while self.buf.len() >= CHUNK || (all && !self.buf.is_empty()) {
+            let n = self.buf.len().min(CHUNK);
+            let data: Vec<u8> = self.buf.drain(..n).collect();
+            self.tx
+                .blocking_send(Ok(api::FileChunk { data }))
+                .map_err(|_| io::Error::new(io::ErrorKind::BrokenPipe, "the client went away"))?;
+        }
+        Ok(())
+    }
+}
+
+impl Write for ChunkWriter {
+    fn write(&mut self, b: &[u8]) -> io::Result<usize> {
+        self.buf.extend_from_slice(b);
+        self.flush_full(false)?;
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.flush_full(true)
+    }
+}
+
+fn header_of(st: &nix::sys::stat::FileStat) -> tar::Header {
+    let mut h = tar::Header::new_gnu();
+    h.set_mode(st.st_mode & 0o7777);
+    h.set_uid(st.st_uid.into());
+    h.set_gid(st.st_gid.into());
+    h.set_mtime(u64::try_from(st.st_mtime).unwrap_or(0));
+    h.set_size(0);
+    h
+}
+
+/// Appends `name` of `dir` (path `at` in the tar) and, for a directory,
+/// everything below it, never following a symlink.
+fn append_at(
+    b: &mut tar::Builder<ChunkWriter>,
+    dir: &OwnedFd,
+    name: &OsStr,
+    at: &std::path::Path,
+) -> io::Result<()> {
+    let st = at_fstatat(dir, name)?;
+    let mut h = header_of(&st);
+    match kind_of(st.st_mode) {
+        "file" => {
+            let fd = at_openat(
+                dir,
+                name,
+                OFlag::O_RDONLY | OFlag::O_NOFOLLOW | OFlag::O_NOCTTY | OFlag::O_NONBLOCK,
+            )?;
+            let f = std::fs::File::from(fd);
+            let len = f.metadata()?.len();
+            h.set_entry_type(tar::EntryType::Regular);
+            h.set_size(len);
+            b.append_data(&mut h, at, f.take(len))
+        }
+        "symlink" => {
+            let t = nix::fcntl::readlinkat(Some(dir.as_raw_fd()), name).map_err(nix_io)?;
+            h.set_entry_type(tar::EntryType::Symlink);
+            b.append_link(&mut h, at, std::path::Path::new(&t))
+        }
+        "dir" => {
+            h.set_entry_type(tar::EntryType::Directory);
+            b.append_data(&mut h, at, io::empty())?;
+            let sub = at_openat(
+                dir,
+                name,
+                OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW,
+            )?;
+            for n in dir_names(&sub)? {
+                let c = OsStr::from_bytes(&n);
+                append_at(b, &sub, c, &at.join(c))?;
+            }
+            Ok(())
+        }
+        "fifo" => {
+            h.set_entry_type(tar::EntryType::Fifo);
+            b.append_data(&mut h, at, io::empty())
+        }
+        "char" | "block" => {
+            h.set_entry_type(if kind_of(st.st_mode) == "char" {
+                tar::EntryType::Char
+            } else {
+                tar::EntryType::Block
+            });
+            h.set_device_major(nix::sys::stat::major(st.st_rdev) as u32)?;
+            h.set_device_minor(nix::sys::stat::minor(st.st_rdev) as u32)?;
+            b.append_data(&mut h, at, io::empty())
+        }
+        // Sockets: a tar cannot hold one.
+        _ => Ok(()),
+    }
+}
+
+/// `DownloadTar`.
+pub(crate) async fn download_tar(
+    admin: &AdminService,
+    r: api::DownloadTarRequest,
+) -> Result<Stream<api::FileChunk>, Status> {
+    let l = live(admin, r.session_id).await?;
+    let rel = rel_path(&r.path)?;
+    let root = files_root(&l, r.session_id)?;
+    let path = r.path;
+    let (parent, name) = if rel.is_empty() {
+        let fd = sys::openat2_in_root(&root, c".", libc::O_RDONLY | libc::O_DIRECTORY, 0)
+            .map_err(|e| file_status(&path, "cannot open", &e))?;
+        (fd, b".".to_vec())
+    } else {
+        let (p, n) = open_parent(&root, &rel, false, None)
+            .map_err(|e| file_status(&path, "cannot open", &e))?;
+        let p = at_openat(&p, c".", OFlag::O_RDONLY | OFlag::O_DIRECTORY)
+            .map_err(|e| file_status(&path, "cannot open", &e))?;
+        (p, n.to_vec())
+    };
+    // Refuse a missing path before the stream starts.
+    at_fstatat(&parent, OsStr::from_bytes(&name))
+        .map_err(|e| file_status(&path, "cannot stat", &e))?;
+    let (tx, rx) = mpsc::channel(4);
+    tokio::task::spawn_blocking(move || {
+        let w = ChunkWriter {
+            tx: tx.clone(),
+            buf: Vec::new(),
+        };
+        let mut b = tar::Builder::new(w);
+        b.follow_symlinks(false);
+        let n = OsStr::from_bytes(&name);
+        let r = append_at(&mut b, &parent, n, std::path::Path::new(n))
+            .and_then(|()| b.into_inner())
+            .and_then(|mut w| w.flush());
+        if let Err(e) = r {
+            let _ = tx.blocking_send(Err(file_status(&path, "cannot archive", &e)));
+        }
+    });
+    Ok(Box::pin(ReceiverStream::new(rx)))
+}

@@ -1,0 +1,637 @@
+//! Daemon-owned sessions and the session RPCs a pure gRPC client drives a
+//! sandbox with: `CreateSession{sandbox}`, `Exec`, the file RPCs
+//! (`ReadFile`, `WriteFile`, `ListDir`, `StatPath`, `RemovePath`,
+//! `UploadTar`, `DownloadTar`). docs/architecture.md "Daemon-owned sessions".
+//!
+//! ```text
+//! CreateSession{sandbox}   session row + lease (the engine's), overlay built
+//!                          (sandbox::attach), init cloned by the spawner thread
+//!                          (holder::start, daemon_owned: every other fd closed,
+//!                          PR_SET_PDEATHSIG = SIGKILL), its pidfd in Holders;
+//!                          a task waits on the pidfd and reaps init
+//! Exec                     waiter = clone, setns(init's pidfd), chroot(init's
+//!                          root); command = its child, own process group; pipes
+//!                          for stdio, the waiter's pidfd polled for the end
+//! files                    /proc/<init>/root opened, pidfd checked alive after,
+//!                          then openat2(RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
+//! CloseSession             unchanged (sandbox_close): init SIGKILLed by pidfd,
+//!                          census, end action, release
+//! ```
+//!
+//! Why one spawner thread: the parent-death signal fires when the *thread*
+//! that cloned init exits, not the process. Tokio's blocking threads retire
+//! when idle; the spawner lives as long as the daemon, so init dies exactly
+//! when the daemon does. Exec's waiters need no such signal (their command is
+//! in the session's pid namespace, which dies with init).
+//!
+//! Both daemon-owned sessions and sessions held by `layerstack session
+//! create|run` have an init pidfd in [`Holders`]: Exec and the files serve
+//! both.
+
+use std::ffi::{CString, OsStr};
+use std::io::{self, Read, Write};
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::os::unix::ffi::OsStrExt;
+use std::pin::Pin;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use layerstack_api as api;
+use layerstack_engine::store::{ErrorKind, SessionId};
+use layerstack_engine::EndAction;
+use layerstack_sandbox::cgroup::{CgroupError, Cgroups, Limits, SessionCgroup};
+use layerstack_sandbox::holder::{self, Command, Hide, Placement, Setup, DEFAULT_PATH};
+use layerstack_sandbox::sys::{self, CArgs, Exit};
+use layerstack_sandbox::wire::{Mode, Reply};
+use nix::fcntl::{AtFlags, OFlag};
+use nix::sys::stat::{Mode as NMode, SFlag};
+use tokio::io::unix::AsyncFd;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::Status;
+use tracing::{debug, info, warn};
+
+use crate::admin::AdminService;
+use crate::sandbox::Holder;
+
+/// A server stream of the session RPCs.
+pub type Stream<T> = Pin<Box<dyn futures::Stream<Item = Result<T, Status>> + Send>>;
+
+/// Largest chunk of a streamed reply (stdout, stderr, file content), bytes.
+const CHUNK: usize = 64 * 1024;
+
+/// How long Exec keeps reading stdout/stderr after the command ended, for
+/// output still in the pipes; a background child that keeps them open longer
+/// is not waited for.
+const DRAIN: Duration = Duration::from_millis(100);
+
+/// Exec's defaults of a daemon-owned session.
+#[derive(Debug, Clone, Default)]
+pub struct Defaults {
+    pub env: Vec<(String, String)>,
+    pub user: Option<(u32, u32)>,
+    pub hostname: String,
+    /// Workspace placement: the directory the overlay is mounted at.
+    pub placement: Option<String>,
+    /// The session's cgroup (a limit was asked): exec'd commands join it.
+    pub cgroup: Option<Arc<SessionCgroup>>,
+}
+
+/// What the daemon applies to every daemon-owned session: cgroup limits and
+/// the socket paths a workspace-mode session must not reach.
+pub struct SessionLimits {
+    /// The machine's cgroup setup, probed at start (`None`: not probed; a
+    /// limit is then refused as unavailable).
+    pub cgroups: Option<Cgroups>,
+    /// `[sandbox] default_*`: a limit CreateSession leaves unset.
+    pub defaults: Limits,
+    /// The daemon's sockets (admin, mount, snapshots).
+    pub sockets: Vec<std::path::PathBuf>,
+}
+
+/// The limits a session gets: each field of `opts` given, else the daemon's
+/// default; checked (INVALID_ARGUMENT naming the field).
+fn session_limits(opts: &api::SandboxOptions, d: Limits) -> Result<Limits, Status> {
+    let l = Limits {
+        cpu_millis: opts.cpu_millis.unwrap_or(d.cpu_millis),
+        memory_bytes: opts.memory_bytes.unwrap_or(d.memory_bytes),
+        pids: opts.pids.unwrap_or(d.pids),
+    };
+    l.validate("sandbox.").map_err(Status::invalid_argument)?;
+    Ok(l)
+}
+
+fn cgroup_status(e: &CgroupError) -> Status {
+    match e {
+        CgroupError::Unavailable { .. } => Status::failed_precondition(format!(
+            "{e} (docs/operations.md \"Session limits\"; or create the session without this limit)"
+        )),
+        CgroupError::Io { source, .. } => Status::internal(format!("{e}: {source}")),
+    }
+}
+
+/// What a workspace-mode session covers so it cannot reach the daemon's
+/// sockets: each socket's directory (a tmpfs over it), or the socket itself
+/// when its directory is `/`. A placement inside a covered directory is
+/// refused (INVALID_ARGUMENT): the session could not see its own overlay.
+fn hide_list(sockets: &[std::path::PathBuf], placement: &str) -> Result<Vec<Hide>, Status> {
+    use std::path::Path;
+    let mut dirs: Vec<&Path> = Vec::new();
+    let mut files: Vec<&Path> = Vec::new();
+    for s in sockets {
+        match s.parent() {
+            Some(d) if d != Path::new("/") && !d.as_os_str().is_empty() => dirs.push(d),
+            _ => files.push(s),
+        }
+    }
+    dirs.sort();
+    dirs.dedup();
+    for d in &dirs {
+        if Path::new(placement).starts_with(d) {
+            return Err(Status::invalid_argument(format!(
+                "sandbox.placement {placement:?} is inside {}, the directory of the daemon's sockets, which workspace sessions do not see: place the session elsewhere",
+                d.display()
+            )));
+        }
+    }
+    let c = |p: &Path| {
+        CString::new(p.as_os_str().as_bytes())
+            .map_err(|_| Status::internal("a socket path holds a NUL byte"))
+    };
+    let mut v = Vec::new();
+    for d in dirs {
+        v.push(Hide::Dir(c(d)?));
+    }
+    for f in files {
+        v.push(Hide::File(c(f)?));
+    }
+    Ok(v)
+}
+
+type Job = Box<dyn FnOnce() + Send>;
+
+/// The thread that clones daemon-owned sessions' inits (see the module docs).
+pub struct Spawner {
+    tx: std::sync::Mutex<std::sync::mpsc::Sender<Job>>,
+}
+
+impl Spawner {
+    fn new() -> io::Result<Spawner> {
+        let (tx, rx) = std::sync::mpsc::channel::<Job>();
+        std::thread::Builder::new()
+            .name("layerstack-init-spawner".into())
+            .spawn(move || {
+                // Lives as long as the daemon: the parent-death signal of every
+                // init it cloned fires when this thread exits.
+                while let Ok(job) = rx.recv() {
+                    job();
+                }
+            })?;
+        Ok(Spawner {
+            tx: std::sync::Mutex::new(tx),
+        })
+    }
+
+    async fn run<T: Send + 'static>(
+        &self,
+        f: impl FnOnce() -> T + Send + 'static,
+    ) -> Result<T, Status> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let job: Job = Box::new(move || {
+            let _ = tx.send(f());
+        });
+        self.tx
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .send(job)
+            .map_err(|_| Status::internal("the init spawner thread is gone"))?;
+        rx.await
+            .map_err(|_| Status::internal("the init spawner thread dropped a job"))
+    }
+}
+
+fn reply_status(r: Reply) -> Status {
+    let kind = ErrorKind::parse(&r.code).unwrap_or(ErrorKind::Internal);
+    api::status(kind, r.message)
+}
+
+fn io_status(what: &str, e: &io::Error) -> Status {
+    Status::internal(format!("{what}: {e}"))
+}
+
+/// A `KEY=VALUE` list, checked.
+fn parse_env(field: &str, env: &[String]) -> Result<Vec<(String, String)>, Status> {
+    env.iter()
+        .map(|kv| match kv.split_once('=') {
+            Some((k, v)) if !k.is_empty() && !kv.contains('\0') => {
+                Ok((k.to_string(), v.to_string()))
+            }
+            _ => Err(Status::invalid_argument(format!(
+                "{field} entry {kv:?} is not KEY=VALUE (a non-empty key, no NUL byte)"
+            ))),
+        })
+        .collect()
+}
+
+fn absolute(field: &str, p: &str) -> Result<(), Status> {
+    if !p.starts_with('/') || p.contains('\0') {
+        return Err(Status::invalid_argument(format!(
+            "{field} {p:?} is not an absolute path in the session's view (start it with /)"
+        )));
+    }
+    Ok(())
+}
+
+/// `CreateSession` with `sandbox` options: see the module docs.
+pub(crate) async fn create(
+    admin: &AdminService,
+    mut r: api::CreateSessionRequest,
+) -> Result<api::CreateSessionResponse, Status> {
+    let opts = r.sandbox.take().unwrap_or_default();
+    let env = parse_env("sandbox.env", &opts.env)?;
+    if !opts.workdir.is_empty() {
+        absolute("sandbox.workdir", &opts.workdir)?;
+    }
+    let placement = match opts.placement.as_str() {
+        "" | "/" => None,
+        p => {
+            absolute("sandbox.placement", p)?;
+            Some(p.to_string())
+        }
+    };
+    let hostname = if opts.hostname.is_empty() {
+        if r.name.is_empty() {
+            "session".to_string()
+        } else {
+            r.name.clone()
+        }
+    } else {
+        opts.hostname.clone()
+    };
+    if hostname.len() > 64 {
+        return Err(Status::invalid_argument(format!(
+            "hostname {hostname:?} is longer than 64 bytes (HOST_NAME_MAX): give sandbox.hostname"
+        )));
+    }
+    let rt = admin.holders.limits.get().cloned();
+    let limits = session_limits(&opts, rt.as_ref().map(|r| r.defaults).unwrap_or_default())?;
+    if !limits.is_empty() {
+        // Unavailable controllers are refused before a session is made.
+        match rt.as_ref().and_then(|r| r.cgroups.as_ref()) {
+            Some(cg) => cg.check(&limits).map_err(|e| cgroup_status(&e))?,
+            None => {
+                return Err(Status::failed_precondition(
+                    "session limits are not set up in this daemon (no cgroup probe): create the session without limits",
+                ))
+            }
+        }
+    }
+    let hide = match (&placement, &rt) {
+        (Some(p), Some(rt)) => hide_list(&rt.sockets, p)?,
+        _ => Vec::new(),
+    };
+    let (session, spec, created) = admin.sandbox_create_spec(r, true).await?;
+    let id = session.id;
+    let holders = admin.holders.clone();
+    if !created && session.released {
+        // A retry of a key whose session ended: its end as recorded.
+        return Ok(api::CreateSessionResponse {
+            mounts: Vec::new(),
+            session: Some(session),
+            created: false,
+        });
+    }
+    if !created {
+        // An idempotency key's earlier session: the same session, no second init.
+        return match holders.map().get(&id) {
+            Some(h) if h.init.is_some() => Ok(api::CreateSessionResponse {
+                mounts: crate::wire::mounts(&spec),
+                session: Some(session),
+                created: false,
+            }),
+            _ => Err(Status::failed_precondition(format!(
+                "idempotency key names session {id}, which has no live init (its init ended, or it was not daemon-owned): close it and create another"
+            ))),
+        };
+    }
+    let conn = holders.next_conn.fetch_add(1, Ordering::Relaxed);
+    let mut cgroup: Option<Arc<SessionCgroup>> = None;
+    let started = async {
+        if let Some(cg) = rt.as_ref().and_then(|r| r.cgroups.as_ref()) {
+            cgroup = cg
+                .create(id, &limits)
+                .map_err(|e| cgroup_status(&e))?
+                .map(Arc::new);
+        }
+        let procs = cgroup.as_ref().map(|c| c.procs_fds()).unwrap_or_default();
+        let keep_cg = cgroup.clone();
+        let fd = crate::sandbox::attach(&admin.engine, &holders, conn, id, Some(spec.clone()))
+            .await
+            .map_err(reply_status)?;
+        let spawner = match holders.spawner.get() {
+            Some(s) => s,
+            None => {
+                let s = Spawner::new().map_err(|e| io_status("cannot start the init spawner thread", &e))?;
+                let _ = holders.spawner.set(s);
+                holders.spawner.get().ok_or_else(|| Status::internal("init spawner"))?
+            }
+        };
+        let placement_c = match &placement {
+            None => Placement::Root,
+            Some(p) => Placement::At(
+                CString::new(p.as_bytes()).map_err(|_| Status::invalid_argument("sandbox.placement holds a NUL byte"))?,
+            ),
+        };
+        let setup = Setup {
+            placement: placement_c,
+            net_none: !opts.network,
+            hostname: hostname.clone().into_bytes(),
+            mount_fd: fd.as_raw_fd(),
+            holder_sock: None,
+            ready_line: Vec::new(),
+            die_with_parent: true,
+            daemon_owned: true,
+            cgroup_procs: procs,
+            hide,
+        };
+        let r = spawner
+            .run(move || {
+                let r = holder::start(&setup, None);
+                // Only init keeps the overlay from now on.
+                drop(fd);
+                // The cgroup's descriptors stay open until init joined.
+                drop(keep_cg);
+                r
+            })
+            .await?;
+        match r {
+            Ok(Ok(init)) => Ok(init.pid),
+            Ok(Err(x)) => Err(Status::internal(format!(
+                "session {id}'s init could not set the session up (exit status {}; the daemon's log has init's reason)",
+                x.shell_status()
+            ))),
+            Err(e) => Err(io_status("cannot start the session's init", &e)),
+        }
+    }
+    .await;
+    let pid = match started {
+        Ok(pid) => pid,
+        Err(st) => {
+            if let Some(cg) = cgroup.take() {
+                remove_cgroup(id, cg);
+            }
+            {
+                let mut m = holders.map();
+                if m.get(&id).is_some_and(|h| h.conn == conn) {
+                    m.remove(&id);
+                }
+            }
+            if let Err(e) = admin
+                .engine
+                .close_sandbox_session(
+                    id,
+                    EndAction::Discard,
+                    "session setup failed",
+                    Duration::from_secs(10),
+                )
+                .await
+            {
+                warn!(session.id = id, error = %api::error_chain(&e), "cannot discard a session whose init could not start");
+            }
+            return Err(st);
+        }
+    };
+    let pidfd = match sys::pidfd_open(pid) {
+        Ok(fd) => Arc::new(fd),
+        Err(e) => {
+            // Cannot happen for a child not yet reaped; stop it anyway.
+            sys::kill(pid, libc::SIGKILL);
+            if let Some(cg) = cgroup.take() {
+                remove_cgroup(id, cg);
+            }
+            return Err(io_status("cannot open a pidfd for the session's init", &e));
+        }
+    };
+    let defaults = Arc::new(Defaults {
+        env,
+        user: opts.has_user.then_some((opts.uid, opts.gid)),
+        hostname,
+        placement: placement.clone(),
+        cgroup: cgroup.clone(),
+    });
+    {
+        let mut m = holders.map();
+        if let Some(h) = m.get_mut(&id).filter(|h| h.conn == conn) {
+            h.init = Some((pid, pidfd.clone()));
+            h.mode = if placement.is_some() {
+                Mode::Workspace
+            } else {
+                Mode::Root
+            };
+            h.workdir = if opts.workdir.is_empty() {
+                placement.clone().unwrap_or_else(|| "/".into())
+            } else {
+                opts.workdir.clone()
+            };
+            h.owned = Some(defaults);
+        }
+    }
+    watch_init(admin.clone(), id, conn, pidfd, cgroup.clone());
+    info!(
+        session.id = id,
+        init = pid,
+        ?limits,
+        "daemon-owned session started"
+    );
+    let session = admin
+        .to_api(
+            admin
+                .engine
+                .session(id)
+                .await
+                .map_err(crate::admin::engine_status)?,
+        )
+        .await?;
+    Ok(api::CreateSessionResponse {
+        mounts: crate::wire::mounts(&spec),
+        session: Some(session),
+        created: true,
+    })
+}
+
+/// Waits for a daemon-owned session's init to end and reaps it. An end that
+/// CloseSession did not ask for (init killed, setup of the namespaces gone
+/// wrong) is an infrastructure failure: the run ends `interrupted`
+/// (`init-gone`), never by its policy, its writes kept until discarded.
+fn watch_init(
+    admin: AdminService,
+    id: SessionId,
+    conn: u64,
+    pidfd: Arc<OwnedFd>,
+    cgroup: Option<Arc<SessionCgroup>>,
+) {
+    tokio::spawn(async move {
+        let exit = match wait_pidfd(&pidfd).await {
+            Ok(x) => Some(x),
+            Err(e) => {
+                warn!(session.id = id, error = %e, "cannot wait for the session's init");
+                None
+            }
+        };
+        if let Some(cg) = cgroup {
+            remove_cgroup(id, cg);
+        }
+        let closing = {
+            let mut m = admin.holders.map();
+            match m.get(&id) {
+                Some(h) if h.conn == conn => m.remove(&id).is_some_and(|h| h.closing),
+                _ => true,
+            }
+        };
+        debug!(session.id = id, ?exit, closing, "daemon-owned init ended");
+        if !closing {
+            let released = admin
+                .engine
+                .session(id)
+                .await
+                .map(|s| s.released)
+                .unwrap_or(true);
+            if !released {
+                info!(
+                    session.id = id,
+                    "the init of a daemon-owned session ended without CloseSession"
+                );
+                admin.engine.sandbox_init_gone(id);
+            }
+        }
+    });
+}
+
+/// Removes a session's cgroup once its processes are gone: init's exit made
+/// the kernel kill the session's pid namespace, whose processes may take a
+/// moment to leave (retried for up to 10 s, then logged; the next daemon
+/// start removes what is left).
+fn remove_cgroup(id: SessionId, cg: Arc<SessionCgroup>) {
+    tokio::spawn(async move {
+        let t0 = Instant::now();
+        let mut wait = Duration::from_millis(2);
+        loop {
+            match cg.remove() {
+                Ok(()) => {
+                    debug!(session.id = id, "session cgroup removed");
+                    return;
+                }
+                Err(e) if t0.elapsed() > Duration::from_secs(10) => {
+                    warn!(session.id = id, error = %e, "a session's cgroup is still busy: left for the next daemon start");
+                    return;
+                }
+                Err(_) => {
+                    tokio::time::sleep(wait).await;
+                    wait = (wait * 2).min(Duration::from_millis(200));
+                }
+            }
+        }
+    });
+}
+
+/// Waits until the child of `pidfd` ends, and reaps it.
+async fn wait_pidfd(pidfd: &OwnedFd) -> io::Result<Exit> {
+    let dup = pidfd.try_clone()?;
+    // SAFETY: `dup` is an OwnedFd moved into the AsyncFd: it stays open and
+    // names the same pidfd until the AsyncFd drops.
+    let afd = unsafe { AsyncFd::register_with_interest(dup, tokio::io::Interest::READABLE) }
+        .map_err(io::Error::from)?;
+    loop {
+        if let Some(x) = sys::reap_pidfd(afd.get_ref())? {
+            return Ok(x);
+        }
+        let mut g = afd.readable().await?;
+        g.clear_ready();
+    }
+}
+
+/// The live init of session `id`: pid, pidfd, mode, default workdir and
+/// daemon-owned defaults.
+struct Live {
+    pid: i32,
+    pidfd: Arc<OwnedFd>,
+    mode: Mode,
+    workdir: String,
+    owned: Option<Arc<Defaults>>,
+}
+
+async fn live(admin: &AdminService, id: SessionId) -> Result<Live, Status> {
+    if id == 0 {
+        return Err(Status::invalid_argument("session_id is required"));
+    }
+    let found = {
+        let m = admin.holders.map();
+        m.get(&id).map(|h: &Holder| {
+            h.init.as_ref().map(|(pid, fd)| Live {
+                pid: *pid,
+                pidfd: fd.clone(),
+                mode: h.mode,
+                workdir: h.workdir.clone(),
+                owned: h.owned.clone(),
+            })
+        })
+    };
+    match found {
+        Some(Some(l)) if !sys::pidfd_exited(&l.pidfd) => Ok(l),
+        Some(Some(_)) => Err(Status::failed_precondition(format!(
+            "session {id}'s init has exited: the session is ending (CloseSession records its outcome)"
+        ))),
+        Some(None) => Err(Status::failed_precondition(format!(
+            "session {id}'s holder is not ready yet: retry in a moment"
+        ))),
+        None => {
+            // Unknown session: NOT_FOUND; a known one without an init: not live.
+            let s = admin.engine.session(id).await.map_err(crate::admin::engine_status)?;
+            Err(Status::failed_precondition(format!(
+                "session {id} ({}) has no live init: {}",
+                s.owner.display(),
+                if s.released {
+                    "it was closed"
+                } else {
+                    "it was not created daemon-owned (CreateSession.sandbox) nor by `layerstack session create|run`, or its init is gone"
+                }
+            )))
+        }
+    }
+}
+
+/// An `O_PATH` descriptor of init's root, opened through `/proc/<pid>/root`
+/// and valid only if init (the pidfd) still runs after the open: a recycled
+/// pid can not lend its root.
+fn open_root(l: &Live, id: SessionId) -> Result<OwnedFd, Status> {
+    let root = match sys::open_dir_path(std::path::Path::new(&format!("/proc/{}/root", l.pid))) {
+        Ok(r) => r,
+        // Init ended (and was reaped) between the lookup and the open: the
+        // session is ending, as below.
+        Err(e)
+            if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ESRCH))
+                || sys::pidfd_exited(&l.pidfd) =>
+        {
+            return Err(Status::failed_precondition(format!(
+                "session {id}'s init has exited: the session is ending"
+            )))
+        }
+        Err(e) => return Err(io_status(&format!("cannot open session {id}'s root"), &e)),
+    };
+    if sys::pidfd_exited(&l.pidfd) {
+        return Err(Status::failed_precondition(format!(
+            "session {id}'s init has exited: the session is ending"
+        )));
+    }
+    Ok(root)
+}
+
+/// The directory the file RPCs resolve beneath: the session's root, or, in
+/// workspace placement, the overlay's directory in it.
+fn files_root(l: &Live, id: SessionId) -> Result<OwnedFd, Status> {
+    let root = open_root(l, id)?;
+    let dir = match (&l.owned, l.mode) {
+        (Some(d), _) => d.placement.clone(),
+        (None, Mode::Workspace) => Some(l.workdir.clone()),
+        (None, Mode::Root) => None,
+    };
+    match dir {
+        None => Ok(root),
+        Some(d) => {
+            let c = CString::new(d.as_bytes())
+                .map_err(|_| Status::internal("placement holds a NUL byte"))?;
+            sys::openat2_in_root(&root, &c, libc::O_PATH | libc::O_DIRECTORY, 0)
+                .map_err(|e| io_status(&format!("cannot open session {id}'s overlay at {d}"), &e))
+        }
+    }
+}
+
+mod exec;
+mod files;
+
+pub(crate) use exec::exec;
+pub(crate) use files::{
+    download_tar, list_dir, read_file, remove_path, stat_path, upload_tar, write_file,
+};
