@@ -82,10 +82,10 @@ pub mod publisher {
 /// ends never call the store; ARCHITECTURE.md §4).
 pub mod store {
     pub use layerstack_store::{
-        escape_path, fs, stack_id, validate_branch, AttemptInfo, BranchInfo, ChangeKind,
-        Durability, ErrorKind, ExportLayer, ExportSource, GraphDump, GroupInfo, LeaseTarget,
-        LogEntry, MountSpec, NodeInfo, OutcomeKind, Owner, PathCounts, PathRecord, PathStatus,
-        Provenance, PublishTimings, SessionId, SessionInfo, SessionState, SnapshotInfo,
+        escape_path, fs, stack_id, validate_branch, AttemptInfo, AttemptStatus, BranchInfo,
+        ChangeKind, Durability, ErrorKind, ExportLayer, ExportSource, GraphDump, GroupInfo,
+        LeaseTarget, LogEntry, MountSpec, NodeInfo, OutcomeKind, Owner, PathCounts, PathRecord,
+        PathStatus, Provenance, PublishTimings, SessionId, SessionInfo, SessionState, SnapshotInfo,
         SnapshotKind, Store, StoreError, StoreLock, StoreOptions, Usage,
     };
 }

@@ -258,4 +258,13 @@ impl Engine {
         let n = node.to_string();
         self.blocking(move |s| s.attempts(&n)).await
     }
+
+    /// The attempt session `id` runs (its newest), if it is an attempt of a
+    /// graph node.
+    pub async fn attempt_of_session(
+        &self,
+        id: SessionId,
+    ) -> Result<Option<AttemptInfo>, EngineError> {
+        self.blocking(move |s| s.attempt_of_session(id)).await
+    }
 }

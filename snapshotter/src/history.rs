@@ -62,6 +62,18 @@ impl AdminService {
         {
             return Ok(id);
         }
+        // A stack id (`import:sha256:…`, `<namespace>/sha256:…`) names no image:
+        // unknown to the store, it is not found — asking containerd would only
+        // turn that into UNAVAILABLE while containerd is down.
+        let stack_id_shaped = spec.starts_with(layerstack_engine::types::IMPORT_STACK_PREFIX)
+            || spec
+                .split_once('/')
+                .is_some_and(|(_, rest)| rest.starts_with("sha256:"));
+        if stack_id_shaped {
+            return Err(Status::not_found(format!(
+                "no stack {spec:?} (see `layerstack stack ls`, or ListStacks)"
+            )));
+        }
         let chain = crate::containerd::resolve_stack(&self.containerd_address, namespace, spec)
             .await
             .map_err(|e| {

@@ -472,7 +472,7 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
     if sandboxes > 0 {
         info!(
             sessions = sandboxes,
-            "sandbox sessions of the last run are live; those whose holders are gone are finished by their policy"
+            "sandbox sessions of the last run: daemon-owned ones ended interrupted (their inits died with the last daemon); those held by a `layerstack` holder are finished by their policy once their holder is gone"
         );
     }
     let subscribed = Arc::new(AtomicBool::new(false));

@@ -714,6 +714,23 @@ impl AdminService {
                 )))
             }
         };
+        // A checkpoint needs a running attempt of a graph node: refused before
+        // anything ends (the sandbox stays live), unless the session has
+        // ended already (a repeated close answers its recorded end).
+        if matches!(how, EndAction::Checkpoint { .. }) {
+            let s = self.engine.session(id).await.map_err(engine_status)?;
+            let running = self
+                .engine
+                .attempt_of_session(id)
+                .await
+                .map_err(engine_status)?
+                .is_some_and(|a| a.status == layerstack_engine::store::AttemptStatus::Running);
+            if !s.released && !running {
+                return Err(Status::failed_precondition(format!(
+                    "session {id} is not a running attempt of a graph node: only a session started on a node (CreateSession.node, sandbox(node=…)) can be checkpointed; publish or discard this one"
+                )));
+            }
+        }
         // Stop the holder's init if it still runs (create mode); the end of its
         // connection is expected from now on.
         let init = {

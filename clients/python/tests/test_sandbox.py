@@ -360,3 +360,24 @@ def test_the_fan_out_example_runs(daemon: Daemon, capsys: pytest.CaptureFixture[
     again = capsys.readouterr().out
     assert "32 scored" in again and "2 solved" in again, again
     assert out.split("a solving node: ")[1] == again.split("a solving node: ")[1]
+
+
+def test_a_refused_close_raises_and_the_block_still_discards(daemon: Daemon) -> None:
+    """A checkpoint of a sandbox that is not a graph attempt is refused: raised
+    as FailedPreconditionError, the sandbox stays live (not ``ended``), and
+    leaving the block discards it. Placement and stack mistakes are named."""
+    with layerstack.connect(daemon.admin) as c:
+        with c.sandbox(daemon.stack) as sb:
+            sb.files.write("/work/x", "x")
+            with pytest.raises(layerstack.FailedPreconditionError) as e:
+                sb.close(checkpoint=True)
+            assert "not a running attempt" in e.value.message, e.value.message
+            assert not sb.ended
+            assert sb.exec(["cat", "/work/x"]).stdout == b"x", "still live after the refusal"
+        assert sb.outcome is not None and sb.outcome.outcome == "discarded" and sb.outcome.released
+        with pytest.raises(layerstack.InvalidArgumentError) as e:
+            c.sandbox(daemon.stack, mount_at=str(daemon.dir / "no-such-dir"))
+        assert "no-such-dir" in e.value.message and "existing directory" in e.value.message
+        # A stack id unknown to the store is not found, containerd or not.
+        with pytest.raises(layerstack.NotFoundError):
+            c.sandbox("import:sha256:" + "0" * 64)

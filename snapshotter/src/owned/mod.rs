@@ -238,6 +238,22 @@ pub(crate) async fn create(
         "" | "/" => None,
         p => {
             absolute("sandbox.placement", p)?;
+            // The overlay is mounted there from the daemon's mount namespace
+            // view of the host: it must be a directory now (a missing one
+            // would fail inside init, where the reason cannot reach the caller).
+            match std::fs::metadata(p) {
+                Ok(md) if md.is_dir() => {}
+                Ok(_) => {
+                    return Err(Status::invalid_argument(format!(
+                        "sandbox.placement {p:?} is not a directory on the daemon's host: give an existing directory (workspace mode mounts the session's tree there)"
+                    )))
+                }
+                Err(e) => {
+                    return Err(Status::invalid_argument(format!(
+                        "sandbox.placement {p:?} on the daemon's host: {e}: give an existing directory (workspace mode mounts the session's tree there)"
+                    )))
+                }
+            }
             Some(p.to_string())
         }
     };

@@ -48,6 +48,7 @@ from layerstack.sandbox import (
     User,
     close_request,
     create_request,
+    ended_or_raise,
     exec_request,
     sandbox_options,
     upload_requests,
@@ -389,7 +390,9 @@ class AsyncSandbox:
             command=command,
             exit_status=exit_status,
         )
-        self.outcome = Session.from_pb(await self._client._call(self._client._stub.CloseSession, req, None))
+        self.outcome = ended_or_raise(
+            Session.from_pb(await self._client._call(self._client._stub.CloseSession, req, None))
+        )
         return self.outcome
 
     async def discard(self, reason: str = "python sandbox discard") -> Session:

@@ -337,7 +337,9 @@ class Client:
                 daemon enforces them with a cgroup of the sandbox's own.
 
         Use it as a context manager: leaving the block unclosed discards its
-        writes. Raises NotFoundError (stack, branch, node), BusyError (pool
+        writes. A ``branch`` that does not exist is made from the default
+        branch's head (as a container's does). Raises NotFoundError (stack,
+        node), BusyError (pool
         full), InvalidArgumentError (a bad field, named; a limit out of
         range), FailedPreconditionError (a limit whose cgroup controller the
         daemon's machine lacks, named); ValueError (a negative limit)."""

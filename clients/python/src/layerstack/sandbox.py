@@ -665,7 +665,10 @@ class Sandbox:
             command=command,
             exit_status=exit_status,
         )
-        self.outcome = Session.from_pb(self._call(self._stub.CloseSession, req, None))
+        return self._ended(Session.from_pb(self._call(self._stub.CloseSession, req, None)))
+
+    def _ended(self, s: Session) -> Session:
+        self.outcome = ended_or_raise(s)
         return self.outcome
 
     def discard(self, reason: str = "python sandbox discard") -> Session:
@@ -682,6 +685,23 @@ class Sandbox:
     def __repr__(self) -> str:
         state = self.outcome.outcome if self.outcome is not None else "live"
         return f"<Sandbox session={self.id} {state}>"
+
+
+def ended_or_raise(s: Session) -> Session:
+    """The answer of a close that ended the sandbox (released), else the
+    refusal it carries as an error: e.g. a checkpoint of a sandbox that is not
+    an attempt of a graph node answers outcome ``failed`` and leaves the
+    sandbox live — raised, so that the sandbox is still discarded on leaving
+    its block."""
+    if s.released:
+        return s
+    from layerstack.errors import FailedPreconditionError
+
+    raise FailedPreconditionError(
+        grpc.StatusCode.FAILED_PRECONDITION,
+        "failed_precondition",
+        f"session {s.id} was not ended (outcome {s.outcome}): {s.message}",
+    )
 
 
 class ExecError(Exception):
