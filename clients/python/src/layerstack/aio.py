@@ -23,7 +23,6 @@ Create the client inside the event loop that uses it (``grpc.aio``'s rule).
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import os
 from pathlib import Path
@@ -35,12 +34,13 @@ import grpc.aio
 from layerstack._channel import Endpoint, PemSource
 from layerstack._pb import admin_pb2 as pb
 from layerstack._pb import admin_pb2_grpc as pb_grpc
-from layerstack.errors import InternalError, NotFoundError, from_rpc_error
+from layerstack.client import DEFAULT_ADMIN_ADDRESS, _check_exit_policy
+from layerstack.errors import NotFoundError, from_rpc_error
 from layerstack.sandbox import (
     Command,
     Content,
     ExecChunk,
-    ExecError,
+    ExecFold,
     ExecOutput,
     FileInfo,
     PathChange,
@@ -49,6 +49,7 @@ from layerstack.sandbox import (
     close_request,
     create_request,
     ended_or_raise,
+    exec_item,
     exec_request,
     sandbox_options,
     upload_requests,
@@ -59,8 +60,6 @@ from layerstack.types import Graph, Node, Session, Status
 
 __all__ = ["AsyncClient", "AsyncSandbox", "AsyncFiles", "connect"]
 
-DEFAULT_ADMIN_ADDRESS = "/run/layerstack/admin.sock"
-_EXIT_POLICIES = ("on-exit", "on-success", "never", "checkpoint")
 
 
 def connect(
@@ -187,8 +186,6 @@ class AsyncClient:
     ) -> "_SandboxStart":
         """A new daemon-owned sandbox; arguments, answers and errors as
         :meth:`layerstack.Client.sandbox`. ``await`` it, or ``async with`` it."""
-        if exit_policy is not None and exit_policy not in _EXIT_POLICIES:
-            raise ValueError(f"exit policy {exit_policy!r}: give one of {', '.join(_EXIT_POLICIES)}")
         req = create_request(
             self.namespace,
             stack=stack,
@@ -196,7 +193,7 @@ class AsyncClient:
             branch=branch,
             name=name,
             key=key,
-            exit_policy=exit_policy,
+            exit_policy=_check_exit_policy(exit_policy) or None,
             wait_s=wait_s,
             ignore_mtime=ignore_mtime,
             options=sandbox_options(
@@ -325,11 +322,9 @@ class AsyncSandbox:
         """Yields the output as it comes, then the :class:`ExecOutput`."""
         req = exec_request(self.id, cmd, env=env, cwd=cwd, user=user, stdin=stdin, timeout_s=timeout_s)
         async for r in self._client._stream(self._client._stub.Exec, req):
-            which = r.WhichOneof("kind")
-            if which == "exit":
-                yield ExecOutput._from_exit(r.exit)
-            elif which is not None:
-                yield ExecChunk(which, getattr(r, which))
+            item = exec_item(r)
+            if item is not None:
+                yield item
 
     async def exec(
         self,
@@ -343,19 +338,10 @@ class AsyncSandbox:
         check: bool = False,
     ) -> ExecOutput:
         """Runs ``cmd`` and waits for it (see :meth:`layerstack.sandbox.Sandbox.exec`)."""
-        out, err = io.BytesIO(), io.BytesIO()
-        end: Optional[ExecOutput] = None
+        fold = ExecFold()
         async for item in self.exec_stream(cmd, env=env, cwd=cwd, user=user, stdin=stdin, timeout_s=timeout_s):
-            if isinstance(item, ExecChunk):
-                (out if item.stream == "stdout" else err).write(item.data)
-            else:
-                end = item
-        if end is None:
-            raise InternalError(None, "internal", "the daemon ended the exec stream without the command's exit")
-        res = dataclasses.replace(end, stdout=out.getvalue(), stderr=err.getvalue())
-        if check and not res.ok:
-            raise ExecError(res)
-        return res
+            fold.add(item)
+        return fold.result(check)
 
     async def diff(self, *, patch: bool = False) -> List[PathChange]:
         """What the sandbox changed so far (see :meth:`layerstack.sandbox.Sandbox.diff`)."""

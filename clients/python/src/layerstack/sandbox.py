@@ -432,6 +432,43 @@ def upload_summary(r: Any) -> UploadSummary:
     return UploadSummary(files=r.files, dirs=r.dirs, symlinks=r.symlinks, hardlinks=r.hardlinks, bytes=r.bytes)
 
 
+def exec_item(r: Any) -> Union[ExecChunk, ExecOutput, None]:
+    """One ``ExecReply`` as what the exec streams yield (``None``: an empty reply)."""
+    which = r.WhichOneof("kind")
+    if which == "exit":
+        return ExecOutput._from_exit(r.exit)
+    if which is None:
+        return None
+    return ExecChunk(which, getattr(r, which))
+
+
+class ExecFold:
+    """Folds an exec stream's items into one :class:`ExecOutput` (shared by the
+    blocking and the asyncio ``exec``)."""
+
+    def __init__(self) -> None:
+        self._out, self._err = io.BytesIO(), io.BytesIO()
+        self._end: Optional[ExecOutput] = None
+
+    def add(self, item: Union[ExecChunk, ExecOutput]) -> None:
+        if isinstance(item, ExecChunk):
+            (self._out if item.stream == "stdout" else self._err).write(item.data)
+        else:
+            self._end = item
+
+    def result(self, check: bool) -> ExecOutput:
+        """The output; InternalError when the stream had no exit, ExecError
+        with ``check`` when it was not 0."""
+        if self._end is None:
+            from layerstack.errors import InternalError
+
+            raise InternalError(None, "internal", "the daemon ended the exec stream without the command's exit")
+        res = dataclasses.replace(self._end, stdout=self._out.getvalue(), stderr=self._err.getvalue())
+        if check and not res.ok:
+            raise ExecError(res)
+        return res
+
+
 # ------------------------------------------------------------------ blocking
 
 
@@ -570,11 +607,9 @@ class Sandbox:
         empty: the chunks were yielded). Arguments as :meth:`exec`."""
         req = exec_request(self.id, cmd, env=env, cwd=cwd, user=user, stdin=stdin, timeout_s=timeout_s)
         for r in self._stream(self._stub.Exec, req):
-            which = r.WhichOneof("kind")
-            if which == "exit":
-                yield ExecOutput._from_exit(r.exit)
-            elif which is not None:
-                yield ExecChunk(which, getattr(r, which))
+            item = exec_item(r)
+            if item is not None:
+                yield item
 
     def exec(
         self,
@@ -596,21 +631,10 @@ class Sandbox:
 
         Raises: FailedPreconditionError (the sandbox is not live),
         InvalidArgumentError (a bad field, named)."""
-        out, err = io.BytesIO(), io.BytesIO()
-        end: Optional[ExecOutput] = None
+        fold = ExecFold()
         for item in self.exec_stream(cmd, env=env, cwd=cwd, user=user, stdin=stdin, timeout_s=timeout_s):
-            if isinstance(item, ExecChunk):
-                (out if item.stream == "stdout" else err).write(item.data)
-            else:
-                end = item
-        if end is None:
-            from layerstack.errors import InternalError
-
-            raise InternalError(None, "internal", "the daemon ended the exec stream without the command's exit")
-        res = dataclasses.replace(end, stdout=out.getvalue(), stderr=err.getvalue())
-        if check and not res.ok:
-            raise ExecError(res)
-        return res
+            fold.add(item)
+        return fold.result(check)
 
     # ---------------------------------------------------------------- diff and end
 
