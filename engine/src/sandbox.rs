@@ -22,7 +22,8 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use layerstack_store::{
-    Interruption, LeaseTarget, MountSpec, OutcomeKind, Owner, SessionId, SessionInfo,
+    Interruption, LeaseTarget, MountSpec, OutcomeKind, Owner, RolloutEnding, SessionId,
+    SessionInfo,
 };
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, info, warn};
@@ -97,7 +98,7 @@ pub struct SandboxRequest {
 }
 
 /// How [`Engine::close_sandbox_session`] ends the run.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum EndAction {
     /// The recorded exit policy applied to the exit status (`None`: unknown).
     /// ExitPolicy `checkpoint` makes a child node with `state` (JSON, default `{}`)
@@ -118,6 +119,9 @@ pub enum EndAction {
         state: Option<String>,
         command: Option<String>,
         labels: BTreeMap<String, String>,
+        /// The session is a rollout attempt's sandbox: the attempt ends with
+        /// the checkpoint, in its transaction.
+        rollout: Option<RolloutEnding>,
     },
     /// An infrastructure failure ended the run (outcome `interrupted`, see
     /// [`Engine::interrupt_locked`]): nothing is published, the upper is kept.
@@ -302,14 +306,14 @@ impl Engine {
                     }
                     _ => how.clone(),
                 };
-                let checkpoint = |exit_status: Option<u32>, state: &Option<String>, command: &Option<String>, labels: &BTreeMap<String, String>| {
+                let checkpoint = |exit_status: Option<u32>, state: &Option<String>, command: &Option<String>, labels: &BTreeMap<String, String>, rollout: &Option<RolloutEnding>| {
                     let prov = layerstack_store::Provenance {
                         command: command.clone(),
                         exit_status: exit_status.map(|c| i32::try_from(c).unwrap_or(i32::MAX)),
                         labels: labels.clone(),
                         ..Default::default()
                     };
-                    me.checkpoint_or_fail_locked(id, state.clone(), prov)
+                    me.checkpoint_or_fail_locked(id, state.clone(), prov, rollout.clone())
                 };
                 let r = match &how {
                     EndAction::Auto {
@@ -322,7 +326,7 @@ impl Engine {
                         Ok((crate::policy::Decision::Checkpoint, _))
                     ) =>
                     {
-                        checkpoint(*exit_status, state, command, labels).await
+                        checkpoint(*exit_status, state, command, labels, &None).await
                     }
                     EndAction::Auto { exit_status, .. } => {
                         me.finish_locked(&s, None, *exit_status, &why).await
@@ -332,7 +336,8 @@ impl Engine {
                         state,
                         command,
                         labels,
-                    } => checkpoint(*exit_status, state, command, labels).await,
+                        rollout,
+                    } => checkpoint(*exit_status, state, command, labels, rollout).await,
                     EndAction::Publish => me.publish_locked(id, &why).await,
                     EndAction::Discard => me.discard_locked(id, &why).await,
                     EndAction::Interrupted(by) => me.interrupt_locked(id, *by, &why).await,

@@ -706,6 +706,7 @@ impl AdminService {
                 state: (!r.state.is_empty()).then(|| r.state.clone()),
                 command: (!r.command.is_empty()).then(|| r.command.clone()),
                 labels: r.labels.clone().into_iter().collect(),
+                rollout: None,
             },
             None => {
                 return Err(Status::invalid_argument(format!(

@@ -55,6 +55,7 @@ mod paths;
 pub mod priority;
 mod publish;
 mod reaper;
+mod rollout;
 mod schema;
 mod sessions;
 pub mod snapshots;
@@ -77,6 +78,10 @@ pub use import::{import_stack_id, is_imported_stack, ImportedBase, IMPORT_STACK_
 pub use lock::StoreLock;
 pub use model::*;
 pub use publish::{CommitRecord, Published, Recheck, Staged};
+pub use rollout::{
+    Artifact, Begun, Evaluator, NodeStats, RolloutAttempt, RolloutBegin, RolloutEnding,
+    RolloutResult, RolloutStatus, RunAudit, RunInfo, SampleInfo, SampleKey,
+};
 pub use schema::FORMAT_VERSION;
 pub use snapshots::{
     is_extraction, split_key, stack_id, SNAPSHOT_BRANCH_LABEL, SNAPSHOT_NODE_LABEL,
