@@ -214,8 +214,7 @@ impl Engine {
                 Some(timings),
                 key.as_deref(),
                 rollout.as_ref(),
-            )
-            {
+            ) {
                 Ok(n) => Ok(n),
                 Err(e) => {
                     let _ = store.abandon_staged(staged);

@@ -22,8 +22,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use layerstack_store::{
-    Interruption, LeaseTarget, MountSpec, OutcomeKind, Owner, RolloutEnding, SessionId,
-    SessionInfo,
+    Interruption, LeaseTarget, MountSpec, OutcomeKind, Owner, RolloutEnding, SessionId, SessionInfo,
 };
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, info, warn};

@@ -22,6 +22,7 @@ mod metrics;
 mod notify;
 mod outcomes;
 mod owned;
+mod rollout;
 mod sandbox;
 mod service;
 mod sockets;
@@ -473,6 +474,15 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
         info!(
             sessions = sandboxes,
             "sandbox sessions of the last run: daemon-owned ones ended interrupted (their inits died with the last daemon); those held by a `layerstack` holder are finished by their policy once their holder is gone"
+        );
+    }
+    // After the sandboxes: an attempt whose sandbox that just ended (or that
+    // never got one) ends infra_failed, never with a reward.
+    let rollouts = engine.recover_rollouts().await?;
+    if rollouts > 0 {
+        info!(
+            attempts = rollouts,
+            "rollout attempts whose sandbox ended with the last daemon ended infra_failed (their samples can be retried)"
         );
     }
     let subscribed = Arc::new(AtomicBool::new(false));

@@ -79,8 +79,8 @@ pub use lock::StoreLock;
 pub use model::*;
 pub use publish::{CommitRecord, Published, Recheck, Staged};
 pub use rollout::{
-    Artifact, Begun, Evaluator, NodeStats, RolloutAttempt, RolloutBegin, RolloutEnding,
-    RolloutResult, RolloutStatus, RunAudit, RunInfo, SampleInfo, SampleKey,
+    Artifact, Begun, Disposition, Evaluator, NodeStats, RolloutAttempt, RolloutBegin,
+    RolloutEnding, RolloutResult, RolloutStatus, RunAudit, RunInfo, SampleInfo, SampleKey,
 };
 pub use schema::FORMAT_VERSION;
 pub use snapshots::{

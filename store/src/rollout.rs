@@ -77,7 +77,11 @@ pub struct SampleKey {
 
 impl std::fmt::Display for SampleKey {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{}/{}/{}/{}", self.run, self.step, self.prompt, self.sample)
+        write!(
+            f,
+            "{}/{}/{}/{}",
+            self.run, self.step, self.prompt, self.sample
+        )
     }
 }
 
@@ -104,11 +108,16 @@ pub struct Evaluator {
 #[derive(Debug, Clone, PartialEq)]
 pub enum RolloutResult {
     /// A reward; `accepted`: the evaluator's acceptance (e.g. tests pass).
-    Completed { reward: f64, accepted: bool },
+    Completed {
+        reward: f64,
+        accepted: bool,
+    },
     TaskFailed,
     /// `kind`: what failed (`daemon-restart`, `init-gone`, `abandoned`,
     /// `sandbox-start`, `timeout`, or a harness's own word); never empty.
-    InfraFailed { kind: String },
+    InfraFailed {
+        kind: String,
+    },
 }
 
 impl RolloutResult {
@@ -188,6 +197,10 @@ pub struct SampleInfo {
     /// The attempt (number) whose reward was applied.
     pub reward_attempt: Option<u32>,
     pub attempts: u32,
+    /// The highest attempt number begun.
+    pub max_attempt: u32,
+    /// Ids of its attempts still running.
+    pub running: Vec<i64>,
     pub created_ns: i64,
 }
 
@@ -195,9 +208,27 @@ pub struct SampleInfo {
 #[derive(Debug, Clone, PartialEq)]
 pub enum Begun {
     /// A new attempt (`created`), or the same attempt again (a repeated call).
-    Attempt { attempt: RolloutAttempt, created: bool },
+    Attempt {
+        attempt: RolloutAttempt,
+        created: bool,
+    },
     /// The sample has its reward already: no attempt is started.
     Rewarded(SampleInfo),
+}
+
+/// What becomes of an attempt's sandbox and checkpoint when
+/// [`Store::end_rollout`] ends it outside a checkpoint's transaction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Disposition {
+    /// Keep the checkpoint its session made (a graded attempt), if any.
+    Keep,
+    /// Prune the checkpoint its session made (a rejected result).
+    Prune,
+    /// Its live sandbox is discarded right after this end (the caller's next
+    /// step): allowed while the sandbox runs. A crash between the two leaves
+    /// the attempt ended as reported and the sandbox to the restart, which
+    /// ends it.
+    Discard,
 }
 
 /// What [`Store::begin_rollout`] asks for.
@@ -253,8 +284,12 @@ fn attempt_row(conn: &Connection, r: &rusqlite::Row<'_>) -> Result<RolloutAttemp
     let evaluator = match r.get::<_, Option<String>>("evaluator_name")? {
         Some(name) => Some(Evaluator {
             name,
-            version: r.get::<_, Option<String>>("evaluator_version")?.unwrap_or_default(),
-            digest: r.get::<_, Option<String>>("evaluator_digest")?.unwrap_or_default(),
+            version: r
+                .get::<_, Option<String>>("evaluator_version")?
+                .unwrap_or_default(),
+            digest: r
+                .get::<_, Option<String>>("evaluator_digest")?
+                .unwrap_or_default(),
         }),
         None => None,
     };
@@ -320,11 +355,13 @@ fn attempts_where(
 }
 
 pub(crate) fn get_rollout(conn: &Connection, id: i64) -> Result<RolloutAttempt, StoreError> {
-    attempts_where(conn, "a.id = ?1", [id])?.pop().ok_or_else(|| {
-        StoreError::NotFound(format!(
-            "rollout attempt {id} does not exist (see `layerstack rollout ls RUN`)"
-        ))
-    })
+    attempts_where(conn, "a.id = ?1", [id])?
+        .pop()
+        .ok_or_else(|| {
+            StoreError::NotFound(format!(
+                "rollout attempt {id} does not exist (see `layerstack rollout ls RUN`)"
+            ))
+        })
 }
 
 /// The running rollout attempt of session `sid`, if it is one.
@@ -369,13 +406,20 @@ fn sample_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SampleInfo> {
             .get::<_, Option<i64>>("reward_no")?
             .and_then(|n| u32::try_from(n).ok()),
         attempts: u32::try_from(r.get::<_, i64>("attempts")?).unwrap_or(u32::MAX),
+        max_attempt: u32::try_from(r.get::<_, i64>("max_attempt")?).unwrap_or(u32::MAX),
+        running: r
+            .get::<_, Option<String>>("running")?
+            .map(|s| s.split(',').filter_map(|x| x.parse().ok()).collect())
+            .unwrap_or_default(),
         created_ns: r.get("created_ns")?,
     })
 }
 
 const SAMPLE_SQL: &str = "SELECT s.run, s.step, s.prompt, s.sample, s.node, s.reward, s.created_ns,
         (SELECT attempt FROM rollout_attempts WHERE id = s.reward_attempt) AS reward_no,
-        (SELECT count(*) FROM rollout_attempts WHERE sample_id = s.id) AS attempts
+        (SELECT count(*) FROM rollout_attempts WHERE sample_id = s.id) AS attempts,
+        (SELECT coalesce(max(attempt), 0) FROM rollout_attempts WHERE sample_id = s.id) AS max_attempt,
+        (SELECT group_concat(id) FROM rollout_attempts WHERE sample_id = s.id AND status = 'running') AS running
      FROM rollout_samples s";
 
 fn validate_key(k: &SampleKey) -> Result<(), StoreError> {
@@ -508,7 +552,12 @@ pub(crate) fn end_rollout_in(
     for art in &end.artifacts {
         tx.exec(
             "INSERT INTO rollout_artifacts(attempt_id, name, digest, size) VALUES (?1, ?2, ?3, ?4)",
-            params![id, art.name, art.digest, i64::try_from(art.size).unwrap_or(i64::MAX)],
+            params![
+                id,
+                art.name,
+                art.digest,
+                i64::try_from(art.size).unwrap_or(i64::MAX)
+            ],
         )?;
     }
     if let Some(r) = reward {
@@ -518,11 +567,17 @@ pub(crate) fn end_rollout_in(
             params![id, r, id],
         )?;
         if applied == 1 {
-            tx.exec("UPDATE rollout_attempts SET applied = 1 WHERE id = ?1", [id])?;
+            tx.exec(
+                "UPDATE rollout_attempts SET applied = 1 WHERE id = ?1",
+                [id],
+            )?;
         }
     }
     if let Some(v) = end.backprop {
-        let leaf = result_node.map(str::to_string).or(a.result_node.clone()).unwrap_or(a.node.clone());
+        let leaf = result_node
+            .map(str::to_string)
+            .or(a.result_node.clone())
+            .unwrap_or(a.node.clone());
         let nodes = backpropagate(tx, &leaf, v, now)?;
         tx.exec(
             "INSERT INTO search_backprops(attempt_id, leaf, value, nodes, at_ns) VALUES (?1, ?2, ?3, ?4, ?5)",
@@ -534,7 +589,12 @@ pub(crate) fn end_rollout_in(
 
 /// Adds one visit and `value` to `leaf` and each ancestor through first
 /// parents up to the graph's root. Returns how many nodes it updated.
-fn backpropagate(tx: &Transaction<'_>, leaf: &str, value: f64, now: i64) -> Result<i64, StoreError> {
+fn backpropagate(
+    tx: &Transaction<'_>,
+    leaf: &str,
+    value: f64,
+    now: i64,
+) -> Result<i64, StoreError> {
     let mut node = Some(leaf.to_string());
     let mut n = 0;
     while let Some(id) = node {
@@ -545,10 +605,18 @@ fn backpropagate(tx: &Transaction<'_>, leaf: &str, value: f64, now: i64) -> Resu
         )?;
         n += 1;
         node = tx
-            .one("SELECT parent FROM graph_edges WHERE child = ?1 AND pos = 0", [&id], |r| r.get(0))
+            .one(
+                "SELECT parent FROM graph_edges WHERE child = ?1 AND pos = 0",
+                [&id],
+                |r| r.get(0),
+            )
             .optional()?;
         if n > 1_000_000 {
-            return Err(StoreError::corrupt("graph_edges", leaf, "a parent chain longer than 10^6 (a cycle?)"));
+            return Err(StoreError::corrupt(
+                "graph_edges",
+                leaf,
+                "a parent chain longer than 10^6 (a cycle?)",
+            ));
         }
     }
     Ok(n)
@@ -557,7 +625,9 @@ fn backpropagate(tx: &Transaction<'_>, leaf: &str, value: f64, now: i64) -> Resu
 fn frontier_of(conn: &Connection, node: &str) -> Result<Vec<String>, StoreError> {
     let mut stmt =
         conn.prepare_cached("SELECT holder FROM frontier_leases WHERE node = ?1 ORDER BY holder")?;
-    let v = stmt.query_map([node], |r| r.get(0))?.collect::<Result<Vec<String>, _>>()?;
+    let v = stmt
+        .query_map([node], |r| r.get(0))?
+        .collect::<Result<Vec<String>, _>>()?;
     Ok(v)
 }
 
@@ -571,7 +641,13 @@ fn stats_of(conn: &Connection, node: &str) -> Result<NodeStats, StoreError> {
         .one(
             "SELECT visits, value_sum, prior FROM search_stats WHERE node = ?1",
             [node],
-            |r| Ok((r.get::<_, i64>(0)?, r.get::<_, f64>(1)?, r.get::<_, Option<f64>>(2)?)),
+            |r| {
+                Ok((
+                    r.get::<_, i64>(0)?,
+                    r.get::<_, f64>(1)?,
+                    r.get::<_, Option<f64>>(2)?,
+                ))
+            },
         )
         .optional()?
         .unwrap_or((0, 0.0, None));
@@ -631,8 +707,11 @@ impl Store {
     pub fn runs(&self) -> Result<Vec<RunInfo>, StoreError> {
         self.db.read(|conn| {
             let names: Vec<String> = {
-                let mut stmt = conn.prepare_cached("SELECT name FROM rollout_runs ORDER BY name")?;
-                let v = stmt.query_map([], |r| r.get(0))?.collect::<Result<_, _>>()?;
+                let mut stmt =
+                    conn.prepare_cached("SELECT name FROM rollout_runs ORDER BY name")?;
+                let v = stmt
+                    .query_map([], |r| r.get(0))?
+                    .collect::<Result<_, _>>()?;
                 v
             };
             names.iter().map(|n| get_run(conn, n)).collect()
@@ -752,20 +831,23 @@ impl Store {
         })
     }
 
-    /// Ends rollout attempt `id` on its own (its session ended before: a
-    /// checkpoint kept for grading, a discard, or no session at all), in one
-    /// transaction: see the module docs. `discard_node`: the checkpoint the
-    /// attempt made is pruned in the same transaction (a rejected result).
+    /// Ends rollout attempt `id` outside a checkpoint (its session ended
+    /// before — a checkpoint kept for grading, or none —, or is discarded
+    /// next: [`Disposition`]), in one transaction: see the module docs.
+    /// A checkpoint the attempt made is pruned after it with
+    /// [`Disposition::Prune`] (a rejected result).
     ///
     /// Errors: `NotFound`, `FailedPrecondition` (ended otherwise before; its
-    /// session still runs — end it through the session so that its checkpoint
-    /// is part of the same transaction), `InvalidArgument`.
+    /// session still runs and `how` is not `Discard` — end it through the
+    /// session so that its checkpoint is part of the same transaction),
+    /// `InvalidArgument`.
     pub fn end_rollout(
         &self,
         id: i64,
         end: &RolloutEnding,
-        discard_node: bool,
+        how: Disposition,
     ) -> Result<RolloutAttempt, StoreError> {
+        let discard_node = how == Disposition::Prune;
         let out = self.db.write(|tx| {
             sync_rollouts_in(tx, false)?;
             let a = get_rollout(tx, id)?;
@@ -783,7 +865,7 @@ impl Store {
             };
             if a.status == RolloutStatus::Running {
                 if let Some((status, _)) = &ga {
-                    if status == "running" {
+                    if status == "running" && how != Disposition::Discard {
                         return Err(StoreError::FailedPrecondition(format!(
                             "rollout attempt {id}'s sandbox (session {}) still runs: end the attempt through its session (EndRollout with the session's close), or close the session first",
                             a.session.unwrap_or_default()
@@ -938,7 +1020,9 @@ impl Store {
     /// Errors: `NotFound`, `InvalidArgument` (not finite).
     pub fn set_prior(&self, node: &str, prior: f64) -> Result<NodeStats, StoreError> {
         if !prior.is_finite() {
-            return Err(StoreError::InvalidArgument(format!("prior {prior} is not a finite number")));
+            return Err(StoreError::InvalidArgument(format!(
+                "prior {prior} is not a finite number"
+            )));
         }
         self.db.write(|tx| {
             get_node(tx, node)?;
@@ -956,7 +1040,9 @@ impl Store {
     /// Errors: `NotFound`, `FailedPrecondition` (a pruned node).
     pub fn lease_frontier(&self, holder: &str, nodes: &[String]) -> Result<(), StoreError> {
         if holder.is_empty() {
-            return Err(StoreError::InvalidArgument("a frontier lease needs a holder name".into()));
+            return Err(StoreError::InvalidArgument(
+                "a frontier lease needs a holder name".into(),
+            ));
         }
         self.db.write(|tx| {
             for n in nodes {
@@ -995,16 +1081,23 @@ impl Store {
     /// The nodes `holder` leases, by id.
     pub fn frontier(&self, holder: &str) -> Result<Vec<String>, StoreError> {
         self.db.read(|conn| {
-            let mut stmt = conn
-                .prepare_cached("SELECT node FROM frontier_leases WHERE holder = ?1 ORDER BY node")?;
-            let v = stmt.query_map([holder], |r| r.get(0))?.collect::<Result<Vec<String>, _>>()?;
+            let mut stmt = conn.prepare_cached(
+                "SELECT node FROM frontier_leases WHERE holder = ?1 ORDER BY node",
+            )?;
+            let v = stmt
+                .query_map([holder], |r| r.get(0))?
+                .collect::<Result<Vec<String>, _>>()?;
             Ok(v)
         })
     }
 
     fn blob_path(&self, digest: &str) -> Result<PathBuf, StoreError> {
         let hex = digest.strip_prefix("blake3:").unwrap_or("");
-        if hex.len() != 64 || !hex.bytes().all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase()) {
+        if hex.len() != 64
+            || !hex
+                .bytes()
+                .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+        {
             return Err(StoreError::InvalidArgument(format!(
                 "blob digest {digest:?}: give blake3:<64 lowercase hex digits>"
             )));
@@ -1049,7 +1142,9 @@ impl Store {
     pub fn blob(&self, digest: &str) -> Result<Vec<u8>, StoreError> {
         let path = self.blob_path(digest)?;
         std::fs::read(&path).map_err(|e| match e.kind() {
-            std::io::ErrorKind::NotFound => StoreError::NotFound(format!("blob {digest} is not in this store")),
+            std::io::ErrorKind::NotFound => {
+                StoreError::NotFound(format!("blob {digest} is not in this store"))
+            }
             _ => StoreError::io(&path, e),
         })
     }

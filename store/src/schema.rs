@@ -200,8 +200,8 @@ pub(crate) const MIGRATIONS: &[(i64, &str, &str)] = &[
     (10, "rollout fabric tables", rollout_tables!()),
 ];
 
-
-pub(crate) const SCHEMA: &str = concat!(r#"
+pub(crate) const SCHEMA: &str = concat!(
+    r#"
 CREATE TABLE meta (
     key   TEXT PRIMARY KEY,
     value TEXT NOT NULL
@@ -516,4 +516,6 @@ CREATE TABLE session_markers (
     start_line INTEGER NOT NULL,
     PRIMARY KEY (session_id, lease_id, path, digest)
 ) WITHOUT ROWID;
-"#, rollout_tables!());
+"#,
+    rollout_tables!()
+);

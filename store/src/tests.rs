@@ -2235,7 +2235,12 @@ fn rollout_store(d: &Path) -> (Store, String, NodeInfo) {
 
 fn begin(s: &Store, sample: i64, attempt: u32, node: &str) -> Begun {
     s.begin_rollout(&RolloutBegin {
-        key: SampleKey { run: "r".into(), step: 0, prompt: "p".into(), sample },
+        key: SampleKey {
+            run: "r".into(),
+            step: 0,
+            prompt: "p".into(),
+            sample,
+        },
         attempt,
         node: node.into(),
         policy: "pi-1".into(),
@@ -2253,8 +2258,15 @@ fn begun(b: Begun) -> RolloutAttempt {
 
 fn completed(reward: f64, backprop: bool) -> RolloutEnding {
     RolloutEnding {
-        result: RolloutResult::Completed { reward, accepted: reward > 0.5 },
-        evaluator: Some(Evaluator { name: "pytest".into(), version: "8.0".into(), digest: "sha256:ab".into() }),
+        result: RolloutResult::Completed {
+            reward,
+            accepted: reward > 0.5,
+        },
+        evaluator: Some(Evaluator {
+            name: "pytest".into(),
+            version: "8.0".into(),
+            digest: "sha256:ab".into(),
+        }),
         trajectory: None,
         artifacts: Vec::new(),
         backprop: backprop.then_some(reward),
@@ -2268,50 +2280,94 @@ fn a_samples_reward_is_applied_once_whatever_the_retries_and_repeats() {
     let (s, run, root) = rollout_store(d.path());
     // The same attempt twice is one attempt.
     let a1 = begun(begin(&s, 0, 1, &root.id));
-    let Begun::Attempt { attempt: again, created } = begin(&s, 0, 1, &root.id) else { panic!() };
+    let Begun::Attempt {
+        attempt: again,
+        created,
+    } = begin(&s, 0, 1, &root.id)
+    else {
+        panic!()
+    };
     assert!(!created);
     assert_eq!(again.id, a1.id);
     // Attempt 1 is lost to the infrastructure; attempt 2 is rewarded.
     let infra = RolloutEnding {
-        result: RolloutResult::InfraFailed { kind: "init-gone".into() },
+        result: RolloutResult::InfraFailed {
+            kind: "init-gone".into(),
+        },
         evaluator: None,
         trajectory: None,
         artifacts: Vec::new(),
         backprop: None,
         message: "init killed".into(),
     };
-    let e1 = s.end_rollout(a1.id, &infra, false).unwrap();
-    assert_eq!((e1.status, e1.reward, e1.applied), (RolloutStatus::InfraFailed, None, false));
+    let e1 = s.end_rollout(a1.id, &infra, Disposition::Keep).unwrap();
+    assert_eq!(
+        (e1.status, e1.reward, e1.applied),
+        (RolloutStatus::InfraFailed, None, false)
+    );
     let a2 = begun(begin(&s, 0, 2, &root.id));
     // A third attempt races the second (a harness retried too early).
     let a3 = begun(begin(&s, 0, 3, &root.id));
-    let e2 = s.end_rollout(a2.id, &completed(0.75, true), false).unwrap();
+    let e2 = s
+        .end_rollout(a2.id, &completed(0.75, true), Disposition::Keep)
+        .unwrap();
     assert!(e2.applied);
     // A duplicate end answers the recorded end; a different one is refused.
-    let dup = s.end_rollout(a2.id, &completed(0.75, true), false).unwrap();
+    let dup = s
+        .end_rollout(a2.id, &completed(0.75, true), Disposition::Keep)
+        .unwrap();
     assert_eq!(dup, e2);
-    let err = s.end_rollout(a2.id, &completed(0.1, true), false).unwrap_err();
+    let err = s
+        .end_rollout(a2.id, &completed(0.1, true), Disposition::Keep)
+        .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::FailedPrecondition, "{err}");
     // The racing attempt completes but is not applied; no attempt starts now.
-    let Begun::Rewarded(sample) = begin(&s, 0, 4, &root.id) else { panic!("rewarded sample started again") };
-    assert_eq!((sample.reward, sample.reward_attempt), (Some(0.75), Some(2)));
-    let e3 = s.end_rollout(a3.id, &completed(0.2, true), false).unwrap();
+    let Begun::Rewarded(sample) = begin(&s, 0, 4, &root.id) else {
+        panic!("rewarded sample started again")
+    };
+    assert_eq!(
+        (sample.reward, sample.reward_attempt),
+        (Some(0.75), Some(2))
+    );
+    let e3 = s
+        .end_rollout(a3.id, &completed(0.2, true), Disposition::Keep)
+        .unwrap();
     assert_eq!((e3.status, e3.applied), (RolloutStatus::Completed, false));
     let sample = s.sample(&a1.key).unwrap();
-    assert_eq!((sample.reward, sample.reward_attempt, sample.attempts), (Some(0.75), Some(2), 3));
+    assert_eq!(
+        (sample.reward, sample.reward_attempt, sample.attempts),
+        (Some(0.75), Some(2), 3)
+    );
     // Two backpropagations (attempts 2 and 3), each once: the root has 2 visits.
     let st = s.node_stats(&root.id).unwrap();
     assert_eq!((st.visits, st.value_sum), (2, 0.95));
     let audit = s.audit_run(&run).unwrap();
     assert_eq!(audit.violations, Vec::<String>::new());
-    assert_eq!((audit.samples, audit.rewarded, audit.attempts, audit.completed, audit.backprops), (1, 1, 3, 2, 2));
+    assert_eq!(
+        (
+            audit.samples,
+            audit.rewarded,
+            audit.attempts,
+            audit.completed,
+            audit.backprops
+        ),
+        (1, 1, 3, 2, 2)
+    );
     assert_eq!(audit.infra_failed.get("init-gone"), Some(&1));
     // The audit catches a second applied reward (written behind the store's back).
-    s.db.write(|tx| Ok(tx.execute("UPDATE rollout_attempts SET applied = 1 WHERE id = ?1", [a3.id])?))
-        .unwrap();
+    s.db.write(|tx| {
+        Ok(tx.execute(
+            "UPDATE rollout_attempts SET applied = 1 WHERE id = ?1",
+            [a3.id],
+        )?)
+    })
+    .unwrap();
     let v = s.audit_run(&run).unwrap().violations;
     assert_eq!(v.len(), 1, "{v:?}");
-    assert!(v[0].starts_with("a sample with more than one applied reward"), "{v:?}");
+    assert!(
+        v[0].starts_with("a sample with more than one applied reward"),
+        "{v:?}"
+    );
 }
 
 #[test]
@@ -2329,22 +2385,44 @@ fn attempts_are_checked_against_their_sample_and_an_infra_failure_has_no_value()
     let err = s.begin_rollout(&other).unwrap_err();
     assert!(err.to_string().contains("pi-1"), "{err}");
     other.attempt = 0;
-    assert_eq!(s.begin_rollout(&other).unwrap_err().kind(), ErrorKind::InvalidArgument);
+    assert_eq!(
+        s.begin_rollout(&other).unwrap_err().kind(),
+        ErrorKind::InvalidArgument
+    );
     other.key.run = "no-such-run".into();
     other.attempt = 1;
-    assert_eq!(s.begin_rollout(&other).unwrap_err().kind(), ErrorKind::NotFound);
+    assert_eq!(
+        s.begin_rollout(&other).unwrap_err().kind(),
+        ErrorKind::NotFound
+    );
     let bad = RolloutEnding {
-        result: RolloutResult::InfraFailed { kind: "timeout".into() },
+        result: RolloutResult::InfraFailed {
+            kind: "timeout".into(),
+        },
         evaluator: None,
         trajectory: None,
         artifacts: Vec::new(),
         backprop: Some(0.0),
         message: String::new(),
     };
-    assert_eq!(s.end_rollout(a.id, &bad, false).unwrap_err().kind(), ErrorKind::InvalidArgument);
+    assert_eq!(
+        s.end_rollout(a.id, &bad, Disposition::Keep)
+            .unwrap_err()
+            .kind(),
+        ErrorKind::InvalidArgument
+    );
     let nan = completed(f64::NAN, false);
-    assert_eq!(s.end_rollout(a.id, &nan, false).unwrap_err().kind(), ErrorKind::InvalidArgument);
-    assert_eq!(s.rollout(a.id).unwrap().status, RolloutStatus::Running, "a refused end changes nothing");
+    assert_eq!(
+        s.end_rollout(a.id, &nan, Disposition::Keep)
+            .unwrap_err()
+            .kind(),
+        ErrorKind::InvalidArgument
+    );
+    assert_eq!(
+        s.rollout(a.id).unwrap().status,
+        RolloutStatus::Running,
+        "a refused end changes nothing"
+    );
 }
 
 #[test]
@@ -2354,13 +2432,21 @@ fn an_attempt_whose_sandbox_was_interrupted_ends_infra_failed_never_rewarded() {
     let owner = Owner::Sandbox { name: "a".into() };
     let a = begun(begin(&s, 0, 1, &root.id));
     let (ga, sess, _, _) = s.start_attempt(&root.id, &owner, None).unwrap();
-    s.attach_rollout_session(a.id, sess.id, Some(ga.id)).unwrap();
-    // The sandbox still runs: an end without its session is refused.
-    let err = s.end_rollout(a.id, &completed(1.0, false), false).unwrap_err();
-    assert_eq!(err.kind(), ErrorKind::FailedPrecondition, "{err}");
-    s.record_outcome(sess.id, OutcomeRecord::interrupted(Interruption::DaemonRestart, "restart"), None)
+    s.attach_rollout_session(a.id, sess.id, Some(ga.id))
         .unwrap();
-    s.end_attempt(ga.id, AttemptStatus::Interrupted, "daemon restart").unwrap();
+    // The sandbox still runs: an end without its session is refused.
+    let err = s
+        .end_rollout(a.id, &completed(1.0, false), Disposition::Keep)
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::FailedPrecondition, "{err}");
+    s.record_outcome(
+        sess.id,
+        OutcomeRecord::interrupted(Interruption::DaemonRestart, "restart"),
+        None,
+    )
+    .unwrap();
+    s.end_attempt(ga.id, AttemptStatus::Interrupted, "daemon restart")
+        .unwrap();
     // A never-started attempt (no session) ends at the daemon's start.
     // (Every rollout write first ends what an infrastructure failure ended.)
     let b = begun(begin(&s, 1, 1, &root.id));
@@ -2369,10 +2455,23 @@ fn an_attempt_whose_sandbox_was_interrupted_ends_infra_failed_never_rewarded() {
     assert_eq!(s.rollout(b.id).unwrap().status, RolloutStatus::Running);
     assert_eq!(s.sync_rollouts(true).unwrap(), 1);
     let ea = s.rollout(a.id).unwrap();
-    assert_eq!((ea.status, ea.infra_kind.as_deref(), ea.reward), (RolloutStatus::InfraFailed, Some("daemon-restart"), None));
-    assert_eq!(s.rollout(b.id).unwrap().infra_kind.as_deref(), Some("daemon-restart"));
+    assert_eq!(
+        (ea.status, ea.infra_kind.as_deref(), ea.reward),
+        (RolloutStatus::InfraFailed, Some("daemon-restart"), None)
+    );
+    assert_eq!(
+        s.rollout(b.id).unwrap().infra_kind.as_deref(),
+        Some("daemon-restart")
+    );
     let audit = s.audit_run(&run).unwrap();
-    assert_eq!((audit.rewarded, audit.running, audit.infra_failed.get("daemon-restart")), (0, 0, Some(&2)));
+    assert_eq!(
+        (
+            audit.rewarded,
+            audit.running,
+            audit.infra_failed.get("daemon-restart")
+        ),
+        (0, 0, Some(&2))
+    );
 }
 
 #[test]
@@ -2383,7 +2482,10 @@ fn a_frontier_node_is_never_pruned_until_released_and_priors_sit_beside_it() {
     s.lease_frontier("mcts-1", &[root.id.clone()]).unwrap();
     let err = s.prune_node(&root.id, None).unwrap_err();
     assert!(err.to_string().contains("frontier of mcts-1"), "{err}");
-    assert_eq!(s.node_stats(&root.id).unwrap().frontier, vec!["mcts-1".to_string()]);
+    assert_eq!(
+        s.node_stats(&root.id).unwrap().frontier,
+        vec!["mcts-1".to_string()]
+    );
     assert_eq!(s.frontier("mcts-1").unwrap(), vec![root.id.clone()]);
     let st = s.set_prior(&root.id, 0.25).unwrap();
     assert_eq!((st.prior, st.visits), (Some(0.25), 0));
@@ -2391,7 +2493,13 @@ fn a_frontier_node_is_never_pruned_until_released_and_priors_sit_beside_it() {
     assert!(s.frontier("mcts-1").unwrap().is_empty());
     // Blobs are content-addressed and idempotent.
     let (dg, n) = s.put_blob(b"trajectory").unwrap();
-    assert_eq!((s.put_blob(b"trajectory").unwrap(), n), ((dg.clone(), 10), 10));
+    assert_eq!(
+        (s.put_blob(b"trajectory").unwrap(), n),
+        ((dg.clone(), 10), 10)
+    );
     assert_eq!(s.blob(&dg).unwrap(), b"trajectory");
-    assert_eq!(s.blob("blake3:../x").unwrap_err().kind(), ErrorKind::InvalidArgument);
+    assert_eq!(
+        s.blob("blake3:../x").unwrap_err().kind(),
+        ErrorKind::InvalidArgument
+    );
 }
