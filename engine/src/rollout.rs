@@ -212,8 +212,13 @@ impl Engine {
                     RolloutKeep::Checkpoint { .. } => Disposition::Keep,
                     RolloutKeep::Discard => Disposition::Prune,
                 };
-                self.blocking(move |st| st.end_rollout(id, &ending, how))
-                    .await
+                let ended = self
+                    .blocking(move |st| st.end_rollout(id, &ending, how))
+                    .await?;
+                // A sandbox an infrastructure failure ended keeps its upper
+                // until released: nothing will use it now.
+                self.discard_ended_rollout_sandboxes().await?;
+                Ok(ended)
             }
         }
     }
@@ -239,19 +244,47 @@ impl Engine {
 
     /// Run `run`'s exactly-once audit (after ending what infrastructure
     /// failures ended).
-    pub async fn audit_run(&self, run: &str) -> Result<RunAudit, EngineError> {
+    pub async fn audit_run(
+        self: &std::sync::Arc<Self>,
+        run: &str,
+    ) -> Result<RunAudit, EngineError> {
         let r = run.to_string();
-        self.blocking(move |st| {
-            st.sync_rollouts(false)?;
-            st.audit_run(&r)
-        })
-        .await
+        self.blocking(|st| st.sync_rollouts(false)).await?;
+        self.discard_ended_rollout_sandboxes().await?;
+        self.blocking(move |st| st.audit_run(&r)).await
     }
 
     /// At start: attempts whose sandbox the last daemon's end took, or that
-    /// never got one, end `infra_failed`.
-    pub async fn recover_rollouts(&self) -> Result<usize, EngineError> {
-        self.blocking(|st| st.sync_rollouts(true)).await
+    /// never got one, end `infra_failed`, and their sandboxes are discarded.
+    pub async fn recover_rollouts(self: &std::sync::Arc<Self>) -> Result<usize, EngineError> {
+        let n = self.blocking(|st| st.sync_rollouts(true)).await?;
+        self.discard_ended_rollout_sandboxes().await?;
+        Ok(n)
+    }
+
+    /// Discards (and releases) the sandboxes of ended rollout attempts that
+    /// an infrastructure failure left unreleased: an interrupted session keeps
+    /// its upper for a person to look at, but an ended attempt's writes are
+    /// never used (its end recorded whether anything was kept).
+    pub async fn discard_ended_rollout_sandboxes(
+        self: &std::sync::Arc<Self>,
+    ) -> Result<usize, EngineError> {
+        let ids = self.blocking(|st| st.ended_rollout_sessions()).await?;
+        let n = ids.len();
+        for sid in ids {
+            let closed = self
+                .close_sandbox_session(
+                    sid,
+                    EndAction::Discard,
+                    "its rollout attempt ended",
+                    CLOSE_PATIENCE,
+                )
+                .await;
+            if let Err(e) = closed {
+                tracing::warn!(session.id = sid, error = %crate::error_chain(&e), "cannot discard an ended rollout attempt's sandbox");
+            }
+        }
+        Ok(n)
     }
 
     /// Search statistics of `node` and (`children`) of its children.

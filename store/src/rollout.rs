@@ -938,6 +938,20 @@ impl Store {
         self.db.write(|tx| sync_rollouts_in(tx, at_start))
     }
 
+    /// Sandbox sessions of ended rollout attempts that are not released yet
+    /// (an attempt an infrastructure failure ended, whose session kept its
+    /// upper): the engine discards them, nothing else will.
+    pub fn ended_rollout_sessions(&self) -> Result<Vec<SessionId>, StoreError> {
+        self.db.read(|conn| {
+            let mut stmt = conn.prepare_cached(
+                "SELECT DISTINCT a.session_id FROM rollout_attempts a JOIN sessions s ON s.id = a.session_id
+                 WHERE a.status <> 'running' AND s.released = 0 ORDER BY a.session_id",
+            )?;
+            let v = stmt.query_map([], |r| r.get(0))?.collect::<Result<Vec<SessionId>, _>>()?;
+            Ok(v)
+        })
+    }
+
     /// Checks run `run`'s exactly-once invariants and counts its records.
     pub fn audit_run(&self, run: &str) -> Result<RunAudit, StoreError> {
         self.db.read(|conn| {

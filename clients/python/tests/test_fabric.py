@@ -13,14 +13,19 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from typing import List
+import signal
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import List, Optional
 
 import pytest
 
 import layerstack
 import layerstack.aio
 from layerstack.fabric import Grader, NodeStats, RolloutResult, SampleKey, TaskFailed, fan_out, puct, uct
-from test_sandbox import Daemon, daemon  # noqa: F401 — the module's daemon fixture
+from conftest import DAEMON_BIN, _mounts_under, _terminate, _wait_for, bin_dir
+from test_sandbox import Daemon, _rootfs, daemon  # noqa: F401 — the module's daemon fixture
 
 GRADER = Grader(["sh", "-c", "grep -q good /work/answer"], name="grep-good", version="1")
 
@@ -170,3 +175,102 @@ def test_search_statistics_select_children_and_frontier_leases_hold_nodes(daemon
                 assert children[0] in c.prune(children[0])
 
     asyncio.run(main())
+
+
+class _Restartable:
+    """A daemon of its own that the test kills with SIGKILL and starts again
+    on the same store and sockets."""
+
+    def __init__(self, d: "Path") -> None:
+        self.d = d
+        self.admin = d / "ls" / "admin.sock"
+        self.p: "Optional[subprocess.Popen[bytes]]" = None
+
+    def start(self) -> None:
+        (self.d / "ls").mkdir(exist_ok=True)
+        log = open(self.d / "daemon.log", "ab")
+        self.p = subprocess.Popen(
+            [
+                str(bin_dir() / DAEMON_BIN),
+                "--root", str(self.d / "store"),
+                "--address", str(self.d / "ls" / "snap.sock"),
+                "--admin-address", str(self.admin),
+                "--containerd-address", str(self.d / "ls" / "containerd.sock"),  # none runs
+                "--metrics-address", "127.0.0.1:0",
+            ],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+        )
+        p = self.p
+        _wait_for(DAEMON_BIN, lambda: self.admin.exists() and p.poll() is None, 30, self.d / "daemon.log")
+
+    def kill9(self) -> None:
+        assert self.p is not None
+        self.p.send_signal(signal.SIGKILL)
+        self.p.wait()
+        self.admin.unlink(missing_ok=True)
+
+
+def test_exactly_once_through_daemon_kills_mid_step(daemon: Daemon) -> None:  # noqa: F811
+    """A step of 24 graded samples while the daemon is killed with SIGKILL three
+    times: every sample ends with one reward (the right one), every attempt a
+    kill ended is infra_failed, the audit finds no violation, nothing stays
+    mounted and no rollout sandbox stays unreleased."""
+    d = Path(tempfile.mkdtemp(prefix="lst-py-crash-", dir=os.environ.get("LAYERSTACK_TEST_TMP", "/var/tmp")))
+    srv = _Restartable(d)
+    srv.start()
+    try:
+        with layerstack.connect(srv.admin) as c:
+            stack = c.import_base(_rootfs(d / "rootfs"))
+
+        async def main() -> None:
+            async with layerstack.aio.connect(srv.admin) as ls:
+                g = await ls.create_graph("crash", stack)
+                run = (await ls.create_run("crash-run", g.name)).name
+
+                async def act(r: layerstack.aio.AsyncRollout) -> None:
+                    i = r.key.sample
+                    out = await r.exec(["sh", "-c", f"sleep 0.3; echo {'good' if i % 2 else 'bad'} > /work/answer"])
+                    assert out.ok, out
+
+                async def killer() -> None:
+                    for _ in range(3):
+                        await asyncio.sleep(1.0)
+                        srv.kill9()
+                        await asyncio.sleep(0.3)
+                        await asyncio.get_running_loop().run_in_executor(None, srv.start)
+
+                k = asyncio.ensure_future(killer())
+                results = [
+                    x async for x in fan_out(ls, run, g.root, 24, act, policy="pi", grader=GRADER,
+                                             max_attempts=12, concurrency=8)
+                ]
+                await k
+                for x in results:
+                    want = 1.0 if x.sample % 2 else 0.0
+                    assert (x.status, x.reward) == ("completed", want), (x.sample, x.errors)
+                audit = await ls.audit_run(run)
+                assert audit.violations == (), audit
+                assert (audit.samples, audit.rewarded, audit.running) == (24, 24, 0), audit
+                assert sum(audit.infra_failed.values()) >= 3, f"three kills mid-step ended no attempt: {audit}"
+                assert set(audit.infra_failed) <= {"daemon-restart", "init-gone", "abandoned", "UnavailableError",
+                                                   "unavailable", "checkpoint-failed"}, audit
+                attempts = [a async for a in ls.rollouts(run)]
+                applied = [a for a in attempts if a.applied]
+                assert len(applied) == 24 and len({a.key for a in applied}) == 24
+                assert all(a.reward is None for a in attempts if a.status == "infra_failed")
+                # Every rollout sandbox was released.
+                with layerstack.connect(srv.admin) as c:
+                    live = [s for s in c.list_sessions(all_namespaces=True, owner_kind="sandbox")
+                            if s.owner.startswith("sandbox:rollout-") and not s.released]
+                    assert live == [], live
+
+        asyncio.run(main())
+        left = [m for m in _mounts_under(d) if "/s/" in m]
+        assert left == [], f"session mounts left: {left}"
+    finally:
+        if srv.p is not None and srv.p.poll() is None:
+            _terminate(srv.p)
+        for m in _mounts_under(d):
+            subprocess.run(["umount", "-l", m], capture_output=True)
+        if os.environ.get("LAYERSTACK_TEST_KEEP") != "1":
+            subprocess.run(["rm", "-rf", "--one-file-system", str(d)], capture_output=True)

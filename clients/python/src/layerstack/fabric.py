@@ -425,6 +425,25 @@ def end_request(
     return req
 
 
+async def _through_restarts(what: Callable[[], Awaitable[Any]], reconnect_s: float) -> Any:
+    """``await what()``, again while the daemon is unreachable (UnavailableError:
+    a restart) for at most ``reconnect_s`` seconds. Only for idempotent calls
+    (a begin names its attempt; a sample read changes nothing)."""
+    from layerstack.errors import UnavailableError
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + reconnect_s
+    delay = 0.05
+    while True:
+        try:
+            return await what()
+        except UnavailableError:
+            if loop.time() >= deadline:
+                raise
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+
 def _infra_kind(e: BaseException) -> str:
     """The infra_failed kind of an exception a rollout raised (a LayerStack
     error's kind, else the exception's class name)."""
@@ -452,6 +471,7 @@ async def fan_out(
     backprop: bool = True,
     keep: str = "checkpoint",
     sandbox: Optional[Mapping[str, Any]] = None,
+    reconnect_s: float = 60.0,
 ) -> AsyncIterator[RolloutResult]:
     """Runs ``n`` samples of ``node`` (``samples``: their numbers, default
     ``range(n)``) in run ``run``, at most ``concurrency`` at once, and yields a
@@ -472,7 +492,12 @@ async def fan_out(
     Calling it again after a crash is safe: samples rewarded before are not
     run again and keep their reward; attempt numbers continue after the
     highest one recorded (a crashed attempt is ended by the daemon, or by
-    this call as ``infra_failed(abandoned)``).
+    this call as ``infra_failed(abandoned)``). While the daemon is away (a
+    restart), begins and sample reads are repeated for up to
+    ``reconnect_s`` seconds — they are idempotent; an attempt the restart
+    ended is ended ``infra_failed`` by the daemon and the sample goes on
+    with the next attempt; an end whose answer was lost is found applied
+    by the next begin (the sample answers "rewarded").
     """
     if keep not in ("checkpoint", "discard"):
         raise ValueError(f"keep {keep!r}: use 'checkpoint' or 'discard'")
@@ -486,7 +511,7 @@ async def fan_out(
                 res = await _run_sample(
                     client, run, node, i, act, step=step, prompt=prompt, policy=policy,
                     grader=grader, max_attempts=max_attempts, seed=seed, backprop=backprop,
-                    keep=keep, sandbox=sandbox or {},
+                    keep=keep, sandbox=sandbox or {}, reconnect_s=reconnect_s,
                 )
             except BaseException as e:  # noqa: BLE001 — reported, never lost
                 key = SampleKey(run, step, prompt, i)
@@ -519,19 +544,23 @@ async def _run_sample(
     backprop: bool,
     keep: str,
     sandbox: Mapping[str, Any],
+    reconnect_s: float,
 ) -> RolloutResult:
     key = SampleKey(run, step, prompt, i)
     # Continue after the attempts a crashed earlier call made.
-    first = 1 + await client.sample_attempts(key)
+    first = 1 + await _through_restarts(lambda: client.sample_attempts(key), reconnect_s)
     errors: List[str] = []
     last: Optional[RolloutAttempt] = None
     for number in range(first, first + max_attempts):
-        r = await client.begin_rollout(
-            key, number, node, policy=policy, seed=None if seed is None else seed + i, **sandbox
+        r = await _through_restarts(
+            lambda: client.begin_rollout(
+                key, number, node, policy=policy, seed=None if seed is None else seed + i, **sandbox
+            ),
+            reconnect_s,
         )
         if r.rewarded:
             s = r.sample
-            return RolloutResult(i, key, None, s.reward if s else None, rewarded_before=True)
+            return RolloutResult(i, key, last, s.reward if s else None, rewarded_before=True, errors=tuple(errors))
         assert r.attempt is not None
         last = r.attempt
         if last.ended:
@@ -545,8 +574,12 @@ async def _run_sample(
                                    keep=keep)
                 return RolloutResult(i, key, last, reward if last.applied else await _reward(client, key))
             node_id = await r.checkpoint_for_grading()
-            async with client.sandbox(node=node_id, name=f"grade-{r.id}", key=f"grade:{r.id}") as g:
+            g = await client.sandbox(node=node_id, name=f"grade-{r.id}", key=f"grade:{r.id}")
+            try:
                 out = await g.exec(grader.command, env=grader.env, timeout_s=grader.timeout_s)
+            finally:
+                # Discarded even across a daemon restart (a close is idempotent).
+                await _through_restarts(lambda: g.discard("grading done"), reconnect_s)
             reward, accepted = grader.score(out)
             last = await r.end(
                 reward=reward, accepted=accepted, evaluator=grader.evaluator(),
@@ -571,5 +604,5 @@ async def _run_sample(
 
 
 async def _reward(client: "AsyncClient", key: SampleKey) -> Optional[float]:
-    s = await client.sample(key)
+    s = await _through_restarts(lambda: client.sample(key), 60.0)
     return s.reward if s is not None else None
