@@ -183,7 +183,8 @@ impl Engine {
     pub fn new(store: Arc<Store>, settings: EngineSettings) -> Arc<Engine> {
         let (generation, _) = watch::channel(0);
         let (events, _) = broadcast::channel(1024);
-        let sandboxes = sandbox::Sandboxes::new(settings.sandbox.max_sessions);
+        let sandboxes =
+            sandbox::Sandboxes::new(settings.sandbox.max_sessions, settings.sandbox.create_rate);
         let workers = match settings.publish_workers {
             0 => std::thread::available_parallelism().map_or(2, std::num::NonZeroUsize::get),
             n => n,

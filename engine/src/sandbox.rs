@@ -36,27 +36,73 @@ use crate::Engine;
 pub struct SandboxSettings {
     /// Live sandbox sessions at most (created, not yet released). Default 256.
     pub max_sessions: usize,
+    /// New sandbox sessions per second at most, in bursts of at most that
+    /// many (a generic cell-rate limit); 0: unlimited (the default).
+    pub create_rate: u32,
 }
 
 impl Default for SandboxSettings {
     fn default() -> Self {
-        Self { max_sessions: 256 }
+        Self {
+            max_sessions: 256,
+            create_rate: 0,
+        }
     }
 }
 
-/// The cap and the permits of live sandbox sessions.
+/// The cap, the permits of live sandbox sessions and the creation rate.
 pub(crate) struct Sandboxes {
     max: usize,
     sem: Arc<Semaphore>,
     permits: Mutex<HashMap<SessionId, OwnedSemaphorePermit>>,
+    rate: Option<Rate>,
+}
+
+/// A generic cell-rate limit (ITU-T I.371's GCRA, "virtual scheduling"):
+/// one creation per `interval`, at most `burst` at once; `tat` is the
+/// theoretical arrival time of the next one.
+struct Rate {
+    per_s: u32,
+    interval: Duration,
+    tolerance: Duration,
+    tat: Mutex<tokio::time::Instant>,
+}
+
+impl Rate {
+    fn new(per_s: u32) -> Option<Self> {
+        (per_s > 0).then(|| {
+            let interval = Duration::from_secs(1) / per_s;
+            Self {
+                per_s,
+                interval,
+                tolerance: interval * (per_s - 1),
+                tat: Mutex::new(tokio::time::Instant::now()),
+            }
+        })
+    }
+
+    /// When the caller may create (now or later), reserving that slot; `None`
+    /// (nothing reserved) when that is later than `now + wait`.
+    fn reserve(&self, wait: Duration) -> Option<tokio::time::Instant> {
+        let now = tokio::time::Instant::now();
+        let mut tat = self.tat.lock().unwrap_or_else(|p| p.into_inner());
+        let base = (*tat).max(now);
+        let at = base.checked_sub(self.tolerance).unwrap_or(now).max(now);
+        if at > now + wait {
+            return None;
+        }
+        *tat = base + self.interval;
+        Some(at)
+    }
 }
 
 impl Sandboxes {
-    pub(crate) fn new(max: usize) -> Self {
+    pub(crate) fn new(max: usize, create_rate: u32) -> Self {
         Self {
             max,
             sem: Arc::new(Semaphore::new(max)),
             permits: Mutex::new(HashMap::new()),
+            rate: Rate::new(create_rate),
         }
     }
 
@@ -164,13 +210,28 @@ impl Engine {
                 waited.map(|d| format!("; none ended within {} ms", d.as_millis())).unwrap_or_default()
             ))
         };
-        match wait {
-            None => sem.try_acquire_owned().map_err(|_| full(None)),
+        let started = tokio::time::Instant::now();
+        let permit = match wait {
+            None => sem.try_acquire_owned().map_err(|_| full(None))?,
             Some(d) => match tokio::time::timeout(d, sem.acquire_owned()).await {
-                Ok(Ok(p)) => Ok(p),
-                _ => Err(full(Some(d))),
+                Ok(Ok(p)) => p,
+                _ => return Err(full(Some(d))),
             },
+        };
+        if let Some(rate) = &self.sandboxes.rate {
+            let left = wait.unwrap_or_default().saturating_sub(started.elapsed());
+            match rate.reserve(left) {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => {
+                    return Err(EngineError::Busy(format!(
+                        "sandbox sessions are being created at the rate limit ([sandbox] create_rate = {} per second){}: wait longer or raise the rate",
+                        rate.per_s,
+                        wait.map(|d| format!("; no slot within {} ms", d.as_millis())).unwrap_or_default()
+                    )))
+                }
+            }
         }
+        Ok(permit)
     }
 
     /// The mount spec of sandbox session `id`'s current run, for a holder
@@ -549,10 +610,41 @@ mod tests {
         Engine::new(
             Arc::new(store),
             EngineSettings {
-                sandbox: SandboxSettings { max_sessions: max },
+                sandbox: SandboxSettings {
+                    max_sessions: max,
+                    ..Default::default()
+                },
                 ..Default::default()
             },
         )
+    }
+
+    #[tokio::test]
+    async fn the_creation_rate_lets_a_burst_through_then_spaces_creations() {
+        let rate = Rate::new(10).unwrap();
+        let now = tokio::time::Instant::now();
+        for i in 0..10 {
+            let at = rate
+                .reserve(Duration::ZERO)
+                .unwrap_or_else(|| panic!("creation {i} of the burst refused"));
+            assert!(
+                at <= now + Duration::from_millis(50),
+                "creation {i} of the burst waits"
+            );
+        }
+        assert!(
+            rate.reserve(Duration::ZERO).is_none(),
+            "the 11th in the same instant must wait"
+        );
+        let at = rate.reserve(Duration::from_secs(1)).unwrap();
+        let waited = at.saturating_duration_since(now);
+        assert!(
+            waited >= Duration::from_millis(50) && waited <= Duration::from_millis(200),
+            "{waited:?}"
+        );
+        let next = rate.reserve(Duration::from_secs(1)).unwrap();
+        assert!(next > at, "each reservation takes the next slot");
+        assert!(Rate::new(0).is_none(), "0 is unlimited");
     }
 
     fn req(name: &str, policy: Option<ExitPolicy>, wait: Option<Duration>) -> SandboxRequest {

@@ -430,6 +430,7 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
         },
         sandbox: layerstack_engine::SandboxSettings {
             max_sessions: usize::try_from(cfg.sandbox.max_sessions).unwrap_or(usize::MAX),
+            create_rate: cfg.sandbox.create_rate,
         },
         publish_workers: usize::try_from(cfg.publish_workers).unwrap_or(usize::MAX),
     };
