@@ -17,6 +17,7 @@
 //! <root>/l/<n>/            layer directories, overlay upper format; short for the mount page
 //! <root>/w/<n>/            overlay workdirs of active non-session snapshots
 //! <root>/s/<id>/{upper,work}  sessions
+//! <root>/blobs/<hex>       rollout trajectories and artifacts (BLAKE3-addressed)
 //! <root>/staging/          in-flight builds (merged files, dropped uppers)
 //! ```
 //! Every write follows containerd's order: filesystem work next to one short
