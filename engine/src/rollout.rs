@@ -335,6 +335,12 @@ impl Engine {
         .await
     }
 
+    /// The store checked against its filesystem (`Store::fsck`); `repair`
+    /// fixes what loses no committed change.
+    pub async fn fsck(&self, repair: bool) -> Result<layerstack_store::FsckReport, EngineError> {
+        self.blocking(move |st| st.fsck(repair)).await
+    }
+
     /// A blob's bytes (a trajectory, an artifact).
     pub async fn blob(&self, digest: &str) -> Result<Vec<u8>, EngineError> {
         let d = digest.to_string();

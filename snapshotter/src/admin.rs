@@ -726,6 +726,13 @@ impl api::Admin for AdminService {
         self.rollout_list(req.into_inner()).await.map(Response::new)
     }
 
+    async fn fsck(
+        &self,
+        req: Request<api::FsckRequest>,
+    ) -> Result<Response<api::FsckReport>, Status> {
+        self.store_fsck(req.into_inner()).await.map(Response::new)
+    }
+
     async fn get_sample(
         &self,
         req: Request<api::SampleKey>,

@@ -381,6 +381,30 @@ impl AdminService {
         })
     }
 
+    pub(crate) async fn store_fsck(&self, r: api::FsckRequest) -> Result<api::FsckReport, Status> {
+        let f = self.engine.fsck(r.repair).await.map_err(engine_status)?;
+        let unrepaired = u64::try_from(f.unrepaired()).unwrap_or(u64::MAX);
+        Ok(api::FsckReport {
+            layers: f.layers,
+            manifests: f.manifests,
+            leases: f.leases,
+            sessions: f.sessions,
+            paths: f.paths,
+            runs: f.runs,
+            problems: f
+                .problems
+                .into_iter()
+                .map(|p| api::FsckProblem {
+                    kind: p.kind.to_string(),
+                    subject: p.subject,
+                    detail: p.detail,
+                    repaired: p.repaired,
+                })
+                .collect(),
+            unrepaired,
+        })
+    }
+
     pub(crate) async fn sample_get(&self, k: api::SampleKey) -> Result<api::Sample, Status> {
         let key = key_from(Some(k))?;
         let s = self.engine.sample(key).await.map_err(engine_status)?;

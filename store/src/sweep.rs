@@ -37,6 +37,8 @@ pub struct SweepReport {
     pub dropped_staged: usize,
     /// Export leases released (their exports died with the last daemon).
     pub released_exports: usize,
+    /// [`SweepMode::Check`]: directories a cleanup would remove.
+    pub would_remove: Vec<PathBuf>,
 }
 
 /// When a sweep runs.
@@ -46,6 +48,8 @@ pub enum SweepMode {
     Startup,
     /// While serving (containerd's `Cleanup`).
     Cleanup,
+    /// As `Cleanup`, but only reports what it would remove (`fsck`).
+    Check,
 }
 
 impl Store {
@@ -131,10 +135,14 @@ impl Store {
             if keep.contains(&rel) || inflight.contains(&rel) {
                 continue;
             }
-            if mode == SweepMode::Cleanup && rel.starts_with("staging/") {
+            if mode != SweepMode::Startup && rel.starts_with("staging/") {
                 // Staging entries belong to operations in flight; they register
                 // themselves, but a leftover from before the start is removed by
                 // the startup sweep only.
+                continue;
+            }
+            if mode == SweepMode::Check {
+                report.would_remove.push(path);
                 continue;
             }
             match fs::remove_tree(&path) {

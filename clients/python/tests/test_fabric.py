@@ -292,6 +292,9 @@ def test_exactly_once_through_daemon_kills_mid_step(daemon: Daemon) -> None:  # 
                     live = [s for s in c.list_sessions(all_namespaces=True, owner_kind="sandbox")
                             if s.owner.startswith("sandbox:rollout-") and not s.released]
                     assert live == [], live
+                    # The store agrees with its filesystem after all of it.
+                    report = c.fsck()
+                    assert report.unrepaired == 0 and report.runs >= 1 and report.paths > 0, report.problems
 
         asyncio.run(main())
         left = [m for m in _mounts_under(d) if "/s/" in m]

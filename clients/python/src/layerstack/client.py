@@ -54,6 +54,7 @@ from layerstack.types import (
     AttemptStart,
     DryRun,
     ExecResult,
+    FsckReport,
     Graph,
     GraphInfo,
     MergeResult,
@@ -849,6 +850,11 @@ class Client:
             node=node, branch=branch, key=key or "", stack=stack, namespace=self.namespace
         )
         return PromoteResult.from_pb(self._call(self._stub.PromoteNode, req))
+
+    def fsck(self, *, repair: bool = False) -> FsckReport:
+        """The store checked against its filesystem (docs/operations.md "fsck");
+        ``repair`` fixes what loses no committed change."""
+        return FsckReport.from_pb(self._call(self._stub.Fsck, pb.FsckRequest(repair=repair), None))
 
     def prune(self, node: str, *, key: Optional[str] = None) -> List[str]:
         """Prunes ``node``'s subtree (collectable unless leased, a branch or a live

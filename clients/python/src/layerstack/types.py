@@ -31,6 +31,8 @@ __all__ = [
     "AttemptStart",
     "MergeResult",
     "PromoteResult",
+    "FsckProblem",
+    "FsckReport",
 ]
 
 
@@ -507,4 +509,46 @@ class PromoteResult:
             head=r.head,
             message=r.message,
             session=Session.from_pb(r.session) if r.HasField("session") else None,
+        )
+
+
+@dataclass(frozen=True)
+class FsckProblem:
+    """One inconsistency ``fsck`` found: ``kind`` (orphan-directory |
+    layer-missing | manifest-layer | dangling-lease | session-upper-missing |
+    index-mismatch | rollout), what it is about, why, and whether ``repair``
+    fixed it."""
+
+    kind: str
+    subject: str
+    detail: str
+    repaired: bool
+
+
+@dataclass(frozen=True)
+class FsckReport:
+    """The store checked against its filesystem: how much was looked at
+    (layers, manifests, leases, sessions, path-index rows, runs) and the
+    problems; ``unrepaired`` counts those still there."""
+
+    layers: int
+    manifests: int
+    leases: int
+    sessions: int
+    paths: int
+    runs: int
+    problems: Tuple[FsckProblem, ...]
+    unrepaired: int
+
+    @classmethod
+    def from_pb(cls, r: pb.FsckReport) -> "FsckReport":
+        return cls(
+            layers=r.layers,
+            manifests=r.manifests,
+            leases=r.leases,
+            sessions=r.sessions,
+            paths=r.paths,
+            runs=r.runs,
+            problems=tuple(FsckProblem(p.kind, p.subject, p.detail, p.repaired) for p in r.problems),
+            unrepaired=r.unrepaired,
         )

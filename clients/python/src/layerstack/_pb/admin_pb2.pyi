@@ -18,6 +18,44 @@ DISCARD: EndAction
 AUTO: EndAction
 CHECKPOINT: EndAction
 
+class FsckRequest(_message.Message):
+    __slots__ = ("repair",)
+    REPAIR_FIELD_NUMBER: _ClassVar[int]
+    repair: bool
+    def __init__(self, repair: _Optional[bool] = ...) -> None: ...
+
+class FsckProblem(_message.Message):
+    __slots__ = ("kind", "subject", "detail", "repaired")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SUBJECT_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    REPAIRED_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    subject: str
+    detail: str
+    repaired: bool
+    def __init__(self, kind: _Optional[str] = ..., subject: _Optional[str] = ..., detail: _Optional[str] = ..., repaired: _Optional[bool] = ...) -> None: ...
+
+class FsckReport(_message.Message):
+    __slots__ = ("layers", "manifests", "leases", "sessions", "paths", "runs", "problems", "unrepaired")
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    MANIFESTS_FIELD_NUMBER: _ClassVar[int]
+    LEASES_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    PATHS_FIELD_NUMBER: _ClassVar[int]
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    PROBLEMS_FIELD_NUMBER: _ClassVar[int]
+    UNREPAIRED_FIELD_NUMBER: _ClassVar[int]
+    layers: int
+    manifests: int
+    leases: int
+    sessions: int
+    paths: int
+    runs: int
+    problems: _containers.RepeatedCompositeFieldContainer[FsckProblem]
+    unrepaired: int
+    def __init__(self, layers: _Optional[int] = ..., manifests: _Optional[int] = ..., leases: _Optional[int] = ..., sessions: _Optional[int] = ..., paths: _Optional[int] = ..., runs: _Optional[int] = ..., problems: _Optional[_Iterable[_Union[FsckProblem, _Mapping]]] = ..., unrepaired: _Optional[int] = ...) -> None: ...
+
 class CreateRunRequest(_message.Message):
     __slots__ = ("name", "graph", "labels")
     class LabelsEntry(_message.Message):

@@ -324,6 +324,11 @@ class AdminStub:
                 request_serializer=layerstack_dot___pb_dot_admin__pb2.FrontierRequest.SerializeToString,
                 response_deserializer=layerstack_dot___pb_dot_admin__pb2.FrontierResponse.FromString,
                 _registered_method=True)
+        self.Fsck = channel.unary_unary(
+                '/layerstack.admin.v1.Admin/Fsck',
+                request_serializer=layerstack_dot___pb_dot_admin__pb2.FsckRequest.SerializeToString,
+                response_deserializer=layerstack_dot___pb_dot_admin__pb2.FsckReport.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -837,6 +842,18 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Fsck(self, request, context):
+        """The store checked against its filesystem (docs/operations.md "fsck"):
+        orphan directories, missing layers, manifests reaching a freed layer,
+        leases whose holder is gone, sessions without their upper, path-index
+        rows their layer's tree contradicts, rollout runs' exactly-once
+        violations. `repair` fixes what loses no committed change (removes
+        orphan directories, releases leases whose holder is gone for good).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -1129,6 +1146,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ReleaseFrontier,
                     request_deserializer=layerstack_dot___pb_dot_admin__pb2.FrontierRequest.FromString,
                     response_serializer=layerstack_dot___pb_dot_admin__pb2.FrontierResponse.SerializeToString,
+            ),
+            'Fsck': grpc.unary_unary_rpc_method_handler(
+                    servicer.Fsck,
+                    request_deserializer=layerstack_dot___pb_dot_admin__pb2.FsckRequest.FromString,
+                    response_serializer=layerstack_dot___pb_dot_admin__pb2.FsckReport.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -2697,6 +2719,33 @@ class Admin:
             '/layerstack.admin.v1.Admin/ReleaseFrontier',
             layerstack_dot___pb_dot_admin__pb2.FrontierRequest.SerializeToString,
             layerstack_dot___pb_dot_admin__pb2.FrontierResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Fsck(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/layerstack.admin.v1.Admin/Fsck',
+            layerstack_dot___pb_dot_admin__pb2.FsckRequest.SerializeToString,
+            layerstack_dot___pb_dot_admin__pb2.FsckReport.FromString,
             options,
             channel_credentials,
             insecure,
