@@ -2,7 +2,8 @@
 //! except `layerstack config …`, which only prints configuration.
 //!
 //! Exit codes: 0 success; 1 error (message on stderr); 2 usage; 3 the session
-//! ended in conflict (`wait`, `publish`), or would (`publish --dry-run`).
+//! ended in conflict (`wait`, `publish`), or would (`publish --dry-run`); 4
+//! `rollout audit` found violations.
 //! `session run` and `session exec` exit with the command's status, and 125
 //! when they fail themselves.
 //!
@@ -13,6 +14,7 @@ mod base;
 mod config;
 mod errors;
 mod export;
+mod fabric;
 mod graph;
 mod history;
 mod inspect;
@@ -152,6 +154,8 @@ pub enum Cmd {
     Inspect(inspect::InspectCmd),
     #[command(flatten)]
     Graph(graph::GraphCmd),
+    #[command(flatten)]
+    Fabric(fabric::FabricCmd),
 }
 
 #[derive(Debug, Subcommand)]
@@ -223,6 +227,7 @@ async fn main() -> ExitCode {
         Cmd::History(h) => history::run(&cli.admin_address, &cli.namespace, h).await,
         Cmd::Inspect(i) => inspect::run(&cli.admin_address, &cli.namespace, i).await,
         Cmd::Graph(g) => graph::run(&cli.admin_address, &cli.namespace, g).await,
+        Cmd::Fabric(f) => fabric::run(&cli.admin_address, f).await,
         Cmd::Session {
             cmd:
                 SessionCmd::Rebase {

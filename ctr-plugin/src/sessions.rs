@@ -353,6 +353,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
         | Cmd::History(_)
         | Cmd::Inspect(_)
         | Cmd::Graph(_)
+        | Cmd::Fabric(_)
         | Cmd::Session { .. } => {
             unreachable!(
                 "export, base, history, blame/diff/conflict and session commands are dispatched in main"

@@ -617,6 +617,25 @@ pub fn sweep_stale() {
     }
 }
 
+/// A root filesystem for a base import at `dir`: the host's static busybox as
+/// `/bin/busybox`, `applets` as symlinks to it in `/bin`, and the directories
+/// `dirs`. Errors: busybox is not installed (`apt-get install busybox-static`).
+pub fn busybox_tree(dir: &Path, applets: &[&str], dirs: &[&str]) -> Result<()> {
+    let busybox = ["/bin/busybox", "/usr/bin/busybox"]
+        .into_iter()
+        .map(Path::new)
+        .find(|p| p.is_file())
+        .context("busybox is not installed (apt-get install busybox-static)")?;
+    for d in ["bin"].iter().chain(dirs) {
+        std::fs::create_dir_all(dir.join(d))?;
+    }
+    std::fs::copy(busybox, dir.join("bin/busybox"))?;
+    for applet in applets {
+        std::os::unix::fs::symlink("busybox", dir.join("bin").join(applet))?;
+    }
+    Ok(())
+}
+
 /// A fresh temp dir `<tmp_base>/lst-XXXXXX` with an `owner.pid` file.
 pub fn make_temp_dir() -> Result<PathBuf> {
     let base = tmp_base();

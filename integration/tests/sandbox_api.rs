@@ -29,21 +29,14 @@ use tonic::Code;
 type Client = api::AdminClient<tonic::transport::Channel>;
 
 fn rootfs(dir: &Path) -> Result<()> {
-    let busybox = ["/bin/busybox", "/usr/bin/busybox"]
-        .into_iter()
-        .map(Path::new)
-        .find(|p| p.is_file())
-        .context("busybox is not installed (apt-get install busybox-static)")?;
-    for d in ["bin", "etc", "srv", "tmp"] {
-        std::fs::create_dir_all(dir.join(d))?;
-    }
-    std::fs::copy(busybox, dir.join("bin/busybox"))?;
-    for applet in [
-        "sh", "cat", "echo", "ls", "test", "sleep", "true", "ln", "id", "mkdir", "kill", "dd",
-        "seq",
-    ] {
-        std::os::unix::fs::symlink("busybox", dir.join("bin").join(applet))?;
-    }
+    busybox_tree(
+        dir,
+        &[
+            "sh", "cat", "echo", "ls", "test", "sleep", "true", "ln", "id", "mkdir", "kill", "dd",
+            "seq",
+        ],
+        &["etc", "srv", "tmp"],
+    )?;
     std::fs::write(dir.join("etc/passwd"), "session-passwd\n")?;
     Ok(())
 }
