@@ -3,7 +3,7 @@
 //!
 //! Exit codes: 0 success; 1 error (message on stderr); 2 usage; 3 the session
 //! ended in conflict (`wait`, `publish`), or would (`publish --dry-run`); 4
-//! `rollout audit` found violations.
+//! `rollout audit` found violations, `fsck` found problems it did not repair.
 //! `session run` and `session exec` exit with the command's status, and 125
 //! when they fail themselves.
 //!
@@ -15,6 +15,7 @@ mod config;
 mod errors;
 mod export;
 mod fabric;
+mod fsck;
 mod graph;
 mod history;
 mod inspect;
@@ -156,6 +157,19 @@ pub enum Cmd {
     Graph(graph::GraphCmd),
     #[command(flatten)]
     Fabric(fabric::FabricCmd),
+    /// Check the store against its filesystem: orphan directories, missing
+    /// layers, leases whose holder is gone, path-index rows their tree
+    /// contradicts, rollout runs' exactly-once violations. Exits 4 when
+    /// problems remain.
+    Fsck {
+        /// Fix what loses no committed change: remove orphan directories,
+        /// release leases whose holder is gone for good.
+        #[arg(long)]
+        repair: bool,
+        /// Print the report as one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -228,6 +242,7 @@ async fn main() -> ExitCode {
         Cmd::Inspect(i) => inspect::run(&cli.admin_address, &cli.namespace, i).await,
         Cmd::Graph(g) => graph::run(&cli.admin_address, &cli.namespace, g).await,
         Cmd::Fabric(f) => fabric::run(&cli.admin_address, f).await,
+        Cmd::Fsck { repair, json } => fsck::run(&cli.admin_address, repair, json).await,
         Cmd::Session {
             cmd:
                 SessionCmd::Rebase {

@@ -354,6 +354,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
         | Cmd::Inspect(_)
         | Cmd::Graph(_)
         | Cmd::Fabric(_)
+        | Cmd::Fsck { .. }
         | Cmd::Session { .. } => {
             unreachable!(
                 "export, base, history, blame/diff/conflict and session commands are dispatched in main"

@@ -317,6 +317,35 @@ fn scenario(env: &StandaloneDaemon) -> Result<()> {
     let r = ls_json(env, &["search", "release", "h1", "--json"])?;
     ensure!(r == json!([]), "{r}");
     ensure_success("node prune", ls(env, &["node", "prune", &child])?)?;
+
+    // fsck: sound after all of it; an orphan directory is found (exit 4) and
+    // repaired.
+    let f = ls_json(env, &["fsck", "--json"])?;
+    ensure!(
+        f["sound"] == true && f["runs"] == 1 && f["paths"].as_u64() > Some(0),
+        "{f}"
+    );
+    let orphan = env.dir().join("root/l/987654");
+    std::fs::create_dir_all(&orphan)?;
+    let out = ls(env, &["fsck", "--json"])?;
+    ensure!(
+        out.status.code() == Some(4),
+        "fsck with a problem exits 4: {out:?}"
+    );
+    let f: Value = serde_json::from_slice(&out.stdout)?;
+    ensure!(
+        f["problems"][0]["kind"] == "orphan-directory" && f["unrepaired"] == 1,
+        "{f}"
+    );
+    let f = ls_json(env, &["fsck", "--repair", "--json"])?;
+    ensure!(
+        f["unrepaired"] == 0 && f["problems"][0]["repaired"] == true,
+        "{f}"
+    );
+    ensure!(
+        !orphan.exists(),
+        "fsck --repair removed the orphan directory"
+    );
     Ok(())
 }
 
