@@ -8,8 +8,12 @@
 //! (`layerstack_sandbox::holder`), runs the command with stdin, stdout and
 //! stderr passed through untouched, and once the command and every process of
 //! the session are gone asks the daemon, on the same connection, to close the
-//! session by its exit policy (`close`: `CloseSession` with the exit status;
-//! through the admin API if the daemon restarted meanwhile). It
+//! session by its exit policy (`close`: `CloseSession` with the exit status). If
+//! that connection broke (the daemon restarted while the command ran, or died
+//! during the close), it reconnects with back-off for at most
+//! `--reconnect-timeout` seconds, takes the session back (`resume`) and closes
+//! it there: the restarted daemon applies the policy to the exit status, or
+//! answers the outcome it recorded. It
 //! writes the outcome as one line on stderr (and as JSON to `--outcome FILE`) and
 //! exits with the command's status (127: not found, 126: not executable, 128 + n:
 //! killed by signal n; 125: the session could not be started, or `run` failed
@@ -147,6 +151,14 @@ pub struct RunArgs {
     /// (the reward, the step, …) [default: {}].
     #[arg(long, value_name = "JSON")]
     pub state: Option<String>,
+    /// When the daemon's connection broke (a restart while the command ran or
+    /// during the close): for how many seconds to retry reaching it again to
+    /// close the session with the command's exit status (0: no retry). The
+    /// daemon waits 60 s for a holder to come back after it sees the session's
+    /// namespaces gone; a longer timeout may find the session finished without
+    /// the exit status.
+    #[arg(long, value_name = "SECS", default_value_t = 30)]
+    pub reconnect_timeout: u32,
     /// The command and its arguments (after `--`).
     #[arg(
         required = true,
@@ -446,6 +458,73 @@ fn close_on(
         .map_err(|e| anyhow::anyhow!("the daemon's answer to close: {e}"))
 }
 
+/// Back-off between attempts to reach a restarted daemon: 100 ms doubling to 2 s.
+fn reconnect_backoff(attempt: u32) -> std::time::Duration {
+    std::time::Duration::from_millis((100u64 << attempt.min(5)).min(2000))
+}
+
+/// The close of session `id` after its holder connection broke (the daemon
+/// restarted while the command ran, or died during the close): reconnects to
+/// the mount socket with back-off ([`reconnect_backoff`]) for at most
+/// `patience`, takes the session back (`resume`) and closes it there. The
+/// restarted daemon applies the exit policy to `exit` as the last one would
+/// have, or answers the outcome it recorded already (it finished the close
+/// the last one started). A refusal is final; only an unreachable daemon is
+/// retried.
+#[allow(clippy::too_many_arguments)]
+fn close_after_restart(
+    mount: &Path,
+    id: i64,
+    (mode, workdir): (Mode, &Path),
+    policy: api::EndAction,
+    exit: Option<u32>,
+    reason: &str,
+    node: &NodeInfo,
+    patience: std::time::Duration,
+) -> Result<api::Session> {
+    let deadline = std::time::Instant::now() + patience;
+    let mut attempt = 0;
+    loop {
+        let r = (|| -> Result<api::Session> {
+            let mut conn = MountConn::connect(mount)?;
+            let (reply, _) = conn.request(&Request::Resume {
+                session: id,
+                mode,
+                workdir: workdir.to_string_lossy().into_owned(),
+            })?;
+            if !reply.ok {
+                return Err(refused(reply));
+            }
+            close_on(&mut conn, policy, exit, reason, node)
+        })();
+        let e = match r {
+            Ok(s) => return Ok(s),
+            Err(e) if e.downcast_ref::<Failure>().is_some() => return Err(e),
+            Err(e) => e,
+        };
+        let wait = reconnect_backoff(attempt);
+        if std::time::Instant::now() + wait > deadline {
+            let status = exit.map_or("unknown".to_string(), |x| x.to_string());
+            return Err(with_kind(
+                api::ErrorKind::Unavailable,
+                e.context(format!(
+                    "the daemon's connection broke and its mount socket {} did not answer within {} s (--reconnect-timeout): session {id} (command exit status {status}) is not closed; the daemon finishes it by its policy, with no exit status, once it runs again",
+                    mount.display(),
+                    patience.as_secs()
+                )),
+            ));
+        }
+        if attempt == 0 {
+            eprintln!(
+                "layerstack: the daemon's connection broke; reconnecting to close session {id} (at most {} s)",
+                patience.as_secs()
+            );
+        }
+        std::thread::sleep(wait);
+        attempt += 1;
+    }
+}
+
 /// Where the overlay goes, the mode, and the default working directory.
 fn placement(a: &SessionArgs) -> Result<(Placement, Mode, PathBuf)> {
     match &a.mount_at {
@@ -603,7 +682,9 @@ pub async fn run(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
 async fn run_inner(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
     require_root("run")?;
     let place = placement(&a.session)?;
-    let (mut conn, session, mount_fd) = start(&mount_address(cli), &cli.namespace, &a.session)?;
+    let (mode, workdir) = (place.1, place.2.clone());
+    let mount = mount_address(cli);
+    let (mut conn, session, mount_fd) = start(&mount, &cli.namespace, &a.session)?;
     let id = session.id;
     let init = match hold(
         &conn,
@@ -655,12 +736,18 @@ async fn run_inner(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
     let s = match close_on(&mut conn, policy, status, &reason, &node) {
         Ok(s) => s,
         Err(e) if e.downcast_ref::<Failure>().is_some() => return Err(e),
-        // The connection broke: the daemon restarted meanwhile (the new one
-        // watches the session; its holder closes it through the admin API).
-        Err(_) => {
-            let mut c = crate::connect(&cli.admin_address).await?;
-            close(&mut c, id, policy, status, &reason, &node).await?
-        }
+        // The connection broke: the daemon restarted meanwhile, or died
+        // during the close (the new one keeps the session for its holder).
+        Err(_) => close_after_restart(
+            &mount,
+            id,
+            (mode, &workdir),
+            policy,
+            status,
+            &reason,
+            &node,
+            std::time::Duration::from_secs(a.reconnect_timeout.into()),
+        )?,
     };
     drop(conn);
     eprintln!("{}", outcome_line(&s));

@@ -177,7 +177,7 @@ impl Engine {
     pub fn new(store: Arc<Store>, settings: EngineSettings) -> Arc<Engine> {
         let (generation, _) = watch::channel(0);
         let (events, _) = broadcast::channel(1024);
-        let sandboxes = sandbox::Sandboxes::new(settings.sandbox.max_sessions);
+        let sandboxes = sandbox::Sandboxes::new(&settings.sandbox);
         let workers = match settings.publish_workers {
             0 => std::thread::available_parallelism().map_or(2, std::num::NonZeroUsize::get),
             n => n,
@@ -396,6 +396,12 @@ impl Engine {
         // Every run ends with an outcome, an empty one too (`no-change`, or
         // `discarded` by its policy): a `layerstack wait` on it must answer.
         let unfinished = !s.run_finished() && s.outcome.is_none() && s.lease_manifest.is_some();
+        if unfinished && matches!(s.owner, Owner::Sandbox { .. }) && !s.daemon_owned {
+            // A holder's close the last daemon did not finish: the holder
+            // reconnects and closes again with the command's exit status
+            // ([`Engine::recover_sandboxes`] waits for it).
+            return Ok(());
+        }
         if unfinished && s.daemon_owned {
             // A CloseSession the last daemon did not finish: what it was asked
             // to do was not recorded, and the init died with that daemon.

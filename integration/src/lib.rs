@@ -1279,6 +1279,41 @@ impl Drop for Daemon {
     }
 }
 
+/// Whether an overlay with upperdir `upper` is mounted in any process's mount
+/// namespace on the machine.
+pub fn mounted_anywhere(upper: &Path) -> bool {
+    let needle = format!("upperdir={}", upper.display());
+    let Ok(procs) = fs::read_dir("/proc") else {
+        return false;
+    };
+    procs.flatten().any(|p| {
+        p.file_name()
+            .to_string_lossy()
+            .bytes()
+            .all(|b| b.is_ascii_digit())
+            && fs::read_to_string(p.path().join("mountinfo"))
+                .is_ok_and(|m| m.lines().any(|l| l.contains(&needle)))
+    })
+}
+
+/// A minimal root filesystem at `dir`: the host's static busybox as
+/// `/bin/busybox` and a symlink `/bin/APPLET` to it for each of `applets` —
+/// nothing else (no /dev, /proc, /sys, /run, /tmp). Errors when busybox is not
+/// installed (`apt-get install busybox-static`).
+pub fn busybox_rootfs(dir: &Path, applets: &[&str]) -> Result<()> {
+    let busybox = ["/bin/busybox", "/usr/bin/busybox"]
+        .into_iter()
+        .map(Path::new)
+        .find(|p| p.is_file())
+        .context("busybox is not installed (apt-get install busybox-static)")?;
+    fs::create_dir_all(dir.join("bin"))?;
+    fs::copy(busybox, dir.join("bin/busybox"))?;
+    for applet in applets {
+        std::os::unix::fs::symlink("busybox", dir.join("bin").join(applet))?;
+    }
+    Ok(())
+}
+
 /// The daemon alone, with no containerd anywhere: a fresh temp dir (see
 /// [`make_temp_dir`]) holding its store (`root/`), sockets (`s/`) and log;
 /// the containerd address it is given (`s/containerd.sock`) never exists.
@@ -1287,6 +1322,9 @@ impl Drop for Daemon {
 pub struct StandaloneDaemon {
     dir: PathBuf,
     daemon: Option<Daemon>,
+    /// What it was started with, for [`StandaloneDaemon::restart_daemon`].
+    extra: Vec<String>,
+    any_metrics_port: bool,
 }
 
 impl StandaloneDaemon {
@@ -1304,25 +1342,69 @@ impl StandaloneDaemon {
     ) -> Result<StandaloneDaemon> {
         let dir = make_temp_dir()?;
         let daemon = prepare(&dir).and_then(|extra| {
-            let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
-            Daemon::start_at_with(
-                &dir.join("s/snapshotter.sock"),
-                &dir.join("s/containerd.sock"),
-                &dir.join("root"),
-                &extra,
-                any_metrics_port,
-            )
+            let d = Self::daemon_at(&dir, &extra, any_metrics_port)?;
+            Ok((d, extra))
         });
         match daemon {
-            Ok(d) => Ok(StandaloneDaemon {
+            Ok((d, extra)) => Ok(StandaloneDaemon {
                 dir,
                 daemon: Some(d),
+                extra,
+                any_metrics_port,
             }),
             Err(e) => {
                 remove_tree(&dir);
                 Err(e)
             }
         }
+    }
+
+    fn daemon_at(dir: &Path, extra: &[String], any_metrics_port: bool) -> Result<Daemon> {
+        let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+        Daemon::start_at_with(
+            &dir.join("s/snapshotter.sock"),
+            &dir.join("s/containerd.sock"),
+            &dir.join("root"),
+            &extra,
+            any_metrics_port,
+        )
+    }
+
+    /// SIGKILLs the daemon (a crash: no shutdown of any kind) and reaps it;
+    /// its store, sockets and log stay. Returns its pid. Restart it with
+    /// [`StandaloneDaemon::restart_daemon`].
+    pub fn kill_daemon(&mut self) -> Result<u32> {
+        let d = self.daemon.as_mut().context("no daemon")?;
+        let child = d.child.as_mut().context("the daemon is stopped already")?;
+        if child.try_wait()?.is_some() {
+            bail!("the daemon had exited already");
+        }
+        let pid = child.id();
+        kill(Pid::from_raw(pid as i32), Signal::SIGKILL).context("SIGKILL to the daemon")?;
+        child.wait().context("reaping the daemon")?;
+        d.child = None;
+        Ok(pid)
+    }
+
+    /// Starts a new daemon on the same store, sockets and log (with the same
+    /// arguments) after [`StandaloneDaemon::kill_daemon`]; waits until its
+    /// sockets answer.
+    pub fn restart_daemon(&mut self) -> Result<()> {
+        if let Some(d) = self.daemon.as_mut() {
+            if d.is_running() {
+                bail!(
+                    "restart_daemon: the daemon is still running (pid {:?})",
+                    d.pid()
+                );
+            }
+        }
+        self.daemon = None;
+        self.daemon = Some(Self::daemon_at(
+            &self.dir,
+            &self.extra,
+            self.any_metrics_port,
+        )?);
+        Ok(())
     }
 
     /// The temp dir.

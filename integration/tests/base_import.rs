@@ -21,18 +21,9 @@ use serde_json::Value;
 /// A root filesystem: a static busybox as /bin/sh (and a few applets),
 /// /etc/motd, a directory of its own.
 fn rootfs(dir: &Path) -> Result<()> {
-    let busybox = ["/bin/busybox", "/usr/bin/busybox"]
-        .into_iter()
-        .map(Path::new)
-        .find(|p| p.is_file())
-        .context("busybox is not installed (apt-get install busybox-static)")?;
-    std::fs::create_dir_all(dir.join("bin"))?;
+    busybox_rootfs(dir, &["sh", "cat", "echo", "ls", "test"])?;
     std::fs::create_dir_all(dir.join("etc"))?;
     std::fs::create_dir_all(dir.join("srv/data"))?;
-    std::fs::copy(busybox, dir.join("bin/busybox"))?;
-    for applet in ["sh", "cat", "echo", "ls", "test"] {
-        std::os::unix::fs::symlink("busybox", dir.join("bin").join(applet))?;
-    }
     std::fs::write(dir.join("etc/motd"), "from an import\n")?;
     std::fs::write(dir.join("srv/data/seed.txt"), "seed\n")?;
     Ok(())

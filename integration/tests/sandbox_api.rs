@@ -29,20 +29,15 @@ use tonic::Code;
 type Client = api::AdminClient<tonic::transport::Channel>;
 
 fn rootfs(dir: &Path) -> Result<()> {
-    let busybox = ["/bin/busybox", "/usr/bin/busybox"]
-        .into_iter()
-        .map(Path::new)
-        .find(|p| p.is_file())
-        .context("busybox is not installed (apt-get install busybox-static)")?;
-    for d in ["bin", "etc", "srv", "tmp"] {
+    busybox_rootfs(
+        dir,
+        &[
+            "sh", "cat", "echo", "ls", "test", "sleep", "true", "ln", "id", "mkdir", "kill", "dd",
+            "seq",
+        ],
+    )?;
+    for d in ["etc", "srv", "tmp"] {
         std::fs::create_dir_all(dir.join(d))?;
-    }
-    std::fs::copy(busybox, dir.join("bin/busybox"))?;
-    for applet in [
-        "sh", "cat", "echo", "ls", "test", "sleep", "true", "ln", "id", "mkdir", "kill", "dd",
-        "seq",
-    ] {
-        std::os::unix::fs::symlink("busybox", dir.join("bin").join(applet))?;
     }
     std::fs::write(dir.join("etc/passwd"), "session-passwd\n")?;
     Ok(())
@@ -175,21 +170,6 @@ fn mounted(upper: &Path) -> bool {
 /// Whether `upper` is the upperdir of an overlay in any process's mount
 /// namespace (every `/proc/<pid>/mountinfo`: a daemon-owned session's overlay
 /// lives in its init's private namespace, not in ours).
-fn mounted_anywhere(upper: &Path) -> bool {
-    let needle = format!("upperdir={}", upper.display());
-    let Ok(procs) = std::fs::read_dir("/proc") else {
-        return false;
-    };
-    procs.flatten().any(|p| {
-        p.file_name()
-            .to_string_lossy()
-            .bytes()
-            .all(|b| b.is_ascii_digit())
-            && std::fs::read_to_string(p.path().join("mountinfo"))
-                .is_ok_and(|m| m.lines().any(|l| l.contains(&needle)))
-    })
-}
-
 fn code(r: Result<impl Sized, tonic::Status>) -> Code {
     match r {
         Ok(_) => Code::Ok,

@@ -429,6 +429,7 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
         },
         sandbox: layerstack_engine::SandboxSettings {
             max_sessions: usize::try_from(cfg.sandbox.max_sessions).unwrap_or(usize::MAX),
+            ..Default::default()
         },
         publish_workers: usize::try_from(cfg.publish_workers).unwrap_or(usize::MAX),
     };
