@@ -920,9 +920,10 @@ mod tests {
 
     /// A restart while a holder's command runs, and one during its close
     /// (the release recorded, the run not ended): the restarted engine ends
-    /// neither by itself while the holder may still come back; the holder's
-    /// close with the exit status applies the policy as if there had been no
-    /// restart (`on-success` with 0 publishes).
+    /// neither by itself while the holder may still come back (an attempt's
+    /// stays running: not abandoned); the holder's close with the exit status
+    /// applies the policy as if there had been no restart (`on-success` with
+    /// 0 publishes; `checkpoint` checkpoints).
     #[tokio::test]
     async fn a_restart_leaves_holder_sessions_to_their_holders_close() {
         if !have_root("a_restart_leaves_holder_sessions_to_their_holders_close") {
@@ -942,18 +943,54 @@ mod tests {
             .create_sandbox_session(req("c", on_success, None))
             .await
             .unwrap();
-        for s in [&running, &closing] {
+        // An attempt of a graph node, whose close checkpoints.
+        let (_, root) = e
+            .graph_create("g", "ns/sha256:aaa", "main", None)
+            .await
+            .unwrap();
+        let (attempt, _, _) = e
+            .create_sandbox_session(SandboxRequest {
+                node: Some(root.id.clone()),
+                ..req("n", Some(ExitPolicy::Checkpoint), None)
+            })
+            .await
+            .unwrap();
+        for s in [&running, &closing, &attempt] {
             std::fs::set_permissions(&s.upper, std::fs::Permissions::from_mode(0o755)).unwrap();
             std::fs::write(s.upper.join(format!("w{}", s.id)), b"x\n").unwrap();
         }
-        // The last daemon died during `closing`'s close, after its release.
-        e.store().release_sandbox_session(closing.id).unwrap();
+        // The last daemon died during the closes of `closing` and `attempt`,
+        // after their release.
+        for s in [&closing, &attempt] {
+            e.store().release_sandbox_session(s.id).unwrap();
+        }
         let store = e.store().clone();
         drop(e);
         let e = Engine::new(store, EngineSettings::default());
         e.recover().await.unwrap();
-        assert_eq!(e.recover_sandboxes().await.unwrap(), 2);
+        assert_eq!(e.recover_sandboxes().await.unwrap(), 3);
         tokio::time::sleep(Duration::from_millis(300)).await;
+        let a = e.store().attempt_of_session(attempt.id).unwrap().unwrap();
+        assert_eq!(
+            a.status,
+            layerstack_store::AttemptStatus::Running,
+            "not abandoned"
+        );
+        let closed = e
+            .close_sandbox_session(
+                attempt.id,
+                EndAction::auto(Some(0)),
+                "holder",
+                Duration::from_secs(1),
+            )
+            .await
+            .unwrap();
+        let a = e.store().attempt_of_session(attempt.id).unwrap().unwrap();
+        assert_eq!(
+            a.status,
+            layerstack_store::AttemptStatus::Checkpointed,
+            "{closed:?}"
+        );
         for s in [&running, &closing] {
             let now = e.session(s.id).await.unwrap();
             assert!(now.outcome.is_none(), "ended without its holder: {now:?}");

@@ -1262,6 +1262,24 @@ impl Daemon {
         );
     }
 
+    /// SIGKILLs the daemon (a crash or an OOM kill: no shutdown of any kind)
+    /// and reaps it; its sockets and store stay as they are. Returns its pid.
+    /// Errors if it is not running.
+    pub fn kill(&mut self) -> Result<u32> {
+        let child = self
+            .child
+            .as_mut()
+            .context("the daemon is stopped already")?;
+        if child.try_wait()?.is_some() {
+            bail!("the daemon had exited already");
+        }
+        let pid = child.id();
+        kill(Pid::from_raw(pid as i32), Signal::SIGKILL).context("SIGKILL to the daemon")?;
+        child.wait().context("reaping the daemon")?;
+        self.child = None;
+        Ok(pid)
+    }
+
     /// SIGTERM, then SIGKILL after 10 s. Idempotent.
     pub fn stop(&mut self) {
         if let Some(mut child) = self.child.take() {
@@ -1374,16 +1392,7 @@ impl StandaloneDaemon {
     /// its store, sockets and log stay. Returns its pid. Restart it with
     /// [`StandaloneDaemon::restart_daemon`].
     pub fn kill_daemon(&mut self) -> Result<u32> {
-        let d = self.daemon.as_mut().context("no daemon")?;
-        let child = d.child.as_mut().context("the daemon is stopped already")?;
-        if child.try_wait()?.is_some() {
-            bail!("the daemon had exited already");
-        }
-        let pid = child.id();
-        kill(Pid::from_raw(pid as i32), Signal::SIGKILL).context("SIGKILL to the daemon")?;
-        child.wait().context("reaping the daemon")?;
-        d.child = None;
-        Ok(pid)
+        self.daemon.as_mut().context("no daemon")?.kill()
     }
 
     /// Starts a new daemon on the same store, sockets and log (with the same
@@ -1944,19 +1953,7 @@ impl TestEnv {
     /// daemon runs. Restart it with [`TestEnv::restart_daemon`].
     pub fn kill_daemon(&self) -> Result<u32> {
         let mut d = self.daemon.lock().unwrap_or_else(|e| e.into_inner());
-        let daemon = d.as_mut().context("no daemon was started")?;
-        let child = daemon
-            .child
-            .as_mut()
-            .context("the daemon is stopped already")?;
-        if child.try_wait()?.is_some() {
-            bail!("the daemon had exited already");
-        }
-        let pid = child.id();
-        kill(Pid::from_raw(pid as i32), Signal::SIGKILL).context("SIGKILL to the daemon")?;
-        child.wait().context("reaping the daemon")?;
-        daemon.child = None;
-        Ok(pid)
+        d.as_mut().context("no daemon was started")?.kill()
     }
 
     /// Starts a new daemon on the same store root, sockets and log after

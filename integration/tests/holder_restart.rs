@@ -117,6 +117,18 @@ fn read_back(env: &StandaloneDaemon, stack: &str, path: &str) -> Result<String> 
     Ok(stdout(&o))
 }
 
+/// Runs `f` on `env`; prints the daemon's log if it fails.
+fn with_log(
+    env: &mut StandaloneDaemon,
+    f: impl FnOnce(&mut StandaloneDaemon) -> Result<()>,
+) -> Result<()> {
+    let r = f(env);
+    if r.is_err() {
+        env.daemon().dump_log();
+    }
+    r
+}
+
 fn outcome_file(p: &Path) -> Result<Value> {
     let s =
         std::fs::read_to_string(p).with_context(|| format!("no outcome file {}", p.display()))?;
@@ -132,7 +144,7 @@ fn the_command_ends_while_the_daemon_is_down() -> Result<()> {
         return Ok(());
     }
     let (mut env, stack) = daemon_and_base()?;
-    let run = |env: &mut StandaloneDaemon| -> Result<()> {
+    with_log(&mut env, |env| {
         let outcome = env.dir().join("down.json");
         let child = spawn_run(
             env,
@@ -170,12 +182,7 @@ fn the_command_ends_while_the_daemon_is_down() -> Result<()> {
             "the write was published"
         );
         Ok(())
-    };
-    let r = run(&mut env);
-    if r.is_err() {
-        env.daemon().dump_log();
-    }
-    r
+    })
 }
 
 /// The daemon is killed during the publish `session run` asked for: the
@@ -188,7 +195,7 @@ fn the_daemon_is_killed_during_the_publish() -> Result<()> {
         return Ok(());
     }
     let (mut env, stack) = daemon_and_base()?;
-    let run = |env: &mut StandaloneDaemon| -> Result<()> {
+    with_log(&mut env, |env| {
         let outcome = env.dir().join("mid.json");
         // Thousands of files: a publish that takes a while. The last write
         // tells the test the command is about to exit.
@@ -228,12 +235,7 @@ fn the_daemon_is_killed_during_the_publish() -> Result<()> {
         );
         ensure!(read_back(env, &stack, "/data/f4000")? == "4000\n", "whole");
         Ok(())
-    };
-    let r = run(&mut env);
-    if r.is_err() {
-        env.daemon().dump_log();
-    }
-    r
+    })
 }
 
 /// Root mode over a base without /dev, /proc, /sys and /run: init makes those

@@ -473,7 +473,7 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
     if sandboxes > 0 {
         info!(
             sessions = sandboxes,
-            "sandbox sessions of the last run: daemon-owned ones ended interrupted (their inits died with the last daemon); those held by a `layerstack` holder are finished by their policy once their holder is gone"
+            "sandbox sessions of the last run: daemon-owned ones ended interrupted (their inits died with the last daemon); those held by a `layerstack` holder are kept for their holder's close (`session run` reconnects), and finished by their policy without an exit status if none comes within 60 s of their namespaces going"
         );
     }
     let subscribed = Arc::new(AtomicBool::new(false));

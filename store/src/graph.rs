@@ -837,11 +837,14 @@ impl Store {
 
     /// Running attempts whose session is gone or released without an outcome that
     /// checkpointed: they end `abandoned` (at start, and when their owner lets go).
+    /// A session whose release is not complete (`remove_pending`: its run's end
+    /// is still to come — a holder's close the last daemon had begun, which the
+    /// holder repeats) keeps its attempt running: that end ends it.
     pub fn abandon_orphan_attempts(&self) -> Result<usize, StoreError> {
         self.db.write(|tx| {
             let n = tx.exec(
                 "UPDATE graph_attempts SET status = 'abandoned', message = 'its session ended without a checkpoint', ended_ns = ?1
-                 WHERE status = 'running' AND (session_id IS NULL OR session_id NOT IN (SELECT id FROM sessions WHERE released = 0))",
+                 WHERE status = 'running' AND (session_id IS NULL OR session_id NOT IN (SELECT id FROM sessions WHERE released = 0 OR remove_pending = 1))",
                 [now_ns()],
             )?;
             Ok(n)
