@@ -296,3 +296,68 @@ fn root_mode_mountpoints_are_not_published() -> Result<()> {
     );
     Ok(())
 }
+
+/// The daemon restarts while the command runs: `session run` takes its
+/// session back at once (`resume` on a new connection), so the restarted
+/// daemon holds it as its holder's — the close needs no reconnect, and a
+/// holder killed afterwards ends its session by its policy at once (its
+/// connection's end), not after the restarted daemon's wait for holders.
+#[test]
+fn a_restart_while_the_command_runs_gives_the_session_back_to_its_holder() -> Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let (mut env, stack) = daemon_and_base()?;
+    with_log(&mut env, |env| {
+        let outcome = env.dir().join("live.json");
+        let child = spawn_run(
+            env,
+            &stack,
+            "live",
+            &outcome,
+            "sleep 5; echo kept > /etc/live.txt",
+        )?;
+        let victim = spawn_run(env, &stack, "victim", &env.dir().join("v.json"), "sleep 60")?;
+        let (id, _) = live_session(env, "live")?;
+        let (victim_id, _) = live_session(env, "victim")?;
+        env.kill_daemon()?;
+        env.restart_daemon()?;
+        // The holders reconnect with back-off (100 ms doubling).
+        std::thread::sleep(Duration::from_secs(3));
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(victim.id() as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        )?;
+        let o = env.layerstack(&[
+            "wait",
+            "--session",
+            &victim_id.to_string(),
+            "--timeout",
+            "20",
+            "--json",
+        ])?;
+        let v: Value = serde_json::from_slice(&o.stdout).with_context(|| describe(&o))?;
+        ensure!(
+            v["outcome"] == "discarded",
+            "a killed holder's session (on-success, no exit status) ends at once: {v}"
+        );
+        let _ = finish(victim);
+        let o = finish(child)?;
+        ensure!(o.status.code() == Some(0), "session run: {}", describe(&o));
+        let err = String::from_utf8_lossy(&o.stderr);
+        ensure!(
+            !err.contains("reconnecting"),
+            "the close went over the resumed connection: {err}"
+        );
+        let v = outcome_file(&outcome)?;
+        ensure!(
+            v["outcome"] == "committed" && v["exit_status"] == 0 && v["id"] == id,
+            "{v}"
+        );
+        ensure!(
+            read_back(env, &stack, "/etc/live.txt")? == "kept\n",
+            "the write was published"
+        );
+        Ok(())
+    })
+}

@@ -744,6 +744,29 @@ async fn scenario(dir: &Path, daemon: &mut Option<Daemon>) -> Result<()> {
         !again.created && s.id == live[0].0 && s.released && s.outcome == "interrupted",
         "repeated key after the restart: {again:?}"
     );
+    // The same key with other arguments is another request: refused
+    // FAILED_PRECONDITION naming the key and what differs, nothing created.
+    let refused = match c
+        .create_session(api::CreateSessionRequest {
+            stack: stack.clone(),
+            name: "k0".into(),
+            idempotency_key: "k0".into(),
+            policy: "never".into(),
+            sandbox: sandbox(),
+            ..Default::default()
+        })
+        .await
+    {
+        Ok(r) => anyhow::bail!("the same key with another policy was answered: {r:?}"),
+        Err(st) => st,
+    };
+    ensure!(
+        refused.code() == Code::FailedPrecondition
+            && refused.message().contains("\"k0\"")
+            && refused.message().contains("policy")
+            && refused.message().contains("new key"),
+        "{refused:?}"
+    );
     // The attempts end `interrupted` (an infrastructure failure, not the
     // task's), and a retry is the way on.
     let attempts = c
