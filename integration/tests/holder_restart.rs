@@ -129,6 +129,28 @@ fn with_log(
     r
 }
 
+/// `child` (a `session run` of session `id`) exits 0 and its outcome file says
+/// `committed` with exit status 0; a new session reads `want` at `path`.
+/// Returns its stderr.
+fn committed(
+    env: &StandaloneDaemon,
+    stack: &str,
+    child: Child,
+    outcome: &Path,
+    id: i64,
+    (path, want): (&str, &str),
+) -> Result<String> {
+    let o = finish(child)?;
+    ensure!(o.status.code() == Some(0), "session run: {}", describe(&o));
+    let v = outcome_file(outcome)?;
+    ensure!(
+        v["outcome"] == "committed" && v["exit_status"] == 0 && v["id"] == id,
+        "{v}"
+    );
+    ensure!(read_back(env, stack, path)? == want, "{path} was published");
+    Ok(String::from_utf8_lossy(&o.stderr).into_owned())
+}
+
 fn outcome_file(p: &Path) -> Result<Value> {
     let s =
         std::fs::read_to_string(p).with_context(|| format!("no outcome file {}", p.display()))?;
@@ -168,19 +190,15 @@ fn the_command_ends_while_the_daemon_is_down() -> Result<()> {
         // The systemd unit restarts after 2 s.
         std::thread::sleep(Duration::from_secs(2));
         env.restart_daemon()?;
-        let o = finish(child)?;
-        ensure!(o.status.code() == Some(0), "session run: {}", describe(&o));
-        let err = String::from_utf8_lossy(&o.stderr);
+        let err = committed(
+            env,
+            &stack,
+            child,
+            &outcome,
+            id,
+            ("/etc/down.txt", "kept\n"),
+        )?;
         ensure!(err.contains("reconnecting"), "{err}");
-        let v = outcome_file(&outcome)?;
-        ensure!(
-            v["outcome"] == "committed" && v["exit_status"] == 0 && v["id"] == id,
-            "{v}"
-        );
-        ensure!(
-            read_back(env, &stack, "/etc/down.txt")? == "kept\n",
-            "the write was published"
-        );
         Ok(())
     })
 }
@@ -222,17 +240,7 @@ fn the_daemon_is_killed_during_the_publish() -> Result<()> {
         let pid = env.kill_daemon()?;
         eprintln!("killed the daemon (pid {pid}) during session {id}'s close");
         env.restart_daemon()?;
-        let o = finish(child)?;
-        ensure!(o.status.code() == Some(0), "session run: {}", describe(&o));
-        let v = outcome_file(&outcome)?;
-        ensure!(
-            v["outcome"] == "committed" && v["exit_status"] == 0 && v["id"] == id,
-            "{v}"
-        );
-        ensure!(
-            read_back(env, &stack, "/data/last")? == "last\n",
-            "the writes were published"
-        );
+        committed(env, &stack, child, &outcome, id, ("/data/last", "last\n"))?;
         ensure!(read_back(env, &stack, "/data/f4000")? == "4000\n", "whole");
         Ok(())
     })
@@ -342,21 +350,17 @@ fn a_restart_while_the_command_runs_gives_the_session_back_to_its_holder() -> Re
             "a killed holder's session (on-success, no exit status) ends at once: {v}"
         );
         let _ = finish(victim);
-        let o = finish(child)?;
-        ensure!(o.status.code() == Some(0), "session run: {}", describe(&o));
-        let err = String::from_utf8_lossy(&o.stderr);
+        let err = committed(
+            env,
+            &stack,
+            child,
+            &outcome,
+            id,
+            ("/etc/live.txt", "kept\n"),
+        )?;
         ensure!(
             !err.contains("reconnecting"),
             "the close went over the resumed connection: {err}"
-        );
-        let v = outcome_file(&outcome)?;
-        ensure!(
-            v["outcome"] == "committed" && v["exit_status"] == 0 && v["id"] == id,
-            "{v}"
-        );
-        ensure!(
-            read_back(env, &stack, "/etc/live.txt")? == "kept\n",
-            "the write was published"
         );
         Ok(())
     })
