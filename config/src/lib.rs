@@ -159,6 +159,10 @@ pub struct ApiTcpConfig {
 pub struct SandboxConfig {
     /// Live sandbox sessions at most. Default 256.
     pub max_sessions: u64,
+    /// New sandbox sessions per second at most, in bursts of at most that
+    /// many; beyond it a create waits (within its `wait_ms`) or is refused
+    /// `busy`. 0 = unlimited (the default).
+    pub create_rate: u32,
     /// The mount socket; `None`: `mount.sock` beside the admin socket.
     pub mount_address: Option<PathBuf>,
     /// The cgroup under which each limited session gets its own, as a path in
@@ -180,6 +184,7 @@ impl Default for SandboxConfig {
     fn default() -> Self {
         Self {
             max_sessions: 256,
+            create_rate: 0,
             mount_address: None,
             cgroup_parent: None,
             default_cpu_millis: 0,

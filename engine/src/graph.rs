@@ -21,7 +21,7 @@ use std::sync::Arc;
 use layerstack_publisher::{self as publisher, LayerView};
 use layerstack_store::{
     AttemptInfo, AttemptStatus, GroupInfo, MountSpec, NodeInfo, OutcomeKind, OutcomeRecord, Owner,
-    Provenance, PublishTimings, SessionId, SessionInfo,
+    Provenance, PublishTimings, RolloutEnding, SessionId, SessionInfo,
 };
 use tracing::{info, warn};
 
@@ -123,19 +123,22 @@ impl Engine {
         let me = self.clone();
         tokio::spawn(async move {
             let _g = me.lock_session(id).await;
-            me.checkpoint_locked(id, state, prov, key).await
+            me.checkpoint_locked(id, state, prov, key, None).await
         })
         .await
         .map_err(|e| EngineError::Join(e.to_string()))?
     }
 
     /// [`Engine::checkpoint`] with the session lock held by the caller.
+    /// `rollout`: the session is a rollout attempt's sandbox, which ends with
+    /// this checkpoint in the same transaction ([`Store::commit_checkpoint`]).
     pub async fn checkpoint_locked(
         &self,
         id: SessionId,
         state: Option<String>,
         mut prov: Provenance,
         key: Option<String>,
+        rollout: Option<RolloutEnding>,
     ) -> Result<NodeInfo, EngineError> {
         if let Some(k) = &key {
             let k2 = k.clone();
@@ -211,8 +214,15 @@ impl Engine {
                 capture_bytes,
                 ..Default::default()
             };
-            match store.commit_checkpoint(id, staged, &state, &prov, Some(timings), key.as_deref())
-            {
+            match store.commit_checkpoint(
+                id,
+                staged,
+                &state,
+                &prov,
+                Some(timings),
+                key.as_deref(),
+                rollout.as_ref(),
+            ) {
                 Ok(n) => Ok(n),
                 Err(e) => {
                     let _ = store.abandon_staged(staged);
@@ -236,8 +246,9 @@ impl Engine {
         id: SessionId,
         state: Option<String>,
         prov: Provenance,
+        rollout: Option<RolloutEnding>,
     ) -> Result<SessionInfo, EngineError> {
-        match self.checkpoint_locked(id, state, prov, None).await {
+        match self.checkpoint_locked(id, state, prov, None, rollout).await {
             Ok(_) => self.session(id).await,
             // Not a failed step: the caller may wait for the holder's mount to
             // go (a sandbox close retries) and checkpoint then.

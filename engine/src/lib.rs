@@ -51,6 +51,7 @@ mod index;
 mod locks;
 mod publish;
 mod queries;
+mod rollout;
 mod sandbox;
 mod snapshots;
 
@@ -69,6 +70,7 @@ pub use export::{write_layer_blob, Compression, Export, LayerBlob};
 pub use graph::NodeMerged;
 pub use history::{Collected, HistoryRuns, HistorySettings, Promoted};
 pub use import::{tree_digest, BaseImported, ImportRequest};
+pub use rollout::{rollout_session_key, RolloutKeep};
 /// The publisher's types the engine's settings and answers use (not the
 /// crate: front ends call the engine, never capture, plan or apply themselves).
 pub mod publisher {
@@ -87,6 +89,10 @@ pub mod store {
         LeaseTarget, LogEntry, MountSpec, NodeInfo, OutcomeKind, Owner, PathCounts, PathRecord,
         PathStatus, Provenance, PublishTimings, SessionId, SessionInfo, SessionState, SnapshotInfo,
         SnapshotKind, Store, StoreError, StoreLock, StoreOptions, Usage,
+    };
+    pub use layerstack_store::{
+        Artifact, Begun, Evaluator, NodeStats, RolloutAttempt, RolloutBegin, RolloutResult,
+        RolloutStatus, RunAudit, RunInfo, SampleInfo, SampleKey,
     };
 }
 pub use layerstack_types as types;

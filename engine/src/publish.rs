@@ -623,7 +623,8 @@ impl Engine {
                     exit_status: exit_status.map(|c| i32::try_from(c).unwrap_or(i32::MAX)),
                     ..Default::default()
                 };
-                self.checkpoint_or_fail_locked(session.id, None, prov).await
+                self.checkpoint_or_fail_locked(session.id, None, prov, None)
+                    .await
             }
             Err(reason) => {
                 let id = session.id;

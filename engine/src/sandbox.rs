@@ -22,7 +22,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use layerstack_store::{
-    Interruption, LeaseTarget, MountSpec, OutcomeKind, Owner, SessionId, SessionInfo,
+    Interruption, LeaseTarget, MountSpec, OutcomeKind, Owner, RolloutEnding, SessionId, SessionInfo,
 };
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tracing::{debug, info, warn};
@@ -36,6 +36,9 @@ use crate::Engine;
 pub struct SandboxSettings {
     /// Live sandbox sessions at most (created, not yet released). Default 256.
     pub max_sessions: usize,
+    /// New sandbox sessions per second at most, in bursts of at most that
+    /// many (a generic cell-rate limit); 0: unlimited (the default).
+    pub create_rate: u32,
     /// After a restart, how long a session of the last daemon whose holder's
     /// namespaces are gone waits for that holder to reconnect and close it
     /// with the command's exit status, before it is finished by its policy
@@ -50,12 +53,13 @@ impl Default for SandboxSettings {
     fn default() -> Self {
         Self {
             max_sessions: 256,
+            create_rate: 0,
             holder_grace: Duration::from_secs(60),
         }
     }
 }
 
-/// The cap and the permits of live sandbox sessions.
+/// The cap, the permits of live sandbox sessions and the creation rate.
 pub(crate) struct Sandboxes {
     max: usize,
     holder_grace: Duration,
@@ -64,6 +68,45 @@ pub(crate) struct Sandboxes {
     /// Sessions in root mode ([`Engine::sandbox_root_mode`]): their close
     /// drops the mountpoints the session's init made in the upper.
     root_mode: Mutex<HashSet<SessionId>>,
+    rate: Option<Rate>,
+}
+
+/// A generic cell-rate limit (ITU-T I.371's GCRA, "virtual scheduling"):
+/// one creation per `interval`, at most `burst` at once; `tat` is the
+/// theoretical arrival time of the next one.
+struct Rate {
+    per_s: u32,
+    interval: Duration,
+    tolerance: Duration,
+    tat: Mutex<tokio::time::Instant>,
+}
+
+impl Rate {
+    fn new(per_s: u32) -> Option<Self> {
+        (per_s > 0).then(|| {
+            let interval = Duration::from_secs(1) / per_s;
+            Self {
+                per_s,
+                interval,
+                tolerance: interval * (per_s - 1),
+                tat: Mutex::new(tokio::time::Instant::now()),
+            }
+        })
+    }
+
+    /// When the caller may create (now or later), reserving that slot; `None`
+    /// (nothing reserved) when that is later than `now + wait`.
+    fn reserve(&self, wait: Duration) -> Option<tokio::time::Instant> {
+        let now = tokio::time::Instant::now();
+        let mut tat = self.tat.lock().unwrap_or_else(|p| p.into_inner());
+        let base = (*tat).max(now);
+        let at = base.checked_sub(self.tolerance).unwrap_or(now).max(now);
+        if at > now + wait {
+            return None;
+        }
+        *tat = base + self.interval;
+        Some(at)
+    }
 }
 
 impl Sandboxes {
@@ -74,6 +117,7 @@ impl Sandboxes {
             sem: Arc::new(Semaphore::new(settings.max_sessions)),
             permits: Mutex::new(HashMap::new()),
             root_mode: Mutex::new(HashSet::new()),
+            rate: Rate::new(settings.create_rate),
         }
     }
 
@@ -159,7 +203,7 @@ pub struct SandboxRequest {
 }
 
 /// How [`Engine::close_sandbox_session`] ends the run.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq)]
 pub enum EndAction {
     /// The recorded exit policy applied to the exit status (`None`: unknown).
     /// ExitPolicy `checkpoint` makes a child node with `state` (JSON, default `{}`)
@@ -180,6 +224,9 @@ pub enum EndAction {
         state: Option<String>,
         command: Option<String>,
         labels: BTreeMap<String, String>,
+        /// The session is a rollout attempt's sandbox: the attempt ends with
+        /// the checkpoint, in its transaction.
+        rollout: Option<RolloutEnding>,
     },
     /// An infrastructure failure ended the run (outcome `interrupted`, see
     /// [`Engine::interrupt_locked`]): nothing is published, the upper is kept.
@@ -223,13 +270,28 @@ impl Engine {
                 waited.map(|d| format!("; none ended within {} ms", d.as_millis())).unwrap_or_default()
             ))
         };
-        match wait {
-            None => sem.try_acquire_owned().map_err(|_| full(None)),
+        let started = tokio::time::Instant::now();
+        let permit = match wait {
+            None => sem.try_acquire_owned().map_err(|_| full(None))?,
             Some(d) => match tokio::time::timeout(d, sem.acquire_owned()).await {
-                Ok(Ok(p)) => Ok(p),
-                _ => Err(full(Some(d))),
+                Ok(Ok(p)) => p,
+                _ => return Err(full(Some(d))),
             },
+        };
+        if let Some(rate) = &self.sandboxes.rate {
+            let left = wait.unwrap_or_default().saturating_sub(started.elapsed());
+            match rate.reserve(left) {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => {
+                    return Err(EngineError::Busy(format!(
+                        "sandbox sessions are being created at the rate limit ([sandbox] create_rate = {} per second){}: wait longer or raise the rate",
+                        rate.per_s,
+                        wait.map(|d| format!("; no slot within {} ms", d.as_millis())).unwrap_or_default()
+                    )))
+                }
+            }
         }
+        Ok(permit)
     }
 
     /// The mount spec of sandbox session `id`'s current run, for a holder
@@ -369,14 +431,14 @@ impl Engine {
                 {
                     me.drop_root_mountpoints_of(&s).await?;
                 }
-                let checkpoint = |exit_status: Option<u32>, state: &Option<String>, command: &Option<String>, labels: &BTreeMap<String, String>| {
+                let checkpoint = |exit_status: Option<u32>, state: &Option<String>, command: &Option<String>, labels: &BTreeMap<String, String>, rollout: &Option<RolloutEnding>| {
                     let prov = layerstack_store::Provenance {
                         command: command.clone(),
                         exit_status: exit_status.map(|c| i32::try_from(c).unwrap_or(i32::MAX)),
                         labels: labels.clone(),
                         ..Default::default()
                     };
-                    me.checkpoint_or_fail_locked(id, state.clone(), prov)
+                    me.checkpoint_or_fail_locked(id, state.clone(), prov, rollout.clone())
                 };
                 let r = match &how {
                     EndAction::Auto {
@@ -389,7 +451,7 @@ impl Engine {
                         Ok((crate::policy::Decision::Checkpoint, _))
                     ) =>
                     {
-                        checkpoint(*exit_status, state, command, labels).await
+                        checkpoint(*exit_status, state, command, labels, &None).await
                     }
                     EndAction::Auto { exit_status, .. } => {
                         me.finish_locked(&s, None, *exit_status, &why).await
@@ -399,7 +461,8 @@ impl Engine {
                         state,
                         command,
                         labels,
-                    } => checkpoint(*exit_status, state, command, labels).await,
+                        rollout,
+                    } => checkpoint(*exit_status, state, command, labels, rollout).await,
                     EndAction::Publish => me.publish_locked(id, &why).await,
                     EndAction::Discard => me.discard_locked(id, &why).await,
                     EndAction::Interrupted(by) => me.interrupt_locked(id, *by, &why).await,
@@ -734,6 +797,34 @@ mod tests {
                 ..Default::default()
             },
         )
+    }
+
+    #[tokio::test]
+    async fn the_creation_rate_lets_a_burst_through_then_spaces_creations() {
+        let rate = Rate::new(10).unwrap();
+        let now = tokio::time::Instant::now();
+        for i in 0..10 {
+            let at = rate
+                .reserve(Duration::ZERO)
+                .unwrap_or_else(|| panic!("creation {i} of the burst refused"));
+            assert!(
+                at <= now + Duration::from_millis(50),
+                "creation {i} of the burst waits"
+            );
+        }
+        assert!(
+            rate.reserve(Duration::ZERO).is_none(),
+            "the 11th in the same instant must wait"
+        );
+        let at = rate.reserve(Duration::from_secs(1)).unwrap();
+        let waited = at.saturating_duration_since(now);
+        assert!(
+            waited >= Duration::from_millis(50) && waited <= Duration::from_millis(200),
+            "{waited:?}"
+        );
+        let next = rate.reserve(Duration::from_secs(1)).unwrap();
+        assert!(next > at, "each reservation takes the next slot");
+        assert!(Rate::new(0).is_none(), "0 is unlimited");
     }
 
     fn req(name: &str, policy: Option<ExitPolicy>, wait: Option<Duration>) -> SandboxRequest {

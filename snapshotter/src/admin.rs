@@ -688,6 +688,98 @@ impl api::Admin for AdminService {
     ) -> Result<Response<api::SetBranchResponse>, Status> {
         self.node_set(req.into_inner()).await.map(Response::new)
     }
+
+    async fn create_run(
+        &self,
+        req: Request<api::CreateRunRequest>,
+    ) -> Result<Response<api::CreateRunResponse>, Status> {
+        self.run_create(req.into_inner()).await.map(Response::new)
+    }
+
+    async fn list_runs(
+        &self,
+        _req: Request<api::ListRunsRequest>,
+    ) -> Result<Response<api::ListRunsResponse>, Status> {
+        self.run_list().await.map(Response::new)
+    }
+
+    async fn begin_rollout(
+        &self,
+        req: Request<api::BeginRolloutRequest>,
+    ) -> Result<Response<api::BeginRolloutResponse>, Status> {
+        self.rollout_begin(req.into_inner())
+            .await
+            .map(Response::new)
+    }
+
+    async fn end_rollout(
+        &self,
+        req: Request<api::EndRolloutRequest>,
+    ) -> Result<Response<api::RolloutAttempt>, Status> {
+        self.rollout_end(req.into_inner()).await.map(Response::new)
+    }
+
+    async fn list_rollouts(
+        &self,
+        req: Request<api::ListRolloutsRequest>,
+    ) -> Result<Response<api::ListRolloutsResponse>, Status> {
+        self.rollout_list(req.into_inner()).await.map(Response::new)
+    }
+
+    async fn get_sample(
+        &self,
+        req: Request<api::SampleKey>,
+    ) -> Result<Response<api::Sample>, Status> {
+        self.sample_get(req.into_inner()).await.map(Response::new)
+    }
+
+    async fn audit_run(
+        &self,
+        req: Request<api::AuditRunRequest>,
+    ) -> Result<Response<api::RunAudit>, Status> {
+        self.run_audit(req.into_inner()).await.map(Response::new)
+    }
+
+    type ReadBlobStream = crate::owned::Stream<api::FileChunk>;
+
+    async fn read_blob(
+        &self,
+        req: Request<api::ReadBlobRequest>,
+    ) -> Result<Response<Self::ReadBlobStream>, Status> {
+        self.blob_read(req.into_inner()).await.map(Response::new)
+    }
+
+    async fn get_node_stats(
+        &self,
+        req: Request<api::GetNodeStatsRequest>,
+    ) -> Result<Response<api::GetNodeStatsResponse>, Status> {
+        self.stats_get(req.into_inner()).await.map(Response::new)
+    }
+
+    async fn set_prior(
+        &self,
+        req: Request<api::SetPriorRequest>,
+    ) -> Result<Response<api::NodeStats>, Status> {
+        self.prior_set(req.into_inner()).await.map(Response::new)
+    }
+
+    async fn lease_frontier(
+        &self,
+        req: Request<api::FrontierRequest>,
+    ) -> Result<Response<api::FrontierResponse>, Status> {
+        self.frontier_change(req.into_inner(), true)
+            .await
+            .map(Response::new)
+    }
+
+    async fn release_frontier(
+        &self,
+        req: Request<api::FrontierRequest>,
+    ) -> Result<Response<api::FrontierResponse>, Status> {
+        self.frontier_change(req.into_inner(), false)
+            .await
+            .map(Response::new)
+    }
 }
 
 /// One page of a list ordered by a byte-string key (a stack id, a branch or

@@ -22,6 +22,7 @@ mod metrics;
 mod notify;
 mod outcomes;
 mod owned;
+mod rollout;
 mod sandbox;
 mod service;
 mod sockets;
@@ -429,6 +430,7 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
         },
         sandbox: layerstack_engine::SandboxSettings {
             max_sessions: usize::try_from(cfg.sandbox.max_sessions).unwrap_or(usize::MAX),
+            create_rate: cfg.sandbox.create_rate,
             ..Default::default()
         },
         publish_workers: usize::try_from(cfg.publish_workers).unwrap_or(usize::MAX),
@@ -474,6 +476,15 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
         info!(
             sessions = sandboxes,
             "sandbox sessions of the last run: daemon-owned ones ended interrupted (their inits died with the last daemon); those held by a `layerstack` holder are kept for their holder's close (`session run` reconnects), and finished by their policy without an exit status if none comes within 60 s of their namespaces going"
+        );
+    }
+    // After the sandboxes: an attempt whose sandbox that just ended (or that
+    // never got one) ends infra_failed, never with a reward.
+    let rollouts = engine.recover_rollouts().await?;
+    if rollouts > 0 {
+        info!(
+            attempts = rollouts,
+            "rollout attempts whose sandbox ended with the last daemon ended infra_failed (their samples can be retried)"
         );
     }
     let subscribed = Arc::new(AtomicBool::new(false));

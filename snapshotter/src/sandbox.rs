@@ -789,6 +789,7 @@ impl AdminService {
                 state: (!r.state.is_empty()).then(|| r.state.clone()),
                 command: (!r.command.is_empty()).then(|| r.command.clone()),
                 labels: r.labels.clone().into_iter().collect(),
+                rollout: None,
             },
             None => {
                 return Err(Status::invalid_argument(format!(
@@ -814,8 +815,27 @@ impl AdminService {
                 )));
             }
         }
-        // Stop the holder's init if it still runs (create mode); the end of its
-        // connection is expected from now on.
+        self.stop_init(id);
+        let why = if r.reason.is_empty() {
+            "session closed".to_string()
+        } else {
+            r.reason
+        };
+        let out = self
+            .engine
+            .close_sandbox_session(id, how, &why, CLOSE_PATIENCE)
+            .await;
+        if out.is_err() {
+            self.close_failed(id);
+        }
+        let s = out.map_err(engine_status)?;
+        self.to_api(s).await
+    }
+
+    /// Stops session `id`'s init if it still runs (a daemon-owned session, or
+    /// a holder's in create mode): the end of its connection is expected from
+    /// now on, and its mounts go with its mount namespace.
+    pub(crate) fn stop_init(&self, id: SessionId) {
         let init = {
             let mut m = self.holders.map();
             m.get_mut(&id).and_then(|h| {
@@ -830,21 +850,13 @@ impl AdminService {
                 }
             }
         }
-        let why = if r.reason.is_empty() {
-            "session closed".to_string()
-        } else {
-            r.reason
-        };
-        let out = self
-            .engine
-            .close_sandbox_session(id, how, &why, CLOSE_PATIENCE)
-            .await;
-        if out.is_err() {
-            if let Some(h) = self.holders.map().get_mut(&id) {
-                h.closing = false;
-            }
+    }
+
+    /// The close that [`AdminService::stop_init`] announced failed: the end
+    /// of the holder's connection is unexpected again.
+    pub(crate) fn close_failed(&self, id: SessionId) {
+        if let Some(h) = self.holders.map().get_mut(&id) {
+            h.closing = false;
         }
-        let s = out.map_err(engine_status)?;
-        self.to_api(s).await
     }
 }

@@ -256,7 +256,7 @@ pub(crate) fn node_stack_manifest(
     Ok((g.stack, n.manifest))
 }
 
-fn get_node(conn: &Connection, id: &str) -> Result<NodeInfo, StoreError> {
+pub(crate) fn get_node(conn: &Connection, id: &str) -> Result<NodeInfo, StoreError> {
     let raw = conn
         .one(
             &format!("SELECT {NODE_COLS} FROM graph_nodes WHERE id = ?1"),
@@ -329,7 +329,7 @@ fn attempt_from(raw: RawAttempt) -> Result<AttemptInfo, StoreError> {
     })
 }
 
-fn get_group(conn: &Connection, name: &str) -> Result<GroupInfo, StoreError> {
+pub(crate) fn get_group(conn: &Connection, name: &str) -> Result<GroupInfo, StoreError> {
     conn.one(
         "SELECT name, stack, branch, root, created_ns FROM graph_groups WHERE name = ?1",
         [name],
@@ -871,7 +871,12 @@ impl Store {
     /// with the layer), the node pins its manifest. `staged`: the layer's path
     /// index and verdicts ([`Store::stage_publish`]).
     ///
-    /// Errors: `FailedPrecondition` (not a running attempt), `InvalidArgument`
+    /// `rollout`: the session is a rollout attempt's sandbox and the attempt
+    /// ends with this checkpoint — its end, its sample's reward and its
+    /// backpropagation are written in the same transaction (module `rollout`).
+    ///
+    /// Errors: `FailedPrecondition` (not a running attempt; `rollout` given
+    /// for a session that is no running rollout attempt), `InvalidArgument`
     /// (state not JSON, key reused for another operation).
     #[allow(clippy::too_many_arguments)]
     pub fn commit_checkpoint(
@@ -882,6 +887,7 @@ impl Store {
         prov: &Provenance,
         timings: Option<PublishTimings>,
         key: Option<&str>,
+        rollout: Option<&crate::RolloutEnding>,
     ) -> Result<NodeInfo, StoreError> {
         validate_state(state)?;
         let upper = self.upper_path(sid);
@@ -944,6 +950,14 @@ impl Store {
                 "UPDATE graph_attempts SET status = 'checkpointed', result_node = ?2, ended_ns = ?3 WHERE id = ?1",
                 params![a.id, id, now],
             )?;
+            if let Some(end) = rollout {
+                let ra = crate::rollout::rollout_of_session(tx, sid)?.ok_or_else(|| {
+                    StoreError::FailedPrecondition(format!(
+                        "session {sid} is not the sandbox of a running rollout attempt: end it with CloseSession"
+                    ))
+                })?;
+                crate::rollout::end_rollout_in(tx, ra.id, end, Some(&id))?;
+            }
             record_op(tx, key, "checkpoint", &id, &checkpoint_args(sid, state))?;
             crate::failpoints::hit("checkpoint.before_rename");
             std::fs::rename(&upper, &dst)
@@ -1070,6 +1084,13 @@ impl Store {
                 )?;
                 if leases > 0 {
                     blockers.push(format!("node {n} is leased {leases} time(s) (sessions or exports read it)"));
+                }
+                let frontier = crate::rollout::frontier_holders(tx, n)?;
+                if !frontier.is_empty() {
+                    blockers.push(format!(
+                        "node {n} is on the frontier of {} (release it: ReleaseFrontier, `layerstack search release`)",
+                        frontier.join(",")
+                    ));
                 }
             }
             if !blockers.is_empty() {

@@ -17,6 +17,7 @@
 //! <root>/l/<n>/            layer directories, overlay upper format; short for the mount page
 //! <root>/w/<n>/            overlay workdirs of active non-session snapshots
 //! <root>/s/<id>/{upper,work}  sessions
+//! <root>/blobs/<hex>       rollout trajectories and artifacts (BLAKE3-addressed)
 //! <root>/staging/          in-flight builds (merged files, dropped uppers)
 //! ```
 //! Every write follows containerd's order: filesystem work next to one short
@@ -56,6 +57,7 @@ mod paths;
 pub mod priority;
 mod publish;
 mod reaper;
+mod rollout;
 mod schema;
 mod sessions;
 pub mod snapshots;
@@ -82,6 +84,10 @@ pub use import::{import_stack_id, is_imported_stack, ImportedBase, IMPORT_STACK_
 pub use lock::StoreLock;
 pub use model::*;
 pub use publish::{CommitRecord, Published, Recheck, Staged};
+pub use rollout::{
+    Artifact, Begun, Disposition, Evaluator, NodeStats, RolloutAttempt, RolloutBegin,
+    RolloutEnding, RolloutResult, RolloutStatus, RunAudit, RunInfo, SampleInfo, SampleKey,
+};
 pub use schema::FORMAT_VERSION;
 pub use snapshots::{
     is_extraction, split_key, stack_id, SNAPSHOT_BRANCH_LABEL, SNAPSHOT_NODE_LABEL,

@@ -19,9 +19,107 @@
 /// the rest (`manifests.rest`); 8 lets a stack belong to no containerd
 /// namespace (`stacks.namespace` NULL: an imported base, which used to be
 /// `''`); 9 added `sessions.ignore_mtime`; 10 added `sessions.daemon_owned`,
-/// `publishes.interrupted_by` and the attempt status `interrupted`. Formats 4
-/// to 9 are migrated at open ([`MIGRATIONS`]).
-pub const FORMAT_VERSION: i64 = 10;
+/// `publishes.interrupted_by` and the attempt status `interrupted`; 11 added the
+/// rollout fabric's tables (`rollout_*`, `search_*`, `frontier_leases`). Formats
+/// 4 to 10 are migrated at open ([`MIGRATIONS`]).
+pub const FORMAT_VERSION: i64 = 11;
+
+/// The rollout fabric's tables (format 11; ARCHITECTURE.md §12, docs/fabric.md):
+/// mutable records beside the immutable graph, in [`SCHEMA`] and in the
+/// migration from format 10 (new tables only, `IF NOT EXISTS`: a test that
+/// turns a current store back into an older format keeps them).
+macro_rules! rollout_tables {
+    () => {
+        r#"
+-- A run: the samples of one training run or one search, over one graph.
+CREATE TABLE IF NOT EXISTS rollout_runs (
+    name       TEXT PRIMARY KEY,
+    grp        TEXT NOT NULL REFERENCES graph_groups(name),
+    labels     TEXT NOT NULL DEFAULT '{}',
+    created_ns INTEGER NOT NULL
+);
+-- A sample (run, step, prompt, sample): every attempt of it starts from `node`.
+-- Its reward is applied once: `reward_attempt` (the attempt whose completed
+-- reward it is) is set once, in the transaction that ends that attempt, and
+-- never changed.
+CREATE TABLE IF NOT EXISTS rollout_samples (
+    id             INTEGER PRIMARY KEY AUTOINCREMENT,
+    run            TEXT NOT NULL REFERENCES rollout_runs(name),
+    step           INTEGER NOT NULL CHECK (step >= 0),
+    prompt         TEXT NOT NULL,
+    sample         INTEGER NOT NULL CHECK (sample >= 0),
+    node           TEXT NOT NULL REFERENCES graph_nodes(id),
+    reward         REAL,
+    reward_attempt INTEGER,
+    created_ns     INTEGER NOT NULL,
+    UNIQUE (run, step, prompt, sample),
+    CHECK ((reward IS NULL) = (reward_attempt IS NULL))
+);
+-- An attempt of a sample (from 1). status: running | completed (reward set) |
+-- task_failed | infra_failed (infra_kind set). `applied`: this attempt's reward
+-- is its sample's. `result_node`: the checkpoint kept (NULL: discarded or none).
+CREATE TABLE IF NOT EXISTS rollout_attempts (
+    id                INTEGER PRIMARY KEY AUTOINCREMENT,
+    sample_id         INTEGER NOT NULL REFERENCES rollout_samples(id),
+    attempt           INTEGER NOT NULL CHECK (attempt >= 1),
+    graph_attempt     INTEGER REFERENCES graph_attempts(id),
+    session_id        INTEGER,
+    policy            TEXT NOT NULL,
+    seed              INTEGER,
+    status            TEXT NOT NULL CHECK (status IN ('running', 'completed', 'task_failed', 'infra_failed')),
+    infra_kind        TEXT CHECK ((status = 'infra_failed') = (infra_kind IS NOT NULL)),
+    reward            REAL CHECK ((status = 'completed') = (reward IS NOT NULL)),
+    accepted          INTEGER,
+    applied           INTEGER NOT NULL DEFAULT 0,
+    evaluator_name    TEXT,
+    evaluator_version TEXT,
+    evaluator_digest  TEXT,
+    result_node       TEXT,
+    trajectory        TEXT,
+    message           TEXT NOT NULL DEFAULT '',
+    created_ns        INTEGER NOT NULL,
+    ended_ns          INTEGER,
+    UNIQUE (sample_id, attempt)
+);
+CREATE INDEX IF NOT EXISTS rollout_attempts_session ON rollout_attempts(session_id);
+CREATE INDEX IF NOT EXISTS rollout_attempts_running ON rollout_attempts(status) WHERE status = 'running';
+-- Named content-addressed blobs of an attempt (its artifacts), in <root>/blobs.
+CREATE TABLE IF NOT EXISTS rollout_artifacts (
+    attempt_id INTEGER NOT NULL REFERENCES rollout_attempts(id),
+    name       TEXT NOT NULL,
+    digest     TEXT NOT NULL,
+    size       INTEGER NOT NULL,
+    PRIMARY KEY (attempt_id, name)
+) WITHOUT ROWID;
+-- Search statistics: mutable, beside the immutable nodes (never in layers).
+CREATE TABLE IF NOT EXISTS search_stats (
+    node       TEXT PRIMARY KEY REFERENCES graph_nodes(id),
+    visits     INTEGER NOT NULL DEFAULT 0,
+    value_sum  REAL NOT NULL DEFAULT 0,
+    prior      REAL,
+    updated_ns INTEGER NOT NULL
+) WITHOUT ROWID;
+-- One backpropagation per attempt (the primary key makes a second impossible):
+-- the value and how many nodes it updated, from `leaf` to the graph's root.
+CREATE TABLE IF NOT EXISTS search_backprops (
+    attempt_id INTEGER PRIMARY KEY REFERENCES rollout_attempts(id),
+    leaf       TEXT NOT NULL,
+    value      REAL NOT NULL,
+    nodes      INTEGER NOT NULL,
+    at_ns      INTEGER NOT NULL
+);
+-- Frontier leases: nodes a search will expand. A leased node is never pruned
+-- (so never collected) until every holder releases it.
+CREATE TABLE IF NOT EXISTS frontier_leases (
+    node       TEXT NOT NULL REFERENCES graph_nodes(id),
+    holder     TEXT NOT NULL,
+    created_ns INTEGER NOT NULL,
+    PRIMARY KEY (node, holder)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS frontier_leases_holder ON frontier_leases(holder);
+"#
+    };
+}
 
 /// The steps that bring an older store to [`FORMAT_VERSION`], each
 /// `(from, what it does, SQL)`, applied in order in the open's transaction and
@@ -99,9 +197,11 @@ pub(crate) const MIGRATIONS: &[(i64, &str, &str)] = &[
         CREATE INDEX graph_attempts_node ON graph_attempts(node);
         CREATE INDEX graph_attempts_session ON graph_attempts(session_id);",
     ),
+    (10, "rollout fabric tables", rollout_tables!()),
 ];
 
-pub(crate) const SCHEMA: &str = r#"
+pub(crate) const SCHEMA: &str = concat!(
+    r#"
 CREATE TABLE meta (
     key   TEXT PRIMARY KEY,
     value TEXT NOT NULL
@@ -416,4 +516,6 @@ CREATE TABLE session_markers (
     start_line INTEGER NOT NULL,
     PRIMARY KEY (session_id, lease_id, path, digest)
 ) WITHOUT ROWID;
-"#;
+"#,
+    rollout_tables!()
+);

@@ -2220,6 +2220,290 @@ fn a_prepend_writes_a_bounded_run_of_rows_and_every_manifest_reads_whole() {
     );
 }
 
+/// A store with graph `g` (root node returned) and run `r` over it.
+fn rollout_store(d: &Path) -> (Store, String, NodeInfo) {
+    let s = open(d);
+    let top = unpack(&s, "default");
+    s.prepare("default/5/m", &top, BTreeMap::new(), false)
+        .unwrap();
+    let stack = s.find_session("default", "m").unwrap().unwrap().stack;
+    let (_, root) = s.create_group("g", &stack, "main", None).unwrap();
+    let (run, created) = s.create_run("r", "g", &BTreeMap::new()).unwrap();
+    assert!(created);
+    (s, run.name, root)
+}
+
+fn begin(s: &Store, sample: i64, attempt: u32, node: &str) -> Begun {
+    s.begin_rollout(&RolloutBegin {
+        key: SampleKey {
+            run: "r".into(),
+            step: 0,
+            prompt: "p".into(),
+            sample,
+        },
+        attempt,
+        node: node.into(),
+        policy: "pi-1".into(),
+        seed: Some(7),
+    })
+    .unwrap()
+}
+
+fn begun(b: Begun) -> RolloutAttempt {
+    match b {
+        Begun::Attempt { attempt, .. } => attempt,
+        Begun::Rewarded(s) => panic!("sample rewarded already: {s:?}"),
+    }
+}
+
+fn completed(reward: f64, backprop: bool) -> RolloutEnding {
+    RolloutEnding {
+        result: RolloutResult::Completed {
+            reward,
+            accepted: reward > 0.5,
+        },
+        evaluator: Some(Evaluator {
+            name: "pytest".into(),
+            version: "8.0".into(),
+            digest: "sha256:ab".into(),
+        }),
+        trajectory: None,
+        artifacts: Vec::new(),
+        backprop: backprop.then_some(reward),
+        message: String::new(),
+    }
+}
+
+#[test]
+fn a_samples_reward_is_applied_once_whatever_the_retries_and_repeats() {
+    let d = tmp();
+    let (s, run, root) = rollout_store(d.path());
+    // The same attempt twice is one attempt.
+    let a1 = begun(begin(&s, 0, 1, &root.id));
+    let Begun::Attempt {
+        attempt: again,
+        created,
+    } = begin(&s, 0, 1, &root.id)
+    else {
+        panic!()
+    };
+    assert!(!created);
+    assert_eq!(again.id, a1.id);
+    // Attempt 1 is lost to the infrastructure; attempt 2 is rewarded.
+    let infra = RolloutEnding {
+        result: RolloutResult::InfraFailed {
+            kind: "init-gone".into(),
+        },
+        evaluator: None,
+        trajectory: None,
+        artifacts: Vec::new(),
+        backprop: None,
+        message: "init killed".into(),
+    };
+    let e1 = s.end_rollout(a1.id, &infra, Disposition::Keep).unwrap();
+    assert_eq!(
+        (e1.status, e1.reward, e1.applied),
+        (RolloutStatus::InfraFailed, None, false)
+    );
+    let a2 = begun(begin(&s, 0, 2, &root.id));
+    // A third attempt races the second (a harness retried too early).
+    let a3 = begun(begin(&s, 0, 3, &root.id));
+    let e2 = s
+        .end_rollout(a2.id, &completed(0.75, true), Disposition::Keep)
+        .unwrap();
+    assert!(e2.applied);
+    // A duplicate end answers the recorded end; a different one is refused.
+    let dup = s
+        .end_rollout(a2.id, &completed(0.75, true), Disposition::Keep)
+        .unwrap();
+    assert_eq!(dup, e2);
+    let err = s
+        .end_rollout(a2.id, &completed(0.1, true), Disposition::Keep)
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::FailedPrecondition, "{err}");
+    // The racing attempt completes but is not applied; no attempt starts now.
+    let Begun::Rewarded(sample) = begin(&s, 0, 4, &root.id) else {
+        panic!("rewarded sample started again")
+    };
+    assert_eq!(
+        (sample.reward, sample.reward_attempt),
+        (Some(0.75), Some(2))
+    );
+    let e3 = s
+        .end_rollout(a3.id, &completed(0.2, true), Disposition::Keep)
+        .unwrap();
+    assert_eq!((e3.status, e3.applied), (RolloutStatus::Completed, false));
+    let sample = s.sample(&a1.key).unwrap();
+    assert_eq!(
+        (sample.reward, sample.reward_attempt, sample.attempts),
+        (Some(0.75), Some(2), 3)
+    );
+    // Two backpropagations (attempts 2 and 3), each once: the root has 2 visits.
+    let st = s.node_stats(&root.id).unwrap();
+    assert_eq!((st.visits, st.value_sum), (2, 0.95));
+    let audit = s.audit_run(&run).unwrap();
+    assert_eq!(audit.violations, Vec::<String>::new());
+    assert_eq!(
+        (
+            audit.samples,
+            audit.rewarded,
+            audit.attempts,
+            audit.completed,
+            audit.backprops
+        ),
+        (1, 1, 3, 2, 2)
+    );
+    assert_eq!(audit.infra_failed.get("init-gone"), Some(&1));
+    // The audit catches a second applied reward (written behind the store's back).
+    s.db.write(|tx| {
+        Ok(tx.execute(
+            "UPDATE rollout_attempts SET applied = 1 WHERE id = ?1",
+            [a3.id],
+        )?)
+    })
+    .unwrap();
+    let v = s.audit_run(&run).unwrap().violations;
+    assert_eq!(v.len(), 1, "{v:?}");
+    assert!(
+        v[0].starts_with("a sample with more than one applied reward"),
+        "{v:?}"
+    );
+}
+
+#[test]
+fn attempts_are_checked_against_their_sample_and_an_infra_failure_has_no_value() {
+    let d = tmp();
+    let (s, _, root) = rollout_store(d.path());
+    let a = begun(begin(&s, 1, 1, &root.id));
+    let mut other = RolloutBegin {
+        key: a.key.clone(),
+        attempt: 1,
+        node: root.id.clone(),
+        policy: "pi-2".into(),
+        seed: Some(7),
+    };
+    let err = s.begin_rollout(&other).unwrap_err();
+    assert!(err.to_string().contains("pi-1"), "{err}");
+    other.attempt = 0;
+    assert_eq!(
+        s.begin_rollout(&other).unwrap_err().kind(),
+        ErrorKind::InvalidArgument
+    );
+    other.key.run = "no-such-run".into();
+    other.attempt = 1;
+    assert_eq!(
+        s.begin_rollout(&other).unwrap_err().kind(),
+        ErrorKind::NotFound
+    );
+    let bad = RolloutEnding {
+        result: RolloutResult::InfraFailed {
+            kind: "timeout".into(),
+        },
+        evaluator: None,
+        trajectory: None,
+        artifacts: Vec::new(),
+        backprop: Some(0.0),
+        message: String::new(),
+    };
+    assert_eq!(
+        s.end_rollout(a.id, &bad, Disposition::Keep)
+            .unwrap_err()
+            .kind(),
+        ErrorKind::InvalidArgument
+    );
+    let nan = completed(f64::NAN, false);
+    assert_eq!(
+        s.end_rollout(a.id, &nan, Disposition::Keep)
+            .unwrap_err()
+            .kind(),
+        ErrorKind::InvalidArgument
+    );
+    assert_eq!(
+        s.rollout(a.id).unwrap().status,
+        RolloutStatus::Running,
+        "a refused end changes nothing"
+    );
+}
+
+#[test]
+fn an_attempt_whose_sandbox_was_interrupted_ends_infra_failed_never_rewarded() {
+    let d = tmp();
+    let (s, run, root) = rollout_store(d.path());
+    let owner = Owner::Sandbox { name: "a".into() };
+    let a = begun(begin(&s, 0, 1, &root.id));
+    let (ga, sess, _, _) = s.start_attempt(&root.id, &owner, None).unwrap();
+    s.attach_rollout_session(a.id, sess.id, Some(ga.id))
+        .unwrap();
+    // The sandbox still runs: an end without its session is refused.
+    let err = s
+        .end_rollout(a.id, &completed(1.0, false), Disposition::Keep)
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::FailedPrecondition, "{err}");
+    s.record_outcome(
+        sess.id,
+        OutcomeRecord::interrupted(Interruption::DaemonRestart, "restart"),
+        None,
+    )
+    .unwrap();
+    s.end_attempt(ga.id, AttemptStatus::Interrupted, "daemon restart")
+        .unwrap();
+    // A never-started attempt (no session) ends at the daemon's start.
+    // (Every rollout write first ends what an infrastructure failure ended.)
+    let b = begun(begin(&s, 1, 1, &root.id));
+    assert_eq!(s.rollout(a.id).unwrap().status, RolloutStatus::InfraFailed);
+    assert_eq!(s.sync_rollouts(false).unwrap(), 0);
+    assert_eq!(s.rollout(b.id).unwrap().status, RolloutStatus::Running);
+    assert_eq!(s.sync_rollouts(true).unwrap(), 1);
+    let ea = s.rollout(a.id).unwrap();
+    assert_eq!(
+        (ea.status, ea.infra_kind.as_deref(), ea.reward),
+        (RolloutStatus::InfraFailed, Some("daemon-restart"), None)
+    );
+    assert_eq!(
+        s.rollout(b.id).unwrap().infra_kind.as_deref(),
+        Some("daemon-restart")
+    );
+    let audit = s.audit_run(&run).unwrap();
+    assert_eq!(
+        (
+            audit.rewarded,
+            audit.running,
+            audit.infra_failed.get("daemon-restart")
+        ),
+        (0, 0, Some(&2))
+    );
+}
+
+#[test]
+fn a_frontier_node_is_never_pruned_until_released_and_priors_sit_beside_it() {
+    let d = tmp();
+    let (s, _, root) = rollout_store(d.path());
+    s.lease_frontier("mcts-1", &[root.id.clone()]).unwrap();
+    s.lease_frontier("mcts-1", &[root.id.clone()]).unwrap();
+    let err = s.prune_node(&root.id, None).unwrap_err();
+    assert!(err.to_string().contains("frontier of mcts-1"), "{err}");
+    assert_eq!(
+        s.node_stats(&root.id).unwrap().frontier,
+        vec!["mcts-1".to_string()]
+    );
+    assert_eq!(s.frontier("mcts-1").unwrap(), vec![root.id.clone()]);
+    let st = s.set_prior(&root.id, 0.25).unwrap();
+    assert_eq!((st.prior, st.visits), (Some(0.25), 0));
+    assert_eq!(s.release_frontier("mcts-1", &[]).unwrap(), 1);
+    assert!(s.frontier("mcts-1").unwrap().is_empty());
+    // Blobs are content-addressed and idempotent.
+    let (dg, n) = s.put_blob(b"trajectory").unwrap();
+    assert_eq!(
+        (s.put_blob(b"trajectory").unwrap(), n),
+        ((dg.clone(), 10), 10)
+    );
+    assert_eq!(s.blob(&dg).unwrap(), b"trajectory");
+    assert_eq!(
+        s.blob("blake3:../x").unwrap_err().kind(),
+        ErrorKind::InvalidArgument
+    );
+}
+
 /// A key names one request: the same key with the same arguments answers the
 /// first call; with other arguments (another stack target, policy, node,
 /// branch, state) it is refused `FailedPrecondition`, naming the key and each

@@ -190,3 +190,16 @@ def test_the_node_of_an_outcome_is_a_field() -> None:
     v = {"id": 4, "outcome": "checkpointed", "node": "n-8", "message": "whatever"}
     assert layerstack.Session.from_json(v).node == "n-8"
     assert layerstack.Session.from_json({"id": 4, "node": None}).node is None
+
+
+def test_an_asyncio_call_error_is_typed_like_a_blocking_one() -> None:
+    # grpc.aio.AioRpcError is a grpc.RpcError but not a grpc.Call: its code
+    # must still pick the class (it used to give LayerStackError "unknown").
+    import grpc.aio
+
+    e = grpc.aio.AioRpcError(
+        grpc.StatusCode.NOT_FOUND, grpc.aio.Metadata(), grpc.aio.Metadata(), details="node n9 does not exist"
+    )
+    err = errors.from_rpc_error(e)
+    assert isinstance(err, errors.NotFoundError)
+    assert (err.kind, err.code, err.message) == ("not_found", grpc.StatusCode.NOT_FOUND, "node n9 does not exist")

@@ -62,7 +62,7 @@ class Endpoint:
         )
         if token is not None:
             creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
-        options: List[Tuple[str, Any]] = []
+        options: List[Tuple[str, Any]] = list(self._RECONNECT)
         if self.server_name is not None:
             options.append(("grpc.ssl_target_name_override", self.server_name))
         return creds, options
@@ -70,7 +70,10 @@ class Endpoint:
     # grpc-core's default :authority for a unix target is the socket path, which
     # the daemon's HTTP/2 server (hyper) refuses as malformed (RST_STREAM
     # PROTOCOL_ERROR): name a plain host instead.
-    _UNIX_OPTIONS = (("grpc.default_authority", "localhost"),)
+    # A daemon restart (kill -9, an upgrade) is seconds: reconnect within
+    # 100 ms to 2 s of its return, not grpc-core's default of up to 120 s.
+    _RECONNECT = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 2000))
+    _UNIX_OPTIONS = (("grpc.default_authority", "localhost"),) + _RECONNECT
 
     def channel(self) -> grpc.Channel:
         """A blocking channel (lazy: nothing is dialled until the first call)."""

@@ -24,9 +24,10 @@ Create the client inside the event loop that uses it (``grpc.aio``'s rule).
 from __future__ import annotations
 
 import io
+import json
 import os
 from pathlib import Path
-from typing import Any, AsyncIterator, BinaryIO, Generator, List, Mapping, Optional, Union
+from typing import Any, AsyncIterator, BinaryIO, Dict, Generator, List, Mapping, Optional, Union
 
 import grpc
 import grpc.aio
@@ -35,6 +36,7 @@ from layerstack._channel import Endpoint, PemSource
 from layerstack._pb import admin_pb2 as pb
 from layerstack._pb import admin_pb2_grpc as pb_grpc
 from layerstack.client import DEFAULT_ADMIN_ADDRESS, _check_exit_policy
+from layerstack.errors import LayerStackError as LayerStackErrorBase
 from layerstack.errors import NotFoundError, from_rpc_error
 from layerstack.sandbox import (
     Command,
@@ -46,6 +48,7 @@ from layerstack.sandbox import (
     PathChange,
     UploadSummary,
     User,
+    argv_of,
     close_request,
     create_request,
     ended_or_raise,
@@ -56,9 +59,19 @@ from layerstack.sandbox import (
     upload_summary,
     write_requests,
 )
+from layerstack.fabric import (
+    Evaluator,
+    NodeStats,
+    RolloutAttempt,
+    Run,
+    RunAudit,
+    Sample,
+    SampleKey,
+    end_request,
+)
 from layerstack.types import Graph, Node, Session, Status
 
-__all__ = ["AsyncClient", "AsyncSandbox", "AsyncFiles", "connect"]
+__all__ = ["AsyncClient", "AsyncSandbox", "AsyncFiles", "AsyncRollout", "connect"]
 
 
 
@@ -162,6 +175,136 @@ class AsyncClient:
         """As :meth:`layerstack.Client.wait`."""
         req = pb.WaitRequest(session_id=session_id, timeout_ms=timeout_ms)
         return Session.from_pb(await self._call(self._stub.Wait, req, None))
+
+    # ----------------------------------------------------- rollout fabric
+
+    async def create_run(self, name: str, graph: str, *, labels: Optional[Mapping[str, str]] = None) -> Run:
+        """Run ``name`` over graph ``graph`` (the same again: the run as it is).
+        NotFoundError (graph), AlreadyExistsError (a run over another graph)."""
+        req = pb.CreateRunRequest(name=name, graph=graph, labels=dict(labels or {}))
+        return Run.from_pb((await self._call(self._stub.CreateRun, req)).run)
+
+    async def runs(self) -> List[Run]:
+        """Every run, by name."""
+        return [Run.from_pb(r) for r in (await self._call(self._stub.ListRuns, pb.ListRunsRequest())).runs]
+
+    async def begin_rollout(
+        self,
+        key: SampleKey,
+        attempt: int,
+        node: str,
+        *,
+        policy: str = "policy",
+        seed: Optional[int] = None,
+        wait_s: float = 60.0,
+        network: bool = False,
+        user: Optional[User] = None,
+        workdir: Optional[str] = None,
+        env: Optional[Mapping[str, str]] = None,
+        cpu_millis: Optional[int] = None,
+        memory_bytes: Optional[int] = None,
+        pids: Optional[int] = None,
+    ) -> "AsyncRollout":
+        """Starts attempt ``attempt`` (from 1) of sample ``key`` in a new
+        sandbox on ``node`` — or the same attempt again (a repeated call). A
+        sample rewarded before starts nothing: ``.rewarded`` is true and
+        ``.sample`` holds its reward. FailedPreconditionError: the attempt
+        exists with another policy or seed, or the sample starts from another
+        node; BusyError: no sandbox slot within ``wait_s``."""
+        req = pb.BeginRolloutRequest(
+            sample=key.to_pb(),
+            attempt=attempt,
+            node=node,
+            policy=policy,
+            has_seed=seed is not None,
+            seed=seed or 0,
+            wait_ms=int(wait_s * 1000),
+            sandbox=sandbox_options(
+                network=network, user=user, workdir=workdir, env=env, hostname=None,
+                cpu_millis=cpu_millis, memory_bytes=memory_bytes, pids=pids,
+            ),
+        )
+        timeout = None if self.timeout_s is None else self.timeout_s + wait_s
+        r = await self._call(self._stub.BeginRollout, req, timeout)
+        sb = AsyncSandbox(self, Session.from_pb(r.session), r.created) if r.HasField("session") else None
+        return AsyncRollout(
+            self,
+            RolloutAttempt.from_pb(r.attempt) if r.HasField("attempt") else None,
+            sb,
+            created=r.created,
+            rewarded=r.rewarded,
+            sample=Sample.from_pb(r.sample) if r.HasField("sample") else None,
+        )
+
+    async def end_rollout(self, attempt_id: int, **kw: Any) -> RolloutAttempt:
+        """Ends rollout attempt ``attempt_id``: see :meth:`AsyncRollout.end`."""
+        return RolloutAttempt.from_pb(await self._call(self._stub.EndRollout, end_request(attempt_id, **kw), None))
+
+    async def sample(self, key: SampleKey) -> Optional[Sample]:
+        """Sample ``key``; ``None`` when no attempt of it was begun."""
+        try:
+            return Sample.from_pb(await self._call(self._stub.GetSample, key.to_pb()))
+        except NotFoundError:
+            return None
+
+    async def sample_attempts(self, key: SampleKey) -> int:
+        """The highest attempt number begun for ``key`` (0: none); attempts of it
+        still running (a crashed harness's) are ended ``infra_failed(abandoned)``
+        and their sandboxes discarded first."""
+        s = await self.sample(key)
+        if s is None:
+            return 0
+        for a in s.running:
+            try:
+                await self.end_rollout(a, infra_failed="abandoned", message="a new fan-out took over the sample",
+                                       keep="discard")
+            except LayerStackErrorBase:
+                pass
+        return s.max_attempt
+
+    async def rollouts(self, run: str, *, step: Optional[int] = None, page_size: int = 0) -> AsyncIterator[RolloutAttempt]:
+        """Every attempt of run ``run`` (of ``step``), by id, page by page."""
+        token = ""
+        while True:
+            req = pb.ListRolloutsRequest(run=run, has_step=step is not None, step=step or 0,
+                                         page_size=page_size, page_token=token)
+            r = await self._call(self._stub.ListRollouts, req)
+            for a in r.attempts:
+                yield RolloutAttempt.from_pb(a)
+            token = r.next_page_token
+            if not token:
+                return
+
+    async def audit_run(self, run: str) -> RunAudit:
+        """Run ``run``'s exactly-once audit."""
+        return RunAudit.from_pb(await self._call(self._stub.AuditRun, pb.AuditRunRequest(run=run)))
+
+    async def read_blob(self, digest: str) -> bytes:
+        """A trajectory's or an artifact's bytes. NotFoundError if none."""
+        out = io.BytesIO()
+        async for c in self._stream(self._stub.ReadBlob, pb.ReadBlobRequest(digest=digest), self.timeout_s):
+            out.write(c.data)
+        return out.getvalue()
+
+    async def node_stats(self, node: str, *, children: bool = False) -> "tuple[NodeStats, List[NodeStats]]":
+        """``node``'s search statistics and (``children``) its children's."""
+        r = await self._call(self._stub.GetNodeStats, pb.GetNodeStatsRequest(node=node, children=children))
+        return NodeStats.from_pb(r.node), [NodeStats.from_pb(c) for c in r.children]
+
+    async def set_prior(self, node: str, prior: float) -> NodeStats:
+        """Sets ``node``'s prior (PUCT)."""
+        return NodeStats.from_pb(await self._call(self._stub.SetPrior, pb.SetPriorRequest(node=node, prior=prior)))
+
+    async def lease_frontier(self, holder: str, nodes: List[str]) -> List[str]:
+        """Leases ``nodes`` to frontier ``holder``: never pruned until released.
+        Answers the holder's frontier."""
+        req = pb.FrontierRequest(holder=holder, nodes=nodes)
+        return list((await self._call(self._stub.LeaseFrontier, req)).nodes)
+
+    async def release_frontier(self, holder: str, nodes: Optional[List[str]] = None) -> List[str]:
+        """Releases ``holder``'s leases on ``nodes`` (all when ``None``)."""
+        req = pb.FrontierRequest(holder=holder, nodes=nodes or [])
+        return list((await self._call(self._stub.ReleaseFrontier, req)).nodes)
 
     def sandbox(
         self,
@@ -396,3 +539,101 @@ class AsyncSandbox:
         state = self.outcome.outcome if self.outcome is not None else "live"
         return f"<AsyncSandbox session={self.id} {state}>"
 
+
+
+class AsyncRollout:
+    """One attempt of a sample and its sandbox (:meth:`AsyncClient.begin_rollout`).
+
+    ``exec`` runs a command in the sandbox and records it in ``trajectory``
+    (argv, exit, duration, the first 4 KiB of output), which :meth:`end` stores
+    as the attempt's trajectory blob. ``files`` is the sandbox's file API.
+    """
+
+    #: Bytes of stdout/stderr kept per exec in the trajectory.
+    KEEP_BYTES = 4096
+
+    def __init__(
+        self,
+        client: AsyncClient,
+        attempt: Optional[RolloutAttempt],
+        sandbox: Optional[AsyncSandbox],
+        *,
+        created: bool,
+        rewarded: bool,
+        sample: Optional[Sample],
+    ) -> None:
+        self._client = client
+        self.attempt = attempt
+        self.sandbox = sandbox
+        self.created = created
+        self.rewarded = rewarded
+        self.sample = sample
+        self.trajectory: List[Dict[str, Any]] = []
+
+    @property
+    def id(self) -> int:
+        if self.attempt is None:
+            raise ValueError("the sample was rewarded before: no attempt was started")
+        return self.attempt.id
+
+    @property
+    def key(self) -> SampleKey:
+        assert self.attempt is not None
+        return self.attempt.key
+
+    @property
+    def files(self) -> AsyncFiles:
+        if self.sandbox is None:
+            raise ValueError("this attempt has no sandbox (it ended, or its sample was rewarded before)")
+        return self.sandbox.files
+
+    async def exec(self, cmd: Command, **kw: Any) -> ExecOutput:
+        """:meth:`AsyncSandbox.exec`, recorded in :attr:`trajectory`."""
+        if self.sandbox is None:
+            raise ValueError("this attempt has no sandbox (it ended, or its sample was rewarded before)")
+        out = await self.sandbox.exec(cmd, **kw)
+        self.trajectory.append(
+            {
+                "argv": argv_of(cmd),
+                "exit_code": out.exit_code,
+                "signal": out.signal,
+                "timed_out": out.timed_out,
+                "duration_ms": out.duration_ms,
+                "stdout": out.stdout[: self.KEEP_BYTES].decode("utf-8", "replace"),
+                "stderr": out.stderr[: self.KEEP_BYTES].decode("utf-8", "replace"),
+            }
+        )
+        return out
+
+    async def checkpoint_for_grading(self, *, state: Union[Mapping[str, Any], str, None] = None) -> str:
+        """Checkpoints the sandbox into a child node of the attempt's node and
+        ends the sandbox; the attempt stays running until :meth:`end` (with the
+        grader's reward) keeps or prunes that node. Returns the node id."""
+        if self.sandbox is None:
+            raise ValueError("this attempt has no sandbox")
+        s = await self.sandbox.close(checkpoint=True, state=state, reason="rollout checkpoint for grading")
+        if not s.node:
+            raise RuntimeError(f"the checkpoint made no node: outcome {s.outcome}: {s.message}")
+        return s.node
+
+    async def end(self, **kw: Any) -> RolloutAttempt:
+        """Ends the attempt, exactly once: ``reward=`` (completed; ``accepted``),
+        ``task_failed=True`` or ``infra_failed="kind"``; ``evaluator``;
+        ``backprop`` (a value to backpropagate, once); ``keep`` "checkpoint"
+        (the sandbox becomes a child node in the same transaction as the
+        reward) or "discard"; ``state``/``labels`` of that node; ``artifacts``
+        (name → bytes); ``message``. The trajectory recorded by :meth:`exec`
+        is sent unless ``trajectory=`` is given. A repeated end answers the
+        recorded one; FailedPreconditionError if it ended otherwise.
+        """
+        kw.setdefault("trajectory", json.dumps(self.trajectory).encode() if self.trajectory else b"")
+        self.attempt = await self._client.end_rollout(self.id, **kw)
+        if self.sandbox is not None and self.sandbox.outcome is None:
+            # The daemon ended the sandbox with the attempt.
+            self.sandbox.outcome = self.sandbox.session
+        return self.attempt
+
+    def __repr__(self) -> str:
+        if self.attempt is None:
+            return "<AsyncRollout rewarded-before>"
+        return f"<AsyncRollout {self.attempt.key} attempt={self.attempt.attempt} {self.attempt.status}>"

@@ -243,9 +243,14 @@ def _code_kind(code: grpc.StatusCode) -> str:
 
 
 def from_rpc_error(e: grpc.RpcError) -> LayerStackError:
-    """The typed error for a failed call (``grpc.RpcError`` is also a ``grpc.Call``)."""
-    code: Optional[grpc.StatusCode] = e.code() if isinstance(e, grpc.Call) else None
-    details = e.details() if isinstance(e, grpc.Call) else None
+    """The typed error for a failed call: a blocking call's ``grpc.RpcError``
+    (also a ``grpc.Call``) or an asyncio call's ``grpc.aio.AioRpcError``
+    (which is not a ``grpc.Call`` but has the same ``code()`` and
+    ``details()``)."""
+    code_of = getattr(e, "code", None)
+    details_of = getattr(e, "details", None)
+    code: Optional[grpc.StatusCode] = code_of() if callable(code_of) else None
+    details = details_of() if callable(details_of) else None
     message = details or str(e)
     if code is None:
         return LayerStackError(None, "unknown", message)

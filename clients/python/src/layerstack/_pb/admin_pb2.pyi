@@ -18,6 +18,367 @@ DISCARD: EndAction
 AUTO: EndAction
 CHECKPOINT: EndAction
 
+class CreateRunRequest(_message.Message):
+    __slots__ = ("name", "graph", "labels")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    GRAPH_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    graph: str
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, name: _Optional[str] = ..., graph: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class CreateRunResponse(_message.Message):
+    __slots__ = ("run", "created")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    run: Run
+    created: bool
+    def __init__(self, run: _Optional[_Union[Run, _Mapping]] = ..., created: _Optional[bool] = ...) -> None: ...
+
+class Run(_message.Message):
+    __slots__ = ("name", "graph", "labels", "created_ns")
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    GRAPH_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    CREATED_NS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    graph: str
+    labels: _containers.ScalarMap[str, str]
+    created_ns: int
+    def __init__(self, name: _Optional[str] = ..., graph: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., created_ns: _Optional[int] = ...) -> None: ...
+
+class ListRunsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListRunsResponse(_message.Message):
+    __slots__ = ("runs",)
+    RUNS_FIELD_NUMBER: _ClassVar[int]
+    runs: _containers.RepeatedCompositeFieldContainer[Run]
+    def __init__(self, runs: _Optional[_Iterable[_Union[Run, _Mapping]]] = ...) -> None: ...
+
+class SampleKey(_message.Message):
+    __slots__ = ("run", "step", "prompt", "sample")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    step: int
+    prompt: str
+    sample: int
+    def __init__(self, run: _Optional[str] = ..., step: _Optional[int] = ..., prompt: _Optional[str] = ..., sample: _Optional[int] = ...) -> None: ...
+
+class BeginRolloutRequest(_message.Message):
+    __slots__ = ("sample", "attempt", "node", "policy", "has_seed", "seed", "sandbox", "wait_ms")
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    HAS_SEED_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_FIELD_NUMBER: _ClassVar[int]
+    WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    sample: SampleKey
+    attempt: int
+    node: str
+    policy: str
+    has_seed: bool
+    seed: int
+    sandbox: SandboxOptions
+    wait_ms: int
+    def __init__(self, sample: _Optional[_Union[SampleKey, _Mapping]] = ..., attempt: _Optional[int] = ..., node: _Optional[str] = ..., policy: _Optional[str] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., sandbox: _Optional[_Union[SandboxOptions, _Mapping]] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+
+class BeginRolloutResponse(_message.Message):
+    __slots__ = ("attempt", "created", "rewarded", "sample", "session")
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    REWARDED_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    attempt: RolloutAttempt
+    created: bool
+    rewarded: bool
+    sample: Sample
+    session: Session
+    def __init__(self, attempt: _Optional[_Union[RolloutAttempt, _Mapping]] = ..., created: _Optional[bool] = ..., rewarded: _Optional[bool] = ..., sample: _Optional[_Union[Sample, _Mapping]] = ..., session: _Optional[_Union[Session, _Mapping]] = ...) -> None: ...
+
+class Sample(_message.Message):
+    __slots__ = ("key", "node", "has_reward", "reward", "reward_attempt", "attempts", "max_attempt", "running")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    HAS_REWARD_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    REWARD_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    MAX_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    key: SampleKey
+    node: str
+    has_reward: bool
+    reward: float
+    reward_attempt: int
+    attempts: int
+    max_attempt: int
+    running: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, key: _Optional[_Union[SampleKey, _Mapping]] = ..., node: _Optional[str] = ..., has_reward: _Optional[bool] = ..., reward: _Optional[float] = ..., reward_attempt: _Optional[int] = ..., attempts: _Optional[int] = ..., max_attempt: _Optional[int] = ..., running: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Evaluator(_message.Message):
+    __slots__ = ("name", "version", "digest")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: str
+    digest: str
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., digest: _Optional[str] = ...) -> None: ...
+
+class Artifact(_message.Message):
+    __slots__ = ("name", "digest", "size")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    digest: str
+    size: int
+    def __init__(self, name: _Optional[str] = ..., digest: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+
+class RolloutAttempt(_message.Message):
+    __slots__ = ("id", "sample", "attempt", "node", "session", "graph_attempt", "policy", "has_seed", "seed", "status", "infra_kind", "has_reward", "reward", "accepted", "applied", "evaluator", "result_node", "trajectory", "artifacts", "backpropagated", "backprop", "message", "created_ns", "ended_ns")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLE_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    GRAPH_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    POLICY_FIELD_NUMBER: _ClassVar[int]
+    HAS_SEED_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    INFRA_KIND_FIELD_NUMBER: _ClassVar[int]
+    HAS_REWARD_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_FIELD_NUMBER: _ClassVar[int]
+    EVALUATOR_FIELD_NUMBER: _ClassVar[int]
+    RESULT_NODE_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORY_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACTS_FIELD_NUMBER: _ClassVar[int]
+    BACKPROPAGATED_FIELD_NUMBER: _ClassVar[int]
+    BACKPROP_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    CREATED_NS_FIELD_NUMBER: _ClassVar[int]
+    ENDED_NS_FIELD_NUMBER: _ClassVar[int]
+    id: int
+    sample: SampleKey
+    attempt: int
+    node: str
+    session: int
+    graph_attempt: int
+    policy: str
+    has_seed: bool
+    seed: int
+    status: str
+    infra_kind: str
+    has_reward: bool
+    reward: float
+    accepted: bool
+    applied: bool
+    evaluator: Evaluator
+    result_node: str
+    trajectory: str
+    artifacts: _containers.RepeatedCompositeFieldContainer[Artifact]
+    backpropagated: bool
+    backprop: float
+    message: str
+    created_ns: int
+    ended_ns: int
+    def __init__(self, id: _Optional[int] = ..., sample: _Optional[_Union[SampleKey, _Mapping]] = ..., attempt: _Optional[int] = ..., node: _Optional[str] = ..., session: _Optional[int] = ..., graph_attempt: _Optional[int] = ..., policy: _Optional[str] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., status: _Optional[str] = ..., infra_kind: _Optional[str] = ..., has_reward: _Optional[bool] = ..., reward: _Optional[float] = ..., accepted: _Optional[bool] = ..., applied: _Optional[bool] = ..., evaluator: _Optional[_Union[Evaluator, _Mapping]] = ..., result_node: _Optional[str] = ..., trajectory: _Optional[str] = ..., artifacts: _Optional[_Iterable[_Union[Artifact, _Mapping]]] = ..., backpropagated: _Optional[bool] = ..., backprop: _Optional[float] = ..., message: _Optional[str] = ..., created_ns: _Optional[int] = ..., ended_ns: _Optional[int] = ...) -> None: ...
+
+class EndRolloutRequest(_message.Message):
+    __slots__ = ("attempt", "status", "reward", "accepted", "infra_kind", "evaluator", "trajectory", "artifacts", "has_backprop", "backprop", "message", "keep", "state", "labels")
+    class Keep(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        CHECKPOINT: _ClassVar[EndRolloutRequest.Keep]
+        DISCARD: _ClassVar[EndRolloutRequest.Keep]
+    CHECKPOINT: EndRolloutRequest.Keep
+    DISCARD: EndRolloutRequest.Keep
+    class ArtifactData(_message.Message):
+        __slots__ = ("name", "data")
+        NAME_FIELD_NUMBER: _ClassVar[int]
+        DATA_FIELD_NUMBER: _ClassVar[int]
+        name: str
+        data: bytes
+        def __init__(self, name: _Optional[str] = ..., data: _Optional[bytes] = ...) -> None: ...
+    class LabelsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    ATTEMPT_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    REWARD_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    INFRA_KIND_FIELD_NUMBER: _ClassVar[int]
+    EVALUATOR_FIELD_NUMBER: _ClassVar[int]
+    TRAJECTORY_FIELD_NUMBER: _ClassVar[int]
+    ARTIFACTS_FIELD_NUMBER: _ClassVar[int]
+    HAS_BACKPROP_FIELD_NUMBER: _ClassVar[int]
+    BACKPROP_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FIELD_NUMBER: _ClassVar[int]
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    LABELS_FIELD_NUMBER: _ClassVar[int]
+    attempt: int
+    status: str
+    reward: float
+    accepted: bool
+    infra_kind: str
+    evaluator: Evaluator
+    trajectory: bytes
+    artifacts: _containers.RepeatedCompositeFieldContainer[EndRolloutRequest.ArtifactData]
+    has_backprop: bool
+    backprop: float
+    message: str
+    keep: EndRolloutRequest.Keep
+    state: str
+    labels: _containers.ScalarMap[str, str]
+    def __init__(self, attempt: _Optional[int] = ..., status: _Optional[str] = ..., reward: _Optional[float] = ..., accepted: _Optional[bool] = ..., infra_kind: _Optional[str] = ..., evaluator: _Optional[_Union[Evaluator, _Mapping]] = ..., trajectory: _Optional[bytes] = ..., artifacts: _Optional[_Iterable[_Union[EndRolloutRequest.ArtifactData, _Mapping]]] = ..., has_backprop: _Optional[bool] = ..., backprop: _Optional[float] = ..., message: _Optional[str] = ..., keep: _Optional[_Union[EndRolloutRequest.Keep, str]] = ..., state: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+
+class ListRolloutsRequest(_message.Message):
+    __slots__ = ("run", "has_step", "step", "page_size", "page_token")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    HAS_STEP_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    has_step: bool
+    step: int
+    page_size: int
+    page_token: str
+    def __init__(self, run: _Optional[str] = ..., has_step: _Optional[bool] = ..., step: _Optional[int] = ..., page_size: _Optional[int] = ..., page_token: _Optional[str] = ...) -> None: ...
+
+class ListRolloutsResponse(_message.Message):
+    __slots__ = ("attempts", "next_page_token")
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_PAGE_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    attempts: _containers.RepeatedCompositeFieldContainer[RolloutAttempt]
+    next_page_token: str
+    def __init__(self, attempts: _Optional[_Iterable[_Union[RolloutAttempt, _Mapping]]] = ..., next_page_token: _Optional[str] = ...) -> None: ...
+
+class AuditRunRequest(_message.Message):
+    __slots__ = ("run",)
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    run: str
+    def __init__(self, run: _Optional[str] = ...) -> None: ...
+
+class RunAudit(_message.Message):
+    __slots__ = ("samples", "rewarded", "attempts", "running", "completed", "task_failed", "infra_failed", "backprops", "violations")
+    class InfraFailedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    REWARDED_FIELD_NUMBER: _ClassVar[int]
+    ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
+    RUNNING_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    TASK_FAILED_FIELD_NUMBER: _ClassVar[int]
+    INFRA_FAILED_FIELD_NUMBER: _ClassVar[int]
+    BACKPROPS_FIELD_NUMBER: _ClassVar[int]
+    VIOLATIONS_FIELD_NUMBER: _ClassVar[int]
+    samples: int
+    rewarded: int
+    attempts: int
+    running: int
+    completed: int
+    task_failed: int
+    infra_failed: _containers.ScalarMap[str, int]
+    backprops: int
+    violations: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, samples: _Optional[int] = ..., rewarded: _Optional[int] = ..., attempts: _Optional[int] = ..., running: _Optional[int] = ..., completed: _Optional[int] = ..., task_failed: _Optional[int] = ..., infra_failed: _Optional[_Mapping[str, int]] = ..., backprops: _Optional[int] = ..., violations: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReadBlobRequest(_message.Message):
+    __slots__ = ("digest",)
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    digest: str
+    def __init__(self, digest: _Optional[str] = ...) -> None: ...
+
+class NodeStats(_message.Message):
+    __slots__ = ("node", "visits", "value_sum", "has_prior", "prior", "frontier")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    VISITS_FIELD_NUMBER: _ClassVar[int]
+    VALUE_SUM_FIELD_NUMBER: _ClassVar[int]
+    HAS_PRIOR_FIELD_NUMBER: _ClassVar[int]
+    PRIOR_FIELD_NUMBER: _ClassVar[int]
+    FRONTIER_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    visits: int
+    value_sum: float
+    has_prior: bool
+    prior: float
+    frontier: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node: _Optional[str] = ..., visits: _Optional[int] = ..., value_sum: _Optional[float] = ..., has_prior: _Optional[bool] = ..., prior: _Optional[float] = ..., frontier: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class GetNodeStatsRequest(_message.Message):
+    __slots__ = ("node", "children")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    CHILDREN_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    children: bool
+    def __init__(self, node: _Optional[str] = ..., children: _Optional[bool] = ...) -> None: ...
+
+class GetNodeStatsResponse(_message.Message):
+    __slots__ = ("node", "children")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    CHILDREN_FIELD_NUMBER: _ClassVar[int]
+    node: NodeStats
+    children: _containers.RepeatedCompositeFieldContainer[NodeStats]
+    def __init__(self, node: _Optional[_Union[NodeStats, _Mapping]] = ..., children: _Optional[_Iterable[_Union[NodeStats, _Mapping]]] = ...) -> None: ...
+
+class SetPriorRequest(_message.Message):
+    __slots__ = ("node", "prior")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    PRIOR_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    prior: float
+    def __init__(self, node: _Optional[str] = ..., prior: _Optional[float] = ...) -> None: ...
+
+class FrontierRequest(_message.Message):
+    __slots__ = ("holder", "nodes")
+    HOLDER_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    holder: str
+    nodes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, holder: _Optional[str] = ..., nodes: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class FrontierResponse(_message.Message):
+    __slots__ = ("nodes",)
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    nodes: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, nodes: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class ImportBaseRequest(_message.Message):
     __slots__ = ("path", "kind", "platform")
     PATH_FIELD_NUMBER: _ClassVar[int]

@@ -264,6 +264,66 @@ class AdminStub:
                 request_serializer=layerstack_dot___pb_dot_admin__pb2.ImportBaseRequest.SerializeToString,
                 response_deserializer=layerstack_dot___pb_dot_admin__pb2.ImportBaseResponse.FromString,
                 _registered_method=True)
+        self.CreateRun = channel.unary_unary(
+                '/layerstack.admin.v1.Admin/CreateRun',
+                request_serializer=layerstack_dot___pb_dot_admin__pb2.CreateRunRequest.SerializeToString,
+                response_deserializer=layerstack_dot___pb_dot_admin__pb2.CreateRunResponse.FromString,
+                _registered_method=True)
+        self.ListRuns = channel.unary_unary(
+                '/layerstack.admin.v1.Admin/ListRuns',
+                request_serializer=layerstack_dot___pb_dot_admin__pb2.ListRunsRequest.SerializeToString,
+                response_deserializer=layerstack_dot___pb_dot_admin__pb2.ListRunsResponse.FromString,
+                _registered_method=True)
+        self.BeginRollout = channel.unary_unary(
+                '/layerstack.admin.v1.Admin/BeginRollout',
+                request_serializer=layerstack_dot___pb_dot_admin__pb2.BeginRolloutRequest.SerializeToString,
+                response_deserializer=layerstack_dot___pb_dot_admin__pb2.BeginRolloutResponse.FromString,
+                _registered_method=True)
+        self.EndRollout = channel.unary_unary(
+                '/layerstack.admin.v1.Admin/EndRollout',
+                request_serializer=layerstack_dot___pb_dot_admin__pb2.EndRolloutRequest.SerializeToString,
+                response_deserializer=layerstack_dot___pb_dot_admin__pb2.RolloutAttempt.FromString,
+                _registered_method=True)
+        self.ListRollouts = channel.unary_unary(
+                '/layerstack.admin.v1.Admin/ListRollouts',
+                request_serializer=layerstack_dot___pb_dot_admin__pb2.ListRolloutsRequest.SerializeToString,
+                response_deserializer=layerstack_dot___pb_dot_admin__pb2.ListRolloutsResponse.FromString,
+                _registered_method=True)
+        self.GetSample = channel.unary_unary(
+                '/layerstack.admin.v1.Admin/GetSample',
+                request_serializer=layerstack_dot___pb_dot_admin__pb2.SampleKey.SerializeToString,
+                response_deserializer=layerstack_dot___pb_dot_admin__pb2.Sample.FromString,
+                _registered_method=True)
+        self.AuditRun = channel.unary_unary(
+                '/layerstack.admin.v1.Admin/AuditRun',
+                request_serializer=layerstack_dot___pb_dot_admin__pb2.AuditRunRequest.SerializeToString,
+                response_deserializer=layerstack_dot___pb_dot_admin__pb2.RunAudit.FromString,
+                _registered_method=True)
+        self.ReadBlob = channel.unary_stream(
+                '/layerstack.admin.v1.Admin/ReadBlob',
+                request_serializer=layerstack_dot___pb_dot_admin__pb2.ReadBlobRequest.SerializeToString,
+                response_deserializer=layerstack_dot___pb_dot_admin__pb2.FileChunk.FromString,
+                _registered_method=True)
+        self.GetNodeStats = channel.unary_unary(
+                '/layerstack.admin.v1.Admin/GetNodeStats',
+                request_serializer=layerstack_dot___pb_dot_admin__pb2.GetNodeStatsRequest.SerializeToString,
+                response_deserializer=layerstack_dot___pb_dot_admin__pb2.GetNodeStatsResponse.FromString,
+                _registered_method=True)
+        self.SetPrior = channel.unary_unary(
+                '/layerstack.admin.v1.Admin/SetPrior',
+                request_serializer=layerstack_dot___pb_dot_admin__pb2.SetPriorRequest.SerializeToString,
+                response_deserializer=layerstack_dot___pb_dot_admin__pb2.NodeStats.FromString,
+                _registered_method=True)
+        self.LeaseFrontier = channel.unary_unary(
+                '/layerstack.admin.v1.Admin/LeaseFrontier',
+                request_serializer=layerstack_dot___pb_dot_admin__pb2.FrontierRequest.SerializeToString,
+                response_deserializer=layerstack_dot___pb_dot_admin__pb2.FrontierResponse.FromString,
+                _registered_method=True)
+        self.ReleaseFrontier = channel.unary_unary(
+                '/layerstack.admin.v1.Admin/ReleaseFrontier',
+                request_serializer=layerstack_dot___pb_dot_admin__pb2.FrontierRequest.SerializeToString,
+                response_deserializer=layerstack_dot___pb_dot_admin__pb2.FrontierResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -674,6 +734,109 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CreateRun(self, request, context):
+        """The rollout fabric (docs/fabric.md; ARCHITECTURE.md §12): runs over a
+        graph, attempts of samples (run, step, prompt, sample) in sandboxes, and
+        their ends with rewards, applied once per sample whatever the retries,
+        crashes and repeated calls. A run over graph `graph`; the same name and
+        graph again answers the run (created = false). NOT_FOUND: no such graph;
+        ALREADY_EXISTS: the name is a run over another graph.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListRuns(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def BeginRollout(self, request, context):
+        """Starts attempt `attempt` of a sample in a new daemon-owned sandbox on the
+        sample's node (a graph attempt of it), or answers it again: the same
+        (run, step, prompt, sample, attempt) gives the same attempt and sandbox.
+        A sample rewarded already starts nothing: `rewarded` and `sample` say so.
+        FAILED_PRECONDITION: the attempt exists with another policy or seed, the
+        sample starts from another node, the node is pruned or not in the run's
+        graph; RESOURCE_EXHAUSTED (kind busy): no sandbox slot within wait_ms.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def EndRollout(self, request, context):
+        """Ends an attempt: completed(reward) | task_failed | infra_failed(kind).
+        With its sandbox still live, keep CHECKPOINT makes the child node in the
+        same transaction as the end, the sample's reward (first completed attempt
+        only) and the backpropagation; DISCARD ends it, then discards the
+        sandbox. An attempt whose sandbox was checkpointed before (for grading in
+        a clean session) is ended in one transaction, its node kept (CHECKPOINT)
+        or pruned (DISCARD). The same end again answers the recorded end.
+        FAILED_PRECONDITION: it ended otherwise; INVALID_ARGUMENT: a reward or
+        backprop value that is not finite, backprop of an infra failure.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListRollouts(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetSample(self, request, context):
+        """A sample: its reward, its attempts, those still running. NOT_FOUND: no
+        attempt of it was begun.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AuditRun(self, request, context):
+        """The run's exactly-once audit: counts and violations (none when sound).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReadBlob(self, request, context):
+        """A blob of a rollout attempt (its trajectory, an artifact), in chunks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetNodeStats(self, request, context):
+        """Search statistics beside the immutable nodes: a node's visits, value sum
+        and prior, and its children's (for UCT/PUCT selection in the client).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetPrior(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LeaseFrontier(self, request, context):
+        """Frontier leases: a leased node is never pruned (so never collected) until
+        every holder releases it; they survive daemon restarts.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseFrontier(self, request, context):
+        """No nodes: every lease of the holder.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -906,6 +1069,66 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.ImportBase,
                     request_deserializer=layerstack_dot___pb_dot_admin__pb2.ImportBaseRequest.FromString,
                     response_serializer=layerstack_dot___pb_dot_admin__pb2.ImportBaseResponse.SerializeToString,
+            ),
+            'CreateRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.CreateRun,
+                    request_deserializer=layerstack_dot___pb_dot_admin__pb2.CreateRunRequest.FromString,
+                    response_serializer=layerstack_dot___pb_dot_admin__pb2.CreateRunResponse.SerializeToString,
+            ),
+            'ListRuns': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRuns,
+                    request_deserializer=layerstack_dot___pb_dot_admin__pb2.ListRunsRequest.FromString,
+                    response_serializer=layerstack_dot___pb_dot_admin__pb2.ListRunsResponse.SerializeToString,
+            ),
+            'BeginRollout': grpc.unary_unary_rpc_method_handler(
+                    servicer.BeginRollout,
+                    request_deserializer=layerstack_dot___pb_dot_admin__pb2.BeginRolloutRequest.FromString,
+                    response_serializer=layerstack_dot___pb_dot_admin__pb2.BeginRolloutResponse.SerializeToString,
+            ),
+            'EndRollout': grpc.unary_unary_rpc_method_handler(
+                    servicer.EndRollout,
+                    request_deserializer=layerstack_dot___pb_dot_admin__pb2.EndRolloutRequest.FromString,
+                    response_serializer=layerstack_dot___pb_dot_admin__pb2.RolloutAttempt.SerializeToString,
+            ),
+            'ListRollouts': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRollouts,
+                    request_deserializer=layerstack_dot___pb_dot_admin__pb2.ListRolloutsRequest.FromString,
+                    response_serializer=layerstack_dot___pb_dot_admin__pb2.ListRolloutsResponse.SerializeToString,
+            ),
+            'GetSample': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetSample,
+                    request_deserializer=layerstack_dot___pb_dot_admin__pb2.SampleKey.FromString,
+                    response_serializer=layerstack_dot___pb_dot_admin__pb2.Sample.SerializeToString,
+            ),
+            'AuditRun': grpc.unary_unary_rpc_method_handler(
+                    servicer.AuditRun,
+                    request_deserializer=layerstack_dot___pb_dot_admin__pb2.AuditRunRequest.FromString,
+                    response_serializer=layerstack_dot___pb_dot_admin__pb2.RunAudit.SerializeToString,
+            ),
+            'ReadBlob': grpc.unary_stream_rpc_method_handler(
+                    servicer.ReadBlob,
+                    request_deserializer=layerstack_dot___pb_dot_admin__pb2.ReadBlobRequest.FromString,
+                    response_serializer=layerstack_dot___pb_dot_admin__pb2.FileChunk.SerializeToString,
+            ),
+            'GetNodeStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetNodeStats,
+                    request_deserializer=layerstack_dot___pb_dot_admin__pb2.GetNodeStatsRequest.FromString,
+                    response_serializer=layerstack_dot___pb_dot_admin__pb2.GetNodeStatsResponse.SerializeToString,
+            ),
+            'SetPrior': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetPrior,
+                    request_deserializer=layerstack_dot___pb_dot_admin__pb2.SetPriorRequest.FromString,
+                    response_serializer=layerstack_dot___pb_dot_admin__pb2.NodeStats.SerializeToString,
+            ),
+            'LeaseFrontier': grpc.unary_unary_rpc_method_handler(
+                    servicer.LeaseFrontier,
+                    request_deserializer=layerstack_dot___pb_dot_admin__pb2.FrontierRequest.FromString,
+                    response_serializer=layerstack_dot___pb_dot_admin__pb2.FrontierResponse.SerializeToString,
+            ),
+            'ReleaseFrontier': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseFrontier,
+                    request_deserializer=layerstack_dot___pb_dot_admin__pb2.FrontierRequest.FromString,
+                    response_serializer=layerstack_dot___pb_dot_admin__pb2.FrontierResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -2150,6 +2373,330 @@ class Admin:
             '/layerstack.admin.v1.Admin/ImportBase',
             layerstack_dot___pb_dot_admin__pb2.ImportBaseRequest.SerializeToString,
             layerstack_dot___pb_dot_admin__pb2.ImportBaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CreateRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/layerstack.admin.v1.Admin/CreateRun',
+            layerstack_dot___pb_dot_admin__pb2.CreateRunRequest.SerializeToString,
+            layerstack_dot___pb_dot_admin__pb2.CreateRunResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRuns(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/layerstack.admin.v1.Admin/ListRuns',
+            layerstack_dot___pb_dot_admin__pb2.ListRunsRequest.SerializeToString,
+            layerstack_dot___pb_dot_admin__pb2.ListRunsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def BeginRollout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/layerstack.admin.v1.Admin/BeginRollout',
+            layerstack_dot___pb_dot_admin__pb2.BeginRolloutRequest.SerializeToString,
+            layerstack_dot___pb_dot_admin__pb2.BeginRolloutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def EndRollout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/layerstack.admin.v1.Admin/EndRollout',
+            layerstack_dot___pb_dot_admin__pb2.EndRolloutRequest.SerializeToString,
+            layerstack_dot___pb_dot_admin__pb2.RolloutAttempt.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRollouts(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/layerstack.admin.v1.Admin/ListRollouts',
+            layerstack_dot___pb_dot_admin__pb2.ListRolloutsRequest.SerializeToString,
+            layerstack_dot___pb_dot_admin__pb2.ListRolloutsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetSample(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/layerstack.admin.v1.Admin/GetSample',
+            layerstack_dot___pb_dot_admin__pb2.SampleKey.SerializeToString,
+            layerstack_dot___pb_dot_admin__pb2.Sample.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AuditRun(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/layerstack.admin.v1.Admin/AuditRun',
+            layerstack_dot___pb_dot_admin__pb2.AuditRunRequest.SerializeToString,
+            layerstack_dot___pb_dot_admin__pb2.RunAudit.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReadBlob(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/layerstack.admin.v1.Admin/ReadBlob',
+            layerstack_dot___pb_dot_admin__pb2.ReadBlobRequest.SerializeToString,
+            layerstack_dot___pb_dot_admin__pb2.FileChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetNodeStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/layerstack.admin.v1.Admin/GetNodeStats',
+            layerstack_dot___pb_dot_admin__pb2.GetNodeStatsRequest.SerializeToString,
+            layerstack_dot___pb_dot_admin__pb2.GetNodeStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetPrior(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/layerstack.admin.v1.Admin/SetPrior',
+            layerstack_dot___pb_dot_admin__pb2.SetPriorRequest.SerializeToString,
+            layerstack_dot___pb_dot_admin__pb2.NodeStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LeaseFrontier(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/layerstack.admin.v1.Admin/LeaseFrontier',
+            layerstack_dot___pb_dot_admin__pb2.FrontierRequest.SerializeToString,
+            layerstack_dot___pb_dot_admin__pb2.FrontierResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseFrontier(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/layerstack.admin.v1.Admin/ReleaseFrontier',
+            layerstack_dot___pb_dot_admin__pb2.FrontierRequest.SerializeToString,
+            layerstack_dot___pb_dot_admin__pb2.FrontierResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,608 @@
+"""The rollout fabric (docs/fabric.md): runs, attempts of samples in sandboxes,
+rewards applied exactly once, and search statistics beside the graph.
+
+A **sample** is ``(run, step, prompt, sample)``; each try of it is an
+**attempt** (numbered from 1) in its own daemon-owned sandbox on the sample's
+node. An attempt ends ``completed`` (a reward), ``task_failed`` or
+``infra_failed`` (a kind: ``daemon-restart``, ``init-gone``, ``abandoned``,
+``sandbox-start``, ``checkpoint-failed``, ``unavailable``, …) — never a silent
+zero. The daemon applies a sample's reward once: the first completed attempt's;
+a repeated end answers the recorded one, a retry is a new attempt number.
+
+The step API for RL is :func:`fan_out` (asyncio): ``n`` samples of one node,
+each attempt run by your coroutine, graded in a clean sandbox over the
+attempt's checkpoint when a :class:`Grader` is given, retried on
+infrastructure failures, results yielded as they finish::
+
+    async with layerstack.aio.connect() as ls:
+        await ls.create_run("rl-7", graph="task-17")
+        async def act(r: layerstack.aio.AsyncRollout) -> None:
+            await r.exec(["sh", "-c", edits[r.sample]])
+        grader = Grader(["sh", "-c", "make test"], name="make-test", version="1")
+        async for res in fan_out(ls, "rl-7", node, 64, act, step=7, prompt="t17",
+                                 policy="ckpt-120", grader=grader):
+            print(res.sample, res.status, res.reward)
+
+MCTS helpers: :func:`uct` and :func:`puct` pick a child from
+:class:`NodeStats` (``GetNodeStats``); statistics are updated by each
+attempt's end (``backprop``), once per attempt.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from typing import (
+    TYPE_CHECKING,
+    Any,
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Dict,
+    List,
+    Mapping,
+    Optional,
+    Sequence,
+    Tuple,
+    Union,
+)
+
+from layerstack._pb import admin_pb2 as pb
+
+if TYPE_CHECKING:
+    from layerstack.aio import AsyncClient, AsyncRollout
+    from layerstack.sandbox import ExecOutput
+
+__all__ = [
+    "SampleKey",
+    "Run",
+    "Sample",
+    "Evaluator",
+    "Artifact",
+    "RolloutAttempt",
+    "RunAudit",
+    "NodeStats",
+    "Grader",
+    "RolloutResult",
+    "TaskFailed",
+    "uct",
+    "puct",
+    "fan_out",
+    "end_request",
+]
+
+#: The infrastructure-failure kinds the daemon itself records.
+INFRA_KINDS = ("daemon-restart", "init-gone", "abandoned", "sandbox-start", "checkpoint-failed")
+
+
+@dataclass(frozen=True)
+class SampleKey:
+    """A sample's coordinates: ``run``, ``step`` (from 0), ``prompt`` (the
+    task's id), ``sample`` (from 0)."""
+
+    run: str
+    step: int
+    prompt: str
+    sample: int
+
+    def to_pb(self) -> pb.SampleKey:
+        return pb.SampleKey(run=self.run, step=self.step, prompt=self.prompt, sample=self.sample)
+
+    @classmethod
+    def from_pb(cls, k: pb.SampleKey) -> "SampleKey":
+        return cls(run=k.run, step=k.step, prompt=k.prompt, sample=k.sample)
+
+
+@dataclass(frozen=True)
+class Run:
+    """A run over graph ``graph`` (its samples start from its nodes)."""
+
+    name: str
+    graph: str
+    labels: Dict[str, str]
+    created_ns: int
+
+    @classmethod
+    def from_pb(cls, r: pb.Run) -> "Run":
+        return cls(name=r.name, graph=r.graph, labels=dict(r.labels), created_ns=r.created_ns)
+
+
+@dataclass(frozen=True)
+class Sample:
+    """A sample: its node, its reward (``None`` until an attempt completes)
+    and which attempt gave it, how many attempts it has had."""
+
+    key: SampleKey
+    node: str
+    reward: Optional[float]
+    reward_attempt: Optional[int]
+    attempts: int
+    max_attempt: int
+    running: Tuple[int, ...]
+
+    @classmethod
+    def from_pb(cls, s: pb.Sample) -> "Sample":
+        return cls(
+            key=SampleKey.from_pb(s.key),
+            node=s.node,
+            reward=s.reward if s.has_reward else None,
+            reward_attempt=s.reward_attempt or None,
+            attempts=s.attempts,
+            max_attempt=s.max_attempt,
+            running=tuple(s.running),
+        )
+
+
+@dataclass(frozen=True)
+class Evaluator:
+    """A versioned evaluator, recorded with the reward it gave: ``digest`` is
+    the content digest of what ran (e.g. ``sha256:`` of its script)."""
+
+    name: str
+    version: str
+    digest: str = ""
+
+    def to_pb(self) -> pb.Evaluator:
+        return pb.Evaluator(name=self.name, version=self.version, digest=self.digest)
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """A named blob of an attempt (``digest``: ``blake3:<hex>``; ``size`` in bytes)."""
+
+    name: str
+    digest: str
+    size: int
+
+
+@dataclass(frozen=True)
+class RolloutAttempt:
+    """One attempt of a sample, as the daemon recorded it.
+
+    Attributes:
+        id: the attempt's id (EndRollout, ListRollouts).
+        key: its sample.
+        attempt: its number, from 1.
+        node: the node it started from.
+        session: its sandbox session, ``None`` if none.
+        status: ``running`` | ``completed`` | ``task_failed`` | ``infra_failed``.
+        infra_kind: what failed (``infra_failed`` only).
+        reward: its reward (``completed`` only); ``accepted`` the evaluator's verdict.
+        applied: this attempt's reward is its sample's (one attempt per sample).
+        evaluator: the evaluator recorded with the reward.
+        result_node: the checkpoint kept for it, ``None`` if none.
+        trajectory: digest of its trajectory blob (``read_blob``), ``None`` if none.
+        backprop: the value backpropagated for it, ``None`` if none.
+    """
+
+    id: int
+    key: SampleKey
+    attempt: int
+    node: str
+    session: Optional[int]
+    policy: str
+    seed: Optional[int]
+    status: str
+    infra_kind: Optional[str]
+    reward: Optional[float]
+    accepted: bool
+    applied: bool
+    evaluator: Optional[Evaluator]
+    result_node: Optional[str]
+    trajectory: Optional[str]
+    artifacts: Tuple[Artifact, ...]
+    backprop: Optional[float]
+    message: str
+    created_ns: int
+    ended_ns: Optional[int]
+
+    @property
+    def ended(self) -> bool:
+        return self.status != "running"
+
+    @classmethod
+    def from_pb(cls, a: pb.RolloutAttempt) -> "RolloutAttempt":
+        ev = a.evaluator if a.HasField("evaluator") else None
+        return cls(
+            id=a.id,
+            key=SampleKey.from_pb(a.sample),
+            attempt=a.attempt,
+            node=a.node,
+            session=a.session or None,
+            policy=a.policy,
+            seed=a.seed if a.has_seed else None,
+            status=a.status,
+            infra_kind=a.infra_kind or None,
+            reward=a.reward if a.has_reward else None,
+            accepted=a.accepted,
+            applied=a.applied,
+            evaluator=Evaluator(ev.name, ev.version, ev.digest) if ev is not None else None,
+            result_node=a.result_node or None,
+            trajectory=a.trajectory or None,
+            artifacts=tuple(Artifact(x.name, x.digest, x.size) for x in a.artifacts),
+            backprop=a.backprop if a.backpropagated else None,
+            message=a.message,
+            created_ns=a.created_ns,
+            ended_ns=a.ended_ns or None,
+        )
+
+
+@dataclass(frozen=True)
+class RunAudit:
+    """A run's exactly-once audit: counts, and ``violations`` (empty when every
+    invariant holds: one applied reward per rewarded sample, equal to its
+    attempt's; no completed attempt of an unrewarded sample; backpropagations
+    only of attempts that ended with a value)."""
+
+    samples: int
+    rewarded: int
+    attempts: int
+    running: int
+    completed: int
+    task_failed: int
+    infra_failed: Dict[str, int]
+    backprops: int
+    violations: Tuple[str, ...]
+
+    @classmethod
+    def from_pb(cls, a: pb.RunAudit) -> "RunAudit":
+        return cls(
+            samples=a.samples,
+            rewarded=a.rewarded,
+            attempts=a.attempts,
+            running=a.running,
+            completed=a.completed,
+            task_failed=a.task_failed,
+            infra_failed=dict(a.infra_failed),
+            backprops=a.backprops,
+            violations=tuple(a.violations),
+        )
+
+
+@dataclass(frozen=True)
+class NodeStats:
+    """Search statistics of a node: ``visits``, ``value_sum``, ``prior``
+    (``None`` if never set) and the holders of frontier leases on it."""
+
+    node: str
+    visits: int
+    value_sum: float
+    prior: Optional[float]
+    frontier: Tuple[str, ...]
+
+    @property
+    def mean(self) -> float:
+        """``value_sum / visits`` (0 for an unvisited node)."""
+        return self.value_sum / self.visits if self.visits else 0.0
+
+    @classmethod
+    def from_pb(cls, s: pb.NodeStats) -> "NodeStats":
+        return cls(
+            node=s.node,
+            visits=s.visits,
+            value_sum=s.value_sum,
+            prior=s.prior if s.has_prior else None,
+            frontier=tuple(s.frontier),
+        )
+
+
+def uct(parent: NodeStats, children: Sequence[NodeStats], c: float = math.sqrt(2)) -> NodeStats:
+    """The child maximizing UCT (Kocsis & Szepesvári 2006): ``mean + c *
+    sqrt(ln(N) / n)``; an unvisited child first (lowest id). ValueError when
+    ``children`` is empty."""
+    if not children:
+        raise ValueError(f"node {parent.node} has no children to select from: expand it first")
+    unvisited = [ch for ch in children if ch.visits == 0]
+    if unvisited:
+        return min(unvisited, key=lambda ch: ch.node)
+    ln_n = math.log(max(parent.visits, 1))
+    return max(children, key=lambda ch: (ch.mean + c * math.sqrt(ln_n / ch.visits), ch.node))
+
+
+def puct(parent: NodeStats, children: Sequence[NodeStats], c: float = 1.0) -> NodeStats:
+    """The child maximizing PUCT (AlphaZero): ``mean + c * prior * sqrt(N) /
+    (1 + n)``; a child with no prior counts as ``1 / len(children)``.
+    ValueError when ``children`` is empty."""
+    if not children:
+        raise ValueError(f"node {parent.node} has no children to select from: expand it first")
+    uniform = 1.0 / len(children)
+    sqrt_n = math.sqrt(max(parent.visits, 1))
+
+    def score(ch: NodeStats) -> Tuple[float, str]:
+        p = ch.prior if ch.prior is not None else uniform
+        return (ch.mean + c * p * sqrt_n / (1 + ch.visits), ch.node)
+
+    return max(children, key=score)
+
+
+class TaskFailed(Exception):
+    """Raise it from a rollout coroutine: the attempt ends ``task_failed``
+    (the policy's fault), not an infrastructure failure, and is not retried."""
+
+
+@dataclass
+class Grader:
+    """An evaluator run in a clean sandbox over the attempt's checkpoint.
+
+    ``command`` runs there; ``reward`` maps its output to ``(reward,
+    accepted)`` (default: ``(1.0, True)`` on exit 0, else ``(0.0, False)``).
+    ``digest`` defaults to ``sha256:`` of the command's JSON, so a changed
+    command is a changed evaluator. ``timeout_s`` bounds the command.
+    """
+
+    command: Union[str, Sequence[str]]
+    name: str
+    version: str
+    digest: str = ""
+    reward: Optional[Callable[["ExecOutput"], Tuple[float, bool]]] = None
+    timeout_s: Optional[float] = 600.0
+    env: Optional[Mapping[str, str]] = None
+
+    def evaluator(self) -> Evaluator:
+        d = self.digest or "sha256:" + hashlib.sha256(json.dumps(self.command).encode()).hexdigest()
+        return Evaluator(self.name, self.version, d)
+
+    def score(self, out: "ExecOutput") -> Tuple[float, bool]:
+        if self.reward is not None:
+            return self.reward(out)
+        return (1.0, True) if out.ok else (0.0, False)
+
+
+@dataclass(frozen=True)
+class RolloutResult:
+    """What :func:`fan_out` yields per sample: its last attempt (``attempt``),
+    the sample's reward as applied (``reward``, ``None`` if none), whether this
+    call applied it or found it applied before (``rewarded_before``), and the
+    evaluator's output when graded."""
+
+    sample: int
+    key: SampleKey
+    attempt: Optional[RolloutAttempt]
+    reward: Optional[float]
+    rewarded_before: bool = False
+    grade_output: Optional["ExecOutput"] = None
+    errors: Tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def status(self) -> str:
+        """The last attempt's status (``completed`` for a sample rewarded before)."""
+        if self.rewarded_before:
+            return "completed"
+        return self.attempt.status if self.attempt is not None else "infra_failed"
+
+
+def end_request(
+    attempt_id: int,
+    *,
+    reward: Optional[float] = None,
+    accepted: bool = True,
+    task_failed: bool = False,
+    infra_failed: Optional[str] = None,
+    evaluator: Optional[Evaluator] = None,
+    backprop: Optional[float] = None,
+    keep: str = "checkpoint",
+    state: Union[Mapping[str, Any], str, None] = None,
+    labels: Optional[Mapping[str, str]] = None,
+    artifacts: Optional[Mapping[str, bytes]] = None,
+    trajectory: bytes = b"",
+    message: str = "",
+) -> pb.EndRolloutRequest:
+    """The EndRollout request (exactly one of ``reward``, ``task_failed``,
+    ``infra_failed``; ValueError otherwise, or for a ``keep`` other than
+    "checkpoint" and "discard")."""
+    given = [reward is not None, task_failed, infra_failed is not None]
+    if sum(given) != 1:
+        raise ValueError("give exactly one of reward=, task_failed=True, infra_failed='kind'")
+    if keep not in ("checkpoint", "discard"):
+        raise ValueError(f"keep {keep!r}: use 'checkpoint' or 'discard'")
+    if reward is not None:
+        status = "completed"
+    elif task_failed:
+        status = "task_failed"
+    else:
+        status = "infra_failed"
+    req = pb.EndRolloutRequest(
+        attempt=attempt_id,
+        status=status,
+        reward=float(reward) if reward is not None else 0.0,
+        accepted=accepted,
+        infra_kind=infra_failed or "",
+        has_backprop=backprop is not None,
+        backprop=float(backprop) if backprop is not None else 0.0,
+        message=message,
+        keep=pb.EndRolloutRequest.DISCARD if keep == "discard" else pb.EndRolloutRequest.CHECKPOINT,
+        state=json.dumps(state) if isinstance(state, Mapping) else (state or ""),
+        labels=dict(labels or {}),
+        trajectory=trajectory,
+    )
+    if evaluator is not None:
+        req.evaluator.CopyFrom(evaluator.to_pb())
+    for name, data in (artifacts or {}).items():
+        req.artifacts.add(name=name, data=data)
+    return req
+
+
+async def _through_restarts(what: Callable[[], Awaitable[Any]], reconnect_s: float) -> Any:
+    """``await what()``, again while the daemon is unreachable (UnavailableError:
+    a restart) for at most ``reconnect_s`` seconds. Only for idempotent calls
+    (a begin names its attempt; a sample read changes nothing)."""
+    from layerstack.errors import UnavailableError
+
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + reconnect_s
+    delay = 0.05
+    while True:
+        try:
+            return await what()
+        except UnavailableError:
+            if loop.time() >= deadline:
+                raise
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
+
+
+def _infra_kind(e: BaseException) -> str:
+    """The infra_failed kind of an exception a rollout raised (a LayerStack
+    error's kind, else the exception's class name)."""
+    kind = getattr(e, "kind", None)
+    if isinstance(kind, str) and kind:
+        return kind
+    return type(e).__name__
+
+
+async def fan_out(
+    client: "AsyncClient",
+    run: str,
+    node: str,
+    n: int,
+    act: Callable[["AsyncRollout"], Awaitable[Any]],
+    *,
+    step: int = 0,
+    prompt: str = "task",
+    policy: str = "policy",
+    grader: Optional[Grader] = None,
+    samples: Optional[Sequence[int]] = None,
+    max_attempts: int = 3,
+    concurrency: int = 64,
+    seed: Optional[int] = None,
+    backprop: bool = True,
+    keep: str = "checkpoint",
+    sandbox: Optional[Mapping[str, Any]] = None,
+    reconnect_s: float = 60.0,
+) -> AsyncIterator[RolloutResult]:
+    """Runs ``n`` samples of ``node`` (``samples``: their numbers, default
+    ``range(n)``) in run ``run``, at most ``concurrency`` at once, and yields a
+    :class:`RolloutResult` per sample as it finishes.
+
+    Per sample: attempt 1, 2, … up to ``max_attempts``: a sandbox on ``node``
+    (``BeginRollout``; a sample rewarded before yields its recorded reward
+    and starts nothing), ``await act(rollout)`` — its return value, if a
+    number, is the reward when there is no ``grader``; raising
+    :class:`TaskFailed` ends the attempt ``task_failed``. With a ``grader``,
+    the attempt's sandbox is checkpointed, the grader runs in a fresh sandbox
+    on that checkpoint and is discarded, and its reward ends the attempt (its
+    node kept when accepted, else pruned, ``keep`` permitting). Any other
+    exception is an infrastructure failure: the attempt ends
+    ``infra_failed(kind)`` and the sample is tried again. ``backprop``: the
+    reward is backpropagated from the attempt's leaf (once per attempt).
+
+    Calling it again after a crash is safe: samples rewarded before are not
+    run again and keep their reward; attempt numbers continue after the
+    highest one recorded (a crashed attempt is ended by the daemon, or by
+    this call as ``infra_failed(abandoned)``). While the daemon is away (a
+    restart), begins and sample reads are repeated for up to
+    ``reconnect_s`` seconds — they are idempotent; an attempt the restart
+    ended is ended ``infra_failed`` by the daemon and the sample goes on
+    with the next attempt; an end whose answer was lost is found applied
+    by the next begin (the sample answers "rewarded").
+    """
+    if keep not in ("checkpoint", "discard"):
+        raise ValueError(f"keep {keep!r}: use 'checkpoint' or 'discard'")
+    todo = list(samples) if samples is not None else list(range(n))
+    gate = asyncio.Semaphore(max(1, concurrency))
+    queue: "asyncio.Queue[RolloutResult]" = asyncio.Queue()
+
+    async def one(i: int) -> None:
+        async with gate:
+            try:
+                res = await _run_sample(
+                    client, run, node, i, act, step=step, prompt=prompt, policy=policy,
+                    grader=grader, max_attempts=max_attempts, seed=seed, backprop=backprop,
+                    keep=keep, sandbox=sandbox or {}, reconnect_s=reconnect_s,
+                )
+            except BaseException as e:  # noqa: BLE001 — reported, never lost
+                key = SampleKey(run, step, prompt, i)
+                res = RolloutResult(sample=i, key=key, attempt=None, reward=None, errors=(repr(e),))
+            await queue.put(res)
+
+    tasks = [asyncio.ensure_future(one(i)) for i in todo]
+    try:
+        for _ in todo:
+            yield await queue.get()
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _run_sample(
+    client: "AsyncClient",
+    run: str,
+    node: str,
+    i: int,
+    act: Callable[["AsyncRollout"], Awaitable[Any]],
+    *,
+    step: int,
+    prompt: str,
+    policy: str,
+    grader: Optional[Grader],
+    max_attempts: int,
+    seed: Optional[int],
+    backprop: bool,
+    keep: str,
+    sandbox: Mapping[str, Any],
+    reconnect_s: float,
+) -> RolloutResult:
+    key = SampleKey(run, step, prompt, i)
+    # Continue after the attempts a crashed earlier call made.
+    first = 1 + await _through_restarts(lambda: client.sample_attempts(key), reconnect_s)
+    errors: List[str] = []
+    last: Optional[RolloutAttempt] = None
+    for number in range(first, first + max_attempts):
+        r = await _through_restarts(
+            lambda: client.begin_rollout(
+                key, number, node, policy=policy, seed=None if seed is None else seed + i, **sandbox
+            ),
+            reconnect_s,
+        )
+        if r.rewarded:
+            s = r.sample
+            return RolloutResult(i, key, last, s.reward if s else None, rewarded_before=True, errors=tuple(errors))
+        assert r.attempt is not None
+        last = r.attempt
+        if last.ended:
+            # A repeated begin of an attempt that ended (by a restart).
+            continue
+        try:
+            value = await act(r)
+            if grader is None:
+                reward = float(value) if isinstance(value, (int, float)) else 1.0
+                last = await r.end(reward=reward, accepted=True, backprop=reward if backprop else None,
+                                   keep=keep)
+                return RolloutResult(i, key, last, reward if last.applied else await _reward(client, key))
+            node_id = await r.checkpoint_for_grading()
+            g = await client.sandbox(node=node_id, name=f"grade-{r.id}", key=f"grade:{r.id}")
+            try:
+                out = await g.exec(grader.command, env=grader.env, timeout_s=grader.timeout_s)
+            finally:
+                # Discarded even across a daemon restart (a close is idempotent).
+                await _through_restarts(lambda: g.discard("grading done"), reconnect_s)
+            reward, accepted = grader.score(out)
+            last = await r.end(
+                reward=reward, accepted=accepted, evaluator=grader.evaluator(),
+                backprop=reward if backprop else None,
+                keep=keep if accepted else "discard",
+            )
+            applied = reward if last.applied else await _reward(client, key)
+            return RolloutResult(i, key, last, applied, grade_output=out)
+        except TaskFailed as e:
+            last = await r.end(task_failed=True, message=str(e), keep="discard")
+            return RolloutResult(i, key, last, None)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # an infrastructure failure: retry the sample
+            errors.append(f"attempt {number}: {e!r}")
+            try:
+                last = await r.end(infra_failed=_infra_kind(e), message=repr(e)[:1000], keep="discard")
+            except Exception as e2:  # the daemon may be away: it ends the attempt itself
+                errors.append(f"attempt {number} end: {e2!r}")
+            await asyncio.sleep(min(0.05 * 2 ** (number - first), 2.0))
+    return RolloutResult(i, key, last, None, errors=tuple(errors))
+
+
+async def _reward(client: "AsyncClient", key: SampleKey) -> Optional[float]:
+    s = await _through_restarts(lambda: client.sample(key), 60.0)
+    return s.reward if s is not None else None

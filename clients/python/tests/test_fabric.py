@@ -1,0 +1,276 @@
+"""The rollout fabric (issue 21) against a real daemon: a step fanned out over
+sandboxes from one node, each attempt graded in a clean sandbox over its
+checkpoint, its reward applied once per sample whatever the retries and
+repeated calls; infrastructure failures recorded as such and retried; search
+statistics, selection and frontier leases.
+
+Same requirements as test_sandbox.py (its daemon fixture: root, busybox, the
+built daemon; skipped without them, failed with ``CI=true``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import List, Optional
+
+import pytest
+
+import layerstack
+import layerstack.aio
+from layerstack.fabric import Grader, NodeStats, RolloutResult, SampleKey, TaskFailed, fan_out, puct, uct
+from conftest import DAEMON_BIN, _mounts_under, _terminate, _wait_for, bin_dir
+from test_sandbox import Daemon, _rootfs, daemon  # noqa: F401 — the module's daemon fixture
+
+GRADER = Grader(["sh", "-c", "grep -q good /work/answer"], name="grep-good", version="1")
+
+
+def _names(prefix: str) -> str:
+    return f"{prefix}-{os.getpid()}-{os.urandom(3).hex()}"
+
+
+async def _step(ls: layerstack.aio.AsyncClient, run: str, node: str, n: int, **kw) -> List[RolloutResult]:  # type: ignore[no-untyped-def]
+    async def act(r: layerstack.aio.AsyncRollout) -> None:
+        i = r.key.sample
+        out = await r.exec(["sh", "-c", f"mkdir -p /work && echo {'good' if i % 2 else 'bad'} > /work/answer"])
+        assert out.ok, out
+
+    return [res async for res in fan_out(ls, run, node, n, act, step=3, prompt="t1", policy="pi-3", **kw)]
+
+
+def test_a_step_grades_each_sample_in_a_clean_sandbox_and_rewards_it_once(daemon: Daemon) -> None:  # noqa: F811
+    async def main() -> None:
+        async with layerstack.aio.connect(daemon.admin) as ls:
+            g = await ls.create_graph(_names("fab"), daemon.stack)
+            run = (await ls.create_run(_names("run"), g.name)).name
+            assert (await ls.create_run(run, g.name)).name == run, "the same run again is the run"
+            results = await _step(ls, run, g.root, 8, grader=GRADER)
+            assert sorted(r.sample for r in results) == list(range(8))
+            for r in results:
+                assert r.status == "completed" and r.attempt is not None, r.errors
+                want = 1.0 if r.sample % 2 else 0.0
+                assert (r.reward, r.attempt.reward, r.attempt.applied) == (want, want, True), r
+                assert r.attempt.evaluator == GRADER.evaluator()
+                # Accepted results keep their checkpoint; rejected ones are pruned.
+                node = await ls.show_node(r.attempt.result_node) if r.attempt.result_node else None
+                if want:
+                    assert node is not None and not node.pruned and node.parents == (g.root,), r
+                else:
+                    assert node is None or node.pruned, r
+                assert r.grade_output is not None and r.grade_output.ok == bool(want)
+                traj = json.loads(await ls.read_blob(r.attempt.trajectory or ""))
+                assert traj[0]["argv"][0] == "sh" and traj[0]["exit_code"] == 0, traj
+            audit = await ls.audit_run(run)
+            assert audit.violations == ()
+            assert (audit.samples, audit.rewarded, audit.attempts, audit.completed, audit.backprops) == (8, 8, 8, 8, 8)
+            root, kids = await ls.node_stats(g.root, children=True)
+            assert (root.visits, root.value_sum) == (8, 4.0), root
+            assert len(kids) == 4 and all(k.visits == 1 and k.value_sum == 1.0 for k in kids), kids
+            # The step again (a harness restarted): nothing runs, rewards as recorded.
+            again = await _step(ls, run, g.root, 8, grader=GRADER)
+            assert all(r.rewarded_before for r in again), again
+            assert {r.sample: r.reward for r in again} == {r.sample: r.reward for r in results}
+            assert (await ls.audit_run(run)).attempts == 8, "a repeated step starts no attempt"
+
+    asyncio.run(main())
+
+
+def test_infrastructure_failures_are_retried_and_never_scored_zero(daemon: Daemon) -> None:  # noqa: F811
+    async def main() -> None:
+        async with layerstack.aio.connect(daemon.admin) as ls:
+            g = await ls.create_graph(_names("fab"), daemon.stack)
+            run = (await ls.create_run(_names("run"), g.name)).name
+            seen: List[int] = []
+
+            async def act(r: layerstack.aio.AsyncRollout) -> float:
+                seen.append(r.attempt.attempt if r.attempt else 0)
+                if r.key.sample == 0 and r.attempt is not None and r.attempt.attempt == 1:
+                    raise ConnectionError("worker lost")  # an infrastructure failure
+                if r.key.sample == 1:
+                    raise TaskFailed("the edit does not build")
+                await r.exec("echo done > /work/out")
+                return 0.5
+
+            res = {x.sample: x async for x in fan_out(ls, run, g.root, 2, act, policy="pi")}
+            assert (res[0].status, res[0].reward, res[0].attempt and res[0].attempt.attempt) == ("completed", 0.5, 2)
+            assert (res[1].status, res[1].reward) == ("task_failed", None), res[1]
+            attempts = [a async for a in ls.rollouts(run)]
+            first = [a for a in attempts if a.key.sample == 0 and a.attempt == 1][0]
+            assert (first.status, first.infra_kind, first.reward) == ("infra_failed", "ConnectionError", None)
+            audit = await ls.audit_run(run)
+            assert (audit.rewarded, audit.task_failed, audit.infra_failed, audit.violations) == (
+                1, 1, {"ConnectionError": 1}, ()), audit
+            assert (await ls.node_stats(g.root))[0].visits == 1, "task failures and infra failures backpropagate nothing"
+
+    asyncio.run(main())
+
+
+def test_an_attempt_ends_once_and_a_repeated_call_answers_it(daemon: Daemon) -> None:  # noqa: F811
+    async def main() -> None:
+        async with layerstack.aio.connect(daemon.admin) as ls:
+            g = await ls.create_graph(_names("fab"), daemon.stack)
+            run = (await ls.create_run(_names("run"), g.name)).name
+            key = SampleKey(run, 0, "p", 0)
+            r = await ls.begin_rollout(key, 1, g.root, policy="pi", seed=5)
+            again = await ls.begin_rollout(key, 1, g.root, policy="pi", seed=5)
+            assert r.created and not again.created and again.id == r.id
+            assert again.sandbox is not None and r.sandbox is not None and again.sandbox.id == r.sandbox.id
+            with pytest.raises(layerstack.FailedPreconditionError):
+                await ls.begin_rollout(key, 1, g.root, policy="pi-other", seed=5)
+            await r.files.write("/work/x", b"x\n")
+            end = await r.end(reward=0.9, backprop=0.9, state={"reward": 0.9})
+            assert (end.status, end.applied, end.backprop) == ("completed", True, 0.9)
+            assert end.result_node is not None
+            node = await ls.show_node(end.result_node)
+            assert node.state == {"reward": 0.9} and node.parents == (g.root,)
+            # The same end again: the recorded end, one effect.
+            assert await ls.end_rollout(r.id, reward=0.9, backprop=0.9) == end
+            with pytest.raises(layerstack.FailedPreconditionError):
+                await ls.end_rollout(r.id, reward=0.1)
+            with pytest.raises(layerstack.InvalidArgumentError):
+                await ls.end_rollout(r.id, infra_failed="timeout", backprop=0.0)
+            rewarded = await ls.begin_rollout(key, 2, g.root, policy="pi", seed=5)
+            assert rewarded.rewarded and rewarded.sample is not None and rewarded.sample.reward == 0.9
+            assert (await ls.node_stats(g.root))[0].visits == 1
+            # The sandbox ended with the attempt: nothing stays live.
+            with pytest.raises(layerstack.LayerStackError):
+                await r.sandbox.exec("true")
+
+    asyncio.run(main())
+
+
+def test_search_statistics_select_children_and_frontier_leases_hold_nodes(daemon: Daemon) -> None:  # noqa: F811
+    async def main() -> None:
+        async with layerstack.aio.connect(daemon.admin) as ls:
+            g = await ls.create_graph(_names("mcts"), daemon.stack)
+            run = (await ls.create_run(_names("run"), g.name)).name
+            values = {0: 0.2, 1: 0.9, 2: 0.4}
+            children = {}
+            for i, v in values.items():
+                r = await ls.begin_rollout(SampleKey(run, 0, "expand", i), 1, g.root)
+                await r.exec(f"echo {i} > /work/move")
+                end = await r.end(reward=v, backprop=v)
+                children[i] = end.result_node
+            root, kids = await ls.node_stats(g.root, children=True)
+            assert root.visits == 3 and abs(root.value_sum - 1.5) < 1e-9
+            assert uct(root, kids, c=0.0).node == children[1], "greedy UCT picks the best mean"
+            await ls.set_prior(children[2], 0.99)
+            await ls.set_prior(children[1], 0.0)
+            _, kids = await ls.node_stats(g.root, children=True)
+            assert puct(root, kids, c=100.0).node == children[2], "a strong prior dominates with a large c"
+            with pytest.raises(ValueError):
+                uct(NodeStats("x", 0, 0.0, None, ()), [])
+            # Frontier leases keep a node from being pruned until released.
+            assert await ls.lease_frontier("search-1", [children[0]]) == [children[0]]
+            with layerstack.connect(daemon.admin) as c:
+                with pytest.raises(layerstack.FailedPreconditionError) as e:
+                    c.prune(children[0])
+                assert "frontier of search-1" in str(e.value)
+                assert await ls.release_frontier("search-1") == []
+                assert children[0] in c.prune(children[0])
+
+    asyncio.run(main())
+
+
+class _Restartable:
+    """A daemon of its own that the test kills with SIGKILL and starts again
+    on the same store and sockets."""
+
+    def __init__(self, d: "Path") -> None:
+        self.d = d
+        self.admin = d / "ls" / "admin.sock"
+        self.p: "Optional[subprocess.Popen[bytes]]" = None
+
+    def start(self) -> None:
+        (self.d / "ls").mkdir(exist_ok=True)
+        log = open(self.d / "daemon.log", "ab")
+        self.p = subprocess.Popen(
+            [
+                str(bin_dir() / DAEMON_BIN),
+                "--root", str(self.d / "store"),
+                "--address", str(self.d / "ls" / "snap.sock"),
+                "--admin-address", str(self.admin),
+                "--containerd-address", str(self.d / "ls" / "containerd.sock"),  # none runs
+                "--metrics-address", "127.0.0.1:0",
+            ],
+            stdin=subprocess.DEVNULL, stdout=log, stderr=log,
+        )
+        p = self.p
+        _wait_for(DAEMON_BIN, lambda: self.admin.exists() and p.poll() is None, 30, self.d / "daemon.log")
+
+    def kill9(self) -> None:
+        assert self.p is not None
+        self.p.send_signal(signal.SIGKILL)
+        self.p.wait()
+        self.admin.unlink(missing_ok=True)
+
+
+def test_exactly_once_through_daemon_kills_mid_step(daemon: Daemon) -> None:  # noqa: F811
+    """A step of 24 graded samples while the daemon is killed with SIGKILL three
+    times: every sample ends with one reward (the right one), every attempt a
+    kill ended is infra_failed, the audit finds no violation, nothing stays
+    mounted and no rollout sandbox stays unreleased."""
+    d = Path(tempfile.mkdtemp(prefix="lst-py-crash-", dir=os.environ.get("LAYERSTACK_TEST_TMP", "/var/tmp")))
+    srv = _Restartable(d)
+    srv.start()
+    try:
+        with layerstack.connect(srv.admin) as c:
+            stack = c.import_base(_rootfs(d / "rootfs"))
+
+        async def main() -> None:
+            async with layerstack.aio.connect(srv.admin) as ls:
+                g = await ls.create_graph("crash", stack)
+                run = (await ls.create_run("crash-run", g.name)).name
+
+                async def act(r: layerstack.aio.AsyncRollout) -> None:
+                    i = r.key.sample
+                    out = await r.exec(["sh", "-c", f"sleep 0.3; echo {'good' if i % 2 else 'bad'} > /work/answer"])
+                    assert out.ok, out
+
+                async def killer() -> None:
+                    for _ in range(3):
+                        await asyncio.sleep(1.0)
+                        srv.kill9()
+                        await asyncio.sleep(0.3)
+                        await asyncio.get_running_loop().run_in_executor(None, srv.start)
+
+                k = asyncio.ensure_future(killer())
+                results = [
+                    x async for x in fan_out(ls, run, g.root, 24, act, policy="pi", grader=GRADER,
+                                             max_attempts=12, concurrency=8)
+                ]
+                await k
+                for x in results:
+                    want = 1.0 if x.sample % 2 else 0.0
+                    assert (x.status, x.reward) == ("completed", want), (x.sample, x.errors)
+                audit = await ls.audit_run(run)
+                assert audit.violations == (), audit
+                assert (audit.samples, audit.rewarded, audit.running) == (24, 24, 0), audit
+                assert sum(audit.infra_failed.values()) >= 3, f"three kills mid-step ended no attempt: {audit}"
+                assert set(audit.infra_failed) <= {"daemon-restart", "init-gone", "abandoned", "UnavailableError",
+                                                   "unavailable", "checkpoint-failed"}, audit
+                attempts = [a async for a in ls.rollouts(run)]
+                applied = [a for a in attempts if a.applied]
+                assert len(applied) == 24 and len({a.key for a in applied}) == 24
+                assert all(a.reward is None for a in attempts if a.status == "infra_failed")
+                # Every rollout sandbox was released.
+                with layerstack.connect(srv.admin) as c:
+                    live = [s for s in c.list_sessions(all_namespaces=True, owner_kind="sandbox")
+                            if s.owner.startswith("sandbox:rollout-") and not s.released]
+                    assert live == [], live
+
+        asyncio.run(main())
+        left = [m for m in _mounts_under(d) if "/s/" in m]
+        assert left == [], f"session mounts left: {left}"
+    finally:
+        if srv.p is not None and srv.p.poll() is None:
+            _terminate(srv.p)
+        for m in _mounts_under(d):
+            subprocess.run(["umount", "-l", m], capture_output=True)
+        if os.environ.get("LAYERSTACK_TEST_KEEP") != "1":
+            subprocess.run(["rm", "-rf", "--one-file-system", str(d)], capture_output=True)

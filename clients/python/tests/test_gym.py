@@ -1,0 +1,72 @@
+"""The Gymnasium environment over the rollout fabric (issue 21): it passes
+Gymnasium's own ``check_env``, an episode's reward comes from the grader in a
+clean sandbox and is recorded once per episode, and an episode cut short by
+``reset`` is recorded as abandoned, never as a zero.
+
+Same requirements as test_sandbox.py (its daemon fixture).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+from gymnasium.utils.env_checker import check_env
+
+import layerstack
+import layerstack.aio
+from layerstack.fabric import Grader
+from layerstack.gym import SUBMIT, SandboxEnv
+from test_sandbox import Daemon, daemon  # noqa: F401 — the module's daemon fixture
+
+ACTIONS = ["echo 1 > /work/x", "echo 2 > /work/x", "cat /work/x", SUBMIT]
+GRADER = Grader(["sh", "-c", "grep -q 2 /work/x"], name="x-is-2", version="1")
+
+
+def _env(daemon: Daemon, run: str, root: str, **kw) -> SandboxEnv:  # type: ignore[no-untyped-def]
+    return SandboxEnv(daemon.admin, node=root, run=run, actions=ACTIONS, grader=GRADER, **kw)
+
+
+def test_the_environment_passes_gymnasiums_checker_and_rewards_each_episode_once(daemon: Daemon) -> None:  # noqa: F811
+    with layerstack.connect(daemon.admin) as c:
+        g = c.create_graph(f"gym-{os.getpid()}-{os.urandom(3).hex()}", daemon.stack)
+    run = f"gym-run-{os.urandom(3).hex()}"
+    env = _env(daemon, run, g.root)
+    check_env(env, skip_render_check=True)
+    env.close()
+
+    env = _env(daemon, run, g.root, max_steps=3)
+    try:
+        obs, info = env.reset(seed=1)
+        assert obs == "" and info["episode"] >= 0 and env.attempt_id and env.session_id
+        obs, reward, term, trunc, info = env.step(1)
+        assert (reward, term, trunc, info["exit_code"]) == (0.0, False, False, 0)
+        obs, *_ = env.step(2)
+        assert obs == "2\n", obs
+        obs, reward, term, trunc, info = env.step(3)
+        assert (reward, term, trunc, info["accepted"], info["applied"]) == (1.0, True, False, True, True), info
+        assert env.last_attempt is not None and env.last_attempt.attempt == 1
+        good_node = env.last_attempt.result_node
+        # A wrong episode: graded 0, its checkpoint pruned; truncated after 3 actions.
+        env.reset(seed=2)
+        env.step(0)
+        env.step(2)
+        obs, reward, term, trunc, info = env.step(0)
+        assert (reward, term, trunc, info["accepted"]) == (0.0, False, True, False), info
+        # Cut short by reset: abandoned, not zero.
+        env.reset(seed=3)
+        env.step(1)
+        env.reset(seed=4)
+    finally:
+        env.close()
+
+    async def audit() -> None:
+        async with layerstack.aio.connect(daemon.admin) as ls:
+            a = await ls.audit_run(run)
+            assert a.violations == (), a
+            assert a.completed == 2 and a.infra_failed.get("abandoned", 0) >= 2, a
+            rewards = sorted(x.reward for x in [r async for r in ls.rollouts(run)] if x.status == "completed")
+            assert rewards == [0.0, 1.0]
+            assert not (await ls.show_node(good_node)).pruned
+
+    asyncio.run(audit())
