@@ -191,7 +191,10 @@ impl Engine {
                     ))));
                 }
                 info!(rollout.attempt = id, status = after.status.as_str(), node = ?after.result_node, "rollout attempt ended with its checkpoint");
-                Ok(after)
+                // A concurrent end may have come first: this call's ending is
+                // then answered as a repeat (the same result) or refused.
+                self.blocking(move |st| st.end_rollout(id, &ending, Disposition::Keep))
+                    .await
             }
             (Some(sid), RolloutKeep::Discard) => {
                 let e = ending.clone();

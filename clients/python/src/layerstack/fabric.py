@@ -51,6 +51,7 @@ from typing import (
 )
 
 from layerstack._pb import admin_pb2 as pb
+from layerstack.errors import FailedPreconditionError, LayerStackError
 
 if TYPE_CHECKING:
     from layerstack.aio import AsyncClient, AsyncRollout
@@ -444,6 +445,11 @@ async def _through_restarts(what: Callable[[], Awaitable[Any]], reconnect_s: flo
             delay = min(delay * 2, 1.0)
 
 
+#: Error kinds of a begin that are the caller's to fix, not worth a retry.
+_CALLER_ERRORS = frozenset({"invalid_argument", "failed_precondition", "not_found", "already_exists",
+                            "permission_denied", "unauthenticated", "unsupported"})
+
+
 def _infra_kind(e: BaseException) -> str:
     """The infra_failed kind of an exception a rollout raised (a LayerStack
     error's kind, else the exception's class name)."""
@@ -552,12 +558,21 @@ async def _run_sample(
     errors: List[str] = []
     last: Optional[RolloutAttempt] = None
     for number in range(first, first + max_attempts):
-        r = await _through_restarts(
-            lambda: client.begin_rollout(
-                key, number, node, policy=policy, seed=None if seed is None else seed + i, **sandbox
-            ),
-            reconnect_s,
-        )
+        try:
+            r = await _through_restarts(
+                lambda: client.begin_rollout(
+                    key, number, node, policy=policy, seed=None if seed is None else seed + i, **sandbox
+                ),
+                reconnect_s,
+            )
+        except LayerStackError as e:
+            if e.kind in _CALLER_ERRORS:
+                raise
+            # The sandbox could not be made (the daemon ended the attempt
+            # infra_failed(sandbox-start)), or no slot: the next attempt.
+            errors.append(f"attempt {number} begin: {e!r}")
+            await asyncio.sleep(min(0.05 * 2 ** (number - first), 2.0))
+            continue
         if r.rewarded:
             s = r.sample
             return RolloutResult(i, key, last, s.reward if s else None, rewarded_before=True, errors=tuple(errors))
@@ -589,15 +604,28 @@ async def _run_sample(
             applied = reward if last.applied else await _reward(client, key)
             return RolloutResult(i, key, last, applied, grade_output=out)
         except TaskFailed as e:
-            last = await r.end(task_failed=True, message=str(e), keep="discard")
+            try:
+                last = await _through_restarts(
+                    lambda: r.end(task_failed=True, message=str(e), keep="discard"), reconnect_s
+                )
+            except FailedPreconditionError as e2:  # a restart ended it first: try again
+                errors.append(f"attempt {number} end: {e2!r}")
+                continue
             return RolloutResult(i, key, last, None)
         except asyncio.CancelledError:
             raise
         except Exception as e:  # an infrastructure failure: retry the sample
             errors.append(f"attempt {number}: {e!r}")
+            kind = _infra_kind(e)
             try:
-                last = await r.end(infra_failed=_infra_kind(e), message=repr(e)[:1000], keep="discard")
-            except Exception as e2:  # the daemon may be away: it ends the attempt itself
+                # Through a restart too: an attempt whose sandbox was already
+                # checkpointed for grading is not ended by the restart.
+                last = await _through_restarts(
+                    lambda: r.end(infra_failed=kind, message=repr(e)[:1000], keep="discard"), reconnect_s
+                )
+            except FailedPreconditionError as e2:  # ended otherwise meanwhile (the restart)
+                errors.append(f"attempt {number} end: {e2!r}")
+            except Exception as e2:
                 errors.append(f"attempt {number} end: {e2!r}")
             await asyncio.sleep(min(0.05 * 2 ** (number - first), 2.0))
     return RolloutResult(i, key, last, None, errors=tuple(errors))
