@@ -8,9 +8,14 @@
 //! (`layerstack_sandbox::holder`), runs the command with stdin, stdout and
 //! stderr passed through untouched, and once the command and every process of
 //! the session are gone asks the daemon, on the same connection, to close the
-//! session by its exit policy (`close`: `CloseSession` with the exit status;
-//! through the admin API if the daemon restarted meanwhile). It
-//! writes the outcome as one line on stderr (and as JSON to `--outcome FILE`) and
+//! session by its exit policy (`close`: `CloseSession` with the exit status).
+//! While the command runs a thread watches the connection: if the daemon
+//! restarts, it reconnects and takes the session back (`resume`) at once. If
+//! the connection is broken at the close (the daemon was down when the command
+//! ended, or died during the close), it reconnects with back-off for at most
+//! `--reconnect-timeout` seconds, takes the session back and closes it there:
+//! the restarted daemon applies the policy to the exit status, or answers the
+//! outcome it recorded. It writes the outcome as one line on stderr (and as JSON to `--outcome FILE`) and
 //! exits with the command's status (127: not found, 126: not executable, 128 + n:
 //! killed by signal n; 125: the session could not be started, or `run` failed
 //! otherwise; the error is on stderr, as `--error-format` says).
@@ -147,6 +152,14 @@ pub struct RunArgs {
     /// (the reward, the step, …) [default: {}].
     #[arg(long, value_name = "JSON")]
     pub state: Option<String>,
+    /// When the daemon's connection broke (a restart while the command ran or
+    /// during the close): for how many seconds to retry reaching it again to
+    /// close the session with the command's exit status (0: no retry). The
+    /// daemon waits 60 s for a holder to come back after it sees the session's
+    /// namespaces gone; a longer timeout may find the session finished without
+    /// the exit status.
+    #[arg(long, value_name = "SECS", default_value_t = 30)]
+    pub reconnect_timeout: u32,
     /// The command and its arguments (after `--`).
     #[arg(
         required = true,
@@ -446,6 +459,150 @@ fn close_on(
         .map_err(|e| anyhow::anyhow!("the daemon's answer to close: {e}"))
 }
 
+/// A new connection to the mount socket holding session `id` again
+/// (`resume`): its holder's connection broke, the daemon restarted. A
+/// refusal is a [`Failure`]; anything else means the daemon is not back yet.
+fn resume(mount: &Path, id: i64, (mode, workdir): (Mode, &Path)) -> Result<MountConn> {
+    let mut conn = MountConn::connect(mount)?;
+    let (reply, _) = conn.request(&Request::Resume {
+        session: id,
+        mode,
+        workdir: workdir.to_string_lossy().into_owned(),
+    })?;
+    if !reply.ok {
+        return Err(refused(reply));
+    }
+    Ok(conn)
+}
+
+/// The holder's connection while the command runs, kept by a thread: when
+/// the daemon closes it (a restart), the thread reconnects with back-off
+/// ([`reconnect_backoff`]) until the daemon answers or the command ends, and
+/// takes the session back ([`resume`]), so that the restarted daemon holds
+/// it as its holder's again (its end without a close is the holder's death,
+/// as before the restart) while the command still runs.
+struct Keeper {
+    /// Closing it stops the thread.
+    stop: std::os::fd::OwnedFd,
+    thread: std::thread::JoinHandle<MountConn>,
+}
+
+impl Keeper {
+    fn start(
+        conn: MountConn,
+        mount: PathBuf,
+        id: i64,
+        (mode, workdir): (Mode, PathBuf),
+    ) -> Result<Keeper> {
+        let (stop_r, stop) = sys::pipe().context("a pipe for the connection keeper")?;
+        let thread = std::thread::Builder::new()
+            .name("holder-conn".into())
+            .spawn(move || keep(conn, &stop_r, &mount, id, (mode, &workdir)))
+            .context("starting the connection keeper thread")?;
+        Ok(Keeper { stop, thread })
+    }
+
+    /// Stops the thread; the connection that holds the session now (the
+    /// first, or one the thread resumed on — possibly broken: the close then
+    /// reconnects itself).
+    fn finish(self) -> Result<MountConn> {
+        drop(self.stop);
+        self.thread
+            .join()
+            .map_err(|_| anyhow::anyhow!("the connection keeper thread panicked"))
+    }
+}
+
+fn keep(
+    mut conn: MountConn,
+    stop: &std::os::fd::OwnedFd,
+    mount: &Path,
+    id: i64,
+    place: (Mode, &Path),
+) -> MountConn {
+    use layerstack_sandbox::client::{wait_either, Woken};
+    use std::os::fd::AsRawFd;
+    let stop = stop.as_raw_fd();
+    loop {
+        if wait_either(Some(conn.raw_fd()), stop, -1).ok() != Some(Woken::Conn) {
+            return conn;
+        }
+        let mut attempt = 0;
+        loop {
+            let ms = i32::try_from(reconnect_backoff(attempt).as_millis()).unwrap_or(2000);
+            if wait_either(None, stop, ms).ok() != Some(Woken::Timeout) {
+                return conn;
+            }
+            match resume(mount, id, place) {
+                Ok(c) => {
+                    conn = c;
+                    break;
+                }
+                // Refused: the close says why.
+                Err(e) if e.downcast_ref::<Failure>().is_some() => return conn,
+                Err(_) => attempt += 1,
+            }
+        }
+    }
+}
+
+/// Back-off between attempts to reach a restarted daemon: 100 ms doubling to 2 s.
+fn reconnect_backoff(attempt: u32) -> std::time::Duration {
+    std::time::Duration::from_millis((100u64 << attempt.min(5)).min(2000))
+}
+
+/// The close of session `id` after its holder connection broke (the daemon
+/// restarted while the command ran, or died during the close): reconnects to
+/// the mount socket with back-off ([`reconnect_backoff`]) for at most
+/// `patience`, takes the session back (`resume`) and closes it there. The
+/// restarted daemon applies the exit policy to `exit` as the last one would
+/// have, or answers the outcome it recorded already (it finished the close
+/// the last one started). A refusal is final; only an unreachable daemon is
+/// retried.
+#[allow(clippy::too_many_arguments)]
+fn close_after_restart(
+    mount: &Path,
+    id: i64,
+    (mode, workdir): (Mode, &Path),
+    policy: api::EndAction,
+    exit: Option<u32>,
+    reason: &str,
+    node: &NodeInfo,
+    patience: std::time::Duration,
+) -> Result<api::Session> {
+    let deadline = std::time::Instant::now() + patience;
+    let mut attempt = 0;
+    loop {
+        let r = resume(mount, id, (mode, workdir))
+            .and_then(|mut conn| close_on(&mut conn, policy, exit, reason, node));
+        let e = match r {
+            Ok(s) => return Ok(s),
+            Err(e) if e.downcast_ref::<Failure>().is_some() => return Err(e),
+            Err(e) => e,
+        };
+        let wait = reconnect_backoff(attempt);
+        if std::time::Instant::now() + wait > deadline {
+            let status = exit.map_or("unknown".to_string(), |x| x.to_string());
+            return Err(with_kind(
+                api::ErrorKind::Unavailable,
+                e.context(format!(
+                    "the daemon's connection broke and its mount socket {} did not answer within {} s (--reconnect-timeout): session {id} (command exit status {status}) is not closed; the daemon finishes it by its policy, with no exit status, once it runs again",
+                    mount.display(),
+                    patience.as_secs()
+                )),
+            ));
+        }
+        if attempt == 0 {
+            eprintln!(
+                "layerstack: the daemon's connection broke; reconnecting to close session {id} (at most {} s)",
+                patience.as_secs()
+            );
+        }
+        std::thread::sleep(wait);
+        attempt += 1;
+    }
+}
+
 /// Where the overlay goes, the mode, and the default working directory.
 fn placement(a: &SessionArgs) -> Result<(Placement, Mode, PathBuf)> {
     match &a.mount_at {
@@ -603,7 +760,9 @@ pub async fn run(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
 async fn run_inner(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
     require_root("run")?;
     let place = placement(&a.session)?;
-    let (mut conn, session, mount_fd) = start(&mount_address(cli), &cli.namespace, &a.session)?;
+    let (mode, workdir) = (place.1, place.2.clone());
+    let mount = mount_address(cli);
+    let (mut conn, session, mount_fd) = start(&mount, &cli.namespace, &a.session)?;
     let id = session.id;
     let init = match hold(
         &conn,
@@ -625,9 +784,15 @@ async fn run_inner(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
             return Err(e);
         }
     };
-    let (exit, policy, reason) = match init {
-        Ok(init) => {
-            let x = init.wait().context("waiting for the session's init")?;
+    let keeper = Keeper::start(conn, mount.clone(), id, (mode, workdir.clone()))?;
+    let waited = match init {
+        Ok(init) => Ok(init.wait().context("waiting for the session's init")),
+        Err(x) => Err(x),
+    };
+    let mut conn = keeper.finish()?;
+    let (exit, policy, reason) = match waited {
+        Ok(x) => {
+            let x = x?;
             let code = x.shell_status();
             (
                 code,
@@ -655,12 +820,18 @@ async fn run_inner(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
     let s = match close_on(&mut conn, policy, status, &reason, &node) {
         Ok(s) => s,
         Err(e) if e.downcast_ref::<Failure>().is_some() => return Err(e),
-        // The connection broke: the daemon restarted meanwhile (the new one
-        // watches the session; its holder closes it through the admin API).
-        Err(_) => {
-            let mut c = crate::connect(&cli.admin_address).await?;
-            close(&mut c, id, policy, status, &reason, &node).await?
-        }
+        // The connection broke: the daemon restarted meanwhile, or died
+        // during the close (the new one keeps the session for its holder).
+        Err(_) => close_after_restart(
+            &mount,
+            id,
+            (mode, &workdir),
+            policy,
+            status,
+            &reason,
+            &node,
+            std::time::Duration::from_secs(a.reconnect_timeout.into()),
+        )?,
     };
     drop(conn);
     eprintln!("{}", outcome_line(&s));

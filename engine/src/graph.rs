@@ -43,6 +43,13 @@ fn micros(d: std::time::Duration) -> u64 {
     u64::try_from(d.as_micros()).unwrap_or(u64::MAX)
 }
 
+/// The arguments of a keyed promote: the node and the branch.
+fn promote_args(node: &str, branch: &str) -> layerstack_store::KeyArgs {
+    layerstack_store::KeyArgs::new()
+        .with("node", node)
+        .with("branch", branch)
+}
+
 impl Engine {
     /// Creates graph `name` on `stack` rooted at `branch`'s head.
     pub async fn graph_create(
@@ -135,8 +142,9 @@ impl Engine {
     ) -> Result<NodeInfo, EngineError> {
         if let Some(k) = &key {
             let k2 = k.clone();
+            let args = layerstack_store::checkpoint_args(id, state.as_deref().unwrap_or("{}"));
             if let Some(node) = self
-                .blocking(move |st| st.graph_op(&k2, "checkpoint"))
+                .blocking(move |st| st.graph_op(&k2, "checkpoint", &args))
                 .await?
             {
                 return self.blocking(move |st| st.node(&node)).await;
@@ -266,7 +274,11 @@ impl Engine {
     ) -> Result<NodeMerged, EngineError> {
         if let Some(k) = &key {
             let k2 = k.clone();
-            if let Some(node) = self.blocking(move |st| st.graph_op(&k2, "merge")).await? {
+            let args = layerstack_store::merge_args(&[a, b], state.as_deref().unwrap_or("{}"));
+            if let Some(node) = self
+                .blocking(move |st| st.graph_op(&k2, "merge", &args))
+                .await?
+            {
                 let n = self.blocking(move |st| st.node(&node)).await?;
                 return Ok(NodeMerged::Node(Box::new(n)));
             }
@@ -340,7 +352,11 @@ impl Engine {
         })?;
         if let Some(k) = &key {
             let k2 = k.clone();
-            if let Some(r) = self.blocking(move |st| st.graph_op(&k2, "promote")).await? {
+            let args = promote_args(node, branch);
+            if let Some(r) = self
+                .blocking(move |st| st.graph_op(&k2, "promote", &args))
+                .await?
+            {
                 return self.stored_promote(&r).await;
             }
         }
@@ -362,7 +378,8 @@ impl Engine {
                 Promoted::Conflict { .. } => unreachable!("a conflict is not recorded"),
             };
             let k = k.clone();
-            self.blocking(move |st| st.record_graph_op(&k, "promote", &answer))
+            let args = promote_args(node, branch);
+            self.blocking(move |st| st.record_graph_op(&k, "promote", &answer, &args))
                 .await?;
         }
         Ok(out)

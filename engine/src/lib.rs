@@ -183,8 +183,7 @@ impl Engine {
     pub fn new(store: Arc<Store>, settings: EngineSettings) -> Arc<Engine> {
         let (generation, _) = watch::channel(0);
         let (events, _) = broadcast::channel(1024);
-        let sandboxes =
-            sandbox::Sandboxes::new(settings.sandbox.max_sessions, settings.sandbox.create_rate);
+        let sandboxes = sandbox::Sandboxes::new(&settings.sandbox);
         let workers = match settings.publish_workers {
             0 => std::thread::available_parallelism().map_or(2, std::num::NonZeroUsize::get),
             n => n,
@@ -394,15 +393,24 @@ impl Engine {
         });
     }
 
-    async fn end_released(self: &Arc<Self>, id: SessionId) -> Result<(), EngineError> {
+    /// Ends released session `id`'s run if it has none, and completes its
+    /// release. Returns false when there was nothing to do, or when the run
+    /// is left to its holder (see below).
+    async fn end_released(self: &Arc<Self>, id: SessionId) -> Result<bool, EngineError> {
         let _g = self.lock_session(id).await;
         let s = self.session(id).await?;
         if !s.released || !s.remove_pending {
-            return Ok(());
+            return Ok(false);
         }
         // Every run ends with an outcome, an empty one too (`no-change`, or
         // `discarded` by its policy): a `layerstack wait` on it must answer.
         let unfinished = !s.run_finished() && s.outcome.is_none() && s.lease_manifest.is_some();
+        if unfinished && matches!(s.owner, Owner::Sandbox { .. }) && !s.daemon_owned {
+            // A holder's close the last daemon did not finish: the holder
+            // reconnects and closes again with the command's exit status
+            // ([`Engine::recover_sandboxes`] waits for it).
+            return Ok(false);
+        }
         if unfinished && s.daemon_owned {
             // A CloseSession the last daemon did not finish: what it was asked
             // to do was not recorded, and the init died with that daemon.
@@ -418,7 +426,7 @@ impl Engine {
         }
         self.blocking(move |st| st.complete_release(id)).await?;
         info!(session.id = id, "session released");
-        Ok(())
+        Ok(true)
     }
 
     /// At start: finishes sessions whose release was interrupted.
@@ -427,10 +435,13 @@ impl Engine {
         // (checkpointed by its policy, `interrupted` for a daemon-owned
         // session); only attempts still running after that are orphans.
         let pending = self.blocking(|s| s.pending_releases()).await?;
-        let n = pending.len();
+        let mut n = 0;
         for id in pending {
-            if let Err(e) = self.end_released(id).await {
-                warn!(session.id = id, error = %error_chain(&e), "cannot finish a released session");
+            match self.end_released(id).await {
+                Ok(done) => n += usize::from(done),
+                Err(e) => {
+                    warn!(session.id = id, error = %error_chain(&e), "cannot finish a released session")
+                }
             }
         }
         let abandoned = self.recover_graph().await?;

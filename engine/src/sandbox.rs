@@ -17,7 +17,7 @@
 //!   containers). A holder that vanished without closing (SIGKILL) is closed the
 //!   same way with no exit status: `on-exit` publishes, `on-success` discards.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -39,6 +39,14 @@ pub struct SandboxSettings {
     /// New sandbox sessions per second at most, in bursts of at most that
     /// many (a generic cell-rate limit); 0: unlimited (the default).
     pub create_rate: u32,
+    /// After a restart, how long a session of the last daemon whose holder's
+    /// namespaces are gone waits for that holder to reconnect and close it
+    /// with the command's exit status, before it is finished by its policy
+    /// with none. Default 60 s: more than `layerstack session run
+    /// --reconnect-timeout`'s default (30 s), counted from the moment this
+    /// daemon sees the namespaces gone (the holder's retries started then or
+    /// before).
+    pub holder_grace: Duration,
 }
 
 impl Default for SandboxSettings {
@@ -46,6 +54,7 @@ impl Default for SandboxSettings {
         Self {
             max_sessions: 256,
             create_rate: 0,
+            holder_grace: Duration::from_secs(60),
         }
     }
 }
@@ -53,8 +62,12 @@ impl Default for SandboxSettings {
 /// The cap, the permits of live sandbox sessions and the creation rate.
 pub(crate) struct Sandboxes {
     max: usize,
+    holder_grace: Duration,
     sem: Arc<Semaphore>,
     permits: Mutex<HashMap<SessionId, OwnedSemaphorePermit>>,
+    /// Sessions in root mode ([`Engine::sandbox_root_mode`]): their close
+    /// drops the mountpoints the session's init made in the upper.
+    root_mode: Mutex<HashSet<SessionId>>,
     rate: Option<Rate>,
 }
 
@@ -97,12 +110,14 @@ impl Rate {
 }
 
 impl Sandboxes {
-    pub(crate) fn new(max: usize, create_rate: u32) -> Self {
+    pub(crate) fn new(settings: &SandboxSettings) -> Self {
         Self {
-            max,
-            sem: Arc::new(Semaphore::new(max)),
+            max: settings.max_sessions,
+            holder_grace: settings.holder_grace,
+            sem: Arc::new(Semaphore::new(settings.max_sessions)),
             permits: Mutex::new(HashMap::new()),
-            rate: Rate::new(create_rate),
+            root_mode: Mutex::new(HashSet::new()),
+            rate: Rate::new(settings.create_rate),
         }
     }
 
@@ -110,9 +125,54 @@ impl Sandboxes {
         self.permits.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    fn root_mode(&self) -> std::sync::MutexGuard<'_, HashSet<SessionId>> {
+        self.root_mode.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     fn release(&self, id: SessionId) {
         self.permits().remove(&id);
+        self.root_mode().remove(&id);
     }
+}
+
+/// The directories a root-mode session's init mounts over (`/proc`, `/dev`,
+/// `/sys`, `/run`: `layerstack_sandbox::holder`), made in the upper when the
+/// session's base lacks them.
+pub const ROOT_MOUNTPOINTS: [&str; 4] = ["dev", "proc", "sys", "run"];
+
+/// Removes from `upper` the [`ROOT_MOUNTPOINTS`] the session's init made: an
+/// empty directory at the top of the upper with nothing of that name in any
+/// of `lowers` (not even a whiteout). Anything else — a mountpoint the base
+/// has, one the command filled (it unmounted the filesystem and wrote) — is
+/// the session's change and stays. The caller proved the upper unmounted.
+/// Returns the names removed.
+pub(crate) fn drop_root_mountpoints(
+    upper: &std::path::Path,
+    lowers: &[std::path::PathBuf],
+) -> std::io::Result<Vec<&'static str>> {
+    let mut dropped = Vec::new();
+    for name in ROOT_MOUNTPOINTS {
+        let p = upper.join(name);
+        let made = match std::fs::symlink_metadata(&p) {
+            Ok(m) => m.is_dir(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
+            Err(e) => return Err(e),
+        };
+        if !made
+            || lowers
+                .iter()
+                .any(|l| l.join(name).symlink_metadata().is_ok())
+        {
+            continue;
+        }
+        // Not empty: the command's, it stays.
+        match std::fs::remove_dir(&p) {
+            Ok(()) => dropped.push(name),
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTEMPTY | libc::EEXIST)) => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(dropped)
 }
 
 /// A request for a sandbox session.
@@ -366,6 +426,11 @@ impl Engine {
                     }
                     _ => how.clone(),
                 };
+                if !matches!(how, EndAction::Interrupted(_) | EndAction::Discard)
+                    && me.sandboxes.root_mode().contains(&id)
+                {
+                    me.drop_root_mountpoints_of(&s).await?;
+                }
                 let checkpoint = |exit_status: Option<u32>, state: &Option<String>, command: &Option<String>, labels: &BTreeMap<String, String>, rollout: &Option<RolloutEnding>| {
                     let prov = layerstack_store::Provenance {
                         command: command.clone(),
@@ -438,6 +503,48 @@ impl Engine {
         Ok(s)
     }
 
+    /// Session `id` runs in root mode: its init made its overlay `/` and
+    /// mounted /proc, /dev, /sys and /run on it (the snapshotter says so when
+    /// init reports ready, or a holder resumes the session after a restart).
+    /// Its close then drops those mountpoints from the upper where the base
+    /// lacks them ([`ROOT_MOUNTPOINTS`]): they are the sandbox's, not the
+    /// session's changes. Forgotten at the release.
+    pub fn sandbox_root_mode(&self, id: SessionId) {
+        self.sandboxes.root_mode().insert(id);
+    }
+
+    /// [`drop_root_mountpoints`] of session `s`'s upper against its lease's
+    /// lowers, once the upper is unmounted everywhere (still mounted: nothing
+    /// now; the close's action reports it and the close retries).
+    async fn drop_root_mountpoints_of(&self, s: &SessionInfo) -> Result<(), EngineError> {
+        // The common case, a base that has them all: nothing was made, no census.
+        if !ROOT_MOUNTPOINTS.iter().any(|n| s.upper.join(n).is_dir())
+            || self.upper_mounted(&s.upper).await?
+        {
+            return Ok(());
+        }
+        let (id, store) = (s.id, self.store.clone());
+        let dropped = tokio::task::spawn_blocking(move || -> Result<_, EngineError> {
+            let ctx = store.publish_context(id)?;
+            drop_root_mountpoints(&ctx.session.upper, &ctx.lease_lowers).map_err(|e| {
+                EngineError::Read(
+                    format!("session {id}'s upper {}", ctx.session.upper.display()),
+                    e,
+                )
+            })
+        })
+        .await
+        .map_err(|e| EngineError::Join(e.to_string()))??;
+        if !dropped.is_empty() {
+            debug!(
+                session.id = id,
+                ?dropped,
+                "mountpoints the sandbox made are not the session's changes"
+            );
+        }
+        Ok(())
+    }
+
     /// The holder of sandbox session `id` is gone without closing it (its mount
     /// socket connection ended): ends the run by the recorded policy with no exit
     /// status, and releases it, once its namespaces are gone. Returns at once.
@@ -494,10 +601,16 @@ impl Engine {
     ///   and the session is released with its upper kept, before this
     ///   returns — before anything is served, so no close, wait or repeated
     ///   key sees it live, and nothing half-done is published by a policy.
-    /// * A session held by a `layerstack session run|create` holder keeps
-    ///   today's behaviour: its holder may outlive the daemon, so once its
-    ///   upper is unmounted everywhere (the holder gone) it is finished by its
-    ///   policy with no exit status and released, now or later.
+    /// * A session held by a `layerstack session run|create` holder stays the
+    ///   holder's: its holder may outlive the daemon, and `session run`
+    ///   reconnects (`resume` on the mount socket) to close it with the
+    ///   command's exit status — also when the last daemon died during that
+    ///   close, after recording the release ([`Engine::recover`] leaves such a
+    ///   run to its holder). Nothing ends it while its upper is mounted; once
+    ///   the upper is unmounted everywhere (the holder's namespaces gone), it
+    ///   waits [`SandboxSettings::holder_grace`] for the holder's close, and
+    ///   only then is it finished by its policy with no exit status and
+    ///   released.
     ///
     /// Returns how many were live.
     pub async fn recover_sandboxes(self: &Arc<Self>) -> Result<usize, EngineError> {
@@ -505,7 +618,10 @@ impl Engine {
             .blocking(|s| s.sessions())
             .await?
             .into_iter()
-            .filter(|s| matches!(s.owner, Owner::Sandbox { .. }) && !s.released)
+            .filter(|s| {
+                matches!(s.owner, Owner::Sandbox { .. })
+                    && (!s.released || (s.remove_pending && !s.daemon_owned))
+            })
             .collect();
         let why = "the daemon that owned the session's init ended (restart)";
         for s in live.iter().filter(|s| s.daemon_owned) {
@@ -534,29 +650,62 @@ impl Engine {
             }
         }
         for s in live.iter().filter(|s| !s.daemon_owned) {
-            if let Ok(p) = self.sandboxes.sem.clone().try_acquire_owned() {
-                self.sandboxes.permits().insert(s.id, p);
+            if !s.released {
+                if let Ok(p) = self.sandboxes.sem.clone().try_acquire_owned() {
+                    self.sandboxes.permits().insert(s.id, p);
+                }
             }
             let me = self.clone();
             let (id, upper) = (s.id, s.upper.clone());
-            tokio::spawn(async move {
-                loop {
-                    match me.upper_mounted(&upper).await {
-                        Ok(false) => break,
-                        Ok(true) => tokio::time::sleep(Duration::from_secs(2)).await,
-                        Err(e) => {
-                            warn!(session.id = id, error = %error_chain(&e), "census failed");
-                            tokio::time::sleep(Duration::from_secs(10)).await;
-                        }
-                    }
-                    if me.session(id).await.map(|s| s.released).unwrap_or(true) {
-                        return;
-                    }
-                }
-                me.sandbox_holder_gone(id);
-            });
+            tokio::spawn(async move { me.await_holder(id, &upper).await });
         }
         Ok(live.len())
+    }
+
+    /// Session `id` of the last daemon, held by a holder process: waits until
+    /// its upper is unmounted everywhere, then [`SandboxSettings::holder_grace`]
+    /// for the holder's close; finishes it by its policy with no exit status
+    /// when none came ([`Engine::sandbox_holder_gone`]).
+    async fn await_holder(self: &Arc<Self>, id: SessionId, upper: &std::path::Path) {
+        let closed = |s: Result<SessionInfo, EngineError>| {
+            s.map(|s| s.released && !s.remove_pending).unwrap_or(true)
+        };
+        loop {
+            match self.upper_mounted(upper).await {
+                Ok(false) => break,
+                Ok(true) => tokio::time::sleep(Duration::from_secs(2)).await,
+                Err(e) => {
+                    warn!(session.id = id, error = %error_chain(&e), "census failed");
+                    tokio::time::sleep(Duration::from_secs(10)).await;
+                }
+            }
+            if closed(self.session(id).await) {
+                return;
+            }
+        }
+        let deadline = tokio::time::Instant::now() + self.sandboxes.holder_grace;
+        let mut rx = self.generation.subscribe();
+        loop {
+            rx.borrow_and_update();
+            if closed(self.session(id).await) {
+                return;
+            }
+            if tokio::time::timeout_at(deadline, rx.changed())
+                .await
+                .is_err()
+            {
+                break;
+            }
+        }
+        if closed(self.session(id).await) {
+            return;
+        }
+        info!(
+            session.id = id,
+            grace_s = self.sandboxes.holder_grace.as_secs(),
+            "the holder of a session of the last daemon did not come back to close it: finished by its policy with no exit status"
+        );
+        self.sandbox_holder_gone(id);
     }
 }
 
@@ -579,6 +728,37 @@ mod tests {
     }
 
     use crate::test_support::have_root;
+
+    #[test]
+    fn only_the_mountpoints_the_sandbox_made_are_dropped() {
+        let t = tempfile::tempdir().unwrap();
+        let (upper, lower) = (t.path().join("upper"), t.path().join("lower"));
+        for d in [
+            "upper/dev",
+            "upper/proc",
+            "upper/sys",
+            "upper/run/x",
+            "lower/sys",
+            "upper/etc",
+        ] {
+            std::fs::create_dir_all(t.path().join(d)).unwrap();
+        }
+        let dropped = drop_root_mountpoints(&upper, &[lower]).unwrap();
+        // dev and proc: empty, no lower has them. sys: the base's. run: the
+        // command wrote into it. etc: not a mountpoint.
+        assert_eq!(dropped, ["dev", "proc"]);
+        for (d, kept) in [
+            ("dev", false),
+            ("proc", false),
+            ("sys", true),
+            ("run/x", true),
+            ("etc", true),
+        ] {
+            assert_eq!(upper.join(d).exists(), kept, "{d}");
+        }
+        // Without the base's, the empty sys goes too; run still holds a write.
+        assert_eq!(drop_root_mountpoints(&upper, &[]).unwrap(), ["sys"]);
+    }
 
     /// A store with stack `ns/sha256:aaa` (one image layer holding etc/a) and an
     /// engine over it with a cap of `max` sandbox sessions.
@@ -761,7 +941,15 @@ mod tests {
         // The next daemon over the same store.
         let store = e.store().clone();
         drop(e);
-        let e = Engine::new(store, EngineSettings::default());
+        // A short wait for holders: h's never comes back (it never existed).
+        let settings = EngineSettings {
+            sandbox: SandboxSettings {
+                holder_grace: Duration::from_millis(200),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let e = Engine::new(store, settings);
         assert_eq!(e.recover_sandboxes().await.unwrap(), 3);
         for s in [&a, &b] {
             let now = e.session(s.id).await.unwrap();
@@ -819,6 +1007,104 @@ mod tests {
             1
         );
         drop(n);
+    }
+
+    /// A restart while a holder's command runs, and one during its close
+    /// (the release recorded, the run not ended): the restarted engine ends
+    /// neither by itself while the holder may still come back (an attempt's
+    /// stays running: not abandoned); the holder's close with the exit status
+    /// applies the policy as if there had been no restart (`on-success` with
+    /// 0 publishes; `checkpoint` checkpoints).
+    #[tokio::test]
+    async fn a_restart_leaves_holder_sessions_to_their_holders_close() {
+        if !have_root("a_restart_leaves_holder_sessions_to_their_holders_close") {
+            return;
+        }
+        let t = tempfile::Builder::new()
+            .prefix("ls-sandbox-")
+            .tempdir_in("/var/tmp")
+            .unwrap();
+        let e = engine(t.path(), 8);
+        let on_success = Some(ExitPolicy::OnSuccess);
+        let (running, _, _) = e
+            .create_sandbox_session(req("r", on_success, None))
+            .await
+            .unwrap();
+        let (closing, _, _) = e
+            .create_sandbox_session(req("c", on_success, None))
+            .await
+            .unwrap();
+        // An attempt of a graph node, whose close checkpoints.
+        let (_, root) = e
+            .graph_create("g", "ns/sha256:aaa", "main", None)
+            .await
+            .unwrap();
+        let (attempt, _, _) = e
+            .create_sandbox_session(SandboxRequest {
+                node: Some(root.id.clone()),
+                ..req("n", Some(ExitPolicy::Checkpoint), None)
+            })
+            .await
+            .unwrap();
+        for s in [&running, &closing, &attempt] {
+            std::fs::set_permissions(&s.upper, std::fs::Permissions::from_mode(0o755)).unwrap();
+            std::fs::write(s.upper.join(format!("w{}", s.id)), b"x\n").unwrap();
+        }
+        // The last daemon died during the closes of `closing` and `attempt`,
+        // after their release.
+        for s in [&closing, &attempt] {
+            e.store().release_sandbox_session(s.id).unwrap();
+        }
+        let store = e.store().clone();
+        drop(e);
+        let e = Engine::new(store, EngineSettings::default());
+        e.recover().await.unwrap();
+        assert_eq!(e.recover_sandboxes().await.unwrap(), 3);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        let a = e.store().attempt_of_session(attempt.id).unwrap().unwrap();
+        assert_eq!(
+            a.status,
+            layerstack_store::AttemptStatus::Running,
+            "not abandoned"
+        );
+        let closed = e
+            .close_sandbox_session(
+                attempt.id,
+                EndAction::auto(Some(0)),
+                "holder",
+                Duration::from_secs(1),
+            )
+            .await
+            .unwrap();
+        let a = e.store().attempt_of_session(attempt.id).unwrap().unwrap();
+        assert_eq!(
+            a.status,
+            layerstack_store::AttemptStatus::Checkpointed,
+            "{closed:?}"
+        );
+        for s in [&running, &closing] {
+            let now = e.session(s.id).await.unwrap();
+            assert!(now.outcome.is_none(), "ended without its holder: {now:?}");
+            let closed = e
+                .close_sandbox_session(
+                    s.id,
+                    EndAction::auto(Some(0)),
+                    "holder",
+                    Duration::from_secs(1),
+                )
+                .await
+                .unwrap();
+            assert_eq!(
+                (
+                    closed.outcome.map(|o| o.kind),
+                    closed.released,
+                    closed.remove_pending
+                ),
+                (Some(OutcomeKind::Committed), true, false),
+                "session {}",
+                s.id
+            );
+        }
     }
 
     #[tokio::test]

@@ -1398,15 +1398,33 @@ async fn an_attempt_starts_with_its_exit_policy_in_one_step() {
             &root.id,
             sandbox("a"),
             Some("k".into()),
-            Some(ExitPolicy::Never),
+            Some(ExitPolicy::OnSuccess),
         )
         .await
         .unwrap();
     assert_eq!((again.id, s2.id, created), (a.id, s.id, false));
+    assert_eq!(s2.policy.as_deref(), Some("on-success"));
+    // The same key with another policy is another request: refused, naming
+    // the key and the policy, and nothing changes.
+    let e = p
+        .attempt_start(
+            &root.id,
+            sandbox("a"),
+            Some("k".into()),
+            Some(ExitPolicy::Never),
+        )
+        .await
+        .unwrap_err();
     assert_eq!(
-        s2.policy.as_deref(),
-        Some("on-success"),
-        "the first call's policy"
+        e.kind(),
+        layerstack_store::ErrorKind::FailedPrecondition,
+        "{e}"
+    );
+    let m = crate::error_chain(&e);
+    assert!(m.contains("\"k\"") && m.contains("policy"), "{m}");
+    assert_eq!(
+        store.session(s.id).unwrap().policy.as_deref(),
+        Some("on-success")
     );
     let (_, plain, _, _) = p
         .attempt_start(&root.id, sandbox("b"), None, None)
@@ -1494,10 +1512,26 @@ async fn the_sandbox_graph_checkpoints_merges_promotes_and_prunes() {
         .await
         .unwrap();
     let n1b = p
-        .checkpoint(s1.id, None, Default::default(), Some("k-cp1".into()))
+        .checkpoint(
+            s1.id,
+            Some(r#"{"score": 0.5}"#.into()),
+            Default::default(),
+            Some("k-cp1".into()),
+        )
         .await
         .unwrap();
     assert_eq!(n1.id, n1b.id, "a checkpoint with the same key is one node");
+    // The same key with another state is another request: refused.
+    let e = p
+        .checkpoint(s1.id, None, Default::default(), Some("k-cp1".into()))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        e.kind(),
+        layerstack_store::ErrorKind::FailedPrecondition,
+        "{e}"
+    );
+    assert!(crate::error_chain(&e).contains("state"), "{e}");
     // Its outcome says a node was made, not that a branch moved.
     let o = store.session(s1.id).unwrap().outcome.unwrap();
     assert_eq!(o.kind, OutcomeKind::Checkpointed, "{o:?}");
@@ -2181,7 +2215,12 @@ mod crash {
                 .await
                 .unwrap();
             let again = p
-                .checkpoint(sid, None, Default::default(), Some("k-cp".into()))
+                .checkpoint(
+                    sid,
+                    Some(r#"{"score": 1}"#.into()),
+                    Default::default(),
+                    Some("k-cp".into()),
+                )
                 .await
                 .unwrap();
             assert_eq!(n.id, again.id, "{point}: one effect");

@@ -1281,6 +1281,24 @@ impl Daemon {
         );
     }
 
+    /// SIGKILLs the daemon (a crash or an OOM kill: no shutdown of any kind)
+    /// and reaps it; its sockets and store stay as they are. Returns its pid.
+    /// Errors if it is not running.
+    pub fn kill(&mut self) -> Result<u32> {
+        let child = self
+            .child
+            .as_mut()
+            .context("the daemon is stopped already")?;
+        if child.try_wait()?.is_some() {
+            bail!("the daemon had exited already");
+        }
+        let pid = child.id();
+        kill(Pid::from_raw(pid as i32), Signal::SIGKILL).context("SIGKILL to the daemon")?;
+        child.wait().context("reaping the daemon")?;
+        self.child = None;
+        Ok(pid)
+    }
+
     /// SIGTERM, then SIGKILL after 10 s. Idempotent.
     pub fn stop(&mut self) {
         if let Some(mut child) = self.child.take() {
@@ -1298,6 +1316,23 @@ impl Drop for Daemon {
     }
 }
 
+/// Whether an overlay with upperdir `upper` is mounted in any process's mount
+/// namespace on the machine.
+pub fn mounted_anywhere(upper: &Path) -> bool {
+    let needle = format!("upperdir={}", upper.display());
+    let Ok(procs) = fs::read_dir("/proc") else {
+        return false;
+    };
+    procs.flatten().any(|p| {
+        p.file_name()
+            .to_string_lossy()
+            .bytes()
+            .all(|b| b.is_ascii_digit())
+            && fs::read_to_string(p.path().join("mountinfo"))
+                .is_ok_and(|m| m.lines().any(|l| l.contains(&needle)))
+    })
+}
+
 /// The daemon alone, with no containerd anywhere: a fresh temp dir (see
 /// [`make_temp_dir`]) holding its store (`root/`), sockets (`s/`) and log;
 /// the containerd address it is given (`s/containerd.sock`) never exists.
@@ -1306,6 +1341,9 @@ impl Drop for Daemon {
 pub struct StandaloneDaemon {
     dir: PathBuf,
     daemon: Option<Daemon>,
+    /// What it was started with, for [`StandaloneDaemon::restart_daemon`].
+    extra: Vec<String>,
+    any_metrics_port: bool,
 }
 
 impl StandaloneDaemon {
@@ -1323,25 +1361,60 @@ impl StandaloneDaemon {
     ) -> Result<StandaloneDaemon> {
         let dir = make_temp_dir()?;
         let daemon = prepare(&dir).and_then(|extra| {
-            let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
-            Daemon::start_at_with(
-                &dir.join("s/snapshotter.sock"),
-                &dir.join("s/containerd.sock"),
-                &dir.join("root"),
-                &extra,
-                any_metrics_port,
-            )
+            let d = Self::daemon_at(&dir, &extra, any_metrics_port)?;
+            Ok((d, extra))
         });
         match daemon {
-            Ok(d) => Ok(StandaloneDaemon {
+            Ok((d, extra)) => Ok(StandaloneDaemon {
                 dir,
                 daemon: Some(d),
+                extra,
+                any_metrics_port,
             }),
             Err(e) => {
                 remove_tree(&dir);
                 Err(e)
             }
         }
+    }
+
+    fn daemon_at(dir: &Path, extra: &[String], any_metrics_port: bool) -> Result<Daemon> {
+        let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+        Daemon::start_at_with(
+            &dir.join("s/snapshotter.sock"),
+            &dir.join("s/containerd.sock"),
+            &dir.join("root"),
+            &extra,
+            any_metrics_port,
+        )
+    }
+
+    /// SIGKILLs the daemon (a crash: no shutdown of any kind) and reaps it;
+    /// its store, sockets and log stay. Returns its pid. Restart it with
+    /// [`StandaloneDaemon::restart_daemon`].
+    pub fn kill_daemon(&mut self) -> Result<u32> {
+        self.daemon.as_mut().context("no daemon")?.kill()
+    }
+
+    /// Starts a new daemon on the same store, sockets and log (with the same
+    /// arguments) after [`StandaloneDaemon::kill_daemon`]; waits until its
+    /// sockets answer.
+    pub fn restart_daemon(&mut self) -> Result<()> {
+        if let Some(d) = self.daemon.as_mut() {
+            if d.is_running() {
+                bail!(
+                    "restart_daemon: the daemon is still running (pid {:?})",
+                    d.pid()
+                );
+            }
+        }
+        self.daemon = None;
+        self.daemon = Some(Self::daemon_at(
+            &self.dir,
+            &self.extra,
+            self.any_metrics_port,
+        )?);
+        Ok(())
     }
 
     /// The temp dir.
@@ -1881,19 +1954,7 @@ impl TestEnv {
     /// daemon runs. Restart it with [`TestEnv::restart_daemon`].
     pub fn kill_daemon(&self) -> Result<u32> {
         let mut d = self.daemon.lock().unwrap_or_else(|e| e.into_inner());
-        let daemon = d.as_mut().context("no daemon was started")?;
-        let child = daemon
-            .child
-            .as_mut()
-            .context("the daemon is stopped already")?;
-        if child.try_wait()?.is_some() {
-            bail!("the daemon had exited already");
-        }
-        let pid = child.id();
-        kill(Pid::from_raw(pid as i32), Signal::SIGKILL).context("SIGKILL to the daemon")?;
-        child.wait().context("reaping the daemon")?;
-        daemon.child = None;
-        Ok(pid)
+        d.as_mut().context("no daemon was started")?.kill()
     }
 
     /// Starts a new daemon on the same store root, sockets and log after

@@ -322,7 +322,7 @@ fn scenario(env: &StandaloneDaemon) -> Result<()> {
     // repaired.
     let f = ls_json(env, &["fsck", "--json"])?;
     ensure!(
-        f["sound"] == true && f["runs"] == 1 && f["paths"].as_u64() > Some(0),
+        f["sound"] == true && f["runs"] == 1 && f["layers"].as_u64() > Some(0),
         "{f}"
     );
     let orphan = env.dir().join("root/l/987654");

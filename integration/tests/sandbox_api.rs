@@ -168,21 +168,6 @@ fn mounted(upper: &Path) -> bool {
 /// Whether `upper` is the upperdir of an overlay in any process's mount
 /// namespace (every `/proc/<pid>/mountinfo`: a daemon-owned session's overlay
 /// lives in its init's private namespace, not in ours).
-fn mounted_anywhere(upper: &Path) -> bool {
-    let needle = format!("upperdir={}", upper.display());
-    let Ok(procs) = std::fs::read_dir("/proc") else {
-        return false;
-    };
-    procs.flatten().any(|p| {
-        p.file_name()
-            .to_string_lossy()
-            .bytes()
-            .all(|b| b.is_ascii_digit())
-            && std::fs::read_to_string(p.path().join("mountinfo"))
-                .is_ok_and(|m| m.lines().any(|l| l.contains(&needle)))
-    })
-}
-
 fn code(r: Result<impl Sized, tonic::Status>) -> Code {
     match r {
         Ok(_) => Code::Ok,
@@ -756,6 +741,29 @@ async fn scenario(dir: &Path, daemon: &mut Option<Daemon>) -> Result<()> {
     ensure!(
         !again.created && s.id == live[0].0 && s.released && s.outcome == "interrupted",
         "repeated key after the restart: {again:?}"
+    );
+    // The same key with other arguments is another request: refused
+    // FAILED_PRECONDITION naming the key and what differs, nothing created.
+    let refused = match c
+        .create_session(api::CreateSessionRequest {
+            stack: stack.clone(),
+            name: "k0".into(),
+            idempotency_key: "k0".into(),
+            policy: "never".into(),
+            sandbox: sandbox(),
+            ..Default::default()
+        })
+        .await
+    {
+        Ok(r) => anyhow::bail!("the same key with another policy was answered: {r:?}"),
+        Err(st) => st,
+    };
+    ensure!(
+        refused.code() == Code::FailedPrecondition
+            && refused.message().contains("\"k0\"")
+            && refused.message().contains("policy")
+            && refused.message().contains("new key"),
+        "{refused:?}"
     );
     // The attempts end `interrupted` (an infrastructure failure, not the
     // task's), and a retry is the way on.

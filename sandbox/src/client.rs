@@ -64,3 +64,53 @@ impl MountConn {
         sys::set_passcred(self.sock.as_raw_fd())
     }
 }
+
+/// What [`wait_either`] saw.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Woken {
+    /// The connection: readable or hung up (the daemon sends nothing unasked,
+    /// so either means it is gone).
+    Conn,
+    /// The stop descriptor.
+    Stop,
+    /// Neither within the timeout.
+    Timeout,
+}
+
+/// Waits until `conn` (a connection's descriptor, or none) or `stop` is
+/// readable or hung up, at most `timeout_ms` (-1: no limit). Retries on
+/// `EINTR`.
+pub fn wait_either(conn: Option<RawFd>, stop: RawFd, timeout_ms: i32) -> io::Result<Woken> {
+    let ev = libc::POLLIN | libc::POLLRDHUP;
+    let mut fds = [
+        libc::pollfd {
+            fd: stop,
+            events: ev,
+            revents: 0,
+        },
+        libc::pollfd {
+            fd: conn.unwrap_or(-1),
+            events: ev,
+            revents: 0,
+        },
+    ];
+    loop {
+        // SAFETY: `fds` is an array of two initialised pollfd; a negative fd
+        // is ignored by poll.
+        let r = unsafe { libc::poll(fds.as_mut_ptr(), 2, timeout_ms) };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.kind() == io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        return Ok(if fds[0].revents != 0 {
+            Woken::Stop
+        } else if fds[1].revents != 0 {
+            Woken::Conn
+        } else {
+            Woken::Timeout
+        });
+    }
+}

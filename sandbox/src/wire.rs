@@ -24,6 +24,16 @@
 //! holder            → {"op":"close","policy":"auto","exit_status":0,…}
 //! daemon            ← {"ok":true,"session":"<hex>"}          (the outcome in it)
 //! ```
+//! A holder whose connection broke (the daemon restarted while the command
+//! ran, or during the close) reconnects, takes its session back and closes it
+//! on the new connection, within `session run --reconnect-timeout`:
+//! ```text
+//! holder            → {"op":"resume","session":12,"mode":"root","workdir":"/"}
+//! daemon            ← {"ok":true}
+//! holder            → {"op":"close","policy":"auto","exit_status":0,…}
+//! daemon            ← {"ok":true,"session":"<hex>"}   (or the outcome the
+//!                                                       daemon recorded before)
+//! ```
 //! `session` is the admin API's `Session` message (api/proto/admin.proto),
 //! protobuf-encoded, as lowercase hex: the CLI prints and writes exactly what a
 //! `CreateSession` / `CloseSession` answer would have carried.
@@ -56,6 +66,18 @@ pub enum Request {
     Start(Start),
     /// End the session this connection holds (the admin API's `CloseSession`).
     Close(Close),
+    /// I am the holder of session `session` (started on an earlier connection
+    /// that broke: the daemon restarted); this connection holds it from now on,
+    /// as after [`Request::Attach`], without a new overlay. `mode` and
+    /// `workdir` are the session's, as its init reported them in
+    /// [`Request::Ready`].
+    Resume {
+        session: i64,
+        #[serde(default)]
+        mode: Mode,
+        #[serde(default)]
+        workdir: String,
+    },
 }
 
 /// The fields of the admin API's `CreateSessionRequest` (same meaning; empty
@@ -197,6 +219,17 @@ mod tests {
             serde_json::from_slice::<Request>(&line(&close)).unwrap(),
             close
         );
+        let resume = Request::Resume {
+            session: 4,
+            mode: Mode::Root,
+            workdir: "/".into(),
+        };
+        let l = line(&resume);
+        assert_eq!(
+            l,
+            b"{\"op\":\"resume\",\"session\":4,\"mode\":\"root\",\"workdir\":\"/\"}\n"
+        );
+        assert_eq!(serde_json::from_slice::<Request>(&l).unwrap(), resume);
         // Fields left out take their defaults.
         assert_eq!(
             serde_json::from_slice::<Request>(b"{\"op\":\"start\",\"stack\":\"x\"}").unwrap(),

@@ -431,6 +431,7 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
         sandbox: layerstack_engine::SandboxSettings {
             max_sessions: usize::try_from(cfg.sandbox.max_sessions).unwrap_or(usize::MAX),
             create_rate: cfg.sandbox.create_rate,
+            ..Default::default()
         },
         publish_workers: usize::try_from(cfg.publish_workers).unwrap_or(usize::MAX),
     };
@@ -474,7 +475,7 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
     if sandboxes > 0 {
         info!(
             sessions = sandboxes,
-            "sandbox sessions of the last run: daemon-owned ones ended interrupted (their inits died with the last daemon); those held by a `layerstack` holder are finished by their policy once their holder is gone"
+            "sandbox sessions of the last run: daemon-owned ones ended interrupted (their inits died with the last daemon); those held by a `layerstack` holder are kept for their holder's close (`session run` reconnects), and finished by their policy without an exit status if none comes within 60 s of their namespaces going"
         );
     }
     // After the sandboxes: an attempt whose sandbox that just ended (or that

@@ -21,6 +21,9 @@
 //! end     ← every holder process closed it: CloseSession was called (nothing to
 //!           do) or the holder was killed: the engine finishes the session by its
 //!           recorded policy once its namespaces are gone
+//! resume  → after a restart, the holder of a session of the last daemon
+//!           takes it back on a new connection (to close it with its command's
+//!           exit status); the connection is the session's holder again
 //! ```
 
 use std::collections::HashMap;
@@ -323,6 +326,9 @@ async fn connection(
                     h.mode = mode;
                     h.workdir = workdir;
                 }
+                if mode == Mode::Root {
+                    engine.sandbox_root_mode(id);
+                }
                 debug!(session.id = id, holder = peer_pid, init = ?pid, "sandbox session ready");
             }
             Request::Join { session } => {
@@ -349,6 +355,28 @@ async fn connection(
                 };
                 let fds: Vec<RawFd> = fd.iter().map(AsRawFd::as_raw_fd).collect();
                 send(&stream, &wire::line(&reply), &fds).await?;
+            }
+            Request::Resume {
+                session,
+                mode,
+                workdir,
+            } => {
+                let reply = match attached {
+                    Some(_) => one_session(),
+                    None => match resume(engine, holders, conn, session, mode, workdir).await {
+                        Ok(()) => {
+                            attached = Some(session);
+                            info!(
+                                session.id = session,
+                                holder = peer_pid,
+                                "a holder resumed its session on a new connection"
+                            );
+                            Reply::ok()
+                        }
+                        Err(r) => r,
+                    },
+                };
+                send(&stream, &wire::line(&reply), &[]).await?;
             }
             Request::Close(r) => {
                 let reply = match close(admin, attached, r).await {
@@ -467,6 +495,61 @@ pub(crate) async fn attach(
         },
     );
     Ok(fd)
+}
+
+/// `resume`: connection `conn` holds session `id` again (its holder's first
+/// connection broke: the daemon restarted; see
+/// `Engine::recover_sandboxes`). No overlay is sent: the holder's init keeps
+/// the one it has. A session closed already can be resumed too: the close
+/// that follows answers its recorded outcome.
+async fn resume(
+    engine: &Arc<Engine>,
+    holders: &Arc<Holders>,
+    conn: u64,
+    id: SessionId,
+    mode: Mode,
+    workdir: String,
+) -> Result<(), Reply> {
+    let _g = engine.lock_session(id).await;
+    let s = engine.session(id).await.map_err(|e| wire_error(&e))?;
+    if !matches!(s.owner, layerstack_engine::store::Owner::Sandbox { .. }) {
+        return Err(Reply::error(
+            ErrorKind::InvalidArgument,
+            format!(
+                "session {id} belongs to {}, not to a sandbox holder: only `layerstack session run|create` sessions can be resumed",
+                s.owner.display()
+            ),
+        ));
+    }
+    if s.daemon_owned {
+        return Err(Reply::error(
+            ErrorKind::FailedPrecondition,
+            format!("session {id} is daemon-owned: the daemon holds it, no holder can resume it (close it with CloseSession)"),
+        ));
+    }
+    let mut m = holders.map();
+    if m.contains_key(&id) {
+        return Err(Reply::error(
+            ErrorKind::AlreadyExists,
+            format!("session {id} has a live holder connection already (one holder per session)"),
+        ));
+    }
+    m.insert(
+        id,
+        Holder {
+            conn,
+            init: None,
+            mode,
+            workdir,
+            closing: false,
+            owned: None,
+        },
+    );
+    drop(m);
+    if mode == Mode::Root {
+        engine.sandbox_root_mode(id);
+    }
+    Ok(())
 }
 
 /// `close`: `CloseSession` of the session this connection holds.

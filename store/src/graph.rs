@@ -16,12 +16,13 @@ use tracing::info;
 use crate::db::write_on;
 use crate::db::Cached;
 use crate::error::StoreError;
+use crate::idempotency::{check_args, record_args, validate_key};
 use crate::leases::{lease_manifest, new_lease, release_lease};
-use crate::sessions::{get_sess, insert_session};
+use crate::sessions::{get_sess, insert_session, session_args};
 use crate::stacks::{branch_head, prepend_manifest};
 use crate::{
-    fs, now_ns, Durability, HolderKind, LeaseTarget, ManifestId, MountSpec, Owner, PublishTimings,
-    SessionId, SessionInfo, SessionOptions, Staged, Store,
+    fs, now_ns, Durability, HolderKind, KeyArgs, LeaseTarget, ManifestId, MountSpec, Owner,
+    PublishTimings, SessionId, SessionInfo, SessionOptions, Staged, Store,
 };
 
 /// A group: a named graph on one stack.
@@ -356,22 +357,38 @@ fn next_node_id(tx: &Transaction<'_>) -> Result<String, StoreError> {
     Ok(format!("n{}", n + 1))
 }
 
+/// Records the answer `response` of operation `op` under client key `key`,
+/// with the arguments it was called with ([`crate::idempotency`]), in the
+/// transaction of its effect.
 fn record_op(
     tx: &Transaction<'_>,
     key: Option<&str>,
     op: &str,
     response: &str,
+    args: &KeyArgs,
 ) -> Result<(), StoreError> {
     if let Some(k) = key {
+        validate_key(k)?;
         tx.exec(
             "INSERT INTO graph_ops(key, op, response, created_ns) VALUES (?1, ?2, ?3, ?4)",
             params![k, op, response, now_ns()],
         )?;
+        record_args(tx, op, k, args)?;
     }
     Ok(())
 }
 
-fn stored_op(conn: &Connection, key: Option<&str>, op: &str) -> Result<Option<String>, StoreError> {
+/// The answer stored for `key` of operation `op`, if any — after checking
+/// that `key` was used for `op` with the same arguments `args`.
+///
+/// Errors: `InvalidArgument` (the key was used for another operation),
+/// `FailedPrecondition` (for this one with other arguments).
+fn stored_op(
+    conn: &Connection,
+    key: Option<&str>,
+    op: &str,
+    args: &KeyArgs,
+) -> Result<Option<String>, StoreError> {
     let Some(k) = key else { return Ok(None) };
     let got: Option<(String, String)> = conn
         .one(
@@ -381,12 +398,29 @@ fn stored_op(conn: &Connection, key: Option<&str>, op: &str) -> Result<Option<St
         )
         .optional()?;
     match got {
-        Some((o, r)) if o == op => Ok(Some(r)),
+        Some((o, r)) if o == op => {
+            check_args(conn, op, k, args)?;
+            Ok(Some(r))
+        }
         Some((o, _)) => Err(StoreError::InvalidArgument(format!(
             "idempotency key {k:?} was used for a {o} operation, not {op}: use a fresh key"
         ))),
         None => Ok(None),
     }
+}
+
+/// The arguments of a keyed checkpoint: the session and the node's state.
+pub fn checkpoint_args(session: SessionId, state: &str) -> KeyArgs {
+    KeyArgs::new()
+        .with("session", session)
+        .digest("state", state)
+}
+
+/// The arguments of a keyed merge: the two nodes (in order) and the state.
+pub fn merge_args(parents: &[&str], state: &str) -> KeyArgs {
+    KeyArgs::new()
+        .with("nodes", parents.join(","))
+        .digest("state", state)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -465,8 +499,12 @@ impl Store {
                 "graph name {name:?}: use 1-128 characters without spaces"
             )));
         }
+        let args = KeyArgs::new()
+            .with("name", name)
+            .with("stack", stack)
+            .with("branch", branch);
         self.db.write(|tx| {
-            if let Some(g) = stored_op(tx, key, "graph-create")? {
+            if let Some(g) = stored_op(tx, key, "graph-create", &args)? {
                 let group = get_group(tx, &g)?;
                 let root = get_node(tx, &group.root)?;
                 return Ok((group, root));
@@ -496,7 +534,7 @@ impl Store {
             let root = insert_node(tx, &group, NodeKind::Root, head, "{}", &[], None, &Provenance::default())?;
             tx.exec("UPDATE graph_groups SET root = ?2 WHERE name = ?1", params![name, root])?;
             group.root = root.clone();
-            record_op(tx, key, "graph-create", name)?;
+            record_op(tx, key, "graph-create", name, &args)?;
             info!(graph = name, stack, branch, root = %root, "created graph");
             Ok((group, get_node(tx, &root)?))
         })
@@ -629,8 +667,11 @@ impl Store {
         opts: &SessionOptions,
     ) -> Result<(AttemptInfo, SessionInfo, MountSpec, bool), StoreError> {
         let mut holds = Vec::new();
+        let args = session_args(opts).with("node", node);
         let (a, info, spec, created) = self.db.write(|tx| {
             if let Some(k) = key {
+                validate_key(k)?;
+                check_args(tx, "attempt", k, &args)?;
                 let existing = tx
                     .one(
                         &format!("SELECT {ATTEMPT_COLS} FROM graph_attempts WHERE idempotency_key = ?1"),
@@ -684,6 +725,9 @@ impl Store {
                 None => default_attempt_policy(tx, sid)?,
             }
             crate::sessions::set_options(tx, sid, opts)?;
+            if let Some(k) = key {
+                record_args(tx, "attempt", k, &args)?;
+            }
             let spec = self.start_run(tx, sid)?;
             let a = attempt_from(tx.one(
                 &format!("SELECT {ATTEMPT_COLS} FROM graph_attempts WHERE id = ?1"),
@@ -793,11 +837,14 @@ impl Store {
 
     /// Running attempts whose session is gone or released without an outcome that
     /// checkpointed: they end `abandoned` (at start, and when their owner lets go).
+    /// A session whose release is not complete (`remove_pending`: its run's end
+    /// is still to come — a holder's close the last daemon had begun, which the
+    /// holder repeats) keeps its attempt running: that end ends it.
     pub fn abandon_orphan_attempts(&self) -> Result<usize, StoreError> {
         self.db.write(|tx| {
             let n = tx.exec(
                 "UPDATE graph_attempts SET status = 'abandoned', message = 'its session ended without a checkpoint', ended_ns = ?1
-                 WHERE status = 'running' AND (session_id IS NULL OR session_id NOT IN (SELECT id FROM sessions WHERE released = 0))",
+                 WHERE status = 'running' AND (session_id IS NULL OR session_id NOT IN (SELECT id FROM sessions WHERE released = 0 OR remove_pending = 1))",
                 [now_ns()],
             )?;
             Ok(n)
@@ -805,8 +852,16 @@ impl Store {
     }
 
     /// The answer stored for idempotency key `key` of operation `op`, if any.
-    pub fn graph_op(&self, key: &str, op: &str) -> Result<Option<String>, StoreError> {
-        self.db.read(|conn| stored_op(conn, Some(key), op))
+    ///
+    /// Errors: `InvalidArgument` (the key was used for another operation),
+    /// `FailedPrecondition` (for `op` with arguments other than `args`).
+    pub fn graph_op(
+        &self,
+        key: &str,
+        op: &str,
+        args: &KeyArgs,
+    ) -> Result<Option<String>, StoreError> {
+        self.db.read(|conn| stored_op(conn, Some(key), op, args))
     }
 
     /// Checkpoints the attempt running in session `sid`: its sealed, quiescent
@@ -903,7 +958,7 @@ impl Store {
                 })?;
                 crate::rollout::end_rollout_in(tx, ra.id, end, Some(&id))?;
             }
-            record_op(tx, key, "checkpoint", &id)?;
+            record_op(tx, key, "checkpoint", &id, &checkpoint_args(sid, state))?;
             crate::failpoints::hit("checkpoint.before_rename");
             std::fs::rename(&upper, &dst)
                 .and_then(|()| match self.durability {
@@ -945,8 +1000,9 @@ impl Store {
         state: &str,
         key: Option<&str>,
     ) -> Result<NodeInfo, StoreError> {
+        let args = merge_args(parents, state);
         self.db.write(|tx| {
-            if let Some(id) = stored_op(tx, key, "merge")? {
+            if let Some(id) = stored_op(tx, key, "merge", &args)? {
                 return get_node(tx, &id);
             }
             let g = get_group(tx, group)?;
@@ -960,14 +1016,22 @@ impl Store {
                 None,
                 &Provenance::default(),
             )?;
-            record_op(tx, key, "merge", &id)?;
+            record_op(tx, key, "merge", &id, &args)?;
             get_node(tx, &id)
         })
     }
 
-    /// Stores the answer of an operation done elsewhere (a promote), keyed.
-    pub fn record_graph_op(&self, key: &str, op: &str, response: &str) -> Result<(), StoreError> {
-        self.db.write(|tx| record_op(tx, Some(key), op, response))
+    /// Stores the answer of an operation done elsewhere (a promote), keyed,
+    /// with the arguments it was called with.
+    pub fn record_graph_op(
+        &self,
+        key: &str,
+        op: &str,
+        response: &str,
+        args: &KeyArgs,
+    ) -> Result<(), StoreError> {
+        self.db
+            .write(|tx| record_op(tx, Some(key), op, response, args))
     }
 
     /// Prunes node `id` and its subtree: their leases are released, so GC may
@@ -975,8 +1039,9 @@ impl Store {
     /// branch head or another live lease (a session's, an export's) reaches a
     /// node of the subtree. Returns the pruned node ids. Same `key` → one effect.
     pub fn prune_node(&self, id: &str, key: Option<&str>) -> Result<Vec<String>, StoreError> {
+        let args = KeyArgs::new().with("node", id);
         self.db.write(|tx| {
-            if let Some(r) = stored_op(tx, key, "prune")? {
+            if let Some(r) = stored_op(tx, key, "prune", &args)? {
                 return Ok(r.split(',').filter(|s| !s.is_empty()).map(String::from).collect());
             }
             get_node(tx, id)?;
@@ -1040,7 +1105,7 @@ impl Store {
                 tx.exec("UPDATE graph_nodes SET pruned = 1, lease_id = NULL WHERE id = ?1", [n])?;
             }
             let pruned: Vec<String> = sub.into_iter().collect();
-            record_op(tx, key, "prune", &pruned.join(","))?;
+            record_op(tx, key, "prune", &pruned.join(","), &args)?;
             Ok(pruned)
         })
     }

@@ -48,6 +48,7 @@ pub mod fs;
 mod fsck;
 mod graph;
 mod history;
+mod idempotency;
 mod import;
 mod layers;
 mod leases;
@@ -75,8 +76,12 @@ pub use blame::{coalesce, tile, FileBlame, LineOwner, MarkerRecord, OwnerRange, 
 pub use error::{ErrorKind, OpenError, Result, StoreError};
 pub use export::{ExportLayer, ExportLease, ExportSource};
 pub use fsck::{FsckReport, Problem};
-pub use graph::{AttemptInfo, AttemptStatus, GraphDump, GroupInfo, NodeInfo, NodeKind, Provenance};
+pub use graph::{
+    checkpoint_args, merge_args, AttemptInfo, AttemptStatus, GraphDump, GroupInfo, NodeInfo,
+    NodeKind, Provenance,
+};
 pub use history::{DiskUsage, GcReport, LogPoint, MergeBase, RemovedStack, Squashed, Usage};
+pub use idempotency::KeyArgs;
 pub use import::{import_stack_id, is_imported_stack, ImportedBase, IMPORT_STACK_PREFIX};
 pub use lock::StoreLock;
 pub use model::*;

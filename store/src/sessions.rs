@@ -15,11 +15,13 @@ use tracing::info;
 
 use crate::db::Cached;
 use crate::error::StoreError;
+use crate::idempotency::{check_args, record_args, validate_key};
 use crate::leases::{lease_manifest, new_lease, release_lease};
 use crate::stacks::{branch_head, ensure_branch, manifest_layers, stack_base_layers};
 use crate::{
-    fs, now_ns, session_rel, validate_branch, HolderKind, LayerId, LeaseTarget, ManifestId,
-    MountSpec, Owner, SessionId, SessionInfo, SessionOptions, SessionState, Store, MAX_LOWERS,
+    fs, now_ns, session_rel, validate_branch, HolderKind, KeyArgs, LayerId, LeaseTarget,
+    ManifestId, MountSpec, Owner, SessionId, SessionInfo, SessionOptions, SessionState, Store,
+    MAX_LOWERS,
 };
 
 /// A `sessions` row.
@@ -448,8 +450,19 @@ impl Store {
         opts: &SessionOptions,
     ) -> Result<(SessionInfo, MountSpec, bool), StoreError> {
         let mut holds = Vec::new();
+        let target_arg = match target {
+            LeaseTarget::Branch(b) => format!("branch {b}"),
+            LeaseTarget::Manifest { manifest, branch } => {
+                format!("manifest {manifest} of branch {branch}")
+            }
+        };
+        let args = session_args(opts)
+            .with("stack", stack)
+            .with("target", target_arg);
         let (info, spec, created) = self.db.write(|tx| {
             if let Some(k) = idempotency_key {
+                validate_key(k)?;
+                check_args(tx, "session", k, &args)?;
                 let existing: Option<i64> = tx
                     .one(
                         "SELECT id FROM sessions WHERE idempotency_key = ?1",
@@ -481,6 +494,9 @@ impl Store {
                 set_policy(tx, sid, p)?;
             }
             set_options(tx, sid, opts)?;
+            if let Some(k) = idempotency_key {
+                record_args(tx, "session", k, &args)?;
+            }
             let spec = self.start_run(tx, sid)?;
             let info = self.session_info(tx, get_sess(tx, sid)?)?;
             info!(session.id = sid, owner = %owner.display(), stack, branch = %info.branch, "session created");
@@ -752,6 +768,17 @@ fn complete_release_in(tx: &rusqlite::Transaction<'_>, sid: SessionId) -> Result
         params![sid, now_ns()],
     )?;
     Ok(!keep)
+}
+
+/// The options of a keyed session or attempt its key is checked against
+/// ([`crate::idempotency`]): exit policy, capture's `ignore_mtime`, who owns
+/// the init. The owner's name is not one: it is a label, and a retry from
+/// another process may carry another default name.
+pub(crate) fn session_args(opts: &SessionOptions) -> KeyArgs {
+    KeyArgs::new()
+        .with("policy", opts.exit_policy.as_deref().unwrap_or(""))
+        .with("ignore_mtime", opts.ignore_mtime)
+        .with("daemon_owned", opts.daemon_owned)
 }
 
 /// Records capture's `ignore_mtime` and `daemon_owned` on session `sid`

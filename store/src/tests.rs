@@ -2560,3 +2560,88 @@ fn fsck_finds_what_disagrees_with_the_filesystem_and_repairs_only_the_safe_part(
         vec!["index-mismatch"]
     );
 }
+
+/// A key names one request: the same key with the same arguments answers the
+/// first call; with other arguments (another stack target, policy, node,
+/// branch, state) it is refused `FailedPrecondition`, naming the key and each
+/// argument that differs, and nothing is done.
+#[test]
+fn idempotency_keys_are_checked_against_their_arguments() {
+    let d = tmp();
+    let s = open(d.path());
+    let top = unpack(&s, "default");
+    s.prepare("default/5/m", &top, BTreeMap::new(), false)
+        .unwrap();
+    let stack = s.find_session("default", "m").unwrap().unwrap().stack;
+    let owner = Owner::Sandbox { name: "a".into() };
+    let main = LeaseTarget::Branch("main".into());
+    let opts = SessionOptions {
+        exit_policy: Some("never".into()),
+        ..Default::default()
+    };
+    let (first, _, created) = s
+        .create_session_with(&owner, &stack, &main, Some("k1"), &opts)
+        .unwrap();
+    assert!(created);
+    // A retry from another process (another default owner name): the same.
+    let other_name = Owner::Sandbox { name: "b".into() };
+    let (again, _, created) = s
+        .create_session_with(&other_name, &stack, &main, Some("k1"), &opts)
+        .unwrap();
+    assert_eq!((again.id, created), (first.id, false));
+    let sessions = s.sessions().unwrap().len();
+    for (target, o, differs) in [
+        (LeaseTarget::Branch("dev".into()), opts.clone(), "target"),
+        (
+            main.clone(),
+            SessionOptions {
+                exit_policy: Some("on-exit".into()),
+                ..Default::default()
+            },
+            "policy",
+        ),
+        (
+            main.clone(),
+            SessionOptions {
+                ignore_mtime: true,
+                ..opts.clone()
+            },
+            "ignore_mtime",
+        ),
+    ] {
+        let e = s
+            .create_session_with(&owner, &stack, &target, Some("k1"), &o)
+            .unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::FailedPrecondition, "{e}");
+        let m = e.to_string();
+        assert!(
+            m.contains("\"k1\"") && m.contains(differs) && m.contains("new key"),
+            "{m}"
+        );
+    }
+    assert_eq!(s.sessions().unwrap().len(), sessions, "nothing was created");
+
+    // Graph operations: create, attempts, prune.
+    let (_, root) = s.create_group("g", &stack, "main", Some("g1")).unwrap();
+    let (_, again) = s.create_group("g", &stack, "main", Some("g1")).unwrap();
+    assert_eq!(again.id, root.id);
+    let e = s.create_group("h", &stack, "main", Some("g1")).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::FailedPrecondition, "{e}");
+    assert!(e.to_string().contains("name \"g\" then, \"h\" now"), "{e}");
+    let (a, _, _, _) = s.start_attempt(&root.id, &owner, Some("a1")).unwrap();
+    let (a2, _, _, created) = s.start_attempt(&root.id, &owner, Some("a1")).unwrap();
+    assert_eq!((a2.id, created), (a.id, false));
+    let e = s
+        .start_attempt_with(&root.id, &owner, Some("a1"), &opts)
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::FailedPrecondition, "{e}");
+    assert!(e.to_string().contains("policy"), "{e}");
+    // The key of another operation: refused as before.
+    let e = s.prune_node(&root.id, Some("g1")).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+    // A client key cannot pose as an arguments row.
+    let e = s
+        .create_session_with(&owner, &stack, &main, Some("\u{1}args\u{1}x"), &opts)
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+}

@@ -410,6 +410,9 @@ pub(crate) async fn create(
             return Err(io_status("cannot open a pidfd for the session's init", &e));
         }
     };
+    if placement.is_none() {
+        admin.engine.sandbox_root_mode(id);
+    }
     let defaults = Arc::new(Defaults {
         env,
         user: opts.has_user.then_some((opts.uid, opts.gid)),

@@ -20,7 +20,8 @@ Idempotency: every mutating call of the graph (``create_graph``,
 ``checkpoint``, ``merge``, ``promote``, ``prune``, ``start_attempt``,
 ``retry``) and session creation (``run``, ``create_session``) take ``key=``: the
 same key twice gives the first call's answer and one effect, also across a
-daemon restart. ``close_session``, ``publish`` and ``discard`` end a session's
+daemon restart; the same key with other arguments raises
+:class:`FailedPreconditionError` (a key names one request). ``close_session``, ``publish`` and ``discard`` end a session's
 run; the proto gives them no key (a second call answers the recorded outcome or
 refuses; see their docs).
 """

@@ -456,7 +456,8 @@ class AdminServicer:
     def CreateGraph(self, request, context):
         """The SandboxGraph (ARCHITECTURE.md §12). Every mutating call takes an
         idempotency key: the same key twice gives the same answer and one effect,
-        also across a daemon restart.
+        also across a daemon restart. A key names one request: the same key with
+        other arguments is refused FAILED_PRECONDITION (naming what differs).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
