@@ -31,7 +31,8 @@ def test_the_environment_passes_gymnasiums_checker_and_rewards_each_episode_once
     with layerstack.connect(daemon.admin) as c:
         g = c.create_graph(f"gym-{os.getpid()}-{os.urandom(3).hex()}", daemon.stack)
     run = f"gym-run-{os.urandom(3).hex()}"
-    env = _env(daemon, run, g.root)
+    # The checker's episodes (random actions, "submit" among them) in a run of their own.
+    env = _env(daemon, run + "-check", g.root)
     check_env(env, skip_render_check=True)
     env.close()
 

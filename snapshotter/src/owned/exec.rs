@@ -165,8 +165,24 @@ pub(crate) async fn exec(
                         }
                     },
                     () = drain => {
-                        out_open = false;
-                        err_open = false;
+                        // A process the command left behind may hold the pipes
+                        // open: stop waiting for EOF, but send what they hold
+                        // — the timer may have fired while this task waited
+                        // for a CPU with the command's last output unread.
+                        for (pipe, open, buf, stdout) in [(&out, &mut out_open, &mut bo, true), (&err, &mut err_open, &mut be, false)] {
+                            while *open {
+                                match pipe.try_read(buf) {
+                                    Ok(n) if n > 0 => {
+                                        let data = buf[..n].to_vec();
+                                        let kind = if stdout { api::exec_reply::Kind::Stdout(data) } else { api::exec_reply::Kind::Stderr(data) };
+                                        if tx.send(Ok(api::ExecReply { kind: Some(kind) })).await.is_err() {
+                                            *open = false;
+                                        }
+                                    }
+                                    _ => *open = false,
+                                }
+                            }
+                        }
                     },
                 }
             }
