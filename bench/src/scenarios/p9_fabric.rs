@@ -103,7 +103,12 @@ pub fn run(b: &Bench, r: &mut ScenarioReport) -> Result<()> {
         "attempts, infra_failed, backpropagations (audit)".into(),
         format!(
             "{}, {}, {}",
-            audit["attempts"], audit["infra_failed"], audit["backprops"]
+            audit["attempts"],
+            audit["infra_failed"]
+                .as_object()
+                .map(|m| m.values().filter_map(Value::as_u64).sum::<u64>())
+                .unwrap_or(0),
+            audit["backprops"]
         ),
     ]);
     t.row(vec![
@@ -131,11 +136,11 @@ pub fn run(b: &Bench, r: &mut ScenarioReport) -> Result<()> {
     let pr = &s["probes"];
     let rows = [
         ("rollback: `BeginRollout` on a kept node → `exec true` answered", "rollback_ms"),
-        ("  of which `BeginRollout`", "begin_ms"),
-        ("  of which the first exec", "first_exec_ms"),
+        ("… of which `BeginRollout`", "begin_ms"),
+        ("… of which the first exec", "first_exec_ms"),
         ("grading session start (`CreateSession` on a kept node)", "grade_start_ms"),
-        ("  the grader's command (build + 4 tests)", "grade_command_ms"),
-        ("  its discard", "grade_discard_ms"),
+        ("… then the grader's command (build + 4 tests)", "grade_command_ms"),
+        ("… then its discard", "grade_discard_ms"),
     ];
     let mut t = Table::new(
         &format!("latencies after the step, {probes} sequential probes each (3 untimed first)"),

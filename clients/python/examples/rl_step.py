@@ -134,8 +134,23 @@ def _passed(stdout: bytes) -> int:
     return int(m.group(1)) if m else 0
 
 
+class GraderOutputLost(RuntimeError):
+    """The grader's run answered no ``passed K/4`` line: its output did not
+    reach us, so there is no reward to give. :func:`fan_out` ends the attempt
+    ``infra_failed(grader-output-lost)`` and tries the sample again — never
+    a silent zero. (Seen under load: an exec answered its exit with no
+    stdout at all.)"""
+
+    kind = "grader-output-lost"
+
+
 def reward_of(out: "layerstack.ExecOutput") -> "tuple[float, bool]":
-    """The grader's reward: checks passed / 4, accepted when the test exits 0."""
+    """The grader's reward: checks passed / 4, accepted when the test exits 0.
+    :class:`GraderOutputLost` when its output has no ``passed K/4`` line."""
+    if re.search(rb"passed \d+/\d+", out.stdout) is None:
+        raise GraderOutputLost(
+            f"the grader exited {out.exit_code} (signal {out.signal}, timed out {out.timed_out}) without "
+            f"a 'passed K/4' line: stdout {out.stdout[-200:]!r}, stderr {out.stderr[-200:]!r}")
     return _passed(out.stdout) / N_CHECKS, out.exit_code == 0
 
 
@@ -286,9 +301,14 @@ async def step(
         dot = graph_picture(sync, graph)
     kept = [x for x in g.nodes if x.parents == (task,) and not x.pruned]
     rewards = [r.reward for r in results if r.reward is not None]
-    by_candidate: Dict[str, Counter] = {}
+    by_candidate: Dict[str, "Counter[str]"] = {}
     for r in results:
-        by_candidate.setdefault(candidate(r.sample).name, Counter())[r.status if not (r.attempt and r.attempt.accepted) else "accepted"] += 1
+        accepted = r.attempt is not None and r.attempt.accepted and r.reward is not None
+        by_candidate.setdefault(candidate(r.sample).name, Counter())["accepted" if accepted else r.status] += 1
+    reward_of_candidate: Dict[str, List[float]] = {}
+    for r in results:
+        if r.reward is not None:
+            reward_of_candidate.setdefault(candidate(r.sample).name, []).append(r.reward)
     summary: Dict[str, Any] = {
         "run": run,
         "graph": graph,
@@ -301,6 +321,8 @@ async def step(
         "status": dict(Counter(r.status for r in results)),
         "errors": [e for r in results for e in r.errors][:10],
         "by_candidate": {k: dict(v) for k, v in by_candidate.items()},
+        "reward_by_candidate": {k: sorted(Counter(v).items()) for k, v in reward_of_candidate.items()},
+
         "audit": {
             "samples": audit.samples,
             "rewarded": audit.rewarded,
@@ -380,7 +402,8 @@ def table(s: Dict[str, Any]) -> str:
         ("mean reward", f"{s['mean_reward']:.3f}"),
         ("samples by status", ", ".join(f"{k} {v}" for k, v in sorted(s["status"].items()))),
         ("attempts (audit)", f"{s['audit']['attempts']}: completed {s['audit']['completed']}, "
-                             f"task_failed {s['audit']['task_failed']}, infra_failed {s['audit']['infra_failed'] or 0}, "
+                             f"task_failed {s['audit']['task_failed']}, infra_failed {s['audit']['infra_failed'] or 0} "
+                             f"(retried), "
                              f"running {s['audit']['running']}"),
         ("backpropagations", s["audit"]["backprops"]),
         ("audit violations", len(s["audit"]["violations"])),

