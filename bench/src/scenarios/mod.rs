@@ -16,6 +16,7 @@ mod p6_reset;
 mod p7_mode_b;
 mod p7b_sdk;
 mod p8_apply;
+mod p9_fabric;
 
 /// One scenario: ids, and the function that measures and fills the report.
 #[derive(Clone)]
@@ -82,6 +83,12 @@ pub fn all() -> Vec<Def> {
             name: "apply-isolation",
             title: "apply isolation: `Prepare` + `Remove` on one stack while another branch applies heavy publishes",
             run: p8_apply::run,
+        },
+        Def {
+            id: "p9",
+            name: "fabric",
+            title: "rollout fabric: one RL step of 1,024 graded rollouts, rollback to a node, grading session start",
+            run: p9_fabric::run,
         },
     ]
 }

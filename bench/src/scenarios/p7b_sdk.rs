@@ -33,14 +33,14 @@ const NS: &str = "bench-p7b";
 /// is P7's figure.
 const SETTLE: Duration = Duration::from_millis(150);
 
-fn repo_root() -> PathBuf {
+pub(super) fn repo_root() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
 }
 
 /// The Python interpreter with the `layerstack` package installed:
 /// `$LAYERSTACK_BENCH_PYTHON` as given, else a venv at `<target>/py-venv`
 /// (scripts/test.sh's) with `./clients/python` (re)installed from this tree.
-fn python() -> Result<PathBuf> {
+pub(super) fn python() -> Result<PathBuf> {
     if let Some(p) = std::env::var_os("LAYERSTACK_BENCH_PYTHON") {
         return Ok(PathBuf::from(p));
     }
@@ -268,7 +268,7 @@ fn rust_exec_series(b: &Bench, stack: &str, n: usize, warmup: usize) -> Result<V
 }
 
 /// A `KEY:  N kB` field of `/proc/PID/status`, KiB.
-fn status_kib(pid: u32, field: &str) -> Result<u64> {
+pub(super) fn status_kib(pid: u32, field: &str) -> Result<u64> {
     let s = std::fs::read_to_string(format!("/proc/{pid}/status"))
         .with_context(|| format!("reading /proc/{pid}/status"))?;
     s.lines()
