@@ -58,7 +58,8 @@ def test_rl_step_grades_every_rollout_and_rewards_each_sample_once(daemon: Daemo
             assert out.ok and b"passed 4/4" in out.stdout, out
     # The step again under the same name: every rewarded sample answers its recorded reward and
     # runs nothing; fan_out gives an unrewarded (task_failed) sample a new attempt, which fails again.
-    again = rl_step.main([str(daemon.admin), "--n", str(n), "--name", "rl-test", "--dot", str(dot)])
+    again = rl_step.main([str(daemon.admin), "--n", str(n), "--name", "rl-test", "--stack", s["stack"],
+                          "--dot", str(dot)])
     assert again["status"] == {"completed": 12, "task_failed": 4}, again["status"]
     assert again["mean_reward"] == s["mean_reward"]
     a = again["audit"]
