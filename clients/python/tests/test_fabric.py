@@ -168,12 +168,13 @@ def test_search_statistics_select_children_and_frontier_leases_hold_nodes(daemon
                 uct(NodeStats("x", 0, 0.0, None, ()), [])
             # Frontier leases keep a node from being pruned until released.
             assert await ls.lease_frontier("search-1", [children[0]]) == [children[0]]
-            with layerstack.connect(daemon.admin) as c:
-                with pytest.raises(layerstack.FailedPreconditionError) as e:
-                    c.prune(children[0])
-                assert "frontier of search-1" in str(e.value)
-                assert await ls.release_frontier("search-1") == []
-                assert children[0] in c.prune(children[0])
+            with pytest.raises(layerstack.FailedPreconditionError) as e:
+                await ls.prune(children[0])
+            assert "frontier of search-1" in str(e.value)
+            assert await ls.release_frontier("search-1") == []
+            assert children[0] in await ls.prune(children[0])
+            graph = await ls.show_graph(g.name)
+            assert {n.id for n in graph.nodes if n.pruned} == {children[0]}
 
     asyncio.run(main())
 

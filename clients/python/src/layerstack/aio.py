@@ -167,6 +167,20 @@ class AsyncClient:
         req = pb.CreateGraphRequest(namespace=self.namespace, stack=stack, branch=branch, name=name, key=key or "")
         return Graph.from_pb(await self._call(self._stub.CreateGraph, req))
 
+    async def show_graph(self, name: str) -> Graph:
+        """As :meth:`layerstack.Client.show_graph` (the pages concatenated)."""
+        whole = pb.Graph()
+        async for page in self._stream(self._stub.ShowGraph, pb.ShowGraphRequest(name=name), self.timeout_s):
+            whole.MergeFrom(page)
+        return Graph.from_pb(whole)
+
+    async def prune(self, node: str, *, key: Optional[str] = None) -> List[str]:
+        """As :meth:`layerstack.Client.prune`: the pruned node ids;
+        FailedPreconditionError while something live reaches the subtree (a
+        running attempt, a branch, a frontier lease)."""
+        r = await self._call(self._stub.PruneNode, pb.PruneNodeRequest(node=node, key=key or ""))
+        return list(r.pruned)
+
     async def show_node(self, node_id: str) -> Node:
         """Node ``node_id``. NotFoundError if none."""
         return Node.from_pb(await self._call(self._stub.ShowNode, pb.ShowNodeRequest(id=node_id)))
