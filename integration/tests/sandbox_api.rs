@@ -1134,3 +1134,116 @@ fn session_limits_and_hidden_sockets() -> Result<()> {
     }
     r
 }
+
+/// The daemon's process spawner (`ls-spawner`, a child of the daemon that
+/// clones inits and exec waiters): its pid, from the daemon's children.
+fn spawner_of(daemon: u32) -> Option<i32> {
+    let tasks = std::fs::read_dir(format!("/proc/{daemon}/task")).ok()?;
+    tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("children")).ok())
+        .flat_map(|s| {
+            s.split_whitespace()
+                .filter_map(|p| p.parse::<i32>().ok())
+                .collect::<Vec<_>>()
+        })
+        .find(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/comm")).is_ok_and(|c| c.trim() == "ls-spawner")
+        })
+}
+
+async fn spawner_scenario(dir: &Path, d: &Daemon) -> Result<()> {
+    let src = dir.join("rootfs");
+    rootfs(&src)?;
+    let o = ensure_success(
+        "base import",
+        d.layerstack(&["base", "import", src.to_str().context("utf-8")?])?,
+    )?;
+    let stack = stdout(&o).trim().to_string();
+    let mut c = api::connect(d.admin_socket()).await?;
+    let (id, upper) = create(&mut c, &stack, "before").await?;
+    let r = exec(&mut c, id, &["sh", "-c", "echo up; exit 4"]).await?;
+    ensure!(r.out == b"up\n" && r.exit.code == 4, "{r:?}");
+    // Inits and waiters are the daemon's children (CLONE_PARENT), not the
+    // spawner's: its death leaves them alone.
+    let daemon = d.pid().context("daemon pid")?;
+    let spawner = spawner_of(daemon).context("no ls-spawner child of the daemon")?;
+    let kids = std::fs::read_to_string(format!("/proc/{spawner}/task/{spawner}/children"))?;
+    ensure!(kids.trim().is_empty(), "the spawner has children: {kids}");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(spawner),
+        nix::sys::signal::SIGKILL,
+    )?;
+    // Every request that needs it fails, at once and naming it: a create, and
+    // an exec in the live session. Nothing hangs.
+    let t0 = Instant::now();
+    loop {
+        let r = c
+            .create_session(api::CreateSessionRequest {
+                stack: stack.clone(),
+                name: "after".into(),
+                sandbox: sandbox(),
+                ..Default::default()
+            })
+            .await;
+        match r {
+            Err(s) if s.code() == Code::Internal && s.message().contains("process spawner") => break,
+            // Killed but not yet seen gone: the request may still reach it
+            // (then it fails on the socket) — or, before the kill landed, work.
+            Ok(r) => {
+                let id2 = r.into_inner().session.context("session")?.id;
+                discard(&mut c, id2).await?;
+            }
+            Err(s) => bail!("create after the spawner died: {s:?}"),
+        }
+        ensure!(
+            t0.elapsed() < Duration::from_secs(10),
+            "create still works 10 s after the spawner was killed"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let e = exec(&mut c, id, &["true"]).await.expect_err("exec without a spawner");
+    let st = e
+        .downcast_ref::<tonic::Status>()
+        .with_context(|| format!("exec failed otherwise: {e:#}"))?;
+    ensure!(
+        st.code() == Code::Internal && st.message().contains("process spawner") && st.message().contains("restart"),
+        "{st:?}"
+    );
+    ensure!(t0.elapsed() < Duration::from_secs(10), "slow failures: {:?}", t0.elapsed());
+    // The live session's init is untouched: its files still answer, and it
+    // ends normally, leaving nothing mounted.
+    ensure!(read(&mut c, id, "/etc/passwd").await? == b"session-passwd\n");
+    discard(&mut c, id).await?;
+    ensure!(!mounted_anywhere(&upper), "{} is mounted", upper.display());
+    eprintln!("sandbox_api: spawner killed: {}", st.message());
+    Ok(())
+}
+
+/// The daemon's process spawner killed while the daemon runs: creates and
+/// execs fail at once with INTERNAL naming it (no hang), live sessions keep
+/// their init and close normally.
+#[test]
+fn spawner_death_fails_clearly() -> Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let dir = make_temp_dir()?;
+    let mut daemon = Daemon::start_at(
+        &dir.join("s/snapshotter.sock"),
+        &dir.join("s/containerd.sock"),
+        &dir.join("root"),
+    )?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let r = rt.block_on(spawner_scenario(&dir, &daemon));
+    if r.is_err() {
+        daemon.dump_log();
+    }
+    daemon.stop();
+    if std::env::var_os("LAYERSTACK_TEST_KEEP").is_none() {
+        remove_tree(&dir);
+    }
+    r
+}

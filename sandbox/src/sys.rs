@@ -418,6 +418,11 @@ impl CArgs {
         })
     }
 
+    /// The strings, in order.
+    pub fn strings(&self) -> &[CString] {
+        &self._strings
+    }
+
     fn as_ptr(&self) -> *const *const libc::c_char {
         self.ptrs.as_ptr()
     }
@@ -627,21 +632,22 @@ pub fn report(what: &[&[u8]], err: Option<&io::Error>) {
     let _ = write_all(2, &buf[..n]);
 }
 
-/// Sends `data` on a stream socket with `fds` attached (`SCM_RIGHTS`); returns the
-/// bytes sent (it may be less than `data`: send the rest without fds).
+/// Sends `data` on a stream socket with `fds` (at most 16) attached
+/// (`SCM_RIGHTS`); returns the bytes sent (it may be less than `data`: send
+/// the rest without fds).
 pub fn send_with_fds(sock: RawFd, data: &[u8], fds: &[RawFd]) -> io::Result<usize> {
     let mut iov = libc::iovec {
         iov_base: data.as_ptr() as *mut libc::c_void,
         iov_len: data.len(),
     };
-    // Room for up to 8 descriptors, aligned for cmsghdr.
+    // Room for up to 16 descriptors, aligned for cmsghdr.
     let mut cbuf = [0u64; 16];
     // SAFETY: msghdr is plain data; zeroed then filled below.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = &mut iov;
     msg.msg_iovlen = 1;
     if !fds.is_empty() {
-        assert!(fds.len() <= 8, "at most 8 descriptors per message");
+        assert!(fds.len() <= 16, "at most 16 descriptors per message");
         let len = std::mem::size_of_val(fds) as u32;
         // SAFETY: CMSG_SPACE is arithmetic.
         let space = unsafe { libc::CMSG_SPACE(len) } as usize;
@@ -748,6 +754,28 @@ pub fn set_passcred(sock: RawFd) -> io::Result<()> {
         )
     })
     .map(drop)
+}
+
+/// `SO_RCVTIMEO` and `SO_SNDTIMEO` of `sock`: a blocking receive or send
+/// that waits longer fails with `WouldBlock` (`EAGAIN`).
+pub fn set_timeouts(sock: RawFd, t: std::time::Duration) -> io::Result<()> {
+    let tv = libc::timeval {
+        tv_sec: t.as_secs() as libc::time_t,
+        tv_usec: libc::suseconds_t::from(t.subsec_micros() as i32),
+    };
+    for opt in [libc::SO_RCVTIMEO, libc::SO_SNDTIMEO] {
+        // SAFETY: the option value is a timeval of the given size.
+        check_int(unsafe {
+            libc::setsockopt(
+                sock,
+                libc::SOL_SOCKET,
+                opt,
+                (&tv as *const libc::timeval).cast(),
+                std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+            )
+        })?;
+    }
+    Ok(())
 }
 
 /// The peer of a connected unix socket at connect time: `(pid, uid)`, the pid in
@@ -929,10 +957,11 @@ pub fn join_cgroups(fds: &[RawFd]) -> io::Result<()> {
 
 /// Sets the calling process's `/proc/self/oom_score_adj` to `value` (ASCII,
 /// -1000..=1000; lowering needs CAP_SYS_RESOURCE). Child-safe. A session's
-/// init takes -1000 (never the OOM victim): it is a fork of the daemon, its
-/// resident set counts the daemon's pages it shares, so a memory-limited
-/// session's OOM kill would otherwise pick init (and end the session) before
-/// the command that allocates. An exec's waiter takes 0: the command must not
+/// init takes -1000 (never the OOM victim): it is a fork of the daemon's
+/// process spawner (a fork of the daemon's start), its resident set counts
+/// pages it shares with it, so a memory-limited session's OOM kill could
+/// otherwise pick init (and end the session) before the command that
+/// allocates. An exec's waiter takes 0: the command must not
 /// inherit the daemon's protection (the systemd unit's OOMScoreAdjust=-999).
 pub fn oom_score_adj(value: &[u8]) -> io::Result<()> {
     // SAFETY: a constant C string; the descriptor is closed below.
