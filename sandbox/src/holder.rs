@@ -422,6 +422,8 @@ fn init_main(
         }
     }
     if setup.daemon_owned {
+        // Not the spawner's name it was forked with (`ps`, the benchmarks).
+        sys::set_name(c"ls-init");
         let mut keep = [setup.mount_fd, ready_w, -1];
         if let Some(n) = devnull {
             keep[2] = n;
@@ -754,6 +756,7 @@ fn joined_waiter(
     cgroup_procs: &[RawFd],
     set: &libc::sigset_t,
 ) -> ! {
+    sys::set_name(c"ls-waiter");
     for (i, &fd) in stdio.fds.iter().enumerate() {
         if let Err(e) = sys::dup2(fd, i as RawFd) {
             fail(&[b"set up the command's stdio"], &e);

@@ -42,6 +42,9 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use crate::holder::{self, Command, Hide, Placement, Setup, Stdio};
 use crate::sys::{self, CArgs};
 
+/// The spawner's process name (`/proc/PID/comm`).
+pub const SPAWNER_NAME: &std::ffi::CStr = c"ls-spawner";
+
 const KIND_INIT: u8 = 1;
 const KIND_EXEC: u8 = 2;
 
@@ -99,9 +102,9 @@ pub unsafe fn fork() -> io::Result<Forked> {
 }
 
 fn serve(sock: OwnedFd, daemon_pid: libc::pid_t) -> ! {
-    // The name `ps` and the benchmarks show (at most 15 bytes).
-    // SAFETY: a NUL-terminated literal.
-    unsafe { libc::prctl(libc::PR_SET_NAME, c"ls-spawner".as_ptr() as libc::c_ulong, 0, 0, 0) };
+    // The name `ps`, the tests and the benchmarks know it by; its children
+    // take their own (holder: `ls-init`, `ls-waiter`).
+    sys::set_name(SPAWNER_NAME);
     if sys::die_with_parent().is_err() {
         sys::exit_now(1);
     }

@@ -329,6 +329,14 @@ pub fn loopback_up() -> io::Result<()> {
     }
 }
 
+/// `prctl(PR_SET_NAME, name)`: the calling thread's name (`/proc/PID/comm`,
+/// what `ps` shows; at most 15 bytes are kept). Child-safe.
+pub fn set_name(name: &CStr) {
+    // SAFETY: a NUL-terminated string alive for the call; the other
+    // arguments are unused by PR_SET_NAME.
+    unsafe { libc::prctl(libc::PR_SET_NAME, name.as_ptr() as libc::c_ulong, 0, 0, 0) };
+}
+
 /// `prctl(PR_SET_PDEATHSIG, SIGKILL)`: the caller dies with its parent. Child-safe.
 pub fn die_with_parent() -> io::Result<()> {
     // SAFETY: PR_SET_PDEATHSIG takes a signal number.
