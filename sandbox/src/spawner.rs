@@ -114,6 +114,15 @@ fn serve(sock: OwnedFd, daemon_pid: libc::pid_t) -> ! {
         sys::exit_now(0);
     }
     sys::close_fds_except(&[sock.as_raw_fd()]);
+    // A terminal's ^C or systemd's stop signals the daemon's whole process
+    // group or cgroup: the daemon shuts down in order, and the spawner goes
+    // with it (parent-death signal, end of file), not before it. Children
+    // get these back: init and the waiter wait for them blocked (a blocked
+    // signal is queued even when ignored), the command's exec sets them to
+    // their defaults.
+    for s in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP] {
+        sys::set_handler(s, libc::SIG_IGN);
+    }
     // Inits and waiters are cloned with these blocked (they wait for them
     // with sigwait); the spawner itself waits for no signal.
     sys::sigmask(libc::SIG_BLOCK, &sys::init_sigset());
