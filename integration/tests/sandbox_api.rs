@@ -8,7 +8,9 @@
 //! back as a field), discards leaving nothing mounted, and survives `kill -9`
 //! of the daemon with 16 live sessions: after the restart each is ended
 //! `interrupted` (`daemon-restart`; never by its policy: nothing published),
-//! its attempt too, its upper kept until discarded, nothing stays mounted.
+//! its attempt too, its upper kept until discarded, nothing stays mounted;
+//! then, the daemon's process spawner killed, creates and execs fail at once
+//! naming it while the live session's files and close still work.
 //!
 //! A second test runs sessions with limits (cgroups: memory, pids, CPU) and
 //! shows a workspace-mode session cannot reach the daemon's sockets.
@@ -808,7 +810,7 @@ async fn scenario(dir: &Path, daemon: &mut Option<Daemon>) -> Result<()> {
     }
     // A session made anew works on the restarted daemon and sees none of the
     // interrupted runs' writes.
-    let (id, _) = create(&mut c, &stack, "after").await?;
+    let (id, upper) = create(&mut c, &stack, "after").await?;
     let r = exec(&mut c, id, &["sh", "-c", "ls /srv; echo ok"]).await?;
     ensure!(
         r.exit.code == 0
@@ -816,13 +818,8 @@ async fn scenario(dir: &Path, daemon: &mut Option<Daemon>) -> Result<()> {
             && !String::from_utf8_lossy(&r.out).contains("k0"),
         "the interrupted sessions' writes were published: {r:?}"
     );
-    c.close_session(api::CloseSessionRequest {
-        session_id: id,
-        action: api::EndAction::Discard as i32,
-        ..Default::default()
-    })
-    .await?;
-    Ok(())
+    let d = daemon.as_ref().context("daemon")?;
+    spawner_gone(&mut c, d, &stack, id, &upper).await
 }
 
 #[test]
@@ -1148,21 +1145,23 @@ fn spawner_of(daemon: u32) -> Option<i32> {
                 .collect::<Vec<_>>()
         })
         .find(|p| {
-            std::fs::read_to_string(format!("/proc/{p}/comm")).is_ok_and(|c| c.trim() == "ls-spawner")
+            std::fs::read_to_string(format!("/proc/{p}/comm"))
+                .is_ok_and(|c| c.trim() == "ls-spawner")
         })
 }
 
-async fn spawner_scenario(dir: &Path, d: &Daemon) -> Result<()> {
-    let src = dir.join("rootfs");
-    rootfs(&src)?;
-    let o = ensure_success(
-        "base import",
-        d.layerstack(&["base", "import", src.to_str().context("utf-8")?])?,
-    )?;
-    let stack = stdout(&o).trim().to_string();
-    let mut c = api::connect(d.admin_socket()).await?;
-    let (id, upper) = create(&mut c, &stack, "before").await?;
-    let r = exec(&mut c, id, &["sh", "-c", "echo up; exit 4"]).await?;
+/// The daemon's process spawner killed while the daemon runs, with session
+/// `id` live: creates and execs fail at once with INTERNAL naming it (no
+/// hang); the live session keeps its init, its files answer, and it closes
+/// normally.
+async fn spawner_gone(
+    c: &mut Client,
+    d: &Daemon,
+    stack: &str,
+    id: i64,
+    upper: &Path,
+) -> Result<()> {
+    let r = exec(c, id, &["sh", "-c", "echo up; exit 4"]).await?;
     ensure!(r.out == b"up\n" && r.exit.code == 4, "{r:?}");
     // Inits and waiters are the daemon's children (CLONE_PARENT), not the
     // spawner's: its death leaves them alone.
@@ -1180,19 +1179,21 @@ async fn spawner_scenario(dir: &Path, d: &Daemon) -> Result<()> {
     loop {
         let r = c
             .create_session(api::CreateSessionRequest {
-                stack: stack.clone(),
+                stack: stack.into(),
                 name: "after".into(),
                 sandbox: sandbox(),
                 ..Default::default()
             })
             .await;
         match r {
-            Err(s) if s.code() == Code::Internal && s.message().contains("process spawner") => break,
+            Err(s) if s.code() == Code::Internal && s.message().contains("process spawner") => {
+                break
+            }
             // Killed but not yet seen gone: the request may still reach it
             // (then it fails on the socket) — or, before the kill landed, work.
             Ok(r) => {
                 let id2 = r.into_inner().session.context("session")?.id;
-                discard(&mut c, id2).await?;
+                discard(c, id2).await?;
             }
             Err(s) => bail!("create after the spawner died: {s:?}"),
         }
@@ -1202,48 +1203,28 @@ async fn spawner_scenario(dir: &Path, d: &Daemon) -> Result<()> {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    let e = exec(&mut c, id, &["true"]).await.expect_err("exec without a spawner");
+    let e = exec(c, id, &["true"])
+        .await
+        .expect_err("exec without a spawner");
     let st = e
         .downcast_ref::<tonic::Status>()
         .with_context(|| format!("exec failed otherwise: {e:#}"))?;
     ensure!(
-        st.code() == Code::Internal && st.message().contains("process spawner") && st.message().contains("restart"),
+        st.code() == Code::Internal
+            && st.message().contains("process spawner")
+            && st.message().contains("restart"),
         "{st:?}"
     );
-    ensure!(t0.elapsed() < Duration::from_secs(10), "slow failures: {:?}", t0.elapsed());
+    ensure!(
+        t0.elapsed() < Duration::from_secs(10),
+        "slow failures: {:?}",
+        t0.elapsed()
+    );
     // The live session's init is untouched: its files still answer, and it
     // ends normally, leaving nothing mounted.
-    ensure!(read(&mut c, id, "/etc/passwd").await? == b"session-passwd\n");
-    discard(&mut c, id).await?;
-    ensure!(!mounted_anywhere(&upper), "{} is mounted", upper.display());
+    ensure!(read(c, id, "/etc/passwd").await? == b"session-passwd\n");
+    discard(c, id).await?;
+    ensure!(!mounted_anywhere(upper), "{} is mounted", upper.display());
     eprintln!("sandbox_api: spawner killed: {}", st.message());
     Ok(())
-}
-
-/// The daemon's process spawner killed while the daemon runs: creates and
-/// execs fail at once with INTERNAL naming it (no hang), live sessions keep
-/// their init and close normally.
-#[test]
-fn spawner_death_fails_clearly() -> Result<()> {
-    if !require_root() {
-        return Ok(());
-    }
-    let dir = make_temp_dir()?;
-    let mut daemon = Daemon::start_at(
-        &dir.join("s/snapshotter.sock"),
-        &dir.join("s/containerd.sock"),
-        &dir.join("root"),
-    )?;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?;
-    let r = rt.block_on(spawner_scenario(&dir, &daemon));
-    if r.is_err() {
-        daemon.dump_log();
-    }
-    daemon.stop();
-    if std::env::var_os("LAYERSTACK_TEST_KEEP").is_none() {
-        remove_tree(&dir);
-    }
-    r
 }

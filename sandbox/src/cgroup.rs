@@ -264,7 +264,8 @@ impl Cgroups {
                     Some(p) => p.to_string(),
                     None => format!("{}/{DEFAULT_PARENT_NAME}", own.trim_end_matches('/')),
                 };
-                let (dir, reasons) = prepare_v2(m, own, &p, parent.is_some(), companions, &mut notes);
+                let (dir, reasons) =
+                    prepare_v2(m, own, &p, parent.is_some(), companions, &mut notes);
                 v2_reason = reasons;
                 v2_parent = dir;
             }

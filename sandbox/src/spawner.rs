@@ -175,8 +175,10 @@ pub fn send_all(sock: RawFd, data: &[u8], fds: &[RawFd]) -> io::Result<()> {
     Ok(())
 }
 
-/// One request: `None` at end of file before a header.
-fn read_request(sock: RawFd) -> io::Result<Option<(u8, Vec<u8>, Vec<OwnedFd>)>> {
+/// One header (a request's or a reply's) and the descriptors that came with
+/// it, from a blocking stream socket: `None` at end of file before its first
+/// byte.
+fn recv_header(sock: RawFd) -> io::Result<Option<([u8; HEADER_BYTES], Vec<OwnedFd>)>> {
     let mut h = [0u8; HEADER_BYTES];
     let mut got = 0;
     let mut fds = Vec::new();
@@ -197,6 +199,39 @@ fn read_request(sock: RawFd) -> io::Result<Option<(u8, Vec<u8>, Vec<OwnedFd>)>> 
             Err(e) => return Err(e),
         }
     }
+    Ok(Some((h, fds)))
+}
+
+/// The daemon's side of one exchange on the spawner's (blocking) socket:
+/// sends `req`, reads the reply. The inner result is the spawner's answer
+/// (the child's pid, or why it could not clone); the outer error means the
+/// exchange itself failed (end of file: the spawner is gone; `WouldBlock`:
+/// a receive timeout), after which the stream is unusable.
+pub fn round_trip(
+    sock: RawFd,
+    req: &Request,
+) -> io::Result<(io::Result<libc::pid_t>, Vec<OwnedFd>)> {
+    send_all(sock, &req.bytes, &req.fds)?;
+    let (b, fds) = recv_header(sock)?
+        .ok_or_else(|| io::Error::new(io::ErrorKind::UnexpectedEof, "it closed its socket"))?;
+    let (pid, n) = decode_reply(&b);
+    if n != fds.len() {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!(
+                "a reply announced {n} descriptors and carried {}",
+                fds.len()
+            ),
+        ));
+    }
+    Ok((pid, fds))
+}
+
+/// One request: `None` at end of file before a header.
+fn read_request(sock: RawFd) -> io::Result<Option<(u8, Vec<u8>, Vec<OwnedFd>)>> {
+    let Some((h, fds)) = recv_header(sock)? else {
+        return Ok(None);
+    };
     let len = u32::from_ne_bytes([h[0], h[1], h[2], h[3]]) as usize;
     if len > MAX_BODY || usize::from(h[5]) != fds.len() {
         return Err(io::Error::from_raw_os_error(libc::EPROTO));
@@ -225,7 +260,11 @@ fn decode_init(body: &[u8]) -> io::Result<InitSpec> {
     for _ in 0..r.u32()? {
         let kind = r.u8()?;
         let p = r.cstring()?;
-        hide.push(if kind == 0 { Hide::Dir(p) } else { Hide::File(p) });
+        hide.push(if kind == 0 {
+            Hide::Dir(p)
+        } else {
+            Hide::File(p)
+        });
     }
     Ok(InitSpec {
         placement,
@@ -337,7 +376,11 @@ pub struct InitSpec {
 /// `daemon_owned` and `die_with_parent`). Its reply carries init's pid and
 /// the read end of its ready pipe (one byte `r` once set up; end of file
 /// without it: setup failed, reap init for its exit status).
-pub fn init_request(spec: &InitSpec, mount_fd: RawFd, cgroup_procs: &[RawFd]) -> io::Result<Request> {
+pub fn init_request(
+    spec: &InitSpec,
+    mount_fd: RawFd,
+    cgroup_procs: &[RawFd],
+) -> io::Result<Request> {
     let mut w = Writer(Vec::new());
     w.u8(u8::from(spec.net_none));
     match &spec.placement {
@@ -393,7 +436,14 @@ pub fn exec_request(
         }
     }
     w.bytes(cmd.workdir.as_bytes());
-    let mut fds = vec![pidfd, root, stdio.fds[0], stdio.fds[1], stdio.fds[2], stdio.status];
+    let mut fds = vec![
+        pidfd,
+        root,
+        stdio.fds[0],
+        stdio.fds[1],
+        stdio.fds[2],
+        stdio.status,
+    ];
     fds.extend_from_slice(cgroup_procs);
     request(KIND_EXEC, w, fds)
 }
@@ -518,7 +568,10 @@ mod tests {
             placement: Placement::At(c"/work".into()),
             net_none: true,
             hostname: b"box".to_vec(),
-            hide: vec![Hide::Dir(c"/run/layerstack".into()), Hide::File(c"/admin.sock".into())],
+            hide: vec![
+                Hide::Dir(c"/run/layerstack".into()),
+                Hide::File(c"/admin.sock".into()),
+            ],
         };
         let req = init_request(&spec, 7, &[30]).unwrap();
         assert_eq!(req.fds, [7, 30]);
@@ -555,6 +608,9 @@ mod tests {
         b[..4].copy_from_slice(&(-libc::EAGAIN).to_ne_bytes());
         b[4..].copy_from_slice(&0u32.to_ne_bytes());
         let (pid, n) = decode_reply(&b);
-        assert_eq!((pid.unwrap_err().raw_os_error(), n), (Some(libc::EAGAIN), 0));
+        assert_eq!(
+            (pid.unwrap_err().raw_os_error(), n),
+            (Some(libc::EAGAIN), 0)
+        );
     }
 }

@@ -6,7 +6,7 @@
 use std::os::fd::{AsRawFd, OwnedFd};
 use std::sync::{Arc, Mutex, OnceLock};
 
-use layerstack_sandbox::spawner::{self, Forked, Request, HEADER_BYTES};
+use layerstack_sandbox::spawner::{self, Forked, Request};
 use tracing::error;
 
 use super::*;
@@ -98,16 +98,22 @@ impl Spawner {
         }
         let r = {
             let sock = self.sock.lock().unwrap_or_else(|p| p.into_inner());
-            round_trip(sock.as_raw_fd(), req)
+            spawner::round_trip(sock.as_raw_fd(), req)
         };
         match r {
             Ok((Ok(pid), fds)) => Ok((pid, fds)),
             Ok((Err(e), _)) => Err(io_status(&format!("cannot start {what}"), &e)),
             Err(e) => {
-                let why = if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) {
+                let why = if matches!(
+                    e.kind(),
+                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+                ) {
                     // A stuck spawner would hold every later request: end it.
                     let _ = sys::pidfd_kill(&self.pidfd, libc::SIGKILL);
-                    format!("it did not answer within {} s and was killed", ANSWER_WITHIN.as_secs())
+                    format!(
+                        "it did not answer within {} s and was killed",
+                        ANSWER_WITHIN.as_secs()
+                    )
                 } else {
                     format!("its socket: {e}")
                 };
@@ -117,37 +123,4 @@ impl Spawner {
             }
         }
     }
-}
-
-/// One request and its reply on the (blocking) socket. The outer error: the
-/// exchange itself failed (the stream is unusable after it).
-fn round_trip(sock: i32, req: &Request) -> io::Result<(io::Result<i32>, Vec<OwnedFd>)> {
-    spawner::send_all(sock, &req.bytes, &req.fds)?;
-    let mut b = [0u8; HEADER_BYTES];
-    let mut got = 0;
-    let mut fds = Vec::new();
-    while got < HEADER_BYTES {
-        match sys::recv_msg(sock, &mut b[got..]) {
-            Ok(r) if r.len == 0 => {
-                return Err(io::Error::new(
-                    io::ErrorKind::UnexpectedEof,
-                    "it closed its socket",
-                ))
-            }
-            Ok(r) => {
-                got += r.len;
-                fds.extend(r.fds);
-            }
-            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    let (pid, n) = spawner::decode_reply(&b);
-    if n != fds.len() {
-        return Err(io::Error::new(
-            io::ErrorKind::InvalidData,
-            format!("a reply announced {n} descriptors and carried {}", fds.len()),
-        ));
-    }
-    Ok((pid, fds))
 }
