@@ -202,15 +202,16 @@ fn recv_header(sock: RawFd) -> io::Result<Option<([u8; HEADER_BYTES], Vec<OwnedF
     Ok(Some((h, fds)))
 }
 
+/// The spawner's answer to one request: the child's pid (or why it could
+/// not clone) and the descriptors that came with it.
+pub type Answer = (io::Result<libc::pid_t>, Vec<OwnedFd>);
+
 /// The daemon's side of one exchange on the spawner's (blocking) socket:
 /// sends `req`, reads the reply. The inner result is the spawner's answer
 /// (the child's pid, or why it could not clone); the outer error means the
 /// exchange itself failed (end of file: the spawner is gone; `WouldBlock`:
 /// a receive timeout), after which the stream is unusable.
-pub fn round_trip(
-    sock: RawFd,
-    req: &Request,
-) -> io::Result<(io::Result<libc::pid_t>, Vec<OwnedFd>)> {
+pub fn round_trip(sock: RawFd, req: &Request) -> io::Result<Answer> {
     send_all(sock, &req.bytes, &req.fds)?;
     let (b, fds) = recv_header(sock)?
         .ok_or_else(|| io::Error::new(io::ErrorKind::UnexpectedEof, "it closed its socket"))?;
@@ -227,8 +228,11 @@ pub fn round_trip(
     Ok((pid, fds))
 }
 
+/// A request as the spawner reads it: kind, body, descriptors.
+type Incoming = (u8, Vec<u8>, Vec<OwnedFd>);
+
 /// One request: `None` at end of file before a header.
-fn read_request(sock: RawFd) -> io::Result<Option<(u8, Vec<u8>, Vec<OwnedFd>)>> {
+fn read_request(sock: RawFd) -> io::Result<Option<Incoming>> {
     let Some((h, fds)) = recv_header(sock)? else {
         return Ok(None);
     };
