@@ -20,7 +20,8 @@ the CLI path's (P7) in one run:
     {"op": "fanout", "n": N, "daemon_pid": PID}
         N sandboxes created concurrently from one asyncio client, each running
         ``true`` once (the wall time ends when every exec has answered); with
-        all N idle, the daemon's VmRSS and its children's (the inits') memory;
+        all N idle, the daemon's VmRSS and its children's (the inits') memory,
+        and the shape of its process spawner (``spawner_live``);
         then one more ``true`` in each (concurrently) and the same again; then
         all discarded concurrently;
         → {"wall_s", "discard_s", "create_ms": [...], "exec_ms": [...],
@@ -84,9 +85,19 @@ def shape(pid: int) -> Dict[str, int]:
     return {"threads": status_kib(pid, "Threads"), "vmas": vmas, "pte_kib": status_kib(pid, "VmPTE")}
 
 
-def children(pid: int) -> List[int]:
-    """The live children of every thread of ``pid`` (the daemon's inits are
-    its spawner thread's children)."""
+SPAWNER_COMM = "ls-spawner"
+
+
+def comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as f:
+            return f.read().strip()
+    except (FileNotFoundError, ProcessLookupError):
+        return ""
+
+
+def all_children(pid: int) -> List[int]:
+    """The live children of every thread of ``pid``."""
     kids: List[int] = []
     for tid in os.listdir(f"/proc/{pid}/task"):
         try:
@@ -95,6 +106,25 @@ def children(pid: int) -> List[int]:
         except FileNotFoundError:
             pass
     return kids
+
+
+def children(pid: int) -> List[int]:
+    """The daemon's inits (and exec waiters): its children but its process
+    spawner, which clones them with CLONE_PARENT."""
+    return [k for k in all_children(pid) if comm(k) != SPAWNER_COMM]
+
+
+def spawner_shape(daemon_pid: int) -> Dict[str, int]:
+    """What a fork of the daemon's process spawner copies (empty: none)."""
+    for k in all_children(daemon_pid):
+        if comm(k) == SPAWNER_COMM:
+            try:
+                s = shape(k)
+                s["rss_kib"] = status_kib(k, "VmRSS")
+                return s
+            except (FileNotFoundError, ProcessLookupError):
+                pass
+    return {}
 
 
 def inits_memory(daemon_pid: int) -> Dict[str, Any]:
@@ -233,11 +263,12 @@ class Driver:
         failed = [r for r in results if isinstance(r, BaseException)]
         rss_live = status_kib(daemon_pid, "VmRSS")
         shape_live = shape(daemon_pid)
+        spawner_live = spawner_shape(daemon_pid)
         inits_live = inits_memory(daemon_pid)
-        # The inits are forks of the daemon that never exec: a page the daemon
-        # writes after the fork leaves its old copy to the init. Measure again
-        # after one more exec in every sandbox (work of the daemon's, nothing
-        # of the inits').
+        # The inits are forks (of the daemon's process spawner) that never
+        # exec: a page their parent writes after the fork leaves its old copy
+        # to the init. Measure again after one more exec in every sandbox
+        # (work of the daemon's and the spawner's, nothing of the inits').
         t2 = time.perf_counter()
         again = await asyncio.gather(*(sb.exec(["true"]) for sb in live), return_exceptions=True)
         again_s = time.perf_counter() - t2
@@ -267,6 +298,7 @@ class Driver:
             "rss_after_kib": rss_after,
             "daemon_before": shape_before,
             "daemon_live": shape_live,
+            "spawner_live": spawner_live,
             "inits_before": inits_before,
             "inits": inits_live,
             "exec_again_s": again_s,

@@ -8,7 +8,9 @@
 //! back as a field), discards leaving nothing mounted, and survives `kill -9`
 //! of the daemon with 16 live sessions: after the restart each is ended
 //! `interrupted` (`daemon-restart`; never by its policy: nothing published),
-//! its attempt too, its upper kept until discarded, nothing stays mounted.
+//! its attempt too, its upper kept until discarded, nothing stays mounted;
+//! then, the daemon's process spawner killed, creates and execs fail at once
+//! naming it while the live session's files and close still work.
 //!
 //! A second test runs sessions with limits (cgroups: memory, pids, CPU) and
 //! shows a workspace-mode session cannot reach the daemon's sockets.
@@ -809,7 +811,7 @@ async fn scenario(dir: &Path, daemon: &mut Option<Daemon>) -> Result<()> {
     }
     // A session made anew works on the restarted daemon and sees none of the
     // interrupted runs' writes.
-    let (id, _) = create(&mut c, &stack, "after").await?;
+    let (id, upper) = create(&mut c, &stack, "after").await?;
     let r = exec(&mut c, id, &["sh", "-c", "ls /srv; echo ok"]).await?;
     ensure!(
         r.exit.code == 0
@@ -817,13 +819,8 @@ async fn scenario(dir: &Path, daemon: &mut Option<Daemon>) -> Result<()> {
             && !String::from_utf8_lossy(&r.out).contains("k0"),
         "the interrupted sessions' writes were published: {r:?}"
     );
-    c.close_session(api::CloseSessionRequest {
-        session_id: id,
-        action: api::EndAction::Discard as i32,
-        ..Default::default()
-    })
-    .await?;
-    Ok(())
+    let d = daemon.as_ref().context("daemon")?;
+    spawner_gone(&mut c, d, &stack, id, &upper).await
 }
 
 #[test]
@@ -1134,4 +1131,101 @@ fn session_limits_and_hidden_sockets() -> Result<()> {
         remove_tree(&dir);
     }
     r
+}
+
+/// The daemon's process spawner (`ls-spawner`, a child of the daemon that
+/// clones inits and exec waiters): its pid, from the daemon's children.
+fn spawner_of(daemon: u32) -> Option<i32> {
+    let tasks = std::fs::read_dir(format!("/proc/{daemon}/task")).ok()?;
+    tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("children")).ok())
+        .flat_map(|s| {
+            s.split_whitespace()
+                .filter_map(|p| p.parse::<i32>().ok())
+                .collect::<Vec<_>>()
+        })
+        .find(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/comm"))
+                .is_ok_and(|c| c.trim() == "ls-spawner")
+        })
+}
+
+/// The daemon's process spawner killed while the daemon runs, with session
+/// `id` live: creates and execs fail at once with INTERNAL naming it (no
+/// hang); the live session keeps its init, its files answer, and it closes
+/// normally.
+async fn spawner_gone(
+    c: &mut Client,
+    d: &Daemon,
+    stack: &str,
+    id: i64,
+    upper: &Path,
+) -> Result<()> {
+    let r = exec(c, id, &["sh", "-c", "echo up; exit 4"]).await?;
+    ensure!(r.out == b"up\n" && r.exit.code == 4, "{r:?}");
+    // Inits and waiters are the daemon's children (CLONE_PARENT), not the
+    // spawner's: its death leaves them alone.
+    let daemon = d.pid().context("daemon pid")?;
+    let spawner = spawner_of(daemon).context("no ls-spawner child of the daemon")?;
+    let kids = std::fs::read_to_string(format!("/proc/{spawner}/task/{spawner}/children"))?;
+    ensure!(kids.trim().is_empty(), "the spawner has children: {kids}");
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(spawner),
+        nix::sys::signal::SIGKILL,
+    )?;
+    // Every request that needs it fails, at once and naming it: a create, and
+    // an exec in the live session. Nothing hangs.
+    let t0 = Instant::now();
+    loop {
+        let r = c
+            .create_session(api::CreateSessionRequest {
+                stack: stack.into(),
+                name: "after".into(),
+                sandbox: sandbox(),
+                ..Default::default()
+            })
+            .await;
+        match r {
+            Err(s) if s.code() == Code::Internal && s.message().contains("process spawner") => {
+                break
+            }
+            // Killed but not yet seen gone: the request may still reach it
+            // (then it fails on the socket) — or, before the kill landed, work.
+            Ok(r) => {
+                let id2 = r.into_inner().session.context("session")?.id;
+                discard(c, id2).await?;
+            }
+            Err(s) => bail!("create after the spawner died: {s:?}"),
+        }
+        ensure!(
+            t0.elapsed() < Duration::from_secs(10),
+            "create still works 10 s after the spawner was killed"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let e = exec(c, id, &["true"])
+        .await
+        .expect_err("exec without a spawner");
+    let st = e
+        .downcast_ref::<tonic::Status>()
+        .with_context(|| format!("exec failed otherwise: {e:#}"))?;
+    ensure!(
+        st.code() == Code::Internal
+            && st.message().contains("process spawner")
+            && st.message().contains("restart"),
+        "{st:?}"
+    );
+    ensure!(
+        t0.elapsed() < Duration::from_secs(10),
+        "slow failures: {:?}",
+        t0.elapsed()
+    );
+    // The live session's init is untouched: its files still answer, and it
+    // ends normally, leaving nothing mounted.
+    ensure!(read(c, id, "/etc/passwd").await? == b"session-passwd\n");
+    discard(c, id).await?;
+    ensure!(!mounted_anywhere(upper), "{} is mounted", upper.display());
+    eprintln!("sandbox_api: spawner killed: {}", st.message());
+    Ok(())
 }

@@ -9,8 +9,8 @@
 //!               level from the root down to P. The no-internal-process rule:
 //!               a non-root cgroup with processes cannot enable controllers for
 //!               its children (EBUSY); when that cgroup is the daemon's own and
-//!               the daemon is its only process, the daemon moves itself into
-//!               a leaf child (`layerstack-daemon`), as containerd and systemd
+//!               holds only the daemon (and its process spawner), the daemon
+//!               moves them into a leaf child (`layerstack-daemon`), as containerd and systemd
 //!               services with Delegate=yes do, and enables them then.
 //!               A controller cgroup v2 cannot have (bound to a cgroup v1
 //!               hierarchy on a hybrid host) is taken from its v1 hierarchy at
@@ -243,9 +243,11 @@ impl Cgroups {
     /// docs). `parent`: a cgroup path (`/layerstack.slice/sandboxes`), the
     /// same in every hierarchy; `None` = the daemon's own + `/layerstack-sandboxes`.
     /// `tag` names this daemon's session cgroups (stable across restarts,
-    /// distinct between daemons: leftovers with it are removed here). Never
-    /// fails: what is missing is recorded per controller.
-    pub fn probe(parent: Option<&str>, tag: &str) -> Cgroups {
+    /// distinct between daemons: leftovers with it are removed here).
+    /// `companions`: the daemon's own helper processes (its process spawner)
+    /// that share its cgroup and move into the leaf with it. Never fails:
+    /// what is missing is recorded per controller.
+    pub fn probe(parent: Option<&str>, tag: &str, companions: &[u32]) -> Cgroups {
         let mut notes = Vec::new();
         let (own_v2, own_v1) =
             parse_proc_cgroup(&fs::read_to_string("/proc/self/cgroup").unwrap_or_default());
@@ -262,7 +264,8 @@ impl Cgroups {
                     Some(p) => p.to_string(),
                     None => format!("{}/{DEFAULT_PARENT_NAME}", own.trim_end_matches('/')),
                 };
-                let (dir, reasons) = prepare_v2(m, own, &p, parent.is_some(), &mut notes);
+                let (dir, reasons) =
+                    prepare_v2(m, own, &p, parent.is_some(), companions, &mut notes);
                 v2_reason = reasons;
                 v2_parent = dir;
             }
@@ -525,6 +528,7 @@ fn prepare_v2(
     own: &str,
     parent: &str,
     configured: bool,
+    companions: &[u32],
     notes: &mut Vec<String>,
 ) -> (Option<PathBuf>, Vec<(Controller, String)>) {
     let mut reasons = Vec::new();
@@ -584,7 +588,7 @@ fn prepare_v2(
             let mut r = write_file(&sc, &format!("+{}", c.name()));
             if r.as_ref().err().and_then(io::Error::raw_os_error) == Some(libc::EBUSY)
                 && lv.trim_end_matches('/') == own.trim_end_matches('/')
-                && move_self_to_leaf(&dir, notes)
+                && move_self_to_leaf(&dir, companions, notes)
             {
                 r = write_file(&sc, &format!("+{}", c.name()));
             }
@@ -611,17 +615,25 @@ fn prepare_v2(
     (Some(pdir), reasons)
 }
 
-/// Moves the daemon (every thread) into `dir/layerstack-daemon` when it is the
-/// only process of `dir`.
-fn move_self_to_leaf(dir: &Path, notes: &mut Vec<String>) -> bool {
-    let me = std::process::id().to_string();
+/// Moves the daemon (every thread) and its `companions` into
+/// `dir/layerstack-daemon` when they are the only processes of `dir`.
+fn move_self_to_leaf(dir: &Path, companions: &[u32], notes: &mut Vec<String>) -> bool {
+    let ours: Vec<String> = std::iter::once(std::process::id())
+        .chain(companions.iter().copied())
+        .map(|p| p.to_string())
+        .collect();
     let procs = read_words(&dir.join("cgroup.procs"));
-    if procs.iter().any(|p| *p != me) {
+    if procs.iter().any(|p| !ours.contains(p)) {
         return false;
     }
     let leaf = dir.join(DAEMON_LEAF);
-    if mkdirs(&leaf).is_err() || write_file(&leaf.join("cgroup.procs"), &me).is_err() {
+    if mkdirs(&leaf).is_err() {
         return false;
+    }
+    for p in ours.iter().filter(|p| procs.contains(p) || **p == ours[0]) {
+        if write_file(&leaf.join("cgroup.procs"), p).is_err() {
+            return false;
+        }
     }
     notes.push(format!(
         "moved the daemon into {} so that its cgroup may enable controllers for session cgroups",

@@ -87,11 +87,12 @@ pub struct Setup {
     /// Run mode: init dies with the holder. Create mode: init outlives it, on
     /// /dev/null, in its own session.
     pub die_with_parent: bool,
-    /// Daemon-owned: init is a child of the daemon. It closes every descriptor
-    /// it was not given (the daemon's sockets, store files, other sessions'
-    /// mounts must not live on in it) and sits on /dev/null in its own
-    /// session. With `die_with_parent`, the parent is the daemon's thread that
-    /// called [`start`]: that thread must live as long as the daemon.
+    /// Daemon-owned: init is a child of the daemon, cloned by the daemon's
+    /// process spawner ([`crate::spawner`], `CLONE_PARENT`). It closes every
+    /// descriptor it was not given (nothing of the spawner's or of other
+    /// sessions must live on in it) and sits on /dev/null in its own
+    /// session. With `die_with_parent`, the parent-death signal follows the
+    /// daemon's thread that forked the spawner (its main thread).
     pub daemon_owned: bool,
     /// `cgroup.procs` descriptors of the session's cgroup
     /// ([`crate::cgroup::SessionCgroup::procs_fds`]): init joins them first
@@ -148,47 +149,17 @@ extern "C" fn forward(sig: libc::c_int) {
 /// In run mode (`cmd` given) the holder then forwards SIGINT, SIGTERM, SIGHUP and
 /// SIGQUIT to init until [`Init::wait`].
 pub fn start(setup: &Setup, cmd: Option<&Command>) -> io::Result<Result<Init, Exit>> {
-    let (ready_r, ready_w) = sys::pipe()?;
-    let devnull = if setup.die_with_parent && !setup.daemon_owned {
-        None
-    } else {
-        Some(
-            std::fs::OpenOptions::new()
-                .read(true)
-                .write(true)
-                .open("/dev/null")?,
-        )
-    };
     let set = sys::init_sigset();
     // Blocked before the clone: init inherits the mask, so no signal meant for
     // it is lost before it waits for signals.
     sys::sigmask(libc::SIG_BLOCK, &set);
-    let mut flags =
-        libc::CLONE_NEWNS | libc::CLONE_NEWPID | libc::CLONE_NEWIPC | libc::CLONE_NEWUTS;
-    if setup.net_none {
-        flags |= libc::CLONE_NEWNET;
-    }
-    // SAFETY: the child runs only `init_main`, which makes child-safe calls and
-    // ends in `_exit`.
-    let pid = match unsafe { sys::clone_fork(flags) } {
-        Ok(0) => {
-            sys::close(ready_r.as_raw_fd());
-            init_main(
-                setup,
-                cmd,
-                ready_w.as_raw_fd(),
-                devnull.as_ref().map(AsRawFd::as_raw_fd),
-                &set,
-            )
-        }
-        Ok(pid) => pid,
+    let (pid, ready_r) = match clone_init(setup, cmd, 0) {
+        Ok(x) => x,
         Err(e) => {
             sys::sigmask(libc::SIG_UNBLOCK, &set);
             return Err(e);
         }
     };
-    drop(ready_w);
-    drop(devnull);
     if cmd.is_some() {
         FORWARD_TO.store(pid, Ordering::Relaxed);
         for s in [libc::SIGINT, libc::SIGTERM, libc::SIGHUP, libc::SIGQUIT] {
@@ -208,6 +179,56 @@ pub fn start(setup: &Setup, cmd: Option<&Command>) -> io::Result<Result<Init, Ex
     let x = sys::wait_pid(pid)?;
     FORWARD_TO.store(0, Ordering::Relaxed);
     Ok(Err(x))
+}
+
+/// Clones the session's init (see the module docs) without waiting for it:
+/// returns its pid and the read end of its ready pipe, on which init writes
+/// one byte once it is set up (end of file without it: setup failed, and
+/// init's exit status says so). `extra` is or-ed into the clone flags (the
+/// process spawner's `CLONE_PARENT`). The caller blocks
+/// [`sys::init_sigset`] before the call (init inherits the mask and waits for
+/// those signals with `sigwait`).
+pub fn clone_init(
+    setup: &Setup,
+    cmd: Option<&Command>,
+    extra: libc::c_int,
+) -> io::Result<(libc::pid_t, OwnedFd)> {
+    let (ready_r, ready_w) = sys::pipe()?;
+    let devnull = if setup.die_with_parent && !setup.daemon_owned {
+        None
+    } else {
+        Some(
+            std::fs::OpenOptions::new()
+                .read(true)
+                .write(true)
+                .open("/dev/null")?,
+        )
+    };
+    let set = sys::init_sigset();
+    let mut flags =
+        libc::CLONE_NEWNS | libc::CLONE_NEWPID | libc::CLONE_NEWIPC | libc::CLONE_NEWUTS | extra;
+    if setup.net_none {
+        flags |= libc::CLONE_NEWNET;
+    }
+    // SAFETY: the child runs only `init_main`, which makes child-safe calls and
+    // ends in `_exit`.
+    let pid = match unsafe { sys::clone_fork(flags) } {
+        Ok(0) => {
+            sys::close(ready_r.as_raw_fd());
+            init_main(
+                setup,
+                cmd,
+                ready_w.as_raw_fd(),
+                devnull.as_ref().map(AsRawFd::as_raw_fd),
+                &set,
+            )
+        }
+        Ok(pid) => pid,
+        Err(e) => return Err(e),
+    };
+    drop(ready_w);
+    drop(devnull);
+    Ok((pid, ready_r))
 }
 
 impl Init {
@@ -401,6 +422,8 @@ fn init_main(
         }
     }
     if setup.daemon_owned {
+        // Not the spawner's name it was forked with (`ps`, the benchmarks).
+        sys::set_name(c"ls-init");
         let mut keep = [setup.mount_fd, ready_w, -1];
         if let Some(n) = devnull {
             keep[2] = n;
@@ -681,6 +704,20 @@ pub fn spawn_joined(
     stdio: &Stdio,
     cgroup_procs: &[RawFd],
 ) -> io::Result<libc::pid_t> {
+    spawn_joined_with(pidfd, root, cmd, stdio, cgroup_procs, 0)
+}
+
+/// [`spawn_joined`] with `extra` or-ed into the waiter's clone flags: the
+/// daemon's process spawner passes `CLONE_PARENT`, so that the waiter is the
+/// daemon's child (the daemon reaps it), not the spawner's.
+pub fn spawn_joined_with(
+    pidfd: &OwnedFd,
+    root: &OwnedFd,
+    cmd: &Command,
+    stdio: &Stdio,
+    cgroup_procs: &[RawFd],
+    extra: libc::c_int,
+) -> io::Result<libc::pid_t> {
     if cgroup_procs.len() > crate::cgroup::MAX_DIRS {
         return Err(io::Error::from_raw_os_error(libc::E2BIG));
     }
@@ -690,7 +727,7 @@ pub fn spawn_joined(
     let mut old: libc::sigset_t = sys::empty_sigset();
     sys::sigmask_save(&set, &mut old);
     // SAFETY: the child runs only `joined_waiter`, child-safe, ending in _exit.
-    let r = unsafe { sys::clone_fork(0) };
+    let r = unsafe { sys::clone_fork(extra) };
     match r {
         Ok(0) => joined_waiter(
             pidfd.as_raw_fd(),
@@ -719,6 +756,7 @@ fn joined_waiter(
     cgroup_procs: &[RawFd],
     set: &libc::sigset_t,
 ) -> ! {
+    sys::set_name(c"ls-waiter");
     for (i, &fd) in stdio.fds.iter().enumerate() {
         if let Err(e) = sys::dup2(fd, i as RawFd) {
             fail(&[b"set up the command's stdio"], &e);

@@ -10,6 +10,8 @@
 //! * [`holder`] — the holder's processes: init (pid 1 of the session), the
 //!   command, `session exec`'s join;
 //! * [`client`] — a blocking client of the mount socket;
+//! * [`spawner`] — the daemon's process spawner: a small process forked at
+//!   the daemon's start that clones daemon-owned inits and Exec's waiters;
 //! * [`cgroup`] — per-session limits (CPU, memory, pids): the daemon's cgroup
 //!   parent, one cgroup per limited session, its usage.
 //!
@@ -30,5 +32,6 @@
 pub mod cgroup;
 pub mod client;
 pub mod holder;
+pub mod spawner;
 pub mod sys;
 pub mod wire;

@@ -329,6 +329,14 @@ pub fn loopback_up() -> io::Result<()> {
     }
 }
 
+/// `prctl(PR_SET_NAME, name)`: the calling thread's name (`/proc/PID/comm`,
+/// what `ps` shows; at most 15 bytes are kept). Child-safe.
+pub fn set_name(name: &CStr) {
+    // SAFETY: a NUL-terminated string alive for the call; the other
+    // arguments are unused by PR_SET_NAME.
+    unsafe { libc::prctl(libc::PR_SET_NAME, name.as_ptr() as libc::c_ulong, 0, 0, 0) };
+}
+
 /// `prctl(PR_SET_PDEATHSIG, SIGKILL)`: the caller dies with its parent. Child-safe.
 pub fn die_with_parent() -> io::Result<()> {
     // SAFETY: PR_SET_PDEATHSIG takes a signal number.
@@ -416,6 +424,11 @@ impl CArgs {
             _strings: strings,
             ptrs,
         })
+    }
+
+    /// The strings, in order.
+    pub fn strings(&self) -> &[CString] {
+        &self._strings
     }
 
     fn as_ptr(&self) -> *const *const libc::c_char {
@@ -627,21 +640,22 @@ pub fn report(what: &[&[u8]], err: Option<&io::Error>) {
     let _ = write_all(2, &buf[..n]);
 }
 
-/// Sends `data` on a stream socket with `fds` attached (`SCM_RIGHTS`); returns the
-/// bytes sent (it may be less than `data`: send the rest without fds).
+/// Sends `data` on a stream socket with `fds` (at most 16) attached
+/// (`SCM_RIGHTS`); returns the bytes sent (it may be less than `data`: send
+/// the rest without fds).
 pub fn send_with_fds(sock: RawFd, data: &[u8], fds: &[RawFd]) -> io::Result<usize> {
     let mut iov = libc::iovec {
         iov_base: data.as_ptr() as *mut libc::c_void,
         iov_len: data.len(),
     };
-    // Room for up to 8 descriptors, aligned for cmsghdr.
+    // Room for up to 16 descriptors, aligned for cmsghdr.
     let mut cbuf = [0u64; 16];
     // SAFETY: msghdr is plain data; zeroed then filled below.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = &mut iov;
     msg.msg_iovlen = 1;
     if !fds.is_empty() {
-        assert!(fds.len() <= 8, "at most 8 descriptors per message");
+        assert!(fds.len() <= 16, "at most 16 descriptors per message");
         let len = std::mem::size_of_val(fds) as u32;
         // SAFETY: CMSG_SPACE is arithmetic.
         let space = unsafe { libc::CMSG_SPACE(len) } as usize;
@@ -748,6 +762,28 @@ pub fn set_passcred(sock: RawFd) -> io::Result<()> {
         )
     })
     .map(drop)
+}
+
+/// `SO_RCVTIMEO` and `SO_SNDTIMEO` of `sock`: a blocking receive or send
+/// that waits longer fails with `WouldBlock` (`EAGAIN`).
+pub fn set_timeouts(sock: RawFd, t: std::time::Duration) -> io::Result<()> {
+    let tv = libc::timeval {
+        tv_sec: t.as_secs() as libc::time_t,
+        tv_usec: libc::suseconds_t::from(t.subsec_micros() as i32),
+    };
+    for opt in [libc::SO_RCVTIMEO, libc::SO_SNDTIMEO] {
+        // SAFETY: the option value is a timeval of the given size.
+        check_int(unsafe {
+            libc::setsockopt(
+                sock,
+                libc::SOL_SOCKET,
+                opt,
+                (&tv as *const libc::timeval).cast(),
+                std::mem::size_of::<libc::timeval>() as libc::socklen_t,
+            )
+        })?;
+    }
+    Ok(())
 }
 
 /// The peer of a connected unix socket at connect time: `(pid, uid)`, the pid in
@@ -929,10 +965,11 @@ pub fn join_cgroups(fds: &[RawFd]) -> io::Result<()> {
 
 /// Sets the calling process's `/proc/self/oom_score_adj` to `value` (ASCII,
 /// -1000..=1000; lowering needs CAP_SYS_RESOURCE). Child-safe. A session's
-/// init takes -1000 (never the OOM victim): it is a fork of the daemon, its
-/// resident set counts the daemon's pages it shares, so a memory-limited
-/// session's OOM kill would otherwise pick init (and end the session) before
-/// the command that allocates. An exec's waiter takes 0: the command must not
+/// init takes -1000 (never the OOM victim): it is a fork of the daemon's
+/// process spawner (a fork of the daemon's start), its resident set counts
+/// pages it shares with it, so a memory-limited session's OOM kill could
+/// otherwise pick init (and end the session) before the command that
+/// allocates. An exec's waiter takes 0: the command must not
 /// inherit the daemon's protection (the systemd unit's OOMScoreAdjust=-999).
 pub fn oom_score_adj(value: &[u8]) -> io::Result<()> {
     // SAFETY: a constant C string; the descriptor is closed below.

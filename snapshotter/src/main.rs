@@ -171,6 +171,10 @@ fn raise_nofile() {
 }
 
 fn main() {
+    // First, while the daemon is one small thread: the process that clones
+    // daemon-owned sessions' inits and Exec's waiters (a fork of it copies
+    // little; a fork of the running daemon copied its whole address space).
+    owned::fork_at_start();
     // Named threads: a system-wide profile (`perf`, the benchmarks) tells the
     // daemon's workers from every other tokio program's `tokio-rt-worker`.
     let rt = match tokio::runtime::Builder::new_multi_thread()
@@ -269,7 +273,8 @@ fn sandbox_limits(cfg: &Config) -> layerstack_sandbox::cgroup::Limits {
 
 /// Probes the machine's cgroups for session limits and logs what is there
 /// (docs/operations.md "Session limits"): never fails the start.
-fn probe_cgroups(cfg: &Config) -> layerstack_sandbox::cgroup::Cgroups {
+/// `companions`: the daemon's helper processes (its process spawner).
+fn probe_cgroups(cfg: &Config, companions: &[u32]) -> layerstack_sandbox::cgroup::Cgroups {
     // A tag stable for this store (FNV-1a of the root's path): leftovers of
     // an earlier run are this daemon's to remove, another daemon's are not.
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -277,7 +282,11 @@ fn probe_cgroups(cfg: &Config) -> layerstack_sandbox::cgroup::Cgroups {
         h = (h ^ u64::from(*b)).wrapping_mul(0x100_0000_01b3);
     }
     let tag = format!("ls{:08x}", h as u32);
-    let cg = layerstack_sandbox::cgroup::Cgroups::probe(cfg.sandbox.cgroup_parent.as_deref(), &tag);
+    let cg = layerstack_sandbox::cgroup::Cgroups::probe(
+        cfg.sandbox.cgroup_parent.as_deref(),
+        &tag,
+        companions,
+    );
     for n in &cg.notes {
         info!(note = %n, "session cgroups");
     }
@@ -494,8 +503,14 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
     // Before anything can publish: every outcome gets its log line and metrics.
     tokio::spawn(outcomes::watch(&engine, metrics.clone()));
     let holders = sandbox::Holders::new(mount_address.clone());
+    let spawner = owned::Spawner::adopt();
+    if let Err(why) = &spawner {
+        error!(reason = %why, "no process spawner: daemon-owned sessions (CreateSession with sandbox options) and Exec will fail until the daemon restarts");
+    }
+    let companions: Vec<u32> = spawner.iter().map(|s| s.pid()).collect();
+    let _ = holders.spawner.set(spawner);
     let _ = holders.limits.set(Arc::new(owned::SessionLimits {
-        cgroups: Some(probe_cgroups(&cfg)),
+        cgroups: Some(probe_cgroups(&cfg, &companions)),
         defaults: sandbox_limits(&cfg),
         sockets: vec![
             cfg.admin_address.clone(),

@@ -70,8 +70,9 @@ pub struct Holders {
     mount_address: PathBuf,
     map: Mutex<HashMap<SessionId, Holder>>,
     pub(crate) next_conn: AtomicU64,
-    /// The thread that clones daemon-owned sessions' inits (started on first use).
-    pub(crate) spawner: std::sync::OnceLock<crate::owned::Spawner>,
+    /// The process that clones daemon-owned sessions' inits and Exec's
+    /// waiters (set once at start; `Err`: why there is none).
+    pub(crate) spawner: std::sync::OnceLock<Result<Arc<crate::owned::Spawner>, String>>,
     /// Limits and hidden paths of daemon-owned sessions (set once at start;
     /// unset: no cgroup setup, no socket to hide).
     pub limits: std::sync::OnceLock<Arc<crate::owned::SessionLimits>>,

@@ -66,7 +66,8 @@ fn exit_reply(x: Exit, timed_out: bool, started: Instant) -> api::ExecReply {
     }
 }
 
-/// `Exec`: see the module docs and `holder::spawn_joined`.
+/// `Exec`: see the module docs and `holder::spawn_joined` (the waiter is
+/// cloned by the daemon's process spawner).
 pub(crate) async fn exec(
     admin: &AdminService,
     r: api::ExecRequest,
@@ -87,8 +88,9 @@ pub(crate) async fn exec(
     let procs = cgroup.as_ref().map(|c| c.procs_fds()).unwrap_or_default();
     let oom_before = cgroup.as_ref().map_or(0, |c| c.usage().oom_kills);
     let started = Instant::now();
-    let pid = holder::spawn_joined(&l.pidfd, &root, &cmd, &stdio, &procs)
-        .map_err(|e| io_status("cannot start the command's process", &e))?;
+    let req = spawner::exec_request(&cmd, l.pidfd.as_raw_fd(), root.as_raw_fd(), &stdio, &procs)
+        .map_err(|e| io_status("the command's spawn request", &e))?;
+    let (pid, _) = super::spawner(&admin.holders)?.spawn("the command's process", &req)?;
     drop((in_r, out_w, err_w, st_w, root));
     let waiter =
         sys::pidfd_open(pid).map_err(|e| io_status("pidfd of the command's waiter", &e))?;

@@ -5,24 +5,29 @@
 //!
 //! ```text
 //! CreateSession{sandbox}   session row + lease (the engine's), overlay built
-//!                          (sandbox::attach), init cloned by the spawner thread
-//!                          (holder::start, daemon_owned: every other fd closed,
-//!                          PR_SET_PDEATHSIG = SIGKILL), its pidfd in Holders;
-//!                          a task waits on the pidfd and reaps init
-//! Exec                     waiter = clone, setns(init's pidfd), chroot(init's
-//!                          root); command = its child, own process group; pipes
-//!                          for stdio, the waiter's pidfd polled for the end
+//!                          (sandbox::attach), init cloned by the process
+//!                          spawner (spawn.rs; holder::clone_init with
+//!                          daemon_owned: every other fd closed,
+//!                          PR_SET_PDEATHSIG = SIGKILL, CLONE_PARENT: the
+//!                          daemon's child), its ready pipe awaited, its
+//!                          pidfd in Holders; a task waits on the pidfd and
+//!                          reaps init
+//! Exec                     waiter = cloned by the spawner (CLONE_PARENT),
+//!                          setns(init's pidfd), chroot(init's root); command
+//!                          = its child, own process group; pipes for stdio,
+//!                          the waiter's pidfd polled for the end
 //! files                    /proc/<init>/root opened, pidfd checked alive after,
 //!                          then openat2(RESOLVE_IN_ROOT | RESOLVE_NO_MAGICLINKS)
 //! CloseSession             unchanged (sandbox_close): init SIGKILLed by pidfd,
 //!                          census, end action, release
 //! ```
 //!
-//! Why one spawner thread: the parent-death signal fires when the *thread*
-//! that cloned init exits, not the process. Tokio's blocking threads retire
-//! when idle; the spawner lives as long as the daemon, so init dies exactly
-//! when the daemon does. Exec's waiters need no such signal (their command is
-//! in the session's pid namespace, which dies with init).
+//! Why a spawner process: a clone of the running daemon copies its page
+//! tables, the cost of every sandbox start and exec (benchmark P7b); the
+//! spawner, forked at the start of `main`, is small. Why `CLONE_PARENT`: the
+//! daemon reaps inits and waiters by pidfd, and an init's parent-death
+//! signal follows the daemon's main thread, so init dies exactly when the
+//! daemon does. docs/architecture.md "Daemon-owned sessions".
 //!
 //! Both daemon-owned sessions and sessions held by `layerstack session
 //! create|run` have an init pidfd in [`Holders`]: Exec and the files serve
@@ -41,7 +46,8 @@ use layerstack_api as api;
 use layerstack_engine::store::{ErrorKind, SessionId};
 use layerstack_engine::EndAction;
 use layerstack_sandbox::cgroup::{CgroupError, Cgroups, Limits, SessionCgroup};
-use layerstack_sandbox::holder::{self, Command, Hide, Placement, Setup, DEFAULT_PATH};
+use layerstack_sandbox::holder::{self, Command, Hide, Placement, DEFAULT_PATH};
+use layerstack_sandbox::spawner::{self, InitSpec};
 use layerstack_sandbox::sys::{self, CArgs, Exit};
 use layerstack_sandbox::wire::{Mode, Reply};
 use nix::fcntl::{AtFlags, OFlag};
@@ -148,48 +154,6 @@ fn hide_list(sockets: &[std::path::PathBuf], placement: &str) -> Result<Vec<Hide
         v.push(Hide::File(c(f)?));
     }
     Ok(v)
-}
-
-type Job = Box<dyn FnOnce() + Send>;
-
-/// The thread that clones daemon-owned sessions' inits (see the module docs).
-pub struct Spawner {
-    tx: std::sync::Mutex<std::sync::mpsc::Sender<Job>>,
-}
-
-impl Spawner {
-    fn new() -> io::Result<Spawner> {
-        let (tx, rx) = std::sync::mpsc::channel::<Job>();
-        std::thread::Builder::new()
-            .name("layerstack-init-spawner".into())
-            .spawn(move || {
-                // Lives as long as the daemon: the parent-death signal of every
-                // init it cloned fires when this thread exits.
-                while let Ok(job) = rx.recv() {
-                    job();
-                }
-            })?;
-        Ok(Spawner {
-            tx: std::sync::Mutex::new(tx),
-        })
-    }
-
-    async fn run<T: Send + 'static>(
-        &self,
-        f: impl FnOnce() -> T + Send + 'static,
-    ) -> Result<T, Status> {
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        let job: Job = Box::new(move || {
-            let _ = tx.send(f());
-        });
-        self.tx
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .send(job)
-            .map_err(|_| Status::internal("the init spawner thread is gone"))?;
-        rx.await
-            .map_err(|_| Status::internal("the init spawner thread dropped a job"))
-    }
 }
 
 fn reply_status(r: Reply) -> Status {
@@ -326,54 +290,65 @@ pub(crate) async fn create(
         let fd = crate::sandbox::attach(&admin.engine, &holders, conn, id, Some(spec.clone()))
             .await
             .map_err(reply_status)?;
-        let spawner = match holders.spawner.get() {
-            Some(s) => s,
-            None => {
-                let s = Spawner::new().map_err(|e| io_status("cannot start the init spawner thread", &e))?;
-                let _ = holders.spawner.set(s);
-                holders.spawner.get().ok_or_else(|| Status::internal("init spawner"))?
-            }
-        };
+        let sp = spawner(&holders)?;
         let placement_c = match &placement {
             None => Placement::Root,
             Some(p) => Placement::At(
                 CString::new(p.as_bytes()).map_err(|_| Status::invalid_argument("sandbox.placement holds a NUL byte"))?,
             ),
         };
-        let setup = Setup {
+        let init = InitSpec {
             placement: placement_c,
             net_none: !opts.network,
             hostname: hostname.clone().into_bytes(),
-            mount_fd: fd.as_raw_fd(),
-            holder_sock: None,
-            ready_line: Vec::new(),
-            die_with_parent: true,
-            daemon_owned: true,
-            cgroup_procs: procs,
             hide,
         };
-        let r = spawner
-            .run(move || {
-                let r = holder::start(&setup, None);
-                // Only init keeps the overlay from now on.
-                drop(fd);
-                // The cgroup's descriptors stay open until init joined.
-                drop(keep_cg);
-                r
-            })
-            .await?;
-        match r {
-            Ok(Ok(init)) => Ok(init.pid),
-            Ok(Err(x)) => Err(Status::internal(format!(
-                "session {id}'s init could not set the session up (exit status {}; the daemon's log has init's reason)",
-                x.shell_status()
-            ))),
-            Err(e) => Err(io_status("cannot start the session's init", &e)),
+        let req = spawner::init_request(&init, fd.as_raw_fd(), &procs)
+            .map_err(|e| io_status("the init's spawn request", &e))?;
+        let (pid, fds) = sp.spawn("the session's init", &req)?;
+        // The spawner has its copies: only init keeps the overlay and the
+        // cgroup's descriptors from now on.
+        drop(fd);
+        drop(keep_cg);
+        let pidfd = match sys::pidfd_open(pid) {
+            Ok(p) => p,
+            Err(e) => {
+                // Cannot happen for a child not yet reaped; stop it anyway.
+                sys::kill(pid, libc::SIGKILL);
+                return Err(io_status("cannot open a pidfd for the session's init", &e));
+            }
+        };
+        let Some(ready) = fds.into_iter().next() else {
+            let _ = sys::pidfd_kill(&pidfd, libc::SIGKILL);
+            let _ = wait_pidfd(&pidfd).await;
+            return Err(Status::internal(
+                "the process spawner answered without init's ready pipe",
+            ));
+        };
+        let mut ready = tokio::net::unix::pipe::Receiver::from_owned_fd(ready)
+            .map_err(|e| io_status("init's ready pipe", &e))?;
+        let mut b = [0u8; 1];
+        match ready.read(&mut b).await {
+            Ok(1) => Ok((pid, pidfd)),
+            r => {
+                // Init ended before it was ready: setup failed (or the pipe
+                // broke: then init is ended here). Reap it for its status.
+                if r.is_err() {
+                    let _ = sys::pidfd_kill(&pidfd, libc::SIGKILL);
+                }
+                let x = wait_pidfd(&pidfd)
+                    .await
+                    .map_err(|e| io_status("waiting for the session's init", &e))?;
+                Err(Status::internal(format!(
+                    "session {id}'s init could not set the session up (exit status {}; the daemon's log has init's reason)",
+                    x.shell_status()
+                )))
+            }
         }
     }
     .await;
-    let pid = match started {
-        Ok(pid) => pid,
+    let (pid, pidfd) = match started {
+        Ok((pid, pidfd)) => (pid, Arc::new(pidfd)),
         Err(st) => {
             if let Some(cg) = cgroup.take() {
                 remove_cgroup(id, cg);
@@ -397,17 +372,6 @@ pub(crate) async fn create(
                 warn!(session.id = id, error = %api::error_chain(&e), "cannot discard a session whose init could not start");
             }
             return Err(st);
-        }
-    };
-    let pidfd = match sys::pidfd_open(pid) {
-        Ok(fd) => Arc::new(fd),
-        Err(e) => {
-            // Cannot happen for a child not yet reaped; stop it anyway.
-            sys::kill(pid, libc::SIGKILL);
-            if let Some(cg) = cgroup.take() {
-                remove_cgroup(id, cg);
-            }
-            return Err(io_status("cannot open a pidfd for the session's init", &e));
         }
     };
     if placement.is_none() {
@@ -649,6 +613,22 @@ fn files_root(l: &Live, id: SessionId) -> Result<OwnedFd, Status> {
 
 mod exec;
 mod files;
+mod spawn;
+
+pub use spawn::{fork_at_start, Spawner};
+
+/// The daemon's process spawner, or why there is none (INTERNAL).
+fn spawner(holders: &crate::sandbox::Holders) -> Result<Arc<Spawner>, Status> {
+    match holders.spawner.get() {
+        Some(Ok(s)) => Ok(s.clone()),
+        Some(Err(why)) => Err(Status::internal(format!(
+            "no process spawner in this daemon ({why}): daemon-owned sessions cannot start; restart the daemon"
+        ))),
+        None => Err(Status::internal(
+            "no process spawner in this daemon (it is set up at the daemon's start): daemon-owned sessions cannot start",
+        )),
+    }
+}
 
 pub(crate) use exec::exec;
 pub(crate) use files::{
