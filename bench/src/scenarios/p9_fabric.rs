@@ -82,7 +82,9 @@ pub fn run(b: &Bench, r: &mut ScenarioReport) -> Result<()> {
     let peak = rss["peak"].as_f64().unwrap_or(f64::NAN);
 
     let mut t = Table::new(
-        &format!("one RL step: {n} rollouts, {CONCURRENCY} at once, each graded in a clean sandbox"),
+        &format!(
+            "one RL step: {n} rollouts, {CONCURRENCY} at once, each graded in a clean sandbox"
+        ),
         &["what", "measured"],
     );
     t.row(vec![
@@ -135,11 +137,20 @@ pub fn run(b: &Bench, r: &mut ScenarioReport) -> Result<()> {
 
     let pr = &s["probes"];
     let rows = [
-        ("rollback: `BeginRollout` on a kept node → `exec true` answered", "rollback_ms"),
+        (
+            "rollback: `BeginRollout` on a kept node → `exec true` answered",
+            "rollback_ms",
+        ),
         ("… of which `BeginRollout`", "begin_ms"),
         ("… of which the first exec", "first_exec_ms"),
-        ("grading session start (`CreateSession` on a kept node)", "grade_start_ms"),
-        ("… then the grader's command (build + 4 tests)", "grade_command_ms"),
+        (
+            "grading session start (`CreateSession` on a kept node)",
+            "grade_start_ms",
+        ),
+        (
+            "… then the grader's command (build + 4 tests)",
+            "grade_command_ms",
+        ),
         ("… then its discard", "grade_discard_ms"),
     ];
     let mut t = Table::new(
@@ -196,10 +207,14 @@ pub fn run(b: &Bench, r: &mut ScenarioReport) -> Result<()> {
         x_label: "operation".into(),
         y_label: "ms".into(),
         x: XAxis::Categories(
-            ["rollback → first exec", "BeginRollout", "grading session start"]
-                .iter()
-                .map(|s| s.to_string())
-                .collect(),
+            [
+                "rollback → first exec",
+                "BeginRollout",
+                "grading session start",
+            ]
+            .iter()
+            .map(|s| s.to_string())
+            .collect(),
         ),
         log_y: true,
         series: vec![Series {
