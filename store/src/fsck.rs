@@ -13,8 +13,8 @@
 //! * `dangling-lease` — a live lease whose holder is gone. Repaired (released)
 //!   when the holder's row is gone, a session was released without keeping its
 //!   directories, or a node was pruned.
-//! * `session-upper-missing` — a session that keeps its directories without its
-//!   upper.
+//! * `session-upper-missing` — a session in a run (unreleased, holding a
+//!   lease) without its upper.
 //! * `index-mismatch` — a path-index row of a live published layer whose entry
 //!   is missing from the layer's tree or of another type (a write that is not a
 //!   regular file, a delete that is not a whiteout, …).
@@ -186,11 +186,10 @@ impl Store {
                     });
                 }
             }
-            // Sessions that keep their directories have their upper.
-            let mut stmt = conn.prepare_cached(&format!(
-                "SELECT id FROM sessions WHERE {}",
-                crate::sessions::KEEPS_DIRS
-            ))?;
+            // Sessions in a run (unreleased, holding a lease) have their upper.
+            let mut stmt = conn.prepare_cached(
+                "SELECT id FROM sessions WHERE released = 0 AND lease_id IS NOT NULL",
+            )?;
             for id in stmt.query_map([], |x| x.get::<_, i64>(0))? {
                 let id = id?;
                 r.sessions += 1;

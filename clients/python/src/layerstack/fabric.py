@@ -69,6 +69,7 @@ __all__ = [
     "Grader",
     "RolloutResult",
     "TaskFailed",
+    "GraderLost",
     "uct",
     "puct",
     "fan_out",
@@ -317,6 +318,13 @@ def puct(parent: NodeStats, children: Sequence[NodeStats], c: float = 1.0) -> No
         return (ch.mean + c * p * sqrt_n / (1 + ch.visits), ch.node)
 
     return max(children, key=score)
+
+
+class GraderLost(Exception):
+    """The grader's sandbox or process was lost (killed by a signal it did not
+    cause): the attempt ends ``infra_failed(grader-lost)`` and is retried."""
+
+    kind = "grader-lost"
 
 
 class TaskFailed(Exception):
@@ -595,6 +603,10 @@ async def _run_sample(
             finally:
                 # Discarded even across a daemon restart (a close is idempotent).
                 await _through_restarts(lambda: g.discard("grading done"), reconnect_s)
+            if out.signal and not out.timed_out and not out.oom_killed:
+                # Killed from outside (its sandbox lost): not the task's
+                # result — never a silent zero.
+                raise GraderLost(f"the grader was killed by signal {out.signal}")
             reward, accepted = grader.score(out)
             last = await r.end(
                 reward=reward, accepted=accepted, evaluator=grader.evaluator(),
