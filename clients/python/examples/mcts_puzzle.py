@@ -396,12 +396,12 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     ap.add_argument("--c", type=float, default=0.5, help="exploration constant (default 0.5)")
     ap.add_argument("--max-iterations", type=int, default=2000)
     ap.add_argument("--stack", default=None, help="an existing stack with busybox applets (default: import one)")
-    ap.add_argument("--name", default=None, help="graph and run name (default mcts-<time>)")
+    ap.add_argument("--name", default=None, help="graph and run name (default mcts-<time>-<pid>-<random>)")
     ap.add_argument("--dot", default="mcts_puzzle.dot", help="write the graph picture here")
     a = ap.parse_args(argv)
     if a.width < 2 or a.height < 2:
         ap.error("--width and --height must be at least 2")
-    name = a.name or f"mcts-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    name = a.name or f"mcts-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{os.urandom(3).hex()}"
     s = asyncio.run(search(a.admin, puzzle=Puzzle(a.width, a.height), scramble=a.scramble, seed=a.seed,
                            select=a.select, c=a.c, max_iterations=a.max_iterations, stack=a.stack, name=name))
     Path(a.dot).write_text(s["dot"])

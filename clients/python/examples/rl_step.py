@@ -431,7 +431,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     ap.add_argument("--n", type=int, default=1024, help="rollouts (samples) in the step (default 1024)")
     ap.add_argument("--concurrency", type=int, default=64, help="rollouts at once (default 64)")
     ap.add_argument("--stack", default=None, help="an existing stack with busybox applets (default: import one)")
-    ap.add_argument("--name", default=None, help="graph and run name (default rl-step-<time>)")
+    ap.add_argument("--name", default=None, help="graph and run name (default rl-step-<time>-<pid>-<random>)")
     ap.add_argument("--store", default=None, help="the daemon's store root: bytes added are du of it")
     ap.add_argument("--daemon-pid", type=int, default=None, help="sample the daemon's RSS during the step")
     ap.add_argument("--dot", default="rl_step.dot", help="write the graph picture here (default rl_step.dot)")
@@ -439,7 +439,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     a = ap.parse_args(argv)
     if a.n < 1 or a.concurrency < 1:
         ap.error("--n and --concurrency must be at least 1")
-    name = a.name or f"rl-step-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+    name = a.name or f"rl-step-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{os.urandom(3).hex()}"
     s = asyncio.run(step(a.admin, n=a.n, concurrency=a.concurrency, stack=a.stack, name=name,
                          store=a.store, daemon_pid=a.daemon_pid))
     Path(a.dot).write_text(s["dot"])
