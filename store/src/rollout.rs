@@ -622,18 +622,15 @@ fn backpropagate(
     Ok(n)
 }
 
-fn frontier_of(conn: &Connection, node: &str) -> Result<Vec<String>, StoreError> {
+/// Holders of frontier leases on `node`, by name (prune refuses while there
+/// are any).
+pub(crate) fn frontier_holders(conn: &Connection, node: &str) -> Result<Vec<String>, StoreError> {
     let mut stmt =
         conn.prepare_cached("SELECT holder FROM frontier_leases WHERE node = ?1 ORDER BY holder")?;
     let v = stmt
         .query_map([node], |r| r.get(0))?
         .collect::<Result<Vec<String>, _>>()?;
     Ok(v)
-}
-
-/// Holders of frontier leases on `node` (prune refuses while there are any).
-pub(crate) fn frontier_holders(conn: &Connection, node: &str) -> Result<Vec<String>, StoreError> {
-    frontier_of(conn, node)
 }
 
 fn stats_of(conn: &Connection, node: &str) -> Result<NodeStats, StoreError> {
@@ -656,7 +653,7 @@ fn stats_of(conn: &Connection, node: &str) -> Result<NodeStats, StoreError> {
         visits: u64::try_from(visits).unwrap_or(0),
         value_sum,
         prior,
-        frontier: frontier_of(conn, node)?,
+        frontier: frontier_holders(conn, node)?,
     })
 }
 
