@@ -2714,3 +2714,5 @@ async fn diff_at_a_member_of_a_squash_compares_the_view_as_of_its_publish() {
     let err = p.diff(stack, at(9999), head, false).await.unwrap_err();
     assert!(matches!(err, EngineError::NotFound(_)), "{err:?}");
 }
+
+mod model;

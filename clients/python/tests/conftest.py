@@ -34,6 +34,18 @@ DAEMON_BIN = "containerd-layerstack-grpc"
 CLI_BIN = "layerstack"
 
 
+def record_reliability(id: str, guarantee: str, test: str, figures: dict) -> None:  # type: ignore[type-arg]
+    """The reliability suite's record of one guarantee (the format of
+    ``layerstack_store::reliability::record``): ``$LAYERSTACK_RELIABILITY_OUT/<id>.json``
+    when that variable names a directory; nothing otherwise."""
+    out = os.environ.get("LAYERSTACK_RELIABILITY_OUT")
+    if not out:
+        return
+    Path(out).mkdir(parents=True, exist_ok=True)
+    doc = {"id": id, "guarantee": guarantee, "test": test, "figures": figures}
+    (Path(out) / f"{id}.json").write_text(json.dumps(doc, indent=2))
+
+
 def in_ci() -> bool:
     return os.environ.get("CI", "") in ("true", "1")
 

@@ -31,11 +31,13 @@ import pytest
 import layerstack
 import layerstack.aio
 from layerstack.sandbox import ExecChunk, ExecError, ExecOutput
-from conftest import DAEMON_BIN, REPO, _mounts_under, _terminate, _wait_for, bin_dir, in_ci
+from conftest import DAEMON_BIN, REPO, _mounts_under, _terminate, _wait_for, bin_dir, in_ci, record_reliability
 
 TOKEN = "sdk-token"
 CGROUP_PARENT = f"/layerstack-py-{os.getpid()}"
 USER_UID = 65534
+# Sandboxes alive at once in the isolation test (issue 22: 1,000).
+ISOLATION_N = int(os.environ.get("LAYERSTACK_ISOLATION_N", "1000"))
 
 
 class Daemon(NamedTuple):
@@ -99,7 +101,7 @@ def daemon() -> Iterator[Daemon]:
         f'tokens_file = "{d}/tokens"\n'
         # Session cgroups under the hierarchy's root: the daemon's own cgroup
         # (this test's) has other processes and cannot enable controllers.
-        f'[sandbox]\ncgroup_parent = "{CGROUP_PARENT}"\n'
+        f'[sandbox]\ncgroup_parent = "{CGROUP_PARENT}"\nmax_sessions = {ISOLATION_N + 64}\n'
     )
     (d / "ls").mkdir()
     admin = d / "ls" / "admin.sock"
@@ -273,6 +275,58 @@ def test_the_asyncio_client_fans_out(daemon: Daemon) -> None:
 
     nodes = asyncio.run(main())
     assert len(set(nodes)) == 16, nodes
+
+
+def test_live_sandboxes_never_see_each_others_writes(daemon: Daemon) -> None:
+    """Issue 22: ``ISOLATION_N`` sandboxes alive at once on one base, each
+    writing a unique marker; once all have written, each lists the marker
+    directory through its own mount (a process inside it) and sees its own
+    marker only; after all are discarded, a fresh sandbox sees none."""
+    import time
+
+    started = time.monotonic()
+
+    async def main() -> int:
+        async with layerstack.aio.connect(daemon.admin) as ls:
+            gate = asyncio.Semaphore(64)
+            written = asyncio.Event()
+            pending = [ISOLATION_N]
+            seen_ok = [0]
+
+            async def one(i: int) -> None:
+                token = f"{i}-{os.urandom(6).hex()}"
+                async with gate:
+                    sb = await ls.sandbox(daemon.stack, key=f"iso-{os.getpid()}-{i}")
+                    out = await sb.exec(["sh", "-c", f"mkdir -p /work/markers && echo {token} > /work/markers/{i}"])
+                    assert out.ok, out
+                pending[0] -= 1
+                if pending[0] == 0:
+                    written.set()
+                await written.wait()
+                async with gate:
+                    out = await sb.exec(["sh", "-c", "cd /work/markers && for f in *; do echo $f $(cat $f); done"])
+                    assert out.ok, out
+                    assert out.stdout.decode().split() == [str(i), token], (
+                        f"sandbox {i} sees {out.stdout!r}: another sandbox's marker leaked"
+                    )
+                    seen_ok[0] += 1
+                    await sb.discard()
+
+            await asyncio.gather(*(one(i) for i in range(ISOLATION_N)))
+            async with ls.sandbox(daemon.stack) as fresh:
+                after = await fresh.exec(["sh", "-c", "ls /work/markers 2>/dev/null | wc -l"])
+                assert after.stdout.strip() == b"0", after
+            return seen_ok[0]
+
+    checked = asyncio.run(main())
+    assert checked == ISOLATION_N
+    secs = time.monotonic() - started
+    record_reliability(
+        "sandbox-isolation",
+        "Live sandboxes on one base never see each other's unpublished writes",
+        "LAYERSTACK_BIN_DIR=$PWD/target/debug python3 -m pytest clients/python/tests/test_sandbox.py -k never_see",
+        {"sandboxes alive at once": ISOLATION_N, "markers checked": checked, "seconds": round(secs, 1)},
+    )
 
 
 def test_a_memory_limit_kills_what_allocates_past_it(daemon: Daemon) -> None:
