@@ -20,6 +20,11 @@ mkdir -p "$LOG_DIR"
 LOG="$LOG_DIR/test-$(date +%Y%m%d-%H%M%S).log"
 echo "test.sh: full log in $LOG"
 
+# The reliability suite's tests record their figures here; rendered at the end
+# (scripts/reliability.py; the full run is scripts/reliability.sh).
+export LAYERSTACK_RELIABILITY_OUT="${CARGO_TARGET_DIR:-$ROOT/target}/reliability/records"
+rm -rf "$LAYERSTACK_RELIABILITY_OUT"
+
 start=$SECONDS
 set +e
 (
@@ -56,13 +61,17 @@ set +e
     else
         echo "bench: SKIPPED (needs root)"
     fi
+    echo "== reliability table (scripts/reliability.py)"
+    python3 scripts/reliability.py --records "$LAYERSTACK_RELIABILITY_OUT" \
+        --out "${CARGO_TARGET_DIR:-$ROOT/target}/reliability/reliability.md" \
+        --run "scripts/test.sh (CI-sized), $(date -u +%Y-%m-%d)"
 ) 2>&1 | tee "$LOG"
 status=${PIPESTATUS[0]}
 set -e
 
 echo
 echo "================ summary ($((SECONDS - start))s) ================"
-grep -E '^\s+Running |^test result:|^error(\[|:)|^\s+--> |^    [A-Za-z0-9_:]+$|FAILED|panicked at|^layerstack-bench: (wrote|FAILED|p[0-9] failed)|^bench:|^[0-9]+ (passed|failed)|^(FAILED|ERROR) |^error: ' "$LOG" \
+grep -E '^\s+Running |^test result:|^error(\[|:)|^\s+--> |^    [A-Za-z0-9_:]+$|FAILED|panicked at|^layerstack-bench: (wrote|FAILED|p[0-9] failed)|^bench:|^reliability:|^[0-9]+ (passed|failed)|^(FAILED|ERROR) |^error: ' "$LOG" \
     | grep -v ' \.\.\. ok$' | tail -n 80 || true
 if ((status != 0)); then
     echo "test.sh: FAILED (exit $status); full log: $LOG"

@@ -541,6 +541,16 @@ async fn a_hostile_upper_never_steers_the_daemon_outside_the_store() {
     let (bytes, _) = layerstack_store::fs::disk_usage(&s[1].upper).unwrap();
     assert!(bytes < 1 << 20, "{bytes}");
     assert_eq!(sentinel(), before);
+    layerstack_store::reliability::record(
+        "hostile-upper",
+        "An upper full of symlinks to / and to host paths, and one swapped for a symlink under the gate, never makes the daemon read or write a host path; the publish fails and the upper is kept",
+        "cargo test -p layerstack-engine --lib a_hostile_upper_never_steers",
+        &[
+            ("symlinks planted", "4".into()),
+            ("swaps under the gate", "1".into()),
+            ("host sentinel changes", "0".into()),
+        ],
+    );
 }
 
 /// containerd's Remove of a session whose publish runs returns at once; the

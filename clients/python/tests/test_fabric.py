@@ -25,7 +25,7 @@ import pytest
 import layerstack
 import layerstack.aio
 from layerstack.fabric import Grader, NodeStats, RolloutResult, SampleKey, TaskFailed, fan_out, puct, uct
-from conftest import DAEMON_BIN, _mounts_under, _terminate, _wait_for, bin_dir
+from conftest import DAEMON_BIN, _mounts_under, _terminate, _wait_for, bin_dir, record_reliability
 from test_sandbox import Daemon, _rootfs, daemon  # noqa: F401 — the module's daemon fixture
 
 GRADER = Grader(["sh", "-c", "grep -q good /work/answer"], name="grep-good", version="1")
@@ -306,6 +306,21 @@ def test_exactly_once_through_daemon_kills_mid_step(daemon: Daemon) -> None:  # 
                     # The store agrees with its filesystem after all of it.
                     report = c.fsck()
                     assert report.unrepaired == 0 and report.runs >= 1 and report.paths > 0, report.problems
+                record_reliability(
+                    "exactly-once",
+                    "A sample's reward is applied exactly once through daemon SIGKILLs and sandbox-init kills mid-step; "
+                    "infrastructure failures end attempts infra_failed, never as a reward",
+                    "LAYERSTACK_BIN_DIR=$PWD/target/debug python3 -m pytest clients/python/tests/test_fabric.py -k exactly_once",
+                    {
+                        "samples": audit.samples,
+                        "daemon SIGKILLs": 3,
+                        "sandbox inits killed": inits_killed,
+                        "attempts": len(attempts),
+                        "infra_failed attempts": sum(audit.infra_failed.values()),
+                        "rewards applied": len(applied),
+                        "audit violations": len(audit.violations),
+                    },
+                )
 
         asyncio.run(main())
         left = [m for m in _mounts_under(d) if "/s/" in m]

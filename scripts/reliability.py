@@ -1,0 +1,110 @@
+#!/usr/bin/env python3
+"""Renders docs/reliability.md (issue 22) from the records the reliability
+suite's tests write when ``LAYERSTACK_RELIABILITY_OUT`` names a directory (one
+``<id>.json`` per guarantee: ``{"id", "guarantee", "test", "figures"}``; the
+writers are ``layerstack_store::reliability::record`` and the Python tests'
+``conftest.record_reliability``).
+
+    scripts/reliability.py --records DIR --out FILE [--run "what ran"] [--require-all]
+
+``--require-all`` fails (exit 1) when a guarantee listed in ``GUARANTEES`` has
+no record — a test that should have run did not (``scripts/test.sh`` uses it,
+so CI fails when the suite loses a member). A record whose id is not listed
+fails too: list it here, in its place in the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Dict, List
+
+# The table's rows, in order: (id, area). The guarantee's sentence, its test
+# command and its figures come from the record itself.
+GUARANTEES: List[tuple] = [
+    ("crash-points", "crash"),
+    ("io-errors", "crash"),
+    ("exactly-once", "crash"),
+    ("concurrency-model", "concurrency"),
+    ("sandbox-isolation", "concurrency"),
+    ("disk-full", "resources"),
+    ("memory-bound", "resources"),
+    ("hostile-upper", "hostile input"),
+    ("fuzz-import", "hostile input"),
+    ("fuzz-admin-input", "hostile input"),
+]
+
+HEADER = """# Reliability
+
+What LayerStack guarantees when things go wrong, each guarantee with the test
+that checks it and the figures of its last run. **Generated** by
+`scripts/reliability.sh` (the full run; this file) — `scripts/test.sh` runs the
+same tests with CI-sized parameters and renders its copy to
+`target/reliability/reliability.md`, failing when a guarantee has no record.
+Do not edit by hand: change a test or `scripts/reliability.py`.
+
+"""
+
+FOOTER = """
+## What the durability profiles lose
+
+| Profile | A crash of the daemon (kill -9, abort) | A power cut or kernel crash |
+|---|---|---|
+| `disposable` (default: SQLite `synchronous=OFF`, no fsync of layers) | nothing it reported committed: every commit is a finished SQLite transaction in the WAL and its layer was renamed into place before it | the store may come back *older* than what was reported: publishes, checkpoints and rollout ends of the last seconds can be missing (never half-applied: start-up finishes or undoes every rename the database does not know, `layerstack fsck` checks it) |
+| `durable` (`synchronous=FULL`, the layer directory fsynced before the transaction commits) | nothing it reported committed | nothing it reported committed, as far as the filesystem honours fsync |
+
+The power-cut row of the `durable` profile is argued from the commit protocol
+(docs/architecture.md "Publish protocol (design record)"), not yet tested by dropping
+unsynced writes (LazyFS-style): this kernel has neither device-mapper
+(`dm-log-writes`) nor a packaged LazyFS — see issue 22.
+"""
+
+
+def render(records: Dict[str, dict], run: str) -> str:
+    out = [HEADER]
+    if run:
+        out.append(f"Last run: {run}\n\n")
+    out.append("| Area | Guarantee | Figures | Checked by |\n|---|---|---|---|\n")
+    for gid, area in GUARANTEES:
+        r = records.get(gid)
+        if r is None:
+            out.append(f"| {area} | `{gid}`: **not run** | | |\n")
+            continue
+        figs = ", ".join(f"{k} {v}" for k, v in r.get("figures", {}).items())
+        guarantee = str(r["guarantee"]).replace("|", "\\|")
+        out.append(f"| {area} | {guarantee} | {figs} | `{r['test']}` |\n")
+    out.append(FOOTER)
+    return "".join(out)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--records", required=True, type=Path)
+    ap.add_argument("--out", required=True, type=Path)
+    ap.add_argument("--run", default="")
+    ap.add_argument("--require-all", action="store_true")
+    a = ap.parse_args()
+    records: Dict[str, dict] = {}
+    for f in sorted(a.records.glob("*.json")) if a.records.is_dir() else []:
+        doc = json.loads(f.read_text())
+        records[doc["id"]] = doc
+    known = {g for g, _ in GUARANTEES}
+    unknown = sorted(set(records) - known)
+    missing = [g for g, _ in GUARANTEES if g not in records]
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(render(records, a.run))
+    print(f"reliability: {len(records)} of {len(GUARANTEES)} guarantees recorded; wrote {a.out}")
+    status = 0
+    if unknown:
+        print(f"reliability: records with no row in scripts/reliability.py: {', '.join(unknown)}", file=sys.stderr)
+        status = 1
+    if a.require_all and missing:
+        print(f"reliability: FAILED: no record of {', '.join(missing)} (did its test run?)", file=sys.stderr)
+        status = 1
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())
