@@ -65,6 +65,8 @@ pub struct Config {
     pub exclude: Vec<String>,
     /// Limits of the gate's three-way text merge.
     pub merge: MergeConfig,
+    /// Limits of what one session may write to be captured (`[capture]`).
+    pub capture: CaptureConfig,
     /// History maintenance: squash, garbage collection, retention.
     pub history: HistoryConfig,
     /// The Prometheus endpoint (`[metrics]`).
@@ -256,6 +258,23 @@ impl Default for HistoryConfig {
     }
 }
 
+/// Limits of what one session may write to be captured (`[capture]`): an upper
+/// over a limit is not published, checkpointed or diffed — its run ends
+/// `failed` naming the limit, its upper is kept (raise the limit and publish
+/// again, or discard). Capture stops at the entry that passes the limit, so a
+/// million-file upper costs a million-and-one `fstatat(2)`, not an index of it.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize, Default)]
+#[serde(default, deny_unknown_fields)]
+pub struct CaptureConfig {
+    /// Most entries (files, directories, links, whiteouts) an upper may hold;
+    /// 0 = unlimited (the default).
+    pub max_paths: u64,
+    /// Most bytes its regular files may hold, by apparent size (a sparse file
+    /// counts its full size: capture reads and hashes every byte); 0 =
+    /// unlimited (the default).
+    pub max_bytes: u64,
+}
+
 /// Limits of the gate's three-way text merge (`[merge]`). A file over a limit is
 /// not merged: the path conflicts with the limit in its reason, never hangs.
 /// (Same defaults as `layerstack_publisher::MergeOptions`; docs/merge-rules.md.)
@@ -314,6 +333,7 @@ impl Default for Config {
                 .map(String::from)
                 .to_vec(),
             merge: MergeConfig::default(),
+            capture: CaptureConfig::default(),
             history: HistoryConfig::default(),
             metrics: MetricsConfig::default(),
             log: LogConfig::default(),

@@ -135,6 +135,11 @@ impl RunError {
     pub fn kind(&self) -> ErrorKind {
         match self {
             Self::Store(e) => e.kind(),
+            // The session's writes are over a configured limit: nothing is
+            // wrong with the store; the caller raises the limit or discards.
+            Self::Capture(publisher::CaptureError::OverLimit { .. }) => {
+                ErrorKind::FailedPrecondition
+            }
             _ => ErrorKind::Internal,
         }
     }

@@ -122,6 +122,12 @@ pub struct EngineSettings {
     /// Publishes prepared (captured, planned, staged) at once, outside the gate;
     /// 0: one per CPU (`std::thread::available_parallelism`).
     pub publish_workers: usize,
+    /// Most entries a session's upper may hold to be captured (published,
+    /// checkpointed, diffed); 0 = unlimited (`[capture] max_paths`).
+    pub max_capture_paths: u64,
+    /// Most bytes (apparent sizes of regular files) a session's upper may hold
+    /// to be captured; 0 = unlimited (`[capture] max_bytes`).
+    pub max_capture_bytes: u64,
 }
 
 impl EngineSettings {
@@ -135,6 +141,8 @@ impl EngineSettings {
             userxattr: self.userxattr,
             exclude: self.exclude.clone(),
             ignore_mtime: session.ignore_mtime,
+            max_paths: self.max_capture_paths,
+            max_bytes: self.max_capture_bytes,
             ..Default::default()
         }
     }

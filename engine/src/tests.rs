@@ -2725,4 +2725,5 @@ async fn diff_at_a_member_of_a_squash_compares_the_view_as_of_its_publish() {
     assert!(matches!(err, EngineError::NotFound(_)), "{err:?}");
 }
 
+mod hostile;
 mod model;

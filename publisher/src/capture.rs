@@ -290,6 +290,16 @@ pub struct CaptureOptions {
     /// publishes nothing. Default off: an mtime that differs is a change
     /// (`touch`), as the kernel's copy-up keeps the lower file's.
     pub ignore_mtime: bool,
+    /// Most entries (files, directories, links, whiteouts…) an upper may hold;
+    /// 0 = unlimited. Counted as the walk goes, so an upper of a million files
+    /// is refused after `max_paths + 1` `fstatat(2)`, not after indexing them all
+    /// ([`CaptureError::OverLimit`]).
+    pub max_paths: u64,
+    /// Most bytes the regular files of an upper may hold, by apparent size
+    /// (`st_size`: a 100 GiB sparse file counts 100 GiB — capture reads and
+    /// hashes every byte of it); 0 = unlimited. Checked at each file's
+    /// `fstatat(2)`, before its content is read ([`CaptureError::OverLimit`]).
+    pub max_bytes: u64,
 }
 
 /// Why [`capture`] failed. Paths are relative to the upper unless stated.
@@ -329,6 +339,17 @@ pub enum CaptureError {
         path: PathBuf,
         /// The xattr found, e.g. `trusted.overlay.redirect`.
         xattr: &'static str,
+    },
+    /// The upper holds more than a limit allows ([`CaptureOptions::max_paths`],
+    /// [`CaptureOptions::max_bytes`]): nothing more of it was read.
+    #[error("the session wrote more than {limit} {unit} (reached at {}): over the capture limit `[capture] max_{unit}` of the daemon's configuration; raise it, or discard the session", .path.display())]
+    OverLimit {
+        /// `paths` or `bytes`.
+        unit: &'static str,
+        /// The limit that was passed.
+        limit: u64,
+        /// The entry at which it was passed (relative to the upper).
+        path: PathBuf,
     },
 }
 
@@ -385,6 +406,8 @@ pub fn capture_with(
         lower,
         options,
         out: Changeset::default(),
+        paths: 0,
+        bytes: 0,
     };
     walker.root_meta(&root)?;
     walker.walk(root, &[], Some(lower.root()), false)?;
@@ -503,6 +526,38 @@ struct Walker<'a> {
     lower: &'a LayerView,
     options: &'a CaptureOptions,
     out: Changeset,
+    /// Entries of the upper looked at so far ([`CaptureOptions::max_paths`]).
+    paths: u64,
+    /// Apparent bytes of its regular files so far ([`CaptureOptions::max_bytes`]).
+    bytes: u64,
+}
+
+impl Walker<'_> {
+    /// Counts entry `rel` (stat `st`) against the limits.
+    fn count(&mut self, rel: &[u8], st: &nix::sys::stat::FileStat) -> Result<(), CaptureError> {
+        self.paths += 1;
+        let o = self.options;
+        if o.max_paths > 0 && self.paths > o.max_paths {
+            return Err(CaptureError::OverLimit {
+                unit: "paths",
+                limit: o.max_paths,
+                path: rel_path(rel),
+            });
+        }
+        if st.st_mode & libc::S_IFMT == libc::S_IFREG {
+            self.bytes = self
+                .bytes
+                .saturating_add(u64::try_from(st.st_size).unwrap_or(0));
+            if o.max_bytes > 0 && self.bytes > o.max_bytes {
+                return Err(CaptureError::OverLimit {
+                    unit: "bytes",
+                    limit: o.max_bytes,
+                    path: rel_path(rel),
+                });
+            }
+        }
+        Ok(())
+    }
 }
 
 fn rel_path(rel: &[u8]) -> PathBuf {
@@ -617,6 +672,7 @@ impl Walker<'_> {
                 AtFlags::AT_SYMLINK_NOFOLLOW,
             )
             .map_err(|e| upper_err(&child)(e.into()))?;
+            self.count(&child, &st)?;
             let (lower_entry, lower_dir) = match &lower {
                 Some(cursor) => {
                     let step = self.lower.step(cursor, name).map_err(lower_err(&child))?;

@@ -430,6 +430,8 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
             },
         },
         userxattr: false,
+        max_capture_paths: cfg.capture.max_paths,
+        max_capture_bytes: cfg.capture.max_bytes,
         history: layerstack_engine::HistorySettings {
             squash_threshold: usize::try_from(cfg.history.squash_threshold).unwrap_or(usize::MAX),
             squash_keep: usize::try_from(cfg.history.squash_keep).unwrap_or(usize::MAX),

@@ -204,10 +204,7 @@ async fn concurrent_publishers_leave_the_history_a_sequential_model_predicts() {
         .map(|i| {
             let p = p.clone();
             let store = store.clone();
-            let mut rng = Rng(seed
-                .wrapping_mul(0x9E37_79B9_7F4A_7C15)
-                .wrapping_add(i as u64)
-                | 1);
+            let mut rng = Rng::for_publisher(seed, i);
             tokio::spawn(async move {
                 // Stagger the starts so the sessions lease different heads.
                 tokio::time::sleep(std::time::Duration::from_millis(rng.below(1500) as u64)).await;
