@@ -27,11 +27,14 @@ GUARANTEES: List[tuple] = [
     ("crash-points", "crash"),
     ("io-errors", "crash"),
     ("exactly-once", "crash"),
+    ("power-cut", "crash"),
     ("concurrency-model", "concurrency"),
     ("sandbox-isolation", "concurrency"),
     ("disk-full", "resources"),
     ("memory-bound", "resources"),
     ("hostile-upper", "hostile input"),
+    ("capture-race", "hostile input"),
+    ("capture-limits", "hostile input"),
     ("fuzz-import", "hostile input"),
     ("fuzz-admin-input", "hostile input"),
 ]
@@ -52,13 +55,16 @@ FOOTER = """
 
 | Profile | A crash of the daemon (kill -9, abort) | A power cut or kernel crash |
 |---|---|---|
-| `disposable` (default: SQLite `synchronous=OFF`, no fsync of layers) | nothing it reported committed: every commit is a finished SQLite transaction in the WAL and its layer was renamed into place before it | the store may come back *older* than what was reported: publishes, checkpoints and rollout ends of the last seconds can be missing (never half-applied: start-up finishes or undoes every rename the database does not know, `layerstack fsck` checks it) |
-| `durable` (`synchronous=FULL`, the layer directory fsynced before the transaction commits) | nothing it reported committed | nothing it reported committed, as far as the filesystem honours fsync |
+| `disposable` (default: SQLite `synchronous=OFF`, nothing fsynced) | nothing it reported committed: every commit is a finished SQLite transaction in the WAL and its layer was renamed into place before it | recent publishes may be missing, or present with **torn files** (empty or short: their data was still in the page cache) — `power-cut` above counts both. What survives is always a prefix of what was reported. `layerstack fsck --content` names every torn file; such a store is for work that can be redone (CI, RL rollouts whose results live elsewhere) |
+| `durable` (`synchronous=FULL`; a publish's files and its layer directory fsynced before the transaction commits) | nothing it reported committed | nothing it reported committed (`power-cut` above), as far as the disk honours flushes |
 
-The power-cut row of the `durable` profile is argued from the commit protocol
-(docs/architecture.md "Publish protocol (design record)"), not yet tested by dropping
-unsynced writes (LazyFS-style): this kernel has neither device-mapper
-(`dm-log-writes`) nor a packaged LazyFS — see issue 22.
+The power cut is simulated at the block layer: the store's ext4 sits on a loop
+device, and the backing file is copied while the publishing process is stopped
+right after an outcome was reported — the disk without the page cache's dirty
+pages, LazyFS's model (this kernel has no device-mapper, so no
+`dm-log-writes`; LazyFS is not packaged). A cut *between* the fsyncs of one
+publish is not simulated yet: the crash points above cover those steps for a
+process crash only.
 """
 
 

@@ -1,4 +1,4 @@
-//! `layerstack fsck [--repair] [--json]`: the store checked against its
+//! `layerstack fsck [--repair] [--content] [--json]`: the store checked against its
 //! filesystem (the `Fsck` RPC; docs/operations.md "fsck"). Exits
 //! [`crate::fabric::AUDIT_VIOLATIONS`] (4) when problems remain unrepaired,
 //! like `rollout audit` with violations.
@@ -14,9 +14,12 @@ use crate::out;
 use crate::output::print_table;
 
 /// Runs the check (and the repair) and prints what it found.
-pub async fn run(admin: &Path, repair: bool, json_out: bool) -> Result<ExitCode> {
+pub async fn run(admin: &Path, repair: bool, content: bool, json_out: bool) -> Result<ExitCode> {
     let mut c = crate::connect(admin).await?;
-    let r = c.fsck(api::FsckRequest { repair }).await?.into_inner();
+    let r = c
+        .fsck(api::FsckRequest { repair, content })
+        .await?
+        .into_inner();
     if json_out {
         let problems: Vec<_> = r
             .problems

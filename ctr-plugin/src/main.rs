@@ -166,6 +166,10 @@ pub enum Cmd {
         /// release leases whose holder is gone for good.
         #[arg(long)]
         repair: bool,
+        /// Also hash every written file of a live layer against the digest
+        /// its path index recorded (reads them all: minutes on a large store).
+        #[arg(long)]
+        content: bool,
         /// Print the report as one JSON object.
         #[arg(long)]
         json: bool,
@@ -242,7 +246,11 @@ async fn main() -> ExitCode {
         Cmd::Inspect(i) => inspect::run(&cli.admin_address, &cli.namespace, i).await,
         Cmd::Graph(g) => graph::run(&cli.admin_address, &cli.namespace, g).await,
         Cmd::Fabric(f) => fabric::run(&cli.admin_address, f).await,
-        Cmd::Fsck { repair, json } => fsck::run(&cli.admin_address, repair, json).await,
+        Cmd::Fsck {
+            repair,
+            content,
+            json,
+        } => fsck::run(&cli.admin_address, repair, content, json).await,
         Cmd::Session {
             cmd:
                 SessionCmd::Rebase {

@@ -335,10 +335,15 @@ impl Engine {
         .await
     }
 
-    /// The store checked against its filesystem (`Store::fsck`); `repair`
-    /// fixes what loses no committed change.
-    pub async fn fsck(&self, repair: bool) -> Result<layerstack_store::FsckReport, EngineError> {
-        self.blocking(move |st| st.fsck(repair)).await
+    /// The store checked against its filesystem (`Store::fsck_with`); `repair`
+    /// fixes what loses no committed change; `content` hashes every written
+    /// file of a live layer against its index digest.
+    pub async fn fsck(
+        &self,
+        repair: bool,
+        content: bool,
+    ) -> Result<layerstack_store::FsckReport, EngineError> {
+        self.blocking(move |st| st.fsck_with(repair, content)).await
     }
 
     /// A blob's bytes (a trajectory, an artifact).

@@ -2727,3 +2727,4 @@ async fn diff_at_a_member_of_a_squash_compares_the_view_as_of_its_publish() {
 
 mod hostile;
 mod model;
+mod powercut;

@@ -382,7 +382,11 @@ impl AdminService {
     }
 
     pub(crate) async fn store_fsck(&self, r: api::FsckRequest) -> Result<api::FsckReport, Status> {
-        let f = self.engine.fsck(r.repair).await.map_err(engine_status)?;
+        let f = self
+            .engine
+            .fsck(r.repair, r.content)
+            .await
+            .map_err(engine_status)?;
         let unrepaired = u64::try_from(f.unrepaired()).unwrap_or(u64::MAX);
         Ok(api::FsckReport {
             layers: f.layers,

@@ -18,6 +18,10 @@
 //! * `index-mismatch` — a path-index row of a live published layer whose entry
 //!   is missing from the layer's tree or of another type (a write that is not a
 //!   regular file, a delete that is not a whiteout, …).
+//! * `content-mismatch` — with `content` ([`Store::fsck_with`]): a written
+//!   file of a live published layer whose BLAKE3 differs from its index row's
+//!   digest (a file torn by a power cut in the `disposable` profile, a disk
+//!   that lost a write, a hand edit of a layer). Reads every such file.
 //! * `rollout` — a violation of a run's exactly-once invariants
 //!   ([`Store::audit_run`]).
 
@@ -73,6 +77,16 @@ impl Store {
     /// check; directories an operation in flight is creating are never
     /// reported (nor removed).
     pub fn fsck(&self, repair: bool) -> Result<FsckReport, StoreError> {
+        self.fsck_with(repair, false)
+    }
+
+    /// [`Store::fsck`], and with `content` every written file of a live
+    /// published layer hashed against its path-index digest (`content-mismatch`;
+    /// reads all of them: minutes on a large store).
+    ///
+    /// # Errors
+    /// A database error; a file that cannot be read is a problem, not an error.
+    pub fn fsck_with(&self, repair: bool, content: bool) -> Result<FsckReport, StoreError> {
         let mut r = FsckReport::default();
         // Directories: what a sweep would remove, and rows without theirs.
         let sweep = self.sweep_with(if repair {
@@ -104,7 +118,7 @@ impl Store {
                 repaired: false,
             });
         }
-        self.fsck_rows(&mut r)?;
+        self.fsck_rows(&mut r, content)?;
         if repair {
             self.fsck_repair_leases(&mut r)?;
         }
@@ -122,7 +136,7 @@ impl Store {
         Ok(r)
     }
 
-    fn fsck_rows(&self, r: &mut FsckReport) -> Result<(), StoreError> {
+    fn fsck_rows(&self, r: &mut FsckReport, content: bool) -> Result<(), StoreError> {
         let root = self.root.clone();
         self.db.read(|conn| {
             r.layers = u64::try_from(conn.one("SELECT count(*) FROM layers", [], |x| x.get::<_, i64>(0))?).unwrap_or(0);
@@ -205,23 +219,39 @@ impl Store {
             }
             // The path index of live published layers against their trees.
             let mut stmt = conn.prepare_cached(
-                "SELECT p.path, p.kind, l.id, l.path FROM layer_paths p JOIN layers l ON l.id = p.layer_id
+                "SELECT p.path, p.kind, l.id, l.path, p.digest FROM layer_paths p JOIN layers l ON l.id = p.layer_id
                  WHERE l.kind IN ('published', 'squashed') AND l.dropped = 0",
             )?;
             let rows = stmt.query_map([], |x| {
-                Ok((x.get::<_, Vec<u8>>(0)?, x.get::<_, i64>(1)?, x.get::<_, i64>(2)?, x.get::<_, String>(3)?))
+                Ok((
+                    x.get::<_, Vec<u8>>(0)?,
+                    x.get::<_, i64>(1)?,
+                    x.get::<_, i64>(2)?,
+                    x.get::<_, String>(3)?,
+                    x.get::<_, Option<Vec<u8>>>(4)?,
+                ))
             })?;
             for row in rows {
-                let (path, kind, layer, dir) = row?;
+                let (path, kind, layer, dir, digest) = row?;
                 r.paths += 1;
                 let p: PathBuf = root.join(&dir).join(std::ffi::OsStr::from_bytes(&path));
+                let subject = || format!("layer {layer} {}", crate::escape_path(&path));
                 if let Some(why) = index_mismatch(&p, kind) {
                     r.problems.push(Problem {
                         kind: "index-mismatch",
-                        subject: format!("layer {layer} {}", crate::escape_path(&path)),
+                        subject: subject(),
                         detail: why,
                         repaired: false,
                     });
+                } else if let (true, 0, Some(want)) = (content, kind, digest) {
+                    if let Some(why) = content_mismatch(&p, &want) {
+                        r.problems.push(Problem {
+                            kind: "content-mismatch",
+                            subject: subject(),
+                            detail: why,
+                            repaired: false,
+                        });
+                    }
                 }
             }
             Ok(())
@@ -280,6 +310,21 @@ fn index_mismatch(p: &std::path::Path, kind: i64) -> Option<String> {
         _ => true,
     };
     (!ok).then(|| format!("the index says {}, the tree has {:?}", kind_name(kind), ft))
+}
+
+/// Why the regular file at `p` does not hash to `want` (its index row's
+/// BLAKE3), if it does not.
+fn content_mismatch(p: &std::path::Path, want: &[u8]) -> Option<String> {
+    let mut h = blake3::Hasher::new();
+    match std::fs::File::open(p).and_then(|f| h.update_reader(f).map(|_| ())) {
+        Err(e) => Some(format!("cannot read it to check its content: {e}")),
+        Ok(()) if h.finalize().as_bytes().as_slice() == want => None,
+        Ok(()) => Some(format!(
+            "its content ({} bytes) is not what the index recorded (BLAKE3 {})",
+            std::fs::metadata(p).map(|m| m.len()).unwrap_or(0),
+            want.iter().map(|b| format!("{b:02x}")).collect::<String>()
+        )),
+    }
 }
 
 fn kind_name(kind: i64) -> &'static str {

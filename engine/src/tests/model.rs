@@ -338,6 +338,9 @@ async fn concurrent_publishers_leave_the_history_a_sequential_model_predicts() {
             by_session[sid]
         );
     }
+    // The path index and the trees agree, content included (merged files, squashes).
+    let report = store.fsck_with(false, true).unwrap();
+    assert_eq!(report.unrepaired(), 0, "{:?}", report.problems);
     assert!(
         !rejected.is_empty() && merged > 0,
         "the race exercised too little: {} committed ({merged} merged), {} rejected (seed {seed})",

@@ -852,10 +852,14 @@ class Client:
         )
         return PromoteResult.from_pb(self._call(self._stub.PromoteNode, req))
 
-    def fsck(self, *, repair: bool = False) -> FsckReport:
+    def fsck(self, *, repair: bool = False, content: bool = False) -> FsckReport:
         """The store checked against its filesystem (docs/operations.md "fsck");
-        ``repair`` fixes what loses no committed change."""
-        return FsckReport.from_pb(self._call(self._stub.Fsck, pb.FsckRequest(repair=repair), None))
+        ``repair`` fixes what loses no committed change; ``content`` also hashes
+        every written file of a live layer against its index digest (problem
+        kind ``content-mismatch``; reads them all)."""
+        return FsckReport.from_pb(
+            self._call(self._stub.Fsck, pb.FsckRequest(repair=repair, content=content), None)
+        )
 
     def prune(self, node: str, *, key: Optional[str] = None) -> List[str]:
         """Prunes ``node``'s subtree (collectable unless leased, a branch or a live

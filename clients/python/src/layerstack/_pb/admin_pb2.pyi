@@ -19,10 +19,12 @@ AUTO: EndAction
 CHECKPOINT: EndAction
 
 class FsckRequest(_message.Message):
-    __slots__ = ("repair",)
+    __slots__ = ("repair", "content")
     REPAIR_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
     repair: bool
-    def __init__(self, repair: _Optional[bool] = ...) -> None: ...
+    content: bool
+    def __init__(self, repair: _Optional[bool] = ..., content: _Optional[bool] = ...) -> None: ...
 
 class FsckProblem(_message.Message):
     __slots__ = ("kind", "subject", "detail", "repaired")
