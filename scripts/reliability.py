@@ -37,6 +37,7 @@ GUARANTEES: List[tuple] = [
     ("capture-limits", "hostile input"),
     ("fuzz-import", "hostile input"),
     ("fuzz-admin-input", "hostile input"),
+    ("callers", "access"),
 ]
 
 HEADER = """# Reliability

@@ -26,7 +26,7 @@ mod sessions;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use clap::{Parser, Subcommand};
 use layerstack_api as api;
 
@@ -34,15 +34,51 @@ use layerstack_api as api;
 pub async fn connect(
     address: &std::path::Path,
 ) -> Result<api::AdminClient<tonic::transport::Channel>> {
-    api::connect(address.to_path_buf())
-        .await
-        .with_context(|| {
-            format!(
+    match api::connect(address.to_path_buf()).await {
+        Ok(c) => Ok(c),
+        // The socket is 0660 with an ACL for `[api]`'s uids and gids: anyone
+        // else is refused by the kernel at connect(2), before the daemon's
+        // peer check could name the remedy — so the CLI names it.
+        Err(e) if permission_denied(&e) => {
+            let me = whoami();
+            Err(errors::with_kind(
+            api::ErrorKind::PermissionDenied,
+            anyhow::anyhow!(
+                "permission denied: uid {} (gid {}) may not connect to the LayerStack daemon's admin socket {}: only root and the uids and gids in the daemon's `[api] allowed_uids` / `allowed_gids` may; ask its operator to add yours, or run as root",
+                me.0,
+                me.1,
+                address.display()
+            ),
+        ))
+        }
+        Err(e) => Err(errors::with_kind(
+            api::ErrorKind::Unavailable,
+            anyhow::Error::new(e).context(format!(
                 "cannot reach the LayerStack daemon at {} (is containerd-layerstack-grpc running? set --admin-address or LAYERSTACK_ADMIN_ADDRESS)",
                 address.display()
-            )
-        })
-        .map_err(|e| errors::with_kind(api::ErrorKind::Unavailable, e))
+            )),
+        )),
+    }
+}
+
+/// This process's effective uid and gid (the owner of `/proc/self`).
+fn whoami() -> (u32, u32) {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata("/proc/self").map_or((u32::MAX, u32::MAX), |m| (m.uid(), m.gid()))
+}
+
+/// Whether `e` is, at its root, an `EACCES` from connect(2).
+fn permission_denied(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(c) = cur {
+        if c.downcast_ref::<std::io::Error>()
+            .is_some_and(|io| io.kind() == std::io::ErrorKind::PermissionDenied)
+        {
+            return true;
+        }
+        cur = c.source();
+    }
+    false
 }
 
 #[derive(Debug, Parser)]

@@ -56,8 +56,15 @@ fn the_admin_socket_serves_root_and_the_uids_configured_and_refuses_others() -> 
     let md = std::fs::metadata(&admin)?;
     assert_eq!(
         md.mode() & 0o777,
-        0o666,
-        "a non-root caller is allowed: others may connect, the peer check is the gate"
+        0o660,
+        "never world-writable: the allowed uid connects through the socket's ACL"
+    );
+    let acl = xattr::get(&admin, "system.posix_acl_access")?.unwrap_or_default();
+    assert!(
+        acl[4..]
+            .chunks(8)
+            .any(|e| e[..2] == 2u16.to_le_bytes() && e[4..] == 65534u32.to_le_bytes()),
+        "the ACL names uid 65534: {acl:?}"
     );
     let mount = admin.with_file_name("mount.sock");
     assert_eq!(
@@ -81,19 +88,15 @@ fn the_admin_socket_serves_root_and_the_uids_configured_and_refuses_others() -> 
         .with_context(|| format!("status --json as 65534: {}", describe(&out)))?;
     ensure!(st.is_object(), "status --json: {st}");
 
-    // Another uid: refused, with its uid and the key to change.
+    // Another uid: the kernel refuses its connect(2) (the ACL does not list
+    // it); the CLI names its uid and the key to change.
     let out = status_as(&admin, 65533)?;
     assert!(!out.status.success(), "uid 65533 must be refused");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("permission denied: uid 65533 (gid 65533)")
+        err.contains("permission denied: uid 65533 (gid 65533) may not connect")
             && err.contains("[api] allowed_uids"),
         "{err}"
-    );
-    let log = std::fs::read_to_string(env.daemon().log_path())?;
-    assert!(
-        log.contains("refused a caller") && log.contains("65533"),
-        "the daemon logs the refusal"
     );
     Ok(())
 }
@@ -116,8 +119,22 @@ fn by_default_only_root_may_call_and_the_socket_is_0660() -> Result<()> {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
-        err.contains("permission denied: uid 65534"),
+        err.contains("permission denied: uid 65534") && err.contains("may not call"),
         "the peer check, not the mode, refused: {err}"
+    );
+    let log = std::fs::read_to_string(env.daemon().log_path())?;
+    assert!(
+        log.contains("refused a caller") && log.contains("65534"),
+        "the daemon logs the refusal"
+    );
+    layerstack_store::reliability::record(
+        "callers",
+        "A non-root process is refused on the admin, mount and snapshots sockets unless the daemon's [api] lists its uid or gid; every socket is 0660, never world-writable (listed ids reach the admin socket through a POSIX ACL), and the per-connection peer check refuses even when a socket's mode is opened by hand",
+        "cargo test -p layerstack-integration --test auth",
+        &[
+            ("socket mode", "0660".into()),
+            ("refusals checked", "3".into()),
+        ],
     );
     Ok(())
 }

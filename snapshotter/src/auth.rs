@@ -62,12 +62,6 @@ impl PeerPolicy {
         }
     }
 
-    /// Whether a caller other than root is allowed (the socket's mode must then
-    /// let others connect).
-    pub fn allows_non_root(&self) -> bool {
-        !self.uids.is_empty() || !self.gids.is_empty()
-    }
-
     /// Whether the peer `uid`/`gid` may call.
     pub fn allows(&self, uid: u32, gid: u32) -> bool {
         uid == 0 || self.uids.contains(&uid) || self.gids.contains(&gid)
@@ -265,13 +259,11 @@ mod tests {
         assert!(none.allows(0, 0));
         assert!(none.allows(0, 1000), "root with any gid");
         assert!(!none.allows(1000, 1000));
-        assert!(!none.allows_non_root());
         let some = PeerPolicy::admin(&layerstack_config::ApiConfig {
             allowed_uids: vec![1000],
             allowed_gids: vec![2000],
             tcp: None,
         });
-        assert!(some.allows_non_root());
         assert!(some.allows(1000, 5));
         assert!(some.allows(7, 2000));
         assert!(!some.allows(7, 5));

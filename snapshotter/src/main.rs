@@ -363,17 +363,16 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
         .transpose()?;
     let lock = StoreLock::acquire(&cfg.root)?;
     // Who may call (auth.rs): the snapshots socket serves containerd (root);
-    // the admin socket root and `[api]`'s uids and gids. Its mode lets others
-    // connect only when some are allowed; the peer check is the gate.
+    // the admin socket root and `[api]`'s uids and gids. Every socket is 0660
+    // (never world-writable); the allowed uids and gids reach the admin socket
+    // through a POSIX ACL, and the peer check is the gate.
     let admin_policy = auth::PeerPolicy::admin(&cfg.api);
     let snap_socket = sockets::Socket::bind(&cfg.address, 0o660)?;
-    let admin_socket = sockets::Socket::bind(
+    let admin_socket = sockets::Socket::bind_granting(
         &cfg.admin_address,
-        if admin_policy.allows_non_root() {
-            0o666
-        } else {
-            0o660
-        },
+        0o660,
+        &cfg.api.allowed_uids,
+        &cfg.api.allowed_gids,
     )?;
     let tcp_listener = match &tcp {
         Some(t) => {

@@ -34,6 +34,20 @@ impl Socket {
     /// The path is served by a live process, exists and is not a socket, or
     /// cannot be bound; the message names the path and what to do.
     pub fn bind(path: &Path, mode: u32) -> Result<Socket> {
+        Self::bind_granting(path, mode, &[], &[])
+    }
+
+    /// [`Socket::bind`], and the uids `uids` and gids `gids` may also connect:
+    /// a POSIX ACL (`system.posix_acl_access`, acl(5)) grants each of them
+    /// read and write, set with the mode before the path exists. The mode stays
+    /// what it is (e.g. 0660): the socket is never world-writable, whoever is
+    /// allowed; the daemon's per-connection peer check still decides
+    /// (`auth.rs`).
+    ///
+    /// # Errors
+    /// As [`Socket::bind`]; and, when some are granted, a filesystem without
+    /// POSIX ACLs (the message names it and what to do).
+    pub fn bind_granting(path: &Path, mode: u32, uids: &[u32], gids: &[u32]) -> Result<Socket> {
         if let Some(dir) = path.parent() {
             std::fs::create_dir_all(dir)
                 .with_context(|| format!("cannot create socket directory {}", dir.display()))?;
@@ -65,7 +79,7 @@ impl Socket {
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
             Err(e) => return Err(e).with_context(|| format!("cannot stat {}", path.display())),
         }
-        let listener = bind_private(path, mode)?;
+        let listener = bind_private(path, mode, uids, gids)?;
         let md = std::fs::symlink_metadata(path)
             .with_context(|| format!("cannot stat {}", path.display()))?;
         listener.set_nonblocking(true)?;
@@ -89,7 +103,12 @@ impl Socket {
 
 /// Binds a socket in a directory only this process's user can enter, sets its
 /// mode, links it to `path` and removes the private name (module doc).
-fn bind_private(path: &Path, mode: u32) -> Result<std::os::unix::net::UnixListener> {
+fn bind_private(
+    path: &Path,
+    mode: u32,
+    uids: &[u32],
+    gids: &[u32],
+) -> Result<std::os::unix::net::UnixListener> {
     let dir = path
         .parent()
         .filter(|d| !d.as_os_str().is_empty())
@@ -109,6 +128,15 @@ fn bind_private(path: &Path, mode: u32) -> Result<std::os::unix::net::UnixListen
             .with_context(|| format!("cannot listen on {}", path.display()))?;
         std::fs::set_permissions(&tmp, std::fs::Permissions::from_mode(mode))
             .with_context(|| format!("cannot set mode of {}", path.display()))?;
+        if !uids.is_empty() || !gids.is_empty() {
+            xattr::set(&tmp, "system.posix_acl_access", &access_acl(mode, uids, gids))
+                .with_context(|| {
+                    format!(
+                        "cannot grant uids {uids:?} and gids {gids:?} access to {} with a POSIX ACL (its filesystem must support ACLs, as ext4, xfs and tmpfs do): move the socket to such a filesystem, or allow only root",
+                        path.display()
+                    )
+                })?;
+        }
         match std::fs::hard_link(&tmp, path) {
             Ok(()) => Ok(l),
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists => bail!(
@@ -121,6 +149,42 @@ fn bind_private(path: &Path, mode: u32) -> Result<std::os::unix::net::UnixListen
     let _ = std::fs::remove_file(&tmp);
     let _ = std::fs::remove_dir(&private);
     bound
+}
+
+/// The binary `system.posix_acl_access` value (acl(5); the kernel's
+/// `posix_acl_xattr` format, version 2: a header, then `{tag u16, perm u16, id
+/// u32}` little-endian entries sorted by tag then id): the owner, group and
+/// other bits of `mode`, plus read-write for each of `uids` and `gids`, and a
+/// mask of read-write so they take effect.
+fn access_acl(mode: u32, uids: &[u32], gids: &[u32]) -> Vec<u8> {
+    const USER_OBJ: u16 = 0x01;
+    const USER: u16 = 0x02;
+    const GROUP_OBJ: u16 = 0x04;
+    const GROUP: u16 = 0x08;
+    const MASK: u16 = 0x10;
+    const OTHER: u16 = 0x20;
+    const UNDEFINED: u32 = u32::MAX;
+    const RW: u16 = 6;
+    let bits = |shift: u32| ((mode >> shift) & 7) as u16;
+    let mut uids = uids.to_vec();
+    let mut gids = gids.to_vec();
+    uids.sort_unstable();
+    uids.dedup();
+    gids.sort_unstable();
+    gids.dedup();
+    let mut entries = vec![(USER_OBJ, bits(6), UNDEFINED)];
+    entries.extend(uids.iter().map(|u| (USER, RW, *u)));
+    entries.push((GROUP_OBJ, bits(3), UNDEFINED));
+    entries.extend(gids.iter().map(|g| (GROUP, RW, *g)));
+    entries.push((MASK, RW | bits(3), UNDEFINED));
+    entries.push((OTHER, bits(0), UNDEFINED));
+    let mut out = 2u32.to_le_bytes().to_vec();
+    for (tag, perm, id) in entries {
+        out.extend_from_slice(&tag.to_le_bytes());
+        out.extend_from_slice(&perm.to_le_bytes());
+        out.extend_from_slice(&id.to_le_bytes());
+    }
+    out
 }
 
 impl Drop for Socket {
@@ -177,5 +241,34 @@ mod tests {
         }
         let left: Vec<_> = std::fs::read_dir(t.path()).unwrap().collect();
         assert!(left.is_empty(), "{left:?}");
+    }
+
+    #[test]
+    fn the_acl_grants_the_listed_ids_read_write_and_keeps_the_mode() {
+        let acl = access_acl(0o660, &[1000, 65534, 1000], &[42]);
+        assert_eq!(acl[..4], 2u32.to_le_bytes(), "version 2");
+        let entries: Vec<(u16, u16, u32)> = acl[4..]
+            .chunks(8)
+            .map(|e| {
+                (
+                    u16::from_le_bytes([e[0], e[1]]),
+                    u16::from_le_bytes([e[2], e[3]]),
+                    u32::from_le_bytes([e[4], e[5], e[6], e[7]]),
+                )
+            })
+            .collect();
+        assert_eq!(
+            entries,
+            vec![
+                (0x01, 6, u32::MAX),
+                (0x02, 6, 1000),
+                (0x02, 6, 65534),
+                (0x04, 6, u32::MAX),
+                (0x08, 6, 42),
+                (0x10, 6, u32::MAX),
+                (0x20, 0, u32::MAX),
+            ],
+            "owner, users sorted and deduplicated, group, groups, mask, other"
+        );
     }
 }

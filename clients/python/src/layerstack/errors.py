@@ -48,6 +48,7 @@ printed no such line, is a :class:`CommandError` (``kind`` ``"command"``).
 from __future__ import annotations
 
 import json
+import os
 from typing import Dict, List, Optional, Sequence, Type
 
 import grpc
@@ -254,6 +255,17 @@ def from_rpc_error(e: grpc.RpcError) -> LayerStackError:
     message = details or str(e)
     if code is None:
         return LayerStackError(None, "unknown", message)
+    if code == grpc.StatusCode.UNAVAILABLE and "Permission denied" in message and "connect" in message:
+        # The admin socket is 0660 with an ACL for the daemon's `[api]` uids
+        # and gids: anyone else is refused by the kernel at connect(2), before
+        # the daemon's own check could name the remedy.
+        return PermissionDeniedError(
+            code,
+            PermissionDeniedError.kind,
+            f"permission denied: uid {os.geteuid()} (gid {os.getegid()}) may not connect to the "
+            "LayerStack daemon's admin socket: only root and the uids and gids in the daemon's "
+            f"[api] allowed_uids / allowed_gids may; ask its operator to add yours, or run as root ({message})",
+        )
     cls = BY_CODE.get(code)
     if cls is None:
         return LayerStackError(code, _code_kind(code), message)
