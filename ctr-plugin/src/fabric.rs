@@ -378,6 +378,11 @@ fn sample_json(s: &api::Sample) -> Value {
     v["attempts"] = json!(s.attempts);
     v["max_attempt"] = json!(s.max_attempt);
     v["running"] = json!(s.running);
+    v["task_failed_attempt"] = if s.task_failed_attempt == 0 {
+        Value::Null
+    } else {
+        json!(s.task_failed_attempt)
+    };
     v
 }
 
@@ -723,6 +728,11 @@ pub async fn run(admin: &Path, cmd: FabricCmd) -> Result<ExitCode> {
                     out!("sample {key} from node {}", s.node);
                     if s.has_reward {
                         out!("  reward {} (attempt {})", s.reward, s.reward_attempt);
+                    } else if s.task_failed_attempt != 0 {
+                        out!(
+                            "  task failed (attempt {}): final, no reward",
+                            s.task_failed_attempt
+                        );
                     } else {
                         out!("  no reward yet");
                     }

@@ -59,6 +59,7 @@ fn sample_to(s: &SampleInfo) -> api::Sample {
         attempts: s.attempts,
         max_attempt: s.max_attempt,
         running: s.running.clone(),
+        task_failed_attempt: s.task_failed_attempt.unwrap_or_default(),
     }
 }
 

@@ -201,6 +201,10 @@ pub struct SampleInfo {
     pub max_attempt: u32,
     /// Ids of its attempts still running.
     pub running: Vec<i64>,
+    /// The first attempt (number) that ended `task_failed`, if any: the task
+    /// itself failed, a result as final as a reward (a fan-out called again
+    /// does not run the sample again; `infra_failed` attempts are retried).
+    pub task_failed_attempt: Option<u32>,
     pub created_ns: i64,
 }
 
@@ -411,6 +415,9 @@ fn sample_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<SampleInfo> {
             .get::<_, Option<String>>("running")?
             .map(|s| s.split(',').filter_map(|x| x.parse().ok()).collect())
             .unwrap_or_default(),
+        task_failed_attempt: r
+            .get::<_, Option<i64>>("task_failed_no")?
+            .and_then(|n| u32::try_from(n).ok()),
         created_ns: r.get("created_ns")?,
     })
 }
@@ -419,7 +426,8 @@ const SAMPLE_SQL: &str = "SELECT s.run, s.step, s.prompt, s.sample, s.node, s.re
         (SELECT attempt FROM rollout_attempts WHERE id = s.reward_attempt) AS reward_no,
         (SELECT count(*) FROM rollout_attempts WHERE sample_id = s.id) AS attempts,
         (SELECT coalesce(max(attempt), 0) FROM rollout_attempts WHERE sample_id = s.id) AS max_attempt,
-        (SELECT group_concat(id) FROM rollout_attempts WHERE sample_id = s.id AND status = 'running') AS running
+        (SELECT group_concat(id) FROM rollout_attempts WHERE sample_id = s.id AND status = 'running') AS running,
+        (SELECT min(attempt) FROM rollout_attempts WHERE sample_id = s.id AND status = 'task_failed') AS task_failed_no
      FROM rollout_samples s";
 
 fn validate_key(k: &SampleKey) -> Result<(), StoreError> {

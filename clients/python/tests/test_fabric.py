@@ -107,6 +107,16 @@ def test_infrastructure_failures_are_retried_and_never_scored_zero(daemon: Daemo
             assert (audit.rewarded, audit.task_failed, audit.infra_failed, audit.violations) == (
                 1, 1, {"ConnectionError": 1}, ()), audit
             assert (await ls.node_stats(g.root))[0].visits == 1, "task failures and infra failures backpropagate nothing"
+            # The step again (a harness restarted): the failed task is as final
+            # as the reward — nothing runs, no attempt is begun.
+            seen.clear()
+            again = {x.sample: x async for x in fan_out(ls, run, g.root, 2, act, policy="pi")}
+            assert seen == [], f"a repeated step ran samples again: {seen}"
+            assert (again[0].status, again[0].reward, again[0].rewarded_before) == ("completed", 0.5, True)
+            assert (again[1].status, again[1].task_failed_before) == ("task_failed", True), again[1]
+            s1 = await ls.sample(again[1].key)
+            assert s1 is not None and (s1.task_failed_attempt, s1.reward) == (1, None), s1
+            assert (await ls.audit_run(run)).attempts == 3, "a repeated step begins no attempt"
 
     asyncio.run(main())
 

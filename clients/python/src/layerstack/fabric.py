@@ -124,6 +124,9 @@ class Sample:
     attempts: int
     max_attempt: int
     running: Tuple[int, ...]
+    #: The first attempt that ended ``task_failed`` (``None``: none) — as final
+    #: as a reward: :func:`fan_out` called again does not run the sample again.
+    task_failed_attempt: Optional[int] = None
 
     @classmethod
     def from_pb(cls, s: pb.Sample) -> "Sample":
@@ -135,6 +138,7 @@ class Sample:
             attempts=s.attempts,
             max_attempt=s.max_attempt,
             running=tuple(s.running),
+            task_failed_attempt=s.task_failed_attempt or None,
         )
 
 
@@ -374,12 +378,17 @@ class RolloutResult:
     rewarded_before: bool = False
     grade_output: Optional["ExecOutput"] = None
     errors: Tuple[str, ...] = field(default_factory=tuple)
+    #: The sample had ended ``task_failed`` in an earlier call (not run again).
+    task_failed_before: bool = False
 
     @property
     def status(self) -> str:
-        """The last attempt's status (``completed`` for a sample rewarded before)."""
+        """The last attempt's status (``completed`` for a sample rewarded before,
+        ``task_failed`` for one that failed its task before)."""
         if self.rewarded_before:
             return "completed"
+        if self.task_failed_before:
+            return "task_failed"
         return self.attempt.status if self.attempt is not None else "infra_failed"
 
 
@@ -504,7 +513,9 @@ async def fan_out(
     reward is backpropagated from the attempt's leaf (once per attempt).
 
     Calling it again after a crash is safe: samples rewarded before are not
-    run again and keep their reward; attempt numbers continue after the
+    run again and keep their reward, nor are samples whose task failed before
+    (``task_failed_before``; only ``infra_failed`` attempts are retried);
+    attempt numbers continue after the
     highest one recorded (a crashed attempt is ended by the daemon, or by
     this call as ``infra_failed(abandoned)``). While the daemon is away (a
     restart), begins and sample reads are repeated for up to
@@ -561,6 +572,11 @@ async def _run_sample(
     reconnect_s: float,
 ) -> RolloutResult:
     key = SampleKey(run, step, prompt, i)
+    # A sample whose task failed in an earlier call is final, as a rewarded one
+    # is (BeginRollout answers that one): the policy does not get another try.
+    before = await _through_restarts(lambda: client.sample(key), reconnect_s)
+    if before is not None and before.reward is None and before.task_failed_attempt is not None:
+        return RolloutResult(i, key, None, None, task_failed_before=True)
     # Continue after the attempts a crashed earlier call made.
     first = 1 + await _through_restarts(lambda: client.sample_attempts(key), reconnect_s)
     errors: List[str] = []

@@ -159,7 +159,7 @@ class BeginRolloutResponse(_message.Message):
     def __init__(self, attempt: _Optional[_Union[RolloutAttempt, _Mapping]] = ..., created: _Optional[bool] = ..., rewarded: _Optional[bool] = ..., sample: _Optional[_Union[Sample, _Mapping]] = ..., session: _Optional[_Union[Session, _Mapping]] = ...) -> None: ...
 
 class Sample(_message.Message):
-    __slots__ = ("key", "node", "has_reward", "reward", "reward_attempt", "attempts", "max_attempt", "running")
+    __slots__ = ("key", "node", "has_reward", "reward", "reward_attempt", "attempts", "max_attempt", "running", "task_failed_attempt")
     KEY_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
     HAS_REWARD_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +168,7 @@ class Sample(_message.Message):
     ATTEMPTS_FIELD_NUMBER: _ClassVar[int]
     MAX_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
+    TASK_FAILED_ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     key: SampleKey
     node: str
     has_reward: bool
@@ -176,7 +177,8 @@ class Sample(_message.Message):
     attempts: int
     max_attempt: int
     running: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, key: _Optional[_Union[SampleKey, _Mapping]] = ..., node: _Optional[str] = ..., has_reward: _Optional[bool] = ..., reward: _Optional[float] = ..., reward_attempt: _Optional[int] = ..., attempts: _Optional[int] = ..., max_attempt: _Optional[int] = ..., running: _Optional[_Iterable[int]] = ...) -> None: ...
+    task_failed_attempt: int
+    def __init__(self, key: _Optional[_Union[SampleKey, _Mapping]] = ..., node: _Optional[str] = ..., has_reward: _Optional[bool] = ..., reward: _Optional[float] = ..., reward_attempt: _Optional[int] = ..., attempts: _Optional[int] = ..., max_attempt: _Optional[int] = ..., running: _Optional[_Iterable[int]] = ..., task_failed_attempt: _Optional[int] = ...) -> None: ...
 
 class Evaluator(_message.Message):
     __slots__ = ("name", "version", "digest")
