@@ -180,6 +180,21 @@ pub struct SandboxConfig {
     /// A session's process limit when CreateSession does not give one; 0 =
     /// unlimited (the default).
     pub default_pids: u64,
+    /// The pool's CPU budget: the CPU limits of the live daemon-owned
+    /// sandboxes together at most, thousandths of a CPU; beyond it a create
+    /// waits (within its `wait_ms`) or is refused `busy`. 0 = unlimited (the
+    /// default). Needs `default_cpu_millis` (a sandbox without a limit would
+    /// escape it).
+    pub cpu_budget_millis: u64,
+    /// The pool's memory budget: their memory limits together at most, bytes
+    /// (counted in MiB). 0 = unlimited (the default). Needs
+    /// `default_memory_bytes`.
+    pub memory_budget_bytes: u64,
+    /// After a restart, how long a session of the last daemon whose holder is
+    /// gone waits for it to reconnect and close it with the command's exit
+    /// status, seconds. Default 60 (more than `layerstack session run
+    /// --reconnect-timeout`'s default, 30).
+    pub holder_grace_s: u64,
 }
 
 impl Default for SandboxConfig {
@@ -192,6 +207,9 @@ impl Default for SandboxConfig {
             default_cpu_millis: 0,
             default_memory_bytes: 0,
             default_pids: 0,
+            cpu_budget_millis: 0,
+            memory_budget_bytes: 0,
+            holder_grace_s: 60,
         }
     }
 }
@@ -350,19 +368,40 @@ pub enum ConfigError {
     Read(PathBuf, #[source] std::io::Error),
     #[error("invalid config{}", .0.as_ref().map(|p| format!(" in {}", p.display())).unwrap_or_default())]
     Parse(Option<PathBuf>, #[source] toml::de::Error),
+    /// Keys that parse but do not go together.
+    #[error("invalid config{}: {1}", .0.as_ref().map(|p| format!(" in {}", p.display())).unwrap_or_default())]
+    Invalid(Option<PathBuf>, String),
 }
 
 impl Config {
     /// Parse a TOML document. Unknown keys are an error (a typo must not be ignored).
     pub fn from_toml(s: &str) -> Result<Self, ConfigError> {
-        toml::from_str(s).map_err(|e| ConfigError::Parse(None, e))
+        let c: Self = toml::from_str(s).map_err(|e| ConfigError::Parse(None, e))?;
+        c.check().map_err(|m| ConfigError::Invalid(None, m))?;
+        Ok(c)
+    }
+
+    /// Keys that must go together.
+    fn check(&self) -> Result<(), String> {
+        let s = &self.sandbox;
+        if s.cpu_budget_millis > 0 && s.default_cpu_millis == 0 {
+            return Err("[sandbox] cpu_budget_millis needs default_cpu_millis > 0: a sandbox created without a CPU limit would not count against the budget".into());
+        }
+        if s.memory_budget_bytes > 0 && s.default_memory_bytes == 0 {
+            return Err("[sandbox] memory_budget_bytes needs default_memory_bytes > 0: a sandbox created without a memory limit would not count against the budget".into());
+        }
+        Ok(())
     }
 
     /// Read and parse a TOML file.
     pub fn load(path: &Path) -> Result<Self, ConfigError> {
         let s =
             std::fs::read_to_string(path).map_err(|e| ConfigError::Read(path.to_path_buf(), e))?;
-        toml::from_str(&s).map_err(|e| ConfigError::Parse(Some(path.to_path_buf()), e))
+        let c: Self =
+            toml::from_str(&s).map_err(|e| ConfigError::Parse(Some(path.to_path_buf()), e))?;
+        c.check()
+            .map_err(|m| ConfigError::Invalid(Some(path.to_path_buf()), m))?;
+        Ok(c)
     }
 }
 
@@ -496,5 +535,21 @@ mod tests {
         ] {
             assert!(Config::from_toml(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn a_budget_needs_a_default_limit() {
+        let e = Config::from_toml("[sandbox]\ncpu_budget_millis = 4000\n").unwrap_err();
+        assert!(e.to_string().contains("default_cpu_millis"), "{e}");
+        let e = Config::from_toml("[sandbox]\nmemory_budget_bytes = 1073741824\n").unwrap_err();
+        assert!(e.to_string().contains("default_memory_bytes"), "{e}");
+        let c = Config::from_toml(
+            "[sandbox]\ncpu_budget_millis = 4000\ndefault_cpu_millis = 500\nholder_grace_s = 5\n",
+        )
+        .unwrap();
+        assert_eq!(
+            (c.sandbox.cpu_budget_millis, c.sandbox.holder_grace_s),
+            (4000, 5)
+        );
     }
 }

@@ -253,6 +253,7 @@ mod tests {
                 node: None,
                 ignore_mtime: false,
                 daemon_owned: false,
+                reserve: Default::default(),
             })
             .await
             .unwrap();

@@ -100,7 +100,7 @@ pub use layerstack_types as types;
 pub use layerstack_types::policy;
 pub use locks::LockGuard;
 pub use publish::{exit_decision, DryRun};
-pub use sandbox::{EndAction, SandboxRequest, SandboxSettings};
+pub use sandbox::{EndAction, Reservation, SandboxRequest, SandboxSettings};
 // Blame, diff and conflicts (issue 10).
 pub use blame::Blame;
 pub use conflicts::{ConflictView, Rebased};

@@ -47,6 +47,13 @@ pub struct SandboxSettings {
     /// daemon sees the namespaces gone (the holder's retries started then or
     /// before).
     pub holder_grace: Duration,
+    /// The pool's CPU budget (seed 002 stage 03 "a pool bounded by … CPU and
+    /// memory budgets"): the sum of the CPU limits of live sandboxes,
+    /// thousandths of a CPU ([`Reservation::cpu_millis`]); 0: unlimited.
+    pub cpu_budget_millis: u64,
+    /// The pool's memory budget: the sum of the memory limits of live
+    /// sandboxes, bytes (counted in whole MiB, rounded up); 0: unlimited.
+    pub memory_budget_bytes: u64,
 }
 
 impl Default for SandboxSettings {
@@ -55,6 +62,92 @@ impl Default for SandboxSettings {
             max_sessions: 256,
             create_rate: 0,
             holder_grace: Duration::from_secs(60),
+            cpu_budget_millis: 0,
+            memory_budget_bytes: 0,
+        }
+    }
+}
+
+/// What a sandbox counts against the pool's budgets while it lives: its CPU
+/// and memory limits (0: nothing). The daemon passes the limits a
+/// daemon-owned sandbox's cgroup gets; a holder's session (`layerstack
+/// session run`) has none and counts only against `max_sessions`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Reservation {
+    /// Thousandths of a CPU.
+    pub cpu_millis: u64,
+    /// Bytes.
+    pub memory_bytes: u64,
+}
+
+/// A live sandbox's hold on the pool: its slot under the cap and its share of
+/// the budgets, all given back at its release.
+struct Slot {
+    _session: OwnedSemaphorePermit,
+    _cpu: Option<OwnedSemaphorePermit>,
+    _memory: Option<OwnedSemaphorePermit>,
+}
+
+/// One budget of the pool: a semaphore of `total` units (millis or MiB).
+struct Budget {
+    key: &'static str,
+    unit: &'static str,
+    total: u32,
+    sem: Arc<Semaphore>,
+}
+
+impl Budget {
+    fn new(key: &'static str, unit: &'static str, total: u64) -> Option<Self> {
+        let total = u32::try_from(total).unwrap_or(u32::MAX);
+        (total > 0).then(|| Self {
+            key,
+            unit,
+            total,
+            sem: Arc::new(Semaphore::new(total as usize)),
+        })
+    }
+
+    /// Takes `n` units, waiting at most `wait` (`None`: not at all).
+    async fn take(
+        &self,
+        n: u64,
+        wait: Option<Duration>,
+    ) -> Result<Option<OwnedSemaphorePermit>, EngineError> {
+        if n == 0 {
+            return Ok(None);
+        }
+        let n = u32::try_from(n).unwrap_or(u32::MAX);
+        if n > self.total {
+            return Err(EngineError::InvalidArgument(format!(
+                "the sandbox asks {n} {unit}, more than the pool's whole budget ([sandbox] {key} = {total} {unit}): ask less, or raise the budget",
+                unit = self.unit,
+                key = self.key,
+                total = self.total
+            )));
+        }
+        let full = |waited: Option<Duration>| {
+            EngineError::Busy(format!(
+                "the live sandboxes hold {} of the pool's {} {unit} ([sandbox] {key}); this one asks {n}{}: close one, ask less, raise the budget, or wait longer",
+                self.total as usize - self.sem.available_permits(),
+                self.total,
+                waited.map(|d| format!("; not enough was freed within {} ms", d.as_millis())).unwrap_or_default(),
+                unit = self.unit,
+                key = self.key,
+            ))
+        };
+        match wait {
+            None => self
+                .sem
+                .clone()
+                .try_acquire_many_owned(n)
+                .map(Some)
+                .map_err(|_| full(None)),
+            Some(d) => {
+                match tokio::time::timeout(d, self.sem.clone().acquire_many_owned(n)).await {
+                    Ok(Ok(p)) => Ok(Some(p)),
+                    _ => Err(full(Some(d))),
+                }
+            }
         }
     }
 }
@@ -64,7 +157,9 @@ pub(crate) struct Sandboxes {
     max: usize,
     holder_grace: Duration,
     sem: Arc<Semaphore>,
-    permits: Mutex<HashMap<SessionId, OwnedSemaphorePermit>>,
+    permits: Mutex<HashMap<SessionId, Slot>>,
+    cpu: Option<Budget>,
+    memory: Option<Budget>,
     /// Sessions in root mode ([`Engine::sandbox_root_mode`]): their close
     /// drops the mountpoints the session's init made in the upper.
     root_mode: Mutex<HashSet<SessionId>>,
@@ -116,12 +211,22 @@ impl Sandboxes {
             holder_grace: settings.holder_grace,
             sem: Arc::new(Semaphore::new(settings.max_sessions)),
             permits: Mutex::new(HashMap::new()),
+            cpu: Budget::new(
+                "cpu_budget_millis",
+                "CPU millis",
+                settings.cpu_budget_millis,
+            ),
+            memory: Budget::new(
+                "memory_budget_bytes",
+                "MiB of memory",
+                settings.memory_budget_bytes.div_ceil(1 << 20),
+            ),
             root_mode: Mutex::new(HashSet::new()),
             rate: Rate::new(settings.create_rate),
         }
     }
 
-    fn permits(&self) -> std::sync::MutexGuard<'_, HashMap<SessionId, OwnedSemaphorePermit>> {
+    fn permits(&self) -> std::sync::MutexGuard<'_, HashMap<SessionId, Slot>> {
         self.permits.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -200,6 +305,8 @@ pub struct SandboxRequest {
     /// ([`layerstack_store::SessionOptions::daemon_owned`]): when that init is
     /// gone without a close, the run ends `interrupted`, not by its policy.
     pub daemon_owned: bool,
+    /// What it counts against the pool's CPU and memory budgets while it lives.
+    pub reserve: Reservation,
 }
 
 /// How [`Engine::close_sandbox_session`] ends the run.
@@ -258,10 +365,13 @@ impl Engine {
         (live, self.sandboxes.max)
     }
 
+    /// The sandbox's slot under the cap, its share of the budgets (`reserve`),
+    /// then its turn under the creation rate — all within `wait`.
     async fn sandbox_permit(
         &self,
         wait: Option<Duration>,
-    ) -> Result<OwnedSemaphorePermit, EngineError> {
+        reserve: Reservation,
+    ) -> Result<Slot, EngineError> {
         let sem = self.sandboxes.sem.clone();
         let full = |waited: Option<Duration>| {
             EngineError::Busy(format!(
@@ -278,6 +388,18 @@ impl Engine {
                 _ => return Err(full(Some(d))),
             },
         };
+        let left = || wait.map(|w| w.saturating_sub(started.elapsed()));
+        let cpu = match &self.sandboxes.cpu {
+            Some(b) => b.take(reserve.cpu_millis, left()).await?,
+            None => None,
+        };
+        let memory = match &self.sandboxes.memory {
+            Some(b) => {
+                b.take(reserve.memory_bytes.div_ceil(1 << 20), left())
+                    .await?
+            }
+            None => None,
+        };
         if let Some(rate) = &self.sandboxes.rate {
             let left = wait.unwrap_or_default().saturating_sub(started.elapsed());
             match rate.reserve(left) {
@@ -291,7 +413,11 @@ impl Engine {
                 }
             }
         }
-        Ok(permit)
+        Ok(Slot {
+            _session: permit,
+            _cpu: cpu,
+            _memory: memory,
+        })
     }
 
     /// The mount spec of sandbox session `id`'s current run, for a holder
@@ -339,7 +465,7 @@ impl Engine {
         &self,
         req: SandboxRequest,
     ) -> Result<(SessionInfo, MountSpec, bool), EngineError> {
-        let permit = self.sandbox_permit(req.wait).await?;
+        let permit = self.sandbox_permit(req.wait, req.reserve).await?;
         let key = req.idempotency_key.clone();
         let (s, spec, created) = match req.node {
             Some(node) => {
@@ -652,7 +778,14 @@ impl Engine {
         for s in live.iter().filter(|s| !s.daemon_owned) {
             if !s.released {
                 if let Ok(p) = self.sandboxes.sem.clone().try_acquire_owned() {
-                    self.sandboxes.permits().insert(s.id, p);
+                    self.sandboxes.permits().insert(
+                        s.id,
+                        Slot {
+                            _session: p,
+                            _cpu: None,
+                            _memory: None,
+                        },
+                    );
                 }
             }
             let me = self.clone();
@@ -763,6 +896,17 @@ mod tests {
     /// A store with stack `ns/sha256:aaa` (one image layer holding etc/a) and an
     /// engine over it with a cap of `max` sandbox sessions.
     fn engine(dir: &std::path::Path, max: usize) -> Arc<Engine> {
+        engine_with(
+            dir,
+            SandboxSettings {
+                max_sessions: max,
+                ..Default::default()
+            },
+        )
+    }
+
+    /// [`engine`] with the pool's settings `sandbox`.
+    fn engine_with(dir: &std::path::Path, sandbox: SandboxSettings) -> Arc<Engine> {
         let store = Store::open(&dir.join("root"), &StoreOptions::default()).unwrap();
         let labels = BTreeMap::from([(SNAPSHOT_REF_LABEL.to_string(), "sha256:aaa".to_string())]);
         let (_, spec) = store
@@ -790,13 +934,97 @@ mod tests {
         Engine::new(
             Arc::new(store),
             EngineSettings {
-                sandbox: SandboxSettings {
-                    max_sessions: max,
-                    ..Default::default()
-                },
+                sandbox,
                 ..Default::default()
             },
         )
+    }
+
+    /// The pool's CPU and memory budgets (issue 21): a sandbox whose limits
+    /// do not fit what the live ones leave is `busy` (at once, or after its
+    /// wait), one that asks more than a whole budget is an invalid argument,
+    /// and a close gives its share back to a waiting create.
+    #[tokio::test]
+    async fn the_budgets_bound_the_pool_by_cpu_and_memory() {
+        if !have_root("the_budgets_bound_the_pool_by_cpu_and_memory") {
+            return;
+        }
+        let t = tempfile::Builder::new()
+            .prefix("ls-sandbox-")
+            .tempdir_in("/var/tmp")
+            .unwrap();
+        let e = engine_with(
+            t.path(),
+            SandboxSettings {
+                max_sessions: 16,
+                cpu_budget_millis: 1000,
+                memory_budget_bytes: 64 << 20,
+                ..Default::default()
+            },
+        );
+        let with = |name: &str, cpu: u64, mem: u64, wait: Option<Duration>| SandboxRequest {
+            reserve: Reservation {
+                cpu_millis: cpu,
+                memory_bytes: mem,
+            },
+            ..req(name, None, wait)
+        };
+        let (a, _, _) = e
+            .create_sandbox_session(with("a", 600, 16 << 20, None))
+            .await
+            .unwrap();
+        let err = e
+            .create_sandbox_session(with("b", 600, 16 << 20, None))
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Busy, "{err}");
+        assert!(
+            err.to_string().contains("cpu_budget_millis") && err.to_string().contains("600 of"),
+            "names the budget and what is held: {err}"
+        );
+        // Memory: 16 + 56 MiB > 64 MiB (CPU fits).
+        let err = e
+            .create_sandbox_session(with("c", 100, 56 << 20, None))
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::Busy, "{err}");
+        assert!(err.to_string().contains("memory_budget_bytes"), "{err}");
+        // More than a whole budget can never fit.
+        let err = e
+            .create_sandbox_session(with("d", 2000, 0, Some(Duration::from_secs(5))))
+            .await
+            .unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
+        // A refused create took nothing: 400 millis and 48 MiB are still free.
+        let (small, _, _) = e
+            .create_sandbox_session(with("e", 400, 48 << 20, None))
+            .await
+            .unwrap();
+        // A create that waits gets a's share once a closes.
+        let e2 = e.clone();
+        let waiter = tokio::spawn(async move {
+            e2.create_sandbox_session(with("f", 600, 16 << 20, Some(Duration::from_secs(10))))
+                .await
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!waiter.is_finished(), "f waits for CPU");
+        e.close_sandbox_session(a.id, EndAction::Discard, "test", Duration::from_secs(1))
+            .await
+            .unwrap();
+        let (f, _, _) = waiter.await.unwrap().unwrap();
+        for id in [small.id, f.id] {
+            e.close_sandbox_session(id, EndAction::Discard, "test", Duration::from_secs(1))
+                .await
+                .unwrap();
+        }
+        // Everything given back: the whole budget fits again.
+        let (g, _, _) = e
+            .create_sandbox_session(with("g", 1000, 64 << 20, None))
+            .await
+            .unwrap();
+        e.close_sandbox_session(g.id, EndAction::Discard, "test", Duration::from_secs(1))
+            .await
+            .unwrap();
     }
 
     #[tokio::test]
@@ -838,6 +1066,7 @@ mod tests {
             node: None,
             ignore_mtime: false,
             daemon_owned: false,
+            reserve: Reservation::default(),
         }
     }
 
@@ -916,6 +1145,7 @@ mod tests {
         let e = engine(t.path(), 8);
         let owned = |name: &str, node: Option<String>| SandboxRequest {
             daemon_owned: true,
+            reserve: Default::default(),
             node,
             ..req(name, Some(ExitPolicy::OnExit), None)
         };

@@ -817,6 +817,7 @@ async fn a_session_that_ignores_mtimes_publishes_content_changes_only() {
         node: None,
         ignore_mtime,
         daemon_owned: false,
+        reserve: Default::default(),
     };
     let (quiet, _, _) = p.create_sandbox_session(make("quiet", true)).await.unwrap();
     let (loud, _, _) = p.create_sandbox_session(make("loud", false)).await.unwrap();
@@ -1801,6 +1802,7 @@ async fn sandbox_sessions_on_nodes_checkpoint_when_closed() {
         node,
         ignore_mtime: false,
         daemon_owned: false,
+        reserve: Default::default(),
     };
     let (s, _, created) = p
         .create_sandbox_session(req(

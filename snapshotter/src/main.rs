@@ -441,7 +441,9 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
         sandbox: layerstack_engine::SandboxSettings {
             max_sessions: usize::try_from(cfg.sandbox.max_sessions).unwrap_or(usize::MAX),
             create_rate: cfg.sandbox.create_rate,
-            ..Default::default()
+            holder_grace: std::time::Duration::from_secs(cfg.sandbox.holder_grace_s),
+            cpu_budget_millis: cfg.sandbox.cpu_budget_millis,
+            memory_budget_bytes: cfg.sandbox.memory_budget_bytes,
         },
         publish_workers: usize::try_from(cfg.publish_workers).unwrap_or(usize::MAX),
     };

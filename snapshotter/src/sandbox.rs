@@ -224,6 +224,7 @@ async fn start(
                 sandbox: None,
             },
             false,
+            Default::default(),
         )
         .await
         .map_err(|st| status_reply(&st))?;
@@ -705,7 +706,9 @@ impl AdminService {
         if r.sandbox.is_some() {
             return crate::owned::create(self, r).await;
         }
-        let (session, spec, created) = self.sandbox_create_spec(r, false).await?;
+        let (session, spec, created) = self
+            .sandbox_create_spec(r, false, Default::default())
+            .await?;
         Ok(api::CreateSessionResponse {
             mounts: crate::wire::mounts(&spec),
             session: Some(session),
@@ -715,11 +718,13 @@ impl AdminService {
 
     /// `CreateSession`: the session, its mount spec and whether it was created
     /// now. `daemon_owned`: the daemon starts the session's init itself
-    /// (recorded on the session: `SessionOptions::daemon_owned`).
+    /// (recorded on the session: `SessionOptions::daemon_owned`). `reserve`:
+    /// what it counts against the pool's CPU and memory budgets (its limits).
     pub(crate) async fn sandbox_create_spec(
         &self,
         r: api::CreateSessionRequest,
         daemon_owned: bool,
+        reserve: layerstack_engine::Reservation,
     ) -> Result<(api::Session, MountSpec, bool), Status> {
         let policy = match r.policy.as_str() {
             "" => None,
@@ -759,6 +764,7 @@ impl AdminService {
             node,
             ignore_mtime: r.ignore_mtime,
             daemon_owned,
+            reserve,
         };
         let (s, spec, created) = self
             .engine

@@ -252,7 +252,11 @@ pub(crate) async fn create(
         (Some(p), Some(rt)) => hide_list(&rt.sockets, p)?,
         _ => Vec::new(),
     };
-    let (session, spec, created) = admin.sandbox_create_spec(r, true).await?;
+    let reserve = layerstack_engine::Reservation {
+        cpu_millis: limits.cpu_millis,
+        memory_bytes: limits.memory_bytes,
+    };
+    let (session, spec, created) = admin.sandbox_create_spec(r, true, reserve).await?;
     let id = session.id;
     let holders = admin.holders.clone();
     if !created && session.released {
