@@ -460,6 +460,7 @@ impl Engine {
     /// (GC collects the rest). The same call with the same idempotency key then
     /// redoes the operation whole. Returns how many were cleaned up.
     pub async fn recover_operations(self: &Arc<Self>) -> Result<usize, EngineError> {
+        layerstack_store::failpoints::hit("recover.started");
         let (ops, branches) = self
             .blocking(|st| {
                 let ops: Vec<(SessionId, bool)> = st

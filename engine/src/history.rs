@@ -226,6 +226,7 @@ impl Engine {
                     source,
                 });
             }
+            layerstack_store::failpoints::hit("squash.built");
             Ok((dir, guard))
         })
         .await

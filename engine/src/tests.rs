@@ -1923,6 +1923,11 @@ mod crash {
     use super::*;
     use std::os::unix::process::ExitStatusExt;
 
+    /// The registry-driven suite (its file's header says what it checks).
+    mod suite {
+        include!("crash_suite.rs");
+    }
+
     const CHILD: &str = "LAYERSTACK_CRASH_CHILD";
     const STACK: &str = "ns/sha256:aaa";
 
@@ -1940,9 +1945,24 @@ mod crash {
         let spec = std::env::var(CHILD).expect("run by the crash tests only");
         let f: Vec<&str> = spec.split('|').collect();
         let (op, point, root) = (f[0], f[1], Path::new(f[2]));
+        if op == "recover" {
+            // The daemon's restart, crashed at the recovery points armed.
+            for p in point.split(',').filter(|p| !p.is_empty()) {
+                layerstack_store::failpoints::arm(p);
+            }
+            restart(root).await;
+            std::process::exit(3);
+        }
         let store = Arc::new(Store::open(root, &opts()).unwrap());
-        let p = engine_with(&store, Default::default());
-        layerstack_store::failpoints::arm(point);
+        let p = engine_with(&store, suite::history());
+        for p in point.split(',') {
+            layerstack_store::failpoints::arm(p);
+        }
+        if suite::OPS.contains(&op) {
+            let _ = suite::run_op(&store, &p, op, &f[3..]).await;
+            eprintln!("crash point {point} was never reached");
+            std::process::exit(3);
+        }
         match op {
             "checkpoint" => {
                 let sid: i64 = f[3].parse().unwrap();

@@ -959,14 +959,14 @@ impl Store {
                 crate::rollout::end_rollout_in(tx, ra.id, end, Some(&id))?;
             }
             record_op(tx, key, "checkpoint", &id, &checkpoint_args(sid, state))?;
-            crate::failpoints::hit("checkpoint.before_rename");
-            std::fs::rename(&upper, &dst)
+            crate::failpoints::fail("checkpoint.before_rename", &self.root)
+                .and_then(|()| std::fs::rename(&upper, &dst))
                 .and_then(|()| match self.durability {
                     Durability::Durable => fs::fsync_dir(&self.root.join("l")),
                     Durability::Disposable => Ok(()),
                 })
+                .and_then(|()| crate::failpoints::fail("checkpoint.renamed", &self.root))
                 .map_err(|e| StoreError::io(&upper, e))?;
-            crate::failpoints::hit("checkpoint.renamed");
             get_node(tx, &id)
         });
         if out.is_ok() {

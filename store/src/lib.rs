@@ -58,6 +58,7 @@ mod paths;
 pub mod priority;
 mod publish;
 mod reaper;
+pub mod reliability;
 mod rollout;
 mod schema;
 mod sessions;

@@ -354,6 +354,7 @@ impl Store {
             }
             return Err(e);
         }
+        crate::failpoints::hit("publish.staged");
         Ok(staged)
     }
 
@@ -499,15 +500,15 @@ impl Store {
             // transaction, just before it commits: no reader of any store instance
             // ever sees the row without its directory. If the commit fails, the
             // rename is undone below.
-            crate::failpoints::hit("publish.before_rename");
-            std::fs::rename(&upper, &dst)
+            crate::failpoints::fail("publish.before_rename", &self.root)
+                .and_then(|()| std::fs::rename(&upper, &dst))
                 .and_then(|()| match self.durability {
                     Durability::Durable => fs::fsync_dir(&self.root.join("l"))
                         .and_then(|()| fs::fsync_dir(&self.session_path(session))),
                     Durability::Disposable => Ok(()),
                 })
+                .and_then(|()| crate::failpoints::fail("publish.renamed", &self.root))
                 .map_err(|e| StoreError::io(&upper, e))?;
-            crate::failpoints::hit("publish.renamed");
             Ok((
                 Published {
                     layer: staged.layer,

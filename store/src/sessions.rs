@@ -502,6 +502,7 @@ impl Store {
             info!(session.id = sid, owner = %owner.display(), stack, branch = %info.branch, "session created");
             Ok((info, spec, true))
         })?;
+        crate::failpoints::hit("session.created");
         self.ready_run(info.id, &spec)?;
         Ok((info, spec, created))
     }
@@ -593,6 +594,7 @@ impl Store {
             complete_release_in(tx, sid)
         })?;
         if drop_dirs {
+            crate::failpoints::hit("session.released");
             self.drop_session_dirs(sid);
         }
         Ok(())

@@ -1,0 +1,483 @@
+// The failpoint suite (issue 22, "every durable step is a crash point"),
+// driven by the registry `layerstack_store::failpoints::POINTS`, not by a hand
+// list: a point the suite cannot reach fails it.
+//
+// * Crash pass: for every declared point, a workload that reaches it runs in a
+//   child process (this test binary re-executed) armed to abort there. The
+//   recovery that follows is crashed again at every recovery point it reaches
+//   (one child per point, until a recovery runs to its end); then the parent
+//   restarts the store and the engine as the daemon does and checks: `fsck`
+//   finds no problem; the work committed before the crash is visible; what is
+//   visible (branch heads and what they show, graph nodes, stacks, live
+//   export leases) is the state before the operation or the state after the
+//   same operation run again (done whole or not at all, never half); the run
+//   again succeeds; no orphan directory or row.
+// * I/O-error pass: for every point that takes one, EIO and then ENOSPC is
+//   injected (scoped to a private store root, so the cases run side by side):
+//   the operation returns an error naming it, changes nothing visible, `fsck`
+//   is clean, and the same operation then succeeds.
+
+use std::collections::BTreeSet;
+use std::os::unix::process::ExitStatusExt;
+use std::path::PathBuf;
+use std::time::Instant;
+
+use layerstack_store::failpoints::{self, Point, POINTS};
+use layerstack_store::reliability::Figure;
+
+use super::*;
+
+/// The workloads, by the first part of a point's name.
+const WORKLOADS: &[(&str, &str)] = &[
+    ("publish", "publish"),
+    ("reap", "publish"),
+    ("checkpoint", "checkpoint"),
+    ("merge", "merge"),
+    ("promote", "promote"),
+    ("import", "import"),
+    ("squash", "squash"),
+    ("gc", "gc"),
+    ("session", "session"),
+    ("export", "export"),
+];
+
+/// The operations [`run_op`] runs.
+pub(super) const OPS: &[&str] = &[
+    "publish", "checkpoint", "merge", "promote", "import", "squash", "gc", "session", "export",
+];
+
+/// The engine's history settings in the suite: a squash takes all but the
+/// newest layer (no automatic squash).
+pub(super) fn history() -> crate::HistorySettings {
+    crate::HistorySettings {
+        squash_keep: 1,
+        ..Default::default()
+    }
+}
+
+/// The daemon's restart ([`restart`]) with the suite's settings.
+async fn restart_suite(root: &Path) -> (Arc<Store>, Arc<Engine>) {
+    let store = Arc::new(Store::open(root, &opts()).unwrap());
+    let p = engine_with(&store, history());
+    p.recover_operations().await.unwrap();
+    p.recover().await.unwrap();
+    (store, p)
+}
+
+fn workload_of(p: &Point) -> Option<&'static str> {
+    let path = p.name.split('.').next()?;
+    WORKLOADS.iter().find(|(w, _)| *w == path).map(|(_, op)| *op)
+}
+
+/// A prepared store for `op`, under `t`: the root and the child's arguments.
+/// Every setup commits `committed.txt` on main first: the work a crash must
+/// never lose.
+async fn prepare(t: &Path, op: &str) -> (PathBuf, Vec<String>) {
+    let root_dir = t.join("root");
+    let graphs = matches!(op, "checkpoint" | "merge" | "promote");
+    let nodes = match op {
+        "merge" => 2,
+        "promote" => 1,
+        _ => 0,
+    };
+    let (store, node_ids, root_node) = if graphs {
+        let (root, nodes) = graph(t, nodes).await;
+        let store = Arc::new(Store::open(&root_dir, &opts()).unwrap());
+        (store, nodes.into_iter().map(|n| n.id).collect(), root)
+    } else {
+        let (store, _) = setup_n(t, 2);
+        (store, Vec::new(), String::new())
+    };
+    let p = engine_with(&store, history());
+    let c = session_with(&p, "main", "committed", &[("committed.txt", b"committed\n")]).await;
+    let o = p.publish(c.id, "committed").await.unwrap().outcome.unwrap();
+    assert!(o.kind.is_published(), "{o:?}");
+    let args = match op {
+        "publish" => {
+            // a lands line 2; b, leased before, edits line 6: its plan writes a
+            // merged file into its upper (publish.applied is reached).
+            let a = session_with(&p, "main", "a", &[]).await;
+            let b = session_with(&p, "main", "b", &[]).await;
+            write(&a.upper, "etc/app.conf", &edit("key2 = 2", "key2 = A"));
+            write(&b.upper, "etc/app.conf", &edit("key6 = 6", "key6 = B"));
+            let o = p.publish(a.id, "a").await.unwrap().outcome.unwrap();
+            assert_eq!(o.kind, OutcomeKind::Committed);
+            vec![b.id.to_string()]
+        }
+        "checkpoint" => {
+            let (_, s, _, _) = p
+                .attempt_start(&root_node, sandbox("a"), None, None)
+                .await
+                .unwrap();
+            fill(&s, &[("work.txt", b"precious\n")]);
+            vec![s.id.to_string()]
+        }
+        "merge" => node_ids,
+        "promote" => {
+            let s = session_with(&p, "main", "m", &[("main.txt", b"main\n")]).await;
+            let o = p.publish(s.id, "main").await.unwrap().outcome.unwrap();
+            assert_eq!(o.kind, OutcomeKind::Committed);
+            node_ids
+        }
+        "import" => {
+            let src = t.join("src");
+            write(&src, "etc/motd", b"imported\n");
+            vec![src.display().to_string()]
+        }
+        "squash" | "gc" => {
+            for i in 0..4 {
+                let f = format!("f{i}");
+                let s = session_with(&p, "main", &f, &[(&f, b"f\n")]).await;
+                p.publish(s.id, &f).await.unwrap();
+            }
+            if op == "gc" {
+                // Something to free: a deleted branch's layer, a squash's members.
+                store.create_branch(STACK, "tmp", "main", None).unwrap();
+                let s = session_with(&p, "tmp", "tmp", &[("tmp.txt", b"tmp\n")]).await;
+                p.publish(s.id, "tmp").await.unwrap();
+                store.delete_branch(STACK, "tmp").unwrap();
+                p.squash(STACK, "main").await.unwrap().expect("squashed");
+            }
+            vec![]
+        }
+        "session" | "export" => vec![],
+        other => panic!("no workload {other}"),
+    };
+    (root_dir, args)
+}
+
+/// Runs workload `op` on `p` with `args` once (the child's half, and the run
+/// again). Err: the operation failed, its error chain.
+pub(super) async fn run_op(
+    store: &Arc<Store>,
+    p: &Arc<Engine>,
+    op: &str,
+    args: &[&str],
+) -> Result<(), String> {
+    let chain = |e: EngineError| crate::error::error_chain(&e);
+    match op {
+        "publish" => {
+            let s = p.publish(args[0].parse().unwrap(), "crash test").await.map_err(chain)?;
+            match s.outcome {
+                // NoChange: published before (the crash came after the commit).
+                Some(o) if o.kind.is_published() || o.kind == OutcomeKind::NoChange => Ok(()),
+                Some(o) => Err(format!(
+                    "publish ended {}: {}",
+                    o.kind.as_str(),
+                    o.message.unwrap_or_default()
+                )),
+                None => Err("publish ended without an outcome".into()),
+            }
+        }
+        "checkpoint" => p
+            .checkpoint(
+                args[0].parse().unwrap(),
+                Some(r#"{"score": 1}"#.into()),
+                Default::default(),
+                Some("k-cp".into()),
+            )
+            .await
+            .map(drop)
+            .map_err(chain),
+        "merge" => p
+            .node_merge(args[0], args[1], None, Some("k-m".into()))
+            .await
+            .map(drop)
+            .map_err(chain),
+        "promote" => p
+            .node_promote(args[0], "main", Some("k-p".into()))
+            .await
+            .map(drop)
+            .map_err(chain),
+        "import" => p
+            .import_base(crate::ImportRequest {
+                path: args[0].into(),
+                kind: Default::default(),
+                platform: None,
+            })
+            .await
+            .map(drop)
+            .map_err(chain),
+        "squash" => p.squash(STACK, "main").await.map(drop).map_err(chain),
+        "gc" => p.gc().await.map(drop).map_err(chain),
+        "session" => {
+            let (s, _, _) = p
+                .create_session(
+                    sandbox("sx"),
+                    STACK,
+                    layerstack_store::LeaseTarget::Branch("main".into()),
+                    Some("k-s".into()),
+                )
+                .await
+                .map_err(chain)?;
+            store.release_session(s.id, false).map_err(|e| e.to_string())
+        }
+        "export" => {
+            let e = p
+                .begin_export(
+                    &layerstack_store::ExportSource::Branch {
+                        stack: STACK.into(),
+                        branch: "main".into(),
+                    },
+                    "crash test",
+                )
+                .map_err(chain)?;
+            drop(e);
+            Ok(())
+        }
+        other => panic!("unknown operation {other}"),
+    }
+}
+
+/// What a client can see: every stack, each branch's depth and what its head
+/// shows at the paths the workloads write, the graph's nodes, live export
+/// leases. A crash leaves it as before the operation or as after it.
+fn visible(store: &Store) -> String {
+    const PROBES: &[&str] = &[
+        "committed.txt",
+        "etc/app.conf",
+        "etc/motd",
+        "work.txt",
+        "child-0.txt",
+        "child-1.txt",
+        "main.txt",
+        "f0",
+        "f3",
+        "tmp.txt",
+    ];
+    let mut out = String::new();
+    for s in store.stacks().unwrap() {
+        for b in store.branches(&s.id).unwrap() {
+            let view = publisher::LayerView::new(store.manifest_view(&s.id, b.head).unwrap());
+            out.push_str(&format!("{} {} depth {}:", s.id, b.name, b.depth));
+            for path in PROBES {
+                if let Some(c) = view.read_regular(path.as_bytes()).unwrap() {
+                    out.push_str(&format!(" {path}={:?}", String::from_utf8_lossy(&c)));
+                }
+            }
+            out.push('\n');
+        }
+    }
+    if let Ok(g) = store.graph("g") {
+        out.push_str(&format!("graph g: {} nodes\n", g.nodes.len()));
+    }
+    out.push_str(&format!(
+        "export leases: {}\n",
+        store.live_export_leases().unwrap().len()
+    ));
+    out
+}
+
+fn assert_fsck_clean(store: &Store, what: &str) {
+    let r = store.fsck(false).unwrap();
+    assert!(r.problems.is_empty(), "{what}: fsck finds {:#?}", r.problems);
+}
+
+fn assert_committed_kept(store: &Store, what: &str) {
+    let head = store.branch_head(STACK, "main").unwrap();
+    let view = publisher::LayerView::new(store.manifest_view(STACK, head).unwrap());
+    assert_eq!(
+        view.read_regular(b"committed.txt").unwrap().as_deref(),
+        Some(&b"committed\n"[..]),
+        "{what}: work committed before the crash is lost"
+    );
+}
+
+/// Runs this test binary as a child: `op` with `args` on the store at `root`
+/// with crash points `armed`. Returns the point it died at, or `None` when it
+/// ran to its end (an armed point was not reached).
+fn child(op: &str, armed: &[&str], root: &Path, args: &[String]) -> Option<String> {
+    let mut spec = format!("{op}|{}|{}", armed.join(","), root.display());
+    for a in args {
+        spec.push('|');
+        spec.push_str(a);
+    }
+    let hit = root.with_extension("hit");
+    let _ = std::fs::remove_file(&hit);
+    let st = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--ignored",
+            "--exact",
+            "tests::crash::crash_child",
+            "--nocapture",
+            "--test-threads=1",
+        ])
+        .env(CHILD, spec)
+        .env(failpoints::HIT_FILE_ENV, &hit)
+        .env_remove("RUST_LOG")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .unwrap();
+    if st.signal() == Some(libc::SIGABRT) {
+        let name = std::fs::read_to_string(&hit)
+            .unwrap_or_else(|e| panic!("{op}: the child aborted without naming its point: {e}"));
+        return Some(name);
+    }
+    assert_eq!(
+        st.code(),
+        Some(3),
+        "{op} armed at {armed:?}: the child must abort at a point or run to its end ({st:?})"
+    );
+    None
+}
+
+/// Figures of one pass, for the reliability record.
+#[derive(Default)]
+struct Tally {
+    crashed: BTreeSet<String>,
+    recrashed: BTreeSet<String>,
+    recrashes: u64,
+}
+
+/// One declared point: crash there, crash the recovery at every recovery point
+/// it reaches, recover, check.
+async fn crash_and_recover(point: &str, op: &str) -> Tally {
+    let t = tmp();
+    let (root_dir, args) = prepare(t.path(), op).await;
+    let before = {
+        let store = Store::open(&root_dir, &opts()).unwrap();
+        visible(&store)
+    };
+    let died = child(op, &[point], &root_dir, &args);
+    assert_eq!(died.as_deref(), Some(point), "{op} must reach {point}");
+    eprintln!("crashed at {point} ({op})");
+    let mut tally = Tally::default();
+    tally.crashed.insert(point.to_string());
+    // The recovery, crashed at each recovery point it reaches in turn.
+    let mut left: Vec<&str> = POINTS
+        .iter()
+        .filter(|p| p.recovery)
+        .map(|p| p.name)
+        .collect();
+    while let Some(r) = child("recover", &left, &root_dir, &[]) {
+        tally.recrashes += 1;
+        left.retain(|x| *x != r);
+        tally.recrashed.insert(r);
+    }
+    let what = format!("crash at {point} ({op})");
+    let (store, p) = restart_suite(&root_dir).await;
+    assert_fsck_clean(&store, &what);
+    assert_committed_kept(&store, &what);
+    let after_crash = visible(&store);
+    let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+    run_op(&store, &p, op, &argv)
+        .await
+        .unwrap_or_else(|e| panic!("{what}: the operation run again fails: {e}"));
+    let again = visible(&store);
+    assert!(
+        after_crash == before || after_crash == again,
+        "{what}: half applied — before:\n{before}after the crash:\n{after_crash}after running it again:\n{again}"
+    );
+    assert_committed_kept(&store, &what);
+    assert_no_orphans(&store, &p, &what).await;
+    assert_fsck_clean(&store, &what);
+    tally
+}
+
+fn record(id: &str, guarantee: &str, test: &str, figures: &[(&str, Figure)]) {
+    layerstack_store::reliability::record(id, guarantee, test, figures).unwrap();
+}
+
+fn seconds(since: Instant) -> f64 {
+    (since.elapsed().as_secs_f64() * 10.0).round() / 10.0
+}
+
+/// Every declared point crashed, its recovery crashed again, recovered clean.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_registered_failpoint_is_crashed_and_recovered_and_so_is_its_recovery() {
+    if !have_root("every_registered_failpoint_is_crashed_and_recovered_and_so_is_its_recovery") {
+        return;
+    }
+    let started = Instant::now();
+    let unreached: Vec<&str> = POINTS
+        .iter()
+        .filter(|p| !p.recovery && workload_of(p).is_none())
+        .map(|p| p.name)
+        .collect();
+    assert!(
+        unreached.is_empty(),
+        "declared points no workload of the suite reaches: {unreached:?} (add one in crash_suite.rs)"
+    );
+    let mut all = Tally::default();
+    for p in POINTS.iter().filter(|p| !p.recovery) {
+        let t = crash_and_recover(p.name, workload_of(p).unwrap()).await;
+        all.crashed.extend(t.crashed);
+        all.recrashed.extend(t.recrashed);
+        all.recrashes += t.recrashes;
+    }
+    let never: Vec<&str> = POINTS
+        .iter()
+        .filter(|p| !(all.crashed.contains(p.name) || all.recrashed.contains(p.name)))
+        .map(|p| p.name)
+        .collect();
+    assert!(never.is_empty(), "declared points the suite never crashed at: {never:?}");
+    record(
+        "crash-points",
+        "A crash (abort, as kill -9) at any declared durable step of capture, publish, checkpoint, merge, promote, squash, GC, import, export and sessions — and again during the recovery that follows — loses nothing committed, leaves the operation done whole or not at all, and fsck finds the store clean after the restart.",
+        "cargo test -p layerstack-engine --lib tests::crash::suite::every_registered_failpoint_is_crashed_and_recovered_and_so_is_its_recovery",
+        &[
+            ("points_registered", POINTS.len().into()),
+            ("points_crashed", (all.crashed.len() + all.recrashed.len()).into()),
+            ("operation_points_crashed", all.crashed.len().into()),
+            ("recovery_points_crashed", all.recrashed.len().into()),
+            ("recovery_re_crashes", all.recrashes.into()),
+            ("seconds", seconds(started).into()),
+        ],
+    );
+}
+
+/// Every point that takes an I/O error: EIO, then ENOSPC (a fresh store each),
+/// the operation fails naming it and changes nothing visible; fsck is clean;
+/// the same operation then succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_io_error_at_each_point_fails_the_operation_cleanly_and_the_next_one_works() {
+    if !have_root("an_io_error_at_each_point_fails_the_operation_cleanly_and_the_next_one_works") {
+        return;
+    }
+    let started = Instant::now();
+    let io: Vec<&Point> = POINTS.iter().filter(|p| p.io).collect();
+    assert!(!io.is_empty());
+    let mut injected = 0u64;
+    for p in &io {
+        let op = workload_of(p).unwrap_or_else(|| panic!("no workload reaches {}", p.name));
+        for errno in [libc::EIO, libc::ENOSPC] {
+            let what = format!("{} at {} ({op})", std::io::Error::from_raw_os_error(errno), p.name);
+            let t = tmp();
+            let (root_dir, args) = prepare(t.path(), op).await;
+            let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+            let (store, e) = restart_suite(&root_dir).await;
+            let before = visible(&store);
+            let fault = failpoints::arm_io(p.name, &root_dir, errno);
+            let err = run_op(&store, &e, op, &argv)
+                .await
+                .expect_err(&format!("{what}: the operation must fail"));
+            assert_eq!(fault.fired(), 1, "{what}: the point was not reached");
+            drop(fault);
+            injected += 1;
+            let said = std::io::Error::from_raw_os_error(errno).to_string();
+            assert!(err.contains(&said), "{what}: the error does not say it: {err}");
+            assert_eq!(visible(&store), before, "{what}: a failed operation changed what is visible");
+            assert_fsck_clean(&store, &what);
+            run_op(&store, &e, op, &argv)
+                .await
+                .unwrap_or_else(|e| panic!("{what}: the same operation afterwards fails: {e}"));
+            assert_ne!(visible(&store), before, "{what}: the operation afterwards did nothing");
+            assert_committed_kept(&store, &what);
+            assert_no_orphans(&store, &e, &what).await;
+            assert_fsck_clean(&store, &what);
+        }
+    }
+    record(
+        "io-errors",
+        "An I/O error (EIO, ENOSPC) at any declared durable step that can fail with one makes the operation return an error naming it, with nothing visible changed and fsck clean; the same operation then succeeds.",
+        "cargo test -p layerstack-engine --lib tests::crash::suite::an_io_error_at_each_point_fails_the_operation_cleanly_and_the_next_one_works",
+        &[
+            ("points_registered", POINTS.len().into()),
+            ("io_points", io.len().into()),
+            ("io_errors_injected", injected.into()),
+            ("errnos", "EIO, ENOSPC".into()),
+            ("seconds", seconds(started).into()),
+        ],
+    );
+}
