@@ -2,8 +2,10 @@
 // driven by the registry `layerstack_store::failpoints::POINTS`, not by a hand
 // list: a point the suite cannot reach fails it.
 //
-// * Crash pass: for every declared point, a workload that reaches it runs in a
-//   child process (this test binary re-executed) armed to abort there. The
+// * Trace: each workload runs once in a child process that names every point
+//   it reaches; a declared point no workload reaches fails the suite.
+// * Crash pass: for every workload and every point it reaches, the workload
+//   runs in a child process (this test binary re-executed) armed to abort there. The
 //   recovery that follows is crashed again at every recovery point it reaches
 //   (one child per point, until a recovery runs to its end); then the parent
 //   restarts the store and the engine as the daemon does and checks: `fsck`
@@ -12,8 +14,8 @@
 //   export leases) is the state before the operation or the state after the
 //   same operation run again (done whole or not at all, never half); the run
 //   again succeeds; no orphan directory or row.
-// * I/O-error pass: for every point that takes one, EIO and then ENOSPC is
-//   injected (scoped to a private store root, so the cases run side by side):
+// * I/O-error pass: for every workload and every point it reaches that takes
+//   one, EIO and then ENOSPC is injected (scoped to a private store root, so the cases run side by side):
 //   the operation returns an error naming it, changes nothing visible, `fsck`
 //   is clean, and the same operation then succeeds.
 
@@ -22,24 +24,10 @@ use std::os::unix::process::ExitStatusExt;
 use std::path::PathBuf;
 use std::time::Instant;
 
-use layerstack_store::failpoints::{self, Point, POINTS};
+use layerstack_store::failpoints::{self, POINTS};
 use layerstack_store::reliability::Figure;
 
 use super::*;
-
-/// The workloads, by the first part of a point's name.
-const WORKLOADS: &[(&str, &str)] = &[
-    ("publish", "publish"),
-    ("reap", "publish"),
-    ("checkpoint", "checkpoint"),
-    ("merge", "merge"),
-    ("promote", "promote"),
-    ("import", "import"),
-    ("squash", "squash"),
-    ("gc", "gc"),
-    ("session", "session"),
-    ("export", "export"),
-];
 
 /// The operations [`run_op`] runs.
 pub(super) const OPS: &[&str] = &[
@@ -62,11 +50,6 @@ async fn restart_suite(root: &Path) -> (Arc<Store>, Arc<Engine>) {
     p.recover_operations().await.unwrap();
     p.recover().await.unwrap();
     (store, p)
-}
-
-fn workload_of(p: &Point) -> Option<&'static str> {
-    let path = p.name.split('.').next()?;
-    WORKLOADS.iter().find(|(w, _)| *w == path).map(|(_, op)| *op)
 }
 
 /// A prepared store for `op`, under `t`: the root and the child's arguments.
@@ -161,12 +144,7 @@ pub(super) async fn run_op(
             match s.outcome {
                 // NoChange: published before (the crash came after the commit).
                 Some(o) if o.kind.is_published() || o.kind == OutcomeKind::NoChange => Ok(()),
-                Some(o) => Err(format!(
-                    "publish ended {}: {}",
-                    o.kind.as_str(),
-                    o.message.unwrap_or_default()
-                )),
-                None => Err("publish ended without an outcome".into()),
+                _ => Err(ended("publish", &s)),
             }
         }
         "checkpoint" => p
@@ -179,16 +157,22 @@ pub(super) async fn run_op(
             .await
             .map(drop)
             .map_err(chain),
-        "merge" => p
+        "merge" => match p
             .node_merge(args[0], args[1], None, Some("k-m".into()))
             .await
-            .map(drop)
-            .map_err(chain),
-        "promote" => p
+            .map_err(chain)?
+        {
+            crate::NodeMerged::Node(_) => Ok(()),
+            crate::NodeMerged::Conflict { session } => Err(ended("merge", &session)),
+        },
+        "promote" => match p
             .node_promote(args[0], "main", Some("k-p".into()))
             .await
-            .map(drop)
-            .map_err(chain),
+            .map_err(chain)?
+        {
+            crate::Promoted::Conflict { session } => Err(ended("promote", &session)),
+            _ => Ok(()),
+        },
         "import" => p
             .import_base(crate::ImportRequest {
                 path: args[0].into(),
@@ -226,6 +210,18 @@ pub(super) async fn run_op(
             Ok(())
         }
         other => panic!("unknown operation {other}"),
+    }
+}
+
+/// An operation whose session did not publish: its outcome, as an error.
+fn ended(op: &str, s: &SessionInfo) -> String {
+    match &s.outcome {
+        Some(o) => format!(
+            "{op} ended {}: {}",
+            o.kind.as_str(),
+            o.message.as_deref().unwrap_or_default()
+        ),
+        None => format!("{op} ended without an outcome"),
     }
 }
 
@@ -268,9 +264,16 @@ fn visible(store: &Store) -> String {
     out
 }
 
+/// fsck finds nothing, and no staged publish is left behind (with no
+/// operation in flight, every one was committed or dropped).
 fn assert_fsck_clean(store: &Store, what: &str) {
     let r = store.fsck(false).unwrap();
     assert!(r.problems.is_empty(), "{what}: fsck finds {:#?}", r.problems);
+    assert_eq!(
+        store.staged_publishes().unwrap(),
+        0,
+        "{what}: a staged publish was left behind"
+    );
 }
 
 fn assert_committed_kept(store: &Store, what: &str) {
@@ -283,10 +286,19 @@ fn assert_committed_kept(store: &Store, what: &str) {
     );
 }
 
+/// How a child ended.
+#[derive(Debug, PartialEq)]
+enum End {
+    /// Aborted at this point.
+    Crashed(String),
+    /// Ran to its end; `ok`: the operation succeeded.
+    Finished { ok: bool },
+}
+
 /// Runs this test binary as a child: `op` with `args` on the store at `root`
-/// with crash points `armed`. Returns the point it died at, or `None` when it
-/// ran to its end (an armed point was not reached).
-fn child(op: &str, armed: &[&str], root: &Path, args: &[String]) -> Option<String> {
+/// with crash points `armed` (`recover`: the daemon's restart), optionally
+/// tracing the points it reaches into `trace`.
+fn child(op: &str, armed: &[&str], root: &Path, args: &[String], trace: Option<&Path>) -> End {
     let mut spec = format!("{op}|{}|{}", armed.join(","), root.display());
     for a in args {
         spec.push('|');
@@ -294,32 +306,73 @@ fn child(op: &str, armed: &[&str], root: &Path, args: &[String]) -> Option<Strin
     }
     let hit = root.with_extension("hit");
     let _ = std::fs::remove_file(&hit);
-    let st = std::process::Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--ignored",
-            "--exact",
-            "tests::crash::crash_child",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(CHILD, spec)
-        .env(failpoints::HIT_FILE_ENV, &hit)
-        .env_remove("RUST_LOG")
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .status()
-        .unwrap();
+    let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+    cmd.args([
+        "--ignored",
+        "--exact",
+        "tests::crash::crash_child",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env(CHILD, spec)
+    .env(failpoints::HIT_FILE_ENV, &hit)
+    .env_remove(failpoints::TRACE_FILE_ENV)
+    .env_remove("RUST_LOG")
+    .stdout(std::process::Stdio::null())
+    .stderr(std::process::Stdio::null());
+    if let Some(t) = trace {
+        cmd.env(failpoints::TRACE_FILE_ENV, t);
+    }
+    let st = cmd.status().unwrap();
     if st.signal() == Some(libc::SIGABRT) {
         let name = std::fs::read_to_string(&hit)
             .unwrap_or_else(|e| panic!("{op}: the child aborted without naming its point: {e}"));
-        return Some(name);
+        return End::Crashed(name);
     }
+    match st.code() {
+        Some(3) => End::Finished { ok: true },
+        Some(5) => End::Finished { ok: false },
+        _ => panic!("{op} armed at {armed:?}: the child must abort at a point or run to its end ({st:?})"),
+    }
+}
+
+/// The points (not of the recovery) that workload `op` reaches, in the order
+/// first reached: the workload run whole in a child that traces them.
+async fn reached(op: &str) -> Vec<String> {
+    let t = tmp();
+    let (root_dir, args) = prepare(t.path(), op).await;
+    let trace = root_dir.with_extension("trace");
     assert_eq!(
-        st.code(),
-        Some(3),
-        "{op} armed at {armed:?}: the child must abort at a point or run to its end ({st:?})"
+        child(op, &[], &root_dir, &args, Some(&trace)),
+        End::Finished { ok: true },
+        "{op} must succeed when nothing is armed"
     );
-    None
+    let text = std::fs::read_to_string(&trace).unwrap_or_default();
+    let mut seen = BTreeSet::new();
+    text.lines()
+        .filter(|n| failpoints::point(n).is_some_and(|p| !p.recovery))
+        .filter(|n| seen.insert(n.to_string()))
+        .map(str::to_string)
+        .collect()
+}
+
+/// Every workload with the points it reaches; fails when a declared point is
+/// reached by none (neither a workload nor, for a recovery point, a recovery).
+async fn trace_all() -> Vec<(&'static str, Vec<String>)> {
+    let mut out = Vec::new();
+    for op in OPS {
+        out.push((*op, reached(op).await));
+    }
+    let unreached: Vec<&str> = POINTS
+        .iter()
+        .filter(|p| !p.recovery && !out.iter().any(|(_, pts)| pts.iter().any(|x| x == p.name)))
+        .map(|p| p.name)
+        .collect();
+    assert!(
+        unreached.is_empty(),
+        "declared points no workload of the suite reaches: {unreached:?} (add a workload in crash_suite.rs)"
+    );
+    out
 }
 
 /// Figures of one pass, for the reliability record.
@@ -330,7 +383,7 @@ struct Tally {
     recrashes: u64,
 }
 
-/// One declared point: crash there, crash the recovery at every recovery point
+/// Workload `op` at one point it reaches: crash there, crash the recovery at every recovery point
 /// it reaches, recover, check.
 async fn crash_and_recover(point: &str, op: &str) -> Tally {
     let t = tmp();
@@ -339,8 +392,8 @@ async fn crash_and_recover(point: &str, op: &str) -> Tally {
         let store = Store::open(&root_dir, &opts()).unwrap();
         visible(&store)
     };
-    let died = child(op, &[point], &root_dir, &args);
-    assert_eq!(died.as_deref(), Some(point), "{op} must reach {point}");
+    let died = child(op, &[point], &root_dir, &args, None);
+    assert_eq!(died, End::Crashed(point.to_string()), "{op} must reach {point}");
     eprintln!("crashed at {point} ({op})");
     let mut tally = Tally::default();
     tally.crashed.insert(point.to_string());
@@ -350,7 +403,7 @@ async fn crash_and_recover(point: &str, op: &str) -> Tally {
         .filter(|p| p.recovery)
         .map(|p| p.name)
         .collect();
-    while let Some(r) = child("recover", &left, &root_dir, &[]) {
+    while let End::Crashed(r) = child("recover", &left, &root_dir, &[], None) {
         tally.recrashes += 1;
         left.retain(|x| *x != r);
         tally.recrashed.insert(r);
@@ -390,21 +443,17 @@ async fn every_registered_failpoint_is_crashed_and_recovered_and_so_is_its_recov
         return;
     }
     let started = Instant::now();
-    let unreached: Vec<&str> = POINTS
-        .iter()
-        .filter(|p| !p.recovery && workload_of(p).is_none())
-        .map(|p| p.name)
-        .collect();
-    assert!(
-        unreached.is_empty(),
-        "declared points no workload of the suite reaches: {unreached:?} (add one in crash_suite.rs)"
-    );
+    let traced = trace_all().await;
     let mut all = Tally::default();
-    for p in POINTS.iter().filter(|p| !p.recovery) {
-        let t = crash_and_recover(p.name, workload_of(p).unwrap()).await;
-        all.crashed.extend(t.crashed);
-        all.recrashed.extend(t.recrashed);
-        all.recrashes += t.recrashes;
+    let mut pairs = 0u64;
+    for (op, points) in &traced {
+        for point in points {
+            let t = crash_and_recover(point, op).await;
+            pairs += 1;
+            all.crashed.extend(t.crashed);
+            all.recrashed.extend(t.recrashed);
+            all.recrashes += t.recrashes;
+        }
     }
     let never: Vec<&str> = POINTS
         .iter()
@@ -418,6 +467,8 @@ async fn every_registered_failpoint_is_crashed_and_recovered_and_so_is_its_recov
         "cargo test -p layerstack-engine --lib tests::crash::suite::every_registered_failpoint_is_crashed_and_recovered_and_so_is_its_recovery",
         &[
             ("points_registered", POINTS.len().into()),
+            ("workloads", OPS.len().into()),
+            ("workload_point_crashes", pairs.into()),
             ("points_crashed", (all.crashed.len() + all.recrashed.len()).into()),
             ("operation_points_crashed", all.crashed.len().into()),
             ("recovery_points_crashed", all.recrashed.len().into()),
@@ -436,19 +487,20 @@ async fn an_io_error_at_each_point_fails_the_operation_cleanly_and_the_next_one_
         return;
     }
     let started = Instant::now();
-    let io: Vec<&Point> = POINTS.iter().filter(|p| p.io).collect();
-    assert!(!io.is_empty());
+    let traced = trace_all().await;
+    let mut io_points = BTreeSet::new();
     let mut injected = 0u64;
-    for p in &io {
-        let op = workload_of(p).unwrap_or_else(|| panic!("no workload reaches {}", p.name));
+    for (op, points) in &traced {
+        for p in points.iter().filter(|p| failpoints::point(p).is_some_and(|p| p.io)) {
+        io_points.insert(p.clone());
         for errno in [libc::EIO, libc::ENOSPC] {
-            let what = format!("{} at {} ({op})", std::io::Error::from_raw_os_error(errno), p.name);
+            let what = format!("{} at {p} ({op})", std::io::Error::from_raw_os_error(errno));
             let t = tmp();
             let (root_dir, args) = prepare(t.path(), op).await;
             let argv: Vec<&str> = args.iter().map(String::as_str).collect();
             let (store, e) = restart_suite(&root_dir).await;
             let before = visible(&store);
-            let fault = failpoints::arm_io(p.name, &root_dir, errno);
+            let fault = failpoints::arm_io(p, &root_dir, errno);
             let err = run_op(&store, &e, op, &argv)
                 .await
                 .expect_err(&format!("{what}: the operation must fail"));
@@ -467,14 +519,21 @@ async fn an_io_error_at_each_point_fails_the_operation_cleanly_and_the_next_one_
             assert_no_orphans(&store, &e, &what).await;
             assert_fsck_clean(&store, &what);
         }
+        }
     }
+    let never: Vec<&str> = POINTS
+        .iter()
+        .filter(|p| p.io && !io_points.contains(p.name))
+        .map(|p| p.name)
+        .collect();
+    assert!(never.is_empty(), "io points no workload reaches: {never:?}");
     record(
         "io-errors",
         "An I/O error (EIO, ENOSPC) at any declared durable step that can fail with one makes the operation return an error naming it, with nothing visible changed and fsck clean; the same operation then succeeds.",
         "cargo test -p layerstack-engine --lib tests::crash::suite::an_io_error_at_each_point_fails_the_operation_cleanly_and_the_next_one_works",
         &[
             ("points_registered", POINTS.len().into()),
-            ("io_points", io.len().into()),
+            ("io_points", io_points.len().into()),
             ("io_errors_injected", injected.into()),
             ("errnos", "EIO, ENOSPC".into()),
             ("seconds", seconds(started).into()),

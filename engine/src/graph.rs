@@ -204,7 +204,12 @@ impl Engine {
                     staged.layer,
                     None,
                 );
-                layerstack_store::failpoints::hit("checkpoint.staged");
+                if let Err(e) =
+                    layerstack_store::failpoints::fail("checkpoint.staged", store.root())
+                {
+                    let _ = store.abandon_staged(staged);
+                    return Err(layerstack_store::StoreError::Io(upper.clone(), e).into());
+                }
                 Ok((staged, prov, cs.written_bytes()))
             };
             let (staged, prov, capture_bytes) = run().map_err(|e| EngineError::Run(Box::new(e)))?;

@@ -1955,13 +1955,18 @@ mod crash {
         }
         let store = Arc::new(Store::open(root, &opts()).unwrap());
         let p = engine_with(&store, suite::history());
-        for p in point.split(',') {
+        for p in point.split(',').filter(|p| !p.is_empty()) {
             layerstack_store::failpoints::arm(p);
         }
         if suite::OPS.contains(&op) {
-            let _ = suite::run_op(&store, &p, op, &f[3..]).await;
-            eprintln!("crash point {point} was never reached");
-            std::process::exit(3);
+            // 3: ran to its end; 5: failed (no armed point was reached).
+            match suite::run_op(&store, &p, op, &f[3..]).await {
+                Ok(()) => std::process::exit(3),
+                Err(e) => {
+                    eprintln!("{op} failed before reaching {point}: {e}");
+                    std::process::exit(5);
+                }
+            }
         }
         match op {
             "checkpoint" => {

@@ -57,7 +57,7 @@ macro_rules! points {
 
 points! {
     // Capture and publish (store/src/publish.rs, engine/src/publish.rs).
-    "publish.staged" => "the captured layer's pending rows (layer, path index, outcome) are committed; the upper is untouched";
+    "publish.staged", io => "the captured layer's pending rows (layer, path index, outcome) are committed; the upper is untouched";
     "publish.rechecked" => "under the gate, the head was re-read; nothing of the commit is written yet";
     "publish.applied" => "the plan's merged files are written into the upper; the commit transaction has not begun";
     "publish.before_rename", io => "inside the commit transaction, rows written, before the upper is renamed into l/<n>";
@@ -65,7 +65,7 @@ points! {
     "publish.committed" => "the commit transaction committed; the session's fresh upper is not made yet";
     "reap.staged" => "a tree the store let go of (an old workdir, a closed session) is renamed into staging/, not removed yet";
     // Graph: checkpoint, merge, promote (store/src/graph.rs, engine/src/graph.rs, engine/src/history.rs).
-    "checkpoint.staged" => "a checkpoint's layer is staged (pending rows); the attempt is still running";
+    "checkpoint.staged", io => "a checkpoint's layer is staged (pending rows); the attempt is still running";
     "checkpoint.before_rename", io => "inside the checkpoint's transaction, before the upper is renamed into l/<n>";
     "checkpoint.renamed", io => "inside the checkpoint's transaction, the upper renamed into l/<n>, before the commit";
     "checkpoint.committed" => "the checkpoint's node and layer are committed; the session's fresh upper is not made yet";
@@ -76,7 +76,7 @@ points! {
     "promote.operation_published" => "a promote's operation session published its merge";
     "promote.moved" => "a promote moved the target branch";
     // Squash (engine/src/history.rs, store/src/history.rs).
-    "squash.built" => "a squash's flattened tree is written in staging/; the commit transaction has not begun";
+    "squash.built", io => "a squash's flattened tree is written in staging/; the commit transaction has not begun";
     "squash.before_rename", io => "inside the squash's transaction, rows written, before the tree is renamed into l/<n>";
     "squash.renamed", io => "inside the squash's transaction, the tree renamed into l/<n>, before the commit";
     "squash.committed" => "the squash committed; its members' directories are still on disk";
@@ -84,7 +84,7 @@ points! {
     "gc.committed" => "GC's transaction deleted the rows of what nothing reaches; no directory is removed yet";
     "gc.removed_one" => "GC removed the first of the directories it freed";
     // Base import (engine/src/import.rs, store/src/import.rs).
-    "import.staged" => "an imported tree is written and digested in staging/; no row is written";
+    "import.staged", io => "an imported tree is written and digested in staging/; no row is written";
     "import.before_rename", io => "inside the import's transaction, rows written, before the tree is renamed into l/<n>";
     "import.after_rename", io => "inside the import's transaction, the tree renamed into l/<n>, before the commit";
     // Export (engine/src/export.rs).
@@ -132,6 +132,24 @@ mod armed {
         NEXT.fetch_add(1, Ordering::Relaxed)
     }
 
+    /// Appends `name` to the trace file, if one is named.
+    pub(super) fn trace(name: &str) {
+        use std::io::Write;
+        static FILE: std::sync::OnceLock<Option<Mutex<std::fs::File>>> = std::sync::OnceLock::new();
+        let f = FILE.get_or_init(|| {
+            let path = std::env::var_os(super::TRACE_FILE_ENV)?;
+            std::fs::OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(path)
+                .ok()
+                .map(Mutex::new)
+        });
+        if let Some(f) = f {
+            let _ = writeln!(lock(f), "{name}");
+        }
+    }
+
     pub(super) fn take_io(name: &str, scope: &Path) -> Option<i32> {
         let mut arms = lock(&IO);
         let a = arms
@@ -146,6 +164,10 @@ mod armed {
 /// its point into before it aborts (how the crash suite learns where a child
 /// died without reading its log).
 pub const HIT_FILE_ENV: &str = "LAYERSTACK_FAILPOINT_HIT_FILE";
+
+/// Environment variable naming a file every point reached is appended to (one
+/// name a line): how the suite learns which points a workload reaches.
+pub const TRACE_FILE_ENV: &str = "LAYERSTACK_FAILPOINT_TRACE_FILE";
 
 /// Arms crash point `name` (process-wide, added to those armed): the next
 /// [`hit`] or [`fail`] of it aborts the process. Panics on an undeclared name.
@@ -215,6 +237,7 @@ pub fn hit(name: &str) {
             point(name).is_some(),
             "failpoint {name:?} is not declared in POINTS"
         );
+        armed::trace(name);
         let crash = armed::lock(&armed::CRASH).iter().any(|a| a == name);
         if crash {
             if let Some(f) = std::env::var_os(HIT_FILE_ENV) {

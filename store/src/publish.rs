@@ -347,6 +347,10 @@ impl Store {
                 self.db.write_each(paths, |tx, p| {
                     insert_paths(tx, staged.outcome, std::slice::from_ref(p))
                 })
+            })
+            .and_then(|()| {
+                crate::failpoints::fail("publish.staged", &self.root)
+                    .map_err(|e| StoreError::io(&self.upper_path(session), e))
             });
         if let Err(e) = rows {
             if let Err(again) = self.abandon_staged(staged) {
@@ -354,8 +358,20 @@ impl Store {
             }
             return Err(e);
         }
-        crate::failpoints::hit("publish.staged");
         Ok(staged)
+    }
+
+    /// How many publishes (and checkpoints) are staged and not committed: in
+    /// flight, or left by a failure that did not drop them (the startup sweep
+    /// does). Error: `Sqlite`.
+    pub fn staged_publishes(&self) -> Result<u64, StoreError> {
+        self.db.read(|conn| {
+            Ok(conn.one(
+                "SELECT (SELECT count(*) FROM publishes WHERE outcome = 'pending') + (SELECT count(*) FROM layers WHERE kind = 'pending')",
+                [],
+                |r| r.get::<_, i64>(0),
+            )? as u64)
+        })
     }
 
     /// Drops the rows of a staged publish that will not be committed.
