@@ -31,8 +31,41 @@ use super::*;
 
 /// The operations [`run_op`] runs.
 pub(super) const OPS: &[&str] = &[
-    "publish", "checkpoint", "merge", "promote", "import", "squash", "gc", "session", "export",
+    "publish",
+    "checkpoint",
+    "merge",
+    "promote",
+    "import",
+    "squash",
+    "gc",
+    "session",
+    "export",
+    "snapshot-commit",
+    "snapshot-remove",
 ];
+
+/// The containerd keys of the snapshot workloads: an image layer extracted on
+/// the test image's, committed under its name.
+const EXTRACT: &str = "ns/9/extract-9 sha256:bbb";
+const IMAGE: &str = "ns/10/sha256:bbb";
+
+/// containerd's Prepare of the extraction and the layer's content written.
+fn extract(store: &Store) {
+    let labels = BTreeMap::from([(SNAPSHOT_REF_LABEL.to_string(), "sha256:bbb".to_string())]);
+    let (_, spec) = store
+        .prepare(EXTRACT, "ns/2/sha256:aaa", labels, false)
+        .unwrap();
+    let dir = match spec {
+        MountSpec::Bind { source, .. } => source,
+        MountSpec::Overlay {
+            upper: Some((u, _)),
+            ..
+        } => u,
+        other => panic!("{other:?}"),
+    };
+    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    write(&dir, "layer.txt", b"layer\n");
+}
 
 /// The engine's history settings in the suite: a squash takes all but the
 /// newest layer (no automatic squash).
@@ -123,6 +156,15 @@ async fn prepare(t: &Path, op: &str) -> (PathBuf, Vec<String>) {
             }
             vec![]
         }
+        "snapshot-commit" => {
+            extract(&store);
+            vec![]
+        }
+        "snapshot-remove" => {
+            extract(&store);
+            store.commit(IMAGE, EXTRACT, BTreeMap::new()).unwrap();
+            vec![]
+        }
         "session" | "export" => vec![],
         other => panic!("no workload {other}"),
     };
@@ -209,6 +251,17 @@ pub(super) async fn run_op(
             drop(e);
             Ok(())
         }
+        // containerd's calls: the same call again answers that it was done.
+        "snapshot-commit" => match store.commit(IMAGE, EXTRACT, BTreeMap::new()) {
+            Ok(_) => Ok(()),
+            Err(_) if store.stat(IMAGE).is_ok() && store.stat(EXTRACT).is_err() => Ok(()),
+            Err(e) => Err(e.to_string()),
+        },
+        "snapshot-remove" => match store.remove(IMAGE) {
+            Ok(_) => Ok(()),
+            Err(layerstack_store::StoreError::SnapshotNotFound(_)) => Ok(()),
+            Err(e) => Err(e.to_string()),
+        },
         other => panic!("unknown operation {other}"),
     }
 }
@@ -240,6 +293,7 @@ fn visible(store: &Store) -> String {
         "f0",
         "f3",
         "tmp.txt",
+        "layer.txt",
     ];
     let mut out = String::new();
     for s in store.stacks().unwrap() {
@@ -257,6 +311,13 @@ fn visible(store: &Store) -> String {
     if let Ok(g) = store.graph("g") {
         out.push_str(&format!("graph g: {} nodes\n", g.nodes.len()));
     }
+    let snaps: Vec<String> = store
+        .list()
+        .unwrap()
+        .into_iter()
+        .map(|s| format!("{}({:?})", s.key, s.kind))
+        .collect();
+    out.push_str(&format!("snapshots: {snaps:?}\n"));
     out.push_str(&format!(
         "export leases: {}\n",
         store.live_export_leases().unwrap().len()

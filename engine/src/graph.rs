@@ -35,7 +35,9 @@ use crate::Engine;
 pub enum NodeMerged {
     /// The merge node.
     Node(Box<NodeInfo>),
-    /// The changes conflict: no node; the operation's session holds the verdicts.
+    /// The changes conflict, or the merge's publish failed (an I/O error): no
+    /// node; the operation's session holds the outcome (`conflict` with the
+    /// verdicts, or `failed` with the reason).
     Conflict { session: Box<SessionInfo> },
 }
 

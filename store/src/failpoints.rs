@@ -1,7 +1,8 @@
 //! Failpoints for tests (issue 22, "every durable step is a crash point"): a
 //! named point at each durable step — a write, fsync, rename, link, unlink or
 //! transaction commit — of the capture, publish, checkpoint, merge, promote,
-//! squash, GC, import, export and session paths, and of the startup recovery.
+//! squash, GC, import, export, session and containerd snapshot paths, and of the
+//! startup recovery.
 //!
 //! Every point is declared once in [`POINTS`] with a one-line description, so
 //! the crash suite (`engine/src/tests.rs`, `mod crash`) enumerates them all and
@@ -92,6 +93,9 @@ points! {
     // Sessions (store/src/sessions.rs).
     "session.created" => "a session's row and lease are committed; its directories are not made yet";
     "session.released" => "a session's release is committed; its directories are not removed yet";
+    // containerd snapshots (store/src/snapshots.rs).
+    "snapshot.committed" => "containerd's Commit of an active snapshot is committed; its old workdir is not removed yet";
+    "snapshot.removed" => "containerd's Remove is committed; the snapshot's directories are not removed yet";
     // Startup recovery (store/src/sweep.rs, engine/src/graph.rs).
     "sweep.restored", recovery => "the startup sweep moved the upper of a publish interrupted before its commit back to its session";
     "sweep.staged_dropped", recovery => "the startup sweep deleted the rows of staged publishes that never committed";

@@ -2,7 +2,8 @@
 //!
 //! At start ([`SweepMode::Startup`], nothing else runs yet): staged publishes that
 //! never committed are dropped (their sessions publish again), committed publishes
-//! whose rename did not happen are rolled forward, and directories without a row
+//! whose rename did not happen are rolled forward, sessions in a run whose
+//! directories a crash kept from being made get them, and directories without a row
 //! are removed — every entry of `staging/` (merged files, squashes and imported
 //! bases being built, trees let go of: none has a row) and an `l/<n>` renamed
 //! in by a squash or a base import whose transaction never committed. On
