@@ -21,7 +21,6 @@
 
 use std::collections::BTreeSet;
 use std::os::unix::process::ExitStatusExt;
-use std::path::PathBuf;
 use std::time::Instant;
 
 use layerstack_store::failpoints::{self, POINTS};
@@ -51,19 +50,7 @@ const IMAGE: &str = "ns/10/sha256:bbb";
 
 /// containerd's Prepare of the extraction and the layer's content written.
 fn extract(store: &Store) {
-    let labels = BTreeMap::from([(SNAPSHOT_REF_LABEL.to_string(), "sha256:bbb".to_string())]);
-    let (_, spec) = store
-        .prepare(EXTRACT, "ns/2/sha256:aaa", labels, false)
-        .unwrap();
-    let dir = match spec {
-        MountSpec::Bind { source, .. } => source,
-        MountSpec::Overlay {
-            upper: Some((u, _)),
-            ..
-        } => u,
-        other => panic!("{other:?}"),
-    };
-    std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let dir = prepare_extraction(store, EXTRACT, "ns/2/sha256:aaa", "sha256:bbb");
     write(&dir, "layer.txt", b"layer\n");
 }
 
@@ -349,7 +336,7 @@ fn assert_committed_kept(store: &Store, what: &str) {
 
 /// How a child ended.
 #[derive(Debug, PartialEq)]
-enum End {
+pub(super) enum End {
     /// Aborted at this point.
     Crashed(String),
     /// Ran to its end; `ok`: the operation succeeded.
@@ -359,7 +346,13 @@ enum End {
 /// Runs this test binary as a child: `op` with `args` on the store at `root`
 /// with crash points `armed` (`recover`: the daemon's restart), optionally
 /// tracing the points it reaches into `trace`.
-fn child(op: &str, armed: &[&str], root: &Path, args: &[String], trace: Option<&Path>) -> End {
+pub(super) fn child(
+    op: &str,
+    armed: &[&str],
+    root: &Path,
+    args: &[String],
+    trace: Option<&Path>,
+) -> End {
     let mut spec = format!("{op}|{}|{}", armed.join(","), root.display());
     for a in args {
         spec.push('|');
@@ -524,7 +517,7 @@ async fn every_registered_failpoint_is_crashed_and_recovered_and_so_is_its_recov
     assert!(never.is_empty(), "declared points the suite never crashed at: {never:?}");
     record(
         "crash-points",
-        "A crash (abort, as kill -9) at any declared durable step of capture, publish, checkpoint, merge, promote, squash, GC, import, export and sessions — and again during the recovery that follows — loses nothing committed, leaves the operation done whole or not at all, and fsck finds the store clean after the restart.",
+        "A crash (abort, as kill -9) at any declared durable step of capture, publish, checkpoint, merge, promote, squash, GC, import, export, sessions and containerd snapshots — and again during the recovery that follows — loses nothing committed, leaves the operation done whole or not at all, and fsck finds the store clean after the restart.",
         "cargo test -p layerstack-engine --lib tests::crash::suite::every_registered_failpoint_is_crashed_and_recovered_and_so_is_its_recovery",
         &[
             ("points_registered", POINTS.len().into()),
