@@ -490,6 +490,7 @@ impl Engine {
                     session.id = id,
                     "released the session of an operation the last daemon left half-done"
                 );
+                layerstack_store::failpoints::hit("recover.operation_released");
                 continue;
             }
             if let Err(e) = self
@@ -504,11 +505,13 @@ impl Engine {
                 session.id = id,
                 "released the session of an operation the last daemon left half-done"
             );
+            layerstack_store::failpoints::hit("recover.operation_released");
         }
         for (stack, branch) in branches {
             let (s, b) = (stack.clone(), branch.clone());
             self.blocking(move |st| st.drop_branch(&s, &b)).await?;
             info!(stack = %stack, branch = %branch, "dropped the working branch of a merge the last daemon left half-done");
+            layerstack_store::failpoints::hit("recover.branch_dropped");
         }
         Ok(n)
     }

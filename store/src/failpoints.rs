@@ -100,6 +100,8 @@ points! {
     "sweep.restored", recovery => "the startup sweep moved the upper of a publish interrupted before its commit back to its session";
     "sweep.staged_dropped", recovery => "the startup sweep deleted the rows of staged publishes that never committed";
     "sweep.removed", recovery => "the startup sweep removed the first directory no row keeps";
+    "recover.operation_released", recovery => "the engine's recovery released the session of a merge or promote the last daemon left half-done";
+    "recover.branch_dropped", recovery => "the engine's recovery dropped the working branch of a merge the last daemon left half-done";
     "recover.started", recovery => "the engine's recovery of interrupted operations begins (the store is open and swept)";
 }
 

@@ -4,7 +4,7 @@
 //! checks it, and its figures — after its assertions passed. The lead's
 //! `scripts/reliability.sh` collects them into the table.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 /// The directory records are written into; unset: no record is written.
 pub const OUT_ENV: &str = "LAYERSTACK_RELIABILITY_OUT";
@@ -57,8 +57,21 @@ pub fn record(
     let Some(dir) = std::env::var_os(OUT_ENV) else {
         return Ok(None);
     };
-    let dir = PathBuf::from(dir);
-    std::fs::create_dir_all(&dir)?;
+    record_in(Path::new(&dir), id, guarantee, test, figures).map(Some)
+}
+
+/// [`record`] into directory `dir` (made if missing). Returns the file.
+///
+/// # Errors
+/// The directory cannot be made or the file written.
+pub fn record_in(
+    dir: &Path,
+    id: &str,
+    guarantee: &str,
+    test: &str,
+    figures: &[(&str, Figure)],
+) -> std::io::Result<PathBuf> {
+    std::fs::create_dir_all(dir)?;
     let figures: serde_json::Map<String, serde_json::Value> = figures
         .iter()
         .map(|(k, f)| {
@@ -79,5 +92,36 @@ pub fn record(
     let path = dir.join(format!("{id}.json"));
     let text = serde_json::to_string_pretty(&doc).map_err(std::io::Error::other)?;
     std::fs::write(&path, text + "\n")?;
-    Ok(Some(path))
+    Ok(path)
+}
+
+#[cfg(test)]
+#[allow(clippy::unwrap_used)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_record_is_one_json_file_named_by_its_id() {
+        let t = tempfile::tempdir().unwrap();
+        let dir = t.path().join("out");
+        let p = record_in(
+            &dir,
+            "crash-points",
+            "what is guaranteed",
+            "cargo test x",
+            &[
+                ("points", 3usize.into()),
+                ("seconds", 1.5.into()),
+                ("errnos", "EIO".into()),
+            ],
+        )
+        .unwrap();
+        assert_eq!(p, dir.join("crash-points.json"));
+        let v: serde_json::Value = serde_json::from_slice(&std::fs::read(&p).unwrap()).unwrap();
+        assert_eq!(v["id"], "crash-points");
+        assert_eq!(v["test"], "cargo test x");
+        assert_eq!(v["figures"]["points"], 3);
+        assert_eq!(v["figures"]["seconds"], 1.5);
+        assert_eq!(v["figures"]["errnos"], "EIO");
+    }
 }
