@@ -5,19 +5,21 @@
 // * Trace: each workload runs once in a child process that names every point
 //   it reaches; a declared point no workload reaches fails the suite.
 // * Crash pass: for every workload and every point it reaches, the workload
-//   runs in a child process (this test binary re-executed) armed to abort there. The
-//   recovery that follows is crashed again at every recovery point it reaches
-//   (one child per point, until a recovery runs to its end); then the parent
-//   restarts the store and the engine as the daemon does and checks: `fsck`
-//   finds no problem; the work committed before the crash is visible; what is
-//   visible (branch heads and what they show, graph nodes, stacks, live
-//   export leases) is the state before the operation or the state after the
-//   same operation run again (done whole or not at all, never half); the run
-//   again succeeds; no orphan directory or row.
+//   runs in a child process (this test binary re-executed) armed to abort
+//   there. The recovery that follows is crashed again at every recovery point
+//   it reaches (one child per point, until a recovery runs to its end); then
+//   the parent restarts the store and the engine as the daemon does and
+//   checks: `fsck` finds no problem and no staged publish is left; the work
+//   committed before the crash is visible; what is visible (branch heads and
+//   what they show, graph nodes, stacks, containerd snapshots, live export
+//   leases) is the state before the operation or the state after the same
+//   operation run again (done whole or not at all, never half); the run again
+//   succeeds; no orphan directory or row.
 // * I/O-error pass: for every workload and every point it reaches that takes
-//   one, EIO and then ENOSPC is injected (scoped to a private store root, so the cases run side by side):
-//   the operation returns an error naming it, changes nothing visible, `fsck`
-//   is clean, and the same operation then succeeds.
+//   one, EIO and then ENOSPC is injected, scoped to the case's own store root
+//   (the other tests of the process run beside it untouched): the operation
+//   returns an error naming it, changes nothing visible, `fsck` is clean, and
+//   the same operation then succeeds.
 
 use std::collections::BTreeSet;
 use std::os::unix::process::ExitStatusExt;
