@@ -570,7 +570,14 @@ async fn an_io_error_at_each_point_fails_the_operation_cleanly_and_the_next_one_
             run_op(&store, &e, op, &argv)
                 .await
                 .unwrap_or_else(|e| panic!("{what}: the same operation afterwards fails: {e}"));
-            assert_ne!(visible(&store), before, "{what}: the operation afterwards did nothing");
+            if !matches!(*op, "session" | "export" | "gc") {
+                // (Those leave nothing visible behind when they succeed.)
+                assert_ne!(
+                    visible(&store),
+                    before,
+                    "{what}: the operation afterwards did nothing"
+                );
+            }
             assert_committed_kept(&store, &what);
             assert_no_orphans(&store, &e, &what).await;
             assert_fsck_clean(&store, &what);

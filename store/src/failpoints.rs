@@ -92,6 +92,7 @@ points! {
     "export.leased" => "an export's lease is committed; nothing is streamed yet";
     // Sessions (store/src/sessions.rs).
     "session.created" => "a session's row and lease are committed; its directories are not made yet";
+    "session.dirs", io => "a session's run is committed; its directories are about to be made (mkdir)";
     "session.released" => "a session's release is committed; its directories are not removed yet";
     // containerd snapshots (store/src/snapshots.rs).
     "snapshot.committed" => "containerd's Commit of an active snapshot is committed; its old workdir is not removed yet";
