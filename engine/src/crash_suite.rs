@@ -40,6 +40,7 @@ pub(super) const OPS: &[&str] = &[
     "squash",
     "gc",
     "session",
+    "attempt",
     "export",
     "snapshot-commit",
     "snapshot-remove",
@@ -79,7 +80,7 @@ async fn restart_suite(root: &Path) -> (Arc<Store>, Arc<Engine>) {
 /// never lose.
 async fn prepare(t: &Path, op: &str) -> (PathBuf, Vec<String>) {
     let root_dir = t.join("root");
-    let graphs = matches!(op, "checkpoint" | "merge" | "promote");
+    let graphs = matches!(op, "checkpoint" | "merge" | "promote" | "attempt");
     let nodes = match op {
         "merge" => 2,
         "promote" => 1,
@@ -118,6 +119,7 @@ async fn prepare(t: &Path, op: &str) -> (PathBuf, Vec<String>) {
             vec![s.id.to_string()]
         }
         "merge" => node_ids,
+        "attempt" => vec![root_node],
         "promote" => {
             let s = session_with(&p, "main", "m", &[("main.txt", b"main\n")]).await;
             let o = p.publish(s.id, "main").await.unwrap().outcome.unwrap();
@@ -227,6 +229,11 @@ pub(super) async fn run_op(
                 .map_err(chain)?;
             store.release_session(s.id, false).map_err(|e| e.to_string())
         }
+        "attempt" => p
+            .attempt_start(args[0], sandbox("at"), Some("k-a".into()), None)
+            .await
+            .map(drop)
+            .map_err(chain),
         "export" => {
             let e = p
                 .begin_export(
@@ -570,7 +577,7 @@ async fn an_io_error_at_each_point_fails_the_operation_cleanly_and_the_next_one_
             run_op(&store, &e, op, &argv)
                 .await
                 .unwrap_or_else(|e| panic!("{what}: the same operation afterwards fails: {e}"));
-            if !matches!(*op, "session" | "export" | "gc") {
+            if !matches!(*op, "session" | "attempt" | "export" | "gc") {
                 // (Those leave nothing visible behind when they succeed.)
                 assert_ne!(
                     visible(&store),
