@@ -741,44 +741,20 @@ impl Store {
         if let Err(e) = self.ready_run(info.id, &spec) {
             if created {
                 // As for a session (`Store::create_session_with`): nothing of an
-                // attempt that cannot run stays in effect.
-                if let Err(undo) = self.undo_new_attempt(a.id, info.id, key) {
+                // attempt that cannot run stays in effect; it ends `abandoned`.
+                if let Err(undo) = self.undo_new_session(info.id, "attempt", key, |tx| {
+                    tx.exec(
+                        "UPDATE graph_attempts SET status = 'abandoned', message = 'its session directories could not be made', idempotency_key = NULL, ended_ns = ?2 WHERE id = ?1",
+                        params![a.id, now_ns()],
+                    )?;
+                    Ok(())
+                }) {
                     tracing::warn!(attempt = a.id, session.id = info.id, error = %undo, "cannot undo an attempt whose session directories could not be made; the next start makes them");
                 }
             }
             return Err(e);
         }
         Ok((a, info, spec, created))
-    }
-
-    /// Undoes attempt `attempt` just started whose session `sid`'s directories
-    /// could not be made: the attempt ends `abandoned` (saying why), its
-    /// session is released with its lease, its key `key` is free again.
-    fn undo_new_attempt(
-        &self,
-        attempt: i64,
-        sid: SessionId,
-        key: Option<&str>,
-    ) -> Result<(), StoreError> {
-        self.db.write(|tx| {
-            let s = get_sess(tx, sid)?;
-            crate::leases::release_lease(tx, s.lease_id)?;
-            tx.exec(
-                "UPDATE sessions SET released = 1, remove_pending = 0, lease_id = NULL, updated_ns = ?2 WHERE id = ?1",
-                params![sid, now_ns()],
-            )?;
-            tx.exec(
-                "UPDATE graph_attempts SET status = 'abandoned', message = 'its session directories could not be made', idempotency_key = NULL, ended_ns = ?2 WHERE id = ?1",
-                params![attempt, now_ns()],
-            )?;
-            if let Some(k) = key {
-                crate::idempotency::forget_args(tx, "attempt", k)?;
-            }
-            Ok(())
-        })?;
-        self.reaper
-            .drop_tree(&self.session_path(sid), &format!("s{sid}"));
-        Ok(())
     }
 
     /// Marks the running attempt of session `sid` as having an attempt row of

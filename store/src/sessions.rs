@@ -509,7 +509,9 @@ impl Store {
             if created {
                 // Nothing of a session that cannot be used stays in effect: its
                 // lease released, the session released, its key free again.
-                if let Err(undo) = self.undo_new_session(info.id, idempotency_key) {
+                if let Err(undo) =
+                    self.undo_new_session(info.id, "session", idempotency_key, |_| Ok(()))
+                {
                     warn!(session.id = info.id, error = %undo, "cannot undo a session whose directories could not be made; the next start makes them");
                 }
             }
@@ -519,9 +521,16 @@ impl Store {
     }
 
     /// Undoes session `sid` just created whose directories could not be made:
-    /// releases it and its lease, frees its idempotency key `key`, removes
-    /// what was made of its directories.
-    fn undo_new_session(&self, sid: SessionId, key: Option<&str>) -> Result<(), StoreError> {
+    /// releases it and its lease, frees its idempotency key `key` (of
+    /// operation `op`: `session`, `attempt`), runs `more` in the same
+    /// transaction, removes what was made of its directories.
+    pub(crate) fn undo_new_session(
+        &self,
+        sid: SessionId,
+        op: &str,
+        key: Option<&str>,
+        more: impl FnOnce(&Transaction<'_>) -> Result<(), StoreError>,
+    ) -> Result<(), StoreError> {
         self.db.write(|tx| {
             let s = get_sess(tx, sid)?;
             release_lease(tx, s.lease_id)?;
@@ -530,9 +539,9 @@ impl Store {
                 params![sid, now_ns()],
             )?;
             if let Some(k) = key {
-                crate::idempotency::forget_args(tx, "session", k)?;
+                crate::idempotency::forget_args(tx, op, k)?;
             }
-            Ok(())
+            more(tx)
         })?;
         self.drop_session_dirs(sid);
         Ok(())
