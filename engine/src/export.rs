@@ -221,6 +221,7 @@ impl Engine {
     /// unknown node, `Store(Corrupt)`.
     pub fn begin_export(&self, source: &ExportSource, holder: &str) -> Result<Export, EngineError> {
         let lease = self.store().lease_export(source, holder)?;
+        layerstack_store::failpoints::hit("export.leased");
         info!(
             stack = %lease.stack,
             branch = %lease.branch,

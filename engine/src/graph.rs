@@ -35,7 +35,9 @@ use crate::Engine;
 pub enum NodeMerged {
     /// The merge node.
     Node(Box<NodeInfo>),
-    /// The changes conflict: no node; the operation's session holds the verdicts.
+    /// The changes conflict, or the merge's publish failed (an I/O error): no
+    /// node; the operation's session holds the outcome (`conflict` with the
+    /// verdicts, or `failed` with the reason).
     Conflict { session: Box<SessionInfo> },
 }
 
@@ -204,7 +206,12 @@ impl Engine {
                     staged.layer,
                     None,
                 );
-                layerstack_store::failpoints::hit("checkpoint.staged");
+                if let Err(e) =
+                    layerstack_store::failpoints::fail("checkpoint.staged", store.root())
+                {
+                    let _ = store.abandon_staged(staged);
+                    return Err(layerstack_store::StoreError::Io(upper.clone(), e).into());
+                }
                 Ok((staged, prov, cs.written_bytes()))
             };
             let (staged, prov, capture_bytes) = run().map_err(|e| EngineError::Run(Box::new(e)))?;
@@ -460,6 +467,7 @@ impl Engine {
     /// (GC collects the rest). The same call with the same idempotency key then
     /// redoes the operation whole. Returns how many were cleaned up.
     pub async fn recover_operations(self: &Arc<Self>) -> Result<usize, EngineError> {
+        layerstack_store::failpoints::hit("recover.started");
         let (ops, branches) = self
             .blocking(|st| {
                 let ops: Vec<(SessionId, bool)> = st
@@ -482,6 +490,7 @@ impl Engine {
                     session.id = id,
                     "released the session of an operation the last daemon left half-done"
                 );
+                layerstack_store::failpoints::hit("recover.operation_released");
                 continue;
             }
             if let Err(e) = self
@@ -496,11 +505,13 @@ impl Engine {
                 session.id = id,
                 "released the session of an operation the last daemon left half-done"
             );
+            layerstack_store::failpoints::hit("recover.operation_released");
         }
         for (stack, branch) in branches {
             let (s, b) = (stack.clone(), branch.clone());
             self.blocking(move |st| st.drop_branch(&s, &b)).await?;
             info!(stack = %stack, branch = %branch, "dropped the working branch of a merge the last daemon left half-done");
+            layerstack_store::failpoints::hit("recover.branch_dropped");
         }
         Ok(n)
     }

@@ -226,6 +226,10 @@ impl Engine {
                     source,
                 });
             }
+            if let Err(e) = layerstack_store::failpoints::fail("squash.built", store.root()) {
+                let _ = layerstack_store::fs::remove_tree(&dir);
+                return Err(layerstack_store::StoreError::Io(dir, e).into());
+            }
             Ok((dir, guard))
         })
         .await

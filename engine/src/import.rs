@@ -129,7 +129,9 @@ fn import_blocking(
         })
         .map_err(drop_dir)?;
     let digest = tree_digest(&dir, userxattr).map_err(drop_dir)?;
-    layerstack_store::failpoints::hit("import.staged");
+    layerstack_store::failpoints::fail("import.staged", store.root())
+        .map_err(|e| EngineError::Store(layerstack_store::StoreError::Io(dir.clone(), e)))
+        .map_err(drop_dir)?;
     // Consumes `dir`: renamed into l/<n>, or dropped.
     let b = store.import_base(&dir, &digest)?;
     Ok(BaseImported {

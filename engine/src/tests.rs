@@ -7,7 +7,7 @@ use layerstack_store::{
 };
 use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 use crate::test_support::have_root;
 
@@ -44,12 +44,11 @@ fn setup(dir: &Path) -> (Arc<Store>, Vec<SessionInfo>) {
 }
 
 /// [`setup`] with `n` sessions (containers `s0`, `s1`, … after `a`, `b`, `c`).
-fn setup_n(dir: &Path, n: usize) -> (Arc<Store>, Vec<SessionInfo>) {
-    let store = Store::open(&dir.join("root"), &StoreOptions::default()).unwrap();
-    let labels = BTreeMap::from([(SNAPSHOT_REF_LABEL.to_string(), "sha256:aaa".to_string())]);
-    let (_, spec) = store
-        .prepare("ns/1/extract-1 sha256:aaa", "", labels, false)
-        .unwrap();
+/// containerd's Prepare of extraction snapshot `key` on `parent` for image
+/// layer `target`: the directory to write the layer into (0755).
+fn prepare_extraction(store: &Store, key: &str, parent: &str, target: &str) -> PathBuf {
+    let labels = BTreeMap::from([(SNAPSHOT_REF_LABEL.to_string(), target.to_string())]);
+    let (_, spec) = store.prepare(key, parent, labels, false).unwrap();
     let dir = match spec {
         MountSpec::Bind { source, .. } => source,
         MountSpec::Overlay {
@@ -59,6 +58,12 @@ fn setup_n(dir: &Path, n: usize) -> (Arc<Store>, Vec<SessionInfo>) {
         other => panic!("{other:?}"),
     };
     std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o755)).unwrap();
+    dir
+}
+
+fn setup_n(dir: &Path, n: usize) -> (Arc<Store>, Vec<SessionInfo>) {
+    let store = Store::open(&dir.join("root"), &StoreOptions::default()).unwrap();
+    let dir = prepare_extraction(&store, "ns/1/extract-1 sha256:aaa", "", "sha256:aaa");
     write(&dir, "etc/app.conf", BASE);
     write(&dir, "tmp/.keep", b"");
     store
@@ -546,11 +551,12 @@ async fn a_hostile_upper_never_steers_the_daemon_outside_the_store() {
         "An upper full of symlinks to / and to host paths, and one swapped for a symlink under the gate, never makes the daemon read or write a host path; the publish fails and the upper is kept",
         "cargo test -p layerstack-engine --lib a_hostile_upper_never_steers",
         &[
-            ("symlinks planted", "4".into()),
-            ("swaps under the gate", "1".into()),
-            ("host sentinel changes", "0".into()),
+            ("symlinks planted", 4u64.into()),
+            ("swaps under the gate", 1u64.into()),
+            ("host sentinel changes", 0u64.into()),
         ],
-    );
+    )
+    .expect("the reliability record is written");
 }
 
 /// containerd's Remove of a session whose publish runs returns at once; the
@@ -1933,7 +1939,11 @@ async fn sandbox_sessions_on_nodes_checkpoint_when_closed() {
 /// idempotency key completes it with one effect.
 mod crash {
     use super::*;
-    use std::os::unix::process::ExitStatusExt;
+
+    /// The registry-driven suite (its file's header says what it checks).
+    mod suite {
+        include!("crash_suite.rs");
+    }
 
     const CHILD: &str = "LAYERSTACK_CRASH_CHILD";
     const STACK: &str = "ns/sha256:aaa";
@@ -1952,68 +1962,36 @@ mod crash {
         let spec = std::env::var(CHILD).expect("run by the crash tests only");
         let f: Vec<&str> = spec.split('|').collect();
         let (op, point, root) = (f[0], f[1], Path::new(f[2]));
-        let store = Arc::new(Store::open(root, &opts()).unwrap());
-        let p = engine_with(&store, Default::default());
-        layerstack_store::failpoints::arm(point);
-        match op {
-            "checkpoint" => {
-                let sid: i64 = f[3].parse().unwrap();
-                let _ = p
-                    .checkpoint(
-                        sid,
-                        Some(r#"{"score": 1}"#.into()),
-                        Default::default(),
-                        Some("k-cp".into()),
-                    )
-                    .await;
+        if op == "recover" {
+            // The daemon's restart, crashed at the recovery points armed.
+            for p in point.split(',').filter(|p| !p.is_empty()) {
+                layerstack_store::failpoints::arm(p);
             }
-            "merge" => {
-                let _ = p.node_merge(f[3], f[4], None, Some("k-m".into())).await;
-            }
-            "promote" => {
-                let _ = p.node_promote(f[3], "main", Some("k-p".into())).await;
-            }
-            "publish" => {
-                let _ = p.publish(f[3].parse().unwrap(), "crash test").await;
-            }
-            "import" => {
-                let _ = p
-                    .import_base(crate::ImportRequest {
-                        path: f[3].into(),
-                        kind: Default::default(),
-                        platform: None,
-                    })
-                    .await;
-            }
-            other => panic!("unknown operation {other}"),
+            restart(root).await;
+            std::process::exit(3);
         }
-        eprintln!("crash point {point} was never reached");
-        std::process::exit(3);
+        let store = Arc::new(Store::open(root, &opts()).unwrap());
+        let p = engine_with(&store, suite::history());
+        for p in point.split(',').filter(|p| !p.is_empty()) {
+            layerstack_store::failpoints::arm(p);
+        }
+        // 3: ran to its end; 5: failed (no armed point was reached).
+        match suite::run_op(&store, &p, op, &f[3..]).await {
+            Ok(()) => std::process::exit(3),
+            Err(e) => {
+                eprintln!("{op} failed before reaching {point}: {e}");
+                std::process::exit(5);
+            }
+        }
     }
 
     /// Runs the child and requires that it died at the crash point.
     fn crash_at(op: &str, point: &str, root: &Path, args: &[&str]) {
-        let mut spec = format!("{op}|{point}|{}", root.display());
-        for a in args {
-            spec.push('|');
-            spec.push_str(a);
-        }
-        let st = std::process::Command::new(std::env::current_exe().unwrap())
-            .args([
-                "--ignored",
-                "--exact",
-                "tests::crash::crash_child",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env(CHILD, spec)
-            .env_remove("RUST_LOG")
-            .status()
-            .unwrap();
+        let args: Vec<String> = args.iter().map(|a| a.to_string()).collect();
         assert_eq!(
-            st.signal(),
-            Some(libc::SIGABRT),
-            "{op}: the child must die at crash point {point} ({st:?})"
+            suite::child(op, &[point], root, &args, None),
+            suite::End::Crashed(point.to_string()),
+            "{op}: the child must die at crash point {point}"
         );
     }
 

@@ -133,9 +133,10 @@ fn by_default_only_root_may_call_and_the_socket_is_0660() -> Result<()> {
         "cargo test -p layerstack-integration --test auth",
         &[
             ("socket mode", "0660".into()),
-            ("refusals checked", "3".into()),
+            ("refusals checked", 3u64.into()),
         ],
-    );
+    )
+    .expect("the reliability record is written");
     Ok(())
 }
 

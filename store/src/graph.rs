@@ -738,7 +738,22 @@ impl Store {
             info!(node, attempt = aid, session.id = sid, "attempt started");
             Ok((a, info, spec, true))
         })?;
-        self.ready_run(info.id, &spec)?;
+        if let Err(e) = self.ready_run(info.id, &spec) {
+            if created {
+                // As for a session (`Store::create_session_with`): nothing of an
+                // attempt that cannot run stays in effect; it ends `abandoned`.
+                if let Err(undo) = self.undo_new_session(info.id, "attempt", key, |tx| {
+                    tx.exec(
+                        "UPDATE graph_attempts SET status = 'abandoned', message = 'its session directories could not be made', idempotency_key = NULL, ended_ns = ?2 WHERE id = ?1",
+                        params![a.id, now_ns()],
+                    )?;
+                    Ok(())
+                }) {
+                    tracing::warn!(attempt = a.id, session.id = info.id, error = %undo, "cannot undo an attempt whose session directories could not be made; the next start makes them");
+                }
+            }
+            return Err(e);
+        }
         Ok((a, info, spec, created))
     }
 
@@ -959,14 +974,14 @@ impl Store {
                 crate::rollout::end_rollout_in(tx, ra.id, end, Some(&id))?;
             }
             record_op(tx, key, "checkpoint", &id, &checkpoint_args(sid, state))?;
-            crate::failpoints::hit("checkpoint.before_rename");
-            std::fs::rename(&upper, &dst)
+            crate::failpoints::fail("checkpoint.before_rename", &self.root)
+                .and_then(|()| std::fs::rename(&upper, &dst))
                 .and_then(|()| match self.durability {
                     Durability::Durable => fs::fsync_dir(&self.root.join("l")),
                     Durability::Disposable => Ok(()),
                 })
+                .and_then(|()| crate::failpoints::fail("checkpoint.renamed", &self.root))
                 .map_err(|e| StoreError::io(&upper, e))?;
-            crate::failpoints::hit("checkpoint.renamed");
             get_node(tx, &id)
         });
         if out.is_ok() {

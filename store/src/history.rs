@@ -771,11 +771,13 @@ impl Store {
             let m = manifest_for(tx, stack, head, &new_layers)?;
             set_branch(tx, stack, branch, m)?;
             dst = self.layer_path(s);
-            std::fs::rename(staging_dir, &dst)
+            crate::failpoints::fail("squash.before_rename", &self.root)
+                .and_then(|()| std::fs::rename(staging_dir, &dst))
                 .and_then(|()| match self.durability {
                     Durability::Durable => fs::fsync_dir(&self.root.join("l")),
                     Durability::Disposable => Ok(()),
                 })
+                .and_then(|()| crate::failpoints::fail("squash.renamed", &self.root))
                 .map_err(|e| StoreError::io(staging_dir, e))?;
             Ok(Squashed {
                 layer: s,
@@ -786,6 +788,7 @@ impl Store {
         drop(inflight);
         match out {
             Ok(sq) => {
+                crate::failpoints::hit("squash.committed");
                 info!(
                     stack,
                     branch,
@@ -915,6 +918,7 @@ impl Store {
             crate::blame::collect_blame(tx)?;
             Ok((free, all.len() as u64))
         })?;
+        crate::failpoints::hit("gc.committed");
         // Outside the transaction: measure what really frees, then remove.
         let dirs: Vec<PathBuf> = layers.iter().map(|(_, p)| p.clone()).collect();
         let bytes_freed = fs::freed_bytes(&dirs).unwrap_or(0);
@@ -922,6 +926,7 @@ impl Store {
             if let Err(e) = fs::remove_tree(d) {
                 warn!(path = %d.display(), error = %e, "cannot remove a collected layer; the startup sweep will");
             }
+            crate::failpoints::hit("gc.removed_one");
         }
         let report = GcReport {
             layers: layers.into_iter().map(|(id, _)| id).collect(),

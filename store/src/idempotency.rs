@@ -72,6 +72,13 @@ fn args_row(op: &str, key: &str) -> String {
     format!("\u{1}args\u{1}{op}\u{1}{key}")
 }
 
+/// Forgets the arguments `key` was first used with for `op` (the request
+/// failed without an effect: a retry with the key is a first use).
+pub(crate) fn forget_args(tx: &Transaction<'_>, op: &str, key: &str) -> Result<(), StoreError> {
+    tx.exec("DELETE FROM graph_ops WHERE key = ?1", [args_row(op, key)])?;
+    Ok(())
+}
+
 /// Refuses a client key the arguments' rows could be mistaken for (one
 /// starting with U+0001).
 pub(crate) fn validate_key(key: &str) -> Result<(), StoreError> {

@@ -130,16 +130,16 @@ impl Store {
             inflight = Some(self.inflight.hold(crate::layer_rel(layer)));
             ensure_stack(tx, &stack, digest, None, &[layer])?;
             ensure_branch(tx, &stack, &self.default_branch, &self.default_branch)?;
-            crate::failpoints::hit("import.before_rename");
             let to = self.layer_path(layer);
-            std::fs::rename(staged, &to)
+            dst = Some(to.clone());
+            crate::failpoints::fail("import.before_rename", &self.root)
+                .and_then(|()| std::fs::rename(staged, &to))
                 .and_then(|()| match self.durability {
                     Durability::Durable => fs::fsync_dir(&self.root.join("l")),
                     Durability::Disposable => Ok(()),
                 })
+                .and_then(|()| crate::failpoints::fail("import.after_rename", &self.root))
                 .map_err(|e| StoreError::io(staged, e))?;
-            dst = Some(to);
-            crate::failpoints::hit("import.after_rename");
             Ok(ImportedBase {
                 stack: stack.clone(),
                 digest: digest.to_string(),

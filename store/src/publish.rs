@@ -347,6 +347,10 @@ impl Store {
                 self.db.write_each(paths, |tx, p| {
                     insert_paths(tx, staged.outcome, std::slice::from_ref(p))
                 })
+            })
+            .and_then(|()| {
+                crate::failpoints::fail("publish.staged", &self.root)
+                    .map_err(|e| StoreError::io(&self.upper_path(session), e))
             });
         if let Err(e) = rows {
             if let Err(again) = self.abandon_staged(staged) {
@@ -355,6 +359,19 @@ impl Store {
             return Err(e);
         }
         Ok(staged)
+    }
+
+    /// How many publishes (and checkpoints) are staged and not committed: in
+    /// flight, or left by a failure that did not drop them (the startup sweep
+    /// does). Error: `Sqlite`.
+    pub fn staged_publishes(&self) -> Result<u64, StoreError> {
+        self.db.read(|conn| {
+            Ok(conn.one(
+                "SELECT (SELECT count(*) FROM publishes WHERE outcome = 'pending') + (SELECT count(*) FROM layers WHERE kind = 'pending')",
+                [],
+                |r| r.get::<_, i64>(0),
+            )? as u64)
+        })
     }
 
     /// Drops the rows of a staged publish that will not be committed.
@@ -499,15 +516,15 @@ impl Store {
             // transaction, just before it commits: no reader of any store instance
             // ever sees the row without its directory. If the commit fails, the
             // rename is undone below.
-            crate::failpoints::hit("publish.before_rename");
-            std::fs::rename(&upper, &dst)
+            crate::failpoints::fail("publish.before_rename", &self.root)
+                .and_then(|()| std::fs::rename(&upper, &dst))
                 .and_then(|()| match self.durability {
                     Durability::Durable => fs::fsync_dir(&self.root.join("l"))
                         .and_then(|()| fs::fsync_dir(&self.session_path(session))),
                     Durability::Disposable => Ok(()),
                 })
+                .and_then(|()| crate::failpoints::fail("publish.renamed", &self.root))
                 .map_err(|e| StoreError::io(&upper, e))?;
-            crate::failpoints::hit("publish.renamed");
             Ok((
                 Published {
                     layer: staged.layer,

@@ -57,7 +57,7 @@ impl Reaper {
             .staging
             .join(format!("reap-{}-{n}-{what}", std::process::id()));
         match std::fs::rename(path, &target) {
-            Ok(()) => {}
+            Ok(()) => crate::failpoints::hit("reap.staged"),
             Err(e) => {
                 warn!(path = %path.display(), error = %e, "cannot move a directory into staging; removing it in place");
                 remove(path);

@@ -11,7 +11,7 @@
 use std::path::PathBuf;
 
 use rusqlite::{params, Connection, OptionalExtension, Transaction};
-use tracing::info;
+use tracing::{info, warn};
 
 use crate::db::Cached;
 use crate::error::StoreError;
@@ -364,6 +364,8 @@ impl Store {
         else {
             return Ok(());
         };
+        crate::failpoints::fail("session.dirs", &self.root)
+            .map_err(|e| StoreError::io(upper, e))?;
         self.make_session_dirs(sid)?;
         if let Some(top) = lowers.first() {
             fs::init_upper_root(upper, top).map_err(|e| StoreError::io(upper, e))?;
@@ -502,8 +504,47 @@ impl Store {
             info!(session.id = sid, owner = %owner.display(), stack, branch = %info.branch, "session created");
             Ok((info, spec, true))
         })?;
-        self.ready_run(info.id, &spec)?;
+        crate::failpoints::hit("session.created");
+        if let Err(e) = self.ready_run(info.id, &spec) {
+            if created {
+                // Nothing of a session that cannot be used stays in effect: its
+                // lease released, the session released, its key free again.
+                if let Err(undo) =
+                    self.undo_new_session(info.id, "session", idempotency_key, |_| Ok(()))
+                {
+                    warn!(session.id = info.id, error = %undo, "cannot undo a session whose directories could not be made; the next start makes them");
+                }
+            }
+            return Err(e);
+        }
         Ok((info, spec, created))
+    }
+
+    /// Undoes session `sid` just created whose directories could not be made:
+    /// releases it and its lease, frees its idempotency key `key` (of
+    /// operation `op`: `session`, `attempt`), runs `more` in the same
+    /// transaction, removes what was made of its directories.
+    pub(crate) fn undo_new_session(
+        &self,
+        sid: SessionId,
+        op: &str,
+        key: Option<&str>,
+        more: impl FnOnce(&Transaction<'_>) -> Result<(), StoreError>,
+    ) -> Result<(), StoreError> {
+        self.db.write(|tx| {
+            let s = get_sess(tx, sid)?;
+            release_lease(tx, s.lease_id)?;
+            tx.exec(
+                "UPDATE sessions SET released = 1, remove_pending = 0, lease_id = NULL, idempotency_key = NULL, updated_ns = ?2 WHERE id = ?1",
+                params![sid, now_ns()],
+            )?;
+            if let Some(k) = key {
+                crate::idempotency::forget_args(tx, op, k)?;
+            }
+            more(tx)
+        })?;
+        self.drop_session_dirs(sid);
+        Ok(())
     }
 
     /// The mount spec of session `sid`'s current run, starting a new run when the
@@ -593,6 +634,7 @@ impl Store {
             complete_release_in(tx, sid)
         })?;
         if drop_dirs {
+            crate::failpoints::hit("session.released");
             self.drop_session_dirs(sid);
         }
         Ok(())

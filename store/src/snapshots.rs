@@ -683,6 +683,7 @@ impl Store {
             tx.exec("DELETE FROM snapshots WHERE key = ?1", [key])?;
             Ok((work_to_remove, row.session_id))
         })?;
+        crate::failpoints::hit("snapshot.committed");
         if let Some(w) = work_to_remove {
             self.reaper.drop_tree(&w, "work");
         }
@@ -758,6 +759,7 @@ impl Store {
             tx.exec("DELETE FROM snapshots WHERE key = ?1", [key])?;
             Ok((removed, dirs))
         })?;
+        crate::failpoints::hit("snapshot.removed");
         for d in dirs {
             self.reaper.drop_tree(&d, "removed");
         }

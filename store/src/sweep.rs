@@ -2,7 +2,8 @@
 //!
 //! At start ([`SweepMode::Startup`], nothing else runs yet): staged publishes that
 //! never committed are dropped (their sessions publish again), committed publishes
-//! whose rename did not happen are rolled forward, and directories without a row
+//! whose rename did not happen are rolled forward, sessions in a run whose
+//! directories a crash kept from being made get them, and directories without a row
 //! are removed — every entry of `staging/` (merged files, squashes and imported
 //! bases being built, trees let go of: none has a row) and an `l/<n>` renamed
 //! in by a squash or a base import whose transaction never committed. On
@@ -37,6 +38,9 @@ pub struct SweepReport {
     pub dropped_staged: usize,
     /// Export leases released (their exports died with the last daemon).
     pub released_exports: usize,
+    /// Sessions in a run whose directories were made (their start was
+    /// interrupted between its transaction and making them).
+    pub readied: Vec<i64>,
     /// [`SweepMode::Check`]: directories a cleanup would remove.
     pub would_remove: Vec<PathBuf>,
 }
@@ -146,7 +150,10 @@ impl Store {
                 continue;
             }
             match fs::remove_tree(&path) {
-                Ok(()) => report.removed.push(path),
+                Ok(()) => {
+                    report.removed.push(path);
+                    crate::failpoints::hit("sweep.removed");
+                }
                 Err(e) => {
                     warn!(path = %path.display(), error = %e, "sweep cannot remove directory; will retry")
                 }
@@ -178,6 +185,7 @@ impl Store {
                 }
             }
             std::fs::rename(&dir, &upper).map_err(|e| StoreError::io(&dir, e))?;
+            crate::failpoints::hit("sweep.restored");
             warn!(
                 layer.id = layer,
                 session.id = sid,
@@ -197,6 +205,29 @@ impl Store {
             tx.exec("DELETE FROM publishes WHERE outcome = 'pending'", [])?;
             Ok(tx.exec("DELETE FROM layers WHERE kind = 'pending'", [])?)
         })?;
+        crate::failpoints::hit("sweep.staged_dropped");
+        // Sessions in a run whose directories a crash kept from being made
+        // (between the transaction that started the run and `ready_run`): made
+        // now, as their next mount would — a session holding a lease always has
+        // its upper (what `fsck` checks).
+        let bare: Vec<i64> = self.db.read(|conn| {
+            let mut stmt = conn.prepare_cached(
+                "SELECT id FROM sessions WHERE released = 0 AND lease_id IS NOT NULL",
+            )?;
+            let rows = stmt.query_map([], |r| r.get(0))?;
+            Ok(rows.collect::<Result<_, _>>()?)
+        })?;
+        for sid in bare {
+            if std::fs::symlink_metadata(self.upper_path(sid)).is_ok() {
+                continue;
+            }
+            self.session_mount(sid)?;
+            warn!(
+                session.id = sid,
+                "made the directories of a session whose start was interrupted by a crash"
+            );
+            report.readied.push(sid);
+        }
         let candidates: Vec<(i64, String, i64)> = self.db.read(|conn| {
             let mut stmt = conn.prepare_cached(
                 "SELECT id, path, session_id FROM layers WHERE kind = 'published' AND session_id IS NOT NULL",

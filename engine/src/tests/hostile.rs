@@ -77,8 +77,8 @@ async fn a_process_racing_the_capture_never_leads_it_outside_the_store() {
     let host = Sentinel::new(t.path().join("host"));
     let before = host.state();
     let p = engine_with(&store, Default::default());
-    let rounds = 24;
-    let (mut published, mut failed) = (0, 0);
+    let rounds = 24usize;
+    let (mut published, mut failed) = (0usize, 0usize);
     let mut raced = Vec::new();
     for round in 0..rounds {
         let s = session_with(&p, "main", &format!("race{round}"), &[]).await;
@@ -178,13 +178,14 @@ async fn a_process_racing_the_capture_never_leads_it_outside_the_store() {
         "A process racing the capture (renaming directories, swapping one for a symlink to a host directory) never makes the daemon read or write a host path; each publish commits what it captured or fails cleanly",
         "cargo test -p layerstack-engine --lib tests::hostile",
         &[
-            ("rounds", rounds.to_string()),
-            ("published", published.to_string()),
-            ("failed cleanly", failed.to_string()),
-            ("own layers fsck flags", damaged.len().to_string()),
-            ("host sentinel changes", "0".into()),
+            ("rounds", rounds.into()),
+            ("published", published.into()),
+            ("failed cleanly", failed.into()),
+            ("own layers fsck flags", damaged.len().into()),
+            ("host sentinel changes", 0u64.into()),
         ],
-    );
+    )
+    .expect("the reliability record is written");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -275,9 +276,10 @@ async fn an_upper_over_a_capture_limit_fails_naming_it_and_keeps_the_upper() {
         "An upper over the capture limits ([capture] max_paths, max_bytes) ends its run failed naming the limit and the entry, publishes nothing, keeps the upper, and publishes once the limit is raised",
         "cargo test -p layerstack-engine --lib tests::hostile",
         &[
-            ("files in the upper", files.to_string()),
-            ("sparse file bytes", (100u64 << 30).to_string()),
-            ("seconds", format!("{secs:.1}")),
+            ("files in the upper", files.into()),
+            ("sparse file bytes", (100u64 << 30).into()),
+            ("seconds", ((secs * 10.0).round() / 10.0).into()),
         ],
-    );
+    )
+    .expect("the reliability record is written");
 }
