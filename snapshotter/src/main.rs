@@ -18,6 +18,7 @@ mod graph;
 mod history;
 mod import;
 mod inspect;
+mod memory;
 mod metrics;
 mod notify;
 mod outcomes;
@@ -502,6 +503,7 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
         .then(|| Arc::new(metrics::Metrics::new()));
     // Before anything can publish: every outcome gets its log line and metrics.
     tokio::spawn(outcomes::watch(&engine, metrics.clone()));
+    tokio::spawn(memory::watch());
     let holders = sandbox::Holders::new(mount_address.clone());
     let spawner = owned::Spawner::adopt();
     if let Err(why) = &spawner {

@@ -45,6 +45,8 @@ impl OpenError {
         match self {
             Self::Unsupported { .. } | Self::Version { .. } => ErrorKind::Unsupported,
             Self::Locked { .. } => ErrorKind::Unavailable,
+            Self::Io(_, e) if layerstack_types::is_no_space(e) => ErrorKind::NoSpace,
+            Self::Db(e) if db_full(e) => ErrorKind::NoSpace,
             Self::Io(..) | Self::Db(_) => ErrorKind::Internal,
             Self::Store(e) => e.kind(),
         }
@@ -67,6 +69,13 @@ fn version_advice(root: &std::path::Path, found: i64, expected: i64) -> String {
             root.display()
         )
     }
+}
+
+/// Whether SQLite answered `SQLITE_FULL` (it could not grow the database or
+/// its WAL: the filesystem is full) or an i/o error whose cause is `ENOSPC`.
+fn db_full(e: &rusqlite::Error) -> bool {
+    matches!(e, rusqlite::Error::SqliteFailure(f, _) if f.code == rusqlite::ErrorCode::DiskFull)
+        || layerstack_types::is_no_space(e)
 }
 
 /// Failures of store operations: containerd's snapshot calls, sessions, history.
@@ -142,7 +151,9 @@ impl StoreError {
             Self::InvalidArgument(_) => ErrorKind::InvalidArgument,
             Self::Busy(_) => ErrorKind::Busy,
             Self::Corrupt { .. } => ErrorKind::Corrupt,
+            Self::Io(_, e) if layerstack_types::is_no_space(e) => ErrorKind::NoSpace,
             Self::Io(..) => ErrorKind::Internal,
+            Self::Db(e) if db_full(e) => ErrorKind::NoSpace,
             // SQLITE_BUSY past the busy timeout: another writer holds the database.
             Self::Db(rusqlite::Error::SqliteFailure(e, _))
                 if e.code == rusqlite::ErrorCode::DatabaseBusy =>
