@@ -125,6 +125,16 @@ fn fill(path: &Path) -> Result<u64> {
     Ok(total)
 }
 
+/// [`fill`], then gives `leave` bytes back (the ballast truncated): the
+/// operation under test starts and runs out of space part way.
+fn fill_leaving(path: &Path, leave: u64) -> Result<u64> {
+    let total = fill(path)?;
+    let f = OpenOptions::new().write(true).open(path)?;
+    f.set_len(total.saturating_sub(leave))?;
+    f.sync_all()?;
+    Ok(total.saturating_sub(leave))
+}
+
 /// The error kind of a failed `layerstack --error-format json` run.
 fn error_kind(o: &Output) -> Option<String> {
     let err = String::from_utf8_lossy(&o.stderr);
@@ -156,6 +166,7 @@ fn ensure_no_space(what: &str, o: &Output) -> Result<()> {
         "{what} on a full disk: want kind no_space naming the full disk and what to do; got {}",
         describe(o)
     );
+    eprintln!("{what} on a full disk: {}", describe(o));
     Ok(())
 }
 
@@ -212,7 +223,7 @@ fn disk_full_during_publish_squash_and_import() -> Result<()> {
     }
     let mut disk: Option<LoopExt4> = None;
     // Declared after `disk`: the daemon stops before the disk is unmounted.
-    let env = StandaloneDaemon::start_with(true, |dir| {
+    let mut env = StandaloneDaemon::start_with(true, |dir| {
         disk = Some(LoopExt4::mount(&dir.join("root"), 64)?);
         Ok(Vec::new())
     })?;
@@ -273,6 +284,7 @@ fn disk_full_during_publish_squash_and_import() -> Result<()> {
         "the failed publish names the full disk and what to do: {}",
         describe(&o)
     );
+    eprintln!("publish on a full disk: {}", describe(&o));
     figures.insert(
         "publish_on_full_disk".into(),
         json!(if error_kind(&o).is_some() {
@@ -304,15 +316,25 @@ fn disk_full_during_publish_squash_and_import() -> Result<()> {
     ensure!(stdout(&o) == "file 5000\n", "{}", describe(&o));
 
     // (2) A squash on a full disk: a branch deeper than `squash_keep` (8)
-    // first.
+    // first, 200 directories a layer (the squash links files, but makes
+    // every directory: ~2 MB of directory blocks), 256 KiB left: it runs out
+    // part way.
     for i in 0..10 {
         ensure_success(
             "session run",
-            s.run_sh(&main, &format!("echo {i} > /d{i}"))?,
+            s.run_sh(
+                &main,
+                &format!(
+                    "for j in $(seq 1 200); do mkdir -p /d{i}/$j && echo $j > /d{i}/$j/f; done"
+                ),
+            )?,
         )?;
     }
     let before = s.visible(&stack)?;
-    figures.insert("ballast_bytes_squash".into(), json!(fill(&ballast)?));
+    figures.insert(
+        "ballast_bytes_squash".into(),
+        json!(fill_leaving(&ballast, 256 << 10)?),
+    );
     let o = s.ls(&["squash", &main])?;
     ensure_no_space("squash", &o)?;
     ensure!(
@@ -337,7 +359,11 @@ fn disk_full_during_publish_squash_and_import() -> Result<()> {
         )?;
     }
     let stacks = s.json(&["stack", "ls", "--json"])?;
-    figures.insert("ballast_bytes_import".into(), json!(fill(&ballast)?));
+    // 2 MiB free for a 10 MiB tree: the import runs out part way through.
+    figures.insert(
+        "ballast_bytes_import".into(),
+        json!(fill_leaving(&ballast, 2 << 20)?),
+    );
     let o = s.ls(&["base", "import", big.to_str().context("utf-8")?])?;
     ensure_no_space("base import", &o)?;
     ensure!(
@@ -350,6 +376,7 @@ fn disk_full_during_publish_squash_and_import() -> Result<()> {
     );
     s.fsck_clean("after an import on a full disk")?;
 
+    fill(&ballast)?;
     // (4) A database-only write with every block taken (SQLITE_FULL): refused
     // as no_space or done, never internal.
     let o = s.ls(&[
@@ -367,6 +394,19 @@ fn disk_full_during_publish_squash_and_import() -> Result<()> {
     };
     figures.insert("database_write_on_full_disk".into(), json!(db_write));
     s.fsck_clean("after a database write on a full disk")?;
+
+    // (5) The daemon killed and restarted on the full disk (its store lock,
+    // database open, migrations check and startup sweep): it serves.
+    let before = s.visible(&stack)?;
+    env.kill_daemon()?;
+    env.restart_daemon()
+        .context("the daemon restarted on a full store filesystem")?;
+    let s = Store { env: &env };
+    s.fsck_clean("after a restart on a full disk")?;
+    ensure!(
+        s.visible(&stack)? == before,
+        "the restart changed the branch"
+    );
     free_ballast()?;
     s.ok(
         "import once space is freed",

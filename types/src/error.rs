@@ -110,7 +110,8 @@ impl fmt::Display for ErrorKind {
 }
 
 /// Whether `e` or one of its sources is an i/o error saying the filesystem
-/// is full: `ENOSPC` ("No space left on device") or `EDQUOT` (a quota).
+/// is full: `ENOSPC` ("No space left on device") or `EDQUOT` (a quota), or
+/// one made with [`std::io::ErrorKind::StorageFull`].
 /// Errors that carry a full disk in another form (SQLite's `SQLITE_FULL`)
 /// are recognised by their own type's `kind()`.
 ///
@@ -125,7 +126,9 @@ pub fn is_no_space(e: &(dyn std::error::Error + 'static)) -> bool {
     let mut cur = Some(e);
     while let Some(c) = cur {
         if let Some(io) = c.downcast_ref::<std::io::Error>() {
-            if io.raw_os_error().is_some_and(|n| FULL.contains(&n)) {
+            if io.kind() == std::io::ErrorKind::StorageFull
+                || io.raw_os_error().is_some_and(|n| FULL.contains(&n))
+            {
                 return true;
             }
         }
