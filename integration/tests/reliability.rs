@@ -424,10 +424,11 @@ fn disk_full_during_publish_squash_and_import() -> Result<()> {
 
     figures.insert("filesystem_mib".into(), json!(64));
     figures.insert("operations_refused".into(), json!(3));
+    figures.insert("restarts_on_full_disk".into(), json!(1));
     figures.insert("seconds".into(), json!(started.elapsed().as_secs_f64()));
     record(
         "disk-full",
-        "On a full store filesystem a publish ends `failed`, a squash or import fails with kind no_space, each naming the full disk and what to do; nothing is half-visible (heads, logs, stacks unchanged; fsck clean) and all work again once space is freed",
+        "On a full store filesystem (64 MiB loop ext4) a publish ends `failed` (or fails with kind no_space when not even that outcome fits), a squash or a base import running out part way fails with kind no_space, each naming the full disk and what to do; nothing is half-visible (heads, logs, stacks unchanged, staging empty, fsck clean), the daemon restarts on the full disk, and all work again once space is freed",
         DISK_FULL_TEST,
         Value::Object(figures),
     )?;

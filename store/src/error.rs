@@ -184,3 +184,31 @@ impl StoreError {
 
 /// Result of store operations.
 pub type Result<T, E = StoreError> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The kind a caller must act on (free space), whichever layer saw the
+    /// full disk: a write's `ENOSPC`/`EDQUOT`, SQLite's `SQLITE_FULL`.
+    #[test]
+    fn a_full_disk_is_no_space_whoever_reports_it() {
+        let io = |n| StoreError::io(Path::new("/s/l/1"), std::io::Error::from_raw_os_error(n));
+        assert_eq!(io(libc::ENOSPC).kind(), ErrorKind::NoSpace);
+        assert_eq!(io(libc::EDQUOT).kind(), ErrorKind::NoSpace);
+        assert_eq!(io(libc::EIO).kind(), ErrorKind::Internal);
+        let db = |code| {
+            StoreError::Db(rusqlite::Error::SqliteFailure(
+                rusqlite::ffi::Error::new(code),
+                None,
+            ))
+        };
+        assert_eq!(db(rusqlite::ffi::SQLITE_FULL).kind(), ErrorKind::NoSpace);
+        assert_eq!(db(rusqlite::ffi::SQLITE_IOERR).kind(), ErrorKind::Internal);
+        let open = OpenError::Io(
+            PathBuf::from("/s"),
+            std::io::Error::from_raw_os_error(libc::ENOSPC),
+        );
+        assert_eq!(open.kind(), ErrorKind::NoSpace);
+    }
+}
