@@ -437,13 +437,54 @@ fn disk_full_during_publish_squash_and_import() -> Result<()> {
     Ok(())
 }
 
+/// Runs `f` while sampling `pid`'s `VmRSS` every 50 ms: its answer and the
+/// highest figure seen (KiB, at least `floor`).
+fn with_peak<T>(pid: u32, floor: u64, f: impl FnOnce() -> T) -> (T, u64) {
+    let peak = AtomicU64::new(floor);
+    let done = AtomicBool::new(false);
+    let out = std::thread::scope(|sc| {
+        sc.spawn(|| {
+            while !done.load(Ordering::Relaxed) {
+                if let Ok(r) = vm_rss_kib(pid) {
+                    peak.fetch_max(r, Ordering::Relaxed);
+                }
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        });
+        let out = f();
+        done.store(true, Ordering::Relaxed);
+        out
+    });
+    let last = vm_rss_kib(pid).unwrap_or(0);
+    (out, peak.load(Ordering::Relaxed).max(last))
+}
+
+/// `pid`'s `VmRSS` (KiB) once it is within [`RSS_SETTLED_KIB`] of `idle`,
+/// or after 15 s: the daemon looks at its free heap every 2 s, frees the
+/// store's SQLite caches once it wrote nothing for a whole interval, and
+/// tokio ends blocking threads idle for 10 s (their stacks).
+fn settle(pid: u32, idle: u64) -> Result<u64> {
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut rss = vm_rss_kib(pid)?;
+    while rss > idle + RSS_SETTLED_KIB && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(500));
+        rss = vm_rss_kib(pid)?;
+    }
+    Ok(rss)
+}
+
+/// Within this much of idle (KiB), RSS counts as back.
+const RSS_SETTLED_KIB: u64 = 8 * 1024;
+
 const MEMORY_TEST: &str = "cargo test -p layerstack-integration --test reliability daemon_rss_returns_near_idle_after_a_100000_file_session";
 
-/// How far above its idle RSS the daemon may stay after the session, KiB:
-/// its SQLite writer connection keeps the pages the session's index rows
-/// touched (up to `WRITER_CACHE_KIB` = 64 MiB; ~14 MB of database for
-/// 100,000 paths) and glibc keeps some fragments.
-const RSS_AFTER_BOUND_KIB: u64 = 40 * 1024;
+/// How far above its idle RSS the daemon may stay after the session or the
+/// burst, KiB. Measured (debug build): +4.6 MiB after the 100,000-file
+/// session, +17 MiB after the burst (its SQLite caches freed; what stays is
+/// glibc's fragments and what the 256 sessions' publishes left live); before
+/// the daemon returned memory: +101 MiB after the session alone, +52 MiB
+/// more after the burst.
+const RSS_AFTER_BOUND_KIB: u64 = 32 * 1024;
 
 #[test]
 fn daemon_rss_returns_near_idle_after_a_100000_file_session() -> Result<()> {
@@ -468,25 +509,14 @@ fn daemon_rss_returns_near_idle_after_a_100000_file_session() -> Result<()> {
     std::thread::sleep(Duration::from_secs(3));
     let idle = vm_rss_kib(pid)?;
 
-    let peak = AtomicU64::new(idle);
-    let done = AtomicBool::new(false);
     let started = Instant::now();
-    let o = std::thread::scope(|sc| {
-        sc.spawn(|| {
-            while !done.load(Ordering::Relaxed) {
-                if let Ok(r) = vm_rss_kib(pid) {
-                    peak.fetch_max(r, Ordering::Relaxed);
-                }
-                std::thread::sleep(Duration::from_millis(50));
-            }
-        });
-        let o = s.run_sh(
+    let (o, peak) = with_peak(pid, idle, || {
+        s.run_sh(
             &stack,
             "mkdir /w && cd /w && i=0 && while [ $i -lt 100000 ]; do : > f$i; i=$((i+1)); done",
-        );
-        done.store(true, Ordering::Relaxed);
-        o
-    })?;
+        )
+    });
+    let o = o?;
     let session_s = started.elapsed().as_secs_f64();
     ensure!(
         o.status.success() && String::from_utf8_lossy(&o.stderr).contains("100001 clean"),
@@ -494,27 +524,42 @@ fn daemon_rss_returns_near_idle_after_a_100000_file_session() -> Result<()> {
         describe(&o)
     );
     let at_end = vm_rss_kib(pid)?;
-    // The daemon looks at its free heap every 2 s: within 10 s RSS is back.
-    let deadline = Instant::now() + Duration::from_secs(10);
-    let mut after = at_end;
-    while Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(500));
-        after = vm_rss_kib(pid)?;
-        if after <= idle + RSS_AFTER_BOUND_KIB {
-            break;
-        }
-    }
-    let peak = peak.load(Ordering::Relaxed).max(at_end);
+    let limit = idle + RSS_AFTER_BOUND_KIB;
+    let after = settle(pid, idle)?;
     eprintln!(
         "daemon VmRSS: idle {idle} KiB, peak {peak} KiB, at the end of the session {at_end} KiB, after {after} KiB (bound idle + {RSS_AFTER_BOUND_KIB} KiB); session {session_s:.1} s"
     );
     ensure!(
-        after <= idle + RSS_AFTER_BOUND_KIB,
+        after <= limit,
         "daemon RSS stayed at {after} KiB after the session: idle was {idle} KiB, peak {peak} KiB (bound idle + {RSS_AFTER_BOUND_KIB} KiB)"
+    );
+
+    // A burst: 256 sessions, 16 at a time, 200 files each, all publishing
+    // on the one branch (many threads, so many glibc arenas).
+    let started = Instant::now();
+    let (burst, burst_peak) = with_peak(pid, after, || {
+        parallel(256, 16, |i| {
+            let o = s.run_sh(
+                &stack,
+                &format!("mkdir /b{i} && i=0 && while [ $i -lt 200 ]; do : > /b{i}/f$i; i=$((i+1)); done"),
+            )?;
+            ensure!(o.status.success(), "burst session {i}: {}", describe(&o));
+            Ok(())
+        })
+    });
+    burst?;
+    let burst_s = started.elapsed().as_secs_f64();
+    let after_burst = settle(pid, idle)?;
+    eprintln!(
+        "daemon VmRSS: burst of 256 sessions peak {burst_peak} KiB, after {after_burst} KiB ({burst_s:.1} s)"
+    );
+    ensure!(
+        after_burst <= limit,
+        "daemon RSS stayed at {after_burst} KiB after a burst of 256 sessions: idle was {idle} KiB, peak {burst_peak} KiB (bound idle + {RSS_AFTER_BOUND_KIB} KiB)"
     );
     record(
         "memory-bound",
-        "After a 100,000-file Mode B session is published, the daemon's RSS returns to within 40 MiB of its idle figure within 10 s",
+        "After a 100,000-file Mode B session, and after a burst of 256 concurrent sessions, the daemon's RSS returns to within 32 MiB of its idle figure within 15 s",
         MEMORY_TEST,
         json!({
             "build": if bin_path(DAEMON_BIN)?.to_string_lossy().contains("/release/") { "release" } else { "debug" },
@@ -523,8 +568,12 @@ fn daemon_rss_returns_near_idle_after_a_100000_file_session() -> Result<()> {
             "peak_kib": peak,
             "at_end_kib": at_end,
             "after_kib": after,
+            "burst_sessions": 256,
+            "burst_peak_kib": burst_peak,
+            "after_burst_kib": after_burst,
             "bound_kib": RSS_AFTER_BOUND_KIB,
             "session_seconds": session_s,
+            "burst_seconds": burst_s,
         }),
     )?;
     Ok(())

@@ -445,7 +445,7 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
         },
         publish_workers: usize::try_from(cfg.publish_workers).unwrap_or(usize::MAX),
     };
-    let engine = Engine::new(store, settings);
+    let engine = Engine::new(store.clone(), settings);
     if cfg.history.gc_interval_s > 0 {
         engine.spawn_periodic_gc(std::time::Duration::from_secs(cfg.history.gc_interval_s));
     }
@@ -503,7 +503,7 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
         .then(|| Arc::new(metrics::Metrics::new()));
     // Before anything can publish: every outcome gets its log line and metrics.
     tokio::spawn(outcomes::watch(&engine, metrics.clone()));
-    tokio::spawn(memory::watch());
+    tokio::spawn(memory::watch(store.clone()));
     let holders = sandbox::Holders::new(mount_address.clone());
     let spawner = owned::Spawner::adopt();
     if let Err(why) = &spawner {

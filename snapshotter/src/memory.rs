@@ -10,16 +10,21 @@
 //! debug build, measured with `VmRSS`). Every [`CHECK_EVERY`] this task asks
 //! glibc how much free memory its arenas hold (`mallinfo2`'s `fordblks`) and,
 //! above [`TRIM_ABOVE`], returns it with `malloc_trim(0)` (which also
-//! `madvise(MADV_DONTNEED)`s the free pages inside each arena). After the
-//! same session RSS then comes back to within ~20 MiB of idle, what remains
-//! being the pages the store's writer connection caches (its SQLite page cache,
-//! `layerstack_store` `WRITER_CACHE_KIB`, bounded at 64 MiB) and live data.
+//! `madvise(MADV_DONTNEED)`s the free pages inside each arena). That alone
+//! brought the session's 139 MB back to 62 MB; what stayed was live: the
+//! SQLite page caches of the store's connections (the writer's up to 64 MiB,
+//! `WRITER_CACHE_KIB`, and up to 32 idle readers' 2 MiB each), which a burst
+//! of 256 sessions after it filled to 90–100 MB. So once the store has
+//! written nothing for a whole interval after writing, this task also frees
+//! those caches ([`Store::release_db_memory`]) and trims again.
 //! The test is `integration/tests/reliability.rs`
 //! `daemon_rss_returns_near_idle_after_a_100000_file_session`.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
+use layerstack_engine::store::Store;
 use tracing::debug;
 
 /// How often the daemon looks at its free heap.
@@ -70,18 +75,39 @@ pub fn trim_if_large() -> Option<usize> {
 }
 
 /// Runs [`trim_if_large`] every [`CHECK_EVERY`] on a blocking thread, for
-/// the daemon's lifetime.
-pub async fn watch() {
+/// the daemon's lifetime; and once the store has written nothing for a whole
+/// check interval after writing, frees its SQLite page caches
+/// ([`Store::release_db_memory`]) and returns that heap too.
+pub async fn watch(store: Arc<Store>) {
     let mut tick = tokio::time::interval(CHECK_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut seen = store.db_writes();
+    let mut released = true;
     loop {
         tick.tick().await;
-        if let Ok(Some(free)) = tokio::task::spawn_blocking(trim_if_large).await {
-            debug!(
-                free_bytes = free,
-                after_bytes = free_heap_bytes(),
-                "returned the free heap to the kernel (malloc_trim)"
-            );
+        let writes = store.db_writes();
+        let idle = writes == seen;
+        if !idle {
+            released = false;
+        }
+        seen = writes;
+        let st = store.clone();
+        let release = idle && !released;
+        let done = tokio::task::spawn_blocking(move || {
+            let conns = if release { st.release_db_memory() } else { 0 };
+            (conns, trim_if_large())
+        })
+        .await;
+        if let Ok((conns, trimmed)) = done {
+            released |= release;
+            if conns > 0 || trimmed.is_some() {
+                debug!(
+                    db_connections_released = conns,
+                    free_bytes = trimmed.unwrap_or(0),
+                    after_bytes = free_heap_bytes(),
+                    "returned memory to the kernel (SQLite caches, malloc_trim)"
+                );
+            }
         }
     }
 }
