@@ -527,6 +527,36 @@ mod tests {
         }
     }
 
+    /// Writes are counted (the memory watcher's idleness probe), and the
+    /// page caches are freed without losing anything: the rows read back.
+    #[test]
+    fn writes_are_counted_and_caches_released_without_loss() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Db::open(dir.path(), Durability::Disposable).unwrap();
+        let before = db.writes();
+        db.write(|tx| {
+            tx.execute_batch(
+                "CREATE TABLE t(i INTEGER PRIMARY KEY); INSERT INTO t VALUES (1), (2)",
+            )?;
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(db.writes(), before + 1);
+        let n = db
+            .read(|c| Ok(c.one("SELECT count(*) FROM t", [], |r| r.get::<_, i64>(0))?))
+            .unwrap();
+        assert_eq!(n, 2);
+        assert!(db.release_memory() >= 2, "the writer and the idle reader");
+        let held = db.writer();
+        assert_eq!(db.release_memory(), 1, "a writer in use is skipped");
+        drop(held);
+        let n = db
+            .read(|c| Ok(c.one("SELECT count(*) FROM t", [], |r| r.get::<_, i64>(0))?))
+            .unwrap();
+        assert_eq!(n, 2);
+        assert_eq!(db.writes(), before + 2, "reads are not writes");
+    }
+
     /// A bulk write gives the writer to a gate holder that arrives in the
     /// middle of it: the holder's commit lands between two items, every item
     /// is written once, and the items before and after it are both committed.
