@@ -11,7 +11,10 @@
 #                          any systemd host; in a container it only adds files)
 #   openssl                makes the throwaway CA of the TCP listener's tests
 #                          (integration/fixtures/make_tls.sh)
-#   util-linux             setpriv, runs clients as a non-root uid (tests/auth.rs)
+#   util-linux             setpriv, runs clients as a non-root uid (tests/auth.rs);
+#                          mount -o loop (tests/reliability.rs)
+#   e2fsprogs              mkfs.ext4: the disk-full test's small store filesystem
+#                          (tests/reliability.rs)
 # Only missing packages are installed (apt-get update only then). Needs root
 # when something is missing. Rust (cargo) is not installed here: it must exist.
 #
@@ -23,7 +26,7 @@
 # was installed before is never touched.
 set -euo pipefail
 
-PACKAGES=(containerd runc protobuf-compiler debootstrap busybox-static python3 python3-venv git ca-certificates systemd openssl util-linux)
+PACKAGES=(containerd runc protobuf-compiler debootstrap busybox-static python3 python3-venv git ca-certificates systemd openssl util-linux e2fsprogs)
 
 # systemd is the running init when this directory exists (sd_booted(3)).
 SYSTEMD_RUN_DIR=${LAYERSTACK_SYSTEMD_RUN_DIR:-/run/systemd/system}

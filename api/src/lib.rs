@@ -58,6 +58,9 @@ pub async fn connect(
 /// The gRPC code of error kind `kind` (containerd `errdefs/grpc.go`): the one
 /// place error kinds meet wire codes. `Busy` is `ResourceExhausted`, `Corrupt`
 /// is `DataLoss`, `Unsupported` is `Unimplemented`, `Internal` is `Unknown`.
+/// `NoSpace` is `ResourceExhausted` too (gRPC's code for "the entire file
+/// system is out of space"): the only code two kinds share; [`status`] names
+/// the kind in the `layerstack-kind` trailer and [`status_kind`] reads it.
 #[must_use]
 pub fn code(kind: ErrorKind) -> tonic::Code {
     use tonic::Code;
@@ -74,13 +77,46 @@ pub fn code(kind: ErrorKind) -> tonic::Code {
         ErrorKind::Internal => Code::Unknown,
         ErrorKind::PermissionDenied => Code::PermissionDenied,
         ErrorKind::Unauthenticated => Code::Unauthenticated,
+        ErrorKind::NoSpace => Code::ResourceExhausted,
     }
 }
 
-/// The gRPC status of an error of kind `kind` ([`code`]). `message` is the
-/// error with its source chain ([`error_chain`]).
+/// The metadata key (a trailer) naming a status's error kind
+/// ([`ErrorKind::as_str`]), set by [`status`] on every error it makes.
+pub const KIND_METADATA: &str = "layerstack-kind";
+
+/// The gRPC status of an error of kind `kind` ([`code`]), its kind named in
+/// the [`KIND_METADATA`] trailer. `message` is the error with its source
+/// chain ([`error_chain`]); for `no_space` it gets what to do appended.
 pub fn status(kind: ErrorKind, message: String) -> tonic::Status {
-    tonic::Status::new(code(kind), message)
+    let message = if kind == ErrorKind::NoSpace && !message.contains(NO_SPACE_ADVICE) {
+        format!("{message}; {NO_SPACE_ADVICE}")
+    } else {
+        message
+    };
+    let mut md = tonic::metadata::MetadataMap::new();
+    md.insert(
+        KIND_METADATA,
+        tonic::metadata::MetadataValue::from_static(kind.as_str()),
+    );
+    tonic::Status::with_metadata(code(kind), message, md)
+}
+
+/// What to do about an error of kind `no_space`, appended to its message.
+pub const NO_SPACE_ADVICE: &str = "no space left on device (the filesystem holding the \
+     store is full): nothing of this operation was kept; free space on it (`df` the daemon's \
+     --root), then try again";
+
+/// The error kind `st` names: its [`KIND_METADATA`] trailer when it is a
+/// kind's name, else [`kind_name`] of its code (a status from another
+/// server, or made without [`status`]).
+#[must_use]
+pub fn status_kind(st: &tonic::Status) -> &'static str {
+    st.metadata()
+        .get(KIND_METADATA)
+        .and_then(|v| v.to_str().ok())
+        .and_then(ErrorKind::parse)
+        .map_or_else(|| kind_name(st.code()), ErrorKind::as_str)
 }
 
 /// The error kind a gRPC status code stands for: the inverse of [`code`];
@@ -120,9 +156,18 @@ mod tests {
     fn every_error_kind_round_trips_through_its_code() {
         for kind in ErrorKind::ALL {
             let st = status(kind, String::new());
+            assert_eq!(status_kind(&st), kind.as_str());
+            if kind == ErrorKind::NoSpace {
+                // The one kind sharing a code: the code alone says `busy`.
+                assert_eq!(error_kind(st.code()), Some(ErrorKind::Busy));
+                assert!(st.message().contains("free space"), "{}", st.message());
+                continue;
+            }
             assert_eq!(error_kind(st.code()), Some(kind));
             assert_eq!(kind_name(st.code()), kind.as_str());
         }
+        let bare = tonic::Status::new(tonic::Code::ResourceExhausted, "x");
+        assert_eq!(status_kind(&bare), "busy");
         assert_eq!(error_kind(tonic::Code::Internal), None);
         assert_eq!(kind_name(tonic::Code::Internal), "grpc_internal");
         assert_eq!(
@@ -153,6 +198,7 @@ mod tests {
             ("Unknown", "internal"),
             ("PermissionDenied", "permission_denied"),
             ("Unauthenticated", "unauthenticated"),
+            ("ResourceExhausted", "no_space"),
         ];
         assert_eq!(
             table,

@@ -77,7 +77,7 @@ pub fn describe(e: &anyhow::Error) -> (String, String) {
             } else {
                 st.message().to_string()
             };
-            return (api::kind_name(st.code()).to_string(), message);
+            return (api::status_kind(st).to_string(), message);
         }
     }
     // Not anyhow's `{:#}`: it would repeat a cause that an error of a
@@ -120,8 +120,14 @@ mod tests {
                 .unwrap_err();
             let v = parsed(&e);
             assert_eq!(v["error"]["kind"], kind.as_str());
-            assert_eq!(v["error"]["message"], "no node n-1");
-            assert_eq!(render(ErrorFormat::Text, &e), "layerstack: no node n-1");
+            // `no_space` (which shares busy's gRPC code) comes with what to do.
+            let msg = if kind == ErrorKind::NoSpace {
+                format!("no node n-1; {}", api::NO_SPACE_ADVICE)
+            } else {
+                "no node n-1".to_string()
+            };
+            assert_eq!(v["error"]["message"], msg.as_str());
+            assert_eq!(render(ErrorFormat::Text, &e), format!("layerstack: {msg}"));
         }
         let e = anyhow::Error::new(tonic::Status::new(tonic::Code::DeadlineExceeded, "late"));
         assert_eq!(parsed(&e)["error"]["kind"], "deadline_exceeded");

@@ -105,7 +105,7 @@ pub struct Cli {
     /// line `{"error":{"kind":KIND,"message":MESSAGE}}` (json), KIND spelled as
     /// everywhere (not_found, already_exists, failed_precondition,
     /// invalid_argument, conflict, unavailable, busy, unsupported, corrupt,
-    /// internal).
+    /// internal, no_space, permission_denied, unauthenticated).
     #[arg(
         long,
         env = "LAYERSTACK_ERROR_FORMAT",

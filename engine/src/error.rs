@@ -88,6 +88,9 @@ impl EngineError {
     /// The errdefs class of this error.
     #[must_use]
     pub fn kind(&self) -> ErrorKind {
+        if no_space(self) {
+            return ErrorKind::NoSpace;
+        }
         match self {
             Self::NoSession { .. } => ErrorKind::NotFound,
             Self::Mounted(..) | Self::SnapshotMounted { .. } => ErrorKind::FailedPrecondition,
@@ -105,6 +108,27 @@ impl EngineError {
             Self::Import { .. } => ErrorKind::Internal,
         }
     }
+}
+
+/// Whether the filesystem being full caused `e`: an `ENOSPC`/`EDQUOT` i/o
+/// error or a store error of kind `no_space` (`SQLITE_FULL`) anywhere in its
+/// chain — whatever step (capture, seal, squash, import, commit) it came
+/// through.
+pub(crate) fn no_space(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cur = Some(e);
+    while let Some(c) = cur {
+        let store = c
+            .downcast_ref::<StoreError>()
+            .or(match c.downcast_ref::<RunError>() {
+                Some(RunError::Store(s)) => Some(s),
+                _ => None,
+            });
+        if store.is_some_and(|s| s.kind() == ErrorKind::NoSpace) {
+            return true;
+        }
+        cur = c.source();
+    }
+    layerstack_types::is_no_space(e)
 }
 
 /// A step of a publish that failed (recorded as outcome `failed`, upper kept).
@@ -133,6 +157,9 @@ impl RunError {
     /// The errdefs class of this error.
     #[must_use]
     pub fn kind(&self) -> ErrorKind {
+        if no_space(self) {
+            return ErrorKind::NoSpace;
+        }
         match self {
             Self::Store(e) => e.kind(),
             // The session's writes are over a configured limit: nothing is

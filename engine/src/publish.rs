@@ -38,8 +38,8 @@ use std::time::{Duration, Instant};
 
 use layerstack_publisher::{self as publisher, Changeset, HeadChange, LayerView};
 use layerstack_store::{
-    HeadView, IndexEntry, OutcomeKind, OutcomeRecord, Owner, PathCounts, PathQuery, PathRecord,
-    PathStatus, PublishContext, PublishTimings, SessionId, SessionInfo, Staged, Store,
+    ErrorKind, HeadView, IndexEntry, OutcomeKind, OutcomeRecord, Owner, PathCounts, PathQuery,
+    PathRecord, PathStatus, PublishContext, PublishTimings, SessionId, SessionInfo, Staged, Store,
 };
 use tracing::{debug, warn};
 
@@ -217,15 +217,25 @@ fn record_failed(
     started: Instant,
 ) -> Result<(), RunError> {
     let msg = error_chain(e);
-    let mut rec = OutcomeRecord::new(OutcomeKind::Failed, failed_message(&msg, s));
+    let mut rec = OutcomeRecord::new(
+        OutcomeKind::Failed,
+        failed_message(&msg, e.kind() == ErrorKind::NoSpace, s),
+    );
     rec.timings = Some(total_only(started));
     warn!(session.id = id, error = %msg, "publish failed");
     store_write(|| store.record_outcome(id, rec, Some(staged)))?;
     Ok(())
 }
 
-/// The message of a run whose publish failed (`msg`: why).
-fn failed_message(msg: &str, s: &SessionInfo) -> String {
+/// The message of a run whose publish failed (`msg`: why; `no_space`: the
+/// store's filesystem is full, error kind `no_space` — said in words, since
+/// `ENOSPC` and SQLite's `SQLITE_FULL` read differently, with what to do).
+fn failed_message(msg: &str, no_space: bool, s: &SessionInfo) -> String {
+    let msg = if no_space {
+        format!("{msg}: no space left on device (error kind no_space): the filesystem holding the store is full; free space on it (`df` the daemon's --root)")
+    } else {
+        msg.to_string()
+    };
     match s.owner {
         Owner::Operation { .. } => format!(
             "{msg}; nothing was published and nothing is kept (the operation's upper is dropped): {} is unchanged",
@@ -459,7 +469,10 @@ impl Engine {
             // Record the failure so `wait` returns; upper and lease are kept.
             let msg = error_chain(&e);
             warn!(session.id = id, error = %msg, "publish failed");
-            let mut rec = OutcomeRecord::new(OutcomeKind::Failed, failed_message(&msg, &current));
+            let mut rec = OutcomeRecord::new(
+                OutcomeKind::Failed,
+                failed_message(&msg, e.kind() == ErrorKind::NoSpace, &current),
+            );
             rec.timings = Some(total_only(started));
             self.blocking(move |s| s.record_outcome(id, rec, None))
                 .await?;

@@ -2073,3 +2073,22 @@ pub fn vm_rss_kib(pid: u32) -> Result<u64> {
         .context("VmRSS without a value")?
         .parse()?)
 }
+
+/// Writes the reliability record of a suite's top-level test
+/// (`docs/reliability.md`, `scripts/reliability.sh`): when
+/// `$LAYERSTACK_RELIABILITY_OUT` names a directory, `<dir>/<id>.json` holds
+/// `{"id", "guarantee", "test", "figures"}`; otherwise nothing. Call it only
+/// after the test's assertions passed. `test` is the exact command that runs
+/// the test; `figures` a JSON object of numbers or short strings.
+/// Errors: the directory cannot be written.
+pub fn record(id: &str, guarantee: &str, test: &str, figures: serde_json::Value) -> Result<()> {
+    let Some(dir) = std::env::var_os("LAYERSTACK_RELIABILITY_OUT") else {
+        return Ok(());
+    };
+    let dir = PathBuf::from(dir);
+    fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let v = serde_json::json!({"id": id, "guarantee": guarantee, "test": test, "figures": figures});
+    let p = dir.join(format!("{id}.json"));
+    fs::write(&p, serde_json::to_vec_pretty(&v)?)
+        .with_context(|| format!("writing {}", p.display()))
+}

@@ -18,6 +18,7 @@ mod graph;
 mod history;
 mod import;
 mod inspect;
+mod memory;
 mod metrics;
 mod notify;
 mod outcomes;
@@ -447,7 +448,7 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
         },
         publish_workers: usize::try_from(cfg.publish_workers).unwrap_or(usize::MAX),
     };
-    let engine = Engine::new(store, settings);
+    let engine = Engine::new(store.clone(), settings);
     if cfg.history.gc_interval_s > 0 {
         engine.spawn_periodic_gc(std::time::Duration::from_secs(cfg.history.gc_interval_s));
     }
@@ -505,6 +506,7 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
         .then(|| Arc::new(metrics::Metrics::new()));
     // Before anything can publish: every outcome gets its log line and metrics.
     tokio::spawn(outcomes::watch(&engine, metrics.clone()));
+    tokio::spawn(memory::watch(store.clone()));
     let holders = sandbox::Holders::new(mount_address.clone());
     let spawner = owned::Spawner::adopt();
     if let Err(why) = &spawner {

@@ -192,7 +192,7 @@ fn one_session() -> Reply {
 fn status_reply(st: &Status) -> Reply {
     Reply {
         ok: false,
-        code: api::kind_name(st.code()).to_string(),
+        code: api::status_kind(st).to_string(),
         message: st.message().to_string(),
         ..Reply::default()
     }

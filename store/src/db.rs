@@ -12,7 +12,7 @@
 //! waits on.
 
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -88,6 +88,8 @@ pub(crate) struct Db {
     first: FirstInLine,
     idle: Mutex<Vec<Connection>>,
     checkpointer: Checkpointer,
+    /// Times the writer was taken ([`Db::writes`]).
+    writes: AtomicU64,
 }
 
 /// Lets a branch's gate holder take the writer before the other writers
@@ -321,6 +323,7 @@ impl Db {
             writer: Mutex::new(conn),
             first: FirstInLine::default(),
             idle: Mutex::new(Vec::new()),
+            writes: AtomicU64::new(0),
             checkpointer,
         })
     }
@@ -331,6 +334,7 @@ impl Db {
     pub(crate) fn writer(&self) -> MutexGuard<'_, Connection> {
         self.first.give_way();
         self.checkpointer.wrote();
+        self.writes.fetch_add(1, Ordering::Relaxed);
         self.writer.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -339,6 +343,7 @@ impl Db {
     pub(crate) fn writer_first(&self) -> MutexGuard<'_, Connection> {
         self.first.arrive();
         self.checkpointer.wrote();
+        self.writes.fetch_add(1, Ordering::Relaxed);
         let conn = self.writer.lock().unwrap_or_else(|p| p.into_inner());
         self.first.served();
         conn
@@ -385,6 +390,29 @@ impl Db {
             rest = &rest[done..];
         }
         Ok(())
+    }
+
+    /// How many times the writer connection was taken since the store was
+    /// opened (an idleness probe: unchanged between two looks, nothing was
+    /// written in between).
+    pub(crate) fn writes(&self) -> u64 {
+        self.writes.load(Ordering::Relaxed)
+    }
+
+    /// Frees the page caches of the writer and of the idle read connections
+    /// (`sqlite3_db_release_memory`: unused cached pages; nothing is lost,
+    /// later reads come from the file's mapping or the WAL). The writer is
+    /// skipped when in use (never waits for it). Answers the connections
+    /// released.
+    pub(crate) fn release_memory(&self) -> usize {
+        let mut n = 0;
+        if let Ok(w) = self.writer.try_lock() {
+            n += usize::from(w.release_memory().is_ok());
+        }
+        for c in self.idle.lock().unwrap_or_else(|p| p.into_inner()).iter() {
+            n += usize::from(c.release_memory().is_ok());
+        }
+        n
     }
 
     /// Runs `f` in a read transaction on a read-only connection (one consistent
@@ -497,6 +525,36 @@ mod tests {
             assert!(first_done.load(Ordering::Acquire));
             assert_eq!(*order.lock().unwrap(), ["first", "again"]);
         }
+    }
+
+    /// Writes are counted (the memory watcher's idleness probe), and the
+    /// page caches are freed without losing anything: the rows read back.
+    #[test]
+    fn writes_are_counted_and_caches_released_without_loss() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = Db::open(dir.path(), Durability::Disposable).unwrap();
+        let before = db.writes();
+        db.write(|tx| {
+            tx.execute_batch(
+                "CREATE TABLE t(i INTEGER PRIMARY KEY); INSERT INTO t VALUES (1), (2)",
+            )?;
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(db.writes(), before + 1);
+        let n = db
+            .read(|c| Ok(c.one("SELECT count(*) FROM t", [], |r| r.get::<_, i64>(0))?))
+            .unwrap();
+        assert_eq!(n, 2);
+        assert!(db.release_memory() >= 2, "the writer and the idle reader");
+        let held = db.writer();
+        assert_eq!(db.release_memory(), 1, "a writer in use is skipped");
+        drop(held);
+        let n = db
+            .read(|c| Ok(c.one("SELECT count(*) FROM t", [], |r| r.get::<_, i64>(0))?))
+            .unwrap();
+        assert_eq!(n, 2);
+        assert_eq!(db.writes(), before + 2, "reads are not writes");
     }
 
     /// A bulk write gives the writer to a gate holder that arrives in the

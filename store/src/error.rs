@@ -45,6 +45,8 @@ impl OpenError {
         match self {
             Self::Unsupported { .. } | Self::Version { .. } => ErrorKind::Unsupported,
             Self::Locked { .. } => ErrorKind::Unavailable,
+            Self::Io(_, e) if layerstack_types::is_no_space(e) => ErrorKind::NoSpace,
+            Self::Db(e) if db_full(e) => ErrorKind::NoSpace,
             Self::Io(..) | Self::Db(_) => ErrorKind::Internal,
             Self::Store(e) => e.kind(),
         }
@@ -67,6 +69,13 @@ fn version_advice(root: &std::path::Path, found: i64, expected: i64) -> String {
             root.display()
         )
     }
+}
+
+/// Whether SQLite answered `SQLITE_FULL` (it could not grow the database or
+/// its WAL: the filesystem is full) or an i/o error whose cause is `ENOSPC`.
+fn db_full(e: &rusqlite::Error) -> bool {
+    matches!(e, rusqlite::Error::SqliteFailure(f, _) if f.code == rusqlite::ErrorCode::DiskFull)
+        || layerstack_types::is_no_space(e)
 }
 
 /// Failures of store operations: containerd's snapshot calls, sessions, history.
@@ -142,7 +151,9 @@ impl StoreError {
             Self::InvalidArgument(_) => ErrorKind::InvalidArgument,
             Self::Busy(_) => ErrorKind::Busy,
             Self::Corrupt { .. } => ErrorKind::Corrupt,
+            Self::Io(_, e) if layerstack_types::is_no_space(e) => ErrorKind::NoSpace,
             Self::Io(..) => ErrorKind::Internal,
+            Self::Db(e) if db_full(e) => ErrorKind::NoSpace,
             // SQLITE_BUSY past the busy timeout: another writer holds the database.
             Self::Db(rusqlite::Error::SqliteFailure(e, _))
                 if e.code == rusqlite::ErrorCode::DatabaseBusy =>
@@ -173,3 +184,31 @@ impl StoreError {
 
 /// Result of store operations.
 pub type Result<T, E = StoreError> = std::result::Result<T, E>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The kind a caller must act on (free space), whichever layer saw the
+    /// full disk: a write's `ENOSPC`/`EDQUOT`, SQLite's `SQLITE_FULL`.
+    #[test]
+    fn a_full_disk_is_no_space_whoever_reports_it() {
+        let io = |n| StoreError::io(Path::new("/s/l/1"), std::io::Error::from_raw_os_error(n));
+        assert_eq!(io(libc::ENOSPC).kind(), ErrorKind::NoSpace);
+        assert_eq!(io(libc::EDQUOT).kind(), ErrorKind::NoSpace);
+        assert_eq!(io(libc::EIO).kind(), ErrorKind::Internal);
+        let db = |code| {
+            StoreError::Db(rusqlite::Error::SqliteFailure(
+                rusqlite::ffi::Error::new(code),
+                None,
+            ))
+        };
+        assert_eq!(db(rusqlite::ffi::SQLITE_FULL).kind(), ErrorKind::NoSpace);
+        assert_eq!(db(rusqlite::ffi::SQLITE_IOERR).kind(), ErrorKind::Internal);
+        let open = OpenError::Io(
+            PathBuf::from("/s"),
+            std::io::Error::from_raw_os_error(libc::ENOSPC),
+        );
+        assert_eq!(open.kind(), ErrorKind::NoSpace);
+    }
+}

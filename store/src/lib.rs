@@ -340,6 +340,25 @@ impl Store {
         &self.root
     }
 
+    /// How many write transactions (and writer-held steps) the store has
+    /// begun since it was opened: unchanged between two looks, the store
+    /// wrote nothing in between (the daemon's memory watcher uses it to tell
+    /// an idle store).
+    pub fn db_writes(&self) -> u64 {
+        self.db.writes()
+    }
+
+    /// Frees the SQLite page caches of the writer connection (up to
+    /// 64 MiB, `WRITER_CACHE_KIB`) and of the idle read connections (up to
+    /// 32 × 2 MiB): what stays allocated after a large publish or a burst
+    /// once the heap glibc kept is returned. Costs the next transactions
+    /// re-reading their pages (from the file's mapping or the WAL); the
+    /// daemon calls it once the store has been idle for a while. Answers the
+    /// connections released (the writer is skipped while in use).
+    pub fn release_db_memory(&self) -> usize {
+        self.db.release_memory()
+    }
+
     /// The configured default branch.
     pub fn default_branch(&self) -> &str {
         &self.default_branch

@@ -15,7 +15,7 @@ use std::fmt;
 /// messages and the Python client's `kind` attribute: `not_found`,
 /// `already_exists`, `failed_precondition`, `invalid_argument`, `conflict`,
 /// `unavailable`, `busy`, `unsupported`, `corrupt`, `internal`,
-/// `permission_denied`, `unauthenticated`.
+/// `permission_denied`, `unauthenticated`, `no_space`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum ErrorKind {
     /// `errdefs.ErrNotFound`.
@@ -47,11 +47,19 @@ pub enum ErrorKind {
     /// `errdefs.ErrUnauthenticated`: the caller did not prove who it is (no or a
     /// wrong bearer token on the TCP listener).
     Unauthenticated,
+    /// The filesystem holding the store is full (`ENOSPC` or `EDQUOT` from a
+    /// write, `SQLITE_FULL` from the database): nothing of the operation was
+    /// kept; free space there, then try again. A kind of its own, not
+    /// `internal` (a bug or a broken disk) nor `busy` (wait and retry): the
+    /// caller must act — on the wire it is gRPC `ResourceExhausted`, gRPC's
+    /// code for "the entire file system is out of space", told apart from
+    /// `busy` by the `layerstack-kind` trailer (`layerstack_api::status`).
+    NoSpace,
 }
 
 impl ErrorKind {
     /// Every kind, in declaration order (for tables and exhaustive tests).
-    pub const ALL: [ErrorKind; 12] = [
+    pub const ALL: [ErrorKind; 13] = [
         Self::NotFound,
         Self::AlreadyExists,
         Self::FailedPrecondition,
@@ -64,6 +72,7 @@ impl ErrorKind {
         Self::Internal,
         Self::PermissionDenied,
         Self::Unauthenticated,
+        Self::NoSpace,
     ];
 
     /// The kind's one name, snake case (see the type's docs).
@@ -82,6 +91,7 @@ impl ErrorKind {
             Self::Internal => "internal",
             Self::PermissionDenied => "permission_denied",
             Self::Unauthenticated => "unauthenticated",
+            Self::NoSpace => "no_space",
         }
     }
 
@@ -97,6 +107,34 @@ impl fmt::Display for ErrorKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
     }
+}
+
+/// Whether `e` or one of its sources is an i/o error saying the filesystem
+/// is full: `ENOSPC` ("No space left on device") or `EDQUOT` (a quota), or
+/// one made with [`std::io::ErrorKind::StorageFull`].
+/// Errors that carry a full disk in another form (SQLite's `SQLITE_FULL`)
+/// are recognised by their own type's `kind()`.
+///
+/// ```
+/// let e = std::io::Error::from_raw_os_error(28); // ENOSPC
+/// assert!(layerstack_types::is_no_space(&e));
+/// assert!(!layerstack_types::is_no_space(&std::io::Error::other("x")));
+/// ```
+pub fn is_no_space(e: &(dyn std::error::Error + 'static)) -> bool {
+    /// `ENOSPC` and `EDQUOT` on Linux (errno(3)).
+    const FULL: [i32; 2] = [28, 122];
+    let mut cur = Some(e);
+    while let Some(c) = cur {
+        if let Some(io) = c.downcast_ref::<std::io::Error>() {
+            if io.kind() == std::io::ErrorKind::StorageFull
+                || io.raw_os_error().is_some_and(|n| FULL.contains(&n))
+            {
+                return true;
+            }
+        }
+        cur = c.source();
+    }
+    false
 }
 
 /// "outer: inner: root cause" — an error with its source chain, for messages

@@ -30,7 +30,7 @@ pub mod labels;
 mod names;
 pub mod policy;
 
-pub use error::{error_chain, ErrorKind};
+pub use error::{error_chain, is_no_space, ErrorKind};
 pub use names::{Interruption, OutcomeKind, OwnerKind, PathStatus, SessionState};
 
 /// The prefix of the id of a stack whose base was imported without containerd

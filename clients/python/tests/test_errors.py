@@ -39,6 +39,12 @@ WIRE: List[Tuple[str, str]] = [
     ("UNAUTHENTICATED", "unauthenticated"),
 ]
 
+#: Kinds that share their code with a kind of ``WIRE`` (told apart by the
+#: ``layerstack-kind`` trailer), in ``ErrorKind::ALL`` order.
+SHARED: List[Tuple[str, str]] = [
+    ("RESOURCE_EXHAUSTED", "no_space"),
+]
+
 
 class FakeRpcError(grpc.RpcError, grpc.Call):
     """What a failed unary call raises: an RpcError that is also a Call."""
@@ -57,7 +63,9 @@ class FakeRpcError(grpc.RpcError, grpc.Call):
         return ()
 
     def trailing_metadata(self) -> Any:
-        return ()
+        return self._trailers
+
+    _trailers: Any = ()
 
     def is_active(self) -> bool:
         return False
@@ -92,7 +100,19 @@ def test_the_table_is_the_rusts() -> None:
     rust = _rust_wire()
     if rust is None:
         pytest.skip("the Rust sources are not beside this package")
-    assert rust == WIRE
+    assert rust == WIRE + SHARED
+
+
+def test_a_kind_named_in_the_trailer_wins_over_its_code() -> None:
+    call = FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, "writing layer 3: No space left on device")
+    call._trailers = (("layerstack-kind", "no_space"),)
+    e = errors.from_rpc_error(call)
+    assert type(e) is layerstack.NoSpaceError and e.kind == "no_space"
+    assert not isinstance(e, layerstack.BusyError), "waiting does not free a disk"
+    e = errors.from_rpc_error(FakeRpcError(grpc.StatusCode.RESOURCE_EXHAUSTED, "cap full"))
+    assert type(e) is layerstack.BusyError, "no trailer: the code's kind"
+    e = errors.from_command(["layerstack"], 1, '{"error":{"kind":"no_space","message":"full"}}')
+    assert type(e) is layerstack.NoSpaceError
 
 
 @pytest.mark.parametrize("code_name,kind", WIRE)

@@ -23,10 +23,17 @@ DATA_LOSS              ``corrupt``                :class:`CorruptError`
 UNKNOWN                ``internal``               :class:`InternalError`
 PERMISSION_DENIED      ``permission_denied``      :class:`PermissionDeniedError`
 UNAUTHENTICATED        ``unauthenticated``        :class:`UnauthenticatedError`
+RESOURCE_EXHAUSTED     ``no_space``               :class:`NoSpaceError`
++ trailer ``layerstack-kind: no_space``
 anything else          the code's name, snake     :class:`LayerStackError`
                        case (``deadline_exceeded``;
                        INTERNAL is ``grpc_internal``)
 =====================  =========================  ================================
+
+RESOURCE_EXHAUSTED is the one code two kinds share (gRPC's code for "the
+entire file system is out of space" is also containerd's for a limit): the
+daemon names the kind of every error in the ``layerstack-kind`` trailer, and
+:func:`from_rpc_error` takes the kind from it when present.
 
 Each subclass also carries its ``kind`` as a class attribute
 (``NotFoundError.kind == "not_found"``). ``ResourceExhaustedError`` is the
@@ -68,6 +75,7 @@ __all__ = [
     "InternalError",
     "PermissionDeniedError",
     "UnauthenticatedError",
+    "NoSpaceError",
     "CommandError",
     "BY_CODE",
     "BY_KIND",
@@ -191,6 +199,16 @@ class UnauthenticatedError(_KindError):
     kind = "unauthenticated"
 
 
+class NoSpaceError(_KindError):
+    """The filesystem holding the daemon's store is full (``ENOSPC``, a quota,
+    or SQLite's ``SQLITE_FULL``): nothing of the call was kept (no layer, no
+    moved branch, no base); free space there, then call again. Not a
+    :class:`BusyError`: waiting does not help. A Mode B publish that hits it is
+    not raised: it ends with outcome ``failed`` whose message says so."""
+
+    kind = "no_space"
+
+
 class CommandError(LayerStackError):
     """The ``layerstack`` binary could not be found or started, or failed without
     printing an error line (:func:`from_command`): a failure it reported with its
@@ -232,7 +250,23 @@ BY_CODE: Dict[grpc.StatusCode, Type[_KindError]] = {
 
 #: Every error kind → its class: the kinds of ``layerstack_types::ErrorKind``,
 #: spelled as ``ErrorKind::as_str`` (the ``kind`` of the binary's JSON errors).
-BY_KIND: Dict[str, Type[_KindError]] = {cls.kind: cls for cls in BY_CODE.values()}
+BY_KIND: Dict[str, Type[_KindError]] = {cls.kind: cls for cls in [*BY_CODE.values(), NoSpaceError]}
+
+#: The trailer in which the daemon names an error's kind (``layerstack_api::KIND_METADATA``).
+KIND_METADATA = "layerstack-kind"
+
+
+def _trailer_kind(e: grpc.RpcError) -> Optional[str]:
+    """The kind named in the call's ``layerstack-kind`` trailer, if any."""
+    md = getattr(e, "trailing_metadata", None)
+    try:
+        pairs = md() if callable(md) else None
+    except Exception:  # noqa: BLE001 - a call without trailers
+        return None
+    for k, v in pairs or ():
+        if k == KIND_METADATA:
+            return v.decode() if isinstance(v, bytes) else str(v)
+    return None
 
 
 def _code_kind(code: grpc.StatusCode) -> str:
@@ -266,6 +300,9 @@ def from_rpc_error(e: grpc.RpcError) -> LayerStackError:
             "LayerStack daemon's admin socket: only root and the uids and gids in the daemon's "
             f"[api] allowed_uids / allowed_gids may; ask its operator to add yours, or run as root ({message})",
         )
+    named = BY_KIND.get(_trailer_kind(e) or "")
+    if named is not None:
+        return named(code, named.kind, message)
     cls = BY_CODE.get(code)
     if cls is None:
         return LayerStackError(code, _code_kind(code), message)
