@@ -340,8 +340,9 @@ fn refuse_staging_inside(source: &Path, staging: &Path) -> Result<(), ImportErro
 /// an import's are (see the module docs: absolute names, `..`, writes through
 /// a symlink — one that was there before as well as one an entry planted —,
 /// hardlinks to outside, overlayfs-private xattrs and 0:0 character devices
-/// are refused, naming the entry). The metadata of `dir` itself is left as it
-/// is. `origin` names the stream in messages. For the daemon's `UploadTar`.
+/// are refused, naming the entry; so are OCI whiteouts and opaque markers,
+/// which have no layer below to hide here). The metadata of `dir` itself is
+/// left as it is. `origin` names the stream in messages. For the daemon's `UploadTar`.
 ///
 /// # Errors
 /// [`ImportError`]; entries before a refused one stay written.

@@ -196,6 +196,12 @@ impl Stage {
         }
     }
 
+    /// Whether the paths of the current layer are remembered (whiteouts and
+    /// opaque markers need them; an extraction into a directory has none).
+    pub(crate) fn tracks(&self) -> bool {
+        self.track
+    }
+
     /// The staging root.
     pub(crate) fn root(&self) -> &Path {
         &self.root
