@@ -1049,3 +1049,427 @@ fn corpus_regressions() -> u64 {
         })
         .count() as u64
 }
+
+// ---------------------------------------------------------------------------
+// OCI image layouts: index, nested indexes, manifest, config, blobs.
+
+/// One change to a valid layout.
+#[derive(Debug, Clone)]
+enum LayoutMutation {
+    None,
+    /// Set a JSON pointer of index.json / the manifest / the config to a value
+    /// (the documents a pointer names are rewritten, and the digests of the
+    /// documents above them are NOT updated unless `rehash`).
+    Set {
+        doc: Doc,
+        pointer: &'static str,
+        value: serde_json::Value,
+        rehash: bool,
+    },
+    /// XOR a byte of a document (per mille of its length).
+    Flip(Doc, u32, u8),
+    /// Replace a blob by something that is not a regular file.
+    BlobIs(BlobKind, Doc),
+    /// The index lists itself as a nested index (a loop).
+    SelfNested,
+    /// oci-layout says this.
+    Marker(&'static str),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Doc {
+    Index,
+    Manifest,
+    Config,
+    Layer,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum BlobKind {
+    SymlinkOut,
+    Fifo,
+    DevZero,
+    Dir,
+    Missing,
+}
+
+fn doc() -> impl Strategy<Value = Doc> {
+    prop::sample::select(vec![Doc::Index, Doc::Manifest, Doc::Config, Doc::Layer])
+}
+
+fn json_value() -> impl Strategy<Value = serde_json::Value> {
+    use serde_json::json;
+    prop::sample::select(vec![
+        json!(null),
+        json!(-1),
+        json!(0),
+        json!(1u64 << 62),
+        json!(""),
+        json!("sha256:../../outside/sentinel"),
+        json!("sha256:0000000000000000000000000000000000000000000000000000000000000000"),
+        json!("sha256:ABCDEF0000000000000000000000000000000000000000000000000000000000"),
+        json!("sha512:00"),
+        json!("md5:00"),
+        json!("application/vnd.oci.image.index.v1+json"),
+        json!("application/vnd.oci.image.manifest.v1+json"),
+        json!("application/vnd.docker.distribution.manifest.list.v2+json"),
+        json!("application/x-evil"),
+        json!({"os": "linux", "architecture": "amd64"}),
+        json!({"os": "unknown", "architecture": "unknown"}),
+        json!({"os": "", "architecture": "../.."}),
+        json!([]),
+        json!([{}]),
+        json!(["sha256:0000000000000000000000000000000000000000000000000000000000000000"]),
+        json!({"a": {"b": {"c": [[[[[[[[[[[[1]]]]]]]]]]]]}}}),
+    ])
+}
+
+fn layout_mutation() -> impl Strategy<Value = LayoutMutation> {
+    let pointer = prop::sample::select(vec![
+        "/manifests/0/digest",
+        "/manifests/0/size",
+        "/manifests/0/mediaType",
+        "/manifests/0/platform",
+        "/manifests",
+        "/schemaVersion",
+        "/config/digest",
+        "/config/size",
+        "/config/mediaType",
+        "/layers/0/digest",
+        "/layers/0/size",
+        "/layers/0/mediaType",
+        "/layers",
+        "/rootfs/diff_ids",
+        "/rootfs/diff_ids/0",
+        "/rootfs",
+    ]);
+    prop_oneof![
+        2 => Just(LayoutMutation::None),
+        6 => (doc(), pointer, json_value(), any::<bool>()).prop_map(|(doc, pointer, value, rehash)| {
+            LayoutMutation::Set { doc, pointer, value, rehash }
+        }),
+        2 => (doc(), 0u32..1000, any::<u8>()).prop_map(|(d, a, m)| LayoutMutation::Flip(d, a, m)),
+        2 => (prop::sample::select(vec![BlobKind::SymlinkOut, BlobKind::Fifo, BlobKind::DevZero, BlobKind::Dir, BlobKind::Missing]), doc())
+            .prop_map(|(k, d)| LayoutMutation::BlobIs(k, d)),
+        1 => Just(LayoutMutation::SelfNested),
+        1 => prop::sample::select(vec!["", "{}", r#"{"imageLayoutVersion": "2.0.0"}"#, r#"{"imageLayoutVersion": 1}"#, "[", "\u{0}"])
+            .prop_map(LayoutMutation::Marker),
+    ]
+}
+
+fn sha(b: &[u8]) -> String {
+    format!("sha256:{:x}", Sha256::digest(b))
+}
+
+/// Writes a layout of `layers` (uncompressed layer tars) in `dir`, then
+/// applies `m`. Returns whether `m` changed anything a valid layout has.
+fn write_layout(dir: &Path, outside: &Path, layers: &[Vec<u8>], m: &LayoutMutation) -> bool {
+    use serde_json::json;
+    let blobs = dir.join("blobs/sha256");
+    std::fs::create_dir_all(&blobs).unwrap();
+    let put = |b: &[u8]| -> (String, usize) {
+        let d = sha(b);
+        std::fs::write(blobs.join(&d[7..]), b).unwrap();
+        (d, b.len())
+    };
+    let diff_ids: Vec<String> = layers.iter().map(|l| sha(l)).collect();
+    let mut config = json!({"architecture": "amd64", "os": "linux", "rootfs": {"type": "layers", "diff_ids": diff_ids}});
+    let layer_descs: Vec<_> = layers
+        .iter()
+        .map(|l| {
+            let (d, s) = put(l);
+            json!({"mediaType": "application/vnd.oci.image.layer.v1.tar", "digest": d, "size": s})
+        })
+        .collect();
+    let set = |v: &mut serde_json::Value, d: Doc| {
+        if let LayoutMutation::Set {
+            doc,
+            pointer,
+            value,
+            ..
+        } = m
+        {
+            if *doc == d {
+                if let Some(slot) = v.pointer_mut(pointer) {
+                    *slot = value.clone();
+                }
+            }
+        }
+    };
+    let rehash = matches!(m, LayoutMutation::Set { rehash: true, .. });
+    let flip = |b: &mut Vec<u8>, d: Doc| {
+        if let LayoutMutation::Flip(doc, at, mask) = m {
+            if *doc == d && !b.is_empty() {
+                let i = ((b.len() as u64 * u64::from(*at) / 1000) as usize).min(b.len() - 1);
+                b[i] ^= (*mask).max(1);
+            }
+        }
+    };
+    set(&mut config, Doc::Config);
+    let mut cbytes = config.to_string().into_bytes();
+    let (cd, cs) = put(&cbytes);
+    flip(&mut cbytes, Doc::Config);
+    if rehash || matches!(m, LayoutMutation::Flip(..)) {
+        std::fs::write(blobs.join(&cd[7..]), &cbytes).unwrap();
+    }
+    let (cd, cs) = if rehash { put(&cbytes) } else { (cd, cs) };
+    let mut manifest = json!({
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.oci.image.manifest.v1+json",
+        "config": {"mediaType": "application/vnd.oci.image.config.v1+json", "digest": cd, "size": cs},
+        "layers": layer_descs,
+    });
+    set(&mut manifest, Doc::Manifest);
+    let mut mbytes = manifest.to_string().into_bytes();
+    let (md, ms) = put(&mbytes);
+    flip(&mut mbytes, Doc::Manifest);
+    std::fs::write(blobs.join(&md[7..]), &mbytes).unwrap();
+    let (md, ms) = if rehash { put(&mbytes) } else { (md, ms) };
+    let mut index = json!({"schemaVersion": 2, "manifests": [
+        {"mediaType": "application/vnd.oci.image.manifest.v1+json", "digest": md, "size": ms,
+         "platform": {"os": "linux", "architecture": "amd64"}},
+    ]});
+    if let LayoutMutation::SelfNested = m {
+        let ib = index.to_string();
+        let (id, is) = put(ib.as_bytes());
+        // A nested index that lists itself.
+        let nested = json!({"schemaVersion": 2, "manifests": [
+            {"mediaType": "application/vnd.oci.image.index.v1+json", "digest": id, "size": is}]});
+        let nb = nested.to_string();
+        std::fs::write(blobs.join(&id[7..]), &nb).unwrap();
+        let real = sha(nb.as_bytes());
+        std::fs::write(blobs.join(&real[7..]), &nb).unwrap();
+        index = json!({"schemaVersion": 2, "manifests": [
+            {"mediaType": "application/vnd.oci.image.index.v1+json", "digest": real, "size": nb.len()}]});
+        // The nested one names `id`, whose content is itself: rewrite it so.
+        let selfref = json!({"schemaVersion": 2, "manifests": [
+            {"mediaType": "application/vnd.oci.image.index.v1+json", "digest": real, "size": nb.len()}]});
+        std::fs::write(blobs.join(&id[7..]), selfref.to_string()).unwrap();
+    }
+    set(&mut index, Doc::Index);
+    let mut ibytes = index.to_string().into_bytes();
+    flip(&mut ibytes, Doc::Index);
+    std::fs::write(dir.join("index.json"), &ibytes).unwrap();
+    let marker = match m {
+        LayoutMutation::Marker(s) => s.to_string(),
+        _ => r#"{"imageLayoutVersion": "1.0.0"}"#.to_string(),
+    };
+    std::fs::write(dir.join("oci-layout"), marker).unwrap();
+    if let LayoutMutation::BlobIs(kind, d) = m {
+        let path = match d {
+            Doc::Index => dir.join("index.json"),
+            Doc::Manifest => blobs.join(&md[7..]),
+            Doc::Config => blobs.join(&cd[7..]),
+            Doc::Layer => match layers.first() {
+                Some(l) => blobs.join(&sha(l)[7..]),
+                // No layer to replace: the layout is valid.
+                None => return false,
+            },
+        };
+        let _ = std::fs::remove_file(&path);
+        match kind {
+            BlobKind::SymlinkOut => {
+                std::os::unix::fs::symlink(outside.join("sentinel"), &path).unwrap()
+            }
+            BlobKind::Fifo => {
+                nix::unistd::mkfifo(&path, nix::sys::stat::Mode::from_bits_truncate(0o644)).unwrap()
+            }
+            BlobKind::DevZero => nix::sys::stat::mknod(
+                &path,
+                nix::sys::stat::SFlag::S_IFCHR,
+                nix::sys::stat::Mode::from_bits_truncate(0o644),
+                nix::sys::stat::makedev(1, 5),
+            )
+            .unwrap(),
+            BlobKind::Dir => std::fs::create_dir(&path).unwrap(),
+            BlobKind::Missing => {}
+        }
+    }
+    true
+}
+
+/// A clean small layer (a file, a directory, a whiteout of a lower file).
+fn clean_layer() -> impl Strategy<Value = Vec<u8>> {
+    prop::collection::vec(
+        (
+            prop::sample::select(vec!["a", "b", "d/c", ".wh.a", "d/.wh..wh..opq"]),
+            prop::collection::vec(any::<u8>(), 0..64),
+        ),
+        0..4,
+    )
+    .prop_map(|files| {
+        let mut b = Vec::new();
+        for (n, data) in files {
+            let data = if n.contains(".wh.") { Vec::new() } else { data };
+            push(
+                &mut b,
+                header(
+                    n.as_bytes(),
+                    EntryType::Regular,
+                    data.len() as u64,
+                    0o644,
+                    0,
+                ),
+                &data,
+            );
+        }
+        b.extend(std::iter::repeat_n(0u8, 1024));
+        b
+    })
+}
+
+#[test]
+fn fuzz_oci_layouts() {
+    if !have_root("fuzz_oci_layouts") {
+        return;
+    }
+    let started = Instant::now();
+    let mut runner = TestRunner::new(Config {
+        cases: cases(400),
+        failure_persistence: None,
+        ..Config::default()
+    });
+    let execs = std::sync::atomic::AtomicU64::new(0);
+    let ok = std::sync::atomic::AtomicU64::new(0);
+    let strategy = (
+        prop::collection::vec(clean_layer(), 0..3),
+        layout_mutation(),
+    );
+    let result = runner.run(&strategy, |(layers, m)| {
+        execs.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let s = Scene::new();
+        let src = s.base.join("layout");
+        let m = if write_layout(&src, &s.outside(), &layers, &m) {
+            m
+        } else {
+            LayoutMutation::None
+        };
+        // The import runs in a thread: a blob that blocks (a fifo) must not
+        // hang it.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (src2, staging) = (src.clone(), s.staging());
+        std::thread::spawn(move || {
+            let r = import_tree(
+                &src2,
+                &staging,
+                &ImportOptions {
+                    kind: ImportKind::Oci,
+                    ..Default::default()
+                },
+            );
+            let _ = tx.send(r);
+        });
+        let r = rx
+            .recv_timeout(std::time::Duration::from_secs(20))
+            .map_err(|_| TestCaseError::fail(format!("the import of a layout hung ({m:?})")))?;
+        std::fs::remove_dir_all(&src).unwrap();
+        s.untouched().map_err(TestCaseError::fail)?;
+        match (&m, r) {
+            (_, Ok(rep)) => {
+                staged_tree_is_clean(&s.staging()).map_err(TestCaseError::fail)?;
+                prop_assert!(
+                    !matches!(
+                        m,
+                        LayoutMutation::BlobIs(..)
+                            | LayoutMutation::SelfNested
+                            | LayoutMutation::Marker(_)
+                    ),
+                    "a layout with {m:?} was imported: {rep:?}"
+                );
+                ok.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            (LayoutMutation::None, Err(e)) => {
+                return Err(TestCaseError::fail(format!(
+                    "a valid layout was refused: {e}"
+                )))
+            }
+            (_, Err(e)) => {
+                // Never the staging side, and a clear message.
+                let msg = e.to_string();
+                prop_assert!(
+                    !msg.is_empty() && !matches!(e, ImportError::Staging { .. }),
+                    "{msg}"
+                );
+            }
+        }
+        Ok(())
+    });
+    if let Err(e) = result {
+        panic!("{e}");
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let n = execs.into_inner();
+    eprintln!(
+        "fuzz_oci_layouts: {n} executions in {secs:.1} s, {:.0}/s, {} imported",
+        n as f64 / secs,
+        ok.into_inner()
+    );
+    reliability::record(
+        "fuzz-oci-layout",
+        "A hostile OCI image layout (mutated index, nested index loops, manifest, config and blob descriptors; blobs that are symlinks out, fifos, devices, directories or missing) is imported as its descriptors say or refused with a clear error; it never hangs, and nothing is written outside the staging directory.",
+        "cargo test -p layerstack-publisher --test fuzz_import fuzz_oci_layouts",
+        &[
+            ("executions", n.into()),
+            ("executions_per_s", ((n as f64 / secs).round() as u64).into()),
+            ("seconds", ((secs * 10.0).round() / 10.0).into()),
+            ("failures_found", 1.into()),
+        ],
+    );
+}
+
+/// The layout cases the fuzzing found, replayed: a blob or `index.json` that
+/// is a fifo hung the import (the open blocked for a writer); a device such as
+/// `/dev/zero` would have been read without end. Every non-regular blob is
+/// refused, whatever document it stands for.
+#[test]
+fn layout_blobs_that_are_not_regular_files_are_refused() {
+    if !have_root("layout_blobs_that_are_not_regular_files_are_refused") {
+        return;
+    }
+    let layer = {
+        let mut b = Vec::new();
+        push(&mut b, header(b"a", EntryType::Regular, 1, 0o644, 0), b"a");
+        b.extend(std::iter::repeat_n(0u8, 1024));
+        b
+    };
+    for kind in [
+        BlobKind::SymlinkOut,
+        BlobKind::Fifo,
+        BlobKind::DevZero,
+        BlobKind::Dir,
+        BlobKind::Missing,
+    ] {
+        for d in [Doc::Index, Doc::Manifest, Doc::Config, Doc::Layer] {
+            let s = Scene::new();
+            let src = s.base.join("layout");
+            assert!(write_layout(
+                &src,
+                &s.outside(),
+                std::slice::from_ref(&layer),
+                &LayoutMutation::BlobIs(kind, d)
+            ));
+            let (tx, rx) = std::sync::mpsc::channel();
+            let (src2, staging) = (src.clone(), s.staging());
+            std::thread::spawn(move || {
+                let _ = tx.send(import_tree(
+                    &src2,
+                    &staging,
+                    &ImportOptions {
+                        kind: ImportKind::Oci,
+                        ..Default::default()
+                    },
+                ));
+            });
+            let r = rx
+                .recv_timeout(std::time::Duration::from_secs(20))
+                .unwrap_or_else(|_| panic!("the import of a layout whose {d:?} is {kind:?} hung"));
+            let e = r.expect_err("imported");
+            assert!(
+                matches!(e, ImportError::Source { .. } | ImportError::Invalid(_)),
+                "{kind:?} {d:?}: {e}"
+            );
+            std::fs::remove_dir_all(&src).unwrap();
+            s.untouched().unwrap();
+        }
+    }
+}
