@@ -457,6 +457,10 @@ impl Engine {
 
 #[cfg(test)]
 mod inspect_tests;
+/// The reliability records tests write (docs/reliability.md).
+#[cfg(test)]
+#[path = "../../testsupport/reliability.rs"]
+mod reliability;
 #[cfg(test)]
 mod test_support;
 #[cfg(test)]

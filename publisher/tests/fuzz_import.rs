@@ -195,11 +195,12 @@ fn error_is_clear(e: &ImportError) -> Result<(), String> {
             }
         }
         ImportError::Archive { .. } | ImportError::Invalid(_) | ImportError::Digest { .. } => {}
-        ImportError::Staging { entry, .. } => {
-            // An input the staging side cannot hold (a name over NAME_MAX): it
-            // must name the entry.
-            if entry.is_empty() {
-                return Err(format!("a staging error that names no entry: {msg}"));
+        ImportError::Staging { entry, source, .. } => {
+            // Only an input the staging side cannot hold (a name over
+            // NAME_MAX), naming the entry; a corrupt input is never blamed on
+            // the staging side (a truncated gzip read as a write error was).
+            if entry.is_empty() || source.raw_os_error() != Some(libc::ENAMETOOLONG) {
+                return Err(format!("a staging error for an input error: {msg}"));
             }
         }
         ImportError::Source { .. } | ImportError::Missing(_) => {
@@ -477,6 +478,17 @@ impl Archive {
                                 }
                             }
                             "path" => pax_path = Some(v.clone()),
+                            k if k.starts_with("SCHILY.xattr.user.")
+                                && matches!(
+                                    e.kind,
+                                    Kind::Symlink(_)
+                                        | Kind::Char(..)
+                                        | Kind::Block(..)
+                                        | Kind::Fifo
+                                ) =>
+                            {
+                                meta_why.get_or_insert("user xattr on a special".into());
+                            }
                             k if is_overlay_xattr(k) => {
                                 meta_why.get_or_insert("overlay xattr".into());
                             }

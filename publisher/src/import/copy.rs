@@ -75,6 +75,7 @@ impl Copy<'_> {
         let origin = self.source.display().to_string();
         let staging = self.stage.root().to_path_buf();
         let entry = rel.to_vec();
+        let source_path = self.source.join(OsStr::from_bytes(rel));
         move |e| match e {
             StageError::Refused(reason) => ImportError::Refused {
                 origin,
@@ -85,6 +86,11 @@ impl Copy<'_> {
                 what,
                 entry,
                 staging,
+                source,
+            },
+            StageError::Read(source) => ImportError::Source {
+                what: "the entry",
+                path: source_path,
                 source,
             },
         }

@@ -32,7 +32,7 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::ffi::OsStr;
-use std::io::{self, Read};
+use std::io::{self, Read, Write};
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
@@ -55,6 +55,9 @@ pub(crate) enum StageError {
     Refused(String),
     /// A system call on the staged tree failed.
     Io(&'static str, io::Error),
+    /// Reading an entry's content from the input failed (a truncated or
+    /// corrupt archive): the input is at fault, not the staging side.
+    Read(io::Error),
 }
 
 impl From<Errno> for StageError {
@@ -360,7 +363,20 @@ impl Stage {
         let fd = rfs::openat(&dir, os(&name), flags, Mode::from_raw_mode(0o600))
             .map_err(io_err("create"))?;
         let mut f = std::fs::File::from(fd);
-        let n = io::copy(data, &mut f).map_err(|e| StageError::Io("write", e))?;
+        // Not io::copy: a read error is the input's, a write error staging's.
+        let mut buf = vec![0u8; 64 * 1024];
+        let mut n = 0u64;
+        loop {
+            let k = match data.read(&mut buf) {
+                Ok(0) => break,
+                Ok(k) => k,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(StageError::Read(e)),
+            };
+            f.write_all(&buf[..k])
+                .map_err(|e| StageError::Io("write", e))?;
+            n += k as u64;
+        }
         set_fd_meta(&f, meta)?;
         self.report.files += 1;
         self.report.content_bytes += n;
@@ -407,6 +423,7 @@ impl Stage {
                 "it is a symlink with an empty target or one holding a NUL byte".into(),
             ));
         }
+        no_user_xattrs(meta, "symlink")?;
         let (dir, name) = self.replace(rel, meta)?;
         rfs::symlinkat(os(target), &dir, os(&name)).map_err(io_err("create symlink"))?;
         set_at_meta(&dir, &name, meta, true)?;
@@ -422,6 +439,7 @@ impl Stage {
                 "it is a character device 0:0, which overlayfs reads as a whiteout; a base has no whiteouts (in a layer tar, write `.wh.<name>` instead)".into(),
             ));
         }
+        no_user_xattrs(meta, "device or fifo")?;
         let (dir, name) = self.replace(rel, meta)?;
         let (ft, dev) = match kind {
             Special::Char(ma, mi) => (FileType::CharacterDevice, rfs::makedev(ma, mi)),
@@ -562,6 +580,19 @@ impl Stage {
             }
         }
         Ok(self.report)
+    }
+}
+
+/// Refuses `user.*` xattrs on what is not a regular file nor a directory:
+/// Linux keeps them on those only (`xattr(7)`), so the entry cannot be
+/// staged as it is.
+fn no_user_xattrs(meta: &Meta, what: &str) -> R<()> {
+    match meta.xattrs.iter().find(|(n, _)| n.starts_with(b"user.")) {
+        Some((n, _)) => Err(StageError::Refused(format!(
+            "it is a {what} with the xattr {}, and Linux keeps user.* xattrs on regular files and directories only: remove it from the archive",
+            show(n)
+        ))),
+        None => Ok(()),
     }
 }
 

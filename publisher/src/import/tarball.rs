@@ -130,6 +130,7 @@ pub(crate) fn apply(
         let parent = parent.to_vec();
         let staged = |e: StageError| match e {
             StageError::Refused(why) => refused(why),
+            StageError::Read(e) => read_err(&last)(e),
             StageError::Io(what, source) => ImportError::Staging {
                 what,
                 entry: rel.clone(),
