@@ -86,6 +86,11 @@ impl Scene {
         std::fs::create_dir(base.join("staging")).unwrap();
         std::fs::create_dir(base.join("outside")).unwrap();
         std::fs::write(base.join("outside/sentinel"), b"untouched").unwrap();
+        std::fs::set_permissions(
+            base.join("outside/sentinel"),
+            std::os::unix::fs::PermissionsExt::from_mode(0o644),
+        )
+        .unwrap();
         Scene { _t: t, base }
     }
 
@@ -117,7 +122,7 @@ impl Scene {
         let md = std::fs::symlink_metadata(self.outside().join("sentinel")).unwrap();
         if std::fs::read(self.outside().join("sentinel")).unwrap() != b"untouched"
             || md.nlink() != 1
-            || md.mode() & 0o7777 != 0o644 & !umask()
+            || md.mode() & 0o7777 != 0o644
         {
             return Err(format!(
                 "the sentinel changed: nlink {} mode {:o}",
@@ -127,12 +132,6 @@ impl Scene {
         }
         Ok(())
     }
-}
-
-fn umask() -> u32 {
-    let m = nix::sys::stat::umask(nix::sys::stat::Mode::empty());
-    nix::sys::stat::umask(m);
-    m.bits()
 }
 
 /// What a staged tree must never hold: whiteouts, opaque markers, 0:0

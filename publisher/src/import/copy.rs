@@ -127,7 +127,10 @@ impl Copy<'_> {
         if st.st_nlink > 1 {
             let key = (st.st_dev, st.st_ino);
             if let Some(first) = self.links.get(&key).cloned() {
-                return self.stage.hardlink(rel, &first).map_err(self.staged(rel));
+                return self
+                    .stage
+                    .hardlink(rel, &first, &Default::default())
+                    .map_err(self.staged(rel));
             }
             self.links.insert(key, rel.to_vec());
         }

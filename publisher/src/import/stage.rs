@@ -455,7 +455,10 @@ impl Stage {
 
     /// A hardlink at `rel` to the existing non-directory `target` (a path of
     /// the staged tree, reached beneath the root without following symlinks).
-    pub(crate) fn hardlink(&mut self, rel: &[u8], target: &[u8]) -> R<()> {
+    /// The link shares its target's metadata; the entry's own `meta` is only
+    /// checked (an overlayfs-private xattr is refused wherever it is given).
+    pub(crate) fn hardlink(&mut self, rel: &[u8], target: &[u8], meta: &Meta) -> R<()> {
+        meta.check()?;
         if rel == target {
             return Err(StageError::Refused("it is a hardlink to itself".into()));
         }

@@ -208,7 +208,7 @@ pub(crate) fn apply(
                             )))
                         }
                     };
-                    stage.hardlink(&rel, &target).map_err(staged)?;
+                    stage.hardlink(&rel, &target, &meta).map_err(staged)?;
                 }
                 EntryType::Char | EntryType::Block => {
                     let h = entry.header();
