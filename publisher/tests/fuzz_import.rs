@@ -418,6 +418,8 @@ impl Archive {
                 Kind::Fifo => (EntryType::Fifo, &[], None),
                 Kind::Other(t) => (EntryType::new(*t), &[], None),
             };
+            // A "lie" that is the truth is none.
+            let size_lie = e.size_lie.filter(|&v| v != data.len() as u64);
             // PAX records of this entry.
             let mut body = Vec::new();
             let mut keys = BTreeSet::new();
@@ -452,7 +454,7 @@ impl Archive {
                                     })
                                     .and_then(|s| s.parse::<u64>().ok());
                                 match n {
-                                    Some(n) if n == data.len() as u64 && e.size_lie.is_none() => {
+                                    Some(n) if n == data.len() as u64 && size_lie.is_none() => {
                                         pax_size = Some(n)
                                     }
                                     Some(n) => {
@@ -502,11 +504,9 @@ impl Archive {
                         if !keys.insert("size".into()) {
                             note("PAX size twice".into());
                         }
-                        let n = e.size_lie.unwrap_or(data.len() as u64);
-                        let _ = n;
                         body.extend(pax_record("size", data.len().to_string().as_bytes()));
                         pax_size = Some(data.len() as u64);
-                        if e.size_lie.is_some() {
+                        if size_lie.is_some() {
                             note("PAX size disagrees with the header".into());
                         }
                     }
@@ -552,7 +552,7 @@ impl Archive {
                         .to_vec(),
                 },
             };
-            let header_size = e.size_lie.unwrap_or(data.len() as u64);
+            let header_size = size_lie.unwrap_or(data.len() as u64);
             let mut h = header(&name, ty, header_size, e.mode, e.uid);
             if let Some(t) = &link {
                 let u = h.as_ustar_mut().unwrap();
@@ -567,7 +567,7 @@ impl Archive {
                 _ => {}
             }
             push(&mut b, h, data);
-            if e.size_lie.is_some() && pax_size.is_none() {
+            if size_lie.is_some() && pax_size.is_none() {
                 // The reader takes the lie: what follows is misread.
                 intact = false;
             }
@@ -1483,4 +1483,50 @@ fn layout_blobs_that_are_not_regular_files_are_refused() {
             s.untouched().unwrap();
         }
     }
+}
+
+/// The `tar` crate reads a PAX header or GNU long name into memory whole: a
+/// small gzip stream could make it read gigabytes. The reader under it stops
+/// at 4 MiB of headers between two entries' data; a large file's data is not
+/// headers and passes.
+#[test]
+fn headers_are_read_up_to_a_limit() {
+    if !have_root("headers_are_read_up_to_a_limit") {
+        return;
+    }
+    const BIG: usize = 64 << 20;
+    for ty in [
+        EntryType::XHeader,
+        EntryType::GNULongName,
+        EntryType::XGlobalHeader,
+    ] {
+        let mut b = Vec::new();
+        push(
+            &mut b,
+            header(b"PaxHeader", ty, BIG as u64, 0o644, 0),
+            &vec![b'a'; BIG],
+        );
+        push(&mut b, header(b"f", EntryType::Regular, 1, 0o644, 0), b"x");
+        b.extend(std::iter::repeat_n(0u8, 1024));
+        let s = Scene::new();
+        let e = extract_tar_into(&s.staging(), std::io::Cursor::new(gzip(&b)), "big")
+            .expect_err("a 64 MiB header was read");
+        let msg = e.to_string() + &format!("{:?}", e);
+        assert!(
+            msg.contains("exceed") || msg.contains("over the"),
+            "{ty:?}: {msg}"
+        );
+        s.untouched().unwrap();
+    }
+    // A 64 MiB file is data, not headers.
+    let mut b = Vec::new();
+    push(
+        &mut b,
+        header(b"big", EntryType::Regular, BIG as u64, 0o644, 0),
+        &vec![b'a'; BIG],
+    );
+    b.extend(std::iter::repeat_n(0u8, 1024));
+    let s = Scene::new();
+    let r = extract_tar_into(&s.staging(), std::io::Cursor::new(gzip(&b)), "big").unwrap();
+    assert_eq!(r.content_bytes, BIG as u64);
 }

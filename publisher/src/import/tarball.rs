@@ -11,7 +11,9 @@
 //! symlink, so an entry cannot land outside it through a symlink an earlier
 //! entry planted, nor a hardlink point outside it.
 
+use std::cell::Cell;
 use std::io::{self, BufRead, BufReader, Read};
+use std::rc::Rc;
 
 use tar::EntryType;
 
@@ -80,9 +82,13 @@ pub(crate) fn apply(
     opts: &ApplyOptions<'_>,
 ) -> Result<u64, ImportError> {
     let origin = opts.origin;
-    let mut archive = tar::Archive::new(EofSeen {
+    let pos = Rc::new(Cell::new(0u64));
+    let limit = Rc::new(Cell::new(MAX_HEADERS));
+    let mut archive = tar::Archive::new(Watched {
         inner: &mut *r,
-        seen: false,
+        seen_eof: false,
+        pos: pos.clone(),
+        limit: limit.clone(),
     });
     let mut last: Option<Vec<u8>> = None;
     let read_err = |last: &Option<Vec<u8>>| {
@@ -97,6 +103,13 @@ pub(crate) fn apply(
     let mut n = 0u64;
     for entry in archive.entries().map_err(read_err(&last))? {
         let mut entry = entry.map_err(read_err(&last))?;
+        // The reader has read up to this entry's data: what it reads until the
+        // next entry is this data and at most MAX_HEADERS of headers.
+        limit.set(
+            pos.get()
+                .saturating_add(entry.size().saturating_add(511) & !511)
+                .saturating_add(MAX_HEADERS),
+        );
         let raw = entry.path_bytes().into_owned();
         let refused = |reason: String| ImportError::Refused {
             origin: origin.to_string(),
@@ -238,7 +251,8 @@ pub(crate) fn apply(
         last = Some(raw.clone());
     }
 
-    if archive.into_inner().seen {
+    limit.set(u64::MAX);
+    if archive.into_inner().seen_eof {
         // The input ended where a header should be: the `tar` crate takes
         // that for the end, but a whole archive ends with zero blocks. An
         // archive cut at an entry boundary is refused, not imported in part.
@@ -253,20 +267,39 @@ pub(crate) fn apply(
     Ok(n)
 }
 
-/// A reader that notes whether its input ended (a read of a non-empty
-/// buffer returned 0): after the `tar` crate's last entry, whether the archive
-/// ended at its end-of-archive blocks or merely stopped.
-struct EofSeen<'a> {
+/// The most the `tar` crate may read between one entry's data and the next
+/// entry: its headers, PAX records and GNU long names, which it holds in
+/// memory whole (a PAX header of gigabytes, from a small gzip stream, would be
+/// read into memory otherwise). Real ones are a few KiB: a PAX path is at
+/// most PATH_MAX, an xattr value at most 64 KiB.
+const MAX_HEADERS: u64 = 4 << 20;
+
+/// The reader under the `tar` crate: notes whether its input ended (a read of
+/// a non-empty buffer returned 0: after the last entry, whether the archive
+/// ended at its end-of-archive blocks or merely stopped), counts what was
+/// read (`pos`), and fails a read past `limit` (see [`MAX_HEADERS`]).
+struct Watched<'a> {
     inner: &'a mut dyn Read,
-    seen: bool,
+    seen_eof: bool,
+    pos: Rc<Cell<u64>>,
+    limit: Rc<Cell<u64>>,
 }
 
-impl Read for EofSeen<'_> {
+impl Read for Watched<'_> {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        let n = self.inner.read(buf)?;
-        if n == 0 && !buf.is_empty() {
-            self.seen = true;
+        let room = self.limit.get().saturating_sub(self.pos.get());
+        if room == 0 && !buf.is_empty() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("its headers before the next entry (PAX records, GNU long names) exceed {MAX_HEADERS} bytes"),
+            ));
         }
+        let want = buf.len().min(usize::try_from(room).unwrap_or(usize::MAX));
+        let n = self.inner.read(&mut buf[..want])?;
+        if n == 0 && want > 0 {
+            self.seen_eof = true;
+        }
+        self.pos.set(self.pos.get() + n as u64);
         Ok(n)
     }
 }
@@ -303,6 +336,12 @@ fn check_framing<R: Read>(entry: &mut tar::Entry<'_, R>) -> Result<(), String> {
         .map_err(|_| "its header's size does not parse".to_string())?;
     let size = entry.size();
     let global = ty == EntryType::XGlobalHeader;
+    if global && size > MAX_HEADERS {
+        // Its records are read into memory whole.
+        return Err(format!(
+            "it is a global PAX header of {size} bytes, over the {MAX_HEADERS}-byte limit of headers"
+        ));
+    }
     let mut pax_size = None;
     if let Some(records) = entry
         .pax_extensions()
