@@ -52,6 +52,8 @@ use proptest::test_runner::{Config, TestCaseError, TestRunner};
 use sha2::{Digest as _, Sha256};
 use tar::{EntryType, Header};
 
+// Only `have_root` of the shared helpers is used here.
+#[allow(dead_code)]
 mod common;
 use common::have_root;
 
@@ -573,8 +575,8 @@ impl Archive {
             }
             if !intact {
                 // Past a broken frame nothing is predictable.
-                if why.is_some() {
-                    flag(why.unwrap(), &mut must);
+                if let Some(w) = why {
+                    flag(w, &mut must);
                 }
                 applied = None;
                 break;
