@@ -36,6 +36,8 @@ GUARANTEES: List[tuple] = [
     ("capture-race", "hostile input"),
     ("capture-limits", "hostile input"),
     ("fuzz-import", "hostile input"),
+    ("fuzz-oci-layout", "hostile input"),
+    ("fuzz-import-store", "hostile input"),
     ("fuzz-admin-input", "hostile input"),
     ("callers", "access"),
 ]

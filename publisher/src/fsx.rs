@@ -247,11 +247,24 @@ impl<'a> Parent<'a> {
 
     /// Opens the regular file `name` in this directory read-only, never
     /// following a symlink and never becoming a controlling terminal.
+    ///
+    /// Anything else is refused (`InvalidInput`, "not a regular file"): the
+    /// open does not block on a fifo (`O_NONBLOCK`, which regular files
+    /// ignore), and a fifo or a device such as `/dev/zero` is never read (it
+    /// could block or never end).
     pub(crate) fn open_read(&self, name: &[u8]) -> io::Result<std::fs::File> {
         use rustix::fs::{openat, Mode as RMode, OFlags};
-        let flags = OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NOCTTY | OFlags::CLOEXEC;
+        let flags =
+            OFlags::RDONLY | OFlags::NOFOLLOW | OFlags::NOCTTY | OFlags::CLOEXEC | OFlags::NONBLOCK;
         let fd = self.at(name, |d, n| openat(d, n, flags, RMode::empty()))?;
-        Ok(std::fs::File::from(fd))
+        let f = std::fs::File::from(fd);
+        if !f.metadata()?.is_file() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                "not a regular file (a fifo, device, socket or directory)",
+            ));
+        }
+        Ok(f)
     }
 }
 

@@ -494,9 +494,12 @@ impl Store {
         branch: &str,
         key: Option<&str>,
     ) -> Result<(GroupInfo, NodeInfo), StoreError> {
-        if name.is_empty() || name.len() > 128 || name.contains(char::is_whitespace) {
+        if name.is_empty()
+            || name.len() > 128
+            || name.contains(|c: char| c.is_whitespace() || c.is_control())
+        {
             return Err(StoreError::InvalidArgument(format!(
-                "graph name {name:?}: use 1-128 characters without spaces"
+                "graph name {name:?}: use 1-128 characters without spaces or control characters"
             )));
         }
         let args = KeyArgs::new()

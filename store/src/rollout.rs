@@ -670,16 +670,19 @@ impl Store {
     /// answers the run as it is.
     ///
     /// Errors: `NotFound` (graph), `AlreadyExists` (the name is a run over
-    /// another graph), `InvalidArgument` (empty name).
+    /// another graph), `InvalidArgument` (empty, over 256 bytes, a control
+    /// character).
     pub fn create_run(
         &self,
         name: &str,
         graph: &str,
         labels: &BTreeMap<String, String>,
     ) -> Result<(RunInfo, bool), StoreError> {
-        if name.is_empty() || name.len() > 256 {
+        if name.is_empty() || name.len() > 256 || name.contains(char::is_control) {
+            // Control characters: a name is printed in listings and logs,
+            // where an escape sequence would steer the terminal.
             return Err(StoreError::InvalidArgument(format!(
-                "run name {name:?}: give 1 to 256 bytes"
+                "run name {name:?}: give 1 to 256 bytes without control characters"
             )));
         }
         self.db.write(|tx| {

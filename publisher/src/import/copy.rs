@@ -75,6 +75,7 @@ impl Copy<'_> {
         let origin = self.source.display().to_string();
         let staging = self.stage.root().to_path_buf();
         let entry = rel.to_vec();
+        let source_path = self.source.join(OsStr::from_bytes(rel));
         move |e| match e {
             StageError::Refused(reason) => ImportError::Refused {
                 origin,
@@ -85,6 +86,11 @@ impl Copy<'_> {
                 what,
                 entry,
                 staging,
+                source,
+            },
+            StageError::Read(source) => ImportError::Source {
+                what: "the entry",
+                path: source_path,
                 source,
             },
         }
@@ -121,7 +127,10 @@ impl Copy<'_> {
         if st.st_nlink > 1 {
             let key = (st.st_dev, st.st_ino);
             if let Some(first) = self.links.get(&key).cloned() {
-                return self.stage.hardlink(rel, &first).map_err(self.staged(rel));
+                return self
+                    .stage
+                    .hardlink(rel, &first, &Default::default())
+                    .map_err(self.staged(rel));
             }
             self.links.insert(key, rel.to_vec());
         }

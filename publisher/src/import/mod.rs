@@ -288,16 +288,7 @@ pub fn import_tree(
         }
         ImportKind::Auto => unreachable!("resolved above"),
     }
-    let staged = |e: stage::StageError| match e {
-        stage::StageError::Refused(r) => ImportError::Invalid(r),
-        stage::StageError::Io(what, source) => ImportError::Staging {
-            what,
-            entry: Vec::new(),
-            staging: staging.to_path_buf(),
-            source,
-        },
-    };
-    let mut report = stage.finish().map_err(staged)?;
+    let mut report = stage.finish().map_err(finish_err(staging))?;
     report.kind = kind;
     report.layers = match (&chosen, kind) {
         (Some(c), _) => c.layers,
@@ -317,6 +308,25 @@ pub fn import_tree(
         })?;
     }
     Ok(report)
+}
+
+/// The error of [`stage::Stage::finish`] on the tree in `staging`.
+fn finish_err(staging: &Path) -> impl FnOnce(stage::StageError) -> ImportError + '_ {
+    move |e| match e {
+        stage::StageError::Refused(r) => ImportError::Invalid(r),
+        stage::StageError::Io(what, source) => ImportError::Staging {
+            what,
+            entry: Vec::new(),
+            staging: staging.to_path_buf(),
+            source,
+        },
+        stage::StageError::Read(source) => ImportError::Staging {
+            what: "read",
+            entry: Vec::new(),
+            staging: staging.to_path_buf(),
+            source,
+        },
+    }
 }
 
 /// Refuses to copy a directory that holds the staging directory (the store
@@ -340,8 +350,9 @@ fn refuse_staging_inside(source: &Path, staging: &Path) -> Result<(), ImportErro
 /// an import's are (see the module docs: absolute names, `..`, writes through
 /// a symlink — one that was there before as well as one an entry planted —,
 /// hardlinks to outside, overlayfs-private xattrs and 0:0 character devices
-/// are refused, naming the entry). The metadata of `dir` itself is left as it
-/// is. `origin` names the stream in messages. For the daemon's `UploadTar`.
+/// are refused, naming the entry; so are OCI whiteouts and opaque markers,
+/// which have no layer below to hide here). The metadata of `dir` itself is
+/// left as it is. `origin` names the stream in messages. For the daemon's `UploadTar`.
 ///
 /// # Errors
 /// [`ImportError`]; entries before a refused one stay written.
@@ -360,15 +371,7 @@ pub fn extract_tar_into(
             refuse_layout: false,
         },
     )?;
-    let mut report = stage.finish().map_err(|e| match e {
-        stage::StageError::Refused(r) => ImportError::Invalid(r),
-        stage::StageError::Io(what, source) => ImportError::Staging {
-            what,
-            entry: Vec::new(),
-            staging: dir.to_path_buf(),
-            source,
-        },
-    })?;
+    let mut report = stage.finish().map_err(finish_err(dir))?;
     report.kind = ImportKind::Tar;
     report.layers = 1;
     Ok(report)
@@ -401,15 +404,7 @@ pub fn flatten_layer_tars<'a>(
         )?;
         n += 1;
     }
-    let mut report = stage.finish().map_err(|e| match e {
-        stage::StageError::Refused(r) => ImportError::Invalid(r),
-        stage::StageError::Io(what, source) => ImportError::Staging {
-            what,
-            entry: Vec::new(),
-            staging: staging.to_path_buf(),
-            source,
-        },
-    })?;
+    let mut report = stage.finish().map_err(finish_err(staging))?;
     report.kind = if n == 1 {
         ImportKind::Tar
     } else {

@@ -32,7 +32,7 @@
 
 use std::collections::{BTreeMap, HashSet};
 use std::ffi::OsStr;
-use std::io::{self, Read};
+use std::io::{self, Read, Write};
 use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
@@ -55,6 +55,9 @@ pub(crate) enum StageError {
     Refused(String),
     /// A system call on the staged tree failed.
     Io(&'static str, io::Error),
+    /// Reading an entry's content from the input failed (a truncated or
+    /// corrupt archive): the input is at fault, not the staging side.
+    Read(io::Error),
 }
 
 impl From<Errno> for StageError {
@@ -194,6 +197,12 @@ impl Stage {
             track: false,
             ..Stage::new(root)
         }
+    }
+
+    /// Whether the paths of the current layer are remembered (whiteouts and
+    /// opaque markers need them; an extraction into a directory has none).
+    pub(crate) fn tracks(&self) -> bool {
+        self.track
     }
 
     /// The staging root.
@@ -354,7 +363,20 @@ impl Stage {
         let fd = rfs::openat(&dir, os(&name), flags, Mode::from_raw_mode(0o600))
             .map_err(io_err("create"))?;
         let mut f = std::fs::File::from(fd);
-        let n = io::copy(data, &mut f).map_err(|e| StageError::Io("write", e))?;
+        // Not io::copy: a read error is the input's, a write error staging's.
+        let mut buf = vec![0u8; 64 * 1024];
+        let mut n = 0u64;
+        loop {
+            let k = match data.read(&mut buf) {
+                Ok(0) => break,
+                Ok(k) => k,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(StageError::Read(e)),
+            };
+            f.write_all(&buf[..k])
+                .map_err(|e| StageError::Io("write", e))?;
+            n += k as u64;
+        }
         set_fd_meta(&f, meta)?;
         self.report.files += 1;
         self.report.content_bytes += n;
@@ -401,6 +423,7 @@ impl Stage {
                 "it is a symlink with an empty target or one holding a NUL byte".into(),
             ));
         }
+        no_user_xattrs(meta, "symlink")?;
         let (dir, name) = self.replace(rel, meta)?;
         rfs::symlinkat(os(target), &dir, os(&name)).map_err(io_err("create symlink"))?;
         set_at_meta(&dir, &name, meta, true)?;
@@ -416,6 +439,7 @@ impl Stage {
                 "it is a character device 0:0, which overlayfs reads as a whiteout; a base has no whiteouts (in a layer tar, write `.wh.<name>` instead)".into(),
             ));
         }
+        no_user_xattrs(meta, "device or fifo")?;
         let (dir, name) = self.replace(rel, meta)?;
         let (ft, dev) = match kind {
             Special::Char(ma, mi) => (FileType::CharacterDevice, rfs::makedev(ma, mi)),
@@ -431,7 +455,10 @@ impl Stage {
 
     /// A hardlink at `rel` to the existing non-directory `target` (a path of
     /// the staged tree, reached beneath the root without following symlinks).
-    pub(crate) fn hardlink(&mut self, rel: &[u8], target: &[u8]) -> R<()> {
+    /// The link shares its target's metadata; the entry's own `meta` is only
+    /// checked (an overlayfs-private xattr is refused wherever it is given).
+    pub(crate) fn hardlink(&mut self, rel: &[u8], target: &[u8], meta: &Meta) -> R<()> {
+        meta.check()?;
         if rel == target {
             return Err(StageError::Refused("it is a hardlink to itself".into()));
         }
@@ -556,6 +583,19 @@ impl Stage {
             }
         }
         Ok(self.report)
+    }
+}
+
+/// Refuses `user.*` xattrs on what is not a regular file nor a directory:
+/// Linux keeps them on those only (`xattr(7)`), so the entry cannot be
+/// staged as it is.
+fn no_user_xattrs(meta: &Meta, what: &str) -> R<()> {
+    match meta.xattrs.iter().find(|(n, _)| n.starts_with(b"user.")) {
+        Some((n, _)) => Err(StageError::Refused(format!(
+            "it is a {what} with the xattr {}, and Linux keeps user.* xattrs on regular files and directories only: remove it from the archive",
+            show(n)
+        ))),
+        None => Ok(()),
     }
 }
 

@@ -11,7 +11,9 @@
 //! symlink, so an entry cannot land outside it through a symlink an earlier
 //! entry planted, nor a hardlink point outside it.
 
+use std::cell::Cell;
 use std::io::{self, BufRead, BufReader, Read};
+use std::rc::Rc;
 
 use tar::EntryType;
 
@@ -80,7 +82,14 @@ pub(crate) fn apply(
     opts: &ApplyOptions<'_>,
 ) -> Result<u64, ImportError> {
     let origin = opts.origin;
-    let mut archive = tar::Archive::new(&mut *r);
+    let pos = Rc::new(Cell::new(0u64));
+    let limit = Rc::new(Cell::new(MAX_HEADERS));
+    let mut archive = tar::Archive::new(Watched {
+        inner: &mut *r,
+        seen_eof: false,
+        pos: pos.clone(),
+        limit: limit.clone(),
+    });
     let mut last: Option<Vec<u8>> = None;
     let read_err = |last: &Option<Vec<u8>>| {
         let after = last.clone();
@@ -94,6 +103,13 @@ pub(crate) fn apply(
     let mut n = 0u64;
     for entry in archive.entries().map_err(read_err(&last))? {
         let mut entry = entry.map_err(read_err(&last))?;
+        // The reader has read up to this entry's data: what it reads until the
+        // next entry is this data and at most MAX_HEADERS of headers.
+        limit.set(
+            pos.get()
+                .saturating_add(entry.size().saturating_add(511) & !511)
+                .saturating_add(MAX_HEADERS),
+        );
         let raw = entry.path_bytes().into_owned();
         let refused = |reason: String| ImportError::Refused {
             origin: origin.to_string(),
@@ -101,9 +117,11 @@ pub(crate) fn apply(
             reason,
         };
         let ty = entry.header().entry_type();
+        check_framing(&mut entry).map_err(&refused)?;
         if ty == EntryType::XGlobalHeader {
             // Archive-wide PAX defaults (a comment, a charset): nothing of an
-            // entry; containerd's unpack ignores them too.
+            // entry; containerd's unpack ignores them too (check_framing
+            // refused the records that would make readers disagree).
             continue;
         }
         n += 1;
@@ -125,6 +143,7 @@ pub(crate) fn apply(
         let parent = parent.to_vec();
         let staged = |e: StageError| match e {
             StageError::Refused(why) => refused(why),
+            StageError::Read(e) => read_err(&last)(e),
             StageError::Io(what, source) => ImportError::Staging {
                 what,
                 entry: rel.clone(),
@@ -135,6 +154,26 @@ pub(crate) fn apply(
         if opts.refuse_layout && rel == b"oci-layout" {
             return Err(ImportError::Invalid(format!(
                 "{origin} holds an OCI image layout (its top level has oci-layout), not a root filesystem: extract it into a directory and import that directory (--kind oci), or pass --kind tar to import its files as they are"
+            )));
+        }
+        if let Some(wh) = parent
+            .split(|&b| b == b'/')
+            .find(|c| c.starts_with(WHITEOUT_PREFIX))
+        {
+            // A directory named as a whiteout: written, it would be read as
+            // one when the base is exported and unpacked again.
+            return Err(refused(format!(
+                "its path passes through {}, a whiteout name (a whiteout is a file, never a directory with entries)",
+                show(wh)
+            )));
+        }
+        if !stage.tracks() && (name == OPAQUE_MARKER || name.starts_with(WHITEOUT_PREFIX)) {
+            // An extraction into a directory (UploadTar) has no layer below:
+            // an opaque marker would empty its directory, a whiteout remove
+            // what was there before the upload.
+            return Err(refused(format!(
+                "it is an OCI whiteout or opaque marker (a `{}` name), which an extraction into a directory does not apply: rename the file, or import the archive as a layer",
+                show(WHITEOUT_PREFIX)
             )));
         }
         if name == OPAQUE_MARKER {
@@ -182,7 +221,7 @@ pub(crate) fn apply(
                             )))
                         }
                     };
-                    stage.hardlink(&rel, &target).map_err(staged)?;
+                    stage.hardlink(&rel, &target, &meta).map_err(staged)?;
                 }
                 EntryType::Char | EntryType::Block => {
                     let h = entry.header();
@@ -212,10 +251,175 @@ pub(crate) fn apply(
         last = Some(raw.clone());
     }
 
+    limit.set(u64::MAX);
+    if archive.into_inner().seen_eof {
+        // The input ended where a header should be: the `tar` crate takes
+        // that for the end, but a whole archive ends with zero blocks. An
+        // archive cut at an entry boundary is refused, not imported in part.
+        return Err(read_err(&last)(io::Error::new(
+            io::ErrorKind::UnexpectedEof,
+            "it ends without the end-of-archive zero blocks (an archive cut at an entry boundary): copy it again",
+        )));
+    }
     // What follows the end-of-archive blocks is part of the stream a digest
     // names.
     io::copy(r, &mut io::sink()).map_err(read_err(&last))?;
     Ok(n)
+}
+
+/// The most the `tar` crate may read between one entry's data and the next
+/// entry: its headers, PAX records and GNU long names, which it holds in
+/// memory whole (a PAX header of gigabytes, from a small gzip stream, would be
+/// read into memory otherwise). Real ones are a few KiB: a PAX path is at
+/// most PATH_MAX, an xattr value at most 64 KiB.
+const MAX_HEADERS: u64 = 4 << 20;
+
+/// The reader under the `tar` crate: notes whether its input ended (a read of
+/// a non-empty buffer returned 0: after the last entry, whether the archive
+/// ended at its end-of-archive blocks or merely stopped), counts what was
+/// read (`pos`), and fails a read past `limit` (see [`MAX_HEADERS`]).
+struct Watched<'a> {
+    inner: &'a mut dyn Read,
+    seen_eof: bool,
+    pos: Rc<Cell<u64>>,
+    limit: Rc<Cell<u64>>,
+}
+
+impl Read for Watched<'_> {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        let room = self.limit.get().saturating_sub(self.pos.get());
+        if room == 0 && !buf.is_empty() {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!("its headers before the next entry (PAX records, GNU long names) exceed {MAX_HEADERS} bytes"),
+            ));
+        }
+        let want = buf.len().min(usize::try_from(room).unwrap_or(usize::MAX));
+        let n = self.inner.read(&mut buf[..want])?;
+        if n == 0 && want > 0 {
+            self.seen_eof = true;
+        }
+        self.pos.set(self.pos.get() + n as u64);
+        Ok(n)
+    }
+}
+
+/// The largest size a ustar header's 11 octal digits hold (8 GiB − 1); a
+/// writer gives a larger file's size in a PAX `size` record and 0 in the
+/// header (Go's archive/tar, Python's tarfile).
+const USTAR_SIZE_MAX: u64 = 0o777_7777_7777;
+
+/// Refuses an entry whose framing readers disagree on, before anything of it
+/// is used (CVE-2025-62518, "TARmageddon", is the class: a reader that takes
+/// another size than the writer meant reads content as headers, or headers as
+/// content):
+/// * a malformed PAX record (the `tar` crate then ignores every record after
+///   it, a `size` among them; Go's archive/tar refuses the archive), or one
+///   given twice (the `tar` crate takes the first, GNU tar and Go the last);
+/// * a PAX `size`, `uid` or `gid` that is not a decimal number (the `tar`
+///   crate ignores it, others do not);
+/// * a PAX `size` that disagrees with the header's, except the header's 0
+///   for a size its field cannot hold;
+/// * data on an entry that has none (a directory, link, device, fifo): Go's
+///   archive/tar, containerd's, reads those bytes as the next headers, this
+///   reader skips them;
+/// * a global PAX header with a record that describes entries (`path`,
+///   `linkpath`, `size`, `uid`, `gid`): GNU tar applies it to every entry
+///   that follows, Go's archive/tar and this import do not.
+///
+/// The error is the reason, for [`ImportError::Refused`].
+fn check_framing<R: Read>(entry: &mut tar::Entry<'_, R>) -> Result<(), String> {
+    let ty = entry.header().entry_type();
+    let header_size = entry
+        .header()
+        .entry_size()
+        .map_err(|_| "its header's size does not parse".to_string())?;
+    let size = entry.size();
+    let global = ty == EntryType::XGlobalHeader;
+    if global && size > MAX_HEADERS {
+        // Its records are read into memory whole.
+        return Err(format!(
+            "it is a global PAX header of {size} bytes, over the {MAX_HEADERS}-byte limit of headers"
+        ));
+    }
+    let mut pax_size = None;
+    if let Some(records) = entry
+        .pax_extensions()
+        .map_err(|e| format!("its PAX records cannot be read: {e}"))?
+    {
+        let mut seen: Vec<&[u8]> = Vec::new();
+        for rec in records {
+            let rec = rec.map_err(|_| {
+                "it has a malformed PAX record (each is `<length> <key>=<value>\\n`, its length counting the whole record; a value cannot hold a newline here); readers disagree on what follows one".to_string()
+            })?;
+            let key = rec.key_bytes();
+            if seen.contains(&key) {
+                return Err(format!(
+                    "its PAX record {} is given twice; readers disagree on which counts",
+                    show(key)
+                ));
+            }
+            seen.push(key);
+            if !matches!(key, b"size" | b"uid" | b"gid" | b"path" | b"linkpath") {
+                continue;
+            }
+            if global {
+                return Err(format!(
+                    "it is a global PAX header with a {} record: GNU tar applies it to every entry that follows, other readers do not; remove it from the archive",
+                    show(key)
+                ));
+            }
+            if key == b"path" || key == b"linkpath" {
+                continue;
+            }
+            let v = rec.value_bytes();
+            let n = (!v.is_empty() && v.iter().all(u8::is_ascii_digit))
+                .then(|| std::str::from_utf8(v).ok()?.parse::<u64>().ok())
+                .flatten()
+                .ok_or_else(|| {
+                    format!(
+                        "its PAX {} record {:?} is not a decimal number",
+                        show(key),
+                        show(v)
+                    )
+                })?;
+            if key == b"size" {
+                pax_size = Some(n);
+            }
+        }
+    }
+    if global {
+        return Ok(());
+    }
+    if let Some(p) = pax_size {
+        if p != size || (p != header_size && !(header_size == 0 && p > USTAR_SIZE_MAX)) {
+            return Err(format!(
+                "its PAX size record says {p} bytes, its header {header_size}: a reader that takes the header's size reads the data as headers (CVE-2025-62518); fix the archive's writer"
+            ));
+        }
+    }
+    let dataless = matches!(
+        ty,
+        EntryType::Directory
+            | EntryType::Symlink
+            | EntryType::Link
+            | EntryType::Char
+            | EntryType::Block
+            | EntryType::Fifo
+    );
+    if dataless && size != 0 {
+        return Err(format!(
+            "its header gives a {} {size} bytes of data: Go's archive/tar (containerd) reads those bytes as the next headers, this reader would skip them",
+            match ty {
+                EntryType::Directory => "directory",
+                EntryType::Symlink => "symlink",
+                EntryType::Link => "hardlink",
+                EntryType::Fifo => "fifo",
+                _ => "device",
+            }
+        ));
+    }
+    Ok(())
 }
 
 enum MetaError {
