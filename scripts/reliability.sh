@@ -42,22 +42,23 @@ mkdir -p "$LAYERSTACK_RELIABILITY_OUT"
 export LAYERSTACK_MODEL_PUBLISHERS=1024
 export LAYERSTACK_HOSTILE_FILES=1000000
 export LAYERSTACK_ISOLATION_N=1000
-export LAYERSTACK_FUZZ_CASES=100000
+export LAYERSTACK_FUZZ_CASES=10000
 
 start=$SECONDS
 echo "== build"
 cargo build --workspace --bins
 
-echo "== engine: crash points, I/O errors, power cuts, concurrency model, hostile uppers"
+echo "== engine: crash points, I/O errors, power cuts, concurrency model, hostile uppers, whole-import fuzz"
 cargo test -p layerstack-engine --lib -- \
-    tests::crash tests::model tests::powercut tests::hostile a_hostile_upper_never_steers
+    tests::crash tests::model tests::powercut tests::hostile a_hostile_upper_never_steers \
+    import::tests::hostile_tars_make_one_whole_base_or_nothing
 
-echo "== store, publisher: fuzzed parsers"
-cargo test -p layerstack-store -p layerstack-publisher -- fuzz
+echo "== store, publisher: fuzzed parsers and admin inputs"
+cargo test -p layerstack-publisher --test fuzz_import
+cargo test -p layerstack-store --test fuzz_admin
 
 echo "== integration: callers, disk full, memory"
-cargo test -p layerstack-integration --test auth
-cargo test -p layerstack-integration --test reliability
+cargo test -p layerstack-integration --test auth --test reliability
 
 echo "== python: exactly-once through daemon kills, 1,000 isolated sandboxes"
 PY_VENV="$TARGET/py-venv"

@@ -64,7 +64,7 @@ set +e
     echo "== reliability table (scripts/reliability.py)"
     python3 scripts/reliability.py --records "$LAYERSTACK_RELIABILITY_OUT" \
         --out "${CARGO_TARGET_DIR:-$ROOT/target}/reliability/reliability.md" \
-        --run "scripts/test.sh (CI-sized), $(date -u +%Y-%m-%d)"
+        --run "scripts/test.sh (CI-sized), $(date -u +%Y-%m-%d)" --require-all
 ) 2>&1 | tee "$LOG"
 status=${PIPESTATUS[0]}
 set -e
