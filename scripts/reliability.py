@@ -65,9 +65,12 @@ The power cut is simulated at the block layer: the store's ext4 sits on a loop
 device, and the backing file is copied while the publishing process is stopped
 right after an outcome was reported — the disk without the page cache's dirty
 pages, LazyFS's model (this kernel has no device-mapper, so no
-`dm-log-writes`; LazyFS is not packaged). A cut *between* the fsyncs of one
-publish is not simulated yet: the crash points above cover those steps for a
-process crash only.
+`dm-log-writes`; LazyFS is not packaged). In the `durable` profile the disk is
+also cut *inside* a publish, at each failpoint it reaches (the process pauses
+there while the disk is copied): the publish is there whole or not at all, and
+everything reported before it is there. Not simulated: a disk that reorders
+writes across a flush, and cuts inside squash, GC and import (covered for a
+process crash by the crash points above).
 """
 
 

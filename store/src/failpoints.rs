@@ -172,6 +172,11 @@ mod armed {
 /// died without reading its log).
 pub const HIT_FILE_ENV: &str = "LAYERSTACK_FAILPOINT_HIT_FILE";
 
+/// With this variable set, an armed crash point pauses its thread for good
+/// (after writing [`HIT_FILE_ENV`]) instead of aborting: the power-cut test
+/// copies the disk at that instant, then kills the process.
+pub const PAUSE_ENV: &str = "LAYERSTACK_FAILPOINT_PAUSE";
+
 /// Environment variable naming a file every point reached is appended to (one
 /// name a line): how the suite learns which points a workload reaches.
 pub const TRACE_FILE_ENV: &str = "LAYERSTACK_FAILPOINT_TRACE_FILE";
@@ -249,6 +254,12 @@ pub fn hit(name: &str) {
         if crash {
             if let Some(f) = std::env::var_os(HIT_FILE_ENV) {
                 let _ = std::fs::write(f, name);
+            }
+            if std::env::var_os(PAUSE_ENV).is_some() {
+                eprintln!("failpoint {name}: paused");
+                loop {
+                    std::thread::sleep(std::time::Duration::from_secs(3600));
+                }
             }
             eprintln!("failpoint {name}: aborting");
             std::process::abort();

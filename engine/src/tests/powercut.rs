@@ -17,6 +17,10 @@
 //!   numbers are recorded);
 //! * `durable`: `fsck --content` finds nothing.
 //!
+//! And in the durable profile, cuts *inside* a publish: at each failpoint the
+//! publish reaches (`layerstack_store::failpoints`, paused there while the
+//! disk is copied) the publish is whole or absent after the restart.
+//!
 //! Writeback during the copy is possible (the kernel's flusher runs on its own
 //! clock); it only makes a copy newer, never inconsistent beyond what a real
 //! power cut with a volatile disk cache allows, which ext4's journal handles.
@@ -99,9 +103,21 @@ async fn powercut_child() {
         f[2].parse::<usize>().unwrap(),
         Path::new(f[3]),
     );
+    // A point to pause at during the last publish (the per-point cuts).
+    let pause_at = f.get(4).filter(|p| !p.is_empty()).copied();
     let store = Arc::new(Store::open(root, &options(durable)).unwrap());
     let p = engine_with(&store, Default::default());
     for k in 1..=n {
+        if k == n {
+            // The traced run: the points of the last publish only (not the
+            // open's recovery points).
+            if let Some(t) = std::env::var_os(layerstack_store::failpoints::TRACE_FILE_ENV) {
+                std::fs::write(t, b"").unwrap();
+            }
+            if let Some(point) = pause_at {
+                layerstack_store::failpoints::arm(point);
+            }
+        }
         let body = format!("publish {k}\n").repeat(64);
         let s = session_with(
             &p,
@@ -139,26 +155,7 @@ async fn cut_after_each_publish(durable: bool, publishes: usize) -> (Vec<(usize,
     }
     run(Command::new("sync").arg("-f").arg(&disk.mnt));
     let root = disk.mnt.join("root");
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--ignored",
-            "--exact",
-            "tests::powercut::powercut_child",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(
-            CHILD,
-            format!(
-                "{}|{}|{publishes}|{}",
-                root.display(),
-                u8::from(durable),
-                ctl.display()
-            ),
-        )
-        .env_remove("RUST_LOG")
-        .spawn()
-        .unwrap();
+    let mut child = child(&root, durable, publishes, &ctl, "").spawn().unwrap();
     let mut cuts = Vec::new();
     for k in 1..=publishes {
         let reported = ctl.join(format!("reported-{k}"));
@@ -264,6 +261,146 @@ enum State {
     Absent,
 }
 
+/// A power cut *inside* a publish, at each failpoint the durable profile's
+/// publish reaches (`layerstack_store::failpoints`; the child pauses there,
+/// the parent copies the disk, then kills it): the publishes reported before
+/// are all there, the one cut is there whole or not at all, and `fsck
+/// --content` finds nothing after the restart.
+async fn cut_inside_a_publish_at_each_point() -> (usize, Vec<String>) {
+    const N: usize = 3;
+    // Which points a durable publish reaches: one traced run.
+    let points: Vec<String> = {
+        let t = tmp();
+        let image = t.path().join("disk.img");
+        Disk::format(&image, 128 << 20);
+        let ctl = t.path().join("ctl");
+        std::fs::create_dir_all(&ctl).unwrap();
+        let disk = Disk::mount(&image, &t.path().join("mnt"));
+        drop(setup_n(&disk.mnt, 1));
+        let trace = t.path().join("trace");
+        for k in 1..=N {
+            std::fs::write(ctl.join(format!("go-{k}")), b"").unwrap();
+        }
+        let st = child(&disk.mnt.join("root"), true, N, &ctl, "")
+            .env(layerstack_store::failpoints::TRACE_FILE_ENV, &trace)
+            .status()
+            .unwrap();
+        assert!(st.success(), "the traced child failed: {st:?}");
+        let mut v: Vec<String> = std::fs::read_to_string(&trace)
+            .unwrap()
+            .lines()
+            .map(str::to_string)
+            .collect();
+        v.sort();
+        v.dedup();
+        v
+    };
+    assert!(
+        points.iter().any(|p| p == "publish.renamed"),
+        "the traced publish reached no commit point: {points:?}"
+    );
+    let mut cut = 0;
+    for point in &points {
+        let t = tmp();
+        let image = t.path().join("disk.img");
+        Disk::format(&image, 128 << 20);
+        let ctl = t.path().join("ctl");
+        std::fs::create_dir_all(&ctl).unwrap();
+        let disk = Disk::mount(&image, &t.path().join("mnt"));
+        drop(setup_n(&disk.mnt, 1));
+        run(Command::new("sync").arg("-f").arg(&disk.mnt));
+        for k in 1..N {
+            std::fs::write(ctl.join(format!("go-{k}")), b"").unwrap();
+        }
+        let hit = t.path().join("hit");
+        let mut c = Killed(
+            child(&disk.mnt.join("root"), true, N, &ctl, point)
+                .env(layerstack_store::failpoints::HIT_FILE_ENV, &hit)
+                .env(layerstack_store::failpoints::PAUSE_ENV, "1")
+                .spawn()
+                .unwrap(),
+        );
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while !hit.exists() {
+            if let Some(st) = c.0.try_wait().unwrap() {
+                panic!("{point}: the child ended without reaching it: {st:?}");
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "{point} never reached"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let copy = t.path().join("cut.img");
+        run(Command::new("cp")
+            .arg("--sparse=always")
+            .arg(&image)
+            .arg(&copy));
+        drop(c);
+        drop(disk);
+        let disk = Disk::mount(&copy, &t.path().join("m"));
+        let store = Arc::new(Store::open(&disk.mnt.join("root"), &options(true)).unwrap());
+        let p = engine_with(&store, Default::default());
+        p.recover_operations().await.unwrap();
+        p.recover().await.unwrap();
+        let view = head_view(&store, "main");
+        for k in 1..=N {
+            let got = view.read_regular(marker(k).as_bytes()).unwrap();
+            let whole = got.as_deref() == Some(format!("publish {k}\n").repeat(64).as_bytes());
+            if k < N {
+                assert!(
+                    whole,
+                    "{point}: publish {k}, reported before the cut, is not whole: {got:?}"
+                );
+            } else {
+                assert!(
+                    whole || got.is_none(),
+                    "{point}: the publish cut there is half there: {got:?}"
+                );
+            }
+        }
+        let report = store.fsck_with(false, true).unwrap();
+        assert_eq!(report.unrepaired(), 0, "{point}: {:?}", report.problems);
+        cut += 1;
+    }
+    (cut, points)
+}
+
+/// A child process killed (SIGKILL) and reaped when dropped — also when the
+/// test fails while the child is paused at a failpoint.
+struct Killed(std::process::Child);
+
+impl Drop for Killed {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The publishing child: `publishes` publishes on the store at `root`, each
+/// reported in `ctl`; `pause_at`: a failpoint armed for the last one.
+fn child(root: &Path, durable: bool, publishes: usize, ctl: &Path, pause_at: &str) -> Command {
+    let mut c = Command::new(std::env::current_exe().unwrap());
+    c.args([
+        "--ignored",
+        "--exact",
+        "tests::powercut::powercut_child",
+        "--nocapture",
+        "--test-threads=1",
+    ])
+    .env(
+        CHILD,
+        format!(
+            "{}|{}|{publishes}|{}|{pause_at}",
+            root.display(),
+            u8::from(durable),
+            ctl.display()
+        ),
+    )
+    .env_remove("RUST_LOG");
+    c
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_power_cut_after_a_reported_publish_loses_nothing_in_the_durable_profile() {
     if !have_root("a_power_cut_after_a_reported_publish_loses_nothing_in_the_durable_profile") {
@@ -273,9 +410,10 @@ async fn a_power_cut_after_a_reported_publish_loses_nothing_in_the_durable_profi
     let started = std::time::Instant::now();
     let (durable, _) = cut_after_each_publish(true, n).await;
     let (disposable, torn) = cut_after_each_publish(false, n).await;
+    let (inside, points) = cut_inside_a_publish_at_each_point().await;
     let lost: usize = disposable.iter().map(|(r, s)| r - s).sum();
     let worst = disposable.iter().map(|(r, s)| r - s).max().unwrap_or(0);
-    eprintln!("power cuts: durable {durable:?}, disposable {disposable:?}, torn {torn}");
+    eprintln!("power cuts: durable {durable:?}, disposable {disposable:?}, torn {torn}; inside a durable publish at {points:?}");
     let _ = STACK;
     layerstack_store::reliability::record(
         "power-cut",
@@ -283,6 +421,7 @@ async fn a_power_cut_after_a_reported_publish_loses_nothing_in_the_durable_profi
         "cargo test -p layerstack-engine --lib tests::powercut",
         &[
             ("cuts per profile", n.into()),
+            ("durable: cuts inside a publish (one per failpoint it reaches)", inside.into()),
             ("durable: reported publishes lost", 0u64.into()),
             ("disposable: reported publishes lost (sum over cuts)", lost.into()),
             ("disposable: most lost at one cut", worst.into()),
