@@ -56,8 +56,8 @@ def test_rl_step_grades_every_rollout_and_rewards_each_sample_once(daemon: Daemo
         with c.sandbox(node=kept[0].id) as sb:
             out = sb.exec(["sh", "-c", "sh /work/proj/build.sh && sh /work/proj/test.sh"])
             assert out.ok and b"passed 4/4" in out.stdout, out
-    # The step again under the same name: every rewarded sample answers its recorded reward and
-    # runs nothing; fan_out gives an unrewarded (task_failed) sample a new attempt, which fails again.
+    # The step again under the same name: every sample answers as recorded and runs nothing — a
+    # rewarded one its reward, a task_failed one its failure (as final as a reward).
     again = rl_step.main([str(daemon.admin), "--n", str(n), "--name", "rl-test", "--stack", s["stack"],
                           "--dot", str(dot)])
     assert again["status"] == {"completed": 12, "task_failed": 4}, again["status"]
@@ -65,7 +65,7 @@ def test_rl_step_grades_every_rollout_and_rewards_each_sample_once(daemon: Daemo
     a = again["audit"]
     lost = sum(a["infra_failed"].values())
     assert (a["rewarded"], a["attempts"], a["completed"], a["task_failed"], a["backprops"]) == (
-        12, 20 + lost, 12, 8, 12), a
+        12, 16 + lost, 12, 4, 12), a
     assert a["violations"] == []
 
 

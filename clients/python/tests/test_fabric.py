@@ -295,7 +295,8 @@ def test_exactly_once_through_daemon_kills_mid_step(daemon: Daemon) -> None:  # 
                 await k
                 for x in results:
                     want = 1.0 if x.sample % 2 else 0.0
-                    assert (x.status, x.reward) == ("completed", want), (x.sample, x.errors)
+                    assert (x.status, x.reward) == ("completed", want), (
+                        x.sample, x.errors, x.attempt, x.grade_output)
                 audit = await ls.audit_run(run)
                 assert audit.violations == (), audit
                 assert (audit.samples, audit.rewarded, audit.running) == (24, 24, 0), audit

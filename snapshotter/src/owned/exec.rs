@@ -96,6 +96,7 @@ pub(crate) async fn exec(
         sys::pidfd_open(pid).map_err(|e| io_status("pidfd of the command's waiter", &e))?;
     let (tx, rx) = mpsc::channel(16);
     let stdin = r.stdin;
+    let init = l.pidfd.clone();
     let timeout = (r.timeout_ms > 0).then(|| Duration::from_millis(r.timeout_ms.into()));
     tokio::spawn(async move {
         let run = async {
@@ -194,6 +195,11 @@ pub(crate) async fn exec(
             let mut b = [0u8; holder::EXIT_BYTES];
             let x = match st.read_exact(&mut b).await {
                 Ok(_) => holder::decode_exit(&b),
+                // No exit of the command: it was never started. With the
+                // sandbox's init gone (killed, OOM), that is the sandbox's
+                // loss, not the command's result — an error, never an exit
+                // code a grader could score as the task's.
+                Err(_) if sys::pidfd_exited(&init) => return Ok(None),
                 Err(_) => waiter_exit.unwrap_or(Ok(Exit::Code(holder::SETUP_FAILED)))?,
             };
             let mut reply = exit_reply(x, timed_out, elapsed_from);
@@ -203,9 +209,18 @@ pub(crate) async fn exec(
                 e.session_memory_peak_bytes = u.memory_peak_bytes;
                 e.session_cpu_usec = u.cpu_usec;
             }
-            Ok::<_, io::Error>(reply)
+            Ok::<_, io::Error>(Some(reply))
         };
-        let last = run.await.map_err(|e| io_status("exec", &e));
+        let last = match run.await {
+            Ok(Some(reply)) => Ok(reply),
+            Ok(None) => Err(api::status(
+                ErrorKind::Unavailable,
+                format!(
+                    "session {id}'s sandbox is gone (its init ended): the command could not be started; create another sandbox"
+                ),
+            )),
+            Err(e) => Err(io_status("exec", &e)),
+        };
         let _ = tx.send(last).await;
     });
     Ok(Box::pin(ReceiverStream::new(rx)))

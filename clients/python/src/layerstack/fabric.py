@@ -611,7 +611,8 @@ async def _run_sample(
                 reward = float(value) if isinstance(value, (int, float)) else 1.0
                 last = await r.end(reward=reward, accepted=True, backprop=reward if backprop else None,
                                    keep=keep)
-                return RolloutResult(i, key, last, reward if last.applied else await _reward(client, key))
+                return RolloutResult(i, key, last, reward if last.applied else await _reward(client, key),
+                                     errors=tuple(errors))
             node_id = await r.checkpoint_for_grading()
             g = await client.sandbox(node=node_id, name=f"grade-{r.id}", key=f"grade:{r.id}")
             try:
@@ -630,7 +631,7 @@ async def _run_sample(
                 keep=keep if accepted else "discard",
             )
             applied = reward if last.applied else await _reward(client, key)
-            return RolloutResult(i, key, last, applied, grade_output=out)
+            return RolloutResult(i, key, last, applied, grade_output=out, errors=tuple(errors))
         except TaskFailed as e:
             try:
                 last = await _through_restarts(
@@ -639,7 +640,7 @@ async def _run_sample(
             except FailedPreconditionError as e2:  # a restart ended it first: try again
                 errors.append(f"attempt {number} end: {e2!r}")
                 continue
-            return RolloutResult(i, key, last, None)
+            return RolloutResult(i, key, last, None, errors=tuple(errors))
         except asyncio.CancelledError:
             raise
         except Exception as e:  # an infrastructure failure: retry the sample
