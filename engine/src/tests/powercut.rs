@@ -417,7 +417,7 @@ async fn a_power_cut_after_a_reported_publish_loses_nothing_in_the_durable_profi
     let _ = STACK;
     layerstack_store::reliability::record(
         "power-cut",
-        "A power cut right after a publish was reported (the loop device's disk without the page cache) loses nothing reported in the durable profile; in the default profile it loses only the newest publishes, never half of one, never an older one while a newer survives; fsck is clean after each",
+        "A power cut (the loop device's disk without the page cache) right after a publish was reported, or inside a durable publish at each failpoint it reaches, loses nothing reported in the durable profile and leaves the cut publish whole or absent; in the default profile only a prefix of what was reported survives and its newest files can be torn, which fsck --content flags exactly",
         "cargo test -p layerstack-engine --lib tests::powercut",
         &[
             ("cuts per profile", n.into()),
