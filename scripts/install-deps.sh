@@ -15,18 +15,21 @@
 #                          mount -o loop (tests/reliability.rs)
 #   e2fsprogs              mkfs.ext4: the disk-full test's small store filesystem
 #                          (tests/reliability.rs)
+#   docker-registry        distribution 2.8, the private OCI registry of the push/pull
+#                          tests (integration/src/registry.rs, registry/tests)
+#   apache2-utils          htpasswd -B: that registry's basic-auth accounts
 # Only missing packages are installed (apt-get update only then). Needs root
 # when something is missing. Rust (cargo) is not installed here: it must exist.
 #
-# No system-wide containerd is left running: on a systemd host, Debian's
-# containerd package enables and starts containerd.service. When this script
-# installs containerd itself, it masks the unit for the install (runtime mask,
-# gone at reboot even if the script dies), then unmasks it and disables it: the
-# package is installed, the service stopped and not enabled. A containerd that
-# was installed before is never touched.
+# No system-wide containerd or registry is left running: on a systemd host,
+# Debian's containerd and docker-registry packages enable and start their
+# services. When this script installs one itself, it masks the unit for the
+# install (runtime mask, gone at reboot even if the script dies), then unmasks
+# it and disables it: the package is installed, the service stopped and not
+# enabled. A package that was installed before is never touched.
 set -euo pipefail
 
-PACKAGES=(containerd runc protobuf-compiler debootstrap busybox-static python3 python3-venv git ca-certificates systemd openssl util-linux e2fsprogs)
+PACKAGES=(containerd runc protobuf-compiler debootstrap busybox-static python3 python3-venv git ca-certificates systemd openssl util-linux e2fsprogs docker-registry apache2-utils)
 
 # systemd is the running init when this directory exists (sd_booted(3)).
 SYSTEMD_RUN_DIR=${LAYERSTACK_SYSTEMD_RUN_DIR:-/run/systemd/system}
@@ -51,24 +54,30 @@ if ((${#missing[@]})); then
     fi
     log "installing ${missing[*]}"
     export DEBIAN_FRONTEND=noninteractive
+    # Packages whose postinst enables and starts a system-wide service.
+    units=()
+    [[ " ${missing[*]} " == *" containerd "* ]] && units+=(containerd.service)
+    [[ " ${missing[*]} " == *" docker-registry "* ]] && units+=(docker-registry.service)
     masked=""
-    if [[ -d "$SYSTEMD_RUN_DIR" ]] && [[ " ${missing[*]} " == *" containerd "* ]]; then
-        log "masking containerd.service while installing: the package would start a system-wide containerd"
-        systemctl mask --runtime --quiet containerd.service
+    if [[ -d "$SYSTEMD_RUN_DIR" ]] && ((${#units[@]})); then
+        log "masking ${units[*]} while installing: the packages would start system-wide services"
+        systemctl mask --runtime --quiet "${units[@]}"
         masked=1
-        trap 'systemctl unmask --runtime --quiet containerd.service || true' EXIT
+        trap 'systemctl unmask --runtime --quiet "${units[@]}" || true' EXIT
     fi
     apt-get update -q
     apt-get install -y -q --no-install-recommends "${missing[@]}"
     if [[ -n "$masked" ]]; then
-        systemctl unmask --runtime --quiet containerd.service
+        systemctl unmask --runtime --quiet "${units[@]}"
         trap - EXIT
-        # The package enabled it for boot; this script wanted only the binaries.
-        systemctl disable --quiet containerd.service
-        if systemctl is-active --quiet containerd.service; then
-            systemctl stop containerd.service
-        fi
-        log "containerd installed; containerd.service left disabled and stopped (systemctl enable --now containerd to use it)"
+        for unit in "${units[@]}"; do
+            # The package enabled it for boot; this script wanted only the binaries.
+            systemctl disable --quiet "$unit"
+            if systemctl is-active --quiet "$unit"; then
+                systemctl stop "$unit"
+            fi
+            log "$unit left disabled and stopped (systemctl enable --now $unit to use it)"
+        done
     fi
 else
     log "all packages present: ${PACKAGES[*]}"

@@ -1080,6 +1080,32 @@ fn ops_install_deps_leaves_no_system_containerd_running() {
     );
     assert!(lines[install].contains("containerd"), "{log}");
 
+    // The same for the registry package (docker-registry.service).
+    let calls = t.path().join("calls-registry");
+    fake_tools(&fakes, &calls, "docker-registry");
+    let out = install_deps(&fakes, &systemd);
+    assert!(out.status.success(), "{}", describe(&out));
+    let log = fs::read_to_string(&calls).unwrap();
+    let lines: Vec<&str> = log.lines().collect();
+    let at = |needle: &str| {
+        lines
+            .iter()
+            .position(|l| l.starts_with(needle))
+            .unwrap_or_else(|| panic!("no `{needle}` in:\n{log}"))
+    };
+    let (mask, install, disable) = (
+        at("systemctl mask --runtime"),
+        at("apt-get install"),
+        at("systemctl disable"),
+    );
+    assert!(mask < install && install < disable, "{log}");
+    assert!(
+        lines[mask].contains("docker-registry.service")
+            && !lines[mask].contains("containerd.service")
+            && lines[disable].contains("docker-registry.service"),
+        "{log}"
+    );
+
     // containerd already there (only another package missing): never touched.
     let calls = t.path().join("calls-2");
     fake_tools(&fakes, &calls, "git");
