@@ -1,0 +1,628 @@
+//! [`RegistryClient`]: blobs and manifests over the OCI distribution API.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Mutex, PoisonError};
+use std::time::Duration;
+
+use futures::{StreamExt, TryStreamExt};
+use oci_client::client::{Certificate, CertificateEncoding, ClientConfig, ClientProtocol};
+use oci_client::errors::OciDistributionError;
+use oci_client::manifest::{
+    IMAGE_MANIFEST_LIST_MEDIA_TYPE, IMAGE_MANIFEST_MEDIA_TYPE, OCI_IMAGE_INDEX_MEDIA_TYPE,
+    OCI_IMAGE_MEDIA_TYPE,
+};
+use oci_client::secrets::RegistryAuth;
+use oci_client::Reference;
+use sha2::{Digest as _, Sha256};
+use tokio::io::AsyncWriteExt;
+
+use crate::error::{classify, Ctx};
+use crate::{Credentials, RegistryError};
+
+/// The largest manifest [`RegistryClient::pull_manifest`] accepts, in bytes
+/// (4 MiB: distribution's own limit on a manifest PUT, `maxManifestBodySize`).
+pub const MAX_MANIFEST_BYTES: u64 = 4 << 20;
+
+/// Bytes read from a file per request body chunk when pushing.
+const PUSH_READ_BYTES: usize = 1 << 20;
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
+/// Longest wait for one read from the registry (not for a whole blob).
+const READ_TIMEOUT: Duration = Duration::from_secs(120);
+const USER_AGENT: &str = concat!("layerstack/", env!("CARGO_PKG_VERSION"));
+
+/// How a [`RegistryClient`] reaches registries.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RegistryOptions {
+    /// Registries reached over plain HTTP, each `host[:port]` exactly as a
+    /// reference names it (`127.0.0.1:5000`; `localhost:5000` is another
+    /// name). Every other registry is HTTPS only.
+    pub insecure: Vec<String>,
+    /// Extra PEM files of CA certificates trusted for HTTPS, in addition to
+    /// the system's (`/etc/ssl/certs`, through rustls-platform-verifier).
+    pub ca_files: Vec<PathBuf>,
+}
+
+/// A manifest as the registry holds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PulledManifest {
+    /// The bytes, exactly as stored (at most [`MAX_MANIFEST_BYTES`]).
+    pub body: Vec<u8>,
+    /// `sha256:…` of `body` (computed here; equal to the reference's digest
+    /// when the reference names one).
+    pub digest: String,
+    /// The body's `mediaType` field; when absent, inferred: a body with
+    /// `manifests` is an OCI index, else an OCI image manifest.
+    pub media_type: String,
+}
+
+/// What [`RegistryClient::push_blob_file`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum BlobPush {
+    /// The blob was sent.
+    Uploaded,
+    /// The registry already had it (`HEAD` answered 200): nothing was sent.
+    AlreadyPresent,
+}
+
+/// A client of OCI registries. One per process is enough: it keeps one HTTP
+/// connection pool (and token cache) per registry and credentials. Every
+/// method takes the reference (its registry and repository are used; its tag
+/// or digest only by the manifest methods) and the credentials to send.
+pub struct RegistryClient {
+    insecure: Vec<String>,
+    roots: Vec<Certificate>,
+    clients: Mutex<HashMap<(String, Credentials), oci_client::Client>>,
+}
+
+impl std::fmt::Debug for RegistryClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RegistryClient")
+            .field("insecure", &self.insecure)
+            .field("ca_certificates", &self.roots.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// The sha256 hex of a `sha256:HEX` digest, or [`RegistryError::InvalidDigest`].
+pub(crate) fn check_digest(digest: &str) -> Result<&str, RegistryError> {
+    match digest.strip_prefix("sha256:") {
+        Some(hex)
+            if hex.len() == 64
+                && hex
+                    .bytes()
+                    .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)) =>
+        {
+            Ok(hex)
+        }
+        _ => Err(RegistryError::InvalidDigest {
+            digest: digest.to_string(),
+        }),
+    }
+}
+
+/// `sha256:…` of `bytes`.
+#[must_use]
+pub fn sha256_digest(bytes: &[u8]) -> String {
+    format!("sha256:{:x}", Sha256::digest(bytes))
+}
+
+impl RegistryClient {
+    /// A client for `opts`. Reads the CA files now. Installs rustls' `ring`
+    /// provider as the process default if none is installed (see the crate
+    /// docs, "TLS").
+    ///
+    /// Errors: `invalid_argument` when a CA file cannot be read or holds no
+    /// PEM certificate.
+    pub fn new(opts: RegistryOptions) -> Result<Self, RegistryError> {
+        // Err means a provider is installed already: that one is used.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+        let mut roots = Vec::new();
+        for path in &opts.ca_files {
+            let data = std::fs::read(path).map_err(|e| RegistryError::InvalidArgument {
+                what: format!("registry CA file {}", path.display()),
+                detail: format!("cannot read it ({e})"),
+            })?;
+            if !data
+                .windows(b"-----BEGIN CERTIFICATE-----".len())
+                .any(|w| w == b"-----BEGIN CERTIFICATE-----")
+            {
+                return Err(RegistryError::InvalidArgument {
+                    what: format!("registry CA file {}", path.display()),
+                    detail: "holds no PEM certificate (-----BEGIN CERTIFICATE-----)".into(),
+                });
+            }
+            roots.push(Certificate {
+                encoding: CertificateEncoding::Pem,
+                data,
+            });
+        }
+        let this = Self {
+            insecure: opts.insecure,
+            roots,
+            clients: Mutex::new(HashMap::new()),
+        };
+        // Build one now, so a bad certificate is refused here.
+        this.build().map_err(|e| RegistryError::InvalidArgument {
+            what: "registry CA files".into(),
+            detail: format!(
+                "{}; check that each holds PEM certificates",
+                crate::error::chain_text(&e)
+            ),
+        })?;
+        Ok(this)
+    }
+
+    fn build(&self) -> Result<oci_client::Client, OciDistributionError> {
+        oci_client::Client::try_from(ClientConfig {
+            protocol: ClientProtocol::HttpsExcept(self.insecure.clone()),
+            extra_root_certificates: self.roots.clone(),
+            // One streamed PUT per blob (POST, then PUT ?digest= with the
+            // body): chunked PATCHes would be one request per read.
+            use_monolithic_push: true,
+            platform_resolver: None,
+            connect_timeout: Some(CONNECT_TIMEOUT),
+            read_timeout: Some(READ_TIMEOUT),
+            user_agent: USER_AGENT,
+            ..ClientConfig::default()
+        })
+    }
+
+    /// The oci-client for `r`'s registry and `creds`, made on first use.
+    /// oci-client keeps the first credentials it is given for a registry,
+    /// hence one client per (registry, credentials).
+    async fn client(
+        &self,
+        r: &Reference,
+        creds: &Credentials,
+    ) -> Result<oci_client::Client, RegistryError> {
+        let registry = r.resolve_registry().to_string();
+        let key = (registry.clone(), creds.clone());
+        let existing = self
+            .clients
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .get(&key)
+            .cloned();
+        if let Some(c) = existing {
+            return Ok(c);
+        }
+        let built = self.build().map_err(|e| RegistryError::Rejected {
+            registry: registry.clone(),
+            op: "connect to",
+            target: "the registry".into(),
+            status: None,
+            detail: crate::error::chain_text(&e),
+        })?;
+        let c = self
+            .clients
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .entry(key)
+            .or_insert(built)
+            .clone();
+        c.store_auth_if_needed(&registry, &registry_auth(creds))
+            .await;
+        Ok(c)
+    }
+
+    fn ctx<'a>(
+        &self,
+        r: &'a Reference,
+        creds: &Credentials,
+        op: &'static str,
+        target: String,
+    ) -> Ctx<'a> {
+        let registry = r.resolve_registry();
+        Ctx {
+            registry,
+            insecure: self.insecure.iter().any(|i| i == registry),
+            anonymous: creds.is_anonymous(),
+            op,
+            target,
+        }
+    }
+
+    /// True when `r`'s repository holds blob `digest` (`HEAD
+    /// /v2/REPO/blobs/DIGEST`: 200 → true, 404 → false).
+    ///
+    /// Errors: `invalid_argument` (digest), `permission_denied`,
+    /// `unavailable`, `failed_precondition` (TLS / insecure), see
+    /// [`RegistryError`].
+    pub async fn blob_exists(
+        &self,
+        r: &Reference,
+        creds: &Credentials,
+        digest: &str,
+    ) -> Result<bool, RegistryError> {
+        check_digest(digest)?;
+        let c = self.client(r, creds).await?;
+        c.blob_exists(r, digest).await.map_err(|e| {
+            classify(
+                e,
+                self.ctx(
+                    r,
+                    creds,
+                    "check",
+                    format!("blob {digest} in {}", r.repository()),
+                ),
+            )
+        })
+    }
+
+    /// Sends the file at `path` as blob `digest` (`size` bytes) to `r`'s
+    /// repository, unless [`RegistryClient::blob_exists`] says it is there.
+    /// Streamed from the file ([`PUSH_READ_BYTES`] at a time, one `PUT`),
+    /// never whole in memory; the registry verifies the digest.
+    ///
+    /// Errors: `invalid_argument` when the file is not `size` bytes or the
+    /// digest is malformed; `corrupt` when the registry computes another
+    /// digest (the file is not that blob); the rest as
+    /// [`RegistryClient::blob_exists`].
+    pub async fn push_blob_file(
+        &self,
+        r: &Reference,
+        creds: &Credentials,
+        path: &Path,
+        digest: &str,
+        size: u64,
+    ) -> Result<BlobPush, RegistryError> {
+        check_digest(digest)?;
+        let file = tokio::fs::File::open(path)
+            .await
+            .map_err(|e| RegistryError::io("open", path, e))?;
+        let len = file
+            .metadata()
+            .await
+            .map_err(|e| RegistryError::io("stat", path, e))?
+            .len();
+        if len != size {
+            return Err(RegistryError::InvalidArgument {
+                what: format!("blob file {}", path.display()),
+                detail: format!("is {len} bytes, not the {size} bytes given for {digest}"),
+            });
+        }
+        if self.blob_exists(r, creds, digest).await? {
+            return Ok(BlobPush::AlreadyPresent);
+        }
+        let c = self.client(r, creds).await?;
+        let stream = tokio_util::io::ReaderStream::with_capacity(file, PUSH_READ_BYTES)
+            .map_err(OciDistributionError::IoError);
+        c.push_blob_stream(r, stream, digest, Some(size))
+            .await
+            .map_err(|e| {
+                match classify(
+                    e,
+                    self.ctx(
+                        r,
+                        creds,
+                        "push",
+                        format!("blob {digest} to {}", r.repository()),
+                    ),
+                ) {
+                    RegistryError::Corrupt {
+                        registry, actual, ..
+                    } => RegistryError::NotThatBlob {
+                        registry,
+                        digest: digest.to_string(),
+                        path: path.to_path_buf(),
+                        detail: actual,
+                    },
+                    other => other,
+                }
+            })?;
+        Ok(BlobPush::Uploaded)
+    }
+
+    /// Fetches blob `digest` (`size` bytes) of `r`'s repository into `dst`:
+    /// streamed into a temp file in `dst`'s directory while its sha256 and
+    /// length are checked, fsynced, then renamed onto `dst`. On any error
+    /// nothing is left at `dst` (an existing `dst` is untouched) and the temp
+    /// file is removed.
+    ///
+    /// Errors: `corrupt` when more or fewer than `size` bytes arrive or they
+    /// do not hash to `digest`; `not_found` when the registry lacks the blob;
+    /// `internal` / `no_space` for local writes; the rest as
+    /// [`RegistryClient::blob_exists`].
+    pub async fn pull_blob_to_file(
+        &self,
+        r: &Reference,
+        creds: &Credentials,
+        digest: &str,
+        size: u64,
+        dst: &Path,
+    ) -> Result<(), RegistryError> {
+        check_digest(digest)?;
+        let registry = r.resolve_registry().to_string();
+        let target = format!("blob {digest} in {}", r.repository());
+        let corrupt = |expected: String, actual: String| RegistryError::Corrupt {
+            registry: registry.clone(),
+            target: target.clone(),
+            expected,
+            actual,
+        };
+        let dir = match dst.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        let c = self.client(r, creds).await?;
+        let mut stream = c
+            .pull_blob_stream(r, digest)
+            .await
+            .map_err(|e| classify(e, self.ctx(r, creds, "pull", target.clone())))?;
+        if let Some(len) = stream.content_length {
+            if len != size {
+                return Err(corrupt(
+                    format!("{size} bytes"),
+                    format!("{len} bytes announced"),
+                ));
+            }
+        }
+        let tmp = tempfile::Builder::new()
+            .prefix(".layerstack-pull-")
+            .tempfile_in(&dir)
+            .map_err(|e| RegistryError::io("create a temp file in", &dir, e))?;
+        let (std_file, tmp_path) = tmp.into_parts();
+        let mut file = tokio::fs::File::from_std(std_file);
+        let mut hasher = Sha256::new();
+        let mut received: u64 = 0;
+        while let Some(chunk) = stream.next().await {
+            let chunk = match chunk {
+                Ok(c) => c,
+                Err(e) => {
+                    // oci-client's own check fails the last read on a
+                    // mismatch: report it as ours.
+                    let ours = format!("sha256:{:x}", hasher.clone().finalize());
+                    if received == size && ours != digest {
+                        return Err(corrupt(digest.to_string(), ours));
+                    }
+                    return Err(RegistryError::Unreachable {
+                        registry: registry.clone(),
+                        detail: format!(
+                            "reading {target} after {received} of {size} bytes: {}",
+                            crate::error::chain_text(&e)
+                        ),
+                    });
+                }
+            };
+            received += chunk.len() as u64;
+            if received > size {
+                return Err(corrupt(
+                    format!("{size} bytes"),
+                    format!("more ({received} bytes so far)"),
+                ));
+            }
+            hasher.update(&chunk);
+            file.write_all(&chunk)
+                .await
+                .map_err(|e| RegistryError::io("write", tmp_path.to_path_buf(), e))?;
+        }
+        if received != size {
+            return Err(corrupt(
+                format!("{size} bytes"),
+                format!("{received} bytes"),
+            ));
+        }
+        let actual = format!("sha256:{:x}", hasher.finalize());
+        if actual != digest {
+            return Err(corrupt(digest.to_string(), actual));
+        }
+        file.flush()
+            .await
+            .map_err(|e| RegistryError::io("write", tmp_path.to_path_buf(), e))?;
+        file.sync_all()
+            .await
+            .map_err(|e| RegistryError::io("fsync", tmp_path.to_path_buf(), e))?;
+        drop(file);
+        tmp_path
+            .persist(dst)
+            .map_err(|e| RegistryError::io("rename into", dst, e.error))?;
+        Ok(())
+    }
+
+    /// Stores `body` as a manifest of `media_type` at `r` (its tag, or its
+    /// digest, which must then be the body's). The blobs it names must be
+    /// pushed first. Returns `sha256:…` of `body`.
+    ///
+    /// Errors: `invalid_argument` when `r`'s digest is not the body's, the
+    /// media type is not a header value, or the registry refuses the
+    /// manifest (HTTP 400: `MANIFEST_INVALID`, `MANIFEST_BLOB_UNKNOWN`); the
+    /// rest as [`RegistryClient::blob_exists`].
+    pub async fn push_manifest(
+        &self,
+        r: &Reference,
+        creds: &Credentials,
+        media_type: &str,
+        body: &[u8],
+    ) -> Result<String, RegistryError> {
+        let digest = sha256_digest(body);
+        if let Some(named) = r.digest() {
+            if named != digest {
+                return Err(RegistryError::InvalidArgument {
+                    what: format!("manifest reference {}", r.whole()),
+                    detail: format!(
+                        "names digest {named} but the body's is {digest}; push by tag, or by the body's digest"
+                    ),
+                });
+            }
+        }
+        let content_type = media_type
+            .parse()
+            .map_err(|_| RegistryError::InvalidArgument {
+                what: format!("media type {media_type:?}"),
+                detail: "is not a valid HTTP header value".into(),
+            })?;
+        let c = self.client(r, creds).await?;
+        c.push_manifest_raw(r, body.to_vec(), content_type)
+            .await
+            .map_err(|e| {
+                classify(
+                    e,
+                    self.ctx(r, creds, "push", format!("manifest {}", r.whole())),
+                )
+            })?;
+        Ok(digest)
+    }
+
+    /// Fetches the manifest `r` names (by tag, or by digest: then the body
+    /// must hash to it). Accepts OCI image manifests and indexes and docker
+    /// schema 2 manifests and lists.
+    ///
+    /// The size limit ([`MAX_MANIFEST_BYTES`]) is checked on the body
+    /// oci-client read whole (it has no streaming manifest call).
+    ///
+    /// Errors: `not_found`; `corrupt` when the body does not hash to `r`'s
+    /// digest; `unsupported` above the size limit; the rest as
+    /// [`RegistryClient::blob_exists`].
+    pub async fn pull_manifest(
+        &self,
+        r: &Reference,
+        creds: &Credentials,
+    ) -> Result<PulledManifest, RegistryError> {
+        let c = self.client(r, creds).await?;
+        let target = format!("manifest {}", r.whole());
+        let (body, _) = c
+            .pull_manifest_raw(r, &registry_auth(creds), accepted_manifest_types())
+            .await
+            .map_err(|e| classify(e, self.ctx(r, creds, "pull", target.clone())))?;
+        if body.len() as u64 > MAX_MANIFEST_BYTES {
+            return Err(RegistryError::ManifestTooLarge {
+                reference: r.whole(),
+                size: body.len() as u64,
+                limit: MAX_MANIFEST_BYTES,
+            });
+        }
+        let digest = sha256_digest(&body);
+        if let Some(named) = r.digest() {
+            if named != digest {
+                return Err(RegistryError::Corrupt {
+                    registry: r.resolve_registry().to_string(),
+                    target,
+                    expected: named.to_string(),
+                    actual: digest,
+                });
+            }
+        }
+        let media_type = manifest_media_type(&body);
+        Ok(PulledManifest {
+            body: body.to_vec(),
+            digest,
+            media_type,
+        })
+    }
+}
+
+fn registry_auth(creds: &Credentials) -> RegistryAuth {
+    match creds {
+        Credentials::Anonymous => RegistryAuth::Anonymous,
+        Credentials::Basic { username, password } => {
+            RegistryAuth::Basic(username.clone(), password.clone())
+        }
+        Credentials::Bearer(t) => RegistryAuth::Bearer(t.clone()),
+    }
+}
+
+/// The manifest media types asked for.
+fn accepted_manifest_types() -> &'static [&'static str] {
+    &[
+        OCI_IMAGE_MEDIA_TYPE,
+        OCI_IMAGE_INDEX_MEDIA_TYPE,
+        IMAGE_MANIFEST_MEDIA_TYPE,
+        IMAGE_MANIFEST_LIST_MEDIA_TYPE,
+    ]
+}
+
+/// The `mediaType` field of a manifest body, else inferred (see
+/// [`PulledManifest::media_type`]).
+fn manifest_media_type(body: &[u8]) -> String {
+    #[derive(serde::Deserialize)]
+    struct Probe {
+        #[serde(rename = "mediaType", default)]
+        media_type: Option<String>,
+        #[serde(default)]
+        manifests: Option<serde_json::Value>,
+    }
+    match serde_json::from_slice::<Probe>(body) {
+        Ok(Probe {
+            media_type: Some(m),
+            ..
+        }) if !m.is_empty() => m,
+        Ok(Probe {
+            manifests: Some(_), ..
+        }) => OCI_IMAGE_INDEX_MEDIA_TYPE.to_string(),
+        _ => OCI_IMAGE_MEDIA_TYPE.to_string(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+
+    #[test]
+    fn digests_are_checked() {
+        let d = sha256_digest(b"abc");
+        assert_eq!(
+            d,
+            "sha256:ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"
+        );
+        assert!(check_digest(&d).is_ok());
+        for bad in [
+            "",
+            "sha256:",
+            "sha512:ab",
+            "sha256:BA7816BF8F01CFEA414140DE5DAE2223B00361A396177A9CB410FF61F20015AD",
+            &d[..70],
+        ] {
+            let e = check_digest(bad).unwrap_err();
+            assert_eq!(
+                e.kind(),
+                layerstack_types::ErrorKind::InvalidArgument,
+                "{bad}"
+            );
+        }
+    }
+
+    #[test]
+    fn media_type_from_body() {
+        assert_eq!(
+            manifest_media_type(
+                br#"{"schemaVersion":2,"mediaType":"application/vnd.oci.image.manifest.v1+json"}"#
+            ),
+            OCI_IMAGE_MEDIA_TYPE
+        );
+        assert_eq!(
+            manifest_media_type(br#"{"schemaVersion":2,"manifests":[]}"#),
+            OCI_IMAGE_INDEX_MEDIA_TYPE
+        );
+        assert_eq!(
+            manifest_media_type(br#"{"schemaVersion":2,"layers":[]}"#),
+            OCI_IMAGE_MEDIA_TYPE
+        );
+    }
+
+    #[test]
+    fn unreadable_or_empty_ca_file_is_invalid_argument() {
+        let d = tempfile::tempdir().unwrap();
+        let missing = d.path().join("missing.pem");
+        let e = RegistryClient::new(RegistryOptions {
+            ca_files: vec![missing.clone()],
+            ..Default::default()
+        })
+        .unwrap_err();
+        assert_eq!(e.kind(), layerstack_types::ErrorKind::InvalidArgument);
+        assert!(
+            e.to_string().contains(&missing.display().to_string()),
+            "{e}"
+        );
+        let junk = d.path().join("junk.pem");
+        std::fs::write(&junk, "not a certificate").unwrap();
+        let e = RegistryClient::new(RegistryOptions {
+            ca_files: vec![junk],
+            ..Default::default()
+        })
+        .unwrap_err();
+        assert!(e.to_string().contains("no PEM certificate"), "{e}");
+    }
+}

@@ -1,0 +1,140 @@
+//! LayerStack's OCI distribution transport: what `layerstack push` / `pull`
+//! move through an OCI registry (the distribution spec, v2 API), and nothing
+//! above it — which blobs make a node, provenance, adopting pulled layers are
+//! the daemon's. This crate knows no store, engine or publisher.
+//!
+//! | call | HTTP | memory |
+//! |---|---|---|
+//! | [`RegistryClient::blob_exists`] | `HEAD /v2/REPO/blobs/DIGEST` | — |
+//! | [`RegistryClient::push_blob_file`] | `HEAD`, then `POST …/blobs/uploads/` + one streamed `PUT …?digest=` | 1 MiB read buffer |
+//! | [`RegistryClient::pull_blob_to_file`] | `GET /v2/REPO/blobs/DIGEST`, sha256 and size checked while writing | one chunk |
+//! | [`RegistryClient::push_manifest`] | `PUT /v2/REPO/manifests/TAG-or-DIGEST` | the body |
+//! | [`RegistryClient::pull_manifest`] | `GET /v2/REPO/manifests/TAG-or-DIGEST` | ≤ [`MAX_MANIFEST_BYTES`] |
+//!
+//! The distribution API is `oci-client` (oras-project; auth challenges,
+//! bearer tokens from the registry's token service, upload sessions). Only
+//! sha256 digests (`sha256:` + 64 lowercase hex) are accepted.
+//!
+//! **Credentials** are passed per call ([`Credentials`]); where they come
+//! from is the caller's choice: [`credentials_from_docker_config`] reads
+//! docker's `config.json` ([`docker_config_path`]) the way the docker CLI
+//! does, credential helpers included.
+//!
+//! **Transport security.** HTTPS for every registry except those named in
+//! [`RegistryOptions::insecure`] (plain HTTP only for those). Roots: the
+//! system's plus [`RegistryOptions::ca_files`]. A registry that answers in the
+//! other protocol, or whose certificate does not verify, is refused with a
+//! message naming the registry and the option to set ([`RegistryError`]).
+//!
+//! **TLS: rustls with the `ring` provider.** `oci-client`'s default TLS
+//! feature turns on reqwest 0.13's `rustls`, whose crypto provider is
+//! aws-lc-rs: that adds `aws-lc-sys`, a large C library (cmake/cc build of
+//! several minutes on this project's 2-core machines) for nothing the
+//! registry needs. This crate uses `oci-client`'s `rustls-tls-no-provider`
+//! instead and installs rustls' `ring` provider as the process default in
+//! [`RegistryClient::new`] (unless the process installed one already). `ring`
+//! is already in the workspace (tonic's rustls 0.21 uses it), so the registry
+//! client adds no new C build.
+//!
+//! **Errors** ([`RegistryError`], [`RegistryError::kind`]): an invalid
+//! reference → `invalid_argument`; 401/403 → `permission_denied` with "log in
+//! (docker login REGISTRY) or put credentials in config.json"; an unknown
+//! manifest or blob → `not_found`; connection refused, DNS → `unavailable`;
+//! HTTPS to a plain-HTTP registry or plain HTTP to an HTTPS one, and an
+//! untrusted certificate → `failed_precondition`; content that does not match
+//! its digest or size → `corrupt`.
+//!
+//! ```no_run
+//! # async fn f() -> Result<(), layerstack_registry::RegistryError> {
+//! use layerstack_registry::*;
+//! let client = RegistryClient::new(RegistryOptions::default())?;
+//! let r = parse_reference("registry.example.com/team/checkpoints:step-12")?;
+//! let creds = match docker_config_path() {
+//!     Some(p) => credentials_from_docker_config(&p, r.registry())?,
+//!     None => Credentials::Anonymous,
+//! };
+//! let m = client.pull_manifest(&r, &creds).await?;
+//! println!("{} {} ({} bytes)", m.digest, m.media_type, m.body.len());
+//! # Ok(()) }
+//! ```
+
+#![forbid(unsafe_code)]
+
+mod client;
+mod credentials;
+mod error;
+
+pub use client::{
+    sha256_digest, BlobPush, PulledManifest, RegistryClient, RegistryOptions, MAX_MANIFEST_BYTES,
+};
+pub use credentials::{credentials_from_docker_config, docker_config_path, Credentials};
+pub use error::{RegistryError, LOGIN_HINT};
+/// A parsed reference (`oci-client`'s, from `oci-spec`): `registry()`,
+/// `repository()`, `tag()`, `digest()`, `whole()`.
+pub use oci_client::Reference;
+
+/// Parses `REGISTRY[:PORT]/REPOSITORY[:TAG][@sha256:HEX]` (docker's grammar:
+/// a name without a registry is Docker Hub's, `docker.io/library/NAME`; no
+/// tag and no digest means `:latest`).
+///
+/// Errors: `invalid_argument` ([`RegistryError::InvalidReference`]) naming
+/// the text and the expected form; a digest other than sha256 is refused.
+pub fn parse_reference(s: &str) -> Result<Reference, RegistryError> {
+    let bad = |reason: String| RegistryError::InvalidReference {
+        reference: s.to_string(),
+        reason,
+    };
+    if s.is_empty() || s.trim() != s {
+        return Err(bad("empty, or surrounded by white space".into()));
+    }
+    let r = Reference::try_from(s).map_err(|e| bad(e.to_string()))?;
+    if let Some(d) = r.digest() {
+        client::check_digest(d).map_err(|e| bad(e.to_string()))?;
+    }
+    Ok(r)
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+
+    use super::*;
+    use layerstack_types::ErrorKind;
+
+    #[test]
+    fn references_parse() {
+        let r = parse_reference("127.0.0.1:5000/team/node:v1").unwrap();
+        assert_eq!(r.registry(), "127.0.0.1:5000");
+        assert_eq!(r.repository(), "team/node");
+        assert_eq!(r.tag(), Some("v1"));
+        assert_eq!(r.digest(), None);
+
+        let d = sha256_digest(b"x");
+        let r = parse_reference(&format!("reg.example/a/b@{d}")).unwrap();
+        assert_eq!(r.digest(), Some(d.as_str()));
+        assert_eq!(r.registry(), "reg.example");
+
+        let r = parse_reference("busybox").unwrap();
+        assert_eq!(r.registry(), "docker.io");
+        assert_eq!(r.repository(), "library/busybox");
+        assert_eq!(r.tag(), Some("latest"));
+    }
+
+    #[test]
+    fn bad_references_name_the_text_and_the_form() {
+        for bad in [
+            "",
+            " reg.example/a:b",
+            "reg.example/A:b",
+            "reg.example/a:b:c",
+            "reg.example/a@sha256:123",
+            "reg.example/a@md5:d41d8cd98f00b204e9800998ecf8427e",
+        ] {
+            let e = parse_reference(bad).unwrap_err();
+            assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{bad}");
+            let msg = e.to_string();
+            assert!(msg.contains(&format!("{bad:?}")), "{msg}");
+            assert!(msg.contains("expected REGISTRY[:PORT]/REPOSITORY"), "{msg}");
+        }
+    }
+}

@@ -1,0 +1,477 @@
+//! The transport against a real registry: Debian's `docker-registry`
+//! (distribution 2.8) started privately on 127.0.0.1 by
+//! `layerstack_integration::registry::TestRegistry` — plain HTTP, TLS with a
+//! throwaway CA, TLS + htpasswd basic auth. Without `docker-registry` (or
+//! `openssl` / `htpasswd`) a test prints SKIPPED, or fails when `CI=true`.
+
+#![allow(clippy::unwrap_used)]
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+
+use layerstack_integration::registry::{
+    require_docker_registry, RegistryKind, TestRegistry, REGISTRY_USER,
+};
+use layerstack_registry::{
+    credentials_from_docker_config, parse_reference, sha256_digest, BlobPush, Credentials,
+    Reference, RegistryClient, RegistryError, RegistryOptions,
+};
+use layerstack_types::ErrorKind;
+
+const OCI_MANIFEST: &str = "application/vnd.oci.image.manifest.v1+json";
+
+fn start(kind: RegistryKind) -> Option<TestRegistry> {
+    if !require_docker_registry(kind) {
+        return None;
+    }
+    Some(TestRegistry::start(kind).expect("start docker-registry"))
+}
+
+/// A client that may reach `reg` (insecure for plain, its CA for TLS).
+fn client_for(reg: &TestRegistry) -> RegistryClient {
+    let opts = match reg.ca_pem() {
+        Some(ca) => RegistryOptions {
+            ca_files: vec![ca],
+            ..Default::default()
+        },
+        None => RegistryOptions {
+            insecure: vec![reg.host()],
+            ..Default::default()
+        },
+    };
+    RegistryClient::new(opts).unwrap()
+}
+
+fn reference(reg: &TestRegistry, repo_tag: &str) -> Reference {
+    parse_reference(&format!("{}/{repo_tag}", reg.host())).unwrap()
+}
+
+/// Writes `len` bytes derived from `seed` to `dir/name`; (path, digest).
+fn blob_file(dir: &Path, name: &str, seed: u8, len: usize) -> (PathBuf, String) {
+    let data: Vec<u8> = (0..len)
+        .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed) ^ (i >> 9) as u8)
+        .collect();
+    let p = dir.join(name);
+    std::fs::write(&p, &data).unwrap();
+    (p, sha256_digest(&data))
+}
+
+fn expect_kind<T: std::fmt::Debug>(r: Result<T, RegistryError>, kind: ErrorKind) -> RegistryError {
+    let e = r.expect_err("expected an error");
+    eprintln!("{kind}: {e}");
+    assert_eq!(e.kind(), kind, "{e}");
+    e
+}
+
+/// Where distribution 2.8's filesystem driver keeps a blob's bytes.
+fn stored_blob(reg: &TestRegistry, digest: &str) -> PathBuf {
+    let hex = digest.strip_prefix("sha256:").unwrap();
+    reg.dir()
+        .join("data/docker/registry/v2/blobs/sha256")
+        .join(&hex[..2])
+        .join(hex)
+        .join("data")
+}
+
+/// An OCI image manifest naming `config` and `layers` (digest, size).
+fn manifest(config: (&str, u64), layers: &[(&str, u64)]) -> Vec<u8> {
+    let layers: Vec<serde_json::Value> = layers
+        .iter()
+        .map(|(d, s)| {
+            serde_json::json!({
+                "mediaType": "application/vnd.oci.image.layer.v1.tar",
+                "digest": d, "size": s,
+            })
+        })
+        .collect();
+    serde_json::to_vec(&serde_json::json!({
+        "schemaVersion": 2,
+        "mediaType": OCI_MANIFEST,
+        "config": {
+            "mediaType": "application/vnd.oci.image.config.v1+json",
+            "digest": config.0, "size": config.1,
+        },
+        "layers": layers,
+        "annotations": {"org.layerstack.node": "n-1"},
+    }))
+    .unwrap()
+}
+
+#[tokio::test]
+async fn blobs_push_pull_verify_and_skip() {
+    let Some(reg) = start(RegistryKind::Plain) else {
+        return;
+    };
+    let client = client_for(&reg);
+    let anon = Credentials::Anonymous;
+    let r = reference(&reg, "team/node:v1");
+    let tmp = tempfile::tempdir().unwrap();
+    // 3 MiB + 5: several reads of the pushing side, several chunks pulled.
+    let size = 3 * 1024 * 1024 + 5;
+    let (path, digest) = blob_file(tmp.path(), "layer", 7, size);
+    let size = size as u64;
+
+    assert!(!client.blob_exists(&r, &anon, &digest).await.unwrap());
+    assert_eq!(
+        client
+            .push_blob_file(&r, &anon, &path, &digest, size)
+            .await
+            .unwrap(),
+        BlobPush::Uploaded
+    );
+    assert!(client.blob_exists(&r, &anon, &digest).await.unwrap());
+    assert_eq!(reg.blob_uploads_completed().unwrap(), 1);
+
+    // A second push is skipped after the HEAD: still one upload.
+    assert_eq!(
+        client
+            .push_blob_file(&r, &anon, &path, &digest, size)
+            .await
+            .unwrap(),
+        BlobPush::AlreadyPresent
+    );
+    assert_eq!(
+        reg.blob_uploads_completed().unwrap(),
+        1,
+        "{}",
+        reg.log_tail(20)
+    );
+
+    // Pull: the same bytes.
+    let dst = tmp.path().join("pulled");
+    client
+        .pull_blob_to_file(&r, &anon, &digest, size, &dst)
+        .await
+        .unwrap();
+    assert_eq!(std::fs::read(&dst).unwrap(), std::fs::read(&path).unwrap());
+    assert_eq!(reg.blob_gets().unwrap(), 1);
+
+    // The wrong size: corrupt, nothing at the destination.
+    let dst2 = tmp.path().join("wrong-size");
+    let e = expect_kind(
+        client
+            .pull_blob_to_file(&r, &anon, &digest, size - 1, &dst2)
+            .await,
+        ErrorKind::Corrupt,
+    );
+    assert!(e.to_string().contains(&reg.host()), "{e}");
+    assert!(!dst2.exists());
+
+    // A digest the registry lacks: not_found, nothing at the destination.
+    let missing = sha256_digest(b"not pushed");
+    let e = expect_kind(
+        client
+            .pull_blob_to_file(&r, &anon, &missing, 10, &dst2)
+            .await,
+        ErrorKind::NotFound,
+    );
+    assert!(e.to_string().contains(&missing), "{e}");
+    assert!(!dst2.exists());
+
+    // The registry serves bytes that do not hash to the digest (its stored
+    // copy damaged, same length): corrupt, nothing at the destination, and
+    // no temp file left in the directory.
+    let stored = stored_blob(&reg, &digest);
+    let mut bytes = std::fs::read(&stored).unwrap();
+    bytes[size as usize / 2] ^= 0xff;
+    std::fs::write(&stored, &bytes).unwrap();
+    let e = expect_kind(
+        client
+            .pull_blob_to_file(&r, &anon, &digest, size, &dst2)
+            .await,
+        ErrorKind::Corrupt,
+    );
+    assert!(e.to_string().contains(&digest), "{e}");
+    assert!(!dst2.exists());
+    let left: Vec<_> = std::fs::read_dir(tmp.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(left.len(), 2, "only the source and the good pull: {left:?}");
+
+    // A file that is not the size given is refused before anything is sent.
+    expect_kind(
+        client
+            .push_blob_file(&r, &anon, &path, &missing, size + 1)
+            .await,
+        ErrorKind::InvalidArgument,
+    );
+    // A file that is not the blob it is pushed as: the registry refuses it.
+    let e = expect_kind(
+        client
+            .push_blob_file(&r, &anon, &path, &missing, size)
+            .await,
+        ErrorKind::Corrupt,
+    );
+    assert!(e.to_string().contains(&path.display().to_string()), "{e}");
+    expect_kind(
+        client.blob_exists(&r, &anon, "sha256:abc").await,
+        ErrorKind::InvalidArgument,
+    );
+}
+
+#[tokio::test]
+async fn manifests_round_trip_by_tag_and_digest() {
+    let Some(reg) = start(RegistryKind::Plain) else {
+        return;
+    };
+    let client = client_for(&reg);
+    let anon = Credentials::Anonymous;
+    let tmp = tempfile::tempdir().unwrap();
+    let r = reference(&reg, "team/node:step-1");
+    let (layer, layer_digest) = blob_file(tmp.path(), "layer", 1, 1000);
+    let (config, config_digest) = blob_file(tmp.path(), "config", 2, 100);
+    for (p, d, s) in [
+        (&layer, &layer_digest, 1000),
+        (&config, &config_digest, 100),
+    ] {
+        client.push_blob_file(&r, &anon, p, d, s).await.unwrap();
+    }
+    let body = manifest((&config_digest, 100), &[(&layer_digest, 1000)]);
+    let digest = client
+        .push_manifest(&r, &anon, OCI_MANIFEST, &body)
+        .await
+        .unwrap();
+    assert_eq!(digest, sha256_digest(&body));
+
+    let by_tag = client.pull_manifest(&r, &anon).await.unwrap();
+    assert_eq!(by_tag.body, body);
+    assert_eq!(by_tag.digest, digest);
+    assert_eq!(by_tag.media_type, OCI_MANIFEST);
+
+    let by_digest_ref = parse_reference(&format!("{}/team/node@{digest}", reg.host())).unwrap();
+    let by_digest = client.pull_manifest(&by_digest_ref, &anon).await.unwrap();
+    assert_eq!(by_digest, by_tag);
+
+    // Pushing by digest: the body's digest only.
+    assert_eq!(
+        client
+            .push_manifest(&by_digest_ref, &anon, OCI_MANIFEST, &body)
+            .await
+            .unwrap(),
+        digest
+    );
+    let other = manifest((&config_digest, 100), &[]);
+    expect_kind(
+        client
+            .push_manifest(&by_digest_ref, &anon, OCI_MANIFEST, &other)
+            .await,
+        ErrorKind::InvalidArgument,
+    );
+
+    // A manifest naming a blob the registry lacks is refused.
+    let dangling = manifest((&config_digest, 100), &[(&sha256_digest(b"nope"), 4)]);
+    let e = expect_kind(
+        client
+            .push_manifest(
+                &reference(&reg, "team/node:dangling"),
+                &anon,
+                OCI_MANIFEST,
+                &dangling,
+            )
+            .await,
+        ErrorKind::InvalidArgument,
+    );
+    assert!(e.to_string().contains(&reg.host()), "{e}");
+
+    let missing = reference(&reg, "team/node:never-pushed");
+    let e = expect_kind(
+        client.pull_manifest(&missing, &anon).await,
+        ErrorKind::NotFound,
+    );
+    assert!(e.to_string().contains("never-pushed"), "{e}");
+}
+
+/// Writes `docker-credential-NAME` into `dir`, answering `server` with
+/// `user`/`secret`.
+fn cred_helper(dir: &Path, name: &str, server: &str, user: &str, secret: &str) {
+    let script = format!(
+        "#!/bin/sh\n[ \"$1\" = get ] || exit 2\nread -r s\nif [ \"$s\" = '{server}' ]; then\n  printf '{{\"ServerURL\":\"%s\",\"Username\":\"{user}\",\"Secret\":\"{secret}\"}}\\n' \"$s\"\nelse\n  echo 'credentials not found in native keychain'; exit 1\nfi\n"
+    );
+    let p = dir.join(format!("docker-credential-{name}"));
+    std::fs::write(&p, script).unwrap();
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+}
+
+#[tokio::test]
+async fn basic_auth_over_tls_with_docker_config() {
+    let Some(reg) = start(RegistryKind::TlsBasicAuth) else {
+        return;
+    };
+    let client = client_for(&reg);
+    let r = reference(&reg, "team/node:v1");
+    let tmp = tempfile::tempdir().unwrap();
+    let (path, digest) = blob_file(tmp.path(), "layer", 3, 4096);
+    let host = reg.host();
+    let password = reg.password().unwrap().to_string();
+
+    // No credentials: permission_denied, with the hint naming the registry.
+    let e = expect_kind(
+        client
+            .blob_exists(&r, &Credentials::Anonymous, &digest)
+            .await,
+        ErrorKind::PermissionDenied,
+    );
+    let msg = e.to_string();
+    assert!(msg.contains(&format!("docker login {host}")), "{msg}");
+    assert!(msg.contains("config.json"), "{msg}");
+    assert!(msg.contains("no credentials"), "{msg}");
+
+    // The wrong password: permission_denied, for a push too.
+    let wrong = Credentials::Basic {
+        username: REGISTRY_USER.into(),
+        password: "wrong".into(),
+    };
+    let e = expect_kind(
+        client
+            .push_blob_file(&r, &wrong, &path, &digest, 4096)
+            .await,
+        ErrorKind::PermissionDenied,
+    );
+    assert!(e.to_string().contains("refused"), "{e}");
+    assert_eq!(reg.blob_uploads_completed().unwrap(), 0);
+
+    // config.json with `auth` (base64 user:password).
+    use base64::Engine as _;
+    let auth =
+        base64::engine::general_purpose::STANDARD.encode(format!("{REGISTRY_USER}:{password}"));
+    let config = tmp.path().join("config.json");
+    std::fs::write(
+        &config,
+        format!(r#"{{"auths":{{"https://{host}":{{"auth":"{auth}"}}}}}}"#),
+    )
+    .unwrap();
+    let creds = credentials_from_docker_config(&config, r.registry()).unwrap();
+    assert!(!format!("{creds:?}").contains(&password));
+    assert_eq!(
+        client
+            .push_blob_file(&r, &creds, &path, &digest, 4096)
+            .await
+            .unwrap(),
+        BlobPush::Uploaded
+    );
+    let body = manifest((&digest, 4096), &[]);
+    client
+        .push_manifest(&r, &creds, OCI_MANIFEST, &body)
+        .await
+        .unwrap();
+    assert_eq!(client.pull_manifest(&r, &creds).await.unwrap().body, body);
+
+    // config.json naming a credential helper for this registry.
+    let bin = tmp.path().join("bin");
+    std::fs::create_dir(&bin).unwrap();
+    cred_helper(&bin, "lsttest", &host, REGISTRY_USER, &password);
+    let mut dirs = vec![bin];
+    dirs.extend(std::env::split_paths(
+        &std::env::var_os("PATH").unwrap_or_default(),
+    ));
+    std::env::set_var("PATH", std::env::join_paths(dirs).unwrap());
+    std::fs::write(
+        &config,
+        format!(r#"{{"auths":{{}},"credHelpers":{{"{host}":"lsttest"}}}}"#),
+    )
+    .unwrap();
+    let creds = credentials_from_docker_config(&config, r.registry()).unwrap();
+    assert!(matches!(&creds, Credentials::Basic { username, .. } if username == REGISTRY_USER));
+    let dst = tmp.path().join("pulled");
+    client
+        .pull_blob_to_file(&r, &creds, &digest, 4096, &dst)
+        .await
+        .unwrap();
+    assert_eq!(std::fs::read(&dst).unwrap(), std::fs::read(&path).unwrap());
+}
+
+#[tokio::test]
+async fn tls_needs_the_ca_and_https_needs_tls() {
+    let Some(tls) = start(RegistryKind::Tls) else {
+        return;
+    };
+    let anon = Credentials::Anonymous;
+    let digest = sha256_digest(b"x");
+    let r = reference(&tls, "a/b:c");
+
+    // With the CA: works.
+    assert!(!client_for(&tls)
+        .blob_exists(&r, &anon, &digest)
+        .await
+        .unwrap());
+
+    // Without it: the registry and the CA option named.
+    let bare = RegistryClient::new(RegistryOptions::default()).unwrap();
+    let e = expect_kind(
+        bare.blob_exists(&r, &anon, &digest).await,
+        ErrorKind::FailedPrecondition,
+    );
+    let msg = e.to_string();
+    assert!(
+        msg.contains(&tls.host()) && msg.contains("ca_files"),
+        "{msg}"
+    );
+
+    // Named insecure while it serves HTTPS.
+    let plain_client = RegistryClient::new(RegistryOptions {
+        insecure: vec![tls.host()],
+        ..Default::default()
+    })
+    .unwrap();
+    let e = expect_kind(
+        plain_client.blob_exists(&r, &anon, &digest).await,
+        ErrorKind::FailedPrecondition,
+    );
+    assert!(e.to_string().contains("remove"), "{e}");
+    let e = expect_kind(
+        plain_client.pull_manifest(&r, &anon).await,
+        ErrorKind::FailedPrecondition,
+    );
+    assert!(e.to_string().contains(&tls.host()), "{e}");
+
+    // A plain-HTTP registry not named insecure: HTTPS refused, clearly.
+    let Some(plain) = start(RegistryKind::Plain) else {
+        return;
+    };
+    let r = reference(&plain, "a/b:c");
+    let e = expect_kind(
+        bare.blob_exists(&r, &anon, &digest).await,
+        ErrorKind::FailedPrecondition,
+    );
+    let msg = e.to_string();
+    assert!(
+        msg.contains(&plain.host()) && msg.contains("insecure"),
+        "{msg}"
+    );
+    // Named insecure: works.
+    assert!(!client_for(&plain)
+        .blob_exists(&r, &anon, &digest)
+        .await
+        .unwrap());
+    assert_eq!(plain.blob_uploads_completed().unwrap(), 0);
+}
+
+#[tokio::test]
+async fn nothing_listening_is_unavailable() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let host = format!("127.0.0.1:{port}");
+    let client = RegistryClient::new(RegistryOptions {
+        insecure: vec![host.clone()],
+        ..Default::default()
+    })
+    .unwrap();
+    let r = parse_reference(&format!("{host}/a/b:c")).unwrap();
+    let e = expect_kind(
+        client.pull_manifest(&r, &Credentials::Anonymous).await,
+        ErrorKind::Unavailable,
+    );
+    assert!(e.to_string().contains(&host), "{e}");
+    let r = parse_reference("no-such-host.invalid/a/b:c").unwrap();
+    let e = expect_kind(
+        client
+            .blob_exists(&r, &Credentials::Anonymous, &sha256_digest(b""))
+            .await,
+        ErrorKind::Unavailable,
+    );
+    assert!(e.to_string().contains("no-such-host.invalid"), "{e}");
+}
