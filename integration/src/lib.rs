@@ -102,10 +102,16 @@ pub fn require_root_and_containerd() -> bool {
     if missing.is_empty() {
         return true;
     }
-    let msg = format!(
+    skip(&format!(
         "integration tests need {}; run scripts/install-deps.sh as root",
         missing.join(", ")
-    );
+    ))
+}
+
+/// A test that cannot run here: with `CI=true` panics with `msg` (CI must
+/// never skip silently), else prints `SKIPPED: msg` to stderr and returns
+/// false.
+pub(crate) fn skip(msg: &str) -> bool {
     if in_ci() {
         panic!("CI=true and {msg}");
     }
@@ -121,12 +127,7 @@ pub fn require_root() -> bool {
     if nix::unistd::geteuid().is_root() {
         return true;
     }
-    let msg = "this test needs root (euid 0): the daemon mounts overlays and chowns";
-    if in_ci() {
-        panic!("CI=true and {msg}");
-    }
-    eprintln!("SKIPPED: {msg}");
-    false
+    skip("this test needs root (euid 0): the daemon mounts overlays and chowns")
 }
 
 /// Directory below which test temp dirs are created: `$LAYERSTACK_TEST_TMP`,

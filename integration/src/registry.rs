@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{anyhow, bail, Context, Result};
 
-use crate::{ensure_success, fixtures_dir, in_ci, tail_file, tmp_base, which};
+use crate::{ensure_success, fixtures_dir, skip, tail_file, tmp_base, which};
 
 /// The registry binary (Debian package `docker-registry`).
 pub const REGISTRY_BIN: &str = "docker-registry";
@@ -61,15 +61,32 @@ pub fn require_docker_registry(kind: RegistryKind) -> bool {
     if missing.is_empty() {
         return true;
     }
-    let msg = format!(
+    skip(&format!(
         "registry tests need {}; run scripts/install-deps.sh as root",
         missing.join(", ")
+    ))
+}
+
+/// Writes an executable `dir/docker-credential-NAME` that speaks the
+/// docker-credential-helpers protocol for `get` only: for `server` on stdin
+/// it prints `{"ServerURL","Username":user,"Secret":secret}`; for anything
+/// else "credentials not found in native keychain" and exit 1. Test data: the
+/// secret is in the script.
+pub fn write_credential_helper(
+    dir: &Path,
+    name: &str,
+    server: &str,
+    user: &str,
+    secret: &str,
+) -> Result<PathBuf> {
+    use std::os::unix::fs::PermissionsExt;
+    let script = format!(
+        "#!/bin/sh\n[ \"$1\" = get ] || exit 2\nread -r s\nif [ \"$s\" = '{server}' ]; then\n  printf '{{\"ServerURL\":\"%s\",\"Username\":\"{user}\",\"Secret\":\"{secret}\"}}\\n' \"$s\"\nelse\n  echo 'credentials not found in native keychain'; exit 1\nfi\n"
     );
-    if in_ci() {
-        panic!("CI=true and {msg}");
-    }
-    eprintln!("SKIPPED: {msg}");
-    false
+    let p = dir.join(format!("docker-credential-{name}"));
+    fs::write(&p, script).with_context(|| format!("write {}", p.display()))?;
+    fs::set_permissions(&p, fs::Permissions::from_mode(0o755))?;
+    Ok(p)
 }
 
 /// How the test registry serves.

@@ -1025,6 +1025,13 @@ fn fake_tools(dir: &Path, calls: &Path, missing: &str) {
     }
 }
 
+/// The index of the first line of `log` that starts with `needle`.
+fn line_starting(log: &str, needle: &str) -> usize {
+    log.lines()
+        .position(|l| l.starts_with(needle))
+        .unwrap_or_else(|| panic!("no `{needle}` in:\n{log}"))
+}
+
 fn install_deps(fakes: &Path, systemd_dir: &Path) -> std::process::Output {
     let path = std::env::var_os("PATH").unwrap_or_default();
     let mut dirs = vec![fakes.to_path_buf()];
@@ -1061,12 +1068,7 @@ fn ops_install_deps_leaves_no_system_containerd_running() {
     assert!(out.status.success(), "{}", describe(&out));
     let log = fs::read_to_string(&calls).unwrap();
     let lines: Vec<&str> = log.lines().collect();
-    let at = |needle: &str| {
-        lines
-            .iter()
-            .position(|l| l.starts_with(needle))
-            .unwrap_or_else(|| panic!("no `{needle}` in:\n{log}"))
-    };
+    let at = |needle: &str| line_starting(&log, needle);
     let mask = at("systemctl mask --runtime");
     let install = at("apt-get install");
     let unmask = at("systemctl unmask --runtime");
@@ -1087,12 +1089,7 @@ fn ops_install_deps_leaves_no_system_containerd_running() {
     assert!(out.status.success(), "{}", describe(&out));
     let log = fs::read_to_string(&calls).unwrap();
     let lines: Vec<&str> = log.lines().collect();
-    let at = |needle: &str| {
-        lines
-            .iter()
-            .position(|l| l.starts_with(needle))
-            .unwrap_or_else(|| panic!("no `{needle}` in:\n{log}"))
-    };
+    let at = |needle: &str| line_starting(&log, needle);
     let (mask, install, disable) = (
         at("systemctl mask --runtime"),
         at("apt-get install"),

@@ -307,7 +307,6 @@ mod tests {
     #![allow(clippy::unwrap_used)]
 
     use super::*;
-    use std::os::unix::fs::PermissionsExt;
 
     fn config(dir: &Path, json: &str) -> PathBuf {
         let p = dir.join("config.json");
@@ -414,14 +413,9 @@ mod tests {
         assert!(e.to_string().contains("user:password"), "{e}");
     }
 
-    /// Writes `docker-credential-NAME` into `dir`: answers for `server` only.
     fn helper(dir: &Path, name: &str, server: &str, user: &str, secret: &str) {
-        let script = format!(
-            "#!/bin/sh\n[ \"$1\" = get ] || exit 2\nread -r s\nif [ \"$s\" = '{server}' ]; then\n  printf '{{\"ServerURL\":\"%s\",\"Username\":\"{user}\",\"Secret\":\"{secret}\"}}\\n' \"$s\"\nelse\n  echo 'credentials not found in native keychain'; exit 1\nfi\n"
-        );
-        let p = dir.join(format!("docker-credential-{name}"));
-        std::fs::write(&p, script).unwrap();
-        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
+        layerstack_integration::registry::write_credential_helper(dir, name, server, user, secret)
+            .unwrap();
     }
 
     #[test]

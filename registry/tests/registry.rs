@@ -6,11 +6,10 @@
 
 #![allow(clippy::unwrap_used)]
 
-use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
 use layerstack_integration::registry::{
-    require_docker_registry, RegistryKind, TestRegistry, REGISTRY_USER,
+    require_docker_registry, write_credential_helper, RegistryKind, TestRegistry, REGISTRY_USER,
 };
 use layerstack_registry::{
     credentials_from_docker_config, parse_reference, sha256_digest, BlobPush, Credentials,
@@ -282,17 +281,6 @@ async fn manifests_round_trip_by_tag_and_digest() {
     assert!(e.to_string().contains("never-pushed"), "{e}");
 }
 
-/// Writes `docker-credential-NAME` into `dir`, answering `server` with
-/// `user`/`secret`.
-fn cred_helper(dir: &Path, name: &str, server: &str, user: &str, secret: &str) {
-    let script = format!(
-        "#!/bin/sh\n[ \"$1\" = get ] || exit 2\nread -r s\nif [ \"$s\" = '{server}' ]; then\n  printf '{{\"ServerURL\":\"%s\",\"Username\":\"{user}\",\"Secret\":\"{secret}\"}}\\n' \"$s\"\nelse\n  echo 'credentials not found in native keychain'; exit 1\nfi\n"
-    );
-    let p = dir.join(format!("docker-credential-{name}"));
-    std::fs::write(&p, script).unwrap();
-    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755)).unwrap();
-}
-
 #[tokio::test]
 async fn basic_auth_over_tls_with_docker_config() {
     let Some(reg) = start(RegistryKind::TlsBasicAuth) else {
@@ -360,7 +348,7 @@ async fn basic_auth_over_tls_with_docker_config() {
     // config.json naming a credential helper for this registry.
     let bin = tmp.path().join("bin");
     std::fs::create_dir(&bin).unwrap();
-    cred_helper(&bin, "lsttest", &host, REGISTRY_USER, &password);
+    write_credential_helper(&bin, "lsttest", &host, REGISTRY_USER, &password).unwrap();
     let mut dirs = vec![bin];
     dirs.extend(std::env::split_paths(
         &std::env::var_os("PATH").unwrap_or_default(),
