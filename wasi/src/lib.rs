@@ -1,0 +1,377 @@
+//! LayerStack WASI executor: runs a WASI preview1 (`wasi_snapshot_preview1`)
+//! module with wasmtime, the session's tree as its only preopen (guest path
+//! `/`), under a fuel budget, a wall-clock deadline (epoch interruption) and a
+//! linear-memory cap. Modules are compiled once and cached by the sha256 of
+//! their bytes (the cache holds a linked `InstancePre`, so a second run of the
+//! same digest neither compiles nor links).
+//!
+//! What the module gets: its args, the env given (nothing inherited), no stdin,
+//! stdout and stderr captured into bounded buffers, a monotonic and a wall
+//! clock, random bytes, and one directory. No sockets (wasmtime-wasi denies
+//! TCP, UDP and name lookup unless allowed, and preview1 has no socket
+//! creation), no host path outside the preopen: paths are resolved by
+//! cap-std beneath the preopened directory, `..` past its root and absolute
+//! symlinks out of it fail with `ENOTCAPABLE`.
+//!
+//! This crate is the only one in the workspace that links wasmtime.
+
+use std::collections::HashMap;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use sha2::{Digest, Sha256};
+use wasmtime::{Config, Engine, InstancePre, Linker, Module, ResourceLimiter, Store, Trap};
+use wasmtime_wasi::p1::WasiP1Ctx;
+use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
+use wasmtime_wasi::{FsPerms, I32Exit, WasiCtxBuilder};
+
+/// A module's identity in the cache: the sha256 of its bytes (32 bytes).
+pub type ModuleDigest = [u8; 32];
+
+/// The sha256 of `bytes` as a cache key.
+pub fn module_digest(bytes: &[u8]) -> ModuleDigest {
+    Sha256::digest(bytes).into()
+}
+
+/// `sha256:<hex>` form of a digest, as reported in outcomes and logs.
+pub fn digest_string(d: &ModuleDigest) -> String {
+    let mut s = String::from("sha256:");
+    for b in d {
+        s.push_str(&format!("{b:02x}"));
+    }
+    s
+}
+
+/// Errors before the module runs (a trap or an exit is not an error: see
+/// [`WasiExit`]).
+#[derive(Debug, thiserror::Error)]
+pub enum WasiError {
+    /// The bytes are not a valid WebAssembly module (binary or text).
+    #[error("the module does not compile ({0}); give a WebAssembly module (binary .wasm) built for wasm32-wasi (preview1)")]
+    Compile(String),
+    /// The module imports something other than `wasi_snapshot_preview1`
+    /// functions, or lacks an exported `_start`.
+    #[error("the module cannot be linked ({0}); it may import only wasi_snapshot_preview1 functions and must export _start (a WASI command)")]
+    Link(String),
+    /// A run by digest named a module not in the cache.
+    #[error("no module with digest {0} is cached; run it once by its bytes first")]
+    UnknownDigest(String),
+    /// The preopen root cannot be opened.
+    #[error("cannot open the session tree {path} as the module's root: {reason}")]
+    Preopen { path: String, reason: String },
+    /// Engine construction or instantiation failed for a reason of the host.
+    #[error("the WASI runtime failed: {0}")]
+    Runtime(String),
+}
+
+/// Resource limits of one run.
+#[derive(Debug, Clone)]
+pub struct WasiLimits {
+    /// Fuel budget (wasmtime fuel units, ~one per wasm instruction);
+    /// `None` = unbounded (the deadline still applies).
+    pub fuel: Option<u64>,
+    /// Wall-clock deadline in milliseconds, enforced by epoch interruption
+    /// (10 ms granularity); `None` = none.
+    pub deadline_ms: Option<u64>,
+    /// Cap on the total linear memory of the instance, in bytes.
+    pub memory_bytes: u64,
+    /// Bytes kept of stdout and of stderr each; output beyond is dropped and
+    /// flagged as truncated.
+    pub output_bytes: usize,
+}
+
+impl Default for WasiLimits {
+    fn default() -> Self {
+        WasiLimits {
+            fuel: Some(10_000_000_000),
+            deadline_ms: Some(60_000),
+            memory_bytes: 256 << 20,
+            output_bytes: 1 << 20,
+        }
+    }
+}
+
+/// Why a run ended other than by returning from `_start` or `proc_exit`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TrapKind {
+    /// The fuel budget was used up (`WasiLimits::fuel`).
+    OutOfFuel,
+    /// The wall-clock deadline passed (`WasiLimits::deadline_ms`).
+    Deadline,
+    /// The module tried to grow memory beyond `WasiLimits::memory_bytes`.
+    MemoryLimit,
+    /// A wasm trap (unreachable, out-of-bounds access, stack overflow, ...).
+    Trap,
+}
+
+impl TrapKind {
+    /// Stable lowercase name for APIs and logs: `out_of_fuel`, `deadline`,
+    /// `memory_limit`, `trap`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TrapKind::OutOfFuel => "out_of_fuel",
+            TrapKind::Deadline => "deadline",
+            TrapKind::MemoryLimit => "memory_limit",
+            TrapKind::Trap => "trap",
+        }
+    }
+}
+
+/// The outcome of one run.
+#[derive(Debug, Clone)]
+pub struct WasiExit {
+    /// `proc_exit` code, 0 when `_start` returned; `None` when it trapped.
+    pub exit_code: Option<i32>,
+    /// Set when the run was stopped by a limit or a trap.
+    pub trap: Option<TrapKind>,
+    /// Text of the trap (wasmtime's message with the wasm backtrace).
+    pub trap_message: Option<String>,
+    /// Captured stdout (at most `output_bytes`).
+    pub stdout: Vec<u8>,
+    /// Captured stderr (at most `output_bytes`).
+    pub stderr: Vec<u8>,
+    /// Fuel consumed (0 when the run had no fuel budget).
+    pub fuel_used: u64,
+    /// Wall time of instantiate + run, in milliseconds.
+    pub wall_ms: f64,
+    /// Whether this run compiled the module (false: served from the cache).
+    pub compiled: bool,
+    /// sha256 of the module.
+    pub digest: ModuleDigest,
+}
+
+/// What to run: module bytes (compiled if not cached) or a cached digest.
+pub enum ModuleRef<'a> {
+    Bytes(&'a [u8]),
+    Digest(ModuleDigest),
+}
+
+struct State {
+    wasi: WasiP1Ctx,
+    limiter: MemCap,
+}
+
+struct MemCap {
+    max: u64,
+    hit: bool,
+}
+
+impl ResourceLimiter for MemCap {
+    fn memory_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        _maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        if desired as u64 > self.max {
+            self.hit = true;
+            return Err(wasmtime::Error::msg(format!(
+                "memory cap: the module asked for {desired} bytes of linear memory, the cap is {} bytes",
+                self.max
+            )));
+        }
+        Ok(true)
+    }
+
+    fn table_growing(
+        &mut self,
+        _current: usize,
+        desired: usize,
+        _maximum: Option<usize>,
+    ) -> wasmtime::Result<bool> {
+        Ok(desired <= 1_000_000)
+    }
+}
+
+/// Compiles, caches and runs WASI modules. One per process; `run` may be
+/// called from many threads at once (each run has its own store).
+pub struct WasiRunner {
+    engine: Engine,
+    linker: Linker<State>,
+    cache: Mutex<HashMap<ModuleDigest, InstancePre<State>>>,
+    compiles: AtomicU64,
+    ticker_stop: Arc<AtomicBool>,
+}
+
+/// Epoch tick period: the deadline's granularity.
+const TICK: Duration = Duration::from_millis(10);
+
+impl WasiRunner {
+    /// An engine with fuel metering and epoch interruption on, the
+    /// preview1 functions linked, and a thread ticking the epoch every 10 ms.
+    pub fn new() -> Result<Self, WasiError> {
+        let mut config = Config::new();
+        config.consume_fuel(true);
+        config.epoch_interruption(true);
+        let engine = Engine::new(&config).map_err(|e| WasiError::Runtime(format!("{e:#}")))?;
+        let mut linker: Linker<State> = Linker::new(&engine);
+        wasmtime_wasi::p1::add_to_linker_sync(&mut linker, |s: &mut State| &mut s.wasi)
+            .map_err(|e| WasiError::Runtime(format!("{e:#}")))?;
+        let ticker_stop = Arc::new(AtomicBool::new(false));
+        {
+            let engine = engine.clone();
+            let stop = ticker_stop.clone();
+            std::thread::Builder::new()
+                .name("wasi-epoch".into())
+                .spawn(move || {
+                    while !stop.load(Ordering::Relaxed) {
+                        std::thread::sleep(TICK);
+                        engine.increment_epoch();
+                    }
+                })
+                .map_err(|e| WasiError::Runtime(format!("epoch thread: {e}")))?;
+        }
+        Ok(WasiRunner {
+            engine,
+            linker,
+            cache: Mutex::new(HashMap::new()),
+            compiles: AtomicU64::new(0),
+            ticker_stop,
+        })
+    }
+
+    /// How many modules this runner has compiled (cache misses).
+    pub fn compiles(&self) -> u64 {
+        self.compiles.load(Ordering::Relaxed)
+    }
+
+    /// Compiles and links `bytes` (a wasm binary) unless its
+    /// digest is cached. Returns the digest and whether it compiled.
+    pub fn prepare(&self, bytes: &[u8]) -> Result<(ModuleDigest, bool), WasiError> {
+        let digest = module_digest(bytes);
+        if self.lock_cache().contains_key(&digest) {
+            return Ok((digest, false));
+        }
+        let module =
+            Module::new(&self.engine, bytes).map_err(|e| WasiError::Compile(format!("{e:#}")))?;
+        let pre = self
+            .linker
+            .instantiate_pre(&module)
+            .map_err(|e| WasiError::Link(format!("{e:#}")))?;
+        if module.get_export("_start").is_none() {
+            return Err(WasiError::Link("no export _start".into()));
+        }
+        self.compiles.fetch_add(1, Ordering::Relaxed);
+        self.lock_cache().insert(digest, pre);
+        Ok((digest, true))
+    }
+
+    fn lock_cache(&self) -> std::sync::MutexGuard<'_, HashMap<ModuleDigest, InstancePre<State>>> {
+        self.cache.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs `_start` of the module with `root` preopened read-write as `/`
+    /// (fd 3). `root` is a directory path; a detached mount is given as
+    /// `/proc/self/fd/<fd>`. `args` excludes argv[0] (the module's name,
+    /// `module.wasm`, is prepended). Blocks the calling thread until the run
+    /// ends.
+    pub fn run(
+        &self,
+        module: ModuleRef<'_>,
+        root: &Path,
+        args: &[String],
+        env: &[(String, String)],
+        limits: &WasiLimits,
+    ) -> Result<WasiExit, WasiError> {
+        let (digest, compiled) = match module {
+            ModuleRef::Bytes(b) => self.prepare(b)?,
+            ModuleRef::Digest(d) => (d, false),
+        };
+        let pre = self
+            .lock_cache()
+            .get(&digest)
+            .cloned()
+            .ok_or_else(|| WasiError::UnknownDigest(digest_string(&digest)))?;
+
+        let stdout = MemoryOutputPipe::new(limits.output_bytes);
+        let stderr = MemoryOutputPipe::new(limits.output_bytes);
+        let mut b = WasiCtxBuilder::new();
+        let mut argv = vec!["module.wasm".to_string()];
+        argv.extend(args.iter().cloned());
+        b.args(&argv);
+        b.envs(env);
+        b.stdout(stdout.clone());
+        b.stderr(stderr.clone());
+        b.allow_tcp(false)
+            .allow_udp(false)
+            .allow_ip_name_lookup(false);
+        b.preopened_dir(root, "/", FsPerms::ReadWrite)
+            .map_err(|e| WasiError::Preopen {
+                path: root.display().to_string(),
+                reason: format!("{e:#}"),
+            })?;
+        let mut store = Store::new(
+            &self.engine,
+            State {
+                wasi: b.build_p1(),
+                limiter: MemCap {
+                    max: limits.memory_bytes,
+                    hit: false,
+                },
+            },
+        );
+        store.limiter(|s| &mut s.limiter);
+        let fuel = limits.fuel.unwrap_or(u64::MAX);
+        store
+            .set_fuel(fuel)
+            .map_err(|e| WasiError::Runtime(format!("{e:#}")))?;
+        let ticks = limits
+            .deadline_ms
+            .map(|ms| ms.div_ceil(TICK.as_millis() as u64).max(1))
+            .unwrap_or(u64::MAX / 2);
+        store.set_epoch_deadline(ticks);
+        store.epoch_deadline_trap();
+
+        let started = Instant::now();
+        let result = pre.instantiate(&mut store).and_then(|inst| {
+            let start = inst.get_typed_func::<(), ()>(&mut store, "_start")?;
+            start.call(&mut store, ())
+        });
+        let wall_ms = started.elapsed().as_secs_f64() * 1000.0;
+        let fuel_used = match limits.fuel {
+            Some(f) => f.saturating_sub(store.get_fuel().unwrap_or(0)),
+            None => u64::MAX - store.get_fuel().unwrap_or(0),
+        };
+        let mem_hit = store.data().limiter.hit;
+        drop(store);
+
+        let (exit_code, trap, trap_message) = match result {
+            Ok(()) => (Some(0), None, None),
+            Err(e) => {
+                if let Some(exit) = e.downcast_ref::<I32Exit>() {
+                    (Some(exit.0), None, None)
+                } else {
+                    let kind = if mem_hit {
+                        TrapKind::MemoryLimit
+                    } else {
+                        match e.downcast_ref::<Trap>() {
+                            Some(Trap::OutOfFuel) => TrapKind::OutOfFuel,
+                            Some(Trap::Interrupt) => TrapKind::Deadline,
+                            _ => TrapKind::Trap,
+                        }
+                    };
+                    (None, Some(kind), Some(format!("{e:?}")))
+                }
+            }
+        };
+        Ok(WasiExit {
+            exit_code,
+            trap,
+            trap_message,
+            stdout: stdout.contents().to_vec(),
+            stderr: stderr.contents().to_vec(),
+            fuel_used,
+            wall_ms,
+            compiled,
+            digest,
+        })
+    }
+}
+
+impl Drop for WasiRunner {
+    fn drop(&mut self) {
+        self.ticker_stop.store(true, Ordering::Relaxed);
+    }
+}

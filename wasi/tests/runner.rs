@@ -1,0 +1,286 @@
+//! WasiRunner against real modules (WAT text compiled by the `wat` crate):
+//! file I/O in the preopen, exit codes, captured output, the module cache,
+//! fuel / deadline / memory limits, and escapes out of the preopen.
+
+use layerstack_wasi::{ModuleRef, TrapKind, WasiLimits, WasiRunner};
+
+/// A WASI command that writes `content` to `path` (relative to the preopen,
+/// fd 3), prints "ok\n" to stdout and exits with the errno of the first
+/// failing call (0 when all succeed).
+fn write_file_module(path: &str, content: &str) -> Vec<u8> {
+    let wat = format!(
+        r#"(module
+  (import "wasi_snapshot_preview1" "path_open"
+    (func $path_open (param i32 i32 i32 i32 i32 i64 i64 i32 i32) (result i32)))
+  (import "wasi_snapshot_preview1" "fd_write"
+    (func $fd_write (param i32 i32 i32 i32) (result i32)))
+  (import "wasi_snapshot_preview1" "proc_exit" (func $proc_exit (param i32)))
+  (memory (export "memory") 1)
+  (data (i32.const 100) "{path}")
+  (data (i32.const 300) "{content}")
+  (data (i32.const 500) "ok\n")
+  (func (export "_start")
+    (local $err i32)
+    ;; path_open(fd 3, follow symlinks, path, O_CREAT|O_TRUNC, all rights) -> fd at 16
+    (local.set $err (call $path_open (i32.const 3) (i32.const 1) (i32.const 100) (i32.const {plen})
+      (i32.const 9) (i64.const 0x1fffffff) (i64.const 0x1fffffff) (i32.const 0) (i32.const 16)))
+    (if (local.get $err) (then (call $proc_exit (local.get $err))))
+    ;; iovec at 0: {{ptr 300, len clen}}
+    (i32.store (i32.const 0) (i32.const 300))
+    (i32.store (i32.const 4) (i32.const {clen}))
+    (local.set $err (call $fd_write (i32.load (i32.const 16)) (i32.const 0) (i32.const 1) (i32.const 20)))
+    (if (local.get $err) (then (call $proc_exit (local.get $err))))
+    (i32.store (i32.const 0) (i32.const 500))
+    (i32.store (i32.const 4) (i32.const 3))
+    (drop (call $fd_write (i32.const 1) (i32.const 0) (i32.const 1) (i32.const 20)))
+    (call $proc_exit (i32.const 0))))"#,
+        plen = path.len(),
+        clen = content.len(),
+    );
+    wat::parse_str(wat).expect("valid WAT")
+}
+
+/// A WASI command that opens `path` for reading and exits with the errno
+/// (0 if the open succeeded).
+fn open_read_module(path: &str) -> Vec<u8> {
+    let wat = format!(
+        r#"(module
+  (import "wasi_snapshot_preview1" "path_open"
+    (func $path_open (param i32 i32 i32 i32 i32 i64 i64 i32 i32) (result i32)))
+  (import "wasi_snapshot_preview1" "proc_exit" (func $proc_exit (param i32)))
+  (memory (export "memory") 1)
+  (data (i32.const 100) "{path}")
+  (func (export "_start")
+    (call $proc_exit (call $path_open (i32.const 3) (i32.const 1) (i32.const 100) (i32.const {plen})
+      (i32.const 0) (i64.const 0x1fffffff) (i64.const 0x1fffffff) (i32.const 0) (i32.const 16)))))"#,
+        plen = path.len(),
+    );
+    wat::parse_str(wat).expect("valid WAT")
+}
+
+fn loop_module() -> Vec<u8> {
+    wat::parse_str(
+        r#"(module (memory (export "memory") 1) (func (export "_start") (loop $l (br $l))))"#,
+    )
+    .expect("valid WAT")
+}
+
+/// Grows memory by 16 pages (1 MiB) until memory.grow fails, then traps
+/// with unreachable (a module that does not check would do the same).
+fn grow_module() -> Vec<u8> {
+    wat::parse_str(
+        r#"(module (memory (export "memory") 1)
+  (func (export "_start")
+    (loop $l (br_if $l (i32.ne (memory.grow (i32.const 16)) (i32.const -1))))
+    unreachable))"#,
+    )
+    .expect("valid WAT")
+}
+
+fn limits() -> WasiLimits {
+    WasiLimits {
+        fuel: Some(100_000_000),
+        deadline_ms: Some(10_000),
+        memory_bytes: 64 << 20,
+        output_bytes: 4096,
+    }
+}
+
+#[test]
+fn writes_in_the_preopen_and_caches_the_module() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let runner = WasiRunner::new().expect("runner");
+    let m = write_file_module("hello.txt", "hello from wasm");
+    let out = runner
+        .run(ModuleRef::Bytes(&m), dir.path(), &[], &[], &limits())
+        .expect("run");
+    assert_eq!(out.exit_code, Some(0), "{out:?}");
+    assert_eq!(out.trap, None);
+    assert_eq!(out.stdout, b"ok\n");
+    assert!(out.compiled);
+    assert!(out.fuel_used > 0);
+    assert_eq!(
+        std::fs::read_to_string(dir.path().join("hello.txt")).expect("written"),
+        "hello from wasm"
+    );
+
+    // Second run: same bytes, served from the cache; by digest too.
+    let again = runner
+        .run(ModuleRef::Bytes(&m), dir.path(), &[], &[], &limits())
+        .expect("run");
+    assert!(!again.compiled);
+    assert_eq!(again.digest, out.digest);
+    let by_digest = runner
+        .run(
+            ModuleRef::Digest(out.digest),
+            dir.path(),
+            &[],
+            &[],
+            &limits(),
+        )
+        .expect("run");
+    assert_eq!(by_digest.exit_code, Some(0));
+    assert_eq!(runner.compiles(), 1);
+
+    // A digest never seen is refused with a message that says what to do.
+    let err = runner
+        .run(ModuleRef::Digest([7; 32]), dir.path(), &[], &[], &limits())
+        .expect_err("unknown digest");
+    assert!(
+        err.to_string().contains("run it once by its bytes"),
+        "{err}"
+    );
+}
+
+#[test]
+fn fuel_runs_out_on_an_endless_loop() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let runner = WasiRunner::new().expect("runner");
+    let out = runner
+        .run(
+            ModuleRef::Bytes(&loop_module()),
+            dir.path(),
+            &[],
+            &[],
+            &limits(),
+        )
+        .expect("run");
+    assert_eq!(out.trap, Some(TrapKind::OutOfFuel), "{out:?}");
+    assert_eq!(out.exit_code, None);
+    assert_eq!(out.fuel_used, 100_000_000);
+}
+
+#[test]
+fn the_deadline_stops_an_endless_loop_without_fuel() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let runner = WasiRunner::new().expect("runner");
+    let l = WasiLimits {
+        fuel: None,
+        deadline_ms: Some(200),
+        ..limits()
+    };
+    let out = runner
+        .run(ModuleRef::Bytes(&loop_module()), dir.path(), &[], &[], &l)
+        .expect("run");
+    assert_eq!(out.trap, Some(TrapKind::Deadline), "{out:?}");
+    assert!(
+        out.wall_ms >= 150.0 && out.wall_ms < 5_000.0,
+        "{}",
+        out.wall_ms
+    );
+}
+
+#[test]
+fn unbounded_allocation_hits_the_memory_cap() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let runner = WasiRunner::new().expect("runner");
+    let out = runner
+        .run(
+            ModuleRef::Bytes(&grow_module()),
+            dir.path(),
+            &[],
+            &[],
+            &limits(),
+        )
+        .expect("run");
+    assert_eq!(out.trap, Some(TrapKind::MemoryLimit), "{out:?}");
+    assert!(
+        out.trap_message
+            .as_deref()
+            .unwrap_or("")
+            .contains("memory cap"),
+        "{out:?}"
+    );
+}
+
+#[test]
+fn nothing_outside_the_preopen_is_reachable() {
+    let outer = tempfile::tempdir().expect("tempdir");
+    let root = outer.path().join("root");
+    std::fs::create_dir(&root).expect("mkdir");
+    std::fs::write(outer.path().join("secret"), "host data").expect("write");
+    std::os::unix::fs::symlink("/etc/passwd", root.join("abs-link")).expect("symlink");
+    std::os::unix::fs::symlink("../secret", root.join("rel-link")).expect("symlink");
+    let runner = WasiRunner::new().expect("runner");
+    const ENOENT: i32 = 44;
+    const EPERM: i32 = 63;
+    const ENOTCAPABLE: i32 = 76;
+    for path in [
+        "../secret",
+        "../../etc/passwd",
+        "/etc/passwd",
+        "abs-link",
+        "rel-link",
+    ] {
+        let out = runner
+            .run(
+                ModuleRef::Bytes(&open_read_module(path)),
+                &root,
+                &[],
+                &[],
+                &limits(),
+            )
+            .expect("run");
+        let code = out.exit_code.expect("exits");
+        assert!(
+            [ENOENT, EPERM, ENOTCAPABLE].contains(&code),
+            "opening {path} from inside the module gave errno {code}, not ENOENT/EPERM/ENOTCAPABLE"
+        );
+    }
+    // Writing through an escape fails too and leaves the host file intact.
+    let out = runner
+        .run(
+            ModuleRef::Bytes(&write_file_module("../secret", "pwned")),
+            &root,
+            &[],
+            &[],
+            &limits(),
+        )
+        .expect("run");
+    assert_ne!(out.exit_code, Some(0));
+    assert_eq!(
+        std::fs::read_to_string(outer.path().join("secret")).expect("read"),
+        "host data"
+    );
+    // Sanity: the same module opens a file that is inside.
+    std::fs::write(root.join("inside"), "x").expect("write");
+    let ok = runner
+        .run(
+            ModuleRef::Bytes(&open_read_module("inside")),
+            &root,
+            &[],
+            &[],
+            &limits(),
+        )
+        .expect("run");
+    assert_eq!(ok.exit_code, Some(0));
+}
+
+#[test]
+fn a_module_that_is_not_wasm_is_refused() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let runner = WasiRunner::new().expect("runner");
+    let err = runner
+        .run(
+            ModuleRef::Bytes(b"not wasm"),
+            dir.path(),
+            &[],
+            &[],
+            &limits(),
+        )
+        .expect_err("refused");
+    assert!(err.to_string().contains("does not compile"), "{err}");
+    let bad_import =
+        wat::parse_str(r#"(module (import "env" "socket" (func)) (func (export "_start")))"#)
+            .expect("valid WAT");
+    let err = runner
+        .run(
+            ModuleRef::Bytes(&bad_import),
+            dir.path(),
+            &[],
+            &[],
+            &limits(),
+        )
+        .expect_err("refused");
+    assert!(err.to_string().contains("cannot be linked"), "{err}");
+}
