@@ -46,7 +46,7 @@ use std::sync::Arc;
 
 use layerstack_publisher::{self as publisher, Action, GateFiles, LayerView, Side};
 use layerstack_store::{
-    ManifestId, MarkerRecord, OutcomeKind, OutcomeRecord, Owner, PathRecord, PathStatus, SessionId,
+    ManifestId, MarkerRecord, OutcomeKind, OutcomeRecord, PathRecord, PathStatus, SessionId,
     SessionInfo, Store, StoreError,
 };
 use tracing::info;
@@ -380,7 +380,7 @@ fn cannot_rebase(s: &SessionInfo) -> Option<EngineError> {
             s.owner.display()
         )));
     }
-    if s.released && !matches!(s.owner, Owner::Sandbox { .. }) {
+    if s.released && !s.owner.is_sandbox() {
         return Some(EngineError::FailedPrecondition(format!(
             "session {} ({}) conflicted and its owner let go of it (the container's snapshot was removed): its writes are kept for inspection only; discard them with `layerstack publish --discard --session {}`",
             s.id,

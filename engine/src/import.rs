@@ -255,6 +255,7 @@ mod tests {
                 node: None,
                 ignore_mtime: false,
                 daemon_owned: false,
+                wasi: false,
                 reserve: Default::default(),
             })
             .await

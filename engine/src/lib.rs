@@ -413,7 +413,7 @@ impl Engine {
         // Every run ends with an outcome, an empty one too (`no-change`, or
         // `discarded` by its policy): a `layerstack wait` on it must answer.
         let unfinished = !s.run_finished() && s.outcome.is_none() && s.lease_manifest.is_some();
-        if unfinished && matches!(s.owner, Owner::Sandbox { .. }) && !s.daemon_owned {
+        if unfinished && s.owner.is_sandbox() && !s.daemon_owned {
             // A holder's close the last daemon did not finish: the holder
             // reconnects and closes again with the command's exit status
             // ([`Engine::recover_sandboxes`] waits for it).

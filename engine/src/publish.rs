@@ -934,8 +934,8 @@ fn settled(
     // later outcome that ends its run completes the release (nothing mounts it
     // again). Not a container's: containerd's Commit may have made its upper a
     // layer in place.
-    let sandbox_run_ended = matches!(s.owner, layerstack_store::Owner::Sandbox { .. })
-        && s.outcome.as_ref().is_some_and(|o| !o.kind.is_retryable());
+    let sandbox_run_ended =
+        s.owner.is_sandbox() && s.outcome.as_ref().is_some_and(|o| !o.kind.is_retryable());
     if s.released && s.outcome.is_some() && (s.remove_pending || sandbox_run_ended) {
         st.complete_release(id)?;
         s = st.session(id)?;

@@ -280,6 +280,15 @@ pub(crate) fn drop_root_mountpoints(
     Ok(dropped)
 }
 
+/// The owner of a sandbox request's session: `wasi:<name>` or `sandbox:<name>`.
+fn owner_of(wasi: bool, name: String) -> Owner {
+    if wasi {
+        Owner::Wasi { name }
+    } else {
+        Owner::Sandbox { name }
+    }
+}
+
 /// A request for a sandbox session.
 #[derive(Debug, Clone)]
 pub struct SandboxRequest {
@@ -305,6 +314,9 @@ pub struct SandboxRequest {
     /// ([`layerstack_store::SessionOptions::daemon_owned`]): when that init is
     /// gone without a close, the run ends `interrupted`, not by its policy.
     pub daemon_owned: bool,
+    /// A WASI session (owner kind `wasi`): the daemon runs WebAssembly modules
+    /// over the session's tree instead of Linux processes. Else a sandbox.
+    pub wasi: bool,
     /// What it counts against the pool's CPU and memory budgets while it lives.
     pub reserve: Reservation,
 }
@@ -429,7 +441,7 @@ impl Engine {
     pub async fn sandbox_run_spec(&self, id: SessionId) -> Result<MountSpec, EngineError> {
         self.blocking(move |st| {
             let s = st.session(id)?;
-            if !matches!(s.owner, Owner::Sandbox { .. }) {
+            if !s.owner.is_sandbox() {
                 return Err(layerstack_store::StoreError::InvalidArgument(format!(
                     "session {id} belongs to {}, not to a sandbox holder",
                     s.owner.display()
@@ -478,7 +490,7 @@ impl Engine {
                 let (_, s, spec, created) = self
                     .attempt_start_with(
                         &node,
-                        Owner::Sandbox { name: req.name },
+                        owner_of(req.wasi, req.name),
                         req.idempotency_key,
                         opts,
                     )
@@ -493,7 +505,7 @@ impl Engine {
                     ignore_mtime: req.ignore_mtime,
                     daemon_owned: req.daemon_owned,
                 };
-                let owner = Owner::Sandbox { name: req.name };
+                let owner = owner_of(req.wasi, req.name);
                 self.blocking(move |st| {
                     st.create_session_with(&owner, &stack, &target, key.as_deref(), &opts)
                 })
@@ -745,8 +757,7 @@ impl Engine {
             .await?
             .into_iter()
             .filter(|s| {
-                matches!(s.owner, Owner::Sandbox { .. })
-                    && (!s.released || (s.remove_pending && !s.daemon_owned))
+                s.owner.is_sandbox() && (!s.released || (s.remove_pending && !s.daemon_owned))
             })
             .collect();
         let why = "the daemon that owned the session's init ended (restart)";
@@ -1066,6 +1077,7 @@ mod tests {
             node: None,
             ignore_mtime: false,
             daemon_owned: false,
+            wasi: false,
             reserve: Reservation::default(),
         }
     }
@@ -1145,6 +1157,7 @@ mod tests {
         let e = engine(t.path(), 8);
         let owned = |name: &str, node: Option<String>| SandboxRequest {
             daemon_owned: true,
+            wasi: false,
             reserve: Default::default(),
             node,
             ..req(name, Some(ExitPolicy::OnExit), None)

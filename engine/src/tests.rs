@@ -823,6 +823,7 @@ async fn a_session_that_ignores_mtimes_publishes_content_changes_only() {
         node: None,
         ignore_mtime,
         daemon_owned: false,
+        wasi: false,
         reserve: Default::default(),
     };
     let (quiet, _, _) = p.create_sandbox_session(make("quiet", true)).await.unwrap();
@@ -1808,6 +1809,7 @@ async fn sandbox_sessions_on_nodes_checkpoint_when_closed() {
         node,
         ignore_mtime: false,
         daemon_owned: false,
+        wasi: false,
         reserve: Default::default(),
     };
     let (s, _, created) = p

@@ -179,9 +179,7 @@ impl api::Admin for AdminService {
             .filter(|s| s.id > after)
             // Sandbox sessions (Mode B) have no namespace: always listed.
             .filter(|s| {
-                r.all_namespaces
-                    || s.owner.namespace() == r.namespace
-                    || matches!(s.owner, layerstack_engine::store::Owner::Sandbox { .. })
+                r.all_namespaces || s.owner.namespace() == r.namespace || s.owner.is_sandbox()
             })
             .filter(|s| r.owner_kind.is_empty() || s.owner.kind().as_str() == r.owner_kind)
             .take(size + 1)

@@ -279,7 +279,7 @@ impl Metrics {
             Ok((sessions, stacks)) => {
                 up.set(1);
                 let live = Family::<OwnerLabels, Gauge>::default();
-                for kind in ["container", "sandbox", "operation"] {
+                for kind in ["container", "sandbox", "wasi", "operation"] {
                     let _ = live.get_or_create(&OwnerLabels { owner_kind: kind });
                 }
                 for s in sessions.iter().filter(|s| !s.released) {

@@ -764,6 +764,7 @@ impl AdminService {
             node,
             ignore_mtime: r.ignore_mtime,
             daemon_owned,
+            wasi: false,
             reserve,
         };
         let (s, spec, created) = self

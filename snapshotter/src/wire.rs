@@ -45,7 +45,9 @@ pub fn path_counts(c: &PathCounts) -> api::PathCounts {
 pub fn session(s: &SessionInfo, conflicts: &[PathRecord]) -> api::Session {
     let (namespace, container) = match &s.owner {
         Owner::Container { namespace, id } => (namespace.clone(), id.clone()),
-        Owner::Sandbox { .. } | Owner::Operation { .. } => (String::new(), String::new()),
+        Owner::Sandbox { .. } | Owner::Wasi { .. } | Owner::Operation { .. } => {
+            (String::new(), String::new())
+        }
     };
     let o = s.outcome.as_ref();
     api::Session {

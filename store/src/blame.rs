@@ -58,10 +58,12 @@ impl LineOwner {
     /// The owner of lines session `id` (owned by `owner`) writes.
     pub fn of_session(owner: &Owner, id: SessionId) -> LineOwner {
         match owner {
-            Owner::Container { id: name, .. } | Owner::Sandbox { name } => LineOwner::Session {
-                name: name.clone(),
-                session: id,
-            },
+            Owner::Container { id: name, .. } | Owner::Sandbox { name } | Owner::Wasi { name } => {
+                LineOwner::Session {
+                    name: name.clone(),
+                    session: id,
+                }
+            }
             Owner::Operation { id: op } => LineOwner::Operation {
                 id: op.clone(),
                 session: id,
@@ -425,7 +427,7 @@ impl Store {
             // A sandbox holder releases its session when it closes; the
             // conflicting writes stay for a rebase. A container that let go of
             // its session (containerd removed the snapshot) ended it.
-            if s.released && !matches!(s.owner, Owner::Sandbox { .. }) {
+            if s.released && !s.owner.is_sandbox() {
                 return Err(StoreError::FailedPrecondition(format!(
                     "session {session} conflicted and its owner ({}) let go of it: its writes are kept for inspection only; discard them",
                     s.owner.display()

@@ -254,6 +254,9 @@ pub enum Owner {
     /// Mode B: a sandbox session held by a `layerstack session run` holder;
     /// `name` is its label (unique among live sandbox sessions is not required).
     Sandbox { name: String },
+    /// A WASI session: the daemon runs WebAssembly modules over the session's
+    /// tree (a detached overlay it holds itself); `name` is its label.
+    Wasi { name: String },
     /// An engine operation (promote, a graph merge): `id` names it in blame as
     /// `operation:<id>`.
     Operation { id: String },
@@ -265,21 +268,30 @@ impl Owner {
         match self {
             Self::Container { .. } => OwnerKind::Container,
             Self::Sandbox { .. } => OwnerKind::Sandbox,
+            Self::Wasi { .. } => OwnerKind::Wasi,
             Self::Operation { .. } => OwnerKind::Operation,
         }
     }
 
-    /// `container`, `sandbox` or `operation` ([`OwnerKind::as_str`]).
+    /// A session with no container: a sandbox (Mode B) or a WASI session.
+    /// Both are created and closed through the sandbox calls
+    /// (`CreateSession` / `CloseSession`) and end by their exit policy.
+    pub fn is_sandbox(&self) -> bool {
+        matches!(self, Self::Sandbox { .. } | Self::Wasi { .. })
+    }
+
+    /// `container`, `sandbox`, `wasi` or `operation` ([`OwnerKind::as_str`]).
     pub fn kind_str(&self) -> &'static str {
         self.kind().as_str()
     }
 
-    /// The owner's display form: `container:<ns>/<id>`, `sandbox:<name>` or
-    /// `operation:<id>`.
+    /// The owner's display form: `container:<ns>/<id>`, `sandbox:<name>`,
+    /// `wasi:<name>` or `operation:<id>`.
     pub fn display(&self) -> String {
         match self {
             Self::Container { namespace, id } => format!("container:{namespace}/{id}"),
             Self::Sandbox { name } => format!("sandbox:{name}"),
+            Self::Wasi { name } => format!("wasi:{name}"),
             Self::Operation { id } => format!("operation:{id}"),
         }
     }
@@ -288,7 +300,7 @@ impl Owner {
     pub fn namespace(&self) -> &str {
         match self {
             Self::Container { namespace, .. } => namespace,
-            Self::Sandbox { .. } | Self::Operation { .. } => "",
+            Self::Sandbox { .. } | Self::Wasi { .. } | Self::Operation { .. } => "",
         }
     }
 
@@ -296,7 +308,7 @@ impl Owner {
     pub fn name(&self) -> &str {
         match self {
             Self::Container { id, .. } => id,
-            Self::Sandbox { name } => name,
+            Self::Sandbox { name } | Self::Wasi { name } => name,
             Self::Operation { id } => id,
         }
     }

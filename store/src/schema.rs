@@ -20,9 +20,10 @@
 /// namespace (`stacks.namespace` NULL: an imported base, which used to be
 /// `''`); 9 added `sessions.ignore_mtime`; 10 added `sessions.daemon_owned`,
 /// `publishes.interrupted_by` and the attempt status `interrupted`; 11 added the
-/// rollout fabric's tables (`rollout_*`, `search_*`, `frontier_leases`). Formats
-/// 4 to 10 are migrated at open ([`MIGRATIONS`]).
-pub const FORMAT_VERSION: i64 = 11;
+/// rollout fabric's tables (`rollout_*`, `search_*`, `frontier_leases`); 12
+/// added the session owner kind `wasi`. Formats 4 to 11 are migrated at open
+/// ([`MIGRATIONS`]).
+pub const FORMAT_VERSION: i64 = 12;
 
 /// The rollout fabric's tables (format 11; ARCHITECTURE.md §12, docs/fabric.md):
 /// mutable records beside the immutable graph, in [`SCHEMA`] and in the
@@ -198,6 +199,41 @@ pub(crate) const MIGRATIONS: &[(i64, &str, &str)] = &[
         CREATE INDEX graph_attempts_session ON graph_attempts(session_id);",
     ),
     (10, "rollout fabric tables", rollout_tables!()),
+    (
+        11,
+        "session owner kind wasi",
+        // The CHECK gains a kind: the table is rebuilt (as graph_attempts was
+        // for format 10), its AUTOINCREMENT sequence carried over so that no
+        // session id is handed out twice.
+        "CREATE TABLE sessions_v12 (
+            id              INTEGER PRIMARY KEY AUTOINCREMENT,
+            owner_kind      TEXT NOT NULL CHECK (owner_kind IN ('container', 'sandbox', 'wasi', 'operation')),
+            namespace       TEXT NOT NULL,
+            owner           TEXT NOT NULL,
+            stack           TEXT NOT NULL REFERENCES stacks(id),
+            branch          TEXT NOT NULL,
+            lease_id        INTEGER REFERENCES leases(id),
+            state           TEXT NOT NULL CHECK (state IN ('active', 'published', 'conflict', 'discarded')),
+            run             INTEGER NOT NULL DEFAULT 1,
+            policy          TEXT,
+            last_publish    INTEGER,
+            released        INTEGER NOT NULL DEFAULT 0,
+            remove_pending  INTEGER NOT NULL DEFAULT 0,
+            idempotency_key TEXT UNIQUE,
+            created_ns      INTEGER NOT NULL,
+            updated_ns      INTEGER NOT NULL,
+            ignore_mtime    INTEGER NOT NULL DEFAULT 0,
+            daemon_owned    INTEGER NOT NULL DEFAULT 0
+        );
+        INSERT INTO sessions_v12(id, owner_kind, namespace, owner, stack, branch, lease_id, state, run, policy, last_publish, released, remove_pending, idempotency_key, created_ns, updated_ns, ignore_mtime, daemon_owned)
+            SELECT id, owner_kind, namespace, owner, stack, branch, lease_id, state, run, policy, last_publish, released, remove_pending, idempotency_key, created_ns, updated_ns, ignore_mtime, daemon_owned FROM sessions;
+        DELETE FROM sqlite_sequence WHERE name = 'sessions_v12';
+        INSERT INTO sqlite_sequence(name, seq)
+            SELECT 'sessions_v12', max(seq) FROM sqlite_sequence WHERE name = 'sessions' HAVING count(*) > 0;
+        DROP TABLE sessions;
+        ALTER TABLE sessions_v12 RENAME TO sessions;
+        CREATE INDEX sessions_owner ON sessions(owner_kind, namespace, owner);",
+    ),
 ];
 
 pub(crate) const SCHEMA: &str = concat!(
@@ -324,7 +360,8 @@ CREATE INDEX leases_live ON leases(manifest_id) WHERE released_ns IS NULL;
 
 -- A session: one private upper on a lease. owner_kind 'container' (Mode A:
 -- namespace + container id), 'sandbox' (Mode B: a holder process; owner is its
--- name) or 'operation' (an engine operation such as promote; owner is its id). `run` counts runs (a new run starts after every outcome). `released`:
+-- name), 'wasi' (WebAssembly modules the daemon runs; owner is its name,
+-- format 12) or 'operation' (an engine operation such as promote; owner is its id). `run` counts runs (a new run starts after every outcome). `released`:
 -- the owner let go (containerd removed the snapshot, the sandbox closed); the row
 -- stays as history. `remove_pending`: released while a publish was running; the
 -- directories go when it ends. `daemon_owned`: the daemon started and owns the
@@ -332,7 +369,7 @@ CREATE INDEX leases_live ON leases(manifest_id) WHERE released_ns IS NULL;
 -- 'interrupted', never by its policy.
 CREATE TABLE sessions (
     id              INTEGER PRIMARY KEY AUTOINCREMENT,
-    owner_kind      TEXT NOT NULL CHECK (owner_kind IN ('container', 'sandbox', 'operation')),
+    owner_kind      TEXT NOT NULL CHECK (owner_kind IN ('container', 'sandbox', 'wasi', 'operation')),
     namespace       TEXT NOT NULL,
     owner           TEXT NOT NULL,
     stack           TEXT NOT NULL REFERENCES stacks(id),

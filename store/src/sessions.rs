@@ -62,6 +62,7 @@ pub(crate) fn owner_from(
             id: owner,
         }),
         "sandbox" => Ok(Owner::Sandbox { name: owner }),
+        "wasi" => Ok(Owner::Wasi { name: owner }),
         "operation" => Ok(Owner::Operation { id: owner }),
         other => Err(StoreError::corrupt(
             "sessions",
@@ -283,7 +284,7 @@ impl Store {
                     |r| r.get(0),
                 )
                 .optional()?,
-            Owner::Sandbox { .. } | Owner::Operation { .. } => None,
+            Owner::Sandbox { .. } | Owner::Wasi { .. } | Owner::Operation { .. } => None,
         };
         Ok(SessionInfo {
             upper: self.upper_path(s.id),
@@ -654,7 +655,7 @@ impl Store {
     pub fn release_sandbox_session(&self, sid: SessionId) -> Result<SessionInfo, StoreError> {
         self.db.write(|tx| {
             let s = get_sess(tx, sid)?;
-            if !matches!(s.owner, Owner::Sandbox { .. }) {
+            if !s.owner.is_sandbox() {
                 return Err(StoreError::InvalidArgument(format!(
                     "session {sid} belongs to {}, not to a sandbox holder: it ends with its owner",
                     s.owner.display()

@@ -880,6 +880,112 @@ fn a_format_9_store_is_migrated_and_keeps_its_attempts_and_their_ids() {
     );
 }
 
+/// Turns a current store's `sessions` back into format 11's (no owner kind
+/// `wasi`), as an older build left it.
+const TO_FORMAT_11: &str = "
+     CREATE TABLE sessions_old (
+        id              INTEGER PRIMARY KEY AUTOINCREMENT,
+        owner_kind      TEXT NOT NULL CHECK (owner_kind IN ('container', 'sandbox', 'operation')),
+        namespace       TEXT NOT NULL,
+        owner           TEXT NOT NULL,
+        stack           TEXT NOT NULL REFERENCES stacks(id),
+        branch          TEXT NOT NULL,
+        lease_id        INTEGER REFERENCES leases(id),
+        state           TEXT NOT NULL CHECK (state IN ('active', 'published', 'conflict', 'discarded')),
+        run             INTEGER NOT NULL DEFAULT 1,
+        policy          TEXT,
+        last_publish    INTEGER,
+        released        INTEGER NOT NULL DEFAULT 0,
+        remove_pending  INTEGER NOT NULL DEFAULT 0,
+        idempotency_key TEXT UNIQUE,
+        created_ns      INTEGER NOT NULL,
+        updated_ns      INTEGER NOT NULL,
+        ignore_mtime    INTEGER NOT NULL DEFAULT 0,
+        daemon_owned    INTEGER NOT NULL DEFAULT 0
+     );
+     INSERT INTO sessions_old SELECT * FROM sessions;
+     DELETE FROM sqlite_sequence WHERE name = 'sessions_old';
+     INSERT INTO sqlite_sequence(name, seq) SELECT 'sessions_old', seq FROM sqlite_sequence WHERE name = 'sessions';
+     DROP TABLE sessions;
+     ALTER TABLE sessions_old RENAME TO sessions;
+     CREATE INDEX sessions_owner ON sessions(owner_kind, namespace, owner);
+     UPDATE meta SET value = '11' WHERE key = 'format_version';";
+
+#[test]
+fn a_format_11_store_is_migrated_and_takes_wasi_sessions_without_reusing_ids() {
+    let d = tmp();
+    let s = open(d.path());
+    let top = unpack(&s, "default");
+    s.prepare("default/5/m", &top, BTreeMap::new(), false)
+        .unwrap();
+    let stack = s.find_session("default", "m").unwrap().unwrap().stack;
+    let main = LeaseTarget::Branch("main".into());
+    let opts = SessionOptions::default();
+    let (a, _, _) = s
+        .create_session_with(
+            &Owner::Sandbox { name: "a".into() },
+            &stack,
+            &main,
+            Some("k-a"),
+            &opts,
+        )
+        .unwrap();
+    let (b, _, _) = s
+        .create_session_with(
+            &Owner::Sandbox { name: "b".into() },
+            &stack,
+            &main,
+            None,
+            &opts,
+        )
+        .unwrap();
+    // The newest session row is gone: its id must not be handed out again.
+    s.db.write(|tx| Ok(tx.execute("DELETE FROM sessions WHERE id = ?1", [b.id])?))
+        .unwrap();
+    drop(s);
+    let db = rusqlite::Connection::open(d.path().join("root/store.db")).unwrap();
+    db.execute_batch("PRAGMA foreign_keys = OFF;").unwrap();
+    db.execute_batch(TO_FORMAT_11).unwrap();
+    let old = db.execute(
+        "UPDATE sessions SET owner_kind = 'wasi' WHERE id = ?1",
+        [a.id],
+    );
+    assert!(old.is_err(), "format 11 knew no owner kind wasi");
+    drop(db);
+    let s = open(d.path());
+    let kept = s.session(a.id).unwrap();
+    assert_eq!(kept.owner, Owner::Sandbox { name: "a".into() });
+    let (again, _, created) = s
+        .create_session_with(
+            &Owner::Sandbox { name: "a".into() },
+            &stack,
+            &main,
+            Some("k-a"),
+            &opts,
+        )
+        .unwrap();
+    assert_eq!(
+        (again.id, created),
+        (a.id, false),
+        "the idempotency key survives"
+    );
+    let (w, _, _) = s
+        .create_session_with(
+            &Owner::Wasi { name: "w".into() },
+            &stack,
+            &main,
+            None,
+            &opts,
+        )
+        .unwrap();
+    assert!(w.id > b.id, "session id {} handed out again", w.id);
+    assert_eq!(
+        s.session(w.id).unwrap().owner,
+        Owner::Wasi { name: "w".into() }
+    );
+    assert_eq!(s.session(w.id).unwrap().owner.kind_str(), "wasi");
+}
+
 #[test]
 fn an_interrupted_outcome_names_its_interruption_and_keeps_the_upper() {
     let d = tmp();

@@ -203,14 +203,18 @@ names!(SessionState {
 });
 
 /// Who a session belongs to, by kind (ARCHITECTURE.md §2 "Owner"): `container`
-/// (Mode A), `sandbox` (Mode B), `operation` (an engine operation: promote, a
-/// graph merge). The admin API's `Session.owner_kind` and `session ls --owner`.
+/// (Mode A), `sandbox` (Mode B), `wasi` (a WASI session: WebAssembly modules
+/// the daemon runs over the session's tree), `operation` (an engine
+/// operation: promote, a graph merge). The admin API's `Session.owner_kind` and `session ls --owner`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum OwnerKind {
     /// A container, through containerd.
     Container,
     /// A sandbox session held by a `layerstack session run|create` holder.
     Sandbox,
+    /// A WASI session: the daemon runs WebAssembly modules (wasmtime) with the
+    /// session's tree as their root; it holds the overlay itself.
+    Wasi,
     /// An engine operation.
     Operation,
 }
@@ -218,6 +222,7 @@ pub enum OwnerKind {
 names!(OwnerKind {
     Container => "container",
     Sandbox => "sandbox",
+    Wasi => "wasi",
     Operation => "operation",
 });
 

@@ -5,8 +5,9 @@
 //! their bytes (the cache holds a linked `InstancePre`, so a second run of the
 //! same digest neither compiles nor links).
 //!
-//! What the module gets: its args, the env given (nothing inherited), no stdin,
-//! stdout and stderr captured into bounded buffers, a monotonic and a wall
+//! What the module gets: its args, the env given (nothing inherited), the
+//! stdin bytes given (else an empty stdin), stdout and stderr captured into
+//! bounded buffers, a monotonic and a wall
 //! clock, random bytes, and one directory. No sockets (wasmtime-wasi denies
 //! TCP, UDP and name lookup unless allowed, and preview1 has no socket
 //! creation), no host path outside the preopen: paths are resolved by
@@ -15,16 +16,18 @@
 //!
 //! This crate is the only one in the workspace that links wasmtime.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use sha2::{Digest, Sha256};
-use wasmtime::{Config, Engine, InstancePre, Linker, Module, ResourceLimiter, Store, Trap};
+use wasmtime::{
+    Config, Engine, InstancePre, Linker, Module, ResourceLimiter, Store, Trap, UpdateDeadline,
+};
 use wasmtime_wasi::p1::WasiP1Ctx;
-use wasmtime_wasi::p2::pipe::MemoryOutputPipe;
+use wasmtime_wasi::p2::pipe::{MemoryInputPipe, MemoryOutputPipe};
 use wasmtime_wasi::{FsPerms, I32Exit, WasiCtxBuilder};
 
 /// A module's identity in the cache: the sha256 of its bytes (32 bytes).
@@ -104,20 +107,63 @@ pub enum TrapKind {
     MemoryLimit,
     /// A wasm trap (unreachable, out-of-bounds access, stack overflow, ...).
     Trap,
+    /// The run's cancel flag was set ([`Invocation::cancel`]): the session
+    /// is closing.
+    Cancelled,
 }
 
 impl TrapKind {
     /// Stable lowercase name for APIs and logs: `out_of_fuel`, `deadline`,
-    /// `memory_limit`, `trap`.
+    /// `memory_limit`, `trap`, `cancelled`.
     pub fn as_str(self) -> &'static str {
         match self {
             TrapKind::OutOfFuel => "out_of_fuel",
             TrapKind::Deadline => "deadline",
             TrapKind::MemoryLimit => "memory_limit",
             TrapKind::Trap => "trap",
+            TrapKind::Cancelled => "cancelled",
         }
     }
 }
+
+/// How one run is invoked beyond its module and root ([`WasiRunner::run_with`]).
+#[derive(Debug, Clone, Default)]
+pub struct Invocation {
+    /// argv[0] as the module sees it (default `module.wasm`).
+    pub argv0: Option<String>,
+    /// The arguments after argv[0].
+    pub args: Vec<String>,
+    /// The environment, KEY=VALUE pairs (nothing is inherited).
+    pub env: Vec<(String, String)>,
+    /// What the module reads on stdin (then end of file).
+    pub stdin: Vec<u8>,
+    /// The run ends with [`TrapKind::Cancelled`] within one epoch tick
+    /// (10 ms) of this flag being set.
+    pub cancel: Option<Arc<AtomicBool>>,
+    /// Limits of the run.
+    pub limits: WasiLimits,
+}
+
+/// Why the epoch callback stopped a run.
+#[derive(Debug)]
+enum Stopped {
+    Deadline,
+    Cancelled,
+}
+
+impl std::fmt::Display for Stopped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Stopped::Deadline => f.write_str("the run's wall-clock deadline passed"),
+            Stopped::Cancelled => f.write_str("the run was cancelled (its session is closing)"),
+        }
+    }
+}
+
+impl std::error::Error for Stopped {}
+
+/// Compiled modules kept at once; the oldest compiled goes first beyond it.
+pub const CACHED_MODULES: usize = 256;
 
 /// The outcome of one run.
 #[derive(Debug, Clone)]
@@ -190,9 +236,17 @@ impl ResourceLimiter for MemCap {
 pub struct WasiRunner {
     engine: Engine,
     linker: Linker<State>,
-    cache: Mutex<HashMap<ModuleDigest, InstancePre<State>>>,
+    cache: Mutex<Cache>,
     compiles: AtomicU64,
     ticker_stop: Arc<AtomicBool>,
+}
+
+/// The module cache: linked modules by digest, and their order of
+/// compilation (evicted first to last beyond [`CACHED_MODULES`]).
+#[derive(Default)]
+struct Cache {
+    modules: HashMap<ModuleDigest, InstancePre<State>>,
+    order: VecDeque<ModuleDigest>,
 }
 
 /// Epoch tick period: the deadline's granularity.
@@ -226,7 +280,7 @@ impl WasiRunner {
         Ok(WasiRunner {
             engine,
             linker,
-            cache: Mutex::new(HashMap::new()),
+            cache: Mutex::new(Cache::default()),
             compiles: AtomicU64::new(0),
             ticker_stop,
         })
@@ -241,7 +295,7 @@ impl WasiRunner {
     /// digest is cached. Returns the digest and whether it compiled.
     pub fn prepare(&self, bytes: &[u8]) -> Result<(ModuleDigest, bool), WasiError> {
         let digest = module_digest(bytes);
-        if self.lock_cache().contains_key(&digest) {
+        if self.lock_cache().modules.contains_key(&digest) {
             return Ok((digest, false));
         }
         let module =
@@ -254,11 +308,24 @@ impl WasiRunner {
             return Err(WasiError::Link("no export _start".into()));
         }
         self.compiles.fetch_add(1, Ordering::Relaxed);
-        self.lock_cache().insert(digest, pre);
+        let mut c = self.lock_cache();
+        if c.modules.insert(digest, pre).is_none() {
+            c.order.push_back(digest);
+            while c.order.len() > CACHED_MODULES {
+                if let Some(old) = c.order.pop_front() {
+                    c.modules.remove(&old);
+                }
+            }
+        }
         Ok((digest, true))
     }
 
-    fn lock_cache(&self) -> std::sync::MutexGuard<'_, HashMap<ModuleDigest, InstancePre<State>>> {
+    /// Whether a module of this digest is compiled and cached.
+    pub fn is_cached(&self, digest: &ModuleDigest) -> bool {
+        self.lock_cache().modules.contains_key(digest)
+    }
+
+    fn lock_cache(&self) -> std::sync::MutexGuard<'_, Cache> {
         self.cache.lock().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -275,12 +342,31 @@ impl WasiRunner {
         env: &[(String, String)],
         limits: &WasiLimits,
     ) -> Result<WasiExit, WasiError> {
+        let inv = Invocation {
+            args: args.to_vec(),
+            env: env.to_vec(),
+            limits: limits.clone(),
+            ..Default::default()
+        };
+        self.run_with(module, root, &inv)
+    }
+
+    /// [`WasiRunner::run`] with every part of the invocation given: argv[0],
+    /// stdin and a cancel flag besides args, env and limits.
+    pub fn run_with(
+        &self,
+        module: ModuleRef<'_>,
+        root: &Path,
+        inv: &Invocation,
+    ) -> Result<WasiExit, WasiError> {
+        let limits = &inv.limits;
         let (digest, compiled) = match module {
             ModuleRef::Bytes(b) => self.prepare(b)?,
             ModuleRef::Digest(d) => (d, false),
         };
         let pre = self
             .lock_cache()
+            .modules
             .get(&digest)
             .cloned()
             .ok_or_else(|| WasiError::UnknownDigest(digest_string(&digest)))?;
@@ -288,10 +374,11 @@ impl WasiRunner {
         let stdout = MemoryOutputPipe::new(limits.output_bytes);
         let stderr = MemoryOutputPipe::new(limits.output_bytes);
         let mut b = WasiCtxBuilder::new();
-        let mut argv = vec!["module.wasm".to_string()];
-        argv.extend(args.iter().cloned());
+        let mut argv = vec![inv.argv0.clone().unwrap_or_else(|| "module.wasm".into())];
+        argv.extend(inv.args.iter().cloned());
         b.args(&argv);
-        b.envs(env);
+        b.envs(&inv.env);
+        b.stdin(MemoryInputPipe::new(inv.stdin.clone()));
         b.stdout(stdout.clone());
         b.stderr(stderr.clone());
         b.allow_tcp(false)
@@ -317,14 +404,24 @@ impl WasiRunner {
         store
             .set_fuel(fuel)
             .map_err(|e| WasiError::Runtime(format!("{e:#}")))?;
-        let ticks = limits
-            .deadline_ms
-            .map(|ms| ms.div_ceil(TICK.as_millis() as u64).max(1))
-            .unwrap_or(u64::MAX / 2);
-        store.set_epoch_deadline(ticks);
-        store.epoch_deadline_trap();
-
+        // Every epoch tick (10 ms) the run checks its deadline and its cancel
+        // flag: both end it with an error the match below names.
         let started = Instant::now();
+        let deadline = limits
+            .deadline_ms
+            .map(|ms| started + Duration::from_millis(ms));
+        let cancel = inv.cancel.clone();
+        store.set_epoch_deadline(1);
+        store.epoch_deadline_callback(move |_| {
+            if cancel.as_ref().is_some_and(|c| c.load(Ordering::Relaxed)) {
+                return Err(wasmtime::Error::new(Stopped::Cancelled));
+            }
+            if deadline.is_some_and(|d| Instant::now() >= d) {
+                return Err(wasmtime::Error::new(Stopped::Deadline));
+            }
+            Ok(UpdateDeadline::Continue(1))
+        });
+
         let result = pre.instantiate(&mut store).and_then(|inst| {
             let start = inst.get_typed_func::<(), ()>(&mut store, "_start")?;
             start.call(&mut store, ())
@@ -345,6 +442,11 @@ impl WasiRunner {
                 } else {
                     let kind = if mem_hit {
                         TrapKind::MemoryLimit
+                    } else if let Some(s) = e.downcast_ref::<Stopped>() {
+                        match s {
+                            Stopped::Deadline => TrapKind::Deadline,
+                            Stopped::Cancelled => TrapKind::Cancelled,
+                        }
                     } else {
                         match e.downcast_ref::<Trap>() {
                             Some(Trap::OutOfFuel) => TrapKind::OutOfFuel,

@@ -2,7 +2,10 @@
 //! file I/O in the preopen, exit codes, captured output, the module cache,
 //! fuel / deadline / memory limits, and escapes out of the preopen.
 
-use layerstack_wasi::{ModuleRef, TrapKind, WasiLimits, WasiRunner};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+
+use layerstack_wasi::{Invocation, ModuleRef, TrapKind, WasiLimits, WasiRunner};
 
 /// A WASI command that writes `content` to `path` (relative to the preopen,
 /// fd 3), prints "ok\n" to stdout and exits with the errno of the first
@@ -168,6 +171,70 @@ fn the_deadline_stops_an_endless_loop_without_fuel() {
         "{}",
         out.wall_ms
     );
+}
+
+/// Copies stdin to stdout (4 KiB at a time) and exits 0.
+fn cat_module() -> Vec<u8> {
+    wat::parse_str(
+        r#"(module
+  (import "wasi_snapshot_preview1" "fd_read" (func $fd_read (param i32 i32 i32 i32) (result i32)))
+  (import "wasi_snapshot_preview1" "fd_write" (func $fd_write (param i32 i32 i32 i32) (result i32)))
+  (memory (export "memory") 1)
+  (func (export "_start")
+    (loop $l
+      (i32.store (i32.const 0) (i32.const 1024))
+      (i32.store (i32.const 4) (i32.const 4096))
+      (drop (call $fd_read (i32.const 0) (i32.const 0) (i32.const 1) (i32.const 16)))
+      (if (i32.load (i32.const 16))
+        (then
+          (i32.store (i32.const 4) (i32.load (i32.const 16)))
+          (drop (call $fd_write (i32.const 1) (i32.const 0) (i32.const 1) (i32.const 20)))
+          (br $l))))))"#,
+    )
+    .expect("valid WAT")
+}
+
+#[test]
+fn stdin_reaches_the_module_and_a_cancel_flag_stops_a_run() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let runner = WasiRunner::new().expect("runner");
+    let inv = Invocation {
+        argv0: Some("cat".into()),
+        stdin: b"line one\nline two\n".to_vec(),
+        limits: limits(),
+        ..Default::default()
+    };
+    let out = runner
+        .run_with(ModuleRef::Bytes(&cat_module()), dir.path(), &inv)
+        .expect("run");
+    assert_eq!((out.exit_code, out.trap), (Some(0), None), "{out:?}");
+    assert_eq!(out.stdout, b"line one\nline two\n");
+
+    // An endless loop with no deadline and no fuel ends when its flag is set.
+    let cancel = Arc::new(AtomicBool::new(false));
+    let inv = Invocation {
+        cancel: Some(cancel.clone()),
+        limits: WasiLimits {
+            fuel: None,
+            deadline_ms: None,
+            ..limits()
+        },
+        ..Default::default()
+    };
+    let setter = {
+        let cancel = cancel.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            cancel.store(true, Ordering::Relaxed);
+        })
+    };
+    let out = runner
+        .run_with(ModuleRef::Bytes(&loop_module()), dir.path(), &inv)
+        .expect("run");
+    setter.join().unwrap();
+    assert_eq!(out.trap, Some(TrapKind::Cancelled), "{out:?}");
+    assert_eq!(out.exit_code, None);
+    assert!(out.wall_ms >= 90.0, "{}", out.wall_ms);
 }
 
 #[test]
