@@ -18,6 +18,10 @@
 #   docker-registry        distribution 2.8, the private OCI registry of the push/pull
 #                          tests (integration/src/registry.rs, registry/tests)
 #   apache2-utils          htpasswd -B: that registry's basic-auth accounts
+#   clang lld-14 wasi-libc libclang-rt-14-dev-wasm32
+#                          build the WASI test modules from C (integration/wasm/,
+#                          tests/wasi.rs): clang --target=wasm32-wasi, wasm-ld,
+#                          the WASI libc and compiler-rt's wasm32 builtins
 # Only missing packages are installed (apt-get update only then). Needs root
 # when something is missing. Rust (cargo) is not installed here: it must exist.
 #
@@ -29,7 +33,7 @@
 # enabled. A package that was installed before is never touched.
 set -euo pipefail
 
-PACKAGES=(containerd runc protobuf-compiler debootstrap busybox-static python3 python3-venv git ca-certificates systemd openssl util-linux e2fsprogs docker-registry apache2-utils)
+PACKAGES=(containerd runc protobuf-compiler debootstrap busybox-static python3 python3-venv git ca-certificates systemd openssl util-linux e2fsprogs docker-registry apache2-utils clang lld-14 wasi-libc libclang-rt-14-dev-wasm32)
 
 # systemd is the running init when this directory exists (sd_booted(3)).
 SYSTEMD_RUN_DIR=${LAYERSTACK_SYSTEMD_RUN_DIR:-/run/systemd/system}

@@ -22,6 +22,7 @@ mod inspect;
 mod output;
 mod run;
 mod sessions;
+mod wasi;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

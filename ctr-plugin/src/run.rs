@@ -60,7 +60,7 @@ pub enum EndAction {
 
 impl EndAction {
     /// The exit policy's name, as the daemon records it.
-    fn as_str(self) -> &'static str {
+    pub(crate) fn as_str(self) -> &'static str {
         use api::policy::ExitPolicy;
         match self {
             Self::OnExit => ExitPolicy::OnExit,
@@ -160,9 +160,12 @@ pub struct RunArgs {
     /// the exit status.
     #[arg(long, value_name = "SECS", default_value_t = 30)]
     pub reconnect_timeout: u32,
-    /// The command and its arguments (after `--`).
+    #[command(flatten)]
+    pub wasi: crate::wasi::WasiArgs,
+    /// The command and its arguments (after `--`); with --wasi, the module's
+    /// arguments.
     #[arg(
-        required = true,
+        required_unless_present = "wasi",
         last = true,
         allow_hyphen_values = true,
         value_name = "CMD"
@@ -365,7 +368,7 @@ fn command(
     })
 }
 
-fn default_name() -> String {
+pub(crate) fn default_name() -> String {
     let host = std::fs::read_to_string("/proc/sys/kernel/hostname").unwrap_or_default();
     format!("{}:{}", host.trim(), std::process::id())
 }
@@ -666,7 +669,7 @@ fn hold(
 }
 
 /// One line on stderr: `layerstack: session 12 committed (layer 34; 3 clean, 0 merged, 0 excluded)`.
-fn outcome_line(s: &api::Session) -> String {
+pub(crate) fn outcome_line(s: &api::Session) -> String {
     let c = s.counts.clone().unwrap_or_default();
     let mut l = format!(
         "layerstack: session {} {}",
@@ -702,7 +705,7 @@ fn outcome_line(s: &api::Session) -> String {
     l
 }
 
-fn write_outcome(file: &Path, s: &api::Session, exit: Option<i32>) -> Result<()> {
+pub(crate) fn write_outcome(file: &Path, s: &api::Session, exit: Option<i32>) -> Result<()> {
     let mut v = session_json(s, None);
     v["exit_status"] = exit.map_or(serde_json::Value::Null, |x| json!(x));
     let mut f =
@@ -713,12 +716,12 @@ fn write_outcome(file: &Path, s: &api::Session, exit: Option<i32>) -> Result<()>
 
 /// What a close that checkpoints records on the child node.
 #[derive(Debug, Clone, Default)]
-struct NodeInfo {
-    state: Option<String>,
-    command: Option<String>,
+pub(crate) struct NodeInfo {
+    pub(crate) state: Option<String>,
+    pub(crate) command: Option<String>,
 }
 
-async fn close(
+pub(crate) async fn close(
     c: &mut api::AdminClient<tonic::transport::Channel>,
     id: i64,
     policy: api::EndAction,
@@ -742,7 +745,7 @@ async fn close(
 
 /// Exit 125 for an error of `run` or `exec` itself, reported on stderr (the
 /// command's statuses are the command's).
-fn own_error(cli: &Cli, r: Result<ExitCode>) -> Result<ExitCode> {
+pub(crate) fn own_error(cli: &Cli, r: Result<ExitCode>) -> Result<ExitCode> {
     match r {
         Ok(code) => Ok(code),
         Err(e) => {
@@ -758,6 +761,9 @@ pub async fn run(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
 }
 
 async fn run_inner(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
+    if a.wasi.wasi.is_some() {
+        return crate::wasi::run(cli, a).await;
+    }
     require_root("run")?;
     let place = placement(&a.session)?;
     let (mode, workdir) = (place.1, place.2.clone());

@@ -27,6 +27,7 @@ mod rollout;
 mod sandbox;
 mod service;
 mod sockets;
+mod wasi;
 mod wire;
 
 use std::io::IsTerminal;

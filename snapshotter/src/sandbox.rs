@@ -63,6 +63,8 @@ pub(crate) struct Holder {
     /// A daemon-owned session: its init is this daemon's child
     /// (`crate::owned`), with Exec's defaults.
     pub(crate) owned: Option<Arc<crate::owned::Defaults>>,
+    /// A WASI session (`crate::wasi`): no init; the daemon holds its overlay.
+    pub(crate) wasi: Option<Arc<crate::wasi::WasiLive>>,
 }
 
 /// Live holders by session, shared by the mount socket and the admin service.
@@ -222,6 +224,7 @@ async fn start(
                 wait_ms: r.wait_ms,
                 ignore_mtime: r.ignore_mtime,
                 sandbox: None,
+                wasi: None,
             },
             false,
             Default::default(),
@@ -494,6 +497,7 @@ pub(crate) async fn attach(
             workdir: String::new(),
             closing: false,
             owned: None,
+            wasi: None,
         },
     );
     Ok(fd)
@@ -545,6 +549,7 @@ async fn resume(
             workdir,
             closing: false,
             owned: None,
+            wasi: None,
         },
     );
     drop(m);
@@ -703,6 +708,9 @@ impl AdminService {
         &self,
         r: api::CreateSessionRequest,
     ) -> Result<api::CreateSessionResponse, Status> {
+        if r.wasi.is_some() {
+            return crate::wasi::create(self, r).await;
+        }
         if r.sandbox.is_some() {
             return crate::owned::create(self, r).await;
         }
@@ -764,7 +772,7 @@ impl AdminService {
             node,
             ignore_mtime: r.ignore_mtime,
             daemon_owned,
-            wasi: false,
+            wasi: r.wasi.is_some(),
             reserve,
         };
         let (s, spec, created) = self
@@ -824,6 +832,7 @@ impl AdminService {
             }
         }
         self.stop_init(id);
+        crate::wasi::release(self, id).await;
         let why = if r.reason.is_empty() {
             "session closed".to_string()
         } else {

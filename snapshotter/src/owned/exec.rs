@@ -73,6 +73,29 @@ pub(crate) async fn exec(
     r: api::ExecRequest,
 ) -> Result<Stream<api::ExecReply>, Status> {
     let id = r.session_id;
+    if id != 0 {
+        if let Some(w) = crate::wasi::live(admin, id) {
+            return crate::wasi::exec(w, id, r).await;
+        }
+    }
+    if !r.module.is_empty() && id != 0 {
+        let s = admin
+            .engine
+            .session(id)
+            .await
+            .map_err(crate::admin::engine_status)?;
+        return Err(
+            if matches!(s.owner, layerstack_engine::store::Owner::Wasi { .. }) {
+                Status::failed_precondition(format!(
+                "WASI session {id} is not live: it was closed, or the daemon that ran it restarted (its run ended interrupted); create another"
+            ))
+            } else {
+                Status::invalid_argument(format!(
+                "module: session {id} is not a WASI session (CreateSession.wasi); run a program of its tree by argv"
+            ))
+            },
+        );
+    }
     let l = live(admin, id).await?;
     let cmd = command(&l, &r)?;
     let root = open_root(&l, id)?;

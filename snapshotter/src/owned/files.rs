@@ -7,7 +7,7 @@ use super::*;
 
 /// A request path, relative to the files root: `..` and NUL refused, empty
 /// and `/` are the root (`"."`).
-fn rel_path(p: &str) -> Result<Vec<u8>, Status> {
+pub(crate) fn rel_path(p: &str) -> Result<Vec<u8>, Status> {
     if p.contains('\0') {
         return Err(Status::invalid_argument(format!(
             "path {p:?} holds a NUL byte"
@@ -33,7 +33,7 @@ fn rel_path(p: &str) -> Result<Vec<u8>, Status> {
     Ok(out)
 }
 
-fn cpath(rel: &[u8]) -> CString {
+pub(crate) fn cpath(rel: &[u8]) -> CString {
     // rel_path refused NUL bytes.
     CString::new(if rel.is_empty() {
         b".".to_vec()
@@ -240,11 +240,11 @@ fn openat2_beneath_dir(dir: &OwnedFd, root: &OwnedFd, name: &CString) -> io::Res
     }
 }
 
-fn owner_of(l: &Live, has: bool, uid: u32, gid: u32) -> Option<(u32, u32)> {
+fn owner_of(l: &Served, has: bool, uid: u32, gid: u32) -> Option<(u32, u32)> {
     if has {
         Some((uid, gid))
     } else {
-        l.owned.as_ref().and_then(|d| d.user)
+        l.default_user()
     }
 }
 
@@ -253,9 +253,8 @@ pub(crate) async fn read_file(
     admin: &AdminService,
     r: api::ReadFileRequest,
 ) -> Result<Stream<api::FileChunk>, Status> {
-    let l = live(admin, r.session_id).await?;
+    let (_l, root) = served_root(admin, r.session_id).await?;
     let rel = rel_path(&r.path)?;
-    let root = files_root(&l, r.session_id)?;
     let path = r.path.clone();
     let fd = sys::openat2_in_root(
         &root,
@@ -320,7 +319,7 @@ pub(crate) async fn write_file(
     let h = first.header.clone().ok_or_else(|| {
         Status::invalid_argument("the first message carries no header (session_id, path)")
     })?;
-    let l = live(admin, h.session_id).await?;
+    let (l, root) = served_root(admin, h.session_id).await?;
     let rel = rel_path(&h.path)?;
     if rel.is_empty() {
         return Err(Status::invalid_argument(format!(
@@ -328,7 +327,6 @@ pub(crate) async fn write_file(
             h.path
         )));
     }
-    let root = files_root(&l, h.session_id)?;
     let owner = owner_of(&l, h.has_owner, h.uid, h.gid);
     let mode = if h.mode == 0 { 0o644 } else { h.mode & 0o7777 };
     let path = h.path.clone();
@@ -428,9 +426,8 @@ pub(crate) async fn list_dir(
     admin: &AdminService,
     r: api::ListDirRequest,
 ) -> Result<api::ListDirResponse, Status> {
-    let l = live(admin, r.session_id).await?;
+    let (_l, root) = served_root(admin, r.session_id).await?;
     let rel = rel_path(&r.path)?;
-    let root = files_root(&l, r.session_id)?;
     let path = r.path.clone();
     tokio::task::spawn_blocking(move || {
         let fd = sys::openat2_in_root(&root, &cpath(&rel), libc::O_RDONLY | libc::O_DIRECTORY, 0)
@@ -457,9 +454,8 @@ pub(crate) async fn stat_path(
     admin: &AdminService,
     r: api::StatPathRequest,
 ) -> Result<api::FileStat, Status> {
-    let l = live(admin, r.session_id).await?;
+    let (_l, root) = served_root(admin, r.session_id).await?;
     let rel = rel_path(&r.path)?;
-    let root = files_root(&l, r.session_id)?;
     let path = r.path;
     if rel.is_empty() {
         let st = nix::sys::stat::fstat(root.as_raw_fd())
@@ -500,7 +496,7 @@ pub(crate) async fn remove_path(
     admin: &AdminService,
     r: api::RemovePathRequest,
 ) -> Result<api::RemovePathResponse, Status> {
-    let l = live(admin, r.session_id).await?;
+    let (_l, root) = served_root(admin, r.session_id).await?;
     let rel = rel_path(&r.path)?;
     if rel.is_empty() {
         return Err(Status::invalid_argument(format!(
@@ -508,7 +504,6 @@ pub(crate) async fn remove_path(
             r.path
         )));
     }
-    let root = files_root(&l, r.session_id)?;
     let path = r.path;
     let recursive = r.recursive;
     tokio::task::spawn_blocking(move || {
@@ -579,10 +574,9 @@ pub(crate) async fn upload_tar(
             "empty stream: the first message names the session and the directory",
         )
     })?;
-    let l = live(admin, first.session_id).await?;
+    let (l, root) = served_root(admin, first.session_id).await?;
     let rel = rel_path(&first.path)?;
-    let root = files_root(&l, first.session_id)?;
-    let owner = l.owned.as_ref().and_then(|d| d.user);
+    let owner = l.default_user();
     let path = first.path.clone();
     let make = first.make_parents;
     let (ctx, crx) = std::sync::mpsc::sync_channel::<Vec<u8>>(4);
@@ -752,9 +746,8 @@ pub(crate) async fn download_tar(
     admin: &AdminService,
     r: api::DownloadTarRequest,
 ) -> Result<Stream<api::FileChunk>, Status> {
-    let l = live(admin, r.session_id).await?;
+    let (_l, root) = served_root(admin, r.session_id).await?;
     let rel = rel_path(&r.path)?;
-    let root = files_root(&l, r.session_id)?;
     let path = r.path;
     let (parent, name) = if rel.is_empty() {
         let fd = sys::openat2_in_root(&root, c".", libc::O_RDONLY | libc::O_DIRECTORY, 0)

@@ -66,7 +66,7 @@ use crate::sandbox::Holder;
 pub type Stream<T> = Pin<Box<dyn futures::Stream<Item = Result<T, Status>> + Send>>;
 
 /// Largest chunk of a streamed reply (stdout, stderr, file content), bytes.
-const CHUNK: usize = 64 * 1024;
+pub(crate) const CHUNK: usize = 64 * 1024;
 
 /// How long Exec keeps reading stdout/stderr after the command ended, for
 /// output still in the pipes; a background child that keeps them open longer
@@ -156,7 +156,7 @@ fn hide_list(sockets: &[std::path::PathBuf], placement: &str) -> Result<Vec<Hide
     Ok(v)
 }
 
-fn reply_status(r: Reply) -> Status {
+pub(crate) fn reply_status(r: Reply) -> Status {
     let kind = ErrorKind::parse(&r.code).unwrap_or(ErrorKind::Internal);
     api::status(kind, r.message)
 }
@@ -529,6 +529,40 @@ struct Live {
     owned: Option<Arc<Defaults>>,
 }
 
+/// A session the session RPCs serve: one with an init (daemon-owned or a
+/// holder's), or a WASI session (`crate::wasi`: no process, the daemon holds
+/// its overlay).
+enum Served {
+    Init(Live),
+    /// Held for the call: CloseSession releases the overlay once no call
+    /// holds it.
+    Wasi(#[allow(dead_code)] Arc<crate::wasi::WasiLive>),
+}
+
+/// The session the file RPCs serve and the directory they resolve beneath:
+/// the init's root (see [`files_root`]) or the WASI session's overlay.
+async fn served_root(admin: &AdminService, id: SessionId) -> Result<(Served, OwnedFd), Status> {
+    if id != 0 {
+        if let Some(w) = crate::wasi::live(admin, id) {
+            let root = w.root(id)?;
+            return Ok((Served::Wasi(w), root));
+        }
+    }
+    let l = live(admin, id).await?;
+    let root = files_root(&l, id)?;
+    Ok((Served::Init(l), root))
+}
+
+impl Served {
+    /// The default owner of files the RPCs create (a WASI session's: 0:0).
+    fn default_user(&self) -> Option<(u32, u32)> {
+        match self {
+            Served::Init(l) => l.owned.as_ref().and_then(|d| d.user),
+            Served::Wasi(_) => None,
+        }
+    }
+}
+
 async fn live(admin: &AdminService, id: SessionId) -> Result<Live, Status> {
     if id == 0 {
         return Err(Status::invalid_argument("session_id is required"));
@@ -635,6 +669,7 @@ fn spawner(holders: &crate::sandbox::Holders) -> Result<Arc<Spawner>, Status> {
 }
 
 pub(crate) use exec::exec;
+pub(crate) use files::{cpath, rel_path};
 pub(crate) use files::{
     download_tar, list_dir, read_file, remove_path, stat_path, upload_tar, write_file,
 };

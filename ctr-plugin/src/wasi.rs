@@ -1,0 +1,208 @@
+//! `layerstack session run --wasi MODULE.wasm STACK -- ARGS…`: a WASI session
+//! (owner kind `wasi`, issue 24) through the admin API alone — no root, no
+//! mount socket, no namespaces on the caller's side: `CreateSession` with
+//! `wasi`, one `Exec` with the module's bytes, `CloseSession` by the exit
+//! policy with the module's exit status. The outcome is reported as for a
+//! Mode B run (one line on stderr, `--outcome FILE` as JSON, with a `wasi`
+//! object: trap, fuel used, module digest); the exit status is the module's
+//! (134 when it trapped: a limit or a wasm trap; 125 when `run` itself failed).
+
+use std::io::Write as _;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use layerstack_api as api;
+use serde_json::json;
+
+use crate::errors::{failure, with_kind};
+use crate::run::{close, default_name, outcome_line, NodeInfo, RunArgs};
+use crate::Cli;
+
+/// `session run --wasi` options.
+#[derive(Debug, Clone, Args)]
+pub struct WasiArgs {
+    /// Run this WebAssembly module (WASI preview1, a command exporting
+    /// `_start`) in a WASI session instead of a Linux command: it sees the
+    /// session's tree as its root (`/`); the arguments after `--` are its
+    /// arguments. Needs no root on this side.
+    #[arg(long, value_name = "MODULE.wasm")]
+    pub wasi: Option<PathBuf>,
+    /// With --wasi: fuel of the run (about one unit per wasm instruction)
+    /// [default: the daemon's, 10^10].
+    #[arg(long, value_name = "N", requires = "wasi")]
+    pub fuel: Option<u64>,
+    /// With --wasi: the run's linear memory cap, bytes [default: 256 MiB].
+    #[arg(long, value_name = "BYTES", requires = "wasi")]
+    pub memory_bytes: Option<u64>,
+    /// With --wasi: the run's wall-clock limit, milliseconds [default: 60000].
+    #[arg(long, value_name = "MS", requires = "wasi")]
+    pub timeout_ms: Option<u32>,
+}
+
+/// `session run --wasi`.
+pub async fn run(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
+    let Some(path) = a.wasi.wasi.clone() else {
+        unreachable!("run --wasi without --wasi")
+    };
+    let s = &a.session;
+    if s.mount_at.is_some() {
+        return Err(failure(
+            api::ErrorKind::InvalidArgument,
+            "--mount-at: a WASI module sees the session's tree as its root; drop --mount-at",
+        ));
+    }
+    if a.process.user.is_some() || a.process.workdir.is_some() {
+        return Err(failure(
+            api::ErrorKind::InvalidArgument,
+            "--user and --workdir do not apply to a WASI module (it runs as no user, in its root): drop them",
+        ));
+    }
+    if s.publish == Some(crate::run::EndAction::Checkpoint) && s.node.is_none() {
+        return Err(failure(
+            api::ErrorKind::InvalidArgument,
+            "--publish checkpoint makes a child node of the node the session starts from: give --node ID (layerstack graph show lists nodes), or use on-exit, on-success or never",
+        ));
+    }
+    let module = std::fs::read(&path)
+        .with_context(|| format!("--wasi {}: cannot read the module", path.display()))
+        .map_err(|e| with_kind(api::ErrorKind::InvalidArgument, e))?;
+    let mut env = Vec::new();
+    for kv in &a.process.env {
+        let kv = kv.to_string_lossy();
+        if kv.contains('=') {
+            env.push(kv.into_owned());
+        } else if let Ok(v) = std::env::var(kv.as_ref()) {
+            env.push(format!("{kv}={v}"));
+        }
+    }
+    let (stack, branch) = match &s.stack {
+        Some(st) => crate::history::split_branch(st),
+        None => (String::new(), String::new()),
+    };
+    let mut c = crate::connect(&cli.admin_address).await?;
+    let created = c
+        .create_session(api::CreateSessionRequest {
+            namespace: cli.namespace.clone(),
+            stack,
+            branch,
+            node: s.node.clone().unwrap_or_default(),
+            name: s.name.clone().unwrap_or_else(default_name),
+            idempotency_key: s.idempotency_key.clone().unwrap_or_default(),
+            policy: s
+                .publish
+                .map(|p| p.as_str().to_string())
+                .unwrap_or_default(),
+            wait_ms: if s.no_wait {
+                0
+            } else {
+                s.wait_timeout.saturating_mul(1000)
+            },
+            ignore_mtime: s.ignore_mtime,
+            sandbox: None,
+            wasi: Some(api::WasiOptions {
+                fuel: a.wasi.fuel.unwrap_or(0),
+                memory_bytes: a.wasi.memory_bytes.unwrap_or(0),
+                deadline_ms: a.wasi.timeout_ms.map_or(0, u64::from),
+                env,
+                output_bytes: 0,
+            }),
+        })
+        .await?
+        .into_inner();
+    let session = created.session.context("the daemon answered no session")?;
+    let id = session.id;
+    let name = path
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "module.wasm".into());
+    let mut argv = vec![name];
+    argv.extend(a.cmd.iter().map(|x| x.to_string_lossy().into_owned()));
+    let command = argv.join(" ");
+    let ran = exec(&mut c, id, argv, module).await;
+    let (exit, reason, policy) = match &ran {
+        Ok(x) => (
+            x.code,
+            if x.trap.is_empty() {
+                format!("session run --wasi: module exited with status {}", x.code)
+            } else {
+                format!(
+                    "session run --wasi: module stopped ({}): {}",
+                    x.trap,
+                    first_line(&x.trap_message)
+                )
+            },
+            api::EndAction::Auto,
+        ),
+        Err(_) => (
+            125,
+            "session run --wasi: the module could not run".to_string(),
+            api::EndAction::Discard,
+        ),
+    };
+    let node = NodeInfo {
+        state: a.state.clone(),
+        command: Some(command),
+    };
+    let closed = close(&mut c, id, policy, u32::try_from(exit).ok(), &reason, &node).await;
+    let x = ran?;
+    let s = closed?;
+    eprintln!("{}", outcome_line(&s));
+    if let Some(f) = &a.outcome {
+        let mut v = crate::sessions::session_json(&s, None);
+        v["exit_status"] = json!(exit);
+        v["wasi"] = json!({
+            "trap": x.trap,
+            "trap_message": x.trap_message,
+            "fuel_used": x.fuel_used,
+            "module_digest": x.module_digest,
+            "module_compiled": x.module_compiled,
+            "duration_ms": x.duration_ms,
+            "timed_out": x.timed_out,
+        });
+        let mut out =
+            std::fs::File::create(f).with_context(|| format!("--outcome {}", f.display()))?;
+        writeln!(out, "{v}").with_context(|| format!("--outcome {}", f.display()))?;
+    }
+    Ok(ExitCode::from(u8::try_from(exit).unwrap_or(255)))
+}
+
+fn first_line(s: &str) -> &str {
+    s.lines().next().unwrap_or("")
+}
+
+/// One Exec of `module` in session `id`: its stdout and stderr copied to
+/// ours, its exit.
+async fn exec(
+    c: &mut api::AdminClient<tonic::transport::Channel>,
+    id: i64,
+    argv: Vec<String>,
+    module: Vec<u8>,
+) -> Result<api::ExecExit> {
+    let mut stream = c
+        .exec(api::ExecRequest {
+            session_id: id,
+            argv,
+            module,
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    let mut exit = None;
+    while let Some(r) = stream.message().await? {
+        match r.kind {
+            Some(api::exec_reply::Kind::Stdout(b)) => {
+                let mut o = std::io::stdout().lock();
+                o.write_all(&b)?;
+                o.flush()?;
+            }
+            Some(api::exec_reply::Kind::Stderr(b)) => {
+                std::io::stderr().lock().write_all(&b)?;
+            }
+            Some(api::exec_reply::Kind::Exit(x)) => exit = Some(x),
+            None => {}
+        }
+    }
+    exit.context("the daemon's Exec stream ended without an exit")
+}

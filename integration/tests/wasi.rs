@@ -1,0 +1,783 @@
+//! WASI sessions (issue 24): WebAssembly modules the daemon runs over a
+//! session's tree publish like any other session.
+//!
+//! * The same file operations — a new file, an edit, a rename, a deletion of
+//!   a lower file, a directory replaced by a file, a renamed new directory, a
+//!   directory emptied and made again (opaque), a symlink — run once as a
+//!   WASI module (`layerstack session run --wasi`, C built here with clang +
+//!   wasi-libc) and once as shell commands in a Mode B session publish the
+//!   same layer: every entry with the same kind, mode, owner, content,
+//!   symlink target, device number (whiteouts) and overlay xattrs (opaque).
+//! * Concurrent WASI sessions on one head go through the gate unchanged:
+//!   disjoint writes both commit, overlapping text edits merge, a true
+//!   conflict is refused whole.
+//! * Limits end runs with a clear trap as a field (deadline, fuel, memory,
+//!   cancelled by a close); `..` and absolute symlinks do not leave the tree;
+//!   nothing outside the session is read or written. The file RPCs, modules by
+//!   digest and by path in the tree, and the owner kind `wasi` in listings.
+//!
+//! Needs root (fails under `CI=true` without it), `/bin/busybox` (static),
+//! clang with the wasm32 target, `wasm-ld` and wasi-libc
+//! (`scripts/install-deps.sh`); no containerd.
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, ensure, Context, Result};
+use layerstack_api as api;
+use layerstack_integration::*;
+use serde_json::Value;
+
+type Client = api::AdminClient<tonic::transport::Channel>;
+
+/// Builds `integration/wasm/fsops.c` into `out` with clang for wasm32-wasi.
+fn build_fsops(out: &Path) -> Result<Vec<u8>> {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("wasm/fsops.c");
+    let o = Command::new("clang")
+        .args([
+            "--target=wasm32-wasi",
+            "--sysroot=/usr",
+            "-fuse-ld=lld",
+            "-O2",
+            "-o",
+        ])
+        .arg(out)
+        .arg(&src)
+        .output()
+        .context(
+            "running clang (apt-get install clang lld-14 wasi-libc libclang-rt-14-dev-wasm32)",
+        )?;
+    ensure!(
+        o.status.success(),
+        "clang could not build {} for wasm32-wasi (apt-get install clang lld-14 wasi-libc libclang-rt-14-dev-wasm32): {}",
+        src.display(),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    Ok(std::fs::read(out)?)
+}
+
+/// Whether clang can build WASI modules here; under `CI=true` a missing
+/// toolchain is a failure, elsewhere the test is skipped.
+fn require_wasi_toolchain(dir: &Path) -> Result<Option<Vec<u8>>> {
+    match build_fsops(&dir.join("fsops.wasm")) {
+        Ok(b) => Ok(Some(b)),
+        Err(e) if std::env::var("CI").as_deref() == Ok("true") => Err(e),
+        Err(e) => {
+            eprintln!("skipping: {e:#}");
+            Ok(None)
+        }
+    }
+}
+
+/// The lower tree both executors start from.
+fn rootfs(dir: &Path) -> Result<()> {
+    busybox_tree(
+        dir,
+        &[
+            "sh", "cat", "echo", "printf", "mkdir", "rm", "mv", "ln", "true",
+        ],
+        &["etc", "srv/dir/sub", "srv/opq", "tmp"],
+    )?;
+    std::fs::write(dir.join("etc/passwd"), "session-passwd\n")?;
+    // An absolute symlink of the lower tree: it must never reach the host's.
+    std::os::unix::fs::symlink("/etc/shadow", dir.join("srv/abs-link"))?;
+    std::fs::write(dir.join("srv/edit.txt"), "v1\n")?;
+    std::fs::write(dir.join("srv/old-name.txt"), "moved\n")?;
+    std::fs::write(dir.join("srv/gone.txt"), "gone\n")?;
+    std::fs::write(dir.join("srv/dir/a"), "a\n")?;
+    std::fs::write(dir.join("srv/dir/sub/b"), "b\n")?;
+    std::fs::write(dir.join("srv/opq/old"), "old\n")?;
+    let lines: String = (1..=10).map(|i| format!("line {i}\n")).collect();
+    std::fs::write(dir.join("srv/text.txt"), lines)?;
+    Ok(())
+}
+
+/// The operations, as fsops arguments and as a shell script for busybox.
+const OPS: &[&[&str]] = &[
+    &["write", "/srv/new.txt", "hello\n"],
+    &["write", "/srv/edit.txt", "v2\n"],
+    &["mv", "/srv/old-name.txt", "/srv/new-name.txt"],
+    &["rm", "/srv/gone.txt"],
+    &["rmtree", "/srv/dir"],
+    &["write", "/srv/dir", "now a file\n"],
+    &["mkdir", "/srv/fresh"],
+    &["write", "/srv/fresh/f", "f\n"],
+    &["mv", "/srv/fresh", "/srv/fresh2"],
+    &["rmtree", "/srv/opq"],
+    &["mkdir", "/srv/opq"],
+    &["write", "/srv/opq/x", "x\n"],
+    &["symlink", "../etc/passwd", "/srv/link"],
+];
+
+fn shell_script() -> String {
+    let q = |s: &str| format!("'{}'", s.replace('\'', "'\\''"));
+    OPS.iter()
+        .map(|op| match op {
+            ["write", p, t] => format!("printf '%s' {} > {}", q(t), q(p)),
+            ["mv", a, b] => format!("mv {} {}", q(a), q(b)),
+            ["rm", p] => format!("rm {}", q(p)),
+            ["rmtree", p] => format!("rm -rf {}", q(p)),
+            ["mkdir", p] => format!("mkdir {}", q(p)),
+            ["symlink", t, p] => format!("ln -s {} {}", q(t), q(p)),
+            other => panic!("no shell form for {other:?}"),
+        })
+        .collect::<Vec<_>>()
+        .join(" && ")
+}
+
+fn fsops_args() -> Vec<String> {
+    OPS.iter()
+        .flat_map(|op| op.iter().map(|s| s.to_string()))
+        .collect()
+}
+
+/// One entry of a layer directory as the comparison sees it: everything but
+/// times (the two runs happen at different moments) and inode numbers.
+fn describe(root: &Path) -> Result<BTreeMap<String, String>> {
+    let mut out = BTreeMap::new();
+    let mut stack = vec![root.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        let mut names: Vec<_> = std::fs::read_dir(&dir)?.collect::<Result<_, _>>()?;
+        names.sort_by_key(|e| e.file_name());
+        for e in names {
+            let p = e.path();
+            let rel = p.strip_prefix(root)?.to_string_lossy().into_owned();
+            let md = std::fs::symlink_metadata(&p)?;
+            let ft = md.file_type();
+            let mut xattrs: Vec<String> = xattr::list(&p)?
+                .map(|n| n.to_string_lossy().into_owned())
+                .filter(|n| n.contains("overlay."))
+                .map(|n| {
+                    let v = xattr::get(&p, &n).ok().flatten().unwrap_or_default();
+                    format!("{n}={}", String::from_utf8_lossy(&v))
+                })
+                .collect();
+            xattrs.sort();
+            let what = if ft.is_dir() {
+                stack.push(p.clone());
+                "dir".to_string()
+            } else if ft.is_symlink() {
+                format!("symlink -> {}", std::fs::read_link(&p)?.display())
+            } else if ft.is_char_device() {
+                format!("char {}:{}", libc::major(md.rdev()), libc::minor(md.rdev()))
+            } else if ft.is_file() {
+                format!("file {:?}", String::from_utf8_lossy(&std::fs::read(&p)?))
+            } else {
+                "other".to_string()
+            };
+            out.insert(
+                rel,
+                format!(
+                    "{what} mode {:o} owner {}:{} xattrs [{}]",
+                    md.mode() & 0o7777,
+                    md.uid(),
+                    md.gid(),
+                    xattrs.join(", ")
+                ),
+            );
+        }
+    }
+    Ok(out)
+}
+
+fn outcome_json(p: &Path) -> Result<Value> {
+    Ok(serde_json::from_str(&std::fs::read_to_string(p)?)?)
+}
+
+#[test]
+fn a_wasi_module_publishes_the_layer_a_linux_process_does() -> Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let dir = make_temp_dir()?;
+    let Some(_) = require_wasi_toolchain(&dir)? else {
+        return Ok(());
+    };
+    let mut d = Daemon::start_at(
+        &dir.join("s/snapshotter.sock"),
+        &dir.join("s/containerd.sock"),
+        &dir.join("root"),
+    )?;
+    let r = (|| -> Result<()> {
+        let src = dir.join("rootfs");
+        rootfs(&src)?;
+        let o = ensure_success(
+            "base import",
+            d.layerstack(&["base", "import", src.to_str().context("utf-8")?])?,
+        )?;
+        let stack = stdout(&o).trim().to_string();
+        for b in ["modeb", "wasi"] {
+            ensure_success(
+                "branch create",
+                d.layerstack(&["branch", "create", &format!("{stack}@{b}")])?,
+            )?;
+        }
+        // Mode B: the operations as shell commands.
+        let mb_outcome = dir.join("modeb.json");
+        let o = d.layerstack(&[
+            "session",
+            "run",
+            &format!("{stack}@modeb"),
+            "--publish",
+            "on-exit",
+            "--net",
+            "none",
+            "--outcome",
+            mb_outcome.to_str().context("utf-8")?,
+            "--",
+            "/bin/sh",
+            "-c",
+            &shell_script(),
+        ])?;
+        ensure!(
+            o.status.success(),
+            "Mode B run: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let mb = outcome_json(&mb_outcome)?;
+        ensure!(mb["outcome"] == "committed", "{mb}");
+
+        // WASI: the same operations as a module.
+        let wasm = dir.join("fsops.wasm");
+        let w_outcome = dir.join("wasi.json");
+        let mut args = vec![
+            "session".to_string(),
+            "run".into(),
+            "--wasi".into(),
+            wasm.to_string_lossy().into_owned(),
+            format!("{stack}@wasi"),
+            "--publish".into(),
+            "on-exit".into(),
+            "--outcome".into(),
+            w_outcome.to_string_lossy().into_owned(),
+            "--".into(),
+        ];
+        args.extend(fsops_args());
+        let argv: Vec<&str> = args.iter().map(String::as_str).collect();
+        let o = d.layerstack(&argv)?;
+        ensure!(
+            o.status.success(),
+            "WASI run: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let w = outcome_json(&w_outcome)?;
+        ensure!(w["outcome"] == "committed" && w["exit_status"] == 0, "{w}");
+        ensure!(w["owner_kind"] == "wasi", "{w}");
+        let digest = w["wasi"]["module_digest"]
+            .as_str()
+            .context("module_digest")?
+            .to_string();
+        ensure!(digest.starts_with("sha256:") && digest.len() == 71, "{w}");
+        ensure!(w["wasi"]["trap"] == "", "{w}");
+
+        // The two published layers, entry by entry.
+        let layer = |v: &Value| -> Result<PathBuf> {
+            let id = v["layer"]
+                .as_i64()
+                .filter(|l| *l > 0)
+                .context("no layer in the outcome")?;
+            Ok(d.root().join("l").join(id.to_string()))
+        };
+        let (a, b) = (describe(&layer(&mb)?)?, describe(&layer(&w)?)?);
+        for k in [
+            "srv/gone.txt",
+            "srv/old-name.txt",
+            "srv/dir",
+            "srv/opq",
+            "srv/link",
+        ] {
+            ensure!(a.contains_key(k), "the Mode B layer lacks {k}: {a:#?}");
+        }
+        ensure!(
+            a["srv/gone.txt"].starts_with("char 0:0"),
+            "whiteout: {}",
+            a["srv/gone.txt"]
+        );
+        ensure!(
+            a["srv/opq"].contains("opaque=y"),
+            "opaque: {}",
+            a["srv/opq"]
+        );
+        if a != b {
+            let keys: std::collections::BTreeSet<_> = a.keys().chain(b.keys()).collect();
+            let diff: Vec<String> = keys
+                .into_iter()
+                .filter(|k| a.get(*k) != b.get(*k))
+                .map(|k| format!("{k}: Mode B {:?} / WASI {:?}", a.get(k), b.get(k)))
+                .collect();
+            bail!("the layers differ:\n{}", diff.join("\n"));
+        }
+
+        // A second run of the same module is served from the daemon's cache,
+        // and a failing module's status is the run's.
+        let w2 = dir.join("wasi2.json");
+        let o = d.layerstack(&[
+            "session",
+            "run",
+            "--wasi",
+            wasm.to_str().context("utf-8")?,
+            &format!("{stack}@wasi"),
+            "--publish",
+            "on-success",
+            "--outcome",
+            w2.to_str().context("utf-8")?,
+            "--",
+            "write",
+            "/srv/late.txt",
+            "late\n",
+            "exit",
+            "7",
+        ])?;
+        ensure!(
+            o.status.code() == Some(7),
+            "exit {:?}: {}",
+            o.status,
+            String::from_utf8_lossy(&o.stderr)
+        );
+        let w2 = outcome_json(&w2)?;
+        ensure!(
+            w2["outcome"] == "discarded"
+                && w2["exit_status"] == 7
+                && w2["wasi"]["module_compiled"] == false,
+            "{w2}"
+        );
+        // Stdout reaches the caller's stdout.
+        let o = d.layerstack(&[
+            "session",
+            "run",
+            "--wasi",
+            wasm.to_str().context("utf-8")?,
+            &format!("{stack}@wasi"),
+            "--publish",
+            "never",
+            "--",
+            "cat",
+            "/srv/new.txt",
+        ])?;
+        ensure!(o.status.success() && stdout(&o) == "hello\n", "{o:?}");
+        Ok(())
+    })();
+    if r.is_err() {
+        d.dump_log();
+    }
+    d.stop();
+    if std::env::var_os("LAYERSTACK_TEST_KEEP").is_none() {
+        remove_tree(&dir);
+    }
+    r
+}
+
+async fn create(
+    c: &mut Client,
+    stack: &str,
+    name: &str,
+    wasi: api::WasiOptions,
+) -> Result<i64, tonic::Status> {
+    let r = c
+        .create_session(api::CreateSessionRequest {
+            stack: stack.into(),
+            name: name.into(),
+            wasi: Some(wasi),
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    Ok(r.session.map(|s| s.id).unwrap_or_default())
+}
+
+#[derive(Debug, Default)]
+struct Ran {
+    out: Vec<u8>,
+    err: Vec<u8>,
+    exit: api::ExecExit,
+}
+
+async fn run(c: &mut Client, r: api::ExecRequest) -> Result<Ran, tonic::Status> {
+    let mut s = c.exec(r).await?.into_inner();
+    let mut ran = Ran::default();
+    while let Some(m) = s.message().await? {
+        match m.kind {
+            Some(api::exec_reply::Kind::Stdout(b)) => ran.out.extend(b),
+            Some(api::exec_reply::Kind::Stderr(b)) => ran.err.extend(b),
+            Some(api::exec_reply::Kind::Exit(x)) => ran.exit = x,
+            None => {}
+        }
+    }
+    Ok(ran)
+}
+
+fn ops(module: &[u8], id: i64, args: &[&str]) -> api::ExecRequest {
+    let mut argv = vec!["fsops".to_string()];
+    argv.extend(args.iter().map(|s| s.to_string()));
+    api::ExecRequest {
+        session_id: id,
+        argv,
+        module: module.to_vec(),
+        ..Default::default()
+    }
+}
+
+async fn close(c: &mut Client, id: i64, action: api::EndAction) -> Result<api::Session> {
+    Ok(c.close_session(api::CloseSessionRequest {
+        session_id: id,
+        action: action as i32,
+        ..Default::default()
+    })
+    .await?
+    .into_inner())
+}
+
+async fn grpc_scenario(dir: &Path, d: &Daemon, module: Vec<u8>) -> Result<()> {
+    let src = dir.join("rootfs");
+    rootfs(&src)?;
+    let o = ensure_success(
+        "base import",
+        d.layerstack(&["base", "import", src.to_str().context("utf-8")?])?,
+    )?;
+    let stack = stdout(&o).trim().to_string();
+    let mut c = api::connect(d.admin_socket()).await?;
+    let opts = api::WasiOptions {
+        env: vec!["GREETING=hi".into()],
+        ..Default::default()
+    };
+
+    // The gate, unchanged: disjoint writes both commit...
+    let a = create(&mut c, &stack, "a", opts.clone()).await?;
+    let b = create(&mut c, &stack, "b", opts.clone()).await?;
+    for (id, f) in [(a, "/srv/a.txt"), (b, "/srv/b.txt")] {
+        let r = run(&mut c, ops(&module, id, &["write", f, "mine\n"])).await?;
+        ensure!(r.exit.code == 0, "{r:?}");
+    }
+    let (sa, sb) = (
+        close(&mut c, a, api::EndAction::Publish).await?,
+        close(&mut c, b, api::EndAction::Publish).await?,
+    );
+    ensure!(
+        sa.outcome == "committed" && sb.outcome == "committed",
+        "{sa:?} {sb:?}"
+    );
+    ensure!(sa.owner_kind == "wasi" && sa.owner == "wasi:a", "{sa:?}");
+    // ... overlapping text edits merge ...
+    let lines = |edit: usize, with: &str| -> String {
+        (1..=10)
+            .map(|i| {
+                if i == edit {
+                    format!("{with}\n")
+                } else {
+                    format!("line {i}\n")
+                }
+            })
+            .collect()
+    };
+    let a = create(&mut c, &stack, "a", opts.clone()).await?;
+    let b = create(&mut c, &stack, "b", opts.clone()).await?;
+    run(
+        &mut c,
+        ops(
+            &module,
+            a,
+            &["write", "/srv/text.txt", &lines(2, "two by a")],
+        ),
+    )
+    .await?;
+    run(
+        &mut c,
+        ops(
+            &module,
+            b,
+            &["write", "/srv/text.txt", &lines(9, "nine by b")],
+        ),
+    )
+    .await?;
+    let (sa, sb) = (
+        close(&mut c, a, api::EndAction::Publish).await?,
+        close(&mut c, b, api::EndAction::Publish).await?,
+    );
+    ensure!(
+        sa.outcome == "committed" && sb.outcome == "merged",
+        "{sa:?} {sb:?}"
+    );
+    // ... a true conflict is refused whole (and its other write with it).
+    let a = create(&mut c, &stack, "a", opts.clone()).await?;
+    let b = create(&mut c, &stack, "b", opts.clone()).await?;
+    run(
+        &mut c,
+        ops(
+            &module,
+            a,
+            &["write", "/srv/text.txt", &lines(5, "five by a")],
+        ),
+    )
+    .await?;
+    run(
+        &mut c,
+        ops(
+            &module,
+            b,
+            &[
+                "write",
+                "/srv/text.txt",
+                &lines(5, "five by b"),
+                "write",
+                "/srv/b2.txt",
+                "x\n",
+            ],
+        ),
+    )
+    .await?;
+    let (sa, sb) = (
+        close(&mut c, a, api::EndAction::Publish).await?,
+        close(&mut c, b, api::EndAction::Publish).await?,
+    );
+    ensure!(
+        sa.outcome == "committed" && sb.outcome == "conflict",
+        "{sa:?} {sb:?}"
+    );
+    ensure!(
+        sb.conflicts.iter().any(|p| p.path == "/srv/text.txt"),
+        "{sb:?}"
+    );
+    close(&mut c, b, api::EndAction::Discard).await?;
+
+    // One session: env, stdin-free output, the file RPCs, modules by digest
+    // and by path in the tree, the limits.
+    let id = create(&mut c, &stack, "one", opts.clone()).await?;
+    let r = run(&mut c, ops(&module, id, &["cat", "/etc/passwd"])).await?;
+    ensure!(r.out == b"session-passwd\n" && r.exit.code == 0, "{r:?}");
+    let digest = r.exit.module_digest.clone();
+    ensure!(digest.starts_with("sha256:"), "{r:?}");
+    // By digest: no bytes sent, nothing compiled.
+    let r = run(
+        &mut c,
+        api::ExecRequest {
+            session_id: id,
+            argv: vec![digest.clone(), "cat".into(), "/srv/edit.txt".into()],
+            ..Default::default()
+        },
+    )
+    .await?;
+    ensure!(r.out == b"v1\n" && !r.exit.module_compiled, "{r:?}");
+    // By path in the tree, after WriteFile put it there.
+    let mut msgs = vec![api::WriteFileRequest {
+        header: Some(api::WriteFileHeader {
+            session_id: id,
+            path: "/bin/fsops.wasm".into(),
+            mode: 0o755,
+            ..Default::default()
+        }),
+        data: Vec::new(),
+    }];
+    msgs.extend(module.chunks(60_000).map(|ch| api::WriteFileRequest {
+        header: None,
+        data: ch.to_vec(),
+    }));
+    c.write_file(tokio_stream::iter(msgs)).await?;
+    let r = run(
+        &mut c,
+        api::ExecRequest {
+            session_id: id,
+            argv: vec![
+                "/bin/fsops.wasm".into(),
+                "write".into(),
+                "/srv/from-path".into(),
+                "p\n".into(),
+            ],
+            ..Default::default()
+        },
+    )
+    .await?;
+    ensure!(r.exit.code == 0, "{r:?}");
+    let mut s = c
+        .read_file(api::ReadFileRequest {
+            session_id: id,
+            path: "/srv/from-path".into(),
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    let mut got = Vec::new();
+    while let Some(m) = s.message().await? {
+        got.extend(m.data);
+    }
+    ensure!(got == b"p\n", "{got:?}");
+    let missing = run(
+        &mut c,
+        api::ExecRequest {
+            session_id: id,
+            argv: vec!["/bin/none.wasm".into()],
+            ..Default::default()
+        },
+    )
+    .await;
+    ensure!(
+        matches!(&missing, Err(st) if st.code() == tonic::Code::NotFound),
+        "{missing:?}"
+    );
+    let bad = run(
+        &mut c,
+        api::ExecRequest {
+            session_id: id,
+            argv: vec!["x".into()],
+            module: b"not wasm".to_vec(),
+            ..Default::default()
+        },
+    )
+    .await;
+    ensure!(
+        matches!(&bad, Err(st) if st.code() == tonic::Code::InvalidArgument && st.message().contains("does not compile")),
+        "{bad:?}"
+    );
+
+    // Limits: a deadline, fuel, memory; each a trap as a field.
+    let t0 = Instant::now();
+    let r = run(
+        &mut c,
+        api::ExecRequest {
+            timeout_ms: 300,
+            ..ops(&module, id, &["spin"])
+        },
+    )
+    .await?;
+    ensure!(
+        r.exit.trap == "deadline"
+            && r.exit.timed_out
+            && r.exit.code == 134
+            && t0.elapsed() < Duration::from_secs(10),
+        "{r:?}"
+    );
+    let small = create(
+        &mut c,
+        &stack,
+        "small",
+        api::WasiOptions {
+            fuel: 5_000_000,
+            ..Default::default()
+        },
+    )
+    .await?;
+    let r = run(&mut c, ops(&module, small, &["spin"])).await?;
+    ensure!(
+        r.exit.trap == "out_of_fuel" && r.exit.fuel_used == 5_000_000 && r.exit.code == 134,
+        "{r:?}"
+    );
+    close(&mut c, small, api::EndAction::Discard).await?;
+    let capped = create(
+        &mut c,
+        &stack,
+        "capped",
+        api::WasiOptions {
+            memory_bytes: 16 << 20,
+            ..Default::default()
+        },
+    )
+    .await?;
+    let r = run(&mut c, ops(&module, capped, &["hog"])).await?;
+    ensure!(r.exit.trap == "memory_limit" && r.exit.code == 134, "{r:?}");
+    close(&mut c, capped, api::EndAction::Discard).await?;
+
+    // Nothing outside the session: `..` stops at its root, an absolute
+    // symlink resolves inside it or not at all, nothing is created on the host.
+    let marker = format!("ls-wasi-escape-{}", std::process::id());
+    let host_file = PathBuf::from("/tmp").join(&marker);
+    let up = format!("../../../../../../tmp/{marker}");
+    let r = run(
+        &mut c,
+        ops(
+            &module,
+            id,
+            &[
+                "try-read",
+                "../../../../../etc/shadow",
+                "try-write",
+                &up,
+                "try-read",
+                "/srv/abs-link",
+            ],
+        ),
+    )
+    .await?;
+    ensure!(r.exit.code == 0, "a module reached outside its tree: {r:?}");
+    // A module cannot make an absolute symlink (WASI refuses them).
+    let r = run(
+        &mut c,
+        ops(&module, id, &["symlink", "/etc/shadow", "/srv/evil"]),
+    )
+    .await?;
+    ensure!(
+        r.exit.code == 1 && r.err.starts_with(b"fsops: symlink"),
+        "{r:?}"
+    );
+    ensure!(
+        !host_file.exists(),
+        "{} was created on the host",
+        host_file.display()
+    );
+
+    // A close cancels a running module.
+    let spin = ops(&module, id, &["spin"]);
+    let mut c2 = c.clone();
+    let running = tokio::spawn(async move { run(&mut c2, spin).await });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let listed = c
+        .list_sessions(api::ListSessionsRequest {
+            owner_kind: "wasi".into(),
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    ensure!(
+        listed
+            .sessions
+            .iter()
+            .any(|s| s.id == id && s.owner_kind == "wasi"),
+        "{listed:?}"
+    );
+    let closed = close(&mut c, id, api::EndAction::Discard).await?;
+    ensure!(
+        closed.outcome == "discarded" && closed.released,
+        "{closed:?}"
+    );
+    let r = running.await??;
+    ensure!(r.exit.trap == "cancelled", "{r:?}");
+    let after = run(&mut c, ops(&module, id, &["cat", "/etc/passwd"])).await;
+    ensure!(
+        matches!(&after, Err(st) if st.code() == tonic::Code::FailedPrecondition),
+        "{after:?}"
+    );
+    ensure!(
+        !d.root().join("s").join(id.to_string()).exists(),
+        "the discarded session's directories stay"
+    );
+    Ok(())
+}
+
+#[test]
+fn wasi_sessions_share_the_gate_and_keep_to_their_tree() -> Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let dir = make_temp_dir()?;
+    let Some(module) = require_wasi_toolchain(&dir)? else {
+        return Ok(());
+    };
+    let mut d = Daemon::start_at(
+        &dir.join("s/snapshotter.sock"),
+        &dir.join("s/containerd.sock"),
+        &dir.join("root"),
+    )?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let r = rt.block_on(grpc_scenario(&dir, &d, module));
+    if r.is_err() {
+        d.dump_log();
+    }
+    d.stop();
+    if std::env::var_os("LAYERSTACK_TEST_KEEP").is_none() {
+        remove_tree(&dir);
+    }
+    r
+}

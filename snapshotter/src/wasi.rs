@@ -1,0 +1,469 @@
+//! WASI sessions (owner kind `wasi`, issue 24): WebAssembly modules the daemon
+//! runs with wasmtime (`layerstack_wasi`) over a session's tree.
+//! docs/architecture.md "WASI sessions".
+//!
+//! ```text
+//! CreateSession{wasi}   session row + lease (the engine's, owner wasi:<name>,
+//!                       daemon-owned), the overlay built as for a holder
+//!                       (sandbox::attach: fsopen/fsconfig/fsmount) and kept
+//!                       here as a detached mount fd — in no mount table
+//! Exec                  the module (bytes, a cached digest, or a path in the
+//!                       tree) run on a blocking thread with
+//!                       /proc/self/fd/<mount fd> preopened as `/`: cap-std
+//!                       resolves every path beneath it
+//! files                 openat2(RESOLVE_IN_ROOT) beneath the mount fd
+//! CloseSession          runs cancelled, the mount fd closed once no run or
+//!                       file call holds it (the overlay is gone with its last
+//!                       descriptor), then the engine's close: capture, gate,
+//!                       outcome by the exit policy
+//! ```
+//!
+//! Why a detached mount and not a view over the layers without a mount: the
+//! kernel then writes the upper exactly as for a container or a Mode B
+//! session — copy-up, whiteouts (0:0 character devices), opaque directories,
+//! renames — so capture, the gate, merge, blame and export see nothing new;
+//! and a read is the kernel's, not a lookup through every layer per path in
+//! the daemon. The mount costs ~0.3 ms per session (figures in
+//! docs/architecture.md); it is never attached, so no other process sees it,
+//! and it is freed when its last descriptor closes.
+
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+
+use layerstack_api as api;
+use layerstack_engine::store::SessionId;
+use layerstack_engine::EndAction;
+use layerstack_sandbox::sys;
+use layerstack_wasi::{
+    digest_string, Invocation, ModuleDigest, ModuleRef, TrapKind, WasiError, WasiLimits, WasiRunner,
+};
+use tokio::sync::mpsc;
+use tokio_stream::wrappers::ReceiverStream;
+use tonic::Status;
+use tracing::{debug, info, warn};
+
+use crate::admin::AdminService;
+use crate::owned::Stream;
+
+/// Largest module Exec takes (bytes, inline or from the session's tree).
+pub const MAX_MODULE_BYTES: u64 = 64 << 20;
+
+/// Exit code of a trapped run: the wasmtime CLI's (128 + SIGABRT).
+pub const TRAP_EXIT_CODE: i32 = 134;
+
+/// How long CloseSession waits for runs and file calls to let go of the
+/// overlay after cancelling them (a run stops within one 10 ms epoch tick).
+const RELEASE_PATIENCE: Duration = Duration::from_secs(10);
+
+/// The daemon's WASI runtime (one engine, one module cache), made on the
+/// first WASI session; `Err`: why there is none.
+static RUNNER: OnceLock<Result<Arc<WasiRunner>, String>> = OnceLock::new();
+
+fn runner() -> Result<Arc<WasiRunner>, Status> {
+    match RUNNER.get_or_init(|| WasiRunner::new().map(Arc::new).map_err(|e| e.to_string())) {
+        Ok(r) => Ok(r.clone()),
+        Err(why) => Err(Status::internal(format!(
+            "the WASI runtime could not start in this daemon ({why}): WASI sessions are unavailable; the daemon's log has more"
+        ))),
+    }
+}
+
+/// A live WASI session: its overlay and the defaults of its runs.
+pub(crate) struct WasiLive {
+    /// The detached overlay mount (fsmount's descriptor).
+    root: OwnedFd,
+    env: Vec<(String, String)>,
+    limits: WasiLimits,
+    /// Set by CloseSession: every run ends `cancelled`, no new one starts.
+    closing: Arc<AtomicBool>,
+}
+
+impl WasiLive {
+    /// A descriptor of the session's root for the file calls (a duplicate:
+    /// the caller owns it).
+    pub(crate) fn root(&self, id: SessionId) -> Result<OwnedFd, Status> {
+        if self.closing.load(Ordering::Relaxed) {
+            return Err(Status::failed_precondition(format!(
+                "WASI session {id} is closing: its tree is no longer served"
+            )));
+        }
+        self.root.try_clone().map_err(|e| {
+            Status::internal(format!("cannot duplicate WASI session {id}'s root: {e}"))
+        })
+    }
+}
+
+fn parse_env(env: &[String]) -> Result<Vec<(String, String)>, Status> {
+    env.iter()
+        .map(|kv| match kv.split_once('=') {
+            Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
+            _ => Err(Status::invalid_argument(format!(
+                "environment entry {kv:?} is not KEY=VALUE"
+            ))),
+        })
+        .collect()
+}
+
+/// The limits of a session's runs: each field of `o` given, else the default.
+fn limits_of(o: &api::WasiOptions) -> Result<WasiLimits, Status> {
+    let d = WasiLimits::default();
+    if o.memory_bytes != 0 && o.memory_bytes < 65536 {
+        return Err(Status::invalid_argument(format!(
+            "wasi.memory_bytes {} is below one WebAssembly page (65536 bytes): give at least 65536, or 0 for the default ({} bytes)",
+            o.memory_bytes, d.memory_bytes
+        )));
+    }
+    Ok(WasiLimits {
+        fuel: if o.fuel == 0 { d.fuel } else { Some(o.fuel) },
+        deadline_ms: if o.deadline_ms == 0 {
+            d.deadline_ms
+        } else {
+            Some(o.deadline_ms)
+        },
+        memory_bytes: if o.memory_bytes == 0 {
+            d.memory_bytes
+        } else {
+            o.memory_bytes
+        },
+        output_bytes: if o.output_bytes == 0 {
+            d.output_bytes
+        } else {
+            usize::try_from(o.output_bytes).unwrap_or(usize::MAX)
+        },
+    })
+}
+
+/// `CreateSession` with `wasi`.
+pub(crate) async fn create(
+    admin: &AdminService,
+    r: api::CreateSessionRequest,
+) -> Result<api::CreateSessionResponse, Status> {
+    let opts = r.wasi.clone().unwrap_or_default();
+    if r.sandbox.is_some() {
+        return Err(Status::invalid_argument(
+            "sandbox and wasi are exclusive: a session runs Linux processes (sandbox) or WebAssembly modules (wasi)",
+        ));
+    }
+    let env = parse_env(&opts.env)?;
+    let limits = limits_of(&opts)?;
+    // The runtime first: no session is made that could not run anything.
+    runner()?;
+    let reserve = layerstack_engine::Reservation {
+        cpu_millis: 0,
+        memory_bytes: limits.memory_bytes,
+    };
+    let (session, spec, created) = admin.sandbox_create_spec(r, true, reserve).await?;
+    let id = session.id;
+    let holders = admin.holders.clone();
+    if !created && session.released {
+        // A retry of a key whose session ended: its end as recorded.
+        return Ok(api::CreateSessionResponse {
+            mounts: Vec::new(),
+            session: Some(session),
+            created: false,
+        });
+    }
+    if !created {
+        return match holders.map().get(&id) {
+            Some(h) if h.wasi.is_some() => Ok(api::CreateSessionResponse {
+                mounts: crate::wire::mounts(&spec),
+                session: Some(session),
+                created: false,
+            }),
+            _ => Err(Status::failed_precondition(format!(
+                "idempotency key names session {id}, which is not a live WASI session of this daemon: close it and create another"
+            ))),
+        };
+    }
+    let conn = holders.next_conn.fetch_add(1, Ordering::Relaxed);
+    let started = Instant::now();
+    let fd = match crate::sandbox::attach(&admin.engine, &holders, conn, id, Some(spec.clone()))
+        .await
+    {
+        Ok(fd) => fd,
+        Err(reply) => {
+            if let Err(e) = admin
+                .engine
+                .close_sandbox_session(
+                    id,
+                    EndAction::Discard,
+                    "session setup failed",
+                    RELEASE_PATIENCE,
+                )
+                .await
+            {
+                warn!(session.id = id, error = %api::error_chain(&e), "cannot discard a WASI session whose overlay could not be built");
+            }
+            return Err(crate::owned::reply_status(reply));
+        }
+    };
+    let live = Arc::new(WasiLive {
+        root: fd,
+        env,
+        limits,
+        closing: Arc::new(AtomicBool::new(false)),
+    });
+    if let Some(h) = holders.map().get_mut(&id).filter(|h| h.conn == conn) {
+        h.wasi = Some(live);
+    }
+    info!(
+        session.id = id,
+        mount_us = started.elapsed().as_micros() as u64,
+        "WASI session started"
+    );
+    Ok(api::CreateSessionResponse {
+        mounts: crate::wire::mounts(&spec),
+        session: Some(session),
+        created: true,
+    })
+}
+
+/// The live WASI session `id`, if it is one.
+pub(crate) fn live(admin: &AdminService, id: SessionId) -> Option<Arc<WasiLive>> {
+    admin.holders.map().get(&id).and_then(|h| h.wasi.clone())
+}
+
+/// CloseSession of a WASI session, before the engine's close: its runs are
+/// cancelled and its overlay released (the mount fd closed once nothing else
+/// holds it). Nothing to do for another session.
+pub(crate) async fn release(admin: &AdminService, id: SessionId) {
+    let Some(live) = live(admin, id) else { return };
+    live.closing.store(true, Ordering::Relaxed);
+    if let Some(h) = admin.holders.map().get_mut(&id) {
+        h.wasi = None;
+    }
+    admin.holders.map().remove(&id);
+    // Runs and file calls hold a clone each: wait for them to end (a run
+    // stops within one epoch tick of `closing`).
+    let deadline = Instant::now() + RELEASE_PATIENCE;
+    let mut live = live;
+    loop {
+        match Arc::try_unwrap(live) {
+            Ok(l) => {
+                drop(l);
+                debug!(session.id = id, "WASI session's overlay released");
+                return;
+            }
+            Err(back) => live = back,
+        }
+        if Instant::now() >= deadline {
+            warn!(
+                session.id = id,
+                holders = Arc::strong_count(&live),
+                "a run or file call of the WASI session still holds its overlay: closing anyway"
+            );
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+/// `sha256:<64 hex>` → a digest.
+fn parse_digest(s: &str) -> Option<ModuleDigest> {
+    let hex = s.strip_prefix("sha256:")?;
+    if hex.len() != 64 {
+        return None;
+    }
+    let mut d = [0u8; 32];
+    for (i, b) in d.iter_mut().enumerate() {
+        *b = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(d)
+}
+
+/// The module of an Exec: inline bytes, a cached digest, or a file of the
+/// session's tree.
+enum Module {
+    Bytes(Vec<u8>),
+    Digest(ModuleDigest),
+}
+
+fn read_module(live: &WasiLive, id: SessionId, path: &str) -> Result<Vec<u8>, Status> {
+    use std::io::Read;
+    let rel = crate::owned::rel_path(path)?;
+    let root = live.root(id)?;
+    let fd = sys::openat2_in_root(
+        &root,
+        &crate::owned::cpath(&rel),
+        libc::O_RDONLY | libc::O_NOCTTY | libc::O_NONBLOCK,
+        0,
+    )
+    .map_err(|e| {
+        let code = if e.raw_os_error() == Some(libc::ENOENT) {
+            tonic::Code::NotFound
+        } else {
+            tonic::Code::InvalidArgument
+        };
+        Status::new(
+            code,
+            format!("module {path:?} in WASI session {id}: {e}: give a path of the session's tree, sha256:<hex> of a module run before, or the module's bytes (ExecRequest.module)"),
+        )
+    })?;
+    let f = std::fs::File::from(fd);
+    let md = f
+        .metadata()
+        .map_err(|e| Status::internal(format!("cannot stat module {path:?}: {e}")))?;
+    if !md.is_file() {
+        return Err(Status::invalid_argument(format!(
+            "module {path:?} in WASI session {id} is not a regular file"
+        )));
+    }
+    if md.len() > MAX_MODULE_BYTES {
+        return Err(Status::invalid_argument(format!(
+            "module {path:?} is {} bytes, more than {MAX_MODULE_BYTES}",
+            md.len()
+        )));
+    }
+    let mut bytes = Vec::with_capacity(md.len() as usize);
+    f.take(MAX_MODULE_BYTES + 1)
+        .read_to_end(&mut bytes)
+        .map_err(|e| Status::internal(format!("cannot read module {path:?}: {e}")))?;
+    Ok(bytes)
+}
+
+fn wasi_status(e: &WasiError) -> Status {
+    match e {
+        WasiError::Compile(_) | WasiError::Link(_) => Status::invalid_argument(e.to_string()),
+        WasiError::UnknownDigest(_) => Status::failed_precondition(format!(
+            "{e}: send the module's bytes (ExecRequest.module) once"
+        )),
+        WasiError::Preopen { .. } | WasiError::Runtime(_) => Status::internal(e.to_string()),
+    }
+}
+
+/// `Exec` in WASI session `id`.
+pub(crate) async fn exec(
+    live: Arc<WasiLive>,
+    id: SessionId,
+    r: api::ExecRequest,
+) -> Result<Stream<api::ExecReply>, Status> {
+    if live.closing.load(Ordering::Relaxed) {
+        return Err(Status::failed_precondition(format!(
+            "WASI session {id} is closing: no new run starts"
+        )));
+    }
+    if !(r.cwd.is_empty() || r.cwd == "/") {
+        return Err(Status::invalid_argument(format!(
+            "cwd {:?}: a WASI module's working directory is its root; give \"\" or \"/\" and name paths from the root",
+            r.cwd
+        )));
+    }
+    if r.has_user {
+        return Err(Status::invalid_argument(
+            "has_user: a WASI module runs as no user (its files are the daemon's, 0:0); leave the user unset",
+        ));
+    }
+    if r.module.len() as u64 > MAX_MODULE_BYTES {
+        return Err(Status::invalid_argument(format!(
+            "module is {} bytes, more than {MAX_MODULE_BYTES}",
+            r.module.len()
+        )));
+    }
+    let (module, argv0) = if !r.module.is_empty() {
+        let argv0 = r.argv.first().cloned();
+        (Module::Bytes(r.module), argv0)
+    } else {
+        let Some(first) = r.argv.first() else {
+            return Err(Status::invalid_argument(
+                "argv is empty and no module bytes were given: name the module in argv[0] (a path of the session's tree or sha256:<hex>) or send it in ExecRequest.module",
+            ));
+        };
+        if first.starts_with("sha256:") {
+            let d = parse_digest(first).ok_or_else(|| {
+                Status::invalid_argument(format!(
+                    "argv[0] {first:?} is not sha256:<64 lowercase hex>"
+                ))
+            })?;
+            (Module::Digest(d), Some(first.clone()))
+        } else {
+            let l = live.clone();
+            let p = first.clone();
+            let bytes = tokio::task::spawn_blocking(move || read_module(&l, id, &p))
+                .await
+                .map_err(|e| Status::internal(format!("module read task failed: {e}")))??;
+            (Module::Bytes(bytes), Some(first.clone()))
+        }
+    };
+    let mut env = live.env.clone();
+    for (k, v) in parse_env(&r.env)? {
+        env.retain(|(ek, _)| *ek != k);
+        env.push((k, v));
+    }
+    let mut limits = live.limits.clone();
+    if r.timeout_ms > 0 {
+        limits.deadline_ms = Some(r.timeout_ms.into());
+    }
+    let inv = Invocation {
+        argv0,
+        args: r.argv.iter().skip(1).cloned().collect(),
+        env,
+        stdin: r.stdin,
+        cancel: Some(live.closing.clone()),
+        limits,
+    };
+    let runner = runner()?;
+    let out = tokio::task::spawn_blocking(move || {
+        let root = std::path::PathBuf::from(format!("/proc/self/fd/{}", live.root.as_raw_fd()));
+        let m = match &module {
+            Module::Bytes(b) => ModuleRef::Bytes(b),
+            Module::Digest(d) => ModuleRef::Digest(*d),
+        };
+        // `live` (the overlay) is held until the run ends.
+        let out = runner.run_with(m, &root, &inv);
+        drop(live);
+        out
+    })
+    .await
+    .map_err(|e| Status::internal(format!("WASI run task failed: {e}")))?
+    .map_err(|e| wasi_status(&e))?;
+    debug!(
+        session.id = id,
+        digest = %digest_string(&out.digest),
+        code = ?out.exit_code,
+        trap = ?out.trap.map(TrapKind::as_str),
+        wall_ms = out.wall_ms,
+        "WASI run ended"
+    );
+    let (tx, rx) = mpsc::channel(8);
+    let mut replies: Vec<api::ExecReply> = Vec::new();
+    for c in out.stdout.chunks(crate::owned::CHUNK) {
+        replies.push(api::ExecReply {
+            kind: Some(api::exec_reply::Kind::Stdout(c.to_vec())),
+        });
+    }
+    for c in out.stderr.chunks(crate::owned::CHUNK) {
+        replies.push(api::ExecReply {
+            kind: Some(api::exec_reply::Kind::Stderr(c.to_vec())),
+        });
+    }
+    let code = match (out.exit_code, out.trap) {
+        (Some(c), _) => c,
+        (None, _) => TRAP_EXIT_CODE,
+    };
+    replies.push(api::ExecReply {
+        kind: Some(api::exec_reply::Kind::Exit(api::ExecExit {
+            code,
+            signal: 0,
+            timed_out: out.trap == Some(TrapKind::Deadline),
+            duration_ms: out.wall_ms as u64,
+            oom_killed: false,
+            session_memory_peak_bytes: 0,
+            session_cpu_usec: 0,
+            trap: out.trap.map(|t| t.as_str().to_string()).unwrap_or_default(),
+            trap_message: out.trap_message.unwrap_or_default(),
+            fuel_used: out.fuel_used,
+            module_digest: digest_string(&out.digest),
+            module_compiled: out.compiled,
+        })),
+    });
+    tokio::spawn(async move {
+        for r in replies {
+            if tx.send(Ok(r)).await.is_err() {
+                return;
+            }
+        }
+    });
+    Ok(Box::pin(ReceiverStream::new(rx)))
+}
