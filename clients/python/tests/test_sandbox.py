@@ -435,3 +435,80 @@ def test_a_refused_close_raises_and_the_block_still_discards(daemon: Daemon) -> 
         # A stack id unknown to the store is not found, containerd or not.
         with pytest.raises(layerstack.NotFoundError):
             c.sandbox("import:sha256:" + "0" * 64)
+
+
+# --------------------------------------------------------------------- WASI
+
+
+@pytest.fixture(scope="module")
+def fsops(daemon: Daemon) -> Path:
+    """``integration/wasm/fsops.c`` built for wasm32-wasi with clang + wasi-libc
+    (scripts/install-deps.sh): a WASI command applying file operations."""
+    out = daemon.dir / "fsops.wasm"
+    cmd = ["clang", "--target=wasm32-wasi", "--sysroot=/usr", "-fuse-ld=lld", "-O2", "-o", str(out),
+           str(REPO / "integration" / "wasm" / "fsops.c")]
+    try:
+        r = subprocess.run(cmd, capture_output=True, text=True)
+        ok, why = r.returncode == 0, r.stderr
+    except FileNotFoundError as e:
+        ok, why = False, str(e)
+    if not ok:
+        msg = f"WASI tests need clang, lld-14, wasi-libc and libclang-rt-14-dev-wasm32: {why}"
+        if in_ci():
+            pytest.fail("CI=true and " + msg, pytrace=False)
+        pytest.skip(msg)
+    return out
+
+
+def test_a_wasi_sandbox_runs_modules_over_its_tree_and_publishes(daemon: Daemon, fsops: Path) -> None:
+    with layerstack.connect(daemon.admin) as c:
+        with pytest.raises(ValueError, match="network"):
+            c.sandbox(daemon.stack, executor="wasi", network=True)
+        with pytest.raises(ValueError, match="executor"):
+            c.sandbox(daemon.stack, executor="jvm")
+        branch = f"wasi-{os.urandom(3).hex()}"
+        with c.sandbox(daemon.stack, branch=branch, executor="wasi", env={"X": "1"}) as sb:
+            assert sb.session.owner_kind == "wasi" and sb.session.owner.startswith("wasi:"), sb.session
+            first = sb.exec(["fsops", "write", "/work/w.txt", "from wasm\n", "cat", "/etc/motd"], module=fsops)
+            assert first.ok and first.stdout == b"base\n" and first.module_compiled, first
+            assert first.module_digest.startswith("sha256:") and first.fuel_used > 0, first
+            # Again by digest: nothing sent, nothing compiled.
+            again = sb.exec([first.module_digest, "cat", "/work/w.txt"])
+            assert again.stdout == b"from wasm\n" and not again.module_compiled, again
+            # The file calls serve the same tree.
+            assert sb.files.read("/work/w.txt") == b"from wasm\n"
+            sb.files.write("/work/from-py.txt", "py\n")
+            assert sb.exec([first.module_digest, "cat", "/work/from-py.txt"]).stdout == b"py\n"
+            spun = sb.exec([first.module_digest, "spin"], timeout_s=0.3)
+            assert spun.trap == "deadline" and spun.timed_out and spun.exit_code == 134, spun
+            end = sb.close(publish=True)
+        assert end.outcome == "committed" and end.layer, end
+    with layerstack.connect(daemon.admin) as c, c.sandbox(daemon.stack, branch=branch) as linux:
+        assert linux.exec("cat /work/w.txt /work/from-py.txt").stdout == b"from wasm\npy\n", "published to the branch"
+
+
+def test_asyncio_wasi_sandboxes_checkpoint_nodes_with_their_rewards(daemon: Daemon, fsops: Path) -> None:
+    module = fsops.read_bytes()
+
+    async def main() -> List[str]:
+        async with layerstack.aio.connect(daemon.admin) as ls:
+            g = await ls.create_graph(f"sdk-wasi-{os.urandom(3).hex()}", daemon.stack)
+
+            async def rollout(i: int) -> str:
+                async with ls.sandbox(node=g.root, executor="wasi", fuel=10**9, key=f"wasi-{g.root}-{i}") as sb:
+                    out = await sb.exec(["fsops", "write", "/work/answer", str(i)], module=module)
+                    assert out.ok, out
+                    end = await sb.close(checkpoint=True, state={"reward": i / 8}, exit_status=out.exit_code)
+                    assert end.outcome == "checkpointed" and end.node, end
+                    return end.node
+
+            nodes = await asyncio.gather(*(rollout(i) for i in range(8)))
+            async with ls.sandbox(node=nodes[3], executor="wasi") as sb:
+                got = await sb.exec(["fsops", "cat", "/work/answer"], module=module)
+                assert got.stdout == b"3", got
+            return list(nodes)
+
+    nodes = asyncio.run(main())
+    assert len(set(nodes)) == 8, nodes
+    with layerstack.connect(daemon.admin) as c:
+        assert c.show_node(nodes[5]).state == {"reward": 5 / 8}

@@ -54,6 +54,8 @@ from layerstack.sandbox import (
     ended_or_raise,
     exec_item,
     exec_request,
+    executor_options,
+    executor_options,
     sandbox_options,
     upload_requests,
     upload_summary,
@@ -340,9 +342,26 @@ class AsyncClient:
         memory_bytes: Optional[int] = None,
         pids: Optional[int] = None,
         mount_at: Optional[str] = None,
+        executor: str = "linux",
+        fuel: Optional[int] = None,
+        run_timeout_s: Optional[float] = None,
     ) -> "_SandboxStart":
         """A new daemon-owned sandbox; arguments, answers and errors as
         :meth:`layerstack.Client.sandbox`. ``await`` it, or ``async with`` it."""
+        options, wasi = executor_options(
+            executor,
+            network=network,
+            user=user,
+            workdir=workdir,
+            env=env,
+            hostname=hostname,
+            cpu_millis=cpu_millis,
+            memory_bytes=memory_bytes,
+            pids=pids,
+            mount_at=mount_at,
+            fuel=fuel,
+            run_timeout_s=run_timeout_s,
+        )
         req = create_request(
             self.namespace,
             stack=stack,
@@ -353,17 +372,8 @@ class AsyncClient:
             exit_policy=_check_exit_policy(exit_policy) or None,
             wait_s=wait_s,
             ignore_mtime=ignore_mtime,
-            options=sandbox_options(
-                network=network,
-                user=user,
-                workdir=workdir,
-                env=env,
-                hostname=hostname,
-                cpu_millis=cpu_millis,
-                memory_bytes=memory_bytes,
-                pids=pids,
-                mount_at=mount_at,
-            ),
+            options=options,
+            wasi=wasi,
         )
         timeout = None if self.timeout_s is None else self.timeout_s + wait_s
         return _SandboxStart(self, req, timeout)
@@ -475,9 +485,12 @@ class AsyncSandbox:
         user: Optional[User] = None,
         stdin: Union[bytes, str, None] = None,
         timeout_s: Optional[float] = None,
+        module: Union[bytes, "os.PathLike[str]", None] = None,
     ) -> AsyncIterator[Union[ExecChunk, ExecOutput]]:
         """Yields the output as it comes, then the :class:`ExecOutput`."""
-        req = exec_request(self.id, cmd, env=env, cwd=cwd, user=user, stdin=stdin, timeout_s=timeout_s)
+        req = exec_request(
+            self.id, cmd, env=env, cwd=cwd, user=user, stdin=stdin, timeout_s=timeout_s, module=module
+        )
         async for r in self._client._stream(self._client._stub.Exec, req):
             item = exec_item(r)
             if item is not None:
@@ -493,10 +506,13 @@ class AsyncSandbox:
         stdin: Union[bytes, str, None] = None,
         timeout_s: Optional[float] = None,
         check: bool = False,
+        module: Union[bytes, "os.PathLike[str]", None] = None,
     ) -> ExecOutput:
         """Runs ``cmd`` and waits for it (see :meth:`layerstack.sandbox.Sandbox.exec`)."""
         fold = ExecFold()
-        async for item in self.exec_stream(cmd, env=env, cwd=cwd, user=user, stdin=stdin, timeout_s=timeout_s):
+        async for item in self.exec_stream(
+            cmd, env=env, cwd=cwd, user=user, stdin=stdin, timeout_s=timeout_s, module=module
+        ):
             fold.add(item)
         return fold.result(check)
 

@@ -42,7 +42,7 @@ import grpc
 from layerstack._channel import Endpoint
 from layerstack._pb import admin_pb2 as pb
 from layerstack._pb import admin_pb2_grpc as pb_grpc
-from layerstack.sandbox import Sandbox, create_request, sandbox_options
+from layerstack.sandbox import Sandbox, create_request, executor_options
 from layerstack.errors import (
     CommandError,
     LayerStackError,
@@ -304,6 +304,9 @@ class Client:
         memory_bytes: Optional[int] = None,
         pids: Optional[int] = None,
         mount_at: Optional[str] = None,
+        executor: str = "linux",
+        fuel: Optional[int] = None,
+        run_timeout_s: Optional[float] = None,
     ) -> Sandbox:
         """A new daemon-owned sandbox on ``stack`` (a stack id, image reference
         or base digest; ``branch`` default the daemon's) or as an attempt of
@@ -337,6 +340,16 @@ class Client:
                 For each limit None means the daemon's default (``[sandbox]
                 default_*``, unlimited unless configured) and 0 no limit; the
                 daemon enforces them with a cgroup of the sandbox's own.
+            executor: "linux" (default: Linux processes in namespaces) or
+                "wasi": a WASI sandbox (owner kind ``wasi``) whose ``exec``
+                runs WebAssembly modules (WASI preview1, wasmtime) with the
+                sandbox's tree as their root (``Sandbox.exec(module=…)``);
+                its writes are captured, gated, checkpointed and published as
+                any sandbox's. Only ``env``, ``memory_bytes`` (the module's
+                linear memory cap, bytes), ``fuel`` (per run, about one unit
+                per wasm instruction) and ``run_timeout_s`` (per run, when
+                ``exec`` gives no ``timeout_s``) apply; the others raise
+                ValueError. Defaults: the daemon's (10^10 fuel, 256 MiB, 60 s).
 
         Use it as a context manager: leaving the block unclosed discards its
         writes. A ``branch`` that does not exist is made from the default
@@ -345,6 +358,20 @@ class Client:
         full), InvalidArgumentError (a bad field, named; a limit out of
         range), FailedPreconditionError (a limit whose cgroup controller the
         daemon's machine lacks, named); ValueError (a negative limit)."""
+        options, wasi = executor_options(
+            executor,
+            network=network,
+            user=user,
+            workdir=workdir,
+            env=env,
+            hostname=hostname,
+            cpu_millis=cpu_millis,
+            memory_bytes=memory_bytes,
+            pids=pids,
+            mount_at=mount_at,
+            fuel=fuel,
+            run_timeout_s=run_timeout_s,
+        )
         req = create_request(
             self.namespace,
             stack=stack,
@@ -355,17 +382,8 @@ class Client:
             exit_policy=_check_exit_policy(exit_policy) or None,
             wait_s=wait_s,
             ignore_mtime=ignore_mtime,
-            options=sandbox_options(
-                network=network,
-                user=user,
-                workdir=workdir,
-                env=env,
-                hostname=hostname,
-                cpu_millis=cpu_millis,
-                memory_bytes=memory_bytes,
-                pids=pids,
-                mount_at=mount_at,
-            ),
+            options=options,
+            wasi=wasi,
         )
         timeout = None if self.timeout_s is None else self.timeout_s + wait_s
         r = self._call(self._stub.CreateSession, req, timeout)

@@ -250,7 +250,8 @@ BY_CODE: Dict[grpc.StatusCode, Type[_KindError]] = {
 
 #: Every error kind → its class: the kinds of ``layerstack_types::ErrorKind``,
 #: spelled as ``ErrorKind::as_str`` (the ``kind`` of the binary's JSON errors).
-BY_KIND: Dict[str, Type[_KindError]] = {cls.kind: cls for cls in [*BY_CODE.values(), NoSpaceError]}
+_ALL_KINDS: List[Type[_KindError]] = [*BY_CODE.values(), NoSpaceError]
+BY_KIND: Dict[str, Type[_KindError]] = {cls.kind: cls for cls in _ALL_KINDS}
 
 #: The trailer in which the daemon names an error's kind (``layerstack_api::KIND_METADATA``).
 KIND_METADATA = "layerstack-kind"

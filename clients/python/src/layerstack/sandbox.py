@@ -107,7 +107,17 @@ class ExecOutput:
     ran (its memory limit was reached) and the command died of SIGKILL
     (``signal`` 9); ``session_memory_peak_bytes`` the sandbox's highest memory
     use so far (with a memory limit) and ``session_cpu_usec`` the CPU time of
-    all its processes so far, microseconds (both 0 without a limit)."""
+    all its processes so far, microseconds (both 0 without a limit).
+
+    In a WASI sandbox (``executor="wasi"``): ``trap`` says why the module
+    stopped other than by exiting — ``out_of_fuel``, ``deadline`` (also
+    ``timed_out``), ``memory_limit``, ``trap`` (a wasm trap) or ``cancelled``
+    (the sandbox was closed meanwhile); "" when it exited. A trapped run has
+    ``exit_code`` 134, as the wasmtime CLI. ``trap_message`` is wasmtime's
+    text with the wasm backtrace; ``fuel_used`` the fuel the run used;
+    ``module_digest`` ``sha256:<hex>`` of the module (pass it as ``cmd[0]`` to
+    run it again without sending it); ``module_compiled`` whether this run
+    compiled it (false: the daemon's cache had it)."""
 
     exit_code: int
     signal: int
@@ -118,6 +128,11 @@ class ExecOutput:
     oom_killed: bool = False
     session_memory_peak_bytes: int = 0
     session_cpu_usec: int = 0
+    trap: str = ""
+    trap_message: str = ""
+    fuel_used: int = 0
+    module_digest: str = ""
+    module_compiled: bool = False
 
     @property
     def ok(self) -> bool:
@@ -140,6 +155,11 @@ class ExecOutput:
             oom_killed=e.oom_killed,
             session_memory_peak_bytes=e.session_memory_peak_bytes,
             session_cpu_usec=e.session_cpu_usec,
+            trap=e.trap,
+            trap_message=e.trap_message,
+            fuel_used=e.fuel_used,
+            module_digest=e.module_digest,
+            module_compiled=e.module_compiled,
         )
 
 
@@ -257,6 +277,7 @@ def exec_request(
     user: Optional[User],
     stdin: Union[bytes, str, None],
     timeout_s: Optional[float],
+    module: Union[bytes, "os.PathLike[str]", None] = None,
 ) -> Any:
     if timeout_s is not None and timeout_s <= 0:
         raise ValueError(f"timeout_s={timeout_s}: give a positive number of seconds, or None for no limit")
@@ -269,9 +290,46 @@ def exec_request(
         stdin=data,
         timeout_ms=int(timeout_s * 1000) if timeout_s is not None else 0,
     )
+    if module is not None:
+        if isinstance(module, str):
+            raise ValueError("module takes the module's bytes or a pathlib.Path of a local .wasm file, not a str")
+        req.module = bytes(module) if isinstance(module, (bytes, bytearray, memoryview)) else Path(module).read_bytes()
     if user is not None:
         req.has_user, req.uid, req.gid = True, user[0], user[1]
     return req
+
+
+#: Executors of :meth:`layerstack.Client.sandbox`.
+EXECUTORS = ("linux", "wasi")
+
+
+def wasi_options(
+    *,
+    env: Optional[Mapping[str, str]],
+    fuel: Optional[int],
+    memory_bytes: Optional[int],
+    run_timeout_s: Optional[float],
+    **linux_only: Any,
+) -> Any:
+    """``WasiOptions`` of a WASI sandbox; the Linux-only arguments given
+    (not None, not False) are refused by name."""
+    given = sorted(k for k, v in linux_only.items() if v not in (None, False))
+    if given:
+        raise ValueError(
+            f"{', '.join(given)}: not for executor='wasi' (a WASI module has no user, network, "
+            "hostname, working directory or process limits); give fuel=, memory_bytes= or run_timeout_s="
+        )
+    for field, v in (("fuel", fuel), ("memory_bytes", memory_bytes)):
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+            raise ValueError(f"{field}={v!r}: give a whole number > 0, or None (the daemon's default)")
+    if run_timeout_s is not None and run_timeout_s <= 0:
+        raise ValueError(f"run_timeout_s={run_timeout_s}: give a positive number of seconds, or None")
+    return pb.WasiOptions(
+        fuel=fuel or 0,
+        memory_bytes=memory_bytes or 0,
+        deadline_ms=int(run_timeout_s * 1000) if run_timeout_s is not None else 0,
+        env=env_list(env),
+    )
 
 
 def sandbox_options(
@@ -308,6 +366,58 @@ def sandbox_options(
     return o
 
 
+def executor_options(
+    executor: str,
+    *,
+    network: bool,
+    user: Optional[User],
+    workdir: Optional[str],
+    env: Optional[Mapping[str, str]],
+    hostname: Optional[str],
+    cpu_millis: Optional[int],
+    memory_bytes: Optional[int],
+    pids: Optional[int],
+    mount_at: Optional[str],
+    fuel: Optional[int],
+    run_timeout_s: Optional[float],
+) -> Tuple[Any, Any]:
+    """``(SandboxOptions, None)`` for ``executor="linux"``, ``(None,
+    WasiOptions)`` for ``"wasi"`` (``CreateSessionRequest.sandbox`` /
+    ``.wasi``)."""
+    if executor == "wasi":
+        return None, wasi_options(
+            env=env,
+            fuel=fuel,
+            memory_bytes=memory_bytes,
+            run_timeout_s=run_timeout_s,
+            network=network,
+            user=user,
+            workdir=workdir,
+            hostname=hostname,
+            cpu_millis=cpu_millis,
+            pids=pids,
+            mount_at=mount_at,
+        )
+    if executor != "linux":
+        raise ValueError(f"executor={executor!r}: give one of {', '.join(EXECUTORS)}")
+    if fuel is not None or run_timeout_s is not None:
+        raise ValueError("fuel= and run_timeout_s= are for executor='wasi'")
+    return (
+        sandbox_options(
+            network=network,
+            user=user,
+            workdir=workdir,
+            env=env,
+            hostname=hostname,
+            cpu_millis=cpu_millis,
+            memory_bytes=memory_bytes,
+            pids=pids,
+            mount_at=mount_at,
+        ),
+        None,
+    )
+
+
 def create_request(
     namespace: str,
     *,
@@ -320,6 +430,7 @@ def create_request(
     wait_s: float,
     options: Any,
     ignore_mtime: bool = False,
+    wasi: Any = None,
 ) -> Any:
     if (stack is None) == (node is None):
         raise ValueError("give exactly one of stack= (a stack, image or base digest) and node= (a graph node)")
@@ -334,7 +445,8 @@ def create_request(
         idempotency_key=key or "",
         policy=exit_policy or "",
         wait_ms=int(wait_s * 1000),
-        sandbox=options,
+        sandbox=options if wasi is None else None,
+        wasi=wasi,
         ignore_mtime=ignore_mtime,
     )
 
@@ -601,11 +713,14 @@ class Sandbox:
         user: Optional[User] = None,
         stdin: Union[bytes, str, None] = None,
         timeout_s: Optional[float] = None,
+        module: Union[bytes, "os.PathLike[str]", None] = None,
     ) -> Iterator[Union[ExecChunk, ExecOutput]]:
         """Runs ``cmd`` in the sandbox and yields its output as it comes
         (:class:`ExecChunk`), then one :class:`ExecOutput` (its output fields
         empty: the chunks were yielded). Arguments as :meth:`exec`."""
-        req = exec_request(self.id, cmd, env=env, cwd=cwd, user=user, stdin=stdin, timeout_s=timeout_s)
+        req = exec_request(
+            self.id, cmd, env=env, cwd=cwd, user=user, stdin=stdin, timeout_s=timeout_s, module=module
+        )
         for r in self._stream(self._stub.Exec, req):
             item = exec_item(r)
             if item is not None:
@@ -621,6 +736,7 @@ class Sandbox:
         stdin: Union[bytes, str, None] = None,
         timeout_s: Optional[float] = None,
         check: bool = False,
+        module: Union[bytes, "os.PathLike[str]", None] = None,
     ) -> ExecOutput:
         """Runs ``cmd`` (an argv, or a string for ``/bin/sh -c``) in the sandbox
         and waits for it. ``env`` adds to the sandbox's environment; ``cwd`` is
@@ -629,10 +745,22 @@ class Sandbox:
         ``timed_out`` says so. ``check``: raise :class:`ExecError` unless it
         exited 0.
 
+        In a WASI sandbox (``executor="wasi"``) ``cmd`` is the module's argv:
+        ``module`` gives the module (its bytes, or a :class:`pathlib.Path` of a
+        local ``.wasm`` file) and ``cmd[0]`` is only its name; without
+        ``module``, ``cmd[0]`` names it: ``sha256:<hex>`` (the
+        ``module_digest`` of an earlier run) or a path in the sandbox's tree.
+        ``timeout_s`` is the run's wall-clock limit (trap ``deadline``);
+        ``cwd`` must be None or "/" and ``user`` None. Output arrives when the
+        module has ended.
+
         Raises: FailedPreconditionError (the sandbox is not live),
-        InvalidArgumentError (a bad field, named)."""
+        InvalidArgumentError (a bad field, named; a module that does not
+        compile), NotFoundError (a module path not in the tree)."""
         fold = ExecFold()
-        for item in self.exec_stream(cmd, env=env, cwd=cwd, user=user, stdin=stdin, timeout_s=timeout_s):
+        for item in self.exec_stream(
+            cmd, env=env, cwd=cwd, user=user, stdin=stdin, timeout_s=timeout_s, module=module
+        ):
             fold.add(item)
         return fold.result(check)
 

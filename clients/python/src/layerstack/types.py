@@ -101,8 +101,8 @@ class Session:
 
     Attributes:
         id: the session id.
-        owner_kind: ``container`` | ``sandbox`` | ``operation``.
-        owner: ``container:<ns>/<id>`` | ``sandbox:<name>``.
+        owner_kind: ``container`` | ``sandbox`` | ``wasi`` | ``operation``.
+        owner: ``container:<ns>/<id>`` | ``sandbox:<name>`` | ``wasi:<name>`` | ``operation:<id>``.
         stack: ``<namespace>/<base image top chainID>``.
         branch: the branch whose head it leased ("" for an attempt's session).
         state: ``active`` | ``published`` | ``conflict`` | ``discarded``.

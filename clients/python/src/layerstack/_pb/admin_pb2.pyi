@@ -544,7 +544,7 @@ class ExportReply(_message.Message):
     def __init__(self, plan: _Optional[_Union[ExportPlan, _Mapping]] = ..., chunk: _Optional[bytes] = ..., done: _Optional[_Union[ExportBlobDone, _Mapping]] = ...) -> None: ...
 
 class CreateSessionRequest(_message.Message):
-    __slots__ = ("namespace", "stack", "branch", "node", "name", "idempotency_key", "policy", "wait_ms", "ignore_mtime", "sandbox")
+    __slots__ = ("namespace", "stack", "branch", "node", "name", "idempotency_key", "policy", "wait_ms", "ignore_mtime", "sandbox", "wasi")
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     STACK_FIELD_NUMBER: _ClassVar[int]
     BRANCH_FIELD_NUMBER: _ClassVar[int]
@@ -555,6 +555,7 @@ class CreateSessionRequest(_message.Message):
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_MTIME_FIELD_NUMBER: _ClassVar[int]
     SANDBOX_FIELD_NUMBER: _ClassVar[int]
+    WASI_FIELD_NUMBER: _ClassVar[int]
     namespace: str
     stack: str
     branch: str
@@ -565,7 +566,22 @@ class CreateSessionRequest(_message.Message):
     wait_ms: int
     ignore_mtime: bool
     sandbox: SandboxOptions
-    def __init__(self, namespace: _Optional[str] = ..., stack: _Optional[str] = ..., branch: _Optional[str] = ..., node: _Optional[str] = ..., name: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., policy: _Optional[str] = ..., wait_ms: _Optional[int] = ..., ignore_mtime: _Optional[bool] = ..., sandbox: _Optional[_Union[SandboxOptions, _Mapping]] = ...) -> None: ...
+    wasi: WasiOptions
+    def __init__(self, namespace: _Optional[str] = ..., stack: _Optional[str] = ..., branch: _Optional[str] = ..., node: _Optional[str] = ..., name: _Optional[str] = ..., idempotency_key: _Optional[str] = ..., policy: _Optional[str] = ..., wait_ms: _Optional[int] = ..., ignore_mtime: _Optional[bool] = ..., sandbox: _Optional[_Union[SandboxOptions, _Mapping]] = ..., wasi: _Optional[_Union[WasiOptions, _Mapping]] = ...) -> None: ...
+
+class WasiOptions(_message.Message):
+    __slots__ = ("fuel", "memory_bytes", "deadline_ms", "env", "output_bytes")
+    FUEL_FIELD_NUMBER: _ClassVar[int]
+    MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEADLINE_MS_FIELD_NUMBER: _ClassVar[int]
+    ENV_FIELD_NUMBER: _ClassVar[int]
+    OUTPUT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    fuel: int
+    memory_bytes: int
+    deadline_ms: int
+    env: _containers.RepeatedScalarFieldContainer[str]
+    output_bytes: int
+    def __init__(self, fuel: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., env: _Optional[_Iterable[str]] = ..., output_bytes: _Optional[int] = ...) -> None: ...
 
 class SandboxOptions(_message.Message):
     __slots__ = ("network", "has_user", "uid", "gid", "workdir", "env", "placement", "hostname", "cpu_millis", "memory_bytes", "pids")
@@ -594,7 +610,7 @@ class SandboxOptions(_message.Message):
     def __init__(self, network: _Optional[bool] = ..., has_user: _Optional[bool] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., workdir: _Optional[str] = ..., env: _Optional[_Iterable[str]] = ..., placement: _Optional[str] = ..., hostname: _Optional[str] = ..., cpu_millis: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., pids: _Optional[int] = ...) -> None: ...
 
 class ExecRequest(_message.Message):
-    __slots__ = ("session_id", "argv", "env", "cwd", "has_user", "uid", "gid", "stdin", "timeout_ms")
+    __slots__ = ("session_id", "argv", "env", "cwd", "has_user", "uid", "gid", "stdin", "timeout_ms", "module")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     ARGV_FIELD_NUMBER: _ClassVar[int]
     ENV_FIELD_NUMBER: _ClassVar[int]
@@ -604,6 +620,7 @@ class ExecRequest(_message.Message):
     GID_FIELD_NUMBER: _ClassVar[int]
     STDIN_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    MODULE_FIELD_NUMBER: _ClassVar[int]
     session_id: int
     argv: _containers.RepeatedScalarFieldContainer[str]
     env: _containers.RepeatedScalarFieldContainer[str]
@@ -613,7 +630,8 @@ class ExecRequest(_message.Message):
     gid: int
     stdin: bytes
     timeout_ms: int
-    def __init__(self, session_id: _Optional[int] = ..., argv: _Optional[_Iterable[str]] = ..., env: _Optional[_Iterable[str]] = ..., cwd: _Optional[str] = ..., has_user: _Optional[bool] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., stdin: _Optional[bytes] = ..., timeout_ms: _Optional[int] = ...) -> None: ...
+    module: bytes
+    def __init__(self, session_id: _Optional[int] = ..., argv: _Optional[_Iterable[str]] = ..., env: _Optional[_Iterable[str]] = ..., cwd: _Optional[str] = ..., has_user: _Optional[bool] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., stdin: _Optional[bytes] = ..., timeout_ms: _Optional[int] = ..., module: _Optional[bytes] = ...) -> None: ...
 
 class ExecReply(_message.Message):
     __slots__ = ("stdout", "stderr", "exit")
@@ -626,7 +644,7 @@ class ExecReply(_message.Message):
     def __init__(self, stdout: _Optional[bytes] = ..., stderr: _Optional[bytes] = ..., exit: _Optional[_Union[ExecExit, _Mapping]] = ...) -> None: ...
 
 class ExecExit(_message.Message):
-    __slots__ = ("code", "signal", "timed_out", "duration_ms", "oom_killed", "session_memory_peak_bytes", "session_cpu_usec")
+    __slots__ = ("code", "signal", "timed_out", "duration_ms", "oom_killed", "session_memory_peak_bytes", "session_cpu_usec", "trap", "trap_message", "fuel_used", "module_digest", "module_compiled")
     CODE_FIELD_NUMBER: _ClassVar[int]
     SIGNAL_FIELD_NUMBER: _ClassVar[int]
     TIMED_OUT_FIELD_NUMBER: _ClassVar[int]
@@ -634,6 +652,11 @@ class ExecExit(_message.Message):
     OOM_KILLED_FIELD_NUMBER: _ClassVar[int]
     SESSION_MEMORY_PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
     SESSION_CPU_USEC_FIELD_NUMBER: _ClassVar[int]
+    TRAP_FIELD_NUMBER: _ClassVar[int]
+    TRAP_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    FUEL_USED_FIELD_NUMBER: _ClassVar[int]
+    MODULE_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    MODULE_COMPILED_FIELD_NUMBER: _ClassVar[int]
     code: int
     signal: int
     timed_out: bool
@@ -641,7 +664,12 @@ class ExecExit(_message.Message):
     oom_killed: bool
     session_memory_peak_bytes: int
     session_cpu_usec: int
-    def __init__(self, code: _Optional[int] = ..., signal: _Optional[int] = ..., timed_out: _Optional[bool] = ..., duration_ms: _Optional[int] = ..., oom_killed: _Optional[bool] = ..., session_memory_peak_bytes: _Optional[int] = ..., session_cpu_usec: _Optional[int] = ...) -> None: ...
+    trap: str
+    trap_message: str
+    fuel_used: int
+    module_digest: str
+    module_compiled: bool
+    def __init__(self, code: _Optional[int] = ..., signal: _Optional[int] = ..., timed_out: _Optional[bool] = ..., duration_ms: _Optional[int] = ..., oom_killed: _Optional[bool] = ..., session_memory_peak_bytes: _Optional[int] = ..., session_cpu_usec: _Optional[int] = ..., trap: _Optional[str] = ..., trap_message: _Optional[str] = ..., fuel_used: _Optional[int] = ..., module_digest: _Optional[str] = ..., module_compiled: _Optional[bool] = ...) -> None: ...
 
 class ReadFileRequest(_message.Message):
     __slots__ = ("session_id", "path", "offset", "limit")
