@@ -813,6 +813,7 @@ pub async fn run(admin: &Path, cmd: FabricCmd) -> Result<ExitCode> {
                             network,
                             ..Default::default()
                         }),
+                        wasi: None,
                         wait_ms: wait_timeout.saturating_mul(1000),
                     })
                     .await?

@@ -781,3 +781,144 @@ fn wasi_sessions_share_the_gate_and_keep_to_their_tree() -> Result<()> {
     }
     r
 }
+
+/// A WASI session lives in its daemon: after `kill -9` of the daemon the
+/// restarted one ends it `interrupted` (`daemon-restart`), never by its exit
+/// policy — nothing published — and keeps its writes until discarded.
+async fn restart_scenario(dir: &Path, daemon: &mut Option<Daemon>, module: Vec<u8>) -> Result<()> {
+    let src = dir.join("rootfs");
+    rootfs(&src)?;
+    let d = daemon.as_ref().context("daemon")?;
+    let o = ensure_success(
+        "base import",
+        d.layerstack(&["base", "import", src.to_str().context("utf-8")?])?,
+    )?;
+    let stack = stdout(&o).trim().to_string();
+    let admin = d.admin_socket().to_path_buf();
+    let mut c = api::connect(&admin).await?;
+    let r = c
+        .create_session(api::CreateSessionRequest {
+            stack: stack.clone(),
+            name: "doomed".into(),
+            policy: "on-exit".into(),
+            idempotency_key: "wasi-restart".into(),
+            wasi: Some(api::WasiOptions::default()),
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    let id = r.session.context("session")?.id;
+    let upper = r
+        .mounts
+        .iter()
+        .flat_map(|m| m.options.iter())
+        .find_map(|o| o.strip_prefix("upperdir="))
+        .map(PathBuf::from)
+        .context("no upperdir")?;
+    let w = run(
+        &mut c,
+        ops(&module, id, &["write", "/srv/half-done", "1\n"]),
+    )
+    .await?;
+    ensure!(w.exit.code == 0, "{w:?}");
+    drop(c);
+    let pid = d.pid().context("daemon pid")?;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid as i32),
+        nix::sys::signal::SIGKILL,
+    )?;
+    let (root_dir, sock) = (d.root().to_path_buf(), d.socket().to_path_buf());
+    daemon.take().context("daemon")?.stop();
+    *daemon = Some(Daemon::start_at(
+        &sock,
+        &dir.join("s/containerd.sock"),
+        &root_dir,
+    )?);
+    let mut c = api::connect(&admin).await?;
+    let s = c
+        .wait(api::WaitRequest {
+            session_id: id,
+            timeout_ms: 10_000,
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    ensure!(
+        s.outcome == "interrupted" && s.interrupted_by == "daemon-restart" && s.layer == 0,
+        "after the restart: {s:?}"
+    );
+    ensure!(
+        upper.join("srv/half-done").exists(),
+        "the interrupted run's writes are gone"
+    );
+    // The same key answers the recorded end; Exec finds nothing live.
+    let again = c
+        .create_session(api::CreateSessionRequest {
+            stack,
+            name: "doomed".into(),
+            policy: "on-exit".into(),
+            idempotency_key: "wasi-restart".into(),
+            wasi: Some(api::WasiOptions::default()),
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    ensure!(
+        !again.created
+            && again
+                .session
+                .as_ref()
+                .is_some_and(|s| s.id == id && s.released),
+        "{again:?}"
+    );
+    let x = run(&mut c, ops(&module, id, &["cat", "/srv/half-done"])).await;
+    ensure!(
+        matches!(&x, Err(st) if st.code() == tonic::Code::FailedPrecondition),
+        "{x:?}"
+    );
+    // Discarded on request: its directories go.
+    c.publish(api::PublishRequest {
+        session_id: id,
+        action: api::EndAction::Discard as i32,
+        ..Default::default()
+    })
+    .await?;
+    ensure!(
+        !upper.exists(),
+        "{} stays after the discard",
+        upper.display()
+    );
+    Ok(())
+}
+
+#[test]
+fn a_daemon_kill_interrupts_a_wasi_session_and_publishes_nothing() -> Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let dir = make_temp_dir()?;
+    let Some(module) = require_wasi_toolchain(&dir)? else {
+        return Ok(());
+    };
+    let mut daemon = Some(Daemon::start_at(
+        &dir.join("s/snapshotter.sock"),
+        &dir.join("s/containerd.sock"),
+        &dir.join("root"),
+    )?);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let r = rt.block_on(restart_scenario(&dir, &mut daemon, module));
+    if r.is_err() {
+        if let Some(d) = &daemon {
+            d.dump_log();
+        }
+    }
+    if let Some(mut d) = daemon.take() {
+        d.stop();
+    }
+    if std::env::var_os("LAYERSTACK_TEST_KEEP").is_none() {
+        remove_tree(&dir);
+    }
+    r
+}

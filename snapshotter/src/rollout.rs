@@ -229,7 +229,11 @@ impl AdminService {
                 name: format!("rollout-{}", a.id),
                 idempotency_key: rollout_session_key(a.id),
                 wait_ms: r.wait_ms,
-                sandbox: Some(r.sandbox.unwrap_or_default()),
+                sandbox: match r.wasi {
+                    Some(_) => r.sandbox,
+                    None => Some(r.sandbox.unwrap_or_default()),
+                },
+                wasi: r.wasi,
                 ..Default::default()
             })
             .await;
@@ -322,6 +326,7 @@ impl AdminService {
         };
         if let Some(sid) = live {
             self.stop_init(sid);
+            crate::wasi::release(self, sid).await;
         }
         let evaluator = r.evaluator.map(|e| Evaluator {
             name: e.name,

@@ -26,7 +26,7 @@ import layerstack
 import layerstack.aio
 from layerstack.fabric import Grader, NodeStats, RolloutResult, SampleKey, TaskFailed, fan_out, puct, uct
 from conftest import DAEMON_BIN, _mounts_under, _terminate, _wait_for, bin_dir, record_reliability
-from test_sandbox import Daemon, _rootfs, daemon  # noqa: F401 — the module's daemon fixture
+from test_sandbox import Daemon, _rootfs, daemon, fsops  # noqa: F401 — the module's daemon and WASI fixtures
 
 GRADER = Grader(["sh", "-c", "grep -q good /work/answer"], name="grep-good", version="1")
 
@@ -77,6 +77,39 @@ def test_a_step_grades_each_sample_in_a_clean_sandbox_and_rewards_it_once(daemon
             assert all(r.rewarded_before for r in again), again
             assert {r.sample: r.reward for r in again} == {r.sample: r.reward for r in results}
             assert (await ls.audit_run(run)).attempts == 8, "a repeated step starts no attempt"
+
+    asyncio.run(main())
+
+
+def test_wasi_attempts_are_graded_and_rewarded_once(daemon: Daemon, fsops: Path) -> None:  # noqa: F811
+    module = fsops.read_bytes()
+
+    async def act(r: layerstack.aio.AsyncRollout) -> None:
+        verdict = "good" if r.key.sample % 2 else "bad"
+        out = await r.exec(["fsops", "write", "/work/answer", verdict + "\n"], module=module)
+        assert out.ok and out.module_digest, out
+
+    async def main() -> None:
+        async with layerstack.aio.connect(daemon.admin) as ls:
+            g = await ls.create_graph(_names("fab-wasi"), daemon.stack)
+            run = (await ls.create_run(_names("run-wasi"), g.name)).name
+            results = [
+                res
+                async for res in fan_out(
+                    ls, run, g.root, 6, act, step=1, prompt="w", policy="pi-w", grader=GRADER,
+                    sandbox={"executor": "wasi", "fuel": 10**9},
+                )
+            ]
+            assert sorted(r.sample for r in results) == list(range(6))
+            for r in results:
+                # A WASI attempt's checkpoint, graded by a Linux evaluator in a
+                # clean sandbox over it; its reward applied once.
+                assert r.status == "completed" and r.attempt is not None, r.errors
+                assert (r.reward, r.attempt.applied) == (1.0 if r.sample % 2 else 0.0, True), r
+            audit = await ls.audit_run(run)
+            assert audit.violations == () and (audit.rewarded, audit.attempts) == (6, 6), audit
+            with pytest.raises(ValueError, match="pids"):
+                await ls.begin_rollout(SampleKey(run, 2, "w", 0), 1, g.root, executor="wasi", pids=4)
 
     asyncio.run(main())
 

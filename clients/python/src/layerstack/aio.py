@@ -56,7 +56,6 @@ from layerstack.sandbox import (
     exec_request,
     executor_options,
     executor_options,
-    sandbox_options,
     upload_requests,
     upload_summary,
     write_requests,
@@ -220,13 +219,32 @@ class AsyncClient:
         cpu_millis: Optional[int] = None,
         memory_bytes: Optional[int] = None,
         pids: Optional[int] = None,
+        executor: str = "linux",
+        fuel: Optional[int] = None,
+        run_timeout_s: Optional[float] = None,
     ) -> "AsyncRollout":
         """Starts attempt ``attempt`` (from 1) of sample ``key`` in a new
         sandbox on ``node`` — or the same attempt again (a repeated call). A
         sample rewarded before starts nothing: ``.rewarded`` is true and
         ``.sample`` holds its reward. FailedPreconditionError: the attempt
         exists with another policy or seed, or the sample starts from another
-        node; BusyError: no sandbox slot within ``wait_s``."""
+        node; BusyError: no sandbox slot within ``wait_s``. ``executor``,
+        ``fuel``, ``run_timeout_s``: as :meth:`layerstack.Client.sandbox`
+        (``executor="wasi"``: the attempt runs WebAssembly modules)."""
+        options, wasi = executor_options(
+            executor,
+            network=network,
+            user=user,
+            workdir=workdir,
+            env=env,
+            hostname=None,
+            cpu_millis=cpu_millis,
+            memory_bytes=memory_bytes,
+            pids=pids,
+            mount_at=None,
+            fuel=fuel,
+            run_timeout_s=run_timeout_s,
+        )
         req = pb.BeginRolloutRequest(
             sample=key.to_pb(),
             attempt=attempt,
@@ -235,10 +253,8 @@ class AsyncClient:
             has_seed=seed is not None,
             seed=seed or 0,
             wait_ms=int(wait_s * 1000),
-            sandbox=sandbox_options(
-                network=network, user=user, workdir=workdir, env=env, hostname=None,
-                cpu_millis=cpu_millis, memory_bytes=memory_bytes, pids=pids,
-            ),
+            sandbox=options,
+            wasi=wasi,
         )
         timeout = None if self.timeout_s is None else self.timeout_s + wait_s
         r = await self._call(self._stub.BeginRollout, req, timeout)

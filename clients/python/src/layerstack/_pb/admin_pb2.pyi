@@ -125,7 +125,7 @@ class SampleKey(_message.Message):
     def __init__(self, run: _Optional[str] = ..., step: _Optional[int] = ..., prompt: _Optional[str] = ..., sample: _Optional[int] = ...) -> None: ...
 
 class BeginRolloutRequest(_message.Message):
-    __slots__ = ("sample", "attempt", "node", "policy", "has_seed", "seed", "sandbox", "wait_ms")
+    __slots__ = ("sample", "attempt", "node", "policy", "has_seed", "seed", "sandbox", "wait_ms", "wasi")
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
@@ -134,6 +134,7 @@ class BeginRolloutRequest(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     SANDBOX_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    WASI_FIELD_NUMBER: _ClassVar[int]
     sample: SampleKey
     attempt: int
     node: str
@@ -142,7 +143,8 @@ class BeginRolloutRequest(_message.Message):
     seed: int
     sandbox: SandboxOptions
     wait_ms: int
-    def __init__(self, sample: _Optional[_Union[SampleKey, _Mapping]] = ..., attempt: _Optional[int] = ..., node: _Optional[str] = ..., policy: _Optional[str] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., sandbox: _Optional[_Union[SandboxOptions, _Mapping]] = ..., wait_ms: _Optional[int] = ...) -> None: ...
+    wasi: WasiOptions
+    def __init__(self, sample: _Optional[_Union[SampleKey, _Mapping]] = ..., attempt: _Optional[int] = ..., node: _Optional[str] = ..., policy: _Optional[str] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., sandbox: _Optional[_Union[SandboxOptions, _Mapping]] = ..., wait_ms: _Optional[int] = ..., wasi: _Optional[_Union[WasiOptions, _Mapping]] = ...) -> None: ...
 
 class BeginRolloutResponse(_message.Message):
     __slots__ = ("attempt", "created", "rewarded", "sample", "session")
