@@ -223,7 +223,7 @@ pub enum SessionCmd {
         /// Print the sessions as one JSON array.
         #[arg(long)]
         json: bool,
-        /// Only sessions of this owner kind: container, sandbox or operation.
+        /// Only sessions of this owner kind: container, sandbox, wasi or operation.
         #[arg(long, value_name = "KIND")]
         owner: Option<String>,
     },
