@@ -37,10 +37,11 @@ use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
 use layerstack_api as api;
 use oci_spec::image as oci;
-use serde_json::{json, Value};
+use serde_json::json;
 use sha2::{Digest, Sha256};
 
 use crate::out;
+use layerstack_registry::image::{canonical_json, config_layer, image_config, DEFAULT_PATH};
 
 #[derive(Debug, Clone, Args)]
 pub struct ExportArgs {
@@ -152,25 +153,6 @@ fn digest(s: &str) -> Result<oci::Digest> {
     oci::Digest::from_str(s).with_context(|| format!("the daemon sent a malformed digest {s:?}"))
 }
 
-/// The GOARCH name of this machine (what containerd's platform matcher compares).
-fn arch() -> oci::Arch {
-    match std::env::consts::ARCH {
-        "x86_64" => oci::Arch::Amd64,
-        "aarch64" => oci::Arch::ARM64,
-        "x86" => oci::Arch::i386,
-        "arm" => oci::Arch::ARM,
-        "powerpc64" => oci::Arch::PowerPC64le,
-        "s390x" => oci::Arch::s390x,
-        "riscv64" => oci::Arch::RISCV64,
-        other => oci::Arch::Other(other.to_string()),
-    }
-}
-
-/// `ns` since the epoch as RFC 3339 UTC (`2026-12-01T19:43:57Z`).
-fn rfc3339(ns: i64) -> String {
-    crate::history::timestamp(ns).replacen(' ', "T", 1) + "Z"
-}
-
 /// The index annotations for `--tag NAME` (see [`ExportArgs::tag`]).
 fn tag_annotations(tag: &str) -> Result<HashMap<String, String>> {
     ensure!(
@@ -190,113 +172,6 @@ fn tag_annotations(tag: &str) -> Result<HashMap<String, String>> {
         a.insert(oci::ANNOTATION_REF_NAME.to_string(), tag.to_string());
     }
     Ok(a)
-}
-
-/// `PATH` as containerd's and Docker's defaults set it: the only runtime config
-/// of an exported image whose base image containerd no longer has.
-const DEFAULT_PATH: &str = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
-
-/// The exported image's config (OCI image-spec `config.md`).
-///
-/// - `rootfs.diff_ids`: `diff_ids`, one per layer of `layers`, oldest first.
-/// - `history`: one entry per layer; for the base layers (`kind` base) the base
-///   image's own entries instead — its `empty_layer` ones (`ENV`, `CMD`…)
-///   included — when its non-empty entries are one per base layer.
-/// - `config` (the runtime config: `Env`, `Entrypoint`, `Cmd`, `WorkingDir`,
-///   `User`, `ExposedPorts`, `Volumes`, `Labels`, `StopSignal`),
-///   `architecture`, `os`, `os.version`, `os.features`, `variant`: the base
-///   image's; without `base`, this machine's architecture, `linux`, and a
-///   config of `Env` [`DEFAULT_PATH`] only.
-/// - `created`: the newest layer's time (RFC 3339 UTC); `author` is not set
-///   (the base's author did not make this image).
-///
-/// Fields oci-spec does not model (Docker's `Healthcheck`, `OnBuild`, `Shell`,
-/// `ArgsEscaped`) are not carried over.
-///
-/// # Errors
-/// When `diff_ids` and `layers` differ in length, or a builder refuses a value.
-fn image_config(
-    base: Option<&oci::ImageConfiguration>,
-    stack: &str,
-    layers: &[api::ExportLayer],
-    diff_ids: Vec<String>,
-) -> Result<oci::ImageConfiguration> {
-    ensure!(
-        diff_ids.len() == layers.len(),
-        "{} diff IDs for {} layers",
-        diff_ids.len(),
-        layers.len()
-    );
-    let n_base = layers.iter().filter(|l| l.kind == "base").count();
-    let base_history = base.and_then(|b| b.history().as_ref()).filter(|h| {
-        h.iter()
-            .filter(|e| !e.empty_layer().unwrap_or(false))
-            .count()
-            == n_base
-    });
-    let mut history = Vec::with_capacity(layers.len());
-    if let Some(h) = base_history {
-        history.extend(h.iter().cloned());
-    }
-    for l in layers {
-        let by = match l.kind.as_str() {
-            "base" if base_history.is_some() => continue,
-            "base" => format!("layerstack: base layer {} of stack {stack}", l.layer),
-            "published" => format!(
-                "layerstack: layer {} published by session {}",
-                l.layer, l.session
-            ),
-            _ => format!("layerstack: layer {} ({})", l.layer, l.kind),
-        };
-        history.push(
-            oci::HistoryBuilder::default()
-                .created(rfc3339(l.created_ns))
-                .created_by(by)
-                .build()
-                .context("building a history entry")?,
-        );
-    }
-    let rootfs = oci::RootFsBuilder::default()
-        .typ("layers")
-        .diff_ids(diff_ids)
-        .build()
-        .context("building rootfs")?;
-    let mut cfg = match base {
-        Some(b) => {
-            let mut c = oci::ImageConfiguration::default();
-            c.set_architecture(b.architecture().clone());
-            c.set_os(b.os().clone());
-            c.set_os_version(b.os_version().clone());
-            c.set_os_features(b.os_features().clone());
-            c.set_variant(b.variant().clone());
-            c.set_config(b.config().clone());
-            c
-        }
-        None => oci::ImageConfigurationBuilder::default()
-            .architecture(arch())
-            .os(oci::Os::Linux)
-            .config(
-                oci::ConfigBuilder::default()
-                    .env(vec![DEFAULT_PATH.to_string()])
-                    .build()
-                    .context("building the config")?,
-            )
-            .build()
-            .context("building the image config")?,
-    };
-    cfg.set_rootfs(rootfs);
-    cfg.set_history(Some(history));
-    cfg.set_created(layers.iter().map(|l| l.created_ns).max().map(rfc3339));
-    Ok(cfg)
-}
-
-/// `value` as JSON with every object's keys sorted: oci-spec keeps
-/// `ExposedPorts`, `Volumes` and `Labels` in hash maps, whose order changes from
-/// run to run, and a config's digest must not.
-fn canonical_json(value: &oci::ImageConfiguration) -> Result<Vec<u8>> {
-    // serde_json's `Value` keeps object keys in a BTreeMap (no `preserve_order`).
-    let v: Value = serde_json::to_value(value).context("serializing")?;
-    serde_json::to_vec(&v).context("serializing")
 }
 
 /// The base image's config from the plan, or why there is none (the warning's
@@ -473,7 +348,16 @@ pub async fn run(admin: &Path, ns: &str, a: ExportArgs) -> Result<ExitCode> {
         );
     }
     let diff_ids: Vec<String> = received.iter().map(|r| r.done.diff_id.clone()).collect();
-    let cfg = image_config(base.as_ref().ok(), &plan.stack, &plan.layers, diff_ids)?;
+    let cfg = image_config(
+        base.as_ref().ok(),
+        &plan.stack,
+        &plan
+            .layers
+            .iter()
+            .map(|l| config_layer(&l.kind, l.layer, l.session, l.created_ns))
+            .collect::<Vec<_>>(),
+        diff_ids,
+    )?;
     let cfg_bytes = canonical_json(&cfg).context("the image config")?;
     let cfg_digest = write_blob(&dir, &cfg_bytes)?;
     let mut layers = Vec::with_capacity(n);
@@ -601,6 +485,7 @@ pub async fn run(admin: &Path, ns: &str, a: ExportArgs) -> Result<ExitCode> {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+    use serde_json::Value;
 
     #[test]
     fn tags_become_the_annotations_ctr_import_reads() {
@@ -667,6 +552,12 @@ mod tests {
         }
     }
 
+    fn cl(l: &[api::ExportLayer]) -> Vec<layerstack_registry::image::ConfigLayer> {
+        l.iter()
+            .map(|l| config_layer(&l.kind, l.layer, l.session, l.created_ns))
+            .collect()
+    }
+
     fn layers() -> Vec<api::ExportLayer> {
         vec![
             layer(1, "base", 10),
@@ -684,7 +575,7 @@ mod tests {
     #[test]
     fn the_base_images_runtime_config_and_platform_carry_over() {
         let base = oci::ImageConfiguration::from_reader(BASE_CONFIG.as_bytes()).unwrap();
-        let cfg = image_config(Some(&base), "ns/sha256:x", &layers(), diff_ids()).unwrap();
+        let cfg = image_config(Some(&base), "ns/sha256:x", &cl(&layers()), diff_ids()).unwrap();
         // Runtime config and platform: the base's, field for field.
         assert_eq!(cfg.config(), base.config());
         let c = cfg.config().as_ref().unwrap();
@@ -723,7 +614,8 @@ mod tests {
         let bytes = canonical_json(&cfg).unwrap();
         for _ in 0..8 {
             let again = oci::ImageConfiguration::from_reader(BASE_CONFIG.as_bytes()).unwrap();
-            let cfg2 = image_config(Some(&again), "ns/sha256:x", &layers(), diff_ids()).unwrap();
+            let cfg2 =
+                image_config(Some(&again), "ns/sha256:x", &cl(&layers()), diff_ids()).unwrap();
             assert_eq!(canonical_json(&cfg2).unwrap(), bytes);
         }
         let v: Value = serde_json::from_slice(&bytes).unwrap();
@@ -734,14 +626,14 @@ mod tests {
 
     #[test]
     fn without_the_base_image_the_runtime_config_is_defaulted() {
-        let cfg = image_config(None, "ns/sha256:x", &layers(), diff_ids()).unwrap();
+        let cfg = image_config(None, "ns/sha256:x", &cl(&layers()), diff_ids()).unwrap();
         let c = cfg.config().as_ref().unwrap();
         assert_eq!(c.env().as_deref(), Some(&[DEFAULT_PATH.to_string()][..]));
         assert_eq!(
             (c.cmd(), c.entrypoint(), c.working_dir()),
             (&None, &None, &None)
         );
-        assert_eq!(*cfg.architecture(), arch());
+        assert_eq!(*cfg.architecture(), layerstack_registry::image::arch());
         let h = cfg.history().as_ref().unwrap();
         assert_eq!(h.len(), 3);
         assert_eq!(
@@ -751,11 +643,11 @@ mod tests {
         // A base history that does not match the base layers is not used.
         let mut base = oci::ImageConfiguration::from_reader(BASE_CONFIG.as_bytes()).unwrap();
         base.set_history(Some(vec![oci::History::default()]));
-        let cfg = image_config(Some(&base), "ns/sha256:x", &layers(), diff_ids()).unwrap();
+        let cfg = image_config(Some(&base), "ns/sha256:x", &cl(&layers()), diff_ids()).unwrap();
         assert_eq!(cfg.history().as_ref().unwrap().len(), 3);
         assert_eq!(cfg.config(), base.config());
         // Diff IDs must be one per layer.
-        assert!(image_config(None, "s", &layers(), vec![]).is_err());
+        assert!(image_config(None, "s", &cl(&layers()), vec![]).is_err());
     }
 
     #[test]
@@ -777,10 +669,5 @@ mod tests {
             *base_config(&plan).unwrap().architecture(),
             oci::Arch::ARM64
         );
-    }
-
-    #[test]
-    fn rfc3339_times() {
-        assert_eq!(rfc3339(0), "1970-01-01T00:00:00Z");
     }
 }

@@ -63,6 +63,7 @@
 mod client;
 mod credentials;
 mod error;
+pub mod image;
 
 pub use client::{
     sha256_digest, BlobPush, PulledManifest, RegistryClient, RegistryOptions, MAX_MANIFEST_BYTES,
