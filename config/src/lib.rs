@@ -77,6 +77,25 @@ pub struct Config {
     pub sandbox: SandboxConfig,
     /// Who may call the admin API; the optional TCP listener (`[api]`).
     pub api: ApiConfig,
+    /// OCI registries the daemon pushes nodes to and pulls them from
+    /// (`[registry]`).
+    pub registry: RegistryConfig,
+}
+
+/// `[registry]`: how the daemon reaches OCI registries for `Push` / `Pull`
+/// (docs/operations.md "Push and pull").
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct RegistryConfig {
+    /// Registries (`host` or `host:port`) spoken to over plain HTTP; every
+    /// other one over HTTPS only. Default none.
+    pub insecure: Vec<String>,
+    /// PEM files of CAs trusted besides the system's (a private registry's).
+    pub ca_files: Vec<PathBuf>,
+    /// A docker `config.json` whose credentials the daemon uses when a request
+    /// carries none (`auths`, `credHelpers`, `credsStore`). Default: none —
+    /// requests without credentials are anonymous.
+    pub docker_config: Option<PathBuf>,
 }
 
 /// The Prometheus text endpoint (`[metrics]`): plain HTTP, `GET /metrics`.
@@ -357,6 +376,7 @@ impl Default for Config {
             log: LogConfig::default(),
             sandbox: SandboxConfig::default(),
             api: ApiConfig::default(),
+            registry: RegistryConfig::default(),
         }
     }
 }

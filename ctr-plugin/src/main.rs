@@ -20,6 +20,7 @@ mod graph;
 mod history;
 mod inspect;
 mod output;
+mod push;
 mod run;
 mod sessions;
 mod wasi;
@@ -180,6 +181,11 @@ pub enum Cmd {
     /// standard OCI image layout: the base's layers plus one layer per published
     /// or squashed layer, for `ctr images import`, skopeo or a registry.
     Export(export::ExportArgs),
+    /// Push a graph node (--node ID, its id kept) or a branch head (--stack
+    /// STACK[@BRANCH]) to an OCI registry as an image: only the blobs the
+    /// registry lacks are sent; the node's provenance and state go in the
+    /// manifest's annotations.
+    Push(push::PushArgs),
     /// Bases made without containerd: `base import` a directory tree, a layer
     /// tar or an OCI image layout as a stack.
     Base {
@@ -278,6 +284,7 @@ async fn main() -> ExitCode {
             cmd: SessionCmd::Close(ref a),
         } => run::close_cmd(&cli, a.clone()).await,
         Cmd::Export(a) => export::run(&cli.admin_address, &cli.namespace, a).await,
+        Cmd::Push(ref a) => push::run(&cli, a.clone()).await,
         Cmd::Base { cmd } => base::run(&cli.admin_address, cmd).await,
         Cmd::History(h) => history::run(&cli.admin_address, &cli.namespace, h).await,
         Cmd::Inspect(i) => inspect::run(&cli.admin_address, &cli.namespace, i).await,

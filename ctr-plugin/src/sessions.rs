@@ -349,6 +349,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
             Ok(print_outcome(&r, all.as_deref(), json))
         }
         Cmd::Export(_)
+        | Cmd::Push(_)
         | Cmd::Base { .. }
         | Cmd::History(_)
         | Cmd::Inspect(_)

@@ -213,6 +213,19 @@ impl Drop for Export {
 }
 
 impl Engine {
+    /// A fresh directory under the store's `staging/` for an operation in
+    /// flight (a push's blobs, a pull's layers), kept from the startup sweep
+    /// while the guard lives. Blocking.
+    ///
+    /// # Errors
+    /// `Store(Io)` when the directory cannot be made.
+    pub fn staging_dir(
+        &self,
+        purpose: &str,
+    ) -> Result<(std::path::PathBuf, layerstack_store::InFlightGuard), EngineError> {
+        Ok(self.store().staging_dir(purpose)?)
+    }
+
     /// Pins what `source` shows for an export (`holder`: who asked, for the
     /// lease row) and lists the image's layers; see the module docs. Blocking.
     ///

@@ -26,6 +26,9 @@ pub struct AdminService {
     metrics_address: Option<std::net::SocketAddr>,
     /// Mode B: holders of sandbox sessions (the mount socket's side).
     pub(crate) holders: Arc<crate::sandbox::Holders>,
+    /// The registry client of Push / Pull (`[registry]`), or why there is
+    /// none (a CA file that cannot be read); `None`: not set up.
+    pub(crate) registries: Option<Result<Arc<crate::push::Registries>, String>>,
 }
 
 pub(crate) fn engine_status(e: EngineError) -> Status {
@@ -51,7 +54,18 @@ impl AdminService {
             events_subscribed,
             metrics_address: None,
             holders: crate::sandbox::Holders::new(PathBuf::new()),
+            registries: None,
         }
+    }
+
+    /// The registry client of Push / Pull, made from `[registry]`.
+    pub fn with_registry(mut self, cfg: &layerstack_config::RegistryConfig) -> Self {
+        self.registries = Some(
+            crate::push::Registries::new(cfg)
+                .map(Arc::new)
+                .map_err(|e| e.to_string()),
+        );
+        self
     }
 
     /// Reports the Prometheus endpoint's address in `Status` (none: off).
@@ -427,6 +441,13 @@ impl api::Admin for AdminService {
         self.sandbox_create(req.into_inner())
             .await
             .map(Response::new)
+    }
+
+    async fn push(
+        &self,
+        req: Request<api::PushRequest>,
+    ) -> Result<Response<api::PushResponse>, Status> {
+        self.push(req.into_inner()).await.map(Response::new)
     }
 
     async fn close_session(

@@ -23,6 +23,7 @@ mod metrics;
 mod notify;
 mod outcomes;
 mod owned;
+mod push;
 mod rollout;
 mod sandbox;
 mod service;
@@ -535,7 +536,8 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
         subscribed.clone(),
     )
     .with_metrics_address(metrics_address)
-    .with_holders(holders);
+    .with_holders(holders)
+    .with_registry(&cfg.registry);
     let admin = layerstack_api::AdminServer::new(service.clone());
     let tcp_address = match &tcp_listener {
         Some(l) => Some(l.local_addr().context("TCP listener address")?),

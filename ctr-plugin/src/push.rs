@@ -1,0 +1,147 @@
+//! `layerstack push`: a graph node or a branch head to an OCI registry, by
+//! the daemon (the admin RPC `Push`; docs/operations.md "Push and pull").
+//!
+//! Credentials: `--username` with `--password-stdin`, or `--registry-token`,
+//! else the caller's docker `config.json` (`$DOCKER_CONFIG/config.json`, else
+//! `~/.docker/config.json`: `auths`, `credHelpers`, `credsStore`) for the
+//! reference's registry, sent with the request; with none of them the daemon
+//! uses its own `[registry] docker_config`, else anonymous.
+
+use std::io::Read as _;
+use std::process::ExitCode;
+
+use anyhow::{Context, Result};
+use clap::Args;
+use layerstack_api as api;
+use layerstack_registry::{
+    credentials_from_docker_config, docker_config_path, parse_reference, Credentials,
+};
+use serde_json::json;
+
+use crate::errors::with_kind;
+
+/// `layerstack push`.
+#[derive(Debug, Clone, Args)]
+pub struct PushArgs {
+    /// REGISTRY[:PORT]/REPOSITORY[:TAG] to push to (`:latest` when no tag).
+    pub reference: String,
+    /// STACK[@BRANCH]: push this branch head [default branch: the daemon's].
+    #[arg(long, conflicts_with = "node", required_unless_present = "node")]
+    pub stack: Option<String>,
+    /// Push this graph node (its id is kept: a pull elsewhere makes the same node).
+    #[arg(long, value_name = "ID")]
+    pub node: Option<String>,
+    /// Layer blob compression: gzip or zstd.
+    #[arg(long, default_value = "gzip", value_parser = ["gzip", "zstd"])]
+    pub compression: String,
+    #[command(flatten)]
+    pub auth: AuthArgs,
+    /// Print the result as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Registry credentials of `push` and `pull`.
+#[derive(Debug, Clone, Args)]
+pub struct AuthArgs {
+    /// Registry user name (the password is read from stdin: --password-stdin).
+    #[arg(long, requires = "password_stdin")]
+    pub username: Option<String>,
+    /// Read the registry password from stdin (one line).
+    #[arg(long, requires = "username")]
+    pub password_stdin: bool,
+    /// A registry bearer token (docker's identitytoken) instead of a password.
+    #[arg(long, conflicts_with = "username", value_name = "TOKEN")]
+    pub registry_token: Option<String>,
+}
+
+/// The credentials to send for `reference`: the flags', else the caller's
+/// docker config's entry, else none (the daemon's own, or anonymous).
+pub fn auth_for(a: &AuthArgs, reference: &str) -> Result<Option<api::RegistryAuth>> {
+    if let Some(t) = &a.registry_token {
+        return Ok(Some(api::RegistryAuth {
+            token: t.clone(),
+            ..Default::default()
+        }));
+    }
+    if let Some(u) = &a.username {
+        let mut line = String::new();
+        std::io::stdin()
+            .read_to_string(&mut line)
+            .context("reading the password from stdin")?;
+        return Ok(Some(api::RegistryAuth {
+            username: u.clone(),
+            password: line.trim_end_matches(['\n', '\r']).to_string(),
+            ..Default::default()
+        }));
+    }
+    let r = parse_reference(reference).map_err(|e| with_kind(e.kind(), anyhow::Error::new(e)))?;
+    let Some(path) = docker_config_path() else {
+        return Ok(None);
+    };
+    let creds = credentials_from_docker_config(&path, r.registry())
+        .map_err(|e| with_kind(e.kind(), anyhow::Error::new(e)))?;
+    Ok(match creds {
+        Credentials::Anonymous => None,
+        Credentials::Basic { username, password } => Some(api::RegistryAuth {
+            username,
+            password,
+            ..Default::default()
+        }),
+        Credentials::Bearer(token) => Some(api::RegistryAuth {
+            token,
+            ..Default::default()
+        }),
+    })
+}
+
+/// Runs `layerstack push`.
+pub async fn run(cli: &crate::Cli, a: PushArgs) -> Result<ExitCode> {
+    let auth = auth_for(&a.auth, &a.reference)?;
+    let (stack, branch) = match &a.stack {
+        Some(s) => crate::history::split_branch(s),
+        None => (String::new(), String::new()),
+    };
+    let mut c = crate::connect(&cli.admin_address).await?;
+    let r = c
+        .push(api::PushRequest {
+            node: a.node.clone().unwrap_or_default(),
+            namespace: cli.namespace.clone(),
+            stack,
+            branch,
+            reference: a.reference.clone(),
+            auth,
+            compression: a.compression.clone(),
+        })
+        .await?
+        .into_inner();
+    if a.json {
+        println!(
+            "{}",
+            json!({
+                "reference": r.reference,
+                "manifest_digest": r.manifest_digest,
+                "node": r.node,
+                "stack": r.stack,
+                "layers": r.layers,
+                "blobs_sent": r.blobs_sent,
+                "blobs_present": r.blobs_present,
+                "bytes_sent": r.bytes_sent,
+                "diff_ids": r.diff_ids,
+            })
+        );
+    } else {
+        println!(
+            "pushed {}{} as {}@{}: {} layers, {} blobs sent ({} bytes), {} already there",
+            if r.node.is_empty() { "" } else { "node " },
+            if r.node.is_empty() { &r.stack } else { &r.node },
+            r.reference,
+            r.manifest_digest,
+            r.layers,
+            r.blobs_sent,
+            r.bytes_sent,
+            r.blobs_present
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,358 @@
+//! The admin RPC `Push`: a graph node or a branch head to an OCI registry
+//! (issue 23; docs/architecture.md "Push and pull").
+//!
+//! ```text
+//! export lease (engine begin_export: GC keeps every layer listed)
+//! per layer, oldest first: the layer's blob (engine write_layer_blob: a
+//!   deterministic tar, gzip or zstd) into a staging file, then HEAD in the
+//!   registry: present → not sent; missing → one streamed PUT
+//! config blob (rootfs.diff_ids, history), then the manifest by tag with the
+//!   node's provenance and state in its annotations
+//! ```
+//!
+//! The blobs are the same bytes an `export` of the same layers writes, so a
+//! node pushed after one more layer than an earlier push sends that layer's
+//! blob and the config only. The registry's client lives in
+//! `layerstack_registry`; credentials come with the request, else from the
+//! daemon's `[registry] docker_config`.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use layerstack_api as api;
+use layerstack_engine::store::ExportSource;
+use layerstack_engine::Compression;
+use layerstack_registry::image::{canonical_json, config_layer, image_config};
+use layerstack_registry::{
+    credentials_from_docker_config, parse_reference, BlobPush, Credentials, Reference,
+    RegistryClient, RegistryError, RegistryOptions,
+};
+use serde_json::json;
+use tonic::Status;
+use tracing::info;
+
+use crate::admin::{engine_status, AdminService};
+
+/// Annotation keys of a pushed image's manifest (the node's identity,
+/// provenance and state: everything a pull needs to rebuild the node).
+pub mod annotations {
+    /// The graph node's id.
+    pub const NODE: &str = "io.layerstack.node";
+    /// The node's graph (group) name.
+    pub const GRAPH: &str = "io.layerstack.graph";
+    /// The stack id the image's layers are of.
+    pub const STACK: &str = "io.layerstack.stack";
+    /// The stack's base digest (its base image's top chainID).
+    pub const BASE_DIGEST: &str = "io.layerstack.base-digest";
+    /// How many of the manifest's layers are the base's.
+    pub const BASE_LAYERS: &str = "io.layerstack.base-layers";
+    /// The node's kind (root, checkpoint, merge).
+    pub const KIND: &str = "io.layerstack.node.kind";
+    /// The node's parents, comma-separated, oldest first.
+    pub const PARENTS: &str = "io.layerstack.node.parents";
+    /// The node's logical state (JSON).
+    pub const STATE: &str = "io.layerstack.node.state";
+    /// The command that made it (provenance).
+    pub const COMMAND: &str = "io.layerstack.node.command";
+    /// Its exit status (provenance).
+    pub const EXIT_STATUS: &str = "io.layerstack.node.exit-status";
+    /// Its free-form labels (JSON object).
+    pub const LABELS: &str = "io.layerstack.node.labels";
+    /// When it was made, ns since the epoch.
+    pub const CREATED_NS: &str = "io.layerstack.node.created-ns";
+    /// The branch of a pushed branch head.
+    pub const BRANCH: &str = "io.layerstack.branch";
+}
+
+/// The daemon's registry client and where its own credentials are.
+pub struct Registries {
+    client: RegistryClient,
+    docker_config: Option<PathBuf>,
+}
+
+impl Registries {
+    /// From `[registry]`. Errors: a CA file that cannot be read or parsed.
+    pub fn new(cfg: &layerstack_config::RegistryConfig) -> Result<Self, RegistryError> {
+        Ok(Self {
+            client: RegistryClient::new(RegistryOptions {
+                insecure: cfg.insecure.clone(),
+                ca_files: cfg.ca_files.clone(),
+            })?,
+            docker_config: cfg.docker_config.clone(),
+        })
+    }
+
+    /// The client.
+    pub fn client(&self) -> &RegistryClient {
+        &self.client
+    }
+
+    /// The credentials of a request for `r`: the request's, else the daemon's
+    /// docker config's entry for `r`'s registry, else anonymous.
+    pub fn credentials(
+        &self,
+        auth: Option<&api::RegistryAuth>,
+        r: &Reference,
+    ) -> Result<Credentials, Status> {
+        if let Some(a) = auth {
+            if !a.token.is_empty() {
+                return Ok(Credentials::Bearer(a.token.clone()));
+            }
+            if !a.username.is_empty() {
+                return Ok(Credentials::Basic {
+                    username: a.username.clone(),
+                    password: a.password.clone(),
+                });
+            }
+        }
+        match &self.docker_config {
+            Some(p) => {
+                credentials_from_docker_config(p, r.registry()).map_err(|e| registry_status(&e))
+            }
+            None => Ok(Credentials::Anonymous),
+        }
+    }
+}
+
+/// A registry error as a status of its kind.
+pub(crate) fn registry_status(e: &RegistryError) -> Status {
+    api::status(e.kind(), e.to_string())
+}
+
+/// The registry client of `admin`, or why there is none.
+pub(crate) fn registries(admin: &AdminService) -> Result<Arc<Registries>, Status> {
+    match &admin.registries {
+        Some(Ok(r)) => Ok(r.clone()),
+        Some(Err(why)) => Err(Status::failed_precondition(format!(
+            "this daemon has no registry client: {why}; fix [registry] in its configuration and restart it"
+        ))),
+        None => Err(Status::failed_precondition(
+            "this daemon has no registry client (not configured at its start)",
+        )),
+    }
+}
+
+/// The reference of a push: parsed, with a tag and no digest.
+pub(crate) fn push_reference(s: &str) -> Result<Reference, Status> {
+    let r = parse_reference(s).map_err(|e| registry_status(&e))?;
+    if r.digest().is_some() {
+        return Err(Status::invalid_argument(format!(
+            "reference {s:?} names a digest: a push names a tag (REGISTRY/REPOSITORY:TAG); the answer carries the manifest's digest"
+        )));
+    }
+    Ok(r)
+}
+
+impl AdminService {
+    pub(crate) async fn push(&self, r: api::PushRequest) -> Result<api::PushResponse, Status> {
+        let compression = Compression::parse(&r.compression).ok_or_else(|| {
+            Status::invalid_argument(format!(
+                "compression {:?} is not supported: use gzip or zstd",
+                r.compression
+            ))
+        })?;
+        let reference = push_reference(&r.reference)?;
+        let regs = registries(self)?;
+        let creds = regs.credentials(r.auth.as_ref(), &reference)?;
+        let source = if r.node.is_empty() {
+            let stack = self.stack_of(&r.namespace, &r.stack).await?;
+            let branch = if r.branch.is_empty() {
+                self.engine.default_branch().to_string()
+            } else {
+                r.branch.clone()
+            };
+            ExportSource::Branch { stack, branch }
+        } else {
+            if !r.stack.is_empty() || !r.branch.is_empty() {
+                return Err(Status::invalid_argument(
+                    "name either a node or STACK[@BRANCH], not both",
+                ));
+            }
+            ExportSource::Node(r.node.clone())
+        };
+        let node = if r.node.is_empty() {
+            None
+        } else {
+            Some(self.engine.node(&r.node).await.map_err(engine_status)?)
+        };
+        let engine = self.engine.clone();
+        let holder = format!("push {}", reference.whole());
+        let (export, staging, guard) = tokio::task::spawn_blocking(move || {
+            let export = engine.begin_export(&source, &holder)?;
+            let (dir, guard) = engine.staging_dir("push")?;
+            Ok::<_, layerstack_engine::EngineError>((export, dir, guard))
+        })
+        .await
+        .map_err(|e| Status::internal(format!("push task failed: {e}")))?
+        .map_err(engine_status)?;
+        let export = Arc::new(export);
+        let result = self
+            .push_layers(
+                &regs,
+                &reference,
+                &creds,
+                &export,
+                &staging,
+                compression,
+                node.as_ref(),
+            )
+            .await;
+        // The lease and the staging directory go whatever happened.
+        tokio::task::spawn_blocking(move || {
+            let _ = std::fs::remove_dir_all(&staging);
+            drop(guard);
+            drop(export);
+        });
+        result
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn push_layers(
+        &self,
+        regs: &Registries,
+        reference: &Reference,
+        creds: &Credentials,
+        export: &Arc<layerstack_engine::Export>,
+        staging: &std::path::Path,
+        compression: Compression,
+        node: Option<&layerstack_engine::store::NodeInfo>,
+    ) -> Result<api::PushResponse, Status> {
+        let lease = export.lease().clone();
+        let mut descriptors = Vec::new();
+        let mut diff_ids = Vec::new();
+        let (mut sent, mut present, mut bytes_sent) = (0u32, 0u32, 0u64);
+        for (i, _) in lease.layers.iter().enumerate() {
+            let path = staging.join(format!("layer-{i}"));
+            let (ex, p) = (export.clone(), path.clone());
+            let blob = tokio::task::spawn_blocking(move || {
+                let f = std::fs::File::create(&p)
+                    .map_err(|e| Status::internal(format!("cannot create {}: {e}", p.display())))?;
+                ex.write_layer(i, compression, std::io::BufWriter::new(f))
+                    .map_err(engine_status)
+            })
+            .await
+            .map_err(|e| Status::internal(format!("layer blob task failed: {e}")))??;
+            match regs
+                .client()
+                .push_blob_file(reference, creds, &path, &blob.digest, blob.size)
+                .await
+                .map_err(|e| registry_status(&e))?
+            {
+                BlobPush::Uploaded => {
+                    sent += 1;
+                    bytes_sent += blob.size;
+                }
+                BlobPush::AlreadyPresent => present += 1,
+            }
+            let _ = tokio::fs::remove_file(&path).await;
+            descriptors.push(json!({
+                "mediaType": compression.media_type(),
+                "digest": blob.digest,
+                "size": blob.size,
+            }));
+            diff_ids.push(blob.diff_id);
+        }
+        let layers: Vec<_> = lease
+            .layers
+            .iter()
+            .map(|l| config_layer(l.kind.as_str(), l.id, l.session.unwrap_or(0), l.created_ns))
+            .collect();
+        let cfg = image_config(None, &lease.stack, &layers, diff_ids.clone())
+            .map_err(|e| Status::internal(e.to_string()))?;
+        let cfg_bytes = canonical_json(&cfg).map_err(|e| Status::internal(e.to_string()))?;
+        let cfg_digest = layerstack_registry::sha256_digest(&cfg_bytes);
+        let cfg_path = staging.join("config.json");
+        tokio::fs::write(&cfg_path, &cfg_bytes)
+            .await
+            .map_err(|e| Status::internal(format!("cannot write {}: {e}", cfg_path.display())))?;
+        match regs
+            .client()
+            .push_blob_file(
+                reference,
+                creds,
+                &cfg_path,
+                &cfg_digest,
+                cfg_bytes.len() as u64,
+            )
+            .await
+            .map_err(|e| registry_status(&e))?
+        {
+            BlobPush::Uploaded => {
+                sent += 1;
+                bytes_sent += cfg_bytes.len() as u64;
+            }
+            BlobPush::AlreadyPresent => present += 1,
+        }
+        let mut ann: BTreeMap<&str, String> = BTreeMap::new();
+        ann.insert(annotations::STACK, lease.stack.clone());
+        ann.insert(annotations::BASE_DIGEST, lease.base_digest.clone());
+        ann.insert(annotations::BASE_LAYERS, lease.base_layers.to_string());
+        if let Some(n) = node {
+            ann.insert(annotations::NODE, n.id.clone());
+            ann.insert(annotations::GRAPH, n.group.clone());
+            ann.insert(annotations::KIND, n.kind.as_str().to_string());
+            ann.insert(annotations::PARENTS, n.parents.join(","));
+            ann.insert(annotations::STATE, n.state.clone());
+            ann.insert(annotations::CREATED_NS, n.created_ns.to_string());
+            if let Some(c) = &n.command {
+                ann.insert(annotations::COMMAND, c.clone());
+            }
+            if let Some(x) = n.exit_status {
+                ann.insert(annotations::EXIT_STATUS, x.to_string());
+            }
+            if !n.labels.is_empty() {
+                ann.insert(
+                    annotations::LABELS,
+                    serde_json::to_string(&n.labels).unwrap_or_default(),
+                );
+            }
+        } else {
+            ann.insert(annotations::BRANCH, lease.branch.clone());
+        }
+        let manifest = json!({
+            "schemaVersion": 2,
+            "mediaType": "application/vnd.oci.image.manifest.v1+json",
+            "config": {
+                "mediaType": "application/vnd.oci.image.config.v1+json",
+                "digest": cfg_digest,
+                "size": cfg_bytes.len(),
+            },
+            "layers": descriptors,
+            "annotations": ann,
+        });
+        let body = serde_json::to_vec(&manifest)
+            .map_err(|e| Status::internal(format!("serializing the manifest: {e}")))?;
+        let digest = regs
+            .client()
+            .push_manifest(
+                reference,
+                creds,
+                "application/vnd.oci.image.manifest.v1+json",
+                &body,
+            )
+            .await
+            .map_err(|e| registry_status(&e))?;
+        info!(
+            reference = %reference.whole(),
+            manifest = %digest,
+            node = node.map(|n| n.id.as_str()).unwrap_or(""),
+            layers = lease.layers.len(),
+            blobs_sent = sent,
+            blobs_present = present,
+            bytes_sent,
+            "pushed"
+        );
+        Ok(api::PushResponse {
+            reference: reference.whole(),
+            manifest_digest: digest,
+            node: node.map(|n| n.id.clone()).unwrap_or_default(),
+            stack: lease.stack.clone(),
+            layers: lease.layers.len() as u32,
+            blobs_sent: sent,
+            blobs_present: present,
+            bytes_sent,
+            diff_ids,
+        })
+    }
+}
