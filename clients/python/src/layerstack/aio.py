@@ -70,7 +70,7 @@ from layerstack.fabric import (
     SampleKey,
     end_request,
 )
-from layerstack.types import Graph, Node, Session, Status
+from layerstack.types import Graph, Node, PushResult, Session, Status, registry_auth
 
 __all__ = ["AsyncClient", "AsyncSandbox", "AsyncFiles", "AsyncRollout", "connect"]
 
@@ -192,6 +192,33 @@ class AsyncClient:
         return Session.from_pb(await self._call(self._stub.Wait, req, None))
 
     # ----------------------------------------------------- rollout fabric
+
+    async def push(
+        self,
+        reference: str,
+        *,
+        node: Optional[str] = None,
+        stack: Optional[str] = None,
+        branch: str = "",
+        username: Optional[str] = None,
+        password: Optional[str] = None,
+        token: Optional[str] = None,
+        compression: str = "gzip",
+        timeout_s: Optional[float] = None,
+    ) -> PushResult:
+        """As :meth:`layerstack.Client.push`."""
+        if (node is None) == (stack is None):
+            raise ValueError("give exactly one of node= and stack=")
+        req = pb.PushRequest(
+            node=node or "",
+            namespace=self.namespace,
+            stack=stack or "",
+            branch=branch,
+            reference=reference,
+            auth=registry_auth(username, password, token),
+            compression=compression,
+        )
+        return PushResult.from_pb(await self._call(self._stub.Push, req, timeout_s))
 
     async def create_run(self, name: str, graph: str, *, labels: Optional[Mapping[str, str]] = None) -> Run:
         """Run ``name`` over graph ``graph`` (the same again: the run as it is).

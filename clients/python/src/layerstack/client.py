@@ -62,9 +62,11 @@ from layerstack.types import (
     Node,
     PathVerdict,
     PromoteResult,
+    PushResult,
     RunResult,
     Session,
     Status,
+    registry_auth,
 )
 
 __all__ = ["Client", "connect", "DEFAULT_ADMIN_ADDRESS", "State"]
@@ -878,6 +880,46 @@ class Client:
         return FsckReport.from_pb(
             self._call(self._stub.Fsck, pb.FsckRequest(repair=repair, content=content), None)
         )
+
+    def push(
+        self,
+        reference: str,
+        *,
+        node: Optional[str] = None,
+        stack: Optional[str] = None,
+        branch: str = "",
+        username: Optional[str] = None,
+        password: Optional[str] = None,
+        token: Optional[str] = None,
+        compression: str = "gzip",
+        timeout_s: Optional[float] = None,
+    ) -> PushResult:
+        """Pushes graph node ``node`` (its id is kept in the image's
+        annotations) or branch ``branch`` of ``stack`` to the OCI registry at
+        ``reference`` (``REGISTRY[:PORT]/REPOSITORY[:TAG]``), by the daemon:
+        only the blobs the registry lacks are sent (``PushResult.blobs_sent``).
+        Credentials: ``username`` + ``password``, or ``token`` (a bearer
+        token); none: the daemon's ``[registry] docker_config``, else
+        anonymous. The registry must speak TLS unless the daemon's
+        ``[registry] insecure`` names it.
+
+        Raises: NotFoundError (node, stack, branch), InvalidArgumentError (a
+        bad reference, named), PermissionDeniedError / UnauthenticatedError
+        (the registry refused the credentials), UnavailableError (it cannot be
+        reached), FailedPreconditionError (TLS, or plain HTTP to a registry not
+        named insecure); ValueError (both or neither of node and stack)."""
+        if (node is None) == (stack is None):
+            raise ValueError("give exactly one of node= and stack=")
+        req = pb.PushRequest(
+            node=node or "",
+            namespace=self.namespace,
+            stack=stack or "",
+            branch=branch,
+            reference=reference,
+            auth=registry_auth(username, password, token),
+            compression=compression,
+        )
+        return PushResult.from_pb(self._call(self._stub.Push, req, timeout_s))
 
     def prune(self, node: str, *, key: Optional[str] = None) -> List[str]:
         """Prunes ``node``'s subtree (collectable unless leased, a branch or a live

@@ -33,6 +33,7 @@ __all__ = [
     "PromoteResult",
     "FsckProblem",
     "FsckReport",
+    "PushResult",
 ]
 
 
@@ -552,3 +553,53 @@ class FsckReport:
             problems=tuple(FsckProblem(p.kind, p.subject, p.detail, p.repaired) for p in r.problems),
             unrepaired=r.unrepaired,
         )
+
+
+@dataclass(frozen=True)
+class PushResult:
+    """What :meth:`layerstack.Client.push` sent: the ``reference`` pushed and
+    the ``manifest_digest`` (pull ``REGISTRY/REPO@DIGEST`` for exactly this
+    image); the ``node`` ("" for a branch head) and its ``stack``; the image's
+    ``layers`` (the base's, then the stack's) and how many of their blobs (and
+    the config) were sent (``blobs_sent``, ``bytes_sent`` bytes) or were in
+    the registry already (``blobs_present``); ``diff_ids`` oldest first."""
+
+    reference: str
+    manifest_digest: str
+    node: str
+    stack: str
+    layers: int
+    blobs_sent: int
+    blobs_present: int
+    bytes_sent: int
+    diff_ids: Tuple[str, ...]
+
+    @classmethod
+    def from_pb(cls, r: pb.PushResponse) -> "PushResult":
+        return cls(
+            reference=r.reference,
+            manifest_digest=r.manifest_digest,
+            node=r.node,
+            stack=r.stack,
+            layers=r.layers,
+            blobs_sent=r.blobs_sent,
+            blobs_present=r.blobs_present,
+            bytes_sent=r.bytes_sent,
+            diff_ids=tuple(r.diff_ids),
+        )
+
+
+def registry_auth(username: Optional[str], password: Optional[str], token: Optional[str]) -> Optional[pb.RegistryAuth]:
+    """The ``RegistryAuth`` of a push or pull (``None``: the daemon's own
+    credentials for the registry, else anonymous)."""
+    if token is not None and username is not None:
+        raise ValueError("give username= and password=, or token=, not both")
+    if token is not None:
+        return pb.RegistryAuth(token=token)
+    if username is not None:
+        if password is None:
+            raise ValueError("username= needs password=")
+        return pb.RegistryAuth(username=username, password=password)
+    if password is not None:
+        raise ValueError("password= needs username=")
+    return None

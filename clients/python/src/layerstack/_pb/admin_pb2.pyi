@@ -18,6 +18,56 @@ DISCARD: EndAction
 AUTO: EndAction
 CHECKPOINT: EndAction
 
+class RegistryAuth(_message.Message):
+    __slots__ = ("username", "password", "token")
+    USERNAME_FIELD_NUMBER: _ClassVar[int]
+    PASSWORD_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    username: str
+    password: str
+    token: str
+    def __init__(self, username: _Optional[str] = ..., password: _Optional[str] = ..., token: _Optional[str] = ...) -> None: ...
+
+class PushRequest(_message.Message):
+    __slots__ = ("node", "namespace", "stack", "branch", "reference", "auth", "compression")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    NAMESPACE_FIELD_NUMBER: _ClassVar[int]
+    STACK_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_FIELD_NUMBER: _ClassVar[int]
+    REFERENCE_FIELD_NUMBER: _ClassVar[int]
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    COMPRESSION_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    namespace: str
+    stack: str
+    branch: str
+    reference: str
+    auth: RegistryAuth
+    compression: str
+    def __init__(self, node: _Optional[str] = ..., namespace: _Optional[str] = ..., stack: _Optional[str] = ..., branch: _Optional[str] = ..., reference: _Optional[str] = ..., auth: _Optional[_Union[RegistryAuth, _Mapping]] = ..., compression: _Optional[str] = ...) -> None: ...
+
+class PushResponse(_message.Message):
+    __slots__ = ("reference", "manifest_digest", "node", "stack", "layers", "blobs_sent", "blobs_present", "bytes_sent", "diff_ids")
+    REFERENCE_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    STACK_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    BLOBS_SENT_FIELD_NUMBER: _ClassVar[int]
+    BLOBS_PRESENT_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    DIFF_IDS_FIELD_NUMBER: _ClassVar[int]
+    reference: str
+    manifest_digest: str
+    node: str
+    stack: str
+    layers: int
+    blobs_sent: int
+    blobs_present: int
+    bytes_sent: int
+    diff_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, reference: _Optional[str] = ..., manifest_digest: _Optional[str] = ..., node: _Optional[str] = ..., stack: _Optional[str] = ..., layers: _Optional[int] = ..., blobs_sent: _Optional[int] = ..., blobs_present: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., diff_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class FsckRequest(_message.Message):
     __slots__ = ("repair", "content")
     REPAIR_FIELD_NUMBER: _ClassVar[int]

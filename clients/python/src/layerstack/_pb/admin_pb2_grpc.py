@@ -329,6 +329,11 @@ class AdminStub:
                 request_serializer=layerstack_dot___pb_dot_admin__pb2.FsckRequest.SerializeToString,
                 response_deserializer=layerstack_dot___pb_dot_admin__pb2.FsckReport.FromString,
                 _registered_method=True)
+        self.Push = channel.unary_unary(
+                '/layerstack.admin.v1.Admin/Push',
+                request_serializer=layerstack_dot___pb_dot_admin__pb2.PushRequest.SerializeToString,
+                response_deserializer=layerstack_dot___pb_dot_admin__pb2.PushResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -855,6 +860,20 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Push(self, request, context):
+        """Push a graph node or a branch head to an OCI registry as an image: the
+        base's layers and one blob per layer, content-addressed, only the blobs
+        the registry lacks sent; the node's provenance and logical state in the
+        manifest's annotations (docs/architecture.md "Push and pull"). TLS
+        unless the registry is named in `[registry] insecure`.
+        PERMISSION_DENIED / UNAUTHENTICATED: the registry refused the
+        credentials; UNAVAILABLE: it cannot be reached; NOT_FOUND: no such node,
+        stack or branch; INVALID_ARGUMENT: a bad reference (named).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -1152,6 +1171,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Fsck,
                     request_deserializer=layerstack_dot___pb_dot_admin__pb2.FsckRequest.FromString,
                     response_serializer=layerstack_dot___pb_dot_admin__pb2.FsckReport.SerializeToString,
+            ),
+            'Push': grpc.unary_unary_rpc_method_handler(
+                    servicer.Push,
+                    request_deserializer=layerstack_dot___pb_dot_admin__pb2.PushRequest.FromString,
+                    response_serializer=layerstack_dot___pb_dot_admin__pb2.PushResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -2747,6 +2771,33 @@ class Admin:
             '/layerstack.admin.v1.Admin/Fsck',
             layerstack_dot___pb_dot_admin__pb2.FsckRequest.SerializeToString,
             layerstack_dot___pb_dot_admin__pb2.FsckReport.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Push(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/layerstack.admin.v1.Admin/Push',
+            layerstack_dot___pb_dot_admin__pb2.PushRequest.SerializeToString,
+            layerstack_dot___pb_dot_admin__pb2.PushResponse.FromString,
             options,
             channel_credentials,
             insecure,
