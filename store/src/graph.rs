@@ -351,10 +351,37 @@ pub(crate) fn get_group(conn: &Connection, name: &str) -> Result<GroupInfo, Stor
     })
 }
 
-/// The next node id: `n<k>` (nodes are never deleted, so ids never repeat).
+/// A new node id: `n` + 16 lowercase hex digits, 64 bits from the kernel's
+/// random source (`getrandom(2)`), unique across stores — a node pushed to a
+/// registry and pulled into another daemon's store keeps its id, so two stores
+/// must never mint the same one (the `n<count+1>` of format ≤ 11 did, and could
+/// repeat within one store after a stack removal). Ids made before (`n1`,
+/// `n2`, …) stay valid: an id is an opaque key, never parsed. An id already
+/// taken is drawn again (at 2^32 nodes the chance of one clash is ~1/2^33).
 fn next_node_id(tx: &Transaction<'_>) -> Result<String, StoreError> {
-    let n: i64 = tx.one("SELECT count(*) FROM graph_nodes", [], |r| r.get(0))?;
-    Ok(format!("n{}", n + 1))
+    loop {
+        let id = random_node_id()?;
+        let taken: Option<i64> = tx
+            .one("SELECT 1 FROM graph_nodes WHERE id = ?1", [&id], |r| {
+                r.get(0)
+            })
+            .optional()?;
+        if taken.is_none() {
+            return Ok(id);
+        }
+    }
+}
+
+/// `n` + 16 lowercase hex digits of fresh randomness (see [`next_node_id`]).
+pub(crate) fn random_node_id() -> Result<String, StoreError> {
+    let mut b = [0u8; 8];
+    getrandom::getrandom(&mut b).map_err(|e| {
+        StoreError::io(
+            std::path::Path::new("getrandom(2)"),
+            std::io::Error::other(format!("cannot draw a random node id: {e}")),
+        )
+    })?;
+    Ok(format!("n{:016x}", u64::from_be_bytes(b)))
 }
 
 /// Records the answer `response` of operation `op` under client key `key`,

@@ -2751,3 +2751,53 @@ fn idempotency_keys_are_checked_against_their_arguments() {
         .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
 }
+
+/// Node ids are `n` + 16 random hex digits, so two stores never mint the same
+/// one (a pulled node keeps its id); an id of the old shape (`n1`) stays valid.
+#[test]
+fn node_ids_are_random_unique_across_stores_and_old_ids_stay_valid() {
+    let shape = |id: &str| {
+        id.len() == 17
+            && id.starts_with('n')
+            && id[1..]
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b))
+    };
+    let mut seen = BTreeSet::new();
+    let (d1, d2) = (tmp(), tmp());
+    let mut stores = Vec::new();
+    for d in [&d1, &d2] {
+        let s = open(d.path());
+        let top = unpack(&s, "default");
+        s.prepare("default/5/m", &top, BTreeMap::new(), false)
+            .unwrap();
+        let stack = s.find_session("default", "m").unwrap().unwrap().stack;
+        for g in 0..20 {
+            let (_, root) = s
+                .create_group(&format!("g{g}"), &stack, "main", None)
+                .unwrap();
+            assert!(shape(&root.id), "{}", root.id);
+            assert!(seen.insert(root.id.clone()), "{} minted twice", root.id);
+        }
+        stores.push((s, stack));
+    }
+    // A store of format 11 holds ids `n1`, `n2`…: read, activated and
+    // listed as before, next to new ones.
+    let (s, stack) = &stores[0];
+    let mine = s.groups().unwrap()[0].root.clone();
+    s.db.write(|tx| {
+        tx.execute("UPDATE graph_nodes SET id = 'n1' WHERE id = ?1", [&mine])?;
+        tx.execute(
+            "UPDATE graph_groups SET root = 'n1' WHERE root = ?1",
+            [&mine],
+        )?;
+        Ok(())
+    })
+    .unwrap();
+    let old = s.node("n1").unwrap();
+    let owner = Owner::Sandbox { name: "old".into() };
+    let (a, _, _, _) = s.start_attempt(&old.id, &owner, None).unwrap();
+    assert_eq!(a.node, "n1");
+    let (_, root) = s.create_group("after", stack, "main", None).unwrap();
+    assert!(shape(&root.id) && root.id != "n1", "{}", root.id);
+}
