@@ -17,6 +17,11 @@
 //! (level 3, one thread) give the same bytes for the same layer every time, so
 //! an export `--since` a layer names the same blobs a full export does.
 //!
+//! [`Export::write_layer`] records what it computed (`Store::record_layer_blob`:
+//! layer, compression, digest, diff ID, size; store format 13), so a later
+//! push names a layer's blob without recompressing it
+//! ([`Export::recorded_blob`]) and a pull finds a layer it holds by diff ID.
+//!
 //! Both run on a blocking thread (they read directories and, on drop, write one
 //! row): the daemon runs an export inside `spawn_blocking`.
 
@@ -57,6 +62,14 @@ impl Compression {
             "" | "gzip" => Some(Self::Gzip),
             "zstd" => Some(Self::Zstd),
             _ => None,
+        }
+    }
+
+    /// The store's name of this compression (`layer_blobs.compression`).
+    pub fn stored(self) -> layerstack_store::BlobCompression {
+        match self {
+            Self::Gzip => layerstack_store::BlobCompression::Gzip,
+            Self::Zstd => layerstack_store::BlobCompression::Zstd,
         }
     }
 
@@ -190,7 +203,46 @@ impl Export {
                 self.lease.layers.len()
             ))
         })?;
-        write_layer_blob(&l.path, compression, &self.options, out)
+        let blob = write_layer_blob(&l.path, compression, &self.options, out)?;
+        // Remembered for the next push or export of this layer (its digest
+        // without recompressing it; a pull's reuse by diff ID). Losing the
+        // record costs a recompression later, never the export: warn only.
+        let record = layerstack_store::LayerBlob {
+            layer: l.id,
+            compression: compression.stored(),
+            digest: blob.digest.clone(),
+            diff_id: blob.diff_id.clone(),
+            size: blob.size,
+        };
+        if let Err(e) = self.store.record_layer_blob(&record) {
+            warn!(
+                layer.id = l.id,
+                error = %crate::error_chain(&e),
+                "cannot record the blob a layer was written as; the next export computes it again"
+            );
+        }
+        Ok(blob)
+    }
+
+    /// The blob layer `index` (of [`ExportLease::layers`]) was written as in
+    /// `compression` by an earlier export or push, if recorded: its digest,
+    /// diff ID and size without reading the layer (a push asks the registry
+    /// whether it has that digest before compressing anything).
+    ///
+    /// # Errors
+    /// `InvalidArgument` for an index out of range; `Store` on a database error.
+    pub fn recorded_blob(
+        &self,
+        index: usize,
+        compression: Compression,
+    ) -> Result<Option<layerstack_store::LayerBlob>, EngineError> {
+        let l = self.lease.layers.get(index).ok_or_else(|| {
+            EngineError::InvalidArgument(format!(
+                "layer index {index} out of range ({} layers)",
+                self.lease.layers.len()
+            ))
+        })?;
+        Ok(self.store.layer_blob(l.id, compression.stored())?)
     }
 }
 

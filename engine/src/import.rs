@@ -287,9 +287,30 @@ mod tests {
         let kinds: Vec<LayerKind> = x.lease().layers.iter().map(|l| l.kind).collect();
         assert_eq!(kinds, [LayerKind::Base, LayerKind::Published]);
         assert_eq!(x.lease().namespace, None);
+        assert_eq!(x.recorded_blob(0, Compression::Gzip).unwrap(), None);
         let base = x.write_layer(0, Compression::Gzip, Vec::new()).unwrap();
         assert_eq!(base.diff_id, a.digest);
-        x.write_layer(1, Compression::Zstd, Vec::new()).unwrap();
+        let top = x.write_layer(1, Compression::Zstd, Vec::new()).unwrap();
+        // What the export computed is recorded (store format 13): the next
+        // push names the blobs without recompressing; a pull finds the layers.
+        for (i, c, b) in [(0, Compression::Gzip, &base), (1, Compression::Zstd, &top)] {
+            let r = x.recorded_blob(i, c).unwrap().unwrap();
+            assert_eq!(
+                (r.layer, &r.digest, &r.diff_id, r.size),
+                (x.lease().layers[i].id, &b.digest, &b.diff_id, b.size)
+            );
+        }
+        assert_eq!(x.recorded_blob(1, Compression::Gzip).unwrap(), None);
+        assert_eq!(
+            store.layer_by_diff_id(&a.digest, Some(&a.stack)).unwrap(),
+            Some(a.layer)
+        );
+        assert_eq!(
+            store
+                .layer_by_diff_id(&top.diff_id, Some(&a.stack))
+                .unwrap(),
+            Some(x.lease().layers[1].id)
+        );
         drop(x);
     }
 

@@ -40,6 +40,7 @@
 //! ```
 
 mod blame;
+mod blobs;
 mod db;
 mod error;
 mod export;
@@ -74,6 +75,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use tracing::{debug, info, warn};
 
 pub use blame::{coalesce, tile, FileBlame, LineOwner, MarkerRecord, OwnerRange, ViewLayer};
+pub use blobs::{BlobCompression, LayerBlob};
 pub use error::{ErrorKind, OpenError, Result, StoreError};
 pub use export::{ExportLayer, ExportLease, ExportSource};
 pub use fsck::{FsckReport, Problem};

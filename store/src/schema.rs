@@ -21,9 +21,32 @@
 /// `''`); 9 added `sessions.ignore_mtime`; 10 added `sessions.daemon_owned`,
 /// `publishes.interrupted_by` and the attempt status `interrupted`; 11 added the
 /// rollout fabric's tables (`rollout_*`, `search_*`, `frontier_leases`); 12
-/// added the session owner kind `wasi`. Formats 4 to 11 are migrated at open
-/// ([`MIGRATIONS`]).
-pub const FORMAT_VERSION: i64 = 12;
+/// added the session owner kind `wasi`; 13 added the OCI blobs a layer was
+/// written as (`layer_blobs`, module `blobs`). Formats 4 to 12 are migrated at
+/// open ([`MIGRATIONS`]).
+pub const FORMAT_VERSION: i64 = 13;
+
+/// The OCI blobs a layer was written as (format 13; module `blobs`), in
+/// [`SCHEMA`] and in the migration from format 12 (`IF NOT EXISTS`: a test
+/// that turns a current store back into an older format keeps it).
+macro_rules! layer_blobs_table {
+    () => {
+        r#"
+-- One row per (layer, compression): digest = sha256 of the blob, diff_id =
+-- sha256 of the uncompressed tar (the same for every compression of a layer),
+-- size = bytes of the blob. Deleted with its layer (ON DELETE CASCADE).
+CREATE TABLE IF NOT EXISTS layer_blobs (
+    layer_id    INTEGER NOT NULL REFERENCES layers(id) ON DELETE CASCADE,
+    compression TEXT NOT NULL CHECK (compression IN ('gzip', 'zstd', 'none')),
+    digest      TEXT NOT NULL,
+    diff_id     TEXT NOT NULL,
+    size        INTEGER NOT NULL CHECK (size >= 0),
+    PRIMARY KEY (layer_id, compression)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS layer_blobs_diff_id ON layer_blobs(diff_id);
+"#
+    };
+}
 
 /// The rollout fabric's tables (format 11; ARCHITECTURE.md §12, docs/fabric.md):
 /// mutable records beside the immutable graph, in [`SCHEMA`] and in the
@@ -234,6 +257,7 @@ pub(crate) const MIGRATIONS: &[(i64, &str, &str)] = &[
         ALTER TABLE sessions_v12 RENAME TO sessions;
         CREATE INDEX sessions_owner ON sessions(owner_kind, namespace, owner);",
     ),
+    (12, "layer_blobs", layer_blobs_table!()),
 ];
 
 pub(crate) const SCHEMA: &str = concat!(
@@ -554,5 +578,6 @@ CREATE TABLE session_markers (
     PRIMARY KEY (session_id, lease_id, path, digest)
 ) WITHOUT ROWID;
 "#,
-    rollout_tables!()
+    rollout_tables!(),
+    layer_blobs_table!()
 );

@@ -2801,3 +2801,153 @@ fn node_ids_are_random_unique_across_stores_and_old_ids_stay_valid() {
     let (_, root) = s.create_group("after", stack, "main", None).unwrap();
     assert!(shape(&root.id) && root.id != "n1", "{}", root.id);
 }
+
+fn sha(c: char) -> String {
+    format!("sha256:{}", c.to_string().repeat(64))
+}
+
+/// Layer blob records (format 13): recorded per compression, found by diff
+/// ID for reuse, checked, and deleted with their layer.
+#[test]
+fn layer_blobs_are_recorded_found_by_diff_id_and_go_with_their_layer() {
+    let d = tmp();
+    let s = open(d.path());
+    let top = unpack(&s, "default");
+    let stack = "default/sha256:bbb";
+    let sid = container_session(&s, &top, 5, "c1");
+    let upper = s.session(sid).unwrap().upper;
+    std::fs::write(upper.join("a.txt"), b"hello").unwrap();
+    let p = publish(&s, sid, &[write_entry(b"a.txt", 1)]);
+    let gz = LayerBlob {
+        layer: p.layer,
+        compression: BlobCompression::Gzip,
+        digest: sha('a'),
+        diff_id: sha('d'),
+        size: 123,
+    };
+    assert_eq!(s.layer_blob(p.layer, BlobCompression::Gzip).unwrap(), None);
+    assert_eq!(s.layer_by_diff_id(&sha('d'), None).unwrap(), None);
+    s.record_layer_blob(&gz).unwrap();
+    assert_eq!(
+        s.layer_blob(p.layer, BlobCompression::Gzip).unwrap(),
+        Some(gz.clone())
+    );
+    assert_eq!(s.layer_blob(p.layer, BlobCompression::Zstd).unwrap(), None);
+    assert_eq!(s.layer_by_diff_id(&sha('d'), None).unwrap(), Some(p.layer));
+    assert_eq!(
+        s.layer_by_diff_id(&sha('d'), Some(stack)).unwrap(),
+        Some(p.layer)
+    );
+    assert_eq!(
+        s.layer_by_diff_id(&sha('d'), Some("other/sha256:ccc"))
+            .unwrap(),
+        None,
+        "a layer of another stack is not offered"
+    );
+    assert_eq!(s.layer_by_diff_id(&sha('e'), None).unwrap(), None);
+    // Again, from a newer compressor: the digest and size are replaced.
+    let newer = LayerBlob {
+        digest: sha('b'),
+        size: 120,
+        ..gz.clone()
+    };
+    s.record_layer_blob(&newer).unwrap();
+    let zst = LayerBlob {
+        compression: BlobCompression::Zstd,
+        digest: sha('c'),
+        size: 99,
+        ..gz.clone()
+    };
+    s.record_layer_blob(&zst).unwrap();
+    assert_eq!(s.layer_blobs(p.layer).unwrap(), vec![newer.clone(), zst]);
+    // Refused: another diff ID for the same layer, malformed digests, an
+    // uncompressed blob that is not its tar, a layer that is not there.
+    let e = s
+        .record_layer_blob(&LayerBlob {
+            compression: BlobCompression::Zstd,
+            diff_id: sha('e'),
+            ..gz.clone()
+        })
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::FailedPrecondition, "{e}");
+    assert!(e.to_string().contains(&sha('d')), "{e}");
+    let e = s
+        .record_layer_blob(&LayerBlob {
+            digest: "sha256:xyz".into(),
+            ..gz.clone()
+        })
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+    let e = s
+        .record_layer_blob(&LayerBlob {
+            compression: BlobCompression::None,
+            ..gz.clone()
+        })
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+    let e = s
+        .record_layer_blob(&LayerBlob {
+            layer: 9999,
+            ..gz.clone()
+        })
+        .unwrap_err();
+    assert!(matches!(e, StoreError::LayerNotFound(9999)), "{e}");
+    assert_eq!(s.layer_blobs(p.layer).unwrap().len(), 2, "nothing changed");
+    // A base layer is recorded too, and found for its stack.
+    let base = s.stacks().unwrap()[0].base_layers[0];
+    s.record_layer_blob(&LayerBlob {
+        layer: base,
+        compression: BlobCompression::None,
+        digest: sha('f'),
+        diff_id: sha('f'),
+        size: 10240,
+    })
+    .unwrap();
+    assert_eq!(
+        s.layer_by_diff_id(&sha('f'), Some(stack)).unwrap(),
+        Some(base)
+    );
+    // The stack goes, GC collects its published layer: its rows go with it.
+    s.remove_stack(stack, true).unwrap();
+    let gc = s.gc(&[]).unwrap();
+    assert!(gc.layers.contains(&p.layer), "{gc:?}");
+    assert!(s.layer_blobs(p.layer).unwrap().is_empty());
+    assert_eq!(s.layer_by_diff_id(&sha('d'), None).unwrap(), None);
+}
+
+/// Turns a format 13 store into what format 12 was: no `layer_blobs`.
+const TO_FORMAT_12: &str = "DROP TABLE layer_blobs;
+     UPDATE meta SET value = '12' WHERE key = 'format_version';";
+
+#[test]
+fn a_format_12_store_is_migrated_and_gets_layer_blobs() {
+    let d = tmp();
+    let s = open(d.path());
+    let top = unpack(&s, "default");
+    let sid = container_session(&s, &top, 5, "c1");
+    let p = publish(&s, sid, &[write_entry(b"a.txt", 1)]);
+    drop(s);
+    let db = rusqlite::Connection::open(d.path().join("root/store.db")).unwrap();
+    db.execute_batch(TO_FORMAT_12).unwrap();
+    drop(db);
+    let s = open(d.path());
+    let v: String =
+        s.db.read(|c| {
+            Ok(c.query_row(
+                "SELECT value FROM meta WHERE key = 'format_version'",
+                [],
+                |r| r.get(0),
+            )?)
+        })
+        .unwrap();
+    assert_eq!(v, "13");
+    let b = LayerBlob {
+        layer: p.layer,
+        compression: BlobCompression::Gzip,
+        digest: sha('a'),
+        diff_id: sha('d'),
+        size: 1,
+    };
+    s.record_layer_blob(&b).unwrap();
+    assert_eq!(s.layer_by_diff_id(&sha('d'), None).unwrap(), Some(p.layer));
+}
