@@ -11,6 +11,10 @@
 //!   order: layer *k*'s whiteouts and opaque markers remove what layers < *k*
 //!   made; the result has no whiteouts.
 //!
+//! [`apply_layer_tar`] is the other way to apply a layer: one tar kept in
+//! overlay upper format (whiteouts as 0:0 devices, opaque directories by
+//! xattr), for a layer pulled from a registry into a store.
+//!
 //! The staged tree is written beneath its root only (`stage.rs`): absolute
 //! names, `..`, entries through a symlink an earlier entry planted, hardlinks
 //! to outside, overlayfs-private xattrs and 0:0 character devices (a whiteout
@@ -375,6 +379,99 @@ pub fn extract_tar_into(
     report.kind = ImportKind::Tar;
     report.layers = 1;
     Ok(report)
+}
+
+/// Options of [`apply_layer_tar`].
+#[derive(Debug, Clone, Default)]
+pub struct LayerApplyOptions {
+    /// The store's overlay mounts use `userxattr` (rootless): opaque
+    /// directories are marked `user.overlay.opaque`, else
+    /// `trusted.overlay.opaque` — as [`TarOptions::userxattr`](crate::TarOptions)
+    /// reads them back.
+    pub userxattr: bool,
+    /// Leave the metadata of `dir` itself as the caller set it (a layer tar
+    /// holds no entry for its root; a published layer's root carries the
+    /// metadata of the root below it, which the caller knows). Otherwise the
+    /// root is 0755, 0:0, mtime 0, no xattrs (an imported base's root).
+    pub keep_root: bool,
+    /// `syncfs(2)` the directory before returning (the durable profile).
+    pub sync: bool,
+}
+
+/// What [`apply_layer_tar`] made.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LayerApplied {
+    /// Entries made (`whiteouts`: 0:0 character devices; `opaque`:
+    /// directories marked opaque).
+    pub report: ImportReport,
+    /// `sha256:<hex>` of the uncompressed tar as read, to its very end: the
+    /// layer's diff ID (OCI image-spec `config.md`), for the caller to check
+    /// against the image config's `rootfs.diff_ids`.
+    pub diff_id: String,
+    /// Bytes of the uncompressed tar.
+    pub tar_bytes: u64,
+}
+
+/// Applies ONE layer tar (plain, gzip or zstd, told by its first bytes)
+/// onto the existing empty directory `dir`, keeping it in overlay upper
+/// format — a layer directory as a publish or a checkpoint leaves it, which
+/// a mount can take as a lower layer as it is — instead of flattening it:
+/// `.wh.<name>` becomes the whiteout `<name>` (a 0:0 character device, mode
+/// 0, the entry's owner and mtime), `.wh..wh..opq` the opaque xattr of its
+/// directory (see `stage.rs`, "Overlay mode"). It is the inverse of
+/// [`write_layer_tar`](crate::write_layer_tar): a layer written as a tar and
+/// applied again is the same tree (times in whole seconds; a whiteout's
+/// mode 0), so its tar — and diff ID — is the same. Every entry is checked as
+/// an import's (absolute names, `..`, writes through a symlink, hardlinks to
+/// outside, overlayfs-private xattrs and 0:0 character devices in the tar are
+/// refused, naming the entry); an opaque marker at the root is refused too.
+/// `origin` names the tar in messages (`layer 2/5 (sha256:…) of
+/// registry/repo:tag`).
+///
+/// # Errors
+/// [`ImportError`]; `dir` then holds part of the layer: drop it.
+pub fn apply_layer_tar(
+    dir: &Path,
+    r: impl Read,
+    origin: &str,
+    options: &LayerApplyOptions,
+) -> Result<LayerApplied, ImportError> {
+    let mut stage = stage::Stage::overlay(dir, options.userxattr);
+    stage.keep_root = options.keep_root;
+    let mut r = std::io::BufReader::with_capacity(256 * 1024, r);
+    let c = tarball::sniff(&mut r, origin)?;
+    let mut tar =
+        oci::Hashing::new(
+            tarball::decompressed(r, c).map_err(|e| ImportError::Archive {
+                origin: origin.to_string(),
+                after: None,
+                source: e,
+            })?,
+        );
+    tarball::apply(
+        &mut tar,
+        &mut stage,
+        &tarball::ApplyOptions {
+            origin,
+            refuse_layout: false,
+        },
+    )?;
+    let mut report = stage.finish().map_err(finish_err(dir))?;
+    report.kind = ImportKind::Tar;
+    report.layers = 1;
+    if options.sync {
+        crate::layer::sync(dir).map_err(|e| ImportError::Staging {
+            what: "sync",
+            entry: Vec::new(),
+            staging: dir.to_path_buf(),
+            source: std::io::Error::other(e.to_string()),
+        })?;
+    }
+    Ok(LayerApplied {
+        report,
+        diff_id: tar.digest(),
+        tar_bytes: tar.bytes,
+    })
 }
 
 /// Applies layer tars in order onto `staging` (an existing, empty directory)

@@ -414,14 +414,14 @@ pub(crate) fn import_layout(
 }
 
 /// A reader that hashes (sha256) and counts what passes through it.
-struct Hashing<R> {
+pub(super) struct Hashing<R> {
     inner: R,
     hash: Sha256,
-    bytes: u64,
+    pub(super) bytes: u64,
 }
 
 impl<R: Read> Hashing<R> {
-    fn new(inner: R) -> Self {
+    pub(super) fn new(inner: R) -> Self {
         Self {
             inner,
             hash: Sha256::new(),
@@ -429,7 +429,7 @@ impl<R: Read> Hashing<R> {
         }
     }
 
-    fn digest(&self) -> String {
+    pub(super) fn digest(&self) -> String {
         format!("sha256:{:x}", self.hash.clone().finalize())
     }
 }

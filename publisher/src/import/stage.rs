@@ -22,6 +22,21 @@
 //!   wrote, and the directories above them, are remembered until the next
 //!   layer starts ([`Stage::next_layer`]).
 //!
+//! **Overlay mode** ([`Stage::overlay`], for a layer pulled from a registry:
+//! [`crate::apply_layer_tar`]): one layer tar applied onto an empty directory
+//! and kept in overlay upper format — exactly what the kernel's overlayfs and
+//! the capture write, so the directory can be a lower layer of a mount as it
+//! is — instead of flattened: a whiteout `.wh.<name>` becomes a 0:0 character
+//! device `<name>` (mode 0, as overlayfs makes one; owner and mtime of the
+//! `.wh.` entry), an opaque marker `.wh..wh..opq` the opaque xattr of its
+//! directory (`trusted.overlay.opaque=y`, `user.overlay.opaque=y` with
+//! `userxattr`; set by [`Stage::finish`], so a directory entry after its
+//! marker does not clear it); nothing is pruned (there is nothing below).
+//! A whiteout of a directory this layer made, or a directory entry that
+//! replaces a whiteout, makes that directory opaque (OCI: what the layer itself
+//! writes stays; the layers below are hidden). An opaque marker at the root is
+//! refused: overlayfs reads no opacity of a layer's root.
+//!
 //! Metadata: mode (with setuid, setgid, sticky), numeric owner, xattrs (never
 //! an overlayfs-private one: refused, a base has no whiteouts nor opaque
 //! directories) and mtime in whole seconds. Owner before mode (`chown` clears
@@ -30,7 +45,7 @@
 //! and set last ([`Stage::finish`]); a directory made only because an entry
 //! lies below it gets mtime 0. The root is 0755, owner 0:0, mtime 0, no xattrs.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, BTreeSet, HashSet};
 use std::ffi::OsStr;
 use std::io::{self, Read, Write};
 use std::os::fd::{AsFd, OwnedFd};
@@ -167,6 +182,10 @@ pub(crate) struct Stage {
     pub(crate) keep_root: bool,
     /// The mtime of every directory below the root, set by [`Stage::finish`].
     dir_mtimes: BTreeMap<Vec<u8>, i64>,
+    /// Overlay mode (see the module docs): `Some(userxattr)`.
+    overlay: Option<bool>,
+    /// Overlay mode: the directories to mark opaque in [`Stage::finish`].
+    opaque_dirs: BTreeSet<Vec<u8>>,
     pub(crate) report: ImportReport,
 }
 
@@ -186,8 +205,29 @@ impl Stage {
             track: true,
             keep_root: false,
             dir_mtimes: BTreeMap::new(),
+            overlay: None,
+            opaque_dirs: BTreeSet::new(),
             report: ImportReport::default(),
         }
+    }
+
+    /// A stage that keeps one layer in overlay upper format in the empty
+    /// directory `root` (see the module docs); `userxattr`: opaque
+    /// directories are marked `user.overlay.opaque`, else
+    /// `trusted.overlay.opaque`.
+    pub(crate) fn overlay(root: &Path, userxattr: bool) -> Stage {
+        Stage {
+            track: false,
+            overlay: Some(userxattr),
+            ..Stage::new(root)
+        }
+    }
+
+    /// Whether whiteouts and opaque markers apply here (flattening, which
+    /// remembers the layer's paths, or overlay mode, which keeps them); an
+    /// extraction into a directory refuses them.
+    pub(crate) fn applies_whiteouts(&self) -> bool {
+        self.track || self.overlay.is_some()
     }
 
     /// A stage that does not remember what it wrote: for a directory copy,
@@ -197,12 +237,6 @@ impl Stage {
             track: false,
             ..Stage::new(root)
         }
-    }
-
-    /// Whether the paths of the current layer are remembered (whiteouts and
-    /// opaque markers need them; an extraction into a directory has none).
-    pub(crate) fn tracks(&self) -> bool {
-        self.track
     }
 
     /// The staging root.
@@ -330,15 +364,20 @@ impl Stage {
                 end.push(b'/' + 1);
                 let gone: Vec<Vec<u8>> = self
                     .dir_mtimes
-                    .range(below..end)
+                    .range(below.clone()..end.clone())
                     .map(|(k, _)| k.clone())
                     .collect();
                 for k in gone {
                     self.dir_mtimes.remove(&k);
                 }
+                let gone: Vec<Vec<u8>> = self.opaque_dirs.range(below..end).cloned().collect();
+                for k in gone {
+                    self.opaque_dirs.remove(&k);
+                }
             }
         }
         self.dir_mtimes.remove(rel);
+        self.opaque_dirs.remove(rel);
         Ok(())
     }
 
@@ -405,6 +444,11 @@ impl Stage {
                 )?;
             }
             Existing::Other => {
+                if self.overlay.is_some() && is_whiteout_at(&dir, &name)? {
+                    // OCI: the layer hides what was below and makes a new
+                    // directory there — in overlay format, an opaque one.
+                    self.opaque_dirs.insert(rel.to_vec());
+                }
                 rfs::unlinkat(&dir, os(&name), AtFlags::empty()).map_err(io_err("remove"))?;
                 make_dir(&dir, &name, meta)?;
             }
@@ -496,9 +540,13 @@ impl Stage {
         Ok(())
     }
 
-    /// A whiteout of `rel` (`.wh.<name>` in its parent): what the layers below
-    /// had there goes; what this layer wrote there stays.
-    pub(crate) fn whiteout(&mut self, rel: &[u8]) -> R<()> {
+    /// A whiteout of `rel` (`.wh.<name>` in its parent, whose metadata is
+    /// `meta`): what the layers below had there goes; what this layer wrote
+    /// there stays. In overlay mode, a 0:0 character device at `rel`.
+    pub(crate) fn whiteout(&mut self, rel: &[u8], meta: &Meta) -> R<()> {
+        if self.overlay.is_some() {
+            return self.overlay_whiteout(rel, meta);
+        }
         debug_assert!(self.track, "whiteouts need the paths this layer wrote");
         self.report.whiteouts += 1;
         let Some((dir, name)) = self.parent(rel, false)? else {
@@ -513,9 +561,71 @@ impl Stage {
         }
     }
 
+    /// Overlay mode's whiteout (see the module docs): a 0:0 character device,
+    /// mode 0 (overlayfs' `WHITEOUT_MODE`), owner and mtime of the entry.
+    fn overlay_whiteout(&mut self, rel: &[u8], meta: &Meta) -> R<()> {
+        meta.check()?;
+        self.report.whiteouts += 1;
+        let (dir, name) = self.parent_made(rel)?;
+        match Self::existing(&dir, &name)? {
+            // This layer made the directory: it stays, what is below goes.
+            Existing::Dir => {
+                self.opaque_dirs.insert(rel.to_vec());
+                Ok(())
+            }
+            // A file, link or whiteout of this layer hides what is below already.
+            Existing::Other => Ok(()),
+            Existing::None => {
+                rfs::mknodat(
+                    &dir,
+                    os(&name),
+                    FileType::CharacterDevice,
+                    Mode::empty(),
+                    rfs::makedev(0, 0),
+                )
+                .map_err(io_err("create whiteout"))?;
+                set_at_meta(
+                    &dir,
+                    &name,
+                    &Meta {
+                        mode: 0,
+                        xattrs: Vec::new(),
+                        ..meta.clone()
+                    },
+                    false,
+                )
+            }
+        }
+    }
+
     /// An opaque marker in directory `rel` (empty: the root): what the layers
-    /// below had in it goes.
+    /// below had in it goes. In overlay mode, the directory is marked opaque.
     pub(crate) fn opaque(&mut self, rel: &[u8]) -> R<()> {
+        if self.overlay.is_some() {
+            if rel.is_empty() {
+                return Err(StageError::Refused(
+                    "it marks the layer's root opaque, which overlayfs does not read (an upper's root is merged with what is below whatever its xattrs): the layer cannot be kept in overlay format".into(),
+                ));
+            }
+            self.report.opaque += 1;
+            let (dir, name) = self.parent_made(rel)?;
+            match Self::existing(&dir, &name)? {
+                Existing::Dir => {}
+                Existing::None => {
+                    make_dir(&dir, &name, &implied())?;
+                    self.dir_mtimes.insert(rel.to_vec(), 0);
+                    self.report.implied_dirs += 1;
+                }
+                Existing::Other => {
+                    return Err(StageError::Refused(format!(
+                        "it marks {} opaque, which is not a directory",
+                        show(rel)
+                    )))
+                }
+            }
+            self.opaque_dirs.insert(rel.to_vec());
+            return Ok(());
+        }
         debug_assert!(self.track, "opaque markers need the paths this layer wrote");
         self.report.opaque += 1;
         if !rel.is_empty() {
@@ -566,6 +676,18 @@ impl Stage {
             }
             set_fd_meta(&root, &implied())?;
         }
+        if let Some(userxattr) = self.overlay {
+            let key = crate::view::opaque_name(userxattr);
+            for rel in &self.opaque_dirs {
+                let d = self.open_dir(rel)?;
+                rfs::fsetxattr(&d, key, b"y", XattrFlags::empty()).map_err(|e| {
+                    StageError::Io(
+                        "mark opaque",
+                        io::Error::other(format!("{} ({key}): {e}", show(rel))),
+                    )
+                })?;
+            }
+        }
         for (rel, mtime) in &self.dir_mtimes {
             let (parent, name) = fsx::split_parent(rel);
             let p = match Parent::open(&self.root, parent) {
@@ -584,6 +706,12 @@ impl Stage {
         }
         Ok(self.report)
     }
+}
+
+/// Whether `name` in `dir` is an overlayfs whiteout (a 0:0 character device).
+fn is_whiteout_at(dir: &OwnedFd, name: &[u8]) -> R<bool> {
+    let st = rfs::statat(dir, os(name), AtFlags::SYMLINK_NOFOLLOW).map_err(io_err("stat"))?;
+    Ok(crate::view::is_whiteout(st.st_mode, st.st_rdev))
 }
 
 /// Refuses `user.*` xattrs on what is not a regular file nor a directory:

@@ -167,7 +167,9 @@ pub(crate) fn apply(
                 show(wh)
             )));
         }
-        if !stage.tracks() && (name == OPAQUE_MARKER || name.starts_with(WHITEOUT_PREFIX)) {
+        if !stage.applies_whiteouts()
+            && (name == OPAQUE_MARKER || name.starts_with(WHITEOUT_PREFIX))
+        {
             // An extraction into a directory (UploadTar) has no layer below:
             // an opaque marker would empty its directory, a whiteout remove
             // what was there before the upload.
@@ -190,7 +192,7 @@ pub(crate) fn apply(
                 )));
             }
             let target = super::stage::join(&parent, hidden);
-            stage.whiteout(&target).map_err(staged)?;
+            stage.whiteout(&target, &meta).map_err(staged)?;
         } else {
             match ty {
                 EntryType::Regular | EntryType::Continuous => {

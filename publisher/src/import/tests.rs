@@ -706,3 +706,374 @@ fn oci_layouts_are_checked_and_their_manifest_chosen() {
         "{e}"
     );
 }
+
+// ---- Overlay mode: a layer tar applied back into overlay upper format ----
+
+/// Sets the mtime of `rel` below `base` without following or opening it
+/// (it may be a device).
+fn set_mtime(base: &Path, rel: impl AsRef<Path>, secs: i64) {
+    let t = rustix::fs::Timespec {
+        tv_sec: secs,
+        tv_nsec: 0,
+    };
+    rustix::fs::utimensat(
+        rustix::fs::CWD,
+        base.join(rel),
+        &rustix::fs::Timestamps {
+            last_access: t,
+            last_modification: t,
+        },
+        rustix::fs::AtFlags::SYMLINK_NOFOLLOW,
+    )
+    .unwrap();
+}
+
+/// A layer in overlay upper format as a publish leaves it, over `lower`
+/// (see [`overlay_lower`]): files with xattrs, setuid and an owner, a
+/// directory whose metadata changed, a symlink, a hardlink, a fifo, a device,
+/// a long non-UTF-8 name, a whiteout of a file and one of a directory (owned
+/// 1000:1000 with an mtime of their own), an opaque directory with a new
+/// file, and an opaque directory the layer made where a file was.
+fn overlay_layer(dir: &Path, userxattr: bool) {
+    use crate::testutil::{fifo, mkdir, symlink, whiteout, write, write_bytes};
+    use std::os::unix::ffi::OsStrExt;
+    let opaque = crate::view::opaque_name(userxattr);
+    mkdir(dir, "etc", 0o755);
+    write(dir, "etc/conf", b"key = value\n", 0o640);
+    std::os::unix::fs::chown(dir.join("etc/conf"), Some(1000), Some(1001)).unwrap();
+    xattr::set(dir.join("etc/conf"), "user.note", b"v\x00\xff").unwrap();
+    xattr::set(dir.join("etc/conf"), "trusted.label", b"t").unwrap();
+    write(dir, "bin/tool", b"#!/bin/sh\necho tool\n", 0o755);
+    std::fs::hard_link(dir.join("bin/tool"), dir.join("bin/tool2")).unwrap();
+    symlink(dir, "bin/alias", b"tool");
+    write(dir, "bin/suid", b"#!/bin/sh\n", 0o755);
+    std::fs::set_permissions(
+        dir.join("bin/suid"),
+        std::fs::Permissions::from_mode(0o4755),
+    )
+    .unwrap();
+    fifo(dir, "run/fifo", 0o600);
+    nix::sys::stat::mknod(
+        &dir.join("run/null"),
+        nix::sys::stat::SFlag::S_IFCHR,
+        nix::sys::stat::Mode::from_bits_truncate(0o666),
+        nix::sys::stat::makedev(1, 3),
+    )
+    .unwrap();
+    std::fs::set_permissions(dir.join("run/null"), std::fs::Permissions::from_mode(0o666)).unwrap();
+    let long = [b"run/".as_slice(), &[b'x'; 120], b"-caf\xe9"].concat();
+    write_bytes(dir, &long, b"long", 0o644);
+    // A directory of the lower whose mode and xattrs changed (Meta).
+    mkdir(dir, "m", 0o700);
+    xattr::set(dir.join("m"), "user.dirnote", b"d").unwrap();
+    // Whiteouts of a lower file and a lower directory.
+    whiteout(dir, "gone");
+    std::os::unix::fs::chown(dir.join("gone"), Some(1000), Some(1000)).unwrap();
+    whiteout(dir, "olddir");
+    // An opaque directory over the lower's, with a new file.
+    write(dir, "o/new", b"new\n", 0o644);
+    xattr::set(dir.join("o"), opaque, b"y").unwrap();
+    // A directory made where the lower had a file: opaque (rm f; mkdir f).
+    write(dir, "f/inside", b"in\n", 0o644);
+    xattr::set(dir.join("f"), opaque, b"y").unwrap();
+    // Times in whole seconds, directories last.
+    for (i, rel) in [
+        "etc/conf",
+        "bin/tool",
+        "bin/suid",
+        "bin/alias",
+        "run/fifo",
+        "run/null",
+        "gone",
+        "olddir",
+        "o/new",
+        "f/inside",
+    ]
+    .iter()
+    .enumerate()
+    {
+        set_mtime(dir, rel, 1_600_000_000 + i as i64);
+    }
+    set_mtime(dir, std::ffi::OsStr::from_bytes(&long), 1_650_000_000);
+    for (i, rel) in ["etc", "bin", "run", "m", "o", "f"].iter().enumerate() {
+        set_mtime(dir, rel, 1_700_000_000 + i as i64);
+    }
+}
+
+/// What [`overlay_layer`]'s whiteouts, opaque and changed directories hide.
+fn overlay_lower(dir: &Path) {
+    use crate::testutil::{mkdir, write};
+    write(dir, "gone", b"old\n", 0o644);
+    write(dir, "olddir/x", b"x\n", 0o644);
+    write(dir, "o/old", b"old\n", 0o644);
+    write(dir, "f", b"a file\n", 0o644);
+    mkdir(dir, "m", 0o755);
+    write(dir, "etc/base", b"base\n", 0o644);
+}
+
+/// Every entry below `dir` (not the root) with everything a layer keeps:
+/// type, mode, owner, mtime (whole seconds), device number, every xattr
+/// (overlay-private ones too), content, link target, and which names are
+/// one inode.
+fn listing(dir: &Path) -> Vec<String> {
+    use std::os::unix::ffi::OsStrExt;
+    fn walk(base: &Path, rel: &Path, out: &mut Vec<String>, inodes: &mut Vec<(u64, String)>) {
+        let mut names: Vec<_> = std::fs::read_dir(base.join(rel))
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        names.sort();
+        for n in names {
+            let r = rel.join(&n);
+            let full = base.join(&r);
+            let md = std::fs::symlink_metadata(&full).unwrap();
+            let show = String::from_utf8_lossy(r.as_os_str().as_bytes()).into_owned();
+            let mut x: Vec<(String, Vec<u8>)> = xattr::list(&full)
+                .unwrap()
+                .map(|k| {
+                    let v = xattr::get(&full, &k).unwrap().unwrap_or_default();
+                    (k.to_string_lossy().into_owned(), v)
+                })
+                .collect();
+            x.sort();
+            let ft = md.file_type();
+            let what = if ft.is_dir() {
+                "dir".to_string()
+            } else if ft.is_symlink() {
+                format!(
+                    "symlink {:?}",
+                    std::fs::read_link(&full).unwrap().as_os_str()
+                )
+            } else if ft.is_file() {
+                let link = if md.nlink() > 1 {
+                    match inodes.iter().find(|(i, _)| *i == md.ino()) {
+                        Some((_, first)) => format!(" = {first}"),
+                        None => {
+                            inodes.push((md.ino(), show.clone()));
+                            String::new()
+                        }
+                    }
+                } else {
+                    String::new()
+                };
+                format!(
+                    "file {:x}{link}",
+                    Sha256::digest(std::fs::read(&full).unwrap())
+                )
+            } else {
+                format!("special {:o} rdev {}", md.mode() & libc::S_IFMT, md.rdev())
+            };
+            out.push(format!(
+                "{show}: {what} mode {:o} {}:{} mtime {} xattrs {x:?}",
+                md.mode() & 0o7777,
+                md.uid(),
+                md.gid(),
+                md.mtime()
+            ));
+            if ft.is_dir() {
+                walk(base, &r, out, inodes);
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(dir, Path::new(""), &mut out, &mut Vec::new());
+    out
+}
+
+/// The capture of `layer` over `lower`, as the path index sees it: every
+/// record ([`crate::HeadChange`], with its xattrs digest), the copy-up noise,
+/// what was skipped, and the hardlinks as groups of names.
+fn index_rows(layer: &Path, lower: &Path, userxattr: bool) -> Vec<String> {
+    let view = crate::LayerView::new(vec![lower.to_path_buf()]).with_userxattr(userxattr);
+    let cs = crate::capture_with(
+        layer,
+        &view,
+        &crate::CaptureOptions {
+            userxattr,
+            ..Default::default()
+        },
+    )
+    .unwrap();
+    let mut rows: Vec<String> = cs
+        .entries
+        .keys()
+        .map(|p| format!("{:?}", cs.head_change(p).unwrap()))
+        .collect();
+    rows.extend(
+        cs.unchanged
+            .iter()
+            .map(|(p, c)| format!("unchanged {p:?} {c:?}")),
+    );
+    rows.extend(cs.skipped.iter().map(|s| format!("skipped {s:?}")));
+    let mut groups: std::collections::BTreeMap<u64, Vec<&Vec<u8>>> = Default::default();
+    for (p, ino) in &cs.hardlinks {
+        groups.entry(*ino).or_default().push(p);
+    }
+    let mut groups: Vec<String> = groups.values().map(|g| format!("link {g:?}")).collect();
+    groups.sort();
+    rows.extend(groups);
+    rows
+}
+
+/// A layer written as an OCI layer tar and applied again in overlay mode is
+/// the same layer: the same tree (whiteouts as 0:0 devices with their owner
+/// and mtime, opaque directories by xattr), the same tar and diff ID, and the
+/// same path-index rows over the same lower layer — for both overlay xattr
+/// namespaces, and whatever the compression.
+#[test]
+fn a_layer_tar_applied_in_overlay_mode_is_the_same_layer_again() {
+    if !have_root("a_layer_tar_applied_in_overlay_mode_is_the_same_layer_again") {
+        return;
+    }
+    for userxattr in [false, true] {
+        let t = tmp();
+        let (orig, lower) = (t.path().join("orig"), t.path().join("lower"));
+        std::fs::create_dir(&orig).unwrap();
+        overlay_layer(&orig, userxattr);
+        overlay_lower(&lower);
+        let opts = TarOptions { userxattr };
+        let (tar1, report1) = write_layer_tar(&orig, Vec::new(), &opts).unwrap();
+        assert_eq!((report1.whiteouts, report1.opaque), (2, 2));
+        let diff_id = format!("sha256:{:x}", Sha256::digest(&tar1));
+        let compressed = [
+            ("plain", tar1.clone()),
+            ("gzip", gzip(&tar1)),
+            ("zstd", zstd::encode_all(tar1.as_slice(), 3).unwrap()),
+        ];
+        for (how, blob) in compressed {
+            let ctx = format!("userxattr={userxattr} {how}");
+            let applied = t.path().join(format!("applied-{how}"));
+            std::fs::create_dir(&applied).unwrap();
+            let got = apply_layer_tar(
+                &applied,
+                blob.as_slice(),
+                "layer 1/1 (test)",
+                &LayerApplyOptions {
+                    userxattr,
+                    ..Default::default()
+                },
+            )
+            .unwrap();
+            assert_eq!(got.diff_id, diff_id, "{ctx}: the diff ID of what was read");
+            assert_eq!(got.tar_bytes, tar1.len() as u64, "{ctx}");
+            assert_eq!(
+                (
+                    got.report.whiteouts,
+                    got.report.opaque,
+                    got.report.hardlinks
+                ),
+                (2, 2, 1),
+                "{ctx}"
+            );
+            assert_eq!(listing(&applied), listing(&orig), "{ctx}: the same tree");
+            let (tar2, _) = write_layer_tar(&applied, Vec::new(), &opts).unwrap();
+            assert!(tar2 == tar1, "{ctx}: the same tar, so the same diff ID");
+            assert_eq!(
+                index_rows(&applied, &lower, userxattr),
+                index_rows(&orig, &lower, userxattr),
+                "{ctx}: the same path-index rows"
+            );
+            // And the applied layer reads as a lower layer as the original does.
+            for l in [&orig, &applied] {
+                let view =
+                    crate::LayerView::new(vec![l.clone(), lower.clone()]).with_userxattr(userxattr);
+                assert!(view.lookup(b"gone").unwrap().is_none(), "{ctx}");
+                assert!(view.lookup(b"olddir/x").unwrap().is_none(), "{ctx}");
+                assert!(view.lookup(b"o/old").unwrap().is_none(), "{ctx}");
+                assert!(view.lookup(b"o/new").unwrap().is_some(), "{ctx}");
+                assert!(view.lookup(b"etc/base").unwrap().is_some(), "{ctx}");
+            }
+        }
+        // The other namespace's opaque xattr is data there, never set.
+        let other = crate::view::opaque_name(!userxattr);
+        let applied = t.path().join("applied-plain");
+        assert_eq!(xattr::get(applied.join("o"), other).unwrap(), None);
+    }
+}
+
+/// Overlay mode's own rules: a whiteout of a directory the layer made, or a
+/// directory entry after a whiteout of its name, makes that directory
+/// opaque; a marker before its directory's entry still marks it; an opaque
+/// root and a 0:0 device in the tar are refused; nothing is written outside.
+#[test]
+fn overlay_mode_keeps_whiteouts_and_opacity_and_refuses_what_it_cannot_keep() {
+    if !have_root("overlay_mode_keeps_whiteouts_and_opacity_and_refuses_what_it_cannot_keep") {
+        return;
+    }
+    let apply = |sc: &Scene, tar: &[u8]| {
+        apply_layer_tar(&sc.staging(), tar, "layer x", &LayerApplyOptions::default())
+    };
+    let opaque = |p: &Path| xattr::get(p, "trusted.overlay.opaque").unwrap();
+    let sc = Scene::new();
+    let tar = Layer::default()
+        .dir("a/")
+        .file("a/kept", b"k")
+        .file(".wh.a", b"")
+        .file(".wh.b", b"")
+        .dir("b/")
+        .file("b/in", b"i")
+        .file("c/.wh..wh..opq", b"")
+        .dir("c/")
+        .file(".wh.gone", b"")
+        .done();
+    let got = apply(&sc, &tar).unwrap();
+    let st = sc.staging();
+    assert_eq!(opaque(&st.join("a")).as_deref(), Some(&b"y"[..]), "a");
+    assert_eq!(
+        std::fs::read(st.join("a/kept")).unwrap(),
+        b"k",
+        "what the layer wrote stays"
+    );
+    assert_eq!(opaque(&st.join("b")).as_deref(), Some(&b"y"[..]), "b");
+    assert_eq!(opaque(&st.join("c")).as_deref(), Some(&b"y"[..]), "c");
+    let md = std::fs::symlink_metadata(st.join("gone")).unwrap();
+    assert!(crate::view::is_whiteout(md.mode(), md.rdev()));
+    assert_eq!(
+        (md.mode() & 0o7777, md.uid(), md.mtime()),
+        (0, 0, 1_600_000_000)
+    );
+    assert_eq!(got.report.whiteouts, 3);
+    sc.outside_untouched();
+
+    for (tar, entry, why) in [
+        (
+            Layer::default().file(".wh..wh..opq", b"").done(),
+            ".wh..wh..opq",
+            "root opaque",
+        ),
+        (
+            Layer::default()
+                .push(
+                    {
+                        let mut h = Layer::header(b"dev", EntryType::Char, 0, 0o600);
+                        h.set_device_major(0).unwrap();
+                        h.set_device_minor(0).unwrap();
+                        h
+                    },
+                    &[],
+                )
+                .done(),
+            "dev",
+            "whiteout",
+        ),
+        (Layer::default().file("../x", b"no").done(), "../x", "`..`"),
+        (
+            Layer::default()
+                .link("l", EntryType::Symlink, b"/")
+                .file("l/.wh.etc", b"")
+                .done(),
+            "l/.wh.etc",
+            "symlink",
+        ),
+    ] {
+        let sc = Scene::new();
+        let e = apply(&sc, &tar).unwrap_err();
+        let msg = e.to_string();
+        assert!(
+            msg.contains(&format!("refused entry {entry} of layer x")),
+            "{entry}: {msg}"
+        );
+        assert!(msg.contains(why), "{entry}: {msg}");
+        sc.outside_untouched();
+    }
+}
