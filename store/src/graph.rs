@@ -180,7 +180,7 @@ struct RawNode {
     created_ns: i64,
 }
 
-const NODE_COLS: &str = "id, grp, kind, manifest_id, state, attempt_id, command, labels, exit_status, private_bytes, base_digest, pruned, created_ns";
+pub(crate) const NODE_COLS: &str = "id, grp, kind, manifest_id, state, attempt_id, command, labels, exit_status, private_bytes, base_digest, pruned, created_ns";
 
 fn raw_node(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawNode> {
     Ok(RawNode {
@@ -496,8 +496,21 @@ fn insert_node(
     Ok(id)
 }
 
+/// A graph's name: 1-128 characters without spaces or control characters.
+pub(crate) fn validate_group_name(name: &str) -> Result<(), StoreError> {
+    if name.is_empty()
+        || name.len() > 128
+        || name.contains(|c: char| c.is_whitespace() || c.is_control())
+    {
+        return Err(StoreError::InvalidArgument(format!(
+            "graph name {name:?}: use 1-128 characters without spaces or control characters"
+        )));
+    }
+    Ok(())
+}
+
 /// A node's state must be a small JSON document.
-fn validate_state(state: &str) -> Result<(), StoreError> {
+pub(crate) fn validate_state(state: &str) -> Result<(), StoreError> {
     const MAX: usize = 64 * 1024;
     if state.len() > MAX {
         return Err(StoreError::InvalidArgument(format!(
@@ -521,14 +534,7 @@ impl Store {
         branch: &str,
         key: Option<&str>,
     ) -> Result<(GroupInfo, NodeInfo), StoreError> {
-        if name.is_empty()
-            || name.len() > 128
-            || name.contains(|c: char| c.is_whitespace() || c.is_control())
-        {
-            return Err(StoreError::InvalidArgument(format!(
-                "graph name {name:?}: use 1-128 characters without spaces or control characters"
-            )));
-        }
+        validate_group_name(name)?;
         let args = KeyArgs::new()
             .with("name", name)
             .with("stack", stack)

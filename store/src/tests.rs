@@ -2951,3 +2951,434 @@ fn a_format_12_store_is_migrated_and_gets_layer_blobs() {
     s.record_layer_blob(&b).unwrap();
     assert_eq!(s.layer_by_diff_id(&sha('d'), None).unwrap(), Some(p.layer));
 }
+
+const BASE: &str = "sha256:1111111111111111111111111111111111111111111111111111111111111111";
+
+/// A store whose only stack is an imported base holding `etc/motd`
+/// (the same stack id in every store).
+fn imported(d: &Path) -> (Store, String) {
+    let s = open(d);
+    let (dir, _g) = s.staging_dir("import").unwrap();
+    std::fs::create_dir(dir.join("etc")).unwrap();
+    std::fs::write(dir.join("etc/motd"), b"hi\n").unwrap();
+    let b = s.import_base(&dir, BASE).unwrap();
+    (s, b.stack)
+}
+
+/// Checkpoints a new child of `node` whose layer holds `file`; returns it.
+fn checkpoint_child(s: &Store, node: &str, file: &str, state: &str) -> NodeInfo {
+    let owner = Owner::Sandbox {
+        name: format!("w-{file}"),
+    };
+    let (_, sess, _, _) = s.start_attempt(node, &owner, None).unwrap();
+    std::fs::write(sess.upper.join(file), file.as_bytes()).unwrap();
+    let index = [write_entry(file.as_bytes(), 7)];
+    let paths: Vec<PathRecord> = index
+        .iter()
+        .map(|e| PathRecord {
+            path: e.path.clone(),
+            status: PathStatus::Clean,
+            reason: "new".into(),
+        })
+        .collect();
+    let staged = s.stage_publish(sess.id, &index, &paths).unwrap();
+    let prov = Provenance {
+        command: Some(format!("write {file}")),
+        labels: labels(&[("who", "test")]),
+        exit_status: Some(0),
+        private_bytes: Some(4096),
+    };
+    s.commit_checkpoint(sess.id, staged, state, &prov, None, None, None)
+        .unwrap()
+}
+
+/// `layer`'s directory copied into a fresh staging directory of `to`.
+fn stage_copy(to: &Store, layer_dir: &Path) -> PathBuf {
+    let (dir, _g) = to.staging_dir("pull").unwrap();
+    for e in std::fs::read_dir(layer_dir).unwrap() {
+        let e = e.unwrap();
+        std::fs::copy(e.path(), dir.join(e.file_name())).unwrap();
+    }
+    dir
+}
+
+fn adopt_node_of(n: &NodeInfo, g: &GroupInfo) -> AdoptNode {
+    AdoptNode {
+        id: n.id.clone(),
+        group: AdoptGroup {
+            name: g.name.clone(),
+            branch: g.branch.clone(),
+            root: g.root.clone(),
+        },
+        kind: n.kind,
+        state: n.state.clone(),
+        parents: n.parents.clone(),
+        provenance: Provenance {
+            command: n.command.clone(),
+            labels: n.labels.clone(),
+            exit_status: n.exit_status,
+            private_bytes: n.private_bytes,
+        },
+        created_ns: n.created_ns,
+    }
+}
+
+/// Staged pulls left in staging (the reaper's own entries do not count).
+fn pulls_staged(s: &Store) -> usize {
+    std::fs::read_dir(s.staging_path())
+        .unwrap()
+        .filter(|e| {
+            e.as_ref()
+                .unwrap()
+                .file_name()
+                .to_string_lossy()
+                .starts_with("pull-")
+        })
+        .count()
+}
+
+fn count(s: &Store, sql: &str) -> i64 {
+    s.db.read(|c| Ok(c.query_row(sql, [], |r| r.get(0))?))
+        .unwrap()
+}
+
+/// A node made in one store is adopted by another with its id, provenance,
+/// layers (renamed in from staging), path index and blob records, in one
+/// transaction; adopting it again, or one whose layers are there, copies
+/// nothing; another node under the same id, a graph of the same name with
+/// another root, and bad input are refused with nothing left behind.
+#[test]
+fn a_node_of_another_store_is_adopted_once_with_its_id_and_layers() {
+    let (da, db) = (tmp(), tmp());
+    let (a, stack) = imported(da.path());
+    let (b, stack_b) = imported(db.path());
+    assert_eq!(stack, stack_b, "one content, one stack id in every store");
+    let (ga, root) = a.create_group("task", &stack, "main", None).unwrap();
+    let child = checkpoint_child(&a, &root.id, "x.txt", r#"{"score": 0.5}"#);
+    let grand = checkpoint_child(&a, &child.id, "y.txt", r#"{"score": 0.9}"#);
+    let layer_of = |s: &Store, n: &NodeInfo| -> Vec<LayerId> {
+        let mut v =
+            s.db.read(|c| crate::stacks::manifest_layers(c, n.manifest))
+                .unwrap();
+        v.reverse();
+        v
+    };
+    let a_layers = layer_of(&a, &grand);
+    assert_eq!(a_layers.len(), 2);
+    let diff = |c: char| format!("sha256:{}", c.to_string().repeat(64));
+    // A blob's digest: another sha256 than its diff ID.
+    let blob_digest = |c: char| format!("sha256:{c}{}", "0".repeat(63));
+    let blob = |c: char| BlobRef {
+        compression: BlobCompression::Gzip,
+        digest: blob_digest(c),
+        size: 100,
+    };
+    let pulled = |to: &Store, layer: LayerId, c: char| AdoptLayer {
+        source: LayerSource::Staged {
+            dir: stage_copy(to, &a.layer_path(layer)),
+            index: a.layer_index(layer).unwrap(),
+        },
+        diff_id: diff(c),
+        tar_size: Some(10240),
+        blobs: vec![blob(c)],
+    };
+    let layers_before = count(&b, "SELECT count(*) FROM layers");
+    let manifests_before = count(&b, "SELECT count(*) FROM manifests");
+
+    // The child: one layer, its parent (the origin's root) not here.
+    let got = b
+        .adopt_node(
+            &stack,
+            &[pulled(&b, a_layers[0], 'a')],
+            &adopt_node_of(&child, &ga),
+        )
+        .unwrap();
+    assert!(got.created);
+    assert_eq!(got.node.id, child.id, "the node keeps its id");
+    assert_eq!(
+        (
+            got.node.kind,
+            &got.node.state,
+            &got.node.command,
+            &got.node.labels
+        ),
+        (
+            NodeKind::Checkpoint,
+            &child.state,
+            &child.command,
+            &child.labels
+        )
+    );
+    assert_eq!(
+        (
+            got.node.exit_status,
+            got.node.private_bytes,
+            got.node.created_ns
+        ),
+        (Some(0), Some(4096), child.created_ns)
+    );
+    assert_eq!(got.missing_parents, vec![root.id.clone()]);
+    assert!(got.node.parents.is_empty(), "no edge to a node not here");
+    assert_eq!(got.layers, got.new_layers);
+    let l1 = got.layers[0];
+    assert_eq!(
+        std::fs::read(b.layer_path(l1).join("x.txt")).unwrap(),
+        b"x.txt"
+    );
+    assert_eq!(
+        b.layer_index(l1).unwrap(),
+        a.layer_index(a_layers[0]).unwrap()
+    );
+    assert_eq!(
+        b.layer_blob(l1, BlobCompression::Gzip).unwrap().unwrap(),
+        LayerBlob {
+            layer: l1,
+            compression: BlobCompression::Gzip,
+            digest: blob_digest('a'),
+            diff_id: diff('a'),
+            size: 100
+        }
+    );
+    assert_eq!(
+        b.layer_by_diff_id(&diff('a'), Some(&stack)).unwrap(),
+        Some(l1)
+    );
+    let g = b.node_group(&child.id).unwrap();
+    assert_eq!(
+        (g.name.as_str(), g.root.as_str(), g.stack.as_str()),
+        ("task", root.id.as_str(), stack.as_str())
+    );
+    assert_eq!(pulls_staged(&b), 0, "staging emptied");
+    // It runs: an attempt's lowers are its layer over the base.
+    let owner = Owner::Sandbox { name: "b1".into() };
+    let (_, sess, spec, _) = b.start_attempt(&child.id, &owner, None).unwrap();
+    let MountSpec::Overlay { lowers, .. } = spec else {
+        panic!("{spec:?}")
+    };
+    assert_eq!(lowers[0], b.layer_path(l1));
+    assert_eq!(lowers.len(), 2);
+    b.end_attempt(
+        b.attempt_of_session(sess.id).unwrap().unwrap().id,
+        AttemptStatus::Abandoned,
+        "test",
+    )
+    .unwrap();
+    b.release_session_dropping(sess.id).unwrap();
+    assert_eq!(count(&b, "SELECT count(*) FROM layers"), layers_before + 1);
+
+    // Again (a second pull): nothing written, the staged copy dropped.
+    let again = b
+        .adopt_node(
+            &stack,
+            &[pulled(&b, a_layers[0], 'a')],
+            &adopt_node_of(&child, &ga),
+        )
+        .unwrap();
+    assert!(!again.created);
+    assert_eq!(
+        (again.node.id.as_str(), again.layers.as_slice()),
+        (child.id.as_str(), &[l1][..])
+    );
+    assert_eq!(count(&b, "SELECT count(*) FROM layers"), layers_before + 1);
+    assert_eq!(pulls_staged(&b), 0);
+    // And with the layer found by its diff ID: the same.
+    let found = AdoptLayer {
+        source: LayerSource::Existing(l1),
+        diff_id: diff('a'),
+        tar_size: None,
+        blobs: vec![],
+    };
+    assert!(
+        !b.adopt_node(
+            &stack,
+            std::slice::from_ref(&found),
+            &adopt_node_of(&child, &ga)
+        )
+        .unwrap()
+        .created
+    );
+
+    // The grandchild: its first layer is here (nothing copied), its own is
+    // staged; its parent is here now: an edge.
+    let manifests_mid = count(&b, "SELECT count(*) FROM manifests");
+    let got2 = b
+        .adopt_node(
+            &stack,
+            &[found.clone(), pulled(&b, a_layers[1], 'b')],
+            &adopt_node_of(&grand, &ga),
+        )
+        .unwrap();
+    assert!(got2.created);
+    assert_eq!(got2.node.parents, vec![child.id.clone()]);
+    assert_eq!(got2.layers[0], l1);
+    assert_eq!(got2.new_layers.len(), 1);
+    assert_eq!(
+        count(&b, "SELECT count(*) FROM manifests"),
+        manifests_mid + 1,
+        "the chain reuses the child's manifest"
+    );
+    assert_eq!(manifests_mid, manifests_before + 1);
+    // A node whose layers are all here (a sibling in another graph): no
+    // layer, no manifest is added.
+    let mut sibling = adopt_node_of(&child, &ga);
+    sibling.id = "n00000000000000aa".into();
+    sibling.group.name = "elsewhere".into();
+    let layers_now = count(&b, "SELECT count(*) FROM layers");
+    let manifests_now = count(&b, "SELECT count(*) FROM manifests");
+    let s2 = b
+        .adopt_node(&stack, std::slice::from_ref(&found), &sibling)
+        .unwrap();
+    assert!(s2.created && s2.new_layers.is_empty());
+    assert_eq!(s2.node.manifest, got.node.manifest);
+    assert_eq!(count(&b, "SELECT count(*) FROM layers"), layers_now);
+    assert_eq!(count(&b, "SELECT count(*) FROM manifests"), manifests_now);
+
+    // Refused, nothing left: the child's id with another layer…
+    let e = b
+        .adopt_node(
+            &stack,
+            &[pulled(&b, a_layers[1], 'c')],
+            &adopt_node_of(&child, &ga),
+        )
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::AlreadyExists, "{e}");
+    assert!(
+        e.to_string().contains(&child.id) && e.to_string().contains(&diff('c')),
+        "{e}"
+    );
+    // …or another state…
+    let mut other = adopt_node_of(&child, &ga);
+    other.state = r#"{"score": 0.1}"#.into();
+    let e = b
+        .adopt_node(&stack, std::slice::from_ref(&found), &other)
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::AlreadyExists, "{e}");
+    // …a graph of the same name with another root…
+    let mut foreign = adopt_node_of(&child, &ga);
+    foreign.id = "n00000000000000bb".into();
+    foreign.group.root = "n0000000000000000".into();
+    let e = b
+        .adopt_node(&stack, &[pulled(&b, a_layers[0], 'a')], &foreign)
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::FailedPrecondition, "{e}");
+    assert!(e.to_string().contains("another name"), "{e}");
+    // …a stack that is not here, a directory outside staging, a bad digest,
+    // a base layer as a manifest layer.
+    let e = b
+        .adopt_node("import:sha256:nope", std::slice::from_ref(&found), &foreign)
+        .unwrap_err();
+    assert!(matches!(e, StoreError::StackNotFound(_)), "{e}");
+    let outside = db.path().join("outside");
+    std::fs::create_dir(&outside).unwrap();
+    let bad = AdoptLayer {
+        source: LayerSource::Staged {
+            dir: outside.clone(),
+            index: vec![],
+        },
+        diff_id: diff('a'),
+        tar_size: Some(10240),
+        blobs: vec![],
+    };
+    foreign.group.root = root.id.clone();
+    let e = b.adopt_node(&stack, &[bad], &foreign).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+    assert!(
+        outside.exists(),
+        "a directory outside staging is never removed"
+    );
+    let base = b.stacks().unwrap()[0].base_layers[0];
+    let e = b
+        .adopt_node(
+            &stack,
+            &[AdoptLayer {
+                source: LayerSource::Existing(base),
+                diff_id: diff('e'),
+                tar_size: None,
+                blobs: vec![],
+            }],
+            &foreign,
+        )
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+    // A failure after the rename (a blob digest that is none): rolled back,
+    // the directory moved back and dropped, no row.
+    let mut late = pulled(&b, a_layers[0], 'd');
+    late.blobs[0].digest = "sha256:short".into();
+    let e = b.adopt_node(&stack, &[late], &foreign).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+    assert_eq!(count(&b, "SELECT count(*) FROM layers"), layers_now);
+    assert_eq!(pulls_staged(&b), 0);
+    let dirs = std::fs::read_dir(b.root().join("l")).unwrap().count() as i64;
+    assert_eq!(dirs, layers_now, "no layer directory without a row");
+    assert!(b.node(&foreign.id).is_err());
+    let f = b.fsck(false).unwrap();
+    assert!(f.problems.is_empty(), "{:?}", f.problems);
+
+    // Pruned, the adopted layers are collected with their blob rows.
+    b.prune_node(&s2.node.id, None).unwrap();
+    b.prune_node(&child.id, None).unwrap();
+    let gc = b.gc(&[]).unwrap();
+    assert!(
+        gc.layers.contains(&l1) && gc.layers.contains(&got2.new_layers[0]),
+        "{gc:?}"
+    );
+    assert!(b.layer_blobs(l1).unwrap().is_empty());
+}
+
+/// Concurrent pulls of one node, from threads and from a second store
+/// instance on the same root: one adopts it, the others find it and drop
+/// their staged copies.
+#[test]
+fn concurrent_adoptions_of_one_node_make_one_node() {
+    let (da, db) = (tmp(), tmp());
+    let (a, stack) = imported(da.path());
+    let (b, _) = imported(db.path());
+    let (ga, root) = a.create_group("task", &stack, "main", None).unwrap();
+    let child = checkpoint_child(&a, &root.id, "x.txt", "{}");
+    let layer =
+        a.db.read(|c| crate::stacks::manifest_layers(c, child.manifest))
+            .unwrap()[0];
+    let layers_before = count(&b, "SELECT count(*) FROM layers");
+    let b = std::sync::Arc::new(b);
+    let other = std::sync::Arc::new(
+        Store::open(
+            &db.path().join("root"),
+            &StoreOptions {
+                startup_sweep: false,
+                ..Default::default()
+            },
+        )
+        .unwrap(),
+    );
+    let n = 6;
+    let go = std::sync::Arc::new(std::sync::Barrier::new(n));
+    let node = adopt_node_of(&child, &ga);
+    let threads: Vec<_> = (0..n)
+        .map(|i| {
+            let s = if i % 2 == 0 { b.clone() } else { other.clone() };
+            let l = AdoptLayer {
+                source: LayerSource::Staged {
+                    dir: stage_copy(&s, &a.layer_path(layer)),
+                    index: a.layer_index(layer).unwrap(),
+                },
+                diff_id: format!("sha256:{}", "a".repeat(64)),
+                tar_size: Some(10240),
+                blobs: vec![],
+            };
+            let (go, node, stack) = (go.clone(), node.clone(), stack.clone());
+            std::thread::spawn(move || {
+                go.wait();
+                s.adopt_node(&stack, &[l], &node).unwrap()
+            })
+        })
+        .collect();
+    let got: Vec<Adopted> = threads.into_iter().map(|t| t.join().unwrap()).collect();
+    assert_eq!(got.iter().filter(|a| a.created).count(), 1);
+    assert!(got
+        .iter()
+        .all(|a| a.layers == got[0].layers && a.node.id == child.id));
+    assert_eq!(count(&b, "SELECT count(*) FROM layers"), layers_before + 1);
+    assert_eq!(pulls_staged(&b), 0);
+    let r = b.sweep_with(SweepMode::Cleanup).unwrap();
+    assert!(r.removed.is_empty() && r.missing.is_empty(), "{r:?}");
+}

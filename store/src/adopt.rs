@@ -1,0 +1,515 @@
+//! Adopting a node made by another store (a pull from an OCI registry, issue
+//! 23): its layers, its manifest and the node itself, with the node's own id,
+//! in ONE write transaction ([`Store::adopt_node`]).
+//!
+//! The engine stages every layer the store does not hold yet — the layer tar
+//! applied in overlay format under `staging/`, its path index captured over
+//! the layers below it — and finds the others by diff ID
+//! ([`Store::layer_by_diff_id`]). Then, under one write transaction:
+//!
+//! | step | what |
+//! |---|---|
+//! | node there? | a node with this id: the same stack, the same layers (by diff ID, or the very layer rows) and the same state → nothing is written, `created: false` (a second pull, or two at once); anything else → `AlreadyExists`, naming the difference |
+//! | layers | each staged layer: a row (kind `published`, no session), its path index, its blob records (the blobs it came as, and its tar as the `none` blob: its diff ID); its directory renamed from `staging/` into `l/<n>` (held in flight until the commit, as an import's and a squash's) — the only filesystem steps inside the transaction |
+//! | manifest | the chain from the stack's empty root manifest up, reusing a manifest that already prepends the same layer on the same parent (a node pulled back into the store it came from adds no manifest) |
+//! | node | its group (made with the given branch and root when missing: the root may be a node this store does not hold), the node row with its id, kind, state, provenance and creation time, its lease; edges to the parents this store holds, at their positions |
+//!
+//! Crash story: before the commit, directories under `staging/` or `l/<n>`
+//! without rows, both removed by the startup sweep; after it, the whole node.
+//! A failed transaction moves every renamed directory back, and the staged
+//! directories are removed (they are consumed, as [`Store::import_base`]'s).
+
+use std::path::PathBuf;
+
+use rusqlite::{params, OptionalExtension, Transaction};
+use tracing::{info, warn};
+
+use crate::blobs::{record_layer_blob_in, BlobCompression, LayerBlob};
+use crate::db::{write_on, Cached};
+use crate::error::StoreError;
+use crate::graph::{get_group, get_node, validate_state, NODE_COLS};
+use crate::layers::insert_layer;
+use crate::leases::new_lease;
+use crate::paths::insert_index;
+use crate::snapshots::is_digest;
+use crate::stacks::{manifest_layers, prepend_manifest};
+use crate::{
+    fs, now_ns, Durability, HolderKind, IndexEntry, LayerId, LayerKind, ManifestId, NodeInfo,
+    NodeKind, Provenance, Store,
+};
+
+/// One blob a layer came as (a registry's layer descriptor).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BlobRef {
+    pub compression: BlobCompression,
+    /// `sha256:<64 hex>` of the blob.
+    pub digest: String,
+    /// Bytes of the blob.
+    pub size: u64,
+}
+
+/// Where an adopted layer's directory comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum LayerSource {
+    /// A published or squashed layer of the stack this store holds already
+    /// (found by its diff ID): nothing is copied.
+    Existing(LayerId),
+    /// A layer directory in overlay upper format directly under
+    /// [`Store::staging_path`], and its path index (the capture of it over the
+    /// layers below it).
+    Staged {
+        dir: PathBuf,
+        index: Vec<IndexEntry>,
+    },
+}
+
+/// One layer of an adopted node's manifest.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdoptLayer {
+    pub source: LayerSource,
+    /// `sha256:<64 hex>` of the layer's tar (its diff ID).
+    pub diff_id: String,
+    /// Bytes of the layer's tar, when it was read (a staged layer). With the
+    /// diff ID it is recorded as the layer's uncompressed blob (compression
+    /// `none`), so every staged layer's diff ID is known — to a later pull of
+    /// the same node, which compares by it, and to [`Store::layer_by_diff_id`].
+    pub tar_size: Option<u64>,
+    /// The blobs it came as, recorded for the layer ([`Store::layer_blob`]).
+    pub blobs: Vec<BlobRef>,
+}
+
+/// The group an adopted node belongs to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdoptGroup {
+    pub name: String,
+    /// The branch its root was taken from (attempts' sessions name it).
+    pub branch: String,
+    /// Its root node's id (in the store the node came from; this store may
+    /// not hold it).
+    pub root: String,
+}
+
+/// A node made by another store.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdoptNode {
+    /// Its id, kept (`n` + 16 hex digits for nodes of format ≥ 12 stores).
+    pub id: String,
+    pub group: AdoptGroup,
+    pub kind: NodeKind,
+    /// Its JSON state.
+    pub state: String,
+    /// Its parents, in order (those this store does not hold get no edge).
+    pub parents: Vec<String>,
+    pub provenance: Provenance,
+    /// When it was made (ns since the epoch), in the store it came from.
+    pub created_ns: i64,
+}
+
+/// What [`Store::adopt_node`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Adopted {
+    pub node: NodeInfo,
+    /// `false`: the node was there already with the same content; nothing
+    /// was written and the staged directories were removed.
+    pub created: bool,
+    /// The layers of its manifest, oldest first (above the stack's base).
+    pub layers: Vec<LayerId>,
+    /// The layers this adoption added (from staged directories).
+    pub new_layers: Vec<LayerId>,
+    /// Parents it names that this store does not hold (no edge was made).
+    pub missing_parents: Vec<String>,
+}
+
+/// A node id: 1–128 bytes, no whitespace or control characters (ids are
+/// opaque: `n1` of an older store, `n` + 16 hex digits since format 12).
+fn validate_node_id(id: &str) -> Result<(), StoreError> {
+    if id.is_empty() || id.len() > 128 || id.contains(|c: char| c.is_whitespace() || c.is_control())
+    {
+        return Err(StoreError::InvalidArgument(format!(
+            "node id {id:?}: use 1-128 characters without spaces or control characters"
+        )));
+    }
+    Ok(())
+}
+
+/// The diff IDs recorded for `layer` (one per layer; empty when none).
+fn recorded_diff_id(tx: &Transaction<'_>, layer: LayerId) -> Result<Option<String>, StoreError> {
+    Ok(tx
+        .one(
+            "SELECT diff_id FROM layer_blobs WHERE layer_id = ?1 LIMIT 1",
+            [layer],
+            |r| r.get(0),
+        )
+        .optional()?)
+}
+
+/// Why the existing node `existing` is not the one being adopted, if it is not.
+fn differs(
+    tx: &Transaction<'_>,
+    existing: &NodeInfo,
+    stack: &str,
+    layers: &[AdoptLayer],
+    state: &str,
+) -> Result<Option<String>, StoreError> {
+    let group = get_group(tx, &existing.group)?;
+    if group.stack != stack {
+        return Ok(Some(format!(
+            "it is on stack {}, the pulled one on {stack}",
+            group.stack
+        )));
+    }
+    let mut have = manifest_layers(tx, existing.manifest)?;
+    have.reverse();
+    if have.len() != layers.len() {
+        return Ok(Some(format!(
+            "it has {} layers above its base, the pulled one {}",
+            have.len(),
+            layers.len()
+        )));
+    }
+    for (i, (h, a)) in have.iter().zip(layers).enumerate() {
+        if a.source == LayerSource::Existing(*h) {
+            continue;
+        }
+        match recorded_diff_id(tx, *h)? {
+            Some(d) if d == a.diff_id => {}
+            Some(d) => {
+                return Ok(Some(format!(
+                    "its layer {} (layer {h}) has diff ID {d}, the pulled one {}",
+                    i + 1,
+                    a.diff_id
+                )))
+            }
+            None => {
+                return Err(StoreError::FailedPrecondition(format!(
+                    "node {} exists here and its layer {} (layer {h}) has no recorded diff ID to compare with the pulled {}: export or push the node once (which records it), then pull again",
+                    existing.id,
+                    i + 1,
+                    a.diff_id
+                )))
+            }
+        }
+    }
+    let same_state = match (
+        serde_json::from_str::<serde_json::Value>(&existing.state),
+        serde_json::from_str::<serde_json::Value>(state),
+    ) {
+        (Ok(x), Ok(y)) => x == y,
+        _ => existing.state == state,
+    };
+    if !same_state {
+        return Ok(Some("its state differs".into()));
+    }
+    Ok(None)
+}
+
+/// The stack's empty root manifest (made when GC collected it).
+fn root_manifest(tx: &Transaction<'_>, stack: &str) -> Result<ManifestId, StoreError> {
+    if let Some(m) = tx
+        .one(
+            "SELECT id FROM manifests WHERE stack = ?1 AND depth = 0 ORDER BY id LIMIT 1",
+            [stack],
+            |r| r.get(0),
+        )
+        .optional()?
+    {
+        return Ok(m);
+    }
+    tx.exec(
+        "INSERT INTO manifests(stack, parent, layer_id, depth, created_ns) VALUES (?1, NULL, NULL, 0, ?2)",
+        params![stack, now_ns()],
+    )?;
+    Ok(tx.last_insert_rowid())
+}
+
+/// The manifest of `layers` (oldest first) on `stack`, reusing each step a
+/// manifest already takes.
+fn chain(tx: &Transaction<'_>, stack: &str, layers: &[LayerId]) -> Result<ManifestId, StoreError> {
+    let mut m = root_manifest(tx, stack)?;
+    for l in layers {
+        let reuse: Option<ManifestId> = tx
+            .one(
+                "SELECT id FROM manifests WHERE stack = ?1 AND parent = ?2 AND layer_id = ?3 ORDER BY id LIMIT 1",
+                params![stack, m, l],
+                |r| r.get(0),
+            )
+            .optional()?;
+        m = match reuse {
+            Some(r) => r,
+            None => prepend_manifest(tx, stack, m, *l)?,
+        };
+    }
+    Ok(m)
+}
+
+/// Checks an existing layer: a published or squashed layer of `stack` whose
+/// directory is there.
+fn check_existing(tx: &Transaction<'_>, stack: &str, layer: LayerId) -> Result<(), StoreError> {
+    let row: Option<(String, Option<String>, i64)> = tx
+        .one(
+            "SELECT kind, stack, dropped FROM layers WHERE id = ?1",
+            [layer],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+        )
+        .optional()?;
+    let Some((kind, of, dropped)) = row else {
+        return Err(StoreError::LayerNotFound(layer));
+    };
+    if kind != "published" && kind != "squashed" {
+        return Err(StoreError::InvalidArgument(format!(
+            "layer {layer} is a {kind} layer: a node's manifest holds only published and squashed layers above its stack's base"
+        )));
+    }
+    if of.as_deref() != Some(stack) {
+        return Err(StoreError::InvalidArgument(format!(
+            "layer {layer} belongs to stack {}, not {stack}",
+            of.unwrap_or_default()
+        )));
+    }
+    if dropped != 0 {
+        return Err(StoreError::FailedPrecondition(format!(
+            "layer {layer}'s directory was freed by GC: stage the layer again"
+        )));
+    }
+    Ok(())
+}
+
+impl Store {
+    /// Adopts `node`, made by another store, on `stack` with `layers` (its
+    /// manifest above the stack's base, oldest first) — see the module docs.
+    /// Staged directories are consumed: renamed into `l/<n>` when used,
+    /// removed otherwise (a node already there, an error) — except one that
+    /// is not directly under staging, which is refused and left alone.
+    ///
+    /// Errors: `StackNotFound`; `InvalidArgument` (a node id, state, digest or
+    /// staged directory that is not one; an existing layer of another stack
+    /// or kind); `LayerNotFound`; `AlreadyExists` (a node with this id and
+    /// other content); `FailedPrecondition` (a group of this name on another
+    /// stack or with another root; a node with this id whose layers cannot be
+    /// compared; an existing layer GC freed); `Io`, `Db`.
+    pub fn adopt_node(
+        &self,
+        stack: &str,
+        layers: &[AdoptLayer],
+        node: &AdoptNode,
+    ) -> Result<Adopted, StoreError> {
+        let out = self.adopt_node_inner(stack, layers, node);
+        let staging = self.staging_path();
+        for l in layers {
+            if let LayerSource::Staged { dir, .. } = &l.source {
+                // Never a directory outside staging (refused, not consumed).
+                if dir.parent() == Some(staging.as_path()) && std::fs::symlink_metadata(dir).is_ok()
+                {
+                    if let Err(e) = fs::remove_tree(dir) {
+                        warn!(path = %dir.display(), error = %e, "cannot remove a staged layer; the startup sweep will");
+                    }
+                }
+            }
+        }
+        out
+    }
+
+    fn adopt_node_inner(
+        &self,
+        stack: &str,
+        layers: &[AdoptLayer],
+        node: &AdoptNode,
+    ) -> Result<Adopted, StoreError> {
+        validate_node_id(&node.id)?;
+        validate_state(&node.state)?;
+        let staging = self.staging_path();
+        for l in layers {
+            if !is_digest(&l.diff_id) {
+                return Err(StoreError::InvalidArgument(format!(
+                    "diff ID {:?} is not sha256:<64 lowercase hex digits>",
+                    l.diff_id
+                )));
+            }
+            if let LayerSource::Staged { dir, .. } = &l.source {
+                if dir.parent() != Some(staging.as_path()) {
+                    return Err(StoreError::InvalidArgument(format!(
+                        "{} is not a directory of the store's staging directory {}",
+                        dir.display(),
+                        staging.display()
+                    )));
+                }
+            }
+        }
+        let mut conn = self.db.writer();
+        // (staged dir, its layer dir) renamed so far, to move back on failure.
+        let mut moved: Vec<(PathBuf, PathBuf)> = Vec::new();
+        let mut inflight = Vec::new();
+        let out = write_on(&mut conn, |tx| {
+            moved.clear();
+            let exists: Option<i64> = tx
+                .one("SELECT 1 FROM stacks WHERE id = ?1", [stack], |r| r.get(0))
+                .optional()?;
+            if exists.is_none() {
+                return Err(StoreError::StackNotFound(stack.into()));
+            }
+            let there: Option<i64> = tx
+                .one("SELECT 1 FROM graph_nodes WHERE id = ?1", [&node.id], |r| {
+                    r.get(0)
+                })
+                .optional()?;
+            if there.is_some() {
+                let existing = get_node(tx, &node.id)?;
+                if let Some(why) = differs(tx, &existing, stack, layers, &node.state)? {
+                    return Err(StoreError::AlreadyExists(format!(
+                        "node {} exists here with other content: {why}; a node id names one node (pull it into another store, or prune and remove this one first)",
+                        node.id
+                    )));
+                }
+                let mut ids = manifest_layers(tx, existing.manifest)?;
+                ids.reverse();
+                let missing = node
+                    .parents
+                    .iter()
+                    .filter(|p| !existing.parents.contains(p))
+                    .cloned()
+                    .collect();
+                return Ok(Adopted {
+                    node: existing,
+                    created: false,
+                    layers: ids,
+                    new_layers: Vec::new(),
+                    missing_parents: missing,
+                });
+            }
+            // The group: the same graph (stack and root), or a new one.
+            match get_group(tx, &node.group.name) {
+                Ok(g) if g.stack != stack || g.root != node.group.root => {
+                    return Err(StoreError::FailedPrecondition(format!(
+                        "graph {:?} exists here on stack {} with root {}, the pulled node's graph is on stack {stack} with root {}: pull it into a graph of another name",
+                        g.name, g.stack, g.root, node.group.root
+                    )));
+                }
+                Ok(_) => {}
+                Err(StoreError::NotFound(_)) => {
+                    crate::graph::validate_group_name(&node.group.name)?;
+                    tx.exec(
+                        "INSERT INTO graph_groups(name, stack, branch, root, created_ns) VALUES (?1, ?2, ?3, ?4, ?5)",
+                        params![node.group.name, stack, node.group.branch, node.group.root, now_ns()],
+                    )?;
+                }
+                Err(e) => return Err(e),
+            }
+            let mut ids = Vec::with_capacity(layers.len());
+            let mut new_layers = Vec::new();
+            for l in layers {
+                let id = match &l.source {
+                    LayerSource::Existing(id) => {
+                        check_existing(tx, stack, *id)?;
+                        *id
+                    }
+                    LayerSource::Staged { dir, index } => {
+                        let id = insert_layer(tx, LayerKind::Published, Some(stack), None)?;
+                        inflight.push(self.inflight.hold(crate::layer_rel(id)));
+                        insert_index(tx, id, index)?;
+                        let to = self.layer_path(id);
+                        std::fs::rename(dir, &to).map_err(|e| StoreError::io(dir, e))?;
+                        moved.push((dir.clone(), to));
+                        new_layers.push(id);
+                        id
+                    }
+                };
+                let tar = l.tar_size.map(|size| BlobRef {
+                    compression: BlobCompression::None,
+                    digest: l.diff_id.clone(),
+                    size,
+                });
+                for b in l.blobs.iter().chain(tar.as_ref()) {
+                    record_layer_blob_in(
+                        tx,
+                        &LayerBlob {
+                            layer: id,
+                            compression: b.compression,
+                            digest: b.digest.clone(),
+                            diff_id: l.diff_id.clone(),
+                            size: b.size,
+                        },
+                    )?;
+                }
+                ids.push(id);
+            }
+            if !moved.is_empty() && self.durability == Durability::Durable {
+                fs::fsync_dir(&self.root.join("l"))
+                    .map_err(|e| StoreError::io(&self.root.join("l"), e))?;
+            }
+            let manifest = chain(tx, stack, &ids)?;
+            let lease = new_lease(tx, manifest, HolderKind::Node, &node.id)?;
+            let base: String = tx.one(
+                "SELECT base_digest FROM stacks WHERE id = ?1",
+                [stack],
+                |r| r.get(0),
+            )?;
+            let prov = &node.provenance;
+            tx.exec(
+                &format!("INSERT INTO graph_nodes({NODE_COLS}, lease_id) VALUES (?1, ?2, ?3, ?4, ?5, NULL, ?6, ?7, ?8, ?9, ?10, 0, ?11, ?12)"),
+                params![
+                    node.id,
+                    node.group.name,
+                    node.kind.as_str(),
+                    manifest,
+                    node.state,
+                    prov.command,
+                    serde_json::to_string(&prov.labels).unwrap_or_else(|_| "{}".into()),
+                    prov.exit_status,
+                    prov.private_bytes.map(|b| i64::try_from(b).unwrap_or(i64::MAX)),
+                    base,
+                    node.created_ns,
+                    lease
+                ],
+            )?;
+            let mut missing = Vec::new();
+            for (pos, p) in node.parents.iter().enumerate() {
+                let here: Option<i64> = tx
+                    .one("SELECT 1 FROM graph_nodes WHERE id = ?1", [p], |r| r.get(0))
+                    .optional()?;
+                if here.is_none() {
+                    missing.push(p.clone());
+                    continue;
+                }
+                tx.exec(
+                    "INSERT INTO graph_edges(child, pos, parent) VALUES (?1, ?2, ?3)",
+                    params![node.id, pos as i64, p],
+                )?;
+            }
+            Ok(Adopted {
+                node: get_node(tx, &node.id)?,
+                created: true,
+                layers: ids,
+                new_layers,
+                missing_parents: missing,
+            })
+        });
+        drop(conn);
+        drop(inflight);
+        match out {
+            Ok(a) => {
+                info!(
+                    node = %a.node.id,
+                    graph = %a.node.group,
+                    stack,
+                    created = a.created,
+                    layers = a.layers.len(),
+                    new_layers = a.new_layers.len(),
+                    "adopted node"
+                );
+                Ok(a)
+            }
+            Err(e) => {
+                // Rolled back: put every renamed directory back where the
+                // cleanup finds it.
+                for (from, to) in moved.iter().rev() {
+                    if std::fs::symlink_metadata(to).is_ok()
+                        && std::fs::symlink_metadata(from).is_err()
+                    {
+                        let _ = std::fs::rename(to, from);
+                    }
+                }
+                Err(e)
+            }
+        }
+    }
+}
