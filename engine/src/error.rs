@@ -75,6 +75,14 @@ pub enum EngineError {
         branch: String,
         head: ManifestId,
     },
+    /// A pulled layer blob that could not be applied into staging (nothing of
+    /// the pull was kept); `origin` names the layer and the image.
+    #[error("cannot apply {origin}")]
+    Pull {
+        origin: String,
+        #[source]
+        source: Box<publisher::ImportError>,
+    },
     /// A base import that could not be made (nothing of it was kept).
     #[error("cannot import {}", path.display())]
     Import {
@@ -106,6 +114,8 @@ impl EngineError {
             Self::Import { source, .. } if source.is_not_found() => ErrorKind::NotFound,
             Self::Import { source, .. } if source.is_input() => ErrorKind::InvalidArgument,
             Self::Import { .. } => ErrorKind::Internal,
+            Self::Pull { source, .. } if source.is_input() => ErrorKind::InvalidArgument,
+            Self::Pull { .. } => ErrorKind::Internal,
         }
     }
 }

@@ -50,6 +50,7 @@ mod import;
 mod index;
 mod locks;
 mod publish;
+mod pull;
 mod queries;
 mod rollout;
 mod sandbox;
@@ -91,6 +92,9 @@ pub mod store {
         SnapshotKind, Store, StoreError, StoreLock, StoreOptions, Usage,
     };
     pub use layerstack_store::{
+        AdoptGroup, AdoptNode, Adopted, BlobCompression, BlobRef, LayerBlob, LayerId, NodeKind,
+    };
+    pub use layerstack_store::{
         Artifact, Begun, Evaluator, NodeStats, RolloutAttempt, RolloutBegin, RolloutResult,
         RolloutStatus, RunAudit, RunInfo, SampleInfo, SampleKey,
     };
@@ -100,6 +104,7 @@ pub use layerstack_types as types;
 pub use layerstack_types::policy;
 pub use locks::LockGuard;
 pub use publish::{exit_decision, DryRun};
+pub use pull::{PulledContent, PulledLayer};
 pub use sandbox::{EndAction, Reservation, SandboxRequest, SandboxSettings};
 // Blame, diff and conflicts (issue 10).
 pub use blame::Blame;
