@@ -249,8 +249,7 @@ mod tests {
 
     use layerstack_publisher::ImportKind;
     use layerstack_store::{
-        AdoptGroup, BlobCompression, ErrorKind, ExportSource, GroupInfo, NodeInfo, Owner,
-        Provenance, StoreOptions,
+        BlobCompression, ErrorKind, ExportSource, NodeInfo, Owner, Provenance, StoreOptions,
     };
 
     use super::*;
@@ -331,27 +330,6 @@ mod tests {
             .collect()
     }
 
-    fn adopt_of(n: &NodeInfo, g: &GroupInfo) -> AdoptNode {
-        AdoptNode {
-            id: n.id.clone(),
-            group: AdoptGroup {
-                name: g.name.clone(),
-                branch: g.branch.clone(),
-                root: g.root.clone(),
-            },
-            kind: n.kind,
-            state: n.state.clone(),
-            parents: n.parents.clone(),
-            provenance: Provenance {
-                command: n.command.clone(),
-                labels: n.labels.clone(),
-                exit_status: n.exit_status,
-                private_bytes: n.private_bytes,
-            },
-            created_ns: n.created_ns,
-        }
-    }
-
     fn staged_pulls(e: &Engine) -> usize {
         std::fs::read_dir(e.store().staging_path())
             .unwrap()
@@ -420,7 +398,7 @@ mod tests {
         let held = b.held_layers(&stack, &diffs).unwrap();
         assert_eq!(held, vec![None, None]);
         let got = b
-            .adopt_pulled_node(&stack, pulled(&pushed, &held), &adopt_of(&c2, &g))
+            .adopt_pulled_node(&stack, pulled(&pushed, &held), &AdoptNode::of(&c2, &g))
             .unwrap();
         assert!(got.created);
         assert_eq!(got.node.id, c2.id, "the node keeps its id");
@@ -483,12 +461,16 @@ mod tests {
         };
         let before = layers_dir(&b);
         let again = b
-            .adopt_pulled_node(&stack, pulled(&pushed, &held), &adopt_of(&c2, &g))
+            .adopt_pulled_node(&stack, pulled(&pushed, &held), &AdoptNode::of(&c2, &g))
             .unwrap();
         assert!(!again.created && again.new_layers.is_empty());
         // Even given the blobs again: they are applied, found equal, dropped.
         let again = b
-            .adopt_pulled_node(&stack, pulled(&pushed, &[None, None]), &adopt_of(&c2, &g))
+            .adopt_pulled_node(
+                &stack,
+                pulled(&pushed, &[None, None]),
+                &AdoptNode::of(&c2, &g),
+            )
             .unwrap();
         assert!(!again.created);
         assert_eq!((layers_dir(&b), staged_pulls(&b)), (before, 0));
@@ -497,7 +479,7 @@ mod tests {
         let held1 = b.held_layers(&stack, &[p1[0].0.clone()]).unwrap();
         assert_eq!(held1, vec![Some(got.layers[0])]);
         let parent = b
-            .adopt_pulled_node(&stack, pulled(&p1, &held1), &adopt_of(&c1, &g))
+            .adopt_pulled_node(&stack, pulled(&p1, &held1), &AdoptNode::of(&c1, &g))
             .unwrap();
         assert!(parent.created && parent.new_layers.is_empty());
         assert_eq!(layers_dir(&b), before);
@@ -505,7 +487,7 @@ mod tests {
         // A blob that is not the layer its diff ID names: refused, nothing kept.
         let mut wrong = pulled(&pushed, &[None, None]);
         wrong[1].diff_id = diffs[0].clone();
-        let mut other = adopt_of(&c2, &g);
+        let mut other = AdoptNode::of(&c2, &g);
         other.id = "n00000000000000ff".into();
         let e = b.adopt_pulled_node(&stack, wrong, &other).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");

@@ -34,8 +34,8 @@ use crate::paths::insert_index;
 use crate::snapshots::is_digest;
 use crate::stacks::{manifest_layers, prepend_manifest};
 use crate::{
-    fs, now_ns, Durability, HolderKind, IndexEntry, LayerId, LayerKind, ManifestId, NodeInfo,
-    NodeKind, Provenance, Store,
+    fs, now_ns, Durability, GroupInfo, HolderKind, IndexEntry, LayerId, LayerKind, ManifestId,
+    NodeInfo, NodeKind, Provenance, Store,
 };
 
 /// One blob a layer came as (a registry's layer descriptor).
@@ -103,6 +103,31 @@ pub struct AdoptNode {
     pub provenance: Provenance,
     /// When it was made (ns since the epoch), in the store it came from.
     pub created_ns: i64,
+}
+
+impl AdoptNode {
+    /// `node` of `group` as the store that made it holds it: what a push
+    /// carries (in the image's config or annotations) for a pull to adopt.
+    pub fn of(node: &NodeInfo, group: &GroupInfo) -> AdoptNode {
+        AdoptNode {
+            id: node.id.clone(),
+            group: AdoptGroup {
+                name: group.name.clone(),
+                branch: group.branch.clone(),
+                root: group.root.clone(),
+            },
+            kind: node.kind,
+            state: node.state.clone(),
+            parents: node.parents.clone(),
+            provenance: Provenance {
+                command: node.command.clone(),
+                labels: node.labels.clone(),
+                exit_status: node.exit_status,
+                private_bytes: node.private_bytes,
+            },
+            created_ns: node.created_ns,
+        }
+    }
 }
 
 /// What [`Store::adopt_node`] did.

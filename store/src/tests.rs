@@ -816,6 +816,18 @@ fn other_format_version_is_refused() {
     assert!(msg.contains("start a fresh store root"), "{msg}");
 }
 
+/// The store's format version as recorded in `meta`.
+fn format_version(s: &Store) -> String {
+    s.db.read(|c| {
+        Ok(c.query_row(
+            "SELECT value FROM meta WHERE key = 'format_version'",
+            [],
+            |r| r.get(0),
+        )?)
+    })
+    .unwrap()
+}
+
 /// Turns a format 10 store into what format 9 was: no sessions.daemon_owned,
 /// no publishes.interrupted_by, attempts without the status `interrupted`
 /// (its CHECK cannot be altered: the table is rebuilt, its sequence kept).
@@ -1062,15 +1074,7 @@ fn a_format_4_store_is_migrated_at_open_and_keeps_its_outcomes() {
     .unwrap();
     drop(db);
     let s = open(d.path());
-    let v: String =
-        s.db.read(|c| {
-            Ok(c.query_row(
-                "SELECT value FROM meta WHERE key = 'format_version'",
-                [],
-                |r| r.get(0),
-            )?)
-        })
-        .unwrap();
+    let v = format_version(&s);
     assert_eq!(v, FORMAT_VERSION.to_string());
     let index: i64 =
         s.db.read(|c| {
@@ -2931,16 +2935,7 @@ fn a_format_12_store_is_migrated_and_gets_layer_blobs() {
     db.execute_batch(TO_FORMAT_12).unwrap();
     drop(db);
     let s = open(d.path());
-    let v: String =
-        s.db.read(|c| {
-            Ok(c.query_row(
-                "SELECT value FROM meta WHERE key = 'format_version'",
-                [],
-                |r| r.get(0),
-            )?)
-        })
-        .unwrap();
-    assert_eq!(v, "13");
+    assert_eq!(format_version(&s), "13");
     let b = LayerBlob {
         layer: p.layer,
         compression: BlobCompression::Gzip,
@@ -3003,24 +2998,7 @@ fn stage_copy(to: &Store, layer_dir: &Path) -> PathBuf {
 }
 
 fn adopt_node_of(n: &NodeInfo, g: &GroupInfo) -> AdoptNode {
-    AdoptNode {
-        id: n.id.clone(),
-        group: AdoptGroup {
-            name: g.name.clone(),
-            branch: g.branch.clone(),
-            root: g.root.clone(),
-        },
-        kind: n.kind,
-        state: n.state.clone(),
-        parents: n.parents.clone(),
-        provenance: Provenance {
-            command: n.command.clone(),
-            labels: n.labels.clone(),
-            exit_status: n.exit_status,
-            private_bytes: n.private_bytes,
-        },
-        created_ns: n.created_ns,
-    }
+    AdoptNode::of(n, g)
 }
 
 /// Staged pulls left in staging (the reaper's own entries do not count).

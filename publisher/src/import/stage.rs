@@ -599,34 +599,18 @@ impl Stage {
     }
 
     /// An opaque marker in directory `rel` (empty: the root): what the layers
-    /// below had in it goes. In overlay mode, the directory is marked opaque.
+    /// below had in it goes. In overlay mode, the directory is marked opaque
+    /// (by [`Stage::finish`]); nothing is pruned.
     pub(crate) fn opaque(&mut self, rel: &[u8]) -> R<()> {
-        if self.overlay.is_some() {
-            if rel.is_empty() {
-                return Err(StageError::Refused(
-                    "it marks the layer's root opaque, which overlayfs does not read (an upper's root is merged with what is below whatever its xattrs): the layer cannot be kept in overlay format".into(),
-                ));
-            }
-            self.report.opaque += 1;
-            let (dir, name) = self.parent_made(rel)?;
-            match Self::existing(&dir, &name)? {
-                Existing::Dir => {}
-                Existing::None => {
-                    make_dir(&dir, &name, &implied())?;
-                    self.dir_mtimes.insert(rel.to_vec(), 0);
-                    self.report.implied_dirs += 1;
-                }
-                Existing::Other => {
-                    return Err(StageError::Refused(format!(
-                        "it marks {} opaque, which is not a directory",
-                        show(rel)
-                    )))
-                }
-            }
-            self.opaque_dirs.insert(rel.to_vec());
-            return Ok(());
+        if self.overlay.is_some() && rel.is_empty() {
+            return Err(StageError::Refused(
+                "it marks the layer's root opaque, which overlayfs does not read (an upper's root is merged with what is below whatever its xattrs): the layer cannot be kept in overlay format".into(),
+            ));
         }
-        debug_assert!(self.track, "opaque markers need the paths this layer wrote");
+        debug_assert!(
+            self.track || self.overlay.is_some(),
+            "opaque markers need the paths this layer wrote"
+        );
         self.report.opaque += 1;
         if !rel.is_empty() {
             // The marker is in this layer, so is its directory.
@@ -646,6 +630,10 @@ impl Stage {
                 }
             }
             self.touch(rel);
+        }
+        if self.overlay.is_some() {
+            self.opaque_dirs.insert(rel.to_vec());
+            return Ok(());
         }
         self.prune(rel)
     }
