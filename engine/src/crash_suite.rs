@@ -42,6 +42,7 @@ pub(super) const OPS: &[&str] = &[
     "session",
     "attempt",
     "export",
+    "pull",
     "snapshot-commit",
     "snapshot-remove",
 ];
@@ -156,6 +157,20 @@ async fn prepare(t: &Path, op: &str) -> (PathBuf, Vec<String>) {
             store.commit(IMAGE, EXTRACT, BTreeMap::new()).unwrap();
             vec![]
         }
+        "pull" => {
+            // A layer another store pushed: one file, as a gzip blob.
+            let layer = t.join("pushed");
+            write(&layer, "pulled.txt", b"pulled\n");
+            let blob = t.join("blob.tar.gz");
+            let b = crate::write_layer_blob(
+                &layer,
+                crate::Compression::Gzip,
+                &Default::default(),
+                std::fs::File::create(&blob).unwrap(),
+            )
+            .unwrap();
+            vec![blob.display().to_string(), b.diff_id]
+        }
         "session" | "export" => vec![],
         other => panic!("no workload {other}"),
     };
@@ -247,6 +262,35 @@ pub(super) async fn run_op(
             drop(e);
             Ok(())
         }
+        "pull" => {
+            let node = layerstack_store::AdoptNode {
+                id: "n0123456789abcdef".into(),
+                group: layerstack_store::AdoptGroup {
+                    name: "pulled".into(),
+                    branch: "main".into(),
+                    root: "n0123456789abcdef".into(),
+                },
+                kind: layerstack_store::NodeKind::Checkpoint,
+                state: "{}".into(),
+                parents: vec![],
+                provenance: Default::default(),
+                created_ns: 1,
+            };
+            let layer = crate::PulledLayer {
+                diff_id: args[1].to_string(),
+                blobs: vec![],
+                content: crate::PulledContent::Blob(Box::new(
+                    std::fs::File::open(args[0]).unwrap(),
+                )),
+                origin: "layer 1/1 of the crash test".into(),
+            };
+            let p = p.clone();
+            tokio::task::spawn_blocking(move || p.adopt_pulled_node(STACK, vec![layer], &node))
+                .await
+                .unwrap()
+                .map(drop)
+                .map_err(chain)
+        }
         // containerd's calls: the same call again answers that it was done.
         "snapshot-commit" => match store.commit(IMAGE, EXTRACT, BTreeMap::new()) {
             Ok(_) => Ok(()),
@@ -306,6 +350,13 @@ fn visible(store: &Store) -> String {
     }
     if let Ok(g) = store.graph("g") {
         out.push_str(&format!("graph g: {} nodes\n", g.nodes.len()));
+    }
+    if let Ok(g) = store.graph("pulled") {
+        for n in &g.nodes {
+            let view = publisher::LayerView::new(store.manifest_view(STACK, n.manifest).unwrap());
+            let c = view.read_regular(b"pulled.txt").unwrap();
+            out.push_str(&format!("pulled node {}: {c:?}\n", n.id));
+        }
     }
     let snaps: Vec<String> = store
         .list()

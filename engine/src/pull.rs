@@ -143,6 +143,10 @@ impl Engine {
                 blobs,
             });
         }
+        if let Err(e) = layerstack_store::failpoints::fail("pull.staged", store.root()) {
+            drop_staged(&staged);
+            return Err(layerstack_store::StoreError::Io(store.staging_path(), e).into());
+        }
         // Consumes the staged directories: renamed into l/, or removed.
         let out = store.adopt_node(stack, &adopt, node)?;
         drop(guards);

@@ -432,7 +432,9 @@ impl Store {
                         inflight.push(self.inflight.hold(crate::layer_rel(id)));
                         insert_index(tx, id, index)?;
                         let to = self.layer_path(id);
-                        std::fs::rename(dir, &to).map_err(|e| StoreError::io(dir, e))?;
+                        crate::failpoints::fail("adopt.before_rename", &self.root)
+                            .and_then(|()| std::fs::rename(dir, &to))
+                            .map_err(|e| StoreError::io(dir, e))?;
                         moved.push((dir.clone(), to));
                         new_layers.push(id);
                         id
@@ -457,9 +459,14 @@ impl Store {
                 }
                 ids.push(id);
             }
-            if !moved.is_empty() && self.durability == Durability::Durable {
-                fs::fsync_dir(&self.root.join("l"))
-                    .map_err(|e| StoreError::io(&self.root.join("l"), e))?;
+            if !moved.is_empty() {
+                let l = self.root.join("l");
+                match self.durability {
+                    Durability::Durable => fs::fsync_dir(&l),
+                    Durability::Disposable => Ok(()),
+                }
+                .and_then(|()| crate::failpoints::fail("adopt.renamed", &self.root))
+                .map_err(|e| StoreError::io(&l, e))?;
             }
             let manifest = chain(tx, stack, &ids)?;
             let lease = new_lease(tx, manifest, HolderKind::Node, &node.id)?;
@@ -508,6 +515,9 @@ impl Store {
                 missing_parents: missing,
             })
         });
+        if out.as_ref().is_ok_and(|a| a.created) {
+            crate::failpoints::hit("adopt.committed");
+        }
         drop(conn);
         drop(inflight);
         match out {

@@ -88,6 +88,11 @@ points! {
     "import.staged", io => "an imported tree is written and digested in staging/; no row is written";
     "import.before_rename", io => "inside the import's transaction, rows written, before the tree is renamed into l/<n>";
     "import.after_rename", io => "inside the import's transaction, the tree renamed into l/<n>, before the commit";
+    // Pull: a node of another store adopted (engine/src/pull.rs, store/src/adopt.rs).
+    "pull.staged", io => "a pulled node's layers are applied and indexed in staging/; no row is written";
+    "adopt.before_rename", io => "inside an adoption's transaction, rows written, before a staged layer is renamed into l/<n>";
+    "adopt.renamed", io => "inside an adoption's transaction, the staged layers renamed into l/<n>, before the commit";
+    "adopt.committed" => "an adopted node, its layers and its lease are committed";
     // Export (engine/src/export.rs).
     "export.leased" => "an export's lease is committed; nothing is streamed yet";
     // Sessions (store/src/sessions.rs).
