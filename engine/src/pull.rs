@@ -8,7 +8,7 @@
 //! | step | where | what |
 //! |---|---|---|
 //! | what is here | [`Engine::held_layers`] | for each layer's diff ID (the config's `rootfs.diff_ids` above the base), a published or squashed layer of the stack with that tar, recorded by an export, a push or an earlier pull: those blobs are never downloaded |
-//! | stage | [`Engine::adopt_pulled_node`], no lock | each blob not held, oldest first, applied into `staging/pull-…` in overlay format (`publisher::apply_layer_tar`: whiteouts as 0:0 devices, opaque directories by xattr), its tar's sha256 checked against the diff ID; the root directory takes the metadata of the root below it (as a publish's does); its path index captured over the layers below it and planned against no head (what a checkpoint records) |
+//! | stage | [`Engine::adopt_pulled_node`], no lock | each blob not held, oldest first, applied into `staging/pull-…` in overlay format (`publisher::apply_layer_tar`: whiteouts as 0:0 devices, opaque directories by xattr), its tar's sha256 checked against the diff ID; its path index captured over the layers below it and planned against no head (what a checkpoint records); its root directory given the metadata of the root below it (the capture's root edit, as a publish's upper gets), then sealed (synced in the durable profile) as a publish's layer is |
 //! | commit | `Store::adopt_node` | one write transaction: the node with its id (nothing written when it is there already with the same layers and state), the staged layers renamed into `l/<n>`, the manifest, the group, the lease, edges to the parents this store holds |
 //!
 //! A failure before the commit drops every staged directory: nothing of the
@@ -17,13 +17,10 @@
 //! only, and pulling it again writes nothing.
 
 use std::io::Read;
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::PathBuf;
 
 use layerstack_publisher::{self as publisher, LayerApplyOptions, LayerView};
-use layerstack_store::{
-    AdoptLayer, AdoptNode, Adopted, BlobRef, Durability, LayerId, LayerSource, Store,
-};
+use layerstack_store::{AdoptLayer, AdoptNode, Adopted, BlobRef, LayerId, LayerSource, Store};
 use tracing::info;
 
 use crate::index::index_of;
@@ -186,28 +183,14 @@ fn stage_layer(
     diff_id: &str,
     userxattr: bool,
 ) -> Result<(Vec<layerstack_store::IndexEntry>, u64), EngineError> {
-    // The root as the root below it (a publish resets its upper's root to
-    // the lease's the same way): the topmost layer's root is what a mount
-    // shows as `/`.
-    if let Some(top) = below.first() {
-        let md = std::fs::symlink_metadata(top)
-            .map_err(|e| EngineError::Read(format!("layer {}", top.display()), e))?;
-        let set = std::os::unix::fs::lchown(dir, Some(md.uid()), Some(md.gid())).and_then(|()| {
-            std::fs::set_permissions(
-                dir,
-                std::fs::Permissions::from_mode(md.permissions().mode() & 0o7777),
-            )
-        });
-        set.map_err(|e| EngineError::Read(format!("staging directory {}", dir.display()), e))?;
-    }
     let applied = publisher::apply_layer_tar(
         dir,
         blob,
         origin,
         &LayerApplyOptions {
             userxattr,
-            keep_root: true,
-            sync: store.durability() == Durability::Durable,
+            // Synced below, once its root is set.
+            ..Default::default()
         },
     )
     .map_err(|e| EngineError::Pull {
@@ -232,6 +215,20 @@ fn stage_layer(
                 ..Default::default()
             },
         )?;
+        // The root as the root below it, as a publish resets its upper's
+        // (the topmost layer's root is what a mount shows as `/`; a layer tar
+        // holds none) — that edit only: the tree is the tar's.
+        if let Some(root) = &cs.edits.root {
+            let only_root = publisher::Changeset {
+                edits: publisher::UpperEdits {
+                    root: Some(root.clone()),
+                    ..Default::default()
+                },
+                ..Default::default()
+            };
+            publisher::prepare_upper(dir, &only_root, userxattr)?;
+        }
+        crate::publish::seal(store, dir, userxattr)?;
         let files = publisher::FsFiles {
             lease: view.clone(),
             head: view.clone(),
@@ -248,6 +245,7 @@ fn stage_layer(
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
+    use std::os::unix::fs::PermissionsExt;
     use std::path::Path;
     use std::sync::Arc;
 
@@ -429,6 +427,13 @@ mod tests {
                 a.store().layer_index(*la).unwrap(),
                 "the path index of layer {la} (here {lb})"
             );
+            // The root (no tar holds it) is as the origin's: what `/` shows.
+            let root = |e: &Engine, l: LayerId| {
+                use std::os::unix::fs::MetadataExt;
+                let m = std::fs::metadata(e.store().layer_path(l)).unwrap();
+                (m.mode(), m.uid(), m.gid())
+            };
+            assert_eq!(root(&b, *lb), root(&a, *la), "the root of layer {la}");
         }
         let again = push(&b, &c2.id);
         for (x, y) in pushed.iter().zip(&again) {
