@@ -9,7 +9,7 @@
 //!
 //! | step | what |
 //! |---|---|
-//! | node there? | a node with this id: the same stack, the same layers (by diff ID, or the very layer rows) and the same state → nothing is written, `created: false` (a second pull, or two at once); anything else → `AlreadyExists`, naming the difference |
+//! | node there? | a node with this id: the same stack, the same layers (by diff ID, or the very layer rows) and the same state → nothing is written, `created: false` (a second pull, or two at once); anything else → `AlreadyExists`, naming the difference. A pruned one (lease released, layers perhaps collected) with the same stack and state is revived: it takes the pulled layers' manifest and a new lease |
 //! | layers | each staged layer: a row (kind `published`, no session), its path index, its blob records (the blobs it came as, and its tar as the `none` blob: its diff ID); its directory renamed from `staging/` into `l/<n>` (held in flight until the commit, as an import's and a squash's) — the only filesystem steps inside the transaction |
 //! | manifest | the chain from the stack's empty root manifest up, reusing a manifest that already prepends the same layer on the same parent (a node pulled back into the store it came from adds no manifest) |
 //! | node | its group (made with the given branch and root when missing: the root may be a node this store does not hold), the node row with its id, kind, state, provenance and creation time, its lease; edges to the parents this store holds, at their positions |
@@ -135,7 +135,8 @@ impl AdoptNode {
 pub struct Adopted {
     pub node: NodeInfo,
     /// `false`: the node was there already with the same content; nothing
-    /// was written and the staged directories were removed.
+    /// was written and the staged directories were removed. `true` also when
+    /// a pruned node of this id was revived (its manifest and lease anew).
     pub created: bool,
     /// The layers of its manifest, oldest first (above the stack's base).
     pub layers: Vec<LayerId>,
@@ -215,17 +216,19 @@ fn differs(
             }
         }
     }
-    let same_state = match (
+    Ok(state_differs(existing, state))
+}
+
+/// Whether `existing`'s state is another JSON document than `state`.
+fn state_differs(existing: &NodeInfo, state: &str) -> Option<String> {
+    let same = match (
         serde_json::from_str::<serde_json::Value>(&existing.state),
         serde_json::from_str::<serde_json::Value>(state),
     ) {
         (Ok(x), Ok(y)) => x == y,
         _ => existing.state == state,
     };
-    if !same_state {
-        return Ok(Some("its state differs".into()));
-    }
-    Ok(None)
+    (!same).then(|| "its state differs".to_string())
 }
 
 /// The stack's empty root manifest (made when GC collected it).
@@ -377,7 +380,32 @@ impl Store {
                     r.get(0)
                 })
                 .optional()?;
+            // A pruned node of this id (its lease released, its layers perhaps
+            // collected): revived with the pulled layers if it is the same
+            // node as far as what is left tells (stack, state).
+            let mut revive: Option<NodeInfo> = None;
             if there.is_some() {
+                let existing = get_node(tx, &node.id)?;
+                if existing.pruned {
+                    let g = get_group(tx, &existing.group)?;
+                    let why = if g.stack != stack {
+                        Some(format!(
+                            "it is on stack {}, the pulled one on {stack}",
+                            g.stack
+                        ))
+                    } else {
+                        state_differs(&existing, &node.state)
+                    };
+                    if let Some(why) = why {
+                        return Err(StoreError::AlreadyExists(format!(
+                            "node {} exists here (pruned) with other content: {why}; a node id names one node",
+                            node.id
+                        )));
+                    }
+                    revive = Some(existing);
+                }
+            }
+            if there.is_some() && revive.is_none() {
                 let existing = get_node(tx, &node.id)?;
                 if let Some(why) = differs(tx, &existing, stack, layers, &node.state)? {
                     return Err(StoreError::AlreadyExists(format!(
@@ -401,8 +429,10 @@ impl Store {
                     missing_parents: missing,
                 });
             }
-            // The group: the same graph (stack and root), or a new one.
+            // The group: the same graph (stack and root), or a new one (a
+            // revived node keeps its own).
             match get_group(tx, &node.group.name) {
+                _ if revive.is_some() => {}
                 Ok(g) if g.stack != stack || g.root != node.group.root => {
                     return Err(StoreError::FailedPrecondition(format!(
                         "graph {:?} exists here on stack {} with root {}, the pulled node's graph is on stack {stack} with root {}: pull it into a graph of another name",
@@ -476,6 +506,25 @@ impl Store {
                 |r| r.get(0),
             )?;
             let prov = &node.provenance;
+            if let Some(old) = revive {
+                tx.exec(
+                    "UPDATE graph_nodes SET manifest_id = ?2, lease_id = ?3, pruned = 0 WHERE id = ?1",
+                    params![node.id, manifest, lease],
+                )?;
+                let missing = node
+                    .parents
+                    .iter()
+                    .filter(|p| !old.parents.contains(p))
+                    .cloned()
+                    .collect();
+                return Ok(Adopted {
+                    node: get_node(tx, &node.id)?,
+                    created: true,
+                    layers: ids,
+                    new_layers,
+                    missing_parents: missing,
+                });
+            }
             tx.exec(
                 &format!("INSERT INTO graph_nodes({NODE_COLS}, lease_id) VALUES (?1, ?2, ?3, ?4, ?5, NULL, ?6, ?7, ?8, ?9, ?10, 0, ?11, ?12)"),
                 params![

@@ -3301,6 +3301,36 @@ fn a_node_of_another_store_is_adopted_once_with_its_id_and_layers() {
         "{gc:?}"
     );
     assert!(b.layer_blobs(l1).unwrap().is_empty());
+    // Pulled again once pruned and collected: the same node revived with the
+    // pulled layer (its manifest and lease anew), or refused with another state.
+    let mut changed = adopt_node_of(&child, &ga);
+    changed.state = r#"{"score": 0.2}"#.into();
+    let e = b
+        .adopt_node(&stack, &[pulled(&b, a_layers[0], 'a')], &changed)
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::AlreadyExists, "{e}");
+    let back = b
+        .adopt_node(
+            &stack,
+            &[pulled(&b, a_layers[0], 'a')],
+            &adopt_node_of(&child, &ga),
+        )
+        .unwrap();
+    assert!(back.created && !back.node.pruned, "{back:?}");
+    assert_eq!(
+        (back.node.id.as_str(), back.new_layers.len()),
+        (child.id.as_str(), 1)
+    );
+    assert_eq!(
+        std::fs::read(b.layer_path(back.layers[0]).join("x.txt")).unwrap(),
+        b"x.txt"
+    );
+    assert!(b.gc(&[]).unwrap().layers.is_empty(), "its lease keeps it");
+    let owner = Owner::Sandbox { name: "b2".into() };
+    b.start_attempt(&child.id, &owner, None).unwrap();
+    assert_eq!(pulls_staged(&b), 0);
+    let f = b.fsck(false).unwrap();
+    assert!(f.problems.is_empty(), "{:?}", f.problems);
 }
 
 /// Concurrent pulls of one node, from threads and from a second store
