@@ -450,6 +450,16 @@ mod tests {
         assert!(vb.lookup(b"d/old").unwrap().is_none(), "d is opaque");
         assert_eq!(vb.read_regular(b"d/new").unwrap().unwrap(), b"new\n");
         assert_eq!(vb.read_regular(b"y.txt").unwrap().unwrap(), b"y\n");
+        // Promoted onto a branch, its layers are that branch's history.
+        match b.node_promote(&c2.id, "main", None).await.unwrap() {
+            crate::Promoted::FastForward { .. } => {}
+            other => panic!("{other:?}"),
+        }
+        let log = b.store().log(&stack, "main").unwrap();
+        assert_eq!(
+            log.iter().map(|e| e.layer).collect::<Vec<_>>(),
+            got.layers.iter().rev().copied().collect::<Vec<_>>()
+        );
         let c3 = child(&b, &c2.id, "c3", "{}", |u| {
             std::fs::write(u.join("z.txt"), b"z\n").unwrap();
         })
