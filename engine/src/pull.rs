@@ -82,7 +82,10 @@ impl Engine {
     /// `InvalidArgument`) or that cannot be staged; `InvalidArgument` when a
     /// blob's tar is not its diff ID; `Run` when its path index cannot be
     /// captured; `Store(AlreadyExists)` for a node of this id with other
-    /// content, and what `Store::adopt_node` refuses. Nothing is kept.
+    /// content, and what `Store::adopt_node` refuses. Nothing is kept. A
+    /// layer [`Engine::held_layers`] found that GC collects before the commit
+    /// (nothing pinned it) fails it too (`Store(LayerNotFound)`,
+    /// `Store(FailedPrecondition)`): ask again and pull that blob.
     pub fn adopt_pulled_node(
         &self,
         stack: &str,
