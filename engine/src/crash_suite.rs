@@ -267,8 +267,8 @@ pub(super) async fn run_op(
                 id: "n0123456789abcdef".into(),
                 group: layerstack_store::AdoptGroup {
                     name: "pulled".into(),
-                    branch: "main".into(),
-                    root: "n0123456789abcdef".into(),
+                    branch: None,
+                    root: None,
                 },
                 kind: layerstack_store::NodeKind::Checkpoint,
                 state: "{}".into(),

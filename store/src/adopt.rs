@@ -82,11 +82,14 @@ pub struct AdoptLayer {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AdoptGroup {
     pub name: String,
-    /// The branch its root was taken from (attempts' sessions name it).
-    pub branch: String,
+    /// The branch its root was taken from (attempts' sessions name it);
+    /// `None`: the store's default branch, when the group is made here.
+    pub branch: Option<String>,
     /// Its root node's id (in the store the node came from; this store may
-    /// not hold it).
-    pub root: String,
+    /// not hold it). Given, a group of this name here must have this root;
+    /// `None`: any group of this name on the stack is the node's, and one
+    /// made here has the node itself as its root.
+    pub root: Option<String>,
 }
 
 /// A node made by another store.
@@ -113,8 +116,8 @@ impl AdoptNode {
             id: node.id.clone(),
             group: AdoptGroup {
                 name: group.name.clone(),
-                branch: group.branch.clone(),
-                root: group.root.clone(),
+                branch: Some(group.branch.clone()),
+                root: Some(group.root.clone()),
             },
             kind: node.kind,
             state: node.state.clone(),
@@ -433,10 +436,16 @@ impl Store {
             // revived node keeps its own).
             match get_group(tx, &node.group.name) {
                 _ if revive.is_some() => {}
-                Ok(g) if g.stack != stack || g.root != node.group.root => {
+                Ok(g)
+                    if g.stack != stack
+                        || node.group.root.as_ref().is_some_and(|r| *r != g.root) =>
+                {
                     return Err(StoreError::FailedPrecondition(format!(
                         "graph {:?} exists here on stack {} with root {}, the pulled node's graph is on stack {stack} with root {}: pull it into a graph of another name",
-                        g.name, g.stack, g.root, node.group.root
+                        g.name,
+                        g.stack,
+                        g.root,
+                        node.group.root.as_deref().unwrap_or("(not given)")
                     )));
                 }
                 Ok(_) => {}
@@ -444,7 +453,13 @@ impl Store {
                     crate::graph::validate_group_name(&node.group.name)?;
                     tx.exec(
                         "INSERT INTO graph_groups(name, stack, branch, root, created_ns) VALUES (?1, ?2, ?3, ?4, ?5)",
-                        params![node.group.name, stack, node.group.branch, node.group.root, now_ns()],
+                        params![
+                            node.group.name,
+                            stack,
+                            node.group.branch.as_deref().unwrap_or(&self.default_branch),
+                            node.group.root.as_deref().unwrap_or(&node.id),
+                            now_ns()
+                        ],
                     )?;
                 }
                 Err(e) => return Err(e),

@@ -3234,7 +3234,7 @@ fn a_node_of_another_store_is_adopted_once_with_its_id_and_layers() {
     // …a graph of the same name with another root…
     let mut foreign = adopt_node_of(&child, &ga);
     foreign.id = "n00000000000000bb".into();
-    foreign.group.root = "n0000000000000000".into();
+    foreign.group.root = Some("n0000000000000000".into());
     let e = b
         .adopt_node(&stack, &[pulled(&b, a_layers[0], 'a')], &foreign)
         .unwrap_err();
@@ -3257,7 +3257,7 @@ fn a_node_of_another_store_is_adopted_once_with_its_id_and_layers() {
         tar_size: Some(10240),
         blobs: vec![],
     };
-    foreign.group.root = root.id.clone();
+    foreign.group.root = Some(root.id.clone());
     let e = b.adopt_node(&stack, &[bad], &foreign).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
     assert!(
@@ -3389,4 +3389,51 @@ fn concurrent_adoptions_of_one_node_make_one_node() {
     assert_eq!(pulls_staged(&b), 0);
     let r = b.sweep_with(SweepMode::Cleanup).unwrap();
     assert!(r.removed.is_empty() && r.missing.is_empty(), "{r:?}");
+}
+
+/// A pull that does not know the graph's root and branch (not in the
+/// image's annotations): the group is made with the store's default branch
+/// and the node as its root, and later nodes join it whatever their root.
+#[test]
+fn a_node_adopted_without_its_graphs_root_makes_or_joins_the_graph_by_name() {
+    let (da, db) = (tmp(), tmp());
+    let (a, stack) = imported(da.path());
+    let (b, _) = imported(db.path());
+    let (ga, root) = a.create_group("task", &stack, "main", None).unwrap();
+    let one = checkpoint_child(&a, &root.id, "one.txt", "{}");
+    let two = checkpoint_child(&a, &root.id, "two.txt", "{}");
+    let staged = |n: &NodeInfo| {
+        let l =
+            a.db.read(|c| crate::stacks::manifest_layers(c, n.manifest))
+                .unwrap()[0];
+        AdoptLayer {
+            source: LayerSource::Staged {
+                dir: stage_copy(&b, &a.layer_path(l)),
+                index: a.layer_index(l).unwrap(),
+            },
+            diff_id: format!("sha256:{}", n.id[1..].repeat(4)),
+            tar_size: Some(10240),
+            blobs: vec![],
+        }
+    };
+    let unknown = |n: &NodeInfo| {
+        let mut x = adopt_node_of(n, &ga);
+        x.group.root = None;
+        x.group.branch = None;
+        x
+    };
+    let first = b
+        .adopt_node(&stack, &[staged(&one)], &unknown(&one))
+        .unwrap();
+    let g = b.node_group(&one.id).unwrap();
+    assert_eq!(
+        (g.name.as_str(), g.root.as_str(), g.branch.as_str()),
+        ("task", one.id.as_str(), "main")
+    );
+    assert!(first.created);
+    let second = b
+        .adopt_node(&stack, &[staged(&two)], &unknown(&two))
+        .unwrap();
+    assert!(second.created);
+    assert_eq!(b.graph("task").unwrap().nodes.len(), 2);
 }
