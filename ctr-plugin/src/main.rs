@@ -186,6 +186,10 @@ pub enum Cmd {
     /// registry lacks are sent; the node's provenance and state go in the
     /// manifest's annotations.
     Push(push::PushArgs),
+    /// Pull a node `layerstack push --node` made from an OCI registry: it
+    /// keeps its id, state and provenance; only the layers this store lacks
+    /// are downloaded.
+    Pull(push::PullArgs),
     /// Bases made without containerd: `base import` a directory tree, a layer
     /// tar or an OCI image layout as a stack.
     Base {
@@ -285,6 +289,7 @@ async fn main() -> ExitCode {
         } => run::close_cmd(&cli, a.clone()).await,
         Cmd::Export(a) => export::run(&cli.admin_address, &cli.namespace, a).await,
         Cmd::Push(ref a) => push::run(&cli, a.clone()).await,
+        Cmd::Pull(ref a) => push::pull(&cli, a.clone()).await,
         Cmd::Base { cmd } => base::run(&cli.admin_address, cmd).await,
         Cmd::History(h) => history::run(&cli.admin_address, &cli.namespace, h).await,
         Cmd::Inspect(i) => inspect::run(&cli.admin_address, &cli.namespace, i).await,

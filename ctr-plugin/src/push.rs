@@ -145,3 +145,65 @@ pub async fn run(cli: &crate::Cli, a: PushArgs) -> Result<ExitCode> {
     }
     Ok(ExitCode::SUCCESS)
 }
+
+/// `layerstack pull`.
+#[derive(Debug, Clone, Args)]
+pub struct PullArgs {
+    /// REGISTRY[:PORT]/REPOSITORY[:TAG] or …@sha256:<hex>: an image
+    /// `layerstack push --node` made.
+    pub reference: String,
+    #[command(flatten)]
+    pub auth: AuthArgs,
+    /// Print the result as one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Runs `layerstack pull`.
+pub async fn pull(cli: &crate::Cli, a: PullArgs) -> Result<ExitCode> {
+    let auth = auth_for(&a.auth, &a.reference)?;
+    let mut c = crate::connect(&cli.admin_address).await?;
+    let r = c
+        .pull(api::PullRequest {
+            reference: a.reference.clone(),
+            auth,
+        })
+        .await?
+        .into_inner();
+    if a.json {
+        println!(
+            "{}",
+            json!({
+                "node": r.node,
+                "stack": r.stack,
+                "graph": r.graph,
+                "manifest_digest": r.manifest_digest,
+                "created": r.created,
+                "base_imported": r.base_imported,
+                "layers": r.layers,
+                "layers_fetched": r.layers_fetched,
+                "layers_reused": r.layers_reused,
+                "bytes_fetched": r.bytes_fetched,
+                "missing_parents": r.missing_parents,
+            })
+        );
+    } else {
+        println!(
+            "{} node {} of graph {} ({}): {} layers, {} fetched ({} bytes), {} here already{}",
+            if r.created { "pulled" } else { "already had" },
+            r.node,
+            r.graph,
+            r.stack,
+            r.layers,
+            r.layers_fetched,
+            r.bytes_fetched,
+            r.layers_reused,
+            if r.base_imported {
+                "; base imported"
+            } else {
+                ""
+            }
+        );
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -350,6 +350,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
         }
         Cmd::Export(_)
         | Cmd::Push(_)
+        | Cmd::Pull(_)
         | Cmd::Base { .. }
         | Cmd::History(_)
         | Cmd::Inspect(_)

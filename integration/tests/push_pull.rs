@@ -4,7 +4,11 @@
 //! (manifest, config with one diff ID per layer, the node's provenance and
 //! state in the annotations); a second push after one more layer sends only
 //! that layer's blob (and the new config), counted in the registry's access
-//! log.
+//! log. A second daemon with an empty store pulls the node: the imported base
+//! comes from the image, the node keeps its id, state and graph, a session
+//! on it sees its files; a pull again copies nothing; a pull of its parent
+//! reuses the layer it already holds; a child made there and pushed sends
+//! only its own layer — the pulled layers are the same blobs.
 //!
 //! Needs root (fails under `CI=true` without it), `/bin/busybox` (static) and
 //! `docker-registry` (scripts/install-deps.sh); no containerd.
@@ -176,6 +180,24 @@ fn scenario(dir: &Path, reg: &TestRegistry, d: &Daemon) -> Result<()> {
     ensure!(state["reward"] == 0.5, "{ann}");
     ensure!(mv["layers"].as_array().map(Vec::len) == Some(3), "{mv}");
 
+    // A second daemon, an empty store: pull n2.
+    let dir_b = dir.join("b");
+    std::fs::create_dir_all(&dir_b)?;
+    let cfg = config_toml(&dir_b, reg)?;
+    let mut b = Daemon::start_at_with(
+        &dir_b.join("s/snapshotter.sock"),
+        &dir_b.join("s/containerd.sock"),
+        &dir_b.join("root"),
+        &["--config", cfg.to_str().context("utf-8")?],
+        true,
+    )?;
+    let r = pulled_elsewhere(dir, &dir_b, reg, &b, &stack, &n1, &n2, &p2);
+    if r.is_err() {
+        b.dump_log();
+    }
+    b.stop();
+    r?;
+
     // Refusals name what is wrong.
     let o = d.layerstack(&[
         "push",
@@ -193,6 +215,99 @@ fn scenario(dir: &Path, reg: &TestRegistry, d: &Daemon) -> Result<()> {
         "--node",
         "n-no-such",
     ])?;
+    ensure!(!o.status.success(), "{o:?}");
+    Ok(())
+}
+
+fn pull(d: &Daemon, reference: &str) -> Result<Value> {
+    let o = d.layerstack(&["pull", reference, "--json"])?;
+    ensure!(
+        o.status.success(),
+        "pull {reference}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    json_of(&o)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn pulled_elsewhere(
+    _dir: &Path,
+    dir_b: &Path,
+    reg: &TestRegistry,
+    b: &Daemon,
+    stack: &str,
+    n1: &str,
+    n2: &str,
+    p2: &Value,
+) -> Result<()> {
+    let r2 = format!("{}/layerstack/task:n2", reg.host());
+    let got = pull(b, &r2)?;
+    ensure!(
+        got["node"] == n2 && got["created"] == true && got["base_imported"] == true,
+        "{got}"
+    );
+    ensure!(got["stack"] == stack && got["graph"] == "g", "{got}");
+    ensure!(
+        got["layers"] == 2 && got["layers_fetched"] == 2 && got["layers_reused"] == 0,
+        "{got}"
+    );
+    ensure!(got["manifest_digest"] == p2["manifest_digest"], "{got}");
+    ensure!(got["missing_parents"] == serde_json::json!([n1]), "{got}");
+    // The node as the first store made it: its state, its files.
+    let shown = json_of(&ensure_success(
+        "node show",
+        b.layerstack(&["node", "show", n2, "--json"])?,
+    )?)?;
+    ensure!(
+        shown["state"]["reward"] == 0.5 && shown["kind"] == "checkpoint",
+        "{shown}"
+    );
+    let out = dir_b.join("run.json");
+    let o = b.layerstack(&[
+        "session",
+        "run",
+        "--node",
+        n2,
+        "--publish",
+        "never",
+        "--net",
+        "none",
+        "--outcome",
+        out.to_str().context("utf-8")?,
+        "--",
+        "/bin/sh",
+        "-c",
+        "cat /srv/one /srv/two && test ! -e /etc/motd",
+    ])?;
+    ensure!(
+        o.status.success() && stdout(&o) == "one\ntwo\n",
+        "a session on the pulled node: {o:?}"
+    );
+    // Again: nothing is fetched, nothing changes.
+    let again = pull(b, &r2)?;
+    ensure!(
+        again["created"] == false
+            && again["layers_fetched"] == 0
+            && again["base_imported"] == false,
+        "{again}"
+    );
+    // Its parent: the layer it shares with n2 is held already.
+    let p1 = pull(b, &format!("{}/layerstack/task:n1", reg.host()))?;
+    ensure!(
+        p1["node"] == n1
+            && p1["created"] == true
+            && p1["layers_fetched"] == 0
+            && p1["layers_reused"] == 1,
+        "{p1}"
+    );
+    // A child made here and pushed: only its own layer is new to the registry.
+    let n3 = checkpoint(b, dir_b, n2, "echo three > /srv/three")?;
+    let before = reg.blob_uploads_completed()?;
+    let p3 = push(b, &format!("{}/layerstack/task:n3", reg.host()), &n3)?;
+    ensure!(p3["blobs_sent"] == 2 && p3["blobs_present"] == 3, "{p3}");
+    ensure!(reg.blob_uploads_completed()? - before == 2);
+    // An image that is not a node's is refused by name.
+    let o = b.layerstack(&["pull", &format!("{}/layerstack/none:x", reg.host())])?;
     ensure!(!o.status.success(), "{o:?}");
     Ok(())
 }

@@ -450,6 +450,13 @@ impl api::Admin for AdminService {
         self.push(req.into_inner()).await.map(Response::new)
     }
 
+    async fn pull(
+        &self,
+        req: Request<api::PullRequest>,
+    ) -> Result<Response<api::PullResponse>, Status> {
+        self.pull(req.into_inner()).await.map(Response::new)
+    }
+
     async fn close_session(
         &self,
         req: Request<api::CloseSessionRequest>,

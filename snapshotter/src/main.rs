@@ -23,6 +23,7 @@ mod metrics;
 mod notify;
 mod outcomes;
 mod owned;
+mod pull;
 mod push;
 mod rollout;
 mod sandbox;

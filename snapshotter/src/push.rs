@@ -41,6 +41,10 @@ pub mod annotations {
     pub const NODE: &str = "io.layerstack.node";
     /// The node's graph (group) name.
     pub const GRAPH: &str = "io.layerstack.graph";
+    /// The branch the graph's root was taken from.
+    pub const GRAPH_BRANCH: &str = "io.layerstack.graph.branch";
+    /// The graph's root node.
+    pub const GRAPH_ROOT: &str = "io.layerstack.graph.root";
     /// The stack id the image's layers are of.
     pub const STACK: &str = "io.layerstack.stack";
     /// The stack's base digest (its base image's top chainID).
@@ -174,7 +178,13 @@ impl AdminService {
         let node = if r.node.is_empty() {
             None
         } else {
-            Some(self.engine.node(&r.node).await.map_err(engine_status)?)
+            let n = self.engine.node(&r.node).await.map_err(engine_status)?;
+            let g = self
+                .engine
+                .node_group(&r.node)
+                .await
+                .map_err(engine_status)?;
+            Some((n, g))
         };
         let engine = self.engine.clone();
         let holder = format!("push {}", reference.whole());
@@ -216,7 +226,10 @@ impl AdminService {
         export: &Arc<layerstack_engine::Export>,
         staging: &std::path::Path,
         compression: Compression,
-        node: Option<&layerstack_engine::store::NodeInfo>,
+        node: Option<&(
+            layerstack_engine::store::NodeInfo,
+            layerstack_engine::store::GroupInfo,
+        )>,
     ) -> Result<api::PushResponse, Status> {
         let lease = export.lease().clone();
         let mut descriptors = Vec::new();
@@ -288,9 +301,11 @@ impl AdminService {
         ann.insert(annotations::STACK, lease.stack.clone());
         ann.insert(annotations::BASE_DIGEST, lease.base_digest.clone());
         ann.insert(annotations::BASE_LAYERS, lease.base_layers.to_string());
-        if let Some(n) = node {
+        if let Some((n, g)) = node {
             ann.insert(annotations::NODE, n.id.clone());
             ann.insert(annotations::GRAPH, n.group.clone());
+            ann.insert(annotations::GRAPH_BRANCH, g.branch.clone());
+            ann.insert(annotations::GRAPH_ROOT, g.root.clone());
             ann.insert(annotations::KIND, n.kind.as_str().to_string());
             ann.insert(annotations::PARENTS, n.parents.join(","));
             ann.insert(annotations::STATE, n.state.clone());
@@ -336,7 +351,7 @@ impl AdminService {
         info!(
             reference = %reference.whole(),
             manifest = %digest,
-            node = node.map(|n| n.id.as_str()).unwrap_or(""),
+            node = node.map(|(n, _)| n.id.as_str()).unwrap_or(""),
             layers = lease.layers.len(),
             blobs_sent = sent,
             blobs_present = present,
@@ -346,7 +361,7 @@ impl AdminService {
         Ok(api::PushResponse {
             reference: reference.whole(),
             manifest_digest: digest,
-            node: node.map(|n| n.id.clone()).unwrap_or_default(),
+            node: node.map(|(n, _)| n.id.clone()).unwrap_or_default(),
             stack: lease.stack.clone(),
             layers: lease.layers.len() as u32,
             blobs_sent: sent,

@@ -56,7 +56,8 @@ impl NodeKind {
         }
     }
 
-    fn parse(s: &str) -> Option<Self> {
+    /// The kind named `s` ([`NodeKind::as_str`]).
+    pub fn parse(s: &str) -> Option<Self> {
         Some(match s {
             "root" => Self::Root,
             "checkpoint" => Self::Checkpoint,

@@ -1,0 +1,369 @@
+//! The admin RPC `Pull`: a node another daemon pushed (`crate::push`) becomes
+//! a node of this store, with its id, state and provenance (issue 23;
+//! docs/architecture.md "Push and pull").
+//!
+//! ```text
+//! manifest (by tag or digest) → its io.layerstack.* annotations: node, graph,
+//!   stack, base layers, kind, parents, state, provenance
+//! config blob → rootfs.diff_ids (one per layer)
+//! stack missing: an imported base (import:<diff ID of its one layer>) is
+//!   imported from the base layer's blob; another is refused, named
+//! held layers (engine held_layers: same diff ID on this stack) → not fetched
+//! the other blobs → staging files (digest and size checked while written)
+//! engine adopt_pulled_node: applied in overlay format, diff ID checked, index
+//!   captured, then one transaction adopting the node (store adopt_node)
+//! ```
+
+use std::collections::BTreeMap;
+
+use layerstack_api as api;
+use layerstack_engine::publisher::ImportKind;
+use layerstack_engine::store::{
+    AdoptGroup, AdoptNode, BlobCompression, BlobRef, NodeKind, Provenance,
+};
+use layerstack_engine::{ImportRequest, PulledContent, PulledLayer};
+use layerstack_registry::parse_reference;
+use serde_json::Value;
+use tonic::Status;
+use tracing::info;
+
+use crate::admin::{engine_status, AdminService};
+use crate::push::{annotations as ann, registries, registry_status};
+
+/// Largest image config a pull reads (bytes).
+const MAX_CONFIG_BYTES: u64 = 4 << 20;
+
+/// A layer descriptor of a pulled manifest.
+struct Descriptor {
+    media_type: String,
+    digest: String,
+    size: u64,
+}
+
+fn bad_image(reference: &str, why: impl std::fmt::Display) -> Status {
+    Status::invalid_argument(format!(
+        "{reference} is not an image `layerstack push --node` made: {why}"
+    ))
+}
+
+fn compression_of(media_type: &str) -> BlobCompression {
+    if media_type.ends_with("+zstd") {
+        BlobCompression::Zstd
+    } else if media_type.ends_with("+gzip") || media_type.ends_with(".tar.gzip") {
+        BlobCompression::Gzip
+    } else if media_type.ends_with(".tar") {
+        BlobCompression::None
+    } else {
+        BlobCompression::Gzip
+    }
+}
+
+fn descriptors(reference: &str, v: &Value) -> Result<Vec<Descriptor>, Status> {
+    let layers = v["layers"]
+        .as_array()
+        .ok_or_else(|| bad_image(reference, "its manifest has no layers"))?;
+    layers
+        .iter()
+        .map(|l| {
+            Ok(Descriptor {
+                media_type: l["mediaType"].as_str().unwrap_or_default().to_string(),
+                digest: l["digest"]
+                    .as_str()
+                    .ok_or_else(|| bad_image(reference, "a layer without a digest"))?
+                    .to_string(),
+                size: l["size"]
+                    .as_u64()
+                    .ok_or_else(|| bad_image(reference, "a layer without a size"))?,
+            })
+        })
+        .collect()
+}
+
+impl AdminService {
+    pub(crate) async fn pull(&self, r: api::PullRequest) -> Result<api::PullResponse, Status> {
+        let reference = parse_reference(&r.reference).map_err(|e| registry_status(&e))?;
+        let whole = reference.whole();
+        let regs = registries(self)?;
+        let creds = regs.credentials(r.auth.as_ref(), &reference)?;
+        let client = regs.client();
+        let m = client
+            .pull_manifest(&reference, &creds)
+            .await
+            .map_err(|e| registry_status(&e))?;
+        let v: Value = serde_json::from_slice(&m.body)
+            .map_err(|e| bad_image(&whole, format!("its manifest is not JSON ({e})")))?;
+        if v.get("manifests").is_some() {
+            return Err(bad_image(&whole, "it is an index, not an image manifest"));
+        }
+        let a: BTreeMap<String, String> = v["annotations"]
+            .as_object()
+            .map(|o| {
+                o.iter()
+                    .filter_map(|(k, v)| v.as_str().map(|s| (k.clone(), s.to_string())))
+                    .collect()
+            })
+            .unwrap_or_default();
+        let get = |k: &str| a.get(k).cloned().unwrap_or_default();
+        let node_id = get(ann::NODE);
+        if node_id.is_empty() {
+            return Err(bad_image(
+                &whole,
+                "its manifest has no io.layerstack.node annotation",
+            ));
+        }
+        let stack = get(ann::STACK);
+        let base_layers: usize = get(ann::BASE_LAYERS)
+            .parse()
+            .map_err(|_| bad_image(&whole, "io.layerstack.base-layers is not a number"))?;
+        let layers = descriptors(&whole, &v)?;
+        if stack.is_empty() || base_layers > layers.len() {
+            return Err(bad_image(
+                &whole,
+                "its stack or base layer count is missing or wrong",
+            ));
+        }
+        let kind = NodeKind::parse(&get(ann::KIND)).ok_or_else(|| {
+            bad_image(
+                &whole,
+                "io.layerstack.node.kind is not root, checkpoint or merge",
+            )
+        })?;
+        let labels: BTreeMap<String, String> = match a.get(ann::LABELS) {
+            Some(s) => serde_json::from_str(s)
+                .map_err(|e| bad_image(&whole, format!("io.layerstack.node.labels: {e}")))?,
+            None => BTreeMap::new(),
+        };
+        let node = AdoptNode {
+            id: node_id.clone(),
+            group: AdoptGroup {
+                name: get(ann::GRAPH),
+                branch: a.get(ann::GRAPH_BRANCH).cloned().filter(|b| !b.is_empty()),
+                root: a.get(ann::GRAPH_ROOT).cloned().filter(|b| !b.is_empty()),
+            },
+            kind,
+            state: a.get(ann::STATE).cloned().unwrap_or_else(|| "{}".into()),
+            parents: get(ann::PARENTS)
+                .split(',')
+                .filter(|p| !p.is_empty())
+                .map(String::from)
+                .collect(),
+            provenance: Provenance {
+                command: a.get(ann::COMMAND).cloned(),
+                labels,
+                exit_status: a.get(ann::EXIT_STATUS).and_then(|x| x.parse().ok()),
+                private_bytes: None,
+            },
+            created_ns: get(ann::CREATED_NS).parse().unwrap_or(0),
+        };
+        if node.group.name.is_empty() {
+            return Err(bad_image(
+                &whole,
+                "its manifest has no io.layerstack.graph annotation",
+            ));
+        }
+
+        let engine = self.engine.clone();
+        let (staging, guard) =
+            tokio::task::spawn_blocking(move || engine.staging_dir("pull-blobs"))
+                .await
+                .map_err(|e| Status::internal(format!("pull task failed: {e}")))?
+                .map_err(engine_status)?;
+        let result = self
+            .pull_into(
+                &reference,
+                &creds,
+                &m.digest,
+                &v,
+                layers,
+                base_layers,
+                &stack,
+                node,
+                &staging,
+            )
+            .await;
+        tokio::task::spawn_blocking(move || {
+            let _ = std::fs::remove_dir_all(&staging);
+            drop(guard);
+        });
+        result
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn pull_into(
+        &self,
+        reference: &layerstack_registry::Reference,
+        creds: &layerstack_registry::Credentials,
+        manifest_digest: &str,
+        manifest: &Value,
+        layers: Vec<Descriptor>,
+        base_layers: usize,
+        stack: &str,
+        node: AdoptNode,
+        staging: &std::path::Path,
+    ) -> Result<api::PullResponse, Status> {
+        let whole = reference.whole();
+        let client = registries(self)?;
+        let client = client.client();
+        let mut bytes_fetched = 0u64;
+        // The config: one diff ID per layer.
+        let cfg_digest = manifest["config"]["digest"]
+            .as_str()
+            .ok_or_else(|| bad_image(&whole, "its manifest has no config"))?;
+        let cfg_size = manifest["config"]["size"].as_u64().unwrap_or(0);
+        if cfg_size > MAX_CONFIG_BYTES {
+            return Err(bad_image(&whole, format!("its config is {cfg_size} bytes")));
+        }
+        let cfg_path = staging.join("config");
+        client
+            .pull_blob_to_file(reference, creds, cfg_digest, cfg_size, &cfg_path)
+            .await
+            .map_err(|e| registry_status(&e))?;
+        bytes_fetched += cfg_size;
+        let cfg: Value = serde_json::from_slice(
+            &tokio::fs::read(&cfg_path)
+                .await
+                .map_err(|e| Status::internal(format!("reading the pulled config: {e}")))?,
+        )
+        .map_err(|e| bad_image(&whole, format!("its config is not JSON ({e})")))?;
+        let diff_ids: Vec<String> = cfg["rootfs"]["diff_ids"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|d| d.as_str().map(String::from))
+                    .collect()
+            })
+            .unwrap_or_default();
+        if diff_ids.len() != layers.len() {
+            return Err(bad_image(
+                &whole,
+                format!("{} diff IDs for {} layers", diff_ids.len(), layers.len()),
+            ));
+        }
+
+        // The stack: here, or an imported base made from the image.
+        let here = self
+            .engine
+            .stacks()
+            .await
+            .map_err(engine_status)?
+            .iter()
+            .any(|s| s.id == stack);
+        let mut base_imported = false;
+        if !here {
+            let importable = stack.starts_with("import:")
+                && base_layers == 1
+                && stack.strip_prefix("import:") == Some(diff_ids[0].as_str());
+            if !importable {
+                return Err(Status::failed_precondition(format!(
+                    "stack {stack} of node {} is not in this store: its base image must be here first (unpack it through containerd with the layerstack snapshotter, or `layerstack base import` it), then pull again",
+                    node.id
+                )));
+            }
+            let base = &layers[0];
+            let path = staging.join("base.tar");
+            client
+                .pull_blob_to_file(reference, creds, &base.digest, base.size, &path)
+                .await
+                .map_err(|e| registry_status(&e))?;
+            bytes_fetched += base.size;
+            let imported = self
+                .engine
+                .import_base(ImportRequest {
+                    path,
+                    kind: ImportKind::Tar,
+                    platform: None,
+                })
+                .await
+                .map_err(engine_status)?;
+            if imported.stack != stack {
+                return Err(Status::invalid_argument(format!(
+                    "the base layer of {whole} imports as stack {}, not the {stack} its annotations name: the image is not what `layerstack push` made",
+                    imported.stack
+                )));
+            }
+            base_imported = true;
+        }
+
+        // The layers above the base: held here, or fetched.
+        let above: Vec<String> = diff_ids[base_layers..].to_vec();
+        let engine = self.engine.clone();
+        let (st, ab) = (stack.to_string(), above.clone());
+        let held = tokio::task::spawn_blocking(move || engine.held_layers(&st, &ab))
+            .await
+            .map_err(|e| Status::internal(format!("pull task failed: {e}")))?
+            .map_err(engine_status)?;
+        let mut pulled = Vec::with_capacity(above.len());
+        let (mut fetched, mut reused) = (0u32, 0u32);
+        for (i, (d, h)) in layers[base_layers..].iter().zip(&held).enumerate() {
+            let diff_id = above[i].clone();
+            let blobs = vec![BlobRef {
+                compression: compression_of(&d.media_type),
+                digest: d.digest.clone(),
+                size: d.size,
+            }];
+            let origin = format!(
+                "layer {}/{} ({}) of {whole}",
+                base_layers + i + 1,
+                layers.len(),
+                d.digest
+            );
+            let content = match h {
+                Some(id) => {
+                    reused += 1;
+                    PulledContent::Held(*id)
+                }
+                None => {
+                    let path = staging.join(format!("layer-{i}"));
+                    client
+                        .pull_blob_to_file(reference, creds, &d.digest, d.size, &path)
+                        .await
+                        .map_err(|e| registry_status(&e))?;
+                    bytes_fetched += d.size;
+                    fetched += 1;
+                    let f = std::fs::File::open(&path).map_err(|e| {
+                        Status::internal(format!("cannot open {}: {e}", path.display()))
+                    })?;
+                    PulledContent::Blob(Box::new(std::io::BufReader::new(f)))
+                }
+            };
+            pulled.push(PulledLayer {
+                diff_id,
+                blobs,
+                content,
+                origin,
+            });
+        }
+        let engine = self.engine.clone();
+        let st = stack.to_string();
+        let graph = node.group.name.clone();
+        let adopted =
+            tokio::task::spawn_blocking(move || engine.adopt_pulled_node(&st, pulled, &node))
+                .await
+                .map_err(|e| Status::internal(format!("pull task failed: {e}")))?
+                .map_err(engine_status)?;
+        info!(
+            reference = %whole,
+            node = %adopted.node.id,
+            created = adopted.created,
+            layers = above.len(),
+            fetched,
+            reused,
+            base_imported,
+            bytes_fetched,
+            "pulled"
+        );
+        Ok(api::PullResponse {
+            node: adopted.node.id.clone(),
+            stack: stack.to_string(),
+            graph,
+            manifest_digest: manifest_digest.to_string(),
+            created: adopted.created,
+            base_imported,
+            layers: above.len() as u32,
+            layers_fetched: fetched,
+            layers_reused: reused,
+            bytes_fetched,
+            missing_parents: adopted.missing_parents,
+        })
+    }
+}
