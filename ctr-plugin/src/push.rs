@@ -128,6 +128,7 @@ pub async fn run(cli: &crate::Cli, a: PushArgs) -> Result<ExitCode> {
                 "blobs_present": r.blobs_present,
                 "bytes_sent": r.bytes_sent,
                 "diff_ids": r.diff_ids,
+                "layers_packed": r.layers_packed,
             })
         );
     } else {

@@ -278,6 +278,17 @@ impl Engine {
         Ok(self.store().staging_dir(purpose)?)
     }
 
+    /// Records that layer `blob.layer` is the blob `blob` names (a pull that
+    /// imported a base from an image's layer knows its digest, diff ID and
+    /// size): a later push asks the registry for it before compressing
+    /// anything. Blocking.
+    ///
+    /// # Errors
+    /// `Store(…)` (an unknown layer, a malformed digest).
+    pub fn record_layer_blob(&self, blob: &layerstack_store::LayerBlob) -> Result<(), EngineError> {
+        Ok(self.store().record_layer_blob(blob)?)
+    }
+
     /// Pins what `source` shows for an export (`holder`: who asked, for the
     /// lease row) and lists the image's layers; see the module docs. Blocking.
     ///

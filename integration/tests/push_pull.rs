@@ -123,7 +123,7 @@ fn scenario(dir: &Path, reg: &TestRegistry, d: &Daemon) -> Result<()> {
     // The same node again: nothing new is sent.
     let again = push(d, &reference, &n1)?;
     ensure!(
-        again["blobs_sent"] == 0 && again["blobs_present"] == 3,
+        again["blobs_sent"] == 0 && again["blobs_present"] == 3 && again["layers_packed"] == 0,
         "{again}"
     );
     ensure!(
@@ -135,7 +135,10 @@ fn scenario(dir: &Path, reg: &TestRegistry, d: &Daemon) -> Result<()> {
     // One more layer: only its blob and the new config are sent.
     let p2 = push(d, &format!("{}/layerstack/task:n2", reg.host()), &n2)?;
     ensure!(
-        p2["layers"] == 3 && p2["blobs_sent"] == 2 && p2["blobs_present"] == 2,
+        p2["layers"] == 3
+            && p2["blobs_sent"] == 2
+            && p2["blobs_present"] == 2
+            && p2["layers_packed"] == 1,
         "{p2}"
     );
     let after2 = reg.blob_uploads_completed()?;
@@ -304,7 +307,10 @@ fn pulled_elsewhere(
     let n3 = checkpoint(b, dir_b, n2, "echo three > /srv/three")?;
     let before = reg.blob_uploads_completed()?;
     let p3 = push(b, &format!("{}/layerstack/task:n3", reg.host()), &n3)?;
-    ensure!(p3["blobs_sent"] == 2 && p3["blobs_present"] == 3, "{p3}");
+    ensure!(
+        p3["blobs_sent"] == 2 && p3["blobs_present"] == 3 && p3["layers_packed"] == 1,
+        "{p3}"
+    );
     ensure!(reg.blob_uploads_completed()? - before == 2);
     // An image that is not a node's is refused by name.
     let o = b.layerstack(&["pull", &format!("{}/layerstack/none:x", reg.host())])?;

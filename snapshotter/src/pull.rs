@@ -282,6 +282,19 @@ impl AdminService {
                 )));
             }
             base_imported = true;
+            // The base layer is that blob: a push from here finds it recorded.
+            let engine = self.engine.clone();
+            let blob = layerstack_engine::store::LayerBlob {
+                layer: imported.layer,
+                compression: compression_of(&base.media_type),
+                digest: base.digest.clone(),
+                diff_id: diff_ids[0].clone(),
+                size: base.size,
+            };
+            tokio::task::spawn_blocking(move || engine.record_layer_blob(&blob))
+                .await
+                .map_err(|e| Status::internal(format!("pull task failed: {e}")))?
+                .map_err(engine_status)?;
         }
 
         // The layers above the base: held here, or fetched.

@@ -235,7 +235,34 @@ impl AdminService {
         let mut descriptors = Vec::new();
         let mut diff_ids = Vec::new();
         let (mut sent, mut present, mut bytes_sent) = (0u32, 0u32, 0u64);
+        let (mut packed, mut cached) = (0u32, 0u32);
         for (i, _) in lease.layers.iter().enumerate() {
+            // A blob an earlier export, push or pull recorded for the layer:
+            // when the registry has it, nothing is read or compressed.
+            let ex = export.clone();
+            let recorded = tokio::task::spawn_blocking(move || ex.recorded_blob(i, compression))
+                .await
+                .map_err(|e| Status::internal(format!("push task failed: {e}")))?
+                .map_err(engine_status)?;
+            if let Some(b) = recorded {
+                if regs
+                    .client()
+                    .blob_exists(reference, creds, &b.digest)
+                    .await
+                    .map_err(|e| registry_status(&e))?
+                {
+                    present += 1;
+                    cached += 1;
+                    descriptors.push(json!({
+                        "mediaType": compression.media_type(),
+                        "digest": b.digest,
+                        "size": b.size,
+                    }));
+                    diff_ids.push(b.diff_id);
+                    continue;
+                }
+            }
+            packed += 1;
             let path = staging.join(format!("layer-{i}"));
             let (ex, p) = (export.clone(), path.clone());
             let blob = tokio::task::spawn_blocking(move || {
@@ -355,6 +382,8 @@ impl AdminService {
             layers = lease.layers.len(),
             blobs_sent = sent,
             blobs_present = present,
+            layers_packed = packed,
+            layers_cached = cached,
             bytes_sent,
             "pushed"
         );
@@ -368,6 +397,7 @@ impl AdminService {
             blobs_present: present,
             bytes_sent,
             diff_ids,
+            layers_packed: packed,
         })
     }
 }

@@ -562,7 +562,9 @@ class PushResult:
     image); the ``node`` ("" for a branch head) and its ``stack``; the image's
     ``layers`` (the base's, then the stack's) and how many of their blobs (and
     the config) were sent (``blobs_sent``, ``bytes_sent`` bytes) or were in
-    the registry already (``blobs_present``); ``diff_ids`` oldest first."""
+    the registry already (``blobs_present``); ``diff_ids`` oldest first;
+    ``layers_packed`` the layers this push read and compressed (the others'
+    blobs were recorded by an earlier push, export or pull and present)."""
 
     reference: str
     manifest_digest: str
@@ -573,6 +575,7 @@ class PushResult:
     blobs_present: int
     bytes_sent: int
     diff_ids: Tuple[str, ...]
+    layers_packed: int = 0
 
     @classmethod
     def from_pb(cls, r: pb.PushResponse) -> "PushResult":
@@ -586,6 +589,7 @@ class PushResult:
             blobs_present=r.blobs_present,
             bytes_sent=r.bytes_sent,
             diff_ids=tuple(r.diff_ids),
+            layers_packed=r.layers_packed,
         )
 
 
