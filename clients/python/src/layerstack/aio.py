@@ -70,7 +70,7 @@ from layerstack.fabric import (
     SampleKey,
     end_request,
 )
-from layerstack.types import Graph, Node, PushResult, Session, Status, registry_auth
+from layerstack.types import Graph, Node, PullResult, PushResult, Session, Status, registry_auth
 
 __all__ = ["AsyncClient", "AsyncSandbox", "AsyncFiles", "AsyncRollout", "connect"]
 
@@ -219,6 +219,19 @@ class AsyncClient:
             compression=compression,
         )
         return PushResult.from_pb(await self._call(self._stub.Push, req, timeout_s))
+
+    async def pull(
+        self,
+        reference: str,
+        *,
+        username: Optional[str] = None,
+        password: Optional[str] = None,
+        token: Optional[str] = None,
+        timeout_s: Optional[float] = None,
+    ) -> PullResult:
+        """As :meth:`layerstack.Client.pull`."""
+        req = pb.PullRequest(reference=reference, auth=registry_auth(username, password, token))
+        return PullResult.from_pb(await self._call(self._stub.Pull, req, timeout_s))
 
     async def create_run(self, name: str, graph: str, *, labels: Optional[Mapping[str, str]] = None) -> Run:
         """Run ``name`` over graph ``graph`` (the same again: the run as it is).

@@ -62,6 +62,7 @@ from layerstack.types import (
     Node,
     PathVerdict,
     PromoteResult,
+    PullResult,
     PushResult,
     RunResult,
     Session,
@@ -920,6 +921,29 @@ class Client:
             compression=compression,
         )
         return PushResult.from_pb(self._call(self._stub.Push, req, timeout_s))
+
+    def pull(
+        self,
+        reference: str,
+        *,
+        username: Optional[str] = None,
+        password: Optional[str] = None,
+        token: Optional[str] = None,
+        timeout_s: Optional[float] = None,
+    ) -> PullResult:
+        """Pulls the node :meth:`push` put at ``reference`` (by tag or
+        ``@sha256:`` digest) into this daemon's store, by the daemon: it keeps
+        its id, state, provenance and graph; only the layers this store lacks
+        are downloaded (``PullResult.layers_fetched``); an imported base
+        missing here comes from the image. Credentials as :meth:`push`.
+
+        Raises: InvalidArgumentError (not an image ``push`` of a node made),
+        AlreadyExistsError (a node of that id with other content here),
+        FailedPreconditionError (the stack's base is missing and cannot be made
+        from the image), NotFoundError (no such image), and the registry's
+        errors as :meth:`push`."""
+        req = pb.PullRequest(reference=reference, auth=registry_auth(username, password, token))
+        return PullResult.from_pb(self._call(self._stub.Pull, req, timeout_s))
 
     def prune(self, node: str, *, key: Optional[str] = None) -> List[str]:
         """Prunes ``node``'s subtree (collectable unless leased, a branch or a live

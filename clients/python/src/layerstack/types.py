@@ -33,6 +33,7 @@ __all__ = [
     "PromoteResult",
     "FsckProblem",
     "FsckReport",
+    "PullResult",
     "PushResult",
 ]
 
@@ -590,6 +591,46 @@ class PushResult:
             bytes_sent=r.bytes_sent,
             diff_ids=tuple(r.diff_ids),
             layers_packed=r.layers_packed,
+        )
+
+
+@dataclass(frozen=True)
+class PullResult:
+    """What :meth:`layerstack.Client.pull` did: the ``node`` (its id as the
+    pushing store made it), its ``stack`` and ``graph``, the image's
+    ``manifest_digest``; ``created`` false when the node was here already with
+    the same layers (nothing changed); ``base_imported`` when the stack's
+    imported base came from the image; the node's ``layers`` above the base,
+    ``layers_fetched`` downloaded and ``layers_reused`` held here already (by
+    diff ID); ``bytes_fetched``; ``missing_parents``: parents this store does
+    not hold (no edge was made to them)."""
+
+    node: str
+    stack: str
+    graph: str
+    manifest_digest: str
+    created: bool
+    base_imported: bool
+    layers: int
+    layers_fetched: int
+    layers_reused: int
+    bytes_fetched: int
+    missing_parents: Tuple[str, ...]
+
+    @classmethod
+    def from_pb(cls, r: pb.PullResponse) -> "PullResult":
+        return cls(
+            node=r.node,
+            stack=r.stack,
+            graph=r.graph,
+            manifest_digest=r.manifest_digest,
+            created=r.created,
+            base_imported=r.base_imported,
+            layers=r.layers,
+            layers_fetched=r.layers_fetched,
+            layers_reused=r.layers_reused,
+            bytes_fetched=r.bytes_fetched,
+            missing_parents=tuple(r.missing_parents),
         )
 
 

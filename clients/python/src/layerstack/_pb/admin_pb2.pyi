@@ -47,7 +47,7 @@ class PushRequest(_message.Message):
     def __init__(self, node: _Optional[str] = ..., namespace: _Optional[str] = ..., stack: _Optional[str] = ..., branch: _Optional[str] = ..., reference: _Optional[str] = ..., auth: _Optional[_Union[RegistryAuth, _Mapping]] = ..., compression: _Optional[str] = ...) -> None: ...
 
 class PushResponse(_message.Message):
-    __slots__ = ("reference", "manifest_digest", "node", "stack", "layers", "blobs_sent", "blobs_present", "bytes_sent", "diff_ids")
+    __slots__ = ("reference", "manifest_digest", "node", "stack", "layers", "blobs_sent", "blobs_present", "bytes_sent", "diff_ids", "layers_packed")
     REFERENCE_FIELD_NUMBER: _ClassVar[int]
     MANIFEST_DIGEST_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
@@ -57,6 +57,7 @@ class PushResponse(_message.Message):
     BLOBS_PRESENT_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     DIFF_IDS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_PACKED_FIELD_NUMBER: _ClassVar[int]
     reference: str
     manifest_digest: str
     node: str
@@ -66,7 +67,42 @@ class PushResponse(_message.Message):
     blobs_present: int
     bytes_sent: int
     diff_ids: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, reference: _Optional[str] = ..., manifest_digest: _Optional[str] = ..., node: _Optional[str] = ..., stack: _Optional[str] = ..., layers: _Optional[int] = ..., blobs_sent: _Optional[int] = ..., blobs_present: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., diff_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+    layers_packed: int
+    def __init__(self, reference: _Optional[str] = ..., manifest_digest: _Optional[str] = ..., node: _Optional[str] = ..., stack: _Optional[str] = ..., layers: _Optional[int] = ..., blobs_sent: _Optional[int] = ..., blobs_present: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., diff_ids: _Optional[_Iterable[str]] = ..., layers_packed: _Optional[int] = ...) -> None: ...
+
+class PullRequest(_message.Message):
+    __slots__ = ("reference", "auth")
+    REFERENCE_FIELD_NUMBER: _ClassVar[int]
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    reference: str
+    auth: RegistryAuth
+    def __init__(self, reference: _Optional[str] = ..., auth: _Optional[_Union[RegistryAuth, _Mapping]] = ...) -> None: ...
+
+class PullResponse(_message.Message):
+    __slots__ = ("node", "stack", "graph", "manifest_digest", "created", "base_imported", "layers", "layers_fetched", "layers_reused", "bytes_fetched", "missing_parents")
+    NODE_FIELD_NUMBER: _ClassVar[int]
+    STACK_FIELD_NUMBER: _ClassVar[int]
+    GRAPH_FIELD_NUMBER: _ClassVar[int]
+    MANIFEST_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    CREATED_FIELD_NUMBER: _ClassVar[int]
+    BASE_IMPORTED_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_FETCHED_FIELD_NUMBER: _ClassVar[int]
+    LAYERS_REUSED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FETCHED_FIELD_NUMBER: _ClassVar[int]
+    MISSING_PARENTS_FIELD_NUMBER: _ClassVar[int]
+    node: str
+    stack: str
+    graph: str
+    manifest_digest: str
+    created: bool
+    base_imported: bool
+    layers: int
+    layers_fetched: int
+    layers_reused: int
+    bytes_fetched: int
+    missing_parents: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node: _Optional[str] = ..., stack: _Optional[str] = ..., graph: _Optional[str] = ..., manifest_digest: _Optional[str] = ..., created: _Optional[bool] = ..., base_imported: _Optional[bool] = ..., layers: _Optional[int] = ..., layers_fetched: _Optional[int] = ..., layers_reused: _Optional[int] = ..., bytes_fetched: _Optional[int] = ..., missing_parents: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class FsckRequest(_message.Message):
     __slots__ = ("repair", "content")

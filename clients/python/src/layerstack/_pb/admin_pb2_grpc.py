@@ -334,6 +334,11 @@ class AdminStub:
                 request_serializer=layerstack_dot___pb_dot_admin__pb2.PushRequest.SerializeToString,
                 response_deserializer=layerstack_dot___pb_dot_admin__pb2.PushResponse.FromString,
                 _registered_method=True)
+        self.Pull = channel.unary_unary(
+                '/layerstack.admin.v1.Admin/Pull',
+                request_serializer=layerstack_dot___pb_dot_admin__pb2.PullRequest.SerializeToString,
+                response_deserializer=layerstack_dot___pb_dot_admin__pb2.PullResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -874,6 +879,23 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Pull(self, request, context):
+        """Pull a node another daemon pushed: its image's manifest, config and the
+        blobs of the layers this store does not hold (found by diff ID: a pull
+        of a node whose layers are here downloads none); the node is adopted
+        with its id, state and provenance in one transaction (docs/architecture.md
+        "Push and pull"). A stack whose base is an imported one is imported from
+        the image's base layer when missing; a containerd stack must be here.
+        INVALID_ARGUMENT: not an image `Push` made (no io.layerstack.node
+        annotation), a blob that is not its diff ID; ALREADY_EXISTS: a node of
+        that id with other content; FAILED_PRECONDITION: the stack's base is
+        missing and cannot be made from the image (named); the registry's errors
+        as for Push.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -1176,6 +1198,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Push,
                     request_deserializer=layerstack_dot___pb_dot_admin__pb2.PushRequest.FromString,
                     response_serializer=layerstack_dot___pb_dot_admin__pb2.PushResponse.SerializeToString,
+            ),
+            'Pull': grpc.unary_unary_rpc_method_handler(
+                    servicer.Pull,
+                    request_deserializer=layerstack_dot___pb_dot_admin__pb2.PullRequest.FromString,
+                    response_serializer=layerstack_dot___pb_dot_admin__pb2.PullResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -2798,6 +2825,33 @@ class Admin:
             '/layerstack.admin.v1.Admin/Push',
             layerstack_dot___pb_dot_admin__pb2.PushRequest.SerializeToString,
             layerstack_dot___pb_dot_admin__pb2.PushResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Pull(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/layerstack.admin.v1.Admin/Pull',
+            layerstack_dot___pb_dot_admin__pb2.PullRequest.SerializeToString,
+            layerstack_dot___pb_dot_admin__pb2.PullResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,159 @@
+"""Push and pull (issue 23) from Python: two daemons with empty stores and
+Debian's ``docker-registry`` (distribution 2.8) started privately on
+127.0.0.1. A node checkpointed on the first is pushed (every blob sent),
+pushed again (nothing sent), pulled by the second from the asyncio client
+(the node keeps its id and state; the imported base comes from the image), a
+sandbox on it sees its files, and a pull again fetches nothing.
+
+Needs root, ``busybox`` (busybox-static), ``docker-registry`` and the built
+daemon; skips without them, except with ``CI=true``, where it fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import shutil
+import socket
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator, List, NamedTuple
+
+import pytest
+
+import layerstack
+import layerstack.aio
+from conftest import DAEMON_BIN, _terminate, _wait_for, bin_dir, in_ci
+from test_sandbox import _rootfs
+
+REGISTRY_BIN = "docker-registry"
+
+
+class Env(NamedTuple):
+    dir: Path
+    registry: str
+    admins: List[Path]
+
+
+def _missing() -> List[str]:
+    missing = []
+    if os.geteuid() != 0:
+        missing.append("root (euid 0)")
+    for b in ("busybox", REGISTRY_BIN):
+        if shutil.which(b) is None:
+            missing.append(f"`{b}` on PATH")
+    if not (bin_dir() / DAEMON_BIN).is_file():
+        missing.append(f"{bin_dir() / DAEMON_BIN} (cargo build --workspace --bins)")
+    return missing
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _registry_up(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(scope="module")
+def env() -> Iterator[Env]:
+    missing = _missing()
+    if missing:
+        msg = "push/pull tests need " + ", ".join(missing)
+        if in_ci():
+            pytest.fail("CI=true and " + msg, pytrace=False)
+        pytest.skip(msg)
+    d = Path(tempfile.mkdtemp(prefix="lst-py-reg-", dir=os.environ.get("LAYERSTACK_TEST_TMP", "/var/tmp")))
+    d.chmod(0o755)
+    (d / "owner.pid").write_text(str(os.getpid()))
+    procs: List[subprocess.Popen] = []  # type: ignore[type-arg]
+    try:
+        port = _free_port()
+        (d / "data").mkdir()
+        (d / "registry.yml").write_text(
+            "version: 0.1\nlog:\n  level: info\n"
+            f"storage:\n  filesystem:\n    rootdirectory: {d / 'data'}\n"
+            f"http:\n  addr: 127.0.0.1:{port}\n  secret: {secrets.token_hex(8)}\n"
+        )
+        renv = {k: v for k, v in os.environ.items() if not k.startswith("REGISTRY_")}
+        with open(d / "registry.log", "ab") as f:
+            procs.append(subprocess.Popen([REGISTRY_BIN, "serve", str(d / "registry.yml")],
+                                          stdin=subprocess.DEVNULL, stdout=f, stderr=f, env=renv))
+        _wait_for(REGISTRY_BIN, lambda: _registry_up(port), 30, d / "registry.log")
+        host = f"127.0.0.1:{port}"
+        admins = []
+        for name in ("a", "b"):
+            root = d / name
+            (root / "ls").mkdir(parents=True)
+            (root / "config.toml").write_text(f'[registry]\ninsecure = ["{host}"]\n')
+            admin = root / "ls" / "admin.sock"
+            with open(root / "daemon.log", "ab") as f:
+                p = subprocess.Popen(
+                    [
+                        str(bin_dir() / DAEMON_BIN),
+                        "--config", str(root / "config.toml"),
+                        "--root", str(root / "store"),
+                        "--address", str(root / "ls" / "snap.sock"),
+                        "--admin-address", str(admin),
+                        "--containerd-address", str(root / "ls" / "containerd.sock"),  # none runs
+                        "--metrics-address", "127.0.0.1:0",
+                    ],
+                    stdin=subprocess.DEVNULL, stdout=f, stderr=f,
+                )
+            procs.append(p)
+            _wait_for(DAEMON_BIN, lambda: admin.exists() and p.poll() is None, 30, root / "daemon.log")
+            admins.append(admin)
+        yield Env(d, host, admins)
+    finally:
+        for p in reversed(procs):
+            _terminate(p)
+        subprocess.run(["umount", "-R", "-l", str(d)], capture_output=True)
+        if not os.environ.get("LAYERSTACK_TEST_KEEP"):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_node_pushed_from_one_daemon_is_pulled_into_another(env: Env) -> None:
+    with layerstack.connect(env.admins[0]) as a:
+        stack = a.import_base(_rootfs(env.dir / "rootfs"))
+        root = a.create_graph(f"reg-{os.getpid()}", stack).root
+        with a.sandbox(node=root) as sb:
+            sb.files.write("/work/answer", "42\n")
+            node = sb.close(checkpoint=True, state={"reward": 1.0}).node
+        assert node
+        ref = f"{env.registry}/py/task:{node}"
+        first = a.push(ref, node=node)
+        assert (first.node, first.layers, first.blobs_sent, first.blobs_present) == (node, 2, 3, 0), first
+        assert first.manifest_digest.startswith("sha256:") and len(first.diff_ids) == 2
+        again = a.push(ref, node=node)
+        assert (again.blobs_sent, again.blobs_present, again.layers_packed) == (0, 3, 0), again
+        with pytest.raises(ValueError):
+            a.push(ref)
+        with pytest.raises(layerstack.InvalidArgumentError):
+            a.push(f"{env.registry}/py/task@sha256:{'0' * 64}", node=node)
+
+    async def pull_on_b() -> layerstack.PullResult:
+        async with layerstack.aio.connect(env.admins[1]) as b:
+            got = await b.pull(ref)
+            async with b.sandbox(node=got.node) as sb:
+                assert await sb.files.read("/work/answer") == b"42\n"
+            return got
+
+    got = asyncio.run(pull_on_b())
+    assert (got.node, got.created, got.base_imported, got.layers_fetched) == (node, True, True, 1), got
+    assert got.stack == stack and got.manifest_digest == first.manifest_digest, got
+    with layerstack.connect(env.admins[1]) as b:
+        assert b.show_node(node).state == {"reward": 1.0}
+        again_pulled = b.pull(ref)
+        assert (again_pulled.created, again_pulled.layers_fetched, again_pulled.bytes_fetched > 0) == (False, 0, True)
+        with pytest.raises(layerstack.LayerStackError) as e:
+            b.pull(f"{env.registry}/py/none:x")
+        assert e.value.kind in ("not_found", "invalid_argument"), e.value
