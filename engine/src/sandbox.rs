@@ -436,12 +436,15 @@ impl Engine {
     /// attaching to it (a new run starts when the last one ended). The caller
     /// holds the session's lock.
     ///
-    /// Errors: `InvalidArgument` when the session is not a sandbox session;
+    /// Errors: `InvalidArgument` when the session is not a Mode B sandbox
+    /// session (a WASI session's overlay is the daemon's alone);
     /// `FailedPrecondition` when it was closed; `SessionNotFound`.
     pub async fn sandbox_run_spec(&self, id: SessionId) -> Result<MountSpec, EngineError> {
         self.blocking(move |st| {
             let s = st.session(id)?;
-            if !s.owner.is_sandbox() {
+            // A WASI session's overlay is the daemon's alone: no holder
+            // attaches to it.
+            if !matches!(s.owner, Owner::Sandbox { .. }) {
                 return Err(layerstack_store::StoreError::InvalidArgument(format!(
                     "session {id} belongs to {}, not to a sandbox holder",
                     s.owner.display()
