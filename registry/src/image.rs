@@ -49,26 +49,7 @@ pub fn arch() -> oci::Arch {
 }
 
 /// `ns` since the epoch as RFC 3339 UTC (`2026-12-01T19:43:57Z`).
-pub fn rfc3339(ns: i64) -> String {
-    let secs = ns.div_euclid(1_000_000_000);
-    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
-    // Civil from days (Howard Hinnant's algorithm).
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}Z",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
-}
+pub use layerstack_types::time::rfc3339;
 
 /// `PATH` as containerd's and Docker's defaults set it: the only runtime config
 /// of an exported image whose base image containerd no longer has.

@@ -29,6 +29,7 @@ mod error;
 pub mod labels;
 mod names;
 pub mod policy;
+pub mod time;
 
 pub use error::{error_chain, is_no_space, ErrorKind};
 pub use names::{Interruption, OutcomeKind, OwnerKind, PathStatus, SessionState};
