@@ -146,7 +146,44 @@ fn first_sent(
     }
 }
 
+/// A layer blob compression by name ("" is gzip), or INVALID_ARGUMENT.
+pub(crate) fn compression_of(name: &str) -> Result<Compression, Status> {
+    Compression::parse(name).ok_or_else(|| {
+        Status::invalid_argument(format!(
+            "compression {name:?} is not supported: use gzip or zstd"
+        ))
+    })
+}
+
 impl AdminService {
+    /// What an export or a push reads: graph node `node`, else branch
+    /// `branch` (default: the daemon's) of stack `stack` (an image reference
+    /// of containerd namespace `namespace`, a stack id or a base digest).
+    pub(crate) async fn export_source(
+        &self,
+        node: &str,
+        namespace: &str,
+        stack: &str,
+        branch: &str,
+    ) -> Result<ExportSource, Status> {
+        if node.is_empty() {
+            let stack = self.stack_of(namespace, stack).await?;
+            let branch = if branch.is_empty() {
+                self.engine.default_branch().to_string()
+            } else {
+                branch.to_string()
+            };
+            Ok(ExportSource::Branch { stack, branch })
+        } else {
+            if !stack.is_empty() || !branch.is_empty() {
+                return Err(Status::invalid_argument(
+                    "name either STACK[@BRANCH] or a node (--node), not both",
+                ));
+            }
+            Ok(ExportSource::Node(node.to_string()))
+        }
+    }
+
     /// The base image of the stack in containerd (namespace `ns`, top chainID
     /// `chain`, `layers` base layers; `prefer`: the reference the export named),
     /// or why not. Never longer than [`BASE_LOOKUP_TIMEOUT`].
@@ -189,28 +226,10 @@ impl AdminService {
         &self,
         r: api::ExportRequest,
     ) -> Result<ExportStream, Status> {
-        let compression = Compression::parse(&r.compression).ok_or_else(|| {
-            Status::invalid_argument(format!(
-                "compression {:?} is not supported: use gzip or zstd",
-                r.compression
-            ))
-        })?;
-        let source = if r.node.is_empty() {
-            let stack = self.stack_of(&r.namespace, &r.image).await?;
-            let branch = if r.branch.is_empty() {
-                self.engine.default_branch().to_string()
-            } else {
-                r.branch.clone()
-            };
-            ExportSource::Branch { stack, branch }
-        } else {
-            if !r.image.is_empty() || !r.branch.is_empty() {
-                return Err(Status::invalid_argument(
-                    "name either STACK[@BRANCH] or a node (--node), not both",
-                ));
-            }
-            ExportSource::Node(r.node.clone())
-        };
+        let compression = compression_of(&r.compression)?;
+        let source = self
+            .export_source(&r.node, &r.namespace, &r.image, &r.branch)
+            .await?;
         let engine = self.engine.clone();
         let since = r.since_layer;
         let image = r.image.clone();

@@ -21,7 +21,6 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use layerstack_api as api;
-use layerstack_engine::store::ExportSource;
 use layerstack_engine::Compression;
 use layerstack_registry::image::{canonical_json, config_layer, image_config};
 use layerstack_registry::{
@@ -150,31 +149,13 @@ pub(crate) fn push_reference(s: &str) -> Result<Reference, Status> {
 
 impl AdminService {
     pub(crate) async fn push(&self, r: api::PushRequest) -> Result<api::PushResponse, Status> {
-        let compression = Compression::parse(&r.compression).ok_or_else(|| {
-            Status::invalid_argument(format!(
-                "compression {:?} is not supported: use gzip or zstd",
-                r.compression
-            ))
-        })?;
+        let compression = crate::export::compression_of(&r.compression)?;
         let reference = push_reference(&r.reference)?;
         let regs = registries(self)?;
         let creds = regs.credentials(r.auth.as_ref(), &reference)?;
-        let source = if r.node.is_empty() {
-            let stack = self.stack_of(&r.namespace, &r.stack).await?;
-            let branch = if r.branch.is_empty() {
-                self.engine.default_branch().to_string()
-            } else {
-                r.branch.clone()
-            };
-            ExportSource::Branch { stack, branch }
-        } else {
-            if !r.stack.is_empty() || !r.branch.is_empty() {
-                return Err(Status::invalid_argument(
-                    "name either a node or STACK[@BRANCH], not both",
-                ));
-            }
-            ExportSource::Node(r.node.clone())
-        };
+        let source = self
+            .export_source(&r.node, &r.namespace, &r.stack, &r.branch)
+            .await?;
         let node = if r.node.is_empty() {
             None
         } else {
