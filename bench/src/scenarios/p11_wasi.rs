@@ -183,34 +183,6 @@ fn single(b: &Bench, stack: &str, kind: Kind, digest: &str) -> Result<Phases> {
     Ok(p)
 }
 
-/// Builds `integration/wasm/fsops.c` for wasm32-wasi with clang (as
-/// integration/tests/wasi.rs does) into `out`; the module's bytes.
-fn build_fsops(out: &Path) -> Result<Vec<u8>> {
-    let src = super::p7b_sdk::repo_root().join("integration/wasm/fsops.c");
-    let o = Command::new("clang")
-        .args([
-            "--target=wasm32-wasi",
-            "--sysroot=/usr",
-            "-fuse-ld=lld",
-            "-O2",
-            "-o",
-        ])
-        .arg(out)
-        .arg(&src)
-        .stdin(Stdio::null())
-        .output()
-        .context(
-            "running clang (scripts/install-deps.sh installs clang lld-14 wasi-libc libclang-rt-14-dev-wasm32)",
-        )?;
-    ensure!(
-        o.status.success(),
-        "clang could not build {} for wasm32-wasi (scripts/install-deps.sh installs clang lld-14 wasi-libc libclang-rt-14-dev-wasm32): {}",
-        src.display(),
-        describe(&o)
-    );
-    Ok(std::fs::read(out)?)
-}
-
 /// `layerstack --admin-address … -n bench-p11 ARGS…`, which must succeed.
 fn cli(b: &Bench, args: &[&str]) -> Result<std::process::Output> {
     let o = Command::new(bin_path(CLI_BIN)?)
@@ -406,7 +378,7 @@ pub fn run(b: &Bench, r: &mut ScenarioReport) -> Result<()> {
     // The modules: warm-up runs put them in the daemon's cache (compiled,
     // linked) and give their digests.
     let trivial = wat::parse_str(TRIVIAL_WAT).context("the trivial module's WAT")?;
-    let fsops = build_fsops(&b.env.scratch().join("p11-fsops.wasm"))?;
+    let fsops = layerstack_integration::build_fsops_wasm(&b.env.scratch().join("p11-fsops.wasm"))?;
     let mut c = b.admin();
     let mut warm = |module: Vec<u8>, argv: Vec<String>| -> Result<api::ExecExit> {
         let p = b.rt.block_on(one(
