@@ -337,19 +337,25 @@ fn fan_out(b: &Bench, head: &str, kind: Kind, n: usize, fsops_digest: &str) -> R
     Ok(fan)
 }
 
-/// The `mount_us` of every "WASI session started" line the daemon logged
-/// after byte `from` of its log (info level: the overlay's fsopen … fsmount).
-fn mount_us_since(log: &Path, from: u64) -> Vec<f64> {
+/// The numbers `FIELD=N` of the daemon's log lines holding `marker` logged
+/// after byte `from` of its log: "WASI session started" `mount_us` (info: the
+/// overlay's fsopen … fsmount, µs), "WASI run ended" `wall_ms` (debug: the
+/// module's instantiation and run, ms).
+fn log_field_since(log: &Path, from: u64, marker: &str, field: &str) -> Vec<f64> {
     let Ok(s) = std::fs::read(log) else {
         return Vec::new();
     };
     let s = String::from_utf8_lossy(s.get(from as usize..).unwrap_or_default());
+    let key = format!("{field}=");
     s.lines()
-        .filter(|l| l.contains("WASI session started"))
+        .filter(|l| l.contains(marker))
         .filter_map(|l| {
-            let v = l.split("mount_us=").nth(1)?;
-            let digits: String = v.chars().take_while(char::is_ascii_digit).collect();
-            digits.parse::<f64>().ok()
+            let v = l.split(key.as_str()).nth(1)?;
+            let num: String = v
+                .chars()
+                .take_while(|c| c.is_ascii_digit() || *c == '.')
+                .collect();
+            num.parse::<f64>().ok()
         })
         .collect()
 }
@@ -416,7 +422,8 @@ pub fn run(b: &Bench, r: &mut ScenarioReport) -> Result<()> {
         phases[v].push(p);
         Ok(total)
     })?;
-    let mount_us = mount_us_since(&log, log_from);
+    let mount_us = log_field_since(&log, log_from, "WASI session started", "mount_us");
+    let run_ms = log_field_since(&log, log_from, "WASI run ended", "wall_ms");
 
     // -- one session, back to back, blocks rotating.
     let mut b2b: [Vec<f64>; 2] = [Vec::new(), Vec::new()];
@@ -501,6 +508,15 @@ pub fn run(b: &Bench, r: &mut ScenarioReport) -> Result<()> {
         } else {
             let ms: Vec<f64> = mount_us.iter().map(|u| u / 1000.0).collect();
             format!("{} ({} sessions)", pcts(&ms), ms.len())
+        },
+    ]);
+    t.row(vec![
+        "of exec: the module's instantiation and run (daemon log `wall_ms`, debug)".into(),
+        "–".into(),
+        if run_ms.is_empty() {
+            "not in the log".into()
+        } else {
+            format!("{} ({} runs)", pcts(&run_ms), run_ms.len())
         },
     ]);
     t.row(vec![
@@ -673,7 +689,8 @@ pub fn run(b: &Bench, r: &mut ScenarioReport) -> Result<()> {
         "unit": "ms",
         "variants": ["mode_b", "wasi"],
         "single": { "paused": paused, "back_to_back": b2b, "block_medians": block_medians,
-                    "phases_create_exec_close": [ph(0), ph(1)], "wasi_mount_us": mount_us },
+                    "phases_create_exec_close": [ph(0), ph(1)], "wasi_mount_us": mount_us,
+                    "wasi_run_ms": run_ms },
         "modules": { "trivial": trivial_exit.module_digest, "fsops": fsops_exit.module_digest,
                      "trivial_bytes": trivial.len(), "fsops_bytes": fsops.len() },
         "fan_out": { "n": n, "mode_b": fan_json(m), "wasi": fan_json(w) },
