@@ -36,6 +36,14 @@ const NS: &str = "bench-p11";
 /// Pause before each single-session sample: P7's and P7b's.
 const SETTLE: Duration = Duration::from_millis(150);
 
+/// Fan-out `Exec` calls in flight at once (every session is created at once
+/// and stays live; their runs are admitted this many at a time, the same for
+/// both executors). Measured: with 512 or more WASI runs at once the daemon
+/// deadlocks — each run holds one of tokio's 512 blocking threads and, inside
+/// wasmtime-wasi's synchronous preview1 calls, waits on a `spawn_blocking` of
+/// its own file operation that no free thread will ever run.
+const EXECS_AT_ONCE: usize = 256;
+
 /// A WASI command that does nothing: `_start` returns (exit 0).
 const TRIVIAL_WAT: &str = r#"(module (memory (export "memory") 1) (func (export "_start")))"#;
 
@@ -226,11 +234,20 @@ fn fan_out(b: &Bench, head: &str, kind: Kind, n: usize, fsops_digest: &str) -> R
     };
     let mut fan = Fan::default();
     let c = b.admin();
-    // Phase 1: create + write, all at once.
+    let patience = if b.quick { 60 } else { 600 };
+    let slow = |what: &str| {
+        anyhow::anyhow!(
+            "{kind:?} fan-out: {what} of {n} sessions did not all end within {patience} s \
+             (the daemon may be stuck: see its log and its threads' stacks)"
+        )
+    };
+    let runs = std::sync::Arc::new(tokio::sync::Semaphore::new(EXECS_AT_ONCE));
+    // Phase 1: create + write, all created at once, EXECS_AT_ONCE runs in flight.
     let ran = b.rt.block_on(async {
         let t = Instant::now();
         let mut set = tokio::task::JoinSet::new();
         for i in 0..n {
+            let runs = runs.clone();
             let mut c = c.clone();
             let head = head.to_string();
             let argv = match kind {
@@ -250,6 +267,7 @@ fn fan_out(b: &Bench, head: &str, kind: Kind, n: usize, fsops_digest: &str) -> R
                 let t = Instant::now();
                 let id = create(&mut c, &head, kind).await?;
                 let create_ms = ms_since(t);
+                let _run = runs.acquire().await?;
                 let t = Instant::now();
                 exec(
                     &mut c,
@@ -264,9 +282,15 @@ fn fan_out(b: &Bench, head: &str, kind: Kind, n: usize, fsops_digest: &str) -> R
             });
         }
         let mut v = Vec::with_capacity(n);
-        while let Some(r) = set.join_next().await {
-            v.push(r.context("a fan-out task panicked")??);
-        }
+        let all = async {
+            while let Some(r) = set.join_next().await {
+                v.push(r.context("a fan-out task panicked")??);
+            }
+            anyhow::Ok(())
+        };
+        tokio::time::timeout(Duration::from_secs(patience), all)
+            .await
+            .map_err(|_| slow("the create + write"))??;
         anyhow::Ok((t.elapsed().as_secs_f64(), v))
     })?;
     fan.run_s = ran.0;
@@ -286,9 +310,15 @@ fn fan_out(b: &Bench, head: &str, kind: Kind, n: usize, fsops_digest: &str) -> R
             });
         }
         let mut v = Vec::with_capacity(n);
-        while let Some(r) = set.join_next().await {
-            v.push(r.context("a close task panicked")??);
-        }
+        let all = async {
+            while let Some(r) = set.join_next().await {
+                v.push(r.context("a close task panicked")??);
+            }
+            anyhow::Ok(())
+        };
+        tokio::time::timeout(Duration::from_secs(patience), all)
+            .await
+            .map_err(|_| slow("the publish"))??;
         anyhow::Ok((t.elapsed().as_secs_f64(), v))
     })?;
     fan.publish_s = closed.0;
@@ -639,13 +669,21 @@ pub fn run(b: &Bench, r: &mut ScenarioReport) -> Result<()> {
          `CloseSession` DISCARD; {rounds} rounds of the two in rotating order, each sample \
          after a {} ms pause as in P7/P7b; then {blocks} blocks of {per_block} back to \
          back per variant, rotating. Fan-out: on a new branch per executor, {n} tasks on \
-         one HTTP/2 channel each create a session and run one write (`fsops write \
+         one HTTP/2 channel each create a session (all {n} at once, all live together) and run one write, at most {EXECS_AT_ONCE} `Exec` calls in flight (a daemon deadlock at ≥ 512 concurrent WASI runs, see the notes) (`fsops write \
          /srv/w-I I` / `sh -c 'echo I > /srv/m-I'`), then {n} `CloseSession` PUBLISH at \
          once; every outcome must be committed or merged, and a Mode B session on the \
          squashed head must count {n} files, else the scenario fails. Mode B first, \
          staging drained and the machine settled before each.",
         SETTLE.as_millis()
     );
+    r.notes.push(format!(
+        "The fan-out admits {EXECS_AT_ONCE} `Exec` calls at a time: with all {n} at once (a \
+         first release run) the daemon deadlocked after 5 WASI runs — 512 runs each held one \
+         of tokio's 512 blocking threads (`spawn_blocking` in snapshotter/src/wasi.rs) and \
+         waited, inside wasmtime-wasi's preview1 calls (`in_tokio` → `block_on`), on a blocking \
+         task of its own that no free thread could run. A fix belongs in the daemon (bound the \
+         concurrent WASI runs below the blocking pool, or run them on threads of their own)."
+    ));
     r.time_goes = TIME_GOES.into();
     r.plots.push(PlotSpec {
         file: "p11-wasi.svg".into(),
