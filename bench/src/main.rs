@@ -1,7 +1,8 @@
 //! `layerstack-bench`: LayerStack's benchmarks side by side — start (P1),
 //! fan-out (P2), publish (P3), read path (P4), gate under fan-out (P5), reset
 //! (P6), Mode B session (P7), sandboxes from Python over the API (P7b),
-//! apply isolation (P8), the rollout fabric (P9) — in one run, each figure a ratio against a
+//! apply isolation (P8), the rollout fabric (P9), WASI sessions beside Mode B
+//! (P11) — in one run, each figure a ratio against a
 //! baseline measured in the same run, interleaved. Writes `benchmarks.md`, one
 //! SVG plot per scenario and the raw `results.json`.
 //!
@@ -36,9 +37,9 @@ struct Cli {
     /// Checks that every scenario still runs; its figures are not the published ones.
     #[arg(long)]
     quick: bool,
-    /// Run only these scenarios (`p1`…`p9`, `p7b` or `start`, `fan-out`, `publish`,
-    /// `read-path`, `gate`, `reset`, `mode-b`, `sdk`, `apply-isolation`, `fabric`); repeatable,
-    /// or comma-separated.
+    /// Run only these scenarios (`p1`…`p9`, `p7b`, `p11` or `start`, `fan-out`, `publish`,
+    /// `read-path`, `gate`, `reset`, `mode-b`, `sdk`, `apply-isolation`, `fabric`, `wasi`);
+    /// repeatable, or comma-separated.
     #[arg(long = "scenario", value_delimiter = ',')]
     scenarios: Vec<String>,
     /// Where benchmarks.md and bench/ (plots, results.json) go. Default: the
@@ -69,8 +70,10 @@ fn set_environment() -> Result<String> {
         std::env::set_var("LAYERSTACK_BIN_DIR", &dir);
     }
     // Production-like logging: the harness defaults to debug for the tests.
+    // The WASI module's debug line (one per run: its wall time) feeds P11's
+    // phases table.
     if std::env::var_os("RUST_LOG").is_none() {
-        std::env::set_var("RUST_LOG", "info");
+        std::env::set_var("RUST_LOG", "info,containerd_layerstack_grpc::wasi=debug");
     }
     if std::env::var_os("LAYERSTACK_TEST_CONTAINERD_LOG_LEVEL").is_none() {
         std::env::set_var("LAYERSTACK_TEST_CONTAINERD_LOG_LEVEL", "info");
@@ -142,7 +145,7 @@ fn run() -> Result<bool> {
     .trim()
     .to_string();
     let profiler = profile::Profiler::probe(&layerstack_integration::tmp_base(), !cli.no_profile);
-    // P7 and P7b hold 1,024 sessions live at once; the default cap is 256.
+    // P7, P7b and P11 hold 1,024 sessions live at once; the default cap is 256.
     layerstack_integration::set_daemon_args(&["--sandbox-max-sessions", "2048"]);
     let bench = env::Bench::start(cli.quick, profiler)?;
     let machine = machine::Machine::probe(

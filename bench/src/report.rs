@@ -210,7 +210,7 @@ impl Report {
              milliseconds unless a column says otherwise. Everything runs on a private \
              containerd (own root, state and sockets under `/var/tmp/lst-*`) with the \
              layerstack proxy snapshotter and containerd's built-in `overlayfs` and `native` \
-             snapshotters; containerd logs at `info`, the daemon at `info`. Profiles: `perf \
+             snapshotters; containerd logs at `info`, the daemon at `info` (its WASI runs at `debug`: one line a run). Profiles: `perf \
              record -a -e cpu-clock` (system wide, then only this benchmark's processes \
              counted) during one extra run of the scenario's slowest step; other programs \
              ran on this machine meanwhile, and each profile line says how much CPU they \

@@ -2094,3 +2094,35 @@ pub fn record(id: &str, guarantee: &str, test: &str, figures: serde_json::Value)
     fs::write(&p, serde_json::to_vec_pretty(&v)?)
         .with_context(|| format!("writing {}", p.display()))
 }
+
+/// Builds `integration/wasm/fsops.c` (a WASI command that runs file
+/// operations given as arguments: `write PATH TEXT`, `mkdir PATH`, `cat
+/// PATH`, …) into `out` with Debian's clang for wasm32-wasi, `-O2`; the
+/// module's bytes. Errors: clang missing or failing (the message names the
+/// packages `scripts/install-deps.sh` installs: clang lld-14 wasi-libc
+/// libclang-rt-14-dev-wasm32), `out` unreadable.
+pub fn build_fsops_wasm(out: &Path) -> Result<Vec<u8>> {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("wasm/fsops.c");
+    let o = Command::new("clang")
+        .args([
+            "--target=wasm32-wasi",
+            "--sysroot=/usr",
+            "-fuse-ld=lld",
+            "-O2",
+            "-o",
+        ])
+        .arg(out)
+        .arg(&src)
+        .stdin(Stdio::null())
+        .output()
+        .context(
+            "running clang (apt-get install clang lld-14 wasi-libc libclang-rt-14-dev-wasm32)",
+        )?;
+    anyhow::ensure!(
+        o.status.success(),
+        "clang could not build {} for wasm32-wasi (apt-get install clang lld-14 wasi-libc libclang-rt-14-dev-wasm32): {}",
+        src.display(),
+        String::from_utf8_lossy(&o.stderr)
+    );
+    fs::read(out).with_context(|| format!("reading {}", out.display()))
+}

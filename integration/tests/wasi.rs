@@ -23,7 +23,6 @@
 use std::collections::BTreeMap;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, ensure, Context, Result};
@@ -33,36 +32,10 @@ use serde_json::Value;
 
 type Client = api::AdminClient<tonic::transport::Channel>;
 
-/// Builds `integration/wasm/fsops.c` into `out` with clang for wasm32-wasi.
-fn build_fsops(out: &Path) -> Result<Vec<u8>> {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("wasm/fsops.c");
-    let o = Command::new("clang")
-        .args([
-            "--target=wasm32-wasi",
-            "--sysroot=/usr",
-            "-fuse-ld=lld",
-            "-O2",
-            "-o",
-        ])
-        .arg(out)
-        .arg(&src)
-        .output()
-        .context(
-            "running clang (apt-get install clang lld-14 wasi-libc libclang-rt-14-dev-wasm32)",
-        )?;
-    ensure!(
-        o.status.success(),
-        "clang could not build {} for wasm32-wasi (apt-get install clang lld-14 wasi-libc libclang-rt-14-dev-wasm32): {}",
-        src.display(),
-        String::from_utf8_lossy(&o.stderr)
-    );
-    Ok(std::fs::read(out)?)
-}
-
 /// Whether clang can build WASI modules here; under `CI=true` a missing
 /// toolchain is a failure, elsewhere the test is skipped.
 fn require_wasi_toolchain(dir: &Path) -> Result<Option<Vec<u8>>> {
-    match build_fsops(&dir.join("fsops.wasm")) {
+    match build_fsops_wasm(&dir.join("fsops.wasm")) {
         Ok(b) => Ok(Some(b)),
         Err(e) if std::env::var("CI").as_deref() == Ok("true") => Err(e),
         Err(e) => {

@@ -7,6 +7,7 @@ use crate::env::Bench;
 use crate::report::{ScenarioReport, Table};
 use crate::stats::{pair_ratios, Summary};
 
+mod p11_wasi;
 mod p1_start;
 mod p2_fanout;
 mod p3_publish;
@@ -89,6 +90,12 @@ pub fn all() -> Vec<Def> {
             name: "fabric",
             title: "rollout fabric: one RL step of 1,024 graded rollouts, rollback to a node, grading session start",
             run: p9_fabric::run,
+        },
+        Def {
+            id: "p11",
+            name: "wasi",
+            title: "WASI sessions beside Mode B: create + run a trivial module + discard, 1,024 writing one file each published on one head",
+            run: p11_wasi::run,
         },
     ]
 }

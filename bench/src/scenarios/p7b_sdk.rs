@@ -291,21 +291,16 @@ fn p(s: &[f64], q: f64) -> String {
     format!("{:.2}", percentile(s, q))
 }
 
-pub fn run(b: &Bench, r: &mut ScenarioReport) -> Result<()> {
-    b.image(NS, Image::Debian, &[LAYERSTACK])?;
-    let rounds = if b.quick { 3 } else { 40 };
-    let exec_rounds = if b.quick { 2 } else { 5 };
-    let exec_n = if b.quick { 20 } else { 200 };
-    let fan_rounds = if b.quick { 1 } else { 3 };
-    let n = if b.quick { 16 } else { 1024 };
-
-    // The stack id, as P7 gets it (one `session run` on the image).
+/// The stack id of the Debian image in namespace `ns`, as P7 gets it (one
+/// `layerstack session run IMAGE --publish never -- true`, its outcome's
+/// `stack`): what a harness that resolved its image once passes.
+pub(super) fn debian_stack(b: &Bench, ns: &str) -> Result<String> {
     let mut c = Command::new(bin_path(CLI_BIN)?);
     c.arg("--admin-address")
         .arg(b.env.admin_socket())
         .args([
             "-n",
-            NS,
+            ns,
             "session",
             "run",
             DEBIAN_IMAGE,
@@ -325,10 +320,21 @@ pub fn run(b: &Bench, r: &mut ScenarioReport) -> Result<()> {
     );
     let v: Value = serde_json::from_slice(&o.stdout)
         .with_context(|| format!("outcome JSON: {}", describe(&o)))?;
-    let stack = v["stack"]
+    Ok(v["stack"]
         .as_str()
         .context("outcome without a stack")?
-        .to_string();
+        .to_string())
+}
+
+pub fn run(b: &Bench, r: &mut ScenarioReport) -> Result<()> {
+    b.image(NS, Image::Debian, &[LAYERSTACK])?;
+    let rounds = if b.quick { 3 } else { 40 };
+    let exec_rounds = if b.quick { 2 } else { 5 };
+    let exec_n = if b.quick { 20 } else { 200 };
+    let fan_rounds = if b.quick { 1 } else { 3 };
+    let n = if b.quick { 16 } else { 1024 };
+
+    let stack = debian_stack(b, NS)?;
 
     let python = python()?;
     let mut py = Py::start(&python, &b.env.admin_socket(), &stack)?;
