@@ -689,6 +689,51 @@ async fn grpc_scenario(dir: &Path, d: &Daemon, module: Vec<u8>) -> Result<()> {
         host_file.display()
     );
 
+    // More runs at once than tokio has blocking threads (512), each holding
+    // its thread 300 ms, then doing file I/O: they take turns (snapshotter wasi::RUNS_AT_ONCE) instead of
+    // starving each other's file calls (a deadlock before the turns).
+    let t0 = Instant::now();
+    let mut runs = Vec::new();
+    for i in 0..600 {
+        let mut ci = c.clone();
+        let req = api::ExecRequest {
+            session_id: id,
+            argv: vec![
+                digest.clone(),
+                "sleep".into(),
+                "300".into(),
+                "write".into(),
+                format!("/srv/many-{i}"),
+                format!("{i}\n"),
+            ],
+            ..Default::default()
+        };
+        runs.push(tokio::spawn(async move { run(&mut ci, req).await }));
+    }
+    for (i, h) in runs.into_iter().enumerate() {
+        let r = tokio::time::timeout(Duration::from_secs(120), h)
+            .await
+            .with_context(|| format!("run {i} of 600 did not end within 120 s (deadlock?)"))???;
+        ensure!(r.exit.code == 0, "run {i}: {r:?}");
+    }
+    eprintln!(
+        "wasi: 600 concurrent runs with file I/O in {:?}",
+        t0.elapsed()
+    );
+    let listed = c
+        .list_dir(api::ListDirRequest {
+            session_id: id,
+            path: "/srv".into(),
+        })
+        .await?
+        .into_inner();
+    let many = listed
+        .entries
+        .iter()
+        .filter(|e| e.name.starts_with("many-"))
+        .count();
+    ensure!(many == 600, "{many} of 600 files written");
+
     // A close cancels a running module.
     let spin = ops(&module, id, &["spin"]);
     let mut c2 = c.clone();

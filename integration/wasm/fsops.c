@@ -15,6 +15,7 @@
  *   symlink TARGET PATH symlink
  *   try-read PATH       open PATH for reading: exit 0 if refused, 3 if it opened
  *   try-write PATH      create PATH: exit 0 if refused, 3 if it was created
+ *   sleep MS            sleep MS milliseconds
  *   spin                loop forever
  *   hog                 allocate 1 MiB blocks forever (touching them)
  *   exit N              exit with status N
@@ -92,6 +93,7 @@ int main(int argc, char **argv) {
             if (fd >= 0) { printf("created %s\n", argv[i + 1]); return 3; }
             printf("refused %s: %s\n", argv[i + 1], strerror(errno)); i += 1;
         }
+        else if (!strcmp(op, "sleep")) { usleep((useconds_t)atoi(ARG(1)) * 1000); i += 1; }
         else if (!strcmp(op, "spin")) { volatile unsigned long n = 0; for (;;) n++; }
         else if (!strcmp(op, "hog")) {
             /* Each block escapes through a volatile pointer: the compiler may

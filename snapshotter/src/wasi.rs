@@ -23,8 +23,8 @@
 //! session — copy-up, whiteouts (0:0 character devices), opaque directories,
 //! renames — so capture, the gate, merge, blame and export see nothing new;
 //! and a read is the kernel's, not a lookup through every layer per path in
-//! the daemon. The mount costs ~0.3 ms per session (figures in
-//! docs/architecture.md); it is never attached, so no other process sees it,
+//! the daemon. The mount is a few milliseconds of a session's start (P11 in
+//! docs/benchmarks.md); it is never attached, so no other process sees it,
 //! and it is freed when its last descriptor closes.
 
 use std::os::fd::{AsRawFd, OwnedFd};
@@ -56,6 +56,17 @@ pub const TRAP_EXIT_CODE: i32 = 134;
 /// How long CloseSession waits for runs and file calls to let go of the
 /// overlay after cancelling them (a run stops within one 10 ms epoch tick).
 const RELEASE_PATIENCE: Duration = Duration::from_secs(10);
+
+/// WASI runs at once in this daemon; more wait (asynchronously) for a turn.
+/// A run holds one of tokio's blocking threads (512), and wasmtime-wasi's
+/// synchronous preview1 file calls each wait on a blocking task of their
+/// own: runs filling the blocking pool would wait for threads none of them
+/// frees — a deadlock benchmark P11 hit at 512 concurrent runs. 128 leaves
+/// the pool room for those calls and for the store's own blocking work.
+pub const RUNS_AT_ONCE: usize = 128;
+
+/// The turns of [`RUNS_AT_ONCE`].
+static RUN_TURNS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(RUNS_AT_ONCE);
 
 /// The daemon's WASI runtime (one engine, one module cache), made on the
 /// first WASI session; `Err`: why there is none.
@@ -404,6 +415,12 @@ pub(crate) async fn exec(
         limits,
     };
     let runner = runner()?;
+    // A turn first (see RUNS_AT_ONCE); a close meanwhile cancels the run
+    // as soon as it starts.
+    let turn = RUN_TURNS
+        .acquire()
+        .await
+        .map_err(|_| Status::internal("the WASI run queue is closed"))?;
     let out = tokio::task::spawn_blocking(move || {
         let root = std::path::PathBuf::from(format!("/proc/self/fd/{}", live.root.as_raw_fd()));
         let m = match &module {
@@ -418,6 +435,7 @@ pub(crate) async fn exec(
     .await
     .map_err(|e| Status::internal(format!("WASI run task failed: {e}")))?
     .map_err(|e| wasi_status(&e))?;
+    drop(turn);
     debug!(
         session.id = id,
         digest = %digest_string(&out.digest),
