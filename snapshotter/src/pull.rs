@@ -380,3 +380,50 @@ impl AdminService {
         })
     }
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn layer_media_types_name_their_compression() {
+        for (m, c) in [
+            (
+                "application/vnd.oci.image.layer.v1.tar+gzip",
+                BlobCompression::Gzip,
+            ),
+            (
+                "application/vnd.oci.image.layer.v1.tar+zstd",
+                BlobCompression::Zstd,
+            ),
+            (
+                "application/vnd.oci.image.layer.v1.tar",
+                BlobCompression::None,
+            ),
+            (
+                "application/vnd.docker.image.rootfs.diff.tar.gzip",
+                BlobCompression::Gzip,
+            ),
+        ] {
+            assert_eq!(compression_of(m), c, "{m}");
+        }
+    }
+
+    #[test]
+    fn a_manifest_without_layer_digests_or_sizes_is_refused_by_name() {
+        let ok: Value =
+            serde_json::json!({"layers": [{"mediaType": "x", "digest": "sha256:a", "size": 3}]});
+        let d = descriptors("r", &ok).unwrap();
+        assert_eq!((d[0].digest.as_str(), d[0].size), ("sha256:a", 3));
+        for bad in [
+            serde_json::json!({}),
+            serde_json::json!({"layers": [{"size": 3}]}),
+            serde_json::json!({"layers": [{"digest": "sha256:a"}]}),
+        ] {
+            let e = descriptors("reg/repo:tag", &bad).err().unwrap();
+            assert_eq!(e.code(), tonic::Code::InvalidArgument);
+            assert!(e.message().contains("reg/repo:tag"), "{}", e.message());
+        }
+    }
+}

@@ -485,3 +485,60 @@ pub(crate) async fn exec(
     });
     Ok(Box::pin(ReceiverStream::new(rx)))
 }
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use super::*;
+
+    #[test]
+    fn module_digests_parse_only_in_their_one_form() {
+        let hex = "ab".repeat(32);
+        let d = parse_digest(&format!("sha256:{hex}")).unwrap();
+        assert_eq!(digest_string(&d), format!("sha256:{hex}"));
+        for bad in [
+            hex.clone(),
+            format!("sha256:{}", &hex[..62]),
+            format!("sha256:{hex}00"),
+            format!("sha512:{hex}"),
+            format!("sha256:{}zz", &hex[..62]),
+        ] {
+            assert!(parse_digest(&bad).is_none(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn limits_default_each_unset_field_and_refuse_less_than_a_page() {
+        let d = WasiLimits::default();
+        let l = limits_of(&api::WasiOptions::default()).unwrap();
+        assert_eq!(
+            (l.fuel, l.deadline_ms, l.memory_bytes, l.output_bytes),
+            (d.fuel, d.deadline_ms, d.memory_bytes, d.output_bytes)
+        );
+        let l = limits_of(&api::WasiOptions {
+            fuel: 7,
+            memory_bytes: 1 << 20,
+            deadline_ms: 5,
+            output_bytes: 10,
+            env: vec![],
+        })
+        .unwrap();
+        assert_eq!(
+            (l.fuel, l.deadline_ms, l.memory_bytes, l.output_bytes),
+            (Some(7), Some(5), 1 << 20, 10)
+        );
+        let e = limits_of(&api::WasiOptions {
+            memory_bytes: 4096,
+            ..Default::default()
+        })
+        .err()
+        .unwrap();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        assert!(e.message().contains("65536"), "{}", e.message());
+        assert!(parse_env(&["A=1".into(), "B=".into()]).is_ok());
+        assert_eq!(
+            parse_env(&["=x".into()]).err().unwrap().code(),
+            tonic::Code::InvalidArgument
+        );
+    }
+}
