@@ -241,7 +241,7 @@ pub enum SessionCmd {
     /// status: STACK[@BRANCH] [OPTIONS] -- CMD [ARGS...]. The session's writes are
     /// published, discarded or kept by --publish when CMD ends; the outcome goes
     /// to stderr as one line (and to --outcome FILE as JSON).
-    Run(run::RunArgs),
+    Run(Box<run::RunArgs>),
     /// Create a session without a container and keep it mounted in namespaces of
     /// its own (Mode B); prints its id. `session exec` runs commands in it,
     /// `session close` ends it.
@@ -277,7 +277,7 @@ async fn main() -> ExitCode {
         Cmd::Config(args) => config::run(args, cli.admin_address),
         Cmd::Session {
             cmd: SessionCmd::Run(ref a),
-        } => run::run(&cli, a.clone()).await,
+        } => run::run(&cli, (**a).clone()).await,
         Cmd::Session {
             cmd: SessionCmd::Create(ref a),
         } => run::create_cmd(&cli, a.clone()).await,

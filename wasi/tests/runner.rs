@@ -231,7 +231,7 @@ fn stdin_reaches_the_module_and_a_cancel_flag_stops_a_run() {
     let out = runner
         .run_with(ModuleRef::Bytes(&loop_module()), dir.path(), &inv)
         .expect("run");
-    setter.join().unwrap();
+    setter.join().expect("the setter thread");
     assert_eq!(out.trap, Some(TrapKind::Cancelled), "{out:?}");
     assert_eq!(out.exit_code, None);
     assert!(out.wall_ms >= 90.0, "{}", out.wall_ms);
