@@ -240,7 +240,9 @@ pub enum SessionCmd {
     /// Run CMD in a new session without a container (Mode B) and exit with its
     /// status: STACK[@BRANCH] [OPTIONS] -- CMD [ARGS...]. The session's writes are
     /// published, discarded or kept by --publish when CMD ends; the outcome goes
-    /// to stderr as one line (and to --outcome FILE as JSON).
+    /// to stderr as one line (and to --outcome FILE as JSON). With --wasi
+    /// MODULE.wasm, a WebAssembly module runs instead, in a WASI session the
+    /// daemon runs (no root needed).
     Run(Box<run::RunArgs>),
     /// Create a session without a container and keep it mounted in namespaces of
     /// its own (Mode B); prints its id. `session exec` runs commands in it,
