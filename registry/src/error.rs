@@ -73,7 +73,7 @@ pub enum RegistryError {
     },
     /// HTTPS was used and the registry does not speak TLS (kind
     /// `failed_precondition`).
-    #[error("registry {registry} does not answer HTTPS ({detail}); if it serves plain HTTP, name it insecure (insecure registries: {registry}); plain HTTP is only used for a registry named insecure")]
+    #[error("registry {registry} does not answer HTTPS ({detail}); if it serves plain HTTP, add it to the daemon's plain-HTTP registries (configuration: `[registry] insecure = [\"{registry}\"]`): plain HTTP is only used for a registry named there")]
     NotHttps {
         /// `host[:port]`.
         registry: String,
@@ -82,7 +82,7 @@ pub enum RegistryError {
     },
     /// Plain HTTP was used (the registry is named insecure) and it serves
     /// HTTPS (kind `failed_precondition`).
-    #[error("registry {registry} is named insecure but answers plain HTTP with {detail:?}; it serves HTTPS: remove {registry} from the insecure registries")]
+    #[error("registry {registry} is named insecure but answers plain HTTP with {detail:?}; it serves HTTPS: remove {registry} from the daemon's `[registry] insecure`")]
     NotPlainHttp {
         /// `host[:port]`.
         registry: String,
