@@ -621,6 +621,21 @@ async fn grpc_scenario(dir: &Path, d: &Daemon, module: Vec<u8>) -> Result<()> {
             && t0.elapsed() < Duration::from_secs(10),
         "{r:?}"
     );
+    // Also while the module waits in a host call (a 30 s sleep).
+    let t0 = Instant::now();
+    let r = run(
+        &mut c,
+        api::ExecRequest {
+            timeout_ms: 300,
+            ..ops(&module, id, &["sleep", "30000"])
+        },
+    )
+    .await?;
+    ensure!(
+        r.exit.trap == "deadline" && t0.elapsed() < Duration::from_secs(10),
+        "a sleeping module outlived its deadline: {r:?} after {:?}",
+        t0.elapsed()
+    );
     let small = create(
         &mut c,
         &stack,
@@ -735,7 +750,8 @@ async fn grpc_scenario(dir: &Path, d: &Daemon, module: Vec<u8>) -> Result<()> {
     ensure!(many == 600, "{many} of 600 files written");
 
     // A close cancels a running module.
-    let spin = ops(&module, id, &["spin"]);
+    // (a module waiting in a host call: the close does not wait for it)
+    let spin = ops(&module, id, &["sleep", "30000"]);
     let mut c2 = c.clone();
     let running = tokio::spawn(async move { run(&mut c2, spin).await });
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -753,10 +769,16 @@ async fn grpc_scenario(dir: &Path, d: &Daemon, module: Vec<u8>) -> Result<()> {
             .any(|s| s.id == id && s.owner_kind == "wasi"),
         "{listed:?}"
     );
+    let t_close = Instant::now();
     let closed = close(&mut c, id, api::EndAction::Discard).await?;
     ensure!(
         closed.outcome == "discarded" && closed.released,
         "{closed:?}"
+    );
+    ensure!(
+        t_close.elapsed() < Duration::from_secs(5),
+        "the close waited {:?} for a sleeping module",
+        t_close.elapsed()
     );
     let r = running.await??;
     ensure!(r.exit.trap == "cancelled", "{r:?}");

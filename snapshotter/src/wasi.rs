@@ -58,11 +58,11 @@ pub const TRAP_EXIT_CODE: i32 = 134;
 const RELEASE_PATIENCE: Duration = Duration::from_secs(10);
 
 /// WASI runs at once in this daemon; more wait (asynchronously) for a turn.
-/// A run holds one of tokio's blocking threads (512), and wasmtime-wasi's
-/// synchronous preview1 file calls each wait on a blocking task of their
-/// own: runs filling the blocking pool would wait for threads none of them
-/// frees — a deadlock benchmark P11 hit at 512 concurrent runs. 128 leaves
-/// the pool room for those calls and for the store's own blocking work.
+/// A run is a future on the daemon's runtime (its code yields every 10 ms),
+/// and each of its file calls a task on tokio's blocking pool (512 threads):
+/// the bound keeps the runs' CPU and memory, and their share of that pool,
+/// in check. (When runs held a blocking thread each, 512 of them waited for
+/// threads none of them freed: a deadlock benchmark P11 found.)
 pub const RUNS_AT_ONCE: usize = 128;
 
 /// The turns of [`RUNS_AT_ONCE`].
@@ -421,20 +421,27 @@ pub(crate) async fn exec(
         .acquire()
         .await
         .map_err(|_| Status::internal("the WASI run queue is closed"))?;
-    let out = tokio::task::spawn_blocking(move || {
-        let root = std::path::PathBuf::from(format!("/proc/self/fd/{}", live.root.as_raw_fd()));
-        let m = match &module {
-            Module::Bytes(b) => ModuleRef::Bytes(b),
-            Module::Digest(d) => ModuleRef::Digest(*d),
-        };
-        // `live` (the overlay) is held until the run ends.
-        let out = runner.run_with(m, &root, &inv);
-        drop(live);
-        out
-    })
-    .await
-    .map_err(|e| Status::internal(format!("WASI run task failed: {e}")))?
-    .map_err(|e| wasi_status(&e))?;
+    // Compiling is CPU work: on a blocking thread, once per digest.
+    let (digest, compiled) = match module {
+        Module::Bytes(b) => {
+            let r = runner.clone();
+            tokio::task::spawn_blocking(move || r.prepare(&b))
+                .await
+                .map_err(|e| Status::internal(format!("WASI compile task failed: {e}")))?
+                .map_err(|e| wasi_status(&e))?
+        }
+        Module::Digest(d) => (d, false),
+    };
+    // The run is a future on this task: its code yields every 10 ms, and its
+    // deadline and the session's close stop it also inside a host call.
+    // `live` (the overlay) is held until it ends.
+    let root = std::path::PathBuf::from(format!("/proc/self/fd/{}", live.root.as_raw_fd()));
+    let mut out = runner
+        .run_async(ModuleRef::Digest(digest), &root, &inv)
+        .await
+        .map_err(|e| wasi_status(&e))?;
+    out.compiled = compiled;
+    drop(live);
     drop(turn);
     debug!(
         session.id = id,

@@ -261,7 +261,7 @@ impl WasiRunner {
         config.epoch_interruption(true);
         let engine = Engine::new(&config).map_err(|e| WasiError::Runtime(format!("{e:#}")))?;
         let mut linker: Linker<State> = Linker::new(&engine);
-        wasmtime_wasi::p1::add_to_linker_sync(&mut linker, |s: &mut State| &mut s.wasi)
+        wasmtime_wasi::p1::add_to_linker_async(&mut linker, |s: &mut State| &mut s.wasi)
             .map_err(|e| WasiError::Runtime(format!("{e:#}")))?;
         let ticker_stop = Arc::new(AtomicBool::new(false));
         {
@@ -333,7 +333,8 @@ impl WasiRunner {
     /// (fd 3). `root` is a directory path; a detached mount is given as
     /// `/proc/self/fd/<fd>`. `args` excludes argv[0] (the module's name,
     /// `module.wasm`, is prepended). Blocks the calling thread until the run
-    /// ends.
+    /// ends (on a runtime of its own: not from inside a tokio runtime; there,
+    /// [`WasiRunner::run_async`]).
     pub fn run(
         &self,
         module: ModuleRef<'_>,
@@ -352,8 +353,29 @@ impl WasiRunner {
     }
 
     /// [`WasiRunner::run`] with every part of the invocation given: argv[0],
-    /// stdin and a cancel flag besides args, env and limits.
+    /// stdin and a cancel flag besides args, env and limits. Blocking, as
+    /// [`WasiRunner::run`].
     pub fn run_with(
+        &self,
+        module: ModuleRef<'_>,
+        root: &Path,
+        inv: &Invocation,
+    ) -> Result<WasiExit, WasiError> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_time()
+            .build()
+            .map_err(|e| WasiError::Runtime(format!("a runtime for the run: {e}")))?;
+        rt.block_on(self.run_async(module, root, inv))
+    }
+
+    /// The run as a future (inside a tokio runtime with its timer). The
+    /// module's code yields every epoch tick (10 ms); beside it a watchdog
+    /// checks the deadline and the cancel flag every tick, so a run ends on
+    /// time also while the module waits in a host call (a sleep, a read):
+    /// the call is dropped. A blocking file call the host made on a thread
+    /// of its own (e.g. an open of a FIFO with no writer) keeps that thread
+    /// until it returns; the run has ended by then.
+    pub async fn run_async(
         &self,
         module: ModuleRef<'_>,
         root: &Path,
@@ -411,21 +433,44 @@ impl WasiRunner {
             .deadline_ms
             .map(|ms| started + Duration::from_millis(ms));
         let cancel = inv.cancel.clone();
+        let stopped = {
+            let cancel = cancel.clone();
+            move || {
+                if cancel.as_ref().is_some_and(|c| c.load(Ordering::Relaxed)) {
+                    Some(Stopped::Cancelled)
+                } else if deadline.is_some_and(|d| Instant::now() >= d) {
+                    Some(Stopped::Deadline)
+                } else {
+                    None
+                }
+            }
+        };
+        let check = stopped.clone();
         store.set_epoch_deadline(1);
-        store.epoch_deadline_callback(move |_| {
-            if cancel.as_ref().is_some_and(|c| c.load(Ordering::Relaxed)) {
-                return Err(wasmtime::Error::new(Stopped::Cancelled));
-            }
-            if deadline.is_some_and(|d| Instant::now() >= d) {
-                return Err(wasmtime::Error::new(Stopped::Deadline));
-            }
-            Ok(UpdateDeadline::Continue(1))
+        store.epoch_deadline_callback(move |_| match check() {
+            Some(s) => Err(wasmtime::Error::new(s)),
+            None => Ok(UpdateDeadline::Yield(1)),
         });
 
-        let result = pre.instantiate(&mut store).and_then(|inst| {
-            let start = inst.get_typed_func::<(), ()>(&mut store, "_start")?;
-            start.call(&mut store, ())
-        });
+        let result = {
+            let call = async {
+                let inst = pre.instantiate_async(&mut store).await?;
+                let start = inst.get_typed_func::<(), ()>(&mut store, "_start")?;
+                start.call_async(&mut store, ()).await
+            };
+            let watchdog = async {
+                loop {
+                    tokio::time::sleep(TICK).await;
+                    if let Some(s) = stopped() {
+                        return s;
+                    }
+                }
+            };
+            tokio::select! {
+                r = call => r,
+                s = watchdog => Err(wasmtime::Error::new(s)),
+            }
+        };
         let wall_ms = started.elapsed().as_secs_f64() * 1000.0;
         let fuel_used = match limits.fuel {
             Some(f) => f.saturating_sub(store.get_fuel().unwrap_or(0)),

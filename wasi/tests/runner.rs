@@ -237,6 +237,70 @@ fn stdin_reaches_the_module_and_a_cancel_flag_stops_a_run() {
     assert!(out.wall_ms >= 90.0, "{}", out.wall_ms);
 }
 
+/// Sleeps 30 s in one host call (`poll_oneoff` on a relative monotonic
+/// clock), then exits 0.
+fn sleep_module() -> Vec<u8> {
+    wat::parse_str(
+        r#"(module
+  (import "wasi_snapshot_preview1" "poll_oneoff" (func $poll (param i32 i32 i32 i32) (result i32)))
+  (memory (export "memory") 1)
+  (func (export "_start")
+    ;; subscription at 0: userdata 0, tag 0 (clock), clock id 1 (monotonic),
+    ;; timeout 30 s in ns, precision 0, flags 0 (relative)
+    (i32.store8 (i32.const 8) (i32.const 0))
+    (i32.store (i32.const 16) (i32.const 1))
+    (i64.store (i32.const 24) (i64.const 30000000000))
+    (drop (call $poll (i32.const 0) (i32.const 64) (i32.const 1) (i32.const 128)))))"#,
+    )
+    .expect("valid WAT")
+}
+
+#[test]
+fn the_deadline_and_a_cancel_stop_a_module_waiting_in_a_host_call() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let runner = WasiRunner::new().expect("runner");
+    let l = WasiLimits {
+        deadline_ms: Some(300),
+        ..limits()
+    };
+    let out = runner
+        .run(ModuleRef::Bytes(&sleep_module()), dir.path(), &[], &[], &l)
+        .expect("run");
+    assert_eq!(out.trap, Some(TrapKind::Deadline), "{out:?}");
+    assert!(
+        out.wall_ms < 5_000.0,
+        "the 30 s sleep ran {} ms",
+        out.wall_ms
+    );
+
+    let cancel = Arc::new(AtomicBool::new(false));
+    let inv = Invocation {
+        cancel: Some(cancel.clone()),
+        limits: WasiLimits {
+            deadline_ms: None,
+            ..limits()
+        },
+        ..Default::default()
+    };
+    let setter = {
+        let cancel = cancel.clone();
+        std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            cancel.store(true, Ordering::Relaxed);
+        })
+    };
+    let out = runner
+        .run_with(ModuleRef::Bytes(&sleep_module()), dir.path(), &inv)
+        .expect("run");
+    setter.join().expect("the setter thread");
+    assert_eq!(out.trap, Some(TrapKind::Cancelled), "{out:?}");
+    assert!(
+        out.wall_ms < 5_000.0,
+        "the 30 s sleep ran {} ms",
+        out.wall_ms
+    );
+}
+
 #[test]
 fn unbounded_allocation_hits_the_memory_cap() {
     let dir = tempfile::tempdir().expect("tempdir");
