@@ -190,15 +190,15 @@ pub async fn pull(cli: &crate::Cli, a: PullArgs) -> Result<ExitCode> {
         );
     } else {
         println!(
-            "{} node {} of graph {} ({}): {} layers, {} fetched ({} bytes), {} here already{}",
+            "{} node {} of graph {} ({}): layers above the base: {}, fetched {}, held here {}; {} bytes downloaded{}",
             if r.created { "pulled" } else { "already had" },
             r.node,
             r.graph,
             r.stack,
             r.layers,
             r.layers_fetched,
-            r.bytes_fetched,
             r.layers_reused,
+            r.bytes_fetched,
             if r.base_imported {
                 "; base imported"
             } else {

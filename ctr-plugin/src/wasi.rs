@@ -26,17 +26,23 @@ pub struct WasiArgs {
     /// Run this WebAssembly module (WASI preview1, a command exporting
     /// `_start`) in a WASI session instead of a Linux command: it sees the
     /// session's tree as its root (`/`); the arguments after `--` are its
-    /// arguments. Needs no root on this side.
+    /// arguments. Needs no root on this side. Its stdin is empty (the Python
+    /// SDK's `exec(stdin=…)` gives bytes); its stdout and stderr are printed
+    /// when it has ended. Exit status: the module's; 134 when a limit or a
+    /// wasm trap stopped it (as the wasmtime CLI; `wasi.trap` in --outcome
+    /// says which); 125 when `run` itself failed.
     #[arg(long, value_name = "MODULE.wasm")]
     pub wasi: Option<PathBuf>,
     /// With --wasi: fuel of the run (about one unit per wasm instruction)
-    /// [default: the daemon's, 10^10].
+    /// [default (or 0): the daemon's, 10^10].
     #[arg(long, value_name = "N", requires = "wasi")]
     pub fuel: Option<u64>,
-    /// With --wasi: the run's linear memory cap, bytes [default: 256 MiB].
+    /// With --wasi: the run's linear memory cap, bytes (wasm32 memories stop
+    /// at 4 GiB) [default (or 0): 256 MiB].
     #[arg(long, value_name = "BYTES", requires = "wasi")]
     pub memory_bytes: Option<u64>,
-    /// With --wasi: the run's wall-clock limit, milliseconds [default: 60000].
+    /// With --wasi: the run's wall-clock limit, milliseconds, also while the
+    /// module waits in a host call [default (or 0): 60000].
     #[arg(long, value_name = "MS", requires = "wasi")]
     pub timeout_ms: Option<u32>,
 }
@@ -68,6 +74,15 @@ pub async fn run(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
     let module = std::fs::read(&path)
         .with_context(|| format!("--wasi {}: cannot read the module", path.display()))
         .map_err(|e| with_kind(api::ErrorKind::InvalidArgument, e))?;
+    if module.is_empty() {
+        return Err(failure(
+            api::ErrorKind::InvalidArgument,
+            format!(
+                "--wasi {}: the file is empty: give a WebAssembly module (a .wasm binary built for wasm32-wasi)",
+                path.display()
+            ),
+        ));
+    }
     let mut env = Vec::new();
     for kv in &a.process.env {
         let kv = kv.to_string_lossy();
@@ -130,7 +145,7 @@ pub async fn run(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
                 format!(
                     "session run --wasi: module stopped ({}): {}",
                     x.trap,
-                    first_line(&x.trap_message)
+                    trap_cause(&x.trap_message)
                 )
             },
             api::EndAction::Auto,
@@ -168,8 +183,34 @@ pub async fn run(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
     Ok(ExitCode::from(u8::try_from(exit).unwrap_or(255)))
 }
 
-fn first_line(s: &str) -> &str {
+/// The one line of a trap's text that says why: wasmtime's root cause (the
+/// first line after `Caused by:`), else its first line.
+fn trap_cause(s: &str) -> &str {
+    if let Some(after) = s.split("Caused by:").nth(1) {
+        if let Some(l) = after.lines().map(str::trim).find(|l| !l.is_empty()) {
+            return l;
+        }
+    }
     s.lines().next().unwrap_or("")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_trap_is_summed_up_by_its_cause() {
+        let fuel = "error while executing at wasm backtrace:\n    0:    0xaf6 - <unknown>!main\n\nCaused by:\n    wasm trap: all fuel consumed by WebAssembly\n";
+        assert_eq!(
+            trap_cause(fuel),
+            "wasm trap: all fuel consumed by WebAssembly"
+        );
+        assert_eq!(
+            trap_cause("the run's wall-clock deadline passed"),
+            "the run's wall-clock deadline passed"
+        );
+        assert_eq!(trap_cause(""), "");
+    }
 }
 
 /// One Exec of `module` in session `id`: its stdout and stderr copied to

@@ -193,6 +193,10 @@ fn main() {
         }
     };
     rt.block_on(async_main());
+    // A blocking call that never returns (a WASI module's open of a FIFO no
+    // one writes) must not keep a stopping daemon alive: what is still
+    // running after the shutdown's grace is abandoned.
+    rt.shutdown_timeout(std::time::Duration::from_secs(5));
 }
 
 async fn async_main() {

@@ -294,6 +294,8 @@ def exec_request(
         if isinstance(module, str):
             raise ValueError("module takes the module's bytes or a pathlib.Path of a local .wasm file, not a str")
         req.module = bytes(module) if isinstance(module, (bytes, bytearray, memoryview)) else Path(module).read_bytes()
+        if not req.module:
+            raise ValueError("module is empty: give a WebAssembly module (a .wasm binary built for wasm32-wasi)")
     if user is not None:
         req.has_user, req.uid, req.gid = True, user[0], user[1]
     return req
