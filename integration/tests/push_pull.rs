@@ -303,6 +303,17 @@ fn pulled_elsewhere(
             && p1["layers_reused"] == 1,
         "{p1}"
     );
+    // n2 was pulled before its parent: a pull of it again links it now.
+    let relinked = pull(b, &r2)?;
+    ensure!(
+        relinked["created"] == false && relinked["missing_parents"] == serde_json::json!([]),
+        "{relinked}"
+    );
+    let shown = json_of(&ensure_success(
+        "node show",
+        b.layerstack(&["node", "show", n2, "--json"])?,
+    )?)?;
+    ensure!(shown["parents"] == serde_json::json!([n1]), "{shown}");
     // A child made here and pushed: only its own layer is new to the registry.
     let n3 = checkpoint(b, dir_b, n2, "echo three > /srv/three")?;
     let before = reg.blob_uploads_completed()?;

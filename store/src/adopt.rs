@@ -418,12 +418,32 @@ impl Store {
                 }
                 let mut ids = manifest_layers(tx, existing.manifest)?;
                 ids.reverse();
-                let missing = node
-                    .parents
-                    .iter()
-                    .filter(|p| !existing.parents.contains(p))
-                    .cloned()
-                    .collect();
+                // Parents pulled since the node was: their edges now (a child
+                // pulled before its parent gets it on a pull again).
+                let mut missing = Vec::new();
+                let mut linked = false;
+                for (pos, p) in node.parents.iter().enumerate() {
+                    if existing.parents.contains(p) {
+                        continue;
+                    }
+                    let here: Option<i64> = tx
+                        .one("SELECT 1 FROM graph_nodes WHERE id = ?1", [p], |r| r.get(0))
+                        .optional()?;
+                    if here.is_none() {
+                        missing.push(p.clone());
+                        continue;
+                    }
+                    tx.exec(
+                        "INSERT OR IGNORE INTO graph_edges(child, pos, parent) VALUES (?1, ?2, ?3)",
+                        params![node.id, pos as i64, p],
+                    )?;
+                    linked = true;
+                }
+                let existing = if linked {
+                    get_node(tx, &node.id)?
+                } else {
+                    existing
+                };
                 return Ok(Adopted {
                     node: existing,
                     created: false,
