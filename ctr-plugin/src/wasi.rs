@@ -175,6 +175,8 @@ pub async fn run(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
             "module_compiled": x.module_compiled,
             "duration_ms": x.duration_ms,
             "timed_out": x.timed_out,
+            "stdout_truncated": x.stdout_truncated,
+            "stderr_truncated": x.stderr_truncated,
         });
         let mut out =
             std::fs::File::create(f).with_context(|| format!("--outcome {}", f.display()))?;

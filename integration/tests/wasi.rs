@@ -658,10 +658,16 @@ async fn grpc_scenario(dir: &Path, d: &Daemon, module: Vec<u8>) -> Result<()> {
         "capped",
         api::WasiOptions {
             memory_bytes: 16 << 20,
+            output_bytes: 8,
             ..Default::default()
         },
     )
     .await?;
+    let r = run(&mut c, ops(&module, capped, &["cat", "/etc/passwd"])).await?;
+    ensure!(
+        r.out == b"session-" && r.exit.stdout_truncated && !r.exit.stderr_truncated,
+        "output past its bound: {r:?}"
+    );
     let r = run(&mut c, ops(&module, capped, &["hog"])).await?;
     ensure!(r.exit.trap == "memory_limit" && r.exit.code == 134, "{r:?}");
     close(&mut c, capped, api::EndAction::Discard).await?;

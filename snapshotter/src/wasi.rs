@@ -481,6 +481,8 @@ pub(crate) async fn exec(
             fuel_used: out.fuel_used,
             module_digest: digest_string(&out.digest),
             module_compiled: out.compiled,
+            stdout_truncated: out.stdout_truncated,
+            stderr_truncated: out.stderr_truncated,
         })),
     });
     tokio::spawn(async move {

@@ -80,8 +80,8 @@ pub struct WasiLimits {
     pub deadline_ms: Option<u64>,
     /// Cap on the total linear memory of the instance, in bytes.
     pub memory_bytes: u64,
-    /// Bytes kept of stdout and of stderr each; output beyond is dropped and
-    /// flagged as truncated.
+    /// Bytes kept of stdout and of stderr each; output beyond is dropped
+    /// (`WasiExit::stdout_truncated` / `stderr_truncated`).
     pub output_bytes: usize,
 }
 
@@ -178,6 +178,11 @@ pub struct WasiExit {
     pub stdout: Vec<u8>,
     /// Captured stderr (at most `output_bytes`).
     pub stderr: Vec<u8>,
+    /// stdout reached `output_bytes`: what the module wrote beyond it, if
+    /// anything, was dropped.
+    pub stdout_truncated: bool,
+    /// The same for stderr.
+    pub stderr_truncated: bool,
     /// Fuel consumed (0 when the run had no fuel budget).
     pub fuel_used: u64,
     /// Wall time of instantiate + run, in milliseconds.
@@ -507,6 +512,8 @@ impl WasiRunner {
             exit_code,
             trap,
             trap_message,
+            stdout_truncated: stdout.contents().len() >= limits.output_bytes,
+            stderr_truncated: stderr.contents().len() >= limits.output_bytes,
             stdout: stdout.contents().to_vec(),
             stderr: stderr.contents().to_vec(),
             fuel_used,

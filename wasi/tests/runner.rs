@@ -415,3 +415,35 @@ fn a_module_that_is_not_wasm_is_refused() {
         .expect_err("refused");
     assert!(err.to_string().contains("cannot be linked"), "{err}");
 }
+
+#[test]
+fn output_beyond_its_bound_is_not_kept() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let runner = WasiRunner::new().expect("runner");
+    let inv = Invocation {
+        stdin: vec![b'x'; 100],
+        limits: WasiLimits {
+            output_bytes: 10,
+            ..limits()
+        },
+        ..Default::default()
+    };
+    let out = runner
+        .run_with(ModuleRef::Bytes(&cat_module()), dir.path(), &inv)
+        .expect("run");
+    assert_eq!(out.stdout, vec![b'x'; 10]);
+    assert!(out.stdout_truncated && !out.stderr_truncated, "{out:?}");
+    let whole = runner
+        .run_with(
+            ModuleRef::Bytes(&cat_module()),
+            dir.path(),
+            &Invocation {
+                stdin: b"short".to_vec(),
+                limits: limits(),
+                ..Default::default()
+            },
+        )
+        .expect("run");
+    assert_eq!(whole.stdout, b"short");
+    assert!(!whole.stdout_truncated, "{whole:?}");
+}

@@ -117,7 +117,9 @@ class ExecOutput:
     text with the wasm backtrace; ``fuel_used`` the fuel the run used;
     ``module_digest`` ``sha256:<hex>`` of the module (pass it as ``cmd[0]`` to
     run it again without sending it); ``module_compiled`` whether this run
-    compiled it (false: the daemon's cache had it)."""
+    compiled it (false: the daemon's cache had it); ``stdout_truncated`` /
+    ``stderr_truncated``: the output reached the sandbox's bound (1 MiB by
+    default) and what was written beyond it was dropped."""
 
     exit_code: int
     signal: int
@@ -133,6 +135,8 @@ class ExecOutput:
     fuel_used: int = 0
     module_digest: str = ""
     module_compiled: bool = False
+    stdout_truncated: bool = False
+    stderr_truncated: bool = False
 
     @property
     def ok(self) -> bool:
@@ -160,6 +164,8 @@ class ExecOutput:
             fuel_used=e.fuel_used,
             module_digest=e.module_digest,
             module_compiled=e.module_compiled,
+            stdout_truncated=e.stdout_truncated,
+            stderr_truncated=e.stderr_truncated,
         )
 
 

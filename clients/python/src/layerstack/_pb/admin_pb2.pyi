@@ -732,7 +732,7 @@ class ExecReply(_message.Message):
     def __init__(self, stdout: _Optional[bytes] = ..., stderr: _Optional[bytes] = ..., exit: _Optional[_Union[ExecExit, _Mapping]] = ...) -> None: ...
 
 class ExecExit(_message.Message):
-    __slots__ = ("code", "signal", "timed_out", "duration_ms", "oom_killed", "session_memory_peak_bytes", "session_cpu_usec", "trap", "trap_message", "fuel_used", "module_digest", "module_compiled")
+    __slots__ = ("code", "signal", "timed_out", "duration_ms", "oom_killed", "session_memory_peak_bytes", "session_cpu_usec", "trap", "trap_message", "fuel_used", "module_digest", "module_compiled", "stdout_truncated", "stderr_truncated")
     CODE_FIELD_NUMBER: _ClassVar[int]
     SIGNAL_FIELD_NUMBER: _ClassVar[int]
     TIMED_OUT_FIELD_NUMBER: _ClassVar[int]
@@ -745,6 +745,8 @@ class ExecExit(_message.Message):
     FUEL_USED_FIELD_NUMBER: _ClassVar[int]
     MODULE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     MODULE_COMPILED_FIELD_NUMBER: _ClassVar[int]
+    STDOUT_TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    STDERR_TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     code: int
     signal: int
     timed_out: bool
@@ -757,7 +759,9 @@ class ExecExit(_message.Message):
     fuel_used: int
     module_digest: str
     module_compiled: bool
-    def __init__(self, code: _Optional[int] = ..., signal: _Optional[int] = ..., timed_out: _Optional[bool] = ..., duration_ms: _Optional[int] = ..., oom_killed: _Optional[bool] = ..., session_memory_peak_bytes: _Optional[int] = ..., session_cpu_usec: _Optional[int] = ..., trap: _Optional[str] = ..., trap_message: _Optional[str] = ..., fuel_used: _Optional[int] = ..., module_digest: _Optional[str] = ..., module_compiled: _Optional[bool] = ...) -> None: ...
+    stdout_truncated: bool
+    stderr_truncated: bool
+    def __init__(self, code: _Optional[int] = ..., signal: _Optional[int] = ..., timed_out: _Optional[bool] = ..., duration_ms: _Optional[int] = ..., oom_killed: _Optional[bool] = ..., session_memory_peak_bytes: _Optional[int] = ..., session_cpu_usec: _Optional[int] = ..., trap: _Optional[str] = ..., trap_message: _Optional[str] = ..., fuel_used: _Optional[int] = ..., module_digest: _Optional[str] = ..., module_compiled: _Optional[bool] = ..., stdout_truncated: _Optional[bool] = ..., stderr_truncated: _Optional[bool] = ...) -> None: ...
 
 class ReadFileRequest(_message.Message):
     __slots__ = ("session_id", "path", "offset", "limit")
