@@ -87,6 +87,29 @@ fn io_err(what: &'static str) -> impl FnOnce(Errno) -> StageError {
     move |e| StageError::Io(what, e.into())
 }
 
+/// A failed set of xattr `name` (`len` bytes of value) on `fd`'s filesystem.
+/// A value too large for it is the input's fault, refused by name: over 64
+/// KiB (`E2BIG`), or more than the filesystem keeps per inode (`ENOSPC` on
+/// ext4 past ~4 KiB) while it has free space. Anything else is the staging
+/// side's.
+fn xattr_err(fd: &impl AsFd, name: &[u8], len: usize, e: Errno) -> StageError {
+    let has_room = || {
+        rfs::fstatvfs(fd)
+            .map(|s| s.f_bavail.saturating_mul(s.f_frsize) > 16 << 20)
+            .unwrap_or(false)
+    };
+    if e == Errno::TOOBIG || e == Errno::RANGE || (e == Errno::NOSPC && has_room()) {
+        return StageError::Refused(format!(
+            "xattr {} has a {len}-byte value, more than the store's filesystem keeps for one file ({e}): drop it or make it smaller",
+            show(name)
+        ));
+    }
+    StageError::Io(
+        "set an xattr of",
+        io::Error::other(format!("{}: {e}", show(name))),
+    )
+}
+
 /// The metadata of one entry.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub(crate) struct Meta {
@@ -768,12 +791,8 @@ fn set_fd_meta(fd: &impl AsFd, meta: &Meta) -> R<()> {
     rfs::fchown(fd, u, g).map_err(io_err("set the owner of"))?;
     rfs::fchmod(fd, Mode::from_raw_mode(meta.mode & 0o7777)).map_err(io_err("set the mode of"))?;
     for (n, v) in &meta.xattrs {
-        rfs::fsetxattr(fd, os(n), v, XattrFlags::empty()).map_err(|e| {
-            StageError::Io(
-                "set an xattr of",
-                io::Error::other(format!("{}: {e}", show(n))),
-            )
-        })?;
+        rfs::fsetxattr(fd, os(n), v, XattrFlags::empty())
+            .map_err(|e| xattr_err(fd, n, v.len(), e))?;
     }
     rfs::futimens(fd, &times(meta.mtime)).map_err(io_err("set the mtime of"))
 }
@@ -798,12 +817,8 @@ fn set_at_meta(dir: &OwnedFd, name: &[u8], meta: &Meta, symlink: bool) -> R<()> 
     if !meta.xattrs.is_empty() {
         let p = fsx::proc_path(dir, name);
         for (n, v) in &meta.xattrs {
-            rfs::lsetxattr(&p, os(n), v, XattrFlags::empty()).map_err(|e| {
-                StageError::Io(
-                    "set an xattr of",
-                    io::Error::other(format!("{}: {e}", show(n))),
-                )
-            })?;
+            rfs::lsetxattr(&p, os(n), v, XattrFlags::empty())
+                .map_err(|e| xattr_err(dir, n, v.len(), e))?;
         }
     }
     rfs::utimensat(dir, os(name), &times(meta.mtime), AtFlags::SYMLINK_NOFOLLOW)

@@ -385,6 +385,37 @@ fn hostile_archives_are_refused_and_nothing_is_written_outside_staging() {
 }
 
 #[test]
+fn an_xattr_too_large_for_the_store_is_refused_by_name_not_blamed_on_staging() {
+    // ext4 keeps about 4 KiB of xattrs per inode (ENOSPC past it) and no
+    // filesystem more than 64 KiB per value (E2BIG): both are the input's
+    // fault. (Found by the import fuzzer.)
+    let big = vec![b'v'; 8 << 10];
+    let mut l = Layer::default();
+    l.pax(&[("SCHILY.xattr.user.big", &big)]).file("f", b"x");
+    let s = Scene::new();
+    match s.flatten(&[l.done()]) {
+        // A filesystem that keeps 8 KiB xattrs (xfs, btrfs) takes it.
+        Ok(_) => {}
+        Err(e) => {
+            let msg = e.to_string();
+            assert!(
+                matches!(&e, ImportError::Refused { entry, .. } if entry == b"f"),
+                "{msg}"
+            );
+            assert!(
+                msg.contains("user.big") && msg.contains("8192-byte"),
+                "{msg}"
+            );
+        }
+    }
+    let huge = vec![b'v'; 70 << 10];
+    let mut l = Layer::default();
+    l.pax(&[("SCHILY.xattr.user.huge", &huge)]).file("g", b"x");
+    refused(&[l.done()], "g", "user.huge");
+    s.outside_untouched();
+}
+
+#[test]
 fn a_pax_size_that_disagrees_with_the_header_is_refused() {
     // CVE-2025-62518 ("TARmageddon"): a reader that takes the ustar size (0)
     // over the PAX size reads the content as headers, and extracts a hidden
