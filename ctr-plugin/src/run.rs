@@ -706,8 +706,21 @@ pub(crate) fn outcome_line(s: &api::Session) -> String {
 }
 
 pub(crate) fn write_outcome(file: &Path, s: &api::Session, exit: Option<i32>) -> Result<()> {
+    write_outcome_with(file, s, exit, None)
+}
+
+/// [`write_outcome`] with one more field (`session run --wasi`'s `wasi`).
+pub(crate) fn write_outcome_with(
+    file: &Path,
+    s: &api::Session,
+    exit: Option<i32>,
+    extra: Option<(&str, serde_json::Value)>,
+) -> Result<()> {
     let mut v = session_json(s, None);
     v["exit_status"] = exit.map_or(serde_json::Value::Null, |x| json!(x));
+    if let Some((k, x)) = extra {
+        v[k] = x;
+    }
     let mut f =
         std::fs::File::create(file).with_context(|| format!("--outcome {}", file.display()))?;
     writeln!(f, "{v}").with_context(|| format!("--outcome {}", file.display()))?;

@@ -165,9 +165,7 @@ pub async fn run(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
     let s = closed?;
     eprintln!("{}", outcome_line(&s));
     if let Some(f) = &a.outcome {
-        let mut v = crate::sessions::session_json(&s, None);
-        v["exit_status"] = json!(exit);
-        v["wasi"] = json!({
+        let wasi = json!({
             "trap": x.trap,
             "trap_message": x.trap_message,
             "fuel_used": x.fuel_used,
@@ -178,9 +176,7 @@ pub async fn run(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
             "stdout_truncated": x.stdout_truncated,
             "stderr_truncated": x.stderr_truncated,
         });
-        let mut out =
-            std::fs::File::create(f).with_context(|| format!("--outcome {}", f.display()))?;
-        writeln!(out, "{v}").with_context(|| format!("--outcome {}", f.display()))?;
+        crate::run::write_outcome_with(f, &s, Some(exit), Some(("wasi", wasi)))?;
     }
     Ok(ExitCode::from(u8::try_from(exit).unwrap_or(255)))
 }

@@ -164,15 +164,13 @@ impl Engine {
 }
 
 /// The base layers of `stack`, newest first.
+/// (A stack has at least one base layer; none: no such stack here.)
 fn base_layers(store: &Store, stack: &str) -> Result<Vec<LayerId>, EngineError> {
-    store
-        .stacks()?
-        .into_iter()
-        .find(|s| s.id == stack)
-        .map(|s| s.base_layers)
-        .ok_or_else(|| {
-            EngineError::Store(layerstack_store::StoreError::StackNotFound(stack.into()))
-        })
+    let base = store.base_layers(stack)?;
+    if base.is_empty() {
+        return Err(layerstack_store::StoreError::StackNotFound(stack.into()).into());
+    }
+    Ok(base)
 }
 
 /// Applies `blob` into the empty staging directory `dir` over `below` (the

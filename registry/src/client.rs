@@ -107,6 +107,33 @@ pub fn sha256_digest(bytes: &[u8]) -> String {
     format!("sha256:{:x}", Sha256::digest(bytes))
 }
 
+/// `path` opened for a push of blob `digest`, checked to be `size` bytes.
+///
+/// Errors: `invalid_argument` for a malformed digest or another size;
+/// `internal` when the file cannot be opened.
+async fn open_sized(
+    path: &Path,
+    digest: &str,
+    size: u64,
+) -> Result<tokio::fs::File, RegistryError> {
+    check_digest(digest)?;
+    let file = tokio::fs::File::open(path)
+        .await
+        .map_err(|e| RegistryError::io("open", path, e))?;
+    let len = file
+        .metadata()
+        .await
+        .map_err(|e| RegistryError::io("stat", path, e))?
+        .len();
+    if len != size {
+        return Err(RegistryError::InvalidArgument {
+            what: format!("blob file {}", path.display()),
+            detail: format!("is {len} bytes, not the {size} bytes given for {digest}"),
+        });
+    }
+    Ok(file)
+}
+
 impl RegistryClient {
     /// A client for `opts`. Reads the CA files now. Installs rustls' `ring`
     /// provider as the process default if none is installed (see the crate
@@ -267,24 +294,41 @@ impl RegistryClient {
         digest: &str,
         size: u64,
     ) -> Result<BlobPush, RegistryError> {
-        check_digest(digest)?;
-        let file = tokio::fs::File::open(path)
-            .await
-            .map_err(|e| RegistryError::io("open", path, e))?;
-        let len = file
-            .metadata()
-            .await
-            .map_err(|e| RegistryError::io("stat", path, e))?
-            .len();
-        if len != size {
-            return Err(RegistryError::InvalidArgument {
-                what: format!("blob file {}", path.display()),
-                detail: format!("is {len} bytes, not the {size} bytes given for {digest}"),
-            });
-        }
+        // The file is checked first, even when the registry has the blob.
+        let file = open_sized(path, digest, size).await?;
         if self.blob_exists(r, creds, digest).await? {
             return Ok(BlobPush::AlreadyPresent);
         }
+        self.upload(r, creds, file, path, digest, size).await?;
+        Ok(BlobPush::Uploaded)
+    }
+
+    /// [`RegistryClient::push_blob_file`] without asking first whether the
+    /// registry has the blob: for a caller that just asked.
+    ///
+    /// Errors: as [`RegistryClient::push_blob_file`].
+    pub async fn upload_blob_file(
+        &self,
+        r: &Reference,
+        creds: &Credentials,
+        path: &Path,
+        digest: &str,
+        size: u64,
+    ) -> Result<(), RegistryError> {
+        let file = open_sized(path, digest, size).await?;
+        self.upload(r, creds, file, path, digest, size).await
+    }
+
+    /// One streamed `PUT` of the open `file` (blob `digest`, `size` bytes).
+    async fn upload(
+        &self,
+        r: &Reference,
+        creds: &Credentials,
+        file: tokio::fs::File,
+        path: &Path,
+        digest: &str,
+        size: u64,
+    ) -> Result<(), RegistryError> {
         let c = self.client(r, creds).await?;
         let stream = tokio_util::io::ReaderStream::with_capacity(file, PUSH_READ_BYTES)
             .map_err(OciDistributionError::IoError);
@@ -311,7 +355,7 @@ impl RegistryClient {
                     other => other,
                 }
             })?;
-        Ok(BlobPush::Uploaded)
+        Ok(())
     }
 
     /// Fetches blob `digest` (`size` bytes) of `r`'s repository into `dst`:

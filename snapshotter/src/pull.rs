@@ -18,9 +18,7 @@ use std::collections::BTreeMap;
 
 use layerstack_api as api;
 use layerstack_engine::publisher::ImportKind;
-use layerstack_engine::store::{
-    AdoptGroup, AdoptNode, BlobCompression, BlobRef, NodeKind, Provenance,
-};
+use layerstack_engine::store::{AdoptNode, BlobCompression, BlobRef};
 use layerstack_engine::{ImportRequest, PulledContent, PulledLayer};
 use layerstack_registry::parse_reference;
 use serde_json::Value;
@@ -46,15 +44,17 @@ fn bad_image(reference: &str, why: impl std::fmt::Display) -> Status {
     ))
 }
 
-fn compression_of(media_type: &str) -> BlobCompression {
+/// The compression a layer media type names (OCI's and docker's), or `None`
+/// for one this store does not write (its blob is then not recorded).
+fn compression_of(media_type: &str) -> Option<BlobCompression> {
     if media_type.ends_with("+zstd") {
-        BlobCompression::Zstd
+        Some(BlobCompression::Zstd)
     } else if media_type.ends_with("+gzip") || media_type.ends_with(".tar.gzip") {
-        BlobCompression::Gzip
+        Some(BlobCompression::Gzip)
     } else if media_type.ends_with(".tar") {
-        BlobCompression::None
+        Some(BlobCompression::None)
     } else {
-        BlobCompression::Gzip
+        None
     }
 }
 
@@ -80,6 +80,27 @@ fn descriptors(reference: &str, v: &Value) -> Result<Vec<Descriptor>, Status> {
 }
 
 impl AdminService {
+    /// For each of `above` (diff IDs above the base), the layer of `stack`
+    /// this store holds with that tar; `None` when the stack is not here.
+    async fn held(
+        &self,
+        stack: &str,
+        above: &[String],
+    ) -> Result<Option<Vec<Option<layerstack_engine::store::LayerId>>>, Status> {
+        let engine = self.engine.clone();
+        let (st, ab) = (stack.to_string(), above.to_vec());
+        match tokio::task::spawn_blocking(move || engine.held_layers(&st, &ab))
+            .await
+            .map_err(|e| Status::internal(format!("pull task failed: {e}")))?
+        {
+            Ok(h) => Ok(Some(h)),
+            Err(layerstack_engine::EngineError::Store(
+                layerstack_engine::store::StoreError::StackNotFound(_),
+            )) => Ok(None),
+            Err(e) => Err(engine_status(e)),
+        }
+    }
+
     pub(crate) async fn pull(&self, r: api::PullRequest) -> Result<api::PullResponse, Status> {
         let reference = parse_reference(&r.reference).map_err(|e| registry_status(&e))?;
         let whole = reference.whole();
@@ -103,62 +124,22 @@ impl AdminService {
                     .collect()
             })
             .unwrap_or_default();
-        let get = |k: &str| a.get(k).cloned().unwrap_or_default();
-        let node_id = get(ann::NODE);
-        if node_id.is_empty() {
-            return Err(bad_image(
-                &whole,
-                "its manifest has no io.layerstack.node annotation",
-            ));
-        }
-        let stack = get(ann::STACK);
-        let base_layers: usize = get(ann::BASE_LAYERS)
-            .parse()
-            .map_err(|_| bad_image(&whole, "io.layerstack.base-layers is not a number"))?;
+        let node = ann::decode(&a).map_err(|why| bad_image(&whole, why))?;
+        let stack = a.get(ann::STACK).cloned().unwrap_or_default();
+        let base_layers: usize = a
+            .get(ann::BASE_LAYERS)
+            .and_then(|b| b.parse().ok())
+            .ok_or_else(|| {
+                bad_image(
+                    &whole,
+                    "io.layerstack.base-layers is missing or not a number",
+                )
+            })?;
         let layers = descriptors(&whole, &v)?;
         if stack.is_empty() || base_layers > layers.len() {
             return Err(bad_image(
                 &whole,
                 "its stack or base layer count is missing or wrong",
-            ));
-        }
-        let kind = NodeKind::parse(&get(ann::KIND)).ok_or_else(|| {
-            bad_image(
-                &whole,
-                "io.layerstack.node.kind is not root, checkpoint or merge",
-            )
-        })?;
-        let labels: BTreeMap<String, String> = match a.get(ann::LABELS) {
-            Some(s) => serde_json::from_str(s)
-                .map_err(|e| bad_image(&whole, format!("io.layerstack.node.labels: {e}")))?,
-            None => BTreeMap::new(),
-        };
-        let node = AdoptNode {
-            id: node_id.clone(),
-            group: AdoptGroup {
-                name: get(ann::GRAPH),
-                branch: a.get(ann::GRAPH_BRANCH).cloned().filter(|b| !b.is_empty()),
-                root: a.get(ann::GRAPH_ROOT).cloned().filter(|b| !b.is_empty()),
-            },
-            kind,
-            state: a.get(ann::STATE).cloned().unwrap_or_else(|| "{}".into()),
-            parents: get(ann::PARENTS)
-                .split(',')
-                .filter(|p| !p.is_empty())
-                .map(String::from)
-                .collect(),
-            provenance: Provenance {
-                command: a.get(ann::COMMAND).cloned(),
-                labels,
-                exit_status: a.get(ann::EXIT_STATUS).and_then(|x| x.parse().ok()),
-                private_bytes: None,
-            },
-            created_ns: get(ann::CREATED_NS).parse().unwrap_or(0),
-        };
-        if node.group.name.is_empty() {
-            return Err(bad_image(
-                &whole,
-                "its manifest has no io.layerstack.graph annotation",
             ));
         }
 
@@ -170,6 +151,7 @@ impl AdminService {
                 .map_err(engine_status)?;
         let result = self
             .pull_into(
+                client,
                 &reference,
                 &creds,
                 &m.digest,
@@ -191,6 +173,7 @@ impl AdminService {
     #[allow(clippy::too_many_arguments)]
     async fn pull_into(
         &self,
+        client: &layerstack_registry::RegistryClient,
         reference: &layerstack_registry::Reference,
         creds: &layerstack_registry::Credentials,
         manifest_digest: &str,
@@ -202,8 +185,6 @@ impl AdminService {
         staging: &std::path::Path,
     ) -> Result<api::PullResponse, Status> {
         let whole = reference.whole();
-        let client = registries(self)?;
-        let client = client.client();
         let mut bytes_fetched = 0u64;
         // The config: one diff ID per layer.
         let cfg_digest = manifest["config"]["digest"]
@@ -240,16 +221,13 @@ impl AdminService {
             ));
         }
 
-        // The stack: here, or an imported base made from the image.
-        let here = self
-            .engine
-            .stacks()
-            .await
-            .map_err(engine_status)?
-            .iter()
-            .any(|s| s.id == stack);
+        // The layers above the base this store holds (by diff ID) — and
+        // whether it has the stack at all: else an imported base is made
+        // from the image.
+        let above: Vec<String> = diff_ids[base_layers..].to_vec();
+        let mut held = self.held(stack, &above).await?;
         let mut base_imported = false;
-        if !here {
+        if held.is_none() {
             let importable = stack.starts_with("import:")
                 && base_layers == 1
                 && stack.strip_prefix("import:") == Some(diff_ids[0].as_str());
@@ -283,37 +261,41 @@ impl AdminService {
             }
             base_imported = true;
             // The base layer is that blob: a push from here finds it recorded.
-            let engine = self.engine.clone();
-            let blob = layerstack_engine::store::LayerBlob {
-                layer: imported.layer,
-                compression: compression_of(&base.media_type),
-                digest: base.digest.clone(),
-                diff_id: diff_ids[0].clone(),
-                size: base.size,
-            };
-            tokio::task::spawn_blocking(move || engine.record_layer_blob(&blob))
-                .await
-                .map_err(|e| Status::internal(format!("pull task failed: {e}")))?
-                .map_err(engine_status)?;
+            if let Some(compression) = compression_of(&base.media_type) {
+                let engine = self.engine.clone();
+                let blob = layerstack_engine::store::LayerBlob {
+                    layer: imported.layer,
+                    compression,
+                    digest: base.digest.clone(),
+                    diff_id: diff_ids[0].clone(),
+                    size: base.size,
+                };
+                tokio::task::spawn_blocking(move || engine.record_layer_blob(&blob))
+                    .await
+                    .map_err(|e| Status::internal(format!("pull task failed: {e}")))?
+                    .map_err(engine_status)?;
+            }
+            held = self.held(stack, &above).await?;
         }
+        let held = held.ok_or_else(|| {
+            Status::internal(format!("stack {stack} is missing right after its import"))
+        })?;
 
         // The layers above the base: held here, or fetched.
-        let above: Vec<String> = diff_ids[base_layers..].to_vec();
-        let engine = self.engine.clone();
-        let (st, ab) = (stack.to_string(), above.clone());
-        let held = tokio::task::spawn_blocking(move || engine.held_layers(&st, &ab))
-            .await
-            .map_err(|e| Status::internal(format!("pull task failed: {e}")))?
-            .map_err(engine_status)?;
         let mut pulled = Vec::with_capacity(above.len());
         let (mut fetched, mut reused) = (0u32, 0u32);
         for (i, (d, h)) in layers[base_layers..].iter().zip(&held).enumerate() {
             let diff_id = above[i].clone();
-            let blobs = vec![BlobRef {
-                compression: compression_of(&d.media_type),
-                digest: d.digest.clone(),
-                size: d.size,
-            }];
+            // Recorded for the layer (a push names it without recompressing)
+            // when its media type names a compression this store writes.
+            let blobs = compression_of(&d.media_type)
+                .map(|compression| BlobRef {
+                    compression,
+                    digest: d.digest.clone(),
+                    size: d.size,
+                })
+                .into_iter()
+                .collect();
             let origin = format!(
                 "layer {}/{} ({}) of {whole}",
                 base_layers + i + 1,
@@ -406,8 +388,9 @@ mod tests {
                 BlobCompression::Gzip,
             ),
         ] {
-            assert_eq!(compression_of(m), c, "{m}");
+            assert_eq!(compression_of(m), Some(c), "{m}");
         }
+        assert_eq!(compression_of("application/vnd.example.unknown"), None);
     }
 
     #[test]

@@ -21,6 +21,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use layerstack_api as api;
+use layerstack_engine::store::AdoptNode;
 use layerstack_engine::Compression;
 use layerstack_registry::image::{canonical_json, config_layer, image_config};
 use layerstack_registry::{
@@ -66,6 +67,93 @@ pub mod annotations {
     pub const CREATED_NS: &str = "io.layerstack.node.created-ns";
     /// The branch of a pushed branch head.
     pub const BRANCH: &str = "io.layerstack.branch";
+
+    use std::collections::BTreeMap;
+
+    use layerstack_engine::store::{AdoptGroup, AdoptNode, NodeKind, Provenance};
+
+    /// Writes `node` (what a store holds of it: `AdoptNode::of`) into a
+    /// manifest's annotations; [`decode`] reads it back.
+    pub fn encode(node: &AdoptNode, out: &mut BTreeMap<String, String>) {
+        let mut put = |k: &str, v: String| {
+            out.insert(k.to_string(), v);
+        };
+        put(NODE, node.id.clone());
+        put(GRAPH, node.group.name.clone());
+        if let Some(b) = &node.group.branch {
+            put(GRAPH_BRANCH, b.clone());
+        }
+        if let Some(r) = &node.group.root {
+            put(GRAPH_ROOT, r.clone());
+        }
+        put(KIND, node.kind.as_str().to_string());
+        put(PARENTS, node.parents.join(","));
+        put(STATE, node.state.clone());
+        put(CREATED_NS, node.created_ns.to_string());
+        let p = &node.provenance;
+        if let Some(c) = &p.command {
+            put(COMMAND, c.clone());
+        }
+        if let Some(x) = p.exit_status {
+            put(EXIT_STATUS, x.to_string());
+        }
+        if !p.labels.is_empty() {
+            put(LABELS, serde_json::to_string(&p.labels).unwrap_or_default());
+        }
+    }
+
+    /// The node [`encode`] wrote into `a`, or what is missing or malformed
+    /// (named by its annotation key). Its local accounting
+    /// (`private_bytes`) does not travel.
+    pub fn decode(a: &BTreeMap<String, String>) -> Result<AdoptNode, String> {
+        let get = |k: &str| a.get(k).cloned().filter(|v| !v.is_empty());
+        let id = get(NODE).ok_or_else(|| format!("its manifest has no {NODE} annotation"))?;
+        let name = get(GRAPH).ok_or_else(|| format!("its manifest has no {GRAPH} annotation"))?;
+        let kind = NodeKind::parse(&get(KIND).unwrap_or_default())
+            .ok_or_else(|| format!("{KIND} is not root, checkpoint or merge"))?;
+        let labels = match get(LABELS) {
+            Some(s) => serde_json::from_str(&s).map_err(|e| format!("{LABELS}: {e}"))?,
+            None => BTreeMap::new(),
+        };
+        let exit_status = match get(EXIT_STATUS) {
+            Some(x) => Some(
+                x.parse()
+                    .map_err(|_| format!("{EXIT_STATUS} {x:?} is not a number"))?,
+            ),
+            None => None,
+        };
+        let created_ns = match get(CREATED_NS) {
+            Some(x) => x
+                .parse()
+                .map_err(|_| format!("{CREATED_NS} {x:?} is not a number"))?,
+            None => 0,
+        };
+        Ok(AdoptNode {
+            id,
+            group: AdoptGroup {
+                name,
+                branch: get(GRAPH_BRANCH),
+                root: get(GRAPH_ROOT),
+            },
+            kind,
+            state: get(STATE).unwrap_or_else(|| "{}".into()),
+            parents: get(PARENTS)
+                .map(|p| {
+                    p.split(',')
+                        .filter(|p| !p.is_empty())
+                        .map(String::from)
+                        .collect()
+                })
+                .unwrap_or_default(),
+            provenance: Provenance {
+                command: get(COMMAND),
+                labels,
+                exit_status,
+                private_bytes: None,
+            },
+            created_ns,
+        })
+    }
 }
 
 /// The daemon's registry client and where its own credentials are.
@@ -165,7 +253,7 @@ impl AdminService {
                 .node_group(&r.node)
                 .await
                 .map_err(engine_status)?;
-            Some((n, g))
+            Some(AdoptNode::of(&n, &g))
         };
         let engine = self.engine.clone();
         let holder = format!("push {}", reference.whole());
@@ -207,17 +295,14 @@ impl AdminService {
         export: &Arc<layerstack_engine::Export>,
         staging: &std::path::Path,
         compression: Compression,
-        node: Option<&(
-            layerstack_engine::store::NodeInfo,
-            layerstack_engine::store::GroupInfo,
-        )>,
+        node: Option<&AdoptNode>,
     ) -> Result<api::PushResponse, Status> {
         let lease = export.lease().clone();
         let mut descriptors = Vec::new();
         let mut diff_ids = Vec::new();
         let (mut sent, mut present, mut bytes_sent) = (0u32, 0u32, 0u64);
-        let (mut packed, mut cached) = (0u32, 0u32);
-        for (i, _) in lease.layers.iter().enumerate() {
+        let mut packed = 0u32;
+        for i in 0..lease.layers.len() {
             // A blob an earlier export, push or pull recorded for the layer:
             // when the registry has it, nothing is read or compressed.
             let ex = export.clone();
@@ -225,54 +310,63 @@ impl AdminService {
                 .await
                 .map_err(|e| Status::internal(format!("push task failed: {e}")))?
                 .map_err(engine_status)?;
-            if let Some(b) = recorded {
-                if regs
-                    .client()
-                    .blob_exists(reference, creds, &b.digest)
-                    .await
-                    .map_err(|e| registry_status(&e))?
-                {
+            let asked = match &recorded {
+                Some(b) => Some(
+                    regs.client()
+                        .blob_exists(reference, creds, &b.digest)
+                        .await
+                        .map_err(|e| registry_status(&e))?,
+                ),
+                None => None,
+            };
+            let (digest, size, diff_id) = match (recorded, asked) {
+                (Some(b), Some(true)) => {
                     present += 1;
-                    cached += 1;
-                    descriptors.push(json!({
-                        "mediaType": compression.media_type(),
-                        "digest": b.digest,
-                        "size": b.size,
-                    }));
-                    diff_ids.push(b.diff_id);
-                    continue;
+                    (b.digest, b.size, b.diff_id)
                 }
-            }
-            packed += 1;
-            let path = staging.join(format!("layer-{i}"));
-            let (ex, p) = (export.clone(), path.clone());
-            let blob = tokio::task::spawn_blocking(move || {
-                let f = std::fs::File::create(&p)
-                    .map_err(|e| Status::internal(format!("cannot create {}: {e}", p.display())))?;
-                ex.write_layer(i, compression, std::io::BufWriter::new(f))
-                    .map_err(engine_status)
-            })
-            .await
-            .map_err(|e| Status::internal(format!("layer blob task failed: {e}")))??;
-            match regs
-                .client()
-                .push_blob_file(reference, creds, &path, &blob.digest, blob.size)
-                .await
-                .map_err(|e| registry_status(&e))?
-            {
-                BlobPush::Uploaded => {
-                    sent += 1;
-                    bytes_sent += blob.size;
+                (recorded, _) => {
+                    packed += 1;
+                    let path = staging.join(format!("layer-{i}"));
+                    let (ex, p) = (export.clone(), path.clone());
+                    let blob = tokio::task::spawn_blocking(move || {
+                        let f = std::fs::File::create(&p).map_err(|e| {
+                            Status::internal(format!("cannot create {}: {e}", p.display()))
+                        })?;
+                        ex.write_layer(i, compression, std::io::BufWriter::new(f))
+                            .map_err(engine_status)
+                    })
+                    .await
+                    .map_err(|e| Status::internal(format!("layer blob task failed: {e}")))??;
+                    // Asked already when its blob was recorded (the same
+                    // bytes: the tar is deterministic): the registry lacks it.
+                    let sent_now = if recorded.as_ref().is_some_and(|r| r.digest == blob.digest) {
+                        regs.client()
+                            .upload_blob_file(reference, creds, &path, &blob.digest, blob.size)
+                            .await
+                            .map(|()| BlobPush::Uploaded)
+                    } else {
+                        regs.client()
+                            .push_blob_file(reference, creds, &path, &blob.digest, blob.size)
+                            .await
+                    }
+                    .map_err(|e| registry_status(&e))?;
+                    match sent_now {
+                        BlobPush::Uploaded => {
+                            sent += 1;
+                            bytes_sent += blob.size;
+                        }
+                        BlobPush::AlreadyPresent => present += 1,
+                    }
+                    let _ = tokio::fs::remove_file(&path).await;
+                    (blob.digest, blob.size, blob.diff_id)
                 }
-                BlobPush::AlreadyPresent => present += 1,
-            }
-            let _ = tokio::fs::remove_file(&path).await;
+            };
             descriptors.push(json!({
                 "mediaType": compression.media_type(),
-                "digest": blob.digest,
-                "size": blob.size,
+                "digest": digest,
+                "size": size,
             }));
-            diff_ids.push(blob.diff_id);
+            diff_ids.push(diff_id);
         }
         let layers: Vec<_> = lease
             .layers
@@ -305,33 +399,18 @@ impl AdminService {
             }
             BlobPush::AlreadyPresent => present += 1,
         }
-        let mut ann: BTreeMap<&str, String> = BTreeMap::new();
-        ann.insert(annotations::STACK, lease.stack.clone());
-        ann.insert(annotations::BASE_DIGEST, lease.base_digest.clone());
-        ann.insert(annotations::BASE_LAYERS, lease.base_layers.to_string());
-        if let Some((n, g)) = node {
-            ann.insert(annotations::NODE, n.id.clone());
-            ann.insert(annotations::GRAPH, n.group.clone());
-            ann.insert(annotations::GRAPH_BRANCH, g.branch.clone());
-            ann.insert(annotations::GRAPH_ROOT, g.root.clone());
-            ann.insert(annotations::KIND, n.kind.as_str().to_string());
-            ann.insert(annotations::PARENTS, n.parents.join(","));
-            ann.insert(annotations::STATE, n.state.clone());
-            ann.insert(annotations::CREATED_NS, n.created_ns.to_string());
-            if let Some(c) = &n.command {
-                ann.insert(annotations::COMMAND, c.clone());
+        let mut ann: BTreeMap<String, String> = BTreeMap::new();
+        ann.insert(annotations::STACK.into(), lease.stack.clone());
+        ann.insert(annotations::BASE_DIGEST.into(), lease.base_digest.clone());
+        ann.insert(
+            annotations::BASE_LAYERS.into(),
+            lease.base_layers.to_string(),
+        );
+        match node {
+            Some(n) => annotations::encode(n, &mut ann),
+            None => {
+                ann.insert(annotations::BRANCH.into(), lease.branch.clone());
             }
-            if let Some(x) = n.exit_status {
-                ann.insert(annotations::EXIT_STATUS, x.to_string());
-            }
-            if !n.labels.is_empty() {
-                ann.insert(
-                    annotations::LABELS,
-                    serde_json::to_string(&n.labels).unwrap_or_default(),
-                );
-            }
-        } else {
-            ann.insert(annotations::BRANCH, lease.branch.clone());
         }
         let manifest = json!({
             "schemaVersion": 2,
@@ -359,19 +438,18 @@ impl AdminService {
         info!(
             reference = %reference.whole(),
             manifest = %digest,
-            node = node.map(|(n, _)| n.id.as_str()).unwrap_or(""),
+            node = node.map(|n| n.id.as_str()).unwrap_or(""),
             layers = lease.layers.len(),
             blobs_sent = sent,
             blobs_present = present,
             layers_packed = packed,
-            layers_cached = cached,
             bytes_sent,
             "pushed"
         );
         Ok(api::PushResponse {
             reference: reference.whole(),
             manifest_digest: digest,
-            node: node.map(|(n, _)| n.id.clone()).unwrap_or_default(),
+            node: node.map(|n| n.id.clone()).unwrap_or_default(),
             stack: lease.stack.clone(),
             layers: lease.layers.len() as u32,
             blobs_sent: sent,
@@ -380,5 +458,73 @@ impl AdminService {
             diff_ids,
             layers_packed: packed,
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used)]
+    use std::collections::BTreeMap;
+
+    use layerstack_engine::store::{AdoptGroup, AdoptNode, NodeKind, Provenance};
+
+    use super::annotations::{self, decode, encode};
+
+    fn node() -> AdoptNode {
+        AdoptNode {
+            id: "n0123456789abcdef".into(),
+            group: AdoptGroup {
+                name: "g".into(),
+                branch: Some("main".into()),
+                root: Some("nroot".into()),
+            },
+            kind: NodeKind::Checkpoint,
+            state: r#"{"reward":0.5}"#.into(),
+            parents: vec!["na".into(), "nb".into()],
+            provenance: Provenance {
+                command: Some("make test".into()),
+                labels: [("evaluator".to_string(), "unit".to_string())].into(),
+                exit_status: Some(3),
+                private_bytes: None,
+            },
+            created_ns: 42,
+        }
+    }
+
+    #[test]
+    fn a_node_round_trips_through_its_annotations() {
+        let mut a = BTreeMap::new();
+        encode(&node(), &mut a);
+        assert_eq!(decode(&a).unwrap(), node());
+        // Optional parts absent: a root with no provenance.
+        let mut bare = node();
+        bare.kind = NodeKind::Root;
+        bare.parents.clear();
+        bare.group.branch = None;
+        bare.group.root = None;
+        bare.provenance = Provenance::default();
+        let mut a = BTreeMap::new();
+        encode(&bare, &mut a);
+        assert_eq!(decode(&a).unwrap(), bare);
+    }
+
+    #[test]
+    fn a_missing_or_malformed_annotation_is_named() {
+        for (key, value) in [
+            (annotations::NODE, None),
+            (annotations::GRAPH, None),
+            (annotations::KIND, Some("leaf")),
+            (annotations::EXIT_STATUS, Some("x")),
+            (annotations::LABELS, Some("[1]")),
+        ] {
+            let mut a = BTreeMap::new();
+            encode(&node(), &mut a);
+            match value {
+                Some(v) => a.insert(key.to_string(), v.to_string()),
+                None => a.remove(key),
+            };
+            let why = decode(&a).unwrap_err();
+            assert!(why.contains(key), "{key}: {why}");
+        }
     }
 }

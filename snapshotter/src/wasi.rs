@@ -106,17 +106,6 @@ impl WasiLive {
     }
 }
 
-fn parse_env(env: &[String]) -> Result<Vec<(String, String)>, Status> {
-    env.iter()
-        .map(|kv| match kv.split_once('=') {
-            Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
-            _ => Err(Status::invalid_argument(format!(
-                "environment entry {kv:?} is not KEY=VALUE"
-            ))),
-        })
-        .collect()
-}
-
 /// The limits of a session's runs: each field of `o` given, else the default.
 fn limits_of(o: &api::WasiOptions) -> Result<WasiLimits, Status> {
     let d = WasiLimits::default();
@@ -157,7 +146,7 @@ pub(crate) async fn create(
             "sandbox and wasi are exclusive: a session runs Linux processes (sandbox) or WebAssembly modules (wasi)",
         ));
     }
-    let env = parse_env(&opts.env)?;
+    let env = crate::owned::parse_env("wasi.env", &opts.env)?;
     let limits = limits_of(&opts)?;
     // The runtime first: no session is made that could not run anything.
     runner()?;
@@ -242,9 +231,6 @@ pub(crate) fn live(admin: &AdminService, id: SessionId) -> Option<Arc<WasiLive>>
 pub(crate) async fn release(admin: &AdminService, id: SessionId) {
     let Some(live) = live(admin, id) else { return };
     live.closing.store(true, Ordering::Relaxed);
-    if let Some(h) = admin.holders.map().get_mut(&id) {
-        h.wasi = None;
-    }
     admin.holders.map().remove(&id);
     // Runs and file calls hold a clone each: wait for them to end (a run
     // stops within one epoch tick of `closing`).
@@ -273,15 +259,9 @@ pub(crate) async fn release(admin: &AdminService, id: SessionId) {
 
 /// `sha256:<64 hex>` → a digest.
 fn parse_digest(s: &str) -> Option<ModuleDigest> {
-    let hex = s.strip_prefix("sha256:")?;
-    if hex.len() != 64 {
-        return None;
-    }
-    let mut d = [0u8; 32];
-    for (i, b) in d.iter_mut().enumerate() {
-        *b = u8::from_str_radix(hex.get(2 * i..2 * i + 2)?, 16).ok()?;
-    }
-    Some(d)
+    crate::admin::hex_decode(s.strip_prefix("sha256:")?)?
+        .try_into()
+        .ok()
 }
 
 /// The module of an Exec: inline bytes, a cached digest, or a file of the
@@ -398,7 +378,7 @@ pub(crate) async fn exec(
         }
     };
     let mut env = live.env.clone();
-    for (k, v) in parse_env(&r.env)? {
+    for (k, v) in crate::owned::parse_env("env", &r.env)? {
         env.retain(|(ek, _)| *ek != k);
         env.push((k, v));
     }
@@ -463,10 +443,7 @@ pub(crate) async fn exec(
             kind: Some(api::exec_reply::Kind::Stderr(c.to_vec())),
         });
     }
-    let code = match (out.exit_code, out.trap) {
-        (Some(c), _) => c,
-        (None, _) => TRAP_EXIT_CODE,
-    };
+    let code = out.exit_code.unwrap_or(TRAP_EXIT_CODE);
     replies.push(api::ExecReply {
         kind: Some(api::exec_reply::Kind::Exit(api::ExecExit {
             code,
@@ -544,10 +521,14 @@ mod tests {
         .unwrap();
         assert_eq!(e.code(), tonic::Code::InvalidArgument);
         assert!(e.message().contains("65536"), "{}", e.message());
-        assert!(parse_env(&["A=1".into(), "B=".into()]).is_ok());
+        // The environment is checked as a sandbox's (`owned::parse_env`).
+        let env = crate::owned::parse_env("wasi.env", &["A=1".into(), "B=".into()]).unwrap();
         assert_eq!(
-            parse_env(&["=x".into()]).err().unwrap().code(),
-            tonic::Code::InvalidArgument
+            env,
+            vec![("A".into(), "1".into()), ("B".into(), String::new())]
         );
+        let e = crate::owned::parse_env("wasi.env", &["=x".into()]).unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument);
+        assert!(e.message().contains("wasi.env"), "{}", e.message());
     }
 }

@@ -173,6 +173,15 @@ fn the_deadline_stops_an_endless_loop_without_fuel() {
     );
 }
 
+/// Sets `flag` from another thread after `ms` milliseconds.
+fn set_after(flag: &Arc<AtomicBool>, ms: u64) -> std::thread::JoinHandle<()> {
+    let flag = flag.clone();
+    std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(ms));
+        flag.store(true, Ordering::Relaxed);
+    })
+}
+
 /// Copies stdin to stdout (4 KiB at a time) and exits 0.
 fn cat_module() -> Vec<u8> {
     wat::parse_str(
@@ -221,13 +230,7 @@ fn stdin_reaches_the_module_and_a_cancel_flag_stops_a_run() {
         },
         ..Default::default()
     };
-    let setter = {
-        let cancel = cancel.clone();
-        std::thread::spawn(move || {
-            std::thread::sleep(std::time::Duration::from_millis(100));
-            cancel.store(true, Ordering::Relaxed);
-        })
-    };
+    let setter = set_after(&cancel, 100);
     let out = runner
         .run_with(ModuleRef::Bytes(&loop_module()), dir.path(), &inv)
         .expect("run");
@@ -282,13 +285,7 @@ fn the_deadline_and_a_cancel_stop_a_module_waiting_in_a_host_call() {
         },
         ..Default::default()
     };
-    let setter = {
-        let cancel = cancel.clone();
-        std::thread::spawn(move || {
-            std::thread::sleep(std::time::Duration::from_millis(200));
-            cancel.store(true, Ordering::Relaxed);
-        })
-    };
+    let setter = set_after(&cancel, 200);
     let out = runner
         .run_with(ModuleRef::Bytes(&sleep_module()), dir.path(), &inv)
         .expect("run");

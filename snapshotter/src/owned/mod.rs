@@ -166,7 +166,7 @@ fn io_status(what: &str, e: &io::Error) -> Status {
 }
 
 /// A `KEY=VALUE` list, checked.
-fn parse_env(field: &str, env: &[String]) -> Result<Vec<(String, String)>, Status> {
+pub(crate) fn parse_env(field: &str, env: &[String]) -> Result<Vec<(String, String)>, Status> {
     env.iter()
         .map(|kv| match kv.split_once('=') {
             Some((k, v)) if !k.is_empty() && !kv.contains('\0') => {
