@@ -149,6 +149,31 @@ pub struct Adopted {
     pub missing_parents: Vec<String>,
 }
 
+/// Edges from node `child` to each of `parents` (at its position) this
+/// store holds, those there already kept; returns the parents it does not
+/// hold (no edge).
+fn link_parents(
+    tx: &rusqlite::Transaction<'_>,
+    child: &str,
+    parents: &[String],
+) -> Result<Vec<String>, StoreError> {
+    let mut missing = Vec::new();
+    for (pos, p) in parents.iter().enumerate() {
+        let here: Option<i64> = tx
+            .one("SELECT 1 FROM graph_nodes WHERE id = ?1", [p], |r| r.get(0))
+            .optional()?;
+        if here.is_none() {
+            missing.push(p.clone());
+            continue;
+        }
+        tx.exec(
+            "INSERT OR IGNORE INTO graph_edges(child, pos, parent) VALUES (?1, ?2, ?3)",
+            params![child, pos as i64, p],
+        )?;
+    }
+    Ok(missing)
+}
+
 /// A node id: 1–128 bytes, no whitespace or control characters (ids are
 /// opaque: `n1` of an older store, `n` + 16 hex digits since format 12).
 fn validate_node_id(id: &str) -> Result<(), StoreError> {
@@ -420,32 +445,9 @@ impl Store {
                 ids.reverse();
                 // Parents pulled since the node was: their edges now (a child
                 // pulled before its parent gets it on a pull again).
-                let mut missing = Vec::new();
-                let mut linked = false;
-                for (pos, p) in node.parents.iter().enumerate() {
-                    if existing.parents.contains(p) {
-                        continue;
-                    }
-                    let here: Option<i64> = tx
-                        .one("SELECT 1 FROM graph_nodes WHERE id = ?1", [p], |r| r.get(0))
-                        .optional()?;
-                    if here.is_none() {
-                        missing.push(p.clone());
-                        continue;
-                    }
-                    tx.exec(
-                        "INSERT OR IGNORE INTO graph_edges(child, pos, parent) VALUES (?1, ?2, ?3)",
-                        params![node.id, pos as i64, p],
-                    )?;
-                    linked = true;
-                }
-                let existing = if linked {
-                    get_node(tx, &node.id)?
-                } else {
-                    existing
-                };
+                let missing = link_parents(tx, &node.id, &node.parents)?;
                 return Ok(Adopted {
-                    node: existing,
+                    node: get_node(tx, &node.id)?,
                     created: false,
                     layers: ids,
                     new_layers: Vec::new(),
@@ -541,17 +543,12 @@ impl Store {
                 |r| r.get(0),
             )?;
             let prov = &node.provenance;
-            if let Some(old) = revive {
+            if revive.is_some() {
                 tx.exec(
                     "UPDATE graph_nodes SET manifest_id = ?2, lease_id = ?3, pruned = 0 WHERE id = ?1",
                     params![node.id, manifest, lease],
                 )?;
-                let missing = node
-                    .parents
-                    .iter()
-                    .filter(|p| !old.parents.contains(p))
-                    .cloned()
-                    .collect();
+                let missing = link_parents(tx, &node.id, &node.parents)?;
                 return Ok(Adopted {
                     node: get_node(tx, &node.id)?,
                     created: true,
@@ -577,20 +574,7 @@ impl Store {
                     lease
                 ],
             )?;
-            let mut missing = Vec::new();
-            for (pos, p) in node.parents.iter().enumerate() {
-                let here: Option<i64> = tx
-                    .one("SELECT 1 FROM graph_nodes WHERE id = ?1", [p], |r| r.get(0))
-                    .optional()?;
-                if here.is_none() {
-                    missing.push(p.clone());
-                    continue;
-                }
-                tx.exec(
-                    "INSERT INTO graph_edges(child, pos, parent) VALUES (?1, ?2, ?3)",
-                    params![node.id, pos as i64, p],
-                )?;
-            }
+            let missing = link_parents(tx, &node.id, &node.parents)?;
             Ok(Adopted {
                 node: get_node(tx, &node.id)?,
                 created: true,
