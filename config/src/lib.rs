@@ -214,6 +214,13 @@ pub struct SandboxConfig {
     /// status, seconds. Default 60 (more than `layerstack session run
     /// --reconnect-timeout`'s default, 30).
     pub holder_grace_s: u64,
+    /// WASI sessions kept ready for each stack and branch a WASI session was
+    /// made on lately (at most 8 of them): store rows, lease and overlay made
+    /// ahead, so that CreateSession only hands one over (benchmark P11). They
+    /// count against `max_sessions` (a request the cap refuses takes the slot
+    /// of one), are made again when their branch moves, and are not listed by
+    /// `layerstack session ls`. 0 = none. Default 2.
+    pub wasi_ready: u32,
 }
 
 impl Default for SandboxConfig {
@@ -229,6 +236,7 @@ impl Default for SandboxConfig {
             cpu_budget_millis: 0,
             memory_budget_bytes: 0,
             holder_grace_s: 60,
+            wasi_ready: 2,
         }
     }
 }

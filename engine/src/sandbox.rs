@@ -526,6 +526,48 @@ impl Engine {
         Ok((s, spec, created))
     }
 
+    /// Hands ready WASI session `id` — made ahead by
+    /// [`Engine::create_sandbox_session`] with the name
+    /// [`layerstack_store::READY_OWNER`] on `req`'s stack and branch — to
+    /// `req`'s owner: its name, idempotency key, exit policy and
+    /// `ignore_mtime` become the session's in one transaction
+    /// ([`layerstack_store::Store::claim_ready_session`]). Its slot in the
+    /// pool (taken when it was made) stays with it.
+    ///
+    /// `None`: the session is stale (its branch's head moved since it was
+    /// made) or `req`'s key names a session already; create the usual way.
+    /// Errors: `InvalidArgument` (`req` is not a WASI request on a branch
+    /// without a node, or a bad key), `FailedPrecondition` (the key was used
+    /// with other arguments).
+    pub async fn claim_ready_session(
+        &self,
+        id: SessionId,
+        req: SandboxRequest,
+    ) -> Result<Option<SessionInfo>, EngineError> {
+        if !req.wasi || req.node.is_some() || !matches!(req.target, LeaseTarget::Branch(_)) {
+            return Err(EngineError::InvalidArgument(
+                "only a WASI session on a branch (no node) is made ahead of its request".into(),
+            ));
+        }
+        let opts = layerstack_store::SessionOptions {
+            exit_policy: req.policy.map(|p| p.as_str().to_string()),
+            ignore_mtime: req.ignore_mtime,
+            daemon_owned: req.daemon_owned,
+        };
+        let owner = owner_of(true, req.name);
+        let key = req.idempotency_key;
+        let claim = self
+            .blocking(move |st| st.claim_ready_session(id, &owner, key.as_deref(), &opts))
+            .await?;
+        Ok(match claim {
+            layerstack_store::Claim::Claimed(s) => {
+                self.changed();
+                Some(*s)
+            }
+            layerstack_store::Claim::Stale | layerstack_store::Claim::KeyTaken => None,
+        })
+    }
+
     /// Ends sandbox session `id` and releases it (see the module docs). Waits at
     /// most `patience` for the upper to be unmounted everywhere. Returns the
     /// session with the outcome of its last run. A session released already is

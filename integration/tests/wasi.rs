@@ -21,6 +21,7 @@
 //! (`scripts/install-deps.sh`); no containerd.
 
 use std::collections::BTreeMap;
+use std::fs;
 use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -854,13 +855,15 @@ async fn restart_scenario(dir: &Path, daemon: &mut Option<Daemon>, module: Vec<u
         .await?
         .into_inner();
     let id = r.session.context("session")?.id;
-    let upper = r
-        .mounts
-        .iter()
-        .flat_map(|m| m.options.iter())
-        .find_map(|o| o.strip_prefix("upperdir="))
-        .map(PathBuf::from)
-        .context("no upperdir")?;
+    // A WASI session's mounts are not handed out (the daemon alone mounts
+    // its overlay): the upper is where the store keeps a session's.
+    ensure!(
+        r.mounts.is_empty(),
+        "a WASI session's mounts were handed out: {:?}",
+        r.mounts
+    );
+    let upper = d.root().join("s").join(id.to_string()).join("upper");
+    ensure!(upper.is_dir(), "no upper at {}", upper.display());
     let w = run(
         &mut c,
         ops(&module, id, &["write", "/srv/half-done", "1\n"]),
@@ -963,6 +966,158 @@ fn a_daemon_kill_interrupts_a_wasi_session_and_publishes_nothing() -> Result<()>
     if let Some(mut d) = daemon.take() {
         d.stop();
     }
+    if std::env::var_os("LAYERSTACK_TEST_KEEP").is_none() {
+        remove_tree(&dir);
+    }
+    r
+}
+
+/// The sessions `Status` counts as live (sandbox and WASI, ready ones
+/// included), once it equals `want` (at most 10 s).
+async fn live_sessions_reach(c: &mut Client, want: u64) -> Result<()> {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let s = c.status(api::StatusRequest::default()).await?.into_inner();
+        if s.sandbox_sessions == want {
+            return Ok(());
+        }
+        ensure!(
+            std::time::Instant::now() < deadline,
+            "live sessions stay {} (want {want})",
+            s.sandbox_sessions
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+/// Ready sessions (`[sandbox] wasi_ready`): made ahead, claimed by a create,
+/// never handed out once their branch moved, not listed, and yielding their
+/// slot to a request the cap would refuse.
+async fn ready_scenario(dir: &Path, d: &Daemon, module: Vec<u8>) -> Result<()> {
+    let src = dir.join("rootfs");
+    rootfs(&src)?;
+    let o = ensure_success(
+        "base import",
+        d.layerstack(&["base", "import", src.to_str().context("utf-8")?])?,
+    )?;
+    let stack = stdout(&o).trim().to_string();
+    let mut c = api::connect(d.admin_socket()).await?;
+    let claimed = |id: i64| -> Result<bool> {
+        let log = fs::read_to_string(d.log_path())?;
+        Ok(log.lines().any(|l| {
+            l.contains("WASI session claimed") && l.contains(&format!("session.id={id} "))
+        }))
+    };
+
+    // The first session of the branch is made now; two are made ahead.
+    let a = create(&mut c, &stack, "a", Default::default()).await?;
+    ensure!(
+        !claimed(a)?,
+        "session {a} was claimed before any was made ahead"
+    );
+    close(&mut c, a, api::EndAction::Discard).await?;
+    live_sessions_reach(&mut c, 2).await?;
+    // Not listed: they are the daemon's, not a caller's.
+    let listed = c
+        .list_sessions(api::ListSessionsRequest {
+            all_namespaces: true,
+            owner_kind: "wasi".into(),
+            ..Default::default()
+        })
+        .await?
+        .into_inner()
+        .sessions;
+    ensure!(
+        listed.iter().all(|s| s.owner != "wasi:(ready)"),
+        "ready sessions are listed: {listed:?}"
+    );
+
+    // The next create claims one: the caller's name, the branch's head.
+    let b = create(&mut c, &stack, "b", Default::default()).await?;
+    ensure!(
+        claimed(b)?,
+        "session {b} was made, not claimed from the ready ones"
+    );
+    let w = run(&mut c, ops(&module, b, &["write", "/srv/after-b", "b\n"])).await?;
+    ensure!(w.exit.code == 0, "{w:?}");
+    let sb = close(&mut c, b, api::EndAction::Publish).await?;
+    ensure!(sb.outcome == "committed" && sb.owner == "wasi:b", "{sb:?}");
+
+    // The branch moved: the sessions made before are stale and never handed
+    // out; the next session sees b's file.
+    let e = create(&mut c, &stack, "e", Default::default()).await?;
+    let r = run(&mut c, ops(&module, e, &["cat", "/srv/after-b"])).await?;
+    ensure!(
+        r.exit.code == 0 && r.out == b"b\n",
+        "session {e} after b's publish does not see it: {r:?}"
+    );
+    close(&mut c, e, api::EndAction::Discard).await?;
+    live_sessions_reach(&mut c, 2).await?;
+
+    // The cap is 3 (the daemon's config): two ready sessions hold two slots;
+    // requests that bypass them (a memory limit other than the default) still
+    // get all three slots, the ready ones giving theirs up.
+    let limited = api::WasiOptions {
+        memory_bytes: 1 << 20,
+        ..Default::default()
+    };
+    let mut own = Vec::new();
+    for i in 0..3 {
+        let id = create(&mut c, &stack, &format!("capped-{i}"), limited.clone())
+            .await
+            .with_context(|| format!("create {i} under the cap"))?;
+        ensure!(
+            !claimed(id)?,
+            "a session with its own limits was claimed: {id}"
+        );
+        own.push(id);
+    }
+    // A live WASI session is ended only by CloseSession.
+    let refused = c
+        .publish(api::PublishRequest {
+            session_id: own[0],
+            action: api::EndAction::Publish as i32,
+            ..Default::default()
+        })
+        .await
+        .expect_err("Publish of a live WASI session");
+    ensure!(
+        refused.code() == tonic::Code::FailedPrecondition
+            && refused.message().contains("live WASI session"),
+        "{refused:?}"
+    );
+    for id in own {
+        close(&mut c, id, api::EndAction::Discard).await?;
+    }
+    Ok(())
+}
+
+#[test]
+fn ready_wasi_sessions_are_claimed_and_never_stale() -> Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let dir = make_temp_dir()?;
+    let Some(module) = require_wasi_toolchain(&dir)? else {
+        return Ok(());
+    };
+    let config = dir.join("layerstack.toml");
+    fs::write(&config, "[sandbox]\nmax_sessions = 3\nwasi_ready = 2\n")?;
+    let mut d = Daemon::start_at_with(
+        &dir.join("s/snapshotter.sock"),
+        &dir.join("s/containerd.sock"),
+        &dir.join("root"),
+        &["--config", config.to_str().context("utf-8")?],
+        true,
+    )?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let r = rt.block_on(ready_scenario(&dir, &d, module));
+    if r.is_err() {
+        d.dump_log();
+    }
+    d.stop();
     if std::env::var_os("LAYERSTACK_TEST_KEEP").is_none() {
         remove_tree(&dir);
     }

@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use layerstack_api as api;
-use layerstack_engine::store::{PathRecord, PathStatus, SessionInfo};
+use layerstack_engine::store::{Owner, PathRecord, PathStatus, SessionInfo, READY_OWNER};
 use layerstack_engine::{Engine, EngineError};
 use tonic::{Request, Response, Status};
 
@@ -196,6 +196,9 @@ impl api::Admin for AdminService {
                 r.all_namespaces || s.owner.namespace() == r.namespace || s.owner.is_sandbox()
             })
             .filter(|s| r.owner_kind.is_empty() || s.owner.kind().as_str() == r.owner_kind)
+            // WASI sessions made ahead of requests are the daemon's, not a
+            // caller's (crate::wasi::Ready): a claimed one has its caller's name.
+            .filter(|s| !matches!(&s.owner, Owner::Wasi { name } if name == READY_OWNER))
             .take(size + 1)
             .collect();
         let next_page_token = if page.len() > size {
@@ -244,6 +247,7 @@ impl api::Admin for AdminService {
         let s = self
             .resolve(r.session_id, &r.namespace, &r.container)
             .await?;
+        crate::wasi::refuse_live(self, s.id, "an end of its run through Publish")?;
         let why = if r.reason.is_empty() {
             "admin publish".to_string()
         } else {
@@ -290,6 +294,7 @@ impl api::Admin for AdminService {
         let s = self
             .resolve(r.session_id, &r.namespace, &r.container)
             .await?;
+        crate::wasi::refuse_live(self, s.id, "a dry run of its publish")?;
         let d = self.engine.dry_run(s.id).await.map_err(engine_status)?;
         let mut head = crate::wire::session(&d.session, &d.paths);
         head.dry_run = true;

@@ -217,6 +217,7 @@ impl AdminService {
         let s = self
             .resolve(r.session_id, &r.namespace, &r.container)
             .await?;
+        crate::wasi::refuse_live(self, s.id, "a checkpoint")?;
         let prov = Provenance {
             command: key(&r.command),
             exit_status: r.has_exit_status.then_some(r.exit_status),

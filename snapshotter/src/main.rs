@@ -521,6 +521,9 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
     }
     let companions: Vec<u32> = spawner.iter().map(|s| s.pid()).collect();
     let _ = holders.spawner.set(spawner);
+    holders
+        .wasi_ready
+        .set_per_branch(cfg.sandbox.wasi_ready as usize);
     let _ = holders.limits.set(Arc::new(owned::SessionLimits {
         cgroups: Some(probe_cgroups(&cfg, &companions)),
         defaults: sandbox_limits(&cfg),
@@ -586,7 +589,7 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
             }
         });
     }
-    tokio::spawn(sandbox::serve(mount_socket.listener()?, service));
+    tokio::spawn(sandbox::serve(mount_socket.listener()?, service.clone()));
 
     if cfg.publish_on_task_delete {
         tokio::spawn(containerd::watch_events(
@@ -661,6 +664,13 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
     }
     if let Err(e) = notifier.notify("STOPPING=1") {
         warn!(error = %e, "cannot report stopping to the service manager");
+    }
+    // Ready WASI sessions end discarded, not `interrupted` at the next start.
+    if tokio::time::timeout(Duration::from_secs(5), wasi::discard_all_ready(&service))
+        .await
+        .is_err()
+    {
+        warn!("ready WASI sessions not all discarded within 5 s: the next start ends them interrupted");
     }
     // The sockets are removed when they drop, and only if they are still ours.
     drop(snap_socket);

@@ -78,6 +78,8 @@ pub struct Holders {
     /// Limits and hidden paths of daemon-owned sessions (set once at start;
     /// unset: no cgroup setup, no socket to hide).
     pub limits: std::sync::OnceLock<Arc<crate::owned::SessionLimits>>,
+    /// WASI sessions made ahead of their requests (`[sandbox] wasi_ready`).
+    pub(crate) wasi_ready: crate::wasi::Ready,
 }
 
 impl Holders {
@@ -88,6 +90,7 @@ impl Holders {
             next_conn: AtomicU64::new(1),
             spawner: std::sync::OnceLock::new(),
             limits: std::sync::OnceLock::new(),
+            wasi_ready: Default::default(),
         })
     }
 
@@ -734,6 +737,30 @@ impl AdminService {
         daemon_owned: bool,
         reserve: layerstack_engine::Reservation,
     ) -> Result<(api::Session, MountSpec, bool), Status> {
+        let req = self.sandbox_request(r, daemon_owned, reserve).await?;
+        // A session made ahead never takes the slot of another one made ahead.
+        let ahead = req.wasi && req.name == layerstack_engine::store::READY_OWNER;
+        let (s, spec, created) = match self.engine.create_sandbox_session(req.clone()).await {
+            // The cap is reached: a ready WASI session (made ahead, unused)
+            // gives its slot to the request.
+            Err(EngineError::Busy(_)) if !ahead && crate::wasi::yield_slot(self).await => {
+                self.engine.create_sandbox_session(req).await
+            }
+            made => made,
+        }
+        .map_err(engine_status)?;
+        Ok((self.to_api(s).await?, spec, created))
+    }
+
+    /// The engine's request for CreateSession `r`: its exit policy checked,
+    /// its stack resolved (an image reference, stack id or base digest), its
+    /// branch defaulted.
+    pub(crate) async fn sandbox_request(
+        &self,
+        r: api::CreateSessionRequest,
+        daemon_owned: bool,
+        reserve: layerstack_engine::Reservation,
+    ) -> Result<SandboxRequest, Status> {
         let policy = match r.policy.as_str() {
             "" => None,
             p => Some(p.parse::<api::policy::ExitPolicy>().map_err(|_| {
@@ -758,7 +785,7 @@ impl AdminService {
         } else {
             r.branch.clone()
         };
-        let req = SandboxRequest {
+        Ok(SandboxRequest {
             name: if r.name.is_empty() {
                 "session".into()
             } else {
@@ -774,13 +801,7 @@ impl AdminService {
             daemon_owned,
             wasi: r.wasi.is_some(),
             reserve,
-        };
-        let (s, spec, created) = self
-            .engine
-            .create_sandbox_session(req)
-            .await
-            .map_err(engine_status)?;
-        Ok((self.to_api(s).await?, spec, created))
+        })
     }
 
     pub(crate) async fn sandbox_close(
@@ -831,8 +852,10 @@ impl AdminService {
                 )));
             }
         }
+        let started = std::time::Instant::now();
         self.stop_init(id);
         crate::wasi::release(self, id).await;
+        let released_us = started.elapsed().as_micros() as u64;
         let why = if r.reason.is_empty() {
             "session closed".to_string()
         } else {
@@ -846,7 +869,16 @@ impl AdminService {
             self.close_failed(id);
         }
         let s = out.map_err(engine_status)?;
-        self.to_api(s).await
+        let closed_us = started.elapsed().as_micros() as u64;
+        let s = self.to_api(s).await;
+        debug!(
+            session.id = id,
+            released_us,
+            closed_us,
+            answered_us = started.elapsed().as_micros() as u64,
+            "CloseSession"
+        );
+        s
     }
 
     /// Stops session `id`'s init if it still runs (a daemon-owned session, or

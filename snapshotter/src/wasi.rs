@@ -135,7 +135,9 @@ fn limits_of(o: &api::WasiOptions) -> Result<WasiLimits, Status> {
     })
 }
 
-/// `CreateSession` with `wasi`.
+/// `CreateSession` with `wasi`: a ready session of the request's stack and
+/// branch when there is one ([`Ready`]), else one made now; either way the
+/// branch's ready sessions are topped up afterwards, in the background.
 pub(crate) async fn create(
     admin: &AdminService,
     r: api::CreateSessionRequest,
@@ -150,6 +152,47 @@ pub(crate) async fn create(
     let limits = limits_of(&opts)?;
     // The runtime first: no session is made that could not run anything.
     runner()?;
+    let ready = &admin.holders.wasi_ready;
+    // Ready sessions are made with the default limits: their slot in the
+    // pool's memory budget is the default's.
+    let key = (ready.enabled()
+        && r.node.is_empty()
+        && limits.memory_bytes == WasiLimits::default().memory_bytes)
+        .then(|| ReadyKey::of(&r));
+    let mut stale = Vec::new();
+    if let Some(key) = &key {
+        let started = Instant::now();
+        if let Some(claimed) = claim(admin, key, &r, &env, &limits, &mut stale).await? {
+            info!(
+                session.id = claimed.session.as_ref().map_or(0, |s| s.id),
+                claim_us = started.elapsed().as_micros() as u64,
+                "WASI session claimed"
+            );
+            refill(admin, key.clone(), stale);
+            return Ok(claimed);
+        }
+    }
+    let answer = make(admin, r, env, limits).await;
+    match key {
+        Some(key) if answer.is_ok() => refill(admin, key, stale),
+        _ => discard_ready(
+            admin,
+            stale,
+            "its branch moved, or the request's key names a session",
+        ),
+    }
+    answer.map(|(resp, _)| resp)
+}
+
+/// Makes a WASI session for `r` now: the engine's session, then its overlay
+/// (kept here, detached). Answers the response and, for a session made now,
+/// its live state.
+async fn make(
+    admin: &AdminService,
+    r: api::CreateSessionRequest,
+    env: Vec<(String, String)>,
+    limits: WasiLimits,
+) -> Result<(api::CreateSessionResponse, Option<Arc<WasiLive>>), Status> {
     let reserve = layerstack_engine::Reservation {
         cpu_millis: 0,
         memory_bytes: limits.memory_bytes,
@@ -159,19 +202,25 @@ pub(crate) async fn create(
     let holders = admin.holders.clone();
     if !created && session.released {
         // A retry of a key whose session ended: its end as recorded.
-        return Ok(api::CreateSessionResponse {
-            mounts: Vec::new(),
-            session: Some(session),
-            created: false,
-        });
+        return Ok((
+            api::CreateSessionResponse {
+                mounts: Vec::new(),
+                session: Some(session),
+                created: false,
+            },
+            None,
+        ));
     }
     if !created {
         return match holders.map().get(&id) {
-            Some(h) if h.wasi.is_some() => Ok(api::CreateSessionResponse {
-                mounts: crate::wire::mounts(&spec),
-                session: Some(session),
-                created: false,
-            }),
+            Some(h) if h.wasi.is_some() => Ok((
+                api::CreateSessionResponse {
+                    mounts: Vec::new(),
+                    session: Some(session),
+                    created: false,
+                },
+                None,
+            )),
             _ => Err(Status::failed_precondition(format!(
                 "idempotency key names session {id}, which is not a live WASI session of this daemon: close it and create another"
             ))),
@@ -206,23 +255,344 @@ pub(crate) async fn create(
         closing: Arc::new(AtomicBool::new(false)),
     });
     if let Some(h) = holders.map().get_mut(&id).filter(|h| h.conn == conn) {
-        h.wasi = Some(live);
+        h.wasi = Some(live.clone());
     }
     info!(
         session.id = id,
         mount_us = started.elapsed().as_micros() as u64,
         "WASI session started"
     );
-    Ok(api::CreateSessionResponse {
-        mounts: crate::wire::mounts(&spec),
-        session: Some(session),
-        created: true,
-    })
+    Ok((
+        api::CreateSessionResponse {
+            // Not handed out: a mount of the upper made elsewhere would be one
+            // the daemon does not stop before capture (no census looks at
+            // WASI uppers).
+            mounts: Vec::new(),
+            session: Some(session),
+            created: true,
+        },
+        Some(live),
+    ))
+}
+
+/// How many stacks and branches keep ready sessions at once; the one used
+/// longest ago loses its sessions to a new one.
+const READY_BRANCHES: usize = 8;
+
+/// A stack and branch as CreateSession names them (namespace, stack, branch:
+/// the request's own strings, not resolved — a lookup per request is what
+/// ready sessions save).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub(crate) struct ReadyKey(String, String, String);
+
+impl ReadyKey {
+    fn of(r: &api::CreateSessionRequest) -> Self {
+        Self(r.namespace.clone(), r.stack.clone(), r.branch.clone())
+    }
+}
+
+/// WASI sessions made ahead of their requests (`[sandbox] wasi_ready` per
+/// stack and branch): each a whole session — its store rows and lease on the
+/// branch's head, its directories, its overlay built and held here — owned
+/// by `wasi:(ready)` ([`layerstack_engine::store::READY_OWNER`]) until a
+/// CreateSession claims it, which then only records its owner, key and
+/// options (one short transaction: benchmark P11). A session whose branch
+/// moved since it was made is stale: a claim finds that in its transaction,
+/// and the branch's ready sessions are discarded and made again on the new
+/// head. Ready sessions count against `[sandbox] max_sessions`; a create
+/// refused for the cap discards one and tries again. A daemon's restart ends
+/// the ready sessions of the last one (`interrupted`, as any WASI session).
+#[derive(Default)]
+pub(crate) struct Ready {
+    per_branch: std::sync::atomic::AtomicUsize,
+    inner: std::sync::Mutex<ReadyInner>,
+}
+
+#[derive(Default)]
+struct ReadyInner {
+    /// Ready sessions by stack and branch, oldest first.
+    pools: std::collections::HashMap<ReadyKey, std::collections::VecDeque<(SessionId, OwnedFd)>>,
+    /// Stacks and branches being topped up.
+    filling: std::collections::HashSet<ReadyKey>,
+    /// Stacks and branches by last use, the most recent last.
+    recent: std::collections::VecDeque<ReadyKey>,
+}
+
+impl Ready {
+    /// Keeps `n` ready sessions per stack and branch from now on (0: none).
+    pub(crate) fn set_per_branch(&self, n: usize) {
+        self.per_branch.store(n, Ordering::Relaxed);
+    }
+
+    fn enabled(&self) -> bool {
+        self.per_branch.load(Ordering::Relaxed) > 0
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, ReadyInner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The oldest ready session of `key`, taken out.
+    fn take(&self, key: &ReadyKey) -> Option<(SessionId, OwnedFd)> {
+        self.lock().pools.get_mut(key)?.pop_front()
+    }
+
+    /// Every ready session of `key`, taken out.
+    fn drain(&self, key: &ReadyKey) -> Vec<(SessionId, OwnedFd)> {
+        self.lock()
+            .pools
+            .get_mut(key)
+            .map(|q| q.drain(..).collect())
+            .unwrap_or_default()
+    }
+
+    /// One ready session of the stack and branch used longest ago, taken out
+    /// (to free its slot for a request).
+    fn take_any(&self) -> Option<(SessionId, OwnedFd)> {
+        let mut g = self.lock();
+        let keys: Vec<ReadyKey> = g.recent.iter().cloned().collect();
+        keys.iter().find_map(|k| g.pools.get_mut(k)?.pop_front())
+    }
+
+    /// How many ready sessions `key` lacks, marking it being filled (`None`:
+    /// full, or filled already). Makes `key` the most recent; the key used
+    /// longest ago beyond [`READY_BRANCHES`] gives back its sessions.
+    fn start_fill(&self, key: &ReadyKey) -> (Option<usize>, Vec<(SessionId, OwnedFd)>) {
+        let want = self.per_branch.load(Ordering::Relaxed);
+        let mut g = self.lock();
+        g.recent.retain(|k| k != key);
+        g.recent.push_back(key.clone());
+        let mut evicted = Vec::new();
+        while g.recent.len() > READY_BRANCHES {
+            if let Some(old) = g.recent.pop_front() {
+                g.filling.remove(&old);
+                evicted.extend(g.pools.remove(&old).into_iter().flatten());
+            }
+        }
+        let have = g.pools.get(key).map_or(0, |q| q.len());
+        if have >= want || !g.filling.insert(key.clone()) {
+            return (None, evicted);
+        }
+        (Some(want - have), evicted)
+    }
+
+    /// Adds a ready session to `key` (`false`: `key` was given up meanwhile:
+    /// the caller discards it).
+    fn put(&self, key: &ReadyKey, id: SessionId, fd: OwnedFd) -> Result<(), (SessionId, OwnedFd)> {
+        let mut g = self.lock();
+        if !g.recent.contains(key) {
+            return Err((id, fd));
+        }
+        g.pools.entry(key.clone()).or_default().push_back((id, fd));
+        Ok(())
+    }
+
+    fn end_fill(&self, key: &ReadyKey) {
+        self.lock().filling.remove(key);
+    }
+
+    /// Every ready session, taken out (the daemon is stopping).
+    pub(crate) fn take_all(&self) -> Vec<(SessionId, OwnedFd)> {
+        let mut g = self.lock();
+        g.filling.clear();
+        g.pools.drain().flat_map(|(_, q)| q).collect()
+    }
+}
+
+/// Claims a ready session of `key` for `r` (`None`: there is none that is
+/// current; the branch's stale ones are moved to `stale`, for the caller to
+/// discard).
+async fn claim(
+    admin: &AdminService,
+    key: &ReadyKey,
+    r: &api::CreateSessionRequest,
+    env: &[(String, String)],
+    limits: &WasiLimits,
+    stale: &mut Vec<(SessionId, OwnedFd)>,
+) -> Result<Option<api::CreateSessionResponse>, Status> {
+    let ready = &admin.holders.wasi_ready;
+    let Some((id, fd)) = ready.take(key) else {
+        return Ok(None);
+    };
+    let reserve = layerstack_engine::Reservation {
+        cpu_millis: 0,
+        memory_bytes: limits.memory_bytes,
+    };
+    let req = match admin.sandbox_request(r.clone(), true, reserve).await {
+        Ok(req) => req,
+        Err(e) => {
+            // The request is at fault, not the session: it stays ready.
+            if let Err((id, fd)) = ready.put(key, id, fd) {
+                discard_ready(admin, vec![(id, fd)], "its stack and branch were given up");
+            }
+            return Err(e);
+        }
+    };
+    match admin.engine.claim_ready_session(id, req).await {
+        Ok(Some(s)) => {
+            let live = Arc::new(WasiLive {
+                root: fd,
+                env: env.to_vec(),
+                limits: limits.clone(),
+                closing: Arc::new(AtomicBool::new(false)),
+            });
+            if let Some(h) = admin.holders.map().get_mut(&id) {
+                h.wasi = Some(live);
+            }
+            debug!(session.id = id, "WASI session from a ready one");
+            Ok(Some(api::CreateSessionResponse {
+                mounts: Vec::new(),
+                session: Some(admin.to_api(s).await?),
+                created: true,
+            }))
+        }
+        Ok(None) => {
+            // Stale (the branch moved) or the key is taken: the branch's ready
+            // sessions were made on one head, so all go.
+            stale.extend(ready.drain(key));
+            stale.push((id, fd));
+            Ok(None)
+        }
+        Err(e) => {
+            discard_ready(admin, vec![(id, fd)], "its claim failed");
+            Err(crate::admin::engine_status(e))
+        }
+    }
+}
+
+/// Tops up the ready sessions of `key` in the background, after discarding
+/// its `stale` ones (whose slots the new ones take; one filler per key at a
+/// time; a fill that finds the pool's cap or rate taken stops quietly).
+fn refill(admin: &AdminService, key: ReadyKey, stale: Vec<(SessionId, OwnedFd)>) {
+    let ready = &admin.holders.wasi_ready;
+    let (missing, evicted) = ready.start_fill(&key);
+    discard_ready(admin, evicted, "its stack and branch were unused longest");
+    let Some(missing) = missing else {
+        discard_ready(
+            admin,
+            stale,
+            "its branch moved, or the request's key names a session",
+        );
+        return;
+    };
+    let admin = admin.clone();
+    tokio::spawn(async move {
+        discard_now(
+            &admin,
+            stale,
+            "its branch moved, or the request's key names a session",
+        )
+        .await;
+        let ready = &admin.holders.wasi_ready;
+        let mut made = 0;
+        for _ in 0..missing {
+            let r = api::CreateSessionRequest {
+                namespace: key.0.clone(),
+                stack: key.1.clone(),
+                branch: key.2.clone(),
+                name: layerstack_engine::store::READY_OWNER.into(),
+                wasi: Some(api::WasiOptions::default()),
+                ..Default::default()
+            };
+            let id = match make(&admin, r, Vec::new(), WasiLimits::default()).await {
+                Ok((resp, Some(live))) => {
+                    drop(live);
+                    resp.session.map(|s| s.id)
+                }
+                Ok(_) => None,
+                Err(e) => {
+                    // The pool's cap or rate, most often: requests go first.
+                    info!(stack = %key.1, branch = %key.2, error = %e.message(), "no ready WASI session made");
+                    None
+                }
+            };
+            let Some(id) = id else { break };
+            // The overlay goes into the pool; the holder keeps no live state
+            // until a claim.
+            let live = admin.holders.map().get_mut(&id).and_then(|h| h.wasi.take());
+            let Some(live) = live.and_then(|l| Arc::try_unwrap(l).ok()) else {
+                warn!(
+                    session.id = id,
+                    "a ready WASI session was in use before it was ready: left to its user"
+                );
+                break;
+            };
+            if let Err(back) = ready.put(&key, id, live.root) {
+                discard_ready(&admin, vec![back], "its stack and branch were given up");
+                break;
+            }
+            made += 1;
+        }
+        ready.end_fill(&key);
+        debug!(stack = %key.1, branch = %key.2, made, "ready WASI sessions made");
+    });
+}
+
+/// Discards ready sessions in the background (their overlays closed first).
+fn discard_ready(admin: &AdminService, sessions: Vec<(SessionId, OwnedFd)>, why: &'static str) {
+    if sessions.is_empty() {
+        return;
+    }
+    let admin = admin.clone();
+    tokio::spawn(async move { discard_now(&admin, sessions, why).await });
+}
+
+async fn discard_now(admin: &AdminService, sessions: Vec<(SessionId, OwnedFd)>, why: &str) {
+    for (id, fd) in sessions {
+        drop(fd);
+        admin.holders.map().remove(&id);
+        if let Err(e) = admin
+            .engine
+            .close_sandbox_session(
+                id,
+                EndAction::Discard,
+                &format!("ready WASI session unused: {why}"),
+                RELEASE_PATIENCE,
+            )
+            .await
+        {
+            warn!(session.id = id, error = %api::error_chain(&e), "cannot discard a ready WASI session");
+        }
+    }
+}
+
+/// Frees one ready session's slot for a request the pool's cap refused:
+/// discards the oldest ready session of the stack and branch used longest
+/// ago (`false`: there is none).
+pub(crate) async fn yield_slot(admin: &AdminService) -> bool {
+    match admin.holders.wasi_ready.take_any() {
+        Some(s) => {
+            discard_now(admin, vec![s], "its slot went to a request").await;
+            true
+        }
+        None => false,
+    }
+}
+
+/// Ends every ready session (the daemon is stopping): discarded, so that the
+/// next daemon finds no session of this one to mark `interrupted`.
+pub(crate) async fn discard_all_ready(admin: &AdminService) {
+    let all = admin.holders.wasi_ready.take_all();
+    discard_now(admin, all, "the daemon is stopping").await;
 }
 
 /// The live WASI session `id`, if it is one.
 pub(crate) fn live(admin: &AdminService, id: SessionId) -> Option<Arc<WasiLive>> {
     admin.holders.map().get(&id).and_then(|h| h.wasi.clone())
+}
+
+/// Refuses `what` (an end of the run, or a read that needs the upper at rest:
+/// publish, discard, checkpoint, dry run) on a WASI session that is live here:
+/// its module may be writing into the upper, and only CloseSession stops its
+/// runs and releases its overlay first. The engine relies on this: it takes
+/// no census of a WASI session's upper (engine/src/lib.rs `census_applies`).
+pub(crate) fn refuse_live(admin: &AdminService, id: SessionId, what: &str) -> Result<(), Status> {
+    match live(admin, id) {
+        Some(_) => Err(Status::failed_precondition(format!(
+            "session {id} is a live WASI session: {what} needs its runs stopped and its overlay released first; end it with CloseSession (`layerstack session close {id}`, Python `Sandbox.close`), which does both"
+        ))),
+        None => Ok(()),
+    }
 }
 
 /// CloseSession of a WASI session, before the engine's close: its runs are

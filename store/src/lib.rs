@@ -96,6 +96,7 @@ pub use rollout::{
     RolloutEnding, RolloutResult, RolloutStatus, RunAudit, RunInfo, SampleInfo, SampleKey,
 };
 pub use schema::FORMAT_VERSION;
+pub use sessions::{Claim, READY_OWNER};
 pub use snapshots::{
     is_extraction, split_key, stack_id, SNAPSHOT_BRANCH_LABEL, SNAPSHOT_NODE_LABEL,
     SNAPSHOT_REF_LABEL,

@@ -47,6 +47,22 @@ pub(crate) struct SessRow {
 /// (live, being released, or its run's writes kept after a retryable outcome).
 pub(crate) const KEEPS_DIRS: &str = "(released = 0 OR remove_pending = 1 OR last_publish IN (SELECT id FROM publishes WHERE outcome IN ('conflict', 'failed', 'busy', 'unsupported', 'unknown', 'interrupted')))";
 
+/// The owner name (kind `wasi`) of a session made ahead of its request and
+/// not yet claimed ([`Store::claim_ready_session`]): `wasi:(ready)` in lists.
+/// Parentheses keep it apart from a name a daemon gives a request's session.
+pub const READY_OWNER: &str = "(ready)";
+
+/// The answer of [`Store::claim_ready_session`].
+#[derive(Debug)]
+pub enum Claim {
+    /// The session, now the caller's.
+    Claimed(Box<SessionInfo>),
+    /// Not a ready session on its branch's current head (any more).
+    Stale,
+    /// The idempotency key names a session already.
+    KeyTaken,
+}
+
 pub(crate) const SESS_COLS: &str = "id, owner_kind, namespace, owner, stack, branch, lease_id, state, run, policy, last_publish, released, remove_pending, idempotency_key, created_ns, ignore_mtime, daemon_owned";
 
 /// The owner of session `id` from its columns. Errors: `Corrupt`.
@@ -519,6 +535,74 @@ impl Store {
             return Err(e);
         }
         Ok((info, spec, created))
+    }
+
+    /// Hands ready session `sid` (made ahead by
+    /// [`Store::create_session_with`] with owner `wasi:`[`READY_OWNER`]) to
+    /// `owner`, in one transaction: its owner, idempotency key and options
+    /// become the caller's, as if [`Store::create_session_with`] had made it
+    /// now for (its stack, `branch {its branch}`, `idempotency_key`, `opts`).
+    /// Nothing is mounted or made here: the session's directories and lease
+    /// are its own already.
+    ///
+    /// Answers [`Claim::Stale`] when the session is no longer a ready one on
+    /// its branch's current head (the head moved since it was made, or it was
+    /// claimed or ended), [`Claim::KeyTaken`] when `idempotency_key` names a
+    /// session already: the caller then creates the usual way (which answers
+    /// that key's session). Errors: `InvalidArgument` (a bad key),
+    /// `FailedPrecondition` (the key was used with other arguments).
+    pub fn claim_ready_session(
+        &self,
+        sid: SessionId,
+        owner: &Owner,
+        idempotency_key: Option<&str>,
+        opts: &SessionOptions,
+    ) -> Result<Claim, StoreError> {
+        self.db.write(|tx| {
+            let Ok(s) = get_sess(tx, sid) else {
+                return Ok(Claim::Stale);
+            };
+            let ready = matches!(&s.owner, Owner::Wasi { name } if name == READY_OWNER)
+                && !s.released
+                && s.state == SessionState::Active
+                && s.last_publish.is_none();
+            let leased = match s.lease_id {
+                Some(l) => Some(lease_manifest(tx, l)?),
+                None => None,
+            };
+            if !ready || leased.is_none() || leased != branch_head(tx, &s.stack, &s.branch)? {
+                return Ok(Claim::Stale);
+            }
+            if let Some(k) = idempotency_key {
+                validate_key(k)?;
+                let args = session_args(opts)
+                    .with("stack", s.stack.as_str())
+                    .with("target", format!("branch {}", s.branch));
+                check_args(tx, "session", k, &args)?;
+                let taken: Option<i64> = tx
+                    .one(
+                        "SELECT id FROM sessions WHERE idempotency_key = ?1",
+                        [k],
+                        |r| r.get(0),
+                    )
+                    .optional()?;
+                if taken.is_some() {
+                    return Ok(Claim::KeyTaken);
+                }
+                record_args(tx, "session", k, &args)?;
+            }
+            tx.exec(
+                "UPDATE sessions SET owner_kind = ?2, namespace = ?3, owner = ?4, idempotency_key = ?5, updated_ns = ?6 WHERE id = ?1",
+                params![sid, owner.kind_str(), owner.namespace(), owner.name(), idempotency_key, now_ns()],
+            )?;
+            if let Some(p) = &opts.exit_policy {
+                set_policy(tx, sid, p)?;
+            }
+            set_options(tx, sid, opts)?;
+            let info = self.session_info(tx, get_sess(tx, sid)?)?;
+            tracing::debug!(session.id = sid, owner = %owner.display(), stack = %info.stack, branch = %info.branch, "ready session claimed");
+            Ok(Claim::Claimed(Box::new(info)))
+        })
     }
 
     /// Undoes session `sid` just created whose directories could not be made:

@@ -3437,3 +3437,81 @@ fn a_node_adopted_without_its_graphs_root_makes_or_joins_the_graph_by_name() {
     assert!(second.created);
     assert_eq!(b.graph("task").unwrap().nodes.len(), 2);
 }
+
+#[test]
+fn a_ready_session_is_claimed_once_on_its_head_and_stale_once_the_branch_moved() {
+    let d = tmp();
+    let s = open(d.path());
+    let top = unpack(&s, "default");
+    s.prepare("default/5/m", &top, BTreeMap::new(), false)
+        .unwrap();
+    let stack = s.find_session("default", "m").unwrap().unwrap().stack;
+    let main = LeaseTarget::Branch("main".into());
+    let ready = Owner::Wasi {
+        name: READY_OWNER.into(),
+    };
+    let make = || {
+        s.create_session_with(&ready, &stack, &main, None, &SessionOptions::default())
+            .unwrap()
+            .0
+    };
+    let (r1, r2, r3) = (make(), make(), make());
+    let opts = SessionOptions {
+        exit_policy: Some("on-success".into()),
+        ignore_mtime: true,
+        daemon_owned: true,
+    };
+    let me = Owner::Wasi { name: "me".into() };
+    // Claimed: the caller's owner, key and options; the same lease.
+    let Claim::Claimed(c) = s
+        .claim_ready_session(r1.id, &me, Some("k-1"), &opts)
+        .unwrap()
+    else {
+        panic!("a ready session on the head was not claimed");
+    };
+    assert_eq!((c.id, &c.owner), (r1.id, &me));
+    assert_eq!(c.lease_manifest, r1.lease_manifest);
+    assert!(c.ignore_mtime && c.daemon_owned);
+    // Once only.
+    assert!(matches!(
+        s.claim_ready_session(r1.id, &me, None, &opts).unwrap(),
+        Claim::Stale
+    ));
+    // The key is the caller's now: a create with it answers that session.
+    let (again, _, created) = s
+        .create_session_with(&me, &stack, &main, Some("k-1"), &opts)
+        .unwrap();
+    assert_eq!((again.id, created), (r1.id, false));
+    assert!(matches!(
+        s.claim_ready_session(r2.id, &me, Some("k-1"), &opts)
+            .unwrap(),
+        Claim::KeyTaken
+    ));
+    // The same key with other options is refused, as for a create.
+    let other = SessionOptions::default();
+    assert!(s
+        .claim_ready_session(r2.id, &me, Some("k-1"), &other)
+        .is_err());
+    // A session that is not a ready one is never claimed.
+    assert!(matches!(
+        s.claim_ready_session(again.id, &me, None, &opts).unwrap(),
+        Claim::Stale
+    ));
+    // The branch moves: the ready sessions made before are stale.
+    std::fs::write(c.upper.join("a.txt"), b"hello").unwrap();
+    publish(&s, c.id, &[write_entry(b"a.txt", 1)]);
+    assert!(matches!(
+        s.claim_ready_session(r3.id, &me, None, &opts).unwrap(),
+        Claim::Stale
+    ));
+    assert_eq!(
+        s.session(r3.id).unwrap().owner,
+        ready,
+        "a stale session keeps its owner"
+    );
+    let fresh = make();
+    assert!(matches!(
+        s.claim_ready_session(fresh.id, &me, None, &opts).unwrap(),
+        Claim::Claimed(_)
+    ));
+}
