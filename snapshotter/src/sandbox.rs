@@ -679,7 +679,7 @@ impl AdminService {
     /// The stack a Mode B request names: a stack id or base digest known to the
     /// store, else an image reference resolved through containerd — whose stack
     /// is recorded now if this is the image's first session.
-    async fn sandbox_stack(&self, namespace: &str, spec: &str) -> Result<String, Status> {
+    pub(crate) async fn sandbox_stack(&self, namespace: &str, spec: &str) -> Result<String, Status> {
         require("stack (an image reference, stack id or base digest)", spec)?;
         let (ns, sp) = (namespace.to_string(), spec.to_string());
         if let Some(id) = self
@@ -761,6 +761,19 @@ impl AdminService {
         daemon_owned: bool,
         reserve: layerstack_engine::Reservation,
     ) -> Result<SandboxRequest, Status> {
+        self.sandbox_request_with(r, daemon_owned, reserve, true)
+            .await
+    }
+
+    /// [`AdminService::sandbox_request`]; without `resolve`, the stack is
+    /// left empty (a claim of a ready session, whose stack is its own).
+    pub(crate) async fn sandbox_request_with(
+        &self,
+        r: api::CreateSessionRequest,
+        daemon_owned: bool,
+        reserve: layerstack_engine::Reservation,
+        resolve: bool,
+    ) -> Result<SandboxRequest, Status> {
         let policy = match r.policy.as_str() {
             "" => None,
             p => Some(p.parse::<api::policy::ExitPolicy>().map_err(|_| {
@@ -775,7 +788,7 @@ impl AdminService {
             ));
         }
         let node = (!r.node.is_empty()).then(|| r.node.clone());
-        let stack = if node.is_some() {
+        let stack = if node.is_some() || !resolve {
             String::new()
         } else {
             self.sandbox_stack(&r.namespace, &r.stack).await?

@@ -162,7 +162,14 @@ pub(crate) async fn create(
     let mut stale = Vec::new();
     if let Some(key) = &key {
         let started = Instant::now();
-        if let Some(claimed) = claim(admin, key, &r, &env, &limits, &mut stale).await? {
+        let claimed = match claim(admin, key, &r, &env, &limits, &mut stale).await {
+            Ok(c) => c,
+            Err(e) => {
+                discard_ready(admin, stale, "its branch moved, or the request's key names a session");
+                return Err(e);
+            }
+        };
+        if let Some(claimed) = claimed {
             info!(
                 session.id = claimed.session.as_ref().map_or(0, |s| s.id),
                 claim_us = started.elapsed().as_micros() as u64,
@@ -308,10 +315,17 @@ pub(crate) struct Ready {
     inner: std::sync::Mutex<ReadyInner>,
 }
 
+/// One ready session: its id, the stack it is on, its overlay.
+struct ReadyOne {
+    id: SessionId,
+    stack: String,
+    root: OwnedFd,
+}
+
 #[derive(Default)]
 struct ReadyInner {
     /// Ready sessions by stack and branch, oldest first.
-    pools: std::collections::HashMap<ReadyKey, std::collections::VecDeque<(SessionId, OwnedFd)>>,
+    pools: std::collections::HashMap<ReadyKey, std::collections::VecDeque<ReadyOne>>,
     /// Stacks and branches being topped up.
     filling: std::collections::HashSet<ReadyKey>,
     /// Stacks and branches by last use, the most recent last.
@@ -333,12 +347,12 @@ impl Ready {
     }
 
     /// The oldest ready session of `key`, taken out.
-    fn take(&self, key: &ReadyKey) -> Option<(SessionId, OwnedFd)> {
+    fn take(&self, key: &ReadyKey) -> Option<ReadyOne> {
         self.lock().pools.get_mut(key)?.pop_front()
     }
 
     /// Every ready session of `key`, taken out.
-    fn drain(&self, key: &ReadyKey) -> Vec<(SessionId, OwnedFd)> {
+    fn drain(&self, key: &ReadyKey) -> Vec<ReadyOne> {
         self.lock()
             .pools
             .get_mut(key)
@@ -348,7 +362,7 @@ impl Ready {
 
     /// One ready session of the stack and branch used longest ago, taken out
     /// (to free its slot for a request).
-    fn take_any(&self) -> Option<(SessionId, OwnedFd)> {
+    fn take_any(&self) -> Option<ReadyOne> {
         let mut g = self.lock();
         let keys: Vec<ReadyKey> = g.recent.iter().cloned().collect();
         keys.iter().find_map(|k| g.pools.get_mut(k)?.pop_front())
@@ -357,7 +371,7 @@ impl Ready {
     /// How many ready sessions `key` lacks, marking it being filled (`None`:
     /// full, or filled already). Makes `key` the most recent; the key used
     /// longest ago beyond [`READY_BRANCHES`] gives back its sessions.
-    fn start_fill(&self, key: &ReadyKey) -> (Option<usize>, Vec<(SessionId, OwnedFd)>) {
+    fn start_fill(&self, key: &ReadyKey) -> (Option<usize>, Vec<ReadyOne>) {
         let want = self.per_branch.load(Ordering::Relaxed);
         let mut g = self.lock();
         g.recent.retain(|k| k != key);
@@ -378,12 +392,12 @@ impl Ready {
 
     /// Adds a ready session to `key` (`false`: `key` was given up meanwhile:
     /// the caller discards it).
-    fn put(&self, key: &ReadyKey, id: SessionId, fd: OwnedFd) -> Result<(), (SessionId, OwnedFd)> {
+    fn put(&self, key: &ReadyKey, one: ReadyOne) -> Result<(), ReadyOne> {
         let mut g = self.lock();
         if !g.recent.contains(key) {
-            return Err((id, fd));
+            return Err(one);
         }
-        g.pools.entry(key.clone()).or_default().push_back((id, fd));
+        g.pools.entry(key.clone()).or_default().push_back(one);
         Ok(())
     }
 
@@ -392,7 +406,7 @@ impl Ready {
     }
 
     /// Every ready session, taken out (the daemon is stopping).
-    pub(crate) fn take_all(&self) -> Vec<(SessionId, OwnedFd)> {
+    fn take_all(&self) -> Vec<ReadyOne> {
         let mut g = self.lock();
         g.filling.clear();
         g.pools.drain().flat_map(|(_, q)| q).collect()
@@ -408,22 +422,38 @@ async fn claim(
     r: &api::CreateSessionRequest,
     env: &[(String, String)],
     limits: &WasiLimits,
-    stale: &mut Vec<(SessionId, OwnedFd)>,
+    stale: &mut Vec<ReadyOne>,
 ) -> Result<Option<api::CreateSessionResponse>, Status> {
     let ready = &admin.holders.wasi_ready;
-    let Some((id, fd)) = ready.take(key) else {
+    let Some(one) = ready.take(key) else {
         return Ok(None);
     };
+    // A stack named otherwise than by its id (an image reference, a base
+    // digest) is resolved again: the name may lead elsewhere now (an image
+    // pulled again under its tag).
+    if r.stack != one.stack {
+        let now = admin.sandbox_stack(&r.namespace, &r.stack).await;
+        if now.as_ref().ok() != Some(&one.stack) {
+            stale.extend(ready.drain(key));
+            stale.push(one);
+            // Resolved elsewhere: made the usual way; not resolved: the
+            // usual way answers why.
+            return now.map(|_| None);
+        }
+    }
+    let ReadyOne { id, stack, root: fd } = one;
     let reserve = layerstack_engine::Reservation {
         cpu_millis: 0,
         memory_bytes: limits.memory_bytes,
     };
-    let req = match admin.sandbox_request(r.clone(), true, reserve).await {
+    // The stack is the ready session's own: no resolution (a lookup per
+    // request is what a ready session saves).
+    let req = match admin.sandbox_request_with(r.clone(), true, reserve, false).await {
         Ok(req) => req,
         Err(e) => {
             // The request is at fault, not the session: it stays ready.
-            if let Err((id, fd)) = ready.put(key, id, fd) {
-                discard_ready(admin, vec![(id, fd)], "its stack and branch were given up");
+            if let Err(back) = ready.put(key, ReadyOne { id, stack, root: fd }) {
+                discard_ready(admin, vec![back], "its stack and branch were given up");
             }
             return Err(e);
         }
@@ -450,11 +480,11 @@ async fn claim(
             // Stale (the branch moved) or the key is taken: the branch's ready
             // sessions were made on one head, so all go.
             stale.extend(ready.drain(key));
-            stale.push((id, fd));
+            stale.push(ReadyOne { id, stack, root: fd });
             Ok(None)
         }
         Err(e) => {
-            discard_ready(admin, vec![(id, fd)], "its claim failed");
+            discard_ready(admin, vec![ReadyOne { id, stack, root: fd }], "its claim failed");
             Err(crate::admin::engine_status(e))
         }
     }
@@ -463,7 +493,7 @@ async fn claim(
 /// Tops up the ready sessions of `key` in the background, after discarding
 /// its `stale` ones (whose slots the new ones take; one filler per key at a
 /// time; a fill that finds the pool's cap or rate taken stops quietly).
-fn refill(admin: &AdminService, key: ReadyKey, stale: Vec<(SessionId, OwnedFd)>) {
+fn refill(admin: &AdminService, key: ReadyKey, stale: Vec<ReadyOne>) {
     let ready = &admin.holders.wasi_ready;
     let (missing, evicted) = ready.start_fill(&key);
     discard_ready(admin, evicted, "its stack and branch were unused longest");
@@ -494,10 +524,10 @@ fn refill(admin: &AdminService, key: ReadyKey, stale: Vec<(SessionId, OwnedFd)>)
                 wasi: Some(api::WasiOptions::default()),
                 ..Default::default()
             };
-            let id = match make(&admin, r, Vec::new(), WasiLimits::default()).await {
+            let made_now = match make(&admin, r, Vec::new(), WasiLimits::default()).await {
                 Ok((resp, Some(live))) => {
                     drop(live);
-                    resp.session.map(|s| s.id)
+                    resp.session.map(|s| (s.id, s.stack))
                 }
                 Ok(_) => None,
                 Err(e) => {
@@ -506,7 +536,7 @@ fn refill(admin: &AdminService, key: ReadyKey, stale: Vec<(SessionId, OwnedFd)>)
                     None
                 }
             };
-            let Some(id) = id else { break };
+            let Some((id, stack)) = made_now else { break };
             // The overlay goes into the pool; the holder keeps no live state
             // until a claim.
             let live = admin.holders.map().get_mut(&id).and_then(|h| h.wasi.take());
@@ -517,7 +547,7 @@ fn refill(admin: &AdminService, key: ReadyKey, stale: Vec<(SessionId, OwnedFd)>)
                 );
                 break;
             };
-            if let Err(back) = ready.put(&key, id, live.root) {
+            if let Err(back) = ready.put(&key, ReadyOne { id, stack, root: live.root }) {
                 discard_ready(&admin, vec![back], "its stack and branch were given up");
                 break;
             }
@@ -529,7 +559,7 @@ fn refill(admin: &AdminService, key: ReadyKey, stale: Vec<(SessionId, OwnedFd)>)
 }
 
 /// Discards ready sessions in the background (their overlays closed first).
-fn discard_ready(admin: &AdminService, sessions: Vec<(SessionId, OwnedFd)>, why: &'static str) {
+fn discard_ready(admin: &AdminService, sessions: Vec<ReadyOne>, why: &'static str) {
     if sessions.is_empty() {
         return;
     }
@@ -537,9 +567,9 @@ fn discard_ready(admin: &AdminService, sessions: Vec<(SessionId, OwnedFd)>, why:
     tokio::spawn(async move { discard_now(&admin, sessions, why).await });
 }
 
-async fn discard_now(admin: &AdminService, sessions: Vec<(SessionId, OwnedFd)>, why: &str) {
-    for (id, fd) in sessions {
-        drop(fd);
+async fn discard_now(admin: &AdminService, sessions: Vec<ReadyOne>, why: &str) {
+    for ReadyOne { id, root, .. } in sessions {
+        drop(root);
         admin.holders.map().remove(&id);
         if let Err(e) = admin
             .engine
