@@ -557,6 +557,43 @@ impl Engine {
         }
     }
 
+    /// CloseSession DISCARD of a live WASI session (session lock held by the
+    /// caller), in one blocking step: the owner's release, the outcome
+    /// `discarded` and the release completed. What
+    /// [`Engine::close_sandbox_session`] does in its several steps, without
+    /// the census (no census sees a WASI upper: `census_applies`). `None`: not
+    /// a live WASI session's running run; the caller takes the general path.
+    pub(crate) async fn discard_wasi_closing(
+        &self,
+        id: SessionId,
+        why: &str,
+    ) -> Result<Option<SessionInfo>, EngineError> {
+        let started = Instant::now();
+        let why = why.to_string();
+        let done = self
+            .blocking(move |st| {
+                let current = st.session(id)?;
+                let live = matches!(current.owner, layerstack_store::Owner::Wasi { .. })
+                    && !current.released
+                    && !current.run_finished()
+                    && current.lease_manifest.is_some();
+                if !live {
+                    return Ok(None);
+                }
+                st.release_sandbox_session(id)?;
+                let mut rec =
+                    OutcomeRecord::new(OutcomeKind::Discarded, format!("writes dropped: {why}"));
+                rec.timings = Some(total_only(started));
+                st.record_outcome(id, rec, None)?;
+                settled(st, id).map(Some)
+            })
+            .await?;
+        Ok(match done {
+            Some(settled) => Some(self.announce(settled).await),
+            None => None,
+        })
+    }
+
     /// Ends the current run of `id` with outcome `interrupted` (session lock
     /// held by the caller): an infrastructure failure (`by`) ended it, not its
     /// owner. Nothing is read, published or checkpointed; the upper and the

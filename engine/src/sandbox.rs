@@ -589,6 +589,13 @@ impl Engine {
             let mut attempt = 0;
             loop {
                 let _g = me.lock_session(id).await;
+                if matches!(how, EndAction::Discard) {
+                    if let Some(s) = me.discard_wasi_closing(id, &why).await? {
+                        me.changed();
+                        info!(session.id = id, outcome = ?s.outcome.as_ref().map(|o| o.kind), "sandbox session closed");
+                        break Ok(s);
+                    }
+                }
                 // The owner's release is recorded first (one transaction with the
                 // owner check): the end of the run then removes the upper rather
                 // than making a fresh one for the release to remove.

@@ -326,7 +326,7 @@ impl AdminService {
         };
         if let Some(sid) = live {
             self.stop_init(sid);
-            crate::wasi::release(self, sid).await;
+            crate::wasi::release(self, sid, false).await;
         }
         let evaluator = r.evaluator.map(|e| Evaluator {
             name: e.name,

@@ -679,7 +679,11 @@ impl AdminService {
     /// The stack a Mode B request names: a stack id or base digest known to the
     /// store, else an image reference resolved through containerd — whose stack
     /// is recorded now if this is the image's first session.
-    pub(crate) async fn sandbox_stack(&self, namespace: &str, spec: &str) -> Result<String, Status> {
+    pub(crate) async fn sandbox_stack(
+        &self,
+        namespace: &str,
+        spec: &str,
+    ) -> Result<String, Status> {
         require("stack (an image reference, stack id or base digest)", spec)?;
         let (ns, sp) = (namespace.to_string(), spec.to_string());
         if let Some(id) = self
@@ -867,7 +871,7 @@ impl AdminService {
         }
         let started = std::time::Instant::now();
         self.stop_init(id);
-        crate::wasi::release(self, id).await;
+        crate::wasi::release(self, id, matches!(how, EndAction::Discard)).await;
         let released_us = started.elapsed().as_micros() as u64;
         let why = if r.reason.is_empty() {
             "session closed".to_string()
