@@ -262,6 +262,7 @@ class AsyncClient:
         executor: str = "linux",
         fuel: Optional[int] = None,
         run_timeout_s: Optional[float] = None,
+        worker: Optional[str] = None,
     ) -> "AsyncRollout":
         """Starts attempt ``attempt`` (from 1) of sample ``key`` in a new
         sandbox on ``node`` — or the same attempt again (a repeated call). A
@@ -270,7 +271,30 @@ class AsyncClient:
         exists with another policy or seed, or the sample starts from another
         node; BusyError: no sandbox slot within ``wait_s``. ``executor``,
         ``fuel``, ``run_timeout_s``: as :meth:`layerstack.Client.sandbox`
-        (``executor="wasi"``: the attempt runs WebAssembly modules)."""
+        (``executor="wasi"``: the attempt runs WebAssembly modules).
+
+        ``worker``: a remote attempt (e.g. the Ray node id of a
+        :class:`layerstack.ray.Worker`): recorded on this daemon with no
+        sandbox here (``.sandbox`` is ``None``; the sandbox options are not
+        used); end it with ``end(..., result_node=)`` once the worker's
+        checkpoint is pulled here. A repeated call names the same worker
+        (another: FailedPreconditionError)."""
+        if worker is not None:
+            if executor != "linux":
+                raise ValueError(f"worker={worker!r} with executor={executor!r}: a remote attempt's sandbox is its worker's")
+            req = pb.BeginRolloutRequest(
+                sample=key.to_pb(), attempt=attempt, node=node, policy=policy,
+                has_seed=seed is not None, seed=seed or 0, worker=worker,
+            )
+            r = await self._call(self._stub.BeginRollout, req)
+            return AsyncRollout(
+                self,
+                RolloutAttempt.from_pb(r.attempt) if r.HasField("attempt") else None,
+                None,
+                created=r.created,
+                rewarded=r.rewarded,
+                sample=Sample.from_pb(r.sample) if r.HasField("sample") else None,
+            )
         options, wasi = executor_options(
             executor,
             network=network,
@@ -708,7 +732,8 @@ class AsyncRollout:
         ``backprop`` (a value to backpropagate, once); ``keep`` "checkpoint"
         (the sandbox becomes a child node in the same transaction as the
         reward) or "discard"; ``state``/``labels`` of that node; ``artifacts``
-        (name → bytes); ``message``. The trajectory recorded by :meth:`exec`
+        (name → bytes); ``message``; ``result_node`` (a remote attempt's
+        checkpoint, pulled here first). The trajectory recorded by :meth:`exec`
         is sent unless ``trajectory=`` is given. A repeated end answers the
         recorded one; FailedPreconditionError if it ended otherwise.
         """

@@ -182,6 +182,9 @@ class RolloutAttempt:
         result_node: the checkpoint kept for it, ``None`` if none.
         trajectory: digest of its trajectory blob (``read_blob``), ``None`` if none.
         backprop: the value backpropagated for it, ``None`` if none.
+        worker: a remote attempt's worker (e.g. the Ray node id it ran on;
+            :mod:`layerstack.ray`), ``None`` for a local attempt (its sandbox
+            is this daemon's).
     """
 
     id: int
@@ -204,6 +207,7 @@ class RolloutAttempt:
     message: str
     created_ns: int
     ended_ns: Optional[int]
+    worker: Optional[str] = None
 
     @property
     def ended(self) -> bool:
@@ -233,6 +237,7 @@ class RolloutAttempt:
             message=a.message,
             created_ns=a.created_ns,
             ended_ns=a.ended_ns or None,
+            worker=a.worker or None,
         )
 
 
@@ -407,10 +412,13 @@ def end_request(
     artifacts: Optional[Mapping[str, bytes]] = None,
     trajectory: bytes = b"",
     message: str = "",
+    result_node: Optional[str] = None,
 ) -> pb.EndRolloutRequest:
     """The EndRollout request (exactly one of ``reward``, ``task_failed``,
     ``infra_failed``; ValueError otherwise, or for a ``keep`` other than
-    "checkpoint" and "discard")."""
+    "checkpoint" and "discard"). ``result_node``: a remote attempt's
+    checkpoint, a node already pulled into the daemon's store whose parent is
+    the attempt's node (not with ``infra_failed`` or ``keep="discard"``)."""
     given = [reward is not None, task_failed, infra_failed is not None]
     if sum(given) != 1:
         raise ValueError("give exactly one of reward=, task_failed=True, infra_failed='kind'")
@@ -435,6 +443,7 @@ def end_request(
         state=json.dumps(state) if isinstance(state, Mapping) else (state or ""),
         labels=dict(labels or {}),
         trajectory=trajectory,
+        result_node=result_node or "",
     )
     if evaluator is not None:
         req.evaluator.CopyFrom(evaluator.to_pb())
