@@ -331,6 +331,22 @@ impl AdminService {
             .rollout(r.attempt)
             .await
             .map_err(engine_status)?;
+        // A result node is a remote attempt's: refused before a local
+        // attempt's sandbox is touched (the engine and the store check again).
+        if !r.result_node.is_empty() {
+            if a.worker.is_none() {
+                return Err(Status::failed_precondition(format!(
+                    "rollout attempt {} is local (it has no worker): its checkpoint is its sandbox's; end it without result_node",
+                    a.id
+                )));
+            }
+            if matches!(keep, RolloutKeep::Discard) {
+                return Err(Status::invalid_argument(format!(
+                    "rollout attempt {}: keep DISCARD with result_node {}: a discarded result keeps no node; omit result_node or keep CHECKPOINT",
+                    a.id, r.result_node
+                )));
+            }
+        }
         let live = match (a.status, a.session) {
             (layerstack_engine::store::RolloutStatus::Running, Some(sid)) => Some(sid),
             _ => None,

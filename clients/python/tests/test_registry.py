@@ -12,6 +12,7 @@ daemon; skips without them, except with ``CI=true``, where it fails.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
 import shutil
@@ -20,7 +21,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterator, List, NamedTuple
+from typing import Iterator, List, NamedTuple, Sequence
 
 import pytest
 
@@ -64,15 +65,12 @@ def _registry_up(port: int) -> bool:
         return False
 
 
-@pytest.fixture(scope="module")
-def env() -> Iterator[Env]:
-    missing = _missing()
-    if missing:
-        msg = "push/pull tests need " + ", ".join(missing)
-        if in_ci():
-            pytest.fail("CI=true and " + msg, pytrace=False)
-        pytest.skip(msg)
-    d = Path(tempfile.mkdtemp(prefix="lst-py-reg-", dir=os.environ.get("LAYERSTACK_TEST_TMP", "/var/tmp")))
+@contextlib.contextmanager
+def registry_and_daemons(prefix: str, names: Sequence[str]) -> Iterator[Env]:
+    """Debian's ``docker-registry`` on a free port of 127.0.0.1 and one daemon
+    per name (empty stores, no containerd, the registry named insecure) under
+    a new directory; all stopped by pid, the directory removed, on exit."""
+    d = Path(tempfile.mkdtemp(prefix=prefix, dir=os.environ.get("LAYERSTACK_TEST_TMP", "/var/tmp")))
     d.chmod(0o755)
     (d / "owner.pid").write_text(str(os.getpid()))
     procs: List[subprocess.Popen] = []  # type: ignore[type-arg]
@@ -91,7 +89,7 @@ def env() -> Iterator[Env]:
         _wait_for(REGISTRY_BIN, lambda: _registry_up(port), 30, d / "registry.log")
         host = f"127.0.0.1:{port}"
         admins = []
-        for name in ("a", "b"):
+        for name in names:
             root = d / name
             (root / "ls").mkdir(parents=True)
             (root / "config.toml").write_text(f'[registry]\ninsecure = ["{host}"]\n')
@@ -119,6 +117,18 @@ def env() -> Iterator[Env]:
         subprocess.run(["umount", "-R", "-l", str(d)], capture_output=True)
         if not os.environ.get("LAYERSTACK_TEST_KEEP"):
             shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def env() -> Iterator[Env]:
+    missing = _missing()
+    if missing:
+        msg = "push/pull tests need " + ", ".join(missing)
+        if in_ci():
+            pytest.fail("CI=true and " + msg, pytrace=False)
+        pytest.skip(msg)
+    with registry_and_daemons("lst-py-reg-", ("a", "b")) as e:
+        yield e
 
 
 def test_a_node_pushed_from_one_daemon_is_pulled_into_another(env: Env) -> None:
@@ -207,8 +217,11 @@ def test_a_remote_attempt_ends_with_the_checkpoint_its_worker_pushed(env: Env) -
             assert s is not None and (s.reward, s.reward_attempt) == (1.0, 1)
             # A local attempt given a result node is refused.
             local = await a.begin_rollout(SampleKey(run, 0, "t", 1), 1, g.root)
-            with pytest.raises(layerstack.FailedPreconditionError):
+            with pytest.raises(layerstack.FailedPreconditionError) as e:
                 await local.end(reward=0.0, result_node=child)
+            assert "is local" in str(e.value), e.value
+            # The refusal touched nothing: its sandbox still runs.
+            assert (await local.exec(["true"])).ok
             await local.end(infra_failed="test", keep="discard")
             audit = await a.audit_run(run)
             assert audit.violations == () and audit.completed == 1, audit

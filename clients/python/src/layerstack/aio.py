@@ -70,7 +70,7 @@ from layerstack.fabric import (
     SampleKey,
     end_request,
 )
-from layerstack.types import Graph, Node, PullResult, PushResult, Session, Status, registry_auth
+from layerstack.types import Graph, GraphInfo, Node, PullResult, PushResult, Session, Status, registry_auth
 
 __all__ = ["AsyncClient", "AsyncSandbox", "AsyncFiles", "AsyncRollout", "connect"]
 
@@ -167,6 +167,17 @@ class AsyncClient:
         """As :meth:`layerstack.Client.create_graph`."""
         req = pb.CreateGraphRequest(namespace=self.namespace, stack=stack, branch=branch, name=name, key=key or "")
         return Graph.from_pb(await self._call(self._stub.CreateGraph, req))
+
+    async def list_graphs(self) -> List[GraphInfo]:
+        """As :meth:`layerstack.Client.list_graphs`: every graph, by name."""
+        out: List[GraphInfo] = []
+        token = ""
+        while True:
+            r = await self._call(self._stub.ListGraphs, pb.ListGraphsRequest(page_token=token))
+            out.extend(GraphInfo.from_pb(g) for g in r.graphs)
+            if not r.next_page_token:
+                return out
+            token = r.next_page_token
 
     async def show_graph(self, name: str) -> Graph:
         """As :meth:`layerstack.Client.show_graph` (the pages concatenated)."""
@@ -651,6 +662,22 @@ class AsyncSandbox:
 
 
 
+def trajectory_record(cmd: Command, out: ExecOutput, keep_bytes: int) -> Dict[str, Any]:
+    """One exec of a rollout's trajectory: ``argv``, ``exit_code``,
+    ``signal``, ``timed_out``, ``duration_ms`` and the first ``keep_bytes``
+    bytes of ``stdout`` / ``stderr`` (decoded, replacement characters for bad
+    bytes)."""
+    return {
+        "argv": argv_of(cmd),
+        "exit_code": out.exit_code,
+        "signal": out.signal,
+        "timed_out": out.timed_out,
+        "duration_ms": out.duration_ms,
+        "stdout": out.stdout[:keep_bytes].decode("utf-8", "replace"),
+        "stderr": out.stderr[:keep_bytes].decode("utf-8", "replace"),
+    }
+
+
 class AsyncRollout:
     """One attempt of a sample and its sandbox (:meth:`AsyncClient.begin_rollout`).
 
@@ -702,17 +729,7 @@ class AsyncRollout:
         if self.sandbox is None:
             raise ValueError("this attempt has no sandbox (it ended, or its sample was rewarded before)")
         out = await self.sandbox.exec(cmd, **kw)
-        self.trajectory.append(
-            {
-                "argv": argv_of(cmd),
-                "exit_code": out.exit_code,
-                "signal": out.signal,
-                "timed_out": out.timed_out,
-                "duration_ms": out.duration_ms,
-                "stdout": out.stdout[: self.KEEP_BYTES].decode("utf-8", "replace"),
-                "stderr": out.stderr[: self.KEEP_BYTES].decode("utf-8", "replace"),
-            }
-        )
+        self.trajectory.append(trajectory_record(cmd, out, self.KEEP_BYTES))
         return out
 
     async def checkpoint_for_grading(self, *, state: Union[Mapping[str, Any], str, None] = None) -> str:

@@ -535,24 +535,41 @@ async def fan_out(
     """
     if keep not in ("checkpoint", "discard"):
         raise ValueError(f"keep {keep!r}: use 'checkpoint' or 'discard'")
+
+    def one(i: int) -> Awaitable[RolloutResult]:
+        return _run_sample(
+            client, run, node, i, act, step=step, prompt=prompt, policy=policy,
+            grader=grader, max_attempts=max_attempts, seed=seed, backprop=backprop,
+            keep=keep, sandbox=sandbox or {}, reconnect_s=reconnect_s,
+        )
+
     todo = list(samples) if samples is not None else list(range(n))
+    async for res in _as_finished(todo, one, concurrency, lambda i: SampleKey(run, step, prompt, i)):
+        yield res
+
+
+async def _as_finished(
+    todo: Sequence[int],
+    one: Callable[[int], Awaitable[RolloutResult]],
+    concurrency: int,
+    key: Callable[[int], SampleKey],
+) -> AsyncIterator[RolloutResult]:
+    """Runs ``one(i)`` for every sample ``i`` of ``todo``, at most
+    ``concurrency`` at once, and yields the results as they finish; an
+    exception becomes the sample's result (``errors``), never lost. Leaving
+    the loop early cancels what still runs."""
     gate = asyncio.Semaphore(max(1, concurrency))
     queue: "asyncio.Queue[RolloutResult]" = asyncio.Queue()
 
-    async def one(i: int) -> None:
+    async def run_one(i: int) -> None:
         async with gate:
             try:
-                res = await _run_sample(
-                    client, run, node, i, act, step=step, prompt=prompt, policy=policy,
-                    grader=grader, max_attempts=max_attempts, seed=seed, backprop=backprop,
-                    keep=keep, sandbox=sandbox or {}, reconnect_s=reconnect_s,
-                )
+                res = await one(i)
             except BaseException as e:  # noqa: BLE001 — reported, never lost
-                key = SampleKey(run, step, prompt, i)
-                res = RolloutResult(sample=i, key=key, attempt=None, reward=None, errors=(repr(e),))
+                res = RolloutResult(sample=i, key=key(i), attempt=None, reward=None, errors=(repr(e),))
             await queue.put(res)
 
-    tasks = [asyncio.ensure_future(one(i)) for i in todo]
+    tasks = [asyncio.ensure_future(run_one(i)) for i in todo]
     try:
         for _ in todo:
             yield await queue.get()
@@ -581,13 +598,9 @@ async def _run_sample(
     reconnect_s: float,
 ) -> RolloutResult:
     key = SampleKey(run, step, prompt, i)
-    # A sample whose task failed in an earlier call is final, as a rewarded one
-    # is (BeginRollout answers that one): the policy does not get another try.
-    before = await _through_restarts(lambda: client.sample(key), reconnect_s)
-    if before is not None and before.reward is None and before.task_failed_attempt is not None:
+    first = await _first_attempt(client, key, reconnect_s)
+    if first is None:
         return RolloutResult(i, key, None, None, task_failed_before=True)
-    # Continue after the attempts a crashed earlier call made.
-    first = 1 + await _through_restarts(lambda: client.sample_attempts(key), reconnect_s)
     errors: List[str] = []
     last: Optional[RolloutAttempt] = None
     for number in range(first, first + max_attempts):
@@ -667,6 +680,18 @@ async def _run_sample(
                 errors.append(f"attempt {number} end: {e2!r}")
             await asyncio.sleep(min(0.05 * 2 ** (number - first), 2.0))
     return RolloutResult(i, key, last, None, errors=tuple(errors))
+
+
+async def _first_attempt(client: "AsyncClient", key: SampleKey, reconnect_s: float) -> Optional[int]:
+    """The number of sample ``key``'s next attempt, after those an earlier
+    call made (its attempts still running end ``infra_failed(abandoned)``:
+    nobody follows them now); ``None`` when its task failed in an earlier
+    call — final, as a reward is (BeginRollout answers that one): the policy
+    does not get another try."""
+    before = await _through_restarts(lambda: client.sample(key), reconnect_s)
+    if before is not None and before.reward is None and before.task_failed_attempt is not None:
+        return None
+    return 1 + int(await _through_restarts(lambda: client.sample_attempts(key), reconnect_s))
 
 
 async def _reward(client: "AsyncClient", key: SampleKey) -> Optional[float]:
