@@ -402,7 +402,7 @@ fn audit_json(a: &api::RunAudit) -> Value {
     json!({
         "samples": a.samples, "rewarded": a.rewarded, "attempts": a.attempts,
         "running": a.running, "completed": a.completed, "task_failed": a.task_failed,
-        "infra_failed": a.infra_failed, "backprops": a.backprops,
+        "infra_failed": a.infra_failed, "backprops": a.backprops, "by_worker": a.by_worker,
         "violations": a.violations, "sound": a.violations.is_empty(),
     })
 }
@@ -787,6 +787,11 @@ pub async fn run(admin: &Path, cmd: FabricCmd) -> Result<ExitCode> {
                     kinds.sort();
                     for (k, n) in kinds {
                         out!("  infra_failed {k}: {n}");
+                    }
+                    let mut workers: Vec<_> = a.by_worker.iter().collect();
+                    workers.sort();
+                    for (w, n) in workers {
+                        out!("  worker {w}: {n} attempt(s)");
                     }
                     for v in &a.violations {
                         out!("  violation: {v}");

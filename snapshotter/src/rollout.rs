@@ -127,6 +127,7 @@ fn audit_to(a: RunAudit) -> api::RunAudit {
         infra_failed: a.infra_failed.into_iter().collect(),
         backprops: a.backprops,
         violations: a.violations,
+        by_worker: a.by_worker.into_iter().collect(),
     }
 }
 

@@ -280,6 +280,8 @@ pub struct RunAudit {
     /// By kind.
     pub infra_failed: BTreeMap<String, u64>,
     pub backprops: u64,
+    /// Remote attempts by worker (local attempts are not counted here).
+    pub by_worker: BTreeMap<String, u64>,
     /// Violations found (empty when every invariant holds): a sample with
     /// more than one applied attempt, a reward that is not its applied
     /// attempt's, an attempt with more than one backpropagation, …
@@ -1083,6 +1085,15 @@ impl Store {
                 for r in stmt.query_map([run], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))? {
                     let (k, n) = r?;
                     a.infra_failed.insert(k, u64::try_from(n).unwrap_or(0));
+                }
+            }
+            {
+                let mut stmt = conn.prepare_cached(&format!(
+                    "SELECT a.worker, count(*) {of} AND a.worker IS NOT NULL GROUP BY a.worker"
+                ))?;
+                for r in stmt.query_map([run], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))? {
+                    let (w, n) = r?;
+                    a.by_worker.insert(w, u64::try_from(n).unwrap_or(0));
                 }
             }
             let mut v = |sql: &str, what: &str| -> Result<(), StoreError> {

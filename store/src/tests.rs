@@ -2754,6 +2754,10 @@ fn a_remote_attempt_survives_recovery_and_ends_once_with_a_child_of_its_node() {
     let audit = s.audit_run(&run).unwrap();
     assert_eq!(audit.violations, Vec::<String>::new());
     assert_eq!(audit.infra_failed.get("node-lost"), Some(&1));
+    assert_eq!(
+        audit.by_worker,
+        BTreeMap::from([("ray-node-a".to_string(), 1), ("ray-node-b".to_string(), 2)])
+    );
 }
 
 /// Turns a format 14 store into what format 13 was: no `rollout_attempts.worker`.

@@ -188,6 +188,7 @@ def test_a_step_spreads_over_two_workers_and_rewards_each_sample_once(env: Env) 
     used = {r.attempt.worker for r in results if r.attempt is not None}
     assert used == set(env.admins), f"both workers ran attempts: {used}"
     assert audit.violations == () and (audit.samples, audit.rewarded, audit.attempts) == (n, n, n), audit
+    assert set(audit.by_worker) == set(env.admins) and sum(audit.by_worker.values()) == n, audit
     assert all(a.worker in env.admins and a.session is None for a in attempts), attempts
     # Each worker pulled the task node once and holds it now (hot for the next step).
     caps = ray.get([w.capabilities.remote() for w in workers])

@@ -257,6 +257,8 @@ class RunAudit:
     infra_failed: Dict[str, int]
     backprops: int
     violations: Tuple[str, ...]
+    #: Remote attempts by worker (:mod:`layerstack.ray`); local ones are not counted.
+    by_worker: Dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_pb(cls, a: pb.RunAudit) -> "RunAudit":
@@ -270,6 +272,7 @@ class RunAudit:
             infra_failed=dict(a.infra_failed),
             backprops=a.backprops,
             violations=tuple(a.violations),
+            by_worker=dict(a.by_worker),
         )
 
 

@@ -427,8 +427,15 @@ class AuditRunRequest(_message.Message):
     def __init__(self, run: _Optional[str] = ...) -> None: ...
 
 class RunAudit(_message.Message):
-    __slots__ = ("samples", "rewarded", "attempts", "running", "completed", "task_failed", "infra_failed", "backprops", "violations")
+    __slots__ = ("samples", "rewarded", "attempts", "running", "completed", "task_failed", "infra_failed", "backprops", "violations", "by_worker")
     class InfraFailedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class ByWorkerEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -444,6 +451,7 @@ class RunAudit(_message.Message):
     INFRA_FAILED_FIELD_NUMBER: _ClassVar[int]
     BACKPROPS_FIELD_NUMBER: _ClassVar[int]
     VIOLATIONS_FIELD_NUMBER: _ClassVar[int]
+    BY_WORKER_FIELD_NUMBER: _ClassVar[int]
     samples: int
     rewarded: int
     attempts: int
@@ -453,7 +461,8 @@ class RunAudit(_message.Message):
     infra_failed: _containers.ScalarMap[str, int]
     backprops: int
     violations: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, samples: _Optional[int] = ..., rewarded: _Optional[int] = ..., attempts: _Optional[int] = ..., running: _Optional[int] = ..., completed: _Optional[int] = ..., task_failed: _Optional[int] = ..., infra_failed: _Optional[_Mapping[str, int]] = ..., backprops: _Optional[int] = ..., violations: _Optional[_Iterable[str]] = ...) -> None: ...
+    by_worker: _containers.ScalarMap[str, int]
+    def __init__(self, samples: _Optional[int] = ..., rewarded: _Optional[int] = ..., attempts: _Optional[int] = ..., running: _Optional[int] = ..., completed: _Optional[int] = ..., task_failed: _Optional[int] = ..., infra_failed: _Optional[_Mapping[str, int]] = ..., backprops: _Optional[int] = ..., violations: _Optional[_Iterable[str]] = ..., by_worker: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class ReadBlobRequest(_message.Message):
     __slots__ = ("digest",)
