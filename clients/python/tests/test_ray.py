@@ -9,6 +9,9 @@ base is imported (``import_base``): no containerd.
 - A step of samples spread over both workers: every sample rewarded once,
   its checkpoint pulled into the coordinator as a child of the task node,
   the audit clean.
+- A task failure and a rejected result on a worker: recorded as a local
+  attempt's are (``task_failed``; ``completed`` with reward 0, no node kept),
+  not retried.
 - A worker killed mid-step (``ray.kill`` of its actor): its attempts end
   ``infra_failed(node-lost)`` and are retried on the other worker, each
   sample's reward applied once.
@@ -224,6 +227,36 @@ def test_a_worker_killed_mid_step_is_retried_elsewhere_with_rewards_once(env: En
         assert len(applied) == 1 and applied[0].attempt > a.attempt and applied[0].worker == env.nodes["a"], (a, applied)
     assert audit.violations == () and (audit.samples, audit.rewarded) == (n, n), audit
     assert audit.infra_failed.get(lsray.NODE_LOST) == len(lost) and audit.attempts == n + len(lost), audit
+
+
+async def fail_reject_or_answer(r: Any) -> None:
+    """Sample 0: the task fails; sample 1: nothing written (the grader
+    rejects it); the others: the answer."""
+    from layerstack.fabric import TaskFailed
+
+    if r.key.sample == 0:
+        raise TaskFailed("the edit broke the build")
+    if r.key.sample > 1:
+        await write_answer(r)
+
+
+def test_task_failures_and_rejected_results_on_workers_are_recorded_as_locally(env: Env) -> None:
+    import layerstack.ray as lsray
+
+    run = f"ray-mixed-{os.getpid()}"
+    root = _setup(env, run)
+    workers = [lsray.start_worker(node_id, str(admin)) for node_id, admin in env.admins.items()]
+    results, (audit, attempts) = asyncio.run(_step(env, run, root, 0, 4, fail_reject_or_answer, workers))
+    by = {r.sample: r for r in results}
+    assert by[0].status == "task_failed" and by[0].reward is None and by[0].attempt is not None, by[0]
+    assert by[0].attempt.message == "the edit broke the build", by[0].attempt
+    rejected = by[1].attempt
+    assert rejected is not None and (rejected.status, rejected.reward, rejected.accepted) == ("completed", 0.0, False)
+    assert rejected.result_node is None and by[1].grade_output is not None and not by[1].grade_output.ok
+    assert all(by[i].reward == 1.0 and by[i].attempt.result_node for i in (2, 3)), results  # type: ignore[union-attr]
+    # One attempt each: a task failure and a rejection are results, not retried.
+    assert audit.violations == () and (audit.attempts, audit.rewarded, audit.task_failed) == (4, 3, 1), audit
+    assert all(a.worker in env.admins for a in attempts), attempts
 
 
 def test_a_workers_daemon_killed_mid_step_fails_its_attempts_and_they_are_retried(env: Env) -> None:

@@ -35,6 +35,7 @@ does not import this module.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -180,8 +181,9 @@ class AttemptOutcome:
             raised, never answered).
         reward: the reward (``completed``); ``accepted`` the grader's verdict.
         evaluator: the grader's evaluator, ``None`` without a grader.
-        result_node: the checkpoint (a child of the task's node) in the
-            worker's store, ``None`` when none (task failed).
+        result_node: the checkpoint (a child of the task's node) made in the
+            worker's store (pruned there unless pushed), ``None`` when none
+            (task failed).
         reference: where it was pushed (``REGISTRY/REPOSITORY:<node id>``),
             ``None`` when not pushed (task failed, rejected, or ``keep``
             ``discard``).
@@ -356,7 +358,10 @@ class Worker:
             await sb.discard("the attempt's task failed")
             return outcome(status="task_failed", message=str(e))
         except BaseException:
-            await sb.discard("the attempt failed")
+            # The attempt's own error is the one to raise, not a failed
+            # discard's (its daemon may be what failed).
+            with contextlib.suppress(LayerStackError):
+                await sb.discard("the attempt failed")
             raise
         closed = await sb.close(checkpoint=True, state=task.state or {}, reason="ray attempt checkpoint")
         if not closed.node:
@@ -383,6 +388,10 @@ class Worker:
         if accepted and task.keep == "checkpoint":
             reference = f"{task.repository}:{child}"
             await ls.push(reference, node=child)
+        else:
+            # Not kept: nothing will expand it here either.
+            with contextlib.suppress(LayerStackError):
+                await ls.prune(child)
         return outcome(reward=reward, accepted=accepted, evaluator=evaluator, result_node=child,
                        reference=reference, grade_output=grade)
 
