@@ -8,7 +8,8 @@ base is imported (``import_base``): no containerd.
 
 - A step of samples spread over both workers: every sample rewarded once,
   its checkpoint pulled into the coordinator as a child of the task node,
-  the audit clean.
+  the audit clean; each worker pulled the task node once. A checkpoint made
+  on worker a, expanded on both: only worker b pulls it, once.
 - A task failure and a rejected result on a worker: recorded as a local
   attempt's are (``task_failed``; ``completed`` with reward 0, no node kept),
   not retried.
@@ -195,11 +196,22 @@ def test_a_step_spreads_over_two_workers_and_rewards_each_sample_once(env: Env) 
     assert all(a.worker in env.admins and a.session is None for a in attempts), attempts
     # Each worker pulled the task node once and holds it now (hot for the next step).
     caps = ray.get([w.capabilities.remote() for w in workers])
-    assert all(root in c.nodes for c in caps), caps
+    assert all(root in c.nodes and c.pulls == 1 for c in caps), caps
+    # A checkpoint worker a made, expanded on both workers: b pulls it once,
+    # a holds it already; the new checkpoints are its children.
+    a_id = env.nodes["a"]
+    kid = next(r.attempt.result_node for r in results if r.attempt is not None and r.attempt.worker == a_id)
+    assert kid is not None
+    deeper, (audit1, _) = asyncio.run(_step(env, run, kid, 1, n, write_answer, workers))
+    _check_step(env, kid, deeper, n)
+    assert {r.attempt.worker for r in deeper if r.attempt is not None} == set(env.admins), deeper
+    assert audit1.violations == () and audit1.rewarded == 2 * n, audit1
+    pulls = {c.node_id: c.pulls for c in ray.get([w.capabilities.remote() for w in workers])}
+    assert pulls == {a_id: 1, env.nodes["b"]: 2}, pulls
     # The same step again reruns nothing: every sample was rewarded.
     again, (audit2, _) = asyncio.run(_step(env, run, root, 0, n, write_answer, workers))
     assert all(r.rewarded_before and r.reward == 1.0 for r in again), again
-    assert audit2.attempts == n, audit2
+    assert audit2.attempts == 2 * n, f"steps 0 and 1, none new: {audit2}"
     print(f"ray step of {n}: {time.monotonic() - t0:.1f}s")
 
 

@@ -120,6 +120,8 @@ class WorkerInfo:
         nodes: the graph nodes its store holds (not pruned), by id: an attempt
             on one of them needs no pull.
         running: attempts it runs now.
+        pulls: graph nodes it pulled from the registry since it started (a
+            node it holds is never pulled again).
     """
 
     name: str
@@ -130,6 +132,7 @@ class WorkerInfo:
     memory_bytes: int
     nodes: Tuple[str, ...]
     running: int
+    pulls: int = 0
 
 
 @dataclass(frozen=True)
@@ -274,6 +277,7 @@ class Worker:
         self._client: Optional[AsyncClient] = None
         self._pulls: Dict[str, asyncio.Lock] = {}
         self._running = 0
+        self._pulled = 0
 
     def _ls(self) -> AsyncClient:
         # Made on first use, inside the actor's event loop (grpc.aio binds to it).
@@ -296,6 +300,7 @@ class Worker:
             memory_bytes=_memory_bytes(),
             nodes=tuple(sorted(nodes)),
             running=self._running,
+            pulls=self._pulled,
         )
 
     async def _ensure(self, node: str, reference: str) -> bool:
@@ -311,6 +316,7 @@ class Worker:
             except NotFoundError:
                 pass
             got = await ls.pull(reference)
+            self._pulled += 1
             if got.node != node:
                 raise LayerStackError(
                     None, "invalid_argument",
