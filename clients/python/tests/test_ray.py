@@ -239,6 +239,14 @@ def test_a_worker_killed_mid_step_is_retried_elsewhere_with_rewards_once(env: En
         assert len(applied) == 1 and applied[0].attempt > a.attempt and applied[0].worker == env.nodes["a"], (a, applied)
     assert audit.violations == () and (audit.samples, audit.rewarded) == (n, n), audit
     assert audit.infra_failed.get(lsray.NODE_LOST) == len(lost) and audit.attempts == n + len(lost), audit
+    # The next step is given the dead worker too: it is not used.
+    nxt, _ = asyncio.run(_step(env, run, root, 1, 2, write_answer, list(workers.values())))
+    assert all(r.reward == 1.0 and r.attempt and r.attempt.worker == env.nodes["a"] for r in nxt), nxt
+    # With no worker alive, nothing is begun: NoWorkerError (kind unavailable).
+    ray.kill(workers[env.nodes["a"]], no_restart=True)
+    with pytest.raises(lsray.NoWorkerError) as e:
+        asyncio.run(_step(env, run, root, 2, 2, write_answer, list(workers.values())))
+    assert e.value.kind == "unavailable" and "start_worker" in str(e.value), e.value
 
 
 async def fail_reject_or_answer(r: Any) -> None:

@@ -532,15 +532,23 @@ async def fan_out_ray(
     reward is applied exactly once by the coordinator's records, and a call
     again for the same step reruns nothing that has a reward. When every
     worker is lost, the remaining samples yield results whose ``errors`` hold
-    :class:`NoWorkerError`. ValueError: a ``keep`` other than "checkpoint"
-    and "discard", no workers.
+    :class:`NoWorkerError`. A worker that does not answer its
+    :meth:`Worker.capabilities` at the start (dead, or its daemon down) is
+    not used; NoWorkerError when none answers. ValueError: a ``keep`` other
+    than "checkpoint" and "discard", no workers.
     """
     if keep not in ("checkpoint", "discard"):
         raise ValueError(f"keep {keep!r}: use 'checkpoint' or 'discard'")
     if not workers:
         raise ValueError("fan_out_ray needs workers: start_worker(node_id, admin) per Ray node")
-    infos: List[WorkerInfo] = list(await asyncio.gather(*(w.capabilities.remote() for w in workers)))
-    pool = _Pool(list(zip(workers, infos)), per_worker)
+    answers = await asyncio.gather(*(w.capabilities.remote() for w in workers), return_exceptions=True)
+    live = [(w, a) for w, a in zip(workers, answers) if isinstance(a, WorkerInfo)]
+    if not live:
+        raise NoWorkerError(
+            f"none of the {len(workers)} worker(s) answered: {answers[0]!r}"[:2000]
+            + "; start workers (start_worker) next to running daemons"
+        )
+    pool = _Pool(live, per_worker)
     reference = f"{registry}:{node}"
     await coordinator.push(reference, node=node)
 
