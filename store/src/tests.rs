@@ -2346,6 +2346,15 @@ fn rollout_store(d: &Path) -> (Store, String, NodeInfo) {
 }
 
 fn begin(s: &Store, sample: i64, attempt: u32, node: &str) -> Begun {
+    begin_with(s, sample, attempt, node, None)
+}
+
+/// A remote attempt on `worker`.
+fn begin_on(s: &Store, sample: i64, attempt: u32, node: &str, worker: &str) -> Begun {
+    begin_with(s, sample, attempt, node, Some(worker))
+}
+
+fn begin_with(s: &Store, sample: i64, attempt: u32, node: &str, worker: Option<&str>) -> Begun {
     s.begin_rollout(&RolloutBegin {
         key: SampleKey {
             run: "r".into(),
@@ -2357,7 +2366,7 @@ fn begin(s: &Store, sample: i64, attempt: u32, node: &str) -> Begun {
         node: node.into(),
         policy: "pi-1".into(),
         seed: Some(7),
-        worker: None,
+        worker: worker.map(str::to_string),
     })
     .unwrap()
 }
@@ -2586,23 +2595,6 @@ fn an_attempt_whose_sandbox_was_interrupted_ends_infra_failed_never_rewarded() {
         ),
         (0, 0, Some(&2))
     );
-}
-
-fn begin_on(s: &Store, sample: i64, attempt: u32, node: &str, worker: &str) -> Begun {
-    s.begin_rollout(&RolloutBegin {
-        key: SampleKey {
-            run: "r".into(),
-            step: 0,
-            prompt: "p".into(),
-            sample,
-        },
-        attempt,
-        node: node.into(),
-        policy: "pi-1".into(),
-        seed: Some(7),
-        worker: Some(worker.into()),
-    })
-    .unwrap()
 }
 
 #[test]

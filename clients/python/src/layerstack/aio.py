@@ -297,40 +297,32 @@ class AsyncClient:
                 sample=key.to_pb(), attempt=attempt, node=node, policy=policy,
                 has_seed=seed is not None, seed=seed or 0, worker=worker,
             )
-            r = await self._call(self._stub.BeginRollout, req)
-            return AsyncRollout(
-                self,
-                RolloutAttempt.from_pb(r.attempt) if r.HasField("attempt") else None,
-                None,
-                created=r.created,
-                rewarded=r.rewarded,
-                sample=Sample.from_pb(r.sample) if r.HasField("sample") else None,
+        else:
+            options, wasi = executor_options(
+                executor,
+                network=network,
+                user=user,
+                workdir=workdir,
+                env=env,
+                hostname=None,
+                cpu_millis=cpu_millis,
+                memory_bytes=memory_bytes,
+                pids=pids,
+                mount_at=None,
+                fuel=fuel,
+                run_timeout_s=run_timeout_s,
             )
-        options, wasi = executor_options(
-            executor,
-            network=network,
-            user=user,
-            workdir=workdir,
-            env=env,
-            hostname=None,
-            cpu_millis=cpu_millis,
-            memory_bytes=memory_bytes,
-            pids=pids,
-            mount_at=None,
-            fuel=fuel,
-            run_timeout_s=run_timeout_s,
-        )
-        req = pb.BeginRolloutRequest(
-            sample=key.to_pb(),
-            attempt=attempt,
-            node=node,
-            policy=policy,
-            has_seed=seed is not None,
-            seed=seed or 0,
-            wait_ms=int(wait_s * 1000),
-            sandbox=options,
-            wasi=wasi,
-        )
+            req = pb.BeginRolloutRequest(
+                sample=key.to_pb(),
+                attempt=attempt,
+                node=node,
+                policy=policy,
+                has_seed=seed is not None,
+                seed=seed or 0,
+                wait_ms=int(wait_s * 1000),
+                sandbox=options,
+                wasi=wasi,
+            )
         timeout = None if self.timeout_s is None else self.timeout_s + wait_s
         r = await self._call(self._stub.BeginRollout, req, timeout)
         sb = AsyncSandbox(self, Session.from_pb(r.session), r.created) if r.HasField("session") else None
