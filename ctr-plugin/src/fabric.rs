@@ -137,6 +137,11 @@ pub enum RolloutSub {
         /// once with kind busy).
         #[arg(long, value_name = "SECS", default_value_t = 60)]
         wait_timeout: u32,
+        /// A remote attempt: it runs on worker NAME (e.g. a Ray node id) and
+        /// is only recorded here, with no sandbox here; end it with
+        /// `rollout end --result-node` (docs/fabric.md "Remote attempts").
+        #[arg(long, value_name = "NAME", conflicts_with = "network")]
+        worker: Option<String>,
         /// Print the result as one JSON object.
         #[arg(long)]
         json: bool,
@@ -183,6 +188,11 @@ pub enum RolloutSub {
         /// blob` reads it back).
         #[arg(long, value_name = "FILE")]
         trajectory: Option<PathBuf>,
+        /// A remote attempt's checkpoint: node ID, pulled into this store,
+        /// a child of the attempt's node (not with --infra-failed or
+        /// --discard).
+        #[arg(long, value_name = "ID", conflicts_with_all = ["infra_failed", "discard"])]
+        result_node: Option<String>,
         /// Print the ended attempt as one JSON object.
         #[arg(long)]
         json: bool,
@@ -334,7 +344,8 @@ fn nonempty(s: &str) -> Value {
 
 /// A rollout attempt as JSON: `id` (the attempt's id, for `rollout end`),
 /// `session` (its sandbox's session id, null when none), `node` (where it
-/// started), `reward` (null without one), `applied`, `result_node`.
+/// started), `reward` (null without one), `applied`, `result_node`, `worker`
+/// (a remote attempt's worker, null for a local one).
 pub(crate) fn rollout_json(a: &api::RolloutAttempt) -> Value {
     json!({
         "id": a.id,
@@ -359,6 +370,7 @@ pub(crate) fn rollout_json(a: &api::RolloutAttempt) -> Value {
         "message": a.message,
         "created_ns": a.created_ns,
         "ended_ns": if a.ended_ns == 0 { Value::Null } else { json!(a.ended_ns) },
+        "worker": nonempty(&a.worker),
     })
 }
 
@@ -390,7 +402,7 @@ fn audit_json(a: &api::RunAudit) -> Value {
     json!({
         "samples": a.samples, "rewarded": a.rewarded, "attempts": a.attempts,
         "running": a.running, "completed": a.completed, "task_failed": a.task_failed,
-        "infra_failed": a.infra_failed, "backprops": a.backprops,
+        "infra_failed": a.infra_failed, "backprops": a.backprops, "by_worker": a.by_worker,
         "violations": a.violations, "sound": a.violations.is_empty(),
     })
 }
@@ -448,7 +460,9 @@ fn begin_lines(r: &api::BeginRolloutResponse) -> Vec<String> {
         a.id,
         a.attempt,
         a.node,
-        if a.session == 0 {
+        if !a.worker.is_empty() {
+            format!("remote, on worker {}", a.worker)
+        } else if a.session == 0 {
             "no sandbox".to_string()
         } else {
             format!("sandbox session {}", a.session)
@@ -684,6 +698,7 @@ pub async fn run(admin: &Path, cmd: FabricCmd) -> Result<ExitCode> {
                 } else {
                     let mut rows = vec![[
                         "ID", "SAMPLE", "ATTEMPT", "STATUS", "INFRA", "REWARD", "APPLIED", "NODE",
+                        "WORKER", "RESULT",
                     ]
                     .map(String::from)];
                     for a in &list {
@@ -700,6 +715,8 @@ pub async fn run(admin: &Path, cmd: FabricCmd) -> Result<ExitCode> {
                             },
                             if a.applied { "yes" } else { "no" }.into(),
                             a.node.clone(),
+                            dash(&a.worker),
+                            dash(&a.result_node),
                         ]);
                     }
                     print_table(&rows);
@@ -771,6 +788,11 @@ pub async fn run(admin: &Path, cmd: FabricCmd) -> Result<ExitCode> {
                     for (k, n) in kinds {
                         out!("  infra_failed {k}: {n}");
                     }
+                    let mut workers: Vec<_> = a.by_worker.iter().collect();
+                    workers.sort();
+                    for (w, n) in workers {
+                        out!("  worker {w}: {n} attempt(s)");
+                    }
                     for v in &a.violations {
                         out!("  violation: {v}");
                     }
@@ -794,6 +816,7 @@ pub async fn run(admin: &Path, cmd: FabricCmd) -> Result<ExitCode> {
                 seed,
                 network,
                 wait_timeout,
+                worker,
                 json,
             } => {
                 let r = c
@@ -815,6 +838,7 @@ pub async fn run(admin: &Path, cmd: FabricCmd) -> Result<ExitCode> {
                         }),
                         wasi: None,
                         wait_ms: wait_timeout.saturating_mul(1000),
+                        worker: worker.unwrap_or_default(),
                     })
                     .await?
                     .into_inner();
@@ -848,6 +872,7 @@ pub async fn run(admin: &Path, cmd: FabricCmd) -> Result<ExitCode> {
                 backprop,
                 state,
                 message,
+                result_node,
                 json,
                 ..
             } => {
@@ -877,6 +902,7 @@ pub async fn run(admin: &Path, cmd: FabricCmd) -> Result<ExitCode> {
                         keep: keep as i32,
                         state: state.unwrap_or_default(),
                         trajectory,
+                        result_node: result_node.unwrap_or_default(),
                         ..Default::default()
                     })
                     .await?
@@ -1006,6 +1032,9 @@ mod tests {
         assert!(parse(&["--discard", "--state", "{}", "--reward", "1"]).is_err());
         parse(&["--reward", "-0.5", "--backprop", "-0.5", "--rejected"]).unwrap();
         parse(&["--infra-failed", "timeout", "--discard"]).unwrap();
+        parse(&["--reward", "1", "--result-node", "n1"]).unwrap();
+        assert!(parse(&["--infra-failed", "node-lost", "--result-node", "n1"]).is_err());
+        assert!(parse(&["--reward", "1", "--discard", "--result-node", "n1"]).is_err());
         let e = crate::Cli::try_parse_from([
             "layerstack",
             "rollout",
@@ -1068,7 +1097,15 @@ mod tests {
             v["sample"],
             json!({"run": "r", "step": 0, "prompt": "p", "sample": 3})
         );
-        assert_eq!((&v["infra_kind"], &v["seed"]), (&Value::Null, &Value::Null));
+        assert_eq!(
+            (&v["infra_kind"], &v["seed"], &v["worker"]),
+            (&Value::Null, &Value::Null, &Value::Null)
+        );
+        let remote = api::RolloutAttempt {
+            worker: "ray-node-a".into(),
+            ..a.clone()
+        };
+        assert_eq!(rollout_json(&remote)["worker"], json!("ray-node-a"));
         assert_eq!(
             end_line(&a),
             "attempt 12 completed: reward 0.5, applied to its sample; backpropagated 0.5; node n-kid"

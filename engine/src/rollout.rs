@@ -9,6 +9,11 @@
 //! The daemon starts an attempt's sandbox itself (it owns inits): it calls
 //! [`Engine::begin_rollout`], creates the daemon-owned session with the
 //! attempt's key, then [`Engine::attach_rollout`].
+//!
+//! A **remote attempt** (`RolloutBegin::worker`: it runs on another machine,
+//! e.g. a Ray worker next to that machine's daemon) is recorded here with no
+//! sandbox here, and ends with the checkpoint node the worker pushed and the
+//! caller pulled into this store (`result_node` of [`Engine::end_rollout`]).
 
 use std::collections::BTreeMap;
 use std::time::Duration;
@@ -99,9 +104,16 @@ impl Engine {
     /// `trajectory` and `artifacts` are stored as content-addressed blobs
     /// first (outside any transaction; a blob nothing names is harmless).
     ///
+    /// `result_node`: a remote attempt's checkpoint, a node already in this
+    /// store whose parent is the attempt's node (`Store::end_remote_rollout`),
+    /// kept in the transaction that records the reward; refused for a local
+    /// attempt and with [`RolloutKeep::Discard`]. A remote attempt ends in
+    /// one transaction, with or without it.
+    ///
     /// Errors: `NotFound`, `FailedPrecondition` (ended otherwise; the
     /// checkpoint failed — the attempt then ends `infra_failed`
-    /// (checkpoint-failed) with the session's reason), `InvalidArgument`.
+    /// (checkpoint-failed) with the session's reason; `result_node` of a
+    /// local attempt or not a child of its node), `InvalidArgument`.
     #[allow(clippy::too_many_arguments)]
     pub async fn end_rollout(
         self: &std::sync::Arc<Self>,
@@ -113,7 +125,13 @@ impl Engine {
         backprop: Option<f64>,
         message: String,
         keep: RolloutKeep,
+        result_node: Option<String>,
     ) -> Result<RolloutAttempt, EngineError> {
+        if result_node.is_some() && keep == RolloutKeep::Discard {
+            return Err(EngineError::Store(StoreError::InvalidArgument(format!(
+                "rollout attempt {id}: keep DISCARD with a result node: a discarded result keeps no node; omit result_node or keep CHECKPOINT"
+            ))));
+        }
         let (trajectory, artifacts) = self
             .blocking(move |st| {
                 let t = trajectory
@@ -141,6 +159,13 @@ impl Engine {
             message,
         };
         let a = self.blocking(move |st| st.rollout(id)).await?;
+        if a.worker.is_some() || result_node.is_some() {
+            // A remote attempt: nothing of it lives here; one transaction
+            // (the store refuses a result node for a local attempt).
+            return self
+                .blocking(move |st| st.end_remote_rollout(id, &ending, result_node.as_deref()))
+                .await;
+        }
         let live = match (a.status, a.session) {
             (RolloutStatus::Running, Some(sid)) => {
                 let s = self.session(sid).await?;

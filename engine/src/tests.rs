@@ -1780,6 +1780,134 @@ async fn a_hundred_children_add_only_their_own_deltas() {
     );
 }
 
+/// A remote attempt (a worker's, on another machine) through the engine: the
+/// daemon's start recovery leaves it running (nothing of it lived here), it
+/// ends with the checkpoint node the caller pulled — a child of its node —
+/// in the reward's transaction, once; a local attempt given a result node and
+/// a discard with one are refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_remote_attempt_ends_once_with_its_pulled_checkpoint() {
+    if !have_root("a_remote_attempt_ends_once_with_its_pulled_checkpoint") {
+        return;
+    }
+    use layerstack_store::{Begun, RolloutBegin, RolloutResult, RolloutStatus, SampleKey};
+    let t = tmp();
+    let (store, _) = setup_n(t.path(), 1);
+    let p = engine_with(&store, Default::default());
+    let (_, root) = p
+        .graph_create("remote", "ns/sha256:aaa", "main", None)
+        .await
+        .unwrap();
+    p.create_run("r", "remote", BTreeMap::new()).await.unwrap();
+    let begin = |sample: i64, worker: Option<&str>| RolloutBegin {
+        key: SampleKey {
+            run: "r".into(),
+            step: 0,
+            prompt: "p".into(),
+            sample,
+        },
+        attempt: 1,
+        node: root.id.clone(),
+        policy: "pi".into(),
+        seed: None,
+        worker: worker.map(str::to_string),
+    };
+    let Begun::Attempt { attempt: a, .. } = p.begin_rollout(begin(0, Some("w-a"))).await.unwrap()
+    else {
+        panic!("rewarded")
+    };
+    let Begun::Attempt { attempt: local, .. } = p.begin_rollout(begin(1, None)).await.unwrap()
+    else {
+        panic!("rewarded")
+    };
+    assert_eq!(p.recover_rollouts().await.unwrap(), 1, "the local one only");
+    assert_eq!(
+        p.rollout(a.id).await.unwrap().status,
+        RolloutStatus::Running
+    );
+    assert_eq!(
+        p.rollout(local.id).await.unwrap().infra_kind.as_deref(),
+        Some("daemon-restart")
+    );
+    // The worker's checkpoint, as a pull would leave it here.
+    let (_, s, _, _) = p
+        .attempt_start(&root.id, sandbox("w"), None, None)
+        .await
+        .unwrap();
+    fill(&s, &[("answer.txt", b"42\n")]);
+    let child = p
+        .checkpoint(s.id, None, Default::default(), None)
+        .await
+        .unwrap();
+    let end = |keep: RolloutKeep, node: Option<&str>| {
+        p.end_rollout(
+            a.id,
+            RolloutResult::Completed {
+                reward: 1.0,
+                accepted: true,
+            },
+            None,
+            Some(b"[]".to_vec()),
+            Vec::new(),
+            Some(1.0),
+            String::new(),
+            keep,
+            node.map(str::to_string),
+        )
+    };
+    let keep = RolloutKeep::Checkpoint {
+        state: None,
+        labels: BTreeMap::new(),
+    };
+    let err = end(RolloutKeep::Discard, Some(&child.id))
+        .await
+        .unwrap_err();
+    let msg = crate::error_chain(&err);
+    assert!(msg.contains("DISCARD"), "{msg}");
+    let e = end(keep.clone(), Some(&child.id)).await.unwrap();
+    assert_eq!(
+        (
+            e.status,
+            e.applied,
+            e.result_node.as_deref(),
+            e.worker.as_deref()
+        ),
+        (
+            RolloutStatus::Completed,
+            true,
+            Some(child.id.as_str()),
+            Some("w-a")
+        )
+    );
+    assert!(e.trajectory.is_some());
+    assert_eq!(end(keep.clone(), Some(&child.id)).await.unwrap(), e);
+    let sample = p.sample(a.key.clone()).await.unwrap();
+    assert_eq!((sample.reward, sample.reward_attempt), (Some(1.0), Some(1)));
+    assert_eq!(p.node_stats(&child.id, false).await.unwrap().0.visits, 1);
+    // A local attempt with a result node: refused.
+    let Begun::Attempt { attempt: l2, .. } = p.begin_rollout(begin(2, None)).await.unwrap() else {
+        panic!("rewarded")
+    };
+    let err = p
+        .end_rollout(
+            l2.id,
+            RolloutResult::TaskFailed,
+            None,
+            None,
+            Vec::new(),
+            None,
+            String::new(),
+            keep,
+            Some(child.id.clone()),
+        )
+        .await
+        .unwrap_err();
+    let msg = crate::error_chain(&err);
+    assert!(msg.contains("is local"), "{msg}");
+    let audit = p.audit_run("r").await.unwrap();
+    assert_eq!(audit.violations, Vec::<String>::new());
+}
+
 /// Mode B on the graph: a sandbox session started on a node is an attempt of it
 /// (under the cap); closing it by its recorded policy `checkpoint` makes a child
 /// node with the state and command given at close and releases the session;

@@ -4,8 +4,10 @@
 //! same end again answers the recorded end; another reward is refused
 //! `failed_precondition` naming the attempt), `rollout attempts|sample|audit`,
 //! a task failure with a trajectory read back by `rollout blob`, `search
-//! stats|prior|lease|release` (a leased node is not pruned), and refusals of
-//! bad flags before the daemon is asked.
+//! stats|prior|lease|release` (a leased node is not pruned), a remote attempt
+//! (`rollout begin --worker`, `rollout end --result-node`: no sandbox here, a
+//! node that is not a child refused, the worker in `attempts` and `audit`),
+//! and refusals of bad flags before the daemon is asked.
 //!
 //! Needs root (fails under `CI=true` without it) and `/bin/busybox` (static);
 //! no containerd.
@@ -303,6 +305,90 @@ fn scenario(env: &StandaloneDaemon) -> Result<()> {
     );
     let p = ls_json(env, &["search", "prior", &child, "0.25", "--json"])?;
     ensure!(p["prior"] == 0.25, "{p}");
+
+    // A remote attempt (a worker's, docs/fabric.md "Remote attempts"): no
+    // sandbox here; it ends with a node in this store that is a child of its
+    // node — the child above stands for a checkpoint a worker pushed and this
+    // daemon pulled.
+    let remote = |worker: &str| -> Vec<String> {
+        [
+            "rollout",
+            "begin",
+            "run1",
+            "0",
+            "p",
+            "9",
+            "--attempt",
+            "1",
+            "--node",
+            &root,
+            "--worker",
+            worker,
+            "--json",
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+    let args = remote("w1");
+    let b = ls_json(env, &args.iter().map(String::as_str).collect::<Vec<_>>())?;
+    let rid = b["attempt"].as_i64().context("attempt id")?.to_string();
+    ensure!(
+        b["session"].is_null() && b["rollout"]["worker"] == "w1" && b["created"] == true,
+        "{b}"
+    );
+    let args = remote("w2");
+    let (kind, msg) = ls_refused(env, &args.iter().map(String::as_str).collect::<Vec<_>>())?;
+    ensure!(
+        kind == "failed_precondition" && msg.contains("\"w1\"") && msg.contains("\"w2\""),
+        "{kind}: {msg}"
+    );
+    let (kind, msg) = ls_refused(
+        env,
+        &[
+            "rollout",
+            "end",
+            &rid,
+            "--reward",
+            "1",
+            "--result-node",
+            &root,
+        ],
+    )?;
+    ensure!(
+        kind == "failed_precondition" && msg.contains("not a child"),
+        "{kind}: {msg}"
+    );
+    let e = ls_json(
+        env,
+        &[
+            "rollout",
+            "end",
+            &rid,
+            "--reward",
+            "1",
+            "--result-node",
+            &child,
+            "--json",
+        ],
+    )?;
+    ensure!(
+        e["status"] == "completed"
+            && e["applied"] == true
+            && e["result_node"] == child.as_str()
+            && e["worker"] == "w1",
+        "{e}"
+    );
+    let o = ensure_success(
+        "rollout attempts",
+        ls(env, &["rollout", "attempts", "run1"])?,
+    )?;
+    let text = stdout(&o);
+    ensure!(text.contains("WORKER") && text.contains("w1"), "{text}");
+    let a = ls_json(env, &["rollout", "audit", "run1", "--json"])?;
+    ensure!(
+        a["sound"] == true && a["by_worker"] == json!({"w1": 1}),
+        "{a}"
+    );
 
     // A frontier lease holds the child against a prune until released.
     let l = ls_json(env, &["search", "lease", "h1", &child, "--json"])?;

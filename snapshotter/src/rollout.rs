@@ -101,6 +101,7 @@ pub(crate) fn attempt_to(a: &RolloutAttempt) -> api::RolloutAttempt {
         message: a.message.clone(),
         created_ns: a.created_ns,
         ended_ns: a.ended_ns.unwrap_or_default(),
+        worker: a.worker.clone().unwrap_or_default(),
     }
 }
 
@@ -126,6 +127,7 @@ fn audit_to(a: RunAudit) -> api::RunAudit {
         infra_failed: a.infra_failed.into_iter().collect(),
         backprops: a.backprops,
         violations: a.violations,
+        by_worker: a.by_worker.into_iter().collect(),
     }
 }
 
@@ -187,6 +189,13 @@ impl AdminService {
         let key = key_from(r.sample)?;
         require("node", &r.node)?;
         require("policy", &r.policy)?;
+        let worker = (!r.worker.is_empty()).then(|| r.worker.clone());
+        if worker.is_some() && r.wasi.is_some() {
+            return Err(Status::invalid_argument(format!(
+                "worker {:?} with wasi: a remote attempt's sandbox is its worker's, not this daemon's; give one of them",
+                r.worker
+            )));
+        }
         let begun = self
             .engine
             .begin_rollout(RolloutBegin {
@@ -195,6 +204,7 @@ impl AdminService {
                 node: r.node.clone(),
                 policy: r.policy,
                 seed: r.has_seed.then_some(r.seed),
+                worker: worker.clone(),
             })
             .await
             .map_err(engine_status)?;
@@ -219,7 +229,8 @@ impl AdminService {
                 session,
             }
         };
-        if a.status != layerstack_engine::store::RolloutStatus::Running {
+        if a.status != layerstack_engine::store::RolloutStatus::Running || a.worker.is_some() {
+            // Ended already, or remote: no sandbox here.
             let sample = self.engine.sample(key).await.map_err(engine_status)?;
             return Ok(answer(&a, None, sample));
         }
@@ -256,6 +267,7 @@ impl AdminService {
                             None,
                             st.message().to_string(),
                             RolloutKeep::Discard,
+                            None,
                         )
                         .await;
                 }
@@ -320,6 +332,22 @@ impl AdminService {
             .rollout(r.attempt)
             .await
             .map_err(engine_status)?;
+        // A result node is a remote attempt's: refused before a local
+        // attempt's sandbox is touched (the engine and the store check again).
+        if !r.result_node.is_empty() {
+            if a.worker.is_none() {
+                return Err(Status::failed_precondition(format!(
+                    "rollout attempt {} is local (it has no worker): its checkpoint is its sandbox's; end it without result_node",
+                    a.id
+                )));
+            }
+            if matches!(keep, RolloutKeep::Discard) {
+                return Err(Status::invalid_argument(format!(
+                    "rollout attempt {}: keep DISCARD with result_node {}: a discarded result keeps no node; omit result_node or keep CHECKPOINT",
+                    a.id, r.result_node
+                )));
+            }
+        }
         let live = match (a.status, a.session) {
             (layerstack_engine::store::RolloutStatus::Running, Some(sid)) => Some(sid),
             _ => None,
@@ -344,6 +372,7 @@ impl AdminService {
                 r.has_backprop.then_some(r.backprop),
                 r.message,
                 keep,
+                (!r.result_node.is_empty()).then_some(r.result_node),
             )
             .await;
         if let (Err(_), Some(sid)) = (&a, live) {

@@ -166,6 +166,9 @@ pub struct RolloutAttempt {
     pub node: String,
     /// The graph attempt of its sandbox session, once there is one.
     pub graph_attempt: Option<i64>,
+    /// The worker (e.g. a Ray node id) a remote attempt runs on; `None`: a
+    /// local attempt, whose sandbox is this store's (format 14).
+    pub worker: Option<String>,
     pub session: Option<SessionId>,
     pub policy: String,
     pub seed: Option<i64>,
@@ -209,6 +212,9 @@ pub struct SampleInfo {
 }
 
 /// What [`Store::begin_rollout`] found or made.
+// One per begin, returned and matched at once, never stored in bulk: the
+// variants' sizes do not matter.
+#[allow(clippy::large_enum_variant)]
 #[derive(Debug, Clone, PartialEq)]
 pub enum Begun {
     /// A new attempt (`created`), or the same attempt again (a repeated call).
@@ -245,6 +251,10 @@ pub struct RolloutBegin {
     /// A model checkpoint id (free text, e.g. `step-120`).
     pub policy: String,
     pub seed: Option<i64>,
+    /// A remote attempt: it runs on this worker (e.g. a Ray node id), with no
+    /// sandbox in this store; it ends with a checkpoint node the caller
+    /// pulled here ([`Store::end_remote_rollout`]). `None`: a local attempt.
+    pub worker: Option<String>,
 }
 
 /// Search statistics of a node (mutable, beside the immutable node).
@@ -270,13 +280,15 @@ pub struct RunAudit {
     /// By kind.
     pub infra_failed: BTreeMap<String, u64>,
     pub backprops: u64,
+    /// Remote attempts by worker (local attempts are not counted here).
+    pub by_worker: BTreeMap<String, u64>,
     /// Violations found (empty when every invariant holds): a sample with
     /// more than one applied attempt, a reward that is not its applied
     /// attempt's, an attempt with more than one backpropagation, …
     pub violations: Vec<String>,
 }
 
-const ATTEMPT_SQL: &str = "SELECT a.id, a.attempt, a.graph_attempt, a.session_id, a.policy, a.seed, a.status, a.infra_kind, a.reward, a.accepted, a.applied, a.evaluator_name, a.evaluator_version, a.evaluator_digest, a.result_node, a.trajectory, a.message, a.created_ns, a.ended_ns, s.run, s.step, s.prompt, s.sample, s.node, b.value AS backprop
+const ATTEMPT_SQL: &str = "SELECT a.id, a.attempt, a.graph_attempt, a.worker, a.session_id, a.policy, a.seed, a.status, a.infra_kind, a.reward, a.accepted, a.applied, a.evaluator_name, a.evaluator_version, a.evaluator_digest, a.result_node, a.trajectory, a.message, a.created_ns, a.ended_ns, s.run, s.step, s.prompt, s.sample, s.node, b.value AS backprop
      FROM rollout_attempts a JOIN rollout_samples s ON s.id = a.sample_id LEFT JOIN search_backprops b ON b.attempt_id = a.id";
 
 fn attempt_row(conn: &Connection, r: &rusqlite::Row<'_>) -> Result<RolloutAttempt, StoreError> {
@@ -309,6 +321,7 @@ fn attempt_row(conn: &Connection, r: &rusqlite::Row<'_>) -> Result<RolloutAttemp
             .map_err(|_| StoreError::corrupt("rollout_attempts", id, "attempt out of range"))?,
         node: r.get("node")?,
         graph_attempt: r.get("graph_attempt")?,
+        worker: r.get("worker")?,
         session: r.get("session_id")?,
         policy: r.get("policy")?,
         seed: r.get("seed")?,
@@ -448,7 +461,9 @@ fn validate_key(k: &SampleKey) -> Result<(), StoreError> {
 /// their graph attempt ended `interrupted` (kind: the session's
 /// `interrupted_by`), `abandoned` or `failed` (a checkpoint that failed), or
 /// (`at_start`) they never got a session before the daemon stopped. Returns
-/// how many ended. Never gives a reward.
+/// how many ended. Never gives a reward. A remote attempt (a worker's) is
+/// never ended here: nothing of it lived in this daemon; its harness ends it
+/// (`infra_failed(node-lost)` when its worker is lost).
 pub(crate) fn sync_rollouts_in(tx: &Transaction<'_>, at_start: bool) -> Result<usize, StoreError> {
     let now = now_ns();
     let mut n = tx.exec(
@@ -467,7 +482,7 @@ pub(crate) fn sync_rollouts_in(tx: &Transaction<'_>, at_start: bool) -> Result<u
         n += tx.exec(
             "UPDATE rollout_attempts SET status = 'infra_failed', infra_kind = 'daemon-restart', ended_ns = ?1,
                 message = 'the daemon stopped before the attempt had a sandbox'
-             WHERE status = 'running' AND session_id IS NULL",
+             WHERE status = 'running' AND session_id IS NULL AND worker IS NULL",
             [now],
         )?;
     }
@@ -742,6 +757,13 @@ impl Store {
                 b.key
             )));
         }
+        if let Some(w) = &b.worker {
+            if w.is_empty() || w.len() > 256 || w.contains(char::is_control) {
+                return Err(StoreError::InvalidArgument(format!(
+                    "worker {w:?}: give 1 to 256 bytes without control characters (e.g. the Ray node id)"
+                )));
+            }
+        }
         self.db.write(|tx| {
             sync_rollouts_in(tx, false)?;
             let run = get_run(tx, &b.key.run)?;
@@ -789,6 +811,16 @@ impl Store {
                         b.attempt, a.policy, a.seed, b.policy, b.seed
                     )));
                 }
+                if a.worker != b.worker {
+                    let on = |w: &Option<String>| match w {
+                        Some(w) => format!("on worker {w:?}"),
+                        None => "locally (no worker)".to_string(),
+                    };
+                    return Err(StoreError::FailedPrecondition(format!(
+                        "sample {k} attempt {} exists {}, asked {}: a repeated call names the same attempt; a retry on another worker is a new attempt number",
+                        b.attempt, on(&a.worker), on(&b.worker)
+                    )));
+                }
                 return Ok(Begun::Attempt { attempt: a, created: false });
             }
             let sample = tx.one(&format!("{SAMPLE_SQL} WHERE s.id = ?1"), [sample_id], sample_row)?;
@@ -796,11 +828,11 @@ impl Store {
                 return Ok(Begun::Rewarded(sample));
             }
             tx.exec(
-                "INSERT INTO rollout_attempts(sample_id, attempt, policy, seed, status, created_ns) VALUES (?1, ?2, ?3, ?4, 'running', ?5)",
-                params![sample_id, b.attempt, b.policy, b.seed, now_ns()],
+                "INSERT INTO rollout_attempts(sample_id, attempt, policy, seed, worker, status, created_ns) VALUES (?1, ?2, ?3, ?4, ?5, 'running', ?6)",
+                params![sample_id, b.attempt, b.policy, b.seed, b.worker, now_ns()],
             )?;
             let id = tx.last_insert_rowid();
-            info!(rollout.attempt = id, sample = %k, attempt = b.attempt, "rollout attempt begun");
+            info!(rollout.attempt = id, sample = %k, attempt = b.attempt, worker = ?b.worker, "rollout attempt begun");
             Ok(Begun::Attempt { attempt: get_rollout(tx, id)?, created: true })
         })
     }
@@ -816,6 +848,11 @@ impl Store {
     ) -> Result<RolloutAttempt, StoreError> {
         self.db.write(|tx| {
             let a = get_rollout(tx, id)?;
+            if let Some(w) = &a.worker {
+                return Err(StoreError::FailedPrecondition(format!(
+                    "rollout attempt {id} runs on worker {w:?}: a remote attempt has no sandbox in this store"
+                )));
+            }
             match a.session {
                 Some(s) if s == sid => return Ok(a),
                 Some(s) => {
@@ -894,6 +931,69 @@ impl Store {
             }
         }
         Ok(attempt)
+    }
+
+    /// Ends rollout attempt `id` — a remote one (begun with a worker) — with
+    /// `end`, keeping `result_node` as its checkpoint, in one transaction
+    /// ([`end_rollout_in`]: the attempt's end, its sample's reward when it
+    /// has none, the backpropagation from `result_node`). `result_node` is
+    /// the node the worker checkpointed and the caller pulled into this
+    /// store (node ids are global): it must exist, not be pruned, and have
+    /// the attempt's start node as a parent. A repeated end with the same
+    /// result and node answers the recorded end.
+    ///
+    /// Errors: `NotFound` (attempt, node), `FailedPrecondition` (a local
+    /// attempt — its checkpoint is its sandbox's —, a node that is not a
+    /// child of the attempt's node or was pruned, an attempt that ended
+    /// otherwise or with another node), `InvalidArgument` (a result node
+    /// with an `infra_failed` end).
+    pub fn end_remote_rollout(
+        &self,
+        id: i64,
+        end: &RolloutEnding,
+        result_node: Option<&str>,
+    ) -> Result<RolloutAttempt, StoreError> {
+        self.db.write(|tx| {
+            let a = get_rollout(tx, id)?;
+            let Some(worker) = a.worker.as_deref() else {
+                return Err(StoreError::FailedPrecondition(format!(
+                    "rollout attempt {id} is local (it has no worker): its checkpoint is its sandbox's; end it without result_node"
+                )));
+            };
+            let Some(rn) = result_node else {
+                return end_rollout_in(tx, id, end, None);
+            };
+            if matches!(end.result, RolloutResult::InfraFailed { .. }) {
+                return Err(StoreError::InvalidArgument(format!(
+                    "rollout attempt {id}: an infra_failed attempt keeps no checkpoint: end it without result_node"
+                )));
+            }
+            if a.status != RolloutStatus::Running && a.result_node.as_deref() != Some(rn) {
+                return Err(StoreError::FailedPrecondition(format!(
+                    "rollout attempt {id} ended already keeping node {}, not {rn}: an attempt ends once",
+                    a.result_node.as_deref().unwrap_or("(none)")
+                )));
+            }
+            let node = get_node(tx, rn).map_err(|e| match e {
+                StoreError::NotFound(_) => StoreError::NotFound(format!(
+                    "result node {rn} of rollout attempt {id} (worker {worker:?}) is not in this store: pull it first (Pull / `layerstack pull` of the reference the worker pushed)"
+                )),
+                e => e,
+            })?;
+            if !node.parents.iter().any(|p| p == &a.node) {
+                return Err(StoreError::FailedPrecondition(format!(
+                    "result node {rn} is not a child of rollout attempt {id}'s node {} (its parents: {}): give the checkpoint the worker made from the attempt's node",
+                    a.node,
+                    if node.parents.is_empty() { "none".to_string() } else { node.parents.join(", ") }
+                )));
+            }
+            if node.pruned {
+                return Err(StoreError::FailedPrecondition(format!(
+                    "result node {rn} was pruned: a pruned node cannot be an attempt's checkpoint; pull it again"
+                )));
+            }
+            end_rollout_in(tx, id, end, Some(rn))
+        })
     }
 
     /// Rollout attempt `id`. Errors: `NotFound`.
@@ -985,6 +1085,15 @@ impl Store {
                 for r in stmt.query_map([run], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))? {
                     let (k, n) = r?;
                     a.infra_failed.insert(k, u64::try_from(n).unwrap_or(0));
+                }
+            }
+            {
+                let mut stmt = conn.prepare_cached(&format!(
+                    "SELECT a.worker, count(*) {of} AND a.worker IS NOT NULL GROUP BY a.worker"
+                ))?;
+                for r in stmt.query_map([run], |r| Ok((r.get::<_, String>(0)?, r.get::<_, i64>(1)?)))? {
+                    let (w, n) = r?;
+                    a.by_worker.insert(w, u64::try_from(n).unwrap_or(0));
                 }
             }
             let mut v = |sql: &str, what: &str| -> Result<(), StoreError> {

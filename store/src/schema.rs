@@ -22,9 +22,22 @@
 /// `publishes.interrupted_by` and the attempt status `interrupted`; 11 added the
 /// rollout fabric's tables (`rollout_*`, `search_*`, `frontier_leases`); 12
 /// added the session owner kind `wasi`; 13 added the OCI blobs a layer was
-/// written as (`layer_blobs`, module `blobs`). Formats 4 to 12 are migrated at
-/// open ([`MIGRATIONS`]).
-pub const FORMAT_VERSION: i64 = 13;
+/// written as (`layer_blobs`, module `blobs`); 14 added the worker of a remote
+/// rollout attempt (`rollout_attempts.worker`: recorded here, run on another
+/// machine). Formats 4 to 13 are migrated at open ([`MIGRATIONS`]).
+pub const FORMAT_VERSION: i64 = 14;
+
+/// The worker column of rollout attempts (format 14), in [`SCHEMA`] after
+/// [`rollout_tables`] and in the migration from format 13.
+macro_rules! rollout_worker_column {
+    () => {
+        r#"
+-- The worker (e.g. a Ray node id) a remote attempt runs on: the attempt is
+-- recorded here with no sandbox here; NULL: a local attempt.
+ALTER TABLE rollout_attempts ADD COLUMN worker TEXT CHECK (worker IS NULL OR worker <> '');
+"#
+    };
+}
 
 /// The OCI blobs a layer was written as (format 13; module `blobs`), in
 /// [`SCHEMA`] and in the migration from format 12 (`IF NOT EXISTS`: a test
@@ -258,6 +271,7 @@ pub(crate) const MIGRATIONS: &[(i64, &str, &str)] = &[
         CREATE INDEX sessions_owner ON sessions(owner_kind, namespace, owner);",
     ),
     (12, "layer_blobs", layer_blobs_table!()),
+    (13, "rollout_attempts.worker", rollout_worker_column!()),
 ];
 
 pub(crate) const SCHEMA: &str = concat!(
@@ -579,5 +593,6 @@ CREATE TABLE session_markers (
 ) WITHOUT ROWID;
 "#,
     rollout_tables!(),
-    layer_blobs_table!()
+    layer_blobs_table!(),
+    rollout_worker_column!()
 );

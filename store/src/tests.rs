@@ -832,6 +832,7 @@ fn format_version(s: &Store) -> String {
 /// no publishes.interrupted_by, attempts without the status `interrupted`
 /// (its CHECK cannot be altered: the table is rebuilt, its sequence kept).
 pub(crate) const TO_FORMAT_9: &str = "PRAGMA foreign_keys = OFF;
+     ALTER TABLE rollout_attempts DROP COLUMN worker;
      ALTER TABLE sessions DROP COLUMN daemon_owned;
      ALTER TABLE publishes DROP COLUMN interrupted_by;
      CREATE TABLE a9 (
@@ -895,6 +896,7 @@ fn a_format_9_store_is_migrated_and_keeps_its_attempts_and_their_ids() {
 /// Turns a current store's `sessions` back into format 11's (no owner kind
 /// `wasi`), as an older build left it.
 const TO_FORMAT_11: &str = "
+     ALTER TABLE rollout_attempts DROP COLUMN worker;
      CREATE TABLE sessions_old (
         id              INTEGER PRIMARY KEY AUTOINCREMENT,
         owner_kind      TEXT NOT NULL CHECK (owner_kind IN ('container', 'sandbox', 'operation')),
@@ -2344,6 +2346,15 @@ fn rollout_store(d: &Path) -> (Store, String, NodeInfo) {
 }
 
 fn begin(s: &Store, sample: i64, attempt: u32, node: &str) -> Begun {
+    begin_with(s, sample, attempt, node, None)
+}
+
+/// A remote attempt on `worker`.
+fn begin_on(s: &Store, sample: i64, attempt: u32, node: &str, worker: &str) -> Begun {
+    begin_with(s, sample, attempt, node, Some(worker))
+}
+
+fn begin_with(s: &Store, sample: i64, attempt: u32, node: &str, worker: Option<&str>) -> Begun {
     s.begin_rollout(&RolloutBegin {
         key: SampleKey {
             run: "r".into(),
@@ -2355,6 +2366,7 @@ fn begin(s: &Store, sample: i64, attempt: u32, node: &str) -> Begun {
         node: node.into(),
         policy: "pi-1".into(),
         seed: Some(7),
+        worker: worker.map(str::to_string),
     })
     .unwrap()
 }
@@ -2491,6 +2503,7 @@ fn attempts_are_checked_against_their_sample_and_an_infra_failure_has_no_value()
         node: root.id.clone(),
         policy: "pi-2".into(),
         seed: Some(7),
+        worker: None,
     };
     let err = s.begin_rollout(&other).unwrap_err();
     assert!(err.to_string().contains("pi-1"), "{err}");
@@ -2582,6 +2595,181 @@ fn an_attempt_whose_sandbox_was_interrupted_ends_infra_failed_never_rewarded() {
         ),
         (0, 0, Some(&2))
     );
+}
+
+#[test]
+fn a_remote_attempt_survives_recovery_and_ends_once_with_a_child_of_its_node() {
+    let d = tmp();
+    let (s, run, root) = rollout_store(d.path());
+    let a = begun(begin_on(&s, 0, 1, &root.id, "ray-node-a"));
+    assert_eq!(
+        (a.worker.as_deref(), a.session, a.graph_attempt),
+        (Some("ray-node-a"), None, None)
+    );
+    // The same call again is the same attempt; on another worker it is refused
+    // naming both; a local begin of it too.
+    let Begun::Attempt {
+        attempt: again,
+        created,
+    } = begin_on(&s, 0, 1, &root.id, "ray-node-a")
+    else {
+        panic!()
+    };
+    assert_eq!((again.id, created), (a.id, false));
+    let mut other = RolloutBegin {
+        key: a.key.clone(),
+        attempt: 1,
+        node: root.id.clone(),
+        policy: "pi-1".into(),
+        seed: Some(7),
+        worker: Some("ray-node-b".into()),
+    };
+    let err = s.begin_rollout(&other).unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::FailedPrecondition, "{err}");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("ray-node-a") && msg.contains("ray-node-b"),
+        "{msg}"
+    );
+    other.worker = None;
+    let err = s.begin_rollout(&other).unwrap_err();
+    assert!(err.to_string().contains("locally"), "{err}");
+    other.worker = Some(String::new());
+    assert_eq!(
+        s.begin_rollout(&other).unwrap_err().kind(),
+        ErrorKind::InvalidArgument
+    );
+    // A remote attempt has no sandbox here: none can be attached.
+    let owner = Owner::Sandbox { name: "x".into() };
+    let (ga, sess, _, _) = s.start_attempt(&root.id, &owner, None).unwrap();
+    let err = s
+        .attach_rollout_session(a.id, sess.id, Some(ga.id))
+        .unwrap_err();
+    assert!(err.to_string().contains("ray-node-a"), "{err}");
+    s.end_attempt(ga.id, AttemptStatus::Abandoned, "test")
+        .unwrap();
+    // The daemon's start recovery ends local attempts without a sandbox,
+    // never a remote one.
+    let local = begun(begin(&s, 1, 1, &root.id));
+    assert_eq!(s.sync_rollouts(true).unwrap(), 1);
+    assert_eq!(
+        s.rollout(local.id).unwrap().status,
+        RolloutStatus::InfraFailed
+    );
+    assert_eq!(s.rollout(a.id).unwrap().status, RolloutStatus::Running);
+    // The worker's checkpoint, pulled here: a child of the attempt's node.
+    let child = checkpoint_child(&s, &root.id, "result.txt", "{}");
+    let grandchild = checkpoint_child(&s, &child.id, "deeper.txt", "{}");
+    // A node that is not a child, one that is not here: refused, nothing ends.
+    let err = s
+        .end_remote_rollout(a.id, &completed(0.5, true), Some(&grandchild.id))
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::FailedPrecondition, "{err}");
+    assert!(
+        err.to_string().contains("not a child") && err.to_string().contains(&child.id),
+        "{err}"
+    );
+    let err = s
+        .end_remote_rollout(a.id, &completed(0.5, true), Some("n0000000000000000"))
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::NotFound, "{err}");
+    assert!(err.to_string().contains("pull it first"), "{err}");
+    assert_eq!(s.rollout(a.id).unwrap().status, RolloutStatus::Running);
+    // A local attempt given a result node is refused.
+    let local2 = begun(begin(&s, 2, 1, &root.id));
+    let err = s
+        .end_remote_rollout(local2.id, &completed(0.5, false), Some(&child.id))
+        .unwrap_err();
+    assert!(err.to_string().contains("is local"), "{err}");
+    // Attempt 2 of the same sample on the other worker (a retry that raced
+    // the first one's result).
+    let b = begun(begin_on(&s, 0, 2, &root.id, "ray-node-b"));
+    // The end: reward, kept node and backpropagation from it, once.
+    let e = s
+        .end_remote_rollout(a.id, &completed(0.5, true), Some(&child.id))
+        .unwrap();
+    assert_eq!(
+        (
+            e.status,
+            e.applied,
+            e.result_node.as_deref(),
+            e.worker.as_deref()
+        ),
+        (
+            RolloutStatus::Completed,
+            true,
+            Some(child.id.as_str()),
+            Some("ray-node-a")
+        )
+    );
+    let dup = s
+        .end_remote_rollout(a.id, &completed(0.5, true), Some(&child.id))
+        .unwrap();
+    assert_eq!(dup, e);
+    let err = s
+        .end_remote_rollout(a.id, &completed(0.5, true), Some(&grandchild.id))
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::FailedPrecondition, "{err}");
+    assert_eq!(s.node_stats(&child.id).unwrap().visits, 1);
+    assert_eq!(s.node_stats(&root.id).unwrap().visits, 1);
+    // The racing attempt completes, never applied.
+    let eb = s
+        .end_remote_rollout(b.id, &completed(0.9, false), Some(&child.id))
+        .unwrap();
+    assert_eq!((eb.status, eb.applied), (RolloutStatus::Completed, false));
+    // A remote attempt ends infra_failed (node-lost) without a node; with
+    // one it is refused.
+    let c = begun(begin_on(&s, 3, 1, &root.id, "ray-node-b"));
+    let lost = RolloutEnding {
+        result: RolloutResult::InfraFailed {
+            kind: "node-lost".into(),
+        },
+        evaluator: None,
+        trajectory: None,
+        artifacts: Vec::new(),
+        backprop: None,
+        message: "worker ray-node-b died".into(),
+    };
+    assert_eq!(
+        s.end_remote_rollout(c.id, &lost, Some(&child.id))
+            .unwrap_err()
+            .kind(),
+        ErrorKind::InvalidArgument
+    );
+    let ec = s.end_remote_rollout(c.id, &lost, None).unwrap();
+    assert_eq!(
+        (ec.status, ec.infra_kind.as_deref()),
+        (RolloutStatus::InfraFailed, Some("node-lost"))
+    );
+    let sample = s.sample(&a.key).unwrap();
+    assert_eq!((sample.reward, sample.reward_attempt), (Some(0.5), Some(1)));
+    let audit = s.audit_run(&run).unwrap();
+    assert_eq!(audit.violations, Vec::<String>::new());
+    assert_eq!(audit.infra_failed.get("node-lost"), Some(&1));
+    assert_eq!(
+        audit.by_worker,
+        BTreeMap::from([("ray-node-a".to_string(), 1), ("ray-node-b".to_string(), 2)])
+    );
+}
+
+/// Turns a format 14 store into what format 13 was: no `rollout_attempts.worker`.
+const TO_FORMAT_13: &str = "ALTER TABLE rollout_attempts DROP COLUMN worker;
+     UPDATE meta SET value = '13' WHERE key = 'format_version';";
+
+#[test]
+fn a_format_13_store_is_migrated_and_keeps_its_attempts_local() {
+    let d = tmp();
+    let (s, _, root) = rollout_store(d.path());
+    let a = begun(begin(&s, 0, 1, &root.id));
+    drop(s);
+    let db = rusqlite::Connection::open(d.path().join("root/store.db")).unwrap();
+    db.execute_batch(TO_FORMAT_13).unwrap();
+    drop(db);
+    let s = open(d.path());
+    assert_eq!(format_version(&s), FORMAT_VERSION.to_string());
+    assert_eq!(s.rollout(a.id).unwrap().worker, None);
+    let b = begun(begin_on(&s, 1, 1, &root.id, "w"));
+    assert_eq!(s.rollout(b.id).unwrap().worker.as_deref(), Some("w"));
 }
 
 #[test]
@@ -2919,8 +3107,10 @@ fn layer_blobs_are_recorded_found_by_diff_id_and_go_with_their_layer() {
     assert_eq!(s.layer_by_diff_id(&sha('d'), None).unwrap(), None);
 }
 
-/// Turns a format 13 store into what format 12 was: no `layer_blobs`.
-const TO_FORMAT_12: &str = "DROP TABLE layer_blobs;
+/// Turns a format 14 store into what format 12 was: no `layer_blobs`, no
+/// `rollout_attempts.worker`.
+const TO_FORMAT_12: &str = "ALTER TABLE rollout_attempts DROP COLUMN worker;
+     DROP TABLE layer_blobs;
      UPDATE meta SET value = '12' WHERE key = 'format_version';";
 
 #[test]
@@ -2935,7 +3125,7 @@ fn a_format_12_store_is_migrated_and_gets_layer_blobs() {
     db.execute_batch(TO_FORMAT_12).unwrap();
     drop(db);
     let s = open(d.path());
-    assert_eq!(format_version(&s), "13");
+    assert_eq!(format_version(&s), FORMAT_VERSION.to_string());
     let b = LayerBlob {
         layer: p.layer,
         compression: BlobCompression::Gzip,

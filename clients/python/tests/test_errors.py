@@ -223,3 +223,17 @@ def test_an_asyncio_call_error_is_typed_like_a_blocking_one() -> None:
     err = errors.from_rpc_error(e)
     assert isinstance(err, errors.NotFoundError)
     assert (err.kind, err.code, err.message) == ("not_found", grpc.StatusCode.NOT_FOUND, "node n9 does not exist")
+
+
+def test_errors_survive_pickling_between_processes() -> None:
+    """Ray (layerstack.ray) carries a worker's errors to the coordinator
+    pickled: the class, kind, code, message and a command's fields survive."""
+    import pickle
+
+    e = errors.UnavailableError(grpc.StatusCode.UNAVAILABLE, "unavailable", "the daemon is gone")
+    back = pickle.loads(pickle.dumps(e))
+    assert type(back) is errors.UnavailableError
+    assert (back.code, back.kind, back.message, str(back)) == (e.code, e.kind, e.message, str(e))
+    c = errors.CommandError(["layerstack", "x"], 2, "layerstack: no such command\n")
+    cb = pickle.loads(pickle.dumps(c))
+    assert (type(cb), cb.argv, cb.returncode, cb.message) == (errors.CommandError, ["layerstack", "x"], 2, "no such command")

@@ -12,6 +12,7 @@ daemon; skips without them, except with ``CI=true``, where it fails.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import secrets
 import shutil
@@ -20,7 +21,7 @@ import subprocess
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterator, List, NamedTuple
+from typing import Iterator, List, NamedTuple, Sequence
 
 import pytest
 
@@ -64,15 +65,12 @@ def _registry_up(port: int) -> bool:
         return False
 
 
-@pytest.fixture(scope="module")
-def env() -> Iterator[Env]:
-    missing = _missing()
-    if missing:
-        msg = "push/pull tests need " + ", ".join(missing)
-        if in_ci():
-            pytest.fail("CI=true and " + msg, pytrace=False)
-        pytest.skip(msg)
-    d = Path(tempfile.mkdtemp(prefix="lst-py-reg-", dir=os.environ.get("LAYERSTACK_TEST_TMP", "/var/tmp")))
+@contextlib.contextmanager
+def registry_and_daemons(prefix: str, names: Sequence[str]) -> Iterator[Env]:
+    """Debian's ``docker-registry`` on a free port of 127.0.0.1 and one daemon
+    per name (empty stores, no containerd, the registry named insecure) under
+    a new directory; all stopped by pid, the directory removed, on exit."""
+    d = Path(tempfile.mkdtemp(prefix=prefix, dir=os.environ.get("LAYERSTACK_TEST_TMP", "/var/tmp")))
     d.chmod(0o755)
     (d / "owner.pid").write_text(str(os.getpid()))
     procs: List[subprocess.Popen] = []  # type: ignore[type-arg]
@@ -91,7 +89,7 @@ def env() -> Iterator[Env]:
         _wait_for(REGISTRY_BIN, lambda: _registry_up(port), 30, d / "registry.log")
         host = f"127.0.0.1:{port}"
         admins = []
-        for name in ("a", "b"):
+        for name in names:
             root = d / name
             (root / "ls").mkdir(parents=True)
             (root / "config.toml").write_text(f'[registry]\ninsecure = ["{host}"]\n')
@@ -119,6 +117,18 @@ def env() -> Iterator[Env]:
         subprocess.run(["umount", "-R", "-l", str(d)], capture_output=True)
         if not os.environ.get("LAYERSTACK_TEST_KEEP"):
             shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def env() -> Iterator[Env]:
+    missing = _missing()
+    if missing:
+        msg = "push/pull tests need " + ", ".join(missing)
+        if in_ci():
+            pytest.fail("CI=true and " + msg, pytrace=False)
+        pytest.skip(msg)
+    with registry_and_daemons("lst-py-reg-", ("a", "b")) as e:
+        yield e
 
 
 def test_a_node_pushed_from_one_daemon_is_pulled_into_another(env: Env) -> None:
@@ -157,3 +167,63 @@ def test_a_node_pushed_from_one_daemon_is_pulled_into_another(env: Env) -> None:
         with pytest.raises(layerstack.LayerStackError) as e:
             b.pull(f"{env.registry}/py/none:x")
         assert e.value.kind in ("not_found", "invalid_argument"), e.value
+
+
+def test_a_remote_attempt_ends_with_the_checkpoint_its_worker_pushed(env: Env) -> None:
+    """The fabric's remote attempts over the wire (docs/fabric.md "Remote
+    attempts"): daemon a records the attempt for worker "b" with no sandbox
+    there; b pulls the task node, checkpoints a child and pushes it; a pulls
+    it and ends the attempt with it as result_node, once."""
+
+    from layerstack.fabric import SampleKey
+
+    with layerstack.connect(env.admins[0]) as sync_a:
+        stack = sync_a.import_base(_rootfs(env.dir / "rootfs-remote"))
+
+    async def main() -> None:
+        async with layerstack.aio.connect(env.admins[0]) as a, layerstack.aio.connect(env.admins[1]) as b:
+            g = await a.create_graph(f"remote-{os.getpid()}", stack)
+            run = f"remote-run-{os.getpid()}"
+            await a.create_run(run, g.name)
+            task_ref = f"{env.registry}/py/remote:{g.root}"
+            await a.push(task_ref, node=g.root)
+            key = SampleKey(run, 0, "t", 0)
+            r = await a.begin_rollout(key, 1, g.root, worker="b")
+            assert r.sandbox is None and r.attempt is not None
+            assert (r.attempt.worker, r.attempt.session, r.attempt.status) == ("b", None, "running")
+            again = await a.begin_rollout(key, 1, g.root, worker="b")
+            assert again.attempt is not None and again.attempt.id == r.attempt.id and not again.created
+            with pytest.raises(layerstack.FailedPreconditionError) as e:
+                await a.begin_rollout(key, 1, g.root, worker="c")
+            assert '"b"' in str(e.value) and '"c"' in str(e.value), e.value
+            # The worker's side: pull, sandbox, checkpoint, push.
+            assert (await b.pull(task_ref)).node == g.root
+            async with b.sandbox(node=g.root) as sb:
+                await sb.files.write("/work/answer", "42\n")
+                child = (await sb.close(checkpoint=True, state={"by": "b"})).node
+            assert child
+            # Not pulled yet: refused, naming what to do; the attempt still runs.
+            with pytest.raises(layerstack.NotFoundError) as nf:
+                await r.end(reward=1.0, result_node=child)
+            assert "pull it first" in str(nf.value), nf.value
+            child_ref = f"{env.registry}/py/remote:{child}"
+            await b.push(child_ref, node=child)
+            pulled = await a.pull(child_ref)
+            assert (pulled.node, pulled.missing_parents) == (child, ()), pulled
+            ended = await r.end(reward=1.0, backprop=1.0, result_node=child)
+            assert (ended.status, ended.applied, ended.result_node, ended.worker) == ("completed", True, child, "b")
+            assert await r.end(reward=1.0, backprop=1.0, result_node=child) == ended
+            s = await a.sample(key)
+            assert s is not None and (s.reward, s.reward_attempt) == (1.0, 1)
+            # A local attempt given a result node is refused.
+            local = await a.begin_rollout(SampleKey(run, 0, "t", 1), 1, g.root)
+            with pytest.raises(layerstack.FailedPreconditionError) as e:
+                await local.end(reward=0.0, result_node=child)
+            assert "is local" in str(e.value), e.value
+            # The refusal touched nothing: its sandbox still runs.
+            assert (await local.exec(["true"])).ok
+            await local.end(infra_failed="test", keep="discard")
+            audit = await a.audit_run(run)
+            assert audit.violations == () and audit.completed == 1, audit
+
+    asyncio.run(main())

@@ -70,7 +70,7 @@ from layerstack.fabric import (
     SampleKey,
     end_request,
 )
-from layerstack.types import Graph, Node, PullResult, PushResult, Session, Status, registry_auth
+from layerstack.types import Graph, GraphInfo, Node, PullResult, PushResult, Session, Status, registry_auth
 
 __all__ = ["AsyncClient", "AsyncSandbox", "AsyncFiles", "AsyncRollout", "connect"]
 
@@ -168,6 +168,17 @@ class AsyncClient:
         req = pb.CreateGraphRequest(namespace=self.namespace, stack=stack, branch=branch, name=name, key=key or "")
         return Graph.from_pb(await self._call(self._stub.CreateGraph, req))
 
+    async def list_graphs(self) -> List[GraphInfo]:
+        """As :meth:`layerstack.Client.list_graphs`: every graph, by name."""
+        out: List[GraphInfo] = []
+        token = ""
+        while True:
+            r = await self._call(self._stub.ListGraphs, pb.ListGraphsRequest(page_token=token))
+            out.extend(GraphInfo.from_pb(g) for g in r.graphs)
+            if not r.next_page_token:
+                return out
+            token = r.next_page_token
+
     async def show_graph(self, name: str) -> Graph:
         """As :meth:`layerstack.Client.show_graph` (the pages concatenated)."""
         whole = pb.Graph()
@@ -262,6 +273,7 @@ class AsyncClient:
         executor: str = "linux",
         fuel: Optional[int] = None,
         run_timeout_s: Optional[float] = None,
+        worker: Optional[str] = None,
     ) -> "AsyncRollout":
         """Starts attempt ``attempt`` (from 1) of sample ``key`` in a new
         sandbox on ``node`` — or the same attempt again (a repeated call). A
@@ -270,32 +282,47 @@ class AsyncClient:
         exists with another policy or seed, or the sample starts from another
         node; BusyError: no sandbox slot within ``wait_s``. ``executor``,
         ``fuel``, ``run_timeout_s``: as :meth:`layerstack.Client.sandbox`
-        (``executor="wasi"``: the attempt runs WebAssembly modules)."""
-        options, wasi = executor_options(
-            executor,
-            network=network,
-            user=user,
-            workdir=workdir,
-            env=env,
-            hostname=None,
-            cpu_millis=cpu_millis,
-            memory_bytes=memory_bytes,
-            pids=pids,
-            mount_at=None,
-            fuel=fuel,
-            run_timeout_s=run_timeout_s,
-        )
-        req = pb.BeginRolloutRequest(
-            sample=key.to_pb(),
-            attempt=attempt,
-            node=node,
-            policy=policy,
-            has_seed=seed is not None,
-            seed=seed or 0,
-            wait_ms=int(wait_s * 1000),
-            sandbox=options,
-            wasi=wasi,
-        )
+        (``executor="wasi"``: the attempt runs WebAssembly modules).
+
+        ``worker``: a remote attempt (e.g. the Ray node id of a
+        :class:`layerstack.ray.Worker`): recorded on this daemon with no
+        sandbox here (``.sandbox`` is ``None``; the sandbox options are not
+        used); end it with ``end(..., result_node=)`` once the worker's
+        checkpoint is pulled here. A repeated call names the same worker
+        (another: FailedPreconditionError)."""
+        if worker is not None:
+            if executor != "linux":
+                raise ValueError(f"worker={worker!r} with executor={executor!r}: a remote attempt's sandbox is its worker's")
+            req = pb.BeginRolloutRequest(
+                sample=key.to_pb(), attempt=attempt, node=node, policy=policy,
+                has_seed=seed is not None, seed=seed or 0, worker=worker,
+            )
+        else:
+            options, wasi = executor_options(
+                executor,
+                network=network,
+                user=user,
+                workdir=workdir,
+                env=env,
+                hostname=None,
+                cpu_millis=cpu_millis,
+                memory_bytes=memory_bytes,
+                pids=pids,
+                mount_at=None,
+                fuel=fuel,
+                run_timeout_s=run_timeout_s,
+            )
+            req = pb.BeginRolloutRequest(
+                sample=key.to_pb(),
+                attempt=attempt,
+                node=node,
+                policy=policy,
+                has_seed=seed is not None,
+                seed=seed or 0,
+                wait_ms=int(wait_s * 1000),
+                sandbox=options,
+                wasi=wasi,
+            )
         timeout = None if self.timeout_s is None else self.timeout_s + wait_s
         r = await self._call(self._stub.BeginRollout, req, timeout)
         sb = AsyncSandbox(self, Session.from_pb(r.session), r.created) if r.HasField("session") else None
@@ -627,6 +654,22 @@ class AsyncSandbox:
 
 
 
+def trajectory_record(cmd: Command, out: ExecOutput, keep_bytes: int) -> Dict[str, Any]:
+    """One exec of a rollout's trajectory: ``argv``, ``exit_code``,
+    ``signal``, ``timed_out``, ``duration_ms`` and the first ``keep_bytes``
+    bytes of ``stdout`` / ``stderr`` (decoded, replacement characters for bad
+    bytes)."""
+    return {
+        "argv": argv_of(cmd),
+        "exit_code": out.exit_code,
+        "signal": out.signal,
+        "timed_out": out.timed_out,
+        "duration_ms": out.duration_ms,
+        "stdout": out.stdout[:keep_bytes].decode("utf-8", "replace"),
+        "stderr": out.stderr[:keep_bytes].decode("utf-8", "replace"),
+    }
+
+
 class AsyncRollout:
     """One attempt of a sample and its sandbox (:meth:`AsyncClient.begin_rollout`).
 
@@ -678,17 +721,7 @@ class AsyncRollout:
         if self.sandbox is None:
             raise ValueError("this attempt has no sandbox (it ended, or its sample was rewarded before)")
         out = await self.sandbox.exec(cmd, **kw)
-        self.trajectory.append(
-            {
-                "argv": argv_of(cmd),
-                "exit_code": out.exit_code,
-                "signal": out.signal,
-                "timed_out": out.timed_out,
-                "duration_ms": out.duration_ms,
-                "stdout": out.stdout[: self.KEEP_BYTES].decode("utf-8", "replace"),
-                "stderr": out.stderr[: self.KEEP_BYTES].decode("utf-8", "replace"),
-            }
-        )
+        self.trajectory.append(trajectory_record(cmd, out, self.KEEP_BYTES))
         return out
 
     async def checkpoint_for_grading(self, *, state: Union[Mapping[str, Any], str, None] = None) -> str:
@@ -708,7 +741,8 @@ class AsyncRollout:
         ``backprop`` (a value to backpropagate, once); ``keep`` "checkpoint"
         (the sandbox becomes a child node in the same transaction as the
         reward) or "discard"; ``state``/``labels`` of that node; ``artifacts``
-        (name → bytes); ``message``. The trajectory recorded by :meth:`exec`
+        (name → bytes); ``message``; ``result_node`` (a remote attempt's
+        checkpoint, pulled here first). The trajectory recorded by :meth:`exec`
         is sent unless ``trajectory=`` is given. A repeated end answers the
         recorded one; FailedPreconditionError if it ended otherwise.
         """

@@ -56,7 +56,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Dict, List, Optional, Sequence, Type
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Type
 
 import grpc
 
@@ -108,6 +108,19 @@ class LayerStackError(Exception):
         self.code = code
         self.kind = kind
         self.message = message
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        # Picklable whatever a subclass's __init__ takes: Ray (layerstack.ray)
+        # and multiprocessing carry errors between processes, and the default
+        # would call __init__ with the message alone.
+        return (_rebuild_error, (type(self), self.args, dict(self.__dict__)))
+
+
+def _rebuild_error(cls: Type[LayerStackError], args: Tuple[Any, ...], state: Dict[str, Any]) -> LayerStackError:
+    e = cls.__new__(cls)
+    Exception.__init__(e, *args)
+    e.__dict__.update(state)
+    return e
 
 
 class _KindError(LayerStackError):

@@ -182,6 +182,9 @@ class RolloutAttempt:
         result_node: the checkpoint kept for it, ``None`` if none.
         trajectory: digest of its trajectory blob (``read_blob``), ``None`` if none.
         backprop: the value backpropagated for it, ``None`` if none.
+        worker: a remote attempt's worker (e.g. the Ray node id it ran on;
+            :mod:`layerstack.ray`), ``None`` for a local attempt (its sandbox
+            is this daemon's).
     """
 
     id: int
@@ -204,6 +207,7 @@ class RolloutAttempt:
     message: str
     created_ns: int
     ended_ns: Optional[int]
+    worker: Optional[str] = None
 
     @property
     def ended(self) -> bool:
@@ -233,6 +237,7 @@ class RolloutAttempt:
             message=a.message,
             created_ns=a.created_ns,
             ended_ns=a.ended_ns or None,
+            worker=a.worker or None,
         )
 
 
@@ -252,6 +257,8 @@ class RunAudit:
     infra_failed: Dict[str, int]
     backprops: int
     violations: Tuple[str, ...]
+    #: Remote attempts by worker (:mod:`layerstack.ray`); local ones are not counted.
+    by_worker: Dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def from_pb(cls, a: pb.RunAudit) -> "RunAudit":
@@ -265,6 +272,7 @@ class RunAudit:
             infra_failed=dict(a.infra_failed),
             backprops=a.backprops,
             violations=tuple(a.violations),
+            by_worker=dict(a.by_worker),
         )
 
 
@@ -407,10 +415,13 @@ def end_request(
     artifacts: Optional[Mapping[str, bytes]] = None,
     trajectory: bytes = b"",
     message: str = "",
+    result_node: Optional[str] = None,
 ) -> pb.EndRolloutRequest:
     """The EndRollout request (exactly one of ``reward``, ``task_failed``,
     ``infra_failed``; ValueError otherwise, or for a ``keep`` other than
-    "checkpoint" and "discard")."""
+    "checkpoint" and "discard"). ``result_node``: a remote attempt's
+    checkpoint, a node already pulled into the daemon's store whose parent is
+    the attempt's node (not with ``infra_failed`` or ``keep="discard"``)."""
     given = [reward is not None, task_failed, infra_failed is not None]
     if sum(given) != 1:
         raise ValueError("give exactly one of reward=, task_failed=True, infra_failed='kind'")
@@ -435,6 +446,7 @@ def end_request(
         state=json.dumps(state) if isinstance(state, Mapping) else (state or ""),
         labels=dict(labels or {}),
         trajectory=trajectory,
+        result_node=result_node or "",
     )
     if evaluator is not None:
         req.evaluator.CopyFrom(evaluator.to_pb())
@@ -526,24 +538,41 @@ async def fan_out(
     """
     if keep not in ("checkpoint", "discard"):
         raise ValueError(f"keep {keep!r}: use 'checkpoint' or 'discard'")
+
+    def one(i: int) -> Awaitable[RolloutResult]:
+        return _run_sample(
+            client, run, node, i, act, step=step, prompt=prompt, policy=policy,
+            grader=grader, max_attempts=max_attempts, seed=seed, backprop=backprop,
+            keep=keep, sandbox=sandbox or {}, reconnect_s=reconnect_s,
+        )
+
     todo = list(samples) if samples is not None else list(range(n))
+    async for res in _as_finished(todo, one, concurrency, lambda i: SampleKey(run, step, prompt, i)):
+        yield res
+
+
+async def _as_finished(
+    todo: Sequence[int],
+    one: Callable[[int], Awaitable[RolloutResult]],
+    concurrency: int,
+    key: Callable[[int], SampleKey],
+) -> AsyncIterator[RolloutResult]:
+    """Runs ``one(i)`` for every sample ``i`` of ``todo``, at most
+    ``concurrency`` at once, and yields the results as they finish; an
+    exception becomes the sample's result (``errors``), never lost. Leaving
+    the loop early cancels what still runs."""
     gate = asyncio.Semaphore(max(1, concurrency))
     queue: "asyncio.Queue[RolloutResult]" = asyncio.Queue()
 
-    async def one(i: int) -> None:
+    async def run_one(i: int) -> None:
         async with gate:
             try:
-                res = await _run_sample(
-                    client, run, node, i, act, step=step, prompt=prompt, policy=policy,
-                    grader=grader, max_attempts=max_attempts, seed=seed, backprop=backprop,
-                    keep=keep, sandbox=sandbox or {}, reconnect_s=reconnect_s,
-                )
+                res = await one(i)
             except BaseException as e:  # noqa: BLE001 — reported, never lost
-                key = SampleKey(run, step, prompt, i)
-                res = RolloutResult(sample=i, key=key, attempt=None, reward=None, errors=(repr(e),))
+                res = RolloutResult(sample=i, key=key(i), attempt=None, reward=None, errors=(repr(e),))
             await queue.put(res)
 
-    tasks = [asyncio.ensure_future(one(i)) for i in todo]
+    tasks = [asyncio.ensure_future(run_one(i)) for i in todo]
     try:
         for _ in todo:
             yield await queue.get()
@@ -572,13 +601,9 @@ async def _run_sample(
     reconnect_s: float,
 ) -> RolloutResult:
     key = SampleKey(run, step, prompt, i)
-    # A sample whose task failed in an earlier call is final, as a rewarded one
-    # is (BeginRollout answers that one): the policy does not get another try.
-    before = await _through_restarts(lambda: client.sample(key), reconnect_s)
-    if before is not None and before.reward is None and before.task_failed_attempt is not None:
+    first = await _first_attempt(client, key, reconnect_s)
+    if first is None:
         return RolloutResult(i, key, None, None, task_failed_before=True)
-    # Continue after the attempts a crashed earlier call made.
-    first = 1 + await _through_restarts(lambda: client.sample_attempts(key), reconnect_s)
     errors: List[str] = []
     last: Optional[RolloutAttempt] = None
     for number in range(first, first + max_attempts):
@@ -658,6 +683,18 @@ async def _run_sample(
                 errors.append(f"attempt {number} end: {e2!r}")
             await asyncio.sleep(min(0.05 * 2 ** (number - first), 2.0))
     return RolloutResult(i, key, last, None, errors=tuple(errors))
+
+
+async def _first_attempt(client: "AsyncClient", key: SampleKey, reconnect_s: float) -> Optional[int]:
+    """The number of sample ``key``'s next attempt, after those an earlier
+    call made (its attempts still running end ``infra_failed(abandoned)``:
+    nobody follows them now); ``None`` when its task failed in an earlier
+    call — final, as a reward is (BeginRollout answers that one): the policy
+    does not get another try."""
+    before = await _through_restarts(lambda: client.sample(key), reconnect_s)
+    if before is not None and before.reward is None and before.task_failed_attempt is not None:
+        return None
+    return 1 + int(await _through_restarts(lambda: client.sample_attempts(key), reconnect_s))
 
 
 async def _reward(client: "AsyncClient", key: SampleKey) -> Optional[float]:

@@ -211,7 +211,7 @@ class SampleKey(_message.Message):
     def __init__(self, run: _Optional[str] = ..., step: _Optional[int] = ..., prompt: _Optional[str] = ..., sample: _Optional[int] = ...) -> None: ...
 
 class BeginRolloutRequest(_message.Message):
-    __slots__ = ("sample", "attempt", "node", "policy", "has_seed", "seed", "sandbox", "wait_ms", "wasi")
+    __slots__ = ("sample", "attempt", "node", "policy", "has_seed", "seed", "sandbox", "wait_ms", "wasi", "worker")
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
@@ -221,6 +221,7 @@ class BeginRolloutRequest(_message.Message):
     SANDBOX_FIELD_NUMBER: _ClassVar[int]
     WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     WASI_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
     sample: SampleKey
     attempt: int
     node: str
@@ -230,7 +231,8 @@ class BeginRolloutRequest(_message.Message):
     sandbox: SandboxOptions
     wait_ms: int
     wasi: WasiOptions
-    def __init__(self, sample: _Optional[_Union[SampleKey, _Mapping]] = ..., attempt: _Optional[int] = ..., node: _Optional[str] = ..., policy: _Optional[str] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., sandbox: _Optional[_Union[SandboxOptions, _Mapping]] = ..., wait_ms: _Optional[int] = ..., wasi: _Optional[_Union[WasiOptions, _Mapping]] = ...) -> None: ...
+    worker: str
+    def __init__(self, sample: _Optional[_Union[SampleKey, _Mapping]] = ..., attempt: _Optional[int] = ..., node: _Optional[str] = ..., policy: _Optional[str] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., sandbox: _Optional[_Union[SandboxOptions, _Mapping]] = ..., wait_ms: _Optional[int] = ..., wasi: _Optional[_Union[WasiOptions, _Mapping]] = ..., worker: _Optional[str] = ...) -> None: ...
 
 class BeginRolloutResponse(_message.Message):
     __slots__ = ("attempt", "created", "rewarded", "sample", "session")
@@ -289,7 +291,7 @@ class Artifact(_message.Message):
     def __init__(self, name: _Optional[str] = ..., digest: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
 class RolloutAttempt(_message.Message):
-    __slots__ = ("id", "sample", "attempt", "node", "session", "graph_attempt", "policy", "has_seed", "seed", "status", "infra_kind", "has_reward", "reward", "accepted", "applied", "evaluator", "result_node", "trajectory", "artifacts", "backpropagated", "backprop", "message", "created_ns", "ended_ns")
+    __slots__ = ("id", "sample", "attempt", "node", "session", "graph_attempt", "policy", "has_seed", "seed", "status", "infra_kind", "has_reward", "reward", "accepted", "applied", "evaluator", "result_node", "trajectory", "artifacts", "backpropagated", "backprop", "message", "created_ns", "ended_ns", "worker")
     ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLE_FIELD_NUMBER: _ClassVar[int]
     ATTEMPT_FIELD_NUMBER: _ClassVar[int]
@@ -314,6 +316,7 @@ class RolloutAttempt(_message.Message):
     MESSAGE_FIELD_NUMBER: _ClassVar[int]
     CREATED_NS_FIELD_NUMBER: _ClassVar[int]
     ENDED_NS_FIELD_NUMBER: _ClassVar[int]
+    WORKER_FIELD_NUMBER: _ClassVar[int]
     id: int
     sample: SampleKey
     attempt: int
@@ -338,10 +341,11 @@ class RolloutAttempt(_message.Message):
     message: str
     created_ns: int
     ended_ns: int
-    def __init__(self, id: _Optional[int] = ..., sample: _Optional[_Union[SampleKey, _Mapping]] = ..., attempt: _Optional[int] = ..., node: _Optional[str] = ..., session: _Optional[int] = ..., graph_attempt: _Optional[int] = ..., policy: _Optional[str] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., status: _Optional[str] = ..., infra_kind: _Optional[str] = ..., has_reward: _Optional[bool] = ..., reward: _Optional[float] = ..., accepted: _Optional[bool] = ..., applied: _Optional[bool] = ..., evaluator: _Optional[_Union[Evaluator, _Mapping]] = ..., result_node: _Optional[str] = ..., trajectory: _Optional[str] = ..., artifacts: _Optional[_Iterable[_Union[Artifact, _Mapping]]] = ..., backpropagated: _Optional[bool] = ..., backprop: _Optional[float] = ..., message: _Optional[str] = ..., created_ns: _Optional[int] = ..., ended_ns: _Optional[int] = ...) -> None: ...
+    worker: str
+    def __init__(self, id: _Optional[int] = ..., sample: _Optional[_Union[SampleKey, _Mapping]] = ..., attempt: _Optional[int] = ..., node: _Optional[str] = ..., session: _Optional[int] = ..., graph_attempt: _Optional[int] = ..., policy: _Optional[str] = ..., has_seed: _Optional[bool] = ..., seed: _Optional[int] = ..., status: _Optional[str] = ..., infra_kind: _Optional[str] = ..., has_reward: _Optional[bool] = ..., reward: _Optional[float] = ..., accepted: _Optional[bool] = ..., applied: _Optional[bool] = ..., evaluator: _Optional[_Union[Evaluator, _Mapping]] = ..., result_node: _Optional[str] = ..., trajectory: _Optional[str] = ..., artifacts: _Optional[_Iterable[_Union[Artifact, _Mapping]]] = ..., backpropagated: _Optional[bool] = ..., backprop: _Optional[float] = ..., message: _Optional[str] = ..., created_ns: _Optional[int] = ..., ended_ns: _Optional[int] = ..., worker: _Optional[str] = ...) -> None: ...
 
 class EndRolloutRequest(_message.Message):
-    __slots__ = ("attempt", "status", "reward", "accepted", "infra_kind", "evaluator", "trajectory", "artifacts", "has_backprop", "backprop", "message", "keep", "state", "labels")
+    __slots__ = ("attempt", "status", "reward", "accepted", "infra_kind", "evaluator", "trajectory", "artifacts", "has_backprop", "backprop", "message", "keep", "state", "labels", "result_node")
     class Keep(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         CHECKPOINT: _ClassVar[EndRolloutRequest.Keep]
@@ -376,6 +380,7 @@ class EndRolloutRequest(_message.Message):
     KEEP_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
     LABELS_FIELD_NUMBER: _ClassVar[int]
+    RESULT_NODE_FIELD_NUMBER: _ClassVar[int]
     attempt: int
     status: str
     reward: float
@@ -390,7 +395,8 @@ class EndRolloutRequest(_message.Message):
     keep: EndRolloutRequest.Keep
     state: str
     labels: _containers.ScalarMap[str, str]
-    def __init__(self, attempt: _Optional[int] = ..., status: _Optional[str] = ..., reward: _Optional[float] = ..., accepted: _Optional[bool] = ..., infra_kind: _Optional[str] = ..., evaluator: _Optional[_Union[Evaluator, _Mapping]] = ..., trajectory: _Optional[bytes] = ..., artifacts: _Optional[_Iterable[_Union[EndRolloutRequest.ArtifactData, _Mapping]]] = ..., has_backprop: _Optional[bool] = ..., backprop: _Optional[float] = ..., message: _Optional[str] = ..., keep: _Optional[_Union[EndRolloutRequest.Keep, str]] = ..., state: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    result_node: str
+    def __init__(self, attempt: _Optional[int] = ..., status: _Optional[str] = ..., reward: _Optional[float] = ..., accepted: _Optional[bool] = ..., infra_kind: _Optional[str] = ..., evaluator: _Optional[_Union[Evaluator, _Mapping]] = ..., trajectory: _Optional[bytes] = ..., artifacts: _Optional[_Iterable[_Union[EndRolloutRequest.ArtifactData, _Mapping]]] = ..., has_backprop: _Optional[bool] = ..., backprop: _Optional[float] = ..., message: _Optional[str] = ..., keep: _Optional[_Union[EndRolloutRequest.Keep, str]] = ..., state: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., result_node: _Optional[str] = ...) -> None: ...
 
 class ListRolloutsRequest(_message.Message):
     __slots__ = ("run", "has_step", "step", "page_size", "page_token")
@@ -421,8 +427,15 @@ class AuditRunRequest(_message.Message):
     def __init__(self, run: _Optional[str] = ...) -> None: ...
 
 class RunAudit(_message.Message):
-    __slots__ = ("samples", "rewarded", "attempts", "running", "completed", "task_failed", "infra_failed", "backprops", "violations")
+    __slots__ = ("samples", "rewarded", "attempts", "running", "completed", "task_failed", "infra_failed", "backprops", "violations", "by_worker")
     class InfraFailedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class ByWorkerEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -438,6 +451,7 @@ class RunAudit(_message.Message):
     INFRA_FAILED_FIELD_NUMBER: _ClassVar[int]
     BACKPROPS_FIELD_NUMBER: _ClassVar[int]
     VIOLATIONS_FIELD_NUMBER: _ClassVar[int]
+    BY_WORKER_FIELD_NUMBER: _ClassVar[int]
     samples: int
     rewarded: int
     attempts: int
@@ -447,7 +461,8 @@ class RunAudit(_message.Message):
     infra_failed: _containers.ScalarMap[str, int]
     backprops: int
     violations: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, samples: _Optional[int] = ..., rewarded: _Optional[int] = ..., attempts: _Optional[int] = ..., running: _Optional[int] = ..., completed: _Optional[int] = ..., task_failed: _Optional[int] = ..., infra_failed: _Optional[_Mapping[str, int]] = ..., backprops: _Optional[int] = ..., violations: _Optional[_Iterable[str]] = ...) -> None: ...
+    by_worker: _containers.ScalarMap[str, int]
+    def __init__(self, samples: _Optional[int] = ..., rewarded: _Optional[int] = ..., attempts: _Optional[int] = ..., running: _Optional[int] = ..., completed: _Optional[int] = ..., task_failed: _Optional[int] = ..., infra_failed: _Optional[_Mapping[str, int]] = ..., backprops: _Optional[int] = ..., violations: _Optional[_Iterable[str]] = ..., by_worker: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class ReadBlobRequest(_message.Message):
     __slots__ = ("digest",)

@@ -791,6 +791,8 @@ class AdminServicer:
         or pruned (DISCARD). The same end again answers the recorded end.
         FAILED_PRECONDITION: it ended otherwise; INVALID_ARGUMENT: a reward or
         backprop value that is not finite, backprop of an infra failure.
+        A remote attempt (begun with a worker) ends in one transaction, keeping
+        `result_node` (a pulled child of its node) when given.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,683 @@
+"""Rollouts across machines on Ray (issue 23; docs/cluster.md "Workers on Ray").
+
+A store belongs to one machine, so a cluster runs one LayerStack daemon per
+Ray node, and one :class:`Worker` actor next to each daemon
+(:func:`start_worker` pins it to its node with Ray's
+``NodeAffinitySchedulingStrategy``). The rollout records — runs, attempts,
+rewards — stay with one **coordinating** daemon, the one the run was created
+on. Checkpoints move between the machines as OCI images through a registry
+(``push`` / ``pull``; node ids are global and a pulled node keeps its id).
+
+:func:`fan_out_ray` is :func:`layerstack.fabric.fan_out` over workers. Per
+sample, attempt 1, 2, …:
+
+1. ``BeginRollout(worker=…)`` on the coordinator: a remote attempt, recorded
+   there with no sandbox there (docs/fabric.md "Remote attempts");
+2. the attempt runs on a worker chosen by locality — one whose daemon holds
+   the sample's node, else the least busy, which pulls the node once —:
+   ``Worker.run_attempt`` runs ``act`` in a sandbox on the node, checkpoints
+   it, grades it with the :class:`~layerstack.fabric.Grader` in a clean
+   sandbox over the checkpoint, and pushes the checkpoint;
+3. the coordinator pulls the checkpoint and ends the attempt with it
+   (``EndRollout(result_node=…)``): the reward is applied once, by the
+   coordinator's records.
+
+A worker lost mid-attempt (its actor or its Ray node dies:
+``ray.exceptions.RayActorError``, ``NodeDiedError``) ends the attempt
+``infra_failed(node-lost)``; the sample is retried on another worker with the
+next attempt number. Workers keep no writable shared state: their daemon's
+store, nothing else.
+
+Needs ``ray`` (``pip install 'layerstack[ray]'``); ``import layerstack``
+does not import this module.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Awaitable, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+
+try:
+    import ray
+    import ray.exceptions
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+except ImportError as e:  # pragma: no cover — the message is the point
+    raise ImportError(
+        f"layerstack.ray needs Ray ({e}): pip install 'layerstack[ray]'"
+    ) from e
+
+import layerstack.aio
+from layerstack.aio import AsyncClient, AsyncSandbox, trajectory_record
+from layerstack.errors import LayerStackError, NotFoundError, UnavailableError
+from layerstack.fabric import (
+    _CALLER_ERRORS,
+    _as_finished,
+    _first_attempt,
+    Evaluator,
+    Grader,
+    GraderLost,
+    RolloutAttempt,
+    RolloutResult,
+    SampleKey,
+    TaskFailed,
+    _infra_kind,
+    _through_restarts,
+)
+from layerstack.sandbox import Command, ExecOutput
+
+__all__ = [
+    "Worker",
+    "WorkerInfo",
+    "WorkerHandle",
+    "RemoteRollout",
+    "AttemptTask",
+    "AttemptOutcome",
+    "NoWorkerError",
+    "NODE_LOST",
+    "start_worker",
+    "fan_out_ray",
+]
+
+#: The infra_failed kind of an attempt whose worker was lost.
+NODE_LOST = "node-lost"
+
+#: Seconds a worker whose daemon was unavailable is passed over while another
+#: worker is alive.
+SUSPECT_S = 10.0
+
+#: The sandbox backends every daemon serves (`executor` of a sandbox).
+BACKENDS = ("linux", "wasi")
+
+#: What a lost worker raises at its caller: its actor died (killed, its process
+#: crashed, its Ray node removed) or its node died.
+_LOST = (ray.exceptions.RayActorError, ray.exceptions.NodeDiedError, ray.exceptions.WorkerCrashedError)
+
+
+class NoWorkerError(UnavailableError):
+    """No live worker is left to run an attempt on (every one was lost):
+    kind ``unavailable``. Start workers again (:func:`start_worker`)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(None, "unavailable", message)
+
+
+@dataclass(frozen=True)
+class WorkerInfo:
+    """A worker's capabilities, as :meth:`Worker.capabilities` answers them.
+
+    Attributes:
+        name: the worker's name, recorded as the ``worker`` of its attempts
+            (default: its Ray node id).
+        node_id: the Ray node id (hex) it runs on, next to its daemon.
+        admin: its daemon's admin socket path.
+        backends: the sandbox backends its daemon serves (``linux``, ``wasi``).
+        cores: CPU cores of the machine (``os.cpu_count()``).
+        memory_bytes: the machine's memory, bytes (``MemTotal``).
+        nodes: the graph nodes its store holds (not pruned), by id: an attempt
+            on one of them needs no pull.
+        running: attempts it runs now.
+        pulls: graph nodes it pulled from the registry since it started (a
+            node it holds is never pulled again).
+    """
+
+    name: str
+    node_id: str
+    admin: str
+    backends: Tuple[str, ...]
+    cores: int
+    memory_bytes: int
+    nodes: Tuple[str, ...]
+    running: int
+    pulls: int = 0
+
+
+@dataclass(frozen=True)
+class AttemptTask:
+    """One attempt for :meth:`Worker.run_attempt` (pickled to the worker).
+
+    Attributes:
+        key: the sample.
+        attempt_id: the coordinator's attempt id (``RolloutAttempt.id``).
+        attempt: the attempt's number, from 1.
+        node: the node it starts from.
+        reference: where the worker pulls ``node`` from when its store lacks
+            it (``REGISTRY/REPOSITORY:TAG``).
+        repository: where it pushes the checkpoint (``REGISTRY/REPOSITORY``;
+            the tag is the checkpoint's node id).
+        act: ``async act(rollout: RemoteRollout) -> reward | None``, as
+            :func:`~layerstack.fabric.fan_out`'s (picklable: a module-level
+            function, or registered with ``ray.cloudpickle``).
+        grader: grades the checkpoint in a clean sandbox; ``None``: the
+            reward is ``act``'s return value (1.0 if not a number).
+        keep: ``checkpoint`` (push an accepted result) or ``discard``.
+        sandbox: keyword arguments of the attempt's sandbox
+            (:meth:`layerstack.aio.AsyncClient.sandbox`: ``network``,
+            ``cpu_millis``, ``env``, …).
+        state: the checkpoint's logical state (JSON-able).
+    """
+
+    key: SampleKey
+    attempt_id: int
+    attempt: int
+    node: str
+    reference: str
+    repository: str
+    act: Callable[["RemoteRollout"], Awaitable[Any]]
+    grader: Optional[Grader] = None
+    keep: str = "checkpoint"
+    sandbox: Mapping[str, Any] = field(default_factory=dict)
+    state: Optional[Mapping[str, Any]] = None
+
+
+@dataclass(frozen=True)
+class AttemptOutcome:
+    """What :meth:`Worker.run_attempt` answers.
+
+    Attributes:
+        key, attempt_id: the attempt (as in its :class:`AttemptTask`).
+        worker: the worker's name.
+        status: ``completed`` or ``task_failed`` (infrastructure failures are
+            raised, never answered).
+        reward: the reward (``completed``); ``accepted`` the grader's verdict.
+        evaluator: the grader's evaluator, ``None`` without a grader.
+        result_node: the checkpoint (a child of the task's node) made in the
+            worker's store (pruned there unless pushed), ``None`` when none
+            (task failed).
+        reference: where it was pushed (``REGISTRY/REPOSITORY:<node id>``),
+            ``None`` when not pushed (task failed, rejected, or ``keep``
+            ``discard``).
+        pulled: the worker pulled the task's node for this attempt (it did
+            not hold it).
+        trajectory: the attempt's exec records, JSON bytes (a list of
+            ``{argv, exit_code, signal, timed_out, duration_ms, stdout,
+            stderr}``, outputs cut at 4 KiB).
+        grade_output: the grader's output, ``None`` without a grader.
+        message: why the task failed, or "".
+        seconds: the attempt's wall time on the worker, seconds.
+    """
+
+    key: SampleKey
+    attempt_id: int
+    worker: str
+    status: str
+    reward: Optional[float]
+    accepted: bool
+    evaluator: Optional[Evaluator]
+    result_node: Optional[str]
+    reference: Optional[str]
+    pulled: bool
+    trajectory: bytes
+    grade_output: Optional[ExecOutput]
+    message: str
+    seconds: float
+
+
+class RemoteRollout:
+    """The attempt as ``act`` sees it on a worker: the surface of
+    :class:`layerstack.aio.AsyncRollout` that ``act`` uses — :meth:`exec`
+    (recorded in :attr:`trajectory`), :attr:`files`, :attr:`key`, :attr:`id`
+    (the coordinator's attempt id), :attr:`sandbox`."""
+
+    #: Bytes of stdout/stderr kept per exec in the trajectory.
+    KEEP_BYTES = 4096
+
+    def __init__(self, task: AttemptTask, sandbox: AsyncSandbox) -> None:
+        self.task = task
+        self.sandbox = sandbox
+        self.trajectory: List[Dict[str, Any]] = []
+
+    @property
+    def id(self) -> int:
+        return self.task.attempt_id
+
+    @property
+    def key(self) -> SampleKey:
+        return self.task.key
+
+    @property
+    def files(self) -> layerstack.aio.AsyncFiles:
+        return self.sandbox.files
+
+    async def exec(self, cmd: Command, **kw: Any) -> ExecOutput:
+        """:meth:`layerstack.aio.AsyncSandbox.exec`, recorded in :attr:`trajectory`."""
+        out = await self.sandbox.exec(cmd, **kw)
+        self.trajectory.append(trajectory_record(cmd, out, self.KEEP_BYTES))
+        return out
+
+
+def _memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class Worker:
+    """The worker actor's class: one per Ray node, next to that node's daemon
+    (admin socket ``admin``). Start it with :func:`start_worker`, which makes
+    it a Ray actor pinned to its node; its methods are then called as
+    ``handle.capabilities.remote()``.
+
+    It holds a client of its own daemon and, per node, a lock that makes
+    concurrent attempts pull a missing node once — nothing another process
+    writes."""
+
+    def __init__(self, admin: str, name: Optional[str] = None) -> None:
+        self.admin = admin
+        self.node_id = ray.get_runtime_context().get_node_id()
+        self.name = name or self.node_id
+        self._client: Optional[AsyncClient] = None
+        self._pulls: Dict[str, asyncio.Lock] = {}
+        self._running = 0
+        self._pulled = 0
+
+    def _ls(self) -> AsyncClient:
+        # Made on first use, inside the actor's event loop (grpc.aio binds to it).
+        if self._client is None:
+            self._client = layerstack.aio.connect(self.admin)
+        return self._client
+
+    async def capabilities(self) -> WorkerInfo:
+        """The worker's :class:`WorkerInfo` (its daemon's nodes read now)."""
+        ls = self._ls()
+        nodes: List[str] = []
+        for g in await ls.list_graphs():
+            nodes.extend(n.id for n in (await ls.show_graph(g.name)).nodes if not n.pruned)
+        return WorkerInfo(
+            name=self.name,
+            node_id=self.node_id,
+            admin=self.admin,
+            backends=BACKENDS,
+            cores=os.cpu_count() or 1,
+            memory_bytes=_memory_bytes(),
+            nodes=tuple(sorted(nodes)),
+            running=self._running,
+            pulls=self._pulled,
+        )
+
+    async def _ensure(self, node: str, reference: str) -> bool:
+        """Pulls ``node`` from ``reference`` unless the store holds it; True
+        when it pulled."""
+        ls = self._ls()
+        lock = self._pulls.setdefault(node, asyncio.Lock())
+        async with lock:
+            try:
+                n = await ls.show_node(node)
+                if not n.pruned:
+                    return False
+            except NotFoundError:
+                pass
+            got = await ls.pull(reference)
+            self._pulled += 1
+            if got.node != node:
+                raise LayerStackError(
+                    None, "invalid_argument",
+                    f"{reference} holds node {got.node}, not {node}: push the task's node to that reference",
+                )
+            return True
+
+    async def run_attempt(self, task: AttemptTask) -> AttemptOutcome:
+        """Runs one attempt (see the module docs) and answers its
+        :class:`AttemptOutcome`.
+
+        Raises the SDK's errors for infrastructure failures (the caller ends
+        the attempt ``infra_failed`` with the error's kind and retries):
+        :class:`~layerstack.errors.LayerStackError` subclasses from its
+        daemon or the registry, :class:`~layerstack.fabric.GraderLost`, or
+        whatever ``act`` raised other than :class:`~layerstack.fabric.TaskFailed`.
+        """
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        self._running += 1
+        try:
+            return await self._run(task, t0)
+        finally:
+            self._running -= 1
+
+    async def _run(self, task: AttemptTask, t0: float) -> AttemptOutcome:
+        ls = self._ls()
+        pulled = await self._ensure(task.node, task.reference)
+        sb = await ls.sandbox(node=task.node, name=f"ray-attempt-{task.attempt_id}", **dict(task.sandbox))
+        r = RemoteRollout(task, sb)
+
+        def outcome(**kw: Any) -> AttemptOutcome:
+            base: Dict[str, Any] = dict(
+                key=task.key, attempt_id=task.attempt_id, worker=self.name, status="completed",
+                reward=None, accepted=False, evaluator=None, result_node=None, reference=None,
+                pulled=pulled, trajectory=json.dumps(r.trajectory).encode() if r.trajectory else b"",
+                grade_output=None, message="", seconds=asyncio.get_running_loop().time() - t0,
+            )
+            base.update(kw)
+            return AttemptOutcome(**base)
+
+        try:
+            value = await task.act(r)
+        except TaskFailed as e:
+            await sb.discard("the attempt's task failed")
+            return outcome(status="task_failed", message=str(e))
+        except BaseException:
+            # The attempt's own error is the one to raise, not a failed
+            # discard's (its daemon may be what failed).
+            with contextlib.suppress(LayerStackError):
+                await sb.discard("the attempt failed")
+            raise
+        closed = await sb.close(checkpoint=True, state=task.state or {}, reason="ray attempt checkpoint")
+        if not closed.node:
+            raise LayerStackError(
+                None, "checkpoint-failed",
+                f"the checkpoint of attempt {task.attempt_id} made no node: {closed.outcome}: {closed.message}",
+            )
+        child = closed.node
+        grade: Optional[ExecOutput] = None
+        if task.grader is None:
+            reward, accepted = (float(value) if isinstance(value, (int, float)) else 1.0), True
+            evaluator = None
+        else:
+            g = await ls.sandbox(node=child, name=f"ray-grade-{task.attempt_id}")
+            try:
+                grade = await g.exec(task.grader.command, env=task.grader.env, timeout_s=task.grader.timeout_s)
+            finally:
+                await g.discard("grading done")
+            if grade.signal and not grade.timed_out and not grade.oom_killed:
+                raise GraderLost(f"the grader was killed by signal {grade.signal}")
+            reward, accepted = task.grader.score(grade)
+            evaluator = task.grader.evaluator()
+        reference = None
+        if accepted and task.keep == "checkpoint":
+            reference = f"{task.repository}:{child}"
+            await ls.push(reference, node=child)
+        else:
+            # Not kept: nothing will expand it here either.
+            with contextlib.suppress(LayerStackError):
+                await ls.prune(child)
+        return outcome(reward=reward, accepted=accepted, evaluator=evaluator, result_node=child,
+                       reference=reference, grade_output=grade)
+
+    async def close(self) -> None:
+        """Closes its client of the daemon."""
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+
+#: A Ray actor handle of a :class:`Worker` (``ray.actor.ActorHandle``).
+WorkerHandle = Any
+
+
+def start_worker(node_id: str, admin: str, *, name: Optional[str] = None,
+                 max_concurrency: int = 64) -> WorkerHandle:
+    """Starts a :class:`Worker` actor on Ray node ``node_id`` (hex, as
+    ``ray.nodes()`` names it; hard node affinity: it runs there or not at
+    all), for the daemon whose admin socket is ``admin`` on that node. It
+    takes no CPU of the node (``num_cpus=0``: the sandboxes are the daemon's);
+    up to ``max_concurrency`` attempts run on it at once. Returns its actor
+    handle."""
+    actor = ray.remote(Worker)
+    return actor.options(
+        num_cpus=0,
+        max_concurrency=max_concurrency,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+    ).remote(admin, name)
+
+
+class _Pool:
+    """The coordinator's view of the workers: alive, busy, what they hold."""
+
+    def __init__(self, infos: Sequence[Tuple[WorkerHandle, WorkerInfo]], per_worker: Optional[int]) -> None:
+        self.infos = {i.name: i for _, i in infos}
+        self.handles = {i.name: h for h, i in infos}
+        self.holds: Dict[str, Set[str]] = {i.name: set(i.nodes) for _, i in infos}
+        self.limit = {i.name: per_worker or max(1, i.cores) for _, i in infos}
+        self.busy = {i.name: 0 for _, i in infos}
+        self.lost: Set[str] = set()
+        #: Worker → loop time until which it is passed over (its daemon was unavailable).
+        self.suspect: Dict[str, float] = {}
+        self.cond = asyncio.Condition()
+
+    async def acquire(self, node: str, avoid: Set[str]) -> str:
+        """A live worker with a free slot. Those in ``avoid`` (they failed
+        this sample) and those whose daemon was unavailable lately are used
+        only when no other worker is alive (it waits for another's slot
+        rather); then one holding ``node`` comes first, then the least busy.
+        NoWorkerError when every worker was lost."""
+        async with self.cond:
+            while True:
+                alive = [w for w in self.infos if w not in self.lost]
+                if not alive:
+                    raise NoWorkerError(
+                        f"every worker was lost ({', '.join(sorted(self.lost))}): start workers again (start_worker)"
+                    )
+                now = asyncio.get_running_loop().time()
+                good = [w for w in alive if w not in avoid and self.suspect.get(w, 0.0) <= now]
+                free = [w for w in (good or alive) if self.busy[w] < self.limit[w]]
+                if free:
+                    w = min(free, key=lambda w: (node not in self.holds[w], self.busy[w] / self.limit[w], w))
+                    self.busy[w] += 1
+                    return w
+                try:
+                    # Woken by a release; a suspect's time running out wakes no one.
+                    await asyncio.wait_for(self.cond.wait(), SUSPECT_S)
+                except asyncio.TimeoutError:
+                    pass
+
+    async def release(self, w: str, *, lost: bool = False, suspect: bool = False,
+                      holds: Optional[str] = None) -> None:
+        async with self.cond:
+            self.busy[w] -= 1
+            if lost:
+                self.lost.add(w)
+            if suspect:
+                self.suspect[w] = asyncio.get_running_loop().time() + SUSPECT_S
+            if holds is not None:
+                self.holds[w].add(holds)
+            self.cond.notify_all()
+
+
+async def fan_out_ray(
+    coordinator: AsyncClient,
+    run: str,
+    node: str,
+    n: int,
+    act: Callable[[RemoteRollout], Awaitable[Any]],
+    *,
+    workers: Sequence[WorkerHandle],
+    registry: str,
+    step: int = 0,
+    prompt: str = "task",
+    policy: str = "policy",
+    grader: Optional[Grader] = None,
+    samples: Optional[Sequence[int]] = None,
+    max_attempts: int = 3,
+    per_worker: Optional[int] = None,
+    seed: Optional[int] = None,
+    backprop: bool = True,
+    keep: str = "checkpoint",
+    sandbox: Optional[Mapping[str, Any]] = None,
+    state: Optional[Mapping[str, Any]] = None,
+    reconnect_s: float = 60.0,
+) -> AsyncIterator[RolloutResult]:
+    """Runs ``n`` samples of ``node`` (``samples``: their numbers, default
+    ``range(n)``) of run ``run`` — recorded on ``coordinator`` — on
+    ``workers`` (:func:`start_worker` handles), and yields a
+    :class:`~layerstack.fabric.RolloutResult` per sample as it finishes
+    (``attempt.worker`` names where its last attempt ran,
+    ``attempt.result_node`` the checkpoint, now in the coordinator's store).
+
+    ``registry``: ``REGISTRY/REPOSITORY`` (e.g. ``"10.0.0.5:5000/rl"``) the
+    node and the checkpoints travel through (the daemons' ``[registry]``
+    settings give credentials and plain-HTTP registries). The coordinator
+    pushes ``node`` once (``REPOSITORY:<node>``), workers pull it when they
+    lack it, and push their checkpoints (``REPOSITORY:<checkpoint id>``).
+
+    Placement: each attempt goes to a live worker with a free slot (at most
+    ``per_worker`` attempts at once, default its cores), preferring one whose
+    store holds ``node`` (:attr:`WorkerInfo.nodes`, and those that pulled it
+    since), then the least busy. ``act``, ``grader``, ``keep``, ``step``,
+    ``prompt``, ``policy``, ``seed``, ``backprop``, ``max_attempts``,
+    ``reconnect_s``: as :func:`~layerstack.fabric.fan_out`; ``sandbox``: the
+    attempt's sandbox options; ``state``: its checkpoint's logical state.
+
+    Failures: a lost worker (:data:`NODE_LOST`), an error of its daemon or
+    the registry, or of ``act`` other than ``TaskFailed``, ends the attempt
+    ``infra_failed(kind)`` and the sample is retried with the next attempt
+    number on a worker still alive (the lost one is not used again); the
+    reward is applied exactly once by the coordinator's records, and a call
+    again for the same step reruns nothing that has a reward. When every
+    worker is lost, the remaining samples yield results whose ``errors`` hold
+    :class:`NoWorkerError`. A worker that does not answer its
+    :meth:`Worker.capabilities` at the start (dead, or its daemon down) is
+    not used; NoWorkerError when none answers. ValueError: a ``keep`` other
+    than "checkpoint" and "discard", no workers.
+    """
+    if keep not in ("checkpoint", "discard"):
+        raise ValueError(f"keep {keep!r}: use 'checkpoint' or 'discard'")
+    if not workers:
+        raise ValueError("fan_out_ray needs workers: start_worker(node_id, admin) per Ray node")
+    answers = await asyncio.gather(*(w.capabilities.remote() for w in workers), return_exceptions=True)
+    live = [(w, a) for w, a in zip(workers, answers) if isinstance(a, WorkerInfo)]
+    if not live:
+        raise NoWorkerError(
+            f"none of the {len(workers)} worker(s) answered: {answers[0]!r}"[:2000]
+            + "; start workers (start_worker) next to running daemons"
+        )
+    pool = _Pool(live, per_worker)
+    reference = f"{registry}:{node}"
+    await coordinator.push(reference, node=node)
+
+    def one(i: int) -> Awaitable[RolloutResult]:
+        return _run_sample_ray(
+            coordinator, pool, run, node, i, act, reference=reference, repository=registry, step=step,
+            prompt=prompt, policy=policy, grader=grader, max_attempts=max_attempts, seed=seed,
+            backprop=backprop, keep=keep, sandbox=sandbox or {}, state=state, reconnect_s=reconnect_s,
+        )
+
+    todo = list(samples) if samples is not None else list(range(n))
+    # The pool bounds what runs at once (slots per worker); the gate only
+    # bounds the samples waiting for a slot.
+    async for res in _as_finished(todo, one, len(todo), lambda i: SampleKey(run, step, prompt, i)):
+        yield res
+
+
+async def _run_sample_ray(
+    ls: AsyncClient,
+    pool: _Pool,
+    run: str,
+    node: str,
+    i: int,
+    act: Callable[[RemoteRollout], Awaitable[Any]],
+    *,
+    reference: str,
+    repository: str,
+    step: int,
+    prompt: str,
+    policy: str,
+    grader: Optional[Grader],
+    max_attempts: int,
+    seed: Optional[int],
+    backprop: bool,
+    keep: str,
+    sandbox: Mapping[str, Any],
+    state: Optional[Mapping[str, Any]],
+    reconnect_s: float,
+) -> RolloutResult:
+    key = SampleKey(run, step, prompt, i)
+    first = await _first_attempt(ls, key, reconnect_s)
+    if first is None:
+        return RolloutResult(i, key, None, None, task_failed_before=True)
+    errors: List[str] = []
+    last: Optional[RolloutAttempt] = None
+    failed_on: Set[str] = set()
+    for number in range(first, first + max_attempts):
+        w = await pool.acquire(node, failed_on)
+        lost = held = suspect = False
+        try:
+            r = await _through_restarts(
+                lambda: ls.begin_rollout(key, number, node, policy=policy,
+                                         seed=None if seed is None else seed + i, worker=w),
+                reconnect_s,
+            )
+            if r.rewarded:
+                s = r.sample
+                return RolloutResult(i, key, last, s.reward if s else None, rewarded_before=True,
+                                     errors=tuple(errors))
+            assert r.attempt is not None
+            last = r.attempt
+            if last.ended:
+                continue
+            task = AttemptTask(key=key, attempt_id=last.id, attempt=number, node=node, reference=reference,
+                               repository=repository, act=act, grader=grader, keep=keep, sandbox=sandbox,
+                               state=state)
+            try:
+                out: AttemptOutcome = await pool.handles[w].run_attempt.remote(task)
+            except _LOST as e:
+                lost = True
+                failed_on.add(w)
+                errors.append(f"attempt {number} on worker {w}: lost: {e!r}"[:2000])
+                last = await _end(r, reconnect_s, infra_failed=NODE_LOST,
+                                  message=f"worker {w} was lost: {type(e).__name__}")
+                continue
+            except ray.exceptions.RayTaskError as e:
+                cause = getattr(e, "cause", None) or e
+                if isinstance(cause, LayerStackError) and cause.kind in _CALLER_ERRORS:
+                    # The worker's daemon refused: the caller's to fix.
+                    await _end(r, reconnect_s, infra_failed=cause.kind, message=str(cause)[:1000])
+                    raise cause from None
+                errors.append(f"attempt {number} on worker {w}: {cause!r}"[:2000])
+                failed_on.add(w)
+                suspect = isinstance(cause, UnavailableError)
+                last = await _end(r, reconnect_s, infra_failed=_infra_kind(cause), message=repr(cause)[:1000])
+                continue
+            except ray.exceptions.RayError as e:  # e.g. an error Ray could not carry back
+                errors.append(f"attempt {number} on worker {w}: {e!r}"[:2000])
+                failed_on.add(w)
+                last = await _end(r, reconnect_s, infra_failed=type(e).__name__, message=repr(e)[:1000])
+                continue
+            held = True  # it ran there: its store holds the node now
+            if out.status == "task_failed":
+                last = await _end(r, reconnect_s, task_failed=True, message=out.message, keep="discard",
+                                  trajectory=out.trajectory)
+                return RolloutResult(i, key, last, None, errors=tuple(errors))
+            result_node = None
+            if out.reference is not None:
+                try:
+                    got = await ls.pull(out.reference)
+                except LayerStackError as e:
+                    errors.append(f"attempt {number}: pull of {out.reference}: {e!r}")
+                    last = await _end(r, reconnect_s, infra_failed=e.kind, message=f"pull of {out.reference}: {e}"[:1000])
+                    continue
+                result_node = got.node
+            assert out.reward is not None
+            last = await _end(
+                r, reconnect_s, reward=out.reward, accepted=out.accepted, evaluator=out.evaluator,
+                backprop=out.reward if backprop else None, trajectory=out.trajectory,
+                keep="checkpoint" if result_node is not None else "discard", result_node=result_node,
+            )
+            applied = out.reward if last.applied else (await _reward(ls, key, reconnect_s))
+            return RolloutResult(i, key, last, applied, grade_output=out.grade_output, errors=tuple(errors))
+        except asyncio.CancelledError:
+            raise
+        finally:
+            await pool.release(w, lost=lost, suspect=suspect, holds=node if held else None)
+    return RolloutResult(i, key, last, None, errors=tuple(errors))
+
+
+async def _end(r: "layerstack.aio.AsyncRollout", reconnect_s: float, **kw: Any) -> RolloutAttempt:
+    """Ends the attempt, repeated through a coordinator restart (an end with
+    the same result is answered as recorded)."""
+    kw.setdefault("keep", "discard")
+    attempt: RolloutAttempt = await _through_restarts(lambda: r.end(**kw), reconnect_s)
+    return attempt
+
+
+async def _reward(ls: AsyncClient, key: SampleKey, reconnect_s: float) -> Optional[float]:
+    s = await _through_restarts(lambda: ls.sample(key), reconnect_s)
+    return s.reward if s is not None else None
+
