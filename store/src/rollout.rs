@@ -1248,7 +1248,13 @@ impl Store {
         }
         let dir = self.root.join("blobs");
         std::fs::create_dir_all(&dir).map_err(|e| StoreError::io(&dir, e))?;
-        let tmp = dir.join(format!(".tmp-{}-{}", std::process::id(), now_ns()));
+        // A name no other writer of this process uses at the same time: two
+        // ends storing the same trajectory at once must not share one (the
+        // first rename took the second's file away: ENOENT, found by
+        // clients/python/tests/test_ray.py under load).
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let tmp = dir.join(format!(".tmp-{}-{}-{n}", std::process::id(), now_ns()));
         let write = || -> std::io::Result<()> {
             use std::io::Write;
             let mut f = std::fs::File::create(&tmp)?;

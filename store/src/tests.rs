@@ -3705,3 +3705,31 @@ fn a_ready_session_is_claimed_once_on_its_head_and_stale_once_the_branch_moved()
         Claim::Claimed(_)
     ));
 }
+
+#[test]
+fn the_same_blob_stored_at_once_by_many_writers_is_stored_once_without_error() {
+    let d = tmp();
+    let s = std::sync::Arc::new(open(d.path()));
+    let threads: Vec<_> = (0..16)
+        .map(|_| {
+            let s = s.clone();
+            std::thread::spawn(move || {
+                (0..50)
+                    .map(|_| s.put_blob(b"the same trajectory").map(|x| x.0))
+                    .collect::<Vec<_>>()
+            })
+        })
+        .collect();
+    for t in threads {
+        for r in t.join().unwrap() {
+            let digest = r.expect("a concurrent store of the same blob failed");
+            assert_eq!(s.blob(&digest).unwrap(), b"the same trajectory");
+        }
+    }
+    let left: Vec<_> = std::fs::read_dir(d.path().join("root/blobs"))
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .filter(|n| n.to_string_lossy().starts_with(".tmp-"))
+        .collect();
+    assert!(left.is_empty(), "temporary files left: {left:?}");
+}

@@ -165,7 +165,8 @@ def _check_step(env: Env, root: str, results: List[RolloutResult], n: int) -> No
     assert sorted(r.sample for r in results) == list(range(n))
     with layerstack.connect(env.coordinator) as c:
         for r in results:
-            assert r.attempt is not None, r
+            # The sample's errors in full (a repr of the result cuts them).
+            assert r.attempt is not None, "\n".join(r.errors) or repr(r)
             assert (r.status, r.reward, r.attempt.applied) == ("completed", 1.0, True), r
             assert r.attempt.worker in env.admins, r.attempt
             kid = r.attempt.result_node
