@@ -354,7 +354,8 @@ impl AdminService {
         };
         if let Some(sid) = live {
             self.stop_init(sid);
-            crate::wasi::release(self, sid, false).await;
+            let ready = crate::wasi::release(self, sid, false).await;
+            crate::wasi::closed(self, ready);
         }
         let evaluator = r.evaluator.map(|e| Evaluator {
             name: e.name,

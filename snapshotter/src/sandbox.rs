@@ -871,7 +871,7 @@ impl AdminService {
         }
         let started = std::time::Instant::now();
         self.stop_init(id);
-        crate::wasi::release(self, id, matches!(how, EndAction::Discard)).await;
+        let ready = crate::wasi::release(self, id, matches!(how, EndAction::Discard)).await;
         let released_us = started.elapsed().as_micros() as u64;
         let why = if r.reason.is_empty() {
             "session closed".to_string()
@@ -885,6 +885,7 @@ impl AdminService {
         if out.is_err() {
             self.close_failed(id);
         }
+        crate::wasi::closed(self, ready);
         let s = out.map_err(engine_status)?;
         let closed_us = started.elapsed().as_micros() as u64;
         let s = self.to_api(s).await;

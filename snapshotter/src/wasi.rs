@@ -89,6 +89,9 @@ pub(crate) struct WasiLive {
     limits: WasiLimits,
     /// Set by CloseSession: every run ends `cancelled`, no new one starts.
     closing: Arc<AtomicBool>,
+    /// A session claimed from the ready ones of this stack and branch: its
+    /// close tops them up ([`release`]).
+    ready_key: Option<ReadyKey>,
 }
 
 impl WasiLive {
@@ -179,7 +182,12 @@ pub(crate) async fn create(
                 claim_us = started.elapsed().as_micros() as u64,
                 "WASI session claimed"
             );
-            refill(admin, key.clone(), stale);
+            // Topped up when this session closes, off the path of its runs;
+            // now only when none is left (a burst of creates) or stale ones
+            // must go.
+            if ready.is_empty(key) || !stale.is_empty() {
+                refill(admin, key.clone(), stale);
+            }
             return Ok(claimed);
         }
     }
@@ -264,6 +272,7 @@ async fn make(
         env,
         limits,
         closing: Arc::new(AtomicBool::new(false)),
+        ready_key: None,
     });
     if let Some(h) = holders.map().get_mut(&id).filter(|h| h.conn == conn) {
         h.wasi = Some(live.clone());
@@ -348,6 +357,11 @@ impl Ready {
 
     fn lock(&self) -> std::sync::MutexGuard<'_, ReadyInner> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether `key` has no ready session now.
+    fn is_empty(&self, key: &ReadyKey) -> bool {
+        self.lock().pools.get(key).is_none_or(|q| q.is_empty())
     }
 
     /// The oldest ready session of `key`, taken out.
@@ -483,6 +497,7 @@ async fn claim(
                 env: env.to_vec(),
                 limits: limits.clone(),
                 closing: Arc::new(AtomicBool::new(false)),
+                ready_key: Some(key.clone()),
             });
             if let Some(h) = admin.holders.map().get_mut(&id) {
                 h.wasi = Some(live);
@@ -595,6 +610,14 @@ fn refill(admin: &AdminService, key: ReadyKey, stale: Vec<ReadyOne>) {
     });
 }
 
+/// After the close of a session claimed from the ready ones of `key`: tops
+/// them up (in the background).
+pub(crate) fn closed(admin: &AdminService, key: Option<ReadyKey>) {
+    if let Some(key) = key {
+        refill(admin, key, Vec::new());
+    }
+}
+
 /// Discards ready sessions in the background (their overlays closed first).
 fn discard_ready(admin: &AdminService, sessions: Vec<ReadyOne>, why: &'static str) {
     if sessions.is_empty() {
@@ -667,8 +690,13 @@ pub(crate) fn refuse_live(admin: &AdminService, id: SessionId, what: &str) -> Re
 /// holds it). Nothing to do for another session. With `discard`, nothing
 /// will read the upper: the last close of the mount (the kernel's unmount of
 /// the overlay, ~0.2 ms) happens off the caller's path.
-pub(crate) async fn release(admin: &AdminService, id: SessionId, discard: bool) {
-    let Some(live) = live(admin, id) else { return };
+pub(crate) async fn release(
+    admin: &AdminService,
+    id: SessionId,
+    discard: bool,
+) -> Option<ReadyKey> {
+    let live = live(admin, id)?;
+    let key = live.ready_key.clone();
     live.closing.store(true, Ordering::Relaxed);
     admin.holders.map().remove(&id);
     // Runs and file calls hold a clone each: wait for them to end (a run
@@ -680,12 +708,12 @@ pub(crate) async fn release(admin: &AdminService, id: SessionId, discard: bool) 
             Ok(l) if discard => {
                 tokio::task::spawn_blocking(move || drop(l));
                 debug!(session.id = id, "WASI session's overlay let go");
-                return;
+                return key;
             }
             Ok(l) => {
                 drop(l);
                 debug!(session.id = id, "WASI session's overlay released");
-                return;
+                return key;
             }
             Err(back) => live = back,
         }
@@ -695,7 +723,7 @@ pub(crate) async fn release(admin: &AdminService, id: SessionId, discard: bool) 
                 holders = Arc::strong_count(&live),
                 "a run or file call of the WASI session still holds its overlay: closing anyway"
             );
-            return;
+            return key;
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
