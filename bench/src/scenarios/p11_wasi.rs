@@ -531,7 +531,7 @@ pub fn run(b: &Bench, r: &mut ScenarioReport) -> Result<()> {
         pcts(&col(1, |p| p.close_ms)),
     ]);
     t.row(vec![
-        "of create: the WASI overlay built (daemon log `mount_us`, info)".into(),
+        "WASI overlays built meanwhile, ready sessions' included (daemon log `mount_us`, info)".into(),
         "–".into(),
         if mount_us.is_empty() {
             "not in the log".into()
@@ -569,10 +569,11 @@ pub fn run(b: &Bench, r: &mut ScenarioReport) -> Result<()> {
         ),
         wasi_single.median,
         1.0,
-        "see the phases table: create (session row and lease in the store, the overlay \
-         built with fsopen/fsconfig/fsmount) and discard (capture of an empty upper, the \
-         store's close) are the daemon's session work, shared with Mode B; the module's \
-         run (an instance from the cached InstancePre) is a small part of exec",
+        "see the phases table: a create claims a ready session (rows, lease and overlay \
+         made ahead: one store transaction), a discard is one blocking step of the \
+         store's close; what is left is three gRPC round trips, each waking the \
+         daemon's threads after the pause, and the module's run (an instance from the \
+         cached InstancePre) is a small part of exec",
     ));
     let (_, prof) = b.profiler.record(
         &format!(
@@ -736,9 +737,10 @@ pub fn run(b: &Bench, r: &mut ScenarioReport) -> Result<()> {
     Ok(())
 }
 
-const TIME_GOES: &str = "a WASI session pays the daemon's session work that Mode B \
-    pays too — the session row and lease in the store on create, the overlay \
-    (fsopen/fsconfig/fsmount, kept detached), the capture and the store's close on \
-    discard — but no init process, namespaces or pivot_root, and an exec is an instance \
-    of a cached, linked module on a blocking thread instead of a chain of clones; see the \
-    phases table and the profile.";
+const TIME_GOES: &str = "a WASI create claims a session made ahead (`[sandbox] \
+    wasi_ready`: its row, lease and detached overlay built in the background after the \
+    previous session of the branch closed), so it is one store transaction; a discard \
+    is one blocking step of the store's close, the overlay's unmount off its path; no \
+    init process, namespaces or pivot_root, and an exec is an instance of a cached, \
+    linked module instead of a chain of clones. Mode B makes its session, overlay and \
+    init on the create's path. See the phases table and the profile.";
