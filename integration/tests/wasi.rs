@@ -1123,3 +1123,363 @@ fn ready_wasi_sessions_are_claimed_and_never_stale() -> Result<()> {
     }
     r
 }
+
+// ---------------------------------------------------------------------------
+// The session file calls, fuzzed (issue 22): hostile paths — `..`, absolute
+// and escaping symlinks, loops, a FIFO, NUL and control characters, names
+// past NAME_MAX — sent to ReadFile, WriteFile, ListDir, StatPath, RemovePath
+// and DownloadTar of a live WASI session. Each call answers or is refused
+// with a status that names the input (never INTERNAL, UNKNOWN or a dead
+// daemon), and nothing outside the session's tree is read or written: a
+// host directory an absolute symlink of the tree names stays as it was, and
+// no file named after this test's marker appears on the host.
+
+/// The file calls, with their arguments.
+#[derive(Debug, Clone)]
+enum FileOp {
+    Read {
+        path: String,
+        offset: u64,
+        limit: u64,
+    },
+    Write {
+        path: String,
+        data: Vec<u8>,
+        mode: u32,
+        parents: bool,
+    },
+    List {
+        path: String,
+    },
+    Stat {
+        path: String,
+    },
+    Remove {
+        path: String,
+        recursive: bool,
+    },
+    Download {
+        path: String,
+    },
+}
+
+/// A hostile path: pieces of the tree, traversal, and names that trip
+/// parsers, with or without a leading `/`.
+fn hostile_path(marker: &'static str) -> impl proptest::strategy::Strategy<Value = String> {
+    use proptest::prelude::*;
+    let piece = prop_oneof![
+        6 => prop::sample::select(vec![
+            "srv", "a", "dir", "b", "out", "up", "loop", "rel", "fifo", "etc", "passwd", "new",
+        ])
+        .prop_map(String::from),
+        4 => prop::sample::select(vec![
+            "..", ".", "", "proc", "self", "fd", "root", "tmp", "\n", "\u{0}", "\u{7f}", "sp ace",
+            "é", "\u{202e}", "*", "~", "\\", "%2e%2e",
+        ])
+        .prop_map(String::from),
+        2 => Just(marker.to_string()),
+        1 => (250usize..300).prop_map(|n| "n".repeat(n)),
+    ];
+    (
+        any::<bool>(),
+        prop::collection::vec(piece, 0..6),
+        any::<bool>(),
+    )
+        .prop_map(|(abs, parts, double)| {
+            let sep = if double { "//" } else { "/" };
+            let body = parts.join(sep);
+            if abs {
+                format!("/{body}")
+            } else {
+                body
+            }
+        })
+}
+
+fn file_op(marker: &'static str) -> impl proptest::strategy::Strategy<Value = FileOp> {
+    use proptest::prelude::*;
+    let p = move || hostile_path(marker);
+    prop_oneof![
+        (p(), 0u64..8, 0u64..8).prop_map(|(path, offset, limit)| FileOp::Read {
+            path,
+            offset,
+            limit
+        }),
+        (
+            p(),
+            prop::collection::vec(any::<u8>(), 0..64),
+            prop::sample::select(vec![0o644u32, 0o777, 0o4755, 0]),
+            any::<bool>()
+        )
+            .prop_map(|(path, data, mode, parents)| FileOp::Write {
+                path,
+                data,
+                mode,
+                parents
+            }),
+        p().prop_map(|path| FileOp::List { path }),
+        p().prop_map(|path| FileOp::Stat { path }),
+        (p(), any::<bool>()).prop_map(|(path, recursive)| FileOp::Remove { path, recursive }),
+        p().prop_map(|path| FileOp::Download { path }),
+    ]
+}
+
+/// A status a hostile request may get: a refusal of the input, never the
+/// daemon's own failure.
+fn refusal_ok(s: &tonic::Status) -> bool {
+    use tonic::Code::*;
+    matches!(
+        s.code(),
+        NotFound
+            | InvalidArgument
+            | FailedPrecondition
+            | AlreadyExists
+            | PermissionDenied
+            | OutOfRange
+    ) && !s.message().is_empty()
+}
+
+async fn file_call(c: &mut Client, id: i64, op: &FileOp) -> Result<(), tonic::Status> {
+    match op.clone() {
+        FileOp::Read {
+            path,
+            offset,
+            limit,
+        } => {
+            let mut s = c
+                .read_file(api::ReadFileRequest {
+                    session_id: id,
+                    path,
+                    offset,
+                    limit,
+                })
+                .await?
+                .into_inner();
+            while s.message().await?.is_some() {}
+        }
+        FileOp::Write {
+            path,
+            data,
+            mode,
+            parents,
+        } => {
+            let msgs = vec![api::WriteFileRequest {
+                header: Some(api::WriteFileHeader {
+                    session_id: id,
+                    path,
+                    mode,
+                    make_parents: parents,
+                    ..Default::default()
+                }),
+                data,
+            }];
+            c.write_file(tokio_stream::iter(msgs)).await?;
+        }
+        FileOp::List { path } => {
+            c.list_dir(api::ListDirRequest {
+                session_id: id,
+                path,
+            })
+            .await?;
+        }
+        FileOp::Stat { path } => {
+            c.stat_path(api::StatPathRequest {
+                session_id: id,
+                path,
+            })
+            .await?;
+        }
+        FileOp::Remove { path, recursive } => {
+            c.remove_path(api::RemovePathRequest {
+                session_id: id,
+                path,
+                recursive,
+            })
+            .await?;
+        }
+        FileOp::Download { path } => {
+            let mut s = c
+                .download_tar(api::DownloadTarRequest {
+                    session_id: id,
+                    path,
+                })
+                .await?
+                .into_inner();
+            while s.message().await?.is_some() {}
+        }
+    }
+    Ok(())
+}
+
+/// Every file under `dir` with its content (symlinks by target), sorted.
+fn tree_of(dir: &Path) -> Result<BTreeMap<String, Vec<u8>>> {
+    let mut out = BTreeMap::new();
+    let mut todo = vec![dir.to_path_buf()];
+    while let Some(d) = todo.pop() {
+        for e in fs::read_dir(&d)? {
+            let e = e?;
+            let p = e.path();
+            let name = p.strip_prefix(dir)?.to_string_lossy().into_owned();
+            let t = e.file_type()?;
+            if t.is_symlink() {
+                out.insert(
+                    name,
+                    fs::read_link(&p)?.into_os_string().into_encoded_bytes(),
+                );
+            } else if t.is_dir() {
+                out.insert(name, b"<dir>".to_vec());
+                todo.push(p);
+            } else {
+                out.insert(name, fs::read(&p)?);
+            }
+        }
+    }
+    Ok(out)
+}
+
+async fn file_fuzz_scenario(dir: &Path, d: &Daemon) -> Result<()> {
+    use proptest::test_runner::{Config, TestCaseError, TestRunner};
+    // The host side: a directory the tree's absolute symlink names.
+    let host = dir.join("host");
+    fs::create_dir_all(host.join("sub"))?;
+    fs::write(host.join("secret"), "host-secret\n")?;
+    fs::write(host.join("sub/keep"), "keep\n")?;
+    let host_before = tree_of(&host)?;
+    let marker: &'static str =
+        Box::leak(format!("lst-fuzz-escape-{}", std::process::id()).into_boxed_str());
+    let src = dir.join("rootfs");
+    fs::create_dir_all(src.join("srv/dir"))?;
+    fs::create_dir_all(src.join("etc"))?;
+    fs::write(src.join("srv/a"), "a\n")?;
+    fs::write(src.join("srv/dir/b"), "b\n")?;
+    fs::write(src.join("etc/passwd"), "session-passwd\n")?;
+    std::os::unix::fs::symlink(&host, src.join("srv/out"))?;
+    std::os::unix::fs::symlink("../../../../../../..", src.join("srv/up"))?;
+    std::os::unix::fs::symlink("loop", src.join("srv/loop"))?;
+    std::os::unix::fs::symlink("dir", src.join("srv/rel"))?;
+    nix::unistd::mkfifo(
+        &src.join("srv/fifo"),
+        nix::sys::stat::Mode::from_bits_truncate(0o644),
+    )?;
+    let o = ensure_success(
+        "base import",
+        d.layerstack(&["base", "import", src.to_str().context("utf-8")?])?,
+    )?;
+    let stack = stdout(&o).trim().to_string();
+    let mut c = api::connect(d.admin_socket()).await?;
+    let id = create(&mut c, &stack, "fuzz", Default::default()).await?;
+    let etc_passwd = fs::read("/etc/passwd")?;
+    let escaped = |m: &str| -> Vec<PathBuf> {
+        [
+            PathBuf::from("/").join(m),
+            PathBuf::from("/tmp").join(m),
+            PathBuf::from("/var/tmp").join(m),
+            PathBuf::from("/etc").join(m),
+            host.join(m),
+            dir.join(m),
+        ]
+        .into_iter()
+        .filter(|p| p.symlink_metadata().is_ok())
+        .collect()
+    };
+
+    let calls = std::cell::Cell::new(0u64);
+    let refused = std::cell::Cell::new(0u64);
+    let rt = tokio::runtime::Handle::current();
+    let mut runner = TestRunner::new(Config {
+        cases: std::env::var("LAYERSTACK_FUZZ_CASES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(64),
+        failure_persistence: None,
+        ..Config::default()
+    });
+    let ops = proptest::collection::vec(file_op(marker), 1..8);
+    let result = tokio::task::block_in_place(|| {
+        runner.run(&ops, |ops| {
+            for op in &ops {
+                calls.set(calls.get() + 1);
+                // A clone of the channel per call (the runner takes `Fn`).
+                if let Err(s) = rt.block_on(file_call(&mut c.clone(), id, op)) {
+                    refused.set(refused.get() + 1);
+                    if !refusal_ok(&s) {
+                        return Err(TestCaseError::fail(format!(
+                            "{op:?} answered {:?}: {}",
+                            s.code(),
+                            s.message()
+                        )));
+                    }
+                }
+                let out = escaped(marker);
+                if !out.is_empty() {
+                    return Err(TestCaseError::fail(format!(
+                        "{op:?} reached the host: {out:?}"
+                    )));
+                }
+                let now = tree_of(&host).map_err(|e| TestCaseError::fail(e.to_string()))?;
+                if now != host_before {
+                    return Err(TestCaseError::fail(format!(
+                        "{op:?} changed the host directory the tree's symlink names: {now:?}"
+                    )));
+                }
+            }
+            Ok(())
+        })
+    });
+    if let Err(e) = result {
+        bail!("session file calls: {e}");
+    }
+    ensure!(
+        fs::read("/etc/passwd")? == etc_passwd,
+        "the host's /etc/passwd changed"
+    );
+    ensure!(
+        calls.get() > refused.get(),
+        "every call was refused: the fuzzer tested nothing but refusals"
+    );
+    // The daemon is sound after it: the session closes and publishes (or is
+    // refused by name), and fsck finds nothing wrong.
+    let s = close(&mut c, id, api::EndAction::Publish).await?;
+    ensure!(
+        ["committed", "merged", "conflict", "failed"].contains(&s.outcome.as_str()),
+        "{s:?}"
+    );
+    let f = d.layerstack(&["fsck"])?;
+    ensure!(
+        f.status.success(),
+        "fsck after the fuzzed session: {}",
+        String::from_utf8_lossy(&f.stdout)
+    );
+    eprintln!(
+        "session file calls fuzzed: {} calls, {} refused, outcome {}",
+        calls.get(),
+        refused.get(),
+        s.outcome
+    );
+    Ok(())
+}
+
+#[test]
+fn session_file_calls_with_hostile_paths_stay_in_the_tree() -> Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let dir = make_temp_dir()?;
+    let mut d = Daemon::start_at(
+        &dir.join("s/snapshotter.sock"),
+        &dir.join("s/containerd.sock"),
+        &dir.join("root"),
+    )?;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    let r = rt.block_on(file_fuzz_scenario(&dir, &d));
+    if r.is_err() {
+        d.dump_log();
+    }
+    d.stop();
+    if std::env::var_os("LAYERSTACK_TEST_KEEP").is_none() {
+        remove_tree(&dir);
+    }
+    r
+}

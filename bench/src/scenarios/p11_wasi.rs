@@ -531,7 +531,8 @@ pub fn run(b: &Bench, r: &mut ScenarioReport) -> Result<()> {
         pcts(&col(1, |p| p.close_ms)),
     ]);
     t.row(vec![
-        "WASI overlays built meanwhile, ready sessions' included (daemon log `mount_us`, info)".into(),
+        "WASI overlays built meanwhile, ready sessions' included (daemon log `mount_us`, info)"
+            .into(),
         "–".into(),
         if mount_us.is_empty() {
             "not in the log".into()
