@@ -39,6 +39,7 @@ GUARANTEES: List[tuple] = [
     ("fuzz-oci-layout", "hostile input"),
     ("fuzz-import-store", "hostile input"),
     ("fuzz-admin-input", "hostile input"),
+    ("fuzz-session-files", "hostile input"),
     ("callers", "access"),
 ]
 

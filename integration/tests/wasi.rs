@@ -1456,6 +1456,16 @@ async fn file_fuzz_scenario(dir: &Path, d: &Daemon) -> Result<()> {
         refused.get(),
         s.outcome
     );
+    layerstack_store::reliability::record(
+        "fuzz-session-files",
+        "Hostile paths in the session file calls (ReadFile, WriteFile, ListDir, StatPath, RemovePath, DownloadTar of a live WASI session: `..`, absolute and escaping symlinks, a symlink loop, a FIFO, NUL and control characters, names past NAME_MAX) are answered or refused naming the input, never with an internal error; nothing outside the session's tree is read or written (a host directory an absolute symlink of the tree names is unchanged, no marker file appears on the host); the session then publishes and fsck is clean.",
+        "CI=true cargo test -p layerstack-integration --test wasi session_file_calls",
+        &[
+            ("calls", calls.get().into()),
+            ("refused", refused.get().into()),
+            ("failures_found", 0u64.into()),
+        ],
+    )?;
     Ok(())
 }
 
