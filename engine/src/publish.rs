@@ -534,19 +534,9 @@ impl Engine {
             self.ensure_quiescent(&current).await?;
         }
         let started = Instant::now();
-        let mut rec = OutcomeRecord::new(OutcomeKind::Discarded, format!("writes dropped: {why}"));
-        // One blocking step: the run's check (again, under the session lock),
-        // the outcome, and the session settled after it.
+        let why_owned = why.to_string();
         let done = self
-            .blocking(move |st| {
-                let current = st.session(id)?;
-                if current.run_finished() || current.lease_manifest.is_none() {
-                    return Ok(Err(current));
-                }
-                rec.timings = Some(total_only(started));
-                st.record_outcome(id, rec, None)?;
-                settled(st, id).map(Ok)
-            })
+            .blocking(move |st| discard_in(st, id, &why_owned, started, false))
             .await?;
         match done {
             Err(current) => Ok(current),
@@ -573,19 +563,12 @@ impl Engine {
         let done = self
             .blocking(move |st| {
                 let current = st.session(id)?;
-                let live = matches!(current.owner, layerstack_store::Owner::Wasi { .. })
-                    && !current.released
-                    && !current.run_finished()
-                    && current.lease_manifest.is_some();
-                if !live {
+                if !matches!(current.owner, layerstack_store::Owner::Wasi { .. })
+                    || current.released
+                {
                     return Ok(None);
                 }
-                st.release_sandbox_session(id)?;
-                let mut rec =
-                    OutcomeRecord::new(OutcomeKind::Discarded, format!("writes dropped: {why}"));
-                rec.timings = Some(total_only(started));
-                st.record_outcome(id, rec, None)?;
-                settled(st, id).map(Some)
+                discard_in(st, id, &why, started, true).map(Result::ok)
             })
             .await?;
         Ok(match done {
@@ -961,6 +944,34 @@ impl Engine {
 /// session whose run ended completes its release (directories to the reaper
 /// unless the outcome keeps them), and its latest graph attempt, if any, to be
 /// ended by the outcome.
+/// The blocking step of every discard (session lock held by the caller): the
+/// run's check again, `release` the owner's release first (a live WASI
+/// session closing: nothing else holds its upper), the outcome `discarded`
+/// and the session settled after it — one step, so nothing is seen half
+/// done. `Err(current)`: the run has ended or holds no lease; nothing done.
+fn discard_in(
+    st: &Store,
+    id: SessionId,
+    why: &str,
+    started: Instant,
+    release: bool,
+) -> Result<
+    Result<(SessionInfo, Option<layerstack_store::AttemptInfo>), SessionInfo>,
+    layerstack_store::StoreError,
+> {
+    let current = st.session(id)?;
+    if current.run_finished() || current.lease_manifest.is_none() {
+        return Ok(Err(current));
+    }
+    if release {
+        st.release_sandbox_session(id)?;
+    }
+    let mut rec = OutcomeRecord::new(OutcomeKind::Discarded, format!("writes dropped: {why}"));
+    rec.timings = Some(total_only(started));
+    st.record_outcome(id, rec, None)?;
+    settled(st, id).map(Ok)
+}
+
 fn settled(
     st: &Store,
     id: SessionId,

@@ -1031,6 +1031,20 @@ async fn ready_scenario(dir: &Path, d: &Daemon, module: Vec<u8>) -> Result<()> {
         listed.iter().all(|s| s.owner != "wasi:(ready)"),
         "ready sessions are listed: {listed:?}"
     );
+    // Their name is the daemon's: a caller's session of that name would be
+    // handed to the next request.
+    let reserved = create(
+        &mut c,
+        &stack,
+        layerstack_store::READY_OWNER,
+        Default::default(),
+    )
+    .await
+    .expect_err("a session named like the ready ones");
+    ensure!(
+        reserved.code() == tonic::Code::InvalidArgument && reserved.message().contains("reserved"),
+        "{reserved:?}"
+    );
 
     // The next create claims one: the caller's name, the branch's head.
     let b = create(&mut c, &stack, "b", Default::default()).await?;

@@ -471,6 +471,17 @@ impl api::Admin for AdminService {
             .map(Response::new)
     }
 
+    type RunSessionStream = crate::owned::Stream<api::RunSessionReply>;
+
+    async fn run_session(
+        &self,
+        req: Request<api::RunSessionRequest>,
+    ) -> Result<Response<Self::RunSessionStream>, Status> {
+        crate::run::run_session(self, req.into_inner())
+            .await
+            .map(Response::new)
+    }
+
     type ExecStream = crate::owned::Stream<api::ExecReply>;
     type ReadFileStream = crate::owned::Stream<api::FileChunk>;
     type DownloadTarStream = crate::owned::Stream<api::FileChunk>;

@@ -26,6 +26,7 @@ mod owned;
 mod pull;
 mod push;
 mod rollout;
+mod run;
 mod sandbox;
 mod service;
 mod sockets;

@@ -203,6 +203,19 @@ fn status_reply(st: &Status) -> Reply {
     }
 }
 
+/// Refuses a caller's session name the daemon keeps for itself: the ready
+/// WASI sessions it makes ahead are named `(ready)` (`store::READY_OWNER`),
+/// hidden from ListSessions and handed to the next request — a caller's
+/// session of that name would be handed over too.
+pub(crate) fn refuse_reserved_name(name: &str) -> Result<(), Status> {
+    if name == layerstack_engine::store::READY_OWNER {
+        return Err(Status::invalid_argument(format!(
+            "session name {name:?} is reserved for the ready WASI sessions the daemon makes ahead; choose another name (or none)"
+        )));
+    }
+    Ok(())
+}
+
 /// `start`: `CreateSession`, then `attach` on this connection. A session this
 /// call created whose overlay cannot be attached is discarded again.
 async fn start(
@@ -214,6 +227,7 @@ async fn start(
     if attached.is_some() {
         return Err(one_session());
     }
+    refuse_reserved_name(&r.name).map_err(|st| status_reply(&st))?;
     let (session, spec, created) = admin
         .sandbox_create_spec(
             api::CreateSessionRequest {
@@ -715,6 +729,7 @@ impl AdminService {
         &self,
         r: api::CreateSessionRequest,
     ) -> Result<api::CreateSessionResponse, Status> {
+        refuse_reserved_name(&r.name)?;
         if r.wasi.is_some() {
             return crate::wasi::create(self, r).await;
         }

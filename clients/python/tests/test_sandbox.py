@@ -512,3 +512,81 @@ def test_asyncio_wasi_sandboxes_checkpoint_nodes_with_their_rewards(daemon: Daem
     assert len(set(nodes)) == 8, nodes
     with layerstack.connect(daemon.admin) as c:
         assert c.show_node(nodes[5]).state == {"reward": 5 / 8}
+
+
+def test_run_session_creates_runs_and_ends_in_one_call(daemon: Daemon, fsops: Path) -> None:
+    module = fsops.read_bytes()
+    branch = f"run-{os.urandom(3).hex()}"
+    with layerstack.connect(daemon.admin) as c:
+        # WASI, published: the write is on the branch after the one call.
+        r = c.run_session(["fsops", "write", "/work/one-call", "wasm\n"], daemon.stack, branch=branch,
+                          executor="wasi", module=module, end="publish")
+        assert r.created and r.output is not None and r.output.ok and r.output.module_digest, r
+        assert r.outcome.outcome == "committed" and r.outcome.layer and r.outcome.released, r
+        assert r.outcome.id == r.session.id and r.session.owner_kind == "wasi", r
+        # Linux, AUTO with on-success: the command's exit decides; exit 3 discards.
+        failed = c.run_session("echo no > /work/auto; echo oops >&2; exit 3", daemon.stack, branch=branch,
+                               end="auto", exit_policy="on-success")
+        assert failed.output is not None and failed.output.exit_code == 3 and failed.output.stderr == b"oops\n"
+        assert failed.outcome.outcome == "discarded", failed
+        with pytest.raises(layerstack.ExecError):
+            c.run_session("exit 4", daemon.stack, branch=branch, check=True)
+        # The default end is discard: nothing of it reaches the branch.
+        kept = c.run_session("cat /work/one-call; echo x > /work/gone", daemon.stack, branch=branch)
+        assert kept.output is not None and kept.output.stdout == b"wasm\n", kept
+        assert kept.outcome.outcome == "discarded" and kept.outcome.layer is None, kept
+        # A retry of a key whose session ended answers its end; nothing runs again.
+        key = f"once-{os.urandom(3).hex()}"
+        first = c.run_session("echo 1 >> /work/once", daemon.stack, branch=branch, key=key, end="publish")
+        again = c.run_session("echo 1 >> /work/once", daemon.stack, branch=branch, key=key, end="publish")
+        assert first.outcome.outcome == "committed" and not again.created and again.output is None, again
+        assert again.outcome.id == first.outcome.id and again.outcome.layer == first.outcome.layer, again
+        seen = c.run_session("cat /work/once /work/gone 2>&1", daemon.stack, branch=branch)
+        assert seen.output is not None and seen.output.stdout.startswith(b"1\n") and b"No such file" in seen.output.stdout
+        # A module that does not compile: the session is discarded, the error raised.
+        with pytest.raises(layerstack.InvalidArgumentError, match="compile"):
+            c.run_session(["bad"], daemon.stack, executor="wasi", module=b"\0asm-not-really")
+        # A refused request leaves nothing made: the reserved name, a session without an executor's options.
+        with pytest.raises(layerstack.InvalidArgumentError, match="reserved"):
+            c.run_session("true", daemon.stack, name="(ready)")
+        live = [s for s in c.list_sessions(all_namespaces=True) if s.branch == branch and not s.released]
+        assert live == [], f"sessions of the branch left live: {live}"
+
+    async def checkpoints() -> List[str]:
+        async with layerstack.aio.connect(daemon.admin) as ls:
+            g = await ls.create_graph(f"sdk-run-{os.urandom(3).hex()}", daemon.stack)
+            ends = await asyncio.gather(*(
+                ls.run_session(["fsops", "write", "/work/answer", str(i)], node=g.root, executor="wasi",
+                               module=module, end="checkpoint", state={"i": i})
+                for i in range(4)
+            ))
+            assert all(e.outcome.outcome == "checkpointed" and e.outcome.node for e in ends), ends
+            return [e.outcome.node for e in ends]
+
+    nodes = asyncio.run(checkpoints())
+    with layerstack.connect(daemon.admin) as c:
+        assert [c.show_node(n).state for n in nodes] == [{"i": i} for i in range(4)]
+
+    # A caller that goes away mid-run: the command is stopped, the session
+    # discarded (never published), whatever end it asked for.
+    name = f"abandoned-{os.urandom(3).hex()}"
+
+    async def abandon(c: layerstack.Client) -> None:
+        async with layerstack.aio.connect(daemon.admin) as ls:
+            call = asyncio.ensure_future(ls.run_session("echo x > /work/abandoned; sleep 60", daemon.stack,
+                                                        branch=branch, name=name, end="publish"))
+            for _ in range(300):
+                listed = await asyncio.to_thread(c.list_sessions, all_namespaces=True)
+                if any(s.owner == f"sandbox:{name}" for s in listed):
+                    break
+                await asyncio.sleep(0.05)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+
+    with layerstack.connect(daemon.admin) as c:
+        asyncio.run(abandon(c))
+        s = next(s for s in c.list_sessions(all_namespaces=True) if s.owner == f"sandbox:{name}")
+        end = c.wait(s.id, timeout_ms=30_000)
+        assert end.outcome == "discarded" and "went away" in end.message, end
+        assert c.run_session("test -e /work/abandoned", daemon.stack, branch=branch).output.exit_code == 1

@@ -23,6 +23,7 @@ from layerstack.sandbox import (
     FileInfo,
     Files,
     PathChange,
+    RunSessionResult,
     Sandbox,
     UploadSummary,
 )
@@ -77,6 +78,7 @@ __all__ = [
     "ExecOutput",
     "ExecChunk",
     "ExecError",
+    "RunSessionResult",
     "FileInfo",
     "PathChange",
     "UploadSummary",

@@ -27,7 +27,7 @@ import io
 import json
 import os
 from pathlib import Path
-from typing import Any, AsyncIterator, BinaryIO, Dict, Generator, List, Mapping, Optional, Union
+from typing import Any, AsyncIterator, BinaryIO, Dict, Generator, List, Mapping, Optional, Tuple, Union
 
 import grpc
 import grpc.aio
@@ -46,6 +46,8 @@ from layerstack.sandbox import (
     ExecOutput,
     FileInfo,
     PathChange,
+    RunFold,
+    RunSessionResult,
     UploadSummary,
     User,
     argv_of,
@@ -55,7 +57,7 @@ from layerstack.sandbox import (
     exec_item,
     exec_request,
     executor_options,
-    executor_options,
+    run_request,
     upload_requests,
     upload_summary,
     write_requests,
@@ -460,6 +462,80 @@ class AsyncClient:
         )
         timeout = None if self.timeout_s is None else self.timeout_s + wait_s
         return _SandboxStart(self, req, timeout)
+
+    async def run_session(
+        self,
+        cmd: Command,
+        stack: Optional[str] = None,
+        *,
+        node: Optional[str] = None,
+        branch: str = "",
+        name: str = "",
+        key: Optional[str] = None,
+        executor: str = "linux",
+        module: Union[bytes, "os.PathLike[str]", None] = None,
+        end: str = "discard",
+        exit_policy: Optional[str] = None,
+        state: Union[Mapping[str, Any], str, None] = None,
+        labels: Optional[Mapping[str, str]] = None,
+        reason: str = "python run_session",
+        command: str = "",
+        exit_status: Optional[int] = None,
+        env: Optional[Mapping[str, str]] = None,
+        cwd: Optional[str] = None,
+        stdin: Union[bytes, str, None] = None,
+        timeout_s: Optional[float] = None,
+        network: bool = False,
+        user: Optional[Tuple[int, int]] = None,
+        workdir: Optional[str] = None,
+        hostname: Optional[str] = None,
+        cpu_millis: Optional[int] = None,
+        memory_bytes: Optional[int] = None,
+        pids: Optional[int] = None,
+        fuel: Optional[int] = None,
+        run_timeout_s: Optional[float] = None,
+        wait_s: float = 60.0,
+        ignore_mtime: bool = False,
+        check: bool = False,
+    ) -> RunSessionResult:
+        """:meth:`layerstack.Client.run_session`, as a coroutine."""
+        req = run_request(
+            self.namespace,
+            cmd,
+            stack=stack,
+            node=node,
+            branch=branch,
+            name=name,
+            key=key,
+            executor=executor,
+            module=module,
+            end=end,
+            exit_policy=_check_exit_policy(exit_policy) or None,
+            state=state,
+            labels=labels,
+            reason=reason,
+            command=command,
+            exit_status=exit_status,
+            env=env,
+            cwd=cwd,
+            stdin=stdin,
+            timeout_s=timeout_s,
+            network=network,
+            user=user,
+            workdir=workdir,
+            hostname=hostname,
+            cpu_millis=cpu_millis,
+            memory_bytes=memory_bytes,
+            pids=pids,
+            fuel=fuel,
+            run_timeout_s=run_timeout_s,
+            wait_s=wait_s,
+            ignore_mtime=ignore_mtime,
+        )
+        fold = RunFold()
+        async for r in self._stream(self._stub.RunSession, req):
+            fold.add(r)
+        return fold.result(check)
 
 
 class _SandboxStart:

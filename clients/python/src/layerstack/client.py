@@ -42,7 +42,7 @@ import grpc
 from layerstack._channel import Endpoint
 from layerstack._pb import admin_pb2 as pb
 from layerstack._pb import admin_pb2_grpc as pb_grpc
-from layerstack.sandbox import Sandbox, create_request, executor_options
+from layerstack.sandbox import Command, RunFold, RunSessionResult, Sandbox, create_request, executor_options, run_request
 from layerstack.errors import (
     CommandError,
     LayerStackError,
@@ -391,6 +391,102 @@ class Client:
         timeout = None if self.timeout_s is None else self.timeout_s + wait_s
         r = self._call(self._stub.CreateSession, req, timeout)
         return Sandbox(self, Session.from_pb(r.session), r.created)
+
+    def run_session(
+        self,
+        cmd: Command,
+        stack: Optional[str] = None,
+        *,
+        node: Optional[str] = None,
+        branch: str = "",
+        name: str = "",
+        key: Optional[str] = None,
+        executor: str = "linux",
+        module: Union[bytes, "os.PathLike[str]", None] = None,
+        end: str = "discard",
+        exit_policy: Optional[str] = None,
+        state: Union[Mapping[str, Any], str, None] = None,
+        labels: Optional[Mapping[str, str]] = None,
+        reason: str = "python run_session",
+        command: str = "",
+        exit_status: Optional[int] = None,
+        env: Optional[Mapping[str, str]] = None,
+        cwd: Optional[str] = None,
+        stdin: Union[bytes, str, None] = None,
+        timeout_s: Optional[float] = None,
+        network: bool = False,
+        user: Optional[Tuple[int, int]] = None,
+        workdir: Optional[str] = None,
+        hostname: Optional[str] = None,
+        cpu_millis: Optional[int] = None,
+        memory_bytes: Optional[int] = None,
+        pids: Optional[int] = None,
+        fuel: Optional[int] = None,
+        run_timeout_s: Optional[float] = None,
+        wait_s: float = 60.0,
+        ignore_mtime: bool = False,
+        check: bool = False,
+    ) -> RunSessionResult:
+        """A session that runs one command, in one call (``RunSession``): a
+        sandbox made as :meth:`sandbox` makes it (``executor`` "linux" or
+        "wasi"; ``stack`` or ``node``), ``cmd`` run in it as
+        :meth:`Sandbox.exec` runs it (``module``: a WASI module's bytes or a
+        local .wasm path; ``env``, ``cwd``, ``user``, ``stdin``,
+        ``timeout_s``), then its end — ``end``: "discard" (default),
+        "publish", "auto" (the ``exit_policy`` read against the command's
+        exit code, or ``exit_status``) or "checkpoint" (a child of ``node``,
+        ``state`` and ``labels`` recorded with it) — one round trip instead of
+        three: a grader's clean session, a one-shot tool run.
+
+        Returns a :class:`RunSessionResult` (``session``, ``output``, ``outcome``).
+        ``key``: idempotency key; a retry whose session has ended answers
+        its recorded end (``created`` False, ``output`` None) and runs
+        nothing again; one whose session is still running raises
+        AbortedError. A command that cannot start (a bad argv, a module that
+        does not compile) discards the session and raises the exec's error
+        (InvalidArgumentError, FailedPreconditionError); the session's own
+        errors as :meth:`sandbox`'s. ``check``: raise ExecError when the
+        command did not exit 0 (the session has ended by then)."""
+        req = run_request(
+            self.namespace,
+            cmd,
+            stack=stack,
+            node=node,
+            branch=branch,
+            name=name,
+            key=key,
+            executor=executor,
+            module=module,
+            end=end,
+            exit_policy=_check_exit_policy(exit_policy) or None,
+            state=state,
+            labels=labels,
+            reason=reason,
+            command=command,
+            exit_status=exit_status,
+            env=env,
+            cwd=cwd,
+            stdin=stdin,
+            timeout_s=timeout_s,
+            network=network,
+            user=user,
+            workdir=workdir,
+            hostname=hostname,
+            cpu_millis=cpu_millis,
+            memory_bytes=memory_bytes,
+            pids=pids,
+            fuel=fuel,
+            run_timeout_s=run_timeout_s,
+            wait_s=wait_s,
+            ignore_mtime=ignore_mtime,
+        )
+        fold = RunFold()
+        try:
+            for r in self._stub.RunSession(req, timeout=None):
+                fold.add(r)
+        except grpc.RpcError as e:
+            raise from_rpc_error(e) from None
+        return fold.result(check)
 
     # ------------------------------------------------------------------ bases
 

@@ -60,6 +60,7 @@ __all__ = [
     "Files",
     "ExecOutput",
     "ExecChunk",
+    "RunSessionResult",
     "FileInfo",
     "PathChange",
     "UploadSummary",
@@ -587,6 +588,144 @@ class ExecFold:
         if check and not res.ok:
             raise ExecError(res)
         return res
+
+
+@dataclass(frozen=True)
+class RunSessionResult:
+    """A session that ran one command in one call (``RunSession``;
+    :meth:`layerstack.Client.run_session`).
+
+    ``session``: the session as created (its id: ``session.id``).
+    ``created``: False for a retry of ``key=`` whose session had ended —
+    nothing ran again and ``output`` is None. ``output``: the command's
+    stdout, stderr and exit. ``outcome``: the session's end as CloseSession
+    answers it (``outcome.outcome``: committed, merged, no-change,
+    checkpointed, discarded, conflict, …; ``outcome.layer``, the node of a
+    checkpoint). A ``conflict`` leaves the session's writes kept, as a
+    sandbox's close does (``outcome.released`` False)."""
+
+    session: Session
+    created: bool
+    output: Optional[ExecOutput]
+    outcome: Session
+
+
+def run_request(
+    namespace: str,
+    cmd: Command,
+    *,
+    stack: Optional[str],
+    node: Optional[str],
+    branch: str,
+    name: str,
+    key: Optional[str],
+    executor: str,
+    module: Union[bytes, "os.PathLike[str]", None],
+    end: str,
+    exit_policy: Optional[str],
+    state: Union[Mapping[str, Any], str, None],
+    labels: Optional[Mapping[str, str]],
+    reason: str,
+    command: str,
+    exit_status: Optional[int],
+    env: Optional[Mapping[str, str]],
+    cwd: Optional[str],
+    stdin: Union[bytes, str, None],
+    timeout_s: Optional[float],
+    network: bool,
+    user: Optional[User],
+    workdir: Optional[str],
+    hostname: Optional[str],
+    cpu_millis: Optional[int],
+    memory_bytes: Optional[int],
+    pids: Optional[int],
+    fuel: Optional[int],
+    run_timeout_s: Optional[float],
+    wait_s: float,
+    ignore_mtime: bool,
+) -> Any:
+    """The ``RunSessionRequest`` of :meth:`layerstack.Client.run_session`:
+    the session's request (as :meth:`~layerstack.Client.sandbox` makes it),
+    the command's (as ``exec``) and the close's (``end``: publish, discard,
+    auto, checkpoint)."""
+    options, wasi = executor_options(
+        executor,
+        network=network,
+        user=None,
+        workdir=workdir,
+        env=None,
+        hostname=hostname,
+        cpu_millis=cpu_millis,
+        memory_bytes=memory_bytes,
+        pids=pids,
+        mount_at=None,
+        fuel=fuel,
+        run_timeout_s=run_timeout_s,
+    )
+    if executor == "wasi" and user is not None:
+        raise ValueError("user=: not for executor='wasi' (a WASI module runs as no user)")
+    create = create_request(
+        namespace,
+        stack=stack,
+        node=node,
+        branch=branch,
+        name=name,
+        key=key,
+        exit_policy=exit_policy,
+        wait_s=wait_s,
+        ignore_mtime=ignore_mtime,
+        options=options,
+        wasi=wasi,
+    )
+    run = exec_request(0, cmd, env=env, cwd=cwd, user=user, stdin=stdin, timeout_s=timeout_s, module=module)
+    close = close_request(
+        0,
+        action=end,
+        checkpoint=False,
+        publish=False,
+        state=state,
+        labels=labels,
+        reason=reason,
+        command=command,
+        exit_status=exit_status,
+    )
+    return pb.RunSessionRequest(create=create, exec=run, close=close)
+
+
+class RunFold:
+    """Folds a ``RunSession`` stream's replies into one :class:`RunSessionResult`
+    (shared by the blocking and the asyncio ``run_session``)."""
+
+    def __init__(self) -> None:
+        self._exec = ExecFold()
+        self._ran = False
+        self._session: Optional[Session] = None
+        self._created = True
+        self._outcome: Optional[Session] = None
+
+    def add(self, r: Any) -> None:
+        which = r.WhichOneof("kind")
+        if which == "session":
+            self._session, self._created = Session.from_pb(r.session.session), r.session.created
+        elif which == "closed":
+            self._outcome = Session.from_pb(r.closed)
+        elif which == "exit":
+            self._ran = True
+            self._exec.add(ExecOutput._from_exit(r.exit))
+        elif which in ("stdout", "stderr"):
+            self._exec.add(ExecChunk(which, getattr(r, which)))
+
+    def result(self, check: bool) -> RunSessionResult:
+        """The result; InternalError when the stream lacked the session or its
+        end, ExecError with ``check`` when the command did not exit 0."""
+        if self._session is None or self._outcome is None:
+            from layerstack.errors import InternalError
+
+            raise InternalError(None, "internal", "the daemon ended the RunSession stream without the session's end")
+        output = self._exec.result(False) if self._ran else None
+        if check and output is not None and not output.ok:
+            raise ExecError(output)
+        return RunSessionResult(self._session, self._created, output, self._outcome)
 
 
 # ------------------------------------------------------------------ blocking

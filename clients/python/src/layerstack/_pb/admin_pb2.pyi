@@ -926,6 +926,30 @@ class CreateSessionResponse(_message.Message):
     created: bool
     def __init__(self, session: _Optional[_Union[Session, _Mapping]] = ..., mounts: _Optional[_Iterable[_Union[Mount, _Mapping]]] = ..., created: _Optional[bool] = ...) -> None: ...
 
+class RunSessionRequest(_message.Message):
+    __slots__ = ("create", "exec", "close")
+    CREATE_FIELD_NUMBER: _ClassVar[int]
+    EXEC_FIELD_NUMBER: _ClassVar[int]
+    CLOSE_FIELD_NUMBER: _ClassVar[int]
+    create: CreateSessionRequest
+    exec: ExecRequest
+    close: CloseSessionRequest
+    def __init__(self, create: _Optional[_Union[CreateSessionRequest, _Mapping]] = ..., exec: _Optional[_Union[ExecRequest, _Mapping]] = ..., close: _Optional[_Union[CloseSessionRequest, _Mapping]] = ...) -> None: ...
+
+class RunSessionReply(_message.Message):
+    __slots__ = ("session", "stdout", "stderr", "exit", "closed")
+    SESSION_FIELD_NUMBER: _ClassVar[int]
+    STDOUT_FIELD_NUMBER: _ClassVar[int]
+    STDERR_FIELD_NUMBER: _ClassVar[int]
+    EXIT_FIELD_NUMBER: _ClassVar[int]
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    session: CreateSessionResponse
+    stdout: bytes
+    stderr: bytes
+    exit: ExecExit
+    closed: Session
+    def __init__(self, session: _Optional[_Union[CreateSessionResponse, _Mapping]] = ..., stdout: _Optional[bytes] = ..., stderr: _Optional[bytes] = ..., exit: _Optional[_Union[ExecExit, _Mapping]] = ..., closed: _Optional[_Union[Session, _Mapping]] = ...) -> None: ...
+
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id", "action", "reason", "has_exit_status", "exit_status", "state", "command", "labels")
     class LabelsEntry(_message.Message):

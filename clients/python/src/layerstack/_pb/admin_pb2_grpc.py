@@ -214,6 +214,11 @@ class AdminStub:
                 request_serializer=layerstack_dot___pb_dot_admin__pb2.CloseSessionRequest.SerializeToString,
                 response_deserializer=layerstack_dot___pb_dot_admin__pb2.Session.FromString,
                 _registered_method=True)
+        self.RunSession = channel.unary_stream(
+                '/layerstack.admin.v1.Admin/RunSession',
+                request_serializer=layerstack_dot___pb_dot_admin__pb2.RunSessionRequest.SerializeToString,
+                response_deserializer=layerstack_dot___pb_dot_admin__pb2.RunSessionReply.FromString,
+                _registered_method=True)
         self.Exec = channel.unary_stream(
                 '/layerstack.admin.v1.Admin/Exec',
                 request_serializer=layerstack_dot___pb_dot_admin__pb2.ExecRequest.SerializeToString,
@@ -628,6 +633,24 @@ class AdminServicer:
         the upper is unmounted in every mount namespace, ends the run (publish,
         discard, or AUTO: the recorded policy and the exit status), and releases the
         session (its directories go, unless the outcome is retryable).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RunSession(self, request, context):
+        """A session that runs one command, in one round trip: CreateSession, Exec
+        and CloseSession as one call (a grader's clean session, a one-shot tool
+        run). Replies: `session` (as CreateSession answers it), the command's
+        `stdout` / `stderr` and `exit` as Exec streams them, then `closed` (the
+        session as CloseSession answers it: outcome, node, layer). The create's
+        errors end the call before anything exists. A command that does not
+        start (a bad argv, a module that does not compile) ends the session
+        DISCARD and the call with the exec's error. The close runs whether or
+        not the caller is still there. With an idempotency key that names an
+        ended session, the session and its recorded end are answered and
+        nothing runs again; one whose session is still live is refused
+        (ABORTED: a first call is still running it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -1080,6 +1103,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.CloseSession,
                     request_deserializer=layerstack_dot___pb_dot_admin__pb2.CloseSessionRequest.FromString,
                     response_serializer=layerstack_dot___pb_dot_admin__pb2.Session.SerializeToString,
+            ),
+            'RunSession': grpc.unary_stream_rpc_method_handler(
+                    servicer.RunSession,
+                    request_deserializer=layerstack_dot___pb_dot_admin__pb2.RunSessionRequest.FromString,
+                    response_serializer=layerstack_dot___pb_dot_admin__pb2.RunSessionReply.SerializeToString,
             ),
             'Exec': grpc.unary_stream_rpc_method_handler(
                     servicer.Exec,
@@ -2179,6 +2207,33 @@ class Admin:
             '/layerstack.admin.v1.Admin/CloseSession',
             layerstack_dot___pb_dot_admin__pb2.CloseSessionRequest.SerializeToString,
             layerstack_dot___pb_dot_admin__pb2.Session.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunSession(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/layerstack.admin.v1.Admin/RunSession',
+            layerstack_dot___pb_dot_admin__pb2.RunSessionRequest.SerializeToString,
+            layerstack_dot___pb_dot_admin__pb2.RunSessionReply.FromString,
             options,
             channel_credentials,
             insecure,
