@@ -232,7 +232,6 @@ fn transfer_report(r: &mut ScenarioReport, t: &Value, rounds: usize) -> Result<(
         "first session",
         "baseline: tar c | tar x",
         "registry floor: blob up + down",
-        "pull again",
     ]
     .iter()
     .map(|n| Series {
@@ -298,7 +297,6 @@ fn transfer_report(r: &mut ScenarioReport, t: &Value, rounds: usize) -> Result<(
             "session_ms",
             "tar_ms",
             "raw_ms",
-            "pull_again_ms",
         ]
         .iter()
         .enumerate()
