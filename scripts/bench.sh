@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # LayerStack benchmarks: start, fan-out, publish, read path, gate contention,
 # reset, Mode B sessions (P7), sandboxes from Python (P7b), apply isolation (P8), the rollout
-# fabric's RL step (P9), WASI sessions beside Mode B (P11). Each figure is a
+# fabric's RL step (P9), beyond one machine (P10: a checkpoint pushed, pulled and run on a
+# second daemon by diff size; rollouts/s on 1 vs 2 Ray worker nodes — needs docker-registry
+# and Ray, installed into the bench's venv from clients/python[ray]), WASI sessions beside
+# Mode B (P11). Each figure is a
 # ratio against a baseline measured in the same run, interleaved. Starts its own
 # PRIVATE containerd (layerstack proxy + overlayfs + native snapshotters) and our
 # daemon under /var/tmp/lst-*, stops them on exit, never touches another
@@ -9,9 +12,10 @@
 #
 #   sudo ./scripts/bench.sh                    # every scenario (tens of minutes) -> docs/
 #   sudo ./scripts/bench.sh --quick            # seconds: small tree, few rounds -> target/bench/
-#   sudo ./scripts/bench.sh --scenario p3      # only P3 (p1..p9, p7b, p11 or start, fan-out,
+#   sudo ./scripts/bench.sh --scenario p3      # only P3 (p1..p11, p7b or start, fan-out,
 #                                              #   publish, read-path, gate, reset, mode-b, sdk,
-#                                              #   apply-isolation, fabric, wasi; repeatable)
+#                                              #   apply-isolation, fabric, cluster, wasi;
+#                                              #   repeatable)
 #   sudo ./scripts/bench.sh --out DIR          # write DIR/benchmarks.md and DIR/bench/
 #   sudo ./scripts/bench.sh --no-profile       # skip the perf profiles
 #   sudo ./scripts/bench.sh --debug …          # use the debug build (scripts/test.sh uses this)

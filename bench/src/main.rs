@@ -1,8 +1,9 @@
 //! `layerstack-bench`: LayerStack's benchmarks side by side — start (P1),
 //! fan-out (P2), publish (P3), read path (P4), gate under fan-out (P5), reset
 //! (P6), Mode B session (P7), sandboxes from Python over the API (P7b),
-//! apply isolation (P8), the rollout fabric (P9), WASI sessions beside Mode B
-//! (P11) — in one run, each figure a ratio against a
+//! apply isolation (P8), the rollout fabric (P9), beyond one machine (P10:
+//! checkpoints through a registry, rollouts on Ray), WASI sessions beside
+//! Mode B (P11) — in one run, each figure a ratio against a
 //! baseline measured in the same run, interleaved. Writes `benchmarks.md`, one
 //! SVG plot per scenario and the raw `results.json`.
 //!
@@ -37,8 +38,9 @@ struct Cli {
     /// Checks that every scenario still runs; its figures are not the published ones.
     #[arg(long)]
     quick: bool,
-    /// Run only these scenarios (`p1`…`p9`, `p7b`, `p11` or `start`, `fan-out`, `publish`,
-    /// `read-path`, `gate`, `reset`, `mode-b`, `sdk`, `apply-isolation`, `fabric`, `wasi`);
+    /// Run only these scenarios (`p1`…`p11`, `p7b` or `start`, `fan-out`, `publish`,
+    /// `read-path`, `gate`, `reset`, `mode-b`, `sdk`, `apply-isolation`, `fabric`, `cluster`,
+    /// `wasi`);
     /// repeatable, or comma-separated.
     #[arg(long = "scenario", value_delimiter = ',')]
     scenarios: Vec<String>,

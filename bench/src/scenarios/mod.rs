@@ -7,6 +7,7 @@ use crate::env::Bench;
 use crate::report::{ScenarioReport, Table};
 use crate::stats::{pair_ratios, Summary};
 
+mod p10_cluster;
 mod p11_wasi;
 mod p1_start;
 mod p2_fanout;
@@ -90,6 +91,12 @@ pub fn all() -> Vec<Def> {
             name: "fabric",
             title: "rollout fabric: one RL step of 1,024 graded rollouts, rollback to a node, grading session start",
             run: p9_fabric::run,
+        },
+        Def {
+            id: "p10",
+            name: "cluster",
+            title: "beyond one machine: a checkpoint runnable on a second worker (push + pull + first session) by diff size; rollouts/s with 1 vs 2 Ray worker nodes",
+            run: p10_cluster::run,
         },
         Def {
             id: "p11",

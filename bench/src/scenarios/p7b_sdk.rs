@@ -41,6 +41,14 @@ pub(super) fn repo_root() -> PathBuf {
 /// `$LAYERSTACK_BENCH_PYTHON` as given, else a venv at `<target>/py-venv`
 /// (scripts/test.sh's) with `./clients/python` (re)installed from this tree.
 pub(super) fn python() -> Result<PathBuf> {
+    python_with("")
+}
+
+/// [`python`] with the package's `extras` (`"[ray]"`: pip installs
+/// `./clients/python[ray]`, so Ray comes too; scripts/test.sh's venv has it
+/// from `[test]`). `$LAYERSTACK_BENCH_PYTHON` is used as given: the driver
+/// fails naming what it lacks.
+pub(super) fn python_with(extras: &str) -> Result<PathBuf> {
     if let Some(p) = std::env::var_os("LAYERSTACK_BENCH_PYTHON") {
         return Ok(PathBuf::from(p));
     }
@@ -61,13 +69,13 @@ pub(super) fn python() -> Result<PathBuf> {
     }
     let o = Command::new(&py)
         .args(["-m", "pip", "install", "-q", "--disable-pip-version-check"])
-        .arg(root.join("clients/python"))
+        .arg(format!("{}{extras}", root.join("clients/python").display()))
         .stdin(Stdio::null())
         .output()
-        .context("running pip install ./clients/python")?;
+        .with_context(|| format!("running pip install ./clients/python{extras}"))?;
     ensure!(
         o.status.success(),
-        "pip install ./clients/python into {}: {}",
+        "pip install ./clients/python{extras} into {}: {}",
         venv.display(),
         describe(&o)
     );
