@@ -1,21 +1,39 @@
 """Rollouts across Ray nodes (issue 23; ``layerstack.ray``): a local Ray
-cluster of two nodes on this machine (``ray.cluster_utils.Cluster``, told
-apart by the custom resources ``layerstack-a`` / ``layerstack-b``), each with a
-LayerStack daemon and store of its own and a :class:`layerstack.ray.Worker`
-next to it; a third daemon coordinates (the run's records); checkpoints move
-through Debian's ``docker-registry`` started privately on 127.0.0.1. The
-base is imported (``import_base``): no containerd.
+cluster of three nodes on this machine (``ray.cluster_utils.Cluster``, told
+apart by the custom resources ``layerstack-coord`` / ``layerstack-a`` /
+``layerstack-b``), each with a LayerStack daemon and store of its own. The
+head node is the coordinator's: the driver (this test) runs ``fan_out_ray``
+there against the coordinating daemon (the run's records), with no worker
+and no CPU for Ray to place anything on; nodes a and b each run a
+:class:`layerstack.ray.Worker` next to their daemon, and the attempts go to
+those two only (``fan_out_ray`` places attempts on the workers it is given).
+Checkpoints move through Debian's ``docker-registry`` started privately on
+127.0.0.1. The base is imported (``import_base``): no containerd. Each Ray
+node's object store is the 80 MiB minimum.
 
-- A step of samples spread over both workers: every sample rewarded once,
-  its checkpoint pulled into the coordinator as a child of the task node,
-  the audit clean; each worker pulled the task node once. A checkpoint made
-  on worker a, expanded on both: only worker b pulls it, once.
-- A task failure and a rejected result on a worker: recorded as a local
-  attempt's are (``task_failed``; ``completed`` with reward 0, no node kept),
-  not retried.
+- A step of 256 samples spread over both workers (4 attempts at once on
+  each): every sample rewarded once, its checkpoint pulled into the
+  coordinator as a child of the task node, the audit clean; each worker
+  pulled the task node once. A checkpoint made on worker a, expanded on both:
+  only worker b pulls it, once for all its attempts (then it is hot there).
 - A worker killed mid-step (``ray.kill`` of its actor): its attempts end
   ``infra_failed(node-lost)`` and are retried on the other worker, each
   sample's reward applied once.
+- A Ray node removed mid-step (``cluster.remove_node``, not graceful: its
+  raylet, object store and worker processes killed): the same, though Ray
+  takes another path (the driver sees ``ActorUnavailableError`` when the
+  actor's process goes, before Ray's health checks mark the node dead); its
+  daemon and store stay, and a replacement Ray node next to them gets a
+  worker whose store holds the task node already.
+- A task failure and a rejected result on a worker: recorded as a local
+  attempt's are (``task_failed``; ``completed`` with reward 0, no node kept),
+  not retried.
+- A worker's daemon answering ``not_found`` (a store file gone) and the
+  coordinator failing an end (``internal``): infrastructure failures, the
+  attempts ended ``infra_failed(<kind>)`` and the samples retried — what once
+  made a sample of the daemon-killed test end with no attempt. Sandbox
+  options the workers' daemons refuse (``invalid_argument``): the caller's
+  mistake, raised into the samples' results, not retried.
 - A worker's daemon killed mid-step (SIGKILL): its attempts end
   ``infra_failed(unavailable)`` and are retried on the other worker, each
   sample's reward applied once.
