@@ -46,6 +46,7 @@ Needs root, ``busybox``, ``docker-registry``, the built daemon and ``ray``
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import sys
@@ -331,6 +332,16 @@ def test_a_ray_node_removed_mid_step_is_node_lost_and_retried_elsewhere(env: Env
 
     async def remove_when_busy(c: layerstack.aio.AsyncClient) -> None:
         await _when_running_on(c, run, victim)
+        # Its worker pulled the task node (a removal mid-pull leaves its
+        # daemon without it): its attempts are in their sandboxes now.
+        async with layerstack.aio.connect(env.daemons["b"]) as b:
+            deadline = time.monotonic() + 60
+            while True:
+                with contextlib.suppress(layerstack.NotFoundError):
+                    if not (await b.show_node(root)).pruned:
+                        break
+                assert time.monotonic() < deadline, f"worker b never pulled {root}"
+                await asyncio.sleep(0.05)
         t = time.monotonic()
         # Blocking (it waits for the processes to die): off the event loop
         # the fan-out runs on.
