@@ -25,8 +25,12 @@ sample, attempt 1, 2, …:
 A worker lost mid-attempt (its actor or its Ray node dies:
 ``ray.exceptions.RayActorError``, ``NodeDiedError``) ends the attempt
 ``infra_failed(node-lost)``; the sample is retried on another worker with the
-next attempt number. Workers keep no writable shared state: their daemon's
-store, nothing else.
+next attempt number. So does any other failure of the worker (its daemon, the
+registry; an error's kind is the attempt's ``infra_kind``) or of the
+coordinator's pull or end of the attempt: only a refusal of the attempt's
+own sandbox options (:class:`AttemptRefused`) or of the coordinator's begin
+with a kind that is the caller's to fix is raised. Workers keep no writable
+shared state: their daemon's store, nothing else.
 
 Needs ``ray`` (``pip install 'layerstack[ray]'``); ``import layerstack``
 does not import this module.
@@ -77,6 +81,7 @@ __all__ = [
     "AttemptTask",
     "AttemptOutcome",
     "NoWorkerError",
+    "AttemptRefused",
     "NODE_LOST",
     "start_worker",
     "fan_out_ray",
@@ -103,6 +108,33 @@ class NoWorkerError(UnavailableError):
 
     def __init__(self, message: str) -> None:
         super().__init__(None, "unavailable", message)
+
+
+#: Kinds of a worker's refused sandbox that the attempt's own options cause:
+#: the same on every worker, so the caller's to fix.
+_OPTION_ERRORS = frozenset({"invalid_argument", "unsupported"})
+
+
+class AttemptRefused(Exception):
+    """A worker's daemon refused the attempt's sandbox (the ``sandbox``
+    options of :func:`fan_out_ray`: kind ``invalid_argument`` or
+    ``unsupported``; or the client's own check of them, ``ValueError`` /
+    ``TypeError``) — the caller's mistake, the same on every worker.
+    :meth:`Worker.run_attempt` raises it; :func:`fan_out_ray` ends the attempt
+    ``infra_failed(<kind>)`` and raises :attr:`error` (the sample's result
+    holds it), with no retry. Every other failure of a worker is an
+    infrastructure failure, retried elsewhere.
+
+    Attributes:
+        error: the refusal, as the worker's client raised it.
+    """
+
+    def __init__(self, error: BaseException) -> None:
+        super().__init__(f"the worker's daemon refused the attempt's sandbox: {error}")
+        self.error = error
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        return (AttemptRefused, (self.error,))
 
 
 @dataclass(frozen=True)
@@ -329,10 +361,14 @@ class Worker:
         :class:`AttemptOutcome`.
 
         Raises the SDK's errors for infrastructure failures (the caller ends
-        the attempt ``infra_failed`` with the error's kind and retries):
-        :class:`~layerstack.errors.LayerStackError` subclasses from its
-        daemon or the registry, :class:`~layerstack.fabric.GraderLost`, or
-        whatever ``act`` raised other than :class:`~layerstack.fabric.TaskFailed`.
+        the attempt ``infra_failed`` with the error's kind and retries it on
+        another worker): :class:`~layerstack.errors.LayerStackError`
+        subclasses from its daemon or the registry, whatever their kind (a
+        ``not_found`` or ``internal`` of its daemon is its store's state, not
+        the caller's mistake), :class:`~layerstack.fabric.GraderLost`, or
+        whatever ``act`` raised other than
+        :class:`~layerstack.fabric.TaskFailed`. :class:`AttemptRefused` when
+        its daemon refused the attempt's sandbox options (not retried).
         """
         loop = asyncio.get_running_loop()
         t0 = loop.time()
@@ -345,7 +381,14 @@ class Worker:
     async def _run(self, task: AttemptTask, t0: float) -> AttemptOutcome:
         ls = self._ls()
         pulled = await self._ensure(task.node, task.reference)
-        sb = await ls.sandbox(node=task.node, name=f"ray-attempt-{task.attempt_id}", **dict(task.sandbox))
+        try:
+            sb = await ls.sandbox(node=task.node, name=f"ray-attempt-{task.attempt_id}", **dict(task.sandbox))
+        except LayerStackError as e:
+            if e.kind in _OPTION_ERRORS:
+                raise AttemptRefused(e) from None
+            raise
+        except (TypeError, ValueError) as e:  # the client's own check of the options
+            raise AttemptRefused(e) from None
         r = RemoteRollout(task, sb)
 
         def outcome(**kw: Any) -> AttemptOutcome:
@@ -525,12 +568,21 @@ async def fan_out_ray(
     ``reconnect_s``: as :func:`~layerstack.fabric.fan_out`; ``sandbox``: the
     attempt's sandbox options; ``state``: its checkpoint's logical state.
 
-    Failures: a lost worker (:data:`NODE_LOST`), an error of its daemon or
-    the registry, or of ``act`` other than ``TaskFailed``, ends the attempt
-    ``infra_failed(kind)`` and the sample is retried with the next attempt
-    number on a worker still alive (the lost one is not used again); the
-    reward is applied exactly once by the coordinator's records, and a call
-    again for the same step reruns nothing that has a reward. When every
+    Failures: a lost worker (:data:`NODE_LOST`), an error of its daemon
+    (whatever its kind: a ``not_found`` or ``internal`` there is that
+    store's state) or of the registry, or of ``act`` other than
+    ``TaskFailed``, and an error of the coordinator pulling the checkpoint
+    or recording the end, ends the attempt ``infra_failed(kind)`` and the
+    sample is retried with the next attempt number on a worker still alive
+    (not on the one that failed it while another is alive; a lost one is not
+    used again); the reward is applied exactly once by the coordinator's
+    records, and a call again for the same step reruns nothing that has a
+    reward. Raised into the sample's result (its ``errors``, no retry): the
+    worker's refusal of the ``sandbox`` options (the error
+    :class:`AttemptRefused` carries; its attempt ends
+    ``infra_failed(<kind>)``), and a begin the coordinator refuses with a
+    kind that is the caller's to fix (``invalid_argument``, ``not_found``,
+    ``failed_precondition``, …; as :func:`~layerstack.fabric.fan_out`'s). When every
     worker is lost, the remaining samples yield results whose ``errors`` hold
     :class:`NoWorkerError`. A worker that does not answer its
     :meth:`Worker.capabilities` at the start (dead, or its daemon down) is
@@ -599,11 +651,18 @@ async def _run_sample_ray(
         w = await pool.acquire(node, failed_on)
         lost = held = suspect = False
         try:
-            r = await _through_restarts(
-                lambda: ls.begin_rollout(key, number, node, policy=policy,
-                                         seed=None if seed is None else seed + i, worker=w),
-                reconnect_s,
-            )
+            try:
+                r = await _through_restarts(
+                    lambda: ls.begin_rollout(key, number, node, policy=policy,
+                                             seed=None if seed is None else seed + i, worker=w),
+                    reconnect_s,
+                )
+            except LayerStackError as e:
+                if e.kind in _CALLER_ERRORS:
+                    raise
+                # As fan_out's: the coordinator could not record it now; the next attempt.
+                errors.append(f"attempt {number} begin: {e!r}"[:2000])
+                continue
             if r.rewarded:
                 s = r.sample
                 return RolloutResult(i, key, last, s.reward if s else None, rewarded_before=True,
@@ -621,45 +680,74 @@ async def _run_sample_ray(
                 lost = True
                 failed_on.add(w)
                 errors.append(f"attempt {number} on worker {w}: lost: {e!r}"[:2000])
-                last = await _end(r, reconnect_s, infra_failed=NODE_LOST,
-                                  message=f"worker {w} was lost: {type(e).__name__}")
+                last = await _end_failed(r, last, reconnect_s, errors, number, NODE_LOST,
+                                         f"worker {w} was lost: {type(e).__name__}")
                 continue
             except ray.exceptions.RayTaskError as e:
                 cause = getattr(e, "cause", None) or e
-                if isinstance(cause, LayerStackError) and cause.kind in _CALLER_ERRORS:
-                    # The worker's daemon refused: the caller's to fix.
-                    await _end(r, reconnect_s, infra_failed=cause.kind, message=str(cause)[:1000])
-                    raise cause from None
+                if isinstance(cause, AttemptRefused):
+                    # The attempt's own sandbox options: the caller's to fix, on any worker.
+                    refused = cause.error
+                    await _end_failed(r, last, reconnect_s, errors, number, _infra_kind(refused),
+                                      str(refused)[:1000])
+                    raise refused from None
+                # Anything else of the worker — its daemon (whatever the
+                # kind: a not_found or internal there is its store's state),
+                # the registry, act — is an infrastructure failure: retried
+                # on another worker.
                 errors.append(f"attempt {number} on worker {w}: {cause!r}"[:2000])
                 failed_on.add(w)
                 suspect = isinstance(cause, UnavailableError)
-                last = await _end(r, reconnect_s, infra_failed=_infra_kind(cause), message=repr(cause)[:1000])
+                last = await _end_failed(r, last, reconnect_s, errors, number, _infra_kind(cause),
+                                         repr(cause)[:1000])
                 continue
             except ray.exceptions.RayError as e:  # e.g. an error Ray could not carry back
                 errors.append(f"attempt {number} on worker {w}: {e!r}"[:2000])
                 failed_on.add(w)
-                last = await _end(r, reconnect_s, infra_failed=type(e).__name__, message=repr(e)[:1000])
+                last = await _end_failed(r, last, reconnect_s, errors, number, type(e).__name__, repr(e)[:1000])
                 continue
             held = True  # it ran there: its store holds the node now
             if out.status == "task_failed":
-                last = await _end(r, reconnect_s, task_failed=True, message=out.message, keep="discard",
-                                  trajectory=out.trajectory)
+                try:
+                    last = await _end(r, reconnect_s, task_failed=True, message=out.message, keep="discard",
+                                      trajectory=out.trajectory)
+                except LayerStackError as e:
+                    # The coordinator could not record it (e.g. storing the
+                    # trajectory failed): nothing was recorded, the next attempt.
+                    errors.append(f"attempt {number} end: {e!r}"[:2000])
+                    last = await _end_failed(r, last, reconnect_s, errors, number, e.kind, f"end: {e}"[:1000])
+                    continue
                 return RolloutResult(i, key, last, None, errors=tuple(errors))
             result_node = None
             if out.reference is not None:
                 try:
                     got = await ls.pull(out.reference)
                 except LayerStackError as e:
-                    errors.append(f"attempt {number}: pull of {out.reference}: {e!r}")
-                    last = await _end(r, reconnect_s, infra_failed=e.kind, message=f"pull of {out.reference}: {e}"[:1000])
+                    errors.append(f"attempt {number}: pull of {out.reference}: {e!r}"[:2000])
+                    last = await _end_failed(r, last, reconnect_s, errors, number, e.kind,
+                                             f"pull of {out.reference}: {e}"[:1000])
                     continue
                 result_node = got.node
             assert out.reward is not None
-            last = await _end(
-                r, reconnect_s, reward=out.reward, accepted=out.accepted, evaluator=out.evaluator,
-                backprop=out.reward if backprop else None, trajectory=out.trajectory,
-                keep="checkpoint" if result_node is not None else "discard", result_node=result_node,
-            )
+            try:
+                last = await _end(
+                    r, reconnect_s, reward=out.reward, accepted=out.accepted, evaluator=out.evaluator,
+                    backprop=out.reward if backprop else None, trajectory=out.trajectory,
+                    keep="checkpoint" if result_node is not None else "discard", result_node=result_node,
+                )
+            except LayerStackError as e:
+                # The coordinator failed to record the end (an internal error
+                # storing its trajectory, …): as fan_out's, an infrastructure
+                # failure — ended infra_failed if it can be, and the sample
+                # goes on with the next attempt (should the end have been
+                # recorded after all, the next begin answers "rewarded").
+                errors.append(f"attempt {number} end: {e!r}"[:2000])
+                last = await _end_failed(r, last, reconnect_s, errors, number, e.kind, f"end: {e}"[:1000])
+                if last.status == "infra_failed" and result_node is not None:
+                    # No attempt keeps the pulled checkpoint: not a child to search.
+                    with contextlib.suppress(LayerStackError):
+                        await ls.prune(result_node)
+                continue
             applied = out.reward if last.applied else (await _reward(ls, key, reconnect_s))
             return RolloutResult(i, key, last, applied, grade_output=out.grade_output, errors=tuple(errors))
         except asyncio.CancelledError:
@@ -667,6 +755,19 @@ async def _run_sample_ray(
         finally:
             await pool.release(w, lost=lost, suspect=suspect, holds=node if held else None)
     return RolloutResult(i, key, last, None, errors=tuple(errors))
+
+
+async def _end_failed(r: "layerstack.aio.AsyncRollout", last: RolloutAttempt, reconnect_s: float,
+                      errors: List[str], number: int, kind: str, message: str) -> RolloutAttempt:
+    """Ends the attempt ``infra_failed(kind)``; the attempt as recorded then,
+    or ``last`` when the coordinator did not take the end (noted in
+    ``errors``: the attempt ended otherwise meanwhile, or the coordinator
+    fails; the sample goes on with its next attempt either way)."""
+    try:
+        return await _end(r, reconnect_s, infra_failed=kind, message=message)
+    except LayerStackError as e:
+        errors.append(f"attempt {number} end infra_failed({kind}): {e!r}"[:2000])
+        return last
 
 
 async def _end(r: "layerstack.aio.AsyncRollout", reconnect_s: float, **kw: Any) -> RolloutAttempt:
