@@ -442,7 +442,7 @@ class Client:
         ``key``: idempotency key; a retry whose session has ended answers
         its recorded end (``created`` False, ``output`` None) and runs
         nothing again; one whose session is still running raises
-        AbortedError. A command that cannot start (a bad argv, a module that
+        ConflictError (ABORTED). A command that cannot start (a bad argv, a module that
         does not compile) discards the session and raises the exec's error
         (InvalidArgumentError, FailedPreconditionError); the session's own
         errors as :meth:`sandbox`'s. ``check``: raise ExecError when the
