@@ -561,7 +561,7 @@ impl Engine {
         let started = Instant::now();
         let why = why.to_string();
         let done = self
-            .blocking(move |st| {
+            .blocking_here(move |st| {
                 let current = st.session(id)?;
                 if !matches!(current.owner, layerstack_store::Owner::Wasi { .. })
                     || current.released

@@ -557,7 +557,7 @@ impl Engine {
         let owner = owner_of(true, req.name);
         let key = req.idempotency_key;
         let claim = self
-            .blocking(move |st| st.claim_ready_session(id, &owner, key.as_deref(), &opts))
+            .blocking_here(move |st| st.claim_ready_session(id, &owner, key.as_deref(), &opts))
             .await?;
         Ok(match claim {
             layerstack_store::Claim::Claimed(s) => {

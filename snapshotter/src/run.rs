@@ -60,7 +60,9 @@ pub(crate) async fn run_session(
         )));
     }
     let key = create.idempotency_key.clone();
+    let started = std::time::Instant::now();
     let made = admin.sandbox_create(create).await?;
+    let created_us = started.elapsed().as_micros() as u64;
     let session = made
         .session
         .clone()
@@ -122,6 +124,7 @@ pub(crate) async fn run_session(
             }
         };
         // Dropping the exec's stream (on an early break) stops its command.
+        let ran_us = started.elapsed().as_micros() as u64;
         close.session_id = id;
         let failed = match ran {
             Ran::Exit(code) => {
@@ -143,7 +146,14 @@ pub(crate) async fn run_session(
             }
         };
         let end = admin.sandbox_close(close).await;
-        debug!(session.id = id, ok = end.is_ok(), "RunSession closed");
+        debug!(
+            session.id = id,
+            ok = end.is_ok(),
+            created_us,
+            ran_us,
+            closed_us = started.elapsed().as_micros() as u64,
+            "RunSession closed"
+        );
         let last = match (end, failed) {
             (Ok(_), Some(e)) | (Err(e), _) => Err(e),
             (Ok(s), None) => reply(api::run_session_reply::Kind::Closed(s)),

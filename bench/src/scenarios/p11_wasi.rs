@@ -40,10 +40,9 @@ const SETTLE: Duration = Duration::from_millis(150);
 
 /// Fan-out `Exec` calls in flight at once (every session is created at once
 /// and stays live; their runs are admitted this many at a time, the same for
-/// both executors). Measured: with 512 or more WASI runs at once the daemon
-/// deadlocks — each run holds one of tokio's 512 blocking threads and, inside
-/// wasmtime-wasi's synchronous preview1 calls, waits on a `spawn_blocking` of
-/// its own file operation that no free thread will ever run.
+/// both executors). The daemon itself admits `wasi::RUNS_AT_ONCE` (128) WASI
+/// runs at once since a first release run of this scenario deadlocked it
+/// with 512 (each run then held one of tokio's 512 blocking threads).
 const EXECS_AT_ONCE: usize = 256;
 
 /// The single-session variants, in the tables' order: (executor, one
@@ -754,10 +753,11 @@ pub fn run(b: &Bench, r: &mut ScenarioReport) -> Result<()> {
          every timed run names the module by its `sha256:` digest (checked: \
          `module_compiled` false). One session: `CreateSession` (`wasi` default options / \
          `sandbox` default options), `Exec` (the trivial module / `true`) to its exit, \
-         `CloseSession` DISCARD; {rounds} rounds of the two in rotating order, each sample \
+         `CloseSession` DISCARD, and the same in one `RunSession` call (create + exec + DISCARD \
+         in the daemon); {rounds} rounds of the four in rotating order, each sample \
          after a {} ms pause as in P7/P7b; then {blocks} blocks of {per_block} back to \
          back per variant, rotating. Fan-out: on a new branch per executor, {n} tasks on \
-         one HTTP/2 channel each create a session (all {n} at once, all live together) and run one write, at most {EXECS_AT_ONCE} `Exec` calls in flight (a daemon deadlock at ≥ 512 concurrent WASI runs, see the notes) (`fsops write \
+         one HTTP/2 channel each create a session (all {n} at once, all live together) and run one write, at most {EXECS_AT_ONCE} `Exec` calls in flight (`fsops write \
          /srv/w-I I` / `sh -c 'echo I > /srv/m-I'`), then {n} `CloseSession` PUBLISH at \
          once; every outcome must be committed or merged, and a Mode B session on the \
          squashed head must count {n} files, else the scenario fails. Mode B first, \
@@ -765,12 +765,11 @@ pub fn run(b: &Bench, r: &mut ScenarioReport) -> Result<()> {
         SETTLE.as_millis()
     );
     r.notes.push(format!(
-        "The fan-out admits {EXECS_AT_ONCE} `Exec` calls at a time: with all {n} at once (a \
-         first release run) the daemon deadlocked after 5 WASI runs — 512 runs each held one \
-         of tokio's 512 blocking threads (`spawn_blocking` in snapshotter/src/wasi.rs) and \
-         waited, inside wasmtime-wasi's preview1 calls (`in_tokio` → `block_on`), on a blocking \
-         task of its own that no free thread could run. A fix belongs in the daemon (bound the \
-         concurrent WASI runs below the blocking pool, or run them on threads of their own)."
+        "The fan-out admits {EXECS_AT_ONCE} `Exec` calls at a time; the daemon runs at most \
+         128 WASI modules at once (`RUNS_AT_ONCE` in snapshotter/src/wasi.rs), the rest \
+         wait for a turn: a first release run with all {n} at once deadlocked the daemon \
+         when each run held one of tokio's 512 blocking threads and waited, inside \
+         wasmtime-wasi's preview1 calls, on a blocking task of its own."
     ));
     r.time_goes = TIME_GOES.into();
     r.plots.push(PlotSpec {
