@@ -536,7 +536,7 @@ impl Engine {
         let started = Instant::now();
         let why_owned = why.to_string();
         let done = self
-            .blocking(move |st| discard_in(st, id, &why_owned, started, false))
+            .blocking(move |st| discard_in(st, id, &why_owned, started, false, |_| true))
             .await?;
         match done {
             Err(current) => Ok(current),
@@ -562,13 +562,10 @@ impl Engine {
         let why = why.to_string();
         let done = self
             .blocking_here(move |st| {
-                let current = st.session(id)?;
-                if !matches!(current.owner, layerstack_store::Owner::Wasi { .. })
-                    || current.released
-                {
-                    return Ok(None);
-                }
-                discard_in(st, id, &why, started, true).map(Result::ok)
+                let live = |s: &SessionInfo| {
+                    matches!(s.owner, layerstack_store::Owner::Wasi { .. }) && !s.released
+                };
+                discard_in(st, id, &why, started, true, live).map(Result::ok)
             })
             .await?;
         Ok(match done {
@@ -944,32 +941,27 @@ impl Engine {
 /// session whose run ended completes its release (directories to the reaper
 /// unless the outcome keeps them), and its latest graph attempt, if any, to be
 /// ended by the outcome.
-/// The blocking step of every discard (session lock held by the caller): the
-/// run's check again, `release` the owner's release first (a live WASI
-/// session closing: nothing else holds its upper), the outcome `discarded`
-/// and the session settled after it — one step, so nothing is seen half
-/// done. `Err(current)`: the run has ended or holds no lease; nothing done.
+/// The blocking step of every discard (session lock held by the caller): one
+/// write transaction of the store ([`Store::discard_session`]) — the run's
+/// check again, `release` the owner's release first (a live WASI session
+/// closing: nothing else holds its upper), the outcome `discarded` and the
+/// release completed — so nothing is seen half done. `accept`: the caller's
+/// check of the session as it is. `Err(current)`: refused, or the run has
+/// ended or holds no lease; nothing done.
 fn discard_in(
     st: &Store,
     id: SessionId,
     why: &str,
     started: Instant,
     release: bool,
+    accept: impl FnOnce(&SessionInfo) -> bool,
 ) -> Result<
     Result<(SessionInfo, Option<layerstack_store::AttemptInfo>), SessionInfo>,
     layerstack_store::StoreError,
 > {
-    let current = st.session(id)?;
-    if current.run_finished() || current.lease_manifest.is_none() {
-        return Ok(Err(current));
-    }
-    if release {
-        st.release_sandbox_session(id)?;
-    }
     let mut rec = OutcomeRecord::new(OutcomeKind::Discarded, format!("writes dropped: {why}"));
     rec.timings = Some(total_only(started));
-    st.record_outcome(id, rec, None)?;
-    settled(st, id).map(Ok)
+    st.discard_session(id, rec, release, accept)
 }
 
 fn settled(

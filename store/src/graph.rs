@@ -668,16 +668,7 @@ impl Store {
 
     /// The running attempt session `sid` carries, if any.
     pub fn attempt_of_session(&self, sid: SessionId) -> Result<Option<AttemptInfo>, StoreError> {
-        self.db.read(|conn| {
-            conn.one(
-                &format!("SELECT {ATTEMPT_COLS} FROM graph_attempts WHERE session_id = ?1 ORDER BY id DESC LIMIT 1"),
-                [sid],
-                raw_attempt,
-            )
-            .optional()?
-            .map(attempt_from)
-            .transpose()
-        })
+        self.db.read(|conn| attempt_of_session_in(conn, sid))
     }
 
     /// Starts an attempt of node `node` for `owner`: a session leasing the node's
@@ -1220,4 +1211,19 @@ fn default_attempt_policy(tx: &Transaction<'_>, sid: SessionId) -> Result<(), St
         [sid],
     )?;
     Ok(())
+}
+
+/// [`Store::attempt_of_session`] on `conn` (in a transaction of the caller's).
+pub(crate) fn attempt_of_session_in(
+    conn: &Connection,
+    sid: SessionId,
+) -> Result<Option<AttemptInfo>, StoreError> {
+    conn.one(
+        &format!("SELECT {ATTEMPT_COLS} FROM graph_attempts WHERE session_id = ?1 ORDER BY id DESC LIMIT 1"),
+        [sid],
+        raw_attempt,
+    )
+    .optional()?
+    .map(attempt_from)
+    .transpose()
 }

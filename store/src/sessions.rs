@@ -755,6 +755,80 @@ impl Store {
         })
     }
 
+    /// A discard in one write transaction, on the writer connection (whose
+    /// page cache no other writer invalidates: a reader's first read after
+    /// other connections wrote costs a reload): with `accept` content with the
+    /// session as it is and its run running with a lease, the owner's release
+    /// when `release` (a sandbox's: the close of a live WASI session), the
+    /// outcome `record` (kind `discarded`), and — the session released and
+    /// its run ended — the release completed (lease released). Directories
+    /// after the commit: a released session's dropped, another's upper made
+    /// fresh. What [`Store::release_sandbox_session`],
+    /// [`Store::record_outcome`] and [`Store::complete_release`] do in three.
+    ///
+    /// Returns the session after it and its graph attempt, or `Err(session)`
+    /// unchanged when `accept` refused it or its run has ended or holds no
+    /// lease. Errors: `SessionNotFound`; `InvalidArgument` for another kind
+    /// than `discarded`, and for `release` of a session no sandbox owns.
+    #[allow(clippy::type_complexity)]
+    pub fn discard_session(
+        &self,
+        sid: SessionId,
+        record: crate::OutcomeRecord,
+        release: bool,
+        accept: impl FnOnce(&SessionInfo) -> bool,
+    ) -> Result<Result<(SessionInfo, Option<crate::AttemptInfo>), SessionInfo>, StoreError> {
+        if record.kind != crate::OutcomeKind::Discarded {
+            return Err(StoreError::InvalidArgument(format!(
+                "discard_session records outcome discarded, not {}",
+                record.kind.as_str()
+            )));
+        }
+        let done = self.db.write(|tx| {
+            let before = self.session_info(tx, get_sess(tx, sid)?)?;
+            if !accept(&before) || before.run_finished() || before.lease_manifest.is_none() {
+                return Ok(Err(before));
+            }
+            if release {
+                if !before.owner.is_sandbox() {
+                    return Err(StoreError::InvalidArgument(format!(
+                        "session {sid} belongs to {}, not to a sandbox holder: it ends with its owner",
+                        before.owner.display()
+                    )));
+                }
+                if !before.released {
+                    tx.exec(
+                        "UPDATE sessions SET released = 1, remove_pending = 1, updated_ns = ?2 WHERE id = ?1",
+                        params![sid, now_ns()],
+                    )?;
+                }
+            }
+            let row = get_sess(tx, sid)?;
+            let released = row.released;
+            crate::publish::insert_outcome(tx, &row, &record, SessionState::Discarded, true)?;
+            // Engine `settled`'s rule: a released session whose run ended
+            // (discarded ends every run) completes its release.
+            let ended = self.session_info(tx, get_sess(tx, sid)?)?;
+            if ended.released && (ended.remove_pending || ended.owner.is_sandbox()) {
+                complete_release_in(tx, sid)?;
+            }
+            let after = self.session_info(tx, get_sess(tx, sid)?)?;
+            let attempt = crate::graph::attempt_of_session_in(tx, sid)?;
+            Ok(Ok((after, attempt, released)))
+        })?;
+        Ok(match done {
+            Err(s) => Err(s),
+            Ok((after, attempt, released)) => {
+                if released {
+                    self.drop_session_dirs(sid);
+                } else {
+                    self.reset_session_dirs(sid, true);
+                }
+                Ok((after, attempt))
+            }
+        })
+    }
+
     /// Releases session `sid` and drops what it keeps, whatever its last outcome:
     /// its lease is released and its directories are removed; its outcome stays
     /// as recorded — no new outcome row. For an operation's session (promote,
