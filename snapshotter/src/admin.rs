@@ -165,6 +165,14 @@ impl api::Admin for AdminService {
             mount_address: self.holders.mount_address().display().to_string(),
             sandbox_sessions: self.engine.sandbox_load().0 as u64,
             sandbox_max_sessions: self.engine.sandbox_load().1 as u64,
+            executors: [
+                ("linux", crate::owned::spawner_up(&self.holders)),
+                ("wasi", crate::wasi::runtime_up()),
+            ]
+            .into_iter()
+            .filter(|(_, up)| *up)
+            .map(|(name, _)| name.to_string())
+            .collect(),
         }))
     }
 

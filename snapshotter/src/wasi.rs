@@ -72,6 +72,12 @@ static RUN_TURNS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(RUN
 /// first WASI session; `Err`: why there is none.
 static RUNNER: OnceLock<Result<Arc<WasiRunner>, String>> = OnceLock::new();
 
+/// The WASI runtime starts (started now if it had not been): WASI sessions
+/// can run.
+pub(crate) fn runtime_up() -> bool {
+    runner().is_ok()
+}
+
 fn runner() -> Result<Arc<WasiRunner>, Status> {
     match RUNNER.get_or_init(|| WasiRunner::new().map(Arc::new).map_err(|e| e.to_string())) {
         Ok(r) => Ok(r.clone()),

@@ -243,7 +243,9 @@ def test_a_step_of_256_spreads_over_two_workers_and_rewards_each_sample_once(env
     assert {c.node_id for c in caps} == set(env.admins), caps
     assert env.nodes["coord"] not in env.admins, "no worker on the coordinator's node"
     assert all(c.backends == ("linux", "wasi") and c.cores >= 1 and c.memory_bytes > 0 for c in caps), caps
-    assert all(root not in c.nodes for c in caps), "the workers' stores start empty"
+    assert all(root not in c.nodes and c.stacks == () for c in caps), "the workers' stores start empty"
+    with layerstack.connect(env.coordinator) as c:
+        stack = next(g.stack for g in c.list_graphs() if g.root == root)
     n = BIG_STEP
     t0 = time.monotonic()
     results, (audit, attempts) = asyncio.run(_step(env, run, root, 0, n, write_answer, workers, per_worker=4))
@@ -256,7 +258,7 @@ def test_a_step_of_256_spreads_over_two_workers_and_rewards_each_sample_once(env
     assert all(a.worker in env.admins and a.session is None for a in attempts), attempts
     # Each worker pulled the task node once and holds it now (hot for the next step).
     caps = ray.get([w.capabilities.remote() for w in workers])
-    assert all(root in c.nodes and c.pulls == 1 for c in caps), caps
+    assert all(root in c.nodes and c.pulls == 1 and c.stacks == (stack,) for c in caps), caps
     # A checkpoint worker a made, expanded on both workers: b pulls it once,
     # a holds it already; the new checkpoints are its children.
     a_id, b_id = env.nodes["a"], env.nodes["b"]
@@ -542,6 +544,18 @@ def test_the_callers_sandbox_options_refused_on_a_worker_are_raised_not_retried(
     assert len(attempts) == n and all(a.status == "infra_failed" and a.infra_kind == REFUSED_KIND
                                       for a in attempts), attempts
     assert audit.violations == () and (audit.rewarded, audit.attempts) == (0, n), audit
+    # An executor no worker serves: nothing is begun, NoWorkerError names it.
+    import layerstack.ray as lsray
+
+    with pytest.raises(lsray.NoWorkerError, match="executor 'jvm'"):
+        asyncio.run(_step(env, run, root, 1, n, write_answer, list(_workers(env).values()),
+                          sandbox={"executor": "jvm"}))
+
+    async def audit() -> Any:
+        async with layerstack.aio.connect(env.coordinator) as c:
+            return await c.audit_run(run)
+
+    assert asyncio.run(audit()).attempts == n, "no attempt begun for the executor no worker serves"
 
 
 def test_a_workers_daemon_killed_mid_step_fails_its_attempts_and_they_are_retried(env: Env) -> None:

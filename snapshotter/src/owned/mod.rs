@@ -656,6 +656,11 @@ mod spawn;
 pub use spawn::{fork_at_start, Spawner};
 
 /// The daemon's process spawner, or why there is none (INTERNAL).
+/// The process spawner is up: daemon-owned (linux) sessions can start.
+pub(crate) fn spawner_up(holders: &crate::sandbox::Holders) -> bool {
+    matches!(holders.spawner.get(), Some(Ok(_)))
+}
+
 fn spawner(holders: &crate::sandbox::Holders) -> Result<Arc<Spawner>, Status> {
     match holders.spawner.get() {
         Some(Ok(s)) => Ok(s.clone()),

@@ -55,6 +55,7 @@ except ImportError as e:  # pragma: no cover — the message is the point
     ) from e
 
 import layerstack.aio
+from layerstack._pb import admin_pb2 as pb
 from layerstack.aio import AsyncClient, AsyncSandbox, trajectory_record
 from layerstack.errors import LayerStackError, NotFoundError, UnavailableError
 from layerstack.fabric import (
@@ -94,7 +95,8 @@ NODE_LOST = "node-lost"
 #: worker is alive.
 SUSPECT_S = 10.0
 
-#: The sandbox backends every daemon serves (`executor` of a sandbox).
+#: The sandbox backends (``executor`` of a sandbox) a daemon can serve; a
+#: worker reports those its daemon's ``Status.executors`` names.
 BACKENDS = ("linux", "wasi")
 
 #: What a lost worker raises at its caller: its actor died (killed, its process
@@ -146,7 +148,9 @@ class WorkerInfo:
             (default: its Ray node id).
         node_id: the Ray node id (hex) it runs on, next to its daemon.
         admin: its daemon's admin socket path.
-        backends: the sandbox backends its daemon serves (``linux``, ``wasi``).
+        backends: the sandbox backends its daemon serves now (``linux``,
+            ``wasi``: its ``Status.executors``); :func:`fan_out_ray` places
+            an attempt only on a worker serving the sandbox's ``executor``.
         cores: CPU cores of the machine (``os.cpu_count()``).
         memory_bytes: the machine's memory, bytes (``MemTotal``).
         nodes: the graph nodes its store holds (not pruned), by id: an attempt
@@ -154,6 +158,8 @@ class WorkerInfo:
         running: attempts it runs now.
         pulls: graph nodes it pulled from the registry since it started (a
             node it holds is never pulled again).
+        stacks: the stacks (bases) its store holds, by id: a pull of a node
+            on one of them fetches no base layer.
     """
 
     name: str
@@ -165,6 +171,7 @@ class WorkerInfo:
     nodes: Tuple[str, ...]
     running: int
     pulls: int = 0
+    stacks: Tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -323,11 +330,14 @@ class Worker:
         nodes: List[str] = []
         for g in await ls.list_graphs():
             nodes.extend(n.id for n in (await ls.show_graph(g.name)).nodes if not n.pruned)
+        status = await ls.status()
+        stacks = await ls._call(ls._stub.ListStacks, pb.ListStacksRequest(all_namespaces=True, page_size=10000))
         return WorkerInfo(
             name=self.name,
             node_id=self.node_id,
             admin=self.admin,
-            backends=BACKENDS,
+            backends=tuple(b for b in BACKENDS if b in status.executors),
+            stacks=tuple(sorted(st.id for st in stacks.stacks)),
             cores=os.cpu_count() or 1,
             memory_bytes=_memory_bytes(),
             nodes=tuple(sorted(nodes)),
@@ -600,7 +610,15 @@ async def fan_out_ray(
             f"none of the {len(workers)} worker(s) answered: {answers[0]!r}"[:2000]
             + "; start workers (start_worker) next to running daemons"
         )
-    pool = _Pool(live, per_worker)
+    executor = str((sandbox or {}).get("executor", "linux"))
+    serving = [(w, a) for w, a in live if executor in a.backends]
+    if not serving:
+        raise NoWorkerError(
+            f"none of the {len(live)} live worker(s) serves executor {executor!r} "
+            f"(their backends: {sorted({b for _, a in live for b in a.backends})}); "
+            "start workers next to daemons that can run it"
+        )
+    pool = _Pool(serving, per_worker)
     reference = f"{registry}:{node}"
     await coordinator.push(reference, node=node)
 

@@ -280,6 +280,8 @@ class Status:
     mount_address: str
     sandbox_sessions: int
     sandbox_max_sessions: int
+    #: Executors the daemon can run sessions with now: "linux", "wasi".
+    executors: Tuple[str, ...] = ()
 
     @classmethod
     def from_pb(cls, s: pb.StatusResponse) -> "Status":
@@ -293,6 +295,7 @@ class Status:
             mount_address=s.mount_address,
             sandbox_sessions=s.sandbox_sessions,
             sandbox_max_sessions=s.sandbox_max_sessions,
+            executors=tuple(s.executors),
         )
 
 

@@ -1270,7 +1270,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("version", "root", "containerd_address", "events_subscribed", "default_branch", "pid", "metrics_address", "mount_address", "sandbox_sessions", "sandbox_max_sessions")
+    __slots__ = ("version", "root", "containerd_address", "events_subscribed", "default_branch", "pid", "metrics_address", "mount_address", "sandbox_sessions", "sandbox_max_sessions", "executors")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     ROOT_FIELD_NUMBER: _ClassVar[int]
     CONTAINERD_ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -1281,6 +1281,7 @@ class StatusResponse(_message.Message):
     MOUNT_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     SANDBOX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     SANDBOX_MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    EXECUTORS_FIELD_NUMBER: _ClassVar[int]
     version: str
     root: str
     containerd_address: str
@@ -1291,7 +1292,8 @@ class StatusResponse(_message.Message):
     mount_address: str
     sandbox_sessions: int
     sandbox_max_sessions: int
-    def __init__(self, version: _Optional[str] = ..., root: _Optional[str] = ..., containerd_address: _Optional[str] = ..., events_subscribed: _Optional[bool] = ..., default_branch: _Optional[str] = ..., pid: _Optional[int] = ..., metrics_address: _Optional[str] = ..., mount_address: _Optional[str] = ..., sandbox_sessions: _Optional[int] = ..., sandbox_max_sessions: _Optional[int] = ...) -> None: ...
+    executors: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, version: _Optional[str] = ..., root: _Optional[str] = ..., containerd_address: _Optional[str] = ..., events_subscribed: _Optional[bool] = ..., default_branch: _Optional[str] = ..., pid: _Optional[int] = ..., metrics_address: _Optional[str] = ..., mount_address: _Optional[str] = ..., sandbox_sessions: _Optional[int] = ..., sandbox_max_sessions: _Optional[int] = ..., executors: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Branch(_message.Message):
     __slots__ = ("stack", "name", "head", "depth", "updated_ns")

@@ -650,7 +650,7 @@ class AdminServicer:
         not the caller is still there. With an idempotency key that names an
         ended session, the session and its recorded end are answered and
         nothing runs again; one whose session is still live is refused
-        (ABORTED: a first call is still running it).
+        (ABORTED, kind conflict: a first call is still running it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
