@@ -265,6 +265,7 @@ impl Engine {
         &self,
         f: impl FnOnce(&Store) -> Result<T, StoreError> + Send + 'static,
     ) -> Result<T, EngineError> {
+        // (Send + 'static: the single-thread fallback hands `f` to the pool.)
         if tokio::runtime::Handle::current().runtime_flavor()
             != tokio::runtime::RuntimeFlavor::MultiThread
         {

@@ -969,14 +969,7 @@ fn settled(
     id: SessionId,
 ) -> Result<(SessionInfo, Option<layerstack_store::AttemptInfo>), layerstack_store::StoreError> {
     let mut s = st.session(id)?;
-    // A sandbox session is released when its holder closes it; one that
-    // conflicted then kept its upper and lease (and may have been rebased): a
-    // later outcome that ends its run completes the release (nothing mounts it
-    // again). Not a container's: containerd's Commit may have made its upper a
-    // layer in place.
-    let sandbox_run_ended =
-        s.owner.is_sandbox() && s.outcome.as_ref().is_some_and(|o| !o.kind.is_retryable());
-    if s.released && s.outcome.is_some() && (s.remove_pending || sandbox_run_ended) {
+    if s.release_due() {
         st.complete_release(id)?;
         s = st.session(id)?;
     }

@@ -380,6 +380,19 @@ impl SessionInfo {
             .as_ref()
             .is_some_and(|o| !o.kind.is_retryable())
     }
+
+    /// Whether its release is due to complete ([`Store::complete_release`]):
+    /// released by its owner, an outcome recorded, and either a release
+    /// pending or a sandbox's run ended. A sandbox session that conflicted
+    /// kept its upper and lease (and may have been rebased): a later outcome
+    /// that ends its run completes the release (nothing mounts it again). Not
+    /// a container's: containerd's Commit may have made its upper a layer in
+    /// place.
+    pub fn release_due(&self) -> bool {
+        self.released
+            && self.outcome.is_some()
+            && (self.remove_pending || (self.owner.is_sandbox() && self.run_finished()))
+    }
 }
 
 /// One entry of `layerstack log`: a layer on a branch, newest first.

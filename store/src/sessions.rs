@@ -738,19 +738,7 @@ impl Store {
     /// operation owns the session (it ends with its owner).
     pub fn release_sandbox_session(&self, sid: SessionId) -> Result<SessionInfo, StoreError> {
         self.db.write(|tx| {
-            let s = get_sess(tx, sid)?;
-            if !s.owner.is_sandbox() {
-                return Err(StoreError::InvalidArgument(format!(
-                    "session {sid} belongs to {}, not to a sandbox holder: it ends with its owner",
-                    s.owner.display()
-                )));
-            }
-            if !s.released {
-                tx.exec(
-                    "UPDATE sessions SET released = 1, remove_pending = 1, updated_ns = ?2 WHERE id = ?1",
-                    params![sid, now_ns()],
-                )?;
-            }
+            release_sandbox_in(tx, sid)?;
             self.session_info(tx, get_sess(tx, sid)?)
         })
     }
@@ -790,26 +778,12 @@ impl Store {
                 return Ok(Err(before));
             }
             if release {
-                if !before.owner.is_sandbox() {
-                    return Err(StoreError::InvalidArgument(format!(
-                        "session {sid} belongs to {}, not to a sandbox holder: it ends with its owner",
-                        before.owner.display()
-                    )));
-                }
-                if !before.released {
-                    tx.exec(
-                        "UPDATE sessions SET released = 1, remove_pending = 1, updated_ns = ?2 WHERE id = ?1",
-                        params![sid, now_ns()],
-                    )?;
-                }
+                release_sandbox_in(tx, sid)?;
             }
             let row = get_sess(tx, sid)?;
             let released = row.released;
             crate::publish::insert_outcome(tx, &row, &record, SessionState::Discarded, true)?;
-            // Engine `settled`'s rule: a released session whose run ended
-            // (discarded ends every run) completes its release.
-            let ended = self.session_info(tx, get_sess(tx, sid)?)?;
-            if ended.released && (ended.remove_pending || ended.owner.is_sandbox()) {
+            if self.session_info(tx, get_sess(tx, sid)?)?.release_due() {
                 complete_release_in(tx, sid)?;
             }
             let after = self.session_info(tx, get_sess(tx, sid)?)?;
@@ -949,6 +923,27 @@ impl Store {
 
 /// The rows of [`Store::complete_release`]; true when the session's
 /// directories are to be removed.
+/// The owner's release of sandbox session `sid` (released, its removal
+/// pending), once: [`Store::release_sandbox_session`]'s step. Errors:
+/// `SessionNotFound`; `InvalidArgument` when a container or an operation owns
+/// it (it ends with its owner).
+fn release_sandbox_in(tx: &rusqlite::Transaction<'_>, sid: SessionId) -> Result<(), StoreError> {
+    let s = get_sess(tx, sid)?;
+    if !s.owner.is_sandbox() {
+        return Err(StoreError::InvalidArgument(format!(
+            "session {sid} belongs to {}, not to a sandbox holder: it ends with its owner",
+            s.owner.display()
+        )));
+    }
+    if !s.released {
+        tx.exec(
+            "UPDATE sessions SET released = 1, remove_pending = 1, updated_ns = ?2 WHERE id = ?1",
+            params![sid, now_ns()],
+        )?;
+    }
+    Ok(())
+}
+
 fn complete_release_in(tx: &rusqlite::Transaction<'_>, sid: SessionId) -> Result<bool, StoreError> {
     let s = get_sess(tx, sid)?;
     if !s.released {

@@ -651,7 +651,7 @@ def run_request(
     options, wasi = executor_options(
         executor,
         network=network,
-        user=None,
+        user=user,
         workdir=workdir,
         env=None,
         hostname=hostname,
@@ -662,8 +662,6 @@ def run_request(
         fuel=fuel,
         run_timeout_s=run_timeout_s,
     )
-    if executor == "wasi" and user is not None:
-        raise ValueError("user=: not for executor='wasi' (a WASI module runs as no user)")
     create = create_request(
         namespace,
         stack=stack,
