@@ -97,6 +97,35 @@ pub fn render(format: ErrorFormat, e: &anyhow::Error) -> String {
     }
 }
 
+/// The error format of a parsed command line: `--error-format` (or
+/// `LAYERSTACK_ERROR_FORMAT`) when given; otherwise json when the command
+/// asked for JSON output (`--json`: a program reading a command's output
+/// reads its failure the same way), else text.
+pub fn effective_format(matches: &clap::ArgMatches, parsed: ErrorFormat) -> ErrorFormat {
+    let given = matches
+        .value_source("error_format")
+        .is_some_and(|s| s != clap::parser::ValueSource::DefaultValue);
+    if given {
+        return parsed;
+    }
+    let mut m = matches;
+    loop {
+        let json = m
+            .try_get_one::<bool>("json")
+            .ok()
+            .flatten()
+            .copied()
+            .unwrap_or(false);
+        if json {
+            return ErrorFormat::Json;
+        }
+        match m.subcommand() {
+            Some((_, sub)) => m = sub,
+            None => return parsed,
+        }
+    }
+}
+
 /// Prints `e` on stderr in `format`.
 pub fn report(format: ErrorFormat, e: &anyhow::Error) {
     eprintln!("{}", render(format, e));

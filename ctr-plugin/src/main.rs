@@ -29,7 +29,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::Result;
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use layerstack_api as api;
 
 /// A client of the daemon's admin socket.
@@ -104,7 +104,8 @@ pub struct Cli {
     #[arg(long, env = "LAYERSTACK_MOUNT_ADDRESS", global = true)]
     pub mount_address: Option<PathBuf>,
     /// How an error is printed on stderr: `layerstack: MESSAGE` (text), or one
-    /// line `{"error":{"kind":KIND,"message":MESSAGE}}` (json), KIND spelled as
+    /// line `{"error":{"kind":KIND,"message":MESSAGE}}` (json; the default of a
+    /// command given `--json`), KIND spelled as
     /// everywhere (not_found, already_exists, failed_precondition,
     /// invalid_argument, conflict, unavailable, busy, unsupported, corrupt,
     /// internal, no_space, permission_denied, unauthenticated).
@@ -273,7 +274,12 @@ pub enum SessionCmd {
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    let mut cli = match Cli::from_arg_matches(&matches) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
+    cli.error_format = errors::effective_format(&matches, cli.error_format);
     let error_format = cli.error_format;
     let result = match cli.cmd {
         Cmd::Config(args) => config::run(args, cli.admin_address),
@@ -325,7 +331,6 @@ async fn main() -> ExitCode {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
-    use clap::CommandFactory;
 
     fn walk(cmd: &clap::Command, path: &str, f: &mut impl FnMut(&str, &clap::Arg)) {
         for a in cmd.get_arguments() {
@@ -416,5 +421,28 @@ mod tests {
         for what in ["nerdctl", "docker", "shim", "daemon", "crio-none"] {
             Cli::try_parse_from(["layerstack", "config", what]).unwrap();
         }
+    }
+
+    /// A command asked for `--json` fails in JSON; `--error-format` wins.
+    #[test]
+    fn json_output_means_json_errors() {
+        let format = |args: &[&str]| {
+            let m = Cli::command().try_get_matches_from(args).unwrap();
+            let cli = Cli::from_arg_matches(&m).unwrap();
+            errors::effective_format(&m, cli.error_format)
+        };
+        use errors::ErrorFormat::{Json, Text};
+        let push = ["layerstack", "push", "--node", "n1", "r.example/x"];
+        assert_eq!(format(&push), Text);
+        let json: Vec<&str> = push.iter().copied().chain(["--json"]).collect();
+        assert_eq!(format(&json), Json);
+        let text: Vec<&str> = json
+            .iter()
+            .copied()
+            .chain(["--error-format", "text"])
+            .collect();
+        assert_eq!(format(&text), Text);
+        assert_eq!(format(&["layerstack", "graph", "ls", "--json"]), Json);
+        assert_eq!(format(&["layerstack", "fsck", "--json"]), Json);
     }
 }
