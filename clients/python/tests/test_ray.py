@@ -613,8 +613,6 @@ def test_workers_register_in_ray_once_per_node_and_fan_out_ray_finds_them(env: E
         assert (w.actor, i.actor, i.name) == (lsray.worker_actor_name(node_id),) * 2 + (node_id,), w
         assert i.admin == str(env.admins[node_id]) and i.backends == ("linux", "wasi"), i
         assert i.cores >= 1 and i.memory_bytes > 0 and i.running == 0, i
-        # The earlier tests' runs left their stacks and nodes in both stores.
-        assert i.stacks and i.nodes, i
         assert w.handle._actor_id == first[node_id]._actor_id
 
     # fan_out_ray with no workers list: the registered ones.
@@ -622,7 +620,14 @@ def test_workers_register_in_ray_once_per_node_and_fan_out_ray_finds_them(env: E
     results, (audit, attempts) = asyncio.run(_step(env, run, root, 0, n, write_answer, None))
     _check_step(env, root, results, n)
     assert audit.violations == () and (audit.samples, audit.rewarded, audit.attempts) == (n, n, n), audit
-    assert {a.worker for a in attempts} <= {a_id, b_id}, attempts
+    ran = {a.worker for a in attempts}
+    assert ran <= {a_id, b_id}, attempts
+    # What discovery reports changed with the step: the workers that ran it
+    # hold the task node and its stack now.
+    with layerstack.connect(env.coordinator) as c:
+        stack = next(g.stack for g in c.list_graphs() if g.root == root)
+    infos = {w.info.node_id: w.info for w in lsray.discover_workers().workers}
+    assert all(root in infos[w].nodes and stack in infos[w].stacks for w in ran), infos
 
     # A killed worker is no longer found; a step runs on the other one.
     ray.kill(first[b_id], no_restart=True)
