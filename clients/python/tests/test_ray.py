@@ -6,7 +6,8 @@ head node is the coordinator's: the driver (this test) runs ``fan_out_ray``
 there against the coordinating daemon (the run's records), with no worker
 and no CPU for Ray to place anything on; nodes a and b each run a
 :class:`layerstack.ray.Worker` next to their daemon, and the attempts go to
-those two only (``fan_out_ray`` places attempts on the workers it is given).
+those two only (``fan_out_ray`` places attempts on the workers it is given,
+or on those registered: none is started on the head).
 Checkpoints move through Debian's ``docker-registry`` started privately on
 127.0.0.1. The base is imported (``import_base``): no containerd. Each Ray
 node's object store is the 80 MiB minimum.
@@ -34,9 +35,16 @@ node's object store is the 80 MiB minimum.
   made a sample of the daemon-killed test end with no attempt. Sandbox
   options the workers' daemons refuse (``invalid_argument``): the caller's
   mistake, raised into the samples' results, not retried.
+- Workers registered in Ray (named actors in the namespace ``layerstack``):
+  ``start_workers`` twice starts one per node carrying ``layerstack-daemon``
+  (a and b; the head has none); ``discover_workers`` finds both with their
+  capabilities; ``fan_out_ray`` without a workers list runs on them; a killed
+  worker is no longer found, and with none left a step raises
+  ``NoWorkerError``.
 - A worker's daemon killed mid-step (SIGKILL): its attempts end
   ``infra_failed(unavailable)`` and are retried on the other worker, each
-  sample's reward applied once.
+  sample's reward applied once; discovery then skips that worker, saying
+  its daemon does not answer.
 
 Needs root, ``busybox``, ``docker-registry``, the built daemon and ``ray``
 (``pip install 'layerstack[ray]'``); skips without them, except with
@@ -52,7 +60,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Dict, Iterator, List, NamedTuple
+from typing import Any, Dict, Iterator, List, NamedTuple, Optional
 
 import pytest
 
@@ -96,9 +104,13 @@ class Env(NamedTuple):
 
 
 def _add_worker_node(cluster: Any, name: str) -> Any:
-    """A Ray node with the custom resource ``layerstack-<name>`` (nothing asks
-    for CPUs of it: workers take none)."""
-    return cluster.add_node(num_cpus=1, resources={f"layerstack-{name}": 1}, object_store_memory=OBJECT_STORE)
+    """A Ray node with the custom resources ``layerstack-<name>`` and
+    ``layerstack-daemon`` (the head has none: no worker is started there;
+    nothing asks for CPUs of it: workers take none)."""
+    import layerstack.ray as lsray
+
+    return cluster.add_node(num_cpus=1, resources={f"layerstack-{name}": 1, lsray.DAEMON_RESOURCE: 1},
+                            object_store_memory=OBJECT_STORE)
 
 
 def _node_ids() -> Dict[str, str]:
@@ -179,10 +191,11 @@ def _setup(env: Env, run: str) -> str:
     return g.root
 
 
-async def _step(env: Env, run: str, root: str, step: int, n: int, act: Any, workers: List[Any],
+async def _step(env: Env, run: str, root: str, step: int, n: int, act: Any, workers: Optional[List[Any]],
                 during: Any = None, per_worker: int = 2, coordinator: Any = None,
                 sandbox: Any = None) -> "tuple[List[RolloutResult], Any]":
-    """One step of ``n`` samples of ``root`` on ``workers``: its results, the
+    """One step of ``n`` samples of ``root`` on ``workers`` (``None``: the
+    registered ones): its results, the
     run's audit and the step's attempts. ``during(c)`` runs beside it;
     ``coordinator(c)`` is what fan_out_ray is given instead of the client."""
     import layerstack.ray as lsray
@@ -558,6 +571,83 @@ def test_the_callers_sandbox_options_refused_on_a_worker_are_raised_not_retried(
     assert asyncio.run(audit()).attempts == n, "no attempt begun for the executor no worker serves"
 
 
+def test_workers_register_in_ray_once_per_node_and_fan_out_ray_finds_them(env: Env) -> None:
+    """Registration on Ray's own names: start_workers twice starts one actor
+    per daemon node (the head, without the ``layerstack-daemon`` resource, has
+    none); discover_workers finds them with their capabilities; fan_out_ray
+    with no workers list runs on them; a killed worker is no longer found,
+    and with none left a step raises NoWorkerError naming start_workers."""
+    import layerstack.ray as lsray
+
+    run = f"ray-registry-{os.getpid()}"
+    root = _setup(env, run)
+    a_id, b_id = env.nodes["a"], env.nodes["b"]
+    asked: List[str] = []
+
+    def admin_for(node: Dict[str, Any]) -> str:
+        asked.append(node["NodeID"])
+        return str(env.admins[node["NodeID"]])
+
+    first = lsray.start_workers(admin_for)
+    again = lsray.start_workers(admin_for)
+    assert sorted(asked) == sorted([a_id, b_id] * 2), "only the nodes carrying layerstack-daemon"
+    assert set(first) == set(again) == {a_id, b_id}, (first, again)
+    assert all(first[k]._actor_id == again[k]._actor_id for k in first), "a second start answers the first actor"
+    assert lsray.start_worker(a_id, str(env.admins[a_id]))._actor_id == first[a_id]._actor_id
+    registered = sorted(x["name"] for x in ray.util.list_named_actors(all_namespaces=True)
+                        if x["namespace"] == lsray.NAMESPACE)
+    assert registered == sorted(lsray.worker_actor_name(k) for k in (a_id, b_id)), registered
+    # Another daemon for a node that has a worker: refused, nothing started.
+    with pytest.raises(ValueError, match="has a worker already"):
+        lsray.start_worker(a_id, str(env.daemons["coord"]))
+    # The same with a mapping node id -> admin: the same actors.
+    mapped = lsray.start_workers({a_id: str(env.admins[a_id])})
+    assert list(mapped) == [a_id] and mapped[a_id]._actor_id == first[a_id]._actor_id
+
+    found = lsray.discover_workers()
+    assert found.skipped == (), found.skipped
+    by_node = {w.info.node_id: w for w in found.workers}
+    assert set(by_node) == {a_id, b_id}, found
+    for node_id, w in by_node.items():
+        i = w.info
+        assert (w.actor, i.actor, i.name) == (lsray.worker_actor_name(node_id),) * 2 + (node_id,), w
+        assert i.admin == str(env.admins[node_id]) and i.backends == ("linux", "wasi"), i
+        assert i.cores >= 1 and i.memory_bytes > 0 and i.running == 0, i
+        assert w.handle._actor_id == first[node_id]._actor_id
+
+    # fan_out_ray with no workers list: the registered ones.
+    n = 4
+    results, (audit, attempts) = asyncio.run(_step(env, run, root, 0, n, write_answer, None))
+    _check_step(env, root, results, n)
+    assert audit.violations == () and (audit.samples, audit.rewarded, audit.attempts) == (n, n, n), audit
+    ran = {a.worker for a in attempts}
+    assert ran <= {a_id, b_id}, attempts
+    # What discovery reports changed with the step: the workers that ran it
+    # hold the task node and its stack now.
+    with layerstack.connect(env.coordinator) as c:
+        stack = next(g.stack for g in c.list_graphs() if g.root == root)
+    infos = {w.info.node_id: w.info for w in lsray.discover_workers().workers}
+    assert all(root in infos[w].nodes and stack in infos[w].stacks for w in ran), infos
+
+    # A killed worker is no longer found; a step runs on the other one.
+    ray.kill(first[b_id], no_restart=True)
+    found = lsray.discover_workers()
+    assert [w.info.node_id for w in found.workers] == [a_id], found
+    nxt, (_, attempts1) = asyncio.run(_step(env, run, root, 1, 2, write_answer, None))
+    assert all(r.reward == 1.0 for r in nxt) and {a.worker for a in attempts1} == {a_id}, (nxt, attempts1)
+    # With none registered, nothing is begun: NoWorkerError says what to do.
+    ray.kill(first[a_id], no_restart=True)
+    assert lsray.discover_workers().workers == ()
+    with pytest.raises(lsray.NoWorkerError, match="start_workers") as e:
+        asyncio.run(_step(env, run, root, 2, 2, write_answer, None))
+    assert e.value.kind == "unavailable" and repr(lsray.NAMESPACE) in str(e.value), e.value
+
+    # Started again: new actors, registered under the same names.
+    back = lsray.start_workers(admin_for)
+    assert set(back) == {a_id, b_id} and all(back[k]._actor_id != first[k]._actor_id for k in back), back
+    assert {w.info.node_id for w in lsray.discover_workers().workers} == {a_id, b_id}
+
+
 def test_a_workers_daemon_killed_mid_step_fails_its_attempts_and_they_are_retried(env: Env) -> None:
     """The last test of the module: worker b's daemon stays dead after it."""
     import layerstack.ray as lsray
@@ -588,3 +678,8 @@ def test_a_workers_daemon_killed_mid_step_fails_its_attempts_and_they_are_retrie
     # The worker's actor outlived its daemon: it answers, its daemon does not.
     with pytest.raises(layerstack.UnavailableError):
         ray.get(workers[victim].capabilities.remote())
+    # Discovery skips it, saying why; the other worker is found.
+    found = lsray.discover_workers()
+    assert [w.info.node_id for w in found.workers] == [env.nodes["a"]], found
+    assert [actor for actor, _ in found.skipped] == [lsray.worker_actor_name(victim)], found.skipped
+    assert "its daemon does not answer" in found.skipped[0][1] and "navailable" in found.skipped[0][1], found

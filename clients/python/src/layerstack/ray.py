@@ -3,7 +3,14 @@
 A store belongs to one machine, so a cluster runs one LayerStack daemon per
 Ray node, and one :class:`Worker` actor next to each daemon
 (:func:`start_worker` pins it to its node with Ray's
-``NodeAffinitySchedulingStrategy``). The rollout records — runs, attempts,
+``NodeAffinitySchedulingStrategy``). Workers register with Ray itself: each is
+a named actor, ``layerstack-worker:<Ray node id>`` in the Ray namespace
+``layerstack`` (:data:`NAMESPACE`), so a node has at most one, a second
+:func:`start_worker` there answers the first, and any driver of the cluster
+finds the live ones with :func:`discover_workers` (Ray's
+``list_named_actors``). :func:`start_workers` starts one on every alive node
+that carries the custom resource (or node label) ``layerstack-daemon``
+(:data:`DAEMON_RESOURCE`). The rollout records — runs, attempts,
 rewards — stay with one **coordinating** daemon, the one the run was created
 on. Checkpoints move between the machines as OCI images through a registry
 (``push`` / ``pull``; node ids are global and a pulled node keeps its id).
@@ -41,9 +48,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple
+from typing import (
+    Any, AsyncIterator, Awaitable, Callable, Dict, List, Mapping, Optional, Sequence, Set, Tuple, Union,
+)
 
 try:
     import ray
@@ -78,15 +88,37 @@ __all__ = [
     "Worker",
     "WorkerInfo",
     "WorkerHandle",
+    "RegisteredWorker",
+    "Discovery",
     "RemoteRollout",
     "AttemptTask",
     "AttemptOutcome",
     "NoWorkerError",
     "AttemptRefused",
     "NODE_LOST",
+    "NAMESPACE",
+    "DAEMON_RESOURCE",
+    "worker_actor_name",
     "start_worker",
+    "start_workers",
+    "discover_workers",
     "fan_out_ray",
 ]
+
+_log = logging.getLogger(__name__)
+
+#: The Ray namespace workers register in (their actors' names:
+#: :func:`worker_actor_name`).
+NAMESPACE = "layerstack"
+
+#: The prefix of a worker's Ray actor name; the Ray node id (hex) follows.
+WORKER_PREFIX = "layerstack-worker:"
+
+#: The custom resource (or node label key) of a Ray node that runs a
+#: LayerStack daemon: ``ray start --resources='{"layerstack-daemon": 1}'``.
+#: :func:`start_workers` starts a worker on each alive node carrying it; a
+#: worker does not consume it.
+DAEMON_RESOURCE = "layerstack-daemon"
 
 #: The infra_failed kind of an attempt whose worker was lost.
 NODE_LOST = "node-lost"
@@ -105,8 +137,11 @@ _LOST = (ray.exceptions.RayActorError, ray.exceptions.NodeDiedError, ray.excepti
 
 
 class NoWorkerError(UnavailableError):
-    """No live worker is left to run an attempt on (every one was lost):
-    kind ``unavailable``. Start workers again (:func:`start_worker`)."""
+    """No live worker to run an attempt on: none is registered, none of those
+    registered or given answers, none serves the sandbox's executor, or every
+    one was lost mid-step; or :func:`start_workers` found no node to start one
+    on. Kind ``unavailable``; the message names what to do (start workers:
+    :func:`start_workers`, :func:`start_worker`)."""
 
     def __init__(self, message: str) -> None:
         super().__init__(None, "unavailable", message)
@@ -160,6 +195,8 @@ class WorkerInfo:
             node it holds is never pulled again).
         stacks: the stacks (bases) its store holds, by id: a pull of a node
             on one of them fetches no base layer.
+        actor: its Ray actor name (:func:`worker_actor_name`: registered in
+            :data:`NAMESPACE`), "" for an actor started without a name.
     """
 
     name: str
@@ -172,6 +209,39 @@ class WorkerInfo:
     running: int
     pulls: int = 0
     stacks: Tuple[str, ...] = ()
+    actor: str = ""
+
+
+@dataclass(frozen=True)
+class RegisteredWorker:
+    """A live registered worker, as :func:`discover_workers` found it.
+
+    Attributes:
+        actor: its Ray actor name (in the namespace discovery searched).
+        handle: its actor handle (``handle.run_attempt.remote(…)``).
+        info: its capabilities, read during the discovery.
+    """
+
+    actor: str
+    handle: "WorkerHandle"
+    info: WorkerInfo
+
+
+@dataclass(frozen=True)
+class Discovery:
+    """What :func:`discover_workers` found.
+
+    Attributes:
+        workers: the live registered workers, by actor name.
+        skipped: ``(actor name, why)`` of each registered worker not used: it
+            died since it was listed, its actor or node is dead, it did not
+            answer within the timeout, or its daemon does not answer (the
+            error's repr). Each is logged too (``logging``, logger
+            ``layerstack.ray``, level WARNING).
+    """
+
+    workers: Tuple[RegisteredWorker, ...]
+    skipped: Tuple[Tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -311,8 +381,10 @@ class Worker:
 
     def __init__(self, admin: str, name: Optional[str] = None) -> None:
         self.admin = admin
-        self.node_id = ray.get_runtime_context().get_node_id()
+        ctx = ray.get_runtime_context()
+        self.node_id = ctx.get_node_id()
         self.name = name or self.node_id
+        self.actor = ctx.get_actor_name() or ""
         self._client: Optional[AsyncClient] = None
         self._pulls: Dict[str, asyncio.Lock] = {}
         self._running = 0
@@ -323,6 +395,11 @@ class Worker:
         if self._client is None:
             self._client = layerstack.aio.connect(self.admin)
         return self._client
+
+    async def identity(self) -> Tuple[str, str, str]:
+        """``(name, Ray node id, admin socket)``, without asking its daemon
+        (what :func:`start_worker` checks of a registered worker)."""
+        return self.name, self.node_id, self.admin
 
     async def capabilities(self) -> WorkerInfo:
         """The worker's :class:`WorkerInfo` (its daemon's nodes read now)."""
@@ -343,6 +420,7 @@ class Worker:
             nodes=tuple(sorted(nodes)),
             running=self._running,
             pulls=self._pulled,
+            actor=self.actor,
         )
 
     async def _ensure(self, node: str, reference: str) -> bool:
@@ -465,20 +543,199 @@ class Worker:
 WorkerHandle = Any
 
 
+def worker_actor_name(node_id: str) -> str:
+    """The Ray actor name of the worker on Ray node ``node_id`` (hex):
+    ``layerstack-worker:<node_id>``, in the namespace :data:`NAMESPACE`."""
+    return WORKER_PREFIX + node_id
+
+
 def start_worker(node_id: str, admin: str, *, name: Optional[str] = None,
-                 max_concurrency: int = 64) -> WorkerHandle:
-    """Starts a :class:`Worker` actor on Ray node ``node_id`` (hex, as
+                 max_concurrency: int = 64, detached: bool = False,
+                 namespace: str = NAMESPACE, timeout_s: float = 30.0) -> WorkerHandle:
+    """Starts the :class:`Worker` actor of Ray node ``node_id`` (hex, as
     ``ray.nodes()`` names it; hard node affinity: it runs there or not at
-    all), for the daemon whose admin socket is ``admin`` on that node. It
-    takes no CPU of the node (``num_cpus=0``: the sandboxes are the daemon's);
-    up to ``max_concurrency`` attempts run on it at once. Returns its actor
-    handle."""
+    all), for the daemon whose admin socket is ``admin`` on that node, and
+    answers its actor handle. It takes no CPU of the node (``num_cpus=0``:
+    the sandboxes are the daemon's); up to ``max_concurrency`` attempts run
+    on it at once. ``name``: recorded as its attempts' ``worker`` (default
+    the node id).
+
+    It registers as the named actor :func:`worker_actor_name` (``node_id``)
+    in the Ray namespace ``namespace`` (:func:`discover_workers` finds it).
+    ``detached``: Ray's ``lifetime="detached"`` — it outlives the driver
+    that started it, until ``ray.kill`` or its node goes. Otherwise it lives
+    as long as the driver process that started it (this module holds its
+    original handle: Ray ends a non-detached actor when the last one goes,
+    and handles found by name do not count), or until ``ray.kill``.
+
+    One worker per node: when one is registered there already, that one is
+    answered (Ray's ``get_if_exists``), not a second — after a check that it
+    serves the same ``admin`` (and ``name``, when given), a call that waits
+    up to ``timeout_s`` seconds for its answer. A registered worker found
+    dead is replaced. Two drivers starting a node's worker at the same time
+    get the same actor, whatever its admin.
+
+    Raises:
+        ValueError: the node's registered worker serves another daemon
+            (``admin``) or has another ``name``; stop it first
+            (``ray.kill(ray.get_actor(worker_actor_name(node_id),
+            namespace=…))``).
+        ray.exceptions.GetTimeoutError: the registered worker did not
+            answer within ``timeout_s`` (all its slots busy, or its node
+            unreachable); ``ray.exceptions.ActorUnavailableError``: Ray
+            cannot reach it now. Nothing was started either way.
+    """
+    actor_name = worker_actor_name(node_id)
+    try:
+        existing = ray.get_actor(actor_name, namespace=namespace)
+    except ValueError:  # none registered
+        existing = None
+    if existing is not None:
+        try:
+            ident: Any = ray.get(existing.identity.remote(), timeout=timeout_s)
+            has_name, _, has_admin = ident
+        except ray.exceptions.ActorUnavailableError:
+            raise  # it may come back: not replaced
+        except _LOST as e:
+            _log.warning("layerstack.ray: replacing the dead worker %s: %r", actor_name, e)
+            # Frees the name (ray.kill of a named actor releases it before it answers).
+            ray.kill(existing, no_restart=True)
+        else:
+            if has_admin != admin or (name is not None and has_name != name):
+                raise ValueError(
+                    f"Ray node {node_id} has a worker already ({actor_name} in namespace {namespace!r}), "
+                    f"named {has_name!r} for the daemon at {has_admin}, not {name or has_name!r} at {admin}: "
+                    f"stop it first (ray.kill(ray.get_actor({actor_name!r}, namespace={namespace!r})))"
+                )
+            return existing
     actor = ray.remote(Worker)
-    return actor.options(
+    handle = actor.options(
+        name=actor_name,
+        namespace=namespace,
+        get_if_exists=True,
+        lifetime="detached" if detached else None,
         num_cpus=0,
         max_concurrency=max_concurrency,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
     ).remote(admin, name)
+    # Keeps a non-detached worker alive after the caller drops its handle
+    # (one per name: a replaced worker's handle goes).
+    _started[(namespace, actor_name)] = handle
+    return handle
+
+
+#: The original handles of the workers this process started, by (namespace,
+#: actor name): what keeps a non-detached registered worker alive.
+_started: Dict[Tuple[str, str], WorkerHandle] = {}
+
+
+#: What :func:`start_workers` takes for the daemons' admin sockets.
+AdminForNode = Union[str, Mapping[str, str], Callable[[Mapping[str, Any]], Optional[str]]]
+
+
+def start_workers(admin_for_node: AdminForNode, *, resource: str = DAEMON_RESOURCE,
+                  max_concurrency: int = 64, detached: bool = False,
+                  namespace: str = NAMESPACE) -> Dict[str, WorkerHandle]:
+    """Starts a worker (:func:`start_worker`) on each alive Ray node with a
+    daemon, and answers their handles by Ray node id. Called again, it
+    answers the workers registered already (one per node) and starts those
+    missing — on nodes added since, or whose worker died.
+
+    ``admin_for_node``: where each node's daemon listens —
+
+    - a path (``str``): the same admin socket path on every alive node that
+      carries the custom resource or node label ``resource`` (default
+      :data:`DAEMON_RESOURCE`, ``layerstack-daemon``);
+    - a mapping, Ray node id → admin socket: exactly those nodes (``resource``
+      is not looked at);
+    - a function of a node's ``ray.nodes()`` record (``NodeID``,
+      ``Resources``, ``Labels``, …) → its admin socket, or ``None`` for no
+      worker there: called for each alive node carrying ``resource``.
+
+    Raises:
+        NoWorkerError: no alive node carries ``resource`` (or the function
+            answered ``None`` for every one): start Ray on the daemons'
+            machines with ``--resources='{"layerstack-daemon": 1}'``, or
+            pass a mapping.
+        ValueError: a node of the mapping is not an alive Ray node; a node
+            whose registered worker serves another daemon (:func:`start_worker`).
+    """
+    alive = [n for n in ray.nodes() if n["Alive"]]  # type: ignore[no-untyped-call]
+    chosen: Dict[str, str] = {}
+    if isinstance(admin_for_node, Mapping):
+        ids = {n["NodeID"] for n in alive}
+        gone = sorted(set(admin_for_node) - ids)
+        if gone:
+            raise ValueError(f"not alive Ray nodes: {', '.join(gone)} (ray.nodes() lists the alive ones)")
+        chosen = dict(admin_for_node)
+    else:
+        for n in alive:
+            if resource not in n.get("Resources", {}) and resource not in (n.get("Labels") or {}):
+                continue
+            admin = admin_for_node if isinstance(admin_for_node, str) else admin_for_node(n)
+            if admin:
+                chosen[n["NodeID"]] = admin
+        if not chosen:
+            raise NoWorkerError(
+                f"none of the {len(alive)} alive Ray node(s) carries the resource or label {resource!r} "
+                f"(with an admin socket): start Ray on the daemons' machines with "
+                f"--resources='{{\"{resource}\": 1}}', or pass start_workers a mapping node id -> admin socket"
+            )
+    return {
+        node_id: start_worker(node_id, admin, max_concurrency=max_concurrency, detached=detached,
+                              namespace=namespace)
+        for node_id, admin in chosen.items()
+    }
+
+
+def discover_workers(*, namespace: str = NAMESPACE, timeout_s: float = 30.0) -> Discovery:
+    """The live workers registered in the Ray namespace ``namespace`` (named
+    ``layerstack-worker:*``: :func:`start_worker`), each with its
+    :class:`WorkerInfo` read now (its daemon answers; up to ``timeout_s``
+    seconds for all of them, waited on together).
+
+    A registered worker is skipped — in :attr:`Discovery.skipped` with the
+    reason, and logged (WARNING) — when it died since Ray listed it, its
+    actor or node is dead (``RayActorError``, ``NodeDiedError``, …), it does
+    not answer within ``timeout_s``, or its daemon does not answer
+    (``UnavailableError``, …). A blocking call (Ray's GCS and the workers);
+    :func:`fan_out_ray` runs it off its event loop.
+    """
+    skipped: List[Tuple[str, str]] = []
+
+    def skip(actor: str, why: str) -> None:
+        _log.warning("layerstack.ray: skipping worker %s: %s", actor, why)
+        skipped.append((actor, why))
+
+    names = sorted(
+        a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+        if a["namespace"] == namespace and a["name"].startswith(WORKER_PREFIX)
+    )
+    handles: Dict[str, WorkerHandle] = {}
+    for actor in names:
+        try:
+            handles[actor] = ray.get_actor(actor, namespace=namespace)
+        except ValueError:
+            skip(actor, "it died after Ray listed it (no actor of that name any more)")
+    refs = {actor: h.capabilities.remote() for actor, h in handles.items()}
+    if refs:
+        ray.wait(list(refs.values()), num_returns=len(refs), timeout=timeout_s)
+    found: List[RegisteredWorker] = []
+    for actor, ref in refs.items():
+        try:
+            info = ray.get(ref, timeout=0)
+        except ray.exceptions.GetTimeoutError:
+            skip(actor, f"no answer within {timeout_s} s")
+        except _LOST as e:
+            skip(actor, f"its actor or node is dead: {e!r}"[:2000])
+        except ray.exceptions.RayTaskError as e:
+            cause = getattr(e, "cause", None) or e
+            skip(actor, f"its daemon does not answer: {cause!r}"[:2000])
+        except ray.exceptions.RayError as e:
+            skip(actor, f"{e!r}"[:2000])
+        else:
+            found.append(RegisteredWorker(actor, handles[actor], info))
+    return Discovery(tuple(found), tuple(skipped))
 
 
 class _Pool:
@@ -506,7 +763,8 @@ class _Pool:
                 alive = [w for w in self.infos if w not in self.lost]
                 if not alive:
                     raise NoWorkerError(
-                        f"every worker was lost ({', '.join(sorted(self.lost))}): start workers again (start_worker)"
+                        f"every worker was lost ({', '.join(sorted(self.lost))}): "
+                        "start workers again (start_workers, start_worker)"
                     )
                 now = asyncio.get_running_loop().time()
                 good = [w for w in alive if w not in avoid and self.suspect.get(w, 0.0) <= now]
@@ -541,7 +799,7 @@ async def fan_out_ray(
     n: int,
     act: Callable[[RemoteRollout], Awaitable[Any]],
     *,
-    workers: Sequence[WorkerHandle],
+    workers: Optional[Sequence[WorkerHandle]] = None,
     registry: str,
     step: int = 0,
     prompt: str = "task",
@@ -556,13 +814,20 @@ async def fan_out_ray(
     sandbox: Optional[Mapping[str, Any]] = None,
     state: Optional[Mapping[str, Any]] = None,
     reconnect_s: float = 60.0,
+    namespace: str = NAMESPACE,
 ) -> AsyncIterator[RolloutResult]:
     """Runs ``n`` samples of ``node`` (``samples``: their numbers, default
     ``range(n)``) of run ``run`` — recorded on ``coordinator`` — on
-    ``workers`` (:func:`start_worker` handles), and yields a
+    ``workers`` (:func:`start_worker` handles; default: the live workers
+    registered in the Ray namespace ``namespace``, :func:`discover_workers`),
+    and yields a
     :class:`~layerstack.fabric.RolloutResult` per sample as it finishes
     (``attempt.worker`` names where its last attempt ran,
     ``attempt.result_node`` the checkpoint, now in the coordinator's store).
+
+    The workers are those answering at the start of the call: one
+    registered or started while it runs is not used by it (the next call
+    finds it); one lost while it runs is not used again in it.
 
     ``registry``: ``REGISTRY/REPOSITORY`` (e.g. ``"10.0.0.5:5000/rl"``) the
     node and the checkpoints travel through (the daemons' ``[registry]``
@@ -596,20 +861,38 @@ async def fan_out_ray(
     worker is lost, the remaining samples yield results whose ``errors`` hold
     :class:`NoWorkerError`. A worker that does not answer its
     :meth:`Worker.capabilities` at the start (dead, or its daemon down) is
-    not used; NoWorkerError when none answers. ValueError: a ``keep`` other
-    than "checkpoint" and "discard", no workers.
+    not used (a registered one is logged, as :func:`discover_workers` does).
+
+    Raises (before any attempt is begun): NoWorkerError when no worker is
+    registered (``workers`` not given: start them with :func:`start_workers`
+    or :func:`start_worker`), none answers, or none serves the sandbox's
+    ``executor``; ValueError: a ``keep`` other than "checkpoint" and
+    "discard", an empty ``workers``.
     """
     if keep not in ("checkpoint", "discard"):
         raise ValueError(f"keep {keep!r}: use 'checkpoint' or 'discard'")
-    if not workers:
-        raise ValueError("fan_out_ray needs workers: start_worker(node_id, admin) per Ray node")
-    answers = await asyncio.gather(*(w.capabilities.remote() for w in workers), return_exceptions=True)
-    live = [(w, a) for w, a in zip(workers, answers) if isinstance(a, WorkerInfo)]
-    if not live:
-        raise NoWorkerError(
-            f"none of the {len(workers)} worker(s) answered: {answers[0]!r}"[:2000]
-            + "; start workers (start_worker) next to running daemons"
-        )
+    if workers is None:
+        found = await asyncio.get_running_loop().run_in_executor(
+            None, lambda: discover_workers(namespace=namespace))
+        if not found.workers:
+            why = "".join(f"; {actor}: {reason}" for actor, reason in found.skipped)
+            raise NoWorkerError(
+                (f"no live LayerStack worker is registered in Ray namespace {namespace!r}" + why)[:2000]
+                + ": start them next to running daemons (start_workers(admin_for_node), "
+                "or start_worker(node_id, admin) per Ray node)"
+            )
+        live = [(w.handle, w.info) for w in found.workers]
+    else:
+        if not workers:
+            raise ValueError("fan_out_ray got an empty workers list: start_worker(node_id, admin) per Ray node, "
+                             "or leave workers out to use the registered ones")
+        answers = await asyncio.gather(*(w.capabilities.remote() for w in workers), return_exceptions=True)
+        live = [(w, a) for w, a in zip(workers, answers) if isinstance(a, WorkerInfo)]
+        if not live:
+            raise NoWorkerError(
+                f"none of the {len(workers)} worker(s) answered: {answers[0]!r}"[:2000]
+                + "; start workers (start_workers, start_worker) next to running daemons"
+            )
     executor = str((sandbox or {}).get("executor", "linux"))
     serving = [(w, a) for w, a in live if executor in a.backends]
     if not serving:
