@@ -83,8 +83,10 @@ pub struct Config {
 }
 
 /// `[registry]`: how the daemon reaches OCI registries for `Push` / `Pull`
-/// (docs/operations.md "Push and pull").
-#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+/// (docs/operations.md "Push and pull"), and how long it keeps trying one
+/// that fails transiently (connection refused or reset, timeouts, HTTP 408,
+/// 429, 5xx except 501).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct RegistryConfig {
     /// Registries (`host` or `host:port`) spoken to over plain HTTP; every
@@ -96,6 +98,61 @@ pub struct RegistryConfig {
     /// carries none (`auths`, `credHelpers`, `credsStore`). Default: none —
     /// requests without credentials are anonymous.
     pub docker_config: Option<PathBuf>,
+    /// Attempts per registry step (a `HEAD`, a manifest `GET`/`PUT`, a blob
+    /// download, a blob upload from a new session), the first included; 1 =
+    /// no retry. 1..=[`MAX_REGISTRY_RETRY_ATTEMPTS`]. Default 4.
+    pub retry_attempts: u32,
+    /// The first retry's delay ceiling, ms, doubled per retry (each delay
+    /// drawn between half the ceiling and the ceiling). Default 200.
+    pub retry_base_ms: u64,
+    /// The longest delay between two attempts, ms: ≥ `retry_base_ms`, ≤
+    /// [`MAX_REGISTRY_RETRY_MAX_MS`]. Default 5000.
+    pub retry_max_ms: u64,
+}
+
+/// The most `[registry] retry_attempts` may be (the registry crate's
+/// `MAX_RETRY_ATTEMPTS`).
+pub const MAX_REGISTRY_RETRY_ATTEMPTS: u32 = 100;
+/// The longest `[registry] retry_max_ms` may be, ms (10 minutes; the registry
+/// crate's `MAX_RETRY_MAX_MS`).
+pub const MAX_REGISTRY_RETRY_MAX_MS: u64 = 600_000;
+
+impl Default for RegistryConfig {
+    fn default() -> Self {
+        Self {
+            insecure: Vec::new(),
+            ca_files: Vec::new(),
+            docker_config: None,
+            retry_attempts: 4,
+            retry_base_ms: 200,
+            retry_max_ms: 5000,
+        }
+    }
+}
+
+impl RegistryConfig {
+    /// The retry keys in their ranges; `Err` names the key.
+    fn check(&self) -> Result<(), String> {
+        if !(1..=MAX_REGISTRY_RETRY_ATTEMPTS).contains(&self.retry_attempts) {
+            return Err(format!(
+                "[registry] retry_attempts = {} is out of range: 1..={MAX_REGISTRY_RETRY_ATTEMPTS} (1: no retry)",
+                self.retry_attempts
+            ));
+        }
+        if self.retry_max_ms > MAX_REGISTRY_RETRY_MAX_MS {
+            return Err(format!(
+                "[registry] retry_max_ms = {} is above {MAX_REGISTRY_RETRY_MAX_MS} (10 minutes)",
+                self.retry_max_ms
+            ));
+        }
+        if self.retry_base_ms > self.retry_max_ms {
+            return Err(format!(
+                "[registry] retry_base_ms = {} is above retry_max_ms = {}: the first delay cannot exceed the longest",
+                self.retry_base_ms, self.retry_max_ms
+            ));
+        }
+        Ok(())
+    }
 }
 
 /// The Prometheus text endpoint (`[metrics]`): plain HTTP, `GET /metrics`.
@@ -418,7 +475,7 @@ impl Config {
         if s.memory_budget_bytes > 0 && s.default_memory_bytes == 0 {
             return Err("[sandbox] memory_budget_bytes needs default_memory_bytes > 0: a sandbox created without a memory limit would not count against the budget".into());
         }
-        Ok(())
+        self.registry.check()
     }
 
     /// Read and parse a TOML file.
@@ -563,6 +620,50 @@ mod tests {
         ] {
             assert!(Config::from_toml(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn registry_retry_keys_parse_and_are_checked() {
+        let d = Config::default().registry;
+        assert_eq!(
+            (d.retry_attempts, d.retry_base_ms, d.retry_max_ms),
+            (4, 200, 5000)
+        );
+        let c = Config::from_toml(
+            "[registry]\ninsecure = [\"127.0.0.1:5000\"]\nretry_attempts = 8\nretry_base_ms = 100\nretry_max_ms = 30000\n",
+        )
+        .unwrap();
+        assert_eq!(
+            (
+                c.registry.retry_attempts,
+                c.registry.retry_base_ms,
+                c.registry.retry_max_ms
+            ),
+            (8, 100, 30000)
+        );
+        assert_eq!(c.registry.insecure, vec!["127.0.0.1:5000".to_string()]);
+        let c = Config::from_toml("[registry]\nretry_attempts = 1\n").unwrap();
+        assert_eq!(
+            c.registry.retry_max_ms, 5000,
+            "unset keys keep their default"
+        );
+        for (bad, key) in [
+            ("[registry]\nretry_attempts = 0\n", "retry_attempts"),
+            ("[registry]\nretry_attempts = 101\n", "retry_attempts"),
+            ("[registry]\nretry_max_ms = 600001\n", "retry_max_ms"),
+            ("[registry]\nretry_base_ms = 6000\n", "retry_base_ms"),
+            (
+                "[registry]\nretry_base_ms = 100\nretry_max_ms = 50\n",
+                "retry_base_ms",
+            ),
+        ] {
+            let e = Config::from_toml(bad).unwrap_err();
+            assert!(e.to_string().contains(key), "{bad}: {e}");
+            assert!(e.to_string().contains("[registry]"), "{bad}: {e}");
+        }
+        let e = Config::from_toml("[registry]\nretries = 3\n").unwrap_err();
+        let chain = format!("{e}: {}", std::error::Error::source(&e).unwrap());
+        assert!(chain.contains("retries"), "typo refused: {chain}");
     }
 
     #[test]

@@ -160,7 +160,7 @@ fn scenario(dir: &Path, reg: &TestRegistry, d: &Daemon) -> Result<()> {
     let m = rt.block_on(async {
         let c = layerstack_registry::RegistryClient::new(layerstack_registry::RegistryOptions {
             insecure: vec![reg.host()],
-            ca_files: vec![],
+            ..Default::default()
         })?;
         let r =
             layerstack_registry::parse_reference(&format!("{}/layerstack/task:n2", reg.host()))?;

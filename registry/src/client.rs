@@ -1,7 +1,9 @@
 //! [`RegistryClient`]: blobs and manifests over the OCI distribution API.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 use std::time::Duration;
 
@@ -18,6 +20,10 @@ use sha2::{Digest as _, Sha256};
 use tokio::io::AsyncWriteExt;
 
 use crate::error::{classify, Ctx};
+use crate::retry::{
+    transient, Backoff, Jitter, DEFAULT_RETRY_ATTEMPTS, DEFAULT_RETRY_BASE_MS,
+    DEFAULT_RETRY_MAX_MS, MAX_RETRY_ATTEMPTS, MAX_RETRY_MAX_MS,
+};
 use crate::{Credentials, RegistryError};
 
 /// The largest manifest [`RegistryClient::pull_manifest`] accepts, in bytes
@@ -31,8 +37,9 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
 const READ_TIMEOUT: Duration = Duration::from_secs(120);
 const USER_AGENT: &str = concat!("layerstack/", env!("CARGO_PKG_VERSION"));
 
-/// How a [`RegistryClient`] reaches registries.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+/// How a [`RegistryClient`] reaches registries, and how long it keeps trying
+/// one that fails transiently (see the crate docs, "Retries").
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RegistryOptions {
     /// Registries reached over plain HTTP, each `host[:port]` exactly as a
     /// reference names it (`127.0.0.1:5000`; `localhost:5000` is another
@@ -41,6 +48,72 @@ pub struct RegistryOptions {
     /// Extra PEM files of CA certificates trusted for HTTPS, in addition to
     /// the system's (`/etc/ssl/certs`, through rustls-platform-verifier).
     pub ca_files: Vec<PathBuf>,
+    /// Attempts per idempotent step (a `HEAD`, a manifest `GET` or `PUT`, a
+    /// blob download, a blob upload from a new session), the first one
+    /// included: 1 = no retry. 1..=[`MAX_RETRY_ATTEMPTS`]; default
+    /// [`DEFAULT_RETRY_ATTEMPTS`] (4).
+    pub retry_attempts: u32,
+    /// The first retry's delay ceiling, ms; doubled per retry, the delay drawn
+    /// in `[ceiling/2, ceiling]`. Default [`DEFAULT_RETRY_BASE_MS`] (200).
+    pub retry_base_ms: u64,
+    /// The longest delay between two attempts, ms (a `Retry-After` included),
+    /// ≥ `retry_base_ms`, ≤ [`MAX_RETRY_MAX_MS`]. Default
+    /// [`DEFAULT_RETRY_MAX_MS`] (5000).
+    pub retry_max_ms: u64,
+}
+
+impl Default for RegistryOptions {
+    fn default() -> Self {
+        Self {
+            insecure: Vec::new(),
+            ca_files: Vec::new(),
+            retry_attempts: DEFAULT_RETRY_ATTEMPTS,
+            retry_base_ms: DEFAULT_RETRY_BASE_MS,
+            retry_max_ms: DEFAULT_RETRY_MAX_MS,
+        }
+    }
+}
+
+impl RegistryOptions {
+    /// The retry options checked: `Err` names the option and the bound.
+    fn backoff(&self) -> Result<Backoff, RegistryError> {
+        let bad = |what: &str, detail: String| RegistryError::InvalidArgument {
+            what: format!("registry option {what}"),
+            detail,
+        };
+        if !(1..=MAX_RETRY_ATTEMPTS).contains(&self.retry_attempts) {
+            return Err(bad(
+                "retry_attempts",
+                format!(
+                    "is {}; it must be 1..={MAX_RETRY_ATTEMPTS} (1: no retry)",
+                    self.retry_attempts
+                ),
+            ));
+        }
+        if self.retry_max_ms > MAX_RETRY_MAX_MS {
+            return Err(bad(
+                "retry_max_ms",
+                format!(
+                    "is {} ms; it must be at most {MAX_RETRY_MAX_MS} ms",
+                    self.retry_max_ms
+                ),
+            ));
+        }
+        if self.retry_base_ms > self.retry_max_ms {
+            return Err(bad(
+                "retry_base_ms",
+                format!(
+                    "is {} ms, above retry_max_ms ({} ms); it must be at most retry_max_ms",
+                    self.retry_base_ms, self.retry_max_ms
+                ),
+            ));
+        }
+        Ok(Backoff {
+            attempts: self.retry_attempts,
+            base: Duration::from_millis(self.retry_base_ms),
+            max: Duration::from_millis(self.retry_max_ms),
+        })
+    }
 }
 
 /// A manifest as the registry holds it.
@@ -73,6 +146,9 @@ pub struct RegistryClient {
     insecure: Vec<String>,
     roots: Vec<Certificate>,
     clients: Mutex<HashMap<(String, Credentials), oci_client::Client>>,
+    backoff: Backoff,
+    jitter: Mutex<Jitter>,
+    retries: AtomicU64,
 }
 
 impl std::fmt::Debug for RegistryClient {
@@ -80,6 +156,7 @@ impl std::fmt::Debug for RegistryClient {
         f.debug_struct("RegistryClient")
             .field("insecure", &self.insecure)
             .field("ca_certificates", &self.roots.len())
+            .field("backoff", &self.backoff)
             .finish_non_exhaustive()
     }
 }
@@ -140,8 +217,10 @@ impl RegistryClient {
     /// docs, "TLS").
     ///
     /// Errors: `invalid_argument` when a CA file cannot be read or holds no
-    /// PEM certificate.
+    /// PEM certificate, or a retry option is out of its range (the message
+    /// names the option).
     pub fn new(opts: RegistryOptions) -> Result<Self, RegistryError> {
+        let backoff = opts.backoff()?;
         // Err means a provider is installed already: that one is used.
         let _ = rustls::crypto::ring::default_provider().install_default();
         let mut roots = Vec::new();
@@ -168,6 +247,9 @@ impl RegistryClient {
             insecure: opts.insecure,
             roots,
             clients: Mutex::new(HashMap::new()),
+            backoff,
+            jitter: Mutex::new(Jitter::from_entropy()),
+            retries: AtomicU64::new(0),
         };
         // Build one now, so a bad certificate is refused here.
         this.build().map_err(|e| RegistryError::InvalidArgument {
@@ -219,6 +301,7 @@ impl RegistryClient {
             op: "connect to",
             target: "the registry".into(),
             status: None,
+            retry_after_s: None,
             detail: crate::error::chain_text(&e),
         })?;
         let c = self
@@ -250,6 +333,78 @@ impl RegistryClient {
         }
     }
 
+    /// Retries made since this client was created: each one a transient
+    /// failure of a step that was then tried again (see the crate docs,
+    /// "Retries"). For metrics and tests.
+    #[must_use]
+    pub fn retries_total(&self) -> u64 {
+        self.retries.load(Ordering::Relaxed)
+    }
+
+    /// Runs `step` until it succeeds, fails with an error that is not
+    /// transient ([`transient`]), or has been tried `backoff.attempts`
+    /// times; between tries it sleeps the backoff's delay and logs a warning.
+    /// Out of attempts, the last error is wrapped in
+    /// [`RegistryError::GaveUp`] (same kind). `step` must be a whole
+    /// idempotent step: it is called again from its start.
+    async fn with_retries<T, F, Fut>(
+        &self,
+        r: &Reference,
+        op: &'static str,
+        target: &str,
+        mut step: F,
+    ) -> Result<T, RegistryError>
+    where
+        F: FnMut() -> Fut,
+        Fut: Future<Output = Result<T, RegistryError>>,
+    {
+        let mut waited = Duration::ZERO;
+        let mut attempt: u32 = 1;
+        loop {
+            let err = match step().await {
+                Ok(v) => return Ok(v),
+                Err(e) => e,
+            };
+            let Some(why) = transient(&err) else {
+                return Err(err);
+            };
+            if attempt >= self.backoff.attempts {
+                if attempt == 1 {
+                    // Retries are off (retry_attempts = 1): the error as is.
+                    return Err(err);
+                }
+                return Err(RegistryError::GaveUp {
+                    registry: r.resolve_registry().to_string(),
+                    op,
+                    target: target.to_string(),
+                    attempts: attempt,
+                    waited_ms: u64::try_from(waited.as_millis()).unwrap_or(u64::MAX),
+                    last: Box::new(err),
+                });
+            }
+            let unit = self
+                .jitter
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .next_unit();
+            let delay = self.backoff.delay(attempt, unit, why.retry_after);
+            tracing::warn!(
+                registry = %r.resolve_registry(),
+                operation = op,
+                target,
+                attempt,
+                attempts = self.backoff.attempts,
+                delay_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX),
+                cause = %err,
+                "registry step failed transiently; retrying"
+            );
+            self.retries.fetch_add(1, Ordering::Relaxed);
+            tokio::time::sleep(delay).await;
+            waited += delay;
+            attempt += 1;
+        }
+    }
+
     /// True when `r`'s repository holds blob `digest` (`HEAD
     /// /v2/REPO/blobs/DIGEST`: 200 → true, 404 → false).
     ///
@@ -263,18 +418,25 @@ impl RegistryClient {
         digest: &str,
     ) -> Result<bool, RegistryError> {
         check_digest(digest)?;
-        let c = self.client(r, creds).await?;
-        c.blob_exists(r, digest).await.map_err(|e| {
-            classify(
-                e,
-                self.ctx(
-                    r,
-                    creds,
-                    "check",
-                    format!("blob {digest} in {}", r.repository()),
-                ),
-            )
+        let target = format!("blob {digest} in {}", r.repository());
+        self.with_retries(r, "check", &target, || {
+            self.blob_exists_once(r, creds, digest, &target)
         })
+        .await
+    }
+
+    /// One `HEAD` of blob `digest`.
+    async fn blob_exists_once(
+        &self,
+        r: &Reference,
+        creds: &Credentials,
+        digest: &str,
+        target: &str,
+    ) -> Result<bool, RegistryError> {
+        let c = self.client(r, creds).await?;
+        c.blob_exists(r, digest)
+            .await
+            .map_err(|e| classify(e, self.ctx(r, creds, "check", target.to_string())))
     }
 
     /// Sends the file at `path` as blob `digest` (`size` bytes) to `r`'s
@@ -295,11 +457,11 @@ impl RegistryClient {
         size: u64,
     ) -> Result<BlobPush, RegistryError> {
         // The file is checked first, even when the registry has the blob.
-        let file = open_sized(path, digest, size).await?;
+        drop(open_sized(path, digest, size).await?);
         if self.blob_exists(r, creds, digest).await? {
             return Ok(BlobPush::AlreadyPresent);
         }
-        self.upload(r, creds, file, path, digest, size).await?;
+        self.upload(r, creds, path, digest, size).await?;
         Ok(BlobPush::Uploaded)
     }
 
@@ -315,35 +477,45 @@ impl RegistryClient {
         digest: &str,
         size: u64,
     ) -> Result<(), RegistryError> {
-        let file = open_sized(path, digest, size).await?;
-        self.upload(r, creds, file, path, digest, size).await
+        self.upload(r, creds, path, digest, size).await
     }
 
-    /// One streamed `PUT` of the open `file` (blob `digest`, `size` bytes).
+    /// Uploads blob `digest` (`size` bytes) from the file at `path`, with
+    /// retries: each attempt opens a new upload session (`POST`) and streams
+    /// the file again from its start (one `PUT ?digest=`).
     async fn upload(
         &self,
         r: &Reference,
         creds: &Credentials,
-        file: tokio::fs::File,
         path: &Path,
         digest: &str,
         size: u64,
     ) -> Result<(), RegistryError> {
+        let target = format!("blob {digest} to {}", r.repository());
+        self.with_retries(r, "push", &target, || {
+            self.upload_once(r, creds, path, digest, size, &target)
+        })
+        .await
+    }
+
+    /// One upload session: `POST`, then one streamed `PUT` of the file.
+    async fn upload_once(
+        &self,
+        r: &Reference,
+        creds: &Credentials,
+        path: &Path,
+        digest: &str,
+        size: u64,
+        target: &str,
+    ) -> Result<(), RegistryError> {
+        let file = open_sized(path, digest, size).await?;
         let c = self.client(r, creds).await?;
         let stream = tokio_util::io::ReaderStream::with_capacity(file, PUSH_READ_BYTES)
             .map_err(OciDistributionError::IoError);
         c.push_blob_stream(r, stream, digest, Some(size))
             .await
-            .map_err(|e| {
-                match classify(
-                    e,
-                    self.ctx(
-                        r,
-                        creds,
-                        "push",
-                        format!("blob {digest} to {}", r.repository()),
-                    ),
-                ) {
+            .map_err(
+                |e| match classify(e, self.ctx(r, creds, "push", target.to_string())) {
                     RegistryError::Corrupt {
                         registry, actual, ..
                     } => RegistryError::NotThatBlob {
@@ -353,8 +525,8 @@ impl RegistryClient {
                         detail: actual,
                     },
                     other => other,
-                }
-            })?;
+                },
+            )?;
         Ok(())
     }
 
@@ -377,11 +549,29 @@ impl RegistryClient {
         dst: &Path,
     ) -> Result<(), RegistryError> {
         check_digest(digest)?;
-        let registry = r.resolve_registry().to_string();
         let target = format!("blob {digest} in {}", r.repository());
+        self.with_retries(r, "pull", &target, || {
+            self.pull_blob_once(r, creds, digest, size, dst, &target)
+        })
+        .await
+    }
+
+    /// One `GET` of blob `digest` into a new temp file beside `dst`, renamed
+    /// onto `dst` when whole and verified; on any error the temp file is
+    /// removed (dropped), so a retry starts from nothing.
+    async fn pull_blob_once(
+        &self,
+        r: &Reference,
+        creds: &Credentials,
+        digest: &str,
+        size: u64,
+        dst: &Path,
+        target: &str,
+    ) -> Result<(), RegistryError> {
+        let registry = r.resolve_registry().to_string();
         let corrupt = |expected: String, actual: String| RegistryError::Corrupt {
             registry: registry.clone(),
-            target: target.clone(),
+            target: target.to_string(),
             expected,
             actual,
         };
@@ -393,7 +583,7 @@ impl RegistryClient {
         let mut stream = c
             .pull_blob_stream(r, digest)
             .await
-            .map_err(|e| classify(e, self.ctx(r, creds, "pull", target.clone())))?;
+            .map_err(|e| classify(e, self.ctx(r, creds, "pull", target.to_string())))?;
         if let Some(len) = stream.content_length {
             if len != size {
                 return Err(corrupt(
@@ -422,6 +612,7 @@ impl RegistryClient {
                     }
                     return Err(RegistryError::Unreachable {
                         registry: registry.clone(),
+                        transient: true,
                         detail: format!(
                             "reading {target} after {received} of {size} bytes: {}",
                             crate::error::chain_text(&e)
@@ -496,16 +687,28 @@ impl RegistryClient {
                 what: format!("media type {media_type:?}"),
                 detail: "is not a valid HTTP header value".into(),
             })?;
-        let c = self.client(r, creds).await?;
-        c.push_manifest_raw(r, body.to_vec(), content_type)
-            .await
-            .map_err(|e| {
-                classify(
-                    e,
-                    self.ctx(r, creds, "push", format!("manifest {}", r.whole())),
-                )
-            })?;
+        let target = format!("manifest {}", r.whole());
+        self.with_retries(r, "push", &target, || {
+            self.push_manifest_once(r, creds, body, &content_type, &target)
+        })
+        .await?;
         Ok(digest)
+    }
+
+    /// One manifest `PUT` (idempotent: the same body at the same reference).
+    async fn push_manifest_once(
+        &self,
+        r: &Reference,
+        creds: &Credentials,
+        body: &[u8],
+        content_type: &reqwest::header::HeaderValue,
+        target: &str,
+    ) -> Result<(), RegistryError> {
+        let c = self.client(r, creds).await?;
+        c.push_manifest_raw(r, body.to_vec(), content_type.clone())
+            .await
+            .map_err(|e| classify(e, self.ctx(r, creds, "push", target.to_string())))?;
+        Ok(())
     }
 
     /// Fetches the manifest `r` names (by tag, or by digest: then the body
@@ -523,12 +726,12 @@ impl RegistryClient {
         r: &Reference,
         creds: &Credentials,
     ) -> Result<PulledManifest, RegistryError> {
-        let c = self.client(r, creds).await?;
         let target = format!("manifest {}", r.whole());
-        let (body, _) = c
-            .pull_manifest_raw(r, &registry_auth(creds), accepted_manifest_types())
-            .await
-            .map_err(|e| classify(e, self.ctx(r, creds, "pull", target.clone())))?;
+        let body = self
+            .with_retries(r, "pull", &target, || {
+                self.pull_manifest_once(r, creds, &target)
+            })
+            .await?;
         if body.len() as u64 > MAX_MANIFEST_BYTES {
             return Err(RegistryError::ManifestTooLarge {
                 reference: r.whole(),
@@ -553,6 +756,21 @@ impl RegistryClient {
             digest,
             media_type,
         })
+    }
+
+    /// One manifest `GET`.
+    async fn pull_manifest_once(
+        &self,
+        r: &Reference,
+        creds: &Credentials,
+        target: &str,
+    ) -> Result<bytes::Bytes, RegistryError> {
+        let c = self.client(r, creds).await?;
+        let (body, _) = c
+            .pull_manifest_raw(r, &registry_auth(creds), accepted_manifest_types())
+            .await
+            .map_err(|e| classify(e, self.ctx(r, creds, "pull", target.to_string())))?;
+        Ok(body)
     }
 }
 
@@ -644,6 +862,151 @@ mod tests {
             manifest_media_type(br#"{"schemaVersion":2,"layers":[]}"#),
             OCI_IMAGE_MEDIA_TYPE
         );
+    }
+
+    #[test]
+    fn retry_options_are_checked_and_named() {
+        let d = RegistryOptions::default();
+        assert_eq!(
+            (d.retry_attempts, d.retry_base_ms, d.retry_max_ms),
+            (4, 200, 5000)
+        );
+        for (opts, key) in [
+            (
+                RegistryOptions {
+                    retry_attempts: 0,
+                    ..Default::default()
+                },
+                "retry_attempts",
+            ),
+            (
+                RegistryOptions {
+                    retry_attempts: MAX_RETRY_ATTEMPTS + 1,
+                    ..Default::default()
+                },
+                "retry_attempts",
+            ),
+            (
+                RegistryOptions {
+                    retry_max_ms: MAX_RETRY_MAX_MS + 1,
+                    ..Default::default()
+                },
+                "retry_max_ms",
+            ),
+            (
+                RegistryOptions {
+                    retry_base_ms: 6000,
+                    ..Default::default()
+                },
+                "retry_base_ms",
+            ),
+        ] {
+            let e = RegistryClient::new(opts).unwrap_err();
+            assert_eq!(e.kind(), layerstack_types::ErrorKind::InvalidArgument);
+            assert!(e.to_string().contains(key), "{key}: {e}");
+        }
+        assert!(RegistryClient::new(RegistryOptions {
+            retry_attempts: 1,
+            retry_base_ms: 0,
+            retry_max_ms: 0,
+            ..Default::default()
+        })
+        .is_ok());
+    }
+
+    fn quick(attempts: u32) -> RegistryClient {
+        RegistryClient::new(RegistryOptions {
+            retry_attempts: attempts,
+            retry_base_ms: 1,
+            retry_max_ms: 2,
+            ..Default::default()
+        })
+        .unwrap()
+    }
+
+    fn status(s: u16) -> RegistryError {
+        RegistryError::Rejected {
+            registry: "reg.example:5000".into(),
+            op: "push",
+            target: "blob x".into(),
+            status: Some(s),
+            retry_after_s: None,
+            detail: format!("HTTP {s}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn transient_failures_are_retried_until_the_attempts_run_out() {
+        use std::sync::atomic::AtomicU32;
+        let r = crate::parse_reference("reg.example:5000/a/b:c").unwrap();
+
+        // Always 503: tried exactly `attempts` times, then GaveUp of the same
+        // kind naming the registry, the attempts, the last cause, the remedy.
+        let client = quick(4);
+        let calls = AtomicU32::new(0);
+        let e = client
+            .with_retries(&r, "push", "blob x to a/b", || async {
+                calls.fetch_add(1, Ordering::SeqCst);
+                Err::<(), _>(status(503))
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(calls.load(Ordering::SeqCst), 4);
+        assert_eq!(client.retries_total(), 3);
+        assert_eq!(e.kind(), layerstack_types::ErrorKind::Unavailable);
+        assert!(
+            matches!(&e, RegistryError::GaveUp { attempts: 4, .. }),
+            "{e:?}"
+        );
+        let msg = e.to_string();
+        for part in ["reg.example:5000", "4 times", "HTTP 503", "retry_attempts"] {
+            assert!(msg.contains(part), "{part}: {msg}");
+        }
+
+        // 503, 429, then success: three calls, the value returned.
+        let client = quick(4);
+        let calls = AtomicU32::new(0);
+        let v = client
+            .with_retries(&r, "pull", "manifest", || async {
+                match calls.fetch_add(1, Ordering::SeqCst) {
+                    0 => Err(status(503)),
+                    1 => Err(status(429)),
+                    _ => Ok(7),
+                }
+            })
+            .await
+            .unwrap();
+        assert_eq!((v, calls.load(Ordering::SeqCst)), (7, 3));
+        assert_eq!(client.retries_total(), 2);
+
+        // Not transient (404, 400, 501): one call, the error as is.
+        for s in [404, 400, 501] {
+            let client = quick(4);
+            let calls = AtomicU32::new(0);
+            let e = client
+                .with_retries(&r, "pull", "manifest", || async {
+                    calls.fetch_add(1, Ordering::SeqCst);
+                    Err::<(), _>(status(s))
+                })
+                .await
+                .unwrap_err();
+            assert_eq!(calls.load(Ordering::SeqCst), 1, "{s}");
+            assert!(matches!(e, RegistryError::Rejected { .. }), "{s}");
+        }
+
+        // retry_attempts = 1: no retry, the error unwrapped.
+        let client = quick(1);
+        let calls = AtomicU32::new(0);
+        let e = client
+            .with_retries(&r, "check", "blob", || async {
+                calls.fetch_add(1, Ordering::SeqCst);
+                Err::<(), _>(status(502))
+            })
+            .await
+            .unwrap_err();
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+        assert!(matches!(e, RegistryError::Rejected { .. }));
+        assert_eq!(client.retries_total(), 0);
     }
 
     #[test]

@@ -63,13 +63,17 @@ pub enum RegistryError {
         /// `manifest REF` / `blob sha256:… in REPO`.
         target: String,
     },
-    /// Connection refused, DNS failure, timeout (kind `unavailable`).
+    /// Connection refused or reset, a timeout, a DNS failure (kind
+    /// `unavailable`).
     #[error("cannot reach registry {registry}: {detail}; check that it is running and that the host and port are right")]
     Unreachable {
         /// `host[:port]`.
         registry: String,
         /// The innermost cause.
         detail: String,
+        /// True when trying again may help (refused, reset, timed out, a
+        /// temporary DNS failure); false for a name that does not resolve.
+        transient: bool,
     },
     /// HTTPS was used and the registry does not speak TLS (kind
     /// `failed_precondition`).
@@ -133,8 +137,8 @@ pub enum RegistryError {
         /// The limit in bytes.
         limit: u64,
     },
-    /// Any other refusal of the registry (kind `unavailable` for HTTP 5xx and
-    /// 429, `invalid_argument` for other 4xx, else `internal`).
+    /// Any other refusal of the registry (kind `unavailable` for HTTP 5xx,
+    /// 429 and 408, `invalid_argument` for other 4xx, else `internal`).
     #[error("registry {registry} failed to {op} {target}: {detail}")]
     Rejected {
         /// `host[:port]`.
@@ -145,8 +149,31 @@ pub enum RegistryError {
         target: String,
         /// The HTTP status, when there was one.
         status: Option<u16>,
+        /// The registry's `Retry-After`, seconds, when the transport passed
+        /// it on (oci-client 0.18 keeps no response headers in its errors, so
+        /// today this is always `None` and a 429 is retried on the backoff
+        /// schedule; see the crate docs, "Retries").
+        retry_after_s: Option<u64>,
         /// The registry's message.
         detail: String,
+    },
+    /// A transient failure (see the crate docs, "Retries") that lasted
+    /// through every attempt; kind: `last`'s (`unavailable` for a registry
+    /// that cannot be reached or answers 5xx / 429).
+    #[error("registry {registry}: {op} {target} failed {attempts} times in a row (waited {waited_ms} ms between attempts); the last failure: {last}; the registry is down, restarting or overloaded: try again when it is back, or let the daemon wait longer (configuration `[registry] retry_attempts`, `retry_max_ms`)")]
+    GaveUp {
+        /// `host[:port]`.
+        registry: String,
+        /// `push` / `pull` / `check`.
+        op: &'static str,
+        /// `manifest REF` / `blob sha256:… in REPO`.
+        target: String,
+        /// Attempts made (the configured number).
+        attempts: u32,
+        /// The sum of the delays slept between them, ms.
+        waited_ms: u64,
+        /// The last attempt's failure.
+        last: Box<RegistryError>,
     },
     /// A local file could not be read or written (kind `no_space` when the
     /// disk is full, else `internal`).
@@ -199,8 +226,9 @@ impl RegistryError {
             }
             Self::Corrupt { .. } | Self::NotThatBlob { .. } => ErrorKind::Corrupt,
             Self::ManifestTooLarge { .. } => ErrorKind::Unsupported,
+            Self::GaveUp { last, .. } => last.kind(),
             Self::Rejected { status, .. } => match status {
-                Some(s) if *s >= 500 || *s == 429 => ErrorKind::Unavailable,
+                Some(s) if *s >= 500 || *s == 429 || *s == 408 => ErrorKind::Unavailable,
                 Some(s) if *s >= 400 => ErrorKind::InvalidArgument,
                 _ => ErrorKind::Internal,
             },
@@ -281,6 +309,7 @@ impl Ctx<'_> {
             op: self.op,
             target: self.target.clone(),
             status,
+            retry_after_s: None,
             detail,
         }
     }
@@ -382,6 +411,7 @@ fn transport_error(e: &reqwest::Error, ctx: &Ctx<'_>) -> Option<RegistryError> {
                     op: ctx.op,
                     target: ctx.target.clone(),
                     status: None,
+                    retry_after_s: None,
                     detail: format!("TLS: {tls}"),
                 },
             });
@@ -398,6 +428,7 @@ fn transport_error(e: &reqwest::Error, ctx: &Ctx<'_>) -> Option<RegistryError> {
                 return Some(RegistryError::Unreachable {
                     registry,
                     detail: io.to_string(),
+                    transient: true,
                 });
             }
         }
@@ -418,10 +449,24 @@ fn transport_error(e: &reqwest::Error, ctx: &Ctx<'_>) -> Option<RegistryError> {
             detail: innermost(&text),
         });
     }
-    if e.is_connect() || e.is_timeout() || text.contains("dns error") {
+    if text.contains("dns error") {
+        // getaddrinfo's EAI_AGAIN ("Temporary failure in name resolution")
+        // may pass; a name that does not resolve will not.
+        let transient = text.contains("Temporary failure") || text.contains("try again");
         return Some(RegistryError::Unreachable {
             registry,
             detail: text,
+            transient,
+        });
+    }
+    // A connection that failed or broke mid-request (hyper's "connection
+    // closed before message completed", a reset while the body was sent or
+    // read) and timeouts: the request may not have been seen whole.
+    if e.is_connect() || e.is_timeout() || e.is_request() || e.is_body() {
+        return Some(RegistryError::Unreachable {
+            registry,
+            detail: text,
+            transient: true,
         });
     }
     None

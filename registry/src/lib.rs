@@ -64,6 +64,7 @@ mod client;
 mod credentials;
 mod error;
 pub mod image;
+mod retry;
 
 pub use client::{
     sha256_digest, BlobPush, PulledManifest, RegistryClient, RegistryOptions, MAX_MANIFEST_BYTES,
@@ -73,6 +74,10 @@ pub use error::{RegistryError, LOGIN_HINT};
 /// A parsed reference (`oci-client`'s, from `oci-spec`): `registry()`,
 /// `repository()`, `tag()`, `digest()`, `whole()`.
 pub use oci_client::Reference;
+pub use retry::{
+    DEFAULT_RETRY_ATTEMPTS, DEFAULT_RETRY_BASE_MS, DEFAULT_RETRY_MAX_MS, MAX_RETRY_ATTEMPTS,
+    MAX_RETRY_MAX_MS,
+};
 
 /// Parses `REGISTRY[:PORT]/REPOSITORY[:TAG][@sha256:HEX]` (docker's grammar:
 /// a name without a registry is Docker Hub's, `docker.io/library/NAME`; no

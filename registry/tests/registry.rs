@@ -463,3 +463,132 @@ async fn nothing_listening_is_unavailable() {
     );
     assert!(e.to_string().contains("no-such-host.invalid"), "{e}");
 }
+
+/// A proxy in front of `upstream` that answers `503` (the first one with
+/// `Retry-After: 1` as `429`) to the first `fail_first` connections — or to
+/// all when `fail_first` is `usize::MAX` — and forwards the others. Returns
+/// its address and the count of refused connections.
+async fn flaky_proxy(
+    upstream: std::net::SocketAddr,
+    fail_first: usize,
+) -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let refused = std::sync::Arc::new(AtomicUsize::new(0));
+    let count = refused.clone();
+    tokio::spawn(async move {
+        let mut seen = 0usize;
+        loop {
+            let Ok((mut conn, _)) = listener.accept().await else {
+                return;
+            };
+            seen += 1;
+            if seen <= fail_first {
+                let first = seen == 1;
+                let count = count.clone();
+                tokio::spawn(async move {
+                    // Read the request's head, answer, close.
+                    let mut head = Vec::new();
+                    let mut buf = [0u8; 4096];
+                    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
+                        match conn.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => head.extend_from_slice(&buf[..n]),
+                        }
+                    }
+                    let answer: &[u8] = if first {
+                        b"HTTP/1.1 429 Too Many Requests\r\nRetry-After: 1\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                    } else {
+                        b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                    };
+                    count.fetch_add(1, Ordering::SeqCst);
+                    let _ = conn.write_all(answer).await;
+                    let _ = conn.shutdown().await;
+                });
+            } else {
+                tokio::spawn(async move {
+                    if let Ok(mut up) = tokio::net::TcpStream::connect(upstream).await {
+                        let _ = tokio::io::copy_bidirectional(&mut conn, &mut up).await;
+                    }
+                });
+            }
+        }
+    });
+    (addr.to_string(), refused)
+}
+
+/// A registry that answers 429 / 503 for a while: push and pull succeed
+/// after retries (counted by the proxy, not the clock); one that never
+/// recovers fails `unavailable` after exactly the configured attempts.
+#[tokio::test]
+async fn transient_refusals_are_retried_and_give_up_after_the_attempts() {
+    use std::sync::atomic::Ordering;
+    let Some(reg) = start(RegistryKind::Plain) else {
+        return;
+    };
+    let anon = Credentials::Anonymous;
+    let tmp = tempfile::tempdir().unwrap();
+    let (path, digest) = blob_file(tmp.path(), "layer", 3, 70_000);
+
+    // Three refusals (429 with Retry-After, then 503s): the push's steps
+    // are retried from a new connection and the blob arrives once.
+    let (host, refused) = flaky_proxy(reg.addr(), 3).await;
+    let client = RegistryClient::new(RegistryOptions {
+        insecure: vec![host.clone()],
+        retry_attempts: 6,
+        retry_base_ms: 10,
+        retry_max_ms: 1000,
+        ..Default::default()
+    })
+    .unwrap();
+    let r = parse_reference(&format!("{host}/team/flaky:v1")).unwrap();
+    assert_eq!(
+        client
+            .push_blob_file(&r, &anon, &path, &digest, 70_000)
+            .await
+            .unwrap(),
+        BlobPush::Uploaded
+    );
+    assert_eq!(refused.load(Ordering::SeqCst), 3);
+    // Some refusals hit oci-client's own auth probe (`GET /v2/`), which
+    // tolerates them; at least the 429 was a retried step of ours.
+    assert!(client.retries_total() >= 1, "{}", client.retries_total());
+    assert_eq!(
+        reg.blob_uploads_completed().unwrap(),
+        1,
+        "{}",
+        reg.log_tail(20)
+    );
+    let dst = tmp.path().join("pulled");
+    client
+        .pull_blob_to_file(&r, &anon, &digest, 70_000, &dst)
+        .await
+        .unwrap();
+    assert_eq!(std::fs::read(&dst).unwrap(), std::fs::read(&path).unwrap());
+
+    // Never recovers: 3 attempts, then unavailable naming the attempts.
+    let (host, refused) = flaky_proxy(reg.addr(), usize::MAX).await;
+    let client = RegistryClient::new(RegistryOptions {
+        insecure: vec![host.clone()],
+        retry_attempts: 3,
+        retry_base_ms: 10,
+        retry_max_ms: 1000,
+        ..Default::default()
+    })
+    .unwrap();
+    let r = parse_reference(&format!("{host}/team/flaky:v1")).unwrap();
+    let e = expect_kind(
+        client.pull_manifest(&r, &anon).await,
+        ErrorKind::Unavailable,
+    );
+    // Each attempt is oci-client's auth probe plus the GET: 2 requests.
+    assert_eq!(refused.load(Ordering::SeqCst), 3 * 2, "{e}");
+    assert!(
+        matches!(e, RegistryError::GaveUp { attempts: 3, .. }),
+        "{e:?}"
+    );
+    let msg = e.to_string();
+    assert!(msg.contains(&host) && msg.contains("3 times"), "{msg}");
+}

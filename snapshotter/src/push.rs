@@ -163,12 +163,16 @@ pub struct Registries {
 }
 
 impl Registries {
-    /// From `[registry]`. Errors: a CA file that cannot be read or parsed.
+    /// From `[registry]`. Errors: a CA file that cannot be read or parsed, a
+    /// retry key out of range (the config crate checks those first).
     pub fn new(cfg: &layerstack_config::RegistryConfig) -> Result<Self, RegistryError> {
         Ok(Self {
             client: RegistryClient::new(RegistryOptions {
                 insecure: cfg.insecure.clone(),
                 ca_files: cfg.ca_files.clone(),
+                retry_attempts: cfg.retry_attempts,
+                retry_base_ms: cfg.retry_base_ms,
+                retry_max_ms: cfg.retry_max_ms,
             })?,
             docker_config: cfg.docker_config.clone(),
         })
