@@ -592,3 +592,104 @@ async fn transient_refusals_are_retried_and_give_up_after_the_attempts() {
     let msg = e.to_string();
     assert!(msg.contains(&host) && msg.contains("3 times"), "{msg}");
 }
+
+/// A registry that is down when the push starts and comes up on the same
+/// port while the client is retrying: the push succeeds. The registry is
+/// started only after the client has retried once (its retry counter), so the
+/// first attempt did fail; nothing is timed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registry_that_comes_back_during_the_retries_gets_the_push() {
+    if !require_docker_registry(RegistryKind::Plain) {
+        return;
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let host = format!("127.0.0.1:{port}");
+    let client = std::sync::Arc::new(
+        RegistryClient::new(RegistryOptions {
+            insecure: vec![host.clone()],
+            // Room for docker-registry to start: 40 attempts, delays up to
+            // 500 ms (at least ~9 s of waiting in all).
+            retry_attempts: 40,
+            retry_base_ms: 50,
+            retry_max_ms: 500,
+            ..Default::default()
+        })
+        .unwrap(),
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let (path, digest) = blob_file(tmp.path(), "layer", 9, 100_000);
+    let r = parse_reference(&format!("{host}/team/late:v1")).unwrap();
+    let push = {
+        let (client, r, path, digest) = (client.clone(), r.clone(), path.clone(), digest.clone());
+        tokio::spawn(async move {
+            client
+                .push_blob_file(&r, &Credentials::Anonymous, &path, &digest, 100_000)
+                .await
+        })
+    };
+    // Wait (bounded) for the first retry: the registry was down for it.
+    for _ in 0..3000 {
+        if client.retries_total() >= 1 || push.is_finished() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert!(client.retries_total() >= 1, "the client never retried");
+    let reg = tokio::task::spawn_blocking(move || {
+        TestRegistry::start_on_port(RegistryKind::Plain, port).expect("start docker-registry")
+    })
+    .await
+    .unwrap();
+    assert_eq!(push.await.unwrap().unwrap(), BlobPush::Uploaded);
+    assert_eq!(
+        reg.blob_uploads_completed().unwrap(),
+        1,
+        "{}",
+        reg.log_tail(20)
+    );
+    assert!(client
+        .blob_exists(&r, &Credentials::Anonymous, &digest)
+        .await
+        .unwrap());
+}
+
+/// Nothing ever listens: `unavailable` after exactly the configured attempts
+/// (counted by the client's retry counter: attempts - 1 retries), the message
+/// naming the registry, the attempts and what to do.
+#[tokio::test]
+async fn a_registry_that_stays_down_is_unavailable_after_the_attempts() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let host = format!("127.0.0.1:{port}");
+    let client = RegistryClient::new(RegistryOptions {
+        insecure: vec![host.clone()],
+        retry_attempts: 3,
+        retry_base_ms: 10,
+        retry_max_ms: 20,
+        ..Default::default()
+    })
+    .unwrap();
+    let r = parse_reference(&format!("{host}/a/b:c")).unwrap();
+    let e = expect_kind(
+        client
+            .blob_exists(&r, &Credentials::Anonymous, &sha256_digest(b"x"))
+            .await,
+        ErrorKind::Unavailable,
+    );
+    assert_eq!(client.retries_total(), 2);
+    assert!(
+        matches!(e, RegistryError::GaveUp { attempts: 3, .. }),
+        "{e:?}"
+    );
+    let msg = e.to_string();
+    for part in [host.as_str(), "3 times", "refused", "retry_attempts"] {
+        assert!(msg.contains(part), "{part}: {msg}");
+    }
+}
