@@ -151,6 +151,17 @@ impl TestRegistry {
     /// Starts a registry of `kind` (see the module docs). Errors name what
     /// failed, with the tail of the registry's log.
     pub fn start(kind: RegistryKind) -> Result<Self> {
+        Self::start_inner(kind, None)
+    }
+
+    /// [`TestRegistry::start`] on `127.0.0.1:port` exactly (a test that
+    /// brings a registry up where a client is already trying to reach one);
+    /// no retry on another port when `port` is taken.
+    pub fn start_on_port(kind: RegistryKind, port: u16) -> Result<Self> {
+        Self::start_inner(kind, Some(port))
+    }
+
+    fn start_inner(kind: RegistryKind, fixed_port: Option<u16>) -> Result<Self> {
         let base = tmp_base();
         fs::create_dir_all(&base).with_context(|| format!("create {}", base.display()))?;
         let dir = tempfile::Builder::new()
@@ -189,7 +200,10 @@ impl TestRegistry {
         let config = root.join("config.yml");
         let mut last_err = anyhow!("not started");
         for _ in 0..START_ATTEMPTS {
-            let port = free_port()?;
+            let port = match fixed_port {
+                Some(p) => p,
+                None => free_port()?,
+            };
             let addr: SocketAddr = ([127, 0, 0, 1], port).into();
             fs::write(
                 &config,
@@ -211,7 +225,9 @@ impl TestRegistry {
                     let _ = child.kill();
                     let _ = child.wait();
                     last_err = e;
-                    if !tail_file(&log, 40).contains("address already in use") {
+                    if fixed_port.is_some()
+                        || !tail_file(&log, 40).contains("address already in use")
+                    {
                         break;
                     }
                 }

@@ -3,13 +3,13 @@
 //! above it — which blobs make a node, provenance, adopting pulled layers are
 //! the daemon's. This crate knows no store, engine or publisher.
 //!
-//! | call | HTTP | memory |
-//! |---|---|---|
-//! | [`RegistryClient::blob_exists`] | `HEAD /v2/REPO/blobs/DIGEST` | — |
-//! | [`RegistryClient::push_blob_file`] | `HEAD`, then `POST …/blobs/uploads/` + one streamed `PUT …?digest=` | 1 MiB read buffer |
-//! | [`RegistryClient::pull_blob_to_file`] | `GET /v2/REPO/blobs/DIGEST`, sha256 and size checked while writing | one chunk |
-//! | [`RegistryClient::push_manifest`] | `PUT /v2/REPO/manifests/TAG-or-DIGEST` | the body |
-//! | [`RegistryClient::pull_manifest`] | `GET /v2/REPO/manifests/TAG-or-DIGEST` | ≤ [`MAX_MANIFEST_BYTES`] |
+//! | call | HTTP | memory | on a transient failure (see "Retries") |
+//! |---|---|---|---|
+//! | [`RegistryClient::blob_exists`] | `HEAD /v2/REPO/blobs/DIGEST` | — | the `HEAD` again |
+//! | [`RegistryClient::push_blob_file`] | `HEAD`, then `POST …/blobs/uploads/` + one streamed `PUT …?digest=` | 1 MiB read buffer | the `HEAD` again; the upload from a new `POST`, the file re-read |
+//! | [`RegistryClient::pull_blob_to_file`] | `GET /v2/REPO/blobs/DIGEST`, sha256 and size checked while writing | one chunk | the temp file dropped, the `GET` again |
+//! | [`RegistryClient::push_manifest`] | `PUT /v2/REPO/manifests/TAG-or-DIGEST` | the body | the `PUT` again |
+//! | [`RegistryClient::pull_manifest`] | `GET /v2/REPO/manifests/TAG-or-DIGEST` | ≤ [`MAX_MANIFEST_BYTES`] | the `GET` again |
 //!
 //! The distribution API is `oci-client` (oras-project; auth challenges,
 //! bearer tokens from the registry's token service, upload sessions). Only
@@ -42,7 +42,27 @@
 //! manifest or blob → `not_found`; connection refused, DNS → `unavailable`;
 //! HTTPS to a plain-HTTP registry or plain HTTP to an HTTPS one, and an
 //! untrusted certificate → `failed_precondition`; content that does not match
-//! its digest or size → `corrupt`.
+//! its digest or size → `corrupt`; HTTP 408, 429, 5xx → `unavailable`.
+//!
+//! **Retries.** Each row of the table above is one step, and a step that
+//! fails transiently is run again whole: connection refused or reset, a
+//! timeout, a connection that broke mid-request, a temporary DNS failure, HTTP
+//! 408, 429 and 5xx except 501. Never retried: other 4xx, 401/403, not found,
+//! digest or size mismatches, invalid references, TLS and protocol
+//! mismatches, a name that does not resolve. A blob upload starts a new upload
+//! session (`POST`) and streams the file again from its start; a download
+//! that broke is discarded with its temp file and fetched again. Up to
+//! [`RegistryOptions::retry_attempts`] tries in all (default 4); before retry
+//! `n` a delay drawn in `[c/2, c]`, `c = min(retry_max_ms, retry_base_ms ·
+//! 2^(n-1))` (defaults 200 and 5000 ms). Each retry is a `tracing` warning
+//! (registry, operation, target, attempt, delay_ms, cause) and counts in
+//! [`RegistryClient::retries_total`]. Out of attempts the error is
+//! [`RegistryError::GaveUp`]: the last failure's kind, its message naming the
+//! registry, the attempts, the last cause and what to do. `Retry-After`:
+//! oci-client 0.18 keeps no response headers in its errors, so a 429 is
+//! retried on the schedule ([`RegistryError::Rejected`]'s `retry_after_s`
+//! is where one would come in; the schedule would honour it, capped at
+//! `retry_max_ms`).
 //!
 //! ```no_run
 //! # async fn f() -> Result<(), layerstack_registry::RegistryError> {

@@ -464,131 +464,376 @@ async fn nothing_listening_is_unavailable() {
     assert!(e.to_string().contains("no-such-host.invalid"), "{e}");
 }
 
-/// A proxy in front of `upstream` that answers `503` (the first one with
-/// `Retry-After: 1` as `429`) to the first `fail_first` connections — or to
-/// all when `fail_first` is `usize::MAX` — and forwards the others. Returns
-/// its address and the count of refused connections.
-async fn flaky_proxy(
-    upstream: std::net::SocketAddr,
-    fail_first: usize,
-) -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
-    let refused = std::sync::Arc::new(AtomicUsize::new(0));
-    let count = refused.clone();
-    tokio::spawn(async move {
-        let mut seen = 0usize;
-        loop {
-            let Ok((mut conn, _)) = listener.accept().await else {
-                return;
-            };
-            seen += 1;
-            if seen <= fail_first {
-                let first = seen == 1;
-                let count = count.clone();
-                tokio::spawn(async move {
-                    // Read the request's head, answer, close.
-                    let mut head = Vec::new();
-                    let mut buf = [0u8; 4096];
-                    while !head.windows(4).any(|w| w == b"\r\n\r\n") {
-                        match conn.read(&mut buf).await {
-                            Ok(0) | Err(_) => return,
-                            Ok(n) => head.extend_from_slice(&buf[..n]),
-                        }
-                    }
-                    let answer: &[u8] = if first {
-                        b"HTTP/1.1 429 Too Many Requests\r\nRetry-After: 1\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-                    } else {
-                        b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
-                    };
-                    count.fetch_add(1, Ordering::SeqCst);
-                    let _ = conn.write_all(answer).await;
-                    let _ = conn.shutdown().await;
-                });
-            } else {
-                tokio::spawn(async move {
-                    if let Ok(mut up) = tokio::net::TcpStream::connect(upstream).await {
-                        let _ = tokio::io::copy_bidirectional(&mut conn, &mut up).await;
-                    }
-                });
-            }
-        }
-    });
-    (addr.to_string(), refused)
+/// One scripted refusal of [`FlakyProxy`]: the next request whose method is
+/// `method` and whose path contains `path` is answered `status` (with
+/// `Retry-After` when given) instead of being forwarded.
+struct Refusal {
+    method: &'static str,
+    path: &'static str,
+    status: u16,
+    retry_after: Option<u32>,
 }
 
-/// A registry that answers 429 / 503 for a while: push and pull succeed
-/// after retries (counted by the proxy, not the clock); one that never
-/// recovers fails `unavailable` after exactly the configured attempts.
+/// A small HTTP/1.1 proxy on 127.0.0.1 in front of `upstream`, one request
+/// per connection (`Connection: close` both ways): each request's head and
+/// body are read whole, then either refused by the script (or by
+/// `refuse_all`, a path part refused with 503 forever) or forwarded, the
+/// answer relayed until the registry closes. `log` keeps `METHOD PATH ->
+/// STATUS|forwarded` per request, so a test counts the retried requests.
+struct FlakyProxy {
+    host: String,
+    script: std::sync::Arc<std::sync::Mutex<std::collections::VecDeque<Refusal>>>,
+    log: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl FlakyProxy {
+    async fn start(
+        upstream: std::net::SocketAddr,
+        script: Vec<Refusal>,
+        refuse_all: Option<&'static str>,
+    ) -> Self {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let host = listener.local_addr().unwrap().to_string();
+        let script = std::sync::Arc::new(std::sync::Mutex::new(script.into()));
+        let log = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (s, l) = (script.clone(), log.clone());
+        tokio::spawn(async move {
+            while let Ok((conn, _)) = listener.accept().await {
+                tokio::spawn(proxy_one(conn, upstream, s.clone(), l.clone(), refuse_all));
+            }
+        });
+        Self { host, script, log }
+    }
+
+    /// The log lines that are refusals.
+    fn refused(&self) -> Vec<String> {
+        let log = self.log.lock().unwrap();
+        log.iter()
+            .filter(|l| !l.ends_with("forwarded"))
+            .cloned()
+            .collect()
+    }
+
+    fn script_left(&self) -> usize {
+        self.script.lock().unwrap().len()
+    }
+}
+
+async fn proxy_one(
+    mut conn: tokio::net::TcpStream,
+    upstream: std::net::SocketAddr,
+    script: std::sync::Arc<std::sync::Mutex<std::collections::VecDeque<Refusal>>>,
+    log: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+    refuse_all: Option<&'static str>,
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 65536];
+    let head_end = loop {
+        if let Some(i) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        match conn.read(&mut chunk).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    };
+    let head = String::from_utf8_lossy(&buf[..head_end]).to_string();
+    let mut lines = head.split("\r\n");
+    let first = lines.next().unwrap_or("").to_string();
+    let mut parts = first.split(' ');
+    let method = parts.next().unwrap_or("").to_string();
+    let path = parts.next().unwrap_or("").to_string();
+    let mut length = 0usize;
+    let mut headers = Vec::new();
+    for line in lines.filter(|l| !l.is_empty()) {
+        let lower = line.to_ascii_lowercase();
+        assert!(
+            !lower.starts_with("transfer-encoding"),
+            "the proxy handles Content-Length bodies only: {first}"
+        );
+        if let Some(v) = lower.strip_prefix("content-length:") {
+            length = v.trim().parse().unwrap();
+        }
+        if !lower.starts_with("connection:") {
+            headers.push(line.to_string());
+        }
+    }
+    while buf.len() < head_end + length {
+        match conn.read(&mut chunk).await {
+            Ok(0) | Err(_) => return,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+    let refusal = {
+        let mut script = script.lock().unwrap();
+        match script.front() {
+            Some(r) if r.method == method && path.contains(r.path) => script.pop_front(),
+            _ => refuse_all.filter(|p| path.contains(p)).map(|_| Refusal {
+                method: "",
+                path: "",
+                status: 503,
+                retry_after: None,
+            }),
+        }
+    };
+    let short = path.split('?').next().unwrap_or("").to_string();
+    if let Some(r) = refusal {
+        log.lock()
+            .unwrap()
+            .push(format!("{method} {short} -> {}", r.status));
+        let extra = r
+            .retry_after
+            .map(|s| format!("Retry-After: {s}\r\n"))
+            .unwrap_or_default();
+        let answer = format!(
+            "HTTP/1.1 {} Refused\r\n{extra}Content-Length: 0\r\nConnection: close\r\n\r\n",
+            r.status
+        );
+        let _ = conn.write_all(answer.as_bytes()).await;
+        let _ = conn.shutdown().await;
+        return;
+    }
+    log.lock()
+        .unwrap()
+        .push(format!("{method} {short} -> forwarded"));
+    let Ok(mut up) = tokio::net::TcpStream::connect(upstream).await else {
+        return;
+    };
+    let mut out = format!("{first}\r\n");
+    for h in headers {
+        out.push_str(&h);
+        out.push_str("\r\n");
+    }
+    out.push_str("Connection: close\r\n\r\n");
+    if up.write_all(out.as_bytes()).await.is_err()
+        || up
+            .write_all(&buf[head_end..head_end + length])
+            .await
+            .is_err()
+    {
+        return;
+    }
+    let _ = tokio::io::copy(&mut up, &mut conn).await;
+    let _ = conn.shutdown().await;
+}
+
+fn refuse(method: &'static str, path: &'static str, status: u16) -> Refusal {
+    Refusal {
+        method,
+        path,
+        status,
+        retry_after: None,
+    }
+}
+
+/// A registry behind a proxy that refuses (429 with `Retry-After: 1`, 503,
+/// 502, 504, 500) one request of each step for a while: push and pull
+/// succeed, each refused request retried once (counted by the proxy and the
+/// client's counter, not by the clock); one that never recovers fails
+/// `unavailable` after exactly the configured attempts.
 #[tokio::test]
 async fn transient_refusals_are_retried_and_give_up_after_the_attempts() {
-    use std::sync::atomic::Ordering;
     let Some(reg) = start(RegistryKind::Plain) else {
         return;
     };
     let anon = Credentials::Anonymous;
     let tmp = tempfile::tempdir().unwrap();
-    let (path, digest) = blob_file(tmp.path(), "layer", 3, 70_000);
-
-    // Three refusals (429 with Retry-After, then 503s): the push's steps
-    // are retried from a new connection and the blob arrives once.
-    let (host, refused) = flaky_proxy(reg.addr(), 3).await;
+    let size = 300_000u64;
+    let (path, digest) = blob_file(tmp.path(), "layer", 3, size as usize);
+    let proxy = FlakyProxy::start(
+        reg.addr(),
+        vec![
+            Refusal {
+                method: "HEAD",
+                path: "/blobs/sha256:",
+                status: 429,
+                retry_after: Some(1),
+            },
+            refuse("HEAD", "/blobs/sha256:", 503),
+            refuse("POST", "/blobs/uploads/", 503),
+            refuse("PUT", "/blobs/uploads/", 502),
+            refuse("PUT", "/manifests/", 503),
+            refuse("GET", "/manifests/", 500),
+            refuse("GET", "/blobs/sha256:", 504),
+        ],
+        None,
+    )
+    .await;
+    let host = proxy.host.clone();
     let client = RegistryClient::new(RegistryOptions {
         insecure: vec![host.clone()],
-        retry_attempts: 6,
+        retry_attempts: 4,
         retry_base_ms: 10,
-        retry_max_ms: 1000,
+        retry_max_ms: 100,
         ..Default::default()
     })
     .unwrap();
     let r = parse_reference(&format!("{host}/team/flaky:v1")).unwrap();
     assert_eq!(
         client
-            .push_blob_file(&r, &anon, &path, &digest, 70_000)
+            .push_blob_file(&r, &anon, &path, &digest, size)
             .await
             .unwrap(),
         BlobPush::Uploaded
     );
-    assert_eq!(refused.load(Ordering::SeqCst), 3);
-    // Some refusals hit oci-client's own auth probe (`GET /v2/`), which
-    // tolerates them; at least the 429 was a retried step of ours.
-    assert!(client.retries_total() >= 1, "{}", client.retries_total());
+    let body = manifest((&digest, size), &[]);
+    client
+        .push_manifest(&r, &anon, OCI_MANIFEST, &body)
+        .await
+        .unwrap();
+    assert_eq!(client.pull_manifest(&r, &anon).await.unwrap().body, body);
+    let dst = tmp.path().join("pulled");
+    client
+        .pull_blob_to_file(&r, &anon, &digest, size, &dst)
+        .await
+        .unwrap();
+    assert_eq!(std::fs::read(&dst).unwrap(), std::fs::read(&path).unwrap());
+
+    // Every scripted refusal was met, and each was one retry of ours.
+    assert_eq!(proxy.script_left(), 0, "{:?}", proxy.log.lock().unwrap());
+    let refused = proxy.refused();
+    assert_eq!(refused.len(), 7, "{refused:?}");
+    assert_eq!(client.retries_total(), 7, "{refused:?}");
+    // The blob arrived once: the refused PUT's session was not completed,
+    // the retry's was.
     assert_eq!(
         reg.blob_uploads_completed().unwrap(),
         1,
         "{}",
         reg.log_tail(20)
     );
-    let dst = tmp.path().join("pulled");
-    client
-        .pull_blob_to_file(&r, &anon, &digest, 70_000, &dst)
-        .await
-        .unwrap();
-    assert_eq!(std::fs::read(&dst).unwrap(), std::fs::read(&path).unwrap());
+    let log = proxy.log.lock().unwrap().clone();
+    let posts = log
+        .iter()
+        .filter(|l| l.starts_with("POST ") && l.contains("/blobs/uploads/"))
+        .count();
+    assert_eq!(posts, 3, "a new upload session per upload attempt: {log:?}");
 
     // Never recovers: 3 attempts, then unavailable naming the attempts.
-    let (host, refused) = flaky_proxy(reg.addr(), usize::MAX).await;
+    let down = FlakyProxy::start(reg.addr(), vec![], Some("/manifests/")).await;
     let client = RegistryClient::new(RegistryOptions {
-        insecure: vec![host.clone()],
+        insecure: vec![down.host.clone()],
         retry_attempts: 3,
         retry_base_ms: 10,
-        retry_max_ms: 1000,
+        retry_max_ms: 100,
         ..Default::default()
     })
     .unwrap();
-    let r = parse_reference(&format!("{host}/team/flaky:v1")).unwrap();
+    let r = parse_reference(&format!("{}/team/flaky:v1", down.host)).unwrap();
     let e = expect_kind(
         client.pull_manifest(&r, &anon).await,
         ErrorKind::Unavailable,
     );
-    // Each attempt is oci-client's auth probe plus the GET: 2 requests.
-    assert_eq!(refused.load(Ordering::SeqCst), 3 * 2, "{e}");
+    assert_eq!(down.refused().len(), 3, "{:?}", down.log.lock().unwrap());
     assert!(
         matches!(e, RegistryError::GaveUp { attempts: 3, .. }),
         "{e:?}"
     );
     let msg = e.to_string();
-    assert!(msg.contains(&host) && msg.contains("3 times"), "{msg}");
+    assert!(
+        msg.contains(&down.host) && msg.contains("3 times") && msg.contains("503"),
+        "{msg}"
+    );
+}
+
+/// A registry that is down when the push starts and comes up on the same
+/// port while the client is retrying: the push succeeds. The registry is
+/// started only after the client has retried once (its retry counter), so the
+/// first attempt did fail; nothing is timed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_registry_that_comes_back_during_the_retries_gets_the_push() {
+    if !require_docker_registry(RegistryKind::Plain) {
+        return;
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let host = format!("127.0.0.1:{port}");
+    let client = std::sync::Arc::new(
+        RegistryClient::new(RegistryOptions {
+            insecure: vec![host.clone()],
+            // Room for docker-registry to start: 40 attempts, delays up to
+            // 500 ms (at least ~9 s of waiting in all).
+            retry_attempts: 40,
+            retry_base_ms: 50,
+            retry_max_ms: 500,
+            ..Default::default()
+        })
+        .unwrap(),
+    );
+    let tmp = tempfile::tempdir().unwrap();
+    let (path, digest) = blob_file(tmp.path(), "layer", 9, 100_000);
+    let r = parse_reference(&format!("{host}/team/late:v1")).unwrap();
+    let push = {
+        let (client, r, path, digest) = (client.clone(), r.clone(), path.clone(), digest.clone());
+        tokio::spawn(async move {
+            client
+                .push_blob_file(&r, &Credentials::Anonymous, &path, &digest, 100_000)
+                .await
+        })
+    };
+    // Wait (bounded) for the first retry: the registry was down for it.
+    for _ in 0..3000 {
+        if client.retries_total() >= 1 || push.is_finished() {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert!(client.retries_total() >= 1, "the client never retried");
+    let reg = tokio::task::spawn_blocking(move || {
+        TestRegistry::start_on_port(RegistryKind::Plain, port).expect("start docker-registry")
+    })
+    .await
+    .unwrap();
+    assert_eq!(push.await.unwrap().unwrap(), BlobPush::Uploaded);
+    assert_eq!(
+        reg.blob_uploads_completed().unwrap(),
+        1,
+        "{}",
+        reg.log_tail(20)
+    );
+    assert!(client
+        .blob_exists(&r, &Credentials::Anonymous, &digest)
+        .await
+        .unwrap());
+}
+
+/// Nothing ever listens: `unavailable` after exactly the configured attempts
+/// (counted by the client's retry counter: attempts - 1 retries), the message
+/// naming the registry, the attempts and what to do.
+#[tokio::test]
+async fn a_registry_that_stays_down_is_unavailable_after_the_attempts() {
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let host = format!("127.0.0.1:{port}");
+    let client = RegistryClient::new(RegistryOptions {
+        insecure: vec![host.clone()],
+        retry_attempts: 3,
+        retry_base_ms: 10,
+        retry_max_ms: 20,
+        ..Default::default()
+    })
+    .unwrap();
+    let r = parse_reference(&format!("{host}/a/b:c")).unwrap();
+    let e = expect_kind(
+        client
+            .blob_exists(&r, &Credentials::Anonymous, &sha256_digest(b"x"))
+            .await,
+        ErrorKind::Unavailable,
+    );
+    assert_eq!(client.retries_total(), 2);
+    assert!(
+        matches!(e, RegistryError::GaveUp { attempts: 3, .. }),
+        "{e:?}"
+    );
+    let msg = e.to_string();
+    for part in [host.as_str(), "3 times", "refused", "retry_attempts"] {
+        assert!(msg.contains(part), "{part}: {msg}");
+    }
 }
