@@ -25,9 +25,11 @@
 //! their exact exit, and an init's `PR_SET_PDEATHSIG(SIGKILL)` follows the
 //! daemon's thread that forked the spawner — its main thread, which lives as
 //! long as the daemon. The spawner dies with the daemon (its own parent-death
-//! signal, and end of file on its socket); a spawner that dies while the
-//! daemon runs only makes new inits and execs fail (the daemon answers so and
-//! logs it); live inits are not its children and go on.
+//! signal, and end of file on its socket). A spawner that dies while the
+//! daemon runs is replaced on the next request that needs it, at most once a
+//! second: the daemon runs its own binary again ([`exec`]: a fork of a
+//! threaded daemon may not run ordinary code), from a thread that lives as
+//! long as the daemon; live inits are not the spawner's children and go on.
 //!
 //! Wire format, both ways on the stream socket: a request is an 8-byte header
 //! (`u32` body length, `u8` kind, `u8` descriptor count, 2 zero bytes; native
@@ -99,6 +101,88 @@ pub unsafe fn fork() -> io::Result<Forked> {
         }
         pid => Ok(Forked { sock: daemon, pid }),
     }
+}
+
+/// The first argument with which the daemon's own binary runs as a
+/// spawner started by [`exec`] (its socket on descriptor [`EXEC_FD`], the
+/// daemon's pid second).
+pub const EXEC_FLAG: &str = "--layerstack-internal-spawner";
+
+/// The descriptor an exec'd spawner finds its socket on.
+pub const EXEC_FD: RawFd = 3;
+
+/// Starts a spawner by running `exe` — the daemon's own binary
+/// (`/proc/self/exe`) — with [`EXEC_FLAG`]: what a daemon with threads does
+/// to replace a spawner that died (a fork of a threaded process may not run
+/// ordinary code; an exec starts clean). The new spawner serves exactly as a
+/// forked one ([`exec_entry`] in the daemon's `main`).
+///
+/// Its inits' and waiters' parent-death signal follows the calling thread
+/// (`CLONE_PARENT` makes the daemon thread that started the spawner their
+/// parent): call it from a thread that lives as long as the daemon.
+/// Errors: the socket pair, or the exec (`exe` missing).
+pub fn exec(exe: &std::path::Path) -> io::Result<Forked> {
+    use std::os::unix::process::CommandExt;
+    let mut fds = [0; 2];
+    // SAFETY: `fds` has room for the two descriptors.
+    if unsafe {
+        libc::socketpair(
+            libc::AF_UNIX,
+            libc::SOCK_STREAM | libc::SOCK_CLOEXEC,
+            0,
+            fds.as_mut_ptr(),
+        )
+    } < 0
+    {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: socketpair returned two new descriptors nothing else owns.
+    let (daemon, child) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    // SAFETY: getpid has no arguments.
+    let daemon_pid = unsafe { libc::getpid() };
+    let raw = child.as_raw_fd();
+    let mut cmd = std::process::Command::new(exe);
+    cmd.arg(EXEC_FLAG)
+        .arg(daemon_pid.to_string())
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null());
+    // SAFETY: dup2 and fcntl are async-signal-safe: all the child runs
+    // between its fork and its exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            if raw == EXEC_FD {
+                // dup2 onto itself keeps close-on-exec: clear it.
+                if libc::fcntl(raw, libc::F_SETFD, 0) < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+            } else if libc::dup2(raw, EXEC_FD) < 0 {
+                return Err(io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let spawned = cmd.spawn()?;
+    let pid = spawned.id() as libc::pid_t;
+    // Not waited for here: the daemon reaps it by pidfd.
+    drop(spawned);
+    drop(child);
+    Ok(Forked { sock: daemon, pid })
+}
+
+/// In the daemon's `main`, before anything else: when this process was
+/// started by [`exec`] (`args` = its arguments after the program name), it
+/// serves as the spawner and never returns; otherwise it returns.
+pub fn exec_entry(args: &[std::ffi::OsString]) {
+    if args.first().and_then(|a| a.to_str()) != Some(EXEC_FLAG) {
+        return;
+    }
+    let daemon_pid = args
+        .get(1)
+        .and_then(|a| a.to_str())
+        .and_then(|a| a.parse::<libc::pid_t>().ok())
+        .unwrap_or(0);
+    // SAFETY: `exec` left the socket on EXEC_FD, owned by nothing else here.
+    serve(unsafe { OwnedFd::from_raw_fd(EXEC_FD) }, daemon_pid)
 }
 
 fn serve(sock: OwnedFd, daemon_pid: libc::pid_t) -> ! {

@@ -176,6 +176,9 @@ fn raise_nofile() {
 }
 
 fn main() {
+    // A replacement process spawner runs this binary again (see
+    // layerstack_sandbox::spawner::exec): it serves and never returns.
+    layerstack_sandbox::spawner::exec_entry(&std::env::args_os().skip(1).collect::<Vec<_>>());
     // First, while the daemon is one small thread: the process that clones
     // daemon-owned sessions' inits and Exec's waiters (a fork of it copies
     // little; a fork of the running daemon copied its whole address space).

@@ -265,8 +265,8 @@ class _Restartable:
                 kids += [int(x) for x in (t / "children").read_text().split()]
             except OSError:
                 pass
-        # Not the daemon's process spawner: its death is the daemon's (it
-        # fails every create until the daemon restarts), not a sandbox's.
+        # Not the daemon's process spawner: its death is the daemon's (it is
+        # replaced, a create caught in between fails), not a sandbox's.
         kids = [k for k in kids if _comm(k) != "ls-spawner"]
         killed = 0
         for pid in random.sample(kids, min(n, len(kids))):
