@@ -240,9 +240,11 @@ mod tests {
                 .unwrap();
             canonical_json(&c).unwrap()
         };
-        assert_eq!(make("n1", 5), make("n1", 5));
-        assert_ne!(make("n1", 5), make("n2", 5));
-        assert_ne!(make("n1", 5), make("n1", 6));
+        // (`created` is RFC 3339 in whole seconds.)
+        let (t, later) = (5_000_000_000, 6_000_000_000);
+        assert_eq!(make("n1", t), make("n1", t));
+        assert_ne!(make("n1", t), make("n2", t));
+        assert_ne!(make("n1", t), make("n1", later));
         let c = node_image_config("import:x", "n1", 0, 1, vec![d('a'), d('b')]).unwrap();
         let h: Vec<_> = c
             .history()
