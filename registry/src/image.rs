@@ -228,6 +228,7 @@ pub fn canonical_json(value: &oci::ImageConfiguration) -> Result<Vec<u8>, ImageE
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)]
     use super::*;
 
     /// A node's config is a function of the node alone: the same arguments,
