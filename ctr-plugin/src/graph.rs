@@ -199,7 +199,7 @@ pub(crate) fn node_json(n: &api::Node) -> serde_json::Value {
         serde_json::from_str(&n.state).unwrap_or_else(|_| json!(n.state));
     json!({
         "id": n.id, "graph": n.group, "kind": n.kind, "manifest": n.manifest,
-        "state": state, "parents": n.parents,
+        "state": state, "parents": n.parents, "missing_parents": n.missing_parents,
         "attempt": if n.attempt == 0 { serde_json::Value::Null } else { json!(n.attempt) },
         "command": if n.command.is_empty() { serde_json::Value::Null } else { json!(n.command) },
         "labels": n.labels,
@@ -323,6 +323,12 @@ fn print_node(n: &api::Node, as_json: bool) {
             n.parents.join(", ")
         }
     );
+    if !n.missing_parents.is_empty() {
+        out!(
+            "  parents not in this store {} (linked when pulled)",
+            n.missing_parents.join(", ")
+        );
+    }
     out!("  state {}", n.state);
     if n.attempt != 0 {
         out!("  from attempt {}", n.attempt);

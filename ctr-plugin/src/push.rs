@@ -186,6 +186,7 @@ pub async fn pull(cli: &crate::Cli, a: PullArgs) -> Result<ExitCode> {
                 "layers_reused": r.layers_reused,
                 "bytes_fetched": r.bytes_fetched,
                 "missing_parents": r.missing_parents,
+                "linked_children": r.linked_children,
             })
         );
     } else {
@@ -205,6 +206,15 @@ pub async fn pull(cli: &crate::Cli, a: PullArgs) -> Result<ExitCode> {
                 ""
             }
         );
+        if !r.missing_parents.is_empty() {
+            println!(
+                "parents not in this store (linked when pulled): {}",
+                r.missing_parents.join(", ")
+            );
+        }
+        if !r.linked_children.is_empty() {
+            println!("linked as the parent of: {}", r.linked_children.join(", "));
+        }
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -9,7 +9,7 @@
 //! |---|---|---|
 //! | what is here | [`Engine::held_layers`] | for each layer's diff ID (the config's `rootfs.diff_ids` above the base), a published or squashed layer of the stack with that tar, recorded by an export, a push or an earlier pull: those blobs are never downloaded |
 //! | stage | [`Engine::adopt_pulled_node`], no lock | each blob not held, oldest first, applied into `staging/pull-…` in overlay format (`publisher::apply_layer_tar`: whiteouts as 0:0 devices, opaque directories by xattr), its tar's sha256 checked against the diff ID; its path index captured over the layers below it and planned against no head (what a checkpoint records); its root directory given the metadata of the root below it (the capture's root edit, as a publish's upper gets), then sealed (synced in the durable profile) as a publish's layer is |
-//! | commit | `Store::adopt_node` | one write transaction: the node with its id (nothing written when it is there already with the same layers and state), the staged layers renamed into `l/<n>`, the manifest, the group, the lease, edges to the parents this store holds |
+//! | commit | `Store::adopt_node` | one write transaction: the node with its id (nothing written when it is there already with the same layers and state), the staged layers renamed into `l/<n>`, the manifest, the group, the lease, edges to the parents this store holds (the others kept as its missing parents), edges from every node here that was waiting for this one as its parent |
 //!
 //! A failure before the commit drops every staged directory: nothing of the
 //! pull is kept. A layer that is the same tar as one the store holds is not

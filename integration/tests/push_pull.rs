@@ -6,9 +6,11 @@
 //! that layer's blob (and the new config), counted in the registry's access
 //! log. A second daemon with an empty store pulls the node: the imported base
 //! comes from the image, the node keeps its id, state and graph, a session
-//! on it sees its files; a pull again copies nothing; a pull of its parent
-//! reuses the layer it already holds; a child made there and pushed sends
-//! only its own layer — the pulled layers are the same blobs.
+//! on it sees its files; pushed again from there (its parent not pulled) it
+//! is the same image (manifest digest, parents annotation); a pull again
+//! copies nothing; a pull of its parent reuses the layer it already holds and
+//! links the node to it; a child made there and pushed sends only its own
+//! layer — the pulled layers are the same blobs.
 //!
 //! Needs root (fails under `CI=true` without it), `/bin/busybox` (static) and
 //! `docker-registry` (scripts/install-deps.sh); no containerd.
@@ -76,6 +78,36 @@ fn push(d: &Daemon, reference: &str, node: &str) -> Result<Value> {
         String::from_utf8_lossy(&o.stderr)
     );
     json_of(&o)
+}
+
+/// The manifest at `reference`, read through the registry's API.
+fn manifest_at(reg: &TestRegistry, reference: &str) -> Result<Value> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let m = rt.block_on(async {
+        let c = layerstack_registry::RegistryClient::new(layerstack_registry::RegistryOptions {
+            insecure: vec![reg.host()],
+            ..Default::default()
+        })?;
+        let r = layerstack_registry::parse_reference(reference)?;
+        c.pull_manifest(&r, &layerstack_registry::Credentials::Anonymous)
+            .await
+    })?;
+    Ok(serde_json::from_slice(&m.body)?)
+}
+
+/// Node `id` of graph `g` as `graph show --json` on `d` lists it.
+fn graph_node(d: &Daemon, g: &str, id: &str) -> Result<Value> {
+    let shown = json_of(&ensure_success(
+        "graph show",
+        d.layerstack(&["graph", "show", g, "--json"])?,
+    )?)?;
+    shown["nodes"]
+        .as_array()
+        .and_then(|ns| ns.iter().find(|n| n["id"] == id))
+        .cloned()
+        .with_context(|| format!("no node {id} in {shown}"))
 }
 
 fn config_toml(dir: &Path, reg: &TestRegistry) -> Result<std::path::PathBuf> {
@@ -154,20 +186,7 @@ fn scenario(dir: &Path, reg: &TestRegistry, d: &Daemon) -> Result<()> {
 
     // A real OCI image: skopeo-free check of the manifest by the registry's
     // own API through our client crate.
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    let m = rt.block_on(async {
-        let c = layerstack_registry::RegistryClient::new(layerstack_registry::RegistryOptions {
-            insecure: vec![reg.host()],
-            ..Default::default()
-        })?;
-        let r =
-            layerstack_registry::parse_reference(&format!("{}/layerstack/task:n2", reg.host()))?;
-        c.pull_manifest(&r, &layerstack_registry::Credentials::Anonymous)
-            .await
-    })?;
-    let mv: Value = serde_json::from_slice(&m.body)?;
+    let mv = manifest_at(reg, &format!("{}/layerstack/task:n2", reg.host()))?;
     let ann = &mv["annotations"];
     ensure!(
         ann["io.layerstack.node"] == n2.as_str()
@@ -286,6 +305,31 @@ fn pulled_elsewhere(
         o.status.success() && stdout(&o) == "one\ntwo\n",
         "a session on the pulled node: {o:?}"
     );
+    // Issue 23: pushed again from here, where its parent is not, n2 is the
+    // same image — the same manifest digest, every blob (the config too)
+    // present, its parent declared — and the graph knows the parent is
+    // missing, not that there is none.
+    let shown = graph_node(b, "g", n2)?;
+    ensure!(
+        shown["parents"] == serde_json::json!([])
+            && shown["missing_parents"] == serde_json::json!([n1]),
+        "{shown}"
+    );
+    let from_b = format!("{}/layerstack/task:n2-from-b", reg.host());
+    let pb2 = push(b, &from_b, n2)?;
+    ensure!(
+        pb2["manifest_digest"] == p2["manifest_digest"],
+        "a re-push of the pulled node is another image: {pb2} / {p2}"
+    );
+    ensure!(
+        pb2["blobs_sent"] == 0 && pb2["blobs_present"] == 4 && pb2["diff_ids"] == p2["diff_ids"],
+        "{pb2}"
+    );
+    let ann = manifest_at(reg, &from_b)?["annotations"].clone();
+    ensure!(
+        ann["io.layerstack.node.parents"] == n1 && ann["io.layerstack.node"] == n2,
+        "{ann}"
+    );
     // Again: nothing is fetched, nothing changes.
     let again = pull(b, &r2)?;
     ensure!(
@@ -294,7 +338,9 @@ fn pulled_elsewhere(
             && again["base_imported"] == false,
         "{again}"
     );
-    // Its parent: the layer it shares with n2 is held already.
+    // Its parent: the layer it shares with n2 is held already, and n2
+    // (pulled before it) gets its edge in this pull — not on a pull of n2
+    // again.
     let p1 = pull(b, &format!("{}/layerstack/task:n1", reg.host()))?;
     ensure!(
         p1["node"] == n1
@@ -303,17 +349,23 @@ fn pulled_elsewhere(
             && p1["layers_reused"] == 1,
         "{p1}"
     );
-    // n2 was pulled before its parent: a pull of it again links it now.
-    let relinked = pull(b, &r2)?;
+    ensure!(p1["linked_children"] == serde_json::json!([n2]), "{p1}");
+    let shown = graph_node(b, "g", n2)?;
     ensure!(
-        relinked["created"] == false && relinked["missing_parents"] == serde_json::json!([]),
-        "{relinked}"
+        shown["parents"] == serde_json::json!([n1])
+            && shown["missing_parents"] == serde_json::json!([]),
+        "{shown}"
     );
     let shown = json_of(&ensure_success(
         "node show",
         b.layerstack(&["node", "show", n2, "--json"])?,
     )?)?;
     ensure!(shown["parents"] == serde_json::json!([n1]), "{shown}");
+    let relinked = pull(b, &r2)?;
+    ensure!(
+        relinked["created"] == false && relinked["missing_parents"] == serde_json::json!([]),
+        "{relinked}"
+    );
     // A child made here and pushed: only its own layer is new to the registry.
     let n3 = checkpoint(b, dir_b, n2, "echo three > /srv/three")?;
     let before = reg.blob_uploads_completed()?;

@@ -1,7 +1,9 @@
 //! OCI image assembly shared by `layerstack export` (the CLI writes an image
 //! layout) and the daemon's push (it writes to a registry): the image config
-//! of an exported stack (OCI image-spec `config.md`), its canonical bytes, and
-//! the platform of this machine.
+//! of an exported stack (OCI image-spec `config.md`), the config of a pushed
+//! graph node (from what travels with the node only:
+//! [`node_image_config`]), their canonical bytes, and the platform of this
+//! machine.
 
 use oci_spec::image as oci;
 
@@ -116,6 +118,70 @@ pub fn image_config(
                 .map_err(|e| ImageError(format!("building a history entry: {e}")))?,
         );
     }
+    let created = layers.iter().map(|l| l.created_ns).max();
+    assemble(base, history, diff_ids, created)
+}
+
+/// The image config of a pushed graph node (`layerstack push --node`): built
+/// only from what travels with the node — its stack id, its id, its
+/// creation time, its base layer count and its layers' diff IDs — so every
+/// store that holds the node (the one that made it, or one that pulled it,
+/// whatever its own layer ids, sessions and times) pushes the same bytes,
+/// and a re-push of a pulled node has the original push's manifest digest.
+///
+/// - `rootfs.diff_ids`: `diff_ids`, oldest first; the first `base_layers`
+///   are the stack's base.
+/// - `history`: one entry per layer, `created_by` only —
+///   `layerstack: base layer <i> of stack <stack>` for the base layers,
+///   `layerstack: layer <i> above the base of node <node>` for the others
+///   (`i` from 1); no per-layer `created` (a layer's time is local to the
+///   store that made it).
+/// - `created`: the node's creation time (RFC 3339 UTC).
+/// - `architecture`, `os`, `config`: this machine's architecture, `linux`,
+///   `Env` [`DEFAULT_PATH`] only (as [`image_config`] without a base).
+///
+/// # Errors
+/// When `base_layers` exceeds the layers, or a builder refuses a value.
+pub fn node_image_config(
+    stack: &str,
+    node: &str,
+    created_ns: i64,
+    base_layers: usize,
+    diff_ids: Vec<String>,
+) -> Result<oci::ImageConfiguration, ImageError> {
+    if base_layers > diff_ids.len() {
+        return Err(ImageError(format!(
+            "{base_layers} base layers of {} layers",
+            diff_ids.len()
+        )));
+    }
+    let history = (0..diff_ids.len())
+        .map(|i| {
+            let by = if i < base_layers {
+                format!("layerstack: base layer {} of stack {stack}", i + 1)
+            } else {
+                format!(
+                    "layerstack: layer {} above the base of node {node}",
+                    i - base_layers + 1
+                )
+            };
+            oci::HistoryBuilder::default()
+                .created_by(by)
+                .build()
+                .map_err(|e| ImageError(format!("building a history entry: {e}")))
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    assemble(None, history, diff_ids, Some(created_ns))
+}
+
+/// The config of `base` (or this machine's default) with `history`, the
+/// rootfs of `diff_ids` and `created` (ns since the epoch).
+fn assemble(
+    base: Option<&oci::ImageConfiguration>,
+    history: Vec<oci::History>,
+    diff_ids: Vec<String>,
+    created: Option<i64>,
+) -> Result<oci::ImageConfiguration, ImageError> {
     let rootfs = oci::RootFsBuilder::default()
         .typ("layers")
         .diff_ids(diff_ids)
@@ -146,7 +212,7 @@ pub fn image_config(
     };
     cfg.set_rootfs(rootfs);
     cfg.set_history(Some(history));
-    cfg.set_created(layers.iter().map(|l| l.created_ns).max().map(rfc3339));
+    cfg.set_created(created.map(rfc3339));
     Ok(cfg)
 }
 
@@ -162,7 +228,49 @@ pub fn canonical_json(value: &oci::ImageConfiguration) -> Result<Vec<u8>, ImageE
 
 #[cfg(test)]
 mod tests {
+    #![allow(clippy::unwrap_used)]
     use super::*;
+
+    /// A node's config is a function of the node alone: the same arguments,
+    /// the same bytes; another node id or creation time, other bytes.
+    #[test]
+    fn a_node_config_depends_only_on_what_travels_with_the_node() {
+        let d = |c: char| format!("sha256:{}", c.to_string().repeat(64));
+        let make = |node: &str, created: i64| {
+            let c = node_image_config("import:x", node, created, 1, vec![d('a'), d('b'), d('c')])
+                .unwrap();
+            canonical_json(&c).unwrap()
+        };
+        // (`created` is RFC 3339 in whole seconds.)
+        let (t, later) = (5_000_000_000, 6_000_000_000);
+        assert_eq!(make("n1", t), make("n1", t));
+        assert_ne!(make("n1", t), make("n2", t));
+        assert_ne!(make("n1", t), make("n1", later));
+        let c = node_image_config("import:x", "n1", 0, 1, vec![d('a'), d('b')]).unwrap();
+        let h: Vec<_> = c
+            .history()
+            .as_ref()
+            .unwrap()
+            .iter()
+            .map(|e| (e.created_by().clone().unwrap(), e.created().clone()))
+            .collect();
+        assert_eq!(
+            h,
+            vec![
+                (
+                    "layerstack: base layer 1 of stack import:x".to_string(),
+                    None
+                ),
+                (
+                    "layerstack: layer 1 above the base of node n1".to_string(),
+                    None
+                ),
+            ]
+        );
+        assert_eq!(c.created().as_deref(), Some("1970-01-01T00:00:00Z"));
+        assert_eq!(c.rootfs().diff_ids(), &vec![d('a'), d('b')]);
+        assert!(node_image_config("s", "n", 0, 3, vec![d('a')]).is_err());
+    }
 
     #[test]
     fn rfc3339_times() {

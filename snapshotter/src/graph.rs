@@ -39,6 +39,7 @@ pub(crate) fn node(n: &NodeInfo) -> api::Node {
         base_digest: n.base_digest.clone(),
         pruned: n.pruned,
         created_ns: n.created_ns,
+        missing_parents: n.missing_parents.clone(),
     }
 }
 

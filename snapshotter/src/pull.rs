@@ -345,6 +345,7 @@ impl AdminService {
             reused,
             base_imported,
             bytes_fetched,
+            linked_children = adopted.linked_children.len(),
             "pulled"
         );
         Ok(api::PullResponse {
@@ -359,6 +360,7 @@ impl AdminService {
             layers_reused: reused,
             bytes_fetched,
             missing_parents: adopted.missing_parents,
+            linked_children: adopted.linked_children,
         })
     }
 }

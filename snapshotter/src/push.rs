@@ -10,6 +10,15 @@
 //!   node's provenance and state in its annotations
 //! ```
 //!
+//! A node's image is a function of the node alone: its config is built from
+//! what travels with it (`node_image_config`: stack, node id, creation time,
+//! diff IDs — no local layer id, session or layer time) and its annotations
+//! from `AdoptNode::of`, whose parents are every parent the node declares,
+//! held by this store or not. So a store that pulled a node (before its
+//! parents, even) pushes it with the same manifest digest as the store that
+//! made it, and the graph spread over stores stays one graph. A branch
+//! head's config keeps this store's layer history, as `export` writes it.
+//!
 //! The blobs are the same bytes an `export` of the same layers writes, so a
 //! node pushed after one more layer than an earlier push sends that layer's
 //! blob and the config only. The registry's client lives in
@@ -23,7 +32,7 @@ use std::sync::Arc;
 use layerstack_api as api;
 use layerstack_engine::store::AdoptNode;
 use layerstack_engine::Compression;
-use layerstack_registry::image::{canonical_json, config_layer, image_config};
+use layerstack_registry::image::{canonical_json, config_layer, image_config, node_image_config};
 use layerstack_registry::{
     credentials_from_docker_config, parse_reference, BlobPush, Credentials, Reference,
     RegistryClient, RegistryError, RegistryOptions,
@@ -372,13 +381,29 @@ impl AdminService {
             }));
             diff_ids.push(diff_id);
         }
-        let layers: Vec<_> = lease
-            .layers
-            .iter()
-            .map(|l| config_layer(l.kind.as_str(), l.id, l.session.unwrap_or(0), l.created_ns))
-            .collect();
-        let cfg = image_config(None, &lease.stack, &layers, diff_ids.clone())
-            .map_err(|e| Status::internal(e.to_string()))?;
+        // A node's config from what travels with it only (the same from
+        // every store that holds it); a branch head's from this store's
+        // layers, as `export` writes it.
+        let cfg = match node {
+            Some(n) => node_image_config(
+                &lease.stack,
+                &n.id,
+                n.created_ns,
+                lease.base_layers,
+                diff_ids.clone(),
+            ),
+            None => {
+                let layers: Vec<_> = lease
+                    .layers
+                    .iter()
+                    .map(|l| {
+                        config_layer(l.kind.as_str(), l.id, l.session.unwrap_or(0), l.created_ns)
+                    })
+                    .collect();
+                image_config(None, &lease.stack, &layers, diff_ids.clone())
+            }
+        }
+        .map_err(|e| Status::internal(e.to_string()))?;
         let cfg_bytes = canonical_json(&cfg).map_err(|e| Status::internal(e.to_string()))?;
         let cfg_digest = layerstack_registry::sha256_digest(&cfg_bytes);
         let cfg_path = staging.join("config.json");

@@ -12,7 +12,13 @@
 //! | node there? | a node with this id: the same stack, the same layers (by diff ID, or the very layer rows) and the same state → nothing is written, `created: false` (a second pull, or two at once); anything else → `AlreadyExists`, naming the difference. A pruned one (lease released, layers perhaps collected) with the same stack and state is revived: it takes the pulled layers' manifest and a new lease |
 //! | layers | each staged layer: a row (kind `published`, no session), its path index, its blob records (the blobs it came as, and its tar as the `none` blob: its diff ID); its directory renamed from `staging/` into `l/<n>` (held in flight until the commit, as an import's and a squash's) — the only filesystem steps inside the transaction |
 //! | manifest | the chain from the stack's empty root manifest up, reusing a manifest that already prepends the same layer on the same parent (a node pulled back into the store it came from adds no manifest) |
-//! | node | its group (made with the given branch and root when missing: the root may be a node this store does not hold), the node row with its id, kind, state, provenance and creation time, its lease; edges to the parents this store holds, at their positions |
+//! | node | its group (made with the given branch and root when missing: the root may be a node this store does not hold), the node row with its id, kind, state, provenance and creation time, its lease; edges to the parents this store holds, at their positions; the others recorded as its missing parents (`graph_missing_parents`) |
+//! | waiting children | every node here that declared this node as a parent it lacked (pulled before it) gets its edge, at its position |
+//!
+//! So a graph spread over stores stays one graph: a node keeps every parent
+//! it declares, held or not ([`NodeInfo::declared_parents`]: what a push of
+//! it writes, the same from every store), and the edges appear in whichever
+//! order the nodes arrive.
 //!
 //! Crash story: before the commit, directories under `staging/` or `l/<n>`
 //! without rows, both removed by the startup sweep; after it, the whole node.
@@ -101,7 +107,9 @@ pub struct AdoptNode {
     pub kind: NodeKind,
     /// Its JSON state.
     pub state: String,
-    /// Its parents, in order (those this store does not hold get no edge).
+    /// Its parents, in order: every one it declares. Those this store does
+    /// not hold get no edge; they are kept as its missing parents and linked
+    /// when they arrive.
     pub parents: Vec<String>,
     pub provenance: Provenance,
     /// When it was made (ns since the epoch), in the store it came from.
@@ -109,8 +117,10 @@ pub struct AdoptNode {
 }
 
 impl AdoptNode {
-    /// `node` of `group` as the store that made it holds it: what a push
-    /// carries (in the image's config or annotations) for a pull to adopt.
+    /// `node` of `group` as a store holds it: what a push carries (in the
+    /// image's annotations) for a pull to adopt. Its parents are the ones it
+    /// declares (held here or not), so a store that pulled it before its
+    /// parents pushes the same parents as the store that made it.
     pub fn of(node: &NodeInfo, group: &GroupInfo) -> AdoptNode {
         AdoptNode {
             id: node.id.clone(),
@@ -121,7 +131,7 @@ impl AdoptNode {
             },
             kind: node.kind,
             state: node.state.clone(),
-            parents: node.parents.clone(),
+            parents: node.declared_parents.clone(),
             provenance: Provenance {
                 command: node.command.clone(),
                 labels: node.labels.clone(),
@@ -145,13 +155,19 @@ pub struct Adopted {
     pub layers: Vec<LayerId>,
     /// The layers this adoption added (from staged directories).
     pub new_layers: Vec<LayerId>,
-    /// Parents it names that this store does not hold (no edge was made).
+    /// Parents it names that this store does not hold (no edge was made;
+    /// they are its [`NodeInfo::missing_parents`], linked when they arrive).
     pub missing_parents: Vec<String>,
+    /// Nodes here that named this node as a parent they lacked (pulled
+    /// before it): each got its edge in this transaction. Empty when the
+    /// node was here already.
+    pub linked_children: Vec<String>,
 }
 
-/// Edges from node `child` to each of `parents` (at its position) this
-/// store holds, those there already kept; returns the parents it does not
-/// hold (no edge).
+/// Node `child`'s declared `parents`: an edge to each this store holds (at
+/// its position), a missing-parent row for each other; a position that has
+/// either already is kept as it is (a node's parents never change). Returns
+/// the parents it does not hold.
 fn link_parents(
     tx: &rusqlite::Transaction<'_>,
     child: &str,
@@ -162,16 +178,67 @@ fn link_parents(
         let here: Option<i64> = tx
             .one("SELECT 1 FROM graph_nodes WHERE id = ?1", [p], |r| r.get(0))
             .optional()?;
+        let linked: Option<i64> = tx
+            .one(
+                "SELECT 1 FROM graph_edges WHERE child = ?1 AND pos = ?2",
+                params![child, pos as i64],
+                |r| r.get(0),
+            )
+            .optional()?;
+        if linked.is_some() {
+            continue;
+        }
         if here.is_none() {
             missing.push(p.clone());
+            tx.exec(
+                "INSERT OR IGNORE INTO graph_missing_parents(child, pos, parent) VALUES (?1, ?2, ?3)",
+                params![child, pos as i64, p],
+            )?;
             continue;
         }
         tx.exec(
-            "INSERT OR IGNORE INTO graph_edges(child, pos, parent) VALUES (?1, ?2, ?3)",
+            "DELETE FROM graph_missing_parents WHERE child = ?1 AND pos = ?2",
+            params![child, pos as i64],
+        )?;
+        tx.exec(
+            "INSERT INTO graph_edges(child, pos, parent) VALUES (?1, ?2, ?3)",
             params![child, pos as i64, p],
         )?;
     }
     Ok(missing)
+}
+
+/// Node `parent` is here now: every node that declared it as a parent it
+/// lacked gets its edge (at the declared position), its missing-parent row
+/// removed. Returns those children, sorted.
+pub(crate) fn link_waiting_children(
+    tx: &rusqlite::Transaction<'_>,
+    parent: &str,
+) -> Result<Vec<String>, StoreError> {
+    let waiting: Vec<(String, i64)> = {
+        let mut stmt = tx.prepare_cached(
+            "SELECT child, pos FROM graph_missing_parents WHERE parent = ?1 ORDER BY child, pos",
+        )?;
+        let v = stmt
+            .query_map([parent], |r| Ok((r.get(0)?, r.get(1)?)))?
+            .collect::<Result<_, _>>()?;
+        v
+    };
+    let mut children = Vec::new();
+    for (child, pos) in waiting {
+        tx.exec(
+            "INSERT OR IGNORE INTO graph_edges(child, pos, parent) VALUES (?1, ?2, ?3)",
+            params![child, pos, parent],
+        )?;
+        if children.last() != Some(&child) {
+            children.push(child);
+        }
+    }
+    tx.exec(
+        "DELETE FROM graph_missing_parents WHERE parent = ?1",
+        [parent],
+    )?;
+    Ok(children)
 }
 
 /// A node id: 1–128 bytes, no whitespace or control characters (ids are
@@ -443,8 +510,8 @@ impl Store {
                 }
                 let mut ids = manifest_layers(tx, existing.manifest)?;
                 ids.reverse();
-                // Parents pulled since the node was: their edges now (a child
-                // pulled before its parent gets it on a pull again).
+                // Parents it declares that an older store (format < 15) did
+                // not record, or that arrived outside a pull: recorded now.
                 let missing = link_parents(tx, &node.id, &node.parents)?;
                 return Ok(Adopted {
                     node: get_node(tx, &node.id)?,
@@ -452,6 +519,7 @@ impl Store {
                     layers: ids,
                     new_layers: Vec::new(),
                     missing_parents: missing,
+                    linked_children: Vec::new(),
                 });
             }
             // The group: the same graph (stack and root), or a new one (a
@@ -549,12 +617,14 @@ impl Store {
                     params![node.id, manifest, lease],
                 )?;
                 let missing = link_parents(tx, &node.id, &node.parents)?;
+                let linked_children = link_waiting_children(tx, &node.id)?;
                 return Ok(Adopted {
                     node: get_node(tx, &node.id)?,
                     created: true,
                     layers: ids,
                     new_layers,
                     missing_parents: missing,
+                    linked_children,
                 });
             }
             tx.exec(
@@ -575,12 +645,14 @@ impl Store {
                 ],
             )?;
             let missing = link_parents(tx, &node.id, &node.parents)?;
+            let linked_children = link_waiting_children(tx, &node.id)?;
             Ok(Adopted {
                 node: get_node(tx, &node.id)?,
                 created: true,
                 layers: ids,
                 new_layers,
                 missing_parents: missing,
+                linked_children,
             })
         });
         if out.as_ref().is_ok_and(|a| a.created) {
@@ -597,6 +669,8 @@ impl Store {
                     created = a.created,
                     layers = a.layers.len(),
                     new_layers = a.new_layers.len(),
+                    missing_parents = a.missing_parents.len(),
+                    linked_children = a.linked_children.len(),
                     "adopted node"
                 );
                 Ok(a)

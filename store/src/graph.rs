@@ -77,8 +77,17 @@ pub struct NodeInfo {
     pub manifest: ManifestId,
     /// The logical state: a JSON document given at checkpoint, immutable.
     pub state: String,
-    /// Parent nodes (none for a root; two for a merge).
+    /// Parent nodes this store holds (none for a root; two for a merge), in
+    /// declared order: the graph's edges, what walks, prune and GC follow.
     pub parents: Vec<String>,
+    /// Every parent the node declares, in order: `parents` and
+    /// `missing_parents` at their positions. What a push writes (the same in
+    /// every store that holds the node).
+    pub declared_parents: Vec<String>,
+    /// Declared parents this store does not hold (a node pulled before its
+    /// parent, format 15), in declared order; each becomes an edge (moves to
+    /// `parents`) when a node of its id arrives here.
+    pub missing_parents: Vec<String>,
     /// The attempt that checkpointed it.
     pub attempt: Option<i64>,
     /// Provenance: the command (Mode B) or container labels, the exit status.
@@ -221,14 +230,31 @@ fn node_from(conn: &Connection, raw: RawNode) -> Result<NodeInfo, StoreError> {
         .ok_or_else(|| StoreError::corrupt("graph_nodes", &id, format!("kind {kind:?}")))?;
     let labels = serde_json::from_str(&labels)
         .map_err(|e| StoreError::corrupt("graph_nodes", &id, format!("labels: {e}")))?;
-    let parents = {
-        let mut stmt =
-            conn.prepare_cached("SELECT parent FROM graph_edges WHERE child = ?1 ORDER BY pos")?;
+    // (position, parent, held) of every declared parent, in order.
+    let declared = {
+        let mut stmt = conn.prepare_cached(
+            "SELECT pos, parent, 1 FROM graph_edges WHERE child = ?1
+             UNION ALL SELECT pos, parent, 0 FROM graph_missing_parents WHERE child = ?1
+             ORDER BY 1",
+        )?;
         let v = stmt
-            .query_map([&id], |r| r.get(0))?
-            .collect::<Result<Vec<String>, _>>()?;
+            .query_map([&id], |r| {
+                Ok((r.get::<_, String>(1)?, r.get::<_, i64>(2)? != 0))
+            })?
+            .collect::<Result<Vec<(String, bool)>, _>>()?;
         v
     };
+    let parents = declared
+        .iter()
+        .filter(|(_, held)| *held)
+        .map(|(p, _)| p.clone())
+        .collect();
+    let missing_parents = declared
+        .iter()
+        .filter(|(_, held)| !*held)
+        .map(|(p, _)| p.clone())
+        .collect();
+    let declared_parents = declared.into_iter().map(|(p, _)| p).collect();
     Ok(NodeInfo {
         id,
         group,
@@ -236,6 +262,8 @@ fn node_from(conn: &Connection, raw: RawNode) -> Result<NodeInfo, StoreError> {
         manifest,
         state,
         parents,
+        declared_parents,
+        missing_parents,
         attempt,
         command,
         labels,
@@ -362,10 +390,15 @@ pub(crate) fn get_group(conn: &Connection, name: &str) -> Result<GroupInfo, Stor
 fn next_node_id(tx: &Transaction<'_>) -> Result<String, StoreError> {
     loop {
         let id = random_node_id()?;
+        // Nor an id a pulled node names as its parent: that node exists in
+        // another store, and a pull of it links the edge.
         let taken: Option<i64> = tx
-            .one("SELECT 1 FROM graph_nodes WHERE id = ?1", [&id], |r| {
-                r.get(0)
-            })
+            .one(
+                "SELECT 1 FROM graph_nodes WHERE id = ?1
+                 UNION ALL SELECT 1 FROM graph_missing_parents WHERE parent = ?1 LIMIT 1",
+                [&id],
+                |r| r.get(0),
+            )
             .optional()?;
         if taken.is_none() {
             return Ok(id);

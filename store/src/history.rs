@@ -996,6 +996,7 @@ impl Store {
             // The stack's graphs (their nodes' leases were released above).
             tx.exec("DELETE FROM graph_attempts WHERE node IN (SELECT n.id FROM graph_nodes n JOIN graph_groups g ON g.name = n.grp WHERE g.stack = ?1)", [id])?;
             tx.exec("DELETE FROM graph_edges WHERE child IN (SELECT n.id FROM graph_nodes n JOIN graph_groups g ON g.name = n.grp WHERE g.stack = ?1)", [id])?;
+            tx.exec("DELETE FROM graph_missing_parents WHERE child IN (SELECT n.id FROM graph_nodes n JOIN graph_groups g ON g.name = n.grp WHERE g.stack = ?1)", [id])?;
             tx.exec("DELETE FROM graph_nodes WHERE grp IN (SELECT name FROM graph_groups WHERE stack = ?1)", [id])?;
             tx.exec("DELETE FROM graph_groups WHERE stack = ?1", [id])?;
             tx.exec("UPDATE sessions SET lease_id = NULL WHERE stack = ?1", [id])?;

@@ -24,8 +24,32 @@
 /// added the session owner kind `wasi`; 13 added the OCI blobs a layer was
 /// written as (`layer_blobs`, module `blobs`); 14 added the worker of a remote
 /// rollout attempt (`rollout_attempts.worker`: recorded here, run on another
-/// machine). Formats 4 to 13 are migrated at open ([`MIGRATIONS`]).
-pub const FORMAT_VERSION: i64 = 14;
+/// machine); 15 added the parents a node declares that the store does not
+/// hold (`graph_missing_parents`: a node pulled before its parent, issue 23).
+/// Formats 4 to 14 are migrated at open ([`MIGRATIONS`]).
+pub const FORMAT_VERSION: i64 = 15;
+
+/// The parents a node declares that this store does not hold (format 15), in
+/// [`SCHEMA`] and in the migration from format 14 (`IF NOT EXISTS`: a test
+/// that turns a current store back into an older format keeps it).
+macro_rules! graph_missing_parents_table {
+    () => {
+        r#"
+-- A parent node `child` declares at position `pos` that this store does not
+-- hold (no graph_nodes row: a node pulled before its parent). The node's
+-- declared parents are its graph_edges and these rows, by position; a
+-- position is in one of the two. When a node of id `parent` arrives (a pull
+-- adopts it), each row naming it becomes an edge in that transaction.
+CREATE TABLE IF NOT EXISTS graph_missing_parents (
+    child  TEXT NOT NULL REFERENCES graph_nodes(id),
+    pos    INTEGER NOT NULL CHECK (pos >= 0),
+    parent TEXT NOT NULL,
+    PRIMARY KEY (child, pos)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS graph_missing_parents_parent ON graph_missing_parents(parent);
+"#
+    };
+}
 
 /// The worker column of rollout attempts (format 14), in [`SCHEMA`] after
 /// [`rollout_tables`] and in the migration from format 13.
@@ -272,6 +296,9 @@ pub(crate) const MIGRATIONS: &[(i64, &str, &str)] = &[
     ),
     (12, "layer_blobs", layer_blobs_table!()),
     (13, "rollout_attempts.worker", rollout_worker_column!()),
+    // Additive: a node of an older store declared no parent it lacked (the
+    // pull dropped it); a pull of that node again records it.
+    (14, "graph_missing_parents", graph_missing_parents_table!()),
 ];
 
 pub(crate) const SCHEMA: &str = concat!(
@@ -594,5 +621,6 @@ CREATE TABLE session_markers (
 "#,
     rollout_tables!(),
     layer_blobs_table!(),
-    rollout_worker_column!()
+    rollout_worker_column!(),
+    graph_missing_parents_table!()
 );

@@ -3628,6 +3628,232 @@ fn a_node_adopted_without_its_graphs_root_makes_or_joins_the_graph_by_name() {
     assert_eq!(b.graph("task").unwrap().nodes.len(), 2);
 }
 
+/// The one layer of node `n` of store `a`, staged into store `to` as a pull
+/// would (diff ID `diff`).
+fn staged_layer_of(a: &Store, to: &Store, n: &NodeInfo, diff: char) -> AdoptLayer {
+    let l =
+        a.db.read(|c| crate::stacks::manifest_layers(c, n.manifest))
+            .unwrap()[0];
+    AdoptLayer {
+        source: LayerSource::Staged {
+            dir: stage_copy(to, &a.layer_path(l)),
+            index: a.layer_index(l).unwrap(),
+        },
+        diff_id: format!("sha256:{}", diff.to_string().repeat(64)),
+        tar_size: Some(10240),
+        blobs: vec![],
+    }
+}
+
+/// Issue 23: a node pulled before its parents keeps every parent it
+/// declares, in order (what a push of it from here writes: the same as from
+/// the store that made it); the edge to a parent appears when that parent
+/// arrives — in the parent's adoption, not on a pull of the child again; a
+/// declared parent is never an edge to a node this store does not hold.
+#[test]
+fn a_node_pulled_before_its_parent_keeps_it_declared_and_is_linked_when_it_arrives() {
+    let (da, db) = (tmp(), tmp());
+    let (a, stack) = imported(da.path());
+    let (b, _) = imported(db.path());
+    let (ga, root) = a.create_group("task", &stack, "main", None).unwrap();
+    let child = checkpoint_child(&a, &root.id, "x.txt", "{}");
+    let grand = checkpoint_child(&a, &child.id, "y.txt", "{}");
+    assert_eq!(
+        (&grand.declared_parents, &grand.missing_parents),
+        (&vec![child.id.clone()], &vec![]),
+        "a node made here declares the parents it holds"
+    );
+
+    // The grandchild first: its parent is not here.
+    let grand_layer = {
+        let mut v =
+            a.db.read(|c| crate::stacks::manifest_layers(c, grand.manifest))
+                .unwrap();
+        v.reverse();
+        v
+    };
+    let staged = |l: LayerId, c: char| AdoptLayer {
+        source: LayerSource::Staged {
+            dir: stage_copy(&b, &a.layer_path(l)),
+            index: a.layer_index(l).unwrap(),
+        },
+        diff_id: format!("sha256:{}", c.to_string().repeat(64)),
+        tar_size: Some(10240),
+        blobs: vec![],
+    };
+    let g = b
+        .adopt_node(
+            &stack,
+            &[staged(grand_layer[0], 'a'), staged(grand_layer[1], 'b')],
+            &adopt_node_of(&grand, &ga),
+        )
+        .unwrap();
+    assert_eq!(g.missing_parents, vec![child.id.clone()]);
+    assert!(g.linked_children.is_empty());
+    let n = b.node(&grand.id).unwrap();
+    assert!(n.parents.is_empty(), "no edge to a node not here: {n:?}");
+    assert_eq!(n.declared_parents, vec![child.id.clone()]);
+    assert_eq!(n.missing_parents, vec![child.id.clone()]);
+    // Pushed from here: the same node as the store that made it pushes.
+    let bg = b.node_group(&grand.id).unwrap();
+    assert_eq!(AdoptNode::of(&n, &bg), adopt_node_of(&grand, &ga));
+    // Walks see no edge: the graph's nodes, the children of nothing here.
+    assert_eq!(b.graph("task").unwrap().nodes.len(), 1);
+
+    // Its parent arrives (its layer held already): the edge is made in that
+    // adoption, the child's missing parent gone; the parent's own parent
+    // (the graph's root) is missing in turn.
+    let diff_a = format!("sha256:{}", "a".repeat(64));
+    let found = AdoptLayer {
+        source: LayerSource::Existing(b.layer_by_diff_id(&diff_a, Some(&stack)).unwrap().unwrap()),
+        diff_id: diff_a,
+        tar_size: None,
+        blobs: vec![],
+    };
+    let c = b
+        .adopt_node(
+            &stack,
+            std::slice::from_ref(&found),
+            &adopt_node_of(&child, &ga),
+        )
+        .unwrap();
+    assert!(c.created);
+    assert_eq!(c.linked_children, vec![grand.id.clone()]);
+    assert_eq!(c.missing_parents, vec![root.id.clone()]);
+    let n = b.node(&grand.id).unwrap();
+    assert_eq!(
+        (&n.parents, &n.declared_parents, &n.missing_parents),
+        (&vec![child.id.clone()], &vec![child.id.clone()], &vec![])
+    );
+    assert_eq!(
+        count(
+            &b,
+            &format!(
+                "SELECT count(*) FROM graph_missing_parents WHERE child = '{}'",
+                grand.id
+            )
+        ),
+        0
+    );
+    // Prune follows the new edge: the child's subtree holds the grandchild.
+    let pruned = b.prune_node(&child.id, None).unwrap();
+    assert!(
+        pruned.contains(&grand.id) && pruned.contains(&child.id),
+        "{pruned:?}"
+    );
+
+    // A merge-like node whose parents are partly here: the order is kept
+    // across held and missing positions, and a later arrival fills its slot.
+    let mut m = adopt_node_of(&child, &ga);
+    m.id = "n00000000000000cc".into();
+    m.kind = NodeKind::Merge;
+    m.parents = vec![
+        "n00000000000000x1".into(),
+        child.id.clone(),
+        "n00000000000000x2".into(),
+    ];
+    let mn = b
+        .adopt_node(&stack, std::slice::from_ref(&found), &m)
+        .unwrap();
+    assert_eq!(
+        mn.missing_parents,
+        vec!["n00000000000000x1".to_string(), "n00000000000000x2".into()]
+    );
+    assert_eq!(
+        (&mn.node.parents, &mn.node.declared_parents),
+        (&vec![child.id.clone()], &m.parents)
+    );
+    let mut x1 = adopt_node_of(&child, &ga);
+    x1.id = "n00000000000000x1".into();
+    x1.parents = vec![];
+    let got = b
+        .adopt_node(&stack, std::slice::from_ref(&found), &x1)
+        .unwrap();
+    assert_eq!(got.linked_children, vec![m.id.clone()]);
+    let mn = b.node(&m.id).unwrap();
+    assert_eq!(
+        (&mn.parents, &mn.declared_parents, &mn.missing_parents),
+        (
+            &vec!["n00000000000000x1".to_string(), child.id.clone()],
+            &m.parents,
+            &vec!["n00000000000000x2".to_string()]
+        )
+    );
+    // Pulled again, nothing changes: the same declared parents.
+    let again = b
+        .adopt_node(&stack, std::slice::from_ref(&found), &m)
+        .unwrap();
+    assert!(!again.created && again.linked_children.is_empty());
+    assert_eq!(again.node.declared_parents, m.parents);
+    let f = b.fsck(false).unwrap();
+    assert!(f.problems.is_empty(), "{:?}", f.problems);
+    // The stack removed with its graphs: the missing-parent rows go too.
+    b.remove_stack(&stack, true).unwrap();
+    assert_eq!(count(&b, "SELECT count(*) FROM graph_missing_parents"), 0);
+}
+
+/// Turns a format 15 store into what format 14 was: no
+/// `graph_missing_parents` (a pulled node's absent parents were dropped).
+const TO_FORMAT_14: &str = "DROP TABLE graph_missing_parents;
+     UPDATE meta SET value = '14' WHERE key = 'format_version';";
+
+/// A format 14 store is migrated: its nodes keep their edges (every parent
+/// it recorded is held), a node pulled there before its parent gets its
+/// declared parents back on a pull of it again, and the parent's arrival
+/// links it.
+#[test]
+fn a_format_14_store_is_migrated_and_records_declared_parents_from_then_on() {
+    let (da, db) = (tmp(), tmp());
+    let (a, stack) = imported(da.path());
+    let (b, _) = imported(db.path());
+    let (ga, root) = a.create_group("task", &stack, "main", None).unwrap();
+    let child = checkpoint_child(&a, &root.id, "x.txt", "{}");
+    let grand = checkpoint_child(&a, &child.id, "y.txt", "{}");
+    let (_, broot) = b.create_group("local", &stack, "main", None).unwrap();
+    let local = checkpoint_child(&b, &broot.id, "z.txt", "{}");
+    // What a format 14 store held of a grandchild pulled before its parent:
+    // the node, no record of its parent.
+    b.adopt_node(
+        &stack,
+        &[staged_layer_of(&a, &b, &grand, 'b')],
+        &adopt_node_of(&grand, &ga),
+    )
+    .unwrap();
+    drop(b);
+    let conn = rusqlite::Connection::open(db.path().join("root/store.db")).unwrap();
+    conn.execute_batch(TO_FORMAT_14).unwrap();
+    drop(conn);
+    let b = open(db.path());
+    assert_eq!(format_version(&b), FORMAT_VERSION.to_string());
+    let l = b.node(&local.id).unwrap();
+    assert_eq!(
+        (&l.parents, &l.declared_parents, &l.missing_parents),
+        (&vec![broot.id.clone()], &vec![broot.id.clone()], &vec![])
+    );
+    let n = b.node(&grand.id).unwrap();
+    assert!(n.declared_parents.is_empty(), "format 14 did not record it");
+    // Pulled again: its declared parent recorded; its parent then links it.
+    let again = b
+        .adopt_node(
+            &stack,
+            &[staged_layer_of(&a, &b, &grand, 'b')],
+            &adopt_node_of(&grand, &ga),
+        )
+        .unwrap();
+    assert!(!again.created);
+    assert_eq!(again.node.missing_parents, vec![child.id.clone()]);
+    assert_eq!(again.node.declared_parents, vec![child.id.clone()]);
+    let c = b
+        .adopt_node(
+            &stack,
+            &[staged_layer_of(&a, &b, &child, 'a')],
+            &adopt_node_of(&child, &ga),
+        )
+        .unwrap();
+    assert_eq!(c.linked_children, vec![grand.id.clone()]);
+    assert_eq!(b.node(&grand.id).unwrap().parents, vec![child.id.clone()]);
+}
+
 #[test]
 fn a_ready_session_is_claimed_once_on_its_head_and_stale_once_the_branch_moved() {
     let d = tmp();

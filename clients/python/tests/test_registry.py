@@ -161,9 +161,22 @@ def test_a_node_pushed_from_one_daemon_is_pulled_into_another(env: Env) -> None:
     assert (got.node, got.created, got.base_imported, got.layers_fetched) == (node, True, True, 1), got
     assert got.stack == stack and got.manifest_digest == first.manifest_digest, got
     with layerstack.connect(env.admins[1]) as b:
-        assert b.show_node(node).state == {"reward": 1.0}
+        shown = b.show_node(node)
+        assert shown.state == {"reward": 1.0}
+        # Pulled before its parent (the graph's root): kept as declared, no edge;
+        # pushed from here it is the same image.
+        assert (shown.parents, shown.missing_parents) == ((), (root,)), shown
+        from_b = b.push(f"{env.registry}/py/task-from-b:{node}", node=node)
+        assert from_b.manifest_digest == first.manifest_digest, (from_b, first)
         again_pulled = b.pull(ref)
         assert (again_pulled.created, again_pulled.layers_fetched, again_pulled.bytes_fetched > 0) == (False, 0, True)
+        # The parent arrives: this pull links the node to it.
+        with layerstack.connect(env.admins[0]) as a:
+            a.push(f"{env.registry}/py/task:{root}", node=root)
+        parent = b.pull(f"{env.registry}/py/task:{root}")
+        assert parent.linked_children == (node,), parent
+        shown = b.show_node(node)
+        assert (shown.parents, shown.missing_parents) == ((root,), ()), shown
         with pytest.raises(layerstack.LayerStackError) as e:
             b.pull(f"{env.registry}/py/none:x")
         assert e.value.kind in ("not_found", "invalid_argument"), e.value

@@ -324,7 +324,8 @@ class Node:
         kind: ``root`` | ``checkpoint`` | ``merge``.
         manifest: the manifest id of its root.
         state: the logical state given at checkpoint (a JSON object, parsed).
-        parents: parent node ids (one for a checkpoint, two for a merge, none for a root).
+        parents: parent node ids this store holds (one for a checkpoint, two for a
+            merge, none for a root), in declared order: the graph's edges.
         attempt: the attempt it came from, ``None`` if none.
         command: the command that produced it (provenance), ``None`` if none.
         labels: container labels (container attempts).
@@ -333,6 +334,9 @@ class Node:
         base_digest: the stack's base digest.
         pruned: pruned (collectable unless something still reaches it).
         created_ns: creation time.
+        missing_parents: parents the node declares that this store does not hold
+            (it was pulled before them), in declared order; a pull of such a
+            parent makes its edge (it moves to ``parents``).
     """
 
     id: str
@@ -349,6 +353,7 @@ class Node:
     base_digest: str
     pruned: bool
     created_ns: int
+    missing_parents: Tuple[str, ...] = ()
 
     @classmethod
     def from_pb(cls, n: pb.Node) -> "Node":
@@ -373,6 +378,7 @@ class Node:
             base_digest=n.base_digest,
             pruned=n.pruned,
             created_ns=n.created_ns,
+            missing_parents=tuple(n.missing_parents),
         )
 
 
@@ -606,7 +612,9 @@ class PullResult:
     imported base came from the image; the node's ``layers`` above the base,
     ``layers_fetched`` downloaded and ``layers_reused`` held here already (by
     diff ID); ``bytes_fetched``; ``missing_parents``: parents this store does
-    not hold (no edge was made to them)."""
+    not hold (no edge was made to them yet: the node keeps them and a pull of
+    one links it); ``linked_children``: nodes pulled here before this one that
+    name it as a parent, each linked by this pull."""
 
     node: str
     stack: str
@@ -619,6 +627,7 @@ class PullResult:
     layers_reused: int
     bytes_fetched: int
     missing_parents: Tuple[str, ...]
+    linked_children: Tuple[str, ...] = ()
 
     @classmethod
     def from_pb(cls, r: pb.PullResponse) -> "PullResult":
@@ -634,6 +643,7 @@ class PullResult:
             layers_reused=r.layers_reused,
             bytes_fetched=r.bytes_fetched,
             missing_parents=tuple(r.missing_parents),
+            linked_children=tuple(r.linked_children),
         )
 
 

@@ -79,7 +79,7 @@ class PullRequest(_message.Message):
     def __init__(self, reference: _Optional[str] = ..., auth: _Optional[_Union[RegistryAuth, _Mapping]] = ...) -> None: ...
 
 class PullResponse(_message.Message):
-    __slots__ = ("node", "stack", "graph", "manifest_digest", "created", "base_imported", "layers", "layers_fetched", "layers_reused", "bytes_fetched", "missing_parents")
+    __slots__ = ("node", "stack", "graph", "manifest_digest", "created", "base_imported", "layers", "layers_fetched", "layers_reused", "bytes_fetched", "missing_parents", "linked_children")
     NODE_FIELD_NUMBER: _ClassVar[int]
     STACK_FIELD_NUMBER: _ClassVar[int]
     GRAPH_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +91,7 @@ class PullResponse(_message.Message):
     LAYERS_REUSED_FIELD_NUMBER: _ClassVar[int]
     BYTES_FETCHED_FIELD_NUMBER: _ClassVar[int]
     MISSING_PARENTS_FIELD_NUMBER: _ClassVar[int]
+    LINKED_CHILDREN_FIELD_NUMBER: _ClassVar[int]
     node: str
     stack: str
     graph: str
@@ -102,7 +103,8 @@ class PullResponse(_message.Message):
     layers_reused: int
     bytes_fetched: int
     missing_parents: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, node: _Optional[str] = ..., stack: _Optional[str] = ..., graph: _Optional[str] = ..., manifest_digest: _Optional[str] = ..., created: _Optional[bool] = ..., base_imported: _Optional[bool] = ..., layers: _Optional[int] = ..., layers_fetched: _Optional[int] = ..., layers_reused: _Optional[int] = ..., bytes_fetched: _Optional[int] = ..., missing_parents: _Optional[_Iterable[str]] = ...) -> None: ...
+    linked_children: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node: _Optional[str] = ..., stack: _Optional[str] = ..., graph: _Optional[str] = ..., manifest_digest: _Optional[str] = ..., created: _Optional[bool] = ..., base_imported: _Optional[bool] = ..., layers: _Optional[int] = ..., layers_fetched: _Optional[int] = ..., layers_reused: _Optional[int] = ..., bytes_fetched: _Optional[int] = ..., missing_parents: _Optional[_Iterable[str]] = ..., linked_children: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class FsckRequest(_message.Message):
     __slots__ = ("repair", "content")
@@ -1699,7 +1701,7 @@ class GraphGroup(_message.Message):
     def __init__(self, name: _Optional[str] = ..., stack: _Optional[str] = ..., branch: _Optional[str] = ..., root: _Optional[str] = ..., created_ns: _Optional[int] = ...) -> None: ...
 
 class Node(_message.Message):
-    __slots__ = ("id", "group", "kind", "manifest", "state", "parents", "attempt", "command", "labels", "has_exit_status", "exit_status", "private_bytes", "base_digest", "pruned", "created_ns")
+    __slots__ = ("id", "group", "kind", "manifest", "state", "parents", "attempt", "command", "labels", "has_exit_status", "exit_status", "private_bytes", "base_digest", "pruned", "created_ns", "missing_parents")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -1722,6 +1724,7 @@ class Node(_message.Message):
     BASE_DIGEST_FIELD_NUMBER: _ClassVar[int]
     PRUNED_FIELD_NUMBER: _ClassVar[int]
     CREATED_NS_FIELD_NUMBER: _ClassVar[int]
+    MISSING_PARENTS_FIELD_NUMBER: _ClassVar[int]
     id: str
     group: str
     kind: str
@@ -1737,7 +1740,8 @@ class Node(_message.Message):
     base_digest: str
     pruned: bool
     created_ns: int
-    def __init__(self, id: _Optional[str] = ..., group: _Optional[str] = ..., kind: _Optional[str] = ..., manifest: _Optional[int] = ..., state: _Optional[str] = ..., parents: _Optional[_Iterable[str]] = ..., attempt: _Optional[int] = ..., command: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., has_exit_status: _Optional[bool] = ..., exit_status: _Optional[int] = ..., private_bytes: _Optional[int] = ..., base_digest: _Optional[str] = ..., pruned: _Optional[bool] = ..., created_ns: _Optional[int] = ...) -> None: ...
+    missing_parents: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, id: _Optional[str] = ..., group: _Optional[str] = ..., kind: _Optional[str] = ..., manifest: _Optional[int] = ..., state: _Optional[str] = ..., parents: _Optional[_Iterable[str]] = ..., attempt: _Optional[int] = ..., command: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., has_exit_status: _Optional[bool] = ..., exit_status: _Optional[int] = ..., private_bytes: _Optional[int] = ..., base_digest: _Optional[str] = ..., pruned: _Optional[bool] = ..., created_ns: _Optional[int] = ..., missing_parents: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Attempt(_message.Message):
     __slots__ = ("id", "node", "session", "status", "key", "result_node", "message", "created_ns", "ended_ns")
