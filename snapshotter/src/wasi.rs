@@ -95,8 +95,9 @@ pub(crate) struct WasiLive {
     limits: WasiLimits,
     /// Set by CloseSession: every run ends `cancelled`, no new one starts.
     closing: Arc<AtomicBool>,
-    /// A session claimed from the ready ones of this stack and branch: its
-    /// close tops them up ([`release`]).
+    /// A session of a stack and branch that keeps ready sessions (claimed
+    /// from them, or made when none was ready): its close tops them up
+    /// ([`release`]).
     ready_key: Option<ReadyKey>,
 }
 
@@ -197,7 +198,11 @@ pub(crate) async fn create(
             return Ok(claimed);
         }
     }
-    let answer = make(admin, r, env, limits).await;
+    // A session of a pooled branch made now (none was ready, or they were
+    // stale) tops the branch up when it closes too, as a claimed one does:
+    // a refill that found the cap still taken by the stale ones' slots would
+    // otherwise leave the branch short until the next claim.
+    let answer = make(admin, r, env, limits, key.clone()).await;
     match key {
         Some(key) if answer.is_ok() => refill(admin, key, stale),
         _ => discard_ready(
@@ -217,6 +222,7 @@ async fn make(
     r: api::CreateSessionRequest,
     env: Vec<(String, String)>,
     limits: WasiLimits,
+    ready_key: Option<ReadyKey>,
 ) -> Result<(api::CreateSessionResponse, Option<Arc<WasiLive>>), Status> {
     let reserve = layerstack_engine::Reservation {
         cpu_millis: 0,
@@ -278,7 +284,7 @@ async fn make(
         env,
         limits,
         closing: Arc::new(AtomicBool::new(false)),
-        ready_key: None,
+        ready_key,
     });
     if let Some(h) = holders.map().get_mut(&id).filter(|h| h.conn == conn) {
         h.wasi = Some(live.clone());
@@ -575,7 +581,7 @@ fn refill(admin: &AdminService, key: ReadyKey, stale: Vec<ReadyOne>) {
                 wasi: Some(api::WasiOptions::default()),
                 ..Default::default()
             };
-            let made_now = match make(&admin, r, Vec::new(), WasiLimits::default()).await {
+            let made_now = match make(&admin, r, Vec::new(), WasiLimits::default(), None).await {
                 Ok((resp, Some(live))) => {
                     drop(live);
                     resp.session.map(|s| (s.id, s.stack))

@@ -103,14 +103,22 @@ class Env(NamedTuple):
     ray_nodes: Dict[str, Any]
 
 
+#: The ``layerstack-slots`` resource declared on worker node a (b declares
+#: none: its slots are its 1 Ray CPU).
+SLOTS_A = 2
+
+
 def _add_worker_node(cluster: Any, name: str) -> Any:
     """A Ray node with the custom resources ``layerstack-<name>`` and
     ``layerstack-daemon`` (the head has none: no worker is started there;
-    nothing asks for CPUs of it: workers take none)."""
+    nothing asks for CPUs of it: workers take none); node a also declares
+    ``layerstack-slots``."""
     import layerstack.ray as lsray
 
-    return cluster.add_node(num_cpus=1, resources={f"layerstack-{name}": 1, lsray.DAEMON_RESOURCE: 1},
-                            object_store_memory=OBJECT_STORE)
+    resources = {f"layerstack-{name}": 1, lsray.DAEMON_RESOURCE: 1}
+    if name == "a":
+        resources[lsray.SLOTS_RESOURCE] = SLOTS_A
+    return cluster.add_node(num_cpus=1, resources=resources, object_store_memory=OBJECT_STORE)
 
 
 def _node_ids() -> Dict[str, str]:
@@ -257,6 +265,9 @@ def test_a_step_of_256_spreads_over_two_workers_and_rewards_each_sample_once(env
     assert env.nodes["coord"] not in env.admins, "no worker on the coordinator's node"
     assert all(c.backends == ("linux", "wasi") and c.cores >= 1 and c.memory_bytes > 0 for c in caps), caps
     assert all(root not in c.nodes and c.stacks == () for c in caps), "the workers' stores start empty"
+    # Slots come from Ray: a's layerstack-slots resource, b's Ray CPU.
+    slots = {c.node_id: c.slots for c in caps}
+    assert slots == {env.nodes["a"]: SLOTS_A, env.nodes["b"]: 1}, slots
     with layerstack.connect(env.coordinator) as c:
         stack = next(g.stack for g in c.list_graphs() if g.root == root)
     n = BIG_STEP
@@ -281,8 +292,8 @@ def test_a_step_of_256_spreads_over_two_workers_and_rewards_each_sample_once(env
     deeper, (audit1, _) = asyncio.run(_step(env, run, kid, 1, k, write_answer, workers))
     _check_step(env, kid, deeper, k)
     on_b = [r for r in deeper if r.attempt is not None and r.attempt.worker == b_id]
-    # a holds the node: it takes its 2 slots first, b the next 2 at least.
-    assert len(on_b) >= 2 and len(on_b) < k, deeper
+    # a holds the node: it takes its SLOTS_A slots first, b its one slot next.
+    assert len(on_b) >= 1 and len(on_b) < k, deeper
     assert audit1.violations == () and audit1.rewarded == n + k, audit1
     # b pulled it once for all its attempts (then it was hot there).
     pulls = {c.node_id: c.pulls for c in ray.get([w.capabilities.remote() for w in workers])}

@@ -98,6 +98,7 @@ __all__ = [
     "NODE_LOST",
     "NAMESPACE",
     "DAEMON_RESOURCE",
+    "SLOTS_RESOURCE",
     "worker_actor_name",
     "start_worker",
     "start_workers",
@@ -119,6 +120,14 @@ WORKER_PREFIX = "layerstack-worker:"
 #: :func:`start_workers` starts a worker on each alive node carrying it; a
 #: worker does not consume it.
 DAEMON_RESOURCE = "layerstack-daemon"
+
+#: The custom resource of a Ray node that sets how many attempts its worker
+#: runs at once (:attr:`WorkerInfo.slots`):
+#: ``ray start --resources='{"layerstack-daemon": 1, "layerstack-slots": 8}'``.
+#: Without it a worker's slots are the node's Ray ``CPU`` resource (what
+#: ``ray start --num-cpus`` declared), else the machine's cores. Attempts do
+#: not consume it: the worker's slots are counted by :func:`fan_out_ray`.
+SLOTS_RESOURCE = "layerstack-slots"
 
 #: The infra_failed kind of an attempt whose worker was lost.
 NODE_LOST = "node-lost"
@@ -187,6 +196,11 @@ class WorkerInfo:
             ``wasi``: its ``Status.executors``); :func:`fan_out_ray` places
             an attempt only on a worker serving the sandbox's ``executor``.
         cores: CPU cores of the machine (``os.cpu_count()``).
+        slots: how many attempts :func:`fan_out_ray` runs on it at once
+            (unless its ``per_worker`` says otherwise): its Ray node's
+            custom resource :data:`SLOTS_RESOURCE` when declared, else the
+            node's Ray ``CPU`` resource (``ray start --num-cpus``) when it
+            is at least 1, else ``cores``.
         memory_bytes: the machine's memory, bytes (``MemTotal``).
         nodes: the graph nodes its store holds (not pruned), by id: an attempt
             on one of them needs no pull.
@@ -210,6 +224,7 @@ class WorkerInfo:
     pulls: int = 0
     stacks: Tuple[str, ...] = ()
     actor: str = ""
+    slots: int = 1
 
 
 @dataclass(frozen=True)
@@ -369,6 +384,17 @@ def _memory_bytes() -> int:
     return 0
 
 
+def _node_slots(node_id: str) -> int:
+    """The attempt slots of Ray node ``node_id`` (:attr:`WorkerInfo.slots`)."""
+    for n in ray.nodes():  # type: ignore[no-untyped-call]
+        if n["NodeID"] == node_id:
+            res = n.get("Resources") or {}
+            for key in (SLOTS_RESOURCE, "CPU"):
+                if int(res.get(key, 0)) >= 1:
+                    return int(res[key])
+    return os.cpu_count() or 1
+
+
 class Worker:
     """The worker actor's class: one per Ray node, next to that node's daemon
     (admin socket ``admin``). Start it with :func:`start_worker`, which makes
@@ -389,6 +415,8 @@ class Worker:
         self._pulls: Dict[str, asyncio.Lock] = {}
         self._running = 0
         self._pulled = 0
+        # A node's resources are fixed while it lives.
+        self.slots = _node_slots(self.node_id)
 
     def _ls(self) -> AsyncClient:
         # Made on first use, inside the actor's event loop (grpc.aio binds to it).
@@ -421,6 +449,7 @@ class Worker:
             running=self._running,
             pulls=self._pulled,
             actor=self.actor,
+            slots=self.slots,
         )
 
     async def _ensure(self, node: str, reference: str) -> bool:
@@ -745,7 +774,7 @@ class _Pool:
         self.infos = {i.name: i for _, i in infos}
         self.handles = {i.name: h for h, i in infos}
         self.holds: Dict[str, Set[str]] = {i.name: set(i.nodes) for _, i in infos}
-        self.limit = {i.name: per_worker or max(1, i.cores) for _, i in infos}
+        self.limit = {i.name: per_worker or max(1, i.slots) for _, i in infos}
         self.busy = {i.name: 0 for _, i in infos}
         self.lost: Set[str] = set()
         #: Worker → loop time until which it is passed over (its daemon was unavailable).
@@ -836,7 +865,8 @@ async def fan_out_ray(
     lack it, and push their checkpoints (``REPOSITORY:<checkpoint id>``).
 
     Placement: each attempt goes to a live worker with a free slot (at most
-    ``per_worker`` attempts at once, default its cores), preferring one whose
+    ``per_worker`` attempts at once, default its :attr:`WorkerInfo.slots`:
+    its Ray node's :data:`SLOTS_RESOURCE` or ``CPU`` resource), preferring one whose
     store holds ``node`` (:attr:`WorkerInfo.nodes`, and those that pulled it
     since), then the least busy. ``act``, ``grader``, ``keep``, ``step``,
     ``prompt``, ``policy``, ``seed``, ``backprop``, ``max_attempts``,
