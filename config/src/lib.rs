@@ -133,6 +133,17 @@ impl Default for RegistryConfig {
 impl RegistryConfig {
     /// The retry keys in their ranges; `Err` names the key.
     fn check(&self) -> Result<(), String> {
+        for h in &self.insecure {
+            let bare = !h.is_empty()
+                && !h.contains("://")
+                && !h.contains('/')
+                && !h.chars().any(|c| c.is_whitespace() || c == '@');
+            if !bare {
+                return Err(format!(
+                    "[registry] insecure entry {h:?} is not a registry's host or host:port as a reference names it: write e.g. \"127.0.0.1:5000\" (no scheme, no path)"
+                ));
+            }
+        }
         if !(1..=MAX_REGISTRY_RETRY_ATTEMPTS).contains(&self.retry_attempts) {
             return Err(format!(
                 "[registry] retry_attempts = {} is out of range: 1..={MAX_REGISTRY_RETRY_ATTEMPTS} (1: no retry)",
@@ -656,6 +667,15 @@ mod tests {
                 "[registry]\nretry_base_ms = 100\nretry_max_ms = 50\n",
                 "retry_base_ms",
             ),
+            (
+                "[registry]\ninsecure = [\"http://127.0.0.1:5000\"]\n",
+                "http://127.0.0.1:5000",
+            ),
+            (
+                "[registry]\ninsecure = [\"reg.local/rl\"]\n",
+                "reg.local/rl",
+            ),
+            ("[registry]\ninsecure = [\"\"]\n", "insecure entry"),
         ] {
             let e = Config::from_toml(bad).unwrap_err();
             assert!(e.to_string().contains(key), "{bad}: {e}");

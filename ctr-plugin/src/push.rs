@@ -50,7 +50,9 @@ pub struct AuthArgs {
     /// Read the registry password from stdin (one line).
     #[arg(long, requires = "username")]
     pub password_stdin: bool,
-    /// A registry bearer token (docker's identitytoken) instead of a password.
+    /// A registry bearer token instead of a password, sent as
+    /// `Authorization: Bearer TOKEN` (one the registry's token service issued;
+    /// a config.json `identitytoken` is not one: leave it in config.json).
     #[arg(long, conflicts_with = "username", value_name = "TOKEN")]
     pub registry_token: Option<String>,
 }
@@ -155,6 +157,10 @@ pub struct PullArgs {
     pub reference: String,
     #[command(flatten)]
     pub auth: AuthArgs,
+    /// Record a node new here in this graph instead of the one the image
+    /// names (when this store has a graph of that name with another root).
+    #[arg(long, value_name = "NAME")]
+    pub graph: Option<String>,
     /// Print the result as one JSON object.
     #[arg(long)]
     pub json: bool,
@@ -168,6 +174,7 @@ pub async fn pull(cli: &crate::Cli, a: PullArgs) -> Result<ExitCode> {
         .pull(api::PullRequest {
             reference: a.reference.clone(),
             auth,
+            graph: a.graph.clone().unwrap_or_default(),
         })
         .await?
         .into_inner();

@@ -59,12 +59,30 @@ impl AdminService {
     }
 
     /// The registry client of Push / Pull, made from `[registry]`.
+    /// A client that cannot be made (an unreadable CA file) is logged at
+    /// ERROR now, and every Push / Pull then fails naming it; a
+    /// `docker_config` that is not there is a WARN (credentials may appear
+    /// later: it is read per request).
     pub fn with_registry(mut self, cfg: &layerstack_config::RegistryConfig) -> Self {
-        self.registries = Some(
-            crate::push::Registries::new(cfg)
-                .map(Arc::new)
-                .map_err(|e| e.to_string()),
-        );
+        let made = crate::push::Registries::new(cfg)
+            .map(Arc::new)
+            .map_err(|e| e.to_string());
+        if let Err(why) = &made {
+            tracing::error!(
+                error = %why,
+                "[registry] is unusable: every push and pull will fail until it is fixed and the daemon restarted"
+            );
+        }
+        if let Some(p) = &cfg.docker_config {
+            if let Err(e) = std::fs::metadata(p) {
+                tracing::warn!(
+                    path = %p.display(),
+                    error = %e,
+                    "[registry] docker_config cannot be read: requests without credentials go anonymous until it can"
+                );
+            }
+        }
+        self.registries = Some(made);
         self
     }
 

@@ -124,7 +124,10 @@ impl AdminService {
                     .collect()
             })
             .unwrap_or_default();
-        let node = ann::decode(&a).map_err(|why| bad_image(&whole, why))?;
+        let mut node = ann::decode(&a).map_err(|why| bad_image(&whole, why))?;
+        if !r.graph.is_empty() {
+            node.group.name = r.graph.clone();
+        }
         let stack = a.get(ann::STACK).cloned().unwrap_or_default();
         let base_layers: usize = a
             .get(ann::BASE_LAYERS)

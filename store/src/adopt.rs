@@ -531,7 +531,7 @@ impl Store {
                         || node.group.root.as_ref().is_some_and(|r| *r != g.root) =>
                 {
                     return Err(StoreError::FailedPrecondition(format!(
-                        "graph {:?} exists here on stack {} with root {}, the pulled node's graph is on stack {stack} with root {}: pull it into a graph of another name",
+                        "graph {:?} exists here on stack {} with root {}, the pulled node's graph is on stack {stack} with root {}: pull it into a graph of another name (layerstack pull --graph NAME; Python pull(graph=NAME))",
                         g.name,
                         g.stack,
                         g.root,

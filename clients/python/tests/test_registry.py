@@ -180,6 +180,19 @@ def test_a_node_pushed_from_one_daemon_is_pulled_into_another(env: Env) -> None:
         with pytest.raises(layerstack.LayerStackError) as e:
             b.pull(f"{env.registry}/py/none:x")
         assert e.value.kind in ("not_found", "invalid_argument"), e.value
+        # A graph of the pulled node's graph name with another root here:
+        # refused naming --graph, then pulled into a graph named by the caller.
+        clash = f"clash-{os.getpid()}"
+        b.create_graph(clash, stack)
+        with layerstack.connect(env.admins[0]) as a:
+            theirs = a.create_graph(clash, stack).root
+            a.push(f"{env.registry}/py/task:{theirs}", node=theirs)
+        with pytest.raises(layerstack.FailedPreconditionError) as e:
+            b.pull(f"{env.registry}/py/task:{theirs}")
+        assert "--graph" in str(e.value) and clash in str(e.value), e.value
+        moved = b.pull(f"{env.registry}/py/task:{theirs}", graph=f"{clash}-a")
+        assert (moved.node, moved.graph, moved.created) == (theirs, f"{clash}-a", True), moved
+        assert b.show_node(theirs).id == theirs
 
 
 def test_a_remote_attempt_ends_with_the_checkpoint_its_worker_pushed(env: Env) -> None:

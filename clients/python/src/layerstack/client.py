@@ -1001,8 +1001,9 @@ class Client:
         ``[registry] insecure`` names it.
 
         Raises: NotFoundError (node, stack, branch), InvalidArgumentError (a
-        bad reference, named), PermissionDeniedError / UnauthenticatedError
-        (the registry refused the credentials), UnavailableError (it cannot be
+        bad reference, named), PermissionDeniedError (the registry wanted
+        credentials and got none, or refused those sent: the message says
+        which), UnavailableError (it cannot be
         reached), FailedPreconditionError (TLS, or plain HTTP to a registry not
         named insecure); ValueError (both or neither of node and stack)."""
         if (node is None) == (stack is None):
@@ -1025,6 +1026,7 @@ class Client:
         username: Optional[str] = None,
         password: Optional[str] = None,
         token: Optional[str] = None,
+        graph: Optional[str] = None,
         timeout_s: Optional[float] = None,
     ) -> PullResult:
         """Pulls the node :meth:`push` put at ``reference`` (by tag or
@@ -1032,13 +1034,20 @@ class Client:
         its id, state, provenance and graph; only the layers this store lacks
         are downloaded (``PullResult.layers_fetched``); an imported base
         missing here comes from the image. Credentials as :meth:`push`.
+        ``graph``: the graph to record a node new here in (default: the one
+        the image names), for a store with a graph of that name whose root
+        differs; a node already here keeps its graph.
 
         Raises: InvalidArgumentError (not an image ``push`` of a node made),
         AlreadyExistsError (a node of that id with other content here),
         FailedPreconditionError (the stack's base is missing and cannot be made
-        from the image), NotFoundError (no such image), and the registry's
+        from the image; or a graph of the node's graph name, with another
+        root, exists here already: pull into another daemon), CorruptError (a
+        blob's bytes do not match its digest: nothing is kept; delete the blob
+        from the registry before pushing again, since a push sends only blobs
+        the registry lacks), NotFoundError (no such image), and the registry's
         errors as :meth:`push`."""
-        req = pb.PullRequest(reference=reference, auth=registry_auth(username, password, token))
+        req = pb.PullRequest(reference=reference, auth=registry_auth(username, password, token), graph=graph or "")
         return PullResult.from_pb(self._call(self._stub.Pull, req, timeout_s))
 
     def prune(self, node: str, *, key: Optional[str] = None) -> List[str]:

@@ -71,12 +71,14 @@ class PushResponse(_message.Message):
     def __init__(self, reference: _Optional[str] = ..., manifest_digest: _Optional[str] = ..., node: _Optional[str] = ..., stack: _Optional[str] = ..., layers: _Optional[int] = ..., blobs_sent: _Optional[int] = ..., blobs_present: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., diff_ids: _Optional[_Iterable[str]] = ..., layers_packed: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("reference", "auth")
+    __slots__ = ("reference", "auth", "graph")
     REFERENCE_FIELD_NUMBER: _ClassVar[int]
     AUTH_FIELD_NUMBER: _ClassVar[int]
+    GRAPH_FIELD_NUMBER: _ClassVar[int]
     reference: str
     auth: RegistryAuth
-    def __init__(self, reference: _Optional[str] = ..., auth: _Optional[_Union[RegistryAuth, _Mapping]] = ...) -> None: ...
+    graph: str
+    def __init__(self, reference: _Optional[str] = ..., auth: _Optional[_Union[RegistryAuth, _Mapping]] = ..., graph: _Optional[str] = ...) -> None: ...
 
 class PullResponse(_message.Message):
     __slots__ = ("node", "stack", "graph", "manifest_digest", "created", "base_imported", "layers", "layers_fetched", "layers_reused", "bytes_fetched", "missing_parents", "linked_children")
