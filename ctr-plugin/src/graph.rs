@@ -511,7 +511,14 @@ pub async fn run(admin: &Path, ns: &str, cmd: GraphCmd) -> Result<ExitCode> {
                                 n.id.clone()
                             },
                             n.kind.clone(),
-                            n.parents.join(","),
+                            // Parents this store lacks (pulled before them) are
+                            // shown too, marked: `n1,n7(missing)`.
+                            n.parents
+                                .iter()
+                                .cloned()
+                                .chain(n.missing_parents.iter().map(|p| format!("{p}(missing)")))
+                                .collect::<Vec<_>>()
+                                .join(","),
                             if n.attempt == 0 {
                                 "-".into()
                             } else {

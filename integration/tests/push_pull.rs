@@ -315,6 +315,17 @@ fn pulled_elsewhere(
             && shown["missing_parents"] == serde_json::json!([n1]),
         "{shown}"
     );
+    // The text table shows the missing parent, marked.
+    let table = stdout(&ensure_success(
+        "graph show",
+        b.layerstack(&["graph", "show", "g"])?,
+    )?);
+    ensure!(
+        table
+            .lines()
+            .any(|l| l.starts_with(n2) && l.contains(&format!("{n1}(missing)"))),
+        "graph show's table hides n2's missing parent:\n{table}"
+    );
     let from_b = format!("{}/layerstack/task:n2-from-b", reg.host());
     let pb2 = push(b, &from_b, n2)?;
     ensure!(

@@ -103,7 +103,7 @@ pub enum RegistryError {
     },
     /// Content that is not what its digest or size says (kind `corrupt`).
     /// Nothing of it was kept.
-    #[error("{target} from registry {registry} is corrupt: expected {expected}, got {actual}; nothing was kept, pull again (if it persists, the registry's copy is damaged: push it again)")]
+    #[error("{target} from registry {registry} is corrupt: expected {expected}, got {actual}; nothing was kept, pull again (if it persists, the registry's copy is damaged: a push sends only blobs the registry lacks, so delete that blob from the registry — its API's DELETE /v2/<name>/blobs/<digest>, or its garbage collection — then push again)")]
     Corrupt {
         /// `host[:port]`.
         registry: String,
