@@ -1210,7 +1210,11 @@ impl Daemon {
             .args(extra)
             .env(
                 "RUST_LOG",
-                std::env::var("RUST_LOG").unwrap_or_else(|_| "debug".into()),
+                // Ours at debug; the gRPC transport's per-frame debug lines
+                // would fill the log tail a failing test dumps.
+                std::env::var("RUST_LOG").unwrap_or_else(|_| {
+                    "debug,h2=info,hyper=info,hyper_util=info,tower=info,rustls=info".into()
+                }),
             )
             .env("RUST_BACKTRACE", "1")
             .stdin(Stdio::null())
