@@ -200,6 +200,14 @@ fn scenario(dir: &Path, reg: &TestRegistry, d: &Daemon) -> Result<()> {
     let state: Value =
         serde_json::from_str(ann["io.layerstack.node.state"].as_str().unwrap_or("null"))?;
     ensure!(state["reward"] == 0.5, "{ann}");
+    let on_a = graph_node(d, "g", &n2)?;
+    ensure!(
+        on_a["private_bytes"].as_u64().is_some_and(|b| b > 0)
+            && ann["io.layerstack.node.private-bytes"].as_str()
+                == Some(on_a["private_bytes"].to_string().as_str()),
+        "private_bytes {} and its annotation {ann}",
+        on_a["private_bytes"]
+    );
     ensure!(mv["layers"].as_array().map(Vec::len) == Some(3), "{mv}");
 
     // A second daemon, an empty store: pull n2.
@@ -282,6 +290,12 @@ fn pulled_elsewhere(
     )?)?;
     ensure!(
         shown["state"]["reward"] == 0.5 && shown["kind"] == "checkpoint",
+        "{shown}"
+    );
+    // Its size as the store that made it measured it travels too (the
+    // annotation is checked against the first store in `scenario`).
+    ensure!(
+        shown["private_bytes"].as_u64().is_some_and(|b| b > 0),
         "{shown}"
     );
     let out = dir_b.join("run.json");

@@ -74,6 +74,9 @@ pub mod annotations {
     pub const LABELS: &str = "io.layerstack.node.labels";
     /// When it was made, ns since the epoch.
     pub const CREATED_NS: &str = "io.layerstack.node.created-ns";
+    /// Bytes its own layers hold that its parent's do not (provenance, as the
+    /// store that made it measured them; absent when unknown).
+    pub const PRIVATE_BYTES: &str = "io.layerstack.node.private-bytes";
     /// The branch of a pushed branch head.
     pub const BRANCH: &str = "io.layerstack.branch";
 
@@ -106,14 +109,16 @@ pub mod annotations {
         if let Some(x) = p.exit_status {
             put(EXIT_STATUS, x.to_string());
         }
+        if let Some(b) = p.private_bytes {
+            put(PRIVATE_BYTES, b.to_string());
+        }
         if !p.labels.is_empty() {
             put(LABELS, serde_json::to_string(&p.labels).unwrap_or_default());
         }
     }
 
     /// The node [`encode`] wrote into `a`, or what is missing or malformed
-    /// (named by its annotation key). Its local accounting
-    /// (`private_bytes`) does not travel.
+    /// (named by its annotation key).
     pub fn decode(a: &BTreeMap<String, String>) -> Result<AdoptNode, String> {
         let get = |k: &str| a.get(k).cloned().filter(|v| !v.is_empty());
         let id = get(NODE).ok_or_else(|| format!("its manifest has no {NODE} annotation"))?;
@@ -128,6 +133,13 @@ pub mod annotations {
             Some(x) => Some(
                 x.parse()
                     .map_err(|_| format!("{EXIT_STATUS} {x:?} is not a number"))?,
+            ),
+            None => None,
+        };
+        let private_bytes = match get(PRIVATE_BYTES) {
+            Some(x) => Some(
+                x.parse()
+                    .map_err(|_| format!("{PRIVATE_BYTES} {x:?} is not a number"))?,
             ),
             None => None,
         };
@@ -158,7 +170,7 @@ pub mod annotations {
                 command: get(COMMAND),
                 labels,
                 exit_status,
-                private_bytes: None,
+                private_bytes,
             },
             created_ns,
         })
@@ -514,7 +526,7 @@ mod tests {
                 command: Some("make test".into()),
                 labels: [("evaluator".to_string(), "unit".to_string())].into(),
                 exit_status: Some(3),
-                private_bytes: None,
+                private_bytes: Some(4096),
             },
             created_ns: 42,
         }
@@ -545,6 +557,7 @@ mod tests {
             (annotations::KIND, Some("leaf")),
             (annotations::EXIT_STATUS, Some("x")),
             (annotations::LABELS, Some("[1]")),
+            (annotations::PRIVATE_BYTES, Some("-1")),
         ] {
             let mut a = BTreeMap::new();
             encode(&node(), &mut a);
