@@ -116,7 +116,7 @@ fn config_toml(dir: &Path, reg: &TestRegistry) -> Result<std::path::PathBuf> {
     Ok(p)
 }
 
-fn scenario(dir: &Path, reg: &TestRegistry, d: &Daemon) -> Result<()> {
+fn scenario(dir: &Path, reg: &TestRegistry, auth: &TestRegistry, d: &Daemon) -> Result<()> {
     let src = dir.join("rootfs");
     rootfs(&src)?;
     let o = ensure_success(
@@ -246,6 +246,36 @@ fn scenario(dir: &Path, reg: &TestRegistry, d: &Daemon) -> Result<()> {
         "n-no-such",
     ])?;
     ensure!(!o.status.success(), "{o:?}");
+
+    // A registry that wants credentials: the refusal is permission_denied
+    // and says where the credentials tried came from (never the secret).
+    let target = format!("{}/layerstack/task:denied", auth.host());
+    for (extra, says) in [
+        (
+            vec!["--registry-token", "not-a-token"],
+            "a bearer token from the request",
+        ),
+        (
+            vec![],
+            "the request carried none and the daemon has no [registry] docker_config",
+        ),
+    ] {
+        let mut args = vec!["push", target.as_str(), "--node", n1.as_str(), "--json"];
+        args.extend(extra);
+        let o = d.layerstack(&args)?;
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        let err: Value = serde_json::from_str(stderr.trim())
+            .with_context(|| format!("the failure is not JSON on stderr: {o:?}"))?;
+        ensure!(
+            !o.status.success()
+                && err["error"]["kind"] == "permission_denied"
+                && err["error"]["message"]
+                    .as_str()
+                    .is_some_and(|m| m.contains("credentials tried: ") && m.contains(says))
+                && !stderr.contains("not-a-token"),
+            "{o:?}"
+        );
+    }
     Ok(())
 }
 
@@ -408,12 +438,24 @@ fn pulled_elsewhere(
 
 #[test]
 fn push_sends_only_missing_blobs_and_annotates_the_node() -> Result<()> {
-    if !require_root() || !require_docker_registry(RegistryKind::Plain) {
+    if !require_root()
+        || !require_docker_registry(RegistryKind::Plain)
+        || !require_docker_registry(RegistryKind::TlsBasicAuth)
+    {
         return Ok(());
     }
     let dir = make_temp_dir()?;
     let reg = TestRegistry::start(RegistryKind::Plain)?;
-    let cfg = config_toml(&dir, &reg)?;
+    let auth = TestRegistry::start(RegistryKind::TlsBasicAuth)?;
+    let cfg = dir.join("daemon.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "[registry]\ninsecure = [\"{}\"]\nca_files = [\"{}\"]\n",
+            reg.host(),
+            auth.ca_pem().context("the auth registry's CA")?.display()
+        ),
+    )?;
     let mut d = Daemon::start_at_with(
         &dir.join("s/snapshotter.sock"),
         &dir.join("s/containerd.sock"),
@@ -421,7 +463,7 @@ fn push_sends_only_missing_blobs_and_annotates_the_node() -> Result<()> {
         &["--config", cfg.to_str().context("utf-8")?],
         true,
     )?;
-    let r = scenario(&dir, &reg, &d);
+    let r = scenario(&dir, &reg, &auth, &d);
     if r.is_err() {
         d.dump_log();
         eprintln!("registry log:\n{}", reg.log_tail(40));

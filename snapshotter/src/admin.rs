@@ -478,14 +478,24 @@ impl api::Admin for AdminService {
         &self,
         req: Request<api::PushRequest>,
     ) -> Result<Response<api::PushResponse>, Status> {
-        self.push(req.into_inner()).await.map(Response::new)
+        let r = req.into_inner();
+        let (auth, reference) = (r.auth.clone(), r.reference.clone());
+        self.push(r)
+            .await
+            .map(Response::new)
+            .map_err(|st| crate::push::with_credential_source(self, st, auth.as_ref(), &reference))
     }
 
     async fn pull(
         &self,
         req: Request<api::PullRequest>,
     ) -> Result<Response<api::PullResponse>, Status> {
-        self.pull(req.into_inner()).await.map(Response::new)
+        let r = req.into_inner();
+        let (auth, reference) = (r.auth.clone(), r.reference.clone());
+        self.pull(r)
+            .await
+            .map(Response::new)
+            .map_err(|st| crate::push::with_credential_source(self, st, auth.as_ref(), &reference))
     }
 
     async fn close_session(

@@ -231,6 +231,50 @@ impl Registries {
     }
 }
 
+/// Where the credentials of a request for `registry` come from, in words
+/// (never the secret itself).
+fn credential_source(
+    regs: &Registries,
+    auth: Option<&api::RegistryAuth>,
+    registry: &str,
+) -> String {
+    match auth {
+        Some(a) if !a.token.is_empty() => "a bearer token from the request".into(),
+        Some(a) if !a.username.is_empty() => {
+            format!("user {:?} with a password, from the request", a.username)
+        }
+        _ => match &regs.docker_config {
+            Some(p) => format!(
+                "the daemon's [registry] docker_config {} (its entry for {registry}; none there: anonymous)",
+                p.display()
+            ),
+            None => "none: the request carried none and the daemon has no [registry] docker_config".into(),
+        },
+    }
+}
+
+/// A `permission_denied` answer of Push or Pull with where its credentials
+/// came from appended (the kind and its trailer kept); any other unchanged.
+pub(crate) fn with_credential_source(
+    admin: &AdminService,
+    st: Status,
+    auth: Option<&api::RegistryAuth>,
+    reference: &str,
+) -> Status {
+    if st.code() != tonic::Code::PermissionDenied {
+        return st;
+    }
+    let (Ok(regs), Ok(r)) = (registries(admin), parse_reference(reference)) else {
+        return st;
+    };
+    let msg = format!(
+        "{}; credentials tried: {}",
+        st.message(),
+        credential_source(&regs, auth, r.registry())
+    );
+    Status::with_metadata(st.code(), msg, st.metadata().clone())
+}
+
 /// A registry error as a status of its kind.
 pub(crate) fn registry_status(e: &RegistryError) -> Status {
     api::status(e.kind(), e.to_string())
