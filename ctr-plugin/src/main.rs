@@ -187,9 +187,10 @@ pub enum Cmd {
     /// registry lacks are sent; the node's provenance and state go in the
     /// manifest's annotations.
     Push(push::PushArgs),
-    /// Pull a node `layerstack push --node` made from an OCI registry: it
-    /// keeps its id, state and provenance; only the layers this store lacks
-    /// are downloaded.
+    /// Pull an image `layerstack push` made from an OCI registry: a node keeps
+    /// its id, state and provenance; a branch head lands on a branch (made,
+    /// fast-forwarded or merged; a conflict refused whole). Only the layers
+    /// this store lacks are downloaded.
     Pull(push::PullArgs),
     /// Bases made without containerd: `base import` a directory tree, a layer
     /// tar or an OCI image layout as a stack.

@@ -25,8 +25,9 @@ use crate::errors::with_kind;
 pub struct PushArgs {
     /// REGISTRY[:PORT]/REPOSITORY[:TAG] to push to (`:latest` when no tag).
     pub reference: String,
-    /// STACK[@BRANCH]: push this branch head [default branch: the daemon's].
-    #[arg(long, conflicts_with = "node", required_unless_present = "node")]
+    /// STACK[@BRANCH]: push this branch head [default branch: the daemon's]
+    /// (a pull elsewhere points a branch at it: `pull --branch`).
+    #[arg(long, conflicts_with = "node")]
     pub stack: Option<String>,
     /// Push this graph node (its id is kept: a pull elsewhere makes the same node).
     #[arg(long, value_name = "ID")]
@@ -99,6 +100,12 @@ pub fn auth_for(a: &AuthArgs, reference: &str) -> Result<Option<api::RegistryAut
 
 /// Runs `layerstack push`.
 pub async fn run(cli: &crate::Cli, a: PushArgs) -> Result<ExitCode> {
+    if a.stack.is_none() && a.node.is_none() {
+        return Err(crate::errors::failure(
+            api::ErrorKind::InvalidArgument,
+            "push needs what to push: --node ID (a graph node) or --stack STACK[@BRANCH] (a branch head)",
+        ));
+    }
     let auth = auth_for(&a.auth, &a.reference)?;
     let (stack, branch) = match &a.stack {
         Some(s) => crate::history::split_branch(s),
@@ -135,13 +142,13 @@ pub async fn run(cli: &crate::Cli, a: PushArgs) -> Result<ExitCode> {
         );
     } else {
         println!(
-            "pushed {}{} as {}@{}: {} layers, {} blobs sent ({} bytes), {} already there",
+            "pushed {}{} as {}@{}: {}, {} sent ({} bytes), {} already there",
             if r.node.is_empty() { "" } else { "node " },
             if r.node.is_empty() { &r.stack } else { &r.node },
             r.reference,
             r.manifest_digest,
-            r.layers,
-            r.blobs_sent,
+            count(r.layers.into(), "layer"),
+            count(r.blobs_sent.into(), "blob"),
             r.bytes_sent,
             r.blobs_present
         );
@@ -153,7 +160,7 @@ pub async fn run(cli: &crate::Cli, a: PushArgs) -> Result<ExitCode> {
 #[derive(Debug, Clone, Args)]
 pub struct PullArgs {
     /// REGISTRY[:PORT]/REPOSITORY[:TAG] or …@sha256:<hex>: an image
-    /// `layerstack push --node` made.
+    /// `layerstack push` made (of a node, or of a branch head).
     pub reference: String,
     #[command(flatten)]
     pub auth: AuthArgs,
@@ -161,9 +168,24 @@ pub struct PullArgs {
     /// names (when this store has a graph of that name with another root).
     #[arg(long, value_name = "NAME")]
     pub graph: Option<String>,
+    /// Point this branch of the stack at what was pulled: made when absent,
+    /// else promoted onto (fast-forward, or a merge; a conflict is refused
+    /// whole, exit 1, kind conflict). Default: a branch head's image lands
+    /// on the branch it was pushed from; a node's on none.
+    #[arg(long, value_name = "BRANCH")]
+    pub branch: Option<String>,
     /// Print the result as one JSON object.
     #[arg(long)]
     pub json: bool,
+}
+
+/// `n thing` or `n things`.
+fn count(n: u64, thing: &str) -> String {
+    if n == 1 {
+        format!("1 {thing}")
+    } else {
+        format!("{n} {thing}s")
+    }
 }
 
 /// Runs `layerstack pull`.
@@ -175,6 +197,7 @@ pub async fn pull(cli: &crate::Cli, a: PullArgs) -> Result<ExitCode> {
             reference: a.reference.clone(),
             auth,
             graph: a.graph.clone().unwrap_or_default(),
+            branch: a.branch.clone().unwrap_or_default(),
         })
         .await?
         .into_inner();
@@ -194,16 +217,40 @@ pub async fn pull(cli: &crate::Cli, a: PullArgs) -> Result<ExitCode> {
                 "bytes_fetched": r.bytes_fetched,
                 "missing_parents": r.missing_parents,
                 "linked_children": r.linked_children,
+                "branch": r.branch,
+                "branch_result": r.branch_result,
+                "branch_head": r.branch_head,
+                "branch_session": r.branch_session.as_ref().map(|s| s.id),
             })
         );
+    } else if r.node.is_empty() {
+        println!(
+            "pulled a head of stack {}: branch {} {} (head {}): {} above the base, fetched {}, held here {}; {} bytes downloaded{}",
+            r.stack,
+            r.branch,
+            r.branch_result,
+            r.branch_head,
+            count(r.layers.into(), "layer"),
+            r.layers_fetched,
+            r.layers_reused,
+            r.bytes_fetched,
+            if r.base_imported {
+                "; base imported"
+            } else {
+                ""
+            }
+        );
+        if let Some(s) = &r.branch_session {
+            println!("merged by session {}", s.id);
+        }
     } else {
         println!(
-            "{} node {} of graph {} ({}): layers above the base: {}, fetched {}, held here {}; {} bytes downloaded{}",
+            "{} node {} of graph {} ({}): {} above the base, fetched {}, held here {}; {} bytes downloaded{}",
             if r.created { "pulled" } else { "already had" },
             r.node,
             r.graph,
             r.stack,
-            r.layers,
+            count(r.layers.into(), "layer"),
             r.layers_fetched,
             r.layers_reused,
             r.bytes_fetched,
@@ -221,6 +268,12 @@ pub async fn pull(cli: &crate::Cli, a: PullArgs) -> Result<ExitCode> {
         }
         if !r.linked_children.is_empty() {
             println!("linked as the parent of: {}", r.linked_children.join(", "));
+        }
+        if !r.branch.is_empty() {
+            println!(
+                "branch {} {} (head {})",
+                r.branch, r.branch_result, r.branch_head
+            );
         }
     }
     Ok(ExitCode::SUCCESS)

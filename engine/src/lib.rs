@@ -92,8 +92,8 @@ pub mod store {
         SnapshotKind, Store, StoreError, StoreLock, StoreOptions, Usage,
     };
     pub use layerstack_store::{
-        AdoptGroup, AdoptNode, Adopted, BlobCompression, BlobRef, LayerBlob, LayerId, NodeKind,
-        READY_OWNER,
+        AdoptGroup, AdoptNode, Adopted, AdoptedLayers, BlobCompression, BlobRef, LayerBlob,
+        LayerId, NodeKind, READY_OWNER,
     };
     pub use layerstack_store::{
         Artifact, Begun, Evaluator, NodeStats, RolloutAttempt, RolloutBegin, RolloutResult,
@@ -105,7 +105,7 @@ pub use layerstack_types as types;
 pub use layerstack_types::policy;
 pub use locks::LockGuard;
 pub use publish::{exit_decision, DryRun};
-pub use pull::{PulledContent, PulledLayer};
+pub use pull::{Landed, PulledContent, PulledLayer};
 pub use sandbox::{EndAction, Reservation, SandboxRequest, SandboxSettings};
 // Blame, diff and conflicts (issue 10).
 pub use blame::Blame;

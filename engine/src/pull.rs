@@ -18,13 +18,17 @@
 
 use std::io::Read;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 use layerstack_publisher::{self as publisher, LayerApplyOptions, LayerView};
-use layerstack_store::{AdoptLayer, AdoptNode, Adopted, BlobRef, LayerId, LayerSource, Store};
+
+use layerstack_store::{
+    AdoptLayer, AdoptNode, Adopted, AdoptedLayers, BlobRef, LayerId, LayerSource, ManifestId, Store,
+};
 use tracing::info;
 
 use crate::index::index_of;
-use crate::{Engine, EngineError, RunError};
+use crate::{Engine, EngineError, Promoted, RunError};
 
 /// Where a pulled layer's content is.
 pub enum PulledContent {
@@ -92,8 +96,57 @@ impl Engine {
         layers: Vec<PulledLayer>,
         node: &AdoptNode,
     ) -> Result<Adopted, EngineError> {
-        let store = self.store();
         let started = std::time::Instant::now();
+        let staged = self.stage_pulled(stack, layers)?;
+        // Consumes the staged directories: renamed into l/, or removed.
+        let out = self.store().adopt_node(stack, &staged.adopt, node)?;
+        drop(staged.guards);
+        info!(
+            node = %out.node.id,
+            stack,
+            created = out.created,
+            layers = out.layers.len(),
+            unpacked = staged.unpacked,
+            ms = started.elapsed().as_millis() as u64,
+            "pulled node adopted"
+        );
+        Ok(out)
+    }
+
+    /// Adopts `layers` — a pulled branch head's image above `stack`'s base,
+    /// oldest first — as a manifest of `stack` that the new hidden branch
+    /// `work` (`.graph/pull/…`) points at, staged as
+    /// [`Engine::adopt_pulled_node`] stages a node's; then
+    /// [`Engine::land_on_branch`] moves a real branch to it. Blocking.
+    ///
+    /// # Errors
+    /// As [`Engine::adopt_pulled_node`], and what `Store::adopt_layers`
+    /// refuses. Nothing is kept.
+    pub fn adopt_pulled_head(
+        &self,
+        stack: &str,
+        layers: Vec<PulledLayer>,
+        work: &str,
+    ) -> Result<AdoptedLayers, EngineError> {
+        let started = std::time::Instant::now();
+        let staged = self.stage_pulled(stack, layers)?;
+        let out = self.store().adopt_layers(stack, &staged.adopt, work)?;
+        drop(staged.guards);
+        info!(
+            stack,
+            manifest = out.manifest,
+            layers = out.layers.len(),
+            unpacked = staged.unpacked,
+            ms = started.elapsed().as_millis() as u64,
+            "pulled head adopted"
+        );
+        Ok(out)
+    }
+
+    /// Each of `layers` held or applied into a staging directory (no lock),
+    /// in order; on failure every staged directory is removed.
+    fn stage_pulled(&self, stack: &str, layers: Vec<PulledLayer>) -> Result<Staged, EngineError> {
+        let store = self.store();
         let userxattr = self.settings().userxattr;
         // The view below the next layer, newest first.
         let mut below: Vec<PathBuf> = store.layer_paths(&base_layers(store, stack)?)?;
@@ -147,20 +200,82 @@ impl Engine {
             drop_staged(&staged);
             return Err(layerstack_store::StoreError::Io(store.staging_path(), e).into());
         }
-        // Consumes the staged directories: renamed into l/, or removed.
-        let out = store.adopt_node(stack, &adopt, node)?;
-        drop(guards);
-        info!(
-            node = %out.node.id,
-            stack,
-            created = out.created,
-            layers = out.layers.len(),
-            unpacked = staged.len(),
-            ms = started.elapsed().as_millis() as u64,
-            "pulled node adopted"
-        );
-        Ok(out)
+        Ok(Staged {
+            adopt,
+            unpacked: staged.len(),
+            guards,
+        })
     }
+
+    /// Points `branch` of `stack` at `manifest` (a pulled head's, a pulled
+    /// node's root): created there when `stack` has no such branch;
+    /// otherwise a promote ([`Engine::promote_manifest`]: up to date,
+    /// fast-forward, or a merge through `branch`'s gate, refused whole on a
+    /// conflict). `work`, the hidden branch that kept `manifest` alive, is
+    /// dropped whatever happened.
+    ///
+    /// # Errors
+    /// `InvalidArgument` (a branch name that is not one); what a promote
+    /// returns.
+    pub async fn land_on_branch(
+        self: &Arc<Self>,
+        stack: &str,
+        manifest: ManifestId,
+        branch: &str,
+        work: Option<&str>,
+        operation: &str,
+    ) -> Result<Landed, EngineError> {
+        let out = self.land_inner(stack, manifest, branch, operation).await;
+        if let Some(w) = work {
+            let (s, w) = (stack.to_string(), w.to_string());
+            if let Err(e) = self.blocking(move |st| st.drop_branch(&s, &w)).await {
+                // The startup recovery drops it.
+                tracing::warn!(stack, error = %crate::error_chain(&e), "cannot drop a pull's working branch");
+            }
+        }
+        out
+    }
+
+    async fn land_inner(
+        self: &Arc<Self>,
+        stack: &str,
+        manifest: ManifestId,
+        branch: &str,
+        operation: &str,
+    ) -> Result<Landed, EngineError> {
+        layerstack_store::validate_branch(branch).map_err(|why| {
+            EngineError::InvalidArgument(format!("cannot pull onto branch {branch:?}: {why}"))
+        })?;
+        let (s, b) = (stack.to_string(), branch.to_string());
+        if self
+            .blocking(move |st| st.create_branch_if_absent(&s, &b, manifest))
+            .await?
+        {
+            info!(stack, branch, manifest, "branch created by a pull");
+            return Ok(Landed::Created { head: manifest });
+        }
+        let p = self
+            .promote_manifest(stack, manifest, branch, operation, None)
+            .await?;
+        Ok(Landed::Promoted(p))
+    }
+}
+
+/// What [`Engine::land_on_branch`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Landed {
+    /// The branch was not there: made at the manifest.
+    Created { head: ManifestId },
+    /// The branch was there: promoted onto (see [`Promoted`]).
+    Promoted(Promoted),
+}
+
+/// What [`Engine::stage_pulled`] made.
+struct Staged {
+    adopt: Vec<AdoptLayer>,
+    /// Layers applied from blobs.
+    unpacked: usize,
+    guards: Vec<layerstack_store::InFlightGuard>,
 }
 
 /// The base layers of `stack`, newest first.

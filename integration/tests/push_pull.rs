@@ -421,6 +421,33 @@ fn pulled_elsewhere(
         relinked["created"] == false && relinked["missing_parents"] == serde_json::json!([]),
         "{relinked}"
     );
+    // A node's image onto a branch: made at the node's root.
+    let o = ensure_success(
+        "pull --branch",
+        b.layerstack(&["pull", &r2, "--branch", "from-n2", "--json"])?,
+    )?;
+    let on = json_of(&o)?;
+    ensure!(
+        on["node"] == n2 && on["branch"] == "from-n2" && on["branch_result"] == "created",
+        "{on}"
+    );
+    let o = b.layerstack(&[
+        "session",
+        "run",
+        &format!("{stack}@from-n2"),
+        "--publish",
+        "never",
+        "--net",
+        "none",
+        "--",
+        "/bin/sh",
+        "-c",
+        "cat /srv/one /srv/two",
+    ])?;
+    ensure!(
+        o.status.success() && stdout(&o) == "one\ntwo\n",
+        "a session on the branch made at n2: {o:?}"
+    );
     // A child made here and pushed: only its own layer is new to the registry.
     let n3 = checkpoint(b, dir_b, n2, "echo three > /srv/three")?;
     let before = reg.blob_uploads_completed()?;
@@ -469,6 +496,208 @@ fn push_sends_only_missing_blobs_and_annotates_the_node() -> Result<()> {
         eprintln!("registry log:\n{}", reg.log_tail(40));
     }
     d.stop();
+    if std::env::var_os("LAYERSTACK_TEST_KEEP").is_none() {
+        remove_tree(&dir);
+    }
+    r
+}
+
+/// A Mode B session on `at` (STACK@BRANCH) runs `script`; its writes are
+/// published on success. Returns its stdout.
+fn run_on(d: &Daemon, at: &str, publish: &str, script: &str) -> Result<String> {
+    let o = d.layerstack(&[
+        "session",
+        "run",
+        at,
+        "--publish",
+        publish,
+        "--net",
+        "none",
+        "--",
+        "/bin/sh",
+        "-c",
+        script,
+    ])?;
+    ensure!(
+        o.status.success(),
+        "session run on {at}: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    Ok(stdout(&o))
+}
+
+fn push_head(d: &Daemon, reference: &str, at: &str) -> Result<Value> {
+    let o = d.layerstack(&["push", reference, "--stack", at, "--json"])?;
+    ensure!(
+        o.status.success(),
+        "push --stack: {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    json_of(&o)
+}
+
+/// Issue 23: a branch head pushed from one store lands on a branch of
+/// another — created (here: fast-forwarded from the imported base), up to
+/// date when pulled again, fast-forwarded by one fetched layer, merged with
+/// the branch's own disjoint work through the gate, refused whole on a
+/// conflict (kind conflict, the branch unchanged), or put on a branch of
+/// its own.
+fn branch_heads(dir: &Path, reg: &TestRegistry, a: &Daemon, b: &Daemon) -> Result<()> {
+    let src = dir.join("rootfs");
+    rootfs(&src)?;
+    let stack = stdout(&ensure_success(
+        "base import",
+        a.layerstack(&["base", "import", src.to_str().context("utf-8")?])?,
+    )?)
+    .trim()
+    .to_string();
+    let main = format!("{stack}@main");
+    let r = format!("{}/layerstack/head:main", reg.host());
+    run_on(a, &main, "on-success", "echo one > /srv/one")?;
+    let p1 = push_head(a, &r, &main)?;
+    ensure!(p1["node"] == "" && p1["layers"] == 2, "{p1}");
+    ensure!(
+        manifest_at(reg, &r)?["annotations"]["io.layerstack.branch"] == "main",
+        "the image names its branch"
+    );
+
+    // An empty store: the base comes from the image, main moves to the head.
+    let got = pull(b, &r)?;
+    ensure!(
+        got["node"] == ""
+            && got["graph"] == ""
+            && got["stack"] == stack.as_str()
+            && got["base_imported"] == true
+            && got["created"] == true
+            && got["branch"] == "main"
+            && got["branch_result"] == "fast-forward"
+            && got["layers"] == 1
+            && got["layers_fetched"] == 1,
+        "{got}"
+    );
+    ensure!(run_on(b, &main, "never", "cat /srv/one")? == "one\n");
+    let again = pull(b, &r)?;
+    ensure!(
+        again["branch_result"] == "up-to-date"
+            && again["created"] == false
+            && again["layers_fetched"] == 0
+            && again["branch_head"] == got["branch_head"],
+        "{again}"
+    );
+
+    // One more layer there: one blob fetched, main fast-forwarded.
+    run_on(a, &main, "on-success", "echo two > /srv/two")?;
+    push_head(a, &r, &main)?;
+    let ff = pull(b, &r)?;
+    ensure!(
+        ff["branch_result"] == "fast-forward"
+            && ff["layers"] == 2
+            && ff["layers_fetched"] == 1
+            && ff["layers_reused"] == 1,
+        "{ff}"
+    );
+
+    // Both sides move: disjoint changes merge through main's gate here.
+    run_on(b, &main, "on-success", "echo b > /srv/b")?;
+    run_on(a, &main, "on-success", "echo three > /srv/three")?;
+    push_head(a, &r, &main)?;
+    let merged = pull(b, &r)?;
+    ensure!(
+        merged["branch_result"] == "merged"
+            && merged["branch_session"].as_i64().is_some_and(|s| s > 0)
+            && merged["layers_fetched"] == 1,
+        "{merged}"
+    );
+    ensure!(
+        run_on(b, &main, "never", "cat /srv/one /srv/two /srv/three /srv/b")?
+            == "one\ntwo\nthree\nb\n"
+    );
+
+    // The same new file on both sides, other bytes: refused whole.
+    run_on(b, &main, "on-success", "echo mine > /srv/c")?;
+    run_on(a, &main, "on-success", "echo theirs > /srv/c")?;
+    push_head(a, &r, &main)?;
+    let o = b.layerstack(&["pull", &r, "--json"])?;
+    let err: Value = serde_json::from_str(String::from_utf8_lossy(&o.stderr).trim())
+        .with_context(|| format!("the failure is not JSON on stderr: {o:?}"))?;
+    ensure!(
+        !o.status.success()
+            && err["error"]["kind"] == "conflict"
+            && err["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("/srv/c") && m.contains("--branch")),
+        "{o:?}"
+    );
+    ensure!(run_on(b, &main, "never", "cat /srv/c")? == "mine\n");
+
+    // On a branch of its own instead: made at the pulled head.
+    let own = json_of(&ensure_success(
+        "pull --branch",
+        b.layerstack(&["pull", &r, "--branch", "theirs", "--json"])?,
+    )?)?;
+    ensure!(
+        own["branch"] == "theirs" && own["branch_result"] == "created" && own["created"] == true,
+        "{own}"
+    );
+    ensure!(run_on(b, &format!("{stack}@theirs"), "never", "cat /srv/c")? == "theirs\n");
+
+    // A branch head joins no graph; a branch name is checked first.
+    for (extra, says) in [
+        (["--graph", "g"], "not a node"),
+        (["--branch", "bad..name"], "bad..name"),
+    ] {
+        let mut args = vec!["pull", r.as_str(), "--json"];
+        args.extend(extra);
+        let o = b.layerstack(&args)?;
+        let err: Value = serde_json::from_str(String::from_utf8_lossy(&o.stderr).trim())
+            .with_context(|| format!("the failure is not JSON on stderr: {o:?}"))?;
+        ensure!(
+            !o.status.success()
+                && err["error"]["kind"] == "invalid_argument"
+                && err["error"]["message"]
+                    .as_str()
+                    .is_some_and(|m| m.contains(says)),
+            "{o:?}"
+        );
+    }
+    // Nothing of the refused pulls is left: fsck finds the store clean.
+    let f = json_of(&ensure_success("fsck", b.layerstack(&["fsck", "--json"])?)?)?;
+    ensure!(
+        f["problems"].as_array().is_some_and(|p| p.is_empty()),
+        "{f}"
+    );
+    Ok(())
+}
+
+#[test]
+fn a_pushed_branch_head_lands_on_a_branch_of_another_store() -> Result<()> {
+    if !require_root() || !require_docker_registry(RegistryKind::Plain) {
+        return Ok(());
+    }
+    let dir = make_temp_dir()?;
+    let reg = TestRegistry::start(RegistryKind::Plain)?;
+    let start = |name: &str| -> Result<Daemon> {
+        let d = dir.join(name);
+        std::fs::create_dir_all(&d)?;
+        let cfg = config_toml(&d, &reg)?;
+        Daemon::start_at_with(
+            &d.join("s/snapshotter.sock"),
+            &d.join("s/containerd.sock"),
+            &d.join("root"),
+            &["--config", cfg.to_str().context("utf-8")?],
+            true,
+        )
+    };
+    let mut a = start("a")?;
+    let mut b = start("b")?;
+    let r = branch_heads(&dir, &reg, &a, &b);
+    if r.is_err() {
+        a.dump_log();
+        b.dump_log();
+        eprintln!("registry log:\n{}", reg.log_tail(40));
+    }
+    a.stop();
+    b.stop();
     if std::env::var_os("LAYERSTACK_TEST_KEEP").is_none() {
         remove_tree(&dir);
     }

@@ -447,7 +447,7 @@ impl AdminService {
     /// few), that `to` is unchanged and nothing of the promote is kept (its
     /// operation's upper is dropped: `from` still has the changes), and what to
     /// do. A failed merge publish gives its outcome's message.
-    async fn refused_promote(
+    pub(crate) async fn refused_promote(
         &self,
         session: &layerstack_engine::store::SessionInfo,
         from: &str,

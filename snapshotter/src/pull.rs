@@ -19,7 +19,7 @@ use std::collections::BTreeMap;
 use layerstack_api as api;
 use layerstack_engine::publisher::ImportKind;
 use layerstack_engine::store::{AdoptNode, BlobCompression, BlobRef};
-use layerstack_engine::{ImportRequest, PulledContent, PulledLayer};
+use layerstack_engine::{ImportRequest, Landed, Promoted, PulledContent, PulledLayer};
 use layerstack_registry::parse_reference;
 use serde_json::Value;
 use tonic::Status;
@@ -40,8 +40,18 @@ struct Descriptor {
 
 fn bad_image(reference: &str, why: impl std::fmt::Display) -> Status {
     Status::invalid_argument(format!(
-        "{reference} is not an image `layerstack push --node` made: {why}"
+        "{reference} is not an image `layerstack push` made: {why}"
     ))
+}
+
+/// A name for a pull's working branch and operation, unique in this daemon.
+fn pull_operation() -> String {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    format!(
+        "pull-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    )
 }
 
 /// The compression a layer media type names (OCI's and docker's), or `None`
@@ -124,9 +134,44 @@ impl AdminService {
                     .collect()
             })
             .unwrap_or_default();
-        let mut node = ann::decode(&a).map_err(|why| bad_image(&whole, why))?;
-        if !r.graph.is_empty() {
-            node.group.name = r.graph.clone();
+        // A node's image (`push --node`), or a branch head's (`push --stack`:
+        // a branch annotation and no node).
+        let head_of = a
+            .get(ann::BRANCH)
+            .filter(|b| !b.is_empty() && !a.contains_key(ann::NODE))
+            .cloned();
+        let node = match &head_of {
+            Some(b) => {
+                if !r.graph.is_empty() {
+                    return Err(Status::invalid_argument(format!(
+                        "{whole} is the head of branch {b}, not a node: it joins no graph, so drop the graph ({:?}); name the branch to point at it with branch (--branch)",
+                        r.graph
+                    )));
+                }
+                None
+            }
+            None => {
+                let mut node = ann::decode(&a).map_err(|why| {
+                    bad_image(
+                        &whole,
+                        format!("{why} (nor an {} annotation of a branch head)", ann::BRANCH),
+                    )
+                })?;
+                if !r.graph.is_empty() {
+                    node.group.name = r.graph.clone();
+                }
+                Some(node)
+            }
+        };
+        let branch = match (&r.branch, &head_of) {
+            (b, _) if !b.is_empty() => Some(b.clone()),
+            (_, Some(b)) => Some(b.clone()),
+            _ => None,
+        };
+        if let Some(b) = &branch {
+            layerstack_engine::store::validate_branch(b).map_err(|why| {
+                Status::invalid_argument(format!("cannot pull {whole} onto branch {b:?}: {why}"))
+            })?;
         }
         let stack = a.get(ann::STACK).cloned().unwrap_or_default();
         let base_layers: usize = a
@@ -163,6 +208,7 @@ impl AdminService {
                 base_layers,
                 &stack,
                 node,
+                branch,
                 &staging,
             )
             .await;
@@ -184,9 +230,14 @@ impl AdminService {
         layers: Vec<Descriptor>,
         base_layers: usize,
         stack: &str,
-        node: AdoptNode,
+        node: Option<AdoptNode>,
+        branch: Option<String>,
         staging: &std::path::Path,
     ) -> Result<api::PullResponse, Status> {
+        let what = match &node {
+            Some(n) => format!("node {}", n.id),
+            None => "the branch head".to_string(),
+        };
         let whole = reference.whole();
         let mut bytes_fetched = 0u64;
         // The config: one diff ID per layer.
@@ -236,8 +287,7 @@ impl AdminService {
                 && stack.strip_prefix("import:") == Some(diff_ids[0].as_str());
             if !importable {
                 return Err(Status::failed_precondition(format!(
-                    "stack {stack} of node {} is not in this store: its base image must be here first (unpack it through containerd with the layerstack snapshotter, or `layerstack base import` it), then pull again",
-                    node.id
+                    "stack {stack} of {what} is not in this store: its base image must be here first (unpack it through containerd with the layerstack snapshotter, or `layerstack base import` it), then pull again"
                 )));
             }
             let base = &layers[0];
@@ -333,38 +383,97 @@ impl AdminService {
         }
         let engine = self.engine.clone();
         let st = stack.to_string();
-        let graph = node.group.name.clone();
-        let adopted =
-            tokio::task::spawn_blocking(move || engine.adopt_pulled_node(&st, pulled, &node))
+        let layer_count = above.len() as u32;
+        let mut out = api::PullResponse {
+            stack: stack.to_string(),
+            manifest_digest: manifest_digest.to_string(),
+            base_imported,
+            layers: layer_count,
+            layers_fetched: fetched,
+            layers_reused: reused,
+            bytes_fetched,
+            ..Default::default()
+        };
+        let op = pull_operation();
+        let (manifest, work) = match node {
+            Some(node) => {
+                let graph = node.group.name.clone();
+                let adopted = tokio::task::spawn_blocking(move || {
+                    engine.adopt_pulled_node(&st, pulled, &node)
+                })
                 .await
                 .map_err(|e| Status::internal(format!("pull task failed: {e}")))?
                 .map_err(engine_status)?;
+                out.node = adopted.node.id.clone();
+                out.graph = graph;
+                out.created = adopted.created;
+                out.missing_parents = adopted.missing_parents;
+                out.linked_children = adopted.linked_children;
+                (adopted.node.manifest, None)
+            }
+            None => {
+                let work = format!(".graph/pull/{op}");
+                let w = work.clone();
+                let adopted =
+                    tokio::task::spawn_blocking(move || engine.adopt_pulled_head(&st, pulled, &w))
+                        .await
+                        .map_err(|e| Status::internal(format!("pull task failed: {e}")))?
+                        .map_err(engine_status)?;
+                (adopted.manifest, Some(work))
+            }
+        };
+        if let Some(b) = branch {
+            let landed = self
+                .engine
+                .land_on_branch(stack, manifest, &b, work.as_deref(), &op)
+                .await
+                .map_err(engine_status)?;
+            let head = self
+                .engine
+                .branch_head(stack, &b)
+                .await
+                .map_err(engine_status)?;
+            out.branch = b.clone();
+            out.branch_head = head;
+            out.branch_result = match landed {
+                Landed::Created { .. } => "created",
+                Landed::Promoted(Promoted::UpToDate { .. }) => "up-to-date",
+                Landed::Promoted(Promoted::FastForward { .. }) => "fast-forward",
+                Landed::Promoted(Promoted::Merged { session }) => {
+                    out.branch_session = Some(self.to_api(*session).await?);
+                    "merged"
+                }
+                Landed::Promoted(Promoted::Conflict { session }) => {
+                    let why = self.refused_promote(&session, &whole, &b).await;
+                    return Err(api::status(
+                        api::ErrorKind::Conflict,
+                        format!(
+                            "{whole} conflicts with branch {b} here (session {}): {why}; nothing changed: pull it onto a branch of its own (--branch NAME), then promote or merge by hand",
+                            session.id
+                        ),
+                    ));
+                }
+            }
+            .to_string();
+            if out.node.is_empty() {
+                out.created = out.branch_result != "up-to-date";
+            }
+        }
         info!(
             reference = %whole,
-            node = %adopted.node.id,
-            created = adopted.created,
-            layers = above.len(),
+            node = %out.node,
+            branch = %out.branch,
+            branch_result = %out.branch_result,
+            created = out.created,
+            layers = layer_count,
             fetched,
             reused,
             base_imported,
             bytes_fetched,
-            linked_children = adopted.linked_children.len(),
+            linked_children = out.linked_children.len(),
             "pulled"
         );
-        Ok(api::PullResponse {
-            node: adopted.node.id.clone(),
-            stack: stack.to_string(),
-            graph,
-            manifest_digest: manifest_digest.to_string(),
-            created: adopted.created,
-            base_imported,
-            layers: above.len() as u32,
-            layers_fetched: fetched,
-            layers_reused: reused,
-            bytes_fetched,
-            missing_parents: adopted.missing_parents,
-            linked_children: adopted.linked_children,
-        })
+        Ok(out)
     }
 }
 

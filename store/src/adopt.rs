@@ -164,6 +164,27 @@ pub struct Adopted {
     pub linked_children: Vec<String>,
 }
 
+/// What [`Store::adopt_layers`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AdoptedLayers {
+    /// The manifest of the layers (its working branch points at it).
+    pub manifest: ManifestId,
+    /// Its layers above the stack's base, oldest first.
+    pub layers: Vec<LayerId>,
+    /// The layers this adoption added (from staged directories).
+    pub new_layers: Vec<LayerId>,
+}
+
+/// A rolled-back adoption: every directory renamed into `l/` goes back
+/// where the cleanup finds it.
+fn move_back(moved: &[(PathBuf, PathBuf)]) {
+    for (from, to) in moved.iter().rev() {
+        if std::fs::symlink_metadata(to).is_ok() && std::fs::symlink_metadata(from).is_err() {
+            let _ = std::fs::rename(to, from);
+        }
+    }
+}
+
 /// Node `child`'s declared `parents`: an edge to each this store holds (at
 /// its position), a missing-parent row for each other; a position that has
 /// either already is kept as it is (a node's parents never change). Returns
@@ -398,6 +419,206 @@ fn check_existing(tx: &Transaction<'_>, stack: &str, layer: LayerId) -> Result<(
 }
 
 impl Store {
+    /// Adopts `layers` (a pulled branch head's image above `stack`'s base,
+    /// oldest first) as a manifest of `stack`, and points the new hidden
+    /// branch `work` at it in the same transaction, so GC keeps it until the
+    /// caller has moved a real branch to it and dropped `work` (a `.graph/…`
+    /// name: the startup recovery drops one a crash left). The layers are
+    /// adopted as [`Store::adopt_node`] adopts a node's (staged ones renamed
+    /// into `l/<n>`, existing ones checked, every blob recorded); the
+    /// manifest chain reuses the manifests the store has. Staged directories
+    /// are consumed as there.
+    ///
+    /// Errors: `StackNotFound`; `InvalidArgument` (a digest or staged
+    /// directory that is not one; an existing layer of another stack or
+    /// kind; `work` not under `.graph/`); `LayerNotFound`;
+    /// `FailedPrecondition` (an existing layer GC freed; `work` exists);
+    /// `Io`, `Db`.
+    pub fn adopt_layers(
+        &self,
+        stack: &str,
+        layers: &[AdoptLayer],
+        work: &str,
+    ) -> Result<AdoptedLayers, StoreError> {
+        let out = self.adopt_layers_inner(stack, layers, work);
+        self.consume_staged(layers);
+        out
+    }
+
+    fn adopt_layers_inner(
+        &self,
+        stack: &str,
+        layers: &[AdoptLayer],
+        work: &str,
+    ) -> Result<AdoptedLayers, StoreError> {
+        if !work.starts_with(".graph/") {
+            return Err(StoreError::InvalidArgument(format!(
+                "working branch {work:?} is not under .graph/"
+            )));
+        }
+        self.check_adopt_layers(layers)?;
+        let mut conn = self.db.writer();
+        let mut moved: Vec<(PathBuf, PathBuf)> = Vec::new();
+        let mut inflight = Vec::new();
+        let out = write_on(&mut conn, |tx| {
+            moved.clear();
+            let exists: Option<i64> = tx
+                .one("SELECT 1 FROM stacks WHERE id = ?1", [stack], |r| r.get(0))
+                .optional()?;
+            if exists.is_none() {
+                return Err(StoreError::StackNotFound(stack.into()));
+            }
+            if crate::stacks::branch_head(tx, stack, work)?.is_some() {
+                return Err(StoreError::FailedPrecondition(format!(
+                    "working branch {work:?} of stack {stack} exists already"
+                )));
+            }
+            let (ids, new_layers) =
+                self.adopt_layers_in(tx, stack, layers, &mut moved, &mut inflight)?;
+            self.sync_renamed(&moved)?;
+            let manifest = chain(tx, stack, &ids)?;
+            let now = now_ns();
+            tx.exec(
+                "INSERT INTO branches(stack, name, manifest_id, created_ns, updated_ns) VALUES (?1, ?2, ?3, ?4, ?4)",
+                params![stack, work, manifest, now],
+            )?;
+            Ok(AdoptedLayers {
+                manifest,
+                layers: ids,
+                new_layers,
+            })
+        });
+        drop(conn);
+        drop(inflight);
+        match out {
+            Ok(a) => {
+                info!(
+                    stack,
+                    manifest = a.manifest,
+                    layers = a.layers.len(),
+                    new_layers = a.new_layers.len(),
+                    work,
+                    "adopted layers"
+                );
+                Ok(a)
+            }
+            Err(e) => {
+                move_back(&moved);
+                Err(e)
+            }
+        }
+    }
+
+    /// Refuses a layer whose diff ID is no digest or whose staged directory
+    /// is not directly under staging.
+    fn check_adopt_layers(&self, layers: &[AdoptLayer]) -> Result<(), StoreError> {
+        let staging = self.staging_path();
+        for l in layers {
+            if !is_digest(&l.diff_id) {
+                return Err(StoreError::InvalidArgument(format!(
+                    "diff ID {:?} is not sha256:<64 lowercase hex digits>",
+                    l.diff_id
+                )));
+            }
+            if let LayerSource::Staged { dir, .. } = &l.source {
+                if dir.parent() != Some(staging.as_path()) {
+                    return Err(StoreError::InvalidArgument(format!(
+                        "{} is not a directory of the store's staging directory {}",
+                        dir.display(),
+                        staging.display()
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes the staged directories of `layers` that are still there
+    /// (never one outside staging: refused, not consumed).
+    fn consume_staged(&self, layers: &[AdoptLayer]) {
+        let staging = self.staging_path();
+        for l in layers {
+            if let LayerSource::Staged { dir, .. } = &l.source {
+                if dir.parent() == Some(staging.as_path()) && std::fs::symlink_metadata(dir).is_ok()
+                {
+                    if let Err(e) = fs::remove_tree(dir) {
+                        warn!(path = %dir.display(), error = %e, "cannot remove a staged layer; the startup sweep will");
+                    }
+                }
+            }
+        }
+    }
+
+    /// After renames into `l/`: `l/` synced (durable profile).
+    fn sync_renamed(&self, moved: &[(PathBuf, PathBuf)]) -> Result<(), StoreError> {
+        if moved.is_empty() {
+            return Ok(());
+        }
+        let l = self.root.join("l");
+        match self.durability {
+            Durability::Durable => fs::fsync_dir(&l),
+            Durability::Disposable => Ok(()),
+        }
+        .and_then(|()| crate::failpoints::fail("adopt.renamed", &self.root))
+        .map_err(|e| StoreError::io(&l, e))
+    }
+
+    /// The layer rows of `layers` on `stack` (oldest first) in `tx`: each
+    /// staged one inserted (kind `published`, its index, its directory
+    /// renamed from staging into `l/<n>` and recorded in `moved`, held in
+    /// flight in `inflight` until the commit), each existing one checked;
+    /// every layer's blobs recorded. Returns (the layers, the new ones).
+    fn adopt_layers_in(
+        &self,
+        tx: &Transaction<'_>,
+        stack: &str,
+        layers: &[AdoptLayer],
+        moved: &mut Vec<(PathBuf, PathBuf)>,
+        inflight: &mut Vec<crate::InFlightGuard>,
+    ) -> Result<(Vec<LayerId>, Vec<LayerId>), StoreError> {
+        let mut ids = Vec::with_capacity(layers.len());
+        let mut new_layers = Vec::new();
+        for l in layers {
+            let id = match &l.source {
+                LayerSource::Existing(id) => {
+                    check_existing(tx, stack, *id)?;
+                    *id
+                }
+                LayerSource::Staged { dir, index } => {
+                    let id = insert_layer(tx, LayerKind::Published, Some(stack), None)?;
+                    inflight.push(self.inflight.hold(crate::layer_rel(id)));
+                    insert_index(tx, id, index)?;
+                    let to = self.layer_path(id);
+                    crate::failpoints::fail("adopt.before_rename", &self.root)
+                        .and_then(|()| std::fs::rename(dir, &to))
+                        .map_err(|e| StoreError::io(dir, e))?;
+                    moved.push((dir.clone(), to));
+                    new_layers.push(id);
+                    id
+                }
+            };
+            let tar = l.tar_size.map(|size| BlobRef {
+                compression: BlobCompression::None,
+                digest: l.diff_id.clone(),
+                size,
+            });
+            for b in l.blobs.iter().chain(tar.as_ref()) {
+                record_layer_blob_in(
+                    tx,
+                    &LayerBlob {
+                        layer: id,
+                        compression: b.compression,
+                        digest: b.digest.clone(),
+                        diff_id: l.diff_id.clone(),
+                        size: b.size,
+                    },
+                )?;
+            }
+            ids.push(id);
+        }
+        Ok((ids, new_layers))
+    }
+
     /// Adopts `node`, made by another store, on `stack` with `layers` (its
     /// manifest above the stack's base, oldest first) — see the module docs.
     /// Staged directories are consumed: renamed into `l/<n>` when used,
@@ -417,18 +638,7 @@ impl Store {
         node: &AdoptNode,
     ) -> Result<Adopted, StoreError> {
         let out = self.adopt_node_inner(stack, layers, node);
-        let staging = self.staging_path();
-        for l in layers {
-            if let LayerSource::Staged { dir, .. } = &l.source {
-                // Never a directory outside staging (refused, not consumed).
-                if dir.parent() == Some(staging.as_path()) && std::fs::symlink_metadata(dir).is_ok()
-                {
-                    if let Err(e) = fs::remove_tree(dir) {
-                        warn!(path = %dir.display(), error = %e, "cannot remove a staged layer; the startup sweep will");
-                    }
-                }
-            }
-        }
+        self.consume_staged(layers);
         out
     }
 
@@ -440,24 +650,7 @@ impl Store {
     ) -> Result<Adopted, StoreError> {
         validate_node_id(&node.id)?;
         validate_state(&node.state)?;
-        let staging = self.staging_path();
-        for l in layers {
-            if !is_digest(&l.diff_id) {
-                return Err(StoreError::InvalidArgument(format!(
-                    "diff ID {:?} is not sha256:<64 lowercase hex digits>",
-                    l.diff_id
-                )));
-            }
-            if let LayerSource::Staged { dir, .. } = &l.source {
-                if dir.parent() != Some(staging.as_path()) {
-                    return Err(StoreError::InvalidArgument(format!(
-                        "{} is not a directory of the store's staging directory {}",
-                        dir.display(),
-                        staging.display()
-                    )));
-                }
-            }
-        }
+        self.check_adopt_layers(layers)?;
         let mut conn = self.db.writer();
         // (staged dir, its layer dir) renamed so far, to move back on failure.
         let mut moved: Vec<(PathBuf, PathBuf)> = Vec::new();
@@ -554,55 +747,9 @@ impl Store {
                 }
                 Err(e) => return Err(e),
             }
-            let mut ids = Vec::with_capacity(layers.len());
-            let mut new_layers = Vec::new();
-            for l in layers {
-                let id = match &l.source {
-                    LayerSource::Existing(id) => {
-                        check_existing(tx, stack, *id)?;
-                        *id
-                    }
-                    LayerSource::Staged { dir, index } => {
-                        let id = insert_layer(tx, LayerKind::Published, Some(stack), None)?;
-                        inflight.push(self.inflight.hold(crate::layer_rel(id)));
-                        insert_index(tx, id, index)?;
-                        let to = self.layer_path(id);
-                        crate::failpoints::fail("adopt.before_rename", &self.root)
-                            .and_then(|()| std::fs::rename(dir, &to))
-                            .map_err(|e| StoreError::io(dir, e))?;
-                        moved.push((dir.clone(), to));
-                        new_layers.push(id);
-                        id
-                    }
-                };
-                let tar = l.tar_size.map(|size| BlobRef {
-                    compression: BlobCompression::None,
-                    digest: l.diff_id.clone(),
-                    size,
-                });
-                for b in l.blobs.iter().chain(tar.as_ref()) {
-                    record_layer_blob_in(
-                        tx,
-                        &LayerBlob {
-                            layer: id,
-                            compression: b.compression,
-                            digest: b.digest.clone(),
-                            diff_id: l.diff_id.clone(),
-                            size: b.size,
-                        },
-                    )?;
-                }
-                ids.push(id);
-            }
-            if !moved.is_empty() {
-                let l = self.root.join("l");
-                match self.durability {
-                    Durability::Durable => fs::fsync_dir(&l),
-                    Durability::Disposable => Ok(()),
-                }
-                .and_then(|()| crate::failpoints::fail("adopt.renamed", &self.root))
-                .map_err(|e| StoreError::io(&l, e))?;
-            }
+            let (ids, new_layers) =
+                self.adopt_layers_in(tx, stack, layers, &mut moved, &mut inflight)?;
+            self.sync_renamed(&moved)?;
             let manifest = chain(tx, stack, &ids)?;
             let lease = new_lease(tx, manifest, HolderKind::Node, &node.id)?;
             let base: String = tx.one(
@@ -676,15 +823,7 @@ impl Store {
                 Ok(a)
             }
             Err(e) => {
-                // Rolled back: put every renamed directory back where the
-                // cleanup finds it.
-                for (from, to) in moved.iter().rev() {
-                    if std::fs::symlink_metadata(to).is_ok()
-                        && std::fs::symlink_metadata(from).is_err()
-                    {
-                        let _ = std::fs::rename(to, from);
-                    }
-                }
+                move_back(&moved);
                 Err(e)
             }
         }

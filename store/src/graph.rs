@@ -1209,6 +1209,37 @@ impl Store {
         })
     }
 
+    /// Points a new branch `name` of `stack` at `manifest` when `stack` has
+    /// no branch of that name (a pull's landing); `false`, nothing written,
+    /// when it has one. Errors: `InvalidArgument` (the name), `NotFound`
+    /// (the manifest is not one of `stack`).
+    pub fn create_branch_if_absent(
+        &self,
+        stack: &str,
+        name: &str,
+        manifest: ManifestId,
+    ) -> Result<bool, StoreError> {
+        crate::validate_branch(name).map_err(StoreError::InvalidArgument)?;
+        self.db.write(|tx| {
+            let of: Option<String> = tx
+                .one("SELECT stack FROM manifests WHERE id = ?1", [manifest], |r| {
+                    r.get(0)
+                })
+                .optional()?;
+            if of.as_deref() != Some(stack) {
+                return Err(StoreError::NotFound(format!(
+                    "manifest {manifest} of stack {stack}"
+                )));
+            }
+            let now = now_ns();
+            let n = tx.exec(
+                "INSERT OR IGNORE INTO branches(stack, name, manifest_id, created_ns, updated_ns) VALUES (?1, ?2, ?3, ?4, ?4)",
+                params![stack, name, manifest, now],
+            )?;
+            Ok(n == 1)
+        })
+    }
+
     /// Deletes a branch without the default-branch check (the engine's working
     /// branches).
     /// The working branches (`.graph/<graph>/<operation>`) of node merges in

@@ -75,7 +75,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 
 use tracing::{debug, info, warn};
 
-pub use adopt::{AdoptGroup, AdoptLayer, AdoptNode, Adopted, BlobRef, LayerSource};
+pub use adopt::{AdoptGroup, AdoptLayer, AdoptNode, Adopted, AdoptedLayers, BlobRef, LayerSource};
 pub use blame::{coalesce, tile, FileBlame, LineOwner, MarkerRecord, OwnerRange, ViewLayer};
 pub use blobs::{BlobCompression, LayerBlob};
 pub use error::{ErrorKind, OpenError, Result, StoreError};

@@ -195,6 +195,48 @@ def test_a_node_pushed_from_one_daemon_is_pulled_into_another(env: Env) -> None:
         assert b.show_node(theirs).id == theirs
 
 
+def test_a_branch_head_pushed_from_one_daemon_lands_on_a_branch_of_another(env: Env) -> None:
+    """``push(stack=…)`` then ``pull``: the head lands on a branch made for it
+    (``branch=``) or on the branch it was pushed from (fast-forward here), a
+    pull after one more layer fetches that layer only, and a conflicting head
+    is refused whole (ConflictError, the branch unchanged)."""
+    work = f"work-{os.getpid()}"
+
+    def publish(c: layerstack.Client, stack: str, on: str, path: str, text: str) -> None:
+        with c.sandbox(stack, branch=on) as sb:
+            sb.files.write(path, text)
+            sb.close(publish=True)
+
+    with layerstack.connect(env.admins[0]) as a, layerstack.connect(env.admins[1]) as b:
+        stack = a.import_base(_rootfs(env.dir / "rootfs-heads"))
+        publish(a, stack, "main", "/work/one", "1\n")
+        ref = f"{env.registry}/py/head:main"
+        pushed = a.push(ref, stack=stack, branch="main")
+        assert pushed.node == "" and pushed.layers >= 2, pushed
+        got = b.pull(ref, branch=work)
+        assert (got.node, got.graph, got.branch, got.branch_result) == ("", "", work, "created"), got
+        assert got.created and got.branch_head > 0, got
+        with b.sandbox(stack, branch=work) as sb:
+            assert sb.files.read("/work/one") == b"1\n"
+        publish(a, stack, "main", "/work/two", "2\n")
+        a.push(ref, stack=stack, branch="main")
+        ff = b.pull(ref, branch=work)
+        assert (ff.branch_result, ff.layers_fetched) == ("fast-forward", 1), ff
+        # No branch named: the one it was pushed from.
+        onto_main = b.pull(ref)
+        assert (onto_main.branch, onto_main.branch_result, onto_main.layers_fetched) == ("main", "fast-forward", 0), onto_main
+        publish(b, stack, work, "/work/c", "mine\n")
+        publish(a, stack, "main", "/work/c", "theirs\n")
+        a.push(ref, stack=stack, branch="main")
+        with pytest.raises(layerstack.ConflictError) as e:
+            b.pull(ref, branch=work)
+        assert "/work/c" in str(e.value) and e.value.kind == "conflict", e.value
+        with b.sandbox(stack, branch=work) as sb:
+            assert sb.files.read("/work/c") == b"mine\n"
+        with pytest.raises(layerstack.InvalidArgumentError):
+            b.pull(ref, graph="g")
+
+
 def test_a_remote_attempt_ends_with_the_checkpoint_its_worker_pushed(env: Env) -> None:
     """The fabric's remote attempts over the wire (docs/fabric.md "Remote
     attempts"): daemon a records the attempt for worker "b" with no sandbox

@@ -241,10 +241,11 @@ class AsyncClient:
         password: Optional[str] = None,
         token: Optional[str] = None,
         graph: Optional[str] = None,
+        branch: Optional[str] = None,
         timeout_s: Optional[float] = None,
     ) -> PullResult:
         """As :meth:`layerstack.Client.pull`."""
-        req = pb.PullRequest(reference=reference, auth=registry_auth(username, password, token), graph=graph or "")
+        req = pb.PullRequest(reference=reference, auth=registry_auth(username, password, token), graph=graph or "", branch=branch or "")
         return PullResult.from_pb(await self._call(self._stub.Pull, req, timeout_s))
 
     async def create_run(self, name: str, graph: str, *, labels: Optional[Mapping[str, str]] = None) -> Run:

@@ -1027,6 +1027,7 @@ class Client:
         password: Optional[str] = None,
         token: Optional[str] = None,
         graph: Optional[str] = None,
+        branch: Optional[str] = None,
         timeout_s: Optional[float] = None,
     ) -> PullResult:
         """Pulls the node :meth:`push` put at ``reference`` (by tag or
@@ -1038,7 +1039,16 @@ class Client:
         the image names), for a store with a graph of that name whose root
         differs; a node already here keeps its graph.
 
-        Raises: InvalidArgumentError (not an image ``push`` of a node made),
+        A branch head's image (``push(stack=…)``) lands on a branch: the one
+        it was pushed from, or ``branch``; a node's lands on ``branch`` when
+        given. The branch is made when the stack has none of that name, else
+        promoted onto (up to date, fast-forward, or a merge through its gate):
+        ``PullResult.branch_result``.
+
+        Raises: InvalidArgumentError (not an image ``push`` made; a bad branch
+        name; ``graph`` for a branch head), ConflictError (the pulled head
+        conflicts with the branch's own work: nothing changed; pull onto
+        another ``branch``),
         AlreadyExistsError (a node of that id with other content here),
         FailedPreconditionError (the stack's base is missing and cannot be made
         from the image; or a graph of the node's graph name, with another
@@ -1047,7 +1057,7 @@ class Client:
         from the registry before pushing again, since a push sends only blobs
         the registry lacks), NotFoundError (no such image), and the registry's
         errors as :meth:`push`."""
-        req = pb.PullRequest(reference=reference, auth=registry_auth(username, password, token), graph=graph or "")
+        req = pb.PullRequest(reference=reference, auth=registry_auth(username, password, token), graph=graph or "", branch=branch or "")
         return PullResult.from_pb(self._call(self._stub.Pull, req, timeout_s))
 
     def prune(self, node: str, *, key: Optional[str] = None) -> List[str]:

@@ -614,7 +614,12 @@ class PullResult:
     diff ID); ``bytes_fetched``; ``missing_parents``: parents this store does
     not hold (no edge was made to them yet: the node keeps them and a pull of
     one links it); ``linked_children``: nodes pulled here before this one that
-    name it as a parent, each linked by this pull."""
+    name it as a parent, each linked by this pull. A branch head's image
+    (``push(stack=…)``) makes no node: ``node`` and ``graph`` are ``""``.
+    ``branch``: the branch pointed at what was pulled (``pull(branch=…)``, or
+    the branch a head was pushed from; ``""`` for none), ``branch_result``
+    created | up-to-date | fast-forward | merged, ``branch_head`` its
+    manifest afterwards, ``branch_session`` the merge's session (merged)."""
 
     node: str
     stack: str
@@ -628,6 +633,10 @@ class PullResult:
     bytes_fetched: int
     missing_parents: Tuple[str, ...]
     linked_children: Tuple[str, ...] = ()
+    branch: str = ""
+    branch_result: str = ""
+    branch_head: int = 0
+    branch_session: Optional[Session] = None
 
     @classmethod
     def from_pb(cls, r: pb.PullResponse) -> "PullResult":
@@ -644,6 +653,10 @@ class PullResult:
             bytes_fetched=r.bytes_fetched,
             missing_parents=tuple(r.missing_parents),
             linked_children=tuple(r.linked_children),
+            branch=r.branch,
+            branch_result=r.branch_result,
+            branch_head=r.branch_head,
+            branch_session=Session.from_pb(r.branch_session) if r.HasField("branch_session") else None,
         )
 
 

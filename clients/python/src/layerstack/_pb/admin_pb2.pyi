@@ -71,17 +71,19 @@ class PushResponse(_message.Message):
     def __init__(self, reference: _Optional[str] = ..., manifest_digest: _Optional[str] = ..., node: _Optional[str] = ..., stack: _Optional[str] = ..., layers: _Optional[int] = ..., blobs_sent: _Optional[int] = ..., blobs_present: _Optional[int] = ..., bytes_sent: _Optional[int] = ..., diff_ids: _Optional[_Iterable[str]] = ..., layers_packed: _Optional[int] = ...) -> None: ...
 
 class PullRequest(_message.Message):
-    __slots__ = ("reference", "auth", "graph")
+    __slots__ = ("reference", "auth", "graph", "branch")
     REFERENCE_FIELD_NUMBER: _ClassVar[int]
     AUTH_FIELD_NUMBER: _ClassVar[int]
     GRAPH_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_FIELD_NUMBER: _ClassVar[int]
     reference: str
     auth: RegistryAuth
     graph: str
-    def __init__(self, reference: _Optional[str] = ..., auth: _Optional[_Union[RegistryAuth, _Mapping]] = ..., graph: _Optional[str] = ...) -> None: ...
+    branch: str
+    def __init__(self, reference: _Optional[str] = ..., auth: _Optional[_Union[RegistryAuth, _Mapping]] = ..., graph: _Optional[str] = ..., branch: _Optional[str] = ...) -> None: ...
 
 class PullResponse(_message.Message):
-    __slots__ = ("node", "stack", "graph", "manifest_digest", "created", "base_imported", "layers", "layers_fetched", "layers_reused", "bytes_fetched", "missing_parents", "linked_children")
+    __slots__ = ("node", "stack", "graph", "manifest_digest", "created", "base_imported", "layers", "layers_fetched", "layers_reused", "bytes_fetched", "missing_parents", "linked_children", "branch", "branch_result", "branch_head", "branch_session")
     NODE_FIELD_NUMBER: _ClassVar[int]
     STACK_FIELD_NUMBER: _ClassVar[int]
     GRAPH_FIELD_NUMBER: _ClassVar[int]
@@ -94,6 +96,10 @@ class PullResponse(_message.Message):
     BYTES_FETCHED_FIELD_NUMBER: _ClassVar[int]
     MISSING_PARENTS_FIELD_NUMBER: _ClassVar[int]
     LINKED_CHILDREN_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_RESULT_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_HEAD_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_SESSION_FIELD_NUMBER: _ClassVar[int]
     node: str
     stack: str
     graph: str
@@ -106,7 +112,11 @@ class PullResponse(_message.Message):
     bytes_fetched: int
     missing_parents: _containers.RepeatedScalarFieldContainer[str]
     linked_children: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, node: _Optional[str] = ..., stack: _Optional[str] = ..., graph: _Optional[str] = ..., manifest_digest: _Optional[str] = ..., created: _Optional[bool] = ..., base_imported: _Optional[bool] = ..., layers: _Optional[int] = ..., layers_fetched: _Optional[int] = ..., layers_reused: _Optional[int] = ..., bytes_fetched: _Optional[int] = ..., missing_parents: _Optional[_Iterable[str]] = ..., linked_children: _Optional[_Iterable[str]] = ...) -> None: ...
+    branch: str
+    branch_result: str
+    branch_head: int
+    branch_session: Session
+    def __init__(self, node: _Optional[str] = ..., stack: _Optional[str] = ..., graph: _Optional[str] = ..., manifest_digest: _Optional[str] = ..., created: _Optional[bool] = ..., base_imported: _Optional[bool] = ..., layers: _Optional[int] = ..., layers_fetched: _Optional[int] = ..., layers_reused: _Optional[int] = ..., bytes_fetched: _Optional[int] = ..., missing_parents: _Optional[_Iterable[str]] = ..., linked_children: _Optional[_Iterable[str]] = ..., branch: _Optional[str] = ..., branch_result: _Optional[str] = ..., branch_head: _Optional[int] = ..., branch_session: _Optional[_Union[Session, _Mapping]] = ...) -> None: ...
 
 class FsckRequest(_message.Message):
     __slots__ = ("repair", "content")
