@@ -108,7 +108,18 @@ pub struct RegistryConfig {
     /// The longest delay between two attempts, ms: ≥ `retry_base_ms`, ≤
     /// [`MAX_REGISTRY_RETRY_MAX_MS`]. Default 5000.
     pub retry_max_ms: u64,
+    /// Longest wait for a connection to a registry, ms (a timeout is a
+    /// retried failure). 1..=[`MAX_REGISTRY_TIMEOUT_MS`]. Default 15000.
+    pub connect_timeout_ms: u64,
+    /// Longest wait for one read from a registry (not a whole blob), ms: a
+    /// registry stalled this long is cut off, a retried failure.
+    /// 1..=[`MAX_REGISTRY_TIMEOUT_MS`]. Default 120000.
+    pub read_timeout_ms: u64,
 }
+
+/// The longest `[registry] connect_timeout_ms` / `read_timeout_ms` may be, ms
+/// (1 hour; the registry crate's `MAX_TIMEOUT_MS`).
+pub const MAX_REGISTRY_TIMEOUT_MS: u64 = 3_600_000;
 
 /// The most `[registry] retry_attempts` may be (the registry crate's
 /// `MAX_RETRY_ATTEMPTS`).
@@ -126,6 +137,8 @@ impl Default for RegistryConfig {
             retry_attempts: 4,
             retry_base_ms: 200,
             retry_max_ms: 5000,
+            connect_timeout_ms: 15_000,
+            read_timeout_ms: 120_000,
         }
     }
 }
@@ -155,6 +168,16 @@ impl RegistryConfig {
                 "[registry] retry_max_ms = {} is above {MAX_REGISTRY_RETRY_MAX_MS} (10 minutes)",
                 self.retry_max_ms
             ));
+        }
+        for (key, ms) in [
+            ("connect_timeout_ms", self.connect_timeout_ms),
+            ("read_timeout_ms", self.read_timeout_ms),
+        ] {
+            if !(1..=MAX_REGISTRY_TIMEOUT_MS).contains(&ms) {
+                return Err(format!(
+                    "[registry] {key} = {ms} is out of range: 1..={MAX_REGISTRY_TIMEOUT_MS} ms (1 hour)"
+                ));
+            }
         }
         if self.retry_base_ms > self.retry_max_ms {
             return Err(format!(
@@ -653,6 +676,14 @@ mod tests {
             (8, 100, 30000)
         );
         assert_eq!(c.registry.insecure, vec!["127.0.0.1:5000".to_string()]);
+        assert_eq!((d.connect_timeout_ms, d.read_timeout_ms), (15_000, 120_000));
+        let c =
+            Config::from_toml("[registry]\nconnect_timeout_ms = 2000\nread_timeout_ms = 30000\n")
+                .unwrap();
+        assert_eq!(
+            (c.registry.connect_timeout_ms, c.registry.read_timeout_ms),
+            (2000, 30000)
+        );
         let c = Config::from_toml("[registry]\nretry_attempts = 1\n").unwrap();
         assert_eq!(
             c.registry.retry_max_ms, 5000,
@@ -663,6 +694,8 @@ mod tests {
             ("[registry]\nretry_attempts = 101\n", "retry_attempts"),
             ("[registry]\nretry_max_ms = 600001\n", "retry_max_ms"),
             ("[registry]\nretry_base_ms = 6000\n", "retry_base_ms"),
+            ("[registry]\nconnect_timeout_ms = 0\n", "connect_timeout_ms"),
+            ("[registry]\nread_timeout_ms = 3600001\n", "read_timeout_ms"),
             (
                 "[registry]\nretry_base_ms = 100\nretry_max_ms = 50\n",
                 "retry_base_ms",

@@ -21,8 +21,9 @@ use tokio::io::AsyncWriteExt;
 
 use crate::error::{classify, Ctx};
 use crate::retry::{
-    transient, Backoff, Jitter, DEFAULT_RETRY_ATTEMPTS, DEFAULT_RETRY_BASE_MS,
-    DEFAULT_RETRY_MAX_MS, MAX_RETRY_ATTEMPTS, MAX_RETRY_MAX_MS,
+    transient, Backoff, Jitter, DEFAULT_CONNECT_TIMEOUT_MS, DEFAULT_READ_TIMEOUT_MS,
+    DEFAULT_RETRY_ATTEMPTS, DEFAULT_RETRY_BASE_MS, DEFAULT_RETRY_MAX_MS, MAX_RETRY_ATTEMPTS,
+    MAX_RETRY_MAX_MS, MAX_TIMEOUT_MS,
 };
 use crate::{Credentials, RegistryError};
 
@@ -32,9 +33,6 @@ pub const MAX_MANIFEST_BYTES: u64 = 4 << 20;
 
 /// Bytes read from a file per request body chunk when pushing.
 const PUSH_READ_BYTES: usize = 1 << 20;
-const CONNECT_TIMEOUT: Duration = Duration::from_secs(15);
-/// Longest wait for one read from the registry (not for a whole blob).
-const READ_TIMEOUT: Duration = Duration::from_secs(120);
 const USER_AGENT: &str = concat!("layerstack/", env!("CARGO_PKG_VERSION"));
 
 /// How a [`RegistryClient`] reaches registries, and how long it keeps trying
@@ -60,6 +58,14 @@ pub struct RegistryOptions {
     /// ≥ `retry_base_ms`, ≤ [`MAX_RETRY_MAX_MS`]. Default
     /// [`DEFAULT_RETRY_MAX_MS`] (5000).
     pub retry_max_ms: u64,
+    /// Longest wait for a TCP (and TLS) connection to a registry, ms; a
+    /// timeout is a retried failure. 1..=[`MAX_TIMEOUT_MS`]; default
+    /// [`DEFAULT_CONNECT_TIMEOUT_MS`] (15 s).
+    pub connect_timeout_ms: u64,
+    /// Longest wait for one read from a registry (not for a whole blob),
+    /// ms: a registry that stalls this long is cut off, a retried failure.
+    /// 1..=[`MAX_TIMEOUT_MS`]; default [`DEFAULT_READ_TIMEOUT_MS`] (120 s).
+    pub read_timeout_ms: u64,
 }
 
 impl Default for RegistryOptions {
@@ -70,6 +76,8 @@ impl Default for RegistryOptions {
             retry_attempts: DEFAULT_RETRY_ATTEMPTS,
             retry_base_ms: DEFAULT_RETRY_BASE_MS,
             retry_max_ms: DEFAULT_RETRY_MAX_MS,
+            connect_timeout_ms: DEFAULT_CONNECT_TIMEOUT_MS,
+            read_timeout_ms: DEFAULT_READ_TIMEOUT_MS,
         }
     }
 }
@@ -98,6 +106,17 @@ impl RegistryOptions {
                     self.retry_max_ms
                 ),
             ));
+        }
+        for (what, ms) in [
+            ("connect_timeout_ms", self.connect_timeout_ms),
+            ("read_timeout_ms", self.read_timeout_ms),
+        ] {
+            if !(1..=MAX_TIMEOUT_MS).contains(&ms) {
+                return Err(bad(
+                    what,
+                    format!("is {ms} ms; it must be 1..={MAX_TIMEOUT_MS} ms"),
+                ));
+            }
         }
         if self.retry_base_ms > self.retry_max_ms {
             return Err(bad(
@@ -147,6 +166,8 @@ pub struct RegistryClient {
     roots: Vec<Certificate>,
     clients: Mutex<HashMap<(String, Credentials), oci_client::Client>>,
     backoff: Backoff,
+    /// (connect, read) timeouts.
+    timeouts: (Duration, Duration),
     jitter: Mutex<Jitter>,
     retries: AtomicU64,
 }
@@ -157,6 +178,7 @@ impl std::fmt::Debug for RegistryClient {
             .field("insecure", &self.insecure)
             .field("ca_certificates", &self.roots.len())
             .field("backoff", &self.backoff)
+            .field("timeouts", &self.timeouts)
             .finish_non_exhaustive()
     }
 }
@@ -248,6 +270,10 @@ impl RegistryClient {
             roots,
             clients: Mutex::new(HashMap::new()),
             backoff,
+            timeouts: (
+                Duration::from_millis(opts.connect_timeout_ms),
+                Duration::from_millis(opts.read_timeout_ms),
+            ),
             jitter: Mutex::new(Jitter::from_entropy()),
             retries: AtomicU64::new(0),
         };
@@ -270,8 +296,8 @@ impl RegistryClient {
             // body): chunked PATCHes would be one request per read.
             use_monolithic_push: true,
             platform_resolver: None,
-            connect_timeout: Some(CONNECT_TIMEOUT),
-            read_timeout: Some(READ_TIMEOUT),
+            connect_timeout: Some(self.timeouts.0),
+            read_timeout: Some(self.timeouts.1),
             user_agent: USER_AGENT,
             ..ClientConfig::default()
         })
@@ -899,6 +925,20 @@ mod tests {
                     ..Default::default()
                 },
                 "retry_base_ms",
+            ),
+            (
+                RegistryOptions {
+                    connect_timeout_ms: 0,
+                    ..Default::default()
+                },
+                "connect_timeout_ms",
+            ),
+            (
+                RegistryOptions {
+                    read_timeout_ms: MAX_TIMEOUT_MS + 1,
+                    ..Default::default()
+                },
+                "read_timeout_ms",
             ),
         ] {
             let e = RegistryClient::new(opts).unwrap_err();

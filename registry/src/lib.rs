@@ -95,8 +95,9 @@ pub use error::{RegistryError, LOGIN_HINT};
 /// `repository()`, `tag()`, `digest()`, `whole()`.
 pub use oci_client::Reference;
 pub use retry::{
-    DEFAULT_RETRY_ATTEMPTS, DEFAULT_RETRY_BASE_MS, DEFAULT_RETRY_MAX_MS, MAX_RETRY_ATTEMPTS,
-    MAX_RETRY_MAX_MS,
+    DEFAULT_CONNECT_TIMEOUT_MS, DEFAULT_READ_TIMEOUT_MS, DEFAULT_RETRY_ATTEMPTS,
+    DEFAULT_RETRY_BASE_MS, DEFAULT_RETRY_MAX_MS, MAX_RETRY_ATTEMPTS, MAX_RETRY_MAX_MS,
+    MAX_TIMEOUT_MS,
 };
 
 /// Parses `REGISTRY[:PORT]/REPOSITORY[:TAG][@sha256:HEX]` (docker's grammar:

@@ -22,6 +22,12 @@ pub const DEFAULT_RETRY_MAX_MS: u64 = 5_000;
 pub const MAX_RETRY_ATTEMPTS: u32 = 100;
 /// The longest [`crate::RegistryOptions::retry_max_ms`] may be, ms (10 min).
 pub const MAX_RETRY_MAX_MS: u64 = 600_000;
+/// Default [`crate::RegistryOptions::connect_timeout_ms`]: 15 s.
+pub const DEFAULT_CONNECT_TIMEOUT_MS: u64 = 15_000;
+/// Default [`crate::RegistryOptions::read_timeout_ms`]: 120 s.
+pub const DEFAULT_READ_TIMEOUT_MS: u64 = 120_000;
+/// The longest either timeout may be, ms (1 hour).
+pub const MAX_TIMEOUT_MS: u64 = 3_600_000;
 
 /// Why a failed step may be tried again, and how long the registry asked us
 /// to wait.

@@ -837,3 +837,49 @@ async fn a_registry_that_stays_down_is_unavailable_after_the_attempts() {
         assert!(msg.contains(part), "{part}: {msg}");
     }
 }
+
+/// A registry that accepts the connection and never answers is cut off by
+/// `read_timeout_ms` (here 300 ms, not the 120 s default) and the step fails
+/// `unavailable` after its attempts — each attempt a new connection.
+#[tokio::test]
+async fn a_stalled_registry_is_cut_off_by_the_read_timeout() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let host = listener.local_addr().unwrap().to_string();
+    let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let seen = accepted.clone();
+    tokio::spawn(async move {
+        let mut held = Vec::new();
+        while let Ok((conn, _)) = listener.accept().await {
+            seen.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            held.push(conn); // read nothing, answer nothing
+        }
+    });
+    let client = RegistryClient::new(RegistryOptions {
+        insecure: vec![host.clone()],
+        retry_attempts: 2,
+        retry_base_ms: 10,
+        retry_max_ms: 20,
+        read_timeout_ms: 300,
+        ..Default::default()
+    })
+    .unwrap();
+    let r = parse_reference(&format!("{host}/a/b:c")).unwrap();
+    let started = std::time::Instant::now();
+    let e = expect_kind(
+        client.pull_manifest(&r, &Credentials::Anonymous).await,
+        ErrorKind::Unavailable,
+    );
+    let took = started.elapsed();
+    assert!(
+        took >= std::time::Duration::from_millis(600) && took < std::time::Duration::from_secs(30),
+        "two attempts of 300 ms took {took:?}: {e}"
+    );
+    assert!(
+        accepted.load(std::sync::atomic::Ordering::SeqCst) >= 2,
+        "{e}"
+    );
+    assert!(
+        matches!(e, RegistryError::GaveUp { attempts: 2, .. }),
+        "{e:?}"
+    );
+}

@@ -194,6 +194,8 @@ impl Registries {
                 retry_attempts: cfg.retry_attempts,
                 retry_base_ms: cfg.retry_base_ms,
                 retry_max_ms: cfg.retry_max_ms,
+                connect_timeout_ms: cfg.connect_timeout_ms,
+                read_timeout_ms: cfg.read_timeout_ms,
             })?,
             docker_config: cfg.docker_config.clone(),
         })
