@@ -200,6 +200,7 @@ pub(crate) fn node_json(n: &api::Node) -> serde_json::Value {
     json!({
         "id": n.id, "graph": n.group, "kind": n.kind, "manifest": n.manifest,
         "state": state, "parents": n.parents, "missing_parents": n.missing_parents,
+        "declared_parents": n.declared_parents,
         "attempt": if n.attempt == 0 { serde_json::Value::Null } else { json!(n.attempt) },
         "command": if n.command.is_empty() { serde_json::Value::Null } else { json!(n.command) },
         "labels": n.labels,

@@ -356,7 +356,8 @@ fn pulled_elsewhere(
     let shown = graph_node(b, "g", n2)?;
     ensure!(
         shown["parents"] == serde_json::json!([])
-            && shown["missing_parents"] == serde_json::json!([n1]),
+            && shown["missing_parents"] == serde_json::json!([n1])
+            && shown["declared_parents"] == serde_json::json!([n1]),
         "{shown}"
     );
     // The text table shows the missing parent, marked.

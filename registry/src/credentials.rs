@@ -158,8 +158,9 @@ fn helper_server(registry: &str) -> String {
 ///
 /// Errors: `invalid_argument` ([`RegistryError::DockerConfig`]) when the file
 /// is not JSON of that shape or an `auth` is not base64 `user:password`;
-/// `unavailable` ([`RegistryError::CredentialHelper`]) when a named helper is
-/// missing or fails other than with "credentials not found"; `internal` when
+/// `failed_precondition` ([`RegistryError::CredentialHelper`]) when a named
+/// helper is not installed; `unavailable` when it cannot be run or fails
+/// other than with "credentials not found"; `internal` when
 /// the file cannot be read.
 pub fn credentials_from_docker_config(
     path: &Path,
@@ -246,12 +247,14 @@ fn entry_credentials(
 
 /// Runs `docker-credential-NAME get` (docker-credential-helpers protocol).
 fn run_helper(name: &str, registry: &str, config: &Path) -> Result<Credentials, RegistryError> {
-    let err = |detail: String| RegistryError::CredentialHelper {
+    let err_of = |installed: bool, detail: String| RegistryError::CredentialHelper {
         helper: name.to_string(),
+        installed,
         registry: registry.to_string(),
         config: config.to_path_buf(),
         detail,
     };
+    let err = |detail: String| err_of(true, detail);
     let bin = format!("docker-credential-{name}");
     let mut child = Command::new(&bin)
         .arg("get")
@@ -260,9 +263,10 @@ fn run_helper(name: &str, registry: &str, config: &Path) -> Result<Credentials, 
         .stderr(Stdio::piped())
         .spawn()
         .map_err(|e| {
-            err(format!(
-                "cannot run {bin} ({e}); install it on PATH or remove it from the config"
-            ))
+            err_of(
+                e.kind() != std::io::ErrorKind::NotFound,
+                format!("cannot run {bin} ({e}); install it on PATH or remove it from the config"),
+            )
         })?;
     let server = helper_server(registry);
     if let Some(mut stdin) = child.stdin.take() {
@@ -457,7 +461,7 @@ mod tests {
             basic("su", "ss")
         );
         let e = credentials_from_docker_config(&p, "x.example").unwrap_err();
-        assert_eq!(e.kind(), layerstack_types::ErrorKind::Unavailable);
+        assert_eq!(e.kind(), layerstack_types::ErrorKind::FailedPrecondition);
         assert!(
             e.to_string().contains("docker-credential-lstmissing"),
             "{e}"

@@ -195,11 +195,14 @@ pub enum RegistryError {
         /// What is wrong.
         detail: String,
     },
-    /// A credential helper named in `config.json` failed (kind `unavailable`).
+    /// A credential helper named in `config.json` failed (kind `unavailable`),
+    /// or is not installed (kind `failed_precondition`: nothing to retry).
     #[error("credential helper docker-credential-{helper} (named in {} for {registry}): {detail}", config.display())]
     CredentialHelper {
         /// The helper's name (`pass`, `secretservice`, …).
         helper: String,
+        /// `false`: no such program on PATH.
+        installed: bool,
         /// The registry asked for.
         registry: String,
         /// The config file naming it.
@@ -220,6 +223,9 @@ impl RegistryError {
             | Self::DockerConfig { .. } => ErrorKind::InvalidArgument,
             Self::Denied { .. } => ErrorKind::PermissionDenied,
             Self::NotFound { .. } => ErrorKind::NotFound,
+            Self::CredentialHelper {
+                installed: false, ..
+            } => ErrorKind::FailedPrecondition,
             Self::Unreachable { .. } | Self::CredentialHelper { .. } => ErrorKind::Unavailable,
             Self::NotHttps { .. } | Self::NotPlainHttp { .. } | Self::TlsUntrusted { .. } => {
                 ErrorKind::FailedPrecondition

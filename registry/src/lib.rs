@@ -114,7 +114,24 @@ pub fn parse_reference(s: &str) -> Result<Reference, RegistryError> {
     if s.is_empty() || s.trim() != s {
         return Err(bad("empty, or surrounded by white space".into()));
     }
-    let r = Reference::try_from(s).map_err(|e| bad(e.to_string()))?;
+    let r = Reference::try_from(s).map_err(|e| {
+        // The distribution spec's repository names are lowercase; docker's
+        // own message for it is as terse as oci-client's.
+        let path = s.split(['@']).next().unwrap_or(s);
+        let repo = match path.split_once('/') {
+            Some((first, rest)) if first.contains(['.', ':']) || first == "localhost" => rest,
+            _ => path,
+        };
+        let repo = repo.rsplit_once(':').map_or(repo, |(r, _)| r);
+        if repo.chars().any(|c| c.is_ascii_uppercase()) {
+            bad(format!(
+                "{e}: repository names are lowercase ({:?})",
+                repo.to_ascii_lowercase()
+            ))
+        } else {
+            bad(e.to_string())
+        }
+    })?;
     if let Some(d) = r.digest() {
         client::check_digest(d).map_err(|e| bad(e.to_string()))?;
     }
@@ -163,5 +180,9 @@ mod tests {
             assert!(msg.contains(&format!("{bad:?}")), "{msg}");
             assert!(msg.contains("expected REGISTRY[:PORT]/REPOSITORY"), "{msg}");
         }
+        let e = parse_reference("127.0.0.1:5000/RL/Task:x").unwrap_err();
+        assert!(e.to_string().contains("lowercase (\"rl/task\")"), "{e}");
+        let e = parse_reference("reg.example/a:b:c").unwrap_err();
+        assert!(!e.to_string().contains("lowercase"), "{e}");
     }
 }

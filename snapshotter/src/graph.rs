@@ -40,6 +40,7 @@ pub(crate) fn node(n: &NodeInfo) -> api::Node {
         pruned: n.pruned,
         created_ns: n.created_ns,
         missing_parents: n.missing_parents.clone(),
+        declared_parents: n.declared_parents.clone(),
     }
 }
 

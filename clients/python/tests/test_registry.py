@@ -165,7 +165,7 @@ def test_a_node_pushed_from_one_daemon_is_pulled_into_another(env: Env) -> None:
         assert shown.state == {"reward": 1.0}
         # Pulled before its parent (the graph's root): kept as declared, no edge;
         # pushed from here it is the same image.
-        assert (shown.parents, shown.missing_parents) == ((), (root,)), shown
+        assert (shown.parents, shown.missing_parents, shown.declared_parents) == ((), (root,), (root,)), shown
         from_b = b.push(f"{env.registry}/py/task-from-b:{node}", node=node)
         assert from_b.manifest_digest == first.manifest_digest, (from_b, first)
         again_pulled = b.pull(ref)
@@ -176,7 +176,7 @@ def test_a_node_pushed_from_one_daemon_is_pulled_into_another(env: Env) -> None:
         parent = b.pull(f"{env.registry}/py/task:{root}")
         assert parent.linked_children == (node,), parent
         shown = b.show_node(node)
-        assert (shown.parents, shown.missing_parents) == ((root,), ()), shown
+        assert (shown.parents, shown.missing_parents, shown.declared_parents) == ((root,), (), (root,)), shown
         with pytest.raises(layerstack.LayerStackError) as e:
             b.pull(f"{env.registry}/py/none:x")
         assert e.value.kind in ("not_found", "invalid_argument"), e.value

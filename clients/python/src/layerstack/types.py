@@ -337,6 +337,9 @@ class Node:
         missing_parents: parents the node declares that this store does not hold
             (it was pulled before them), in declared order; a pull of such a
             parent makes its edge (it moves to ``parents``).
+        declared_parents: every parent the node declares, held here or not,
+            in declared order (``parents`` and ``missing_parents`` merged as
+            the node made them).
     """
 
     id: str
@@ -354,6 +357,7 @@ class Node:
     pruned: bool
     created_ns: int
     missing_parents: Tuple[str, ...] = ()
+    declared_parents: Tuple[str, ...] = ()
 
     @classmethod
     def from_pb(cls, n: pb.Node) -> "Node":
@@ -379,6 +383,7 @@ class Node:
             pruned=n.pruned,
             created_ns=n.created_ns,
             missing_parents=tuple(n.missing_parents),
+            declared_parents=tuple(n.declared_parents),
         )
 
 

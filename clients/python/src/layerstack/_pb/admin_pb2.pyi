@@ -1713,7 +1713,7 @@ class GraphGroup(_message.Message):
     def __init__(self, name: _Optional[str] = ..., stack: _Optional[str] = ..., branch: _Optional[str] = ..., root: _Optional[str] = ..., created_ns: _Optional[int] = ...) -> None: ...
 
 class Node(_message.Message):
-    __slots__ = ("id", "group", "kind", "manifest", "state", "parents", "attempt", "command", "labels", "has_exit_status", "exit_status", "private_bytes", "base_digest", "pruned", "created_ns", "missing_parents")
+    __slots__ = ("id", "group", "kind", "manifest", "state", "parents", "attempt", "command", "labels", "has_exit_status", "exit_status", "private_bytes", "base_digest", "pruned", "created_ns", "missing_parents", "declared_parents")
     class LabelsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -1737,6 +1737,7 @@ class Node(_message.Message):
     PRUNED_FIELD_NUMBER: _ClassVar[int]
     CREATED_NS_FIELD_NUMBER: _ClassVar[int]
     MISSING_PARENTS_FIELD_NUMBER: _ClassVar[int]
+    DECLARED_PARENTS_FIELD_NUMBER: _ClassVar[int]
     id: str
     group: str
     kind: str
@@ -1753,7 +1754,8 @@ class Node(_message.Message):
     pruned: bool
     created_ns: int
     missing_parents: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, id: _Optional[str] = ..., group: _Optional[str] = ..., kind: _Optional[str] = ..., manifest: _Optional[int] = ..., state: _Optional[str] = ..., parents: _Optional[_Iterable[str]] = ..., attempt: _Optional[int] = ..., command: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., has_exit_status: _Optional[bool] = ..., exit_status: _Optional[int] = ..., private_bytes: _Optional[int] = ..., base_digest: _Optional[str] = ..., pruned: _Optional[bool] = ..., created_ns: _Optional[int] = ..., missing_parents: _Optional[_Iterable[str]] = ...) -> None: ...
+    declared_parents: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, id: _Optional[str] = ..., group: _Optional[str] = ..., kind: _Optional[str] = ..., manifest: _Optional[int] = ..., state: _Optional[str] = ..., parents: _Optional[_Iterable[str]] = ..., attempt: _Optional[int] = ..., command: _Optional[str] = ..., labels: _Optional[_Mapping[str, str]] = ..., has_exit_status: _Optional[bool] = ..., exit_status: _Optional[int] = ..., private_bytes: _Optional[int] = ..., base_digest: _Optional[str] = ..., pruned: _Optional[bool] = ..., created_ns: _Optional[int] = ..., missing_parents: _Optional[_Iterable[str]] = ..., declared_parents: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Attempt(_message.Message):
     __slots__ = ("id", "node", "session", "status", "key", "result_node", "message", "created_ns", "ended_ns")
