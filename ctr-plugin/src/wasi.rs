@@ -192,25 +192,6 @@ fn trap_cause(s: &str) -> &str {
     s.lines().next().unwrap_or("")
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn a_trap_is_summed_up_by_its_cause() {
-        let fuel = "error while executing at wasm backtrace:\n    0:    0xaf6 - <unknown>!main\n\nCaused by:\n    wasm trap: all fuel consumed by WebAssembly\n";
-        assert_eq!(
-            trap_cause(fuel),
-            "wasm trap: all fuel consumed by WebAssembly"
-        );
-        assert_eq!(
-            trap_cause("the run's wall-clock deadline passed"),
-            "the run's wall-clock deadline passed"
-        );
-        assert_eq!(trap_cause(""), "");
-    }
-}
-
 /// One Exec of `module` in session `id`: its stdout and stderr copied to
 /// ours, its exit.
 async fn exec(
@@ -244,4 +225,23 @@ async fn exec(
         }
     }
     exit.context("the daemon's Exec stream ended without an exit")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_trap_is_summed_up_by_its_cause() {
+        let fuel = "error while executing at wasm backtrace:\n    0:    0xaf6 - <unknown>!main\n\nCaused by:\n    wasm trap: all fuel consumed by WebAssembly\n";
+        assert_eq!(
+            trap_cause(fuel),
+            "wasm trap: all fuel consumed by WebAssembly"
+        );
+        assert_eq!(
+            trap_cause("the run's wall-clock deadline passed"),
+            "the run's wall-clock deadline passed"
+        );
+        assert_eq!(trap_cause(""), "");
+    }
 }

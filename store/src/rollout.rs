@@ -1075,9 +1075,9 @@ impl Store {
             a.running = c(&format!("SELECT count(*) {of} AND a.status = 'running'"))?;
             a.completed = c(&format!("SELECT count(*) {of} AND a.status = 'completed'"))?;
             a.task_failed = c(&format!("SELECT count(*) {of} AND a.status = 'task_failed'"))?;
-            a.backprops = c(&format!(
-                "SELECT count(*) FROM search_backprops b JOIN rollout_attempts a ON a.id = b.attempt_id JOIN rollout_samples s ON s.id = a.sample_id WHERE s.run = ?1"
-            ))?;
+            a.backprops = c(
+                "SELECT count(*) FROM search_backprops b JOIN rollout_attempts a ON a.id = b.attempt_id JOIN rollout_samples s ON s.id = a.sample_id WHERE s.run = ?1",
+            )?;
             {
                 let mut stmt = conn.prepare_cached(&format!(
                     "SELECT a.infra_kind, count(*) {of} AND a.status = 'infra_failed' GROUP BY a.infra_kind"
