@@ -250,8 +250,11 @@ pub enum SessionCmd {
     /// its own (Mode B); prints its id. `session exec` runs commands in it,
     /// `session close` ends it.
     Create(run::CreateArgs),
-    /// Run CMD in a session made by `session create`, joining its namespaces;
-    /// exits with CMD's status.
+    /// Run CMD in a live session and exit with CMD's status. As root, in a
+    /// session `session create` holds: joins its namespaces (the caller's
+    /// terminal and stdio). Otherwise (not root; a session the daemon owns or
+    /// a WASI one): through the admin API's Exec — output streamed, stdin
+    /// sent whole when it is not a terminal (at most 2 MiB).
     Exec(run::ExecArgs),
     /// End a Mode B session: stop its processes, then publish, discard, or apply
     /// its recorded policy; print the outcome. Exits 3 on conflict.

@@ -902,10 +902,114 @@ pub async fn create_cmd(cli: &Cli, a: CreateArgs) -> Result<ExitCode> {
 
 /// `session exec`: the command's exit status; 125 when `exec` fails itself.
 pub async fn exec_cmd(cli: &Cli, a: ExecArgs) -> Result<ExitCode> {
-    own_error(cli, exec_inner(cli, a))
+    // Root joins the session's namespaces through the mount socket (the
+    // caller's terminal and stdio, interactive); anyone else, and any session
+    // the daemon cannot hand over that way (a WASI one), goes through the
+    // admin API's Exec.
+    if sys::euid() != 0 {
+        return own_error(cli, exec_rpc(cli, a).await);
+    }
+    match exec_inner(cli, &a) {
+        Err(e) if joined_never(&e) => own_error(cli, exec_rpc(cli, a).await),
+        r => own_error(cli, r),
+    }
 }
 
-fn exec_inner(cli: &Cli, a: ExecArgs) -> Result<ExitCode> {
+/// Whether `e` is a refusal of the mount socket's Join (nothing ran).
+fn joined_never(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<Failure>()
+            .is_some_and(|f| f.message.starts_with("cannot join session"))
+    })
+}
+
+/// Stdin an Exec carries at most (bytes): the admin API's 4 MiB message
+/// limit, less room for the rest of the request.
+const EXEC_STDIN_MAX: usize = 4 << 20 >> 1;
+
+/// `session exec` through the admin API's Exec (no root, no mount socket;
+/// stdout and stderr streamed; stdin read whole first when it is not a
+/// terminal, at most [`EXEC_STDIN_MAX`] bytes).
+async fn exec_rpc(cli: &Cli, a: ExecArgs) -> Result<ExitCode> {
+    use std::io::{IsTerminal as _, Read as _};
+    let ids = a.process.user.as_deref().map(parse_ids).transpose()?;
+    let mut env = Vec::new();
+    for kv in &a.process.env {
+        let kv = kv.to_string_lossy();
+        match kv.split_once('=') {
+            Some(_) => env.push(kv.into_owned()),
+            None => {
+                if let Ok(v) = std::env::var(kv.as_ref()) {
+                    env.push(format!("{kv}={v}"));
+                }
+            }
+        }
+    }
+    let cwd = match &a.process.workdir {
+        Some(w) if w.is_relative() => {
+            return Err(failure(
+                api::ErrorKind::InvalidArgument,
+                format!(
+                    "--workdir {}: give an absolute path in the session's root",
+                    w.display()
+                ),
+            ))
+        }
+        Some(w) => w.to_string_lossy().into_owned(),
+        None => String::new(),
+    };
+    let mut stdin = Vec::new();
+    if !std::io::stdin().is_terminal() {
+        std::io::stdin()
+            .take(EXEC_STDIN_MAX as u64 + 1)
+            .read_to_end(&mut stdin)
+            .context("reading stdin")?;
+        if stdin.len() > EXEC_STDIN_MAX {
+            return Err(failure(
+                api::ErrorKind::InvalidArgument,
+                format!("stdin is over {EXEC_STDIN_MAX} bytes: an exec through the admin API carries it whole; write large inputs into the session as files (WriteFile, UploadTar) or run as root"),
+            ));
+        }
+    }
+    let mut c = crate::connect(&cli.admin_address).await?;
+    let mut stream = c
+        .exec(api::ExecRequest {
+            session_id: a.session,
+            argv: a
+                .cmd
+                .iter()
+                .map(|x| x.to_string_lossy().into_owned())
+                .collect(),
+            env,
+            cwd,
+            has_user: ids.is_some(),
+            uid: ids.map_or(0, |(u, _)| u),
+            gid: ids.map_or(0, |(_, g)| g),
+            stdin,
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    let mut exit = None;
+    while let Some(r) = stream.message().await? {
+        match r.kind {
+            Some(api::exec_reply::Kind::Stdout(b)) => {
+                let mut o = std::io::stdout().lock();
+                o.write_all(&b)?;
+                o.flush()?;
+            }
+            Some(api::exec_reply::Kind::Stderr(b)) => {
+                std::io::stderr().lock().write_all(&b)?;
+            }
+            Some(api::exec_reply::Kind::Exit(x)) => exit = Some(x),
+            None => {}
+        }
+    }
+    let x = exit.context("the daemon's Exec stream ended without an exit")?;
+    Ok(ExitCode::from(u8::try_from(x.code).unwrap_or(255)))
+}
+
+fn exec_inner(cli: &Cli, a: &ExecArgs) -> Result<ExitCode> {
     require_root("exec")?;
     let mut conn = connect_mount(&mount_address(cli))?;
     let (reply, mut fds) = conn

@@ -1227,3 +1227,97 @@ async fn spawner_gone(
     eprintln!("sandbox_api: spawner killed, replaced by pid {new}; refused meanwhile: {refused:?}");
     Ok(())
 }
+
+/// `layerstack session exec` of a session the daemon owns (made over gRPC):
+/// as root (joining it), and as an unprivileged user the daemon's `[api]
+/// allowed_uids` admits — through the admin API's Exec, no root and no mount
+/// socket: stdin sent, stdout and stderr streamed, the command's exit status
+/// returned; an unknown session is refused by name.
+#[test]
+fn session_exec_from_the_cli_without_root() -> Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    let dir = make_temp_dir()?;
+    let cfg = dir.join("daemon.toml");
+    std::fs::write(&cfg, "[api]\nallowed_uids = [65534]\n")?;
+    let mut d = Daemon::start_at_with(
+        &dir.join("s/snapshotter.sock"),
+        &dir.join("s/containerd.sock"),
+        &dir.join("root"),
+        &["--config", cfg.to_str().context("utf-8")?],
+        true,
+    )?;
+    let r = exec_cli_scenario(&dir, &d);
+    if r.is_err() {
+        d.dump_log();
+    }
+    d.stop();
+    if std::env::var_os("LAYERSTACK_TEST_KEEP").is_none() {
+        remove_tree(&dir);
+    }
+    r
+}
+
+fn exec_cli_scenario(dir: &Path, d: &Daemon) -> Result<()> {
+    use std::io::Write as _;
+    use std::os::unix::fs::PermissionsExt as _;
+    let src = dir.join("rootfs");
+    rootfs(&src)?;
+    let stack = stdout(&ensure_success(
+        "base import",
+        d.layerstack(&["base", "import", src.to_str().context("utf-8")?])?,
+    )?)
+    .trim()
+    .to_string();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let admin = d.admin_socket().to_path_buf();
+    let id = rt.block_on(async {
+        let mut c = api::connect(&admin).await?;
+        anyhow::Ok(create(&mut c, &stack, "cli-exec").await?.0)
+    })?;
+    // The socket's directory must be reachable by the unprivileged user.
+    for p in [
+        dir.to_path_buf(),
+        admin.parent().context("dir")?.to_path_buf(),
+    ] {
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o755))?;
+    }
+    let cli = bin_path(CLI_BIN)?;
+    let sid = id.to_string();
+    let script = "cat; echo out; echo err >&2; exit 3";
+    for as_user in [None, Some("65534")] {
+        let mut cmd = match as_user {
+            None => std::process::Command::new(&cli),
+            Some(u) => {
+                let mut c = std::process::Command::new("setpriv");
+                c.args(["--reuid", u, "--regid", u, "--clear-groups"])
+                    .arg(&cli);
+                c
+            }
+        };
+        cmd.arg("--admin-address")
+            .arg(&admin)
+            .args(["session", "exec", &sid, "--", "sh", "-c", script])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped());
+        let mut child = cmd.spawn().context("layerstack session exec")?;
+        child.stdin.take().context("stdin")?.write_all(b"fed\n")?;
+        let o = child.wait_with_output()?;
+        ensure!(
+            o.status.code() == Some(3)
+                && stdout(&o) == "fed\nout\n"
+                && String::from_utf8_lossy(&o.stderr) == "err\n",
+            "session exec as {as_user:?}: {o:?}"
+        );
+    }
+    let o = d.layerstack(&["session", "exec", "999999", "--", "true"])?;
+    ensure!(
+        !o.status.success() && String::from_utf8_lossy(&o.stderr).contains("999999"),
+        "{o:?}"
+    );
+    Ok(())
+}
