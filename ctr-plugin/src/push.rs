@@ -26,7 +26,7 @@ pub struct PushArgs {
     /// REGISTRY[:PORT]/REPOSITORY[:TAG] to push to (`:latest` when no tag).
     pub reference: String,
     /// STACK[@BRANCH]: push this branch head [default branch: the daemon's]
-    /// (a pull elsewhere points a branch at it: `pull --branch`).
+    /// (a pull elsewhere lands it on that branch, or on `pull --branch`'s).
     #[arg(long, conflicts_with = "node")]
     pub stack: Option<String>,
     /// Push this graph node (its id is kept: a pull elsewhere makes the same node).
@@ -172,7 +172,7 @@ pub struct PullArgs {
     /// else promoted onto (fast-forward, or a merge; a conflict is refused
     /// whole, exit 1, kind conflict). Default: a branch head's image lands
     /// on the branch it was pushed from; a node's on none.
-    #[arg(long, value_name = "BRANCH")]
+    #[arg(long, value_name = "BRANCH", value_parser = clap::builder::NonEmptyStringValueParser::new())]
     pub branch: Option<String>,
     /// Print the result as one JSON object.
     #[arg(long)]

@@ -394,6 +394,12 @@ fn pulled_elsewhere(
             && again["base_imported"] == false,
         "{again}"
     );
+    // A node already here keeps its graph, whatever graph a pull names.
+    let kept = json_of(&ensure_success(
+        "pull --graph",
+        b.layerstack(&["pull", &r2, "--graph", "elsewhere", "--json"])?,
+    )?)?;
+    ensure!(kept["created"] == false && kept["graph"] == "g", "{kept}");
     // Its parent: the layer it shares with n2 is held already, and n2
     // (pulled before it) gets its edge in this pull — not on a pull of n2
     // again.

@@ -160,7 +160,7 @@ pub enum RegistryError {
     /// A transient failure (see the crate docs, "Retries") that lasted
     /// through every attempt; kind: `last`'s (`unavailable` for a registry
     /// that cannot be reached or answers 5xx / 429).
-    #[error("registry {registry}: {op} {target} failed {attempts} times in a row (waited {waited_ms} ms between attempts); the last failure: {last}; the registry is down, restarting or overloaded: try again when it is back, or let the daemon wait longer (configuration `[registry] retry_attempts`, `retry_max_ms`)")]
+    #[error("registry {registry}: {op} {target} failed {attempts} times in a row (waited {waited_ms} ms in all between attempts); the last failure: {last}; the registry is down, restarting, overloaded or stalled: try again when it is back, or let the daemon wait longer (configuration `[registry] retry_attempts`, `retry_max_ms`; for a slow registry `connect_timeout_ms`, `read_timeout_ms`)")]
     GaveUp {
         /// `host[:port]`.
         registry: String,

@@ -447,6 +447,34 @@ impl AdminService {
     /// few), that `to` is unchanged and nothing of the promote is kept (its
     /// operation's upper is dropped: `from` still has the changes), and what to
     /// do. A failed merge publish gives its outcome's message.
+    /// Up to `named` conflicting paths of the operation `session` ran, and
+    /// how many conflicted in all (0 and none when its outcome is no
+    /// conflict).
+    pub(crate) async fn conflict_paths(
+        &self,
+        session: &layerstack_engine::store::SessionInfo,
+        named: usize,
+    ) -> (u64, Vec<String>) {
+        let Some(o) = session.outcome.as_ref() else {
+            return (0, Vec::new());
+        };
+        if o.kind != layerstack_engine::store::OutcomeKind::Conflict {
+            return (0, Vec::new());
+        }
+        let paths = self
+            .engine
+            .outcome_paths(
+                o.id,
+                None,
+                named,
+                Some(layerstack_engine::store::PathStatus::Conflict),
+            )
+            .await
+            .map(|ps| ps.iter().map(|p| escape_path(&p.path)).collect::<Vec<_>>())
+            .unwrap_or_default();
+        (o.counts.conflict, paths)
+    }
+
     pub(crate) async fn refused_promote(
         &self,
         session: &layerstack_engine::store::SessionInfo,

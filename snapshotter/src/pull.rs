@@ -144,7 +144,7 @@ impl AdminService {
             Some(b) => {
                 if !r.graph.is_empty() {
                     return Err(Status::invalid_argument(format!(
-                        "{whole} is the head of branch {b}, not a node: it joins no graph, so drop the graph ({:?}); name the branch to point at it with branch (--branch)",
+                        "{whole} is the head of branch {b}, not a node: it joins no graph, so a graph ({:?}) cannot be given; it lands on a branch (its own, {b}, unless one is named)",
                         r.graph
                     )));
                 }
@@ -170,7 +170,17 @@ impl AdminService {
         };
         if let Some(b) = &branch {
             layerstack_engine::store::validate_branch(b).map_err(|why| {
-                Status::invalid_argument(format!("cannot pull {whole} onto branch {b:?}: {why}"))
+                let from = if r.branch.is_empty() {
+                    format!(
+                        " (the branch the image names, its {} annotation: name another branch to land it on)",
+                        ann::BRANCH
+                    )
+                } else {
+                    String::new()
+                };
+                Status::invalid_argument(format!(
+                    "cannot pull {whole} onto branch {b:?}{from}: {why}"
+                ))
             })?;
         }
         let stack = a.get(ann::STACK).cloned().unwrap_or_default();
@@ -405,7 +415,12 @@ impl AdminService {
                 .map_err(|e| Status::internal(format!("pull task failed: {e}")))?
                 .map_err(engine_status)?;
                 out.node = adopted.node.id.clone();
-                out.graph = graph;
+                // A node already here keeps its graph, whatever was asked.
+                out.graph = if adopted.created {
+                    graph
+                } else {
+                    adopted.node.group.clone()
+                };
                 out.created = adopted.created;
                 out.missing_parents = adopted.missing_parents;
                 out.linked_children = adopted.linked_children;
@@ -444,11 +459,22 @@ impl AdminService {
                     "merged"
                 }
                 Landed::Promoted(Promoted::Conflict { session }) => {
-                    let why = self.refused_promote(&session, &whole, &b).await;
+                    const NAMED: usize = 5;
+                    let (n, paths) = self.conflict_paths(&session, NAMED).await;
+                    let more = if n > paths.len() as u64 { ", …" } else { "" };
+                    let what = if out.node.is_empty() {
+                        "its layers are left to GC".to_string()
+                    } else {
+                        format!(
+                            "node {} is here now (graph {}), only the branch was refused",
+                            out.node, out.graph
+                        )
+                    };
                     return Err(api::status(
                         api::ErrorKind::Conflict,
                         format!(
-                            "{whole} conflicts with branch {b} here (session {}): {why}; nothing changed: pull it onto a branch of its own (--branch NAME), then promote or merge by hand",
+                            "{whole} conflicts with newer work on branch {b} here: {n} path(s) ({}{more}); refused whole, {b} is unchanged ({what}; the merge's verdicts are session {}'s outcome): pull it onto a branch of its own (--branch NAME) and merge the two by hand",
+                            paths.join(", "),
                             session.id
                         ),
                     ));
