@@ -321,6 +321,21 @@ fn a_base_imported_without_containerd_runs_sessions_and_exports() -> Result<()> 
                     .all(|s| s["namespace"].is_null()),
             "{stacks}"
         );
+        // The short id `stack ls` prints names the stack.
+        let id = stacks[0]["id"].as_str().context("a stack id")?;
+        let short = format!(
+            "import:{}",
+            id.strip_prefix("import:sha256:")
+                .and_then(|h| h.get(..12))
+                .context("an import stack id")?
+        );
+        let table = stdout(&ok("stack ls", env.layerstack(&["stack", "ls"])?)?);
+        ensure!(table.contains(&short), "{table}");
+        let o = ok(
+            "branch ls by short id",
+            env.layerstack(&["branch", "ls", &short, "--json"])?,
+        )?;
+        ensure!(stdout(&o).contains("main"), "{}", describe(&o));
         if !env.daemon().root().join("l").is_dir() {
             bail!("no layer directory");
         }

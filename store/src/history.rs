@@ -452,15 +452,24 @@ impl Store {
             if exact.is_some() {
                 return Ok(exact);
             }
-            let hex = spec.strip_prefix("sha256:").unwrap_or(spec);
+            // `import:<hex prefix>` (what `stack ls` prints for an imported
+            // base) names imported bases only.
+            let (imported, rest) = match spec.strip_prefix(crate::IMPORT_STACK_PREFIX) {
+                Some(r) => (true, r),
+                None => (false, spec),
+            };
+            let hex = rest.strip_prefix("sha256:").unwrap_or(rest);
             if hex.len() < 12 || !hex.bytes().all(|b| b.is_ascii_hexdigit()) {
                 return Ok(None);
             }
             let mut stmt = conn.prepare_cached(
-                "SELECT id FROM stacks WHERE (namespace = ?1 OR namespace IS NULL) AND base_digest LIKE ?2 ORDER BY id",
+                "SELECT id FROM stacks WHERE (namespace = ?1 OR namespace IS NULL) AND base_digest LIKE ?2 AND (?3 = 0 OR id LIKE 'import:%') ORDER BY id",
             )?;
             let found: Vec<String> = stmt
-                .query_map(params![namespace, format!("sha256:{hex}%")], |r| r.get(0))?
+                .query_map(
+                    params![namespace, format!("sha256:{hex}%"), imported],
+                    |r| r.get(0),
+                )?
                 .collect::<Result<_, _>>()?;
             match found.len() {
                 0 => Ok(None),
