@@ -223,13 +223,9 @@ pub async fn pull(cli: &crate::Cli, a: PullArgs) -> Result<ExitCode> {
                 "branch_session": r.branch_session.as_ref().map(|s| s.id),
             })
         );
-    } else if r.node.is_empty() {
-        println!(
-            "pulled a head of stack {}: branch {} {} (head {}): {} above the base, fetched {}, held here {}; {} bytes downloaded{}",
-            r.stack,
-            r.branch,
-            r.branch_result,
-            r.branch_head,
+    } else {
+        let fetched = format!(
+            "{} above the base, fetched {}, held here {}; {} bytes downloaded{}",
             count(r.layers.into(), "layer"),
             r.layers_fetched,
             r.layers_reused,
@@ -240,25 +236,22 @@ pub async fn pull(cli: &crate::Cli, a: PullArgs) -> Result<ExitCode> {
                 ""
             }
         );
-        if let Some(s) = &r.branch_session {
-            println!("merged by session {}", s.id);
+        if r.node.is_empty() {
+            println!(
+                "pulled a head of stack {}: branch {} {} (head {}): {fetched}",
+                r.stack, r.branch, r.branch_result, r.branch_head,
+            );
+            if let Some(s) = &r.branch_session {
+                println!("merged by session {}", s.id);
+            }
+            return Ok(ExitCode::SUCCESS);
         }
-    } else {
         println!(
-            "{} node {} of graph {} ({}): {} above the base, fetched {}, held here {}; {} bytes downloaded{}",
+            "{} node {} of graph {} ({}): {fetched}",
             if r.created { "pulled" } else { "already had" },
             r.node,
             r.graph,
             r.stack,
-            count(r.layers.into(), "layer"),
-            r.layers_fetched,
-            r.layers_reused,
-            r.bytes_fetched,
-            if r.base_imported {
-                "; base imported"
-            } else {
-                ""
-            }
         );
         if !r.missing_parents.is_empty() {
             println!(

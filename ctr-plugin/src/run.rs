@@ -972,7 +972,7 @@ async fn exec_rpc(cli: &Cli, a: ExecArgs) -> Result<ExitCode> {
         }
     }
     let mut c = crate::connect(&cli.admin_address).await?;
-    let mut stream = c
+    let stream = c
         .exec(api::ExecRequest {
             session_id: a.session,
             argv: a
@@ -990,6 +990,15 @@ async fn exec_rpc(cli: &Cli, a: ExecArgs) -> Result<ExitCode> {
         })
         .await?
         .into_inner();
+    let x = copy_exec(stream).await?;
+    Ok(ExitCode::from(u8::try_from(x.code).unwrap_or(255)))
+}
+
+/// An Exec's replies: stdout and stderr copied to ours as they come, then
+/// its exit.
+pub(crate) async fn copy_exec(
+    mut stream: tonic::Streaming<api::ExecReply>,
+) -> Result<api::ExecExit> {
     let mut exit = None;
     while let Some(r) = stream.message().await? {
         match r.kind {
@@ -1005,8 +1014,7 @@ async fn exec_rpc(cli: &Cli, a: ExecArgs) -> Result<ExitCode> {
             None => {}
         }
     }
-    let x = exit.context("the daemon's Exec stream ended without an exit")?;
-    Ok(ExitCode::from(u8::try_from(x.code).unwrap_or(255)))
+    exit.context("the daemon's Exec stream ended without an exit")
 }
 
 fn exec_inner(cli: &Cli, a: &ExecArgs) -> Result<ExitCode> {

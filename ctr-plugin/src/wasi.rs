@@ -7,7 +7,6 @@
 //! object: trap, fuel used, module digest); the exit status is the module's
 //! (134 when it trapped: a limit or a wasm trap; 125 when `run` itself failed).
 
-use std::io::Write as _;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -200,7 +199,7 @@ async fn exec(
     argv: Vec<String>,
     module: Vec<u8>,
 ) -> Result<api::ExecExit> {
-    let mut stream = c
+    let stream = c
         .exec(api::ExecRequest {
             session_id: id,
             argv,
@@ -209,22 +208,7 @@ async fn exec(
         })
         .await?
         .into_inner();
-    let mut exit = None;
-    while let Some(r) = stream.message().await? {
-        match r.kind {
-            Some(api::exec_reply::Kind::Stdout(b)) => {
-                let mut o = std::io::stdout().lock();
-                o.write_all(&b)?;
-                o.flush()?;
-            }
-            Some(api::exec_reply::Kind::Stderr(b)) => {
-                std::io::stderr().lock().write_all(&b)?;
-            }
-            Some(api::exec_reply::Kind::Exit(x)) => exit = Some(x),
-            None => {}
-        }
-    }
-    exit.context("the daemon's Exec stream ended without an exit")
+    crate::run::copy_exec(stream).await
 }
 
 #[cfg(test)]

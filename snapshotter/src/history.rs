@@ -492,19 +492,7 @@ impl AdminService {
                 o.message.as_deref().unwrap_or("no reason recorded")
             );
         }
-        let id = o.id;
-        let paths = self
-            .engine
-            .outcome_paths(
-                id,
-                None,
-                NAMED,
-                Some(layerstack_engine::store::PathStatus::Conflict),
-            )
-            .await
-            .map(|ps| ps.iter().map(|p| escape_path(&p.path)).collect::<Vec<_>>())
-            .unwrap_or_default();
-        let n = o.counts.conflict;
+        let (n, paths) = self.conflict_paths(session, NAMED).await;
         let more = if n > paths.len() as u64 { ", …" } else { "" };
         format!(
             "refused whole: {n} path(s) conflict with newer work on {to} ({}{more}); {to} is unchanged and nothing of the promote is kept ({from} still has its changes): change those paths on {from} or {to} so that the two no longer overlap, then promote again",

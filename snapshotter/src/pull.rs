@@ -462,6 +462,16 @@ impl AdminService {
                     const NAMED: usize = 5;
                     let (n, paths) = self.conflict_paths(&session, NAMED).await;
                     let more = if n > paths.len() as u64 { ", …" } else { "" };
+                    // A merge publish that failed (no conflicting path): its
+                    // outcome says why.
+                    let failed = match session.outcome.as_ref() {
+                        Some(o) if n == 0 => format!(
+                            "; the merge publish ended {}: {}",
+                            o.kind.as_str(),
+                            o.message.as_deref().unwrap_or("no reason recorded")
+                        ),
+                        _ => String::new(),
+                    };
                     let what = if out.node.is_empty() {
                         "its layers are left to GC".to_string()
                     } else {
@@ -473,7 +483,7 @@ impl AdminService {
                     return Err(api::status(
                         api::ErrorKind::Conflict,
                         format!(
-                            "{whole} conflicts with newer work on branch {b} here: {n} path(s) ({}{more}); refused whole, {b} is unchanged ({what}; the merge's verdicts are session {}'s outcome): pull it onto a branch of its own (--branch NAME) and merge the two by hand",
+                            "{whole} conflicts with newer work on branch {b} here: {n} path(s) ({}{more}){failed}; refused whole, {b} is unchanged ({what}; the merge's verdicts are session {}'s outcome): pull it onto a branch of its own (--branch NAME) and merge the two by hand",
                             paths.join(", "),
                             session.id
                         ),

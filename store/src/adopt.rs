@@ -175,6 +175,17 @@ pub struct AdoptedLayers {
     pub new_layers: Vec<LayerId>,
 }
 
+/// `StackNotFound` unless `stack` is a stack of the store.
+fn require_stack(tx: &Transaction<'_>, stack: &str) -> Result<(), StoreError> {
+    let exists: Option<i64> = tx
+        .one("SELECT 1 FROM stacks WHERE id = ?1", [stack], |r| r.get(0))
+        .optional()?;
+    match exists {
+        Some(_) => Ok(()),
+        None => Err(StoreError::StackNotFound(stack.into())),
+    }
+}
+
 /// A rolled-back adoption: every directory renamed into `l/` goes back
 /// where the cleanup finds it.
 fn move_back(moved: &[(PathBuf, PathBuf)]) {
@@ -462,12 +473,7 @@ impl Store {
         let mut inflight = Vec::new();
         let out = write_on(&mut conn, |tx| {
             moved.clear();
-            let exists: Option<i64> = tx
-                .one("SELECT 1 FROM stacks WHERE id = ?1", [stack], |r| r.get(0))
-                .optional()?;
-            if exists.is_none() {
-                return Err(StoreError::StackNotFound(stack.into()));
-            }
+            require_stack(tx, stack)?;
             if crate::stacks::branch_head(tx, stack, work)?.is_some() {
                 return Err(StoreError::FailedPrecondition(format!(
                     "working branch {work:?} of stack {stack} exists already"
@@ -657,12 +663,7 @@ impl Store {
         let mut inflight = Vec::new();
         let out = write_on(&mut conn, |tx| {
             moved.clear();
-            let exists: Option<i64> = tx
-                .one("SELECT 1 FROM stacks WHERE id = ?1", [stack], |r| r.get(0))
-                .optional()?;
-            if exists.is_none() {
-                return Err(StoreError::StackNotFound(stack.into()));
-            }
+            require_stack(tx, stack)?;
             let there: Option<i64> = tx
                 .one("SELECT 1 FROM graph_nodes WHERE id = ?1", [&node.id], |r| {
                     r.get(0)
