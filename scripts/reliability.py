@@ -67,11 +67,12 @@ device, and the backing file is copied while the publishing process is stopped
 right after an outcome was reported — the disk without the page cache's dirty
 pages, LazyFS's model (this kernel has no device-mapper, so no
 `dm-log-writes`; LazyFS is not packaged). In the `durable` profile the disk is
-also cut *inside* a publish, at each failpoint it reaches (the process pauses
-there while the disk is copied): the publish is there whole or not at all, and
-everything reported before it is there. Not simulated: a disk that reorders
-writes across a flush, and cuts inside squash, GC and import (covered for a
-process crash by the crash points above).
+also cut *inside* a publish, a squash, a GC and a base import, at each
+failpoint the operation reaches (the process pauses there while the disk is
+copied), and right after each was reported: the operation is there whole or
+not at all (there, once reported), and everything reported before it is there.
+Not simulated: a disk that reorders writes across a flush (ext4's journal
+orders them on a disk that honours flushes).
 """
 
 

@@ -17,9 +17,11 @@
 //!   numbers are recorded);
 //! * `durable`: `fsck --content` finds nothing.
 //!
-//! And in the durable profile, cuts *inside* a publish: at each failpoint the
-//! publish reaches (`layerstack_store::failpoints`, paused there while the
-//! disk is copied) the publish is whole or absent after the restart.
+//! And in the durable profile, cuts *inside* a publish, a squash, a GC and a
+//! base import: at each failpoint the operation reaches
+//! (`layerstack_store::failpoints`, paused there while the disk is copied) the
+//! operation is whole or absent after the restart, and right after it was
+//! reported it is there.
 //!
 //! Writeback during the copy is possible (the kernel's flusher runs on its own
 //! clock); it only makes a copy newer, never inconsistent beyond what a real
@@ -91,7 +93,25 @@ fn marker(k: usize) -> String {
     format!("published/{k}.txt")
 }
 
-/// The child half: `root|durable|publishes|control dir`.
+/// The operations a power cut lands inside (besides a publish): each runs
+/// after the child's publishes, on the branch they made.
+const OPS: &[&str] = &["publish", "squash", "gc", "import"];
+
+/// The engine's history settings in the child: a squash takes all but the
+/// newest layer.
+fn history() -> crate::HistorySettings {
+    crate::HistorySettings {
+        squash_keep: 1,
+        ..Default::default()
+    }
+}
+
+/// The child half: `root|durable|publishes|control dir|pause at|operation`.
+/// It publishes `publishes` sessions, reporting each (`reported-K`, then waits
+/// for `go-K`); with an operation other than `publish` it then runs that
+/// operation and reports it the same way (`reported-op`, holding what the
+/// operation made; `go-op`). The pause point is armed, and the trace begun,
+/// for the last operation only.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "the child half of the power-cut test: it runs it, it never runs alone"]
 async fn powercut_child() {
@@ -103,20 +123,35 @@ async fn powercut_child() {
         f[2].parse::<usize>().unwrap(),
         Path::new(f[3]),
     );
-    // A point to pause at during the last publish (the per-point cuts).
+    // A point to pause at during the last operation (the per-point cuts).
     let pause_at = f.get(4).filter(|p| !p.is_empty()).copied();
+    let op = f
+        .get(5)
+        .filter(|p| !p.is_empty())
+        .copied()
+        .unwrap_or("publish");
     let store = Arc::new(Store::open(root, &options(durable)).unwrap());
-    let p = engine_with(&store, Default::default());
+    let p = engine_with(&store, history());
+    // The traced run: the points of the last operation only (not the open's
+    // recovery points, nor the publishes before it).
+    let begin_last = || {
+        if let Some(t) = std::env::var_os(layerstack_store::failpoints::TRACE_FILE_ENV) {
+            std::fs::write(t, b"").unwrap();
+        }
+        if let Some(point) = pause_at {
+            layerstack_store::failpoints::arm(point);
+        }
+    };
+    let reported = |what: &str, made: &str| {
+        std::fs::write(ctl.join(format!("reported-{what}")), made).unwrap();
+        let go = ctl.join(format!("go-{what}"));
+        while !go.exists() {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+    };
     for k in 1..=n {
-        if k == n {
-            // The traced run: the points of the last publish only (not the
-            // open's recovery points).
-            if let Some(t) = std::env::var_os(layerstack_store::failpoints::TRACE_FILE_ENV) {
-                std::fs::write(t, b"").unwrap();
-            }
-            if let Some(point) = pause_at {
-                layerstack_store::failpoints::arm(point);
-            }
+        if k == n && op == "publish" {
+            begin_last();
         }
         let body = format!("publish {k}\n").repeat(64);
         let s = session_with(
@@ -129,13 +164,69 @@ async fn powercut_child() {
         let out = p.publish(s.id, "power cut").await.unwrap().outcome.unwrap();
         assert!(out.kind.is_published(), "{out:?}");
         // Reported: the parent cuts the power now, then lets us go on.
-        std::fs::write(ctl.join(format!("reported-{k}")), b"").unwrap();
-        let go = ctl.join(format!("go-{k}"));
-        while !go.exists() {
-            std::thread::sleep(std::time::Duration::from_millis(5));
+        reported(&k.to_string(), "");
+    }
+    if op == "publish" {
+        std::process::exit(0);
+    }
+    if op == "gc" {
+        // Something to free: a deleted branch's layer and a squash's members.
+        store.create_branch(STACK, "tmp", "main", None).unwrap();
+        let s = session_with(&p, "tmp", "tmp", &[("tmp.txt", b"tmp\n")]).await;
+        let out = p.publish(s.id, "tmp").await.unwrap().outcome.unwrap();
+        assert!(out.kind.is_published(), "{out:?}");
+        store.delete_branch(STACK, "tmp").unwrap();
+        p.squash(STACK, "main").await.unwrap().expect("squashed");
+    }
+    let src = ctl.join("import-src");
+    if op == "import" {
+        for i in 0..16 {
+            write(&src, &format!("data/{i}.txt"), imported(i).as_bytes());
         }
     }
+    begin_last();
+    let made = match op {
+        "squash" => {
+            p.squash(STACK, "main").await.unwrap().expect("squashed");
+            format!("depth {}", depth(&store))
+        }
+        "gc" => {
+            let c = p.gc().await.unwrap();
+            assert!(!c.report.layers.is_empty(), "the gc freed nothing");
+            format!("depth {}", depth(&store))
+        }
+        "import" => {
+            let b = p
+                .import_base(crate::ImportRequest {
+                    path: src.clone(),
+                    kind: Default::default(),
+                    platform: None,
+                })
+                .await
+                .unwrap();
+            assert!(b.created);
+            b.stack
+        }
+        other => panic!("no operation {other}"),
+    };
+    reported("op", &made);
     std::process::exit(0);
+}
+
+/// The content of the imported base's file `i`.
+fn imported(i: usize) -> String {
+    format!("imported {i}\n").repeat(256)
+}
+
+/// The depth of the child's branch `main`.
+fn depth(store: &Store) -> usize {
+    store
+        .branches(STACK)
+        .unwrap()
+        .into_iter()
+        .find(|b| b.name == "main")
+        .expect("branch main")
+        .depth as usize
 }
 
 /// Runs `publishes` publishes in a child on a fresh loop-mounted store and
@@ -155,7 +246,9 @@ async fn cut_after_each_publish(durable: bool, publishes: usize) -> (Vec<(usize,
     }
     run(Command::new("sync").arg("-f").arg(&disk.mnt));
     let root = disk.mnt.join("root");
-    let mut child = child(&root, durable, publishes, &ctl, "").spawn().unwrap();
+    let mut child = child(&root, durable, publishes, &ctl, "", "publish")
+        .spawn()
+        .unwrap();
     let mut cuts = Vec::new();
     for k in 1..=publishes {
         let reported = ctl.join(format!("reported-{k}"));
@@ -261,31 +354,84 @@ enum State {
     Absent,
 }
 
-/// A power cut *inside* a publish, at each failpoint the durable profile's
-/// publish reaches (`layerstack_store::failpoints`; the child pauses there,
-/// the parent copies the disk, then kills it): the publishes reported before
-/// are all there, the one cut is there whole or not at all, and `fsck
-/// --content` finds nothing after the restart.
-async fn cut_inside_a_publish_at_each_point() -> (usize, Vec<String>) {
+/// A power cut *inside* an operation — a publish, a squash, a GC, a base
+/// import — at each failpoint the durable profile's operation reaches
+/// (`layerstack_store::failpoints`; the child pauses there, the parent copies
+/// the disk, then kills it), and right after the operation was reported: the
+/// publishes reported before are all there, the operation cut is there whole
+/// or not at all (a reported one is there), and `fsck --content` finds
+/// nothing after the restart. Returns, per operation, the points cut.
+async fn cut_inside_each_operation() -> Vec<(&'static str, Vec<String>)> {
+    let mut all = Vec::new();
+    for op in OPS {
+        all.push((*op, cut_inside(op).await));
+    }
+    all
+}
+
+/// A fresh loop-mounted durable store with the stack made and synced: the
+/// disk, its image, the control directory.
+fn fresh_disk(t: &Path) -> (Disk, std::path::PathBuf, std::path::PathBuf) {
+    let image = t.join("disk.img");
+    Disk::format(&image, 128 << 20);
+    let ctl = t.join("ctl");
+    std::fs::create_dir_all(&ctl).unwrap();
+    let disk = Disk::mount(&image, &t.join("mnt"));
+    drop(setup_n(&disk.mnt, 1));
+    run(Command::new("sync").arg("-f").arg(&disk.mnt));
+    (disk, image, ctl)
+}
+
+/// Waits for `file` to appear while `child` runs (`what`: for the message).
+fn await_file(child: &mut std::process::Child, file: &Path, what: &str) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while !file.exists() {
+        if let Some(st) = child.try_wait().unwrap() {
+            panic!("{what}: the child ended first: {st:?}");
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{what}: never reached"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+}
+
+/// The cuts inside `op` (see [`cut_inside_each_operation`]).
+async fn cut_inside(op: &str) -> Vec<String> {
     const N: usize = 3;
-    // Which points a durable publish reaches: one traced run.
+    // The publishes before `op`: the last one is `op` itself for "publish".
+    let before = if op == "publish" { N - 1 } else { N };
+    // Which points the operation reaches: one traced run, whose disk is also
+    // cut right after the operation was reported (not for "publish": the
+    // cuts after each reported publish are the other half of the test).
     let points: Vec<String> = {
         let t = tmp();
-        let image = t.path().join("disk.img");
-        Disk::format(&image, 128 << 20);
-        let ctl = t.path().join("ctl");
-        std::fs::create_dir_all(&ctl).unwrap();
-        let disk = Disk::mount(&image, &t.path().join("mnt"));
-        drop(setup_n(&disk.mnt, 1));
-        let trace = t.path().join("trace");
+        let (disk, image, ctl) = fresh_disk(t.path());
         for k in 1..=N {
             std::fs::write(ctl.join(format!("go-{k}")), b"").unwrap();
         }
-        let st = child(&disk.mnt.join("root"), true, N, &ctl, "")
-            .env(layerstack_store::failpoints::TRACE_FILE_ENV, &trace)
-            .status()
-            .unwrap();
-        assert!(st.success(), "the traced child failed: {st:?}");
+        let trace = t.path().join("trace");
+        let mut c = Killed(
+            child(&disk.mnt.join("root"), true, N, &ctl, "", op)
+                .env(layerstack_store::failpoints::TRACE_FILE_ENV, &trace)
+                .spawn()
+                .unwrap(),
+        );
+        let mut after = None;
+        if op != "publish" {
+            let reported = ctl.join("reported-op");
+            await_file(&mut c.0, &reported, &format!("{op} reported"));
+            let copy = t.path().join("after.img");
+            run(Command::new("cp")
+                .arg("--sparse=always")
+                .arg(&image)
+                .arg(&copy));
+            after = Some((copy, std::fs::read_to_string(&reported).unwrap()));
+            std::fs::write(ctl.join("go-op"), b"").unwrap();
+        }
+        let st = c.0.wait().unwrap();
+        assert!(st.success(), "{op}: the traced child failed: {st:?}");
         let mut v: Vec<String> = std::fs::read_to_string(&trace)
             .unwrap()
             .lines()
@@ -293,44 +439,40 @@ async fn cut_inside_a_publish_at_each_point() -> (usize, Vec<String>) {
             .collect();
         v.sort();
         v.dedup();
+        drop(disk);
+        if let Some((copy, made)) = after {
+            check_cut(
+                t.path(),
+                &copy,
+                op,
+                N,
+                N,
+                Some(&made),
+                "after it was reported",
+            )
+            .await;
+        }
         v
     };
     assert!(
-        points.iter().any(|p| p == "publish.renamed"),
-        "the traced publish reached no commit point: {points:?}"
+        !points.is_empty(),
+        "the traced {op} reached no failpoint: nothing to cut at"
     );
-    let mut cut = 0;
     for point in &points {
         let t = tmp();
-        let image = t.path().join("disk.img");
-        Disk::format(&image, 128 << 20);
-        let ctl = t.path().join("ctl");
-        std::fs::create_dir_all(&ctl).unwrap();
-        let disk = Disk::mount(&image, &t.path().join("mnt"));
-        drop(setup_n(&disk.mnt, 1));
-        run(Command::new("sync").arg("-f").arg(&disk.mnt));
-        for k in 1..N {
+        let (disk, image, ctl) = fresh_disk(t.path());
+        for k in 1..=before {
             std::fs::write(ctl.join(format!("go-{k}")), b"").unwrap();
         }
         let hit = t.path().join("hit");
         let mut c = Killed(
-            child(&disk.mnt.join("root"), true, N, &ctl, point)
+            child(&disk.mnt.join("root"), true, N, &ctl, point, op)
                 .env(layerstack_store::failpoints::HIT_FILE_ENV, &hit)
                 .env(layerstack_store::failpoints::PAUSE_ENV, "1")
                 .spawn()
                 .unwrap(),
         );
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
-        while !hit.exists() {
-            if let Some(st) = c.0.try_wait().unwrap() {
-                panic!("{point}: the child ended without reaching it: {st:?}");
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "{point} never reached"
-            );
-            std::thread::sleep(std::time::Duration::from_millis(5));
-        }
+        await_file(&mut c.0, &hit, &format!("{op} at {point}"));
         let copy = t.path().join("cut.img");
         run(Command::new("cp")
             .arg("--sparse=always")
@@ -338,32 +480,95 @@ async fn cut_inside_a_publish_at_each_point() -> (usize, Vec<String>) {
             .arg(&copy));
         drop(c);
         drop(disk);
-        let disk = Disk::mount(&copy, &t.path().join("m"));
-        let store = Arc::new(Store::open(&disk.mnt.join("root"), &options(true)).unwrap());
-        let p = engine_with(&store, Default::default());
-        p.recover_operations().await.unwrap();
-        p.recover().await.unwrap();
-        let view = head_view(&store, "main");
-        for k in 1..=N {
-            let got = view.read_regular(marker(k).as_bytes()).unwrap();
-            let whole = got.as_deref() == Some(format!("publish {k}\n").repeat(64).as_bytes());
-            if k < N {
-                assert!(
-                    whole,
-                    "{point}: publish {k}, reported before the cut, is not whole: {got:?}"
-                );
-            } else {
-                assert!(
-                    whole || got.is_none(),
-                    "{point}: the publish cut there is half there: {got:?}"
-                );
+        check_cut(t.path(), &copy, op, N, before, None, point).await;
+    }
+    points
+}
+
+/// Mounts the cut disk `image`, restarts the store on it as the daemon does
+/// and checks it: the `reported` publishes whole (of `n`, the rest whole or
+/// absent), `op` whole or absent — there as `made` says when it was reported
+/// — and `fsck --content` clean with no staged publish left.
+async fn check_cut(
+    t: &Path,
+    image: &Path,
+    op: &str,
+    n: usize,
+    reported: usize,
+    made: Option<&str>,
+    at: &str,
+) {
+    let disk = Disk::mount(image, &t.join("m"));
+    let store = Arc::new(Store::open(&disk.mnt.join("root"), &options(true)).unwrap());
+    let p = engine_with(&store, history());
+    p.recover_operations().await.unwrap();
+    p.recover().await.unwrap();
+    let view = head_view(&store, "main");
+    for k in 1..=n {
+        let got = view.read_regular(marker(k).as_bytes()).unwrap();
+        let whole = got.as_deref() == Some(format!("publish {k}\n").repeat(64).as_bytes());
+        if k <= reported {
+            assert!(
+                whole,
+                "{op} cut {at}: publish {k}, reported before the cut, is not whole: {got:?}"
+            );
+        } else {
+            assert!(
+                whole || got.is_none(),
+                "{op} cut {at}: the publish cut there is half there: {got:?}"
+            );
+        }
+    }
+    match (op, made) {
+        ("squash" | "gc", Some(m)) => assert_eq!(
+            format!("depth {}", depth(&store)),
+            m,
+            "{op} cut {at}: the reported {op}'s branch is not there"
+        ),
+        ("import", _) => {
+            let bases: Vec<String> = store
+                .stacks()
+                .unwrap()
+                .into_iter()
+                .map(|s| s.id)
+                .filter(|id| id != STACK)
+                .collect();
+            if let Some(m) = made {
+                assert_eq!(bases, [m], "{op} cut {at}: the reported base is not there");
+            }
+            assert!(bases.len() <= 1, "{op} cut {at}: two bases: {bases:?}");
+            for b in &bases {
+                let head = store.branch_head(b, "main").unwrap();
+                let view = publisher::LayerView::new(store.manifest_view(b, head).unwrap());
+                for i in 0..16 {
+                    let got = view
+                        .read_regular(format!("data/{i}.txt").as_bytes())
+                        .unwrap();
+                    assert_eq!(
+                        got.as_deref(),
+                        Some(imported(i).as_bytes()),
+                        "{op} cut {at}: the imported base is there, but not whole"
+                    );
+                }
             }
         }
-        let report = store.fsck_with(false, true).unwrap();
-        assert_eq!(report.unrepaired(), 0, "{point}: {:?}", report.problems);
-        cut += 1;
+        _ => {}
     }
-    (cut, points)
+    let report = store.fsck_with(false, true).unwrap();
+    assert_eq!(
+        report.unrepaired(),
+        0,
+        "{op} cut {at}: {:?}",
+        report.problems
+    );
+    assert_eq!(
+        store.staged_publishes().unwrap(),
+        0,
+        "{op} cut {at}: a staged publish was left behind"
+    );
+    drop(p);
+    drop(store);
+    drop(disk);
 }
 
 /// A child process killed (SIGKILL) and reaped when dropped — also when the
@@ -378,8 +583,16 @@ impl Drop for Killed {
 }
 
 /// The publishing child: `publishes` publishes on the store at `root`, each
-/// reported in `ctl`; `pause_at`: a failpoint armed for the last one.
-fn child(root: &Path, durable: bool, publishes: usize, ctl: &Path, pause_at: &str) -> Command {
+/// reported in `ctl`, then `op` unless it is `publish`; `pause_at`: a
+/// failpoint armed for the last operation.
+fn child(
+    root: &Path,
+    durable: bool,
+    publishes: usize,
+    ctl: &Path,
+    pause_at: &str,
+    op: &str,
+) -> Command {
     let mut c = Command::new(std::env::current_exe().unwrap());
     c.args([
         "--ignored",
@@ -391,7 +604,7 @@ fn child(root: &Path, durable: bool, publishes: usize, ctl: &Path, pause_at: &st
     .env(
         CHILD,
         format!(
-            "{}|{}|{publishes}|{}|{pause_at}",
+            "{}|{}|{publishes}|{}|{pause_at}|{op}",
             root.display(),
             u8::from(durable),
             ctl.display()
@@ -410,24 +623,46 @@ async fn a_power_cut_after_a_reported_publish_loses_nothing_in_the_durable_profi
     let started = std::time::Instant::now();
     let (durable, _) = cut_after_each_publish(true, n).await;
     let (disposable, torn) = cut_after_each_publish(false, n).await;
-    let (inside, points) = cut_inside_a_publish_at_each_point().await;
+    let inside = cut_inside_each_operation().await;
     let lost: usize = disposable.iter().map(|(r, s)| r - s).sum();
     let worst = disposable.iter().map(|(r, s)| r - s).max().unwrap_or(0);
-    eprintln!("power cuts: durable {durable:?}, disposable {disposable:?}, torn {torn}; inside a durable publish at {points:?}");
-    let _ = STACK;
+    eprintln!("power cuts: durable {durable:?}, disposable {disposable:?}, torn {torn}; inside durable operations at {inside:?}");
+    let mut figures: Vec<(String, layerstack_store::reliability::Figure)> = vec![
+        ("cuts per profile after reported publishes".into(), n.into()),
+        ("durable: reported publishes lost".into(), 0u64.into()),
+        (
+            "disposable: reported publishes lost (sum over cuts)".into(),
+            lost.into(),
+        ),
+        ("disposable: most lost at one cut".into(), worst.into()),
+        (
+            "disposable: torn files (all flagged by fsck --content)".into(),
+            torn.into(),
+        ),
+    ];
+    for (op, points) in &inside {
+        figures.push((
+            format!("durable: cuts inside a {op} (one per failpoint it reaches)"),
+            points.len().into(),
+        ));
+    }
+    figures.push((
+        "durable: cuts right after a reported squash, gc, import".into(),
+        3u64.into(),
+    ));
+    figures.push((
+        "seconds".into(),
+        ((started.elapsed().as_secs_f64() * 10.0).round() / 10.0).into(),
+    ));
+    let figures: Vec<(&str, layerstack_store::reliability::Figure)> = figures
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.clone()))
+        .collect();
     layerstack_store::reliability::record(
         "power-cut",
-        "A power cut (the loop device's disk without the page cache) right after a publish was reported, or inside a durable publish at each failpoint it reaches, loses nothing reported in the durable profile and leaves the cut publish whole or absent; in the default profile only a prefix of what was reported survives and its newest files can be torn, which fsck --content flags exactly",
+        "A power cut (the loop device's disk without the page cache) right after a publish was reported, or inside a durable publish, squash, GC or base import at each failpoint it reaches (and right after each was reported), loses nothing reported in the durable profile and leaves the cut operation whole or absent; in the default profile only a prefix of what was reported survives and its newest files can be torn, which fsck --content flags exactly",
         "cargo test -p layerstack-engine --lib tests::powercut",
-        &[
-            ("cuts per profile", n.into()),
-            ("durable: cuts inside a publish (one per failpoint it reaches)", inside.into()),
-            ("durable: reported publishes lost", 0u64.into()),
-            ("disposable: reported publishes lost (sum over cuts)", lost.into()),
-            ("disposable: most lost at one cut", worst.into()),
-            ("disposable: torn files (all flagged by fsck --content)", torn.into()),
-            ("seconds", ((started.elapsed().as_secs_f64() * 10.0).round() / 10.0).into()),
-        ],
+        &figures,
     )
     .expect("the reliability record is written");
 }
