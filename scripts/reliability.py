@@ -38,6 +38,7 @@ GUARANTEES: List[tuple] = [
     ("fuzz-import", "hostile input"),
     ("fuzz-oci-layout", "hostile input"),
     ("fuzz-import-store", "hostile input"),
+    ("fuzz-import-dirs", "hostile input"),
     ("fuzz-admin-input", "hostile input"),
     ("fuzz-session-files", "hostile input"),
     ("callers", "access"),

@@ -57,8 +57,9 @@ echo "== store, publisher: fuzzed parsers and admin inputs"
 cargo test -p layerstack-publisher --test fuzz_import
 cargo test -p layerstack-store --test fuzz_admin
 
-echo "== integration: callers, disk full, memory"
+echo "== integration: callers, disk full, memory, session file calls fuzzed"
 cargo test -p layerstack-integration --test auth --test reliability
+cargo test -p layerstack-integration --test wasi session_file_calls
 
 echo "== python: exactly-once through daemon kills, 1,000 isolated sandboxes"
 PY_VENV="$TARGET/py-venv"

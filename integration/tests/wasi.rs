@@ -1351,7 +1351,46 @@ fn tree_of(dir: &Path) -> Result<BTreeMap<String, Vec<u8>>> {
     Ok(out)
 }
 
+/// What the fuzzed session runs on: a WASI session (its tree is the daemon's
+/// view of the layers) or a Linux sandbox (Mode B: an init in its own
+/// namespaces, whose root the file calls resolve through).
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Executor {
+    Wasi,
+    Linux,
+}
+
+/// Fuzzes the file calls of one session of each executor, then records the
+/// guarantee with the sum of both runs' figures.
 async fn file_fuzz_scenario(dir: &Path, d: &Daemon) -> Result<()> {
+    let mut calls = 0;
+    let mut refused = 0;
+    let mut per = Vec::new();
+    for ex in [Executor::Wasi, Executor::Linux] {
+        let (c, r) = file_fuzz_session(&dir.join(format!("{ex:?}")), d, ex)
+            .await
+            .with_context(|| format!("the {ex:?} session"))?;
+        calls += c;
+        refused += r;
+        per.push((ex, c, r));
+    }
+    layerstack_store::reliability::record(
+        "fuzz-session-files",
+        "Hostile paths in the session file calls (ReadFile, WriteFile, ListDir, StatPath, RemovePath, DownloadTar of a live WASI session and of a live Linux sandbox, whose calls resolve through its init's root: `..`, absolute and escaping symlinks, a symlink loop, a FIFO, NUL and control characters, names past NAME_MAX) are answered or refused naming the input, never with an internal error; nothing outside the session's tree is read or written (a host directory an absolute symlink of the tree names is unchanged, no marker file appears on the host); the session then publishes and fsck is clean.",
+        "CI=true cargo test -p layerstack-integration --test wasi session_file_calls",
+        &[
+            ("calls", calls.into()),
+            ("refused", refused.into()),
+            ("wasi_calls", per[0].1.into()),
+            ("linux_sandbox_calls", per[1].1.into()),
+            ("failures_found", 0u64.into()),
+        ],
+    )?;
+    Ok(())
+}
+
+/// One fuzzed session of executor `ex` under `dir`: (calls, refused).
+async fn file_fuzz_session(dir: &Path, d: &Daemon, ex: Executor) -> Result<(u64, u64)> {
     use proptest::test_runner::{Config, TestCaseError, TestRunner};
     // The host side: a directory the tree's absolute symlink names.
     let host = dir.join("host");
@@ -1375,13 +1414,32 @@ async fn file_fuzz_scenario(dir: &Path, d: &Daemon) -> Result<()> {
         &src.join("srv/fifo"),
         nix::sys::stat::Mode::from_bits_truncate(0o644),
     )?;
+    if ex == Executor::Linux {
+        // The sandbox's init: busybox's sh sleeping.
+        busybox_tree(&src, &["sh", "sleep"], &["tmp"])?;
+    }
     let o = ensure_success(
         "base import",
         d.layerstack(&["base", "import", src.to_str().context("utf-8")?])?,
     )?;
     let stack = stdout(&o).trim().to_string();
     let mut c = api::connect(d.admin_socket()).await?;
-    let id = create(&mut c, &stack, "fuzz", Default::default()).await?;
+    let id = match ex {
+        Executor::Wasi => create(&mut c, &stack, "fuzz", Default::default()).await?,
+        Executor::Linux => {
+            c.create_session(api::CreateSessionRequest {
+                stack: stack.clone(),
+                name: "fuzz-linux".into(),
+                sandbox: Some(Default::default()),
+                ..Default::default()
+            })
+            .await?
+            .into_inner()
+            .session
+            .context("the created sandbox's session")?
+            .id
+        }
+    };
     let etc_passwd = fs::read("/etc/passwd")?;
     let escaped = |m: &str| -> Vec<PathBuf> {
         [
@@ -1465,22 +1523,12 @@ async fn file_fuzz_scenario(dir: &Path, d: &Daemon) -> Result<()> {
         String::from_utf8_lossy(&f.stdout)
     );
     eprintln!(
-        "session file calls fuzzed: {} calls, {} refused, outcome {}",
+        "session file calls fuzzed ({ex:?}): {} calls, {} refused, outcome {}",
         calls.get(),
         refused.get(),
         s.outcome
     );
-    layerstack_store::reliability::record(
-        "fuzz-session-files",
-        "Hostile paths in the session file calls (ReadFile, WriteFile, ListDir, StatPath, RemovePath, DownloadTar of a live WASI session: `..`, absolute and escaping symlinks, a symlink loop, a FIFO, NUL and control characters, names past NAME_MAX) are answered or refused naming the input, never with an internal error; nothing outside the session's tree is read or written (a host directory an absolute symlink of the tree names is unchanged, no marker file appears on the host); the session then publishes and fsck is clean.",
-        "CI=true cargo test -p layerstack-integration --test wasi session_file_calls",
-        &[
-            ("calls", calls.get().into()),
-            ("refused", refused.get().into()),
-            ("failures_found", 0u64.into()),
-        ],
-    )?;
-    Ok(())
+    Ok((calls.get(), refused.get()))
 }
 
 #[test]

@@ -19,6 +19,7 @@ use rustix::fs::{self as rfs, AtFlags, FileType, Mode, OFlags, Stat};
 use super::stage::{join, Meta, Special, Stage, StageError};
 use super::ImportError;
 use crate::capture::fd_xattrs;
+use crate::export::WHITEOUT_PREFIX;
 use crate::fsx;
 
 const DIR: OFlags = OFlags::RDONLY
@@ -109,6 +110,19 @@ impl Copy<'_> {
         let n = OsStr::from_bytes(name);
         let st = rfs::statat(dir, n, AtFlags::SYMLINK_NOFOLLOW).map_err(self.errno(rel))?;
         let ft = FileType::from_raw_mode(st.st_mode);
+        if ft == FileType::Socket {
+            self.stage.report.sockets_skipped += 1;
+            return Ok(());
+        }
+        if name.starts_with(WHITEOUT_PREFIX) {
+            // Staged, it would be a plain entry of the base; written into a
+            // layer tar (export, push, the base's digest) it would be read
+            // as a whiteout or an opaque marker and take other entries along.
+            return Err(self.staged(rel)(StageError::Refused(format!(
+                "its name begins with {}, which an OCI layer tar reads as a whiteout or an opaque marker: exported or pushed, the base would lose it and what it names. Rename it, or give the base as a layer tar in which it is a whiteout",
+                String::from_utf8_lossy(WHITEOUT_PREFIX)
+            ))));
+        }
         if ft == FileType::Directory {
             let sub = rfs::openat(dir, n, DIR, Mode::empty())
                 .map(File::from)
@@ -119,10 +133,6 @@ impl Copy<'_> {
                 .dir(rel, &meta_of(&st, xattrs))
                 .map_err(self.staged(rel))?;
             return self.walk(&sub, rel);
-        }
-        if ft == FileType::Socket {
-            self.stage.report.sockets_skipped += 1;
-            return Ok(());
         }
         if st.st_nlink > 1 {
             let key = (st.st_dev, st.st_ino);

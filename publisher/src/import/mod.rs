@@ -18,7 +18,9 @@
 //! The staged tree is written beneath its root only (`stage.rs`): absolute
 //! names, `..`, entries through a symlink an earlier entry planted, hardlinks
 //! to outside, overlayfs-private xattrs and 0:0 character devices (a whiteout
-//! in overlay format) are refused, naming the entry — never guessed at. A
+//! in overlay format) are refused, naming the entry — never guessed at; so is
+//! a directory's entry named `.wh.*`, which a layer tar of the base would
+//! turn into a whiteout or an opaque marker. A
 //! refusal leaves the staging directory to the caller, who drops it: nothing
 //! of a refused input is ever committed.
 //!
