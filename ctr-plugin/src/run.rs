@@ -116,9 +116,10 @@ pub struct SessionArgs {
     /// sandbox's own tools work on the tree) instead of making it the root.
     #[arg(long, value_name = "DIR")]
     pub mount_at: Option<PathBuf>,
-    /// Network: the caller's (host) or a namespace with only `lo` (none).
-    #[arg(long, value_enum, default_value_t = Net::Host)]
-    pub net: Net,
+    /// Network: the caller's (host) or a namespace with only `lo` (none)
+    /// [default: host; none for `session create --sandbox`].
+    #[arg(long, value_enum)]
+    pub net: Option<Net>,
     /// The same key returns the same session (a retried create makes no second one).
     #[arg(long, value_name = "KEY")]
     pub idempotency_key: Option<String>,
@@ -181,6 +182,65 @@ pub struct CreateArgs {
     /// Print the session as one JSON object (default: its id).
     #[arg(long)]
     pub json: bool,
+    /// A sandbox the daemon owns: the daemon starts the session's init itself
+    /// (no root needed, no process of the caller's holds it); `session exec`
+    /// runs commands in it through the admin API and `session close` ends it.
+    /// Its network is off (only `lo`) unless `--net host`. If the daemon
+    /// stops, the session ends `interrupted` (nothing published).
+    #[arg(long, conflicts_with = "mount_at")]
+    pub sandbox: bool,
+    #[command(flatten)]
+    pub defaults: SandboxDefaults,
+}
+
+/// A daemon-owned sandbox's defaults and limits (`session create --sandbox`;
+/// the admin API's `SandboxOptions`).
+#[derive(Debug, Clone, Args)]
+pub struct SandboxDefaults {
+    /// Default user of `session exec` and of file writes, UID[:GID] (numbers;
+    /// GID defaults to UID) [default: 0:0].
+    #[arg(long, value_name = "UID[:GID]", requires = "sandbox")]
+    pub user: Option<String>,
+    /// Default working directory of `session exec`, absolute in the sandbox
+    /// [default: /].
+    #[arg(long, value_name = "DIR", requires = "sandbox")]
+    pub workdir: Option<String>,
+    /// Default environment variable of `session exec`, K=V (repeatable); a
+    /// bare K takes the caller's value.
+    #[arg(long = "env", short = 'e', value_name = "K=V", requires = "sandbox")]
+    pub env: Vec<OsString>,
+    /// The sandbox's hostname [default: the session's name].
+    #[arg(long, value_name = "NAME", requires = "sandbox")]
+    pub hostname: Option<String>,
+    /// CPU limit, thousandths of one CPU (100: a tenth of a CPU, 2000: two
+    /// CPUs); 0: none [default: the daemon's `[sandbox] default_cpu_millis`].
+    #[arg(long, value_name = "MILLIS", requires = "sandbox")]
+    pub cpu_millis: Option<u64>,
+    /// Memory limit of the sandbox's processes together, bytes (at least
+    /// 4 MiB; a K, M or G suffix multiplies by 1024s); 0: none [default: the
+    /// daemon's `[sandbox] default_memory_bytes`].
+    #[arg(long, value_name = "BYTES", value_parser = parse_size, requires = "sandbox")]
+    pub memory_bytes: Option<u64>,
+    /// Processes and threads alive at once, init included (at least 2); 0:
+    /// none [default: the daemon's `[sandbox] default_pids`].
+    #[arg(long, value_name = "N", requires = "sandbox")]
+    pub pids: Option<u64>,
+}
+
+/// `N`, `NK`, `NM` or `NG` (powers of 1024) as bytes.
+fn parse_size(v: &str) -> std::result::Result<u64, String> {
+    let (num, mult) = match v.as_bytes().last() {
+        Some(b'K' | b'k') => (&v[..v.len() - 1], 1u64 << 10),
+        Some(b'M' | b'm') => (&v[..v.len() - 1], 1 << 20),
+        Some(b'G' | b'g') => (&v[..v.len() - 1], 1 << 30),
+        _ => (v, 1),
+    };
+    num.parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(mult))
+        .ok_or_else(|| {
+            format!("{v:?} is no size: give bytes, or a number with K, M or G (e.g. 512M)")
+        })
 }
 
 /// `session exec`.
@@ -646,7 +706,7 @@ fn hold(
     conn.pass_credentials()?;
     let setup = Setup {
         placement,
-        net_none: a.net == Net::None,
+        net_none: a.net == Some(Net::None),
         hostname: hostname.into_bytes(),
         mount_fd: std::os::fd::AsRawFd::as_raw_fd(&mount_fd),
         holder_sock: Some(conn.raw_fd()),
@@ -862,6 +922,9 @@ async fn run_inner(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
 
 /// `session create`: prints the session id once its init is ready.
 pub async fn create_cmd(cli: &Cli, a: CreateArgs) -> Result<ExitCode> {
+    if a.sandbox {
+        return create_sandbox(cli, a).await;
+    }
     require_root("create")?;
     let place = placement(&a.session)?;
     let (mut conn, session, mount_fd) = start(&mount_address(cli), &cli.namespace, &a.session)?;
@@ -896,6 +959,72 @@ pub async fn create_cmd(cli: &Cli, a: CreateArgs) -> Result<ExitCode> {
         out!("{}", session_json(&session, None));
     } else {
         out!("{id}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `session create --sandbox`: a daemon-owned session made through the admin
+/// API's CreateSession (its `sandbox` options); prints its id (or JSON).
+async fn create_sandbox(cli: &Cli, a: CreateArgs) -> Result<ExitCode> {
+    let s = &a.session;
+    let d = &a.defaults;
+    let ids = d.user.as_deref().map(parse_ids).transpose()?;
+    let mut env = Vec::new();
+    for kv in &d.env {
+        let kv = kv.to_string_lossy();
+        if kv.contains('=') {
+            env.push(kv.into_owned());
+        } else if let Ok(v) = std::env::var(kv.as_ref()) {
+            env.push(format!("{kv}={v}"));
+        }
+    }
+    let (stack, branch) = match &s.stack {
+        Some(st) => crate::history::split_branch(st),
+        None => (String::new(), String::new()),
+    };
+    let mut c = crate::connect(&cli.admin_address).await?;
+    let created = c
+        .create_session(api::CreateSessionRequest {
+            namespace: cli.namespace.clone(),
+            stack,
+            branch,
+            node: s.node.clone().unwrap_or_default(),
+            name: s.name.clone().unwrap_or_else(default_name),
+            idempotency_key: s.idempotency_key.clone().unwrap_or_default(),
+            policy: s
+                .publish
+                .map(|p| p.as_str().to_string())
+                .unwrap_or_default(),
+            wait_ms: if s.no_wait {
+                0
+            } else {
+                s.wait_timeout.saturating_mul(1000)
+            },
+            ignore_mtime: s.ignore_mtime,
+            sandbox: Some(api::SandboxOptions {
+                network: s.net == Some(Net::Host),
+                has_user: ids.is_some(),
+                uid: ids.map_or(0, |(u, _)| u),
+                gid: ids.map_or(0, |(_, g)| g),
+                workdir: d.workdir.clone().unwrap_or_default(),
+                env,
+                placement: String::new(),
+                hostname: d.hostname.clone().unwrap_or_default(),
+                cpu_millis: d.cpu_millis,
+                memory_bytes: d.memory_bytes,
+                pids: d.pids,
+            }),
+            wasi: None,
+        })
+        .await?
+        .into_inner();
+    let session = created.session.context("the daemon answered no session")?;
+    if a.json {
+        let mut v = session_json(&session, None);
+        v["created"] = json!(created.created);
+        out!("{v}");
+    } else {
+        out!("{}", session.id);
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -1319,5 +1319,118 @@ fn exec_cli_scenario(dir: &Path, d: &Daemon) -> Result<()> {
         !o.status.success() && String::from_utf8_lossy(&o.stderr).contains("999999"),
         "{o:?}"
     );
+    sandbox_cli_scenario(d, &cli, &admin, &stack)
+}
+
+/// `session create --sandbox` as a user that is not root: a daemon-owned
+/// sandbox with the given defaults (env, hostname, workdir, user), network
+/// off, exec'd and closed with the CLI; its publish is seen by the next one.
+fn sandbox_cli_scenario(d: &Daemon, cli: &Path, admin: &Path, stack: &str) -> Result<()> {
+    let as_nobody = |args: &[&str]| -> Result<std::process::Output> {
+        Ok(std::process::Command::new("setpriv")
+            .args(["--reuid", "65534", "--regid", "65534", "--clear-groups"])
+            .arg(cli)
+            .arg("--admin-address")
+            .arg(admin)
+            .args(args)
+            .output()?)
+    };
+    let o = ensure_success(
+        "session create --sandbox",
+        as_nobody(&[
+            "session",
+            "create",
+            "--sandbox",
+            stack,
+            "--name",
+            "cli-sb",
+            "--env",
+            "GREETING=hi",
+            "--hostname",
+            "box",
+            "--workdir",
+            "/srv",
+            "--pids",
+            "64",
+            "--memory-bytes",
+            "256M",
+            "--json",
+        ])?,
+    )?;
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout)?;
+    let id = v["id"].as_i64().context("the session's id")?;
+    ensure!(
+        v["created"] == true && v["owner"].as_str().is_some_and(|o| o.contains("cli-sb")),
+        "{v}"
+    );
+    let sid = id.to_string();
+    let o = as_nobody(&[
+        "session",
+        "exec",
+        &sid,
+        "--",
+        "sh",
+        "-c",
+        "echo $GREETING; hostname; pwd; ls /sys/class/net; echo made > made",
+    ])?;
+    ensure!(
+        o.status.success() && stdout(&o) == "hi\nbox\n/srv\nlo\n",
+        "exec in the CLI's sandbox: {o:?}"
+    );
+    let o = ensure_success(
+        "session close --publish",
+        as_nobody(&["session", "close", &sid, "--publish", "--json"])?,
+    )?;
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout)?;
+    ensure!(v["outcome"] == "committed", "{v}");
+    // The next sandbox sees it; the network asked for is the daemon's.
+    let o = ensure_success(
+        "session create --sandbox --net host",
+        as_nobody(&["session", "create", "--sandbox", stack, "--net", "host"])?,
+    )?;
+    let sid = stdout(&o).trim().to_string();
+    let o = as_nobody(&[
+        "session",
+        "exec",
+        &sid,
+        "--",
+        "sh",
+        "-c",
+        "cat /srv/made; ls /sys/class/net | wc -l",
+    ])?;
+    let out = stdout(&o);
+    ensure!(
+        o.status.success()
+            && out.starts_with("made\n")
+            && out
+                .trim_end()
+                .rsplit('\n')
+                .next()
+                .is_some_and(|n| n.trim().parse::<u32>().is_ok_and(|n| n >= 1)),
+        "{o:?}"
+    );
+    ensure_success(
+        "session close --discard",
+        as_nobody(&["session", "close", &sid, "--discard"])?,
+    )?;
+    // Refusals: a limit out of range names its field; a default without
+    // --sandbox is the CLI's usage error.
+    let o = as_nobody(&[
+        "session",
+        "create",
+        "--sandbox",
+        stack,
+        "--memory-bytes",
+        "1K",
+    ])?;
+    ensure!(
+        !o.status.success() && String::from_utf8_lossy(&o.stderr).contains("memory"),
+        "{o:?}"
+    );
+    let o = d.layerstack(&["session", "create", stack, "--pids", "4"])?;
+    ensure!(
+        !o.status.success() && String::from_utf8_lossy(&o.stderr).contains("--sandbox"),
+        "{o:?}"
+    );
     Ok(())
 }
