@@ -54,6 +54,12 @@ pub(crate) fn session_json(
             "total_us": t.total_us,
             "capture_bytes": t.capture_bytes,
         })),
+        "limits": s.limits.as_ref().map(|l| json!({
+            "cpu_millis": l.cpu_millis,
+            "memory_bytes": l.memory_bytes,
+            "pids": l.pids,
+            "network": l.network,
+        })),
     });
     if let Some(paths) = paths {
         v["paths"] = paths.iter().map(verdict_json).collect();

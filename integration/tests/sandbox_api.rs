@@ -1363,6 +1363,12 @@ fn sandbox_cli_scenario(d: &Daemon, cli: &Path, admin: &Path, stack: &str) -> Re
         v["created"] == true && v["owner"].as_str().is_some_and(|o| o.contains("cli-sb")),
         "{v}"
     );
+    ensure!(
+        v["limits"]["pids"] == 64
+            && v["limits"]["memory_bytes"] == 256u64 << 20
+            && v["limits"]["network"] == false,
+        "the session's limits: {v}"
+    );
     let sid = id.to_string();
     let o = as_nobody(&[
         "session",

@@ -135,7 +135,9 @@ impl AdminService {
         };
         // The node a checkpoint made is the outcome's own field (store
         // `Outcome::node`).
-        Ok(crate::wire::session(&s, &conflicts))
+        let mut out = crate::wire::session(&s, &conflicts);
+        out.limits = self.holders.owned_limits(s.id);
+        Ok(out)
     }
 }
 

@@ -83,6 +83,21 @@ pub struct Holders {
 }
 
 impl Holders {
+    /// The limits of daemon-owned session `id` while its init lives
+    /// (`Session.limits`); `None` for any other session.
+    pub(crate) fn owned_limits(&self, id: SessionId) -> Option<api::SandboxLimits> {
+        let m = self.map();
+        let h = m.get(&id)?;
+        h.init.as_ref()?;
+        let d = h.owned.as_ref()?;
+        Some(api::SandboxLimits {
+            cpu_millis: d.limits.cpu_millis,
+            memory_bytes: d.limits.memory_bytes,
+            pids: d.limits.pids,
+            network: d.network,
+        })
+    }
+
     pub fn new(mount_address: PathBuf) -> Arc<Holders> {
         Arc::new(Holders {
             mount_address,

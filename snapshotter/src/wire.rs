@@ -97,6 +97,7 @@ pub fn session(s: &SessionInfo, conflicts: &[PathRecord]) -> api::Session {
             .map(|i| i.as_str().to_string())
             .unwrap_or_default(),
         daemon_owned: s.daemon_owned,
+        limits: None,
     }
 }
 

@@ -334,6 +334,11 @@ def test_a_memory_limit_kills_what_allocates_past_it(daemon: Daemon) -> None:
     alloc = ["dd", "if=/dev/zero", "of=/dev/null", "bs=128M", "count=1"]
     with layerstack.connect(daemon.admin) as c:
         with c.sandbox(daemon.stack, memory_bytes=32 << 20, pids=64) as sb:
+            assert sb.session.limits == layerstack.SandboxLimits(
+                cpu_millis=0, memory_bytes=32 << 20, pids=64, network=False
+            ), sb.session
+            listed = {x.id: x for x in c.list_sessions(all_namespaces=True, owner_kind="sandbox")}
+            assert listed[sb.id].limits == sb.session.limits
             out = sb.exec(alloc)
             assert (out.exit_code, out.signal, out.oom_killed) == (137, 9, True), out
             assert 0 < out.session_memory_peak_bytes <= 33 << 20, out
@@ -342,6 +347,9 @@ def test_a_memory_limit_kills_what_allocates_past_it(daemon: Daemon) -> None:
         with c.sandbox(daemon.stack) as sb:
             out = sb.exec(["echo", "unlimited"])
             assert out.ok and out.session_memory_peak_bytes == 0, "no limit, no cgroup"
+            assert sb.session.limits == layerstack.SandboxLimits(0, 0, 0, False)
+            sid = sb.id
+        assert c.wait(sid).limits is None, "an ended session has no live limits"
         with pytest.raises(layerstack.InvalidArgumentError, match="sandbox.memory_bytes"):
             c.sandbox(daemon.stack, memory_bytes=1 << 20)
         with pytest.raises(ValueError):

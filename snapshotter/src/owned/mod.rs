@@ -83,6 +83,10 @@ pub struct Defaults {
     pub placement: Option<String>,
     /// The session's cgroup (a limit was asked): exec'd commands join it.
     pub cgroup: Option<Arc<SessionCgroup>>,
+    /// The limits its cgroup enforces (0: none) — `Session.limits`.
+    pub limits: layerstack_sandbox::cgroup::Limits,
+    /// It shares the daemon's network namespace.
+    pub network: bool,
 }
 
 /// What the daemon applies to every daemon-owned session: cgroup limits and
@@ -387,6 +391,8 @@ pub(crate) async fn create(
         hostname,
         placement: placement.clone(),
         cgroup: cgroup.clone(),
+        limits,
+        network: opts.network,
     });
     {
         let mut m = holders.map();

@@ -62,6 +62,7 @@ from layerstack.types import (
     PullResult,
     PushResult,
     RunResult,
+    SandboxLimits,
     Session,
     Status,
 )
@@ -114,6 +115,7 @@ __all__ = [
     "PullResult",
     "PushResult",
     "RunResult",
+    "SandboxLimits",
     "Session",
     "Status",
 ]

@@ -98,6 +98,24 @@ class PathVerdict:
 
 
 @dataclass(frozen=True)
+class SandboxLimits:
+    """A live daemon-owned session's limits, as its cgroup enforces them (the
+    daemon's ``Session.limits``; docs/operations.md "Session limits").
+
+    Attributes:
+        cpu_millis: CPU time per wall time, thousandths of one CPU; 0: none.
+        memory_bytes: memory of the session's processes together, bytes; 0: none.
+        pids: processes and threads alive at once, init included; 0: none.
+        network: the session shares the daemon's network (False: only ``lo``).
+    """
+
+    cpu_millis: int
+    memory_bytes: int
+    pids: int
+    network: bool
+
+
+@dataclass(frozen=True)
 class Session:
     """A session: one container rootfs (Mode A) or one ``session run|create`` (Mode B).
 
@@ -134,6 +152,9 @@ class Session:
             while the daemon ran); ``None`` for every other outcome.
         daemon_owned: the daemon started and owns the session's init (a
             sandbox of ``Client.sandbox``), not a ``layerstack`` holder process.
+        limits: a live daemon-owned session's limits and network
+            (:class:`SandboxLimits`); ``None`` for every other session and once
+            its init ended.
     """
 
     id: int
@@ -158,6 +179,7 @@ class Session:
     node: Optional[str] = None
     interrupted_by: Optional[str] = None
     daemon_owned: bool = False
+    limits: Optional[SandboxLimits] = None
 
     @classmethod
     def from_pb(cls, s: pb.Session) -> "Session":
@@ -184,6 +206,16 @@ class Session:
             node=_opt_str(s.node),
             interrupted_by=_opt_str(s.interrupted_by),
             daemon_owned=s.daemon_owned,
+            limits=(
+                SandboxLimits(
+                    cpu_millis=s.limits.cpu_millis,
+                    memory_bytes=s.limits.memory_bytes,
+                    pids=s.limits.pids,
+                    network=s.limits.network,
+                )
+                if s.HasField("limits")
+                else None
+            ),
         )
 
     @classmethod
@@ -220,6 +252,16 @@ class Session:
             node=v.get("node") or None,
             interrupted_by=v.get("interrupted_by") or None,
             daemon_owned=bool(v.get("daemon_owned", False)),
+            limits=(
+                SandboxLimits(
+                    cpu_millis=int(v["limits"].get("cpu_millis", 0)),
+                    memory_bytes=int(v["limits"].get("memory_bytes", 0)),
+                    pids=int(v["limits"].get("pids", 0)),
+                    network=bool(v["limits"].get("network", False)),
+                )
+                if v.get("limits")
+                else None
+            ),
         )
 
     @property
