@@ -374,6 +374,47 @@ impl Race {
         }
         Ok(())
     }
+
+    /// Outcome kinds agree with the history: a merged changeset shares a file
+    /// with one that landed between its lease and itself (a merge needs both
+    /// sides to have changed a path); a committed one shares none (else the
+    /// gate would have had to merge it, or refuse it). `may_follow(sid, k)`:
+    /// `order[k]` may have landed after `sid`'s lease; `surely_follows(sid, k)`:
+    /// it surely did (the same answer when the lease is known exactly).
+    ///
+    /// # Errors
+    /// The first outcome the history contradicts.
+    pub fn check_outcomes(
+        &self,
+        order: &[i64],
+        may_follow: impl Fn(i64, usize) -> bool,
+        surely_follows: impl Fn(i64, usize) -> bool,
+    ) -> Result<(), String> {
+        for (at, sid) in order.iter().enumerate() {
+            let mine = self.changesets[sid].files();
+            let overlaps = |follows: &dyn Fn(i64, usize) -> bool| {
+                order[..at].iter().enumerate().any(|(k, other)| {
+                    follows(*sid, k) && !self.changesets[other].files().is_disjoint(&mine)
+                })
+            };
+            match self.ended[sid] {
+                Ended::Merged if !overlaps(&may_follow) => {
+                    return Err(format!(
+                        "session {sid} merged although nothing that landed between its lease and it touched its files: {:?}",
+                        self.changesets[sid]
+                    ));
+                }
+                Ended::Committed if overlaps(&surely_follows) => {
+                    return Err(format!(
+                        "session {sid} committed without a merge although a changeset that landed between its lease and it touched its files: {:?}",
+                        self.changesets[sid]
+                    ));
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
 }
 
 /// Where two trees differ, for a failure message (at most 8 paths).

@@ -768,7 +768,9 @@ fn model_log_order(entries: &[layerstack_api::LogEntry], out: &mut Vec<(i64, i64
 /// publisher was told, no rejected one; the model's head equals the daemon's
 /// head; every tree a session leased is one the model passed through and no
 /// later than its own place in the log; every rejection shares a file with
-/// something that landed after its lease; `fsck --content` clean.
+/// something that landed after its lease, every merge with something that
+/// landed between its lease and it, no plain commit does; `fsck --content`
+/// clean.
 #[test]
 fn publisher_processes_leave_the_history_a_sequential_model_predicts() -> Result<()> {
     use layerstack_integration::model::{self as m, Changeset, Ended, Race};
@@ -938,10 +940,12 @@ fn publisher_processes_leave_the_history_a_sequential_model_predicts() -> Result
 
     // Replayed on the model: every committed changeset once, in log order,
     // no rejected one; each tree the model passes through, by its first place.
-    let mut states: HashMap<m::Tree, usize> = HashMap::new();
+    // A changeset that changed nothing (a delete of a file another deleted
+    // too) leaves the same tree twice: a tree's places are a range.
+    let mut states: HashMap<m::Tree, (usize, usize)> = HashMap::new();
     let model = race
         .replay(&order, &seed_tree, |k, t| {
-            states.entry(t.clone()).or_insert(k);
+            states.entry(t.clone()).or_insert((k, k)).1 = k;
         })
         .map_err(|e| anyhow::anyhow!("{e} (seed {seed})"))?;
     ensure!(
@@ -951,24 +955,29 @@ fn publisher_processes_leave_the_history_a_sequential_model_predicts() -> Result
     );
     // Every lease is a tree the model passed through (snapshot isolation), no
     // later than the session's own place in the log.
-    let mut leased: HashMap<i64, usize> = HashMap::new();
+    let mut leased: HashMap<i64, (usize, usize)> = HashMap::new();
     for (sid, base) in &bases {
-        let Some(k) = states.get(base) else {
+        let Some(&(first, last)) = states.get(base) else {
             bail!(
                 "session {sid} leased a tree the sequential model never passed through (seed {seed})"
             );
         };
         if let Some(at) = order.iter().position(|o| o == sid) {
             ensure!(
-                *k <= at,
-                "session {sid}, {at}th in the log, leased the tree after the {k}th (seed {seed})"
+                first <= at,
+                "session {sid}, {at}th in the log, leased the tree after the {first}th (seed {seed})"
             );
         }
-        leased.insert(*sid, *k);
+        leased.insert(*sid, (first, last));
     }
     // No false conflict: a rejected changeset shares a file with one that
-    // landed after its lease.
-    race.check_rejections(&order, |sid, k| k >= leased[&sid])
+    // landed after its lease; a merged one with one that landed between its
+    // lease and it, a committed one with none.
+    let may_follow = |sid: i64, k: usize| k >= leased[&sid].0;
+    let surely_follows = |sid: i64, k: usize| k >= leased[&sid].1;
+    race.check_rejections(&order, may_follow)
+        .map_err(|e| anyhow::anyhow!("{e} (seed {seed})"))?;
+    race.check_outcomes(&order, may_follow, surely_follows)
         .map_err(|e| anyhow::anyhow!("{e} (seed {seed})"))?;
     // The path index and the trees agree, content included.
     let report = s.json(&["fsck", "--content", "--json"])?;
@@ -991,7 +1000,7 @@ fn publisher_processes_leave_the_history_a_sequential_model_predicts() -> Result
     );
     record(
         "concurrency-model-processes",
-        "Concurrent publisher processes, each a client of the daemon's admin API (a daemon-owned session on one branch head, its changeset written through the file RPCs, closed with publish), leave exactly the history a sequential model predicts: every committed changeset once in log order with the layer it was told, every rejected one absent, no lost update; every session leased a state the model passed through",
+        "Concurrent publisher processes, each a client of the daemon's admin API (a daemon-owned session on one branch head, its changeset written through the file RPCs, closed with publish), leave exactly the history a sequential model predicts: every committed changeset once in log order with the layer it was told, every rejected one absent, no lost update; each session leased a state the model passed through, and merged or was refused only where a changeset that landed after its lease touched its files",
         MODEL_TEST,
         json!({
             "processes": n,

@@ -140,7 +140,12 @@ async fn concurrent_publishers_leave_the_history_a_sequential_model_predicts() {
     );
     // No false conflict: a rejected changeset shares a file with one that
     // landed after the manifest it leased.
-    race.check_rejections(&order, |sid, k| landed[k].1 > leases[&sid])
+    let follows = |sid: i64, k: usize| landed[k].1 > leases[&sid];
+    race.check_rejections(&order, follows)
+        .unwrap_or_else(|e| panic!("{e} (seed {seed})"));
+    // A merged changeset shares a file with one that landed between its lease
+    // and it; a committed one with none.
+    race.check_outcomes(&order, follows, follows)
         .unwrap_or_else(|e| panic!("{e} (seed {seed})"));
     // The path index and the trees agree, content included (merged files, squashes).
     let report = store.fsck_with(false, true).unwrap();
