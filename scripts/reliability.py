@@ -29,6 +29,7 @@ GUARANTEES: List[tuple] = [
     ("exactly-once", "crash"),
     ("power-cut", "crash"),
     ("concurrency-model", "concurrency"),
+    ("concurrency-model-processes", "concurrency"),
     ("sandbox-isolation", "concurrency"),
     ("disk-full", "resources"),
     ("memory-bound", "resources"),

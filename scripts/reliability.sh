@@ -40,6 +40,7 @@ mkdir -p "$LAYERSTACK_RELIABILITY_OUT"
 
 # Full-size parameters (the tests' defaults are CI-sized).
 export LAYERSTACK_MODEL_PUBLISHERS=1024
+export LAYERSTACK_MODEL_PROCESSES=256
 export LAYERSTACK_HOSTILE_FILES=1000000
 export LAYERSTACK_ISOLATION_N=1000
 export LAYERSTACK_FUZZ_CASES=10000
@@ -57,7 +58,7 @@ echo "== store, publisher: fuzzed parsers and admin inputs"
 cargo test -p layerstack-publisher --test fuzz_import
 cargo test -p layerstack-store --test fuzz_admin
 
-echo "== integration: callers, disk full, memory, session file calls fuzzed"
+echo "== integration: callers, disk full, memory, publisher processes against the model, session file calls fuzzed"
 cargo test -p layerstack-integration --test auth --test reliability
 cargo test -p layerstack-integration --test wasi session_file_calls
 

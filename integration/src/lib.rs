@@ -28,6 +28,7 @@ use anyhow::{anyhow, bail, Context, Result};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
+pub mod model;
 pub mod registry;
 pub mod scenario;
 pub use scenario::*;

@@ -8,7 +8,12 @@
 //!   empty, `layerstack fsck` clean) and everything works again once space
 //!   is freed;
 //! * memory is bounded — the daemon's RSS after a 100,000-file session comes
-//!   back near its idle figure.
+//!   back near its idle figure;
+//! * concurrency against a model with publisher *processes* — N separate
+//!   processes (this test binary re-executed), each an admin-API client
+//!   publishing one random changeset through a daemon-owned session on one
+//!   branch head; the history is replayed on the sequential model the
+//!   engine's `tests::model` uses (`layerstack_integration::model`).
 //!
 //! Needs root, `mkfs.ext4`, loop devices (`mount -o loop`) and a static
 //! `/bin/busybox`; fails under `CI=true` without them.
@@ -20,7 +25,7 @@ use std::process::{Command, Output};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use anyhow::{ensure, Context, Result};
+use anyhow::{bail, ensure, Context, Result};
 use layerstack_integration::*;
 use serde_json::{json, Value};
 
@@ -574,6 +579,435 @@ fn daemon_rss_returns_near_idle_after_a_100000_file_session() -> Result<()> {
             "bound_kib": RSS_AFTER_BOUND_KIB,
             "session_seconds": session_s,
             "burst_seconds": burst_s,
+        }),
+    )?;
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------
+// Concurrency against a model, with publisher processes
+// ---------------------------------------------------------------------------
+
+/// Set in a publisher process: `ADMIN_SOCKET|STACK|SEED|INDEX`.
+const MODEL_CHILD_ENV: &str = "LAYERSTACK_MODEL_CHILD";
+/// The number of publisher processes (default [`MODEL_PROCESSES_CI`]; the
+/// full run, scripts/reliability.sh, sets 256).
+const MODEL_PROCESSES_ENV: &str = "LAYERSTACK_MODEL_PROCESSES";
+const MODEL_PROCESSES_CI: usize = 128;
+/// The line of a publisher process's stdout that carries its report.
+const MODEL_REPORT: &str = "model-publisher-report ";
+/// Where the race's files live in the base (`/m/shared/f3.txt`, `/m/own/p7.txt`).
+const MODEL_DIR: &str = "m";
+const MODEL_TEST: &str = "cargo test -p layerstack-integration --test reliability publisher_processes_leave_the_history_a_sequential_model_predicts";
+
+type AdminClient = layerstack_api::AdminClient<tonic::transport::Channel>;
+
+/// A daemon-owned sandbox session on `stack`'s main branch, as the SDK's
+/// `ls.sandbox(stack)` makes it (waiting for a slot under the daemon's cap).
+async fn model_session(c: &mut AdminClient, stack: &str, name: &str) -> Result<i64> {
+    let r = c
+        .create_session(layerstack_api::CreateSessionRequest {
+            stack: stack.into(),
+            branch: "main".into(),
+            name: name.into(),
+            sandbox: Some(Default::default()),
+            wait_ms: 120_000,
+            ..Default::default()
+        })
+        .await
+        .with_context(|| format!("create session {name}"))?
+        .into_inner();
+    Ok(r.session.context("no session in the reply")?.id)
+}
+
+/// The race's tree as session `id` sees it: the regular files below
+/// `/m` (one DownloadTar), paths relative to it.
+async fn model_tree(c: &mut AdminClient, id: i64) -> Result<layerstack_integration::model::Tree> {
+    let mut s = c
+        .download_tar(layerstack_api::DownloadTarRequest {
+            session_id: id,
+            path: format!("/{MODEL_DIR}"),
+        })
+        .await?
+        .into_inner();
+    let mut bytes = Vec::new();
+    while let Some(ch) = s.message().await? {
+        bytes.extend(ch.data);
+    }
+    let mut tree = layerstack_integration::model::Tree::new();
+    let mut ar = tar::Archive::new(bytes.as_slice());
+    for e in ar.entries()? {
+        let mut e = e?;
+        if e.header().entry_type() != tar::EntryType::Regular {
+            continue;
+        }
+        let path = e.path()?.to_string_lossy().into_owned();
+        let rel = path
+            .strip_prefix(&format!("{MODEL_DIR}/"))
+            .with_context(|| format!("{path} outside {MODEL_DIR}/"))?
+            .to_string();
+        let mut content = Vec::new();
+        std::io::Read::read_to_end(&mut e, &mut content)?;
+        tree.insert(rel, layerstack_integration::model::lines_of(&content));
+    }
+    Ok(tree)
+}
+
+/// One publisher process's work: waits for the go (its stdin closed), then,
+/// after a random stagger, makes a daemon-owned session on main, reads the
+/// tree it leased, writes a random changeset over it through the file RPCs,
+/// closes the session with PUBLISH, and prints its report (session, outcome,
+/// layer, changeset, the tree it leased) as one JSON line.
+async fn model_publisher(admin: &str, stack: &str, seed: u64, i: usize) -> Result<()> {
+    use layerstack_integration::model::{Changeset, Rng, Write};
+    let mut rng = Rng::for_publisher(seed, i);
+    let mut c = layerstack_api::connect(admin).await?;
+    // The go: all processes are started.
+    std::io::Read::read_to_end(&mut std::io::stdin(), &mut Vec::new())?;
+    // Stagger the starts so the sessions lease different heads.
+    tokio::time::sleep(Duration::from_millis(rng.below(1500) as u64)).await;
+    let id = model_session(&mut c, stack, &format!("model-p{i}")).await?;
+    let base = model_tree(&mut c, id).await?;
+    let cs = Changeset::draw(&mut rng, i, &base);
+    for w in cs.writes(&base) {
+        match w {
+            Write::File(path, data) => {
+                let msgs = vec![
+                    layerstack_api::WriteFileRequest {
+                        header: Some(layerstack_api::WriteFileHeader {
+                            session_id: id,
+                            path: format!("/{MODEL_DIR}/{path}"),
+                            mode: 0o644,
+                            make_parents: true,
+                            ..Default::default()
+                        }),
+                        data: Vec::new(),
+                    },
+                    layerstack_api::WriteFileRequest { header: None, data },
+                ];
+                c.write_file(tokio_stream::iter(msgs))
+                    .await
+                    .with_context(|| format!("write {path}"))?;
+            }
+            Write::Delete(path) => {
+                c.remove_path(layerstack_api::RemovePathRequest {
+                    session_id: id,
+                    path: format!("/{MODEL_DIR}/{path}"),
+                    recursive: false,
+                })
+                .await
+                .with_context(|| format!("remove {path}"))?;
+            }
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(rng.below(50) as u64)).await;
+    let s = c
+        .close_session(layerstack_api::CloseSessionRequest {
+            session_id: id,
+            action: layerstack_api::EndAction::Publish as i32,
+            reason: format!("model publisher {i}"),
+            ..Default::default()
+        })
+        .await
+        .context("close session --publish")?
+        .into_inner();
+    let report = json!({
+        "index": i,
+        "session": s.id,
+        "outcome": s.outcome,
+        "layer": s.layer,
+        "message": s.message,
+        "changeset": cs,
+        "base": base,
+    });
+    println!("{MODEL_REPORT}{report}");
+    Ok(())
+}
+
+/// The publisher process: run by
+/// [`publisher_processes_leave_the_history_a_sequential_model_predicts`]
+/// (this test binary re-executed with `--ignored --exact`), never alone.
+#[test]
+#[ignore = "a publisher process of the model test: it runs it, it never runs alone"]
+fn model_publisher_process() -> Result<()> {
+    let Ok(spec) = std::env::var(MODEL_CHILD_ENV) else {
+        eprintln!("model_publisher_process: run by publisher_processes_leave_the_history_a_sequential_model_predicts only ({MODEL_CHILD_ENV} unset); nothing to do");
+        return Ok(());
+    };
+    let f: Vec<&str> = spec.split('|').collect();
+    ensure!(f.len() == 4, "{MODEL_CHILD_ENV}={spec}");
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?
+        .block_on(model_publisher(f[0], f[1], f[2].parse()?, f[3].parse()?))
+}
+
+/// The race's sessions as the branch log lists their layers, oldest first,
+/// squashes expanded into their members: (session, layer).
+fn model_log_order(entries: &[layerstack_api::LogEntry], out: &mut Vec<(i64, i64)>) {
+    for e in entries.iter().rev() {
+        if e.members.is_empty() {
+            if e.session != 0 {
+                out.push((e.session, e.layer));
+            }
+        } else {
+            model_log_order(&e.members, out);
+        }
+    }
+}
+
+/// Concurrency against a model (issue 22), with publishers as separate OS
+/// processes, each talking to a real daemon over its admin API as an SDK user
+/// does: N processes (this test binary re-executed) each make a daemon-owned
+/// session on one branch head at about the same time, write a random
+/// changeset (line edits of shared text files — overlapping, so some merge
+/// and some conflict — deletes, re-creations and a file of its own) and close
+/// with publish. The branch log is then replayed on the sequential model
+/// (`layerstack_integration::model`, the engine's `tests::model` uses the
+/// same): every committed changeset once in log order with the layer its
+/// publisher was told, no rejected one; the model's head equals the daemon's
+/// head; every tree a session leased is one the model passed through and no
+/// later than its own place in the log; every rejection shares a file with
+/// something that landed after its lease, every merge with something that
+/// landed between its lease and it, no plain commit does; `fsck --content`
+/// clean.
+#[test]
+fn publisher_processes_leave_the_history_a_sequential_model_predicts() -> Result<()> {
+    use layerstack_integration::model::{self as m, Changeset, Ended, Race};
+    use std::collections::HashMap;
+    if !require_root() {
+        return Ok(());
+    }
+    let seed = m::seed_from_env();
+    let n: usize = match std::env::var(MODEL_PROCESSES_ENV) {
+        Ok(v) => v
+            .parse()
+            .with_context(|| format!("{MODEL_PROCESSES_ENV}={v}"))?,
+        Err(_) => MODEL_PROCESSES_CI,
+    };
+    eprintln!("model processes: LAYERSTACK_MODEL_SEED={seed} {MODEL_PROCESSES_ENV}={n}");
+    let env = StandaloneDaemon::start()?;
+    let s = Store { env: &env };
+
+    // The base: busybox and the shared files.
+    let src = env.dir().join("rootfs");
+    busybox_tree(&src, &["sh"], &[MODEL_DIR])?;
+    let seed_tree = m::seed_tree();
+    for (path, lines) in &seed_tree {
+        let p = src.join(MODEL_DIR).join(path);
+        std::fs::create_dir_all(p.parent().context("parent")?)?;
+        std::fs::write(&p, m::text(lines))?;
+    }
+    let o = s.ok(
+        "base import",
+        &["base", "import", src.to_str().context("utf-8")?],
+    )?;
+    let stack = stdout(&o).trim().to_string();
+    let admin = env
+        .daemon()
+        .admin_socket()
+        .to_str()
+        .context("utf-8")?
+        .to_string();
+
+    // The publishers: this binary re-executed, one process each; their
+    // stdout and stderr to files (nothing blocks on a full pipe).
+    let started = Instant::now();
+    let exe = std::env::current_exe()?;
+    let out_dir = env.dir().join("publishers");
+    std::fs::create_dir_all(&out_dir)?;
+    struct Publisher {
+        child: std::process::Child,
+        out: PathBuf,
+        err: PathBuf,
+    }
+    // Kills (by pid) whatever publisher is still running when the test fails.
+    struct Publishers(Vec<Publisher>);
+    impl Drop for Publishers {
+        fn drop(&mut self) {
+            for p in &mut self.0 {
+                if p.child.try_wait().ok().flatten().is_none() {
+                    let _ = p.child.kill();
+                    let _ = p.child.wait();
+                }
+            }
+        }
+    }
+    let mut ps = Publishers(Vec::with_capacity(n));
+    let mut stdins = Vec::with_capacity(n);
+    for i in 0..n {
+        let out = out_dir.join(format!("p{i}.out"));
+        let err = out_dir.join(format!("p{i}.err"));
+        let mut child = Command::new(&exe)
+            .args([
+                "--ignored",
+                "--exact",
+                "model_publisher_process",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(MODEL_CHILD_ENV, format!("{admin}|{stack}|{seed}|{i}"))
+            .env_remove("RUST_LOG")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::fs::File::create(&out)?)
+            .stderr(std::fs::File::create(&err)?)
+            .spawn()
+            .with_context(|| format!("starting publisher process {i}"))?;
+        stdins.push(child.stdin.take().context("stdin")?);
+        ps.0.push(Publisher { child, out, err });
+    }
+    let spawned = started.elapsed().as_secs_f64();
+    // Go: every publisher's stdin closes at once.
+    drop(stdins);
+    let deadline = Instant::now() + Duration::from_secs(600);
+    let mut race = Race::default();
+    let mut bases: HashMap<i64, m::Tree> = HashMap::new();
+    let mut layers: HashMap<i64, i64> = HashMap::new();
+    for (i, p) in ps.0.iter_mut().enumerate() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let status = wait_timeout(&mut p.child, left)?
+            .with_context(|| format!("publisher process {i} still runs after 600 s"))?;
+        let out = std::fs::read_to_string(&p.out)?;
+        let report = out
+            .lines()
+            // After libtest's `test model_publisher_process ... `.
+            .find_map(|l| l.split_once(MODEL_REPORT).map(|(_, r)| r))
+            .filter(|_| status.success());
+        let Some(report) = report else {
+            bail!(
+                "publisher process {i} ended {status} without its report:\n{out}\n{}",
+                std::fs::read_to_string(&p.err).unwrap_or_default()
+            );
+        };
+        let r: Value = serde_json::from_str(report).with_context(|| report.to_string())?;
+        let sid = r["session"].as_i64().context("session")?;
+        let cs: Changeset = serde_json::from_value(r["changeset"].clone())?;
+        let ended = match r["outcome"].as_str() {
+            Some("committed") => Ended::Committed,
+            Some("merged") => Ended::Merged,
+            Some("conflict") => Ended::Rejected,
+            _ => bail!("publisher {i}'s publish ended {r}"),
+        };
+        if ended != Ended::Rejected {
+            layers.insert(sid, r["layer"].as_i64().context("layer")?);
+        }
+        bases.insert(sid, serde_json::from_value(r["base"].clone())?);
+        race.add(sid, cs, ended)
+            .map_err(|e| anyhow::anyhow!("{e} (seed {seed})"))?;
+    }
+    let raced = started.elapsed().as_secs_f64();
+
+    // The branch log, through the API.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let (entries, head) = rt.block_on(async {
+        let mut c = layerstack_api::connect(&admin).await?;
+        let mut st = c
+            .log(layerstack_api::LogRequest {
+                image: stack.clone(),
+                branch: "main".into(),
+                ..Default::default()
+            })
+            .await?
+            .into_inner();
+        let mut entries = Vec::new();
+        while let Some(r) = st.message().await? {
+            entries.extend(r.entry);
+        }
+        // The head's tree, through a fresh session (discarded).
+        let id = model_session(&mut c, &stack, "model-head").await?;
+        let head = model_tree(&mut c, id).await?;
+        c.close_session(layerstack_api::CloseSessionRequest {
+            session_id: id,
+            action: layerstack_api::EndAction::Discard as i32,
+            ..Default::default()
+        })
+        .await?;
+        anyhow::Ok((entries, head))
+    })?;
+    let mut landed = Vec::new();
+    model_log_order(&entries, &mut landed);
+    landed.retain(|(sid, _)| race.changesets.contains_key(sid));
+    for (sid, layer) in &landed {
+        ensure!(
+            layers.get(sid) == Some(layer),
+            "session {sid}'s layer in the log is {layer}, its publisher was told {:?} (seed {seed})",
+            layers.get(sid)
+        );
+    }
+    let order: Vec<i64> = landed.iter().map(|(sid, _)| *sid).collect();
+
+    // Replayed on the model: every committed changeset once, in log order,
+    // no rejected one; each tree the model passes through, by its first place.
+    // A changeset that changed nothing (a delete of a file another deleted
+    // too) leaves the same tree twice: a tree's places are a range.
+    let mut states: HashMap<m::Tree, (usize, usize)> = HashMap::new();
+    let model = race
+        .replay(&order, &seed_tree, |k, t| {
+            states.entry(t.clone()).or_insert((k, k)).1 = k;
+        })
+        .map_err(|e| anyhow::anyhow!("{e} (seed {seed})"))?;
+    ensure!(
+        head == model,
+        "the head differs from the sequential model (seed {seed}): {}",
+        m::tree_diff(&head, &model)
+    );
+    // Every lease is a tree the model passed through (snapshot isolation), no
+    // later than the session's own place in the log.
+    let mut leased: HashMap<i64, (usize, usize)> = HashMap::new();
+    for (sid, base) in &bases {
+        let Some(&(first, last)) = states.get(base) else {
+            bail!(
+                "session {sid} leased a tree the sequential model never passed through (seed {seed})"
+            );
+        };
+        if let Some(at) = order.iter().position(|o| o == sid) {
+            ensure!(
+                first <= at,
+                "session {sid}, {at}th in the log, leased the tree after the {first}th (seed {seed})"
+            );
+        }
+        leased.insert(*sid, (first, last));
+    }
+    // No false conflict: a rejected changeset shares a file with one that
+    // landed after its lease; a merged one with one that landed between its
+    // lease and it, a committed one with none.
+    let may_follow = |sid: i64, k: usize| k >= leased[&sid].0;
+    let surely_follows = |sid: i64, k: usize| k >= leased[&sid].1;
+    race.check_rejections(&order, may_follow)
+        .map_err(|e| anyhow::anyhow!("{e} (seed {seed})"))?;
+    race.check_outcomes(&order, may_follow, surely_follows)
+        .map_err(|e| anyhow::anyhow!("{e} (seed {seed})"))?;
+    // The path index and the trees agree, content included.
+    let report = s.json(&["fsck", "--content", "--json"])?;
+    ensure!(
+        report["unrepaired"] == 0 && report["problems"].as_array().is_some_and(Vec::is_empty),
+        "fsck --content after the race: {report}"
+    );
+    let (committed, merged, rejected) = (
+        race.committed().len(),
+        race.merged().len(),
+        race.rejected().len(),
+    );
+    ensure!(
+        rejected > 0 && merged > 0,
+        "the race exercised too little: {committed} committed ({merged} merged), {rejected} rejected (seed {seed})"
+    );
+    let secs = started.elapsed().as_secs_f64();
+    eprintln!(
+        "model processes: {n} publisher processes (started in {spawned:.1} s, done in {raced:.1} s), {committed} committed ({merged} merged), {rejected} rejected, {secs:.1} s"
+    );
+    record(
+        "concurrency-model-processes",
+        "Concurrent publisher processes, each a client of the daemon's admin API (a daemon-owned session on one branch head, its changeset written through the file RPCs, closed with publish), leave exactly the history a sequential model predicts: every committed changeset once in log order with the layer it was told, every rejected one absent, no lost update; each session leased a state the model passed through, and merged or was refused only where a changeset that landed after its lease touched its files",
+        MODEL_TEST,
+        json!({
+            "processes": n,
+            "committed": committed,
+            "merged": merged,
+            "rejected": rejected,
+            "seconds": (secs * 10.0).round() / 10.0,
         }),
     )?;
     Ok(())

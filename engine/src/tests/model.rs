@@ -5,147 +5,31 @@
 //! one absent, no update lost (a line edited by a committed publish reads the
 //! last committed value, whatever merged around it).
 //!
-//! The changesets are line edits of shared 16-line text files (so concurrent
-//! edits of one file merge when their hunks are apart and conflict when they
-//! touch), deletions and re-creations of shared files, and files only their
-//! publisher writes (which always commit). Every value written is unique to its
-//! publisher, so a rejected publisher's writes cannot hide in the result.
+//! The changesets, the model and its checks are `layerstack_integration::model`
+//! (shared with the integration test that races publisher *processes* through
+//! a daemon). Here the publishers are tasks of one engine, writing their
+//! sessions' uppers directly.
 //!
 //! Randomness: a xorshift generator seeded from `LAYERSTACK_MODEL_SEED` (or the
 //! clock, printed so a failure can be replayed); publishers from
 //! `LAYERSTACK_MODEL_PUBLISHERS` (default 256).
 
 use super::*;
-use std::collections::{BTreeSet, HashMap};
+use layerstack_integration::model::{self as m, Changeset, Ended, Race, Rng, Tree};
+use std::collections::HashMap;
 
-const FILES: usize = 32;
-const LINES: usize = 16;
-
-struct Rng(u64);
-
-impl Rng {
-    /// Publisher `i`'s own stream (splitmix64 of the seed and `i`: distinct
-    /// publishers never share a stream).
-    fn for_publisher(seed: u64, i: usize) -> Rng {
-        let mut z = seed.wrapping_add((i as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-        Rng((z ^ (z >> 31)) | 1)
-    }
-    fn next(&mut self) -> u64 {
-        let mut x = self.0;
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        self.0 = x;
-        x
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.next() % n as u64) as usize
-    }
-    fn chance(&mut self, percent: u64) -> bool {
-        self.next() % 100 < percent
-    }
-}
-
-/// One publisher's changeset, as the model applies it.
-#[derive(Debug, Default, Clone)]
-struct Changeset {
-    /// (shared file, line, new value) — the file existed in the session's base.
-    edits: Vec<(usize, usize, String)>,
-    /// Shared files deleted (existed in the base, not edited by this changeset).
-    deletes: Vec<usize>,
-    /// Shared files created (absent in the base), with their whole content.
-    creates: Vec<(usize, Vec<String>)>,
-    /// The publisher's own file, if it wrote one (content = its path's name).
-    own: Option<String>,
-}
-
-fn shared(k: usize) -> String {
-    format!("shared/f{k}.txt")
-}
-
-fn text(lines: &[String]) -> Vec<u8> {
-    let mut s = String::new();
-    for l in lines {
-        s.push_str(l);
-        s.push('\n');
-    }
-    s.into_bytes()
-}
-
-fn lines_of(bytes: &[u8]) -> Vec<String> {
-    String::from_utf8(bytes.to_vec())
-        .unwrap()
-        .lines()
-        .map(str::to_string)
-        .collect()
-}
-
-/// Draws publisher `i`'s changeset over the view its session leased, writes it
-/// into the session's upper and returns it.
-fn draw(rng: &mut Rng, i: usize, s: &SessionInfo, base: &publisher::LayerView) -> Changeset {
-    let mut c = Changeset::default();
-    let present: Vec<Option<Vec<String>>> = (0..FILES)
-        .map(|k| {
-            base.read_regular(shared(k).as_bytes())
-                .unwrap()
-                .map(|b| lines_of(&b))
-        })
-        .collect();
-    let disjoint_only = rng.chance(10);
-    if !disjoint_only {
-        let mut edited: BTreeMap<usize, Vec<String>> = BTreeMap::new();
-        for _ in 0..1 + rng.below(3) {
-            let k = rng.below(FILES);
-            match &present[k] {
-                Some(lines) => {
-                    let line = rng.below(LINES);
-                    let v = format!("p{i} edits f{k} line {line}");
-                    edited.entry(k).or_insert_with(|| lines.clone())[line] = v.clone();
-                    c.edits.push((k, line, v));
-                }
-                None if !c.creates.iter().any(|(ck, _)| *ck == k) => {
-                    let lines: Vec<String> = (0..LINES)
-                        .map(|l| format!("p{i} creates f{k} line {l}"))
-                        .collect();
-                    write(&s.upper, &shared(k), &text(&lines));
-                    c.creates.push((k, lines));
-                }
-                None => {}
-            }
-        }
-        for (k, lines) in &edited {
-            write(&s.upper, &shared(*k), &text(lines));
-        }
-        if rng.chance(6) {
-            let k = rng.below(FILES);
-            if present[k].is_some() && !edited.contains_key(&k) {
-                delete_in(s, &shared(k));
-                c.deletes.push(k);
+/// The shared and own files of a view, as the model's tree.
+fn tree_of(view: &publisher::LayerView) -> Tree {
+    let mut t = Tree::new();
+    for dir in ["shared", "own"] {
+        for name in view.list_dir(dir.as_bytes()).unwrap_or_default() {
+            let path = format!("{dir}/{}", String::from_utf8(name).unwrap());
+            if let Some(b) = view.read_regular(path.as_bytes()).unwrap() {
+                t.insert(path, m::lines_of(&b));
             }
         }
     }
-    if disjoint_only || rng.chance(20) {
-        let path = format!("own/p{i}.txt");
-        write(&s.upper, &path, format!("{path}\n").as_bytes());
-        c.own = Some(path);
-    }
-    if c.edits.is_empty() && c.creates.is_empty() && c.deletes.is_empty() && c.own.is_none() {
-        let path = format!("own/p{i}.txt");
-        write(&s.upper, &path, format!("{path}\n").as_bytes());
-        c.own = Some(path);
-    }
-    c
-}
-
-impl Changeset {
-    /// The shared files it touches.
-    fn files(&self) -> BTreeSet<usize> {
-        let e = self.edits.iter().map(|(k, _, _)| *k);
-        let c = self.creates.iter().map(|(k, _)| *k);
-        e.chain(c).chain(self.deletes.iter().copied()).collect()
-    }
+    t
 }
 
 /// The log's published layers, oldest first, squashes expanded into their
@@ -167,16 +51,7 @@ async fn concurrent_publishers_leave_the_history_a_sequential_model_predicts() {
     if !have_root("concurrent_publishers_leave_the_history_a_sequential_model_predicts") {
         return;
     }
-    let seed: u64 = std::env::var("LAYERSTACK_MODEL_SEED")
-        .ok()
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| {
-            std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_nanos() as u64
-                | 1
-        });
+    let seed = m::seed_from_env();
     let n: usize = std::env::var("LAYERSTACK_MODEL_PUBLISHERS")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -188,11 +63,10 @@ async fn concurrent_publishers_leave_the_history_a_sequential_model_predicts() {
     let p = engine_with(&store, Default::default());
 
     // The shared files every publisher may edit.
-    let seed_files: Vec<(String, Vec<u8>)> = (0..FILES)
-        .map(|k| {
-            let lines: Vec<String> = (0..LINES).map(|l| format!("f{k} line {l}")).collect();
-            (shared(k), text(&lines))
-        })
+    let seed_tree = m::seed_tree();
+    let seed_files: Vec<(String, Vec<u8>)> = seed_tree
+        .iter()
+        .map(|(p, lines)| (p.clone(), m::text(lines)))
         .collect();
     let files: Vec<(&str, &[u8])> = seed_files
         .iter()
@@ -214,144 +88,80 @@ async fn concurrent_publishers_leave_the_history_a_sequential_model_predicts() {
                         .manifest_view("ns/sha256:aaa", s.lease_manifest.unwrap())
                         .unwrap(),
                 );
-                let c = draw(&mut rng, i, &s, &base);
+                let base = tree_of(&base);
+                let c = Changeset::draw(&mut rng, i, &base);
+                for w in c.writes(&base) {
+                    match w {
+                        m::Write::File(path, bytes) => write(&s.upper, &path, &bytes),
+                        m::Write::Delete(path) => delete_in(&s, &path),
+                    }
+                }
                 tokio::time::sleep(std::time::Duration::from_millis(rng.below(50) as u64)).await;
                 let out = p.publish(s.id, &format!("p{i}")).await.unwrap();
                 (s.id, s.lease_manifest.unwrap(), c, out.outcome.unwrap())
             })
         })
         .collect();
-    let mut by_session: HashMap<i64, Changeset> = HashMap::new();
-    let (mut committed, mut merged, mut rejected) = (BTreeSet::new(), 0usize, BTreeSet::new());
-    let mut changesets = Vec::new();
+    let mut race = Race::default();
     let mut leases: HashMap<i64, i64> = HashMap::new();
     for t in tasks {
         let (sid, lease, c, out) = t.await.unwrap();
         leases.insert(sid, lease);
-        match out.kind {
-            OutcomeKind::Committed => {
-                committed.insert(sid);
-            }
-            OutcomeKind::Merged => {
-                committed.insert(sid);
-                merged += 1;
-            }
+        let ended = match out.kind {
+            OutcomeKind::Committed => Ended::Committed,
+            OutcomeKind::Merged => Ended::Merged,
             OutcomeKind::Conflict => {
-                rejected.insert(sid);
                 if std::env::var_os("LAYERSTACK_MODEL_VERBOSE").is_some() {
                     eprintln!("rejected {c:?}: {:?} {:?}", out.message, out.counts);
                 }
-                assert!(
-                    c.edits.len() + c.deletes.len() + c.creates.len() > 0,
-                    "a changeset of its own files only was rejected: {c:?} {out:?}"
-                );
+                Ended::Rejected
             }
             other => panic!("publish of {c:?} ended {other:?}: {out:?}"),
-        }
-        changesets.push((sid, c.clone()));
-        by_session.insert(sid, c);
+        };
+        race.add(sid, c, ended)
+            .unwrap_or_else(|e| panic!("{e}: {out:?} (seed {seed})"));
     }
 
-    // Every committed changeset once, in the log's order; no rejected one.
+    // Every committed changeset once, in the log's order; no rejected one;
+    // replayed on the model, the head.
     let log = store.log("ns/sha256:aaa", "main").unwrap();
     let mut landed = Vec::new();
     sessions_in_order(&log, &mut landed);
-    landed.retain(|(s, _)| by_session.contains_key(s));
+    landed.retain(|(s, _)| race.changesets.contains_key(s));
     let order: Vec<i64> = landed.iter().map(|(s, _)| *s).collect();
-    let once: BTreeSet<i64> = order.iter().copied().collect();
-    assert_eq!(
-        once.len(),
-        order.len(),
-        "a changeset appears twice in the log"
+    let model = race
+        .replay(&order, &seed_tree, |_, _| {})
+        .unwrap_or_else(|e| panic!("{e} (seed {seed})"));
+    let head = tree_of(&head_view(&store, "main"));
+    assert!(
+        head == model,
+        "the head differs from the sequential model (seed {seed}): {}",
+        m::tree_diff(&head, &model)
     );
-    assert_eq!(
-        once, committed,
-        "the log's changesets are the committed ones"
-    );
-
-    // Replay on the model.
-    let mut model: BTreeMap<String, Option<Vec<String>>> = seed_files
-        .iter()
-        .map(|(p, c)| (p.clone(), Some(lines_of(c))))
-        .collect();
-    for sid in &order {
-        let c = &by_session[sid];
-        for (k, lines) in &c.creates {
-            model.insert(shared(*k), Some(lines.clone()));
-        }
-        for (k, line, v) in &c.edits {
-            let f = model
-                .get_mut(&shared(*k))
-                .and_then(Option::as_mut)
-                .unwrap_or_else(|| panic!("session {sid} edited f{k}, which the model lacks"));
-            f[*line] = v.clone();
-        }
-        for k in &c.deletes {
-            model.insert(shared(*k), None);
-        }
-        if let Some(own) = &c.own {
-            model.insert(own.clone(), Some(vec![own.clone()]));
-        }
-    }
-    for (_, c) in changesets.iter().filter(|(s, _)| rejected.contains(s)) {
-        if let Some(own) = &c.own {
-            model.entry(own.clone()).or_insert(None);
-        }
-    }
-    let view = head_view(&store, "main");
-    for (path, want) in &model {
-        let got = view.read_regular(path.as_bytes()).unwrap();
-        assert_eq!(
-            got.as_deref().map(lines_of),
-            want.clone(),
-            "{path}: the head differs from the sequential model (seed {seed})"
-        );
-    }
-    for dir in ["shared", "own"] {
-        let listed: BTreeSet<String> = view
-            .list_dir(dir.as_bytes())
-            .unwrap_or_default()
-            .into_iter()
-            .map(|n| format!("{dir}/{}", String::from_utf8(n).unwrap()))
-            .collect();
-        let want: BTreeSet<String> = model
-            .iter()
-            .filter(|(p, v)| p.starts_with(&format!("{dir}/")) && v.is_some())
-            .map(|(p, _)| p.clone())
-            .collect();
-        assert_eq!(
-            listed, want,
-            "{dir}/ lists what the model holds (seed {seed})"
-        );
-    }
     // No false conflict: a rejected changeset shares a file with one that
     // landed after the manifest it leased.
-    for sid in &rejected {
-        let mine = by_session[sid].files();
-        let raced = landed
-            .iter()
-            .filter(|(_, m)| *m > leases[sid])
-            .any(|(other, _)| !by_session[other].files().is_disjoint(&mine));
-        assert!(
-            raced,
-            "session {sid} was rejected although nothing that landed after its lease touched its files: {:?} (seed {seed})",
-            by_session[sid]
-        );
-    }
+    let follows = |sid: i64, k: usize| landed[k].1 > leases[&sid];
+    race.check_rejections(&order, follows)
+        .unwrap_or_else(|e| panic!("{e} (seed {seed})"));
+    // A merged changeset shares a file with one that landed between its lease
+    // and it; a committed one with none.
+    race.check_outcomes(&order, follows, follows)
+        .unwrap_or_else(|e| panic!("{e} (seed {seed})"));
     // The path index and the trees agree, content included (merged files, squashes).
     let report = store.fsck_with(false, true).unwrap();
     assert_eq!(report.unrepaired(), 0, "{:?}", report.problems);
+    let (committed, merged, rejected) = (
+        race.committed().len(),
+        race.merged().len(),
+        race.rejected().len(),
+    );
     assert!(
-        !rejected.is_empty() && merged > 0,
-        "the race exercised too little: {} committed ({merged} merged), {} rejected (seed {seed})",
-        committed.len(),
-        rejected.len()
+        rejected > 0 && merged > 0,
+        "the race exercised too little: {committed} committed ({merged} merged), {rejected} rejected (seed {seed})"
     );
     let secs = started.elapsed().as_secs_f64();
     eprintln!(
-        "model test: {n} publishers, {} committed ({merged} merged), {} rejected, {secs:.1} s",
-        committed.len(),
-        rejected.len()
+        "model test: {n} publishers, {committed} committed ({merged} merged), {rejected} rejected, {secs:.1} s"
     );
     layerstack_store::reliability::record(
         "concurrency-model",
@@ -359,9 +169,9 @@ async fn concurrent_publishers_leave_the_history_a_sequential_model_predicts() {
         "cargo test -p layerstack-engine --lib tests::model",
         &[
             ("publishers", n.into()),
-            ("committed", committed.len().into()),
+            ("committed", committed.into()),
             ("merged", merged.into()),
-            ("rejected", rejected.len().into()),
+            ("rejected", rejected.into()),
             ("seconds", ((secs * 10.0).round() / 10.0).into()),
         ],
     )
