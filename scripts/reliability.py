@@ -31,6 +31,7 @@ GUARANTEES: List[tuple] = [
     ("concurrency-model", "concurrency"),
     ("sandbox-isolation", "concurrency"),
     ("disk-full", "resources"),
+    ("disk-full-containers", "resources"),
     ("memory-bound", "resources"),
     ("hostile-upper", "hostile input"),
     ("capture-race", "hostile input"),
