@@ -196,6 +196,9 @@ async fn prepare(t: &Path, op: &str) -> (PathBuf, Vec<String>) {
             let s = session_with(&p, "main", "m", &[("mounted.txt", b"m\n")]).await;
             let o = p.publish(s.id, "m").await.unwrap().outcome.unwrap();
             assert!(o.kind.is_published(), "{o:?}");
+            // Its fresh upper could not be made (a full disk after the
+            // publish): the mount makes all its directories, or none.
+            std::fs::remove_dir_all(store.session_dir(s.id)).unwrap();
             vec![s.id.to_string()]
         }
         "pull" => {
@@ -441,6 +444,25 @@ fn assert_fsck_clean(store: &Store, what: &str) {
     );
 }
 
+/// No session directory is left half-made by a failed mkdir: each `s/<n>`
+/// has both its upper and its workdir.
+fn assert_no_half_made_session(root: &Path, what: &str) {
+    let Ok(rd) = std::fs::read_dir(root.join("s")) else {
+        return;
+    };
+    for e in rd.flatten() {
+        let d = e.path();
+        let has = |n: &str| d.join(n).symlink_metadata().is_ok();
+        assert!(
+            has("upper") && has("work"),
+            "{what}: session directory {} is half-made (upper {}, work {})",
+            d.display(),
+            has("upper"),
+            has("work")
+        );
+    }
+}
+
 fn assert_committed_kept(store: &Store, what: &str) {
     let head = store.branch_head(STACK, "main").unwrap();
     let view = publisher::LayerView::new(store.manifest_view(STACK, head).unwrap());
@@ -682,6 +704,7 @@ async fn an_io_error_at_each_point_fails_the_operation_cleanly_and_the_next_one_
             assert!(err.contains(&said), "{what}: the error does not say it: {err}");
             assert_eq!(visible(&store), before, "{what}: a failed operation changed what is visible");
             assert_fsck_clean(&store, &what);
+            assert_no_half_made_session(&root_dir, &what);
             run_op(&store, &e, op, &argv)
                 .await
                 .unwrap_or_else(|e| panic!("{what}: the same operation afterwards fails: {e}"));
