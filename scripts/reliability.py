@@ -32,6 +32,7 @@ GUARANTEES: List[tuple] = [
     ("concurrency-model-processes", "concurrency"),
     ("sandbox-isolation", "concurrency"),
     ("disk-full", "resources"),
+    ("disk-full-containers", "resources"),
     ("memory-bound", "resources"),
     ("hostile-upper", "hostile input"),
     ("capture-race", "hostile input"),

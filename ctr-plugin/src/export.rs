@@ -128,13 +128,16 @@ fn prepare_dir(dir: &Path) -> Result<Cleanup> {
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => true,
         Err(e) => return Err(e).with_context(|| format!("cannot inspect {}", dir.display())),
     };
-    let blobs = dir.join("blobs").join("sha256");
-    fs::create_dir_all(&blobs).with_context(|| format!("cannot create {}", blobs.display()))?;
-    Ok(Cleanup {
+    // Armed before the first mkdir: a directory made before a full disk
+    // refused the next one goes too.
+    let cleanup = Cleanup {
         dir: dir.to_path_buf(),
         made_dir,
         armed: true,
-    })
+    };
+    let blobs = dir.join("blobs").join("sha256");
+    fs::create_dir_all(&blobs).with_context(|| format!("cannot create {}", blobs.display()))?;
+    Ok(cleanup)
 }
 
 fn sha256_hex(bytes: &[u8]) -> String {
@@ -197,8 +200,29 @@ struct Received {
     done: api::ExportBlobDone,
 }
 
-/// Runs `layerstack export`.
+/// Runs `layerstack export`. A write of the layout that fails for lack of
+/// space (ENOSPC, EDQUOT) ends with error kind `no_space` naming the
+/// directory's full filesystem and what to do; what the export wrote is
+/// removed by then.
 pub async fn run(admin: &Path, ns: &str, a: ExportArgs) -> Result<ExitCode> {
+    let dir = a.oci_layout.clone();
+    export(admin, ns, a).await.map_err(|e| {
+        if api::types::is_no_space(e.as_ref()) {
+            crate::errors::failure(
+                api::ErrorKind::NoSpace,
+                format!(
+                    "{}: no space left on device (the filesystem holding {} is full): the export wrote nothing there (what it had written was removed); free space on it or name a directory on another filesystem, then export again",
+                    api::error_chain(e.as_ref()),
+                    dir.display()
+                ),
+            )
+        } else {
+            e
+        }
+    })
+}
+
+async fn export(admin: &Path, ns: &str, a: ExportArgs) -> Result<ExitCode> {
     let annotations = a.tag.as_deref().map(tag_annotations).transpose()?;
     let (image, branch) = match &a.stack {
         Some(s) => crate::history::split_branch(s),

@@ -45,6 +45,10 @@ pub(super) const OPS: &[&str] = &[
     "pull",
     "snapshot-commit",
     "snapshot-remove",
+    "snapshot-prepare",
+    "snapshot-extract",
+    "rebranch",
+    "mount",
 ];
 
 /// The containerd keys of the snapshot workloads: an image layer extracted on
@@ -52,10 +56,32 @@ pub(super) const OPS: &[&str] = &[
 const EXTRACT: &str = "ns/9/extract-9 sha256:bbb";
 const IMAGE: &str = "ns/10/sha256:bbb";
 
+/// The containerd keys of the Prepare workloads: a container's rootfs on the
+/// image (a session), a second image layer extracted on it (a plain snapshot
+/// over lowers), and the container that ran the image first (its stack and
+/// branch made).
+const CONTAINER: &str = "ns/12/ctr";
+const EXTRACT2: &str = "ns/13/extract-13 sha256:ccc";
+const FIRST: &str = "ns/11/first";
+
 /// containerd's Prepare of the extraction and the layer's content written.
 fn extract(store: &Store) {
     let dir = prepare_extraction(store, EXTRACT, "ns/2/sha256:aaa", "sha256:bbb");
     write(&dir, "layer.txt", b"layer\n");
+}
+
+/// containerd's Prepare of `key` on the image, or its answer that `key` was
+/// prepared (the crash came after the commit).
+fn prepare_on_image(
+    store: &Store,
+    key: &str,
+    labels: BTreeMap<String, String>,
+) -> Result<(), String> {
+    match store.prepare(key, IMAGE, labels, false) {
+        Ok(_) => Ok(()),
+        Err(layerstack_store::StoreError::SnapshotExists(_)) => Ok(()),
+        Err(e) => Err(crate::error::error_chain(&e)),
+    }
 }
 
 /// The engine's history settings in the suite: a squash takes all but the
@@ -152,10 +178,28 @@ async fn prepare(t: &Path, op: &str) -> (PathBuf, Vec<String>) {
             extract(&store);
             vec![]
         }
-        "snapshot-remove" => {
+        "snapshot-remove" | "snapshot-extract" => {
             extract(&store);
             store.commit(IMAGE, EXTRACT, BTreeMap::new()).unwrap();
             vec![]
+        }
+        "snapshot-prepare" | "rebranch" => {
+            extract(&store);
+            store.commit(IMAGE, EXTRACT, BTreeMap::new()).unwrap();
+            let (_, spec) = store.prepare(FIRST, IMAGE, BTreeMap::new(), false).unwrap();
+            assert!(matches!(spec, MountSpec::Overlay { upper: Some(_), .. }), "{spec:?}");
+            let sid = store.snapshot_session(FIRST).unwrap().expect("a session");
+            vec![sid.to_string()]
+        }
+        "mount" => {
+            // A sandbox session whose run published: its mount starts a new run.
+            let s = session_with(&p, "main", "m", &[("mounted.txt", b"m\n")]).await;
+            let o = p.publish(s.id, "m").await.unwrap().outcome.unwrap();
+            assert!(o.kind.is_published(), "{o:?}");
+            // Its fresh upper could not be made (a full disk after the
+            // publish): the mount makes all its directories, or none.
+            std::fs::remove_dir_all(store.session_dir(s.id)).unwrap();
+            vec![s.id.to_string()]
         }
         "pull" => {
             // A layer another store pushed: one file, as a gzip blob.
@@ -302,6 +346,22 @@ pub(super) async fn run_op(
             Err(layerstack_store::StoreError::SnapshotNotFound(_)) => Ok(()),
             Err(e) => Err(e.to_string()),
         },
+        "snapshot-prepare" => prepare_on_image(store, CONTAINER, BTreeMap::new()),
+        "snapshot-extract" => prepare_on_image(
+            store,
+            EXTRACT2,
+            BTreeMap::from([(SNAPSHOT_REF_LABEL.to_string(), "sha256:ccc".to_string())]),
+        ),
+        // The shim's rebranch of the first container before its start: the
+        // same call again finds it on the branch.
+        "rebranch" => store
+            .rebranch_session(args[0].parse().unwrap(), "other", false)
+            .map(drop)
+            .map_err(|e| crate::error::error_chain(&e)),
+        "mount" => store
+            .session_mount(args[0].parse().unwrap())
+            .map(drop)
+            .map_err(|e| crate::error::error_chain(&e)),
         other => panic!("unknown operation {other}"),
     }
 }
@@ -382,6 +442,25 @@ fn assert_fsck_clean(store: &Store, what: &str) {
         0,
         "{what}: a staged publish was left behind"
     );
+}
+
+/// No session directory is left half-made by a failed mkdir: each `s/<n>`
+/// has both its upper and its workdir.
+fn assert_no_half_made_session(root: &Path, what: &str) {
+    let Ok(rd) = std::fs::read_dir(root.join("s")) else {
+        return;
+    };
+    for e in rd.flatten() {
+        let d = e.path();
+        let has = |n: &str| d.join(n).symlink_metadata().is_ok();
+        assert!(
+            has("upper") && has("work"),
+            "{what}: session directory {} is half-made (upper {}, work {})",
+            d.display(),
+            has("upper"),
+            has("work")
+        );
+    }
 }
 
 fn assert_committed_kept(store: &Store, what: &str) {
@@ -625,10 +704,11 @@ async fn an_io_error_at_each_point_fails_the_operation_cleanly_and_the_next_one_
             assert!(err.contains(&said), "{what}: the error does not say it: {err}");
             assert_eq!(visible(&store), before, "{what}: a failed operation changed what is visible");
             assert_fsck_clean(&store, &what);
+            assert_no_half_made_session(&root_dir, &what);
             run_op(&store, &e, op, &argv)
                 .await
                 .unwrap_or_else(|e| panic!("{what}: the same operation afterwards fails: {e}"));
-            if !matches!(*op, "session" | "attempt" | "export" | "gc") {
+            if !matches!(*op, "session" | "attempt" | "export" | "gc" | "mount") {
                 // (Those leave nothing visible behind when they succeed.)
                 assert_ne!(
                     visible(&store),

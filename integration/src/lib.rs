@@ -1513,11 +1513,21 @@ pub struct TestEnv {
 impl TestEnv {
     /// The daemon, then containerd (the daemon must be serving before containerd dials it).
     pub fn new() -> Result<TestEnv> {
+        Self::new_with(|_| Ok(()))
+    }
+
+    /// [`TestEnv::new`] with `prepare` run on the env's temp dir before the
+    /// daemon starts (e.g. to mount a small filesystem at its `store/`).
+    pub fn new_with(prepare: impl FnOnce(&Path) -> Result<()>) -> Result<TestEnv> {
         sweep_stale();
         let dir = make_temp_dir()?;
         let snap = dir.join("ls").join("snap.sock");
         fs::create_dir_all(dir.join("ls"))?;
         fs::create_dir_all(dir.join("scratch"))?;
+        if let Err(e) = prepare(&dir) {
+            remove_tree(&dir);
+            return Err(e);
+        }
         // The daemon first, as systemd orders them: containerd 1.6 dials the proxy
         // socket at startup, and a failed first dial leaves it in gRPC backoff.
         let daemon = match Daemon::start_at(

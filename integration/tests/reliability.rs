@@ -208,6 +208,14 @@ impl Store<'_> {
         Ok(())
     }
 
+    /// How many live leases `fsck` counts.
+    fn leases(&self) -> Result<u64> {
+        let v = self.json(&["fsck", "--json"])?;
+        v["leases"]
+            .as_u64()
+            .with_context(|| format!("fsck --json without leases: {v}"))
+    }
+
     /// The stack's branches and its main log: what must not change when an
     /// operation is refused.
     fn visible(&self, stack: &str) -> Result<(Value, Value)> {
@@ -425,15 +433,77 @@ fn disk_full_during_publish_squash_and_import() -> Result<()> {
         "{}",
         describe(&o)
     );
+    s.fsck_clean("after publishing again")?;
+
+    // (6) An export whose OCI layout directory is on the full filesystem
+    // (~9 MB of blobs, 512 KiB left): it runs out part way through writing a
+    // blob, fails with kind no_space naming the directory's full filesystem,
+    // and removes what it wrote (the directory it made included); the
+    // daemon's export lease is released. Once space is freed it exports.
+    let out = disk.mnt.join("export-out");
+    let before_export = s.visible(&stack)?;
+    let leases = s.leases()?;
+    figures.insert(
+        "ballast_bytes_export".into(),
+        json!(fill_leaving(&ballast, 512 << 10)?),
+    );
+    let o = s.ls(&[
+        "export",
+        &main,
+        "--oci-layout",
+        out.to_str().context("utf-8")?,
+    ])?;
+    ensure_no_space("export", &o)?;
+    ensure!(
+        !out.exists(),
+        "a failed export left its output directory {}",
+        out.display()
+    );
+    ensure!(
+        s.visible(&stack)? == before_export,
+        "a failed export changed the branch"
+    );
+    s.fsck_clean("after an export on a full disk")?;
+    // The export's lease goes when the daemon sees the client gone.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while s.leases()? != leases && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    ensure!(
+        s.leases()? == leases,
+        "a failed export kept its lease: {} leases, {leases} before",
+        s.leases()?
+    );
+    figures.insert(
+        "export_on_full_disk".into(),
+        json!("error no_space, output directory removed"),
+    );
+    free_ballast()?;
+    let o = s.ok(
+        "export once space is freed",
+        &[
+            "export",
+            &main,
+            "--oci-layout",
+            out.to_str().context("utf-8")?,
+            "--json",
+        ],
+    )?;
+    let v: Value = serde_json::from_slice(&o.stdout).with_context(|| describe(&o))?;
+    ensure!(
+        out.join("index.json").is_file(),
+        "the export once space is freed wrote no index.json: {v}"
+    );
+    std::fs::remove_dir_all(&out)?;
     s.fsck_clean("at the end")?;
 
     figures.insert("filesystem_mib".into(), json!(64));
-    figures.insert("operations_refused".into(), json!(3));
+    figures.insert("operations_refused".into(), json!(4));
     figures.insert("restarts_on_full_disk".into(), json!(1));
     figures.insert("seconds".into(), json!(started.elapsed().as_secs_f64()));
     record(
         "disk-full",
-        "On a full store filesystem (64 MiB loop ext4) a publish ends `failed` (or fails with kind no_space when not even that outcome fits), a squash or a base import running out part way fails with kind no_space, each naming the full disk and what to do; nothing is half-visible (heads, logs, stacks unchanged, staging empty, fsck clean), the daemon restarts on the full disk, and all work again once space is freed",
+        "On a full store filesystem (64 MiB loop ext4) a publish ends `failed` (or fails with kind no_space when not even that outcome fits), a squash or a base import running out part way fails with kind no_space, as does an export whose output directory is on it, each naming the full disk and what to do; nothing is half-visible (heads, logs, stacks unchanged, staging empty, no export output left, fsck clean), the daemon restarts on the full disk, and all work again once space is freed",
         DISK_FULL_TEST,
         Value::Object(figures),
     )?;
@@ -1008,6 +1078,164 @@ fn publisher_processes_leave_the_history_a_sequential_model_predicts() -> Result
             "merged": merged,
             "rejected": rejected,
             "seconds": (secs * 10.0).round() / 10.0,
+        }),
+    )?;
+    Ok(())
+}
+
+const DISK_FULL_MODE_A_TEST: &str =
+    "cargo test -p layerstack-integration --test reliability disk_full_during_a_container_publish";
+
+/// The disk-full test for Mode A: a container run through containerd on the
+/// layerstack snapshotter, its store on a 64 MiB loop-mounted ext4, writes
+/// 8,000 files and a copy of busybox, then the disk is filled before it
+/// exits: its publish ends `failed` naming the full disk (or, when not even
+/// that outcome fits, the run keeps no outcome), the branch is unchanged,
+/// fsck is clean; once space is freed `layerstack publish` commits it and the
+/// next container reads it.
+#[test]
+fn disk_full_during_a_container_publish() -> Result<()> {
+    if !can_loop_mount() || !require_root_and_containerd() {
+        return Ok(());
+    }
+    const NS: &str = "diskfull";
+    let mut disk: Option<LoopExt4> = None;
+    // Declared after `disk`: containerd and the daemon stop before the disk
+    // is unmounted.
+    let env = TestEnv::new_with(|dir| {
+        disk = Some(LoopExt4::mount(&dir.join("store"), 64)?);
+        Ok(())
+    })?;
+    let _guard = env.guard();
+    let disk = disk.context("mounted")?;
+    let ballast = disk.mnt.join("ballast");
+    let started = Instant::now();
+    start_daemon_and_import(&env, NS, &busybox_image_tar()?, BUSYBOX_IMAGE)?;
+    let ls = |args: &[&str]| -> Result<Output> {
+        let mut a = vec!["--error-format", "json", "-n", NS];
+        a.extend_from_slice(args);
+        env.layerstack(&a)
+    };
+    let json_of = |args: &[&str]| -> Result<Value> {
+        let o = ensure_success(&args.join(" "), ls(args)?)?;
+        serde_json::from_slice(&o.stdout).with_context(|| describe(&o))
+    };
+    let fsck_clean = |when: &str| -> Result<()> {
+        let o = ls(&["fsck", "--json"])?;
+        ensure!(o.status.success(), "fsck {when}: {}", describe(&o));
+        Ok(())
+    };
+    // A first container makes the image's stack and its branch main.
+    CtrRun::sh(NS, "first", "echo first > /first")
+        .image(BUSYBOX_IMAGE)
+        .rm(true)
+        .ok(&env)?;
+    ensure!(
+        ls_wait_ok(&env, NS, "first")? == "committed",
+        "the first container published"
+    );
+    let stacks = json_of(&["stack", "ls", "--json"])?;
+    let stack = stacks[0]["id"]
+        .as_str()
+        .with_context(|| format!("no stack: {stacks}"))?
+        .to_string();
+    let visible = || -> Result<(Value, Value)> {
+        Ok((
+            json_of(&["branch", "ls", &stack, "--json"])?,
+            json_of(&["log", &format!("{stack}@main"), "--json"])?,
+        ))
+    };
+
+    // The container writes, says so, and waits for SIGTERM to exit 0.
+    let id = "writer";
+    CtrRun::sh(
+        NS,
+        id,
+        "mkdir -p /w && n=a-file-name-long-enough-that-its-index-rows-outgrow-the-space-sqlite-kept-in-its-wal && for i in $(seq 1 8000); do echo file $i > /w/$n-$i; done && cat /bin/busybox > /w/big && touch /ready && trap 'exit 0' TERM && while :; do sleep 0.2; done",
+    )
+    .image(BUSYBOX_IMAGE)
+    .detached()
+    .ok(&env)?;
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let ready = std::fs::read_dir(disk.mnt.join("s"))?
+            .flatten()
+            .any(|e| e.path().join("upper/ready").exists());
+        if ready {
+            break;
+        }
+        ensure!(
+            Instant::now() < deadline,
+            "the container did not write its files within 60 s"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let before = visible()?;
+    // Filled twice: ext4 hands back some reserved blocks once the first
+    // fill's data is on disk.
+    let mut ballast_bytes = fill(&ballast)?;
+    nix::unistd::sync();
+    std::thread::sleep(Duration::from_millis(300));
+    ballast_bytes += fill(&ballast)?;
+    env.ctr_ok(NS, &["tasks", "kill", id])?;
+    wait_task_stopped(&env, NS, id, Duration::from_secs(60))?;
+    delete_task(&env, NS, id)?;
+    let o = layerstack_wait(&env, NS, id, &["--json"])?;
+    let session: Value = serde_json::from_slice(&o.stdout).unwrap_or(Value::Null);
+    let outcome = session["outcome"].as_str().unwrap_or("").to_string();
+    let message = session["message"].as_str().unwrap_or("").to_lowercase();
+    eprintln!("container publish on a full disk: {}", describe(&o));
+    let modea = if outcome == "failed" {
+        ensure!(
+            message.contains("no space left on device") && message.contains("free space"),
+            "the failed publish names the full disk and what to do: {}",
+            describe(&o)
+        );
+        "outcome failed"
+    } else {
+        // Not even the outcome fitted: the run keeps none, `wait` says so.
+        ensure!(
+            outcome.is_empty() && !o.status.success(),
+            "a container publish on a full disk ended {outcome:?}: {}",
+            describe(&o)
+        );
+        "no outcome (it did not fit)"
+    };
+    ensure!(
+        visible()? == before,
+        "a failed container publish changed the branch"
+    );
+    fsck_clean("after a container publish on a full disk")?;
+
+    // Space freed: the kept upper publishes, the next container reads it.
+    std::fs::remove_file(&ballast)?;
+    nix::unistd::sync();
+    let o = ls_publish(&env, NS, id, &[])?;
+    ensure!(
+        o.status.success() && first_word(&o) == "committed",
+        "publish once space is freed: {}",
+        describe(&o)
+    );
+    let text = CtrRun::sh(NS, "reader", "cat /w/*-8000")
+        .image(BUSYBOX_IMAGE)
+        .rm(true)
+        .stdout_ok(&env)?;
+    ensure!(
+        text.trim() == "file 8000",
+        "the next container read {text:?}"
+    );
+    remove_container(&env, NS, id)?;
+    fsck_clean("at the end")?;
+    record(
+        "disk-full-containers",
+        "On a full store filesystem (64 MiB loop ext4) a container's publish (Mode A, through containerd) ends `failed` naming the full disk and what to do (or keeps no outcome when not even that fits); the branch is unchanged, fsck is clean, and once space is freed `layerstack publish` commits the kept upper",
+        DISK_FULL_MODE_A_TEST,
+        json!({
+            "filesystem_mib": 64,
+            "files": 8001,
+            "ballast_bytes": ballast_bytes,
+            "publish_on_full_disk": modea,
+            "seconds": started.elapsed().as_secs_f64(),
         }),
     )?;
     Ok(())

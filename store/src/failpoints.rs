@@ -98,8 +98,10 @@ points! {
     // Sessions (store/src/sessions.rs).
     "session.created" => "a session's row and lease are committed; its directories are not made yet";
     "session.dirs", io => "a session's run is committed; its directories are about to be made (mkdir)";
+    "session.mkdir", io => "a session's directory and upper are made (mkdir) for a run being readied, started or moved (Prepare, create, attempt, mount, rebranch); its workdir not yet";
     "session.released" => "a session's release is committed; its directories are not removed yet";
     // containerd snapshots (store/src/snapshots.rs).
+    "snapshot.mkdir", io => "containerd's Prepare of a plain snapshot over lowers is committed and its directory made; its overlay workdir not yet";
     "snapshot.committed" => "containerd's Commit of an active snapshot is committed; its old workdir is not removed yet";
     "snapshot.removed" => "containerd's Remove is committed; the snapshot's directories are not removed yet";
     // Startup recovery (store/src/sweep.rs, engine/src/graph.rs).

@@ -262,21 +262,72 @@ pub(crate) fn insert_session(
 }
 
 impl Store {
+    /// Makes what is missing of session `sid`'s directory, upper and
+    /// workdir (a session whose fresh upper could not be made after its last
+    /// run keeps none; the next mount makes them). Nothing half-made stays: on
+    /// an error it removes, newest first, what this call made, and answers
+    /// `Io` naming the directory it could not make.
     pub(crate) fn make_session_dirs(&self, sid: SessionId) -> Result<(), StoreError> {
+        self.make_session_dirs_for(sid, false).map(drop)
+    }
+
+    /// [`Store::make_session_dirs`] answering what it made (for the caller to
+    /// remove with [`Store::unmake_session_dirs`] when its next step fails).
+    /// `run`: the directories of a run being readied or started (Prepare, a
+    /// session or attempt created, a mount, a rebranch) — the failpoint
+    /// `session.mkdir` is on that path only (a publish's renewal of the
+    /// upper logs its failure and goes on).
+    fn make_session_dirs_for(&self, sid: SessionId, run: bool) -> Result<Vec<PathBuf>, StoreError> {
         let s = self.session_path(sid);
         let _g = self.inflight.hold(session_rel(sid));
+        let mut made = Vec::new();
         for (p, mode) in [
             (s.clone(), 0o700),
             (s.join("upper"), 0o755),
             (s.join("work"), 0o700),
         ] {
-            match fs::mkdir_mode(&p, mode) {
-                Ok(()) => {}
+            let step = if run && p.ends_with("work") {
+                // The session's directory and upper made (now or before), its
+                // workdir not: where an error leaves the most to undo.
+                crate::failpoints::fail("session.mkdir", &self.root)
+            } else {
+                Ok(())
+            };
+            match step.and_then(|()| fs::mkdir_mode(&p, mode)) {
+                Ok(()) => made.push(p),
                 Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
-                Err(e) => return Err(StoreError::io(&p, e)),
+                Err(e) => {
+                    self.unmake_session_dirs(sid, &made);
+                    return Err(StoreError::io(&p, e));
+                }
             }
         }
-        Ok(())
+        Ok(made)
+    }
+
+    /// Removes the (empty) directories `made` of session `sid` that
+    /// [`Store::make_session_dirs_for`] made, newest first.
+    fn unmake_session_dirs(&self, sid: SessionId, made: &[PathBuf]) {
+        let _g = self.inflight.hold(session_rel(sid));
+        for d in made.iter().rev() {
+            if let Err(e) = std::fs::remove_dir(d) {
+                warn!(session.id = sid, path = %d.display(), error = %e, "cannot remove a session directory made by a step that failed");
+            }
+        }
+    }
+
+    /// Makes what is missing of session `sid`'s directories *before* `step`,
+    /// a transaction that starts or moves its run (a mount, a rebranch), so
+    /// that a full disk (ENOSPC) or an I/O error while making them fails the
+    /// call with nothing changed; when `step` fails, removes what was made
+    /// for it.
+    fn with_session_dirs<T>(
+        &self,
+        sid: SessionId,
+        step: impl FnOnce() -> Result<T, StoreError>,
+    ) -> Result<T, StoreError> {
+        let made = self.make_session_dirs_for(sid, true)?;
+        step().inspect_err(|_| self.unmake_session_dirs(sid, &made))
     }
 
     pub(crate) fn session_info(
@@ -383,6 +434,24 @@ impl Store {
         };
         crate::failpoints::fail("session.dirs", &self.root)
             .map_err(|e| StoreError::io(upper, e))?;
+        self.make_session_dirs_for(sid, true)?;
+        if let Some(top) = lowers.first() {
+            fs::init_upper_root(upper, top).map_err(|e| StoreError::io(upper, e))?;
+        }
+        Ok(())
+    }
+
+    /// [`Store::ready_run`] for a run whose directories were made before its
+    /// transaction ([`Store::with_session_dirs`]): what is still missing
+    /// (nothing, unless removed since), and a fresh upper's root.
+    fn ready_premade_run(&self, sid: SessionId, spec: &MountSpec) -> Result<(), StoreError> {
+        let MountSpec::Overlay {
+            lowers,
+            upper: Some((upper, _)),
+        } = spec
+        else {
+            return Ok(());
+        };
         self.make_session_dirs(sid)?;
         if let Some(top) = lowers.first() {
             fs::init_upper_root(upper, top).map_err(|e| StoreError::io(upper, e))?;
@@ -635,9 +704,12 @@ impl Store {
     /// The mount spec of session `sid`'s current run, starting a new run when the
     /// last one has an outcome (see the module docs). Error: `SessionNotFound`,
     /// `FailedPrecondition` (released, too many lowers).
+    ///
+    /// The directories are made first when missing (a full disk or an I/O
+    /// error then fails the mount with no run started and nothing made).
     pub fn session_mount(&self, sid: SessionId) -> Result<MountSpec, StoreError> {
-        let spec = self.db.write(|tx| self.start_run(tx, sid))?;
-        self.ready_run(sid, &spec)?;
+        let spec = self.with_session_dirs(sid, || self.db.write(|tx| self.start_run(tx, sid)))?;
+        self.ready_premade_run(sid, &spec)?;
         Ok(spec)
     }
 
@@ -858,13 +930,31 @@ impl Store {
         pinned: bool,
     ) -> Result<(SessionInfo, MountSpec, bool), StoreError> {
         validate_branch(branch).map_err(StoreError::InvalidArgument)?;
+        // The directories first, when missing: a full disk fails the rebranch
+        // before the lease moves (never a branch changed by a call that failed).
+        let (info, spec, changed) =
+            self.with_session_dirs(session, || self.rebranch_in(session, branch, pinned))?;
+        self.ready_premade_run(session, &spec)?;
+        if changed {
+            info!(session.id = session, branch, manifest = ?info.lease_manifest, "session re-pointed to branch");
+        }
+        Ok((info, spec, changed))
+    }
+
+    /// [`Store::rebranch_session`]'s check of the upper and its transaction.
+    fn rebranch_in(
+        &self,
+        session: SessionId,
+        branch: &str,
+        pinned: bool,
+    ) -> Result<(SessionInfo, MountSpec, bool), StoreError> {
         let upper = self.upper_path(session);
         let upper_empty = match std::fs::read_dir(&upper) {
             Ok(mut d) => d.next().is_none(),
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => true,
             Err(e) => return Err(StoreError::io(&upper, e)),
         };
-        let (info, spec, changed) = self.db.write(|tx| {
+        self.db.write(|tx| {
             let s = get_sess(tx, session)?;
             let mut changed = false;
             if s.branch != branch && !pinned {
@@ -897,12 +987,7 @@ impl Store {
             let spec = self.session_spec(tx, session, &lowers)?;
             let info = self.session_info(tx, s)?;
             Ok((info, spec, changed))
-        })?;
-        self.ready_run(session, &spec)?;
-        if changed {
-            info!(session.id = session, branch, manifest = ?info.lease_manifest, "session re-pointed to branch");
-        }
-        Ok((info, spec, changed))
+        })
     }
 
     /// Whether `sid`'s upper holds anything.

@@ -23,7 +23,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 
 use rusqlite::{params, Connection, OptionalExtension, Transaction};
-use tracing::{debug, info};
+use tracing::{debug, info, warn};
 
 use crate::db::Cached;
 use crate::error::StoreError;
@@ -335,6 +335,7 @@ fn view_spec(dirs: Vec<PathBuf>) -> MountSpec {
 
 /// The directories a snapshot's mount needs that its transaction recorded but
 /// did not make ([`Store::make_dirs`]).
+#[derive(Clone)]
 enum Dirs {
     None,
     /// A session's run: its directory, upper, workdir ([`Store::ready_run`]).
@@ -483,11 +484,64 @@ impl Store {
             Ok((need_snap(tx, key)?.info(), active_spec(dir, work, dirs), make))
         });
         let out = out.and_then(|(info, spec, make)| {
-            self.make_dirs(make, &spec)?;
+            if let Err(e) = self.make_dirs(make.clone(), &spec) {
+                // A Prepare that fails leaves nothing (containerd does not
+                // record the key, and retries it): its rows and what was made
+                // of its directories go.
+                if let Err(undo) = self.undo_prepare(key, make) {
+                    warn!(snapshot.key = key, error = %undo, "cannot undo a snapshot whose directories could not be made; its next Mounts makes them");
+                }
+                return Err(e);
+            }
             Ok((info, spec))
         });
         drop(holds);
         out
+    }
+
+    /// Undoes Prepare or View `key` whose directories ([`Dirs`] `make`) could
+    /// not be made, after its transaction committed: the snapshot's rows are
+    /// deleted; a session's is released with its lease (and an attempt it
+    /// started ends `abandoned`), a plain snapshot's own layer row deleted;
+    /// then what was made of the directories is removed. The stack and
+    /// branch an image's first container made stay (the next container of
+    /// the image makes the same).
+    fn undo_prepare(&self, key: &str, make: Dirs) -> Result<(), StoreError> {
+        let forget = |tx: &Transaction<'_>| -> Result<Option<i64>, StoreError> {
+            let layer: Option<i64> = tx
+                .one(
+                    "SELECT layer_id FROM snapshots WHERE key = ?1",
+                    [key],
+                    |r| r.get(0),
+                )
+                .optional()?
+                .flatten();
+            tx.exec("DELETE FROM snapshot_lowers WHERE key = ?1", [key])?;
+            tx.exec("DELETE FROM snapshots WHERE key = ?1", [key])?;
+            Ok(layer)
+        };
+        match make {
+            Dirs::None => Ok(()),
+            Dirs::Session(sid) => self.undo_new_session(sid, "session", None, |tx| {
+                tx.exec(
+                    "UPDATE graph_attempts SET status = 'abandoned', message = 'its session directories could not be made', ended_ns = ?2 WHERE session_id = ?1 AND status = 'running'",
+                    params![sid, now_ns()],
+                )?;
+                forget(tx).map(drop)
+            }),
+            Dirs::Layer { dir, work } => {
+                self.db.write(|tx| {
+                    if let Some(id) = forget(tx)? {
+                        tx.exec("DELETE FROM layers WHERE id = ?1 AND kind = 'active'", [id])?;
+                    }
+                    Ok(())
+                })?;
+                for d in work.iter().chain([&dir]) {
+                    self.reaper.drop_tree(d, "prepare-undone");
+                }
+                Ok(())
+            }
+        }
     }
 
     /// Makes what [`Dirs`] names, after the transaction that recorded the rows
@@ -499,8 +553,18 @@ impl Store {
             Dirs::None => Ok(()),
             Dirs::Session(sid) => self.ready_run(sid, spec),
             Dirs::Layer { dir, work } => {
-                for (p, mode) in std::iter::once((dir, 0o755)).chain(work.map(|w| (w, 0o700))) {
-                    match fs::mkdir_mode(&p, mode) {
+                let overlay = work.is_some();
+                for (i, (p, mode)) in std::iter::once((dir, 0o755))
+                    .chain(work.map(|w| (w, 0o700)))
+                    .enumerate()
+                {
+                    let step = if overlay && i == 1 {
+                        // The snapshot's directory made, its workdir not yet.
+                        crate::failpoints::fail("snapshot.mkdir", &self.root)
+                    } else {
+                        Ok(())
+                    };
+                    match step.and_then(|()| fs::mkdir_mode(&p, mode)) {
                         Ok(()) => {}
                         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
                         Err(e) => return Err(StoreError::io(&p, e)),

@@ -221,7 +221,12 @@ impl Store {
             if std::fs::symlink_metadata(self.upper_path(sid)).is_ok() {
                 continue;
             }
-            self.session_mount(sid)?;
+            if let Err(e) = self.session_mount(sid) {
+                // A full disk must not keep the daemon from starting (fsck
+                // names the session; its next mount makes them).
+                warn!(session.id = sid, error = %e, "cannot make the directories of a session whose start was interrupted by a crash; its next mount makes them");
+                continue;
+            }
             warn!(
                 session.id = sid,
                 "made the directories of a session whose start was interrupted by a crash"
