@@ -41,6 +41,7 @@ mkdir -p "$LAYERSTACK_RELIABILITY_OUT"
 # Full-size parameters (the tests' defaults are CI-sized).
 export LAYERSTACK_MODEL_PUBLISHERS=1024
 export LAYERSTACK_MODEL_PROCESSES=256
+export LAYERSTACK_EXACTLY_ONCE_SAMPLES=1024
 export LAYERSTACK_HOSTILE_FILES=1000000
 export LAYERSTACK_ISOLATION_N=1000
 export LAYERSTACK_FUZZ_CASES=10000
@@ -62,7 +63,7 @@ echo "== integration: callers, disk full, memory, publisher processes against th
 cargo test -p layerstack-integration --test auth --test reliability
 cargo test -p layerstack-integration --test wasi session_file_calls
 
-echo "== python: exactly-once through daemon kills, 1,000 isolated sandboxes"
+echo "== python: exactly-once through daemon kills in a 1,024-rollout step, 1,000 isolated sandboxes"
 PY_VENV="$TARGET/py-venv"
 python3 -m venv "$PY_VENV"
 "$PY_VENV/bin/pip" install -q --disable-pip-version-check "./clients/python[test]" pytest

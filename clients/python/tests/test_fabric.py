@@ -18,7 +18,7 @@ import signal
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import List, Optional
+from typing import Any, List, Optional
 
 import pytest
 
@@ -285,11 +285,16 @@ class _Restartable:
 
 
 def test_exactly_once_through_daemon_kills_mid_step(daemon: Daemon) -> None:  # noqa: F811
-    """A step of 24 graded samples while the daemon is killed with SIGKILL three
-    times and random sandbox inits are killed between: every sample ends with
-    one reward (the right one), every attempt a kill ended is infra_failed,
-    the audit finds no violation, nothing stays mounted and no rollout sandbox
-    stays unreleased."""
+    """A step of graded samples (24; ``LAYERSTACK_EXACTLY_ONCE_SAMPLES``, the
+    full run 1,024) while the daemon is killed with SIGKILL three times and
+    random sandbox inits are killed between: every sample ends with one reward
+    (the right one) and one backpropagation, every attempt a kill ended is
+    infra_failed, the audit finds no violation, nothing stays mounted and no
+    rollout sandbox stays unreleased. Then the client repeats its calls with
+    the same keys (the whole step again, an EndRollout again): nothing runs
+    twice, nothing is applied twice. A frontier leased mid-step survives the
+    kills and a prune."""
+    n = int(os.environ.get("LAYERSTACK_EXACTLY_ONCE_SAMPLES", "24"))
     d = Path(tempfile.mkdtemp(prefix="lst-py-crash-", dir=os.environ.get("LAYERSTACK_TEST_TMP", "/var/tmp")))
     srv = _Restartable(d)
     srv.start()
@@ -309,22 +314,33 @@ def test_exactly_once_through_daemon_kills_mid_step(daemon: Daemon) -> None:  # 
                         raise ConnectionError(f"sandbox lost: {out}")
 
                 inits_killed = 0
+                results: List[Any] = []
+                frontier: List[str] = []
 
                 async def killer() -> None:
+                    # Three kills spread over the step: at a quarter, a half
+                    # and three quarters of the samples done (at least 0.5 s
+                    # apart), random sandbox inits killed before each.
                     nonlocal inits_killed
-                    for _ in range(3):
+                    for k in range(1, 4):
+                        while len(results) < k * n // 4:
+                            await asyncio.sleep(0.05)
                         await asyncio.sleep(0.5)
                         inits_killed += srv.kill_inits(2)
+                        if k == 2:
+                            # A search leases some nodes the step made.
+                            kept = [x.attempt.result_node for x in results
+                                    if x.attempt is not None and x.attempt.result_node][:2]
+                            frontier.extend(await ls.lease_frontier("search-1", kept))
                         await asyncio.sleep(0.5)
                         srv.kill9()
                         await asyncio.sleep(0.3)
                         await asyncio.get_running_loop().run_in_executor(None, srv.start)
 
                 k = asyncio.ensure_future(killer())
-                results = [
-                    x async for x in fan_out(ls, run, g.root, 24, act, policy="pi", grader=GRADER,
-                                             max_attempts=12, concurrency=8)
-                ]
+                async for x in fan_out(ls, run, g.root, n, act, policy="pi", grader=GRADER,
+                                       max_attempts=12, concurrency=8 if n <= 64 else 32):
+                    results.append(x)
                 await k
                 for x in results:
                     want = 1.0 if x.sample % 2 else 0.0
@@ -332,7 +348,7 @@ def test_exactly_once_through_daemon_kills_mid_step(daemon: Daemon) -> None:  # 
                         x.sample, x.errors, x.attempt, x.grade_output)
                 audit = await ls.audit_run(run)
                 assert audit.violations == (), audit
-                assert (audit.samples, audit.rewarded, audit.running) == (24, 24, 0), audit
+                assert (audit.samples, audit.rewarded, audit.running) == (n, n, 0), audit
                 assert inits_killed >= 1, "no sandbox init was there to kill"
                 assert sum(audit.infra_failed.values()) >= 3, f"three kills mid-step ended no attempt: {audit}"
                 # The daemon's own kinds, and what the harness saw (an error's
@@ -340,8 +356,41 @@ def test_exactly_once_through_daemon_kills_mid_step(daemon: Daemon) -> None:  # 
                 assert "daemon-restart" in audit.infra_failed and all(audit.infra_failed), audit
                 attempts = [a async for a in ls.rollouts(run)]
                 applied = [a for a in attempts if a.applied]
-                assert len(applied) == 24 and len({a.key for a in applied}) == 24
+                assert len(applied) == n and len({a.key for a in applied}) == n
                 assert all(a.reward is None for a in attempts if a.status == "infra_failed")
+                # One backpropagation per rewarded sample: the root's visits and
+                # value are the applied rewards', counted once.
+                assert audit.backprops == n, audit
+                root, _ = await ls.node_stats(g.root)
+                assert (root.visits, root.value_sum) == (n, float(n // 2)), root
+
+                # The client repeats its calls with the same keys: the whole
+                # step (nothing runs: each sample answers its recorded reward)
+                # and one attempt's end (its recorded end comes back).
+                again = [x async for x in fan_out(ls, run, g.root, n, act, policy="pi", grader=GRADER,
+                                                  max_attempts=12, concurrency=32)]
+                assert sorted((x.sample, x.status, x.reward) for x in again) == sorted(
+                    (x.sample, x.status, x.reward) for x in results)
+                one = applied[0]
+                replay = await ls.end_rollout(one.id, reward=one.reward)
+                assert (replay.status, replay.reward, replay.applied) == (one.status, one.reward, True), replay
+                with pytest.raises(layerstack.FailedPreconditionError, match="ended already"):
+                    await ls.end_rollout(one.id, reward=0.5)
+                after = await ls.audit_run(run)
+                assert (after.attempts, after.rewarded, after.backprops, after.violations) == (
+                    audit.attempts, n, n, ()), after
+                root2, _ = await ls.node_stats(g.root)
+                assert (root2.visits, root2.value_sum) == (root.visits, root.value_sum), root2
+
+                # The frontier leased mid-step survived the kills: still held,
+                # and a prune of a leased node is refused.
+                assert len(frontier) == 2, frontier
+                for node in frontier:
+                    st, _ = await ls.node_stats(node)
+                    assert st.frontier == ("search-1",), st
+                with pytest.raises(layerstack.LayerStackError):
+                    await ls.prune(frontier[0])
+                assert sorted(await ls.release_frontier("search-1")) == []
                 # Every rollout sandbox was released.
                 with layerstack.connect(srv.admin) as c:
                     live = [s for s in c.list_sessions(all_namespaces=True, owner_kind="sandbox")
@@ -352,8 +401,9 @@ def test_exactly_once_through_daemon_kills_mid_step(daemon: Daemon) -> None:  # 
                     assert report.unrepaired == 0 and report.runs >= 1 and report.paths > 0, report.problems
                 record_reliability(
                     "exactly-once",
-                    "A sample's reward is applied exactly once through daemon SIGKILLs and sandbox-init kills mid-step; "
-                    "infrastructure failures end attempts infra_failed, never as a reward",
+                    "A sample's reward is applied exactly once, with one backpropagation, through daemon SIGKILLs and "
+                    "sandbox-init kills mid-step and the client repeating its calls with the same keys; infrastructure "
+                    "failures end attempts infra_failed, never as a reward; a frontier leased mid-step survives",
                     "LAYERSTACK_BIN_DIR=$PWD/target/debug python3 -m pytest clients/python/tests/test_fabric.py -k exactly_once",
                     {
                         "samples": audit.samples,
@@ -362,6 +412,9 @@ def test_exactly_once_through_daemon_kills_mid_step(daemon: Daemon) -> None:  # 
                         "attempts": len(attempts),
                         "infra_failed attempts": sum(audit.infra_failed.values()),
                         "rewards applied": len(applied),
+                        "backpropagations": audit.backprops,
+                        "repeated calls that ran or applied anything": 0,
+                        "frontier nodes kept": len(frontier),
                         "audit violations": len(audit.violations),
                     },
                 )
