@@ -62,7 +62,7 @@ FOOTER = """
 
 | Profile | A crash of the daemon (kill -9, abort) | A power cut or kernel crash |
 |---|---|---|
-| `disposable` (default: SQLite `synchronous=OFF`, nothing fsynced) | nothing it reported committed: every commit is a finished SQLite transaction in the WAL and its layer was renamed into place before it | recent publishes may be missing, or present with **torn files** (empty or short: their data was still in the page cache) — `power-cut` above counts both. What survives is always a prefix of what was reported. `layerstack fsck --content` names every torn file; such a store is for work that can be redone (CI, RL rollouts whose results live elsewhere) |
+| `disposable` (default: SQLite `synchronous=OFF`, nothing fsynced) | nothing it reported committed: every commit is a finished SQLite transaction in the WAL and its layer was renamed into place before it | recent publishes may be missing, or present with **torn files** (empty or short: their data was still in the page cache) — `power-cut` above counts both. What survives is always a prefix of what was reported. `layerstack fsck --content` names every torn file of a published layer and every torn imported base; such a store is for work that can be redone (CI, RL rollouts whose results live elsewhere) |
 | `durable` (`synchronous=FULL`; a publish's files and its layer directory fsynced before the transaction commits) | nothing it reported committed | nothing it reported committed (`power-cut` above), as far as the disk honours flushes |
 
 The power cut is simulated at the block layer: the store's ext4 sits on a loop
