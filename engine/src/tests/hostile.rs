@@ -175,7 +175,7 @@ async fn a_process_racing_the_capture_never_leads_it_outside_the_store() {
     );
     layerstack_store::reliability::record(
         "capture-race",
-        "A process racing the capture (renaming directories, swapping one for a symlink to a host directory) never makes the daemon read or write a host path; each publish commits what it captured or fails cleanly",
+        "A process racing the capture (renaming directories, swapping one for a symlink to a host directory) never makes the daemon read or write a host path, nor copies a host file into a layer; each publish fails cleanly or commits, and what a racer can damage is its own layer (where its index and its tree disagree, which fsck names), nothing else — capture assumes a quiescent upper, which a sandbox's ended pid namespace and the census give it",
         "cargo test -p layerstack-engine --lib tests::hostile",
         &[
             ("rounds", rounds.into()),
