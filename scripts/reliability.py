@@ -76,6 +76,20 @@ copied), and right after each was reported: the operation is there whole or
 not at all (there, once reported), and everything reported before it is there.
 Not simulated: a disk that reorders writes across a flush (ext4's journal
 orders them on a disk that honours flushes).
+
+## What a crash point is
+
+A declared failpoint (`store/src/failpoints.rs`, listed by the suite) sits at
+each *durable step*: each change of what the daemon's recovery reads after a
+restart — a rename into `l/`, `s/` or out of `staging/`, a SQLite commit, an
+unlink or removal of a layer, session or staging directory, an fsync the
+durable profile relies on. The writes between two such points (a file staged,
+a merged file written into an upper, an xattr set) go to places recovery
+treats as unfinished work — a staging directory swept at start-up, an upper
+whose session the next publish captures again — so a crash among them leaves
+what a crash at the next point leaves; the power-cut cuts at the same points
+cover their unsynced data. A crash is therefore not injected at every single
+system call, but at every point where one changes what a restart sees.
 """
 
 
