@@ -69,6 +69,17 @@ pub fn describe(e: &anyhow::Error) -> (String, String) {
             return (f.kind.clone(), f.message.clone());
         }
         if let Some(st) = cause.downcast_ref::<tonic::Status>() {
+            if is_broken_call(st) {
+                // tonic's word for a connection that broke under the call:
+                // say what it means and what to do.
+                return (
+                    ErrorKind::Unavailable.as_str().to_string(),
+                    format!(
+                        "the connection to the daemon broke during the call ({}): the daemon stopped or restarted. What the call did before, if anything, is recorded there: once `layerstack status` answers, ask again (a session's outcome: `layerstack wait --session ID`; a create or begin with an idempotency key: the same call again)",
+                        st.message()
+                    ),
+                );
+            }
             let message = if st.message().is_empty() {
                 format!(
                     "the daemon answered {:?} without a message (is --admin-address the admin socket, not the snapshots socket?)",
@@ -86,6 +97,16 @@ pub fn describe(e: &anyhow::Error) -> (String, String) {
         ErrorKind::Internal.as_str().to_string(),
         api::error_chain(e.as_ref()),
     )
+}
+
+/// Whether `st` is the transport's own failure of a call under way (the
+/// connection reset or closed), not an answer of the daemon.
+fn is_broken_call(st: &tonic::Status) -> bool {
+    matches!(st.code(), tonic::Code::Unknown | tonic::Code::Unavailable)
+        && (st.message() == "transport error"
+            || st.message().starts_with("h2 protocol error")
+            || st.message().contains("connection reset")
+            || st.message().contains("broken pipe"))
 }
 
 /// What the CLI prints on stderr for `e` in `format` (one line, no newline).
@@ -160,6 +181,25 @@ mod tests {
         }
         let e = anyhow::Error::new(tonic::Status::new(tonic::Code::DeadlineExceeded, "late"));
         assert_eq!(parsed(&e)["error"]["kind"], "deadline_exceeded");
+    }
+
+    #[test]
+    fn a_call_the_transport_broke_says_what_happened_and_what_to_do() {
+        let e = anyhow::Error::new(tonic::Status::new(tonic::Code::Unknown, "transport error"))
+            .context("publishing");
+        let v = parsed(&e);
+        assert_eq!(v["error"]["kind"], "unavailable");
+        let m = v["error"]["message"].as_str().unwrap();
+        assert!(
+            m.contains("broke during the call") && m.contains("layerstack wait --session"),
+            "{m}"
+        );
+        // The daemon's own answers keep their words.
+        let e = anyhow::Error::new(api::status(
+            ErrorKind::Unavailable,
+            "the spawner is gone".into(),
+        ));
+        assert_eq!(parsed(&e)["error"]["message"], "the spawner is gone");
     }
 
     #[test]
