@@ -318,16 +318,17 @@ def test_exactly_once_through_daemon_kills_mid_step(daemon: Daemon) -> None:  # 
                 frontier: List[str] = []
 
                 async def killer() -> None:
-                    # Three kills spread over the step: at a quarter, a half
-                    # and three quarters of the samples done (at least 0.5 s
-                    # apart), random sandbox inits killed before each.
+                    # Three kills spread over the first half of the step: at
+                    # the start, then a quarter and a half of the samples done
+                    # (each at least 1 s after the last), random sandbox inits
+                    # killed before each — so each kill finds attempts running.
                     nonlocal inits_killed
-                    for k in range(1, 4):
+                    for k in range(3):
                         while len(results) < k * n // 4:
                             await asyncio.sleep(0.05)
                         await asyncio.sleep(0.5)
                         inits_killed += srv.kill_inits(2)
-                        if k == 2:
+                        if k == 1:
                             # A search leases some nodes the step made.
                             kept = [x.attempt.result_node for x in results
                                     if x.attempt is not None and x.attempt.result_node][:2]
