@@ -93,6 +93,13 @@ system call, but at every point where one changes what a restart sees.
 """
 
 
+def _figure(v: object) -> str:
+    """A figure as the table shows it: measures to 0.1 (below 1: 3 decimals)."""
+    if isinstance(v, float):
+        return f"{v:.1f}" if abs(v) >= 1 else f"{v:.3f}"
+    return str(v)
+
+
 def render(records: Dict[str, dict], run: str) -> str:
     out = [HEADER]
     if run:
@@ -103,7 +110,7 @@ def render(records: Dict[str, dict], run: str) -> str:
         if r is None:
             out.append(f"| {area} | `{gid}`: **not run** | | |\n")
             continue
-        figs = ", ".join(f"{k} {v}" for k, v in r.get("figures", {}).items())
+        figs = ", ".join(f"{k} {_figure(v)}" for k, v in r.get("figures", {}).items())
         guarantee = str(r["guarantee"]).replace("|", "\\|")
         out.append(f"| {area} | {guarantee} | {figs} | `{r['test']}` |\n")
     out.append(FOOTER)
