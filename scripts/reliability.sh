@@ -73,4 +73,4 @@ LAYERSTACK_BIN_DIR="${LAYERSTACK_BIN_DIR:-$TARGET/debug}" "$PY_VENV/bin/python" 
 
 echo "== render"
 python3 scripts/reliability.py --records "$LAYERSTACK_RELIABILITY_OUT" --out "$OUT" --require-all \
-    --run "scripts/reliability.sh (full), $(date -u +%Y-%m-%d), $(nproc) CPUs, $(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1048576 )) GiB, kernel $(uname -r), debug build, $((SECONDS - start)) s"
+    --run "scripts/reliability.sh (full) of $(git rev-parse --short HEAD 2>/dev/null || echo 'an unknown commit')$(git diff --quiet HEAD -- . 2>/dev/null || echo ' with local changes'), $(date -u +%Y-%m-%d), $(nproc) CPUs, $(( $(awk '/MemTotal/ {print $2}' /proc/meminfo) / 1048576 )) GiB, kernel $(uname -r), debug build, $((SECONDS - start)) s"

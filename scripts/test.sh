@@ -64,7 +64,7 @@ set +e
     echo "== reliability table (scripts/reliability.py)"
     python3 scripts/reliability.py --records "$LAYERSTACK_RELIABILITY_OUT" \
         --out "${CARGO_TARGET_DIR:-$ROOT/target}/reliability/reliability.md" \
-        --run "scripts/test.sh (CI-sized), $(date -u +%Y-%m-%d)" --require-all
+        --run "scripts/test.sh (CI-sized) of $(git rev-parse --short HEAD 2>/dev/null || echo 'an unknown commit'), $(date -u +%Y-%m-%d), $(nproc) CPUs, debug build" --require-all
 ) 2>&1 | tee "$LOG"
 status=${PIPESTATUS[0]}
 set -e

@@ -30,18 +30,19 @@ pub async fn run(admin: &Path, repair: bool, content: bool, json_out: bool) -> R
             "{}",
             json!({
                 "layers": r.layers, "manifests": r.manifests, "leases": r.leases,
-                "sessions": r.sessions, "paths": r.paths, "runs": r.runs,
+                "sessions": r.sessions, "paths": r.paths, "runs": r.runs, "outcomes": r.outcomes,
                 "problems": problems, "unrepaired": r.unrepaired, "sound": r.unrepaired == 0,
             })
         );
     } else {
         out!(
-            "checked {} layer(s), {} manifest(s), {} lease(s), {} session(s), {} path-index row(s), {} run(s): {} problem(s), {} unrepaired",
+            "checked {} layer(s), {} manifest(s), {} lease(s), {} session(s), {} path-index row(s), {} outcome(s), {} run(s): {} problem(s), {} unrepaired",
             r.layers,
             r.manifests,
             r.leases,
             r.sessions,
             r.paths,
+            r.outcomes,
             r.runs,
             r.problems.len(),
             r.unrepaired

@@ -431,6 +431,7 @@ impl AdminService {
             sessions: f.sessions,
             paths: f.paths,
             runs: f.runs,
+            outcomes: f.outcomes,
             problems: f
                 .problems
                 .into_iter()

@@ -22,6 +22,11 @@
 //!   file of a live published layer whose BLAKE3 differs from its index row's
 //!   digest (a file torn by a power cut in the `disposable` profile, a disk
 //!   that lost a write, a hand edit of a layer). Reads every such file.
+//! * `outcome-history` — a publish reported `committed`, `merged` or
+//!   `checkpointed` that names no layer or one never sealed (pending, active),
+//!   or whose manifest does not have that layer on top: an outcome history
+//!   does not bear out. (GC deletes the rows of layers and manifests nothing
+//!   reaches; an outcome whose rows are gone is not checked further.)
 //! * `rollout` — a violation of a run's exactly-once invariants
 //!   ([`Store::audit_run`]).
 
@@ -59,6 +64,8 @@ pub struct FsckReport {
     pub sessions: u64,
     /// Path-index rows checked against their trees.
     pub paths: u64,
+    /// Committed, merged and checkpointed outcomes checked against history.
+    pub outcomes: u64,
     pub runs: u64,
     pub problems: Vec<Problem>,
 }
@@ -213,6 +220,54 @@ impl Store {
                         kind: "session-upper-missing",
                         subject: format!("session {id}"),
                         detail: format!("{} is gone", upper.display()),
+                        repaired: false,
+                    });
+                }
+            }
+            // Outcomes against history: a publish reported committed, merged
+            // or checkpointed names a layer that was sealed (its row, while GC
+            // has not freed it, is not pending or active), and the manifest it
+            // made (while its row lives) has that layer on top.
+            let mut stmt = conn.prepare_cached(
+                "SELECT p.id, p.session_id, p.outcome, p.layer_id, l.kind, m.id, m.layer_id
+                 FROM publishes p
+                 LEFT JOIN layers l ON l.id = p.layer_id
+                 LEFT JOIN manifests m ON m.id = p.manifest_after
+                 WHERE p.outcome IN ('committed', 'merged', 'checkpointed')",
+            )?;
+            let rows = stmt.query_map([], |x| {
+                Ok((
+                    x.get::<_, i64>(0)?,
+                    x.get::<_, i64>(1)?,
+                    x.get::<_, String>(2)?,
+                    x.get::<_, Option<i64>>(3)?,
+                    x.get::<_, Option<String>>(4)?,
+                    x.get::<_, Option<i64>>(5)?,
+                    x.get::<_, Option<i64>>(6)?,
+                ))
+            })?;
+            for row in rows {
+                let (id, session, outcome, layer, kind, after, top) = row?;
+                r.outcomes += 1;
+                let why = match (layer, kind.as_deref(), after, top) {
+                    (None, ..) => Some("names no layer".to_string()),
+                    // No row: GC freed it (a deleted branch, a squash's
+                    // members), which it may.
+                    (Some(_), None, ..) => None,
+                    (Some(l), Some(k @ ("pending" | "active")), ..) => {
+                        Some(format!("names layer {l}, which is still {k} (never sealed)"))
+                    }
+                    (Some(l), _, Some(m), t) if t != Some(l) => Some(format!(
+                        "names layer {l}, but the manifest {m} it made has {} on top",
+                        t.map_or("no layer".to_string(), |t| format!("layer {t}"))
+                    )),
+                    _ => None,
+                };
+                if let Some(why) = why {
+                    r.problems.push(Problem {
+                        kind: "outcome-history",
+                        subject: format!("session {session} publish {id}"),
+                        detail: format!("its outcome {outcome} {why}"),
                         repaired: false,
                     });
                 }

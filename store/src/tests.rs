@@ -2857,6 +2857,27 @@ fn fsck_finds_what_disagrees_with_the_filesystem_and_repairs_only_the_safe_part(
         again.problems.iter().map(|p| p.kind).collect::<Vec<_>>(),
         vec!["index-mismatch"]
     );
+    // An outcome history does not bear out: the committed publish's manifest
+    // with another layer on top.
+    assert_eq!(again.outcomes, 1, "{again:?}");
+    s.db.write(|tx| {
+        Ok(tx.execute(
+            "UPDATE manifests SET layer_id = NULL WHERE id = (SELECT manifest_after FROM publishes WHERE outcome = 'committed')",
+            [],
+        )?)
+    })
+    .unwrap();
+    let r = s.fsck(false).unwrap();
+    let o = r
+        .problems
+        .iter()
+        .find(|p| p.kind == "outcome-history")
+        .unwrap_or_else(|| panic!("{r:?}"));
+    assert!(
+        o.subject.starts_with(&format!("session {} ", m.id))
+            && o.detail.contains(&format!("layer {}", p.layer)),
+        "{o:?}"
+    );
 }
 
 /// A key names one request: the same key with the same arguments answers the

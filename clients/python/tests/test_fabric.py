@@ -400,6 +400,7 @@ def test_exactly_once_through_daemon_kills_mid_step(daemon: Daemon) -> None:  # 
                     # The store agrees with its filesystem after all of it.
                     report = c.fsck()
                     assert report.unrepaired == 0 and report.runs >= 1 and report.paths > 0, report.problems
+                    assert report.outcomes >= n, report
                 record_reliability(
                     "exactly-once",
                     "A sample's reward is applied exactly once, with one backpropagation, through daemon SIGKILLs and "

@@ -629,7 +629,10 @@ async fn a_power_cut_after_a_reported_publish_loses_nothing_in_the_durable_profi
     eprintln!("power cuts: durable {durable:?}, disposable {disposable:?}, torn {torn}; inside durable operations at {inside:?}");
     let mut figures: Vec<(String, layerstack_store::reliability::Figure)> = vec![
         ("cuts per profile after reported publishes".into(), n.into()),
-        ("durable: reported publishes lost".into(), 0u64.into()),
+        (
+            "durable: reported publishes lost".into(),
+            durable.iter().map(|(r, s)| r - s).sum::<usize>().into(),
+        ),
         (
             "disposable: reported publishes lost (sum over cuts)".into(),
             lost.into(),

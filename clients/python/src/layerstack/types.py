@@ -586,8 +586,9 @@ class FsckProblem:
 @dataclass(frozen=True)
 class FsckReport:
     """The store checked against its filesystem: how much was looked at
-    (layers, manifests, leases, sessions, path-index rows, runs) and the
-    problems; ``unrepaired`` counts those still there."""
+    (layers, manifests, leases, sessions, path-index rows, runs, and
+    ``outcomes``: committed, merged and checkpointed outcomes checked against
+    history) and the problems; ``unrepaired`` counts those still there."""
 
     layers: int
     manifests: int
@@ -597,6 +598,7 @@ class FsckReport:
     runs: int
     problems: Tuple[FsckProblem, ...]
     unrepaired: int
+    outcomes: int = 0
 
     @classmethod
     def from_pb(cls, r: pb.FsckReport) -> "FsckReport":
@@ -609,6 +611,7 @@ class FsckReport:
             runs=r.runs,
             problems=tuple(FsckProblem(p.kind, p.subject, p.detail, p.repaired) for p in r.problems),
             unrepaired=r.unrepaired,
+            outcomes=r.outcomes,
         )
 
 

@@ -139,7 +139,7 @@ class FsckProblem(_message.Message):
     def __init__(self, kind: _Optional[str] = ..., subject: _Optional[str] = ..., detail: _Optional[str] = ..., repaired: _Optional[bool] = ...) -> None: ...
 
 class FsckReport(_message.Message):
-    __slots__ = ("layers", "manifests", "leases", "sessions", "paths", "runs", "problems", "unrepaired")
+    __slots__ = ("layers", "manifests", "leases", "sessions", "paths", "runs", "problems", "unrepaired", "outcomes")
     LAYERS_FIELD_NUMBER: _ClassVar[int]
     MANIFESTS_FIELD_NUMBER: _ClassVar[int]
     LEASES_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +148,7 @@ class FsckReport(_message.Message):
     RUNS_FIELD_NUMBER: _ClassVar[int]
     PROBLEMS_FIELD_NUMBER: _ClassVar[int]
     UNREPAIRED_FIELD_NUMBER: _ClassVar[int]
+    OUTCOMES_FIELD_NUMBER: _ClassVar[int]
     layers: int
     manifests: int
     leases: int
@@ -156,7 +157,8 @@ class FsckReport(_message.Message):
     runs: int
     problems: _containers.RepeatedCompositeFieldContainer[FsckProblem]
     unrepaired: int
-    def __init__(self, layers: _Optional[int] = ..., manifests: _Optional[int] = ..., leases: _Optional[int] = ..., sessions: _Optional[int] = ..., paths: _Optional[int] = ..., runs: _Optional[int] = ..., problems: _Optional[_Iterable[_Union[FsckProblem, _Mapping]]] = ..., unrepaired: _Optional[int] = ...) -> None: ...
+    outcomes: int
+    def __init__(self, layers: _Optional[int] = ..., manifests: _Optional[int] = ..., leases: _Optional[int] = ..., sessions: _Optional[int] = ..., paths: _Optional[int] = ..., runs: _Optional[int] = ..., problems: _Optional[_Iterable[_Union[FsckProblem, _Mapping]]] = ..., unrepaired: _Optional[int] = ..., outcomes: _Optional[int] = ...) -> None: ...
 
 class CreateRunRequest(_message.Message):
     __slots__ = ("name", "graph", "labels")
