@@ -963,44 +963,61 @@ pub async fn create_cmd(cli: &Cli, a: CreateArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
+/// `--env` arguments as the admin API takes them, `K=V` each: a bare `K`
+/// takes the caller's value, and is left out when the caller has none.
+pub(crate) fn env_pairs(vars: &[OsString]) -> Vec<String> {
+    vars.iter()
+        .filter_map(|kv| {
+            let kv = kv.to_string_lossy();
+            if kv.contains('=') {
+                Some(kv.into_owned())
+            } else {
+                std::env::var(kv.as_ref()).ok().map(|v| format!("{kv}={v}"))
+            }
+        })
+        .collect()
+}
+
+/// The CreateSession request of a session the daemon runs (a daemon-owned
+/// sandbox, a WASI session) from `s`: its stack and branch (or node), owner
+/// name, idempotency key, exit policy, wait for a slot and mtime rule; the
+/// caller sets `sandbox` or `wasi`.
+pub(crate) fn daemon_session_request(cli: &Cli, s: &SessionArgs) -> api::CreateSessionRequest {
+    let (stack, branch) = match &s.stack {
+        Some(st) => crate::history::split_branch(st),
+        None => (String::new(), String::new()),
+    };
+    api::CreateSessionRequest {
+        namespace: cli.namespace.clone(),
+        stack,
+        branch,
+        node: s.node.clone().unwrap_or_default(),
+        name: s.name.clone().unwrap_or_else(default_name),
+        idempotency_key: s.idempotency_key.clone().unwrap_or_default(),
+        policy: s
+            .publish
+            .map(|p| p.as_str().to_string())
+            .unwrap_or_default(),
+        wait_ms: if s.no_wait {
+            0
+        } else {
+            s.wait_timeout.saturating_mul(1000)
+        },
+        ignore_mtime: s.ignore_mtime,
+        ..Default::default()
+    }
+}
+
 /// `session create --sandbox`: a daemon-owned session made through the admin
 /// API's CreateSession (its `sandbox` options); prints its id (or JSON).
 async fn create_sandbox(cli: &Cli, a: CreateArgs) -> Result<ExitCode> {
     let s = &a.session;
     let d = &a.defaults;
     let ids = d.user.as_deref().map(parse_ids).transpose()?;
-    let mut env = Vec::new();
-    for kv in &d.env {
-        let kv = kv.to_string_lossy();
-        if kv.contains('=') {
-            env.push(kv.into_owned());
-        } else if let Ok(v) = std::env::var(kv.as_ref()) {
-            env.push(format!("{kv}={v}"));
-        }
-    }
-    let (stack, branch) = match &s.stack {
-        Some(st) => crate::history::split_branch(st),
-        None => (String::new(), String::new()),
-    };
+    let env = env_pairs(&d.env);
     let mut c = crate::connect(&cli.admin_address).await?;
     let created = c
         .create_session(api::CreateSessionRequest {
-            namespace: cli.namespace.clone(),
-            stack,
-            branch,
-            node: s.node.clone().unwrap_or_default(),
-            name: s.name.clone().unwrap_or_else(default_name),
-            idempotency_key: s.idempotency_key.clone().unwrap_or_default(),
-            policy: s
-                .publish
-                .map(|p| p.as_str().to_string())
-                .unwrap_or_default(),
-            wait_ms: if s.no_wait {
-                0
-            } else {
-                s.wait_timeout.saturating_mul(1000)
-            },
-            ignore_mtime: s.ignore_mtime,
             sandbox: Some(api::SandboxOptions {
                 network: s.net == Some(Net::Host),
                 has_user: ids.is_some(),
@@ -1014,7 +1031,7 @@ async fn create_sandbox(cli: &Cli, a: CreateArgs) -> Result<ExitCode> {
                 memory_bytes: d.memory_bytes,
                 pids: d.pids,
             }),
-            wasi: None,
+            ..daemon_session_request(cli, s)
         })
         .await?
         .into_inner();
@@ -1062,18 +1079,7 @@ const EXEC_STDIN_MAX: usize = 4 << 20 >> 1;
 async fn exec_rpc(cli: &Cli, a: ExecArgs) -> Result<ExitCode> {
     use std::io::{IsTerminal as _, Read as _};
     let ids = a.process.user.as_deref().map(parse_ids).transpose()?;
-    let mut env = Vec::new();
-    for kv in &a.process.env {
-        let kv = kv.to_string_lossy();
-        match kv.split_once('=') {
-            Some(_) => env.push(kv.into_owned()),
-            None => {
-                if let Ok(v) = std::env::var(kv.as_ref()) {
-                    env.push(format!("{kv}={v}"));
-                }
-            }
-        }
-    }
+    let env = env_pairs(&a.process.env);
     let cwd = match &a.process.workdir {
         Some(w) if w.is_relative() => {
             return Err(failure(

@@ -16,7 +16,7 @@ use layerstack_api as api;
 use serde_json::json;
 
 use crate::errors::{failure, with_kind};
-use crate::run::{close, default_name, outcome_line, NodeInfo, RunArgs};
+use crate::run::{close, outcome_line, NodeInfo, RunArgs};
 use crate::Cli;
 
 /// `session run --wasi` options.
@@ -82,39 +82,10 @@ pub async fn run(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
             ),
         ));
     }
-    let mut env = Vec::new();
-    for kv in &a.process.env {
-        let kv = kv.to_string_lossy();
-        if kv.contains('=') {
-            env.push(kv.into_owned());
-        } else if let Ok(v) = std::env::var(kv.as_ref()) {
-            env.push(format!("{kv}={v}"));
-        }
-    }
-    let (stack, branch) = match &s.stack {
-        Some(st) => crate::history::split_branch(st),
-        None => (String::new(), String::new()),
-    };
+    let env = crate::run::env_pairs(&a.process.env);
     let mut c = crate::connect(&cli.admin_address).await?;
     let created = c
         .create_session(api::CreateSessionRequest {
-            namespace: cli.namespace.clone(),
-            stack,
-            branch,
-            node: s.node.clone().unwrap_or_default(),
-            name: s.name.clone().unwrap_or_else(default_name),
-            idempotency_key: s.idempotency_key.clone().unwrap_or_default(),
-            policy: s
-                .publish
-                .map(|p| p.as_str().to_string())
-                .unwrap_or_default(),
-            wait_ms: if s.no_wait {
-                0
-            } else {
-                s.wait_timeout.saturating_mul(1000)
-            },
-            ignore_mtime: s.ignore_mtime,
-            sandbox: None,
             wasi: Some(api::WasiOptions {
                 fuel: a.wasi.fuel.unwrap_or(0),
                 memory_bytes: a.wasi.memory_bytes.unwrap_or(0),
@@ -122,6 +93,7 @@ pub async fn run(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
                 env,
                 output_bytes: 0,
             }),
+            ..crate::run::daemon_session_request(cli, s)
         })
         .await?
         .into_inner();
