@@ -617,7 +617,7 @@ fn kib(v: f64) -> String {
 
 pub fn run(b: &Bench, r: &mut ScenarioReport) -> Result<()> {
     let n = large_n(b.quick)?;
-    let rounds = if b.quick { 2 } else { 3 };
+    let rounds = if b.quick { 1 } else { 3 };
     let top_dir = b.env.scratch().join("p12");
     let sizes = [BASELINE_NODES, n];
     let names = [format!("{BASELINE_NODES} nodes"), format!("{n} nodes")];
