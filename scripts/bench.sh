@@ -4,7 +4,8 @@
 # fabric's RL step (P9), beyond one machine (P10: a checkpoint pushed, pulled and run on a
 # second daemon by diff size; rollouts/s on 1 vs 2 Ray worker nodes — needs docker-registry
 # and Ray, installed into the bench's venv from clients/python[ray]), WASI sessions beside
-# Mode B (P11). Each figure is a
+# Mode B (P11), the daemon's memory with a graph of 1,000,000 nodes against 1,000 (P12; N from
+# LAYERSTACK_GRAPH_SCALE_NODES, 20,000 with --quick). Each figure is a
 # ratio against a baseline measured in the same run, interleaved. Starts its own
 # PRIVATE containerd (layerstack proxy + overlayfs + native snapshotters) and our
 # daemon under /var/tmp/lst-*, stops them on exit, never touches another
@@ -12,9 +13,9 @@
 #
 #   sudo ./scripts/bench.sh                    # every scenario (tens of minutes) -> docs/
 #   sudo ./scripts/bench.sh --quick            # seconds: small tree, few rounds -> target/bench/
-#   sudo ./scripts/bench.sh --scenario p3      # only P3 (p1..p11, p7b or start, fan-out,
+#   sudo ./scripts/bench.sh --scenario p3      # only P3 (p1..p12, p7b or start, fan-out,
 #                                              #   publish, read-path, gate, reset, mode-b, sdk,
-#                                              #   apply-isolation, fabric, cluster, wasi;
+#                                              #   apply-isolation, fabric, cluster, wasi, graph-scale;
 #                                              #   repeatable)
 #   sudo ./scripts/bench.sh --out DIR          # write DIR/benchmarks.md and DIR/bench/
 #   sudo ./scripts/bench.sh --no-profile       # skip the perf profiles

@@ -3,7 +3,8 @@
 //! (P6), Mode B session (P7), sandboxes from Python over the API (P7b),
 //! apply isolation (P8), the rollout fabric (P9), beyond one machine (P10:
 //! checkpoints through a registry, rollouts on Ray), WASI sessions beside
-//! Mode B (P11) — in one run, each figure a ratio against a
+//! Mode B (P11), the daemon's memory with a graph of 1,000,000 nodes against
+//! 1,000 (P12) — in one run, each figure a ratio against a
 //! baseline measured in the same run, interleaved. Writes `benchmarks.md`, one
 //! SVG plot per scenario and the raw `results.json`.
 //!
@@ -38,9 +39,9 @@ struct Cli {
     /// Checks that every scenario still runs; its figures are not the published ones.
     #[arg(long)]
     quick: bool,
-    /// Run only these scenarios (`p1`…`p11`, `p7b` or `start`, `fan-out`, `publish`,
+    /// Run only these scenarios (`p1`…`p12`, `p7b` or `start`, `fan-out`, `publish`,
     /// `read-path`, `gate`, `reset`, `mode-b`, `sdk`, `apply-isolation`, `fabric`, `cluster`,
-    /// `wasi`);
+    /// `wasi`, `graph-scale`);
     /// repeatable, or comma-separated.
     #[arg(long = "scenario", value_delimiter = ',')]
     scenarios: Vec<String>,

@@ -235,6 +235,41 @@ impl Engine {
         self.blocking(move |s| s.graph(&n)).await
     }
 
+    /// Group `name`. Error: `NotFound`.
+    pub async fn graph_group(&self, name: &str) -> Result<GroupInfo, EngineError> {
+        let n = name.to_string();
+        self.blocking(move |s| s.group(&n)).await
+    }
+
+    /// At most `limit` nodes of graph `name` after `after` (the `created_ns`
+    /// and id of the previous page's last; `None`: from the first), in
+    /// creation order ([`layerstack_store::Store::graph_nodes_page`]).
+    pub async fn graph_nodes_page(
+        &self,
+        name: &str,
+        after: Option<(i64, String)>,
+        limit: usize,
+    ) -> Result<Vec<NodeInfo>, EngineError> {
+        let n = name.to_string();
+        self.blocking(move |s| {
+            s.graph_nodes_page(&n, after.as_ref().map(|(t, i)| (*t, i.as_str())), limit)
+        })
+        .await
+    }
+
+    /// At most `limit` attempts of graph `name` with an id above `after`
+    /// ([`layerstack_store::Store::graph_attempts_page`]).
+    pub async fn graph_attempts_page(
+        &self,
+        name: &str,
+        after: i64,
+        limit: usize,
+    ) -> Result<Vec<AttemptInfo>, EngineError> {
+        let n = name.to_string();
+        self.blocking(move |s| s.graph_attempts_page(&n, after, limit))
+            .await
+    }
+
     /// Node `id`. Error: `NotFound`.
     pub async fn node(&self, id: &str) -> Result<NodeInfo, EngineError> {
         let n = id.to_string();

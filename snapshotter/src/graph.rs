@@ -118,16 +118,42 @@ impl AdminService {
         Ok(graph(&d))
     }
 
-    /// [`Self::graph_show`] in replies of at most [`GRAPH_PAGE`] nodes and
-    /// attempts each, the group in the first (a search graph of 100,000 nodes is
-    /// tens of MB: past gRPC's 4 MiB message limit in one reply).
+    /// Graph `r.name` in replies of at most [`GRAPH_PAGE`] nodes and
+    /// attempts each, the group in the first (a search graph of 100,000 nodes
+    /// is tens of MB: past gRPC's 4 MiB message limit in one reply). Each
+    /// reply is read from the store when the client takes it
+    /// ([`Engine::graph_nodes_page`]): the daemon never holds more than a
+    /// page, whatever the graph's size (it held the whole graph before: a
+    /// graph of 1,000,000 nodes, P12). The pages are read one after another,
+    /// not in one snapshot: a node made during the walk is in it or not.
     pub(crate) async fn graph_pages(
         &self,
         r: api::ShowGraphRequest,
     ) -> Result<GraphStream, Status> {
-        let g = self.graph_show(r).await?;
-        Ok(Box::pin(futures::stream::iter(
-            paginate(g).into_iter().map(Ok),
+        let g = self
+            .engine
+            .graph_group(&r.name)
+            .await
+            .map_err(engine_status)?;
+        let st = PageState {
+            engine: self.engine.clone(),
+            name: r.name,
+            group: Some(group(&g)),
+            after_node: None,
+            nodes_done: false,
+            after_attempt: 0,
+            attempts_done: false,
+        };
+        Ok(Box::pin(futures::stream::unfold(
+            Some(st),
+            |st| async move {
+                let mut st = st?;
+                match st.next().await {
+                    Ok(Some(page)) => Some((Ok(page), Some(st))),
+                    Ok(None) => None,
+                    Err(e) => Some((Err(e), None)),
+                }
+            },
         )))
     }
 
@@ -369,64 +395,59 @@ impl AdminService {
 pub(crate) type GraphStream =
     std::pin::Pin<Box<dyn futures::Stream<Item = Result<api::Graph, Status>> + Send>>;
 
+/// Where a `ShowGraph` stream is: the next reply starts after these.
+struct PageState {
+    engine: std::sync::Arc<layerstack_engine::Engine>,
+    name: String,
+    /// The group, until the first reply carries it.
+    group: Option<api::GraphGroup>,
+    after_node: Option<(i64, String)>,
+    nodes_done: bool,
+    after_attempt: i64,
+    attempts_done: bool,
+}
+
+impl PageState {
+    /// The next reply; `None` after the last. The first is always sent (the
+    /// group, an empty graph's too).
+    async fn next(&mut self) -> Result<Option<api::Graph>, Status> {
+        if self.group.is_none() && self.nodes_done && self.attempts_done {
+            return Ok(None);
+        }
+        let mut nodes = Vec::new();
+        if !self.nodes_done {
+            // One more than a page: whether another follows.
+            nodes = self
+                .engine
+                .graph_nodes_page(&self.name, self.after_node.clone(), GRAPH_PAGE + 1)
+                .await
+                .map_err(engine_status)?;
+            self.nodes_done = nodes.len() <= GRAPH_PAGE;
+            nodes.truncate(GRAPH_PAGE);
+            if let Some(n) = nodes.last() {
+                self.after_node = Some((n.created_ns, n.id.clone()));
+            }
+        }
+        let mut attempts = Vec::new();
+        if !self.attempts_done {
+            attempts = self
+                .engine
+                .graph_attempts_page(&self.name, self.after_attempt, GRAPH_PAGE + 1)
+                .await
+                .map_err(engine_status)?;
+            self.attempts_done = attempts.len() <= GRAPH_PAGE;
+            attempts.truncate(GRAPH_PAGE);
+            if let Some(a) = attempts.last() {
+                self.after_attempt = a.id;
+            }
+        }
+        Ok(Some(api::Graph {
+            group: self.group.take(),
+            nodes: nodes.iter().map(node).collect(),
+            attempts: attempts.iter().map(attempt).collect(),
+        }))
+    }
+}
+
 /// Nodes and attempts per `ShowGraph` reply, at most.
 pub(crate) const GRAPH_PAGE: usize = 1000;
-
-/// `g` cut into replies of at most [`GRAPH_PAGE`] nodes and attempts, in order;
-/// the group in the first. Always at least one reply.
-pub(crate) fn paginate(g: api::Graph) -> Vec<api::Graph> {
-    let mut nodes = g.nodes.into_iter().peekable();
-    let mut attempts = g.attempts.into_iter().peekable();
-    let mut out = vec![api::Graph {
-        group: g.group,
-        nodes: nodes.by_ref().take(GRAPH_PAGE).collect(),
-        attempts: attempts.by_ref().take(GRAPH_PAGE).collect(),
-    }];
-    while nodes.peek().is_some() || attempts.peek().is_some() {
-        out.push(api::Graph {
-            group: None,
-            nodes: nodes.by_ref().take(GRAPH_PAGE).collect(),
-            attempts: attempts.by_ref().take(GRAPH_PAGE).collect(),
-        });
-    }
-    out
-}
-
-#[cfg(test)]
-mod page_tests {
-    use super::*;
-
-    #[test]
-    fn a_graph_is_cut_into_pages_that_concatenate_to_it() {
-        let g = api::Graph {
-            group: Some(api::GraphGroup {
-                name: "g".into(),
-                ..Default::default()
-            }),
-            nodes: (0..2 * GRAPH_PAGE + 3)
-                .map(|i| api::Node {
-                    id: format!("n{i}"),
-                    ..Default::default()
-                })
-                .collect(),
-            attempts: (0..5)
-                .map(|i| api::Attempt {
-                    id: i,
-                    ..Default::default()
-                })
-                .collect(),
-        };
-        let pages = paginate(g.clone());
-        assert_eq!(pages.len(), 3);
-        assert!(pages[0].group.is_some() && pages[1].group.is_none());
-        assert!(pages.iter().all(|p| p.nodes.len() <= GRAPH_PAGE));
-        let mut whole = api::Graph::default();
-        for p in pages {
-            whole.group = whole.group.or(p.group);
-            whole.nodes.extend(p.nodes);
-            whole.attempts.extend(p.attempts);
-        }
-        assert_eq!(whole, g);
-        assert_eq!(paginate(api::Graph::default()).len(), 1);
-    }
-}

@@ -648,6 +648,68 @@ impl Store {
         out
     }
 
+    /// Adopts many nodes on `stack` in one transaction: each `(layers, node)`
+    /// as [`Store::adopt_node`] adopts it, in order (a node may name an
+    /// earlier one of the batch as its parent), all or none. What a pull of a
+    /// whole subtree, or a tool that builds a large graph, uses instead of one
+    /// transaction per node. Answers one [`Adopted`] per node, in order.
+    /// Staged directories are consumed as there. Errors: those of
+    /// [`Store::adopt_node`] (the first node that fails undoes the batch).
+    pub fn adopt_nodes(
+        &self,
+        stack: &str,
+        batch: &[(Vec<AdoptLayer>, AdoptNode)],
+    ) -> Result<Vec<Adopted>, StoreError> {
+        let out = self.adopt_nodes_inner(stack, batch);
+        for (layers, _) in batch {
+            self.consume_staged(layers);
+        }
+        out
+    }
+
+    fn adopt_nodes_inner(
+        &self,
+        stack: &str,
+        batch: &[(Vec<AdoptLayer>, AdoptNode)],
+    ) -> Result<Vec<Adopted>, StoreError> {
+        for (layers, _) in batch {
+            self.check_adopt_layers(layers)?;
+        }
+        let mut conn = self.db.writer();
+        let mut moved: Vec<(PathBuf, PathBuf)> = Vec::new();
+        let mut inflight = Vec::new();
+        let out = write_on(&mut conn, |tx| {
+            moved.clear();
+            batch
+                .iter()
+                .map(|(layers, node)| {
+                    self.adopt_in(tx, stack, layers, node, &mut moved, &mut inflight)
+                })
+                .collect::<Result<Vec<_>, _>>()
+        });
+        if out.as_ref().is_ok_and(|v| v.iter().any(|a| a.created)) {
+            crate::failpoints::hit("adopt.committed");
+        }
+        drop(conn);
+        drop(inflight);
+        match out {
+            Ok(v) => {
+                info!(
+                    stack,
+                    nodes = v.len(),
+                    created = v.iter().filter(|a| a.created).count(),
+                    new_layers = v.iter().map(|a| a.new_layers.len()).sum::<usize>(),
+                    "adopted nodes"
+                );
+                Ok(v)
+            }
+            Err(e) => {
+                move_back(&moved);
+                Err(e)
+            }
+        }
+    }
+
     fn adopt_node_inner(
         &self,
         stack: &str,
@@ -663,145 +725,7 @@ impl Store {
         let mut inflight = Vec::new();
         let out = write_on(&mut conn, |tx| {
             moved.clear();
-            require_stack(tx, stack)?;
-            let there: Option<i64> = tx
-                .one("SELECT 1 FROM graph_nodes WHERE id = ?1", [&node.id], |r| {
-                    r.get(0)
-                })
-                .optional()?;
-            // A pruned node of this id (its lease released, its layers perhaps
-            // collected): revived with the pulled layers if it is the same
-            // node as far as what is left tells (stack, state).
-            let mut revive: Option<NodeInfo> = None;
-            if there.is_some() {
-                let existing = get_node(tx, &node.id)?;
-                if existing.pruned {
-                    let g = get_group(tx, &existing.group)?;
-                    let why = if g.stack != stack {
-                        Some(format!(
-                            "it is on stack {}, the pulled one on {stack}",
-                            g.stack
-                        ))
-                    } else {
-                        state_differs(&existing, &node.state)
-                    };
-                    if let Some(why) = why {
-                        return Err(StoreError::AlreadyExists(format!(
-                            "node {} exists here (pruned) with other content: {why}; a node id names one node",
-                            node.id
-                        )));
-                    }
-                    revive = Some(existing);
-                }
-            }
-            if there.is_some() && revive.is_none() {
-                let existing = get_node(tx, &node.id)?;
-                if let Some(why) = differs(tx, &existing, stack, layers, &node.state)? {
-                    return Err(StoreError::AlreadyExists(format!(
-                        "node {} exists here with other content: {why}; a node id names one node (pull it into another store, or prune and remove this one first)",
-                        node.id
-                    )));
-                }
-                let mut ids = manifest_layers(tx, existing.manifest)?;
-                ids.reverse();
-                // Parents it declares that an older store (format < 15) did
-                // not record, or that arrived outside a pull: recorded now.
-                let missing = link_parents(tx, &node.id, &node.parents)?;
-                return Ok(Adopted {
-                    node: get_node(tx, &node.id)?,
-                    created: false,
-                    layers: ids,
-                    new_layers: Vec::new(),
-                    missing_parents: missing,
-                    linked_children: Vec::new(),
-                });
-            }
-            // The group: the same graph (stack and root), or a new one (a
-            // revived node keeps its own).
-            match get_group(tx, &node.group.name) {
-                _ if revive.is_some() => {}
-                Ok(g)
-                    if g.stack != stack
-                        || node.group.root.as_ref().is_some_and(|r| *r != g.root) =>
-                {
-                    return Err(StoreError::FailedPrecondition(format!(
-                        "graph {:?} exists here on stack {} with root {}, the pulled node's graph is on stack {stack} with root {}: pull it into a graph of another name (layerstack pull --graph NAME; Python pull(graph=NAME))",
-                        g.name,
-                        g.stack,
-                        g.root,
-                        node.group.root.as_deref().unwrap_or("(not given)")
-                    )));
-                }
-                Ok(_) => {}
-                Err(StoreError::NotFound(_)) => {
-                    crate::graph::validate_group_name(&node.group.name)?;
-                    tx.exec(
-                        "INSERT INTO graph_groups(name, stack, branch, root, created_ns) VALUES (?1, ?2, ?3, ?4, ?5)",
-                        params![
-                            node.group.name,
-                            stack,
-                            node.group.branch.as_deref().unwrap_or(&self.default_branch),
-                            node.group.root.as_deref().unwrap_or(&node.id),
-                            now_ns()
-                        ],
-                    )?;
-                }
-                Err(e) => return Err(e),
-            }
-            let (ids, new_layers) =
-                self.adopt_layers_in(tx, stack, layers, &mut moved, &mut inflight)?;
-            self.sync_renamed(&moved)?;
-            let manifest = chain(tx, stack, &ids)?;
-            let lease = new_lease(tx, manifest, HolderKind::Node, &node.id)?;
-            let base: String = tx.one(
-                "SELECT base_digest FROM stacks WHERE id = ?1",
-                [stack],
-                |r| r.get(0),
-            )?;
-            let prov = &node.provenance;
-            if revive.is_some() {
-                tx.exec(
-                    "UPDATE graph_nodes SET manifest_id = ?2, lease_id = ?3, pruned = 0 WHERE id = ?1",
-                    params![node.id, manifest, lease],
-                )?;
-                let missing = link_parents(tx, &node.id, &node.parents)?;
-                let linked_children = link_waiting_children(tx, &node.id)?;
-                return Ok(Adopted {
-                    node: get_node(tx, &node.id)?,
-                    created: true,
-                    layers: ids,
-                    new_layers,
-                    missing_parents: missing,
-                    linked_children,
-                });
-            }
-            tx.exec(
-                &format!("INSERT INTO graph_nodes({NODE_COLS}, lease_id) VALUES (?1, ?2, ?3, ?4, ?5, NULL, ?6, ?7, ?8, ?9, ?10, 0, ?11, ?12)"),
-                params![
-                    node.id,
-                    node.group.name,
-                    node.kind.as_str(),
-                    manifest,
-                    node.state,
-                    prov.command,
-                    serde_json::to_string(&prov.labels).unwrap_or_else(|_| "{}".into()),
-                    prov.exit_status,
-                    prov.private_bytes.map(|b| i64::try_from(b).unwrap_or(i64::MAX)),
-                    base,
-                    node.created_ns,
-                    lease
-                ],
-            )?;
-            let missing = link_parents(tx, &node.id, &node.parents)?;
-            let linked_children = link_waiting_children(tx, &node.id)?;
-            Ok(Adopted {
-                node: get_node(tx, &node.id)?,
-                created: true,
-                layers: ids,
-                new_layers,
-                missing_parents: missing,
-                linked_children,
-            })
+            self.adopt_in(tx, stack, layers, node, &mut moved, &mut inflight)
         });
         if out.as_ref().is_ok_and(|a| a.created) {
             crate::failpoints::hit("adopt.committed");
@@ -828,5 +752,156 @@ impl Store {
                 Err(e)
             }
         }
+    }
+
+    /// One node's adoption in `tx` ([`Store::adopt_node`] and
+    /// [`Store::adopt_nodes`]): staged directories renamed into `l/` are
+    /// recorded in `moved`, their layers held in `inflight` until the commit.
+    fn adopt_in(
+        &self,
+        tx: &Transaction<'_>,
+        stack: &str,
+        layers: &[AdoptLayer],
+        node: &AdoptNode,
+        moved: &mut Vec<(PathBuf, PathBuf)>,
+        inflight: &mut Vec<crate::InFlightGuard>,
+    ) -> Result<Adopted, StoreError> {
+        validate_node_id(&node.id)?;
+        validate_state(&node.state)?;
+        require_stack(tx, stack)?;
+        let there: Option<i64> = tx
+            .one("SELECT 1 FROM graph_nodes WHERE id = ?1", [&node.id], |r| {
+                r.get(0)
+            })
+            .optional()?;
+        // A pruned node of this id (its lease released, its layers perhaps
+        // collected): revived with the pulled layers if it is the same
+        // node as far as what is left tells (stack, state).
+        let mut revive: Option<NodeInfo> = None;
+        if there.is_some() {
+            let existing = get_node(tx, &node.id)?;
+            if existing.pruned {
+                let g = get_group(tx, &existing.group)?;
+                let why = if g.stack != stack {
+                    Some(format!(
+                        "it is on stack {}, the pulled one on {stack}",
+                        g.stack
+                    ))
+                } else {
+                    state_differs(&existing, &node.state)
+                };
+                if let Some(why) = why {
+                    return Err(StoreError::AlreadyExists(format!(
+                        "node {} exists here (pruned) with other content: {why}; a node id names one node",
+                        node.id
+                    )));
+                }
+                revive = Some(existing);
+            }
+        }
+        if there.is_some() && revive.is_none() {
+            let existing = get_node(tx, &node.id)?;
+            if let Some(why) = differs(tx, &existing, stack, layers, &node.state)? {
+                return Err(StoreError::AlreadyExists(format!(
+                    "node {} exists here with other content: {why}; a node id names one node (pull it into another store, or prune and remove this one first)",
+                    node.id
+                )));
+            }
+            let mut ids = manifest_layers(tx, existing.manifest)?;
+            ids.reverse();
+            // Parents it declares that an older store (format < 15) did
+            // not record, or that arrived outside a pull: recorded now.
+            let missing = link_parents(tx, &node.id, &node.parents)?;
+            return Ok(Adopted {
+                node: get_node(tx, &node.id)?,
+                created: false,
+                layers: ids,
+                new_layers: Vec::new(),
+                missing_parents: missing,
+                linked_children: Vec::new(),
+            });
+        }
+        // The group: the same graph (stack and root), or a new one (a
+        // revived node keeps its own).
+        match get_group(tx, &node.group.name) {
+            _ if revive.is_some() => {}
+            Ok(g) if g.stack != stack || node.group.root.as_ref().is_some_and(|r| *r != g.root) => {
+                return Err(StoreError::FailedPrecondition(format!(
+                    "graph {:?} exists here on stack {} with root {}, the pulled node's graph is on stack {stack} with root {}: pull it into a graph of another name (layerstack pull --graph NAME; Python pull(graph=NAME))",
+                    g.name,
+                    g.stack,
+                    g.root,
+                    node.group.root.as_deref().unwrap_or("(not given)")
+                )));
+            }
+            Ok(_) => {}
+            Err(StoreError::NotFound(_)) => {
+                crate::graph::validate_group_name(&node.group.name)?;
+                tx.exec(
+                    "INSERT INTO graph_groups(name, stack, branch, root, created_ns) VALUES (?1, ?2, ?3, ?4, ?5)",
+                    params![
+                        node.group.name,
+                        stack,
+                        node.group.branch.as_deref().unwrap_or(&self.default_branch),
+                        node.group.root.as_deref().unwrap_or(&node.id),
+                        now_ns()
+                    ],
+                )?;
+            }
+            Err(e) => return Err(e),
+        }
+        let (ids, new_layers) = self.adopt_layers_in(tx, stack, layers, moved, inflight)?;
+        self.sync_renamed(moved)?;
+        let manifest = chain(tx, stack, &ids)?;
+        let lease = new_lease(tx, manifest, HolderKind::Node, &node.id)?;
+        let base: String = tx.one(
+            "SELECT base_digest FROM stacks WHERE id = ?1",
+            [stack],
+            |r| r.get(0),
+        )?;
+        let prov = &node.provenance;
+        if revive.is_some() {
+            tx.exec(
+                "UPDATE graph_nodes SET manifest_id = ?2, lease_id = ?3, pruned = 0 WHERE id = ?1",
+                params![node.id, manifest, lease],
+            )?;
+            let missing = link_parents(tx, &node.id, &node.parents)?;
+            let linked_children = link_waiting_children(tx, &node.id)?;
+            return Ok(Adopted {
+                node: get_node(tx, &node.id)?,
+                created: true,
+                layers: ids,
+                new_layers,
+                missing_parents: missing,
+                linked_children,
+            });
+        }
+        tx.exec(
+            &format!("INSERT INTO graph_nodes({NODE_COLS}, lease_id) VALUES (?1, ?2, ?3, ?4, ?5, NULL, ?6, ?7, ?8, ?9, ?10, 0, ?11, ?12)"),
+            params![
+                node.id,
+                node.group.name,
+                node.kind.as_str(),
+                manifest,
+                node.state,
+                prov.command,
+                serde_json::to_string(&prov.labels).unwrap_or_else(|_| "{}".into()),
+                prov.exit_status,
+                prov.private_bytes.map(|b| i64::try_from(b).unwrap_or(i64::MAX)),
+                base,
+                node.created_ns,
+                lease
+            ],
+        )?;
+        let missing = link_parents(tx, &node.id, &node.parents)?;
+        let linked_children = link_waiting_children(tx, &node.id)?;
+        Ok(Adopted {
+            node: get_node(tx, &node.id)?,
+            created: true,
+            layers: ids,
+            new_layers,
+            missing_parents: missing,
+            linked_children,
+        })
     }
 }

@@ -262,6 +262,7 @@ impl Db {
             )?;
             if tables == 0 {
                 tx.execute_batch(SCHEMA)?;
+                tx.execute_batch(crate::schema::FORMAT_INDEXES)?;
                 tx.exec(
                     "INSERT INTO meta(key, value) VALUES ('format_version', ?1)",
                     [FORMAT_VERSION.to_string()],
@@ -284,6 +285,7 @@ impl Db {
                     None
                 };
                 let mut v = v.and_then(|v| v.parse::<i64>().ok()).unwrap_or(-1);
+                let found = v;
                 for (from, what, sql) in MIGRATIONS {
                     if v == *from {
                         tx.execute_batch(sql)?;
@@ -302,9 +304,19 @@ impl Db {
                         expected: FORMAT_VERSION,
                     });
                 }
-                let dangling: Option<String> = tx
-                    .one("PRAGMA foreign_key_check", [], |r| r.get(0))
-                    .optional()?;
+                // Indexes added within a format (additive: an older build of
+                // the same format reads the store as before).
+                tx.execute_batch(crate::schema::FORMAT_INDEXES)?;
+                // Only after a migration: the check reads every row of every
+                // table that refers to another — the whole database, which an
+                // ordinary start must not (a graph of 1,000,000 nodes made
+                // the daemon's start-up and memory grow with it; P12).
+                let dangling: Option<String> = if v != found {
+                    tx.one("PRAGMA foreign_key_check", [], |r| r.get(0))
+                        .optional()?
+                } else {
+                    None
+                };
                 if let Some(table) = dangling {
                     // Rolled back: the store stays as it was.
                     return Err(OpenError::Store(StoreError::corrupt(

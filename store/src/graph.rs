@@ -621,6 +621,11 @@ impl Store {
         })
     }
 
+    /// Graph `name`'s group. Errors: `NotFound`.
+    pub fn group(&self, name: &str) -> Result<GroupInfo, StoreError> {
+        self.db.read(|conn| get_group(conn, name))
+    }
+
     /// Graph `name` with its nodes and attempts.
     pub fn graph(&self, name: &str) -> Result<GraphDump, StoreError> {
         self.db.read(|conn| {
@@ -647,6 +652,64 @@ impl Store {
                 nodes,
                 attempts,
             })
+        })
+    }
+
+    /// At most `limit` nodes of graph `name` in creation order (the order of
+    /// [`Store::graph`]: `created_ns`, then id), those after `after` — the
+    /// (`created_ns`, id) of the last node of the previous page; `None`: from
+    /// the first. Reads only the page (an index range), so a client can walk
+    /// a graph of any size in bounded memory. Errors: `NotFound` (graph).
+    pub fn graph_nodes_page(
+        &self,
+        name: &str,
+        after: Option<(i64, &str)>,
+        limit: usize,
+    ) -> Result<Vec<NodeInfo>, StoreError> {
+        self.db.read(|conn| {
+            get_group(conn, name)?;
+            let (ns, id) = after.unwrap_or((i64::MIN, ""));
+            let mut stmt = conn.prepare_cached(&format!(
+                "SELECT {NODE_COLS} FROM graph_nodes INDEXED BY graph_nodes_grp_created
+                 WHERE grp = ?1 AND (created_ns, id) > (?2, ?3)
+                 ORDER BY created_ns, id LIMIT ?4"
+            ))?;
+            let raws: Vec<RawNode> = stmt
+                .query_map(
+                    params![name, ns, id, i64::try_from(limit).unwrap_or(i64::MAX)],
+                    raw_node,
+                )?
+                .collect::<Result<_, _>>()?;
+            raws.into_iter().map(|r| node_from(conn, r)).collect()
+        })
+    }
+
+    /// At most `limit` attempts of graph `name`'s nodes by id, those with an
+    /// id above `after` (the last of the previous page; 0: from the first).
+    /// Errors: `NotFound` (graph).
+    pub fn graph_attempts_page(
+        &self,
+        name: &str,
+        after: i64,
+        limit: usize,
+    ) -> Result<Vec<AttemptInfo>, StoreError> {
+        self.db.read(|conn| {
+            get_group(conn, name)?;
+            let mut stmt = conn.prepare_cached(&format!(
+                "SELECT {ATTEMPT_COLS} FROM graph_attempts a
+                 WHERE a.id > ?2 AND EXISTS (SELECT 1 FROM graph_nodes n WHERE n.id = a.node AND n.grp = ?1)
+                 ORDER BY a.id LIMIT ?3"
+            ))?;
+            let v = stmt
+                .query_map(
+                    params![name, after, i64::try_from(limit).unwrap_or(i64::MAX)],
+                    raw_attempt,
+                )?
+                .collect::<Result<Vec<_>, _>>()?
+                .into_iter()
+                .map(attempt_from)
+                .collect();
+            v
         })
     }
 

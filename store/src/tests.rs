@@ -3980,3 +3980,82 @@ fn the_same_blob_stored_at_once_by_many_writers_is_stored_once_without_error() {
         .collect();
     assert!(left.is_empty(), "temporary files left: {left:?}");
 }
+
+/// `adopt_nodes` makes many nodes in one transaction (a chain here, each
+/// naming the one before it in the batch), fsck stays clean, and
+/// `graph_nodes_page` walks the graph in pages in `graph`'s order.
+#[test]
+fn a_batch_of_adopted_nodes_is_one_transaction_and_pages_walk_the_graph_in_order() {
+    let d = tmp();
+    let (s, stack) = imported(d.path());
+    let (g, root) = s.create_group("big", &stack, "main", None).unwrap();
+    let layer = {
+        let n = checkpoint_child(&s, &root.id, "a.txt", "{}");
+        // Newest first: the checkpoint's own layer.
+        s.db.read(|c| crate::stacks::manifest_layers(c, n.manifest))
+            .unwrap()[0]
+    };
+    let group = AdoptGroup {
+        name: g.name.clone(),
+        branch: Some(g.branch.clone()),
+        root: Some(g.root.clone()),
+    };
+    let id = |i: usize| format!("n{:016x}", 0xb00 + i);
+    let batch: Vec<(Vec<AdoptLayer>, AdoptNode)> = (0..2_345)
+        .map(|i| {
+            (
+                vec![AdoptLayer {
+                    source: LayerSource::Existing(layer),
+                    diff_id: format!("sha256:{:064x}", layer),
+                    tar_size: None,
+                    blobs: Vec::new(),
+                }],
+                AdoptNode {
+                    id: id(i),
+                    group: group.clone(),
+                    kind: NodeKind::Checkpoint,
+                    state: "{}".into(),
+                    parents: vec![if i == 0 { root.id.clone() } else { id(i - 1) }],
+                    provenance: Provenance::default(),
+                    created_ns: root.created_ns + 1 + i as i64,
+                },
+            )
+        })
+        .collect();
+    // A bad node at the end undoes the whole batch.
+    let mut bad = batch.clone();
+    bad.last_mut().unwrap().1.state = "not json".into();
+    assert!(s.adopt_nodes(&stack, &bad).is_err());
+    assert!(s.node(&id(0)).is_err(), "a failed batch leaves no node");
+    let out = s.adopt_nodes(&stack, &batch).unwrap();
+    assert_eq!(out.len(), 2_345);
+    assert!(out
+        .iter()
+        .all(|a| a.created && a.missing_parents.is_empty()));
+    assert_eq!(s.node(&id(7)).unwrap().parents, vec![id(6)]);
+    let report = s.fsck(false).unwrap();
+    assert!(report.problems.is_empty(), "{:?}", report.problems);
+    // Pages of 1,000 concatenate to the whole graph, in its order.
+    let whole: Vec<String> = s
+        .graph("big")
+        .unwrap()
+        .nodes
+        .into_iter()
+        .map(|n| n.id)
+        .collect();
+    assert_eq!(whole.len(), 2_347);
+    let mut walked = Vec::new();
+    let mut after: Option<(i64, String)> = None;
+    loop {
+        let page = s
+            .graph_nodes_page("big", after.as_ref().map(|(t, i)| (*t, i.as_str())), 1_000)
+            .unwrap();
+        assert!(page.len() <= 1_000);
+        let Some(last) = page.last() else { break };
+        after = Some((last.created_ns, last.id.clone()));
+        walked.extend(page.into_iter().map(|n| n.id));
+    }
+    assert_eq!(walked, whole);
+    assert!(s.graph_nodes_page("nope", None, 10).is_err());
+    assert_eq!(s.graph_attempts_page("big", 0, 10).unwrap().len(), 1);
+}

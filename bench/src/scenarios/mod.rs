@@ -9,6 +9,7 @@ use crate::stats::{pair_ratios, Summary};
 
 mod p10_cluster;
 mod p11_wasi;
+mod p12_graph_scale;
 mod p1_start;
 mod p2_fanout;
 mod p3_publish;
@@ -103,6 +104,12 @@ pub fn all() -> Vec<Def> {
             name: "wasi",
             title: "WASI sessions beside Mode B: create + run a trivial module + discard, 1,024 writing one file each published on one head",
             run: p11_wasi::run,
+        },
+        Def {
+            id: "p12",
+            name: "graph-scale",
+            title: "graph scale: the daemon's memory with a graph of 1,000,000 nodes (most pruned or inactive) against 1,000",
+            run: p12_graph_scale::run,
         },
     ]
 }
