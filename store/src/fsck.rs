@@ -24,9 +24,11 @@
 //!   that lost a write, a hand edit of a layer). Reads every such file.
 //! * `outcome-history` — a publish reported `committed`, `merged` or
 //!   `checkpointed` that names no layer or one never sealed (pending, active),
-//!   or whose manifest does not have that layer on top: an outcome history
-//!   does not bear out. (GC deletes the rows of layers and manifests nothing
-//!   reaches; an outcome whose rows are gone is not checked further.)
+//!   or whose manifest does not have that layer on top; or a `committed` or
+//!   `merged` one whose layer is not in the history of its branch's head (its
+//!   layers and their squashes' members) while that branch stands — made
+//!   before the publish — and the session did not conflict since (a rebranch
+//!   may have moved it): an outcome history or the heads do not bear out.
 //! * `rollout` — a violation of a run's exactly-once invariants
 //!   ([`Store::audit_run`]).
 
@@ -228,27 +230,63 @@ impl Store {
             // or checkpointed names a layer that was sealed (its row, while GC
             // has not freed it, is not pending or active), and the manifest it
             // made (while its row lives) has that layer on top.
+            //
+            // And against heads: a `committed` or `merged` publish moved its
+            // session's branch, and nothing moves a branch backwards (promote
+            // fast-forwards or merges; a squash keeps its members), so while
+            // that branch stands — made before the publish, not deleted and
+            // made again since — its head's history holds the layer (among
+            // its layers, or a squash's members). Sessions that conflicted
+            // after the publish are left out: a conflicted session may be
+            // moved to another branch (rebranch), which the row then names.
             let mut stmt = conn.prepare_cached(
-                "SELECT p.id, p.session_id, p.outcome, p.layer_id, l.kind, m.id, m.layer_id
+                "SELECT p.id, p.session_id, p.outcome, p.layer_id, l.kind, m.id, m.layer_id,
+                        CASE WHEN p.outcome IN ('committed', 'merged')
+                              AND NOT EXISTS (SELECT 1 FROM publishes q WHERE q.session_id = p.session_id
+                                              AND q.id > p.id AND q.outcome = 'conflict')
+                             THEN b.manifest_id END,
+                        s.stack, s.branch
                  FROM publishes p
+                 JOIN sessions s ON s.id = p.session_id
                  LEFT JOIN layers l ON l.id = p.layer_id
                  LEFT JOIN manifests m ON m.id = p.manifest_after
+                 LEFT JOIN branches b ON b.stack = s.stack AND b.name = s.branch AND b.created_ns <= p.at_ns
                  WHERE p.outcome IN ('committed', 'merged', 'checkpointed')",
             )?;
             let rows = stmt.query_map([], |x| {
                 Ok((
-                    x.get::<_, i64>(0)?,
-                    x.get::<_, i64>(1)?,
-                    x.get::<_, String>(2)?,
-                    x.get::<_, Option<i64>>(3)?,
-                    x.get::<_, Option<String>>(4)?,
-                    x.get::<_, Option<i64>>(5)?,
-                    x.get::<_, Option<i64>>(6)?,
+                    (
+                        x.get::<_, i64>(0)?,
+                        x.get::<_, i64>(1)?,
+                        x.get::<_, String>(2)?,
+                        x.get::<_, Option<i64>>(3)?,
+                        x.get::<_, Option<String>>(4)?,
+                        x.get::<_, Option<i64>>(5)?,
+                        x.get::<_, Option<i64>>(6)?,
+                    ),
+                    (
+                        x.get::<_, Option<i64>>(7)?,
+                        x.get::<_, String>(8)?,
+                        x.get::<_, String>(9)?,
+                    ),
                 ))
             })?;
+            // Each branch head's history: its layers and, below them, the
+            // members of its squashes.
+            let mut histories: std::collections::HashMap<i64, BTreeSet<i64>> = Default::default();
             for row in rows {
-                let (id, session, outcome, layer, kind, after, top) = row?;
+                let ((id, session, outcome, layer, kind, after, top), (head, stack, branch)) = row?;
                 r.outcomes += 1;
+                let off_head = match (layer, head) {
+                    (Some(l), Some(h)) => {
+                        if !histories.contains_key(&h) {
+                            let v = head_history(conn, h)?;
+                            histories.insert(h, v);
+                        }
+                        !histories[&h].contains(&l)
+                    }
+                    _ => false,
+                };
                 let why = match (layer, kind.as_deref(), after, top) {
                     (None, ..) => Some("names no layer".to_string()),
                     // No row: GC freed it (a deleted branch, a squash's
@@ -260,6 +298,10 @@ impl Store {
                     (Some(l), _, Some(m), t) if t != Some(l) => Some(format!(
                         "names layer {l}, but the manifest {m} it made has {} on top",
                         t.map_or("no layer".to_string(), |t| format!("layer {t}"))
+                    )),
+                    (Some(l), ..) if off_head => Some(format!(
+                        "names layer {l}, which is not in the history of {stack}@{branch}'s head (the branch it moved, standing since before it){}",
+                        if kind.is_none() { ", and GC freed it" } else { "" }
                     )),
                     _ => None,
                 };
@@ -369,6 +411,23 @@ fn index_mismatch(p: &std::path::Path, kind: i64) -> Option<String> {
 
 /// Why the regular file at `p` does not hash to `want` (its index row's
 /// BLAKE3), if it does not.
+/// The layers of manifest `head` and, below each squashed one, the members it
+/// replaced (recursively): every layer whose change the head holds.
+fn head_history(conn: &rusqlite::Connection, head: i64) -> Result<BTreeSet<i64>, StoreError> {
+    let mut out = BTreeSet::new();
+    let mut todo = manifest_layers(conn, head)?;
+    let mut stmt =
+        conn.prepare_cached("SELECT member_id FROM squash_members WHERE layer_id = ?1")?;
+    while let Some(l) = todo.pop() {
+        if out.insert(l) {
+            for m in stmt.query_map([l], |x| x.get::<_, i64>(0))? {
+                todo.push(m?);
+            }
+        }
+    }
+    Ok(out)
+}
+
 fn content_mismatch(p: &std::path::Path, want: &[u8]) -> Option<String> {
     let mut h = blake3::Hasher::new();
     match std::fs::File::open(p).and_then(|f| h.update_reader(f).map(|_| ())) {

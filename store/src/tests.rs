@@ -2878,6 +2878,40 @@ fn fsck_finds_what_disagrees_with_the_filesystem_and_repairs_only_the_safe_part(
             && o.detail.contains(&format!("layer {}", p.layer)),
         "{o:?}"
     );
+    // And against heads: the branch moved back past the committed layer (by
+    // hand: nothing in LayerStack moves a branch backwards).
+    s.db.write(|tx| {
+        Ok(tx.execute(
+            "UPDATE manifests SET layer_id = ?1 WHERE id = (SELECT manifest_after FROM publishes WHERE outcome = 'committed')",
+            [p.layer],
+        )?)
+    })
+    .unwrap();
+    assert!(
+        !s.fsck(false)
+            .unwrap()
+            .problems
+            .iter()
+            .any(|p| p.kind == "outcome-history"),
+        "restored"
+    );
+    s.db.write(|tx| {
+        Ok(tx.execute(
+            "UPDATE branches SET manifest_id = (SELECT manifest_before FROM publishes WHERE outcome = 'committed')",
+            [],
+        )?)
+    })
+    .unwrap();
+    let r = s.fsck(false).unwrap();
+    let o = r
+        .problems
+        .iter()
+        .find(|p| p.kind == "outcome-history")
+        .unwrap_or_else(|| panic!("{r:?}"));
+    assert!(
+        o.detail.contains("not in the history") && o.detail.contains("@main"),
+        "{o:?}"
+    );
 }
 
 /// A key names one request: the same key with the same arguments answers the
