@@ -98,7 +98,47 @@ fn the_admin_socket_serves_root_and_the_uids_configured_and_refuses_others() -> 
             && err.contains("[api] allowed_uids"),
         "{err}"
     );
+    // The uid [api] admits to the admin socket is refused on the mount and
+    // snapshots sockets all the same: they serve root only.
+    root_only_sockets_refuse(&env, &admin, 65534)?;
     Ok(())
+}
+
+/// The mount and snapshots sockets: 0660, and with their mode opened by hand
+/// their own peer checks refuse `uid` and serve root; the number checked.
+fn root_only_sockets_refuse(env: &StandaloneDaemon, admin: &Path, uid: u32) -> Result<u64> {
+    let mut refused = 0u64;
+    for (kind, sock) in [
+        ("mount", admin.with_file_name("mount.sock")),
+        ("snapshots", env.daemon().socket().to_path_buf()),
+    ] {
+        assert_eq!(
+            std::fs::metadata(&sock)?.mode() & 0o777,
+            0o660,
+            "the {kind} socket is 0660"
+        );
+        std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o666))?;
+        let out = probe_as(kind, &sock, uid)?;
+        let said = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            said.contains("refused:") && (said.contains(&uid.to_string()) || said.contains("root")),
+            "the {kind} socket's peer check refused uid {uid}: {}",
+            describe(&out)
+        );
+        assert!(
+            !said.contains("served:"),
+            "the {kind} socket served uid {uid}: {said}"
+        );
+        let out = probe_as(kind, &sock, 0)?;
+        assert!(
+            String::from_utf8_lossy(&out.stdout).contains("served:"),
+            "the {kind} socket serves root: {}",
+            describe(&out)
+        );
+        std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o660))?;
+        refused += 1;
+    }
+    Ok(refused)
 }
 
 #[test]
@@ -128,40 +168,10 @@ fn by_default_only_root_may_call_and_the_socket_is_0660() -> Result<()> {
         "the daemon logs the refusal"
     );
     // The mount and snapshots sockets: 0660 too, and with their mode opened
-    // by hand their own peer checks refuse uid 65534 — whatever [api] says,
-    // they serve root only (containerd; `layerstack session run|create`).
-    let mut refused = 1u64;
-    for (kind, sock) in [
-        ("mount", admin.with_file_name("mount.sock")),
-        ("snapshots", env.daemon().socket().to_path_buf()),
-    ] {
-        assert_eq!(
-            std::fs::metadata(&sock)?.mode() & 0o777,
-            0o660,
-            "the {kind} socket is 0660"
-        );
-        std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o666))?;
-        let out = probe_as(kind, &sock, 65534)?;
-        let said = String::from_utf8_lossy(&out.stdout);
-        assert!(
-            said.contains("refused:") && said.contains("65534")
-                || said.contains("refused:") && said.contains("root"),
-            "the {kind} socket's peer check refused uid 65534: {}",
-            describe(&out)
-        );
-        assert!(
-            !said.contains("served:"),
-            "the {kind} socket served uid 65534: {said}"
-        );
-        // Root is still served.
-        let out = probe_as(kind, &sock, 0)?;
-        assert!(
-            String::from_utf8_lossy(&out.stdout).contains("served:"),
-            "the {kind} socket serves root: {}",
-            describe(&out)
-        );
-        refused += 1;
-    }
+    // by hand their own peer checks refuse uid 65534 — whatever [api] says
+    // (the test above checks them with the uid listed there), they serve root
+    // only (containerd; `layerstack session run|create`).
+    let refused = 1 + root_only_sockets_refuse(&env, &admin, 65534)?;
     layerstack_store::reliability::record(
         "callers",
         "A non-root process is refused on the admin socket unless the daemon's [api] lists its uid or gid, and on the mount and snapshots sockets always (they serve root: containerd, `layerstack session run|create`); every socket is 0660, never world-writable (listed ids reach the admin socket through a POSIX ACL), and each socket's per-connection peer check refuses even when its mode is opened by hand",
