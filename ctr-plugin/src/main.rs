@@ -208,15 +208,18 @@ pub enum Cmd {
     Fabric(fabric::FabricCmd),
     /// Check the store against its filesystem: orphan directories, missing
     /// layers, leases whose holder is gone, path-index rows their tree
-    /// contradicts, rollout runs' exactly-once violations. Exits 4 when
-    /// problems remain.
+    /// contradicts, outcomes that history or the branch heads do not bear
+    /// out, rollout runs' exactly-once violations. Exits 4 when problems
+    /// remain.
     Fsck {
         /// Fix what loses no committed change: remove orphan directories,
         /// release leases whose holder is gone for good.
         #[arg(long)]
         repair: bool,
         /// Also hash every written file of a live layer against the digest
-        /// its path index recorded (reads them all: minutes on a large store).
+        /// its path index recorded, and check every imported base against the
+        /// digest its import recorded (reads them all: minutes on a large
+        /// store).
         #[arg(long)]
         content: bool,
         /// Print the report as one JSON object.

@@ -389,9 +389,11 @@ fn disk_full_during_publish_squash_and_import() -> Result<()> {
         v["outcome"] == "failed"
             && v["message"].as_str().is_some_and(|m| {
                 let m = m.to_lowercase();
-                m.contains("no space left on device") && m.contains("free space")
+                m.contains("no space left on device")
+                    && m.contains("free space")
+                    && m.contains("merged file")
             }),
-        "a merge publish that runs out part way ends `failed` naming the full disk and what to do: {v}"
+        "a merge publish that runs out part way — in its merge write — ends `failed` naming the full disk and what to do: {v}"
     );
     eprintln!("merge publish on a full disk: {}", v["message"]);
     figures.insert("merge_publish_on_full_disk".into(), json!("outcome failed"));

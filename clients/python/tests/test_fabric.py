@@ -314,6 +314,7 @@ def test_exactly_once_through_daemon_kills_mid_step(daemon: Daemon) -> None:  # 
                         raise ConnectionError(f"sandbox lost: {out}")
 
                 inits_killed = 0
+                daemon_kills = 0
                 results: List[Any] = []
                 frontier: List[str] = []
 
@@ -322,7 +323,7 @@ def test_exactly_once_through_daemon_kills_mid_step(daemon: Daemon) -> None:  # 
                     # the start, then a quarter and a half of the samples done
                     # (each at least 1 s after the last), random sandbox inits
                     # killed before each — so each kill finds attempts running.
-                    nonlocal inits_killed
+                    nonlocal inits_killed, daemon_kills
                     for k in range(3):
                         while len(results) < k * n // 4:
                             await asyncio.sleep(0.05)
@@ -335,6 +336,7 @@ def test_exactly_once_through_daemon_kills_mid_step(daemon: Daemon) -> None:  # 
                             frontier.extend(await ls.lease_frontier("search-1", kept))
                         await asyncio.sleep(0.5)
                         srv.kill9()
+                        daemon_kills += 1
                         await asyncio.sleep(0.3)
                         await asyncio.get_running_loop().run_in_executor(None, srv.start)
 
@@ -409,13 +411,14 @@ def test_exactly_once_through_daemon_kills_mid_step(daemon: Daemon) -> None:  # 
                     "LAYERSTACK_BIN_DIR=$PWD/target/debug python3 -m pytest clients/python/tests/test_fabric.py -k exactly_once",
                     {
                         "samples": audit.samples,
-                        "daemon SIGKILLs": 3,
+                        "daemon SIGKILLs": daemon_kills,
                         "sandbox inits killed": inits_killed,
                         "attempts": len(attempts),
                         "infra_failed attempts": sum(audit.infra_failed.values()),
                         "rewards applied": len(applied),
                         "backpropagations": audit.backprops,
-                        "repeated calls that ran or applied anything": 0,
+                        "repeated calls that ran or applied anything": (after.attempts - audit.attempts)
+                        + (after.backprops - audit.backprops) + (root2.visits - root.visits),
                         "frontier nodes kept": len(frontier),
                         "audit violations": len(audit.violations),
                     },
