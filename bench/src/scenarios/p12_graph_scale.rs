@@ -426,6 +426,10 @@ struct Life {
     prune_ms: f64,
     gc_manifests: u64,
     gc_ms: f64,
+    /// KiB: VmHWM at rest after start-up and after each step of the
+    /// workload (stats, rollouts, ShowGraph, prune, GC): which step sets the
+    /// peak.
+    hwm_steps_kib: [f64; 6],
 }
 
 /// How long the daemon is left alone before its memory is read "at rest":
@@ -471,6 +475,11 @@ fn start(dir: &Path, root: &Path) -> Result<(Daemon, f64)> {
 /// A search's workload (round `round`) over the admin API of `d`.
 fn workload(b: &Bench, d: &Daemon, built: &Built, round: usize, life: &mut Life) -> Result<()> {
     use layerstack_api as api;
+    let pid = d.pid().context("the daemon's pid")?;
+    let hwm = |life: &mut Life, step: usize| -> Result<()> {
+        life.hwm_steps_kib[step] = status_kib(pid, "VmHWM")? as f64;
+        Ok(())
+    };
     let sock = d.admin_socket().to_path_buf();
     b.rt.block_on(async {
         let mut c = api::connect(&sock)
@@ -496,6 +505,7 @@ fn workload(b: &Bench, d: &Daemon, built: &Built, round: usize, life: &mut Life)
             life.stats_calls += 1;
         }
         life.stats_ms = ms(t);
+        hwm(life, 1)?;
         // Expansion: a rollout on each of 4 frontier nodes, in a sandbox of
         // this daemon, ended with a reward and a backpropagation.
         let t = Instant::now();
@@ -534,6 +544,7 @@ fn workload(b: &Bench, d: &Daemon, built: &Built, round: usize, life: &mut Life)
             life.rollouts += 1;
         }
         life.rollouts_ms = ms(t);
+        hwm(life, 2)?;
         // The whole graph, page by page (ShowGraph's stream).
         let t = Instant::now();
         let mut s = c
@@ -546,6 +557,7 @@ fn workload(b: &Bench, d: &Daemon, built: &Built, round: usize, life: &mut Life)
             life.show_pages += 1;
         }
         life.show_ms = ms(t);
+        hwm(life, 3)?;
         ensure!(
             life.shown_nodes == built.nodes,
             "ShowGraph listed {} nodes of {}",
@@ -565,10 +577,12 @@ fn workload(b: &Bench, d: &Daemon, built: &Built, round: usize, life: &mut Life)
             .into_inner();
         life.pruned = r.pruned.len();
         life.prune_ms = ms(t);
+        hwm(life, 4)?;
         let t = Instant::now();
         let g = c.gc(api::GcRequest {}).await.context("Gc")?.into_inner();
         life.gc_manifests = g.manifests;
         life.gc_ms = ms(t);
+        hwm(life, 5)?;
         anyhow::Ok(())
     })
 }
@@ -586,6 +600,7 @@ fn life(b: &Bench, dir: &Path, built: &Built, round: usize) -> Result<Life> {
         l.idle_kib = rss_at_rest(pid)?;
         l.idle_anon_kib = status_kib(pid, "RssAnon")? as f64;
         l.idle_file_kib = status_kib(pid, "RssFile")? as f64;
+        l.hwm_steps_kib[0] = status_kib(pid, "VmHWM")? as f64;
         workload(b, &d, built, round, &mut l)?;
         l.after_kib = rss_at_rest(pid)?;
         l.after_anon_kib = status_kib(pid, "RssAnon")? as f64;
@@ -782,6 +797,34 @@ pub fn run(b: &Bench, r: &mut ScenarioReport) -> Result<()> {
         fmt_kib(&hwm[1]),
         ratio_hwm.fmt_ratio(),
     ]);
+    for (i, step) in [
+        "start-up (at rest)",
+        "+ GetNodeStats",
+        "+ rollouts",
+        "+ ShowGraph",
+        "+ PruneNode",
+        "+ Gc",
+    ]
+    .iter()
+    .enumerate()
+    {
+        let v = [
+            lives[0]
+                .iter()
+                .map(|l| l.hwm_steps_kib[i])
+                .collect::<Vec<_>>(),
+            lives[1]
+                .iter()
+                .map(|l| l.hwm_steps_kib[i])
+                .collect::<Vec<_>>(),
+        ];
+        t.row(vec![
+            format!("VmHWM after {step}"),
+            fmt_kib(&v[0]),
+            fmt_kib(&v[1]),
+            Summary::of(&pair_ratios(&v[0], &v[1])).fmt_ratio(),
+        ]);
+    }
     let wl = |f: fn(&Life) -> f64, v: usize| Summary::of(&col(v, f)).fmt(1);
     t.row(vec![
         "workload: 200 GetNodeStats(children), ms".into(),
