@@ -261,6 +261,26 @@ pub(crate) fn insert_session(
     Ok(sid)
 }
 
+/// Gives the fresh upper of run `spec` (directories already made: by
+/// [`Store::ready_run`], or before the run's transaction by
+/// [`Store::with_session_dirs`]) the metadata of the lease's root
+/// ([`fs::init_upper_root`]; an upper already written is left as is).
+/// Error: `Io` naming the upper (`NotFound` when its directory was removed
+/// since it was made).
+fn init_run_upper(spec: &MountSpec) -> Result<(), StoreError> {
+    let MountSpec::Overlay {
+        lowers,
+        upper: Some((upper, _)),
+    } = spec
+    else {
+        return Ok(());
+    };
+    match lowers.first() {
+        Some(top) => fs::init_upper_root(upper, top).map_err(|e| StoreError::io(upper, e)),
+        None => Ok(()),
+    }
+}
+
 impl Store {
     /// Makes what is missing of session `sid`'s directory, upper and
     /// workdir (a session whose fresh upper could not be made after its last
@@ -426,8 +446,8 @@ impl Store {
     /// Error: `Io` naming the directory.
     pub(crate) fn ready_run(&self, sid: SessionId, spec: &MountSpec) -> Result<(), StoreError> {
         let MountSpec::Overlay {
-            lowers,
             upper: Some((upper, _)),
+            ..
         } = spec
         else {
             return Ok(());
@@ -435,28 +455,7 @@ impl Store {
         crate::failpoints::fail("session.dirs", &self.root)
             .map_err(|e| StoreError::io(upper, e))?;
         self.make_session_dirs_for(sid, true)?;
-        if let Some(top) = lowers.first() {
-            fs::init_upper_root(upper, top).map_err(|e| StoreError::io(upper, e))?;
-        }
-        Ok(())
-    }
-
-    /// [`Store::ready_run`] for a run whose directories were made before its
-    /// transaction ([`Store::with_session_dirs`]): what is still missing
-    /// (nothing, unless removed since), and a fresh upper's root.
-    fn ready_premade_run(&self, sid: SessionId, spec: &MountSpec) -> Result<(), StoreError> {
-        let MountSpec::Overlay {
-            lowers,
-            upper: Some((upper, _)),
-        } = spec
-        else {
-            return Ok(());
-        };
-        self.make_session_dirs(sid)?;
-        if let Some(top) = lowers.first() {
-            fs::init_upper_root(upper, top).map_err(|e| StoreError::io(upper, e))?;
-        }
-        Ok(())
+        init_run_upper(spec)
     }
 
     /// Starts a run of session `sid` if none is in progress (no lease, or the
@@ -709,7 +708,7 @@ impl Store {
     /// error then fails the mount with no run started and nothing made).
     pub fn session_mount(&self, sid: SessionId) -> Result<MountSpec, StoreError> {
         let spec = self.with_session_dirs(sid, || self.db.write(|tx| self.start_run(tx, sid)))?;
-        self.ready_premade_run(sid, &spec)?;
+        init_run_upper(&spec)?;
         Ok(spec)
     }
 
@@ -934,7 +933,7 @@ impl Store {
         // before the lease moves (never a branch changed by a call that failed).
         let (info, spec, changed) =
             self.with_session_dirs(session, || self.rebranch_in(session, branch, pinned))?;
-        self.ready_premade_run(session, &spec)?;
+        init_run_upper(&spec)?;
         if changed {
             info!(session.id = session, branch, manifest = ?info.lease_manifest, "session re-pointed to branch");
         }
