@@ -109,6 +109,7 @@ impl EngineError {
             Self::Census(..) | Self::Join(_) => ErrorKind::Internal,
             Self::NotFound(_) => ErrorKind::NotFound,
             Self::FailedPrecondition(_) => ErrorKind::FailedPrecondition,
+            Self::Export(e) if e.is_reserved_name() => ErrorKind::FailedPrecondition,
             Self::Read(..) | Self::Export(_) => ErrorKind::Internal,
             Self::Squash { .. } | Self::SquashRunNotInView { .. } => ErrorKind::Internal,
             Self::Import { source, .. } if source.is_not_found() => ErrorKind::NotFound,

@@ -189,6 +189,64 @@ fn a_base_imported_without_containerd_runs_sessions_and_exports() -> Result<()> 
         )?;
         ensure!(stdout(&o) == "written\n", "{}", describe(&o));
 
+        // A file a session named like an OCI whiteout (overlayfs gives the
+        // name no meaning) publishes as a file, but no OCI layer can carry
+        // it: the export refuses, naming it, and writes no layout.
+        let o = ok(
+            "session run (.wh. name)",
+            env.layerstack(&[
+                "session",
+                "run",
+                &format!("{stack}@wh"),
+                "--",
+                "sh",
+                "-c",
+                "echo kept > /srv/data/.wh.seed.txt",
+            ])?,
+        )?;
+        ensure!(
+            String::from_utf8_lossy(&o.stderr).contains("committed"),
+            "{}",
+            describe(&o)
+        );
+        let refused = dir.join("refused");
+        let o = env.layerstack(&[
+            "--error-format",
+            "json",
+            "export",
+            &format!("{stack}@wh"),
+            "--oci-layout",
+            refused.to_str().context("utf-8")?,
+        ])?;
+        let err: Value = serde_json::from_slice(&o.stderr)
+            .with_context(|| format!("one JSON error line: {}", describe(&o)))?;
+        let message = err["error"]["message"].as_str().unwrap_or_default();
+        ensure!(
+            !o.status.success()
+                && err["error"]["kind"] == "failed_precondition"
+                && message.contains("srv/data/.wh.seed.txt")
+                && message.contains("reserve for whiteouts"),
+            "export of a layer holding a `.wh.` file: {}",
+            describe(&o)
+        );
+        ensure!(
+            !refused.join("index.json").exists(),
+            "a refused export leaves no layout"
+        );
+        let o = ok(
+            "session run (the file is there)",
+            env.layerstack(&[
+                "session",
+                "run",
+                &format!("{stack}@wh"),
+                "--",
+                "cat",
+                "/srv/data/.wh.seed.txt",
+                "/srv/data/seed.txt",
+            ])?,
+        )?;
+        ensure!(stdout(&o) == "kept\nseed\n", "{}", describe(&o));
+
         // A SandboxGraph rooted on the imported base: an attempt of the root
         // checkpoints a child node, which sees its own write only.
         let root = stdout(&ok(

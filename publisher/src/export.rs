@@ -90,6 +90,19 @@ pub struct TarError {
     pub source: io::Error,
 }
 
+/// [`TarError::what`] of a file whose name OCI reserves (`.wh.` prefix).
+const RESERVED_NAME: &str = "export";
+
+impl TarError {
+    /// Whether the layer holds a file named with the OCI whiteout prefix
+    /// (`.wh.`), which no OCI layer can carry as a file: the layer's content,
+    /// not an I/O failure, is what stops the export.
+    #[must_use]
+    pub fn is_reserved_name(&self) -> bool {
+        self.what == RESERVED_NAME && self.source.kind() == io::ErrorKind::InvalidData
+    }
+}
+
 /// The ustar limit of the 8-byte octal uid and gid fields.
 const MAX_USTAR_ID: u64 = 0o7_777_777;
 /// The ustar limit of the 12-byte octal size field.
@@ -187,6 +200,19 @@ impl<W: Write> Writer<'_, W> {
             self.append(&pax, &mut h, io::empty(), rel)?;
             self.report.whiteouts += 1;
             return Ok(());
+        }
+        if name.starts_with(WHITEOUT_PREFIX) {
+            // A file a container made under this name (the kernel's overlay
+            // gives `.wh.` no meaning): as a tar entry it would be read as a
+            // whiteout or an opaque marker by whoever applies the layer.
+            let (_, base) = fsx::split_parent(rel);
+            let hidden = String::from_utf8_lossy(&base[WHITEOUT_PREFIX.len()..]).into_owned();
+            return Err(self.err(RESERVED_NAME, rel)(io::Error::new(
+                io::ErrorKind::InvalidData,
+                format!(
+                    "its name begins with `.wh.`, which OCI layers reserve for whiteouts (image-spec layer.md): as a tar entry it would delete `{hidden}` (or mark its directory opaque) wherever the layer is applied; rename or remove it in a session, publish, and export again"
+                ),
+            )));
         }
         match fmt {
             libc::S_IFDIR => {
@@ -590,6 +616,30 @@ mod tests {
         assert_eq!(names, [&b"d/"[..], b"d/.wh.gone"]);
         assert_eq!(e[1].1, EntryType::Regular);
         assert_eq!(report.whiteouts, 1);
+    }
+
+    #[test]
+    fn a_file_named_like_a_whiteout_is_refused_by_name() {
+        for name in [&b".wh.etc"[..], b".wh..wh..opq"] {
+            let t = tempfile::tempdir().unwrap();
+            let l = t.path().join("layer");
+            std::fs::create_dir_all(l.join("d")).unwrap();
+            std::fs::write(l.join("d").join(std::ffi::OsStr::from_bytes(name)), b"x").unwrap();
+            let e = write_layer_tar(&l, Vec::new(), &TarOptions::default()).unwrap_err();
+            assert!(e.is_reserved_name(), "{e:?}");
+            let mut want = b"d/".to_vec();
+            want.extend_from_slice(name);
+            assert_eq!(e.path.as_os_str().as_bytes(), want);
+            let why = e.source.to_string();
+            assert!(why.contains("reserve for whiteouts"), "{why}");
+        }
+        // A name with `.wh.` inside it is an ordinary file.
+        let t = tempfile::tempdir().unwrap();
+        let l = t.path().join("layer");
+        std::fs::create_dir_all(&l).unwrap();
+        std::fs::write(l.join("a.wh.b"), b"x").unwrap();
+        let (bytes, _) = write_layer_tar(&l, Vec::new(), &TarOptions::default()).unwrap();
+        assert_eq!(entries(&bytes)[0].0, b"a.wh.b");
     }
 
     #[test]
