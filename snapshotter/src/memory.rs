@@ -7,10 +7,14 @@
 //! commit) allocates ~100 MiB on the daemon's worker and blocking threads and
 //! frees it at the end; glibc kept it, so the daemon's RSS stayed at that peak
 //! (35 MB idle → 319–346 MB in a release build, issue 22; 38 → 139 MB in a
-//! debug build, measured with `VmRSS`). Every [`CHECK_EVERY`] this task asks
-//! glibc how much free memory its arenas hold (`mallinfo2`'s `fordblks`) and,
-//! above [`TRIM_ABOVE`], returns it with `malloc_trim(0)` (which also
-//! `madvise(MADV_DONTNEED)`s the free pages inside each arena). That alone
+//! debug build, measured with `VmRSS`). Every [`CHECK_EVERY`] this task
+//! estimates how much freed heap is still resident (`RssAnon` less what
+//! `mallinfo2` counts in use: [`free_resident_bytes`]) and, when that grew by
+//! more than [`TRIM_ABOVE`], returns it with `malloc_trim(0)` (which also
+//! `madvise(MADV_DONTNEED)`s the free pages inside each arena). (It first
+//! looked at malloc's free total, `fordblks`, which misses a burst that
+//! re-uses the chunks a trim released and frees them again between two
+//! checks: the total is unchanged, the pages resident again.) That alone
 //! brought the session's 139 MB back to 62 MB; what stayed was live: the
 //! SQLite page caches of the store's connections (the writer's up to 64 MiB,
 //! `WRITER_CACHE_KIB`, and up to 32 idle readers' 2 MiB each), which a burst
@@ -30,18 +34,19 @@ use tracing::debug;
 /// How often the daemon looks at its free heap.
 pub const CHECK_EVERY: Duration = Duration::from_secs(2);
 
-/// Growth of the free heap (bytes) since the last trim above which it is
-/// handed back: below this a trim costs more than it returns. (A trim
-/// leaves the free chunks counted as free, their pages released: the
-/// baseline is the free heap right after the last trim, lowered whenever
-/// the free heap shrinks, i.e. when freed memory was used again.)
+/// Growth (bytes) of the heap that is free but still resident since the
+/// last trim above which it is handed back: below this a trim costs more
+/// than it returns.
 pub const TRIM_ABOVE: usize = 8 << 20;
 
-/// The free heap right after the last trim (or its lowest since).
+/// [`free_resident_bytes`] right after the last trim (or its lowest since):
+/// the anonymous memory that is not malloc's (thread stacks, other
+/// mappings) plus what a trim could not return.
 static BASELINE: AtomicUsize = AtomicUsize::new(0);
 
 /// Free bytes glibc's arenas hold (`mallinfo2().fordblks`, summed over every
 /// arena), not counting chunks served by `mmap` (returned when freed).
+/// Resident or not: a trim releases their pages but they stay counted.
 #[cfg(all(target_os = "linux", target_env = "gnu"))]
 #[must_use]
 pub fn free_heap_bytes() -> usize {
@@ -56,11 +61,42 @@ pub fn free_heap_bytes() -> usize {
     0
 }
 
-/// Returns the free heap to the kernel when it grew by more than
-/// [`TRIM_ABOVE`] since the last trim; answers the free bytes seen before
-/// (`None`: it did not, nothing done).
+/// Bytes of this process's anonymous memory that malloc does not count as
+/// in use: `RssAnon` (`/proc/self/status`, proc(5)) less `mallinfo2`'s
+/// `uordblks` (allocated) and `hblkhd` (mmap-served chunks). Its growth is
+/// freed heap whose pages are still resident — which `fordblks` alone does
+/// not show when an operation re-uses chunks a trim had released and frees
+/// them again (the free total is then what it was, the pages resident once
+/// more). `None` where it cannot be read.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+#[must_use]
+pub fn free_resident_bytes() -> Option<usize> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kib: usize = status
+        .lines()
+        .find_map(|l| l.strip_prefix("RssAnon:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    // SAFETY: as in free_heap_bytes.
+    let mi = unsafe { libc::mallinfo2() };
+    Some((kib << 10).saturating_sub(mi.uordblks + mi.hblkhd))
+}
+
+/// Another libc: nothing to measure.
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+#[must_use]
+pub fn free_resident_bytes() -> Option<usize> {
+    None
+}
+
+/// Returns the free heap to the kernel when the free-but-resident part of
+/// it grew by more than [`TRIM_ABOVE`] since the last trim; answers the
+/// bytes it estimated before (`None`: it did not, nothing done).
 pub fn trim_if_large() -> Option<usize> {
-    let free = free_heap_bytes();
+    let free = free_resident_bytes()?;
     let base = BASELINE.fetch_min(free, Ordering::Relaxed).min(free);
     if free < base + TRIM_ABOVE {
         return None;
@@ -70,7 +106,7 @@ pub fn trim_if_large() -> Option<usize> {
     unsafe {
         libc::malloc_trim(0);
     }
-    BASELINE.store(free_heap_bytes(), Ordering::Relaxed);
+    BASELINE.store(free_resident_bytes().unwrap_or(0), Ordering::Relaxed);
     Some(free)
 }
 
@@ -81,16 +117,16 @@ pub fn trim_if_large() -> Option<usize> {
 pub async fn watch(store: Arc<Store>) {
     let mut tick = tokio::time::interval(CHECK_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    let mut seen = store.db_writes();
-    let mut released = true;
+    let mut seen = store.db_transactions();
+    let mut released = false;
     loop {
         tick.tick().await;
-        let writes = store.db_writes();
-        let idle = writes == seen;
+        let used = store.db_transactions();
+        let idle = used == seen;
         if !idle {
             released = false;
         }
-        seen = writes;
+        seen = used;
         let st = store.clone();
         let release = idle && !released;
         let done = tokio::task::spawn_blocking(move || {
@@ -104,7 +140,8 @@ pub async fn watch(store: Arc<Store>) {
                 debug!(
                     db_connections_released = conns,
                     free_bytes = trimmed.unwrap_or(0),
-                    after_bytes = free_heap_bytes(),
+                    after_bytes = free_resident_bytes().unwrap_or(0),
+                    free_heap_bytes = free_heap_bytes(),
                     "returned memory to the kernel (SQLite caches, malloc_trim)"
                 );
             }
@@ -116,18 +153,24 @@ pub async fn watch(store: Arc<Store>) {
 mod tests {
     use super::*;
 
-    #[test]
-    fn a_large_free_heap_is_returned() {
-        // 32 MiB in small blocks (not mmap-served), touched, then all but
-        // every 64th freed: runs of free memory between blocks still in use,
-        // which glibc cannot give back by shrinking its heap's top (as after
-        // a publish whose memory other data sits among).
-        let mut v: Vec<Vec<u8>> = (0..8_192).map(|_| vec![1u8; 4096]).collect();
+    /// 32 MiB in small blocks (not mmap-served), touched; then all but every
+    /// 64th freed: runs of free memory between blocks still in use, which
+    /// glibc cannot give back by shrinking its heap's top (as after a publish
+    /// whose memory other data sits among).
+    fn churn(v: &mut Vec<Vec<u8>>) {
+        v.clear();
+        v.extend((0..8_192).map(|_| vec![1u8; 4096]));
         for (i, b) in v.iter_mut().enumerate() {
             if i % 64 != 0 {
                 *b = Vec::new();
             }
         }
+    }
+
+    #[test]
+    fn a_large_free_heap_is_returned_each_time_it_is_touched_again() {
+        let mut v = Vec::new();
+        churn(&mut v);
         if cfg!(all(target_os = "linux", target_env = "gnu")) {
             assert!(free_heap_bytes() >= TRIM_ABOVE, "{}", free_heap_bytes());
             assert!(trim_if_large().is_some());
@@ -136,6 +179,21 @@ mod tests {
             trim_if_large().is_none(),
             "nothing freed since: no second trim"
         );
+        // The same chunks used and freed again: malloc's free total is what
+        // it was after the trim, but the pages are resident once more.
+        let free_before = free_heap_bytes();
+        churn(&mut v);
+        if cfg!(all(target_os = "linux", target_env = "gnu")) {
+            let free_after = free_heap_bytes();
+            assert!(
+                free_after < free_before + TRIM_ABOVE,
+                "the free total did not grow ({free_before} → {free_after} bytes)"
+            );
+            assert!(
+                trim_if_large().is_some(),
+                "re-touched free pages are returned again"
+            );
+        }
         drop(v);
     }
 }

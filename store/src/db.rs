@@ -90,6 +90,8 @@ pub(crate) struct Db {
     checkpointer: Checkpointer,
     /// Times the writer was taken ([`Db::writes`]).
     writes: AtomicU64,
+    /// Read transactions begun ([`Db::reads`]).
+    reads: AtomicU64,
 }
 
 /// Lets a branch's gate holder take the writer before the other writers
@@ -336,6 +338,7 @@ impl Db {
             first: FirstInLine::default(),
             idle: Mutex::new(Vec::new()),
             writes: AtomicU64::new(0),
+            reads: AtomicU64::new(0),
             checkpointer,
         })
     }
@@ -411,18 +414,32 @@ impl Db {
         self.writes.load(Ordering::Relaxed)
     }
 
+    /// How many read transactions were begun since the store was opened
+    /// (with [`Db::writes`], the memory watcher's probe of a store in use).
+    pub(crate) fn reads(&self) -> u64 {
+        self.reads.load(Ordering::Relaxed)
+    }
+
     /// Frees the page caches of the writer and of the idle read connections
     /// (`sqlite3_db_release_memory`: unused cached pages; nothing is lost,
-    /// later reads come from the file's mapping or the WAL). The writer is
-    /// skipped when in use (never waits for it). Answers the connections
-    /// released.
+    /// later reads come from the file's mapping or the WAL), and unmaps each
+    /// one's mapping of the database file ([`MMAP_BYTES`]; set to 0 and back,
+    /// which makes SQLite's unix VFS unmap it and map it afresh): the pages a
+    /// large read touched stay in the kernel's page cache but no longer count
+    /// in the daemon's RSS. The writer is skipped when in use (never waits
+    /// for it). Answers the connections released.
     pub(crate) fn release_memory(&self) -> usize {
+        fn release(c: &Connection) -> bool {
+            c.release_memory().is_ok()
+                && c.pragma_update(None, "mmap_size", 0).is_ok()
+                && c.pragma_update(None, "mmap_size", MMAP_BYTES).is_ok()
+        }
         let mut n = 0;
         if let Ok(w) = self.writer.try_lock() {
-            n += usize::from(w.release_memory().is_ok());
+            n += usize::from(release(&w));
         }
         for c in self.idle.lock().unwrap_or_else(|p| p.into_inner()).iter() {
-            n += usize::from(c.release_memory().is_ok());
+            n += usize::from(release(c));
         }
         n
     }
@@ -433,6 +450,7 @@ impl Db {
         &self,
         f: impl FnOnce(&Connection) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
+        self.reads.fetch_add(1, Ordering::Relaxed);
         let mut c = match self.idle.lock().unwrap_or_else(|p| p.into_inner()).pop() {
             Some(c) => c,
             None => {
@@ -567,6 +585,7 @@ mod tests {
             .unwrap();
         assert_eq!(n, 2);
         assert_eq!(db.writes(), before + 2, "reads are not writes");
+        assert_eq!(db.reads(), 2, "the two reads");
     }
 
     /// A bulk write gives the writer to a gate holder that arrives in the

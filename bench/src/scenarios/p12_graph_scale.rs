@@ -430,6 +430,10 @@ struct Life {
     /// workload (stats, rollouts, ShowGraph, prune, GC): which step sets the
     /// peak.
     hwm_steps_kib: [f64; 6],
+    /// KiB: RssAnon (the daemon's own memory: heap, stacks) at the same
+    /// moments, right after each step (before the memory watcher has freed
+    /// anything): which step allocates what stays.
+    anon_steps_kib: [f64; 6],
 }
 
 /// How long the daemon is left alone before its memory is read "at rest":
@@ -478,6 +482,7 @@ fn workload(b: &Bench, d: &Daemon, built: &Built, round: usize, life: &mut Life)
     let pid = d.pid().context("the daemon's pid")?;
     let hwm = |life: &mut Life, step: usize| -> Result<()> {
         life.hwm_steps_kib[step] = status_kib(pid, "VmHWM")? as f64;
+        life.anon_steps_kib[step] = status_kib(pid, "RssAnon")? as f64;
         Ok(())
     };
     let sock = d.admin_socket().to_path_buf();
@@ -601,6 +606,7 @@ fn life(b: &Bench, dir: &Path, built: &Built, round: usize) -> Result<Life> {
         l.idle_anon_kib = status_kib(pid, "RssAnon")? as f64;
         l.idle_file_kib = status_kib(pid, "RssFile")? as f64;
         l.hwm_steps_kib[0] = status_kib(pid, "VmHWM")? as f64;
+        l.anon_steps_kib[0] = l.idle_anon_kib;
         workload(b, &d, built, round, &mut l)?;
         l.after_kib = rss_at_rest(pid)?;
         l.after_anon_kib = status_kib(pid, "RssAnon")? as f64;
@@ -797,33 +803,32 @@ pub fn run(b: &Bench, r: &mut ScenarioReport) -> Result<()> {
         fmt_kib(&hwm[1]),
         ratio_hwm.fmt_ratio(),
     ]);
-    for (i, step) in [
+    let steps = [
         "start-up (at rest)",
         "+ GetNodeStats",
         "+ rollouts",
         "+ ShowGraph",
         "+ PruneNode",
         "+ Gc",
-    ]
-    .iter()
-    .enumerate()
-    {
-        let v = [
-            lives[0]
-                .iter()
-                .map(|l| l.hwm_steps_kib[i])
-                .collect::<Vec<_>>(),
-            lives[1]
-                .iter()
-                .map(|l| l.hwm_steps_kib[i])
-                .collect::<Vec<_>>(),
-        ];
-        t.row(vec![
-            format!("VmHWM after {step}"),
-            fmt_kib(&v[0]),
-            fmt_kib(&v[1]),
-            Summary::of(&pair_ratios(&v[0], &v[1])).fmt_ratio(),
-        ]);
+    ];
+    type StepOf = fn(&Life, usize) -> f64;
+    let per_step: [(&str, StepOf); 2] = [
+        ("VmHWM", |l, i| l.hwm_steps_kib[i]),
+        ("RssAnon", |l, i| l.anon_steps_kib[i]),
+    ];
+    for (what, f) in per_step {
+        for (i, step) in steps.iter().enumerate() {
+            let v = [
+                lives[0].iter().map(|l| f(l, i)).collect::<Vec<_>>(),
+                lives[1].iter().map(|l| f(l, i)).collect::<Vec<_>>(),
+            ];
+            t.row(vec![
+                format!("{what} after {step}"),
+                fmt_kib(&v[0]),
+                fmt_kib(&v[1]),
+                Summary::of(&pair_ratios(&v[0], &v[1])).fmt_ratio(),
+            ]);
+        }
     }
     let wl = |f: fn(&Life) -> f64, v: usize| Summary::of(&col(v, f)).fmt(1);
     t.row(vec![
