@@ -176,6 +176,8 @@ fn raise_nofile() {
 }
 
 fn main() {
+    // Before any thread allocates: one malloc arena per core.
+    memory::limit_arenas();
     // A replacement process spawner runs this binary again (see
     // layerstack_sandbox::spawner::exec): it serves and never returns.
     layerstack_sandbox::spawner::exec_entry(&std::env::args_os().skip(1).collect::<Vec<_>>());

@@ -19,8 +19,13 @@
 //! SQLite page caches of the store's connections (the writer's up to 64 MiB,
 //! `WRITER_CACHE_KIB`, and up to 32 idle readers' 2 MiB each), which a burst
 //! of 256 sessions after it filled to 90–100 MB. So once the store has
-//! written nothing for a whole interval after writing, this task also frees
-//! those caches ([`Store::release_db_memory`]) and trims again.
+//! been used by nothing for a whole interval after being used, this task
+//! also frees those caches ([`Store::release_db_memory`]) and trims every
+//! arena whatever grew ([`trim`]): below [`TRIM_ABOVE`] a read-only burst
+//! (ShowGraph's 200 pages of a 200,000-node graph, each on some blocking
+//! thread's arena) left ~8 MiB free but resident across the 15 arenas
+//! (`/proc/PID/smaps`: RssAnon 16.1 MiB against 8.2 MiB with 1,000 nodes,
+//! the difference in the arenas' heaps, bench P12).
 //! The test is `integration/tests/reliability.rs`
 //! `daemon_rss_returns_near_idle_after_a_100000_file_session`.
 
@@ -43,6 +48,35 @@ pub const TRIM_ABOVE: usize = 8 << 20;
 /// the anonymous memory that is not malloc's (thread stacks, other
 /// mappings) plus what a trim could not return.
 static BASELINE: AtomicUsize = AtomicUsize::new(0);
+
+/// Caps glibc's malloc arenas at one per core (its default is eight per
+/// core: 16 here), unless `MALLOC_ARENA_MAX` is set (glibc reads it
+/// itself; an operator's choice wins). Call first in `main`, before any
+/// thread allocates: a thread is given an arena on its first `malloc`.
+///
+/// Why (bench P12): a search's read-only burst — ShowGraph streaming 200
+/// pages of a 200,000-node graph, each page read on some blocking thread and
+/// encoded on some worker — spreads its short-lived allocations over every
+/// arena, and the long-lived small ones (prepared statements, tasks) left
+/// among them pin the pages: ~12 MB free but resident that `malloc_trim`
+/// cannot return (RssAnon after the workload 15.8 MiB against 7.0 MiB with
+/// 1,000 nodes). With one arena per core it was 8.2 against 7.3 MiB. Each
+/// thread keeps its own cache of small chunks (glibc's tcache), so threads
+/// sharing an arena take its lock only on a cache miss.
+pub fn limit_arenas() {
+    if std::env::var_os("MALLOC_ARENA_MAX").is_some() {
+        return;
+    }
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
+        let n = libc::c_int::try_from(cores).unwrap_or(libc::c_int::MAX);
+        // SAFETY: mallopt only sets malloc's parameter, under its lock.
+        unsafe {
+            libc::mallopt(libc::M_ARENA_MAX, n);
+        }
+    }
+}
 
 /// Free bytes glibc's arenas hold (`mallinfo2().fordblks`, summed over every
 /// arena), not counting chunks served by `mmap` (returned when freed).
@@ -101,13 +135,22 @@ pub fn trim_if_large() -> Option<usize> {
     if free < base + TRIM_ABOVE {
         return None;
     }
+    trim();
+    Some(free)
+}
+
+/// `malloc_trim(0)`: every arena's free pages back to the kernel (the top of
+/// each heap unmapped or shrunk, the free chunks inside `madvise`d away);
+/// then the new baseline for [`trim_if_large`]. Cost: one walk of the
+/// arenas' free lists under their locks (well under a millisecond for the
+/// daemon's heaps).
+pub fn trim() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: malloc_trim takes malloc's locks itself; any thread may call it.
     unsafe {
         libc::malloc_trim(0);
     }
     BASELINE.store(free_resident_bytes().unwrap_or(0), Ordering::Relaxed);
-    Some(free)
 }
 
 /// Runs [`trim_if_large`] every [`CHECK_EVERY`] on a blocking thread, for
@@ -130,8 +173,16 @@ pub async fn watch(store: Arc<Store>) {
         let st = store.clone();
         let release = idle && !released;
         let done = tokio::task::spawn_blocking(move || {
-            let conns = if release { st.release_db_memory() } else { 0 };
-            (conns, trim_if_large())
+            if release {
+                // Once per quiet period: the caches' pages and whatever the
+                // work left free in any arena, however little grew.
+                let before = free_resident_bytes();
+                let conns = st.release_db_memory();
+                trim();
+                (conns, before)
+            } else {
+                (0, trim_if_large())
+            }
         })
         .await;
         if let Ok((conns, trimmed)) = done {
