@@ -279,11 +279,13 @@ impl Store {
                 r.outcomes += 1;
                 let off_head = match (layer, head) {
                     (Some(l), Some(h)) => {
-                        if !histories.contains_key(&h) {
-                            let v = head_history(conn, h)?;
-                            histories.insert(h, v);
-                        }
-                        !histories[&h].contains(&l)
+                        let history = match histories.entry(h) {
+                            std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                            std::collections::hash_map::Entry::Vacant(e) => {
+                                e.insert(head_history(conn, h)?)
+                            }
+                        };
+                        !history.contains(&l)
                     }
                     _ => false,
                 };

@@ -876,7 +876,7 @@ fn a_format_9_store_is_migrated_and_keeps_its_attempts_and_their_ids() {
     assert!(old.is_err(), "format 9 knew no status interrupted");
     drop(db);
     let s = open(d.path());
-    assert_eq!(s.session(s1.id).unwrap().daemon_owned, false);
+    assert!(!s.session(s1.id).unwrap().daemon_owned);
     assert_eq!(s.attempt(a1.id).unwrap().status, AttemptStatus::Running);
     s.end_attempt(a1.id, AttemptStatus::Interrupted, "daemon restart")
         .unwrap();
@@ -2776,8 +2776,10 @@ fn a_format_13_store_is_migrated_and_keeps_its_attempts_local() {
 fn a_frontier_node_is_never_pruned_until_released_and_priors_sit_beside_it() {
     let d = tmp();
     let (s, _, root) = rollout_store(d.path());
-    s.lease_frontier("mcts-1", &[root.id.clone()]).unwrap();
-    s.lease_frontier("mcts-1", &[root.id.clone()]).unwrap();
+    s.lease_frontier("mcts-1", std::slice::from_ref(&root.id))
+        .unwrap();
+    s.lease_frontier("mcts-1", std::slice::from_ref(&root.id))
+        .unwrap();
     let err = s.prune_node(&root.id, None).unwrap_err();
     assert!(err.to_string().contains("frontier of mcts-1"), "{err}");
     assert_eq!(

@@ -171,7 +171,7 @@ impl Spawner {
                     io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
                 ) {
                     // A stuck spawner would hold every later request: end it.
-                    let _ = sys::pidfd_kill(&*cur.pidfd, libc::SIGKILL);
+                    let _ = sys::pidfd_kill(&cur.pidfd, libc::SIGKILL);
                     format!(
                         "it did not answer within {} s and was killed",
                         ANSWER_WITHIN.as_secs()
@@ -204,7 +204,7 @@ fn watch(rt: &tokio::runtime::Handle, f: Forked) -> Result<Current, String> {
     let gone = Arc::new(OnceLock::new());
     let (fd, g, pid) = (pidfd.clone(), gone.clone(), f.pid);
     rt.spawn(async move {
-        let x = wait_pidfd(&*fd).await;
+        let x = wait_pidfd(&fd).await;
         let why = match x {
             Ok(x) => format!("it ended with status {}", x.shell_status()),
             Err(e) => format!("waiting for it failed: {e}"),
