@@ -487,6 +487,7 @@ fn start(
     }
     let session = api::session_from_hex(&reply.session)
         .map_err(|e| anyhow::anyhow!("the daemon's answer to start: {e}"))?;
+    note_new_branch(&session);
     let fd = fds.pop().context("the daemon sent no mount")?;
     Ok((conn, session, fd))
 }
@@ -1008,6 +1009,18 @@ pub(crate) fn daemon_session_request(cli: &Cli, s: &SessionArgs) -> api::CreateS
     }
 }
 
+/// Says on stderr that creating session `s` also created its branch
+/// (`Session.branch_created`): `STACK@NAME` with a NAME that did not exist
+/// forks a new branch, which is what a misspelt name does too.
+pub(crate) fn note_new_branch(s: &api::Session) {
+    if s.branch_created {
+        eprintln!(
+            "layerstack: branch {:?} of stack {} did not exist: created it from the default branch's head (`layerstack branch ls {}` lists the others; a misspelt name makes a new branch)",
+            s.branch, s.stack, s.stack
+        );
+    }
+}
+
 /// `session create --sandbox`: a daemon-owned session made through the admin
 /// API's CreateSession (its `sandbox` options); prints its id (or JSON).
 async fn create_sandbox(cli: &Cli, a: CreateArgs) -> Result<ExitCode> {
@@ -1036,6 +1049,7 @@ async fn create_sandbox(cli: &Cli, a: CreateArgs) -> Result<ExitCode> {
         .await?
         .into_inner();
     let session = created.session.context("the daemon answered no session")?;
+    note_new_branch(&session);
     if a.json {
         let mut v = session_json(&session, None);
         v["created"] = json!(created.created);

@@ -43,6 +43,7 @@ pub(crate) fn session_json(
         "node": if s.node.is_empty() { serde_json::Value::Null } else { json!(s.node) },
         "interrupted_by": if s.interrupted_by.is_empty() { serde_json::Value::Null } else { json!(s.interrupted_by) },
         "daemon_owned": s.daemon_owned,
+        "branch_created": s.branch_created,
         "message": s.message,
         "released": s.released,
         "run": s.run,

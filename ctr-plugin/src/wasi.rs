@@ -98,6 +98,7 @@ pub async fn run(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
         .await?
         .into_inner();
     let session = created.session.context("the daemon answered no session")?;
+    crate::run::note_new_branch(&session);
     let id = session.id;
     let name = path
         .file_name()

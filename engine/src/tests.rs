@@ -932,6 +932,7 @@ fn exit_decisions_follow_recorded_policy_then_label() {
         created_ns: 0,
         ignore_mtime: false,
         daemon_owned: false,
+        branch_created: false,
     };
     use crate::policy::{Decision, ExitPolicy};
     assert_eq!(

@@ -1369,6 +1369,32 @@ fn sandbox_cli_scenario(d: &Daemon, cli: &Path, admin: &Path, stack: &str) -> Re
             && v["limits"]["network"] == false,
         "the session's limits: {v}"
     );
+    ensure!(
+        v["branch_created"] == false,
+        "the default branch exists: {v}"
+    );
+    // A branch name that does not exist (a new one, or a typo) makes the
+    // branch: said as a field and on stderr, never silently.
+    let typo = format!("{stack}@mian");
+    let o = ensure_success(
+        "session create --sandbox STACK@mian",
+        as_nobody(&["session", "create", "--sandbox", &typo, "--json"])?,
+    )?;
+    let t: serde_json::Value = serde_json::from_slice(&o.stdout)?;
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    ensure!(
+        t["branch_created"] == true && t["branch"] == "mian",
+        "a session on a new branch: {t}"
+    );
+    ensure!(
+        stderr.contains("branch \"mian\"") && stderr.contains("did not exist"),
+        "the CLI says it made a branch: {stderr}"
+    );
+    let tid = t["id"].as_i64().context("the session's id")?.to_string();
+    ensure_success(
+        "session close --discard",
+        as_nobody(&["session", "close", &tid, "--discard"])?,
+    )?;
     let sid = id.to_string();
     let o = as_nobody(&[
         "session",

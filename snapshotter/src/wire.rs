@@ -98,6 +98,7 @@ pub fn session(s: &SessionInfo, conflicts: &[PathRecord]) -> api::Session {
             .unwrap_or_default(),
         daemon_owned: s.daemon_owned,
         limits: None,
+        branch_created: s.branch_created,
     }
 }
 

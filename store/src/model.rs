@@ -349,6 +349,15 @@ pub struct SessionInfo {
     /// The daemon itself started and owns the session's init
     /// ([`SessionOptions::daemon_owned`]).
     pub daemon_owned: bool,
+    /// The call that created this session also created its branch (it did
+    /// not exist: forked from the default branch's head, in the same
+    /// transaction). Only in the answer of that call
+    /// ([`Store::create_session_with`]); false in every later read, and for
+    /// sessions on a node or a containerd snapshot. A harness or the CLI
+    /// tells a new branch from a misspelt one by it.
+    ///
+    /// [`Store::create_session_with`]: crate::Store::create_session_with
+    pub branch_created: bool,
 }
 
 /// What a new session records in the transaction that creates it (so a crash

@@ -392,6 +392,7 @@ impl Store {
             created_ns: s.created_ns,
             ignore_mtime: s.ignore_mtime,
             daemon_owned: s.daemon_owned,
+            branch_created: false,
         })
     }
 
@@ -576,6 +577,11 @@ impl Store {
             if exists.is_none() {
                 return Err(StoreError::StackNotFound(stack.into()));
             }
+            // Read in the transaction that may create it: exact, whoever races.
+            let branch_created = match target {
+                LeaseTarget::Branch(b) => branch_head(tx, stack, b)?.is_none(),
+                LeaseTarget::Manifest { .. } => false,
+            };
             let sid = insert_session(self, &mut holds, tx, owner, stack, target, &[], idempotency_key)?;
             if let Some(p) = &opts.exit_policy {
                 set_policy(tx, sid, p)?;
@@ -585,8 +591,11 @@ impl Store {
                 record_args(tx, "session", k, &args)?;
             }
             let spec = self.start_run(tx, sid)?;
-            let info = self.session_info(tx, get_sess(tx, sid)?)?;
-            info!(session.id = sid, owner = %owner.display(), stack, branch = %info.branch, "session created");
+            let info = SessionInfo {
+                branch_created,
+                ..self.session_info(tx, get_sess(tx, sid)?)?
+            };
+            info!(session.id = sid, owner = %owner.display(), stack, branch = %info.branch, branch_created, "session created");
             Ok((info, spec, true))
         })?;
         crate::failpoints::hit("session.created");

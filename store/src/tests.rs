@@ -4095,3 +4095,32 @@ fn a_batch_of_adopted_nodes_is_one_transaction_and_pages_walk_the_graph_in_order
     assert!(s.graph_nodes_page("nope", None, 10).is_err());
     assert_eq!(s.graph_attempts_page("big", 0, 10).unwrap().len(), 1);
 }
+
+/// A session on a branch that did not exist creates it and says so, in the
+/// answer of that call only; the default branch, an existing branch, an
+/// idempotent repeat and a later read say no.
+#[test]
+fn only_the_session_that_made_its_branch_says_branch_created() {
+    let d = tmp();
+    let (s, stack) = imported(d.path());
+    let make = |name: &str, branch: &str, key: Option<&str>| {
+        s.create_session(
+            &Owner::Sandbox { name: name.into() },
+            &stack,
+            &LeaseTarget::Branch(branch.into()),
+            key,
+        )
+        .unwrap()
+        .0
+    };
+    assert!(!make("a", "main", None).branch_created, "main exists");
+    let first = make("b", "feature", Some("k1"));
+    assert!(first.branch_created, "feature did not exist");
+    assert_eq!(first.branch, "feature");
+    assert!(!make("c", "feature", None).branch_created, "it exists now");
+    assert!(
+        !make("b", "feature", Some("k1")).branch_created,
+        "a repeat of the first call made nothing"
+    );
+    assert!(!s.session(first.id).unwrap().branch_created, "a later read");
+}

@@ -175,6 +175,18 @@ def test_exec_streams_output_and_reports_how_a_command_ended(daemon: Daemon) -> 
     assert sb.outcome is not None and sb.outcome.outcome == "discarded", "leaving the block unclosed discards"
 
 
+def test_a_sandbox_on_a_branch_that_did_not_exist_says_it_created_it(daemon: Daemon) -> None:
+    branch = f"new-{os.urandom(3).hex()}"
+    with layerstack.connect(daemon.admin) as c:
+        with c.sandbox(daemon.stack) as sb:
+            assert not sb.session.branch_created, "the default branch exists"
+        with c.sandbox(daemon.stack, branch=branch) as sb:
+            assert sb.session.branch == branch
+            assert sb.session.branch_created, "a misspelt or new name makes a branch: said as a field"
+        with c.sandbox(daemon.stack, branch=branch) as sb:
+            assert not sb.session.branch_created, "it exists now"
+
+
 def test_files_stay_beneath_the_sandbox_root(daemon: Daemon) -> None:
     with layerstack.connect(daemon.admin) as c, c.sandbox(daemon.stack) as sb:
         st = sb.files.write("/work/a/b.txt", "hello\n", mode=0o600)

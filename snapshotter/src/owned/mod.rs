@@ -418,6 +418,7 @@ pub(crate) async fn create(
         ?limits,
         "daemon-owned session started"
     );
+    let branch_created = session.branch_created;
     let session = admin
         .to_api(
             admin
@@ -427,6 +428,10 @@ pub(crate) async fn create(
                 .map_err(crate::admin::engine_status)?,
         )
         .await?;
+    let session = api::Session {
+        branch_created,
+        ..session
+    };
     Ok(api::CreateSessionResponse {
         mounts: crate::wire::mounts(&spec),
         session: Some(session),

@@ -155,6 +155,10 @@ class Session:
         limits: a live daemon-owned session's limits and network
             (:class:`SandboxLimits`); ``None`` for every other session and once
             its init ended.
+        branch_created: only in the answer of the call that created the
+            session: its branch did not exist and that call created it, forked
+            from the default branch's head (a misspelt branch name makes a new
+            branch; this tells). ``False`` in every later answer.
     """
 
     id: int
@@ -180,6 +184,7 @@ class Session:
     interrupted_by: Optional[str] = None
     daemon_owned: bool = False
     limits: Optional[SandboxLimits] = None
+    branch_created: bool = False
 
     @classmethod
     def from_pb(cls, s: pb.Session) -> "Session":
@@ -216,6 +221,7 @@ class Session:
                 if s.HasField("limits")
                 else None
             ),
+            branch_created=s.branch_created,
         )
 
     @classmethod
@@ -262,6 +268,7 @@ class Session:
                 if v.get("limits")
                 else None
             ),
+            branch_created=bool(v.get("branch_created", False)),
         )
 
     @property

@@ -1036,7 +1036,7 @@ class PathCounts(_message.Message):
     def __init__(self, clean: _Optional[int] = ..., merged: _Optional[int] = ..., conflict: _Optional[int] = ..., excluded: _Optional[int] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("id", "namespace", "container", "key", "stack", "branch", "state", "outcome", "conflicts", "layer", "message", "released", "run", "paths", "dry_run", "timings", "owner_kind", "owner", "outcome_id", "counts", "conflicts_truncated", "policy", "node", "interrupted_by", "daemon_owned", "limits")
+    __slots__ = ("id", "namespace", "container", "key", "stack", "branch", "state", "outcome", "conflicts", "layer", "message", "released", "run", "paths", "dry_run", "timings", "owner_kind", "owner", "outcome_id", "counts", "conflicts_truncated", "policy", "node", "interrupted_by", "daemon_owned", "limits", "branch_created")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     CONTAINER_FIELD_NUMBER: _ClassVar[int]
@@ -1063,6 +1063,7 @@ class Session(_message.Message):
     INTERRUPTED_BY_FIELD_NUMBER: _ClassVar[int]
     DAEMON_OWNED_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_CREATED_FIELD_NUMBER: _ClassVar[int]
     id: int
     namespace: str
     container: str
@@ -1089,7 +1090,8 @@ class Session(_message.Message):
     interrupted_by: str
     daemon_owned: bool
     limits: SandboxLimits
-    def __init__(self, id: _Optional[int] = ..., namespace: _Optional[str] = ..., container: _Optional[str] = ..., key: _Optional[str] = ..., stack: _Optional[str] = ..., branch: _Optional[str] = ..., state: _Optional[str] = ..., outcome: _Optional[str] = ..., conflicts: _Optional[_Iterable[_Union[ConflictPath, _Mapping]]] = ..., layer: _Optional[int] = ..., message: _Optional[str] = ..., released: _Optional[bool] = ..., run: _Optional[int] = ..., paths: _Optional[_Iterable[_Union[PathVerdict, _Mapping]]] = ..., dry_run: _Optional[bool] = ..., timings: _Optional[_Union[PublishTimings, _Mapping]] = ..., owner_kind: _Optional[str] = ..., owner: _Optional[str] = ..., outcome_id: _Optional[int] = ..., counts: _Optional[_Union[PathCounts, _Mapping]] = ..., conflicts_truncated: _Optional[bool] = ..., policy: _Optional[str] = ..., node: _Optional[str] = ..., interrupted_by: _Optional[str] = ..., daemon_owned: _Optional[bool] = ..., limits: _Optional[_Union[SandboxLimits, _Mapping]] = ...) -> None: ...
+    branch_created: bool
+    def __init__(self, id: _Optional[int] = ..., namespace: _Optional[str] = ..., container: _Optional[str] = ..., key: _Optional[str] = ..., stack: _Optional[str] = ..., branch: _Optional[str] = ..., state: _Optional[str] = ..., outcome: _Optional[str] = ..., conflicts: _Optional[_Iterable[_Union[ConflictPath, _Mapping]]] = ..., layer: _Optional[int] = ..., message: _Optional[str] = ..., released: _Optional[bool] = ..., run: _Optional[int] = ..., paths: _Optional[_Iterable[_Union[PathVerdict, _Mapping]]] = ..., dry_run: _Optional[bool] = ..., timings: _Optional[_Union[PublishTimings, _Mapping]] = ..., owner_kind: _Optional[str] = ..., owner: _Optional[str] = ..., outcome_id: _Optional[int] = ..., counts: _Optional[_Union[PathCounts, _Mapping]] = ..., conflicts_truncated: _Optional[bool] = ..., policy: _Optional[str] = ..., node: _Optional[str] = ..., interrupted_by: _Optional[str] = ..., daemon_owned: _Optional[bool] = ..., limits: _Optional[_Union[SandboxLimits, _Mapping]] = ..., branch_created: _Optional[bool] = ...) -> None: ...
 
 class SandboxLimits(_message.Message):
     __slots__ = ("cpu_millis", "memory_bytes", "pids", "network")
