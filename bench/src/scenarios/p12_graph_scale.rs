@@ -884,7 +884,7 @@ pub fn run(b: &Bench, r: &mut ScenarioReport) -> Result<()> {
         ratio_anon.fmt_ratio(),
         ratio_anon.median,
         RATIO_MAX,
-        "VmRSS less its file-backed pages (the binary; SQLite's read-only mapping of the database, which holds the pages a query read: the kernel's page cache, dropped under memory pressure)",
+        "VmRSS less its file-backed pages (the binary; the store's writer connection's mapping of the database, which holds the pages it read: the kernel's page cache, dropped under memory pressure)",
     ));
     r.targets.push(Target::at_most(
         &format!(
