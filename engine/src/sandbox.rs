@@ -866,6 +866,11 @@ impl Engine {
         let closed = |s: Result<SessionInfo, EngineError>| {
             s.map(|s| s.released && !s.remove_pending).unwrap_or(true)
         };
+        // The store is read only when something changed (a close or a
+        // release notifies): a poll that read it every 2 s kept the daemon's
+        // memory watcher from ever seeing the store idle (`memory.rs`), so its
+        // caches stayed while such a session lived.
+        let mut changes = self.generation.subscribe();
         loop {
             match self.upper_mounted(upper).await {
                 Ok(false) => break,
@@ -875,8 +880,11 @@ impl Engine {
                     tokio::time::sleep(Duration::from_secs(10)).await;
                 }
             }
-            if closed(self.session(id).await) {
-                return;
+            if changes.has_changed().unwrap_or(true) {
+                changes.borrow_and_update();
+                if closed(self.session(id).await) {
+                    return;
+                }
             }
         }
         let deadline = tokio::time::Instant::now() + self.sandboxes.holder_grace;
@@ -1400,6 +1408,80 @@ mod tests {
                 s.id
             );
         }
+    }
+
+    /// A holder session re-adopted after a restart whose upper stays
+    /// mounted (its holder lives on) is watched through the mount census and
+    /// the engine's notifications: the store is not read while nothing
+    /// changes, so the daemon's memory watcher sees it idle and frees its
+    /// caches (the watcher read it every 2 s before); its close is still
+    /// seen at once.
+    #[tokio::test]
+    async fn a_watched_holder_session_leaves_the_store_idle() {
+        if !have_root("a_watched_holder_session_leaves_the_store_idle") {
+            return;
+        }
+        let t = tempfile::Builder::new()
+            .prefix("ls-sandbox-")
+            .tempdir_in("/var/tmp")
+            .unwrap();
+        let e = engine(t.path(), 8);
+        let (s, _, _) = e
+            .create_sandbox_session(req("held", Some(ExitPolicy::OnSuccess), None))
+            .await
+            .unwrap();
+        let (lower, target) = (t.path().join("lower"), t.path().join("mnt"));
+        std::fs::create_dir_all(&lower).unwrap();
+        std::fs::create_dir_all(&target).unwrap();
+        let opts = format!(
+            "lowerdir={},upperdir={},workdir={}",
+            lower.display(),
+            s.upper.display(),
+            s.work.display()
+        );
+        // The holder: its own mount namespace, the overlay mounted for 8 s.
+        let mut holder = std::process::Command::new("unshare")
+            .args(["--mount", "--propagation", "private", "sh", "-c"])
+            .arg(format!(
+                "mount -t overlay overlay -o {opts} {} && sleep 8",
+                target.display()
+            ))
+            .spawn()
+            .unwrap();
+        let store = e.store().clone();
+        drop(e);
+        let e = Engine::new(store, EngineSettings::default());
+        e.recover().await.unwrap();
+        let t0 = std::time::Instant::now();
+        while !e.upper_mounted(&s.upper).await.unwrap() {
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "the holder never mounted"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        assert_eq!(e.recover_sandboxes().await.unwrap(), 1);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let before = e.store().db_transactions();
+        tokio::time::sleep(Duration::from_millis(4500)).await;
+        assert_eq!(
+            e.store().db_transactions(),
+            before,
+            "the store was read while nothing changed"
+        );
+        // The holder's close ends it (policy on-success, status 0).
+        let closed = e
+            .close_sandbox_session(
+                s.id,
+                EndAction::auto(Some(0)),
+                "holder",
+                Duration::from_secs(10),
+            )
+            .await;
+        let _ = holder.kill();
+        let _ = holder.wait();
+        let closed = closed.unwrap();
+        assert!(closed.released, "{closed:?}");
     }
 
     #[tokio::test]
