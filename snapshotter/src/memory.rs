@@ -20,12 +20,12 @@
 //! `WRITER_CACHE_KIB`, and up to 32 idle readers' 2 MiB each), which a burst
 //! of 256 sessions after it filled to 90–100 MB. So once the store has
 //! been used by nothing for a whole interval after being used, this task
-//! also frees those caches ([`Store::release_db_memory`]) and trims every
-//! arena whatever grew ([`trim`]): below [`TRIM_ABOVE`] a read-only burst
-//! (ShowGraph's 200 pages of a 200,000-node graph, each on some blocking
-//! thread's arena) left ~8 MiB free but resident across the 15 arenas
-//! (`/proc/PID/smaps`: RssAnon 16.1 MiB against 8.2 MiB with 1,000 nodes,
-//! the difference in the arenas' heaps, bench P12).
+//! also frees those caches ([`Store::release_db_memory`], which also closes
+//! the surplus idle read connections) and trims every arena whatever grew
+//! ([`trim`]; a quiet period's free heap below [`TRIM_ABOVE`] stayed before).
+//! What a trim cannot return — free chunks pinned between small long-lived
+//! allocations spread over many arenas — is kept small by fewer arenas
+//! ([`limit_arenas`]).
 //! The test is `integration/tests/reliability.rs`
 //! `daemon_rss_returns_near_idle_after_a_100000_file_session`.
 
