@@ -487,7 +487,6 @@ fn start(
     }
     let session = api::session_from_hex(&reply.session)
         .map_err(|e| anyhow::anyhow!("the daemon's answer to start: {e}"))?;
-    note_new_branch(&session);
     let fd = fds.pop().context("the daemon sent no mount")?;
     Ok((conn, session, fd))
 }
@@ -843,6 +842,7 @@ async fn run_inner(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
     let (mode, workdir) = (place.1, place.2.clone());
     let mount = mount_address(cli);
     let (mut conn, session, mount_fd) = start(&mount, &cli.namespace, &a.session)?;
+    note_new_branch(&session, false);
     let id = session.id;
     let init = match hold(
         &conn,
@@ -914,6 +914,12 @@ async fn run_inner(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
         )?,
     };
     drop(conn);
+    // Whether this run's start made its branch: a field of the outcome, as
+    // of CreateSession's answer (a later read of the session says false).
+    let s = api::Session {
+        branch_created: session.branch_created,
+        ..s
+    };
     eprintln!("{}", outcome_line(&s));
     if let Some(f) = &a.outcome {
         write_outcome(f, &s, Some(exit))?;
@@ -929,6 +935,7 @@ pub async fn create_cmd(cli: &Cli, a: CreateArgs) -> Result<ExitCode> {
     require_root("create")?;
     let place = placement(&a.session)?;
     let (mut conn, session, mount_fd) = start(&mount_address(cli), &cli.namespace, &a.session)?;
+    note_new_branch(&session, true);
     let id = session.id;
     let init = match hold(&conn, mount_fd, &session, place, &a.session, None) {
         Ok(i) => i,
@@ -1011,9 +1018,14 @@ pub(crate) fn daemon_session_request(cli: &Cli, s: &SessionArgs) -> api::CreateS
 
 /// Says on stderr that creating session `s` also created its branch
 /// (`Session.branch_created`): `STACK@NAME` with a NAME that did not exist
-/// forks a new branch, which is what a misspelt name does too.
-pub(crate) fn note_new_branch(s: &api::Session) {
-    if s.branch_created {
+/// forks a new branch, which is what a misspelt name does too. `own_stderr`:
+/// the binary's stderr is its own (`session create`); otherwise it is the
+/// command's (`session run`, whose caller reads the command's stderr as it
+/// was), and the line goes only to a terminal — a program reads the field
+/// (`--json`, `--outcome`).
+pub(crate) fn note_new_branch(s: &api::Session, own_stderr: bool) {
+    use std::io::IsTerminal;
+    if s.branch_created && (own_stderr || std::io::stderr().is_terminal()) {
         eprintln!(
             "layerstack: branch {:?} of stack {} did not exist: created it from the default branch's head (`layerstack branch ls {}` lists the others; a misspelt name makes a new branch)",
             s.branch, s.stack, s.stack
@@ -1049,7 +1061,7 @@ async fn create_sandbox(cli: &Cli, a: CreateArgs) -> Result<ExitCode> {
         .await?
         .into_inner();
     let session = created.session.context("the daemon answered no session")?;
-    note_new_branch(&session);
+    note_new_branch(&session, true);
     if a.json {
         let mut v = session_json(&session, None);
         v["created"] = json!(created.created);

@@ -98,7 +98,7 @@ pub async fn run(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
         .await?
         .into_inner();
     let session = created.session.context("the daemon answered no session")?;
-    crate::run::note_new_branch(&session);
+    crate::run::note_new_branch(&session, false);
     let id = session.id;
     let name = path
         .file_name()
@@ -148,6 +148,10 @@ pub async fn run(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
             "stdout_truncated": x.stdout_truncated,
             "stderr_truncated": x.stderr_truncated,
         });
+        let s = api::Session {
+            branch_created: session.branch_created,
+            ..s
+        };
         crate::run::write_outcome_with(f, &s, Some(exit), Some(("wasi", wasi)))?;
     }
     Ok(ExitCode::from(u8::try_from(exit).unwrap_or(255)))

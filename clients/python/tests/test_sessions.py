@@ -30,9 +30,11 @@ def test_run_passes_exit_status_and_output_and_the_next_session_sees_the_publish
     assert r.session.owner_kind == "sandbox" and r.session.owner == "sandbox:py-run"
     assert r.session.layer is not None and r.session.counts.clean >= 1
     assert r.node is None
+    assert r.session.branch_created, "the branch did not exist: the run's start made it, said as a field"
 
     seen = ls.run(sh("cat /py-marker"), stack=env.image, branch=b, publish="never")
     assert (seen.exit_status, seen.stdout) == (0, b"hello\n")
+    assert not seen.session.branch_created, "the branch exists now"
 
     # on-success with a failing command discards: the next session does not see it.
     r = ls.run(sh("echo no > /py-marker; exit 3"), stack=env.image, branch=b, publish="on-success")
