@@ -136,7 +136,13 @@ impl AdminService {
         // The node a checkpoint made is the outcome's own field (store
         // `Outcome::node`).
         let mut out = crate::wire::session(&s, &conflicts);
-        out.limits = self.holders.owned_limits(s.id);
+        // Live limits of a live session only: a released one's init may
+        // still be on its way out (its holder entry goes when it has exited).
+        out.limits = if s.released {
+            None
+        } else {
+            self.holders.owned_limits(s.id)
+        };
         Ok(out)
     }
 }
