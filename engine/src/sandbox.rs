@@ -1421,33 +1421,14 @@ mod tests {
         if !have_root("a_watched_holder_session_leaves_the_store_idle") {
             return;
         }
-        let t = tempfile::Builder::new()
-            .prefix("ls-sandbox-")
-            .tempdir_in("/var/tmp")
-            .unwrap();
+        let t = crate::test_support::tmp_named("sandbox");
         let e = engine(t.path(), 8);
         let (s, _, _) = e
             .create_sandbox_session(req("held", Some(ExitPolicy::OnSuccess), None))
             .await
             .unwrap();
-        let (lower, target) = (t.path().join("lower"), t.path().join("mnt"));
-        std::fs::create_dir_all(&lower).unwrap();
-        std::fs::create_dir_all(&target).unwrap();
-        let opts = format!(
-            "lowerdir={},upperdir={},workdir={}",
-            lower.display(),
-            s.upper.display(),
-            s.work.display()
-        );
         // The holder: its own mount namespace, the overlay mounted for 8 s.
-        let mut holder = std::process::Command::new("unshare")
-            .args(["--mount", "--propagation", "private", "sh", "-c"])
-            .arg(format!(
-                "mount -t overlay overlay -o {opts} {} && sleep 8",
-                target.display()
-            ))
-            .spawn()
-            .unwrap();
+        let mut holder = crate::test_support::mount_elsewhere(t.path(), &s.upper, &s.work, 8.0);
         let store = e.store().clone();
         drop(e);
         let e = Engine::new(store, EngineSettings::default());

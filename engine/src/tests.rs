@@ -880,23 +880,7 @@ async fn an_ended_run_waits_out_a_transient_mount_in_another_namespace() {
     let t = tmp();
     let (store, s) = setup_n(t.path(), 1);
     write(&s[0].upper, "late", b"1\n");
-    let (lower, target) = (t.path().join("lower"), t.path().join("mnt"));
-    std::fs::create_dir_all(&lower).unwrap();
-    std::fs::create_dir_all(&target).unwrap();
-    let opts = format!(
-        "lowerdir={},upperdir={},workdir={}",
-        lower.display(),
-        s[0].upper.display(),
-        s[0].work.display()
-    );
-    let mut holder = std::process::Command::new("unshare")
-        .args(["--mount", "--propagation", "private", "sh", "-c"])
-        .arg(format!(
-            "mount -t overlay overlay -o {opts} {} && sleep 0.6",
-            target.display()
-        ))
-        .spawn()
-        .unwrap();
+    let mut holder = crate::test_support::mount_elsewhere(t.path(), &s[0].upper, &s[0].work, 0.6);
     let p = engine(&store);
     let t0 = std::time::Instant::now();
     while !p.upper_mounted(&s[0].upper).await.unwrap() {
