@@ -222,6 +222,25 @@ impl Changeset {
         e.chain(c).chain(self.deletes.iter().copied()).collect()
     }
 
+    /// The shared files both it and `other` change differently: the files
+    /// both touch, less those both delete. Deleting a file another changeset
+    /// deleted too is the same change on both sides, which the gate publishes
+    /// clean (ARCHITECTURE §7): neither a merge nor a conflict. Edits and
+    /// creates never coincide (every line a publisher writes names it).
+    pub fn clashes_with(&self, other: &Changeset) -> BTreeSet<usize> {
+        let both_delete: BTreeSet<usize> = self
+            .deletes
+            .iter()
+            .filter(|k| other.deletes.contains(k))
+            .copied()
+            .collect();
+        let theirs = other.files();
+        self.files()
+            .into_iter()
+            .filter(|k| theirs.contains(k) && !both_delete.contains(k))
+            .collect()
+    }
+
     /// Whether it touches a shared file (else it can never conflict).
     pub fn touches_shared(&self) -> bool {
         !(self.edits.is_empty() && self.creates.is_empty() && self.deletes.is_empty())
@@ -349,8 +368,8 @@ impl Race {
         Ok(tree)
     }
 
-    /// No false conflict: each rejected changeset shares a file with one that
-    /// landed after the manifest it leased. `landed_after(rejected, k)`: whether
+    /// No false conflict: each rejected changeset clashes with one that
+    /// ([`Changeset::clashes_with`]) landed after the manifest it leased. `landed_after(rejected, k)`: whether
     /// `order[k]` landed after `rejected`'s lease.
     ///
     /// # Errors
@@ -361,9 +380,9 @@ impl Race {
         landed_after: impl Fn(i64, usize) -> bool,
     ) -> Result<(), String> {
         for sid in self.rejected() {
-            let mine = self.changesets[&sid].files();
+            let mine = &self.changesets[&sid];
             let raced = order.iter().enumerate().any(|(k, other)| {
-                landed_after(sid, k) && !self.changesets[other].files().is_disjoint(&mine)
+                landed_after(sid, k) && !mine.clashes_with(&self.changesets[other]).is_empty()
             });
             if !raced {
                 return Err(format!(
@@ -375,9 +394,9 @@ impl Race {
         Ok(())
     }
 
-    /// Outcome kinds agree with the history: a merged changeset shares a file
-    /// with one that landed between its lease and itself (a merge needs both
-    /// sides to have changed a path); a committed one shares none (else the
+    /// Outcome kinds agree with the history: a merged changeset clashes
+    /// ([`Changeset::clashes_with`]) with one that landed between its lease and itself (a merge needs both
+    /// sides to have changed a path); a committed one clashes with none (else the
     /// gate would have had to merge it, or refuse it). `may_follow(sid, k)`:
     /// `order[k]` may have landed after `sid`'s lease; `surely_follows(sid, k)`:
     /// it surely did (the same answer when the lease is known exactly).
@@ -391,10 +410,10 @@ impl Race {
         surely_follows: impl Fn(i64, usize) -> bool,
     ) -> Result<(), String> {
         for (at, sid) in order.iter().enumerate() {
-            let mine = self.changesets[sid].files();
+            let mine = &self.changesets[sid];
             let overlaps = |follows: &dyn Fn(i64, usize) -> bool| {
                 order[..at].iter().enumerate().any(|(k, other)| {
-                    follows(*sid, k) && !self.changesets[other].files().is_disjoint(&mine)
+                    follows(*sid, k) && !mine.clashes_with(&self.changesets[other]).is_empty()
                 })
             };
             match self.ended[sid] {
@@ -438,6 +457,45 @@ pub fn tree_diff(got: &Tree, want: &Tree) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn deleting_what_another_deleted_is_no_clash() {
+        let a = Changeset {
+            edits: vec![(22, 8, "a".into())],
+            deletes: vec![15],
+            ..Changeset::default()
+        };
+        let b = Changeset {
+            deletes: vec![15],
+            ..Changeset::default()
+        };
+        assert!(a.clashes_with(&b).is_empty());
+        assert!(b.clashes_with(&a).is_empty());
+        let c = Changeset {
+            edits: vec![(15, 0, "c".into())],
+            deletes: vec![22],
+            ..Changeset::default()
+        };
+        assert_eq!(a.clashes_with(&c), BTreeSet::from([15, 22]));
+        let d = Changeset {
+            creates: vec![(15, vec!["d".into()])],
+            ..Changeset::default()
+        };
+        assert_eq!(b.clashes_with(&d), BTreeSet::from([15]));
+        // The check the reliability test failed on (seed 1796601360156401791):
+        // a plain commit after a delete of the same file is what the gate does.
+        let mut race = Race::default();
+        race.add(1, b.clone(), Ended::Committed).unwrap();
+        race.add(2, a.clone(), Ended::Committed).unwrap();
+        race.check_outcomes(&[1, 2], |_, _| true, |_, _| true)
+            .unwrap();
+        let mut race = Race::default();
+        race.add(1, c, Ended::Committed).unwrap();
+        race.add(2, a, Ended::Committed).unwrap();
+        assert!(race
+            .check_outcomes(&[1, 2], |_, _| true, |_, _| true)
+            .is_err());
+    }
 
     #[test]
     fn a_changeset_writes_what_it_applies() {

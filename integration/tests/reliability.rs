@@ -936,7 +936,7 @@ fn model_log_order(entries: &[layerstack_api::LogEntry], out: &mut Vec<(i64, i64
 /// same): every committed changeset once in log order with the layer its
 /// publisher was told, no rejected one; the model's head equals the daemon's
 /// head; every tree a session leased is one the model passed through and no
-/// later than its own place in the log; every rejection shares a file with
+/// later than its own place in the log; every rejection clashes (changes a file differently) with
 /// something that landed after its lease, every merge with something that
 /// landed between its lease and it, no plain commit does; `fsck --content`
 /// clean.
