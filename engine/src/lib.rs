@@ -96,8 +96,9 @@ pub mod store {
         LayerId, NodeKind, READY_OWNER,
     };
     pub use layerstack_store::{
-        Artifact, Begun, Evaluator, NodeStats, RolloutAttempt, RolloutBegin, RolloutResult,
-        RolloutStatus, RunAudit, RunInfo, SampleInfo, SampleKey,
+        Artifact, Begun, Evaluator, ExecRecord, NodeStats, RolloutAttempt, RolloutBegin,
+        RolloutResult, RolloutStatus, RunAudit, RunInfo, SampleInfo, SampleKey,
+        EXEC_RECORD_KEEP_BYTES,
     };
 }
 pub use layerstack_types as types;

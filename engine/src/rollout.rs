@@ -14,13 +14,19 @@
 //! e.g. a Ray worker next to that machine's daemon) is recorded here with no
 //! sandbox here, and ends with the checkpoint node the worker pushed and the
 //! caller pulled into this store (`result_node` of [`Engine::end_rollout`]).
+//!
+//! **Trajectories.** The daemon records every command it runs in a running
+//! attempt's sandbox ([`Engine::record_exec`], before the command's exit is
+//! answered): an attempt whose harness crashed, or that an infrastructure
+//! failure ended, keeps the commands it ran; an end without a trajectory
+//! from the harness takes the daemon's.
 
 use std::collections::BTreeMap;
 use std::time::Duration;
 
 use layerstack_store::{
-    Begun, Disposition, NodeStats, RolloutAttempt, RolloutBegin, RolloutEnding, RolloutResult,
-    RolloutStatus, RunAudit, RunInfo, SampleInfo, SampleKey, SessionId, StoreError,
+    Begun, Disposition, ExecRecord, NodeStats, RolloutAttempt, RolloutBegin, RolloutEnding,
+    RolloutResult, RolloutStatus, RunAudit, RunInfo, SampleInfo, SampleKey, SessionId, StoreError,
 };
 use tracing::info;
 
@@ -74,6 +80,31 @@ impl Engine {
         self.blocking(move |st| st.begin_rollout(&b)).await
     }
 
+    /// The id of the running rollout attempt whose sandbox is session `sid`,
+    /// if it is one (a read on this worker thread: `Exec` asks it first).
+    pub async fn running_rollout_of_session(
+        &self,
+        sid: SessionId,
+    ) -> Result<Option<i64>, EngineError> {
+        self.blocking_here(move |st| st.running_rollout_of_session(sid))
+            .await
+    }
+
+    /// Records a command run in session `sid` in the trajectory of the
+    /// running attempt that session is the sandbox of: the daemon's own
+    /// record, kept whatever becomes of the harness (a crashed client's
+    /// attempt keeps its commands; `end_rollout` without a trajectory uses
+    /// it). Returns the attempt's id; `None` when the session is no running
+    /// attempt's (nothing recorded).
+    pub async fn record_exec(
+        &self,
+        sid: SessionId,
+        record: ExecRecord,
+    ) -> Result<Option<i64>, EngineError> {
+        self.blocking(move |st| st.record_rollout_exec(sid, &record))
+            .await
+    }
+
     /// Records that rollout attempt `id` runs in sandbox session `sid` (and
     /// the graph attempt that session is).
     pub async fn attach_rollout(
@@ -103,6 +134,9 @@ impl Engine {
     ///
     /// `trajectory` and `artifacts` are stored as content-addressed blobs
     /// first (outside any transaction; a blob nothing names is harmless).
+    /// Without a `trajectory`, the attempt's is the daemon's record of the
+    /// commands it ran in the attempt's sandbox ([`Engine::record_exec`]),
+    /// if any.
     ///
     /// `result_node`: a remote attempt's checkpoint, a node already in this
     /// store whose parent is the attempt's node (`Store::end_remote_rollout`),
@@ -134,9 +168,13 @@ impl Engine {
         }
         let (trajectory, artifacts) = self
             .blocking(move |st| {
-                let t = trajectory
-                    .map(|b| st.put_blob(&b).map(|(d, _)| d))
-                    .transpose()?;
+                // None from the harness: the daemon's record of the commands
+                // it ran in the attempt's sandbox (`record_exec`).
+                let bytes = match trajectory {
+                    Some(b) => Some(b),
+                    None => st.recorded_trajectory(id)?,
+                };
+                let t = bytes.map(|b| st.put_blob(&b).map(|(d, _)| d)).transpose()?;
                 let mut arts = Vec::with_capacity(artifacts.len());
                 for (name, bytes) in artifacts {
                     if name.is_empty() || name.len() > 256 {
@@ -297,6 +335,9 @@ impl Engine {
     pub async fn discard_ended_rollout_sandboxes(
         self: &std::sync::Arc<Self>,
     ) -> Result<usize, EngineError> {
+        // Attempts an infrastructure failure ended keep the daemon's record
+        // of their commands as their trajectory.
+        self.blocking(|st| st.fold_rollout_execs()).await?;
         let ids = self.blocking(|st| st.ended_rollout_sessions()).await?;
         let n = ids.len();
         for sid in ids {

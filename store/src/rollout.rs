@@ -155,6 +155,72 @@ pub struct RolloutEnding {
     pub message: String,
 }
 
+/// Bytes of a command's stdout, and of its stderr, that an [`ExecRecord`]
+/// keeps (the first ones) — the Python SDK's `AsyncRollout.KEEP_BYTES`.
+pub const EXEC_RECORD_KEEP_BYTES: usize = 4096;
+
+/// One command the daemon ran in a running attempt's sandbox (`Exec`), as the
+/// attempt's trajectory holds it ([`Store::record_rollout_exec`]). Its JSON is
+/// the object the Python SDK's `trajectory_record` writes — `argv`,
+/// `exit_code`, `signal`, `timed_out`, `duration_ms` (ms), `stdout` and
+/// `stderr` (the first [`EXEC_RECORD_KEEP_BYTES`] bytes of each, decoded
+/// as UTF-8 with replacement characters) — plus `error` when the command
+/// has no exit (its sandbox ended under it, its caller went away).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ExecRecord {
+    pub argv: Vec<String>,
+    /// `None`: no exit (see `error`).
+    pub exit_code: Option<i32>,
+    /// The signal that ended it (0: none).
+    pub signal: i32,
+    pub timed_out: bool,
+    pub duration_ms: u64,
+    stdout: Vec<u8>,
+    stderr: Vec<u8>,
+    pub error: Option<String>,
+}
+
+impl ExecRecord {
+    /// A record of `argv`, nothing seen yet.
+    #[must_use]
+    pub fn new(argv: Vec<String>) -> Self {
+        Self {
+            argv,
+            ..Self::default()
+        }
+    }
+
+    /// Keeps what of `bytes` (the command's next stdout bytes, or stderr's)
+    /// fits in the first [`EXEC_RECORD_KEEP_BYTES`].
+    pub fn output(&mut self, stderr: bool, bytes: &[u8]) {
+        let kept = if stderr {
+            &mut self.stderr
+        } else {
+            &mut self.stdout
+        };
+        let room = EXEC_RECORD_KEEP_BYTES.saturating_sub(kept.len());
+        kept.extend_from_slice(&bytes[..bytes.len().min(room)]);
+    }
+
+    /// The record's JSON object.
+    #[must_use]
+    pub fn to_json(&self) -> String {
+        let mut v = serde_json::json!({
+            "argv": self.argv,
+            "exit_code": self.exit_code,
+            "signal": self.signal,
+            "timed_out": self.timed_out,
+            "duration_ms": self.duration_ms,
+            "stdout": String::from_utf8_lossy(&self.stdout),
+            "stderr": String::from_utf8_lossy(&self.stderr),
+        });
+        if let Some(e) = &self.error {
+            v["error"] = serde_json::Value::from(e.as_str());
+        }
+        v.to_string()
+    }
+}
+
 /// One attempt of a sample.
 #[derive(Debug, Clone, PartialEq)]
 pub struct RolloutAttempt {
@@ -389,6 +455,19 @@ pub(crate) fn rollout_of_session(
     Ok(attempts_where(conn, "a.session_id = ?1 AND a.status = 'running'", [sid])?.pop())
 }
 
+/// Attempt `id`'s recorded commands as a JSON array (`None`: none).
+fn recorded_trajectory(conn: &Connection, id: i64) -> Result<Option<Vec<u8>>, StoreError> {
+    let mut stmt =
+        conn.prepare_cached("SELECT record FROM rollout_execs WHERE attempt_id = ?1 ORDER BY seq")?;
+    let records = stmt
+        .query_map([id], |r| r.get::<_, String>(0))?
+        .collect::<Result<Vec<String>, _>>()?;
+    if records.is_empty() {
+        return Ok(None);
+    }
+    Ok(Some(format!("[{}]", records.join(",")).into_bytes()))
+}
+
 fn get_run(conn: &Connection, name: &str) -> Result<RunInfo, StoreError> {
     conn.one(
         "SELECT name, grp, labels, created_ns FROM rollout_runs WHERE name = ?1",
@@ -572,6 +651,10 @@ pub(crate) fn end_rollout_in(
             now
         ],
     )?;
+    // The daemon's record of its commands is in the trajectory now (the
+    // engine folded it in when the harness sent none) or superseded by the
+    // harness's.
+    tx.exec("DELETE FROM rollout_execs WHERE attempt_id = ?1", [id])?;
     for art in &end.artifacts {
         tx.exec(
             "INSERT INTO rollout_artifacts(attempt_id, name, digest, size) VALUES (?1, ?2, ?3, ?4)",
@@ -1234,6 +1317,89 @@ impl Store {
             )));
         }
         Ok(self.root.join("blobs").join(hex))
+    }
+
+    /// The id of the running attempt whose sandbox is session `sid`, if it is
+    /// one (a read: the daemon's `Exec` asks it before recording).
+    pub fn running_rollout_of_session(&self, sid: SessionId) -> Result<Option<i64>, StoreError> {
+        self.db.read(|conn| {
+            Ok(conn
+                .one(
+                    "SELECT id FROM rollout_attempts WHERE session_id = ?1 AND status = 'running'",
+                    [sid],
+                    |r| r.get(0),
+                )
+                .optional()?)
+        })
+    }
+
+    /// Appends `record` to the trajectory of the running attempt whose
+    /// sandbox is session `sid` (next `seq`). Returns that attempt's id, or
+    /// `None` when the session is no running attempt's (the attempt ended
+    /// meanwhile): nothing is written.
+    pub fn record_rollout_exec(
+        &self,
+        sid: SessionId,
+        record: &ExecRecord,
+    ) -> Result<Option<i64>, StoreError> {
+        let json = record.to_json();
+        self.db.write(|tx| {
+            let Some(id) = tx
+                .one(
+                    "SELECT id FROM rollout_attempts WHERE session_id = ?1 AND status = 'running'",
+                    [sid],
+                    |r| r.get::<_, i64>(0),
+                )
+                .optional()?
+            else {
+                return Ok(None);
+            };
+            tx.exec(
+                "INSERT INTO rollout_execs(attempt_id, seq, record)
+                 VALUES (?1, (SELECT coalesce(max(seq) + 1, 0) FROM rollout_execs WHERE attempt_id = ?1), ?2)",
+                params![id, json],
+            )?;
+            Ok(Some(id))
+        })
+    }
+
+    /// The commands the daemon recorded for attempt `id` (while it ran), as
+    /// trajectory bytes: a JSON array of [`ExecRecord`] objects in order;
+    /// `None` when none was recorded.
+    pub fn recorded_trajectory(&self, id: i64) -> Result<Option<Vec<u8>>, StoreError> {
+        self.db.read(|conn| recorded_trajectory(conn, id))
+    }
+
+    /// Attempts that ended (an infrastructure failure ended them:
+    /// [`sync_rollouts_in`]) while the daemon's record of their commands was
+    /// still only rows: the record becomes the trajectory blob of each that
+    /// has none, and the rows go. The blob is written first, outside any
+    /// transaction. Returns how many attempts got their trajectory.
+    pub fn fold_rollout_execs(&self) -> Result<usize, StoreError> {
+        let ended: Vec<i64> = self.db.read(|conn| {
+            let mut stmt = conn.prepare_cached(
+                "SELECT DISTINCT e.attempt_id FROM rollout_execs e JOIN rollout_attempts a ON a.id = e.attempt_id
+                 WHERE a.status <> 'running' ORDER BY e.attempt_id",
+            )?;
+            let v = stmt.query_map([], |r| r.get(0))?.collect::<Result<Vec<i64>, _>>()?;
+            Ok(v)
+        })?;
+        let mut n = 0;
+        for id in ended {
+            let digest = match self.recorded_trajectory(id)? {
+                Some(bytes) => Some(self.put_blob(&bytes)?.0),
+                None => None,
+            };
+            n += self.db.write(|tx| {
+                let set = tx.exec(
+                    "UPDATE rollout_attempts SET trajectory = ?2 WHERE id = ?1 AND status <> 'running' AND trajectory IS NULL",
+                    params![id, digest],
+                )?;
+                tx.exec("DELETE FROM rollout_execs WHERE attempt_id = ?1", [id])?;
+                Ok(usize::from(set == 1 && digest.is_some()))
+            })?;
+        }
+        Ok(n)
     }
 
     /// Stores `bytes` as a content-addressed blob (`<root>/blobs/<hex>`,

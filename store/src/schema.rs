@@ -25,9 +25,32 @@
 /// written as (`layer_blobs`, module `blobs`); 14 added the worker of a remote
 /// rollout attempt (`rollout_attempts.worker`: recorded here, run on another
 /// machine); 15 added the parents a node declares that the store does not
-/// hold (`graph_missing_parents`: a node pulled before its parent, issue 23).
-/// Formats 4 to 14 are migrated at open ([`MIGRATIONS`]).
-pub const FORMAT_VERSION: i64 = 15;
+/// hold (`graph_missing_parents`: a node pulled before its parent, issue 23);
+/// 16 added the commands the daemon ran in a rollout attempt's sandbox
+/// (`rollout_execs`: its trajectory as the daemon saw it).
+/// Formats 4 to 15 are migrated at open ([`MIGRATIONS`]).
+pub const FORMAT_VERSION: i64 = 16;
+
+/// The daemon's record of a running attempt's commands (format 16), in
+/// [`SCHEMA`] and in the migration from format 15 (`IF NOT EXISTS`: a test
+/// that turns a current store back into an older format keeps it).
+macro_rules! rollout_execs_table {
+    () => {
+        r#"
+-- A command the daemon ran (`Exec`) in a running rollout attempt's sandbox, in
+-- order (`seq` from 0): `record` is a JSON object (argv, exit_code, signal,
+-- timed_out, duration_ms, the first bytes of stdout and stderr). When the
+-- attempt ends without a trajectory from its harness, these become its
+-- trajectory blob; the rows go once the attempt ended (rollout.rs).
+CREATE TABLE IF NOT EXISTS rollout_execs (
+    attempt_id INTEGER NOT NULL REFERENCES rollout_attempts(id),
+    seq        INTEGER NOT NULL CHECK (seq >= 0),
+    record     TEXT NOT NULL,
+    PRIMARY KEY (attempt_id, seq)
+) WITHOUT ROWID;
+"#
+    };
+}
 
 /// The parents a node declares that this store does not hold (format 15), in
 /// [`SCHEMA`] and in the migration from format 14 (`IF NOT EXISTS`: a test
@@ -325,6 +348,7 @@ pub(crate) const MIGRATIONS: &[(i64, &str, &str)] = &[
     // Additive: a node of an older store declared no parent it lacked (the
     // pull dropped it); a pull of that node again records it.
     (14, "graph_missing_parents", graph_missing_parents_table!()),
+    (15, "rollout_execs", rollout_execs_table!()),
 ];
 
 pub(crate) const SCHEMA: &str = concat!(
@@ -648,5 +672,6 @@ CREATE TABLE session_markers (
     rollout_tables!(),
     layer_blobs_table!(),
     rollout_worker_column!(),
-    graph_missing_parents_table!()
+    graph_missing_parents_table!(),
+    rollout_execs_table!()
 );

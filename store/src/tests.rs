@@ -2548,6 +2548,101 @@ fn attempts_are_checked_against_their_sample_and_an_infra_failure_has_no_value()
     );
 }
 
+/// The daemon's record of an attempt's commands: only a running attempt's
+/// sandbox records; the record is in order and keeps the first
+/// EXEC_RECORD_KEEP_BYTES of output; an attempt an infrastructure failure
+/// ended gets it as its trajectory blob (fold), an attempt ended by its
+/// harness loses the rows either way (its end took the record or its own).
+#[test]
+fn the_daemon_records_an_attempts_commands_and_an_infra_failure_keeps_them() {
+    let d = tmp();
+    let (s, _run, root) = rollout_store(d.path());
+    let owner = Owner::Sandbox { name: "a".into() };
+    // Not an attempt's sandbox: nothing recorded.
+    let (_, plain, _, _) = s.start_attempt(&root.id, &owner, None).unwrap();
+    assert_eq!(s.running_rollout_of_session(plain.id).unwrap(), None);
+    assert_eq!(
+        s.record_rollout_exec(plain.id, &ExecRecord::new(vec!["true".into()]))
+            .unwrap(),
+        None
+    );
+    let a = begun(begin(&s, 0, 1, &root.id));
+    let (ga, sess, _, _) = s
+        .start_attempt(&root.id, &Owner::Sandbox { name: "b".into() }, None)
+        .unwrap();
+    s.attach_rollout_session(a.id, sess.id, Some(ga.id))
+        .unwrap();
+    assert_eq!(s.running_rollout_of_session(sess.id).unwrap(), Some(a.id));
+    let mut first = ExecRecord::new(vec!["sh".into(), "-c".into(), "make".into()]);
+    first.output(false, &[b'x'; 3000]);
+    first.output(false, &[b'y'; 3000]);
+    first.output(true, b"warn\xff");
+    first.exit_code = Some(2);
+    first.duration_ms = 17;
+    let mut second = ExecRecord::new(vec!["cat".into(), "f".into()]);
+    second.error = Some("sandbox gone".into());
+    for r in [&first, &second] {
+        assert_eq!(s.record_rollout_exec(sess.id, r).unwrap(), Some(a.id));
+    }
+    let t: serde_json::Value =
+        serde_json::from_slice(&s.recorded_trajectory(a.id).unwrap().unwrap()).unwrap();
+    let t = t.as_array().unwrap();
+    assert_eq!(t.len(), 2);
+    assert_eq!(t[0]["argv"], serde_json::json!(["sh", "-c", "make"]));
+    assert_eq!(
+        (t[0]["exit_code"].as_i64(), t[0]["duration_ms"].as_u64()),
+        (Some(2), Some(17))
+    );
+    let out = t[0]["stdout"].as_str().unwrap();
+    assert_eq!(out.len(), EXEC_RECORD_KEEP_BYTES);
+    assert_eq!(out.matches('y').count(), EXEC_RECORD_KEEP_BYTES - 3000);
+    assert_eq!(t[0]["stderr"], "warn\u{fffd}");
+    assert!(t[0].get("error").is_none());
+    assert_eq!(
+        (t[1]["exit_code"].is_null(), t[1]["error"].as_str()),
+        (true, Some("sandbox gone"))
+    );
+    // Running: nothing folds.
+    assert_eq!(s.fold_rollout_execs().unwrap(), 0);
+    // Its sandbox lost: the attempt ends infra_failed, keeping the record.
+    s.record_outcome(
+        sess.id,
+        OutcomeRecord::interrupted(Interruption::DaemonRestart, "restart"),
+        None,
+    )
+    .unwrap();
+    s.end_attempt(ga.id, AttemptStatus::Interrupted, "daemon restart")
+        .unwrap();
+    assert_eq!(s.sync_rollouts(false).unwrap(), 1);
+    assert_eq!(s.rollout(a.id).unwrap().trajectory, None, "not folded yet");
+    assert_eq!(
+        s.record_rollout_exec(sess.id, &first).unwrap(),
+        None,
+        "an ended attempt records nothing more"
+    );
+    assert_eq!(s.fold_rollout_execs().unwrap(), 1);
+    let ended = s.rollout(a.id).unwrap();
+    assert_eq!(ended.status, RolloutStatus::InfraFailed);
+    let blob = s.blob(ended.trajectory.as_deref().unwrap()).unwrap();
+    let kept: serde_json::Value = serde_json::from_slice(&blob).unwrap();
+    assert_eq!(kept.as_array().unwrap(), t);
+    assert_eq!(s.recorded_trajectory(a.id).unwrap(), None, "the rows went");
+    assert_eq!(s.fold_rollout_execs().unwrap(), 0);
+    // Ended by its harness (with a trajectory of its own): the rows go in
+    // the end's transaction, the harness's trajectory stays.
+    let b = begun(begin(&s, 1, 1, &root.id));
+    let (gb, sb, _, _) = s
+        .start_attempt(&root.id, &Owner::Sandbox { name: "c".into() }, None)
+        .unwrap();
+    s.attach_rollout_session(b.id, sb.id, Some(gb.id)).unwrap();
+    s.record_rollout_exec(sb.id, &second).unwrap().unwrap();
+    let mut mine = completed(1.0, false);
+    mine.trajectory = Some(s.put_blob(b"[]").unwrap().0);
+    let e = s.end_rollout(b.id, &mine, Disposition::Discard).unwrap();
+    assert_eq!(e.trajectory, mine.trajectory);
+    assert_eq!(s.recorded_trajectory(b.id).unwrap(), None);
+}
+
 #[test]
 fn an_attempt_whose_sandbox_was_interrupted_ends_infra_failed_never_rewarded() {
     let d = tmp();

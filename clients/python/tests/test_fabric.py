@@ -16,6 +16,7 @@ import os
 import random
 import signal
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any, List, Optional
@@ -150,6 +151,104 @@ def test_infrastructure_failures_are_retried_and_never_scored_zero(daemon: Daemo
             s1 = await ls.sample(again[1].key)
             assert s1 is not None and (s1.task_failed_attempt, s1.reward) == (1, None), s1
             assert (await ls.audit_run(run)).attempts == 3, "a repeated step begins no attempt"
+
+    asyncio.run(main())
+
+
+_HARNESS = """
+import asyncio, os, sys
+import layerstack.aio
+from layerstack.fabric import SampleKey
+
+async def main():
+    admin, run, node = sys.argv[1:4]
+    async with layerstack.aio.connect(admin) as ls:
+        r = await ls.begin_rollout(SampleKey(run, 0, "p", 0), 1, node, policy="pi")
+        await r.exec(["sh", "-c", "echo built; echo warn >&2"])
+        await r.exec(["sh", "-c", "exit 3"])
+        print(r.id, r.sandbox.id, flush=True)
+        # Killed here (SIGKILL from the test): the attempt is never ended.
+        await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+def _init_of(probe: str) -> int:
+    """The host pid of the init of the sandbox whose root holds the file
+    ``probe`` (an absolute path): the topmost process that sees it."""
+    seen = {}
+    for p in Path("/proc").iterdir():
+        if not p.name.isdigit():
+            continue
+        try:
+            if not os.path.exists(f"{p}/root{probe}"):
+                continue
+            ppid = [l for l in (p / "status").read_text().splitlines() if l.startswith("PPid:")]
+        except OSError:
+            continue
+        seen[int(p.name)] = int(ppid[0].split()[1])
+    tops = [pid for pid, parent in seen.items() if parent not in seen]
+    assert len(tops) == 1, f"the processes that see {probe}: {seen}"
+    return tops[0]
+
+
+def test_a_crashed_harness_leaves_the_commands_it_ran_in_its_attempts_trajectory(daemon: Daemon) -> None:  # noqa: F811
+    """The daemon records each command of an attempt's sandbox before it
+    answers its exit: a harness killed mid-attempt (SIGKILL, nothing sent
+    after) leaves an attempt whose trajectory holds them, whoever ends it —
+    the next harness (no trajectory of its own) or an infrastructure
+    failure (the sandbox's init killed, the attempt ended by the daemon)."""
+
+    async def main() -> None:
+        async with layerstack.aio.connect(daemon.admin) as ls:
+            g = await ls.create_graph(_names("fab"), daemon.stack)
+            run = (await ls.create_run(_names("run"), g.name)).name
+            harness = subprocess.Popen(
+                [os.environ.get("PYTHON", sys.executable), "-c", _HARNESS, daemon.admin, run, g.root],
+                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            )
+            try:
+                assert harness.stdout is not None
+                line = await asyncio.wait_for(asyncio.to_thread(harness.stdout.readline), 60)
+                assert line, harness.stderr.read() if harness.stderr else b""
+                attempt_id, session_id = (int(x) for x in line.split())
+            finally:
+                harness.kill()
+                harness.wait()
+            a = (await ls.sample(SampleKey(run, 0, "p", 0)))
+            assert a is not None and a.running == (attempt_id,), a
+            # The next harness takes the sample over: it ends the dead one's
+            # attempt without a trajectory of its own.
+            assert await ls.sample_attempts(SampleKey(run, 0, "p", 0)) == 1
+            ended = [x async for x in ls.rollouts(run)][0]
+            assert (ended.id, ended.status, ended.infra_kind) == (attempt_id, "infra_failed", "abandoned")
+            traj = json.loads(await ls.read_blob(ended.trajectory or ""))
+            assert [(t["argv"], t["exit_code"]) for t in traj] == [
+                (["sh", "-c", "echo built; echo warn >&2"], 0), (["sh", "-c", "exit 3"], 3)], traj
+            assert (traj[0]["stdout"], traj[0]["stderr"]) == ("built\n", "warn\n"), traj
+            assert all(t["duration_ms"] >= 0 and not t["timed_out"] for t in traj), traj
+            # An infrastructure failure: the sandbox's init killed under a
+            # running attempt; the daemon ends it and keeps its commands.
+            r = await ls.begin_rollout(SampleKey(run, 0, "p", 1), 1, g.root, policy="pi")
+            assert (await r.exec(["sh", "-c", "echo before"])).ok
+            probe = f"/init-probe-{os.urandom(4).hex()}"
+            await r.files.write(probe, b"")
+            os.kill(_init_of(probe), signal.SIGKILL)
+            for _ in range(100):
+                await ls.audit_run(run)  # ends what infrastructure failures ended
+                lost = [x async for x in ls.rollouts(run) if x.id == r.id][0]
+                if lost.status != "running":
+                    break
+                await asyncio.sleep(0.1)
+            assert lost.status == "infra_failed", lost
+            traj = json.loads(await ls.read_blob(lost.trajectory or ""))
+            assert [t["argv"] for t in traj] == [["sh", "-c", "echo before"]] and traj[0]["stdout"] == "before\n", traj
+            # A harness that sends a trajectory of its own: its end keeps it.
+            r2 = await ls.begin_rollout(SampleKey(run, 0, "p", 2), 1, g.root, policy="pi")
+            assert (await r2.exec("true")).ok
+            mine = await r2.end(reward=1.0, keep="discard", trajectory=b'[{"argv": ["mine"]}]')
+            assert json.loads(await ls.read_blob(mine.trajectory or "")) == [{"argv": ["mine"]}]
 
     asyncio.run(main())
 

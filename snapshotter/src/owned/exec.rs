@@ -2,6 +2,7 @@
 //! (see the parent module's docs for the waiter/command shape).
 
 use super::*;
+use layerstack_engine::store::ExecRecord;
 
 fn command(l: &Live, r: &api::ExecRequest) -> Result<Command, Status> {
     let first = r.argv.first().filter(|a| !a.is_empty()).ok_or_else(|| {
@@ -67,11 +68,119 @@ fn exit_reply(x: Exit, timed_out: bool, started: Instant) -> api::ExecReply {
 }
 
 /// `Exec`: see the module docs and `holder::spawn_joined` (the waiter is
-/// cloned by the daemon's process spawner).
+/// cloned by the daemon's process spawner). In the sandbox of a running
+/// rollout attempt the command is recorded in the attempt's trajectory
+/// ([`recorded`]).
 pub(crate) async fn exec(
     admin: &AdminService,
     r: api::ExecRequest,
 ) -> Result<Stream<api::ExecReply>, Status> {
+    let id = r.session_id;
+    let attempt = if id == 0 {
+        None
+    } else {
+        admin
+            .engine
+            .running_rollout_of_session(id)
+            .await
+            .map_err(crate::admin::engine_status)?
+    };
+    let argv = attempt.map(|_| r.argv.clone());
+    let replies = run(admin, r).await?;
+    Ok(match argv {
+        Some(argv) => recorded(admin.engine.clone(), id, argv, replies),
+        None => replies,
+    })
+}
+
+/// `replies` of a command run in session `id`, the sandbox of a running
+/// rollout attempt, passed on as they come; its exit (or the error that
+/// ends them, or the caller's going away) is recorded in the attempt's
+/// trajectory (`Engine::record_exec`: argv, exit, the first bytes of its
+/// output) **before** the exit is passed on — a harness that saw the exit
+/// and then crashed leaves it recorded.
+fn recorded(
+    engine: Arc<layerstack_engine::Engine>,
+    id: SessionId,
+    argv: Vec<String>,
+    mut replies: Stream<api::ExecReply>,
+) -> Stream<api::ExecReply> {
+    use api::exec_reply::Kind;
+    use tokio_stream::StreamExt;
+    let (tx, rx) = mpsc::channel(16);
+    tokio::spawn(async move {
+        let mut rec = ExecRecord::new(argv);
+        let mut done = false;
+        while let Some(reply) = replies.next().await {
+            match &reply {
+                Ok(api::ExecReply {
+                    kind: Some(Kind::Stdout(b)),
+                }) => rec.output(false, b),
+                Ok(api::ExecReply {
+                    kind: Some(Kind::Stderr(b)),
+                }) => rec.output(true, b),
+                Ok(api::ExecReply {
+                    kind: Some(Kind::Exit(e)),
+                }) => {
+                    rec.exit_code = Some(e.code);
+                    rec.signal = e.signal;
+                    rec.timed_out = e.timed_out;
+                    rec.duration_ms = e.duration_ms;
+                    done = true;
+                }
+                Ok(_) => {}
+                Err(s) => {
+                    rec.error = Some(s.message().to_string());
+                    done = true;
+                }
+            }
+            if done {
+                keep(&engine, id, rec.clone()).await;
+            }
+            if tx.send(reply).await.is_err() {
+                // The caller went away: dropping `replies` ends the command
+                // (its producer kills it when its send fails).
+                if !done {
+                    rec.error =
+                        Some("the caller went away before the command ended: it was killed".into());
+                    keep(&engine, id, rec.clone()).await;
+                    done = true;
+                }
+                break;
+            }
+            if done {
+                break;
+            }
+        }
+        if !done {
+            rec.error = Some("the command's replies ended without its exit".into());
+            keep(&engine, id, rec).await;
+        }
+    });
+    Box::pin(ReceiverStream::new(rx))
+}
+
+/// Records `rec` for session `id` (a failure is logged: the command's result
+/// still reaches its caller).
+async fn keep(engine: &layerstack_engine::Engine, id: SessionId, rec: ExecRecord) {
+    match engine.record_exec(id, rec).await {
+        Ok(Some(attempt)) => debug!(
+            session.id = id,
+            rollout.attempt = attempt,
+            "exec recorded in the attempt's trajectory"
+        ),
+        Ok(None) => debug!(
+            session.id = id,
+            "exec not recorded: the session's attempt ended"
+        ),
+        Err(e) => {
+            warn!(session.id = id, error = %layerstack_engine::error_chain(&e), "cannot record an exec in its attempt's trajectory")
+        }
+    }
+}
+
+/// `Exec` itself (Linux or WASI session), unrecorded.
+async fn run(admin: &AdminService, r: api::ExecRequest) -> Result<Stream<api::ExecReply>, Status> {
     let id = r.session_id;
     if id != 0 {
         if let Some(w) = crate::wasi::live(admin, id) {

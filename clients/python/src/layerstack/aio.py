@@ -751,9 +751,12 @@ def trajectory_record(cmd: Command, out: ExecOutput, keep_bytes: int) -> Dict[st
 class AsyncRollout:
     """One attempt of a sample and its sandbox (:meth:`AsyncClient.begin_rollout`).
 
-    ``exec`` runs a command in the sandbox and records it in ``trajectory``
-    (argv, exit, duration, the first 4 KiB of output), which :meth:`end` stores
-    as the attempt's trajectory blob. ``files`` is the sandbox's file API.
+    ``exec`` runs a command in the sandbox and appends it to ``trajectory``
+    (argv, exit, duration, the first 4 KiB of output). The daemon records the
+    same for every command run in the attempt's sandbox, before it answers
+    the command's exit, and stores that record as the attempt's trajectory
+    blob when the attempt ends (also when an infrastructure failure or a
+    crash of this process ends it). ``files`` is the sandbox's file API.
     """
 
     #: Bytes of stdout/stderr kept per exec in the trajectory.
@@ -820,11 +823,13 @@ class AsyncRollout:
         (the sandbox becomes a child node in the same transaction as the
         reward) or "discard"; ``state``/``labels`` of that node; ``artifacts``
         (name → bytes); ``message``; ``result_node`` (a remote attempt's
-        checkpoint, pulled here first). The trajectory recorded by :meth:`exec`
-        is sent unless ``trajectory=`` is given. A repeated end answers the
-        recorded one; FailedPreconditionError if it ended otherwise.
+        checkpoint, pulled here first). The attempt's trajectory is the
+        daemon's record of every command it ran in the attempt's sandbox
+        (the same objects as :attr:`trajectory`; kept even if this process
+        dies first) unless ``trajectory=`` (bytes) is given. A repeated end
+        answers the recorded one; FailedPreconditionError if it ended
+        otherwise.
         """
-        kw.setdefault("trajectory", json.dumps(self.trajectory).encode() if self.trajectory else b"")
         self.attempt = await self._client.end_rollout(self.id, **kw)
         if self.sandbox is not None and self.sandbox.outcome is None:
             # The daemon ended the sandbox with the attempt.
