@@ -824,7 +824,8 @@ impl Store {
     /// in flight still read (their observed heads). Crash-safe: a directory left
     /// behind has no row and the startup sweep removes it.
     pub fn gc(&self, pinned: &[ManifestId]) -> Result<GcReport, StoreError> {
-        let (layers, manifests) = self.db.write(|tx| {
+        // It reads every manifest of the store: through a small page cache.
+        let (layers, manifests) = self.db.write_lean(|tx| {
             // Live manifests and their ancestors.
             let mut live: BTreeSet<ManifestId> = pinned.iter().copied().collect();
             {
