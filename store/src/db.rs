@@ -464,12 +464,11 @@ impl Db {
 
     /// Frees the page caches of the writer and of the idle read connections
     /// (`sqlite3_db_release_memory`: unused cached pages; nothing is lost,
-    /// later reads come from the file or the WAL), and unmaps the writer's
-    /// mapping of the database file ([`MMAP_BYTES`]; set to 0 and back,
-    /// which makes SQLite's unix VFS unmap it and map it afresh): the pages a
-    /// large read touched stay in the kernel's page cache but no longer count
-    /// in the daemon's RSS. The writer is skipped when in use (never waits
-    /// for it). Idle read connections beyond [`Db::IDLE_AT_REST`] are
+    /// later reads come from the file or the WAL), and any mapping of the
+    /// database file a connection holds (`mmap_size` set to 0 and back to
+    /// [`MMAP_BYTES`] / [`READER_MMAP_BYTES`], which makes SQLite's unix VFS
+    /// unmap it; both are 0 now, so this only matters for a store opened with
+    /// a mapping). The writer is skipped when in use (never waits for it). Idle read connections beyond [`Db::IDLE_AT_REST`] are
     /// closed: each holds its own parsed schema, prepared statements and
     /// lookaside buffers (~200 KiB), and a burst of concurrent reads opens
     /// up to [`Db::MAX_IDLE`] of them (33 after the workload of bench P12

@@ -791,7 +791,7 @@ pub fn run(b: &Bench, r: &mut ScenarioReport) -> Result<()> {
         ratio_anon.fmt_ratio(),
     ]);
     t.row(vec![
-        "of which file-backed (RssFile: the binary, the database's mapping) after the workload"
+        "of which file-backed (RssFile: the binary, the shared libraries) after the workload"
             .into(),
         fmt_kib(&after_file[0]),
         fmt_kib(&after_file[1]),
@@ -884,7 +884,7 @@ pub fn run(b: &Bench, r: &mut ScenarioReport) -> Result<()> {
         ratio_anon.fmt_ratio(),
         ratio_anon.median,
         RATIO_MAX,
-        "VmRSS less its file-backed pages (the binary; the store's writer connection's mapping of the database, which holds the pages it read: the kernel's page cache, dropped under memory pressure)",
+        "VmRSS less its file-backed pages (the binary, the shared libraries; no connection maps the database)",
     ));
     r.targets.push(Target::at_most(
         &format!(
