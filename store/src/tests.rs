@@ -2548,6 +2548,19 @@ fn attempts_are_checked_against_their_sample_and_an_infra_failure_has_no_value()
     );
 }
 
+/// What a daemon restart leaves of sandbox session `sid` (graph attempt
+/// `ga`): its outcome `interrupted`, its attempt ended so.
+fn lose_sandbox(s: &Store, sid: SessionId, ga: i64) {
+    s.record_outcome(
+        sid,
+        OutcomeRecord::interrupted(Interruption::DaemonRestart, "restart"),
+        None,
+    )
+    .unwrap();
+    s.end_attempt(ga, AttemptStatus::Interrupted, "daemon restart")
+        .unwrap();
+}
+
 /// The daemon's record of an attempt's commands: only a running attempt's
 /// sandbox records; the record is in order and keeps the first
 /// EXEC_RECORD_KEEP_BYTES of output; an attempt an infrastructure failure
@@ -2605,14 +2618,7 @@ fn the_daemon_records_an_attempts_commands_and_an_infra_failure_keeps_them() {
     // Running: nothing folds.
     assert_eq!(s.fold_rollout_execs().unwrap(), 0);
     // Its sandbox lost: the attempt ends infra_failed, keeping the record.
-    s.record_outcome(
-        sess.id,
-        OutcomeRecord::interrupted(Interruption::DaemonRestart, "restart"),
-        None,
-    )
-    .unwrap();
-    s.end_attempt(ga.id, AttemptStatus::Interrupted, "daemon restart")
-        .unwrap();
+    lose_sandbox(&s, sess.id, ga.id);
     assert_eq!(s.sync_rollouts(false).unwrap(), 1);
     assert_eq!(s.rollout(a.id).unwrap().trajectory, None, "not folded yet");
     assert_eq!(
@@ -2657,14 +2663,7 @@ fn an_attempt_whose_sandbox_was_interrupted_ends_infra_failed_never_rewarded() {
         .end_rollout(a.id, &completed(1.0, false), Disposition::Keep)
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::FailedPrecondition, "{err}");
-    s.record_outcome(
-        sess.id,
-        OutcomeRecord::interrupted(Interruption::DaemonRestart, "restart"),
-        None,
-    )
-    .unwrap();
-    s.end_attempt(ga.id, AttemptStatus::Interrupted, "daemon restart")
-        .unwrap();
+    lose_sandbox(&s, sess.id, ga.id);
     // A never-started attempt (no session) ends at the daemon's start.
     // (Every rollout write first ends what an infrastructure failure ended.)
     let b = begun(begin(&s, 1, 1, &root.id));
@@ -4004,6 +4003,36 @@ fn a_format_14_store_is_migrated_and_records_declared_parents_from_then_on() {
         .unwrap();
     assert_eq!(c.linked_children, vec![grand.id.clone()]);
     assert_eq!(b.node(&grand.id).unwrap().parents, vec![child.id.clone()]);
+}
+
+/// A format 15 store is migrated: it gets `rollout_execs`, and a running
+/// attempt's commands are recorded from then on.
+#[test]
+fn a_format_15_store_is_migrated_and_records_rollout_commands() {
+    let d = tmp();
+    let (s, _run, root) = rollout_store(d.path());
+    let a = begun(begin(&s, 0, 1, &root.id));
+    let (ga, sess, _, _) = s
+        .start_attempt(&root.id, &Owner::Sandbox { name: "a".into() }, None)
+        .unwrap();
+    s.attach_rollout_session(a.id, sess.id, Some(ga.id))
+        .unwrap();
+    drop(s);
+    let conn = rusqlite::Connection::open(d.path().join("root/store.db")).unwrap();
+    conn.execute_batch(
+        "DROP TABLE rollout_execs;
+         UPDATE meta SET value = '15' WHERE key = 'format_version';",
+    )
+    .unwrap();
+    drop(conn);
+    let s = open(d.path());
+    assert_eq!(format_version(&s), FORMAT_VERSION.to_string());
+    assert_eq!(
+        s.record_rollout_exec(sess.id, &ExecRecord::new(vec!["true".into()]))
+            .unwrap(),
+        Some(a.id)
+    );
+    assert!(s.recorded_trajectory(a.id).unwrap().is_some());
 }
 
 #[test]
