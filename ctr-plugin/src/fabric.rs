@@ -185,10 +185,10 @@ pub enum RolloutSub {
         #[arg(long, value_name = "TEXT")]
         message: Option<String>,
         /// Store FILE's bytes as the attempt's trajectory (a blob; `rollout
-        /// blob` reads it back). Without it, the trajectory is the daemon's
-        /// record of the commands run in the attempt's sandbox (a JSON
-        /// array: argv, exit_code, signal, timed_out, duration_ms, the first
-        /// 4 KiB of stdout and stderr).
+        /// blob` reads it back). Without it (or with an empty file), the
+        /// trajectory is the daemon's record of the commands run in the
+        /// attempt's sandbox (a JSON array: argv, exit_code, signal,
+        /// timed_out, duration_ms, the first 4 KiB of stdout and stderr).
         #[arg(long, value_name = "FILE")]
         trajectory: Option<PathBuf>,
         /// A remote attempt's checkpoint: node ID, pulled into this store,

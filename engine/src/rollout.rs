@@ -136,7 +136,10 @@ impl Engine {
     /// first (outside any transaction; a blob nothing names is harmless).
     /// Without a `trajectory`, the attempt's is the daemon's record of the
     /// commands it ran in the attempt's sandbox ([`Engine::record_exec`]),
-    /// if any.
+    /// if any: stored once the attempt ended (no command is added to it
+    /// after), whichever way it ended — a failed checkpoint's
+    /// `infra_failed` too; a fold that fails now is retried at the next
+    /// (`Store::fold_rollout_execs`), the end stands.
     ///
     /// `result_node`: a remote attempt's checkpoint, a node already in this
     /// store whose parent is the attempt's node (`Store::end_remote_rollout`),
@@ -161,6 +164,45 @@ impl Engine {
         keep: RolloutKeep,
         result_node: Option<String>,
     ) -> Result<RolloutAttempt, EngineError> {
+        let ended = self
+            .end_rollout_once(
+                id,
+                result,
+                evaluator,
+                trajectory,
+                artifacts,
+                backprop,
+                message,
+                keep,
+                result_node,
+            )
+            .await;
+        // The daemon's record becomes the trajectory of an attempt that
+        // ended without one (its end left the rows; none is added now).
+        if let Err(e) = self.blocking(move |st| st.fold_rollout_execs_of(id)).await {
+            tracing::warn!(rollout.attempt = id, error = %crate::error_chain(&e), "cannot store the ended attempt's recorded commands as its trajectory yet; the next fold tries again");
+        }
+        match ended {
+            // This fold, or the one that ran with the discard of ended
+            // attempts' sandboxes, may have given it its trajectory.
+            Ok(a) if a.trajectory.is_none() => self.rollout(id).await,
+            other => other,
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    async fn end_rollout_once(
+        self: &std::sync::Arc<Self>,
+        id: i64,
+        result: RolloutResult,
+        evaluator: Option<layerstack_store::Evaluator>,
+        trajectory: Option<Vec<u8>>,
+        artifacts: Vec<(String, Vec<u8>)>,
+        backprop: Option<f64>,
+        message: String,
+        keep: RolloutKeep,
+        result_node: Option<String>,
+    ) -> Result<RolloutAttempt, EngineError> {
         if result_node.is_some() && keep == RolloutKeep::Discard {
             return Err(EngineError::Store(StoreError::InvalidArgument(format!(
                 "rollout attempt {id}: keep DISCARD with a result node: a discarded result keeps no node; omit result_node or keep CHECKPOINT"
@@ -168,13 +210,9 @@ impl Engine {
         }
         let (trajectory, artifacts) = self
             .blocking(move |st| {
-                // None from the harness: the daemon's record of the commands
-                // it ran in the attempt's sandbox (`record_exec`).
-                let bytes = match trajectory {
-                    Some(b) => Some(b),
-                    None => st.recorded_trajectory(id)?,
-                };
-                let t = bytes.map(|b| st.put_blob(&b).map(|(d, _)| d)).transpose()?;
+                let t = trajectory
+                    .map(|b| st.put_blob(&b).map(|(d, _)| d))
+                    .transpose()?;
                 let mut arts = Vec::with_capacity(artifacts.len());
                 for (name, bytes) in artifacts {
                     if name.is_empty() || name.len() > 256 {
@@ -337,7 +375,7 @@ impl Engine {
     ) -> Result<usize, EngineError> {
         // Attempts an infrastructure failure ended keep the daemon's record
         // of their commands as their trajectory.
-        self.blocking(|st| st.fold_rollout_execs()).await?;
+        self.blocking(|st| Ok(st.fold_rollout_execs())).await?;
         let ids = self.blocking(|st| st.ended_rollout_sessions()).await?;
         let n = ids.len();
         for sid in ids {

@@ -406,13 +406,20 @@ impl Db {
         &self,
         f: impl FnOnce(&Transaction<'_>) -> Result<T, StoreError>,
     ) -> Result<T, StoreError> {
-        let mut conn = self.writer();
-        conn.pragma_update(None, "cache_size", -LEAN_CACHE_KIB)?;
-        let out = write_on(&mut conn, f);
-        if let Err(e) = conn.pragma_update(None, "cache_size", -WRITER_CACHE_KIB) {
-            tracing::warn!(error = %e, "cannot give the store's writer its page cache back");
+        /// Gives the writer its cache back however the step ends (a panic
+        /// included: the writer's lock is taken again after one).
+        struct Lean<'a>(MutexGuard<'a, Connection>);
+        impl Drop for Lean<'_> {
+            fn drop(&mut self) {
+                if let Err(e) = self.0.pragma_update(None, "cache_size", -WRITER_CACHE_KIB) {
+                    tracing::warn!(error = %e, "cannot give the store's writer its page cache back");
+                }
+            }
         }
-        out
+        let conn = self.writer();
+        conn.pragma_update(None, "cache_size", -LEAN_CACHE_KIB)?;
+        let mut lean = Lean(conn);
+        write_on(&mut lean.0, f)
     }
 
     /// Runs `each` for every item of `items` in `IMMEDIATE` write transactions:

@@ -364,11 +364,10 @@ impl Store {
     /// Frees the SQLite page caches of the writer connection (up to
     /// 64 MiB, `WRITER_CACHE_KIB`) and of the idle read connections (up to
     /// 32 × 2 MiB): what stays allocated after a large publish or a burst
-    /// once the heap glibc kept is returned; and unmaps each connection's
-    /// mapping of the database file, whose touched pages count in the
-    /// process's RSS (a read of a 200,000-node graph touches ~50 MiB of
-    /// them). Costs the next transactions re-reading their pages (from the
-    /// page cache or the WAL); the daemon calls it once the store has been
+    /// once the heap glibc kept is returned (no connection maps the database
+    /// file: `db::MMAP_BYTES`, `db::READER_MMAP_BYTES`). Costs the next
+    /// transactions re-reading their pages (from the kernel's page cache or
+    /// the WAL); the daemon calls it once the store has been
     /// idle for a while. Answers the
     /// connections released (the writer is skipped while in use).
     pub fn release_db_memory(&self) -> usize {

@@ -651,10 +651,14 @@ pub(crate) fn end_rollout_in(
             now
         ],
     )?;
-    // The daemon's record of its commands is in the trajectory now (the
-    // engine folded it in when the harness sent none) or superseded by the
-    // harness's.
-    tx.exec("DELETE FROM rollout_execs WHERE attempt_id = ?1", [id])?;
+    // A trajectory from the harness replaces the daemon's record of its
+    // commands. Without one the rows stay: the attempt is no longer
+    // running, so no command is added to them, and the fold after the end
+    // (`Store::fold_rollout_execs_of`) makes them its trajectory whole —
+    // commands that ended while the end ran included.
+    if end.trajectory.is_some() {
+        tx.exec("DELETE FROM rollout_execs WHERE attempt_id = ?1", [id])?;
+    }
     for art in &end.artifacts {
         tx.exec(
             "INSERT INTO rollout_artifacts(attempt_id, name, digest, size) VALUES (?1, ?2, ?3, ?4)",
@@ -1370,36 +1374,63 @@ impl Store {
         self.db.read(|conn| recorded_trajectory(conn, id))
     }
 
-    /// Attempts that ended (an infrastructure failure ended them:
-    /// [`sync_rollouts_in`]) while the daemon's record of their commands was
-    /// still only rows: the record becomes the trajectory blob of each that
-    /// has none, and the rows go. The blob is written first, outside any
-    /// transaction. Returns how many attempts got their trajectory.
-    pub fn fold_rollout_execs(&self) -> Result<usize, StoreError> {
-        let ended: Vec<i64> = self.db.read(|conn| {
+    /// Attempts that ended while the daemon's record of their commands was
+    /// still only rows — ended without a trajectory from their harness, by
+    /// it or by an infrastructure failure ([`sync_rollouts_in`]) — get it as
+    /// their trajectory ([`Store::fold_rollout_execs_of`] each). Best
+    /// effort: an attempt that cannot be folded now (no space for its blob)
+    /// is logged and keeps its rows for the next fold. Returns how many got
+    /// their trajectory.
+    pub fn fold_rollout_execs(&self) -> usize {
+        let ended: Vec<i64> = match self.db.read(|conn| {
             let mut stmt = conn.prepare_cached(
                 "SELECT DISTINCT e.attempt_id FROM rollout_execs e JOIN rollout_attempts a ON a.id = e.attempt_id
                  WHERE a.status <> 'running' ORDER BY e.attempt_id",
             )?;
             let v = stmt.query_map([], |r| r.get(0))?.collect::<Result<Vec<i64>, _>>()?;
             Ok(v)
-        })?;
+        }) {
+            Ok(v) => v,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot list the rollout attempts whose commands to fold");
+                return 0;
+            }
+        };
         let mut n = 0;
         for id in ended {
-            let digest = match self.recorded_trajectory(id)? {
-                Some(bytes) => Some(self.put_blob(&bytes)?.0),
-                None => None,
-            };
-            n += self.db.write(|tx| {
-                let set = tx.exec(
-                    "UPDATE rollout_attempts SET trajectory = ?2 WHERE id = ?1 AND status <> 'running' AND trajectory IS NULL",
-                    params![id, digest],
-                )?;
-                tx.exec("DELETE FROM rollout_execs WHERE attempt_id = ?1", [id])?;
-                Ok(usize::from(set == 1 && digest.is_some()))
-            })?;
+            match self.fold_rollout_execs_of(id) {
+                Ok(folded) => n += usize::from(folded),
+                Err(e) => {
+                    tracing::warn!(rollout.attempt = id, error = %e, "cannot store an ended attempt's recorded commands as its trajectory; the next fold tries again");
+                }
+            }
         }
-        Ok(n)
+        n
+    }
+
+    /// Attempt `id`, once ended: the daemon's record of its commands
+    /// becomes its trajectory blob if it has none (the blob written first,
+    /// outside any transaction), and the rows go. Nothing while it runs.
+    /// Returns whether it got its trajectory so.
+    pub fn fold_rollout_execs_of(&self, id: i64) -> Result<bool, StoreError> {
+        let running = self
+            .db
+            .read(|conn| Ok(get_rollout(conn, id)?.status == RolloutStatus::Running))?;
+        if running {
+            return Ok(false);
+        }
+        let digest = match self.recorded_trajectory(id)? {
+            Some(bytes) => Some(self.put_blob(&bytes)?.0),
+            None => return Ok(false),
+        };
+        self.db.write(|tx| {
+            let set = tx.exec(
+                "UPDATE rollout_attempts SET trajectory = ?2 WHERE id = ?1 AND status <> 'running' AND trajectory IS NULL",
+                params![id, digest],
+            )?;
+            tx.exec("DELETE FROM rollout_execs WHERE attempt_id = ?1", [id])?;
+            Ok(set == 1)
+        })
     }
 
     /// Stores `bytes` as a content-addressed blob (`<root>/blobs/<hex>`,

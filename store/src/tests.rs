@@ -2616,7 +2616,7 @@ fn the_daemon_records_an_attempts_commands_and_an_infra_failure_keeps_them() {
         (true, Some("sandbox gone"))
     );
     // Running: nothing folds.
-    assert_eq!(s.fold_rollout_execs().unwrap(), 0);
+    assert_eq!(s.fold_rollout_execs(), 0);
     // Its sandbox lost: the attempt ends infra_failed, keeping the record.
     lose_sandbox(&s, sess.id, ga.id);
     assert_eq!(s.sync_rollouts(false).unwrap(), 1);
@@ -2626,14 +2626,14 @@ fn the_daemon_records_an_attempts_commands_and_an_infra_failure_keeps_them() {
         None,
         "an ended attempt records nothing more"
     );
-    assert_eq!(s.fold_rollout_execs().unwrap(), 1);
+    assert_eq!(s.fold_rollout_execs(), 1);
     let ended = s.rollout(a.id).unwrap();
     assert_eq!(ended.status, RolloutStatus::InfraFailed);
     let blob = s.blob(ended.trajectory.as_deref().unwrap()).unwrap();
     let kept: serde_json::Value = serde_json::from_slice(&blob).unwrap();
     assert_eq!(kept.as_array().unwrap(), t);
     assert_eq!(s.recorded_trajectory(a.id).unwrap(), None, "the rows went");
-    assert_eq!(s.fold_rollout_execs().unwrap(), 0);
+    assert_eq!(s.fold_rollout_execs(), 0);
     // Ended by its harness (with a trajectory of its own): the rows go in
     // the end's transaction, the harness's trajectory stays.
     let b = begun(begin(&s, 1, 1, &root.id));
@@ -2647,6 +2647,31 @@ fn the_daemon_records_an_attempts_commands_and_an_infra_failure_keeps_them() {
     let e = s.end_rollout(b.id, &mine, Disposition::Discard).unwrap();
     assert_eq!(e.trajectory, mine.trajectory);
     assert_eq!(s.recorded_trajectory(b.id).unwrap(), None);
+    // Ended by its harness without one: the rows stay through the end (a
+    // command that ended meanwhile is kept), then the fold stores them.
+    let c = begun(begin(&s, 2, 1, &root.id));
+    let (gc, sc, _, _) = s
+        .start_attempt(&root.id, &Owner::Sandbox { name: "d".into() }, None)
+        .unwrap();
+    s.attach_rollout_session(c.id, sc.id, Some(gc.id)).unwrap();
+    s.record_rollout_exec(sc.id, &first).unwrap().unwrap();
+    assert!(
+        !s.fold_rollout_execs_of(c.id).unwrap(),
+        "running: nothing folds"
+    );
+    let e = s
+        .end_rollout(c.id, &completed(0.5, false), Disposition::Discard)
+        .unwrap();
+    assert_eq!(e.trajectory, None);
+    assert_eq!(s.record_rollout_exec(sc.id, &second).unwrap(), None);
+    assert!(s.fold_rollout_execs_of(c.id).unwrap());
+    let kept: serde_json::Value = serde_json::from_slice(
+        &s.blob(s.rollout(c.id).unwrap().trajectory.as_deref().unwrap())
+            .unwrap(),
+    )
+    .unwrap();
+    assert_eq!(kept.as_array().unwrap().len(), 1);
+    assert!(!s.fold_rollout_execs_of(c.id).unwrap(), "once");
 }
 
 #[test]

@@ -405,7 +405,7 @@ struct Life {
     start_ms: f64,
     /// KiB: VmRSS at rest after start-up, after the workload, and VmHWM;
     /// of VmRSS, the anonymous part (heap, stacks) and the file-backed one
-    /// (the binary, SQLite's mapping of the database: page cache) at the
+    /// (the binary, the shared libraries; no connection maps the database) at the
     /// same moments.
     idle_kib: f64,
     after_kib: f64,

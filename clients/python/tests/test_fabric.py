@@ -174,9 +174,9 @@ asyncio.run(main())
 """
 
 
-def _init_of(probe: str) -> int:
-    """The host pid of the init of the sandbox whose root holds the file
-    ``probe`` (an absolute path): the topmost process that sees it."""
+def _seeing(probe: str) -> "dict[int, tuple[int, str]]":
+    """Host processes whose root holds the file ``probe`` (an absolute path):
+    pid → (parent pid, command name)."""
     seen = {}
     for p in Path("/proc").iterdir():
         if not p.name.isdigit():
@@ -185,10 +185,18 @@ def _init_of(probe: str) -> int:
             if not os.path.exists(f"{p}/root{probe}"):
                 continue
             ppid = [l for l in (p / "status").read_text().splitlines() if l.startswith("PPid:")]
+            comm = (p / "comm").read_text().strip()
         except OSError:
             continue
-        seen[int(p.name)] = int(ppid[0].split()[1])
-    tops = [pid for pid, parent in seen.items() if parent not in seen]
+        seen[int(p.name)] = (int(ppid[0].split()[1]), comm)
+    return seen
+
+
+def _init_of(probe: str) -> int:
+    """The host pid of the init of the sandbox whose root holds ``probe``:
+    the topmost process that sees it."""
+    seen = _seeing(probe)
+    tops = [pid for pid, (parent, _) in seen.items() if parent not in seen]
     assert len(tops) == 1, f"the processes that see {probe}: {seen}"
     return tops[0]
 
@@ -234,6 +242,21 @@ def test_a_crashed_harness_leaves_the_commands_it_ran_in_its_attempts_trajectory
             assert (await r.exec(["sh", "-c", "echo before"])).ok
             probe = f"/init-probe-{os.urandom(4).hex()}"
             await r.files.write(probe, b"")
+            # A caller that goes away mid-command: the command is killed at
+            # once (it writes nothing that would tell), and recorded so.
+            call = asyncio.ensure_future(r.exec(["sleep", "60"]))
+            for _ in range(100):
+                if any(comm == "sleep" for _, comm in _seeing(probe).values()):
+                    break
+                await asyncio.sleep(0.05)
+            call.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+            for _ in range(100):
+                if not any(comm == "sleep" for _, comm in _seeing(probe).values()):
+                    break
+                await asyncio.sleep(0.05)
+            assert not any(comm == "sleep" for _, comm in _seeing(probe).values()), _seeing(probe)
             os.kill(_init_of(probe), signal.SIGKILL)
             for _ in range(100):
                 await ls.audit_run(run)  # ends what infrastructure failures ended
@@ -243,7 +266,9 @@ def test_a_crashed_harness_leaves_the_commands_it_ran_in_its_attempts_trajectory
                 await asyncio.sleep(0.1)
             assert lost.status == "infra_failed", lost
             traj = json.loads(await ls.read_blob(lost.trajectory or ""))
-            assert [t["argv"] for t in traj] == [["sh", "-c", "echo before"]] and traj[0]["stdout"] == "before\n", traj
+            assert [t["argv"] for t in traj] == [["sh", "-c", "echo before"], ["sleep", "60"]], traj
+            assert traj[0]["stdout"] == "before\n" and traj[1]["exit_code"] is None, traj
+            assert "went away" in traj[1]["error"], traj
             # A harness that sends a trajectory of its own: its end keeps it.
             r2 = await ls.begin_rollout(SampleKey(run, 0, "p", 2), 1, g.root, policy="pi")
             assert (await r2.exec("true")).ok

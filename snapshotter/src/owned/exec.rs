@@ -79,18 +79,31 @@ pub(crate) async fn exec(
     let attempt = if id == 0 {
         None
     } else {
+        // A store that cannot answer does not stop the command: it runs
+        // unrecorded.
         admin
             .engine
             .running_rollout_of_session(id)
             .await
-            .map_err(crate::admin::engine_status)?
+            .unwrap_or_else(|e| {
+                warn!(session.id = id, error = %layerstack_engine::error_chain(&e), "cannot tell whether the session is a rollout attempt's: its command is not recorded");
+                None
+            })
     };
     let argv = attempt.map(|_| r.argv.clone());
-    let replies = run(admin, r).await?;
-    Ok(match argv {
-        Some(argv) => recorded(admin.engine.clone(), id, argv, replies),
-        None => replies,
-    })
+    match (run(admin, r).await, argv) {
+        (Ok(replies), Some(argv)) => Ok(recorded(admin.engine.clone(), id, argv, replies)),
+        (Ok(replies), None) => Ok(replies),
+        (Err(s), Some(argv)) => {
+            // It never started (or a WASI run failed as a whole): recorded
+            // with its error.
+            let mut rec = ExecRecord::new(argv);
+            rec.error = Some(s.message().to_string());
+            keep(&admin.engine, id, rec).await;
+            Err(s)
+        }
+        (Err(s), None) => Err(s),
+    }
 }
 
 /// `replies` of a command run in session `id`, the sandbox of a running
@@ -111,7 +124,22 @@ fn recorded(
     tokio::spawn(async move {
         let mut rec = ExecRecord::new(argv);
         let mut done = false;
-        while let Some(reply) = replies.next().await {
+        loop {
+            let reply = tokio::select! {
+                r = replies.next() => match r {
+                    Some(r) => r,
+                    None => break,
+                },
+                () = tx.closed() => {
+                    // The caller went away: dropping `replies` ends the
+                    // command (its producer kills it once its channel is
+                    // closed).
+                    rec.error = Some("the caller went away before the command ended: it was killed".into());
+                    keep(&engine, id, rec.clone()).await;
+                    done = true;
+                    break;
+                }
+            };
             match &reply {
                 Ok(api::ExecReply {
                     kind: Some(Kind::Stdout(b)),
@@ -256,6 +284,7 @@ async fn run(admin: &AdminService, r: api::ExecRequest) -> Result<Stream<api::Ex
             let mut killed_at: Option<tokio::time::Instant> = None;
             let mut waiter_exit: Option<io::Result<Exit>> = None;
             let mut drain_until: Option<tokio::time::Instant> = None;
+            let mut caller_gone = false;
             loop {
                 if waiter_exit.is_some() && !out_open && !err_open {
                     break;
@@ -267,6 +296,12 @@ async fn run(admin: &AdminService, r: api::ExecRequest) -> Result<Stream<api::Ex
                     }
                 };
                 tokio::select! {
+                    // The caller went away (its stream dropped): the command
+                    // ends now, not at its next output.
+                    () = tx.closed(), if !caller_gone && waiter_exit.is_none() => {
+                        caller_gone = true;
+                        kill_group(&waiter);
+                    },
                     n = out.read(&mut bo), if out_open => match n {
                         Ok(0) | Err(_) => out_open = false,
                         Ok(n) => {
