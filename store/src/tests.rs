@@ -2548,6 +2548,23 @@ fn attempts_are_checked_against_their_sample_and_an_infra_failure_has_no_value()
     );
 }
 
+/// Attempt 1 of sample `sample` running in sandbox `name` on `node`: the
+/// attempt, its graph attempt's id and its session.
+fn running_attempt(
+    s: &Store,
+    sample: i64,
+    node: &str,
+    name: &str,
+) -> (RolloutAttempt, i64, SessionInfo) {
+    let a = begun(begin(s, sample, 1, node));
+    let (ga, sess, _, _) = s
+        .start_attempt(node, &Owner::Sandbox { name: name.into() }, None)
+        .unwrap();
+    s.attach_rollout_session(a.id, sess.id, Some(ga.id))
+        .unwrap();
+    (a, ga.id, sess)
+}
+
 /// What a daemon restart leaves of sandbox session `sid` (graph attempt
 /// `ga`): its outcome `interrupted`, its attempt ended so.
 fn lose_sandbox(s: &Store, sid: SessionId, ga: i64) {
@@ -2579,12 +2596,7 @@ fn the_daemon_records_an_attempts_commands_and_an_infra_failure_keeps_them() {
             .unwrap(),
         None
     );
-    let a = begun(begin(&s, 0, 1, &root.id));
-    let (ga, sess, _, _) = s
-        .start_attempt(&root.id, &Owner::Sandbox { name: "b".into() }, None)
-        .unwrap();
-    s.attach_rollout_session(a.id, sess.id, Some(ga.id))
-        .unwrap();
+    let (a, ga, sess) = running_attempt(&s, 0, &root.id, "b");
     assert_eq!(s.running_rollout_of_session(sess.id).unwrap(), Some(a.id));
     let mut first = ExecRecord::new(vec!["sh".into(), "-c".into(), "make".into()]);
     first.output(false, &[b'x'; 3000]);
@@ -2618,7 +2630,7 @@ fn the_daemon_records_an_attempts_commands_and_an_infra_failure_keeps_them() {
     // Running: nothing folds.
     assert_eq!(s.fold_rollout_execs(), 0);
     // Its sandbox lost: the attempt ends infra_failed, keeping the record.
-    lose_sandbox(&s, sess.id, ga.id);
+    lose_sandbox(&s, sess.id, ga);
     assert_eq!(s.sync_rollouts(false).unwrap(), 1);
     assert_eq!(s.rollout(a.id).unwrap().trajectory, None, "not folded yet");
     assert_eq!(
@@ -2636,11 +2648,7 @@ fn the_daemon_records_an_attempts_commands_and_an_infra_failure_keeps_them() {
     assert_eq!(s.fold_rollout_execs(), 0);
     // Ended by its harness (with a trajectory of its own): the rows go in
     // the end's transaction, the harness's trajectory stays.
-    let b = begun(begin(&s, 1, 1, &root.id));
-    let (gb, sb, _, _) = s
-        .start_attempt(&root.id, &Owner::Sandbox { name: "c".into() }, None)
-        .unwrap();
-    s.attach_rollout_session(b.id, sb.id, Some(gb.id)).unwrap();
+    let (b, _, sb) = running_attempt(&s, 1, &root.id, "c");
     s.record_rollout_exec(sb.id, &second).unwrap().unwrap();
     let mut mine = completed(1.0, false);
     mine.trajectory = Some(s.put_blob(b"[]").unwrap().0);
@@ -2649,11 +2657,7 @@ fn the_daemon_records_an_attempts_commands_and_an_infra_failure_keeps_them() {
     assert_eq!(s.recorded_trajectory(b.id).unwrap(), None);
     // Ended by its harness without one: the rows stay through the end (a
     // command that ended meanwhile is kept), then the fold stores them.
-    let c = begun(begin(&s, 2, 1, &root.id));
-    let (gc, sc, _, _) = s
-        .start_attempt(&root.id, &Owner::Sandbox { name: "d".into() }, None)
-        .unwrap();
-    s.attach_rollout_session(c.id, sc.id, Some(gc.id)).unwrap();
+    let (c, _, sc) = running_attempt(&s, 2, &root.id, "d");
     s.record_rollout_exec(sc.id, &first).unwrap().unwrap();
     assert!(
         !s.fold_rollout_execs_of(c.id).unwrap(),
@@ -4036,12 +4040,7 @@ fn a_format_14_store_is_migrated_and_records_declared_parents_from_then_on() {
 fn a_format_15_store_is_migrated_and_records_rollout_commands() {
     let d = tmp();
     let (s, _run, root) = rollout_store(d.path());
-    let a = begun(begin(&s, 0, 1, &root.id));
-    let (ga, sess, _, _) = s
-        .start_attempt(&root.id, &Owner::Sandbox { name: "a".into() }, None)
-        .unwrap();
-    s.attach_rollout_session(a.id, sess.id, Some(ga.id))
-        .unwrap();
+    let (a, _, sess) = running_attempt(&s, 0, &root.id, "a");
     drop(s);
     let conn = rusqlite::Connection::open(d.path().join("root/store.db")).unwrap();
     conn.execute_batch(
