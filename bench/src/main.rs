@@ -73,10 +73,14 @@ fn set_environment() -> Result<String> {
         std::env::set_var("LAYERSTACK_BIN_DIR", &dir);
     }
     // Production-like logging: the harness defaults to debug for the tests.
-    // The WASI module's debug line (one per run: its wall time) feeds P11's
+    // The WASI module's debug line (one per run: its wall time) and
+    // RunSession's (one per call: the daemon's share by phase) feed P11's
     // phases table.
     if std::env::var_os("RUST_LOG").is_none() {
-        std::env::set_var("RUST_LOG", "info,containerd_layerstack_grpc::wasi=debug");
+        std::env::set_var(
+            "RUST_LOG",
+            "info,containerd_layerstack_grpc::wasi=debug,containerd_layerstack_grpc::run=debug",
+        );
     }
     if std::env::var_os("LAYERSTACK_TEST_CONTAINERD_LOG_LEVEL").is_none() {
         std::env::set_var("LAYERSTACK_TEST_CONTAINERD_LOG_LEVEL", "info");

@@ -60,6 +60,11 @@ pub(crate) async fn run_session(
         )));
     }
     let key = create.idempotency_key.clone();
+    let executor = if create.wasi.is_some() {
+        "wasi"
+    } else {
+        "sandbox"
+    };
     let started = std::time::Instant::now();
     let made = admin.sandbox_create(create).await?;
     let created_us = started.elapsed().as_micros() as u64;
@@ -149,6 +154,7 @@ pub(crate) async fn run_session(
         debug!(
             session.id = id,
             ok = end.is_ok(),
+            executor,
             created_us,
             ran_us,
             closed_us = started.elapsed().as_micros() as u64,

@@ -10,6 +10,11 @@
 //!   ms, median/p90/p99, ratio WASI / Mode B per pair. Each executor also
 //!   in one round trip: `RunSession` (create + exec + DISCARD in the
 //!   daemon), the target's figure.
+//! * Where the time goes: each phase of the three calls from the client;
+//!   the one call's phases inside the daemon (its "RunSession closed" debug
+//!   line); and the floor — a `Status` call, which does no work, from the
+//!   same client after the same pause and back to back: what the transport
+//!   and the two processes' wake-ups cost before the daemon does anything.
 //! * Fan-out: N sessions on one branch head created at once, each writing one
 //!   distinct file (WASI: `integration/wasm/fsops.c` built with clang,
 //!   `write /srv/w-I I`; Mode B: `sh -c 'echo I > /srv/m-I'`), then all closed
@@ -439,27 +444,62 @@ fn fan_out(b: &Bench, head: &str, kind: Kind, n: usize, fsops_digest: &str) -> R
     Ok(fan)
 }
 
-/// The numbers `FIELD=N` of the daemon's log lines holding `marker` logged
-/// after byte `from` of its log: "WASI session started" `mount_us` (info: the
-/// overlay's fsopen … fsmount, µs), "WASI run ended" `wall_ms` (debug: the
-/// module's instantiation and run, ms).
-fn log_field_since(log: &Path, from: u64, marker: &str, field: &str) -> Vec<f64> {
+/// The daemon's log lines written between bytes `from` and `to` of its log
+/// that hold every one of `markers`.
+fn log_lines_between(log: &Path, (from, to): (u64, u64), markers: &[&str]) -> Vec<String> {
     let Ok(s) = std::fs::read(log) else {
         return Vec::new();
     };
-    let s = String::from_utf8_lossy(s.get(from as usize..).unwrap_or_default());
-    let key = format!("{field}=");
+    let end = (to as usize).min(s.len());
+    let s = String::from_utf8_lossy(s.get(from as usize..end).unwrap_or_default());
     s.lines()
-        .filter(|l| l.contains(marker))
-        .filter_map(|l| {
-            let v = l.split(key.as_str()).nth(1)?;
-            let num: String = v
-                .chars()
-                .take_while(|c| c.is_ascii_digit() || *c == '.')
-                .collect();
-            num.parse::<f64>().ok()
-        })
+        .filter(|l| markers.iter().all(|m| l.contains(m)))
+        .map(str::to_string)
         .collect()
+}
+
+/// The number `FIELD=N` of one log line.
+fn log_field(line: &str, field: &str) -> Option<f64> {
+    let v = line.split(format!(" {field}=").as_str()).nth(1)?;
+    let num: String = v
+        .chars()
+        .take_while(|c| c.is_ascii_digit() || *c == '.')
+        .collect();
+    num.parse::<f64>().ok()
+}
+
+/// The numbers `FIELD=N` of the daemon's log lines holding `marker` logged
+/// between bytes `from` and `to` of its log: "WASI session started"
+/// `mount_us` (info: the overlay's fsopen … fsmount, µs), "WASI run ended"
+/// `wall_ms` (debug: the module's instantiation and run, ms).
+fn log_field_between(log: &Path, span: (u64, u64), marker: &str, field: &str) -> Vec<f64> {
+    log_lines_between(log, span, &[marker])
+        .iter()
+        .filter_map(|l| log_field(l, field))
+        .collect()
+}
+
+/// The daemon's own share of the `RunSession` calls of `executor` ("wasi",
+/// "sandbox") between bytes `span` of its log, from its debug line
+/// "RunSession closed" (µs since the call arrived: `created_us` when the
+/// session was made, `ran_us` when the command's exit was read, `closed_us`
+/// when its close returned): ms per phase — create, exec, close, whole.
+fn run_session_share(log: &Path, span: (u64, u64), executor: &str) -> [Vec<f64>; 4] {
+    let mut out: [Vec<f64>; 4] = Default::default();
+    let marker = format!("executor=\"{executor}\"");
+    for l in log_lines_between(log, span, &["RunSession closed", &marker]) {
+        let (Some(c), Some(r), Some(x)) = (
+            log_field(&l, "created_us"),
+            log_field(&l, "ran_us"),
+            log_field(&l, "closed_us"),
+        ) else {
+            continue;
+        };
+        for (i, v) in [c, r - c, x - r, x].into_iter().enumerate() {
+            out[i].push(v / 1000.0);
+        }
+    }
+    out
 }
 
 fn file_len(p: &Path) -> u64 {
@@ -527,8 +567,13 @@ pub fn run(b: &Bench, r: &mut ScenarioReport) -> Result<()> {
         phases[v].push(p);
         Ok(total)
     })?;
-    let mount_us = log_field_since(&log, log_from, "WASI session started", "mount_us");
-    let run_ms = log_field_since(&log, log_from, "WASI run ended", "wall_ms");
+    let paused_span = (log_from, file_len(&log));
+    let mount_us = log_field_between(&log, paused_span, "WASI session started", "mount_us");
+    let run_ms = log_field_between(&log, paused_span, "WASI run ended", "wall_ms");
+    let share = [
+        run_session_share(&log, paused_span, "sandbox"),
+        run_session_share(&log, paused_span, "wasi"),
+    ];
 
     // -- one session, back to back, blocks rotating.
     let mut b2b: Vec<Vec<f64>> = vec![Vec::new(); VARIANTS.len()];
@@ -546,6 +591,24 @@ pub fn run(b: &Bench, r: &mut ScenarioReport) -> Result<()> {
         b2b[v].extend(s);
         Ok(m)
     })?;
+
+    // -- the floor: a call that does no work (`Status` answers from memory),
+    // from the same client, after the same pause and back to back.
+    let mut c = b.admin();
+    let mut status = || -> Result<f64> {
+        let t = Instant::now();
+        b.rt.block_on(c.status(api::StatusRequest {}))
+            .context("Status")?;
+        Ok(ms_since(t))
+    };
+    let mut floor_paused = Vec::with_capacity(rounds);
+    for _ in 0..rounds {
+        std::thread::sleep(SETTLE);
+        floor_paused.push(status()?);
+    }
+    let floor_b2b = (0..per_block)
+        .map(|_| status())
+        .collect::<Result<Vec<f64>>>()?;
 
     let names = [
         "Mode B sandbox: `CreateSession{sandbox}` + exec `true` + discard",
@@ -610,6 +673,26 @@ pub fn run(b: &Bench, r: &mut ScenarioReport) -> Result<()> {
         "discard (`CloseSession`)".into(),
         pcts(&col(0, |p| p.close_ms)),
         pcts(&col(1, |p| p.close_ms)),
+    ]);
+    for (i, what) in [
+        "create",
+        "exec",
+        "close",
+        "whole call, from its arrival to its close's end",
+    ]
+    .iter()
+    .enumerate()
+    {
+        t.row(vec![
+            format!("one call (`RunSession`), in the daemon: {what} (daemon log \"RunSession closed\", debug)"),
+            pcts(&share[0][i]),
+            pcts(&share[1][i]),
+        ]);
+    }
+    t.row(vec![
+        "the floor: a call that does no work (`Status`, answered from memory) from the same client, after the same pause / back to back".into(),
+        format!("{} / {}", pcts(&floor_paused), pcts(&floor_b2b)),
+        "(the same)".into(),
     ]);
     t.row(vec![
         "WASI overlays built meanwhile, ready sessions' included (daemon log `mount_us`, info)"
