@@ -2193,6 +2193,41 @@ fn gc_keeps_the_members_of_nested_squashes() {
     );
 }
 
+/// GC keeps a manifest an operation in flight pins (its observed head), with
+/// its ancestors and so their layers, and collects them once the pin is gone.
+#[test]
+fn gc_keeps_a_pinned_manifest_and_its_ancestors_until_unpinned() {
+    let d = tmp();
+    let mut h = Hist::new(d.path());
+    let a = h.publish("main", &[write_entry(b"x", 1)]);
+    let b = h.publish("main", &[write_entry(b"y", 1)]);
+    let observed = h.s.branch_head(&h.stack, "main").unwrap();
+    let s = h.squash("main", &[b, a]);
+    assert_eq!(h.layers("main"), vec![s]);
+
+    let pinned = h.s.gc(&[observed]).unwrap();
+    assert!(
+        !pinned.layers.contains(&a) && !pinned.layers.contains(&b),
+        "the pinned head's layers were collected: {pinned:?}"
+    );
+    assert!(
+        h.s.layer_path(a).exists() && h.s.layer_path(b).exists(),
+        "the pinned head's layers are gone from disk"
+    );
+
+    let unpinned = h.s.gc(&[]).unwrap();
+    assert!(
+        unpinned.layers.contains(&a) && unpinned.layers.contains(&b),
+        "{unpinned:?}"
+    );
+    assert!(
+        unpinned.manifests >= 2,
+        "the pinned head and its parent: {unpinned:?}"
+    );
+    assert!(!h.s.layer_path(a).exists() && !h.s.layer_path(b).exists());
+    assert_eq!(h.s.fsck(false).unwrap().problems, Vec::new());
+}
+
 /// The gate's two store calls: [`Store::recheck_head`] reads the head and what
 /// it added at the plan's paths since the plan (nothing written); the commit
 /// that follows is a compare-and-swap from the head the re-check read — it
