@@ -827,12 +827,14 @@ impl Store {
         // It reads every manifest of the store: through a small page cache.
         let (layers, manifests) = self.db.write_lean(|tx| {
             // Live manifests and their ancestors (kept) and the others (dead)
-            // in temporary tables, dropped with this transaction's end: their
-            // pages go through the temporary database's bounded page cache
-            // (spilled to a temporary file beyond it), not through sets in the
-            // daemon's heap that grow with the graph (P12: ~4 MiB at
-            // 1,000,000 nodes, the daemon's peak). Not cached statements: the
-            // tables do not outlive the transaction.
+            // in temporary tables of the writer's connection, emptied before
+            // and after: their pages go through the temporary database's
+            // bounded page cache (spilled to a temporary file beyond it), not
+            // through sets in the daemon's heap that grow with the graph (P12:
+            // ~4 MiB at 1,000,000 nodes, the daemon's peak). Made once per
+            // connection and never dropped: a change of the temporary schema
+            // expires every statement the writer has prepared (the gate's
+            // commits would parse theirs again). Not cached statements here.
             tx.execute_batch(
                 "CREATE TEMP TABLE IF NOT EXISTS gc_pinned(id INTEGER PRIMARY KEY);
                  CREATE TEMP TABLE IF NOT EXISTS gc_keep(id INTEGER PRIMARY KEY);
@@ -896,7 +898,7 @@ impl Store {
                 }
             }
             tx.execute_batch(
-                "DROP TABLE temp.gc_pinned; DROP TABLE temp.gc_keep; DROP TABLE temp.gc_dead;",
+                "DELETE FROM temp.gc_pinned; DELETE FROM temp.gc_keep; DELETE FROM temp.gc_dead;",
             )?;
             // Rows kept for their path index: members of reachable squashes, at
             // any depth — a squash nested in one keeps its members' rows too (its
