@@ -312,6 +312,19 @@ pub struct SandboxConfig {
     /// of one), are made again when their branch moves, and are not listed by
     /// `layerstack session ls`. 0 = none. Default 2.
     pub wasi_ready: u32,
+    /// The uid/gid mapping of a daemon-owned session that gives none
+    /// (`SandboxOptions.id_map`), `HOST_UID:HOST_GID:SIZE`
+    /// ([`layerstack_types::IdMap`]); `None` (the default): none, the
+    /// session's root is the host's root.
+    pub id_map: Option<String>,
+}
+
+impl SandboxConfig {
+    /// [`SandboxConfig::id_map`] parsed (checked at load: never an error
+    /// after [`Config::from_toml`] or [`Config::load`]).
+    pub fn id_map(&self) -> Option<layerstack_types::IdMap> {
+        self.id_map.as_deref().and_then(|m| m.parse().ok())
+    }
 }
 
 impl Default for SandboxConfig {
@@ -328,6 +341,7 @@ impl Default for SandboxConfig {
             memory_budget_bytes: 0,
             holder_grace_s: 60,
             wasi_ready: 2,
+            id_map: None,
         }
     }
 }
@@ -509,6 +523,10 @@ impl Config {
         if s.memory_budget_bytes > 0 && s.default_memory_bytes == 0 {
             return Err("[sandbox] memory_budget_bytes needs default_memory_bytes > 0: a sandbox created without a memory limit would not count against the budget".into());
         }
+        if let Some(m) = &s.id_map {
+            m.parse::<layerstack_types::IdMap>()
+                .map_err(|e| format!("[sandbox] id_map: {e}"))?;
+        }
         self.registry.check()
     }
 
@@ -596,6 +614,22 @@ mod tests {
         ] {
             assert!(Config::from_toml(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn an_id_map_is_parsed_and_checked_at_load() {
+        assert_eq!(Config::default().sandbox.id_map(), None);
+        let c = Config::from_toml("[sandbox]\nid_map = \"100000:200000:65536\"\n").unwrap();
+        assert_eq!(
+            c.sandbox.id_map(),
+            Some(layerstack_types::IdMap {
+                host_uid: 100000,
+                host_gid: 200000,
+                size: 65536
+            })
+        );
+        let e = Config::from_toml("[sandbox]\nid_map = \"0:0:65536\"\n").unwrap_err();
+        assert!(e.to_string().contains("id_map.host_uid 0"), "{e}");
     }
 
     #[test]

@@ -225,6 +225,22 @@ pub struct SandboxDefaults {
     /// none [default: the daemon's `[sandbox] default_pids`].
     #[arg(long, value_name = "N", requires = "sandbox")]
     pub pids: Option<u64>,
+    /// Run the sandbox's processes in a user namespace whose ids 0..SIZE are
+    /// the host's HOST_UID.. and HOST_GID.. (its root is not the host's
+    /// root); HOST_UID and HOST_GID must be SIZE or more [default: the
+    /// daemon's `[sandbox] id_map`, none unless configured].
+    #[arg(long, value_name = "HOST_UID:HOST_GID:SIZE", value_parser = parse_id_map, requires = "sandbox")]
+    pub id_map: Option<api::IdMap>,
+}
+
+/// `HOST_UID:HOST_GID:SIZE`, checked as the daemon checks it.
+fn parse_id_map(v: &str) -> std::result::Result<api::IdMap, String> {
+    let m: api::types::IdMap = v.parse().map_err(|e| format!("{e}"))?;
+    Ok(api::IdMap {
+        host_uid: m.host_uid,
+        host_gid: m.host_gid,
+        size: m.size,
+    })
 }
 
 /// `N`, `NK`, `NM` or `NG` (powers of 1024) as bytes.
@@ -425,6 +441,7 @@ fn command(
         ids,
         workdir: std::ffi::CString::new(workdir.into_os_string().into_vec())
             .context("--workdir contains a NUL byte")?,
+        userns: false,
     })
 }
 
@@ -720,6 +737,8 @@ fn hold(
         // admin API's CreateSession.sandbox).
         cgroup_procs: Vec::new(),
         hide: Vec::new(),
+        // Id maps too: a holder's session runs as the host's root.
+        id_map: None,
     };
     let init = holder::start(&setup, cmd.as_ref()).context("starting the session's init")?;
     // Only init keeps the overlay: a descriptor of it here would keep the mount
@@ -1055,6 +1074,7 @@ async fn create_sandbox(cli: &Cli, a: CreateArgs) -> Result<ExitCode> {
                 cpu_millis: d.cpu_millis,
                 memory_bytes: d.memory_bytes,
                 pids: d.pids,
+                id_map: d.id_map.clone(),
             }),
             ..daemon_session_request(cli, s)
         })

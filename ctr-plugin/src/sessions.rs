@@ -61,6 +61,11 @@ pub(crate) fn session_json(
             "pids": l.pids,
             "network": l.network,
         })),
+        "id_map": s.id_map.as_ref().map(|m| json!({
+            "host_uid": m.host_uid,
+            "host_gid": m.host_gid,
+            "size": m.size,
+        })),
     });
     if let Some(paths) = paths {
         v["paths"] = paths.iter().map(verdict_json).collect();

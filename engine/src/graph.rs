@@ -79,6 +79,7 @@ impl Engine {
             exit_policy: exit_policy.map(|p| p.as_str().to_string()),
             ignore_mtime: false,
             daemon_owned: false,
+            id_map: None,
         };
         self.attempt_start_with(node, owner, key, opts).await
     }

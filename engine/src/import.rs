@@ -292,6 +292,7 @@ mod tests {
                 daemon_owned: false,
                 wasi: false,
                 reserve: Default::default(),
+                id_map: None,
             })
             .await
             .unwrap();

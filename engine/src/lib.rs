@@ -63,7 +63,7 @@ use layerstack_store::{
     LeaseTarget, MountSpec, OutcomeKind, Owner, SessionId, SessionInfo, Store, StoreError,
 };
 use tokio::sync::{broadcast, watch};
-use tracing::{info, warn};
+use tracing::{debug, info, warn};
 
 pub use census::scan_upperdirs;
 pub use error::{error_chain, EngineError, RunError};
@@ -71,13 +71,14 @@ pub use export::{write_layer_blob, Compression, Export, LayerBlob};
 pub use graph::NodeMerged;
 pub use history::{Collected, HistoryRuns, HistorySettings, Promoted};
 pub use import::{tree_digest, BaseImported, ImportRequest};
+pub use layerstack_types::IdMap;
 pub use rollout::{rollout_session_key, RolloutKeep};
 /// The publisher's types the engine's settings and answers use (not the
 /// crate: front ends call the engine, never capture, plan or apply themselves).
 pub mod publisher {
     pub use layerstack_publisher::{
-        extract_tar_into, DiffAlgorithm, ExclusionRules, FileKind, ImportError, ImportKind,
-        ImportReport, MergeOptions,
+        extract_tar_into, extract_tar_into_shifted, DiffAlgorithm, ExclusionRules, FileKind,
+        ImportError, ImportKind, ImportReport, MergeOptions,
     };
 }
 /// The store's types the engine's verbs take and answer, and what a daemon
@@ -148,6 +149,7 @@ impl EngineSettings {
             userxattr: self.userxattr,
             exclude: self.exclude.clone(),
             ignore_mtime: session.ignore_mtime,
+            id_map: session.id_map,
             max_paths: self.max_capture_paths,
             max_bytes: self.max_capture_bytes,
             ..Default::default()
@@ -339,11 +341,50 @@ impl Engine {
         !matches!(s.owner, Owner::Wasi { .. })
     }
 
+    /// Errors unless `s`'s upper is unmounted everywhere
+    /// ([`EngineError::Mounted`]); then, for a session with a uid/gid
+    /// mapping, shifts its upper's ids back to the session's
+    /// ([`sandbox::shift_back_ids`]) — what every capture of an upper
+    /// (publish, checkpoint, rebase, dry run) passes through first.
     pub(crate) async fn ensure_quiescent(&self, s: &SessionInfo) -> Result<(), EngineError> {
+        self.ensure_unmounted(s).await?;
+        self.shift_back(s).await
+    }
+
+    /// [`EngineError::Mounted`] unless `s`'s upper is unmounted everywhere
+    /// (what a discard needs: it reads nothing of the upper).
+    pub(crate) async fn ensure_unmounted(&self, s: &SessionInfo) -> Result<(), EngineError> {
         if Self::census_applies(s) && self.upper_mounted(&s.upper).await? {
             return Err(EngineError::Mounted(s.id, s.upper.clone()));
         }
         Ok(())
+    }
+
+    /// [`sandbox::shift_back_ids`] of `s`'s upper when `s` has a mapping.
+    async fn shift_back(&self, s: &SessionInfo) -> Result<(), EngineError> {
+        let Some(map) = s.id_map else {
+            return Ok(());
+        };
+        let (id, upper) = (s.id, s.upper.clone());
+        tokio::task::spawn_blocking(move || match sandbox::shift_back_ids(&upper, &map) {
+            Ok(n) => {
+                if n > 0 {
+                    debug!(session.id = id, entries = n, id_map = %map, "upper's ids shifted back to the session's");
+                }
+                Ok(())
+            }
+            // No upper (discarded before): nothing to shift.
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(EngineError::Read(
+                format!(
+                    "session {id}'s upper {} (shifting its ids back from the host's, mapping {map})",
+                    upper.display()
+                ),
+                e,
+            )),
+        })
+        .await
+        .map_err(|e| EngineError::Join(e.to_string()))?
     }
 
     /// Waits up to `within` for `s`'s upper to be unmounted in every mount
@@ -365,7 +406,7 @@ impl Engine {
         let mut attempt = 0u32;
         loop {
             if !Self::census_applies(s) || !self.upper_mounted(&s.upper).await? {
-                return Ok(());
+                return self.shift_back(s).await;
             }
             if tokio::time::Instant::now() >= deadline {
                 return Err(EngineError::Mounted(s.id, s.upper.clone()));

@@ -531,7 +531,7 @@ impl Engine {
             if current.run_finished() || current.lease_manifest.is_none() {
                 return Ok(current);
             }
-            self.ensure_quiescent(&current).await?;
+            self.ensure_unmounted(&current).await?;
         }
         let started = Instant::now();
         let why_owned = why.to_string();

@@ -280,6 +280,48 @@ pub(crate) fn drop_root_mountpoints(
     Ok(dropped)
 }
 
+/// Shifts the ids of session writes in `upper` back from the host's to the
+/// session's (`map`): a session with a uid/gid mapping runs as the host's
+/// `host_uid + u`, and overlay writes its upper with those ids (only the
+/// lowers are idmapped: `layerstack_sandbox::sys::overlay_fd_mapped`). Every
+/// entry whose uid or gid lies in the host range gets `u`/`g` back (`lchown`,
+/// never following a symlink); an id outside it is left as is — overlay's
+/// own whiteouts, made with the daemon's credentials (0). A set-user-ID or
+/// set-group-ID bit that the chown cleared is set again. Host ids lie above
+/// the session's (`IdMap::validate`), so a second pass after a crash changes
+/// nothing twice. The caller proved the upper unmounted. Returns how many
+/// entries changed.
+///
+/// File capabilities (`security.capability`) do not survive a chown; a
+/// session's `setcap` is not carried into its layer.
+pub(crate) fn shift_back_ids(
+    upper: &std::path::Path,
+    map: &layerstack_types::IdMap,
+) -> std::io::Result<u64> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let mut changed = 0u64;
+    let mut todo = vec![upper.to_path_buf()];
+    while let Some(p) = todo.pop() {
+        let md = std::fs::symlink_metadata(&p)?;
+        let uid = map.uid_from_host(md.uid());
+        let gid = map.gid_from_host(md.gid());
+        if uid.is_some() || gid.is_some() {
+            std::os::unix::fs::lchown(&p, uid, gid)?;
+            let special = md.mode() & (libc::S_ISUID | libc::S_ISGID);
+            if special != 0 && !md.file_type().is_symlink() {
+                std::fs::set_permissions(&p, std::fs::Permissions::from_mode(md.mode() & 0o7777))?;
+            }
+            changed += 1;
+        }
+        if md.is_dir() {
+            for e in std::fs::read_dir(&p)? {
+                todo.push(e?.path());
+            }
+        }
+    }
+    Ok(changed)
+}
+
 /// The owner of a sandbox request's session: `wasi:<name>` or `sandbox:<name>`.
 fn owner_of(wasi: bool, name: String) -> Owner {
     if wasi {
@@ -319,6 +361,9 @@ pub struct SandboxRequest {
     pub wasi: bool,
     /// What it counts against the pool's CPU and memory budgets while it lives.
     pub reserve: Reservation,
+    /// The session's uid/gid mapping
+    /// ([`layerstack_store::SessionOptions::id_map`]; a daemon-owned sandbox's).
+    pub id_map: Option<layerstack_types::IdMap>,
 }
 
 /// How [`Engine::close_sandbox_session`] ends the run.
@@ -489,6 +534,7 @@ impl Engine {
                     exit_policy: req.policy.map(|p| p.as_str().to_string()),
                     ignore_mtime: req.ignore_mtime,
                     daemon_owned: req.daemon_owned,
+                    id_map: req.id_map,
                 };
                 let (_, s, spec, created) = self
                     .attempt_start_with(
@@ -507,6 +553,7 @@ impl Engine {
                     exit_policy: req.policy.map(|p| p.as_str().to_string()),
                     ignore_mtime: req.ignore_mtime,
                     daemon_owned: req.daemon_owned,
+                    id_map: req.id_map,
                 };
                 let owner = owner_of(req.wasi, req.name);
                 self.blocking(move |st| {
@@ -553,6 +600,7 @@ impl Engine {
             exit_policy: req.policy.map(|p| p.as_str().to_string()),
             ignore_mtime: req.ignore_mtime,
             daemon_owned: req.daemon_owned,
+            id_map: req.id_map,
         };
         let owner = owner_of(true, req.name);
         let key = req.idempotency_key;
@@ -934,6 +982,50 @@ mod tests {
     use crate::test_support::have_root;
 
     #[test]
+    fn a_mapped_upper_gets_the_sessions_ids_back_once() {
+        use std::os::unix::fs::{lchown, MetadataExt};
+        if !have_root("a_mapped_upper_gets_the_sessions_ids_back_once") {
+            return;
+        }
+        let t = tempfile::tempdir().unwrap();
+        let up = t.path().join("upper");
+        std::fs::create_dir_all(up.join("d")).unwrap();
+        std::fs::write(up.join("d/suid"), "x").unwrap();
+        std::fs::write(up.join("host-root"), "x").unwrap();
+        std::os::unix::fs::symlink("d/suid", up.join("link")).unwrap();
+        let m: layerstack_types::IdMap = "100000:200000:65536".parse().unwrap();
+        for (p, u, g) in [
+            ("", 100000, 200000),
+            ("d", 101000, 201000),
+            ("d/suid", 101000, 200005),
+            ("link", 100007, 200007),
+            // Overlay's own (a whiteout, made with the daemon's ids): kept.
+            ("host-root", 0, 0),
+        ] {
+            lchown(up.join(p), Some(u), Some(g)).unwrap();
+        }
+        std::fs::set_permissions(up.join("d/suid"), std::fs::Permissions::from_mode(0o6755))
+            .unwrap();
+        assert_eq!(shift_back_ids(&up, &m).unwrap(), 4);
+        let ids = |p: &str| {
+            let md = std::fs::symlink_metadata(up.join(p)).unwrap();
+            (md.uid(), md.gid(), md.mode() & 0o7777)
+        };
+        assert_eq!(ids("").0, 0);
+        assert_eq!(ids("d"), (1000, 1000, 0o755));
+        assert_eq!(
+            ids("d/suid"),
+            (1000, 5, 0o6755),
+            "the chown's cleared bits come back"
+        );
+        assert_eq!((ids("link").0, ids("link").1), (7, 7));
+        assert_eq!((ids("host-root").0, ids("host-root").1), (0, 0));
+        // Again (a crash after the first pass): nothing lies in the host range.
+        assert_eq!(shift_back_ids(&up, &m).unwrap(), 0);
+        assert_eq!(ids("d/suid"), (1000, 5, 0o6755));
+    }
+
+    #[test]
     fn only_the_mountpoints_the_sandbox_made_are_dropped() {
         let t = tempfile::tempdir().unwrap();
         let (upper, lower) = (t.path().join("upper"), t.path().join("lower"));
@@ -1139,6 +1231,7 @@ mod tests {
             daemon_owned: false,
             wasi: false,
             reserve: Reservation::default(),
+            id_map: None,
         }
     }
 
@@ -1219,6 +1312,7 @@ mod tests {
             daemon_owned: true,
             wasi: false,
             reserve: Default::default(),
+            id_map: None,
             node,
             ..req(name, Some(ExitPolicy::OnExit), None)
         };

@@ -825,6 +825,7 @@ async fn a_session_that_ignores_mtimes_publishes_content_changes_only() {
         daemon_owned: false,
         wasi: false,
         reserve: Default::default(),
+        id_map: None,
     };
     let (quiet, _, _) = p.create_sandbox_session(make("quiet", true)).await.unwrap();
     let (loud, _, _) = p.create_sandbox_session(make("loud", false)).await.unwrap();
@@ -916,6 +917,7 @@ fn exit_decisions_follow_recorded_policy_then_label() {
         created_ns: 0,
         ignore_mtime: false,
         daemon_owned: false,
+        id_map: None,
         branch_created: false,
     };
     use crate::policy::{Decision, ExitPolicy};
@@ -1924,6 +1926,7 @@ async fn sandbox_sessions_on_nodes_checkpoint_when_closed() {
         daemon_owned: false,
         wasi: false,
         reserve: Default::default(),
+        id_map: None,
     };
     let (s, _, created) = p
         .create_sandbox_session(req(

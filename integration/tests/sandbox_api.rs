@@ -1101,34 +1101,17 @@ fn session_limits_and_hidden_sockets() -> Result<()> {
     if !require_root() {
         return Ok(());
     }
-    let dir = make_temp_dir()?;
     let parent = format!("/layerstack-test-{}", std::process::id());
-    let cfg = dir.join("config.toml");
-    std::fs::write(&cfg, format!("[sandbox]\ncgroup_parent = {parent:?}\n"))?;
-    let mut daemon = Daemon::start_at_with(
-        &dir.join("s/snapshotter.sock"),
-        &dir.join("s/containerd.sock"),
-        &dir.join("root"),
-        &["--config", cfg.to_str().context("utf-8")?],
-        true,
-    )?;
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()?;
-    let r = rt.block_on(limits_scenario(&dir, &daemon, &parent));
-    if r.is_err() {
-        daemon.dump_log();
-    }
-    daemon.stop();
+    let r = with_configured_daemon(
+        &format!("[sandbox]\ncgroup_parent = {parent:?}\n"),
+        |dir, d| runtime()?.block_on(limits_scenario(dir, d, &parent)),
+    );
     for h in ["unified", "memory", "cpu", "cpuacct", "pids", ""] {
         let _ = std::fs::remove_dir(
             Path::new("/sys/fs/cgroup")
                 .join(h)
                 .join(parent.trim_start_matches('/')),
         );
-    }
-    if std::env::var_os("LAYERSTACK_TEST_KEEP").is_none() {
-        remove_tree(&dir);
     }
     r
 }
@@ -1238,9 +1221,19 @@ fn session_exec_from_the_cli_without_root() -> Result<()> {
     if !require_root() {
         return Ok(());
     }
+    with_configured_daemon("[api]\nallowed_uids = [65534]\n", exec_cli_scenario)
+}
+
+/// Runs `scenario` against a daemon (no containerd) started with the config
+/// file `toml` in a fresh temp dir: the daemon's log is printed when it
+/// fails; the dir is removed unless `LAYERSTACK_TEST_KEEP` is set.
+fn with_configured_daemon(
+    toml: &str,
+    scenario: impl FnOnce(&Path, &Daemon) -> Result<()>,
+) -> Result<()> {
     let dir = make_temp_dir()?;
     let cfg = dir.join("daemon.toml");
-    std::fs::write(&cfg, "[api]\nallowed_uids = [65534]\n")?;
+    std::fs::write(&cfg, toml)?;
     let mut d = Daemon::start_at_with(
         &dir.join("s/snapshotter.sock"),
         &dir.join("s/containerd.sock"),
@@ -1248,7 +1241,7 @@ fn session_exec_from_the_cli_without_root() -> Result<()> {
         &["--config", cfg.to_str().context("utf-8")?],
         true,
     )?;
-    let r = exec_cli_scenario(&dir, &d);
+    let r = scenario(&dir, &d);
     if r.is_err() {
         d.dump_log();
     }
@@ -1257,6 +1250,13 @@ fn session_exec_from_the_cli_without_root() -> Result<()> {
         remove_tree(&dir);
     }
     r
+}
+
+/// A tokio runtime for a test's async scenario.
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?)
 }
 
 fn exec_cli_scenario(dir: &Path, d: &Daemon) -> Result<()> {
@@ -1465,4 +1465,500 @@ fn sandbox_cli_scenario(d: &Daemon, cli: &Path, admin: &Path, stack: &str) -> Re
         "{o:?}"
     );
     Ok(())
+}
+
+/// The host uid of the process whose command line is exactly `argv`, from
+/// `/proc/*/status` (`Uid:` real, effective, saved, fs), if one runs.
+fn host_ids_of(argv: &[&str]) -> Option<(String, String)> {
+    let want: Vec<u8> = argv
+        .iter()
+        .flat_map(|a| [a.as_bytes(), b"\0"].concat())
+        .collect();
+    for e in std::fs::read_dir("/proc").ok()?.flatten() {
+        let p = e.path();
+        if std::fs::read(p.join("cmdline")).ok().as_deref() != Some(&want[..]) {
+            continue;
+        }
+        let st = std::fs::read_to_string(p.join("status")).ok()?;
+        let field = |k: &str| {
+            st.lines()
+                .find_map(|l| l.strip_prefix(k))
+                .map(|v| v.split_whitespace().collect::<Vec<_>>().join(" "))
+        };
+        return Some((field("Uid:")?, field("Gid:")?));
+    }
+    None
+}
+
+/// Files named `name` anywhere below `dir` (not following symlinks).
+fn find_named(dir: &Path, name: &str, out: &mut Vec<PathBuf>) {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return;
+    };
+    for e in rd.flatten() {
+        let p = e.path();
+        if e.file_name() == name {
+            out.push(p.clone());
+        }
+        if e.file_type().is_ok_and(|t| t.is_dir()) {
+            find_named(&p, name, out);
+        }
+    }
+}
+
+async fn id_map_scenario(dir: &Path, d: &Daemon) -> Result<()> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let src = dir.join("rootfs");
+    busybox_tree(
+        &src,
+        &[
+            "sh", "cat", "echo", "id", "stat", "chown", "chmod", "touch", "rm", "mkdir", "sleep",
+            "test",
+        ],
+        &["etc", "srv", "tmp"],
+    )?;
+    std::fs::write(src.join("etc/passwd"), "root:x:0:0::/:/bin/sh\n")?;
+    std::fs::write(src.join("srv/owned"), "by 1000\n")?;
+    std::os::unix::fs::chown(src.join("srv/owned"), Some(1000), Some(1000))?;
+    let o = ensure_success(
+        "base import",
+        d.layerstack(&["base", "import", src.to_str().context("utf-8")?])?,
+    )?;
+    let stack = stdout(&o).trim().to_string();
+    let mut c = api::connect(d.admin_socket()).await?;
+    let sh = |id: i64, script: &str| api::ExecRequest {
+        session_id: id,
+        argv: vec!["sh".into(), "-c".into(), script.into()],
+        ..Default::default()
+    };
+
+    // The daemon's [sandbox] id_map applies to a request that gives none.
+    let r = c
+        .create_session(api::CreateSessionRequest {
+            stack: stack.clone(),
+            name: "mapped".into(),
+            sandbox: Some(api::SandboxOptions::default()),
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    let s = r.session.context("session")?;
+    let id = s.id;
+    ensure!(
+        s.id_map
+            == Some(api::IdMap {
+                host_uid: 100000,
+                host_gid: 100000,
+                size: 65536
+            }),
+        "the daemon's default mapping: {:?}",
+        s.id_map
+    );
+    let r = exec_req(
+        &mut c,
+        sh(id, "id -u; id -g; cat /proc/self/uid_map /proc/self/gid_map; stat -c %u:%g /etc/passwd /srv/owned /"),
+    )
+    .await?;
+    let out = String::from_utf8_lossy(&r.out);
+    let words: Vec<&str> = out.split_whitespace().collect();
+    ensure!(
+        r.exit.code == 0
+            && words
+                == [
+                    "0",
+                    "0",
+                    "0",
+                    "100000",
+                    "65536",
+                    "0",
+                    "100000",
+                    "65536",
+                    "0:0",
+                    "1000:1000",
+                    "0:0"
+                ],
+        "the session's root is 0:0 in its own namespace, the base's owners unchanged: {r:?}"
+    );
+
+    // Its root is the host's 100000, not the host's root.
+    let r = exec_req(&mut c, sh(id, "sleep 7.125 >/dev/null 2>&1 &")).await?;
+    ensure!(r.exit.code == 0, "{r:?}");
+    let mut host = None;
+    for _ in 0..50 {
+        host = host_ids_of(&["sleep", "7.125"]);
+        if host.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let (uids, gids) = host.context("the session's sleep is not seen from the host")?;
+    ensure!(
+        uids == "100000 100000 100000 100000" && gids == "100000 100000 100000 100000",
+        "host ids of the session's root: uid {uids}, gid {gids}"
+    );
+    let r = exec_req(
+        &mut c,
+        sh(id, "echo x > /proc/sys/kernel/hostname; echo $?"),
+    )
+    .await?;
+    ensure!(
+        r.exit.code == 0 && r.out != b"0\n",
+        "the session's root wrote the host's kernel hostname: {r:?}"
+    );
+
+    // Writes: a new file, a directory given to 1000, a set-user-ID bit, an
+    // edit of a lower file owned by 1000 (copy-up keeps its owner), a
+    // deletion; then a command as 1000.
+    let r = exec_req(
+        &mut c,
+        sh(
+            id,
+            "touch /etc/new && mkdir /d && echo x > /d/f && chown 1000:1000 /d /d/f && chmod 4755 /d/f && echo more >> /srv/owned && rm /etc/passwd",
+        ),
+    )
+    .await?;
+    ensure!(r.exit.code == 0, "{r:?}");
+    let r = exec_req(
+        &mut c,
+        api::ExecRequest {
+            has_user: true,
+            uid: 1000,
+            gid: 1000,
+            ..sh(id, "id -u; echo by-user > /d/g")
+        },
+    )
+    .await?;
+    ensure!(r.exit.code == 0 && r.out == b"1000\n", "{r:?}");
+    let e = exec_req(
+        &mut c,
+        api::ExecRequest {
+            has_user: true,
+            uid: 70000,
+            gid: 0,
+            ..sh(id, "true")
+        },
+    )
+    .await
+    .err()
+    .context("an exec as 70000 (outside the mapping) ran")?;
+    ensure!(
+        e.to_string().contains("outside"),
+        "exec outside the mapping: {e:#}"
+    );
+
+    // The file RPCs speak the session's ids.
+    let mut msgs = vec![api::WriteFileRequest {
+        header: Some(api::WriteFileHeader {
+            session_id: id,
+            path: "/d/api".into(),
+            mode: 0o600,
+            has_owner: true,
+            uid: 1000,
+            gid: 1000,
+            ..Default::default()
+        }),
+        data: b"api".to_vec(),
+    }];
+    let st = c
+        .write_file(tokio_stream::iter(msgs.clone()))
+        .await?
+        .into_inner();
+    ensure!((st.uid, st.gid) == (1000, 1000), "{st:?}");
+    if let Some(h) = msgs[0].header.as_mut() {
+        h.uid = 70000;
+    }
+    let e = c
+        .write_file(tokio_stream::iter(msgs))
+        .await
+        .err()
+        .context("a write owned by 70000 was accepted")?;
+    ensure!(e.code() == Code::InvalidArgument, "{e:?}");
+    let st = write(&mut c, id, "/d/root-owned", b"r", false).await?;
+    ensure!((st.uid, st.gid) == (0, 0), "a write with no owner: {st:?}");
+    let st = c
+        .stat_path(api::StatPathRequest {
+            session_id: id,
+            path: "/srv/owned".into(),
+        })
+        .await?
+        .into_inner();
+    ensure!((st.uid, st.gid) == (1000, 1000), "{st:?}");
+    let mut b = tar::Builder::new(Vec::new());
+    let mut h = tar::Header::new_gnu();
+    h.set_entry_type(tar::EntryType::Regular);
+    h.set_mode(0o644);
+    h.set_uid(1000);
+    h.set_gid(1000);
+    h.set_size(3);
+    b.append_data(&mut h, "t.txt", &b"tar"[..])?;
+    let up = c
+        .upload_tar(tokio_stream::iter(vec![api::UploadTarRequest {
+            session_id: id,
+            path: "/up".into(),
+            make_parents: true,
+            data: b.into_inner()?,
+        }]))
+        .await?
+        .into_inner();
+    ensure!(up.files == 1, "{up:?}");
+    let mut b = tar::Builder::new(Vec::new());
+    let mut h = tar::Header::new_gnu();
+    h.set_entry_type(tar::EntryType::Regular);
+    h.set_mode(0o644);
+    h.set_uid(70000);
+    h.set_size(1);
+    b.append_data(&mut h, "bad.txt", &b"b"[..])?;
+    let e = c
+        .upload_tar(tokio_stream::iter(vec![api::UploadTarRequest {
+            session_id: id,
+            path: "/up".into(),
+            make_parents: true,
+            data: b.into_inner()?,
+        }]))
+        .await
+        .err()
+        .context("a tar entry owned by 70000 was accepted")?;
+    ensure!(e.code() == Code::InvalidArgument, "{e:?}");
+    let r = exec_req(
+        &mut c,
+        sh(id, "stat -c '%n %u:%g %a' /d /d/f /d/g /d/api /d/root-owned /up /up/t.txt /etc/new /srv/owned"),
+    )
+    .await?;
+    let seen = String::from_utf8_lossy(&r.out).into_owned();
+    let expect = "/d 1000:1000 755\n/d/f 1000:1000 4755\n/d/g 1000:1000 644\n/d/api 1000:1000 600\n/d/root-owned 0:0 640\n/up 0:0 755\n/up/t.txt 1000:1000 644\n/etc/new 0:0 644\n/srv/owned 1000:1000 644\n";
+    ensure!(
+        seen == expect,
+        "the session's view:\n{seen}\nexpected:\n{expect}"
+    );
+
+    // The live diff compares the session's ids with the base's: a copied-up
+    // directory whose owner is the same is no change.
+    let mut st = c
+        .diff(api::DiffRequest {
+            session_id: id,
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    let mut changes = Vec::new();
+    while let Some(m) = st.message().await? {
+        for e in m.entries {
+            changes.push(format!("{} {}", e.change, e.path));
+        }
+    }
+    // The mountpoints init made in a base without them are dropped at the
+    // close, not from a live diff.
+    changes.retain(|c| {
+        !["added /dev", "added /proc", "added /run", "added /sys"].contains(&c.as_str())
+    });
+    changes.sort();
+    ensure!(
+        changes
+            == [
+                "added /d",
+                "added /d/api",
+                "added /d/f",
+                "added /d/g",
+                "added /d/root-owned",
+                "added /etc/new",
+                "added /up",
+                "added /up/t.txt",
+                "deleted /etc/passwd",
+                "modified /srv/owned",
+            ],
+        "the live diff: {changes:?}"
+    );
+
+    // Published: the layer holds the session's ids, not the host's.
+    let s = c
+        .close_session(api::CloseSessionRequest {
+            session_id: id,
+            action: api::EndAction::Publish as i32,
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    ensure!(s.outcome == "committed", "{s:?}");
+    let mut found = Vec::new();
+    for n in ["f", "g", "api", "root-owned", "t.txt", "new", "owned"] {
+        find_named(&dir.join("root"), n, &mut found);
+    }
+    let layered: Vec<_> = found
+        .iter()
+        .filter(|p| !p.starts_with(&src))
+        .filter_map(|p| std::fs::symlink_metadata(p).ok().map(|m| (p.clone(), m)))
+        .collect();
+    ensure!(
+        layered.len() >= 7,
+        "the published files on disk: {layered:?}"
+    );
+    for (p, m) in &layered {
+        ensure!(
+            m.uid() < 65536 && m.gid() < 65536,
+            "{} is stored with host ids {}:{}",
+            p.display(),
+            m.uid(),
+            m.gid()
+        );
+        if p.ends_with("d/f") {
+            ensure!(
+                m.uid() == 1000 && m.permissions().mode() & 0o7777 == 0o4755,
+                "{}: {}:{} {:o}",
+                p.display(),
+                m.uid(),
+                m.gid(),
+                m.permissions().mode()
+            );
+        }
+    }
+
+    // Another session with its own mapping sees the same owners.
+    let r = c
+        .create_session(api::CreateSessionRequest {
+            stack: stack.clone(),
+            name: "remapped".into(),
+            sandbox: Some(api::SandboxOptions {
+                id_map: Some(api::IdMap {
+                    host_uid: 200000,
+                    host_gid: 300000,
+                    size: 65536,
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    let id2 = r.session.context("session")?.id;
+    let r = exec_req(
+        &mut c,
+        sh(id2, "cat /proc/self/uid_map /proc/self/gid_map; stat -c '%n %u:%g %a' /d/f /srv/owned /etc/new; test -e /etc/passwd || echo passwd-gone"),
+    )
+    .await?;
+    let seen = String::from_utf8_lossy(&r.out);
+    let words: Vec<&str> = seen.split_whitespace().collect();
+    ensure!(
+        words
+            == [
+                "0",
+                "200000",
+                "65536",
+                "0",
+                "300000",
+                "65536",
+                "/d/f",
+                "1000:1000",
+                "4755",
+                "/srv/owned",
+                "1000:1000",
+                "644",
+                "/etc/new",
+                "0:0",
+                "644",
+                "passwd-gone"
+            ],
+        "{r:?}"
+    );
+    discard(&mut c, id2).await?;
+
+    // The CLI: `session create --sandbox --id-map`, the mapping as a field.
+    let o = ensure_success(
+        "session create --sandbox --id-map",
+        d.layerstack(&[
+            "session",
+            "create",
+            "--sandbox",
+            &stack,
+            "--id-map",
+            "300000:300000:65536",
+            "--json",
+        ])?,
+    )?;
+    let v: serde_json::Value = serde_json::from_slice(&o.stdout)?;
+    ensure!(
+        v["id_map"]["host_uid"] == 300000 && v["id_map"]["size"] == 65536,
+        "{v}"
+    );
+    let cid = v["id"].as_i64().context("the session's id")?;
+    let r = exec(&mut c, cid, &["cat", "/proc/self/uid_map"]).await?;
+    ensure!(
+        String::from_utf8_lossy(&r.out)
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            == ["0", "300000", "65536"],
+        "{r:?}"
+    );
+    discard(&mut c, cid).await?;
+    let o = d.layerstack(&[
+        "session",
+        "create",
+        "--sandbox",
+        &stack,
+        "--id-map",
+        "0:0:65536",
+    ])?;
+    ensure!(
+        !o.status.success() && String::from_utf8_lossy(&o.stderr).contains("id_map.host_uid 0"),
+        "a mapping onto the host's root: {o:?}"
+    );
+
+    // Bad mappings are refused by name.
+    for (m, placement, says) in [
+        (
+            api::IdMap {
+                host_uid: 10,
+                host_gid: 100000,
+                size: 65536,
+            },
+            "",
+            "id_map.host_uid 10",
+        ),
+        (
+            api::IdMap {
+                host_uid: 100000,
+                host_gid: 100000,
+                size: 0,
+            },
+            "",
+            "id_map.size is 0",
+        ),
+        (
+            api::IdMap {
+                host_uid: 100000,
+                host_gid: 100000,
+                size: 65536,
+            },
+            "/tmp",
+            "placement",
+        ),
+    ] {
+        let e = create_with(
+            &mut c,
+            &stack,
+            "bad",
+            api::SandboxOptions {
+                id_map: Some(m.clone()),
+                placement: placement.into(),
+                ..Default::default()
+            },
+        )
+        .await
+        .err()
+        .with_context(|| format!("id map {m:?} with placement {placement:?} was accepted"))?;
+        ensure!(
+            e.code() == Code::InvalidArgument && e.message().contains(says),
+            "{e:?}"
+        );
+    }
+    Ok(())
+}
+
+#[test]
+fn uid_gid_mapping() -> Result<()> {
+    if !require_root() {
+        return Ok(());
+    }
+    with_configured_daemon("[sandbox]\nid_map = \"100000:100000:65536\"\n", |dir, d| {
+        runtime()?.block_on(id_map_scenario(dir, d))
+    })
 }

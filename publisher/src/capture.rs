@@ -290,6 +290,12 @@ pub struct CaptureOptions {
     /// publishes nothing. Default off: an mtime that differs is a change
     /// (`touch`), as the kernel's copy-up keeps the lower file's.
     pub ignore_mtime: bool,
+    /// The upper was written by a session with this uid/gid mapping: an
+    /// owner in its host range is read as the session's id (`host_uid + u`
+    /// is `u`), so that a live session's diff compares the session's ids
+    /// with the lease's. An upper whose ids were shifted back already
+    /// (before a publish or checkpoint) reads the same.
+    pub id_map: Option<layerstack_types::IdMap>,
     /// Most entries (files, directories, links, whiteouts…) an upper may hold;
     /// 0 = unlimited. Counted as the walk goes, so an upper of a million files
     /// is refused after `max_paths + 1` `fstatat(2)`, not after indexing them all
@@ -300,6 +306,19 @@ pub struct CaptureOptions {
     /// hashes every byte of it); 0 = unlimited. Checked at each file's
     /// `fstatat(2)`, before its content is read ([`CaptureError::OverLimit`]).
     pub max_bytes: u64,
+}
+
+impl CaptureOptions {
+    /// An upper entry's owner as the session sees it ([`CaptureOptions::id_map`]).
+    fn seen_ids(&self, uid: u32, gid: u32) -> (u32, u32) {
+        match &self.id_map {
+            Some(m) => (
+                m.uid_from_host(uid).unwrap_or(uid),
+                m.gid_from_host(gid).unwrap_or(gid),
+            ),
+            None => (uid, gid),
+        }
+    }
 }
 
 /// Why [`capture`] failed. Paths are relative to the upper unless stated.
@@ -593,7 +612,8 @@ impl Walker<'_> {
                 .collect()
         };
         let st = nix::sys::stat::fstat(root.as_raw_fd()).map_err(|e| upper_err(b"")(e.into()))?;
-        let (mode, uid, gid) = (st.st_mode & 0o7777, st.st_uid, st.st_gid);
+        let (uid, gid) = self.options.seen_ids(st.st_uid, st.st_gid);
+        let mode = st.st_mode & 0o7777;
         let upper_x = data(fd_xattrs(root).map_err(upper_err(b""))?);
         let at = fsx::at(self.lower.layer(lease.layer_index), b"").map_err(lower_err(b""))?;
         let lease_x = data(fsx::xattrs_of(at.path()).map_err(lower_err(b""))?);
@@ -720,7 +740,8 @@ impl Walker<'_> {
         lower_dir: Option<Cursor>,
         expand: bool,
     ) -> Result<(), CaptureError> {
-        let (mode, uid, gid) = (st.st_mode & 0o7777, st.st_uid, st.st_gid);
+        let (uid, gid) = self.options.seen_ids(st.st_uid, st.st_gid);
+        let mode = st.st_mode & 0o7777;
         let rdev = st.st_rdev;
         let userxattr = self.options.userxattr;
         if is_whiteout(st.st_mode, rdev) {

@@ -100,8 +100,9 @@ pub use gate::{
     PlanMode, Side,
 };
 pub use import::{
-    apply_layer_tar, extract_tar_into, flatten_layer_tars, host_platform, import_tree, ImportError,
-    ImportKind, ImportOptions, ImportReport, LayerApplied, LayerApplyOptions,
+    apply_layer_tar, extract_tar_into, extract_tar_into_shifted, flatten_layer_tars, host_platform,
+    import_tree, ImportError, ImportKind, ImportOptions, ImportReport, LayerApplied,
+    LayerApplyOptions,
 };
 pub use layer::{prepare_upper, seal_layer, seal_layer_unsynced, seal_layer_with, SealError};
 pub use merge::{

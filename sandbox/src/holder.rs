@@ -50,6 +50,10 @@ pub struct Command {
     pub ids: Option<(u32, u32)>,
     /// Working directory (absolute, in the session's view).
     pub workdir: CString,
+    /// The session has a user namespace of its own (an id map): the waiter
+    /// joins it with the other namespaces, and the command runs as `ids` of
+    /// that namespace (`0:0` when `ids` is `None`).
+    pub userns: bool,
 }
 
 /// Where the overlay goes.
@@ -100,6 +104,12 @@ pub struct Setup {
     pub cgroup_procs: Vec<RawFd>,
     /// Workspace mode: what to cover before the overlay is attached.
     pub hide: Vec<Hide>,
+    /// The session's uid/gid mapping: init is cloned into a new user
+    /// namespace too (which then owns its other namespaces), waits until the
+    /// cloner has written the mapping, and becomes the namespace's root
+    /// (`0:0`, the host's `host_uid:host_gid`). `None`: init runs as the
+    /// host's root, as before.
+    pub id_map: Option<layerstack_types::IdMap>,
 }
 
 /// The paths to try for `cmd` with search path `path`, like `execvp`: `cmd`
@@ -210,16 +220,30 @@ pub fn clone_init(
     if setup.net_none {
         flags |= libc::CLONE_NEWNET;
     }
+    // With an id map: a user namespace, created by the same clone so that
+    // it owns the others; init waits on `go` until its mapping is written.
+    let go = match setup.id_map {
+        Some(_) => {
+            flags |= libc::CLONE_NEWUSER;
+            Some(sys::pipe()?)
+        }
+        None => None,
+    };
     // SAFETY: the child runs only `init_main`, which makes child-safe calls and
     // ends in `_exit`.
     let pid = match unsafe { sys::clone_fork(flags) } {
         Ok(0) => {
             sys::close(ready_r.as_raw_fd());
+            let go_r = go.as_ref().map(|(r, w)| {
+                sys::close(w.as_raw_fd());
+                r.as_raw_fd()
+            });
             init_main(
                 setup,
                 cmd,
                 ready_w.as_raw_fd(),
                 devnull.as_ref().map(AsRawFd::as_raw_fd),
+                go_r,
                 &set,
             )
         }
@@ -228,6 +252,24 @@ pub fn clone_init(
     };
     drop(ready_w);
     drop(devnull);
+    if let (Some(map), Some((go_r, go_w))) = (&setup.id_map, go) {
+        drop(go_r);
+        // Init lost its capabilities in the host's namespace with the clone:
+        // its OOM protection is set from here (best effort, as init does).
+        if !setup.cgroup_procs.is_empty() {
+            let _ = std::fs::write(format!("/proc/{pid}/oom_score_adj"), b"-1000");
+        }
+        if let Err(e) =
+            sys::write_id_map(pid, map).and_then(|()| sys::write_all(go_w.as_raw_fd(), b"g"))
+        {
+            // Init sees end of file on `go` and fails; the caller reaps it.
+            sys::kill(pid, libc::SIGKILL);
+            return Err(io::Error::new(
+                e.kind(),
+                format!("writing the session's uid/gid mapping {map}: {e}"),
+            ));
+        }
+    }
     Ok((pid, ready_r))
 }
 
@@ -412,8 +454,27 @@ fn init_main(
     cmd: Option<&Command>,
     ready_w: RawFd,
     devnull: Option<RawFd>,
+    go: Option<RawFd>,
     set: &libc::sigset_t,
 ) -> ! {
+    if let Some(go) = go {
+        // A new user namespace: the cloner writes its mapping, then one byte.
+        let mut b = [0u8; 1];
+        match sys::read(go, &mut b) {
+            Ok(1) => {}
+            Ok(_) => fail(
+                &[b"wait for the session's uid/gid mapping"],
+                &io::Error::from(io::ErrorKind::UnexpectedEof),
+            ),
+            Err(e) => fail(&[b"wait for the session's uid/gid mapping"], &e),
+        }
+        sys::close(go);
+        // Root of the new namespace (the host's host_uid:host_gid), with
+        // every capability in it and none outside.
+        if let Err(e) = sys::set_ids(0, 0) {
+            fail(&[b"become root of the session's user namespace"], &e);
+        }
+    }
     if !setup.cgroup_procs.is_empty() {
         // Best effort: without CAP_SYS_RESOURCE init stays killable.
         let _ = sys::oom_score_adj(b"-1000");
@@ -554,7 +615,7 @@ fn exec_command(c: &Command, set: &libc::sigset_t) -> ! {
         sys::set_handler(*s, libc::SIG_DFL);
     }
     sys::sigmask(libc::SIG_UNBLOCK, set);
-    if let Some((uid, gid)) = c.ids {
+    if let Some((uid, gid)) = c.ids.or(c.userns.then_some((0, 0))) {
         if let Err(e) = sys::set_ids(uid, gid) {
             fail(&[b"switch to the --user ids"], &e);
         }
@@ -769,7 +830,12 @@ fn joined_waiter(
     // The command inherits this: the OOM killer weighs it as any process,
     // not with the daemon's protection.
     let _ = sys::oom_score_adj(b"0");
-    if let Err(e) = sys::setns_pidfd(pidfd, JOIN_FLAGS) {
+    let flags = if cmd.userns {
+        JOIN_FLAGS | libc::CLONE_NEWUSER
+    } else {
+        JOIN_FLAGS
+    };
+    if let Err(e) = sys::setns_pidfd(pidfd, flags) {
         fail(&[b"join the session's namespaces (setns)"], &e);
     }
     sys::close(pidfd);

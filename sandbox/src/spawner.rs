@@ -354,11 +354,20 @@ fn decode_init(body: &[u8]) -> io::Result<InitSpec> {
             Hide::File(p)
         });
     }
+    let id_map = match r.u8()? {
+        0 => None,
+        _ => Some(layerstack_types::IdMap {
+            host_uid: r.u32()?,
+            host_gid: r.u32()?,
+            size: r.u32()?,
+        }),
+    };
     Ok(InitSpec {
         placement,
         net_none,
         hostname,
         hide,
+        id_map,
     })
 }
 
@@ -378,6 +387,7 @@ fn spawn_init(body: &[u8], fds: Vec<OwnedFd>) -> io::Result<(i32, Vec<OwnedFd>)>
         daemon_owned: true,
         cgroup_procs: cgroups.iter().map(AsRawFd::as_raw_fd).collect(),
         hide: spec.hide,
+        id_map: spec.id_map,
     };
     let (pid, ready) = holder::clone_init(&setup, None, libc::CLONE_PARENT)?;
     Ok((pid, vec![ready]))
@@ -394,6 +404,7 @@ fn decode_command(body: &[u8]) -> io::Result<Command> {
         _ => Some((r.u32()?, r.u32()?)),
     };
     let workdir = r.cstring()?;
+    let userns = r.u8()? != 0;
     Ok(Command {
         candidates,
         argv,
@@ -401,6 +412,7 @@ fn decode_command(body: &[u8]) -> io::Result<Command> {
         name,
         ids,
         workdir,
+        userns,
     })
 }
 
@@ -457,6 +469,8 @@ pub struct InitSpec {
     pub net_none: bool,
     pub hostname: Vec<u8>,
     pub hide: Vec<Hide>,
+    /// The session's uid/gid mapping ([`Setup::id_map`]).
+    pub id_map: Option<layerstack_types::IdMap>,
 }
 
 /// The request that clones a daemon-owned session's init with `spec`,
@@ -487,6 +501,15 @@ pub fn init_request(
         };
         w.u8(k);
         w.bytes(p.as_bytes());
+    }
+    match &spec.id_map {
+        None => w.u8(0),
+        Some(m) => {
+            w.u8(1);
+            w.u32(m.host_uid);
+            w.u32(m.host_gid);
+            w.u32(m.size);
+        }
     }
     let mut fds = vec![mount_fd];
     fds.extend_from_slice(cgroup_procs);
@@ -524,6 +547,7 @@ pub fn exec_request(
         }
     }
     w.bytes(cmd.workdir.as_bytes());
+    w.u8(u8::from(cmd.userns));
     let mut fds = vec![
         pidfd,
         root,
@@ -628,6 +652,7 @@ mod tests {
             name: b"sh".to_vec(),
             ids: Some((1000, 100)),
             workdir: c"/tmp".into(),
+            userns: true,
         };
         let stdio = Stdio {
             fds: [10, 11, 12],
@@ -645,6 +670,7 @@ mod tests {
         assert_eq!(back.name, cmd.name);
         assert_eq!(back.ids, cmd.ids);
         assert_eq!(back.workdir, cmd.workdir);
+        assert!(back.userns);
         // A truncated body is refused, not read past.
         let e = decode_command(&req.bytes[HEADER_BYTES..len]).err().unwrap();
         assert_eq!(e.raw_os_error(), Some(libc::EPROTO));
@@ -660,12 +686,18 @@ mod tests {
                 Hide::Dir(c"/run/layerstack".into()),
                 Hide::File(c"/admin.sock".into()),
             ],
+            id_map: Some(layerstack_types::IdMap {
+                host_uid: 100000,
+                host_gid: 200000,
+                size: 65536,
+            }),
         };
         let req = init_request(&spec, 7, &[30]).unwrap();
         assert_eq!(req.fds, [7, 30]);
         let back = decode_init(&req.bytes[HEADER_BYTES..]).unwrap();
         assert!(back.net_none);
         assert_eq!(back.hostname, b"box");
+        assert_eq!(back.id_map, spec.id_map);
         assert!(matches!(&back.placement, Placement::At(d) if d.as_bytes() == b"/work"));
         assert!(matches!(
             back.hide.as_slice(),
@@ -677,6 +709,7 @@ mod tests {
                 net_none: false,
                 hostname: Vec::new(),
                 hide: Vec::new(),
+                id_map: None,
             },
             7,
             &[],
@@ -684,6 +717,7 @@ mod tests {
         .unwrap();
         let back = decode_init(&root.bytes[HEADER_BYTES..]).unwrap();
         assert!(matches!(back.placement, Placement::Root) && !back.net_none);
+        assert_eq!(back.id_map, None);
     }
 
     #[test]

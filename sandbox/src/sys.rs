@@ -20,6 +20,18 @@ const FSCONFIG_SET_STRING: libc::c_uint = 1;
 const FSCONFIG_CMD_CREATE: libc::c_uint = 6;
 const FSMOUNT_CLOEXEC: libc::c_uint = 0x1;
 const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x4;
+const FSCONFIG_SET_FD: libc::c_uint = 5;
+const OPEN_TREE_CLONE: libc::c_uint = 1;
+const MOUNT_ATTR_IDMAP: u64 = 0x0010_0000;
+
+/// `struct mount_attr` (include/uapi/linux/mount.h, `MOUNT_ATTR_SIZE_VER0`).
+#[repr(C)]
+struct MountAttr {
+    attr_set: u64,
+    attr_clr: u64,
+    propagation: u64,
+    userns_fd: u64,
+}
 
 /// The largest value `fsconfig(FSCONFIG_SET_STRING)` accepts (fs/fsopen.c:
 /// `strndup_user(_value, 256)`), terminating NUL included.
@@ -82,6 +94,59 @@ fn fsconfig_string(fs: &OwnedFd, key: &CStr, value: &CStr) -> io::Result<()> {
     .map(drop)
 }
 
+fn fsconfig_fd(fs: &OwnedFd, key: &CStr, fd: &OwnedFd) -> io::Result<()> {
+    // SAFETY: `fs` is an open fs context; the key is NUL-terminated and lives
+    // across the call; value NULL and aux the descriptor, as
+    // FSCONFIG_SET_FD requires.
+    check(unsafe {
+        libc::syscall(
+            libc::SYS_fsconfig,
+            fs.as_raw_fd(),
+            FSCONFIG_SET_FD,
+            key.as_ptr(),
+            std::ptr::null::<libc::c_char>(),
+            fd.as_raw_fd(),
+        )
+    })
+    .map(drop)
+}
+
+/// A detached clone of the directory tree at `path` (not recursive), idmapped
+/// by user namespace `userns` (`open_tree(OPEN_TREE_CLONE)` then
+/// `mount_setattr(MOUNT_ATTR_IDMAP)`; mount_setattr(2)).
+pub fn idmapped_tree(path: &CStr, userns: &OwnedFd) -> io::Result<OwnedFd> {
+    // SAFETY: the path is NUL-terminated; the flags are valid for open_tree.
+    let fd = check(unsafe {
+        libc::syscall(
+            libc::SYS_open_tree,
+            libc::AT_FDCWD,
+            path.as_ptr(),
+            OPEN_TREE_CLONE | libc::O_CLOEXEC as libc::c_uint,
+        )
+    })?;
+    // SAFETY: open_tree returned a new descriptor that nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd as RawFd) };
+    let attr = MountAttr {
+        attr_set: MOUNT_ATTR_IDMAP,
+        attr_clr: 0,
+        propagation: 0,
+        userns_fd: userns.as_raw_fd() as u64,
+    };
+    // SAFETY: `fd` is a detached mount; the path is an empty literal with
+    // AT_EMPTY_PATH; `attr` lives across the call and its size is passed.
+    check(unsafe {
+        libc::syscall(
+            libc::SYS_mount_setattr,
+            fd.as_raw_fd(),
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH,
+            &attr as *const MountAttr,
+            std::mem::size_of::<MountAttr>(),
+        )
+    })?;
+    Ok(fd)
+}
+
 fn fsconfig_flag(fs: &OwnedFd, key: &CStr) -> io::Result<()> {
     // SAFETY: `fs` is an open fs context; the key is NUL-terminated and lives
     // across the call; value NULL and aux 0 as FSCONFIG_SET_FLAG requires.
@@ -119,18 +184,54 @@ pub fn overlay_fd(
     work: &Path,
     volatile: bool,
 ) -> Result<OwnedFd, OverlayError> {
+    overlay_fd_mapped(lowers, upper, work, volatile, None)
+}
+
+/// [`overlay_fd`] whose lowers are idmapped by `userns` (a user namespace
+/// with the session's mapping, [`crate::idmap::userns_fd`]): each lower is
+/// cloned as a detached mount (`open_tree(OPEN_TREE_CLONE)`), idmapped
+/// (`mount_setattr(MOUNT_ATTR_IDMAP)`) and given to overlay by descriptor
+/// (`fsconfig(FSCONFIG_SET_FD, "lowerdir+")`, Linux ≥ 6.13). A file a layer
+/// stores with uid `u` is then `host_uid + u` to the overlay, so `u` to the
+/// session's user namespace. The upper is not idmapped: overlay writes it
+/// with the mounter's credentials (its work directory, whiteouts), which
+/// an idmapped upper refuses (`EOVERFLOW`); the session's writes land there
+/// with host ids, shifted back before capture ([`crate::idmap::shift_back`]).
+/// (Documentation/filesystems/overlayfs.rst, "Idmapped layers".)
+pub fn overlay_fd_mapped(
+    lowers: &[PathBuf],
+    upper: &Path,
+    work: &Path,
+    volatile: bool,
+    userns: Option<&OwnedFd>,
+) -> Result<OwnedFd, OverlayError> {
     let err = |step: String| move |source| OverlayError { step, source };
     // SAFETY: the name is a NUL-terminated literal; FSOPEN_CLOEXEC is a valid flag.
     let fs = check(unsafe { libc::syscall(libc::SYS_fsopen, c"overlay".as_ptr(), FSOPEN_CLOEXEC) })
         .map_err(err("fsopen overlay".into()))?;
     // SAFETY: fsopen returned a new descriptor that nothing else owns.
     let fs = unsafe { OwnedFd::from_raw_fd(fs as RawFd) };
+    // The idmapped clones live until the superblock is made: closing the
+    // last descriptor of a detached mount unmounts it, and overlay clones
+    // its layers' mounts at `FSCONFIG_CMD_CREATE`.
+    let mut mapped = Vec::new();
     for l in lowers {
         let v = cstring(l).map_err(err(format!("lowerdir {}", l.display())))?;
-        fsconfig_string(&fs, c"lowerdir+", &v).map_err(err(format!(
-            "fsconfig lowerdir+ {} (overlay needs Linux 6.8 or later for lowerdir+)",
-            l.display()
-        )))?;
+        match userns {
+            None => fsconfig_string(&fs, c"lowerdir+", &v).map_err(err(format!(
+                "fsconfig lowerdir+ {} (overlay needs Linux 6.8 or later for lowerdir+)",
+                l.display()
+            )))?,
+            Some(ns) => {
+                let m = idmapped_tree(&v, ns)
+                    .map_err(err(format!("idmapped mount of lower {}", l.display())))?;
+                fsconfig_fd(&fs, c"lowerdir+", &m).map_err(err(format!(
+                    "fsconfig lowerdir+ (descriptor) {} (idmapped layers need Linux 6.13 or later)",
+                    l.display()
+                )))?;
+                mapped.push(m);
+            }
+        }
     }
     for (k, p) in [(c"upperdir", upper), (c"workdir", work)] {
         let v = cstring(p).map_err(err(format!("{} {}", k.to_string_lossy(), p.display())))?;
@@ -159,6 +260,7 @@ pub fn overlay_fd(
         )
     })
     .map_err(err("fsconfig create (overlay superblock)".into()))?;
+    drop(mapped);
     // SAFETY: `fs` holds a created superblock; flags and attributes are valid.
     let m = check(unsafe { libc::syscall(libc::SYS_fsmount, fs.as_raw_fd(), FSMOUNT_CLOEXEC, 0) })
         .map_err(err("fsmount".into()))?;
@@ -1041,4 +1143,45 @@ pub fn dup2(from: RawFd, to: RawFd) -> io::Result<()> {
             return Err(e);
         }
     }
+}
+
+/// Writes `map` as the uid and gid mapping of the new user namespace of
+/// child `pid` (`/proc/PID/uid_map`, `/proc/PID/gid_map`: `0 HOST SIZE`;
+/// user_namespaces(7), "User and group ID mappings"). The caller is root of
+/// the parent user namespace; the mapping is written once.
+pub fn write_id_map(pid: libc::pid_t, map: &layerstack_types::IdMap) -> io::Result<()> {
+    std::fs::write(
+        format!("/proc/{pid}/uid_map"),
+        format!("0 {} {}\n", map.host_uid, map.size),
+    )?;
+    std::fs::write(
+        format!("/proc/{pid}/gid_map"),
+        format!("0 {} {}\n", map.host_gid, map.size),
+    )
+}
+
+/// A descriptor of a user namespace with `map` (`/proc/PID/ns/user` of a
+/// short-lived child cloned with `CLONE_NEWUSER`, mapped, then ended): what
+/// [`overlay_fd_mapped`] idmaps a session's lowers with. The namespace lives
+/// as long as the descriptor. Costs a clone of the caller (milliseconds for
+/// a large process): the daemon keeps one per mapping.
+pub fn userns_fd(map: &layerstack_types::IdMap) -> io::Result<OwnedFd> {
+    let (r, w) = pipe()?;
+    // SAFETY: the child only reads its pipe and exits (child-safe calls).
+    let pid = match unsafe { clone_fork(libc::CLONE_NEWUSER) } {
+        Ok(0) => {
+            close(w.as_raw_fd());
+            let mut b = [0u8; 1];
+            let _ = read(r.as_raw_fd(), &mut b);
+            exit_now(0)
+        }
+        Ok(pid) => pid,
+        Err(e) => return Err(e),
+    };
+    drop(r);
+    let ns =
+        write_id_map(pid, map).and_then(|()| std::fs::File::open(format!("/proc/{pid}/ns/user")));
+    drop(w);
+    let _ = wait_pid(pid);
+    Ok(ns?.into())
 }

@@ -533,6 +533,7 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
     let _ = holders.limits.set(Arc::new(owned::SessionLimits {
         cgroups: Some(probe_cgroups(&cfg, &companions)),
         defaults: sandbox_limits(&cfg),
+        id_map: cfg.sandbox.id_map(),
         sockets: vec![
             cfg.admin_address.clone(),
             mount_address.clone(),

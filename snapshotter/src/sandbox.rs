@@ -80,6 +80,9 @@ pub struct Holders {
     pub limits: std::sync::OnceLock<Arc<crate::owned::SessionLimits>>,
     /// WASI sessions made ahead of their requests (`[sandbox] wasi_ready`).
     pub(crate) wasi_ready: crate::wasi::Ready,
+    /// A user namespace per uid/gid mapping sessions asked for, kept for the
+    /// daemon's life: what their lowers are idmapped with.
+    userns: Mutex<HashMap<layerstack_engine::IdMap, Arc<OwnedFd>>>,
 }
 
 impl Holders {
@@ -106,7 +109,20 @@ impl Holders {
             spawner: std::sync::OnceLock::new(),
             limits: std::sync::OnceLock::new(),
             wasi_ready: Default::default(),
+            userns: Mutex::new(HashMap::new()),
         })
+    }
+
+    /// The user namespace with mapping `m` (made at its first use:
+    /// `sys::userns_fd`, a clone of the daemon).
+    pub(crate) fn userns(&self, m: &layerstack_engine::IdMap) -> std::io::Result<Arc<OwnedFd>> {
+        let mut c = self.userns.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(fd) = c.get(m) {
+            return Ok(fd.clone());
+        }
+        let fd = Arc::new(sys::userns_fd(m)?);
+        c.insert(*m, fd.clone());
+        Ok(fd)
     }
 
     pub(crate) fn map(&self) -> std::sync::MutexGuard<'_, HashMap<SessionId, Holder>> {
@@ -260,6 +276,7 @@ async fn start(
             },
             false,
             Default::default(),
+            None,
         )
         .await
         .map_err(|st| status_reply(&st))?;
@@ -461,6 +478,32 @@ pub(crate) async fn attach(
     id: SessionId,
     fresh: Option<MountSpec>,
 ) -> Result<OwnedFd, Reply> {
+    attach_mapped(engine, holders, conn, id, fresh, None).await
+}
+
+/// [`attach`] of a session with uid/gid mapping `id_map`: its lowers are
+/// idmapped by a user namespace with that mapping
+/// (`sys::overlay_fd_mapped`) and its upper's root is owned by the mapped
+/// root (`host_uid:host_gid`), so the session's root sees `/` as its own.
+/// UNSUPPORTED on a kernel without idmapped overlay layers by descriptor
+/// (Linux < 6.13).
+pub(crate) async fn attach_mapped(
+    engine: &Arc<Engine>,
+    holders: &Arc<Holders>,
+    conn: u64,
+    id: SessionId,
+    fresh: Option<MountSpec>,
+    id_map: Option<layerstack_engine::IdMap>,
+) -> Result<OwnedFd, Reply> {
+    let userns = match id_map {
+        None => None,
+        Some(m) => Some(holders.userns(&m).map_err(|e| {
+            Reply::error(
+                ErrorKind::Internal,
+                format!("cannot make a user namespace with the mapping {m} for session {id}: {e}"),
+            )
+        })?),
+    };
     let _g = engine.lock_session(id).await;
     if holders.map().contains_key(&id) {
         return Err(Reply::error(
@@ -504,7 +547,20 @@ pub(crate) async fn attach(
                 ));
             }
         }
-        sys::overlay_fd(&lowers, &upper, &work, volatile).map_err(|e| {
+        if let Some(m) = &id_map {
+            if let Err(e) = std::os::unix::fs::chown(&upper, Some(m.host_uid), Some(m.host_gid)) {
+                return Err(Reply::error(
+                    ErrorKind::Internal,
+                    format!(
+                        "cannot give session {id}'s upper {} to its mapped root {}:{}: {e}",
+                        upper.display(),
+                        m.host_uid,
+                        m.host_gid
+                    ),
+                ));
+            }
+        }
+        sys::overlay_fd_mapped(&lowers, &upper, &work, volatile, userns.as_deref()).map_err(|e| {
             let unsupported = e.source.raw_os_error() == Some(libc::EINVAL)
                 && e.step.starts_with("fsconfig lowerdir+");
             let code = if unsupported {
@@ -752,7 +808,7 @@ impl AdminService {
             return crate::owned::create(self, r).await;
         }
         let (session, spec, created) = self
-            .sandbox_create_spec(r, false, Default::default())
+            .sandbox_create_spec(r, false, Default::default(), None)
             .await?;
         Ok(api::CreateSessionResponse {
             mounts: crate::wire::mounts(&spec),
@@ -765,13 +821,16 @@ impl AdminService {
     /// now. `daemon_owned`: the daemon starts the session's init itself
     /// (recorded on the session: `SessionOptions::daemon_owned`). `reserve`:
     /// what it counts against the pool's CPU and memory budgets (its limits).
+    /// `id_map`: the session's uid/gid mapping (a daemon-owned sandbox's).
     pub(crate) async fn sandbox_create_spec(
         &self,
         r: api::CreateSessionRequest,
         daemon_owned: bool,
         reserve: layerstack_engine::Reservation,
+        id_map: Option<layerstack_engine::IdMap>,
     ) -> Result<(api::Session, MountSpec, bool), Status> {
-        let req = self.sandbox_request(r, daemon_owned, reserve).await?;
+        let mut req = self.sandbox_request(r, daemon_owned, reserve).await?;
+        req.id_map = id_map;
         // A session made ahead never takes the slot of another one made ahead.
         let ahead = req.wasi && req.name == layerstack_engine::store::READY_OWNER;
         let (s, spec, created) = match self.engine.create_sandbox_session(req.clone()).await {
@@ -848,6 +907,7 @@ impl AdminService {
             daemon_owned,
             wasi: r.wasi.is_some(),
             reserve,
+            id_map: None,
         })
     }
 

@@ -228,7 +228,7 @@ async fn make(
         cpu_millis: 0,
         memory_bytes: limits.memory_bytes,
     };
-    let (session, spec, created) = admin.sandbox_create_spec(r, true, reserve).await?;
+    let (session, spec, created) = admin.sandbox_create_spec(r, true, reserve, None).await?;
     let id = session.id;
     let holders = admin.holders.clone();
     if !created && session.released {

@@ -97,6 +97,11 @@ pub fn session(s: &SessionInfo, conflicts: &[PathRecord]) -> api::Session {
             .map(|i| i.as_str().to_string())
             .unwrap_or_default(),
         daemon_owned: s.daemon_owned,
+        id_map: s.id_map.map(|m| api::IdMap {
+            host_uid: m.host_uid,
+            host_gid: m.host_gid,
+            size: m.size,
+        }),
         limits: None,
         branch_created: s.branch_created,
     }

@@ -349,6 +349,8 @@ pub struct SessionInfo {
     /// The daemon itself started and owns the session's init
     /// ([`SessionOptions::daemon_owned`]).
     pub daemon_owned: bool,
+    /// The session's uid/gid mapping ([`SessionOptions::id_map`]).
+    pub id_map: Option<layerstack_types::IdMap>,
     /// The call that created this session also created its branch (it did
     /// not exist: forked from the default branch's head, in the same
     /// transaction). Only in the answer of that call
@@ -380,6 +382,11 @@ pub struct SessionOptions {
     /// restart, knows the init died with the last one: such a session ends
     /// [`OutcomeKind::Interrupted`], never by its exit policy (store format 10).
     pub daemon_owned: bool,
+    /// The session's processes run in a user namespace with this mapping
+    /// (a daemon-owned sandbox's `SandboxOptions.id_map`): its upper holds
+    /// the host's ids of its writes, which the engine shifts back to the
+    /// session's before any capture (store format 17).
+    pub id_map: Option<layerstack_types::IdMap>,
 }
 
 impl SessionInfo {

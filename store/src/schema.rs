@@ -27,9 +27,10 @@
 /// machine); 15 added the parents a node declares that the store does not
 /// hold (`graph_missing_parents`: a node pulled before its parent, issue 23);
 /// 16 added the commands the daemon ran in a rollout attempt's sandbox
-/// (`rollout_execs`: its trajectory as the daemon saw it).
-/// Formats 4 to 15 are migrated at open ([`MIGRATIONS`]).
-pub const FORMAT_VERSION: i64 = 16;
+/// (`rollout_execs`: its trajectory as the daemon saw it); 17 added a
+/// sandbox session's uid/gid mapping (`sessions.id_map`).
+/// Formats 4 to 16 are migrated at open ([`MIGRATIONS`]).
+pub const FORMAT_VERSION: i64 = 17;
 
 /// The daemon's record of a running attempt's commands (format 16), in
 /// [`SCHEMA`] and in the migration from format 15 (`IF NOT EXISTS`: a test
@@ -349,6 +350,12 @@ pub(crate) const MIGRATIONS: &[(i64, &str, &str)] = &[
     // pull dropped it); a pull of that node again records it.
     (14, "graph_missing_parents", graph_missing_parents_table!()),
     (15, "rollout_execs", rollout_execs_table!()),
+    // Additive: no session of an older store had a mapping.
+    (
+        16,
+        "sessions.id_map",
+        "ALTER TABLE sessions ADD COLUMN id_map TEXT;",
+    ),
 ];
 
 pub(crate) const SCHEMA: &str = concat!(
@@ -481,7 +488,9 @@ CREATE INDEX leases_live ON leases(manifest_id) WHERE released_ns IS NULL;
 -- stays as history. `remove_pending`: released while a publish was running; the
 -- directories go when it ends. `daemon_owned`: the daemon started and owns the
 -- session's init (format 10): after a restart such a session ends
--- 'interrupted', never by its policy.
+-- 'interrupted', never by its policy. `id_map`: the session's uid/gid mapping
+-- as `HOST_UID:HOST_GID:SIZE` (format 17; NULL: none): its upper holds host
+-- ids until they are shifted back before capture.
 CREATE TABLE sessions (
     id              INTEGER PRIMARY KEY AUTOINCREMENT,
     owner_kind      TEXT NOT NULL CHECK (owner_kind IN ('container', 'sandbox', 'wasi', 'operation')),
@@ -500,7 +509,8 @@ CREATE TABLE sessions (
     created_ns      INTEGER NOT NULL,
     updated_ns      INTEGER NOT NULL,
     ignore_mtime    INTEGER NOT NULL DEFAULT 0,
-    daemon_owned    INTEGER NOT NULL DEFAULT 0
+    daemon_owned    INTEGER NOT NULL DEFAULT 0,
+    id_map          TEXT
 );
 CREATE INDEX sessions_owner ON sessions(owner_kind, namespace, owner);
 -- Private read-only layers a session sees above its lease, newest first

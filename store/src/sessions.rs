@@ -41,6 +41,7 @@ pub(crate) struct SessRow {
     pub(crate) created_ns: i64,
     pub(crate) ignore_mtime: bool,
     pub(crate) daemon_owned: bool,
+    pub(crate) id_map: Option<layerstack_types::IdMap>,
 }
 
 /// SQL condition on `sessions` columns: the session still needs its directories
@@ -63,7 +64,7 @@ pub enum Claim {
     KeyTaken,
 }
 
-pub(crate) const SESS_COLS: &str = "id, owner_kind, namespace, owner, stack, branch, lease_id, state, run, policy, last_publish, released, remove_pending, idempotency_key, created_ns, ignore_mtime, daemon_owned";
+pub(crate) const SESS_COLS: &str = "id, owner_kind, namespace, owner, stack, branch, lease_id, state, run, policy, last_publish, released, remove_pending, idempotency_key, created_ns, ignore_mtime, daemon_owned, id_map";
 
 /// The owner of session `id` from its columns. Errors: `Corrupt`.
 pub(crate) fn owner_from(
@@ -108,6 +109,7 @@ struct RawSess {
     created_ns: i64,
     ignore_mtime: i64,
     daemon_owned: i64,
+    id_map: Option<String>,
 }
 
 fn raw_sess(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawSess> {
@@ -129,6 +131,7 @@ fn raw_sess(r: &rusqlite::Row<'_>) -> rusqlite::Result<RawSess> {
         created_ns: r.get("created_ns")?,
         ignore_mtime: r.get("ignore_mtime")?,
         daemon_owned: r.get("daemon_owned")?,
+        id_map: r.get("id_map")?,
     })
 }
 
@@ -152,6 +155,13 @@ fn sess_from_raw(raw: RawSess) -> Result<SessRow, StoreError> {
         created_ns: raw.created_ns,
         ignore_mtime: raw.ignore_mtime != 0,
         daemon_owned: raw.daemon_owned != 0,
+        id_map: raw
+            .id_map
+            .map(|m| {
+                m.parse()
+                    .map_err(|e| StoreError::corrupt("sessions", id, format!("id_map: {e}")))
+            })
+            .transpose()?,
     })
 }
 
@@ -392,6 +402,7 @@ impl Store {
             created_ns: s.created_ns,
             ignore_mtime: s.ignore_mtime,
             daemon_owned: s.daemon_owned,
+            id_map: s.id_map,
             branch_created: false,
         })
     }
@@ -1064,10 +1075,15 @@ fn complete_release_in(tx: &rusqlite::Transaction<'_>, sid: SessionId) -> Result
 /// the init. The owner's name is not one: it is a label, and a retry from
 /// another process may carry another default name.
 pub(crate) fn session_args(opts: &SessionOptions) -> KeyArgs {
-    KeyArgs::new()
+    let args = KeyArgs::new()
         .with("policy", opts.exit_policy.as_deref().unwrap_or(""))
         .with("ignore_mtime", opts.ignore_mtime)
-        .with("daemon_owned", opts.daemon_owned)
+        .with("daemon_owned", opts.daemon_owned);
+    // Only when set: a key recorded before format 17 still matches.
+    match opts.id_map {
+        Some(m) => args.with("id_map", m),
+        None => args,
+    }
 }
 
 /// Records capture's `ignore_mtime` and `daemon_owned` on session `sid`
@@ -1078,8 +1094,13 @@ pub(crate) fn set_options(
     opts: &SessionOptions,
 ) -> Result<(), StoreError> {
     tx.exec(
-        "UPDATE sessions SET ignore_mtime = ?2, daemon_owned = ?3 WHERE id = ?1",
-        params![sid, opts.ignore_mtime as i64, opts.daemon_owned as i64],
+        "UPDATE sessions SET ignore_mtime = ?2, daemon_owned = ?3, id_map = ?4 WHERE id = ?1",
+        params![
+            sid,
+            opts.ignore_mtime as i64,
+            opts.daemon_owned as i64,
+            opts.id_map.map(|m| m.to_string())
+        ],
     )?;
     Ok(())
 }

@@ -896,6 +896,7 @@ fn a_format_9_store_is_migrated_and_keeps_its_attempts_and_their_ids() {
 /// Turns a current store's `sessions` back into format 11's (no owner kind
 /// `wasi`), as an older build left it.
 const TO_FORMAT_11: &str = "
+     ALTER TABLE sessions DROP COLUMN id_map;
      ALTER TABLE rollout_attempts DROP COLUMN worker;
      CREATE TABLE sessions_old (
         id              INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -2911,7 +2912,8 @@ fn a_remote_attempt_survives_recovery_and_ends_once_with_a_child_of_its_node() {
 }
 
 /// Turns a format 14 store into what format 13 was: no `rollout_attempts.worker`.
-const TO_FORMAT_13: &str = "ALTER TABLE rollout_attempts DROP COLUMN worker;
+const TO_FORMAT_13: &str = "ALTER TABLE sessions DROP COLUMN id_map;
+     ALTER TABLE rollout_attempts DROP COLUMN worker;
      UPDATE meta SET value = '13' WHERE key = 'format_version';";
 
 #[test]
@@ -3324,7 +3326,8 @@ fn layer_blobs_are_recorded_found_by_diff_id_and_go_with_their_layer() {
 
 /// Turns a format 14 store into what format 12 was: no `layer_blobs`, no
 /// `rollout_attempts.worker`.
-const TO_FORMAT_12: &str = "ALTER TABLE rollout_attempts DROP COLUMN worker;
+const TO_FORMAT_12: &str = "ALTER TABLE sessions DROP COLUMN id_map;
+     ALTER TABLE rollout_attempts DROP COLUMN worker;
      DROP TABLE layer_blobs;
      UPDATE meta SET value = '12' WHERE key = 'format_version';";
 
@@ -4009,7 +4012,8 @@ fn a_node_pulled_before_its_parent_keeps_it_declared_and_is_linked_when_it_arriv
 
 /// Turns a format 15 store into what format 14 was: no
 /// `graph_missing_parents` (a pulled node's absent parents were dropped).
-const TO_FORMAT_14: &str = "DROP TABLE graph_missing_parents;
+const TO_FORMAT_14: &str = "ALTER TABLE sessions DROP COLUMN id_map;
+     DROP TABLE graph_missing_parents;
      UPDATE meta SET value = '14' WHERE key = 'format_version';";
 
 /// A format 14 store is migrated: its nodes keep their edges (every parent
@@ -4072,6 +4076,63 @@ fn a_format_14_store_is_migrated_and_records_declared_parents_from_then_on() {
 /// A format 15 store is migrated: it gets `rollout_execs`, and a running
 /// attempt's commands are recorded from then on.
 #[test]
+fn a_format_16_store_is_migrated_and_records_id_maps() {
+    let d = tmp();
+    let s = open(d.path());
+    let top = unpack(&s, "default");
+    s.prepare("default/5/m", &top, BTreeMap::new(), false)
+        .unwrap();
+    let stack = s.find_session("default", "m").unwrap().unwrap().stack;
+    let main = LeaseTarget::Branch("main".into());
+    let (old, _, _) = s
+        .create_session_with(
+            &Owner::Sandbox { name: "old".into() },
+            &stack,
+            &main,
+            Some("k-old"),
+            &SessionOptions::default(),
+        )
+        .unwrap();
+    drop(s);
+    let conn = rusqlite::Connection::open(d.path().join("root/store.db")).unwrap();
+    conn.execute_batch(
+        "ALTER TABLE sessions DROP COLUMN id_map;
+         UPDATE meta SET value = '16' WHERE key = 'format_version';",
+    )
+    .unwrap();
+    drop(conn);
+    let s = open(d.path());
+    assert_eq!(format_version(&s), FORMAT_VERSION.to_string());
+    assert_eq!(s.session(old.id).unwrap().id_map, None);
+    // A key recorded before the column still answers its session.
+    let (again, _, created) = s
+        .create_session_with(
+            &Owner::Sandbox { name: "old".into() },
+            &stack,
+            &main,
+            Some("k-old"),
+            &SessionOptions::default(),
+        )
+        .unwrap();
+    assert_eq!((again.id, created), (old.id, false));
+    let map = Some("100000:100000:65536".parse().unwrap());
+    let (new, _, _) = s
+        .create_session_with(
+            &Owner::Sandbox { name: "new".into() },
+            &stack,
+            &main,
+            None,
+            &SessionOptions {
+                id_map: map,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+    assert_eq!(new.id_map, map);
+    assert_eq!(s.session(new.id).unwrap().id_map, map);
+}
+
+#[test]
 fn a_format_15_store_is_migrated_and_records_rollout_commands() {
     let d = tmp();
     let (s, _run, root) = rollout_store(d.path());
@@ -4079,7 +4140,8 @@ fn a_format_15_store_is_migrated_and_records_rollout_commands() {
     drop(s);
     let conn = rusqlite::Connection::open(d.path().join("root/store.db")).unwrap();
     conn.execute_batch(
-        "DROP TABLE rollout_execs;
+        "ALTER TABLE sessions DROP COLUMN id_map;
+         DROP TABLE rollout_execs;
          UPDATE meta SET value = '15' WHERE key = 'format_version';",
     )
     .unwrap();
@@ -4116,6 +4178,7 @@ fn a_ready_session_is_claimed_once_on_its_head_and_stale_once_the_branch_moved()
         exit_policy: Some("on-success".into()),
         ignore_mtime: true,
         daemon_owned: true,
+        id_map: Some("100000:100000:65536".parse().unwrap()),
     };
     let me = Owner::Wasi { name: "me".into() };
     // Claimed: the caller's owner, key and options; the same lease.
@@ -4138,6 +4201,16 @@ fn a_ready_session_is_claimed_once_on_its_head_and_stale_once_the_branch_moved()
         .create_session_with(&me, &stack, &main, Some("k-1"), &opts)
         .unwrap();
     assert_eq!((again.id, created), (r1.id, false));
+    assert_eq!(again.id_map, opts.id_map);
+    assert_eq!(s.session(r1.id).unwrap().id_map, opts.id_map);
+    // The same key with another mapping is refused.
+    let remapped = SessionOptions {
+        id_map: Some("200000:200000:65536".parse().unwrap()),
+        ..opts.clone()
+    };
+    assert!(s
+        .create_session_with(&me, &stack, &main, Some("k-1"), &remapped)
+        .is_err());
     assert!(matches!(
         s.claim_ready_session(r2.id, &me, Some("k-1"), &opts)
             .unwrap(),

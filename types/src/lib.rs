@@ -11,6 +11,7 @@
 //! * [`OutcomeKind`], [`Interruption`], [`PathStatus`], [`SessionState`],
 //!   [`OwnerKind`]: the names of the model's states as the store records them
 //!   and the wire carries them.
+//! * [`IdMap`]: a session's uid/gid mapping (its user namespace).
 //! * [`IMPORT_STACK_PREFIX`]: how an imported base's stack id begins.
 //!
 //! ```
@@ -26,12 +27,14 @@
 #![forbid(unsafe_code)]
 
 mod error;
+mod idmap;
 pub mod labels;
 mod names;
 pub mod policy;
 pub mod time;
 
 pub use error::{error_chain, is_no_space, ErrorKind};
+pub use idmap::{BadIdMap, IdMap};
 pub use names::{Interruption, OutcomeKind, OwnerKind, PathStatus, SessionState};
 
 /// The prefix of the id of a stack whose base was imported without containerd

@@ -376,6 +376,32 @@ def test_a_memory_limit_kills_what_allocates_past_it(daemon: Daemon) -> None:
     assert (out.signal, out.oom_killed) == (9, True), out
 
 
+def test_an_id_map_runs_the_sandbox_as_an_unprivileged_host_uid(daemon: Daemon) -> None:
+    m = (100000, 100000, 65536)
+    with layerstack.connect(daemon.admin) as c:
+        root = _graph(c, daemon.stack)
+        with c.sandbox(node=root, id_map=m, user=(1000, 1000)) as sb:
+            assert sb.session.id_map == m, sb.session
+            out = sb.exec(["cat", "/proc/self/uid_map"], user=(0, 0))
+            assert out.stdout.split() == [b"0", b"100000", b"65536"], out
+            st = sb.files.write("/work/mine", "x")
+            assert (st.uid, st.gid) == (1000, 1000), st
+            assert sb.exec(["ls", "-ln", "/work/mine"]).stdout.split()[2:4] == [b"1000", b"1000"]
+            end = sb.close(checkpoint=True)
+        assert end.node, end
+        # The node's layer holds the sandbox's ids: an unmapped sandbox sees them.
+        with c.sandbox(node=end.node) as child:
+            assert child.session.id_map is None
+            assert child.files.stat("/work/mine").uid == 1000
+            assert child.exec(["ls", "-ln", "/work/mine"]).stdout.split()[2:4] == [b"1000", b"1000"]
+        with pytest.raises(layerstack.InvalidArgumentError, match="id_map.host_uid 10 "):
+            c.sandbox(daemon.stack, id_map=(10, 100000, 65536))
+        with pytest.raises(layerstack.InvalidArgumentError, match="outside"):
+            c.sandbox(daemon.stack, id_map=m, user=(70000, 0))
+        with pytest.raises(ValueError):
+            c.sandbox(daemon.stack, id_map=(100000, 100000))  # type: ignore[arg-type]
+
+
 _AS_USER = """
 import json, sys, layerstack
 with layerstack.connect(sys.argv[1]) as c, c.sandbox(sys.argv[2]) as sb:

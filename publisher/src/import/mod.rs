@@ -282,6 +282,7 @@ pub fn import_tree(
                 &tarball::ApplyOptions {
                     origin: &origin,
                     refuse_layout: options.kind == ImportKind::Auto,
+                    shift: None,
                 },
             )?;
         }
@@ -367,6 +368,20 @@ pub fn extract_tar_into(
     r: impl Read,
     origin: &str,
 ) -> Result<ImportReport, ImportError> {
+    extract_tar_into_shifted(dir, r, origin, None)
+}
+
+/// [`extract_tar_into`] with every entry's owner shifted into a uid/gid
+/// mapping `(host_uid, host_gid, size)`: uid `u` is written as
+/// `host_uid + u` (a session whose processes run in a user namespace with
+/// that mapping sees `u`); an owner ≥ `size` refuses the archive
+/// ([`ImportError::Refused`]).
+pub fn extract_tar_into_shifted(
+    dir: &Path,
+    r: impl Read,
+    origin: &str,
+    shift: Option<(u32, u32, u32)>,
+) -> Result<ImportReport, ImportError> {
     let mut stage = stage::Stage::untracked(dir);
     stage.keep_root = true;
     tarball::apply_file(
@@ -375,6 +390,7 @@ pub fn extract_tar_into(
         &tarball::ApplyOptions {
             origin,
             refuse_layout: false,
+            shift,
         },
     )?;
     let mut report = stage.finish().map_err(finish_err(dir))?;
@@ -456,6 +472,7 @@ pub fn apply_layer_tar(
         &tarball::ApplyOptions {
             origin,
             refuse_layout: false,
+            shift: None,
         },
     )?;
     let mut report = stage.finish().map_err(finish_err(dir))?;
@@ -499,6 +516,7 @@ pub fn flatten_layer_tars<'a>(
             &tarball::ApplyOptions {
                 origin: &origin,
                 refuse_layout: false,
+                shift: None,
             },
         )?;
         n += 1;

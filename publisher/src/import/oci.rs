@@ -392,6 +392,7 @@ pub(crate) fn import_layout(
             &ApplyOptions {
                 origin: &origin,
                 refuse_layout: false,
+                shift: None,
             },
         )?;
         if let Some(ids) = &diff_ids {

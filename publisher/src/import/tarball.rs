@@ -71,6 +71,11 @@ pub(crate) struct ApplyOptions<'a> {
     /// Refuse an archive that holds an OCI image layout (its top level has
     /// `oci-layout`): the kind was guessed, and that guess would be wrong.
     pub refuse_layout: bool,
+    /// Shift every entry's owner into a uid/gid mapping: `(host_uid,
+    /// host_gid, size)` — an entry's uid `u` is written as `host_uid + u`;
+    /// an id ≥ `size` is refused (an extraction into a session whose
+    /// processes run in a user namespace with that mapping).
+    pub shift: Option<(u32, u32, u32)>,
 }
 
 /// Applies the (decompressed) layer tar `r` onto `stage`; reads the archive
@@ -135,10 +140,20 @@ pub(crate) fn apply(
             last = Some(raw.clone());
             continue;
         };
-        let meta = meta_of(&mut entry).map_err(|e| match e {
+        let mut meta = meta_of(&mut entry).map_err(|e| match e {
             MetaError::Refused(why) => refused(why),
             MetaError::Read(e) => read_err(&last)(e),
         })?;
+        if let Some((hu, hg, size)) = opts.shift {
+            if meta.uid >= size || meta.gid >= size {
+                return Err(refused(format!(
+                    "its owner {}:{} is outside the session's uid/gid mapping (ids 0..{size})",
+                    meta.uid, meta.gid
+                )));
+            }
+            meta.uid += hu;
+            meta.gid += hg;
+        }
         let (parent, name) = crate::fsx::split_parent(&rel);
         let parent = parent.to_vec();
         let staged = |e: StageError| match e {

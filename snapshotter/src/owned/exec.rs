@@ -14,6 +14,14 @@ fn command(l: &Live, r: &api::ExecRequest) -> Result<Command, Status> {
     } else {
         d.user
     };
+    if let (Some((u, g)), Some(m)) = (ids, d.id_map) {
+        if u >= m.size || g >= m.size {
+            return Err(Status::invalid_argument(format!(
+                "user {u}:{g} is outside session {}'s uid/gid mapping {m} (ids 0..{}): give ids below {}",
+                r.session_id, m.size, m.size
+            )));
+        }
+    }
     let uid = ids.map_or(0, |(u, _)| u);
     let mut env: Vec<(String, String)> = vec![
         ("PATH".into(), DEFAULT_PATH.into()),
@@ -48,6 +56,7 @@ fn command(l: &Live, r: &api::ExecRequest) -> Result<Command, Status> {
         name: first.as_bytes().to_vec(),
         ids,
         workdir: CString::new(cwd).map_err(|_| nul("cwd"))?,
+        userns: d.id_map.is_some(),
     })
 }
 

@@ -240,13 +240,45 @@ fn openat2_beneath_dir(dir: &OwnedFd, root: &OwnedFd, name: &CString) -> io::Res
     }
 }
 
-fn owner_of(l: &Served, has: bool, uid: u32, gid: u32) -> Option<(u32, u32)> {
-    if has {
+/// The host ids of what a file RPC creates: the request's owner, else the
+/// session's default user; in a session with a uid/gid mapping, that owner
+/// (or `0:0`) shifted to the host's ids (INVALID_ARGUMENT outside the
+/// mapping).
+fn owner_of(l: &Served, has: bool, uid: u32, gid: u32) -> Result<Option<(u32, u32)>, Status> {
+    let owner = if has {
         Some((uid, gid))
     } else {
         l.default_user()
+    };
+    match l.id_map() {
+        None => Ok(owner),
+        Some(m) => {
+            let (u, g) = owner.unwrap_or((0, 0));
+            match (m.uid_to_host(u), m.gid_to_host(g)) {
+                (Some(hu), Some(hg)) => Ok(Some((hu, hg))),
+                _ => Err(Status::invalid_argument(format!(
+                    "owner {u}:{g} is outside the session's uid/gid mapping {m} (ids 0..{}): give ids below {}",
+                    m.size, m.size
+                ))),
+            }
+        }
     }
 }
+
+/// `st`'s ids as the session sees them: with a mapping, the host's ids
+/// shifted back (65534, the kernel's overflow id, for one outside it, as
+/// the session's processes see it).
+fn seen_ids(map: Option<layerstack_engine::IdMap>, mut st: api::FileStat) -> api::FileStat {
+    if let Some(m) = map {
+        st.uid = m.uid_from_host(st.uid).unwrap_or(OVERFLOW_ID);
+        st.gid = m.gid_from_host(st.gid).unwrap_or(OVERFLOW_ID);
+    }
+    st
+}
+
+/// The id an unmapped id shows as inside a user namespace
+/// (`/proc/sys/kernel/overflowuid`'s default).
+const OVERFLOW_ID: u32 = 65534;
 
 /// `ReadFile`.
 pub(crate) async fn read_file(
@@ -327,7 +359,8 @@ pub(crate) async fn write_file(
             h.path
         )));
     }
-    let owner = owner_of(&l, h.has_owner, h.uid, h.gid);
+    let owner = owner_of(&l, h.has_owner, h.uid, h.gid)?;
+    let map = l.id_map();
     let mode = if h.mode == 0 { 0o644 } else { h.mode & 0o7777 };
     let path = h.path.clone();
     let (ctx, crx) = std::sync::mpsc::sync_channel::<Vec<u8>>(4);
@@ -377,7 +410,9 @@ pub(crate) async fn write_file(
             let _ = at_unlinkat(&dir, tmp.as_str(), false);
             return Err(file_status(&path, "cannot write", &e));
         }
-        stat_at(&dir, name.as_bytes()).map_err(|e| file_status(&path, "cannot stat", &e))
+        stat_at(&dir, name.as_bytes())
+            .map(|st| seen_ids(map, st))
+            .map_err(|e| file_status(&path, "cannot stat", &e))
     });
     let feed = async {
         if !first.data.is_empty() && ctx.send(first.data).is_err() {
@@ -426,7 +461,8 @@ pub(crate) async fn list_dir(
     admin: &AdminService,
     r: api::ListDirRequest,
 ) -> Result<api::ListDirResponse, Status> {
-    let (_l, root) = served_root(admin, r.session_id).await?;
+    let (l, root) = served_root(admin, r.session_id).await?;
+    let map = l.id_map();
     let rel = rel_path(&r.path)?;
     let path = r.path.clone();
     tokio::task::spawn_blocking(move || {
@@ -437,7 +473,7 @@ pub(crate) async fn list_dir(
         let mut entries = Vec::with_capacity(names.len());
         for n in names {
             match stat_at(&fd, &n) {
-                Ok(s) => entries.push(s),
+                Ok(s) => entries.push(seen_ids(map, s)),
                 // Removed meanwhile.
                 Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
                 Err(e) => return Err(file_status(&path, "cannot stat an entry of", &e)),
@@ -454,17 +490,20 @@ pub(crate) async fn stat_path(
     admin: &AdminService,
     r: api::StatPathRequest,
 ) -> Result<api::FileStat, Status> {
-    let (_l, root) = served_root(admin, r.session_id).await?;
+    let (l, root) = served_root(admin, r.session_id).await?;
+    let map = l.id_map();
     let rel = rel_path(&r.path)?;
     let path = r.path;
     if rel.is_empty() {
         let st = nix::sys::stat::fstat(root.as_raw_fd())
             .map_err(|e| file_status(&path, "cannot stat", &nix_io(e)))?;
-        return Ok(stat_of(b"", &st, None));
+        return Ok(seen_ids(map, stat_of(b"", &st, None)));
     }
     let (parent, name) =
         open_parent(&root, &rel, false, None).map_err(|e| file_status(&path, "cannot stat", &e))?;
-    stat_at(&parent, name).map_err(|e| file_status(&path, "cannot stat", &e))
+    stat_at(&parent, name)
+        .map(|st| seen_ids(map, st))
+        .map_err(|e| file_status(&path, "cannot stat", &e))
 }
 
 /// Removes `name` in `dir` and, for a directory, everything below it; never
@@ -576,7 +615,12 @@ pub(crate) async fn upload_tar(
     })?;
     let (l, root) = served_root(admin, first.session_id).await?;
     let rel = rel_path(&first.path)?;
-    let owner = l.default_user();
+    let map = l.id_map();
+    let owner = match map {
+        // Directories the upload makes: the session's root's.
+        Some(_) => owner_of(&l, false, 0, 0)?,
+        None => l.default_user(),
+    };
     let path = first.path.clone();
     let make = first.make_parents;
     let (ctx, crx) = std::sync::mpsc::sync_channel::<Vec<u8>>(4);
@@ -599,18 +643,24 @@ pub(crate) async fn upload_tar(
             cur: Vec::new(),
             pos: 0,
         };
-        let rep = layerstack_engine::publisher::extract_tar_into(&base, reader, "the uploaded tar")
-            .map_err(|e| {
-                let msg = format!("upload into {path:?}: {}", api::error_chain(&e));
-                match e {
-                    layerstack_engine::publisher::ImportError::Invalid(_)
-                    | layerstack_engine::publisher::ImportError::Refused { .. }
-                    | layerstack_engine::publisher::ImportError::Archive { .. } => {
-                        Status::invalid_argument(msg)
-                    }
-                    _ => Status::internal(msg),
+        let shift = map.map(|m| (m.host_uid, m.host_gid, m.size));
+        let rep = layerstack_engine::publisher::extract_tar_into_shifted(
+            &base,
+            reader,
+            "the uploaded tar",
+            shift,
+        )
+        .map_err(|e| {
+            let msg = format!("upload into {path:?}: {}", api::error_chain(&e));
+            match e {
+                layerstack_engine::publisher::ImportError::Invalid(_)
+                | layerstack_engine::publisher::ImportError::Refused { .. }
+                | layerstack_engine::publisher::ImportError::Archive { .. } => {
+                    Status::invalid_argument(msg)
                 }
-            })?;
+                _ => Status::internal(msg),
+            }
+        })?;
         drop(dir);
         Ok(api::UploadTarResponse {
             files: rep.files,
@@ -670,11 +720,18 @@ impl Write for ChunkWriter {
     }
 }
 
-fn header_of(st: &nix::sys::stat::FileStat) -> tar::Header {
+fn header_of(st: &nix::sys::stat::FileStat, map: Option<layerstack_engine::IdMap>) -> tar::Header {
     let mut h = tar::Header::new_gnu();
     h.set_mode(st.st_mode & 0o7777);
-    h.set_uid(st.st_uid.into());
-    h.set_gid(st.st_gid.into());
+    let (uid, gid) = match map {
+        Some(m) => (
+            m.uid_from_host(st.st_uid).unwrap_or(OVERFLOW_ID),
+            m.gid_from_host(st.st_gid).unwrap_or(OVERFLOW_ID),
+        ),
+        None => (st.st_uid, st.st_gid),
+    };
+    h.set_uid(uid.into());
+    h.set_gid(gid.into());
     h.set_mtime(u64::try_from(st.st_mtime).unwrap_or(0));
     h.set_size(0);
     h
@@ -687,9 +744,10 @@ fn append_at(
     dir: &OwnedFd,
     name: &OsStr,
     at: &std::path::Path,
+    map: Option<layerstack_engine::IdMap>,
 ) -> io::Result<()> {
     let st = at_fstatat(dir, name)?;
-    let mut h = header_of(&st);
+    let mut h = header_of(&st, map);
     match kind_of(st.st_mode) {
         "file" => {
             let fd = at_openat(
@@ -718,7 +776,7 @@ fn append_at(
             )?;
             for n in dir_names(&sub)? {
                 let c = OsStr::from_bytes(&n);
-                append_at(b, &sub, c, &at.join(c))?;
+                append_at(b, &sub, c, &at.join(c), map)?;
             }
             Ok(())
         }
@@ -746,7 +804,8 @@ pub(crate) async fn download_tar(
     admin: &AdminService,
     r: api::DownloadTarRequest,
 ) -> Result<Stream<api::FileChunk>, Status> {
-    let (_l, root) = served_root(admin, r.session_id).await?;
+    let (l, root) = served_root(admin, r.session_id).await?;
+    let map = l.id_map();
     let rel = rel_path(&r.path)?;
     let path = r.path;
     let (parent, name) = if rel.is_empty() {
@@ -772,7 +831,7 @@ pub(crate) async fn download_tar(
         let mut b = tar::Builder::new(w);
         b.follow_symlinks(false);
         let n = OsStr::from_bytes(&name);
-        let r = append_at(&mut b, &parent, n, std::path::Path::new(n))
+        let r = append_at(&mut b, &parent, n, std::path::Path::new(n), map)
             .and_then(|()| b.into_inner())
             .and_then(|mut w| w.flush());
         if let Err(e) = r {

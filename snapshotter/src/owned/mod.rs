@@ -87,6 +87,9 @@ pub struct Defaults {
     pub limits: layerstack_sandbox::cgroup::Limits,
     /// It shares the daemon's network namespace.
     pub network: bool,
+    /// Its uid/gid mapping: Exec joins its user namespace, and the file RPCs
+    /// translate ids between the session's and the host's.
+    pub id_map: Option<layerstack_engine::IdMap>,
 }
 
 /// What the daemon applies to every daemon-owned session: cgroup limits and
@@ -99,6 +102,8 @@ pub struct SessionLimits {
     pub defaults: Limits,
     /// The daemon's sockets (admin, mount, snapshots).
     pub sockets: Vec<std::path::PathBuf>,
+    /// `[sandbox] id_map`: the uid/gid mapping of a session that gives none.
+    pub id_map: Option<layerstack_engine::IdMap>,
 }
 
 /// The limits a session gets: each field of `opts` given, else the daemon's
@@ -241,6 +246,33 @@ pub(crate) async fn create(
     }
     let rt = admin.holders.limits.get().cloned();
     let limits = session_limits(&opts, rt.as_ref().map(|r| r.defaults).unwrap_or_default())?;
+    let id_map = match &opts.id_map {
+        Some(m) => {
+            let m = layerstack_engine::IdMap {
+                host_uid: m.host_uid,
+                host_gid: m.host_gid,
+                size: m.size,
+            };
+            m.validate()
+                .map_err(|e| Status::invalid_argument(format!("sandbox.{e}")))?;
+            Some(m)
+        }
+        None => rt.as_ref().and_then(|r| r.id_map),
+    };
+    if let (Some(m), Some(p)) = (&id_map, &placement) {
+        return Err(Status::invalid_argument(format!(
+            "sandbox.placement {p:?} with the uid/gid mapping {m}: a workspace-mode session keeps the host's tree, whose ids the session's user namespace does not map; give no placement (the session's tree becomes its root){}",
+            if opts.id_map.is_none() { " (the mapping is the daemon's [sandbox] id_map)" } else { ", or no id_map" }
+        )));
+    }
+    if let Some((u, g)) = opts.has_user.then_some((opts.uid, opts.gid)) {
+        if let Some(m) = id_map.filter(|m| u >= m.size || g >= m.size) {
+            return Err(Status::invalid_argument(format!(
+                "sandbox user {u}:{g} is outside the session's uid/gid mapping {m} (ids 0..{}): give ids below {}",
+                m.size, m.size
+            )));
+        }
+    }
     if !limits.is_empty() {
         // Unavailable controllers are refused before a session is made.
         match rt.as_ref().and_then(|r| r.cgroups.as_ref()) {
@@ -260,8 +292,11 @@ pub(crate) async fn create(
         cpu_millis: limits.cpu_millis,
         memory_bytes: limits.memory_bytes,
     };
-    let (session, spec, created) = admin.sandbox_create_spec(r, true, reserve).await?;
+    let (session, spec, created) = admin.sandbox_create_spec(r, true, reserve, id_map).await?;
     let id = session.id;
+    // The mapping recorded with the session (a retry of its key had to give
+    // the same).
+    let session_id_map = id_map;
     let holders = admin.holders.clone();
     if !created && session.released {
         // A retry of a key whose session ended: its end as recorded.
@@ -295,9 +330,16 @@ pub(crate) async fn create(
         }
         let procs = cgroup.as_ref().map(|c| c.procs_fds()).unwrap_or_default();
         let keep_cg = cgroup.clone();
-        let fd = crate::sandbox::attach(&admin.engine, &holders, conn, id, Some(spec.clone()))
-            .await
-            .map_err(reply_status)?;
+        let fd = crate::sandbox::attach_mapped(
+            &admin.engine,
+            &holders,
+            conn,
+            id,
+            Some(spec.clone()),
+            session_id_map,
+        )
+        .await
+        .map_err(reply_status)?;
         let sp = spawner(&holders)?;
         let placement_c = match &placement {
             None => Placement::Root,
@@ -310,6 +352,7 @@ pub(crate) async fn create(
             net_none: !opts.network,
             hostname: hostname.clone().into_bytes(),
             hide,
+            id_map: session_id_map,
         };
         let req = spawner::init_request(&init, fd.as_raw_fd(), &procs)
             .map_err(|e| io_status("the init's spawn request", &e))?;
@@ -393,6 +436,7 @@ pub(crate) async fn create(
         cgroup: cgroup.clone(),
         limits,
         network: opts.network,
+        id_map: session_id_map,
     });
     {
         let mut m = holders.map();
@@ -569,6 +613,14 @@ impl Served {
     fn default_user(&self) -> Option<(u32, u32)> {
         match self {
             Served::Init(l) => l.owned.as_ref().and_then(|d| d.user),
+            Served::Wasi(_) => None,
+        }
+    }
+
+    /// The session's uid/gid mapping (a daemon-owned sandbox's).
+    fn id_map(&self) -> Option<layerstack_engine::IdMap> {
+        match self {
+            Served::Init(l) => l.owned.as_ref().and_then(|d| d.id_map),
             Served::Wasi(_) => None,
         }
     }

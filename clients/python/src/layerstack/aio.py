@@ -432,6 +432,7 @@ class AsyncClient:
         executor: str = "linux",
         fuel: Optional[int] = None,
         run_timeout_s: Optional[float] = None,
+        id_map: Optional[Tuple[int, int, int]] = None,
     ) -> "_SandboxStart":
         """A new daemon-owned sandbox; arguments, answers and errors as
         :meth:`layerstack.Client.sandbox`. ``await`` it, or ``async with`` it."""
@@ -448,6 +449,7 @@ class AsyncClient:
             mount_at=mount_at,
             fuel=fuel,
             run_timeout_s=run_timeout_s,
+            id_map=id_map,
         )
         req = create_request(
             self.namespace,

@@ -310,6 +310,7 @@ class Client:
         executor: str = "linux",
         fuel: Optional[int] = None,
         run_timeout_s: Optional[float] = None,
+        id_map: Optional[Tuple[int, int, int]] = None,
     ) -> Sandbox:
         """A new daemon-owned sandbox on ``stack`` (a stack id, image reference
         or base digest; ``branch`` default the daemon's) or as an attempt of
@@ -353,6 +354,13 @@ class Client:
                 per wasm instruction) and ``run_timeout_s`` (per run, when
                 ``exec`` gives no ``timeout_s``) apply; the others raise
                 ValueError. Defaults: the daemon's (10^10 fuel, 256 MiB, 60 s).
+            id_map: ``(host_uid, host_gid, size)``: the sandbox's processes
+                run in a user namespace whose ids ``0..size`` are the host's
+                ``host_uid..`` and ``host_gid..`` (its root is not the
+                host's root); host ids must be >= size. Layers, ``exec``'s
+                ``user`` and the file calls' owners stay the sandbox's ids.
+                None: the daemon's ``[sandbox] id_map`` (none unless
+                configured). Not with ``mount_at``. Linux >= 6.13.
 
         Use it as a context manager: leaving the block unclosed discards its
         writes. A ``branch`` that does not exist is made from the default
@@ -374,6 +382,7 @@ class Client:
             mount_at=mount_at,
             fuel=fuel,
             run_timeout_s=run_timeout_s,
+            id_map=id_map,
         )
         req = create_request(
             self.namespace,

@@ -352,6 +352,7 @@ def sandbox_options(
     memory_bytes: Optional[int] = None,
     pids: Optional[int] = None,
     mount_at: Optional[str] = None,
+    id_map: Optional[Tuple[int, int, int]] = None,
 ) -> Any:
     if mount_at is not None and not str(mount_at).startswith("/"):
         raise ValueError(f"mount_at={mount_at!r}: give an absolute directory on the daemon's host")
@@ -372,6 +373,10 @@ def sandbox_options(
         if isinstance(v, bool) or not isinstance(v, int) or v < 0:
             raise ValueError(f"{field}={v!r}: give a whole number >= 0 (0: no limit) or None (the daemon's default)")
         setattr(o, field, v)
+    if id_map is not None:
+        if len(id_map) != 3 or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in id_map):
+            raise ValueError(f"id_map={id_map!r}: give (host_uid, host_gid, size), whole numbers >= 0")
+        o.id_map.CopyFrom(pb.IdMap(host_uid=id_map[0], host_gid=id_map[1], size=id_map[2]))
     return o
 
 
@@ -389,6 +394,7 @@ def executor_options(
     mount_at: Optional[str],
     fuel: Optional[int],
     run_timeout_s: Optional[float],
+    id_map: Optional[Tuple[int, int, int]] = None,
 ) -> Tuple[Any, Any]:
     """``(SandboxOptions, None)`` for ``executor="linux"``, ``(None,
     WasiOptions)`` for ``"wasi"`` (``CreateSessionRequest.sandbox`` /
@@ -406,6 +412,7 @@ def executor_options(
             cpu_millis=cpu_millis,
             pids=pids,
             mount_at=mount_at,
+            id_map=id_map,
         )
     if executor != "linux":
         raise ValueError(f"executor={executor!r}: give one of {', '.join(EXECUTORS)}")
@@ -422,6 +429,7 @@ def executor_options(
             memory_bytes=memory_bytes,
             pids=pids,
             mount_at=mount_at,
+            id_map=id_map,
         ),
         None,
     )

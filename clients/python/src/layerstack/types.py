@@ -159,6 +159,9 @@ class Session:
             session: its branch did not exist and that call created it, forked
             from the default branch's head (a misspelt branch name makes a new
             branch; this tells). ``False`` in every later answer.
+        id_map: the sandbox's uid/gid mapping ``(host_uid, host_gid,
+            size)`` (``Client.sandbox(id_map=…)`` or the daemon's default);
+            ``None``: its root is the host's root.
     """
 
     id: int
@@ -185,6 +188,7 @@ class Session:
     daemon_owned: bool = False
     limits: Optional[SandboxLimits] = None
     branch_created: bool = False
+    id_map: Optional[Tuple[int, int, int]] = None
 
     @classmethod
     def from_pb(cls, s: pb.Session) -> "Session":
@@ -222,6 +226,9 @@ class Session:
                 else None
             ),
             branch_created=s.branch_created,
+            id_map=(
+                (s.id_map.host_uid, s.id_map.host_gid, s.id_map.size) if s.HasField("id_map") else None
+            ),
         )
 
     @classmethod

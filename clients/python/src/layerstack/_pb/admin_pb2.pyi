@@ -703,7 +703,7 @@ class WasiOptions(_message.Message):
     def __init__(self, fuel: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., deadline_ms: _Optional[int] = ..., env: _Optional[_Iterable[str]] = ..., output_bytes: _Optional[int] = ...) -> None: ...
 
 class SandboxOptions(_message.Message):
-    __slots__ = ("network", "has_user", "uid", "gid", "workdir", "env", "placement", "hostname", "cpu_millis", "memory_bytes", "pids")
+    __slots__ = ("network", "has_user", "uid", "gid", "workdir", "env", "placement", "hostname", "cpu_millis", "memory_bytes", "pids", "id_map")
     NETWORK_FIELD_NUMBER: _ClassVar[int]
     HAS_USER_FIELD_NUMBER: _ClassVar[int]
     UID_FIELD_NUMBER: _ClassVar[int]
@@ -715,6 +715,7 @@ class SandboxOptions(_message.Message):
     CPU_MILLIS_FIELD_NUMBER: _ClassVar[int]
     MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     PIDS_FIELD_NUMBER: _ClassVar[int]
+    ID_MAP_FIELD_NUMBER: _ClassVar[int]
     network: bool
     has_user: bool
     uid: int
@@ -726,7 +727,18 @@ class SandboxOptions(_message.Message):
     cpu_millis: int
     memory_bytes: int
     pids: int
-    def __init__(self, network: _Optional[bool] = ..., has_user: _Optional[bool] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., workdir: _Optional[str] = ..., env: _Optional[_Iterable[str]] = ..., placement: _Optional[str] = ..., hostname: _Optional[str] = ..., cpu_millis: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., pids: _Optional[int] = ...) -> None: ...
+    id_map: IdMap
+    def __init__(self, network: _Optional[bool] = ..., has_user: _Optional[bool] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., workdir: _Optional[str] = ..., env: _Optional[_Iterable[str]] = ..., placement: _Optional[str] = ..., hostname: _Optional[str] = ..., cpu_millis: _Optional[int] = ..., memory_bytes: _Optional[int] = ..., pids: _Optional[int] = ..., id_map: _Optional[_Union[IdMap, _Mapping]] = ...) -> None: ...
+
+class IdMap(_message.Message):
+    __slots__ = ("host_uid", "host_gid", "size")
+    HOST_UID_FIELD_NUMBER: _ClassVar[int]
+    HOST_GID_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    host_uid: int
+    host_gid: int
+    size: int
+    def __init__(self, host_uid: _Optional[int] = ..., host_gid: _Optional[int] = ..., size: _Optional[int] = ...) -> None: ...
 
 class ExecRequest(_message.Message):
     __slots__ = ("session_id", "argv", "env", "cwd", "has_user", "uid", "gid", "stdin", "timeout_ms", "module")
@@ -1036,7 +1048,7 @@ class PathCounts(_message.Message):
     def __init__(self, clean: _Optional[int] = ..., merged: _Optional[int] = ..., conflict: _Optional[int] = ..., excluded: _Optional[int] = ...) -> None: ...
 
 class Session(_message.Message):
-    __slots__ = ("id", "namespace", "container", "key", "stack", "branch", "state", "outcome", "conflicts", "layer", "message", "released", "run", "paths", "dry_run", "timings", "owner_kind", "owner", "outcome_id", "counts", "conflicts_truncated", "policy", "node", "interrupted_by", "daemon_owned", "limits", "branch_created")
+    __slots__ = ("id", "namespace", "container", "key", "stack", "branch", "state", "outcome", "conflicts", "layer", "message", "released", "run", "paths", "dry_run", "timings", "owner_kind", "owner", "outcome_id", "counts", "conflicts_truncated", "policy", "node", "interrupted_by", "daemon_owned", "limits", "branch_created", "id_map")
     ID_FIELD_NUMBER: _ClassVar[int]
     NAMESPACE_FIELD_NUMBER: _ClassVar[int]
     CONTAINER_FIELD_NUMBER: _ClassVar[int]
@@ -1064,6 +1076,7 @@ class Session(_message.Message):
     DAEMON_OWNED_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     BRANCH_CREATED_FIELD_NUMBER: _ClassVar[int]
+    ID_MAP_FIELD_NUMBER: _ClassVar[int]
     id: int
     namespace: str
     container: str
@@ -1091,7 +1104,8 @@ class Session(_message.Message):
     daemon_owned: bool
     limits: SandboxLimits
     branch_created: bool
-    def __init__(self, id: _Optional[int] = ..., namespace: _Optional[str] = ..., container: _Optional[str] = ..., key: _Optional[str] = ..., stack: _Optional[str] = ..., branch: _Optional[str] = ..., state: _Optional[str] = ..., outcome: _Optional[str] = ..., conflicts: _Optional[_Iterable[_Union[ConflictPath, _Mapping]]] = ..., layer: _Optional[int] = ..., message: _Optional[str] = ..., released: _Optional[bool] = ..., run: _Optional[int] = ..., paths: _Optional[_Iterable[_Union[PathVerdict, _Mapping]]] = ..., dry_run: _Optional[bool] = ..., timings: _Optional[_Union[PublishTimings, _Mapping]] = ..., owner_kind: _Optional[str] = ..., owner: _Optional[str] = ..., outcome_id: _Optional[int] = ..., counts: _Optional[_Union[PathCounts, _Mapping]] = ..., conflicts_truncated: _Optional[bool] = ..., policy: _Optional[str] = ..., node: _Optional[str] = ..., interrupted_by: _Optional[str] = ..., daemon_owned: _Optional[bool] = ..., limits: _Optional[_Union[SandboxLimits, _Mapping]] = ..., branch_created: _Optional[bool] = ...) -> None: ...
+    id_map: IdMap
+    def __init__(self, id: _Optional[int] = ..., namespace: _Optional[str] = ..., container: _Optional[str] = ..., key: _Optional[str] = ..., stack: _Optional[str] = ..., branch: _Optional[str] = ..., state: _Optional[str] = ..., outcome: _Optional[str] = ..., conflicts: _Optional[_Iterable[_Union[ConflictPath, _Mapping]]] = ..., layer: _Optional[int] = ..., message: _Optional[str] = ..., released: _Optional[bool] = ..., run: _Optional[int] = ..., paths: _Optional[_Iterable[_Union[PathVerdict, _Mapping]]] = ..., dry_run: _Optional[bool] = ..., timings: _Optional[_Union[PublishTimings, _Mapping]] = ..., owner_kind: _Optional[str] = ..., owner: _Optional[str] = ..., outcome_id: _Optional[int] = ..., counts: _Optional[_Union[PathCounts, _Mapping]] = ..., conflicts_truncated: _Optional[bool] = ..., policy: _Optional[str] = ..., node: _Optional[str] = ..., interrupted_by: _Optional[str] = ..., daemon_owned: _Optional[bool] = ..., limits: _Optional[_Union[SandboxLimits, _Mapping]] = ..., branch_created: _Optional[bool] = ..., id_map: _Optional[_Union[IdMap, _Mapping]] = ...) -> None: ...
 
 class SandboxLimits(_message.Message):
     __slots__ = ("cpu_millis", "memory_bytes", "pids", "network")
