@@ -312,6 +312,12 @@ pub struct SandboxConfig {
     /// of one), are made again when their branch moves, and are not listed by
     /// `layerstack session ls`. 0 = none. Default 2.
     pub wasi_ready: u32,
+    /// Inits of daemon-owned sessions cloned ahead of their sessions (their
+    /// namespaces made, `lo` up), so that CreateSession of a sandbox in root
+    /// mode without network, limits or id map only hands one its overlay
+    /// (benchmarks P7b, P9). Each idle one is a process of ~30 KiB PSS plus
+    /// its namespaces. 0 = none. Default 2.
+    pub ready_inits: u32,
     /// The uid/gid mapping of a daemon-owned session that gives none
     /// (`SandboxOptions.id_map`), `HOST_UID:HOST_GID:SIZE`
     /// ([`layerstack_types::IdMap`]); `None` (the default): none, the
@@ -341,6 +347,7 @@ impl Default for SandboxConfig {
             memory_budget_bytes: 0,
             holder_grace_s: 60,
             wasi_ready: 2,
+            ready_inits: 2,
             id_map: None,
         }
     }

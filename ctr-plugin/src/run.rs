@@ -726,6 +726,7 @@ fn hold(
         net_none: a.net == Some(Net::None),
         hostname: hostname.into_bytes(),
         mount_fd: std::os::fd::AsRawFd::as_raw_fd(&mount_fd),
+        claim: false,
         holder_sock: Some(conn.raw_fd()),
         ready_line: wire::line(&Request::Ready {
             mode,

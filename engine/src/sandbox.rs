@@ -283,17 +283,22 @@ pub(crate) fn drop_root_mountpoints(
 /// Shifts the ids of session writes in `upper` back from the host's to the
 /// session's (`map`): a session with a uid/gid mapping runs as the host's
 /// `host_uid + u`, and overlay writes its upper with those ids (only the
-/// lowers are idmapped: `layerstack_sandbox::sys::overlay_fd_mapped`). Every
-/// entry whose uid or gid lies in the host range gets `u`/`g` back (`lchown`,
-/// never following a symlink); an id outside it is left as is — overlay's
-/// own whiteouts, made with the daemon's credentials (0). A set-user-ID or
-/// set-group-ID bit that the chown cleared is set again. Host ids lie above
-/// the session's (`IdMap::validate`), so a second pass after a crash changes
-/// nothing twice. The caller proved the upper unmounted. Returns how many
-/// entries changed.
+/// lowers are idmapped: `layerstack_sandbox::sys::overlay_fd_mapped`). For
+/// every entry (never following a symlink):
+/// - an owner whose uid or gid lies in the host range gets `u`/`g` back
+///   (`lchown`); one outside it stays — overlay's own whiteouts, made with
+///   the daemon's credentials (0);
+/// - a set-user-ID or set-group-ID bit the chown cleared is set again;
+/// - a file capability (`security.capability`, which a chown removes) is
+///   written back; one the session's root set (revision 3, its root id the
+///   host's `host_uid`) becomes revision 2 — capabilities of the layer's
+///   root, as an image carries them;
+/// - POSIX ACL entries (`system.posix_acl_access`, `…_default`) naming a
+///   host id of the range name the session's id.
 ///
-/// File capabilities (`security.capability`) do not survive a chown; a
-/// session's `setcap` is not carried into its layer.
+/// Host ids lie above the session's (`IdMap::validate`), so a second pass
+/// after a crash changes nothing twice. The caller proved the upper
+/// unmounted. Returns how many entries changed.
 pub(crate) fn shift_back_ids(
     upper: &std::path::Path,
     map: &layerstack_types::IdMap,
@@ -303,16 +308,37 @@ pub(crate) fn shift_back_ids(
     let mut todo = vec![upper.to_path_buf()];
     while let Some(p) = todo.pop() {
         let md = std::fs::symlink_metadata(&p)?;
+        let link = md.file_type().is_symlink();
         let uid = map.uid_from_host(md.uid());
         let gid = map.gid_from_host(md.gid());
+        let mut touched = false;
         if uid.is_some() || gid.is_some() {
+            let cap = if md.is_file() {
+                xattr_of(&p, c"security.capability")?
+            } else {
+                None
+            };
             std::os::unix::fs::lchown(&p, uid, gid)?;
             let special = md.mode() & (libc::S_ISUID | libc::S_ISGID);
-            if special != 0 && !md.file_type().is_symlink() {
+            if special != 0 && !link {
                 std::fs::set_permissions(&p, std::fs::Permissions::from_mode(md.mode() & 0o7777))?;
             }
-            changed += 1;
+            if let Some(cap) = cap {
+                set_xattr(&p, c"security.capability", &caps_of_layer_root(cap, map))?;
+            }
+            touched = true;
         }
+        if !link {
+            for name in [c"system.posix_acl_access", c"system.posix_acl_default"] {
+                if let Some(acl) = xattr_of(&p, name)? {
+                    if let Some(back) = acl_shifted_back(&acl, map) {
+                        set_xattr(&p, name, &back)?;
+                        touched = true;
+                    }
+                }
+            }
+        }
+        changed += u64::from(touched);
         if md.is_dir() {
             for e in std::fs::read_dir(&p)? {
                 todo.push(e?.path());
@@ -320,6 +346,109 @@ pub(crate) fn shift_back_ids(
         }
     }
     Ok(changed)
+}
+
+fn c_path(p: &std::path::Path) -> std::io::Result<std::ffi::CString> {
+    use std::os::unix::ffi::OsStrExt;
+    std::ffi::CString::new(p.as_os_str().as_bytes())
+        .map_err(|_| std::io::Error::from_raw_os_error(libc::EINVAL))
+}
+
+/// Extended attribute `name` of `p` (not followed); `None` when absent or
+/// not supported there.
+fn xattr_of(p: &std::path::Path, name: &std::ffi::CStr) -> std::io::Result<Option<Vec<u8>>> {
+    let cp = c_path(p)?;
+    let mut buf = vec![0u8; 256];
+    loop {
+        // SAFETY: both strings are NUL-terminated; `buf` is writable for its length.
+        let n = unsafe {
+            libc::lgetxattr(
+                cp.as_ptr(),
+                name.as_ptr(),
+                buf.as_mut_ptr().cast(),
+                buf.len(),
+            )
+        };
+        if n >= 0 {
+            buf.truncate(n as usize);
+            return Ok(Some(buf));
+        }
+        let e = std::io::Error::last_os_error();
+        match e.raw_os_error() {
+            Some(libc::ENODATA) | Some(libc::EOPNOTSUPP) => return Ok(None),
+            Some(libc::ERANGE) if buf.len() < 1 << 20 => {
+                let grown = buf.len() * 4;
+                buf.resize(grown, 0);
+            }
+            _ => return Err(e),
+        }
+    }
+}
+
+fn set_xattr(p: &std::path::Path, name: &std::ffi::CStr, value: &[u8]) -> std::io::Result<()> {
+    let cp = c_path(p)?;
+    // SAFETY: both strings are NUL-terminated; `value` is readable for its length.
+    let r = unsafe {
+        libc::lsetxattr(
+            cp.as_ptr(),
+            name.as_ptr(),
+            value.as_ptr().cast(),
+            value.len(),
+            0,
+        )
+    };
+    if r < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
+
+/// `security.capability` as the layer keeps it: a revision-3 value whose root
+/// id is the session's root on the host (what a `setcap` inside the session
+/// writes) becomes revision 2 (include/uapi/linux/capability.h,
+/// `struct vfs_ns_cap_data`); any other value as it was.
+fn caps_of_layer_root(cap: Vec<u8>, map: &layerstack_types::IdMap) -> Vec<u8> {
+    const REVISION_MASK: u32 = 0xFF00_0000;
+    const REVISION_2: u32 = 0x0200_0000;
+    const REVISION_3: u32 = 0x0300_0000;
+    if cap.len() != 24 {
+        return cap;
+    }
+    let word = |i: usize| u32::from_le_bytes([cap[i], cap[i + 1], cap[i + 2], cap[i + 3]]);
+    let magic = word(0);
+    if magic & REVISION_MASK != REVISION_3 || word(20) != map.host_uid {
+        return cap;
+    }
+    let mut v2 = cap[..20].to_vec();
+    v2[..4].copy_from_slice(&((magic & !REVISION_MASK) | REVISION_2).to_le_bytes());
+    v2
+}
+
+/// A POSIX ACL xattr (`posix_acl_xattr_header` + entries of tag, perm, id;
+/// include/uapi/linux/posix_acl_xattr.h) with its named users' and groups'
+/// host ids of the range shifted back; `None` when no entry names one.
+fn acl_shifted_back(acl: &[u8], map: &layerstack_types::IdMap) -> Option<Vec<u8>> {
+    const ACL_USER: u16 = 0x02;
+    const ACL_GROUP: u16 = 0x08;
+    if acl.len() < 4 || !(acl.len() - 4).is_multiple_of(8) {
+        return None;
+    }
+    let mut out = acl.to_vec();
+    let mut any = false;
+    for e in out[4..].chunks_exact_mut(8) {
+        let tag = u16::from_le_bytes([e[0], e[1]]);
+        let id = u32::from_le_bytes([e[4], e[5], e[6], e[7]]);
+        let back = match tag {
+            ACL_USER => map.uid_from_host(id),
+            ACL_GROUP => map.gid_from_host(id),
+            _ => None,
+        };
+        if let Some(b) = back {
+            e[4..8].copy_from_slice(&b.to_le_bytes());
+            any = true;
+        }
+    }
+    any.then_some(out)
 }
 
 /// The owner of a sandbox request's session: `wasi:<name>` or `sandbox:<name>`.
@@ -1006,7 +1135,49 @@ mod tests {
         }
         std::fs::set_permissions(up.join("d/suid"), std::fs::Permissions::from_mode(0o6755))
             .unwrap();
-        assert_eq!(shift_back_ids(&up, &m).unwrap(), 4);
+        // What a `setcap cap_net_raw+ep` by the session's root writes: a
+        // revision-3 capability of root id 100000.
+        let mut cap = Vec::new();
+        for w in [0x0300_0001u32, 1 << 13, 0, 0, 0, 100000] {
+            cap.extend_from_slice(&w.to_le_bytes());
+        }
+        set_xattr(&up.join("d/suid"), c"security.capability", &cap).unwrap();
+        // An ACL naming user 1000 and group 5 of the session (host ids).
+        let mut acl = 2u32.to_le_bytes().to_vec();
+        for (tag, perm, id) in [
+            (0x01u16, 6u16, u32::MAX),
+            (0x02, 7, 101000),
+            (0x04, 4, u32::MAX),
+            (0x08, 5, 200005),
+            (0x10, 7, u32::MAX),
+            (0x20, 4, u32::MAX),
+        ] {
+            acl.extend_from_slice(&tag.to_le_bytes());
+            acl.extend_from_slice(&perm.to_le_bytes());
+            acl.extend_from_slice(&id.to_le_bytes());
+        }
+        set_xattr(&up.join("host-root"), c"system.posix_acl_access", &acl).unwrap();
+        assert_eq!(shift_back_ids(&up, &m).unwrap(), 5);
+        let cap_back = xattr_of(&up.join("d/suid"), c"security.capability")
+            .unwrap()
+            .expect("the file capability survives the chown");
+        assert_eq!(cap_back.len(), 20, "revision 2: {cap_back:?}");
+        assert_eq!(cap_back[..4], 0x0200_0001u32.to_le_bytes());
+        assert_eq!(cap_back[4..8], (1u32 << 13).to_le_bytes());
+        let acl_back = xattr_of(&up.join("host-root"), c"system.posix_acl_access")
+            .unwrap()
+            .unwrap();
+        let ids: Vec<(u16, u32)> = acl_back[4..]
+            .chunks(8)
+            .map(|e| {
+                (
+                    u16::from_le_bytes([e[0], e[1]]),
+                    u32::from_le_bytes([e[4], e[5], e[6], e[7]]),
+                )
+            })
+            .filter(|(t, _)| matches!(t, 0x02 | 0x08))
+            .collect();
+        assert_eq!(ids, [(0x02, 1000), (0x08, 5)]);
         let ids = |p: &str| {
             let md = std::fs::symlink_metadata(up.join(p)).unwrap();
             (md.uid(), md.gid(), md.mode() & 0o7777)

@@ -189,6 +189,7 @@ async fn scenario(dir: &Path, daemon: &mut Option<Daemon>) -> Result<()> {
     let admin = d.admin_socket().to_path_buf();
     let mut c = api::connect(&admin).await?;
 
+    ready_inits(&mut c, d, &stack).await?;
     let (id, upper) = create(&mut c, &stack, "a").await?;
     ensure!(mounted(&upper) || !upper.as_os_str().is_empty());
 
@@ -1119,7 +1120,14 @@ fn session_limits_and_hidden_sockets() -> Result<()> {
 /// The daemon's process spawner (`ls-spawner`, a child of the daemon that
 /// clones inits and exec waiters): its pid, from the daemon's children.
 fn spawner_of(daemon: u32) -> Option<i32> {
-    let tasks = std::fs::read_dir(format!("/proc/{daemon}/task")).ok()?;
+    children_named(daemon, "ls-spawner").into_iter().next()
+}
+
+/// The daemon's children whose name (`/proc/PID/comm`) is `name`.
+fn children_named(daemon: u32, name: &str) -> Vec<i32> {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{daemon}/task")) else {
+        return Vec::new();
+    };
     tasks
         .flatten()
         .filter_map(|t| std::fs::read_to_string(t.path().join("children")).ok())
@@ -1128,10 +1136,50 @@ fn spawner_of(daemon: u32) -> Option<i32> {
                 .filter_map(|p| p.parse::<i32>().ok())
                 .collect::<Vec<_>>()
         })
-        .find(|p| {
-            std::fs::read_to_string(format!("/proc/{p}/comm"))
-                .is_ok_and(|c| c.trim() == "ls-spawner")
+        .filter(|p| {
+            std::fs::read_to_string(format!("/proc/{p}/comm")).is_ok_and(|c| c.trim() == name)
         })
+        .collect()
+}
+
+/// Ready inits (`[sandbox] ready_inits`, 2 by default): made ahead as the
+/// daemon's children, one takes the next root-mode session — its hostname
+/// and root are the session's — and the pool is made full again.
+async fn ready_inits(c: &mut Client, d: &Daemon, stack: &str) -> Result<()> {
+    let daemon = d.pid().context("daemon pid")?;
+    let t0 = Instant::now();
+    let idle = loop {
+        let v = children_named(daemon, "ls-init");
+        if v.len() == 2 || t0.elapsed() > Duration::from_secs(10) {
+            break v;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    ensure!(idle.len() == 2, "ready inits before any session: {idle:?}");
+    let (id, _) = create(c, stack, "from-pool").await?;
+    let r = exec(c, id, &["sh", "-c", "hostname; echo pooled > /srv/marker"]).await?;
+    ensure!(r.out == b"from-pool\n", "{r:?}");
+    let took: Vec<_> = idle
+        .iter()
+        .filter(|p| {
+            std::fs::read(format!("/proc/{p}/root/srv/marker")).is_ok_and(|m| m == b"pooled\n")
+        })
+        .collect();
+    ensure!(took.len() == 1, "no ready init took the session: {idle:?}");
+    discard(c, id).await?;
+    let t0 = Instant::now();
+    loop {
+        let now = children_named(daemon, "ls-init");
+        if now.len() == 2 && !now.contains(took[0]) {
+            break;
+        }
+        ensure!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the pool was not made full again: {now:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    Ok(())
 }
 
 /// The daemon's process spawner killed while the daemon runs, with session
@@ -1174,13 +1222,29 @@ async fn spawner_gone(
             .await;
         match r {
             Ok(r) => {
+                // A ready init made before the kill may take the session:
+                // then its Exec is what reaches the dead spawner.
                 let id2 = r.into_inner().session.context("session")?.id;
-                let e = exec(c, id2, &["sh", "-c", "echo again"]).await?;
-                ensure!(e.out == b"again\n" && e.exit.code == 0, "{e:?}");
-                discard(c, id2).await?;
-                match spawner_of(daemon) {
-                    Some(p) if p != spawner => break p,
-                    _ => {} // made before the kill landed
+                match exec(c, id2, &["sh", "-c", "echo again"]).await {
+                    Ok(e) => {
+                        ensure!(e.out == b"again\n" && e.exit.code == 0, "{e:?}");
+                        discard(c, id2).await?;
+                        match spawner_of(daemon) {
+                            Some(p) if p != spawner => break p,
+                            _ => {} // made before the kill landed
+                        }
+                    }
+                    Err(e) => {
+                        let s = e
+                            .downcast_ref::<tonic::Status>()
+                            .filter(|s| {
+                                s.code() == Code::Unavailable
+                                    && s.message().contains("process spawner")
+                            })
+                            .with_context(|| format!("exec after the spawner died: {e:#}"))?;
+                        refused.push(s.message().to_string());
+                        discard(c, id2).await?;
+                    }
                 }
             }
             Err(s) if s.code() == Code::Unavailable && s.message().contains("process spawner") => {
@@ -1519,6 +1583,13 @@ async fn id_map_scenario(dir: &Path, d: &Daemon) -> Result<()> {
     )?;
     std::fs::write(src.join("etc/passwd"), "root:x:0:0::/:/bin/sh\n")?;
     std::fs::write(src.join("srv/owned"), "by 1000\n")?;
+    // A device node in the image: /dev/null's numbers.
+    nix::sys::stat::mknod(
+        &src.join("srv/null"),
+        nix::sys::stat::SFlag::S_IFCHR,
+        nix::sys::stat::Mode::from_bits_truncate(0o666),
+        nix::sys::stat::makedev(1, 3),
+    )?;
     std::os::unix::fs::chown(src.join("srv/owned"), Some(1000), Some(1000))?;
     let o = ensure_success(
         "base import",
@@ -1888,7 +1959,80 @@ async fn id_map_scenario(dir: &Path, d: &Daemon) -> Result<()> {
             == ["0", "300000", "65536"],
         "{r:?}"
     );
+    // `session exec` as root does not join a mapped session through the
+    // mount socket (it would run as the host's root there): it falls back to
+    // Exec, in the session's user namespace.
+    let o = ensure_success(
+        "session exec (root) of a mapped session",
+        d.layerstack(&[
+            "session",
+            "exec",
+            &cid.to_string(),
+            "--",
+            "sh",
+            "-c",
+            "id -u; cat /proc/self/uid_map",
+        ])?,
+    )?;
+    ensure!(
+        stdout(&o).split_whitespace().collect::<Vec<_>>() == ["0", "0", "300000", "65536"],
+        "session exec as root: {o:?}"
+    );
+    // Device nodes of its layers do not open (nodev); an upload of one is
+    // refused.
+    let r = exec(&mut c, cid, &["sh", "-c", "echo x > /srv/null"]).await?;
+    ensure!(
+        r.exit.code != 0 && String::from_utf8_lossy(&r.err).contains("denied"),
+        "a layer's device node opened in a mapped session: {r:?}"
+    );
+    let mut b = tar::Builder::new(Vec::new());
+    let mut h = tar::Header::new_gnu();
+    h.set_entry_type(tar::EntryType::Char);
+    h.set_mode(0o666);
+    h.set_size(0);
+    h.set_device_major(1)?;
+    h.set_device_minor(11)?;
+    b.append_data(&mut h, "kmsg", std::io::empty())?;
+    let e = c
+        .upload_tar(tokio_stream::iter(vec![api::UploadTarRequest {
+            session_id: cid,
+            path: "/up".into(),
+            make_parents: true,
+            data: b.into_inner()?,
+        }]))
+        .await
+        .err()
+        .context("a device node was uploaded into a mapped session")?;
+    ensure!(
+        e.code() == Code::InvalidArgument && e.message().contains("device node"),
+        "{e:?}"
+    );
     discard(&mut c, cid).await?;
+    // A mapping of one id (root only) starts too (no tty group 5 to give
+    // /dev/pts).
+    let one = create_with(
+        &mut c,
+        &stack,
+        "root-only",
+        api::SandboxOptions {
+            id_map: Some(api::IdMap {
+                host_uid: 400000,
+                host_gid: 400000,
+                size: 1,
+            }),
+            ..Default::default()
+        },
+    )
+    .await?;
+    let r = exec(&mut c, one, &["cat", "/proc/self/uid_map"]).await?;
+    ensure!(
+        String::from_utf8_lossy(&r.out)
+            .split_whitespace()
+            .collect::<Vec<_>>()
+            == ["0", "400000", "1"],
+        "{r:?}"
+    );
+    discard(&mut c, one).await?;
     let o = d.layerstack(&[
         "session",
         "create",

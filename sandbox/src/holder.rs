@@ -81,8 +81,16 @@ pub struct Setup {
     /// A network namespace with only `lo` (`--net none`).
     pub net_none: bool,
     pub hostname: Vec<u8>,
-    /// The detached overlay (from the daemon).
+    /// The detached overlay (from the daemon); with `claim`, the socket on
+    /// which it arrives.
     pub mount_fd: RawFd,
+    /// A ready init (made ahead of its session, `spawner::ready_request`):
+    /// once its namespaces are set up (`lo` up, `/` private) it waits on
+    /// `mount_fd`, a `SOCK_SEQPACKET` socket, for one message — the
+    /// session's hostname (at most 64 bytes) with the detached overlay
+    /// attached — and then goes on as any init (`hostname` is not used).
+    /// End of file there: the daemon let it go; it exits 0.
+    pub claim: bool,
     /// The mount socket connection (init reports "ready" on it); `None` for a
     /// daemon-owned session (the daemon knows init's pid from the clone).
     pub holder_sock: Option<RawFd>,
@@ -215,8 +223,7 @@ pub fn clone_init(
         )
     };
     let set = sys::init_sigset();
-    let mut flags =
-        libc::CLONE_NEWNS | libc::CLONE_NEWPID | libc::CLONE_NEWIPC | libc::CLONE_NEWUTS | extra;
+    let mut flags = INIT_FLAGS | extra;
     if setup.net_none {
         flags |= libc::CLONE_NEWNET;
     }
@@ -305,7 +312,7 @@ fn device(rel: &CStr, host: &CStr, major: u32, minor: u32) {
 
 /// Mounts under the new root (the working directory), as a container has them
 /// (containerd's default spec): /proc, a minimal /dev, /sys read-only, /run.
-fn container_mounts() {
+fn container_mounts(tty_gid: bool) {
     let nse = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
     let step = |what: &[u8], r: io::Result<()>| {
         if let Err(e) = r {
@@ -344,6 +351,13 @@ fn container_mounts() {
         step(b"symlink in /dev", sys::symlink(target, link));
     }
     step(b"mkdir /dev/pts", sys::mkdir_exist_ok(c"dev/pts", 0o755));
+    // gid 5 (tty) owns the ptys, as in containerd's default spec — when
+    // the session's mapping has it.
+    let pts = if tty_gid {
+        c"newinstance,ptmxmode=0666,mode=0620,gid=5"
+    } else {
+        c"newinstance,ptmxmode=0666,mode=0620"
+    };
     step(
         b"mount /dev/pts",
         sys::mount(
@@ -351,7 +365,7 @@ fn container_mounts() {
             c"dev/pts",
             Some(c"devpts"),
             libc::MS_NOSUID | libc::MS_NOEXEC,
-            Some(c"newinstance,ptmxmode=0666,mode=0620,gid=5"),
+            Some(pts),
         ),
     );
     step(b"mkdir /dev/shm", sys::mkdir_exist_ok(c"dev/shm", 0o1777));
@@ -499,15 +513,39 @@ fn init_main(
     if let Err(e) = sys::mount(None, c"/", None, libc::MS_REC | libc::MS_PRIVATE, None) {
         fail(&[b"make / private in the session's mount namespace"], &e);
     }
+    let mut claimed_name = [0u8; 64];
+    let (mount_fd, hostname): (RawFd, &[u8]) = if setup.claim {
+        // Made ahead: what does not depend on the session first.
+        if setup.net_none {
+            if let Err(e) = sys::loopback_up() {
+                fail(&[b"bring lo up"], &e);
+            }
+        }
+        match sys::recv_fd(setup.mount_fd, &mut claimed_name) {
+            // The daemon let it go unused.
+            Ok((0, _)) => sys::exit_now(0),
+            Ok((n, Some(fd))) => {
+                sys::close(setup.mount_fd);
+                (fd, &claimed_name[..n])
+            }
+            Ok((_, None)) => fail(
+                &[b"claim a ready init: the message carried no overlay"],
+                &io::Error::from_raw_os_error(libc::EPROTO),
+            ),
+            Err(e) => fail(&[b"claim a ready init"], &e),
+        }
+    } else {
+        (setup.mount_fd, &setup.hostname[..])
+    };
     match &setup.placement {
         Placement::Root => {
-            if let Err(e) = sys::attach(setup.mount_fd, c"/") {
+            if let Err(e) = sys::attach(mount_fd, c"/") {
                 fail(&[b"attach the overlay (move_mount)"], &e);
             }
-            if let Err(e) = sys::fchdir(setup.mount_fd) {
+            if let Err(e) = sys::fchdir(mount_fd) {
                 fail(&[b"enter the overlay"], &e);
             }
-            container_mounts();
+            container_mounts(setup.id_map.is_none_or(|m| m.size > 5));
             if let Err(e) = sys::pivot_root_here() {
                 fail(&[b"pivot_root"], &e);
             }
@@ -520,7 +558,7 @@ fn init_main(
         }
         Placement::At(dir) => {
             hide(&setup.hide);
-            if let Err(e) = sys::attach(setup.mount_fd, dir) {
+            if let Err(e) = sys::attach(mount_fd, dir) {
                 fail(
                     &[b"attach the overlay (move_mount) at ", dir.to_bytes()],
                     &e,
@@ -535,11 +573,11 @@ fn init_main(
             }
         }
     }
-    sys::close(setup.mount_fd);
-    if let Err(e) = sys::sethostname(&setup.hostname) {
+    sys::close(mount_fd);
+    if let Err(e) = sys::sethostname(hostname) {
         fail(&[b"sethostname"], &e);
     }
-    if setup.net_none {
+    if setup.net_none && !setup.claim {
         if let Err(e) = sys::loopback_up() {
             fail(&[b"bring lo up"], &e);
         }
@@ -643,6 +681,10 @@ fn exec_command(c: &Command, set: &libc::sigset_t) -> ! {
     }
 }
 
+/// Namespaces every init is cloned into (and `CLONE_NEWNET` for `net_none`).
+pub const INIT_FLAGS: libc::c_int =
+    libc::CLONE_NEWNS | libc::CLONE_NEWPID | libc::CLONE_NEWIPC | libc::CLONE_NEWUTS;
+
 /// Namespaces `session exec` joins.
 pub const JOIN_FLAGS: libc::c_int = libc::CLONE_NEWNS
     | libc::CLONE_NEWPID
@@ -681,6 +723,10 @@ pub fn join_and_run(pidfd: OwnedFd, root: OwnedFd, cmd: &Command) -> io::Result<
 }
 
 fn join_main(pidfd: RawFd, root: RawFd, cmd: &Command, set: &libc::sigset_t) -> ! {
+    // As the daemon's waiter: never ptraceable from the session.
+    if let Err(e) = sys::set_dumpable(false) {
+        fail(&[b"prctl PR_SET_DUMPABLE"], &e);
+    }
     if let Err(e) = sys::setns_pidfd(pidfd, JOIN_FLAGS) {
         fail(&[b"join the session's namespaces (setns)"], &e);
     }
@@ -818,6 +864,13 @@ fn joined_waiter(
     set: &libc::sigset_t,
 ) -> ! {
     sys::set_name(c"ls-waiter");
+    // Not dumpable before it joins the session: the session's root must not
+    // ptrace the waiter, nor the command before it drops to the session's
+    // ids (in a mapped session both are the host's root until then; the
+    // command's execve makes it dumpable again).
+    if let Err(e) = sys::set_dumpable(false) {
+        fail(&[b"prctl PR_SET_DUMPABLE"], &e);
+    }
     for (i, &fd) in stdio.fds.iter().enumerate() {
         if let Err(e) = sys::dup2(fd, i as RawFd) {
             fail(&[b"set up the command's stdio"], &e);

@@ -49,6 +49,7 @@ pub const SPAWNER_NAME: &std::ffi::CStr = c"ls-spawner";
 
 const KIND_INIT: u8 = 1;
 const KIND_EXEC: u8 = 2;
+const KIND_READY: u8 = 3;
 
 /// Descriptors one request carries at most: an exec's pidfd, root, stdin,
 /// stdout, stderr, status pipe and one `cgroup.procs` per hierarchy.
@@ -224,6 +225,7 @@ fn serve(sock: OwnedFd, daemon_pid: libc::pid_t) -> ! {
         let r = match kind {
             KIND_INIT => spawn_init(&body, fds),
             KIND_EXEC => spawn_exec(&body, fds),
+            KIND_READY => spawn_ready(&body),
             _ => Err(io::Error::from_raw_os_error(libc::EINVAL)),
         };
         let (code, reply_fds) = match r {
@@ -388,9 +390,79 @@ fn spawn_init(body: &[u8], fds: Vec<OwnedFd>) -> io::Result<(i32, Vec<OwnedFd>)>
         cgroup_procs: cgroups.iter().map(AsRawFd::as_raw_fd).collect(),
         hide: spec.hide,
         id_map: spec.id_map,
+        claim: false,
     };
     let (pid, ready) = holder::clone_init(&setup, None, libc::CLONE_PARENT)?;
     Ok((pid, vec![ready]))
+}
+
+/// A ready init ([`ready_request`]): replies its pid, the read end of its
+/// ready pipe and the daemon's end of its claim socket.
+fn spawn_ready(body: &[u8]) -> io::Result<(i32, Vec<OwnedFd>)> {
+    let mut r = Reader(body);
+    let net_none = r.u8()? != 0;
+    let mut fds = [0; 2];
+    // SAFETY: `fds` has room for the two descriptors.
+    if unsafe {
+        libc::socketpair(
+            libc::AF_UNIX,
+            libc::SOCK_SEQPACKET | libc::SOCK_CLOEXEC,
+            0,
+            fds.as_mut_ptr(),
+        )
+    } < 0
+    {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: socketpair returned two new descriptors nothing else owns.
+    let (daemon, child) = unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) };
+    let setup = Setup {
+        placement: Placement::Root,
+        net_none,
+        hostname: Vec::new(),
+        mount_fd: child.as_raw_fd(),
+        holder_sock: None,
+        ready_line: Vec::new(),
+        die_with_parent: true,
+        daemon_owned: true,
+        cgroup_procs: Vec::new(),
+        hide: Vec::new(),
+        id_map: None,
+        claim: true,
+    };
+    let (pid, ready) = holder::clone_init(&setup, None, libc::CLONE_PARENT)?;
+    drop(child);
+    Ok((pid, vec![ready, daemon]))
+}
+
+/// The request that clones a *ready init*: the namespaces of a
+/// daemon-owned session in root mode (`net_none`: its own network namespace
+/// with `lo` up), no cgroup, no uid/gid mapping, made before any session
+/// needs it. Its reply carries init's pid, the read end of its ready pipe
+/// and a `SOCK_SEQPACKET` socket: [`claim`] it for a session, or close the
+/// socket to let it go (it exits 0).
+pub fn ready_request(net_none: bool) -> io::Result<Request> {
+    let mut w = Writer(Vec::new());
+    w.u8(u8::from(net_none));
+    request(KIND_READY, w, Vec::new())
+}
+
+/// Claims the ready init of `sock` (a [`ready_request`] reply's socket) for
+/// a session: sends its `hostname` (at most 64 bytes) with the detached
+/// overlay `mount_fd`. Init then sets the session up as any init and writes
+/// its ready byte. Errors: the init is gone (`EPIPE`, `ECONNRESET`).
+pub fn claim(sock: RawFd, hostname: &[u8], mount_fd: RawFd) -> io::Result<()> {
+    if hostname.is_empty() || hostname.len() > 64 {
+        return Err(io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "a ready init's hostname is 1 to 64 bytes",
+        ));
+    }
+    let n = sys::send_with_fds(sock, hostname, &[mount_fd])?;
+    if n != hostname.len() {
+        return Err(io::Error::from_raw_os_error(libc::EMSGSIZE));
+    }
+    Ok(())
 }
 
 fn decode_command(body: &[u8]) -> io::Result<Command> {

@@ -23,6 +23,7 @@ const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x4;
 const FSCONFIG_SET_FD: libc::c_uint = 5;
 const OPEN_TREE_CLONE: libc::c_uint = 1;
 const MOUNT_ATTR_IDMAP: u64 = 0x0010_0000;
+const MOUNT_ATTR_NODEV: libc::c_uint = 0x0000_0004;
 
 /// `struct mount_attr` (include/uapi/linux/mount.h, `MOUNT_ATTR_SIZE_VER0`).
 #[repr(C)]
@@ -261,9 +262,18 @@ pub fn overlay_fd_mapped(
     })
     .map_err(err("fsconfig create (overlay superblock)".into()))?;
     drop(mapped);
+    // A mapped session's root must not open device nodes of its layers as
+    // the host's root would (a layer's 0:0 `c 1 11` is its own through the
+    // idmapped lowers): `nodev`.
+    let attrs = if userns.is_some() {
+        MOUNT_ATTR_NODEV
+    } else {
+        0
+    };
     // SAFETY: `fs` holds a created superblock; flags and attributes are valid.
-    let m = check(unsafe { libc::syscall(libc::SYS_fsmount, fs.as_raw_fd(), FSMOUNT_CLOEXEC, 0) })
-        .map_err(err("fsmount".into()))?;
+    let m =
+        check(unsafe { libc::syscall(libc::SYS_fsmount, fs.as_raw_fd(), FSMOUNT_CLOEXEC, attrs) })
+            .map_err(err("fsmount".into()))?;
     // SAFETY: fsmount returned a new descriptor that nothing else owns.
     Ok(unsafe { OwnedFd::from_raw_fd(m as RawFd) })
 }
@@ -429,6 +439,15 @@ pub fn loopback_up() -> io::Result<()> {
     } else {
         Err(e)
     }
+}
+
+/// `prctl(PR_SET_DUMPABLE, on)`: whether the process may be ptraced (and
+/// its `/proc/PID` files read) by processes of its own uid — see
+/// ptrace(2), "Ptrace access mode checking". Child-safe.
+pub fn set_dumpable(on: bool) -> io::Result<()> {
+    // SAFETY: PR_SET_DUMPABLE takes an integer argument.
+    check_int(unsafe { libc::prctl(libc::PR_SET_DUMPABLE, libc::c_ulong::from(on), 0, 0, 0) })
+        .map(drop)
 }
 
 /// `prctl(PR_SET_NAME, name)`: the calling thread's name (`/proc/PID/comm`,
@@ -847,6 +866,57 @@ pub fn recv_msg(sock: RawFd, buf: &mut [u8]) -> io::Result<Received> {
         }
     }
     Ok(out)
+}
+
+/// `recvmsg` of one message into `buf` with at most one descriptor attached
+/// (`SCM_RIGHTS`, close-on-exec): the bytes read (0: end of file) and the
+/// descriptor, if one came. Blocking; retries on `EINTR`. Child-safe: no
+/// allocation (a descriptor beyond the first is closed).
+pub fn recv_fd(sock: RawFd, buf: &mut [u8]) -> io::Result<(usize, Option<RawFd>)> {
+    let mut iov = libc::iovec {
+        iov_base: buf.as_mut_ptr().cast(),
+        iov_len: buf.len(),
+    };
+    let mut cbuf = [0u64; 8];
+    loop {
+        // SAFETY: msghdr is plain data; zeroed then filled.
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_iov = &mut iov;
+        msg.msg_iovlen = 1;
+        msg.msg_control = cbuf.as_mut_ptr().cast();
+        msg.msg_controllen = std::mem::size_of_val(&cbuf);
+        // SAFETY: `msg` describes live buffers.
+        let r = unsafe { libc::recvmsg(sock, &mut msg, libc::MSG_CMSG_CLOEXEC) };
+        if r < 0 {
+            let e = io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EINTR) {
+                continue;
+            }
+            return Err(e);
+        }
+        let mut got = None;
+        // SAFETY: the kernel filled msg_control with msg_controllen bytes of
+        // well-formed cmsghdrs; CMSG_* walk within them.
+        unsafe {
+            let mut c = libc::CMSG_FIRSTHDR(&msg);
+            while !c.is_null() {
+                let data = libc::CMSG_DATA(c);
+                let len = (*c).cmsg_len - (data as usize - c as usize);
+                if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SCM_RIGHTS {
+                    for i in 0..len / std::mem::size_of::<RawFd>() {
+                        let fd = std::ptr::read_unaligned(data.cast::<RawFd>().add(i));
+                        if got.is_none() {
+                            got = Some(fd);
+                        } else {
+                            close(fd);
+                        }
+                    }
+                }
+                c = libc::CMSG_NXTHDR(&msg, c);
+            }
+        }
+        return Ok((r as usize, got));
+    }
 }
 
 /// `SO_PASSCRED` on: messages carry the sender's credentials (see [`Received::pid`]);

@@ -540,6 +540,10 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
             cfg.address.clone(),
         ],
     }));
+    holders
+        .ready_inits
+        .set_want(cfg.sandbox.ready_inits as usize);
+    holders.ready_inits.start(holders.clone());
 
     let snapshots = containerd_snapshots::server(Arc::new(service::LayerStackSnapshotter::new(
         engine.clone(),

@@ -83,6 +83,8 @@ pub struct Holders {
     /// A user namespace per uid/gid mapping sessions asked for, kept for the
     /// daemon's life: what their lowers are idmapped with.
     userns: Mutex<HashMap<layerstack_engine::IdMap, Arc<OwnedFd>>>,
+    /// Inits of daemon-owned sessions made ahead (`[sandbox] ready_inits`).
+    pub(crate) ready_inits: Arc<crate::owned::ReadyInits>,
 }
 
 impl Holders {
@@ -110,6 +112,7 @@ impl Holders {
             limits: std::sync::OnceLock::new(),
             wasi_ready: Default::default(),
             userns: Mutex::new(HashMap::new()),
+            ready_inits: crate::owned::ReadyInits::new(),
         })
     }
 
@@ -729,6 +732,17 @@ fn join(holders: &Holders, id: SessionId) -> (Reply, Vec<OwnedFd>) {
             vec![],
         );
     };
+    if let Some(m) = h.owned.as_ref().and_then(|d| d.id_map) {
+        // A joiner would run as the host's root in the session's
+        // namespaces: the daemon's Exec runs it in the user namespace.
+        return (
+            Reply::error(
+                ErrorKind::FailedPrecondition,
+                format!("session {id} runs in a user namespace (uid/gid mapping {m}): it is not joined through the mount socket; run commands with the admin API's Exec (`layerstack session exec` falls back to it)"),
+            ),
+            vec![],
+        );
+    }
     let fds = pidfd.try_clone().and_then(|p| {
         let root = sys::open_dir_path(&PathBuf::from(format!("/proc/{pid}/root")))?;
         Ok(vec![p, root])

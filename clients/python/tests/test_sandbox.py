@@ -400,6 +400,8 @@ def test_an_id_map_runs_the_sandbox_as_an_unprivileged_host_uid(daemon: Daemon) 
             c.sandbox(daemon.stack, id_map=m, user=(70000, 0))
         with pytest.raises(ValueError):
             c.sandbox(daemon.stack, id_map=(100000, 100000))  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match="id_map"):
+            c.sandbox(daemon.stack, id_map=(2**32, 100000, 65536))
 
 
 _AS_USER = """

@@ -240,6 +240,11 @@ pub(crate) fn apply(
                     };
                     stage.hardlink(&rel, &target, &meta).map_err(staged)?;
                 }
+                EntryType::Char | EntryType::Block if opts.shift.is_some() => {
+                    return Err(refused(
+                        "it is a device node, which a session with a uid/gid mapping may not hold (its processes could not make one either)".into(),
+                    ));
+                }
                 EntryType::Char | EntryType::Block => {
                     let h = entry.header();
                     let dev = h

@@ -66,6 +66,11 @@ fn file_status(path: &str, what: &str, e: &io::Error) -> Status {
             | libc::ENAMETOOLONG,
         ) => Status::invalid_argument(msg),
         Some(libc::EACCES | libc::EPERM | libc::EROFS) => Status::failed_precondition(msg),
+        // An idmapped layer's entry whose owner the session's mapping lacks
+        // (it shows as 65534 inside): overlay cannot copy it up or hide it.
+        Some(libc::EOVERFLOW) => Status::failed_precondition(format!(
+            "{msg}: its owner (or its directory's) is outside the session's uid/gid mapping; widen the mapping or change the owner in the layer"
+        )),
         _ => Status::internal(msg),
     }
 }

@@ -340,42 +340,34 @@ pub(crate) async fn create(
         )
         .await
         .map_err(reply_status)?;
-        let sp = spawner(&holders)?;
-        let placement_c = match &placement {
-            None => Placement::Root,
-            Some(p) => Placement::At(
-                CString::new(p.as_bytes()).map_err(|_| Status::invalid_argument("sandbox.placement holds a NUL byte"))?,
-            ),
+        // A root-mode session without network, limits or mapping: an init
+        // made ahead takes the overlay (`ready`), else one is cloned now.
+        let made_ahead = if placement.is_none()
+            && !opts.network
+            && cgroup.is_none()
+            && session_id_map.is_none()
+        {
+            holders.ready_inits.take()
+        } else {
+            None
         };
-        let init = InitSpec {
-            placement: placement_c,
-            net_none: !opts.network,
-            hostname: hostname.clone().into_bytes(),
-            hide,
-            id_map: session_id_map,
+        let (pid, pidfd, ready) = match made_ahead {
+            Some(r) => match r.claim(hostname.as_bytes(), &fd) {
+                Ok(()) => {
+                    drop(fd);
+                    debug!(session.id = id, init = r.pid, "a ready init took the session");
+                    (r.pid, r.pidfd, r.ready)
+                }
+                Err(e) => {
+                    // Gone meanwhile (killed): clone one as usual.
+                    warn!(session.id = id, init = r.pid, error = %e, "a ready init could not be claimed: cloning one");
+                    let _ = wait_pidfd(&r.pidfd).await;
+                    clone_init(&holders, &placement, &opts, &hostname, hide, session_id_map, fd, &procs).await?
+                }
+            },
+            None => clone_init(&holders, &placement, &opts, &hostname, hide, session_id_map, fd, &procs).await?,
         };
-        let req = spawner::init_request(&init, fd.as_raw_fd(), &procs)
-            .map_err(|e| io_status("the init's spawn request", &e))?;
-        let (pid, fds) = sp.spawn("the session's init", &req)?;
-        // The spawner has its copies: only init keeps the overlay and the
-        // cgroup's descriptors from now on.
-        drop(fd);
         drop(keep_cg);
-        let pidfd = match sys::pidfd_open(pid) {
-            Ok(p) => p,
-            Err(e) => {
-                // Cannot happen for a child not yet reaped; stop it anyway.
-                sys::kill(pid, libc::SIGKILL);
-                return Err(io_status("cannot open a pidfd for the session's init", &e));
-            }
-        };
-        let Some(ready) = fds.into_iter().next() else {
-            let _ = sys::pidfd_kill(&pidfd, libc::SIGKILL);
-            let _ = wait_pidfd(&pidfd).await;
-            return Err(Status::internal(
-                "the process spawner answered without init's ready pipe",
-            ));
-        };
         let mut ready = tokio::net::unix::pipe::Receiver::from_owned_fd(ready)
             .map_err(|e| io_status("init's ready pipe", &e))?;
         let mut b = [0u8; 1];
@@ -481,6 +473,59 @@ pub(crate) async fn create(
         session: Some(session),
         created: true,
     })
+}
+
+/// Clones a daemon-owned session's init with the process spawner (the
+/// overlay `fd`, the cgroup's `procs` descriptors): its pid, pidfd and the
+/// read end of its ready pipe. The spawner keeps no copy of `fd`.
+#[allow(clippy::too_many_arguments)]
+async fn clone_init(
+    holders: &crate::sandbox::Holders,
+    placement: &Option<String>,
+    opts: &api::SandboxOptions,
+    hostname: &str,
+    hide: Vec<Hide>,
+    id_map: Option<layerstack_engine::IdMap>,
+    fd: OwnedFd,
+    procs: &[std::os::fd::RawFd],
+) -> Result<(i32, OwnedFd, OwnedFd), Status> {
+    let sp = spawner(holders)?;
+    let placement_c = match placement {
+        None => Placement::Root,
+        Some(p) => Placement::At(
+            CString::new(p.as_bytes())
+                .map_err(|_| Status::invalid_argument("sandbox.placement holds a NUL byte"))?,
+        ),
+    };
+    let init = InitSpec {
+        placement: placement_c,
+        net_none: !opts.network,
+        hostname: hostname.as_bytes().to_vec(),
+        hide,
+        id_map,
+    };
+    let req = spawner::init_request(&init, fd.as_raw_fd(), procs)
+        .map_err(|e| io_status("the init's spawn request", &e))?;
+    let (pid, fds) = sp.spawn("the session's init", &req)?;
+    // The spawner has its copies: only init keeps the overlay and the
+    // cgroup's descriptors from now on.
+    drop(fd);
+    let pidfd = match sys::pidfd_open(pid) {
+        Ok(p) => p,
+        Err(e) => {
+            // Cannot happen for a child not yet reaped; stop it anyway.
+            sys::kill(pid, libc::SIGKILL);
+            return Err(io_status("cannot open a pidfd for the session's init", &e));
+        }
+    };
+    let Some(ready) = fds.into_iter().next() else {
+        let _ = sys::pidfd_kill(&pidfd, libc::SIGKILL);
+        let _ = wait_pidfd(&pidfd).await;
+        return Err(Status::internal(
+            "the process spawner answered without init's ready pipe",
+        ));
+    };
+    Ok((pid, pidfd, ready))
 }
 
 /// Waits for a daemon-owned session's init to end and reaps it. An end that
@@ -714,8 +759,10 @@ fn files_root(l: &Live, id: SessionId) -> Result<OwnedFd, Status> {
 
 mod exec;
 mod files;
+mod ready;
 mod spawn;
 
+pub(crate) use ready::ReadyInits;
 pub use spawn::{fork_at_start, Spawner};
 
 /// The daemon's process spawner, or why there is none (INTERNAL).

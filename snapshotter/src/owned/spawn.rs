@@ -54,6 +54,10 @@ pub struct Spawner {
     restart: Mutex<std::sync::mpsc::Sender<std::sync::mpsc::Sender<io::Result<Forked>>>>,
     /// Spawners started after the first.
     restarts: std::sync::atomic::AtomicU64,
+    /// When the last request ended, µs after `epoch`; `u64::MAX` while one
+    /// runs ([`Spawner::idle_for`]).
+    last_end: std::sync::atomic::AtomicU64,
+    epoch: std::time::Instant,
 }
 
 impl Spawner {
@@ -97,7 +101,21 @@ impl Spawner {
             rt,
             restart: Mutex::new(tx),
             restarts: std::sync::atomic::AtomicU64::new(0),
+            last_end: std::sync::atomic::AtomicU64::new(0),
+            epoch: std::time::Instant::now(),
         }))
+    }
+
+    /// How long no request has run (zero while one runs): the ready-init
+    /// pool asks only an idle spawner (`super::ready`).
+    pub fn idle_for(&self) -> Duration {
+        match self.last_end.load(std::sync::atomic::Ordering::Relaxed) {
+            u64::MAX => Duration::ZERO,
+            t => self
+                .epoch
+                .elapsed()
+                .saturating_sub(Duration::from_micros(t)),
+        }
     }
 
     /// The current spawner's pid.
@@ -158,9 +176,23 @@ impl Spawner {
     /// request fails it with UNAVAILABLE (retry: the next request gets a new
     /// spawner).
     pub fn spawn(&self, what: &str, req: &Request) -> Result<(i32, Vec<OwnedFd>), Status> {
+        use std::sync::atomic::Ordering;
         let mut cur = self.cur.lock().unwrap_or_else(|p| p.into_inner());
+        self.last_end.store(u64::MAX, Ordering::Relaxed);
+        let r = self.spawn_locked(&mut cur, what, req);
+        let now = u64::try_from(self.epoch.elapsed().as_micros()).unwrap_or(u64::MAX - 1);
+        self.last_end.store(now, Ordering::Relaxed);
+        r
+    }
+
+    fn spawn_locked(
+        &self,
+        cur: &mut Current,
+        what: &str,
+        req: &Request,
+    ) -> Result<(i32, Vec<OwnedFd>), Status> {
         if let Some(why) = cur.gone.get().cloned() {
-            self.replace(&mut cur, &why)?;
+            self.replace(cur, &why)?;
         }
         match spawner::round_trip(cur.sock.as_raw_fd(), req) {
             Ok((Ok(pid), fds)) => Ok((pid, fds)),

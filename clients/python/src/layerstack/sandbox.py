@@ -374,8 +374,10 @@ def sandbox_options(
             raise ValueError(f"{field}={v!r}: give a whole number >= 0 (0: no limit) or None (the daemon's default)")
         setattr(o, field, v)
     if id_map is not None:
-        if len(id_map) != 3 or any(isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in id_map):
-            raise ValueError(f"id_map={id_map!r}: give (host_uid, host_gid, size), whole numbers >= 0")
+        if len(id_map) != 3 or any(
+            isinstance(v, bool) or not isinstance(v, int) or not 0 <= v < 2**32 for v in id_map
+        ):
+            raise ValueError(f"id_map={id_map!r}: give (host_uid, host_gid, size), whole numbers in 0..2**32")
         o.id_map.CopyFrom(pb.IdMap(host_uid=id_map[0], host_gid=id_map[1], size=id_map[2]))
     return o
 

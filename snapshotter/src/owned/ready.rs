@@ -1,0 +1,174 @@
+//! Ready inits: inits of daemon-owned sessions cloned ahead of the sessions
+//! that will use them (`[sandbox] ready_inits`), so that `CreateSession` does
+//! not wait for the clone into new namespaces — its most expensive step after
+//! the store transaction (a new network namespace alone is hundreds of µs).
+//!
+//! ```text
+//! refill task   spawner ready_request: clone(NEWNS|NEWPID|NEWIPC|NEWUTS|NEWNET)
+//!               init: fds closed, PR_SET_PDEATHSIG, / private, lo up, then
+//!               blocks on its claim socket (SOCK_SEQPACKET)
+//! CreateSession (root mode, no network, no limit, no id map): take one,
+//!               send the hostname + the detached overlay (spawner::claim);
+//!               init attaches it, mounts /proc, /dev…, pivot_root, writes
+//!               its ready byte — the rest as any daemon-owned session
+//! ```
+//!
+//! A ready init is no session: no store row, nothing mounted, no cgroup.
+//! It dies with the daemon (parent-death signal) and when the pool lets it
+//! go (end of file on its socket: it exits 0). One that died unclaimed is
+//! reaped when the pool finds it. The refill waits until the process
+//! spawner has been idle for [`QUIET`]: a refill never makes a session's
+//! Exec wait for the spawner.
+
+use std::os::fd::{AsRawFd, OwnedFd};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use layerstack_sandbox::spawner;
+use layerstack_sandbox::sys;
+use tracing::{debug, warn};
+
+use crate::sandbox::Holders;
+
+/// How long the spawner must have been idle before the pool asks it for a
+/// ready init.
+const QUIET: Duration = Duration::from_millis(3);
+
+/// After a refill failed, the pool tries again this much later.
+const RETRY_AFTER: Duration = Duration::from_secs(1);
+
+/// An init made ahead, waiting for its session.
+pub(crate) struct ReadyInit {
+    pub pid: i32,
+    pub pidfd: OwnedFd,
+    /// Where [`spawner::claim`] sends the session's hostname and overlay.
+    pub claim: OwnedFd,
+    /// Init's ready pipe (one byte once the session is set up).
+    pub ready: OwnedFd,
+}
+
+/// The pool (see the module docs).
+pub(crate) struct ReadyInits {
+    /// How many to keep (`[sandbox] ready_inits`; 0: none).
+    want: std::sync::atomic::AtomicUsize,
+    items: Mutex<Vec<ReadyInit>>,
+    wake: tokio::sync::Notify,
+}
+
+impl ReadyInits {
+    /// An empty pool that keeps none until [`ReadyInits::set_want`].
+    pub(crate) fn new() -> Arc<ReadyInits> {
+        Arc::new(ReadyInits {
+            want: std::sync::atomic::AtomicUsize::new(0),
+            items: Mutex::new(Vec::new()),
+            wake: tokio::sync::Notify::new(),
+        })
+    }
+
+    /// Keep `n` ready inits (0: none, [`ReadyInits::take`] then never
+    /// answers one). Set before [`ReadyInits::start`].
+    pub(crate) fn set_want(&self, n: usize) {
+        self.want.store(n, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    fn want(&self) -> usize {
+        self.want.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Ready inits waiting now.
+    pub(crate) fn len(&self) -> usize {
+        self.items.lock().unwrap_or_else(|p| p.into_inner()).len()
+    }
+
+    /// A live ready init, if one waits; the pool refills behind it. Dead
+    /// ones met on the way are reaped and dropped.
+    pub(crate) fn take(&self) -> Option<ReadyInit> {
+        let got = loop {
+            let r = self.items.lock().unwrap_or_else(|p| p.into_inner()).pop()?;
+            if sys::pidfd_exited(&r.pidfd) {
+                let _ = sys::reap_pidfd(&r.pidfd);
+                warn!(init = r.pid, "a ready init died unclaimed: dropped");
+                continue;
+            }
+            break r;
+        };
+        self.wake.notify_one();
+        Some(got)
+    }
+
+    /// Starts the task that keeps the pool full, with the process spawner
+    /// of `holders`. Call once, in the runtime.
+    pub(crate) fn start(self: &Arc<Self>, holders: Arc<Holders>) {
+        if self.want() == 0 {
+            return;
+        }
+        let me = self.clone();
+        tokio::spawn(async move {
+            loop {
+                while me.len() < me.want() {
+                    match me.make_one(&holders).await {
+                        Ok(r) => {
+                            debug!(init = r.pid, "ready init made");
+                            me.items.lock().unwrap_or_else(|p| p.into_inner()).push(r);
+                        }
+                        Err(e) => {
+                            warn!(error = %e, "cannot make a ready init (CreateSession clones its init itself meanwhile); retrying in 1 s");
+                            tokio::time::sleep(RETRY_AFTER).await;
+                        }
+                    }
+                }
+                me.wake.notified().await;
+            }
+        });
+    }
+
+    async fn make_one(&self, holders: &Arc<Holders>) -> Result<ReadyInit, String> {
+        let sp = super::spawner(holders).map_err(|s| s.message().to_string())?;
+        loop {
+            let idle = sp.idle_for();
+            if idle >= QUIET {
+                break;
+            }
+            tokio::time::sleep(QUIET - idle).await;
+        }
+        let req = spawner::ready_request(true).map_err(|e| e.to_string())?;
+        let (pid, fds) = tokio::task::spawn_blocking(move || sp.spawn("a ready init", &req))
+            .await
+            .map_err(|e| e.to_string())?
+            .map_err(|s| s.message().to_string())?;
+        let pidfd = match sys::pidfd_open(pid) {
+            Ok(p) => p,
+            Err(e) => {
+                sys::kill(pid, libc::SIGKILL);
+                return Err(format!("a pidfd for ready init {pid}: {e}"));
+            }
+        };
+        let mut fds = fds.into_iter();
+        match (fds.next(), fds.next()) {
+            (Some(ready), Some(claim)) => Ok(ReadyInit {
+                pid,
+                pidfd,
+                claim,
+                ready,
+            }),
+            _ => {
+                let _ = sys::pidfd_kill(&pidfd, libc::SIGKILL);
+                let _ = super::wait_pidfd(&pidfd).await;
+                Err("the process spawner answered a ready init without its descriptors".into())
+            }
+        }
+    }
+}
+
+impl ReadyInit {
+    /// Hands this init its session: `hostname` and the detached overlay
+    /// `mount_fd` ([`spawner::claim`]). Errors: it is gone (it is then
+    /// reaped here).
+    pub(crate) fn claim(&self, hostname: &[u8], mount_fd: &OwnedFd) -> std::io::Result<()> {
+        let r = spawner::claim(self.claim.as_raw_fd(), hostname, mount_fd.as_raw_fd());
+        if r.is_err() {
+            let _ = sys::pidfd_kill(&self.pidfd, libc::SIGKILL);
+        }
+        r
+    }
+}
