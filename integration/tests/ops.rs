@@ -492,6 +492,12 @@ fn ops_metrics_and_the_publish_log_line_move_after_a_publish() {
             sample(&after, "layerstack_store_up") == Some(1.0),
             "store not read:\n{after}"
         );
+        // Two inits made ahead ([sandbox] ready_inits' default), none taken:
+        // no daemon-owned session ran on this daemon.
+        ensure!(
+            sample(&after, "layerstack_sandbox_ready_inits") == Some(2.0),
+            "ready inits:\n{after}"
+        );
         ensure!(
             sample(&after, "layerstack_sessions{owner_kind=\"container\"}").is_some(),
             "no live-session gauge:\n{after}"

@@ -543,6 +543,9 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
     holders
         .ready_inits
         .set_want(cfg.sandbox.ready_inits as usize);
+    if let Some(m) = &metrics {
+        holders.ready_inits.set_gauge(m.ready_inits_gauge());
+    }
     holders.ready_inits.start(holders.clone());
 
     let snapshots = containerd_snapshots::server(Arc::new(service::LayerStackSnapshotter::new(

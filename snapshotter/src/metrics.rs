@@ -107,6 +107,8 @@ pub struct Metrics {
     capture_bytes: Histogram,
     errors: Family<ErrorLabels, Counter>,
     missed_events: Counter,
+    /// Ready inits waiting for a session (`owned::ReadyInits` sets it).
+    ready_inits: Gauge,
     /// The last accounting (docs/architecture.md, "History: branches, squash, GC,
     /// accounting") and when it was taken.
     usage: tokio::sync::Mutex<Option<(std::time::Instant, layerstack_engine::store::Usage)>>,
@@ -180,6 +182,12 @@ impl Metrics {
             "Outcome events this endpoint missed (a slow consumer): layerstack_publishes undercounts by this much",
             missed_events.clone(),
         );
+        let ready_inits = Gauge::default();
+        registry.register(
+            "layerstack_sandbox_ready_inits",
+            "Inits of daemon-owned sessions made ahead and waiting for a session ([sandbox] ready_inits)",
+            ready_inits.clone(),
+        );
         registry.register(
             "layerstack_build",
             "The daemon's version",
@@ -195,6 +203,7 @@ impl Metrics {
             capture_bytes,
             errors,
             missed_events,
+            ready_inits,
             usage: tokio::sync::Mutex::new(None),
         }
     }
@@ -219,6 +228,11 @@ impl Metrics {
                 None
             }
         }
+    }
+
+    /// The gauge of ready inits (`layerstack_sandbox_ready_inits`).
+    pub fn ready_inits_gauge(&self) -> Gauge {
+        self.ready_inits.clone()
     }
 
     /// Counts one recorded outcome, with the timings of its publish when it gated.

@@ -53,6 +53,8 @@ pub(crate) struct ReadyInits {
     want: std::sync::atomic::AtomicUsize,
     items: Mutex<Vec<ReadyInit>>,
     wake: tokio::sync::Notify,
+    /// `layerstack_sandbox_ready_inits`, when the daemon serves metrics.
+    gauge: std::sync::OnceLock<prometheus_client::metrics::gauge::Gauge>,
 }
 
 impl ReadyInits {
@@ -62,6 +64,7 @@ impl ReadyInits {
             want: std::sync::atomic::AtomicUsize::new(0),
             items: Mutex::new(Vec::new()),
             wake: tokio::sync::Notify::new(),
+            gauge: std::sync::OnceLock::new(),
         })
     }
 
@@ -69,6 +72,17 @@ impl ReadyInits {
     /// answers one). Set before [`ReadyInits::start`].
     pub(crate) fn set_want(&self, n: usize) {
         self.want.store(n, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Reports the pool's size on `g` from now on.
+    pub(crate) fn set_gauge(&self, g: prometheus_client::metrics::gauge::Gauge) {
+        let _ = self.gauge.set(g);
+    }
+
+    fn counted(&self, n: usize) {
+        if let Some(g) = self.gauge.get() {
+            g.set(i64::try_from(n).unwrap_or(i64::MAX));
+        }
     }
 
     fn want(&self) -> usize {
@@ -84,7 +98,12 @@ impl ReadyInits {
     /// ones met on the way are reaped and dropped.
     pub(crate) fn take(&self) -> Option<ReadyInit> {
         let got = loop {
-            let r = self.items.lock().unwrap_or_else(|p| p.into_inner()).pop()?;
+            let r = {
+                let mut items = self.items.lock().unwrap_or_else(|p| p.into_inner());
+                let r = items.pop();
+                self.counted(items.len());
+                r?
+            };
             if sys::pidfd_exited(&r.pidfd) {
                 let _ = sys::reap_pidfd(&r.pidfd);
                 warn!(init = r.pid, "a ready init died unclaimed: dropped");
@@ -109,7 +128,9 @@ impl ReadyInits {
                     match me.make_one(&holders).await {
                         Ok(r) => {
                             debug!(init = r.pid, "ready init made");
-                            me.items.lock().unwrap_or_else(|p| p.into_inner()).push(r);
+                            let mut items = me.items.lock().unwrap_or_else(|p| p.into_inner());
+                            items.push(r);
+                            me.counted(items.len());
                         }
                         Err(e) => {
                             warn!(error = %e, "cannot make a ready init (CreateSession clones its init itself meanwhile); retrying in 1 s");
