@@ -406,7 +406,9 @@ fn set_xattr(p: &std::path::Path, name: &std::ffi::CStr, value: &[u8]) -> std::i
 /// `security.capability` as the layer keeps it: a revision-3 value whose root
 /// id is the session's root on the host (what a `setcap` inside the session
 /// writes) becomes revision 2 (include/uapi/linux/capability.h,
-/// `struct vfs_ns_cap_data`); any other value as it was.
+/// `struct vfs_ns_cap_data`); one whose root id is another host id of the
+/// range (a `setcap` in a user namespace nested in the session) keeps
+/// revision 3 with that id shifted back; any other value as it was.
 fn caps_of_layer_root(cap: Vec<u8>, map: &layerstack_types::IdMap) -> Vec<u8> {
     const REVISION_MASK: u32 = 0xFF00_0000;
     const REVISION_2: u32 = 0x0200_0000;
@@ -416,8 +418,19 @@ fn caps_of_layer_root(cap: Vec<u8>, map: &layerstack_types::IdMap) -> Vec<u8> {
     }
     let word = |i: usize| u32::from_le_bytes([cap[i], cap[i + 1], cap[i + 2], cap[i + 3]]);
     let magic = word(0);
-    if magic & REVISION_MASK != REVISION_3 || word(20) != map.host_uid {
+    if magic & REVISION_MASK != REVISION_3 {
         return cap;
+    }
+    let rootid = word(20);
+    if rootid != map.host_uid {
+        return match map.uid_from_host(rootid) {
+            Some(inside) => {
+                let mut v3 = cap;
+                v3[20..].copy_from_slice(&inside.to_le_bytes());
+                v3
+            }
+            None => cap,
+        };
     }
     let mut v2 = cap[..20].to_vec();
     v2[..4].copy_from_slice(&((magic & !REVISION_MASK) | REVISION_2).to_le_bytes());
@@ -1194,6 +1207,37 @@ mod tests {
         // Again (a crash after the first pass): nothing lies in the host range.
         assert_eq!(shift_back_ids(&up, &m).unwrap(), 0);
         assert_eq!(ids("d/suid"), (1000, 5, 0o6755));
+    }
+
+    #[test]
+    fn file_capabilities_lose_their_host_root_id() {
+        let m = layerstack_types::IdMap {
+            host_uid: 100000,
+            host_gid: 200000,
+            size: 65536,
+        };
+        let v3 = |rootid: u32| {
+            let mut cap = Vec::new();
+            for w in [0x0300_0001u32, 1 << 13, 0, 0, 0, rootid] {
+                cap.extend_from_slice(&w.to_le_bytes());
+            }
+            cap
+        };
+        // The session's root: revision 2, no root id.
+        let r = caps_of_layer_root(v3(100000), &m);
+        assert_eq!(r.len(), 20);
+        assert_eq!(r[..4], 0x0200_0001u32.to_le_bytes());
+        // A user namespace nested in the session, root 1000 there: revision 3
+        // of root id 1000 — no host id left in the layer.
+        let r = caps_of_layer_root(v3(101000), &m);
+        assert_eq!(r.len(), 24);
+        assert_eq!(r[..20], v3(0)[..20]);
+        assert_eq!(r[20..], 1000u32.to_le_bytes());
+        // Outside the range, and revision 2, as they were.
+        assert_eq!(caps_of_layer_root(v3(5), &m), v3(5));
+        assert_eq!(caps_of_layer_root(v3(100000 + 65536), &m), v3(165536));
+        let v2 = v3(0)[..20].to_vec();
+        assert_eq!(caps_of_layer_root(v2.clone(), &m), v2);
     }
 
     #[test]

@@ -102,6 +102,22 @@ async fn read(c: &mut Client, id: i64, path: &str) -> Result<Vec<u8>, tonic::Sta
     Ok(v)
 }
 
+/// `DownloadTar` of `path`: the whole tar.
+async fn download(c: &mut Client, id: i64, path: &str) -> Result<Vec<u8>, tonic::Status> {
+    let mut s = c
+        .download_tar(api::DownloadTarRequest {
+            session_id: id,
+            path: path.into(),
+        })
+        .await?
+        .into_inner();
+    let mut v = Vec::new();
+    while let Some(m) = s.message().await? {
+        v.extend(m.data);
+    }
+    Ok(v)
+}
+
 async fn write(
     c: &mut Client,
     id: i64,
@@ -472,17 +488,7 @@ async fn scenario(dir: &Path, daemon: &mut Option<Daemon>) -> Result<()> {
         e.code() == Code::InvalidArgument && e.message().contains("../escaped"),
         "{e:?}"
     );
-    let mut s = c
-        .download_tar(api::DownloadTarRequest {
-            session_id: id,
-            path: "/data/up".into(),
-        })
-        .await?
-        .into_inner();
-    let mut tarball = Vec::new();
-    while let Some(m) = s.message().await? {
-        tarball.extend(m.data);
-    }
+    let tarball = download(&mut c, id, "/data/up").await?;
     let mut names = Vec::new();
     let mut a = tar::Archive::new(&tarball[..]);
     for e in a.entries()? {
@@ -1179,6 +1185,28 @@ async fn ready_inits(c: &mut Client, d: &Daemon, stack: &str) -> Result<()> {
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    // Both ready inits killed while they wait: the next create finds them
+    // dead, clones its own init, and the pool is made full again.
+    let dead = children_named(daemon, "ls-init");
+    for p in &dead {
+        nix::sys::signal::kill(nix::unistd::Pid::from_raw(*p), nix::sys::signal::SIGKILL)?;
+    }
+    let (id, _) = create(c, stack, "after-kill").await?;
+    let r = exec(c, id, &["sh", "-c", "hostname"]).await?;
+    ensure!(r.out == b"after-kill\n", "{r:?}");
+    discard(c, id).await?;
+    let t0 = Instant::now();
+    loop {
+        let now = children_named(daemon, "ls-init");
+        if now.len() == 2 && !now.iter().any(|p| dead.contains(p)) {
+            break;
+        }
+        ensure!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the pool was not refilled after its inits died: {now:?} (killed {dead:?})"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     Ok(())
 }
 
@@ -1577,7 +1605,7 @@ async fn id_map_scenario(dir: &Path, d: &Daemon) -> Result<()> {
         &src,
         &[
             "sh", "cat", "echo", "id", "stat", "chown", "chmod", "touch", "rm", "mkdir", "sleep",
-            "test",
+            "test", "mount", "hostname", "ln",
         ],
         &["etc", "srv", "tmp"],
     )?;
@@ -1676,6 +1704,82 @@ async fn id_map_scenario(dir: &Path, d: &Daemon) -> Result<()> {
         r.exit.code == 0 && r.out != b"0\n",
         "the session's root wrote the host's kernel hostname: {r:?}"
     );
+    // Its mounts are locked as the host's root made them: the root cannot be
+    // remounted with devices allowed (then the image's /srv/null would be
+    // the host's /dev/null), nor the hostname changed, nor procfs mounted.
+    let r = exec_req(
+        &mut c,
+        sh(
+            id,
+            "mount -o remount,bind,dev / 2>/dev/null; echo remount $?; echo x 2>/dev/null > /srv/null; echo dev $?; hostname other 2>/dev/null; echo hostname $?; mkdir -p /tmp/p && mount -t proc proc /tmp/p 2>/dev/null; echo proc $?; hostname",
+        ),
+    )
+    .await?;
+    let out = String::from_utf8_lossy(&r.out).into_owned();
+    ensure!(
+        r.exit.code == 0
+            && !out.contains("remount 0")
+            && !out.contains("dev 0")
+            && !out.contains("hostname 0")
+            && !out.contains("proc 0"),
+        "the session's root changed what the host's root set up:\n{out}"
+    );
+    // The file RPCs serve files, not the kernel's interfaces: a symlink of
+    // the session into its /proc is refused (the daemon reads as the host's
+    // root), and an archive of / stops at the session's other mounts.
+    let r = exec_req(&mut c, sh(id, "ln -s /proc/kallsyms /srv/k")).await?;
+    ensure!(r.exit.code == 0, "{r:?}");
+    for path in ["/srv/k", "/proc/kallsyms", "/proc/1/status"] {
+        let e = read(&mut c, id, path)
+            .await
+            .err()
+            .with_context(|| format!("ReadFile {path} answered the kernel's file"))?;
+        ensure!(
+            e.code() == Code::PermissionDenied && e.message().contains("proc"),
+            "ReadFile {path}: {e:?}"
+        );
+    }
+    let e = c
+        .list_dir(api::ListDirRequest {
+            session_id: id,
+            path: "/sys/kernel".into(),
+        })
+        .await
+        .err()
+        .context("ListDir /sys/kernel answered")?;
+    ensure!(e.code() == Code::PermissionDenied, "{e:?}");
+    let st = c
+        .stat_path(api::StatPathRequest {
+            session_id: id,
+            path: "/proc".into(),
+        })
+        .await?
+        .into_inner();
+    ensure!(
+        st.kind == "dir",
+        "the mount point itself is stat'ed: {st:?}"
+    );
+    let tarball = download(&mut c, id, "/").await?;
+    let mut names = Vec::new();
+    for e in tar::Archive::new(&tarball[..]).entries()? {
+        let p = e?.path()?.to_string_lossy().into_owned();
+        names.push(p.trim_start_matches("./").trim_end_matches('/').to_string());
+    }
+    ensure!(
+        names.iter().any(|n| n == "proc")
+            && names.iter().any(|n| n == "srv/owned")
+            && !names
+                .iter()
+                .any(|n| ["proc/", "sys/", "dev/"].iter().any(|m| n.starts_with(m))),
+        "the archive of / crossed into the session's mounts: {names:?}"
+    );
+    let e = download(&mut c, id, "/proc")
+        .await
+        .err()
+        .context("DownloadTar /proc answered")?;
+    ensure!(e.code() == Code::PermissionDenied, "{e:?}");
+    let r = exec_req(&mut c, sh(id, "rm /srv/k")).await?;
+    ensure!(r.exit.code == 0, "{r:?}");
 
     // Writes: a new file, a directory given to 1000, a set-user-ID bit, an
     // edit of a lower file owned by 1000 (copy-up keeps its owner), a

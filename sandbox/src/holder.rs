@@ -112,11 +112,17 @@ pub struct Setup {
     pub cgroup_procs: Vec<RawFd>,
     /// Workspace mode: what to cover before the overlay is attached.
     pub hide: Vec<Hide>,
-    /// The session's uid/gid mapping: init is cloned into a new user
-    /// namespace too (which then owns its other namespaces), waits until the
-    /// cloner has written the mapping, and becomes the namespace's root
-    /// (`0:0`, the host's `host_uid:host_gid`). `None`: init runs as the
-    /// host's root, as before.
+    /// The session's uid/gid mapping. Init sets the session up as the
+    /// host's root in namespaces the host's user namespace owns (as
+    /// bubblewrap does), then unshares a user namespace and a mount
+    /// namespace (`unshare(CLONE_NEWUSER | CLONE_NEWNS)`): every mount it
+    /// made is then locked with its flags (mount_namespaces(7), "Restrictions
+    /// on mount namespaces") — the session's root cannot remount the overlay
+    /// `dev`, nor mount procfs or change the hostname. Init writes `u` on its
+    /// ready pipe, waits for one byte on the `go` pipe [`clone_init`]
+    /// returns — the cloner writes the mapping first
+    /// ([`sys::write_id_map`]) — and becomes the namespace's root (`0:0`, the
+    /// host's `host_uid:host_gid`). `None`: init runs as the host's root.
     pub id_map: Option<layerstack_types::IdMap>,
 }
 
@@ -171,7 +177,7 @@ pub fn start(setup: &Setup, cmd: Option<&Command>) -> io::Result<Result<Init, Ex
     // Blocked before the clone: init inherits the mask, so no signal meant for
     // it is lost before it waits for signals.
     sys::sigmask(libc::SIG_BLOCK, &set);
-    let (pid, ready_r) = match clone_init(setup, cmd, 0) {
+    let (pid, ready_r, go) = match clone_init(setup, cmd, 0) {
         Ok(x) => x,
         Err(e) => {
             sys::sigmask(libc::SIG_UNBLOCK, &set);
@@ -189,8 +195,16 @@ pub fn start(setup: &Setup, cmd: Option<&Command>) -> io::Result<Result<Init, Ex
     }
     sys::sigmask(libc::SIG_UNBLOCK, &set);
     let mut b = [0u8; 1];
-    let n = sys::read(ready_r.as_raw_fd(), &mut b)?;
-    if n == 1 {
+    let mut n = sys::read(ready_r.as_raw_fd(), &mut b)?;
+    if let (1, b'u', Some(map), Some(go)) = (n, b[0], &setup.id_map, &go) {
+        if let Err(e) = map_ids(pid, map, go) {
+            sys::kill(pid, libc::SIGKILL);
+            let _ = sys::wait_pid(pid);
+            return Err(e);
+        }
+        n = sys::read(ready_r.as_raw_fd(), &mut b)?;
+    }
+    if n == 1 && b[0] == b'r' {
         return Ok(Ok(Init { pid }));
     }
     // Init ended before it was ready: setup failed.
@@ -199,19 +213,55 @@ pub fn start(setup: &Setup, cmd: Option<&Command>) -> io::Result<Result<Init, Ex
     Ok(Err(x))
 }
 
+/// The data of the tmpfs and devpts mounts of a root-mode session, built
+/// before the clone (init cannot allocate). In a session with a uid/gid
+/// mapping, init mounts them as the host's root: they are given to the
+/// session's root (`uid=`, `gid=` of the host's ids), and `/dev/pts`'s
+/// tty group is the session's gid 5 when the mapping has it.
+struct MountOpts {
+    dev: CString,
+    pts: CString,
+    shm: CString,
+    run: CString,
+}
+
+impl MountOpts {
+    fn new(map: Option<&layerstack_types::IdMap>) -> MountOpts {
+        let owner = map
+            .map(|m| format!(",uid={},gid={}", m.host_uid, m.host_gid))
+            .unwrap_or_default();
+        let tty = match map {
+            None => ",gid=5".to_string(),
+            Some(m) if m.size > 5 => format!(",gid={}", u64::from(m.host_gid) + 5),
+            Some(_) => String::new(),
+        };
+        let c = |s: String| CString::new(s).unwrap_or_default();
+        MountOpts {
+            dev: c(format!("mode=755,size=65536k{owner}")),
+            pts: c(format!("newinstance,ptmxmode=0666,mode=0620{tty}")),
+            shm: c(format!("mode=1777,size=65536k{owner}")),
+            run: c(format!("mode=755,size=65536k{owner}")),
+        }
+    }
+}
+
 /// Clones the session's init (see the module docs) without waiting for it:
 /// returns its pid and the read end of its ready pipe, on which init writes
-/// one byte once it is set up (end of file without it: setup failed, and
-/// init's exit status says so). `extra` is or-ed into the clone flags (the
-/// process spawner's `CLONE_PARENT`). The caller blocks
-/// [`sys::init_sigset`] before the call (init inherits the mask and waits for
-/// those signals with `sigwait`).
+/// `r` once it is set up (end of file without it: setup failed, and
+/// init's exit status says so). With an id map ([`Setup::id_map`]) also the
+/// write end of its `go` pipe: init first writes `u` on its ready pipe,
+/// the caller then writes the mapping ([`sys::write_id_map`]) and one byte
+/// on `go` ([`map_ids`] does both). `extra` is or-ed into the clone flags
+/// (the process spawner's `CLONE_PARENT`). The caller blocks
+/// [`sys::init_sigset`] before the call (init inherits the mask and waits
+/// for those signals with `sigwait`).
 pub fn clone_init(
     setup: &Setup,
     cmd: Option<&Command>,
     extra: libc::c_int,
-) -> io::Result<(libc::pid_t, OwnedFd)> {
+) -> io::Result<(libc::pid_t, OwnedFd, Option<OwnedFd>)> {
     let (ready_r, ready_w) = sys::pipe()?;
+    let mount_opts = MountOpts::new(setup.id_map.as_ref());
     let devnull = if setup.die_with_parent && !setup.daemon_owned {
         None
     } else {
@@ -227,13 +277,10 @@ pub fn clone_init(
     if setup.net_none {
         flags |= libc::CLONE_NEWNET;
     }
-    // With an id map: a user namespace, created by the same clone so that
-    // it owns the others; init waits on `go` until its mapping is written.
+    // With an id map: init unshares its user namespace once set up, and
+    // waits on `go` until its mapping is written.
     let go = match setup.id_map {
-        Some(_) => {
-            flags |= libc::CLONE_NEWUSER;
-            Some(sys::pipe()?)
-        }
+        Some(_) => Some(sys::pipe()?),
         None => None,
     };
     // SAFETY: the child runs only `init_main`, which makes child-safe calls and
@@ -251,6 +298,7 @@ pub fn clone_init(
                 ready_w.as_raw_fd(),
                 devnull.as_ref().map(AsRawFd::as_raw_fd),
                 go_r,
+                &mount_opts,
                 &set,
             )
         }
@@ -259,25 +307,22 @@ pub fn clone_init(
     };
     drop(ready_w);
     drop(devnull);
-    if let (Some(map), Some((go_r, go_w))) = (&setup.id_map, go) {
-        drop(go_r);
-        // Init lost its capabilities in the host's namespace with the clone:
-        // its OOM protection is set from here (best effort, as init does).
-        if !setup.cgroup_procs.is_empty() {
-            let _ = std::fs::write(format!("/proc/{pid}/oom_score_adj"), b"-1000");
-        }
-        if let Err(e) =
-            sys::write_id_map(pid, map).and_then(|()| sys::write_all(go_w.as_raw_fd(), b"g"))
-        {
-            // Init sees end of file on `go` and fails; the caller reaps it.
-            sys::kill(pid, libc::SIGKILL);
-            return Err(io::Error::new(
+    Ok((pid, ready_r, go.map(|(_, w)| w)))
+}
+
+/// The cloner's part of a mapped init's start ([`Setup::id_map`]), once init
+/// wrote `u` on its ready pipe: writes `map` as init's uid/gid mapping and
+/// one byte on `go`. Errors: the writes' (init then sees end of file on
+/// `go` and fails; the caller kills and reaps it).
+pub fn map_ids(pid: libc::pid_t, map: &layerstack_types::IdMap, go: &OwnedFd) -> io::Result<()> {
+    sys::write_id_map(pid, map)
+        .and_then(|()| sys::write_all(go.as_raw_fd(), b"g"))
+        .map_err(|e| {
+            io::Error::new(
                 e.kind(),
                 format!("writing the session's uid/gid mapping {map}: {e}"),
-            ));
-        }
-    }
-    Ok((pid, ready_r))
+            )
+        })
 }
 
 impl Init {
@@ -312,7 +357,7 @@ fn device(rel: &CStr, host: &CStr, major: u32, minor: u32) {
 
 /// Mounts under the new root (the working directory), as a container has them
 /// (containerd's default spec): /proc, a minimal /dev, /sys read-only, /run.
-fn container_mounts(tty_gid: bool) {
+fn container_mounts(o: &MountOpts) {
     let nse = libc::MS_NOSUID | libc::MS_NODEV | libc::MS_NOEXEC;
     let step = |what: &[u8], r: io::Result<()>| {
         if let Err(e) = r {
@@ -332,7 +377,7 @@ fn container_mounts(tty_gid: bool) {
             c"dev",
             Some(c"tmpfs"),
             libc::MS_NOSUID | libc::MS_STRICTATIME,
-            Some(c"mode=755,size=65536k"),
+            Some(&o.dev),
         ),
     );
     device(c"dev/null", c"/dev/null", 1, 3);
@@ -353,11 +398,6 @@ fn container_mounts(tty_gid: bool) {
     step(b"mkdir /dev/pts", sys::mkdir_exist_ok(c"dev/pts", 0o755));
     // gid 5 (tty) owns the ptys, as in containerd's default spec — when
     // the session's mapping has it.
-    let pts = if tty_gid {
-        c"newinstance,ptmxmode=0666,mode=0620,gid=5"
-    } else {
-        c"newinstance,ptmxmode=0666,mode=0620"
-    };
     step(
         b"mount /dev/pts",
         sys::mount(
@@ -365,19 +405,13 @@ fn container_mounts(tty_gid: bool) {
             c"dev/pts",
             Some(c"devpts"),
             libc::MS_NOSUID | libc::MS_NOEXEC,
-            Some(pts),
+            Some(&o.pts),
         ),
     );
     step(b"mkdir /dev/shm", sys::mkdir_exist_ok(c"dev/shm", 0o1777));
     step(
         b"mount /dev/shm",
-        sys::mount(
-            Some(c"shm"),
-            c"dev/shm",
-            Some(c"tmpfs"),
-            nse,
-            Some(c"mode=1777,size=65536k"),
-        ),
+        sys::mount(Some(c"shm"), c"dev/shm", Some(c"tmpfs"), nse, Some(&o.shm)),
     );
     step(
         b"mkdir /dev/mqueue",
@@ -427,7 +461,7 @@ fn container_mounts(tty_gid: bool) {
             c"run",
             Some(c"tmpfs"),
             libc::MS_NOSUID | libc::MS_NODEV,
-            Some(c"mode=755,size=65536k"),
+            Some(&o.run),
         ),
     );
 }
@@ -469,26 +503,9 @@ fn init_main(
     ready_w: RawFd,
     devnull: Option<RawFd>,
     go: Option<RawFd>,
+    mount_opts: &MountOpts,
     set: &libc::sigset_t,
 ) -> ! {
-    if let Some(go) = go {
-        // A new user namespace: the cloner writes its mapping, then one byte.
-        let mut b = [0u8; 1];
-        match sys::read(go, &mut b) {
-            Ok(1) => {}
-            Ok(_) => fail(
-                &[b"wait for the session's uid/gid mapping"],
-                &io::Error::from(io::ErrorKind::UnexpectedEof),
-            ),
-            Err(e) => fail(&[b"wait for the session's uid/gid mapping"], &e),
-        }
-        sys::close(go);
-        // Root of the new namespace (the host's host_uid:host_gid), with
-        // every capability in it and none outside.
-        if let Err(e) = sys::set_ids(0, 0) {
-            fail(&[b"become root of the session's user namespace"], &e);
-        }
-    }
     if !setup.cgroup_procs.is_empty() {
         // Best effort: without CAP_SYS_RESOURCE init stays killable.
         let _ = sys::oom_score_adj(b"-1000");
@@ -499,9 +516,12 @@ fn init_main(
     if setup.daemon_owned {
         // Not the spawner's name it was forked with (`ps`, the benchmarks).
         sys::set_name(c"ls-init");
-        let mut keep = [setup.mount_fd, ready_w, -1];
+        let mut keep = [setup.mount_fd, ready_w, -1, -1];
         if let Some(n) = devnull {
             keep[2] = n;
+        }
+        if let Some(g) = go {
+            keep[3] = g;
         }
         sys::close_fds_except(&keep);
     }
@@ -545,7 +565,7 @@ fn init_main(
             if let Err(e) = sys::fchdir(mount_fd) {
                 fail(&[b"enter the overlay"], &e);
             }
-            container_mounts(setup.id_map.is_none_or(|m| m.size > 5));
+            container_mounts(mount_opts);
             if let Err(e) = sys::pivot_root_here() {
                 fail(&[b"pivot_root"], &e);
             }
@@ -581,6 +601,9 @@ fn init_main(
         if let Err(e) = sys::loopback_up() {
             fail(&[b"bring lo up"], &e);
         }
+    }
+    if let Some(go) = go {
+        enter_user_namespace(setup, ready_w, go);
     }
     let mut sent = 0;
     while let Some(sock) = setup.holder_sock.filter(|_| sent < setup.ready_line.len()) {
@@ -624,6 +647,40 @@ fn init_main(
     }
     sys::close(ready_w);
     reap_loop(main, set)
+}
+
+/// A mapped init's last step of setup ([`Setup::id_map`]): a user namespace
+/// and a mount namespace of its own, in which every mount made so far is
+/// locked; `u` on the ready pipe, then — once the cloner wrote the mapping
+/// and a byte on `go` — root of the new namespace.
+fn enter_user_namespace(setup: &Setup, ready_w: RawFd, go: RawFd) {
+    if let Err(e) = sys::unshare(libc::CLONE_NEWUSER | libc::CLONE_NEWNS) {
+        fail(&[b"unshare the session's user namespace"], &e);
+    }
+    if let Err(e) = sys::write_all(ready_w, b"u") {
+        fail(&[b"ask for the session's uid/gid mapping"], &e);
+    }
+    let mut b = [0u8; 1];
+    match sys::read(go, &mut b) {
+        Ok(1) => {}
+        Ok(_) => fail(
+            &[b"wait for the session's uid/gid mapping"],
+            &io::Error::from(io::ErrorKind::UnexpectedEof),
+        ),
+        Err(e) => fail(&[b"wait for the session's uid/gid mapping"], &e),
+    }
+    sys::close(go);
+    // Root of the new namespace (the host's host_uid:host_gid), with every
+    // capability in it and none outside.
+    if let Err(e) = sys::set_ids(0, 0) {
+        fail(&[b"become root of the session's user namespace"], &e);
+    }
+    // The change of ids cleared the parent-death signal (prctl(2)).
+    if setup.die_with_parent {
+        if let Err(e) = sys::die_with_parent() {
+            fail(&[b"prctl PR_SET_PDEATHSIG"], &e);
+        }
+    }
 }
 
 /// Init's loop: forward signals to `main`, reap every child; exit with `main`'s
@@ -883,13 +940,16 @@ fn joined_waiter(
     // The command inherits this: the OOM killer weighs it as any process,
     // not with the daemon's protection.
     let _ = sys::oom_score_adj(b"0");
-    let flags = if cmd.userns {
-        JOIN_FLAGS | libc::CLONE_NEWUSER
-    } else {
-        JOIN_FLAGS
-    };
-    if let Err(e) = sys::setns_pidfd(pidfd, flags) {
+    // The namespaces first, as the host's root (the host's user namespace
+    // owns all but the mount namespace); then the session's user namespace,
+    // in which the waiter has no capability over the others.
+    if let Err(e) = sys::setns_pidfd(pidfd, JOIN_FLAGS) {
         fail(&[b"join the session's namespaces (setns)"], &e);
+    }
+    if cmd.userns {
+        if let Err(e) = sys::setns_pidfd(pidfd, libc::CLONE_NEWUSER) {
+            fail(&[b"join the session's user namespace (setns)"], &e);
+        }
     }
     sys::close(pidfd);
     if let Err(e) = sys::fchdir(root).and_then(|()| sys::chroot_here()) {

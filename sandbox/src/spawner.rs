@@ -15,7 +15,8 @@
 //!                request at a time:
 //!        init    clone(CLONE_PARENT | NEWNS|NEWPID|NEWIPC|NEWUTS[|NEWNET])
 //!                  (holder::clone_init): init's parent is the daemon
-//!                reply: init's pid, the read end of its ready pipe
+//!                reply: init's pid, the read end of its ready pipe (and,
+//!                with an id map, the write end of its `go` pipe)
 //!        exec    clone(CLONE_PARENT) (holder::spawn_joined_with): the waiter's
 //!                parent is the daemon; reply: the waiter's pid
 //! ```
@@ -392,8 +393,8 @@ fn spawn_init(body: &[u8], fds: Vec<OwnedFd>) -> io::Result<(i32, Vec<OwnedFd>)>
         id_map: spec.id_map,
         claim: false,
     };
-    let (pid, ready) = holder::clone_init(&setup, None, libc::CLONE_PARENT)?;
-    Ok((pid, vec![ready]))
+    let (pid, ready, go) = holder::clone_init(&setup, None, libc::CLONE_PARENT)?;
+    Ok((pid, [Some(ready), go].into_iter().flatten().collect()))
 }
 
 /// A ready init ([`ready_request`]): replies its pid, the read end of its
@@ -430,7 +431,7 @@ fn spawn_ready(body: &[u8]) -> io::Result<(i32, Vec<OwnedFd>)> {
         id_map: None,
         claim: true,
     };
-    let (pid, ready) = holder::clone_init(&setup, None, libc::CLONE_PARENT)?;
+    let (pid, ready, _) = holder::clone_init(&setup, None, libc::CLONE_PARENT)?;
     drop(child);
     Ok((pid, vec![ready, daemon]))
 }
@@ -549,7 +550,10 @@ pub struct InitSpec {
 /// attaching `mount_fd` and `cgroup_procs` (init's [`Setup`] has
 /// `daemon_owned` and `die_with_parent`). Its reply carries init's pid and
 /// the read end of its ready pipe (one byte `r` once set up; end of file
-/// without it: setup failed, reap init for its exit status).
+/// without it: setup failed, reap init for its exit status); with
+/// `spec.id_map`, also the write end of init's `go` pipe: init writes `u`
+/// on its ready pipe first, and the daemon answers with
+/// [`holder::map_ids`] (see [`holder::Setup::id_map`]).
 pub fn init_request(
     spec: &InitSpec,
     mount_fd: RawFd,

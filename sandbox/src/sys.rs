@@ -465,6 +465,12 @@ pub fn die_with_parent() -> io::Result<()> {
         .map(drop)
 }
 
+/// `unshare(flags)`: new namespaces for the caller (unshare(2)). Child-safe.
+pub fn unshare(flags: libc::c_int) -> io::Result<()> {
+    // SAFETY: unshare takes plain flags.
+    check_int(unsafe { libc::unshare(flags) }).map(drop)
+}
+
 /// Drops supplementary groups and switches to `gid` then `uid`. Child-safe.
 pub fn set_ids(uid: u32, gid: u32) -> io::Result<()> {
     // SAFETY: an empty group list.
@@ -998,6 +1004,41 @@ pub fn pidfd_kill(pidfd: &OwnedFd, sig: libc::c_int) -> io::Result<()> {
         )
     })
     .map(drop)
+}
+
+/// The name of the kernel-interface filesystem `fd` is on (procfs, sysfs,
+/// devpts, cgroup, mqueue, securityfs, debugfs, tracefs, bpf, …:
+/// include/uapi/linux/magic.h), or `None` for a filesystem of files
+/// (overlay, tmpfs, ext4, …). What a file RPC beneath a session's root must
+/// not serve: the daemon would read the kernel's state as host root.
+pub fn kernel_fs(fd: &impl AsRawFd) -> io::Result<Option<&'static str>> {
+    const KERNEL: [(u64, &str); 18] = [
+        (0x9fa0, "proc"),
+        (0x6265_6572, "sysfs"),
+        (0x1cd1, "devpts"),
+        (0x0027_e0eb, "cgroup"),
+        (0x6367_7270, "cgroup2"),
+        (0x1980_0202, "mqueue"),
+        (0x7363_6673, "securityfs"),
+        (0x6462_6720, "debugfs"),
+        (0x7472_6163, "tracefs"),
+        (0xcafe_4a11, "bpf"),
+        (0xf97c_ff8c, "selinuxfs"),
+        (0x4341_5d53, "smackfs"),
+        (0xde5e_81e4, "efivarfs"),
+        (0x6165_676c, "pstore"),
+        (0x6265_6570, "configfs"),
+        (0x6e73_6673, "nsfs"),
+        (0x4249_4e4d, "binfmt_misc"),
+        (0x6573_5543, "fusectl"),
+    ];
+    // SAFETY: statfs is plain data; fstatfs fills it for a valid descriptor.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: `fd` is an open descriptor and `st` a valid statfs to fill.
+    check_int(unsafe { libc::fstatfs(fd.as_raw_fd(), &mut st) })?;
+    #[allow(clippy::unnecessary_cast)]
+    let t = (st.f_type as u64) & 0xffff_ffff;
+    Ok(KERNEL.iter().find(|(m, _)| *m == t).map(|(_, n)| *n))
 }
 
 /// Whether the process of `pidfd` has ended (the pidfd polls readable).

@@ -51,9 +51,51 @@ fn split(rel: &[u8]) -> (&[u8], &[u8]) {
 }
 
 /// The status of a failed file operation on `path`, naming it and the reason.
+/// A path resolved onto a kernel-interface filesystem ([`sys::kernel_fs`]):
+/// the file RPCs refuse it (PERMISSION_DENIED).
+#[derive(Debug)]
+struct KernelFs(&'static str);
+
+impl std::fmt::Display for KernelFs {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "it is on the session's {} filesystem, a kernel interface: the file RPCs serve the session's files only (read it with Exec inside the session)",
+            self.0
+        )
+    }
+}
+
+impl std::error::Error for KernelFs {}
+
+/// `fd`, unless it lies on a kernel-interface filesystem (procfs, sysfs, …):
+/// a symlink of the session may point there, and the daemon reads as host
+/// root. Errors: [`KernelFs`], or fstatfs's.
+fn files_only(fd: OwnedFd) -> io::Result<OwnedFd> {
+    match sys::kernel_fs(&fd)? {
+        None => Ok(fd),
+        Some(name) => Err(io::Error::new(
+            io::ErrorKind::PermissionDenied,
+            KernelFs(name),
+        )),
+    }
+}
+
+/// `openat2_in_root` ([`sys::openat2_in_root`]) of a file RPC: refused on a
+/// kernel-interface filesystem ([`files_only`]).
+fn open_in_root(root: &OwnedFd, path: &std::ffi::CStr, flags: libc::c_int) -> io::Result<OwnedFd> {
+    files_only(sys::openat2_in_root(root, path, flags, 0)?)
+}
+
 fn file_status(path: &str, what: &str, e: &io::Error) -> Status {
     let msg = format!("{what} {path:?}: {e}");
+    if e.get_ref().is_some_and(|i| i.is::<KernelFs>()) {
+        return Status::permission_denied(msg);
+    }
     match e.raw_os_error() {
+        Some(libc::EBUSY) => Status::failed_precondition(format!(
+            "{msg}: a mount point of the session (its /proc, /dev, /run…) is no file of the session's tree"
+        )),
         Some(libc::ENOENT) => Status::not_found(msg),
         Some(
             libc::ENOTDIR
@@ -188,12 +230,12 @@ fn open_parent<'a>(
 ) -> io::Result<(OwnedFd, &'a [u8])> {
     let (parent, name) = split(rel);
     let flags = libc::O_PATH | libc::O_DIRECTORY;
-    match sys::openat2_in_root(root, &cpath(parent), flags, 0) {
+    match open_in_root(root, &cpath(parent), flags) {
         Ok(fd) => return Ok((fd, name)),
         Err(e) if e.raw_os_error() == Some(libc::ENOENT) && make => {}
         Err(e) => return Err(e),
     }
-    let mut dir = sys::openat2_in_root(root, c".", flags, 0)?;
+    let mut dir = open_in_root(root, c".", flags)?;
     for comp in parent.split(|&b| b == b'/') {
         let c = OsStr::from_bytes(comp);
         match nix::sys::stat::mkdirat(Some(dir.as_raw_fd()), c, NMode::from_bits_truncate(0o755)) {
@@ -220,7 +262,7 @@ fn open_parent<'a>(
             let cp = CString::new(p).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
             openat2_beneath_dir(&dir, root, &cp)?
         };
-        dir = next;
+        dir = files_only(next)?;
     }
     Ok((dir, name))
 }
@@ -293,11 +335,10 @@ pub(crate) async fn read_file(
     let (_l, root) = served_root(admin, r.session_id).await?;
     let rel = rel_path(&r.path)?;
     let path = r.path.clone();
-    let fd = sys::openat2_in_root(
+    let fd = open_in_root(
         &root,
         &cpath(&rel),
         libc::O_RDONLY | libc::O_NOCTTY | libc::O_NONBLOCK,
-        0,
     )
     .map_err(|e| file_status(&path, "cannot open", &e))?;
     let st = nix::sys::stat::fstat(fd.as_raw_fd())
@@ -471,7 +512,7 @@ pub(crate) async fn list_dir(
     let rel = rel_path(&r.path)?;
     let path = r.path.clone();
     tokio::task::spawn_blocking(move || {
-        let fd = sys::openat2_in_root(&root, &cpath(&rel), libc::O_RDONLY | libc::O_DIRECTORY, 0)
+        let fd = open_in_root(&root, &cpath(&rel), libc::O_RDONLY | libc::O_DIRECTORY)
             .map_err(|e| file_status(&path, "cannot open the directory", &e))?;
         let names =
             dir_names(&fd).map_err(|e| file_status(&path, "cannot read the directory", &e))?;
@@ -515,6 +556,16 @@ pub(crate) async fn stat_path(
 /// follows a symlink (each level is opened `O_NOFOLLOW`). Returns the entries
 /// removed.
 fn remove_tree_at(dir: &OwnedFd, name: &OsStr) -> io::Result<u64> {
+    // Another filesystem mounted there (the session's /proc, /dev…): not
+    // descended into — its mount point stays, EBUSY, as `rm
+    // --one-file-system` leaves it.
+    let here = nix::sys::stat::fstat(dir.as_raw_fd())
+        .map_err(nix_io)?
+        .st_dev;
+    let st = at_fstatat(dir, name)?;
+    if kind_of(st.st_mode) == "dir" && st.st_dev != here {
+        return Err(io::Error::from_raw_os_error(libc::EBUSY));
+    }
     let sub = match at_openat(
         dir,
         name,
@@ -631,7 +682,7 @@ pub(crate) async fn upload_tar(
     let (ctx, crx) = std::sync::mpsc::sync_channel::<Vec<u8>>(4);
     let job = tokio::task::spawn_blocking(move || -> Result<api::UploadTarResponse, Status> {
         let dir = if rel.is_empty() {
-            sys::openat2_in_root(&root, c".", libc::O_RDONLY | libc::O_DIRECTORY, 0)
+            open_in_root(&root, c".", libc::O_RDONLY | libc::O_DIRECTORY)
         } else {
             let mut with_self = rel.clone();
             with_self.extend_from_slice(b"/.");
@@ -750,6 +801,7 @@ fn append_at(
     name: &OsStr,
     at: &std::path::Path,
     map: Option<layerstack_engine::IdMap>,
+    dev: u64,
 ) -> io::Result<()> {
     let st = at_fstatat(dir, name)?;
     let mut h = header_of(&st, map);
@@ -774,6 +826,11 @@ fn append_at(
         "dir" => {
             h.set_entry_type(tar::EntryType::Directory);
             b.append_data(&mut h, at, io::empty())?;
+            // Another filesystem mounted there (the session's /proc, /dev…):
+            // its mount point only, as `tar --one-file-system`.
+            if st.st_dev != dev {
+                return Ok(());
+            }
             let sub = at_openat(
                 dir,
                 name,
@@ -781,7 +838,7 @@ fn append_at(
             )?;
             for n in dir_names(&sub)? {
                 let c = OsStr::from_bytes(&n);
-                append_at(b, &sub, c, &at.join(c), map)?;
+                append_at(b, &sub, c, &at.join(c), map, dev)?;
             }
             Ok(())
         }
@@ -814,7 +871,7 @@ pub(crate) async fn download_tar(
     let rel = rel_path(&r.path)?;
     let path = r.path;
     let (parent, name) = if rel.is_empty() {
-        let fd = sys::openat2_in_root(&root, c".", libc::O_RDONLY | libc::O_DIRECTORY, 0)
+        let fd = open_in_root(&root, c".", libc::O_RDONLY | libc::O_DIRECTORY)
             .map_err(|e| file_status(&path, "cannot open", &e))?;
         (fd, b".".to_vec())
     } else {
@@ -824,9 +881,20 @@ pub(crate) async fn download_tar(
             .map_err(|e| file_status(&path, "cannot open", &e))?;
         (p, n.to_vec())
     };
-    // Refuse a missing path before the stream starts.
-    at_fstatat(&parent, OsStr::from_bytes(&name))
+    // Refuse a missing path before the stream starts; the archive stays on
+    // the filesystem of the path it starts at.
+    let top = at_fstatat(&parent, OsStr::from_bytes(&name))
         .map_err(|e| file_status(&path, "cannot stat", &e))?;
+    if kind_of(top.st_mode) == "dir" {
+        at_openat(
+            &parent,
+            OsStr::from_bytes(&name),
+            OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW,
+        )
+        .and_then(files_only)
+        .map_err(|e| file_status(&path, "cannot archive", &e))?;
+    }
+    let dev = top.st_dev;
     let (tx, rx) = mpsc::channel(4);
     tokio::task::spawn_blocking(move || {
         let w = ChunkWriter {
@@ -836,7 +904,7 @@ pub(crate) async fn download_tar(
         let mut b = tar::Builder::new(w);
         b.follow_symlinks(false);
         let n = OsStr::from_bytes(&name);
-        let r = append_at(&mut b, &parent, n, std::path::Path::new(n), map)
+        let r = append_at(&mut b, &parent, n, std::path::Path::new(n), map, dev)
             .and_then(|()| b.into_inner())
             .and_then(|mut w| w.flush());
         if let Err(e) = r {

@@ -351,12 +351,12 @@ pub(crate) async fn create(
         } else {
             None
         };
-        let (pid, pidfd, ready) = match made_ahead {
+        let (pid, pidfd, ready, go) = match made_ahead {
             Some(r) => match r.claim(hostname.as_bytes(), &fd) {
                 Ok(()) => {
                     drop(fd);
                     debug!(session.id = id, init = r.pid, "a ready init took the session");
-                    (r.pid, r.pidfd, r.ready)
+                    (r.pid, r.pidfd, r.ready, None)
                 }
                 Err(e) => {
                     // Gone meanwhile (killed): clone one as usual.
@@ -371,8 +371,18 @@ pub(crate) async fn create(
         let mut ready = tokio::net::unix::pipe::Receiver::from_owned_fd(ready)
             .map_err(|e| io_status("init's ready pipe", &e))?;
         let mut b = [0u8; 1];
-        match ready.read(&mut b).await {
-            Ok(1) => Ok((pid, pidfd)),
+        let mut r = ready.read(&mut b).await;
+        if let (Ok(1), b'u', Some(go), Some(map)) = (&r, b[0], &go, &session_id_map) {
+            // A mapped init unshared its user namespace: its mapping, then go.
+            if let Err(e) = layerstack_sandbox::holder::map_ids(pid, map, go) {
+                let _ = sys::pidfd_kill(&pidfd, libc::SIGKILL);
+                let _ = wait_pidfd(&pidfd).await;
+                return Err(io_status(&format!("session {id}'s init"), &e));
+            }
+            r = ready.read(&mut b).await;
+        }
+        match r {
+            Ok(1) if b[0] == b'r' => Ok((pid, pidfd)),
             r => {
                 // Init ended before it was ready: setup failed (or the pipe
                 // broke: then init is ended here). Reap it for its status.
@@ -476,8 +486,10 @@ pub(crate) async fn create(
 }
 
 /// Clones a daemon-owned session's init with the process spawner (the
-/// overlay `fd`, the cgroup's `procs` descriptors): its pid, pidfd and the
-/// read end of its ready pipe. The spawner keeps no copy of `fd`.
+/// overlay `fd`, the cgroup's `procs` descriptors): its pid, pidfd, the
+/// read end of its ready pipe and, with `id_map`, the write end of its `go`
+/// pipe ([`layerstack_sandbox::holder::map_ids`]). The spawner keeps no
+/// copy of `fd`.
 #[allow(clippy::too_many_arguments)]
 async fn clone_init(
     holders: &crate::sandbox::Holders,
@@ -488,7 +500,7 @@ async fn clone_init(
     id_map: Option<layerstack_engine::IdMap>,
     fd: OwnedFd,
     procs: &[std::os::fd::RawFd],
-) -> Result<(i32, OwnedFd, OwnedFd), Status> {
+) -> Result<(i32, OwnedFd, OwnedFd, Option<OwnedFd>), Status> {
     let sp = spawner(holders)?;
     let placement_c = match placement {
         None => Placement::Root,
@@ -518,14 +530,16 @@ async fn clone_init(
             return Err(io_status("cannot open a pidfd for the session's init", &e));
         }
     };
-    let Some(ready) = fds.into_iter().next() else {
+    let mut fds = fds.into_iter();
+    let (ready, go) = (fds.next(), fds.next());
+    let (Some(ready), true) = (ready, go.is_some() == id_map.is_some()) else {
         let _ = sys::pidfd_kill(&pidfd, libc::SIGKILL);
         let _ = wait_pidfd(&pidfd).await;
         return Err(Status::internal(
-            "the process spawner answered without init's ready pipe",
+            "the process spawner answered without init's ready pipe (or its go pipe)",
         ));
     };
-    Ok((pid, pidfd, ready))
+    Ok((pid, pidfd, ready, go))
 }
 
 /// Waits for a daemon-owned session's init to end and reaps it. An end that

@@ -97,22 +97,28 @@ impl ReadyInits {
     /// A live ready init, if one waits; the pool refills behind it. Dead
     /// ones met on the way are reaped and dropped.
     pub(crate) fn take(&self) -> Option<ReadyInit> {
+        let mut popped = false;
         let got = loop {
             let r = {
                 let mut items = self.items.lock().unwrap_or_else(|p| p.into_inner());
                 let r = items.pop();
                 self.counted(items.len());
-                r?
+                r
             };
+            let Some(r) = r else { break None };
+            popped = true;
             if sys::pidfd_exited(&r.pidfd) {
                 let _ = sys::reap_pidfd(&r.pidfd);
                 warn!(init = r.pid, "a ready init died unclaimed: dropped");
                 continue;
             }
-            break r;
+            break Some(r);
         };
-        self.wake.notify_one();
-        Some(got)
+        // Whatever left the pool, live or dead, the refill replaces.
+        if popped {
+            self.wake.notify_one();
+        }
+        got
     }
 
     /// Starts the task that keeps the pool full, with the process spawner
