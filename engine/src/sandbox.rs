@@ -793,7 +793,13 @@ impl Engine {
                     .blocking(move |st| st.release_sandbox_session(id))
                     .await?;
                 if !s.remove_pending {
-                    // Closed before.
+                    // Closed before. An explicit Discard still drops what
+                    // the run kept (an interrupted run's upper and lease),
+                    // as a Publish(DISCARD) would; a run that ended
+                    // otherwise is answered as it is.
+                    if matches!(how, EndAction::Discard) {
+                        break me.discard_locked(id, &why).await;
+                    }
                     break Ok(s);
                 }
                 // A run an infrastructure failure ended stays ended so: its
@@ -801,7 +807,11 @@ impl Engine {
                 // close that came after (an explicit Publish of the kept upper
                 // still can), the close only releases it.
                 let how = match &s.outcome {
-                    Some(o) if o.kind == OutcomeKind::Interrupted && o.run == s.run => {
+                    Some(o)
+                        if o.kind == OutcomeKind::Interrupted
+                            && o.run == s.run
+                            && !matches!(how, EndAction::Discard) =>
+                    {
                         EndAction::Interrupted(o.interrupted_by.unwrap_or(Interruption::InitGone))
                     }
                     _ => how.clone(),

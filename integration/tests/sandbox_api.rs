@@ -707,20 +707,42 @@ async fn scenario(dir: &Path, daemon: &mut Option<Daemon>) -> Result<()> {
             .await?
             .into_inner();
         ensure!(w.outcome == "interrupted", "wait on {id}: {w:?}");
-        // A close after the restart answers the recorded end, publishes nothing.
+        // A close after the restart answers the recorded end, publishes
+        // nothing; one that asks for a discard drops the kept upper.
+        let discard = *i == 1;
         let closed = c
             .close_session(api::CloseSessionRequest {
                 session_id: *id,
-                action: api::EndAction::Publish as i32,
+                action: if discard {
+                    api::EndAction::Discard
+                } else {
+                    api::EndAction::Publish
+                } as i32,
                 ..Default::default()
             })
             .await?
             .into_inner();
+        ensure!(!mounted_anywhere(upper), "{} is mounted", upper.display());
+        if discard {
+            ensure!(
+                closed.outcome == "discarded" && closed.released,
+                "close --discard of interrupted {id}: {closed:?}"
+            );
+            let t0 = Instant::now();
+            while upper.exists() {
+                ensure!(
+                    t0.elapsed() < Duration::from_secs(10),
+                    "{} is left after close --discard",
+                    upper.display()
+                );
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            continue;
+        }
         ensure!(
             closed.outcome == "interrupted" && closed.released,
             "close of {id}: {closed:?}"
         );
-        ensure!(!mounted_anywhere(upper), "{} is mounted", upper.display());
         // Kept for inspection until discarded.
         ensure!(
             upper.join(format!("srv/k{i}")).exists(),
