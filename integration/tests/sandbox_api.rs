@@ -1627,7 +1627,7 @@ async fn id_map_scenario(dir: &Path, d: &Daemon) -> Result<()> {
         &src,
         &[
             "sh", "cat", "echo", "id", "stat", "chown", "chmod", "touch", "rm", "mkdir", "sleep",
-            "test", "mount", "hostname", "ln",
+            "test", "mount", "umount", "hostname", "ln", "rmdir",
         ],
         &["etc", "srv", "tmp"],
     )?;
@@ -1802,6 +1802,85 @@ async fn id_map_scenario(dir: &Path, d: &Daemon) -> Result<()> {
     ensure!(e.code() == Code::PermissionDenied, "{e:?}");
     let r = exec_req(&mut c, sh(id, "rm /srv/k")).await?;
     ensure!(r.exit.code == 0, "{r:?}");
+    // Mounts the session's root makes in its own mount namespace (a tmpfs,
+    // a bind mount of a kernel file): the file RPCs, which run as the
+    // host's root, neither read nor write nor remove on them.
+    let r = exec_req(
+        &mut c,
+        sh(
+            id,
+            "mkdir -p /srv/m && mount -t tmpfs none /srv/m && echo secret > /srv/m/f && touch /srv/b && mount --bind /proc/version /srv/b && echo mounted",
+        ),
+    )
+    .await?;
+    ensure!(r.exit.code == 0 && r.out == b"mounted\n", "{r:?}");
+    for path in ["/srv/m/f", "/srv/b"] {
+        let e = read(&mut c, id, path)
+            .await
+            .err()
+            .with_context(|| format!("ReadFile {path} answered a file of another mount"))?;
+        ensure!(e.code() == Code::PermissionDenied, "ReadFile {path}: {e:?}");
+    }
+    let e = write(&mut c, id, "/srv/m/g", b"by the daemon", false)
+        .await
+        .err()
+        .context("WriteFile into the session's tmpfs was accepted")?;
+    ensure!(e.code() == Code::PermissionDenied, "{e:?}");
+    let mut b = tar::Builder::new(Vec::new());
+    let mut h = tar::Header::new_gnu();
+    h.set_entry_type(tar::EntryType::Directory);
+    h.set_mode(0o777);
+    h.set_size(0);
+    b.append_data(&mut h, "m", &b""[..])?;
+    let e = c
+        .upload_tar(tokio_stream::iter(vec![api::UploadTarRequest {
+            session_id: id,
+            path: "/srv".into(),
+            data: b.into_inner()?,
+            ..Default::default()
+        }]))
+        .await
+        .err()
+        .context("an upload over the session's tmpfs was accepted")?;
+    ensure!(
+        e.code() == Code::InvalidArgument && e.message().contains("mount point"),
+        "{e:?}"
+    );
+    let e = c
+        .remove_path(api::RemovePathRequest {
+            session_id: id,
+            path: "/srv/m".into(),
+            recursive: true,
+        })
+        .await
+        .err()
+        .context("RemovePath of the session's tmpfs answered")?;
+    ensure!(e.code() == Code::FailedPrecondition, "{e:?}");
+    let mut names = Vec::new();
+    for e in tar::Archive::new(&download(&mut c, id, "/srv").await?[..]).entries()? {
+        names.push(
+            e?.path()?
+                .to_string_lossy()
+                .trim_end_matches('/')
+                .to_string(),
+        );
+    }
+    ensure!(
+        names.iter().any(|n| n == "srv/m") && !names.iter().any(|n| n == "srv/m/f" || n == "srv/b"),
+        "DownloadTar /srv crossed into the session's mounts: {names:?}"
+    );
+    let r = exec_req(
+        &mut c,
+        sh(
+            id,
+            "stat -c '%a' /srv/m; cat /srv/m/f; umount /srv/b /srv/m && rmdir /srv/m && rm /srv/b && echo unmounted",
+        ),
+    )
+    .await?;
+    ensure!(
+        r.exit.code == 0 && r.out == b"1777\nsecret\nunmounted\n",
+        "the session's tmpfs after the refused calls: {r:?}"
+    );
 
     // Writes: a new file, a directory given to 1000, a set-user-ID bit, an
     // edit of a lower file owned by 1000 (copy-up keeps its owner), a

@@ -312,10 +312,16 @@ impl Store {
                 Err(e) => return Err(io(e)),
             }
         }
-        // Layer dirs must be traversable by the container's users through overlay.
+        // Layers are reached through mounts only (overlay resolves its lowers
+        // with the mounter's credentials, the daemon's or containerd's), never
+        // by their path: `l` is 0700, as containerd's overlayfs snapshotter
+        // keeps its `snapshots`. A layer holds what sessions wrote — a
+        // set-user-ID file of a session's root is one of the host's root on
+        // disk — and must not be executable by the host's other users by
+        // its path. Set at every open: a store made before had 0711.
         {
             use std::os::unix::fs::PermissionsExt;
-            std::fs::set_permissions(root.join("l"), std::fs::Permissions::from_mode(0o711))
+            std::fs::set_permissions(root.join("l"), std::fs::Permissions::from_mode(0o700))
                 .map_err(io)?;
         }
         let db = db::Db::open(root, opts.durability)?;

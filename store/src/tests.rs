@@ -780,6 +780,29 @@ fn labels_update_by_fieldpath() {
 }
 
 #[test]
+fn layers_are_reached_by_mounts_only() {
+    use std::os::unix::fs::PermissionsExt;
+    let d = tmp();
+    let mode = |d: &Path| {
+        std::fs::metadata(d.join("root/l"))
+            .unwrap()
+            .permissions()
+            .mode()
+            & 0o7777
+    };
+    drop(open(d.path()));
+    assert_eq!(mode(d.path()), 0o700);
+    // A store made when `l` was 0711: closed to others at the next open.
+    std::fs::set_permissions(
+        d.path().join("root/l"),
+        std::fs::Permissions::from_mode(0o711),
+    )
+    .unwrap();
+    drop(open(d.path()));
+    assert_eq!(mode(d.path()), 0o700);
+}
+
+#[test]
 fn other_format_version_is_refused() {
     let d = tmp();
     drop(open(d.path()));

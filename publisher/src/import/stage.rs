@@ -209,6 +209,9 @@ pub(crate) struct Stage {
     overlay: Option<bool>,
     /// Overlay mode: the directories to mark opaque in [`Stage::finish`].
     opaque_dirs: BTreeSet<Vec<u8>>,
+    /// The root's filesystem (`st_dev`), once read: nothing is written on
+    /// another one mounted below the root ([`Stage::on_root_fs`]).
+    root_dev: std::cell::Cell<Option<u64>>,
     pub(crate) report: ImportReport,
 }
 
@@ -230,8 +233,36 @@ impl Stage {
             dir_mtimes: BTreeMap::new(),
             overlay: None,
             opaque_dirs: BTreeSet::new(),
+            root_dev: std::cell::Cell::new(None),
             report: ImportReport::default(),
         }
+    }
+
+    /// `fd` (the directory `rel`, opened beneath the root), if it lies on
+    /// the root's filesystem. An extraction into a live session's tree
+    /// (`UploadTar`) runs as the host's root in a tree whose mounts the
+    /// session makes: a directory there may be a mount point of another
+    /// filesystem (a cgroup hierarchy, a bind mount of a kernel file), and
+    /// nothing is written, chowned or removed on it. Checked on the
+    /// descriptor, after the open. Errors: `Refused` naming `rel`.
+    fn on_root_fs(&self, fd: OwnedFd, rel: &[u8]) -> R<OwnedFd> {
+        let root = match self.root_dev.get() {
+            Some(d) => d,
+            None => {
+                let d = rfs::stat(&self.root)
+                    .map_err(io_err("stat the staging root"))?
+                    .st_dev;
+                self.root_dev.set(Some(d));
+                d
+            }
+        };
+        if rfs::fstat(&fd).map_err(io_err("stat"))?.st_dev != root {
+            return Err(StageError::Refused(format!(
+                "{} is a mount point of another filesystem: an archive is never written into one",
+                show(rel)
+            )));
+        }
+        Ok(fd)
     }
 
     /// A stage that keeps one layer in overlay upper format in the empty
@@ -295,7 +326,7 @@ impl Stage {
         let (parent, name) = fsx::split_parent(rel);
         let name = name.to_vec();
         match Parent::open(&self.root, parent) {
-            Ok(Parent::Fd(fd)) => return Ok(Some((fd, name))),
+            Ok(Parent::Fd(fd)) => return Ok(Some((self.on_root_fs(fd, parent)?, name))),
             Ok(Parent::Base(_)) => return Ok(Some((self.open_dir(b"")?, name))),
             Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {}
             Err(e) if matches!(e.raw_os_error(), Some(libc::ELOOP | libc::ENOTDIR)) => {}
@@ -312,13 +343,11 @@ impl Stage {
             }
             at.extend_from_slice(comp);
             match rfs::openat(&dir, os(comp), dir_flags(), Mode::empty()) {
-                Ok(d) => dir = d,
+                Ok(d) => dir = self.on_root_fs(d, &at)?,
                 Err(Errno::NOENT) if create => {
-                    make_dir(&dir, comp, &implied())?;
+                    dir = make_dir(&dir, comp, &implied())?;
                     self.dir_mtimes.insert(at.clone(), 0);
                     self.report.implied_dirs += 1;
-                    dir = rfs::openat(&dir, os(comp), dir_flags(), Mode::empty())
-                        .map_err(io_err("open a new directory"))?;
                 }
                 Err(Errno::NOENT) => return Ok(None),
                 Err(Errno::LOOP | Errno::NOTDIR) => {
@@ -349,11 +378,12 @@ impl Stage {
 
     /// The directory `rel` (empty: the root), opened beneath the root.
     fn open_dir(&self, rel: &[u8]) -> R<OwnedFd> {
-        match Parent::open(&self.root, rel).map_err(|e| StageError::Io("open", e))? {
-            Parent::Fd(fd) => Ok(fd),
+        let fd = match Parent::open(&self.root, rel).map_err(|e| StageError::Io("open", e))? {
+            Parent::Fd(fd) => fd,
             Parent::Base(b) => rfs::openat(rfs::CWD, b, dir_flags(), Mode::empty())
-                .map_err(io_err("open the staging root")),
-        }
+                .map_err(io_err("open the staging root"))?,
+        };
+        self.on_root_fs(fd, rel)
     }
 
     /// What is at `name` in `dir` now.
@@ -377,10 +407,7 @@ impl Stage {
                 rfs::unlinkat(dir, os(name), AtFlags::empty()).map_err(io_err("remove"))?
             }
             Existing::Dir => {
-                // std's remove_dir_all opens what it removes with O_NOFOLLOW
-                // (CVE-2022-21658): a symlink inside is unlinked, never followed.
-                std::fs::remove_dir_all(fsx::proc_path(dir, name))
-                    .map_err(|e| StageError::Io("remove", e))?;
+                remove_tree(dir, name, rel)?;
                 let mut below = rel.to_vec();
                 below.push(b'/');
                 let mut end = rel.to_vec();
@@ -454,6 +481,7 @@ impl Stage {
             Existing::Dir => {
                 let d = rfs::openat(&dir, os(&name), dir_flags(), Mode::empty())
                     .map_err(io_err("open"))?;
+                let d = same_fs(&dir, d, rel)?;
                 // Replace, not add to, the xattrs it had.
                 for n in fd_xattr_names(&d)? {
                     rfs::fremovexattr(&d, os(&n)).map_err(io_err("remove an xattr of"))?;
@@ -475,7 +503,9 @@ impl Stage {
                 rfs::unlinkat(&dir, os(&name), AtFlags::empty()).map_err(io_err("remove"))?;
                 make_dir(&dir, &name, meta)?;
             }
-            Existing::None => make_dir(&dir, &name, meta)?,
+            Existing::None => {
+                make_dir(&dir, &name, meta)?;
+            }
         }
         self.dir_mtimes.insert(rel.to_vec(), meta.mtime);
         self.touch(rel);
@@ -710,10 +740,14 @@ impl Stage {
                 Parent::Fd(fd) => fd,
                 Parent::Base(_) => root.try_clone().map_err(|e| StageError::Io("dup", e))?,
             };
-            match rfs::utimensat(&fd, os(name), &times(*mtime), AtFlags::SYMLINK_NOFOLLOW) {
-                Ok(()) | Err(Errno::NOENT) => {}
-                Err(e) => return Err(StageError::Io("set the mtime of", e.into())),
-            }
+            // By descriptor, on the root's filesystem: a mount point put there
+            // meanwhile keeps its times.
+            let d = match rfs::openat(&fd, os(name), dir_flags(), Mode::empty()) {
+                Ok(d) => self.on_root_fs(d, rel)?,
+                Err(Errno::NOENT) => continue,
+                Err(e) => return Err(StageError::Io("open", e.into())),
+            };
+            rfs::futimens(&d, &times(*mtime)).map_err(io_err("set the mtime of"))?;
         }
         Ok(self.report)
     }
@@ -778,11 +812,49 @@ fn ids(meta: &Meta) -> (Option<Uid>, Option<Gid>) {
     (Some(Uid::from_raw(meta.uid)), Some(Gid::from_raw(meta.gid)))
 }
 
-/// `mkdir` + metadata (mtime set later, by [`Stage::finish`]).
-fn make_dir(dir: &OwnedFd, name: &[u8], meta: &Meta) -> R<()> {
+/// `mkdir` + metadata (mtime set later, by [`Stage::finish`]); the new
+/// directory, opened (on `dir`'s filesystem: [`same_fs`]).
+fn make_dir(dir: &OwnedFd, name: &[u8], meta: &Meta) -> R<OwnedFd> {
     rfs::mkdirat(dir, os(name), Mode::from_raw_mode(0o700)).map_err(io_err("create directory"))?;
     let d = rfs::openat(dir, os(name), dir_flags(), Mode::empty()).map_err(io_err("open"))?;
-    set_fd_meta(&d, meta)
+    let d = same_fs(dir, d, name)?;
+    set_fd_meta(&d, meta)?;
+    Ok(d)
+}
+
+/// `child` (opened in `parent`, at `rel`), if it lies on `parent`'s
+/// filesystem; see [`Stage::on_root_fs`]. Errors: `Refused` naming `rel`.
+fn same_fs(parent: &OwnedFd, child: OwnedFd, rel: &[u8]) -> R<OwnedFd> {
+    let dev = |fd: &OwnedFd| rfs::fstat(fd).map(|st| st.st_dev).map_err(io_err("stat"));
+    if dev(&child)? != dev(parent)? {
+        return Err(StageError::Refused(format!(
+            "{} is a mount point of another filesystem: an archive is never written into one",
+            show(rel)
+        )));
+    }
+    Ok(child)
+}
+
+/// Removes the directory `name` of `dir` (at `rel`) and all it holds, one
+/// descriptor at a time: a symlink inside is unlinked, never followed
+/// (O_NOFOLLOW, as std's remove_dir_all since CVE-2022-21658), and a
+/// directory of another filesystem mounted inside is refused, never
+/// descended into ([`same_fs`]).
+fn remove_tree(dir: &OwnedFd, name: &[u8], rel: &[u8]) -> R<()> {
+    let d = rfs::openat(dir, os(name), dir_flags(), Mode::empty()).map_err(io_err("open"))?;
+    let d = same_fs(dir, d, rel)?;
+    for n in fsx::names_of(&d).map_err(|e| StageError::Io("list", e))? {
+        let below = join(rel, &n);
+        match rfs::statat(&d, os(&n), AtFlags::SYMLINK_NOFOLLOW) {
+            Ok(st) if FileType::from_raw_mode(st.st_mode) == FileType::Directory => {
+                remove_tree(&d, &n, &below)?
+            }
+            Ok(_) => rfs::unlinkat(&d, os(&n), AtFlags::empty()).map_err(io_err("remove"))?,
+            Err(Errno::NOENT) => {}
+            Err(e) => return Err(StageError::Io("stat", e.into())),
+        }
+    }
+    rfs::unlinkat(dir, os(name), AtFlags::REMOVEDIR).map_err(io_err("remove"))
 }
 
 /// Owner, mode, xattrs, then times of an open file or directory.

@@ -50,46 +50,69 @@ fn split(rel: &[u8]) -> (&[u8], &[u8]) {
     }
 }
 
-/// The status of a failed file operation on `path`, naming it and the reason.
-/// A path resolved onto a kernel-interface filesystem ([`sys::kernel_fs`]):
-/// the file RPCs refuse it (PERMISSION_DENIED).
+/// Why a file RPC does not serve what a path resolved to (PERMISSION_DENIED):
+/// the daemon works as the host's root, and the session decides what its
+/// tree holds — symlinks, and mounts made in a namespace of its own.
 #[derive(Debug)]
-struct KernelFs(&'static str);
+enum NotServed {
+    /// On a kernel-interface filesystem ([`sys::kernel_fs`]).
+    KernelFs(&'static str),
+    /// On another filesystem than the session's root (its /dev, /run, a
+    /// bind mount the session made).
+    OtherMount,
+}
 
-impl std::fmt::Display for KernelFs {
+impl std::fmt::Display for NotServed {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(
-            f,
-            "it is on the session's {} filesystem, a kernel interface: the file RPCs serve the session's files only (read it with Exec inside the session)",
-            self.0
-        )
+        match self {
+            NotServed::KernelFs(name) => write!(
+                f,
+                "it is on the session's {name} filesystem, a kernel interface: the file RPCs serve the session's files only (read it with Exec inside the session)"
+            ),
+            NotServed::OtherMount => f.write_str(
+                "it lies on another filesystem mounted in the session (its /dev, /run, or a mount the session made): the file RPCs serve the session's root filesystem only (reach it with Exec inside the session)",
+            ),
+        }
     }
 }
 
-impl std::error::Error for KernelFs {}
+impl std::error::Error for NotServed {}
 
-/// `fd`, unless it lies on a kernel-interface filesystem (procfs, sysfs, …):
-/// a symlink of the session may point there, and the daemon reads as host
-/// root. Errors: [`KernelFs`], or fstatfs's.
-fn files_only(fd: OwnedFd) -> io::Result<OwnedFd> {
-    match sys::kernel_fs(&fd)? {
-        None => Ok(fd),
-        Some(name) => Err(io::Error::new(
-            io::ErrorKind::PermissionDenied,
-            KernelFs(name),
-        )),
-    }
+fn not_served(why: NotServed) -> io::Error {
+    io::Error::new(io::ErrorKind::PermissionDenied, why)
 }
 
-/// `openat2_in_root` ([`sys::openat2_in_root`]) of a file RPC: refused on a
-/// kernel-interface filesystem ([`files_only`]).
+fn dev_of(fd: &impl AsRawFd) -> io::Result<u64> {
+    nix::sys::stat::fstat(fd.as_raw_fd())
+        .map(|st| st.st_dev)
+        .map_err(nix_io)
+}
+
+/// `fd`, if it lies on the filesystem of the files root `root`: not on a
+/// kernel-interface filesystem (procfs, sysfs, …: a symlink of the session
+/// may point there), not on any other mount of the session. Checked on the
+/// descriptor, after the open: a mount made meanwhile cannot slip in.
+/// Errors: [`NotServed`], or fstatfs's and fstat's.
+fn on_root_fs(root: &OwnedFd, fd: OwnedFd) -> io::Result<OwnedFd> {
+    if let Some(name) = sys::kernel_fs(&fd)? {
+        return Err(not_served(NotServed::KernelFs(name)));
+    }
+    if dev_of(&fd)? != dev_of(root)? {
+        return Err(not_served(NotServed::OtherMount));
+    }
+    Ok(fd)
+}
+
+/// `openat2_in_root` ([`sys::openat2_in_root`]) of a file RPC, refused off
+/// the root's filesystem ([`on_root_fs`]).
 fn open_in_root(root: &OwnedFd, path: &std::ffi::CStr, flags: libc::c_int) -> io::Result<OwnedFd> {
-    files_only(sys::openat2_in_root(root, path, flags, 0)?)
+    on_root_fs(root, sys::openat2_in_root(root, path, flags, 0)?)
 }
 
+/// The status of a failed file operation on `path`, naming it and the reason.
 fn file_status(path: &str, what: &str, e: &io::Error) -> Status {
     let msg = format!("{what} {path:?}: {e}");
-    if e.get_ref().is_some_and(|i| i.is::<KernelFs>()) {
+    if e.get_ref().is_some_and(|i| i.is::<NotServed>()) {
         return Status::permission_denied(msg);
     }
     match e.raw_os_error() {
@@ -238,31 +261,35 @@ fn open_parent<'a>(
     let mut dir = open_in_root(root, c".", flags)?;
     for comp in parent.split(|&b| b == b'/') {
         let c = OsStr::from_bytes(comp);
-        match nix::sys::stat::mkdirat(Some(dir.as_raw_fd()), c, NMode::from_bits_truncate(0o755)) {
-            Ok(()) => {
-                if let Some((u, g)) = owner {
-                    nix::unistd::fchownat(
-                        Some(dir.as_raw_fd()),
-                        c,
-                        Some(u.into()),
-                        Some(g.into()),
-                        AtFlags::AT_SYMLINK_NOFOLLOW,
-                    )
-                    .map_err(nix_io)?;
-                }
-            }
-            Err(nix::Error::EEXIST) => {}
+        let made = match nix::sys::stat::mkdirat(
+            Some(dir.as_raw_fd()),
+            c,
+            NMode::from_bits_truncate(0o755),
+        ) {
+            Ok(()) => true,
+            Err(nix::Error::EEXIST) => false,
             Err(e) => return Err(nix_io(e)),
-        }
+        };
         let mut p = b"./".to_vec();
         p.extend_from_slice(comp);
-        // Relative to `dir`, resolved in the session's root: a symlink that
-        // exists here resolves inside the session.
+        // Relative to `dir`, never through a symlink; checked on the
+        // descriptor, and owned by descriptor: a mount the session puts on
+        // the new name meanwhile is refused, never chowned.
         let next = {
             let cp = CString::new(p).map_err(|_| io::Error::from_raw_os_error(libc::EINVAL))?;
-            openat2_beneath_dir(&dir, root, &cp)?
+            on_root_fs(root, openat2_beneath_dir(&dir, root, &cp)?)?
         };
-        dir = files_only(next)?;
+        if let (true, Some((u, g))) = (made, owner) {
+            nix::unistd::fchownat(
+                Some(next.as_raw_fd()),
+                "",
+                Some(u.into()),
+                Some(g.into()),
+                AtFlags::AT_EMPTY_PATH,
+            )
+            .map_err(nix_io)?;
+        }
+        dir = next;
     }
     Ok((dir, name))
 }
@@ -556,16 +583,6 @@ pub(crate) async fn stat_path(
 /// follows a symlink (each level is opened `O_NOFOLLOW`). Returns the entries
 /// removed.
 fn remove_tree_at(dir: &OwnedFd, name: &OsStr) -> io::Result<u64> {
-    // Another filesystem mounted there (the session's /proc, /dev…): not
-    // descended into — its mount point stays, EBUSY, as `rm
-    // --one-file-system` leaves it.
-    let here = nix::sys::stat::fstat(dir.as_raw_fd())
-        .map_err(nix_io)?
-        .st_dev;
-    let st = at_fstatat(dir, name)?;
-    if kind_of(st.st_mode) == "dir" && st.st_dev != here {
-        return Err(io::Error::from_raw_os_error(libc::EBUSY));
-    }
     let sub = match at_openat(
         dir,
         name,
@@ -578,6 +595,12 @@ fn remove_tree_at(dir: &OwnedFd, name: &OsStr) -> io::Result<u64> {
         }
         Err(e) => return Err(e),
     };
+    // Another filesystem mounted there (the session's /proc, /dev, a mount
+    // of its own), checked on the opened descriptor: not descended into —
+    // its mount point stays, EBUSY, as `rm --one-file-system` leaves it.
+    if dev_of(&sub)? != dev_of(dir)? {
+        return Err(io::Error::from_raw_os_error(libc::EBUSY));
+    }
     let mut n = 0;
     for c in dir_names(&sub)? {
         n += remove_tree_at(&sub, OsStr::from_bytes(&c))?;
@@ -812,6 +835,11 @@ fn append_at(
                 name,
                 OFlag::O_RDONLY | OFlag::O_NOFOLLOW | OFlag::O_NOCTTY | OFlag::O_NONBLOCK,
             )?;
+            // Checked on the descriptor: a file of another filesystem (a
+            // bind mount the session made, of a kernel file say) is left out.
+            if dev_of(&fd)? != dev {
+                return Ok(());
+            }
             let f = std::fs::File::from(fd);
             let len = f.metadata()?.len();
             h.set_entry_type(tar::EntryType::Regular);
@@ -826,16 +854,17 @@ fn append_at(
         "dir" => {
             h.set_entry_type(tar::EntryType::Directory);
             b.append_data(&mut h, at, io::empty())?;
-            // Another filesystem mounted there (the session's /proc, /dev…):
-            // its mount point only, as `tar --one-file-system`.
-            if st.st_dev != dev {
-                return Ok(());
-            }
+            // Another filesystem mounted there (the session's /proc, /dev, a
+            // mount of its own), checked on the opened descriptor: its mount
+            // point only, as `tar --one-file-system`.
             let sub = at_openat(
                 dir,
                 name,
                 OFlag::O_RDONLY | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW,
             )?;
+            if dev_of(&sub)? != dev {
+                return Ok(());
+            }
             for n in dir_names(&sub)? {
                 let c = OsStr::from_bytes(&n);
                 append_at(b, &sub, c, &at.join(c), map, dev)?;
@@ -881,20 +910,19 @@ pub(crate) async fn download_tar(
             .map_err(|e| file_status(&path, "cannot open", &e))?;
         (p, n.to_vec())
     };
-    // Refuse a missing path before the stream starts; the archive stays on
-    // the filesystem of the path it starts at.
-    let top = at_fstatat(&parent, OsStr::from_bytes(&name))
+    // Refuse a missing path before the stream starts.
+    at_fstatat(&parent, OsStr::from_bytes(&name))
         .map_err(|e| file_status(&path, "cannot stat", &e))?;
-    if kind_of(top.st_mode) == "dir" {
-        at_openat(
-            &parent,
-            OsStr::from_bytes(&name),
-            OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW,
-        )
-        .and_then(files_only)
-        .map_err(|e| file_status(&path, "cannot archive", &e))?;
-    }
-    let dev = top.st_dev;
+    // The path itself (a file or a directory) on the root's filesystem,
+    // checked on its descriptor; the archive stays there.
+    at_openat(
+        &parent,
+        OsStr::from_bytes(&name),
+        OFlag::O_PATH | OFlag::O_NOFOLLOW,
+    )
+    .and_then(|fd| on_root_fs(&root, fd))
+    .map_err(|e| file_status(&path, "cannot archive", &e))?;
+    let dev = dev_of(&root).map_err(|e| file_status(&path, "cannot stat", &e))?;
     let (tx, rx) = mpsc::channel(4);
     tokio::task::spawn_blocking(move || {
         let w = ChunkWriter {
