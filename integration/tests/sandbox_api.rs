@@ -1967,6 +1967,8 @@ async fn id_map_scenario(dir: &Path, d: &Daemon) -> Result<()> {
     h.set_gid(1000);
     h.set_size(3);
     b.append_data(&mut h, "t.txt", &b"tar"[..])?;
+    // Its parents implied (no entry of their own): the session's root's.
+    b.append_data(&mut h, "deep/er/t.txt", &b"tar"[..])?;
     let up = c
         .upload_tar(tokio_stream::iter(vec![api::UploadTarRequest {
             session_id: id,
@@ -1976,7 +1978,7 @@ async fn id_map_scenario(dir: &Path, d: &Daemon) -> Result<()> {
         }]))
         .await?
         .into_inner();
-    ensure!(up.files == 1, "{up:?}");
+    ensure!(up.files == 2, "{up:?}");
     let mut b = tar::Builder::new(Vec::new());
     let mut h = tar::Header::new_gnu();
     h.set_entry_type(tar::EntryType::Regular);
@@ -1997,11 +1999,11 @@ async fn id_map_scenario(dir: &Path, d: &Daemon) -> Result<()> {
     ensure!(e.code() == Code::InvalidArgument, "{e:?}");
     let r = exec_req(
         &mut c,
-        sh(id, "stat -c '%n %u:%g %a' /d /d/f /d/g /d/api /d/root-owned /up /up/t.txt /etc/new /srv/owned"),
+        sh(id, "stat -c '%n %u:%g %a' /d /d/f /d/g /d/api /d/root-owned /up /up/t.txt /up/deep /up/deep/er/t.txt /etc/new /srv/owned"),
     )
     .await?;
     let seen = String::from_utf8_lossy(&r.out).into_owned();
-    let expect = "/d 1000:1000 755\n/d/f 1000:1000 4755\n/d/g 1000:1000 644\n/d/api 1000:1000 600\n/d/root-owned 0:0 640\n/up 0:0 755\n/up/t.txt 1000:1000 644\n/etc/new 0:0 644\n/srv/owned 1000:1000 644\n";
+    let expect = "/d 1000:1000 755\n/d/f 1000:1000 4755\n/d/g 1000:1000 644\n/d/api 1000:1000 600\n/d/root-owned 0:0 640\n/up 0:0 755\n/up/t.txt 1000:1000 644\n/up/deep 0:0 755\n/up/deep/er/t.txt 1000:1000 644\n/etc/new 0:0 644\n/srv/owned 1000:1000 644\n";
     ensure!(
         seen == expect,
         "the session's view:\n{seen}\nexpected:\n{expect}"
@@ -2038,6 +2040,9 @@ async fn id_map_scenario(dir: &Path, d: &Daemon) -> Result<()> {
                 "added /d/root-owned",
                 "added /etc/new",
                 "added /up",
+                "added /up/deep",
+                "added /up/deep/er",
+                "added /up/deep/er/t.txt",
                 "added /up/t.txt",
                 "deleted /etc/passwd",
                 "modified /srv/owned",

@@ -1583,6 +1583,58 @@ fn headers_are_read_up_to_a_limit() {
     assert_eq!(r.content_bytes, BIG as u64);
 }
 
+/// An upload into a live session's tree sets a symlink's xattrs nowhere:
+/// Linux sets them by name only, and the session may swap the name for a
+/// host file meanwhile. Refused, naming why; the same xattr on a file, a
+/// fifo's metadata, and an import (no live tree) are applied.
+#[test]
+fn an_upload_sets_no_xattrs_on_symlinks() {
+    if !have_root("an_upload_sets_no_xattrs_on_symlinks") {
+        return;
+    }
+    let with_xattr = |ty: EntryType, name: &[u8]| {
+        let mut b = Vec::new();
+        let rec = pax_record("SCHILY.xattr.trusted.t", b"v");
+        push(
+            &mut b,
+            header(b"PaxHeader", EntryType::XHeader, rec.len() as u64, 0o644, 0),
+            &rec,
+        );
+        let mut h = header(name, ty, 0, 0o640, 7);
+        if ty == EntryType::Symlink {
+            h.set_link_name("target").unwrap();
+        }
+        push(&mut b, h, b"");
+        b.extend(std::iter::repeat_n(0u8, 1024));
+        b
+    };
+    let s = Scene::new();
+    let e = extract_tar_into(
+        &s.staging(),
+        std::io::Cursor::new(with_xattr(EntryType::Symlink, b"l")),
+        "upload",
+    )
+    .expect_err("a symlink's xattr was set in a live tree");
+    assert!(format!("{e:?}").contains("symlink with xattrs"), "{e:?}");
+    for (ty, name) in [(EntryType::Regular, &b"f"[..]), (EntryType::Fifo, b"p")] {
+        let s = Scene::new();
+        extract_tar_into(
+            &s.staging(),
+            std::io::Cursor::new(with_xattr(ty, name)),
+            "upload",
+        )
+        .unwrap();
+        let p = s.staging().join(std::str::from_utf8(name).unwrap());
+        let md = std::fs::symlink_metadata(&p).unwrap();
+        assert_eq!((md.uid(), md.mode() & 0o7777), (7, 0o640), "{ty:?}");
+        assert_eq!(
+            xattr::get(&p, "trusted.t").unwrap().as_deref(),
+            Some(&b"v"[..]),
+            "{ty:?}"
+        );
+    }
+}
+
 // ---------------------------------------------------------------------------
 // Hostile directory trees, as `layerstack base import DIR` reads them.
 

@@ -384,6 +384,11 @@ pub fn extract_tar_into_shifted(
 ) -> Result<ImportReport, ImportError> {
     let mut stage = stage::Stage::untracked(dir);
     stage.keep_root = true;
+    stage.live = true;
+    if let Some((host_uid, host_gid, _)) = shift {
+        // Directories the archive implies are the session's root's.
+        stage.implied_owner = (host_uid, host_gid);
+    }
     tarball::apply_file(
         r,
         &mut stage,

@@ -209,6 +209,13 @@ pub(crate) struct Stage {
     overlay: Option<bool>,
     /// Overlay mode: the directories to mark opaque in [`Stage::finish`].
     opaque_dirs: BTreeSet<Vec<u8>>,
+    /// The owner of the directories made because an entry lies below them
+    /// (`0:0`; an extraction into a session with a uid/gid mapping: its
+    /// root's host ids).
+    pub(crate) implied_owner: (u32, u32),
+    /// The tree is a live session's ([`crate::extract_tar_into`]): its
+    /// processes change it while the extraction runs (see [`set_at_meta`]).
+    pub(crate) live: bool,
     /// The root's filesystem (`st_dev`), once read: nothing is written on
     /// another one mounted below the root ([`Stage::on_root_fs`]).
     root_dev: std::cell::Cell<Option<u64>>,
@@ -234,6 +241,8 @@ impl Stage {
             overlay: None,
             opaque_dirs: BTreeSet::new(),
             root_dev: std::cell::Cell::new(None),
+            implied_owner: (0, 0),
+            live: false,
             report: ImportReport::default(),
         }
     }
@@ -293,6 +302,16 @@ impl Stage {
         }
     }
 
+    /// A directory made because an entry lies below it (0755, owned by
+    /// [`Stage::implied_owner`]).
+    fn implied(&self) -> Meta {
+        Meta {
+            uid: self.implied_owner.0,
+            gid: self.implied_owner.1,
+            ..implied()
+        }
+    }
+
     /// The staging root.
     pub(crate) fn root(&self) -> &Path {
         &self.root
@@ -345,7 +364,7 @@ impl Stage {
             match rfs::openat(&dir, os(comp), dir_flags(), Mode::empty()) {
                 Ok(d) => dir = self.on_root_fs(d, &at)?,
                 Err(Errno::NOENT) if create => {
-                    dir = make_dir(&dir, comp, &implied())?;
+                    dir = make_dir(&dir, comp, &self.implied())?;
                     self.dir_mtimes.insert(at.clone(), 0);
                     self.report.implied_dirs += 1;
                 }
@@ -523,7 +542,7 @@ impl Stage {
         no_user_xattrs(meta, "symlink")?;
         let (dir, name) = self.replace(rel, meta)?;
         rfs::symlinkat(os(target), &dir, os(&name)).map_err(io_err("create symlink"))?;
-        set_at_meta(&dir, &name, meta, true)?;
+        set_at_meta(&dir, &name, meta, FileType::Symlink, rel, self.live)?;
         self.report.symlinks += 1;
         Ok(())
     }
@@ -545,7 +564,7 @@ impl Stage {
         };
         rfs::mknodat(&dir, os(&name), ft, Mode::from_raw_mode(0o600), dev)
             .map_err(io_err("create device or fifo"))?;
-        set_at_meta(&dir, &name, meta, false)?;
+        set_at_meta(&dir, &name, meta, ft, rel, self.live)?;
         self.report.specials += 1;
         Ok(())
     }
@@ -645,7 +664,9 @@ impl Stage {
                         xattrs: Vec::new(),
                         ..meta.clone()
                     },
-                    false,
+                    FileType::CharacterDevice,
+                    rel,
+                    self.live,
                 )
             }
         }
@@ -671,7 +692,7 @@ impl Stage {
             match Self::existing(&dir, &name)? {
                 Existing::Dir => {}
                 Existing::None => {
-                    make_dir(&dir, &name, &implied())?;
+                    make_dir(&dir, &name, &self.implied())?;
                     self.dir_mtimes.insert(rel.to_vec(), 0);
                     self.report.implied_dirs += 1;
                 }
@@ -869,32 +890,75 @@ fn set_fd_meta(fd: &impl AsFd, meta: &Meta) -> R<()> {
     rfs::futimens(fd, &times(meta.mtime)).map_err(io_err("set the mtime of"))
 }
 
-/// Owner, mode (not for a symlink), xattrs, then times of `name` in `dir`,
-/// never following it.
-fn set_at_meta(dir: &OwnedFd, name: &[u8], meta: &Meta, symlink: bool) -> R<()> {
-    let (u, g) = ids(meta);
-    rfs::chownat(dir, os(name), u, g, AtFlags::SYMLINK_NOFOLLOW)
-        .map_err(io_err("set the owner of"))?;
-    if !symlink {
-        // fchmodat follows a symlink; `name` was just made by us as a device
-        // or fifo in a directory only we write.
-        rfs::chmodat(
-            dir,
-            os(name),
-            Mode::from_raw_mode(meta.mode & 0o7777),
-            AtFlags::empty(),
-        )
-        .map_err(io_err("set the mode of"))?;
+/// Owner, mode (not for a symlink), xattrs, then times of `name` in `dir`
+/// (at `rel`), just made there as a `kind` (a symlink, a device, a fifo, a
+/// whiteout): all through an `O_PATH` descriptor of it, checked to be that
+/// kind on `dir`'s filesystem ([`same_fs`]) — never by name. In a live
+/// session's tree (`UploadTar`) the session may swap the name for a
+/// symlink to a host path or a bind mount of a host file between the
+/// `mknod` and the metadata; by name, the daemon (the host's root) would
+/// then chmod or chown that (a review did, and ran a set-user-ID host
+/// binary as root). Errors: `Refused` when the entry was replaced.
+fn set_at_meta(
+    dir: &OwnedFd,
+    name: &[u8],
+    meta: &Meta,
+    kind: FileType,
+    rel: &[u8],
+    live: bool,
+) -> R<()> {
+    use std::os::fd::AsRawFd;
+    let fd = rfs::openat(
+        dir,
+        os(name),
+        OFlags::PATH | OFlags::NOFOLLOW | OFlags::CLOEXEC,
+        Mode::empty(),
+    )
+    .map_err(io_err("open"))?;
+    let fd = same_fs(dir, fd, rel)?;
+    let st = rfs::fstat(&fd).map_err(io_err("stat"))?;
+    if FileType::from_raw_mode(st.st_mode) != kind {
+        return Err(StageError::Refused(format!(
+            "{} was replaced by something else while it was being made",
+            show(rel)
+        )));
     }
-    if !meta.xattrs.is_empty() {
-        let p = fsx::proc_path(dir, name);
+    let (u, g) = ids(meta);
+    let here = AtFlags::EMPTY_PATH | AtFlags::SYMLINK_NOFOLLOW;
+    rfs::chownat(&fd, "", u, g, here).map_err(io_err("set the owner of"))?;
+    if kind == FileType::Symlink {
+        if !meta.xattrs.is_empty() {
+            symlink_xattrs(dir, name, meta, live)?;
+        }
+    } else {
+        // The descriptor's own inode through its magic link (a device or a
+        // fifo: nothing further to follow).
+        let by_fd = PathBuf::from(format!("/proc/self/fd/{}", fd.as_raw_fd()));
+        rfs::chmod(&by_fd, Mode::from_raw_mode(meta.mode & 0o7777))
+            .map_err(io_err("set the mode of"))?;
         for (n, v) in &meta.xattrs {
-            rfs::lsetxattr(&p, os(n), v, XattrFlags::empty())
+            rfs::setxattr(&by_fd, os(n), v, XattrFlags::empty())
                 .map_err(|e| xattr_err(dir, n, v.len(), e))?;
         }
     }
-    rfs::utimensat(dir, os(name), &times(meta.mtime), AtFlags::SYMLINK_NOFOLLOW)
-        .map_err(io_err("set the mtime of"))
+    rfs::utimensat(&fd, "", &times(meta.mtime), here).map_err(io_err("set the mtime of"))
+}
+
+/// The xattrs of the symlink `name` in `dir`, by name: Linux sets a
+/// symlink's xattrs only by path (`lsetxattr`; `setxattrat(2)` on its
+/// descriptor is Linux ≥ 6.13, beyond this crate's safe code). Not in a
+/// tree someone else writes meanwhile ([`Stage::live`]): refused there.
+fn symlink_xattrs(dir: &OwnedFd, name: &[u8], meta: &Meta, live: bool) -> R<()> {
+    if live {
+        return Err(StageError::Refused(
+            "it is a symlink with xattrs, which an extraction into a live session's tree does not set (they are set by name, and the session may swap the name meanwhile): remove them from the archive".into(),
+        ));
+    }
+    for (n, v) in &meta.xattrs {
+        rfs::lsetxattr(fsx::proc_path(dir, name), os(n), v, XattrFlags::empty())
+            .map_err(|e| xattr_err(dir, n, v.len(), e))?;
+    }
+    Ok(())
 }
 
 /// The xattr names of an open directory.
