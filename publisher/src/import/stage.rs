@@ -87,6 +87,20 @@ fn io_err(what: &'static str) -> impl FnOnce(Errno) -> StageError {
     move |e| StageError::Io(what, e.into())
 }
 
+/// [`io_err`] for a step on a name the stage just cleared (made room at,
+/// or found a non-directory at): `EEXIST` or `EISDIR` there means someone
+/// else changed the tree meanwhile — a live session's processes during an
+/// upload — and the entry is refused, naming it.
+fn raced_err<'a>(what: &'static str, rel: &'a [u8]) -> impl FnOnce(Errno) -> StageError + 'a {
+    move |e| match e {
+        Errno::EXIST | Errno::ISDIR => StageError::Refused(format!(
+            "{} was changed by someone else while it was being made ({what}: {e})",
+            show(rel)
+        )),
+        e => StageError::Io(what, e.into()),
+    }
+}
+
 /// A failed set of xattr `name` (`len` bytes of value) on `fd`'s filesystem.
 /// A value too large for it is the input's fault, refused by name: over 64
 /// KiB (`E2BIG`), or more than the filesystem keeps per inode (`ENOSPC` on
@@ -423,7 +437,7 @@ impl Stage {
         match Self::existing(dir, name)? {
             Existing::None => return Ok(()),
             Existing::Other => {
-                rfs::unlinkat(dir, os(name), AtFlags::empty()).map_err(io_err("remove"))?
+                rfs::unlinkat(dir, os(name), AtFlags::empty()).map_err(raced_err("remove", rel))?
             }
             Existing::Dir => {
                 remove_tree(dir, name, rel)?;
@@ -541,7 +555,7 @@ impl Stage {
         }
         no_user_xattrs(meta, "symlink")?;
         let (dir, name) = self.replace(rel, meta)?;
-        rfs::symlinkat(os(target), &dir, os(&name)).map_err(io_err("create symlink"))?;
+        rfs::symlinkat(os(target), &dir, os(&name)).map_err(raced_err("create symlink", rel))?;
         set_at_meta(&dir, &name, meta, FileType::Symlink, rel, self.live)?;
         self.report.symlinks += 1;
         Ok(())
@@ -563,7 +577,7 @@ impl Stage {
             Special::Fifo => (FileType::Fifo, 0),
         };
         rfs::mknodat(&dir, os(&name), ft, Mode::from_raw_mode(0o600), dev)
-            .map_err(io_err("create device or fifo"))?;
+            .map_err(raced_err("create device or fifo", rel))?;
         set_at_meta(&dir, &name, meta, ft, rel, self.live)?;
         self.report.specials += 1;
         Ok(())
