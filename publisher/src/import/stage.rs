@@ -279,13 +279,7 @@ impl Stage {
                 d
             }
         };
-        if rfs::fstat(&fd).map_err(io_err("stat"))?.st_dev != root {
-            return Err(StageError::Refused(format!(
-                "{} is a mount point of another filesystem: an archive is never written into one",
-                show(rel)
-            )));
-        }
-        Ok(fd)
+        on_dev(fd, root, rel)
     }
 
     /// A stage that keeps one layer in overlay upper format in the empty
@@ -860,14 +854,20 @@ fn make_dir(dir: &OwnedFd, name: &[u8], meta: &Meta) -> R<OwnedFd> {
 /// `child` (opened in `parent`, at `rel`), if it lies on `parent`'s
 /// filesystem; see [`Stage::on_root_fs`]. Errors: `Refused` naming `rel`.
 fn same_fs(parent: &OwnedFd, child: OwnedFd, rel: &[u8]) -> R<OwnedFd> {
-    let dev = |fd: &OwnedFd| rfs::fstat(fd).map(|st| st.st_dev).map_err(io_err("stat"));
-    if dev(&child)? != dev(parent)? {
+    let dev = rfs::fstat(parent).map_err(io_err("stat"))?.st_dev;
+    on_dev(child, dev, rel)
+}
+
+/// `fd` (at `rel`), if it lies on the filesystem `dev`. Errors: `Refused`
+/// naming `rel`.
+fn on_dev(fd: OwnedFd, dev: u64, rel: &[u8]) -> R<OwnedFd> {
+    if rfs::fstat(&fd).map_err(io_err("stat"))?.st_dev != dev {
         return Err(StageError::Refused(format!(
             "{} is a mount point of another filesystem: an archive is never written into one",
             show(rel)
         )));
     }
-    Ok(child)
+    Ok(fd)
 }
 
 /// Removes the directory `name` of `dir` (at `rel`) and all it holds, one

@@ -910,11 +910,9 @@ pub(crate) async fn download_tar(
             .map_err(|e| file_status(&path, "cannot open", &e))?;
         (p, n.to_vec())
     };
-    // Refuse a missing path before the stream starts.
-    at_fstatat(&parent, OsStr::from_bytes(&name))
-        .map_err(|e| file_status(&path, "cannot stat", &e))?;
-    // The path itself (a file or a directory) on the root's filesystem,
-    // checked on its descriptor; the archive stays there.
+    // Before the stream starts: a missing path refused, and the path itself
+    // (a file or a directory) on the root's filesystem, checked on its
+    // descriptor; the archive stays there.
     at_openat(
         &parent,
         OsStr::from_bytes(&name),
