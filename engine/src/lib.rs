@@ -108,7 +108,7 @@ pub use layerstack_types::policy;
 pub use locks::LockGuard;
 pub use publish::{exit_decision, DryRun};
 pub use pull::{Landed, PulledContent, PulledLayer};
-pub use sandbox::{EndAction, Reservation, SandboxRequest, SandboxSettings};
+pub use sandbox::{EndAction, Reservation, SandboxRequest, SandboxSettings, Writers};
 // Blame, diff and conflicts (issue 10).
 pub use blame::Blame;
 pub use conflicts::{ConflictView, Rebased};

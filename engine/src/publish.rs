@@ -547,23 +547,29 @@ impl Engine {
         }
     }
 
-    /// CloseSession DISCARD of a live WASI session (session lock held by the
-    /// caller), in one blocking step: the owner's release, the outcome
-    /// `discarded` and the release completed. What
-    /// [`Engine::close_sandbox_session`] does in its several steps, without
-    /// the census (no census sees a WASI upper: `census_applies`). `None`: not
-    /// a live WASI session's running run; the caller takes the general path.
-    pub(crate) async fn discard_wasi_closing(
+    /// CloseSession DISCARD of a live WASI session, or of a live
+    /// daemon-owned session whose processes are gone
+    /// ([`crate::Writers::Gone`]) (session lock held by the caller), in one
+    /// blocking step: the owner's release, the outcome `discarded` and the
+    /// release completed. What [`Engine::close_sandbox_session`] does in its
+    /// several steps, without the census (no census sees a WASI upper:
+    /// `census_applies`; nothing is left to hold a daemon-owned session's).
+    /// `None`: not such a session's running run; the caller takes the
+    /// general path.
+    pub(crate) async fn discard_closing(
         &self,
         id: SessionId,
         why: &str,
+        writers: crate::Writers,
     ) -> Result<Option<SessionInfo>, EngineError> {
         let started = Instant::now();
         let why = why.to_string();
         let done = self
             .blocking_here(move |st| {
                 let live = |s: &SessionInfo| {
-                    matches!(s.owner, layerstack_store::Owner::Wasi { .. }) && !s.released
+                    !s.released
+                        && (matches!(s.owner, layerstack_store::Owner::Wasi { .. })
+                            || (writers == crate::Writers::Gone && s.daemon_owned))
                 };
                 discard_in(st, id, &why, started, true, live).map(Result::ok)
             })

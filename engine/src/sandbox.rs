@@ -553,6 +553,22 @@ impl EndAction {
 
 /// Back-off between censuses while an upper leaves the mount namespaces
 /// (a holder's teardown, a sibling's transient copy): 1 ms doubling to 100 ms.
+/// What the caller of [`Engine::close_sandbox_session_with`] knows of the
+/// processes that could still write a session's upper.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Writers {
+    /// Nothing: the census of mount namespaces decides (a holder's session,
+    /// a container's).
+    Unknown,
+    /// A daemon-owned session whose init has exited (its pidfd is
+    /// readable): the kernel ends the init of a pid namespace only once
+    /// every other process of the namespace has been reaped
+    /// (`zap_pid_ns_processes`, kernel/pid_namespace.c), and the overlay
+    /// was attached in the init's mount namespace alone. No program of the
+    /// session runs any more; a discard reads nothing of the upper.
+    Gone,
+}
+
 pub(crate) fn backoff(attempt: u32) -> Duration {
     Duration::from_millis((1u64 << attempt.min(7)).min(100))
 }
@@ -772,6 +788,24 @@ impl Engine {
         why: &str,
         patience: Duration,
     ) -> Result<SessionInfo, EngineError> {
+        self.close_sandbox_session_with(id, how, why, patience, Writers::Unknown)
+            .await
+    }
+
+    /// [`Engine::close_sandbox_session`] by a caller that may know more of
+    /// the session's processes (`writers`): with [`Writers::Gone`], a
+    /// DISCARD of a live daemon-owned session is one store transaction —
+    /// the owner's release, the outcome `discarded`, the release completed —
+    /// without the census of mount namespaces (as for a WASI session). Any
+    /// other close is [`Engine::close_sandbox_session`]'s.
+    pub async fn close_sandbox_session_with(
+        self: &Arc<Self>,
+        id: SessionId,
+        how: EndAction,
+        why: &str,
+        patience: Duration,
+        writers: Writers,
+    ) -> Result<SessionInfo, EngineError> {
         let me = self.clone();
         let why = why.to_string();
         let s = tokio::spawn(async move {
@@ -780,7 +814,7 @@ impl Engine {
             loop {
                 let _g = me.lock_session(id).await;
                 if matches!(how, EndAction::Discard) {
-                    if let Some(s) = me.discard_wasi_closing(id, &why).await? {
+                    if let Some(s) = me.discard_closing(id, &why, writers).await? {
                         me.changed();
                         info!(session.id = id, outcome = ?s.outcome.as_ref().map(|o| o.kind), "sandbox session closed");
                         break Ok(s);

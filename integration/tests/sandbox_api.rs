@@ -206,6 +206,7 @@ async fn scenario(dir: &Path, daemon: &mut Option<Daemon>) -> Result<()> {
     let mut c = api::connect(&admin).await?;
 
     ready_inits(&mut c, d, &stack).await?;
+    discard_waits_for_the_session(&mut c, &stack).await?;
     let (id, upper) = create(&mut c, &stack, "a").await?;
     ensure!(mounted(&upper) || !upper.as_os_str().is_empty());
 
@@ -529,7 +530,22 @@ async fn scenario(dir: &Path, daemon: &mut Option<Daemon>) -> Result<()> {
         "{changes:?}"
     );
 
-    // Discard: nothing mounted, the upper gone.
+    // Discard: nothing mounted, the upper gone — with a process of the
+    // session still writing in the background when CloseSession comes
+    // (`discard_waits_for_the_session` holds one back from dying).
+    let r = exec(
+        &mut c,
+        id,
+        &[
+            "sh",
+            "-c",
+            "(while :; do echo x >> /tmp/bg; sleep 0.01; done) > /dev/null 2>&1 &",
+        ],
+    )
+    .await?;
+    ensure!(r.exit.code == 0, "{r:?}");
+    let r = exec(&mut c, id, &["sh", "-c", "sleep 0.05; test -s /tmp/bg"]).await?;
+    ensure!(r.exit.code == 0, "the background writer runs: {r:?}");
     let s = c
         .close_session(api::CloseSessionRequest {
             session_id: id,
@@ -897,6 +913,95 @@ async fn create_with(
         .await?
         .into_inner();
     Ok(r.session.map(|s| s.id).unwrap_or_default())
+}
+
+/// Host pids of processes whose command line is exactly `argv`.
+fn pids_of(argv: &[&str]) -> Vec<i32> {
+    let want: Vec<u8> = argv.iter().flat_map(|a| a.bytes().chain([0])).collect();
+    std::fs::read_dir("/proc")
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| std::fs::read(format!("/proc/{pid}/cmdline")).is_ok_and(|c| c == want))
+        .collect()
+}
+
+/// CloseSession DISCARD of a daemon-owned session answers only once every
+/// process of the session has ended: it kills the init and waits for it,
+/// and the kernel ends the init of a pid namespace only after the
+/// namespace's last other process (the discard then takes no census of
+/// mount namespaces). One process of the session is held frozen (cgroup
+/// v1's freezer: a frozen task dies of SIGKILL only once thawed) and thawed
+/// 700 ms into the close: the close must not answer before, and nothing may
+/// be mounted after. On a host without the v1 freezer (cgroup v2 lets
+/// SIGKILL through a freeze) this part is skipped, with a line saying so.
+async fn discard_waits_for_the_session(c: &mut Client, stack: &str) -> Result<()> {
+    let freezer = Path::new("/sys/fs/cgroup/freezer");
+    if !freezer.join("cgroup.procs").exists() {
+        eprintln!("sandbox_api: no cgroup v1 freezer here: the discard-waits check is skipped");
+        return Ok(());
+    }
+    let (id, upper) = create(c, stack, "frozen").await?;
+    let r = exec(c, id, &["sh", "-c", "sleep 987.25 > /dev/null 2>&1 &"]).await?;
+    ensure!(r.exit.code == 0, "{r:?}");
+    let pids = pids_of(&["sleep", "987.25"]);
+    ensure!(pids.len() == 1, "the session's sleep on the host: {pids:?}");
+    let cg = freezer.join(format!("layerstack-test-{}", std::process::id()));
+    std::fs::create_dir_all(&cg)?;
+    let thaw = |cg: &Path| std::fs::write(cg.join("freezer.state"), "THAWED");
+    let checked = async {
+        std::fs::write(cg.join("tasks"), pids[0].to_string())?;
+        std::fs::write(cg.join("freezer.state"), "FROZEN")?;
+        let t0 = Instant::now();
+        while std::fs::read_to_string(cg.join("freezer.state"))?.trim() != "FROZEN" {
+            ensure!(
+                t0.elapsed() < Duration::from_secs(5),
+                "the sleep did not freeze"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        let cg2 = cg.clone();
+        let thawer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(700));
+            thaw(&cg2)
+        });
+        let t0 = Instant::now();
+        let s = c
+            .close_session(api::CloseSessionRequest {
+                session_id: id,
+                action: api::EndAction::Discard as i32,
+                ..Default::default()
+            })
+            .await?
+            .into_inner();
+        let took = t0.elapsed();
+        thawer
+            .join()
+            .map_err(|_| anyhow::anyhow!("thawer panicked"))??;
+        ensure!(s.outcome == "discarded" && s.released, "{s:?}");
+        ensure!(
+            took >= Duration::from_millis(600),
+            "CloseSession answered after {took:?}, while a process of the session was frozen"
+        );
+        ensure!(
+            !mounted_anywhere(&upper),
+            "{} is still mounted after the discard",
+            upper.display()
+        );
+        ensure!(
+            pids_of(&["sleep", "987.25"]).is_empty(),
+            "the session's sleep outlived it"
+        );
+        Ok(())
+    }
+    .await;
+    let _ = thaw(&cg);
+    let t0 = Instant::now();
+    while std::fs::remove_dir(&cg).is_err() && t0.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    checked
 }
 
 async fn discard(c: &mut Client, id: i64) -> Result<()> {

@@ -37,7 +37,7 @@ use std::time::Duration;
 use layerstack_api as api;
 use layerstack_engine::store::ErrorKind;
 use layerstack_engine::store::{LeaseTarget, MountSpec, SessionId};
-use layerstack_engine::{EndAction, Engine, EngineError, SandboxRequest};
+use layerstack_engine::{EndAction, Engine, EngineError, SandboxRequest, Writers};
 use layerstack_sandbox::sys;
 use layerstack_sandbox::wire::{self, Mode, Reply, Request};
 use tokio::io::Interest;
@@ -49,6 +49,13 @@ use crate::admin::{engine_status, require, AdminService};
 
 /// How long CloseSession waits for a session's namespaces to go.
 const CLOSE_PATIENCE: Duration = Duration::from_secs(10);
+
+/// How long a DISCARD CloseSession of a daemon-owned session waits for its
+/// killed init to end before it takes the census's path instead (the init
+/// of a pid namespace ends once every process in it is reaped: a few
+/// hundred µs for an idle session, longer for one whose processes are
+/// stuck in the kernel).
+const INIT_EXIT_PATIENCE: Duration = Duration::from_secs(2);
 
 /// The holder of one session.
 pub(crate) struct Holder {
@@ -974,8 +981,19 @@ impl AdminService {
             }
         }
         let started = std::time::Instant::now();
-        self.stop_init(id);
+        let init = self.stop_init(id);
         let ready = crate::wasi::release(self, id, matches!(how, EndAction::Discard)).await;
+        // A discard of a daemon-owned session waits for its init to end (its
+        // pid namespace empty): then no census is needed (`Writers::Gone`).
+        let writers = match init {
+            Some(fd) if matches!(how, EndAction::Discard) => {
+                match tokio::time::timeout(INIT_EXIT_PATIENCE, crate::owned::exited(&fd)).await {
+                    Ok(Ok(())) => Writers::Gone,
+                    _ => Writers::Unknown,
+                }
+            }
+            _ => Writers::Unknown,
+        };
         let released_us = started.elapsed().as_micros() as u64;
         let why = if r.reason.is_empty() {
             "session closed".to_string()
@@ -984,7 +1002,7 @@ impl AdminService {
         };
         let out = self
             .engine
-            .close_sandbox_session(id, how, &why, CLOSE_PATIENCE)
+            .close_sandbox_session_with(id, how, &why, CLOSE_PATIENCE, writers)
             .await;
         if out.is_err() {
             self.close_failed(id);
@@ -1005,22 +1023,28 @@ impl AdminService {
 
     /// Stops session `id`'s init if it still runs (a daemon-owned session, or
     /// a holder's in create mode): the end of its connection is expected from
-    /// now on, and its mounts go with its mount namespace.
-    pub(crate) fn stop_init(&self, id: SessionId) {
-        let init = {
+    /// now on, and its mounts go with its mount namespace. Answers the
+    /// init's pidfd when the session is daemon-owned (the init is this
+    /// daemon's child: `crate::owned::exited` can wait for it).
+    pub(crate) fn stop_init(&self, id: SessionId) -> Option<Arc<OwnedFd>> {
+        let (init, owned) = {
             let mut m = self.holders.map();
-            m.get_mut(&id).and_then(|h| {
-                h.closing = true;
-                h.init.as_ref().map(|(_, fd)| fd.clone())
-            })
+            match m.get_mut(&id) {
+                Some(h) => {
+                    h.closing = true;
+                    (h.init.as_ref().map(|(_, fd)| fd.clone()), h.owned.is_some())
+                }
+                None => (None, false),
+            }
         };
-        if let Some(fd) = init {
-            if !sys::pidfd_exited(&fd) {
-                if let Err(e) = sys::pidfd_kill(&fd, libc::SIGKILL) {
+        if let Some(fd) = &init {
+            if !sys::pidfd_exited(fd) {
+                if let Err(e) = sys::pidfd_kill(fd, libc::SIGKILL) {
                     debug!(session.id = id, error = %e, "stopping the session's init");
                 }
             }
         }
+        init.filter(|_| owned)
     }
 
     /// The close that [`AdminService::stop_init`] announced failed: the end

@@ -242,6 +242,9 @@ async fn run(admin: &AdminService, r: api::ExecRequest) -> Result<Stream<api::Ex
             },
         );
     }
+    // The phases of the exec, µs since here, in its debug line: the waiter
+    // cloned, the waiter ended with the output's end, its status read.
+    let t0 = Instant::now();
     let l = live(admin, id).await?;
     let cmd = command(&l, &r)?;
     let root = open_root(&l, id)?;
@@ -261,6 +264,7 @@ async fn run(admin: &AdminService, r: api::ExecRequest) -> Result<Stream<api::Ex
         .map_err(|e| io_status("the command's spawn request", &e))?;
     let (pid, _) = super::spawner(&admin.holders)?.spawn("the command's process", &req)?;
     drop((in_r, out_w, err_w, st_w, root));
+    let spawned_us = t0.elapsed().as_micros() as u64;
     let waiter =
         sys::pidfd_open(pid).map_err(|e| io_status("pidfd of the command's waiter", &e))?;
     let (tx, rx) = mpsc::channel(16);
@@ -366,6 +370,7 @@ async fn run(admin: &AdminService, r: api::ExecRequest) -> Result<Stream<api::Ex
                 }
             }
             let elapsed_from = started;
+            let ended_us = t0.elapsed().as_micros() as u64;
             // The waiter wrote the command's exact exit before it exited.
             let mut st = tokio::net::unix::pipe::Receiver::from_owned_fd(st_r)?;
             let mut b = [0u8; holder::EXIT_BYTES];
@@ -378,6 +383,13 @@ async fn run(admin: &AdminService, r: api::ExecRequest) -> Result<Stream<api::Ex
                 Err(_) if sys::pidfd_exited(&init) => return Ok(None),
                 Err(_) => waiter_exit.unwrap_or(Ok(Exit::Code(holder::SETUP_FAILED)))?,
             };
+            debug!(
+                session.id = id,
+                spawned_us,
+                ended_us,
+                status_us = t0.elapsed().as_micros() as u64,
+                "Exec ended"
+            );
             let mut reply = exit_reply(x, timed_out, elapsed_from);
             if let (Some(cg), Some(api::exec_reply::Kind::Exit(e))) = (&cgroup, &mut reply.kind) {
                 let u = cg.usage();

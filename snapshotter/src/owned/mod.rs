@@ -292,7 +292,14 @@ pub(crate) async fn create(
         cpu_millis: limits.cpu_millis,
         memory_bytes: limits.memory_bytes,
     };
+    // The phases of the create, µs since here, in its log line: the session
+    // made (store rows, directories), its overlay built, its init cloned or
+    // a ready one claimed, init ready.
+    let t0 = Instant::now();
     let (session, spec, created) = admin.sandbox_create_spec(r, true, reserve, id_map).await?;
+    let made_us = t0.elapsed().as_micros() as u64;
+    let mut overlay_us = 0u64;
+    let mut claim_us = 0u64;
     let id = session.id;
     // The mapping recorded with the session (a retry of its key had to give
     // the same).
@@ -340,6 +347,7 @@ pub(crate) async fn create(
         )
         .await
         .map_err(reply_status)?;
+        overlay_us = t0.elapsed().as_micros() as u64;
         // A root-mode session without network, limits or mapping: an init
         // made ahead takes the overlay (`ready`), else one is cloned now.
         let made_ahead = if placement.is_none()
@@ -368,6 +376,7 @@ pub(crate) async fn create(
             None => clone_init(&holders, &placement, &opts, &hostname, hide, session_id_map, fd, &procs).await?,
         };
         drop(keep_cg);
+        claim_us = t0.elapsed().as_micros() as u64;
         let mut ready = tokio::net::unix::pipe::Receiver::from_owned_fd(ready)
             .map_err(|e| io_status("init's ready pipe", &e))?;
         let mut b = [0u8; 1];
@@ -457,11 +466,16 @@ pub(crate) async fn create(
             h.owned = Some(defaults);
         }
     }
+    let ready_us = t0.elapsed().as_micros() as u64;
     watch_init(admin.clone(), id, conn, pidfd, cgroup.clone());
     info!(
         session.id = id,
         init = pid,
         ?limits,
+        made_us,
+        overlay_us,
+        claim_us,
+        ready_us,
         "daemon-owned session started"
     );
     let branch_created = session.branch_created;
@@ -615,6 +629,25 @@ fn remove_cgroup(id: SessionId, cg: Arc<SessionCgroup>) {
             }
         }
     });
+}
+
+/// Waits until the process of `pidfd` has ended (its pidfd is readable),
+/// without reaping it: [`watch_init`] reaps a session's init.
+pub(crate) async fn exited(pidfd: &OwnedFd) -> io::Result<()> {
+    if sys::pidfd_exited(pidfd) {
+        return Ok(());
+    }
+    let dup = pidfd.try_clone()?;
+    // SAFETY: as in `wait_pidfd`.
+    let afd = unsafe { AsyncFd::register_with_interest(dup, tokio::io::Interest::READABLE) }
+        .map_err(io::Error::from)?;
+    loop {
+        if sys::pidfd_exited(afd.get_ref()) {
+            return Ok(());
+        }
+        let mut g = afd.readable().await?;
+        g.clear_ready();
+    }
 }
 
 /// Waits until the child of `pidfd` ends, and reaps it.
