@@ -289,6 +289,46 @@ def test_the_asyncio_client_fans_out(daemon: Daemon) -> None:
     assert len(set(nodes)) == 16, nodes
 
 
+def test_a_refused_upload_is_answered_with_its_refusal(daemon: Daemon) -> None:
+    """A WriteFile or UploadTar the daemon refuses after its first message
+    (a path on the session's /proc) while the client still streams 1 MiB:
+    every call raises the refusal (PermissionDeniedError naming the path),
+    none grpcio's own INTERNAL, which its asyncio client reports when a
+    write fails because the answer came first (grpc/grpc#36066); and the
+    connection still serves calls afterwards."""
+
+    async def main() -> dict:
+        kinds: dict = {}
+        async with layerstack.aio.connect(daemon.admin) as ls, ls.sandbox(daemon.stack) as sb:
+            data = b"x" * (1 << 20)
+            tar = io.BytesIO()
+            with tarfile.open(fileobj=tar, mode="w") as t:
+                info = tarfile.TarInfo("big")
+                info.size = len(data)
+                t.addfile(info, io.BytesIO(data))
+            sem = asyncio.Semaphore(16)
+
+            async def one(i: int) -> None:
+                async with sem:
+                    try:
+                        if i % 4 == 0:
+                            await sb.files.upload(f"/proc/refused-{i}", tar.getvalue())
+                        else:
+                            await sb.files.write(f"/proc/refused-{i}", data)
+                        kinds["ok"] = kinds.get("ok", 0) + 1
+                    except layerstack.PermissionDeniedError as e:
+                        assert f"refused-{i}" in e.message, e.message
+                        kinds["refused"] = kinds.get("refused", 0) + 1
+                    except layerstack.LayerStackError as e:
+                        kinds[f"{e.code}: {e.message}"] = kinds.get(f"{e.code}: {e.message}", 0) + 1
+
+            await asyncio.gather(*(one(i) for i in range(400)))
+            assert (await sb.files.stat("/")).kind == "dir"
+        return kinds
+
+    assert asyncio.run(main()) == {"refused": 400}
+
+
 def test_live_sandboxes_never_see_each_others_writes(daemon: Daemon) -> None:
     """Issue 22: ``ISOLATION_N`` sandboxes alive at once on one base, each
     writing a unique marker; once all have written, each lists the marker

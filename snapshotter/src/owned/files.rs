@@ -416,7 +416,7 @@ pub(crate) async fn read_file(
 /// `WriteFile`: temp file in the target's directory, then rename.
 pub(crate) async fn write_file(
     admin: &AdminService,
-    mut s: tonic::Streaming<api::WriteFileRequest>,
+    s: &mut tonic::Streaming<api::WriteFileRequest>,
 ) -> Result<api::FileStat, Status> {
     let first = s.message().await?.ok_or_else(|| {
         Status::invalid_argument("empty stream: the first message carries the header")
@@ -685,7 +685,7 @@ impl Read for ChunkReader {
 /// destination directory, opened inside the session's root.
 pub(crate) async fn upload_tar(
     admin: &AdminService,
-    mut s: tonic::Streaming<api::UploadTarRequest>,
+    s: &mut tonic::Streaming<api::UploadTarRequest>,
 ) -> Result<api::UploadTarResponse, Status> {
     let first = s.message().await?.ok_or_else(|| {
         Status::invalid_argument(
