@@ -147,16 +147,21 @@ impl AdminService {
     }
 }
 
-/// How much of the rest of a refused client stream is read before the
-/// refusal is answered (bytes), and for how long ([`drain_refused`]).
+/// How much of the rest of a refused client stream is read (bytes), for how
+/// long in all, and how long a pause of the client ends it
+/// ([`drain_refused`]).
 const DRAIN_BYTES: usize = 64 << 20;
 const DRAIN_FOR: std::time::Duration = std::time::Duration::from_secs(10);
+const DRAIN_IDLE: std::time::Duration = std::time::Duration::from_millis(250);
 
 /// The end of a client-streaming call (`WriteFile`, `UploadTar`) whose
-/// handler answered `r`: a refusal (`Err`) is answered only once the
-/// client has sent the rest of its stream — read and dropped, at most
-/// [`DRAIN_BYTES`] within [`DRAIN_FOR`] — and the stream is dropped only
-/// after the answer has gone out (a task keeps reading it meanwhile).
+/// handler answered `r`: a refusal (`Err`) is answered once the client has
+/// sent the rest of its stream — read and dropped, at most [`DRAIN_BYTES`]
+/// within [`DRAIN_FOR`], and no longer than [`DRAIN_IDLE`] of the client
+/// sending nothing — and the stream is dropped only after the answer has
+/// gone out: a task keeps reading it within what is left of the same
+/// budget (any answer, a success included: a tar's padding may follow its
+/// end-of-archive blocks).
 ///
 /// Why: a refusal answered while the client is still sending makes the
 /// client's next write fail. grpcio's asyncio client then replaces the
@@ -166,33 +171,34 @@ const DRAIN_FOR: std::time::Duration = std::time::Duration::from_secs(10);
 /// DATA frame the client had in flight for it counting against the 1,024
 /// protocol-error resets h2 allows a connection before GOAWAY
 /// (`max_local_error_reset_streams`). A client that sends more than the
-/// bound gets the refusal then, and a `RST_STREAM(NO_ERROR)` after it
-/// (RFC 9113 §8.1: the answer stands).
+/// budget, or pauses, gets the refusal then, and a `RST_STREAM(NO_ERROR)`
+/// after it (RFC 9113 §8.1: the answer stands).
 async fn drain_refused<T: Send + 'static, R>(
-    s: &mut tonic::Streaming<T>,
+    mut s: tonic::Streaming<T>,
     r: Result<R, Status>,
     len: fn(&T) -> usize,
 ) -> Result<R, Status> {
+    let until = tokio::time::Instant::now() + DRAIN_FOR;
+    let mut seen = 0usize;
     if r.is_err() {
-        let until = tokio::time::Instant::now() + DRAIN_FOR;
-        let mut seen = 0usize;
+        while seen < DRAIN_BYTES {
+            let by = until.min(tokio::time::Instant::now() + DRAIN_IDLE);
+            match tokio::time::timeout_at(by, s.message()).await {
+                Ok(Ok(Some(m))) => seen += len(&m).max(1),
+                _ => break,
+            }
+        }
+    }
+    // Held until the answer is out, within what is left of the budget.
+    tokio::spawn(async move {
         while seen < DRAIN_BYTES {
             match tokio::time::timeout_at(until, s.message()).await {
                 Ok(Ok(Some(m))) => seen += len(&m).max(1),
                 _ => break,
             }
         }
-    }
-    r
-}
-
-/// Holds `s` until its call's answer has gone out (see [`drain_refused`]):
-/// a task reads what is left of it, for at most [`DRAIN_FOR`].
-fn hold_until_answered<T: Send + 'static>(mut s: tonic::Streaming<T>) {
-    tokio::spawn(async move {
-        let until = tokio::time::Instant::now() + DRAIN_FOR;
-        while let Ok(Ok(Some(_))) = tokio::time::timeout_at(until, s.message()).await {}
     });
+    r
 }
 
 type DryRunStream = Pin<Box<dyn futures::Stream<Item = Result<api::DryRunReply, Status>> + Send>>;
@@ -602,9 +608,9 @@ impl api::Admin for AdminService {
     ) -> Result<Response<api::FileStat>, Status> {
         let mut s = req.into_inner();
         let r = crate::owned::write_file(self, &mut s).await;
-        let r = drain_refused(&mut s, r, |m| m.data.len()).await;
-        hold_until_answered(s);
-        r.map(Response::new)
+        drain_refused(s, r, |m| m.data.len())
+            .await
+            .map(Response::new)
     }
 
     async fn list_dir(
@@ -640,9 +646,9 @@ impl api::Admin for AdminService {
     ) -> Result<Response<api::UploadTarResponse>, Status> {
         let mut s = req.into_inner();
         let r = crate::owned::upload_tar(self, &mut s).await;
-        let r = drain_refused(&mut s, r, |m| m.data.len()).await;
-        hold_until_answered(s);
-        r.map(Response::new)
+        drain_refused(s, r, |m| m.data.len())
+            .await
+            .map(Response::new)
     }
 
     async fn download_tar(

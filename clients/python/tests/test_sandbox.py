@@ -329,6 +329,30 @@ def test_a_refused_upload_is_answered_with_its_refusal(daemon: Daemon) -> None:
     assert asyncio.run(main()) == {"refused": 400}
 
 
+def test_a_refusal_reaches_a_client_that_pauses_its_upload(daemon: Daemon) -> None:
+    """A write whose content comes from a pipe nobody writes to yet: the
+    daemon refuses its path (on the session's /proc) without waiting for
+    more of the stream; the client gets the refusal while its data is still
+    paused (before the pipe is closed 5 s later)."""
+    import threading
+    import time
+
+    with layerstack.connect(daemon.admin) as c, c.sandbox(daemon.stack) as sb:
+        r, w = os.pipe()
+        closer = threading.Timer(5.0, os.close, (w,))
+        closer.start()
+        try:
+            with os.fdopen(r, "rb") as paused:
+                t0 = time.monotonic()
+                with pytest.raises(layerstack.PermissionDeniedError) as e:
+                    sb.files.write("/proc/paused", paused)
+                took = time.monotonic() - t0
+        finally:
+            closer.join()
+        assert "/proc/paused" in e.value.message
+        assert took < 3.0, f"the refusal came after {took:.1f} s, when the client's stream ended"
+
+
 def test_live_sandboxes_never_see_each_others_writes(daemon: Daemon) -> None:
     """Issue 22: ``ISOLATION_N`` sandboxes alive at once on one base, each
     writing a unique marker; once all have written, each lists the marker

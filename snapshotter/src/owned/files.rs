@@ -487,34 +487,75 @@ pub(crate) async fn write_file(
             .map(|st| seen_ids(map, st))
             .map_err(|e| file_status(&path, "cannot stat", &e))
     });
-    let feed = async {
-        if !first.data.is_empty() && ctx.send(first.data).is_err() {
-            return Ok(());
+    let (fed, ended) = feed(s, &ctx, job, first.data, |m| {
+        if m.header.is_some() {
+            return Err(Status::invalid_argument(
+                "a header after the first message: one file per stream",
+            ));
         }
-        while let Some(m) = s.message().await? {
-            if m.header.is_some() {
-                return Err(Status::invalid_argument(
-                    "a header after the first message: one file per stream",
-                ));
-            }
-            if !m.data.is_empty() && ctx.send(m.data).is_err() {
-                break;
-            }
-        }
-        Ok(())
-    };
-    let fed: Result<(), Status> = feed.await;
+        Ok(m.data)
+    })
+    .await;
     if let Err(st) = fed {
         // The client's stream broke: the data is incomplete. The blocking
         // side must not rename it over the target: `abort` tells it.
         abort.store(true, Ordering::Relaxed);
         drop(ctx);
-        let _ = job.await;
+        let _ = ended.await;
         return Err(st);
     }
     drop(ctx);
-    job.await
+    ended
+        .await
         .map_err(|e| Status::internal(format!("write task: {e}")))?
+}
+
+/// Feeds a client-streaming call's blocking `job` (WriteFile's, UploadTar's)
+/// through `ctx`: `first` (the first message's bytes), then the bytes of
+/// each further message (`data_of`: a message's bytes, or the refusal of
+/// the stream), until the client ends its stream, the job takes no more
+/// (its receiver dropped) or the job ends first — a refusal found on the
+/// blocking side (the path, the filesystem), answered now rather than at
+/// the client's next message. Answers how feeding ended (`Err`: the
+/// client's stream broke, or `data_of` refused it) and the job's end (a
+/// future: awaited or already had).
+async fn feed<M, R: Send + 'static>(
+    s: &mut tonic::Streaming<M>,
+    ctx: &std::sync::mpsc::SyncSender<Vec<u8>>,
+    mut job: tokio::task::JoinHandle<R>,
+    first: Vec<u8>,
+    data_of: impl Fn(M) -> Result<Vec<u8>, Status>,
+) -> (
+    Result<(), Status>,
+    std::pin::Pin<Box<dyn std::future::Future<Output = Result<R, tokio::task::JoinError>> + Send>>,
+) {
+    let mut early = None;
+    let fed = async {
+        if !first.is_empty() && ctx.send(first).is_err() {
+            return Ok(());
+        }
+        loop {
+            let m = tokio::select! {
+                m = s.message() => m?,
+                r = &mut job => {
+                    early = Some(r);
+                    break;
+                }
+            };
+            let Some(m) = m else { break };
+            let data = data_of(m)?;
+            if !data.is_empty() && ctx.send(data).is_err() {
+                break;
+            }
+        }
+        Ok(())
+    }
+    .await;
+    let ended: std::pin::Pin<Box<dyn std::future::Future<Output = _> + Send>> = match early {
+        Some(r) => Box::pin(std::future::ready(r)),
+        None => Box::pin(job),
+    };
+    (fed, ended)
 }
 
 fn rand_suffix() -> u64 {
@@ -749,20 +790,9 @@ pub(crate) async fn upload_tar(
             bytes: rep.content_bytes,
         })
     });
-    let fed = async {
-        if !first.data.is_empty() && ctx.send(first.data).is_err() {
-            return Ok(());
-        }
-        while let Some(m) = s.message().await? {
-            if !m.data.is_empty() && ctx.send(m.data).is_err() {
-                break;
-            }
-        }
-        Ok::<(), Status>(())
-    }
-    .await;
+    let (fed, ended) = feed(s, &ctx, job, first.data, |m| Ok(m.data)).await;
     drop(ctx);
-    let out = job
+    let out = ended
         .await
         .map_err(|e| Status::internal(format!("upload task: {e}")))?;
     fed?;

@@ -359,10 +359,15 @@ pub(crate) async fn create(
         } else {
             None
         };
+        // A ready init that dies as it is claimed (killed meanwhile: the
+        // claim's send can still succeed) ends without its ready byte: a
+        // cloned init then takes the overlay, through this copy of its fd.
+        let mut spare: Option<OwnedFd> = None;
+        let mut hide = Some(hide);
         let (pid, pidfd, ready, go) = match made_ahead {
             Some(r) => match r.claim(hostname.as_bytes(), &fd) {
                 Ok(()) => {
-                    drop(fd);
+                    spare = Some(fd);
                     debug!(session.id = id, init = r.pid, "a ready init took the session");
                     (r.pid, r.pidfd, r.ready, None)
                 }
@@ -370,42 +375,25 @@ pub(crate) async fn create(
                     // Gone meanwhile (killed): clone one as usual.
                     warn!(session.id = id, init = r.pid, error = %e, "a ready init could not be claimed: cloning one");
                     let _ = wait_pidfd(&r.pidfd).await;
-                    clone_init(&holders, &placement, &opts, &hostname, hide, session_id_map, fd, &procs).await?
+                    clone_init(&holders, &placement, &opts, &hostname, hide.take().unwrap_or_default(), session_id_map, fd, &procs).await?
                 }
             },
-            None => clone_init(&holders, &placement, &opts, &hostname, hide, session_id_map, fd, &procs).await?,
+            None => clone_init(&holders, &placement, &opts, &hostname, hide.take().unwrap_or_default(), session_id_map, fd, &procs).await?,
         };
         drop(keep_cg);
         claim_us = t0.elapsed().as_micros() as u64;
-        let mut ready = tokio::net::unix::pipe::Receiver::from_owned_fd(ready)
-            .map_err(|e| io_status("init's ready pipe", &e))?;
-        let mut b = [0u8; 1];
-        let mut r = ready.read(&mut b).await;
-        if let (Ok(1), b'u', Some(go), Some(map)) = (&r, b[0], &go, &session_id_map) {
-            // A mapped init unshared its user namespace: its mapping, then go.
-            if let Err(e) = layerstack_sandbox::holder::map_ids(pid, map, go) {
-                let _ = sys::pidfd_kill(&pidfd, libc::SIGKILL);
-                let _ = wait_pidfd(&pidfd).await;
-                return Err(io_status(&format!("session {id}'s init"), &e));
-            }
-            r = ready.read(&mut b).await;
-        }
-        match r {
-            Ok(1) if b[0] == b'r' => Ok((pid, pidfd)),
-            r => {
-                // Init ended before it was ready: setup failed (or the pipe
-                // broke: then init is ended here). Reap it for its status.
-                if r.is_err() {
-                    let _ = sys::pidfd_kill(&pidfd, libc::SIGKILL);
+        match await_ready(id, pid, &pidfd, ready, go, session_id_map).await {
+            Ok(()) => Ok((pid, pidfd)),
+            Err(st) => match spare {
+                Some(fd) => {
+                    warn!(session.id = id, init = pid, error = %st.message(), "a claimed ready init ended before it was ready: cloning one");
+                    let (pid, pidfd, ready, go) = clone_init(&holders, &placement, &opts, &hostname, hide.take().unwrap_or_default(), session_id_map, fd, &procs).await?;
+                    await_ready(id, pid, &pidfd, ready, go, session_id_map)
+                        .await
+                        .map(|()| (pid, pidfd))
                 }
-                let x = wait_pidfd(&pidfd)
-                    .await
-                    .map_err(|e| io_status("waiting for the session's init", &e))?;
-                Err(Status::internal(format!(
-                    "session {id}'s init could not set the session up (exit status {}; the daemon's log has init's reason)",
-                    x.shell_status()
-                )))
-            }
+                None => Err(st),
+            },
         }
     }
     .await;
@@ -497,6 +485,51 @@ pub(crate) async fn create(
         session: Some(session),
         created: true,
     })
+}
+
+/// Waits for the ready byte of session `id`'s init (`pid`, `pidfd`) on its
+/// `ready` pipe — with a uid/gid mapping `map`, first its `u`, answered by
+/// the mapping and a byte on `go`. Init ended before it was ready: it is
+/// reaped, INTERNAL with its exit status (init's reason is in the daemon's
+/// log).
+async fn await_ready(
+    id: SessionId,
+    pid: i32,
+    pidfd: &OwnedFd,
+    ready: OwnedFd,
+    go: Option<OwnedFd>,
+    map: Option<layerstack_engine::IdMap>,
+) -> Result<(), Status> {
+    let mut ready = tokio::net::unix::pipe::Receiver::from_owned_fd(ready)
+        .map_err(|e| io_status("init's ready pipe", &e))?;
+    let mut b = [0u8; 1];
+    let mut r = ready.read(&mut b).await;
+    if let (Ok(1), b'u', Some(go), Some(map)) = (&r, b[0], &go, &map) {
+        // A mapped init unshared its user namespace: its mapping, then go.
+        if let Err(e) = layerstack_sandbox::holder::map_ids(pid, map, go) {
+            let _ = sys::pidfd_kill(pidfd, libc::SIGKILL);
+            let _ = wait_pidfd(pidfd).await;
+            return Err(io_status(&format!("session {id}'s init"), &e));
+        }
+        r = ready.read(&mut b).await;
+    }
+    match r {
+        Ok(1) if b[0] == b'r' => Ok(()),
+        r => {
+            // Init ended before it was ready: setup failed (or the pipe
+            // broke: then init is ended here). Reap it for its status.
+            if r.is_err() {
+                let _ = sys::pidfd_kill(pidfd, libc::SIGKILL);
+            }
+            let x = wait_pidfd(pidfd)
+                .await
+                .map_err(|e| io_status("waiting for the session's init", &e))?;
+            Err(Status::internal(format!(
+                "session {id}'s init could not set the session up (exit status {}; the daemon's log has init's reason)",
+                x.shell_status()
+            )))
+        }
+    }
 }
 
 /// Clones a daemon-owned session's init with the process spawner (the
