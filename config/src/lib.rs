@@ -318,6 +318,13 @@ pub struct SandboxConfig {
     /// (benchmarks P7b, P9). Each idle one is a process of ~30 KiB PSS plus
     /// its namespaces. 0 = none. Default 2.
     pub ready_inits: u32,
+    /// How long `WriteFile` and `UploadTar` wait for the client's next
+    /// chunk, seconds: a stream that sends nothing for that long is refused
+    /// (DEADLINE_EXCEEDED), the partial file dropped. Each such call holds a
+    /// thread of the daemon's blocking pool while it waits (as containerd's
+    /// CRI `stream_idle_timeout` bounds an idle exec stream). 0 = no limit.
+    /// Default 60.
+    pub file_stream_idle_s: u64,
     /// The uid/gid mapping of a daemon-owned session that gives none
     /// (`SandboxOptions.id_map`), `HOST_UID:HOST_GID:SIZE`
     /// ([`layerstack_types::IdMap`]); `None` (the default): none, the
@@ -348,6 +355,7 @@ impl Default for SandboxConfig {
             holder_grace_s: 60,
             wasi_ready: 2,
             ready_inits: 2,
+            file_stream_idle_s: 60,
             id_map: None,
         }
     }

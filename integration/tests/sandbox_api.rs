@@ -1440,7 +1440,55 @@ fn session_exec_from_the_cli_without_root() -> Result<()> {
     if !require_root() {
         return Ok(());
     }
-    with_configured_daemon("[api]\nallowed_uids = [65534]\n", exec_cli_scenario)
+    with_configured_daemon(
+        "[api]\nallowed_uids = [65534]\n[sandbox]\nfile_stream_idle_s = 1\n",
+        exec_cli_scenario,
+    )
+}
+
+/// `[sandbox] file_stream_idle_s = 1`: a WriteFile whose client sends its
+/// header and a chunk and then nothing is refused DEADLINE_EXCEEDED within
+/// seconds (not held open, with a blocking thread of the daemon, for as long
+/// as the client likes), the partial file is not there, and a write after it
+/// works.
+async fn idle_upload_refused(c: &mut Client, id: i64) -> Result<()> {
+    use tokio_stream::StreamExt as _;
+    let msgs = vec![
+        api::WriteFileRequest {
+            header: Some(api::WriteFileHeader {
+                session_id: id,
+                path: "/tmp/idle.txt".into(),
+                ..Default::default()
+            }),
+            data: b"part".to_vec(),
+        },
+        api::WriteFileRequest {
+            header: None,
+            data: b"ial".to_vec(),
+        },
+    ];
+    let t0 = Instant::now();
+    let r = tokio::time::timeout(
+        Duration::from_secs(20),
+        c.write_file(tokio_stream::iter(msgs).chain(tokio_stream::pending())),
+    )
+    .await
+    .context("an idle WriteFile was still open after 20 s")?;
+    let e = r.err().context("an idle WriteFile succeeded")?;
+    ensure!(
+        e.code() == Code::DeadlineExceeded && e.message().contains("file_stream_idle_s"),
+        "{e:?}"
+    );
+    ensure!(
+        t0.elapsed() < Duration::from_secs(10),
+        "refused after {:?}",
+        t0.elapsed()
+    );
+    let r = exec(c, id, &["test", "-e", "/tmp/idle.txt"]).await?;
+    ensure!(r.exit.code == 1, "the idle write left /tmp/idle.txt: {r:?}");
+    write(c, id, "/tmp/after.txt", b"after", false).await?;
+    ensure!(read(c, id, "/tmp/after.txt").await? == b"after");
+    Ok(())
 }
 
 /// Runs `scenario` against a daemon (no containerd) started with the config
@@ -1495,7 +1543,9 @@ fn exec_cli_scenario(dir: &Path, d: &Daemon) -> Result<()> {
     let admin = d.admin_socket().to_path_buf();
     let id = rt.block_on(async {
         let mut c = api::connect(&admin).await?;
-        anyhow::Ok(create(&mut c, &stack, "cli-exec").await?.0)
+        let id = create(&mut c, &stack, "cli-exec").await?.0;
+        idle_upload_refused(&mut c, id).await?;
+        anyhow::Ok(id)
     })?;
     // The socket's directory must be reachable by the unprivileged user.
     for p in [

@@ -534,6 +534,8 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
         cgroups: Some(probe_cgroups(&cfg, &companions)),
         defaults: sandbox_limits(&cfg),
         id_map: cfg.sandbox.id_map(),
+        file_stream_idle: (cfg.sandbox.file_stream_idle_s > 0)
+            .then(|| std::time::Duration::from_secs(cfg.sandbox.file_stream_idle_s)),
         sockets: vec![
             cfg.admin_address.clone(),
             mount_address.clone(),

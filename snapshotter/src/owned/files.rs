@@ -378,7 +378,9 @@ pub(crate) async fn read_file(
     }
     let (tx, rx) = mpsc::channel(4);
     let (offset, limit) = (r.offset, r.limit);
+    let turn = stream_turn().await?;
     tokio::task::spawn_blocking(move || {
+        let _turn = turn;
         let f = std::fs::File::from(fd);
         let mut off = offset;
         let end = if limit == 0 {
@@ -439,7 +441,9 @@ pub(crate) async fn write_file(
     let (ctx, crx) = std::sync::mpsc::sync_channel::<Vec<u8>>(4);
     let abort = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let aborted = abort.clone();
+    let turn = stream_turn().await?;
     let job = tokio::task::spawn_blocking(move || -> Result<api::FileStat, Status> {
+        let _turn = turn;
         let (parent, name) = open_parent(&root, &rel, h.make_parents, owner)
             .map_err(|e| file_status(&path, "cannot open the directory of", &e))?;
         // An O_PATH parent cannot be written through: reopen it as a directory.
@@ -487,7 +491,7 @@ pub(crate) async fn write_file(
             .map(|st| seen_ids(map, st))
             .map_err(|e| file_status(&path, "cannot stat", &e))
     });
-    let (fed, ended) = feed(s, &ctx, job, first.data, |m| {
+    let (fed, ended) = feed(s, &ctx, job, first.data, stream_idle(admin), |m| {
         if m.header.is_some() {
             return Err(Status::invalid_argument(
                 "a header after the first message: one file per stream",
@@ -516,14 +520,16 @@ pub(crate) async fn write_file(
 /// the stream), until the client ends its stream, the job takes no more
 /// (its receiver dropped) or the job ends first — a refusal found on the
 /// blocking side (the path, the filesystem), answered now rather than at
-/// the client's next message. Answers how feeding ended (`Err`: the
-/// client's stream broke, or `data_of` refused it) and the job's end (a
-/// future: awaited or already had).
+/// the client's next message. A client that sends nothing for `idle` is
+/// refused (DEADLINE_EXCEEDED). Answers how feeding ended (`Err`: the
+/// client's stream broke or idled, or `data_of` refused it) and the job's
+/// end (a future: awaited or already had).
 async fn feed<M, R: Send + 'static>(
     s: &mut tonic::Streaming<M>,
     ctx: &std::sync::mpsc::SyncSender<Vec<u8>>,
     mut job: tokio::task::JoinHandle<R>,
     first: Vec<u8>,
+    idle: Option<Duration>,
     data_of: impl Fn(M) -> Result<Vec<u8>, Status>,
 ) -> (
     Result<(), Status>,
@@ -541,6 +547,12 @@ async fn feed<M, R: Send + 'static>(
                     early = Some(r);
                     break;
                 }
+                () = tokio::time::sleep(idle.unwrap_or(Duration::from_secs(86_400))), if idle.is_some() => {
+                    return Err(Status::deadline_exceeded(format!(
+                        "the client sent nothing for {} s: the stream is refused and what it sent dropped ([sandbox] file_stream_idle_s)",
+                        idle.unwrap_or_default().as_secs()
+                    )));
+                }
             };
             let Some(m) = m else { break };
             let data = data_of(m)?;
@@ -556,6 +568,26 @@ async fn feed<M, R: Send + 'static>(
         None => Box::pin(job),
     };
     (fed, ended)
+}
+
+/// `[sandbox] file_stream_idle_s` of the daemon of `admin`.
+fn stream_idle(admin: &AdminService) -> Option<Duration> {
+    admin.holders.limits.get().and_then(|l| l.file_stream_idle)
+}
+
+/// The streaming file RPCs' blocking jobs at once (ReadFile, WriteFile,
+/// UploadTar, DownloadTar): each holds a thread of tokio's blocking pool
+/// (512, shared with the engine's store calls) for as long as its client
+/// streams — a client that pauses included —, so more than this wait
+/// (asynchronously) for a turn rather than take the pool.
+static STREAM_JOBS: tokio::sync::Semaphore = tokio::sync::Semaphore::const_new(64);
+
+/// A turn of [`STREAM_JOBS`], moved into the job that holds it.
+async fn stream_turn() -> Result<tokio::sync::SemaphorePermit<'static>, Status> {
+    STREAM_JOBS
+        .acquire()
+        .await
+        .map_err(|_| Status::internal("the file RPCs' job turns are closed"))
 }
 
 fn rand_suffix() -> u64 {
@@ -744,7 +776,9 @@ pub(crate) async fn upload_tar(
     let path = first.path.clone();
     let make = first.make_parents;
     let (ctx, crx) = std::sync::mpsc::sync_channel::<Vec<u8>>(4);
+    let turn = stream_turn().await?;
     let job = tokio::task::spawn_blocking(move || -> Result<api::UploadTarResponse, Status> {
+        let _turn = turn;
         let dir = if rel.is_empty() {
             open_in_root(&root, c".", libc::O_RDONLY | libc::O_DIRECTORY)
         } else {
@@ -790,7 +824,7 @@ pub(crate) async fn upload_tar(
             bytes: rep.content_bytes,
         })
     });
-    let (fed, ended) = feed(s, &ctx, job, first.data, |m| Ok(m.data)).await;
+    let (fed, ended) = feed(s, &ctx, job, first.data, stream_idle(admin), |m| Ok(m.data)).await;
     drop(ctx);
     let out = ended
         .await
@@ -952,7 +986,9 @@ pub(crate) async fn download_tar(
     .map_err(|e| file_status(&path, "cannot archive", &e))?;
     let dev = dev_of(&root).map_err(|e| file_status(&path, "cannot stat", &e))?;
     let (tx, rx) = mpsc::channel(4);
+    let turn = stream_turn().await?;
     tokio::task::spawn_blocking(move || {
+        let _turn = turn;
         let w = ChunkWriter {
             tx: tx.clone(),
             buf: Vec::new(),

@@ -104,6 +104,9 @@ pub struct SessionLimits {
     pub sockets: Vec<std::path::PathBuf>,
     /// `[sandbox] id_map`: the uid/gid mapping of a session that gives none.
     pub id_map: Option<layerstack_engine::IdMap>,
+    /// `[sandbox] file_stream_idle_s`: how long a client stream of the file
+    /// RPCs may send nothing (`None`: no limit).
+    pub file_stream_idle: Option<Duration>,
 }
 
 /// The limits a session gets: each field of `opts` given, else the daemon's
