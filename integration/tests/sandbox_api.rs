@@ -1313,7 +1313,9 @@ async fn ready_inits(c: &mut Client, d: &Daemon, stack: &str) -> Result<()> {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     // Both ready inits killed while they wait: the next create finds them
-    // dead, clones its own init, and the pool is made full again.
+    // dead (or claims one as it dies, and gives the overlay to an init it
+    // clones), and the pool replaces them (it watches its inits) — full
+    // again, none of the dead left.
     let dead = children_named(daemon, "ls-init");
     for p in &dead {
         nix::sys::signal::kill(nix::unistd::Pid::from_raw(*p), nix::sys::signal::SIGKILL)?;

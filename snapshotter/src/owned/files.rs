@@ -438,7 +438,7 @@ pub(crate) async fn write_file(
     let map = l.id_map();
     let mode = if h.mode == 0 { 0o644 } else { h.mode & 0o7777 };
     let path = h.path.clone();
-    let (ctx, crx) = std::sync::mpsc::sync_channel::<Vec<u8>>(4);
+    let (ctx, mut crx) = mpsc::channel::<Vec<u8>>(4);
     let abort = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let aborted = abort.clone();
     let turn = stream_turn().await?;
@@ -459,7 +459,7 @@ pub(crate) async fn write_file(
         .map_err(|e| file_status(&path, "cannot create a temporary file beside", &e))?;
         let mut f = std::fs::File::from(fd);
         let done = (|| -> io::Result<()> {
-            for chunk in crx.iter() {
+            while let Some(chunk) = crx.blocking_recv() {
                 f.write_all(&chunk)?;
             }
             if aborted.load(Ordering::Relaxed) {
@@ -515,7 +515,8 @@ pub(crate) async fn write_file(
 }
 
 /// Feeds a client-streaming call's blocking `job` (WriteFile's, UploadTar's)
-/// through `ctx`: `first` (the first message's bytes), then the bytes of
+/// through `ctx` (awaited when the job is behind: a slow disk never blocks
+/// a thread of the runtime, as a blocking channel's send did): `first` (the first message's bytes), then the bytes of
 /// each further message (`data_of`: a message's bytes, or the refusal of
 /// the stream), until the client ends its stream, the job takes no more
 /// (its receiver dropped) or the job ends first — a refusal found on the
@@ -526,7 +527,7 @@ pub(crate) async fn write_file(
 /// end (a future: awaited or already had).
 async fn feed<M, R: Send + 'static>(
     s: &mut tonic::Streaming<M>,
-    ctx: &std::sync::mpsc::SyncSender<Vec<u8>>,
+    ctx: &mpsc::Sender<Vec<u8>>,
     mut job: tokio::task::JoinHandle<R>,
     first: Vec<u8>,
     idle: Option<Duration>,
@@ -537,7 +538,7 @@ async fn feed<M, R: Send + 'static>(
 ) {
     let mut early = None;
     let fed = async {
-        if !first.is_empty() && ctx.send(first).is_err() {
+        if !first.is_empty() && ctx.send(first).await.is_err() {
             return Ok(());
         }
         loop {
@@ -556,7 +557,7 @@ async fn feed<M, R: Send + 'static>(
             };
             let Some(m) = m else { break };
             let data = data_of(m)?;
-            if !data.is_empty() && ctx.send(data).is_err() {
+            if !data.is_empty() && ctx.send(data).await.is_err() {
                 break;
             }
         }
@@ -731,7 +732,7 @@ pub(crate) async fn remove_path(
 
 /// A reader over chunks sent from the async side.
 struct ChunkReader {
-    rx: std::sync::mpsc::Receiver<Vec<u8>>,
+    rx: mpsc::Receiver<Vec<u8>>,
     cur: Vec<u8>,
     pos: usize,
 }
@@ -739,12 +740,12 @@ struct ChunkReader {
 impl Read for ChunkReader {
     fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
         while self.pos == self.cur.len() {
-            match self.rx.recv() {
-                Ok(c) => {
+            match self.rx.blocking_recv() {
+                Some(c) => {
                     self.cur = c;
                     self.pos = 0;
                 }
-                Err(_) => return Ok(0),
+                None => return Ok(0),
             }
         }
         let n = buf.len().min(self.cur.len() - self.pos);
@@ -775,7 +776,7 @@ pub(crate) async fn upload_tar(
     };
     let path = first.path.clone();
     let make = first.make_parents;
-    let (ctx, crx) = std::sync::mpsc::sync_channel::<Vec<u8>>(4);
+    let (ctx, crx) = mpsc::channel::<Vec<u8>>(4);
     let turn = stream_turn().await?;
     let job = tokio::task::spawn_blocking(move || -> Result<api::UploadTarResponse, Status> {
         let _turn = turn;

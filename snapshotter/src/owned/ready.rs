@@ -134,6 +134,7 @@ impl ReadyInits {
                     match me.make_one(&holders).await {
                         Ok(r) => {
                             debug!(init = r.pid, "ready init made");
+                            me.watch(&r);
                             let mut items = me.items.lock().unwrap_or_else(|p| p.into_inner());
                             items.push(r);
                             me.counted(items.len());
@@ -145,6 +146,34 @@ impl ReadyInits {
                     }
                 }
                 me.wake.notified().await;
+            }
+        });
+    }
+
+    /// Watches pooled init `r`: one that dies while it waits (killed) is
+    /// reaped and replaced at once, not when a create next meets it — a
+    /// pool of dead inits would make every create clone its own, and a
+    /// dying one a create claims is replaced by the create itself
+    /// (`owned::create`).
+    fn watch(self: &Arc<Self>, r: &ReadyInit) {
+        let Ok(fd) = r.pidfd.try_clone() else { return };
+        let (me, pid) = (self.clone(), r.pid);
+        tokio::spawn(async move {
+            if super::exited(&fd).await.is_err() {
+                return;
+            }
+            let dead = {
+                let mut items = me.items.lock().unwrap_or_else(|p| p.into_inner());
+                let i = items.iter().position(|x| x.pid == pid);
+                let dead = i.map(|i| items.remove(i));
+                me.counted(items.len());
+                dead
+            };
+            // Still pooled: no session has it, so nothing else reaps it.
+            if let Some(d) = dead {
+                let _ = sys::reap_pidfd(&d.pidfd);
+                warn!(init = pid, "a ready init died unclaimed: replaced");
+                me.wake.notify_one();
             }
         });
     }
