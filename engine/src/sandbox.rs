@@ -1494,6 +1494,73 @@ mod tests {
         }
     }
 
+    /// `Writers::Gone` skips the census for a daemon-owned session only: a
+    /// holder's session whose upper is mounted elsewhere is still refused
+    /// as mounted, and so is a daemon-owned one whose caller knows nothing;
+    /// a daemon-owned one with `Gone` is discarded in one step (released,
+    /// `discarded`, its directories handed to the reaper) although mounted.
+    #[tokio::test]
+    async fn only_a_daemon_owned_session_whose_writers_are_gone_skips_the_census() {
+        if !have_root("only_a_daemon_owned_session_whose_writers_are_gone_skips_the_census") {
+            return;
+        }
+        let t = tempfile::Builder::new()
+            .prefix("ls-sandbox-")
+            .tempdir_in("/var/tmp")
+            .unwrap();
+        let e = engine(t.path(), 4);
+        let (held, _, _) = e
+            .create_sandbox_session(req("held", None, None))
+            .await
+            .unwrap();
+        let owned_req = |name: &str| SandboxRequest {
+            daemon_owned: true,
+            ..req(name, None, None)
+        };
+        let (unknown, _, _) = e
+            .create_sandbox_session(owned_req("unknown"))
+            .await
+            .unwrap();
+        let (owned, _, _) = e.create_sandbox_session(owned_req("owned")).await.unwrap();
+        let all = [&held, &unknown, &owned];
+        let mut holders: Vec<_> = all
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let d = t.path().join(format!("m{i}"));
+                crate::test_support::mount_elsewhere(&d, &s.upper, &s.work, 5.0)
+            })
+            .collect();
+        for s in all {
+            let t0 = std::time::Instant::now();
+            while !e.upper_mounted(&s.upper).await.unwrap() {
+                assert!(t0.elapsed().as_secs() < 10, "never mounted");
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        }
+        let close = |id, writers| {
+            e.close_sandbox_session_with(
+                id,
+                EndAction::Discard,
+                "test",
+                Duration::from_millis(50),
+                writers,
+            )
+        };
+        let err = close(held.id, Writers::Gone).await.unwrap_err();
+        assert!(matches!(err, EngineError::Mounted(..)), "{err}");
+        let err = close(unknown.id, Writers::Unknown).await.unwrap_err();
+        assert!(matches!(err, EngineError::Mounted(..)), "{err}");
+        let s = close(owned.id, Writers::Gone).await.unwrap();
+        assert!(s.released, "{s:?}");
+        assert_eq!(s.outcome.map(|o| o.kind), Some(OutcomeKind::Discarded));
+        assert!(!e.store().session(held.id).unwrap().run_finished());
+        for h in &mut holders {
+            let _ = h.kill();
+            let _ = h.wait();
+        }
+    }
+
     #[tokio::test]
     async fn the_cap_answers_busy_and_never_hangs() {
         if !have_root("the_cap_answers_busy_and_never_hangs") {
