@@ -24,7 +24,7 @@ import sys
 import tarfile
 import tempfile
 from pathlib import Path
-from typing import Iterator, List, NamedTuple
+from typing import Iterator, List, NamedTuple, Optional
 
 import pytest
 
@@ -351,6 +351,127 @@ def test_a_refusal_reaches_a_client_that_pauses_its_upload(daemon: Daemon) -> No
             closer.join()
         assert "/proc/paused" in e.value.message
         assert took < 3.0, f"the refusal came after {took:.1f} s, when the client's stream ended"
+
+
+def test_a_bad_or_failing_data_source_raises_its_own_error(daemon: Daemon) -> None:
+    """A write or upload whose data is of the wrong type raises TypeError
+    naming the argument before anything is sent; a file object whose read
+    fails raises that OSError — neither grpcio's "Exception iterating
+    requests!" (blocking client) nor a bare CancelledError (asyncio)."""
+
+    class Failing(io.RawIOBase):
+        def readable(self) -> bool:
+            return True
+
+        def read(self, n: int = -1) -> bytes:
+            raise OSError(5, "the source broke")
+
+    with layerstack.connect(daemon.admin) as c, c.sandbox(daemon.stack) as sb:
+        for bad in (123, None, 1.5):
+            with pytest.raises(TypeError, match="data must be bytes"):
+                sb.files.write("/work/t", bad)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match="tar must be bytes"):
+            sb.files.upload("/work", 123)  # type: ignore[arg-type]
+        with pytest.raises(OSError, match="the source broke"):
+            sb.files.write("/work/t", Failing())
+
+    async def main() -> None:
+        async with layerstack.aio.connect(daemon.admin) as ls, ls.sandbox(daemon.stack) as sb:
+            with pytest.raises(TypeError, match="data must be bytes"):
+                await sb.files.write("/work/t", 123)  # type: ignore[arg-type]
+            with pytest.raises(OSError, match="the source broke"):
+                await sb.files.write("/work/t", Failing())
+            with pytest.raises(OSError, match="the source broke"):
+                await sb.files.upload("/work", Failing())
+            assert (await sb.files.stat("/")).kind == "dir"
+
+    asyncio.run(main())
+
+
+def test_an_asyncio_write_from_a_slow_file_leaves_the_loop_running(daemon: Daemon) -> None:
+    """The asyncio client reads a file object on a worker thread: while a
+    write waits 1 s for a pipe's data, another task of the loop keeps
+    running (it ticked nothing before: the read blocked the loop)."""
+    import threading
+
+    async def main() -> int:
+        async with layerstack.aio.connect(daemon.admin) as ls, ls.sandbox(daemon.stack) as sb:
+            r, w = os.pipe()
+            feeder = threading.Timer(1.0, lambda: (os.write(w, b"late data"), os.close(w)))
+            ticks = 0
+
+            async def tick() -> None:
+                nonlocal ticks
+                while True:
+                    await asyncio.sleep(0.05)
+                    ticks += 1
+
+            t = asyncio.create_task(tick())
+            feeder.start()
+            with os.fdopen(r, "rb") as f:
+                st = await sb.files.write("/work/from-pipe", f)
+            t.cancel()
+            feeder.join()
+            assert st.size == len(b"late data")
+            assert await sb.files.read("/work/from-pipe") == b"late data"
+            return ticks
+
+    ticks = asyncio.run(main())
+    assert ticks >= 8, f"the event loop ticked {ticks} times in the 1 s the write waited"
+
+
+def test_an_interrupted_sandbox_is_discarded_by_its_with_block(daemon: Daemon) -> None:
+    """A sandbox whose init is killed from outside ends ``interrupted`` with
+    its writes kept. Asked again by its key (the way a harness resumes), the
+    asyncio client: an exec on it says it was interrupted and to discard it,
+    a checkpoint is refused (FailedPreconditionError saying to discard and
+    retry), and its ``async with`` exit sends the
+    DISCARD that drops the kept writes (before, an object that carried an
+    outcome sent nothing and the writes stayed on disk)."""
+    import signal
+    import time
+
+    key = f"interrupted-{os.getpid()}-{os.urandom(3).hex()}"
+    marker = os.urandom(8).hex()
+
+    async def main() -> None:
+        async with layerstack.aio.connect(daemon.admin) as ls:
+            sb = await ls.sandbox(daemon.stack, key=key)
+            await sb.files.write("/work/marker", marker)
+            inits = [
+                int(p)
+                for p in os.listdir("/proc")
+                if p.isdigit() and _read_or_none(f"/proc/{p}/root/work/marker") == marker.encode()
+            ]
+            assert len(inits) >= 1, "the sandbox's processes on the host"
+            init = min(inits)
+            os.kill(init, signal.SIGKILL)
+            t0 = time.monotonic()
+            while True:
+                s = await ls.wait(sb.id, timeout_ms=200)
+                if s.outcome == "interrupted":
+                    break
+                assert time.monotonic() - t0 < 10, f"not interrupted: {s}"
+            with pytest.raises(layerstack.FailedPreconditionError, match="ended interrupted .*discard it"):
+                await sb.exec(["true"])
+            again = await ls.sandbox(daemon.stack, key=key)
+            assert not again.created and again.outcome is not None, again
+            with pytest.raises(layerstack.FailedPreconditionError, match="discard"):
+                await again.close(checkpoint=True)
+            async with again:
+                pass
+            s = await ls.wait(sb.id, timeout_ms=1000)
+            assert s.state == "discarded" and s.released, s
+
+    asyncio.run(main())
+
+
+def _read_or_none(p: str) -> Optional[bytes]:
+    try:
+        with open(p, "rb") as f:
+            return f.read()
+    except OSError:
+        return None
 
 
 def test_live_sandboxes_never_see_each_others_writes(daemon: Daemon) -> None:

@@ -781,13 +781,19 @@ async fn live(admin: &AdminService, id: SessionId) -> Result<Live, Status> {
         None => {
             // Unknown session: NOT_FOUND; a known one without an init: not live.
             let s = admin.engine.session(id).await.map_err(crate::admin::engine_status)?;
+            let interrupted = s.outcome.as_ref().filter(|o| {
+                o.kind == layerstack_engine::store::OutcomeKind::Interrupted && o.run == s.run
+            });
             Err(Status::failed_precondition(format!(
                 "session {id} ({}) has no live init: {}",
                 s.owner.display(),
-                if s.released {
-                    "it was closed"
-                } else {
-                    "it was not created daemon-owned (CreateSession.sandbox) nor by `layerstack session create|run`, or its init is gone"
+                match (interrupted, s.released) {
+                    (Some(o), _) => format!(
+                        "its run ended interrupted ({}): its writes are kept until discarded — discard it (CloseSession DISCARD) and start the task again in a new sandbox",
+                        o.interrupted_by.map_or_else(|| "an infrastructure failure".to_string(), |b| b.to_string())
+                    ),
+                    (None, true) => "it was closed".to_string(),
+                    (None, false) => "it was not created daemon-owned (CreateSession.sandbox) nor by `layerstack session create|run`, or its init is gone".to_string(),
                 }
             )))
         }

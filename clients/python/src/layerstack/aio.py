@@ -23,6 +23,7 @@ Create the client inside the event loop that uses it (``grpc.aio``'s rule).
 
 from __future__ import annotations
 
+import asyncio
 import io
 import json
 import os
@@ -50,6 +51,7 @@ from layerstack.sandbox import (
     RunSessionResult,
     UploadSummary,
     User,
+    already_ended,
     argv_of,
     close_request,
     create_request,
@@ -57,6 +59,7 @@ from layerstack.sandbox import (
     exec_item,
     exec_request,
     executor_options,
+    kept_writes_to_drop,
     run_request,
     upload_requests,
     upload_summary,
@@ -164,6 +167,13 @@ class AsyncClient:
     async def status(self) -> Status:
         """The daemon's status."""
         return Status.from_pb(await self._call(self._stub.Status, pb.StatusRequest()))
+
+    async def discard(self, session_id: int, *, reason: str = "python client discard") -> Session:
+        """As :meth:`layerstack.Client.discard`: drops session ``session_id``'s
+        writes (outcome ``discarded``) — also the kept writes of a sandbox
+        whose run ended ``interrupted`` or ``conflict``."""
+        req = pb.PublishRequest(session_id=session_id, action=pb.DISCARD, reason=reason)
+        return Session.from_pb(await self._call(self._stub.Publish, req))
 
     async def create_graph(self, name: str, stack: str, *, branch: str = "", key: Optional[str] = None) -> Graph:
         """As :meth:`layerstack.Client.create_graph`."""
@@ -585,8 +595,14 @@ class AsyncFiles:
     async def write(
         self, path: str, data: Content, *, mode: int = 0o644, make_parents: bool = True, owner: Optional[User] = None
     ) -> FileInfo:
-        reqs = write_requests(self._sb.id, path, data, mode=mode, make_parents=make_parents, owner=owner)
-        return FileInfo.from_pb(await self._sb._client._call(self._sb._client._stub.WriteFile, reqs))
+        reqs = AsyncFeed(
+            write_requests(self._sb.id, path, data, mode=mode, make_parents=make_parents, owner=owner), data
+        )
+        try:
+            return FileInfo.from_pb(await self._sb._client._call(self._sb._client._stub.WriteFile, reqs))
+        except BaseException:
+            reqs.raise_source_error()
+            raise
 
     async def list(self, path: str = "/") -> List[FileInfo]:
         r = await self._sb._client._call(
@@ -612,8 +628,12 @@ class AsyncFiles:
     async def upload(
         self, directory: str, tar: Union[bytes, BinaryIO, "os.PathLike[str]"], *, make_parents: bool = True
     ) -> UploadSummary:
-        reqs = upload_requests(self._sb.id, directory, tar, make_parents)
-        return upload_summary(await self._sb._client._call(self._sb._client._stub.UploadTar, reqs))
+        reqs = AsyncFeed(upload_requests(self._sb.id, directory, tar, make_parents), tar)
+        try:
+            return upload_summary(await self._sb._client._call(self._sb._client._stub.UploadTar, reqs))
+        except BaseException:
+            reqs.raise_source_error()
+            raise
 
     async def download(self, path: str) -> bytes:
         req = pb.DownloadTarRequest(session_id=self._sb.id, path=path)
@@ -621,6 +641,38 @@ class AsyncFiles:
         async for c in self._sb._client._stream(self._sb._client._stub.DownloadTar, req):
             out.write(c.data)
         return out.getvalue()
+
+
+class AsyncFeed:
+    """A request stream (a :class:`layerstack.sandbox.Feed`) for grpc's
+    asyncio client, each next item made on a worker thread
+    (``asyncio.to_thread``): reading a file object — a pipe, a socket, a
+    slow disk — never blocks the event loop, where every other sandbox of
+    the harness runs. Keeps the source's own error as ``Feed`` does (grpc's
+    asyncio client reports it as a bare ``CancelledError``)."""
+
+    def __init__(self, feed: Any, source: Any) -> None:
+        self._feed = feed
+        # Bytes and text are sliced in memory: no thread for them.
+        self._threaded = not isinstance(source, (bytes, bytearray, memoryview, str))
+
+    def __aiter__(self) -> "AsyncFeed":
+        return self
+
+    async def __anext__(self) -> Any:
+        if self._threaded:
+            item = await asyncio.to_thread(next, self._feed, _END)
+        else:
+            item = next(self._feed, _END)
+        if item is _END:
+            raise StopAsyncIteration
+        return item
+
+    def raise_source_error(self) -> None:
+        self._feed.raise_source_error()
+
+
+_END = object()
 
 
 class AsyncSandbox:
@@ -699,8 +751,8 @@ class AsyncSandbox:
         exit_status: Optional[int] = None,
     ) -> Session:
         """Ends the sandbox (see :meth:`layerstack.sandbox.Sandbox.close`)."""
-        if self.outcome is not None:
-            return self.outcome
+        if self.outcome is not None and not kept_writes_to_drop(self.outcome, action):
+            return already_ended(self.outcome, checkpoint=checkpoint, publish=publish, action=action)
         req = close_request(
             self.id,
             action=action,
@@ -725,7 +777,7 @@ class AsyncSandbox:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        if self.outcome is None:
+        if self.outcome is None or kept_writes_to_drop(self.outcome, "discard"):
             await self.discard(reason="python sandbox left its async with block unclosed")
 
     def __repr__(self) -> str:

@@ -526,12 +526,57 @@ def content_chunks(data: Content) -> Iterator[bytes]:
         yield c
 
 
+def check_content(what: str, data: Any, *, paths: bool = False) -> None:
+    """TypeError naming ``what`` unless ``data`` is bytes, str or a binary
+    file object (or, with ``paths``, a :class:`pathlib.Path`): checked
+    before a call, since gRPC reads the request stream on its own (and
+    would report a bad item as its own failure)."""
+    kinds: tuple = (bytes, bytearray, memoryview, str) + ((os.PathLike,) if paths else ())
+    if isinstance(data, kinds) or callable(getattr(data, "read", None)):
+        return
+    also = ", a pathlib.Path" if paths else ""
+    raise TypeError(f"{what} must be bytes, str{also} or a binary file object (with read()), not {type(data).__name__}")
+
+
+class Feed:
+    """A request stream that keeps its source's own error (a file object's
+    ``read`` raising): gRPC reports such an error as its own ("Exception
+    iterating requests!"); the call raises the source's error instead
+    (:meth:`raise_source_error`)."""
+
+    def __init__(self, it: Iterator[Any]) -> None:
+        self._it = it
+        self.error: Optional[BaseException] = None
+
+    def __iter__(self) -> "Feed":
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self._it)
+        except StopIteration:
+            raise
+        except BaseException as e:
+            self.error = e
+            raise
+
+    def raise_source_error(self) -> None:
+        """Raises the source's error, if it had one (call from ``except``)."""
+        if self.error is not None:
+            raise self.error
+
+
 def write_requests(
     session_id: int, path: str, data: Content, *, mode: int, make_parents: bool, owner: Optional[User]
-) -> Iterator[Any]:
+) -> Feed:
+    check_content("data", data)
     h = pb.WriteFileHeader(session_id=session_id, path=path, mode=mode, make_parents=make_parents)
     if owner is not None:
         h.has_owner, h.uid, h.gid = True, owner[0], owner[1]
+    return Feed(_write_stream(h, data))
+
+
+def _write_stream(h: Any, data: Content) -> Iterator[Any]:
     yield pb.WriteFileRequest(header=h)
     for c in content_chunks(data):
         yield pb.WriteFileRequest(data=c)
@@ -539,11 +584,12 @@ def write_requests(
 
 def upload_requests(
     session_id: int, path: str, tar: Union[bytes, BinaryIO, "os.PathLike[str]"], make_parents: bool
-) -> Iterator[Any]:
+) -> Feed:
     # Checked here, not in the generator: gRPC drains it on another thread.
     if isinstance(tar, str):
         raise ValueError("upload takes the tar's bytes, an open binary file or a pathlib.Path, not a str")
-    return _upload_stream(session_id, path, tar, make_parents)
+    check_content("tar", tar, paths=True)
+    return Feed(_upload_stream(session_id, path, tar, make_parents))
 
 
 def _upload_stream(
@@ -771,7 +817,11 @@ class Files:
         the sandbox sees the old content or the new, never part. ``owner``:
         (uid, gid), default the sandbox's user. Returns the new file's stat."""
         reqs = write_requests(self._sb.id, path, data, mode=mode, make_parents=make_parents, owner=owner)
-        return FileInfo.from_pb(self._sb._call(self._sb._stub.WriteFile, reqs))
+        try:
+            return FileInfo.from_pb(self._sb._call(self._sb._stub.WriteFile, reqs))
+        except BaseException:
+            reqs.raise_source_error()
+            raise
 
     def list(self, path: str = "/") -> List[FileInfo]:
         """The entries of directory ``path`` (not recursive), by name."""
@@ -808,7 +858,11 @@ class Files:
         or ``..`` names, a write through a symlink, a hardlink to outside) is
         refused with InvalidArgumentError naming it."""
         reqs = upload_requests(self._sb.id, directory, tar, make_parents)
-        return upload_summary(self._sb._call(self._sb._stub.UploadTar, reqs))
+        try:
+            return upload_summary(self._sb._call(self._sb._stub.UploadTar, reqs))
+        except BaseException:
+            reqs.raise_source_error()
+            raise
 
     def download(self, path: str) -> bytes:
         """``path`` (a file or a directory tree) as a plain tar; names relative to
@@ -959,8 +1013,8 @@ class Sandbox:
         Raises: ValueError (two actions; state without a checkpoint),
         FailedPreconditionError (checkpoint of a session that is not an attempt
         of a node)."""
-        if self.outcome is not None:
-            return self.outcome
+        if self.outcome is not None and not kept_writes_to_drop(self.outcome, action):
+            return already_ended(self.outcome, checkpoint=checkpoint, publish=publish, action=action)
         req = close_request(
             self.id,
             action=action,
@@ -986,12 +1040,41 @@ class Sandbox:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.outcome is None:
+        if self.outcome is None or kept_writes_to_drop(self.outcome, "discard"):
             self.discard(reason="python sandbox left its with block unclosed")
 
     def __repr__(self) -> str:
         state = self.outcome.outcome if self.outcome is not None else "live"
         return f"<Sandbox session={self.id} {state}>"
+
+
+def kept_writes_to_drop(outcome: Session, action: Optional[str]) -> bool:
+    """A discard of a sandbox whose run ended but whose writes are kept —
+    ``interrupted`` (a daemon restart, its init gone) or ``conflict`` — still
+    goes to the daemon: it drops them (CloseSession DISCARD). Any other close
+    of an ended sandbox answers its recorded end."""
+    return action == "discard" and outcome.state in ("active", "conflict")
+
+
+def already_ended(
+    outcome: Session, *, checkpoint: bool, publish: bool, action: Optional[str]
+) -> Session:
+    """The recorded end of a sandbox that had ended, for a repeated close —
+    FailedPreconditionError when the close asked to checkpoint or publish a
+    run that ended ``interrupted`` (nothing of it was or can be kept as a
+    node or a layer: discard it, and retry the task in a new sandbox)."""
+    wants = "checkpoint" if checkpoint or action == "checkpoint" else "publish" if publish or action == "publish" else None
+    if wants and outcome.outcome == "interrupted":
+        from layerstack.errors import FailedPreconditionError
+
+        raise FailedPreconditionError(
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "failed_precondition",
+            f"session {outcome.id} cannot {wants}: its run ended interrupted"
+            f" ({outcome.interrupted_by or 'an infrastructure failure'}) before this close; its writes are kept"
+            " until discarded — discard it (sb.discard()) and retry the task in a new sandbox",
+        )
+    return outcome
 
 
 def ended_or_raise(s: Session) -> Session:
