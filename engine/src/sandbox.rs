@@ -1504,10 +1504,7 @@ mod tests {
         if !have_root("only_a_daemon_owned_session_whose_writers_are_gone_skips_the_census") {
             return;
         }
-        let t = tempfile::Builder::new()
-            .prefix("ls-sandbox-")
-            .tempdir_in("/var/tmp")
-            .unwrap();
+        let t = crate::test_support::tmp_named("sandbox");
         let e = engine(t.path(), 4);
         let (held, _, _) = e
             .create_sandbox_session(req("held", None, None))

@@ -181,24 +181,29 @@ async fn drain_refused<T: Send + 'static, R>(
     let until = tokio::time::Instant::now() + DRAIN_FOR;
     let mut seen = 0usize;
     if r.is_err() {
-        while seen < DRAIN_BYTES {
-            let by = until.min(tokio::time::Instant::now() + DRAIN_IDLE);
-            match tokio::time::timeout_at(by, s.message()).await {
-                Ok(Ok(Some(m))) => seen += len(&m).max(1),
-                _ => break,
-            }
-        }
+        drain(&mut s, until, Some(DRAIN_IDLE), &mut seen, len).await;
     }
     // Held until the answer is out, within what is left of the budget.
-    tokio::spawn(async move {
-        while seen < DRAIN_BYTES {
-            match tokio::time::timeout_at(until, s.message()).await {
-                Ok(Ok(Some(m))) => seen += len(&m).max(1),
-                _ => break,
-            }
-        }
-    });
+    tokio::spawn(async move { drain(&mut s, until, None, &mut seen, len).await });
     r
+}
+
+/// Reads and drops `s`'s messages until it ends or fails, `until`, a pause
+/// of `idle`, or [`DRAIN_BYTES`] counted in `seen` ([`drain_refused`]).
+async fn drain<T>(
+    s: &mut tonic::Streaming<T>,
+    until: tokio::time::Instant,
+    idle: Option<std::time::Duration>,
+    seen: &mut usize,
+    len: fn(&T) -> usize,
+) {
+    while *seen < DRAIN_BYTES {
+        let by = idle.map_or(until, |i| until.min(tokio::time::Instant::now() + i));
+        match tokio::time::timeout_at(by, s.message()).await {
+            Ok(Ok(Some(m))) => *seen += len(&m).max(1),
+            _ => break,
+        }
+    }
 }
 
 type DryRunStream = Pin<Box<dyn futures::Stream<Item = Result<api::DryRunReply, Status>> + Send>>;

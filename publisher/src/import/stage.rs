@@ -269,17 +269,19 @@ impl Stage {
     /// nothing is written, chowned or removed on it. Checked on the
     /// descriptor, after the open. Errors: `Refused` naming `rel`.
     fn on_root_fs(&self, fd: OwnedFd, rel: &[u8]) -> R<OwnedFd> {
-        let root = match self.root_dev.get() {
-            Some(d) => d,
-            None => {
-                let d = rfs::stat(&self.root)
-                    .map_err(io_err("stat the staging root"))?
-                    .st_dev;
-                self.root_dev.set(Some(d));
-                d
-            }
-        };
-        on_dev(fd, root, rel)
+        on_dev(fd, self.root_dev()?, rel)
+    }
+
+    /// The root's filesystem (`st_dev`), read once.
+    fn root_dev(&self) -> R<u64> {
+        if let Some(d) = self.root_dev.get() {
+            return Ok(d);
+        }
+        let d = rfs::stat(&self.root)
+            .map_err(io_err("stat the staging root"))?
+            .st_dev;
+        self.root_dev.set(Some(d));
+        Ok(d)
     }
 
     /// A stage that keeps one layer in overlay upper format in the empty
@@ -372,7 +374,7 @@ impl Stage {
             match rfs::openat(&dir, os(comp), dir_flags(), Mode::empty()) {
                 Ok(d) => dir = self.on_root_fs(d, &at)?,
                 Err(Errno::NOENT) if create => {
-                    dir = make_dir(&dir, comp, &self.implied())?;
+                    dir = make_dir(&dir, comp, &self.implied(), self.root_dev()?)?;
                     self.dir_mtimes.insert(at.clone(), 0);
                     self.report.implied_dirs += 1;
                 }
@@ -434,7 +436,7 @@ impl Stage {
                 rfs::unlinkat(dir, os(name), AtFlags::empty()).map_err(raced_err("remove", rel))?
             }
             Existing::Dir => {
-                remove_tree(dir, name, rel)?;
+                remove_tree(dir, name, rel, self.root_dev()?)?;
                 let mut below = rel.to_vec();
                 below.push(b'/');
                 let mut end = rel.to_vec();
@@ -508,7 +510,7 @@ impl Stage {
             Existing::Dir => {
                 let d = rfs::openat(&dir, os(&name), dir_flags(), Mode::empty())
                     .map_err(io_err("open"))?;
-                let d = same_fs(&dir, d, rel)?;
+                let d = on_dev(d, self.root_dev()?, rel)?;
                 // Replace, not add to, the xattrs it had.
                 for n in fd_xattr_names(&d)? {
                     rfs::fremovexattr(&d, os(&n)).map_err(io_err("remove an xattr of"))?;
@@ -528,10 +530,10 @@ impl Stage {
                     self.opaque_dirs.insert(rel.to_vec());
                 }
                 rfs::unlinkat(&dir, os(&name), AtFlags::empty()).map_err(io_err("remove"))?;
-                make_dir(&dir, &name, meta)?;
+                make_dir(&dir, &name, meta, self.root_dev()?)?;
             }
             Existing::None => {
-                make_dir(&dir, &name, meta)?;
+                make_dir(&dir, &name, meta, self.root_dev()?)?;
             }
         }
         self.dir_mtimes.insert(rel.to_vec(), meta.mtime);
@@ -550,7 +552,14 @@ impl Stage {
         no_user_xattrs(meta, "symlink")?;
         let (dir, name) = self.replace(rel, meta)?;
         rfs::symlinkat(os(target), &dir, os(&name)).map_err(raced_err("create symlink", rel))?;
-        set_at_meta(&dir, &name, meta, FileType::Symlink, rel, self.live)?;
+        set_at_meta(
+            &dir,
+            &name,
+            meta,
+            FileType::Symlink,
+            rel,
+            (self.root_dev()?, self.live),
+        )?;
         self.report.symlinks += 1;
         Ok(())
     }
@@ -572,7 +581,7 @@ impl Stage {
         };
         rfs::mknodat(&dir, os(&name), ft, Mode::from_raw_mode(0o600), dev)
             .map_err(raced_err("create device or fifo", rel))?;
-        set_at_meta(&dir, &name, meta, ft, rel, self.live)?;
+        set_at_meta(&dir, &name, meta, ft, rel, (self.root_dev()?, self.live))?;
         self.report.specials += 1;
         Ok(())
     }
@@ -674,7 +683,7 @@ impl Stage {
                     },
                     FileType::CharacterDevice,
                     rel,
-                    self.live,
+                    (self.root_dev()?, self.live),
                 )
             }
         }
@@ -700,7 +709,7 @@ impl Stage {
             match Self::existing(&dir, &name)? {
                 Existing::Dir => {}
                 Existing::None => {
-                    make_dir(&dir, &name, &self.implied())?;
+                    make_dir(&dir, &name, &self.implied(), self.root_dev()?)?;
                     self.dir_mtimes.insert(rel.to_vec(), 0);
                     self.report.implied_dirs += 1;
                 }
@@ -842,20 +851,13 @@ fn ids(meta: &Meta) -> (Option<Uid>, Option<Gid>) {
 }
 
 /// `mkdir` + metadata (mtime set later, by [`Stage::finish`]); the new
-/// directory, opened (on `dir`'s filesystem: [`same_fs`]).
-fn make_dir(dir: &OwnedFd, name: &[u8], meta: &Meta) -> R<OwnedFd> {
+/// directory, opened (on the root's filesystem `dev`: [`on_dev`]).
+fn make_dir(dir: &OwnedFd, name: &[u8], meta: &Meta, dev: u64) -> R<OwnedFd> {
     rfs::mkdirat(dir, os(name), Mode::from_raw_mode(0o700)).map_err(io_err("create directory"))?;
     let d = rfs::openat(dir, os(name), dir_flags(), Mode::empty()).map_err(io_err("open"))?;
-    let d = same_fs(dir, d, name)?;
+    let d = on_dev(d, dev, name)?;
     set_fd_meta(&d, meta)?;
     Ok(d)
-}
-
-/// `child` (opened in `parent`, at `rel`), if it lies on `parent`'s
-/// filesystem; see [`Stage::on_root_fs`]. Errors: `Refused` naming `rel`.
-fn same_fs(parent: &OwnedFd, child: OwnedFd, rel: &[u8]) -> R<OwnedFd> {
-    let dev = rfs::fstat(parent).map_err(io_err("stat"))?.st_dev;
-    on_dev(child, dev, rel)
 }
 
 /// `fd` (at `rel`), if it lies on the filesystem `dev`. Errors: `Refused`
@@ -873,16 +875,16 @@ fn on_dev(fd: OwnedFd, dev: u64, rel: &[u8]) -> R<OwnedFd> {
 /// Removes the directory `name` of `dir` (at `rel`) and all it holds, one
 /// descriptor at a time: a symlink inside is unlinked, never followed
 /// (O_NOFOLLOW, as std's remove_dir_all since CVE-2022-21658), and a
-/// directory of another filesystem mounted inside is refused, never
-/// descended into ([`same_fs`]).
-fn remove_tree(dir: &OwnedFd, name: &[u8], rel: &[u8]) -> R<()> {
+/// directory of a filesystem other than the root's (`dev`) mounted inside
+/// is refused, never descended into ([`on_dev`]).
+fn remove_tree(dir: &OwnedFd, name: &[u8], rel: &[u8], dev: u64) -> R<()> {
     let d = rfs::openat(dir, os(name), dir_flags(), Mode::empty()).map_err(io_err("open"))?;
-    let d = same_fs(dir, d, rel)?;
+    let d = on_dev(d, dev, rel)?;
     for n in fsx::names_of(&d).map_err(|e| StageError::Io("list", e))? {
         let below = join(rel, &n);
         match rfs::statat(&d, os(&n), AtFlags::SYMLINK_NOFOLLOW) {
             Ok(st) if FileType::from_raw_mode(st.st_mode) == FileType::Directory => {
-                remove_tree(&d, &n, &below)?
+                remove_tree(&d, &n, &below, dev)?
             }
             Ok(_) => rfs::unlinkat(&d, os(&n), AtFlags::empty()).map_err(io_err("remove"))?,
             Err(Errno::NOENT) => {}
@@ -907,7 +909,7 @@ fn set_fd_meta(fd: &impl AsFd, meta: &Meta) -> R<()> {
 /// Owner, mode (not for a symlink), xattrs, then times of `name` in `dir`
 /// (at `rel`), just made there as a `kind` (a symlink, a device, a fifo, a
 /// whiteout): all through an `O_PATH` descriptor of it, checked to be that
-/// kind on `dir`'s filesystem ([`same_fs`]) — never by name. In a live
+/// kind on the root's filesystem `dev` ([`on_dev`]) — never by name. In a live
 /// session's tree (`UploadTar`) the session may swap the name for a
 /// symlink to a host path or a bind mount of a host file between the
 /// `mknod` and the metadata; by name, the daemon (the host's root) would
@@ -919,7 +921,7 @@ fn set_at_meta(
     meta: &Meta,
     kind: FileType,
     rel: &[u8],
-    live: bool,
+    (dev, live): (u64, bool),
 ) -> R<()> {
     use std::os::fd::AsRawFd;
     let fd = rfs::openat(
@@ -929,7 +931,7 @@ fn set_at_meta(
         Mode::empty(),
     )
     .map_err(io_err("open"))?;
-    let fd = same_fs(dir, fd, rel)?;
+    let fd = on_dev(fd, dev, rel)?;
     let st = rfs::fstat(&fd).map_err(io_err("stat"))?;
     if FileType::from_raw_mode(st.st_mode) != kind {
         return Err(StageError::Refused(format!(

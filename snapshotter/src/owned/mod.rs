@@ -674,7 +674,8 @@ pub(crate) async fn exited(pidfd: &OwnedFd) -> io::Result<()> {
         return Ok(());
     }
     let dup = pidfd.try_clone()?;
-    // SAFETY: as in `wait_pidfd`.
+    // SAFETY: `dup` is an OwnedFd moved into the AsyncFd: it stays open and
+    // names the same pidfd until the AsyncFd drops.
     let afd = unsafe { AsyncFd::register_with_interest(dup, tokio::io::Interest::READABLE) }
         .map_err(io::Error::from)?;
     loop {
@@ -688,17 +689,11 @@ pub(crate) async fn exited(pidfd: &OwnedFd) -> io::Result<()> {
 
 /// Waits until the child of `pidfd` ends, and reaps it.
 async fn wait_pidfd(pidfd: &OwnedFd) -> io::Result<Exit> {
-    let dup = pidfd.try_clone()?;
-    // SAFETY: `dup` is an OwnedFd moved into the AsyncFd: it stays open and
-    // names the same pidfd until the AsyncFd drops.
-    let afd = unsafe { AsyncFd::register_with_interest(dup, tokio::io::Interest::READABLE) }
-        .map_err(io::Error::from)?;
     loop {
-        if let Some(x) = sys::reap_pidfd(afd.get_ref())? {
+        if let Some(x) = sys::reap_pidfd(pidfd)? {
             return Ok(x);
         }
-        let mut g = afd.readable().await?;
-        g.clear_ready();
+        exited(pidfd).await?;
     }
 }
 

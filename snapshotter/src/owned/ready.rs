@@ -45,6 +45,9 @@ pub(crate) struct ReadyInit {
     pub claim: OwnedFd,
     /// Init's ready pipe (one byte once the session is set up).
     pub ready: OwnedFd,
+    /// The pool's watch of it ([`ReadyInits::watch`]), ended when it
+    /// leaves the pool: a session's init is watched by its session.
+    watch: Option<tokio::task::AbortHandle>,
 }
 
 /// The pool (see the module docs).
@@ -105,8 +108,11 @@ impl ReadyInits {
                 self.counted(items.len());
                 r
             };
-            let Some(r) = r else { break None };
+            let Some(mut r) = r else { break None };
             popped = true;
+            if let Some(w) = r.watch.take() {
+                w.abort();
+            }
             if sys::pidfd_exited(&r.pidfd) {
                 let _ = sys::reap_pidfd(&r.pidfd);
                 warn!(init = r.pid, "a ready init died unclaimed: dropped");
@@ -132,9 +138,9 @@ impl ReadyInits {
             loop {
                 while me.len() < me.want() {
                     match me.make_one(&holders).await {
-                        Ok(r) => {
+                        Ok(mut r) => {
                             debug!(init = r.pid, "ready init made");
-                            me.watch(&r);
+                            r.watch = Some(me.watch(&r));
                             let mut items = me.items.lock().unwrap_or_else(|p| p.into_inner());
                             items.push(r);
                             me.counted(items.len());
@@ -155,10 +161,11 @@ impl ReadyInits {
     /// pool of dead inits would make every create clone its own, and a
     /// dying one a create claims is replaced by the create itself
     /// (`owned::create`).
-    fn watch(self: &Arc<Self>, r: &ReadyInit) {
-        let Ok(fd) = r.pidfd.try_clone() else { return };
+    fn watch(self: &Arc<Self>, r: &ReadyInit) -> tokio::task::AbortHandle {
+        let fd = r.pidfd.try_clone();
         let (me, pid) = (self.clone(), r.pid);
         tokio::spawn(async move {
+            let Ok(fd) = fd else { return };
             if super::exited(&fd).await.is_err() {
                 return;
             }
@@ -175,7 +182,8 @@ impl ReadyInits {
                 warn!(init = pid, "a ready init died unclaimed: replaced");
                 me.wake.notify_one();
             }
-        });
+        })
+        .abort_handle()
     }
 
     async fn make_one(&self, holders: &Arc<Holders>) -> Result<ReadyInit, String> {
@@ -206,6 +214,7 @@ impl ReadyInits {
                 pidfd,
                 claim,
                 ready,
+                watch: None,
             }),
             _ => {
                 let _ = sys::pidfd_kill(&pidfd, libc::SIGKILL);
