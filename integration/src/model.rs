@@ -286,6 +286,10 @@ pub enum Ended {
 pub struct Race {
     pub changesets: HashMap<i64, Changeset>,
     pub ended: HashMap<i64, Ended>,
+    /// Found by [`Race::replay`]: the deletes of each landed changeset whose
+    /// file was already gone when it landed (another deleted it after its
+    /// lease). They changed nothing, so they clash with nothing that follows.
+    pub void_deletes: HashMap<i64, BTreeSet<usize>>,
 }
 
 impl Race {
@@ -305,6 +309,16 @@ impl Race {
         }
         self.ended.insert(sid, ended);
         Ok(())
+    }
+
+    /// Session `sid`'s changeset as it landed: less the deletes that
+    /// changed nothing (after [`Race::replay`]).
+    fn as_landed(&self, sid: i64) -> Changeset {
+        let mut c = self.changesets[&sid].clone();
+        if let Some(void) = self.void_deletes.get(&sid) {
+            c.deletes.retain(|f| !void.contains(f));
+        }
+        c
     }
 
     fn with(&self, e: impl Fn(Ended) -> bool) -> BTreeSet<i64> {
@@ -334,13 +348,14 @@ impl Race {
     /// layers, oldest first (others' filtered out) — and replays it on the
     /// model from `seed`: every committed changeset exactly once, no rejected
     /// one. Calls `state(k, tree)` with the model's tree after the first `k`
-    /// of them (`k = 0`: `seed`) and answers the last.
+    /// of them (`k = 0`: `seed`) and answers the last. Records the deletes
+    /// that changed nothing in [`Race::void_deletes`].
     ///
     /// # Errors
     /// A session appears twice, the log's sessions are not the committed
     /// ones, a changeset does not apply.
     pub fn replay(
-        &self,
+        &mut self,
         order: &[i64],
         seed: &Tree,
         mut state: impl FnMut(usize, &Tree),
@@ -359,9 +374,19 @@ impl Race {
         }
         let mut tree = seed.clone();
         state(0, &tree);
+        self.void_deletes.clear();
         for (k, sid) in order.iter().enumerate() {
-            self.changesets[sid]
-                .apply(&mut tree)
+            let c = &self.changesets[sid];
+            let void: BTreeSet<usize> = c
+                .deletes
+                .iter()
+                .filter(|f| !tree.contains_key(&shared(**f)))
+                .copied()
+                .collect();
+            if !void.is_empty() {
+                self.void_deletes.insert(*sid, void);
+            }
+            c.apply(&mut tree)
                 .map_err(|e| format!("session {sid}: {e}"))?;
             state(k + 1, &tree);
         }
@@ -411,23 +436,33 @@ impl Race {
     ) -> Result<(), String> {
         for (at, sid) in order.iter().enumerate() {
             let mine = &self.changesets[sid];
-            let overlaps = |follows: &dyn Fn(i64, usize) -> bool| {
-                order[..at].iter().enumerate().any(|(k, other)| {
-                    follows(*sid, k) && !mine.clashes_with(&self.changesets[other]).is_empty()
+            // The first changeset before it that `follows` and clashes with
+            // it: as landed (its void deletes dropped) when `landed`.
+            let overlap = |follows: &dyn Fn(i64, usize) -> bool, landed: bool| {
+                order[..at].iter().enumerate().find_map(|(k, other)| {
+                    let theirs = if landed {
+                        self.as_landed(*other)
+                    } else {
+                        self.changesets[other].clone()
+                    };
+                    (follows(*sid, k) && !mine.clashes_with(&theirs).is_empty())
+                        .then_some((*other, theirs))
                 })
             };
             match self.ended[sid] {
-                Ended::Merged if !overlaps(&may_follow) => {
+                Ended::Merged if overlap(&may_follow, false).is_none() => {
                     return Err(format!(
                         "session {sid} merged although nothing that landed between its lease and it touched its files: {:?}",
                         self.changesets[sid]
                     ));
                 }
-                Ended::Committed if overlaps(&surely_follows) => {
-                    return Err(format!(
-                        "session {sid} committed without a merge although a changeset that landed between its lease and it touched its files: {:?}",
-                        self.changesets[sid]
-                    ));
+                Ended::Committed => {
+                    if let Some((other, theirs)) = overlap(&surely_follows, true) {
+                        return Err(format!(
+                            "session {sid} committed without a merge although session {other}, which landed between its lease and it, touched its files: {:?}; session {other}: {theirs:?}",
+                            self.changesets[sid]
+                        ));
+                    }
                 }
                 _ => {}
             }
@@ -495,6 +530,45 @@ mod tests {
         assert!(race
             .check_outcomes(&[1, 2], |_, _| true, |_, _| true)
             .is_err());
+    }
+
+    #[test]
+    fn a_delete_of_a_file_already_gone_clashes_with_nothing_after_it() {
+        // Seed 1796656759124255257: 1 deletes f15; 2, which leased the seed,
+        // deletes it too (a delete that changes nothing); 3 leased after 1
+        // (f15 gone), creates it and commits clean after 2 landed.
+        let seed = seed_tree();
+        let del = || Changeset {
+            deletes: vec![15],
+            ..Changeset::default()
+        };
+        let create = |v: &str| Changeset {
+            creates: vec![(15, vec![v.into()])],
+            ..Changeset::default()
+        };
+        let after_1 = |sid: i64, k: usize| sid != 3 || k >= 1;
+        let mut race = Race::default();
+        race.add(1, del(), Ended::Committed).unwrap();
+        race.add(2, del(), Ended::Committed).unwrap();
+        race.add(3, create("3"), Ended::Committed).unwrap();
+        race.replay(&[1, 2, 3], &seed, |_, _| {}).unwrap();
+        assert_eq!(race.void_deletes[&2], BTreeSet::from([15]));
+        race.check_outcomes(&[1, 2, 3], after_1, after_1).unwrap();
+        // A create that landed between its lease and it does clash (2 and 3
+        // both leased after 1).
+        let after_1 = |sid: i64, k: usize| sid == 1 || k >= 1;
+        let mut race = Race::default();
+        race.add(1, del(), Ended::Committed).unwrap();
+        race.add(2, create("2"), Ended::Committed).unwrap();
+        race.add(3, create("3"), Ended::Committed).unwrap();
+        race.replay(&[1, 2, 3], &seed, |_, _| {}).unwrap();
+        let e = race
+            .check_outcomes(&[1, 2, 3], after_1, after_1)
+            .unwrap_err();
+        assert!(
+            e.contains("session 3 committed") && e.contains("session 2"),
+            "{e}"
+        );
     }
 
     #[test]
