@@ -272,7 +272,13 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
                         short(&s.stack).to_string(),
                         s.branch.clone(),
                         s.run.to_string(),
-                        s.state.clone(),
+                        // An interrupted sandbox is `active` in the store (its
+                        // upper is kept) but nothing runs in it: say so.
+                        if s.state == "active" && s.outcome == "interrupted" {
+                            "interrupted".into()
+                        } else {
+                            s.state.clone()
+                        },
                         if s.outcome.is_empty() {
                             "-".into()
                         } else {

@@ -207,8 +207,24 @@ async fn scenario(dir: &Path, daemon: &mut Option<Daemon>) -> Result<()> {
 
     ready_inits(&mut c, d, &stack).await?;
     discard_waits_for_the_session(&mut c, &stack).await?;
+    write_racing_discard(&mut c, &stack).await?;
     let (id, upper) = create(&mut c, &stack, "a").await?;
     ensure!(mounted(&upper) || !upper.as_os_str().is_empty());
+
+    // A name the store does not know, on a daemon with no containerd to
+    // resolve it: NOT_FOUND saying why (UNAVAILABLE would be retried).
+    for typo in ["busybx", "sha256:0123", "import:sha256:0123"] {
+        let r = c
+            .create_session(api::CreateSessionRequest {
+                stack: typo.into(),
+                ..Default::default()
+            })
+            .await;
+        match r {
+            Err(e) if e.code() == Code::NotFound && e.message().contains("stack ls") => {}
+            other => bail!("CreateSession on stack {typo:?}: {other:?}"),
+        }
+    }
 
     // Exec: output, env, exit codes, a signal, a timeout, stdin.
     let r = exec(&mut c, id, &["echo", "hi"]).await?;
@@ -700,6 +716,27 @@ async fn scenario(dir: &Path, daemon: &mut Option<Daemon>) -> Result<()> {
         .await?
         .into_inner()
         .sessions;
+    // The CLI's table says they are interrupted (the store keeps them
+    // `active`: their uppers are kept until discarded).
+    let table = ensure_success(
+        "session ls",
+        daemon
+            .as_ref()
+            .context("daemon")?
+            .layerstack(&["session", "ls", "--owner", "sandbox"])?,
+    )?;
+    let table = stdout(&table);
+    for (id, _, _) in &live {
+        let row: Vec<&str> = table
+            .lines()
+            .map(|l| l.split_whitespace().collect::<Vec<_>>())
+            .find(|f| f.first() == Some(&id.to_string().as_str()))
+            .with_context(|| format!("session {id} not in `session ls`:\n{table}"))?;
+        ensure!(
+            row.windows(2).any(|w| w == ["interrupted", "interrupted"]) && !row.contains(&"active"),
+            "`session ls` row of interrupted session {id}: {row:?}"
+        );
+    }
     for (id, upper, i) in &live {
         let s = listed
             .iter()
@@ -1493,6 +1530,58 @@ async fn idle_upload_refused(c: &mut Client, id: i64) -> Result<()> {
     Ok(())
 }
 
+/// A WriteFile whose stream is still open when its sandbox is discarded
+/// (CloseSession DISCARD does not wait for file RPCs) answers
+/// FAILED_PRECONDITION saying the session ended and nothing was kept — not
+/// the NOT_FOUND (or OK) of a write into an upper being removed.
+async fn write_racing_discard(c: &mut Client, stack: &str) -> Result<()> {
+    let (id, _) = create(c, stack, "racing").await?;
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    tx.send(api::WriteFileRequest {
+        header: Some(api::WriteFileHeader {
+            session_id: id,
+            path: "/tmp/racing.txt".into(),
+            ..Default::default()
+        }),
+        data: b"before".to_vec(),
+    })
+    .await?;
+    let mut writer = c.clone();
+    let call = tokio::spawn(async move {
+        writer
+            .write_file(tokio_stream::wrappers::ReceiverStream::new(rx))
+            .await
+    });
+    // The header is in: the daemon holds the session's root.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let closed = c
+        .close_session(api::CloseSessionRequest {
+            session_id: id,
+            action: api::EndAction::Discard as i32,
+            ..Default::default()
+        })
+        .await?
+        .into_inner();
+    ensure!(closed.outcome == "discarded", "{closed:?}");
+    tx.send(api::WriteFileRequest {
+        header: None,
+        data: b" after".to_vec(),
+    })
+    .await?;
+    drop(tx);
+    let r = tokio::time::timeout(Duration::from_secs(20), call)
+        .await
+        .context("a WriteFile racing a discard was still open after 20 s")??;
+    let e = r
+        .err()
+        .context("a WriteFile into a discarded sandbox succeeded")?;
+    ensure!(
+        e.code() == Code::FailedPrecondition && e.message().contains("ended while"),
+        "WriteFile racing a discard: {e:?}"
+    );
+    Ok(())
+}
+
 /// Runs `scenario` against a daemon (no containerd) started with the config
 /// file `toml` in a fresh temp dir: the daemon's log is printed when it
 /// fails; the dir is removed unless `LAYERSTACK_TEST_KEEP` is set.
@@ -1908,7 +1997,15 @@ async fn id_map_scenario(dir: &Path, d: &Daemon) -> Result<()> {
     // root), and an archive of / stops at the session's other mounts.
     let r = exec_req(&mut c, sh(id, "ln -s /proc/kallsyms /srv/k")).await?;
     ensure!(r.exit.code == 0, "{r:?}");
-    for path in ["/srv/k", "/proc/kallsyms", "/proc/1/status"] {
+    // `/proc/self` resolves to the daemon's own process, which the
+    // session's procfs does not show: refused as the kernel's, not NOT_FOUND.
+    for path in [
+        "/srv/k",
+        "/proc/kallsyms",
+        "/proc/1/status",
+        "/proc/self/status",
+        "/proc/thread-self/stat",
+    ] {
         let e = read(&mut c, id, path)
             .await
             .err()

@@ -65,13 +65,24 @@ impl AdminService {
         // A stack id (`import:sha256:…`, `<namespace>/sha256:…`) names no image:
         // unknown to the store, it is not found — asking containerd would only
         // turn that into UNAVAILABLE while containerd is down.
+        // So is a base digest (`sha256:…`: no image name starts so).
         let stack_id_shaped = spec.starts_with(layerstack_engine::types::IMPORT_STACK_PREFIX)
+            || spec.starts_with("sha256:")
             || spec
                 .split_once('/')
                 .is_some_and(|(_, rest)| rest.starts_with("sha256:"));
         if stack_id_shaped {
             return Err(Status::not_found(format!(
-                "no stack {spec:?} (see `layerstack stack ls`, or ListStacks)"
+                "no stack or base {spec:?} (see `layerstack stack ls`, or ListStacks)"
+            )));
+        }
+        // No containerd socket at all (a daemon run without containerd, as a
+        // sandbox service): nothing could resolve the name, now or after a
+        // retry — NOT_FOUND, not UNAVAILABLE, which harnesses retry.
+        if !self.containerd_address.exists() {
+            return Err(Status::not_found(format!(
+                "no stack {spec:?}: not a stack id or base digest of the store, and no containerd socket at {} to resolve it as an image reference (see `layerstack stack ls`; import a base with `layerstack base import`)",
+                self.containerd_address.display()
             )));
         }
         let chain = crate::containerd::resolve_stack(&self.containerd_address, namespace, spec)

@@ -11,6 +11,7 @@ maps it.
 
 from __future__ import annotations
 
+import pickle
 import re
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -140,10 +141,21 @@ def test_one_class_per_kind_and_the_old_name_is_kept() -> None:
 
 
 def test_codes_no_kind_maps_to_keep_their_snake_case_name() -> None:
-    e = errors.from_rpc_error(FakeRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "late"))
-    assert type(e) is errors.LayerStackError and e.kind == "deadline_exceeded"
+    e = errors.from_rpc_error(FakeRpcError(grpc.StatusCode.CANCELLED, "gone"))
+    assert type(e) is errors.LayerStackError and e.kind == "cancelled"
     e = errors.from_rpc_error(FakeRpcError(grpc.StatusCode.INTERNAL, "h2 protocol error"))
     assert type(e) is errors.LayerStackError and e.kind == "grpc_internal"
+
+
+def test_a_deadline_has_its_own_class() -> None:
+    # A client's timeout= or the daemon's idle limit of a write stream: a
+    # harness catches it apart from other failures (retry with the same key).
+    e = errors.from_rpc_error(FakeRpcError(grpc.StatusCode.DEADLINE_EXCEEDED, "late"))
+    assert type(e) is layerstack.DeadlineExceededError and e.kind == "deadline_exceeded"
+    assert isinstance(e, layerstack.LayerStackError) and e.message == "late"
+    e = errors.from_command(["layerstack"], 1, '{"error":{"kind":"deadline_exceeded","message":"late"}}')
+    assert type(e) is layerstack.DeadlineExceededError and e.argv == ["layerstack"]
+    assert pickle.loads(pickle.dumps(e)).message == "late"
 
 
 def test_a_command_error_is_kind_command() -> None:
@@ -191,8 +203,8 @@ def test_a_kind_the_binary_prints_raises_its_class(code_name: str, kind: str) ->
 def test_the_binary_without_an_error_line_is_a_command_error() -> None:
     e = errors.from_command(["layerstack"], 125, "layerstack: something\n")
     assert type(e) is errors.CommandError and e.message == "something"
-    e = errors.from_command(["layerstack"], 1, '{"error":{"kind":"deadline_exceeded","message":"late"}}')
-    assert type(e) is errors.LayerStackError and e.kind == "deadline_exceeded"
+    e = errors.from_command(["layerstack"], 1, '{"error":{"kind":"out_of_range","message":"late"}}')
+    assert type(e) is errors.LayerStackError and e.kind == "out_of_range"
     assert errors.command_error_line('{"error": "flat"}') is None
     assert errors.command_error_line("") is None
     assert errors.command_error_line('[1]') is None

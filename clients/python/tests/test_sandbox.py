@@ -374,6 +374,22 @@ def test_a_bad_or_failing_data_source_raises_its_own_error(daemon: Daemon) -> No
             sb.files.upload("/work", 123)  # type: ignore[arg-type]
         with pytest.raises(OSError, match="the source broke"):
             sb.files.write("/work/t", Failing())
+        # Other arguments of the wrong type name themselves (None was sent
+        # as "" — the root —, an int in an argv quietly became a string).
+        with pytest.raises(TypeError, match="path must be a str"):
+            sb.files.read(None)  # type: ignore[arg-type]
+        with pytest.raises(TypeError, match=r"command\[1\] is int"):
+            sb.exec(["sleep", 1])  # type: ignore[list-item]
+        with pytest.raises(TypeError, match="state= must be a mapping"):
+            sb.close(checkpoint=True, state=object())  # type: ignore[arg-type]
+        sb.files.write("/work/p", b"x")
+        assert sb.files.read(Path("/work/p")) == b"x"
+        with pytest.raises(ExecError, match="command 'exit 3' failed: exit code 3") as failed:
+            sb.exec("exit 3", check=True)
+        assert failed.value.command == "exit 3" and failed.value.output.exit_code == 3
+    with layerstack.connect(daemon.admin) as c:
+        with pytest.raises(TypeError, match="stack must be a str"):
+            c.sandbox(123)  # type: ignore[arg-type]
 
     async def main() -> None:
         async with layerstack.aio.connect(daemon.admin) as ls, ls.sandbox(daemon.stack) as sb:
@@ -384,6 +400,10 @@ def test_a_bad_or_failing_data_source_raises_its_own_error(daemon: Daemon) -> No
             with pytest.raises(OSError, match="the source broke"):
                 await sb.files.upload("/work", Failing())
             assert (await sb.files.stat("/")).kind == "dir"
+            with pytest.raises(TypeError, match="path must be a str"):
+                await sb.files.stat(None)  # type: ignore[arg-type]
+            with pytest.raises(ExecError, match=r"command false failed: exit code 1"):
+                await sb.exec(["false"], check=True)
 
     asyncio.run(main())
 

@@ -105,8 +105,32 @@ fn on_root_fs(root: &OwnedFd, fd: OwnedFd) -> io::Result<OwnedFd> {
 
 /// `openat2_in_root` ([`sys::openat2_in_root`]) of a file RPC, refused off
 /// the root's filesystem ([`on_root_fs`]).
+/// A path that does not resolve and whose first component is a
+/// kernel-interface mount of the session (`/proc/self/…`: the magic link
+/// names the *daemon's* process, which the session's procfs does not show)
+/// is refused as [`NotServed::KernelFs`], not answered NOT_FOUND.
 fn open_in_root(root: &OwnedFd, path: &std::ffi::CStr, flags: libc::c_int) -> io::Result<OwnedFd> {
-    on_root_fs(root, sys::openat2_in_root(root, path, flags, 0)?)
+    match sys::openat2_in_root(root, path, flags, 0) {
+        Ok(fd) => on_root_fs(root, fd),
+        Err(e) if e.raw_os_error() == Some(libc::ENOENT) => {
+            Err(kernel_fs_above(root, path.to_bytes()).unwrap_or(e))
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// [`NotServed::KernelFs`] when `path` has more than one component and its
+/// first is a directory on a kernel-interface filesystem.
+fn kernel_fs_above(root: &OwnedFd, path: &[u8]) -> Option<io::Error> {
+    let path = path.strip_prefix(b"/").unwrap_or(path);
+    let (first, rest) = path.split_at(path.iter().position(|&b| b == b'/')?);
+    if rest.len() <= 1 {
+        return None;
+    }
+    let c = CString::new(first).ok()?;
+    let fd = sys::openat2_in_root(root, &c, libc::O_PATH | libc::O_DIRECTORY, 0).ok()?;
+    let name = sys::kernel_fs(&fd).ok()??;
+    Some(not_served(NotServed::KernelFs(name)))
 }
 
 /// The status of a failed file operation on `path`, naming it and the reason.
@@ -509,9 +533,37 @@ pub(crate) async fn write_file(
         return Err(st);
     }
     drop(ctx);
-    ended
+    let out = ended
         .await
-        .map_err(|e| Status::internal(format!("write task: {e}")))?
+        .map_err(|e| Status::internal(format!("write task: {e}")))?;
+    kept_if_live(admin, h.session_id, "WriteFile", out).await
+}
+
+/// A mutating file RPC's answer `out`, unless session `id` stopped being
+/// live while it ran (a CloseSession DISCARD does not wait for file RPCs in
+/// flight): then FAILED_PRECONDITION saying the change was not kept, with
+/// what the call itself saw — not the NOT_FOUND (or OK) of a write into an
+/// upper that was being removed.
+async fn kept_if_live<T>(
+    admin: &AdminService,
+    id: SessionId,
+    call: &str,
+    out: Result<T, Status>,
+) -> Result<T, Status> {
+    if crate::wasi::live(admin, id).is_some() {
+        return out;
+    }
+    match live(admin, id).await {
+        Ok(_) => out,
+        Err(gone) => Err(Status::failed_precondition(format!(
+            "session {id} ended while the {call} ran: nothing of it is kept ({}){}",
+            gone.message(),
+            match &out {
+                Ok(_) => String::new(),
+                Err(st) => format!("; the call saw: {}", st.message()),
+            }
+        ))),
+    }
 }
 
 /// Feeds a client-streaming call's blocking `job` (WriteFile's, UploadTar's)
@@ -831,7 +883,7 @@ pub(crate) async fn upload_tar(
         .await
         .map_err(|e| Status::internal(format!("upload task: {e}")))?;
     fed?;
-    out
+    kept_if_live(admin, first.session_id, "UploadTar", out).await
 }
 
 /// A writer that sends what it is given as `FileChunk`s.

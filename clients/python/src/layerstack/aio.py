@@ -53,6 +53,7 @@ from layerstack.sandbox import (
     User,
     already_ended,
     argv_of,
+    path_arg,
     close_request,
     create_request,
     ended_or_raise,
@@ -546,7 +547,7 @@ class AsyncClient:
             wait_s=wait_s,
             ignore_mtime=ignore_mtime,
         )
-        fold = RunFold()
+        fold = RunFold(cmd)
         async for r in self._stream(self._stub.RunSession, req):
             fold.add(r)
         return fold.result(check)
@@ -583,7 +584,7 @@ class AsyncFiles:
         self._sb = sandbox
 
     async def read(self, path: str, *, offset: int = 0, limit: int = 0) -> bytes:
-        req = pb.ReadFileRequest(session_id=self._sb.id, path=path, offset=offset, limit=limit)
+        req = pb.ReadFileRequest(session_id=self._sb.id, path=path_arg(path), offset=offset, limit=limit)
         out = io.BytesIO()
         async for c in self._sb._client._stream(self._sb._client._stub.ReadFile, req):
             out.write(c.data)
@@ -606,12 +607,12 @@ class AsyncFiles:
 
     async def list(self, path: str = "/") -> List[FileInfo]:
         r = await self._sb._client._call(
-            self._sb._client._stub.ListDir, pb.ListDirRequest(session_id=self._sb.id, path=path)
+            self._sb._client._stub.ListDir, pb.ListDirRequest(session_id=self._sb.id, path=path_arg(path))
         )
         return [FileInfo.from_pb(e) for e in r.entries]
 
     async def stat(self, path: str) -> FileInfo:
-        req = pb.StatPathRequest(session_id=self._sb.id, path=path)
+        req = pb.StatPathRequest(session_id=self._sb.id, path=path_arg(path))
         return FileInfo.from_pb(await self._sb._client._call(self._sb._client._stub.StatPath, req))
 
     async def exists(self, path: str) -> bool:
@@ -622,7 +623,7 @@ class AsyncFiles:
             return False
 
     async def remove(self, path: str, *, recursive: bool = False) -> int:
-        req = pb.RemovePathRequest(session_id=self._sb.id, path=path, recursive=recursive)
+        req = pb.RemovePathRequest(session_id=self._sb.id, path=path_arg(path), recursive=recursive)
         return int((await self._sb._client._call(self._sb._client._stub.RemovePath, req)).removed)
 
     async def upload(
@@ -636,7 +637,7 @@ class AsyncFiles:
             raise
 
     async def download(self, path: str) -> bytes:
-        req = pb.DownloadTarRequest(session_id=self._sb.id, path=path)
+        req = pb.DownloadTarRequest(session_id=self._sb.id, path=path_arg(path))
         out = io.BytesIO()
         async for c in self._sb._client._stream(self._sb._client._stub.DownloadTar, req):
             out.write(c.data)
@@ -724,7 +725,7 @@ class AsyncSandbox:
         module: Union[bytes, "os.PathLike[str]", None] = None,
     ) -> ExecOutput:
         """Runs ``cmd`` and waits for it (see :meth:`layerstack.sandbox.Sandbox.exec`)."""
-        fold = ExecFold()
+        fold = ExecFold(cmd)
         async for item in self.exec_stream(
             cmd, env=env, cwd=cwd, user=user, stdin=stdin, timeout_s=timeout_s, module=module
         ):

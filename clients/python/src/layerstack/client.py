@@ -489,7 +489,7 @@ class Client:
             wait_s=wait_s,
             ignore_mtime=ignore_mtime,
         )
-        fold = RunFold()
+        fold = RunFold(cmd)
         try:
             for r in self._stub.RunSession(req, timeout=None):
                 fold.add(r)

@@ -25,8 +25,9 @@ PERMISSION_DENIED      ``permission_denied``      :class:`PermissionDeniedError`
 UNAUTHENTICATED        ``unauthenticated``        :class:`UnauthenticatedError`
 RESOURCE_EXHAUSTED     ``no_space``               :class:`NoSpaceError`
 + trailer ``layerstack-kind: no_space``
+DEADLINE_EXCEEDED      ``deadline_exceeded``      :class:`DeadlineExceededError`
 anything else          the code's name, snake     :class:`LayerStackError`
-                       case (``deadline_exceeded``;
+                       case (``cancelled``;
                        INTERNAL is ``grpc_internal``)
 =====================  =========================  ================================
 
@@ -76,6 +77,7 @@ __all__ = [
     "PermissionDeniedError",
     "UnauthenticatedError",
     "NoSpaceError",
+    "DeadlineExceededError",
     "CommandError",
     "BY_CODE",
     "BY_KIND",
@@ -222,6 +224,19 @@ class NoSpaceError(_KindError):
     kind = "no_space"
 
 
+class DeadlineExceededError(LayerStackError):
+    """A time limit ran out before the call was answered: the ``timeout=``
+    of the call (gRPC's deadline, set by the client) or one of the daemon's
+    own (``[sandbox] file_stream_idle_s``: an upload or write stream that
+    sent nothing for that long was refused and its partial file dropped).
+    Not one of the daemon's error kinds (``layerstack_types::ErrorKind``):
+    gRPC's ``DEADLINE_EXCEEDED``; whether the call took effect is unknown
+    when the client's deadline ran out, so retry with the same idempotency
+    key."""
+
+    kind = "deadline_exceeded"
+
+
 class CommandError(LayerStackError):
     """The ``layerstack`` binary could not be found or started, or failed without
     printing an error line (:func:`from_command`): a failure it reported with its
@@ -317,6 +332,8 @@ def from_rpc_error(e: grpc.RpcError) -> LayerStackError:
     named = BY_KIND.get(_trailer_kind(e) or "")
     if named is not None:
         return named(code, named.kind, message)
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExceededError(code, DeadlineExceededError.kind, message)
     cls = BY_CODE.get(code)
     if cls is None:
         return LayerStackError(code, _code_kind(code), message)
@@ -343,13 +360,16 @@ def command_error_line(stderr: str) -> Optional[Dict[str, str]]:
 def from_command(argv: Sequence[str], returncode: Optional[int], stderr: str) -> LayerStackError:
     """The typed error of a failed run of the ``layerstack`` binary (run with
     ``--error-format json``): the class of the printed ``kind``
-    (:data:`BY_KIND`; a kind no class has, e.g. ``deadline_exceeded``, is a
-    plain :class:`LayerStackError`), or :class:`CommandError` when it printed
-    no error line. ``argv``, ``returncode`` and ``stderr`` are kept on it."""
+    (:data:`BY_KIND`, and :class:`DeadlineExceededError` for
+    ``deadline_exceeded``; another kind no class has is a plain
+    :class:`LayerStackError`), or :class:`CommandError` when it printed no
+    error line. ``argv``, ``returncode`` and ``stderr`` are kept on it."""
     line = command_error_line(stderr)
     if line is None:
         return CommandError(argv, returncode, stderr)
-    cls = BY_KIND.get(line["kind"])
+    cls: Optional[Type[LayerStackError]] = BY_KIND.get(line["kind"])
+    if cls is None and line["kind"] == DeadlineExceededError.kind:
+        cls = DeadlineExceededError
     e = cls(None, cls.kind, line["message"]) if cls else LayerStackError(None, line["kind"], line["message"])
     e.argv = list(argv)
     e.returncode = returncode

@@ -25,10 +25,12 @@ arguments), times in nanoseconds since the Unix epoch (``*_ns``).
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import io
 import json
 import os
+import shlex
 from dataclasses import dataclass
 from pathlib import Path
 from typing import (
@@ -257,13 +259,47 @@ class UploadSummary:
 
 
 def argv_of(cmd: Command) -> List[str]:
-    """``cmd`` as an argv: a string runs under ``/bin/sh -c``."""
+    """``cmd`` as an argv: a string runs under ``/bin/sh -c``; a list or tuple
+    of str (or :class:`os.PathLike`) is the argv. TypeError naming the
+    argument for anything else (an int in the argv is not quietly made a
+    string: ``["sleep", 1]`` is a slip, not a command)."""
     if isinstance(cmd, str):
         return ["/bin/sh", "-c", cmd]
-    argv = [str(a) for a in cmd]
+    if not isinstance(cmd, (list, tuple)):
+        raise TypeError(
+            f"command must be a str (run by /bin/sh -c) or a list of str (an argv), not {type(cmd).__name__}"
+        )
+    argv = []
+    for i, a in enumerate(cmd):
+        if isinstance(a, os.PathLike):
+            a = os.fspath(a)
+        if not isinstance(a, str):
+            raise TypeError(f"command[{i}] is {type(a).__name__} {a!r}: every argv item must be a str")
+        argv.append(a)
     if not argv:
         raise ValueError("exec needs a command: give argv or a shell string")
     return argv
+
+
+def path_arg(path: Any, what: str = "path") -> str:
+    """A path argument of the file calls as the str the daemon takes: a str or
+    an :class:`os.PathLike` (``pathlib.PurePosixPath``). TypeError naming
+    ``what`` otherwise (``None`` would be sent as an empty path)."""
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
+    if not isinstance(path, str):
+        raise TypeError(f"{what} must be a str (a path in the sandbox), not {type(path).__name__}")
+    return path
+
+
+def optional_str(what: str, v: Any) -> str:
+    """``v`` (a str or None) as the request's string ("" for None); TypeError
+    naming ``what`` otherwise."""
+    if v is None:
+        return ""
+    if not isinstance(v, str):
+        raise TypeError(f"{what} must be a str or None, not {type(v).__name__} {v!r}")
+    return v
 
 
 def env_list(env: Optional[Mapping[str, str]]) -> List[str]:
@@ -453,6 +489,17 @@ def create_request(
 ) -> Any:
     if (stack is None) == (node is None):
         raise ValueError("give exactly one of stack= (a stack, image or base digest) and node= (a graph node)")
+    for what, v in (
+        ("stack", stack),
+        ("node", node),
+        ("branch", branch),
+        ("name", name),
+        ("key", key),
+        ("exit_policy", exit_policy),
+    ):
+        optional_str(what, v)
+    if isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)):
+        raise TypeError(f"wait_s must be a number of seconds, not {type(wait_s).__name__}")
     if wait_s < 0:
         raise ValueError(f"wait_s={wait_s}: give 0 (answer BusyError at once when the pool is full) or more")
     return pb.CreateSessionRequest(
@@ -496,8 +543,13 @@ def close_request(
         st = ""
     elif isinstance(state, str):
         st = state
+    elif isinstance(state, collections.abc.Mapping):
+        try:
+            st = json.dumps(dict(state), sort_keys=True, separators=(",", ":"))
+        except (TypeError, ValueError) as e:
+            raise TypeError(f"state= must be JSON-serializable: {e}") from None
     else:
-        st = json.dumps(dict(state), sort_keys=True, separators=(",", ":"))
+        raise TypeError(f"state= must be a mapping (stored as JSON) or a str, not {type(state).__name__}")
     req = pb.CloseSessionRequest(
         session_id=session_id, action=_END_ACTIONS[act], reason=reason, state=st, command=command
     )
@@ -570,7 +622,7 @@ def write_requests(
     session_id: int, path: str, data: Content, *, mode: int, make_parents: bool, owner: Optional[User]
 ) -> Feed:
     check_content("data", data)
-    h = pb.WriteFileHeader(session_id=session_id, path=path, mode=mode, make_parents=make_parents)
+    h = pb.WriteFileHeader(session_id=session_id, path=path_arg(path), mode=mode, make_parents=make_parents)
     if owner is not None:
         h.has_owner, h.uid, h.gid = True, owner[0], owner[1]
     return Feed(_write_stream(h, data))
@@ -589,7 +641,7 @@ def upload_requests(
     if isinstance(tar, str):
         raise ValueError("upload takes the tar's bytes, an open binary file or a pathlib.Path, not a str")
     check_content("tar", tar, paths=True)
-    return Feed(_upload_stream(session_id, path, tar, make_parents))
+    return Feed(_upload_stream(session_id, path_arg(path, "directory"), tar, make_parents))
 
 
 def _upload_stream(
@@ -621,11 +673,13 @@ def exec_item(r: Any) -> Union[ExecChunk, ExecOutput, None]:
 
 class ExecFold:
     """Folds an exec stream's items into one :class:`ExecOutput` (shared by the
-    blocking and the asyncio ``exec``)."""
+    blocking and the asyncio ``exec``); ``cmd``, the command as given, is
+    named by an :class:`ExecError`."""
 
-    def __init__(self) -> None:
+    def __init__(self, cmd: Optional[Command] = None) -> None:
         self._out, self._err = io.BytesIO(), io.BytesIO()
         self._end: Optional[ExecOutput] = None
+        self._cmd = cmd
 
     def add(self, item: Union[ExecChunk, ExecOutput]) -> None:
         if isinstance(item, ExecChunk):
@@ -642,7 +696,7 @@ class ExecFold:
             raise InternalError(None, "internal", "the daemon ended the exec stream without the command's exit")
         res = dataclasses.replace(self._end, stdout=self._out.getvalue(), stderr=self._err.getvalue())
         if check and not res.ok:
-            raise ExecError(res)
+            raise ExecError(res, self._cmd)
         return res
 
 
@@ -750,8 +804,9 @@ class RunFold:
     """Folds a ``RunSession`` stream's replies into one :class:`RunSessionResult`
     (shared by the blocking and the asyncio ``run_session``)."""
 
-    def __init__(self) -> None:
-        self._exec = ExecFold()
+    def __init__(self, cmd: Optional[Command] = None) -> None:
+        self._exec = ExecFold(cmd)
+        self._cmd = cmd
         self._ran = False
         self._session: Optional[Session] = None
         self._created = True
@@ -778,7 +833,7 @@ class RunFold:
             raise InternalError(None, "internal", "the daemon ended the RunSession stream without the session's end")
         output = self._exec.result(False) if self._ran else None
         if check and output is not None and not output.ok:
-            raise ExecError(output)
+            raise ExecError(output, self._cmd)
         return RunSessionResult(self._session, self._created, output, self._outcome)
 
 
@@ -797,7 +852,7 @@ class Files:
     def read(self, path: str, *, offset: int = 0, limit: int = 0) -> bytes:
         """The bytes of regular file ``path`` from ``offset`` (at most ``limit``
         bytes; 0: to the end). InvalidArgumentError: not a regular file."""
-        req = pb.ReadFileRequest(session_id=self._sb.id, path=path, offset=offset, limit=limit)
+        req = pb.ReadFileRequest(session_id=self._sb.id, path=path_arg(path), offset=offset, limit=limit)
         return b"".join(c.data for c in self._sb._stream(self._sb._stub.ReadFile, req))
 
     def read_text(self, path: str, encoding: str = "utf-8") -> str:
@@ -825,13 +880,13 @@ class Files:
 
     def list(self, path: str = "/") -> List[FileInfo]:
         """The entries of directory ``path`` (not recursive), by name."""
-        r = self._sb._call(self._sb._stub.ListDir, pb.ListDirRequest(session_id=self._sb.id, path=path))
+        r = self._sb._call(self._sb._stub.ListDir, pb.ListDirRequest(session_id=self._sb.id, path=path_arg(path)))
         return [FileInfo.from_pb(e) for e in r.entries]
 
     def stat(self, path: str) -> FileInfo:
         """``path``'s metadata (a symlink is described, not followed)."""
         return FileInfo.from_pb(
-            self._sb._call(self._sb._stub.StatPath, pb.StatPathRequest(session_id=self._sb.id, path=path))
+            self._sb._call(self._sb._stub.StatPath, pb.StatPathRequest(session_id=self._sb.id, path=path_arg(path)))
         )
 
     def exists(self, path: str) -> bool:
@@ -847,7 +902,7 @@ class Files:
     def remove(self, path: str, *, recursive: bool = False) -> int:
         """Removes ``path`` (a directory only when empty, unless ``recursive``).
         Returns how many entries went."""
-        req = pb.RemovePathRequest(session_id=self._sb.id, path=path, recursive=recursive)
+        req = pb.RemovePathRequest(session_id=self._sb.id, path=path_arg(path), recursive=recursive)
         return int(self._sb._call(self._sb._stub.RemovePath, req).removed)
 
     def upload(
@@ -867,7 +922,7 @@ class Files:
     def download(self, path: str) -> bytes:
         """``path`` (a file or a directory tree) as a plain tar; names relative to
         its parent, symlinks stored as symlinks."""
-        req = pb.DownloadTarRequest(session_id=self._sb.id, path=path)
+        req = pb.DownloadTarRequest(session_id=self._sb.id, path=path_arg(path))
         return b"".join(c.data for c in self._sb._stream(self._sb._stub.DownloadTar, req))
 
 
@@ -966,7 +1021,7 @@ class Sandbox:
         Raises: FailedPreconditionError (the sandbox is not live),
         InvalidArgumentError (a bad field, named; a module that does not
         compile), NotFoundError (a module path not in the tree)."""
-        fold = ExecFold()
+        fold = ExecFold(cmd)
         for item in self.exec_stream(
             cmd, env=env, cwd=cwd, user=user, stdin=stdin, timeout_s=timeout_s, module=module
         ):
@@ -1095,13 +1150,34 @@ def ended_or_raise(s: Session) -> Session:
 
 
 class ExecError(Exception):
-    """``exec(check=True)`` of a command that did not exit 0; ``output`` is its
-    :class:`ExecOutput`. Not a :class:`~layerstack.LayerStackError`: the
-    sandbox worked, the command failed."""
+    """``exec(check=True)`` (or ``run(check=True)``) of a command that did not
+    exit 0. Not a :class:`~layerstack.LayerStackError`: the sandbox worked,
+    the command failed.
 
-    def __init__(self, output: ExecOutput) -> None:
+    Attributes:
+        output: its :class:`ExecOutput` (exit code, stdout, stderr, timing).
+        command: the command as given (a str or an argv list), ``None`` when
+            unknown; the message names it.
+    """
+
+    def __init__(self, output: ExecOutput, command: Optional[Command] = None) -> None:
         why = f"timed out after {output.duration_ms} ms" if output.timed_out else f"exit code {output.exit_code}"
         tail = output.stderr[-500:].decode(errors="replace")
-        super().__init__(f"command failed: {why}" + (f"; stderr ends: {tail}" if tail else ""))
+        shown = "" if command is None else f" {_shown(command)}"
+        super().__init__(f"command{shown} failed: {why}" + (f"; stderr ends: {tail}" if tail else ""))
         self.output = output
+        self.command = command
+
+    def __reduce__(self) -> Tuple[Any, ...]:
+        return (ExecError, (self.output, self.command))
+
+
+def _shown(command: Command) -> str:
+    """A command for a message: a shell string quoted, an argv as shlex would
+    join it; at most 200 characters."""
+    if isinstance(command, str):
+        text = repr(command)
+    else:
+        text = shlex.join(str(a) for a in command)
+    return text if len(text) <= 200 else text[:197] + "..."
 
