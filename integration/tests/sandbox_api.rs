@@ -1041,14 +1041,15 @@ async fn discard_waits_for_the_session(c: &mut Client, stack: &str) -> Result<()
     checked
 }
 
-async fn discard(c: &mut Client, id: i64) -> Result<()> {
-    c.close_session(api::CloseSessionRequest {
+/// CloseSession DISCARD of `id`: its outcome.
+async fn discard(c: &mut Client, id: i64) -> Result<api::Session> {
+    Ok(c.close_session(api::CloseSessionRequest {
         session_id: id,
         action: api::EndAction::Discard as i32,
         ..Default::default()
     })
-    .await?;
-    Ok(())
+    .await?
+    .into_inner())
 }
 
 /// The host directories of the cgroups a session's process is in, from its
@@ -1554,14 +1555,7 @@ async fn write_racing_discard(c: &mut Client, stack: &str) -> Result<()> {
     });
     // The header is in: the daemon holds the session's root.
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let closed = c
-        .close_session(api::CloseSessionRequest {
-            session_id: id,
-            action: api::EndAction::Discard as i32,
-            ..Default::default()
-        })
-        .await?
-        .into_inner();
+    let closed = discard(c, id).await?;
     ensure!(closed.outcome == "discarded", "{closed:?}");
     tx.send(api::WriteFileRequest {
         header: None,
