@@ -20,6 +20,7 @@
 //! the merge's size cap on both sides; a binary one reads "binary files differ".
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
+use std::os::unix::ffi::OsStrExt as _;
 
 use layerstack_publisher::{self as publisher, Change, FileKind, LayerView};
 use layerstack_store::{ChangeKind, LayerId, SessionId, Store, StoreError};
@@ -129,6 +130,18 @@ pub(crate) fn candidates(
 
 fn read_err(path: &[u8]) -> impl FnOnce(std::io::Error) -> EngineError + '_ {
     move |e| EngineError::Read(layerstack_store::escape_path(path), e)
+}
+
+/// `p` is a top-level [`crate::sandbox::ROOT_MOUNTPOINTS`] name that the
+/// session's upper holds as an empty directory (what the init made to mount
+/// on; a command's writes there would be in the filesystem mounted over it).
+fn made_mountpoint(upper: &std::path::Path, p: &[u8], change: &Change) -> bool {
+    matches!(change, Change::Mkdir { .. })
+        && crate::sandbox::ROOT_MOUNTPOINTS
+            .iter()
+            .any(|n| n.as_bytes() == p)
+        && std::fs::read_dir(upper.join(std::ffi::OsStr::from_bytes(p)))
+            .is_ok_and(|mut d| d.next().is_none())
 }
 
 fn join(dir: &[u8], name: &[u8]) -> Vec<u8> {
@@ -423,6 +436,7 @@ impl Engine {
         let store = self.store.clone();
         let settings = self.settings.clone();
         let cap = patch.then_some(self.settings.merge.max_bytes);
+        let root_mode = self.sandbox_is_root_mode(id);
         tokio::task::spawn_blocking(move || -> Result<Diff, EngineError> {
             let lease_view = View::new(store.session_view_layers(id, lease)?, settings.userxattr);
             let upper = LayerView::new(vec![s.upper.clone()]).with_userxattr(settings.userxattr);
@@ -448,6 +462,12 @@ impl Engine {
             };
             for (p, change) in &cs.entries {
                 let old = lease_view.view.lookup(p).map_err(read_err(p))?;
+                // A mountpoint a root-mode sandbox's init made (/proc, /dev,
+                // /sys, /run where the base lacks them) is the sandbox's, not
+                // a change: its close drops it from the upper.
+                if root_mode && old.is_none() && made_mountpoint(&s.upper, p, change) {
+                    continue;
+                }
                 let oi = old.as_ref().map(EntryInfo::of);
                 let ni = new_info(change);
                 match (change, old) {

@@ -937,6 +937,11 @@ impl Engine {
         self.sandboxes.root_mode().insert(id);
     }
 
+    /// Whether session `id` runs in root mode ([`Engine::sandbox_root_mode`]).
+    pub(crate) fn sandbox_is_root_mode(&self, id: SessionId) -> bool {
+        self.sandboxes.root_mode().contains(&id)
+    }
+
     /// [`drop_root_mountpoints`] of session `s`'s upper against its lease's
     /// lowers, once the upper is unmounted everywhere (still mounted: nothing
     /// now; the close's action reports it and the close retries).
