@@ -319,10 +319,12 @@ pub struct SandboxConfig {
     /// its namespaces. 0 = none. Default 2.
     pub ready_inits: u32,
     /// How long `WriteFile` and `UploadTar` wait for the client's next
-    /// chunk, seconds: a stream that sends nothing for that long is refused
-    /// (DEADLINE_EXCEEDED), the partial file dropped. Each such call holds a
-    /// thread of the daemon's blocking pool while it waits (as containerd's
-    /// CRI `stream_idle_timeout` bounds an idle exec stream). 0 = no limit.
+    /// chunk, and `ReadFile` and `DownloadTar` for the client to take the
+    /// chunks sent, seconds: a stream idle that long is ended
+    /// (DEADLINE_EXCEEDED; an upload's partial file dropped, a read's
+    /// answer cut after what was sent). Each such call holds a thread of
+    /// the daemon's blocking pool while it waits (as containerd's CRI
+    /// `stream_idle_timeout` bounds an idle exec stream). 0 = no limit.
     /// Default 60.
     pub file_stream_idle_s: u64,
     /// The uid/gid mapping of a daemon-owned session that gives none

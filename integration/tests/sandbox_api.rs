@@ -1539,6 +1539,72 @@ async fn idle_upload_refused(c: &mut Client, id: i64) -> Result<()> {
     Ok(())
 }
 
+/// `[sandbox] file_stream_idle_s = 1`: a ReadFile or DownloadTar whose
+/// client stops reading ends DEADLINE_EXCEEDED after what was sent (its job,
+/// which held a blocking thread and a turn of the daemon's 64 streaming
+/// jobs, is over), not held open for as long as the client likes.
+async fn idle_reader_refused(c: &mut Client, id: i64) -> Result<()> {
+    const SIZE: usize = 64 << 20;
+    let r = exec(
+        c,
+        id,
+        &[
+            "dd",
+            "if=/dev/zero",
+            "of=/tmp/big",
+            "bs=1048576",
+            "count=64",
+        ],
+    )
+    .await?;
+    ensure!(r.exit.code == 0, "dd: {r:?}");
+    for call in ["ReadFile", "DownloadTar"] {
+        let mut s = if call == "ReadFile" {
+            c.read_file(api::ReadFileRequest {
+                session_id: id,
+                path: "/tmp/big".into(),
+                ..Default::default()
+            })
+            .await?
+            .into_inner()
+        } else {
+            c.download_tar(api::DownloadTarRequest {
+                session_id: id,
+                path: "/tmp/big".into(),
+            })
+            .await?
+            .into_inner()
+        };
+        let mut got = s.message().await?.map_or(0, |m| m.data.len());
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        let ended = loop {
+            match tokio::time::timeout(Duration::from_secs(20), s.message()).await {
+                Err(_) => bail!("{call}: the stream was still open 20 s after the client resumed"),
+                Ok(Ok(Some(m))) => got += m.data.len(),
+                Ok(Ok(None)) => break None,
+                Ok(Err(e)) => break Some(e),
+            }
+        };
+        let e = ended
+            .with_context(|| format!("{call} of a client that paused 3 s gave all {got} bytes"))?;
+        ensure!(
+            e.code() == Code::DeadlineExceeded
+                && e.message().contains("file_stream_idle_s")
+                && got < SIZE,
+            "{call} after a 3 s pause ({got} bytes): {e:?}"
+        );
+    }
+    // The daemon serves the next read whole.
+    ensure!(read(c, id, "/tmp/big").await?.len() == SIZE);
+    c.remove_path(api::RemovePathRequest {
+        session_id: id,
+        path: "/tmp/big".into(),
+        recursive: false,
+    })
+    .await?;
+    Ok(())
+}
+
 /// A WriteFile whose stream is still open when its sandbox is discarded
 /// (CloseSession DISCARD does not wait for file RPCs) answers
 /// FAILED_PRECONDITION saying the session ended and nothing was kept — not
@@ -1638,6 +1704,7 @@ fn exec_cli_scenario(dir: &Path, d: &Daemon) -> Result<()> {
         let mut c = api::connect(&admin).await?;
         let id = create(&mut c, &stack, "cli-exec").await?.0;
         idle_upload_refused(&mut c, id).await?;
+        idle_reader_refused(&mut c, id).await?;
         anyhow::Ok(id)
     })?;
     // The socket's directory must be reachable by the unprivileged user.

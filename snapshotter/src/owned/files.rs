@@ -400,7 +400,7 @@ pub(crate) async fn read_file(
             kind_of(st.st_mode)
         )));
     }
-    let (tx, rx) = mpsc::channel(4);
+    let (mut tx, rx) = ChunkSender::new(stream_idle(admin), &path);
     let (offset, limit) = (r.offset, r.limit);
     let turn = stream_turn().await?;
     tokio::task::spawn_blocking(move || {
@@ -420,7 +420,7 @@ pub(crate) async fn read_file(
                 Ok(n) => {
                     off += n as u64;
                     if tx
-                        .blocking_send(Ok(api::FileChunk {
+                        .send(Ok(api::FileChunk {
                             data: buf[..n].to_vec(),
                         }))
                         .is_err()
@@ -430,13 +430,13 @@ pub(crate) async fn read_file(
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => {
-                    let _ = tx.blocking_send(Err(file_status(&path, "cannot read", &e)));
+                    let _ = tx.send(Err(file_status(&path, "cannot read", &e)));
                     return;
                 }
             }
         }
     });
-    Ok(Box::pin(ReceiverStream::new(rx)))
+    Ok(rx)
 }
 
 /// `WriteFile`: temp file in the target's directory, then rename.
@@ -886,9 +886,75 @@ pub(crate) async fn upload_tar(
     kept_if_live(admin, first.session_id, "UploadTar", out).await
 }
 
+/// The blocking side of a streaming read (ReadFile, DownloadTar): sends
+/// its chunks to the response stream ([`ChunkSender::new`]'s). A chunk
+/// waits at most `idle` (`[sandbox] file_stream_idle_s`) for the client to
+/// take the ones before: a client that stops reading then gets
+/// DEADLINE_EXCEEDED after what was sent, and its job ends — it held a
+/// turn of [`STREAM_JOBS`] and a blocking thread for as long as it liked.
+struct ChunkSender {
+    tx: mpsc::Sender<Result<api::FileChunk, Status>>,
+    idle: Option<Duration>,
+    rt: tokio::runtime::Handle,
+    /// The status that ends the stream after its chunks (the channel is
+    /// full when the client stopped reading).
+    trailer: Option<tokio::sync::oneshot::Sender<Status>>,
+    path: String,
+}
+
+impl ChunkSender {
+    /// The sender (for the blocking job) and the response stream: the
+    /// chunks, then the trailer's status if one was set. Called on the
+    /// runtime.
+    fn new(idle: Option<Duration>, path: &str) -> (ChunkSender, Stream<api::FileChunk>) {
+        use futures::StreamExt as _;
+        let (tx, rx) = mpsc::channel(4);
+        let (ttx, trx) = tokio::sync::oneshot::channel::<Status>();
+        let stream = ReceiverStream::new(rx)
+            .chain(futures::stream::once(trx).filter_map(|t| std::future::ready(t.ok().map(Err))));
+        let sender = ChunkSender {
+            tx,
+            idle,
+            rt: tokio::runtime::Handle::current(),
+            trailer: Some(ttx),
+            path: path.to_string(),
+        };
+        (sender, Box::pin(stream))
+    }
+
+    /// Sends `item`. Errors: the client went away (BrokenPipe), or did not
+    /// take it within `idle` (TimedOut; the stream's end says so).
+    fn send(&mut self, item: Result<api::FileChunk, Status>) -> io::Result<()> {
+        let gone = || io::Error::new(io::ErrorKind::BrokenPipe, "the client went away");
+        let Some(idle) = self.idle else {
+            return self.tx.blocking_send(item).map_err(|_| gone());
+        };
+        if self.trailer.is_none() {
+            return Err(gone());
+        }
+        match self
+            .rt
+            .block_on(tokio::time::timeout(idle, self.tx.send(item)))
+        {
+            Ok(sent) => sent.map_err(|_| gone()),
+            Err(_) => {
+                let msg = format!(
+                    "{:?}: the client read nothing for {} s ([sandbox] file_stream_idle_s): the stream ends here",
+                    self.path,
+                    idle.as_secs_f64()
+                );
+                if let Some(t) = self.trailer.take() {
+                    let _ = t.send(Status::deadline_exceeded(msg.clone()));
+                }
+                Err(io::Error::new(io::ErrorKind::TimedOut, msg))
+            }
+        }
+    }
+}
+
 /// A writer that sends what it is given as `FileChunk`s.
 struct ChunkWriter {
-    tx: mpsc::Sender<Result<api::FileChunk, Status>>,
+    tx: ChunkSender,
     buf: Vec<u8>,
 }
 
@@ -897,9 +963,7 @@ impl ChunkWriter {
         while self.buf.len() >= CHUNK || (all && !self.buf.is_empty()) {
             let n = self.buf.len().min(CHUNK);
             let data: Vec<u8> = self.buf.drain(..n).collect();
-            self.tx
-                .blocking_send(Ok(api::FileChunk { data }))
-                .map_err(|_| io::Error::new(io::ErrorKind::BrokenPipe, "the client went away"))?;
+            self.tx.send(Ok(api::FileChunk { data }))?;
         }
         Ok(())
     }
@@ -936,7 +1000,7 @@ fn header_of(st: &nix::sys::stat::FileStat, map: Option<layerstack_engine::IdMap
 /// Appends `name` of `dir` (path `at` in the tar) and, for a directory,
 /// everything below it, never following a symlink.
 fn append_at(
-    b: &mut tar::Builder<ChunkWriter>,
+    b: &mut tar::Builder<&mut ChunkWriter>,
     dir: &OwnedFd,
     name: &OsStr,
     at: &std::path::Path,
@@ -1038,23 +1102,24 @@ pub(crate) async fn download_tar(
     .and_then(|fd| on_root_fs(&root, fd))
     .map_err(|e| file_status(&path, "cannot archive", &e))?;
     let dev = dev_of(&root).map_err(|e| file_status(&path, "cannot stat", &e))?;
-    let (tx, rx) = mpsc::channel(4);
+    let (tx, rx) = ChunkSender::new(stream_idle(admin), &path);
     let turn = stream_turn().await?;
     tokio::task::spawn_blocking(move || {
         let _turn = turn;
-        let w = ChunkWriter {
-            tx: tx.clone(),
+        let mut w = ChunkWriter {
+            tx,
             buf: Vec::new(),
         };
-        let mut b = tar::Builder::new(w);
-        b.follow_symlinks(false);
-        let n = OsStr::from_bytes(&name);
-        let r = append_at(&mut b, &parent, n, std::path::Path::new(n), map, dev)
-            .and_then(|()| b.into_inner())
-            .and_then(|mut w| w.flush());
-        if let Err(e) = r {
-            let _ = tx.blocking_send(Err(file_status(&path, "cannot archive", &e)));
+        let archived = {
+            let mut b = tar::Builder::new(&mut w);
+            b.follow_symlinks(false);
+            let n = OsStr::from_bytes(&name);
+            append_at(&mut b, &parent, n, std::path::Path::new(n), map, dev)
+                .and_then(|()| b.finish())
+        };
+        if let Err(e) = archived.and_then(|()| w.flush()) {
+            let _ = w.tx.send(Err(file_status(&path, "cannot archive", &e)));
         }
     });
-    Ok(Box::pin(ReceiverStream::new(rx)))
+    Ok(rx)
 }

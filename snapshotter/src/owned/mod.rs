@@ -105,7 +105,7 @@ pub struct SessionLimits {
     /// `[sandbox] id_map`: the uid/gid mapping of a session that gives none.
     pub id_map: Option<layerstack_engine::IdMap>,
     /// `[sandbox] file_stream_idle_s`: how long a client stream of the file
-    /// RPCs may send nothing (`None`: no limit).
+    /// RPCs may send nothing, or a reader take nothing (`None`: no limit).
     pub file_stream_idle: Option<Duration>,
 }
 
