@@ -1627,8 +1627,19 @@ async fn write_racing_discard(c: &mut Client, stack: &str) -> Result<()> {
             .write_file(tokio_stream::wrappers::ReceiverStream::new(rx))
             .await
     });
-    // The header is in: the daemon holds the session's root.
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The daemon is writing: its temporary file is in /tmp.
+    let t0 = Instant::now();
+    loop {
+        let r = exec(c, id, &["ls", "-a", "/tmp"]).await?;
+        if String::from_utf8_lossy(&r.out).contains(".layerstack-write-") {
+            break;
+        }
+        ensure!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the WriteFile made no temporary file in 10 s: {r:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let closed = discard(c, id).await?;
     ensure!(closed.outcome == "discarded", "{closed:?}");
     tx.send(api::WriteFileRequest {
