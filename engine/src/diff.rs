@@ -132,16 +132,23 @@ fn read_err(path: &[u8]) -> impl FnOnce(std::io::Error) -> EngineError + '_ {
     move |e| EngineError::Read(layerstack_store::escape_path(path), e)
 }
 
-/// `p` is a top-level [`crate::sandbox::ROOT_MOUNTPOINTS`] name that the
-/// session's upper holds as an empty directory (what the init made to mount
-/// on; a command's writes there would be in the filesystem mounted over it).
-fn made_mountpoint(upper: &std::path::Path, p: &[u8], change: &Change) -> bool {
+/// `p` is a mountpoint the session's init made, as its close judges it
+/// ([`crate::sandbox::drop_root_mountpoints`]): a top-level
+/// [`crate::sandbox::ROOT_MOUNTPOINTS`] name that the session's upper holds
+/// as an empty directory (a command's writes there are in the filesystem
+/// mounted over it) and that no layer of `lease` names, not even by a
+/// whiteout.
+fn made_mountpoint(upper: &std::path::Path, lease: &View, p: &[u8], change: &Change) -> bool {
+    let name = std::ffi::OsStr::from_bytes(p);
     matches!(change, Change::Mkdir { .. })
         && crate::sandbox::ROOT_MOUNTPOINTS
             .iter()
             .any(|n| n.as_bytes() == p)
-        && std::fs::read_dir(upper.join(std::ffi::OsStr::from_bytes(p)))
-            .is_ok_and(|mut d| d.next().is_none())
+        && !lease
+            .layers
+            .iter()
+            .any(|l| l.dir.join(name).symlink_metadata().is_ok())
+        && std::fs::read_dir(upper.join(name)).is_ok_and(|mut d| d.next().is_none())
 }
 
 fn join(dir: &[u8], name: &[u8]) -> Vec<u8> {
@@ -465,7 +472,7 @@ impl Engine {
                 // A mountpoint a root-mode sandbox's init made (/proc, /dev,
                 // /sys, /run where the base lacks them) is the sandbox's, not
                 // a change: its close drops it from the upper.
-                if root_mode && old.is_none() && made_mountpoint(&s.upper, p, change) {
+                if root_mode && old.is_none() && made_mountpoint(&s.upper, &lease_view, p, change) {
                     continue;
                 }
                 let oi = old.as_ref().map(EntryInfo::of);

@@ -51,11 +51,24 @@ pub enum ContainerdError {
     BadImage(String, String),
 }
 
+/// Whether this daemon has connected to containerd since it started
+/// ([`reached`]).
+static REACHED: AtomicBool = AtomicBool::new(false);
+
 /// Connect to containerd's gRPC socket.
 pub async fn connect(path: &std::path::Path) -> Result<Channel, ContainerdError> {
-    containerd_client::connect(path)
+    let ch = containerd_client::connect(path)
         .await
-        .map_err(|e| ContainerdError::Connect(path.to_path_buf(), e))
+        .map_err(|e| ContainerdError::Connect(path.to_path_buf(), e))?;
+    REACHED.store(true, Ordering::Relaxed);
+    Ok(ch)
+}
+
+/// Whether this daemon has reached a containerd since it started: a socket
+/// missing after that is a containerd restarting (UNAVAILABLE), before it
+/// a host with no containerd.
+pub(crate) fn reached() -> bool {
+    REACHED.load(Ordering::Relaxed)
 }
 
 /// Watch containerd's `/tasks/delete` events forever and publish the session of

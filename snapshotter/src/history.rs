@@ -76,12 +76,13 @@ impl AdminService {
                 "no stack or base {spec:?} (see `layerstack stack ls`, or ListStacks)"
             )));
         }
-        // No containerd socket at all (a daemon run without containerd, as a
-        // sandbox service): nothing could resolve the name, now or after a
-        // retry — NOT_FOUND, not UNAVAILABLE, which harnesses retry.
-        if !self.containerd_address.exists() {
+        // No containerd socket, and none reached since the daemon started (a
+        // daemon run without containerd, as a sandbox service): nothing
+        // resolves the name — NOT_FOUND, not UNAVAILABLE, which harnesses
+        // retry. A socket gone after containerd was reached is a restart.
+        if !self.containerd_address.exists() && !crate::containerd::reached() {
             return Err(Status::not_found(format!(
-                "no stack {spec:?}: not a stack id or base digest of the store, and no containerd socket at {} to resolve it as an image reference (see `layerstack stack ls`; import a base with `layerstack base import`)",
+                "no stack {spec:?}: not a stack id or base digest of the store, and this daemon has no containerd to resolve it as an image reference (no socket at {}; see `layerstack stack ls`, or import a base with `layerstack base import`)",
                 self.containerd_address.display()
             )));
         }

@@ -383,7 +383,8 @@ def test_a_bad_or_failing_data_source_raises_its_own_error(daemon: Daemon) -> No
         with pytest.raises(TypeError, match="state= must be a mapping"):
             sb.close(checkpoint=True, state=object())  # type: ignore[arg-type]
         sb.files.write("/work/p", b"x")
-        assert sb.files.read(Path("/work/p")) == b"x"
+        assert sb.files.read(Path("/work/p")) == b"x" and sb.files.read(b"/work/p") == b"x"
+        assert sb.exec(iter(["cat", Path("/work/p")])).stdout == b"x"
         with pytest.raises(ExecError, match="command 'exit 3' failed: exit code 3") as failed:
             sb.exec("exit 3", check=True)
         assert failed.value.command == "exit 3" and failed.value.output.exit_code == 3

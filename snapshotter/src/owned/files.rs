@@ -105,10 +105,10 @@ fn on_root_fs(root: &OwnedFd, fd: OwnedFd) -> io::Result<OwnedFd> {
 
 /// `openat2_in_root` ([`sys::openat2_in_root`]) of a file RPC, refused off
 /// the root's filesystem ([`on_root_fs`]).
-/// A path that does not resolve and whose first component is a
-/// kernel-interface mount of the session (`/proc/self/…`: the magic link
-/// names the *daemon's* process, which the session's procfs does not show)
-/// is refused as [`NotServed::KernelFs`], not answered NOT_FOUND.
+/// A path that does not resolve below a kernel-interface mount of the
+/// session (`/proc/self/…`: the magic link names the *daemon's* process,
+/// which the session's procfs does not show; `/dev/pts/99`) is refused as
+/// [`NotServed::KernelFs`], not answered NOT_FOUND.
 fn open_in_root(root: &OwnedFd, path: &std::ffi::CStr, flags: libc::c_int) -> io::Result<OwnedFd> {
     match sys::openat2_in_root(root, path, flags, 0) {
         Ok(fd) => on_root_fs(root, fd),
@@ -119,17 +119,19 @@ fn open_in_root(root: &OwnedFd, path: &std::ffi::CStr, flags: libc::c_int) -> io
     }
 }
 
-/// [`NotServed::KernelFs`] when `path` has more than one component and its
-/// first is a directory on a kernel-interface filesystem.
+/// [`NotServed::KernelFs`] when the deepest directory of `path` that
+/// resolves (`path` itself excluded) is on a kernel-interface filesystem.
 fn kernel_fs_above(root: &OwnedFd, path: &[u8]) -> Option<io::Error> {
     let path = path.strip_prefix(b"/").unwrap_or(path);
-    let (first, rest) = path.split_at(path.iter().position(|&b| b == b'/')?);
-    if rest.len() <= 1 {
-        return None;
+    let mut deepest = None;
+    for (i, _) in path.iter().enumerate().filter(|(_, &b)| b == b'/') {
+        let c = CString::new(&path[..i]).ok()?;
+        match sys::openat2_in_root(root, &c, libc::O_PATH | libc::O_DIRECTORY, 0) {
+            Ok(fd) => deepest = Some(fd),
+            Err(_) => break,
+        }
     }
-    let c = CString::new(first).ok()?;
-    let fd = sys::openat2_in_root(root, &c, libc::O_PATH | libc::O_DIRECTORY, 0).ok()?;
-    let name = sys::kernel_fs(&fd).ok()??;
+    let name = sys::kernel_fs(&deepest?).ok()??;
     Some(not_served(NotServed::KernelFs(name)))
 }
 
@@ -420,9 +422,9 @@ pub(crate) async fn read_file(
                 Ok(n) => {
                     off += n as u64;
                     if tx
-                        .send(Ok(api::FileChunk {
+                        .send(api::FileChunk {
                             data: buf[..n].to_vec(),
-                        }))
+                        })
                         .is_err()
                     {
                         return;
@@ -430,7 +432,7 @@ pub(crate) async fn read_file(
                 }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) => {
-                    let _ = tx.send(Err(file_status(&path, "cannot read", &e)));
+                    tx.fail(file_status(&path, "cannot read", &e));
                     return;
                 }
             }
@@ -536,33 +538,44 @@ pub(crate) async fn write_file(
     let out = ended
         .await
         .map_err(|e| Status::internal(format!("write task: {e}")))?;
-    kept_if_live(admin, h.session_id, "WriteFile", out).await
+    kept_if_live(admin, h.session_id, &l, "WriteFile", out).await
 }
 
-/// A mutating file RPC's answer `out`, unless session `id` stopped being
-/// live while it ran (a CloseSession DISCARD does not wait for file RPCs in
-/// flight): then FAILED_PRECONDITION saying the change was not kept, with
-/// what the call itself saw — not the NOT_FOUND (or OK) of a write into an
-/// upper that was being removed.
+/// A mutating file RPC's answer `out`, unless daemon-owned session `id`
+/// was discarded while it ran (a CloseSession DISCARD does not wait for file
+/// RPCs in flight): then FAILED_PRECONDITION saying nothing of the call is
+/// kept, with what the call itself saw — not the NOT_FOUND (or OK) of a
+/// write into an upper being removed. A session that stopped being live
+/// otherwise (a publish or checkpoint, its init gone) answers `out`, an
+/// error of it FAILED_PRECONDITION naming the session's end. A WASI
+/// session's close waits for the calls in flight (they are in its end).
 async fn kept_if_live<T>(
     admin: &AdminService,
     id: SessionId,
+    served: &Served,
     call: &str,
     out: Result<T, Status>,
 ) -> Result<T, Status> {
-    if crate::wasi::live(admin, id).is_some() {
+    if matches!(served, Served::Wasi(_)) || live(admin, id).await.is_ok() {
         return out;
     }
-    match live(admin, id).await {
-        Ok(_) => out,
-        Err(gone) => Err(Status::failed_precondition(format!(
-            "session {id} ended while the {call} ran: nothing of it is kept ({}){}",
-            gone.message(),
-            match &out {
-                Ok(_) => String::new(),
-                Err(st) => format!("; the call saw: {}", st.message()),
-            }
-        ))),
+    let s = admin.engine.session(id).await.ok();
+    let ended = s.as_ref().and_then(|s| s.outcome.as_ref()).map(|o| o.kind);
+    let saw = match &out {
+        Ok(_) => String::new(),
+        Err(st) => format!("; the call saw: {}", st.message()),
+    };
+    match ended {
+        Some(layerstack_engine::store::OutcomeKind::Discarded) => Err(Status::failed_precondition(
+            format!("session {id} was discarded while the {call} ran: nothing of it is kept{saw}"),
+        )),
+        _ => match out {
+            Ok(v) => Ok(v),
+            Err(_) => Err(Status::failed_precondition(format!(
+                "session {id} ended while the {call} ran ({}){saw}",
+                ended.map_or("its end is not recorded yet", |k| k.as_str())
+            ))),
+        },
     }
 }
 
@@ -883,7 +896,7 @@ pub(crate) async fn upload_tar(
         .await
         .map_err(|e| Status::internal(format!("upload task: {e}")))?;
     fed?;
-    kept_if_live(admin, first.session_id, "UploadTar", out).await
+    kept_if_live(admin, first.session_id, &l, "UploadTar", out).await
 }
 
 /// The blocking side of a streaming read (ReadFile, DownloadTar): sends
@@ -922,9 +935,18 @@ impl ChunkSender {
         (sender, Box::pin(stream))
     }
 
-    /// Sends `item`. Errors: the client went away (BrokenPipe), or did not
+    /// Ends the stream with `st` after the chunks sent (never blocks; a
+    /// stream already ended by the idle limit keeps that end).
+    fn fail(&mut self, st: Status) {
+        if let Some(t) = self.trailer.take() {
+            let _ = t.send(st);
+        }
+    }
+
+    /// Sends `chunk`. Errors: the client went away (BrokenPipe), or did not
     /// take it within `idle` (TimedOut; the stream's end says so).
-    fn send(&mut self, item: Result<api::FileChunk, Status>) -> io::Result<()> {
+    fn send(&mut self, chunk: api::FileChunk) -> io::Result<()> {
+        let item = Ok(chunk);
         let gone = || io::Error::new(io::ErrorKind::BrokenPipe, "the client went away");
         let Some(idle) = self.idle else {
             return self.tx.blocking_send(item).map_err(|_| gone());
@@ -963,7 +985,7 @@ impl ChunkWriter {
         while self.buf.len() >= CHUNK || (all && !self.buf.is_empty()) {
             let n = self.buf.len().min(CHUNK);
             let data: Vec<u8> = self.buf.drain(..n).collect();
-            self.tx.send(Ok(api::FileChunk { data }))?;
+            self.tx.send(api::FileChunk { data })?;
         }
         Ok(())
     }
@@ -1118,7 +1140,7 @@ pub(crate) async fn download_tar(
                 .and_then(|()| b.finish())
         };
         if let Err(e) = archived.and_then(|()| w.flush()) {
-            let _ = w.tx.send(Err(file_status(&path, "cannot archive", &e)));
+            w.tx.fail(file_status(&path, "cannot archive", &e));
         }
     });
     Ok(rx)

@@ -42,7 +42,16 @@ import grpc
 from layerstack._channel import Endpoint
 from layerstack._pb import admin_pb2 as pb
 from layerstack._pb import admin_pb2_grpc as pb_grpc
-from layerstack.sandbox import Command, RunFold, RunSessionResult, Sandbox, create_request, executor_options, run_request
+from layerstack.sandbox import (
+    Command,
+    RunFold,
+    RunSessionResult,
+    Sandbox,
+    create_request,
+    executor_options,
+    run_request,
+    state_json,
+)
 from layerstack.errors import (
     CommandError,
     LayerStackError,
@@ -90,11 +99,7 @@ _END_ACTIONS = {
 
 
 def _state_json(state: Optional[State]) -> str:
-    if state is None:
-        return ""
-    if isinstance(state, str):
-        return state
-    return json.dumps(dict(state), sort_keys=True, separators=(",", ":"))
+    return state_json(state)
 
 
 def _check_exit_policy(policy: Optional[str]) -> str:

@@ -228,7 +228,8 @@ class DeadlineExceededError(LayerStackError):
     """A time limit ran out before the call was answered: the ``timeout=``
     of the call (gRPC's deadline, set by the client) or one of the daemon's
     own (``[sandbox] file_stream_idle_s``: an upload or write stream that
-    sent nothing for that long was refused and its partial file dropped).
+    sent nothing for that long was refused and its partial file dropped; a
+    read or download stream the client stopped reading was ended).
     Not one of the daemon's error kinds (``layerstack_types::ErrorKind``):
     gRPC's ``DEADLINE_EXCEEDED``; whether the call took effect is unknown
     when the client's deadline ran out, so retry with the same idempotency

@@ -29,6 +29,7 @@ import collections.abc
 import dataclasses
 import io
 import json
+import numbers
 import os
 import shlex
 from dataclasses import dataclass
@@ -259,20 +260,23 @@ class UploadSummary:
 
 
 def argv_of(cmd: Command) -> List[str]:
-    """``cmd`` as an argv: a string runs under ``/bin/sh -c``; a list or tuple
-    of str (or :class:`os.PathLike`) is the argv. TypeError naming the
-    argument for anything else (an int in the argv is not quietly made a
-    string: ``["sleep", 1]`` is a slip, not a command)."""
+    """``cmd`` as an argv: a string runs under ``/bin/sh -c``; a sequence of
+    str (or :class:`os.PathLike`, or bytes decoded as file names are) is the
+    argv. TypeError naming the argument for anything else (an int in the
+    argv is not quietly made a string: ``["sleep", 1]`` is a slip, not a
+    command)."""
     if isinstance(cmd, str):
         return ["/bin/sh", "-c", cmd]
-    if not isinstance(cmd, (list, tuple)):
+    if isinstance(cmd, (bytes, bytearray, collections.abc.Mapping)) or not isinstance(
+        cmd, collections.abc.Iterable
+    ):
         raise TypeError(
             f"command must be a str (run by /bin/sh -c) or a list of str (an argv), not {type(cmd).__name__}"
         )
     argv = []
     for i, a in enumerate(cmd):
-        if isinstance(a, os.PathLike):
-            a = os.fspath(a)
+        if isinstance(a, (os.PathLike, bytes)):
+            a = os.fsdecode(a)
         if not isinstance(a, str):
             raise TypeError(f"command[{i}] is {type(a).__name__} {a!r}: every argv item must be a str")
         argv.append(a)
@@ -282,14 +286,40 @@ def argv_of(cmd: Command) -> List[str]:
 
 
 def path_arg(path: Any, what: str = "path") -> str:
-    """A path argument of the file calls as the str the daemon takes: a str or
-    an :class:`os.PathLike` (``pathlib.PurePosixPath``). TypeError naming
-    ``what`` otherwise (``None`` would be sent as an empty path)."""
+    """A path argument of the file calls as the str the daemon takes: a str,
+    UTF-8 bytes or an :class:`os.PathLike` (``pathlib.PurePosixPath``).
+    TypeError naming ``what`` otherwise (``None`` would be sent as an empty
+    path: the root)."""
     if isinstance(path, os.PathLike):
         path = os.fspath(path)
+    if isinstance(path, bytes):
+        try:
+            path = path.decode()
+        except UnicodeDecodeError:
+            raise ValueError(f"{what} {path!r} is not UTF-8: the daemon takes UTF-8 paths") from None
     if not isinstance(path, str):
         raise TypeError(f"{what} must be a str (a path in the sandbox), not {type(path).__name__}")
     return path
+
+
+def state_json(state: Any) -> str:
+    """A node's logical state as the daemon takes it: a str as given (JSON
+    text), a mapping (or pairs) as JSON; ``None``: "". TypeError naming
+    ``state`` for anything else, or a value JSON cannot hold."""
+    if state is None:
+        return ""
+    if isinstance(state, str):
+        return state
+    try:
+        d = dict(state)
+    except (TypeError, ValueError):
+        raise TypeError(
+            f"state= must be a mapping (stored as JSON) or a str, not {type(state).__name__}"
+        ) from None
+    try:
+        return json.dumps(d, sort_keys=True, separators=(",", ":"))
+    except (TypeError, ValueError) as e:
+        raise TypeError(f"state= must be JSON-serializable: {e}") from None
 
 
 def optional_str(what: str, v: Any) -> str:
@@ -498,7 +528,7 @@ def create_request(
         ("exit_policy", exit_policy),
     ):
         optional_str(what, v)
-    if isinstance(wait_s, bool) or not isinstance(wait_s, (int, float)):
+    if isinstance(wait_s, bool) or not isinstance(wait_s, numbers.Real):
         raise TypeError(f"wait_s must be a number of seconds, not {type(wait_s).__name__}")
     if wait_s < 0:
         raise ValueError(f"wait_s={wait_s}: give 0 (answer BusyError at once when the pool is full) or more")
@@ -539,17 +569,7 @@ def close_request(
         raise ValueError(f"end action {act!r}: give one of {', '.join(_END_ACTIONS)}")
     if (state is not None or labels) and act not in ("checkpoint", "auto"):
         raise ValueError("state= and labels= are recorded with a checkpoint: close with checkpoint=True")
-    if state is None:
-        st = ""
-    elif isinstance(state, str):
-        st = state
-    elif isinstance(state, collections.abc.Mapping):
-        try:
-            st = json.dumps(dict(state), sort_keys=True, separators=(",", ":"))
-        except (TypeError, ValueError) as e:
-            raise TypeError(f"state= must be JSON-serializable: {e}") from None
-    else:
-        raise TypeError(f"state= must be a mapping (stored as JSON) or a str, not {type(state).__name__}")
+    st = state_json(state)
     req = pb.CloseSessionRequest(
         session_id=session_id, action=_END_ACTIONS[act], reason=reason, state=st, command=command
     )
