@@ -86,11 +86,11 @@ pub mod publisher {
 /// ends never call the store; ARCHITECTURE.md §4).
 pub mod store {
     pub use layerstack_store::{
-        escape_path, fs, stack_id, validate_branch, AttemptInfo, AttemptStatus, BranchInfo,
-        ChangeKind, Durability, ErrorKind, ExportLayer, ExportSource, GraphDump, GroupInfo,
-        LeaseTarget, LogEntry, MountSpec, NodeInfo, OutcomeKind, Owner, PathCounts, PathRecord,
-        PathStatus, Provenance, PublishTimings, SessionId, SessionInfo, SessionState, SnapshotInfo,
-        SnapshotKind, Store, StoreError, StoreLock, StoreOptions, Usage,
+        escape_path, fs, stack_id, validate_branch, validate_state, AttemptInfo, AttemptStatus,
+        BranchInfo, ChangeKind, Durability, ErrorKind, ExportLayer, ExportSource, GraphDump,
+        GroupInfo, LeaseTarget, LogEntry, MountSpec, NodeInfo, OutcomeKind, Owner, PathCounts,
+        PathRecord, PathStatus, Provenance, PublishTimings, SessionId, SessionInfo, SessionState,
+        SnapshotInfo, SnapshotKind, Store, StoreError, StoreLock, StoreOptions, Usage,
     };
     pub use layerstack_store::{
         AdoptGroup, AdoptNode, Adopted, AdoptedLayers, BlobCompression, BlobRef, LayerBlob,

@@ -806,6 +806,20 @@ impl Engine {
         patience: Duration,
         writers: Writers,
     ) -> Result<SessionInfo, EngineError> {
+        // A checkpoint's state is checked before anything ends: a bad one
+        // refused later would have stopped the session's processes for
+        // nothing.
+        if let EndAction::Auto {
+            state: Some(state), ..
+        }
+        | EndAction::Checkpoint {
+            state: Some(state), ..
+        } = &how
+        {
+            if !state.is_empty() {
+                layerstack_store::validate_state(state)?;
+            }
+        }
         let me = self.clone();
         let why = why.to_string();
         let s = tokio::spawn(async move {

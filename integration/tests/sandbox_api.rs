@@ -325,6 +325,23 @@ async fn scenario(dir: &Path, daemon: &mut Option<Daemon>) -> Result<()> {
         "{st:?}"
     );
     ensure!(read(&mut c, id, "/srv/new/x.txt").await? == b"hello file");
+    // A mode beyond the permission bits is refused, not masked (0o77777
+    // would have set setuid, setgid and sticky).
+    let r = c
+        .write_file(tokio_stream::iter([api::WriteFileRequest {
+            header: Some(api::WriteFileHeader {
+                session_id: id,
+                path: "/srv/new/bad-mode".into(),
+                mode: 0o77777,
+                ..Default::default()
+            }),
+            data: b"x".to_vec(),
+        }]))
+        .await;
+    ensure!(
+        code(r) == Code::InvalidArgument,
+        "WriteFile with mode 0o77777"
+    );
     let part = {
         let mut s = c
             .read_file(api::ReadFileRequest {

@@ -963,6 +963,17 @@ impl AdminService {
                 )))
             }
         };
+        // A checkpoint's state must be JSON: refused before the init is
+        // stopped (the sandbox stays live, the close can be sent again).
+        if matches!(how, EndAction::Checkpoint { .. } | EndAction::Auto { .. })
+            && !r.state.is_empty()
+        {
+            layerstack_engine::store::validate_state(&r.state).map_err(|e| {
+                Status::invalid_argument(format!(
+                    "CloseSession.state: {e} (give a JSON object, e.g. {{\"reward\": 1.0}})"
+                ))
+            })?;
+        }
         // A checkpoint needs a running attempt of a graph node: refused before
         // anything ends (the sandbox stays live), unless the session has
         // ended already (a repeated close answers its recorded end).

@@ -543,8 +543,10 @@ pub(crate) fn validate_group_name(name: &str) -> Result<(), StoreError> {
     Ok(())
 }
 
-/// A node's state must be a small JSON document.
-pub(crate) fn validate_state(state: &str) -> Result<(), StoreError> {
+/// A node's state must be a small JSON document (at most 64 KiB).
+///
+/// Errors: [`StoreError::InvalidArgument`] naming what is wrong.
+pub fn validate_state(state: &str) -> Result<(), StoreError> {
     const MAX: usize = 64 * 1024;
     if state.len() > MAX {
         return Err(StoreError::InvalidArgument(format!(

@@ -82,8 +82,8 @@ pub use error::{ErrorKind, OpenError, Result, StoreError};
 pub use export::{ExportLayer, ExportLease, ExportSource};
 pub use fsck::{FsckReport, Problem};
 pub use graph::{
-    checkpoint_args, merge_args, AttemptInfo, AttemptStatus, GraphDump, GroupInfo, NodeInfo,
-    NodeKind, Provenance,
+    checkpoint_args, merge_args, validate_state, AttemptInfo, AttemptStatus, GraphDump, GroupInfo,
+    NodeInfo, NodeKind, Provenance,
 };
 pub use history::{DiskUsage, GcReport, LogPoint, MergeBase, RemovedStack, Squashed, Usage};
 pub use idempotency::KeyArgs;

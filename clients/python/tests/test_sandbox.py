@@ -244,6 +244,10 @@ def test_checkpoint_returns_the_node_and_discard_leaves_nothing_mounted(daemon: 
             assert diff.get("/work/result.txt") == "added" and diff.get("/etc/motd") == "deleted", diff
             patched = [c for c in sb.diff(patch=True) if c.path == "/work/result.txt"]
             assert patched and patched[0].patch and "+42" in patched[0].patch, patched
+            # A state that is not JSON is refused before anything ends.
+            with pytest.raises(layerstack.InvalidArgumentError, match="state"):
+                sb.close(checkpoint=True, state="not json")
+            assert sb.outcome is None and sb.exec("cat /work/result.txt").stdout == b"42\n"
             end = sb.close(checkpoint=True, state={"reward": 1.0}, labels={"evaluator": "unit"})
         assert end.outcome == "checkpointed" and end.node, end
         node = c.show_node(end.node)
@@ -382,6 +386,23 @@ def test_a_bad_or_failing_data_source_raises_its_own_error(daemon: Daemon) -> No
             sb.exec(["sleep", 1])  # type: ignore[list-item]
         with pytest.raises(TypeError, match="state= must be a mapping"):
             sb.close(checkpoint=True, state=object())  # type: ignore[arg-type]
+        for bad_call, named in (
+            (lambda: sb.exec("true", user=1000), "user"),  # type: ignore[arg-type]
+            (lambda: sb.exec("true", env=["A=1"]), "env"),  # type: ignore[arg-type]
+            (lambda: sb.exec("true", env={"A": 1}), "env"),  # type: ignore[dict-item]
+            (lambda: sb.exec("true", timeout_s="1"), "timeout_s"),  # type: ignore[arg-type]
+            (lambda: sb.files.write("/work/m", b"", mode="0755"), "mode"),  # type: ignore[arg-type]
+            (lambda: sb.files.read("/work/p", limit=None), "limit"),  # type: ignore[arg-type]
+        ):
+            with pytest.raises(TypeError, match=named):
+                bad_call()
+        for bad_call, named in (
+            (lambda: sb.files.write("/work/m", b"", mode=0o77777), "mode"),
+            (lambda: sb.files.write("/work/m", b"", owner=(-1, 0)), "owner"),
+            (lambda: sb.files.read("/work/p", limit=-1), "limit"),
+        ):
+            with pytest.raises(ValueError, match=named):
+                bad_call()
         sb.files.write("/work/p", b"x")
         assert sb.files.read(Path("/work/p")) == b"x" and sb.files.read(b"/work/p") == b"x"
         assert sb.exec(iter(["cat", Path("/work/p")])).stdout == b"x"
@@ -475,6 +496,11 @@ def test_an_interrupted_sandbox_is_discarded_by_its_with_block(daemon: Daemon) -
                 assert time.monotonic() - t0 < 10, f"not interrupted: {s}"
             with pytest.raises(layerstack.FailedPreconditionError, match="ended interrupted .*discard it"):
                 await sb.exec(["true"])
+            # The harness's own object, which saw no end: a publish raises
+            # (it published nothing) and the object then carries the outcome.
+            with pytest.raises(layerstack.FailedPreconditionError, match="cannot publish: its run ended interrupted"):
+                await sb.close(publish=True)
+            assert sb.outcome is not None and sb.outcome.outcome == "interrupted", sb.outcome
             again = await ls.sandbox(daemon.stack, key=key)
             assert not again.created and again.outcome is not None, again
             with pytest.raises(layerstack.FailedPreconditionError, match="discard"):

@@ -462,7 +462,13 @@ pub(crate) async fn write_file(
     }
     let owner = owner_of(&l, h.has_owner, h.uid, h.gid)?;
     let map = l.id_map();
-    let mode = if h.mode == 0 { 0o644 } else { h.mode & 0o7777 };
+    if h.mode > 0o7777 {
+        return Err(Status::invalid_argument(format!(
+            "mode {:#o} of {:?}: give permission bits (at most 0o7777; 0: 0o644)",
+            h.mode, h.path
+        )));
+    }
+    let mode = if h.mode == 0 { 0o644 } else { h.mode };
     let path = h.path.clone();
     let (ctx, mut crx) = mpsc::channel::<Vec<u8>>(4);
     let abort = Arc::new(std::sync::atomic::AtomicBool::new(false));

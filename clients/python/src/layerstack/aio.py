@@ -53,6 +53,7 @@ from layerstack.sandbox import (
     User,
     already_ended,
     argv_of,
+    count_arg,
     path_arg,
     close_request,
     create_request,
@@ -584,7 +585,12 @@ class AsyncFiles:
         self._sb = sandbox
 
     async def read(self, path: str, *, offset: int = 0, limit: int = 0) -> bytes:
-        req = pb.ReadFileRequest(session_id=self._sb.id, path=path_arg(path), offset=offset, limit=limit)
+        req = pb.ReadFileRequest(
+            session_id=self._sb.id,
+            path=path_arg(path),
+            offset=count_arg("offset", offset),
+            limit=count_arg("limit", limit),
+        )
         out = io.BytesIO()
         async for c in self._sb._client._stream(self._sb._client._stub.ReadFile, req):
             out.write(c.data)
@@ -768,7 +774,9 @@ class AsyncSandbox:
         self.outcome = ended_or_raise(
             Session.from_pb(await self._client._call(self._client._stub.CloseSession, req, None))
         )
-        return self.outcome
+        # A run that had ended interrupted (the daemon restarted, its init
+        # died) publishes or checkpoints nothing: raised, as a repeat is.
+        return already_ended(self.outcome, checkpoint=checkpoint, publish=publish, action=action)
 
     async def discard(self, reason: str = "python sandbox discard") -> Session:
         """Ends the sandbox and drops its writes."""

@@ -333,12 +333,53 @@ def optional_str(what: str, v: Any) -> str:
 
 
 def env_list(env: Optional[Mapping[str, str]]) -> List[str]:
+    """``env`` as ``NAME=value`` items; TypeError unless it is a mapping of
+    str to str (``{"FOO": 1}`` is a slip, not ``FOO=1``)."""
+    if env is None:
+        return []
+    if not isinstance(env, collections.abc.Mapping):
+        raise TypeError(f"env must be a mapping of str to str (e.g. {{'FOO': '1'}}), not {type(env).__name__}")
     out = []
-    for k, v in (env or {}).items():
+    for k, v in env.items():
+        if not isinstance(k, str) or not isinstance(v, str):
+            raise TypeError(f"env[{k!r}] = {v!r}: names and values must be str")
         if not k or "=" in k:
             raise ValueError(f"environment variable name {k!r}: give a non-empty name without '='")
         out.append(f"{k}={v}")
     return out
+
+
+def user_arg(what: str, v: Any) -> Optional[Tuple[int, int]]:
+    """A (uid, gid) argument, or None. TypeError naming ``what`` unless it
+    is a pair of whole numbers; ValueError outside 0..2**32."""
+    if v is None:
+        return None
+    if not isinstance(v, (tuple, list)) or len(v) != 2 or any(isinstance(x, bool) or not isinstance(x, int) for x in v):
+        raise TypeError(f"{what}={v!r}: give (uid, gid), two whole numbers")
+    if not all(0 <= x < 2**32 for x in v):
+        raise ValueError(f"{what}={v!r}: uid and gid are in 0..2**32")
+    return (v[0], v[1])
+
+
+def count_arg(what: str, v: Any) -> int:
+    """A whole number >= 0 (a byte offset or count); TypeError / ValueError
+    naming ``what``."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TypeError(f"{what} must be a whole number, not {type(v).__name__}")
+    if not 0 <= v < 2**63:
+        raise ValueError(f"{what}={v}: give a whole number >= 0")
+    return v
+
+
+def seconds_arg(what: str, v: Any) -> Optional[float]:
+    """A positive number of seconds, or None; TypeError / ValueError naming ``what``."""
+    if v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, numbers.Real):
+        raise TypeError(f"{what} must be a number of seconds or None, not {type(v).__name__}")
+    if not v > 0:
+        raise ValueError(f"{what}={v}: give a positive number of seconds, or None for no limit")
+    return float(v)
 
 
 def exec_request(
@@ -352,9 +393,11 @@ def exec_request(
     timeout_s: Optional[float],
     module: Union[bytes, "os.PathLike[str]", None] = None,
 ) -> Any:
-    if timeout_s is not None and timeout_s <= 0:
-        raise ValueError(f"timeout_s={timeout_s}: give a positive number of seconds, or None for no limit")
-    data = stdin.encode() if isinstance(stdin, str) else (stdin or b"")
+    timeout_s = seconds_arg("timeout_s", timeout_s)
+    user = user_arg("user", user)
+    if stdin is not None and not isinstance(stdin, (str, bytes, bytearray, memoryview)):
+        raise TypeError(f"stdin must be bytes or str, not {type(stdin).__name__}")
+    data = stdin.encode() if isinstance(stdin, str) else bytes(stdin or b"")
     req = pb.ExecRequest(
         session_id=session_id,
         argv=argv_of(cmd),
@@ -420,6 +463,7 @@ def sandbox_options(
     mount_at: Optional[str] = None,
     id_map: Optional[Tuple[int, int, int]] = None,
 ) -> Any:
+    user = user_arg("user", user)
     if mount_at is not None and not str(mount_at).startswith("/"):
         raise ValueError(f"mount_at={mount_at!r}: give an absolute directory on the daemon's host")
     o = pb.SandboxOptions(
@@ -559,6 +603,9 @@ def close_request(
     command: str,
     exit_status: Optional[int] = None,
 ) -> Any:
+    for what, v in (("reason", reason), ("command", command)):
+        if not isinstance(v, str):
+            raise TypeError(f"{what} must be a str, not {type(v).__name__}")
     chosen = [a for a, on in (("checkpoint", checkpoint), ("publish", publish)) if on]
     if action is not None:
         chosen.append(action)
@@ -576,6 +623,8 @@ def close_request(
     for k, v in (labels or {}).items():
         req.labels[k] = str(v)
     if exit_status is not None:
+        if isinstance(exit_status, bool) or not isinstance(exit_status, int):
+            raise TypeError(f"exit_status must be a whole number 0..255, not {type(exit_status).__name__}")
         if not 0 <= exit_status <= 255:
             raise ValueError(f"exit_status={exit_status}: give 0..255 (a shell's $?)")
         req.has_exit_status, req.exit_status = True, exit_status
@@ -642,6 +691,11 @@ def write_requests(
     session_id: int, path: str, data: Content, *, mode: int, make_parents: bool, owner: Optional[User]
 ) -> Feed:
     check_content("data", data)
+    owner = user_arg("owner", owner)
+    if isinstance(mode, bool) or not isinstance(mode, int):
+        raise TypeError(f"mode must be a whole number (e.g. 0o644), not {type(mode).__name__}")
+    if not 0 <= mode <= 0o7777:
+        raise ValueError(f"mode={mode:#o}: give permission bits, 0..0o7777")
     h = pb.WriteFileHeader(session_id=session_id, path=path_arg(path), mode=mode, make_parents=make_parents)
     if owner is not None:
         h.has_owner, h.uid, h.gid = True, owner[0], owner[1]
@@ -872,7 +926,12 @@ class Files:
     def read(self, path: str, *, offset: int = 0, limit: int = 0) -> bytes:
         """The bytes of regular file ``path`` from ``offset`` (at most ``limit``
         bytes; 0: to the end). InvalidArgumentError: not a regular file."""
-        req = pb.ReadFileRequest(session_id=self._sb.id, path=path_arg(path), offset=offset, limit=limit)
+        req = pb.ReadFileRequest(
+            session_id=self._sb.id,
+            path=path_arg(path),
+            offset=count_arg("offset", offset),
+            limit=count_arg("limit", limit),
+        )
         return b"".join(c.data for c in self._sb._stream(self._sb._stub.ReadFile, req))
 
     def read_text(self, path: str, encoding: str = "utf-8") -> str:
@@ -1087,7 +1146,9 @@ class Sandbox:
 
         Raises: ValueError (two actions; state without a checkpoint),
         FailedPreconditionError (checkpoint of a session that is not an attempt
-        of a node)."""
+        of a node; a checkpoint or publish of a run that ended
+        ``interrupted`` — the outcome is recorded on the object, and
+        :meth:`discard` or leaving the ``with`` block drops its writes)."""
         if self.outcome is not None and not kept_writes_to_drop(self.outcome, action):
             return already_ended(self.outcome, checkpoint=checkpoint, publish=publish, action=action)
         req = close_request(
@@ -1101,7 +1162,10 @@ class Sandbox:
             command=command,
             exit_status=exit_status,
         )
-        return self._ended(Session.from_pb(self._call(self._stub.CloseSession, req, None)))
+        ended = self._ended(Session.from_pb(self._call(self._stub.CloseSession, req, None)))
+        # A run that had ended interrupted (the daemon restarted, its init
+        # died) publishes or checkpoints nothing: raised, as a repeat is.
+        return already_ended(ended, checkpoint=checkpoint, publish=publish, action=action)
 
     def _ended(self, s: Session) -> Session:
         self.outcome = ended_or_raise(s)
