@@ -249,6 +249,14 @@ async fn scenario(dir: &Path, daemon: &mut Option<Daemon>) -> Result<()> {
         "{r:?}"
     );
     ensure!(r.order == "oeo", "interleaved as written: {r:?}");
+    // The sandbox's init shows none of the daemon's arguments (its store
+    // and socket paths) to `ps` inside.
+    let r = exec(&mut c, id, &["cat", "/proc/1/cmdline"]).await?;
+    ensure!(
+        r.exit.code == 0 && r.out == b"layerstack-sandbox\0",
+        "init's command line in the sandbox: {:?}",
+        String::from_utf8_lossy(&r.out)
+    );
     let r = exec(&mut c, id, &["no-such-command"]).await?;
     ensure!(
         r.exit.code == 127 && String::from_utf8_lossy(&r.err).contains("not found"),
@@ -1478,9 +1486,12 @@ async fn spawner_gone(
         );
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
+    // The daemon's binary run again (its command line rewritten: see
+    // `set_cmdline`), not a fork of the threaded daemon.
     ensure!(
-        std::fs::read_to_string(format!("/proc/{new}/cmdline"))?
-            .contains("--layerstack-internal-spawner"),
+        std::fs::read_link(format!("/proc/{new}/exe"))?
+            == std::fs::read_link(format!("/proc/{daemon}/exe"))?
+            && std::fs::read(format!("/proc/{new}/cmdline"))? == b"layerstack-sandbox\0",
         "the new spawner {new} is not the daemon's binary run as one"
     );
     // The live session's init is untouched: exec works through the new

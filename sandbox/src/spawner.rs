@@ -45,6 +45,10 @@ use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
 use crate::holder::{self, Command, Hide, Placement, Setup, Stdio};
 use crate::sys::{self, CArgs};
 
+/// The command line of the spawner and of the inits and waiters it clones
+/// (`/proc/PID/cmdline`): none of the daemon's arguments.
+static CMDLINE: &[u8] = b"layerstack-sandbox";
+
 /// The spawner's process name (`/proc/PID/comm`).
 pub const SPAWNER_NAME: &std::ffi::CStr = c"ls-spawner";
 
@@ -191,6 +195,11 @@ fn serve(sock: OwnedFd, daemon_pid: libc::pid_t) -> ! {
     // The name `ps`, the tests and the benchmarks know it by; its children
     // take their own (holder: `ls-init`, `ls-waiter`).
     sys::set_name(SPAWNER_NAME);
+    // Forked from the daemon, it still shows the daemon's arguments (its
+    // config, store and socket paths), and so would every init and waiter
+    // it clones, to `ps` inside their sandboxes. (It cannot fail but for
+    // a /proc/self/stat without the area: then the line stays.)
+    let _ = sys::set_cmdline(CMDLINE);
     if sys::die_with_parent().is_err() {
         sys::exit_now(1);
     }

@@ -458,6 +458,52 @@ pub fn set_name(name: &CStr) {
     unsafe { libc::prctl(libc::PR_SET_NAME, name.as_ptr() as libc::c_ulong, 0, 0, 0) };
 }
 
+/// Rewrites the caller's command line (`/proc/PID/cmdline`, what `ps`
+/// shows) to `line` in place, as setproctitle(3) does: `line` and a NUL at
+/// the start of the argument area (`arg_start`..`arg_end` of
+/// `/proc/self/stat`, proc(5)), the rest of it spaces — the area's last
+/// byte is then no NUL, and the kernel reads the line up to its first NUL
+/// (`get_mm_proctitle`, fs/proc/base.c). A line longer than the area is cut.
+/// `prctl(PR_SET_MM_ARG_START)` would need CAP_SYS_RESOURCE, which
+/// containers often drop. Call it single-threaded, before anything reads
+/// the process's arguments again (`std::env::args` reads that area).
+pub fn set_cmdline(line: &[u8]) -> io::Result<()> {
+    let bad = || {
+        io::Error::new(
+            io::ErrorKind::InvalidData,
+            "/proc/self/stat: no argument area",
+        )
+    };
+    let stat = std::fs::read_to_string("/proc/self/stat")?;
+    // Fields after the `(comm)`: the 3rd of proc(5) first; arg_start and
+    // arg_end are the 48th and 49th.
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .ok_or_else(bad)?
+        .1
+        .split_whitespace()
+        .collect();
+    let at = |n: usize| -> io::Result<usize> {
+        fields
+            .get(n - 3)
+            .and_then(|f| f.parse().ok())
+            .ok_or_else(bad)
+    };
+    let (start, end) = (at(48)?, at(49)?);
+    if start == 0 || end <= start {
+        return Err(bad());
+    }
+    // SAFETY: [start, end) is this process's own argument area, mapped and
+    // writable (the stack's top); the caller is single-threaded and nothing
+    // holds a Rust reference into it.
+    let area = unsafe { std::slice::from_raw_parts_mut(start as *mut u8, end - start) };
+    let n = line.len().min(area.len() - 1);
+    area[..n].copy_from_slice(&line[..n]);
+    area[n] = 0;
+    area[n + 1..].fill(b' ');
+    Ok(())
+}
+
 /// `prctl(PR_SET_PDEATHSIG, SIGKILL)`: the caller dies with its parent. Child-safe.
 pub fn die_with_parent() -> io::Result<()> {
     // SAFETY: PR_SET_PDEATHSIG takes a signal number.
