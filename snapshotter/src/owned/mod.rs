@@ -784,10 +784,13 @@ async fn live(admin: &AdminService, id: SessionId) -> Result<Live, Status> {
                 s.owner.display(),
                 match (interrupted, s.released) {
                     (Some(o), _) => format!(
-                        "its run ended interrupted ({}): its writes are kept until discarded — discard it (CloseSession DISCARD) and start the task again in a new sandbox",
+                        "its run ended interrupted ({}): its writes are kept until discarded — discard it (Python: sb.discard(); CLI: `layerstack session close --discard`; API: CloseSession DISCARD) and start the task again in a new sandbox",
                         o.interrupted_by.map_or_else(|| "an infrastructure failure".to_string(), |b| b.to_string())
                     ),
-                    (None, true) => "it was closed".to_string(),
+                    (None, true) => format!(
+                        "it was closed ({}): make a new sandbox",
+                        s.outcome.as_ref().map_or("no outcome", |o| o.kind.as_str())
+                    ),
                     (None, false) => "it was not created daemon-owned (CreateSession.sandbox) nor by `layerstack session create|run`, or its init is gone".to_string(),
                 }
             )))
