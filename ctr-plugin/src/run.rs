@@ -311,7 +311,7 @@ fn require_root(what: &str) -> Result<()> {
     if sys::euid() != 0 {
         return Err(failure(
             api::ErrorKind::FailedPrecondition,
-            format!("`layerstack session {what}` needs root (euid 0): it creates mount, pid, ipc and uts namespaces and attaches an overlay; run it as root, or inside a privileged container with the daemon's socket directory mounted"),
+            format!("`layerstack session {what}` needs root (euid 0): it creates mount, pid, ipc and uts namespaces and attaches an overlay; run it as root, or inside a privileged container with the daemon's socket directory mounted; or, as a uid the daemon's [api] allows, let the daemon own the session: `layerstack session create --sandbox …` (then `session exec` / `session close`) or the Python SDK's `client.sandbox(…)`"),
         ));
     }
     Ok(())
