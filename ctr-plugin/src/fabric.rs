@@ -314,14 +314,7 @@ fn check_end(infra_failed: Option<&str>, backprop: Option<f64>, state: Option<&s
             ));
         }
     }
-    if let Some(s) = state {
-        serde_json::from_str::<Value>(s).map_err(|e| {
-            invalid(format!(
-                "--state is not JSON ({e}): give the child node's state as JSON, e.g. --state '{{\"reward\": 1}}'"
-            ))
-        })?;
-    }
-    Ok(())
+    crate::check_state(state)
 }
 
 fn key_json(k: &api::SampleKey) -> Value {

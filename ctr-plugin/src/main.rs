@@ -64,6 +64,31 @@ pub async fn connect(
 }
 
 /// This process's effective uid and gid (the owner of `/proc/self`).
+/// `--state JSON`: a node's logical state, checked as the daemon checks it
+/// (JSON, at most 64 KiB) before anything starts — refused by the daemon at
+/// the close, the session would already have ended. Errors: an
+/// `invalid_argument` failure naming the flag.
+pub(crate) fn check_state(state: Option<&str>) -> Result<()> {
+    const MAX: usize = 64 * 1024;
+    let Some(s) = state else { return Ok(()) };
+    if s.len() > MAX {
+        return Err(errors::failure(
+            api::ErrorKind::InvalidArgument,
+            format!(
+                "--state is {} bytes; at most {MAX} (keep large artifacts in files of the tree)",
+                s.len()
+            ),
+        ));
+    }
+    serde_json::from_str::<serde_json::Value>(s).map_err(|e| {
+        errors::failure(
+            api::ErrorKind::InvalidArgument,
+            format!("--state is not JSON ({e}): give the child node's state as JSON, e.g. --state '{{\"reward\": 1}}'"),
+        )
+    })?;
+    Ok(())
+}
+
 fn whoami() -> (u32, u32) {
     use std::os::unix::fs::MetadataExt;
     std::fs::metadata("/proc/self").map_or((u32::MAX, u32::MAX), |m| (m.uid(), m.gid()))

@@ -854,6 +854,7 @@ pub async fn run(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
 }
 
 async fn run_inner(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
+    crate::check_state(a.state.as_deref())?;
     if a.wasi.wasi.is_some() {
         return crate::wasi::run(cli, a).await;
     }
@@ -1239,6 +1240,7 @@ fn exec_inner(cli: &Cli, a: &ExecArgs) -> Result<ExitCode> {
 
 /// `session close`: prints the outcome; exits 3 on conflict.
 pub async fn close_cmd(cli: &Cli, a: CloseArgs) -> Result<ExitCode> {
+    crate::check_state(a.state.as_deref())?;
     let mut c = crate::connect(&cli.admin_address).await?;
     let policy = if a.publish {
         api::EndAction::Publish

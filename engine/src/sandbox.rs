@@ -816,9 +816,7 @@ impl Engine {
             state: Some(state), ..
         } = &how
         {
-            if !state.is_empty() {
-                layerstack_store::validate_state(state)?;
-            }
+            layerstack_store::validate_state(state)?;
         }
         let me = self.clone();
         let why = why.to_string();

@@ -348,6 +348,20 @@ impl AdminService {
                 )));
             }
         }
+        // A checkpoint's state is checked before the sandbox is stopped (a
+        // refusal after would leave the attempt's init killed and the
+        // attempt running).
+        if let RolloutKeep::Checkpoint {
+            state: Some(state), ..
+        } = &keep
+        {
+            layerstack_engine::store::validate_state(state).map_err(|e| {
+                Status::invalid_argument(format!(
+                    "EndRollout.state: {} (give a JSON object)",
+                    api::error_chain(&e)
+                ))
+            })?;
+        }
         let live = match (a.status, a.session) {
             (layerstack_engine::store::RolloutStatus::Running, Some(sid)) => Some(sid),
             _ => None,

@@ -13,7 +13,7 @@ use futures::StreamExt;
 use layerstack_api as api;
 use tokio::sync::mpsc;
 use tonic::Status;
-use tracing::debug;
+use tracing::{debug, warn};
 
 use crate::admin::AdminService;
 use crate::owned::Stream;
@@ -58,6 +58,14 @@ pub(crate) async fn run_session(
             "close.action {} is not an end action: use PUBLISH, DISCARD, AUTO or CHECKPOINT",
             close.action
         )));
+    }
+    // What the close would refuse is refused now, before a session exists
+    // (refused at the end, it would leave the sandbox live).
+    crate::sandbox::check_close_state(&close)?;
+    if close.action == api::EndAction::Checkpoint as i32 && create.node.is_empty() {
+        return Err(Status::failed_precondition(
+            "close.action CHECKPOINT needs a session on a graph node (create.node): only an attempt of a node can be checkpointed; publish or discard this one",
+        ));
     }
     let key = create.idempotency_key.clone();
     let executor = if create.wasi.is_some() {
@@ -150,7 +158,17 @@ pub(crate) async fn run_session(
                 None
             }
         };
-        let end = admin.sandbox_close(close).await;
+        let end = admin.sandbox_close(close.clone()).await;
+        if end.is_err() && close.action != api::EndAction::Discard as i32 {
+            // A close refused while the session lives (checked up front, but
+            // the session may have changed meanwhile): it must not outlive
+            // this call. The refusal is what the caller gets.
+            close.action = api::EndAction::Discard as i32;
+            close.reason = "RunSession: its close was refused".into();
+            if let Err(e) = admin.sandbox_close(close).await {
+                warn!(session.id = id, error = %e.message(), "RunSession: the discard after a refused close failed");
+            }
+        }
         debug!(
             session.id = id,
             ok = end.is_ok(),

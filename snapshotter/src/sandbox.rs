@@ -965,15 +965,7 @@ impl AdminService {
         };
         // A checkpoint's state must be JSON: refused before the init is
         // stopped (the sandbox stays live, the close can be sent again).
-        if matches!(how, EndAction::Checkpoint { .. } | EndAction::Auto { .. })
-            && !r.state.is_empty()
-        {
-            layerstack_engine::store::validate_state(&r.state).map_err(|e| {
-                Status::invalid_argument(format!(
-                    "CloseSession.state: {e} (give a JSON object, e.g. {{\"reward\": 1.0}})"
-                ))
-            })?;
-        }
+        check_close_state(&r)?;
         // A checkpoint needs a running attempt of a graph node: refused before
         // anything ends (the sandbox stays live), unless the session has
         // ended already (a repeated close answers its recorded end).
@@ -1065,4 +1057,24 @@ impl AdminService {
             h.closing = false;
         }
     }
+}
+
+/// A close's `state` (CHECKPOINT, or AUTO whose policy may checkpoint) is a
+/// node state the store takes (`store::validate_state`: JSON, at most
+/// 64 KiB): checked before anything of the session ends — by CloseSession
+/// before its init is stopped, by RunSession before the session is made.
+pub(crate) fn check_close_state(r: &api::CloseSessionRequest) -> Result<(), Status> {
+    let checkpoints = matches!(
+        api::EndAction::from_i32(r.action),
+        Some(api::EndAction::Checkpoint | api::EndAction::Auto)
+    );
+    if checkpoints && !r.state.is_empty() {
+        layerstack_engine::store::validate_state(&r.state).map_err(|e| {
+            Status::invalid_argument(format!(
+                "CloseSession.state: {} (give a JSON object, e.g. {{\"reward\": 1.0}})",
+                api::error_chain(&e)
+            ))
+        })?;
+    }
+    Ok(())
 }

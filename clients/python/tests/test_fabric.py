@@ -272,6 +272,11 @@ def test_a_crashed_harness_leaves_the_commands_it_ran_in_its_attempts_trajectory
             # A harness that sends a trajectory of its own: its end keeps it.
             r2 = await ls.begin_rollout(SampleKey(run, 0, "p", 2), 1, g.root, policy="pi")
             assert (await r2.exec("true")).ok
+            # A checkpoint state that is no JSON is refused before the
+            # sandbox is touched: the attempt runs on.
+            with pytest.raises(layerstack.InvalidArgumentError, match="state"):
+                await r2.end(reward=1.0, accepted=True, keep="checkpoint", state="not json")
+            assert (await r2.exec("true")).ok
             mine = await r2.end(reward=1.0, keep="discard", trajectory=b'[{"argv": ["mine"]}]')
             assert json.loads(await ls.read_blob(mine.trajectory or "")) == [{"argv": ["mine"]}]
 

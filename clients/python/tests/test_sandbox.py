@@ -829,6 +829,14 @@ def test_run_session_creates_runs_and_ends_in_one_call(daemon: Daemon, fsops: Pa
         # A refused request leaves nothing made: the reserved name, a session without an executor's options.
         with pytest.raises(layerstack.InvalidArgumentError, match="reserved"):
             c.run_session("true", daemon.stack, name="(ready)")
+        # A close that would be refused (a state that is no JSON, a checkpoint
+        # off a node) is refused before a session exists.
+        with pytest.raises(layerstack.InvalidArgumentError, match="state"):
+            c.run_session("true", daemon.stack, branch=branch, end="auto", exit_policy="checkpoint", state="not json")
+        with pytest.raises(layerstack.FailedPreconditionError, match="graph node"):
+            c.run_session("true", daemon.stack, branch=branch, end="checkpoint")
+        with pytest.raises(TypeError, match="JSON"):
+            c.run_session("true", daemon.stack, branch=branch, end="checkpoint", state={"r": float("nan")})
         live = [s for s in c.list_sessions(all_namespaces=True) if s.branch == branch and not s.released]
         assert live == [], f"sessions of the branch left live: {live}"
 

@@ -784,7 +784,7 @@ async fn live(admin: &AdminService, id: SessionId) -> Result<Live, Status> {
                 s.owner.display(),
                 match (interrupted, s.released) {
                     (Some(o), _) => format!(
-                        "its run ended interrupted ({}): its writes are kept until discarded — discard it (Python: sb.discard(); CLI: `layerstack session close --discard`; API: CloseSession DISCARD) and start the task again in a new sandbox",
+                        "its run ended interrupted ({}): its writes are kept until discarded — discard it (Python: sb.discard(); CLI: `layerstack session close {id} --discard`; API: CloseSession DISCARD) and start the task again in a new sandbox",
                         o.interrupted_by.map_or_else(|| "an infrastructure failure".to_string(), |b| b.to_string())
                     ),
                     (None, true) => format!(

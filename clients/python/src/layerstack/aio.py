@@ -758,7 +758,9 @@ class AsyncSandbox:
         exit_status: Optional[int] = None,
     ) -> Session:
         """Ends the sandbox (see :meth:`layerstack.sandbox.Sandbox.close`)."""
-        if self.outcome is not None and not kept_writes_to_drop(self.outcome, action):
+        if self.outcome is not None and not kept_writes_to_drop(
+            self.outcome, action, checkpoint=checkpoint, publish=publish
+        ):
             return already_ended(self.outcome, checkpoint=checkpoint, publish=publish, action=action)
         req = close_request(
             self.id,

@@ -529,7 +529,14 @@ class Worker:
             with contextlib.suppress(LayerStackError):
                 await sb.discard("the attempt failed")
             raise
-        closed = await sb.close(checkpoint=True, state=task.state or {}, reason="ray attempt checkpoint")
+        try:
+            closed = await sb.close(checkpoint=True, state=task.state or {}, reason="ray attempt checkpoint")
+        except BaseException:
+            # A refused checkpoint (a state that is no JSON, a run that had
+            # ended interrupted) must not leave the sandbox or its writes.
+            with contextlib.suppress(LayerStackError):
+                await sb.discard("the attempt's checkpoint was refused")
+            raise
         if not closed.node:
             raise LayerStackError(
                 None, "checkpoint-failed",

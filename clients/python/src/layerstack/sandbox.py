@@ -317,7 +317,7 @@ def state_json(state: Any) -> str:
             f"state= must be a mapping (stored as JSON) or a str, not {type(state).__name__}"
         ) from None
     try:
-        return json.dumps(d, sort_keys=True, separators=(",", ":"))
+        return json.dumps(d, sort_keys=True, separators=(",", ":"), allow_nan=False)
     except (TypeError, ValueError) as e:
         raise TypeError(f"state= must be JSON-serializable: {e}") from None
 
@@ -354,21 +354,26 @@ def user_arg(what: str, v: Any) -> Optional[Tuple[int, int]]:
     is a pair of whole numbers; ValueError outside 0..2**32."""
     if v is None:
         return None
-    if not isinstance(v, (tuple, list)) or len(v) != 2 or any(isinstance(x, bool) or not isinstance(x, int) for x in v):
+    if not isinstance(v, (tuple, list)) or len(v) != 2 or not all(_whole(x) for x in v):
         raise TypeError(f"{what}={v!r}: give (uid, gid), two whole numbers")
     if not all(0 <= x < 2**32 for x in v):
         raise ValueError(f"{what}={v!r}: uid and gid are in 0..2**32")
-    return (v[0], v[1])
+    return (int(v[0]), int(v[1]))
+
+
+def _whole(v: Any) -> bool:
+    """A whole number (``int``, ``numpy.int64``…: :class:`numbers.Integral`), not a bool."""
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
 def count_arg(what: str, v: Any) -> int:
     """A whole number >= 0 (a byte offset or count); TypeError / ValueError
     naming ``what``."""
-    if isinstance(v, bool) or not isinstance(v, int):
+    if not _whole(v):
         raise TypeError(f"{what} must be a whole number, not {type(v).__name__}")
     if not 0 <= v < 2**63:
         raise ValueError(f"{what}={v}: give a whole number >= 0")
-    return v
+    return int(v)
 
 
 def seconds_arg(what: str, v: Any) -> Optional[float]:
@@ -623,8 +628,9 @@ def close_request(
     for k, v in (labels or {}).items():
         req.labels[k] = str(v)
     if exit_status is not None:
-        if isinstance(exit_status, bool) or not isinstance(exit_status, int):
+        if not _whole(exit_status):
             raise TypeError(f"exit_status must be a whole number 0..255, not {type(exit_status).__name__}")
+        exit_status = int(exit_status)
         if not 0 <= exit_status <= 255:
             raise ValueError(f"exit_status={exit_status}: give 0..255 (a shell's $?)")
         req.has_exit_status, req.exit_status = True, exit_status
@@ -692,8 +698,9 @@ def write_requests(
 ) -> Feed:
     check_content("data", data)
     owner = user_arg("owner", owner)
-    if isinstance(mode, bool) or not isinstance(mode, int):
+    if not _whole(mode):
         raise TypeError(f"mode must be a whole number (e.g. 0o644), not {type(mode).__name__}")
+    mode = int(mode)
     if not 0 <= mode <= 0o7777:
         raise ValueError(f"mode={mode:#o}: give permission bits, 0..0o7777")
     h = pb.WriteFileHeader(session_id=session_id, path=path_arg(path), mode=mode, make_parents=make_parents)
@@ -1149,7 +1156,9 @@ class Sandbox:
         of a node; a checkpoint or publish of a run that ended
         ``interrupted`` — the outcome is recorded on the object, and
         :meth:`discard` or leaving the ``with`` block drops its writes)."""
-        if self.outcome is not None and not kept_writes_to_drop(self.outcome, action):
+        if self.outcome is not None and not kept_writes_to_drop(
+            self.outcome, action, checkpoint=checkpoint, publish=publish
+        ):
             return already_ended(self.outcome, checkpoint=checkpoint, publish=publish, action=action)
         req = close_request(
             self.id,
@@ -1187,12 +1196,16 @@ class Sandbox:
         return f"<Sandbox session={self.id} {state}>"
 
 
-def kept_writes_to_drop(outcome: Session, action: Optional[str]) -> bool:
+def kept_writes_to_drop(
+    outcome: Session, action: Optional[str], *, checkpoint: bool = False, publish: bool = False
+) -> bool:
     """A discard of a sandbox whose run ended but whose writes are kept —
     ``interrupted`` (a daemon restart, its init gone) or ``conflict`` — still
-    goes to the daemon: it drops them (CloseSession DISCARD). Any other close
-    of an ended sandbox answers its recorded end."""
-    return action == "discard" and outcome.state in ("active", "conflict")
+    goes to the daemon: it drops them (CloseSession DISCARD; ``close()``
+    with no action is a discard). Any other close of an ended sandbox
+    answers its recorded end."""
+    discards = action == "discard" or (action is None and not checkpoint and not publish)
+    return discards and outcome.state in ("active", "conflict")
 
 
 def already_ended(
