@@ -412,6 +412,9 @@ def test_a_bad_or_failing_data_source_raises_its_own_error(daemon: Daemon) -> No
     with layerstack.connect(daemon.admin) as c:
         with pytest.raises(TypeError, match="stack must be a str"):
             c.sandbox(123)  # type: ignore[arg-type]
+    # A call on a closed client: a typed error that says to connect again.
+    with pytest.raises(layerstack.FailedPreconditionError, match="client is closed"):
+        c.status()
 
     async def main() -> None:
         async with layerstack.aio.connect(daemon.admin) as ls, ls.sandbox(daemon.stack) as sb:
@@ -426,6 +429,8 @@ def test_a_bad_or_failing_data_source_raises_its_own_error(daemon: Daemon) -> No
                 await sb.files.stat(None)  # type: ignore[arg-type]
             with pytest.raises(ExecError, match=r"command false failed: exit code 1"):
                 await sb.exec(["false"], check=True)
+        with pytest.raises(layerstack.FailedPreconditionError, match="client is closed"):
+            await ls.status()
 
     asyncio.run(main())
 

@@ -38,7 +38,7 @@ from layerstack._pb import admin_pb2 as pb
 from layerstack._pb import admin_pb2_grpc as pb_grpc
 from layerstack.client import DEFAULT_ADMIN_ADDRESS, _check_exit_policy
 from layerstack.errors import LayerStackError as LayerStackErrorBase
-from layerstack.errors import NotFoundError, from_rpc_error
+from layerstack.errors import NotFoundError, closed_client_error, from_rpc_error, is_closed_channel
 from layerstack.sandbox import (
     Command,
     Content,
@@ -156,6 +156,10 @@ class AsyncClient:
             return await fn(req, timeout=t)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
+        except grpc.aio.UsageError as e:
+            if is_closed_channel(e):
+                raise closed_client_error() from None
+            raise
 
     async def _stream(self, fn: Any, req: Any, timeout_s: Optional[float] = None) -> AsyncIterator[Any]:
         try:
@@ -163,6 +167,10 @@ class AsyncClient:
                 yield r
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
+        except grpc.aio.UsageError as e:
+            if is_closed_channel(e):
+                raise closed_client_error() from None
+            raise
 
     # ---------------------------------------------------------------- calls
 

@@ -55,9 +55,11 @@ from layerstack.sandbox import (
 from layerstack.errors import (
     CommandError,
     LayerStackError,
+    closed_client_error,
     command_error_line,
     from_command,
     from_rpc_error,
+    is_closed_channel,
 )
 from layerstack.types import (
     Attempt,
@@ -230,6 +232,10 @@ class Client:
             return fn(req, timeout=t)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
+        except ValueError as e:
+            if is_closed_channel(e):
+                raise closed_client_error() from None
+            raise
 
     def binary(self) -> Path:
         """The ``layerstack`` binary this client drives; :class:`CommandError` if none."""

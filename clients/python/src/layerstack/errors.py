@@ -84,6 +84,8 @@ __all__ = [
     "from_rpc_error",
     "from_command",
     "command_error_line",
+    "is_closed_channel",
+    "closed_client_error",
 ]
 
 
@@ -339,6 +341,24 @@ def from_rpc_error(e: grpc.RpcError) -> LayerStackError:
     if cls is None:
         return LayerStackError(code, _code_kind(code), message)
     return cls(code, cls.kind, message)
+
+
+def is_closed_channel(e: BaseException) -> bool:
+    """Whether ``e`` is grpc's refusal of a call on a channel this program
+    closed (blocking: ``ValueError("Cannot invoke RPC on closed channel!")``;
+    asyncio: ``grpc.aio.UsageError("Channel is closed.")``)."""
+    return isinstance(e, (ValueError, getattr(grpc.aio, "UsageError", ValueError))) and "closed" in str(e)
+
+
+def closed_client_error() -> LayerStackError:
+    """The error of a call on a client that was closed: a
+    :class:`FailedPreconditionError` that says to connect again."""
+    return FailedPreconditionError(
+        None,
+        FailedPreconditionError.kind,
+        "this LayerStack client is closed (its close() ran, or its with block ended): "
+        "connect again (layerstack.connect / layerstack.aio.connect)",
+    )
 
 
 def command_error_line(stderr: str) -> Optional[Dict[str, str]]:

@@ -52,7 +52,7 @@ from typing import (
 import grpc
 
 from layerstack._pb import admin_pb2 as pb
-from layerstack.errors import from_rpc_error
+from layerstack.errors import closed_client_error, from_rpc_error, is_closed_channel
 from layerstack.types import Session
 
 if TYPE_CHECKING:
@@ -1051,6 +1051,10 @@ class Sandbox:
             yield from fn(req, timeout=timeout_s)
         except grpc.RpcError as e:
             raise from_rpc_error(e) from None
+        except ValueError as e:
+            if is_closed_channel(e):
+                raise closed_client_error() from None
+            raise
 
     # ---------------------------------------------------------------- exec
 
