@@ -208,6 +208,7 @@ async fn scenario(dir: &Path, daemon: &mut Option<Daemon>) -> Result<()> {
     ready_inits(&mut c, d, &stack).await?;
     discard_waits_for_the_session(&mut c, &stack).await?;
     write_racing_discard(&mut c, &stack).await?;
+    quick_publishes_keep_no_mountpoints(&mut c, &stack).await?;
     let (id, upper) = create(&mut c, &stack, "a").await?;
     ensure!(mounted(&upper) || !upper.as_os_str().is_empty());
 
@@ -1630,6 +1631,54 @@ async fn idle_reader_refused(c: &mut Client, id: i64) -> Result<()> {
         recursive: false,
     })
     .await?;
+    Ok(())
+}
+
+/// Root-mode sandboxes on a base without /dev, /proc, /sys and /run,
+/// published the moment their one write is done: no layer holds the
+/// mountpoints their inits made. A close that checked the upper while the
+/// killed init's mount was still going away skipped dropping them, and its
+/// publish, a moment later, found the mount gone and took them (a user saw
+/// 5–20 % of such closes do so).
+async fn quick_publishes_keep_no_mountpoints(c: &mut Client, stack: &str) -> Result<()> {
+    for i in 0..40 {
+        let r = c
+            .create_session(api::CreateSessionRequest {
+                stack: stack.into(),
+                branch: "quick".into(),
+                name: format!("quick-{i}"),
+                sandbox: sandbox(),
+                ..Default::default()
+            })
+            .await?
+            .into_inner();
+        let id = r.session.context("session")?.id;
+        write(c, id, &format!("/srv/quick-{i}"), b"q", false).await?;
+        let s = c
+            .close_session(api::CloseSessionRequest {
+                session_id: id,
+                action: api::EndAction::Publish as i32,
+                ..Default::default()
+            })
+            .await?
+            .into_inner();
+        ensure!(s.outcome == "committed" || s.outcome == "merged", "{s:?}");
+        let paths = c
+            .list_outcome_paths(api::ListOutcomePathsRequest {
+                outcome_id: s.outcome_id,
+                ..Default::default()
+            })
+            .await?
+            .into_inner()
+            .paths;
+        let names: Vec<&str> = paths.iter().map(|p| p.path.as_str()).collect();
+        ensure!(
+            !names.iter().any(
+                |p| ["/dev", "/proc", "/sys", "/run", "dev", "proc", "sys", "run"].contains(p)
+            ),
+            "publish {i} took the init's mountpoints: {names:?}"
+        );
+    }
     Ok(())
 }
 

@@ -340,6 +340,24 @@ impl api::Admin for AdminService {
         let s = self
             .resolve(r.session_id, &r.namespace, &r.container)
             .await?;
+        // A DISCARD of a live daemon-owned sandbox is its CloseSession DISCARD
+        // (its init stopped, its overlay released): the engine's discard
+        // alone would refuse its still-mounted upper.
+        if r.action == api::EndAction::Discard as i32 && s.daemon_owned && !s.released {
+            return self
+                .sandbox_close(api::CloseSessionRequest {
+                    session_id: s.id,
+                    action: api::EndAction::Discard as i32,
+                    reason: if r.reason.is_empty() {
+                        "admin discard".into()
+                    } else {
+                        r.reason
+                    },
+                    ..Default::default()
+                })
+                .await
+                .map(Response::new);
+        }
         crate::wasi::refuse_live(self, s.id, "an end of its run through Publish")?;
         let why = if r.reason.is_empty() {
             "admin publish".to_string()

@@ -1071,7 +1071,7 @@ pub(crate) fn check_close_state(r: &api::CloseSessionRequest) -> Result<(), Stat
     if checkpoints && !r.state.is_empty() {
         layerstack_engine::store::validate_state(&r.state).map_err(|e| {
             Status::invalid_argument(format!(
-                "CloseSession.state: {} (give a JSON object, e.g. {{\"reward\": 1.0}})",
+                "the close's state: {} (give a JSON object, e.g. {{\"reward\": 1.0}})",
                 api::error_chain(&e)
             ))
         })?;

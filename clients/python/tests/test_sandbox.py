@@ -264,6 +264,17 @@ def test_checkpoint_returns_the_node_and_discard_leaves_nothing_mounted(daemon: 
         assert not (daemon.dir / "store" / "s" / str(child.id)).exists(), "a discarded sandbox's directories go"
 
 
+def test_the_clients_discard_ends_a_live_sandbox(daemon: Daemon) -> None:
+    """``Client.discard(id)`` (Publish DISCARD) of a live daemon-owned
+    sandbox ends it as its own discard does (was refused: "still mounted")."""
+    with layerstack.connect(daemon.admin) as c:
+        sb = c.sandbox(daemon.stack)
+        sb.files.write("/work/x", b"x")
+        s = c.discard(sb.id)
+        assert s.outcome == "discarded" and s.released, s
+        assert not [m for m in _mounts_under(daemon.dir) if f"/{sb.id}/" in m]
+
+
 def test_an_exception_in_the_block_discards(daemon: Daemon) -> None:
     with layerstack.connect(daemon.admin) as c:
         with pytest.raises(RuntimeError):

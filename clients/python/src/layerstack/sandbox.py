@@ -1123,9 +1123,9 @@ class Sandbox:
     def diff(self, *, patch: bool = False) -> List[PathChange]:
         """What the sandbox changed so far against the tree it started from (its
         lease), read from its upper while it runs (``Diff`` of the session;
-        nothing published). ``patch``: unified diffs of text files. Root mode's
-        mount points (/dev, /proc, /run, /sys) show as added when the stack
-        lacks them."""
+        nothing published). ``patch``: unified diffs of text files. The mount
+        points root mode makes (/dev, /proc, /run, /sys where the stack lacks
+        them) are the sandbox's, not changes: left out."""
         req = pb.DiffRequest(session_id=self.id, patch=patch)
         out: List[PathChange] = []
         for r in self._stream(self._stub.Diff, req):
