@@ -596,14 +596,7 @@ async fn scenario(dir: &Path, daemon: &mut Option<Daemon>) -> Result<()> {
     ensure!(r.exit.code == 0, "{r:?}");
     let r = exec(&mut c, id, &["sh", "-c", "sleep 0.05; test -s /tmp/bg"]).await?;
     ensure!(r.exit.code == 0, "the background writer runs: {r:?}");
-    let s = c
-        .close_session(api::CloseSessionRequest {
-            session_id: id,
-            action: api::EndAction::Discard as i32,
-            ..Default::default()
-        })
-        .await?
-        .into_inner();
+    let s = discard(&mut c, id).await?;
     ensure!(s.outcome == "discarded" && s.released, "{s:?}");
     ensure!(
         !mounted_anywhere(&upper),
@@ -1075,15 +1068,20 @@ async fn discard_waits_for_the_session(c: &mut Client, stack: &str) -> Result<()
     checked
 }
 
-/// CloseSession DISCARD of `id`: its outcome.
-async fn discard(c: &mut Client, id: i64) -> Result<api::Session> {
+/// CloseSession of `id` with `action`: its outcome.
+async fn close(c: &mut Client, id: i64, action: api::EndAction) -> Result<api::Session> {
     Ok(c.close_session(api::CloseSessionRequest {
         session_id: id,
-        action: api::EndAction::Discard as i32,
+        action: action as i32,
         ..Default::default()
     })
     .await?
     .into_inner())
+}
+
+/// CloseSession DISCARD of `id`: its outcome.
+async fn discard(c: &mut Client, id: i64) -> Result<api::Session> {
+    close(c, id, api::EndAction::Discard).await
 }
 
 /// The host directories of the cgroups a session's process is in, from its
@@ -1654,14 +1652,7 @@ async fn quick_publishes_keep_no_mountpoints(c: &mut Client, stack: &str) -> Res
             .into_inner();
         let id = r.session.context("session")?.id;
         write(c, id, &format!("/srv/quick-{i}"), b"q", false).await?;
-        let s = c
-            .close_session(api::CloseSessionRequest {
-                session_id: id,
-                action: api::EndAction::Publish as i32,
-                ..Default::default()
-            })
-            .await?
-            .into_inner();
+        let s = close(c, id, api::EndAction::Publish).await?;
         ensure!(s.outcome == "committed" || s.outcome == "merged", "{s:?}");
         let paths = c
             .list_outcome_paths(api::ListOutcomePathsRequest {
