@@ -402,6 +402,7 @@ def test_a_bad_or_failing_data_source_raises_its_own_error(daemon: Daemon) -> No
             (lambda: sb.exec("true", env=["A=1"]), "env"),  # type: ignore[arg-type]
             (lambda: sb.exec("true", env={"A": 1}), "env"),  # type: ignore[dict-item]
             (lambda: sb.exec("true", timeout_s="1"), "timeout_s"),  # type: ignore[arg-type]
+            (lambda: sb.exec("true", cwd=1), "cwd"),  # type: ignore[arg-type]
             (lambda: sb.files.write("/work/m", b"", mode="0755"), "mode"),  # type: ignore[arg-type]
             (lambda: sb.files.read("/work/p", limit=None), "limit"),  # type: ignore[arg-type]
         ):

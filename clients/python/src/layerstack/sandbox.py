@@ -407,7 +407,7 @@ def exec_request(
         session_id=session_id,
         argv=argv_of(cmd),
         env=env_list(env),
-        cwd=cwd or "",
+        cwd=optional_str("cwd", cwd),
         stdin=data,
         timeout_ms=int(timeout_s * 1000) if timeout_s is not None else 0,
     )
@@ -473,9 +473,9 @@ def sandbox_options(
         raise ValueError(f"mount_at={mount_at!r}: give an absolute directory on the daemon's host")
     o = pb.SandboxOptions(
         network=network,
-        workdir=workdir or "",
+        workdir=optional_str("workdir", workdir),
         env=env_list(env),
-        hostname=hostname or "",
+        hostname=optional_str("hostname", hostname),
         placement=str(mount_at) if mount_at is not None else "",
     )
     if user is not None:
