@@ -855,6 +855,16 @@ pub async fn run(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
 
 async fn run_inner(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
     crate::check_state(a.state.as_deref())?;
+    let checkpoints = match a.session.publish {
+        Some(p) => matches!(p, EndAction::Checkpoint),
+        None => a.session.node.is_some(),
+    };
+    if a.state.is_some() && !checkpoints {
+        return Err(failure(
+            api::ErrorKind::InvalidArgument,
+            "--state is the child node's state, recorded by a checkpoint: run on a --node (whose default end is checkpoint) or with --publish checkpoint",
+        ));
+    }
     if a.wasi.wasi.is_some() {
         return crate::wasi::run(cli, a).await;
     }

@@ -1827,6 +1827,27 @@ fn exec_cli_scenario(dir: &Path, d: &Daemon) -> Result<()> {
         !o.status.success() && String::from_utf8_lossy(&o.stderr).contains("999999"),
         "{o:?}"
     );
+    // A --state that is no JSON, or that no checkpoint would record, is
+    // refused before a session starts (it was ignored, or refused at the
+    // close after the command ran).
+    for (state, says) in [("nope", "not JSON"), ("{}", "recorded by a checkpoint")] {
+        let o = d.layerstack(&[
+            "--error-format",
+            "json",
+            "session",
+            "run",
+            &stack,
+            "--state",
+            state,
+            "--",
+            "true",
+        ])?;
+        let err = String::from_utf8_lossy(&o.stderr);
+        ensure!(
+            o.status.code() == Some(125) && err.contains("invalid_argument") && err.contains(says),
+            "session run --state {state}: {o:?}"
+        );
+    }
     sandbox_cli_scenario(d, &cli, &admin, &stack)
 }
 
