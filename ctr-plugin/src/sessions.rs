@@ -122,7 +122,11 @@ fn outcome_lines(s: &api::Session, paths: Option<&[api::PathVerdict]>) -> Vec<St
             }
         }
     }
-    if !s.message.is_empty() {
+    // A publish's message is its path counts ("2 path(s): 1 clean, …"),
+    // already printed above: not twice.
+    let counts_only =
+        s.message.contains(" path(s): ") && s.message.ends_with(" excluded") && s.counts.is_some();
+    if !s.message.is_empty() && !counts_only {
         lines.push(s.message.clone());
     }
     lines
@@ -438,6 +442,34 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(outcome_lines(&s, None)[0], "merged");
+    }
+
+    #[test]
+    fn a_publishs_counts_are_printed_once() {
+        let s = api::Session {
+            outcome: "merged".into(),
+            counts: Some(api::PathCounts {
+                clean: 1,
+                merged: 1,
+                ..Default::default()
+            }),
+            message: "2 path(s): 1 clean, 1 merged, 0 excluded".into(),
+            ..Default::default()
+        };
+        assert_eq!(
+            outcome_lines(&s, None),
+            [
+                "merged",
+                "paths: 1 clean, 1 merged, 0 conflict, 0 excluded (--paths lists them)"
+            ]
+        );
+        // Any other message is kept.
+        let s = api::Session {
+            message: "the session changed nothing publishable (3 path(s) excluded by policy)"
+                .into(),
+            ..s
+        };
+        assert_eq!(outcome_lines(&s, None).len(), 3);
     }
 
     #[test]
