@@ -124,8 +124,12 @@ fn outcome_lines(s: &api::Session, paths: Option<&[api::PathVerdict]>) -> Vec<St
     }
     // A publish's message is its path counts ("2 path(s): 1 clean, …"),
     // already printed above: not twice.
-    let counts_only =
-        s.message.contains(" path(s): ") && s.message.ends_with(" excluded") && s.counts.is_some();
+    let counts_only = paths.is_none()
+        && s.counts.is_some()
+        && s.message.ends_with(" excluded")
+        && s.message
+            .split_once(" path(s): ")
+            .is_some_and(|(n, _)| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()));
     if !s.message.is_empty() && !counts_only {
         lines.push(s.message.clone());
     }
@@ -463,7 +467,18 @@ mod tests {
                 "paths: 1 clean, 1 merged, 0 conflict, 0 excluded (--paths lists them)"
             ]
         );
-        // Any other message is kept.
+        // Any other message is kept: a dry run's, or any with --paths.
+        let dry = api::Session {
+            message: "dry run, nothing was changed: 2 path(s): 1 clean, 1 merged, 0 excluded"
+                .into(),
+            ..s.clone()
+        };
+        assert_eq!(outcome_lines(&dry, None).len(), 3);
+        assert_eq!(
+            outcome_lines(&s, Some(&[])).len(),
+            2,
+            "no counts line with --paths"
+        );
         let s = api::Session {
             message: "the session changed nothing publishable (3 path(s) excluded by policy)"
                 .into(),
