@@ -69,24 +69,13 @@ pub async fn connect(
 /// the close, the session would already have ended. Errors: an
 /// `invalid_argument` failure naming the flag.
 pub(crate) fn check_state(state: Option<&str>) -> Result<()> {
-    const MAX: usize = 64 * 1024;
     let Some(s) = state else { return Ok(()) };
-    if s.len() > MAX {
-        return Err(errors::failure(
-            api::ErrorKind::InvalidArgument,
-            format!(
-                "--state is {} bytes; at most {MAX} (keep large artifacts in files of the tree)",
-                s.len()
-            ),
-        ));
-    }
-    serde_json::from_str::<serde_json::Value>(s).map_err(|e| {
+    api::types::check_node_state(s).map_err(|e| {
         errors::failure(
             api::ErrorKind::InvalidArgument,
-            format!("--state is not JSON ({e}): give the child node's state as JSON, e.g. --state '{{\"reward\": 1}}'"),
+            format!("--state {e}: give the child node's state as JSON, e.g. --state '{{\"reward\": 1}}'"),
         )
-    })?;
-    Ok(())
+    })
 }
 
 fn whoami() -> (u32, u32) {

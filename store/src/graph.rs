@@ -543,20 +543,13 @@ pub(crate) fn validate_group_name(name: &str) -> Result<(), StoreError> {
     Ok(())
 }
 
-/// A node's state must be a small JSON document (at most 64 KiB).
+/// A node's state must be a small JSON document
+/// ([`layerstack_types::check_node_state`]).
 ///
 /// Errors: [`StoreError::InvalidArgument`] naming what is wrong.
 pub fn validate_state(state: &str) -> Result<(), StoreError> {
-    const MAX: usize = 64 * 1024;
-    if state.len() > MAX {
-        return Err(StoreError::InvalidArgument(format!(
-            "node state is {} bytes; at most {MAX} (keep large artifacts in files of the tree)",
-            state.len()
-        )));
-    }
-    serde_json::from_str::<serde_json::Value>(state)
-        .map_err(|e| StoreError::InvalidArgument(format!("node state is not JSON: {e}")))?;
-    Ok(())
+    layerstack_types::check_node_state(state)
+        .map_err(|e| StoreError::InvalidArgument(format!("node state {e}")))
 }
 
 impl Store {
