@@ -1276,7 +1276,32 @@ pub async fn close_cmd(cli: &Cli, a: CloseArgs) -> Result<ExitCode> {
     if let Some(f) = &a.outcome {
         write_outcome(f, &s, a.exit_status.map(|x| x as i32))?;
     }
-    Ok(print_outcome(&s, None, a.json))
+    let code = print_outcome(&s, None, a.json);
+    if let Some(why) = discard_came_late(policy, &s) {
+        crate::errors::report(cli.error_format, &anyhow::anyhow!(why));
+        return Ok(ExitCode::FAILURE);
+    }
+    Ok(code)
+}
+
+/// A `--discard` answered by an end recorded before it (a close is
+/// idempotent: a repeated one answers the session's recorded end) that kept
+/// the writes in the history: the discard changed nothing, and saying
+/// "committed" with status 0 would read as if it had succeeded.
+fn discard_came_late(policy: api::EndAction, s: &api::Session) -> Option<String> {
+    if policy != api::EndAction::Discard {
+        return None;
+    }
+    let kept = match OutcomeKind::parse(&s.outcome)? {
+        OutcomeKind::Committed | OutcomeKind::Merged => format!("layer {}", s.layer),
+        OutcomeKind::Checkpointed => format!("node {}", s.node),
+        _ => return None,
+    };
+    Some(format!(
+        "session {} had ended {} already ({kept}): the discard changed nothing \
+         (a published layer or checkpoint stays in the history)",
+        s.id, s.outcome
+    ))
 }
 
 #[cfg(test)]
@@ -1310,6 +1335,36 @@ mod tests {
         assert_eq!(get("A"), Some("1".into()));
         assert_eq!(get("HOME"), Some("/root".into()));
         assert_eq!(get("HOSTNAME"), Some("ls-1".into()));
+    }
+
+    #[test]
+    fn a_discard_answered_by_an_earlier_publish_is_an_error() {
+        let ended = |outcome: &str| api::Session {
+            id: 4,
+            outcome: outcome.into(),
+            layer: 9,
+            node: "n3".into(),
+            ..Default::default()
+        };
+        let late = discard_came_late(api::EndAction::Discard, &ended("committed")).unwrap();
+        assert!(
+            late.contains("session 4 had ended committed already (layer 9)"),
+            "{late}"
+        );
+        let late = discard_came_late(api::EndAction::Discard, &ended("checkpointed")).unwrap();
+        assert!(late.contains("(node n3)"), "{late}");
+        assert_eq!(
+            discard_came_late(api::EndAction::Discard, &ended("discarded")),
+            None
+        );
+        assert_eq!(
+            discard_came_late(api::EndAction::Discard, &ended("conflict")),
+            None
+        );
+        assert_eq!(
+            discard_came_late(api::EndAction::Publish, &ended("committed")),
+            None
+        );
     }
 
     #[test]

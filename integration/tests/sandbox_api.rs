@@ -2164,12 +2164,21 @@ async fn id_map_scenario(dir: &Path, d: &Daemon) -> Result<()> {
     // The file RPCs serve files, not the kernel's interfaces: a symlink of
     // the session into its /proc is refused (the daemon reads as the host's
     // root), and an archive of / stops at the session's other mounts.
-    let r = exec_req(&mut c, sh(id, "ln -s /proc/kallsyms /srv/k")).await?;
+    let r = exec_req(
+        &mut c,
+        sh(
+            id,
+            "ln -s /proc/kallsyms /srv/k && ln -s /proc/self/fd/0 /srv/fd0 && ln -s ../proc/self /srv/me",
+        ),
+    )
+    .await?;
     ensure!(r.exit.code == 0, "{r:?}");
     // `/proc/self` resolves to the daemon's own process, which the
     // session's procfs does not show: refused as the kernel's, not NOT_FOUND.
     for path in [
         "/srv/k",
+        "/srv/fd0",
+        "/srv/me/status",
         "/proc/kallsyms",
         "/proc/1/status",
         "/proc/self/status",
@@ -2220,7 +2229,7 @@ async fn id_map_scenario(dir: &Path, d: &Daemon) -> Result<()> {
     );
     let r = download(&mut c, id, "/proc").await;
     ensure!(code(r) == Code::PermissionDenied, "DownloadTar /proc");
-    let r = exec_req(&mut c, sh(id, "rm /srv/k")).await?;
+    let r = exec_req(&mut c, sh(id, "rm /srv/k /srv/fd0 /srv/me")).await?;
     ensure!(r.exit.code == 0, "{r:?}");
     // Mounts the session's root makes in its own mount namespace (a tmpfs,
     // a bind mount of a kernel file): the file RPCs, which run as the

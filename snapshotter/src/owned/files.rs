@@ -120,19 +120,62 @@ fn open_in_root(root: &OwnedFd, path: &std::ffi::CStr, flags: libc::c_int) -> io
 }
 
 /// [`NotServed::KernelFs`] when the deepest directory of `path` that
-/// resolves (`path` itself excluded) is on a kernel-interface filesystem.
+/// resolves (`path` itself excluded) is on a kernel-interface filesystem,
+/// following the session's symlinks on the way (`/link -> /proc/self/fd/0`).
 fn kernel_fs_above(root: &OwnedFd, path: &[u8]) -> Option<io::Error> {
+    let deepest = deepest_dir(root, path, 40)?;
+    let name = sys::kernel_fs(&deepest).ok()??;
+    Some(not_served(NotServed::KernelFs(name)))
+}
+
+/// The deepest directory of `path` (below `root`) that resolves, `path`
+/// itself excluded. A component that does not resolve but is a symlink is
+/// followed by hand (its target with the rest of `path`, at most `links`
+/// links): its target may be the part that does not resolve, as the
+/// daemon's `/proc/self` does not in the session's procfs.
+fn deepest_dir(root: &OwnedFd, path: &[u8], links: u32) -> Option<OwnedFd> {
     let path = path.strip_prefix(b"/").unwrap_or(path);
     let mut deepest = None;
-    for (i, _) in path.iter().enumerate().filter(|(_, &b)| b == b'/') {
+    let ends = path
+        .iter()
+        .enumerate()
+        .filter(|(_, &b)| b == b'/')
+        .map(|(i, _)| i)
+        .chain(std::iter::once(path.len()));
+    for i in ends {
         let c = CString::new(&path[..i]).ok()?;
         match sys::openat2_in_root(root, &c, libc::O_PATH | libc::O_DIRECTORY, 0) {
-            Ok(fd) => deepest = Some(fd),
-            Err(_) => break,
+            Ok(fd) if i < path.len() => deepest = Some(fd),
+            Ok(_) => break,
+            Err(_) => {
+                if links > 0 {
+                    if let Ok(link) =
+                        sys::openat2_in_root(root, &c, libc::O_PATH | libc::O_NOFOLLOW, 0)
+                    {
+                        if let Ok(target) =
+                            nix::fcntl::readlinkat(Some(link.as_raw_fd()), OsStr::new(""))
+                        {
+                            let target = target.as_bytes();
+                            // Relative to the link's directory, or to the root.
+                            let mut next = if target.starts_with(b"/") {
+                                Vec::new()
+                            } else {
+                                let parent = path[..i].iter().rposition(|&b| b == b'/');
+                                let mut p = path[..parent.unwrap_or(0)].to_vec();
+                                p.push(b'/');
+                                p
+                            };
+                            next.extend_from_slice(target);
+                            next.extend_from_slice(&path[i..]);
+                            return deepest_dir(root, &next, links - 1).or(deepest);
+                        }
+                    }
+                }
+                break;
+            }
         }
     }
-    let name = sys::kernel_fs(&deepest?).ok()??;
-    Some(not_served(NotServed::KernelFs(name)))
+    deepest
 }
 
 /// The status of a failed file operation on `path`, naming it and the reason.
