@@ -258,6 +258,13 @@ async fn scenario(dir: &Path, daemon: &mut Option<Daemon>) -> Result<()> {
         "init's command line in the sandbox: {:?}",
         String::from_utf8_lossy(&r.out)
     );
+    // Nor the daemon's environment.
+    let r = exec(&mut c, id, &["cat", "/proc/1/environ"]).await?;
+    ensure!(
+        r.exit.code == 0 && r.out.iter().all(|&b| b == 0),
+        "init's environment in the sandbox: {:?}",
+        String::from_utf8_lossy(&r.out)
+    );
     let r = exec(&mut c, id, &["no-such-command"]).await?;
     ensure!(
         r.exit.code == 127 && String::from_utf8_lossy(&r.err).contains("not found"),

@@ -200,6 +200,9 @@ fn serve(sock: OwnedFd, daemon_pid: libc::pid_t) -> ! {
     // it clones, to `ps` inside their sandboxes. (It cannot fail but for
     // a /proc/self/stat without the area: then the line stays.)
     let _ = sys::set_cmdline(CMDLINE);
+    // Nor the daemon's environment (`/proc/1/environ` of a sandbox: its
+    // commands get theirs from the request, by execve).
+    let _ = sys::clear_environ();
     if sys::die_with_parent().is_err() {
         sys::exit_now(1);
     }

@@ -458,25 +458,19 @@ pub fn set_name(name: &CStr) {
     unsafe { libc::prctl(libc::PR_SET_NAME, name.as_ptr() as libc::c_ulong, 0, 0, 0) };
 }
 
-/// Rewrites the caller's command line (`/proc/PID/cmdline`, what `ps`
-/// shows) to `line` in place, as setproctitle(3) does: `line` and a NUL at
-/// the start of the argument area (`arg_start`..`arg_end` of
-/// `/proc/self/stat`, proc(5)), the rest of it spaces — the area's last
-/// byte is then no NUL, and the kernel reads the line up to its first NUL
-/// (`get_mm_proctitle`, fs/proc/base.c). A line longer than the area is cut.
-/// `prctl(PR_SET_MM_ARG_START)` would need CAP_SYS_RESOURCE, which
-/// containers often drop. Call it single-threaded, before anything reads
-/// the process's arguments again (`std::env::args` reads that area).
-pub fn set_cmdline(line: &[u8]) -> io::Result<()> {
+/// The caller's memory area `[start, end)` from fields `first` and
+/// `first + 1` of `/proc/self/stat` (proc(5): 48–49 the arguments, 50–51
+/// the environment), for rewriting in place. Errors: the file's, or
+/// InvalidData when the area is missing.
+fn stat_area(first: usize) -> io::Result<&'static mut [u8]> {
     let bad = || {
         io::Error::new(
             io::ErrorKind::InvalidData,
-            "/proc/self/stat: no argument area",
+            format!("/proc/self/stat: no area in fields {first}-{}", first + 1),
         )
     };
     let stat = std::fs::read_to_string("/proc/self/stat")?;
-    // Fields after the `(comm)`: the 3rd of proc(5) first; arg_start and
-    // arg_end are the 48th and 49th.
+    // Fields after the `(comm)`: the 3rd of proc(5) first.
     let fields: Vec<&str> = stat
         .rsplit_once(')')
         .ok_or_else(bad)?
@@ -489,18 +483,47 @@ pub fn set_cmdline(line: &[u8]) -> io::Result<()> {
             .and_then(|f| f.parse().ok())
             .ok_or_else(bad)
     };
-    let (start, end) = (at(48)?, at(49)?);
+    let (start, end) = (at(first)?, at(first + 1)?);
     if start == 0 || end <= start {
         return Err(bad());
     }
-    // SAFETY: [start, end) is this process's own argument area, mapped and
-    // writable (the stack's top); the caller is single-threaded and nothing
-    // holds a Rust reference into it.
-    let area = unsafe { std::slice::from_raw_parts_mut(start as *mut u8, end - start) };
+    // SAFETY: [start, end) is an area of this process's own stack top
+    // (its arguments or environment strings), mapped and writable; the
+    // callers are single-threaded and hold no Rust reference into it.
+    Ok(unsafe { std::slice::from_raw_parts_mut(start as *mut u8, end - start) })
+}
+
+/// Rewrites the caller's command line (`/proc/PID/cmdline`, what `ps`
+/// shows) to `line` in place, as setproctitle(3) does: `line` and a NUL at
+/// the start of the argument area (`arg_start`..`arg_end` of
+/// `/proc/self/stat`, proc(5)), the rest of it spaces — the area's last
+/// byte is then no NUL, and the kernel reads the line up to its first NUL
+/// (`get_mm_proctitle`, fs/proc/base.c). A line longer than the area is cut.
+/// `prctl(PR_SET_MM_ARG_START)` would need CAP_SYS_RESOURCE, which
+/// containers often drop. Call it single-threaded, before anything reads
+/// the process's arguments again (`std::env::args` reads that area).
+pub fn set_cmdline(line: &[u8]) -> io::Result<()> {
+    let area = stat_area(48)?;
     let n = line.len().min(area.len() - 1);
     area[..n].copy_from_slice(&line[..n]);
     area[n] = 0;
     area[n + 1..].fill(b' ');
+    Ok(())
+}
+
+/// Empties the caller's environment: `clearenv(3)`, then its environment
+/// strings (`env_start`..`env_end` of `/proc/self/stat`, what
+/// `/proc/PID/environ` reads) overwritten with NULs — a fork of the daemon
+/// shows the daemon's environment there until it execs. Call it
+/// single-threaded; nothing may read the environment afterwards but
+/// expect it empty.
+pub fn clear_environ() -> io::Result<()> {
+    // SAFETY: single-threaded (the caller's contract): nothing else reads
+    // `environ` meanwhile.
+    if unsafe { libc::clearenv() } != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    stat_area(50)?.fill(0);
     Ok(())
 }
 
