@@ -178,7 +178,7 @@ pub enum RolloutSub {
         /// sha256:… of its script or image).
         #[arg(long, value_name = "NAME:VERSION[:DIGEST]")]
         evaluator: Option<String>,
-        /// The child node's logical state, JSON [default: {}].
+        /// The child node's logical state, a JSON object [default: {}].
         #[arg(long, value_name = "JSON", conflicts_with = "discard")]
         state: Option<String>,
         /// A note recorded with the end.

@@ -254,7 +254,8 @@ fn fuzz_admin_inputs() {
             }
             Req::State(state, key) => {
                 let rule = state.len() <= 64 * 1024
-                    && serde_json::from_str::<serde_json::Value>(state).is_ok();
+                    && serde_json::from_str::<serde_json::Value>(state)
+                        .is_ok_and(|v| v.is_object());
                 let key_ok = key.as_deref().is_none_or(|k| !k.starts_with('\u{1}'));
                 match store.add_merge_node(
                     &group.name,

@@ -247,6 +247,9 @@ def test_checkpoint_returns_the_node_and_discard_leaves_nothing_mounted(daemon: 
             # A state that is not JSON is refused before anything ends.
             with pytest.raises(layerstack.InvalidArgumentError, match="state"):
                 sb.close(checkpoint=True, state="not json")
+            # Nor is JSON that is not an object (a node's state is named values).
+            with pytest.raises(layerstack.InvalidArgumentError, match="not an object"):
+                sb.close(checkpoint=True, state="[1, 2]")
             assert sb.outcome is None and sb.exec("cat /work/result.txt").stdout == b"42\n"
             end = sb.close(checkpoint=True, state={"reward": 1.0}, labels={"evaluator": "unit"})
         assert end.outcome == "checkpointed" and end.node, end
