@@ -20,7 +20,6 @@
 //! the merge's size cap on both sides; a binary one reads "binary files differ".
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
-use std::os::unix::ffi::OsStrExt as _;
 
 use layerstack_publisher::{self as publisher, Change, FileKind, LayerView};
 use layerstack_store::{ChangeKind, LayerId, SessionId, Store, StoreError};
@@ -133,21 +132,21 @@ fn read_err(path: &[u8]) -> impl FnOnce(std::io::Error) -> EngineError + '_ {
 }
 
 /// `p` is a mountpoint the session's init made, as its close judges it
-/// ([`crate::sandbox::drop_root_mountpoints`]): a top-level
-/// [`crate::sandbox::ROOT_MOUNTPOINTS`] name that the session's upper holds
-/// as an empty directory (a command's writes there are in the filesystem
-/// mounted over it) and that no layer of `lease` names, not even by a
-/// whiteout.
+/// ([`crate::sandbox::drop_root_mountpoints`]): made by this session
+/// (`Mkdir`), [`crate::sandbox::init_mountpoint`] against the layers of
+/// `lease`, and empty in the upper (a command's writes there are in the
+/// filesystem mounted over it).
 fn made_mountpoint(upper: &std::path::Path, lease: &View, p: &[u8], change: &Change) -> bool {
-    let name = std::ffi::OsStr::from_bytes(p);
+    let Ok(name) = std::str::from_utf8(p) else {
+        return false;
+    };
     matches!(change, Change::Mkdir { .. })
-        && crate::sandbox::ROOT_MOUNTPOINTS
-            .iter()
-            .any(|n| n.as_bytes() == p)
-        && !lease
-            .layers
-            .iter()
-            .any(|l| l.dir.join(name).symlink_metadata().is_ok())
+        && crate::sandbox::init_mountpoint(
+            upper,
+            lease.layers.iter().map(|l| l.dir.as_path()),
+            name,
+        )
+        .unwrap_or(false)
         && std::fs::read_dir(upper.join(name)).is_ok_and(|mut d| d.next().is_none())
 }
 

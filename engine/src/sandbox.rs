@@ -245,33 +245,42 @@ impl Sandboxes {
 /// session's base lacks them.
 pub const ROOT_MOUNTPOINTS: [&str; 4] = ["dev", "proc", "sys", "run"];
 
-/// Removes from `upper` the [`ROOT_MOUNTPOINTS`] the session's init made: an
-/// empty directory at the top of the upper with nothing of that name in any
-/// of `lowers` (not even a whiteout). Anything else — a mountpoint the base
-/// has, one the command filled (it unmounted the filesystem and wrote) — is
-/// the session's change and stays. The caller proved the upper unmounted.
-/// Returns the names removed.
+/// Whether `name` in `upper` may be a mountpoint the session's init made: a
+/// [`ROOT_MOUNTPOINTS`] name, a directory at the top of the upper, with
+/// nothing of that name in any of `lowers` (not even a whiteout). Whether it
+/// is empty — a command that unmounted the filesystem and wrote there made
+/// it its own — is the caller's to see. Errors: stat's, other than NotFound.
+pub(crate) fn init_mountpoint<'a>(
+    upper: &std::path::Path,
+    mut lowers: impl Iterator<Item = &'a std::path::Path>,
+    name: &str,
+) -> std::io::Result<bool> {
+    if !ROOT_MOUNTPOINTS.contains(&name) {
+        return Ok(false);
+    }
+    let dir = match std::fs::symlink_metadata(upper.join(name)) {
+        Ok(m) => m.is_dir(),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
+        Err(e) => return Err(e),
+    };
+    Ok(dir && !lowers.any(|l| l.join(name).symlink_metadata().is_ok()))
+}
+
+/// Removes from `upper` the [`ROOT_MOUNTPOINTS`] the session's init made
+/// ([`init_mountpoint`]) and left empty. Anything else — a mountpoint the
+/// base has, one the command filled — is the session's change and stays.
+/// The caller proved the upper unmounted. Returns the names removed.
 pub(crate) fn drop_root_mountpoints(
     upper: &std::path::Path,
     lowers: &[std::path::PathBuf],
 ) -> std::io::Result<Vec<&'static str>> {
     let mut dropped = Vec::new();
     for name in ROOT_MOUNTPOINTS {
-        let p = upper.join(name);
-        let made = match std::fs::symlink_metadata(&p) {
-            Ok(m) => m.is_dir(),
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => false,
-            Err(e) => return Err(e),
-        };
-        if !made
-            || lowers
-                .iter()
-                .any(|l| l.join(name).symlink_metadata().is_ok())
-        {
+        if !init_mountpoint(upper, lowers.iter().map(|l| l.as_path()), name)? {
             continue;
         }
         // Not empty: the command's, it stays.
-        match std::fs::remove_dir(&p) {
+        match std::fs::remove_dir(upper.join(name)) {
             Ok(()) => dropped.push(name),
             Err(e) if matches!(e.raw_os_error(), Some(libc::ENOTEMPTY | libc::EEXIST)) => {}
             Err(e) => return Err(e),
