@@ -101,8 +101,25 @@ impl Engine {
         sid: SessionId,
         record: ExecRecord,
     ) -> Result<Option<i64>, EngineError> {
-        self.blocking(move |st| st.record_rollout_exec(sid, &record))
-            .await
+        // Most sandboxes are no rollout's: answered from memory after the
+        // first exec (no write transaction on every exec's exit).
+        let attaches = {
+            let u = self.sandboxes.unrecorded();
+            if u.sessions.contains(&sid) {
+                return Ok(None);
+            }
+            u.attaches
+        };
+        let r = self
+            .blocking(move |st| st.record_rollout_exec(sid, &record))
+            .await?;
+        if r.is_none() && self.sandboxes.holds(sid) {
+            let mut u = self.sandboxes.unrecorded();
+            if u.attaches == attaches {
+                u.sessions.insert(sid);
+            }
+        }
+        Ok(r)
     }
 
     /// Records that rollout attempt `id` runs in sandbox session `sid` (and
@@ -112,6 +129,11 @@ impl Engine {
         id: i64,
         sid: SessionId,
     ) -> Result<RolloutAttempt, EngineError> {
+        {
+            let mut u = self.sandboxes.unrecorded();
+            u.attaches += 1;
+            u.sessions.remove(&sid);
+        }
         self.blocking(move |st| {
             let ga = st.attempt_of_session(sid)?.map(|a| a.id);
             st.attach_rollout_session(id, sid, ga)

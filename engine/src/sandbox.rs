@@ -163,7 +163,21 @@ pub(crate) struct Sandboxes {
     /// Sessions in root mode ([`Engine::sandbox_root_mode`]): their close
     /// drops the mountpoints the session's init made in the upper.
     root_mode: Mutex<HashSet<SessionId>>,
+    /// What [`Engine::record_exec`] learnt of which sessions no running
+    /// rollout attempt records ([`Unrecorded`]).
+    pub(crate) unrecorded: Mutex<Unrecorded>,
     rate: Option<Rate>,
+}
+
+/// Sessions whose commands no running rollout attempt records, as the store
+/// last answered [`Engine::record_exec`]: their next execs answer without a
+/// store transaction. An attempt's attach ([`Engine::attach_rollout`])
+/// takes its session out and counts in `attaches`, so an answer read
+/// before an attach is not cached after it. Forgotten at the release.
+#[derive(Default)]
+pub(crate) struct Unrecorded {
+    pub(crate) sessions: HashSet<SessionId>,
+    pub(crate) attaches: u64,
 }
 
 /// A generic cell-rate limit (ITU-T I.371's GCRA, "virtual scheduling"):
@@ -222,6 +236,7 @@ impl Sandboxes {
                 settings.memory_budget_bytes.div_ceil(1 << 20),
             ),
             root_mode: Mutex::new(HashSet::new()),
+            unrecorded: Mutex::new(Unrecorded::default()),
             rate: Rate::new(settings.create_rate),
         }
     }
@@ -234,9 +249,19 @@ impl Sandboxes {
         self.root_mode.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    pub(crate) fn unrecorded(&self) -> std::sync::MutexGuard<'_, Unrecorded> {
+        self.unrecorded.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Whether session `id` holds its slot in the pool (a live sandbox).
+    pub(crate) fn holds(&self, id: SessionId) -> bool {
+        self.permits().contains_key(&id)
+    }
+
     fn release(&self, id: SessionId) {
         self.permits().remove(&id);
         self.root_mode().remove(&id);
+        self.unrecorded().sessions.remove(&id);
     }
 }
 

@@ -2826,3 +2826,90 @@ async fn diff_at_a_member_of_a_squash_compares_the_view_as_of_its_publish() {
 mod hostile;
 mod model;
 mod powercut;
+
+/// An exec's record: a sandbox that no running attempt records is answered
+/// from memory after its first exec, and an attempt attached afterwards
+/// records the next exec (the attach takes the session out of that memory).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exec_cached_as_unrecorded_is_recorded_once_an_attempt_attaches() {
+    if !have_root("an_exec_cached_as_unrecorded_is_recorded_once_an_attempt_attaches") {
+        return;
+    }
+    use crate::SandboxRequest;
+    use layerstack_store::{Begun, ExecRecord, RolloutBegin, SampleKey};
+    let t = tmp();
+    let (store, _) = setup_n(t.path(), 1);
+    let p = engine_with(&store, Default::default());
+    let (_, root) = p
+        .graph_create("rec", "ns/sha256:aaa", "main", None)
+        .await
+        .unwrap();
+    p.create_run("r", "rec", BTreeMap::new()).await.unwrap();
+    let Begun::Attempt { attempt: a, .. } = p
+        .begin_rollout(RolloutBegin {
+            key: SampleKey {
+                run: "r".into(),
+                step: 0,
+                prompt: "p".into(),
+                sample: 0,
+            },
+            attempt: 1,
+            node: root.id.clone(),
+            policy: "pi".into(),
+            seed: None,
+            worker: None,
+        })
+        .await
+        .unwrap()
+    else {
+        panic!("rewarded")
+    };
+    let (s, _, _) = p
+        .create_sandbox_session(SandboxRequest {
+            name: "plain".into(),
+            stack: "ns/sha256:aaa".into(),
+            target: layerstack_store::LeaseTarget::Branch("main".into()),
+            idempotency_key: None,
+            policy: None,
+            wait: None,
+            node: Some(root.id.clone()),
+            ignore_mtime: false,
+            daemon_owned: true,
+            wasi: false,
+            reserve: Default::default(),
+            id_map: None,
+        })
+        .await
+        .unwrap();
+    let rec = |cmd: &str| ExecRecord::new(vec![cmd.to_string()]);
+    assert_eq!(p.record_exec(s.id, rec("before")).await.unwrap(), None);
+    assert!(
+        p.sandboxes.unrecorded().sessions.contains(&s.id),
+        "a sandbox no attempt records is remembered as such"
+    );
+    assert_eq!(p.record_exec(s.id, rec("again")).await.unwrap(), None);
+    p.attach_rollout(a.id, s.id).await.unwrap();
+    assert_eq!(
+        p.record_exec(s.id, rec("after")).await.unwrap(),
+        Some(a.id),
+        "an exec after the attach is the attempt's"
+    );
+    let t = store.recorded_trajectory(a.id).unwrap().expect("recorded");
+    let t = String::from_utf8(t).unwrap();
+    assert!(
+        t.matches("\"argv\"").count() == 1 && t.contains("\"after\""),
+        "the attempt's trajectory holds the exec after its attach only: {t}"
+    );
+    p.close_sandbox_session(
+        s.id,
+        crate::EndAction::Discard,
+        "test",
+        Duration::from_secs(10),
+    )
+    .await
+    .unwrap();
+    assert!(
+        !p.sandboxes.unrecorded().sessions.contains(&s.id),
+        "forgotten at the release"
+    );
+}

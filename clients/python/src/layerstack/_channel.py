@@ -74,14 +74,23 @@ class Endpoint:
     # 100 ms to 2 s of its return, not grpc-core's default of up to 120 s.
     _RECONNECT = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 2000))
     _UNIX_OPTIONS = (("grpc.default_authority", "localhost"),) + _RECONNECT
+    # A blocking channel's server-streaming calls (Exec, ReadFile, Diff) are
+    # read on the calling thread, as its unary calls are, instead of through
+    # grpcio's channel thread: one thread hand-off less per message (P7b's
+    # exec round trip, docs/benchmarks.md). grpcio's
+    # `grpc.experimental.ChannelOptions.SingleThreadedUnaryStream`, by its
+    # value: an older grpcio ignores the option.
+    _SYNC = (("SingleThreadedUnaryStream", 1),)
 
     def channel(self) -> grpc.Channel:
         """A blocking channel (lazy: nothing is dialled until the first call)."""
         self.check()
         if self.target is None:
-            return grpc.insecure_channel(f"unix:{self.admin_address}", options=list(self._UNIX_OPTIONS))
+            return grpc.insecure_channel(
+                f"unix:{self.admin_address}", options=list(self._UNIX_OPTIONS + self._SYNC)
+            )
         creds, options = self._tls()
-        return grpc.secure_channel(self.target, creds, options=options)
+        return grpc.secure_channel(self.target, creds, options=options + list(self._SYNC))
 
     def aio_channel(self) -> grpc.aio.Channel:
         """An asyncio channel; create it inside the event loop that uses it."""
