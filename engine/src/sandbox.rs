@@ -169,8 +169,9 @@ pub(crate) struct Sandboxes {
     rate: Option<Rate>,
 }
 
-/// Sessions whose commands no running rollout attempt records, as the store
-/// last answered [`Engine::record_exec`]: their next execs answer without a
+/// Sessions whose commands no running rollout attempt records — made by
+/// [`Engine::create_sandbox_session`] since the daemon started, or so the
+/// store answered [`Engine::record_exec`] — whose execs answer without a
 /// store transaction. An attempt's attach ([`Engine::attach_rollout`])
 /// takes its session out and counts in `attaches`, so an answer read
 /// before an attach is not cached after it. Forgotten at the release.
@@ -762,6 +763,12 @@ impl Engine {
             return Ok((s, spec, false));
         }
         self.sandboxes.permits().entry(s.id).or_insert(permit);
+        if created {
+            // A new session is no rollout attempt's until one attaches
+            // ([`Engine::attach_rollout`] takes it out): its execs need no
+            // store transaction to find that out.
+            self.sandboxes.unrecorded().sessions.insert(s.id);
+        }
         Ok((s, spec, created))
     }
 

@@ -2827,9 +2827,10 @@ mod hostile;
 mod model;
 mod powercut;
 
-/// An exec's record: a sandbox that no running attempt records is answered
-/// from memory after its first exec, and an attempt attached afterwards
-/// records the next exec (the attach takes the session out of that memory).
+/// An exec's record: a new sandbox, which no running attempt records, is
+/// answered from memory, and so is one the store said so of; an attempt
+/// attached afterwards records the next exec (the attach takes the session
+/// out of that memory).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_exec_cached_as_unrecorded_is_recorded_once_an_attempt_attaches() {
     if !have_root("an_exec_cached_as_unrecorded_is_recorded_once_an_attempt_attaches") {
@@ -2882,7 +2883,14 @@ async fn an_exec_cached_as_unrecorded_is_recorded_once_an_attempt_attaches() {
         .await
         .unwrap();
     let rec = |cmd: &str| ExecRecord::new(vec![cmd.to_string()]);
+    assert!(
+        p.sandboxes.unrecorded().sessions.contains(&s.id),
+        "a new sandbox"
+    );
     assert_eq!(p.record_exec(s.id, rec("before")).await.unwrap(), None);
+    // As after a restart: the store answers, and is remembered.
+    p.sandboxes.unrecorded().sessions.remove(&s.id);
+    assert_eq!(p.record_exec(s.id, rec("stored")).await.unwrap(), None);
     assert!(
         p.sandboxes.unrecorded().sessions.contains(&s.id),
         "a sandbox no attempt records is remembered as such"
