@@ -38,7 +38,17 @@ use tonic::transport::{Channel, Endpoint, Uri};
 /// Default admin socket path (ARCHITECTURE.md §3).
 pub const DEFAULT_ADMIN_ADDRESS: &str = "/run/layerstack/admin.sock";
 
-/// Connect to the admin API on the unix socket `path`.
+/// The largest message of the admin API either side takes, bytes: an
+/// `ExecRequest` carrying a WASI module of up to 64 MiB (the daemon's
+/// `MAX_MODULE_BYTES`) with its argv, env and stdin, or a large `ListDir`
+/// answer. tonic's and grpcio's default of 4 MiB refused a 5 MiB stdin or
+/// module with `out_of_range` ("message length too large"). The daemon's
+/// server and [`connect`]'s client both use it; the Python SDK's channels
+/// too (`layerstack._channel.MAX_MESSAGE_BYTES`).
+pub const MAX_MESSAGE_BYTES: usize = 80 << 20;
+
+/// Connect to the admin API on the unix socket `path` (messages up to
+/// [`MAX_MESSAGE_BYTES`]).
 ///
 /// Errors: the transport error when the socket does not exist or refuses.
 pub async fn connect(
@@ -52,7 +62,9 @@ pub async fn connect(
             async move { tokio::net::UnixStream::connect(p).await }
         }))
         .await?;
-    Ok(AdminClient::new(ch))
+    Ok(AdminClient::new(ch)
+        .max_decoding_message_size(MAX_MESSAGE_BYTES)
+        .max_encoding_message_size(MAX_MESSAGE_BYTES))
 }
 
 /// The gRPC code of error kind `kind` (containerd `errdefs/grpc.go`): the one

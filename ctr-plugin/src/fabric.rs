@@ -1008,7 +1008,11 @@ mod tests {
         assert!(msg.starts_with("--state is not JSON"), "{msg}");
         assert!(check_end(Some("timeout"), Some(0.0), None).is_err());
         assert!(check_end(Some(" "), None, None).is_err());
-        check_end(Some("timeout"), None, Some("[1]")).unwrap();
+        check_end(Some("timeout"), None, Some("{\"a\": [1]}")).unwrap();
+        assert!(
+            check_end(Some("timeout"), None, Some("[1]")).is_err(),
+            "an array is no object"
+        );
     }
 
     #[test]

@@ -281,9 +281,10 @@ pub struct ExecArgs {
 pub struct CloseArgs {
     /// The session id.
     pub session: i64,
-    /// The exit status the recorded policy applies to (unknown if absent:
-    /// on-exit publishes, on-success discards).
-    #[arg(long, value_name = "N", conflicts_with_all = ["publish", "discard"])]
+    /// The exit status the recorded policy applies to, 0..255 as a shell's
+    /// `$?` (unknown if absent: on-exit publishes, on-success discards).
+    #[arg(long, value_name = "N", conflicts_with_all = ["publish", "discard"],
+          value_parser = clap::value_parser!(u32).range(0..=255))]
     pub exit_status: Option<u32>,
     /// Publish whatever the recorded policy.
     #[arg(long, conflicts_with = "discard")]
@@ -1277,31 +1278,54 @@ pub async fn close_cmd(cli: &Cli, a: CloseArgs) -> Result<ExitCode> {
         write_outcome(f, &s, a.exit_status.map(|x| x as i32))?;
     }
     let code = print_outcome(&s, None, a.json);
-    if let Some(why) = discard_came_late(policy, &s) {
+    if let Some(why) = close_came_late(policy, &s) {
         crate::errors::report(cli.error_format, &anyhow::anyhow!(why));
         return Ok(ExitCode::FAILURE);
     }
     Ok(code)
 }
 
-/// A `--discard` answered by an end recorded before it (a close is
-/// idempotent: a repeated one answers the session's recorded end) that kept
-/// the writes in the history: the discard changed nothing, and saying
-/// "committed" with status 0 would read as if it had succeeded.
-fn discard_came_late(policy: api::EndAction, s: &api::Session) -> Option<String> {
-    if policy != api::EndAction::Discard {
-        return None;
-    }
-    let kept = match OutcomeKind::parse(&s.outcome)? {
-        OutcomeKind::Committed | OutcomeKind::Merged => format!("layer {}", s.layer),
-        OutcomeKind::Checkpointed => format!("node {}", s.node),
-        _ => return None,
+/// A close answered by an end recorded before it (a close is idempotent: a
+/// repeated one answers the session's recorded end) that is not the end
+/// asked for: a `--discard` of writes that were published or checkpointed,
+/// a `--publish` or `--checkpoint` of writes already dropped or kept the
+/// other way. Printing that end with status 0 would read as if the close
+/// had done what it was asked.
+fn close_came_late(policy: api::EndAction, s: &api::Session) -> Option<String> {
+    let kind = OutcomeKind::parse(&s.outcome)?;
+    let kept = match kind {
+        OutcomeKind::Committed | OutcomeKind::Merged => format!(" (layer {})", s.layer),
+        OutcomeKind::Checkpointed => format!(" (node {})", s.node),
+        _ => String::new(),
     };
-    Some(format!(
-        "session {} had ended {} already ({kept}): the discard changed nothing \
-         (a published layer or checkpoint stays in the history)",
-        s.id, s.outcome
-    ))
+    let (asked, late) = match policy {
+        api::EndAction::Discard => (
+            "discard",
+            matches!(
+                kind,
+                OutcomeKind::Committed | OutcomeKind::Merged | OutcomeKind::Checkpointed
+            ),
+        ),
+        api::EndAction::Publish => (
+            "publish",
+            matches!(kind, OutcomeKind::Discarded | OutcomeKind::Checkpointed),
+        ),
+        api::EndAction::Checkpoint => (
+            "checkpoint",
+            matches!(
+                kind,
+                OutcomeKind::Discarded | OutcomeKind::Committed | OutcomeKind::Merged
+            ),
+        ),
+        api::EndAction::Auto => ("close", false),
+    };
+    late.then(|| {
+        format!(
+            "session {} had ended {} already{kept}: the {asked} changed nothing (a session ends once; \
+             its recorded end is printed above)",
+            s.id, s.outcome
+        )
+    })
 }
 
 #[cfg(test)]
@@ -1338,7 +1362,8 @@ mod tests {
     }
 
     #[test]
-    fn a_discard_answered_by_an_earlier_publish_is_an_error() {
+    fn a_close_answered_by_another_earlier_end_is_an_error() {
+        use api::EndAction::{Auto, Checkpoint, Discard, Publish};
         let ended = |outcome: &str| api::Session {
             id: 4,
             outcome: outcome.into(),
@@ -1346,25 +1371,30 @@ mod tests {
             node: "n3".into(),
             ..Default::default()
         };
-        let late = discard_came_late(api::EndAction::Discard, &ended("committed")).unwrap();
+        let late = close_came_late(Discard, &ended("committed")).unwrap();
         assert!(
-            late.contains("session 4 had ended committed already (layer 9)"),
+            late.contains("session 4 had ended committed already (layer 9): the discard"),
             "{late}"
         );
-        let late = discard_came_late(api::EndAction::Discard, &ended("checkpointed")).unwrap();
+        let late = close_came_late(Discard, &ended("checkpointed")).unwrap();
         assert!(late.contains("(node n3)"), "{late}");
-        assert_eq!(
-            discard_came_late(api::EndAction::Discard, &ended("discarded")),
-            None
-        );
-        assert_eq!(
-            discard_came_late(api::EndAction::Discard, &ended("conflict")),
-            None
-        );
-        assert_eq!(
-            discard_came_late(api::EndAction::Publish, &ended("committed")),
-            None
-        );
+        let late = close_came_late(Checkpoint, &ended("merged")).unwrap();
+        assert!(late.contains("the checkpoint changed nothing"), "{late}");
+        assert!(close_came_late(Publish, &ended("discarded")).is_some());
+        // What the close itself can end with, and AUTO, are no error.
+        for (p, o) in [
+            (Discard, "discarded"),
+            (Discard, "conflict"),
+            (Publish, "committed"),
+            (Publish, "merged"),
+            (Publish, "conflict"),
+            (Publish, "no-change"),
+            (Checkpoint, "checkpointed"),
+            (Auto, "committed"),
+            (Auto, "discarded"),
+        ] {
+            assert_eq!(close_came_late(p, &ended(o)), None, "{p:?} {o}");
+        }
     }
 
     #[test]

@@ -1945,12 +1945,36 @@ fn sandbox_cli_scenario(d: &Daemon, cli: &Path, admin: &Path, stack: &str) -> Re
         o.status.success() && stdout(&o) == "hi\nbox\n/srv\nlo\n",
         "exec in the CLI's sandbox: {o:?}"
     );
+    // A state no end of this close would record is refused before
+    // anything ends (an AUTO close of a sandbox on no node published it,
+    // the state dropped).
+    for extra in [&[][..], &["--publish"][..]] {
+        let mut args = vec!["session", "close", &sid, "--state", "{\"a\": 1}"];
+        args.extend_from_slice(extra);
+        let o = as_nobody(&args)?;
+        let err = String::from_utf8_lossy(&o.stderr);
+        ensure!(
+            !o.status.success()
+                && (err.contains("cannot checkpoint") || err.contains("recorded by a checkpoint")),
+            "session close --state {extra:?}: {o:?}"
+        );
+    }
     let o = ensure_success(
         "session close --publish",
         as_nobody(&["session", "close", &sid, "--publish", "--json"])?,
     )?;
     let v: serde_json::Value = serde_json::from_slice(&o.stdout)?;
     ensure!(v["outcome"] == "committed", "{v}");
+    // Asked again for another end, the close answers the recorded one and
+    // says the asked end changed nothing, exit 1.
+    for action in ["--discard", "--checkpoint"] {
+        let o = as_nobody(&["session", "close", &sid, action])?;
+        let err = String::from_utf8_lossy(&o.stderr);
+        ensure!(
+            o.status.code() == Some(1) && err.contains("had ended committed already (layer"),
+            "session close {action} after a publish: {o:?}"
+        );
+    }
     // The next sandbox sees it; the network asked for is the daemon's.
     let o = ensure_success(
         "session create --sandbox --net host",

@@ -562,7 +562,12 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
     .with_metrics_address(metrics_address)
     .with_holders(holders)
     .with_registry(&cfg.registry);
-    let admin = layerstack_api::AdminServer::new(service.clone());
+    let admin_server = |s: admin::AdminService| {
+        layerstack_api::AdminServer::new(s)
+            .max_decoding_message_size(layerstack_api::MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(layerstack_api::MAX_MESSAGE_BYTES)
+    };
+    let admin = admin_server(service.clone());
     let tcp_address = match &tcp_listener {
         Some(l) => Some(l.local_addr().context("TCP listener address")?),
         None => None,
@@ -580,7 +585,7 @@ async fn run(args: Args, mut cfg: Config) -> Result<()> {
                 .context("[api.tcp] cert, key or client_ca")?
                 .layer(metrics::error_layer(metrics.clone(), "admin"))
                 .layer(tonic::service::interceptor(check))
-                .add_service(layerstack_api::AdminServer::new(service.clone()))
+                .add_service(admin_server(service.clone()))
                 .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(listener));
             Some(srv)
         }

@@ -969,7 +969,11 @@ impl AdminService {
         // A checkpoint needs a running attempt of a graph node: refused before
         // anything ends (the sandbox stays live), unless the session has
         // ended already (a repeated close answers its recorded end).
-        if matches!(how, EndAction::Checkpoint { .. }) {
+        // So does a state or labels an AUTO close could not record.
+        let records = !r.state.is_empty() || !r.labels.is_empty();
+        if matches!(how, EndAction::Checkpoint { .. })
+            || (records && matches!(how, EndAction::Auto { .. }))
+        {
             let s = self.engine.session(id).await.map_err(engine_status)?;
             let running = self
                 .engine
@@ -978,9 +982,17 @@ impl AdminService {
                 .map_err(engine_status)?
                 .is_some_and(|a| a.status == layerstack_engine::store::AttemptStatus::Running);
             if !s.released && !running {
-                return Err(Status::failed_precondition(format!(
-                    "session {id} is not a running attempt of a graph node: only a session started on a node (CreateSession.node, sandbox(node=…)) can be checkpointed; publish or discard this one"
-                )));
+                return Err(Status::failed_precondition(
+                    if records && matches!(how, EndAction::Auto { .. }) {
+                        format!(
+                        "session {id} is not a running attempt of a graph node: its AUTO close cannot checkpoint, so nothing would record the state and labels given; leave them out, or start the session on a node (CreateSession.node, sandbox(node=…))"
+                    )
+                    } else {
+                        format!(
+                        "session {id} is not a running attempt of a graph node: only a session started on a node (CreateSession.node, sandbox(node=…)) can be checkpointed; publish or discard this one"
+                    )
+                    },
+                ));
             }
         }
         let started = std::time::Instant::now();
@@ -1068,6 +1080,11 @@ pub(crate) fn check_close_state(r: &api::CloseSessionRequest) -> Result<(), Stat
         api::EndAction::from_i32(r.action),
         Some(api::EndAction::Checkpoint | api::EndAction::Auto)
     );
+    if !checkpoints && (!r.state.is_empty() || !r.labels.is_empty()) {
+        return Err(Status::invalid_argument(
+            "state and labels are recorded by a checkpoint only: close with CHECKPOINT (or AUTO, on a node's attempt), or leave them out",
+        ));
+    }
     if checkpoints && !r.state.is_empty() {
         layerstack_engine::store::validate_state(&r.state).map_err(|e| {
             Status::invalid_argument(format!(

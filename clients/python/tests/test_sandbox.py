@@ -191,6 +191,9 @@ def test_files_stay_beneath_the_sandbox_root(daemon: Daemon) -> None:
     with layerstack.connect(daemon.admin) as c, c.sandbox(daemon.stack) as sb:
         st = sb.files.write("/work/a/b.txt", "hello\n", mode=0o600)
         assert (st.kind, st.size, st.mode & 0o777) == ("file", 6, 0o600), st
+        # mode=0 is mode 0 (proto3's 0 was taken as "the default", 0o644).
+        st = sb.files.write("/work/a/none.txt", "x", mode=0)
+        assert st.mode & 0o7777 == 0 and sb.files.write("/work/a/dflt.txt", "x").mode & 0o777 == 0o644, st
         assert sb.files.read("/work/a/b.txt") == b"hello\n"
         assert sb.files.read("/work/a/b.txt", offset=1, limit=3) == b"ell"
         assert sb.exec("cat /work/a/b.txt").stdout == b"hello\n", "the command sees what the file API wrote"
@@ -208,7 +211,7 @@ def test_files_stay_beneath_the_sandbox_root(daemon: Daemon) -> None:
         with pytest.raises(layerstack.NotFoundError):
             sb.files.read("/no/such/file")
         assert not sb.files.exists("/work/nothing") and sb.files.exists("/work/hostile")
-        assert sb.files.remove("/work/a", recursive=True) == 2
+        assert sb.files.remove("/work/a", recursive=True) == 4
         assert not sb.files.exists("/work/a")
         # Tar up and down.
         buf = io.BytesIO()
@@ -225,12 +228,15 @@ def test_files_stay_beneath_the_sandbox_root(daemon: Daemon) -> None:
             assert "up/pkg/readme" in got, sorted(got)
         bad = io.BytesIO()
         with tarfile.open(fileobj=bad, mode="w") as t:
-            info = tarfile.TarInfo("../escaped")
-            info.size = 1
-            t.addfile(info, io.BytesIO(b"x"))
+            for name in ("before.txt", "../escaped"):
+                info = tarfile.TarInfo(name)
+                info.size = 1
+                t.addfile(info, io.BytesIO(b"x"))
         with pytest.raises(layerstack.InvalidArgumentError) as e:
             sb.files.upload("/work", bad.getvalue())
-        assert "../escaped" in e.value.message
+        # An upload is not atomic: the refusal says what stays.
+        assert "../escaped" in e.value.message and "were written and stay" in e.value.message, e.value.message
+        assert sb.files.exists("/work/before.txt")
     assert not Path("/tmp/escaped").exists()
 
 
@@ -305,6 +311,27 @@ def test_the_asyncio_client_fans_out(daemon: Daemon) -> None:
 
     nodes = asyncio.run(main())
     assert len(set(nodes)) == 16, nodes
+
+
+def test_a_request_larger_than_grpcs_default_is_carried_and_one_over_the_limit_named(daemon: Daemon) -> None:
+    """A 6 MiB stdin (gRPC's default limit is 4 MiB: it was refused with
+    out_of_range) reaches the command; a request over the daemon's limit is a
+    ValueError naming the argument, sent nowhere; a ListDir answer over 4 MiB
+    is read."""
+    from layerstack._channel import MAX_MESSAGE_BYTES
+
+    with layerstack.connect(daemon.admin) as c, c.sandbox(daemon.stack) as sb:
+        r = sb.exec(["sh", "-c", "cat > /work/in"], stdin=b"x" * (6 << 20), check=True)
+        assert sb.files.stat("/work/in").size == 6 << 20
+        with pytest.raises(ValueError, match="stdin= is"):
+            sb.exec(["true"], stdin=b"x" * (MAX_MESSAGE_BYTES + 1))
+        many = io.BytesIO()
+        with tarfile.open(fileobj=many, mode="w") as t:
+            for i in range(40000):
+                t.addfile(tarfile.TarInfo(f"a-rather-long-file-name-of-a-big-directory-{i}"))
+        sb.files.upload("/work/many", many.getvalue())
+        names = sb.files.list("/work/many")
+        assert len(names) == 40000, len(names)
 
 
 def test_a_refused_upload_is_answered_with_its_refusal(daemon: Daemon) -> None:

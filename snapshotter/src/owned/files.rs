@@ -507,11 +507,16 @@ pub(crate) async fn write_file(
     let map = l.id_map();
     if h.mode > 0o7777 {
         return Err(Status::invalid_argument(format!(
-            "mode {:#o} of {:?}: give permission bits (at most 0o7777; 0: 0o644)",
+            "mode {:#o} of {:?}: give permission bits (at most 0o7777)",
             h.mode, h.path
         )));
     }
-    let mode = if h.mode == 0 { 0o644 } else { h.mode };
+    // 0 without has_mode: a client that predates it, meaning the default.
+    let mode = if h.mode == 0 && !h.has_mode {
+        0o644
+    } else {
+        h.mode
+    };
     let path = h.path.clone();
     let (ctx, mut crx) = mpsc::channel::<Vec<u8>>(4);
     let abort = Arc::new(std::sync::atomic::AtomicBool::new(false));
@@ -920,14 +925,26 @@ pub(crate) async fn upload_tar(
             shift,
         )
         .map_err(|e| {
-            let msg = format!("upload into {path:?}: {}", api::error_chain(&e));
-            match e {
-                layerstack_engine::publisher::ImportError::Invalid(_)
-                | layerstack_engine::publisher::ImportError::Refused { .. }
-                | layerstack_engine::publisher::ImportError::Archive { .. } => {
-                    Status::invalid_argument(msg)
-                }
-                _ => Status::internal(msg),
+            use layerstack_engine::publisher::ImportError;
+            // An upload is not atomic (it writes into the live tree): what
+            // came before a refused or unreadable entry stays, and the
+            // message says so (the import's own says "nothing was
+            // imported", true of a base import's staging only).
+            const KEPT: &str = "the entries before it were written and stay (an upload is not atomic: remove them, or discard the sandbox's writes)";
+            match &e {
+                ImportError::Refused { entry, reason, .. } => Status::invalid_argument(format!(
+                    "upload into {path:?}: refused entry {:?} of the uploaded tar: {reason}; {KEPT}",
+                    String::from_utf8_lossy(entry)
+                )),
+                ImportError::Archive { .. } => Status::invalid_argument(format!(
+                    "upload into {path:?}: {}; {KEPT}",
+                    api::error_chain(&e)
+                )),
+                ImportError::Invalid(_) => Status::invalid_argument(format!(
+                    "upload into {path:?}: {}",
+                    api::error_chain(&e)
+                )),
+                _ => Status::internal(format!("upload into {path:?}: {}", api::error_chain(&e))),
             }
         })?;
         drop(dir);

@@ -16,6 +16,11 @@ import grpc.aio
 
 PemSource = Union[bytes, str, "os.PathLike[str]", None]
 
+#: The largest message of the admin API either side takes, bytes (Rust
+#: ``layerstack_api::MAX_MESSAGE_BYTES``): a request holding a 64 MiB WASI
+#: module, or a large stdin, env or ListDir answer.
+MAX_MESSAGE_BYTES = 80 << 20
+
 
 def _pem(v: PemSource) -> Optional[bytes]:
     """PEM bytes as given, or read from the file path given."""
@@ -62,7 +67,7 @@ class Endpoint:
         )
         if token is not None:
             creds = grpc.composite_channel_credentials(creds, grpc.access_token_call_credentials(token))
-        options: List[Tuple[str, Any]] = list(self._RECONNECT)
+        options: List[Tuple[str, Any]] = list(self._RECONNECT + self._SIZES)
         if self.server_name is not None:
             options.append(("grpc.ssl_target_name_override", self.server_name))
         return creds, options
@@ -73,7 +78,13 @@ class Endpoint:
     # A daemon restart (kill -9, an upgrade) is seconds: reconnect within
     # 100 ms to 2 s of its return, not grpc-core's default of up to 120 s.
     _RECONNECT = (("grpc.initial_reconnect_backoff_ms", 100), ("grpc.max_reconnect_backoff_ms", 2000))
-    _UNIX_OPTIONS = (("grpc.default_authority", "localhost"),) + _RECONNECT
+    # Messages up to the daemon's limit both ways (grpcio's default receive
+    # limit is 4 MiB: a large ListDir answer was refused).
+    _SIZES = (
+        ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+        ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    )
+    _UNIX_OPTIONS = (("grpc.default_authority", "localhost"),) + _RECONNECT + _SIZES
     # A blocking channel's server-streaming calls (Exec, ReadFile, Diff) are
     # read on the calling thread, as its unary calls are, instead of through
     # grpcio's channel thread: one thread hand-off less per message (P7b's

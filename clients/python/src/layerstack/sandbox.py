@@ -51,6 +51,7 @@ from typing import (
 
 import grpc
 
+from layerstack._channel import MAX_MESSAGE_BYTES
 from layerstack._pb import admin_pb2 as pb
 from layerstack.errors import closed_client_error, from_rpc_error, is_closed_channel
 from layerstack.types import Session
@@ -419,7 +420,23 @@ def exec_request(
             raise ValueError("module is empty: give a WebAssembly module (a .wasm binary built for wasm32-wasi)")
     if user is not None:
         req.has_user, req.uid, req.gid = True, user[0], user[1]
+    check_size(req, stdin=len(req.stdin), module=len(req.module), env=sum(len(e) for e in req.env))
     return req
+
+
+def check_size(req: Any, **parts: int) -> None:
+    """ValueError when request ``req`` exceeds the daemon's message limit
+    (:data:`layerstack._channel.MAX_MESSAGE_BYTES`), naming the largest of
+    ``parts`` (field name → bytes) — the call would be refused by gRPC with
+    no word of which argument to shrink."""
+    size = req.ByteSize()
+    if size <= MAX_MESSAGE_BYTES:
+        return
+    field, n = max(parts.items(), key=lambda kv: kv[1])
+    raise ValueError(
+        f"the request is {size} bytes, more than the {MAX_MESSAGE_BYTES} a call carries; {field}= is {n} bytes: "
+        "send large data as a file instead (files.write or files.upload, which stream), then read it in the sandbox"
+    )
 
 
 #: Executors of :meth:`layerstack.Client.sandbox`.
@@ -703,7 +720,7 @@ def write_requests(
     mode = int(mode)
     if not 0 <= mode <= 0o7777:
         raise ValueError(f"mode={mode:#o}: give permission bits, 0..0o7777")
-    h = pb.WriteFileHeader(session_id=session_id, path=path_arg(path), mode=mode, make_parents=make_parents)
+    h = pb.WriteFileHeader(session_id=session_id, path=path_arg(path), mode=mode, has_mode=True, make_parents=make_parents)
     if owner is not None:
         h.has_owner, h.uid, h.gid = True, owner[0], owner[1]
     return Feed(_write_stream(h, data))
@@ -997,7 +1014,9 @@ class Files:
         """Extracts a tar (plain, gzip or zstd: bytes, an open binary file or a
         :class:`pathlib.Path`) into ``directory``. An entry escaping it (absolute
         or ``..`` names, a write through a symlink, a hardlink to outside) is
-        refused with InvalidArgumentError naming it."""
+        refused with InvalidArgumentError naming it. Not atomic: the entries
+        before a refused (or unreadable) one were written and stay — remove
+        them, or discard the sandbox's writes."""
         reqs = upload_requests(self._sb.id, directory, tar, make_parents)
         try:
             return upload_summary(self._sb._call(self._sb._stub.UploadTar, reqs))

@@ -825,7 +825,7 @@ class FileChunk(_message.Message):
     def __init__(self, data: _Optional[bytes] = ...) -> None: ...
 
 class WriteFileHeader(_message.Message):
-    __slots__ = ("session_id", "path", "mode", "make_parents", "has_owner", "uid", "gid")
+    __slots__ = ("session_id", "path", "mode", "make_parents", "has_owner", "uid", "gid", "has_mode")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PATH_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
@@ -833,6 +833,7 @@ class WriteFileHeader(_message.Message):
     HAS_OWNER_FIELD_NUMBER: _ClassVar[int]
     UID_FIELD_NUMBER: _ClassVar[int]
     GID_FIELD_NUMBER: _ClassVar[int]
+    HAS_MODE_FIELD_NUMBER: _ClassVar[int]
     session_id: int
     path: str
     mode: int
@@ -840,7 +841,8 @@ class WriteFileHeader(_message.Message):
     has_owner: bool
     uid: int
     gid: int
-    def __init__(self, session_id: _Optional[int] = ..., path: _Optional[str] = ..., mode: _Optional[int] = ..., make_parents: _Optional[bool] = ..., has_owner: _Optional[bool] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ...) -> None: ...
+    has_mode: bool
+    def __init__(self, session_id: _Optional[int] = ..., path: _Optional[str] = ..., mode: _Optional[int] = ..., make_parents: _Optional[bool] = ..., has_owner: _Optional[bool] = ..., uid: _Optional[int] = ..., gid: _Optional[int] = ..., has_mode: _Optional[bool] = ...) -> None: ...
 
 class WriteFileRequest(_message.Message):
     __slots__ = ("header", "data")
