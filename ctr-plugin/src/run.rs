@@ -1293,6 +1293,17 @@ pub async fn close_cmd(cli: &Cli, a: CloseArgs) -> Result<ExitCode> {
 /// had done what it was asked.
 fn close_came_late(policy: api::EndAction, s: &api::Session) -> Option<String> {
     let kind = OutcomeKind::parse(&s.outcome)?;
+    if kind == OutcomeKind::Interrupted
+        && matches!(policy, api::EndAction::Publish | api::EndAction::Checkpoint)
+    {
+        return Some(format!(
+            "session {} ended interrupted ({}): nothing of its run can be published or checkpointed; \
+             its writes are kept until discarded: layerstack session close {} --discard",
+            s.id,
+            if s.interrupted_by.is_empty() { "an infrastructure failure" } else { &s.interrupted_by },
+            s.id
+        ));
+    }
     let kept = match kind {
         OutcomeKind::Committed | OutcomeKind::Merged => format!(" (layer {})", s.layer),
         OutcomeKind::Checkpointed => format!(" (node {})", s.node),
@@ -1381,6 +1392,9 @@ mod tests {
         let late = close_came_late(Checkpoint, &ended("merged")).unwrap();
         assert!(late.contains("the checkpoint changed nothing"), "{late}");
         assert!(close_came_late(Publish, &ended("discarded")).is_some());
+        let late = close_came_late(Publish, &ended("interrupted")).unwrap();
+        assert!(late.contains("--discard"), "{late}");
+        assert_eq!(close_came_late(Discard, &ended("interrupted")), None);
         // What the close itself can end with, and AUTO, are no error.
         for (p, o) in [
             (Discard, "discarded"),

@@ -27,7 +27,11 @@ pub enum EngineError {
     /// The mount census failed.
     #[error("cannot tell whether upper {0} is mounted")]
     Census(PathBuf, #[source] std::io::Error),
-    #[error("store")]
+    /// The store's error, as it says it (its own messages name the store
+    /// where that helps: "store database", "store i/o on …"; a "store:"
+    /// prefix only put an internal word before "session 7 not found"). Not
+    /// `transparent`: the store error stays in the chain (`no_space`).
+    #[error("{0}")]
     Store(#[from] StoreError),
     /// A limit is reached and the caller asked not to wait.
     #[error("{0}")]
