@@ -919,15 +919,21 @@ async fn run_inner(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
         ),
     };
     let status = u32::try_from(exit).ok();
-    let node = NodeInfo {
-        state: a.state.clone(),
-        command: Some(
-            a.cmd
-                .iter()
-                .map(|x| x.to_string_lossy())
-                .collect::<Vec<_>>()
-                .join(" "),
-        ),
+    // A discard records no node: nothing of it goes with the close (which
+    // would refuse a state no end of it records).
+    let node = if policy == api::EndAction::Discard {
+        NodeInfo::default()
+    } else {
+        NodeInfo {
+            state: a.state.clone(),
+            command: Some(
+                a.cmd
+                    .iter()
+                    .map(|x| x.to_string_lossy())
+                    .collect::<Vec<_>>()
+                    .join(" "),
+            ),
+        }
     };
     let s = match close_on(&mut conn, policy, status, &reason, &node) {
         Ok(s) => s,

@@ -81,13 +81,27 @@ impl Engine {
     }
 
     /// The id of the running rollout attempt whose sandbox is session `sid`,
-    /// if it is one (a read on this worker thread: `Exec` asks it first).
+    /// if it is one (`Exec` asks it first). A sandbox no attempt records
+    /// (most: [`crate::sandbox::Unrecorded`]) is answered from memory;
+    /// otherwise a read on this worker thread.
     pub async fn running_rollout_of_session(
         &self,
         sid: SessionId,
     ) -> Result<Option<i64>, EngineError> {
-        self.blocking_here(move |st| st.running_rollout_of_session(sid))
-            .await
+        let attaches = {
+            let u = self.sandboxes.unrecorded();
+            if u.sessions.contains(&sid) {
+                return Ok(None);
+            }
+            u.attaches
+        };
+        let r = self
+            .blocking_here(move |st| st.running_rollout_of_session(sid))
+            .await?;
+        if r.is_none() {
+            self.sandboxes.remember_unrecorded(sid, attaches);
+        }
+        Ok(r)
     }
 
     /// Records a command run in session `sid` in the trajectory of the
@@ -101,25 +115,8 @@ impl Engine {
         sid: SessionId,
         record: ExecRecord,
     ) -> Result<Option<i64>, EngineError> {
-        // Most sandboxes are no rollout's: answered from memory after the
-        // first exec (no write transaction on every exec's exit).
-        let attaches = {
-            let u = self.sandboxes.unrecorded();
-            if u.sessions.contains(&sid) {
-                return Ok(None);
-            }
-            u.attaches
-        };
-        let r = self
-            .blocking(move |st| st.record_rollout_exec(sid, &record))
-            .await?;
-        if r.is_none() && self.sandboxes.holds(sid) {
-            let mut u = self.sandboxes.unrecorded();
-            if u.attaches == attaches {
-                u.sessions.insert(sid);
-            }
-        }
-        Ok(r)
+        self.blocking(move |st| st.record_rollout_exec(sid, &record))
+            .await
     }
 
     /// Records that rollout attempt `id` runs in sandbox session `sid` (and
@@ -129,16 +126,22 @@ impl Engine {
         id: i64,
         sid: SessionId,
     ) -> Result<RolloutAttempt, EngineError> {
-        {
+        let forget = || {
             let mut u = self.sandboxes.unrecorded();
             u.attaches += 1;
             u.sessions.remove(&sid);
-        }
-        self.blocking(move |st| {
-            let ga = st.attempt_of_session(sid)?.map(|a| a.id);
-            st.attach_rollout_session(id, sid, ga)
-        })
-        .await
+        };
+        forget();
+        let r = self
+            .blocking(move |st| {
+                let ga = st.attempt_of_session(sid)?.map(|a| a.id);
+                st.attach_rollout_session(id, sid, ga)
+            })
+            .await;
+        // Again: a read that began after the count above but before this
+        // commit may have remembered the session meanwhile.
+        forget();
+        r
     }
 
     /// Rollout attempt `id`.

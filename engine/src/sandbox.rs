@@ -171,10 +171,13 @@ pub(crate) struct Sandboxes {
 
 /// Sessions whose commands no running rollout attempt records — made by
 /// [`Engine::create_sandbox_session`] since the daemon started, or so the
-/// store answered [`Engine::record_exec`] — whose execs answer without a
-/// store transaction. An attempt's attach ([`Engine::attach_rollout`])
-/// takes its session out and counts in `attaches`, so an answer read
-/// before an attach is not cached after it. Forgotten at the release.
+/// store answered [`Engine::running_rollout_of_session`] — whose execs
+/// need not ask the store. An attempt's attach ([`Engine::attach_rollout`])
+/// counts in `attaches` and takes its session out, before its transaction
+/// and again after it: an answer read before the attach committed is
+/// remembered only if no attach began since it was asked
+/// ([`Sandboxes::remember_unrecorded`]), and one remembered meanwhile is
+/// taken out again. Forgotten at the release.
 #[derive(Default)]
 pub(crate) struct Unrecorded {
     pub(crate) sessions: HashSet<SessionId>,
@@ -254,9 +257,16 @@ impl Sandboxes {
         self.unrecorded.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Whether session `id` holds its slot in the pool (a live sandbox).
-    pub(crate) fn holds(&self, id: SessionId) -> bool {
-        self.permits().contains_key(&id)
+    /// Remembers that no running rollout attempt records session `id`'s
+    /// commands ([`Unrecorded`]), as learnt when `attaches` was the count:
+    /// not if an attach began since, nor for a session released meanwhile
+    /// (it holds no slot: checked under the same lock as the insert, so a
+    /// release cannot slip between them and leave the entry behind).
+    pub(crate) fn remember_unrecorded(&self, id: SessionId, attaches: u64) {
+        let mut u = self.unrecorded();
+        if u.attaches == attaches && self.permits().contains_key(&id) {
+            u.sessions.insert(id);
+        }
     }
 
     fn release(&self, id: SessionId) {
@@ -720,6 +730,7 @@ impl Engine {
     ) -> Result<(SessionInfo, MountSpec, bool), EngineError> {
         let permit = self.sandbox_permit(req.wait, req.reserve).await?;
         let key = req.idempotency_key.clone();
+        let attaches = self.sandboxes.unrecorded().attaches;
         let (s, spec, created) = match req.node {
             Some(node) => {
                 // One transaction: the attempt, its session and its policy.
@@ -765,9 +776,9 @@ impl Engine {
         self.sandboxes.permits().entry(s.id).or_insert(permit);
         if created {
             // A new session is no rollout attempt's until one attaches
-            // ([`Engine::attach_rollout`] takes it out): its execs need no
-            // store transaction to find that out.
-            self.sandboxes.unrecorded().sessions.insert(s.id);
+            // ([`Engine::attach_rollout`] takes it out): its execs need not
+            // ask the store.
+            self.sandboxes.remember_unrecorded(s.id, attaches);
         }
         Ok((s, spec, created))
     }

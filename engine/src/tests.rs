@@ -2827,13 +2827,13 @@ mod hostile;
 mod model;
 mod powercut;
 
-/// An exec's record: a new sandbox, which no running attempt records, is
-/// answered from memory, and so is one the store said so of; an attempt
-/// attached afterwards records the next exec (the attach takes the session
-/// out of that memory).
+/// Whether an exec is recorded: a new sandbox, which no running attempt
+/// records, is answered from memory, and so is one the store said so of; an
+/// attempt attached afterwards is found again (the attach takes the session
+/// out of that memory) and its exec recorded.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_exec_cached_as_unrecorded_is_recorded_once_an_attempt_attaches() {
-    if !have_root("an_exec_cached_as_unrecorded_is_recorded_once_an_attempt_attaches") {
+async fn an_exec_remembered_as_unrecorded_is_recorded_once_an_attempt_attaches() {
+    if !have_root("an_exec_remembered_as_unrecorded_is_recorded_once_an_attempt_attaches") {
         return;
     }
     use crate::SandboxRequest;
@@ -2887,21 +2887,26 @@ async fn an_exec_cached_as_unrecorded_is_recorded_once_an_attempt_attaches() {
         p.sandboxes.unrecorded().sessions.contains(&s.id),
         "a new sandbox"
     );
-    assert_eq!(p.record_exec(s.id, rec("before")).await.unwrap(), None);
+    assert_eq!(p.running_rollout_of_session(s.id).await.unwrap(), None);
     // As after a restart: the store answers, and is remembered.
     p.sandboxes.unrecorded().sessions.remove(&s.id);
-    assert_eq!(p.record_exec(s.id, rec("stored")).await.unwrap(), None);
+    assert_eq!(p.running_rollout_of_session(s.id).await.unwrap(), None);
     assert!(
         p.sandboxes.unrecorded().sessions.contains(&s.id),
         "a sandbox no attempt records is remembered as such"
     );
-    assert_eq!(p.record_exec(s.id, rec("again")).await.unwrap(), None);
+    // An answer asked before an attach began is not remembered after it.
+    let before = p.sandboxes.unrecorded().attaches;
+    p.sandboxes.unrecorded().sessions.remove(&s.id);
     p.attach_rollout(a.id, s.id).await.unwrap();
+    p.sandboxes.remember_unrecorded(s.id, before);
+    assert!(!p.sandboxes.unrecorded().sessions.contains(&s.id));
     assert_eq!(
-        p.record_exec(s.id, rec("after")).await.unwrap(),
+        p.running_rollout_of_session(s.id).await.unwrap(),
         Some(a.id),
         "an exec after the attach is the attempt's"
     );
+    assert_eq!(p.record_exec(s.id, rec("after")).await.unwrap(), Some(a.id));
     let t = store.recorded_trajectory(a.id).unwrap().expect("recorded");
     let t = String::from_utf8(t).unwrap();
     assert!(

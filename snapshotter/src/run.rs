@@ -67,6 +67,14 @@ pub(crate) async fn run_session(
             "close.action CHECKPOINT needs a session on a graph node (create.node): only an attempt of a node can be checkpointed; publish or discard this one",
         ));
     }
+    if close.action == api::EndAction::Auto as i32
+        && create.node.is_empty()
+        && (!close.state.is_empty() || !close.labels.is_empty())
+    {
+        return Err(Status::failed_precondition(
+            "close.state and close.labels are recorded by a checkpoint, which a session on no graph node cannot make (its AUTO close would drop them): give create.node, or leave them out",
+        ));
+    }
     let key = create.idempotency_key.clone();
     let executor = if create.wasi.is_some() {
         "wasi"
@@ -148,13 +156,17 @@ pub(crate) async fn run_session(
                 None
             }
             Ran::Failed(e) => {
-                close.action = api::EndAction::Discard as i32;
-                close.reason = format!("the command did not run: {}", e.message());
+                as_discard(
+                    &mut close,
+                    format!("the command did not run: {}", e.message()),
+                );
                 Some(e)
             }
             Ran::Abandoned => {
-                close.action = api::EndAction::Discard as i32;
-                close.reason = "the RunSession caller went away before the command ended".into();
+                as_discard(
+                    &mut close,
+                    "the RunSession caller went away before the command ended".into(),
+                );
                 None
             }
         };
@@ -163,8 +175,7 @@ pub(crate) async fn run_session(
             // A close refused while the session lives (checked up front, but
             // the session may have changed meanwhile): it must not outlive
             // this call. The refusal is what the caller gets.
-            close.action = api::EndAction::Discard as i32;
-            close.reason = "RunSession: its close was refused".into();
+            as_discard(&mut close, "RunSession: its close was refused".into());
             if let Err(e) = admin.sandbox_close(close).await {
                 warn!(session.id = id, error = %e.message(), "RunSession: the discard after a refused close failed");
             }
@@ -185,4 +196,15 @@ pub(crate) async fn run_session(
         let _ = tx.send(last).await;
     });
     Ok(Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx)))
+}
+
+/// `close` turned into a DISCARD for `reason`: without the state, labels and
+/// command a checkpoint would have recorded (a discard records none, and a
+/// close that carries them is refused: `check_close_state`).
+fn as_discard(close: &mut api::CloseSessionRequest, reason: String) {
+    close.action = api::EndAction::Discard as i32;
+    close.reason = reason;
+    close.state.clear();
+    close.labels.clear();
+    close.command.clear();
 }

@@ -33,7 +33,7 @@ use tracing::{info, warn};
 use crate::blobs::{record_layer_blob_in, BlobCompression, LayerBlob};
 use crate::db::{write_on, Cached};
 use crate::error::StoreError;
-use crate::graph::{get_group, get_node, validate_state, NODE_COLS};
+use crate::graph::{get_group, get_node, validate_adopted_state, NODE_COLS};
 use crate::layers::insert_layer;
 use crate::leases::new_lease;
 use crate::paths::insert_index;
@@ -717,7 +717,7 @@ impl Store {
         node: &AdoptNode,
     ) -> Result<Adopted, StoreError> {
         validate_node_id(&node.id)?;
-        validate_state(&node.state)?;
+        validate_adopted_state(&node.state)?;
         self.check_adopt_layers(layers)?;
         let mut conn = self.db.writer();
         // (staged dir, its layer dir) renamed so far, to move back on failure.
@@ -767,7 +767,7 @@ impl Store {
         inflight: &mut Vec<crate::InFlightGuard>,
     ) -> Result<Adopted, StoreError> {
         validate_node_id(&node.id)?;
-        validate_state(&node.state)?;
+        validate_adopted_state(&node.state)?;
         require_stack(tx, stack)?;
         let there: Option<i64> = tx
             .one("SELECT 1 FROM graph_nodes WHERE id = ?1", [&node.id], |r| {

@@ -552,6 +552,14 @@ pub fn validate_state(state: &str) -> Result<(), StoreError> {
         .map_err(|e| StoreError::InvalidArgument(format!("node state {e}")))
 }
 
+/// The state of a node adopted from elsewhere (a pull): any small JSON
+/// document ([`layerstack_types::check_adopted_node_state`]) — nodes an
+/// older daemon made may hold a non-object state.
+pub(crate) fn validate_adopted_state(state: &str) -> Result<(), StoreError> {
+    layerstack_types::check_adopted_node_state(state)
+        .map_err(|e| StoreError::InvalidArgument(format!("node state {e}")))
+}
+
 impl Store {
     /// Creates graph `name` on `stack`: its root node is the head of `branch`.
     /// Same `key` → the first call's answer. Errors: `InvalidArgument` (a name

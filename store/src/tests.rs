@@ -4337,12 +4337,17 @@ fn a_batch_of_adopted_nodes_is_one_transaction_and_pages_walk_the_graph_in_order
             )
         })
         .collect();
+    // A node an older daemon made with a state that is no object still
+    // moves (only new states must be objects).
+    let mut batch = batch;
+    batch[1].1.state = "[1,2]".into();
     // A bad node at the end undoes the whole batch.
     let mut bad = batch.clone();
     bad.last_mut().unwrap().1.state = "not json".into();
     assert!(s.adopt_nodes(&stack, &bad).is_err());
     assert!(s.node(&id(0)).is_err(), "a failed batch leaves no node");
     let out = s.adopt_nodes(&stack, &batch).unwrap();
+    assert_eq!(s.node(&id(1)).unwrap().state, "[1,2]");
     assert_eq!(out.len(), 2_345);
     assert!(out
         .iter()

@@ -37,7 +37,7 @@ pub mod time;
 pub use error::{error_chain, is_no_space, ErrorKind};
 pub use idmap::{BadIdMap, IdMap};
 pub use names::{Interruption, OutcomeKind, OwnerKind, PathStatus, SessionState};
-pub use state::{check_node_state, MAX_NODE_STATE_BYTES};
+pub use state::{check_adopted_node_state, check_node_state, MAX_NODE_STATE_BYTES};
 
 /// The prefix of the id of a stack whose base was imported without containerd
 /// (`layerstack base import`): `import:sha256:<hex>`, the digest of the base's

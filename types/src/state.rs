@@ -18,8 +18,24 @@ pub const MAX_NODE_STATE_BYTES: usize = 64 * 1024;
 /// assert!(check_node_state(r#"{"reward": 1}"#).is_ok());
 /// assert!(check_node_state("nope").unwrap_err().starts_with("is not JSON"));
 /// assert!(check_node_state("[1]").unwrap_err().starts_with("is JSON but not an object"));
+/// assert!(layerstack_types::check_adopted_node_state("[1]").is_ok());
 /// ```
 pub fn check_node_state(state: &str) -> Result<(), String> {
+    check(state, true)
+}
+
+/// Checks the state of a node made elsewhere (a pull, an adoption): a JSON
+/// document of at most [`MAX_NODE_STATE_BYTES`], any value — daemons before
+/// [`check_node_state`] asked for an object stored arrays, numbers and
+/// `null`, and their nodes must still move between stores.
+///
+/// # Errors
+/// As [`check_node_state`], but for `is JSON but not an object`.
+pub fn check_adopted_node_state(state: &str) -> Result<(), String> {
+    check(state, false)
+}
+
+fn check(state: &str, object: bool) -> Result<(), String> {
     if state.len() > MAX_NODE_STATE_BYTES {
         return Err(format!(
             "is {} bytes; at most {MAX_NODE_STATE_BYTES} (keep large artifacts in files of the tree)",
@@ -28,6 +44,7 @@ pub fn check_node_state(state: &str) -> Result<(), String> {
     }
     match serde_json::from_str::<serde_json::Value>(state) {
         Ok(serde_json::Value::Object(_)) => Ok(()),
+        Ok(_) if !object => Ok(()),
         Ok(v) => Err(format!(
             "is JSON but not an object (it is {}): a node's state is an object of named values; wrap the value, e.g. {{\"value\": {}}}",
             kind(&v),

@@ -901,6 +901,18 @@ def test_run_session_creates_runs_and_ends_in_one_call(daemon: Daemon, fsops: Pa
     nodes = asyncio.run(checkpoints())
     with layerstack.connect(daemon.admin) as c:
         assert [c.show_node(n).state for n in nodes] == [{"i": i} for i in range(4)]
+        # A command that does not run under a checkpoint with a state: its
+        # session is discarded (the discard carries no state), not left live.
+        g = c.create_graph(f"sdk-bad-{os.urandom(3).hex()}", daemon.stack)
+        with pytest.raises(layerstack.InvalidArgumentError, match="compile"):
+            c.run_session(["bad"], node=g.root, executor="wasi", module=b"\0asm-not-really",
+                          end="checkpoint", state={"r": 1}, name="bad-ckpt")
+        # AUTO with a state on no node: refused before a session exists.
+        with pytest.raises(layerstack.FailedPreconditionError, match="graph node"):
+            c.run_session("true", daemon.stack, branch=branch, end="auto", state={"r": 1}, name="auto-state")
+        live = [s for s in c.list_sessions(all_namespaces=True)
+                if s.owner in ("wasi:bad-ckpt", "sandbox:auto-state") and not s.released]
+        assert live == [], f"left live: {live}"
 
     # A caller that goes away mid-run: the command is stopped, the session
     # discarded (never published), whatever end it asked for.

@@ -123,7 +123,7 @@ fn open_in_root(root: &OwnedFd, path: &std::ffi::CStr, flags: libc::c_int) -> io
 /// resolves (`path` itself excluded) is on a kernel-interface filesystem,
 /// following the session's symlinks on the way (`/link -> /proc/self/fd/0`).
 fn kernel_fs_above(root: &OwnedFd, path: &[u8]) -> Option<io::Error> {
-    let deepest = deepest_dir(root, path, 40)?;
+    let deepest = deepest_dir(root, path, 40, &mut 256)?;
     let name = sys::kernel_fs(&deepest).ok()??;
     Some(not_served(NotServed::KernelFs(name)))
 }
@@ -132,8 +132,10 @@ fn kernel_fs_above(root: &OwnedFd, path: &[u8]) -> Option<io::Error> {
 /// itself excluded. A component that does not resolve but is a symlink is
 /// followed by hand (its target with the rest of `path`, at most `links`
 /// links): its target may be the part that does not resolve, as the
-/// daemon's `/proc/self` does not in the session's procfs.
-fn deepest_dir(root: &OwnedFd, path: &[u8], links: u32) -> Option<OwnedFd> {
+/// daemon's `/proc/self` does not in the session's procfs. At most `opens`
+/// opens in all: a tree of the session's links cannot make a refusal cost
+/// more than that.
+fn deepest_dir(root: &OwnedFd, path: &[u8], links: u32, opens: &mut u32) -> Option<OwnedFd> {
     let path = path.strip_prefix(b"/").unwrap_or(path);
     let mut deepest = None;
     let ends = path
@@ -143,6 +145,10 @@ fn deepest_dir(root: &OwnedFd, path: &[u8], links: u32) -> Option<OwnedFd> {
         .map(|(i, _)| i)
         .chain(std::iter::once(path.len()));
     for i in ends {
+        if *opens < 2 {
+            break;
+        }
+        *opens -= 2;
         let c = CString::new(&path[..i]).ok()?;
         match sys::openat2_in_root(root, &c, libc::O_PATH | libc::O_DIRECTORY, 0) {
             Ok(fd) if i < path.len() => deepest = Some(fd),
@@ -167,7 +173,10 @@ fn deepest_dir(root: &OwnedFd, path: &[u8], links: u32) -> Option<OwnedFd> {
                             };
                             next.extend_from_slice(target);
                             next.extend_from_slice(&path[i..]);
-                            return deepest_dir(root, &next, links - 1).or(deepest);
+                            if next.strip_prefix(b"/").unwrap_or(&next) == path {
+                                break; // a link to itself
+                            }
+                            return deepest_dir(root, &next, links - 1, opens).or(deepest);
                         }
                     }
                 }

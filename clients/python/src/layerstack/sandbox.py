@@ -895,7 +895,9 @@ def run_request(
         command=command,
         exit_status=exit_status,
     )
-    return pb.RunSessionRequest(create=create, exec=run, close=close)
+    req = pb.RunSessionRequest(create=create, exec=run, close=close)
+    check_size(req, stdin=len(run.stdin), module=len(run.module), env=sum(len(e) for e in run.env))
+    return req
 
 
 class RunFold:
