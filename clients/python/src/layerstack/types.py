@@ -125,7 +125,10 @@ class Session:
         owner: ``container:<ns>/<id>`` | ``sandbox:<name>`` | ``wasi:<name>`` | ``operation:<id>``.
         stack: ``<namespace>/<base image top chainID>``.
         branch: the branch whose head it leased ("" for an attempt's session).
-        state: ``active`` | ``published`` | ``conflict`` | ``discarded``.
+        state: ``active`` | ``published`` | ``conflict`` | ``discarded`` — the
+            store's: a sandbox whose run ended ``interrupted`` is still
+            ``active`` (its writes are kept) with ``outcome`` ``interrupted``;
+            ``layerstack session ls`` shows it as ``interrupted``.
         outcome: ``committed`` | ``merged`` (a branch moved) | ``checkpointed``
             (a graph node was made; no branch moved) | ``no-change`` | ``conflict`` |
             ``discarded`` | ``failed`` | ``busy`` | ``unsupported`` | ``unknown`` |
