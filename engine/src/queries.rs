@@ -75,7 +75,9 @@ impl Engine {
         spec: &str,
     ) -> Result<Option<String>, EngineError> {
         let (ns, sp) = (namespace.to_string(), spec.to_string());
-        self.blocking(move |s| s.resolve_stack(&ns, &sp)).await
+        // A short read on the caller's worker: a sandbox's create asks it
+        // first, and a hand-off to the blocking pool costs a wake-up.
+        self.blocking_here(move |s| s.resolve_stack(&ns, &sp)).await
     }
 
     /// The stack of image `chain` (its top chainID) in `namespace`, made from

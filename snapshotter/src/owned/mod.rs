@@ -469,18 +469,11 @@ pub(crate) async fn create(
         ready_us,
         "daemon-owned session started"
     );
-    let branch_created = session.branch_created;
-    let session = admin
-        .to_api(
-            admin
-                .engine
-                .session(id)
-                .await
-                .map_err(crate::admin::engine_status)?,
-        )
-        .await?;
+    // The session as made, with the limits its init now runs under: no
+    // second read of the store on the create's path (a thread hand-off and
+    // a query after every start).
     let session = api::Session {
-        branch_created,
+        limits: holders.owned_limits(id),
         ..session
     };
     Ok(api::CreateSessionResponse {
