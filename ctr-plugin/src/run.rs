@@ -815,6 +815,18 @@ pub(crate) struct NodeInfo {
     pub(crate) command: Option<String>,
 }
 
+impl NodeInfo {
+    /// What a close with `policy` sends: nothing for a DISCARD, which
+    /// records no node (and is refused with a state it would not record).
+    pub(crate) fn for_end(self, policy: api::EndAction) -> NodeInfo {
+        if policy == api::EndAction::Discard {
+            NodeInfo::default()
+        } else {
+            self
+        }
+    }
+}
+
 pub(crate) async fn close(
     c: &mut api::AdminClient<tonic::transport::Channel>,
     id: i64,
@@ -919,22 +931,17 @@ async fn run_inner(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
         ),
     };
     let status = u32::try_from(exit).ok();
-    // A discard records no node: nothing of it goes with the close (which
-    // would refuse a state no end of it records).
-    let node = if policy == api::EndAction::Discard {
-        NodeInfo::default()
-    } else {
-        NodeInfo {
-            state: a.state.clone(),
-            command: Some(
-                a.cmd
-                    .iter()
-                    .map(|x| x.to_string_lossy())
-                    .collect::<Vec<_>>()
-                    .join(" "),
-            ),
-        }
-    };
+    let node = NodeInfo {
+        state: a.state.clone(),
+        command: Some(
+            a.cmd
+                .iter()
+                .map(|x| x.to_string_lossy())
+                .collect::<Vec<_>>()
+                .join(" "),
+        ),
+    }
+    .for_end(policy);
     let s = match close_on(&mut conn, policy, status, &reason, &node) {
         Ok(s) => s,
         Err(e) if e.downcast_ref::<Failure>().is_some() => return Err(e),

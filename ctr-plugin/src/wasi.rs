@@ -128,16 +128,11 @@ pub async fn run(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
             api::EndAction::Discard,
         ),
     };
-    // A discard records no node: nothing of it goes with the close (which
-    // would refuse a state no end of it records).
-    let node = if policy == api::EndAction::Discard {
-        NodeInfo::default()
-    } else {
-        NodeInfo {
-            state: a.state.clone(),
-            command: Some(command),
-        }
-    };
+    let node = NodeInfo {
+        state: a.state.clone(),
+        command: Some(command),
+    }
+    .for_end(policy);
     let closed = close(&mut c, id, policy, u32::try_from(exit).ok(), &reason, &node).await;
     let x = ran?;
     let s = closed?;

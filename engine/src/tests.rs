@@ -1767,6 +1767,24 @@ async fn a_hundred_children_add_only_their_own_deltas() {
     );
 }
 
+/// Attempt 1 of sample `sample` of run "r" (step 0, prompt "p", policy
+/// "pi") on `node`, a remote one when `worker` names it.
+fn rollout_begin(node: &str, sample: i64, worker: Option<&str>) -> layerstack_store::RolloutBegin {
+    layerstack_store::RolloutBegin {
+        key: layerstack_store::SampleKey {
+            run: "r".into(),
+            step: 0,
+            prompt: "p".into(),
+            sample,
+        },
+        attempt: 1,
+        node: node.to_string(),
+        policy: "pi".into(),
+        seed: None,
+        worker: worker.map(str::to_string),
+    }
+}
+
 /// A remote attempt (a worker's, on another machine) through the engine: the
 /// daemon's start recovery leaves it running (nothing of it lived here), it
 /// ends with the checkpoint node the caller pulled — a child of its node —
@@ -1777,7 +1795,7 @@ async fn a_remote_attempt_ends_once_with_its_pulled_checkpoint() {
     if !have_root("a_remote_attempt_ends_once_with_its_pulled_checkpoint") {
         return;
     }
-    use layerstack_store::{Begun, RolloutBegin, RolloutResult, RolloutStatus, SampleKey};
+    use layerstack_store::{Begun, RolloutResult, RolloutStatus};
     let t = tmp();
     let (store, _) = setup_n(t.path(), 1);
     let p = engine_with(&store, Default::default());
@@ -1786,19 +1804,7 @@ async fn a_remote_attempt_ends_once_with_its_pulled_checkpoint() {
         .await
         .unwrap();
     p.create_run("r", "remote", BTreeMap::new()).await.unwrap();
-    let begin = |sample: i64, worker: Option<&str>| RolloutBegin {
-        key: SampleKey {
-            run: "r".into(),
-            step: 0,
-            prompt: "p".into(),
-            sample,
-        },
-        attempt: 1,
-        node: root.id.clone(),
-        policy: "pi".into(),
-        seed: None,
-        worker: worker.map(str::to_string),
-    };
+    let begin = |sample: i64, worker: Option<&str>| rollout_begin(&root.id, sample, worker);
     let Begun::Attempt { attempt: a, .. } = p.begin_rollout(begin(0, Some("w-a"))).await.unwrap()
     else {
         panic!("rewarded")
@@ -2837,7 +2843,7 @@ async fn an_exec_remembered_as_unrecorded_is_recorded_once_an_attempt_attaches()
         return;
     }
     use crate::SandboxRequest;
-    use layerstack_store::{Begun, ExecRecord, RolloutBegin, SampleKey};
+    use layerstack_store::{Begun, ExecRecord};
     let t = tmp();
     let (store, _) = setup_n(t.path(), 1);
     let p = engine_with(&store, Default::default());
@@ -2847,19 +2853,7 @@ async fn an_exec_remembered_as_unrecorded_is_recorded_once_an_attempt_attaches()
         .unwrap();
     p.create_run("r", "rec", BTreeMap::new()).await.unwrap();
     let Begun::Attempt { attempt: a, .. } = p
-        .begin_rollout(RolloutBegin {
-            key: SampleKey {
-                run: "r".into(),
-                step: 0,
-                prompt: "p".into(),
-                sample: 0,
-            },
-            attempt: 1,
-            node: root.id.clone(),
-            policy: "pi".into(),
-            seed: None,
-            worker: None,
-        })
+        .begin_rollout(rollout_begin(&root.id, 0, None))
         .await
         .unwrap()
     else {

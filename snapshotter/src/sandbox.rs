@@ -970,10 +970,9 @@ impl AdminService {
         // anything ends (the sandbox stays live), unless the session has
         // ended already (a repeated close answers its recorded end).
         // So does a state or labels an AUTO close could not record.
-        let records = !r.state.is_empty() || !r.labels.is_empty();
-        if matches!(how, EndAction::Checkpoint { .. })
-            || (records && matches!(how, EndAction::Auto { .. }))
-        {
+        let auto_records =
+            matches!(how, EndAction::Auto { .. }) && (!r.state.is_empty() || !r.labels.is_empty());
+        if matches!(how, EndAction::Checkpoint { .. }) || auto_records {
             let s = self.engine.session(id).await.map_err(engine_status)?;
             let running = self
                 .engine
@@ -982,17 +981,15 @@ impl AdminService {
                 .map_err(engine_status)?
                 .is_some_and(|a| a.status == layerstack_engine::store::AttemptStatus::Running);
             if !s.released && !running {
-                return Err(Status::failed_precondition(
-                    if records && matches!(how, EndAction::Auto { .. }) {
-                        format!(
+                return Err(Status::failed_precondition(if auto_records {
+                    format!(
                         "session {id} is not a running attempt of a graph node: its AUTO close cannot checkpoint, so nothing would record the state and labels given; leave them out, or start the session on a node (CreateSession.node, sandbox(node=…))"
                     )
-                    } else {
-                        format!(
+                } else {
+                    format!(
                         "session {id} is not a running attempt of a graph node: only a session started on a node (CreateSession.node, sandbox(node=…)) can be checkpointed; publish or discard this one"
                     )
-                    },
-                ));
+                }));
             }
         }
         let started = std::time::Instant::now();
