@@ -112,6 +112,14 @@ fn xattr_err(fd: &impl AsFd, name: &[u8], len: usize, e: Errno) -> StageError {
             .map(|s| s.f_bavail.saturating_mul(s.f_frsize) > 16 << 20)
             .unwrap_or(false)
     };
+    // `system.*` names are the filesystem's own (ACLs, …): one it does not
+    // implement is the input's, not the host's.
+    if e == Errno::OPNOTSUPP && name.starts_with(b"system.") {
+        return StageError::Refused(format!(
+            "xattr {} is not one the store's filesystem implements ({e}): drop it from the source",
+            show(name)
+        ));
+    }
     if e == Errno::TOOBIG || e == Errno::RANGE || (e == Errno::NOSPC && has_room()) {
         return StageError::Refused(format!(
             "xattr {} has a {len}-byte value, more than the store's filesystem keeps for one file ({e}): drop it or make it smaller",
@@ -149,6 +157,7 @@ impl Meta {
             }
         }
         for (name, _) in &self.xattrs {
+            check_xattr_name(name)?;
             // Both namespaces: a trusted.overlay.* xattr steers a privileged
             // mount, a user.overlay.* one a rootless (userxattr) mount.
             if is_overlay_private(name, false) || is_overlay_private(name, true) {
@@ -160,6 +169,27 @@ impl Meta {
         }
         Ok(())
     }
+}
+
+/// The xattr namespaces Linux knows (`xattr(7)`): a name in any other, or
+/// with nothing after its namespace, is refused before any I/O — the kernel
+/// would answer `EOPNOTSUPP` or `EINVAL`, which reads as the staging
+/// filesystem's fault.
+const XATTR_NAMESPACES: [&[u8]; 4] = [b"security.", b"system.", b"trusted.", b"user."];
+
+/// Refuses an xattr name outside [`XATTR_NAMESPACES`] or with an empty
+/// suffix, naming it.
+fn check_xattr_name(name: &[u8]) -> R<()> {
+    let known = XATTR_NAMESPACES
+        .iter()
+        .any(|ns| name.len() > ns.len() && name.starts_with(ns));
+    if known {
+        return Ok(());
+    }
+    Err(StageError::Refused(format!(
+        "it carries the xattr {}, which is in no namespace Linux knows (security., system., trusted. or user., followed by a name): rename or drop it in the source",
+        show(name)
+    )))
 }
 
 /// A device or fifo.
@@ -999,7 +1029,31 @@ fn fd_xattr_names(fd: &OwnedFd) -> R<Vec<Vec<u8>>> {
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
-    use super::normalize;
+    use super::{check_xattr_name, normalize, StageError};
+
+    #[test]
+    fn xattr_names_outside_the_kernels_namespaces_are_refused() {
+        for ok in [
+            &b"user.k"[..],
+            b"trusted.k",
+            b"security.capability",
+            b"system.posix_acl_access",
+        ] {
+            assert!(
+                check_xattr_name(ok).is_ok(),
+                "{}",
+                String::from_utf8_lossy(ok)
+            );
+        }
+        for bad in [&b"urusted.k"[..], b"user.", b"k", b"", b"USER.k"] {
+            match check_xattr_name(bad) {
+                Err(StageError::Refused(m)) => {
+                    assert!(m.contains("no namespace Linux knows"), "{m}")
+                }
+                other => panic!("{}: {other:?}", String::from_utf8_lossy(bad)),
+            }
+        }
+    }
 
     #[test]
     fn paths_are_normalized_or_refused() {
