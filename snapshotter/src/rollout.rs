@@ -296,6 +296,16 @@ impl AdminService {
                 state: (!r.state.is_empty()).then_some(r.state),
                 labels: r.labels.into_iter().collect(),
             },
+            // A discard records no node: a state or labels given with it
+            // would be dropped without a word (CloseSession refuses the same).
+            Some(api::end_rollout_request::Keep::Discard)
+                if !r.state.is_empty() || !r.labels.is_empty() =>
+            {
+                return Err(Status::invalid_argument(format!(
+                    "rollout attempt {}: state and labels are recorded by a checkpoint only, and keep DISCARD records none: end with keep CHECKPOINT, or leave them out",
+                    r.attempt
+                )));
+            }
             Some(api::end_rollout_request::Keep::Discard) => RolloutKeep::Discard,
             None => {
                 return Err(Status::invalid_argument(format!(

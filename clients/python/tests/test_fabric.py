@@ -277,6 +277,13 @@ def test_a_crashed_harness_leaves_the_commands_it_ran_in_its_attempts_trajectory
             with pytest.raises(layerstack.InvalidArgumentError, match="state"):
                 await r2.end(reward=1.0, accepted=True, keep="checkpoint", state="not json")
             assert (await r2.exec("true")).ok
+            # A state or labels with a discard would be dropped: refused,
+            # the attempt runs on.
+            with pytest.raises(layerstack.InvalidArgumentError, match="keep CHECKPOINT"):
+                await r2.end(reward=1.0, keep="discard", state={"a": 1})
+            with pytest.raises(layerstack.InvalidArgumentError, match="keep CHECKPOINT"):
+                await r2.end(reward=1.0, keep="discard", labels={"k": "v"})
+            assert (await r2.exec("true")).ok
             mine = await r2.end(reward=1.0, keep="discard", trajectory=b'[{"argv": ["mine"]}]')
             assert json.loads(await ls.read_blob(mine.trajectory or "")) == [{"argv": ["mine"]}]
 

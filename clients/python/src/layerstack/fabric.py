@@ -421,7 +421,9 @@ def end_request(
     ``infra_failed``; ValueError otherwise, or for a ``keep`` other than
     "checkpoint" and "discard"). ``result_node``: a remote attempt's
     checkpoint, a node already pulled into the daemon's store whose parent is
-    the attempt's node (not with ``infra_failed`` or ``keep="discard"``)."""
+    the attempt's node (not with ``infra_failed`` or ``keep="discard"``).
+    ``state`` and ``labels`` are the checkpoint's: with ``keep="discard"`` the
+    daemon refuses them (``InvalidArgumentError``), since no node records them."""
     given = [reward is not None, task_failed, infra_failed is not None]
     if sum(given) != 1:
         raise ValueError("give exactly one of reward=, task_failed=True, infra_failed='kind'")
