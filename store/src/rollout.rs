@@ -442,7 +442,7 @@ pub(crate) fn get_rollout(conn: &Connection, id: i64) -> Result<RolloutAttempt, 
         .pop()
         .ok_or_else(|| {
             StoreError::NotFound(format!(
-                "rollout attempt {id} does not exist (see `layerstack rollout ls RUN`)"
+                "rollout attempt {id} does not exist (a run's attempts: `layerstack rollout attempts RUN`)"
             ))
         })
 }
@@ -584,21 +584,52 @@ pub(crate) fn end_rollout_in(
 ) -> Result<RolloutAttempt, StoreError> {
     let a = get_rollout(tx, id)?;
     if a.status != RolloutStatus::Running {
+        // A repeat is the same result: status, reward and acceptance,
+        // evaluator and backpropagated value (message, trajectory and
+        // artifacts are the first end's).
+        let evaluator = |e: Option<&Evaluator>| e.filter(|e| **e != Evaluator::default()).cloned();
         let same = a.status == end.result.status()
             && match &end.result {
-                RolloutResult::Completed { reward, .. } => a.reward == Some(*reward),
+                RolloutResult::Completed { reward, accepted } => {
+                    a.reward == Some(*reward) && a.accepted == Some(*accepted)
+                }
                 RolloutResult::InfraFailed { kind } => a.infra_kind.as_deref() == Some(kind),
                 RolloutResult::TaskFailed => true,
-            };
+            }
+            && evaluator(a.evaluator.as_ref()) == evaluator(end.evaluator.as_ref())
+            && a.backprop == end.backprop;
         if same {
             return Ok(a);
         }
+        let recorded = match a.status {
+            RolloutStatus::Completed => format!(
+                "completed (reward {}, {}{}{})",
+                a.reward.unwrap_or_default(),
+                if a.accepted == Some(false) {
+                    "rejected"
+                } else {
+                    "accepted"
+                },
+                a.evaluator
+                    .as_ref()
+                    .map(|e| format!(", evaluator {}:{}", e.name, e.version))
+                    .unwrap_or_default(),
+                a.backprop
+                    .map(|b| format!(", backprop {b}"))
+                    .unwrap_or_default(),
+            ),
+            s => format!(
+                "{}{}",
+                s.as_str(),
+                a.infra_kind
+                    .as_ref()
+                    .map(|k| format!("({k})"))
+                    .unwrap_or_default()
+            ),
+        };
         return Err(StoreError::FailedPrecondition(format!(
-            "rollout attempt {id} ({} attempt {}) ended already as {}{}: an attempt ends once; retry the sample with a new attempt",
-            a.key,
-            a.attempt,
-            a.status.as_str(),
-            a.infra_kind.as_ref().map(|k| format!("({k})")).unwrap_or_default(),
+            "rollout attempt {id} ({} attempt {}) ended already as {recorded}: an attempt ends once, and a repeated end must give the same result; another result needs a new attempt of the sample (the sample's reward, once applied, stays)",
+            a.key, a.attempt,
         )));
     }
     if let RolloutResult::InfraFailed { kind } = &end.result {
@@ -893,9 +924,10 @@ impl Store {
             if let Some(id) = existing {
                 let a = get_rollout(tx, id)?;
                 if a.policy != b.policy || a.seed != b.seed {
+                    let seed = |s: Option<i64>| s.map_or("none".to_string(), |s| s.to_string());
                     return Err(StoreError::FailedPrecondition(format!(
-                        "sample {k} attempt {} exists with policy {:?} seed {:?}, asked with policy {:?} seed {:?}: a repeated call names the same attempt; a retry is a new attempt number",
-                        b.attempt, a.policy, a.seed, b.policy, b.seed
+                        "sample {k} attempt {} exists with policy {:?} seed {}, asked with policy {:?} seed {}: a repeated call names the same attempt; a retry is a new attempt number",
+                        b.attempt, a.policy, seed(a.seed), b.policy, seed(b.seed)
                     )));
                 }
                 if a.worker != b.worker {
@@ -1003,6 +1035,20 @@ impl Store {
                             a.session.unwrap_or_default()
                         )));
                     }
+                }
+            }
+            if a.status != RolloutStatus::Running {
+                // A repeat: it answers the recorded end (or refuses another)
+                // and changes nothing — above all, it never prunes the
+                // checkpoint the first end kept.
+                match (&a.result_node, how) {
+                    (Some(n), Disposition::Prune | Disposition::Discard) => {
+                        return Err(StoreError::FailedPrecondition(format!(
+                            "rollout attempt {id} ({} attempt {}) ended already keeping node {n}: an attempt ends once, and a repeated end must keep it too (keep CHECKPOINT); the node stays",
+                            a.key, a.attempt
+                        )));
+                    }
+                    _ => return Ok((end_rollout_in(tx, id, end, None)?, None)),
                 }
             }
             let node = ga.and_then(|(_, n)| n);

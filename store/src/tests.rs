@@ -2502,6 +2502,35 @@ fn a_samples_reward_is_applied_once_whatever_the_retries_and_repeats() {
         .end_rollout(a2.id, &completed(0.1, true), Disposition::Keep)
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::FailedPrecondition, "{err}");
+    // So is the same reward with another acceptance, evaluator or
+    // backpropagated value: each names the recorded end.
+    let mut rejected = completed(0.75, true);
+    rejected.result = RolloutResult::Completed {
+        reward: 0.75,
+        accepted: false,
+    };
+    let mut other_evaluator = completed(0.75, true);
+    other_evaluator.evaluator = Some(Evaluator {
+        name: "pytest".into(),
+        version: "9.0".into(),
+        digest: "sha256:cd".into(),
+    });
+    let mut other_backprop = completed(0.75, true);
+    other_backprop.backprop = Some(0.5);
+    for other in [
+        rejected,
+        other_evaluator,
+        other_backprop,
+        completed(0.75, false),
+    ] {
+        let err = s.end_rollout(a2.id, &other, Disposition::Keep).unwrap_err();
+        assert_eq!(err.kind(), ErrorKind::FailedPrecondition, "{err}");
+        assert!(
+            err.to_string().contains("ended already as completed (reward 0.75, accepted, evaluator pytest:8.0, backprop 0.75)"),
+            "{err}"
+        );
+    }
+    assert_eq!(s.rollout(a2.id).unwrap(), e2);
     // The racing attempt completes but is not applied; no attempt starts now.
     let Begun::Rewarded(sample) = begin(&s, 0, 4, &root.id) else {
         panic!("rewarded sample started again")

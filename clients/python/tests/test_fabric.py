@@ -312,6 +312,12 @@ def test_an_attempt_ends_once_and_a_repeated_call_answers_it(daemon: Daemon) -> 
             assert await ls.end_rollout(r.id, reward=0.9, backprop=0.9) == end
             with pytest.raises(layerstack.FailedPreconditionError):
                 await ls.end_rollout(r.id, reward=0.1)
+            with pytest.raises(layerstack.FailedPreconditionError, match="backprop 0.9"):
+                await ls.end_rollout(r.id, reward=0.9, backprop=0.5)
+            # A repeated end that would discard: refused, the kept node stays.
+            with pytest.raises(layerstack.FailedPreconditionError, match="keeping node"):
+                await ls.end_rollout(r.id, reward=0.9, backprop=0.9, keep="discard")
+            assert not (await ls.show_node(end.result_node)).pruned
             with pytest.raises(layerstack.InvalidArgumentError):
                 await ls.end_rollout(r.id, infra_failed="timeout", backprop=0.0)
             rewarded = await ls.begin_rollout(key, 2, g.root, policy="pi", seed=5)
