@@ -1042,7 +1042,11 @@ impl Store {
                 // and changes nothing — above all, it never prunes the
                 // checkpoint the first end kept.
                 match (&a.result_node, how) {
-                    (Some(n), Disposition::Prune | Disposition::Discard) => {
+                    // (A rejected result's node, pruned by its end: a repeat
+                    // of that discard is the same end.)
+                    (Some(n), Disposition::Prune | Disposition::Discard)
+                        if !get_node(tx, n).is_ok_and(|node| node.pruned) =>
+                    {
                         return Err(StoreError::FailedPrecondition(format!(
                             "rollout attempt {id} ({} attempt {}) ended already keeping node {n}: an attempt ends once, and a repeated end must keep it too (keep CHECKPOINT); the node stays",
                             a.key, a.attempt

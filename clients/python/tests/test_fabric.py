@@ -67,6 +67,13 @@ def test_a_step_grades_each_sample_in_a_clean_sandbox_and_rewards_it_once(daemon
                 assert r.grade_output is not None and r.grade_output.ok == bool(want)
                 traj = json.loads(await ls.read_blob(r.attempt.trajectory or ""))
                 assert traj[0]["argv"][0] == "sh" and traj[0]["exit_code"] == 0, traj
+            # A rejected result's end again (its node pruned by the first):
+            # the same end, answered as recorded.
+            rejected = [r for r in results if not r.reward][0].attempt
+            assert rejected is not None
+            again_end = await ls.end_rollout(rejected.id, reward=0.0, accepted=False, evaluator=GRADER.evaluator(),
+                                             backprop=0.0, keep="discard")
+            assert (again_end.id, again_end.status, again_end.reward) == (rejected.id, "completed", 0.0)
             audit = await ls.audit_run(run)
             assert audit.violations == ()
             assert (audit.samples, audit.rewarded, audit.attempts, audit.completed, audit.backprops) == (8, 8, 8, 8, 8)
@@ -330,6 +337,63 @@ def test_an_attempt_ends_once_and_a_repeated_call_answers_it(daemon: Daemon) -> 
     asyncio.run(main())
 
 
+def test_leaving_a_fan_out_early_ends_its_attempts_and_caller_mistakes_are_raised(daemon: Daemon) -> None:  # noqa: F811
+    async def main() -> None:
+        async with layerstack.aio.connect(daemon.admin) as ls:
+            g = await ls.create_graph(_names("fab"), daemon.stack)
+            run = (await ls.create_run(_names("run"), g.name)).name
+            started = asyncio.Event()
+
+            async def slow(r: layerstack.aio.AsyncRollout) -> float:
+                if r.key.sample == 0:
+                    return 1.0
+                started.set()
+                await r.exec(["sleep", "30"])
+                return 0.0
+
+            def live_sandboxes() -> set:
+                with layerstack.connect(daemon.admin) as c:
+                    return {x.id for x in c.list_sessions(all_namespaces=True, owner_kind="sandbox")
+                            if not x.released}
+
+            live_before = live_sandboxes()
+            async for first in fan_out(ls, run, g.root, 4, slow, policy="pi", concurrency=4):
+                await asyncio.wait_for(started.wait(), 30)
+                assert first.sample == 0 and first.status == "completed", first
+                break
+            # The generator is closed when the loop is left: its attempts end.
+            for _ in range(200):
+                running = [a async for a in ls.rollouts(run) if a.status == "running"]
+                if not running:
+                    break
+                await asyncio.sleep(0.05)
+            attempts = [a async for a in ls.rollouts(run)]
+            assert [a.status for a in attempts if a.status == "running"] == [], attempts
+            cancelled = [a for a in attempts if a.status == "infra_failed"]
+            assert cancelled and all(a.infra_kind == "cancelled" for a in cancelled), attempts
+            live = live_sandboxes() - live_before
+            assert live == set(), f"sandboxes left live by a fan-out left early: {live}"
+            assert (await ls.audit_run(run)).violations == ()
+            # A wrong node, a non-number from act: raised, not yielded per sample.
+            with pytest.raises(layerstack.NotFoundError):
+                async for _ in fan_out(ls, run, "n0000000000000000", 3, slow, step=1, policy="pi"):
+                    pass
+
+            async def words(r: layerstack.aio.AsyncRollout) -> str:
+                return "0.7"
+
+            with pytest.raises(layerstack.fabric.HarnessError, match="act returned '0.7'"):
+                async for _ in fan_out(ls, run, g.root, 1, words, step=2, policy="pi"):
+                    pass
+            ended = [a async for a in ls.rollouts(run, step=2)]
+            assert [(a.status, a.infra_kind) for a in ended] == [("infra_failed", "harness-error")], ended
+            with pytest.raises(ValueError, match="max_attempts=0"):
+                async for _ in fan_out(ls, run, g.root, 1, words, step=3, max_attempts=0):
+                    pass
+
+    asyncio.run(main())
+
+
 def test_search_statistics_select_children_and_frontier_leases_hold_nodes(daemon: Daemon) -> None:  # noqa: F811
     async def main() -> None:
         async with layerstack.aio.connect(daemon.admin) as ls:
@@ -517,7 +581,9 @@ def test_exactly_once_through_daemon_kills_mid_step(daemon: Daemon) -> None:  # 
                 assert sorted((x.sample, x.status, x.reward) for x in again) == sorted(
                     (x.sample, x.status, x.reward) for x in results)
                 one = applied[0]
-                replay = await ls.end_rollout(one.id, reward=one.reward)
+                replay = await ls.end_rollout(
+                    one.id, reward=one.reward, accepted=bool(one.accepted), evaluator=GRADER.evaluator(),
+                    backprop=one.backprop, keep="checkpoint" if one.accepted else "discard")
                 assert (replay.status, replay.reward, replay.applied) == (one.status, one.reward, True), replay
                 with pytest.raises(layerstack.FailedPreconditionError, match="ended already"):
                     await ls.end_rollout(one.id, reward=0.5)

@@ -51,7 +51,7 @@ from typing import (
 )
 
 from layerstack._pb import admin_pb2 as pb
-from layerstack.errors import FailedPreconditionError, LayerStackError
+from layerstack.errors import BusyError, FailedPreconditionError, LayerStackError
 
 if TYPE_CHECKING:
     from layerstack.aio import AsyncClient, AsyncRollout
@@ -70,6 +70,7 @@ __all__ = [
     "RolloutResult",
     "TaskFailed",
     "GraderLost",
+    "HarnessError",
     "uct",
     "puct",
     "fan_out",
@@ -344,6 +345,30 @@ class TaskFailed(Exception):
     (the policy's fault), not an infrastructure failure, and is not retried."""
 
 
+class HarnessError(TypeError):
+    """The harness's own mistake found in a rollout — ``act`` returned no
+    number where it gives the reward, or a reward is not finite: a retry
+    would repeat it, so it is no infrastructure failure. :func:`fan_out`
+    ends the attempt ``infra_failed(harness-error)`` (nothing stays running)
+    and raises it. (A ``TypeError``.)"""
+
+    kind = "harness-error"
+
+
+def _reward_of(value: Any, what: str) -> float:
+    """``value`` as a finite reward; :class:`HarnessError` naming ``what``
+    otherwise (``bool`` counts as 0/1)."""
+    if not isinstance(value, (int, float)):
+        raise HarnessError(
+            f"{what} returned {value!r} ({type(value).__name__}): it must return the reward, a number "
+            "(give a grader= to score the sandbox instead)"
+        )
+    v = float(value)
+    if not math.isfinite(v):
+        raise HarnessError(f"{what} returned reward {v}: a reward is a finite number")
+    return v
+
+
 @dataclass
 class Grader:
     """An evaluator run in a clean sandbox over the attempt's checkpoint.
@@ -367,8 +392,11 @@ class Grader:
         return Evaluator(self.name, self.version, d)
 
     def score(self, out: "ExecOutput") -> Tuple[float, bool]:
+        """``(reward, accepted)`` for the grader's output; :class:`HarnessError`
+        when ``reward`` gives no finite number."""
         if self.reward is not None:
-            return self.reward(out)
+            reward, accepted = self.reward(out)
+            return _reward_of(reward, f"grader {self.name!r}'s reward function"), bool(accepted)
         return (1.0, True) if out.ok else (0.0, False)
 
 
@@ -481,6 +509,17 @@ _CALLER_ERRORS = frozenset({"invalid_argument", "failed_precondition", "not_foun
                             "permission_denied", "unauthenticated", "unsupported"})
 
 
+def _check_counts(*, n: int, max_attempts: int, concurrency: int) -> None:
+    """ValueError for a negative ``n`` or a ``max_attempts`` or
+    ``concurrency`` below 1, naming it."""
+    if n < 0:
+        raise ValueError(f"n={n}: give the number of samples, 0 or more")
+    if max_attempts < 1:
+        raise ValueError(f"max_attempts={max_attempts}: give 1 or more (attempts per sample)")
+    if concurrency < 1:
+        raise ValueError(f"concurrency={concurrency}: give 1 or more (samples run at once)")
+
+
 def _infra_kind(e: BaseException) -> str:
     """The infra_failed kind of an exception a rollout raised (a LayerStack
     error's kind, else the exception's class name)."""
@@ -516,15 +555,25 @@ async def fan_out(
 
     Per sample: attempt 1, 2, … up to ``max_attempts``: a sandbox on ``node``
     (``BeginRollout``; a sample rewarded before yields its recorded reward
-    and starts nothing), ``await act(rollout)`` — its return value, if a
-    number, is the reward when there is no ``grader``; raising
-    :class:`TaskFailed` ends the attempt ``task_failed``. With a ``grader``,
+    and starts nothing; a ``busy`` answer — ``sandbox={"wait_s": 0}`` —
+    asks again for the same attempt, with backoff), ``await act(rollout)`` —
+    without a ``grader`` it must return the reward, a finite number;
+    raising :class:`TaskFailed` ends the attempt ``task_failed``. With a ``grader``,
     the attempt's sandbox is checkpointed, the grader runs in a fresh sandbox
     on that checkpoint and is discarded, and its reward ends the attempt (its
     node kept when accepted, else pruned, ``keep`` permitting). Any other
     exception is an infrastructure failure: the attempt ends
     ``infra_failed(kind)`` and the sample is tried again. ``backprop``: the
     reward is backpropagated from the attempt's leaf (once per attempt).
+
+    Raised, not yielded — every sample would repeat them: ``ValueError`` for
+    a bad argument; a LayerStack error of the caller's kind (a node or run
+    that does not exist, a closed client: ``NotFoundError``,
+    ``FailedPreconditionError``, …); :class:`HarnessError` when ``act``
+    returns no number (without a grader) or a reward is not finite (its
+    attempt ends ``infra_failed(harness-error)`` first). Leaving the loop
+    early (``break``, a timeout, a raise) ends every attempt still running
+    ``infra_failed(cancelled)`` and discards its sandbox.
 
     Calling it again after a crash is safe: samples rewarded before are not
     run again and keep their reward, nor are samples whose task failed before
@@ -540,6 +589,7 @@ async def fan_out(
     """
     if keep not in ("checkpoint", "discard"):
         raise ValueError(f"keep {keep!r}: use 'checkpoint' or 'discard'")
+    _check_counts(n=n, max_attempts=max_attempts, concurrency=concurrency)
 
     def one(i: int) -> Awaitable[RolloutResult]:
         return _run_sample(
@@ -561,27 +611,47 @@ async def _as_finished(
 ) -> AsyncIterator[RolloutResult]:
     """Runs ``one(i)`` for every sample ``i`` of ``todo``, at most
     ``concurrency`` at once, and yields the results as they finish; an
-    exception becomes the sample's result (``errors``), never lost. Leaving
-    the loop early cancels what still runs."""
+    exception becomes the sample's result (``errors``), never lost — except
+    the caller's own mistakes (a LayerStack error of a kind in
+    ``_CALLER_ERRORS`` — a wrong node or run, a closed client — and
+    :class:`HarnessError`), which are raised here: every sample would repeat
+    them. Leaving the loop early (``break``, a cancellation, a raise) cancels
+    what still runs; each sample ends its running attempt first."""
     gate = asyncio.Semaphore(max(1, concurrency))
-    queue: "asyncio.Queue[RolloutResult]" = asyncio.Queue()
+    queue: "asyncio.Queue[Union[RolloutResult, BaseException]]" = asyncio.Queue()
 
     async def run_one(i: int) -> None:
         async with gate:
+            res: Union[RolloutResult, BaseException]
             try:
                 res = await one(i)
+            except asyncio.CancelledError:
+                raise
             except BaseException as e:  # noqa: BLE001 — reported, never lost
-                res = RolloutResult(sample=i, key=key(i), attempt=None, reward=None, errors=(repr(e),))
+                if _is_callers(e):
+                    res = e
+                else:
+                    res = RolloutResult(sample=i, key=key(i), attempt=None, reward=None, errors=(repr(e),))
             await queue.put(res)
 
     tasks = [asyncio.ensure_future(run_one(i)) for i in todo]
     try:
         for _ in todo:
-            yield await queue.get()
+            got = await queue.get()
+            if isinstance(got, BaseException):
+                raise got
+            yield got
     finally:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def _is_callers(e: BaseException) -> bool:
+    """Whether ``e`` is the caller's mistake (see :func:`_as_finished`)."""
+    if isinstance(e, HarnessError):
+        return True
+    return isinstance(e, LayerStackError) and getattr(e, "kind", None) in _CALLER_ERRORS
 
 
 async def _run_sample(
@@ -609,19 +679,31 @@ async def _run_sample(
     errors: List[str] = []
     last: Optional[RolloutAttempt] = None
     for number in range(first, first + max_attempts):
-        try:
-            r = await _through_restarts(
-                lambda: client.begin_rollout(
-                    key, number, node, policy=policy, seed=None if seed is None else seed + i, **sandbox
-                ),
-                reconnect_s,
-            )
-        except LayerStackError as e:
-            if e.kind in _CALLER_ERRORS:
-                raise
-            # The sandbox could not be made (the daemon ended the attempt
-            # infra_failed(sandbox-start)), or no slot: the next attempt.
-            errors.append(f"attempt {number} begin: {e!r}")
+        busy = 0
+        while True:
+            try:
+                r = await _through_restarts(
+                    lambda: client.begin_rollout(
+                        key, number, node, policy=policy, seed=None if seed is None else seed + i, **sandbox
+                    ),
+                    reconnect_s,
+                )
+                break
+            except BusyError:
+                # No slot now (asked not to wait, `wait_s`): the daemon keeps
+                # the attempt, to be asked again — the same attempt number,
+                # later; a busy pool is no failure of the attempt.
+                busy += 1
+                await asyncio.sleep(min(0.02 * 2 ** min(busy, 7), 2.0))
+            except LayerStackError as e:
+                if e.kind in _CALLER_ERRORS:
+                    raise
+                # The sandbox could not be made: the daemon ended the attempt
+                # infra_failed(sandbox-start); the next attempt.
+                errors.append(f"attempt {number} begin: {e!r}")
+                r = None
+                break
+        if r is None:
             await asyncio.sleep(min(0.05 * 2 ** (number - first), 2.0))
             continue
         if r.rewarded:
@@ -635,7 +717,7 @@ async def _run_sample(
         try:
             value = await act(r)
             if grader is None:
-                reward = float(value) if isinstance(value, (int, float)) else 1.0
+                reward = _reward_of(value, "act")
                 last = await r.end(reward=reward, accepted=True, backprop=reward if backprop else None,
                                    keep=keep)
                 return RolloutResult(i, key, last, reward if last.applied else await _reward(client, key),
@@ -669,6 +751,14 @@ async def _run_sample(
                 continue
             return RolloutResult(i, key, last, None, errors=tuple(errors))
         except asyncio.CancelledError:
+            # Left before it ended (the caller broke out of the loop, a
+            # timeout): the attempt ends and its sandbox goes — nothing of it
+            # stays running. A first end that landed keeps its result (this
+            # one is then refused).
+            await _end_quietly(r, "cancelled", "the fan-out was left (cancelled) before this attempt ended")
+            raise
+        except HarnessError as e:
+            await _end_quietly(r, HarnessError.kind, str(e)[:1000])
             raise
         except Exception as e:  # an infrastructure failure: retry the sample
             errors.append(f"attempt {number}: {e!r}")
@@ -685,6 +775,16 @@ async def _run_sample(
                 errors.append(f"attempt {number} end: {e2!r}")
             await asyncio.sleep(min(0.05 * 2 ** (number - first), 2.0))
     return RolloutResult(i, key, last, None, errors=tuple(errors))
+
+
+async def _end_quietly(r: "AsyncRollout", kind: str, message: str) -> None:
+    """Ends attempt ``r`` ``infra_failed(kind)`` and discards its sandbox,
+    shielded from a cancellation of the caller; a refusal (it ended before)
+    or any failure is ignored — the daemon's audit ends what is left."""
+    try:
+        await asyncio.shield(r.end(infra_failed=kind, message=message, keep="discard"))
+    except BaseException:  # noqa: BLE001 — best effort on the way out
+        pass
 
 
 async def _first_attempt(client: "AsyncClient", key: SampleKey, reconnect_s: float) -> Optional[int]:
