@@ -599,7 +599,8 @@ async def fan_out(
         )
 
     todo = list(samples) if samples is not None else list(range(n))
-    async for res in _as_finished(todo, one, concurrency, lambda i: SampleKey(run, step, prompt, i)):
+    async for res in _as_finished(todo, one, concurrency, lambda i: SampleKey(run, step, prompt, i),
+                                  raise_callers=True):
         yield res
 
 
@@ -608,14 +609,16 @@ async def _as_finished(
     one: Callable[[int], Awaitable[RolloutResult]],
     concurrency: int,
     key: Callable[[int], SampleKey],
+    raise_callers: bool = False,
 ) -> AsyncIterator[RolloutResult]:
     """Runs ``one(i)`` for every sample ``i`` of ``todo``, at most
     ``concurrency`` at once, and yields the results as they finish; an
-    exception becomes the sample's result (``errors``), never lost — except
-    the caller's own mistakes (a LayerStack error of a kind in
-    ``_CALLER_ERRORS`` — a wrong node or run, a closed client — and
-    :class:`HarnessError`), which are raised here: every sample would repeat
-    them. Leaving the loop early (``break``, a cancellation, a raise) cancels
+    exception becomes the sample's result (``errors``), never lost — except,
+    with ``raise_callers`` (:func:`fan_out`), the caller's own mistakes (a
+    LayerStack error of a kind in ``_CALLER_ERRORS`` — a wrong node or run, a
+    closed client — and :class:`HarnessError`), which are raised here: every
+    sample would repeat them. (``fan_out_ray`` keeps them per sample: its
+    attempts end ``infra_failed(kind)`` on the worker that refused.) Leaving the loop early (``break``, a cancellation, a raise) cancels
     what still runs; each sample ends its running attempt first."""
     gate = asyncio.Semaphore(max(1, concurrency))
     queue: "asyncio.Queue[Union[RolloutResult, BaseException]]" = asyncio.Queue()
@@ -628,7 +631,7 @@ async def _as_finished(
             except asyncio.CancelledError:
                 raise
             except BaseException as e:  # noqa: BLE001 — reported, never lost
-                if _is_callers(e):
+                if raise_callers and _is_callers(e):
                     res = e
                 else:
                     res = RolloutResult(sample=i, key=key(i), attempt=None, reward=None, errors=(repr(e),))
