@@ -95,7 +95,7 @@ impl Engine {
         opts: layerstack_store::SessionOptions,
     ) -> Result<(AttemptInfo, SessionInfo, MountSpec, bool), EngineError> {
         let n = node.to_string();
-        self.blocking(move |st| st.start_attempt_with(&n, &owner, key.as_deref(), &opts))
+        self.blocking_here(move |st| st.start_attempt_with(&n, &owner, key.as_deref(), &opts))
             .await
     }
 
