@@ -267,9 +267,31 @@ async fn scenario(dir: &Path, daemon: &mut Option<Daemon>) -> Result<()> {
     );
     let r = exec(&mut c, id, &["no-such-command"]).await?;
     ensure!(
-        r.exit.code == 127 && String::from_utf8_lossy(&r.err).contains("not found"),
+        r.exit.code == 127
+            && r.exit.start_failed
+            && String::from_utf8_lossy(&r.err).contains("not found"),
         "{r:?}"
     );
+    // Never started, as a field: not found, not executable, a working
+    // directory that is not there — and not a script's own `exit 127`.
+    exec(&mut c, id, &["sh", "-c", "printf x > /tmp/not-executable"]).await?;
+    let r = exec(&mut c, id, &["/tmp/not-executable"]).await?;
+    ensure!(r.exit.code == 126 && r.exit.start_failed, "{r:?}");
+    let r = exec_req(
+        &mut c,
+        api::ExecRequest {
+            session_id: id,
+            argv: vec!["true".into()],
+            cwd: "/no/such/dir".into(),
+            ..Default::default()
+        },
+    )
+    .await?;
+    ensure!(r.exit.code == 125 && r.exit.start_failed, "{r:?}");
+    let r = exec(&mut c, id, &["sh", "-c", "exit 127"]).await?;
+    ensure!(r.exit.code == 127 && !r.exit.start_failed, "{r:?}");
+    let r = exec(&mut c, id, &["true"]).await?;
+    ensure!(r.exit.code == 0 && !r.exit.start_failed, "{r:?}");
     let r = exec(&mut c, id, &["sh", "-c", "kill -9 $$"]).await?;
     ensure!(
         r.exit.signal == 9 && r.exit.code == 137 && !r.exit.timed_out,

@@ -25,7 +25,7 @@
 
 use std::ffi::{CStr, CString, OsStr};
 use std::io;
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::fd::{AsRawFd, IntoRawFd, OwnedFd, RawFd};
 use std::os::unix::ffi::OsStrExt;
 use std::sync::atomic::{AtomicI32, Ordering};
 
@@ -336,7 +336,23 @@ impl Init {
 
 fn fail(step: &[&[u8]], e: &io::Error) -> ! {
     sys::report(step, Some(e));
+    not_started();
     sys::exit_now(SETUP_FAILED)
+}
+
+/// In an Exec's command before its `execve` ([`joined_waiter`]): the write
+/// end of the waiter's close-on-exec "start" pipe (−1 elsewhere). A command
+/// that cannot be started writes one byte there before it exits
+/// ([`not_started`]); one that execs closes it unwritten.
+static START_FD: std::sync::atomic::AtomicI32 = std::sync::atomic::AtomicI32::new(-1);
+
+/// Tells the waiter that the command was never started (see [`START_FD`]).
+/// Child-safe.
+fn not_started() {
+    let fd = START_FD.load(Ordering::Relaxed);
+    if fd >= 0 {
+        let _ = sys::write_all(fd, b"n");
+    }
 }
 
 /// A character device under `dev/` of the new root; bind-mounted from the host's
@@ -729,10 +745,12 @@ fn exec_command(c: &Command, set: &libc::sigset_t) -> ! {
     match denied {
         Some(e) => {
             sys::report(&[&c.name[..]], Some(&e));
+            not_started();
             sys::exit_now(126)
         }
         None => {
             sys::report(&[&c.name[..], b": command not found"], None);
+            not_started();
             sys::exit_now(127)
         }
     }
@@ -824,18 +842,26 @@ pub struct Stdio {
 /// Bytes of an exit written to [`Stdio::status`].
 pub const EXIT_BYTES: usize = 8;
 
-/// The exit a waiter reported on its status pipe (`kind` 0: code, 1: signal;
-/// then the value; both native-endian `i32`).
+/// The exit a waiter reported on its status pipe (`kind` 0: code, 1: signal,
+/// 2: code of a command that was never started; then the value; both
+/// native-endian `i32`).
 pub fn decode_exit(b: &[u8; EXIT_BYTES]) -> Exit {
+    decode_exit_started(b).0
+}
+
+/// [`decode_exit`] and whether the command was started: `false` when it
+/// could not be (not found: 127, not executable: 126, its setup — working
+/// directory, user — failed: 125; its stderr says why).
+pub fn decode_exit_started(b: &[u8; EXIT_BYTES]) -> (Exit, bool) {
     let mut k = [0u8; 4];
     let mut v = [0u8; 4];
     k.copy_from_slice(&b[..4]);
     v.copy_from_slice(&b[4..]);
     let v = i32::from_ne_bytes(v);
-    if i32::from_ne_bytes(k) == 0 {
-        Exit::Code(v)
-    } else {
-        Exit::Signal(v)
+    match i32::from_ne_bytes(k) {
+        0 => (Exit::Code(v), true),
+        2 => (Exit::Code(v), false),
+        _ => (Exit::Signal(v), true),
     }
 }
 
@@ -956,9 +982,16 @@ fn joined_waiter(
         fail(&[b"enter the session's root"], &e);
     }
     sys::close(root);
+    // The command writes a byte here when it cannot be started (START_FD).
+    let (start_r, start_w) = match sys::pipe() {
+        Ok((r, w)) => (r.into_raw_fd(), w.into_raw_fd()),
+        Err(e) => fail(&[b"make the command's start pipe"], &e),
+    };
     // SAFETY: the grandchild runs only `exec_command`.
     let main = match unsafe { sys::clone_fork(0) } {
         Ok(0) => {
+            sys::close(start_r);
+            START_FD.store(start_w, Ordering::Relaxed);
             sys::close(stdio.status);
             if let Err(e) = sys::join_cgroups(cgroup_procs) {
                 fail(&[b"join the session's cgroup"], &e);
@@ -972,6 +1005,7 @@ fn joined_waiter(
         Ok(pid) => pid,
         Err(e) => fail(&[b"fork the command"], &e),
     };
+    sys::close(start_w);
     // Both sides set the group: whichever runs first, a kill of the group
     // after this line reaches the command.
     sys::setpgid(main, main);
@@ -980,7 +1014,12 @@ fn joined_waiter(
         if sig == libc::SIGCHLD {
             while let Some((pid, x)) = sys::reap_any() {
                 if pid == main {
+                    // The command is gone, so is its end of the pipe: one
+                    // byte, or end of file (it exec'd).
+                    let mut byte = [0u8; 1];
+                    let started = !matches!(sys::read(start_r, &mut byte), Ok(1));
                     let (k, v) = match x {
+                        Exit::Code(c) if !started => (2i32, c),
                         Exit::Code(c) => (0i32, c),
                         Exit::Signal(n) => (1i32, n),
                     };

@@ -944,6 +944,8 @@ pub(crate) async fn exec(
             module_compiled: out.compiled,
             stdout_truncated: out.stdout_truncated,
             stderr_truncated: out.stderr_truncated,
+            // A module that cannot be started is refused before any run.
+            start_failed: false,
         })),
     });
     tokio::spawn(async move {

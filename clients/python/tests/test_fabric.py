@@ -387,6 +387,20 @@ def test_leaving_a_fan_out_early_ends_its_attempts_and_caller_mistakes_are_raise
                     pass
             ended = [a async for a in ls.rollouts(run, step=2)]
             assert [(a.status, a.infra_kind) for a in ended] == [("infra_failed", "harness-error")], ended
+            # A grader that cannot be started is a broken evaluator: each
+            # attempt ends infra_failed(grader-not-started), never a reward.
+            broken = Grader(["/no/such/grader"], name="broken", version="1")
+
+            async def quick(r: layerstack.aio.AsyncRollout) -> None:
+                await r.exec("true")
+
+            res = [x async for x in fan_out(ls, run, g.root, 1, quick, step=4, policy="pi", grader=broken,
+                                            max_attempts=2)]
+            assert [(x.status, x.reward) for x in res] == [("infra_failed", None)], res
+            tried = [a async for a in ls.rollouts(run, step=4)]
+            assert [(a.status, a.infra_kind, a.reward) for a in tried] == [
+                ("infra_failed", "grader-not-started", None)] * 2, tried
+            assert "could not be started" in tried[0].message, tried[0]
             with pytest.raises(ValueError, match="max_attempts=0"):
                 async for _ in fan_out(ls, run, g.root, 1, words, step=3, max_attempts=0):
                     pass

@@ -374,8 +374,13 @@ async fn run(admin: &AdminService, r: api::ExecRequest) -> Result<Stream<api::Ex
             // The waiter wrote the command's exact exit before it exited.
             let mut st = tokio::net::unix::pipe::Receiver::from_owned_fd(st_r)?;
             let mut b = [0u8; holder::EXIT_BYTES];
+            let mut start_failed = false;
             let x = match st.read_exact(&mut b).await {
-                Ok(_) => holder::decode_exit(&b),
+                Ok(_) => {
+                    let (x, started) = holder::decode_exit_started(&b);
+                    start_failed = !started;
+                    x
+                }
                 // No exit of the command: it was never started. With the
                 // sandbox's init gone (killed, OOM), that is the sandbox's
                 // loss, not the command's result — an error, never an exit
@@ -391,6 +396,9 @@ async fn run(admin: &AdminService, r: api::ExecRequest) -> Result<Stream<api::Ex
                 "Exec ended"
             );
             let mut reply = exit_reply(x, timed_out, elapsed_from);
+            if let Some(api::exec_reply::Kind::Exit(e)) = &mut reply.kind {
+                e.start_failed = start_failed;
+            }
             if let (Some(cg), Some(api::exec_reply::Kind::Exit(e))) = (&cgroup, &mut reply.kind) {
                 let u = cg.usage();
                 e.oom_killed = u.oom_kills > oom_before && x == Exit::Signal(libc::SIGKILL);

@@ -70,6 +70,7 @@ __all__ = [
     "RolloutResult",
     "TaskFailed",
     "GraderLost",
+    "GraderNotStarted",
     "HarnessError",
     "uct",
     "puct",
@@ -338,6 +339,15 @@ class GraderLost(Exception):
     cause): the attempt ends ``infra_failed(grader-lost)`` and is retried."""
 
     kind = "grader-lost"
+
+
+class GraderNotStarted(GraderLost):
+    """The grader's command could not be started in its sandbox (not found,
+    not executable: ``ExecOutput.start_failed``): the evaluator is broken,
+    not the task — the attempt ends ``infra_failed(grader-not-started)``,
+    never with a reward."""
+
+    kind = "grader-not-started"
 
 
 class TaskFailed(Exception):
@@ -732,6 +742,11 @@ async def _run_sample(
             finally:
                 # Discarded even across a daemon restart (a close is idempotent).
                 await _through_restarts(lambda: g.discard("grading done"), reconnect_s)
+            if out.start_failed:
+                raise GraderNotStarted(
+                    f"grader {grader.name!r} could not be started (exit {out.exit_code}): "
+                    + out.stderr.decode("utf-8", "replace").strip()[:500]
+                )
             if out.signal and not out.timed_out and not out.oom_killed:
                 # Killed from outside (its sandbox lost): not the task's
                 # result — never a silent zero.

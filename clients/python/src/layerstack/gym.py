@@ -45,7 +45,7 @@ import gymnasium
 from gymnasium import spaces
 
 import layerstack.aio
-from layerstack.fabric import Grader, RolloutAttempt, SampleKey
+from layerstack.fabric import Grader, GraderNotStarted, RolloutAttempt, SampleKey
 
 __all__ = ["SandboxEnv", "SUBMIT"]
 
@@ -184,6 +184,13 @@ class SandboxEnv(gymnasium.Env[str, Any]):
                 out = await g.exec(self.grader.command, env=self.grader.env, timeout_s=self.grader.timeout_s)
             finally:
                 await g.discard("grading done")
+            if out.start_failed:
+                # A broken evaluator, not the policy's result: never a reward.
+                why = (f"grader {self.grader.name!r} could not be started (exit {out.exit_code}): "
+                       + out.stderr.decode("utf-8", "replace").strip()[:500])
+                self.last_attempt = await r.end(infra_failed=GraderNotStarted.kind, message=why, keep="discard")
+                self._rollout = None
+                raise GraderNotStarted(why)
             reward, accepted = self.grader.score(out)
             end = await r.end(reward=reward, accepted=accepted, evaluator=self.grader.evaluator(),
                               keep="checkpoint" if accepted else "discard")
@@ -193,6 +200,16 @@ class SandboxEnv(gymnasium.Env[str, Any]):
             return text, float(end.reward if end.reward is not None else reward)
 
         return self._run(go())  # type: ignore[no-any-return]
+
+    def __del__(self) -> None:
+        # Dropped without close(): the episode ends and its sandbox goes as
+        # close() ends them (not at interpreter exit, when the loop may be gone).
+        try:
+            loop = self.__dict__.get("_loop")
+            if loop is not None and not loop.is_closed() and not loop.is_running():
+                self.close()
+        except Exception:  # noqa: BLE001 — nothing to report to from a finalizer
+            pass
 
     def close(self) -> None:
         """Ends an unfinished episode and closes the connection."""

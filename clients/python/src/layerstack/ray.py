@@ -75,6 +75,7 @@ from layerstack.fabric import (
     Evaluator,
     Grader,
     GraderLost,
+    GraderNotStarted,
     RolloutAttempt,
     RolloutResult,
     SampleKey,
@@ -553,6 +554,11 @@ class Worker:
                 grade = await g.exec(task.grader.command, env=task.grader.env, timeout_s=task.grader.timeout_s)
             finally:
                 await g.discard("grading done")
+            if grade.start_failed:
+                raise GraderNotStarted(
+                    f"grader {task.grader.name!r} could not be started (exit {grade.exit_code}): "
+                    + grade.stderr.decode("utf-8", "replace").strip()[:500]
+                )
             if grade.signal and not grade.timed_out and not grade.oom_killed:
                 raise GraderLost(f"the grader was killed by signal {grade.signal}")
             reward, accepted = task.grader.score(grade)

@@ -104,7 +104,10 @@ class ExecOutput:
     """How a command ended, with its whole output.
 
     ``exit_code`` is a shell's ``$?`` (128 + n when signal n ended it; 127: not
-    found, 126: not executable); ``signal`` the signal (0 if it exited);
+    found, 126: not executable); ``start_failed`` says the command was never
+    started (not found, not executable, or its working directory or user
+    could not be set: code 125; stderr says why) — unlike a script's own
+    ``exit 127``; ``signal`` the signal (0 if it exited);
     ``timed_out`` the command outlived ``timeout_s`` and was killed;
     ``duration_ms`` from its start to its end. With limits
     (``Client.sandbox(cpu_millis=, memory_bytes=, pids=)``): ``oom_killed``
@@ -142,6 +145,7 @@ class ExecOutput:
     module_compiled: bool = False
     stdout_truncated: bool = False
     stderr_truncated: bool = False
+    start_failed: bool = False
 
     @property
     def ok(self) -> bool:
@@ -171,6 +175,7 @@ class ExecOutput:
             module_compiled=e.module_compiled,
             stdout_truncated=e.stdout_truncated,
             stderr_truncated=e.stderr_truncated,
+            start_failed=e.start_failed,
         )
 
 

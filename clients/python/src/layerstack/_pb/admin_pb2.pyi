@@ -775,7 +775,7 @@ class ExecReply(_message.Message):
     def __init__(self, stdout: _Optional[bytes] = ..., stderr: _Optional[bytes] = ..., exit: _Optional[_Union[ExecExit, _Mapping]] = ...) -> None: ...
 
 class ExecExit(_message.Message):
-    __slots__ = ("code", "signal", "timed_out", "duration_ms", "oom_killed", "session_memory_peak_bytes", "session_cpu_usec", "trap", "trap_message", "fuel_used", "module_digest", "module_compiled", "stdout_truncated", "stderr_truncated")
+    __slots__ = ("code", "signal", "timed_out", "duration_ms", "oom_killed", "session_memory_peak_bytes", "session_cpu_usec", "trap", "trap_message", "fuel_used", "module_digest", "module_compiled", "stdout_truncated", "stderr_truncated", "start_failed")
     CODE_FIELD_NUMBER: _ClassVar[int]
     SIGNAL_FIELD_NUMBER: _ClassVar[int]
     TIMED_OUT_FIELD_NUMBER: _ClassVar[int]
@@ -790,6 +790,7 @@ class ExecExit(_message.Message):
     MODULE_COMPILED_FIELD_NUMBER: _ClassVar[int]
     STDOUT_TRUNCATED_FIELD_NUMBER: _ClassVar[int]
     STDERR_TRUNCATED_FIELD_NUMBER: _ClassVar[int]
+    START_FAILED_FIELD_NUMBER: _ClassVar[int]
     code: int
     signal: int
     timed_out: bool
@@ -804,7 +805,8 @@ class ExecExit(_message.Message):
     module_compiled: bool
     stdout_truncated: bool
     stderr_truncated: bool
-    def __init__(self, code: _Optional[int] = ..., signal: _Optional[int] = ..., timed_out: _Optional[bool] = ..., duration_ms: _Optional[int] = ..., oom_killed: _Optional[bool] = ..., session_memory_peak_bytes: _Optional[int] = ..., session_cpu_usec: _Optional[int] = ..., trap: _Optional[str] = ..., trap_message: _Optional[str] = ..., fuel_used: _Optional[int] = ..., module_digest: _Optional[str] = ..., module_compiled: _Optional[bool] = ..., stdout_truncated: _Optional[bool] = ..., stderr_truncated: _Optional[bool] = ...) -> None: ...
+    start_failed: bool
+    def __init__(self, code: _Optional[int] = ..., signal: _Optional[int] = ..., timed_out: _Optional[bool] = ..., duration_ms: _Optional[int] = ..., oom_killed: _Optional[bool] = ..., session_memory_peak_bytes: _Optional[int] = ..., session_cpu_usec: _Optional[int] = ..., trap: _Optional[str] = ..., trap_message: _Optional[str] = ..., fuel_used: _Optional[int] = ..., module_digest: _Optional[str] = ..., module_compiled: _Optional[bool] = ..., stdout_truncated: _Optional[bool] = ..., stderr_truncated: _Optional[bool] = ..., start_failed: _Optional[bool] = ...) -> None: ...
 
 class ReadFileRequest(_message.Message):
     __slots__ = ("session_id", "path", "offset", "limit")
