@@ -47,6 +47,11 @@ pub const DEFAULT_ADMIN_ADDRESS: &str = "/run/layerstack/admin.sock";
 /// too (`layerstack._channel.MAX_MESSAGE_BYTES`).
 pub const MAX_MESSAGE_BYTES: usize = 80 << 20;
 
+/// The largest WASI module an `ExecRequest` carries (or a session's tree
+/// holds for an exec by path), bytes: 64 MiB. A larger one is refused —
+/// by the CLI and the Python SDK before they make a session for it.
+pub const MAX_WASI_MODULE_BYTES: u64 = 64 << 20;
+
 /// Connect to the admin API on the unix socket `path` (messages up to
 /// [`MAX_MESSAGE_BYTES`]).
 ///

@@ -1207,16 +1207,20 @@ pub(crate) async fn copy_exec(
     mut stream: tonic::Streaming<api::ExecReply>,
 ) -> Result<api::ExecExit> {
     let mut exit = None;
+    // A stream we cannot write (a closed pipe: `| head`) is dropped from
+    // then on, as the rest of its output: the command ran on in its
+    // session, and its exit — not our printing — decides how it ends.
+    let (mut out_open, mut err_open) = (true, true);
     while let Some(r) = stream.message().await? {
         match r.kind {
-            Some(api::exec_reply::Kind::Stdout(b)) => {
+            Some(api::exec_reply::Kind::Stdout(b)) if out_open => {
                 let mut o = std::io::stdout().lock();
-                o.write_all(&b)?;
-                o.flush()?;
+                out_open = o.write_all(&b).and_then(|()| o.flush()).is_ok();
             }
-            Some(api::exec_reply::Kind::Stderr(b)) => {
-                std::io::stderr().lock().write_all(&b)?;
+            Some(api::exec_reply::Kind::Stderr(b)) if err_open => {
+                err_open = std::io::stderr().lock().write_all(&b).is_ok();
             }
+            Some(api::exec_reply::Kind::Stdout(_) | api::exec_reply::Kind::Stderr(_)) => {}
             Some(api::exec_reply::Kind::Exit(x)) => exit = Some(x),
             None => {}
         }

@@ -7,6 +7,7 @@
 //! object: trap, fuel used, module digest); the exit status is the module's
 //! (134 when it trapped: a limit or a wasm trap; 125 when `run` itself failed).
 
+use std::io::Write as _;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
@@ -82,6 +83,19 @@ pub async fn run(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
             ),
         ));
     }
+    if module.len() as u64 > api::MAX_WASI_MODULE_BYTES {
+        // Refused before a session is made for it (the daemon would refuse
+        // the Exec; a message over the channel's limit breaks the channel).
+        return Err(failure(
+            api::ErrorKind::InvalidArgument,
+            format!(
+                "--wasi {}: the module is {} bytes, more than {} (64 MiB) a run takes: make it smaller (wasm-opt, strip its debug sections)",
+                path.display(),
+                module.len(),
+                api::MAX_WASI_MODULE_BYTES
+            ),
+        ));
+    }
     let env = crate::run::env_pairs(&a.process.env);
     let mut c = crate::connect(&cli.admin_address).await?;
     let created = c
@@ -133,10 +147,26 @@ pub async fn run(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
         command: Some(command),
     }
     .for_end(policy);
-    let closed = close(&mut c, id, policy, u32::try_from(exit).ok(), &reason, &node).await;
+    let mut closed = close(&mut c, id, policy, u32::try_from(exit).ok(), &reason, &node).await;
+    if closed.is_err() {
+        // The channel may be what failed (the Exec broke it): the session
+        // this command made is closed on a new one, never left live.
+        if let Ok(mut again) = crate::connect(&cli.admin_address).await {
+            closed = close(
+                &mut again,
+                id,
+                policy,
+                u32::try_from(exit).ok(),
+                &reason,
+                &node,
+            )
+            .await;
+        }
+    }
     let x = ran?;
     let s = closed?;
-    eprintln!("{}", outcome_line(&s));
+    // (stderr may be closed: the outcome stands, and the file below has it.)
+    let _ = writeln!(std::io::stderr(), "{}", outcome_line(&s));
     if let Some(f) = &a.outcome {
         let wasi = json!({
             "trap": x.trap,

@@ -332,6 +332,66 @@ fn a_wasi_module_publishes_the_layer_a_linux_process_does() -> Result<()> {
             "/srv/new.txt",
         ])?;
         ensure!(o.status.success() && stdout(&o) == "hello\n", "{o:?}");
+        // A closed stdout (`| head`) does not decide the run's end: its
+        // writes publish by the module's exit, and the outcome says so.
+        let (w, r_end) = std::os::unix::net::UnixStream::pair()?;
+        drop(r_end);
+        let w3 = dir.join("wasi3.json");
+        let o = std::process::Command::new(bin_path(CLI_BIN)?)
+            .arg("--admin-address")
+            .arg(d.admin_socket())
+            .args([
+                "session",
+                "run",
+                "--wasi",
+                wasm.to_str().context("utf-8")?,
+                &format!("{stack}@wasi"),
+                "--publish",
+                "on-success",
+                "--outcome",
+                w3.to_str().context("utf-8")?,
+                "--",
+                "write",
+                "/srv/piped.txt",
+                "piped\n",
+                "cat",
+                "/srv/new.txt",
+            ])
+            .stdout(std::process::Stdio::from(std::os::fd::OwnedFd::from(w)))
+            .stderr(std::process::Stdio::piped())
+            .output()?;
+        let w3 = outcome_json(&w3)?;
+        ensure!(
+            o.status.success() && w3["outcome"] == "committed" && w3["exit_status"] == 0,
+            "exit {:?}: {} / {w3}",
+            o.status,
+            String::from_utf8_lossy(&o.stderr)
+        );
+        // A module over the 64 MiB a run takes is refused before a session
+        // is made for it: no session is left behind.
+        let big = dir.join("big.wasm");
+        fs::write(&big, vec![0u8; (api::MAX_WASI_MODULE_BYTES + 1) as usize])?;
+        let before = d.layerstack(&["session", "ls", "-A", "--json"])?;
+        let o = d.layerstack(&[
+            "session",
+            "run",
+            "--wasi",
+            big.to_str().context("utf-8")?,
+            &format!("{stack}@wasi"),
+            "--publish",
+            "never",
+        ])?;
+        ensure!(
+            !o.status.success()
+                && String::from_utf8_lossy(&o.stderr).contains("more than 67108864"),
+            "{o:?}"
+        );
+        let after = d.layerstack(&["session", "ls", "-A", "--json"])?;
+        ensure!(
+            stdout(&before) == stdout(&after),
+            "a refused module left a session: {}",
+            stdout(&after)
+        );
         Ok(())
     })();
     if r.is_err() {

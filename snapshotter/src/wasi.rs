@@ -48,7 +48,7 @@ use crate::admin::AdminService;
 use crate::owned::Stream;
 
 /// Largest module Exec takes (bytes, inline or from the session's tree).
-pub const MAX_MODULE_BYTES: u64 = 64 << 20;
+pub const MAX_MODULE_BYTES: u64 = api::MAX_WASI_MODULE_BYTES;
 
 /// Exit code of a trapped run: the wasmtime CLI's (128 + SIGABRT).
 pub const TRAP_EXIT_CODE: i32 = 134;
@@ -832,7 +832,7 @@ pub(crate) async fn exec(
     }
     if r.module.len() as u64 > MAX_MODULE_BYTES {
         return Err(Status::invalid_argument(format!(
-            "module is {} bytes, more than {MAX_MODULE_BYTES}",
+            "module is {} bytes, more than {MAX_MODULE_BYTES} (64 MiB) an Exec carries: write it into the session's tree (WriteFile, UploadTar) and exec it by its path — the same limit holds there",
             r.module.len()
         )));
     }
