@@ -1117,12 +1117,35 @@ impl Engine {
     ///
     /// Returns how many were live.
     pub async fn recover_sandboxes(self: &Arc<Self>) -> Result<usize, EngineError> {
-        let live: Vec<SessionInfo> = self
-            .blocking(|s| s.sessions())
-            .await?
+        let all = self.blocking(|s| s.sessions()).await?;
+        // Ready WASI sessions of the last daemon (made ahead, never claimed,
+        // in no list): discarded, not interrupted — nobody would ever close
+        // them. So are those an older daemon ended interrupted with their
+        // upper kept.
+        let ready = |s: &SessionInfo| matches!(&s.owner, Owner::Wasi { name } if name == layerstack_store::READY_OWNER);
+        for s in all.iter().filter(|s| {
+            ready(s)
+                && (!s.released
+                    || (s.outcome.as_ref().map(|o| o.kind) == Some(OutcomeKind::Interrupted)
+                        && s.upper.exists()))
+        }) {
+            let why = "a ready WASI session of the last daemon, never claimed";
+            match self
+                .close_sandbox_session(s.id, EndAction::Discard, why, Duration::ZERO)
+                .await
+            {
+                Ok(_) => info!(session.id = s.id, "{why}: discarded"),
+                Err(e) => {
+                    warn!(session.id = s.id, error = %error_chain(&e), "cannot discard a ready WASI session of the last daemon; retried at the next start")
+                }
+            }
+        }
+        let live: Vec<SessionInfo> = all
             .into_iter()
             .filter(|s| {
-                s.owner.is_sandbox() && (!s.released || (s.remove_pending && !s.daemon_owned))
+                !ready(s)
+                    && s.owner.is_sandbox()
+                    && (!s.released || (s.remove_pending && !s.daemon_owned))
             })
             .collect();
         let why = "the daemon that owned the session's init ended (restart)";
