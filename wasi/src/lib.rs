@@ -69,6 +69,14 @@ pub enum WasiError {
     Runtime(String),
 }
 
+/// The fuel of a run without a fuel limit (2^62 units: at ~3·10^9 units/s,
+/// some 50 years of computing).
+const UNLIMITED_FUEL: u64 = 1 << 62;
+
+/// Fuel between two stores of a run's count (`fuel_async_yield_interval`): ~3 ms
+/// of a tight loop here.
+const FUEL_YIELD: u64 = 10_000_000;
+
 /// Resource limits of one run.
 #[derive(Debug, Clone)]
 pub struct WasiLimits {
@@ -427,9 +435,20 @@ impl WasiRunner {
             },
         );
         store.limiter(|s| &mut s.limiter);
-        let fuel = limits.fuel.unwrap_or(u64::MAX);
+        // No limit: more fuel than any run burns, yet far from u64::MAX —
+        // wasmtime's fuel arithmetic saturates there, and `get_fuel` then
+        // answered u64::MAX after any run (fuel_used 0, bench: a 1 s spin
+        // reported 2404).
+        let fuel = limits.fuel.unwrap_or(UNLIMITED_FUEL);
         store
             .set_fuel(fuel)
+            .map_err(|e| WasiError::Runtime(format!("{e:#}")))?;
+        // Compiled code keeps its fuel count in a register and stores it
+        // only on a call out; a loop without calls stopped by its deadline
+        // (or a cancel) lost everything it burnt (fuel_used 0). Yielding
+        // every FUEL_YIELD units stores it: the count is exact to that.
+        store
+            .fuel_async_yield_interval(Some(FUEL_YIELD))
             .map_err(|e| WasiError::Runtime(format!("{e:#}")))?;
         // Every epoch tick (10 ms) the run checks its deadline and its cancel
         // flag: both end it with an error the match below names.
@@ -479,7 +498,7 @@ impl WasiRunner {
         let wall_ms = started.elapsed().as_secs_f64() * 1000.0;
         let fuel_used = match limits.fuel {
             Some(f) => f.saturating_sub(store.get_fuel().unwrap_or(0)),
-            None => u64::MAX - store.get_fuel().unwrap_or(0),
+            None => UNLIMITED_FUEL.saturating_sub(store.get_fuel().unwrap_or(0)),
         };
         let mem_hit = store.data().limiter.hit;
         drop(store);
