@@ -61,6 +61,21 @@ pub fn with_kind(kind: ErrorKind, e: anyhow::Error) -> anyhow::Error {
     failure(kind, api::error_chain(e.as_ref()))
 }
 
+/// `e` (its kind and message, [`describe`]) as the error of a call about
+/// session `id`: the message names it, and a hint's `--session ID` becomes
+/// its id — a harness that lost the daemon mid-run knows what to wait for.
+pub fn about_session(e: anyhow::Error, id: i64) -> anyhow::Error {
+    let (kind, message) = describe(&e);
+    Failure {
+        kind,
+        message: format!(
+            "session {id}: {}",
+            message.replace("--session ID", &format!("--session {id}"))
+        ),
+    }
+    .into()
+}
+
 /// The kind and message of `e`: the first [`Failure`] or gRPC status in its
 /// chain names the kind (`internal` when none does).
 pub fn describe(e: &anyhow::Error) -> (String, String) {
@@ -160,6 +175,25 @@ mod tests {
 
     fn parsed(e: &anyhow::Error) -> serde_json::Value {
         serde_json::from_str(&render(ErrorFormat::Json, e)).unwrap()
+    }
+
+    #[test]
+    fn a_call_about_a_session_names_it_in_its_hint() {
+        let broken =
+            anyhow::Error::new(tonic::Status::new(tonic::Code::Unknown, "transport error"));
+        let v = parsed(&about_session(broken, 57));
+        assert_eq!(v["error"]["kind"], "unavailable");
+        let m = v["error"]["message"].as_str().unwrap();
+        assert!(
+            m.starts_with("session 57: the connection to the daemon broke")
+                && m.contains("`layerstack wait --session 57`"),
+            "{m}"
+        );
+        let refused = anyhow::Error::new(api::status(ErrorKind::NotFound, "no module".into()));
+        assert_eq!(
+            parsed(&about_session(refused, 3))["error"],
+            json!({"kind": "not_found", "message": "session 3: no module"})
+        );
     }
 
     #[test]

@@ -1018,16 +1018,42 @@ pub async fn create_cmd(cli: &Cli, a: CreateArgs) -> Result<ExitCode> {
 
 /// `--env` arguments as the admin API takes them, `K=V` each: a bare `K`
 /// takes the caller's value, and is left out when the caller has none.
-pub(crate) fn env_pairs(vars: &[OsString]) -> Vec<String> {
-    vars.iter()
-        .filter_map(|kv| {
-            let kv = kv.to_string_lossy();
-            if kv.contains('=') {
-                Some(kv.into_owned())
-            } else {
-                std::env::var(kv.as_ref()).ok().map(|v| format!("{kv}={v}"))
-            }
-        })
+pub(crate) fn env_pairs(vars: &[OsString]) -> Result<Vec<String>> {
+    let mut out = Vec::with_capacity(vars.len());
+    for kv in vars {
+        let kv = api_text("--env", kv)?;
+        if kv.contains('=') {
+            out.push(kv);
+        } else if let Some(v) = std::env::var_os(&kv) {
+            out.push(format!(
+                "{kv}={}",
+                api_text(&format!("--env {kv} (from this environment)"), &v)?
+            ));
+        }
+    }
+    Ok(out)
+}
+
+/// `s` as the text the admin API carries (its argv, env and paths are
+/// protobuf strings); INVALID_ARGUMENT naming `what` when it is not UTF-8 —
+/// never changed silently (a lossy conversion turned `\xff` into U+FFFD).
+pub(crate) fn api_text(what: &str, s: &std::ffi::OsStr) -> Result<String> {
+    s.to_str().map(str::to_string).ok_or_else(|| {
+        failure(
+            api::ErrorKind::InvalidArgument,
+            format!(
+                "{what} {:?} is not UTF-8: the admin API carries arguments, environment and paths as text; pass binary data in a file or on stdin",
+                s.to_string_lossy()
+            ),
+        )
+    })
+}
+
+/// The command's arguments as [`api_text`] (each named by its position).
+pub(crate) fn api_argv(cmd: &[OsString]) -> Result<Vec<String>> {
+    cmd.iter()
+        .enumerate()
+        .map(|(i, x)| api_text(&format!("argument {}", i + 1), x))
         .collect()
 }
 
@@ -1084,7 +1110,7 @@ async fn create_sandbox(cli: &Cli, a: CreateArgs) -> Result<ExitCode> {
     let s = &a.session;
     let d = &a.defaults;
     let ids = d.user.as_deref().map(parse_ids).transpose()?;
-    let env = env_pairs(&d.env);
+    let env = env_pairs(&d.env)?;
     let mut c = crate::connect(&cli.admin_address).await?;
     let created = c
         .create_session(api::CreateSessionRequest {
@@ -1151,7 +1177,7 @@ const EXEC_STDIN_MAX: usize = 4 << 20 >> 1;
 async fn exec_rpc(cli: &Cli, a: ExecArgs) -> Result<ExitCode> {
     use std::io::{IsTerminal as _, Read as _};
     let ids = a.process.user.as_deref().map(parse_ids).transpose()?;
-    let env = env_pairs(&a.process.env);
+    let env = env_pairs(&a.process.env)?;
     let cwd = match &a.process.workdir {
         Some(w) if w.is_relative() => {
             return Err(failure(
@@ -1182,11 +1208,7 @@ async fn exec_rpc(cli: &Cli, a: ExecArgs) -> Result<ExitCode> {
     let stream = c
         .exec(api::ExecRequest {
             session_id: a.session,
-            argv: a
-                .cmd
-                .iter()
-                .map(|x| x.to_string_lossy().into_owned())
-                .collect(),
+            argv: api_argv(&a.cmd)?,
             env,
             cwd,
             has_user: ids.is_some(),
@@ -1360,6 +1382,31 @@ fn close_came_late(policy: api::EndAction, s: &api::Session) -> Option<String> {
 mod tests {
     #![allow(clippy::unwrap_used)]
     use super::*;
+
+    #[test]
+    fn arguments_and_environment_that_are_not_utf8_are_refused_not_changed() {
+        use std::os::unix::ffi::OsStringExt;
+        let bad = OsString::from_vec(vec![b'x', 0xff, 0xfe]);
+        let e = api_argv(&[OsString::from("ok"), bad.clone()]).unwrap_err();
+        let (kind, m) = crate::errors::describe(&e);
+        assert_eq!(kind, "invalid_argument");
+        assert!(
+            m.starts_with("argument 2 ") && m.contains("is not UTF-8"),
+            "{m}"
+        );
+        let mut kv = b"ODD=".to_vec();
+        kv.push(0xff);
+        let e = env_pairs(&[OsString::from_vec(kv)]).unwrap_err();
+        assert!(crate::errors::describe(&e).1.starts_with("--env "), "{e}");
+        assert_eq!(
+            env_pairs(&[OsString::from("A=b")]).unwrap(),
+            vec!["A=b".to_string()]
+        );
+        assert_eq!(
+            api_argv(&[OsString::from("é")]).unwrap(),
+            vec!["é".to_string()]
+        );
+    }
 
     #[test]
     fn every_publish_flag_value_is_the_exit_policy_of_that_name() {

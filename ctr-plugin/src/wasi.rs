@@ -96,7 +96,9 @@ pub async fn run(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
             ),
         ));
     }
-    let env = crate::run::env_pairs(&a.process.env);
+    let env = crate::run::env_pairs(&a.process.env)?;
+    // Checked before a session is made (a refusal after would leave it).
+    let args = crate::run::api_argv(&a.cmd)?;
     let mut c = crate::connect(&cli.admin_address).await?;
     let created = c
         .create_session(api::CreateSessionRequest {
@@ -119,7 +121,7 @@ pub async fn run(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| "module.wasm".into());
     let mut argv = vec![name];
-    argv.extend(a.cmd.iter().map(|x| x.to_string_lossy().into_owned()));
+    argv.extend(args);
     let command = argv.join(" ");
     let ran = exec(&mut c, id, argv, module).await;
     let (exit, reason, policy) = match &ran {
@@ -163,8 +165,8 @@ pub async fn run(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
             .await;
         }
     }
-    let x = ran?;
-    let s = closed?;
+    let x = ran.map_err(|e| crate::errors::about_session(e, id))?;
+    let s = closed.map_err(|e| crate::errors::about_session(e, id))?;
     // (stderr may be closed: the outcome stands, and the file below has it.)
     let _ = writeln!(std::io::stderr(), "{}", outcome_line(&s));
     if let Some(f) = &a.outcome {

@@ -401,6 +401,11 @@ def test_leaving_a_fan_out_early_ends_its_attempts_and_caller_mistakes_are_raise
             assert [(a.status, a.infra_kind, a.reward) for a in tried] == [
                 ("infra_failed", "grader-not-started", None)] * 2, tried
             assert "could not be started" in tried[0].message, tried[0]
+            # A reward function that raises is the harness's bug: raised.
+            divides = Grader(["true"], name="div", version="1", reward=lambda out: (1 / 0, True))
+            with pytest.raises(layerstack.fabric.HarnessError, match="ZeroDivisionError"):
+                async for _ in fan_out(ls, run, g.root, 1, quick, step=5, policy="pi", grader=divides):
+                    pass
             with pytest.raises(ValueError, match="max_attempts=0"):
                 async for _ in fan_out(ls, run, g.root, 1, words, step=3, max_attempts=0):
                     pass

@@ -403,10 +403,14 @@ class Grader:
 
     def score(self, out: "ExecOutput") -> Tuple[float, bool]:
         """``(reward, accepted)`` for the grader's output; :class:`HarnessError`
-        when ``reward`` gives no finite number."""
+        when ``reward`` raises or gives no finite number."""
         if self.reward is not None:
-            reward, accepted = self.reward(out)
-            return _reward_of(reward, f"grader {self.name!r}'s reward function"), bool(accepted)
+            what = f"grader {self.name!r}'s reward function"
+            try:
+                reward, accepted = self.reward(out)
+            except Exception as e:  # the harness's bug: every sample would repeat it
+                raise HarnessError(f"{what} raised {e!r}") from e
+            return _reward_of(reward, what), bool(accepted)
         return (1.0, True) if out.ok else (0.0, False)
 
 
