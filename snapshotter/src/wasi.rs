@@ -95,6 +95,9 @@ pub(crate) struct WasiLive {
     limits: WasiLimits,
     /// Set by CloseSession: every run ends `cancelled`, no new one starts.
     closing: Arc<AtomicBool>,
+    /// Linear memory its runs hold now: `limits.memory_bytes` (its slot in
+    /// the memory budget) caps their sum, however many run at once.
+    memory: Arc<std::sync::atomic::AtomicU64>,
     /// A session of a stack and branch that keeps ready sessions (claimed
     /// from them, or made when none was ready): its close tops them up
     /// ([`release`]).
@@ -284,6 +287,7 @@ async fn make(
         env,
         limits,
         closing: Arc::new(AtomicBool::new(false)),
+        memory: Default::default(),
         ready_key,
     });
     if let Some(h) = holders.map().get_mut(&id).filter(|h| h.conn == conn) {
@@ -509,6 +513,7 @@ async fn claim(
                 env: env.to_vec(),
                 limits: limits.clone(),
                 closing: Arc::new(AtomicBool::new(false)),
+                memory: Default::default(),
                 ready_key: Some(key.clone()),
             });
             if let Some(h) = admin.holders.map().get_mut(&id) {
@@ -877,6 +882,7 @@ pub(crate) async fn exec(
         stdin: r.stdin,
         cancel: Some(live.closing.clone()),
         limits,
+        memory_pool: Some(live.memory.clone()),
     };
     let runner = runner()?;
     // A turn first (see RUNS_AT_ONCE); a close meanwhile cancels the run

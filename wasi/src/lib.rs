@@ -150,6 +150,11 @@ pub struct Invocation {
     pub cancel: Option<Arc<AtomicBool>>,
     /// Limits of the run.
     pub limits: WasiLimits,
+    /// Bytes of linear memory that the runs of one session hold now, shared
+    /// by its concurrent runs: `limits.memory_bytes` then caps their sum —
+    /// the session's slot in the daemon's memory budget — not each run's.
+    /// `None`: the cap is this run's alone.
+    pub memory_pool: Option<Arc<AtomicU64>>,
 }
 
 /// Why the epoch callback stopped a run.
@@ -215,12 +220,25 @@ struct State {
 struct MemCap {
     max: u64,
     hit: bool,
+    /// [`Invocation::memory_pool`], and what this run counted in it.
+    pool: Option<Arc<AtomicU64>>,
+    held: u64,
+}
+
+/// The run's store is gone (whatever ended it, a dropped future included):
+/// what it counted in the shared pool is given back.
+impl Drop for MemCap {
+    fn drop(&mut self) {
+        if let Some(p) = &self.pool {
+            p.fetch_sub(std::mem::take(&mut self.held), Ordering::Relaxed);
+        }
+    }
 }
 
 impl ResourceLimiter for MemCap {
     fn memory_growing(
         &mut self,
-        _current: usize,
+        current: usize,
         desired: usize,
         _maximum: Option<usize>,
     ) -> wasmtime::Result<bool> {
@@ -230,6 +248,22 @@ impl ResourceLimiter for MemCap {
                 "memory cap: the module asked for {desired} bytes of linear memory, the cap is {} bytes",
                 self.max
             )));
+        }
+        if let Some(pool) = &self.pool {
+            let grow = (desired as u64).saturating_sub(current as u64);
+            let taken = pool.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |used| {
+                (used.saturating_add(grow) <= self.max).then_some(used + grow)
+            });
+            match taken {
+                Ok(_) => self.held += grow,
+                Err(used) => {
+                    self.hit = true;
+                    return Err(wasmtime::Error::msg(format!(
+                        "memory cap: the module asked for {grow} more bytes of linear memory; the session's runs hold {used} of its {} bytes",
+                        self.max
+                    )));
+                }
+            }
         }
         Ok(true)
     }
@@ -431,6 +465,8 @@ impl WasiRunner {
                 limiter: MemCap {
                     max: limits.memory_bytes,
                     hit: false,
+                    pool: inv.memory_pool.clone(),
+                    held: 0,
                 },
             },
         );

@@ -322,6 +322,69 @@ fn the_deadline_and_a_cancel_stop_a_module_waiting_in_a_host_call() {
     );
 }
 
+/// Two concurrent runs of one session share its memory cap: while one
+/// holds 40 of its 64 MiB, the other cannot take 40 more; once both ended,
+/// the session's pool is empty again.
+#[test]
+fn concurrent_runs_share_one_memory_cap() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let runner = std::sync::Arc::new(WasiRunner::new().expect("runner"));
+    // Grows by 640 pages (40 MiB), then spins until its deadline.
+    let hold = wat::parse_str(
+        r#"(module (memory (export "memory") 1)
+  (func (export "_start")
+    (drop (memory.grow (i32.const 640)))
+    (loop $l (br $l))))"#,
+    )
+    .expect("valid WAT");
+    let pool = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let inv = |deadline_ms: u64| Invocation {
+        limits: WasiLimits {
+            fuel: None,
+            deadline_ms: Some(deadline_ms),
+            ..limits()
+        },
+        memory_pool: Some(pool.clone()),
+        ..Default::default()
+    };
+    let first = {
+        let (runner, module, root, inv) = (
+            runner.clone(),
+            hold.clone(),
+            dir.path().to_path_buf(),
+            inv(1500),
+        );
+        std::thread::spawn(move || runner.run_with(ModuleRef::Bytes(&module), &root, &inv))
+    };
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while pool.load(std::sync::atomic::Ordering::Relaxed) < 40 << 20 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the first run never held its memory"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    let second = runner
+        .run_with(ModuleRef::Bytes(&grow_module()), dir.path(), &inv(1500))
+        .expect("run");
+    assert_eq!(second.trap, Some(TrapKind::MemoryLimit), "{second:?}");
+    assert!(
+        second
+            .trap_message
+            .as_deref()
+            .unwrap_or("")
+            .contains("the session's runs hold"),
+        "{second:?}"
+    );
+    let first = first.join().expect("thread").expect("run");
+    assert_eq!(first.trap, Some(TrapKind::Deadline), "{first:?}");
+    assert_eq!(
+        pool.load(std::sync::atomic::Ordering::Relaxed),
+        0,
+        "memory left counted"
+    );
+}
+
 #[test]
 fn unbounded_allocation_hits_the_memory_cap() {
     let dir = tempfile::tempdir().expect("tempdir");
