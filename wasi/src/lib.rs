@@ -345,8 +345,12 @@ impl WasiRunner {
         if self.lock_cache().modules.contains_key(&digest) {
             return Ok((digest, false));
         }
-        let module =
-            Module::new(&self.engine, bytes).map_err(|e| WasiError::Compile(format!("{e:#}")))?;
+        let module = Module::new(&self.engine, bytes).map_err(|e| {
+            // One line: wasmtime's text may hold a multi-line byte list
+            // (a bad magic number's `expected=[…]`).
+            let text = format!("{e:#}");
+            WasiError::Compile(text.split_whitespace().collect::<Vec<_>>().join(" "))
+        })?;
         let pre = self
             .linker
             .instantiate_pre(&module)
