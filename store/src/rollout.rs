@@ -1287,9 +1287,9 @@ impl Store {
     /// Sets `node`'s prior (a policy's probability of the action that made it).
     /// Errors: `NotFound`, `InvalidArgument` (not finite).
     pub fn set_prior(&self, node: &str, prior: f64) -> Result<NodeStats, StoreError> {
-        if !prior.is_finite() {
+        if !prior.is_finite() || prior < 0.0 {
             return Err(StoreError::InvalidArgument(format!(
-                "prior {prior} is not a finite number"
+                "prior {prior} is not a finite number of 0 or more: a prior is a policy's probability (PUCT's P), or any non-negative weight"
             )));
         }
         self.db.write(|tx| {

@@ -3001,6 +3001,11 @@ fn a_frontier_node_is_never_pruned_until_released_and_priors_sit_beside_it() {
     assert_eq!(s.frontier("mcts-1").unwrap(), vec![root.id.clone()]);
     let st = s.set_prior(&root.id, 0.25).unwrap();
     assert_eq!((st.prior, st.visits), (Some(0.25), 0));
+    for bad in [-2.0, f64::NAN, f64::INFINITY] {
+        let e = s.set_prior(&root.id, bad).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
+    }
+    assert_eq!(s.node_stats(&root.id).unwrap().prior, Some(0.25));
     assert_eq!(s.release_frontier("mcts-1", &[]).unwrap(), 1);
     assert!(s.frontier("mcts-1").unwrap().is_empty());
     // Blobs are content-addressed and idempotent.
