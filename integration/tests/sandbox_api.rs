@@ -1388,6 +1388,15 @@ async fn ready_inits(c: &mut Client, d: &Daemon, stack: &str) -> Result<()> {
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     ensure!(idle.len() == 2, "ready inits before any session: {idle:?}");
+    // Waiting, they hold no copy of the host's mounts (it would pin an
+    // overlay mounted on the host at their clone): one empty root only.
+    for p in &idle {
+        let mi = std::fs::read_to_string(format!("/proc/{p}/mountinfo"))?;
+        ensure!(
+            mi.lines().count() == 1 && mi.contains(" tmpfs "),
+            "a ready init's mounts: {mi}"
+        );
+    }
     let (id, _) = create(c, stack, "from-pool").await?;
     let r = exec(c, id, &["sh", "-c", "hostname; echo pooled > /srv/marker"]).await?;
     ensure!(r.out == b"from-pool\n", "{r:?}");

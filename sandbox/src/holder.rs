@@ -551,7 +551,13 @@ fn init_main(
     }
     let mut claimed_name = [0u8; 64];
     let (mount_fd, hostname): (RawFd, &[u8]) = if setup.claim {
-        // Made ahead: what does not depend on the session first.
+        // Made ahead: what does not depend on the session first. It may wait
+        // long for its claim: it leaves the copy of the host's mounts its
+        // namespace was made with (it would pin whatever was mounted at the
+        // clone — another session's overlay — until claimed).
+        if let Err(e) = sys::empty_root() {
+            fail(&[b"leave the host's mounts (an empty root)"], &e);
+        }
         if setup.net_none {
             if let Err(e) = sys::loopback_up() {
                 fail(&[b"bring lo up"], &e);

@@ -23,7 +23,10 @@ const MOVE_MOUNT_F_EMPTY_PATH: libc::c_uint = 0x4;
 const FSCONFIG_SET_FD: libc::c_uint = 5;
 const OPEN_TREE_CLONE: libc::c_uint = 1;
 const MOUNT_ATTR_IDMAP: u64 = 0x0010_0000;
+const MOUNT_ATTR_RDONLY: libc::c_uint = 0x0000_0001;
+const MOUNT_ATTR_NOSUID: libc::c_uint = 0x0000_0002;
 const MOUNT_ATTR_NODEV: libc::c_uint = 0x0000_0004;
+const MOUNT_ATTR_NOEXEC: libc::c_uint = 0x0000_0008;
 
 /// `struct mount_attr` (include/uapi/linux/mount.h, `MOUNT_ATTR_SIZE_VER0`).
 #[repr(C)]
@@ -293,6 +296,49 @@ pub fn attach(fd: RawFd, target: &CStr) -> io::Result<()> {
         )
     })
     .map(drop)
+}
+
+/// Leaves the mount tree the caller's namespace was copied with: a new,
+/// tiny tmpfs (fsopen/fsmount, 4 KiB, read-only) is attached on `/` and
+/// becomes the root (`pivot_root`), the old root is detached, the cwd is
+/// `/`. Afterwards the namespace holds no copy of any mount of the host
+/// (whatever was mounted there at the clone: another session's overlay a
+/// tool mounted for a moment would stay pinned, its upper "still mounted").
+/// Needs a private mount namespace. Child-safe.
+pub fn empty_root() -> io::Result<()> {
+    // SAFETY: the name is a NUL-terminated literal; FSOPEN_CLOEXEC is a valid flag.
+    let fs = check(unsafe { libc::syscall(libc::SYS_fsopen, c"tmpfs".as_ptr(), FSOPEN_CLOEXEC) })?;
+    // SAFETY: fsopen returned a new descriptor that nothing else owns.
+    let fs = unsafe { OwnedFd::from_raw_fd(fs as RawFd) };
+    fsconfig_string(&fs, c"size", c"4k")?;
+    // SAFETY: `fs` is an open fs context; key and value must be NULL for CMD_CREATE.
+    check(unsafe {
+        libc::syscall(
+            libc::SYS_fsconfig,
+            fs.as_raw_fd(),
+            FSCONFIG_CMD_CREATE,
+            std::ptr::null::<libc::c_char>(),
+            std::ptr::null::<libc::c_void>(),
+            0,
+        )
+    })?;
+    // SAFETY: `fs` holds a created superblock; flags and attributes are valid.
+    let m = check(unsafe {
+        libc::syscall(
+            libc::SYS_fsmount,
+            fs.as_raw_fd(),
+            FSMOUNT_CLOEXEC,
+            MOUNT_ATTR_RDONLY | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NOEXEC,
+        )
+    })?;
+    // SAFETY: fsmount returned a new descriptor that nothing else owns.
+    let m = unsafe { OwnedFd::from_raw_fd(m as RawFd) };
+    drop(fs);
+    attach(m.as_raw_fd(), c"/")?;
+    fchdir(m.as_raw_fd())?;
+    pivot_root_here()?;
+    umount_detach(c".")?;
+    chdir(c"/")
 }
 
 /// `mount(2)`. Child-safe.
