@@ -71,9 +71,17 @@ pub async fn run(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
             "--publish checkpoint makes a child node of the node the session starts from: give --node ID (layerstack graph show lists nodes), or use on-exit, on-success or never",
         ));
     }
-    let module = std::fs::read(&path)
-        .with_context(|| format!("--wasi {}: cannot read the module", path.display()))
-        .map_err(|e| with_kind(api::ErrorKind::InvalidArgument, e))?;
+    // At most one byte past the limit is read: a device, a FIFO or a
+    // growing file is refused by what it gave, never read whole.
+    let module = {
+        use std::io::Read as _;
+        let mut buf = Vec::new();
+        std::fs::File::open(&path)
+            .and_then(|f| f.take(api::MAX_WASI_MODULE_BYTES + 1).read_to_end(&mut buf))
+            .with_context(|| format!("--wasi {}: cannot read the module", path.display()))
+            .map_err(|e| with_kind(api::ErrorKind::InvalidArgument, e))?;
+        buf
+    };
     if module.is_empty() {
         return Err(failure(
             api::ErrorKind::InvalidArgument,
@@ -89,9 +97,8 @@ pub async fn run(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
         return Err(failure(
             api::ErrorKind::InvalidArgument,
             format!(
-                "--wasi {}: the module is {} bytes, more than {} (64 MiB) a run takes: make it smaller (wasm-opt, strip its debug sections)",
+                "--wasi {}: the module is more than {} bytes (64 MiB), what a run takes: make it smaller (wasm-opt, strip its debug sections)",
                 path.display(),
-                module.len(),
                 api::MAX_WASI_MODULE_BYTES
             ),
         ));

@@ -386,6 +386,21 @@ fn a_wasi_module_publishes_the_layer_a_linux_process_does() -> Result<()> {
                 && String::from_utf8_lossy(&o.stderr).contains("more than 67108864"),
             "{o:?}"
         );
+        // Nor is a device read whole (it would never end).
+        let o = d.layerstack(&[
+            "session",
+            "run",
+            "--wasi",
+            "/dev/zero",
+            &format!("{stack}@wasi"),
+            "--publish",
+            "never",
+        ])?;
+        ensure!(
+            !o.status.success()
+                && String::from_utf8_lossy(&o.stderr).contains("more than 67108864"),
+            "{o:?}"
+        );
         let after = d.layerstack(&["session", "ls", "-A", "--json"])?;
         ensure!(
             stdout(&before) == stdout(&after),
