@@ -937,3 +937,13 @@ def test_run_session_creates_runs_and_ends_in_one_call(daemon: Daemon, fsops: Pa
         end = c.wait(s.id, timeout_ms=30_000)
         assert end.outcome == "discarded" and "went away" in end.message, end
         assert c.run_session("test -e /work/abandoned", daemon.stack, branch=branch).output.exit_code == 1
+
+
+def test_a_module_file_is_read_only_up_to_the_limit() -> None:
+    """A device or FIFO given as a module is refused after 64 MiB + 1 byte,
+    never read whole (no daemon needed: the request is refused first)."""
+    from layerstack.sandbox import MAX_WASI_MODULE_BYTES, exec_request
+
+    with pytest.raises(ValueError, match=f"more than {MAX_WASI_MODULE_BYTES} bytes"):
+        exec_request(1, ["m"], module=Path("/dev/zero"), env=None, cwd=None, user=None, stdin=None,
+                     timeout_s=None)

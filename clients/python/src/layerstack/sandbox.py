@@ -420,13 +420,29 @@ def exec_request(
     if module is not None:
         if isinstance(module, str):
             raise ValueError("module takes the module's bytes or a pathlib.Path of a local .wasm file, not a str")
-        req.module = bytes(module) if isinstance(module, (bytes, bytearray, memoryview)) else Path(module).read_bytes()
+        if isinstance(module, (bytes, bytearray, memoryview)):
+            req.module = bytes(module)
+        else:
+            # At most one byte past the limit: a device or a FIFO is refused,
+            # never read whole.
+            with open(Path(module), "rb") as f:
+                req.module = f.read(MAX_WASI_MODULE_BYTES + 1)
+        if len(req.module) > MAX_WASI_MODULE_BYTES:
+            raise ValueError(
+                f"module is more than {MAX_WASI_MODULE_BYTES} bytes (64 MiB), what a run takes: make it smaller "
+                "(wasm-opt, strip its debug sections)"
+            )
         if not req.module:
             raise ValueError("module is empty: give a WebAssembly module (a .wasm binary built for wasm32-wasi)")
     if user is not None:
         req.has_user, req.uid, req.gid = True, user[0], user[1]
     check_size(req, stdin=len(req.stdin), module=len(req.module), env=sum(len(e) for e in req.env))
     return req
+
+
+#: The largest WASI module a run takes, bytes (the daemon's
+#: ``layerstack_api::MAX_WASI_MODULE_BYTES``).
+MAX_WASI_MODULE_BYTES = 64 << 20
 
 
 def check_size(req: Any, **parts: int) -> None:
