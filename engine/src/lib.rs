@@ -171,6 +171,10 @@ pub struct Engine {
     store: Arc<Store>,
     settings: EngineSettings,
     sessions: locks::LockMap<SessionId>,
+    /// Rollout attempts being ended ([`Engine::end_rollout`]): two ends of
+    /// one attempt run one after the other — the second then answers as a
+    /// repeat of the first, or is refused as another result.
+    attempts: locks::LockMap<i64>,
     gates: locks::LockMap<(String, String)>,
     /// Permits to prepare a publish outside the gate ([`EngineSettings::publish_workers`]):
     /// a burst of N publishes keeps the CPUs busy without starving the one
@@ -209,6 +213,7 @@ impl Engine {
             store,
             settings,
             sessions: locks::LockMap::new(),
+            attempts: locks::LockMap::new(),
             gates: locks::LockMap::new(),
             preparing: Arc::new(tokio::sync::Semaphore::new(workers)),
             committers: committer::Committers::start(workers),

@@ -189,6 +189,10 @@ impl Engine {
         keep: RolloutKeep,
         result_node: Option<String>,
     ) -> Result<RolloutAttempt, EngineError> {
+        // One end of an attempt at a time: a second, concurrent one (a
+        // client's retry after a timeout) waits and is answered as a repeat —
+        // it found the sandbox closing and was refused "still runs".
+        let _one = self.attempts.lock(id).await;
         let ended: Result<RolloutAttempt, EngineError> = async {
             if result_node.is_some() && keep == RolloutKeep::Discard {
                 return Err(EngineError::Store(StoreError::InvalidArgument(format!(

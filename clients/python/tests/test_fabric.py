@@ -310,7 +310,13 @@ def test_an_attempt_ends_once_and_a_repeated_call_answers_it(daemon: Daemon) -> 
             with pytest.raises(layerstack.FailedPreconditionError):
                 await ls.begin_rollout(key, 1, g.root, policy="pi-other", seed=5)
             await r.files.write("/work/x", b"x\n")
-            end = await r.end(reward=0.9, backprop=0.9, state={"reward": 0.9})
+            # Two identical ends at once (a retry after a timeout): one end,
+            # both answered with it.
+            end, twin = await asyncio.gather(
+                ls.end_rollout(r.id, reward=0.9, backprop=0.9, state={"reward": 0.9}),
+                ls.end_rollout(r.id, reward=0.9, backprop=0.9, state={"reward": 0.9}),
+            )
+            assert twin == end, (twin, end)
             assert (end.status, end.applied, end.backprop) == ("completed", True, 0.9)
             assert end.result_node is not None
             node = await ls.show_node(end.result_node)
