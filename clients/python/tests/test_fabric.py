@@ -380,6 +380,29 @@ def test_leaving_a_fan_out_early_ends_its_attempts_and_caller_mistakes_are_raise
             live = live_sandboxes() - live_before
             assert live == set(), f"sandboxes left live by a fan-out left early: {live}"
             assert (await ls.audit_run(run)).violations == ()
+            # Timed out at any point — begins in flight, acts running,
+            # graders being made or running: nothing stays running or live.
+            async def graded(r: layerstack.aio.AsyncRollout) -> None:
+                await r.exec(["sh", "-c", "mkdir -p /work && echo good > /work/answer"])
+
+            for n, timeout_s in enumerate((0.02, 0.1, 0.3, 0.6)):
+                async def step(n: int = n) -> None:
+                    async for _ in fan_out(ls, run, g.root, 6, graded, step=10 + n, policy="pi",
+                                           grader=GRADER, concurrency=6):
+                        pass
+
+                try:
+                    await asyncio.wait_for(step(), timeout_s)
+                except asyncio.TimeoutError:
+                    pass
+            for _ in range(200):
+                running = [a async for a in ls.rollouts(run) if a.status == "running"]
+                live = live_sandboxes() - live_before
+                if not running and not live:
+                    break
+                await asyncio.sleep(0.05)
+            assert running == [] and live == set(), (running, live)
+            assert (await ls.audit_run(run)).violations == ()
             # A wrong node, a non-number from act: raised, not yielded per sample.
             with pytest.raises(layerstack.NotFoundError):
                 async for _ in fan_out(ls, run, "n0000000000000000", 3, slow, step=1, policy="pi"):

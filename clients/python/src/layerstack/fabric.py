@@ -698,20 +698,31 @@ async def _run_sample(
     for number in range(first, first + max_attempts):
         busy = 0
         while True:
+            # The begin runs as its own task: cancelled meanwhile (the loop
+            # was left), this sample waits for what it made and ends it.
+            begin = asyncio.ensure_future(_through_restarts(
+                lambda: client.begin_rollout(
+                    key, number, node, policy=policy, seed=None if seed is None else seed + i, **sandbox
+                ),
+                reconnect_s,
+            ))
             try:
-                r = await _through_restarts(
-                    lambda: client.begin_rollout(
-                        key, number, node, policy=policy, seed=None if seed is None else seed + i, **sandbox
-                    ),
-                    reconnect_s,
-                )
+                r = await asyncio.shield(begin)
                 break
+            except asyncio.CancelledError:
+                await _settle(asyncio.shield(_abandon_begin(client, key, begin)))
+                raise
             except BusyError:
                 # No slot now (asked not to wait, `wait_s`): the daemon keeps
                 # the attempt, to be asked again — the same attempt number,
                 # later; a busy pool is no failure of the attempt.
                 busy += 1
-                await asyncio.sleep(min(0.02 * 2 ** min(busy, 7), 2.0))
+                try:
+                    await asyncio.sleep(min(0.02 * 2 ** min(busy, 7), 2.0))
+                except asyncio.CancelledError:
+                    # The kept attempt has no sandbox: ended, not left running.
+                    await _settle(asyncio.shield(_abandon_begin(client, key, None)))
+                    raise
             except LayerStackError as e:
                 if e.kind in _CALLER_ERRORS:
                     raise
@@ -740,7 +751,12 @@ async def _run_sample(
                 return RolloutResult(i, key, last, reward if last.applied else await _reward(client, key),
                                      errors=tuple(errors))
             node_id = await r.checkpoint_for_grading()
-            g = await client.sandbox(node=node_id, name=f"grade-{r.id}", key=f"grade:{r.id}")
+            try:
+                g = await client.sandbox(node=node_id, name=f"grade-{r.id}", key=f"grade:{r.id}")
+            except asyncio.CancelledError:
+                # It may have been made: its key finds it, and it goes.
+                await _settle(asyncio.shield(_discard_grader(client, node_id, r.id)))
+                raise
             try:
                 out = await g.exec(grader.command, env=grader.env, timeout_s=grader.timeout_s)
             finally:
@@ -797,6 +813,48 @@ async def _run_sample(
                 errors.append(f"attempt {number} end: {e2!r}")
             await asyncio.sleep(min(0.05 * 2 ** (number - first), 2.0))
     return RolloutResult(i, key, last, None, errors=tuple(errors))
+
+
+async def _settle(aw: Awaitable[Any]) -> None:
+    """Awaits clean-up ``aw`` on the way out of a cancelled sample; a second
+    cancellation leaves it running (shielded) rather than raising here."""
+    try:
+        await aw
+    except BaseException:  # noqa: BLE001 — best effort on the way out
+        pass
+
+
+async def _abandon_begin(client: "AsyncClient", key: SampleKey, begin: "Optional[asyncio.Future[Any]]") -> None:
+    """A sample left during its begin: the attempt the begin made (waited
+    for, up to 30 s) and any other attempt of the sample still running — a
+    ``busy`` begin's, which has no sandbox — end ``infra_failed(cancelled)``."""
+    why = "the fan-out was left (cancelled) while this attempt began"
+    if begin is not None:
+        try:
+            r = await asyncio.wait_for(begin, 30)
+        except BaseException:  # noqa: BLE001 — it made nothing, or we cannot know
+            r = None
+        if r is not None and r.attempt is not None and not r.attempt.ended:
+            await _end_quietly(r, "cancelled", why)
+    try:
+        s = await client.sample(key)
+        for attempt_id in (s.running if s is not None else ()):
+            try:
+                await client.end_rollout(attempt_id, infra_failed="cancelled", message=why, keep="discard")
+            except LayerStackError:
+                pass
+    except LayerStackError:
+        pass
+
+
+async def _discard_grader(client: "AsyncClient", node: str, attempt_id: int) -> None:
+    """Discards attempt ``attempt_id``'s grading sandbox (found, or made and
+    at once discarded, by its key)."""
+    try:
+        g = await client.sandbox(node=node, name=f"grade-{attempt_id}", key=f"grade:{attempt_id}")
+        await g.discard("grading cancelled")
+    except LayerStackError:
+        pass
 
 
 async def _end_quietly(r: "AsyncRollout", kind: str, message: str) -> None:
