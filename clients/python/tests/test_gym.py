@@ -71,3 +71,30 @@ def test_the_environment_passes_gymnasiums_checker_and_rewards_each_episode_once
             assert not (await ls.show_node(good_node)).pruned
 
     asyncio.run(audit())
+
+
+def test_a_broken_evaluator_ends_the_episode_and_is_raised(daemon: Daemon) -> None:  # noqa: F811
+    """A grader that cannot be started, or whose reward function raises:
+    step() raises, the episode's attempt ends infra_failed, never a reward."""
+    import pytest
+
+    from layerstack.fabric import GraderNotStarted, HarnessError
+
+    with layerstack.connect(daemon.admin) as c:
+        g = c.create_graph(f"gym-{os.getpid()}-{os.urandom(3).hex()}", daemon.stack)
+    cases = [
+        (Grader(["/no/such/grader"], name="none", version="1"), GraderNotStarted, "grader-not-started"),
+        (Grader(["true"], name="div", version="1", reward=lambda out: (1 / 0, True)), HarnessError, "harness-error"),
+    ]
+    for grader, raised, kind in cases:
+        env = SandboxEnv(daemon.admin, node=g.root, run=f"gym-bad-{os.urandom(3).hex()}", actions=ACTIONS,
+                         grader=grader)
+        try:
+            env.reset(seed=1)
+            with pytest.raises(raised):
+                env.step(3)
+            assert env.last_attempt is not None, kind
+            assert (env.last_attempt.status, env.last_attempt.infra_kind, env.last_attempt.reward) == (
+                "infra_failed", kind, None), env.last_attempt
+        finally:
+            env.close()

@@ -45,7 +45,7 @@ import gymnasium
 from gymnasium import spaces
 
 import layerstack.aio
-from layerstack.fabric import Grader, GraderNotStarted, RolloutAttempt, SampleKey
+from layerstack.fabric import Grader, GraderNotStarted, HarnessError, RolloutAttempt, SampleKey
 
 __all__ = ["SandboxEnv", "SUBMIT"]
 
@@ -191,7 +191,14 @@ class SandboxEnv(gymnasium.Env[str, Any]):
                 self.last_attempt = await r.end(infra_failed=GraderNotStarted.kind, message=why, keep="discard")
                 self._rollout = None
                 raise GraderNotStarted(why)
-            reward, accepted = self.grader.score(out)
+            try:
+                reward, accepted = self.grader.score(out)
+            except HarnessError as e:
+                # The harness's bug: the episode ends, nothing stays running.
+                self.last_attempt = await r.end(infra_failed=HarnessError.kind, message=str(e)[:1000],
+                                                keep="discard")
+                self._rollout = None
+                raise
             end = await r.end(reward=reward, accepted=accepted, evaluator=self.grader.evaluator(),
                               keep="checkpoint" if accepted else "discard")
             self.last_attempt = end
