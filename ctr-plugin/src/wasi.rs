@@ -157,7 +157,10 @@ pub async fn run(cli: &Cli, a: RunArgs) -> Result<ExitCode> {
     }
     .for_end(policy);
     let mut closed = close(&mut c, id, policy, u32::try_from(exit).ok(), &reason, &node).await;
-    if closed.is_err() {
+    if closed
+        .as_ref()
+        .is_err_and(|e| crate::errors::describe(e).0 == api::ErrorKind::Unavailable.as_str())
+    {
         // The channel may be what failed (the Exec broke it): the session
         // this command made is closed on a new one, never left live.
         if let Ok(mut again) = crate::connect(&cli.admin_address).await {

@@ -191,8 +191,43 @@ impl Engine {
     ) -> Result<RolloutAttempt, EngineError> {
         // One end of an attempt at a time: a second, concurrent one (a
         // client's retry after a timeout) waits and is answered as a repeat —
-        // it found the sandbox closing and was refused "still runs".
-        let _one = self.attempts.lock(id).await;
+        // it found the sandbox closing and was refused "still runs". The end
+        // runs in a task of its own, with the lock: a caller that goes away
+        // (its deadline) does not drop the lock while the end goes on.
+        let me = self.clone();
+        tokio::spawn(async move {
+            let _one = me.attempts.lock(id).await;
+            me.end_rollout_locked(
+                id,
+                result,
+                evaluator,
+                trajectory,
+                artifacts,
+                backprop,
+                message,
+                keep,
+                result_node,
+            )
+            .await
+        })
+        .await
+        .map_err(|e| EngineError::Join(e.to_string()))?
+    }
+
+    /// [`Engine::end_rollout`] under the attempt's lock.
+    #[allow(clippy::too_many_arguments)]
+    async fn end_rollout_locked(
+        self: &std::sync::Arc<Self>,
+        id: i64,
+        result: RolloutResult,
+        evaluator: Option<layerstack_store::Evaluator>,
+        trajectory: Option<Vec<u8>>,
+        artifacts: Vec<(String, Vec<u8>)>,
+        backprop: Option<f64>,
+        message: String,
+        keep: RolloutKeep,
+        result_node: Option<String>,
+    ) -> Result<RolloutAttempt, EngineError> {
         let ended: Result<RolloutAttempt, EngineError> = async {
             if result_node.is_some() && keep == RolloutKeep::Discard {
                 return Err(EngineError::Store(StoreError::InvalidArgument(format!(

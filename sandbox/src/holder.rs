@@ -335,8 +335,9 @@ impl Init {
 }
 
 fn fail(step: &[&[u8]], e: &io::Error) -> ! {
-    sys::report(step, Some(e));
+    // First: a report to a stderr nobody reads may end us by SIGPIPE.
     not_started();
+    sys::report(step, Some(e));
     sys::exit_now(SETUP_FAILED)
 }
 
@@ -554,9 +555,14 @@ fn init_main(
         // Made ahead: what does not depend on the session first. It may wait
         // long for its claim: it leaves the copy of the host's mounts its
         // namespace was made with (it would pin whatever was mounted at the
-        // clone — another session's overlay — until claimed).
-        if let Err(e) = sys::empty_root() {
-            fail(&[b"leave the host's mounts (an empty root)"], &e);
+        // clone — another session's overlay — until claimed). Only where
+        // its claim needs nothing of the host's tree: in the initial user
+        // namespace with CAP_MKNOD, /dev's nodes are made, not bound from
+        // the host, and proc and sysfs may be mounted with none visible.
+        if sys::in_initial_user_ns() && sys::has_effective_cap(CAP_MKNOD) {
+            if let Err(e) = sys::empty_root() {
+                fail(&[b"leave the host's mounts (an empty root)"], &e);
+            }
         }
         if setup.net_none {
             if let Err(e) = sys::loopback_up() {
@@ -750,17 +756,20 @@ fn exec_command(c: &Command, set: &libc::sigset_t) -> ! {
     }
     match denied {
         Some(e) => {
-            sys::report(&[&c.name[..]], Some(&e));
             not_started();
+            sys::report(&[&c.name[..]], Some(&e));
             sys::exit_now(126)
         }
         None => {
-            sys::report(&[&c.name[..], b": command not found"], None);
             not_started();
+            sys::report(&[&c.name[..], b": command not found"], None);
             sys::exit_now(127)
         }
     }
 }
+
+/// `CAP_MKNOD` (linux/capability.h).
+const CAP_MKNOD: u32 = 27;
 
 /// Namespaces every init is cloned into (and `CLONE_NEWNET` for `net_none`).
 pub const INIT_FLAGS: libc::c_int =

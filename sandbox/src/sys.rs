@@ -341,6 +341,51 @@ pub fn empty_root() -> io::Result<()> {
     chdir(c"/")
 }
 
+/// Whether the caller is in the initial user namespace
+/// (`/proc/self/ns/user` is `user:[4026531837]`, the kernel's
+/// `PROC_USER_INIT_INO`). Child-safe (a stack buffer).
+pub fn in_initial_user_ns() -> bool {
+    let mut buf = [0u8; 64];
+    // SAFETY: NUL-terminated path; the buffer and its length match.
+    let n = unsafe {
+        libc::readlink(
+            c"/proc/self/ns/user".as_ptr(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+        )
+    };
+    n > 0 && &buf[..n as usize] == b"user:[4026531837]"
+}
+
+/// Whether capability `cap` (< 64) is in the caller's effective set
+/// (`capget(2)`, version 3). Child-safe.
+pub fn has_effective_cap(cap: u32) -> bool {
+    #[repr(C)]
+    struct Header {
+        version: u32,
+        pid: libc::c_int,
+    }
+    #[repr(C)]
+    #[derive(Clone, Copy)]
+    struct Data {
+        effective: u32,
+        permitted: u32,
+        inheritable: u32,
+    }
+    let mut h = Header {
+        version: 0x2008_0522, // _LINUX_CAPABILITY_VERSION_3
+        pid: 0,
+    };
+    let mut d = [Data {
+        effective: 0,
+        permitted: 0,
+        inheritable: 0,
+    }; 2];
+    // SAFETY: header and a two-element data array, as version 3 takes.
+    let r = unsafe { libc::syscall(libc::SYS_capget, &mut h as *mut Header, d.as_mut_ptr()) };
+    r == 0 && cap < 64 && d[(cap / 32) as usize].effective & (1 << (cap % 32)) != 0
+}
+
 /// `mount(2)`. Child-safe.
 pub fn mount(
     source: Option<&CStr>,

@@ -491,12 +491,6 @@ pub(crate) async fn attach(
     attach_mapped(engine, holders, conn, id, fresh, None).await
 }
 
-/// [`attach`] of a session with uid/gid mapping `id_map`: its lowers are
-/// idmapped by a user namespace with that mapping
-/// (`sys::overlay_fd_mapped`) and its upper's root is owned by the mapped
-/// root (`host_uid:host_gid`), so the session's root sees `/` as its own.
-/// UNSUPPORTED on a kernel without idmapped overlay layers by descriptor
-/// (Linux < 6.13).
 /// Runs blocking `f` on the caller's worker thread (`block_in_place`: no
 /// hand-off to the blocking pool and back, each of which wakes an idle vCPU —
 /// 0.1-0.35 ms on this machine, bench P7b), or on the blocking pool in a
@@ -512,6 +506,12 @@ async fn here_or_pool<T: Send + 'static>(
     tokio::task::spawn_blocking(f).await
 }
 
+/// [`attach`] of a session with uid/gid mapping `id_map`: its lowers are
+/// idmapped by a user namespace with that mapping
+/// (`sys::overlay_fd_mapped`) and its upper's root is owned by the mapped
+/// root (`host_uid:host_gid`), so the session's root sees `/` as its own.
+/// UNSUPPORTED on a kernel without idmapped overlay layers by descriptor
+/// (Linux < 6.13).
 pub(crate) async fn attach_mapped(
     engine: &Arc<Engine>,
     holders: &Arc<Holders>,

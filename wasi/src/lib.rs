@@ -223,6 +223,8 @@ struct MemCap {
     /// [`Invocation::memory_pool`], and what this run counted in it.
     pool: Option<Arc<AtomicU64>>,
     held: u64,
+    /// The last grow counted in the pool (given back if it then failed).
+    last_grow: u64,
 }
 
 /// The run's store is gone (whatever ended it, a dropped future included):
@@ -255,7 +257,10 @@ impl ResourceLimiter for MemCap {
                 (used.saturating_add(grow) <= self.max).then_some(used + grow)
             });
             match taken {
-                Ok(_) => self.held += grow,
+                Ok(_) => {
+                    self.held += grow;
+                    self.last_grow = grow;
+                }
                 Err(used) => {
                     self.hit = true;
                     return Err(wasmtime::Error::msg(format!(
@@ -266,6 +271,17 @@ impl ResourceLimiter for MemCap {
             }
         }
         Ok(true)
+    }
+
+    /// A grow the limiter allowed failed after all (past the module's own
+    /// maximum, no memory to map): what it counted goes back to the pool.
+    fn memory_grow_failed(&mut self, _error: wasmtime::Error) -> wasmtime::Result<()> {
+        if let Some(pool) = &self.pool {
+            let back = std::mem::take(&mut self.last_grow);
+            pool.fetch_sub(back, Ordering::Relaxed);
+            self.held -= back;
+        }
+        Ok(())
     }
 
     fn table_growing(
@@ -471,6 +487,7 @@ impl WasiRunner {
                     hit: false,
                     pool: inv.memory_pool.clone(),
                     held: 0,
+                    last_grow: 0,
                 },
             },
         );

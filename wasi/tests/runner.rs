@@ -385,6 +385,43 @@ fn concurrent_runs_share_one_memory_cap() {
     );
 }
 
+/// A grow past the module's own maximum fails (-1) after the limiter let it
+/// through: what it counted goes back to the session's pool at once, not
+/// at the run's end.
+#[test]
+fn a_failed_grow_gives_its_share_back() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let runner = std::sync::Arc::new(WasiRunner::new().expect("runner"));
+    // Declares at most 2 pages, asks for 900 more (-1), then spins.
+    let capped = wat::parse_str(
+        r#"(module (memory (export "memory") 1 2)
+  (func (export "_start")
+    (drop (memory.grow (i32.const 900)))
+    (loop $l (br $l))))"#,
+    )
+    .expect("valid WAT");
+    let pool = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let inv = Invocation {
+        limits: WasiLimits {
+            fuel: None,
+            deadline_ms: Some(1000),
+            ..limits()
+        },
+        memory_pool: Some(pool.clone()),
+        ..Default::default()
+    };
+    let first = {
+        let (runner, root, inv) = (runner.clone(), dir.path().to_path_buf(), inv.clone());
+        std::thread::spawn(move || runner.run_with(ModuleRef::Bytes(&capped), &root, &inv))
+    };
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    // The first run holds its one page only.
+    assert_eq!(pool.load(std::sync::atomic::Ordering::Relaxed), 65536);
+    let first = first.join().expect("thread").expect("run");
+    assert_eq!(first.trap, Some(TrapKind::Deadline), "{first:?}");
+    assert_eq!(pool.load(std::sync::atomic::Ordering::Relaxed), 0);
+}
+
 #[test]
 fn unbounded_allocation_hits_the_memory_cap() {
     let dir = tempfile::tempdir().expect("tempdir");

@@ -34,6 +34,7 @@ import asyncio
 import hashlib
 import json
 import math
+import numbers
 from dataclasses import dataclass, field
 from typing import (
     TYPE_CHECKING,
@@ -366,9 +367,10 @@ class HarnessError(TypeError):
 
 
 def _reward_of(value: Any, what: str) -> float:
-    """``value`` as a finite reward; :class:`HarnessError` naming ``what``
-    otherwise (``bool`` counts as 0/1)."""
-    if not isinstance(value, (int, float)):
+    """``value`` as a finite reward (any real number: ``int``, ``float``, a
+    numpy scalar; ``bool`` counts as 0/1); :class:`HarnessError` naming
+    ``what`` otherwise."""
+    if not isinstance(value, numbers.Real):
         raise HarnessError(
             f"{what} returned {value!r} ({type(value).__name__}): it must return the reward, a number "
             "(give a grader= to score the sandbox instead)"
@@ -636,14 +638,20 @@ async def _as_finished(
     what still runs; each sample ends its running attempt first."""
     gate = asyncio.Semaphore(max(1, concurrency))
     queue: "asyncio.Queue[Union[RolloutResult, BaseException]]" = asyncio.Queue()
+    closing = False
 
     async def run_one(i: int) -> None:
         async with gate:
             res: Union[RolloutResult, BaseException]
             try:
                 res = await one(i)
-            except asyncio.CancelledError:
-                raise
+            except asyncio.CancelledError as e:
+                if closing:
+                    raise
+                # Not ours (a call grpc cut off, a future something else
+                # cancelled): the sample's result, or the loop would wait
+                # for it forever.
+                res = RolloutResult(sample=i, key=key(i), attempt=None, reward=None, errors=(repr(e),))
             except BaseException as e:  # noqa: BLE001 — reported, never lost
                 if raise_callers and _is_callers(e):
                     res = e
@@ -659,6 +667,7 @@ async def _as_finished(
                 raise got
             yield got
     finally:
+        closing = True
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
