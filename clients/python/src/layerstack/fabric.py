@@ -829,7 +829,7 @@ async def _settle(aw: Awaitable[Any]) -> None:
     cancellation leaves it running (shielded) rather than raising here."""
     try:
         await aw
-    except BaseException:  # noqa: BLE001 — best effort on the way out
+    except (Exception, asyncio.CancelledError):  # best effort on the way out
         pass
 
 
@@ -872,7 +872,7 @@ async def _end_quietly(r: "AsyncRollout", kind: str, message: str) -> None:
     or any failure is ignored — the daemon's audit ends what is left."""
     try:
         await asyncio.shield(r.end(infra_failed=kind, message=message, keep="discard"))
-    except BaseException:  # noqa: BLE001 — best effort on the way out
+    except (Exception, asyncio.CancelledError):  # best effort on the way out
         pass
 
 
