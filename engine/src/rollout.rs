@@ -197,173 +197,145 @@ impl Engine {
         let me = self.clone();
         tokio::spawn(async move {
             let _one = me.attempts.lock(id).await;
-            me.end_rollout_locked(
-                id,
-                result,
-                evaluator,
-                trajectory,
-                artifacts,
-                backprop,
-                message,
-                keep,
-                result_node,
-            )
-            .await
-        })
-        .await
-        .map_err(|e| EngineError::Join(e.to_string()))?
-    }
-
-    /// [`Engine::end_rollout`] under the attempt's lock.
-    #[allow(clippy::too_many_arguments)]
-    async fn end_rollout_locked(
-        self: &std::sync::Arc<Self>,
-        id: i64,
-        result: RolloutResult,
-        evaluator: Option<layerstack_store::Evaluator>,
-        trajectory: Option<Vec<u8>>,
-        artifacts: Vec<(String, Vec<u8>)>,
-        backprop: Option<f64>,
-        message: String,
-        keep: RolloutKeep,
-        result_node: Option<String>,
-    ) -> Result<RolloutAttempt, EngineError> {
-        let ended: Result<RolloutAttempt, EngineError> = async {
-            if result_node.is_some() && keep == RolloutKeep::Discard {
-                return Err(EngineError::Store(StoreError::InvalidArgument(format!(
-                    "rollout attempt {id}: keep DISCARD with a result node: a discarded result keeps no node; omit result_node or keep CHECKPOINT"
-                ))));
-            }
-            let (trajectory, artifacts) = self
-                .blocking(move |st| {
-                    let t = trajectory
-                        .map(|b| st.put_blob(&b).map(|(d, _)| d))
-                        .transpose()?;
-                    let mut arts = Vec::with_capacity(artifacts.len());
-                    for (name, bytes) in artifacts {
-                        if name.is_empty() || name.len() > 256 {
-                            return Err(StoreError::InvalidArgument(format!(
-                                "artifact name {name:?}: give 1 to 256 bytes"
-                            )));
-                        }
-                        let (digest, size) = st.put_blob(&bytes)?;
-                        arts.push(layerstack_store::Artifact { name, digest, size });
-                    }
-                    Ok((t, arts))
-                })
-                .await?;
-            let ending = RolloutEnding {
-                result,
-                evaluator,
-                trajectory,
-                artifacts,
-                backprop,
-                message,
-            };
-            let a = self.blocking(move |st| st.rollout(id)).await?;
-            if a.worker.is_some() || result_node.is_some() {
-                // A remote attempt: nothing of it lives here; one transaction
-                // (the store refuses a result node for a local attempt).
-                return self
-                    .blocking(move |st| st.end_remote_rollout(id, &ending, result_node.as_deref()))
-                    .await;
-            }
-            let live = match (a.status, a.session) {
-                (RolloutStatus::Running, Some(sid)) => {
-                    let s = self.session(sid).await?;
-                    (!s.released && !s.run_finished()).then_some(sid)
+            let ended: Result<RolloutAttempt, EngineError> = async {
+                if result_node.is_some() && keep == RolloutKeep::Discard {
+                    return Err(EngineError::Store(StoreError::InvalidArgument(format!(
+                        "rollout attempt {id}: keep DISCARD with a result node: a discarded result keeps no node; omit result_node or keep CHECKPOINT"
+                    ))));
                 }
-                _ => None,
-            };
-            match (live, keep) {
-                (Some(sid), RolloutKeep::Checkpoint { state, labels }) => {
-                    let s = self
-                        .close_sandbox_session(
+                let (trajectory, artifacts) = me
+                    .blocking(move |st| {
+                        let t = trajectory
+                            .map(|b| st.put_blob(&b).map(|(d, _)| d))
+                            .transpose()?;
+                        let mut arts = Vec::with_capacity(artifacts.len());
+                        for (name, bytes) in artifacts {
+                            if name.is_empty() || name.len() > 256 {
+                                return Err(StoreError::InvalidArgument(format!(
+                                    "artifact name {name:?}: give 1 to 256 bytes"
+                                )));
+                            }
+                            let (digest, size) = st.put_blob(&bytes)?;
+                            arts.push(layerstack_store::Artifact { name, digest, size });
+                        }
+                        Ok((t, arts))
+                    })
+                    .await?;
+                let ending = RolloutEnding {
+                    result,
+                    evaluator,
+                    trajectory,
+                    artifacts,
+                    backprop,
+                    message,
+                };
+                let a = me.blocking(move |st| st.rollout(id)).await?;
+                if a.worker.is_some() || result_node.is_some() {
+                    // A remote attempt: nothing of it lives here; one transaction
+                    // (the store refuses a result node for a local attempt).
+                    return me
+                        .blocking(move |st| st.end_remote_rollout(id, &ending, result_node.as_deref()))
+                        .await;
+                }
+                let live = match (a.status, a.session) {
+                    (RolloutStatus::Running, Some(sid)) => {
+                        let s = me.session(sid).await?;
+                        (!s.released && !s.run_finished()).then_some(sid)
+                    }
+                    _ => None,
+                };
+                match (live, keep) {
+                    (Some(sid), RolloutKeep::Checkpoint { state, labels }) => {
+                        let s = me
+                            .close_sandbox_session(
+                                sid,
+                                EndAction::Checkpoint {
+                                    exit_status: None,
+                                    state,
+                                    command: None,
+                                    labels,
+                                    rollout: Some(ending.clone()),
+                                },
+                                "rollout attempt ended",
+                                CLOSE_PATIENCE,
+                            )
+                            .await?;
+                        let after = me.blocking(move |st| st.rollout(id)).await?;
+                        if after.status == RolloutStatus::Running {
+                            // The checkpoint failed (the session's outcome says why):
+                            // the attempt ends as an infrastructure failure, never
+                            // with the reward it was given.
+                            let why = s
+                                .outcome
+                                .as_ref()
+                                .and_then(|o| o.message.clone())
+                                .unwrap_or_default();
+                            let failed = RolloutEnding {
+                                result: RolloutResult::InfraFailed {
+                                    kind: "checkpoint-failed".into(),
+                                },
+                                evaluator: None,
+                                trajectory: ending.trajectory.clone(),
+                                artifacts: Vec::new(),
+                                backprop: None,
+                                message: why.clone(),
+                            };
+                            me.blocking(move |st| st.end_rollout(id, &failed, Disposition::Keep))
+                                .await?;
+                            return Err(EngineError::Store(StoreError::FailedPrecondition(format!(
+                                "rollout attempt {id}: its checkpoint failed ({why}); the attempt ended infra_failed(checkpoint-failed): retry the sample with a new attempt"
+                            ))));
+                        }
+                        info!(rollout.attempt = id, status = after.status.as_str(), node = ?after.result_node, "rollout attempt ended with its checkpoint");
+                        // A concurrent end may have come first: this call's ending is
+                        // then answered as a repeat (the same result) or refused.
+                        me.blocking(move |st| st.end_rollout(id, &ending, Disposition::Keep))
+                            .await
+                    }
+                    (Some(sid), RolloutKeep::Discard) => {
+                        let e = ending.clone();
+                        let ended = me
+                            .blocking(move |st| st.end_rollout(id, &e, Disposition::Discard))
+                            .await?;
+                        me.close_sandbox_session(
                             sid,
-                            EndAction::Checkpoint {
-                                exit_status: None,
-                                state,
-                                command: None,
-                                labels,
-                                rollout: Some(ending.clone()),
-                            },
+                            EndAction::Discard,
                             "rollout attempt ended",
                             CLOSE_PATIENCE,
                         )
                         .await?;
-                    let after = self.blocking(move |st| st.rollout(id)).await?;
-                    if after.status == RolloutStatus::Running {
-                        // The checkpoint failed (the session's outcome says why):
-                        // the attempt ends as an infrastructure failure, never
-                        // with the reward it was given.
-                        let why = s
-                            .outcome
-                            .as_ref()
-                            .and_then(|o| o.message.clone())
-                            .unwrap_or_default();
-                        let failed = RolloutEnding {
-                            result: RolloutResult::InfraFailed {
-                                kind: "checkpoint-failed".into(),
-                            },
-                            evaluator: None,
-                            trajectory: ending.trajectory.clone(),
-                            artifacts: Vec::new(),
-                            backprop: None,
-                            message: why.clone(),
-                        };
-                        self.blocking(move |st| st.end_rollout(id, &failed, Disposition::Keep))
-                            .await?;
-                        return Err(EngineError::Store(StoreError::FailedPrecondition(format!(
-                            "rollout attempt {id}: its checkpoint failed ({why}); the attempt ended infra_failed(checkpoint-failed): retry the sample with a new attempt"
-                        ))));
+                        Ok(ended)
                     }
-                    info!(rollout.attempt = id, status = after.status.as_str(), node = ?after.result_node, "rollout attempt ended with its checkpoint");
-                    // A concurrent end may have come first: this call's ending is
-                    // then answered as a repeat (the same result) or refused.
-                    self.blocking(move |st| st.end_rollout(id, &ending, Disposition::Keep))
-                        .await
-                }
-                (Some(sid), RolloutKeep::Discard) => {
-                    let e = ending.clone();
-                    let ended = self
-                        .blocking(move |st| st.end_rollout(id, &e, Disposition::Discard))
-                        .await?;
-                    self.close_sandbox_session(
-                        sid,
-                        EndAction::Discard,
-                        "rollout attempt ended",
-                        CLOSE_PATIENCE,
-                    )
-                    .await?;
-                    Ok(ended)
-                }
-                (None, keep) => {
-                    let how = match keep {
-                        RolloutKeep::Checkpoint { .. } => Disposition::Keep,
-                        RolloutKeep::Discard => Disposition::Prune,
-                    };
-                    let ended = self
-                        .blocking(move |st| st.end_rollout(id, &ending, how))
-                        .await?;
-                    // A sandbox an infrastructure failure ended keeps its upper
-                    // until released: nothing will use it now.
-                    self.discard_ended_rollout_sandboxes().await?;
-                    Ok(ended)
+                    (None, keep) => {
+                        let how = match keep {
+                            RolloutKeep::Checkpoint { .. } => Disposition::Keep,
+                            RolloutKeep::Discard => Disposition::Prune,
+                        };
+                        let ended = me
+                            .blocking(move |st| st.end_rollout(id, &ending, how))
+                            .await?;
+                        // A sandbox an infrastructure failure ended keeps its upper
+                        // until released: nothing will use it now.
+                        me.discard_ended_rollout_sandboxes().await?;
+                        Ok(ended)
+                    }
                 }
             }
-        }
-        .await;
-        // The daemon's record becomes the trajectory of an attempt that
-        // ended without one (its end left the rows; none is added now).
-        if let Err(e) = self.blocking(move |st| st.fold_rollout_execs_of(id)).await {
-            tracing::warn!(rollout.attempt = id, error = %crate::error_chain(&e), "cannot store the ended attempt's recorded commands as its trajectory yet; the next fold tries again");
-        }
-        match ended {
-            // This fold, or the one that ran with the discard of ended
-            // attempts' sandboxes, may have given it its trajectory.
-            Ok(a) if a.trajectory.is_none() => self.rollout(id).await,
-            other => other,
-        }
+            .await;
+            // The daemon's record becomes the trajectory of an attempt that
+            // ended without one (its end left the rows; none is added now).
+            if let Err(e) = me.blocking(move |st| st.fold_rollout_execs_of(id)).await {
+                tracing::warn!(rollout.attempt = id, error = %crate::error_chain(&e), "cannot store the ended attempt's recorded commands as its trajectory yet; the next fold tries again");
+            }
+            match ended {
+                // This fold, or the one that ran with the discard of ended
+                // attempts' sandboxes, may have given it its trajectory.
+                Ok(a) if a.trajectory.is_none() => me.rollout(id).await,
+                other => other,
+            }
+        })
+        .await
+        .map_err(|e| EngineError::Join(e.to_string()))?
     }
 
     /// The attempts of run `run` (`step`: of that step only) after attempt id

@@ -285,26 +285,35 @@ fn a_wasi_module_publishes_the_layer_a_linux_process_does() -> Result<()> {
             bail!("the layers differ:\n{}", diff.join("\n"));
         }
 
+        // `session run --wasi MODULE STACK@wasi --publish PUBLISH [--outcome
+        // F] -- ARGS…`, the arguments of the runs below.
+        let target = format!("{stack}@wasi");
+        let run_args =
+            |module: &Path, publish: &str, outcome: Option<&Path>, args: &[&str]| -> Vec<String> {
+                let mut v: Vec<String> = ["session", "run", "--wasi"].map(String::from).to_vec();
+                v.push(module.to_string_lossy().into_owned());
+                v.extend([target.clone(), "--publish".into(), publish.into()]);
+                if let Some(f) = outcome {
+                    v.extend(["--outcome".into(), f.to_string_lossy().into_owned()]);
+                }
+                if !args.is_empty() {
+                    v.push("--".into());
+                    v.extend(args.iter().map(|a| a.to_string()));
+                }
+                v
+            };
+        let run =
+            |args: Vec<String>| d.layerstack(&args.iter().map(String::as_str).collect::<Vec<_>>());
+
         // A second run of the same module is served from the daemon's cache,
         // and a failing module's status is the run's.
         let w2 = dir.join("wasi2.json");
-        let o = d.layerstack(&[
-            "session",
-            "run",
-            "--wasi",
-            wasm.to_str().context("utf-8")?,
-            &format!("{stack}@wasi"),
-            "--publish",
+        let o = run(run_args(
+            &wasm,
             "on-success",
-            "--outcome",
-            w2.to_str().context("utf-8")?,
-            "--",
-            "write",
-            "/srv/late.txt",
-            "late\n",
-            "exit",
-            "7",
-        ])?;
+            Some(&w2),
+            &["write", "/srv/late.txt", "late\n", "exit", "7"],
+        ))?;
         ensure!(
             o.status.code() == Some(7),
             "exit {:?}: {}",
@@ -319,18 +328,7 @@ fn a_wasi_module_publishes_the_layer_a_linux_process_does() -> Result<()> {
             "{w2}"
         );
         // Stdout reaches the caller's stdout.
-        let o = d.layerstack(&[
-            "session",
-            "run",
-            "--wasi",
-            wasm.to_str().context("utf-8")?,
-            &format!("{stack}@wasi"),
-            "--publish",
-            "never",
-            "--",
-            "cat",
-            "/srv/new.txt",
-        ])?;
+        let o = run(run_args(&wasm, "never", None, &["cat", "/srv/new.txt"]))?;
         ensure!(o.status.success() && stdout(&o) == "hello\n", "{o:?}");
         // A closed stdout (`| head`) does not decide the run's end: its
         // writes publish by the module's exit, and the outcome says so.
@@ -340,23 +338,12 @@ fn a_wasi_module_publishes_the_layer_a_linux_process_does() -> Result<()> {
         let o = std::process::Command::new(bin_path(CLI_BIN)?)
             .arg("--admin-address")
             .arg(d.admin_socket())
-            .args([
-                "session",
-                "run",
-                "--wasi",
-                wasm.to_str().context("utf-8")?,
-                &format!("{stack}@wasi"),
-                "--publish",
+            .args(run_args(
+                &wasm,
                 "on-success",
-                "--outcome",
-                w3.to_str().context("utf-8")?,
-                "--",
-                "write",
-                "/srv/piped.txt",
-                "piped\n",
-                "cat",
-                "/srv/new.txt",
-            ])
+                Some(&w3),
+                &["write", "/srv/piped.txt", "piped\n", "cat", "/srv/new.txt"],
+            ))
             .stdout(std::process::Stdio::from(std::os::fd::OwnedFd::from(w)))
             .stderr(std::process::Stdio::piped())
             .output()?;
@@ -368,39 +355,20 @@ fn a_wasi_module_publishes_the_layer_a_linux_process_does() -> Result<()> {
             String::from_utf8_lossy(&o.stderr)
         );
         // A module over the 64 MiB a run takes is refused before a session
-        // is made for it: no session is left behind.
+        // is made for it, and a device is not read whole (it would never
+        // end): no session is left behind.
         let big = dir.join("big.wasm");
         fs::write(&big, vec![0u8; (api::MAX_WASI_MODULE_BYTES + 1) as usize])?;
         let before = d.layerstack(&["session", "ls", "-A", "--json"])?;
-        let o = d.layerstack(&[
-            "session",
-            "run",
-            "--wasi",
-            big.to_str().context("utf-8")?,
-            &format!("{stack}@wasi"),
-            "--publish",
-            "never",
-        ])?;
-        ensure!(
-            !o.status.success()
-                && String::from_utf8_lossy(&o.stderr).contains("more than 67108864"),
-            "{o:?}"
-        );
-        // Nor is a device read whole (it would never end).
-        let o = d.layerstack(&[
-            "session",
-            "run",
-            "--wasi",
-            "/dev/zero",
-            &format!("{stack}@wasi"),
-            "--publish",
-            "never",
-        ])?;
-        ensure!(
-            !o.status.success()
-                && String::from_utf8_lossy(&o.stderr).contains("more than 67108864"),
-            "{o:?}"
-        );
+        for module in [big.as_path(), Path::new("/dev/zero")] {
+            let o = run(run_args(module, "never", None, &[]))?;
+            ensure!(
+                !o.status.success()
+                    && String::from_utf8_lossy(&o.stderr).contains("more than 67108864"),
+                "{}: {o:?}",
+                module.display()
+            );
+        }
         let after = d.layerstack(&["session", "ls", "-A", "--json"])?;
         ensure!(
             stdout(&before) == stdout(&after),

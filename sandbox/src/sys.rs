@@ -98,6 +98,40 @@ fn fsconfig_string(fs: &OwnedFd, key: &CStr, value: &CStr) -> io::Result<()> {
     .map(drop)
 }
 
+/// `fsopen(fstype, FSOPEN_CLOEXEC)`: a new filesystem context. Child-safe.
+fn fsopen(fstype: &CStr) -> io::Result<OwnedFd> {
+    // SAFETY: the name is NUL-terminated; FSOPEN_CLOEXEC is a valid flag.
+    let fs = check(unsafe { libc::syscall(libc::SYS_fsopen, fstype.as_ptr(), FSOPEN_CLOEXEC) })?;
+    // SAFETY: fsopen returned a new descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(fs as RawFd) })
+}
+
+/// `fsconfig(FSCONFIG_CMD_CREATE)`: the context's superblock. Child-safe.
+fn fsconfig_create(fs: &OwnedFd) -> io::Result<()> {
+    // SAFETY: `fs` is an open fs context; key and value must be NULL for CMD_CREATE.
+    check(unsafe {
+        libc::syscall(
+            libc::SYS_fsconfig,
+            fs.as_raw_fd(),
+            FSCONFIG_CMD_CREATE,
+            std::ptr::null::<libc::c_char>(),
+            std::ptr::null::<libc::c_void>(),
+            0,
+        )
+    })
+    .map(drop)
+}
+
+/// `fsmount(fs, FSMOUNT_CLOEXEC, attrs)`: a detached mount of the created
+/// superblock. Child-safe.
+fn fsmount(fs: &OwnedFd, attrs: libc::c_uint) -> io::Result<OwnedFd> {
+    // SAFETY: `fs` holds a created superblock; flags and attributes are valid.
+    let m =
+        check(unsafe { libc::syscall(libc::SYS_fsmount, fs.as_raw_fd(), FSMOUNT_CLOEXEC, attrs) })?;
+    // SAFETY: fsmount returned a new descriptor that nothing else owns.
+    Ok(unsafe { OwnedFd::from_raw_fd(m as RawFd) })
+}
+
 fn fsconfig_fd(fs: &OwnedFd, key: &CStr, fd: &OwnedFd) -> io::Result<()> {
     // SAFETY: `fs` is an open fs context; the key is NUL-terminated and lives
     // across the call; value NULL and aux the descriptor, as
@@ -210,11 +244,7 @@ pub fn overlay_fd_mapped(
     userns: Option<&OwnedFd>,
 ) -> Result<OwnedFd, OverlayError> {
     let err = |step: String| move |source| OverlayError { step, source };
-    // SAFETY: the name is a NUL-terminated literal; FSOPEN_CLOEXEC is a valid flag.
-    let fs = check(unsafe { libc::syscall(libc::SYS_fsopen, c"overlay".as_ptr(), FSOPEN_CLOEXEC) })
-        .map_err(err("fsopen overlay".into()))?;
-    // SAFETY: fsopen returned a new descriptor that nothing else owns.
-    let fs = unsafe { OwnedFd::from_raw_fd(fs as RawFd) };
+    let fs = fsopen(c"overlay").map_err(err("fsopen overlay".into()))?;
     // The idmapped clones live until the superblock is made: closing the
     // last descriptor of a detached mount unmounts it, and overlay clones
     // its layers' mounts at `FSCONFIG_CMD_CREATE`.
@@ -252,18 +282,7 @@ pub fn overlay_fd_mapped(
     if volatile {
         fsconfig_flag(&fs, c"volatile").map_err(err("fsconfig volatile".into()))?;
     }
-    // SAFETY: `fs` is an open fs context; key and value must be NULL for CMD_CREATE.
-    check(unsafe {
-        libc::syscall(
-            libc::SYS_fsconfig,
-            fs.as_raw_fd(),
-            FSCONFIG_CMD_CREATE,
-            std::ptr::null::<libc::c_char>(),
-            std::ptr::null::<libc::c_void>(),
-            0,
-        )
-    })
-    .map_err(err("fsconfig create (overlay superblock)".into()))?;
+    fsconfig_create(&fs).map_err(err("fsconfig create (overlay superblock)".into()))?;
     drop(mapped);
     // A mapped session's root must not open device nodes of its layers as
     // the host's root would (a layer's 0:0 `c 1 11` is its own through the
@@ -273,12 +292,7 @@ pub fn overlay_fd_mapped(
     } else {
         0
     };
-    // SAFETY: `fs` holds a created superblock; flags and attributes are valid.
-    let m =
-        check(unsafe { libc::syscall(libc::SYS_fsmount, fs.as_raw_fd(), FSMOUNT_CLOEXEC, attrs) })
-            .map_err(err("fsmount".into()))?;
-    // SAFETY: fsmount returned a new descriptor that nothing else owns.
-    Ok(unsafe { OwnedFd::from_raw_fd(m as RawFd) })
+    fsmount(&fs, attrs).map_err(err("fsmount".into()))
 }
 
 /// Attaches the detached mount `fd` on `target` in the caller's mount namespace
@@ -306,33 +320,13 @@ pub fn attach(fd: RawFd, target: &CStr) -> io::Result<()> {
 /// tool mounted for a moment would stay pinned, its upper "still mounted").
 /// Needs a private mount namespace. Child-safe.
 pub fn empty_root() -> io::Result<()> {
-    // SAFETY: the name is a NUL-terminated literal; FSOPEN_CLOEXEC is a valid flag.
-    let fs = check(unsafe { libc::syscall(libc::SYS_fsopen, c"tmpfs".as_ptr(), FSOPEN_CLOEXEC) })?;
-    // SAFETY: fsopen returned a new descriptor that nothing else owns.
-    let fs = unsafe { OwnedFd::from_raw_fd(fs as RawFd) };
+    let fs = fsopen(c"tmpfs")?;
     fsconfig_string(&fs, c"size", c"4k")?;
-    // SAFETY: `fs` is an open fs context; key and value must be NULL for CMD_CREATE.
-    check(unsafe {
-        libc::syscall(
-            libc::SYS_fsconfig,
-            fs.as_raw_fd(),
-            FSCONFIG_CMD_CREATE,
-            std::ptr::null::<libc::c_char>(),
-            std::ptr::null::<libc::c_void>(),
-            0,
-        )
-    })?;
-    // SAFETY: `fs` holds a created superblock; flags and attributes are valid.
-    let m = check(unsafe {
-        libc::syscall(
-            libc::SYS_fsmount,
-            fs.as_raw_fd(),
-            FSMOUNT_CLOEXEC,
-            MOUNT_ATTR_RDONLY | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NOEXEC,
-        )
-    })?;
-    // SAFETY: fsmount returned a new descriptor that nothing else owns.
-    let m = unsafe { OwnedFd::from_raw_fd(m as RawFd) };
+    fsconfig_create(&fs)?;
+    let m = fsmount(
+        &fs,
+        MOUNT_ATTR_RDONLY | MOUNT_ATTR_NODEV | MOUNT_ATTR_NOSUID | MOUNT_ATTR_NOEXEC,
+    )?;
     drop(fs);
     attach(m.as_raw_fd(), c"/")?;
     fchdir(m.as_raw_fd())?;

@@ -157,34 +157,30 @@ fn fuel_runs_out_on_an_endless_loop() {
 fn the_deadline_stops_an_endless_loop_without_fuel() {
     let dir = tempfile::tempdir().expect("tempdir");
     let runner = WasiRunner::new().expect("runner");
-    let l = WasiLimits {
-        fuel: None,
-        deadline_ms: Some(200),
-        ..limits()
-    };
-    let out = runner
-        .run(ModuleRef::Bytes(&loop_module()), dir.path(), &[], &[], &l)
-        .expect("run");
-    assert_eq!(out.trap, Some(TrapKind::Deadline), "{out:?}");
-    assert!(
-        out.wall_ms >= 150.0 && out.wall_ms < 5_000.0,
-        "{}",
-        out.wall_ms
-    );
-    // The fuel it burnt in those 200 ms: far more than a few thousand
-    // (an endless loop runs ~10^8 units in tens of ms here).
-    assert!(out.fuel_used > 1_000_000, "fuel_used {}", out.fuel_used);
-    // With a fuel limit it never reached, the same.
-    let l = WasiLimits {
-        fuel: Some(u64::MAX / 2),
-        deadline_ms: Some(200),
-        ..limits()
-    };
-    let out = runner
-        .run(ModuleRef::Bytes(&loop_module()), dir.path(), &[], &[], &l)
-        .expect("run");
-    assert_eq!(out.trap, Some(TrapKind::Deadline), "{out:?}");
-    assert!(out.fuel_used > 1_000_000, "fuel_used {}", out.fuel_used);
+    // No fuel limit, and one it never reaches: the deadline ends both, and
+    // fuel_used is what they burnt in those 200 ms — far more than a few
+    // thousand (an endless loop runs ~10^8 units in tens of ms here).
+    for fuel in [None, Some(u64::MAX / 2)] {
+        let l = WasiLimits {
+            fuel,
+            deadline_ms: Some(200),
+            ..limits()
+        };
+        let out = runner
+            .run(ModuleRef::Bytes(&loop_module()), dir.path(), &[], &[], &l)
+            .expect("run");
+        assert_eq!(out.trap, Some(TrapKind::Deadline), "{out:?}");
+        assert!(
+            out.wall_ms >= 150.0 && out.wall_ms < 5_000.0,
+            "{}",
+            out.wall_ms
+        );
+        assert!(
+            out.fuel_used > 1_000_000,
+            "fuel {fuel:?}: fuel_used {}",
+            out.fuel_used
+        );
+    }
 }
 
 /// Sets `flag` from another thread after `ms` milliseconds.
