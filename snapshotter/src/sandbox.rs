@@ -491,21 +491,6 @@ pub(crate) async fn attach(
     attach_mapped(engine, holders, conn, id, fresh, None).await
 }
 
-/// Runs blocking `f` on the caller's worker thread (`block_in_place`: no
-/// hand-off to the blocking pool and back, each of which wakes an idle vCPU —
-/// 0.1-0.35 ms on this machine, bench P7b), or on the blocking pool in a
-/// single-thread runtime (the tests').
-async fn here_or_pool<T: Send + 'static>(
-    f: impl FnOnce() -> T + Send + 'static,
-) -> Result<T, tokio::task::JoinError> {
-    if tokio::runtime::Handle::current().runtime_flavor()
-        == tokio::runtime::RuntimeFlavor::MultiThread
-    {
-        return Ok(tokio::task::block_in_place(f));
-    }
-    tokio::task::spawn_blocking(f).await
-}
-
 /// [`attach`] of a session with uid/gid mapping `id_map`: its lowers are
 /// idmapped by a user namespace with that mapping
 /// (`sys::overlay_fd_mapped`) and its upper's root is owned by the mapped
@@ -550,7 +535,7 @@ pub(crate) async fn attach_mapped(
     // is gone: it is `volatile` (no sync of the upper at unmount) unless the
     // store is durable, whose seal syncs what it publishes anyway.
     let volatile = !engine.durable();
-    let fd = here_or_pool(move || {
+    let fd = layerstack_engine::here_or_pool(move || {
         let MountSpec::Overlay {
             lowers,
             upper: Some((upper, work)),
