@@ -199,9 +199,7 @@ impl Engine {
             let _one = me.attempts.lock(id).await;
             let ended: Result<RolloutAttempt, EngineError> = async {
                 if result_node.is_some() && keep == RolloutKeep::Discard {
-                    return Err(EngineError::Store(StoreError::InvalidArgument(format!(
-                        "rollout attempt {id}: keep DISCARD with a result node: a discarded result keeps no node; omit result_node or keep CHECKPOINT"
-                    ))));
+                    return Err(EngineError::Store(layerstack_store::discard_with_node(id)));
                 }
                 let (trajectory, artifacts) = me
                     .blocking(move |st| {
@@ -230,11 +228,15 @@ impl Engine {
                     message,
                 };
                 let a = me.blocking(move |st| st.rollout(id)).await?;
+                let end_keep = match keep {
+                    RolloutKeep::Checkpoint { .. } => layerstack_store::EndKeep::Checkpoint,
+                    RolloutKeep::Discard => layerstack_store::EndKeep::Discard,
+                };
                 if a.worker.is_some() || result_node.is_some() {
                     // A remote attempt: nothing of it lives here; one transaction
                     // (the store refuses a result node for a local attempt).
                     return me
-                        .blocking(move |st| st.end_remote_rollout(id, &ending, result_node.as_deref()))
+                        .blocking(move |st| st.end_remote_rollout(id, &ending, result_node.as_deref(), end_keep))
                         .await;
                 }
                 let live = match (a.status, a.session) {

@@ -1098,7 +1098,13 @@ impl Store {
                         "session {sid} is not the sandbox of a running rollout attempt: end it with CloseSession"
                     ))
                 })?;
-                crate::rollout::end_rollout_in(tx, ra.id, end, Some(&id))?;
+                crate::rollout::end_rollout_in(
+                    tx,
+                    ra.id,
+                    end,
+                    Some(&id),
+                    crate::rollout::EndKeep::Checkpoint,
+                )?;
             }
             record_op(tx, key, "checkpoint", &id, &checkpoint_args(sid, state))?;
             crate::failpoints::fail("checkpoint.before_rename", &self.root)

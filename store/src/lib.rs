@@ -92,9 +92,9 @@ pub use lock::StoreLock;
 pub use model::*;
 pub use publish::{CommitRecord, Published, Recheck, Staged};
 pub use rollout::{
-    Artifact, Begun, Disposition, Evaluator, ExecRecord, NodeStats, RolloutAttempt, RolloutBegin,
-    RolloutEnding, RolloutResult, RolloutStatus, RunAudit, RunInfo, SampleInfo, SampleKey,
-    EXEC_RECORD_KEEP_BYTES,
+    discard_with_node, Artifact, Begun, Disposition, EndKeep, Evaluator, ExecRecord, NodeStats,
+    RolloutAttempt, RolloutBegin, RolloutEnding, RolloutResult, RolloutStatus, RunAudit, RunInfo,
+    SampleInfo, SampleKey, EXEC_RECORD_KEEP_BYTES,
 };
 pub use schema::FORMAT_VERSION;
 pub use sessions::{Claim, READY_OWNER};

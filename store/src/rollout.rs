@@ -307,6 +307,57 @@ pub enum Disposition {
     Discard,
 }
 
+/// What the end of a rollout attempt asked of its sandbox's writes
+/// (`EndRolloutRequest.keep`), recorded with the end (`end_keep`, store
+/// format 18): a repeated end asking otherwise is refused, since it cannot
+/// be what the first end did — a discarded sandbox has no checkpoint to
+/// keep, a kept checkpoint is not discarded by a repeat.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum EndKeep {
+    /// keep CHECKPOINT: the checkpoint its sandbox made (now, or earlier for
+    /// grading) is the attempt's.
+    Checkpoint,
+    /// keep DISCARD: its sandbox's writes are dropped, a grading checkpoint
+    /// pruned.
+    Discard,
+}
+
+impl EndKeep {
+    /// The column's spelling, and the wire's in messages.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Self::Checkpoint => "checkpoint",
+            Self::Discard => "discard",
+        }
+    }
+
+    fn parse(s: &str) -> Option<Self> {
+        match s {
+            "checkpoint" => Some(Self::Checkpoint),
+            "discard" => Some(Self::Discard),
+            _ => None,
+        }
+    }
+}
+
+/// The refusal of an end that asks to discard its result and names a
+/// result node (`InvalidArgument`).
+pub fn discard_with_node(id: i64) -> StoreError {
+    StoreError::InvalidArgument(format!(
+        "rollout attempt {id}: keep DISCARD with a result node: a discarded result keeps no node; omit result_node or keep CHECKPOINT"
+    ))
+}
+
+impl Disposition {
+    /// What the harness asked for, as recorded with the end.
+    fn keep(self) -> EndKeep {
+        match self {
+            Self::Keep => EndKeep::Checkpoint,
+            Self::Prune | Self::Discard => EndKeep::Discard,
+        }
+    }
+}
+
 /// What [`Store::begin_rollout`] asks for.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RolloutBegin {
@@ -581,9 +632,39 @@ pub(crate) fn end_rollout_in(
     id: i64,
     end: &RolloutEnding,
     result_node: Option<&str>,
+    keep: EndKeep,
 ) -> Result<RolloutAttempt, StoreError> {
     let a = get_rollout(tx, id)?;
     if a.status != RolloutStatus::Running {
+        let recorded_keep: Option<String> = tx.one(
+            "SELECT end_keep FROM rollout_attempts WHERE id = ?1",
+            [id],
+            |r| r.get(0),
+        )?;
+        match recorded_keep.as_deref().map(|k| (k, EndKeep::parse(k))) {
+            Some((_, Some(k))) if k != keep => {
+                return Err(StoreError::FailedPrecondition(format!(
+                    "rollout attempt {id} ({} attempt {}) ended already with keep {}{}: an attempt ends once, and a repeated end must ask the same (keep {})",
+                    a.key,
+                    a.attempt,
+                    k.as_str().to_uppercase(),
+                    match (k, &a.result_node) {
+                        (EndKeep::Discard, _) => " — its sandbox's writes were dropped, so no checkpoint can be kept now".to_string(),
+                        (EndKeep::Checkpoint, Some(n)) => format!(" — node {n} is its checkpoint and stays"),
+                        (EndKeep::Checkpoint, None) => String::new(),
+                    },
+                    k.as_str().to_uppercase(),
+                )));
+            }
+            Some((raw, None)) => {
+                return Err(StoreError::corrupt(
+                    "rollout_attempts",
+                    &id.to_string(),
+                    format!("end_keep {raw:?} is not checkpoint or discard"),
+                ))
+            }
+            _ => {}
+        }
         // A repeat is the same result: status, reward and acceptance,
         // evaluator and backpropagated value (message, trajectory and
         // artifacts are the first end's).
@@ -666,7 +747,7 @@ pub(crate) fn end_rollout_in(
     };
     let ev = end.evaluator.as_ref();
     tx.exec(
-        "UPDATE rollout_attempts SET status = ?2, infra_kind = ?3, reward = ?4, accepted = ?5, evaluator_name = ?6, evaluator_version = ?7, evaluator_digest = ?8, result_node = coalesce(?9, result_node), trajectory = ?10, message = ?11, ended_ns = ?12 WHERE id = ?1 AND status = 'running'",
+        "UPDATE rollout_attempts SET status = ?2, infra_kind = ?3, reward = ?4, accepted = ?5, evaluator_name = ?6, evaluator_version = ?7, evaluator_digest = ?8, result_node = coalesce(?9, result_node), trajectory = ?10, message = ?11, ended_ns = ?12, end_keep = ?13 WHERE id = ?1 AND status = 'running'",
         params![
             id,
             end.result.status().as_str(),
@@ -679,7 +760,8 @@ pub(crate) fn end_rollout_in(
             result_node,
             end.trajectory,
             end.message,
-            now
+            now,
+            keep.as_str()
         ],
     )?;
     // A trajectory from the harness replaces the daemon's record of its
@@ -1052,12 +1134,12 @@ impl Store {
                             a.key, a.attempt
                         )));
                     }
-                    _ => return Ok((end_rollout_in(tx, id, end, None)?, None)),
+                    _ => return Ok((end_rollout_in(tx, id, end, None, how.keep())?, None)),
                 }
             }
             let node = ga.and_then(|(_, n)| n);
             let kept = if discard_node { None } else { node.clone() };
-            let out = end_rollout_in(tx, id, end, kept.as_deref())?;
+            let out = end_rollout_in(tx, id, end, kept.as_deref(), how.keep())?;
             Ok((out, if discard_node { node } else { None }))
         })?;
         let (attempt, prune) = out;
@@ -1083,13 +1165,18 @@ impl Store {
     /// attempt — its checkpoint is its sandbox's —, a node that is not a
     /// child of the attempt's node or was pruned, an attempt that ended
     /// otherwise or with another node), `InvalidArgument` (a result node
-    /// with an `infra_failed` end).
+    /// with an `infra_failed` end, or with `keep` [`EndKeep::Discard`]).
+    /// `keep` is recorded with the end: a repeat asking otherwise is refused.
     pub fn end_remote_rollout(
         &self,
         id: i64,
         end: &RolloutEnding,
         result_node: Option<&str>,
+        keep: EndKeep,
     ) -> Result<RolloutAttempt, StoreError> {
+        if result_node.is_some() && keep == EndKeep::Discard {
+            return Err(discard_with_node(id));
+        }
         self.db.write(|tx| {
             let a = get_rollout(tx, id)?;
             let Some(worker) = a.worker.as_deref() else {
@@ -1098,7 +1185,7 @@ impl Store {
                 )));
             };
             let Some(rn) = result_node else {
-                return end_rollout_in(tx, id, end, None);
+                return end_rollout_in(tx, id, end, None, keep);
             };
             if matches!(end.result, RolloutResult::InfraFailed { .. }) {
                 return Err(StoreError::InvalidArgument(format!(
@@ -1129,7 +1216,7 @@ impl Store {
                     "result node {rn} was pruned: a pruned node cannot be an attempt's checkpoint; pull it again"
                 )));
             }
-            end_rollout_in(tx, id, end, Some(rn))
+            end_rollout_in(tx, id, end, Some(rn), keep)
         })
     }
 

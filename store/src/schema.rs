@@ -30,7 +30,7 @@
 /// (`rollout_execs`: its trajectory as the daemon saw it); 17 added a
 /// sandbox session's uid/gid mapping (`sessions.id_map`).
 /// Formats 4 to 16 are migrated at open ([`MIGRATIONS`]).
-pub const FORMAT_VERSION: i64 = 17;
+pub const FORMAT_VERSION: i64 = 18;
 
 /// The daemon's record of a running attempt's commands (format 16), in
 /// [`SCHEMA`] and in the migration from format 15 (`IF NOT EXISTS`: a test
@@ -83,6 +83,19 @@ macro_rules! rollout_worker_column {
 -- The worker (e.g. a Ray node id) a remote attempt runs on: the attempt is
 -- recorded here with no sandbox here; NULL: a local attempt.
 ALTER TABLE rollout_attempts ADD COLUMN worker TEXT CHECK (worker IS NULL OR worker <> '');
+"#
+    };
+}
+
+/// What an ended rollout attempt's end asked of its sandbox's writes (format
+/// 18), in [`SCHEMA`] and in the migration from format 17.
+macro_rules! rollout_end_keep_column {
+    () => {
+        r#"
+-- EndRolloutRequest.keep of the attempt's end: 'checkpoint' or 'discard'.
+-- A repeated end must ask the same. NULL: running, ended by the daemon (an
+-- infrastructure failure), or ended by an older daemon.
+ALTER TABLE rollout_attempts ADD COLUMN end_keep TEXT CHECK (end_keep IS NULL OR end_keep IN ('checkpoint', 'discard'));
 "#
     };
 }
@@ -356,6 +369,9 @@ pub(crate) const MIGRATIONS: &[(i64, &str, &str)] = &[
         "sessions.id_map",
         "ALTER TABLE sessions ADD COLUMN id_map TEXT;",
     ),
+    // Additive: an older store's ended attempts recorded no keep (a repeat
+    // of their end is compared without it).
+    (17, "rollout_attempts.end_keep", rollout_end_keep_column!()),
 ];
 
 pub(crate) const SCHEMA: &str = concat!(
@@ -683,5 +699,6 @@ CREATE TABLE session_markers (
     layer_blobs_table!(),
     rollout_worker_column!(),
     graph_missing_parents_table!(),
-    rollout_execs_table!()
+    rollout_execs_table!(),
+    rollout_end_keep_column!()
 );

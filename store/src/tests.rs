@@ -856,6 +856,7 @@ fn format_version(s: &Store) -> String {
 /// (its CHECK cannot be altered: the table is rebuilt, its sequence kept).
 pub(crate) const TO_FORMAT_9: &str = "PRAGMA foreign_keys = OFF;
      ALTER TABLE rollout_attempts DROP COLUMN worker;
+     ALTER TABLE rollout_attempts DROP COLUMN end_keep;
      ALTER TABLE sessions DROP COLUMN daemon_owned;
      ALTER TABLE publishes DROP COLUMN interrupted_by;
      CREATE TABLE a9 (
@@ -921,6 +922,7 @@ fn a_format_9_store_is_migrated_and_keeps_its_attempts_and_their_ids() {
 const TO_FORMAT_11: &str = "
      ALTER TABLE sessions DROP COLUMN id_map;
      ALTER TABLE rollout_attempts DROP COLUMN worker;
+     ALTER TABLE rollout_attempts DROP COLUMN end_keep;
      CREATE TABLE sessions_old (
         id              INTEGER PRIMARY KEY AUTOINCREMENT,
         owner_kind      TEXT NOT NULL CHECK (owner_kind IN ('container', 'sandbox', 'operation')),
@@ -2767,6 +2769,71 @@ fn the_daemon_records_an_attempts_commands_and_an_infra_failure_keeps_them() {
 }
 
 #[test]
+fn a_repeated_end_must_ask_the_keep_the_first_end_recorded() {
+    let d = tmp();
+    let (s, _run, root) = rollout_store(d.path());
+    // Discarded with its live sandbox: a repeat asking for the checkpoint is
+    // refused by name (nothing could be kept now); the same repeat answers.
+    let (a, _, _) = running_attempt(&s, 0, &root.id, "a");
+    let first = s
+        .end_rollout(a.id, &completed(1.0, true), Disposition::Discard)
+        .unwrap();
+    let err = s
+        .end_rollout(a.id, &completed(1.0, true), Disposition::Keep)
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::FailedPrecondition, "{err}");
+    let msg = err.to_string();
+    assert!(
+        msg.contains("ended already with keep DISCARD")
+            && msg.contains("no checkpoint can be kept"),
+        "{msg}"
+    );
+    let again = s
+        .end_rollout(a.id, &completed(1.0, true), Disposition::Prune)
+        .unwrap();
+    assert_eq!((again.status, again.reward), (first.status, first.reward));
+    // Ended asking to keep (a checkpoint made for grading, or none): a
+    // repeat asking to discard is refused, the same repeat answered.
+    let b = begun(begin(&s, 1, 1, &root.id));
+    s.end_rollout(b.id, &completed(0.5, false), Disposition::Keep)
+        .unwrap();
+    let err = s
+        .end_rollout(b.id, &completed(0.5, false), Disposition::Prune)
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::FailedPrecondition, "{err}");
+    assert!(err.to_string().contains("with keep CHECKPOINT"), "{err}");
+    s.end_rollout(b.id, &completed(0.5, false), Disposition::Keep)
+        .unwrap();
+    // A remote attempt's end records its keep too.
+    let c = begun(begin(&s, 2, 1, &root.id));
+    let err = s
+        .end_remote_rollout(
+            c.id,
+            &completed(0.5, false),
+            Some(&root.id),
+            EndKeep::Discard,
+        )
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::InvalidArgument, "{err}");
+    // An end the daemon made (no keep asked) compares without it.
+    let (e, ga, sess) = running_attempt(&s, 3, &root.id, "e");
+    lose_sandbox(&s, sess.id, ga);
+    assert_eq!(s.sync_rollouts(false).unwrap(), 1);
+    let lost = s.rollout(e.id).unwrap();
+    let repeat = RolloutEnding {
+        result: RolloutResult::InfraFailed {
+            kind: lost.infra_kind.clone().unwrap(),
+        },
+        evaluator: None,
+        ..completed(0.0, false)
+    };
+    for how in [Disposition::Keep, Disposition::Prune] {
+        let r = s.end_rollout(e.id, &repeat, how).unwrap();
+        assert_eq!(r.status, RolloutStatus::InfraFailed);
+    }
+}
+
+#[test]
 fn an_attempt_whose_sandbox_was_interrupted_ends_infra_failed_never_rewarded() {
     let d = tmp();
     let (s, run, root) = rollout_store(d.path());
@@ -2873,7 +2940,12 @@ fn a_remote_attempt_survives_recovery_and_ends_once_with_a_child_of_its_node() {
     let grandchild = checkpoint_child(&s, &child.id, "deeper.txt", "{}");
     // A node that is not a child, one that is not here: refused, nothing ends.
     let err = s
-        .end_remote_rollout(a.id, &completed(0.5, true), Some(&grandchild.id))
+        .end_remote_rollout(
+            a.id,
+            &completed(0.5, true),
+            Some(&grandchild.id),
+            EndKeep::Checkpoint,
+        )
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::FailedPrecondition, "{err}");
     assert!(
@@ -2881,7 +2953,12 @@ fn a_remote_attempt_survives_recovery_and_ends_once_with_a_child_of_its_node() {
         "{err}"
     );
     let err = s
-        .end_remote_rollout(a.id, &completed(0.5, true), Some("n0000000000000000"))
+        .end_remote_rollout(
+            a.id,
+            &completed(0.5, true),
+            Some("n0000000000000000"),
+            EndKeep::Checkpoint,
+        )
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::NotFound, "{err}");
     assert!(err.to_string().contains("pull it first"), "{err}");
@@ -2889,7 +2966,12 @@ fn a_remote_attempt_survives_recovery_and_ends_once_with_a_child_of_its_node() {
     // A local attempt given a result node is refused.
     let local2 = begun(begin(&s, 2, 1, &root.id));
     let err = s
-        .end_remote_rollout(local2.id, &completed(0.5, false), Some(&child.id))
+        .end_remote_rollout(
+            local2.id,
+            &completed(0.5, false),
+            Some(&child.id),
+            EndKeep::Checkpoint,
+        )
         .unwrap_err();
     assert!(err.to_string().contains("is local"), "{err}");
     // Attempt 2 of the same sample on the other worker (a retry that raced
@@ -2897,7 +2979,12 @@ fn a_remote_attempt_survives_recovery_and_ends_once_with_a_child_of_its_node() {
     let b = begun(begin_on(&s, 0, 2, &root.id, "ray-node-b"));
     // The end: reward, kept node and backpropagation from it, once.
     let e = s
-        .end_remote_rollout(a.id, &completed(0.5, true), Some(&child.id))
+        .end_remote_rollout(
+            a.id,
+            &completed(0.5, true),
+            Some(&child.id),
+            EndKeep::Checkpoint,
+        )
         .unwrap();
     assert_eq!(
         (
@@ -2914,18 +3001,33 @@ fn a_remote_attempt_survives_recovery_and_ends_once_with_a_child_of_its_node() {
         )
     );
     let dup = s
-        .end_remote_rollout(a.id, &completed(0.5, true), Some(&child.id))
+        .end_remote_rollout(
+            a.id,
+            &completed(0.5, true),
+            Some(&child.id),
+            EndKeep::Checkpoint,
+        )
         .unwrap();
     assert_eq!(dup, e);
     let err = s
-        .end_remote_rollout(a.id, &completed(0.5, true), Some(&grandchild.id))
+        .end_remote_rollout(
+            a.id,
+            &completed(0.5, true),
+            Some(&grandchild.id),
+            EndKeep::Checkpoint,
+        )
         .unwrap_err();
     assert_eq!(err.kind(), ErrorKind::FailedPrecondition, "{err}");
     assert_eq!(s.node_stats(&child.id).unwrap().visits, 1);
     assert_eq!(s.node_stats(&root.id).unwrap().visits, 1);
     // The racing attempt completes, never applied.
     let eb = s
-        .end_remote_rollout(b.id, &completed(0.9, false), Some(&child.id))
+        .end_remote_rollout(
+            b.id,
+            &completed(0.9, false),
+            Some(&child.id),
+            EndKeep::Checkpoint,
+        )
         .unwrap();
     assert_eq!((eb.status, eb.applied), (RolloutStatus::Completed, false));
     // A remote attempt ends infra_failed (node-lost) without a node; with
@@ -2942,12 +3044,14 @@ fn a_remote_attempt_survives_recovery_and_ends_once_with_a_child_of_its_node() {
         message: "worker ray-node-b died".into(),
     };
     assert_eq!(
-        s.end_remote_rollout(c.id, &lost, Some(&child.id))
+        s.end_remote_rollout(c.id, &lost, Some(&child.id), EndKeep::Checkpoint)
             .unwrap_err()
             .kind(),
         ErrorKind::InvalidArgument
     );
-    let ec = s.end_remote_rollout(c.id, &lost, None).unwrap();
+    let ec = s
+        .end_remote_rollout(c.id, &lost, None, EndKeep::Checkpoint)
+        .unwrap();
     assert_eq!(
         (ec.status, ec.infra_kind.as_deref()),
         (RolloutStatus::InfraFailed, Some("node-lost"))
@@ -2964,7 +3068,8 @@ fn a_remote_attempt_survives_recovery_and_ends_once_with_a_child_of_its_node() {
 }
 
 /// Turns a format 14 store into what format 13 was: no `rollout_attempts.worker`.
-const TO_FORMAT_13: &str = "ALTER TABLE sessions DROP COLUMN id_map;
+const TO_FORMAT_13: &str = "ALTER TABLE rollout_attempts DROP COLUMN end_keep;
+     ALTER TABLE sessions DROP COLUMN id_map;
      ALTER TABLE rollout_attempts DROP COLUMN worker;
      UPDATE meta SET value = '13' WHERE key = 'format_version';";
 
@@ -3383,7 +3488,8 @@ fn layer_blobs_are_recorded_found_by_diff_id_and_go_with_their_layer() {
 
 /// Turns a format 14 store into what format 12 was: no `layer_blobs`, no
 /// `rollout_attempts.worker`.
-const TO_FORMAT_12: &str = "ALTER TABLE sessions DROP COLUMN id_map;
+const TO_FORMAT_12: &str = "ALTER TABLE rollout_attempts DROP COLUMN end_keep;
+     ALTER TABLE sessions DROP COLUMN id_map;
      ALTER TABLE rollout_attempts DROP COLUMN worker;
      DROP TABLE layer_blobs;
      UPDATE meta SET value = '12' WHERE key = 'format_version';";
@@ -4069,7 +4175,8 @@ fn a_node_pulled_before_its_parent_keeps_it_declared_and_is_linked_when_it_arriv
 
 /// Turns a format 15 store into what format 14 was: no
 /// `graph_missing_parents` (a pulled node's absent parents were dropped).
-const TO_FORMAT_14: &str = "ALTER TABLE sessions DROP COLUMN id_map;
+const TO_FORMAT_14: &str = "ALTER TABLE rollout_attempts DROP COLUMN end_keep;
+     ALTER TABLE sessions DROP COLUMN id_map;
      DROP TABLE graph_missing_parents;
      UPDATE meta SET value = '14' WHERE key = 'format_version';";
 
@@ -4153,7 +4260,8 @@ fn a_format_16_store_is_migrated_and_records_id_maps() {
     drop(s);
     let conn = rusqlite::Connection::open(d.path().join("root/store.db")).unwrap();
     conn.execute_batch(
-        "ALTER TABLE sessions DROP COLUMN id_map;
+        "ALTER TABLE rollout_attempts DROP COLUMN end_keep;
+         ALTER TABLE sessions DROP COLUMN id_map;
          UPDATE meta SET value = '16' WHERE key = 'format_version';",
     )
     .unwrap();
@@ -4197,7 +4305,8 @@ fn a_format_15_store_is_migrated_and_records_rollout_commands() {
     drop(s);
     let conn = rusqlite::Connection::open(d.path().join("root/store.db")).unwrap();
     conn.execute_batch(
-        "ALTER TABLE sessions DROP COLUMN id_map;
+        "ALTER TABLE rollout_attempts DROP COLUMN end_keep;
+         ALTER TABLE sessions DROP COLUMN id_map;
          DROP TABLE rollout_execs;
          UPDATE meta SET value = '15' WHERE key = 'format_version';",
     )
@@ -4211,6 +4320,37 @@ fn a_format_15_store_is_migrated_and_records_rollout_commands() {
         Some(a.id)
     );
     assert!(s.recorded_trajectory(a.id).unwrap().is_some());
+}
+
+/// A format 17 store is migrated: an attempt it ended (no keep recorded)
+/// answers a repeat whatever it asks; an end after the migration records
+/// its keep.
+#[test]
+fn a_format_17_store_is_migrated_and_records_each_ends_keep() {
+    let d = tmp();
+    let (s, _run, root) = rollout_store(d.path());
+    let old = begun(begin(&s, 0, 1, &root.id));
+    s.end_rollout(old.id, &completed(1.0, true), Disposition::Keep)
+        .unwrap();
+    let new = begun(begin(&s, 1, 1, &root.id));
+    drop(s);
+    let conn = rusqlite::Connection::open(d.path().join("root/store.db")).unwrap();
+    conn.execute_batch(
+        "ALTER TABLE rollout_attempts DROP COLUMN end_keep;
+         UPDATE meta SET value = '17' WHERE key = 'format_version';",
+    )
+    .unwrap();
+    drop(conn);
+    let s = open(d.path());
+    assert_eq!(format_version(&s), FORMAT_VERSION.to_string());
+    s.end_rollout(old.id, &completed(1.0, true), Disposition::Prune)
+        .unwrap();
+    s.end_rollout(new.id, &completed(1.0, true), Disposition::Prune)
+        .unwrap();
+    let err = s
+        .end_rollout(new.id, &completed(1.0, true), Disposition::Keep)
+        .unwrap_err();
+    assert_eq!(err.kind(), ErrorKind::FailedPrecondition, "{err}");
 }
 
 #[test]

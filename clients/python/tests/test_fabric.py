@@ -333,6 +333,16 @@ def test_an_attempt_ends_once_and_a_repeated_call_answers_it(daemon: Daemon) -> 
             assert not (await ls.show_node(end.result_node)).pruned
             with pytest.raises(layerstack.InvalidArgumentError):
                 await ls.end_rollout(r.id, infra_failed="timeout", backprop=0.0)
+            # Ended with its sandbox discarded: a repeat asking for the
+            # checkpoint is refused (nothing could be kept now); the same
+            # discard is answered.
+            d = await ls.begin_rollout(SampleKey(run, 0, "p", 1), 1, g.root, policy="pi")
+            await d.files.write("/work/y", b"y\n")
+            dropped = await ls.end_rollout(d.id, task_failed=True, keep="discard")
+            with pytest.raises(layerstack.FailedPreconditionError, match="keep DISCARD"):
+                await ls.end_rollout(d.id, task_failed=True, state={"late": True})
+            assert await ls.end_rollout(d.id, task_failed=True, keep="discard") == dropped
+            assert dropped.result_node is None
             rewarded = await ls.begin_rollout(key, 2, g.root, policy="pi", seed=5)
             assert rewarded.rewarded and rewarded.sample is not None and rewarded.sample.reward == 0.9
             assert (await ls.node_stats(g.root))[0].visits == 1

@@ -901,7 +901,8 @@ class AsyncRollout:
         (the same objects as :attr:`trajectory`; kept even if this process
         dies first) unless ``trajectory=`` (bytes) is given. A repeated end
         answers the recorded one; FailedPreconditionError if it ended
-        otherwise.
+        otherwise — another result, or another ``keep`` (a checkpoint
+        cannot be kept after a discard, nor a kept one discarded).
         """
         self.attempt = await self._client.end_rollout(self.id, **kw)
         if self.sandbox is not None and self.sandbox.outcome is None:
