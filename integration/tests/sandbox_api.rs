@@ -957,8 +957,78 @@ async fn scenario(dir: &Path, daemon: &mut Option<Daemon>) -> Result<()> {
             && !String::from_utf8_lossy(&r.out).contains("k0"),
         "the interrupted sessions' writes were published: {r:?}"
     );
+    workdirs(&mut c, &stack).await?;
     let d = daemon.as_ref().context("daemon")?;
     spawner_gone(&mut c, d, &stack, id, &upper).await
+}
+
+/// A sandbox's missing working directory is made at its create (as Docker
+/// makes a missing WORKDIR), owned by its user; one that is a file refuses
+/// the create by name, and no session is left of it.
+async fn workdirs(c: &mut Client, stack: &str) -> Result<()> {
+    let opts = |w: &str| api::SandboxOptions {
+        workdir: w.into(),
+        has_user: true,
+        uid: 1000,
+        gid: 1001,
+        ..Default::default()
+    };
+    let id = create_with(c, stack, "wd", opts("/made/here")).await?;
+    let r = exec(c, id, &["sh", "-c", "pwd; echo x > f; ls"]).await?;
+    ensure!(r.exit.code == 0 && r.out == b"/made/here\nf\n", "{r:?}");
+    for p in ["/made", "/made/here"] {
+        let st = c
+            .stat_path(api::StatPathRequest {
+                session_id: id,
+                path: p.into(),
+            })
+            .await?
+            .into_inner();
+        ensure!(
+            (st.kind.as_str(), st.uid, st.gid) == ("dir", 1000, 1001),
+            "{p}: {st:?}"
+        );
+    }
+    discard(c, id).await?;
+    // An existing one is left as it is.
+    let id = create_with(c, stack, "wd-srv", opts("/srv")).await?;
+    let st = c
+        .stat_path(api::StatPathRequest {
+            session_id: id,
+            path: "/srv".into(),
+        })
+        .await?
+        .into_inner();
+    ensure!(st.uid == 0, "{st:?}");
+    discard(c, id).await?;
+    for bad in ["/etc/passwd", "/etc/passwd/below"] {
+        let e = create_with(c, stack, "wd-file", opts(bad))
+            .await
+            .err()
+            .with_context(|| format!("workdir {bad}: created"))?;
+        ensure!(
+            e.code() == Code::InvalidArgument
+                && e.message().contains("sandbox.workdir")
+                && e.message().contains(bad),
+            "{e:?}"
+        );
+    }
+    let left: Vec<_> = c
+        .list_sessions(api::ListSessionsRequest {
+            all_namespaces: true,
+            ..Default::default()
+        })
+        .await?
+        .into_inner()
+        .sessions
+        .into_iter()
+        .filter(|s| s.owner.contains("wd-file") && !s.released)
+        .collect();
+    ensure!(
+        left.is_empty(),
+        "sessions left by refused creates: {left:?}"
+    );
+    Ok(())
 }
 
 #[test]

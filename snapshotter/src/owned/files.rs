@@ -372,6 +372,28 @@ fn open_parent<'a>(
     Ok((dir, name))
 }
 
+/// Makes a sandbox's working directory `rel` (from [`rel_path`]) beneath
+/// `root` when it is missing, with its missing parents — as Docker makes a
+/// missing `WORKDIR` (and runc a missing `cwd`) — each 0755 and owned by
+/// `owner` (the host's ids; `None`: the daemon's, root): [`open_parent`] of
+/// a name below it. An existing directory (or a symlink to one, resolved
+/// inside the root) is left as it is. Errors: `ENOTDIR` when it or a
+/// component is not a directory (a symlink among the components it makes
+/// included); what [`open_in_root`] refuses (a kernel filesystem, another
+/// mount).
+pub(crate) fn make_workdir(
+    root: &OwnedFd,
+    rel: &[u8],
+    owner: Option<(u32, u32)>,
+) -> io::Result<()> {
+    let mut below = rel.to_vec();
+    if !below.is_empty() {
+        below.push(b'/');
+    }
+    below.push(b'x');
+    open_parent(root, &below, true, owner).map(drop)
+}
+
 /// Opens `name` (a directory) relative to `dir` while staying inside `root`:
 /// a plain `openat(O_NOFOLLOW)` (a component just made or checked by name);
 /// a symlink there is resolved through `root` instead, never outside it.

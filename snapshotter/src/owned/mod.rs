@@ -400,6 +400,34 @@ pub(crate) async fn create(
         }
     }
     .await;
+    // The working directory, made when missing (root mode: the session's
+    // tree is its root; in workspace mode it is the host's tree, never
+    // written here). A workdir that cannot be one ends the create.
+    let started = match started {
+        Ok((pid, pidfd)) if placement.is_none() && !opts.workdir.is_empty() => {
+            let owner = match session_id_map {
+                None => opts.has_user.then_some((opts.uid, opts.gid)),
+                Some(m) => {
+                    let (u, g) = if opts.has_user {
+                        (opts.uid, opts.gid)
+                    } else {
+                        (0, 0)
+                    };
+                    // Checked against the mapping above.
+                    m.uid_to_host(u).zip(m.gid_to_host(g))
+                }
+            };
+            match workdir(id, pid, &pidfd, &opts.workdir, owner) {
+                Ok(()) => Ok((pid, pidfd)),
+                Err(st) => {
+                    let _ = sys::pidfd_kill(&pidfd, libc::SIGKILL);
+                    let _ = wait_pidfd(&pidfd).await;
+                    Err(st)
+                }
+            }
+        }
+        other => other,
+    };
     let (pid, pidfd) = match started {
         Ok((pid, pidfd)) => (pid, Arc::new(pidfd)),
         Err(st) => {
@@ -481,6 +509,28 @@ pub(crate) async fn create(
         session: Some(session),
         created: true,
     })
+}
+
+/// Makes sandbox `id`'s working directory `workdir` in its tree (init
+/// `pid`, ready) when missing ([`files::make_workdir`]). Errors:
+/// INVALID_ARGUMENT naming the workdir when it is not a directory of the
+/// tree; FAILED_PRECONDITION when init ended meanwhile.
+fn workdir(
+    id: SessionId,
+    pid: i32,
+    pidfd: &OwnedFd,
+    workdir: &str,
+    owner: Option<(u32, u32)>,
+) -> Result<(), Status> {
+    let rel = files::rel_path(workdir)
+        .map_err(|st| Status::invalid_argument(format!("sandbox.workdir: {}", st.message())))?;
+    let root = open_root_of(id, pid, pidfd)?;
+    match files::make_workdir(&root, &rel, owner) {
+        Ok(()) => Ok(()),
+        Err(e) => Err(Status::invalid_argument(format!(
+            "sandbox.workdir {workdir:?} cannot be the session's working directory: {e}: give a directory of the session's tree, or a path that does not exist yet (it is made, as Docker makes a missing WORKDIR)"
+        ))),
+    }
 }
 
 /// Waits for the ready byte of session `id`'s init (`pid`, `pidfd`) on its
@@ -795,13 +845,18 @@ async fn live(admin: &AdminService, id: SessionId) -> Result<Live, Status> {
 /// and valid only if init (the pidfd) still runs after the open: a recycled
 /// pid can not lend its root.
 fn open_root(l: &Live, id: SessionId) -> Result<OwnedFd, Status> {
-    let root = match sys::open_dir_path(std::path::Path::new(&format!("/proc/{}/root", l.pid))) {
+    open_root_of(id, l.pid, &l.pidfd)
+}
+
+/// [`open_root`] of init `pid` (`pidfd`).
+fn open_root_of(id: SessionId, pid: i32, pidfd: &OwnedFd) -> Result<OwnedFd, Status> {
+    let root = match sys::open_dir_path(std::path::Path::new(&format!("/proc/{pid}/root"))) {
         Ok(r) => r,
         // Init ended (and was reaped) between the lookup and the open: the
         // session is ending, as below.
         Err(e)
             if matches!(e.raw_os_error(), Some(libc::ENOENT | libc::ESRCH))
-                || sys::pidfd_exited(&l.pidfd) =>
+                || sys::pidfd_exited(pidfd) =>
         {
             return Err(Status::failed_precondition(format!(
                 "session {id}'s init has exited: the session is ending"
@@ -809,7 +864,7 @@ fn open_root(l: &Live, id: SessionId) -> Result<OwnedFd, Status> {
         }
         Err(e) => return Err(io_status(&format!("cannot open session {id}'s root"), &e)),
     };
-    if sys::pidfd_exited(&l.pidfd) {
+    if sys::pidfd_exited(pidfd) {
         return Err(Status::failed_precondition(format!(
             "session {id}'s init has exited: the session is ending"
         )));

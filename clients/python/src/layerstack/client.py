@@ -336,7 +336,9 @@ class Client:
                 daemon died ends ``interrupted`` whatever its policy).
             network: share the daemon's network (default: only ``lo``).
             user: (uid, gid) that ``exec`` and the file calls use by default (0, 0).
-            workdir, env, hostname: ``exec``'s defaults.
+            workdir, env, hostname: ``exec``'s defaults (a missing
+                ``workdir`` is made, owned by ``user``, as Docker makes a
+                missing WORKDIR; InvalidArgumentError if it is a file).
             mount_at: workspace mode: the sandbox's tree is mounted at this
                 absolute directory of the daemon's host inside the sandbox,
                 whose root stays the host's (its tools work on the tree); the
