@@ -15,7 +15,7 @@ from gymnasium.utils.env_checker import check_env
 
 import layerstack
 import layerstack.aio
-from layerstack.fabric import Grader
+from layerstack.fabric import Grader, RolloutAttempt
 from layerstack.gym import SUBMIT, SandboxEnv
 from test_sandbox import Daemon, daemon  # noqa: F401 — the module's daemon fixture
 
@@ -98,3 +98,54 @@ def test_a_broken_evaluator_ends_the_episode_and_is_raised(daemon: Daemon) -> No
                 "infra_failed", kind, None), env.last_attempt
         finally:
             env.close()
+
+
+def test_a_dropped_environment_ends_its_episode_within_a_bound(daemon: Daemon, monkeypatch) -> None:  # type: ignore[no-untyped-def]  # noqa: F811
+    """An environment dropped without close() ends its running episode
+    (infra_failed(abandoned), its sandbox discarded) from its finalizer; a
+    finalizer whose daemon does not answer gives up after FINALIZER_WAIT_S
+    instead of blocking the thread that dropped it."""
+    import gc
+    import time
+
+    import layerstack.gym
+
+    with layerstack.connect(daemon.admin) as c:
+        g = c.create_graph(f"gym-{os.getpid()}-{os.urandom(3).hex()}", daemon.stack)
+    run = f"gym-drop-{os.urandom(3).hex()}"
+    env = _env(daemon, run, g.root)
+    env.reset(seed=1)
+    first = env.attempt_id
+    del env
+    gc.collect()
+
+    async def ended(attempt: int) -> RolloutAttempt:
+        async with layerstack.aio.connect(daemon.admin) as ls:
+            return next(a for a in [r async for r in ls.rollouts(run)] if a.id == attempt)
+
+    a = asyncio.run(ended(first))
+    assert (a.status, a.infra_kind) == ("infra_failed", "abandoned"), a
+
+    # A daemon that does not answer (an end that never returns): bounded.
+    monkeypatch.setattr(layerstack.gym, "FINALIZER_WAIT_S", 0.3)
+    env = _env(daemon, run, g.root)
+    env.reset(seed=2)
+    stuck = env.attempt_id
+
+    async def never() -> None:
+        await asyncio.sleep(3600)
+
+    env._abandon = never  # type: ignore[method-assign]
+    t0 = time.monotonic()
+    del env
+    gc.collect()
+    assert time.monotonic() - t0 < 5, "the finalizer waited for a daemon that does not answer"
+    left = asyncio.run(ended(stuck))
+    assert left.status == "running", left
+
+    # What it left: ended by hand, as the constant's docs say.
+    async def end_it() -> None:
+        async with layerstack.aio.connect(daemon.admin) as ls:
+            await ls.end_rollout(stuck, infra_failed="abandoned", keep="discard")
+
+    asyncio.run(end_it())

@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import os
 import string
+import sys
 from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import gymnasium
@@ -51,6 +52,13 @@ __all__ = ["SandboxEnv", "SUBMIT"]
 
 #: The action that ends an episode and grades it.
 SUBMIT = "submit"
+
+#: Seconds an environment dropped without :meth:`SandboxEnv.close` waits, in
+#: its finalizer, for its unfinished episode to end (``infra_failed``) and its
+#: connection to close. An episode that could not end in time (the daemon
+#: unreachable) stays running: the daemon ends it when its sandbox is gone,
+#: or end it with ``layerstack rollout end ATTEMPT --infra-failed abandoned --discard``.
+FINALIZER_WAIT_S = 5.0
 
 _CHARSET = frozenset(string.printable)
 
@@ -210,26 +218,33 @@ class SandboxEnv(gymnasium.Env[str, Any]):
 
     def __del__(self) -> None:
         # Dropped without close(): the episode ends and its sandbox goes as
-        # close() ends them (not at interpreter exit, when the loop may be gone).
+        # close() ends them — within FINALIZER_WAIT_S, since a finalizer runs
+        # on whatever thread dropped the last reference (not at interpreter
+        # exit, when the loop and gRPC may be gone).
         try:
             loop = self.__dict__.get("_loop")
-            if loop is not None and not loop.is_closed() and not loop.is_running():
-                self.close()
+            if loop is not None and not loop.is_closed() and not loop.is_running() and not sys.is_finalizing():
+                self._close(FINALIZER_WAIT_S)
         except Exception:  # noqa: BLE001 — nothing to report to from a finalizer
             pass
 
     def close(self) -> None:
         """Ends an unfinished episode and closes the connection."""
+        self._close(None)
+
+    def _close(self, wait_s: Optional[float]) -> None:
         if self._loop.is_closed():
             return
 
         async def go() -> None:
-            await self._abandon()
-            if self._ls is not None:
-                await self._ls.close()
-                self._ls = None
+            try:
+                await self._abandon()
+            finally:
+                if self._ls is not None:
+                    ls, self._ls = self._ls, None
+                    await ls.close()
 
         try:
-            self._run(go())
+            self._run(go() if wait_s is None else asyncio.wait_for(go(), wait_s))
         finally:
             self._loop.close()
