@@ -72,6 +72,7 @@ pub use graph::NodeMerged;
 pub use history::{Collected, HistoryRuns, HistorySettings, Promoted};
 pub use import::{tree_digest, BaseImported, ImportRequest};
 pub use layerstack_types::IdMap;
+pub use locks::LockMap;
 pub use rollout::{rollout_session_key, RolloutKeep};
 /// The publisher's types the engine's settings and answers use (not the
 /// crate: front ends call the engine, never capture, plan or apply themselves).

@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use tokio::sync::{Mutex as AsyncMutex, OwnedMutexGuard};
 
 /// A map of async mutexes by key, pruned on release.
-pub(crate) struct LockMap<K: Eq + Hash + Clone> {
+pub struct LockMap<K: Eq + Hash + Clone> {
     map: Arc<Mutex<HashMap<K, Arc<AsyncMutex<()>>>>>,
 }
 
@@ -21,8 +21,14 @@ pub struct LockGuard<K: Eq + Hash + Clone> {
     key: K,
 }
 
+impl<K: Eq + Hash + Clone> Default for LockMap<K> {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
 impl<K: Eq + Hash + Clone> LockMap<K> {
-    pub(crate) fn new() -> Self {
+    pub fn new() -> Self {
         Self {
             map: Arc::new(Mutex::new(HashMap::new())),
         }
@@ -47,7 +53,7 @@ impl<K: Eq + Hash + Clone> LockMap<K> {
     }
 
     /// Waits for the lock of `key`.
-    pub(crate) async fn lock(&self, key: K) -> LockGuard<K> {
+    pub async fn lock(&self, key: K) -> LockGuard<K> {
         let entry = self.entry(&key);
         let g = entry.clone().lock_owned().await;
         self.guard(key, entry, g)

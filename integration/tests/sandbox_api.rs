@@ -959,7 +959,88 @@ async fn scenario(dir: &Path, daemon: &mut Option<Daemon>) -> Result<()> {
     );
     workdirs(&mut c, &stack).await?;
     let d = daemon.as_ref().context("daemon")?;
+    cancelled_creates(&mut c, d, &stack).await?;
     spawner_gone(&mut c, d, &stack, id, &upper).await
+}
+
+/// The live (unreleased) sessions whose owner holds `name`.
+async fn live_named(c: &mut Client, name: &str) -> Result<Vec<i64>> {
+    Ok(c.list_sessions(api::ListSessionsRequest {
+        all_namespaces: true,
+        ..Default::default()
+    })
+    .await?
+    .into_inner()
+    .sessions
+    .into_iter()
+    .filter(|s| s.owner.contains(name) && !s.released)
+    .map(|s| s.id)
+    .collect())
+}
+
+/// A CreateSession whose caller goes away (its future dropped: the call is
+/// reset) runs to its end in the daemon: a retry with its idempotency key
+/// waits for it and answers the sandbox it made (or makes it), which the
+/// caller then discards — the SDK's protocol for a cancelled create. After
+/// those discards no sandbox of them is live and no child of the daemon is
+/// left unreaped (an init of a create nobody awaited any more).
+async fn cancelled_creates(c: &mut Client, d: &Daemon, stack: &str) -> Result<()> {
+    let pid = d.pid().context("the daemon's pid")?;
+    for (i, after) in [200u64, 500, 1000, 2000, 4000]
+        .into_iter()
+        .cycle()
+        .take(20)
+        .enumerate()
+    {
+        let req = api::CreateSessionRequest {
+            stack: stack.into(),
+            name: format!("gone-{i}"),
+            sandbox: sandbox(),
+            idempotency_key: format!("gone-{i}"),
+            ..Default::default()
+        };
+        let mut c2 = c.clone();
+        let first =
+            tokio::time::timeout(Duration::from_micros(after), c2.create_session(req.clone()))
+                .await;
+        let answered = match first {
+            Ok(r) => r?.into_inner(),
+            Err(_) => c.create_session(req).await?.into_inner(),
+        };
+        let s = answered
+            .session
+            .context("CreateSession answered no session")?;
+        discard(c, s.id).await?;
+    }
+    let t0 = Instant::now();
+    loop {
+        let live = live_named(c, "gone-").await?;
+        let zombies: Vec<String> = std::fs::read_dir(format!("/proc/{pid}/task"))?
+            .flatten()
+            .flat_map(|t| {
+                std::fs::read_to_string(t.path().join("children"))
+                    .unwrap_or_default()
+                    .split_whitespace()
+                    .map(String::from)
+                    .collect::<Vec<_>>()
+            })
+            .filter(|p| {
+                std::fs::read_to_string(format!("/proc/{p}/stat")).is_ok_and(|st| {
+                    st.rsplit(')')
+                        .next()
+                        .is_some_and(|r| r.trim_start().starts_with('Z'))
+                })
+            })
+            .collect();
+        if live.is_empty() && zombies.is_empty() {
+            return Ok(());
+        }
+        ensure!(
+            t0.elapsed() < Duration::from_secs(20),
+            "after cancelled creates: live sandboxes {live:?}, zombie children {zombies:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// A sandbox's missing working directory is made at its create (as Docker
@@ -1013,17 +1094,7 @@ async fn workdirs(c: &mut Client, stack: &str) -> Result<()> {
             "{e:?}"
         );
     }
-    let left: Vec<_> = c
-        .list_sessions(api::ListSessionsRequest {
-            all_namespaces: true,
-            ..Default::default()
-        })
-        .await?
-        .into_inner()
-        .sessions
-        .into_iter()
-        .filter(|s| s.owner.contains("wd-file") && !s.released)
-        .collect();
+    let left = live_named(c, "wd-file").await?;
     ensure!(
         left.is_empty(),
         "sessions left by refused creates: {left:?}"

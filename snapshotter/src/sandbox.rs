@@ -92,6 +92,10 @@ pub struct Holders {
     userns: Mutex<HashMap<layerstack_engine::IdMap, Arc<OwnedFd>>>,
     /// Inits of daemon-owned sessions made ahead (`[sandbox] ready_inits`).
     pub(crate) ready_inits: Arc<crate::owned::ReadyInits>,
+    /// Sandbox creates in flight by (namespace, idempotency key): a retry of
+    /// a key waits for the create it repeats (whose caller may have gone
+    /// away), then is answered with its sandbox.
+    pub(crate) creates: layerstack_engine::LockMap<(String, String)>,
 }
 
 impl Holders {
@@ -116,6 +120,7 @@ impl Holders {
             map: Mutex::new(HashMap::new()),
             next_conn: AtomicU64::new(1),
             spawner: std::sync::OnceLock::new(),
+            creates: layerstack_engine::LockMap::new(),
             limits: std::sync::OnceLock::new(),
             wasi_ready: Default::default(),
             userns: Mutex::new(HashMap::new()),
@@ -822,11 +827,8 @@ impl AdminService {
         r: api::CreateSessionRequest,
     ) -> Result<api::CreateSessionResponse, Status> {
         refuse_reserved_name(&r.name)?;
-        if r.wasi.is_some() {
-            return crate::wasi::create(self, r).await;
-        }
-        if r.sandbox.is_some() {
-            return crate::owned::create(self, r).await;
+        if r.wasi.is_some() || r.sandbox.is_some() {
+            return self.sandbox_create_detached(r).await;
         }
         let (session, spec, created) = self
             .sandbox_create_spec(r, false, Default::default(), None)
@@ -836,6 +838,67 @@ impl AdminService {
             session: Some(session),
             created,
         })
+    }
+
+    /// A daemon-owned (or WASI) sandbox's create, run to its end in a task of
+    /// its own: a caller that goes away meanwhile (a cancelled call, its
+    /// deadline) must not leave half a sandbox — rows without an init the
+    /// daemon knows, an overlay held in a namespace nobody owns, an init
+    /// nobody reaps. A sandbox made for a caller that is gone is discarded
+    /// (outcome `discarded`), unless the request carried an idempotency key:
+    /// a retry with the key waits for it ([`Holders::creates`]) and is
+    /// answered with it.
+    async fn sandbox_create_detached(
+        &self,
+        r: api::CreateSessionRequest,
+    ) -> Result<api::CreateSessionResponse, Status> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let me = self.clone();
+        let keyed = !r.idempotency_key.is_empty();
+        tokio::spawn(async move {
+            let _one = match keyed {
+                true => Some(
+                    me.holders
+                        .creates
+                        .lock((r.namespace.clone(), r.idempotency_key.clone()))
+                        .await,
+                ),
+                false => None,
+            };
+            let answer = if r.wasi.is_some() {
+                crate::wasi::create(&me, r).await
+            } else {
+                crate::owned::create(&me, r).await
+            };
+            let Err(Ok(made)) = tx.send(answer) else {
+                return;
+            };
+            let Some(id) = made
+                .session
+                .filter(|_| made.created && !keyed)
+                .map(|s| s.id)
+            else {
+                return;
+            };
+            let discard = api::CloseSessionRequest {
+                session_id: id,
+                action: api::EndAction::Discard as i32,
+                reason: "its create's caller went away before it was answered".into(),
+                ..Default::default()
+            };
+            match me.sandbox_close(discard).await {
+                Ok(_) => info!(
+                    session.id = id,
+                    "a sandbox whose creator went away was discarded"
+                ),
+                Err(e) => {
+                    warn!(session.id = id, error = %e.message(), "cannot discard a sandbox whose creator went away")
+                }
+            }
+        });
+        rx.await.map_err(|_| {
+            Status::internal("the sandbox's create ended without an answer (see the daemon's log)")
+        })?
     }
 
     /// `CreateSession`: the session, its mount spec and whether it was created

@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import tarfile
+import time
 import tempfile
 from pathlib import Path
 from typing import Iterator, List, NamedTuple, Optional
@@ -947,3 +948,65 @@ def test_a_module_file_is_read_only_up_to_the_limit() -> None:
     with pytest.raises(ValueError, match=f"more than {MAX_WASI_MODULE_BYTES} bytes"):
         exec_request(1, ["m"], module=Path("/dev/zero"), env=None, cwd=None, user=None, stdin=None,
                      timeout_s=None)
+
+
+def _daemon_pid(daemon: Daemon) -> int:
+    """The fixture daemon's pid, from its `serving` log line."""
+    import re
+
+    m = re.search(rb" pid=(\d+)", (daemon.dir / "daemon.log").read_bytes())
+    assert m, "no `serving … pid=` line in the daemon's log"
+    return int(m.group(1))
+
+
+def _zombie_children(pid: int) -> List[int]:
+    out = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        for c in (task / "children").read_text().split():
+            st = _read_or_none(f"/proc/{c}/stat") or b""
+            if st.rpartition(b")")[2].split()[:1] == [b"Z"]:
+                out.append(int(c))
+    return out
+
+
+def test_a_cancelled_create_leaves_no_sandbox_and_no_process(daemon: Daemon) -> None:
+    """A CreateSession whose caller goes away (a cancelled task, a deadline)
+    runs to its end in the daemon, which then discards the sandbox nobody
+    was told of: no live session, no init left unreaped. With an idempotency
+    key the sandbox stays, and the key's retry answers it."""
+    name = f"cancel-{os.urandom(3).hex()}"
+    pid = _daemon_pid(daemon)
+
+    def live() -> List[int]:
+        with layerstack.connect(daemon.admin) as c:
+            return [s.id for s in c.list_sessions(all_namespaces=True, owner_kind="sandbox")
+                    if name in s.owner and not s.released]
+
+    async def cancelled() -> None:
+        async with layerstack.aio.connect(daemon.admin) as ls:
+            for delay in (0.0005, 0.001, 0.002, 0.005, 0.01):
+                tasks = [asyncio.ensure_future(ls.sandbox(daemon.stack, name=f"{name}-{i}")) for i in range(12)]
+                await asyncio.sleep(delay)
+                for t in tasks:
+                    t.cancel()
+                for r in await asyncio.gather(*tasks, return_exceptions=True):
+                    if isinstance(r, layerstack.aio.AsyncSandbox):
+                        await r.discard()
+
+    asyncio.run(cancelled())
+    deadline = time.monotonic() + 20
+    while (left := live()) or _zombie_children(pid):
+        assert time.monotonic() < deadline, f"live sandboxes {left}, zombie children {_zombie_children(pid)}"
+        time.sleep(0.1)
+
+    async def keyed() -> None:
+        async with layerstack.aio.connect(daemon.admin) as ls:
+            first = asyncio.ensure_future(ls.sandbox(daemon.stack, name=f"{name}-keyed", key=f"{name}-k"))
+            await asyncio.sleep(0.001)
+            first.cancel()
+            await asyncio.gather(first, return_exceptions=True)
+            again = await ls.sandbox(daemon.stack, name=f"{name}-keyed", key=f"{name}-k")
+            assert (await again.exec(["true"])).ok
+            await again.discard()
+
+    asyncio.run(keyed())

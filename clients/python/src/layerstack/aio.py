@@ -27,6 +27,7 @@ import asyncio
 import io
 import json
 import os
+import uuid
 from pathlib import Path
 from typing import Any, AsyncIterator, BinaryIO, Dict, Generator, List, Mapping, Optional, Tuple, Union
 
@@ -38,7 +39,7 @@ from layerstack._pb import admin_pb2 as pb
 from layerstack._pb import admin_pb2_grpc as pb_grpc
 from layerstack.client import DEFAULT_ADMIN_ADDRESS, _check_exit_policy
 from layerstack.errors import LayerStackError as LayerStackErrorBase
-from layerstack.errors import NotFoundError, closed_client_error, from_rpc_error, is_closed_channel
+from layerstack.errors import NotFoundError, UnavailableError, closed_client_error, from_rpc_error, is_closed_channel
 from layerstack.sandbox import (
     Command,
     Content,
@@ -139,10 +140,48 @@ class AsyncClient:
             server_name=server_name,
         ).aio_channel()
         self._stub: Any = pb_grpc.AdminStub(self._channel)  # type: ignore[no-untyped-call]
+        # Discards of sandboxes whose create was cancelled in flight.
+        self._cleanups: "set[asyncio.Task[None]]" = set()
 
     async def close(self) -> None:
-        """Closes the channel (calls in flight are cancelled)."""
+        """Closes the channel (calls in flight are cancelled), after the
+        discards of sandboxes whose create was cancelled (at most
+        ``CLEANUP_WAIT_S``)."""
+        if self._cleanups:
+            await asyncio.wait(set(self._cleanups), timeout=CLEANUP_WAIT_S)
         await self._channel.close(None)
+
+    def _discard_cancelled_create(self, req: Any) -> None:
+        """A create of ``req`` (with its key) was cancelled in flight: the
+        daemon may have made the sandbox — or make it still — for a caller
+        that will never use it. The same request again answers that sandbox
+        (or makes one), which is then discarded; in the background, since
+        the caller was cancelled."""
+
+        async def go() -> None:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + CLEANUP_WAIT_S
+            while True:
+                try:
+                    r = await self._call(self._stub.CreateSession, req, CLEANUP_WAIT_S)
+                    end = pb.CloseSessionRequest(
+                        session_id=r.session.id,
+                        action=pb.EndAction.Value("DISCARD"),
+                        reason="its create was cancelled before it was answered",
+                    )
+                    await self._call(self._stub.CloseSession, end, CLEANUP_WAIT_S)
+                    return
+                except UnavailableError:
+                    # The connection the cancelled call was on may be gone.
+                    if loop.time() > deadline:
+                        return
+                    await asyncio.sleep(0.05)
+                except (LayerStackErrorBase, asyncio.CancelledError, asyncio.TimeoutError):
+                    return
+
+        t = asyncio.ensure_future(go())
+        self._cleanups.add(t)
+        t.add_done_callback(self._cleanups.discard)
 
     async def __aenter__(self) -> "AsyncClient":
         return self
@@ -562,6 +601,12 @@ class AsyncClient:
         return fold.result(check)
 
 
+#: Seconds :meth:`AsyncClient.close` waits for the discards of sandboxes
+#: whose create was cancelled in flight (each call of such a discard is
+#: bounded by it too).
+CLEANUP_WAIT_S = 10.0
+
+
 class _SandboxStart:
     """``await`` → :class:`AsyncSandbox`; ``async with`` → the same, discarded
     on leaving the block unclosed."""
@@ -571,7 +616,21 @@ class _SandboxStart:
         self._sb: Optional[AsyncSandbox] = None
 
     async def _start(self) -> "AsyncSandbox":
-        r = await self._client._call(self._client._stub.CreateSession, self._req, self._timeout_s)
+        req = self._req
+        made_key = not req.idempotency_key
+        if made_key:
+            # A key of its own: a create cancelled in flight is found again
+            # by it, and discarded (the daemon keeps a keyed sandbox whose
+            # caller went away, for the key's retry).
+            req = pb.CreateSessionRequest()
+            req.CopyFrom(self._req)
+            req.idempotency_key = f"sdk-{uuid.uuid4().hex}"
+        try:
+            r = await self._client._call(self._client._stub.CreateSession, req, self._timeout_s)
+        except asyncio.CancelledError:
+            if made_key:
+                self._client._discard_cancelled_create(req)
+            raise
         return AsyncSandbox(self._client, Session.from_pb(r.session), r.created)
 
     def __await__(self) -> Generator[Any, None, "AsyncSandbox"]:

@@ -623,6 +623,10 @@ class AdminServicer:
         (RESOURCE_EXHAUSTED when it is full and wait_ms is 0 or runs out). Returns
         the session and its overlay mounts; the holder gets the mount itself as a
         detached mount fd on the mount socket (StatusResponse.mount_address).
+        A daemon-owned (sandbox) or WASI create runs to its end whatever becomes
+        of its caller: one whose call is reset before the answer is discarded,
+        unless it carries an idempotency key — then a retry with the key waits
+        for it and answers its sandbox (docs/sdk.md "Guarantees").
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
