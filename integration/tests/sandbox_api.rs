@@ -1057,6 +1057,26 @@ async fn workdirs(c: &mut Client, stack: &str) -> Result<()> {
     let id = create_with(c, stack, "wd", opts("/made/here")).await?;
     let r = exec(c, id, &["sh", "-c", "pwd; echo x > f; ls"]).await?;
     ensure!(r.exit.code == 0 && r.out == b"/made/here\nf\n", "{r:?}");
+    // Parents are made below a symlinked directory of the tree, followed
+    // inside it (Debian's /lib -> usr/lib).
+    let r = exec_req(
+        c,
+        api::ExecRequest {
+            session_id: id,
+            argv: ["sh", "-c", "ln -s srv /lnk && ln -s /srv /abs"]
+                .map(String::from)
+                .to_vec(),
+            has_user: true,
+            ..Default::default()
+        },
+    )
+    .await?;
+    ensure!(r.exit.code == 0, "{r:?}");
+    for p in ["/lnk/new/f", "/abs/deeper/still/f"] {
+        write(c, id, p, b"y", true).await?;
+    }
+    let r = exec(c, id, &["sh", "-c", "cat /srv/new/f /srv/deeper/still/f"]).await?;
+    ensure!(r.exit.code == 0 && r.out == b"yy", "{r:?}");
     for p in ["/made", "/made/here"] {
         let st = c
             .stat_path(api::StatPathRequest {

@@ -322,7 +322,10 @@ fn stat_at(dir: &OwnedFd, name: &[u8]) -> io::Result<api::FileStat> {
 
 /// Opens the parent directory of `rel` beneath `root` (symlinks in it resolve
 /// inside the root), making missing directories (0755, owned by `owner`)
-/// when `make` is set. Returns it and the last component.
+/// when `make` is set: below the deepest ancestor that resolves (through
+/// the session's symlinks, e.g. Debian's `/lib -> usr/lib`), each made
+/// component opened without following a symlink. Returns it and the last
+/// component.
 fn open_parent<'a>(
     root: &OwnedFd,
     rel: &'a [u8],
@@ -336,8 +339,18 @@ fn open_parent<'a>(
         Err(e) if e.raw_os_error() == Some(libc::ENOENT) && make => {}
         Err(e) => return Err(e),
     }
-    let mut dir = open_in_root(root, c".", flags)?;
-    for comp in parent.split(|&b| b == b'/') {
+    let comps: Vec<&[u8]> = parent.split(|&b| b == b'/').collect();
+    let mut have = comps.len();
+    let mut dir = loop {
+        have -= 1;
+        match open_in_root(root, &cpath(&comps[..have].join(&b'/')), flags) {
+            Ok(fd) => break fd,
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) && have > 0 => {}
+            Err(e) => return Err(e),
+        }
+    };
+    for comp in &comps[have..] {
+        let comp: &[u8] = comp;
         let c = OsStr::from_bytes(comp);
         let made = match nix::sys::stat::mkdirat(
             Some(dir.as_raw_fd()),
