@@ -958,6 +958,22 @@ async fn scenario(dir: &Path, daemon: &mut Option<Daemon>) -> Result<()> {
         "the interrupted sessions' writes were published: {r:?}"
     );
     workdirs(&mut c, &stack).await?;
+    // The session's own processes cannot end its init (and have the sandbox
+    // booked `interrupted`, init-gone, an infrastructure failure).
+    let term = create_with(&mut c, &stack, "term-1", api::SandboxOptions::default()).await?;
+    let r = exec(
+        &mut c,
+        term,
+        &[
+            "sh",
+            "-c",
+            "kill -TERM 1; kill -INT 1; kill -HUP 1; sleep 0.2; echo alive",
+        ],
+    )
+    .await?;
+    ensure!(r.exit.code == 0 && r.out == b"alive\n", "{r:?}");
+    ensure!(exec(&mut c, term, &["true"]).await?.exit.code == 0);
+    ensure!(discard(&mut c, term).await?.outcome == "discarded");
     let d = daemon.as_ref().context("daemon")?;
     cancelled_creates(&mut c, d, &stack).await?;
     spawner_gone(&mut c, d, &stack, id, &upper).await

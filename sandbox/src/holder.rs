@@ -712,10 +712,14 @@ fn enter_user_namespace(setup: &Setup, ready_w: RawFd, go: RawFd) {
 }
 
 /// Init's loop: forward signals to `main`, reap every child; exit with `main`'s
-/// status when it ends (create mode, `main` = 0: until SIGTERM or SIGKILL).
+/// status when it ends (create mode, `main` = 0: until SIGKILL, or a SIGTERM
+/// from outside the session — one a process of the session sends is
+/// ignored, as the kernel ignores its signals to a pid namespace's init
+/// without a handler: the session cannot end its own sandbox and have it
+/// booked as an infrastructure failure, `init-gone`).
 fn reap_loop(main: libc::pid_t, set: &libc::sigset_t) -> ! {
     loop {
-        let sig = sys::sigwait(set);
+        let (sig, from) = sys::sigwait_from(set);
         if sig == libc::SIGCHLD {
             while let Some((pid, x)) = sys::reap_any() {
                 if pid == main {
@@ -724,7 +728,7 @@ fn reap_loop(main: libc::pid_t, set: &libc::sigset_t) -> ! {
             }
         } else if main > 0 {
             sys::kill(main, sig);
-        } else if sig == libc::SIGTERM {
+        } else if sig == libc::SIGTERM && from == 0 {
             sys::exit_now(0);
         }
     }

@@ -837,6 +837,24 @@ pub fn sigwait(set: &libc::sigset_t) -> libc::c_int {
     }
 }
 
+/// [`sigwait`], with the sender: `(signal, si_pid)` — the sender's pid as
+/// the caller's pid namespace sees it, 0 for a sender outside it (an
+/// ancestor namespace: the daemon, the host) or for the kernel
+/// (sigwaitinfo(2), pid_namespaces(7)). Child-safe.
+pub fn sigwait_from(set: &libc::sigset_t) -> (libc::c_int, libc::pid_t) {
+    loop {
+        // SAFETY: zeroed siginfo_t is valid; `set` is initialized.
+        let mut info: libc::siginfo_t = unsafe { std::mem::zeroed() };
+        // SAFETY: `info` is writable for the call.
+        let r = unsafe { libc::sigwaitinfo(set, &mut info) };
+        if r > 0 {
+            // SAFETY: si_pid is set for the signals init waits for (kill,
+            // sigqueue, SIGCHLD); 0 otherwise, which reads as "outside".
+            return (r, unsafe { info.si_pid() });
+        }
+    }
+}
+
 /// `kill(pid, sig)`, errors ignored. Child-safe.
 pub fn kill(pid: libc::pid_t, sig: libc::c_int) {
     // SAFETY: plain arguments.
