@@ -973,6 +973,30 @@ async fn scenario(dir: &Path, daemon: &mut Option<Daemon>) -> Result<()> {
     .await?;
     ensure!(r.exit.code == 0 && r.out == b"alive\n", "{r:?}");
     ensure!(exec(&mut c, term, &["true"]).await?.exit.code == 0);
+    // Nor can a file call remove its mount points (the daemon's rmdir, from
+    // another mount namespace, is not refused by the kernel).
+    for (path, recursive) in [("/dev", false), ("/proc", false), ("/dev", true)] {
+        let e = c
+            .remove_path(api::RemovePathRequest {
+                session_id: term,
+                path: path.into(),
+                recursive,
+            })
+            .await
+            .err()
+            .with_context(|| format!("{path} removed"))?;
+        ensure!(
+            e.code() == Code::FailedPrecondition && e.message().contains("mount point"),
+            "{path}: {e:?}"
+        );
+    }
+    let r = exec(
+        &mut c,
+        term,
+        &["sh", "-c", "echo > /dev/null && test -d /proc/self"],
+    )
+    .await?;
+    ensure!(r.exit.code == 0, "{r:?}");
     ensure!(discard(&mut c, term).await?.outcome == "discarded");
     let d = daemon.as_ref().context("daemon")?;
     cancelled_creates(&mut c, d, &stack).await?;

@@ -819,6 +819,17 @@ pub(crate) async fn stat_path(
 /// Removes `name` in `dir` and, for a directory, everything below it; never
 /// follows a symlink (each level is opened `O_NOFOLLOW`). Returns the entries
 /// removed.
+/// EBUSY when `sub` (opened below `dir`) lies on another filesystem than
+/// `dir`: a mount point of the session. The daemon works from another mount
+/// namespace, where the kernel's own check (`rmdir /dev` in the session:
+/// EBUSY) does not see the session's mounts.
+fn refuse_mount_point(dir: &OwnedFd, sub: &OwnedFd) -> io::Result<()> {
+    if dev_of(sub)? != dev_of(dir)? {
+        return Err(io::Error::from_raw_os_error(libc::EBUSY));
+    }
+    Ok(())
+}
+
 fn remove_tree_at(dir: &OwnedFd, name: &OsStr) -> io::Result<u64> {
     let sub = match at_openat(
         dir,
@@ -835,9 +846,7 @@ fn remove_tree_at(dir: &OwnedFd, name: &OsStr) -> io::Result<u64> {
     // Another filesystem mounted there (the session's /proc, /dev, a mount
     // of its own), checked on the opened descriptor: not descended into —
     // its mount point stays, EBUSY, as `rm --one-file-system` leaves it.
-    if dev_of(&sub)? != dev_of(dir)? {
-        return Err(io::Error::from_raw_os_error(libc::EBUSY));
-    }
+    refuse_mount_point(dir, &sub)?;
     let mut n = 0;
     for c in dir_names(&sub)? {
         n += remove_tree_at(&sub, OsStr::from_bytes(&c))?;
@@ -873,7 +882,14 @@ pub(crate) async fn remove_path(
             if recursive {
                 remove_tree_at(&dir, name)
             } else {
-                at_unlinkat(&dir, name, true).map(|()| 1)
+                at_openat(
+                    &dir,
+                    name,
+                    OFlag::O_PATH | OFlag::O_DIRECTORY | OFlag::O_NOFOLLOW,
+                )
+                .and_then(|sub| refuse_mount_point(&dir, &sub))
+                .and_then(|()| at_unlinkat(&dir, name, true))
+                .map(|()| 1)
             }
         } else {
             at_unlinkat(&dir, name, false).map(|()| 1)
