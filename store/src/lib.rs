@@ -319,10 +319,18 @@ impl Store {
         // set-user-ID file of a session's root is one of the host's root on
         // disk — and must not be executable by the host's other users by
         // its path. Set at every open: a store made before had 0711.
+        // The root itself is 0700 too (as containerd's snapshotter roots):
+        // the database holds idempotency keys, states, labels and the
+        // commands rollouts ran with their output, `blobs/` their
+        // trajectories — none for the host's other users. Every client goes
+        // through the daemon's sockets, and mounts reach layers by
+        // descriptor, never through this path. Set at every open: a store
+        // made before was 0755.
         {
             use std::os::unix::fs::PermissionsExt;
-            std::fs::set_permissions(root.join("l"), std::fs::Permissions::from_mode(0o700))
-                .map_err(io)?;
+            for d in [root, &root.join("l")] {
+                std::fs::set_permissions(d, std::fs::Permissions::from_mode(0o700)).map_err(io)?;
+            }
         }
         let db = db::Db::open(root, opts.durability)?;
         let store = Store {

@@ -780,26 +780,25 @@ fn labels_update_by_fieldpath() {
 }
 
 #[test]
-fn layers_are_reached_by_mounts_only() {
+fn layers_and_the_database_are_reached_through_the_daemon_only() {
     use std::os::unix::fs::PermissionsExt;
     let d = tmp();
-    let mode = |d: &Path| {
-        std::fs::metadata(d.join("root/l"))
+    let mode = |p: &str| {
+        std::fs::metadata(d.path().join(p))
             .unwrap()
             .permissions()
             .mode()
             & 0o7777
     };
     drop(open(d.path()));
-    assert_eq!(mode(d.path()), 0o700);
-    // A store made when `l` was 0711: closed to others at the next open.
-    std::fs::set_permissions(
-        d.path().join("root/l"),
-        std::fs::Permissions::from_mode(0o711),
-    )
-    .unwrap();
+    assert_eq!((mode("root"), mode("root/l")), (0o700, 0o700));
+    // A store made when `l` was 0711 and the root 0755: closed to others at
+    // the next open.
+    for (p, m) in [("root/l", 0o711), ("root", 0o755)] {
+        std::fs::set_permissions(d.path().join(p), std::fs::Permissions::from_mode(m)).unwrap();
+    }
     drop(open(d.path()));
-    assert_eq!(mode(d.path()), 0o700);
+    assert_eq!((mode("root"), mode("root/l")), (0o700, 0o700));
 }
 
 #[test]
