@@ -799,6 +799,7 @@ impl Store {
             if let Some(k) = key {
                 validate_key(k)?;
                 check_args(tx, "attempt", k, &args)?;
+                crate::idempotency::refuse_other_sandbox_kind(tx, "attempt", k)?;
                 let existing = tx
                     .one(
                         &format!("SELECT {ATTEMPT_COLS} FROM graph_attempts WHERE idempotency_key = ?1"),

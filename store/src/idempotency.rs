@@ -123,6 +123,40 @@ pub(crate) fn check_args(
     )))
 }
 
+/// Refuses `key` for a sandbox `op` ("session": on a stack's branch;
+/// "attempt": on a graph node) when it names a sandbox of the other kind:
+/// the two are recorded apart (a session's key, an attempt's), so the same
+/// key made one of each. `FailedPrecondition` naming the key and what it
+/// first made.
+pub(crate) fn refuse_other_sandbox_kind(
+    conn: &Connection,
+    op: &str,
+    key: &str,
+) -> Result<(), StoreError> {
+    let first = match op {
+        "session" => conn
+            .one(
+                "SELECT 'a sandbox of graph node ' || node || ' (attempt ' || id || ')' FROM graph_attempts WHERE idempotency_key = ?1",
+                [key],
+                |r| r.get::<_, String>(0),
+            )
+            .optional()?,
+        _ => conn
+            .one(
+                "SELECT 'a sandbox of stack ' || stack || ', branch ' || branch || ' (session ' || id || ')' FROM sessions WHERE idempotency_key = ?1",
+                [key],
+                |r| r.get::<_, String>(0),
+            )
+            .optional()?,
+    };
+    match first {
+        None => Ok(()),
+        Some(first) => Err(StoreError::FailedPrecondition(format!(
+            "idempotency key {key:?} was first used for {first}: a key names one request, its retry repeats the arguments (the stack and branch, or the node); use a new key for a different request"
+        ))),
+    }
+}
+
 /// Records `args` as the arguments `key` is first used with for `op`, in the
 /// transaction of the request's effect.
 pub(crate) fn record_args(

@@ -562,6 +562,7 @@ impl Store {
             if let Some(k) = idempotency_key {
                 validate_key(k)?;
                 check_args(tx, "session", k, &args)?;
+                crate::idempotency::refuse_other_sandbox_kind(tx, "session", k)?;
                 let existing: Option<i64> = tx
                     .one(
                         "SELECT id FROM sessions WHERE idempotency_key = ?1",
@@ -667,6 +668,7 @@ impl Store {
                     .with("stack", s.stack.as_str())
                     .with("target", format!("branch {}", s.branch));
                 check_args(tx, "session", k, &args)?;
+                crate::idempotency::refuse_other_sandbox_kind(tx, "session", k)?;
                 let taken: Option<i64> = tx
                     .one(
                         "SELECT id FROM sessions WHERE idempotency_key = ?1",

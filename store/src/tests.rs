@@ -3312,6 +3312,30 @@ fn idempotency_keys_are_checked_against_their_arguments() {
         .unwrap_err();
     assert_eq!(e.kind(), ErrorKind::FailedPrecondition, "{e}");
     assert!(e.to_string().contains("policy"), "{e}");
+    // A sandbox's key names one kind of sandbox: a stack's session's key
+    // does not start a node's attempt, nor the other way round.
+    let e = s
+        .start_attempt_with(&root.id, &owner, Some("k1"), &opts)
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::FailedPrecondition, "{e}");
+    assert!(
+        e.to_string().contains(&format!("(session {})", first.id)),
+        "{e}"
+    );
+    let e = s
+        .create_session_with(
+            &owner,
+            &stack,
+            &main,
+            Some("a1"),
+            &SessionOptions::default(),
+        )
+        .unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::FailedPrecondition, "{e}");
+    assert!(
+        e.to_string().contains(&format!("(attempt {})", a.id)),
+        "{e}"
+    );
     // The key of another operation: refused as before.
     let e = s.prune_node(&root.id, Some("g1")).unwrap_err();
     assert_eq!(e.kind(), ErrorKind::InvalidArgument, "{e}");
