@@ -1154,6 +1154,66 @@ async fn workdirs(c: &mut Client, stack: &str) -> Result<()> {
             "{e:?}"
         );
     }
+    // Fields a create cannot run with are refused by name, and leave nothing.
+    for (o, field) in [
+        (
+            api::SandboxOptions {
+                hostname: "\0evil".into(),
+                ..Default::default()
+            },
+            "sandbox.hostname",
+        ),
+        (
+            api::SandboxOptions {
+                hostname: "a/b\n".into(),
+                ..Default::default()
+            },
+            "sandbox.hostname",
+        ),
+        (
+            api::SandboxOptions {
+                has_user: true,
+                uid: u32::MAX,
+                ..Default::default()
+            },
+            "sandbox.uid",
+        ),
+        (
+            api::SandboxOptions {
+                pids: Some(5_000_000),
+                ..Default::default()
+            },
+            "sandbox.pids",
+        ),
+    ] {
+        let e = create_with(c, stack, "wd-file", o)
+            .await
+            .err()
+            .with_context(|| format!("{field}: created"))?;
+        ensure!(
+            e.code() == Code::InvalidArgument && e.message().contains(field),
+            "{e:?}"
+        );
+    }
+    // A name a hostname cannot hold gives a cleaned default.
+    let id = create_with(
+        c,
+        stack,
+        "a name/with:odd chars",
+        api::SandboxOptions::default(),
+    )
+    .await?;
+    let r = exec(
+        c,
+        id,
+        &["sh", "-c", "cat /proc/sys/kernel/hostname; echo $HOSTNAME"],
+    )
+    .await?;
+    ensure!(
+        r.out == b"a-name-with-odd-chars\na-name-with-odd-chars\n",
+        "{r:?}"
+    );
+    discard(c, id).await?;
     let left = live_named(c, "wd-file").await?;
     ensure!(
         left.is_empty(),

@@ -76,6 +76,10 @@ pub const MIN_MEMORY_BYTES: u64 = 4 << 20;
 /// Smallest pids limit: init and one command.
 pub const MIN_PIDS: u64 = 2;
 
+/// The highest `pids.max` the kernel takes: `PID_MAX_LIMIT` (4 Mi, on 64-bit;
+/// include/linux/threads.h, kernel/cgroup/pids.c).
+pub const MAX_PIDS: u64 = 4 << 20;
+
 impl Limits {
     /// No limit asked.
     pub fn is_empty(&self) -> bool {
@@ -101,6 +105,11 @@ impl Limits {
         if p != 0 && p < MIN_PIDS {
             return Err(format!(
                 "{prefix}pids = {p} is below {MIN_PIDS} (the session's init and one command): give 0 (no limit) or more"
+            ));
+        }
+        if p > MAX_PIDS {
+            return Err(format!(
+                "{prefix}pids = {p} is above {MAX_PIDS} (the kernel's PID_MAX_LIMIT, the most pids.max takes): give 0 (no limit) or {MIN_PIDS}..={MAX_PIDS}"
             ));
         }
         Ok(())
@@ -836,6 +845,19 @@ mod tests {
         .validate("sandbox.")
         .unwrap_err();
         assert!(e.contains("pids = 1 is below 2"), "{e}");
+        let e = Limits {
+            pids: MAX_PIDS + 1,
+            ..Default::default()
+        }
+        .validate("sandbox.")
+        .unwrap_err();
+        assert!(e.contains("pids = 4194305 is above 4194304"), "{e}");
+        assert!(Limits {
+            pids: MAX_PIDS,
+            ..Default::default()
+        }
+        .validate("x")
+        .is_ok());
         assert!(Limits {
             cpu_millis: 10,
             memory_bytes: 4 << 20,

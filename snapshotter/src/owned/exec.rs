@@ -10,6 +10,7 @@ fn command(l: &Live, r: &api::ExecRequest) -> Result<Command, Status> {
     })?;
     let d = l.owned.clone().unwrap_or_default();
     let ids = if r.has_user {
+        check_ids("", r.uid, r.gid)?;
         Some((r.uid, r.gid))
     } else {
         d.user

@@ -191,6 +191,57 @@ pub(crate) fn parse_env(field: &str, env: &[String]) -> Result<Vec<(String, Stri
         .collect()
 }
 
+/// Refuses uid or gid 4294967295: `(uid_t) -1`, which setresuid(2) and
+/// setresgid(2) read as "leave it unchanged" (the command would keep the
+/// daemon's ids — or fail). `prefix`: the fields' prefix (`sandbox.`).
+pub(crate) fn check_ids(prefix: &str, uid: u32, gid: u32) -> Result<(), Status> {
+    for (field, id) in [("uid", uid), ("gid", gid)] {
+        if id == u32::MAX {
+            return Err(Status::invalid_argument(format!(
+                "{prefix}{field} {id} is (uid_t) -1, which the kernel reads as \"unchanged\": give an id below 4294967295"
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// The most bytes of a hostname (HOST_NAME_MAX).
+const HOSTNAME_MAX: usize = 64;
+
+/// Refuses a hostname that is not 1 to 64 letters, digits, `-`, `.` or `_`
+/// (RFC 1123 names, and `_` as many tools accept): it becomes the session's
+/// `uname -n` and its commands' `HOSTNAME`.
+fn check_hostname(h: &str) -> Result<(), Status> {
+    let ok = |b: u8| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_');
+    if h.is_empty() || h.len() > HOSTNAME_MAX || !h.bytes().all(ok) {
+        return Err(Status::invalid_argument(format!(
+            "sandbox.hostname {h:?}: give 1 to {HOSTNAME_MAX} letters, digits, '-', '.' or '_'"
+        )));
+    }
+    Ok(())
+}
+
+/// The default hostname: the sandbox's name with what a hostname cannot
+/// hold replaced by `-`, cut to 64 bytes; "session" for none.
+fn default_hostname(name: &str) -> String {
+    let h: String = name
+        .bytes()
+        .take(HOSTNAME_MAX)
+        .map(|b| {
+            if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_') {
+                b as char
+            } else {
+                '-'
+            }
+        })
+        .collect();
+    if h.is_empty() {
+        "session".to_string()
+    } else {
+        h
+    }
+}
+
 fn absolute(field: &str, p: &str) -> Result<(), Status> {
     if !p.starts_with('/') || p.contains('\0') {
         return Err(Status::invalid_argument(format!(
@@ -234,18 +285,13 @@ pub(crate) async fn create(
         }
     };
     let hostname = if opts.hostname.is_empty() {
-        if r.name.is_empty() {
-            "session".to_string()
-        } else {
-            r.name.clone()
-        }
+        default_hostname(&r.name)
     } else {
+        check_hostname(&opts.hostname)?;
         opts.hostname.clone()
     };
-    if hostname.len() > 64 {
-        return Err(Status::invalid_argument(format!(
-            "hostname {hostname:?} is longer than 64 bytes (HOST_NAME_MAX): give sandbox.hostname"
-        )));
+    if opts.has_user {
+        check_ids("sandbox.", opts.uid, opts.gid)?;
     }
     let rt = admin.holders.limits.get().cloned();
     let limits = session_limits(&opts, rt.as_ref().map(|r| r.defaults).unwrap_or_default())?;
