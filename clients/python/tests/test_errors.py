@@ -249,3 +249,23 @@ def test_errors_survive_pickling_between_processes() -> None:
     c = errors.CommandError(["layerstack", "x"], 2, "layerstack: no such command\n")
     cb = pickle.loads(pickle.dumps(c))
     assert (type(cb), cb.argv, cb.returncode, cb.message) == (errors.CommandError, ["layerstack", "x"], 2, "no such command")
+
+
+def test_a_broken_connection_is_unavailable_and_a_kind_is_not_said_twice() -> None:
+    # grpc-core's own INTERNAL when a TLS stream breaks mid-call (a daemon's
+    # restart): retryable as any unavailable daemon, not an internal error.
+    e = errors.from_rpc_error(FakeRpcError(grpc.StatusCode.INTERNAL, "Internal error from Core"))
+    assert type(e) is layerstack.UnavailableError and "call again" in e.message, e
+    # The daemon's INTERNAL stays one.
+    e = errors.from_rpc_error(FakeRpcError(grpc.StatusCode.INTERNAL, "cannot write a layer"))
+    assert e.kind == "grpc_internal", e
+    e = errors.from_rpc_error(FakeRpcError(grpc.StatusCode.UNAVAILABLE, "failed to connect: CERTIFICATE_VERIFY_FAILED"))
+    assert type(e) is layerstack.UnavailableError and "root_certificates=" in str(e), e
+    e = errors.from_rpc_error(FakeRpcError(grpc.StatusCode.UNAUTHENTICATED, "unauthenticated: no bearer token"))
+    assert str(e) == "unauthenticated: no bearer token", str(e)
+
+
+@pytest.mark.parametrize("token", ["tok\n", "", "a b", "t\u00e9"])
+def test_a_token_grpc_cannot_send_is_refused_by_name(token: str) -> None:
+    with pytest.raises(ValueError, match="token"):
+        layerstack.connect(target="127.0.0.1:1", token=token, root_certificates=b"-----BEGIN CERTIFICATE-----\n")

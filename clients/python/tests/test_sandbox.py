@@ -443,9 +443,16 @@ def test_a_bad_or_failing_data_source_raises_its_own_error(daemon: Daemon) -> No
             (lambda: sb.files.write("/work/m", b"", mode=0o77777), "mode"),
             (lambda: sb.files.write("/work/m", b"", owner=(-1, 0)), "owner"),
             (lambda: sb.files.read("/work/p", limit=-1), "limit"),
+            (lambda: sb.exec(""), "blank"),
+            (lambda: sb.exec("  "), "blank"),
+            (lambda: sb.exec("true", timeout_s=float("inf")), "timeout_s"),
+            (lambda: sb.exec("true", timeout_s=5e6), "timeout_s"),
         ):
             with pytest.raises(ValueError, match=named):
                 bad_call()
+        # Below a millisecond is a limit still (rounded up), never "none".
+        tiny = sb.exec("sleep 3; echo finished", timeout_s=0.0001)
+        assert tiny.timed_out and tiny.stdout == b"", tiny
         sb.files.write("/work/p", b"x")
         assert sb.files.read(Path("/work/p")) == b"x" and sb.files.read(b"/work/p") == b"x"
         assert sb.exec(iter(["cat", Path("/work/p")])).stdout == b"x"
@@ -1007,6 +1014,10 @@ def test_a_cancelled_create_leaves_no_sandbox_and_no_process(daemon: Daemon) -> 
             await asyncio.gather(first, return_exceptions=True)
             again = await ls.sandbox(daemon.stack, name=f"{name}-keyed", key=f"{name}-k")
             assert (await again.exec(["true"])).ok
-            await again.discard()
+            # By id, from the asyncio client: listed, then closed.
+            listed = {x.id: x for x in await ls.list_sessions(all_namespaces=True, owner_kind="sandbox")}
+            assert not listed[again.id].released, listed[again.id]
+            end = await ls.close_session(again.id, action="discard")
+            assert end.outcome == "discarded", end
 
     asyncio.run(keyed())

@@ -57,6 +57,9 @@ class Endpoint:
                 )
         elif (self.client_certificate is None) != (self.client_key is None):
             raise ValueError("give client_certificate and client_key together")
+        for name, token in (("token", self.token), ("$LAYERSTACK_TOKEN", os.environ.get("LAYERSTACK_TOKEN"))):
+            if token is not None and (name == "token" or self.token is None):
+                _check_token(name, token)
 
     def _tls(self) -> Tuple[grpc.ChannelCredentials, List[Tuple[str, Any]]]:
         token = self.token if self.token is not None else (os.environ.get("LAYERSTACK_TOKEN") or None)
@@ -110,3 +113,19 @@ class Endpoint:
             return grpc.aio.insecure_channel(f"unix:{self.admin_address}", options=list(self._UNIX_OPTIONS))
         creds, options = self._tls()
         return grpc.aio.secure_channel(self.target, creds, options=options)
+
+
+def _check_token(name: str, token: str) -> None:
+    """ValueError naming ``name`` for a bearer token grpc cannot send (it
+    would fail every call with UNAVAILABLE "Illegal metadata", which a
+    harness retries): empty, or holding whitespace or a control character —
+    most often a token file read without ``.strip()``."""
+    if not isinstance(token, str):
+        raise TypeError(f"{name} must be a str, not {type(token).__name__}")
+    if name == "$LAYERSTACK_TOKEN" and token == "":
+        return
+    if not token or any(c.isspace() or not c.isprintable() or ord(c) > 126 for c in token):
+        raise ValueError(
+            f"{name} {'is empty' if not token else 'holds whitespace or a control character'}: give the token "
+            "itself (read a token file with .read().strip())"
+        )

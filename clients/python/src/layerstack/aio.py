@@ -37,7 +37,7 @@ import grpc.aio
 from layerstack._channel import Endpoint, PemSource
 from layerstack._pb import admin_pb2 as pb
 from layerstack._pb import admin_pb2_grpc as pb_grpc
-from layerstack.client import DEFAULT_ADMIN_ADDRESS, _check_exit_policy
+from layerstack.client import DEFAULT_ADMIN_ADDRESS, _check_exit_policy, close_session_request, list_sessions_request
 from layerstack.errors import LayerStackError as LayerStackErrorBase
 from layerstack.errors import NotFoundError, UnavailableError, closed_client_error, from_rpc_error, is_closed_channel
 from layerstack.sandbox import (
@@ -216,6 +216,42 @@ class AsyncClient:
     async def status(self) -> Status:
         """The daemon's status."""
         return Status.from_pb(await self._call(self._stub.Status, pb.StatusRequest()))
+
+    async def list_sessions(
+        self,
+        *,
+        namespace: Optional[str] = None,
+        all_namespaces: bool = False,
+        owner_kind: str = "",
+    ) -> List[Session]:
+        """As :meth:`layerstack.Client.list_sessions`: sessions, oldest first
+        (every page)."""
+        out: List[Session] = []
+        token = ""
+        while True:
+            req = list_sessions_request(self.namespace, namespace, all_namespaces, owner_kind, token)
+            r = await self._call(self._stub.ListSessions, req)
+            out.extend(Session.from_pb(s) for s in r.sessions)
+            if not r.next_page_token:
+                return out
+            token = r.next_page_token
+
+    async def close_session(
+        self,
+        session_id: int,
+        *,
+        action: str = "auto",
+        exit_status: Optional[int] = None,
+        state: Optional[Mapping[str, Any]] = None,
+        command: Optional[str] = None,
+        reason: str = "python client close",
+        timeout_s: Optional[float] = 600.0,
+    ) -> Session:
+        """As :meth:`layerstack.Client.close_session`: ends session
+        ``session_id`` by id (``action`` auto | publish | discard |
+        checkpoint) — one whose object a harness no longer holds."""
+        req = close_session_request(session_id, action, exit_status, state, command, reason)
+        return Session.from_pb(await self._call(self._stub.CloseSession, req, timeout_s))
 
     async def discard(self, session_id: int, *, reason: str = "python client discard") -> Session:
         """As :meth:`layerstack.Client.discard`: drops session ``session_id``'s

@@ -176,6 +176,41 @@ def connect(
     )
 
 
+def close_session_request(
+    session_id: int,
+    action: str,
+    exit_status: Optional[int],
+    state: Optional[State],
+    command: Optional[str],
+    reason: str,
+) -> Any:
+    """The CloseSession request of :meth:`Client.close_session` (ValueError
+    for an unknown ``action``)."""
+    if action not in _END_ACTIONS:
+        raise ValueError(f"end action {action!r}: give one of {', '.join(_END_ACTIONS)}")
+    return pb.CloseSessionRequest(
+        session_id=session_id,
+        action=_END_ACTIONS[action],
+        reason=reason,
+        has_exit_status=exit_status is not None,
+        exit_status=exit_status or 0,
+        state=_state_json(state),
+        command=command or "",
+    )
+
+
+def list_sessions_request(
+    default_namespace: str, namespace: Optional[str], all_namespaces: bool, owner_kind: str, page_token: str
+) -> Any:
+    """One page's ListSessions request of :meth:`Client.list_sessions`."""
+    return pb.ListSessionsRequest(
+        namespace=default_namespace if namespace is None and not all_namespaces else (namespace or ""),
+        all_namespaces=all_namespaces,
+        owner_kind=owner_kind,
+        page_token=page_token,
+    )
+
+
 class Client:
     """See :func:`connect`."""
 
@@ -803,17 +838,7 @@ class Client:
                 stacklevel=2,
             )
             action = policy
-        if action not in _END_ACTIONS:
-            raise ValueError(f"end action {action!r}: give one of {', '.join(_END_ACTIONS)}")
-        req = pb.CloseSessionRequest(
-            session_id=session_id,
-            action=_END_ACTIONS[action],
-            reason=reason,
-            has_exit_status=exit_status is not None,
-            exit_status=exit_status or 0,
-            state=_state_json(state),
-            command=command or "",
-        )
+        req = close_session_request(session_id, action, exit_status, state, command, reason)
         return Session.from_pb(self._call(self._stub.CloseSession, req, timeout_s))
 
     def wait(self, session_id: int, *, timeout_ms: int = 0) -> Session:
@@ -868,12 +893,7 @@ class Client:
         out: List[Session] = []
         token = ""
         while True:
-            req = pb.ListSessionsRequest(
-                namespace=self.namespace if namespace is None and not all_namespaces else (namespace or ""),
-                all_namespaces=all_namespaces,
-                owner_kind=owner_kind,
-                page_token=token,
-            )
+            req = list_sessions_request(self.namespace, namespace, all_namespaces, owner_kind, token)
             r = self._call(self._stub.ListSessions, req)
             out.extend(Session.from_pb(s) for s in r.sessions)
             if not r.next_page_token:

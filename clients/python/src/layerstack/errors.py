@@ -108,7 +108,8 @@ class LayerStackError(Exception):
     stderr: Optional[str] = None
 
     def __init__(self, code: Optional[grpc.StatusCode], kind: str, message: str) -> None:
-        super().__init__(f"{kind}: {message}")
+        # The daemon's message may name its kind already ("unauthenticated: …").
+        super().__init__(message if message.startswith(f"{kind}:") else f"{kind}: {message}")
         self.code = code
         self.kind = kind
         self.message = message
@@ -331,6 +332,19 @@ def from_rpc_error(e: grpc.RpcError) -> LayerStackError:
             f"permission denied: uid {os.geteuid()} (gid {os.getegid()}) may not connect to the "
             "LayerStack daemon's admin socket: only root and the uids and gids in the daemon's "
             f"[api] allowed_uids / allowed_gids may; ask its operator to add yours, or run as root ({message})",
+        )
+    if code == grpc.StatusCode.INTERNAL and message.startswith("Internal error from Core"):
+        # grpc-core's own error when the connection breaks mid-call (a TLS
+        # stream cut by a daemon's restart): no status of the daemon's.
+        return UnavailableError(
+            grpc.StatusCode.UNAVAILABLE,
+            UnavailableError.kind,
+            f"the connection to the daemon broke during the call ({message}): call again once it answers",
+        )
+    if code == grpc.StatusCode.UNAVAILABLE and "CERTIFICATE_VERIFY_FAILED" in message:
+        message += (
+            " — the daemon's TLS certificate was not verified: pass root_certificates= (the CA that signed "
+            "its [api.tcp] cert) and, if the certificate names another host, server_name="
         )
     named = BY_KIND.get(_trailer_kind(e) or "")
     if named is not None:

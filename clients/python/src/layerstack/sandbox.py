@@ -29,6 +29,7 @@ import collections.abc
 import dataclasses
 import io
 import json
+import math
 import numbers
 import os
 import shlex
@@ -272,6 +273,8 @@ def argv_of(cmd: Command) -> List[str]:
     argv is not quietly made a string: ``["sleep", 1]`` is a slip, not a
     command)."""
     if isinstance(cmd, str):
+        if not cmd.strip():
+            raise ValueError("exec needs a command: give argv or a shell string (this one is blank)")
         return ["/bin/sh", "-c", cmd]
     if isinstance(cmd, (bytes, bytearray, collections.abc.Mapping)) or not isinstance(
         cmd, collections.abc.Iterable
@@ -393,6 +396,17 @@ def seconds_arg(what: str, v: Any) -> Optional[float]:
     return float(v)
 
 
+def millis_arg(what: str, seconds: Optional[float], most: int = 2**32 - 1) -> int:
+    """``seconds`` (from :func:`seconds_arg`) as whole milliseconds, rounded
+    up — a positive limit is never 0, which the daemon reads as "no limit";
+    ValueError naming ``what`` above ``most`` ms. None: 0."""
+    if seconds is None:
+        return 0
+    if not seconds * 1000 <= most:
+        raise ValueError(f"{what}={seconds}: give at most {most / 1000:.0f} seconds, or None for no limit")
+    return math.ceil(seconds * 1000)
+
+
 def exec_request(
     session_id: int,
     cmd: Command,
@@ -415,7 +429,7 @@ def exec_request(
         env=env_list(env),
         cwd=optional_str("cwd", cwd),
         stdin=data,
-        timeout_ms=int(timeout_s * 1000) if timeout_s is not None else 0,
+        timeout_ms=millis_arg("timeout_s", timeout_s),
     )
     if module is not None:
         if isinstance(module, str):
@@ -483,12 +497,11 @@ def wasi_options(
     for field, v in (("fuel", fuel), ("memory_bytes", memory_bytes)):
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
             raise ValueError(f"{field}={v!r}: give a whole number > 0, or None (the daemon's default)")
-    if run_timeout_s is not None and run_timeout_s <= 0:
-        raise ValueError(f"run_timeout_s={run_timeout_s}: give a positive number of seconds, or None")
+    run_timeout_s = seconds_arg("run_timeout_s", run_timeout_s)
     return pb.WasiOptions(
         fuel=fuel or 0,
         memory_bytes=memory_bytes or 0,
-        deadline_ms=int(run_timeout_s * 1000) if run_timeout_s is not None else 0,
+        deadline_ms=millis_arg("run_timeout_s", run_timeout_s, 2**64 - 1),
         env=env_list(env),
     )
 
