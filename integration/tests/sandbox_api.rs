@@ -403,6 +403,13 @@ async fn scenario(dir: &Path, daemon: &mut Option<Daemon>) -> Result<()> {
     write(&mut c, id, "/srv/new/x.txt", b"v2", false).await?;
     ensure!(read(&mut c, id, "/srv/new/x.txt").await? == b"v2");
     ensure!(code(write(&mut c, id, "/nope/deeper/y", b"x", false).await) == Code::NotFound);
+    // A path naming a directory (a trailing '/') is no file to write.
+    for p in ["/srv/new/f/", "/srv/new/g/."] {
+        ensure!(
+            code(write(&mut c, id, p, b"x", false).await) == Code::InvalidArgument,
+            "{p}"
+        );
+    }
     let ls = c
         .list_dir(api::ListDirRequest {
             session_id: id,

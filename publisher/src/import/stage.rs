@@ -120,6 +120,14 @@ fn xattr_err(fd: &impl AsFd, name: &[u8], len: usize, e: Errno) -> StageError {
             show(name)
         ));
     }
+    // The kernel parses these values (a file capability's vfs_cap_data, a
+    // POSIX ACL): a malformed one is the input's fault.
+    if e == Errno::INVAL && (name.starts_with(b"security.") || name.starts_with(b"system.")) {
+        return StageError::Refused(format!(
+            "xattr {} has a value the kernel refuses ({e}): a security.capability is a vfs_cap_data (what setcap writes), a system.posix_acl_* an ACL (what setfacl writes); fix or drop it in the source",
+            show(name)
+        ));
+    }
     if e == Errno::TOOBIG || e == Errno::RANGE || (e == Errno::NOSPC && has_room()) {
         return StageError::Refused(format!(
             "xattr {} has a {len}-byte value, more than the store's filesystem keeps for one file ({e}): drop it or make it smaller",
@@ -1029,7 +1037,23 @@ fn fd_xattr_names(fd: &OwnedFd) -> R<Vec<Vec<u8>>> {
 #[cfg(test)]
 #[allow(clippy::unwrap_used)]
 mod tests {
-    use super::{check_xattr_name, normalize, StageError};
+    use super::{check_xattr_name, normalize, xattr_err, Errno, StageError};
+
+    #[test]
+    fn a_value_the_kernel_refuses_to_parse_is_the_inputs_fault() {
+        let dir = std::fs::File::open("/").unwrap();
+        for name in [&b"security.capability"[..], b"system.posix_acl_access"] {
+            match xattr_err(&dir, name, 1, Errno::INVAL) {
+                StageError::Refused(m) => assert!(m.contains("value the kernel refuses"), "{m}"),
+                other => panic!("{other:?}"),
+            }
+        }
+        // EINVAL on a name the kernel does not parse: the staging side's.
+        assert!(matches!(
+            xattr_err(&dir, b"user.k", 1, Errno::INVAL),
+            StageError::Io(..)
+        ));
+    }
 
     #[test]
     fn xattr_names_outside_the_kernels_namespaces_are_refused() {

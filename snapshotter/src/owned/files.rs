@@ -472,6 +472,12 @@ pub(crate) async fn read_file(
     admin: &AdminService,
     r: api::ReadFileRequest,
 ) -> Result<Stream<api::FileChunk>, Status> {
+    if i64::try_from(r.offset).is_err() {
+        return Err(Status::invalid_argument(format!(
+            "offset {} is past the largest file offset (2^63 - 1 bytes)",
+            r.offset
+        )));
+    }
     let (_l, root) = served_root(admin, r.session_id).await?;
     let rel = rel_path(&r.path)?;
     let path = r.path.clone();
@@ -544,6 +550,12 @@ pub(crate) async fn write_file(
     if rel.is_empty() {
         return Err(Status::invalid_argument(format!(
             "path {:?} names the root, not a file",
+            h.path
+        )));
+    }
+    if h.path.ends_with('/') || h.path.ends_with("/.") {
+        return Err(Status::invalid_argument(format!(
+            "path {:?} ends in '/', which names a directory: WriteFile writes a regular file (drop the trailing '/')",
             h.path
         )));
     }
