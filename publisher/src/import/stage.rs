@@ -421,7 +421,7 @@ impl Stage {
                     let st = rfs::statat(&dir, os(comp), AtFlags::SYMLINK_NOFOLLOW)
                         .map_err(io_err("stat"))?;
                     let what = if FileType::from_raw_mode(st.st_mode) == FileType::Symlink {
-                        "is a symlink (an earlier entry made it); an entry is never written through a symlink"
+                        "is a symlink (made by an earlier entry, or already in the tree the entries are written into); an entry is never written through a symlink"
                     } else {
                         "is not a directory"
                     };

@@ -243,7 +243,12 @@ fn default_hostname(name: &str) -> String {
 }
 
 fn absolute(field: &str, p: &str) -> Result<(), Status> {
-    if !p.starts_with('/') || p.contains('\0') {
+    if p.contains('\0') {
+        return Err(Status::invalid_argument(format!(
+            "{field} {p:?} holds a NUL byte, which no path can"
+        )));
+    }
+    if !p.starts_with('/') {
         return Err(Status::invalid_argument(format!(
             "{field} {p:?} is not an absolute path in the session's view (start it with /)"
         )));
@@ -876,11 +881,11 @@ async fn live(admin: &AdminService, id: SessionId) -> Result<Live, Status> {
                         "its run ended interrupted ({}): its writes are kept until discarded — discard it (Python: sb.discard(); CLI: `layerstack session close {id} --discard`; API: CloseSession DISCARD) and start the task again in a new sandbox",
                         o.interrupted_by.map_or_else(|| "an infrastructure failure".to_string(), |b| b.to_string())
                     ),
-                    (None, true) => format!(
-                        "it was closed ({}): make a new sandbox",
-                        s.outcome.as_ref().map_or("no outcome", |o| o.kind.as_str())
-                    ),
-                    (None, false) => "it was not created daemon-owned (CreateSession.sandbox) nor by `layerstack session create|run`, or its init is gone".to_string(),
+                    (None, true) => match &s.outcome {
+                        Some(o) => format!("it was closed ({}): make a new sandbox", o.kind.as_str()),
+                        None => format!("it is ending (its init is gone, or a close is under way) and its outcome is not recorded yet: wait for it (Wait; `layerstack wait {id}`), then make a new sandbox"),
+                    },
+                    (None, false) => format!("it is ending (its init is gone, or a close is under way: wait for its outcome with Wait, `layerstack wait {id}`), or it was not created daemon-owned (CreateSession.sandbox) nor by `layerstack session create|run`"),
                 }
             )))
         }
