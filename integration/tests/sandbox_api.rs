@@ -1179,6 +1179,20 @@ async fn workdirs(c: &mut Client, stack: &str) -> Result<()> {
         ),
         (
             api::SandboxOptions {
+                hostname: "-bad".into(),
+                ..Default::default()
+            },
+            "sandbox.hostname",
+        ),
+        (
+            api::SandboxOptions {
+                hostname: "..".into(),
+                ..Default::default()
+            },
+            "sandbox.hostname",
+        ),
+        (
+            api::SandboxOptions {
                 has_user: true,
                 uid: u32::MAX,
                 ..Default::default()

@@ -508,6 +508,9 @@ pub(crate) async fn read_file(
             offset.saturating_add(limit)
         };
         let mut buf = vec![0u8; CHUNK];
+        // No read reaches past the largest file offset (2^63 - 1): the
+        // kernel refuses one that would (EINVAL), there is nothing there.
+        let end = end.min(i64::MAX as u64);
         while off < end {
             let want = usize::try_from((end - off).min(CHUNK as u64)).unwrap_or(CHUNK);
             match std::os::unix::fs::FileExt::read_at(&f, &mut buf[..want], off) {

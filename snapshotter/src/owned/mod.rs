@@ -213,9 +213,10 @@ const HOSTNAME_MAX: usize = 64;
 /// `uname -n` and its commands' `HOSTNAME`.
 fn check_hostname(h: &str) -> Result<(), Status> {
     let ok = |b: u8| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_');
-    if h.is_empty() || h.len() > HOSTNAME_MAX || !h.bytes().all(ok) {
+    let first_ok = h.bytes().next().is_some_and(|b| b.is_ascii_alphanumeric());
+    if !first_ok || h.len() > HOSTNAME_MAX || !h.bytes().all(ok) {
         return Err(Status::invalid_argument(format!(
-            "sandbox.hostname {h:?}: give 1 to {HOSTNAME_MAX} letters, digits, '-', '.' or '_'"
+            "sandbox.hostname {h:?}: give 1 to {HOSTNAME_MAX} letters, digits, '-', '.' or '_', starting with a letter or digit"
         )));
     }
     Ok(())
@@ -235,10 +236,11 @@ fn default_hostname(name: &str) -> String {
             }
         })
         .collect();
-    if h.is_empty() {
-        "session".to_string()
-    } else {
+    // "session" for none, or for one that does not start with a letter or digit.
+    if check_hostname(&h).is_ok() {
         h
+    } else {
+        "session".to_string()
     }
 }
 

@@ -39,7 +39,7 @@ from layerstack._pb import admin_pb2 as pb
 from layerstack._pb import admin_pb2_grpc as pb_grpc
 from layerstack.client import DEFAULT_ADMIN_ADDRESS, _check_exit_policy, close_session_request, list_sessions_request
 from layerstack.errors import LayerStackError as LayerStackErrorBase
-from layerstack.errors import NotFoundError, UnavailableError, closed_client_error, from_rpc_error, is_closed_channel
+from layerstack.errors import DeadlineExceededError, NotFoundError, UnavailableError, closed_client_error, from_rpc_error, is_closed_channel
 from layerstack.sandbox import (
     Command,
     Content,
@@ -151,28 +151,48 @@ class AsyncClient:
             await asyncio.wait(set(self._cleanups), timeout=CLEANUP_WAIT_S)
         await self._channel.close(None)
 
-    def _discard_cancelled_create(self, req: Any) -> None:
-        """A create of ``req`` (with its key) was cancelled in flight: the
-        daemon may have made the sandbox — or make it still — for a caller
-        that will never use it. The same request again answers that sandbox
-        (or makes one), which is then discarded; in the background, since
-        the caller was cancelled."""
+    def _finish_abandoned_create(self, call: Optional["asyncio.Future[Any]"], req: Any, made_key: bool) -> None:
+        """A create of ``req`` whose caller will never use its sandbox (it was
+        cancelled, or its call failed without an answer): in the background,
+        the call ``call`` still under way is awaited and — with a key of the
+        client's own (``made_key``) — the sandbox it made is discarded; with
+        no answer (no call, or one that failed unavailable or past its
+        deadline) the same request again answers that sandbox (or makes one),
+        which is then discarded. A caller's own key keeps its sandbox: its
+        retry answers it."""
+
+        async def discard(r: Any) -> None:
+            end = pb.CloseSessionRequest(
+                session_id=r.session.id,
+                action=pb.EndAction.Value("DISCARD"),
+                reason="its create was abandoned by its caller before it was answered",
+            )
+            await self._call(self._stub.CloseSession, end, CLEANUP_WAIT_S)
 
         async def go() -> None:
+            if call is not None:
+                try:
+                    r = await call
+                except (UnavailableError, DeadlineExceededError):
+                    r = None
+                except (LayerStackErrorBase, asyncio.CancelledError):
+                    return
+                if not made_key:
+                    return
+                if r is not None:
+                    try:
+                        await discard(r)
+                    except (LayerStackErrorBase, asyncio.CancelledError):
+                        pass
+                    return
             loop = asyncio.get_running_loop()
             deadline = loop.time() + CLEANUP_WAIT_S
             while True:
                 try:
-                    r = await self._call(self._stub.CreateSession, req, CLEANUP_WAIT_S)
-                    end = pb.CloseSessionRequest(
-                        session_id=r.session.id,
-                        action=pb.EndAction.Value("DISCARD"),
-                        reason="its create was cancelled before it was answered",
-                    )
-                    await self._call(self._stub.CloseSession, end, CLEANUP_WAIT_S)
+                    await discard(await self._call(self._stub.CreateSession, req, CLEANUP_WAIT_S))
                     return
                 except UnavailableError:
-                    # The connection the cancelled call was on may be gone.
+                    # The connection the call was on may be gone.
                     if loop.time() > deadline:
                         return
                     await asyncio.sleep(0.05)
@@ -655,17 +675,28 @@ class _SandboxStart:
         req = self._req
         made_key = not req.idempotency_key
         if made_key:
-            # A key of its own: a create cancelled in flight is found again
-            # by it, and discarded (the daemon keeps a keyed sandbox whose
-            # caller went away, for the key's retry).
+            # A key of its own: a create whose answer never reached this
+            # caller is found again by it, and discarded (the daemon keeps a
+            # keyed sandbox whose caller went away, for the key's retry).
             req = pb.CreateSessionRequest()
             req.CopyFrom(self._req)
             req.idempotency_key = f"sdk-{uuid.uuid4().hex}"
+        # The call is not cancelled with its caller: it runs to its answer
+        # in the background (a cancelled call is reset, and a burst of resets
+        # makes the daemon's HTTP/2 layer close the connection under every
+        # other call on it), and the sandbox it made for a caller that is
+        # gone is discarded then.
+        call = asyncio.ensure_future(self._client._call(self._client._stub.CreateSession, req, self._timeout_s))
         try:
-            r = await self._client._call(self._client._stub.CreateSession, req, self._timeout_s)
+            r = await asyncio.shield(call)
         except asyncio.CancelledError:
+            self._client._finish_abandoned_create(call, req, made_key)
+            raise
+        except (UnavailableError, DeadlineExceededError):
+            # Made or not, no answer came: a sandbox made under the key is
+            # found by it and discarded.
             if made_key:
-                self._client._discard_cancelled_create(req)
+                self._client._finish_abandoned_create(None, req, made_key)
             raise
         return AsyncSandbox(self._client, Session.from_pb(r.session), r.created)
 

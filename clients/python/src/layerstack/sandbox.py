@@ -289,8 +289,8 @@ def argv_of(cmd: Command) -> List[str]:
         if not isinstance(a, str):
             raise TypeError(f"command[{i}] is {type(a).__name__} {a!r}: every argv item must be a str")
         argv.append(a)
-    if not argv:
-        raise ValueError("exec needs a command: give argv or a shell string")
+    if not argv or not argv[0]:
+        raise ValueError("exec needs a command: give argv (its first item the program) or a shell string")
     return argv
 
 
@@ -381,7 +381,7 @@ def count_arg(what: str, v: Any) -> int:
     if not _whole(v):
         raise TypeError(f"{what} must be a whole number, not {type(v).__name__}")
     if not 0 <= v < 2**63:
-        raise ValueError(f"{what}={v}: give a whole number >= 0")
+        raise ValueError(f"{what}={v}: give a whole number from 0 to 2**63 - 1")
     return int(v)
 
 
