@@ -241,6 +241,11 @@ impl Engine {
                 }
                 let live = match (a.status, a.session) {
                     (RolloutStatus::Running, Some(sid)) => {
+                        // A close of its sandbox under way (a checkpoint for
+                        // grading whose caller gave up waiting, then ended
+                        // the attempt): this end is decided once it is done,
+                        // not refused "still runs" in between.
+                        drop(me.lock_session(sid).await);
                         let s = me.session(sid).await?;
                         (!s.released && !s.run_finished()).then_some(sid)
                     }

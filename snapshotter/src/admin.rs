@@ -874,15 +874,8 @@ impl api::Admin for AdminService {
         &self,
         req: Request<api::BeginRolloutRequest>,
     ) -> Result<Response<api::BeginRolloutResponse>, Status> {
-        // To its end in a task of its own, as a sandbox's create: a caller
-        // that goes away between the sandbox and the attempt's record of it
-        // would leave an attempt without its session (the retry of the
-        // attempt answers both).
-        let me = self.clone();
-        let r = req.into_inner();
-        tokio::spawn(async move { me.rollout_begin(r).await })
+        self.rollout_begin(req.into_inner())
             .await
-            .map_err(|e| Status::internal(format!("BeginRollout ended without an answer: {e}")))?
             .map(Response::new)
     }
 
