@@ -736,9 +736,17 @@ fn shim_refuses_create_without_the_daemon() {
             "the refusal must name the address tried and how to configure it: {}",
             describe(&out)
         );
+        // containerd stops the refused task's shim after `ctr run` returns
+        // (its shutdown is asynchronous): none stays, within seconds.
+        let t0 = std::time::Instant::now();
+        while !shim_processes(env, &id).is_empty()
+            && t0.elapsed() < std::time::Duration::from_secs(10)
+        {
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
         ensure!(
             shim_processes(env, &id).is_empty(),
-            "shims left: {:#?}",
+            "shims left 10 s after the refused create: {:#?}",
             shim_processes(env, &id)
         );
         // Nothing was published: the session (if containerd's Prepare made one
